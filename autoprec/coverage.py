@@ -1,0 +1,186 @@
+"""Which modules are layers: coverage by operation, not by module class.
+
+A *layer* is any module whose own forward runs a matrix product (linear, matmul, mm, addmm, bmm,
+baddbmm, einsum, convolution, attention), whatever its class. A projection that stores its weight
+transposed and calls ``torch.addmm`` is a layer just like ``nn.Linear``; ``nn.MultiheadAttention``
+is one layer (its ``out_proj`` child never runs as a module).
+
+Two ways to find layers:
+- from the module tree alone (`static_layers`): the classes known to run matrix products;
+- by tracing one forward pass (`trace_layers`): a `TorchFunctionMode` records, for every matrix
+  product, the innermost module running at that moment. This is the truth, and finds hand-written
+  layers the tree cannot show. Costs one forward pass under ``torch.no_grad``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "MATMUL_OPS",
+    "LayerInfo",
+    "static_layers",
+    "trace_layers",
+    "find_layers",
+    "ModuleFilter",
+]
+
+# Function object -> the op name recorded for it. Tensor methods and torch functions are distinct
+# objects at the __torch_function__ level, so both are listed.
+MATMUL_OPS: dict[Callable, str] = {
+    F.linear: "linear",
+    F.bilinear: "bilinear",
+    torch.matmul: "matmul",
+    torch.Tensor.matmul: "matmul",
+    torch.Tensor.__matmul__: "matmul",
+    torch.Tensor.__rmatmul__: "matmul",
+    torch.mm: "mm",
+    torch.Tensor.mm: "mm",
+    torch.addmm: "addmm",
+    torch.Tensor.addmm: "addmm",
+    torch.bmm: "bmm",
+    torch.Tensor.bmm: "bmm",
+    torch.baddbmm: "baddbmm",
+    torch.Tensor.baddbmm: "baddbmm",
+    torch.einsum: "einsum",
+    F.conv1d: "conv1d",
+    F.conv2d: "conv2d",
+    F.conv3d: "conv3d",
+    F.conv_transpose1d: "conv_transpose1d",
+    F.conv_transpose2d: "conv_transpose2d",
+    F.conv_transpose3d: "conv_transpose3d",
+    F.scaled_dot_product_attention: "scaled_dot_product_attention",
+    F.multi_head_attention_forward: "multi_head_attention",
+}
+
+# Classes known to run matrix products in their own forward, with the op they run.
+_KNOWN_CLASSES: tuple[tuple[type, str], ...] = (
+    (nn.Linear, "linear"),
+    (nn.Bilinear, "bilinear"),
+    (nn.Conv1d, "conv1d"),
+    (nn.Conv2d, "conv2d"),
+    (nn.Conv3d, "conv3d"),
+    (nn.ConvTranspose1d, "conv_transpose1d"),
+    (nn.ConvTranspose2d, "conv_transpose2d"),
+    (nn.ConvTranspose3d, "conv_transpose3d"),
+    (nn.MultiheadAttention, "multi_head_attention"),
+)
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+"""``(module, fqn) -> bool``: False keeps a layer out of low precision (torchao's module_filter_fn)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerInfo:
+    """What a plan fingerprints about a layer: its class, the ops it runs, its own parameter shapes."""
+
+    module: str
+    ops: tuple[str, ...]
+    params: Mapping[str, tuple[int, ...]]
+
+    def to_dict(self) -> dict:
+        return {"module": self.module, "ops": list(self.ops), "params": {k: list(v) for k, v in self.params.items()}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "LayerInfo":
+        return cls(
+            module=str(data["module"]),
+            ops=tuple(data["ops"]),
+            params={k: tuple(int(d) for d in v) for k, v in dict(data["params"]).items()},
+        )
+
+    @classmethod
+    def of(cls, module: nn.Module, ops: Iterable[str]) -> "LayerInfo":
+        params = {name: tuple(p.shape) for name, p in module.named_parameters(recurse=False)}
+        return cls(module=type(module).__name__, ops=tuple(sorted(set(ops))), params=params)
+
+
+def static_layers(model: nn.Module) -> dict[str, LayerInfo]:
+    """Layers the module tree shows, in model order. Cheap; misses hand-written matmul modules."""
+    layers: dict[str, LayerInfo] = {}
+    inside_mha: list[str] = []
+    for fqn, module in model.named_modules():
+        # MultiheadAttention runs its projections functionally; its out_proj child never runs.
+        if any(fqn.startswith(prefix + ".") for prefix in inside_mha):
+            continue
+        for cls, op in _KNOWN_CLASSES:
+            if isinstance(module, cls):
+                layers[fqn] = LayerInfo.of(module, [op])
+                if cls is nn.MultiheadAttention:
+                    inside_mha.append(fqn)
+                break
+    return layers
+
+
+class _MatmulRecorder(TorchFunctionMode):
+    """Records which module (innermost on the stack) runs which matrix-product op."""
+
+    def __init__(self, stack: list[str], seen: dict[str, set[str]]):
+        super().__init__()
+        self.stack = stack
+        self.seen = seen
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        op = MATMUL_OPS.get(func)
+        if op is not None and self.stack:
+            self.seen.setdefault(self.stack[-1], set()).add(op)
+        return func(*args, **(kwargs or {}))
+
+
+def _call(model: nn.Module, example_inputs: Any) -> Any:
+    if isinstance(example_inputs, Mapping):
+        return model(**example_inputs)
+    if isinstance(example_inputs, tuple):
+        return model(*example_inputs)
+    return model(example_inputs)
+
+
+def trace_layers(model: nn.Module, example_inputs: Any) -> dict[str, LayerInfo]:
+    """Layers found by running ``model(example_inputs)`` once under ``torch.no_grad``, in model order.
+
+    ``example_inputs`` is one input, a tuple of positional inputs or a dict of keyword inputs.
+    The model's modules, hooks, buffers (BatchNorm statistics) and the global RNG state are
+    exactly as before when this returns, also if it raises.
+    """
+    fqn_of = {module: fqn for fqn, module in model.named_modules()}
+    stack: list[str] = []
+    seen: dict[str, set[str]] = {}
+    handles = []
+
+    def push(module, *_):
+        stack.append(fqn_of[module])
+
+    def pop(module, *_):
+        stack.pop()
+
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    try:
+        for module in fqn_of:
+            handles.append(module.register_forward_pre_hook(push))
+            handles.append(module.register_forward_hook(pop, always_call=True))
+        # Tracing must not consume random numbers (dropout) that the real run would draw.
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), _MatmulRecorder(stack, seen):
+            _call(model, example_inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+    modules = dict(model.named_modules())
+    return {fqn: LayerInfo.of(modules[fqn], seen[fqn]) for fqn in fqn_of.values() if fqn in seen}
+
+
+def find_layers(model: nn.Module, example_inputs: Any = None) -> dict[str, LayerInfo]:
+    """Traced layers when an example input is given, else the module tree's layers."""
+    if example_inputs is None:
+        return static_layers(model)
+    return trace_layers(model, example_inputs)
+

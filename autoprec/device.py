@@ -1,0 +1,94 @@
+"""What a device can run: a format through a real kernel, through emulation, or not at all.
+
+Capabilities are probed by running the kernel once on tiny tensors (cached per device), not read
+from a table of compute capabilities, so a torch build or driver that lacks a kernel is seen as it
+is. Every answer carries its reason, for errors, run reports and test skip markers alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from .formats import Format
+
+__all__ = ["Support", "format_support", "has_scaled_mm", "has_int_mm", "KERNEL_OPS"]
+
+# Ops that a 2-D FP8 / INT8 GEMM kernel serves; every other matrix product (convolution, batched
+# matmul, attention) in an FP8 or INT8 layer is emulated: stored in the format, computed in FP32.
+KERNEL_OPS = frozenset({"linear", "matmul", "mm", "addmm"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Support:
+    """Whether a format runs on a device: ``runnable`` at all, with a real ``kernel`` or emulated."""
+
+    runnable: bool
+    kernel: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.runnable
+
+
+def _device_key(device: "torch.device | str | None") -> str:
+    device = torch.device(device if device is not None else "cpu")
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{index}"
+    return device.type
+
+
+@functools.lru_cache(maxsize=None)
+def has_scaled_mm(device: str) -> tuple[bool, str]:
+    """Probe ``torch._scaled_mm`` with FP8 E4M3 × E4M3 and E5M2 × E4M3 operands (one tiny call each)."""
+    if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "_scaled_mm"):
+        return False, f"torch {torch.__version__} has no float8 dtypes or _scaled_mm"
+    if device.startswith("cuda") and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        return False, f"FP8 GEMMs need compute capability 8.9 (Ada/Hopper); {device} has {major}.{minor}"
+    try:
+        one = torch.ones((), device=device)
+        a = torch.zeros(16, 32, device=device)
+        b = torch.zeros(32, 16, device=device).t().contiguous().t()  # column-major, as cuBLASLt wants
+        torch._scaled_mm(a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        torch._scaled_mm(a.to(torch.float8_e5m2), b.to(torch.float8_e4m3fn), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError) as exc:
+        return False, f"torch._scaled_mm does not run on {device}: {str(exc).splitlines()[0]}"
+    return True, f"torch._scaled_mm runs on {device}"
+
+
+@functools.lru_cache(maxsize=None)
+def has_int_mm(device: str) -> tuple[bool, str]:
+    """Probe ``torch._int_mm`` (INT8 × INT8 → INT32) with one tiny call."""
+    if not hasattr(torch, "_int_mm"):
+        return False, f"torch {torch.__version__} has no _int_mm"
+    try:
+        a = torch.zeros(32, 32, dtype=torch.int8, device=device)
+        torch._int_mm(a, a)
+    except (RuntimeError, NotImplementedError) as exc:
+        return False, f"torch._int_mm does not run on {device}: {str(exc).splitlines()[0]}"
+    return True, f"torch._int_mm runs on {device}"
+
+
+def format_support(fmt: Format, device: "torch.device | str | None" = None) -> Support:
+    """Whether ``fmt`` runs on ``device`` (default CPU), and how."""
+    fmt = Format.parse(fmt)
+    key = _device_key(device)
+    if fmt is Format.FP32:
+        return Support(True, True, "FP32 runs everywhere")
+    if fmt in (Format.BF16, Format.FP16):
+        if key.startswith("cuda") and fmt is Format.BF16 and not torch.cuda.is_bf16_supported():
+            return Support(False, False, "BF16 needs compute capability 8.0 (Ampere or newer)")
+        if not torch.amp.is_autocast_available(key.split(":")[0]):
+            return Support(False, False, f"torch.autocast does not support device type {key!r}")
+        return Support(True, True, f"torch.autocast({key.split(':')[0]!r}, {fmt.dtype})")
+    if fmt.is_fp8:
+        if not hasattr(torch, "float8_e4m3fn"):
+            return Support(False, False, f"torch {torch.__version__} has no float8 dtypes; upgrade to torch>=2.1")
+        ok, reason = has_scaled_mm(key)
+        return Support(True, ok, reason if ok else reason + "; emulated (FP8 storage, FP32 compute)")
+    ok, reason = has_int_mm(key)
+    return Support(True, ok, reason if ok else reason + "; emulated (INT8 storage, FP32 compute)")

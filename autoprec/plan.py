@@ -1,0 +1,492 @@
+"""The `Plan`: which format each layer trains in, as an immutable, versioned artifact.
+
+A plan maps fully qualified module names to `LayerPrecision` (format, scaling, calibration, and
+the reason for the choice). It holds no runtime state: amax histories and calibrated scales live
+in the runtime (`autoprec.runtime`), which can be saved and restored on its own.
+
+JSON layout (``schema_version`` 1)::
+
+    {"schema_version": 1, "autoprec_version": "...",
+     "fingerprint": {fqn: {"module": "Linear", "ops": ["linear"], "params": {"weight": [o, i]}}},
+     "budgets": {...}, "predicted": {...}, "measured": {...}, "metadata": {...},
+     "layers": {fqn: {"format": "fp8_e4m3", "grad_format": "fp8_e5m2",
+                      "scaling": {...}, "calibration": {...}, "reason": "..."}}}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import tempfile
+import types
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import torch.nn as nn
+
+from . import __version__
+from .coverage import LayerInfo, ModuleFilter, find_layers
+from .device import KERNEL_OPS, format_support
+from .errors import FormatError, PlanError
+from .formats import Format, Granularity
+
+__all__ = ["SCHEMA_VERSION", "ScalingMode", "CalibrationMethod", "Scaling", "Calibration", "LayerPrecision", "Plan"]
+
+SCHEMA_VERSION = 1
+
+
+class ScalingMode(str, enum.Enum):
+    """DELAYED: scale from an amax history of earlier steps (no extra pass over the tensor before
+    the cast). CURRENT: scale from this tensor's own amax (one extra reduction, always in range)."""
+
+    DELAYED = "delayed"
+    CURRENT = "current"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class CalibrationMethod(str, enum.Enum):
+    """How an INT8 activation range is chosen from observed values."""
+
+    MAX = "max"  # the largest magnitude seen: no clipping, coarsest resolution
+    PERCENTILE = "percentile"  # clip at a percentile of |x|
+    MSE = "mse"  # clip where the quantization mean squared error is smallest
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaling:
+    """How FP8 / INT8 tensors of a layer are scaled.
+
+    ``granularity`` applies to activations and weights of FP8 layers and to activations of INT8
+    layers (INT8 weights always get one scale per output channel). Delayed scaling keeps one
+    amax per tensor, so it needs TENSOR granularity; ROW and BLOCK scale from the current tensor.
+    Gradients always use current per-tensor scaling computed on the fly.
+    """
+
+    granularity: Granularity = Granularity.TENSOR
+    mode: ScalingMode = ScalingMode.DELAYED
+    history_len: int = 16  # Transformer Engine's default window is 1024; 16 reacts faster to drift
+    reduction: str = "max"
+    margin: int = 0  # scale targets fmt.max / 2**margin
+
+    def __post_init__(self):
+        object.__setattr__(self, "granularity", Granularity(self.granularity))
+        object.__setattr__(self, "mode", ScalingMode(self.mode))
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """How INT8 activation scales are calibrated from the first ``batches`` forward passes.
+
+    During calibration the layer quantizes with the current batch's own range; afterwards the
+    calibrated scale is frozen until the runtime is asked to re-calibrate. Input channels whose
+    range exceeds ``outlier_ratio`` times the median channel range are kept apart and computed in
+    FP32 (LLM.int8()'s decomposition, arXiv:2208.07339); ``None`` turns that off.
+    """
+
+    method: CalibrationMethod = CalibrationMethod.PERCENTILE
+    percentile: float = 99.99
+    batches: int = 4
+    outlier_ratio: "float | None" = 8.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "method", CalibrationMethod(self.method))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPrecision:
+    """One layer's format. FP8 layers compute gradients in ``grad_format`` (E5M2 by default:
+    the "hybrid" recipe, E4M3 forward and E5M2 backward)."""
+
+    format: Format
+    grad_format: "Format | None" = None
+    scaling: Scaling = Scaling()
+    calibration: Calibration = Calibration()
+    reason: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "format", Format.parse(self.format))
+        grad = self.grad_format
+        if grad is None:
+            grad = Format.FP8_E5M2 if self.format.is_fp8 else self.format
+        object.__setattr__(self, "grad_format", Format.parse(grad))
+
+    def to_dict(self) -> dict:
+        def plain(obj):
+            return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in dataclasses.asdict(obj).items()}
+
+        return {
+            "format": self.format.value,
+            "grad_format": self.grad_format.value,
+            "scaling": plain(self.scaling),
+            "calibration": plain(self.calibration),
+            "reason": self.reason,
+        }
+
+
+# The type each JSON field must have, to name the field and the fix when it has another.
+_FIELD_TYPES = {
+    "scaling": {"granularity": str, "mode": str, "history_len": int, "reduction": str, "margin": int},
+    "calibration": {"method": str, "percentile": (int, float), "batches": int, "outlier_ratio": (int, float, type(None))},
+}
+
+
+def _parse_section(where: str, cls, data: Any, problems: list[str]):
+    if data is None:
+        return cls()
+    if not isinstance(data, Mapping):
+        problems.append(f"{where}: expected an object like {json.dumps(dataclasses.asdict(cls()), default=str)}, got {type(data).__name__}")
+        return None
+    expected = _FIELD_TYPES[where.rsplit(".", 1)[-1]]
+    ok = True
+    for key, value in data.items():
+        if key not in expected:
+            problems.append(f"{where}.{key}: unknown key; expected one of {', '.join(expected)}")
+            ok = False
+        elif isinstance(value, bool) or not isinstance(value, expected[key]):
+            problems.append(f"{where}.{key}: expected {_type_name(expected[key])}, got {value!r}")
+            ok = False
+    if not ok:
+        return None
+    try:
+        return cls(**data)
+    except ValueError as exc:
+        problems.append(f"{where}: {exc}")
+        return None
+
+
+def _type_name(t) -> str:
+    names = [x.__name__ for x in (t if isinstance(t, tuple) else (t,))]
+    return " or ".join("null" if n == "NoneType" else n for n in names)
+
+
+def _parse_layer(fqn: str, data: Any, problems: list[str]) -> "LayerPrecision | None":
+    where = f"layers[{fqn!r}]"
+    if isinstance(data, str):
+        data = {"format": data}
+    if not isinstance(data, Mapping):
+        problems.append(f"{where}: expected an object with a 'format', got {type(data).__name__}")
+        return None
+    allowed = {"format", "grad_format", "scaling", "calibration", "reason"}
+    unknown = sorted(set(data) - allowed)
+    for key in unknown:
+        problems.append(f"{where}.{key}: unknown key; expected one of {', '.join(sorted(allowed))}")
+    formats = {}
+    for key in ("format", "grad_format"):
+        if key not in data or (key == "grad_format" and data[key] is None):
+            if key == "format":
+                problems.append(f"{where}.format: missing; set one of {', '.join(f.value for f in Format)}")
+            continue
+        try:
+            formats[key] = Format.parse(data[key])
+        except FormatError as exc:
+            problems.append(f"{where}.{key}: {exc}")
+    scaling = _parse_section(f"{where}.scaling", Scaling, data.get("scaling"), problems)
+    calibration = _parse_section(f"{where}.calibration", Calibration, data.get("calibration"), problems)
+    reason = data.get("reason", "")
+    if not isinstance(reason, str):
+        problems.append(f"{where}.reason: expected a string, got {reason!r}")
+    if unknown or "format" not in formats or scaling is None or calibration is None or not isinstance(reason, str):
+        return None
+    return LayerPrecision(formats["format"], formats.get("grad_format"), scaling, calibration, reason)
+
+
+def _check_layer(fqn: str, lp: LayerPrecision) -> list[str]:
+    """Consistency rules a `LayerPrecision` must meet (independent of any model)."""
+    problems = []
+    s, c = lp.scaling, lp.calibration
+    if s.mode is ScalingMode.DELAYED and s.granularity is not Granularity.TENSOR and lp.format.is_fp8:
+        problems.append(
+            f"layers[{fqn!r}].scaling: delayed scaling keeps one amax per tensor, so it needs "
+            f"granularity 'tensor', got {s.granularity.value!r}; set mode 'current' or granularity 'tensor'"
+        )
+    if s.history_len < 1:
+        problems.append(f"layers[{fqn!r}].scaling.history_len: must be >= 1, got {s.history_len}")
+    if s.reduction not in ("max", "most_recent"):
+        problems.append(f"layers[{fqn!r}].scaling.reduction: must be 'max' or 'most_recent', got {s.reduction!r}")
+    if not 0 < c.percentile <= 100:
+        problems.append(f"layers[{fqn!r}].calibration.percentile: must be in (0, 100], got {c.percentile}")
+    if c.batches < 1:
+        problems.append(f"layers[{fqn!r}].calibration.batches: must be >= 1, got {c.batches}")
+    if c.outlier_ratio is not None and c.outlier_ratio <= 1:
+        problems.append(f"layers[{fqn!r}].calibration.outlier_ratio: must be > 1 or null, got {c.outlier_ratio}")
+    if lp.format.is_fp8 and not lp.grad_format.is_fp8 and lp.grad_format is not Format.FP32:
+        problems.append(f"layers[{fqn!r}].grad_format: an FP8 layer's gradients are fp8_e5m2, fp8_e4m3 or fp32, got {lp.grad_format.value!r}")
+    if not lp.format.is_fp8 and lp.grad_format is not lp.format:
+        problems.append(
+            f"layers[{fqn!r}].grad_format: only FP8 layers choose a separate gradient format; "
+            f"remove it or set it to {lp.format.value!r}"
+        )
+    return problems
+
+
+class Plan:
+    """An immutable map ``fqn -> LayerPrecision`` with the context it was made in.
+
+    Plans compare equal by value, and a JSON round trip gives an equal plan. Derive variants with
+    `replace` / `with_layers`; nothing mutates a plan.
+    """
+
+    __slots__ = ("_layers", "_fingerprint", "budgets", "predicted", "measured", "metadata")
+
+    def __init__(
+        self,
+        layers: Mapping[str, "LayerPrecision | Format | str"],
+        fingerprint: "Mapping[str, LayerInfo] | None" = None,
+        budgets: "Mapping[str, Any] | None" = None,
+        predicted: "Mapping[str, Any] | None" = None,
+        measured: "Mapping[str, Any] | None" = None,
+        metadata: "Mapping[str, Any] | None" = None,
+    ):
+        problems: list[str] = []
+        parsed = {}
+        for fqn, value in layers.items():
+            lp = value if isinstance(value, LayerPrecision) else _parse_layer(fqn, value, problems)
+            if lp is not None:
+                problems.extend(_check_layer(fqn, lp))
+                parsed[fqn] = lp
+        if problems:
+            raise PlanError(problems, "Fix these entries (see autoprec.plan for the JSON layout).")
+        _set = object.__setattr__
+        _set(self, "_layers", types.MappingProxyType(parsed))
+        _set(self, "_fingerprint", types.MappingProxyType(dict(fingerprint or {})))
+        for name, value in (("budgets", budgets), ("predicted", predicted), ("measured", measured), ("metadata", metadata)):
+            _set(self, name, types.MappingProxyType(json.loads(json.dumps(dict(value or {})))))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Plan is immutable; derive a new one with plan.replace(...) or plan.with_layers(...)")
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def uniform(
+        cls,
+        model: nn.Module,
+        fmt: "Format | str",
+        example_inputs: Any = None,
+        *,
+        module_filter: "ModuleFilter | None" = None,
+        scaling: Scaling = Scaling(),
+        calibration: Calibration = Calibration(),
+    ) -> "Plan":
+        """Every covered layer in ``fmt``; layers that ``module_filter`` rejects stay FP32.
+
+        Layers come from the module tree, or, with ``example_inputs``, from tracing one forward
+        pass (finds hand-written matmul modules too; costs one forward).
+        """
+        fmt = Format.parse(fmt)
+        found = find_layers(model, example_inputs)
+        modules = dict(model.named_modules())
+        layers = {}
+        for fqn in found:
+            if module_filter is not None and not module_filter(modules[fqn], fqn):
+                layers[fqn] = LayerPrecision(Format.FP32, reason="kept FP32 by module_filter")
+            else:
+                layers[fqn] = LayerPrecision(fmt, scaling=scaling, calibration=calibration, reason=f"uniform {fmt.value} plan")
+        return cls(layers, fingerprint=found, metadata={"source": f"Plan.uniform({fmt.value})"})
+
+    def replace(self, **changes) -> "Plan":
+        """A copy with some of ``layers``, ``fingerprint``, ``budgets``, ``predicted``, ``measured``, ``metadata`` replaced."""
+        fields = {
+            "layers": self._layers,
+            "fingerprint": self._fingerprint,
+            "budgets": self.budgets,
+            "predicted": self.predicted,
+            "measured": self.measured,
+            "metadata": self.metadata,
+        }
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise TypeError(f"Plan.replace() got unknown fields {sorted(unknown)}; expected some of {sorted(fields)}")
+        fields.update(changes)
+        return Plan(**fields)
+
+    def with_layers(self, changes: Mapping[str, "LayerPrecision | Format | str"]) -> "Plan":
+        """A copy where the named layers get new precisions (a format name keeps nothing else)."""
+        unknown = sorted(set(changes) - set(self._layers))
+        if unknown:
+            raise PlanError([f"{fqn!r}: not a layer of this plan" for fqn in unknown], "Use names from plan.layers.")
+        layers = dict(self._layers)
+        for fqn, value in changes.items():
+            layers[fqn] = value if isinstance(value, LayerPrecision) else LayerPrecision(Format.parse(value))
+        return self.replace(layers=layers)
+
+    # -- reading ------------------------------------------------------------------------------
+
+    @property
+    def layers(self) -> Mapping[str, LayerPrecision]:
+        """Read-only mapping ``fqn -> LayerPrecision`` in model order."""
+        return self._layers
+
+    @property
+    def fingerprint(self) -> Mapping[str, LayerInfo]:
+        """``fqn -> LayerInfo`` (module class, ops, parameter shapes) of the model the plan was made for."""
+        return self._fingerprint
+
+    def __getitem__(self, fqn: str) -> LayerPrecision:
+        return self._layers[fqn]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._layers)
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    def format_counts(self) -> dict[str, int]:
+        return dict(Counter(lp.format.value for lp in self._layers.values()))
+
+    def _key(self):
+        return (
+            dict(self._layers),
+            dict(self._fingerprint),
+            dict(self.budgets),
+            dict(self.predicted),
+            dict(self.measured),
+            dict(self.metadata),
+        )
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Plan) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(tuple(sorted((k, v.format.value) for k, v in self._layers.items())))
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{k}={v}" for k, v in sorted(self.format_counts().items()))
+        return f"Plan({len(self)} layers: {counts})"
+
+    # -- validation ---------------------------------------------------------------------------
+
+    def validate(self, model: nn.Module, example_inputs: Any = None, *, device=None, allow_emulation: bool = True) -> None:
+        """Raise `PlanError` naming every layer that does not fit ``model`` or ``device``.
+
+        Checks: names the model lacks; covered layers the plan lacks (traced with
+        ``example_inputs``, else from the module tree and the plan's fingerprint); parameter
+        shapes that differ from the fingerprint; formats the device cannot run at all; and, with
+        ``allow_emulation=False``, formats a layer would run without a real kernel.
+        ``device`` defaults to the device of the model's first parameter.
+        """
+        modules = dict(model.named_modules())
+        problems = []
+        for fqn in self._layers:
+            if fqn not in modules:
+                problems.append(f"{fqn!r}: the plan names a layer the model lacks; remove it or check the model")
+        covered = find_layers(model, example_inputs)
+        for fqn in covered:
+            if fqn not in self._layers:
+                problems.append(f"{fqn!r}: a covered layer ({covered[fqn].module}) the plan lacks; add it (fp32 keeps it as is)")
+        for fqn, info in self._fingerprint.items():
+            if fqn in modules and fqn in self._layers:
+                actual = LayerInfo.of(modules[fqn], info.ops).params
+                if dict(actual) != dict(info.params):
+                    problems.append(f"{fqn!r}: parameter shapes {dict(actual)} differ from the plan's {dict(info.params)}; the plan was made for another model")
+        if device is None:
+            first = next(model.parameters(), None)
+            device = first.device if first is not None else "cpu"
+        for fqn, lp in self._layers.items():
+            support = format_support(lp.format, device)
+            if not support.runnable:
+                problems.append(f"{fqn!r}: {lp.format.value} cannot run on {device}: {support.reason}; choose another format")
+                continue
+            if allow_emulation or lp.format in (Format.FP32, Format.BF16, Format.FP16):
+                continue
+            info = covered.get(fqn) or self._fingerprint.get(fqn)
+            ops = set(info.ops) if info else set()
+            if not support.kernel:
+                problems.append(f"{fqn!r}: {lp.format.value} has no kernel on {device} ({support.reason})")
+            elif ops - KERNEL_OPS:
+                problems.append(f"{fqn!r}: {lp.format.value} has no kernel for {', '.join(sorted(ops - KERNEL_OPS))}; it would be emulated")
+            elif lp.scaling.granularity is Granularity.BLOCK:
+                problems.append(f"{fqn!r}: block scaling has no kernel; it would be emulated")
+        if problems:
+            raise PlanError(problems, f"The plan does not fit {type(model).__name__}.")
+
+    # -- persistence --------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "autoprec_version": __version__,
+            "fingerprint": {fqn: info.to_dict() for fqn, info in self._fingerprint.items()},
+            "budgets": dict(self.budgets),
+            "predicted": dict(self.predicted),
+            "measured": dict(self.measured),
+            "metadata": dict(self.metadata),
+            "layers": {fqn: lp.to_dict() for fqn, lp in self._layers.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "plan") -> "Plan":
+        if not isinstance(data, Mapping):
+            raise PlanError(f"{source}: expected a JSON object at the top level, got {type(data).__name__}")
+        version = data.get("schema_version")
+        if version is None:
+            raise PlanError(f"{source}: no 'schema_version'; this is not an autoprec plan (save plans with Plan.save)")
+        if not isinstance(version, int) or version > SCHEMA_VERSION or version < 1:
+            raise PlanError(
+                f"{source}: schema_version {version!r} is not supported by autoprec {__version__} "
+                f"(it reads 1..{SCHEMA_VERSION}); upgrade autoprec to read newer plans"
+            )
+        allowed = {"schema_version", "autoprec_version", "fingerprint", "budgets", "predicted", "measured", "metadata", "layers"}
+        problems = [f"{source}: unknown top-level key {key!r}; expected some of {', '.join(sorted(allowed))}" for key in sorted(set(data) - allowed)]
+        layers = data.get("layers")
+        if not isinstance(layers, Mapping) or not layers:
+            problems.append(f"{source}: 'layers' must be a non-empty object mapping module names to precisions")
+        fingerprint = {}
+        for fqn, info in dict(data.get("fingerprint") or {}).items():
+            try:
+                fingerprint[fqn] = LayerInfo.from_dict(info)
+            except (KeyError, TypeError, ValueError):
+                problems.append(f"{source}: fingerprint[{fqn!r}] must have 'module', 'ops' and 'params'")
+        for key in ("budgets", "predicted", "measured", "metadata"):
+            if not isinstance(data.get(key) or {}, Mapping):
+                problems.append(f"{source}: {key!r} must be an object")
+        if problems:
+            raise PlanError(problems)
+        try:
+            return cls(
+                layers, fingerprint,
+                data.get("budgets"), data.get("predicted"), data.get("measured"), data.get("metadata"),
+            )
+        except PlanError as exc:
+            raise PlanError([f"{source}: {p}" for p in exc.problems]) from None
+
+    def save(self, path: "str | os.PathLike") -> Path:
+        """Write the plan as JSON atomically (a temporary file renamed over the target)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(self.to_dict(), indent=2) + "\n"
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(text)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: "str | os.PathLike") -> "Plan":
+        """Read a plan saved by `save`; a `PlanError` names the file and what is wrong with it."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise PlanError(f"{path}: no such plan file") from None
+        except OSError as exc:
+            raise PlanError(f"{path}: cannot read: {exc.strerror}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+        return cls.from_dict(data, source=str(path))

@@ -1,0 +1,5 @@
+"""Applying a plan: per-layer autocast, FP8 / INT8 kernels, calibration state."""
+
+from .context import EmulationWarning, PlanRuntime, apply_plan
+
+__all__ = ["apply_plan", "PlanRuntime", "EmulationWarning"]
