@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 from ..coverage import MATMUL_OPS
 from ..device import KERNEL_OPS, format_support
 from ..errors import RuntimeStateError
-from ..formats import AmaxHistory, Format, Granularity, amax, scale_from_amax
+from ..formats import ACTIVATION_BLOCK, WEIGHT_BLOCK, AmaxHistory, Format, Granularity, amax, scale_from_amax
 from ..plan import LayerPrecision, Plan
 from .calibration import Int8Calibrator
 from .kernels import Fp8Gemm, GemmSlot, Int8Gemm, StoredInFormat, int_mm_shape_ok, scaled_mm_shape_ok
@@ -265,7 +265,7 @@ class PlanRuntime:
         slot = layer.next_slot()
         slot.kernel_calls += 1
         layer.note(op, "kernel torch._scaled_mm" if kernel is Fp8Gemm else "kernel torch._int_mm")
-        out = kernel.apply(a, b, bias if beta == 1 else None, layer.precision, slot, _is_weight(b), torch.float32)
+        out = kernel.apply(a, b, bias if beta == 1 else None, layer.precision, slot, _is_weight(b), torch.is_grad_enabled())
         if alpha != 1:
             out = out * alpha
         if bias is not None and beta != 1:
@@ -302,13 +302,12 @@ class PlanRuntime:
         """Run the op in FP32 on inputs rounded to the layer's format, saving them in that format."""
         slot = layer.next_slot()
         slot.emulated_calls += 1
-        layer.note(op, f"emulated ({reason}): {layer.precision.format.value} storage, FP32 compute, current scaling")
+        layer.note(op, f"emulated ({reason}): {layer.precision.format.value} storage, FP32 compute, current {layer.precision.scaling.granularity.value} scaling")
         fmt, grad_fmt = layer.precision.format, layer.precision.grad_format
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensor_at = [i for i, v in enumerate(leaves) if torch.is_tensor(v)]
         tensors = [leaves[i] for i in tensor_at]
         weights = tuple(_is_weight(t) for t in tensors)
-        device_type = self.device_type
         out_dtype = self._out_dtype(next((t for t in tensors if t.is_floating_point()), tensors[0]))
 
         def fn(*values):
@@ -316,15 +315,22 @@ class PlanRuntime:
             for i, v in zip(tensor_at, values):
                 filled[i] = v
             call_args, call_kwargs = pytree.tree_unflatten(filled, spec)
-            with torch.autocast(device_type, enabled=False):
-                return func(*call_args, **call_kwargs)
+            return func(*call_args, **call_kwargs)
+
+        granularity = layer.precision.scaling.granularity
 
         def scaler(i, x):
-            if fmt is Format.INT8 and weights[i] and x.dim() > 1:
-                # One scale per output channel (dim 0), broadcast over the rest.
-                per_channel = amax(x.reshape(x.shape[0], -1), Granularity.ROW)
-                return scale_from_amax(per_channel, fmt).reshape(-1, *([1] * (x.dim() - 1)))
-            return scale_from_amax(amax(x), fmt)
+            """Weights: per output channel (dim 0) for INT8 and ROW, 128x128 tiles for BLOCK;
+            activations: 1x128 tiles for BLOCK, per row for ROW; else one current scale."""
+            if granularity is Granularity.BLOCK and x.dim() >= 2:
+                block = WEIGHT_BLOCK if weights[i] else ACTIVATION_BLOCK
+                flat = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+                return scale_from_amax(amax(flat, Granularity.BLOCK, block), fmt), Granularity.BLOCK, block
+            if x.dim() >= 2 and (granularity is Granularity.ROW or (fmt is Format.INT8 and weights[i])):
+                rows = x.reshape(x.shape[0], -1) if weights[i] else x
+                per_row = scale_from_amax(amax(rows, Granularity.ROW), fmt)
+                return (per_row.reshape(-1, *([1] * (x.dim() - 1))) if weights[i] else per_row), Granularity.TENSOR, ACTIVATION_BLOCK
+            return scale_from_amax(amax(x), fmt), Granularity.TENSOR, ACTIVATION_BLOCK
 
         out = _StoredWithRng.apply(fn, fmt, grad_fmt, scaler, weights, *tensors)
         return out.to(out_dtype) if torch.is_tensor(out) and out.is_floating_point() else out

@@ -19,6 +19,7 @@ FP32 master copy, which costs one elementwise pass instead of a weight-sized buf
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import torch
@@ -89,6 +90,20 @@ def _operand_scale(
     return scale_from_amax(current, fmt, scaling.margin)
 
 
+def _autocast_off(method):
+    """Run an autograd method with autocast off on the device of its first tensor argument:
+    CPU autocast changes what ``torch._scaled_mm`` computes (measured: 0.03 absolute error on a
+    (64x256)·(256x128) product), and the kernels manage their dtypes themselves."""
+
+    @functools.wraps(method)
+    def wrapped(ctx, *args):
+        device_type = next(a.device.type for a in args if torch.is_tensor(a))
+        with torch.autocast(device_type, enabled=False):
+            return method(ctx, *args)
+
+    return wrapped
+
+
 def _grad_quantized(grad: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
     """The incoming gradient in ``fmt`` with a current per-tensor scale (gradients drift too fast
     for a history; one extra reduction per backward GEMM)."""
@@ -100,13 +115,14 @@ class Fp8Gemm(torch.autograd.Function):
     """``out = a @ b (+ bias)`` with FP8 operands through ``torch._scaled_mm``.
 
     a: (M, K) activation; b: (K, N), a weight when ``b_is_weight`` (then re-quantized from the
-    FP32 master in backward instead of saved). Saves a in FP8 (1 byte per element).
+    FP32 master in backward instead of saved). Saves a in FP8 (1 byte per element). ``record``:
+    append this step's amaxes to the delayed-scaling histories (training steps, not evaluation).
     """
 
     @staticmethod
-    def forward(ctx, a, b, bias, precision: LayerPrecision, slot: GemmSlot, b_is_weight: bool, out_dtype: torch.dtype):
+    @_autocast_off
+    def forward(ctx, a, b, bias, precision: LayerPrecision, slot: GemmSlot, b_is_weight: bool, record: bool):
         fmt = precision.format
-        record = torch.is_grad_enabled() or a.requires_grad
         sa = _operand_scale(a, fmt, precision, slot.a_history, columns=False, record=record)
         sb = _operand_scale(b, fmt, precision, slot.b_history, columns=True, record=record)
         aq = quantize(a, fmt, sa)
@@ -118,9 +134,10 @@ class Fp8Gemm(torch.autograd.Function):
         ctx.b_is_weight = b_is_weight
         ctx.has_bias = bias is not None
         ctx.save_for_backward(aq, sa, b if b_is_weight else bq, sb)
-        return out.to(out_dtype)
+        return out
 
     @staticmethod
+    @_autocast_off
     def backward(ctx, grad_out):
         aq, sa, b_saved, sb = ctx.saved_tensors
         precision: LayerPrecision = ctx.precision
@@ -152,8 +169,7 @@ class Fp8Gemm(torch.autograd.Function):
                 bt = bq.contiguous().t()
                 grad_a = torch._scaled_mm(gq, bt, scale_a=sg.reciprocal(), scale_b=sb.reciprocal(), out_dtype=torch.float32)
             if ctx.needs_input_grad[1]:
-                # grad_b^T = g^T (N, M) @ a (M, K), so the E5M2 gradient is the first operand
-                # (cuBLASLt has E5M2 x E4M3 but not E4M3 x E5M2 ... only the mixed pair it supports).
+                # grad_b^T = g^T (N, M) @ a (M, K): each operand needs one layout copy this way.
                 grad_bt = torch._scaled_mm(
                     gq.t().contiguous(), _col_major(aq), scale_a=sg.reciprocal(), scale_b=sa.reciprocal(), out_dtype=torch.float32
                 )
@@ -172,7 +188,8 @@ class Int8Gemm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, a, b, bias, precision: LayerPrecision, slot: GemmSlot, b_is_weight: bool, out_dtype: torch.dtype):
+    @_autocast_off
+    def forward(ctx, a, b, bias, precision: LayerPrecision, slot: GemmSlot, b_is_weight: bool, record: bool):
         calibrator = slot.int8
         calibrator.observe(a)
         outliers = calibrator.outliers  # LongTensor of channel indices, possibly empty
@@ -193,9 +210,10 @@ class Int8Gemm(torch.autograd.Function):
         ctx.b_is_weight = b_is_weight
         ctx.has_bias = bias is not None
         ctx.save_for_backward(aq, sa, b if b_is_weight else bq, sb, outliers, a_outliers if a_outliers is not None else aq.new_zeros(0))
-        return out.to(out_dtype)
+        return out
 
     @staticmethod
+    @_autocast_off
     def backward(ctx, grad_out):
         aq, sa, b_saved, sb, outliers, a_outliers = ctx.saved_tensors
         grad_out = grad_out.float()
@@ -212,49 +230,57 @@ class Int8Gemm(torch.autograd.Function):
         return grad_a, grad_b, grad_bias, None, None, None, None
 
 
+def _flat(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
+    """Block scaling tiles 2-D matrices; other ranks are viewed as (rows, last dim)."""
+    return x.reshape(-1, x.shape[-1]) if granularity is Granularity.BLOCK and x.dim() != 2 else x
+
+
 class StoredInFormat(torch.autograd.Function):
     """Run ``fn(*inputs)`` in FP32 on inputs rounded to ``fmt``, saving them in ``fmt``.
 
     ``inputs`` are tensors; ``is_weight[i]`` marks those derived from parameters (rounded for the
-    forward but re-derived from the FP32 master in backward, not saved). Backward recomputes
-    ``fn`` under autograd from the saved inputs (one extra forward of the op) and rounds the
-    incoming gradient to ``grad_fmt`` first. ``fn`` must be pure (no in-place on its inputs).
+    forward but re-derived from the FP32 master in backward, not saved). ``scaler(i, x)`` returns
+    ``(scale, granularity, block)`` for input i. Backward recomputes ``fn`` under autograd from the
+    saved inputs (one extra forward of the op) and rounds the incoming gradient to ``grad_fmt``
+    first. ``fn`` must be pure (no in-place on its inputs).
     """
 
     @staticmethod
+    @_autocast_off
     def forward(ctx, fn: Callable, fmt: Format, grad_fmt: Format, scaler: Callable, is_weight: tuple, *inputs):
-        saved, scales, dequantized = [], [], []
+        saved, codecs, dequantized = [], [], []
         for i, x in enumerate(inputs):
             if not torch.is_tensor(x) or not x.is_floating_point():
                 saved.append(x)
-                scales.append(None)
+                codecs.append(None)
                 dequantized.append(x)
                 continue
-            scale = scaler(i, x)
-            q = quantize(x, fmt, scale)
-            dequantized.append(dequantize(q, scale))
+            scale, granularity, block = scaler(i, x)
+            q = quantize(_flat(x, granularity), fmt, scale, granularity, block)
+            dequantized.append(dequantize(q, scale, granularity, block).reshape(x.shape))
             saved.append(x if is_weight[i] else q)
-            scales.append(scale)
+            codecs.append((scale, granularity, block, x.shape))
         with torch.no_grad():
             out = fn(*dequantized)
-        ctx.fn, ctx.fmt, ctx.grad_fmt, ctx.is_weight, ctx.scales = fn, fmt, grad_fmt, is_weight, scales
+        ctx.fn, ctx.fmt, ctx.grad_fmt, ctx.is_weight, ctx.codecs = fn, fmt, grad_fmt, is_weight, codecs
         ctx.tensor_index = [i for i, x in enumerate(saved) if torch.is_tensor(x)]
         ctx.others = [None if torch.is_tensor(x) else x for x in saved]
         ctx.save_for_backward(*[saved[i] for i in ctx.tensor_index])
-        ctx.out_dtype = out.dtype
         return out
 
     @staticmethod
+    @_autocast_off
     def backward(ctx, grad_out):
         values = list(ctx.others)
         for i, t in zip(ctx.tensor_index, ctx.saved_tensors):
             values[i] = t
         leaves = []
         for i, x in enumerate(values):
-            scale = ctx.scales[i]
-            if scale is not None:
-                x = quantize(x, ctx.fmt, scale) if ctx.is_weight[i] else x
-                x = dequantize(x, scale).requires_grad_(ctx.needs_input_grad[5 + i])
+            codec = ctx.codecs[i]
+            if codec is not None:
+                scale, granularity, block, shape = codec
+                q = quantize(_flat(x, granularity), ctx.fmt, scale, granularity, block) if ctx.is_weight[i] else x
+                x = dequantize(q, scale, granularity, block).reshape(shape).requires_grad_(ctx.needs_input_grad[5 + i])
             values[i] = x
             leaves.append(x)
         if ctx.grad_fmt is not Format.FP32:

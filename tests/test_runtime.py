@@ -1,0 +1,461 @@
+"""The per-layer runtime: numerics against plain PyTorch, memory per format, restoration, reports."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoprec as ap
+from autoprec.formats import Format, sqnr
+from autoprec.measure import SavedTensorMeter
+from autoprec.workloads import LMConfig, TransformerBlock, default_workload
+
+LOW = ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8"]
+
+# SQNR floors (dB) against an FP32 reference for one Linear(256 -> 128) on randn inputs. Measured
+# on CPU (torch 2.13): output bf16 51, fp16 69, e4m3 29, e5m2 23, int8 39; input gradient bf16 51,
+# fp16 69, e4m3 25 (E5M2 gradients), e5m2 23, int8 56 (FP32 backward); weight gradient bf16 51,
+# fp16 69, e4m3 24, e5m2 22, int8 39. Floors sit ~3 dB below.
+FLOORS = {
+    "bf16": (48, 48, 48),
+    "fp16": (65, 65, 65),
+    "fp8_e4m3": (26, 21, 21),
+    "fp8_e5m2": (20, 20, 19),
+    "int8": (36, 50, 36),
+}
+
+
+class TransposedProjection(nn.Module):
+    """A projection storing its weight as (in, out) and calling torch.addmm itself."""
+
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.randn(d_in, d_out) / d_in**0.5)
+        self.bias = nn.Parameter(torch.zeros(d_out))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x, self.weight_t)
+
+
+def _linear_case(seed=0):
+    torch.manual_seed(seed)
+    layer = nn.Linear(256, 128)
+    x = torch.randn(64, 256)
+    grad = torch.randn(64, 128)
+    return layer, x, grad
+
+
+def _run(layer, x, grad, runtime=None):
+    x = x.clone().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    if runtime is None:
+        out = layer(x)
+    else:
+        with runtime:
+            out = layer(x)
+    out.backward(grad.to(out.dtype))
+    return out.float(), x.grad, layer.weight.grad
+
+
+@pytest.mark.parametrize("fmt", LOW)
+def test_linear_matches_fp32_reference_within_sqnr_floor(fmt):
+    layer, x, grad = _linear_case()
+    ref_out, ref_dx, ref_dw = _run(layer, x, grad)
+    out, dx, dw = _run(layer, x, grad, ap.apply_plan(layer, ap.Plan.uniform(layer, fmt)))
+    floors = FLOORS[fmt]
+    assert sqnr(ref_out, out) >= floors[0]
+    assert sqnr(ref_dx, dx) >= floors[1]
+    assert sqnr(ref_dw, dw) >= floors[2]
+
+
+@pytest.mark.parametrize("fmt", LOW)
+def test_gradients_reach_fp32_master_weights(fmt):
+    layer, x, grad = _linear_case()
+    runtime = ap.apply_plan(layer, ap.Plan.uniform(layer, fmt))
+    _run(layer, x, grad, runtime)
+    assert layer.weight.dtype == torch.float32
+    assert layer.weight.grad.dtype == torch.float32
+    assert layer.bias.grad.dtype == torch.float32
+
+
+def test_fp8_forward_equals_plain_torch_scaled_product():
+    layer, x, _ = _linear_case()
+    fmt = Format.FP8_E4M3
+    plan = ap.Plan.uniform(layer, fmt, scaling=ap.Scaling(mode="current"))
+    with torch.no_grad(), ap.apply_plan(layer, plan):
+        out = layer(x)
+    # Reference with plain torch: per-tensor scales from amax, torch's own casts, FP32 matmul.
+    sx = fmt.max / x.abs().max()
+    sw = fmt.max / layer.weight.abs().max()
+    xq = (x * sx).to(torch.float8_e4m3fn).float() / sx
+    wq = (layer.weight * sw).to(torch.float8_e4m3fn).float() / sw
+    expected = xq @ wq.t() + layer.bias
+    # The layer emits BF16 (the region's dtype): agreement to BF16 rounding (8 mantissa bits).
+    torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-3)
+
+
+def test_int8_forward_equals_plain_torch_integer_product():
+    layer, x, _ = _linear_case()
+    plan = ap.Plan.uniform(layer, "int8", calibration=ap.Calibration(method="max", outlier_ratio=None, batches=1))
+    with torch.no_grad(), ap.apply_plan(layer, plan):
+        out = layer(x)
+    sx = 127 / x.abs().max()
+    sw = 127 / layer.weight.abs().amax(dim=1)  # one scale per output channel
+    xq = torch.round(x * sx).clamp(-127, 127)
+    wq = torch.round(layer.weight * sw[:, None]).clamp(-127, 127)
+    expected = ((xq @ wq.t()) / sx / sw + layer.bias).to(out.dtype)
+    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("granularity", ["row", "block"])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8"])
+def test_finer_granularities_track_the_reference(fmt, granularity):
+    layer, x, grad = _linear_case()
+    ref_out, ref_dx, ref_dw = _run(layer, x, grad)
+    plan = ap.Plan.uniform(layer, fmt, scaling=ap.Scaling(granularity=granularity, mode="current"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ap.EmulationWarning)
+        out, dx, dw = _run(layer, x, grad, ap.apply_plan(layer, plan))
+    floors = FLOORS[fmt]
+    assert sqnr(ref_out, out) >= floors[0]
+    assert sqnr(ref_dw, dw) >= floors[2] - 3
+
+
+def test_row_scaling_beats_tensor_scaling_on_outlier_tokens():
+    layer, x, _ = _linear_case()
+    x = x.clone()
+    x[::8] *= 1e4  # a few tokens far larger than the rest
+    ref = layer(x)
+    errors = {}
+    for granularity in ("tensor", "row"):
+        plan = ap.Plan.uniform(layer, "int8", scaling=ap.Scaling(granularity=granularity, mode="current"),
+                               calibration=ap.Calibration(outlier_ratio=None, batches=1))
+        with torch.no_grad(), ap.apply_plan(layer, plan):
+            out = layer(x).float()
+        small = torch.ones(x.shape[0], dtype=torch.bool)
+        small[::8] = False
+        errors[granularity] = sqnr(ref[small], out[small])
+    assert errors["row"] > errors["tensor"] + 10
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8"])
+def test_transposed_addmm_projection_is_covered_by_a_real_kernel(fmt):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), TransposedProjection(64, 48))
+    x = torch.randn(20, 32)
+    plan = ap.Plan.uniform(model, fmt, x)
+    assert "2" in plan.layers
+    runtime = ap.apply_plan(model, plan)
+    ref = model(x)
+    with torch.no_grad(), runtime:
+        out = model(x)
+    kernel = "torch._scaled_mm" if fmt.startswith("fp8") else "torch._int_mm"
+    assert runtime.report()["2"]["ops"] == {"addmm": f"kernel {kernel}"}
+    assert sqnr(ref, out.float()) > 20
+
+
+def test_transposed_addmm_projection_gradients_match_reference():
+    torch.manual_seed(0)
+    proj = TransposedProjection(64, 48)
+    x = torch.randn(32, 64)
+    grad = torch.randn(32, 48)
+    xr = x.clone().requires_grad_(True)
+    proj(xr).backward(grad)
+    ref_dx, ref_dw = xr.grad, proj.weight_t.grad.clone()
+    proj.zero_grad(set_to_none=True)
+    plan = ap.Plan.uniform(proj, "fp8_e4m3", x)
+    xq = x.clone().requires_grad_(True)
+    with ap.apply_plan(proj, plan):
+        out = proj(xq)
+    out.backward(grad.to(out.dtype))
+    assert proj.weight_t.grad.shape == (64, 48)
+    assert sqnr(ref_dx, xq.grad) > FLOORS["fp8_e4m3"][1]
+    assert sqnr(ref_dw, proj.weight_t.grad) > FLOORS["fp8_e4m3"][2]
+
+
+# -- memory ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8"])
+def test_saved_matmul_input_takes_exactly_the_format_bytes(fmt):
+    layer, x, _ = _linear_case()
+    x = x.requires_grad_(True)
+    fmt = Format(fmt)
+    with SavedTensorMeter(layer.parameters()) as meter, ap.apply_plan(layer, ap.Plan.uniform(layer, fmt)):
+        layer(x)
+    inputs = [s for s in meter.saved if s.shape == tuple(x.shape)]
+    assert len(inputs) == 1
+    assert inputs[0].nbytes == x.numel() * fmt.bytes
+
+
+def test_fp8_plan_saves_at_most_three_quarters_of_autocast_on_a_transformer_block():
+    torch.manual_seed(0)
+    block = TransformerBlock(LMConfig())
+    x = torch.randn(8, 64, 128)
+
+    def saved(context):
+        with SavedTensorMeter(block.parameters()) as meter, context:
+            out = block(x)
+        out.float().sum().backward()
+        return meter.total_bytes
+
+    autocast = saved(torch.autocast("cpu", torch.bfloat16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ap.EmulationWarning)
+        fp8 = saved(ap.apply_plan(block, ap.Plan.uniform(block, "fp8_e4m3", x)))
+    bf16 = saved(ap.apply_plan(block, ap.Plan.uniform(block, "bf16", x)))
+    assert fp8 <= 0.75 * autocast
+    assert bf16 <= autocast
+
+
+# -- what stays FP32 ------------------------------------------------------------------------------
+
+
+def test_norms_softmax_and_losses_stay_fp32_in_a_low_precision_plan():
+    torch.manual_seed(0)
+    seen = {}
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+            self.norm = nn.LayerNorm(16)
+
+        def forward(self, x):
+            h = self.norm(self.proj(x))
+            seen["norm"] = h.dtype
+            p = torch.softmax(h @ h.transpose(-1, -2), dim=-1)
+            seen["softmax"] = p.dtype
+            return p
+
+    model = Head()
+    x = torch.randn(4, 16)
+    with ap.apply_plan(model, ap.Plan.uniform(model, "bf16", x)):
+        out = model(x)
+        loss = F.cross_entropy(out, torch.zeros(4, dtype=torch.long))
+    assert seen == {"norm": torch.float32, "softmax": torch.float32}
+    assert loss.dtype == torch.float32
+
+
+def test_fp32_layer_in_a_mixed_plan_runs_in_fp32():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    x = torch.randn(4, 16)
+    plan = ap.Plan.uniform(model, "bf16").with_layers({"1": "fp32"})
+    ref = model(x)
+    with torch.no_grad(), ap.apply_plan(model, plan):
+        out = model(x)
+    assert out.dtype == torch.float32
+    assert not torch.equal(out, ref)  # layer 0 did run in BF16
+    assert sqnr(ref, out) > 40
+
+
+def test_all_fp32_plan_leaves_the_model_untouched_while_active():
+    layer, x, _ = _linear_case()
+    with ap.apply_plan(layer, ap.Plan.uniform(layer, "fp32")):
+        assert "forward" not in layer.__dict__
+        assert not torch.is_autocast_enabled("cpu")
+        out = layer(x)
+    assert torch.equal(out, F.linear(x, layer.weight, layer.bias))
+
+
+# -- restoration ----------------------------------------------------------------------------------
+
+
+def _snapshot(model):
+    return (
+        {name: t.clone() for name, t in model.state_dict().items()},
+        [dict(m.__dict__) for m in model.modules()],
+    )
+
+
+def _assert_restored(model, snapshot):
+    state, dicts = snapshot
+    after = model.state_dict()
+    assert list(after) == list(state)
+    assert all(torch.equal(after[k], state[k]) for k in state)
+    for module, before in zip(model.modules(), dicts):
+        assert module.__dict__.keys() == before.keys()
+        assert "forward" not in module.__dict__ or module.__dict__["forward"] is before.get("forward")
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch.overrides._get_current_function_mode_stack() == []
+
+
+@pytest.mark.parametrize("fmt", LOW)
+def test_exit_restores_the_model_exactly(fmt):
+    wl = default_workload("tiny", batch_size=2)
+    model = wl.build_model()
+    batch = wl.val_batches(1)[0]
+    snapshot = _snapshot(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ap.EmulationWarning)
+        with ap.apply_plan(model, ap.Plan.uniform(model, fmt, batch[0])):
+            wl.loss(model, batch)
+    _assert_restored(model, snapshot)
+
+
+def test_exit_restores_the_model_when_the_body_raises():
+    wl = default_workload("tiny", batch_size=2)
+    model = wl.build_model()
+    batch = wl.val_batches(1)[0]
+    snapshot = _snapshot(model)
+    runtime = ap.apply_plan(model, ap.Plan.uniform(model, "bf16"))
+    with pytest.raises(ZeroDivisionError):
+        with runtime:
+            wl.loss(model, batch)
+            1 / 0
+    _assert_restored(model, snapshot)
+    assert not runtime.active
+
+
+def test_exit_restores_a_forward_the_user_had_patched():
+    layer, x, _ = _linear_case()
+    patched = lambda inp: F.linear(inp, layer.weight, layer.bias) * 2  # noqa: E731
+    layer.forward = patched
+    with ap.apply_plan(layer, ap.Plan.uniform(layer, "bf16")):
+        assert layer.forward is not patched
+    assert layer.forward is patched
+
+
+def test_re_entering_an_active_runtime_raises():
+    layer, _, _ = _linear_case()
+    runtime = ap.apply_plan(layer, ap.Plan.uniform(layer, "bf16"))
+    with runtime:
+        with pytest.raises(ap.RuntimeStateError, match="already active"):
+            runtime.__enter__()
+
+
+def test_two_runtimes_on_one_model_cannot_be_active_together():
+    layer, _, _ = _linear_case()
+    first = ap.apply_plan(layer, ap.Plan.uniform(layer, "bf16"))
+    second = ap.apply_plan(layer, ap.Plan.uniform(layer, "fp16"))
+    with first:
+        with pytest.raises(ap.RuntimeStateError, match="another active autoprec plan"):
+            second.__enter__()
+
+
+def test_runtime_can_be_re_entered_after_exit():
+    layer, x, _ = _linear_case()
+    runtime = ap.apply_plan(layer, ap.Plan.uniform(layer, "bf16"))
+    for _ in range(2):
+        with runtime:
+            assert layer(x).dtype == torch.bfloat16
+    assert layer(x).dtype == torch.float32
+
+
+def test_apply_plan_validates_the_plan():
+    layer, _, _ = _linear_case()
+    other = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ap.PlanError, match="lacks"):
+        ap.apply_plan(layer, ap.Plan.uniform(other, "bf16"))
+
+
+# -- reports and state ----------------------------------------------------------------------------
+
+
+def test_emulated_layer_is_named_in_a_warning_and_the_report():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
+    x = torch.randn(2, 3, 8, 8)
+    runtime = ap.apply_plan(model, ap.Plan.uniform(model, "fp8_e4m3", x))
+    with pytest.warns(ap.EmulationWarning, match="'0' runs conv2d"):
+        with runtime:
+            out = model(x)
+    out.float().sum().backward()
+    assert runtime.emulated_layers() == {"0": ["conv2d"]}
+    assert runtime.report()["2"]["ops"] == {"linear": "kernel torch._scaled_mm"}
+    assert model[0].weight.grad is not None
+
+
+def test_emulated_conv_gradients_track_the_reference():
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 8, 3)
+    x = torch.randn(2, 3, 8, 8)
+    grad = torch.randn(2, 8, 6, 6)
+    xr = x.clone().requires_grad_(True)
+    conv(xr).backward(grad)
+    ref_dx, ref_dw = xr.grad, conv.weight.grad.clone()
+    conv.zero_grad(set_to_none=True)
+    xq = x.clone().requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ap.EmulationWarning)
+        with ap.apply_plan(conv, ap.Plan.uniform(conv, "fp8_e4m3")):
+            out = conv(xq)
+    out.backward(grad.to(out.dtype))
+    assert sqnr(ref_dx, xq.grad) > 18
+    assert sqnr(ref_dw, conv.weight.grad) > 18
+
+
+def test_delayed_scaling_history_persists_across_steps_and_state_dict():
+    layer, x, _ = _linear_case()
+    runtime = ap.apply_plan(layer, ap.Plan.uniform(layer, "fp8_e4m3"))
+    for step in range(3):
+        with runtime:
+            layer(x * (step + 1)).float().sum().backward()
+    state = runtime.state_dict()
+    history = state["layers"][""][0]["a_history"]
+    assert history["recorded"] == 3
+    assert torch.allclose(history["history"][:3], x.abs().max() * torch.tensor([1.0, 2.0, 3.0]))
+    fresh = ap.apply_plan(layer, ap.Plan.uniform(layer, "fp8_e4m3"))
+    fresh.load_state_dict(state)
+    with torch.no_grad():
+        with runtime:
+            expected = layer(x)
+        with fresh:
+            got = layer(x)
+    assert torch.equal(expected, got)
+
+
+def test_int8_calibration_freezes_and_reports_error_on_real_activations():
+    """On the workload's own activations, calibrated scales beat naive max scaling."""
+    wl = default_workload("tiny", batch_size=8)
+    model = wl.build_model()
+    wl_batches = wl.val_batches(4)
+    plan = ap.Plan.uniform(model, "int8", wl_batches[0][0], calibration=ap.Calibration(method="mse", batches=3))
+    runtime = ap.apply_plan(model, plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ap.EmulationWarning)
+        with torch.no_grad():
+            for batch in wl_batches:
+                with runtime:
+                    wl.loss(model, batch)
+    reports = [r for entry in runtime.report().values() for r in entry.get("calibration", [])]
+    assert len(reports) == 9  # qkv, proj, fc, proj in each of the 2 blocks, and lm_head
+    naive = sum(r["naive_max_rel_error"] for r in reports) / len(reports)
+    calibrated = sum(r["calibrated_rel_error"] for r in reports) / len(reports)
+    assert calibrated < naive
+
+
+def test_recalibrate_unfreezes_int8_scales():
+    layer, x, _ = _linear_case()
+    runtime = ap.apply_plan(layer, ap.Plan.uniform(layer, "int8", calibration=ap.Calibration(batches=1)))
+    with torch.no_grad(), runtime:
+        layer(x)
+    assert runtime.state_dict()["layers"][""][0]["int8"]["frozen_scale"] is not None
+    runtime.recalibrate()
+    assert runtime.state_dict()["layers"][""][0]["int8"]["frozen_scale"] is None
+
+
+# -- end to end -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "int8"])
+def test_training_under_a_uniform_plan_tracks_fp32(fmt):
+    wl = default_workload("tiny", batch_size=16)
+    steps = 120
+    ref_model = wl.build_model(seed=0)
+    ap_model = wl.build_model(seed=0)
+    from autoprec.workloads import evaluate, train
+
+    train(ref_model, wl, steps)
+    runtime = ap.apply_plan(ap_model, ap.Plan.uniform(ap_model, fmt, wl.val_batches(1)[0][0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ap.EmulationWarning)
+        train(ap_model, wl, steps, context=lambda: runtime)
+    val = wl.val_batches(4)
+    ref_loss, ap_loss = evaluate(ref_model, val), evaluate(ap_model, val)
+    assert ap_loss < 3.2  # it learned (starts at ~5.5)
+    assert abs(ap_loss - ref_loss) / ref_loss < 0.05
