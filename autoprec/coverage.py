@@ -48,7 +48,14 @@ MATMUL_OPS: dict[Callable, str] = {
     torch.Tensor.bmm: "bmm",
     torch.baddbmm: "baddbmm",
     torch.Tensor.baddbmm: "baddbmm",
+    torch.addbmm: "addbmm",
+    torch.Tensor.addbmm: "addbmm",
+    torch.mv: "mv",
+    torch.Tensor.mv: "mv",
+    torch.addmv: "addmv",
+    torch.Tensor.addmv: "addmv",
     torch.einsum: "einsum",
+    torch.tensordot: "tensordot",
     F.conv1d: "conv1d",
     F.conv2d: "conv2d",
     F.conv3d: "conv3d",
@@ -89,9 +96,11 @@ class LayerInfo:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "LayerInfo":
+        if not isinstance(data["ops"], (list, tuple)):
+            raise TypeError("ops must be a list of op names")
         return cls(
             module=str(data["module"]),
-            ops=tuple(data["ops"]),
+            ops=tuple(str(op) for op in data["ops"]),
             params={k: tuple(int(d) for d in v) for k, v in dict(data["params"]).items()},
         )
 
@@ -107,7 +116,8 @@ def static_layers(model: nn.Module) -> dict[str, LayerInfo]:
     inside_mha: list[str] = []
     for fqn, module in model.named_modules():
         # MultiheadAttention runs its projections functionally; its out_proj child never runs.
-        if any(fqn.startswith(prefix + ".") for prefix in inside_mha):
+        # The root's fqn is "", so its children are "out_proj", not ".out_proj".
+        if any(fqn.startswith(prefix + ".") if prefix else fqn != "" for prefix in inside_mha):
             continue
         for cls, op in _KNOWN_CLASSES:
             if isinstance(module, cls):

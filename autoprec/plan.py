@@ -19,7 +19,7 @@ import dataclasses
 import enum
 import json
 import os
-import tempfile
+import secrets
 import types
 from collections import Counter
 from pathlib import Path
@@ -138,6 +138,14 @@ _FIELD_TYPES = {
 }
 
 
+_FIELD_CHOICES = {
+    "granularity": tuple(g.value for g in Granularity),
+    "mode": tuple(m.value for m in ScalingMode),
+    "method": tuple(m.value for m in CalibrationMethod),
+    "reduction": ("max", "most_recent"),
+}
+
+
 def _parse_section(where: str, cls, data: Any, problems: list[str]):
     if data is None:
         return cls()
@@ -152,6 +160,9 @@ def _parse_section(where: str, cls, data: Any, problems: list[str]):
             ok = False
         elif isinstance(value, bool) or not isinstance(value, expected[key]):
             problems.append(f"{where}.{key}: expected {_type_name(expected[key])}, got {value!r}")
+            ok = False
+        elif key in _FIELD_CHOICES and value not in _FIELD_CHOICES[key]:
+            problems.append(f"{where}.{key}: {value!r} is not one of {', '.join(_FIELD_CHOICES[key])}")
             ok = False
     if not ok:
         return None
@@ -263,6 +274,14 @@ class Plan:
     def __setattr__(self, name, value):
         raise AttributeError("Plan is immutable; derive a new one with plan.replace(...) or plan.with_layers(...)")
 
+    def __delattr__(self, name):
+        raise AttributeError("Plan is immutable; derive a new one with plan.replace(...) or plan.with_layers(...)")
+
+    def __reduce__(self):
+        # The default protocol restores __slots__ through __setattr__ (which refuses) and cannot
+        # pickle mappingproxy; rebuild through the constructor instead (pickle, copy, deepcopy).
+        return (Plan, (dict(self._layers), dict(self._fingerprint), dict(self.budgets), dict(self.predicted), dict(self.measured), dict(self.metadata)))
+
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
@@ -314,8 +333,8 @@ class Plan:
         if unknown:
             raise PlanError([f"{fqn!r}: not a layer of this plan" for fqn in unknown], "Use names from plan.layers.")
         layers = dict(self._layers)
-        for fqn, value in changes.items():
-            layers[fqn] = value if isinstance(value, LayerPrecision) else LayerPrecision(Format.parse(value))
+        # A format name goes through the constructor, so a bad one is a PlanError naming the layer.
+        layers.update(changes)
         return self.replace(layers=layers)
 
     # -- reading ------------------------------------------------------------------------------
@@ -367,7 +386,7 @@ class Plan:
     def validate(self, model: nn.Module, example_inputs: Any = None, *, device=None, allow_emulation: bool = True) -> None:
         """Raise `PlanError` naming every layer that does not fit ``model`` or ``device``.
 
-        Checks: names the model lacks; covered layers the plan lacks (traced with
+        Checks: names the model lacks; with ``example_inputs``, modules that run no matrix product; covered layers the plan lacks (traced with
         ``example_inputs``, else from the module tree and the plan's fingerprint); parameter
         shapes that differ from the fingerprint; formats the device cannot run at all; and, with
         ``allow_emulation=False``, formats a layer would run without a real kernel.
@@ -379,9 +398,19 @@ class Plan:
             if fqn not in modules:
                 problems.append(f"{fqn!r}: the plan names a layer the model lacks; remove it or check the model")
         covered = find_layers(model, example_inputs)
+        if example_inputs is None:
+            # The fingerprint remembers layers only tracing finds (hand-written addmm projections).
+            for fqn, info in self._fingerprint.items():
+                if fqn in modules:
+                    covered.setdefault(fqn, info)
         for fqn in covered:
             if fqn not in self._layers:
                 problems.append(f"{fqn!r}: a covered layer ({covered[fqn].module}) the plan lacks; add it (fp32 keeps it as is)")
+        if example_inputs is not None:
+            # Only a trace proves a module runs no matrix product; the module tree alone cannot.
+            for fqn in self._layers:
+                if fqn in modules and fqn not in covered:
+                    problems.append(f"{fqn!r}: {type(modules[fqn]).__name__} runs no matrix product in its own forward, so it is not a layer; remove it")
         for fqn, info in self._fingerprint.items():
             if fqn in modules and fqn in self._layers:
                 actual = LayerInfo.of(modules[fqn], info.ops).params
@@ -429,7 +458,9 @@ class Plan:
         version = data.get("schema_version")
         if version is None:
             raise PlanError(f"{source}: no 'schema_version'; this is not an autoprec plan (save plans with Plan.save)")
-        if not isinstance(version, int) or version > SCHEMA_VERSION or version < 1:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise PlanError(f"{source}: schema_version must be a positive integer, got {version!r}")
+        if version > SCHEMA_VERSION:
             raise PlanError(
                 f"{source}: schema_version {version!r} is not supported by autoprec {__version__} "
                 f"(it reads 1..{SCHEMA_VERSION}); upgrade autoprec to read newer plans"
@@ -440,7 +471,11 @@ class Plan:
         if not isinstance(layers, Mapping) or not layers:
             problems.append(f"{source}: 'layers' must be a non-empty object mapping module names to precisions")
         fingerprint = {}
-        for fqn, info in dict(data.get("fingerprint") or {}).items():
+        raw_fingerprint = data.get("fingerprint") or {}
+        if not isinstance(raw_fingerprint, Mapping):
+            problems.append(f"{source}: 'fingerprint' must be an object mapping module names to layer info")
+            raw_fingerprint = {}
+        for fqn, info in raw_fingerprint.items():
             try:
                 fingerprint[fqn] = LayerInfo.from_dict(info)
             except (KeyError, TypeError, ValueError):
@@ -463,7 +498,10 @@ class Plan:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(self.to_dict(), indent=2) + "\n"
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+        # Not tempfile.mkstemp: it creates the file 0600, and the rename would keep that mode,
+        # leaving a plan other users or workers cannot read. os.open honours the umask.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as handle:
                 handle.write(text)
@@ -485,6 +523,8 @@ class Plan:
             raise PlanError(f"{path}: no such plan file") from None
         except OSError as exc:
             raise PlanError(f"{path}: cannot read: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise PlanError(f"{path}: not a UTF-8 text file (byte {exc.start}); is this a plan saved by Plan.save?") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:

@@ -1,0 +1,85 @@
+"""GPU checks of the runtime: real cuBLASLt FP8 and INT8 kernels against plain PyTorch.
+
+Skipped with the capability reason where no CUDA device (or no FP8 / INT8 kernel) exists.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autoprec as ap
+from autoprec.device import has_int_mm, has_scaled_mm
+from autoprec.formats import sqnr
+from autoprec.measure import SavedTensorMeter
+from autoprec.workloads import LMConfig, TransformerBlock
+
+CUDA = torch.cuda.is_available()
+NO_CUDA = "no CUDA device: GPU kernels cannot be checked on this machine"
+FP8_OK, FP8_REASON = has_scaled_mm("cuda:0") if CUDA else (False, NO_CUDA)
+INT8_OK, INT8_REASON = has_int_mm("cuda:0") if CUDA else (False, NO_CUDA)
+
+pytestmark = pytest.mark.gpu
+
+
+def _linear(d_in=256, d_out=512, tokens=128):
+    torch.manual_seed(0)
+    layer = nn.Linear(d_in, d_out).cuda()
+    return layer, torch.randn(tokens, d_in, device="cuda"), torch.randn(tokens, d_out, device="cuda")
+
+
+@pytest.mark.skipif(not FP8_OK, reason=FP8_REASON)
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_fp8_linear_runs_scaled_mm_on_gpu_and_tracks_fp32(granularity):
+    layer, x, grad = _linear()
+    ref = layer(x)
+    mode = "delayed" if granularity == "tensor" else "current"
+    runtime = ap.apply_plan(layer, ap.Plan.uniform(layer, "fp8_e4m3", scaling=ap.Scaling(granularity=granularity, mode=mode)))
+    xq = x.clone().requires_grad_(True)
+    with runtime:
+        out = layer(xq)
+    out.backward(grad.to(out.dtype))
+    assert runtime.report()[""]["ops"] == {"linear": "kernel torch._scaled_mm"}
+    assert sqnr(ref, out.float()) > 26
+    assert layer.weight.grad.dtype == torch.float32
+
+
+@pytest.mark.skipif(not FP8_OK, reason=FP8_REASON)
+def test_fp8_unaligned_shape_falls_back_to_reported_emulation():
+    layer, x, _ = _linear(d_in=100, d_out=60)
+    runtime = ap.apply_plan(layer, ap.Plan.uniform(layer, "fp8_e4m3"))
+    with pytest.warns(ap.EmulationWarning, match="alignment"):
+        with runtime:
+            layer(x)
+    assert runtime.emulated_layers() == {"": ["linear"]}
+
+
+@pytest.mark.skipif(not INT8_OK, reason=INT8_REASON)
+def test_int8_linear_runs_int_mm_on_gpu_and_tracks_fp32():
+    layer, x, _ = _linear()
+    ref = layer(x)
+    runtime = ap.apply_plan(layer, ap.Plan.uniform(layer, "int8", calibration=ap.Calibration(batches=1)))
+    with torch.no_grad(), runtime:
+        out = layer(x)
+    assert runtime.report()[""]["ops"] == {"linear": "kernel torch._int_mm"}
+    assert sqnr(ref, out.float()) > 30
+
+
+@pytest.mark.skipif(not FP8_OK, reason=FP8_REASON)
+def test_fp8_block_saves_at_most_three_quarters_of_autocast_on_gpu():
+    torch.manual_seed(0)
+    block = TransformerBlock(LMConfig(d_model=256, n_heads=4, d_ff=1024)).cuda()
+    x = torch.randn(8, 64, 256, device="cuda")
+
+    def saved(context):
+        with SavedTensorMeter(block.parameters()) as meter, context:
+            out = block(x)
+        out.float().sum().backward()
+        return meter.total_bytes
+
+    autocast = saved(torch.autocast("cuda", torch.bfloat16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ap.EmulationWarning)
+        fp8 = saved(ap.apply_plan(block, ap.Plan.uniform(block, "fp8_e4m3", x)))
+    assert fp8 <= 0.75 * autocast
