@@ -19,7 +19,6 @@ import dataclasses
 import enum
 import json
 import os
-import secrets
 import types
 from collections import Counter
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any, Iterator, Mapping
 import torch.nn as nn
 
 from . import __version__
+from ._io import atomic_write_text
 from .coverage import LayerInfo, ModuleFilter, find_layers
 from .device import KERNEL_OPS, format_support
 from .errors import FormatError, PlanError
@@ -495,23 +495,7 @@ class Plan:
 
     def save(self, path: "str | os.PathLike") -> Path:
         """Write the plan as JSON atomically (a temporary file renamed over the target)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(self.to_dict(), indent=2) + "\n"
-        tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
-        # Not tempfile.mkstemp: it creates the file 0600, and the rename would keep that mode,
-        # leaving a plan other users or workers cannot read. os.open honours the umask.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(text)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        return atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: "str | os.PathLike") -> "Plan":

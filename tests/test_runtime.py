@@ -301,7 +301,7 @@ def test_exit_restores_the_model_when_the_body_raises():
     model = wl.build_model()
     batch = wl.val_batches(1)[0]
     snapshot = _snapshot(model)
-    runtime = ap.apply_plan(model, ap.Plan.uniform(model, "bf16"))
+    runtime = ap.apply_plan(model, ap.Plan.uniform(model, "bf16", batch[0]))
     with pytest.raises(ZeroDivisionError):
         with runtime:
             wl.loss(model, batch)

@@ -8,7 +8,6 @@ import torch
 
 from autoprec.workloads import (
     BatchSampler,
-    ByteLM,
     CausalSelfAttention,
     LMConfig,
     TransformerBlock,

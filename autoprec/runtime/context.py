@@ -100,7 +100,7 @@ class _Layer:
         if how.startswith("emulated") and not self.ops.get(op, "").startswith("emulated"):
             message = f"autoprec: layer {self.fqn!r} runs {op} in {self.precision.format.value} {how}"
             warnings.warn(message, EmulationWarning, stacklevel=4)
-            logger.warning(message)
+            logger.info(message)
         self.ops[op] = how
 
 
@@ -340,7 +340,7 @@ class PlanRuntime:
             self._uncovered.add(op)
             message = f"autoprec: a {op} ran outside every planned layer; make the plan with an example input to cover it"
             warnings.warn(message, EmulationWarning, stacklevel=4)
-            logger.warning(message)
+            logger.info(message)
 
     # -- state and report ---------------------------------------------------------------------
 

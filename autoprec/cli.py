@@ -1,0 +1,256 @@
+"""The ``autoprec`` command line: one subcommand per job, each in its own ``_add_<name>`` function.
+
+Conventions every subcommand keeps: ``--help``; bad input exits non-zero with one line on stderr
+(``autoprec: error: ...``), never a traceback; progress on stderr for work longer than a few
+seconds (a single rewritten line on a terminal, occasional lines otherwise); results on stdout;
+machine-readable output written atomically. The logic lives in the library; this module only
+parses, reports and writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from . import __version__
+from .errors import AutoprecError
+
+__all__ = ["main"]
+
+logger = logging.getLogger(__name__)
+
+# Exit statuses: 0 done; 1 the command failed (or, with --check, a target failed); 2 bad usage;
+# 130 interrupted (128 + SIGINT, the shell convention).
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class _UsageError(Exception):
+    """Raised instead of argparse's print-usage-and-exit, so `main` can report one line and return."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # Subparsers are created with the parent's class, so every level reports errors this way.
+    def error(self, message: str):
+        raise _UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _one_line(text: str) -> str:
+    """Multi-line error messages (a `PlanError` lists its problems) joined onto one line."""
+    return "; ".join(part.strip(" -") for part in str(text).splitlines() if part.strip())
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"autoprec: error: {_one_line(message)}", file=sys.stderr)
+    return status
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _shape3(text: str) -> tuple[int, int, int]:
+    parts = text.replace("x", ",").split(",")
+    try:
+        values = tuple(int(p) for p in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 3 or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected three positive integers BATCH,SEQ,D_MODEL, got {text!r}")
+    return values
+
+
+def _output_path(text: str) -> Path:
+    """A file path whose directory exists, checked before any work starts."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file name")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"directory {str(parent)!r} does not exist")
+    return path
+
+
+class _Progress:
+    """Progress of a long command on stderr: one rewritten line on a terminal, otherwise a line
+    at most every ``every_s`` seconds (and at phase changes), so logs stay short."""
+
+    def __init__(self, label: str, stream=None, every_s: float = 15.0):
+        self.label = label
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every_s = every_s
+        self.start = time.monotonic()
+        self.last = self.start
+        self.phase = None
+        self.width = 0
+
+    def __call__(self, done: int, total: int, phase: str) -> None:
+        now = time.monotonic()
+        text = f"[{self.label}] {phase} round {done}/{total} ({now - self.start:.0f} s)"
+        if self.tty:
+            self.stream.write("\r" + text.ljust(self.width))
+            self.width = len(text)
+            self.stream.flush()
+        elif phase != self.phase or now - self.last >= self.every_s or done == total:
+            print(text, file=self.stream, flush=True)
+            self.last = now
+        self.phase = phase
+
+    def close(self) -> None:
+        if self.tty and self.width:
+            self.stream.write("\r" + " " * self.width + "\r")
+            self.stream.flush()
+            self.width = 0
+
+
+@contextlib.contextmanager
+def _logging_to_stderr(verbose: bool):
+    """Show autoprec's log records on stderr for this command only (WARNING, or INFO with -v)."""
+    root = logging.getLogger("autoprec")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    saved = root.level, root.propagate
+    root.addHandler(handler)
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+    root.propagate = False
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(saved[0])
+        root.propagate = saved[1]
+
+
+# -- bench ------------------------------------------------------------------------------------
+
+
+def _add_bench(subparsers, common: argparse.ArgumentParser) -> None:
+    from .bench import DEFAULT_VARIANTS, BenchConfig
+    from .workloads import LMConfig
+
+    default = BenchConfig()
+    p = subparsers.add_parser(
+        "bench",
+        parents=[common],
+        help="benchmark every precision variant on the built-in LM and one transformer block",
+        description=(
+            "Train the built-in byte-level LM and one TransformerBlock under each variant (plain "
+            "fp32, uniform autoprec plans, plain torch.autocast), interleaved round-robin, and "
+            "report the median step time and the bytes saved for backward, each as a ratio to "
+            "fp32, plus the INT8 calibration error and which layers ran emulated. Prints a table "
+            "on stdout. The default run takes ~2 minutes on 2 CPU cores."
+        ),
+    )
+    p.add_argument("--steps", type=_positive_int, default=None, help=f"timed rounds (default {default.steps}; --quick: 3)")
+    p.add_argument("--warmup", type=_positive_int, default=None, help=f"untimed rounds first (default {default.warmup}; --quick: 1)")
+    p.add_argument("--quick", action="store_true", help="1 warmup + 3 timed rounds: a smoke run, too short for trustworthy timings")
+    p.add_argument("--device", default=default.device, help="auto (CUDA if available, else CPU), cpu, cuda or cuda:N (default auto)")
+    p.add_argument(
+        "--workload", default=default.workload, choices=LMConfig.preset_names(),
+        help=f"built-in LM preset (default {default.workload})",
+    )
+    p.add_argument("--batch-size", type=_positive_int, default=default.batch_size, help=f"LM batch size (default {default.batch_size})")
+    p.add_argument(
+        "--block-shape", type=_shape3, default=default.block_shape, metavar="B,T,C",
+        help="the block's input shape batch,seq,d_model (default %s)" % ",".join(map(str, default.block_shape)),
+    )
+    p.add_argument(
+        "--variants", default=None, metavar="V1,V2,...",
+        help="comma-separated: fp32 (required, the reference), plan:<format>, autocast:<bf16|fp16> "
+             f"(default {','.join(DEFAULT_VARIANTS)})",
+    )
+    p.add_argument("--seed", type=int, default=default.seed, help="seed of the models and batches (default 0)")
+    p.add_argument("--json", type=_output_path, default=None, metavar="PATH", help="also write the full result as JSON (atomically)")
+    p.add_argument("--check", action="store_true", help="exit 1 when a target fails (targets are otherwise only reported)")
+    p.set_defaults(handler=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import BenchConfig, BenchConfigError, run_bench
+
+    overrides = {
+        "device": args.device,
+        "workload": args.workload,
+        "batch_size": args.batch_size,
+        "block_shape": args.block_shape,
+        "seed": args.seed,
+    }
+    if args.steps is not None:
+        overrides["steps"] = args.steps
+    if args.warmup is not None:
+        overrides["warmup"] = args.warmup
+    if args.variants is not None:
+        overrides["variants"] = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    try:
+        config = BenchConfig.from_preset("quick" if args.quick else "default", **overrides)
+    except BenchConfigError as exc:
+        return _fail(f"{exc} (see 'autoprec bench --help')", EXIT_USAGE)
+    progress = _Progress("bench")
+    try:
+        result = run_bench(config, progress=progress)
+    finally:
+        progress.close()
+    print(result.format_table())
+    if args.json is not None:
+        try:
+            result.save(args.json)
+        except OSError as exc:
+            return _fail(f"cannot write {args.json}: {exc.strerror or exc}", EXIT_FAILED)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.check and not result.passed:
+        failed = ", ".join(t.name for t in result.targets if not t.passed)
+        return _fail(f"targets failed: {failed}", EXIT_FAILED)
+    return EXIT_OK
+
+
+# -- entry point ------------------------------------------------------------------------------
+
+# Each subcommand registers itself here: later profile / search / review add one function each.
+_COMMANDS: tuple[Callable, ...] = (_add_bench,)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="autoprec",
+        description="Per-layer training precision for PyTorch: measure, search, apply.",
+    )
+    parser.add_argument("--version", action="version", version=f"autoprec {__version__}")
+    common = _Parser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", help="log progress details (INFO) on stderr")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    subparsers.required = True
+    for add in _COMMANDS:
+        add(subparsers, common)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line; returns the exit status (``--help`` / ``--version`` raise SystemExit(0))."""
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except _UsageError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    with _logging_to_stderr(getattr(args, "verbose", False)):
+        try:
+            return args.handler(args)
+        except AutoprecError as exc:
+            return _fail(str(exc), EXIT_FAILED)
+        except KeyboardInterrupt:
+            print("autoprec: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""`autoprec.bench` and the `autoprec` command line.
+
+One small benchmark run (tiny LM, small block, 1 warmup + 3 timed rounds) is shared by the
+structure tests; the CLI runs `bench --quick` once on the default sizes.
+"""
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from autoprec.bench import DEFAULT_VARIANTS, BenchConfig, BenchConfigError, TargetCheck, run_bench
+from autoprec.cli import main
+
+SMALL = BenchConfig(workload="tiny", batch_size=4, block_shape=(4, 32, 64), steps=3, warmup=1, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def result():
+    return run_bench(SMALL)
+
+
+def test_every_target_and_variant_has_a_row(result):
+    assert {(r.target, r.variant) for r in result.rows} == {(t, v) for t in ("workload", "block") for v in DEFAULT_VARIANTS}
+
+
+def test_reference_ratios_are_one(result):
+    for target in ("workload", "block"):
+        ref = result.row(target, "fp32")
+        assert (ref.step_ratio, ref.saved_ratio) == (1.0, 1.0)
+
+
+def test_times_and_bytes_are_positive(result):
+    assert all(r.step_ms > 0 and r.saved_bytes > 0 for r in result.rows)
+
+
+def test_fp8_plan_saves_less_than_autocast_on_block(result):
+    assert result.row("block", "plan:fp8_e4m3").saved_ratio < result.row("block", "autocast:bf16").saved_ratio
+
+
+def test_bf16_plan_saves_what_autocast_saves_on_block(result):
+    # The runtime runs BF16 layers under torch.autocast, so it keeps exactly what autocast keeps.
+    assert result.row("block", "plan:bf16").saved_bytes == result.row("block", "autocast:bf16").saved_bytes
+
+
+def test_final_losses_are_finite(result):
+    assert all(r.finite and math.isfinite(r.final_loss) for r in result.rows)
+
+
+def test_all_four_targets_are_checked(result):
+    assert len(result.targets) == 4 and all(isinstance(t.passed, bool) for t in result.targets)
+
+
+def test_int8_calibration_is_summarised(result):
+    cal = result.calibration
+    assert cal["layers"] > 0 and 0 <= cal["calibrated_rel_error"] < 1 and 0 <= cal["naive_max_rel_error"] < 1
+
+
+def test_attention_matmuls_are_reported_emulated(result):
+    # Batched q @ k^T and att @ v have no FP8 / INT8 kernel: the report must name them.
+    assert result.emulated["block"]["plan:fp8_e4m3"] == {"attn": ["matmul"]}
+
+
+def test_result_is_json_and_table_lists_targets(result):
+    text = json.dumps(result.to_dict(), allow_nan=False)
+    table = result.format_table()
+    assert json.loads(text)["rows"] and table.count("PASS") + table.count("FAIL") == len(result.targets)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"steps": 0},
+        {"warmup": 0},
+        {"batch_size": -1},
+        {"workload": "huge"},
+        {"block_shape": (4, 32, 63)},
+        {"variants": ("plan:bf16",)},
+        {"variants": ("fp32", "plan:nope")},
+        {"variants": ("fp32", "autocast:int8")},
+        {"variants": ("fp32", "fp32")},
+        {"device": "not-a-device"},
+    ],
+)
+def test_config_rejects_bad_input(changes):
+    with pytest.raises(BenchConfigError):
+        dataclasses.replace(SMALL, **changes)
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(BenchConfigError, ValueError)
+
+
+# -- CLI --------------------------------------------------------------------------------------
+
+
+def test_cli_bench_quick_writes_json(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--quick", "--json", str(path)]) == 0
+    out, err = capsys.readouterr()
+    data = json.loads(path.read_text())
+    assert len(data["rows"]) == 2 * len(DEFAULT_VARIANTS) and "targets:" in out and "[bench]" in err
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_cli_negative_steps_is_one_line_error(capsys):
+    status = main(["bench", "--steps", "-1"])
+    err = capsys.readouterr().err
+    assert status != 0 and err.startswith("autoprec: error: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cli_unknown_variant_is_one_line_error(capsys):
+    status = main(["bench", "--variants", "fp32,plan:nope"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith("autoprec: error: ") and err.count("\n") == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cli_unavailable_device_is_one_line_error(capsys):
+    status = main(["bench", "--quick", "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert status == 1 and err.startswith("autoprec: error: ") and err.count("\n") == 1
+
+
+def test_cli_check_fails_on_failed_target(monkeypatch, result, capsys):
+    failed = dataclasses.replace(result, targets=[TargetCheck("made up", 2.0, 1.0, False)])
+    monkeypatch.setattr("autoprec.bench.run_bench", lambda config, progress=None: failed)
+    assert main(["bench", "--quick"]) == 0
+    assert main(["bench", "--quick", "--check"]) == 1
+
+
+def test_cli_help_exits_zero():
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+
+
+def test_cli_without_command_is_usage_error(capsys):
+    assert main([]) == 2
+
+
+def test_python_m_autoprec_bench_help():
+    proc = subprocess.run([sys.executable, "-m", "autoprec", "bench", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "--quick" in proc.stdout and proc.stderr == ""
+
+
+def test_progress_rewrites_one_line_on_a_terminal():
+    import io
+
+    from autoprec.cli import _Progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Tty()
+    progress = _Progress("bench", stream=stream)
+    progress(1, 2, "warmup")
+    progress(2, 2, "timed")
+    progress.close()
+    text = stream.getvalue()
+    assert "\n" not in text and "timed round 2/2" in text and text.endswith("\r")
