@@ -32,3 +32,46 @@ class RuntimeStateError(AutoprecError, RuntimeError):
 
 class FormatError(AutoprecError, ValueError):
     """An unknown format name or a quantization request the format cannot serve."""
+
+
+class SearchError(AutoprecError, ValueError):
+    """A search cannot run as configured: an empty space, a bad rule, a bad budget."""
+
+
+class InfeasibleBudgetError(SearchError):
+    """No plan meets the budgets; the message states the smallest memory and loss increase reachable."""
+
+    def __init__(self, message: str, min_bytes: float, min_loss: float):
+        super().__init__(message)
+        self.min_bytes = min_bytes
+        self.min_loss = min_loss
+
+
+class SensitivityError(AutoprecError, ValueError):
+    """A sensitivity estimate or measurement was asked for with inputs it cannot use (no batches,
+    unknown layers or formats, a loss that is not a finite scalar, mismatched rankings)."""
+
+
+class ProfileError(AutoprecError, ValueError):
+    """A profile is malformed, was made for another model, or a profiler was misused.
+
+    The message names every offending layer or field and says what to do.
+    """
+
+    def __init__(self, problems, hint: str = ""):
+        if isinstance(problems, str):
+            problems = [problems]
+        self.problems = list(problems)
+        if len(self.problems) == 1 and not hint:
+            message = self.problems[0]
+        else:
+            lines = "\n".join(f"  - {p}" for p in self.problems)
+            message = f"invalid profile ({len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}):\n{lines}"
+        if hint:
+            message += f"\n{hint}"
+        super().__init__(message)
+
+
+class CostModelError(AutoprecError, ValueError):
+    """The cost model cannot cost what it was asked: an unknown layer or format, a plan that does
+    not match the traced model, a bad measurement setting. The message says what to pass instead."""

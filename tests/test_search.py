@@ -1,0 +1,269 @@
+"""The search core: space rules, the exact optimum (vs brute force), the Optuna proxy study."""
+
+import itertools
+import multiprocessing
+import sqlite3
+
+import numpy as np
+import optuna
+import pytest
+
+from autoprec.errors import InfeasibleBudgetError, SearchError
+from autoprec.formats import Format
+from autoprec.search import Budgets, Choice, LayerRules, SearchSpace, formats_for_precision, run_proxy_study, solve_exact
+from autoprec.search.study import open_storage
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+FORMATS = (Format.FP32, Format.BF16, Format.FP8_E4M3, Format.INT8)
+
+
+def random_table(layers, seed, formats=FORMATS):
+    """Costs shaped like real ones: fewer bytes and less time in narrower formats, more loss."""
+    rng = np.random.default_rng(seed)
+    table = {}
+    for i in range(layers):
+        size = rng.integers(1, 50) * 1e4
+        sensitivity = rng.lognormal(-6, 1.5)
+        table[f"blocks.{i // 4}.layer{i % 4}"] = {
+            f: Choice(size * f.bytes, size * 1e-9 * (f.bytes / 4 + rng.uniform(0, 0.3)), 0.0 if f is Format.FP32 else sensitivity * 8 / f.bits * rng.uniform(0.5, 2))
+            for f in formats
+        }
+    return table
+
+
+def brute_force(space, memory, loss):
+    best = None
+    for combo in itertools.product(*[u.formats for u in space.units]):
+        assignment = {u.name: f for u, f in zip(space.units, combo)}
+        total = space.totals(assignment)
+        if total.bytes <= memory and total.loss <= loss and (best is None or total.seconds < best.seconds):
+            best = total
+    return best
+
+
+def budgets_for(space, memory_fraction=0.6, loss_fraction=0.5):
+    fp32 = space.totals(space.uniform(Format.FP32))
+    most_loss = space.totals(space.extreme("bytes")).loss
+    return memory_fraction * fp32.bytes, loss_fraction * most_loss
+
+
+# -- space ----------------------------------------------------------------------------------------
+
+
+def test_precision_bounds_select_formats_by_bits():
+    assert formats_for_precision(16, 32) == (Format.FP32, Format.BF16, Format.FP16)
+    assert formats_for_precision(8, 8) == (Format.FP8_E4M3, Format.INT8)
+
+
+def test_precision_bounds_reject_other_widths():
+    with pytest.raises(SearchError, match="8, 16 or 32"):
+        formats_for_precision(4, 32)
+
+
+def test_min_above_max_precision_is_an_error():
+    with pytest.raises(SearchError, match="swap"):
+        formats_for_precision(32, 8)
+
+
+def test_space_applies_precision_pins_and_forbids():
+    table = random_table(8, 0)
+    rules = LayerRules(pin={"blocks.0.layer0": Format.BF16}, forbid={"blocks.1.*": [Format.INT8]})
+    space = SearchSpace(table, min_precision=8, max_precision=16, rules=rules)
+    units = {u.name: u.formats for u in space.units}
+    assert units["blocks.0.layer0"] == (Format.BF16,)
+    assert units["blocks.1.layer2"] == (Format.BF16, Format.FP8_E4M3)
+    assert units["blocks.0.layer1"] == (Format.BF16, Format.FP8_E4M3, Format.INT8)
+
+
+def test_grouped_layers_form_one_unit_with_summed_costs():
+    table = random_table(8, 0)
+    group = ["blocks.0.layer0", "blocks.0.layer1", "blocks.0.layer2"]
+    space = SearchSpace(table, rules=LayerRules(groups=[group]))
+    unit = next(u for u in space.units if len(u.layers) == 3)
+    assert unit.layers == tuple(group)
+    expected = sum(table[fqn][Format.INT8].bytes for fqn in group)
+    assert unit.choices[Format.INT8].bytes == pytest.approx(expected)
+    assert len(space.units) == 6
+    assignment = {u.name: Format.BF16 if u is unit else Format.FP32 for u in space.units}
+    assert {space.layer_formats(assignment)[fqn] for fqn in group} == {Format.BF16}
+
+
+def test_rule_pattern_matching_no_layer_is_named():
+    with pytest.raises(SearchError, match="'blocks.9.\\*' matches no layer"):
+        SearchSpace(random_table(4, 0), rules=LayerRules(forbid={"blocks.9.*": [Format.INT8]}))
+
+
+def test_layer_left_without_format_is_named():
+    rules = LayerRules(pin={"blocks.0.layer3": Format.FP16})  # FP16 not costed in this table
+    with pytest.raises(SearchError, match="'blocks.0.layer3': no format left"):
+        SearchSpace(random_table(4, 0), rules=rules)
+
+
+def test_non_finite_cost_is_rejected():
+    with pytest.raises(SearchError, match="finite"):
+        Choice(1.0, float("nan"), 0.0)
+
+
+def test_budgets_resolve_fractions_and_relative_loss():
+    budgets = Budgets(memory=0.5, accuracy=0.01)
+    assert budgets.memory_bytes(1000) == 500
+    assert Budgets(memory=4096).memory_bytes(1000) == 4096
+    assert budgets.loss_increase(2.5) == pytest.approx(0.025)
+    assert Budgets(accuracy=0.1, accuracy_relative=False).loss_increase(None) == 0.1
+
+
+def test_relative_accuracy_without_baseline_says_what_is_missing():
+    with pytest.raises(SearchError, match="baseline"):
+        Budgets(accuracy=0.01).loss_increase(None)
+
+
+# -- exact ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("fractions", [(0.6, 0.5), (0.45, 0.3), (0.9, 0.1)])
+def test_exact_solver_matches_brute_force(seed, fractions):
+    space = SearchSpace(random_table(7, seed))
+    memory, loss = budgets_for(space, *fractions)
+    best = brute_force(space, memory, loss)
+    if best is None:
+        with pytest.raises(InfeasibleBudgetError):
+            solve_exact(space, memory, loss)
+        return
+    solution = solve_exact(space, memory, loss)
+    assert solution.total.seconds == pytest.approx(best.seconds, rel=1e-9)
+    assert solution.total.bytes <= memory
+    assert solution.total.loss <= loss + 1e-12
+
+
+def test_exact_solver_respects_groups():
+    table = random_table(8, 3)
+    group = ["blocks.0.layer0", "blocks.0.layer1"]
+    space = SearchSpace(table, rules=LayerRules(groups=[group]))
+    solution = solve_exact(space, *budgets_for(space))
+    formats = space.layer_formats(solution.assignment)
+    assert formats[group[0]] is formats[group[1]]
+
+
+def test_infeasible_budget_states_the_smallest_reachable():
+    space = SearchSpace(random_table(6, 1))
+    least_bytes = space.totals(space.extreme("bytes")).bytes
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve_exact(space, least_bytes * 0.9, float("inf"))
+    assert f"{least_bytes:,.0f} bytes" in str(info.value)
+    assert info.value.min_bytes == pytest.approx(least_bytes)
+
+
+def test_jointly_infeasible_budgets_name_both_minima():
+    space = SearchSpace(random_table(6, 2))
+    memory = space.totals(space.extreme("bytes")).bytes * 1.01  # reachable alone, at a high loss
+    with pytest.raises(InfeasibleBudgetError, match="within the loss budget the smallest memory") as info:
+        solve_exact(space, memory, 1e-9)
+    brute = min(
+        (space.totals(dict(zip([u.name for u in space.units], c))).loss
+         for c in itertools.product(*[u.formats for u in space.units])
+         if space.totals(dict(zip([u.name for u in space.units], c))).bytes <= memory),
+    )
+    assert info.value.min_loss == pytest.approx(brute)
+
+
+# -- proxy study ----------------------------------------------------------------------------------
+
+
+def test_warm_started_study_is_within_one_percent_of_the_exact_optimum_on_120_layers():
+    space = SearchSpace(random_table(120, 7))
+    memory, loss = budgets_for(space, 0.4, 0.3)
+    exact = solve_exact(space, memory, loss)
+    result = run_proxy_study(space, memory, loss, n_trials=60, warm_start=[exact.assignment])
+    assert result.best is not None
+    assert result.best.total.seconds <= exact.total.seconds * 1.01
+    assert result.best.total.bytes <= memory
+
+
+def test_cold_study_finds_the_exact_optimum_on_a_small_space():
+    space = SearchSpace(random_table(8, 4, formats=(Format.FP32, Format.BF16, Format.FP8_E4M3)))
+    memory, loss = budgets_for(space, 0.6, 0.5)
+    exact = solve_exact(space, memory, loss)
+    result = run_proxy_study(space, memory, loss, n_trials=250, seed=0)
+    assert result.best.total.seconds <= exact.total.seconds * 1.01
+
+
+def test_infeasible_trials_never_count_as_best():
+    space = SearchSpace(random_table(10, 5))
+    memory, loss = budgets_for(space, 0.45, 0.2)
+    result = run_proxy_study(space, memory, loss, n_trials=40, seed=1)
+    if result.best is not None:
+        assert result.best.total.bytes <= memory and result.best.total.loss <= loss
+    infeasible = [t for t in result.study.trials if t.user_attrs["bytes"] > memory]
+    assert infeasible  # the budget is tight enough to reject some trials
+
+
+def test_multi_objective_front_is_feasible_and_non_dominated():
+    space = SearchSpace(random_table(10, 6))
+    memory, loss = budgets_for(space, 0.7, 0.8)
+    result = run_proxy_study(space, memory, loss, n_trials=80, multi_objective=True, seed=0)
+    assert result.pareto
+    points = [(s.total.seconds, s.total.bytes, s.total.loss) for s in result.pareto]
+    for p in points:
+        assert p[1] <= memory and p[2] <= loss
+        assert not any(all(q[i] <= p[i] for i in range(3)) and q != p for q in points)
+
+
+def test_sqlite_study_resumes_without_losing_or_repeating_trials(tmp_path):
+    space = SearchSpace(random_table(10, 8))
+    memory, loss = budgets_for(space)
+    path = tmp_path / "study.db"
+    first = run_proxy_study(space, memory, loss, n_trials=15, storage=path, study_name="s", warm_start=[space.uniform(Format.FP32)])
+    before = [(t.number, t.params) for t in first.study.trials]
+    second = run_proxy_study(space, memory, loss, n_trials=30, storage=path, study_name="s", warm_start=[space.uniform(Format.FP32)])
+    after = [(t.number, t.params) for t in second.study.trials]
+    assert second.trials == 30
+    assert after[:15] == before
+    assert [n for n, _ in after] == list(range(30))
+    fp32 = {u.name: "fp32" for u in space.units}
+    assert sum(params == fp32 for _, params in after) == 1  # the warm start ran once, not on resume
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")  # the orphan comes from ask(), on purpose
+def test_trial_left_running_by_a_dead_worker_is_retried(tmp_path):
+    space = SearchSpace(random_table(6, 9))
+    memory, loss = budgets_for(space)
+    storage = open_storage(tmp_path / "study.db", heartbeat_seconds=1)
+    study = optuna.create_study(study_name="s", storage=storage)
+    orphan = study.ask({u.name: optuna.distributions.CategoricalDistribution([f.value for f in u.formats]) for u in space.units})
+    storage.record_heartbeat(orphan._trial_id)  # a worker that started, then died
+    import time
+
+    time.sleep(2.5)
+    result = run_proxy_study(space, memory, loss, n_trials=5, storage=storage, study_name="s")
+    states = [t.state for t in result.study.trials]
+    assert states[0] == optuna.trial.TrialState.FAIL
+    retried = [t for t in result.study.trials if t.system_attrs.get("failed_trial") == orphan.number]
+    assert retried and retried[0].params == orphan.params
+    assert result.trials == 5
+
+
+def _worker(path, n_trials):
+    space = SearchSpace(random_table(10, 10))
+    memory, loss = budgets_for(space)
+    run_proxy_study(space, memory, loss, n_trials=n_trials, storage=path, study_name="shared", seed=None)
+
+
+def test_second_worker_joins_the_same_study(tmp_path):
+    path = str(tmp_path / "study.db")
+    _worker(path, 1)  # create the study before two processes race to create it
+    workers = [multiprocessing.get_context("spawn").Process(target=_worker, args=(path, 24)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+    assert all(w.exitcode == 0 for w in workers)
+    with sqlite3.connect(path) as db:
+        count, = db.execute("SELECT COUNT(*) FROM trials WHERE state = 'COMPLETE'").fetchone()
+    assert 24 <= count <= 25  # each worker stops at 24; one may finish a trial already started
+
+
+def test_unreachable_storage_is_a_one_line_error():
+    with pytest.raises(SearchError, match="cannot open Optuna storage") as info:
+        open_storage("sqlite:////nonexistent-dir/study.db")
+    assert "\n" not in str(info.value)
