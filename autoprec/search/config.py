@@ -1,0 +1,246 @@
+"""Search job files (``searches/<job>.toml``): parsed, checked, and frozen.
+
+Every problem is one line naming the key and what is expected, e.g.
+``searches/x.toml: [search].trials: expected an integer >= 1, got "many"``. Unknown keys are
+errors (a typo must not silently fall back to a default).
+
+Layout::
+
+    [job]        name, out                       # out: folder for plan, study, profile, logs
+    [workload]   factory = "module:function", kwargs = {...}
+    [budgets]    memory, accuracy, accuracy_relative
+    [search]     min_precision, max_precision, formats, trials, storage, study_name, seed,
+                 multi_objective, measure_top, timeout_s
+    [rules]      pin = {pattern = format}, forbid = {pattern = [formats]}, groups = [[patterns]]
+    [profile]    path (a saved profile to load instead of profiling), steps
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from ..errors import FormatError, SearchError
+from ..formats import Format
+from .space import DEFAULT_CANDIDATES, Budgets, LayerRules, formats_for_precision
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+__all__ = ["JobConfig", "load_job", "resolve_factory"]
+
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+    """A checked search job. Paths are absolute (relative ones resolve against the job file's folder)."""
+
+    source: Path
+    name: str
+    out: Path
+    factory: str
+    factory_kwargs: Mapping[str, Any]
+    budgets: Budgets
+    min_precision: int = 8
+    max_precision: int = 32
+    formats: tuple[Format, ...] = DEFAULT_CANDIDATES
+    trials: int = 300
+    storage: str = "study.db"
+    study_name: str = ""
+    seed: int = 0
+    multi_objective: bool = False
+    measure_top: int = 4
+    timeout_s: "float | None" = None
+    rules: LayerRules = LayerRules()
+    profile_path: "Path | None" = None
+    profile_steps: int = 50
+
+    @property
+    def storage_url(self) -> str:
+        """An Optuna URL; a bare path is a SQLite file under ``out``."""
+        if "://" in self.storage:
+            return self.storage
+        path = Path(self.storage)
+        return f"sqlite:///{path if path.is_absolute() else self.out / path}"
+
+
+# key -> (checker, what is expected) per table; checkers return the converted value or raise.
+def _int(minimum: int):
+    def check(v):
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise ValueError
+        return v
+    return check
+
+
+def _positive(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise ValueError
+    return v
+
+
+def _non_negative(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+        raise ValueError
+    return v
+
+
+def _str(v):
+    if not isinstance(v, str) or not v:
+        raise ValueError
+    return v
+
+
+def _bool(v):
+    if not isinstance(v, bool):
+        raise ValueError
+    return v
+
+
+def _table(v):
+    if not isinstance(v, dict):
+        raise ValueError
+    return v
+
+
+def _format_list(v):
+    if not isinstance(v, list) or not v:
+        raise ValueError
+    return tuple(Format.parse(x) for x in v)
+
+
+def _pin(v):
+    return {_str(k): Format.parse(f) for k, f in _table(v).items()}
+
+
+def _forbid(v):
+    return {_str(k): _format_list(f) for k, f in _table(v).items()}
+
+
+def _groups(v):
+    if not isinstance(v, list) or not all(isinstance(g, list) and g and all(isinstance(p, str) for p in g) for g in v):
+        raise ValueError
+    return tuple(tuple(g) for g in v)
+
+
+FORMATS = ", ".join(f.value for f in Format)
+_SCHEMA: dict[str, dict[str, tuple[Callable, str]]] = {
+    "job": {"name": (_str, "a non-empty string"), "out": (_str, "a folder path")},
+    "workload": {"factory": (_str, 'a "module:function" string'), "kwargs": (_table, "a table of keyword arguments")},
+    "budgets": {
+        "memory": (_positive, "a fraction of FP32 bytes (<= 1) or bytes (> 1)"),
+        "accuracy": (_non_negative, "an allowed loss increase >= 0"),
+        "accuracy_relative": (_bool, "true or false"),
+    },
+    "search": {
+        "min_precision": (_int(8), "8, 16 or 32"),
+        "max_precision": (_int(8), "8, 16 or 32"),
+        "formats": (_format_list, f"a non-empty list of formats ({FORMATS})"),
+        "trials": (_int(1), "an integer >= 1"),
+        "storage": (_str, "a file path or an Optuna storage URL"),
+        "study_name": (_str, "a non-empty string"),
+        "seed": (_int(0), "an integer >= 0"),
+        "multi_objective": (_bool, "true or false"),
+        "measure_top": (_int(1), "an integer >= 1"),
+        "timeout_s": (_positive, "a number of seconds > 0"),
+    },
+    "rules": {
+        "pin": (_pin, f"a table of layer pattern = format ({FORMATS})"),
+        "forbid": (_forbid, "a table of layer pattern = [formats]"),
+        "groups": (_groups, "a list of lists of layer patterns"),
+    },
+    "profile": {"path": (_str, "a saved profile's path"), "steps": (_int(1), "an integer >= 1")},
+}
+_REQUIRED = {("job", "name"), ("workload", "factory")}
+
+
+def load_job(path: "str | Path") -> JobConfig:
+    """Read and check a job file; `SearchError` with one line for the first problem found."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SearchError(f"{path}: no such job file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SearchError(f"{path}: cannot read: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SearchError(f"{path}: not valid TOML: {exc}") from None
+
+    values: dict[tuple[str, str], Any] = {}
+    for table, entries in raw.items():
+        if table not in _SCHEMA:
+            raise SearchError(f"{path}: unknown table [{table}]; expected one of {', '.join(f'[{t}]' for t in _SCHEMA)}")
+        if not isinstance(entries, dict):
+            raise SearchError(f"{path}: {table} must be a table, written [{table}]")
+        for key, value in entries.items():
+            if key not in _SCHEMA[table]:
+                raise SearchError(f"{path}: [{table}].{key}: unknown key; expected one of {', '.join(_SCHEMA[table])}")
+            check, expected = _SCHEMA[table][key]
+            try:
+                values[(table, key)] = check(value)
+            except FormatError as exc:
+                raise SearchError(f"{path}: [{table}].{key}: {exc}") from None
+            except (ValueError, TypeError, AttributeError):
+                raise SearchError(f"{path}: [{table}].{key}: expected {expected}, got {value!r}") from None
+    for table, key in sorted(_REQUIRED - set(values)):
+        raise SearchError(f"{path}: [{table}].{key} is missing; expected {_SCHEMA[table][key][1]}")
+
+    def get(table, key, default=None):
+        return values.get((table, key), default)
+
+    base = path.resolve().parent
+    min_p, max_p = get("search", "min_precision", 8), get("search", "max_precision", 32)
+    try:
+        formats_for_precision(min_p, max_p)
+    except SearchError as exc:
+        raise SearchError(f"{path}: [search]: {exc}") from None
+    name = get("job", "name")
+    out = Path(get("job", "out", f"runs/{name}"))
+    profile = get("profile", "path")
+    try:
+        budgets = Budgets(get("budgets", "memory"), get("budgets", "accuracy"), get("budgets", "accuracy_relative", True))
+    except SearchError as exc:
+        raise SearchError(f"{path}: [budgets]: {exc}") from None
+    config = JobConfig(
+        source=path.resolve(),
+        name=name,
+        out=out if out.is_absolute() else base / out,
+        factory=get("workload", "factory"),
+        factory_kwargs=dict(get("workload", "kwargs", {})),
+        budgets=budgets,
+        min_precision=min_p,
+        max_precision=max_p,
+        formats=get("search", "formats", DEFAULT_CANDIDATES),
+        trials=get("search", "trials", 300),
+        storage=get("search", "storage", "study.db"),
+        study_name=get("search", "study_name", name),
+        seed=get("search", "seed", 0),
+        multi_objective=get("search", "multi_objective", False),
+        measure_top=get("search", "measure_top", 4),
+        timeout_s=get("search", "timeout_s"),
+        rules=LayerRules(get("rules", "pin", {}), get("rules", "forbid", {}), get("rules", "groups", ())),
+        profile_path=(base / profile) if profile and not Path(profile).is_absolute() else (Path(profile) if profile else None),
+        profile_steps=get("profile", "steps", 50),
+    )
+    resolve_factory(config)  # a missing factory is a config error, found before any work
+    return config
+
+
+def resolve_factory(config: JobConfig) -> Callable:
+    """Import ``[workload].factory`` ("module:function"); `SearchError` naming the key otherwise."""
+    where = f"{config.source}: [workload].factory"
+    module_name, _, attr = config.factory.partition(":")
+    if not module_name or not attr:
+        raise SearchError(f'{where}: expected "module:function", got {config.factory!r}')
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise SearchError(f"{where}: cannot import module {module_name!r} ({exc})") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise SearchError(f"{where}: module {module_name!r} has no callable {attr!r}")
+    return factory

@@ -1,0 +1,101 @@
+"""Search job files: a good file loads; every bad key or value is one line naming it."""
+
+import textwrap
+
+import pytest
+
+from autoprec.errors import SearchError
+from autoprec.formats import Format
+from autoprec.search.config import load_job
+
+GOOD = """
+[job]
+name = "bytelm"
+out = "runs/bytelm"
+
+[workload]
+factory = "autoprec.workloads:default_workload"
+kwargs = { name = "tiny" }
+
+[budgets]
+memory = 0.5
+accuracy = 0.01
+
+[search]
+min_precision = 8
+max_precision = 32
+formats = ["fp32", "bf16", "fp8_e4m3", "int8"]
+trials = 200
+seed = 3
+
+[rules]
+pin = { "lm_head" = "bf16" }
+forbid = { "blocks.*.attn" = ["int8"] }
+groups = [["blocks.0.attn.qkv", "blocks.0.attn.proj"]]
+"""
+
+
+def write(tmp_path, text, name="job.toml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+def error_of(path) -> str:
+    with pytest.raises(SearchError) as info:
+        load_job(path)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_good_job_loads_with_paths_resolved_against_the_file(tmp_path):
+    job = load_job(write(tmp_path, GOOD))
+    assert job.name == "bytelm"
+    assert job.out == tmp_path / "runs" / "bytelm"
+    assert job.formats == (Format.FP32, Format.BF16, Format.FP8_E4M3, Format.INT8)
+    assert job.budgets.memory == 0.5 and job.budgets.accuracy == 0.01 and job.budgets.accuracy_relative
+    assert job.rules.pin == {"lm_head": Format.BF16}
+    assert job.rules.forbid == {"blocks.*.attn": (Format.INT8,)}
+    assert job.rules.groups == (("blocks.0.attn.qkv", "blocks.0.attn.proj"),)
+    assert job.storage_url == f"sqlite:///{tmp_path / 'runs' / 'bytelm' / 'study.db'}"
+    assert job.study_name == "bytelm" and job.trials == 200 and job.seed == 3
+
+
+@pytest.mark.parametrize(
+    "old, new, expected",
+    [
+        ("trials = 200", "trials = 200\ntrails = 5", "[search].trails: unknown key; expected one of"),
+        ("trials = 200", 'trials = "many"', "[search].trials: expected an integer >= 1, got 'many'"),
+        ("trials = 200", "trials = 0", "[search].trials: expected an integer >= 1, got 0"),
+        ("memory = 0.5", "memory = -1", "[budgets].memory: expected a fraction of FP32 bytes"),
+        ("memory = 0.5", "memory = true", "[budgets].memory: expected"),
+        ('"bf16", "fp8_e4m3"', '"bf16", "fp9"', "[search].formats: unknown format 'fp9'"),
+        ('"lm_head" = "bf16"', '"lm_head" = "bf17"', "[rules].pin: unknown format 'bf17'"),
+        ("min_precision = 8", "min_precision = 12", "[search]: min_precision must be 8, 16 or 32"),
+        ("min_precision = 8\nmax_precision = 32", "min_precision = 32\nmax_precision = 16", "swap them"),
+        ('factory = "autoprec.workloads:default_workload"', 'factory = "autoprec.workloads:nope"', "has no callable 'nope'"),
+        ('factory = "autoprec.workloads:default_workload"', 'factory = "no_such_module_x:f"', "cannot import module 'no_such_module_x'"),
+        ('factory = "autoprec.workloads:default_workload"', 'factory = "just_a_name"', 'expected "module:function"'),
+        ("[rules]", "[rulez]", "unknown table [rulez]"),
+        ('groups = [["blocks.0.attn.qkv", "blocks.0.attn.proj"]]', 'groups = ["x"]', "[rules].groups: expected a list of lists"),
+    ],
+)
+def test_bad_entries_are_one_line_errors_naming_the_key(tmp_path, old, new, expected):
+    assert old in GOOD
+    message = error_of(write(tmp_path, GOOD.replace(old, new, 1)))
+    assert str(tmp_path / "job.toml") in message
+    assert expected in message
+
+
+def test_missing_factory_is_named(tmp_path):
+    text = GOOD.replace('factory = "autoprec.workloads:default_workload"\n', "")
+    assert "[workload].factory is missing" in error_of(write(tmp_path, text))
+
+
+def test_malformed_toml_names_the_file(tmp_path):
+    assert "not valid TOML" in error_of(write(tmp_path, "[job\nname = 1"))
+
+
+def test_missing_file_is_named(tmp_path):
+    assert "no such job file" in error_of(tmp_path / "absent.toml")
