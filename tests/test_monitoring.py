@@ -1,0 +1,378 @@
+"""`autoprec.monitoring`: plans and their differences, for a person, in TensorBoard.
+
+Event files are read back with TensorBoard's own `EventAccumulator`; one real `tensorboard`
+process on 127.0.0.1 (shared by the HTTP tests, always stopped) serves the same runs.
+"""
+
+import gc
+import io
+import json
+import socket
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+import torch.nn as nn
+from PIL import Image
+from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.plugins.hparams import metadata as hparams_metadata
+
+from autoprec import Format, LayerPrecision, Plan, PlanError, Scaling
+from autoprec.errors import MonitoringError
+from autoprec.monitoring import (
+    FORMAT_COLOURS,
+    ROW_HEIGHT,
+    PlanWriter,
+    budget_checks,
+    diff_plans,
+    load_plans,
+    plan_hparams,
+    plan_layers_markdown,
+    plan_scalars,
+    plan_summary_markdown,
+    render_precision_map,
+    start_tensorboard,
+    write_review,
+)
+
+LAYERS = {
+    "embed": "fp32",
+    "blocks.0.attn.qkv": "bf16",
+    "blocks.0.attn.out": "fp8_e4m3",
+    "blocks.0.mlp.fc1": "int8",
+    "blocks.0.mlp.fc2": "fp16",
+    "lm_head": "fp8_e5m2",
+}
+
+
+def make_plan(**changes) -> Plan:
+    layers = {fqn: LayerPrecision(fmt, reason=f"cheapest for {fqn}") for fqn, fmt in LAYERS.items()}
+    predicted = {
+        "bytes": 6_000_000, "seconds": 0.012, "loss_increase": 0.004, "fp32_bytes": 20_000_000, "fp32_seconds": 0.02,
+        "layers": {fqn: {"bytes": 1_000_000 + i, "seconds": 0.001 * (i + 1), "loss": 0.0005 * i} for i, fqn in enumerate(LAYERS)},
+    }
+    plan = Plan(layers, predicted=predicted, budgets={"memory": 0.5, "loss_increase": 0.003}, metadata={"source": "test"})
+    return plan.with_layers(changes) if changes else plan
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return make_plan()
+
+
+@pytest.fixture(scope="module")
+def other():
+    """`plan` with qkv in FP8 (half its bytes) and current scaling on the output projection."""
+    changed = make_plan(**{
+        "blocks.0.attn.qkv": LayerPrecision("fp8_e4m3", reason="fits the memory budget"),
+        "blocks.0.attn.out": LayerPrecision("fp8_e4m3", scaling=Scaling(mode="current"), reason="amax drifts"),
+    })
+    predicted = json.loads(json.dumps(dict(changed.predicted)))
+    predicted["layers"]["blocks.0.attn.qkv"]["bytes"] = 500_001
+    return changed.replace(predicted=predicted)
+
+
+def accumulator(path) -> event_accumulator.EventAccumulator:
+    acc = event_accumulator.EventAccumulator(str(path), size_guidance={k: 0 for k in event_accumulator.DEFAULT_SIZE_GUIDANCE})
+    acc.Reload()
+    return acc
+
+
+def text_of(acc, tag) -> str:
+    return acc.Tensors(tag)[-1].tensor_proto.string_val[0].decode("utf-8")
+
+
+def colour_at(picture: Image.Image, xy) -> tuple:
+    return picture.convert("RGB").getpixel(xy)
+
+
+# --- rendering --------------------------------------------------------------------------------
+
+
+def test_every_format_has_its_own_colour():
+    assert set(FORMAT_COLOURS) == set(Format) and len(set(FORMAT_COLOURS.values())) == len(Format)
+
+
+def test_map_fills_a_layers_format_cell_in_its_colour(plan):
+    picture = render_precision_map(plan)
+    image = picture.to_array()
+    x, y = picture.cell_center("blocks.0.mlp.fc1", "int8")
+    assert tuple(image[y, x]) == FORMAT_COLOURS[Format.INT8]
+
+
+def test_map_leaves_the_other_formats_of_a_row_empty(plan):
+    picture = render_precision_map(plan)
+    image = picture.to_array()
+    colours = {tuple(image[y, x]) for x, y in (picture.cell_center("blocks.0.mlp.fc1", f.value) for f in Format if f is not Format.INT8)}
+    assert not colours & set(FORMAT_COLOURS.values())
+
+
+def test_map_has_one_small_row_per_layer_for_hundreds_of_layers():
+    plan = Plan({f"layers.{i}.proj": list(Format)[i % 6] for i in range(500)})
+    picture = render_precision_map(plan)
+    assert picture.size[1] - picture.grid_top >= 500 * ROW_HEIGHT and picture.size[1] < 500 * ROW_HEIGHT + 200
+
+
+def test_layer_table_has_every_layer_format_and_reason(plan):
+    table = plan_layers_markdown(plan)
+    assert all(f"`{fqn}`" in table and fmt in table and f"cheapest for {fqn}" in table for fqn, fmt in LAYERS.items())
+
+
+def test_layer_table_shows_predicted_figures_and_dashes_for_measured(plan):
+    row = next(line for line in plan_layers_markdown(plan).splitlines() if "`lm_head`" in line)
+    assert "976.6 KiB / –" in row and "6 ms / –" in row and "0.0025 / –" in row
+
+
+def test_uniform_plan_renders_with_dashes():
+    plan = Plan.uniform(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), "bf16")
+    summary = plan_summary_markdown(plan, "uniform")
+    assert "| memory | – | – | – / – |" in summary and "budgets: –" in summary
+
+
+def test_summary_checks_each_budget(plan):
+    summary = plan_summary_markdown(plan, "a")
+    assert "| memory | 50 % of FP32 = 9.5 MiB | 5.7 MiB ✓ | – |" in summary and "| loss increase | 0.003 | 0.004 ✗ over | – |" in summary
+
+
+def test_memory_fraction_is_read_against_fp32_bytes(plan):
+    memory = next(c for c in budget_checks(plan) if c.name == "memory")
+    assert memory.bound == 0.5 * 20_000_000
+
+
+def test_scalars_are_the_figures_the_plan_has(plan):
+    assert plan_scalars(plan) == pytest.approx({
+        "plan/predicted_bytes": 6e6, "plan/predicted_seconds": 0.012, "plan/predicted_loss_increase": 0.004,
+        "plan/predicted_fp32_bytes": 2e7, "plan/predicted_fp32_seconds": 0.02,
+        "plan/predicted_bytes_vs_fp32": 0.3, "plan/predicted_seconds_vs_fp32": 0.6,
+    })
+
+
+def test_hparams_count_every_format_and_budget(plan):
+    hparams = plan_hparams(plan, "a")
+    assert {k: hparams[k] for k in ("count/fp32", "count/bf16", "count/int8", "budget/memory", "layers")} == {
+        "count/fp32": 1, "count/bf16": 1, "count/int8": 1, "budget/memory": 0.5, "layers": 6,
+    }
+
+
+# --- differences ------------------------------------------------------------------------------
+
+
+def test_diff_lists_changed_layers_in_model_order(plan, other):
+    diff = diff_plans(plan, other)
+    assert [(d.layer, d.before, d.after) for d in diff] == [
+        ("blocks.0.attn.qkv", Format.BF16, Format.FP8_E4M3),
+        ("blocks.0.attn.out", Format.FP8_E4M3, Format.FP8_E4M3),
+    ]
+
+
+def test_diff_names_scaling_changes_but_not_implied_gradient_formats(plan, other):
+    changes = {d.layer: d.changes for d in diff_plans(plan, other)}
+    assert changes == {"blocks.0.attn.qkv": (), "blocks.0.attn.out": ("scaling.mode: delayed → current",)}
+
+
+def test_diff_reports_layers_only_one_plan_has(plan):
+    smaller = Plan({fqn: lp for fqn, lp in plan.layers.items() if fqn != "lm_head"})
+    assert [(d.layer, d.before, d.after) for d in diff_plans(plan, smaller)] == [("lm_head", Format.FP8_E5M2, None)]
+
+
+def test_identical_plans_say_so(plan):
+    assert diff_plans(plan, make_plan(), ("a", "b")).format_table() == "a → b: identical (6 layers)"
+
+
+def test_diff_carries_predicted_deltas(plan, other):
+    qkv = next(d for d in diff_plans(plan, other) if d.layer == "blocks.0.attn.qkv")
+    assert (qkv.bytes_delta, qkv.seconds_delta) == (-500_000, 0)
+
+
+def test_diff_table_aligns_its_columns(plan, other):
+    header, qkv, out = diff_plans(plan, other, ("a", "b")).format_table().splitlines()[1:]
+    column = header.index("other changes")
+    assert qkv[column:].startswith("–  ") and out[column:].startswith("scaling.mode: delayed → current")
+
+
+def test_diff_table_shows_signed_deltas(plan, other):
+    qkv = diff_plans(plan, other, ("a", "b")).format_table().splitlines()[2]
+    assert "-488.3 KiB" in qkv and "fits the memory budget" in qkv
+
+
+# --- event files ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def review(tmp_path_factory, plan, other):
+    return write_review([("a", plan), ("b", other)], tmp_path_factory.mktemp("review") / "tb")
+
+
+def test_review_writes_a_run_per_plan_and_per_pair(review):
+    assert sorted(review.runs) == ["diffs/a-vs-b", "plans/a", "plans/b"]
+
+
+def test_plan_run_has_image_text_and_scalar_tags(review):
+    tags = accumulator(review.runs["plans/a"]).Tags()
+    assert (tags["images"], sorted(tags["tensors"]), "plan/predicted_bytes" in tags["scalars"]) == (
+        ["plan/precision_map"], ["plan/layers", "plan/summary"], True,
+    )
+
+
+def test_plan_image_decodes_to_the_map(review, plan):
+    event = accumulator(review.runs["plans/a"]).Images("plan/precision_map")[0]
+    picture = Image.open(io.BytesIO(event.encoded_image_string))
+    expected = render_precision_map(plan, "a")
+    assert picture.size == expected.size == (event.width, event.height)
+    assert colour_at(picture, expected.cell_center("lm_head", "fp8_e5m2")) == FORMAT_COLOURS[Format.FP8_E5M2]
+
+
+def test_plan_text_names_every_layer_and_format(review):
+    text = text_of(accumulator(review.runs["plans/b"]), "plan/layers")
+    assert all(f"`{fqn}`" in text for fqn in LAYERS) and text.count("`fp8_e4m3") == 2
+
+
+def test_plan_scalar_has_the_predicted_total(review):
+    (event,) = accumulator(review.runs["plans/a"]).Scalars("plan/predicted_bytes_vs_fp32")
+    assert (event.step, event.value) == (0, pytest.approx(0.3))
+
+
+def test_plan_run_is_an_hparams_session(review):
+    content = accumulator(review.runs["plans/b"]).PluginTagToContent("hparams")[hparams_metadata.SESSION_START_INFO_TAG]
+    hparams = hparams_metadata.parse_session_start_info_plugin_data(content).hparams
+    assert (hparams["plan"].string_value, hparams["count/fp8_e4m3"].number_value, hparams["count/bf16"].number_value) == ("b", 2, 0)
+
+
+def test_diff_run_lists_the_changed_layers(review):
+    text = text_of(accumulator(review.runs["diffs/a-vs-b"]), "diff/layers")
+    assert "2 of 6 layers differ" in text and "`blocks.0.attn.qkv` | `bf16` | `fp8_e4m3`" in text
+
+
+def test_diff_image_marks_both_formats_of_a_changed_layer(review, plan, other):
+    event = accumulator(review.runs["diffs/a-vs-b"]).Images("diff/precision_map")[0]
+    picture = Image.open(io.BytesIO(event.encoded_image_string))
+    expected = diff_plans(plan, other, ("a", "b")).render()
+    cells = [colour_at(picture, expected.cell_center("blocks.0.attn.qkv", name)) for name in ("a", "b")]
+    assert cells == [FORMAT_COLOURS[Format.BF16], FORMAT_COLOURS[Format.FP8_E4M3]]
+
+
+def test_reviewing_again_replaces_the_runs(tmp_path, plan, other):
+    write_review([("a", plan), ("b", other)], tmp_path)
+    write_review([("a", other), ("b", plan)], tmp_path)
+    images = accumulator(tmp_path / "plans" / "a").Images("plan/precision_map")
+    assert len(images) == 1
+
+
+def test_writer_adds_later_steps_to_a_run(tmp_path, plan, other):
+    with PlanWriter(tmp_path) as writer:
+        writer.write_plan(plan, "live", step=0)
+        path = writer.write_plan(other, "live", step=100)
+    assert [e.step for e in accumulator(path).Images("plan/precision_map")] == [0, 100]
+
+
+def test_review_table_has_a_line_per_plan_and_the_diff(review):
+    lines = review.format_table().splitlines()
+    assert lines[0].startswith("a: 6 layers") and lines[1].startswith("b: 6 layers") and "a → b: 2 of 6 layers differ" in lines[3]
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+
+def test_missing_plan_file_names_it(tmp_path):
+    with pytest.raises(PlanError, match="nope.json: no such plan file"):
+        load_plans([tmp_path / "nope.json"])
+
+
+def test_malformed_plan_file_says_where(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"schema_version": 1, "layers": ')
+    with pytest.raises(PlanError, match=r"bad.json: not valid JSON \(line 1"):
+        load_plans([path])
+
+
+def test_plans_are_named_by_file_stem(tmp_path, plan):
+    paths = [plan.save(tmp_path / "x" / "p.json"), plan.save(tmp_path / "y" / "p.json"), plan.save(tmp_path / "q.json")]
+    assert [name for name, _ in load_plans(paths)] == ["p", "p-2", "q"]
+
+
+def test_unwritable_logdir_is_one_line(tmp_path, plan):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(MonitoringError, match=r"^cannot write to logdir .*file.*: it or a parent is a file, not a directory; choose a writable --logdir$"):
+        write_review([("a", plan)], blocker / "tb")
+
+
+def test_names_sharing_a_run_are_refused(tmp_path, plan):
+    with pytest.raises(MonitoringError, match="would share the run 'a_b'"):
+        write_review([("a/b", plan), ("a b", plan)], tmp_path)
+
+
+def test_review_needs_a_plan(tmp_path):
+    with pytest.raises(MonitoringError, match="no plans to review"):
+        write_review([], tmp_path)
+
+
+def test_tensorboard_needs_an_existing_logdir(tmp_path):
+    with pytest.raises(MonitoringError, match="is not a directory"):
+        start_tensorboard(tmp_path / "missing")
+
+
+def test_tensorboard_on_a_taken_port_says_so(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(MonitoringError, match="already in use"):
+            start_tensorboard(tmp_path, port=taken.getsockname()[1], timeout=30)
+
+
+# --- a real TensorBoard -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(review):
+    tb = start_tensorboard(review.logdir, timeout=60)
+    try:
+        deadline = time.monotonic() + 30
+        while len(fetch(tb, "data/runs")) < len(review.runs) and time.monotonic() < deadline:
+            time.sleep(0.2)  # TensorBoard loads event files on a background thread
+        yield tb
+    finally:
+        tb.stop()
+
+
+def fetch(tb, route, **query):
+    url = tb.url + route + ("?" + urllib.parse.urlencode(query) if query else "")
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url, timeout=20) as response:
+        body = response.read()
+    return body if response.headers.get_content_type() == "image/png" else json.loads(body)
+
+
+def test_server_lists_the_review_runs(server):
+    assert sorted(fetch(server, "data/runs")) == ["diffs/a-vs-b", "plans/a", "plans/b"]
+
+
+def test_server_serves_the_plan_image(server, plan):
+    (entry,) = fetch(server, "data/plugin/images/images", run="plans/a", tag="plan/precision_map")
+    picture = Image.open(io.BytesIO(fetch(server, "data/plugin/images/individualImage?" + entry["query"])))
+    assert colour_at(picture, render_precision_map(plan, "a").cell_center("embed", "fp32")) == FORMAT_COLOURS[Format.FP32]
+
+
+def test_server_serves_the_layer_table_as_html(server):
+    (entry,) = fetch(server, "data/plugin/text/text", run="plans/a", tag="plan/layers")
+    assert "<table>" in entry["text"] and all(fqn in entry["text"] for fqn in LAYERS)
+
+
+def test_server_hparams_view_has_counts_and_metrics(server):
+    experiment = fetch(server, "data/plugin/hparams/experiment", request=json.dumps({"experimentName": ""}))
+    hparams = {h["name"] for h in experiment["hparamInfos"]}
+    metrics = {m["name"]["tag"] for m in experiment["metricInfos"]}
+    assert {f"count/{f.value}" for f in Format} <= hparams and "plan/predicted_bytes" in metrics
+
+
+def test_stopped_server_leaves_no_process(tmp_path):
+    tb = start_tensorboard(tmp_path, timeout=60)
+    process = tb._process
+    tb.stop()
+    assert process.poll() is not None
+
+
+def test_dropped_server_is_stopped(tmp_path):
+    process = start_tensorboard(tmp_path, timeout=60)._process
+    gc.collect()
+    assert process.poll() is not None
