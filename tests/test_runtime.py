@@ -239,6 +239,25 @@ def test_norms_softmax_and_losses_stay_fp32_in_a_low_precision_plan():
     assert loss.dtype == torch.float32
 
 
+def test_matrix_products_autocast_does_not_cast_run_in_a_half_layer():
+    class MatVec(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            self.v = nn.Parameter(torch.randn(8))
+
+        def forward(self, x):
+            return torch.mv(self.proj(x), self.v)  # proj's output is BF16, v is FP32
+
+    torch.manual_seed(0)
+    model = MatVec()
+    x = torch.randn(4, 8)
+    with ap.apply_plan(model, ap.Plan.uniform(model, "bf16", x)):
+        out = model(x)
+    assert out.dtype == torch.bfloat16
+    assert sqnr(MatVec.forward(model, x), out.float()) > 30
+
+
 def test_fp32_layer_in_a_mixed_plan_runs_in_fp32():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))

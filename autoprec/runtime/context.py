@@ -74,6 +74,14 @@ def _to_fp32(value: Any) -> Any:
     return value
 
 
+def _unify_dtypes(tree: Any, dtype: torch.dtype) -> Any:
+    """Floating tensors of ``tree`` cast to ``dtype`` when they do not already share one dtype."""
+    floats = {t.dtype for t in pytree.tree_leaves(tree) if torch.is_tensor(t) and t.is_floating_point()}
+    if len(floats) <= 1:
+        return tree
+    return pytree.tree_map(lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t, tree)
+
+
 class _Layer:
     """One planned layer while the runtime is alive: its precision, GEMM slots and report."""
 
@@ -124,6 +132,11 @@ class _RegionMode(TorchFunctionMode):
             return func(*args, **kwargs)
         layer = stack[-1]
         if layer.precision.format not in _GEMM_KERNELS:
+            half = layer.precision.format.autocast_dtype
+            if half is not None:
+                # Autocast does not cast every matrix product (CPU: mv, addmv, bilinear), and
+                # those fail on mixed dtypes; give them the layer's dtype as autocast would.
+                args, kwargs = _unify_dtypes((args, kwargs), half)
             return func(*args, **kwargs)
         return self.runtime._run_low_precision(layer, op, func, args, kwargs)
 
