@@ -75,3 +75,8 @@ class ProfileError(AutoprecError, ValueError):
 class CostModelError(AutoprecError, ValueError):
     """The cost model cannot cost what it was asked: an unknown layer or format, a plan that does
     not match the traced model, a bad measurement setting. The message says what to pass instead."""
+
+
+class MonitoringError(AutoprecError, ValueError):
+    """TensorBoard output cannot be written or served: an unwritable logdir, a bad run name, a
+    TensorBoard server that does not start. The message is one line saying what to do."""

@@ -1,0 +1,65 @@
+"""Costs: per (layer, format) memory bytes and time, for the search to trade against accuracy.
+
+Two concerns, one module each, over one shared trace:
+
+- `trace`: one FP32 forward records every matrix product each layer runs (function, argument
+  layouts, which arguments are weights) and what autograd saves, per layer;
+- `memory`: bytes per (layer, format) from those shapes: weight copies, activations saved for
+  backward, gradient buffers (checked against ``saved_tensors_hooks`` measurements in the tests);
+- `timing`: seconds per (call, format), measured on the device by replaying each call under
+  ``apply_plan`` (cached on disk), or a roofline estimate from datasheet peaks;
+- `model`: `CostModel` (per-layer costs, plan totals, the FP32 bytes a memory budget is a
+  fraction of) and `check_uniform_ranking` (predicted vs measured step times).
+
+Typical use::
+
+    costs = CostModel.build(model, batch, loss_fn=workload.loss)   # measures once, then cached
+    costs.layer_cost("blocks.0.mlp.fc", "int8")                   # LayerCost(bytes..., seconds)
+    costs.plan_cost(plan).step_seconds, costs.fp32_bytes()
+"""
+
+from .memory import MemoryCost, call_path, layer_memory
+from .model import DEFAULT_FORMATS, CostModel, LayerCost, PlanCost, RankingCheck, check_uniform_ranking
+from .timing import (
+    PEAKS,
+    DevicePeaks,
+    MeasuredTimeModel,
+    RooflineTimeModel,
+    TimeEstimate,
+    TimeModel,
+    calibrate_peaks,
+    default_cache_dir,
+    device_key,
+)
+from .trace import LayerTrace, MatmulCall, ModelTrace, TensorSpec, saved_bytes_by_layer, trace_model
+
+__all__ = [
+    # cost model
+    "CostModel",
+    "LayerCost",
+    "PlanCost",
+    "DEFAULT_FORMATS",
+    "RankingCheck",
+    "check_uniform_ranking",
+    # memory
+    "MemoryCost",
+    "layer_memory",
+    "call_path",
+    # time
+    "TimeModel",
+    "TimeEstimate",
+    "MeasuredTimeModel",
+    "RooflineTimeModel",
+    "DevicePeaks",
+    "PEAKS",
+    "calibrate_peaks",
+    "device_key",
+    "default_cache_dir",
+    # trace
+    "trace_model",
+    "saved_bytes_by_layer",
+    "ModelTrace",
+    "LayerTrace",
+    "MatmulCall",
+    "TensorSpec",
+]

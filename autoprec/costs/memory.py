@@ -1,0 +1,152 @@
+"""Bytes a layer holds for one training step in a format, from the shapes of its traced calls.
+
+Three parts, following how the runtime runs each format (README, "How each format runs"):
+
+- **weight copies** saved for backward: BF16 / FP16 layers run under ``torch.autocast``, which
+  saves a 2-byte copy of each FP32 weight operand whose partner operand needs a gradient.
+  FP8 / INT8 layers re-quantize weights from the FP32 master in backward and save none; FP32
+  layers save the parameter itself, which costs nothing extra.
+- **activations** saved for backward: the matrix operands that are not weights, at the format's
+  width. FP32: exactly what autograd saved inside the call in the FP32 trace. BF16 / FP16: what
+  FP32 saved inside the call (operands saved as they are, copies the op made), at 2 bytes per
+  element, plus a 2-byte copy of each operand FP32 had already saved before the call (the
+  softmax output an attention layer multiplies with: autocast casts it, and the copy is saved).
+  Ops autocast keeps in FP32 (``mv`` on CPU) save their operands at 4 bytes.
+  FP8 / INT8 with a kernel (`Fp8Gemm`, `Int8Gemm`): ``numel * 1`` for each non-weight operand
+  plus the FP32 scales they keep (two scalars per FP8 GEMM, M + N values with row scaling; INT8:
+  the activation scale and one weight scale per output column). Emulated ops (`StoredInFormat`):
+  ``numel * 1`` for every non-weight floating input, scales kept outside autograd.
+  Plus ``other``: what the layer's non-matmul ops saved in the FP32 trace (the FP32 softmax
+  output of an attention layer, a mask), carried unchanged in every format.
+- **gradient buffers**: the FP32 master gradients of the layer's own parameters, the same in
+  every format.
+
+Not predicted: INT8 outlier channels kept apart in FP32 (data-dependent, none on typical
+activations), and storage shared between layers (counted where it is first saved).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from ..device import format_support
+from ..formats import Format, Granularity
+from ..plan import LayerPrecision
+from ..runtime.context import PlanRuntime
+from ..runtime.kernels import int_mm_shape_ok, scaled_mm_shape_ok
+from .trace import LayerTrace, MatmulCall, TensorSpec
+
+__all__ = ["MemoryCost", "call_path", "layer_memory"]
+
+# Matrix-product ops that torch.autocast leaves in FP32 (with FP32 inputs), per device type: not
+# in its lower-precision list, or "promote" (aten/src/ATen/autocast_mode.cpp; checked on CPU with
+# torch 2.13: mv, addmv and bilinear return float32 under autocast, einsum and tensordot bfloat16).
+_AUTOCAST_KEEPS_FP32 = {"cpu": frozenset({"mv", "addmv", "bilinear"}), "cuda": frozenset({"bilinear", "tensordot"})}
+
+# Bytes of one FP32 scale value (scales are FP32 tensors: formats.scale_from_amax).
+_SCALE_BYTES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryCost:
+    """Bytes one layer holds for a step in one format (see the module docstring)."""
+
+    weight_copy_bytes: int
+    activation_bytes: int
+    other_saved_bytes: int
+    grad_bytes: int
+
+    @property
+    def saved_bytes(self) -> int:
+        """What autograd keeps for backward: weight copies, activations, other saved tensors."""
+        return self.weight_copy_bytes + self.activation_bytes + self.other_saved_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.saved_bytes + self.grad_bytes
+
+
+def _meta_arguments(call: MatmulCall) -> tuple[tuple, dict]:
+    tensors = [torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device="meta") for s in call.tensors]
+    return call.arguments(tensors)
+
+
+def call_path(call: MatmulCall, precision: LayerPrecision, device: "torch.device | str") -> tuple[str, Optional[tuple[int, int, int]]]:
+    """How the runtime runs ``call`` in ``precision`` on ``device``, and its GEMM shape (M, K, N).
+
+    ``"fp32"`` (also for ops autocast keeps in FP32), ``"autocast"``, ``"kernel"`` (``torch._scaled_mm`` / ``torch._int_mm``) or
+    ``"emulated"``; the shape is given for kernel calls only. Mirrors
+    `PlanRuntime._run_low_precision` (it calls the runtime's own GEMM matcher on meta tensors).
+    """
+    fmt = precision.format
+    device = torch.device(device)
+    if fmt is Format.FP32 or (fmt in (Format.BF16, Format.FP16) and call.op in _AUTOCAST_KEEPS_FP32.get(device.type, ())):
+        return "fp32", None
+    if fmt in (Format.BF16, Format.FP16):
+        return "autocast", None
+    args, kwargs = _meta_arguments(call)
+    gemm = PlanRuntime._as_gemm(call.op, call.func, args, kwargs)
+    if gemm is None:
+        return "emulated", None
+    a, b = gemm[0], gemm[1]
+    m, k = a.shape
+    n = b.shape[1]
+    shape_ok = scaled_mm_shape_ok if fmt.is_fp8 else int_mm_shape_ok
+    if not format_support(fmt, device).kernel or precision.scaling.granularity is Granularity.BLOCK or not shape_ok(device, m, k, n):
+        return "emulated", None
+    return "kernel", (m, k, n)
+
+
+def _saved_operands(call: MatmulCall) -> list[tuple[int, TensorSpec]]:
+    """``(i, spec)`` of the operands native autograd saves: each one whose partner (any other
+    operand) needs a gradient (derivatives.yaml saves ``self`` for ``mat2``'s gradient, and so on)."""
+    operands = [(i, s) for i, s in enumerate(call.tensors) if s.operand]
+    return [(i, s) for i, s in operands if any(o.requires_grad for j, o in operands if j != i)]
+
+
+def _call_bytes(call: MatmulCall, precision: LayerPrecision, device) -> tuple[int, int]:
+    """(weight copy bytes, activation bytes) one call saves in ``precision``."""
+    fmt = precision.format
+    path, gemm = call_path(call, precision, device)
+    if path == "fp32" and fmt is Format.FP32:
+        return 0, call.saved_bytes
+    if path == "fp32":  # an op autocast keeps in FP32 inside a half layer: its operands as they are
+        saved = {call.alias[i]: s for i, s in _saved_operands(call) if not s.weight}
+        return 0, sum(s.storage_numel * s.dtype.itemsize for s in saved.values())
+    if path == "autocast":
+        weights = sum(0 if s.dtype == fmt.dtype else s.numel * fmt.bytes for _, s in _saved_operands(call) if s.weight)
+        # Saved as is in FP32 (a whole storage, or a copy the op made): the same tensors in the
+        # half dtype. Saved before this call in FP32 (deduplicated there): a new half copy now.
+        activations = sum(nbytes * fmt.bytes // 4 for _, nbytes in call.saved)
+        activations += sum(s.numel * fmt.bytes for i, s in _saved_operands(call) if not s.weight and call.already_saved[i])
+        return weights, activations
+    if not any(s.requires_grad for s in call.tensors):
+        return 0, 0  # no autograd node, nothing saved
+    if path == "emulated":
+        return 0, sum(s.numel * fmt.bytes for s in call.tensors if s.dtype.is_floating_point and not s.weight)
+    m, _, n = gemm
+    activations = sum(s.numel * fmt.bytes for s in call.tensors if s.operand and not s.weight)
+    row = precision.scaling.granularity is Granularity.ROW
+    if fmt.is_fp8:
+        scales = (m + n) if row else 2  # kernels.Fp8Gemm saves sa and sb
+    else:
+        scales = (m if row else 1) + n  # Int8Gemm: activation scale, one weight scale per column
+    return 0, activations + scales * _SCALE_BYTES
+
+
+def layer_memory(layer: LayerTrace, precision: "LayerPrecision | Format | str", device: "torch.device | str") -> MemoryCost:
+    """`MemoryCost` of ``layer`` in ``precision`` (a `LayerPrecision` or a format) on ``device``.
+
+    Pure arithmetic on the traced shapes; no kernel runs.
+    """
+    if not isinstance(precision, LayerPrecision):
+        precision = LayerPrecision(precision)
+    weights = activations = 0
+    for call in layer.calls:
+        w, a = _call_bytes(call, precision, device)
+        weights += w
+        activations += a
+    return MemoryCost(weights, activations, layer.other_saved_bytes, layer.param_bytes)

@@ -1,0 +1,459 @@
+"""`CostModel`: per (layer, format) bytes and seconds, and whole-plan predictions.
+
+Built from one traced forward (`trace.trace_model`), the memory arithmetic (`memory`) and a
+`TimeModel` (`timing`; measured on the device by default). A plan's predicted step time is the
+sum of its layers' times plus a format-independent *rest of the step* (everything outside the
+layers' matrix products: embeddings, norms, softmax, the loss, the optimizer), measured once as
+the FP32 model's step time minus its layers' FP32 times. Its predicted bytes are the sum of its
+layers' bytes plus what ops outside the layers save for backward, measured once with an FP32
+region and once with a low-precision one (activations between layers are then 2 bytes wide).
+
+`check_uniform_ranking` checks the model against reality: predicted and measured step times of
+the uniform plans on the built-in workload, ranked.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import statistics
+import time
+import warnings
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from ..device import format_support
+from ..errors import CostModelError
+from ..formats import Format
+from ..plan import LayerPrecision, Plan
+from ..runtime import EmulationWarning, apply_plan
+from .memory import layer_memory
+from .timing import MeasuredTimeModel, RooflineTimeModel, TimeEstimate, TimeModel, _sync
+from .trace import ModelTrace, _forward, saved_bytes_by_layer, trace_model
+
+__all__ = ["DEFAULT_FORMATS", "LayerCost", "PlanCost", "CostModel", "RankingCheck", "check_uniform_ranking"]
+
+logger = logging.getLogger(__name__)
+
+# The formats a search chooses from by default (search.space.DEFAULT_CANDIDATES): FP8 E5M2 is
+# a gradient format; cost it by passing formats=.
+DEFAULT_FORMATS = (Format.FP32, Format.BF16, Format.FP16, Format.FP8_E4M3, Format.INT8)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+    """One layer in one format: bytes held for a step (see `memory`) and seconds per step
+    (forward + backward of its matrix products, casts and quantization included)."""
+
+    fqn: str
+    format: Format
+    weight_copy_bytes: int
+    activation_bytes: int
+    other_saved_bytes: int
+    grad_bytes: int
+    seconds: float
+    time_source: str
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes autograd keeps for backward: weight copies, activations, other saved tensors."""
+        return self.weight_copy_bytes + self.activation_bytes + self.other_saved_bytes
+
+    @property
+    def bytes(self) -> int:
+        """Saved bytes plus the FP32 gradient buffers."""
+        return self.saved_bytes + self.grad_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCost:
+    """A plan's predicted totals: its layers' costs plus the format-independent rest."""
+
+    layers: Mapping[str, LayerCost]
+    rest_saved_bytes: int
+    rest_seconds: float
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(c.saved_bytes for c in self.layers.values()) + self.rest_saved_bytes
+
+    @property
+    def bytes(self) -> int:
+        """Saved bytes (layers and rest) plus the layers' gradient buffers."""
+        return self.saved_bytes + sum(c.grad_bytes for c in self.layers.values())
+
+    @property
+    def layer_seconds(self) -> float:
+        return sum(c.seconds for c in self.layers.values())
+
+    @property
+    def step_seconds(self) -> float:
+        return self.layer_seconds + self.rest_seconds
+
+    def to_dict(self) -> dict:
+        """The totals, for a plan's ``predicted`` field."""
+        return {"bytes": self.bytes, "saved_bytes": self.saved_bytes, "step_seconds": self.step_seconds, "rest_seconds": self.rest_seconds}
+
+
+def _default_loss(output: Any) -> torch.Tensor:
+    """The mean of every floating output that needs a gradient, summed (a stand-in loss)."""
+    tensors = [t for t in pytree.tree_leaves(output) if torch.is_tensor(t) and t.is_floating_point() and t.requires_grad]
+    if not tensors:
+        raise CostModelError("the model's output has no floating tensor that needs a gradient; pass loss_fn=(model, inputs) -> loss")
+    return sum(t.float().mean() for t in tensors)
+
+
+def _fp32_step_seconds(model: nn.Module, example_inputs: Any, loss_fn: Optional[Callable], warmup: int, steps: int) -> float:
+    """Median seconds of a plain FP32 training step (zero_grad, forward + loss, backward, AdamW
+    step, as bench.py times) on a copy of ``model``, so the caller's weights stay untouched."""
+    clone = copy.deepcopy(model)
+    clone.train()
+    # bench.py's _LR; the value does not change the step's cost.
+    optimizer = torch.optim.AdamW(clone.parameters(), lr=1e-3)
+    device = next(clone.parameters()).device
+    times = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for i in range(warmup + steps):
+            optimizer.zero_grad(set_to_none=True)
+            _sync(device)
+            t0 = time.perf_counter()
+            output = _forward(clone, example_inputs, loss_fn)
+            loss = output if loss_fn is not None else _default_loss(output)
+            loss.backward()
+            optimizer.step()
+            _sync(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class CostModel:
+    """Per (layer, format) costs of one model on one device; build it with `CostModel.build`.
+
+    Times are estimated lazily per format (the formats given at construction up front, all
+    their calls interleaved); a format asked for later is measured then.
+    """
+
+    def __init__(
+        self,
+        trace: ModelTrace,
+        time_model: TimeModel,
+        *,
+        formats: Iterable["Format | str"] = DEFAULT_FORMATS,
+        rest_seconds: float = 0.0,
+        rest_saved_bytes: "tuple[int, int] | None" = None,
+    ):
+        self.trace = trace
+        self.time_model = time_model
+        self.device = trace.device
+        self.rest_seconds = float(rest_seconds)
+        # (FP32 region, low-precision region); the trace's FP32 figure for both when unmeasured.
+        self.rest_saved_bytes = tuple(rest_saved_bytes) if rest_saved_bytes is not None else (trace.rest_saved_bytes, trace.rest_saved_bytes)
+        self._times: dict[tuple[str, Format], TimeEstimate] = {}
+        self.formats = tuple(Format.parse(f) for f in formats)
+        self._ensure_times(self.formats)
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def build(
+        cls,
+        model: nn.Module,
+        example_inputs: Any,
+        *,
+        loss_fn: Optional[Callable[[nn.Module, Any], torch.Tensor]] = None,
+        formats: Iterable["Format | str"] = DEFAULT_FORMATS,
+        measure: bool = True,
+        cache_dir: Any = None,
+        time_model: Optional[TimeModel] = None,
+        rest_warmup: int = 3,
+        rest_steps: int = 8,
+    ) -> "CostModel":
+        """Trace ``model`` on ``example_inputs`` and cost every layer in ``formats``.
+
+        ``loss_fn(model, example_inputs) -> loss``: the step's loss (default: the mean of the
+        floating outputs). ``measure``: time layers on the device with `MeasuredTimeModel`
+        (cached under ``cache_dir``, default ``~/.cache/autoprec``) and measure the rest of the
+        step with ``rest_warmup + rest_steps`` FP32 training steps on a copy of the model;
+        ``False`` uses `RooflineTimeModel` and sets the rest of the step to 0 s, so predicted
+        step times then cover the layers only. ``time_model`` overrides the choice.
+
+        Cost: one FP32 forward (trace), one low-precision forward (bytes saved between layers),
+        the time model's measurements, and the FP32 steps. The model is left unchanged.
+        """
+        formats = tuple(Format.parse(f) for f in formats)
+        if not formats:
+            raise CostModelError("CostModel.build(formats=()): give at least one format, e.g. DEFAULT_FORMATS")
+        if time_model is None:
+            time_model = MeasuredTimeModel(cache_dir) if measure else RooflineTimeModel()
+        trace = trace_model(model, example_inputs, loss_fn)
+        rest_low = cls._rest_saved_low_precision(model, example_inputs, loss_fn, trace)
+        costs = cls(trace, time_model, formats=formats, rest_saved_bytes=(trace.rest_saved_bytes, rest_low))
+        if measure:
+            step = _fp32_step_seconds(model, example_inputs, loss_fn, rest_warmup, rest_steps)
+            layers = costs.plan_cost(costs.uniform_plan(Format.FP32)).layer_seconds
+            if step < layers:
+                logger.warning(
+                    "the FP32 step (%.3g s) is shorter than its layers' replayed FP32 times (%.3g s); "
+                    "the rest of the step is set to 0 (a noisy machine, or replays slower than in place)", step, layers
+                )
+            costs.rest_seconds = max(0.0, step - layers)
+        return costs
+
+    @staticmethod
+    def _rest_saved_low_precision(model, example_inputs, loss_fn, trace: ModelTrace) -> int:
+        """Bytes ops outside layers save when the plan runs a low-precision region (autocast's
+        half dtype between layers), measured with a uniform BF16 (else FP16) plan."""
+        fmt = next((f for f in (Format.BF16, Format.FP16) if format_support(f, trace.device).runnable), None)
+        if fmt is None:
+            return trace.rest_saved_bytes
+        runtime = apply_plan(model, Plan({fqn: LayerPrecision(fmt) for fqn in trace.layers}), validate=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", EmulationWarning)
+            _, rest = saved_bytes_by_layer(model, example_inputs, trace.layers, lambda: runtime, loss_fn)
+        return rest
+
+    # -- queries ------------------------------------------------------------------------------
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        """Layer fqns in model order."""
+        return tuple(self.trace.layers)
+
+    def uniform_plan(self, fmt: "Format | str") -> Plan:
+        """Every traced layer in ``fmt`` (the traced layers are exactly the plan's layers)."""
+        fmt = Format.parse(fmt)
+        return Plan({fqn: LayerPrecision(fmt, reason=f"uniform {fmt.value} plan") for fqn in self.trace.layers})
+
+    def _ensure_times(self, formats: Sequence[Format]) -> None:
+        calls = [call for layer in self.trace.layers.values() for call in layer.calls]
+        missing = [f for f in formats if any((call.key, f) not in self._times for call in calls)]
+        if missing:
+            self._times.update(self.time_model.estimate(calls, missing, self.device))
+
+    def _layer(self, fqn: str):
+        try:
+            return self.trace.layers[fqn]
+        except KeyError:
+            known = ", ".join(repr(f) for f in list(self.trace.layers)[:6])
+            raise CostModelError(f"layer_cost({fqn!r}): not a layer of the traced model; layers are {known}{', ...' if len(self.trace.layers) > 6 else ''}") from None
+
+    def layer_cost(self, fqn: str, precision: "LayerPrecision | Format | str") -> LayerCost:
+        """`LayerCost` of layer ``fqn`` in ``precision`` (a format, or a `LayerPrecision` whose
+        scaling changes the bytes of saved scales; times are those of the default scaling)."""
+        layer = self._layer(fqn)
+        if not isinstance(precision, LayerPrecision):
+            precision = LayerPrecision(Format.parse(precision))
+        fmt = precision.format
+        self._ensure_times([fmt])
+        memory = layer_memory(layer, precision, self.device)
+        estimates = [self._times[(call.key, fmt)] for call in layer.calls]
+        sources = sorted({e.source for e in estimates})
+        return LayerCost(
+            fqn=fqn,
+            format=fmt,
+            weight_copy_bytes=memory.weight_copy_bytes,
+            activation_bytes=memory.activation_bytes,
+            other_saved_bytes=memory.other_saved_bytes,
+            grad_bytes=memory.grad_bytes,
+            seconds=sum(e.seconds for e in estimates),
+            time_source="; ".join(sources),
+        )
+
+    def call_seconds(self, fqn: str, fmt: "Format | str") -> list[tuple[str, float, str]]:
+        """``(op, seconds, source)`` for each matrix product of layer ``fqn`` in ``fmt``."""
+        fmt = Format.parse(fmt)
+        self._ensure_times([fmt])
+        return [(call.op, self._times[(call.key, fmt)].seconds, self._times[(call.key, fmt)].source) for call in self._layer(fqn).calls]
+
+    def plan_cost(self, plan: Plan) -> PlanCost:
+        """Predicted bytes and step seconds of ``plan``; it must name exactly the traced layers."""
+        unknown = sorted(set(plan.layers) - set(self.trace.layers))
+        missing = [fqn for fqn in self.trace.layers if fqn not in plan.layers]
+        problems = [f"{fqn!r}: ran no matrix product in the traced forward" for fqn in unknown]
+        problems += [f"{fqn!r}: a traced layer the plan lacks" for fqn in missing]
+        if problems:
+            raise CostModelError(
+                "plan_cost: the plan does not match the traced model:\n  - " + "\n  - ".join(problems)
+                + "\nMake the plan with an example input (Plan.uniform(model, fmt, example)) or from cost_model.uniform_plan(fmt)."
+            )
+        self._ensure_times(sorted({lp.format for lp in plan.layers.values()}, key=list(Format).index))
+        layers = {fqn: self.layer_cost(fqn, plan.layers[fqn]) for fqn in self.trace.layers}
+        low_region = any(lp.format is not Format.FP32 for lp in plan.layers.values())
+        return PlanCost(layers, self.rest_saved_bytes[1 if low_region else 0], self.rest_seconds)
+
+    def fp32_bytes(self) -> int:
+        """Predicted bytes of the all-FP32 plan: the denominator of a fractional memory budget."""
+        return self.plan_cost(self.uniform_plan(Format.FP32)).bytes
+
+    def table(self, formats: Optional[Iterable["Format | str"]] = None) -> dict[str, dict[Format, LayerCost]]:
+        """``fqn -> {format: LayerCost}`` for every layer (default: the model's formats)."""
+        formats = tuple(Format.parse(f) for f in formats) if formats is not None else self.formats
+        return {fqn: {f: self.layer_cost(fqn, f) for f in formats} for fqn in self.trace.layers}
+
+    def describe(self, fqns: Optional[Sequence[str]] = None, formats: Optional[Iterable["Format | str"]] = None) -> str:
+        """A text table: per layer and format, milliseconds per step and saved kilobytes."""
+        formats = tuple(Format.parse(f) for f in formats) if formats is not None else self.formats
+        fqns = list(fqns) if fqns is not None else list(self.trace.layers)
+        width = max(len(f) for f in fqns + ["layer"])
+        head = f"{'layer':<{width}}  " + "  ".join(f"{f.value:>17}" for f in formats)
+        lines = [head, f"{'':<{width}}  " + "  ".join(f"{'ms':>8} {'saved KB':>8}" for _ in formats)]
+        for fqn in fqns:
+            cells = []
+            for f in formats:
+                c = self.layer_cost(fqn, f)
+                cells.append(f"{c.seconds * 1e3:8.3f} {c.saved_bytes / 1024:8.1f}")
+            lines.append(f"{fqn:<{width}}  " + "  ".join(cells))
+        return "\n".join(lines)
+
+
+# -- the check against measured step times ----------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RankingCheck:
+    """Predicted vs measured step seconds of uniform plans, and whether their orders agree.
+
+    ``exact``: the same order. ``agree``: no pair is ordered differently unless its measured
+    times lie within ``tie`` (relative) of each other. ``kendall_tau``: rank correlation in
+    [-1, 1] (1: same order).
+    """
+
+    formats: tuple[Format, ...]
+    predicted: Mapping[str, float]
+    measured: Mapping[str, float]
+    measured_iqr: Mapping[str, float]
+    tie: float
+    kendall_tau: float
+    exact: bool
+    agree: bool
+    discordant: tuple[tuple[str, str], ...]
+    info: Mapping[str, Any]
+
+    def table(self) -> str:
+        order_p = sorted(self.predicted, key=self.predicted.get)
+        order_m = sorted(self.measured, key=self.measured.get)
+        lines = [f"{'plan':<10} {'predicted ms':>13} {'measured ms':>12} {'IQR':>7} {'pred/meas':>9} {'rank p':>6} {'rank m':>6}"]
+        for f in self.formats:
+            p, m = self.predicted[f.value], self.measured[f.value]
+            lines.append(
+                f"{f.value:<10} {p * 1e3:13.2f} {m * 1e3:12.2f} {self.measured_iqr[f.value] * 1e3:7.2f} {p / m:9.2f} "
+                f"{order_p.index(f.value) + 1:6d} {order_m.index(f.value) + 1:6d}"
+            )
+        lines.append(
+            f"kendall tau {self.kendall_tau:.2f}; exact order {'yes' if self.exact else 'no'}; "
+            f"agree (ties within {self.tie:.0%} allowed) {'yes' if self.agree else 'no'}"
+            + (f"; discordant pairs {list(self.discordant)}" if self.discordant else "")
+        )
+        return "\n".join(lines)
+
+
+def _compare(predicted: Mapping[str, float], measured: Mapping[str, float], tie: float) -> tuple[float, bool, bool, tuple]:
+    names = list(predicted)
+    concordant = discordant_count = 0
+    discordant = []
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            dp = predicted[a] - predicted[b]
+            dm = measured[a] - measured[b]
+            if dp * dm > 0:
+                concordant += 1
+            elif dp * dm < 0:
+                discordant_count += 1
+                if abs(dm) > tie * min(measured[a], measured[b]):
+                    discordant.append((a, b))
+    pairs = len(names) * (len(names) - 1) // 2
+    tau = (concordant - discordant_count) / pairs if pairs else 1.0
+    exact = sorted(names, key=predicted.get) == sorted(names, key=measured.get)
+    return tau, exact, not discordant, tuple(discordant)
+
+
+def check_uniform_ranking(
+    workload: str = "small",
+    *,
+    batch_size: int = 16,
+    formats: Sequence["Format | str"] = DEFAULT_FORMATS,
+    steps: int = 10,
+    warmup: int = 3,
+    tie: float = 0.15,
+    cache_dir: Any = None,
+    measure: bool = True,
+    seed: int = 0,
+    device: str = "cpu",
+    threads: Optional[int] = None,
+) -> RankingCheck:
+    """Predicted (`CostModel`) vs measured step seconds of uniform plans on the built-in workload.
+
+    Measured: real training steps (zero_grad, forward + loss under ``apply_plan``, backward,
+    AdamW step) of one model per plan, built from one seed and fed the same batches, interleaved
+    round-robin as ``autoprec bench`` runs them; medians over ``steps`` rounds after ``warmup``.
+    ``threads``: CPU threads for the whole check (restored after); on a machine whose cores
+    other processes share, 1 avoids OpenMP threads waiting on descheduled siblings (measured
+    here: a 512x64x192 linear forward + backward took 83 ms with 2 threads while another
+    process kept a core busy, 0.6 ms with 1). Timings are cached per thread count.
+
+    Cost on 2 CPU cores, one thread, "small" workload: the cost model's measurements (~20 s
+    cold, ~1 s with a warm cache) plus ``warmup + steps`` rounds of one step per plan (~2 s a
+    round, BF16 and FP16 steps being ~15x slower than FP32 there).
+    """
+    if threads is None:
+        return _check_uniform_ranking(workload, batch_size, formats, steps, warmup, tie, cache_dir, measure, seed, device)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise CostModelError(f"check_uniform_ranking(threads={threads!r}): must be a positive int or None")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _check_uniform_ranking(workload, batch_size, formats, steps, warmup, tie, cache_dir, measure, seed, device)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_uniform_ranking(workload, batch_size, formats, steps, warmup, tie, cache_dir, measure, seed, device) -> RankingCheck:
+    from ..bench import _median_iqr, _Runner, _Variant  # the bench's own step and statistics
+    from ..workloads import default_workload
+
+    formats = tuple(Format.parse(f) for f in formats)
+    if len(formats) < 2:
+        raise CostModelError(f"check_uniform_ranking(formats={[f.value for f in formats]}): a ranking needs two formats or more")
+    if steps < 1 or warmup < 0:
+        raise CostModelError(f"check_uniform_ranking(steps={steps}, warmup={warmup}): steps must be >= 1 and warmup >= 0")
+    dev = torch.device(device)
+    wl = default_workload(workload, batch_size)
+    sampler = wl.train_batches(seed)
+    batches = [tuple(t.to(dev) for t in sampler.next()) for _ in range(warmup + steps)]
+    start = time.perf_counter()
+    costs = CostModel.build(wl.build_model(seed).to(dev), batches[0], loss_fn=wl.loss, formats=formats, measure=measure, cache_dir=cache_dir)
+    predicted = {f.value: costs.plan_cost(costs.uniform_plan(f)).step_seconds for f in formats}
+    model_seconds = time.perf_counter() - start
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EmulationWarning)
+        runners = []
+        for f in formats:
+            model = wl.build_model(seed).to(dev)
+            model.train()
+            runners.append(_Runner("workload", _Variant(f"plan:{f.value}", "plan", f), model, wl.loss, batches[0][0], dev))
+        for r, batch in enumerate(batches):
+            shift = r % len(runners)
+            for runner in runners[shift:] + runners[:shift]:
+                _sync(dev)
+                t0 = time.perf_counter()
+                runner.step(batch)
+                _sync(dev)
+                if r >= warmup:
+                    runner.times.append(time.perf_counter() - t0)
+    measured, iqr = {}, {}
+    for f, runner in zip(formats, runners):
+        measured[f.value], iqr[f.value] = _median_iqr(runner.times)
+    tau, exact, agree, discordant = _compare(predicted, measured, tie)
+    info = {
+        "workload": workload, "batch_size": batch_size, "steps": steps, "warmup": warmup, "device": str(dev),
+        "threads": torch.get_num_threads(),
+        "rest_seconds": costs.rest_seconds, "cost_model_seconds": model_seconds,
+        "time_sources": sorted({c.time_source for fmt in formats for c in costs.plan_cost(costs.uniform_plan(fmt)).layers.values()}),
+    }
+    return RankingCheck(formats, predicted, measured, iqr, tie, tau, exact, agree, discordant, info)

@@ -1,0 +1,547 @@
+"""Time of a layer's matrix products in a format: measured on the device, or a roofline estimate.
+
+A `TimeModel` gives the seconds of forward + backward of each recorded call (`trace.MatmulCall`)
+in each format. Two of them:
+
+- `MeasuredTimeModel` replays each call in isolation: a tiny module whose forward calls the same
+  function on random tensors of the recorded layouts (weights as Parameters), run under
+  ``apply_plan(replay, Plan({"": LayerPrecision(fmt)}))`` — so the measured path is the runtime's
+  own (autocast, ``torch._scaled_mm``, ``torch._int_mm``, emulation, quantization and scaling
+  included). Formats are interleaved round by round and the median is kept. Results are cached
+  on disk per device, torch version, call layout and format; a warm cache measures nothing.
+  A call that cannot run falls back to the roofline estimate.
+- `RooflineTimeModel`: ``max(flops / peak, bytes / bandwidth)`` per GEMM plus the cast /
+  quantization passes and a fixed cost per kernel, from a table of datasheet peaks or from a
+  one-off calibration on the device at hand.
+
+Calls with the same layout (the blocks of a transformer) are measured once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import re
+import statistics
+import time
+import warnings
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from .._io import atomic_write_text
+from ..device import format_support
+from ..errors import CostModelError
+from ..formats import Format
+from ..plan import LayerPrecision, Plan
+from ..runtime import EmulationWarning, apply_plan
+from .memory import call_path
+from .trace import MatmulCall
+
+__all__ = [
+    "TimeEstimate",
+    "TimeModel",
+    "MeasuredTimeModel",
+    "RooflineTimeModel",
+    "DevicePeaks",
+    "PEAKS",
+    "calibrate_peaks",
+    "device_key",
+    "default_cache_dir",
+]
+
+logger = logging.getLogger(__name__)
+
+CACHE_SCHEMA_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeEstimate:
+    """Seconds of forward + backward of one call in one format; ``source``: ``"measured"``,
+    ``"cache"`` or ``"roofline"`` (with the reason when it replaced a measurement)."""
+
+    seconds: float
+    source: str
+
+
+def device_key(device: "torch.device | str") -> str:
+    """What timings depend on: the device model and, on CPUs, the ISA and thread count."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        return f"cuda {torch.cuda.get_device_name(index)} sm{major}{minor}"
+    return f"cpu {_cpu_model()} {torch.backends.cpu.get_cpu_capability()} {torch.get_num_threads()}t"
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def default_cache_dir() -> Path:
+    """``~/.cache/autoprec``, resolved when called (never read from the environment at import)."""
+    return Path.home() / ".cache" / "autoprec"
+
+
+class TimeModel:
+    """Base class: seconds of forward + backward of recorded calls in formats.
+
+    Subclasses implement `estimate`. The cost model sums a layer's calls, so an estimate must
+    cover the whole work of the call in the format: the product, its backward, and the casts,
+    quantization and scaling the runtime adds around it.
+    """
+
+    def estimate(self, calls: Sequence[MatmulCall], formats: Sequence[Format], device: torch.device) -> dict[tuple[str, Format], TimeEstimate]:
+        """``(call.key, format) -> TimeEstimate`` for every call and format."""
+        raise NotImplementedError
+
+
+# -- roofline ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePeaks:
+    """Dense GEMM throughput per format (FLOP/s; a format missing runs at the FP32 rate),
+    memory bandwidth (bytes/s) and fixed cost per kernel (s), with where the numbers come from."""
+
+    name: str
+    flops: Mapping[Format, float]
+    bandwidth: float
+    overhead_s: float
+    source: str
+
+    def peak(self, fmt: Format) -> float:
+        return self.flops.get(fmt, self.flops[Format.FP32])
+
+
+_T = 1e12
+# Eager PyTorch costs a few microseconds per launched kernel (CUDA launch latency plus dispatch);
+# an order of magnitude, not a datasheet number. Calibrated devices measure it.
+_GPU_KERNEL_OVERHEAD_S = 5e-6
+PEAKS: dict[str, DevicePeaks] = {
+    # NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (https://www.nvidia.com/en-us/data-center/h100/):
+    # dense (half the "with sparsity" figures): BF16/FP16 989, FP8 1979, INT8 1979 TOPS; FP32
+    # without tensor cores 67 (torch keeps FP32 matmuls off TF32 by default,
+    # torch.backends.cuda.matmul.allow_tf32 = False); HBM3 3.35 TB/s.
+    "H100": DevicePeaks(
+        "NVIDIA H100 SXM5",
+        {Format.FP32: 67 * _T, Format.BF16: 989 * _T, Format.FP16: 989 * _T, Format.FP8_E4M3: 1979 * _T, Format.FP8_E5M2: 1979 * _T, Format.INT8: 1979 * _T},
+        3.35e12, _GPU_KERNEL_OVERHEAD_S, "NVIDIA H100 SXM5 datasheet (dense)",
+    ),
+    # NVIDIA H200 datasheet (https://www.nvidia.com/en-us/data-center/h200/): the H100's compute
+    # with HBM3e at 4.8 TB/s.
+    "H200": DevicePeaks(
+        "NVIDIA H200 SXM",
+        {Format.FP32: 67 * _T, Format.BF16: 989 * _T, Format.FP16: 989 * _T, Format.FP8_E4M3: 1979 * _T, Format.FP8_E5M2: 1979 * _T, Format.INT8: 1979 * _T},
+        4.8e12, _GPU_KERNEL_OVERHEAD_S, "NVIDIA H200 SXM datasheet (dense)",
+    ),
+    # NVIDIA A100 datasheet, 80GB SXM column (https://www.nvidia.com/en-us/data-center/a100/):
+    # FP32 19.5, BF16/FP16 312, INT8 624 TOPS dense; no FP8 (emulated at the FP32 rate); 2.039 TB/s.
+    "A100": DevicePeaks(
+        "NVIDIA A100 SXM 80GB",
+        {Format.FP32: 19.5 * _T, Format.BF16: 312 * _T, Format.FP16: 312 * _T, Format.INT8: 624 * _T},
+        2.039e12, _GPU_KERNEL_OVERHEAD_S, "NVIDIA A100 80GB SXM datasheet (dense)",
+    ),
+}
+
+
+def _median_time(fn: Callable[[], object], device: torch.device, repeats: int = 5, warmup: int = 2) -> float:
+    times = []
+    for i in range(warmup + repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _calibrated(key: str, device_str: str) -> DevicePeaks:
+    device = torch.device(device_str)
+    # 256^3 on a CPU keeps the slowest format (BF16 without matrix units, ~1 GFLOP/s) near 30 ms;
+    # 2048^3 fills a GPU.
+    n = 2048 if device.type == "cuda" else 256
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(device)
+    b = torch.randn(n, n, generator=gen).to(device)
+    flops = {}
+    runs: dict[Format, Callable[[], object]] = {Format.FP32: lambda: a @ b}
+    for fmt in (Format.BF16, Format.FP16):
+        if format_support(fmt, device).runnable:
+            ah, bh = a.to(fmt.dtype), b.to(fmt.dtype)
+            runs[fmt] = functools.partial(torch.mm, ah, bh)
+    one = torch.ones((), device=device)
+    for fmt in (Format.FP8_E4M3, Format.FP8_E5M2):
+        if format_support(fmt, device).kernel:
+            a8, b8 = a.to(fmt.dtype), b.t().contiguous().t().to(fmt.dtype)
+            runs[fmt] = functools.partial(torch._scaled_mm, a8, b8, scale_a=one, scale_b=one, out_dtype=torch.float32)
+    if format_support(Format.INT8, device).kernel:
+        ai, bi = a.clamp(-127, 127).to(torch.int8), b.clamp(-127, 127).to(torch.int8)
+        runs[Format.INT8] = functools.partial(torch._int_mm, ai, bi)
+    for fmt, fn in runs.items():
+        flops[fmt] = 2 * n**3 / _median_time(fn, device)
+    big = torch.empty(1 << 22, device=device)  # 16 MB: past the L2 of most CPUs
+    bandwidth = 2 * big.numel() * 4 / _median_time(big.clone, device)
+    tiny = torch.ones(1, device=device)
+    overhead = _median_time(lambda: tiny + tiny, device, repeats=50)
+    return DevicePeaks(key, flops, bandwidth, overhead, f"calibrated on {key}: one {n}^3 GEMM per format, a 16 MB copy, a 1-element add")
+
+
+def calibrate_peaks(device: "torch.device | str") -> DevicePeaks:
+    """Peaks measured on ``device``: one GEMM per format (kernels it lacks run at the FP32
+    rate), a copy for bandwidth and a 1-element op for the per-kernel cost. Takes ~0.5 s on a
+    CPU; cached per process."""
+    device = torch.device(device)
+    return _calibrated(device_key(device), str(device))
+
+
+def peaks_for(device: "torch.device | str") -> DevicePeaks:
+    """The datasheet entry whose key appears in the device name, else a calibration."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peaks in PEAKS.items():
+            if key in name:
+                return peaks
+    return calibrate_peaks(device)
+
+
+def _einsum_flops(equation: str, shapes: Sequence[tuple[int, ...]]) -> Optional[float]:
+    inputs = equation.replace(" ", "").split("->")[0].split(",")
+    if "..." in equation or len(inputs) != len(shapes):
+        return None
+    sizes = {}
+    for letters, shape in zip(inputs, shapes):
+        for letter, size in zip(letters, shape):
+            sizes[letter] = size
+    return 2.0 * math.prod(sizes.values())
+
+
+def call_flops(call: MatmulCall) -> tuple[float, int]:
+    """(forward FLOPs, output elements) of a call, from its shapes (runs it on meta tensors).
+
+    GEMMs: 2·M·K·N; convolutions: 2 · output elements · (weight elements / output channels);
+    einsum: 2 · the product of every index size; anything else: 2 · output elements · the last
+    dimension of its first operand (the contraction of matmul-like ops).
+    """
+    tensors = [torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device="meta") for s in call.tensors]
+    args, kwargs = call.arguments(tensors)
+    try:
+        out = call.func(*args, **kwargs)
+        outs = [t for t in pytree.tree_leaves(out) if torch.is_tensor(t)]
+        out_numel = outs[0].numel() if outs else 0
+    except Exception:  # an op without a meta kernel: size the output like its first operand
+        out_numel = call.tensors[0].numel
+    operands = [s for s in call.tensors if s.operand]
+    first = operands[0] if operands else call.tensors[0]
+    if call.op.startswith("conv_transpose"):
+        w = operands[1]
+        return 2.0 * first.numel * (w.numel / w.shape[0]), out_numel
+    if call.op.startswith("conv"):
+        w = operands[1]
+        return 2.0 * out_numel * (w.numel / w.shape[0]), out_numel
+    if call.op == "einsum" and isinstance(call.leaves[0], str):
+        flops = _einsum_flops(call.leaves[0], [s.shape for s in call.tensors])
+        if flops is not None:
+            return flops, out_numel
+    if call.op == "linear":
+        return 2.0 * out_numel * first.shape[-1], out_numel
+    return 2.0 * out_numel * (first.shape[-1] if first.shape else 1), out_numel
+
+
+# Kernels the runtime launches per call (forward + backward), counted from runtime/kernels.py:
+# three GEMMs; autocast adds a cast of each operand and of the incoming gradient; Fp8Gemm /
+# Int8Gemm add amaxes, quantizations and rescales; emulation also recomputes the forward.
+_KERNELS = {"fp32": 3, "autocast": 6, "kernel": 13, "emulated": 18}
+
+
+class RooflineTimeModel(TimeModel):
+    """Analytic estimate: per GEMM ``max(flops / peak[format], bytes / bandwidth)``, three GEMMs
+    per call (forward, gradient of each operand; four when emulation recomputes the forward),
+    plus the cast / quantization passes over operands and gradient at memory bandwidth, plus
+    ``overhead_s`` per kernel.
+
+    ``peaks``: a `DevicePeaks` (e.g. ``PEAKS["H100"]``); ``None`` picks the datasheet entry that
+    matches the device name, else calibrates on the device (`calibrate_peaks`, ~0.5 s on a CPU).
+    INT8 backward runs in FP32 (`Int8Gemm`), FP8 backward in FP8 (`Fp8Gemm`).
+    """
+
+    def __init__(self, peaks: Optional[DevicePeaks] = None):
+        self.peaks = peaks
+
+    def seconds(self, call: MatmulCall, fmt: Format, device: torch.device) -> float:
+        peaks = self.peaks if self.peaks is not None else peaks_for(device)
+        fmt = Format.parse(fmt)
+        path, _ = call_path(call, LayerPrecision(fmt), device)
+        flops, out_numel = call_flops(call)
+        operand_numel = sum(s.numel for s in call.tensors if s.operand)
+        out_width = 2 if path == "autocast" else 4  # FP8 / INT8 kernels return FP32 here
+
+        def gemm(fmt_used: Format, in_width: int) -> float:
+            moved = operand_numel * in_width + out_numel * out_width
+            return max(flops / peaks.peak(fmt_used), moved / peaks.bandwidth)
+
+        if path == "fp32":
+            gemms = 3 * gemm(Format.FP32, 4)
+            passes = 0.0
+        elif path == "autocast":
+            gemms = 3 * gemm(fmt, 2)
+            passes = 6.0 * (operand_numel + out_numel)  # read 4 + write 2 bytes per cast element
+        elif path == "kernel":
+            backward = Format.FP32 if fmt is Format.INT8 else fmt
+            gemms = gemm(fmt, 1) + 2 * gemm(backward, 1 if backward is fmt else 4)
+            # amax (read 4) + quantize (read 4, write 1) of operands in forward and backward, and of the gradient.
+            passes = 9.0 * (2 * operand_numel + out_numel)
+        else:
+            gemms = 4 * gemm(Format.FP32, 4)
+            passes = 9.0 * (2 * operand_numel + out_numel)
+        return gemms + passes / peaks.bandwidth + _KERNELS[path] * peaks.overhead_s
+
+    def estimate(self, calls, formats, device):
+        device = torch.device(device)
+        return {
+            (call.key, Format.parse(fmt)): TimeEstimate(self.seconds(call, fmt, device), "roofline")
+            for call in _unique(calls) for fmt in formats
+        }
+
+
+# -- measured ---------------------------------------------------------------------------------
+
+
+def _unique(calls: Sequence[MatmulCall]) -> list[MatmulCall]:
+    seen: dict[str, MatmulCall] = {}
+    for call in calls:
+        seen.setdefault(call.key, call)
+    return list(seen.values())
+
+
+class _Replay(nn.Module):
+    """A module whose forward runs one recorded call on random tensors of its layouts.
+
+    Weight arguments are Parameters of the module (views of one where the call got a view, such
+    as ``w.t()``), so the runtime treats them as weights; activations are leaf tensors (or views
+    of one) requiring grad as recorded. Values are N(0, 1) scaled by 1/sqrt(fan-in) for weights.
+    """
+
+    def __init__(self, call: MatmulCall, device: torch.device, seed: int = 0):
+        super().__init__()
+        self.call = call
+        gen = torch.Generator().manual_seed(seed)
+        self._weights: list = []
+        self._inputs: list = []
+        for i, s in enumerate(call.tensors):
+            if s.weight:
+                scale = 1 / math.sqrt(max(s.shape[-1] if s.shape else 1, 1))
+                if s.param:  # the Parameter itself, in its own layout
+                    data = torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=device)
+                    data.copy_(torch.randn(s.shape, generator=gen) * scale)
+                else:  # a view of a Parameter (w.t()): the Parameter is its whole storage
+                    data = (torch.randn(s.storage_numel, generator=gen) * scale).to(device=device, dtype=s.dtype)
+                param = nn.Parameter(data, s.requires_grad)
+                self.register_parameter(f"w{i}", param)
+                self._weights.append((i, param, s))
+            elif s.dtype.is_floating_point:
+                dense = s.numel == s.storage_numel and s.offset == 0 and _contiguous(s)
+                base = torch.randn(s.numel if dense else s.storage_numel, generator=gen).to(device=device, dtype=s.dtype)
+                base.requires_grad_(s.requires_grad)
+                self._inputs.append((i, base, s, dense))
+            else:  # integer / bool arguments (indices, masks): zeros of the recorded layout
+                self._inputs.append((i, torch.zeros(s.storage_numel, dtype=s.dtype, device=device), s, False))
+
+    def inputs(self) -> list[torch.Tensor]:
+        """Fresh views of the activation leaves (made outside the timed region)."""
+        return [base.view(s.shape) if dense else base.as_strided(s.shape, s.stride, s.offset) for _, base, s, dense in self._inputs]
+
+    def zero_grad_all(self) -> None:
+        for _, t, _, _ in self._inputs:
+            t.grad = None
+        for p in self.parameters():
+            p.grad = None
+
+    def forward(self, *inputs):
+        tensors: list = [None] * len(self.call.tensors)
+        for (i, _, _, _), x in zip(self._inputs, inputs):
+            tensors[i] = x
+        for i, param, s in self._weights:
+            tensors[i] = param if s.param else param.as_strided(s.shape, s.stride, s.offset)
+        args, kwargs = self.call.arguments(tensors)
+        return self.call.func(*args, **kwargs)
+
+
+def _contiguous(s) -> bool:
+    expected, stride = [], 1
+    for d in reversed(s.shape):
+        expected.append(stride)
+        stride *= d
+    return all(d == 1 or st == ex for d, st, ex in zip(s.shape, s.stride, reversed(expected)))
+
+
+class _ReplayStep:
+    """One format of one call: builds the replay and its runtime once; each ``()`` runs one
+    forward + backward and returns its seconds (forward inside the runtime, backward after it;
+    entering and leaving the runtime is per training step, not per call, and is not timed)."""
+
+    def __init__(self, call: MatmulCall, fmt: Format, device: torch.device):
+        self.device = device
+        self.replay = _Replay(call, device)
+        self.runtime = apply_plan(self.replay, Plan({"": LayerPrecision(fmt)}))
+        self.grads: Optional[list[torch.Tensor]] = None
+
+    def __call__(self) -> float:
+        self.replay.zero_grad_all()
+        inputs = self.replay.inputs()
+        with self.runtime:
+            _sync(self.device)
+            t0 = time.perf_counter()
+            out = self.replay(*inputs)
+            _sync(self.device)
+            forward = time.perf_counter() - t0
+        outs = [t for t in pytree.tree_leaves(out) if torch.is_tensor(t) and t.requires_grad]
+        if self.grads is None:
+            gen = torch.Generator().manual_seed(1)
+            self.grads = [torch.randn(t.shape, generator=gen).to(device=t.device, dtype=t.dtype) for t in outs]
+        t1 = time.perf_counter()
+        if outs:
+            torch.autograd.backward(outs, self.grads)
+        _sync(self.device)
+        return forward + time.perf_counter() - t1
+
+
+def _time_replays(steps: Sequence[Callable[[], float]], warmup: int, repeats: int) -> list[list[float]]:
+    """Run every step ``warmup + repeats`` rounds, interleaved (one of each per round, the
+    starting one rotated each round, as bench.py does); the seconds of the timed rounds."""
+    times: list[list[float]] = [[] for _ in steps]
+    order = list(range(len(steps)))
+    gc.collect()
+    for r in range(warmup + repeats):
+        shift = r % len(order)
+        for i in order[shift:] + order[:shift]:
+            seconds = steps[i]()
+            if r >= warmup:
+                times[i].append(seconds)
+    return times
+
+
+class MeasuredTimeModel(TimeModel):
+    """Times each call in each format on the device (see the module docstring), cached on disk.
+
+    ``cache_dir``: where ``times-<device>.json`` files live (default ``~/.cache/autoprec``,
+    resolved at construction); ``None`` for the default, ``False`` for no disk cache.
+    ``warmup`` rounds are untimed; the default 5 lets INT8 finish calibrating
+    (`Calibration().batches` = 4 forwards) before timing. ``repeats``: timed rounds, median kept.
+    ``fallback``: used where a replay cannot run (default `RooflineTimeModel`).
+
+    Cost: ``(warmup + repeats)`` forward + backward passes per distinct call and format, all
+    formats of a call interleaved; nothing for entries already in the cache.
+    """
+
+    def __init__(self, cache_dir: "str | os.PathLike | None | bool" = None, *, warmup: int = 5, repeats: int = 9, fallback: Optional[TimeModel] = None):
+        for name, value, least in (("warmup", warmup, 0), ("repeats", repeats, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise CostModelError(f"MeasuredTimeModel({name}={value!r}): must be an int >= {least}")
+        if cache_dir is False:
+            self.cache_dir = None
+        else:
+            self.cache_dir = Path(cache_dir) if cache_dir not in (None, True) else default_cache_dir()
+            if self.cache_dir.exists() and not self.cache_dir.is_dir():
+                raise CostModelError(f"MeasuredTimeModel(cache_dir={str(self.cache_dir)!r}): exists and is not a folder; pass a folder")
+        self.warmup = warmup
+        self.repeats = repeats
+        self.fallback = fallback if fallback is not None else RooflineTimeModel()
+        self.measured_calls = 0  # (call, format) pairs timed by this instance
+
+    def cache_path(self, device: torch.device) -> Optional[Path]:
+        if self.cache_dir is None:
+            return None
+        key = f"{device_key(device)} torch {torch.__version__}"
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", device_key(device)).strip("-")[:60]
+        return self.cache_dir / f"times-{slug}-{hashlib.sha1(key.encode()).hexdigest()[:10]}.json"
+
+    def _load(self, path: Optional[Path]) -> dict:
+        if path is None or not path.exists():
+            return {}
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if data.get("schema_version") != CACHE_SCHEMA_VERSION:
+                raise ValueError(f"schema_version {data.get('schema_version')!r}")
+            return dict(data["entries"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            logger.warning("ignoring unreadable timing cache %s (%s); it will be rewritten", path, exc)
+            return {}
+
+    def _save(self, path: Path, device: torch.device, new: dict) -> None:
+        entries = self._load(path)  # merge with what another process may have written meanwhile
+        entries.update(new)
+        data = {"schema_version": CACHE_SCHEMA_VERSION, "device": device_key(device), "torch": torch.__version__, "entries": entries}
+        atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+    def estimate(self, calls, formats, device):
+        device = torch.device(device)
+        formats = [Format.parse(f) for f in formats]
+        path = self.cache_path(device)
+        cached = self._load(path)
+        result: dict[tuple[str, Format], TimeEstimate] = {}
+        new: dict[str, dict] = {}
+        for call in _unique(calls):
+            missing = []
+            for fmt in formats:
+                entry = cached.get(f"{fmt.value}|{call.key}")
+                if isinstance(entry, dict) and isinstance(entry.get("seconds"), (int, float)) and entry["seconds"] > 0:
+                    result[(call.key, fmt)] = TimeEstimate(float(entry["seconds"]), "cache")
+                else:
+                    missing.append(fmt)
+            if not missing:
+                continue
+            steps, timed = [], []
+            for fmt in missing:
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", EmulationWarning)
+                        step = _ReplayStep(call, fmt, device)
+                        step()  # fails here, not mid-measurement, when the format cannot run
+                    steps.append(step)
+                    timed.append(fmt)
+                except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:
+                    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                    logger.warning("cannot time %s in %s on %s (%s); using the roofline estimate", call.op, fmt.value, device, reason)
+                    estimate = self.fallback.estimate([call], [fmt], device)[(call.key, fmt)]
+                    result[(call.key, fmt)] = TimeEstimate(estimate.seconds, f"{estimate.source} ({reason})")
+            if not steps:
+                continue
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", EmulationWarning)
+                times = _time_replays(steps, self.warmup, self.repeats)
+            self.measured_calls += len(steps)
+            for fmt, seconds in zip(timed, times):
+                median = statistics.median(seconds)
+                result[(call.key, fmt)] = TimeEstimate(median, "measured")
+                new[f"{fmt.value}|{call.key}"] = {"seconds": median, "repeats": len(seconds), "min": min(seconds), "max": max(seconds)}
+        if new and path is not None:
+            self._save(path, device, new)
+        return result
+

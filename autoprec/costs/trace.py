@@ -1,0 +1,357 @@
+"""One traced forward pass: every matrix product each layer runs, and what autograd saves.
+
+`trace_model` runs the model once in FP32 with autograd recording (no backward) and keeps, per
+layer (the innermost module running a matrix product, as `coverage.trace_layers` defines it):
+
+- every matrix-product call (`coverage.MATMUL_OPS`): the function, the layout of each tensor
+  argument (shape, strides, dtype, whether it is a weight, whether it requires grad) and its
+  non-tensor arguments, enough to replay the call on random tensors (`timing`) and to cost it;
+- the bytes autograd saved inside each call, and the bytes the layer's other ops saved (the
+  softmax output of an attention layer), through ``torch.autograd.graph.saved_tensors_hooks``;
+- the bytes saved outside every layer (norms, activations functions, the loss).
+
+`saved_bytes_by_layer` measures the same attribution under any plan: it is the reference the
+memory model is checked against, and how the cost model measures what non-layer ops save in a
+low-precision region. Both count each storage once and leave parameters out, as
+`measure.SavedTensorMeter` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from ..coverage import MATMUL_OPS, _call
+from ..errors import CostModelError
+
+__all__ = ["TensorSpec", "MatmulCall", "LayerTrace", "ModelTrace", "trace_model", "saved_bytes_by_layer"]
+
+# Positions of the bias / added input among the positional tensor arguments of each op: it is not
+# a matrix operand (never saved for backward, not quantized by a GEMM kernel).
+_BIAS_POSITION = {
+    "linear": 2, "conv1d": 2, "conv2d": 2, "conv3d": 2,
+    "conv_transpose1d": 2, "conv_transpose2d": 2, "conv_transpose3d": 2, "bilinear": 3,
+    "addmm": 0, "baddbmm": 0, "addbmm": 0, "addmv": 0,
+}
+
+
+def _bias_of(op: str, args: tuple, kwargs: dict) -> Any:
+    """The bias / added-input tensor of a call, or None."""
+    at = _BIAS_POSITION.get(op)
+    if at is None:
+        return None
+    if len(args) > at:
+        return args[at]
+    return kwargs.get("input" if at == 0 else "bias")
+
+
+def _is_weight(t: torch.Tensor) -> bool:
+    # The runtime's rule (runtime.context._is_weight): a Parameter or a view of one.
+    return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """Layout of one tensor argument of a recorded call.
+
+    ``storage_numel`` / ``offset``: elements of the underlying storage and where the tensor starts
+    in it, so a view (``q`` sliced from a fused ``qkv`` output, ``w.t()``) is replayed as a view.
+    ``weight``: a Parameter or a view of one. ``param``: the Parameter itself (a leaf).
+    ``operand``: a matrix operand (False for a bias / added input).
+    """
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    storage_numel: int
+    dtype: torch.dtype
+    requires_grad: bool
+    weight: bool
+    param: bool
+    operand: bool
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def key(self) -> str:
+        flags = ("g" if self.requires_grad else "") + ("p" if self.param else "w" if self.weight else "") + ("" if self.operand else "b")
+        dtype = str(self.dtype).replace("torch.", "")
+        return f"{dtype}{list(self.shape)}{list(self.stride)}{flags}"
+
+    @classmethod
+    def of(cls, t: torch.Tensor, operand: bool) -> "TensorSpec":
+        return cls(
+            shape=tuple(t.shape),
+            stride=tuple(t.stride()),
+            offset=t.storage_offset(),
+            storage_numel=t.untyped_storage().nbytes() // max(t.element_size(), 1),
+            dtype=t.dtype,
+            requires_grad=t.requires_grad,
+            weight=_is_weight(t),
+            param=isinstance(t, nn.Parameter),
+            operand=operand and t.is_floating_point(),
+        )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MatmulCall:
+    """One matrix-product call of a layer's forward, as recorded in FP32.
+
+    ``leaves`` / ``spec``: the flattened ``(args, kwargs)`` with ``None`` where ``tensors`` go.
+    ``saved``: what autograd saved inside this call in the FP32 trace (parameters left out), one
+    ``(i, nbytes)`` per storage: ``i`` the first tensor argument whose storage it is (saved as
+    is), or -1 for a tensor the op made itself (the contiguous copy ``matmul`` makes of a
+    strided batch operand). ``already_saved[i]``: tensor i's storage had been saved before this
+    call ran. ``alias[i]``: the first tensor argument sharing tensor i's storage.
+    """
+
+    op: str
+    func: Callable
+    tensors: tuple[TensorSpec, ...]
+    tensor_at: tuple[int, ...]
+    leaves: tuple
+    spec: Any
+    saved: tuple[tuple[int, int], ...]
+    already_saved: tuple[bool, ...]
+    alias: tuple[int, ...]
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes autograd saved inside this call in the FP32 trace."""
+        return sum(nbytes for _, nbytes in self.saved)
+
+    @property
+    def key(self) -> str:
+        """Identifies the call's work independently of the model: op, function, layouts, scalars."""
+        parts = []
+        tensors = iter(self.tensors)
+        at = set(self.tensor_at)
+        for i, leaf in enumerate(self.leaves):
+            parts.append(next(tensors).key if i in at else repr(leaf))
+        name = getattr(self.func, "__qualname__", None) or repr(self.func)
+        return f"{self.op}:{name}({','.join(parts)})"
+
+    def arguments(self, tensors) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` of the call with ``tensors`` in place of the recorded ones."""
+        filled = list(self.leaves)
+        for i, t in zip(self.tensor_at, tensors):
+            filled[i] = t
+        return pytree.tree_unflatten(filled, self.spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTrace:
+    """What one layer ran in the FP32 trace: its calls, the bytes its non-matmul ops saved
+    (``other_saved_bytes``), and its own parameters (``param_bytes``: their numel times their
+    element size, i.e. the FP32 master gradient buffer)."""
+
+    fqn: str
+    module: str
+    calls: tuple[MatmulCall, ...]
+    other_saved_bytes: int
+    param_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelTrace:
+    """Layers in model order, and the bytes saved outside every layer in the FP32 trace."""
+
+    layers: Mapping[str, LayerTrace]
+    rest_saved_bytes: int
+    device: torch.device
+
+
+class _Attribution:
+    """Module-stack hooks + a saved-tensor hook: bytes saved while each module is innermost.
+
+    Packs are attributed later to the innermost module of the stack that is a layer, so a
+    dropout inside an attention layer counts for the layer. Each storage counts once; parameters
+    never count. Hooks are removed on exit, also when the body raises.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.fqn_of = {module: fqn for fqn, module in model.named_modules()}
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.stack: list[str] = []
+        self.seen: set[int] = set()
+        self.packs: list[tuple[tuple[str, ...], int, Any]] = []  # (stack, nbytes, call record or None)
+        self.current: Any = None
+        self._handles: list = []
+        self._exit = contextlib.ExitStack()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self.params and key not in self.seen:
+            self.seen.add(key)
+            self.packs.append((tuple(self.stack), storage.nbytes(), self.current))
+            if self.current is not None:
+                ptrs = self.current["ptrs"]
+                self.current["saved"].append((ptrs.index(key) if key in ptrs else -1, storage.nbytes()))
+        return t
+
+    def __enter__(self) -> "_Attribution":
+        def push(module, *_):
+            self.stack.append(self.fqn_of[module])
+
+        def pop(module, *_):
+            self.stack.pop()  # returns None to the hook: the module's output stays as it is
+
+        try:
+            for module in self.fqn_of:
+                self._handles.append(module.register_forward_pre_hook(push))
+                self._handles.append(module.register_forward_hook(lambda m, i, o: pop(m), always_call=True))
+            self._exit.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._exit.close()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def split(self, layers) -> tuple[dict[str, int], int]:
+        """(bytes per layer, bytes outside every layer) for packs made outside recorded calls."""
+        per = {fqn: 0 for fqn in layers}
+        rest = 0
+        for stack, nbytes, call in self.packs:
+            if call is not None:
+                continue
+            owner = next((fqn for fqn in reversed(stack) if fqn in per), None)
+            if owner is None:
+                rest += nbytes
+            else:
+                per[owner] += nbytes
+        return per, rest
+
+
+class _CallRecorder(TorchFunctionMode):
+    """Records every matrix product with the innermost running module and its argument layouts."""
+
+    def __init__(self, meter: _Attribution):
+        super().__init__()
+        self.meter = meter
+        self.calls: list[tuple[str, dict]] = []  # (module fqn, record)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        op = MATMUL_OPS.get(func)
+        if op is None or not self.meter.stack or self.meter.current is not None:
+            return func(*args, **kwargs)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        bias = _bias_of(op, args, kwargs)
+        tensor_at, specs, ptrs = [], [], []
+        for i, leaf in enumerate(leaves):
+            if torch.is_tensor(leaf):
+                tensor_at.append(i)
+                specs.append(TensorSpec.of(leaf, operand=leaf is not bias))
+                ptrs.append(leaf.untyped_storage().data_ptr())
+        record = {
+            "op": op, "func": func, "tensors": tuple(specs), "tensor_at": tuple(tensor_at),
+            "leaves": tuple(None if i in tensor_at else leaf for i, leaf in enumerate(leaves)),
+            "spec": spec, "already_saved": tuple(p in self.meter.seen for p in ptrs),
+            "alias": tuple(ptrs.index(p) for p in ptrs), "saved": [], "ptrs": ptrs,
+        }
+        self.calls.append((self.meter.stack[-1], record))
+        self.meter.current = record
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.meter.current = None
+
+
+def _forward(model: nn.Module, example_inputs: Any, loss_fn: Optional[Callable]) -> Any:
+    return loss_fn(model, example_inputs) if loss_fn is not None else _call(model, example_inputs)
+
+
+@contextlib.contextmanager
+def _side_effect_free(model: nn.Module):
+    """Keep buffers (BatchNorm statistics) and the global RNG as they were (as trace_layers does)."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+
+
+def trace_model(model: nn.Module, example_inputs: Any, loss_fn: Optional[Callable] = None) -> ModelTrace:
+    """Record the layers of ``model`` from one FP32 forward with autograd on (no backward).
+
+    ``example_inputs``: one input, a tuple of positional inputs or a dict of keyword inputs (as
+    `coverage.trace_layers`). ``loss_fn(model, example_inputs) -> loss``, when given, is run
+    instead of the bare forward, so what the loss saves counts too. Costs one forward pass and
+    its saved activations (freed on return). The model, its buffers and the RNG are unchanged.
+    """
+    meter = _Attribution(model)
+    recorder = _CallRecorder(meter)
+    with _side_effect_free(model), torch.enable_grad(), meter, recorder:
+        output = _forward(model, example_inputs, loss_fn)
+    del output
+    if not recorder.calls:
+        raise CostModelError(
+            f"{type(model).__name__} ran no matrix product in its forward on the example input, so it has "
+            "no layers to cost; pass the input the model trains on"
+        )
+    calls: dict[str, list[MatmulCall]] = {}
+    for fqn, record in recorder.calls:
+        del record["ptrs"]  # addresses mean nothing once the trace's tensors are freed
+        record["saved"] = tuple(record["saved"])
+        calls.setdefault(fqn, []).append(MatmulCall(**record))
+    other, rest = meter.split(calls)
+    modules = dict(model.named_modules())
+    order = [fqn for fqn in modules if fqn in calls]  # model order, as trace_layers gives
+    layers = {
+        fqn: LayerTrace(
+            fqn=fqn,
+            module=type(modules[fqn]).__name__,
+            calls=tuple(calls[fqn]),
+            other_saved_bytes=other[fqn],
+            param_bytes=sum(p.numel() * p.element_size() for p in modules[fqn].parameters(recurse=False)),
+        )
+        for fqn in order
+    }
+    first = next(model.parameters(), None)
+    return ModelTrace(layers, rest, first.device if first is not None else torch.device("cpu"))
+
+
+def saved_bytes_by_layer(
+    model: nn.Module,
+    example_inputs: Any,
+    layers,
+    context: Optional[Callable[[], Any]] = None,
+    loss_fn: Optional[Callable] = None,
+) -> tuple[dict[str, int], int]:
+    """Bytes autograd saves in one forward, per layer (innermost running layer) and outside layers.
+
+    ``layers``: the fqns that count as layers. ``context()``: entered around the forward (a
+    `PlanRuntime`, ``torch.autocast``); ``None`` runs plain. The reference measurement the memory
+    model is checked against. Costs one forward with autograd on (no backward).
+    """
+    meter = _Attribution(model)
+    unknown = sorted(set(layers) - set(meter.fqn_of.values()))
+    if unknown:
+        raise CostModelError(f"saved_bytes_by_layer: {unknown} are not modules of {type(model).__name__}")
+    with _side_effect_free(model), torch.enable_grad():
+        with meter, (context() if context is not None else contextlib.nullcontext()):
+            output = _forward(model, example_inputs, loss_fn)
+        per, rest = meter.split(layers)
+        del output
+    return per, rest
