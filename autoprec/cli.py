@@ -41,7 +41,11 @@ class _Parser(argparse.ArgumentParser):
 
 def _one_line(text: str) -> str:
     """Multi-line error messages (a `PlanError` lists its problems) joined onto one line."""
-    return "; ".join(part.strip(" -") for part in str(text).splitlines() if part.strip())
+    parts = [part.strip(" -") for part in str(text).splitlines() if part.strip()]
+    joined = ""
+    for part in parts:
+        joined += part if not joined else (" " if joined.endswith(":") else "; ") + part
+    return joined
 
 
 def _fail(message: str, status: int) -> int:
@@ -214,10 +218,125 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- profile ----------------------------------------------------------------------------------
+
+
+def _add_profile(subparsers, common: argparse.ArgumentParser) -> None:
+    from .formats import Format
+    from .workloads import LMConfig
+
+    p = subparsers.add_parser(
+        "profile",
+        parents=[common],
+        help="profile per-layer statistics over a window of real training steps",
+        description=(
+            "Train the built-in byte-level LM for --steps steps with a LayerProfiler attached and "
+            "write the Profile (per-layer gradient mean / variance / noise-to-signal ratio, amax "
+            "histories, histograms, underflow / overflow fractions per candidate format, non-finite "
+            "counts) as JSON, plus TensorBoard histograms with --logdir. Prints one line per layer."
+        ),
+    )
+    p.add_argument(
+        "--workload", default="small", choices=LMConfig.preset_names(),
+        help="built-in LM preset (default small)",
+    )
+    p.add_argument("--steps", type=_positive_int, default=100, help="training steps to profile: the window (default 100)")
+    p.add_argument("--batch-size", type=_positive_int, default=16, help="batch size (default 16)")
+    p.add_argument("--out", type=_output_path, default=Path("profile.json"), metavar="PATH", help="profile JSON to write, atomically (default profile.json)")
+    p.add_argument("--logdir", default=None, metavar="DIR", help="also write TensorBoard events (histograms, amax) under DIR")
+    p.add_argument(
+        "--formats", default=None, metavar="F1,F2,...",
+        help=f"candidate formats for the underflow / overflow fractions (default all: {','.join(f.value for f in Format)})",
+    )
+    p.add_argument("--sample", type=_positive_int, default=8192, help="elements histogrammed per tensor per call (default 8192)")
+    p.add_argument("--every", type=_positive_int, default=8, help="histogram each layer every N-th step; amax every step (default 8)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and batches (default 0)")
+    p.add_argument("--device", default="auto", help="auto (CUDA if available, else CPU), cpu, cuda or cuda:N (default auto)")
+    p.set_defaults(handler=_cmd_profile)
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from .errors import FormatError, ProfileError
+    from .formats import Format
+    from .profiling import profile_workload, write_tensorboard
+
+    usage = "(see 'autoprec profile --help')"
+    formats = tuple(Format)
+    if args.formats is not None:
+        try:
+            formats = tuple(Format.parse(f) for f in args.formats.split(",") if f.strip())
+        except FormatError as exc:
+            return _fail(f"argument --formats: {exc} {usage}", EXIT_USAGE)
+        if not formats:
+            return _fail(f"argument --formats: give at least one format {usage}", EXIT_USAGE)
+    if not args.lr > 0 or args.lr == float("inf"):
+        return _fail(f"argument --lr: expected a positive number, got {args.lr} {usage}", EXIT_USAGE)
+    logdir = Path(args.logdir) if args.logdir is not None else None
+    if logdir is not None and logdir.exists() and not logdir.is_dir():
+        return _fail(f"argument --logdir: {str(logdir)!r} is a file; give a directory {usage}", EXIT_USAGE)
+    progress = _Progress("profile")
+    try:
+        profile = profile_workload(
+            args.workload, args.steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr,
+            device=args.device, formats=formats, sample=args.sample, every=args.every, progress=progress,
+        )
+    except ProfileError as exc:
+        return _fail(f"{exc} {usage}", EXIT_USAGE)
+    finally:
+        progress.close()
+    print(profile.format_table())
+    try:
+        profile.save(args.out)
+    except OSError as exc:
+        return _fail(f"cannot write {args.out}: {exc.strerror or exc}", EXIT_FAILED)
+    print(f"wrote {args.out}", file=sys.stderr)
+    if logdir is not None:
+        try:
+            write_tensorboard(profile, logdir)
+        except OSError as exc:
+            return _fail(f"cannot write TensorBoard events under {logdir}: {exc.strerror or exc}", EXIT_FAILED)
+        print(f"wrote TensorBoard events under {logdir}", file=sys.stderr)
+    return EXIT_OK
+
+
+# -- review -----------------------------------------------------------------------------------
+
+
+def _add_review(subparsers, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "review",
+        parents=[common],
+        help="write plans and their layer-by-layer differences for TensorBoard",
+        description=(
+            "Write each PLAN.json (precision map image, layer table with reasons, totals against "
+            "FP32 and the budgets, an HParams session) and the differences between consecutive "
+            "plans to --logdir for TensorBoard, and print the differences as a table."
+        ),
+    )
+    p.add_argument("plans", nargs="+", metavar="PLAN.json", type=Path, help="plan files, compared in the order given")
+    p.add_argument("--logdir", type=Path, default=Path("runs/review"), help="TensorBoard log folder (default runs/review)")
+    p.add_argument("--open", action="store_true", help="start tensorboard --logdir DIR on 127.0.0.1, print its address, run until Ctrl-C")
+    p.set_defaults(handler=_cmd_review)
+
+
+def _cmd_review(args: argparse.Namespace) -> int:
+    from .monitoring import load_plans, start_tensorboard, write_review
+
+    result = write_review(load_plans(args.plans), args.logdir)
+    print(result.format_table())
+    print(f"wrote TensorBoard events under {args.logdir}", file=sys.stderr)
+    if args.open:
+        with start_tensorboard(args.logdir) as server:
+            print(f"TensorBoard at {server.url} (Ctrl-C to stop)", flush=True)
+            server.wait()
+    return EXIT_OK
+
+
 # -- entry point ------------------------------------------------------------------------------
 
-# Each subcommand registers itself here: later profile / search / review add one function each.
-_COMMANDS: tuple[Callable, ...] = (_add_bench,)
+# Each subcommand registers itself here, one function each.
+_COMMANDS: tuple[Callable, ...] = (_add_bench, _add_profile, _add_review)
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -429,6 +429,62 @@ _GRAD_CLIP = 1.0
 _WARMUP_STEPS = 10
 
 
+class Trainer:
+    """The built-in workload's training step, one step at a time: AdamW (weight decay on matrices
+    only), linear warmup over ``_WARMUP_STEPS`` steps, gradient clipping at ``_GRAD_CLIP``.
+
+    ``context``, if given, is called every step and the returned context manager wraps forward +
+    loss (not backward or the optimizer step), e.g. ``lambda: torch.autocast("cpu", torch.bfloat16)``.
+    Batches come from ``workload.train_batches(seed)`` and move to the model's device.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        workload: Workload,
+        lr: float = 3e-3,
+        seed: int = 0,
+        context: Callable[[], AbstractContextManager[Any]] | None = None,
+    ):
+        if lr <= 0:
+            raise ValueError(f"Trainer(lr={lr}): lr must be positive")
+        self.model = model
+        self.workload = workload
+        self.lr = lr
+        self.make_context = context if context is not None else nullcontext
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in self.params if p.dim() >= 2], "weight_decay": _WEIGHT_DECAY},
+            {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=_BETAS)
+        self.sampler = workload.train_batches(seed)
+        first = next(model.parameters(), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        self.steps_done = 0
+        model.train()
+
+    def step(self, after_backward: Callable[[], Any] | None = None) -> torch.Tensor:
+        """One optimizer step; returns the (detached) training loss without a host sync.
+
+        ``after_backward`` runs between backward and clipping (a profiler's ``step``).
+        """
+        step_lr = self.lr * min(1.0, (self.steps_done + 1) / _WARMUP_STEPS)
+        for group in self.optimizer.param_groups:
+            group["lr"] = step_lr
+        batch = tuple(t.to(self.device) for t in self.sampler.next())
+        with self.make_context():
+            loss = self.workload.loss(self.model, batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if after_backward is not None:
+            after_backward()
+        torch.nn.utils.clip_grad_norm_(self.params, _GRAD_CLIP)
+        self.optimizer.step()
+        self.steps_done += 1
+        return loss.detach()
+
+
 def train(
     model: nn.Module,
     workload: Workload,
@@ -438,41 +494,20 @@ def train(
     log_every: int = 0,
     context: Callable[[], AbstractContextManager[Any]] | None = None,
 ) -> list[float]:
-    """Train ``model`` in place for ``steps`` AdamW steps; return the per-step training losses.
+    """Train ``model`` in place for ``steps`` `Trainer` steps; return the per-step training losses.
 
-    Batches come from ``workload.train_batches(seed)``. Learning rate warms up linearly over the
-    first ``_WARMUP_STEPS`` steps, then stays at ``lr``. ``context``, if given, is called every
-    step and the returned context manager wraps forward + loss (not backward or the optimizer
-    step), e.g. ``lambda: torch.autocast("cpu", torch.bfloat16)``. ``log_every > 0`` logs the
-    loss at INFO every that many steps. Each step costs one host sync (``loss.item()``).
+    ``log_every > 0`` logs the loss at INFO every that many steps. Each step costs one host sync
+    (``loss.item()``).
     """
     if steps < 0:
         raise ValueError(f"train(steps={steps}): steps must be >= 0")
     if lr <= 0:
         raise ValueError(f"train(lr={lr}): lr must be positive")
-    make_context = context if context is not None else nullcontext
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": _WEIGHT_DECAY},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=lr, betas=_BETAS)
-    sampler = workload.train_batches(seed)
-    model.train()
+    trainer = Trainer(model, workload, lr=lr, seed=seed, context=context)
     losses: list[float] = []
     start = time.perf_counter()
     for step in range(steps):
-        step_lr = lr * min(1.0, (step + 1) / _WARMUP_STEPS)
-        for group in optimizer.param_groups:
-            group["lr"] = step_lr
-        batch = sampler.next()
-        with make_context():
-            loss = workload.loss(model, batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, _GRAD_CLIP)
-        optimizer.step()
-        losses.append(loss.item())
+        losses.append(trainer.step().item())
         if log_every > 0 and ((step + 1) % log_every == 0 or step + 1 == steps):
             logger.info(
                 "%s step %d/%d loss %.4f (%.1f s)",
