@@ -2,10 +2,41 @@
 
 __version__ = "0.1.0"
 
-from .errors import AutoprecError, FormatError, PlanError, RuntimeStateError  # noqa: E402
+import importlib  # noqa: E402
+
+from .errors import (  # noqa: E402
+    AutoprecError,
+    FormatError,
+    InfeasibleBudgetError,
+    PlanError,
+    ProfileError,
+    RuntimeStateError,
+    SearchError,
+)
 from .formats import AmaxHistory, Format, Granularity  # noqa: E402
 from .plan import Calibration, CalibrationMethod, LayerPrecision, Plan, Scaling, ScalingMode  # noqa: E402
 from .runtime import EmulationWarning, PlanRuntime, apply_plan  # noqa: E402
+
+# Heavier parts load on first use (Optuna, scipy, TensorBoard, the sensitivity machinery).
+_LAZY = {
+    "LayerProfiler": "profiling",
+    "Profile": "profiling",
+    "CostModel": "costs",
+    "SearchSpace": "search",
+    "Budgets": "search",
+    "LayerRules": "search",
+    "solve_exact": "search",
+    "run_proxy_study": "search",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'autoprec' has no attribute {name!r}")
+
 
 __all__ = [
     # formats
@@ -23,9 +54,21 @@ __all__ = [
     "apply_plan",
     "PlanRuntime",
     "EmulationWarning",
+    # profiling, costs, search (lazy)
+    "LayerProfiler",
+    "Profile",
+    "CostModel",
+    "SearchSpace",
+    "Budgets",
+    "LayerRules",
+    "solve_exact",
+    "run_proxy_study",
     # errors
     "AutoprecError",
     "FormatError",
     "PlanError",
+    "ProfileError",
     "RuntimeStateError",
+    "SearchError",
+    "InfeasibleBudgetError",
 ]
