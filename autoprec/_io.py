@@ -31,3 +31,24 @@ def atomic_write_text(path: "str | os.PathLike", text: str) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def check_schema_version(data, source: str, artifact: str, current: int, error: type, how_to_save: str) -> int:
+    """The ``schema_version`` of a loaded artifact, or ``error`` saying what is wrong with it.
+
+    ``artifact`` ("plan", "profile") and ``how_to_save`` go into the messages; versions newer than
+    ``current`` ask for an upgrade.
+    """
+    version = data.get("schema_version")
+    if version is None:
+        raise error(f"{source}: no 'schema_version'; this is not an autoprec {artifact} ({how_to_save})")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise error(f"{source}: schema_version must be a positive integer, got {version!r}")
+    if version > current:
+        from . import __version__
+
+        raise error(
+            f"{source}: schema_version {version} is not supported by autoprec {__version__} "
+            f"(it reads 1..{current}); upgrade autoprec to read newer {artifact}s"
+        )
+    return version

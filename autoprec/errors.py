@@ -9,21 +9,38 @@ class AutoprecError(Exception):
     """Root of autoprec's errors."""
 
 
-class PlanError(AutoprecError, ValueError):
-    """A plan is malformed or does not fit the model or the device.
+class ProblemsError(AutoprecError, ValueError):
+    """An error that lists every problem found (``.problems``), one per line, and what to do.
 
-    The message names every offending entry and says what to do.
+    ``artifact`` names what was invalid ("plan", "profile"). A single problem with no hint is
+    the message itself when ``single_line`` is set.
     """
+
+    artifact = "input"
+    single_line = False
 
     def __init__(self, problems, hint: str = ""):
         if isinstance(problems, str):
             problems = [problems]
         self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        message = f"invalid plan ({len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}):\n{lines}"
+        if self.single_line and len(self.problems) == 1 and not hint:
+            message = self.problems[0]
+        else:
+            lines = "\n".join(f"  - {p}" for p in self.problems)
+            count = len(self.problems)
+            message = f"invalid {self.artifact} ({count} problem{'s' if count != 1 else ''}):\n{lines}"
         if hint:
             message += f"\n{hint}"
         super().__init__(message)
+
+
+class PlanError(ProblemsError):
+    """A plan is malformed or does not fit the model or the device.
+
+    The message names every offending entry and says what to do.
+    """
+
+    artifact = "plan"
 
 
 class RuntimeStateError(AutoprecError, RuntimeError):
@@ -52,24 +69,14 @@ class SensitivityError(AutoprecError, ValueError):
     unknown layers or formats, a loss that is not a finite scalar, mismatched rankings)."""
 
 
-class ProfileError(AutoprecError, ValueError):
+class ProfileError(ProblemsError):
     """A profile is malformed, was made for another model, or a profiler was misused.
 
     The message names every offending layer or field and says what to do.
     """
 
-    def __init__(self, problems, hint: str = ""):
-        if isinstance(problems, str):
-            problems = [problems]
-        self.problems = list(problems)
-        if len(self.problems) == 1 and not hint:
-            message = self.problems[0]
-        else:
-            lines = "\n".join(f"  - {p}" for p in self.problems)
-            message = f"invalid profile ({len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}):\n{lines}"
-        if hint:
-            message += f"\n{hint}"
-        super().__init__(message)
+    artifact = "profile"
+    single_line = True
 
 
 class CostModelError(AutoprecError, ValueError):

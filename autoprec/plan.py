@@ -27,7 +27,7 @@ from typing import Any, Iterator, Mapping
 import torch.nn as nn
 
 from . import __version__
-from ._io import atomic_write_text
+from ._io import atomic_write_text, check_schema_version
 from .coverage import LayerInfo, ModuleFilter, find_layers
 from .device import KERNEL_OPS, format_support
 from .errors import FormatError, PlanError
@@ -455,16 +455,7 @@ class Plan:
     def from_dict(cls, data: Any, source: str = "plan") -> "Plan":
         if not isinstance(data, Mapping):
             raise PlanError(f"{source}: expected a JSON object at the top level, got {type(data).__name__}")
-        version = data.get("schema_version")
-        if version is None:
-            raise PlanError(f"{source}: no 'schema_version'; this is not an autoprec plan (save plans with Plan.save)")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-            raise PlanError(f"{source}: schema_version must be a positive integer, got {version!r}")
-        if version > SCHEMA_VERSION:
-            raise PlanError(
-                f"{source}: schema_version {version!r} is not supported by autoprec {__version__} "
-                f"(it reads 1..{SCHEMA_VERSION}); upgrade autoprec to read newer plans"
-            )
+        check_schema_version(data, source, "plan", SCHEMA_VERSION, PlanError, "save plans with Plan.save")
         allowed = {"schema_version", "autoprec_version", "fingerprint", "budgets", "predicted", "measured", "metadata", "layers"}
         problems = [f"{source}: unknown top-level key {key!r}; expected some of {', '.join(sorted(allowed))}" for key in sorted(set(data) - allowed)]
         layers = data.get("layers")

@@ -98,7 +98,7 @@ import torch
 import torch.nn as nn
 
 from . import __version__
-from ._io import atomic_write_text
+from ._io import atomic_write_text, check_schema_version
 from .coverage import LayerInfo, ModuleFilter, find_layers
 from .errors import ProfileError
 from .formats import Format
@@ -669,16 +669,7 @@ class _Reader:
     def profile(self, data: Any) -> Profile:
         if not isinstance(data, Mapping):
             raise ProfileError(f"{self.source}: expected a JSON object at the top level, got {type(data).__name__}; {self.HINT}")
-        version = data.get("schema_version")
-        if version is None:
-            raise ProfileError(f"{self.source}: no 'schema_version'; this is not an autoprec profile (save profiles with Profile.save or 'autoprec profile')")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-            raise ProfileError(f"{self.source}: schema_version must be a positive integer, got {version!r}")
-        if version > SCHEMA_VERSION:
-            raise ProfileError(
-                f"{self.source}: schema_version {version} is not supported by autoprec {__version__} "
-                f"(it reads 1..{SCHEMA_VERSION}); upgrade autoprec to read newer profiles"
-            )
+        check_schema_version(data, self.source, "profile", SCHEMA_VERSION, ProfileError, "save profiles with Profile.save or 'autoprec profile'")
         allowed = {"schema_version", "autoprec_version", "steps", "config", "fingerprint", "metadata", "layers"}
         for key in sorted(set(data) - allowed):
             self.bad(key, f"unknown top-level key; expected some of {', '.join(sorted(allowed))}")
