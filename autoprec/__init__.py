@@ -12,6 +12,7 @@ from .errors import (  # noqa: E402
     ProfileError,
     RuntimeStateError,
     SearchError,
+    SensitivityError,
 )
 from .formats import AmaxHistory, Format, Granularity  # noqa: E402
 from .plan import Calibration, CalibrationMethod, LayerPrecision, Plan, Scaling, ScalingMode  # noqa: E402
@@ -22,6 +23,8 @@ _LAZY = {
     "LayerProfiler": "profiling",
     "Profile": "profiling",
     "CostModel": "costs",
+    "estimate_sensitivity": "sensitivity",
+    "measure_sensitivity": "sensitivity",
     "SearchSpace": "search",
     "Budgets": "search",
     "LayerRules": "search",
@@ -54,10 +57,12 @@ __all__ = [
     "apply_plan",
     "PlanRuntime",
     "EmulationWarning",
-    # profiling, costs, search (lazy)
+    # profiling, sensitivity, costs, search (lazy)
     "LayerProfiler",
     "Profile",
     "CostModel",
+    "estimate_sensitivity",
+    "measure_sensitivity",
     "SearchSpace",
     "Budgets",
     "LayerRules",
@@ -71,4 +76,5 @@ __all__ = [
     "RuntimeStateError",
     "SearchError",
     "InfeasibleBudgetError",
+    "SensitivityError",
 ]

@@ -100,10 +100,15 @@ class Calibration:
         object.__setattr__(self, "method", CalibrationMethod(self.method))
 
 
+# FP8 layers compute gradients in E5M2 (the "hybrid" recipe); INT8 layers run backward in FP32
+# (INT8 has no useful gradient format); every other format differentiates in itself.
+_DEFAULT_GRAD_FORMAT = {Format.FP8_E4M3: Format.FP8_E5M2, Format.FP8_E5M2: Format.FP8_E5M2, Format.INT8: Format.FP32}
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerPrecision:
     """One layer's format. FP8 layers compute gradients in ``grad_format`` (E5M2 by default:
-    the "hybrid" recipe, E4M3 forward and E5M2 backward)."""
+    the "hybrid" recipe, E4M3 forward and E5M2 backward); INT8 layers' is FP32."""
 
     format: Format
     grad_format: "Format | None" = None
@@ -115,7 +120,7 @@ class LayerPrecision:
         object.__setattr__(self, "format", Format.parse(self.format))
         grad = self.grad_format
         if grad is None:
-            grad = Format.FP8_E5M2 if self.format.is_fp8 else self.format
+            grad = _DEFAULT_GRAD_FORMAT.get(self.format, self.format)
         object.__setattr__(self, "grad_format", Format.parse(grad))
 
     def to_dict(self) -> dict:
@@ -230,10 +235,11 @@ def _check_layer(fqn: str, lp: LayerPrecision) -> list[str]:
         problems.append(f"layers[{fqn!r}].calibration.outlier_ratio: must be > 1 or null, got {c.outlier_ratio}")
     if lp.format.is_fp8 and not lp.grad_format.is_fp8 and lp.grad_format is not Format.FP32:
         problems.append(f"layers[{fqn!r}].grad_format: an FP8 layer's gradients are fp8_e5m2, fp8_e4m3 or fp32, got {lp.grad_format.value!r}")
-    if not lp.format.is_fp8 and lp.grad_format is not lp.format:
+    default_grad = _DEFAULT_GRAD_FORMAT.get(lp.format, lp.format)
+    if not lp.format.is_fp8 and lp.grad_format is not default_grad:
         problems.append(
             f"layers[{fqn!r}].grad_format: only FP8 layers choose a separate gradient format; "
-            f"remove it or set it to {lp.format.value!r}"
+            f"remove it or set it to {default_grad.value!r}"
         )
     return problems
 

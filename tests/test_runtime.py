@@ -258,6 +258,30 @@ def test_matrix_products_autocast_does_not_cast_run_in_a_half_layer():
     assert sqnr(MatVec.forward(model, x), out.float()) > 30
 
 
+def test_fp32_layer_keeps_its_own_products_fp32_when_a_child_is_lowered():
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            return F.scaled_dot_product_attention(self.q(x), self.k(x), self.v(x))
+
+    torch.manual_seed(0)
+    model = Attention()
+    x = torch.randn(2, 5, 16)
+    plan = ap.Plan.uniform(model, "fp32", x).with_layers({"q": "bf16"})
+    with torch.no_grad(), ap.apply_plan(model, plan):
+        out = model(x)
+    assert out.dtype == torch.float32
+    assert sqnr(Attention.forward(model, x), out) > 35
+
+
+def test_int8_layers_differentiate_in_fp32():
+    layer, _, _ = _linear_case()
+    assert ap.Plan.uniform(layer, "int8").layers[""].grad_format is Format.FP32
+
+
 def test_fp32_layer_in_a_mixed_plan_runs_in_fp32():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))

@@ -131,6 +131,9 @@ class _RegionMode(TorchFunctionMode):
             self.runtime._note_uncovered(op)
             return func(*args, **kwargs)
         layer = stack[-1]
+        if layer.precision.format is Format.FP32:
+            # A lowered child hands this FP32 layer half tensors; its own products stay FP32.
+            return func(*pytree.tree_map(_to_fp32, args), **pytree.tree_map(_to_fp32, kwargs))
         if layer.precision.format not in _GEMM_KERNELS:
             half = layer.precision.format.autocast_dtype
             if half is not None:
