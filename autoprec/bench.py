@@ -46,6 +46,7 @@ import torch.nn as nn
 
 from . import __version__
 from ._io import atomic_write_text
+from .device import resolve_device
 from .errors import AutoprecError
 from .formats import Format
 from .measure import SavedTensorMeter
@@ -346,20 +347,6 @@ def _json_safe(value: Any) -> Any:
 # -- running ----------------------------------------------------------------------------------
 
 
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise BenchConfigError(f"device {name!r}: CUDA is not available in this torch build or machine; use --device cpu")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise BenchConfigError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) present")
-    elif device.type != "cpu":
-        raise BenchConfigError(f"device {name!r}: the bench runs on 'cpu' or 'cuda' only")
-    return device
-
-
 def device_info(device: torch.device) -> dict:
     """Name, capability and software versions of ``device`` (no kernel runs; no sync)."""
     info = {"type": device.type, "torch": torch.__version__, "python": platform.python_version()}
@@ -473,7 +460,7 @@ def run_bench(config: BenchConfig = BenchConfig(), progress: Optional[Callable[[
     """
     start = time.perf_counter()
     contention = _CpuContention()
-    device = _resolve_device(config.device)
+    device = resolve_device(config.device, BenchConfigError, "the bench")
     variants = [_parse_variant(v) for v in config.variants]
     rounds = config.warmup + config.steps
     logger.info("bench on %s: %d variants x %d targets, %d warmup + %d timed rounds", device, len(variants), len(TARGETS), config.warmup, config.steps)

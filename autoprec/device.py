@@ -14,7 +14,7 @@ import torch
 
 from .formats import Format
 
-__all__ = ["Support", "format_support", "has_scaled_mm", "has_int_mm", "KERNEL_OPS"]
+__all__ = ["Support", "format_support", "has_scaled_mm", "has_int_mm", "resolve_device", "KERNEL_OPS"]
 
 # Ops that a 2-D FP8 / INT8 GEMM kernel serves; every other matrix product (convolution, batched
 # matmul, attention) in an FP8 or INT8 layer is emulated: stored in the format, computed in FP32.
@@ -92,3 +92,25 @@ def format_support(fmt: Format, device: "torch.device | str | None" = None) -> S
         return Support(True, ok, reason if ok else reason + "; emulated (FP8 storage, FP32 compute)")
     ok, reason = has_int_mm(key)
     return Support(True, ok, reason if ok else reason + "; emulated (INT8 storage, FP32 compute)")
+
+
+def resolve_device(name: "str | torch.device", error: type, job: str) -> torch.device:
+    """The device a job runs on: ``"auto"`` is CUDA when available, else CPU.
+
+    Raises ``error`` (an autoprec error class) with one line naming the device and the fix for a
+    name torch does not know, a CUDA device this machine lacks, or a type other than cpu / cuda.
+    """
+    if str(name) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise error(f"device {name!r} is not a torch device; use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise error(f"device {name!r}: CUDA is not available in this torch build or machine; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise error(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) present")
+    elif device.type != "cpu":
+        raise error(f"device {name!r}: {job} runs on 'cpu' or 'cuda' only")
+    return device

@@ -100,6 +100,7 @@ import torch.nn as nn
 from . import __version__
 from ._io import atomic_write_text, check_schema_version
 from .coverage import LayerInfo, ModuleFilter, find_layers
+from .device import resolve_device
 from .errors import ProfileError
 from .formats import Format
 from .plan import Scaling
@@ -1101,20 +1102,6 @@ class LayerProfiler:
 # -- the built-in workload, TensorBoard, overhead -----------------------------------------------
 
 
-def _resolve_device(name: "str | torch.device") -> torch.device:
-    if str(name) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError):
-        raise ProfileError(f"device {name!r} is not a torch device; use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ProfileError(f"device {name!r}: CUDA is not available on this machine; use --device cpu")
-    if device.type not in ("cpu", "cuda"):
-        raise ProfileError(f"device {name!r}: profiling runs on 'cpu' or 'cuda' only")
-    return device
-
-
 def _trainer(workload, seed: int, lr: float, device: torch.device):
     """The workload's model on ``device`` with its `Trainer` (the same step `workloads.train` runs)."""
     from .workloads import Trainer
@@ -1154,7 +1141,7 @@ def profile_workload(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ProfileError(f"steps must be a positive integer, got {steps!r}")
     wl = _workload(workload, batch_size)
-    dev = _resolve_device(device)
+    dev = resolve_device(device, ProfileError, "profiling")
     trainer = _trainer(wl, seed, lr, dev)
     example = wl.val_batches(1)[0][0].to(dev)
     profiler = LayerProfiler(trainer.model, example, formats=formats, window=steps, sample=sample, every=every)
@@ -1237,7 +1224,7 @@ def measure_overhead(
     ``window / plain - 1`` and ``after / plain - 1``.
     """
     wl = _workload(workload_name, batch_size)
-    dev = _resolve_device(device)
+    dev = resolve_device(device, ProfileError, "profiling")
     example = wl.val_batches(1)[0][0].to(dev)
     trainers = {name: _trainer(wl, seed, 3e-3, dev) for name in ("plain", "window", "after")}
     profilers = {
