@@ -87,3 +87,8 @@ class CostModelError(AutoprecError, ValueError):
 class MonitoringError(AutoprecError, ValueError):
     """TensorBoard output cannot be written or served: an unwritable logdir, a bad run name, a
     TensorBoard server that does not start. The message is one line saying what to do."""
+
+
+class ScalingError(AutoprecError, ValueError):
+    """A loss scaler or output watch was configured with a value it cannot use (a bad factor, an
+    unknown layer, a malformed state dict). The message names the argument and what it expects."""

@@ -1,0 +1,484 @@
+"""`autoprec.scaling`: LossScaler against torch.amp.GradScaler and plain unscaled runs; OutputWatch."""
+
+import collections
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autoprec.errors import AutoprecError, RuntimeStateError
+from autoprec.scaling import LossScaler, OutputWatch, ScalingError
+
+INF = float("inf")
+NAN = float("nan")
+
+
+def make_model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(16, 4, generator=g), torch.randn(16, 2, generator=g)
+
+
+def loss_of(model: nn.Module, step: int) -> torch.Tensor:
+    x, y = batch(step)
+    return nn.functional.mse_loss(model(x), y)
+
+
+def params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_identical(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def scaled_step(scaler, model, optimizer, step: int, poison: str | None = None, value: float = INF):
+    """One iteration; ``poison`` names a parameter whose gradient gets ``value`` after backward."""
+    scaler.scale(loss_of(model, step)).backward()
+    if poison is not None:
+        dict(model.named_parameters())[poison].grad.view(-1)[0] = value
+    out = scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+    return out
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+def test_defaults():
+    scaler = LossScaler()
+    assert (scaler.get_scale(), scaler.growth_factor, scaler.backoff_factor, scaler.growth_interval) == (4096.0, 2.0, 0.5, 2000)
+    assert (scaler.min_scale, scaler.hysteresis, scaler.enabled) == (1.0, 1, True)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"init_scale": 0.0}, "init_scale"),
+        ({"init_scale": -1.0}, "init_scale"),
+        ({"init_scale": INF}, "init_scale"),
+        ({"growth_factor": 1.0}, "growth_factor"),
+        ({"growth_factor": 0.5}, "growth_factor"),
+        ({"backoff_factor": 1.0}, "backoff_factor"),
+        ({"backoff_factor": 0.0}, "backoff_factor"),
+        ({"growth_interval": 0}, "growth_interval"),
+        ({"growth_interval": 2.5}, "growth_interval"),
+        ({"min_scale": 0.0}, "min_scale"),
+        ({"init_scale": 2.0, "min_scale": 4.0}, "min_scale"),
+        ({"hysteresis": 0}, "hysteresis"),
+        ({"hysteresis": True}, "hysteresis"),
+        ({"enabled": "yes"}, "enabled"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs, name):
+    with pytest.raises(ScalingError, match=rf"{name}=") as info:
+        LossScaler(**kwargs)
+    assert isinstance(info.value, (AutoprecError, ValueError))
+
+
+def test_unknown_watched_layer_is_named():
+    with pytest.raises(ScalingError, match="'nope'"):
+        LossScaler().watch(make_model(), layers=["0", "nope"])
+
+
+# -- against torch.amp.GradScaler ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.Adam])
+def test_matches_grad_scaler_step_by_step(opt_cls):
+    kwargs = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+    opt_kwargs = {"lr": 0.05, "momentum": 0.9} if opt_cls is torch.optim.SGD else {"lr": 0.01}
+    ours, ref = make_model(), make_model()
+    opt, ref_opt = opt_cls(ours.parameters(), **opt_kwargs), opt_cls(ref.parameters(), **opt_kwargs)
+    scaler = LossScaler(**kwargs)
+    grad_scaler = torch.amp.GradScaler(device="cpu", **kwargs)
+    overflow = {1: "2.weight", 2: "0.bias", 7: "4.weight", 14: "2.bias"}
+    scales = []
+    for step in range(20):
+        poison = overflow.get(step)
+        scaled_step(scaler, ours, opt, step, poison)
+        scaled_step(grad_scaler, ref, ref_opt, step, poison)
+        assert scaler.get_scale() == grad_scaler.get_scale(), step
+        assert_identical(params(ours), params(ref))
+        scales.append(scaler.get_scale())
+    # The trajectory both grew and backed off, so the comparison covered both rules.
+    changes = [b / a for a, b in zip(scales, scales[1:])]
+    assert 2.0 in changes and 0.5 in changes
+    assert scaler.skipped_steps == len(overflow) and scaler.steps == 20
+
+
+# -- skipping and attribution ---------------------------------------------------------------------
+
+
+def test_skipped_step_leaves_params_and_adam_state_untouched():
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    scaler = LossScaler(init_scale=256.0).watch(model)
+    for step in range(3):
+        scaled_step(scaler, model, opt, step)
+    before_params, before_state = params(model), copy.deepcopy(opt.state_dict())
+
+    out = scaled_step(scaler, model, opt, 3, poison="2.weight", value=NAN)
+
+    assert out is None
+    assert_identical(params(model), before_params)
+    after_state = opt.state_dict()["state"]
+    for index, entry in before_state["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(after_state[index][key], value), (index, key)
+    assert scaler.last_nonfinite_layers == ("2",)
+    assert scaler.nonfinite_counts == {"2": 1}
+    assert (scaler.skipped_steps, scaler.steps) == (1, 4)
+    assert scaler.events == ((3, ("2",)),)
+    assert scaler.get_scale() == 128.0
+
+
+def test_step_returns_the_optimizer_value_and_forwards_arguments():
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None, *, tag=None):
+            super().step()
+            return ("stepped", tag)
+
+    model = make_model()
+    opt = Recording(model.parameters(), lr=0.1)
+    scaler = LossScaler()
+    scaler.scale(loss_of(model, 0)).backward()
+    assert scaler.step(opt, tag=7) == ("stepped", 7)
+
+
+def test_nested_layers_and_unwatched_parameters_are_named():
+    model = nn.Sequential(collections.OrderedDict(block=nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8)), head=nn.Linear(8, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler().watch(model, layers=["block"])
+    scaled_step(scaler, model, opt, 0, poison="head.weight")
+    assert scaler.last_nonfinite_layers == ("head.weight",)
+    scaled_step(scaler, model, opt, 1, poison="block.1.bias")
+    assert scaler.last_nonfinite_layers == ("block",)
+
+
+def test_several_layers_reported_in_model_order():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler().watch(model)
+    scaler.scale(loss_of(model, 0)).backward()
+    model[4].bias.grad[0] = INF
+    model[0].weight.grad[0, 0] = NAN
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_nonfinite_layers == ("0", "4")
+    assert scaler.nonfinite_counts == {"0": 1, "4": 1}
+
+
+def test_one_host_transfer_per_optimizer_step(monkeypatch):
+    model = make_model()
+    half = len(list(model.parameters())) // 2
+    opts = [torch.optim.SGD(list(model.parameters())[:half], lr=0.1), torch.optim.SGD(list(model.parameters())[half:], lr=0.1)]
+    scaler = LossScaler().watch(model, outputs=True)
+    transfers = []
+    real_tolist = torch.Tensor.tolist
+
+    def counting_tolist(self):
+        transfers.append(self.numel())
+        return real_tolist(self)
+
+    def forbidden(self, *args, **kwargs):
+        raise AssertionError("host sync outside the skip decision")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    for name in ("item", "__bool__", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    scaler.scale(loss_of(model, 0)).backward()
+    scaler.unscale_(opts[0])
+    assert transfers == []
+    scaler.step(opts[0])
+    scaler.step(opts[1])
+    scaler.update()
+    monkeypatch.undo()
+    assert len(transfers) == 2
+
+
+# -- the scale rule -------------------------------------------------------------------------------
+
+
+def test_min_scale_is_a_floor():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler(init_scale=8.0, min_scale=2.0)
+    trajectory = []
+    for step in range(4):
+        scaled_step(scaler, model, opt, step, poison="0.weight")
+        trajectory.append(scaler.get_scale())
+    assert trajectory == [4.0, 2.0, 2.0, 2.0]
+
+
+def test_hysteresis_tolerates_h_minus_one_overflows_per_growth_interval():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler(init_scale=1024.0, growth_interval=3, hysteresis=3)
+    # Overflows at 0, 2 (a clean step between does not restore the budget) and 3, 4; then three
+    # clean steps grow the scale, which restores the budget: 8 and 9 are tolerated again.
+    pattern = [1, 0, 1, 1, 1, 0, 0, 0, 1, 1, 0]
+    trajectory = []
+    for step, bad in enumerate(pattern):
+        before = params(model)
+        scaled_step(scaler, model, opt, step, poison="2.weight" if bad else None)
+        trajectory.append(scaler.get_scale())
+        if bad:  # tolerated or not, an overflowing step is skipped
+            assert_identical(params(model), before)
+    assert trajectory == [1024, 1024, 1024, 512, 256, 256, 256, 512, 512, 512, 512]
+    assert scaler.skipped_steps == sum(pattern)
+
+
+def test_growth_stops_at_float32_max():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = LossScaler(init_scale=2.0**127, growth_interval=1)
+    scaled_step(scaler, model, opt, 0, poison="0.weight", value=0.0)
+    assert scaler.get_scale() == 2.0**127
+
+
+# -- call-sequence errors ---------------------------------------------------------------------------
+
+
+def test_second_unscale_before_update_raises():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler()
+    scaler.scale(loss_of(model, 0)).backward()
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeStateError, match="already called"):
+        scaler.unscale_(opt)
+
+
+def test_second_step_before_update_raises():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler()
+    scaler.scale(loss_of(model, 0)).backward()
+    scaler.step(opt)
+    with pytest.raises(RuntimeStateError, match="update"):
+        scaler.step(opt)
+
+
+def test_update_without_step_raises():
+    with pytest.raises(RuntimeStateError, match="step"):
+        LossScaler().update()
+
+
+def test_closure_is_refused():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeStateError, match="closure"):
+        LossScaler().step(opt, closure=lambda: loss_of(model, 0))
+
+
+def test_fp16_gradients_are_refused_when_enabled():
+    model = make_model().half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeStateError, match="FP16"):
+        LossScaler().unscale_(opt)
+
+
+# -- equivalence with unscaled training ---------------------------------------------------------------
+
+
+def test_clipping_after_unscale_sees_unscaled_gradients():
+    ours, ref = make_model(), make_model()
+    opt, ref_opt = torch.optim.SGD(ours.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler = LossScaler(init_scale=2.0**14)
+    for step in range(3):
+        scaler.scale(loss_of(ours, step)).backward()
+        scaler.unscale_(opt)
+        norm = nn.utils.clip_grad_norm_(ours.parameters(), max_norm=0.05)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+        loss_of(ref, step).backward()
+        ref_norm = nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.05)
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+        assert ref_norm > 0.05  # clipping was active
+        assert torch.equal(norm, ref_norm)
+        assert_identical(params(ours), params(ref))
+
+
+def test_gradient_accumulation_matches_unscaled_reference():
+    ours, ref = make_model(), make_model()
+    opt, ref_opt = torch.optim.Adam(ours.parameters(), lr=0.01), torch.optim.Adam(ref.parameters(), lr=0.01)
+    scaler = LossScaler(init_scale=2.0**12)
+    for step in range(3):
+        for micro in range(2):
+            scaler.scale(loss_of(ours, 10 * step + micro) / 2).backward()
+            (loss_of(ref, 10 * step + micro) / 2).backward()
+        scaler.step(opt)
+        scaler.update()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        assert_identical(params(ours), params(ref))
+    assert scaler.skipped_steps == 0
+
+
+def test_two_optimizers_skip_independently_and_share_the_backoff():
+    model = make_model()
+    opt_a = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(list(model[2].parameters()) + list(model[4].parameters()), lr=0.1)
+    scaler = LossScaler(init_scale=64.0).watch(model)
+    a_before, b_before = params(model[0]), params(model[2]) + params(model[4])
+    scaler.scale(loss_of(model, 0)).backward()
+    model[2].weight.grad[0, 0] = INF
+    assert scaler.step(opt_b) is None  # first, so that opt_a steps after an overflow in the same iteration
+    scaler.step(opt_a)
+    scaler.update()
+    assert not torch.equal(model[0].weight, a_before[0])
+    assert_identical(params(model[2]) + params(model[4]), b_before)
+    assert scaler.get_scale() == 32.0
+    assert scaler.last_nonfinite_layers == ("2",)
+
+
+# -- disabled ---------------------------------------------------------------------------------------
+
+
+def test_disabled_is_a_pass_through_that_still_skips_nonfinite_steps():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler(growth_interval=1, enabled=False).watch(model)
+    loss = loss_of(model, 0)
+    assert scaler.scale(loss) is loss
+    loss.backward()
+    grad = model[0].weight.grad.clone()
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(grad, model[0].weight.grad)  # not unscaled
+    assert scaler.get_scale() == 1.0  # no growth after a clean step at interval 1
+    opt.zero_grad()
+
+    before = params(model)
+    scaled_step(scaler, model, opt, 1, poison="4.bias", value=NAN)
+    assert_identical(params(model), before)
+    assert (scaler.skipped_steps, scaler.last_nonfinite_layers, scaler.get_scale()) == (1, ("4",), 1.0)
+
+
+# -- persistence ------------------------------------------------------------------------------------
+
+
+def test_state_dict_round_trip_continues_identically():
+    kwargs = dict(init_scale=256.0, growth_interval=3, hysteresis=2, min_scale=32.0)
+    # Resumed after step 4 (hysteresis budget spent, the next overflow at 5 backs off at once) and
+    # after step 7 (two clean steps counted, the next one grows), then down to the floor.
+    overflow = {1: "0.weight", 2: "2.weight", 5: "4.bias", 9: "0.bias", 10: "2.bias", 11: "2.bias", 12: "4.weight"}
+    segments = [range(0, 5), range(5, 8), range(8, 14)]
+
+    def run(model, opt, scaler, steps):
+        out = []
+        for step in steps:
+            scaled_step(scaler, model, opt, step, overflow.get(step))
+            out.append(scaler.get_scale())
+        return out
+
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    scaler = LossScaler(**kwargs).watch(model)
+    straight = run(model, opt, scaler, range(14))
+    assert straight == [256, 256, 128, 128, 128, 64, 64, 64, 128, 128, 64, 32, 32, 32]
+
+    current = make_model()
+    current_opt = torch.optim.Adam(current.parameters(), lr=0.01)
+    current_scaler = LossScaler(**kwargs).watch(current)
+    resumed = run(current, current_opt, current_scaler, segments[0])
+    for steps in segments[1:]:
+        saved = json.loads(json.dumps(current_scaler.state_dict()))  # plain values
+        fresh = make_model(seed=1)
+        fresh.load_state_dict(current.state_dict())
+        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
+        fresh_opt.load_state_dict(current_opt.state_dict())
+        current, current_opt = fresh, fresh_opt
+        current_scaler = LossScaler().watch(current)  # defaults: the state dict brings the configuration
+        current_scaler.load_state_dict(saved)
+        resumed += run(current, current_opt, current_scaler, steps)
+
+    assert resumed == straight
+    assert_identical(params(current), params(model))
+    assert current_scaler.state_dict() == scaler.state_dict()
+
+
+def test_load_state_dict_names_missing_entries():
+    saved = LossScaler().state_dict()
+    del saved["growth_tracker"]
+    with pytest.raises(ScalingError, match="growth_tracker"):
+        LossScaler().load_state_dict(saved)
+
+
+# -- non-finite outputs -------------------------------------------------------------------------------
+
+
+def test_output_watch_names_the_first_nonfinite_layer_without_syncing(monkeypatch):
+    model = make_model()
+    with torch.no_grad():
+        model[2].weight[0, 0] = NAN  # layers 2, 3 and 4 all produce NaN; 2 runs first
+    x, _ = batch(0)
+
+    def forbidden(self, *args, **kwargs):
+        raise AssertionError("host sync during the forward")
+
+    with OutputWatch(model) as watch:
+        for name in ("item", "tolist", "__bool__", "cpu", "numpy"):
+            monkeypatch.setattr(torch.Tensor, name, forbidden)
+        out = model(x)
+        monkeypatch.undo()
+    assert watch.layers == ("0", "2", "4")
+    assert watch.calls == 3
+    assert not torch.isfinite(out).all()
+    assert watch.first_nonfinite() == "2"
+
+
+def test_output_watch_clean_forward_names_nothing():
+    model = make_model()
+    with OutputWatch(model) as watch:
+        model(batch(0)[0])
+    assert watch.calls == 3
+    assert watch.first_nonfinite() is None
+
+
+def test_output_watch_removes_its_hooks_when_the_body_raises():
+    model = make_model()
+    with pytest.raises(KeyError):
+        with OutputWatch(model):
+            raise KeyError("boom")
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_output_watch_refuses_reentry():
+    watch = OutputWatch(make_model())
+    with watch:
+        with pytest.raises(RuntimeStateError, match="already attached"):
+            watch.attach()
+
+
+def test_scaler_names_first_nonfinite_output_when_the_loss_is_nonfinite():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler().watch(model, outputs=True)
+    scaled_step(scaler, model, opt, 0)
+    assert (scaler.last_loss_finite, scaler.first_nonfinite_output) == (True, None)
+
+    with torch.no_grad():
+        model[2].weight[0, 0] = NAN
+    scaled_step(scaler, model, opt, 1)
+    assert scaler.last_loss_finite is False
+    assert scaler.first_nonfinite_output == "2"
+    assert scaler.last_nonfinite_layers == ("0", "2", "4")
+    assert scaler.get_scale() == 2048.0
