@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 import torch.nn as nn
 from PIL import Image
-from tensorboard.backend.event_processing import event_accumulator
+from tb_events import accumulator, text_of
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 
 from autoprec import Format, LayerPrecision, Plan, PlanError, Scaling
@@ -73,14 +73,8 @@ def other():
     return changed.replace(predicted=predicted)
 
 
-def accumulator(path) -> event_accumulator.EventAccumulator:
-    acc = event_accumulator.EventAccumulator(str(path), size_guidance={k: 0 for k in event_accumulator.DEFAULT_SIZE_GUIDANCE})
-    acc.Reload()
-    return acc
 
 
-def text_of(acc, tag) -> str:
-    return acc.Tensors(tag)[-1].tensor_proto.string_val[0].decode("utf-8")
 
 
 def colour_at(picture: Image.Image, xy) -> tuple:

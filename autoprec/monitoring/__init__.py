@@ -5,7 +5,10 @@ Two concerns, one module each, over the pure rendering in `plans`:
 - `plans`: what a plan shows (precision map image, per-layer and totals tables, budgets) and the
   layer-by-layer differences between two plans; no I/O;
 - `writer`: those as TensorBoard event files under one logdir (`PlanWriter`, `write_review`);
-- `server`: a local TensorBoard process on that logdir (`start_tensorboard`).
+- `server`: a local TensorBoard process on that logdir (`start_tensorboard`);
+- `search`: a search's trials, Pareto front and compared candidate plans (`write_search`,
+  `write_candidates`);
+- `training`: a training run under the scheduler, buffered off the hot path (`TrainingWriter`).
 
 What ``autoprec review PLAN.json... --logdir DIR [--open]`` runs::
 
@@ -34,7 +37,22 @@ from .plans import (
     plan_summary_markdown,
     render_precision_map,
 )
+from .search import (
+    CANDIDATES_DIR,
+    SEARCH_RUN,
+    ParetoFigure,
+    TrialPoint,
+    best_so_far,
+    budget_scalars,
+    pareto_front,
+    render_pareto,
+    search_points,
+    search_summary_markdown,
+    write_candidates,
+    write_search,
+)
 from .server import TensorBoardServer, free_port, start_tensorboard
+from .training import FORMAT_INDEX, TRAIN_RUN, PrecisionChange, TrainingWriter
 from .writer import DIFFS_DIR, PLANS_DIR, PlanWriter, ReviewResult, load_plans, run_name, write_plan, write_review
 
 __all__ = [
@@ -66,6 +84,24 @@ __all__ = [
     "LayerDiff",
     "PlanDiff",
     "diff_plans",
+    # search
+    "write_search",
+    "write_candidates",
+    "SEARCH_RUN",
+    "CANDIDATES_DIR",
+    "TrialPoint",
+    "search_points",
+    "pareto_front",
+    "best_so_far",
+    "render_pareto",
+    "ParetoFigure",
+    "search_summary_markdown",
+    "budget_scalars",
+    # training
+    "TrainingWriter",
+    "PrecisionChange",
+    "TRAIN_RUN",
+    "FORMAT_INDEX",
     # TensorBoard
     "TensorBoardServer",
     "start_tensorboard",

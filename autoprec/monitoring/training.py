@@ -1,0 +1,415 @@
+"""A training run under the precision scheduler, in TensorBoard, written off the hot path.
+
+Layout of the run ``LOGDIR/<run>`` (``train`` by default)::
+
+    scalars  train/loss, train/loss_scale, train/skipped (0/1), train/skipped_total, train/<name>
+    scalars  overflow/<fqn>, underflow/<fqn>, nonfinite/<fqn>, ...      (per-layer counts)
+    scalars  memory/predicted_bytes, memory/measured_bytes, memory/measured_vs_predicted
+    histos   grad/<fqn>                                                   (at window ends)
+    scalars  format/<fqn>     the layer's format as its `FORMAT_INDEX` (text format/legend)
+    scalars  precision/changes, precision/promotions, precision/demotions (running counts)
+    text     precision/timeline  every promotion/demotion so far: step, layer, from, to, reason
+    image    plan/precision_map, text plan/summary, plan/layers            (`log_plan`)
+
+What syncs: `log_step`, `log_layer_counts` and `log_memory` keep tensors (on any device) as
+detached copies and never read them; every ``flush_every`` distinct steps, and at `flush` /
+`close`, the buffered values move to the host in one transfer per device: one host-device sync
+per ``flush_every`` steps (``flush_every=1`` is per-step detail, a sync per step).
+`log_grad_histograms` syncs once per call (the histograms are computed on the device, then
+moved in one transfer). `log_change`, `log_formats` and `log_plan` take host values only.
+
+Host costs, one slow CPU core: `log_step` ~10 µs plus one copy per tensor value; a batch ~50 µs
+per step written (one event per step, queued for TensorBoard's writer thread).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import numbers
+import os
+import time
+import types
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from ..errors import MonitoringError
+from ..formats import Format
+from ..plan import LayerPrecision, Plan
+from .plans import _md_table, plan_layers_markdown, plan_summary_markdown, render_precision_map
+from .search import _add_scalars
+from .writer import _add_png, _add_text, _writable_dir, run_name
+
+__all__ = ["FORMAT_INDEX", "PrecisionChange", "TrainingWriter", "TRAIN_RUN"]
+
+logger = logging.getLogger(__name__)
+
+TRAIN_RUN = "train"
+
+# The value of a ``format/<fqn>`` scalar: formats ordered by width, then by range (exponent
+# bits), so a promotion draws as a step up: int8 0, fp8_e4m3 1, fp8_e5m2 2, fp16 3, bf16 4,
+# fp32 5. Derived from the formats' own numbers, and written out as the text ``format/legend``.
+FORMAT_INDEX: Mapping[Format, int] = types.MappingProxyType(
+    {f: i for i, f in enumerate(sorted(Format, key=lambda f: (f.bits, f.spec.exponent_bits)))}
+)
+
+_DEFAULT_FLUSH_EVERY = 100
+_DEFAULT_TIMELINE_ROWS = 500
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionChange:
+    """One layer moved from one format to another at a step, and why."""
+
+    step: int
+    layer: str
+    old: Format
+    new: Format
+    reason: str = ""
+
+    @property
+    def direction(self) -> str:
+        """``"promotion"`` to more bits, ``"demotion"`` to fewer, ``"lateral"`` for the same
+        width (fp8_e4m3 → fp8_e5m2, fp16 → bf16)."""
+        if self.new.bits == self.old.bits:
+            return "lateral"
+        return "promotion" if self.new.bits > self.old.bits else "demotion"
+
+
+def _step(step: Any) -> int:
+    # A tensor step would need .item() (a sync); training loops count steps on the host.
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise MonitoringError(f"step must be a Python int, got {type(step).__name__} {step!r}")
+    return int(step)
+
+
+def _name(name: Any) -> str:
+    if not isinstance(name, str) or not name.strip():
+        raise MonitoringError(f"a scalar or count name must be a non-empty string, got {name!r}")
+    return name
+
+
+def _value(name: str, value: Any) -> "float | torch.Tensor":
+    """A detached one-element tensor (a copy: GradScaler updates its scale in place) or a float.
+
+    Never reads a tensor's value: no host-device sync, just one copy kernel on its device.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise MonitoringError(f"{name} must be a scalar (one element), got a tensor of shape {tuple(value.shape)}")
+        return value.detach().clone()
+    if isinstance(value, numbers.Real):  # bool, int, float, numpy scalars
+        return float(value)
+    raise MonitoringError(f"{name} must be a number or a one-element tensor, got {type(value).__name__}")
+
+
+class TrainingWriter:
+    """Writes a training run's precision events as the TensorBoard run ``logdir/run``.
+
+    ``flush_every``: buffered scalars are moved to the host and written once they span this many
+    distinct steps (one host-device sync each time); ``None`` waits for `flush` (the buffer
+    grows by a few tensors a step until then). ``enabled=False``
+    makes every method a pass-through that creates no files. ``timeline_rows`` caps the rows of
+    the ``precision/timeline`` table (the newest are kept; the counts cover all).
+
+    Events reach the event file at each batch and at `flush` / `close`, readable by TensorBoard
+    (and `EventAccumulator`) from then on. A ``with`` block closes the writer, also when the body
+    raises. Raises `MonitoringError` at once for an unwritable ``logdir``.
+    """
+
+    def __init__(
+        self,
+        logdir: "str | os.PathLike",
+        run: str = TRAIN_RUN,
+        *,
+        flush_every: Optional[int] = _DEFAULT_FLUSH_EVERY,
+        enabled: bool = True,
+        timeline_rows: int = _DEFAULT_TIMELINE_ROWS,
+    ):
+        if flush_every is not None and (isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1):
+            raise MonitoringError(f"flush_every must be a positive int (steps) or None (only at flush()), got {flush_every!r}")
+        if isinstance(timeline_rows, bool) or not isinstance(timeline_rows, int) or timeline_rows < 1:
+            raise MonitoringError(f"timeline_rows must be a positive int, got {timeline_rows!r}")
+        self.logdir = Path(logdir)
+        self.path = self.logdir / "/".join(run_name(part) for part in str(run).split("/"))
+        self.flush_every = flush_every
+        self.enabled = enabled
+        self.timeline_rows = timeline_rows
+        # (step, walltime, tag, float or one-element tensor), in call order.
+        self._buffer: list[tuple[int, float, str, "float | torch.Tensor"]] = []
+        self._buffered_steps = 0
+        self._last_buffered_step: Optional[int] = None
+        self._skipped_total = 0.0
+        self._changes: list[PrecisionChange] = []
+        self._timeline_step: Optional[int] = None  # a step whose timeline text is not written yet
+        self._legend_written = False
+        self._closed = False
+        self._writer = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter  # lazy: loads TensorBoard's protobufs
+
+            _writable_dir(self.path, self.logdir)
+            # A deep queue: the writer thread drains it, so a batch of events rarely waits on it
+            # (at the default of 10 each event past the tenth waits ~0.1 ms for the thread).
+            self._writer = SummaryWriter(log_dir=str(self.path), max_queue=1024)
+
+    # -- state --------------------------------------------------------------------------------
+
+    @property
+    def changes(self) -> tuple[PrecisionChange, ...]:
+        """Every change logged so far, in call order."""
+        return tuple(self._changes)
+
+    @property
+    def pending(self) -> int:
+        """Buffered scalar values not yet moved to the host and written."""
+        return len(self._buffer)
+
+    def _live(self) -> bool:
+        if self._closed:
+            raise MonitoringError(f"this TrainingWriter for {str(self.path)!r} is closed; open a new one to write more")
+        return self.enabled
+
+    # -- deferred scalars ---------------------------------------------------------------------
+
+    def _defer(self, step: int, values: Sequence[tuple[str, "float | torch.Tensor"]]) -> None:
+        if not values:
+            return
+        if step != self._last_buffered_step:
+            self._buffered_steps += 1
+            self._last_buffered_step = step
+        wall = time.time()
+        self._buffer.extend((step, wall, tag, value) for tag, value in values)
+        if self.flush_every is not None and self._buffered_steps >= self.flush_every:
+            self._drain()
+            self._writer.flush()
+
+    def log_step(
+        self,
+        step: int,
+        *,
+        loss: Any = None,
+        loss_scale: Any = None,
+        skipped: Any = None,
+        scalars: Optional[Mapping[str, Any]] = None,
+    ) -> None:
+        """Buffer one step's ``train/loss``, ``train/loss_scale``, ``train/skipped`` (1 when the
+        optimizer step was skipped: a bool, 0/1, or GradScaler's found-inf tensor) and any other
+        ``scalars`` as ``train/<name>``; the running ``train/skipped_total`` is added when written.
+
+        Values are floats or one-element tensors on any device. No sync: tensors are kept as
+        detached copies (one copy kernel each) until the batch is written.
+        """
+        if not self._live():
+            return
+        step = _step(step)
+        values = [(f"train/{name}", _value(name, v)) for name, v in (("loss", loss), ("loss_scale", loss_scale), ("skipped", skipped)) if v is not None]
+        for name, v in (scalars or {}).items():
+            values.append((f"train/{_name(name)}", _value(f"scalars[{name!r}]", v)))
+        self._defer(step, values)
+
+    def log_layer_counts(self, step: int, counts: Mapping[str, Mapping[str, Any]]) -> None:
+        """Buffer per-layer counts, ``{fqn: {"overflow": n, "underflow": n, "nonfinite": n}}``
+        (any count names), as ``<name>/<fqn>``. Ints or one-element tensors; no sync."""
+        if not self._live():
+            return
+        step = _step(step)
+        values = []
+        for fqn, kinds in counts.items():
+            if not isinstance(kinds, Mapping):
+                raise MonitoringError(f"counts[{fqn!r}] must map a count name to a number, e.g. {{'overflow': 3}}; got {type(kinds).__name__}")
+            values.extend((f"{_name(kind)}/{fqn}", _value(f"counts[{fqn!r}][{kind!r}]", n)) for kind, n in kinds.items())
+        self._defer(step, values)
+
+    def log_memory(self, step: int, predicted_bytes: Any = None, measured_bytes: Any = None) -> None:
+        """Buffer ``memory/predicted_bytes`` and ``memory/measured_bytes`` (e.g.
+        ``torch.cuda.max_memory_allocated()``, a host counter that does not sync); with both,
+        ``memory/measured_vs_predicted`` is added when written. No sync."""
+        if not self._live():
+            return
+        step = _step(step)
+        values = [(f"memory/{name}", _value(name, v)) for name, v in (("predicted_bytes", predicted_bytes), ("measured_bytes", measured_bytes)) if v is not None]
+        self._defer(step, values)
+
+    def _drain(self) -> None:
+        """Move the buffered values to the host (one transfer per device: the sync) and write them."""
+        buffer, self._buffer = self._buffer, []
+        self._buffered_steps, self._last_buffered_step = 0, None
+        if not buffer:
+            return
+        values: list[float] = [v if isinstance(v, float) else math.nan for _, _, _, v in buffer]
+        by_device: dict[torch.device, list[int]] = {}
+        for i, (_, _, _, v) in enumerate(buffer):
+            if isinstance(v, torch.Tensor):
+                by_device.setdefault(v.device, []).append(i)
+        for indices in by_device.values():
+            # stack promotes mixed dtypes (bool found-inf, int counts, bf16 losses) to one.
+            host = torch.stack([buffer[i][3].reshape(()) for i in indices]).cpu().double().tolist()
+            for i, value in zip(indices, host):
+                values[i] = value
+        # One event per step holding all its values: the event writer's cost is per event (~0.1 ms).
+        steps: dict[int, tuple[float, dict[str, float]]] = {}
+        for (step, wall, tag, _), value in zip(buffer, values):
+            if tag == "train/skipped":  # GradScaler's found-inf can count devices: any means skipped
+                value = float(value > 0)
+                self._skipped_total += value
+            figures = steps.setdefault(step, (wall, {}))[1]
+            figures[tag] = value
+            if tag == "train/skipped":
+                figures["train/skipped_total"] = self._skipped_total
+        for step, (wall, figures) in steps.items():
+            predicted, measured = figures.get("memory/predicted_bytes"), figures.get("memory/measured_bytes")
+            if predicted and measured is not None:
+                figures["memory/measured_vs_predicted"] = measured / predicted
+            _add_scalars(self._writer, figures, step, wall)
+
+    # -- gradients ----------------------------------------------------------------------------
+
+    def log_grad_histograms(self, step: int, grads: Mapping[str, torch.Tensor], *, bins: int = 30) -> None:
+        """Write ``grad/<fqn>`` histograms of each gradient's finite values in ``bins`` equal
+        buckets between their min and max (non-finite values are counted by `log_layer_counts`,
+        not here; an all-non-finite gradient gets no histogram).
+
+        Computed on the gradient's device (a pass over it with a few FP32 temporaries of its
+        size), then moved in one transfer per device: one host-device sync per call. Meant for
+        window ends, not every step.
+        """
+        if not self._live():
+            return
+        step = _step(step)
+        if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+            raise MonitoringError(f"bins must be a positive int, got {bins!r}")
+        rows: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+        for fqn, grad in grads.items():
+            if not isinstance(grad, torch.Tensor):
+                raise MonitoringError(f"grads[{fqn!r}] must be a tensor, got {type(grad).__name__}")
+            rows.setdefault(grad.device, []).append((fqn, _histogram(grad.detach(), bins)))
+        wall = time.time()
+        for device_rows in rows.values():
+            host = torch.stack([row for _, row in device_rows]).cpu().double()
+            for (fqn, _), row in zip(device_rows, host.tolist()):
+                count, lo, hi, total, squares = row[:5]
+                if count == 0:
+                    logger.debug("grad of %s at step %d has no finite value; no histogram", fqn, step)
+                    continue
+                counts = row[5:]
+                if hi > lo:
+                    limits = [lo + (hi - lo) * (i + 1) / bins for i in range(bins)]
+                    limits[-1] = hi
+                else:  # one value: one bucket
+                    limits, counts = [hi], [count]
+                self._writer.add_histogram_raw(
+                    f"grad/{fqn}", lo, hi, count, total, squares, limits, counts, global_step=step, walltime=wall
+                )
+
+    # -- precision changes --------------------------------------------------------------------
+
+    def _format_scalars(self, formats: Mapping[str, Format], step: int) -> None:
+        if not self._legend_written:
+            rows = [[str(i), f.value, str(f.bits), str(f.spec.exponent_bits)] for f, i in sorted(FORMAT_INDEX.items(), key=lambda kv: kv[1])]
+            _add_text(self._writer, "format/legend", "The value of each `format/<layer>` scalar:\n\n" + _md_table(["value", "format", "bits", "exponent bits"], rows), step)
+            self._legend_written = True
+        _add_scalars(self._writer, {f"format/{fqn}": FORMAT_INDEX[fmt] for fqn, fmt in formats.items()}, step)
+
+    def log_formats(self, step: int, formats: "Plan | Mapping[str, Format | str | LayerPrecision]") -> None:
+        """Write every layer's ``format/<fqn>`` scalar (the start of each layer's line; call it,
+        or `log_plan`, once at the start of training). Host values only."""
+        if not self._live():
+            return
+        step = _step(step)
+        items = formats.layers.items() if isinstance(formats, Plan) else formats.items()
+        self._format_scalars({fqn: value.format if isinstance(value, LayerPrecision) else Format.parse(value) for fqn, value in items}, step)
+
+    def log_change(self, step: int, fqn: str, old_format: "Format | str", new_format: "Format | str", reason: str = "") -> PrecisionChange:
+        """Record that layer ``fqn`` moved from ``old_format`` to ``new_format`` at ``step``
+        because of ``reason``: writes ``format/<fqn>`` at once, and the ``precision/timeline``
+        table of every change so far with the running ``precision/changes``, ``promotions`` and
+        ``demotions`` counts once per step (when a later step's change arrives, or at `flush`).
+        Host values only. Returns the change."""
+        change = PrecisionChange(_step(step), str(fqn), Format.parse(old_format), Format.parse(new_format), str(reason))
+        if not self._live():
+            return change
+        if self._timeline_step is not None and self._timeline_step != change.step:
+            self._write_timeline()
+        self._changes.append(change)
+        self._timeline_step = change.step
+        self._format_scalars({change.layer: change.new}, change.step)
+        return change
+
+    def _write_timeline(self) -> None:
+        step, self._timeline_step = self._timeline_step, None
+        if step is None:
+            return
+        shown = self._changes[-self.timeline_rows:]
+        rows = [[str(c.step), f"`{c.layer}`", f"`{c.old.value}`", f"`{c.new.value}`", c.direction, c.reason or "–"] for c in shown]
+        text = f"{len(self._changes)} precision changes"
+        if len(shown) < len(self._changes):
+            text += f" (the last {len(shown)} shown)"
+        _add_text(self._writer, "precision/timeline", text + "\n\n" + _md_table(["step", "layer", "from", "to", "change", "reason"], rows), step)
+        counts = {"precision/changes": len(self._changes)}
+        counts.update({f"precision/{d}s": sum(c.direction == d for c in self._changes) for d in ("promotion", "demotion")})
+        _add_scalars(self._writer, counts, step)
+
+    def log_plan(self, step: int, plan: Plan, name: str = "plan") -> None:
+        """Write the plan in force from ``step`` into this run: ``plan/precision_map`` (image),
+        ``plan/summary`` and ``plan/layers`` (text), and every layer's ``format/<fqn>``, so
+        TensorBoard's step slider walks through the plans. Host work only (~90 ms for 500
+        layers, mostly the image)."""
+        if not self._live():
+            return
+        step = _step(step)
+        _add_png(self._writer, "plan/precision_map", render_precision_map(plan, name), step)
+        _add_text(self._writer, "plan/summary", plan_summary_markdown(plan, name), step)
+        _add_text(self._writer, "plan/layers", plan_layers_markdown(plan), step)
+        self.log_formats(step, plan)
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Move every buffered value to the host (one sync per device holding any), write it and
+        the pending timeline, and flush the event file to disk."""
+        if not self._live():
+            return
+        self._drain()
+        self._write_timeline()
+        self._writer.flush()
+
+    def close(self) -> None:
+        """`flush`, then close the event file. Closing again does nothing."""
+        if self._closed:
+            return
+        try:
+            if self.enabled:
+                self.flush()
+        finally:
+            self._closed = True
+            if self._writer is not None:
+                self._writer.close()
+
+    def __enter__(self) -> "TrainingWriter":
+        if self._closed:
+            raise MonitoringError(f"this TrainingWriter for {str(self.path)!r} is closed; a closed writer cannot be entered again")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _histogram(grad: torch.Tensor, bins: int) -> torch.Tensor:
+    """``[count, min, max, sum, sum of squares, bucket counts...]`` of the finite values, as one
+    FP32 tensor on the gradient's device; no sync (histc gets fixed bounds, 0 and 1, after the
+    values are scaled into them on the device)."""
+    x = grad.reshape(-1).float()
+    finite = torch.isfinite(x)
+    count = finite.sum().float()
+    lo = torch.where(finite, x, math.inf).amin() if x.numel() else x.new_tensor(math.inf)
+    hi = torch.where(finite, x, -math.inf).amax() if x.numel() else x.new_tensor(-math.inf)
+    kept = torch.where(finite, x, 0.0)
+    span = (hi - lo).clamp_min(torch.finfo(torch.float32).tiny)
+    # Non-finite values become -1, outside histc's [0, 1], so they fall in no bucket.
+    scaled = torch.where(finite, (x - lo) / span, -1.0)
+    counts = torch.histc(scaled, bins=bins, min=0.0, max=1.0)
+    return torch.cat([torch.stack([count, lo, hi, kept.sum(), (kept * kept).sum()]), counts])

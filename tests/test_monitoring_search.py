@@ -1,0 +1,290 @@
+"""`autoprec.monitoring.search`: a real proxy study and its candidate plans, written as TensorBoard
+runs and read back with TensorBoard's own `EventAccumulator`."""
+
+import io
+import time
+
+import numpy as np
+import optuna
+import pytest
+from PIL import Image
+from tb_events import accumulator, text_of
+from tensorboard.plugins.hparams import metadata as hparams_metadata
+
+from autoprec import Format, Plan
+from autoprec.errors import MonitoringError
+from autoprec.monitoring.search import (
+    INFEASIBLE_COLOUR,
+    LOSS_COLOURS,
+    MEASURED_COLOUR,
+    PARETO_COLOUR,
+    TrialPoint,
+    best_so_far,
+    budget_scalars,
+    pareto_front,
+    render_pareto,
+    search_points,
+    write_candidates,
+    write_search,
+)
+from autoprec.search import Choice, SearchSpace, run_proxy_study
+from autoprec.search.study import feasible
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+FORMATS = (Format.FP32, Format.BF16, Format.FP8_E4M3, Format.INT8)
+
+
+def tradeoff_table(layers, seed):
+    """Costs with a memory/time trade-off (the idea of test_search's `random_table`): INT8 holds
+    the fewest bytes but dequantizes, so it is slower than FP8, which carries its scales."""
+    rng = np.random.default_rng(seed)
+    table = {}
+    for i in range(layers):
+        size, t = rng.integers(1, 50) * 1e4, rng.uniform(1e-4, 1e-3)
+        sensitivity = rng.lognormal(-6, 1.5)
+        shape = {Format.FP32: (4.0, 1.0, 0.0), Format.BF16: (2.0, 0.55, 0.2), Format.FP8_E4M3: (1.2, 0.35, 1.0), Format.INT8: (1.0, 0.7, 1.5)}
+        table[f"blocks.{i // 4}.layer{i % 4}"] = {
+            f: Choice(size * b, t * s * rng.uniform(0.9, 1.1), sensitivity * l * rng.uniform(0.5, 2)) for f, (b, s, l) in shape.items()
+        }
+    return table
+
+
+
+
+
+
+def colours(picture: Image.Image) -> set:
+    return {c for _, c in picture.convert("RGB").getcolors(maxcolors=1 << 16)}
+
+
+@pytest.fixture(scope="module")
+def space():
+    return SearchSpace(tradeoff_table(12, 0))
+
+
+@pytest.fixture(scope="module")
+def budgets(space):
+    fp32 = space.totals(space.uniform(Format.FP32))
+    return {"memory": 0.45 * fp32.bytes, "loss": 0.4 * space.totals(space.extreme("bytes")).loss, "fp32": fp32}
+
+
+@pytest.fixture(scope="module")
+def result(space, budgets):
+    return run_proxy_study(space, budgets["memory"], budgets["loss"], n_trials=120, seed=0, warm_start=[space.uniform(Format.FP32)])
+
+
+@pytest.fixture(scope="module")
+def fp32(budgets):
+    return {"bytes": budgets["fp32"].bytes, "seconds": budgets["fp32"].seconds}
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory, result, budgets, fp32):
+    return write_search(result, tmp_path_factory.mktemp("search"), fp32=fp32, memory_bytes=budgets["memory"])
+
+
+@pytest.fixture(scope="module")
+def acc(written):
+    return accumulator(written)
+
+
+def complete(result):
+    return sorted((t for t in result.study.trials if t.state is optuna.trial.TrialState.COMPLETE), key=lambda t: t.number)
+
+
+# --- scalars ----------------------------------------------------------------------------------------
+
+
+def test_one_scalar_per_trial_at_its_number(acc, result):
+    assert [e.step for e in acc.Scalars("search/trial/seconds")] == [t.number for t in complete(result)] and len(complete(result)) == 120
+
+
+@pytest.mark.parametrize(("tag", "attr"), [("seconds", "seconds"), ("bytes", "bytes"), ("loss_increase", "loss")])
+def test_trial_scalars_are_the_trials_predicted_totals(acc, result, tag, attr):
+    values = [e.value for e in acc.Scalars(f"search/trial/{tag}")]
+    assert values == pytest.approx([t.user_attrs[attr] for t in complete(result)], rel=1e-6)
+
+
+def test_feasible_scalar_follows_the_constraints(acc, result):
+    flags = [e.value for e in acc.Scalars("search/trial/feasible")]
+    assert flags == [float(feasible(t)) for t in complete(result)] and 0 < sum(flags) < len(flags)
+
+
+def test_fractions_of_fp32_divide_by_the_fp32_totals(acc, result, fp32):
+    values = [e.value for e in acc.Scalars("search/trial/bytes_vs_fp32")]
+    assert values == pytest.approx([t.user_attrs["bytes"] / fp32["bytes"] for t in complete(result)], rel=1e-6)
+
+
+def test_best_feasible_so_far_never_rises_and_ends_at_the_studys_best(acc, result):
+    values = [e.value for e in acc.Scalars("search/best_feasible_seconds")]
+    assert all(b <= a for a, b in zip(values, values[1:])) and values[-1] == pytest.approx(result.best.total.seconds, rel=1e-6)
+
+
+def test_best_feasible_so_far_starts_at_the_first_feasible_trial():
+    points = [TrialPoint(0, 1.0, 3.0, 0.0, False), TrialPoint(1, 1.0, 2.0, 0.0, True), TrialPoint(2, 1.0, 1.0, 0.0, False), TrialPoint(3, 1.0, 2.5, 0.0, True)]
+    assert best_so_far(points) == [(1, 2.0), (2, 2.0), (3, 2.0)]
+
+
+# --- the Pareto front -------------------------------------------------------------------------------
+
+
+def test_front_holds_exactly_the_feasible_trials_nothing_beats(result):
+    points = search_points(result)
+    front = [(p.bytes, p.seconds) for p in pareto_front(points)]
+    good = {(p.bytes, p.seconds) for p in points if p.feasible}  # repeated trials count once
+    unbeaten = {p for p in good if not any(q[0] <= p[0] and q[1] <= p[1] and q != p for q in good)}
+    assert sorted(front) == sorted(unbeaten) and len(front) > 1
+
+
+def test_front_runs_from_least_memory_to_least_time(result):
+    front = pareto_front(search_points(result))
+    assert [p.bytes for p in front] == sorted(p.bytes for p in front) and [p.seconds for p in front] == sorted((p.seconds for p in front), reverse=True)
+
+
+def test_pareto_image_decodes_at_its_rendered_size(acc):
+    (event,) = acc.Images("search/pareto")
+    picture = Image.open(io.BytesIO(event.encoded_image_string))
+    assert picture.size == (event.width, event.height) == (640, 480)
+
+
+def test_pareto_image_rings_the_front_in_the_highlight_colour(acc, result, budgets):
+    picture = Image.open(io.BytesIO(acc.Images("search/pareto")[0].encoded_image_string)).convert("RGB")
+    figure = render_pareto(search_points(result), memory_bytes=budgets["memory"])
+    x, y = figure.point_xy(figure.front[0])
+    assert picture.getpixel((x + 5, y)) == PARETO_COLOUR and picture.getpixel((x, y)) in LOSS_COLOURS
+
+
+def test_dots_are_grey_when_infeasible_and_coloured_by_loss_when_feasible():
+    points = [TrialPoint(0, 1e6, 3e-3, 0.01, True), TrialPoint(1, 3e6, 1e-3, 0.02, True),
+              TrialPoint(2, 3.5e6, 3.5e-3, 0.05, True), TrialPoint(3, 4e6, 4e-3, 0.0, False)]
+    figure = render_pareto(points)
+    image = figure.to_array()
+    centre = {p.number: tuple(image[figure.point_xy(p.number)[::-1]]) for p in points}
+    assert centre == {0: LOSS_COLOURS[0], 1: LOSS_COLOURS[2], 2: LOSS_COLOURS[-1], 3: INFEASIBLE_COLOUR} and figure.front == (0, 1)
+
+
+def test_study_without_feasible_trials_has_no_front():
+    figure = render_pareto([TrialPoint(i, 1e6 * (i + 1), 1e-3 / (i + 1), 0.1, False) for i in range(5)])
+    assert figure.front == () and PARETO_COLOUR not in colours(figure.image.crop(figure.plot))
+
+
+def test_measured_plan_is_an_orange_square_at_its_measured_totals(result):
+    plan = Plan({"a": "bf16"}, predicted={"bytes": 2e6, "seconds": 1e-3}, measured={"bytes": 2.5e6, "seconds": 1.2e-3})
+    figure = render_pareto(search_points(result), measured=[("best", plan)])
+    assert tuple(figure.to_array()[figure.xy(2.5e6, 1.2e-3)[::-1]]) == MEASURED_COLOUR
+
+
+def test_rendering_hundreds_of_trials_is_fast():
+    rng = np.random.default_rng(0)
+    points = [TrialPoint(i, float(b), float(s), float(l), bool(f)) for i, (b, s, l, f) in enumerate(zip(rng.uniform(1e6, 1e7, 400), rng.uniform(1e-3, 1e-2, 400), rng.uniform(0, 0.1, 400), rng.random(400) < 0.5))]
+    start = time.perf_counter()
+    render_pareto(points).to_png()
+    assert time.perf_counter() - start < 0.5
+
+
+def test_summary_names_the_best_trial(acc, result):
+    best = min((p for p in search_points(result) if p.feasible), key=lambda p: p.seconds)
+    assert f"best feasible: trial {best.number}:" in text_of(acc, "search/summary")
+
+
+def test_multi_objective_study_is_written_too(tmp_path, space, budgets):
+    multi = run_proxy_study(space, budgets["memory"], budgets["loss"], n_trials=30, seed=0, multi_objective=True)
+    acc = accumulator(write_search(multi.study, tmp_path))
+    assert len(acc.Scalars("search/trial/bytes")) == 30 and len(acc.Images("search/pareto")) == 1
+
+
+def test_writing_again_replaces_the_run(tmp_path, result):
+    write_search(result, tmp_path)
+    path = write_search(result, tmp_path)
+    assert len(accumulator(path).Scalars("search/trial/seconds")) == 120
+
+
+def test_study_not_made_by_the_proxy_search_is_refused(tmp_path):
+    study = optuna.create_study()
+    study.optimize(lambda trial: trial.suggest_float("x", 0, 1), n_trials=1)
+    with pytest.raises(MonitoringError, match="trial 0 .* has no finite user attributes bytes/seconds/loss"):
+        write_search(study, tmp_path)
+
+
+def test_unwritable_logdir_is_one_line(tmp_path, result):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(MonitoringError, match=r"^cannot write to logdir .*file.*: it or a parent is a file, not a directory; choose a writable --logdir$"):
+        write_search(result, blocker / "tb")
+
+
+# --- candidates in the HParams view -----------------------------------------------------------------
+
+
+def candidate(space, trial, budgets, measured=None) -> Plan:
+    layers = space.layer_formats({u.name: trial.params[u.name] for u in space.units})
+    predicted = {"bytes": trial.user_attrs["bytes"], "seconds": trial.user_attrs["seconds"], "loss_increase": trial.user_attrs["loss"],
+                 "fp32_bytes": budgets["fp32"].bytes, "fp32_seconds": budgets["fp32"].seconds}
+    return Plan(layers, predicted=predicted, measured=measured or {}, budgets={"memory_bytes": budgets["memory"], "loss_increase": budgets["loss"]})
+
+
+@pytest.fixture(scope="module")
+def candidates(space, result, budgets):
+    top = sorted((t for t in complete(result) if feasible(t)), key=lambda t: t.user_attrs["seconds"])[:2]
+    over = next(t for t in complete(result) if t.user_attrs["bytes"] > budgets["memory"])
+    return [
+        ("fastest", candidate(space, top[0], budgets, measured={"bytes": budgets["memory"] * 1.1, "seconds": top[0].user_attrs["seconds"] * 1.2})),
+        ("second", candidate(space, top[1], budgets, measured={"bytes": budgets["memory"] * 0.9, "seconds": top[1].user_attrs["seconds"]})),
+        ("over-memory", candidate(space, over, budgets)),
+    ]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, candidates):
+    return write_candidates(candidates, tmp_path_factory.mktemp("candidates"))
+
+
+def session(path):
+    content = accumulator(path).PluginTagToContent("hparams")[hparams_metadata.SESSION_START_INFO_TAG]
+    return hparams_metadata.parse_session_start_info_plugin_data(content).hparams
+
+
+def test_one_run_per_candidate(runs):
+    assert list(runs) == ["candidates/fastest", "candidates/second", "candidates/over-memory"]
+
+
+def test_each_candidate_is_a_session_with_its_counts_and_rank(runs, candidates):
+    for rank, ((name, plan), path) in enumerate(zip(candidates, runs.values())):
+        hparams = session(path)
+        counts = plan.format_counts()
+        assert (hparams["plan"].string_value, hparams["rank"].number_value) == (name, rank)
+        assert {f.value: hparams[f"count/{f.value}"].number_value for f in Format} == {f.value: counts.get(f.value, 0) for f in Format}
+
+
+def test_candidate_metrics_are_its_predicted_and_measured_totals(runs, candidates):
+    acc = accumulator(runs["candidates/fastest"])
+    plan = candidates[0][1]
+    values = {tag: acc.Scalars(tag)[0].value for tag in ("plan/predicted_seconds", "plan/measured_bytes", "plan/measured_seconds")}
+    assert values == pytest.approx({"plan/predicted_seconds": plan.predicted["seconds"], "plan/measured_bytes": plan.measured["bytes"], "plan/measured_seconds": plan.measured["seconds"]}, rel=1e-6)
+
+
+def test_candidate_metrics_say_which_budgets_were_met(runs):
+    met = {name: {tag: accumulator(path).Scalars(tag)[0].value for tag in ("plan/predicted_within_budgets", "plan/measured_within_bytes")}
+           for name, path in runs.items() if name != "candidates/over-memory"}
+    assert met == {"candidates/fastest": {"plan/predicted_within_budgets": 1.0, "plan/measured_within_bytes": 0.0},
+                   "candidates/second": {"plan/predicted_within_budgets": 1.0, "plan/measured_within_bytes": 1.0}}
+
+
+def test_candidates_share_their_metric_tags(runs):
+    tags = [set(accumulator(path).Tags()["scalars"]) for path in runs.values()]
+    assert tags[0] == tags[1] and {t for t in tags[0] if "predicted" in t} == {t for t in tags[2] if "predicted" in t}
+
+
+def test_budget_scalars_check_only_what_the_plan_has():
+    plan = Plan({"a": "bf16"}, predicted={"bytes": 10, "loss_increase": 0.2}, budgets={"memory_bytes": 20, "loss_increase": 0.1})
+    assert budget_scalars(plan) == {"plan/predicted_within_bytes": 1.0, "plan/predicted_within_loss_increase": 0.0, "plan/predicted_within_budgets": 0.0}
+
+
+def test_candidates_sharing_a_run_are_refused(tmp_path, candidates):
+    with pytest.raises(MonitoringError, match="would share the run 'candidates/a_b'"):
+        write_candidates([("a/b", candidates[0][1]), ("a b", candidates[1][1])], tmp_path)
+
+
+def test_no_candidates_is_an_error(tmp_path):
+    with pytest.raises(MonitoringError, match="no candidate plans"):
+        write_candidates([], tmp_path)

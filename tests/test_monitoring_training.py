@@ -1,0 +1,279 @@
+"""`autoprec.monitoring.training`: a training run's precision events, buffered without syncs and
+read back with TensorBoard's own `EventAccumulator`."""
+
+import io
+
+import pytest
+import torch
+from PIL import Image
+from tb_events import accumulator
+
+from autoprec import Format, Plan
+from autoprec.errors import FormatError, MonitoringError
+from autoprec.monitoring import FORMAT_COLOURS, render_precision_map
+from autoprec.monitoring.training import FORMAT_INDEX, PrecisionChange, TrainingWriter
+
+
+
+
+def scalars(path, tag) -> list[tuple[int, float]]:
+    return [(e.step, e.value) for e in accumulator(path).Scalars(tag)]
+
+
+def texts(path, tag) -> list[tuple[int, str]]:
+    return [(e.step, e.tensor_proto.string_val[0].decode("utf-8")) for e in accumulator(path).Tensors(tag)]
+
+
+@pytest.fixture
+def writer(tmp_path):
+    with TrainingWriter(tmp_path, flush_every=None) as w:
+        yield w
+
+
+# --- per-step scalars ---------------------------------------------------------------------------
+
+
+def test_step_values_are_written_at_their_steps(writer):
+    for step in range(3):
+        writer.log_step(step, loss=torch.tensor(2.0 - step, requires_grad=True) * 1, loss_scale=2.0 ** (16 - step), skipped=torch.tensor(step == 1))
+    writer.flush()
+    assert (scalars(writer.path, "train/loss"), scalars(writer.path, "train/loss_scale"), scalars(writer.path, "train/skipped")) == (
+        [(0, 2.0), (1, 1.0), (2, 0.0)], [(0, 65536.0), (1, 32768.0), (2, 16384.0)], [(0, 0.0), (1, 1.0), (2, 0.0)],
+    )
+
+
+@pytest.fixture
+def no_reads(monkeypatch):
+    """Every way a tensor's value reaches the host raises while this fixture is active."""
+
+    def refuse(name):
+        def method(self, *args, **kwargs):
+            raise AssertionError(f"Tensor.{name} called: a host-device sync")
+        return method
+
+    for name in ("item", "cpu", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse(name))
+    return monkeypatch
+
+
+def test_logging_a_step_never_reads_a_tensor(writer, no_reads):
+    found_inf = torch.tensor([1.0])
+    for step in range(5):
+        writer.log_step(step, loss=torch.tensor(0.5) * step, loss_scale=torch.tensor(1024.0), skipped=found_inf, scalars={"grad_norm": torch.tensor(3.0)})
+        writer.log_layer_counts(step, {"fc1": {"overflow": torch.tensor(step), "nonfinite": torch.tensor(0)}})
+        writer.log_memory(step, 1000, torch.tensor(900))
+    no_reads.undo()
+    writer.flush()
+    assert scalars(writer.path, "train/loss") == [(s, 0.5 * s) for s in range(5)] and scalars(writer.path, "overflow/fc1")[-1] == (4, 4.0)
+
+
+def test_a_buffered_tensor_is_a_copy(writer):
+    scale = torch.tensor(65536.0)
+    writer.log_step(0, loss_scale=scale)
+    scale.mul_(0.5)  # GradScaler.update changes its scale in place
+    writer.flush()
+    assert scalars(writer.path, "train/loss_scale") == [(0, 65536.0)]
+
+
+def test_values_wait_for_flush(writer):
+    writer.log_step(0, loss=1.0)
+    assert "train/loss" not in accumulator(writer.path).Tags()["scalars"] and writer.pending == 1
+
+
+def test_a_batch_is_written_every_flush_every_steps(tmp_path):
+    with TrainingWriter(tmp_path, flush_every=3) as w:
+        for step in range(7):
+            w.log_step(step, loss=torch.tensor(float(step)))
+        before = scalars(w.path, "train/loss")
+        w.flush()
+        after = scalars(w.path, "train/loss")
+    assert (before, after) == ([(s, float(s)) for s in range(6)], [(s, float(s)) for s in range(7)])
+
+
+def test_skipped_steps_are_counted(writer):
+    for step, skipped in enumerate([True, False, torch.tensor([2.0]), torch.tensor(False), 1]):
+        writer.log_step(step, skipped=skipped)
+    writer.flush()
+    assert scalars(writer.path, "train/skipped_total") == [(0, 1.0), (1, 1.0), (2, 2.0), (3, 2.0), (4, 3.0)]
+
+
+def test_non_scalar_tensor_is_refused(writer):
+    with pytest.raises(MonitoringError, match=r"loss must be a scalar \(one element\), got a tensor of shape \(4,\)"):
+        writer.log_step(0, loss=torch.zeros(4))
+
+
+def test_tensor_step_is_refused(writer):
+    with pytest.raises(MonitoringError, match="step must be a Python int, got Tensor"):
+        writer.log_step(torch.tensor(3), loss=1.0)
+
+
+# --- per-layer counts and memory -----------------------------------------------------------------
+
+
+def test_layer_counts_are_one_scalar_per_layer_and_kind(writer):
+    writer.log_layer_counts(10, {"blocks.0.fc1": {"overflow": 3, "underflow": torch.tensor(7), "nonfinite": 0}, "lm_head": {"overflow": 1}})
+    writer.flush()
+    tags = {t for t in accumulator(writer.path).Tags()["scalars"]}
+    assert tags == {"overflow/blocks.0.fc1", "underflow/blocks.0.fc1", "nonfinite/blocks.0.fc1", "overflow/lm_head"}
+    assert scalars(writer.path, "underflow/blocks.0.fc1") == [(10, 7.0)]
+
+
+def test_memory_is_written_with_its_ratio(writer):
+    writer.log_memory(5, predicted_bytes=4_000_000, measured_bytes=5_000_000)
+    writer.log_memory(6, predicted_bytes=4_000_000)
+    writer.flush()
+    assert (scalars(writer.path, "memory/measured_bytes"), scalars(writer.path, "memory/measured_vs_predicted"), len(scalars(writer.path, "memory/predicted_bytes"))) == (
+        [(5, 5e6)], [(5, 1.25)], 2,
+    )
+
+
+# --- gradient histograms ---------------------------------------------------------------------------
+
+
+def histogram(path, tag):
+    (event,) = accumulator(path).Histograms(tag)
+    return event.step, event.histogram_value
+
+
+def test_histogram_has_the_gradients_count_range_and_sums(writer):
+    grad = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    writer.log_grad_histograms(7, {"fc1": grad}, bins=20)
+    writer.flush()
+    step, h = histogram(writer.path, "grad/fc1")
+    assert (step, h.num, len(h.bucket), sum(h.bucket), h.min, h.max, h.bucket_limit[-1]) == (
+        7, 2048, 20, 2048, pytest.approx(grad.min().item()), pytest.approx(grad.max().item()), pytest.approx(grad.max().item()),
+    )
+    assert (h.sum, h.sum_squares) == (pytest.approx(grad.sum().item(), rel=1e-4), pytest.approx((grad * grad).sum().item(), rel=1e-4))
+
+
+def test_histogram_buckets_match_a_reference(writer):
+    grad = torch.tensor([0.0, 0.1, 0.2, 0.9, 1.0, 1.0])
+    writer.log_grad_histograms(0, {"w": grad}, bins=4)
+    writer.flush()
+    _, h = histogram(writer.path, "grad/w")
+    assert (list(h.bucket), list(h.bucket_limit)) == ([3, 0, 0, 3], pytest.approx([0.25, 0.5, 0.75, 1.0]))
+
+
+def test_histogram_leaves_out_non_finite_values(writer):
+    writer.log_grad_histograms(0, {"w": torch.tensor([1.0, float("inf"), -2.0, float("nan")], dtype=torch.bfloat16)})
+    writer.flush()
+    _, h = histogram(writer.path, "grad/w")
+    assert (h.num, h.min, h.max, sum(h.bucket)) == (2, -2.0, 1.0, 2)
+
+
+def test_histogram_of_a_constant_has_one_bucket(writer):
+    writer.log_grad_histograms(0, {"w": torch.full((10,), 0.5)})
+    writer.flush()
+    _, h = histogram(writer.path, "grad/w")
+    assert (list(h.bucket), list(h.bucket_limit)) == ([10], [0.5])
+
+
+# --- precision changes ------------------------------------------------------------------------------
+
+
+def test_format_index_orders_by_width_then_range():
+    assert sorted(FORMAT_INDEX, key=FORMAT_INDEX.get) == [Format.INT8, Format.FP8_E4M3, Format.FP8_E5M2, Format.FP16, Format.BF16, Format.FP32]
+
+
+def test_change_writes_the_layers_format_scalar_at_its_step(writer):
+    writer.log_formats(0, {"fc1": "fp8_e4m3", "fc2": Format.BF16})
+    writer.log_change(300, "fc1", "fp8_e4m3", "bf16", "overflow in 3 of 100 steps")
+    writer.log_change(900, "fc1", "bf16", "fp8_e4m3", "amax stable")
+    writer.flush()
+    assert scalars(writer.path, "format/fc1") == [(0, FORMAT_INDEX[Format.FP8_E4M3]), (300, FORMAT_INDEX[Format.BF16]), (900, FORMAT_INDEX[Format.FP8_E4M3])]
+
+
+def test_format_legend_names_every_index(writer):
+    writer.log_formats(0, {"fc1": "int8"})
+    writer.flush()
+    (_, legend), = texts(writer.path, "format/legend")
+    assert all(f"| {i} | {f.value} |" in legend for f, i in FORMAT_INDEX.items())
+
+
+def test_timeline_lists_every_change_with_its_reason_once_per_step(writer):
+    writer.log_change(100, "fc1", "fp8_e4m3", "bf16", "overflow")
+    writer.log_change(100, "fc2", "fp8_e4m3", "fp16", "underflow | saturation")
+    writer.log_change(200, "fc1", "bf16", "fp8_e4m3", "amax stable again")
+    writer.flush()
+    timeline = texts(writer.path, "precision/timeline")
+    assert [step for step, _ in timeline] == [100, 200]
+    last = timeline[-1][1]
+    assert "3 precision changes" in last and "| 100 | `fc1` | `fp8_e4m3` | `bf16` | promotion | overflow |" in last
+    assert "underflow \\| saturation" in last and "| 200 | `fc1` | `bf16` | `fp8_e4m3` | demotion | amax stable again |" in last
+
+
+def test_timeline_counts_promotions_and_demotions(writer):
+    writer.log_change(1, "a", "int8", "bf16", "r")
+    writer.log_change(2, "b", "fp8_e4m3", "fp8_e5m2", "r")
+    writer.log_change(3, "a", "bf16", "int8", "r")
+    writer.flush()
+    assert [scalars(writer.path, f"precision/{k}") for k in ("changes", "promotions", "demotions")] == [
+        [(1, 1), (2, 2), (3, 3)], [(1, 1), (2, 1), (3, 1)], [(1, 0), (2, 0), (3, 1)],
+    ]
+
+
+def test_timeline_keeps_the_newest_rows(tmp_path):
+    with TrainingWriter(tmp_path, timeline_rows=2) as w:
+        for step in range(4):
+            w.log_change(step, f"l{step}", "bf16", "fp32", f"reason {step}")
+    (_, last) = texts(w.path, "precision/timeline")[-1]
+    assert "4 precision changes (the last 2 shown)" in last and "reason 3" in last and "reason 1" not in last
+
+
+def test_change_direction_follows_the_bits():
+    assert [PrecisionChange(0, "x", a, b).direction for a, b in [(Format.INT8, Format.FP16), (Format.FP32, Format.BF16), (Format.FP16, Format.BF16)]] == ["promotion", "demotion", "lateral"]
+
+
+def test_unknown_format_names_the_choices(writer):
+    with pytest.raises(FormatError, match="unknown format 'fp4'"):
+        writer.log_change(0, "fc1", "bf16", "fp4", "r")
+
+
+def test_plan_is_written_into_the_run_with_its_formats(writer):
+    plan = Plan({"embed": "fp32", "fc1": "fp8_e4m3", "head": "int8"})
+    writer.log_plan(50, plan, "start")
+    writer.flush()
+    acc = accumulator(writer.path)
+    (event,) = acc.Images("plan/precision_map")
+    picture = Image.open(io.BytesIO(event.encoded_image_string)).convert("RGB")
+    assert picture.getpixel(render_precision_map(plan, "start").cell_center("head", "int8")) == FORMAT_COLOURS[Format.INT8]
+    assert (event.step, scalars(writer.path, "format/embed"), sorted(acc.Tags()["tensors"])) == (
+        50, [(50, FORMAT_INDEX[Format.FP32])], ["format/legend", "plan/layers", "plan/summary"],
+    )
+
+
+# --- lifetime ---------------------------------------------------------------------------------------
+
+
+def test_disabled_writer_is_a_pass_through(tmp_path):
+    with TrainingWriter(tmp_path / "tb", enabled=False) as w:
+        w.log_step(0, loss=torch.tensor(1.0))
+        w.log_change(0, "fc1", "bf16", "fp32", "r")
+        w.log_grad_histograms(0, {"fc1": torch.ones(3)})
+    assert not (tmp_path / "tb").exists()
+
+
+def test_leaving_a_with_block_on_error_writes_what_was_buffered(tmp_path):
+    with pytest.raises(RuntimeError, match="boom"):
+        with TrainingWriter(tmp_path, flush_every=None) as w:
+            w.log_step(0, loss=torch.tensor(1.5))
+            raise RuntimeError("boom")
+    assert scalars(w.path, "train/loss") == [(0, 1.5)]
+
+
+def test_closed_writer_refuses_more(writer):
+    writer.close()
+    with pytest.raises(MonitoringError, match="is closed; open a new one"):
+        writer.log_step(1, loss=1.0)
+
+
+def test_flush_every_must_be_positive(tmp_path):
+    with pytest.raises(MonitoringError, match=r"flush_every must be a positive int \(steps\) or None"):
+        TrainingWriter(tmp_path, flush_every=0)
+
+
+def test_unwritable_logdir_is_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(MonitoringError, match=r"^cannot write to logdir .*file.*: it or a parent is a file, not a directory; choose a writable --logdir$"):
+        TrainingWriter(blocker / "tb")
