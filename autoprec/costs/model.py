@@ -6,7 +6,9 @@ sum of its layers' times plus a format-independent *rest of the step* (everythin
 layers' matrix products: embeddings, norms, softmax, the loss, the optimizer), measured once as
 the FP32 model's step time minus its layers' FP32 times. Its predicted bytes are the sum of its
 layers' bytes plus what ops outside the layers save for backward, measured once with an FP32
-region and once with a low-precision one (activations between layers are then 2 bytes wide).
+region and once with a low-precision one (activations between layers are then 2 bytes wide),
+plus, for each layer kept FP32 inside a low-precision region, the measured extra that costs (its
+FP32 output widens what the ops after it save; its half inputs are upcast copies).
 
 `check_uniform_ranking` checks the model against reality: predicted and measured step times of
 the uniform plans on the built-in workload, ranked.
@@ -131,6 +133,10 @@ def _fp32_step_seconds(model: nn.Module, example_inputs: Any, loss_fn: Optional[
     return statistics.median(times)
 
 
+def _saved(memory) -> int:
+    return memory.weight_copy_bytes + memory.activation_bytes + memory.other_saved_bytes
+
+
 class CostModel:
     """Per (layer, format) costs of one model on one device; build it with `CostModel.build`.
 
@@ -146,6 +152,7 @@ class CostModel:
         formats: Iterable["Format | str"] = DEFAULT_FORMATS,
         rest_seconds: float = 0.0,
         rest_saved_bytes: "tuple[int, int] | None" = None,
+        fp32_in_region_bytes: "Mapping[str, int] | None" = None,
     ):
         self.trace = trace
         self.time_model = time_model
@@ -153,6 +160,8 @@ class CostModel:
         self.rest_seconds = float(rest_seconds)
         # (FP32 region, low-precision region); the trace's FP32 figure for both when unmeasured.
         self.rest_saved_bytes = tuple(rest_saved_bytes) if rest_saved_bytes is not None else (trace.rest_saved_bytes, trace.rest_saved_bytes)
+        # fqn -> extra bytes saved when that layer stays FP32 inside a lowered region (see build).
+        self.fp32_in_region_bytes = dict(fp32_in_region_bytes or {})
         self._times: dict[tuple[str, Format], TimeEstimate] = {}
         self.formats = tuple(Format.parse(f) for f in formats)
         self._ensure_times(self.formats)
@@ -191,8 +200,8 @@ class CostModel:
         if time_model is None:
             time_model = MeasuredTimeModel(cache_dir) if measure else RooflineTimeModel()
         trace = trace_model(model, example_inputs, loss_fn)
-        rest_low = cls._rest_saved_low_precision(model, example_inputs, loss_fn, trace)
-        costs = cls(trace, time_model, formats=formats, rest_saved_bytes=(trace.rest_saved_bytes, rest_low))
+        costs = cls(trace, time_model, formats=formats)
+        costs._measure_region_bytes(model, example_inputs, loss_fn)
         if measure:
             step = _fp32_step_seconds(model, example_inputs, loss_fn, rest_warmup, rest_steps)
             layers = costs.plan_cost(costs.uniform_plan(Format.FP32)).layer_seconds
@@ -204,18 +213,34 @@ class CostModel:
             costs.rest_seconds = max(0.0, step - layers)
         return costs
 
-    @staticmethod
-    def _rest_saved_low_precision(model, example_inputs, loss_fn, trace: ModelTrace) -> int:
-        """Bytes ops outside layers save when the plan runs a low-precision region (autocast's
-        half dtype between layers), measured with a uniform BF16 (else FP16) plan."""
-        fmt = next((f for f in (Format.BF16, Format.FP16) if format_support(f, trace.device).runnable), None)
+    def _measure_region_bytes(self, model, example_inputs, loss_fn) -> None:
+        """Bytes that depend on a layer's neighbours, measured: what ops outside layers save in a
+        lowered region (activations between layers 2 bytes wide: a uniform BF16, else FP16,
+        plan), and per layer the extra that keeping it FP32 inside that region costs (its FP32
+        output makes the ops after it save FP32; half inputs are upcast copies). The extra is
+        measured against half-precision neighbours, the most it can be, so predictions err on
+        the side of more memory. Costs one forward (autograd on, no backward) per layer + 1.
+        """
+        fmt = next((f for f in (Format.BF16, Format.FP16) if format_support(f, self.device).runnable), None)
         if fmt is None:
-            return trace.rest_saved_bytes
-        runtime = apply_plan(model, Plan({fqn: LayerPrecision(fmt) for fqn in trace.layers}), validate=False)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", EmulationWarning)
-            _, rest = saved_bytes_by_layer(model, example_inputs, trace.layers, lambda: runtime, loss_fn)
-        return rest
+            return
+        layers = list(self.trace.layers)
+        low = Plan({fqn: LayerPrecision(fmt) for fqn in layers})
+
+        def saved(plan: Plan) -> tuple[dict[str, int], int]:
+            runtime = apply_plan(model, plan, validate=False)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", EmulationWarning)
+                return saved_bytes_by_layer(model, example_inputs, layers, lambda: runtime, loss_fn)
+
+        per_low, rest_low = saved(low)
+        self.rest_saved_bytes = (self.trace.rest_saved_bytes, rest_low)
+        total_low = sum(per_low.values()) + rest_low
+        for fqn in layers:
+            per, rest = saved(low.with_layers({fqn: Format.FP32}))
+            modelled = _saved(layer_memory(self._layer(fqn), LayerPrecision(Format.FP32), self.device)) - _saved(
+                layer_memory(self._layer(fqn), LayerPrecision(fmt), self.device))
+            self.fp32_in_region_bytes[fqn] = max(0, sum(per.values()) + rest - total_low - modelled)
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -283,8 +308,10 @@ class CostModel:
             )
         self._ensure_times(sorted({lp.format for lp in plan.layers.values()}, key=list(Format).index))
         layers = {fqn: self.layer_cost(fqn, plan.layers[fqn]) for fqn in self.trace.layers}
-        low_region = any(lp.format is not Format.FP32 for lp in plan.layers.values())
-        return PlanCost(layers, self.rest_saved_bytes[1 if low_region else 0], self.rest_seconds)
+        if not any(lp.format is not Format.FP32 for lp in plan.layers.values()):
+            return PlanCost(layers, self.rest_saved_bytes[0], self.rest_seconds)
+        extra = sum(self.fp32_in_region_bytes.get(fqn, 0) for fqn, lp in plan.layers.items() if lp.format is Format.FP32)
+        return PlanCost(layers, self.rest_saved_bytes[1] + extra, self.rest_seconds)
 
     def fp32_bytes(self) -> int:
         """Predicted bytes of the all-FP32 plan: the denominator of a fractional memory budget."""
