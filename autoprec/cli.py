@@ -300,6 +300,48 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- search -----------------------------------------------------------------------------------
+
+
+def _add_search(subparsers, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "search",
+        parents=[common],
+        help="search per-layer formats under memory and accuracy budgets (an offline job)",
+        description=(
+            "Run the search job CONFIG.toml (see searches/README.md): train and profile the "
+            "workload's model, cost every (layer, format) on this device, predict each one's loss "
+            "increase, find the exact optimum of the additive proxy and run the Optuna study, "
+            "then measure the best candidate plans for real. Writes plan.json (only when a plan "
+            "met the budgets as measured), profile.json, the Optuna study and TensorBoard logs "
+            "under [job].out; prints the measured candidates against FP32 and BF16 autocast. "
+            "Exit status 0 only when a plan met the budgets. An interrupted job resumes its study."
+        ),
+    )
+    p.add_argument("config", type=Path, metavar="CONFIG.toml", help="the search job file")
+    p.set_defaults(handler=_cmd_search)
+
+
+def _cmd_search(args: argparse.Namespace) -> int:
+    import optuna
+
+    from .search.config import load_job
+    from .search.job import run_job
+
+    config = load_job(args.config)
+    optuna.logging.set_verbosity(optuna.logging.INFO if args.verbose else optuna.logging.WARNING)
+    progress = _Progress(f"search {config.name}")
+    try:
+        result = run_job(config, progress=progress)
+    finally:
+        progress.close()
+    print(result.format_table())
+    print(f"wrote the study, profile and TensorBoard logs under {config.out}", file=sys.stderr)
+    if not result.met_budgets:
+        return _fail("no candidate plan met the budgets as measured; loosen [budgets] or raise [search].measure_top", EXIT_FAILED)
+    return EXIT_OK
+
+
 # -- review -----------------------------------------------------------------------------------
 
 
@@ -336,7 +378,7 @@ def _cmd_review(args: argparse.Namespace) -> int:
 # -- entry point ------------------------------------------------------------------------------
 
 # Each subcommand registers itself here, one function each.
-_COMMANDS: tuple[Callable, ...] = (_add_bench, _add_profile, _add_review)
+_COMMANDS: tuple[Callable, ...] = (_add_bench, _add_profile, _add_search, _add_review)
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -1045,6 +1045,46 @@ class LayerProfiler:
             logger.info("profiling window of %d steps complete; hooks removed", self.window)
         return self._attached
 
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The statistics gathered so far and the window position (tensors cloned, on their
+        devices), so a resumed run's profile equals the uninterrupted run's. No host sync."""
+        def tensors(ts: _TensorState) -> dict:
+            return {slot: (v.clone() if torch.is_tensor(v) else v) for slot in _TensorState.__slots__ for v in [getattr(ts, slot)]}
+
+        return {
+            "steps": self._steps,
+            "layers": {
+                fqn: {
+                    "steps": layer.steps,
+                    "last_step": layer.last_step,
+                    "welford": [(None if wf.mean is None else wf.mean.clone(), None if wf.m2 is None else wf.m2.clone(), wf.n) for wf in layer.welford],
+                    "tensors": {kind: tensors(ts) for kind, ts in layer.tensors.items()},
+                }
+                for fqn, layer in self._layers.items()
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict` into a profiler made for the same model, window and settings."""
+        if set(state["layers"]) != set(self._layers):
+            raise ProfileError("profiler state names other layers than this profiler watches; make it for the same model")
+        self._steps = int(state["steps"])
+        for fqn, saved in state["layers"].items():
+            layer = self._layers[fqn]
+            layer.steps, layer.last_step = saved["steps"], saved["last_step"]
+            for wf, (mean, m2, n) in zip(layer.welford, saved["welford"]):
+                wf.mean, wf.m2, wf.n = (None if mean is None else mean.clone()), (None if m2 is None else m2.clone()), n
+            layer.tensors = {}
+            for kind, slots in saved["tensors"].items():
+                ts = _TensorState.__new__(_TensorState)
+                for slot, value in slots.items():
+                    setattr(ts, slot, value.clone() if torch.is_tensor(value) else value)
+                layer.tensors[kind] = ts
+        if self._steps >= self.window:
+            self._remove_hooks()
+
     # -- result ---------------------------------------------------------------------------------
 
     def profile(self, metadata: Optional[Mapping[str, Any]] = None) -> Profile:

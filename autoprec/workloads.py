@@ -35,7 +35,7 @@ import math
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,7 @@ __all__ = [
     "ByteLM",
     "BatchSampler",
     "Workload",
+    "batch_inputs",
     "default_workload",
     "evaluate",
     "train",
@@ -365,6 +366,7 @@ class Workload:
     train: torch.Tensor = field(repr=False)
     val: torch.Tensor = field(repr=False)
     batch_size: int
+    lr: float = 3e-3  # AdamW's peak learning rate for this workload (see Trainer's notes)
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0:
@@ -390,6 +392,15 @@ class Workload:
         """Mean next-byte cross-entropy of ``model`` on ``batch``, computed in float32."""
         x, y = batch
         return _cross_entropy(_logits(model(x)), y)
+
+
+def batch_inputs(batch: Sequence[torch.Tensor]) -> tuple:
+    """The model's positional inputs in a batch: every tensor but the last, the targets.
+
+    The convention every workload's batches keep (``(x, y)`` here; ``(ids, mask, labels)`` for
+    the MiniLM fine-tune), so generic code can call ``model(*batch_inputs(batch))``.
+    """
+    return tuple(batch[:-1])
 
 
 def default_workload(name: str = "small", batch_size: int = 16) -> Workload:

@@ -6,13 +6,14 @@ errors (a typo must not silently fall back to a default).
 
 Layout::
 
-    [job]        name, out                       # out: folder for plan, study, profile, logs
+    [job]        name, out, device               # out: folder for plan, study, profile, logs
     [workload]   factory = "module:function", kwargs = {...}
     [budgets]    memory, accuracy, accuracy_relative
     [search]     min_precision, max_precision, formats, trials, storage, study_name, seed,
                  multi_objective, measure_top, timeout_s
     [rules]      pin = {pattern = format}, forbid = {pattern = [formats]}, groups = [[patterns]]
-    [profile]    path (a saved profile to load instead of profiling), steps
+    [profile]    path (a saved profile to load instead of profiling), steps, sensitivity_batches
+    [measure]    val_batches, steps               # the measured stage (`search.measured`)
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ class JobConfig:
     rules: LayerRules = LayerRules()
     profile_path: "Path | None" = None
     profile_steps: int = 50
+    sensitivity_batches: int = 2
+    device: str = "auto"
+    val_batches: int = 8
+    measure_steps: int = 5
 
     @property
     def storage_url(self) -> str:
@@ -129,7 +134,7 @@ def _groups(v):
 
 FORMATS = ", ".join(f.value for f in Format)
 _SCHEMA: dict[str, dict[str, tuple[Callable, str]]] = {
-    "job": {"name": (_str, "a non-empty string"), "out": (_str, "a folder path")},
+    "job": {"name": (_str, "a non-empty string"), "out": (_str, "a folder path"), "device": (_str, "auto, cpu, cuda or cuda:N")},
     "workload": {"factory": (_str, 'a "module:function" string'), "kwargs": (_table, "a table of keyword arguments")},
     "budgets": {
         "memory": (_positive, "a fraction of FP32 bytes (<= 1) or bytes (> 1)"),
@@ -153,7 +158,12 @@ _SCHEMA: dict[str, dict[str, tuple[Callable, str]]] = {
         "forbid": (_forbid, "a table of layer pattern = [formats]"),
         "groups": (_groups, "a list of lists of layer patterns"),
     },
-    "profile": {"path": (_str, "a saved profile's path"), "steps": (_int(1), "an integer >= 1")},
+    "profile": {
+        "path": (_str, "a saved profile's path"),
+        "steps": (_int(1), "an integer >= 1"),
+        "sensitivity_batches": (_int(1), "an integer >= 1"),
+    },
+    "measure": {"val_batches": (_int(2), "an integer >= 2"), "steps": (_int(1), "an integer >= 1")},
 }
 _REQUIRED = {("job", "name"), ("workload", "factory")}
 
@@ -225,6 +235,10 @@ def load_job(path: "str | Path") -> JobConfig:
         rules=LayerRules(get("rules", "pin", {}), get("rules", "forbid", {}), get("rules", "groups", ())),
         profile_path=(base / profile) if profile and not Path(profile).is_absolute() else (Path(profile) if profile else None),
         profile_steps=get("profile", "steps", 50),
+        sensitivity_batches=get("profile", "sensitivity_batches", 2),
+        device=get("job", "device", "auto"),
+        val_batches=get("measure", "val_batches", 8),
+        measure_steps=get("measure", "steps", 5),
     )
     resolve_factory(config)  # a missing factory is a config error, found before any work
     return config

@@ -1,0 +1,363 @@
+"""The offline search job behind ``autoprec search searches/<job>.toml``.
+
+One run, in order (each step's figures end up in the plan's ``predicted`` / ``measured`` /
+``metadata`` and in the summary table):
+
+1. **Train and profile**: ``[profile].steps`` training steps of the workload's model (the model
+   the plan is for), the `LayerProfiler` attached for that window, unless ``[profile].path``
+   names a saved profile (then it is loaded and checked against the model). A format whose
+   weights, activations or gradients the profile saw overflow (beyond `planner.OVERFLOW_LIMIT`, with
+   that format's scaling) is taken out of the layer's choices, with that reason.
+2. **Costs and sensitivity**: a `CostModel` (bytes from the traced shapes, seconds measured on
+   this device and cached) and the Fisher sensitivity estimate (predicted loss increase) per
+   (layer, format), at the workload's learning rate.
+3. **Exact optimum and proxy study**: the additive table as a `SearchSpace`; its exact optimum
+   (`solve_exact`; an infeasible budget stops here with the smallest reachable); the Optuna
+   study warm-started with it and the uniform plans, resumed from the job's storage.
+4. **Measured stage**: the ``[search].measure_top`` fastest distinct feasible proxy plans run for
+   real (`MeasuredStage`); the plan returned is the fastest that meets both budgets *as
+   measured*. FP32 and uniform BF16 autocast are measured beside them.
+5. **Artifacts** under ``[job].out``: ``plan.json`` (only when a plan met the budgets),
+   ``profile.json``, the study (``study.db`` unless ``[search].storage`` says otherwise) and
+   TensorBoard logs in ``logs/``.
+
+Workload factories (``[workload].factory``) return an object with ``build_model(seed)``,
+``train_batches(seed)`` (``.next()`` gives a batch), ``val_batches(n)``, ``loss(model, batch)``
+and optionally ``lr`` and ``name``; batches are tuples of tensors whose last entry is the target
+(`autoprec.workloads.batch_inputs`). `autoprec.workloads.default_workload` and
+`autoprec.finetune.minilm_finetune_workload` are two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import time
+import warnings
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import optuna
+import torch
+
+from ..device import resolve_device
+from ..errors import InfeasibleBudgetError, SearchError
+from ..formats import Format
+from ..plan import LayerPrecision, Plan
+from ..runtime import EmulationWarning, apply_plan
+from .config import JobConfig, resolve_factory
+from .exact import Solution, solve_exact
+from .measured import BudgetPruner, Candidate, MeasuredStage, Measurement, candidate_id
+from .planner import build_space, layer_reasons, plan_from_solution
+from .space import SearchSpace
+from .study import feasible, open_storage, run_proxy_study
+
+__all__ = ["JobResult", "run_job"]
+
+logger = logging.getLogger(__name__)
+
+Progress = Callable[[int, int, str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class JobResult:
+    """What a search job found. ``plan`` is None when no candidate met the budgets as measured."""
+
+    config: JobConfig
+    plan: "Plan | None"
+    plan_path: "Path | None"
+    references: Mapping[str, Measurement]
+    candidates: Sequence[tuple[Candidate, "Measurement | str"]]
+    exact: Solution
+    proxy_best: "Solution | None"
+    memory_budget: float  # measured bytes allowed
+    loss_budget: float  # absolute loss increase allowed
+    predicted_memory_budget: float  # predicted bytes allowed (the proxy stage's budget)
+    predicted_fp32: Mapping[str, float]  # the all-FP32 plan's predicted bytes and seconds
+    seconds: float
+
+    @property
+    def met_budgets(self) -> bool:
+        return self.plan is not None
+
+    @property
+    def proxy_gap(self) -> float:
+        """Best proxy step time over the exact optimum's, minus 1 (0.0 = found the optimum)."""
+        if self.proxy_best is None:
+            return math.inf
+        return self.proxy_best.total.seconds / self.exact.total.seconds - 1.0
+
+    def format_table(self) -> str:
+        """Measured step ms, bytes and loss increase of the references and every candidate."""
+        fp32 = self.references["fp32"]
+        rows = [("variant", "formats", "step ms", "x fp32", "MiB", "x fp32", "loss +", "budgets")]
+
+        def row(name, formats, m: Measurement, verdict):
+            rows.append((
+                name, formats, f"{m.seconds * 1e3:.1f}", f"{m.seconds / fp32.seconds:.2f}",
+                f"{m.bytes / 2**20:.2f}", f"{m.bytes / fp32.bytes:.3f}", f"{m.loss_increase:+.4f}", verdict,
+            ))
+
+        for name, m in self.references.items():
+            row(name, "-", m, "reference")
+        chosen = candidate_id(self.plan) if self.plan is not None else None
+        for candidate, m in self.candidates:
+            counts = ",".join(f"{n} {f}" for f, n in candidate.plan.format_counts().items())
+            if isinstance(m, str):
+                rows.append((candidate.name, counts, "-", "-", "-", "-", "-", f"pruned: {m}"))
+                continue
+            ok = m.bytes <= self.memory_budget and m.loss_increase <= self.loss_budget
+            row(candidate.name + (" *" if candidate.id == chosen else ""), counts, m, "met" if ok else "missed")
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        budget = f"budgets: memory <= {self.memory_budget / 2**20:.2f} MiB, loss increase <= {self.loss_budget:.4g}"
+        gap = f"proxy search vs exact optimum: {self.proxy_gap:+.2%} step time" if math.isfinite(self.proxy_gap) else "proxy search found no feasible plan"
+        verdict = f"plan: {self.plan_path}" if self.plan_path else "no candidate met the budgets as measured"
+        return "\n".join(lines + [budget, gap, verdict])
+
+
+def _to(batch, device):
+    return tuple(t.to(device) for t in batch)
+
+
+def _workload(config: JobConfig):
+    factory = resolve_factory(config)
+    try:
+        workload = factory(**config.factory_kwargs)
+    except TypeError as exc:
+        raise SearchError(f"{config.source}: [workload].kwargs: {config.factory} rejected them: {exc}") from None
+    missing = [m for m in ("build_model", "train_batches", "val_batches", "loss") if not callable(getattr(workload, m, None))]
+    if missing:
+        raise SearchError(f"{config.source}: [workload].factory: {config.factory} returned a {type(workload).__name__} without {', '.join(missing)}; see autoprec.search.job for what a workload provides")
+    return workload
+
+
+def _train_and_profile(config, workload, model, example_inputs, lr, device, progress):
+    """Train ``[profile].steps`` steps (the profiler attached unless a profile is loaded)."""
+    from ..profiling import LayerProfiler, Profile
+    from ..workloads import Trainer
+
+    trainer = Trainer(model, workload, lr=lr, seed=config.seed)
+    profiler = None
+    if config.profile_path is None:
+        formats = set(config.formats) | {LayerPrecision(f).grad_format for f in config.formats}
+        profiler = LayerProfiler(model, example_inputs, formats=sorted(formats, key=list(Format).index), window=config.profile_steps).attach()
+    losses = []
+    try:
+        for i in range(config.profile_steps):
+            losses.append(trainer.step(profiler.step if profiler is not None else None))
+            if progress is not None:
+                progress(i + 1, config.profile_steps, "training + profiling" if profiler else "training")
+    finally:
+        if profiler is not None:
+            profiler.detach()
+    first, last = (float(v) for v in torch.stack([losses[0], losses[-1]]).cpu())
+    if profiler is None:
+        profile = Profile.load(config.profile_path, model, example_inputs)
+    else:
+        profile = profiler.profile({"job": config.name, "lr": lr, "seed": config.seed, "loss_first": first, "loss_last": last})
+        profile.save(config.out / "profile.json")
+    return profile, (first, last)
+
+
+def _signature(space: SearchSpace, memory: float, loss: float) -> str:
+    """What a study's trials depend on: the units, their formats and the budgets."""
+    signature = {"units": {u.name: [f.value for f in u.formats] for u in space.units}, "budgets": [round(memory), float(f"{loss:.6g}")]}
+    return hashlib.sha1(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _check_study(storage, config: JobConfig, digest: str) -> None:
+    """Refuse to resume a study made for another search (other layers, formats or budgets)."""
+    try:
+        study = optuna.load_study(study_name=config.study_name, storage=storage)
+    except KeyError:
+        return
+    held = study.user_attrs.get("autoprec_search")
+    if held is not None and held != digest:
+        raise SearchError(
+            f"study {config.study_name!r} in {config.storage_url} holds trials of another search (layers, formats or budgets "
+            "changed); set [search].study_name to a new name or delete the study to start over"
+        )
+
+
+def _candidates(space: SearchSpace, study: optuna.Study, exact: Solution, memory: float, loss: float, top: int) -> list[tuple[str, Solution]]:
+    """The ``top`` fastest distinct feasible assignments of the study, re-costed on today's table
+    (a resumed study's stored totals came from an earlier measurement of the same table)."""
+    seen: dict[tuple, tuple[str, Solution]] = {}
+    solutions = [("exact", exact.assignment)] + [(f"trial {t.number}", t.params) for t in study.get_trials(deepcopy=False) if feasible(t)]
+    for name, params in solutions:
+        assignment = {u.name: Format.parse(params[u.name]) for u in space.units}
+        key = tuple(assignment[u.name] for u in space.units)
+        total = space.totals(assignment)
+        if key in seen or total.bytes > memory or total.loss > loss:
+            continue
+        seen[key] = (name, Solution(assignment, total))
+    return sorted(seen.values(), key=lambda item: item[1].total.seconds)[:top]
+
+
+def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
+    """Run the search job ``config`` (see the module docstring); returns what it found.
+
+    Raises `SearchError` for a bad workload or a study of another search, and
+    `InfeasibleBudgetError` (stating the smallest memory and loss increase reachable) when no
+    plan can meet the budgets even on the predictions.
+    """
+    from ..costs import CostModel
+    from ..sensitivity import FisherEstimator, estimate_sensitivity
+    from ..workloads import batch_inputs
+
+    start = time.perf_counter()
+    config.out.mkdir(parents=True, exist_ok=True)
+    workload = _workload(config)
+    device = resolve_device(config.device, SearchError, "the search")
+    lr = float(getattr(workload, "lr", 1e-3))
+    model = workload.build_model(config.seed).to(device)
+    val = [_to(b, device) for b in workload.val_batches(config.val_batches)]
+    example_inputs = batch_inputs(val[0])
+
+    profile, (loss_first, loss_last) = _train_and_profile(config, workload, model, example_inputs, lr, device, progress)
+    sampler = workload.train_batches(config.seed + 1)
+    train = [_to(sampler.next(), device) for _ in range(max(config.sensitivity_batches, 4))]
+
+    if progress is not None:
+        progress(0, 1, "costing layers")
+    costs = CostModel.build(model, train[0], loss_fn=workload.loss, formats=config.formats)
+    if progress is not None:
+        progress(0, 1, "estimating sensitivity")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EmulationWarning)
+        sensitivity = estimate_sensitivity(
+            model, train[: config.sensitivity_batches], workload.loss, [f for f in config.formats if f is not Format.FP32],
+            layers=list(costs.layers), example_inputs=example_inputs, estimator=FisherEstimator(lr=lr),
+        )
+    space, ruled_out = build_space(
+        costs, sensitivity, profile, formats=config.formats, rules=config.rules,
+        min_precision=config.min_precision, max_precision=config.max_precision,
+    )
+
+    stage = MeasuredStage(model, workload.loss, train, val, list(costs.layers), lr=lr, steps=config.measure_steps)
+    fp32_cost = costs.plan_cost(costs.uniform_plan(Format.FP32))
+    fp32_bytes = fp32_cost.bytes
+    memory = config.budgets.memory_bytes(fp32_bytes)
+    loss_budget = config.budgets.loss_increase(stage.baseline_loss)
+    try:
+        exact = solve_exact(space, memory, loss_budget)
+    except InfeasibleBudgetError as exc:
+        # Say it in the units of the job file: fractions of the FP32 bytes, relative loss.
+        loss_note = f", a relative loss increase of {exc.min_loss / stage.baseline_loss:.4g}" if config.budgets.accuracy_relative else ""
+        raise InfeasibleBudgetError(
+            f"{config.source}: {exc} (in [budgets] terms: memory {exc.min_bytes / fp32_bytes:.3f} of the FP32 bytes{loss_note})",
+            exc.min_bytes, exc.min_loss,
+        ) from None
+
+    storage = open_storage(config.storage_url)
+    signature = _signature(space, memory, loss_budget)
+    _check_study(storage, config, signature)
+    warm = [exact.assignment] + [a for a in (space.uniform(f) for f in config.formats) if a is not None]
+    total_trials = config.trials
+
+    def on_trial(study, trial):
+        if progress is not None:
+            progress(min(len(study.trials), total_trials), total_trials, "proxy search")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        proxy = run_proxy_study(
+            space, memory, loss_budget, n_trials=config.trials, storage=storage, study_name=config.study_name, seed=config.seed,
+            warm_start=warm, multi_objective=config.multi_objective, timeout=config.timeout_s, callbacks=[on_trial],
+        )
+    proxy.study.set_user_attr("autoprec_search", signature)
+    top = _candidates(space, proxy.study, exact, memory, loss_budget, config.measure_top)
+    # The study's best feasible trial (the enqueued exact optimum is one of its trials).
+    study_best = None if proxy.best is None else Solution(proxy.best.assignment, space.totals(proxy.best.assignment))
+
+    budgets_meta = {
+        "memory": config.budgets.memory, "memory_bytes": memory, "accuracy": config.budgets.accuracy,
+        "accuracy_relative": config.budgets.accuracy_relative, "loss_increase": loss_budget, "baseline_loss": stage.baseline_loss,
+    }
+    meta = {
+        "job": config.name, "source": str(config.source), "device": str(device), "torch": torch.__version__,
+        "study": config.study_name, "storage": config.storage_url, "trials": proxy.trials, "lr": lr,
+        "train_loss_first": loss_first, "train_loss_last": loss_last, "profile_steps": config.profile_steps,
+        "exact_seconds": exact.total.seconds, "sensitivity": "fisher",
+    }
+    candidates = [
+        Candidate(name, plan_from_solution(space, costs, sol, layer_reasons(space, sol.assignment, config.rules, ruled_out), budgets_meta, meta))
+        for name, sol in top
+    ]
+
+    measured_study = optuna.create_study(
+        study_name=f"{config.study_name}:measured", storage=storage, direction="minimize",
+        pruner=BudgetPruner(loss_budget), load_if_exists=True,
+    )
+    measured_memory = config.budgets.memory_bytes(stage.memory(None))
+    results = stage.run(candidates, measured_study, measured_memory, loss_budget, progress)
+    if progress is not None:
+        progress(0, 1, "measuring references")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EmulationWarning)
+        references = {"fp32": stage.reference("fp32"), "bf16_autocast": stage.reference("bf16_autocast")}
+
+    def meets(m) -> bool:
+        return isinstance(m, Measurement) and m.bytes <= measured_memory and m.loss_increase <= loss_budget
+
+    pairs = [(c, results.get(c.id, "not measured")) for c in candidates]
+    winners = sorted((p for p in pairs if meets(p[1])), key=lambda p: p[1].seconds)
+    plan = plan_path = None
+    if winners:
+        candidate, m = winners[0]
+        emulated = _emulated(model, candidate.plan, example_inputs)
+        fp32, bf16 = references["fp32"], references["bf16_autocast"]
+        measured = {
+            **m.to_dict(), "baseline_loss": stage.baseline_loss,
+            "fp32_bytes": fp32.bytes, "fp32_seconds": fp32.seconds,
+            "bf16_autocast_bytes": bf16.bytes, "bf16_autocast_seconds": bf16.seconds, "bf16_autocast_loss_increase": bf16.loss_increase,
+        }
+        metadata = {
+            **candidate.plan.metadata, "candidate": candidate.name, "proxy_gap": None if study_best is None else study_best.total.seconds / exact.total.seconds - 1.0,
+            "emulated_layers": emulated, "seconds": round(time.perf_counter() - start, 1),
+        }
+        plan = candidate.plan.replace(measured=measured, metadata=metadata)
+        plan_path = plan.save(config.out / "plan.json")
+        if emulated:
+            logger.warning("%d layer(s) of the plan run emulated (no kernel on %s): %s", len(emulated), device, ", ".join(emulated))
+    result = JobResult(
+        config=config, plan=plan, plan_path=plan_path, references=references, candidates=pairs, exact=exact,
+        proxy_best=study_best, memory_budget=measured_memory, loss_budget=loss_budget, predicted_memory_budget=memory,
+        predicted_fp32={"bytes": fp32_cost.bytes, "seconds": fp32_cost.step_seconds}, seconds=time.perf_counter() - start,
+    )
+    _write_logs(config, result, proxy.study)
+    return result
+
+
+def _emulated(model, plan: Plan, example_inputs) -> dict[str, list[str]]:
+    """Layers of ``plan`` whose products have no kernel here (one forward under the plan)."""
+    runtime = apply_plan(model, plan, validate=False)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", EmulationWarning)
+        with runtime:
+            model(*example_inputs)
+    return runtime.emulated_layers()
+
+
+def _write_logs(config: JobConfig, result: JobResult, study: optuna.Study) -> None:
+    """Under ``out/logs``: the proxy study (trials, Pareto front), every measured candidate as an
+    HParams session, and the chosen plan as its own run."""
+    from ..monitoring import PlanWriter, write_candidates, write_search
+
+    logdir = config.out / "logs"
+    fp32 = result.references["fp32"]
+    measured = []
+    for candidate, m in result.candidates:
+        extra = m.to_dict() if isinstance(m, Measurement) else {"pruned": m}
+        measured.append((candidate.name, candidate.plan.replace(measured={**extra, "fp32_bytes": fp32.bytes, "fp32_seconds": fp32.seconds})))
+    write_search(study, logdir, fp32=result.predicted_fp32, memory_bytes=result.predicted_memory_budget,
+                 measured=[(n, p) for n, p in measured if "bytes" in p.measured])
+    write_candidates(measured, logdir)
+    if result.plan is not None:
+        with PlanWriter(logdir, replace=True) as writer:
+            writer.write_plan(result.plan, "searched")

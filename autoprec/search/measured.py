@@ -1,0 +1,330 @@
+"""The measured stage: candidate plans run for real, and the best one that meets the budgets.
+
+The proxy stage ranks plans on additive per-layer predictions. Here each candidate runs on the
+device the way training will run it (`apply_plan`), and three figures are measured:
+
+- **bytes**: what autograd saves for backward in one training step (`SavedTensorMeter`, every
+  op, not only the layers) plus the layers' gradient buffers: the quantity the cost model
+  predicts (`CostModel.plan_cost(...).bytes`);
+- **loss increase**: the mean held-out loss under the plan minus the FP32 model's on the same
+  batches (INT8 layers calibrated first on training batches, as in training);
+- **step seconds**: training steps (forward, backward, optimizer) of a copy of the model,
+  interleaved one for one with FP32 steps of another copy, so the machine's drift cancels: the
+  candidate's figure is its median ratio to FP32 times the FP32 median of the whole stage.
+
+Each candidate is a trial of an Optuna study in the job's storage (a crashed job resumes with
+the candidates already measured kept). Measuring stops early: a candidate over the memory budget
+is pruned after one step, and `BudgetPruner` prunes one whose running loss increase is already
+clearly over the loss budget, before its step time is measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import hashlib
+import logging
+import math
+import statistics
+import time
+import warnings
+from typing import Any, Callable, Sequence
+
+import optuna
+import torch
+import torch.nn as nn
+from optuna.trial import TrialState
+
+from ..formats import Format
+from ..measure import SavedTensorMeter
+from ..plan import Plan
+from ..runtime import EmulationWarning, apply_plan
+
+__all__ = ["Measurement", "Candidate", "BudgetPruner", "MeasuredStage", "candidate_id"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """Measured figures of one variant: bytes (saved for backward + layer gradients), training
+    step seconds, held-out loss and its increase over FP32 (None when not measured)."""
+
+    bytes: int
+    seconds: "float | None" = None
+    loss: "float | None" = None
+    loss_increase: "float | None" = None
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A plan to measure, with its identity in the measured study."""
+
+    name: str
+    plan: Plan
+
+    @property
+    def id(self) -> str:
+        return candidate_id(self.plan)
+
+
+def candidate_id(plan: Plan) -> str:
+    """A short stable id of a plan's formats (same layers and formats, same id)."""
+    text = ";".join(f"{fqn}={lp.format.value}" for fqn, lp in sorted(plan.layers.items()))
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+class BudgetPruner(optuna.pruners.BasePruner):
+    """Prunes a trial whose reported running loss increase, after ``min_reports`` reports, is
+    above ``loss_budget`` by more than ``slack`` (relative) plus twice its standard error.
+
+    Intermediate values are the running mean increase; the trial sets the user attribute
+    ``"stderr"`` with the running standard error before it reports. The error term keeps a
+    noisy early estimate from pruning a plan whose true increase is within the budget.
+    """
+
+    def __init__(self, loss_budget: float, *, slack: float = 0.25, min_reports: int = 2):
+        self.loss_budget = loss_budget
+        self.slack = slack
+        self.min_reports = min_reports
+
+    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        if not math.isfinite(self.loss_budget) or len(trial.intermediate_values) < self.min_reports:
+            return False
+        value = trial.intermediate_values[max(trial.intermediate_values)]
+        stderr = float(trial.user_attrs.get("stderr", 0.0))
+        return value > self.loss_budget * (1 + self.slack) + 2 * stderr
+
+
+class _Variant:
+    """One way to run a training step: a copy of the model, its optimizer, and a context."""
+
+    def __init__(self, model: nn.Module, lr: float, context: Callable[[nn.Module], Any]):
+        self.model = copy.deepcopy(model)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.context = context(self.model)
+
+    def step(self, loss_fn, batch) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.context:
+            loss = loss_fn(self.model, batch)
+        loss.backward()
+        self.optimizer.step()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class MeasuredStage:
+    """Measures plans of one model on fixed batches (see the module docstring).
+
+    ``model``: the trained model the plans are for (left unchanged); ``loss_fn(model, batch)``
+    the training loss; ``train_batches`` drive calibration and the timed steps;
+    ``val_batches`` give the held-out loss. ``layers``: the fqns whose parameters' gradient
+    buffers count as the layers' bytes (the plans' layers, as the cost model counts them). Costs per candidate: one metered
+    step, up to ``len(val_batches)`` forwards (fewer when pruned) plus INT8 calibration
+    forwards, and ``2 × (warmup + steps)`` training steps.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+        train_batches: Sequence[Any],
+        val_batches: Sequence[Any],
+        layers: Sequence[str],
+        *,
+        lr: float = 1e-3,
+        steps: int = 5,
+        warmup: int = 2,
+    ):
+        if not train_batches or not val_batches:
+            raise ValueError("MeasuredStage needs at least one training and one held-out batch")
+        self.model = model
+        self.layers = tuple(layers)
+        self.loss_fn = loss_fn
+        self.train_batches = list(train_batches)
+        self.val_batches = list(val_batches)
+        self.lr = lr
+        self.steps = steps
+        self.warmup = warmup
+        first = next(model.parameters())
+        self.device = first.device
+        self.baseline_losses = self._val_losses(None)
+        self.baseline_loss = statistics.fmean(self.baseline_losses)
+        self._fp32 = _Variant(model, lr, lambda m: contextlib.nullcontext())
+        self._fp32_times: list[float] = []
+
+    # -- the three figures ------------------------------------------------------------------
+
+    def memory(self, plan: "Plan | None", context: "Callable[[nn.Module], Any] | None" = None) -> int:
+        """Bytes saved for backward in one training step plus the layers' gradient bytes."""
+        variant = _Variant(self.model, self.lr, context or _plan_context(plan))
+        params = list(variant.model.parameters())
+        variant.optimizer.zero_grad(set_to_none=True)
+        with SavedTensorMeter(params) as meter, variant.context:
+            loss = self.loss_fn(variant.model, self.train_batches[0])
+        loss.backward()
+        modules = dict(variant.model.named_modules())
+        grads = sum(p.grad.nbytes for fqn in self.layers for p in modules[fqn].parameters(recurse=False) if p.grad is not None)
+        return meter.total_bytes + grads
+
+    def loss_increases(self, plan: Plan):
+        """Yields (running mean increase, its standard error) after each held-out batch."""
+        runtime = apply_plan(self.model, plan, validate=False)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                self._calibrate(plan, runtime)
+                diffs = []
+                for batch, base in zip(self.val_batches, self.baseline_losses):
+                    with runtime:
+                        diffs.append(float(self.loss_fn(self.model, batch)) - base)
+                    stderr = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else 0.0
+                    yield statistics.fmean(diffs), stderr
+        finally:
+            self.model.train(was_training)
+
+    def step_seconds(self, context: Callable[[nn.Module], Any]) -> float:
+        """Median training-step seconds of a variant, as its median ratio to interleaved FP32
+        steps times the FP32 median of every step this stage has timed."""
+        variant = _Variant(self.model, self.lr, context)
+        ratios = []
+        for i in range(self.warmup + self.steps):
+            batch = self.train_batches[i % len(self.train_batches)]
+            pair = []
+            for v in (self._fp32, variant) if i % 2 == 0 else (variant, self._fp32):
+                _sync(self.device)
+                start = time.perf_counter()
+                v.step(self.loss_fn, batch)
+                _sync(self.device)
+                pair.append((v, time.perf_counter() - start))
+            t = dict((id(v), s) for v, s in pair)
+            if i >= self.warmup:
+                self._fp32_times.append(t[id(self._fp32)])
+                ratios.append(t[id(variant)] / t[id(self._fp32)])
+        return statistics.median(ratios) * self.fp32_seconds
+
+    @property
+    def fp32_seconds(self) -> float:
+        """Median FP32 step seconds over every interleaved step timed so far."""
+        if not self._fp32_times:
+            self.step_seconds(lambda m: contextlib.nullcontext())
+        return statistics.median(self._fp32_times)
+
+    # -- references and candidates ----------------------------------------------------------
+
+    def reference(self, name: str) -> Measurement:
+        """``"fp32"`` (plain) or ``"bf16_autocast"`` (uniform ``torch.autocast`` BF16)."""
+        if name == "fp32":
+            context = lambda m: contextlib.nullcontext()  # noqa: E731
+        elif name == "bf16_autocast":
+            context = lambda m: torch.autocast(self.device.type, dtype=torch.bfloat16)  # noqa: E731
+        else:
+            raise ValueError(f"unknown reference {name!r}; use 'fp32' or 'bf16_autocast'")
+        bytes_ = self.memory(None, context)
+        seconds = self.step_seconds(context)
+        if name == "fp32":
+            losses = self.baseline_losses
+        else:
+            losses = self._val_losses(context)
+        loss = statistics.fmean(losses)
+        return Measurement(bytes_, seconds, loss, loss - self.baseline_loss)
+
+    def _val_losses(self, context) -> list[float]:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                out = []
+                for batch in self.val_batches:
+                    with context(self.model) if context is not None else contextlib.nullcontext():
+                        out.append(float(self.loss_fn(self.model, batch)))
+                return out
+        finally:
+            self.model.train(was_training)
+
+    def _calibrate(self, plan: Plan, runtime) -> None:
+        rounds = max((lp.calibration.batches for lp in plan.layers.values() if lp.format is Format.INT8), default=0)
+        for i in range(rounds):
+            with runtime:
+                self.loss_fn(self.model, self.train_batches[i % len(self.train_batches)])
+
+    def run(
+        self,
+        candidates: Sequence[Candidate],
+        study: optuna.Study,
+        memory_bytes: float,
+        loss_budget: float,
+        progress: "Callable[[int, int, str], None] | None" = None,
+    ) -> dict[str, "Measurement | str"]:
+        """Measure every candidate not yet measured in ``study`` (trials keyed by the user
+        attribute ``candidate``); returns candidate id -> `Measurement`, or the reason it was
+        pruned. ``memory_bytes`` / ``loss_budget`` are absolute (inf when open)."""
+        by_id = {c.id: c for c in candidates}
+
+        def finished() -> dict[str, optuna.trial.FrozenTrial]:
+            return {t.user_attrs.get("candidate"): t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))}
+
+        def objective(trial: optuna.Trial) -> float:
+            candidate = by_id[trial.user_attrs["candidate"]]
+            plan = candidate.plan
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", EmulationWarning)  # named in the plan's metadata instead
+                bytes_ = self.memory(plan)
+                trial.set_user_attr("bytes", bytes_)
+                trial.set_constraint("memory", bytes_ - memory_bytes if math.isfinite(memory_bytes) else -1.0)
+                if bytes_ > memory_bytes:
+                    trial.set_user_attr("pruned", f"measured {bytes_:,} bytes > memory budget {memory_bytes:,.0f}")
+                    raise optuna.TrialPruned(trial.user_attrs["pruned"])
+                increase = math.nan
+                for i, (increase, stderr) in enumerate(self.loss_increases(plan)):
+                    trial.set_user_attr("stderr", stderr)
+                    trial.report(increase, i)
+                    if trial.should_prune():
+                        trial.set_user_attr("loss_increase", increase)
+                        trial.set_user_attr("pruned", f"loss increase {increase:.4g} ± {stderr:.2g} after {i + 1} batches > budget {loss_budget:.4g}")
+                        raise optuna.TrialPruned(trial.user_attrs["pruned"])
+                trial.set_user_attr("loss_increase", increase)
+                trial.set_constraint("loss", increase - loss_budget if math.isfinite(loss_budget) else -1.0)
+                seconds = self.step_seconds(_plan_context(plan))
+            trial.set_user_attr("seconds", seconds)
+            return seconds
+
+        total = len(candidates)
+        while True:
+            done = finished()
+            todo = [c for c in candidates if c.id not in done]
+            if progress is not None:
+                progress(total - len(todo), total, "measuring")
+            if not todo:
+                break
+            waiting = {t.user_attrs.get("candidate") for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))}
+            if todo[0].id not in waiting:
+                study.enqueue_trial({}, user_attrs={"candidate": todo[0].id, "name": todo[0].name})
+            study.optimize(objective, n_trials=1, catch=(), gc_after_trial=False)
+        results: dict[str, Measurement | str] = {}
+        for cid, trial in finished().items():
+            if cid not in by_id:
+                continue
+            if trial.state is TrialState.PRUNED:
+                results[cid] = trial.user_attrs.get("pruned", "pruned")
+            else:
+                a = trial.user_attrs
+                results[cid] = Measurement(int(a["bytes"]), float(a["seconds"]), self.baseline_loss + float(a["loss_increase"]), float(a["loss_increase"]))
+        return results
+
+
+def _plan_context(plan: "Plan | None") -> Callable[[nn.Module], Any]:
+    if plan is None:
+        return lambda m: contextlib.nullcontext()
+    return lambda m: apply_plan(m, plan, validate=False)
+

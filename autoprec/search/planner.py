@@ -1,0 +1,154 @@
+"""From costs, sensitivity and a profile to a search space, and from a solution to a `Plan`.
+
+The pieces the offline job (`search.job`) and the training-time scheduler share: the additive
+table of (bytes, seconds, predicted loss) per (layer, format), less the formats a profile saw
+overflow; and a plan whose every layer carries the reason for its format, in the figures the
+search compared.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Iterable, Mapping
+
+from ..formats import Format
+from ..plan import LayerPrecision, Plan
+from .exact import Solution
+from .space import Choice, LayerRules, SearchSpace
+
+__all__ = ["OVERFLOW_LIMIT", "cast_of", "overflow_reason", "build_space", "layer_reasons", "plan_from_solution"]
+
+# A format is ruled out for a layer when the profile saw more than this fraction of a tensor
+# overflow it (after the format's scaling). Overflow to inf (FP16, E5M2) poisons a step, so the
+# limit is one value in 10^4; saturating formats (E4M3, INT8) clamp instead, which costs
+# accuracy only in proportion (Micikevicius et al. 2022, "FP8 formats for deep learning",
+# sec. 4: E4M3 saturates rare outliers harmlessly), so they are allowed 1 %.
+OVERFLOW_LIMIT = {False: 1e-4, True: 1e-2}  # keyed by Format.spec.saturates
+
+
+def cast_of(lp: LayerPrecision, kind: str) -> tuple[Format, str]:
+    """The format a layer in ``lp`` casts a tensor ``kind`` ("weight", "activation", "grad")
+    to, and the profile's scaling that matches the runtime's: gradients use current scaling,
+    weights and activations the plan's mode; unscaled formats "none"."""
+    fmt = lp.grad_format if kind == "grad" else lp.format
+    if not fmt.needs_scale:
+        return fmt, "none"
+    return fmt, "current" if kind == "grad" else lp.scaling.mode.value
+
+
+def overflow_reason(profile, fqn: str, fmt: Format) -> "str | None":
+    """Why the profile rules ``fmt`` out for layer ``fqn``, or None."""
+    if fqn not in profile.layers:
+        return None
+    lp = LayerPrecision(fmt)
+    for kind, ts in profile.layers[fqn].tensors.items():
+        kind_fmt, scaling = cast_of(lp, kind)
+        if kind_fmt.value not in ts.fractions:
+            continue
+        fraction = ts.overflow(kind_fmt, scaling)
+        if fraction > OVERFLOW_LIMIT[kind_fmt.spec.saturates]:
+            return f"{fmt.value} ruled out: the profile saw {fraction:.2%} of its {kind} values overflow {kind_fmt.value}"
+    return None
+
+
+def build_space(
+    costs,
+    sensitivity,
+    profile,
+    *,
+    formats: Iterable[Format],
+    rules: LayerRules = LayerRules(),
+    min_precision: int = 8,
+    max_precision: int = 32,
+) -> tuple[SearchSpace, dict[str, list[str]]]:
+    """The additive table of ``costs`` (a `CostModel`) and ``sensitivity`` (predicted loss per
+    (layer, format)) over ``formats``, less what ``profile`` (a `Profile` or None) saw overflow,
+    unless a rule pins the layer. Returns the space and, per layer, the formats ruled out and why."""
+    table: dict[str, dict[Format, Choice]] = {}
+    ruled_out: dict[str, list[str]] = {}
+    for fqn in costs.layers:
+        pinned = any(fnmatch.fnmatchcase(fqn, p) for p in rules.pin)
+        row = {}
+        for fmt in formats:
+            reason = overflow_reason(profile, fqn, fmt) if fmt is not Format.FP32 and profile is not None else None
+            if reason is not None and not pinned:
+                ruled_out.setdefault(fqn, []).append(reason)
+                continue
+            lc = costs.layer_cost(fqn, fmt)
+            loss = 0.0 if fmt is Format.FP32 else max(0.0, float(sensitivity[(fqn, fmt)]))
+            # An FP32 layer among lowered ones costs its neighbours' FP32 saves too (CostModel).
+            extra = costs.fp32_in_region_bytes.get(fqn, 0) if fmt is Format.FP32 else 0
+            row[fmt] = Choice(lc.bytes + extra, lc.seconds, loss)
+        table[fqn] = row
+    # What ops outside the layers save depends on whether any layer is lowered (activations
+    # between layers are then 2 bytes wide); the fixed cost takes the lowered figure, exact for
+    # every plan but all-FP32 (whose totals `CostModel.plan_cost` reports exactly).
+    fixed = {"rest of the step": Choice(costs.rest_saved_bytes[1], costs.rest_seconds, 0.0)}
+    device = costs.device
+    space = SearchSpace(table, min_precision=min_precision, max_precision=max_precision, rules=rules, device=device, fixed=fixed)
+    return space, ruled_out
+
+
+def layer_reasons(space: SearchSpace, assignment: Mapping[str, Format], rules: LayerRules, ruled_out: Mapping[str, list[str]]) -> dict[str, str]:
+    """Per layer: why its unit got this format, in the figures the search compared."""
+    rules_note = _pin_notes(rules, space)
+    out = {}
+    for unit in space.units:
+        fmt = assignment[unit.name]
+        chosen = unit.choices[fmt]
+        head = f"{fmt.value}: {chosen.seconds * 1e3:.3g} ms, {chosen.bytes / 1024:.0f} KiB, predicted loss +{chosen.loss:.2g}"
+        faster = [f for f, c in unit.choices.items() if c.seconds < chosen.seconds]
+        if len(unit.choices) == 1:
+            why = "the only format allowed (" + rules_note.get(unit.name, "precision bounds, rules, device and profile") + ")"
+        elif not faster:
+            smaller = [f for f, c in unit.choices.items() if c.bytes < chosen.bytes]
+            why = "the fastest allowed format" + (f"; smaller {', '.join(f.value for f in smaller)} not needed within the memory budget" if smaller else "")
+        else:
+            alt = min(faster, key=lambda f: unit.choices[f].seconds)
+            d = unit.choices[alt]
+            costs = []
+            if d.bytes > chosen.bytes:
+                costs.append(f"needs {(d.bytes - chosen.bytes) / 1024:+.0f} KiB (memory budget)")
+            if d.loss > chosen.loss:
+                costs.append(f"adds predicted loss {d.loss - chosen.loss:+.2g} (accuracy budget)")
+            why = f"{alt.value} would be {(chosen.seconds - d.seconds) * 1e3:.3g} ms faster " + (
+                "but " + " and ".join(costs) if costs else "at no more bytes or loss (this candidate is not the proxy optimum)")
+        notes = [n for fqn in unit.layers for n in ruled_out.get(fqn, [])]
+        group = f"; shares its format with {', '.join(unit.layers)} (rule group)" if len(unit.layers) > 1 else ""
+        text = f"{head}; {why}{group}" + ("; " + "; ".join(dict.fromkeys(notes)) if notes else "")
+        for fqn in unit.layers:
+            out[fqn] = text
+    return out
+
+
+def _pin_notes(rules: LayerRules, space: SearchSpace) -> dict[str, str]:
+    notes = {}
+    for unit in space.units:
+        for pattern, fmt in rules.pin.items():
+            if any(fnmatch.fnmatchcase(fqn, pattern) for fqn in unit.layers):
+                notes[unit.name] = f"pinned to {Format.parse(fmt).value} by [rules].pin {pattern!r}"
+    return notes
+
+
+def plan_from_solution(space: SearchSpace, costs, solution: Solution, reasons: Mapping[str, str], budgets: Mapping, metadata: Mapping) -> Plan:
+    """The plan of ``solution`` with its reasons and predicted totals and per-layer figures."""
+    formats = space.layer_formats(solution.assignment)
+    layers = {fqn: LayerPrecision(formats[fqn], reason=reasons[fqn]) for fqn in costs.layers}
+    plan = Plan(layers)
+    predicted_cost = costs.plan_cost(plan)
+    per_layer = {}
+    for unit in space.units:
+        choice = unit.choices[solution.assignment[unit.name]]
+        for fqn in unit.layers:
+            lc = predicted_cost.layers[fqn]
+            per_layer[fqn] = {"bytes": lc.bytes, "seconds": lc.seconds, "loss": choice.loss / len(unit.layers)}
+    fp32 = costs.plan_cost(costs.uniform_plan(Format.FP32))
+    predicted = {
+        "bytes": predicted_cost.bytes,
+        "seconds": predicted_cost.step_seconds,
+        "loss_increase": solution.total.loss,
+        "fp32_bytes": fp32.bytes,
+        "fp32_seconds": fp32.step_seconds,
+        "layers": per_layer,
+    }
+    return Plan(layers, budgets=budgets, predicted=predicted, metadata=metadata)

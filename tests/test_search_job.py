@@ -1,0 +1,202 @@
+"""The offline search job end to end on the built-in LM ("tiny"), through `autoprec search`."""
+
+import json
+import textwrap
+
+import optuna
+import pytest
+
+from autoprec.cli import main
+from autoprec.errors import SearchError
+from autoprec.formats import Format
+from autoprec.plan import Plan
+from autoprec.search.config import load_job
+from autoprec.search.job import run_job
+from autoprec.search.measured import BudgetPruner, Candidate, MeasuredStage
+from autoprec.workloads import default_workload
+
+JOB = """
+[job]
+name = "tiny"
+out = "out"
+device = "cpu"
+
+[workload]
+factory = "autoprec.workloads:default_workload"
+kwargs = {{ name = "tiny", batch_size = 4 }}
+
+[budgets]
+memory = {memory}
+accuracy = 0.05
+
+[search]
+formats = ["fp32", "bf16", "fp8_e4m3", "int8"]
+trials = 30
+measure_top = 2
+
+[rules]
+groups = [["blocks.0.attn", "blocks.0.attn.qkv"]]
+
+[profile]
+steps = 10
+sensitivity_batches = 1
+{profile}
+
+[measure]
+val_batches = 2
+steps = 1
+"""
+
+
+def write_job(folder, memory=0.85, profile="", name="job.toml"):
+    path = folder / name
+    path.write_text(textwrap.dedent(JOB.format(memory=memory, profile=profile)), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("job")
+    path = write_job(folder)
+    return folder, path, main(["search", str(path)])
+
+
+def test_search_exits_zero_and_writes_the_artifacts(searched):
+    folder, _, status = searched
+    assert status == 0
+    for name in ("plan.json", "profile.json", "study.db"):
+        assert (folder / "out" / name).is_file()
+    assert any((folder / "out" / "logs").rglob("events.out.tfevents.*"))
+
+
+def test_logs_hold_the_trials_the_candidates_and_the_plan(searched):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    folder, _, _ = searched
+    logs = folder / "out" / "logs"
+    search = EventAccumulator(str(logs / "search")).Reload()
+    assert len(search.Scalars("search/trial/seconds")) == 30
+    assert "search/pareto" in search.Tags()["images"]
+    candidates = sorted(p.name for p in (logs / "candidates").iterdir())
+    assert candidates[0] == "exact" and len(candidates) == 2
+    assert "plan/precision_map" in EventAccumulator(str(logs / "plans" / "searched")).Reload().Tags()["images"]
+
+
+def test_plan_meets_the_budgets_as_measured(searched):
+    folder, _, _ = searched
+    plan = Plan.load(folder / "out" / "plan.json")
+    assert plan.measured["bytes"] <= plan.budgets["memory"] * plan.measured["fp32_bytes"]
+    assert plan.measured["loss_increase"] <= plan.budgets["loss_increase"]
+    assert plan.budgets["loss_increase"] == pytest.approx(0.05 * plan.budgets["baseline_loss"])
+
+
+def test_plan_gives_every_layer_a_reason_and_predicted_figures(searched):
+    folder, _, _ = searched
+    plan = Plan.load(folder / "out" / "plan.json")
+    for fqn, lp in plan.layers.items():
+        assert lp.reason.startswith(lp.format.value + ":")
+        assert set(plan.predicted["layers"][fqn]) == {"bytes", "seconds", "loss"}
+    assert plan.layers["blocks.0.attn"].format == plan.layers["blocks.0.attn.qkv"].format  # the group rule
+    for key in ("bytes", "seconds", "loss_increase"):
+        assert key in plan.predicted and key in plan.measured
+    for key in ("bf16_autocast_bytes", "bf16_autocast_seconds", "fp32_seconds"):
+        assert plan.measured[key] > 0
+
+
+def test_predicted_bytes_err_on_the_safe_side_within_five_percent(searched):
+    folder, _, _ = searched
+    plan = Plan.load(folder / "out" / "plan.json")
+    assert plan.measured["bytes"] <= plan.predicted["bytes"] <= 1.05 * plan.measured["bytes"]
+
+
+def test_summary_table_lists_references_and_candidates(searched, capsys):
+    folder, path, _ = searched
+    result = run_job(load_job(path))  # resumes: nothing is searched or measured again
+    table = result.format_table()
+    assert "fp32" in table and "bf16_autocast" in table and "exact" in table
+    assert result.met_budgets and "*" in table
+
+
+def test_rerun_resumes_the_study_without_new_trials(searched):
+    folder, path, _ = searched
+    storage = f"sqlite:///{folder / 'out' / 'study.db'}"
+    before = len(optuna.load_study(study_name="tiny", storage=storage).trials)
+    measured = len(optuna.load_study(study_name="tiny:measured", storage=storage).trials)
+    first = Plan.load(folder / "out" / "plan.json")
+    again = write_job(folder, profile=f'path = "{(folder / "out" / "profile.json").as_posix()}"', name="again.toml")
+    assert main(["search", str(again)]) == 0
+    assert len(optuna.load_study(study_name="tiny", storage=storage).trials) == before == 30
+    assert len(optuna.load_study(study_name="tiny:measured", storage=storage).trials) == measured
+    assert Plan.load(folder / "out" / "plan.json").format_counts() == first.format_counts()
+
+
+def test_a_study_of_another_search_is_refused(searched):
+    folder, _, _ = searched
+    other = write_job(folder, memory=0.9, name="other.toml")
+    with pytest.raises(SearchError, match="another search.*study_name"):
+        run_job(load_job(other))
+
+
+def test_infeasible_budget_states_the_smallest_fraction(tmp_path, capsys):
+    status = main(["search", str(write_job(tmp_path, memory=0.05))])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("autoprec: error:")]
+    assert status == 1
+    assert len(errors) == 1  # one line, after the progress lines
+    assert "smallest reachable" in errors[0] and "of the FP32 bytes" in errors[0]
+    assert not (tmp_path / "out" / "plan.json").exists()
+
+
+def test_workload_without_a_loss_is_named(tmp_path, capsys):
+    path = write_job(tmp_path)
+    path.write_text(path.read_text().replace("autoprec.workloads:default_workload", "autoprec.workloads:LMConfig"), encoding="utf-8")
+    path.write_text(path.read_text().replace('{ name = "tiny", batch_size = 4 }', "{}"), encoding="utf-8")
+    assert main(["search", str(path)]) == 1
+    assert "[workload].factory" in capsys.readouterr().err
+
+
+# -- the measured stage ---------------------------------------------------------------------------
+
+
+class _Frozen:
+    def __init__(self, values, stderr=0.0):
+        self.intermediate_values = dict(enumerate(values))
+        self.user_attrs = {"stderr": stderr}
+
+
+def test_budget_pruner_waits_then_prunes_a_clear_violation():
+    pruner = BudgetPruner(0.01, slack=0.25, min_reports=2)
+    assert not pruner.prune(None, _Frozen([1.0]))  # one report: too early
+    assert pruner.prune(None, _Frozen([1.0, 0.02]))
+    assert not pruner.prune(None, _Frozen([1.0, 0.012]))  # within the slack
+    assert not pruner.prune(None, _Frozen([1.0, 0.02], stderr=0.01))  # within two standard errors
+
+
+def test_candidate_over_the_memory_budget_is_pruned_after_one_step():
+    wl = default_workload("tiny", batch_size=4)
+    model = wl.build_model(0)
+    sampler = wl.train_batches(0)
+    train = [sampler.next() for _ in range(2)]
+    plan = Plan.uniform(model, Format.BF16, train[0][0])
+    stage = MeasuredStage(model, wl.loss, train, wl.val_batches(2), list(plan.layers))
+    study = optuna.create_study()
+    results = stage.run([Candidate("bf16", plan)], study, memory_bytes=1.0, loss_budget=1.0)
+    (reason,) = results.values()
+    assert "memory budget" in reason
+    assert study.trials[0].state is optuna.trial.TrialState.PRUNED
+    assert "seconds" not in study.trials[0].user_attrs  # never timed
+
+
+def test_measured_bytes_match_the_saved_tensor_meter_for_fp32():
+    wl = default_workload("tiny", batch_size=4)
+    model = wl.build_model(0)
+    sampler = wl.train_batches(0)
+    train = [sampler.next()]
+    layers = list(Plan.uniform(model, Format.FP32, train[0][0]).layers)
+    stage = MeasuredStage(model, wl.loss, train, wl.val_batches(2), layers)
+    grads = sum(p.numel() * 4 for fqn, m in model.named_modules() if fqn in layers for p in m.parameters(recurse=False))
+    from autoprec.measure import SavedTensorMeter
+
+    with SavedTensorMeter(list(model.parameters())) as meter:
+        wl.loss(model, train[0])
+    assert stage.memory(None) == meter.total_bytes + grads
+    json.dumps(stage.reference("fp32").to_dict())  # JSON-ready
