@@ -11,6 +11,7 @@ from .errors import (  # noqa: E402
     PlanError,
     ProfileError,
     RuntimeStateError,
+    ScalingError,
     SearchError,
     SensitivityError,
 )
@@ -30,6 +31,13 @@ _LAZY = {
     "LayerRules": "search",
     "solve_exact": "search",
     "run_proxy_study": "search",
+    "load_job": "search.config",
+    "run_job": "search.job",
+    "DynamicPrecisionScheduler": "scheduler",
+    "LossScaling": "scheduler",
+    "Thresholds": "scheduler",
+    "LossScaler": "scaling",
+    "OutputWatch": "scaling",
 }
 
 
@@ -68,6 +76,14 @@ __all__ = [
     "LayerRules",
     "solve_exact",
     "run_proxy_study",
+    "load_job",
+    "run_job",
+    # training (lazy)
+    "DynamicPrecisionScheduler",
+    "LossScaling",
+    "Thresholds",
+    "LossScaler",
+    "OutputWatch",
     # errors
     "AutoprecError",
     "FormatError",
@@ -77,4 +93,5 @@ __all__ = [
     "SearchError",
     "InfeasibleBudgetError",
     "SensitivityError",
+    "ScalingError",
 ]

@@ -1,0 +1,224 @@
+"""DynamicPrecisionScheduler end to end on the built-in LM ("tiny"): lifecycle, loss scaling,
+fault injection, promotion / demotion, checkpoints, logging."""
+
+import copy
+
+import pytest
+import torch
+
+from autoprec.errors import RuntimeStateError, SearchError
+from autoprec.formats import Format
+from autoprec.plan import Plan
+from autoprec.scheduler import DynamicPrecisionScheduler, Thresholds
+from autoprec.workloads import default_workload, evaluate
+from tb_events import accumulator, text_of
+
+WINDOW = 10
+
+
+def scheduler(**kwargs):
+    settings = dict(monitor_window=WINDOW, monitor_steps=5, memory_budget=0.8, accuracy_budget=0.05, measure_costs=False, search_trials=20, max_grad_norm=1.0)
+    settings.update(kwargs)
+    return DynamicPrecisionScheduler(**settings)
+
+
+def setup(seed=0):
+    wl = default_workload("tiny", batch_size=8)
+    model = wl.build_model(seed)
+    return wl, model, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+
+def train(wl, model, opt, sch, steps, sampler=None, fault=None):
+    """``steps`` scheduler steps; ``fault(step, model)`` may poison gradients after backward."""
+    sampler = sampler if sampler is not None else wl.train_batches(0)
+    losses = []
+    for _ in range(steps):
+        batch = sampler.next()
+        with sch.precision_context():
+            loss = wl.loss(model, batch)
+        sch.backward(loss)
+        if fault is not None:
+            fault(sch.step_count, model)
+        sch.step(opt)
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture(scope="module")
+def planned():
+    wl, model, opt = setup()
+    sch = scheduler()
+    losses = train(wl, model, opt, sch, WINDOW + 3)
+    return wl, model, opt, sch, losses
+
+
+def test_binds_to_the_outermost_module_and_profiles_first():
+    wl, model, opt = setup()
+    sch = scheduler()
+    assert sch.phase == "unbound"
+    train(wl, model, opt, sch, 1)
+    assert sch.model is model and sch.phase == "profiling" and sch.plan is None
+    assert "blocks.0.attn.qkv" in sch.layers and "blocks.0.attn" in sch.layers  # traced, by operation
+    assert not sch.scaler.enabled and sch.scaler.get_scale() == 1.0  # FP32 needs no loss scaling
+
+
+def test_window_end_searches_a_plan_within_the_memory_budget(planned):
+    _, _, _, sch, _ = planned
+    assert sch.phase == "planned" and sch.last_search_error is None
+    plan = sch.plan
+    assert set(plan.layers) == set(sch.layers)
+    assert plan.predicted["bytes"] <= 0.8 * plan.predicted["fp32_bytes"]
+    assert any(lp.format is not Format.FP32 for lp in plan.layers.values())
+    assert all(lp.reason for lp in plan.layers.values())
+
+
+def test_loss_scaling_follows_the_plan(planned):
+    _, _, _, sch, _ = planned
+    needs = any(lp.grad_format in (Format.FP16, Format.FP8_E5M2) for lp in sch.plan.layers.values())
+    assert sch.scaler.enabled == needs
+    if needs:
+        assert sch.scaler.get_scale() == 4096.0
+
+
+def test_planned_steps_run_the_plan(planned):
+    wl, model, opt, sch, _ = planned
+    lowered = next(fqn for fqn, lp in sch.plan.layers.items() if lp.format is not Format.FP32)
+    with sch.precision_context():
+        assert "__autoprec_runtime__" in dir(dict(model.named_modules())[lowered].forward)
+    assert "forward" not in dict(model.named_modules())[lowered].__dict__  # restored on exit
+
+
+def poison(layer, steps):
+    def fault(step, model):
+        if step in steps:
+            dict(model.named_modules())[layer].weight.grad[0, 0] = float("nan")
+    return fault
+
+
+def test_nonfinite_gradient_skips_the_step_and_names_the_layer(planned):
+    wl, model, opt, sch, _ = planned
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = copy.deepcopy(opt.state_dict()["state"])
+    skipped = sch.scaler.skipped_steps
+    train(wl, model, opt, sch, 1, fault=poison("lm_head", {sch.step_count}))
+    assert sch.scaler.skipped_steps == skipped + 1
+    assert sch.scaler.last_nonfinite_layers == ("lm_head",)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(state[i]["exp_avg"], s["exp_avg"]) for i, s in opt.state_dict()["state"].items())
+
+
+def test_fault_injection_skips_names_promotes_then_demotes_and_training_converges():
+    wl, model, opt = setup()
+    sch = scheduler(thresholds=Thresholds(nonfinite_steps=2, stable_windows=1))
+    sampler = wl.train_batches(0)
+    first = train(wl, model, opt, sch, WINDOW, sampler)
+    target = next(fqn for fqn, lp in sch.plan.layers.items() if lp.format is not Format.FP32 and fqn != "blocks.0.attn")
+    planned = sch.plan.layers[target].format
+    bad = {WINDOW + 2, WINDOW + 4}
+    skipped = sch.scaler.skipped_steps
+    losses = train(wl, model, opt, sch, 3 * WINDOW, sampler, fault=poison(target, bad))
+    assert sch.scaler.skipped_steps == skipped + len(bad)
+    assert sch.scaler.nonfinite_counts[target] == len(bad)
+    promotion, demotion = [c for c in sch.changes if c.fqn == target][:2]
+    assert promotion.step == WINDOW + 5 and promotion.old is planned and promotion.new.bits > planned.bits
+    assert "non-finite" in promotion.reason
+    assert demotion.new is planned and "stable" in demotion.reason  # back after a quiet window
+    assert sum(losses[-5:]) / 5 < sum(first[:5]) / 5 - 0.3  # training still converges
+
+
+def test_amax_drift_promotes_the_layer():
+    wl, model, opt = setup()
+    sch = scheduler(thresholds=Thresholds(amax_drift=8.0))
+    sampler = wl.train_batches(0)
+    train(wl, model, opt, sch, 2 * WINDOW, sampler)
+    target = next(fqn for fqn, lp in sch.plan.layers.items() if lp.format is not Format.FP32 and fqn.endswith("mlp.fc"))
+    module = dict(model.named_modules())[target]
+    module.register_forward_pre_hook(lambda m, args: (args[0] * 100.0,))
+    train(wl, model, opt, sch, WINDOW, sampler)
+    reasons = [c.reason for c in sch.changes if c.fqn == target]
+    assert reasons and "drifted" in reasons[0]
+
+
+def run_with_checkpoint(stop, total):
+    """Losses of a run of ``total`` steps, saved and resumed into fresh objects after ``stop``."""
+    wl, model, opt = setup()
+    sch = scheduler()
+    sampler = wl.train_batches(0)
+    losses = train(wl, model, opt, sch, stop, sampler)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "sch": sch.state_dict()})
+    sch.close()
+    _, model, opt = setup(seed=1)  # other weights: everything must come from the checkpoint
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    sch = scheduler(model=model)
+    sch.load_state_dict(saved["sch"])
+    return losses + train(wl, model, opt, sch, total - stop, sampler), sch
+
+
+@pytest.mark.parametrize("stop", [WINDOW // 2, WINDOW + WINDOW // 2 + 3])
+def test_resumed_run_is_bit_identical_to_the_uninterrupted_one(stop):
+    wl, model, opt = setup()
+    sch = scheduler()
+    reference = train(wl, model, opt, sch, 2 * WINDOW + 4)
+    resumed, restored = run_with_checkpoint(stop, 2 * WINDOW + 4)
+    assert resumed == reference
+    assert restored.plan == sch.plan and restored.scaler.get_scale() == sch.scaler.get_scale()
+
+
+def test_fixed_plan_runs_unchanged(tmp_path):
+    wl, model, opt = setup()
+    plan = Plan.uniform(model, Format.FP8_E4M3, wl.val_batches(1)[0][0])
+    path = plan.save(tmp_path / "plan.json")
+    sch = DynamicPrecisionScheduler.from_plan(model, path, monitor_window=WINDOW)
+    losses = train(wl, model, opt, sch, 2 * WINDOW)
+    assert sch.plan == plan and not sch.changes
+    assert sch.scaler.enabled and sch.scaler.get_scale() == 4096.0  # E5M2 gradients: scaled
+    assert losses[-1] < losses[0]
+
+
+def test_two_optimizers_and_gradient_accumulation():
+    wl, model, _ = setup()
+    head = list(model.lm_head.parameters())
+    rest = [p for p in model.parameters() if all(p is not h for h in head)]
+    opts = [torch.optim.AdamW(rest, lr=3e-3), torch.optim.SGD(head, lr=0.1)]
+    sch = scheduler()
+    sampler = wl.train_batches(0)
+    for _ in range(WINDOW + 2):
+        for _ in range(2):  # two micro-batches per step
+            with sch.precision_context():
+                loss = wl.loss(model, sampler.next()) / 2
+            sch.backward(loss)
+        assert sch.step(*opts)
+        for o in opts:
+            o.zero_grad()
+    assert sch.step_count == WINDOW + 2 and sch.plan is not None
+    assert evaluate(model, wl.val_batches(2)) < 5.0
+
+
+def test_training_run_is_logged_for_tensorboard(tmp_path):
+    wl, model, opt = setup()
+    sch = scheduler(log_dir=str(tmp_path), thresholds=Thresholds(nonfinite_steps=1))
+    sampler = wl.train_batches(0)
+    train(wl, model, opt, sch, WINDOW, sampler)
+    target = next(fqn for fqn, lp in sch.plan.layers.items() if lp.format is not Format.FP32 and not fqn.endswith(".attn"))
+    train(wl, model, opt, sch, WINDOW, sampler, fault=poison(target, {WINDOW + 1}))
+    sch.close()
+    acc = accumulator(tmp_path / "train")
+    assert len(acc.Scalars("train/loss_scale")) == 2 * WINDOW
+    assert f"format/{target}" in acc.Tags()["scalars"]
+    assert target in text_of(acc, "precision/timeline")
+    assert "memory/measured_bytes" in acc.Tags()["scalars"]
+
+
+def test_bad_settings_name_the_argument():
+    with pytest.raises(SearchError, match="monitor_window"):
+        DynamicPrecisionScheduler(monitor_window=0)
+    with pytest.raises(SearchError, match="8, 16 or 32"):
+        DynamicPrecisionScheduler(min_precision=4)
+
+
+def test_step_before_any_forward_is_refused():
+    _, _, opt = setup()
+    with pytest.raises(RuntimeStateError, match="precision_context"):
+        scheduler().step(opt)
