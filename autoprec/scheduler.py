@@ -469,6 +469,10 @@ class DynamicPrecisionScheduler:
         if self.step_count < end:
             self._maybe_start_monitor()
             return
+        if self._writer is not None:  # once per window: one sync for all layers' histograms
+            modules = dict(self.model.named_modules())
+            grads = {fqn: p.grad for fqn in self.layers for p in modules[fqn].parameters(recurse=False) if p.dim() >= 2 and p.grad is not None}
+            self._writer.log_grad_histograms(self.step_count, grads)
         profile = self._profiler.profile() if self._profiler is not None and self._profiler.steps else None
         if self._profiler is not None:
             self._profiler.detach()

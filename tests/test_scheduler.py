@@ -209,6 +209,8 @@ def test_training_run_is_logged_for_tensorboard(tmp_path):
     assert f"format/{target}" in acc.Tags()["scalars"]
     assert target in text_of(acc, "precision/timeline")
     assert "memory/measured_bytes" in acc.Tags()["scalars"]
+    assert f"grad/{target}" in acc.Tags()["histograms"]
+    assert any(tag.startswith("nonfinite/") for tag in acc.Tags()["scalars"])
 
 
 def test_bad_settings_name_the_argument():
