@@ -272,16 +272,22 @@ class DynamicPrecisionScheduler:
                 self._bind_handle = None
             stack.close()
 
-    def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        """``loss.backward()`` on the scaled loss (call once per micro-batch). No host sync."""
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the current loss scale, for a loop that calls ``.backward()`` itself:
+        ``scheduler.scale(loss).backward()``. Records the loss (the first window's mean anchors a
+        relative accuracy budget). No host sync."""
         if self._example is None:
-            raise RuntimeStateError("backward() before any forward ran inside precision_context()")
+            raise RuntimeStateError("backward() or scale() before any forward ran inside precision_context()")
         detached = loss.detach().float()
         self._last_loss = detached
-        if self.plan is None:  # the first window's mean loss anchors a relative accuracy budget
+        if self.plan is None:
             self._loss_sum = detached.clone() if self._loss_sum is None else self._loss_sum + detached
             self._loss_count += 1
-        self.scaler.scale(loss).backward(**kwargs)
+        return self.scaler.scale(loss)
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """``loss.backward()`` on the scaled loss (call once per micro-batch). No host sync."""
+        self.scale(loss).backward(**kwargs)
 
     def step(self, *optimizers: torch.optim.Optimizer) -> bool:
         """Unscale, clip (``max_grad_norm``), step each optimizer unless its gradients are

@@ -185,10 +185,10 @@ def test_two_optimizers_and_gradient_accumulation():
     sch = scheduler()
     sampler = wl.train_batches(0)
     for _ in range(WINDOW + 2):
-        for _ in range(2):  # two micro-batches per step
+        for _ in range(2):  # two micro-batches per step, each a plain .backward() of the scaled loss
             with sch.precision_context():
                 loss = wl.loss(model, sampler.next()) / 2
-            sch.backward(loss)
+            sch.scale(loss).backward()
         assert sch.step(*opts)
         for o in opts:
             o.zero_grad()

@@ -212,6 +212,7 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
 
     start = time.perf_counter()
     config.out.mkdir(parents=True, exist_ok=True)
+    storage = open_storage(config.storage_url)  # an unreachable storage fails before any work
     workload = _workload(config)
     device = resolve_device(config.device, SearchError, "the search")
     lr = float(getattr(workload, "lr", 1e-3))
@@ -254,7 +255,6 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
             exc.min_bytes, exc.min_loss,
         ) from None
 
-    storage = open_storage(config.storage_url)
     signature = _signature(space, memory, loss_budget)
     _check_study(storage, config, signature)
     warm = [exact.assignment] + [a for a in (space.uniform(f) for f in config.formats) if a is not None]
