@@ -93,24 +93,27 @@ class JobResult:
     def format_table(self) -> str:
         """Measured step ms, bytes and loss increase of the references and every candidate."""
         fp32 = self.references["fp32"]
-        rows = [("variant", "formats", "step ms", "x fp32", "MiB", "x fp32", "loss +", "budgets")]
+        rows = [("variant", "formats", "step ms", "x fp32", "MiB", "x fp32", "loss +", "predicted ms / MiB / loss +", "budgets")]
 
-        def row(name, formats, m: Measurement, verdict):
+        def row(name, formats, m: Measurement, predicted, verdict):
             rows.append((
                 name, formats, f"{m.seconds * 1e3:.1f}", f"{m.seconds / fp32.seconds:.2f}",
-                f"{m.bytes / 2**20:.2f}", f"{m.bytes / fp32.bytes:.3f}", f"{m.loss_increase:+.4f}", verdict,
+                f"{m.bytes / 2**20:.2f}", f"{m.bytes / fp32.bytes:.3f}", f"{m.loss_increase:+.4f}", predicted, verdict,
             ))
 
         for name, m in self.references.items():
-            row(name, "-", m, "reference")
+            predicted = f"{self.predicted_fp32['seconds'] * 1e3:.1f} / {self.predicted_fp32['bytes'] / 2**20:.2f} / 0" if name == "fp32" else "-"
+            row(name, "-", m, predicted, "reference")
         chosen = candidate_id(self.plan) if self.plan is not None else None
         for candidate, m in self.candidates:
             counts = ",".join(f"{n} {f}" for f, n in candidate.plan.format_counts().items())
+            p = candidate.plan.predicted
+            predicted = f"{p['seconds'] * 1e3:.1f} / {p['bytes'] / 2**20:.2f} / {p['loss_increase']:+.4f}"
             if isinstance(m, str):
-                rows.append((candidate.name, counts, "-", "-", "-", "-", "-", f"pruned: {m}"))
+                rows.append((candidate.name, counts, "-", "-", "-", "-", "-", predicted, f"pruned: {m}"))
                 continue
             ok = m.bytes <= self.memory_budget and m.loss_increase <= self.loss_budget
-            row(candidate.name + (" *" if candidate.id == chosen else ""), counts, m, "met" if ok else "missed")
+            row(candidate.name + (" *" if candidate.id == chosen else ""), counts, m, predicted, "met" if ok else "missed")
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
