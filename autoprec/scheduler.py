@@ -403,6 +403,7 @@ class DynamicPrecisionScheduler:
             self.searched_plan = plan
         if _needs_loss_scaling(plan) != self.scaler.enabled:
             state = self.scaler.state_dict()
+            self.scaler.unwatch()  # its hooks would keep recording into a scaler nobody updates
             self.scaler = self._new_scaler(enabled=_needs_loss_scaling(plan))
             self.scaler.load_state_dict(state)
             self.scaler.watch(self.model, list(self.layers), outputs=True)
@@ -650,6 +651,7 @@ class DynamicPrecisionScheduler:
                 self._runtime.load_state_dict(state["runtime"])
         else:
             self.plan = None
+        self.scaler.unwatch()
         self.scaler = self._new_scaler(enabled=state["scaler_enabled"])
         self.scaler.load_state_dict(state["scaler"])
         self.scaler.watch(self.model, list(self.layers), outputs=True)

@@ -81,6 +81,12 @@ def test_loss_scaling_follows_the_plan(planned):
         assert sch.scaler.get_scale() == 4096.0
 
 
+def test_switching_the_scaler_leaves_one_watch_per_layer(planned):
+    _, model, _, sch, _ = planned
+    # An old scaler's hooks would record every forward into a scaler nobody updates (a leak).
+    assert all(len(dict(model.named_modules())[fqn]._forward_hooks) == 1 for fqn in sch.layers)
+
+
 def test_planned_steps_run_the_plan(planned):
     wl, model, opt, sch, _ = planned
     lowered = next(fqn for fqn, lp in sch.plan.layers.items() if lp.format is not Format.FP32)
