@@ -4,6 +4,7 @@ import json
 import textwrap
 
 import optuna
+import torch
 import pytest
 
 from autoprec.cli import main
@@ -200,3 +201,33 @@ def test_measured_bytes_match_the_saved_tensor_meter_for_fp32():
         wl.loss(model, train[0])
     assert stage.memory(None) == meter.total_bytes + grads
     json.dumps(stage.reference("fp32").to_dict())  # JSON-ready
+
+
+# -- a model with 120 layers ----------------------------------------------------------------------
+
+
+def test_proxy_study_on_a_120_layer_model_is_within_one_percent_of_the_exact_optimum():
+    from autoprec.costs import CostModel
+    from autoprec.search import run_proxy_study, solve_exact
+    from autoprec.search.planner import build_space
+    from autoprec.sensitivity import estimate_sensitivity
+
+    torch.manual_seed(0)
+    widths = [16 + 16 * (i % 4) for i in range(121)]
+    model = torch.nn.Sequential(*[m for i in range(120) for m in (torch.nn.Linear(widths[i], widths[i + 1]), torch.nn.Tanh())])
+    x, y = torch.randn(32, widths[0]), torch.randn(32, widths[-1])
+
+    def loss(model, batch):
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    formats = (Format.FP32, Format.BF16, Format.FP8_E4M3)
+    costs = CostModel.build(model, (x, y), loss_fn=loss, formats=formats, measure=False)
+    sensitivity = estimate_sensitivity(model, [(x, y)], loss, formats[1:], layers=list(costs.layers))
+    space, _ = build_space(costs, sensitivity, None, formats=formats)
+    assert len(space) == 120
+    fp32 = space.totals(space.uniform(Format.FP32))
+    memory, loss_budget = 0.7 * fp32.bytes, 0.5 * space.totals(space.extreme("bytes")).loss
+    exact = solve_exact(space, memory, loss_budget)
+    result = run_proxy_study(space, memory, loss_budget, n_trials=60, warm_start=[exact.assignment])
+    assert result.best.total.bytes <= memory and result.best.total.loss <= loss_budget
+    assert result.best.total.seconds <= 1.01 * exact.total.seconds
