@@ -213,7 +213,6 @@ class DynamicPrecisionScheduler:
         self._stable: dict[str, int] = {}
         self._wait: dict[str, int] = {}
         self._window_nonfinite: dict[str, int] = {}
-        self._counted_nonfinite: dict[str, int] = {}
         self._loss_sum: Optional[torch.Tensor] = None
         self._loss_count = 0
         self._last_loss: Optional[torch.Tensor] = None
@@ -333,9 +332,11 @@ class DynamicPrecisionScheduler:
             self._bind_handle = nn.modules.module.register_module_forward_pre_hook(lambda m, a: bind(m, a, {}))
 
     def _bind(self, model: nn.Module, example: tuple) -> None:
+        inputs = example[0] if len(example) == 1 and isinstance(example[0], Mapping) else example
+        if self._fixed_plan is not None:
+            self._fixed_plan.validate(model, inputs)  # a plan for another model: PlanError naming each layer
         self.model = model
         self._example = example
-        inputs = example[0] if len(example) == 1 and isinstance(example[0], Mapping) else example
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", EmulationWarning)
             self.layers = tuple(find_layers(model, inputs))

@@ -183,6 +183,17 @@ def test_fixed_plan_runs_unchanged(tmp_path):
     assert losses[-1] < losses[0]
 
 
+def test_plan_for_another_model_is_refused_on_the_first_forward():
+    from autoprec.errors import PlanError
+
+    wl, model, opt = setup()
+    other = Plan({"encoder.dense": "bf16"})
+    sch = DynamicPrecisionScheduler.from_plan(model, other)
+    with pytest.raises(PlanError, match="encoder.dense"):
+        train(wl, model, opt, sch, 1)
+    assert sch.phase == "unbound" and not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
 def test_two_optimizers_and_gradient_accumulation():
     wl, model, _ = setup()
     head = list(model.lm_head.parameters())
