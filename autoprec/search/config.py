@@ -218,7 +218,7 @@ def load_job(path: "str | Path") -> JobConfig:
     config = JobConfig(
         source=path.resolve(),
         name=name,
-        out=out if out.is_absolute() else base / out,
+        out=out if out.is_absolute() else (base / out).resolve(),
         factory=get("workload", "factory"),
         factory_kwargs=dict(get("workload", "kwargs", {})),
         budgets=budgets,
