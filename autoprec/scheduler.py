@@ -55,7 +55,7 @@ from torch.utils import _pytree as pytree
 
 from .coverage import find_layers
 from .device import format_support
-from .errors import AutoprecError, RuntimeStateError, SearchError
+from .errors import AutoprecError, InfeasibleBudgetError, RuntimeStateError, SearchError
 from .formats import Format
 from .measure import SavedTensorMeter
 from .plan import LayerPrecision, Plan
@@ -237,10 +237,13 @@ class DynamicPrecisionScheduler:
 
     @property
     def phase(self) -> str:
-        """"unbound" (before the first forward), "profiling" (the first window) or "planned"."""
+        """"unbound" (before the first forward), "profiling" (the first window), "planned", or
+        "safe" (the search failed, see `last_search_error`: training stays at the safe precision)."""
         if self._example is None:
             return "unbound"
-        return "planned" if self.plan is not None else "profiling"
+        if self.plan is None:
+            return "safe" if self.last_search_error is not None else "profiling"
+        return "planned"
 
     def __repr__(self) -> str:
         counts = self.plan.format_counts() if self.plan is not None else {}
@@ -366,7 +369,7 @@ class DynamicPrecisionScheduler:
             meter = stack.enter_context(SavedTensorMeter(list(self.model.parameters())))
             stack.callback(lambda: setattr(self, "_meter_bytes", meter.total_bytes))
             self._meter_next = False
-        if self.plan is None and self.dynamic and self.step_count >= self.window_start + self.monitor_window - _CAPTURED_STEPS:
+        if self.phase == "profiling" and self.dynamic and self.step_count >= self.window_start + self.monitor_window - _CAPTURED_STEPS:
             self._capture_handle = self.model.register_forward_hook(self._capture)
             stack.callback(self._stop_capture)
 
@@ -469,7 +472,7 @@ class DynamicPrecisionScheduler:
         self._profiler.attach()
 
     def _advance(self) -> None:
-        if not self.dynamic:
+        if not self.dynamic or self.phase == "safe":
             return
         end = self.window_start + self.monitor_window
         if self.step_count == end - 1:
@@ -502,7 +505,7 @@ class DynamicPrecisionScheduler:
         """The first window's search (see the module doc); on failure keep the safe precision."""
         from .costs import CostModel
         from .search import run_proxy_study, solve_exact
-        from .search.planner import build_space, layer_reasons, plan_from_solution
+        from .search.planner import build_space, in_budget_terms, layer_reasons, plan_from_solution
         from .sensitivity import FisherEstimator, estimate_sensitivity
 
         loss = float(self._loss_sum / self._loss_count) if self._loss_count else None
@@ -522,7 +525,10 @@ class DynamicPrecisionScheduler:
                                            min_precision=self.min_precision, max_precision=self.max_precision)
             memory = self.budgets.memory_bytes(costs.fp32_bytes())
             loss_budget = self.budgets.loss_increase(loss)
-            exact = solve_exact(space, memory, loss_budget)
+            try:
+                exact = solve_exact(space, memory, loss_budget)
+            except InfeasibleBudgetError as exc:
+                raise in_budget_terms(exc, costs.fp32_bytes(), loss if self.budgets.accuracy_relative else None, "") from None
             warm = [exact.assignment] + [a for a in (space.uniform(f) for f in self.formats) if a is not None]
             import optuna
 
@@ -611,6 +617,7 @@ class DynamicPrecisionScheduler:
             "plan": None if self.plan is None else self.plan.to_dict(),
             "searched_plan": None if self.searched_plan is None else self.searched_plan.to_dict(),
             "changes": [c.to_dict() for c in self.changes],
+            "last_search_error": self.last_search_error,
             "history": {k: list(v) for k, v in self._history.items()},
             "stable": dict(self._stable),
             "wait": dict(self._wait),
@@ -637,6 +644,7 @@ class DynamicPrecisionScheduler:
             self._bind_quietly(state["example"])
         self.step_count, self.window_start = state["step"], state["window_start"]
         self.searched_plan = None if state["searched_plan"] is None else Plan.from_dict(state["searched_plan"])
+        self.last_search_error = state["last_search_error"]
         self.changes = [PrecisionChange(c["step"], c["fqn"], Format.parse(c["old"]), Format.parse(c["new"]), c["reason"]) for c in state["changes"]]
         self._history = {k: list(v) for k, v in state["history"].items()}
         self._stable, self._wait = dict(state["stable"]), dict(state["wait"])

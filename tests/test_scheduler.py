@@ -230,6 +230,16 @@ def test_training_run_is_logged_for_tensorboard(tmp_path):
     assert any(tag.startswith("nonfinite/") for tag in acc.Tags()["scalars"])
 
 
+def test_infeasible_budget_keeps_the_safe_precision_and_says_the_smallest(caplog):
+    wl, model, opt = setup()
+    sch = scheduler(memory_budget=0.1)
+    losses = train(wl, model, opt, sch, 2 * WINDOW + 2)
+    assert sch.plan is None and sch.phase == "safe"
+    assert sum("search failed" in r.message for r in caplog.records) == 1  # not retried every window
+    assert "smallest reachable" in sch.last_search_error and "of the FP32 bytes" in sch.last_search_error
+    assert losses[-1] < losses[0]
+
+
 def test_bad_settings_name_the_argument():
     with pytest.raises(SearchError, match="monitor_window"):
         DynamicPrecisionScheduler(monitor_window=0)

@@ -51,7 +51,7 @@ from ..runtime import EmulationWarning, apply_plan
 from .config import JobConfig, resolve_factory
 from .exact import Solution, solve_exact
 from .measured import BudgetPruner, Candidate, MeasuredStage, Measurement, candidate_id
-from .planner import build_space, layer_reasons, plan_from_solution
+from .planner import build_space, in_budget_terms, layer_reasons, plan_from_solution
 from .space import SearchSpace
 from .study import feasible, open_storage, run_proxy_study
 
@@ -251,12 +251,8 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
     try:
         exact = solve_exact(space, memory, loss_budget)
     except InfeasibleBudgetError as exc:
-        # Say it in the units of the job file: fractions of the FP32 bytes, relative loss.
-        loss_note = f", a relative loss increase of {exc.min_loss / stage.baseline_loss:.4g}" if config.budgets.accuracy_relative else ""
-        raise InfeasibleBudgetError(
-            f"{config.source}: {exc} (in [budgets] terms: memory {exc.min_bytes / fp32_bytes:.3f} of the FP32 bytes{loss_note})",
-            exc.min_bytes, exc.min_loss,
-        ) from None
+        baseline = stage.baseline_loss if config.budgets.accuracy_relative else None
+        raise in_budget_terms(exc, fp32_bytes, baseline, f"{config.source}: ") from None
 
     signature = _signature(space, memory, loss_budget)
     _check_study(storage, config, signature)

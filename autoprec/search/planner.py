@@ -11,12 +11,13 @@ from __future__ import annotations
 import fnmatch
 from typing import Iterable, Mapping
 
+from ..errors import InfeasibleBudgetError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
 from .exact import Solution
 from .space import Choice, LayerRules, SearchSpace
 
-__all__ = ["OVERFLOW_LIMIT", "cast_of", "overflow_reason", "build_space", "layer_reasons", "plan_from_solution"]
+__all__ = ["OVERFLOW_LIMIT", "cast_of", "overflow_reason", "build_space", "layer_reasons", "plan_from_solution", "in_budget_terms"]
 
 # A format is ruled out for a layer when the profile saw more than this fraction of a tensor
 # overflow it (after the format's scaling). Overflow to inf (FP16, E5M2) poisons a step, so the
@@ -152,3 +153,12 @@ def plan_from_solution(space: SearchSpace, costs, solution: Solution, reasons: M
         "layers": per_layer,
     }
     return Plan(layers, budgets=budgets, predicted=predicted, metadata=metadata)
+
+
+def in_budget_terms(exc: InfeasibleBudgetError, fp32_bytes: float, baseline_loss: "float | None", where: str) -> InfeasibleBudgetError:
+    """``exc`` restated in the units budgets are given in: a fraction of the FP32 bytes and,
+    with a baseline loss, a relative loss increase."""
+    loss_note = f", a relative loss increase of {exc.min_loss / abs(baseline_loss):.4g}" if baseline_loss else ""
+    return InfeasibleBudgetError(
+        f"{where}{exc} (as budgets: memory {exc.min_bytes / fp32_bytes:.3f} of the FP32 bytes{loss_note})", exc.min_bytes, exc.min_loss,
+    )
