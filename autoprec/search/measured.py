@@ -128,9 +128,9 @@ class MeasuredStage:
     ``model``: the trained model the plans are for (left unchanged); ``loss_fn(model, batch)``
     the training loss; ``train_batches`` drive calibration and the timed steps;
     ``val_batches`` give the held-out loss. ``layers``: the fqns whose parameters' gradient
-    buffers count as the layers' bytes (the plans' layers, as the cost model counts them). Costs per candidate: one metered
-    step, up to ``len(val_batches)`` forwards (fewer when pruned) plus INT8 calibration
-    forwards, and ``2 × (warmup + steps)`` training steps.
+    buffers count as the layers' bytes (the plans' layers, as the cost model counts them).
+    Costs per candidate: one metered step, up to ``len(val_batches)`` forwards (fewer when
+    pruned) plus INT8 calibration forwards, and ``2 × (warmup + steps)`` training steps.
     """
 
     def __init__(
