@@ -28,6 +28,7 @@ from autoprec.formats import Format, Granularity
 from autoprec.measure import SavedTensorMeter
 from autoprec.plan import LayerPrecision, Plan, Scaling, ScalingMode
 from autoprec.workloads import default_workload
+from models import TransposedProjection
 
 ALL = [f.value for f in Format]
 ROW = Scaling(granularity=Granularity.ROW, mode=ScalingMode.CURRENT)
@@ -37,18 +38,6 @@ PRECISIONS = [LayerPrecision(f) for f in ALL] + [LayerPrecision("fp8_e4m3", scal
 
 def _id(lp):
     return lp.format.value + ("-row" if lp.scaling.granularity is Granularity.ROW else "")
-
-
-class TransposedProjection(nn.Module):
-    """A projection storing its weight as (in, out) and calling torch.addmm itself (as in test_runtime)."""
-
-    def __init__(self, d_in, d_out):
-        super().__init__()
-        self.weight_t = nn.Parameter(torch.randn(d_in, d_out) / d_in**0.5)
-        self.bias = nn.Parameter(torch.zeros(d_out))
-
-    def forward(self, x):
-        return torch.addmm(self.bias, x, self.weight_t)
 
 
 class ViewWeight(nn.Module):

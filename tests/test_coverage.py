@@ -9,33 +9,12 @@ import torch.nn.functional as F
 
 from autoprec.coverage import LayerInfo, find_layers, static_layers, trace_layers
 from autoprec.workloads import ByteLM, LMConfig
+from models import WithProjection
 
 TINY = LMConfig.from_name("tiny")
 
 
 # --- models -----------------------------------------------------------------------------------
-
-
-class AddmmProjection(nn.Module):
-    """A hand-written projection: weight stored transposed (in, out), ``torch.addmm`` called directly."""
-
-    def __init__(self, d_in: int, d_out: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(d_in, d_out))
-        self.bias = nn.Parameter(torch.zeros(d_out))
-
-    def forward(self, x):
-        return torch.addmm(self.bias, x, self.weight)
-
-
-class WithProjection(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(8, 6)
-        self.proj = AddmmProjection(6, 3)
-
-    def forward(self, x):
-        return self.proj(torch.relu(self.fc(x)))
 
 
 class Bmm(nn.Module):

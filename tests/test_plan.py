@@ -16,6 +16,7 @@ from autoprec import Calibration, CalibrationMethod, Format, Granularity, LayerP
 from autoprec.coverage import LayerInfo
 from autoprec.device import Support
 from autoprec.plan import SCHEMA_VERSION
+from models import WithProjection
 
 # --- models -----------------------------------------------------------------------------------
 
@@ -29,28 +30,6 @@ class TwoLinear(nn.Module):
 
     def forward(self, x):
         return self.fc2(self.act(self.fc1(x)))
-
-
-class AddmmProjection(nn.Module):
-    """Weight stored transposed (in, out); calls ``torch.addmm`` itself."""
-
-    def __init__(self, d_in: int, d_out: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(d_in, d_out))
-        self.bias = nn.Parameter(torch.zeros(d_out))
-
-    def forward(self, x):
-        return torch.addmm(self.bias, x, self.weight)
-
-
-class WithProjection(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(8, 6)
-        self.proj = AddmmProjection(6, 3)
-
-    def forward(self, x):
-        return self.proj(torch.relu(self.fc(x)))
 
 
 class ConvNet(nn.Module):

@@ -11,6 +11,7 @@ import autoprec as ap
 from autoprec.formats import Format, sqnr
 from autoprec.measure import SavedTensorMeter
 from autoprec.workloads import LMConfig, TransformerBlock, default_workload
+from models import TransposedProjection
 
 LOW = ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8"]
 
@@ -25,18 +26,6 @@ FLOORS = {
     "fp8_e5m2": (20, 20, 19),
     "int8": (36, 50, 36),
 }
-
-
-class TransposedProjection(nn.Module):
-    """A projection storing its weight as (in, out) and calling torch.addmm itself."""
-
-    def __init__(self, d_in, d_out):
-        super().__init__()
-        self.weight_t = nn.Parameter(torch.randn(d_in, d_out) / d_in**0.5)
-        self.bias = nn.Parameter(torch.zeros(d_out))
-
-    def forward(self, x):
-        return torch.addmm(self.bias, x, self.weight_t)
 
 
 def _linear_case(seed=0):
