@@ -334,22 +334,31 @@ class DynamicPrecisionScheduler:
         else:
             self._bind_handle = nn.modules.module.register_module_forward_pre_hook(lambda m, a: bind(m, a, {}))
 
-    def _bind(self, model: nn.Module, example: tuple) -> None:
-        inputs = example[0] if len(example) == 1 and isinstance(example[0], Mapping) else example
-        if self._fixed_plan is not None:
-            self._fixed_plan.validate(model, inputs)  # a plan for another model: PlanError naming each layer
+    @staticmethod
+    def _inputs(example: tuple) -> Any:
+        """The example as `find_layers` and the profiler take it: a tuple of positional inputs,
+        or the keyword dict when the model was called with keywords only."""
+        return example[0] if len(example) == 1 and isinstance(example[0], Mapping) else tuple(example)
+
+    def _attach(self, model: nn.Module, example: tuple) -> None:
+        """Take ``model`` and its example inputs: find the layers, open the TensorBoard writer."""
         self.model = model
-        self._example = example
+        self._example = tuple(example)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", EmulationWarning)
-            self.layers = tuple(find_layers(model, inputs))
+            self.layers = tuple(find_layers(model, self._inputs(self._example)))
         if not self.layers:
             raise AutoprecError(f"{type(model).__name__} runs no matrix product: autoprec has no layer to manage")
-        self.scaler.watch(model, list(self.layers), outputs=True)
-        if self.log_dir is not None:
+        if self.log_dir is not None and self._writer is None:
             from .monitoring import TrainingWriter
 
             self._writer = TrainingWriter(self.log_dir, flush_every=min(100, self.monitor_window))
+
+    def _bind(self, model: nn.Module, example: tuple) -> None:
+        if self._fixed_plan is not None:
+            self._fixed_plan.validate(model, self._inputs(example))  # a plan for another model: PlanError naming each layer
+        self._attach(model, example)
+        self.scaler.watch(model, list(self.layers), outputs=True)
         if self._fixed_plan is not None:
             self._set_plan(self._fixed_plan, "the given plan")
         else:
@@ -393,6 +402,13 @@ class DynamicPrecisionScheduler:
         s = self.loss_scaling
         return LossScaler(s.init_scale, s.growth_factor, s.backoff_factor, s.growth_interval, min_scale=s.min_scale, hysteresis=s.hysteresis, enabled=enabled)
 
+    def _replace_scaler(self, enabled: bool, state: Mapping[str, Any]) -> None:
+        """A scaler with ``enabled`` and ``state``, watching the layers in place of the current one."""
+        self.scaler.unwatch()  # its hooks would keep recording into a scaler nobody updates
+        self.scaler = self._new_scaler(enabled=enabled)
+        self.scaler.load_state_dict(state)
+        self.scaler.watch(self.model, list(self.layers), outputs=True)
+
     def _set_plan(self, plan: Plan, why: str, searched: bool = True) -> None:
         """Install ``plan``: a new runtime keeping the amax histories and calibration of layers
         whose precision did not change; the scaler switched on or off as the plan needs."""
@@ -406,11 +422,7 @@ class DynamicPrecisionScheduler:
         if searched and self.searched_plan is None:
             self.searched_plan = plan
         if _needs_loss_scaling(plan) != self.scaler.enabled:
-            state = self.scaler.state_dict()
-            self.scaler.unwatch()  # its hooks would keep recording into a scaler nobody updates
-            self.scaler = self._new_scaler(enabled=_needs_loss_scaling(plan))
-            self.scaler.load_state_dict(state)
-            self.scaler.watch(self.model, list(self.layers), outputs=True)
+            self._replace_scaler(_needs_loss_scaling(plan), self.scaler.state_dict())
         if self._writer is not None:
             self._writer.log_plan(self.step_count, plan, name="plan")
         logger.info("autoprec: step %d: plan %s (%s)", self.step_count, plan.format_counts(), why)
@@ -465,7 +477,7 @@ class DynamicPrecisionScheduler:
         from .profiling import LayerProfiler
 
         formats = sorted(set(self.formats) | {LayerPrecision(f).grad_format for f in self.formats}, key=list(Format).index)
-        inputs = self._example[0] if len(self._example) == 1 and isinstance(self._example[0], Mapping) else self._example
+        inputs = self._inputs(self._example)
         self._profiler = LayerProfiler(self.model, inputs, formats=formats, window=window)
         if set(self._profiler.layers) != set(self.layers):
             self._profiler = LayerProfiler(self.model, inputs, formats=formats, window=window, module_filter=lambda m, fqn: fqn in self.layers)
@@ -532,8 +544,12 @@ class DynamicPrecisionScheduler:
             warm = [exact.assignment] + [a for a in (space.uniform(f) for f in self.formats) if a is not None]
             import optuna
 
-            optuna.logging.set_verbosity(optuna.logging.WARNING)
-            proxy = run_proxy_study(space, memory, loss_budget, n_trials=self.search_trials, seed=self.seed, warm_start=warm, timeout=self.search_timeout_s)
+            verbosity = optuna.logging.get_verbosity()
+            optuna.logging.set_verbosity(optuna.logging.WARNING)  # no line per trial in the training log
+            try:
+                proxy = run_proxy_study(space, memory, loss_budget, n_trials=self.search_trials, seed=self.seed, warm_start=warm, timeout=self.search_timeout_s)
+            finally:
+                optuna.logging.set_verbosity(verbosity)
             best = proxy.best if proxy.best is not None else exact
             budgets = {"memory": self.budgets.memory, "memory_bytes": memory, "accuracy": self.budgets.accuracy,
                        "loss_increase": loss_budget, "baseline_loss": loss}
@@ -641,7 +657,7 @@ class DynamicPrecisionScheduler:
         if self.model is None:
             raise RuntimeStateError("load_state_dict() needs the model: pass model= to the scheduler before loading")
         if self._example is None:
-            self._bind_quietly(state["example"])
+            self._attach(self.model, state["example"])  # plan, scaler and profiler come from the state below
         self.step_count, self.window_start = state["step"], state["window_start"]
         self.searched_plan = None if state["searched_plan"] is None else Plan.from_dict(state["searched_plan"])
         self.last_search_error = state["last_search_error"]
@@ -660,29 +676,13 @@ class DynamicPrecisionScheduler:
                 self._runtime.load_state_dict(state["runtime"])
         else:
             self.plan = None
-        self.scaler.unwatch()
-        self.scaler = self._new_scaler(enabled=state["scaler_enabled"])
-        self.scaler.load_state_dict(state["scaler"])
-        self.scaler.watch(self.model, list(self.layers), outputs=True)
+        self._replace_scaler(state["scaler_enabled"], state["scaler"])
         if self._profiler is not None:
             self._profiler.detach()
             self._profiler = None
         if state["profiler"] is not None:
             self._start_profiler(state["profiler"]["window"])
             self._profiler.load_state_dict(state["profiler"]["state"])
-
-    def _bind_quietly(self, example) -> None:
-        """Bind to ``self.model`` with a saved example, without a plan or profiler yet (load
-        restores them)."""
-        self._example = tuple(example)
-        inputs = example[0] if len(example) == 1 and isinstance(example[0], Mapping) else tuple(example)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", EmulationWarning)
-            self.layers = tuple(find_layers(self.model, inputs))
-        if self.log_dir is not None and self._writer is None:
-            from .monitoring import TrainingWriter
-
-            self._writer = TrainingWriter(self.log_dir, flush_every=min(100, self.monitor_window))
 
     def close(self) -> None:
         """Remove hooks and flush the TensorBoard writer (the plan runtime is only active inside
