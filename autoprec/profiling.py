@@ -81,6 +81,7 @@ without loss scaling (or divide by the scale yourself). The hooks never change n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -117,6 +118,8 @@ __all__ = [
     "LayerProfile",
     "Profile",
     "LayerProfiler",
+    "train_window",
+    "with_grad_formats",
     "profile_workload",
     "write_tensorboard",
     "measure_overhead",
@@ -1159,6 +1162,36 @@ def _workload(name: str, batch_size: int):
     return default_workload(name, batch_size=batch_size)
 
 
+def train_window(
+    trainer,
+    steps: int,
+    profiler: "LayerProfiler | None" = None,
+    progress: Optional[Callable[[int, int, str], None]] = None,
+    phase: str = "profiling",
+) -> tuple[float, float]:
+    """Run ``steps`` steps of a `workloads.Trainer` with ``profiler`` attached for them (None:
+    plain training); returns the first and last training loss (one host sync, at the end).
+    ``progress(done, steps, phase)`` is called after every step."""
+    losses = []
+    with profiler if profiler is not None else contextlib.nullcontext():
+        for i in range(steps):
+            losses.append(trainer.step(profiler.step if profiler is not None else None))
+            if progress is not None:
+                progress(i + 1, steps, phase)
+    first, last = (float(v) for v in torch.stack([losses[0], losses[-1]]).cpu())
+    return first, last
+
+
+def with_grad_formats(formats: Iterable["Format | str"]) -> tuple[Format, ...]:
+    """``formats`` plus the gradient formats layers in them compute in (E5M2 for FP8), in
+    `Format` order: what a profile needs to judge those formats' gradients too."""
+    from .plan import LayerPrecision
+
+    wanted = {Format.parse(f) for f in formats}
+    wanted |= {LayerPrecision(f).grad_format for f in wanted}
+    return tuple(f for f in Format if f in wanted)
+
+
 def profile_workload(
     workload: str = "small",
     steps: int = 100,
@@ -1185,15 +1218,9 @@ def profile_workload(
     trainer = _trainer(wl, seed, lr, dev)
     example = wl.val_batches(1)[0][0].to(dev)
     profiler = LayerProfiler(trainer.model, example, formats=formats, window=steps, sample=sample, every=every)
-    losses = []
     start = time.perf_counter()
-    with profiler:
-        for i in range(steps):
-            losses.append(trainer.step(profiler.step))
-            if progress is not None:
-                progress(i + 1, steps, "profiling")
+    first, last = train_window(trainer, steps, profiler, progress, "profiling")
     seconds = time.perf_counter() - start
-    first, last = (float(v) for v in torch.stack([losses[0], losses[-1]]).cpu())
     meta = {
         "workload": workload, "batch_size": batch_size, "seed": seed, "lr": lr, "device": str(dev),
         "loss_first": _enc(first), "loss_last": _enc(last), "seconds": round(seconds, 3), "torch": torch.__version__,

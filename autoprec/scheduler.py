@@ -474,9 +474,9 @@ class DynamicPrecisionScheduler:
     # -- windows --------------------------------------------------------------------------------
 
     def _start_profiler(self, window: int) -> None:
-        from .profiling import LayerProfiler
+        from .profiling import LayerProfiler, with_grad_formats
 
-        formats = sorted(set(self.formats) | {LayerPrecision(f).grad_format for f in self.formats}, key=list(Format).index)
+        formats = with_grad_formats(self.formats)
         inputs = self._inputs(self._example)
         self._profiler = LayerProfiler(self.model, inputs, formats=formats, window=window)
         if set(self._profiler.layers) != set(self.layers):

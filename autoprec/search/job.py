@@ -46,7 +46,7 @@ import torch
 from ..device import resolve_device
 from ..errors import InfeasibleBudgetError, SearchError
 from ..formats import Format
-from ..plan import LayerPrecision, Plan
+from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan
 from .config import JobConfig, resolve_factory
 from .exact import Solution, solve_exact
@@ -141,24 +141,15 @@ def _workload(config: JobConfig):
 
 def _train_and_profile(config, workload, model, example_inputs, lr, device, progress):
     """Train ``[profile].steps`` steps (the profiler attached unless a profile is loaded)."""
-    from ..profiling import LayerProfiler, Profile
+    from ..profiling import LayerProfiler, Profile, train_window, with_grad_formats
     from ..workloads import Trainer
 
     trainer = Trainer(model, workload, lr=lr, seed=config.seed)
     profiler = None
     if config.profile_path is None:
-        formats = set(config.formats) | {LayerPrecision(f).grad_format for f in config.formats}
-        profiler = LayerProfiler(model, example_inputs, formats=sorted(formats, key=list(Format).index), window=config.profile_steps).attach()
-    losses = []
-    try:
-        for i in range(config.profile_steps):
-            losses.append(trainer.step(profiler.step if profiler is not None else None))
-            if progress is not None:
-                progress(i + 1, config.profile_steps, "training + profiling" if profiler else "training")
-    finally:
-        if profiler is not None:
-            profiler.detach()
-    first, last = (float(v) for v in torch.stack([losses[0], losses[-1]]).cpu())
+        profiler = LayerProfiler(model, example_inputs, formats=with_grad_formats(config.formats), window=config.profile_steps)
+    phase = "training + profiling" if profiler is not None else "training"
+    first, last = train_window(trainer, config.profile_steps, profiler, progress, phase)
     if profiler is None:
         profile = Profile.load(config.profile_path, model, example_inputs)
     else:
