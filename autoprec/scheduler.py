@@ -535,12 +535,13 @@ class DynamicPrecisionScheduler:
                 )
             space, ruled_out = build_space(costs, sensitivity, profile, formats=self.formats, rules=self.rules,
                                            min_precision=self.min_precision, max_precision=self.max_precision)
-            memory = self.budgets.memory_bytes(costs.fp32_bytes())
+            fp32_bytes = costs.fp32_bytes()
+            memory = self.budgets.memory_bytes(fp32_bytes)
             loss_budget = self.budgets.loss_increase(loss)
             try:
                 exact = solve_exact(space, memory, loss_budget)
             except InfeasibleBudgetError as exc:
-                raise in_budget_terms(exc, costs.fp32_bytes(), loss if self.budgets.accuracy_relative else None, "") from None
+                raise in_budget_terms(exc, fp32_bytes, loss if self.budgets.accuracy_relative else None, "") from None
             warm = [exact.assignment] + [a for a in (space.uniform(f) for f in self.formats) if a is not None]
             import optuna
 
