@@ -43,7 +43,8 @@ def _device_key(device: "torch.device | str | None") -> str:
 
 @functools.lru_cache(maxsize=None)
 def has_scaled_mm(device: str) -> tuple[bool, str]:
-    """Probe ``torch._scaled_mm`` with FP8 E4M3 × E4M3 and E5M2 × E4M3 operands (one tiny call each)."""
+    """Probe ``torch._scaled_mm`` in the forms the runtime calls it: E4M3 × E4M3 and E5M2 × E4M3
+    operands, FP32 and BF16 outputs, a fused bias (one tiny call each)."""
     if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "_scaled_mm"):
         return False, f"torch {torch.__version__} has no float8 dtypes or _scaled_mm"
     if device.startswith("cuda") and torch.cuda.get_device_capability(device) < (8, 9):
@@ -55,7 +56,14 @@ def has_scaled_mm(device: str) -> tuple[bool, str]:
         b = torch.zeros(32, 16, device=device).t().contiguous().t()  # column-major, as cuBLASLt wants
         torch._scaled_mm(a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn), scale_a=one, scale_b=one, out_dtype=torch.float32)
         torch._scaled_mm(a.to(torch.float8_e5m2), b.to(torch.float8_e4m3fn), scale_a=one, scale_b=one, out_dtype=torch.float32)
-    except (RuntimeError, NotImplementedError) as exc:
+        # The runtime's forward form: BF16 output, fused BF16 bias, fast accumulation.
+        bias = torch.zeros(16, device=device, dtype=torch.bfloat16)
+        torch._scaled_mm(
+            a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn), scale_a=one, scale_b=one,
+            bias=bias, out_dtype=torch.bfloat16, use_fast_accum=True,
+        )
+    except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
+        # Newer torch raises ValueError (TORCH_CHECK_VALUE) for unsupported devices or dtypes.
         return False, f"torch._scaled_mm does not run on {device}: {str(exc).splitlines()[0]}"
     return True, f"torch._scaled_mm runs on {device}"
 
@@ -67,8 +75,8 @@ def has_int_mm(device: str) -> tuple[bool, str]:
         return False, f"torch {torch.__version__} has no _int_mm"
     try:
         a = torch.zeros(32, 32, dtype=torch.int8, device=device)
-        torch._int_mm(a, a)
-    except (RuntimeError, NotImplementedError) as exc:
+        torch._int_mm(a, a.t())  # the runtime's layout: the weight (N, K) row-major, transposed
+    except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
         return False, f"torch._int_mm does not run on {device}: {str(exc).splitlines()[0]}"
     return True, f"torch._int_mm runs on {device}"
 

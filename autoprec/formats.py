@@ -7,8 +7,8 @@ Conventions (the same as Transformer Engine's): a *scale* multiplies a high-prec
 into the format's range, ``q = cast(x * scale)``, and dequantizing divides, ``x ≈ q / scale``.
 ``torch._scaled_mm`` takes the inverse (``1 / scale``) as its ``scale_a`` / ``scale_b``.
 
-Casting follows torch's own dtypes exactly: ``float8_e4m3fn`` saturates to ±448 (NaN stays NaN),
-``float8_e5m2``, FP16 and BF16 overflow to ±inf, rounding is to nearest even everywhere. INT8 is
+`quantize` saturates both FP8 formats to ±max (it clamps before the cast rather than trusting the
+cast to); FP16 and BF16 overflow to ±inf; rounding is to nearest even everywhere. INT8 is
 symmetric, [-127, 127], round half to even. `round_to_format` reproduces those casts with plain
 FP32 arithmetic, bit for bit, for devices or dtypes without a native cast.
 """
@@ -252,10 +252,11 @@ def quantize(
     granularity: Granularity = Granularity.TENSOR,
     block: Sequence[int] = ACTIVATION_BLOCK,
 ) -> torch.Tensor:
-    """``cast(x * scale)`` into ``fmt.dtype``; costs one elementwise pass and no host sync.
+    """``saturate(x * scale)`` in ``fmt.dtype``; one elementwise pass, no host sync.
 
-    FP8 uses torch's own cast (so E4M3 saturates and E5M2 overflows to inf exactly as torch does);
-    INT8 rounds half to even and clamps to the symmetric range [-127, 127].
+    FP8 clamps to ±``fmt.max`` then casts (round to nearest even; NaN stays NaN, ±inf becomes
+    ±max); INT8 rounds half to even and clamps to the symmetric range [-127, 127]. FP16 / BF16
+    cast as torch does (overflow to inf).
     """
     fmt = Format.parse(fmt)
     if not torch.is_tensor(scale):
@@ -263,6 +264,10 @@ def quantize(
     y = x.float() * _expand(scale, x, granularity, block)
     if fmt is Format.INT8:
         return torch.round(y).clamp_(-fmt.max, fmt.max).to(torch.int8)
+    if fmt.is_fp8:
+        # Never trust the cast to saturate (eager CUDA casts do not before torch 2.12; E5M2
+        # overflows to inf everywhere): clamp in the same expression.
+        y = y.clamp(-fmt.max, fmt.max)
     return y.to(fmt.dtype)
 
 

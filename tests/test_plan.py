@@ -158,7 +158,7 @@ def test_uniform_with_example_input_covers_the_addmm_projection():
 
 def test_uniform_with_delayed_row_fp8_scaling_names_every_layer():
     with pytest.raises(PlanError) as info:
-        Plan.uniform(TwoLinear(), Format.FP8_E4M3, scaling=Scaling(granularity=Granularity.ROW))
+        Plan.uniform(TwoLinear(), Format.FP8_E4M3, scaling=Scaling(granularity=Granularity.ROW, mode="delayed"))
     assert "'fc1'" in str(info.value) and "'fc2'" in str(info.value)
 
 
@@ -657,7 +657,7 @@ def test_invalid_value_is_named(tmp_path, entry, named):
 
 
 def test_delayed_row_scaling_says_what_to_do(tmp_path):
-    path = write_json(tmp_path, plan_dict(fc1={"format": "fp8_e4m3", "scaling": {"granularity": "row"}}))
+    path = write_json(tmp_path, plan_dict(fc1={"format": "fp8_e4m3", "scaling": {"granularity": "row", "mode": "delayed"}}))
     assert "set mode 'current' or granularity 'tensor'" in str(load_error(path))
 
 
@@ -678,7 +678,7 @@ def test_every_invalid_value_in_a_file_is_reported(tmp_path):
             a={"format": "int8", "calibration": {"percentile": 0}},
             b={"format": "int8", "calibration": {"batches": 0}},
             c={"format": "int8", "calibration": {"outlier_ratio": 1}},
-            d={"format": "fp8_e4m3", "scaling": {"granularity": "row"}},
+            d={"format": "fp8_e4m3", "scaling": {"granularity": "row", "mode": "delayed"}},
             ok={"format": "bf16"},
         ),
     )

@@ -34,7 +34,7 @@ def _linear(d_in=256, d_out=512, tokens=128):
 def test_fp8_linear_runs_scaled_mm_on_gpu_and_tracks_fp32(granularity):
     layer, x, grad = _linear()
     ref = layer(x)
-    mode = "delayed" if granularity == "tensor" else "current"
+    mode = "current" if granularity == "row" else "delayed"
     runtime = ap.apply_plan(layer, ap.Plan.uniform(layer, "fp8_e4m3", scaling=ap.Scaling(granularity=granularity, mode=mode)))
     xq = x.clone().requires_grad_(True)
     with runtime:
@@ -46,13 +46,43 @@ def test_fp8_linear_runs_scaled_mm_on_gpu_and_tracks_fp32(granularity):
 
 
 @pytest.mark.skipif(not FP8_OK, reason=FP8_REASON)
-def test_fp8_unaligned_shape_falls_back_to_reported_emulation():
-    layer, x, _ = _linear(d_in=100, d_out=60)
-    runtime = ap.apply_plan(layer, ap.Plan.uniform(layer, "fp8_e4m3"))
-    with pytest.warns(ap.EmulationWarning, match="alignment"):
-        with runtime:
-            layer(x)
-    assert runtime.emulated_layers() == {"": ["linear"]}
+@pytest.mark.parametrize("tokens", [24, 1000, 4104])
+def test_fp8_unaligned_shapes_run_the_kernel_padded_and_stay_finite(tokens):
+    """K, N and the token count off the 16-multiple: operands are padded, never emulated."""
+    layer, x, grad = _linear(d_in=100, d_out=60, tokens=tokens)
+    ref = layer(x)
+    runtime = ap.apply_plan(layer, ap.Plan.uniform(layer, "fp8_e5m2", scaling=ap.Scaling(mode="delayed")))
+    xq = x.clone().requires_grad_(True)
+    with runtime:
+        out = layer(xq)
+    out.backward(grad.to(out.dtype))
+    assert runtime.emulated_layers() == {}
+    assert torch.isfinite(out).all() and torch.isfinite(xq.grad).all() and torch.isfinite(layer.weight.grad).all()
+    assert sqnr(ref, out.float()) > 20
+
+
+@pytest.mark.skipif(not FP8_OK, reason=FP8_REASON)
+def test_runtime_state_loaded_on_cpu_follows_the_data_to_the_gpu():
+    layer, x, _ = _linear()
+    plan = ap.Plan.uniform(layer, "fp8_e4m3", scaling=ap.Scaling(mode="delayed"))
+    runtime = ap.apply_plan(layer, plan)
+    with runtime:
+        layer(x).float().sum().backward()
+    state = torch.load(_roundtrip(runtime.state_dict()), map_location="cpu")
+    fresh = ap.apply_plan(layer, plan)
+    fresh.load_state_dict(state)
+    with torch.no_grad(), fresh:
+        out = fresh.model(x)
+    assert torch.isfinite(out).all()
+
+
+def _roundtrip(state):
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return buffer
 
 
 @pytest.mark.skipif(not INT8_OK, reason=INT8_REASON)

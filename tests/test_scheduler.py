@@ -90,9 +90,10 @@ def test_switching_the_scaler_leaves_one_watch_per_layer(planned):
 def test_planned_steps_run_the_plan(planned):
     wl, model, opt, sch, _ = planned
     lowered = next(fqn for fqn, lp in sch.plan.layers.items() if lp.format is not Format.FP32)
+    module = dict(model.named_modules())[lowered]
     with sch.precision_context():
-        assert "__autoprec_runtime__" in dir(dict(model.named_modules())[lowered].forward)
-    assert "forward" not in dict(model.named_modules())[lowered].__dict__  # restored on exit
+        assert "_autoprec_active_runtime" in module.__dict__
+    assert "forward" not in module.__dict__ and "_autoprec_active_runtime" not in module.__dict__  # restored on exit
 
 
 def poison(layer, steps):

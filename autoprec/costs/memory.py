@@ -32,11 +32,10 @@ from typing import Optional
 
 import torch
 
-from ..device import format_support
 from ..formats import Format, Granularity
 from ..plan import LayerPrecision
-from ..runtime.context import PlanRuntime
-from ..runtime.kernels import int_mm_shape_ok, scaled_mm_shape_ok
+from ..runtime.calibration import outlier_slots
+from ..runtime.context import as_gemm, kernel_reason
 from .trace import LayerTrace, MatmulCall, TensorSpec
 
 __all__ = ["MemoryCost", "call_path", "layer_memory"]
@@ -79,7 +78,7 @@ def call_path(call: MatmulCall, precision: LayerPrecision, device: "torch.device
 
     ``"fp32"`` (also for ops autocast keeps in FP32), ``"autocast"``, ``"kernel"`` (``torch._scaled_mm`` / ``torch._int_mm``) or
     ``"emulated"``; the shape is given for kernel calls only. Mirrors
-    `PlanRuntime._run_low_precision` (it calls the runtime's own GEMM matcher on meta tensors).
+    `PlanRuntime._run_low_precision` (it asks the runtime's own GEMM matcher and kernel rule).
     """
     fmt = precision.format
     device = torch.device(device)
@@ -88,15 +87,12 @@ def call_path(call: MatmulCall, precision: LayerPrecision, device: "torch.device
     if fmt in (Format.BF16, Format.FP16):
         return "autocast", None
     args, kwargs = _meta_arguments(call)
-    gemm = PlanRuntime._as_gemm(call.op, call.func, args, kwargs)
-    if gemm is None:
+    gemm = as_gemm(call.op, call.func, args, kwargs)
+    if gemm is None or kernel_reason(precision, device) is not None:
         return "emulated", None
     a, b = gemm[0], gemm[1]
     m, k = a.shape
     n = b.shape[1]
-    shape_ok = scaled_mm_shape_ok if fmt.is_fp8 else int_mm_shape_ok
-    if not format_support(fmt, device).kernel or precision.scaling.granularity is Granularity.BLOCK or not shape_ok(device, m, k, n):
-        return "emulated", None
     return "kernel", (m, k, n)
 
 
@@ -127,14 +123,19 @@ def _call_bytes(call: MatmulCall, precision: LayerPrecision, device) -> tuple[in
         return 0, 0  # no autograd node, nothing saved
     if path == "emulated":
         return 0, sum(s.numel * fmt.bytes for s in call.tensors if s.dtype.is_floating_point and not s.weight)
-    m, _, n = gemm
+    m, k, n = gemm
     activations = sum(s.numel * fmt.bytes for s in call.tensors if s.operand and not s.weight)
-    row = precision.scaling.granularity is Granularity.ROW
+    has_weight = any(s.operand and s.weight for s in call.tensors)
     if fmt.is_fp8:
-        scales = (m + n) if row else 2  # kernels.Fp8Gemm saves sa and sb
-    else:
-        scales = (m if row else 1) + n  # Int8Gemm: activation scale, one weight scale per column
-    return 0, activations + scales * _SCALE_BYTES
+        # gemm.Fp8Linear saves the input in FP8, two scalar scales, and the weight's cached FP8
+        # transpose (1 byte per weight element; a fresh transpose when the operand is no weight).
+        transposed = k * n * fmt.bytes
+        return (transposed, activations + 2 * _SCALE_BYTES) if has_weight else (0, activations + transposed + 2 * _SCALE_BYTES)
+    # gemm.Int8Linear saves the INT8 input and its scale(s), the FP32 master (not a copy), and the
+    # input's outlier columns when calibration keeps them apart.
+    row = precision.scaling.granularity is Granularity.ROW
+    outliers = 0 if row or precision.calibration.outlier_ratio is None else outlier_slots(k) * (m * 4 + 8)
+    return 0, activations + (m if row else 1) * _SCALE_BYTES + outliers
 
 
 def layer_memory(layer: LayerTrace, precision: "LayerPrecision | Format | str", device: "torch.device | str") -> MemoryCost:

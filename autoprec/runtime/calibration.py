@@ -2,100 +2,134 @@
 
 For the first ``Calibration.batches`` forward passes a layer quantizes with each batch's own range
 (dynamic max) while an `Int8Calibrator` keeps, per input channel, the exact running amax and a
-deterministic subsample of rows. Then it freezes:
+deterministic subsample of rows. On the last of those passes it freezes:
 
 1. Outlier channels: input channels whose amax exceeds ``outlier_ratio`` × the median channel
-   amax are computed apart in FP32 (LLM.int8(), arXiv:2208.07339: a handful of feature dimensions
-   carry magnitudes that would take the whole INT8 range).
+   amax are computed apart in high precision (LLM.int8(), arXiv:2208.07339: a handful of feature
+   dimensions carry magnitudes that would take the whole INT8 range). At most `outlier_slots`
+   channels (the largest) are taken, so every tensor keeps a fixed shape.
 2. The clipping range of the remaining channels, by ``method``: ``max`` (no clipping), ``percentile``
    of |x|, or ``mse`` (the clip with the smallest quantization MSE over the sampled values, a grid
    search as in NVIDIA's pytorch-quantization / TensorRT calibrators).
 
-The relative quantization error of the chosen scale and of naive max scaling on the sampled
-activations is kept in `report`, so a run can show what calibration bought.
+Everything stays on the device: no step, the freezing one included, reads a value back to the
+host (outliers are a fixed-size top-k with a validity mask, not a data-dependent ``nonzero``).
+The relative quantization error of the chosen scale and of naive max scaling is kept as tensors
+and read only when `report` is asked for (that read syncs).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ..formats import Format, Granularity, amax, fake_quantize, scale_from_amax
+from ..formats import Format
 from ..plan import Calibration, CalibrationMethod
+from .quantize import amax, inverse_scale, to_int8
 
-__all__ = ["Int8Calibrator"]
+__all__ = ["Int8Calibrator", "outlier_slots"]
 
 _ROWS_PER_BATCH = 256  # rows (tokens) sampled per calibration batch; exact per-channel amax kept
 _MSE_GRID = 100  # clip candidates between 1% and 100% of amax
+_MSE_VALUES = 1 << 14  # sampled values the MSE grid is evaluated on (a 100 x 16384 temporary)
+
+
+def outlier_slots(channels: int) -> int:
+    """How many input channels may be kept apart: 1 in 128, at least one.
+
+    LLM.int8() reports a few outlier dimensions per thousands of features; the cap keeps the
+    high-precision side product small and its shape fixed.
+    """
+    return max(1, math.ceil(channels / 128))
+
+
+def _fake_int8(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    return to_int8(x, inv).float() * inv
 
 
 class Int8Calibrator:
-    """Calibration state of one INT8 activation operand (K input channels)."""
+    """Calibration state of one INT8 input operand with ``channels`` input channels."""
 
-    def __init__(self, calibration: Calibration, granularity: Granularity = Granularity.TENSOR):
+    def __init__(self, calibration: Calibration, channels: int):
         self.calibration = calibration
-        self.granularity = Granularity(granularity)
+        self.channels = channels
+        self.slots = outlier_slots(channels) if calibration.outlier_ratio is not None and channels > 1 else 0
         self.observed = 0
         self.channel_amax: "torch.Tensor | None" = None
         self.samples: list[torch.Tensor] = []
-        self.frozen_scale: "torch.Tensor | None" = None
-        self.outliers = torch.zeros(0, dtype=torch.long)
-        self.report: dict = {}
+        self.frozen_inv: "torch.Tensor | None" = None
+        # Outlier channels once frozen: indices (slots,), validity (slots,) as 0/1, and the mask of
+        # channels quantized to INT8 (channels,) as 0/1.
+        self.outlier_index: "torch.Tensor | None" = None
+        self.outlier_valid: "torch.Tensor | None" = None
+        self.keep: "torch.Tensor | None" = None
+        self._errors: dict[str, torch.Tensor] = {}
 
     @property
     def calibrating(self) -> bool:
-        return self.frozen_scale is None and self.granularity is Granularity.TENSOR
+        return self.frozen_inv is None
 
-    def observe(self, a: torch.Tensor) -> None:
-        """Record a (M, K) activation while calibrating; freezes after the configured batches.
+    @property
+    def has_outliers(self) -> bool:
+        return self.keep is not None and self.slots > 0
 
-        Costs one reduction and a strided row gather per call; the freeze syncs once.
+    def to(self, device: torch.device) -> None:
+        """Move the state to ``device`` (no-op when it is there); called on first use of new data."""
+        if self.frozen_inv is not None and self.frozen_inv.device != device:
+            for name in ("frozen_inv", "outlier_index", "outlier_valid", "keep", "channel_amax"):
+                value = getattr(self, name)
+                if value is not None:
+                    setattr(self, name, value.to(device))
+            self._errors = {k: v.to(device) for k, v in self._errors.items()}
+
+    def observe(self, a: torch.Tensor) -> torch.Tensor:
+        """Record a (M, K) input while calibrating and return its inverse scale for this pass.
+
+        Calibrating: one per-channel amax, a strided row sample, and on the last batch the freeze
+        (a few reductions over the sample). Frozen: nothing (the frozen scale is returned).
         """
         if not self.calibrating:
-            return
+            return self.frozen_inv
         a = a.detach()
-        ch = a.abs().amax(dim=0).float()
-        self.channel_amax = ch if self.channel_amax is None else torch.maximum(self.channel_amax, ch)
+        channel = amax(a, dim=0).reshape(-1)
+        self.channel_amax = channel if self.channel_amax is None else torch.maximum(self.channel_amax, channel)
         step = max(1, a.shape[0] // _ROWS_PER_BATCH)
-        self.samples.append(a[::step][:_ROWS_PER_BATCH].float().clone())
+        self.samples.append(a[::step][:_ROWS_PER_BATCH].float())
         self.observed += 1
-        if self.outliers.device != a.device:
-            self.outliers = self.outliers.to(a.device)
+        current = inverse_scale(channel.amax(), Format.INT8)
         if self.observed >= self.calibration.batches:
-            self.freeze()
-
-    def scale(self, a_main: torch.Tensor) -> torch.Tensor:
-        """The activation scale to use now: frozen, else this batch's own (per tensor or per row)."""
-        if self.granularity is Granularity.ROW:
-            return scale_from_amax(amax(a_main, Granularity.ROW), Format.INT8)
-        if self.frozen_scale is not None:
-            return self.frozen_scale
-        return scale_from_amax(amax(a_main), Format.INT8)
+            self._freeze()
+        return current
 
     def recalibrate(self) -> None:
         """Forget the frozen scale and observe the next ``batches`` passes again."""
-        self.observed = 0
-        self.channel_amax = None
-        self.samples = []
-        self.frozen_scale = None
-        self.outliers = self.outliers.new_zeros(0)
+        self.__init__(self.calibration, self.channels)
 
-    def freeze(self) -> None:
+    def _freeze(self) -> None:
         cal = self.calibration
         samples = torch.cat(self.samples)
         channel_amax = self.channel_amax
-        outliers = channel_amax.new_zeros(0, dtype=torch.long)
-        if cal.outlier_ratio is not None and channel_amax.numel() > 1:
-            median = channel_amax.median()
-            outliers = torch.nonzero(channel_amax > cal.outlier_ratio * median).flatten()
-        keep = torch.ones(channel_amax.numel(), dtype=torch.bool, device=channel_amax.device)
-        keep[outliers] = False
-        main = samples[:, keep]
-        values = main.abs().flatten()
-        full_max = channel_amax[keep].max() if keep.any() else channel_amax.new_zeros(())
-        clip = self._clip(values, full_max, cal)
-        self.frozen_scale = scale_from_amax(clip, Format.INT8)
-        self.outliers = outliers
-        self.report = self._errors(samples, keep, clip)
+        keep = torch.ones_like(channel_amax)
+        if self.slots:
+            top, index = torch.topk(channel_amax, self.slots)
+            valid = (top > cal.outlier_ratio * channel_amax.median()).float()
+            keep = keep.scatter(0, index, 1.0 - valid)
+            self.outlier_index, self.outlier_valid = index, valid
+        main = samples * keep
+        full_max = (channel_amax * keep).amax()
+        clip = self._clip(main.abs().flatten(), full_max, cal)
+        self.frozen_inv = inverse_scale(clip, Format.INT8)
+        self.keep = keep
+        norm = samples.norm().clamp_min(1e-30)
+        calibrated = _fake_int8(main, self.frozen_inv) + samples * (1.0 - keep)
+        self._errors = {
+            "naive_max_rel_error": (samples - _fake_int8(samples, inverse_scale(amax(samples), Format.INT8))).norm() / norm,
+            "calibrated_rel_error": (samples - calibrated).norm() / norm,
+            "outlier_channels": (1.0 - keep).sum(),
+            "clip": clip,
+            "amax": channel_amax.amax(),
+        }
         self.samples = []
 
     @staticmethod
@@ -103,41 +137,42 @@ class Int8Calibrator:
         if cal.method is CalibrationMethod.MAX or values.numel() == 0:
             return full_max
         if cal.method is CalibrationMethod.PERCENTILE:
-            # torch.quantile caps its input at 2**24 elements; the sample stays far below that.
-            return torch.quantile(values, cal.percentile / 100.0).clamp(max=full_max)
+            # torch.quantile caps its input at 2**24 elements: subsample evenly above that.
+            step = max(1, math.ceil(values.numel() / (1 << 24)))
+            return torch.quantile(values[::step], cal.percentile / 100.0).clamp(max=full_max)
+        values = values[:: max(1, values.numel() // _MSE_VALUES)]
         candidates = full_max * torch.linspace(0.01, 1.0, _MSE_GRID, device=values.device)
-        errors = torch.stack([(fake_quantize(values, Format.INT8, scale_from_amax(c, Format.INT8)) - values).pow(2).mean() for c in candidates])
+        inv = inverse_scale(candidates, Format.INT8).unsqueeze(1)
+        errors = (_fake_int8(values.unsqueeze(0), inv) - values).pow(2).mean(dim=1)
         return candidates[errors.argmin()]
 
-    @staticmethod
-    def _errors(samples: torch.Tensor, keep: torch.Tensor, clip: torch.Tensor) -> dict:
-        """Relative L2 error ‖x − q(x)‖/‖x‖ on the sampled rows: naive max vs the calibration."""
-        norm = samples.norm().clamp_min(1e-30)
-        naive = fake_quantize(samples, Format.INT8)
-        calibrated = samples.clone()
-        calibrated[:, keep] = fake_quantize(samples[:, keep], Format.INT8, scale_from_amax(clip, Format.INT8))
-        return {
-            "naive_max_rel_error": float((samples - naive).norm() / norm),
-            "calibrated_rel_error": float((samples - calibrated).norm() / norm),
-            "outlier_channels": int((~keep).sum()),
-            "clip": float(clip),
-            "amax": float(samples.abs().max()),
-        }
+    @property
+    def report(self) -> dict:
+        """Calibration quality as plain numbers (empty until frozen). Reading it syncs once."""
+        if not self._errors:
+            return {}
+        values = {k: float(v) for k, v in self._errors.items()}
+        values["outlier_channels"] = int(values["outlier_channels"])
+        return values
 
     def state_dict(self) -> dict:
         return {
             "observed": self.observed,
             "channel_amax": self.channel_amax,
             "samples": list(self.samples),
-            "frozen_scale": self.frozen_scale,
-            "outliers": self.outliers,
-            "report": dict(self.report),
+            "frozen_inv": self.frozen_inv,
+            "outlier_index": self.outlier_index,
+            "outlier_valid": self.outlier_valid,
+            "keep": self.keep,
+            "errors": dict(self._errors),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.observed = int(state["observed"])
         self.channel_amax = state["channel_amax"]
         self.samples = list(state["samples"])
-        self.frozen_scale = state["frozen_scale"]
-        self.outliers = state["outliers"]
-        self.report = dict(state["report"])
+        self.frozen_inv = state["frozen_inv"]
+        self.outlier_index = state["outlier_index"]
+        self.outlier_valid = state["outlier_valid"]
+        self.keep = state["keep"]
+        self._errors = dict(state["errors"])

@@ -1,70 +1,93 @@
 """`PlanRuntime`: makes a `Plan` real in forward and backward, and holds the runtime state.
 
-How a plan runs (``with runtime:``):
+How a plan runs (``with runtime:``), cheapest first:
 
-- Nothing changes for an all-FP32 plan: no wrapper, no mode, no autocast (zero overhead).
-- Otherwise the whole region runs under ``torch.autocast`` in the plan's half dtype, so ops
-  between layers behave exactly as under plain autocast (losses in FP32, residual adds promoted).
-- Each layer's forward is wrapped to mark it as the innermost running layer and to scope its
-  format: BF16 / FP16 layers get their own ``torch.autocast`` dtype; FP32 layers turn autocast off
-  and see FP32 inputs; FP8 / INT8 layers have their matrix products replaced (see below).
-- One `TorchFunctionMode` for the region routes the matrix products of FP8 / INT8 layers to
-  `kernels` (real ``torch._scaled_mm`` / ``torch._int_mm`` where the device and shape allow,
-  else emulated and reported), and keeps normalisations, softmax and losses in FP32 on every
-  device (CPU autocast does not upcast them; CUDA autocast does).
+- An all-FP32 plan changes nothing: no wrapper, no mode, no autocast (the plain model's ops).
+- Otherwise the region runs under ``torch.autocast`` in the plan's half dtype, so everything
+  between layers behaves exactly as under plain autocast (same ops, same FP32 policy). A uniform
+  BF16 plan of ordinary layers is exactly ``torch.autocast(dtype=torch.bfloat16)``: no per-layer
+  machinery at all.
+- A layer gets a forward wrapper only where the region's autocast is not already what it needs:
+  FP32 layers (autocast off, FP32 inputs), half layers in the other half dtype, FP8 / INT8 layers,
+  and every planned layer below a wrapped one (so the innermost planned layer always decides).
+  Wrappers are built once per runtime; entering the context installs them (one attribute per
+  layer) and leaving removes them, so the model is exactly restored.
+- FP8 / INT8 ``nn.Linear`` layers call the kernels directly (`gemm.Fp8Linear` / `gemm.Int8Linear`).
+  Other FP8 / INT8 layers (a projection calling ``addmm`` on a transposed weight, ``x @ w.t()``,
+  convolutions, attention) run under a `TorchFunctionMode` entered only inside their own forward,
+  which routes their matrix products to the same kernels or, where none exists, to emulation.
 
 Backward needs no context: the autograd functions hold what they need, so ``loss.backward()`` may
 run after the ``with`` block, as with ``torch.autocast``.
 
-Runtime state (amax histories, INT8 calibration) lives in the `PlanRuntime` and survives exits and
+Costs per training step of an FP8 / INT8 linear layer: the ops of `gemm` and `quantizers` (one
+amax and one cast per input and output gradient, three GEMMs; the weight is quantized once per
+optimizer step), no host sync. Runtime state (amax histories, INT8 calibration) survives exits and
 re-entries; ``state_dict()`` / ``load_state_dict()`` save and restore it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import warnings
 from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ..coverage import MATMUL_OPS
 from ..device import KERNEL_OPS, format_support
 from ..errors import RuntimeStateError
-from ..formats import ACTIVATION_BLOCK, WEIGHT_BLOCK, AmaxHistory, Format, Granularity, amax, scale_from_amax
+from ..formats import ACTIVATION_BLOCK, WEIGHT_BLOCK, Format, Granularity, amax, scale_from_amax
 from ..plan import LayerPrecision, Plan
 from .calibration import Int8Calibrator
-from .kernels import Fp8Gemm, GemmSlot, Int8Gemm, StoredInFormat, int_mm_shape_ok, scaled_mm_shape_ok
+from .emulation import StoredInFormat
+from .gemm import FP8_ALIGN, INT8_ALIGN, Fp8Linear, Fp8Spec, Int8Linear, Int8Spec
+from .quantize import inverse_scale, pad_to_multiple
+from .quantize import amax as amax_fp32
+from .quantizers import InputQuantizer, WeightQuantizer
 
-__all__ = ["PlanRuntime", "apply_plan", "EmulationWarning"]
+__all__ = ["PlanRuntime", "apply_plan", "EmulationWarning", "kernel_reason", "as_gemm"]
 
 logger = logging.getLogger(__name__)
 
+# Ops CPU autocast leaves uncast: they fail on mixed dtypes inside a half layer, so a layer that
+# runs one gets the layer mode, which gives them the layer's dtype.
+_AUTOCAST_UNCAST = {"cpu": frozenset({"mv", "addmv", "bilinear"})}
+
+
+# Set in a planned module's __dict__ while a runtime is active on it, so a second runtime on the
+# same layers is refused (two plans on one layer would fight over its forward and dtypes).
+_ACTIVE_MARK = "_autoprec_active_runtime"
+
 
 class EmulationWarning(UserWarning):
-    """A layer runs its planned format without a real kernel (FP8/INT8 storage, FP32 compute)."""
+    """A layer runs its planned format without a real kernel (low-precision storage, FP32 compute)."""
 
 
-# Ops kept in FP32 inside the region: their floating inputs are upcast before they run.
-_FP32_OPS = frozenset({
-    F.softmax, torch.softmax, torch.Tensor.softmax,
-    F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax,
-    F.layer_norm, F.group_norm, F.batch_norm, F.instance_norm, F.rms_norm,
-    F.cross_entropy, F.nll_loss, F.binary_cross_entropy_with_logits, F.mse_loss, F.kl_div,
-})
+def kernel_reason(precision: LayerPrecision, device: "torch.device | str") -> "str | None":
+    """Why the 2-D products of a layer in ``precision`` cannot use a real kernel on ``device``;
+    None when they can. The one place that decides kernel or emulation (the cost model asks it too).
 
-_GEMM_KERNELS = {Format.FP8_E4M3: Fp8Gemm, Format.FP8_E5M2: Fp8Gemm, Format.INT8: Int8Gemm}
-_SHAPE_OK = {Fp8Gemm: scaled_mm_shape_ok, Int8Gemm: int_mm_shape_ok}
+    Shapes never force emulation: operands are padded to the kernels' alignment.
+    """
+    fmt = precision.format
+    support = format_support(fmt, device)
+    if not support.kernel:
+        return support.reason
+    granularity = precision.scaling.granularity
+    if granularity is Granularity.BLOCK:
+        return "block scaling has no kernel"
+    if fmt is Format.FP8_E5M2 and granularity is Granularity.ROW:
+        return "row-wise torch._scaled_mm needs E4M3 operands"
+    return None
 
 
 def _is_weight(t: Any) -> bool:
-    """A Parameter or a view of one (``w.t()``): re-derivable from the FP32 master in backward."""
+    """A Parameter or a view of one (``w.t()``): cached per optimizer step, re-derivable in backward."""
     return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
 
 
@@ -82,38 +105,99 @@ def _unify_dtypes(tree: Any, dtype: torch.dtype) -> Any:
     return pytree.tree_map(lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t, tree)
 
 
+def as_gemm(op: str, func, args, kwargs):
+    """``(a (M,K), b (K,N), bias, beta, alpha, out_shape)`` when the op is one 2-D GEMM, else None."""
+    if op not in KERNEL_OPS:
+        return None
+    beta, alpha, bias = 1, 1, None
+    if op == "linear":
+        x, w = args[0], args[1]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        b = w.t()
+    elif op == "addmm":
+        bias, x, b = args[0], args[1], args[2]
+        beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+        if bias.dim() > 1:
+            return None
+    else:  # matmul / mm, incl. Tensor.__rmatmul__(self, other) == other @ self
+        x, b = (args[1], args[0]) if func is torch.Tensor.__rmatmul__ else (args[0], args[1])
+        if kwargs:
+            return None
+    if not (torch.is_tensor(x) and torch.is_tensor(b)) or x.dim() < 2 or b.dim() != 2:
+        return None
+    if not (x.is_floating_point() and b.is_floating_point()):
+        return None
+    return x.reshape(-1, x.shape[-1]), b, bias, beta, alpha, (*x.shape[:-1], b.shape[1])
+
+
 class _Layer:
-    """One planned layer while the runtime is alive: its precision, GEMM slots and report."""
+    """One planned layer while the runtime lives: its precision, quantizers and run report."""
 
-    def __init__(self, fqn: str, precision: LayerPrecision, device_type: str):
+    def __init__(self, fqn: str, module: nn.Module, precision: LayerPrecision, device: torch.device):
         self.fqn = fqn
+        self.module = module
         self.precision = precision
-        self.device_type = device_type
-        self.slots: list[GemmSlot] = []
-        self.calls_this_forward = 0
-        self.ops: dict[str, str] = {}  # op -> how it ran ("kernel ...", "emulated: ...", "autocast ...")
+        self.format = precision.format
+        self.low_precision = self.format in (Format.FP8_E4M3, Format.FP8_E5M2, Format.INT8)
+        self.kernel_reason = kernel_reason(precision, device) if self.low_precision else None
+        self.inputs: dict[str, InputQuantizer] = {}
+        self.calibrators: dict[str, Int8Calibrator] = {}
+        self.weights: dict[tuple, WeightQuantizer] = {}
+        self.ops: dict[str, str] = {}  # op -> how it ran ("kernel ...", "emulated (...)", "autocast ...")
+        self._bias_key: "tuple | None" = None
+        self._bias: "torch.Tensor | None" = None
 
-    def next_slot(self) -> GemmSlot:
-        index = self.calls_this_forward
-        self.calls_this_forward += 1
-        while len(self.slots) <= index:
-            s = self.precision.scaling
-            int8 = Int8Calibrator(self.precision.calibration, s.granularity) if self.precision.format is Format.INT8 else None
-            self.slots.append(GemmSlot(AmaxHistory(s.history_len, s.reduction), AmaxHistory(s.history_len, s.reduction), int8))
-        return self.slots[index]
+    def input_quantizer(self, key: str) -> InputQuantizer:
+        quantizer = self.inputs.get(key)
+        if quantizer is None:
+            quantizer = self.inputs[key] = InputQuantizer(self.format, self.precision.scaling)
+        return quantizer
+
+    def calibrator(self, key: str, channels: int) -> Int8Calibrator:
+        calibrator = self.calibrators.get(key)
+        if calibrator is None:
+            calibrator = self.calibrators[key] = Int8Calibrator(self.precision.calibration, channels)
+        return calibrator
+
+    def kernel_bias(self, bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``bias`` in ``dtype``, padded to the FP8 kernel's N; cached on the bias's version (in
+        eager mode) so a step does not re-cast it."""
+        key = (bias.data_ptr(), bias._version, dtype) if not torch.compiler.is_compiling() else None
+        if key is not None and self._bias_key == key:
+            return self._bias
+        with torch.no_grad():
+            padded = bias.to(dtype)
+            if bias.shape[0] % FP8_ALIGN:
+                padded = pad_to_multiple(padded.unsqueeze(0), 1, FP8_ALIGN).squeeze(0)
+        if key is not None:
+            self._bias_key, self._bias = key, padded
+        return padded
+
+    def weight_quantizer(self, key: tuple) -> WeightQuantizer:
+        quantizer = self.weights.get(key)
+        if quantizer is None:
+            rowwise = self.precision.scaling.granularity is Granularity.ROW
+            fmt = Format.INT8 if self.format is Format.INT8 else Format.FP8_E4M3
+            quantizer = self.weights[key] = WeightQuantizer(fmt, rowwise, INT8_ALIGN if fmt is Format.INT8 else FP8_ALIGN)
+        return quantizer
 
     def note(self, op: str, how: str) -> None:
-        if self.ops.get(op) == how:
+        if torch.compiler.is_compiling() or self.ops.get(op) == how:
             return
         if how.startswith("emulated") and not self.ops.get(op, "").startswith("emulated"):
-            message = f"autoprec: layer {self.fqn!r} runs {op} in {self.precision.format.value} {how}"
+            message = f"autoprec: layer {self.fqn!r} runs {op} in {self.format.value} {how}"
             warnings.warn(message, EmulationWarning, stacklevel=4)
             logger.info(message)
         self.ops[op] = how
 
 
-class _RegionMode(TorchFunctionMode):
-    """Routes FP8 / INT8 matrix products to the kernels and keeps FP32 ops in FP32."""
+class _LayerMode(TorchFunctionMode):
+    """Routes the matrix products of the innermost running planned layer by its format.
+
+    Entered only inside the forward of layers that need it (not for the whole region): FP8 / INT8
+    layers that are not plain ``nn.Linear``, FP32 layers holding lowered layers, and half layers
+    that run products CPU autocast leaves uncast.
+    """
 
     def __init__(self, runtime: "PlanRuntime"):
         super().__init__()
@@ -121,25 +205,16 @@ class _RegionMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _FP32_OPS:
-            return func(*[_to_fp32(a) for a in args], **{k: _to_fp32(v) for k, v in kwargs.items()})
         op = MATMUL_OPS.get(func)
-        if op is None:
-            return func(*args, **kwargs)
         stack = self.runtime._stack
-        if not stack:
-            self.runtime._note_uncovered(op)
+        if op is None or not stack:
             return func(*args, **kwargs)
         layer = stack[-1]
-        if layer.precision.format is Format.FP32:
+        if layer.format is Format.FP32:
             # A lowered child hands this FP32 layer half tensors; its own products stay FP32.
             return func(*pytree.tree_map(_to_fp32, args), **pytree.tree_map(_to_fp32, kwargs))
-        if layer.precision.format not in _GEMM_KERNELS:
-            half = layer.precision.format.autocast_dtype
-            if half is not None:
-                # Autocast does not cast every matrix product (CPU: mv, addmv, bilinear), and
-                # those fail on mixed dtypes; give them the layer's dtype as autocast would.
-                args, kwargs = _unify_dtypes((args, kwargs), half)
+        if not layer.low_precision:
+            args, kwargs = _unify_dtypes((args, kwargs), layer.format.dtype)
             return func(*args, **kwargs)
         return self.runtime._run_low_precision(layer, op, func, args, kwargs)
 
@@ -147,9 +222,8 @@ class _RegionMode(TorchFunctionMode):
 class PlanRuntime:
     """Applies ``plan`` to ``model`` inside ``with runtime:``; reusable, not re-entrant.
 
-    Use `apply_plan` to make one. Entering wraps the planned layers' forwards; exiting restores
-    the model exactly (also when the body raises). Parameters, their dtypes and ``state_dict()``
-    are never touched: weights stay FP32 masters and receive FP32 gradients.
+    Use `apply_plan` to make one. Parameters, their dtypes and ``state_dict()`` are never touched:
+    weights stay FP32 masters and receive FP32 gradients.
     """
 
     def __init__(self, model: nn.Module, plan: Plan, *, validate: bool = True, example_inputs: Any = None):
@@ -160,39 +234,125 @@ class PlanRuntime:
         first = next(model.parameters(), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self.device_type = self.device.type
-        self._layers = {fqn: _Layer(fqn, lp, self.device_type) for fqn, lp in plan.layers.items()}
+        modules = dict(model.named_modules())
+        self._layers = {fqn: _Layer(fqn, modules[fqn], lp, self.device) for fqn, lp in plan.layers.items()}
+        self._param_names = {id(p): name for name, p in model.named_parameters()}
         formats = {lp.format for lp in plan.layers.values()}
         self.low_precision = formats != {Format.FP32}
         # Between layers, tensors carry autocast's half dtype: FP16 only for a plan whose half
         # layers are all FP16 (mixing FP16 activations into BF16 layers would lose range).
         self.region_dtype = torch.float16 if (Format.FP16 in formats and Format.BF16 not in formats) else torch.bfloat16
+        # INT8 (and FP8 FP32-gradient) backward runs in BF16 on CUDA and FP32 on CPU, where BF16
+        # matrix units are not a given.
+        self.backward_dtype = torch.bfloat16 if self.device_type == "cuda" else torch.float32
         self._stack: list[_Layer] = []
+        self._mode_active = False
+        self._wrappers = self._build_wrappers() if self.low_precision else {}
         self._active = False
         self._exit_stack: "contextlib.ExitStack | None" = None
         self._restore: list[tuple[nn.Module, bool, Any]] = []
         self._uncovered: set[str] = set()
+
+    # -- installation (once per runtime) ------------------------------------------------------
+
+    def _needs_mode(self, layer: _Layer, planned_below: bool) -> bool:
+        if layer.format is Format.FP32:
+            return planned_below
+        if layer.low_precision:
+            # Only an unpatched nn.Linear forward is known to be exactly F.linear(x, weight, bias).
+            plain_linear = type(layer.module).forward is nn.Linear.forward and "forward" not in layer.module.__dict__
+            return not plain_linear or layer.kernel_reason is not None
+        ops = set(self.plan.fingerprint[layer.fqn].ops) if layer.fqn in self.plan.fingerprint else set()
+        return bool(ops & _AUTOCAST_UNCAST.get(self.device_type, frozenset())) or not ops
+
+    def _build_wrappers(self) -> dict[str, Any]:
+        """fqn -> the forward to install for every layer that needs one (see the module docstring)."""
+        fqns = list(self._layers)
+
+        def ancestors(fqn):
+            return [f for f in fqns if f != fqn and (f == "" or fqn.startswith(f + "."))]
+
+        def descendants(fqn):
+            return [f for f in fqns if f != fqn and (fqn == "" or f.startswith(fqn + "."))]
+
+        wrappers: dict[str, Any] = {}
+        for fqn in sorted(fqns, key=lambda f: (f.count(".") if f else -1)):  # parents first
+            layer = self._layers[fqn]
+            below = any(self._layers[d].format is not Format.FP32 for d in descendants(fqn))
+            mode = self._needs_mode(layer, below)
+            own_scope = (
+                mode
+                or layer.format is Format.FP32
+                or layer.low_precision
+                or layer.format.dtype != self.region_dtype
+                or any(a in wrappers for a in ancestors(fqn))
+            )
+            if own_scope:
+                wrappers[fqn] = self._wrapper(layer, mode)
+        return wrappers
+
+    def _wrapper(self, layer: _Layer, mode: bool):
+        module, fmt, device_type, stack = layer.module, layer.format, self.device_type, self._stack
+        original = module.forward  # a forward the user patched onto the instance is kept
+        direct_linear = layer.low_precision and not mode
+        if direct_linear:
+            layer.ops = {"linear": self._kernel_name(layer)}
+        elif fmt in (Format.BF16, Format.FP16):
+            layer.ops = {"*": f"torch.autocast({device_type!r}, {fmt.dtype})"}
+        runtime = self
+
+        def forward(*args, **kwargs):
+            if direct_linear:
+                return runtime._linear(layer, args[0] if args else kwargs["input"], module.weight, module.bias)
+            if fmt is Format.FP32:
+                args, kwargs = pytree.tree_map(_to_fp32, (args, kwargs))
+                scope = torch.autocast(device_type, enabled=False)
+            elif fmt in (Format.BF16, Format.FP16):
+                scope = torch.autocast(device_type, dtype=fmt.dtype)
+            else:
+                scope = contextlib.nullcontext()
+            enter_mode = mode and not runtime._mode_active
+            stack.append(layer)
+            try:
+                with scope, (runtime._layer_mode() if enter_mode else contextlib.nullcontext()):
+                    return original(*args, **kwargs)
+            finally:
+                stack.pop()
+
+        return forward
+
+    @contextlib.contextmanager
+    def _layer_mode(self):
+        self._mode_active = True
+        try:
+            with _LayerMode(self):
+                yield
+        finally:
+            self._mode_active = False
+
+    @staticmethod
+    def _kernel_name(layer: _Layer) -> str:
+        if layer.kernel_reason is not None:
+            return f"emulated ({layer.kernel_reason})"
+        return "kernel torch._int_mm" if layer.format is Format.INT8 else "kernel torch._scaled_mm"
 
     # -- context ------------------------------------------------------------------------------
 
     def __enter__(self) -> "PlanRuntime":
         if self._active:
             raise RuntimeStateError("this plan runtime is already active; exit it before entering again (it is not re-entrant)")
-        modules = dict(self.model.named_modules())
-        for fqn in self._layers:
-            held = getattr(modules[fqn].__dict__.get("forward"), "__autoprec_runtime__", None)
-            if held is not None:
+        for fqn, layer in self._layers.items():
+            if _ACTIVE_MARK in layer.module.__dict__:
                 raise RuntimeStateError(f"layer {fqn!r} already runs under another active autoprec plan; exit that one first")
+        for layer in self._layers.values():
+            layer.module.__dict__[_ACTIVE_MARK] = self
         stack = contextlib.ExitStack()
-        try:
-            if self.low_precision:
-                stack.enter_context(torch.autocast(self.device_type, dtype=self.region_dtype))
-                for fqn, layer in self._layers.items():
-                    self._wrap(modules[fqn], layer)
-                stack.enter_context(_RegionMode(self))
-        except BaseException:
-            stack.close()
-            self._unwrap()
-            raise
+        if self.low_precision:
+            stack.enter_context(torch.autocast(self.device_type, dtype=self.region_dtype))
+        for fqn, forward in self._wrappers.items():
+            module = self._layers[fqn].module
+            self._restore.append((module, "forward" in module.__dict__, module.__dict__.get("forward")))
+            module.forward = forward
         self._exit_stack = stack
         self._active = True
         return self
@@ -203,7 +363,14 @@ class PlanRuntime:
         try:
             self._exit_stack.close()
         finally:
-            self._unwrap()
+            for module, had_own, previous in reversed(self._restore):
+                if had_own:
+                    module.forward = previous
+                else:
+                    module.__dict__.pop("forward", None)
+            self._restore.clear()
+            for layer in self._layers.values():
+                layer.module.__dict__.pop(_ACTIVE_MARK, None)
             self._stack.clear()
             self._exit_stack = None
             self._active = False
@@ -212,114 +379,83 @@ class PlanRuntime:
     def active(self) -> bool:
         return self._active
 
-    def _wrap(self, module: nn.Module, layer: _Layer) -> None:
-        had_own = "forward" in module.__dict__
-        original = module.forward
-        self._restore.append((module, had_own, module.__dict__.get("forward")))
-        fmt = layer.precision.format
-        device_type = self.device_type
-        stack = self._stack
-
-        if fmt in (Format.BF16, Format.FP16):
-            def scope():
-                return torch.autocast(device_type, dtype=fmt.dtype)
-            layer.ops = {"*": f"torch.autocast({device_type!r}, {fmt.dtype})"}
-        elif fmt is Format.FP32:
-            def scope():
-                return torch.autocast(device_type, enabled=False)
-        else:
-            scope = contextlib.nullcontext
-
-        @functools.wraps(original)
-        def forward(*args, **kwargs):
-            if fmt is Format.FP32:
-                args, kwargs = pytree.tree_map(_to_fp32, (args, kwargs))
-            layer.calls_this_forward = 0
-            stack.append(layer)
-            try:
-                with scope():
-                    return original(*args, **kwargs)
-            finally:
-                stack.pop()
-
-        forward.__autoprec_runtime__ = self
-        module.forward = forward
-
-    def _unwrap(self) -> None:
-        for module, had_own, previous in reversed(self._restore):
-            if had_own:
-                module.forward = previous
-            else:
-                module.__dict__.pop("forward", None)
-        self._restore.clear()
-
     # -- low-precision matrix products --------------------------------------------------------
 
     def _out_dtype(self, reference: torch.Tensor) -> torch.dtype:
         if torch.is_autocast_enabled(self.device_type):
             return torch.get_autocast_dtype(self.device_type)
-        return reference.dtype
+        return reference.dtype if reference.dtype in (torch.float16, torch.bfloat16) else torch.float32
+
+    def _linear(self, layer: _Layer, x: torch.Tensor, weight: torch.Tensor, bias, weight_key: "str | None" = None):
+        """``x @ weight.T + bias`` in the layer's format; ``weight`` is (N, K), x is (..., K)."""
+        if layer.kernel_reason is not None:
+            return self._emulate(layer, "linear", torch.nn.functional.linear, (x, weight, bias), {})
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        n, k = weight.shape
+        out_dtype = self._out_dtype(x)
+        grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        key = weight_key or self._param_names.get(id(weight), "weight")
+        wq = layer.weight_quantizer((key, weight.stride())).get(weight, need_transposed=grad)
+        if layer.format is Format.INT8:
+            out = self._int8(layer, key, x2, weight, bias, wq, out_dtype, k, n)
+        else:
+            # _scaled_mm fuses no bias into an FP32 output: there it is added after the kernel.
+            fused = bias is not None and out_dtype != torch.float32
+            kernel_bias = layer.kernel_bias(bias, out_dtype) if fused else None
+            rowwise = layer.precision.scaling.granularity is Granularity.ROW
+            record = torch.is_grad_enabled()
+            with torch.no_grad():
+                x_inv = layer.input_quantizer(key).inverse_scale(x2, record=record)
+            spec = Fp8Spec(layer.format, layer.precision.grad_format, rowwise, out_dtype, k, n)
+            out = Fp8Linear.apply(
+                x2, weight, bias if fused else None, kernel_bias, x_inv,
+                wq.data, wq.inv_scale, wq.transposed, wq.backward_inv_scale, spec,
+            )
+            if bias is not None and not fused:
+                out = out + bias
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
+
+    def _int8(self, layer, key, x2, weight, bias, wq, out_dtype, k, n):
+        keep = index = valid = None
+        if layer.precision.scaling.granularity is Granularity.ROW:
+            with torch.no_grad():
+                x_inv = inverse_scale(amax_fp32(x2, dim=1), Format.INT8)
+        else:
+            calibrator = layer.calibrator(key, k)
+            calibrator.to(x2.device)
+            x_inv = calibrator.observe(x2)
+            if calibrator.has_outliers:
+                keep, index, valid = calibrator.keep, calibrator.outlier_index, calibrator.outlier_valid
+        spec = Int8Spec(out_dtype, self.backward_dtype, k, n)
+        return Int8Linear.apply(x2, weight, bias, x_inv, wq.data, wq.inv_scale, keep, index, valid, spec)
 
     def _run_low_precision(self, layer: _Layer, op: str, func, args, kwargs):
-        gemm = self._as_gemm(op, func, args, kwargs)
+        gemm = as_gemm(op, func, args, kwargs)
         if gemm is None:
             return self._emulate(layer, op, func, args, kwargs, "no FP8/INT8 kernel for this op")
+        if layer.kernel_reason is not None:
+            return self._emulate(layer, op, func, args, kwargs)
         a, b, bias, beta, alpha, out_shape = gemm
-        kernel = _GEMM_KERNELS[layer.precision.format]
-        support = format_support(layer.precision.format, a.device)
-        m, k = a.shape
-        n = b.shape[1]
-        reason = None
-        if not support.kernel:
-            reason = support.reason
-        elif layer.precision.scaling.granularity is Granularity.BLOCK:
-            reason = "block scaling has no kernel"
-        elif not _SHAPE_OK[kernel](a.device, m, k, n):
-            reason = f"shape (M={m}, K={k}, N={n}) does not fit the kernel's alignment"
-        if reason is not None:
-            return self._emulate(layer, op, func, args, kwargs, reason)
-        slot = layer.next_slot()
-        slot.kernel_calls += 1
-        layer.note(op, "kernel torch._scaled_mm" if kernel is Fp8Gemm else "kernel torch._int_mm")
-        out = kernel.apply(a, b, bias if beta == 1 else None, layer.precision, slot, _is_weight(b), torch.is_grad_enabled())
+        layer.note(op, self._kernel_name(layer))
+        weight_key = None
+        if _is_weight(b):
+            base = b if isinstance(b, nn.Parameter) else b._base
+            weight_key = self._param_names.get(id(base))
+        else:
+            weight_key = f"activation:{op}"
+        out = self._linear(layer, a, b.t(), bias if beta == 1 else None, weight_key=weight_key)
         if alpha != 1:
             out = out * alpha
         if bias is not None and beta != 1:
             out = out + beta * bias
-        return out.reshape(out_shape).to(self._out_dtype(a))
+        return out.reshape(out_shape)
 
-    @staticmethod
-    def _as_gemm(op: str, func, args, kwargs):
-        """(a (M,K), b (K,N), bias, beta, alpha, out_shape) when the op is one 2-D GEMM, else None."""
-        if op not in KERNEL_OPS:
-            return None
-        beta, alpha, bias = 1, 1, None
-        if op == "linear":
-            x, w = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            b = w.t()
-        elif op == "addmm":
-            bias, x, b = args[0], args[1], args[2]
-            beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
-            if bias.dim() > 1:
-                return None
-        else:  # matmul / mm, incl. Tensor.__rmatmul__(self, other) == other @ self
-            x, b = (args[1], args[0]) if func is torch.Tensor.__rmatmul__ else (args[0], args[1])
-            if kwargs:
-                return None
-        if not (torch.is_tensor(x) and torch.is_tensor(b)) or x.dim() < 2 or b.dim() != 2:
-            return None
-        if not (x.is_floating_point() and b.is_floating_point()):
-            return None
-        a = x.reshape(-1, x.shape[-1])
-        return a, b, bias, beta, alpha, (*x.shape[:-1], b.shape[1])
-
-    def _emulate(self, layer: _Layer, op: str, func, args, kwargs, reason: str):
+    def _emulate(self, layer: _Layer, op: str, func, args, kwargs, reason: "str | None" = None):
         """Run the op in FP32 on inputs rounded to the layer's format, saving them in that format."""
-        slot = layer.next_slot()
-        slot.emulated_calls += 1
-        layer.note(op, f"emulated ({reason}): {layer.precision.format.value} storage, FP32 compute, current {layer.precision.scaling.granularity.value} scaling")
-        fmt, grad_fmt = layer.precision.format, layer.precision.grad_format
+        reason = reason or layer.kernel_reason
+        fmt, grad_fmt = layer.format, layer.precision.grad_format
+        granularity = layer.precision.scaling.granularity
+        layer.note(op, f"emulated ({reason}): {fmt.value} storage, FP32 compute, current {granularity.value} scaling")
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensor_at = [i for i, v in enumerate(leaves) if torch.is_tensor(v)]
         tensors = [leaves[i] for i in tensor_at]
@@ -332,8 +468,6 @@ class PlanRuntime:
                 filled[i] = v
             call_args, call_kwargs = pytree.tree_unflatten(filled, spec)
             return func(*call_args, **call_kwargs)
-
-        granularity = layer.precision.scaling.granularity
 
         def scaler(i, x):
             """Weights: per output channel (dim 0) for INT8 and ROW, 128x128 tiles for BLOCK;
@@ -348,24 +482,20 @@ class PlanRuntime:
                 return (per_row.reshape(-1, *([1] * (x.dim() - 1))) if weights[i] else per_row), Granularity.TENSOR, ACTIVATION_BLOCK
             return scale_from_amax(amax(x), fmt), Granularity.TENSOR, ACTIVATION_BLOCK
 
-        out = _StoredWithRng.apply(fn, fmt, grad_fmt, scaler, weights, *tensors)
+        out = StoredInFormat.apply(fn, fmt, grad_fmt, scaler, weights, *tensors)
         return out.to(out_dtype) if torch.is_tensor(out) and out.is_floating_point() else out
-
-    def _note_uncovered(self, op: str) -> None:
-        if op not in self._uncovered:
-            self._uncovered.add(op)
-            message = f"autoprec: a {op} ran outside every planned layer; make the plan with an example input to cover it"
-            warnings.warn(message, EmulationWarning, stacklevel=4)
-            logger.info(message)
 
     # -- state and report ---------------------------------------------------------------------
 
     def report(self) -> dict[str, dict]:
-        """Per layer: planned format, how each op ran (kernel / emulated and why), calibration."""
+        """Per layer: planned format, how each op ran (kernel / emulated and why), calibration.
+
+        Reading INT8 calibration figures syncs once per calibrated input.
+        """
         out = {}
         for fqn, layer in self._layers.items():
-            entry = {"format": layer.precision.format.value, "ops": dict(layer.ops)}
-            calibration = [s.int8.report for s in layer.slots if s.int8 is not None and s.int8.report]
+            entry = {"format": layer.format.value, "ops": dict(layer.ops)}
+            calibration = [c.report for c in layer.calibrators.values() if c.report]
             if calibration:
                 entry["calibration"] = calibration
             out[fqn] = entry
@@ -382,55 +512,56 @@ class PlanRuntime:
         }
 
     def recalibrate(self, fqns=None) -> None:
-        """Drop frozen INT8 scales (and amax histories) of the named layers (default: all)."""
+        """Forget INT8 calibration, amax histories and cached weights of the named layers (default: all)."""
         for fqn in fqns if fqns is not None else self._layers:
-            for slot in self._layers[fqn].slots:
-                s = self._layers[fqn].precision.scaling
-                slot.a_history = AmaxHistory(s.history_len, s.reduction)
-                slot.b_history = AmaxHistory(s.history_len, s.reduction)
-                if slot.int8 is not None:
-                    slot.int8.recalibrate()
+            layer = self._layers[fqn]
+            for calibrator in layer.calibrators.values():
+                calibrator.recalibrate()
+            for quantizer in layer.inputs.values():
+                quantizer.reset()
+            for quantizer in layer.weights.values():
+                quantizer.clear()
 
     def state_dict(self) -> dict:
-        return {"layers": {fqn: [slot.state_dict() for slot in layer.slots] for fqn, layer in self._layers.items() if layer.slots}}
+        """Per layer, the input quantizers' histories and INT8 calibrations, keyed by weight name."""
+        layers = {}
+        for fqn, layer in self._layers.items():
+            if layer.inputs or layer.calibrators:
+                layers[fqn] = {
+                    "inputs": {key: q.state_dict() for key, q in layer.inputs.items()},
+                    "calibrators": {key: c.state_dict() for key, c in layer.calibrators.items()},
+                }
+        return {"layers": layers}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict`; tensors move to the data's device on first use (any map_location)."""
         unknown = sorted(set(state["layers"]) - set(self._layers))
         if unknown:
             raise RuntimeStateError(f"runtime state names layers this plan lacks: {unknown}")
-        for fqn, slots in state["layers"].items():
+        for fqn, saved in state["layers"].items():
             layer = self._layers[fqn]
-            layer.calls_this_forward = 0
-            for slot_state in slots:
-                layer.next_slot().load_state_dict(slot_state)
-            layer.calls_this_forward = 0
+            try:
+                for key, q_state in saved["inputs"].items():
+                    layer.input_quantizer(key).load_state_dict(q_state)
+                for key, c_state in saved["calibrators"].items():
+                    channels = c_state["channel_amax"].numel() if c_state["channel_amax"] is not None else layer.module.weight.shape[-1]
+                    layer.calibrator(key, channels).load_state_dict(c_state)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise RuntimeStateError(f"runtime state for layer {fqn!r} does not match this plan: {exc}") from None
 
-
-class _StoredWithRng(StoredInFormat):
-    """`StoredInFormat` whose backward recompute sees the forward's RNG state (dropout inside
-    attention draws the same mask twice), as activation checkpointing does."""
-
-    @staticmethod
-    def forward(ctx, fn, fmt, grad_fmt, scaler, is_weight, *inputs):
-        ctx.cpu_rng = torch.get_rng_state()
-        ctx.cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        return StoredInFormat.forward(ctx, fn, fmt, grad_fmt, scaler, is_weight, *inputs)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        devices = [torch.cuda.current_device()] if ctx.cuda_rng is not None else []
-        with torch.random.fork_rng(devices=devices):
-            torch.set_rng_state(ctx.cpu_rng)
-            if ctx.cuda_rng is not None:
-                torch.cuda.set_rng_state(ctx.cuda_rng)
-            return StoredInFormat.backward(ctx, grad_out)
+    def _note_uncovered(self, op: str) -> None:
+        if op not in self._uncovered:
+            self._uncovered.add(op)
+            message = f"autoprec: a {op} ran outside every planned layer; make the plan with an example input to cover it"
+            warnings.warn(message, EmulationWarning, stacklevel=4)
+            logger.info(message)
 
 
 def apply_plan(model: nn.Module, plan: Plan, *, validate: bool = True, example_inputs: Any = None) -> PlanRuntime:
     """A `PlanRuntime` for ``model``: ``with apply_plan(model, plan): ...``.
 
-    Keep the returned runtime and re-enter it every step so amax histories and INT8 calibration
-    carry over; a fresh ``apply_plan`` starts them anew. Validation (``plan.validate``) runs once
-    here and raises `PlanError` naming every problem.
+    Keep the returned runtime and re-enter it every step so amax histories, INT8 calibration and
+    the per-step weight cache carry over; a fresh ``apply_plan`` starts them anew. Validation
+    (``plan.validate``) runs once here and raises `PlanError` naming every problem.
     """
     return PlanRuntime(model, plan, validate=validate, example_inputs=example_inputs)

@@ -1,0 +1,196 @@
+"""FP8 and INT8 linear products as autograd functions that obey cuBLASLt's rules on CUDA.
+
+``y = x @ W.T (+ bias)`` with x (M, K) and W (N, K), the layout of ``nn.Linear`` (any other 2-D
+product is brought to it by the caller). Three GEMMs per training step:
+
+- forward   ``y  = x  @ W.T``: ``_scaled_mm(xq (M,K) row-major, Wq.T (K,N) column-major)``, the
+  bias fused into the kernel, output in the region's half dtype, fast accumulation (as torchao);
+- input gradient  ``dx = g @ W``: ``_scaled_mm(gq (M,N) row-major, W (N,K) column-major)``;
+- weight gradient ``dW = g.T @ x``: ``_scaled_mm(gq.T (N,M) row-major, xq (M,K) column-major)``,
+  in FP32, since it goes straight to the FP32 master weight.
+
+The rules each call meets (``aten/src/ATen/native/cuda/Blas.cpp``, ``_scaled_mm_out_cuda``):
+first operand row-major and second column-major; K and N multiples of 16 — K is the token count
+in the weight-gradient GEMM, so tokens are padded with zero rows there (zero rows change no
+gradient); never E5M2 x E5M2 (weights are E4M3; an E5M2 layer's weight gradient takes an E4M3
+copy of the output gradient); per-tensor scales as 0-d FP32 tensors, row-wise as (M, 1) and
+(1, N) FP32 with E4M3 operands and BF16 output. ``_int_mm`` (``_int_mm_out_cuda``): M > 16 and
+K, N multiples of 8, so rows and columns are padded the same way.
+
+INT8 layers differentiate in high precision (INT8 has no useful gradient format): in BF16 on
+CUDA, in FP32 on CPU, from the INT8-saved input and the FP32 master weight.
+
+What is saved for backward: the input in its low-precision format (1 byte per element), the
+weight's cached low-precision transpose (shared with the runtime's cache, so no extra memory),
+and scalars. The master weight itself is never copied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..formats import Format
+from .quantize import amax, inverse_scale, pad_to_multiple, to_fp8, to_int8
+
+__all__ = ["Fp8Spec", "Int8Spec", "Fp8Linear", "Int8Linear", "FP8_ALIGN", "INT8_ALIGN", "INT8_MIN_ROWS"]
+
+FP8_ALIGN = 16  # _scaled_mm: K and N multiples of 16
+INT8_ALIGN = 8  # _int_mm: K and N multiples of 8
+INT8_MIN_ROWS = 17  # _int_mm: M > 16
+
+
+def _pad_rows_fp8(q: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Zero rows appended to an FP8 matrix, through its bytes (0x00 is +0.0 in both FP8 formats;
+    padding kernels do not all take float8 dtypes)."""
+    if q.shape[0] % multiple == 0:
+        return q
+    return pad_to_multiple(q.view(torch.uint8), multiple, 1).view(q.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Spec:
+    """What one FP8 linear computes: formats, row-wise forward, output dtype and true sizes."""
+
+    input_format: Format  # E4M3 or E5M2
+    grad_format: Format  # E4M3, E5M2, or FP32 (a high-precision backward)
+    rowwise: bool
+    out_dtype: torch.dtype  # the region's half dtype
+    in_features: int
+    out_features: int
+
+
+class Fp8Linear(torch.autograd.Function):
+    """``x @ W.T + bias`` through ``torch._scaled_mm`` (three GEMMs, see the module docstring).
+
+    Inputs: ``x`` (M, K) in any float dtype, ``weight`` (N, K) (only for autograd: its gradient is
+    returned), ``bias`` (N,) or None (for autograd: its gradient is returned), ``kernel_bias`` the
+    same bias as the kernel takes it (padded to N', in ``spec.out_dtype``) or None, ``x_inv`` the input's inverse scale, then the `QuantizedWeight` tensors (``w_data``,
+    ``w_inv``, ``w_t``, ``w_t_inv`` — None when it is ``w_inv``). Returns (M, N) in ``spec.out_dtype``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, kernel_bias, x_inv, w_data, w_inv, w_t, w_t_inv, spec: Fp8Spec):
+        fmt = spec.input_format
+        xp = pad_to_multiple(x, 1, FP8_ALIGN)
+        # contiguous(): an elementwise cast keeps a transposed input's layout, and the first
+        # operand must be row-major.
+        xq = to_fp8(xp, x_inv, fmt).contiguous()
+        out = torch._scaled_mm(
+            xq, w_data.t(), scale_a=x_inv, scale_b=w_inv.t() if spec.rowwise else w_inv,
+            bias=kernel_bias, out_dtype=spec.out_dtype, use_fast_accum=True,
+        )
+        if out.shape[1] != spec.out_features:
+            out = out[:, : spec.out_features]
+        if spec.rowwise:
+            # Backward GEMMs contract over the rows the forward scales ran along: they take a
+            # per-tensor quantization of the same input, made now from the high-precision x.
+            x_inv = inverse_scale(amax(xp), fmt)
+            xq = to_fp8(xp, x_inv, fmt).contiguous()
+        ctx.spec = spec
+        ctx.x_dtype = x.dtype
+        ctx.has_bias = bias is not None
+        # Per-tensor weights use one scale both ways (passed once: autograd functions take no
+        # tensor twice under torch.compile).
+        ctx.save_for_backward(xq, x_inv, w_t, w_inv if w_t_inv is None else w_t_inv)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xq, x_inv, w_t, w_t_inv = ctx.saved_tensors
+        spec: Fp8Spec = ctx.spec
+        g = pad_to_multiple(grad_out, 1, FP8_ALIGN)
+        grad_x = grad_w = grad_bias = None
+        if spec.grad_format is Format.FP32:
+            # A high-precision backward from the low-precision saved operands (dequantized).
+            compute = grad_out.dtype
+            if ctx.needs_input_grad[0]:
+                grad_x = g @ (w_t.t().to(compute) * w_t_inv.to(compute))
+            if ctx.needs_input_grad[1]:
+                grad_w = (g.t() @ (xq.to(compute) * x_inv.to(compute))).float()
+        else:
+            g_amax = amax(g)
+            g_inv = inverse_scale(g_amax, spec.grad_format)
+            gq = to_fp8(g, g_inv, spec.grad_format).contiguous()
+            if ctx.needs_input_grad[0]:
+                out_dtype = ctx.x_dtype if ctx.x_dtype in (torch.float32, torch.bfloat16, torch.float16) else spec.out_dtype
+                grad_x = torch._scaled_mm(gq, w_t.t(), scale_a=g_inv, scale_b=w_t_inv, out_dtype=out_dtype)
+            if ctx.needs_input_grad[1]:
+                if spec.input_format is Format.FP8_E5M2 and spec.grad_format is Format.FP8_E5M2:
+                    g_inv = inverse_scale(g_amax, Format.FP8_E4M3)
+                    gq = to_fp8(g, g_inv, Format.FP8_E4M3).contiguous()
+                g_rows = _pad_rows_fp8(gq, FP8_ALIGN).t().contiguous()
+                x_cols = _pad_rows_fp8(xq, FP8_ALIGN).t().contiguous().t()
+                grad_w = torch._scaled_mm(g_rows, x_cols, scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32)
+        if grad_x is not None and grad_x.shape[1] != spec.in_features:
+            grad_x = grad_x[:, : spec.in_features]
+        if grad_w is not None and grad_w.shape != (spec.out_features, spec.in_features):
+            grad_w = grad_w[: spec.out_features, : spec.in_features]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_out.sum(0, dtype=torch.float32)
+        return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Spec:
+    """What one INT8 linear computes: output dtype, backward dtype and true sizes."""
+
+    out_dtype: torch.dtype
+    backward_dtype: torch.dtype  # BF16 on CUDA, FP32 on CPU
+    in_features: int
+    out_features: int
+
+
+class Int8Linear(torch.autograd.Function):
+    """``x @ W.T + bias`` through ``torch._int_mm`` (INT8 x INT8 → INT32), high-precision backward.
+
+    Inputs: ``x`` (M, K), ``weight`` (N, K) the FP32 master (used by backward), ``bias``,
+    ``x_inv`` the input's inverse scale (``()`` or ``(M, 1)``), ``w_data`` (N', K') INT8 and
+    ``w_inv_row`` (1, N) its per-output-channel inverse scales; ``keep`` (K,) 0/1 mask of channels quantized to INT8,
+    ``outlier_index`` / ``outlier_valid`` (slots,) the channels computed apart — all three None
+    when the layer keeps no outliers.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, x_inv, w_data, w_inv_row, keep, outlier_index, outlier_valid, spec: Int8Spec):
+        m = x.shape[0]
+        main = x if keep is None else x * keep
+        rows = INT8_MIN_ROWS if m < INT8_MIN_ROWS else 1
+        padded_inv = x_inv if x_inv.dim() == 0 else pad_to_multiple(x_inv, rows, 1, value=1.0)
+        xq = to_int8(pad_to_multiple(main, rows, INT8_ALIGN), padded_inv).contiguous()
+        acc = torch._int_mm(xq, w_data.t())
+        if acc.shape != (m, spec.out_features):
+            acc = acc[:m, : spec.out_features]
+        # INT32 accumulators times the two scales, plus the bias, in one op.
+        scale = x_inv * w_inv_row
+        out = acc * scale if bias is None else torch.addcmul(bias, acc, scale)
+        side = None
+        if keep is not None:
+            side = x.index_select(1, outlier_index) * outlier_valid
+            out = torch.addmm(out, side.to(out.dtype), weight.index_select(1, outlier_index).t().to(out.dtype))
+        ctx.spec = spec
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(xq, x_inv, weight, side, outlier_index)
+        return out.to(spec.out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xq, x_inv, weight, side, outlier_index = ctx.saved_tensors
+        spec: Int8Spec = ctx.spec
+        compute = spec.backward_dtype
+        g = grad_out.to(compute)
+        m = g.shape[0]
+        grad_x = grad_w = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = g @ weight.to(compute)
+        if ctx.needs_input_grad[1]:
+            if xq.shape != (m, spec.in_features):
+                xq = xq[:m, : spec.in_features]
+            x_hat = xq.to(compute) * x_inv.to(compute)
+            if side is not None:
+                x_hat = x_hat.index_add(1, outlier_index, side.to(compute))
+            grad_w = (g.t() @ x_hat).float()
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_out.sum(0, dtype=torch.float32)
+        return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None
