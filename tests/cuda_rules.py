@@ -19,15 +19,17 @@ Sources of the rules (pytorch/pytorch):
 - NVIDIA cuBLAS docs, ``cublasLtMatmul`` FP8 requirements: 16-byte aligned pointers and leading
   dimensions.
 
-Casts: a finite value above the FP8 format's max reaching a cast relies on saturation, which
+Casts: a finite value that a cast rounds past the FP8 format's max relies on saturation, which
 eager CUDA casts lack before torch 2.12 (E4M3 gives NaN) and E5M2 never has (it gives inf).
-Infinities and NaN may reach a cast: they must propagate.
+Values up to max plus half an ulp round to max on every device and pass. Infinities and NaN may
+reach a cast: they must propagate.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -83,11 +85,12 @@ def _scaled_mm_problems(a, b, scale_a, scale_b, bias, scale_result, out_dtype) -
         problems.append("operands must be float8_e4m3fn or float8_e5m2")
     elif a.dtype == b.dtype == torch.float8_e5m2:
         problems.append("E5M2 x E5M2 is not supported (make one operand E4M3)")
-    if k % 16 or n % 16:
-        problems.append(f"K={k} and N={n} must be divisible by 16 (pad them)")
+    unaligned = [f"{name}={size}" for name, size in (("K", k), ("N", n)) if size % 16]
+    if unaligned:
+        problems.append(f"{' and '.join(unaligned)} must be divisible by 16 (pad)")
     if not (_row_major(a) and _col_major(b)):
         problems.append("first operand must be row-major and second column-major")
-    elif not (k % 16 or n % 16):  # a slice can keep K, N aligned and still break the pointer
+    elif not unaligned:  # a slice can keep K, N aligned and still break the pointer
         misaligned = [
             name
             for name, t, lead in (("a", a, a.stride(0)), ("b", b, b.stride(1)))
@@ -137,17 +140,29 @@ def _int_mm_problems(a, b) -> list[str]:
         problems.append("operands must be int8")
     if m <= 16:
         problems.append(f"M={m} must be greater than 16")
-    if k <= 0 or k % 8 or n <= 0 or n % 8:
-        problems.append(f"K={k} and N={n} must be positive multiples of 8 (pad them)")
+    unaligned = [f"{name}={size}" for name, size in (("K", k), ("N", n)) if size <= 0 or size % 8]
+    if unaligned:
+        problems.append(f"{' and '.join(unaligned)} must be positive multiples of 8 (pad)")
     if not _row_major(a):
         problems.append("first operand must be row-major (cuBLASLt rejects a transposed one)")
     return problems
 
 
-def _overflow_count(src: torch.Tensor, dst_dtype: torch.dtype) -> int:
-    """Finite elements of ``src`` beyond the max of ``dst_dtype`` (one pass, one host sync)."""
+def _rounding_limit(dtype: torch.dtype) -> float:
+    """The smallest magnitude a round-to-nearest cast takes past the format's max: max plus half
+    an ulp at max (E4M3: 448 + 16, E5M2: 57344 + 4096). Below it the cast gives max without any
+    saturation (c10/util/Float8_e4m3fn.h ``fp8e4m3fn_from_fp32_value``); from it on, NaN or inf."""
+    info = torch.finfo(dtype)
+    return info.max + 2.0 ** math.floor(math.log2(info.max)) * info.eps / 2
+
+
+def _overflow(src: torch.Tensor, dst_dtype: torch.dtype) -> tuple[int, float]:
+    """How many finite elements of ``src`` a cast to ``dst_dtype`` takes past its max, and the
+    largest finite magnitude (two reductions, one host sync)."""
     wide = src.double() if src.dtype == torch.float64 or not src.is_floating_point() else src.float()
-    return int((torch.isfinite(wide) & (wide.abs() > torch.finfo(dst_dtype).max)).sum())
+    magnitude = torch.where(torch.isfinite(wide), wide.abs(), 0.0)
+    over = magnitude >= _rounding_limit(dst_dtype)
+    return int(over.sum()), float(magnitude.max()) if magnitude.numel() else 0.0
 
 
 class CudaRules(TorchDispatchMode):
@@ -212,9 +227,10 @@ class CudaRules(TorchDispatchMode):
         if dst_dtype not in FP8 or src.dtype == dst_dtype:
             return
         self.counts["fp8_cast"] += 1
-        over = _overflow_count(src, dst_dtype)
+        over, largest = _overflow(src, dst_dtype)
         if over:
-            rule = f"{over} finite value(s) above {torch.finfo(dst_dtype).max:g} rely on saturation (scale or clamp first)"
+            limit = torch.finfo(dst_dtype).max
+            rule = f"{over} finite value(s) round past {limit:g} (largest {largest:.7g}): they rely on saturation (clamp first)"
             self._record(op, [rule], src=src)
 
     def _check_to_copy(self, func, call: dict) -> None:

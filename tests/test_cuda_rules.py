@@ -245,21 +245,30 @@ def test_int_mm_non_int8_operand_is_caught():
 
 
 def test_e4m3_cast_relying_on_saturation_is_caught():
-    assert "above 448" in only_rule(lambda: torch.tensor([449.0 * 2]).to(E4M3))
+    assert "round past 448" in only_rule(lambda: torch.tensor([470.0]).to(E4M3))
+
+
+def test_value_rounding_to_the_e4m3_max_needs_no_saturation():
+    # 460 is within half an ulp (16) of 448: round-to-nearest gives 448 with or without saturation.
+    assert not violations(lambda: torch.tensor([460.0, -460.0]).to(E4M3))
+
+
+def test_e5m2_value_rounding_to_the_max_needs_no_saturation():
+    assert not violations(lambda: torch.tensor([61000.0]).to(E5M2))
 
 
 def test_e5m2_cast_overflowing_to_inf_is_caught():
-    assert "above 57344" in only_rule(lambda: torch.tensor([1e5], dtype=torch.bfloat16).to(E5M2))
+    assert "round past 57344" in only_rule(lambda: torch.tensor([61440.0], dtype=torch.bfloat16).to(E5M2))
 
 
 def test_copy_into_an_fp8_tensor_is_checked():
     dst = torch.empty(3, dtype=E4M3)
-    assert "above 448" in only_rule(lambda: dst.copy_(torch.tensor([1.0, 2.0, 1000.0])))
+    assert "round past 448" in only_rule(lambda: dst.copy_(torch.tensor([1.0, 2.0, 1000.0])))
 
 
 def test_e5m2_to_e4m3_cast_is_checked():
     src = torch.tensor([1000.0]).to(E5M2)
-    assert "above 448" in only_rule(lambda: src.to(E4M3))
+    assert "round past 448" in only_rule(lambda: src.to(E4M3))
 
 
 # -- the context manager -----------------------------------------------------------------------
@@ -297,3 +306,42 @@ def test_unchecked_scaled_mm_v2_is_reported():
     a, b = fp8(24, 32), weight_t(32, 48)
     rule = only_rule(lambda: torch.ops.aten._scaled_mm_v2.default(a, b, [ONE], [0], [], [ONE], [0], [], None, torch.float32))
     assert "torch._scaled_mm" in rule
+
+
+# -- the conftest fixture ----------------------------------------------------------------------
+
+pytest_plugins = ["pytester"]
+
+_VIOLATING_TEST = """
+import pytest, torch
+
+{marker}
+def test_saturating_cast():
+    torch.tensor([1000.0]).to(torch.float8_e4m3fn)
+"""
+
+
+def run_in_file(pytester, name, marker=""):
+    pytester.makeconftest("from tests.conftest import *")
+    pytester.makepyfile(**{name: _VIOLATING_TEST.format(marker=marker)})
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider")
+
+
+def test_fixture_fails_a_violating_test_of_a_runtime_file_at_teardown(pytester):
+    result = run_in_file(pytester, "test_runtime")
+    result.stdout.fnmatch_lines(["*ERROR at teardown of test_saturating_cast*", "*rely on saturation*"])
+
+
+def test_fixture_skips_a_test_marked_no_cuda_rules_with_a_reason(pytester):
+    result = run_in_file(pytester, "test_scheduler", '@pytest.mark.no_cuda_rules(reason="saturates on purpose")')
+    result.assert_outcomes(passed=1)
+
+
+def test_no_cuda_rules_without_a_reason_is_an_error(pytester):
+    result = run_in_file(pytester, "test_costs", "@pytest.mark.no_cuda_rules")
+    result.stdout.fnmatch_lines(["*ERROR at setup of test_saturating_cast*", "*needs a reason*"])
+
+
+def test_fixture_leaves_other_files_alone(pytester):
+    result = run_in_file(pytester, "test_formats")
+    result.assert_outcomes(passed=1)

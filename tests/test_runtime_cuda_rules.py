@@ -1,0 +1,116 @@
+"""The FP8 / INT8 runtime under `CudaRules`: every kernel call and FP8 cast it makes, forward and
+backward, must be one an H100 (torch >= 2.4) accepts, with finite outputs and gradients.
+
+Public API only. Token counts 1000 and 4104 are not multiples of 16 (the contracted dimension of
+a weight-gradient GEMM), 24 is too small to pad cheaply; inputs come contiguous, transposed and
+3-D. Feature sizes (64 in, 48 out) are multiples of 16, so the forward GEMM always has a legal
+kernel shape and must run one.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autoprec as ap
+from tests.cuda_rules import CudaRules
+from tests.models import TransposedProjection
+
+D_IN, D_OUT = 64, 48
+
+
+class MatmulProjection(nn.Module):
+    """``x @ self.weight.t()`` written out, weight stored (out, in) as in ``nn.Linear``."""
+
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d_out, d_in) / d_in**0.5)
+
+    def forward(self, x):
+        return x @ self.weight.t()
+
+
+MODULES = {
+    "linear": lambda: nn.Linear(D_IN, D_OUT),
+    "matmul_t": lambda: MatmulProjection(D_IN, D_OUT),
+    "addmm_transposed_weight": lambda: TransposedProjection(D_IN, D_OUT),
+}
+
+RECIPES = {
+    "fp8_e4m3-tensor-delayed": ("fp8_e4m3", ap.Scaling(granularity="tensor", mode="delayed")),
+    "fp8_e4m3-tensor-current": ("fp8_e4m3", ap.Scaling(granularity="tensor", mode="current")),
+    "fp8_e4m3-row-current": ("fp8_e4m3", ap.Scaling(granularity="row", mode="current")),
+    "fp8_e5m2-tensor-delayed": ("fp8_e5m2", ap.Scaling(granularity="tensor", mode="delayed")),
+    "fp8_e5m2-tensor-current": ("fp8_e5m2", ap.Scaling(granularity="tensor", mode="current")),
+    "fp8_e5m2-row-current": ("fp8_e5m2", ap.Scaling(granularity="row", mode="current")),
+    "int8-tensor": ("int8", ap.Scaling(granularity="tensor", mode="current")),
+    "int8-row": ("int8", ap.Scaling(granularity="row", mode="current")),
+}
+
+# One calibration batch: the frozen INT8 scale is in force from the first forward on.
+CALIBRATION = ap.Calibration(batches=1)
+
+
+def make_input(layout: str, tokens: int) -> torch.Tensor:
+    if layout == "2d":
+        return torch.randn(tokens, D_IN)
+    if layout == "2d-transposed":
+        return torch.randn(D_IN, tokens).t()
+    return torch.randn(2, tokens // 2, D_IN)  # "3d"
+
+
+def planned(module_name: str, recipe: str, example: torch.Tensor):
+    torch.manual_seed(0)
+    model = MODULES[module_name]()
+    fmt, scaling = RECIPES[recipe]
+    plan = ap.Plan.uniform(model, fmt, example, scaling=scaling, calibration=CALIBRATION)
+    return model, ap.apply_plan(model, plan)
+
+
+def step(model, runtime, x: torch.Tensor) -> torch.Tensor:
+    """One forward and backward with a random output gradient; returns the output."""
+    x = x.detach().requires_grad_()
+    with runtime:
+        out = model(x)
+    out.backward(torch.randn_like(out))
+    grads = [x.grad] + [p.grad for p in model.parameters()]
+    assert torch.isfinite(out).all()
+    assert all(torch.isfinite(g).all() for g in grads)
+    return out
+
+
+def assert_kernels_ran(rules: CudaRules, recipe: str) -> None:
+    """M is free and K=64, N=48 are multiples of 16 (and M > 16 for INT8), so the forward GEMM
+    has a legal kernel shape; for FP8 so has the input-gradient GEMM (K=48, N=64). INT8 layers
+    run backward in FP32 by design."""
+    if recipe.startswith("int8"):
+        assert rules.counts["_int_mm"] >= 1
+    else:
+        assert rules.counts["_scaled_mm"] >= 2
+
+
+@pytest.mark.parametrize("layout", ["2d", "2d-transposed", "3d"])
+@pytest.mark.parametrize("tokens", [1000, 24, 4104])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("module_name", list(MODULES))
+def test_forward_and_backward_obey_cuda_rules(module_name, recipe, tokens, layout):
+    torch.manual_seed(1)
+    x = make_input(layout, tokens)
+    model, runtime = planned(module_name, recipe, x)
+    with CudaRules() as rules:
+        step(model, runtime, x)
+    assert_kernels_ran(rules, recipe)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("module_name", list(MODULES))
+def test_delayed_scaling_spike_obeys_cuda_rules(module_name, fmt):
+    """Four steps of unit-variance inputs build the amax history, then an input 8x larger comes:
+    its delayed scale is 8x too large, and no value may reach the FP8 cast out of range."""
+    torch.manual_seed(2)
+    x = torch.randn(1024, D_IN)
+    model, runtime = planned(module_name, f"{fmt}-tensor-delayed", x)
+    with CudaRules() as rules:
+        for _ in range(4):
+            step(model, runtime, torch.randn(1024, D_IN))
+        step(model, runtime, 8 * torch.randn(1024, D_IN))
+    assert rules.counts["_scaled_mm"] >= 2 * 5
