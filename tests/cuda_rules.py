@@ -187,14 +187,14 @@ class CudaRules(TorchDispatchMode):
             aten._int_mm.out: self._check_int_mm,
             aten._to_copy.default: self._check_to_copy,
             aten.copy_.default: self._check_copy,
-            aten._scaled_mm_v2.default: self._refuse_unchecked,
+            aten._scaled_mm_v2.default: self._refuse_scaled_mm_v2,
         }
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         check = self._checks.get(func)
         if check is not None:
-            check(func, _bind(func, args, kwargs))
+            check(_bind(func, args, kwargs))
         return func(*args, **kwargs)
 
     def __exit__(self, exc_type, exc, tb):
@@ -207,7 +207,7 @@ class CudaRules(TorchDispatchMode):
         detail = _describe(**tensors)
         self.violations.extend(Violation(op, rule, detail) for rule in problems)
 
-    def _check_scaled_mm(self, func, call: dict) -> None:
+    def _check_scaled_mm(self, call: dict) -> None:
         self.counts["_scaled_mm"] += 1
         a, b, out = call["self"], call["mat2"], call.get("out")
         out_dtype = call.get("out_dtype") or (out.dtype if out is not None else a.dtype)
@@ -218,7 +218,7 @@ class CudaRules(TorchDispatchMode):
             "_scaled_mm", problems, a=a, b=b, scale_a=call["scale_a"], scale_b=call["scale_b"], bias=call.get("bias")
         )
 
-    def _check_int_mm(self, func, call: dict) -> None:
+    def _check_int_mm(self, call: dict) -> None:
         self.counts["_int_mm"] += 1
         a, b = call["self"], call["mat2"]
         self._record("_int_mm", _int_mm_problems(a, b), a=a, b=b)
@@ -233,11 +233,12 @@ class CudaRules(TorchDispatchMode):
             rule = f"{over} finite value(s) round past {limit:g} (largest {largest:.7g}): they rely on saturation (clamp first)"
             self._record(op, [rule], src=src)
 
-    def _check_to_copy(self, func, call: dict) -> None:
+    def _check_to_copy(self, call: dict) -> None:
         self._check_cast("_to_copy", call["self"], call.get("dtype"))
 
-    def _check_copy(self, func, call: dict) -> None:
+    def _check_copy(self, call: dict) -> None:
         self._check_cast("copy_", call["src"], call["self"].dtype)
 
-    def _refuse_unchecked(self, func, call: dict) -> None:
-        self.violations.append(Violation(str(func), "not in torch 2.4 and not checked here; call torch._scaled_mm", ""))
+    def _refuse_scaled_mm_v2(self, call: dict) -> None:
+        self.counts["_scaled_mm_v2"] += 1
+        self._record("_scaled_mm_v2", ["absent from torch 2.4 and unchecked here; call torch._scaled_mm"], a=call["self"], b=call["mat2"])

@@ -1,10 +1,10 @@
 """The FP8 / INT8 runtime under `CudaRules`: every kernel call and FP8 cast it makes, forward and
 backward, must be one an H100 (torch >= 2.4) accepts, with finite outputs and gradients.
 
-Public API only. Token counts 1000 and 4104 are not multiples of 16 (the contracted dimension of
-a weight-gradient GEMM), 24 is too small to pad cheaply; inputs come contiguous, transposed and
-3-D. Feature sizes (64 in, 48 out) are multiples of 16, so the forward GEMM always has a legal
-kernel shape and must run one.
+Public API only. Token counts 1000, 24 and 4104 are multiples of 8 but not of 16 (the contracted
+dimension K of a weight-gradient GEMM); inputs come contiguous, transposed and 3-D. Feature sizes
+(64 in, 48 out) are multiples of 16, so the forward GEMM always has a legal kernel shape and must
+run one.
 """
 
 import pytest
@@ -14,24 +14,14 @@ import torch.nn as nn
 import autoprec as ap
 from tests.cuda_rules import CudaRules
 from tests.models import TransposedProjection
+from tests.test_costs import ViewWeight  # x @ self.weight.t(), weight stored (out, in)
 
 D_IN, D_OUT = 64, 48
 
 
-class MatmulProjection(nn.Module):
-    """``x @ self.weight.t()`` written out, weight stored (out, in) as in ``nn.Linear``."""
-
-    def __init__(self, d_in, d_out):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(d_out, d_in) / d_in**0.5)
-
-    def forward(self, x):
-        return x @ self.weight.t()
-
-
 MODULES = {
     "linear": lambda: nn.Linear(D_IN, D_OUT),
-    "matmul_t": lambda: MatmulProjection(D_IN, D_OUT),
+    "matmul_t": lambda: ViewWeight(D_IN, D_OUT),
     "addmm_transposed_weight": lambda: TransposedProjection(D_IN, D_OUT),
 }
 
