@@ -275,10 +275,13 @@ def test_e5m2_to_e4m3_cast_is_checked():
 
 
 def test_exit_raises_listing_each_violation_on_its_own_line():
-    with pytest.raises(AssertionError) as caught:
+    def body():
         with CudaRules():
             torch.tensor([1000.0]).to(E4M3)
             torch._int_mm(int8(8, 32), int8(32, 24))
+
+    with pytest.raises(AssertionError) as caught:
+        body()
     assert len(str(caught.value).splitlines()) == 3  # header + two violations
 
 
