@@ -1,8 +1,41 @@
 """Test-wide settings."""
 
+import pytest
 import torch
+
+from tests.cuda_rules import CudaRules
 
 # The test models are small, so a second intra-op thread buys little, while two OpenMP threads on
 # two cores that another process also uses spin-wait: a 10 s training test was measured at 331 s
 # that way. One thread keeps the suite's time steady on a shared machine.
 torch.set_num_threads(1)
+
+# Test files whose every test runs under `CudaRules`: the runtime and what drives it. A kernel
+# call or FP8 cast that an H100 would refuse fails the test there, though the CPU accepts it.
+CUDA_RULES_MODULES = frozenset({"test_runtime", "test_profiling", "test_costs", "test_scheduler"})
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "no_cuda_rules(reason): run this test without the CudaRules checker; the reason is required"
+    )
+
+
+@pytest.fixture(autouse=True)
+def cuda_rules(request):
+    """`CudaRules` around each test of `CUDA_RULES_MODULES`, unless marked ``no_cuda_rules``.
+
+    Violations fail the test at teardown, listed one per line.
+    """
+    if request.module.__name__.rpartition(".")[2] not in CUDA_RULES_MODULES:
+        yield None
+        return
+    opt_out = request.node.get_closest_marker("no_cuda_rules")
+    if opt_out is not None:
+        reason = opt_out.kwargs.get("reason") or (opt_out.args[0] if opt_out.args else "")
+        if not str(reason).strip():
+            pytest.fail("@pytest.mark.no_cuda_rules needs a reason: no_cuda_rules(reason='why CudaRules cannot apply')", pytrace=False)
+        yield None
+        return
+    with CudaRules() as rules:
+        yield rules
