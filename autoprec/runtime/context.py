@@ -81,8 +81,6 @@ def kernel_reason(precision: LayerPrecision, device: "torch.device | str") -> "s
     granularity = precision.scaling.granularity
     if granularity is Granularity.BLOCK:
         return "block scaling has no kernel"
-    if fmt is Format.FP8_E5M2 and granularity is Granularity.ROW:
-        return "row-wise torch._scaled_mm needs E4M3 operands"
     return None
 
 
@@ -399,18 +397,22 @@ class PlanRuntime:
         if layer.format is Format.INT8:
             out = self._int8(layer, key, x2, weight, bias, wq, out_dtype, k, n)
         else:
-            # _scaled_mm fuses no bias into an FP32 output: there it is added after the kernel.
-            fused = bias is not None and out_dtype != torch.float32
-            kernel_bias = layer.kernel_bias(bias, out_dtype) if fused else None
             rowwise = layer.precision.scaling.granularity is Granularity.ROW
+            # Row-wise _scaled_mm writes BF16 only; a wider output is cast after the kernel.
+            kernel_dtype = torch.bfloat16 if rowwise else out_dtype
+            # _scaled_mm fuses no bias into an FP32 output: there it is added after the kernel.
+            fused = bias is not None and kernel_dtype != torch.float32
+            kernel_bias = layer.kernel_bias(bias, kernel_dtype) if fused else None
             record = torch.is_grad_enabled()
             with torch.no_grad():
                 x_inv = layer.input_quantizer(key).inverse_scale(x2, record=record)
-            spec = Fp8Spec(layer.format, layer.precision.grad_format, rowwise, out_dtype, k, n)
+            spec = Fp8Spec(layer.format, layer.precision.grad_format, rowwise, kernel_dtype, k, n)
             out = Fp8Linear.apply(
                 x2, weight, bias if fused else None, kernel_bias, x_inv,
                 wq.data, wq.inv_scale, wq.transposed, wq.backward_inv_scale, spec,
             )
+            if out.dtype != out_dtype:
+                out = out.to(out_dtype)
             if bias is not None and not fused:
                 out = out + bias
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)

@@ -144,9 +144,11 @@ class WeightQuantizer:
         if self.fmt is Format.INT8:
             inv = inverse_scale(amax(w, dim=1), Format.INT8)
             # The kernel's epilogue wants the scales as a row (1, N) of the true N.
-            return QuantizedWeight(to_int8(w, inv), inv[: weight_rows].t().contiguous())
+            return QuantizedWeight(to_int8(w, inv).contiguous(), inv[: weight_rows].t().contiguous())
         inv = inverse_scale(amax(w, dim=1) if self.rowwise else amax(w), self.fmt)
-        data = to_fp8(w, inv, self.fmt)
+        # contiguous(): a weight stored (in, out) arrives as a transposed view, and the cast keeps
+        # its layout; the kernels need (N, K) row-major.
+        data = to_fp8(w, inv, self.fmt).contiguous()
         if not need_transposed:
             return QuantizedWeight(data, inv)
         if not self.rowwise:
