@@ -22,6 +22,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .calls import ModelCall
+
 __all__ = [
     "MATMUL_OPS",
     "LayerInfo",
@@ -143,21 +145,15 @@ class _MatmulRecorder(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _call(model: nn.Module, example_inputs: Any) -> Any:
-    if isinstance(example_inputs, Mapping):
-        return model(**example_inputs)
-    if isinstance(example_inputs, tuple):
-        return model(*example_inputs)
-    return model(example_inputs)
-
-
 def trace_layers(model: nn.Module, example_inputs: Any) -> dict[str, LayerInfo]:
     """Layers found by running ``model(example_inputs)`` once under ``torch.no_grad``, in model order.
 
-    ``example_inputs`` is one input, a tuple of positional inputs or a dict of keyword inputs.
+    ``example_inputs`` is one input, a tuple of positional inputs, a dict of keyword inputs or a
+    `calls.ModelCall` (positional and keyword inputs together).
     The model's modules, hooks, buffers (BatchNorm statistics) and the global RNG state are
     exactly as before when this returns, also if it raises.
     """
+    call = ModelCall.of(example_inputs)
     fqn_of = {module: fqn for fqn, module in model.named_modules()}
     stack: list[str] = []
     seen: dict[str, set[str]] = {}
@@ -177,7 +173,7 @@ def trace_layers(model: nn.Module, example_inputs: Any) -> dict[str, LayerInfo]:
             handles.append(module.register_forward_hook(pop, always_call=True))
         # Tracing must not consume random numbers (dropout) that the real run would draw.
         with torch.random.fork_rng(devices=devices), torch.no_grad(), _MatmulRecorder(stack, seen):
-            _call(model, example_inputs)
+            call(model)
     finally:
         for handle in handles:
             handle.remove()

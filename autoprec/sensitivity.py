@@ -86,6 +86,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from .calls import ModelCall
 from .coverage import ModuleFilter, find_layers
 from .errors import FormatError, SensitivityError
 from .formats import Format, Granularity
@@ -322,11 +323,7 @@ def _example_from(model: nn.Module, loss_fn: LossFn, batch) -> Any:
     if not seen:
         raise SensitivityError("loss_fn(model, batch) never called the model; it must run model(...) on the batch")
     args, kwargs = seen[0]
-    if kwargs and not args:
-        return dict(kwargs)
-    if args and not kwargs:
-        return args[0] if len(args) == 1 and torch.is_tensor(args[0]) else tuple(args)
-    return None  # mixed positional and keyword inputs: find_layers cannot replay them
+    return ModelCall(args, kwargs)
 
 
 def _resolve(model, batches, loss_fn, formats, layers, example_inputs, loss_terms) -> SensitivityProblem:
@@ -341,8 +338,6 @@ def _resolve(model, batches, loss_fn, formats, layers, example_inputs, loss_term
     if example_inputs is None:
         with _eval_mode(model):
             example_inputs = _example_from(model, loss_fn, batches[0])
-        if example_inputs is None:
-            logger.info("the model takes positional and keyword inputs; layers come from the module tree, not a trace")
     found = find_layers(model, example_inputs)
     if not found:
         raise SensitivityError(f"{type(model).__name__} has no layer (no module runs a matrix product); nothing to estimate")

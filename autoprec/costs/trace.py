@@ -27,7 +27,8 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from ..coverage import MATMUL_OPS, _call
+from ..calls import ModelCall
+from ..coverage import MATMUL_OPS
 from ..errors import CostModelError
 
 __all__ = ["TensorSpec", "MatmulCall", "LayerTrace", "ModelTrace", "trace_model", "saved_bytes_by_layer"]
@@ -275,7 +276,7 @@ class _CallRecorder(TorchFunctionMode):
 
 
 def _forward(model: nn.Module, example_inputs: Any, loss_fn: Optional[Callable]) -> Any:
-    return loss_fn(model, example_inputs) if loss_fn is not None else _call(model, example_inputs)
+    return loss_fn(model, example_inputs) if loss_fn is not None else ModelCall.of(example_inputs)(model)
 
 
 @contextlib.contextmanager
@@ -295,8 +296,8 @@ def _side_effect_free(model: nn.Module):
 def trace_model(model: nn.Module, example_inputs: Any, loss_fn: Optional[Callable] = None) -> ModelTrace:
     """Record the layers of ``model`` from one FP32 forward with autograd on (no backward).
 
-    ``example_inputs``: one input, a tuple of positional inputs or a dict of keyword inputs (as
-    `coverage.trace_layers`). ``loss_fn(model, example_inputs) -> loss``, when given, is run
+    ``example_inputs``: one input, a tuple of positional inputs, a dict of keyword inputs or a
+    `calls.ModelCall` (as `coverage.trace_layers`). ``loss_fn(model, example_inputs) -> loss``, when given, is run
     instead of the bare forward, so what the loss saves counts too. Costs one forward pass and
     its saved activations (freed on return). The model, its buffers and the RNG are unchanged.
     """
