@@ -12,8 +12,9 @@ layer (the innermost module running a matrix product, as `coverage.trace_layers`
 
 `saved_bytes_by_layer` measures the same attribution under any plan: it is the reference the
 memory model is checked against, and how the cost model measures what non-layer ops save in a
-low-precision region. Both count each storage once and leave parameters out, as
-`measure.SavedTensorMeter` does.
+low-precision region. Both count each saved byte once, what a saved tensor holds
+(`measure.held_span`: a view of an input counts its own bytes, not the whole storage), and leave
+parameters out, as `measure.SavedTensorMeter` does.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch.utils import _pytree as pytree
 from ..calls import ModelCall
 from ..coverage import MATMUL_OPS
 from ..errors import CostModelError
+from ..measure import HeldBytes, held_span
 
 __all__ = ["TensorSpec", "MatmulCall", "LayerTrace", "ModelTrace", "trace_model", "saved_bytes_by_layer"]
 
@@ -83,6 +85,13 @@ class TensorSpec:
         for d in self.shape:
             n *= d
         return n
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes this tensor keeps when saved for backward (`measure.held_span`)."""
+        itemsize = self.dtype.itemsize
+        start, end = held_span(self.shape, self.stride, self.offset, self.storage_numel * itemsize, itemsize, self.requires_grad)
+        return end - start
 
     @property
     def key(self) -> str:
@@ -178,28 +187,26 @@ class _Attribution:
 
     Packs are attributed later to the innermost module of the stack that is a layer, so a
     dropout inside an attention layer counts for the layer. Each storage counts once; parameters
-    never count. Hooks are removed on exit, also when the body raises.
+    never count; a saved tensor counts what it holds (`measure.held_span`). Hooks are removed on exit, also when the body raises.
     """
 
     def __init__(self, model: nn.Module):
         self.fqn_of = {module: fqn for fqn, module in model.named_modules()}
-        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.seen = HeldBytes(model.parameters())
         self.stack: list[str] = []
-        self.seen: set[int] = set()
         self.packs: list[tuple[tuple[str, ...], int, Any]] = []  # (stack, nbytes, call record or None)
         self.current: Any = None
         self._handles: list = []
         self._exit = contextlib.ExitStack()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key not in self.params and key not in self.seen:
-            self.seen.add(key)
-            self.packs.append((tuple(self.stack), storage.nbytes(), self.current))
+        nbytes = self.seen.add(t)
+        if nbytes:
+            self.packs.append((tuple(self.stack), nbytes, self.current))
             if self.current is not None:
+                key = t.untyped_storage().data_ptr()
                 ptrs = self.current["ptrs"]
-                self.current["saved"].append((ptrs.index(key) if key in ptrs else -1, storage.nbytes()))
+                self.current["saved"].append((ptrs.index(key) if key in ptrs else -1, nbytes))
         return t
 
     def __enter__(self) -> "_Attribution":
