@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -65,6 +65,31 @@ class ModelCall:
         when given), other values kept. One copy of each input tensor; no host sync on one device."""
         device = torch.device(device) if device is not None else None
         return cls(_detached(tuple(args), device), _detached(dict(kwargs or {}), device))
+
+    @classmethod
+    def first(cls, model: nn.Module, run: Callable[[], Any]) -> "ModelCall | None":
+        """The first call of ``model`` while ``run()`` runs (e.g. ``workload.loss(model, batch)``),
+        or None if it never calls the model. The inputs are the call's own tensors, not copies.
+        ``run`` runs once under ``torch.no_grad`` in eval mode with the RNG forked, so dropout and
+        BatchNorm statistics are as if it had not run; the training flags are restored."""
+        seen: list = []
+
+        def pre(module, args, kwargs):
+            if not seen:
+                seen.append(cls(args, kwargs))
+
+        training = {m: m.training for m in model.modules()}
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        handle = model.register_forward_pre_hook(pre, with_kwargs=True)
+        try:
+            model.eval()
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                run()
+        finally:
+            handle.remove()
+            for m, flag in training.items():
+                m.training = flag
+        return seen[0] if seen else None
 
     def __call__(self, model: nn.Module) -> Any:
         """``model(*args, **kwargs)``."""

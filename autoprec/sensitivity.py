@@ -306,24 +306,12 @@ def _candidates(formats) -> dict[Format, LayerPrecision]:
     return out
 
 
-def _example_from(model: nn.Module, loss_fn: LossFn, batch) -> Any:
-    """The inputs of the model's first call in ``loss_fn(model, batch)`` (one forward, no grad)."""
-    seen: list = []
-
-    def pre(module, args, kwargs):
-        if not seen:
-            seen.append((args, kwargs))
-
-    handle = model.register_forward_pre_hook(pre, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            loss_fn(model, batch)
-    finally:
-        handle.remove()
-    if not seen:
+def _example_from(model: nn.Module, loss_fn: LossFn, batch) -> ModelCall:
+    """The model's first call in ``loss_fn(model, batch)`` (one forward, no grad)."""
+    call = ModelCall.first(model, lambda: loss_fn(model, batch))
+    if call is None:
         raise SensitivityError("loss_fn(model, batch) never called the model; it must run model(...) on the batch")
-    args, kwargs = seen[0]
-    return ModelCall(args, kwargs)
+    return call
 
 
 def _resolve(model, batches, loss_fn, formats, layers, example_inputs, loss_terms) -> SensitivityProblem:
