@@ -33,7 +33,7 @@ def _detached(value: Any, device: "torch.device | None") -> Any:
     return pytree.tree_map(one, value)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: comparing tensors has no single truth value
 class ModelCall:
     """The positional ``args`` and keyword ``kwargs`` of one model call; ``call(model)`` replays it."""
 

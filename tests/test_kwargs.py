@@ -16,6 +16,7 @@ from autoprec.coverage import static_layers, trace_layers
 from autoprec.errors import ModelCallError, RuntimeStateError
 from autoprec.runtime import EmulationWarning
 from autoprec.scheduler import DynamicPrecisionScheduler
+from autoprec.search.measured import MeasuredStage
 from models import WithProjection
 
 WINDOW = 3
@@ -95,6 +96,15 @@ def test_loss_of_an_output_without_a_loss_says_to_pass_labels():
 def test_prediction_of_a_dict_with_a_loss_is_its_logits():
     logits = torch.randn(2, 3)
     assert prediction_of({"loss": torch.tensor(1.0), "logits": logits}) is logits
+
+
+def test_the_measured_stage_takes_a_loss_fn_that_returns_the_model_output():
+    torch.manual_seed(0)
+    model = KeywordOnly()
+    batches = [{"x": torch.randn(8, 8), "targets": torch.randint(0, 4, (8,))} for _ in range(2)]
+    stage = MeasuredStage(model, lambda m, batch: m(**batch), batches[:1], batches[1:], ["fc1", "fc2"])
+    reference = F.cross_entropy(model(x=batches[1]["x"])["logits"], batches[1]["targets"]).item()
+    assert stage.baseline_loss == pytest.approx(reference)
 
 
 # --- the scheduler with keyword inputs ------------------------------------------------------------
