@@ -57,7 +57,7 @@ import torch.nn as nn
 from .calls import ModelCall, loss_of, prediction_of
 from .coverage import find_layers
 from .device import format_support
-from .errors import AutoprecError, InfeasibleBudgetError, RuntimeStateError, SearchError
+from .errors import AutoprecError, InfeasibleBudgetError, ModelCallError, RuntimeStateError, SearchError
 from .formats import Format
 from .measure import SavedTensorMeter
 from .plan import LayerPrecision, Plan
@@ -393,7 +393,10 @@ class DynamicPrecisionScheduler:
             stack.callback(self._stop_capture)
 
     def _capture(self, module, args, kwargs, output) -> None:
-        prediction = prediction_of(output)
+        try:
+            prediction = prediction_of(output)
+        except ModelCallError:
+            return  # nothing to linearise at: the search says no gradients were captured
         if not prediction.requires_grad:
             return
         entry: list = [ModelCall.capture(args, kwargs), None]
