@@ -6,7 +6,9 @@ transposed and calls ``torch.addmm`` is a layer just like ``nn.Linear``; ``nn.Mu
 is one layer (its ``out_proj`` child never runs as a module).
 
 Two ways to find layers:
-- from the module tree alone (`static_layers`): the classes known to run matrix products;
+- from the module tree alone (`static_layers`): the classes known to run matrix products, and
+  every other module holding a matrix (2-D) parameter whose own forward, run once on a 2-row
+  input, runs one (GPT-2's ``Conv1D``: an (in, out) weight and ``torch.addmm``);
 - by tracing one forward pass (`trace_layers`): a `TorchFunctionMode` records, for every matrix
   product, the innermost module running at that moment. This is the truth, and finds hand-written
   layers the tree cannot show. Costs one forward pass under ``torch.no_grad``.
@@ -15,12 +17,15 @@ Two ways to find layers:
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from .calls import ModelCall
 
 __all__ = [
     "MATMUL_OPS",
@@ -79,6 +84,8 @@ _KNOWN_CLASSES: tuple[tuple[type, str], ...] = (
     (nn.MultiheadAttention, "multi_head_attention"),
 )
 
+logger = logging.getLogger(__name__)
+
 ModuleFilter = Callable[[nn.Module, str], bool]
 """``(module, fqn) -> bool``: False keeps a layer out of low precision (torchao's module_filter_fn)."""
 
@@ -110,8 +117,37 @@ class LayerInfo:
         return cls(module=type(module).__name__, ops=tuple(sorted(set(ops))), params=params)
 
 
+# Modules with a matrix parameter that is a table, not a matrix-product operand.
+_LOOKUP_CLASSES = (nn.Embedding, nn.EmbeddingBag)
+
+
+def _probed_ops(module: nn.Module) -> set[str]:
+    """The matrix-product ops ``module``'s own forward runs on a 2-row input of ones whose width
+    is one of its 2-D parameters' dimensions (either weight layout); empty if none runs or the
+    module does not take such an input."""
+    for p in module.parameters(recurse=False):
+        if p.dim() != 2 or not p.is_floating_point():
+            continue
+        for width in dict.fromkeys(p.shape):
+            try:
+                ops = trace_layers(module, torch.ones(2, width, dtype=p.dtype, device=p.device)).get("")
+            except Exception as exc:  # a module that takes other inputs: not provable from the tree
+                logger.debug("probing %s with width %d: %s", type(module).__name__, width, exc)
+                continue
+            if ops is not None:
+                return set(ops.ops)
+    return set()
+
+
 def static_layers(model: nn.Module) -> dict[str, LayerInfo]:
-    """Layers the module tree shows, in model order. Cheap; misses hand-written matmul modules."""
+    """Layers the module tree shows, in model order: the known classes, plus every other module
+    with its own 2-D parameter whose forward runs a matrix product on a probe input.
+
+    Costs one no-grad forward of each such module on a 2-row input (per weight dimension until
+    one runs), with buffers and the RNG left as they were; known classes cost nothing. Misses
+    modules that run a matrix product without a matrix parameter of their own (attention
+    score products): trace an example input (`trace_layers`) for those.
+    """
     layers: dict[str, LayerInfo] = {}
     inside_mha: list[str] = []
     for fqn, module in model.named_modules():
@@ -119,12 +155,15 @@ def static_layers(model: nn.Module) -> dict[str, LayerInfo]:
         # The root's fqn is "", so its children are "out_proj", not ".out_proj".
         if any(fqn.startswith(prefix + ".") if prefix else fqn != "" for prefix in inside_mha):
             continue
-        for cls, op in _KNOWN_CLASSES:
-            if isinstance(module, cls):
-                layers[fqn] = LayerInfo.of(module, [op])
-                if cls is nn.MultiheadAttention:
-                    inside_mha.append(fqn)
-                break
+        known = next((op for cls, op in _KNOWN_CLASSES if isinstance(module, cls)), None)
+        if known is not None:
+            layers[fqn] = LayerInfo.of(module, [known])
+            if isinstance(module, nn.MultiheadAttention):
+                inside_mha.append(fqn)
+        elif not isinstance(module, _LOOKUP_CLASSES):
+            ops = _probed_ops(module)
+            if ops:
+                layers[fqn] = LayerInfo.of(module, ops)
     return layers
 
 
@@ -143,21 +182,15 @@ class _MatmulRecorder(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _call(model: nn.Module, example_inputs: Any) -> Any:
-    if isinstance(example_inputs, Mapping):
-        return model(**example_inputs)
-    if isinstance(example_inputs, tuple):
-        return model(*example_inputs)
-    return model(example_inputs)
-
-
 def trace_layers(model: nn.Module, example_inputs: Any) -> dict[str, LayerInfo]:
     """Layers found by running ``model(example_inputs)`` once under ``torch.no_grad``, in model order.
 
-    ``example_inputs`` is one input, a tuple of positional inputs or a dict of keyword inputs.
+    ``example_inputs`` is one input, a tuple of positional inputs, a dict of keyword inputs or a
+    `calls.ModelCall` (positional and keyword inputs together).
     The model's modules, hooks, buffers (BatchNorm statistics) and the global RNG state are
     exactly as before when this returns, also if it raises.
     """
+    call = ModelCall.of(example_inputs)
     fqn_of = {module: fqn for fqn, module in model.named_modules()}
     stack: list[str] = []
     seen: dict[str, set[str]] = {}
@@ -177,7 +210,7 @@ def trace_layers(model: nn.Module, example_inputs: Any) -> dict[str, LayerInfo]:
             handles.append(module.register_forward_hook(pop, always_call=True))
         # Tracing must not consume random numbers (dropout) that the real run would draw.
         with torch.random.fork_rng(devices=devices), torch.no_grad(), _MatmulRecorder(stack, seen):
-            _call(model, example_inputs)
+            call(model)
     finally:
         for handle in handles:
             handle.remove()

@@ -92,3 +92,8 @@ class MonitoringError(AutoprecError, ValueError):
 class ScalingError(AutoprecError, ValueError):
     """A loss scaler or output watch was configured with a value it cannot use (a bad factor, an
     unknown layer, a malformed state dict). The message names the argument and what it expects."""
+
+
+class ModelCallError(AutoprecError, ValueError):
+    """A model call cannot be captured or replayed as given, or its output holds no loss. The
+    message names what was passed and what to pass instead."""

@@ -2,8 +2,14 @@
 
 This is the memory a precision plan changes: activations saved for backward (and copies such as
 autocast's casted weights). Parameters themselves are excluded: they exist with or without a
-backward pass. Tensors are counted once per storage, so views (q, k, v sliced from one qkv
+backward pass. Each byte of a storage counts once, so views (q, k, v sliced from one qkv
 output) are not counted three times.
+
+What a saved tensor holds (`held_span`): a tensor made in this step's autograd graph (it needs
+a gradient) keeps its whole storage alive until backward, so it counts the storage. A tensor
+without autograd history (an input batch, a mask) counts only the bytes it spans: when it is a
+view of a larger tensor (a batch sliced from a dataset tensor), the rest of that storage
+outlives the step anyway and is not memory the step adds.
 """
 
 from __future__ import annotations
@@ -14,14 +20,60 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["SavedTensor", "SavedTensorMeter"]
+__all__ = ["SavedTensor", "SavedTensorMeter", "HeldBytes", "held_span"]
+
+
+def held_span(shape, stride, offset: int, storage_nbytes: int, itemsize: int, requires_grad: bool) -> tuple[int, int]:
+    """``(start, end)`` bytes of its storage a saved tensor keeps (see the module docstring):
+    the whole storage when it ``requires_grad``, else the bytes from its first to its last
+    element (a strided view spans its gaps too; an expanded one only its distinct elements)."""
+    if requires_grad:
+        return 0, storage_nbytes
+    if any(d == 0 for d in shape):
+        return 0, 0
+    last = offset + sum((d - 1) * abs(s) for d, s in zip(shape, stride))
+    return offset * itemsize, min((last + 1) * itemsize, storage_nbytes)
+
+
+class HeldBytes:
+    """The bytes saved tensors hold, each byte of a storage counted once (intervals per storage).
+
+    ``excluded``: tensors whose storages never count (a model's parameters). Pure bookkeeping on
+    shapes and addresses: no pass over tensor data, no host-device sync.
+    """
+
+    def __init__(self, excluded: Iterable[torch.Tensor] = ()):
+        self._excluded = {t.untyped_storage().data_ptr() for t in excluded}
+        self._spans: dict[int, list[tuple[int, int]]] = {}
+
+    def __contains__(self, storage_key: int) -> bool:
+        """Whether some bytes of the storage at ``storage_key`` (its ``data_ptr``) were counted."""
+        return storage_key in self._spans
+
+    def add(self, t: torch.Tensor) -> int:
+        """Count ``t`` as saved; returns the bytes it adds (0: excluded or already counted)."""
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._excluded:
+            return 0
+        start, end = held_span(t.shape, t.stride(), t.storage_offset(), storage.nbytes(), t.element_size(), t.requires_grad)
+        spans = self._spans.setdefault(key, [])
+        new = end - start
+        for s, e in spans:
+            new -= max(0, min(e, end) - max(s, start))
+        if new > 0:
+            merged = [(s, e) for s, e in spans if e < start or s > end]
+            overlapping = [(s, e) for s, e in spans if not (e < start or s > end)]
+            merged.append((min([start] + [s for s, _ in overlapping]), max([end] + [e for _, e in overlapping])))
+            self._spans[key] = sorted(merged)
+        return max(new, 0)
 
 
 @dataclasses.dataclass(frozen=True)
 class SavedTensor:
     shape: tuple[int, ...]
     dtype: torch.dtype
-    nbytes: int  # bytes of the underlying storage, counted once per storage
+    nbytes: int  # bytes this tensor added: what it holds that no earlier saved tensor did
 
 
 class SavedTensorMeter:
@@ -32,17 +84,14 @@ class SavedTensorMeter:
     """
 
     def __init__(self, parameters: Iterable[torch.Tensor] = ()):
-        self._excluded = {p.untyped_storage().data_ptr() for p in parameters}
-        self._seen: set[int] = set()
+        self._held = HeldBytes(parameters)
         self.saved: list[SavedTensor] = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key not in self._excluded and key not in self._seen:
-            self._seen.add(key)
-            self.saved.append(SavedTensor(tuple(t.shape), t.dtype, storage.nbytes()))
+        nbytes = self._held.add(t)
+        if nbytes:
+            self.saved.append(SavedTensor(tuple(t.shape), t.dtype, nbytes))
         return t
 
     def __enter__(self) -> "SavedTensorMeter":

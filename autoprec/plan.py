@@ -306,8 +306,11 @@ class Plan:
     ) -> "Plan":
         """Every covered layer in ``fmt``; layers that ``module_filter`` rejects stay FP32.
 
-        Layers come from the module tree, or, with ``example_inputs``, from tracing one forward
-        pass (finds hand-written matmul modules too; costs one forward).
+        Layers come from the module tree (`coverage.static_layers`: known classes, and modules
+        with a matrix parameter whose own forward runs a matrix product, such as GPT-2's
+        ``Conv1D``), or, with ``example_inputs`` (one input, a tuple, a dict of keyword inputs or
+        a `calls.ModelCall`), from tracing one forward pass, which also finds matrix products
+        of modules without a matrix parameter (attention scores; costs one forward).
         """
         fmt = Format.parse(fmt)
         found = find_layers(model, example_inputs)

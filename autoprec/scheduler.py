@@ -11,8 +11,10 @@
 Lifecycle (each step of it uses the part that owns it; nothing is re-implemented here):
 
 1. **Bind.** Without ``model=`` the scheduler binds to the outermost module run inside the first
-   `precision_context` (a one-shot global forward pre-hook), and its inputs are the example the
-   layers are traced from (`coverage.find_layers`).
+   `precision_context` (a one-shot global forward pre-hook, which torch gives no keyword
+   arguments: a model called with keywords only needs ``model=``). Its inputs, positional and
+   keyword (`calls.ModelCall`), are the example the layers are traced from (`coverage.find_layers`)
+   and that the search re-runs.
 2. **Profile** the first ``monitor_window`` optimizer steps at a safe precision (FP32, or BF16
    when ``max_precision`` is 16) with a `LayerProfiler`, recording the training loss.
 3. **Search** at the window's end, in-process and time-bounded: `CostModel` (bytes, seconds),
@@ -51,11 +53,11 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
-from torch.utils import _pytree as pytree
 
+from .calls import ModelCall, loss_of, prediction_of
 from .coverage import find_layers
 from .device import format_support
-from .errors import AutoprecError, InfeasibleBudgetError, RuntimeStateError, SearchError
+from .errors import AutoprecError, InfeasibleBudgetError, ModelCallError, RuntimeStateError, SearchError
 from .formats import Format
 from .measure import SavedTensorMeter
 from .plan import LayerPrecision, Plan
@@ -68,7 +70,7 @@ __all__ = ["DynamicPrecisionScheduler", "LossScaling", "Thresholds", "PrecisionC
 
 logger = logging.getLogger(__name__)
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: the example and captured inputs are ModelCall states (args and kwargs)
 _CAPTURED_STEPS = 2  # steps whose inputs and output gradients feed the sensitivity estimate
 
 
@@ -117,18 +119,15 @@ def _needs_loss_scaling(plan: "Plan | None") -> bool:
     return plan is not None and any(lp.grad_format in (Format.FP16, Format.FP8_E5M2, Format.FP8_E4M3) for lp in plan.layers.values())
 
 
-def _float_leaves(value: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(value) if torch.is_tensor(t) and t.is_floating_point()]
-
-
 class _LinearisedLoss:
     """``loss_fn(model, batch)`` for the sensitivity estimate: per-row terms of ``y · dL/dy``
-    at the model's first floating output, times the row count, whose mean is the real loss's
-    linearisation (so its gradients, and the Fisher built from them, are the real loss's)."""
+    at the model's prediction (`calls.prediction_of`: its first floating output that is not a
+    ``loss`` field), times the row count, whose mean is the real loss's linearisation (so its
+    gradients, and the Fisher built from them, are the real loss's)."""
 
     def __call__(self, model: nn.Module, batch) -> torch.Tensor:
-        inputs, grad = batch
-        out = _float_leaves(model(*inputs))[0]
+        call, grad = batch
+        out = prediction_of(call(model))
         rows = out.reshape(-1, out.shape[-1]) if out.dim() > 1 else out.reshape(1, -1)
         terms = (rows.float() * grad.reshape(rows.shape).float()).sum(-1)
         return terms * terms.numel()
@@ -205,7 +204,8 @@ class DynamicPrecisionScheduler:
         self.changes: list[PrecisionChange] = []
         self.last_search_error: Optional[str] = None
         self._fixed_plan = plan
-        self._example: Optional[tuple] = None
+        self._example: Optional[ModelCall] = None
+        self._pending_state: Optional[Mapping[str, Any]] = None  # loaded before binding: applied on bind
         self._runtime = None
         self._profiler = None
         self._previous_amax: dict[str, float] = {}
@@ -216,7 +216,7 @@ class DynamicPrecisionScheduler:
         self._loss_sum: Optional[torch.Tensor] = None
         self._loss_count = 0
         self._last_loss: Optional[torch.Tensor] = None
-        self._captured: list[tuple[tuple, torch.Tensor]] = []
+        self._captured: list[list] = []  # [ModelCall, dL/d prediction or None] of the window's last steps
         self._capture_handle = None
         self._bind_handle = None
         self._meter_bytes: Optional[int] = None
@@ -277,9 +277,11 @@ class DynamicPrecisionScheduler:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss times the current loss scale, for a loop that calls ``.backward()`` itself:
         ``scheduler.scale(loss).backward()``. Records the loss (the first window's mean anchors a
-        relative accuracy budget). No host sync."""
+        relative accuracy budget). ``loss`` may be the model's output with a ``loss`` field
+        (`calls.loss_of`). No host sync."""
         if self._example is None:
             raise RuntimeStateError("backward() or scale() before any forward ran inside precision_context()")
+        loss = loss_of(loss)
         detached = loss.detach().float()
         self._last_loss = detached
         if self.plan is None:
@@ -326,27 +328,35 @@ class DynamicPrecisionScheduler:
             if self._bind_handle is not None:
                 self._bind_handle.remove()
                 self._bind_handle = None
-            self._bind(module, tuple(args) if args else (kwargs,))
+            if self._pending_state is not None:
+                state, self._pending_state = self._pending_state, None
+                self.model = module
+                self.load_state_dict(state)
+            else:
+                self._bind(module, ModelCall.capture(args, kwargs))
             self._enter_step(self._context_stack)
+
+        def bind_any(module, args):
+            if not args:
+                # torch passes global forward pre-hooks no keyword arguments: they cannot be captured.
+                raise RuntimeStateError(
+                    f"{type(module).__name__} was called with keyword arguments only, which a scheduler made "
+                    "without model= cannot capture; pass DynamicPrecisionScheduler(model=...)"
+                )
+            bind(module, args, {})
 
         if self.model is not None:
             self._bind_handle = self.model.register_forward_pre_hook(bind, with_kwargs=True)
         else:
-            self._bind_handle = nn.modules.module.register_module_forward_pre_hook(lambda m, a: bind(m, a, {}))
+            self._bind_handle = nn.modules.module.register_module_forward_pre_hook(bind_any)
 
-    @staticmethod
-    def _inputs(example: tuple) -> Any:
-        """The example as `find_layers` and the profiler take it: a tuple of positional inputs,
-        or the keyword dict when the model was called with keywords only."""
-        return example[0] if len(example) == 1 and isinstance(example[0], Mapping) else tuple(example)
-
-    def _attach(self, model: nn.Module, example: tuple) -> None:
-        """Take ``model`` and its example inputs: find the layers, open the TensorBoard writer."""
+    def _attach(self, model: nn.Module, example: ModelCall) -> None:
+        """Take ``model`` and its example call: find the layers, open the TensorBoard writer."""
         self.model = model
-        self._example = tuple(example)
+        self._example = example
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", EmulationWarning)
-            self.layers = tuple(find_layers(model, self._inputs(self._example)))
+            self.layers = tuple(find_layers(model, self._example))
         if not self.layers:
             raise AutoprecError(f"{type(model).__name__} runs no matrix product: autoprec has no layer to manage")
         if self.log_dir is not None and self._writer is None:
@@ -354,9 +364,9 @@ class DynamicPrecisionScheduler:
 
             self._writer = TrainingWriter(self.log_dir, flush_every=min(100, self.monitor_window))
 
-    def _bind(self, model: nn.Module, example: tuple) -> None:
+    def _bind(self, model: nn.Module, example: ModelCall) -> None:
         if self._fixed_plan is not None:
-            self._fixed_plan.validate(model, self._inputs(example))  # a plan for another model: PlanError naming each layer
+            self._fixed_plan.validate(model, example)  # a plan for another model: PlanError naming each layer
         self._attach(model, example)
         self.scaler.watch(model, list(self.layers), outputs=True)
         if self._fixed_plan is not None:
@@ -379,17 +389,19 @@ class DynamicPrecisionScheduler:
             stack.callback(lambda: setattr(self, "_meter_bytes", meter.total_bytes))
             self._meter_next = False
         if self.phase == "profiling" and self.dynamic and self.step_count >= self.window_start + self.monitor_window - _CAPTURED_STEPS:
-            self._capture_handle = self.model.register_forward_hook(self._capture)
+            self._capture_handle = self.model.register_forward_hook(self._capture, with_kwargs=True)
             stack.callback(self._stop_capture)
 
-    def _capture(self, module, args, output) -> None:
-        leaves = [t for t in _float_leaves(output) if t.requires_grad]
-        if not leaves:
+    def _capture(self, module, args, kwargs, output) -> None:
+        try:
+            prediction = prediction_of(output)
+        except ModelCallError:
+            return  # nothing to linearise at: the search says no gradients were captured
+        if not prediction.requires_grad:
             return
-        inputs = tuple(a.detach().clone() if torch.is_tensor(a) else a for a in args)
-        entry: list = [inputs, None]
+        entry: list = [ModelCall.capture(args, kwargs), None]
         self._captured = (self._captured + [entry])[-_CAPTURED_STEPS:]
-        leaves[0].register_hook(lambda g: entry.__setitem__(1, g.detach().clone()))
+        prediction.register_hook(lambda g: entry.__setitem__(1, g.detach().clone()))
 
     def _stop_capture(self) -> None:
         if self._capture_handle is not None:
@@ -477,10 +489,9 @@ class DynamicPrecisionScheduler:
         from .profiling import LayerProfiler, with_grad_formats
 
         formats = with_grad_formats(self.formats)
-        inputs = self._inputs(self._example)
-        self._profiler = LayerProfiler(self.model, inputs, formats=formats, window=window)
+        self._profiler = LayerProfiler(self.model, self._example, formats=formats, window=window)
         if set(self._profiler.layers) != set(self.layers):
-            self._profiler = LayerProfiler(self.model, inputs, formats=formats, window=window, module_filter=lambda m, fqn: fqn in self.layers)
+            self._profiler = LayerProfiler(self.model, self._example, formats=formats, window=window, module_filter=lambda m, fqn: fqn in self.layers)
         self._profiler.attach()
 
     def _advance(self) -> None:
@@ -521,7 +532,7 @@ class DynamicPrecisionScheduler:
         from .sensitivity import FisherEstimator, estimate_sensitivity
 
         loss = float(self._loss_sum / self._loss_count) if self._loss_count else None
-        batches = [(inputs, grad) for inputs, grad in self._captured if grad is not None]
+        batches = [(call, grad) for call, grad in self._captured if grad is not None]
         self.scaler.unwatch()  # the search's own forwards are not training steps
         try:
             if not batches:
@@ -630,7 +641,7 @@ class DynamicPrecisionScheduler:
             "version": _STATE_VERSION,
             "step": self.step_count,
             "window_start": self.window_start,
-            "example": self._example,
+            "example": None if self._example is None else self._example.to_state(),
             "plan": None if self.plan is None else self.plan.to_dict(),
             "searched_plan": None if self.searched_plan is None else self.searched_plan.to_dict(),
             "changes": [c.to_dict() for c in self.changes],
@@ -642,7 +653,7 @@ class DynamicPrecisionScheduler:
             "window_nonfinite": dict(self._window_nonfinite),
             "loss_sum": self._loss_sum,
             "loss_count": self._loss_count,
-            "captured": [(inputs, grad) for inputs, grad in self._captured],
+            "captured": [(call.to_state(), grad) for call, grad in self._captured],
             "meter_next": self._meter_next,
             "scaler": self.scaler.state_dict(),
             "scaler_enabled": self.scaler.enabled,
@@ -651,14 +662,18 @@ class DynamicPrecisionScheduler:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore `state_dict` into a scheduler made with the same settings for the same model
-        (pass ``model=`` or load after the first forward)."""
+        """Restore `state_dict` into a scheduler made with the same settings for the same model.
+        Before the scheduler is bound to a model (no ``model=``, no forward yet) the state is kept
+        and applied when the first forward binds it, so the run continues exactly the same."""
         if state.get("version") != _STATE_VERSION:
             raise RuntimeStateError(f"scheduler state version {state.get('version')!r} is not {_STATE_VERSION}; it was saved by another autoprec")
+        if state["example"] is None:
+            raise RuntimeStateError("load_state_dict(): the state was saved before the scheduler was bound; there is nothing to restore")
         if self.model is None:
-            raise RuntimeStateError("load_state_dict() needs the model: pass model= to the scheduler before loading")
+            self._pending_state = state
+            return
         if self._example is None:
-            self._attach(self.model, state["example"])  # plan, scaler and profiler come from the state below
+            self._attach(self.model, ModelCall.from_state(state["example"]))  # plan, scaler and profiler come from the state below
         self.step_count, self.window_start = state["step"], state["window_start"]
         self.searched_plan = None if state["searched_plan"] is None else Plan.from_dict(state["searched_plan"])
         self.last_search_error = state["last_search_error"]
@@ -667,7 +682,7 @@ class DynamicPrecisionScheduler:
         self._stable, self._wait = dict(state["stable"]), dict(state["wait"])
         self._previous_amax, self._window_nonfinite = dict(state["previous_amax"]), dict(state["window_nonfinite"])
         self._loss_sum, self._loss_count = state["loss_sum"], state["loss_count"]
-        self._captured = [[inputs, grad] for inputs, grad in state["captured"]]
+        self._captured = [[ModelCall.from_state(call), grad] for call, grad in state["captured"]]
         self._meter_next = state["meter_next"]
         plan = None if state["plan"] is None else Plan.from_dict(state["plan"])
         self._runtime = None

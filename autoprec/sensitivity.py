@@ -86,6 +86,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from .calls import ModelCall
 from .coverage import ModuleFilter, find_layers
 from .errors import FormatError, SensitivityError
 from .formats import Format, Granularity
@@ -305,28 +306,12 @@ def _candidates(formats) -> dict[Format, LayerPrecision]:
     return out
 
 
-def _example_from(model: nn.Module, loss_fn: LossFn, batch) -> Any:
-    """The inputs of the model's first call in ``loss_fn(model, batch)`` (one forward, no grad)."""
-    seen: list = []
-
-    def pre(module, args, kwargs):
-        if not seen:
-            seen.append((args, kwargs))
-
-    handle = model.register_forward_pre_hook(pre, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            loss_fn(model, batch)
-    finally:
-        handle.remove()
-    if not seen:
+def _example_from(model: nn.Module, loss_fn: LossFn, batch) -> ModelCall:
+    """The model's first call in ``loss_fn(model, batch)`` (one forward, no grad)."""
+    call = ModelCall.first(model, lambda: loss_fn(model, batch))
+    if call is None:
         raise SensitivityError("loss_fn(model, batch) never called the model; it must run model(...) on the batch")
-    args, kwargs = seen[0]
-    if kwargs and not args:
-        return dict(kwargs)
-    if args and not kwargs:
-        return args[0] if len(args) == 1 and torch.is_tensor(args[0]) else tuple(args)
-    return None  # mixed positional and keyword inputs: find_layers cannot replay them
+    return call
 
 
 def _resolve(model, batches, loss_fn, formats, layers, example_inputs, loss_terms) -> SensitivityProblem:
@@ -341,8 +326,6 @@ def _resolve(model, batches, loss_fn, formats, layers, example_inputs, loss_term
     if example_inputs is None:
         with _eval_mode(model):
             example_inputs = _example_from(model, loss_fn, batches[0])
-        if example_inputs is None:
-            logger.info("the model takes positional and keyword inputs; layers come from the module tree, not a trace")
     found = find_layers(model, example_inputs)
     if not found:
         raise SensitivityError(f"{type(model).__name__} has no layer (no module runs a matrix product); nothing to estimate")

@@ -147,8 +147,8 @@ def test_uniform_fingerprints_parameter_shapes():
     assert dict(plan.fingerprint["fc1"].params) == {"weight": (5, 8), "bias": (5,)}
 
 
-def test_uniform_from_the_module_tree_misses_the_addmm_projection():
-    assert list(Plan.uniform(WithProjection(), Format.BF16).layers) == ["fc"]
+def test_uniform_from_the_module_tree_covers_the_addmm_projection():
+    assert list(Plan.uniform(WithProjection(), Format.BF16).layers) == ["fc", "proj"]
 
 
 def test_uniform_with_example_input_covers_the_addmm_projection():
@@ -743,7 +743,7 @@ def test_plan_from_module_tree_passes_static_validation_despite_addmm_projection
 
 def test_addmm_projection_the_plan_lacks_is_named_when_traced():
     model = WithProjection()
-    plan = Plan.uniform(model, Format.BF16)
+    plan = Plan({"fc": "bf16"})
     message = str(validate_error(plan, model, torch.randn(2, 8)))
     assert "'proj': a covered layer (AddmmProjection) the plan lacks" in message
 

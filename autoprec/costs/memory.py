@@ -111,7 +111,7 @@ def _call_bytes(call: MatmulCall, precision: LayerPrecision, device) -> tuple[in
         return 0, call.saved_bytes
     if path == "fp32":  # an op autocast keeps in FP32 inside a half layer: its operands as they are
         saved = {call.alias[i]: s for i, s in _saved_operands(call) if not s.weight}
-        return 0, sum(s.storage_numel * s.dtype.itemsize for s in saved.values())
+        return 0, sum(s.held_bytes for s in saved.values())
     if path == "autocast":
         weights = sum(0 if s.dtype == fmt.dtype else s.numel * fmt.bytes for _, s in _saved_operands(call) if s.weight)
         # Saved as is in FP32 (a whole storage, or a copy the op made): the same tensors in the

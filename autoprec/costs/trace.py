@@ -12,8 +12,9 @@ layer (the innermost module running a matrix product, as `coverage.trace_layers`
 
 `saved_bytes_by_layer` measures the same attribution under any plan: it is the reference the
 memory model is checked against, and how the cost model measures what non-layer ops save in a
-low-precision region. Both count each storage once and leave parameters out, as
-`measure.SavedTensorMeter` does.
+low-precision region. Both count each saved byte once, what a saved tensor holds
+(`measure.held_span`: a view of an input counts its own bytes, not the whole storage), and leave
+parameters out, as `measure.SavedTensorMeter` does.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from ..coverage import MATMUL_OPS, _call
+from ..calls import ModelCall
+from ..coverage import MATMUL_OPS
 from ..errors import CostModelError
+from ..measure import HeldBytes, held_span
 
 __all__ = ["TensorSpec", "MatmulCall", "LayerTrace", "ModelTrace", "trace_model", "saved_bytes_by_layer"]
 
@@ -82,6 +85,13 @@ class TensorSpec:
         for d in self.shape:
             n *= d
         return n
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes this tensor keeps when saved for backward (`measure.held_span`)."""
+        itemsize = self.dtype.itemsize
+        start, end = held_span(self.shape, self.stride, self.offset, self.storage_numel * itemsize, itemsize, self.requires_grad)
+        return end - start
 
     @property
     def key(self) -> str:
@@ -177,28 +187,26 @@ class _Attribution:
 
     Packs are attributed later to the innermost module of the stack that is a layer, so a
     dropout inside an attention layer counts for the layer. Each storage counts once; parameters
-    never count. Hooks are removed on exit, also when the body raises.
+    never count; a saved tensor counts what it holds (`measure.held_span`). Hooks are removed on exit, also when the body raises.
     """
 
     def __init__(self, model: nn.Module):
         self.fqn_of = {module: fqn for fqn, module in model.named_modules()}
-        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.seen = HeldBytes(model.parameters())
         self.stack: list[str] = []
-        self.seen: set[int] = set()
         self.packs: list[tuple[tuple[str, ...], int, Any]] = []  # (stack, nbytes, call record or None)
         self.current: Any = None
         self._handles: list = []
         self._exit = contextlib.ExitStack()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key not in self.params and key not in self.seen:
-            self.seen.add(key)
-            self.packs.append((tuple(self.stack), storage.nbytes(), self.current))
+        nbytes = self.seen.add(t)
+        if nbytes:
+            self.packs.append((tuple(self.stack), nbytes, self.current))
             if self.current is not None:
+                key = t.untyped_storage().data_ptr()
                 ptrs = self.current["ptrs"]
-                self.current["saved"].append((ptrs.index(key) if key in ptrs else -1, storage.nbytes()))
+                self.current["saved"].append((ptrs.index(key) if key in ptrs else -1, nbytes))
         return t
 
     def __enter__(self) -> "_Attribution":
@@ -275,7 +283,7 @@ class _CallRecorder(TorchFunctionMode):
 
 
 def _forward(model: nn.Module, example_inputs: Any, loss_fn: Optional[Callable]) -> Any:
-    return loss_fn(model, example_inputs) if loss_fn is not None else _call(model, example_inputs)
+    return loss_fn(model, example_inputs) if loss_fn is not None else ModelCall.of(example_inputs)(model)
 
 
 @contextlib.contextmanager
@@ -295,8 +303,8 @@ def _side_effect_free(model: nn.Module):
 def trace_model(model: nn.Module, example_inputs: Any, loss_fn: Optional[Callable] = None) -> ModelTrace:
     """Record the layers of ``model`` from one FP32 forward with autograd on (no backward).
 
-    ``example_inputs``: one input, a tuple of positional inputs or a dict of keyword inputs (as
-    `coverage.trace_layers`). ``loss_fn(model, example_inputs) -> loss``, when given, is run
+    ``example_inputs``: one input, a tuple of positional inputs, a dict of keyword inputs or a
+    `calls.ModelCall` (as `coverage.trace_layers`). ``loss_fn(model, example_inputs) -> loss``, when given, is run
     instead of the bare forward, so what the loss saves counts too. Costs one forward pass and
     its saved activations (freed on return). The model, its buffers and the RNG are unchanged.
     """

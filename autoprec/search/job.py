@@ -23,8 +23,8 @@ One run, in order (each step's figures end up in the plan's ``predicted`` / ``me
 
 Workload factories (``[workload].factory``) return an object with ``build_model(seed)``,
 ``train_batches(seed)`` (``.next()`` gives a batch), ``val_batches(n)``, ``loss(model, batch)``
-and optionally ``lr`` and ``name``; batches are tuples of tensors whose last entry is the target
-(`autoprec.workloads.batch_inputs`). `autoprec.workloads.default_workload` and
+and optionally ``lr`` and ``name``; batches are whatever ``loss`` takes (tuples, dicts of
+keyword inputs): the model's inputs are captured from the loss's own call of the model. `autoprec.workloads.default_workload` and
 `autoprec.finetune.minilm_finetune_workload` are two.
 """
 
@@ -43,6 +43,7 @@ from typing import Callable, Mapping, Sequence
 import optuna
 import torch
 
+from ..calls import ModelCall
 from ..device import resolve_device
 from ..errors import InfeasibleBudgetError, SearchError
 from ..formats import Format
@@ -202,7 +203,6 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
     """
     from ..costs import CostModel
     from ..sensitivity import FisherEstimator, estimate_sensitivity
-    from ..workloads import batch_inputs
 
     start = time.perf_counter()
     config.out.mkdir(parents=True, exist_ok=True)
@@ -212,7 +212,10 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
     lr = float(getattr(workload, "lr", 1e-3))
     model = workload.build_model(config.seed).to(device)
     val = [_to(b, device) for b in workload.val_batches(config.val_batches)]
-    example_inputs = batch_inputs(val[0])
+    # The model's inputs as the workload's loss calls it: tuples or dicts of keyword inputs.
+    example_inputs = ModelCall.first(model, lambda: workload.loss(model, val[0]))
+    if example_inputs is None:
+        raise SearchError(f"{config.source}: [workload].factory: {config.factory}'s loss(model, batch) never called the model; it must run model(...) on the batch")
 
     profile, (loss_first, loss_last) = _train_and_profile(config, workload, model, example_inputs, lr, device, progress)
     sampler = workload.train_batches(config.seed + 1)
@@ -330,7 +333,7 @@ def _emulated(model, plan: Plan, example_inputs) -> dict[str, list[str]]:
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore", EmulationWarning)
         with runtime:
-            model(*example_inputs)
+            example_inputs(model)
     return runtime.emulated_layers()
 
 

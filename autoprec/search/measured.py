@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 from optuna.trial import TrialState
 
+from ..calls import loss_of
 from ..formats import Format
 from ..measure import SavedTensorMeter
 from ..plan import Plan
@@ -112,7 +113,7 @@ class _Variant:
     def step(self, loss_fn, batch) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         with self.context:
-            loss = loss_fn(self.model, batch)
+            loss = loss_of(loss_fn(self.model, batch))
         loss.backward()
         self.optimizer.step()
 
@@ -126,7 +127,7 @@ class MeasuredStage:
     """Measures plans of one model on fixed batches (see the module docstring).
 
     ``model``: the trained model the plans are for (left unchanged); ``loss_fn(model, batch)``
-    the training loss; ``train_batches`` drive calibration and the timed steps;
+    the training loss (or the model's output with a ``loss`` field, `calls.loss_of`); ``train_batches`` drive calibration and the timed steps;
     ``val_batches`` give the held-out loss. ``layers``: the fqns whose parameters' gradient
     buffers count as the layers' bytes (the plans' layers, as the cost model counts them).
     Costs per candidate: one metered step, up to ``len(val_batches)`` forwards (fewer when
@@ -170,7 +171,7 @@ class MeasuredStage:
         params = list(variant.model.parameters())
         variant.optimizer.zero_grad(set_to_none=True)
         with SavedTensorMeter(params) as meter, variant.context:
-            loss = self.loss_fn(variant.model, self.train_batches[0])
+            loss = loss_of(self.loss_fn(variant.model, self.train_batches[0]))
         loss.backward()
         modules = dict(variant.model.named_modules())
         grads = sum(p.grad.nbytes for fqn in self.layers for p in modules[fqn].parameters(recurse=False) if p.grad is not None)
@@ -187,7 +188,7 @@ class MeasuredStage:
                 diffs = []
                 for batch, base in zip(self.val_batches, self.baseline_losses):
                     with runtime:
-                        diffs.append(float(self.loss_fn(self.model, batch)) - base)
+                        diffs.append(float(loss_of(self.loss_fn(self.model, batch))) - base)
                     stderr = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else 0.0
                     yield statistics.fmean(diffs), stderr
         finally:
@@ -247,7 +248,7 @@ class MeasuredStage:
                 out = []
                 for batch in self.val_batches:
                     with context(self.model) if context is not None else contextlib.nullcontext():
-                        out.append(float(self.loss_fn(self.model, batch)))
+                        out.append(float(loss_of(self.loss_fn(self.model, batch))))
                 return out
         finally:
             self.model.train(was_training)

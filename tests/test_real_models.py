@@ -1,0 +1,104 @@
+"""Real `transformers` models, built from tiny configs (no download) and called the way their
+users call them (keyword arguments, a ``ModelOutput`` with a ``loss``), trained under
+`DynamicPrecisionScheduler` until it plans: a decoder LM whose projections are GPT-2's
+``Conv1D`` (``torch.addmm`` on an (in, out) weight), an encoder classifier with a padding
+attention mask, and a vision transformer with a convolutional patch embedding."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+transformers = pytest.importorskip("transformers")
+from transformers.pytorch_utils import Conv1D  # noqa: E402
+
+from autoprec.runtime import EmulationWarning  # noqa: E402
+from autoprec.scheduler import DynamicPrecisionScheduler  # noqa: E402
+
+transformers.logging.set_verbosity_error()  # tiny vocabularies make the configs warn about token ids
+
+WINDOW = 4
+STEPS = 3 * WINDOW
+# The modules a user of these models knows run a matrix product with a weight; the attention
+# modules (matmul / scaled_dot_product_attention without a weight) come on top.
+WEIGHT_LAYERS = (nn.Linear, nn.Conv2d, Conv1D)
+
+
+def gpt2():
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
+                                  eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(1))
+    return transformers.GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
+
+
+def bert():
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                  max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 64, (8, 12), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[::2, 8:] = 0  # every other sequence is padded: the mask matters
+    ids[mask == 0] = 0
+    labels = torch.randint(0, 3, (8,), generator=gen)
+    return transformers.BertForSequenceClassification(cfg), {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def vit():
+    cfg = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=64, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    gen = torch.Generator().manual_seed(1)
+    pixels = torch.randn(8, 3, 16, 16, generator=gen)
+    return transformers.ViTForImageClassification(cfg), {"pixel_values": pixels, "labels": torch.randint(0, 3, (8,), generator=gen)}
+
+
+@pytest.fixture(scope="module", params=[gpt2, bert, vit], ids=lambda f: f.__name__)
+def trained(request):
+    """``STEPS`` steps on one batch (the loss can only fall by learning it) with a memory budget
+    that FP32 misses, so the plan must lower layers."""
+    torch.manual_seed(0)
+    model, batch = request.param()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sch = DynamicPrecisionScheduler(
+        model, monitor_window=WINDOW, monitor_steps=2, memory_budget=0.8, formats=("fp32", "bf16", "fp8_e4m3"),
+        measure_costs=False, search_trials=10, search_timeout_s=20,
+    )
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", EmulationWarning)
+        for _ in range(STEPS):
+            with sch.precision_context():
+                out = model(**batch)
+            sch.backward(out.loss)
+            sch.step(opt)
+            opt.zero_grad(set_to_none=True)
+            losses.append(out.loss.item())
+    yield model, sch, losses, [str(w.message) for w in caught]
+    sch.close()
+
+
+@pytest.mark.slow
+def test_the_scheduler_reaches_a_plan_that_lowers_layers(trained):
+    _, sch, _, _ = trained
+    assert sch.last_search_error is None and sch.phase == "planned"
+    assert any(lp.format.value != "fp32" for lp in sch.plan.layers.values())
+
+
+@pytest.mark.slow
+def test_the_loss_falls_under_the_plan(trained):
+    _, _, losses, _ = trained
+    planned = losses[WINDOW:]
+    assert planned[-1] < 0.9 * planned[0]
+
+
+@pytest.mark.slow
+def test_the_plan_covers_every_weight_layer(trained):
+    model, sch, _, _ = trained
+    weight_layers = {fqn for fqn, m in model.named_modules() if isinstance(m, WEIGHT_LAYERS)}
+    assert weight_layers and weight_layers <= set(sch.plan.layers)
+
+
+@pytest.mark.slow
+def test_no_matrix_product_runs_outside_the_plan(trained):
+    _, _, _, messages = trained
+    assert not [m for m in messages if "outside every planned layer" in m]
