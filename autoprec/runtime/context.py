@@ -249,7 +249,6 @@ class PlanRuntime:
         self._active = False
         self._exit_stack: "contextlib.ExitStack | None" = None
         self._restore: list[tuple[nn.Module, bool, Any]] = []
-        self._uncovered: set[str] = set()
 
     # -- installation (once per runtime) ------------------------------------------------------
 
@@ -501,8 +500,6 @@ class PlanRuntime:
             if calibration:
                 entry["calibration"] = calibration
             out[fqn] = entry
-        if self._uncovered:
-            out["<uncovered>"] = {"format": "unplanned", "ops": {op: "ran outside planned layers" for op in sorted(self._uncovered)}}
         return out
 
     def emulated_layers(self) -> dict[str, list[str]]:
@@ -550,13 +547,6 @@ class PlanRuntime:
                     layer.calibrator(key, channels).load_state_dict(c_state)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise RuntimeStateError(f"runtime state for layer {fqn!r} does not match this plan: {exc}") from None
-
-    def _note_uncovered(self, op: str) -> None:
-        if op not in self._uncovered:
-            self._uncovered.add(op)
-            message = f"autoprec: a {op} ran outside every planned layer; make the plan with an example input to cover it"
-            warnings.warn(message, EmulationWarning, stacklevel=4)
-            logger.info(message)
 
 
 def apply_plan(model: nn.Module, plan: Plan, *, validate: bool = True, example_inputs: Any = None) -> PlanRuntime:
