@@ -17,10 +17,11 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class Row:
-    """One result: ``name`` (section/what), ``ok``, and ``detail`` (JSON-ready values)."""
+    """One result: ``name`` (section/what), ``ok`` (None: not run, ``detail`` says why), and
+    ``detail`` (JSON-ready values)."""
 
     name: str
-    ok: bool
+    ok: "bool | None"
     detail: dict
 
     def to_dict(self) -> dict:

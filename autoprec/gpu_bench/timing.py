@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["median_ms", "rotation_count", "tflops"]
+__all__ = ["median_ms", "rotation_count", "tflops", "start_clock"]
 
 
 def median_ms(step: Callable[..., object], inputs: Sequence[tuple], warmup: int, repeats: int, device: torch.device) -> float:
@@ -52,3 +52,20 @@ def rotation_count(bytes_per_input: int, device: torch.device, at_most: int = 16
 def tflops(flops: float, ms: float) -> float:
     """TFLOP/s of ``flops`` floating-point operations done in ``ms`` milliseconds."""
     return flops / (ms * 1e-3) / 1e12
+
+
+def start_clock(device: torch.device) -> Callable[[], float]:
+    """Start timing now; the returned ``stop()`` gives the seconds since. CUDA: device time between
+    two events, and ``stop()`` waits for the device; CPU: wall time."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        return lambda: time.perf_counter() - t0
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+
+    def stop() -> float:
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
+
+    return stop

@@ -1,0 +1,175 @@
+"""Per-layer forward + backward speed of one ``nn.Linear`` under each way of training it.
+
+Variants (all start from FP32 master weights and take BF16 activations, as a layer inside a
+mixed-precision network does):
+
+- ``bf16_autocast``: ``torch.autocast(bf16)``, the baseline every ratio is taken against (compiled);
+- ``autoprec_fp8_tensor`` / ``autoprec_fp8_row`` / ``autoprec_int8``: ``autoprec.apply_plan`` with
+  a uniform plan (FP8 E4M3 tensorwise delayed, rowwise current; INT8 calibrated);
+- ``torchao_fp8_tensorwise`` / ``torchao_fp8_rowwise``: ``torchao.float8.convert_to_float8_training``
+  with the recipe of that name, when ``import torchao`` works (compiled only: torchao's float8
+  training is meant to run under ``torch.compile``).
+
+Each variant runs eager and ``torch.compile``d. A step is forward, then ``torch.autograd.grad``
+of the output against the input and the parameters (so nothing accumulates between repeats): six
+``M*K*N`` multiply-adds, counted as ``6*M*K*N`` FLOPs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..formats import Format, Granularity
+from ..plan import Plan, Scaling, ScalingMode
+from ..runtime import apply_plan
+from .rows import Row, error_text, guarded
+from .timing import median_ms, rotation_count, tflops
+
+__all__ = ["BASELINE", "VARIANTS", "TORCHAO_RECIPES", "LayerVariant", "torchao_status", "measure_layers"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerVariant:
+    """How one layer trains: ``kind`` "autocast", "autoprec" (``format`` + ``scaling``) or
+    "torchao" (``recipe``); ``compiled`` through ``torch.compile``."""
+
+    name: str
+    kind: str
+    compiled: bool
+    format: Format = Format.BF16
+    scaling: Scaling = Scaling()
+    recipe: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.name + ("+compile" if self.compiled else "")
+
+
+TORCHAO_RECIPES = ("tensorwise", "rowwise")
+_AUTOPREC = (
+    ("autoprec_fp8_tensor", Format.FP8_E4M3, Scaling(Granularity.TENSOR, ScalingMode.DELAYED)),
+    ("autoprec_fp8_row", Format.FP8_E4M3, Scaling(Granularity.ROW, ScalingMode.CURRENT)),
+    ("autoprec_int8", Format.INT8, Scaling()),
+)
+BASELINE = LayerVariant("bf16_autocast", "autocast", compiled=True)
+VARIANTS: tuple[LayerVariant, ...] = (
+    LayerVariant("bf16_autocast", "autocast", compiled=False),
+    BASELINE,
+    *(LayerVariant(name, "autoprec", compiled, fmt, scaling) for name, fmt, scaling in _AUTOPREC for compiled in (False, True)),
+    *(LayerVariant(f"torchao_fp8_{recipe}", "torchao", True, recipe=recipe) for recipe in TORCHAO_RECIPES),
+)
+
+
+def torchao_status() -> tuple[bool, str]:
+    """Whether torchao's float8 training imports here, with its version or the reason it does not."""
+    try:
+        torchao = importlib.import_module("torchao")
+        importlib.import_module("torchao.float8")
+    except Exception as exc:  # noqa: BLE001 -- any import failure means "no torchao rows"
+        return False, f"torchao unavailable: {error_text(exc)}"
+    return True, f"torchao {getattr(torchao, '__version__', 'unknown')}"
+
+
+def _prepare(variant: LayerVariant, layer: nn.Module, example: torch.Tensor, device: torch.device):
+    """(module to call, context to hold around the timing loop, report callable) for ``variant``."""
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    if variant.kind == "autocast":
+        return layer, autocast, dict
+    if variant.kind == "autoprec":
+        # The plan traces one plain forward to find the layer: FP32 in, as the weights are.
+        runtime = apply_plan(layer, Plan.uniform(layer, variant.format, example.float(), scaling=variant.scaling))
+        return layer, runtime, lambda: runtime.report().get("", {}).get("ops", {})
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    wrapped = convert_to_float8_training(nn.Sequential(layer), config=Float8LinearConfig.from_recipe_name(variant.recipe))
+    return wrapped, autocast, dict
+
+
+def _graph_breaks() -> Optional[int]:
+    """Dynamo's running count of graph breaks (a private counter; None when it moves)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return None
+    return sum(counters["graph_break"].values())
+
+
+def _measure(
+    variant: LayerVariant, shape: tuple[int, int, int], device: torch.device, warmup: int, repeats: int, backend: str, seed: int
+) -> tuple[bool, dict]:
+    m, k, n = shape
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        layer = nn.Linear(k, n).to(device)
+    bytes_per_input = (m * k + m * n) * torch.bfloat16.itemsize
+    inputs = [
+        (torch.randn(m, k, device=device, generator=generator, dtype=torch.bfloat16).requires_grad_(True),
+         torch.randn(m, n, device=device, generator=generator, dtype=torch.bfloat16))
+        for _ in range(rotation_count(bytes_per_input, device))
+    ]
+    module, context, report = _prepare(variant, layer, inputs[0][0], device)
+    params = tuple(layer.parameters())
+    breaks = _graph_breaks()
+    with context:
+        if variant.compiled:
+            torch._dynamo.reset()  # a fresh cache: no recompile limit or dynamic shapes from earlier layers
+            module = torch.compile(module, backend=backend, dynamic=False)
+
+        def step(x: torch.Tensor, grad: torch.Tensor) -> None:
+            out = module(x)
+            torch.autograd.grad(out, (x, *params), grad.to(out.dtype))
+
+        ms = median_ms(step, inputs, warmup, repeats, device)
+    detail = {"ms": ms, "tflops": tflops(6 * m * k * n, ms), "inputs_rotated": len(inputs), "ops": report()}
+    if variant.compiled and breaks is not None:
+        detail["graph_breaks"] = _graph_breaks() - breaks
+    return True, detail
+
+
+def measure_layers(
+    shapes: Sequence[tuple[int, int, int]],
+    variants: Sequence[LayerVariant],
+    device: torch.device,
+    *,
+    warmup: int,
+    repeats: int,
+    backend: str,
+    seed: int = 0,
+    progress: Optional[Callable[[str], None]] = None,
+) -> list[Row]:
+    """One row per (shape, variant) with ms, TFLOP/s and, per shape, ``ratio_to_baseline``:
+    compiled BF16 autocast's time over this variant's (above 1 is faster than the baseline).
+
+    ``shapes`` are ``(M, K, N)``: M tokens through ``Linear(K, N)``. torchao variants become rows
+    that did not run (``ok`` None) with the reason when torchao does not import. Each compiled variant resets Dynamo and
+    compiles afresh (the cost of the run, not of a step). Never raises for a failing variant.
+    """
+    have_torchao, torchao_reason = torchao_status()
+    rows: list[Row] = []
+    for shape in shapes:
+        shape_rows = []
+        for variant in variants:
+            name = f"layer/{'x'.join(map(str, shape))}/{variant.label}"
+            if progress is not None:
+                progress(name)
+            if variant.kind == "torchao" and not have_torchao:
+                row = Row(name, None, {"skipped": torchao_reason})
+            else:
+                row = guarded(name, device, lambda v=variant: _measure(v, shape, device, warmup, repeats, backend, seed))
+            row.detail.update(shape=list(shape), variant=variant.name, compiled=variant.compiled)
+            shape_rows.append(row)
+        baseline = next((r for r in shape_rows if r.ok and r.detail["variant"] == BASELINE.name and r.detail["compiled"]), None)
+        for row in shape_rows:
+            if row.ok and baseline is not None:
+                row.detail["ratio_to_baseline"] = baseline.detail["ms"] / row.detail["ms"]
+        rows.extend(shape_rows)
+    return rows
