@@ -29,7 +29,7 @@ from ..formats import Format, Granularity
 from ..plan import Plan, Scaling, ScalingMode
 from ..runtime import apply_plan
 from .rows import Row, error_text, guarded
-from .timing import median_ms, rotation_count, tflops
+from .timing import median_ms, rotation_count, tflops, warm_up
 
 __all__ = ["BASELINE", "VARIANTS", "TORCHAO_RECIPES", "LayerVariant", "torchao_status", "measure_layers"]
 
@@ -93,17 +93,19 @@ def _prepare(variant: LayerVariant, layer: nn.Module, example: torch.Tensor, dev
     return wrapped, autocast, dict
 
 
-def _graph_breaks() -> Optional[int]:
-    """Dynamo's running count of graph breaks (a private counter; None when it moves)."""
+def _dynamo_counts() -> dict[str, int]:
+    """Dynamo's running totals of graph breaks and compiled graphs (private counters; empty when
+    they move)."""
     try:
         from torch._dynamo.utils import counters
     except ImportError:
-        return None
-    return sum(counters["graph_break"].values())
+        return {}
+    return {"graph_breaks": sum(counters["graph_break"].values()), "graphs_compiled": counters["stats"]["unique_graphs"]}
 
 
 def _measure(
-    variant: LayerVariant, shape: tuple[int, int, int], device: torch.device, warmup: int, repeats: int, backend: str, seed: int
+    variant: LayerVariant, shape: tuple[int, int, int], device: torch.device,
+    warmup: int, repeats: int, backend: str, recompile_limit: int, seed: int,
 ) -> tuple[bool, dict]:
     m, k, n = shape
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -118,8 +120,8 @@ def _measure(
     ]
     module, context, report = _prepare(variant, layer, inputs[0][0], device)
     params = tuple(layer.parameters())
-    breaks = _graph_breaks()
-    with context:
+    before = _dynamo_counts()
+    with context, torch._dynamo.config.patch(recompile_limit=recompile_limit):
         if variant.compiled:
             torch._dynamo.reset()  # a fresh cache: no recompile limit or dynamic shapes from earlier layers
             module = torch.compile(module, backend=backend, dynamic=False)
@@ -128,10 +130,12 @@ def _measure(
             out = module(x)
             torch.autograd.grad(out, (x, *params), grad.to(out.dtype))
 
-        ms = median_ms(step, inputs, warmup, repeats, device)
-    detail = {"ms": ms, "tflops": tflops(6 * m * k * n, ms), "inputs_rotated": len(inputs), "ops": report()}
-    if variant.compiled and breaks is not None:
-        detail["graph_breaks"] = _graph_breaks() - breaks
+        warmup_s = warm_up(step, inputs, warmup, device)
+        ms = median_ms(step, inputs[warmup % len(inputs):] + inputs[:warmup % len(inputs)], repeats, device)
+    detail = {"ms": ms, "tflops": tflops(6 * m * k * n, ms), "warmup_s": warmup_s, "inputs_rotated": len(inputs), "ops": report()}
+    if variant.compiled:
+        after = _dynamo_counts()
+        detail.update({key: after[key] - before[key] for key in after})
     return True, detail
 
 
@@ -143,6 +147,7 @@ def measure_layers(
     warmup: int,
     repeats: int,
     backend: str,
+    recompile_limit: int,
     seed: int = 0,
     progress: Optional[Callable[[str], None]] = None,
 ) -> list[Row]:
@@ -150,8 +155,11 @@ def measure_layers(
     compiled BF16 autocast's time over this variant's (above 1 is faster than the baseline).
 
     ``shapes`` are ``(M, K, N)``: M tokens through ``Linear(K, N)``. torchao variants become rows
-    that did not run (``ok`` None) with the reason when torchao does not import. Each compiled variant resets Dynamo and
-    compiles afresh (the cost of the run, not of a step). Never raises for a failing variant.
+    that did not run (``ok`` None) with the reason when torchao does not import. Each compiled
+    variant resets Dynamo and compiles afresh during ``warmup`` (reported as ``warmup_s``, with the
+    graphs compiled and graph breaks); ``recompile_limit`` caps Dynamo's recompiles of one frame, so
+    a variant whose Python state changes every step (delayed scaling, INT8 calibration) settles
+    within the warm-up instead of recompiling in the timed calls. Never raises for a failing variant.
     """
     have_torchao, torchao_reason = torchao_status()
     rows: list[Row] = []
@@ -164,7 +172,7 @@ def measure_layers(
             if variant.kind == "torchao" and not have_torchao:
                 row = Row(name, None, {"skipped": torchao_reason})
             else:
-                row = guarded(name, device, lambda v=variant: _measure(v, shape, device, warmup, repeats, backend, seed))
+                row = guarded(name, device, lambda v=variant: _measure(v, shape, device, warmup, repeats, backend, recompile_limit, seed))
             row.detail.update(shape=list(shape), variant=variant.name, compiled=variant.compiled)
             shape_rows.append(row)
         baseline = next((r for r in shape_rows if r.ok and r.detail["variant"] == BASELINE.name and r.detail["compiled"]), None)

@@ -9,32 +9,40 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["median_ms", "rotation_count", "tflops", "start_clock"]
+__all__ = ["warm_up", "median_ms", "rotation_count", "tflops", "start_clock"]
 
 
-def median_ms(step: Callable[..., object], inputs: Sequence[tuple], warmup: int, repeats: int, device: torch.device) -> float:
-    """Median milliseconds of ``step(*inputs[i % len(inputs)])`` over ``repeats`` calls after
-    ``warmup`` untimed ones.
+def warm_up(step: Callable[..., object], inputs: Sequence[tuple], calls: int, device: torch.device) -> float:
+    """Run ``step`` on the first ``calls`` rotated inputs, untimed by `median_ms`; returns their wall
+    seconds (compilation included, synced on CUDA)."""
+    t0 = time.perf_counter()
+    for i in range(calls):
+        step(*inputs[i % len(inputs)])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def median_ms(step: Callable[..., object], inputs: Sequence[tuple], repeats: int, device: torch.device) -> float:
+    """Median milliseconds of ``step(*inputs[i % len(inputs)])`` over ``repeats`` calls.
 
     On CUDA each call is bracketed by CUDA events and the host syncs once at the end, so the time
     is the device's and includes launch gaps the host causes; on CPU it is wall time
     (``time.perf_counter``). Rotating through ``inputs`` keeps one input from sitting in cache.
     """
-    for i in range(warmup):
-        step(*inputs[i % len(inputs)])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
         for i, (start, end) in enumerate(events):
             start.record()
-            step(*inputs[(warmup + i) % len(inputs)])
+            step(*inputs[i % len(inputs)])
             end.record()
         torch.cuda.synchronize(device)
         return statistics.median(start.elapsed_time(end) for start, end in events)
     times = []
     for i in range(repeats):
         t0 = time.perf_counter()
-        step(*inputs[(warmup + i) % len(inputs)])
+        step(*inputs[i % len(inputs)])
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
