@@ -192,6 +192,17 @@ def _add_bench(subparsers, common: argparse.ArgumentParser) -> None:
     p.set_defaults(handler=_cmd_bench)
 
 
+def _saved(result, path: Path) -> bool:
+    """Write ``result`` as JSON to ``path``: True when written, else False after one error line."""
+    try:
+        result.save(path)
+    except OSError as exc:
+        _fail(f"cannot write {path}: {exc.strerror or exc}", EXIT_FAILED)
+        return False
+    print(f"wrote {path}", file=sys.stderr)
+    return True
+
+
 def _cmd_bench_gpu(args: argparse.Namespace) -> int:
     from .gpu_bench import GpuBenchConfig, GpuBenchError, run_gpu_bench
 
@@ -202,12 +213,8 @@ def _cmd_bench_gpu(args: argparse.Namespace) -> int:
         return _fail(f"{exc} (see 'autoprec bench --help')", EXIT_USAGE)
     finally:
         progress.close()
-    if args.json is not None:
-        try:
-            result.save(args.json)
-        except OSError as exc:
-            return _fail(f"cannot write {args.json}: {exc.strerror or exc}", EXIT_FAILED)
-        print(f"wrote {args.json}", file=sys.stderr)
+    if args.json is not None and not _saved(result, args.json):
+        return EXIT_FAILED
     # Last, so the end of a long log (all some machines return) shows it.
     print(result.format_table(), flush=True)
     if args.check and not result.passed:
@@ -246,12 +253,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     print(result.format_table())
-    if args.json is not None:
-        try:
-            result.save(args.json)
-        except OSError as exc:
-            return _fail(f"cannot write {args.json}: {exc.strerror or exc}", EXIT_FAILED)
-        print(f"wrote {args.json}", file=sys.stderr)
+    if args.json is not None and not _saved(result, args.json):
+        return EXIT_FAILED
     if args.check and not result.passed:
         failed = ", ".join(t.name for t in result.targets if not t.passed)
         return _fail(f"targets failed: {failed}", EXIT_FAILED)
