@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from autoprec.device import has_scaled_mm
 from autoprec.formats import Format
 from autoprec.gpu_bench import GpuBenchConfig
 from autoprec.gpu_bench.e2e import BenchLM, E2EConfig, choose_formats, fp8_plan, linear_shapes
-from autoprec.gpu_bench.layers import VARIANTS
+from autoprec.gpu_bench.layers import VARIANTS, measure_layers
 from autoprec.gpu_bench.probe import PROBE_CONFIGS, run_probe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,3 +156,10 @@ def test_a_failing_kernel_is_a_failed_row_and_the_probe_goes_on(monkeypatch):
     by_format = {fmt: [r for r in rows if r.name.startswith(f"probe/{fmt}/")] for fmt in ("fp8_e4m3", "int8")}
     assert all(not r.ok and "no FP8 GEMM today" in r.detail["error"] for r in by_format["fp8_e4m3"])
     assert all(r.ok for r in by_format["int8"])
+
+
+def test_compiled_variants_do_not_start_after_the_deadline():
+    variants = [v for v in VARIANTS if v.kind == "autocast"]
+    rows = measure_layers([(8, 16, 16)], variants, torch.device("cpu"), warmup=1, repeats=1, backend="eager",
+                          recompile_limit=1, deadline=time.monotonic() - 1)
+    assert [(r.detail["compiled"], r.ok) for r in rows] == [(False, True), (True, None)]

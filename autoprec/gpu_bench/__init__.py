@@ -67,7 +67,9 @@ class GpuBenchConfig:
     ``probe_features``: the probed linear's (in, out); ``probe_tokens``: its 2-D token counts;
     ``layer_shapes``: per-layer (M, K, N); ``warmup`` / ``repeats``: per-layer timing;
     ``compile_backend``: ``torch.compile``'s backend; ``recompile_limit``: Dynamo's recompiles per
-    frame while a compiled variant is measured (below ``warmup``, so recompiles end in the warm-up).
+    frame while a compiled variant is measured (below ``warmup``, so recompiles end in the warm-up);
+    ``layers_budget_s``: seconds after which compiled per-layer variants are no longer started
+    (sized so the full run ends within 8 minutes on one H100: probe and end to end take the rest).
     """
 
     probe_features: tuple[int, int] = (768, 768)
@@ -77,6 +79,7 @@ class GpuBenchConfig:
     repeats: int = 20
     compile_backend: str = "inductor"
     recompile_limit: int = 3
+    layers_budget_s: float = 300.0
     e2e: E2EConfig = E2EConfig()
     seed: int = 0
     smoke: bool = False
@@ -104,6 +107,7 @@ _PRESETS = {
         repeats=2,
         compile_backend="aot_eager",
         recompile_limit=1,
+        layers_budget_s=3600.0,  # a slow shared CPU must not skip the compiled paths the smoke run exists for
         e2e=E2EConfig(n_layers=2, d_model=32, n_heads=2, seq=16, batch=2, steps=3, warmup=1, pool=2),
         smoke=True,
     ),
@@ -272,7 +276,8 @@ def run_gpu_bench(
             warmup=config.warmup, repeats=config.repeats, backend=config.compile_backend,
             recompile_limit=config.recompile_limit, seed=config.seed,
         )
-        layers = measure_layers(config.layer_shapes, VARIANTS, dev, progress=lambda name: tick("layers"), **timing)
+        deadline = time.monotonic() + config.layers_budget_s
+        layers = measure_layers(config.layer_shapes, VARIANTS, dev, deadline=deadline, progress=lambda name: tick("layers"), **timing)
         layers += measure_layers(extra_shapes, choice_variants, dev, progress=lambda name: tick("layers"), **timing)
         elapsed["layers"] = time.perf_counter() - t0
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -79,14 +80,20 @@ def torchao_status() -> tuple[bool, str]:
 
 
 def _prepare(variant: LayerVariant, layer: nn.Module, example: torch.Tensor, device: torch.device):
-    """(module to call, context to hold around the timing loop, report callable) for ``variant``."""
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    """(module to call, context factory entered around each forward, report callable) for ``variant``.
+
+    The context is entered per step, as a training loop does: autocast's cache of casted weights
+    then lives for one forward, and autoprec's runtime re-enters every step."""
+
+    def autocast():
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+
     if variant.kind == "autocast":
         return layer, autocast, dict
     if variant.kind == "autoprec":
         # The plan traces one plain forward to find the layer: FP32 in, as the weights are.
         runtime = apply_plan(layer, Plan.uniform(layer, variant.format, example.float(), scaling=variant.scaling))
-        return layer, runtime, lambda: runtime.report().get("", {}).get("ops", {})
+        return layer, lambda: runtime, lambda: runtime.report().get("", {}).get("ops", {})
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     wrapped = convert_to_float8_training(nn.Sequential(layer), config=Float8LinearConfig.from_recipe_name(variant.recipe))
@@ -119,15 +126,16 @@ def _measure(
         for _ in range(rotation_count(bytes_per_input, device))
     ]
     module, context, report = _prepare(variant, layer, inputs[0][0], device)
-    params = tuple(layer.parameters())
+    params = tuple(module.parameters())  # torchao swaps the module; its parameters are the ones trained
     before = _dynamo_counts()
-    with context, torch._dynamo.config.patch(recompile_limit=recompile_limit):
+    with torch._dynamo.config.patch(recompile_limit=recompile_limit):
         if variant.compiled:
             torch._dynamo.reset()  # a fresh cache: no recompile limit or dynamic shapes from earlier layers
             module = torch.compile(module, backend=backend, dynamic=False)
 
         def step(x: torch.Tensor, grad: torch.Tensor) -> None:
-            out = module(x)
+            with context():
+                out = module(x)
             torch.autograd.grad(out, (x, *params), grad.to(out.dtype))
 
         warmup_s = warm_up(step, inputs, warmup, device)
@@ -149,6 +157,7 @@ def measure_layers(
     backend: str,
     recompile_limit: int,
     seed: int = 0,
+    deadline: Optional[float] = None,
     progress: Optional[Callable[[str], None]] = None,
 ) -> list[Row]:
     """One row per (shape, variant) with ms, TFLOP/s and, per shape, ``ratio_to_baseline``:
@@ -159,7 +168,9 @@ def measure_layers(
     variant resets Dynamo and compiles afresh during ``warmup`` (reported as ``warmup_s``, with the
     graphs compiled and graph breaks); ``recompile_limit`` caps Dynamo's recompiles of one frame, so
     a variant whose Python state changes every step (delayed scaling, INT8 calibration) settles
-    within the warm-up instead of recompiling in the timed calls. Never raises for a failing variant.
+    within the warm-up instead of recompiling in the timed calls. Compiled variants that would start
+    after ``deadline`` (``time.monotonic()`` seconds) do not run (``ok`` None), so compilation cannot
+    push the run past its time; eager ones always run. Never raises for a failing variant.
     """
     have_torchao, torchao_reason = torchao_status()
     rows: list[Row] = []
@@ -171,6 +182,8 @@ def measure_layers(
                 progress(name)
             if variant.kind == "torchao" and not have_torchao:
                 row = Row(name, None, {"skipped": torchao_reason})
+            elif variant.compiled and deadline is not None and time.monotonic() > deadline:
+                row = Row(name, None, {"skipped": "the per-layer time budget was spent (compilation); raise GpuBenchConfig.layers_budget_s"})
             else:
                 row = guarded(name, device, lambda v=variant: _measure(v, shape, device, warmup, repeats, backend, recompile_limit, seed))
             row.detail.update(shape=list(shape), variant=variant.name, compiled=variant.compiled)
