@@ -6,7 +6,6 @@ own (the searched plan's choice, the FP8 plan, one failure staying one row) are 
 """
 
 import json
-import math
 import os
 import subprocess
 import sys

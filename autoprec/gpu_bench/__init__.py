@@ -19,13 +19,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import subprocess
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -37,7 +36,7 @@ from ..errors import AutoprecError
 from ..formats import Format
 from ..plan import Plan
 from .e2e import E2EConfig, fp8_plan, linear_shapes, searched_plan, train_plan
-from .layers import BASELINE, VARIANTS, torchao_status, measure_layers
+from .layers import VARIANTS, measure_layers, torchao_status
 from .probe import PROBE_CONFIGS, run_probe
 from .rows import Row
 
