@@ -177,11 +177,58 @@ def _add_bench(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=default.seed, help="seed of the models and batches (default 0)")
     p.add_argument("--json", type=_output_path, default=None, metavar="PATH", help="also write the full result as JSON (atomically)")
     p.add_argument("--check", action="store_true", help="exit 1 when a target fails (targets are otherwise only reported)")
+    p.add_argument(
+        "--suite", choices=("models", "gpu"), default="models",
+        help="models: the variants above on the built-in LM and block (default); gpu: the GPU suite "
+             "(correctness probe, per-layer and end-to-end speed; see benchmarks/README.md), which "
+             "uses only --device, --json, --check, --smoke and --plan",
+    )
+    p.add_argument("--smoke", action="store_true", help="--suite gpu: every code path at tiny sizes, for a CPU; timings mean nothing")
+    p.add_argument(
+        "--plan", type=Path, default=None, metavar="PLAN.json",
+        help="--suite gpu: the searched plan to train end to end (default: per layer the faster of "
+             "bf16 and fp8 in the per-layer timings)",
+    )
     p.set_defaults(handler=_cmd_bench)
+
+
+def _saved(result, path: Path) -> bool:
+    """Write ``result`` as JSON to ``path``: True when written, else False after one error line."""
+    try:
+        result.save(path)
+    except OSError as exc:
+        _fail(f"cannot write {path}: {exc.strerror or exc}", EXIT_FAILED)
+        return False
+    print(f"wrote {path}", file=sys.stderr)
+    return True
+
+
+def _cmd_bench_gpu(args: argparse.Namespace) -> int:
+    from .gpu_bench import GpuBenchConfig, GpuBenchError, run_gpu_bench
+
+    progress = _Progress("bench gpu")
+    try:
+        result = run_gpu_bench(GpuBenchConfig.from_preset("smoke" if args.smoke else "full"), args.device, args.plan, progress)
+    except GpuBenchError as exc:
+        return _fail(f"{exc} (see 'autoprec bench --help')", EXIT_USAGE)
+    finally:
+        progress.close()
+    if args.json is not None and not _saved(result, args.json):
+        return EXIT_FAILED
+    # Last, so the end of a long log (all some machines return) shows it.
+    print(result.format_table(), flush=True)
+    if args.check and not result.passed:
+        return _fail("a check or target failed (see the table and the JSON)", EXIT_FAILED)
+    return EXIT_OK
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import BenchConfig, BenchConfigError, run_bench
+
+    if args.suite == "gpu":
+        return _cmd_bench_gpu(args)
+    if args.smoke or args.plan is not None:
+        return _fail("options --smoke and --plan belong to --suite gpu (see 'autoprec bench --help')", EXIT_USAGE)
 
     overrides = {
         "device": args.device,
@@ -206,12 +253,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     print(result.format_table())
-    if args.json is not None:
-        try:
-            result.save(args.json)
-        except OSError as exc:
-            return _fail(f"cannot write {args.json}: {exc.strerror or exc}", EXIT_FAILED)
-        print(f"wrote {args.json}", file=sys.stderr)
+    if args.json is not None and not _saved(result, args.json):
+        return EXIT_FAILED
     if args.check and not result.passed:
         failed = ", ".join(t.name for t in result.targets if not t.passed)
         return _fail(f"targets failed: {failed}", EXIT_FAILED)
