@@ -397,15 +397,16 @@ class PlanRuntime:
             out = self._int8(layer, key, x2, weight, bias, wq, out_dtype, k, n)
         else:
             rowwise = layer.precision.scaling.granularity is Granularity.ROW
+            expand = self.device_type == "cpu" and not rowwise and layer.format is Format.FP8_E4M3
             # Row-wise _scaled_mm writes BF16 only; a wider output is cast after the kernel.
-            kernel_dtype = torch.bfloat16 if rowwise else out_dtype
+            kernel_dtype = torch.bfloat16 if rowwise or expand else out_dtype
             # _scaled_mm fuses no bias into an FP32 output: there it is added after the kernel.
             fused = bias is not None and kernel_dtype != torch.float32
             kernel_bias = layer.kernel_bias(bias, kernel_dtype) if fused else None
             record = torch.is_grad_enabled()
             with torch.no_grad():
                 x_inv = layer.input_quantizer(key).inverse_scale(x2, record=record)
-            spec = Fp8Spec(layer.format, layer.precision.grad_format, rowwise, kernel_dtype, k, n)
+            spec = Fp8Spec(layer.format, layer.precision.grad_format, rowwise, kernel_dtype, expand, k, n)
             out = Fp8Linear.apply(
                 x2, weight, bias if fused else None, kernel_bias, x_inv,
                 wq.data, wq.inv_scale, wq.transposed, wq.backward_inv_scale, spec,

@@ -57,6 +57,10 @@ class Fp8Spec:
     grad_format: Format  # E4M3, E5M2, or FP32 (a high-precision backward)
     rowwise: bool
     out_dtype: torch.dtype  # the region's half dtype
+    # Per-tensor scales passed in row-wise shape: torch's CPU kernel runs E4M3 x E4M3 per-tensor
+    # through a reference path hundreds of times slower than its row-wise one (same result; the
+    # row-wise form is as legal on CUDA, but slower there, so CUDA keeps per-tensor).
+    expand_scales: bool
     in_features: int
     out_features: int
 
@@ -77,9 +81,14 @@ class Fp8Linear(torch.autograd.Function):
         # contiguous(): an elementwise cast keeps a transposed input's layout, and the first
         # operand must be row-major.
         xq = to_fp8(xp, x_inv, fmt).contiguous()
+        if spec.rowwise:
+            scale_a, scale_b = x_inv, w_inv.t()
+        elif spec.expand_scales:
+            scale_a, scale_b = x_inv.expand(xq.shape[0], 1).contiguous(), w_inv.expand(1, w_data.shape[0]).contiguous()
+        else:
+            scale_a, scale_b = x_inv, w_inv
         out = torch._scaled_mm(
-            xq, w_data.t(), scale_a=x_inv, scale_b=w_inv.t() if spec.rowwise else w_inv,
-            bias=kernel_bias, out_dtype=spec.out_dtype, use_fast_accum=True,
+            xq, w_data.t(), scale_a=scale_a, scale_b=scale_b, bias=kernel_bias, out_dtype=spec.out_dtype, use_fast_accum=True,
         )
         if out.shape[1] != spec.out_features:
             out = out[:, : spec.out_features]
