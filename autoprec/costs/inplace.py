@@ -40,9 +40,12 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
+from ..errors import CostModelError
 from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan
+from .trace import _forward
 
 __all__ = ["InPlaceTimes", "measure_in_place"]
 
@@ -199,10 +202,15 @@ class _StepTimer:
         return seconds, forward
 
 
-def _default_step_loss(model: nn.Module, batch: Any, loss_fn: Optional[Callable]) -> torch.Tensor:
-    from .model import _default_loss
-    from .trace import _forward
+def _default_loss(output: Any) -> torch.Tensor:
+    """The mean of every floating output that needs a gradient, summed (a stand-in loss)."""
+    tensors = [t for t in pytree.tree_leaves(output) if torch.is_tensor(t) and t.is_floating_point() and t.requires_grad]
+    if not tensors:
+        raise CostModelError("the model's output has no floating tensor that needs a gradient; pass loss_fn=(model, inputs) -> loss")
+    return sum(t.float().mean() for t in tensors)
 
+
+def _step_loss(model: nn.Module, batch: Any, loss_fn: Optional[Callable]) -> torch.Tensor:
     output = _forward(model, batch, loss_fn)
     return output if loss_fn is not None else _default_loss(output)
 
@@ -239,7 +247,7 @@ def measure_in_place(
         optimizer.zero_grad(set_to_none=True)
         start = timer.clock.mark()
         with runtime:
-            loss = _default_step_loss(clone, batch, loss_fn)
+            loss = _step_loss(clone, batch, loss_fn)
         timer.before_backward(loss)
         loss.backward()
         optimizer.step()

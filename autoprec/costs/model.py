@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import statistics
 import time
 import warnings
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
-from torch.utils import _pytree as pytree
 
 from ..device import format_support
 from ..errors import CostModelError
@@ -44,7 +42,7 @@ from ..runtime import EmulationWarning, apply_plan
 from .inplace import InPlaceTimes, measure_in_place
 from .memory import layer_memory
 from .timing import MeasuredTimeModel, RooflineTimeModel, TimeEstimate, TimeModel, _sync
-from .trace import ModelTrace, _forward, saved_bytes_by_layer, trace_model
+from .trace import ModelTrace, saved_bytes_by_layer, trace_model
 
 __all__ = ["DEFAULT_FORMATS", "LayerCost", "PlanCost", "CostModel", "RankingCheck", "check_uniform_ranking"]
 
@@ -108,14 +106,6 @@ class PlanCost:
     def to_dict(self) -> dict:
         """The totals, for a plan's ``predicted`` field."""
         return {"bytes": self.bytes, "saved_bytes": self.saved_bytes, "step_seconds": self.step_seconds, "rest_seconds": self.rest_seconds}
-
-
-def _default_loss(output: Any) -> torch.Tensor:
-    """The mean of every floating output that needs a gradient, summed (a stand-in loss)."""
-    tensors = [t for t in pytree.tree_leaves(output) if torch.is_tensor(t) and t.is_floating_point() and t.requires_grad]
-    if not tensors:
-        raise CostModelError("the model's output has no floating tensor that needs a gradient; pass loss_fn=(model, inputs) -> loss")
-    return sum(t.float().mean() for t in tensors)
 
 
 def _saved(memory) -> int:
