@@ -100,8 +100,9 @@ def test_plan_gives_every_layer_a_reason_and_predicted_figures(searched):
     assert plan.layers["blocks.0.attn"].format == plan.layers["blocks.0.attn.qkv"].format  # the group rule
     for key in ("bytes", "seconds", "loss_increase"):
         assert key in plan.predicted and key in plan.measured
-    assert plan.measured["fp32_seconds"] > 0
-    assert plan.measured["references"]["autocast-bf16"]["bytes"] > 0
+    references = plan.measured["references"]
+    assert references["fp32"]["seconds"] == plan.measured["fp32_seconds"] > 0
+    assert "seconds" in references["autocast-bf16"] or "pruned" in references["autocast-bf16"]
 
 
 def test_predicted_bytes_err_on_the_safe_side_within_five_percent(searched):
