@@ -262,7 +262,7 @@ def test_a_candidate_predicted_far_slower_than_one_measured_is_pruned_unrun():
     slow = Candidate("uniform-bf16", plan.replace(predicted={"seconds": 1e3}))
     study = optuna.create_study()
     results = stage.run([fast, slow], study, float("inf"), float("inf"), slow_prune=2.0)
-    assert results[slow.id].startswith("predicted 1000000.0 ms > 2x the fastest measured")
+    assert results[slow.id].startswith("predicted 1000000.0 ms > 2x the 1.0 ms predicted for the fastest measured")
     assert "bytes" not in study.trials[1].user_attrs  # never run, not even for its memory
 
 

@@ -19,8 +19,9 @@ without autoprec.
 
 Each candidate is a trial of an Optuna study in the job's storage (a crashed job resumes with
 the candidates already measured kept). Measuring stops early: a candidate whose predicted step
-time is over ``slow_prune`` times the fastest budget-meeting step measured so far is pruned
-before it runs (measure candidates fastest-predicted first), one over the memory budget is
+time is over ``slow_prune`` times the predicted time of the fastest budget-meeting candidate
+measured so far is pruned before it runs (measure candidates fastest-predicted first; predicted
+is compared with predicted, so a cost model off by a constant factor prunes nothing wrongly), one over the memory budget is
 pruned after one step, and `BudgetPruner` prunes one whose running loss increase is already
 clearly over the loss budget, before its step time is measured.
 """
@@ -280,22 +281,24 @@ class MeasuredStage:
         attribute ``candidate``), in the order given; returns candidate id -> `Measurement`, or
         the reason it was pruned. ``memory_bytes`` / ``loss_budget`` are absolute (inf when
         open). ``slow_prune``: a candidate whose ``plan.predicted["seconds"]`` is over this
-        times the fastest budget-meeting step measured so far is pruned unrun."""
+        times that of the fastest budget-meeting candidate measured so far is pruned unrun."""
         by_id = {c.id: c for c in candidates}
 
-        def fastest_measured() -> float:
+        def fastest_predicted() -> float:
+            """Predicted seconds of the fastest budget-meeting candidate measured so far."""
             done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            met = [t.value for t in done if t.user_attrs["bytes"] <= memory_bytes and t.user_attrs["loss_increase"] <= loss_budget]
-            return min(met, default=math.inf)
+            met = [t for t in done if t.user_attrs["bytes"] <= memory_bytes and t.user_attrs["loss_increase"] <= loss_budget]
+            return min(met, key=lambda t: t.value).user_attrs.get("predicted", math.inf) if met else math.inf
 
         def finished() -> dict[str, optuna.trial.FrozenTrial]:
             return {t.user_attrs.get("candidate"): t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))}
 
         def objective(trial: optuna.Trial) -> float:
             candidate = by_id[trial.user_attrs["candidate"]]
-            predicted, fastest = candidate.plan.predicted.get("seconds", 0.0), fastest_measured()
+            predicted, fastest = candidate.plan.predicted.get("seconds", 0.0), fastest_predicted()
+            trial.set_user_attr("predicted", predicted)
             if predicted > slow_prune * fastest:
-                trial.set_user_attr("pruned", f"predicted {predicted * 1e3:.1f} ms > {slow_prune:g}x the fastest measured {fastest * 1e3:.1f} ms")
+                trial.set_user_attr("pruned", f"predicted {predicted * 1e3:.1f} ms > {slow_prune:g}x the {fastest * 1e3:.1f} ms predicted for the fastest measured")
                 raise optuna.TrialPruned(trial.user_attrs["pruned"])
             context = candidate.context(self.device)
             with warnings.catch_warnings():
