@@ -3,6 +3,7 @@ and their disk cache, the roofline fallback, plan totals, errors, and (slow) the
 
 import json
 import math
+import time
 import warnings
 
 import pytest
@@ -236,7 +237,7 @@ def test_measured_times_round_trip_through_the_disk_cache(tmp_path, monkeypatch,
 def test_a_warm_cache_builds_a_cost_model_without_measuring(tmp_path, monkeypatch, one_thread):
     counted = _counting(monkeypatch)
     model, x = _tiny_model()
-    kwargs = dict(formats=["fp32", "fp8_e4m3"], rest_warmup=0, rest_steps=1)
+    kwargs = dict(formats=["fp32", "fp8_e4m3"], timing_warmup=0, timing_steps=1)
     cold = CostModel.build(model, x, time_model=MeasuredTimeModel(tmp_path, warmup=0, repeats=1), **kwargs)
     assert len(counted) == 2
     warm = CostModel.build(model, x, time_model=MeasuredTimeModel(tmp_path, warmup=0, repeats=1), **kwargs)
@@ -290,8 +291,84 @@ def test_measured_bf16_gemm_is_slower_than_fp32_on_this_cpu(tmp_path, one_thread
         pytest.skip(f"CPU capability {torch.backends.cpu.get_cpu_capability()} may have bf16 matrix units")
     model = nn.Linear(512, 512)
     x = torch.randn(512, 512, requires_grad=True)
-    costs = CostModel.build(model, x, formats=["fp32", "bf16"], time_model=MeasuredTimeModel(tmp_path, warmup=1, repeats=3), rest_warmup=0, rest_steps=1)
+    costs = CostModel.build(model, x, formats=["fp32", "bf16"], time_model=MeasuredTimeModel(tmp_path, warmup=1, repeats=3), timing_warmup=0, timing_steps=1)
     assert costs.layer_cost("", "bf16").seconds > 2 * costs.layer_cost("", "fp32").seconds
+
+
+# -- in place -------------------------------------------------------------------------------------
+
+
+def _plain_step_seconds(wl, model, batch, plans, rounds=9):
+    """Median seconds of plain training steps (no timing hooks) of each plan, interleaved."""
+    import copy
+    import statistics
+
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    runtimes = {name: ap.apply_plan(model, plan, validate=False) for name, plan in plans.items()}
+    times = {name: [] for name in plans}
+    for r in range(rounds + 2):
+        for name, runtime in runtimes.items():
+            optimizer.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            with runtime:
+                loss = wl.loss(model, batch)
+            loss.backward()
+            optimizer.step()
+            if r >= 2:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def test_in_place_predictions_are_within_25_percent_of_measured_fp32_and_bf16_steps(one_thread):
+    wl = default_workload("tiny", batch_size=16)
+    model = wl.build_model(0)
+    batch = wl.train_batches(0).next()
+    costs = CostModel.build(model, batch, loss_fn=wl.loss, formats=["fp32", "bf16"], cache_dir=False)
+    plans = {f: costs.uniform_plan(f) for f in ("fp32", "bf16")}
+    measured = _plain_step_seconds(wl, model, batch, plans)
+    for name, plan in plans.items():
+        predicted = costs.plan_cost(plan).step_seconds
+        assert abs(predicted - measured[name]) <= 0.25 * measured[name], (name, predicted, measured[name])
+
+
+def test_in_place_layer_times_cover_forward_and_backward_of_every_layer(one_thread):
+    # The layers' in-place FP32 seconds of one step against the same model's layers run alone
+    # (forward + backward of each Linear on its recorded input): each layer costs something,
+    # and the layers plus the rest add up to the measured step.
+    model, x = _tiny_model()
+    costs = CostModel.build(model, x, formats=["fp32"], cache_dir=False, timing_warmup=1, timing_steps=5)
+    times = costs.in_place[Format.FP32]
+    assert set(times.layer_seconds) == {"0", "2"}
+    assert all(s > 0 for s in times.layer_seconds.values())
+    assert times.step_seconds == pytest.approx(sum(times.layer_seconds.values()) + times.rest_seconds)
+    assert costs.layer_cost("0", "fp32").time_source == "in place"
+
+
+def test_a_plan_far_slower_than_the_first_is_stopped_and_extrapolated():
+    from autoprec.costs.inplace import measure_in_place
+
+    class Slow(nn.Module):
+        """A projection that sleeps when its forward runs under a BF16 plan."""
+
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            if torch.is_autocast_enabled("cpu"):
+                slow_runs.append(self.index)
+                time.sleep(0.2)
+            return torch.nn.functional.linear(x, self.weight)
+
+    slow_runs = []
+    model = nn.Sequential(Slow(), Slow())
+    model[0].index, model[1].index = 0, 1
+    plans = {f: Plan({"0": f, "1": f}) for f in ("fp32", "bf16")}
+    out = measure_in_place(model, [torch.randn(4, 8)], plans, ["0", "1"], warmup=0, steps=2, slow_factor=2.0)
+    assert not out["fp32"].extrapolated and out["bf16"].extrapolated
+    assert slow_runs == [0]  # stopped before its second layer, and never run again
+    assert out["bf16"].step_seconds > 2.0 * out["fp32"].step_seconds
 
 
 # -- roofline -------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from autoprec.formats import Format
 from autoprec.plan import Plan
 from autoprec.search.config import load_job
 from autoprec.search.job import run_job
-from autoprec.search.measured import BudgetPruner, Candidate, MeasuredStage
+from autoprec.search.measured import BudgetPruner, Candidate, MeasuredStage, Measurement, fastest_meeting
 from autoprec.workloads import default_workload
 
 JOB = """
@@ -78,8 +78,8 @@ def test_logs_hold_the_trials_the_candidates_and_the_plan(searched):
     search = EventAccumulator(str(logs / "search")).Reload()
     assert len(search.Scalars("search/trial/seconds")) == 30
     assert "search/pareto" in search.Tags()["images"]
-    candidates = sorted(p.name for p in (logs / "candidates").iterdir())
-    assert candidates[0] == "exact" and len(candidates) == 2
+    candidates = {p.name for p in (logs / "candidates").iterdir()}
+    assert {"exact", "autocast-bf16"} <= candidates  # a proposed plan and a reference
     assert "plan/precision_map" in EventAccumulator(str(logs / "plans" / "searched")).Reload().Tags()["images"]
 
 
@@ -100,8 +100,9 @@ def test_plan_gives_every_layer_a_reason_and_predicted_figures(searched):
     assert plan.layers["blocks.0.attn"].format == plan.layers["blocks.0.attn.qkv"].format  # the group rule
     for key in ("bytes", "seconds", "loss_increase"):
         assert key in plan.predicted and key in plan.measured
-    for key in ("bf16_autocast_bytes", "bf16_autocast_seconds", "fp32_seconds"):
-        assert plan.measured[key] > 0
+    references = plan.measured["references"]
+    assert references["fp32"]["seconds"] == plan.measured["fp32_seconds"] > 0
+    assert "seconds" in references["autocast-bf16"] or "pruned" in references["autocast-bf16"]
 
 
 def test_predicted_bytes_err_on_the_safe_side_within_five_percent(searched):
@@ -114,7 +115,7 @@ def test_summary_table_lists_references_and_candidates(searched, capsys):
     folder, path, _ = searched
     result = run_job(load_job(path))  # resumes: nothing is searched or measured again
     table = result.format_table()
-    assert "fp32" in table and "bf16_autocast" in table and "exact" in table
+    assert "fp32" in table and "torch.autocast bf16" in table and "exact" in table
     assert result.met_budgets and "*" in table
 
 
@@ -200,7 +201,7 @@ def test_measured_bytes_match_the_saved_tensor_meter_for_fp32():
     with SavedTensorMeter(list(model.parameters())) as meter:
         wl.loss(model, train[0])
     assert stage.memory(None) == meter.total_bytes + grads
-    json.dumps(stage.reference("fp32").to_dict())  # JSON-ready
+    json.dumps(stage.fp32().to_dict())  # JSON-ready
 
 
 # -- a model with 120 layers ----------------------------------------------------------------------
@@ -231,3 +232,49 @@ def test_proxy_study_on_a_120_layer_model_is_within_one_percent_of_the_exact_opt
     result = run_proxy_study(space, memory, loss_budget, n_trials=60, warm_start=[exact.assignment])
     assert result.best.total.bytes <= memory and result.best.total.loss <= loss_budget
     assert result.best.total.seconds <= 1.01 * exact.total.seconds
+
+
+# -- references and the winner ----------------------------------------------------------------
+
+
+def _stage(steps=1):
+    wl = default_workload("tiny", batch_size=4)
+    model = wl.build_model(0)
+    sampler = wl.train_batches(0)
+    train = [sampler.next() for _ in range(2)]
+    plan = Plan.uniform(model, Format.BF16, train[0][0])
+    return wl, model, plan, MeasuredStage(model, wl.loss, train, wl.val_batches(2), list(plan.layers), steps=steps, warmup=0)
+
+
+def test_autocast_reference_loss_is_that_of_plain_torch_autocast():
+    wl, model, plan, stage = _stage()
+    results = stage.run([Candidate("autocast-bf16", plan, autocast=True)], optuna.create_study(), float("inf"), float("inf"))
+    (m,) = results.values()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model.eval()
+        expected = sum(float(wl.loss(model, b)) for b in stage.val_batches) / len(stage.val_batches)
+    assert m.loss == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_candidate_predicted_far_slower_than_one_measured_is_pruned_unrun():
+    wl, model, plan, stage = _stage()
+    fast = Candidate("autocast-bf16", plan.replace(predicted={"seconds": 1e-3}), autocast=True)
+    slow = Candidate("uniform-bf16", plan.replace(predicted={"seconds": 1e3}))
+    study = optuna.create_study()
+    results = stage.run([fast, slow], study, float("inf"), float("inf"), slow_prune=2.0)
+    assert results[slow.id].startswith("predicted 1000000.0 ms > 2x the 1.0 ms predicted for the fastest measured")
+    assert "bytes" not in study.trials[1].user_attrs  # never run, not even for its memory
+
+
+def _measured(seconds, bytes_=100, loss_increase=0.0):
+    return Measurement(bytes_, seconds, 1.0 + loss_increase, loss_increase)
+
+
+def test_the_fastest_budget_meeting_candidate_wins_references_included():
+    plan = Plan({"a": "bf16"})
+    proposed = Candidate("exact", Plan({"a": "int8"}))
+    reference = Candidate("autocast-bf16", plan, autocast=True)
+    too_big = Candidate("uniform-fp8_e4m3", Plan({"a": "fp8_e4m3"}))
+    pairs = [(proposed, _measured(2.0)), (reference, _measured(1.5)), (too_big, _measured(0.5, bytes_=200))]
+    assert fastest_meeting(pairs, 150, 0.01)[0] is reference
+    assert fastest_meeting([(proposed, "pruned: memory")], 150, 0.01) is None

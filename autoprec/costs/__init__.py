@@ -1,11 +1,13 @@
 """Costs: per (layer, format) memory bytes and time, for the search to trade against accuracy.
 
-Two concerns, one module each, over one shared trace:
+The concerns, one module each, over one shared trace:
 
 - `trace`: one FP32 forward records every matrix product each layer runs (function, argument
   layouts, which arguments are weights) and what autograd saves, per layer;
 - `memory`: bytes per (layer, format) from those shapes: weight copies, activations saved for
   backward, gradient buffers (checked against ``saved_tensors_hooks`` measurements in the tests);
+- `inplace`: seconds per (layer, format) measured in place, over real training steps under each
+  format's uniform plan (what `CostModel.build` uses by default);
 - `timing`: seconds per (call, format), measured on the device by replaying each call under
   ``apply_plan`` (cached on disk), or a roofline estimate from datasheet peaks;
 - `model`: `CostModel` (per-layer costs, plan totals, the FP32 bytes a memory budget is a
@@ -18,6 +20,7 @@ Typical use::
     costs.plan_cost(plan).step_seconds, costs.fp32_bytes()
 """
 
+from .inplace import InPlaceTimes, measure_in_place
 from .memory import MemoryCost, call_path, layer_memory
 from .model import DEFAULT_FORMATS, CostModel, LayerCost, PlanCost, RankingCheck, check_uniform_ranking
 from .timing import (
@@ -46,6 +49,8 @@ __all__ = [
     "layer_memory",
     "call_path",
     # time
+    "InPlaceTimes",
+    "measure_in_place",
     "TimeModel",
     "TimeEstimate",
     "MeasuredTimeModel",

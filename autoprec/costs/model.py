@@ -1,10 +1,19 @@
 """`CostModel`: per (layer, format) bytes and seconds, and whole-plan predictions.
 
-Built from one traced forward (`trace.trace_model`), the memory arithmetic (`memory`) and a
-`TimeModel` (`timing`; measured on the device by default). A plan's predicted step time is the
-sum of its layers' times plus a format-independent *rest of the step* (everything outside the
-layers' matrix products: embeddings, norms, softmax, the loss, the optimizer), measured once as
-the FP32 model's step time minus its layers' FP32 times. Its predicted bytes are the sum of its
+Built from one traced forward (`trace.trace_model`), the memory arithmetic (`memory`) and
+per-layer times. A plan's predicted step time is the sum of its layers' times plus a
+format-independent *rest of the step* (everything outside the layers: embeddings, norms, the
+loss, the optimizer).
+
+Times are measured **in place** by default (`inplace.measure_in_place`): real training steps of
+the model under each format's uniform plan, each layer's forward and backward timed where it
+runs, and the rest taken as the FP32 step minus its layers in the same steps. This was chosen
+over calibrating the per-call replays (`timing.MeasuredTimeModel`) against one real step
+because one scale factor cannot fix the replays' error, which is a per-call fixed cost that
+weighs differently on every layer size and format; in place, the prediction for every uniform
+plan is its measured step by construction, and a mixed plan's is the sum of the same layers'
+in-place times. The replays remain for a format asked for after building (or one whose uniform
+plan cannot run), and as an explicit ``time_model``. Its predicted bytes are the sum of its
 layers' bytes plus what ops outside the layers save for backward, measured once with an FP32
 region and once with a low-precision one (activations between layers are then 2 bytes wide),
 plus, for each layer kept FP32 inside a low-precision region, the measured extra that costs (its
@@ -16,26 +25,24 @@ the uniform plans on the built-in workload, ranked.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
-import statistics
 import time
 import warnings
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
-from torch.utils import _pytree as pytree
 
 from ..device import format_support
 from ..errors import CostModelError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
 from ..runtime import EmulationWarning, apply_plan
+from .inplace import InPlaceTimes, measure_in_place
 from .memory import layer_memory
 from .timing import MeasuredTimeModel, RooflineTimeModel, TimeEstimate, TimeModel, _sync
-from .trace import ModelTrace, _forward, saved_bytes_by_layer, trace_model
+from .trace import ModelTrace, saved_bytes_by_layer, trace_model
 
 __all__ = ["DEFAULT_FORMATS", "LayerCost", "PlanCost", "CostModel", "RankingCheck", "check_uniform_ranking"]
 
@@ -101,38 +108,6 @@ class PlanCost:
         return {"bytes": self.bytes, "saved_bytes": self.saved_bytes, "step_seconds": self.step_seconds, "rest_seconds": self.rest_seconds}
 
 
-def _default_loss(output: Any) -> torch.Tensor:
-    """The mean of every floating output that needs a gradient, summed (a stand-in loss)."""
-    tensors = [t for t in pytree.tree_leaves(output) if torch.is_tensor(t) and t.is_floating_point() and t.requires_grad]
-    if not tensors:
-        raise CostModelError("the model's output has no floating tensor that needs a gradient; pass loss_fn=(model, inputs) -> loss")
-    return sum(t.float().mean() for t in tensors)
-
-
-def _fp32_step_seconds(model: nn.Module, example_inputs: Any, loss_fn: Optional[Callable], warmup: int, steps: int) -> float:
-    """Median seconds of a plain FP32 training step (zero_grad, forward + loss, backward, AdamW
-    step, as bench.py times) on a copy of ``model``, so the caller's weights stay untouched."""
-    clone = copy.deepcopy(model)
-    clone.train()
-    # bench.py's _LR; the value does not change the step's cost.
-    optimizer = torch.optim.AdamW(clone.parameters(), lr=1e-3)
-    device = next(clone.parameters()).device
-    times = []
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for i in range(warmup + steps):
-            optimizer.zero_grad(set_to_none=True)
-            _sync(device)
-            t0 = time.perf_counter()
-            output = _forward(clone, example_inputs, loss_fn)
-            loss = output if loss_fn is not None else _default_loss(output)
-            loss.backward()
-            optimizer.step()
-            _sync(device)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _saved(memory) -> int:
     return memory.weight_copy_bytes + memory.activation_bytes + memory.other_saved_bytes
 
@@ -151,6 +126,7 @@ class CostModel:
         *,
         formats: Iterable["Format | str"] = DEFAULT_FORMATS,
         rest_seconds: float = 0.0,
+        in_place: "Mapping[Format, InPlaceTimes] | None" = None,
         rest_saved_bytes: "tuple[int, int] | None" = None,
         fp32_in_region_bytes: "Mapping[str, int] | None" = None,
     ):
@@ -158,6 +134,8 @@ class CostModel:
         self.time_model = time_model
         self.device = trace.device
         self.rest_seconds = float(rest_seconds)
+        # format -> per-layer seconds measured in place; these formats never ask the time model.
+        self.in_place = dict(in_place or {})
         # (FP32 region, low-precision region); the trace's FP32 figure for both when unmeasured.
         self.rest_saved_bytes = tuple(rest_saved_bytes) if rest_saved_bytes is not None else (trace.rest_saved_bytes, trace.rest_saved_bytes)
         # fqn -> extra bytes saved when that layer stays FP32 inside a lowered region (see build).
@@ -179,38 +157,47 @@ class CostModel:
         measure: bool = True,
         cache_dir: Any = None,
         time_model: Optional[TimeModel] = None,
-        rest_warmup: int = 3,
-        rest_steps: int = 8,
+        timing_warmup: int = 3,
+        timing_steps: int = 8,
     ) -> "CostModel":
         """Trace ``model`` on ``example_inputs`` and cost every layer in ``formats``.
 
         ``loss_fn(model, example_inputs) -> loss``: the step's loss (default: the mean of the
-        floating outputs). ``measure``: time layers on the device with `MeasuredTimeModel`
-        (cached under ``cache_dir``, default ``~/.cache/autoprec``) and measure the rest of the
-        step with ``rest_warmup + rest_steps`` FP32 training steps on a copy of the model;
+        floating outputs). ``measure``: time every layer in place (module docstring) over
+        ``timing_warmup + timing_steps`` rounds of one training step per format, on a copy of
+        the model; formats asked for later, or whose uniform plan cannot run, are replayed with
+        `MeasuredTimeModel` (cached under ``cache_dir``, default ``~/.cache/autoprec``).
         ``False`` uses `RooflineTimeModel` and sets the rest of the step to 0 s, so predicted
-        step times then cover the layers only. ``time_model`` overrides the choice.
+        step times then cover the layers only. ``time_model``: per-call times from that model
+        instead, the rest of the step (with ``measure``) from the FP32 steps in place.
 
-        Cost: one FP32 forward (trace), one low-precision forward (bytes saved between layers),
-        the time model's measurements, and the FP32 steps. The model is left unchanged.
+        Cost: one FP32 forward (trace), one low-precision forward per layer + 1 (bytes saved
+        between layers), and the timed steps (FP32 only with a ``time_model``). The model is
+        left unchanged.
         """
         formats = tuple(Format.parse(f) for f in formats)
         if not formats:
             raise CostModelError("CostModel.build(formats=()): give at least one format, e.g. DEFAULT_FORMATS")
+        trace = trace_model(model, example_inputs, loss_fn)
+        in_place: dict[Format, InPlaceTimes] = {}
+        if measure:
+            timed = formats if time_model is None else (Format.FP32,)
+            timed = (Format.FP32,) + tuple(f for f in timed if f is not Format.FP32)
+            layers = list(trace.layers)
+            plans = {f: Plan({fqn: LayerPrecision(f) for fqn in layers}) for f in timed}
+            in_place = measure_in_place(model, [example_inputs], plans, layers, loss_fn, warmup=timing_warmup, steps=timing_steps)
+            if Format.FP32 not in in_place:
+                raise CostModelError("CostModel.build: the FP32 training step failed in place; check loss_fn and example_inputs")
         if time_model is None:
             time_model = MeasuredTimeModel(cache_dir) if measure else RooflineTimeModel()
-        trace = trace_model(model, example_inputs, loss_fn)
-        costs = cls(trace, time_model, formats=formats)
+            costs = cls(trace, time_model, formats=formats, in_place=in_place)
+        else:
+            costs = cls(trace, time_model, formats=formats)
         costs._measure_region_bytes(model, example_inputs, loss_fn)
         if measure:
-            step = _fp32_step_seconds(model, example_inputs, loss_fn, rest_warmup, rest_steps)
-            layers = costs.plan_cost(costs.uniform_plan(Format.FP32)).layer_seconds
-            if step < layers:
-                logger.warning(
-                    "the FP32 step (%.3g s) is shorter than its layers' replayed FP32 times (%.3g s); "
-                    "the rest of the step is set to 0 (a noisy machine, or replays slower than in place)", step, layers
-                )
-            costs.rest_seconds = max(0.0, step - layers)
+            fp32 = in_place[Format.FP32]
+            layers_seconds = costs.plan_cost(costs.uniform_plan(Format.FP32)).layer_seconds
+            costs.rest_seconds = max(0.0, fp32.step_seconds - layers_seconds)
         return costs
 
     def _measure_region_bytes(self, model, example_inputs, loss_fn) -> None:
@@ -256,7 +243,7 @@ class CostModel:
 
     def _ensure_times(self, formats: Sequence[Format]) -> None:
         calls = [call for layer in self.trace.layers.values() for call in layer.calls]
-        missing = [f for f in formats if any((call.key, f) not in self._times for call in calls)]
+        missing = [f for f in formats if f not in self.in_place and any((call.key, f) not in self._times for call in calls)]
         if missing:
             self._times.update(self.time_model.estimate(calls, missing, self.device))
 
@@ -276,7 +263,10 @@ class CostModel:
         fmt = precision.format
         self._ensure_times([fmt])
         memory = layer_memory(layer, precision, self.device)
-        estimates = [self._times[(call.key, fmt)] for call in layer.calls]
+        if fmt in self.in_place:
+            estimates = [TimeEstimate(self.in_place[fmt].layer_seconds[fqn], "in place")]
+        else:
+            estimates = [self._times[(call.key, fmt)] for call in layer.calls]
         sources = sorted({e.source for e in estimates})
         return LayerCost(
             fqn=fqn,

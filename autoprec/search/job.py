@@ -15,8 +15,11 @@ One run, in order (each step's figures end up in the plan's ``predicted`` / ``me
    (`solve_exact`; an infeasible budget stops here with the smallest reachable); the Optuna
    study warm-started with it and the uniform plans, resumed from the job's storage.
 4. **Measured stage**: the ``[search].measure_top`` fastest distinct feasible proxy plans run for
-   real (`MeasuredStage`); the plan returned is the fastest that meets both budgets *as
-   measured*. FP32 and uniform BF16 autocast are measured beside them.
+   real (`MeasuredStage`), and beside them the references: every uniform plan that fits the
+   budgets as predicted, and plain ``torch.autocast`` in BF16 (and FP16) where the device runs
+   it and the rules allow that format. The plan returned is the fastest of all of them that
+   meets both budgets *as measured*; when plain autocast wins, that is the uniform half plan,
+   its metadata saying it runs as plain autocast. Plain FP32 is measured as the baseline.
 5. **Artifacts** under ``[job].out``: ``plan.json`` (only when a plan met the budgets),
    ``profile.json``, the study (``study.db`` unless ``[search].storage`` says otherwise) and
    TensorBoard logs in ``logs/``.
@@ -44,14 +47,14 @@ import optuna
 import torch
 
 from ..calls import ModelCall
-from ..device import resolve_device
+from ..device import format_support, resolve_device
 from ..errors import InfeasibleBudgetError, SearchError
 from ..formats import Format
 from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan
 from .config import JobConfig, resolve_factory
 from .exact import Solution, solve_exact
-from .measured import BudgetPruner, Candidate, MeasuredStage, Measurement, candidate_id
+from .measured import BudgetPruner, Candidate, MeasuredStage, Measurement, fastest_meeting
 from .planner import build_space, in_budget_terms, layer_reasons, plan_from_solution
 from .space import SearchSpace
 from .study import feasible, open_storage, run_proxy_study
@@ -79,6 +82,7 @@ class JobResult:
     predicted_memory_budget: float  # predicted bytes allowed (the proxy stage's budget)
     predicted_fp32: Mapping[str, float]  # the all-FP32 plan's predicted bytes and seconds
     seconds: float
+    chosen: "Candidate | None" = None  # the candidate the plan came from (a reference, maybe)
 
     @property
     def met_budgets(self) -> bool:
@@ -105,9 +109,10 @@ class JobResult:
         for name, m in self.references.items():
             predicted = f"{self.predicted_fp32['seconds'] * 1e3:.1f} / {self.predicted_fp32['bytes'] / 2**20:.2f} / 0" if name == "fp32" else "-"
             row(name, "-", m, predicted, "reference")
-        chosen = candidate_id(self.plan) if self.plan is not None else None
+        chosen = self.chosen.id if self.chosen is not None else None
         for candidate, m in self.candidates:
             counts = ",".join(f"{n} {f}" for f, n in candidate.plan.format_counts().items())
+            counts = f"torch.autocast {counts.split()[-1]}" if candidate.autocast else counts
             p = candidate.plan.predicted
             predicted = f"{p['seconds'] * 1e3:.1f} / {p['bytes'] / 2**20:.2f} / {p['loss_increase']:+.4f}"
             if isinstance(m, str):
@@ -121,7 +126,18 @@ class JobResult:
         budget = f"budgets: memory <= {self.memory_budget / 2**20:.2f} MiB, loss increase <= {self.loss_budget:.4g}"
         gap = f"proxy search vs exact optimum: {self.proxy_gap:+.2%} step time" if math.isfinite(self.proxy_gap) else "proxy search found no feasible plan"
         verdict = f"plan: {self.plan_path}" if self.plan_path else "no candidate met the budgets as measured"
-        return "\n".join(lines + [budget, gap, verdict])
+        return "\n".join(lines + [budget, gap] + self._comparison() + [verdict])
+
+    def _comparison(self) -> list[str]:
+        """The returned plan against the fastest budget-meeting reference, and its predicted step."""
+        if self.plan is None:
+            return []
+        m = self.plan.measured
+        refs = fastest_meeting([p for p in self.candidates if p[0].is_reference], self.memory_budget, self.loss_budget)
+        lines = [f"returned {self.chosen.name}: {m['seconds'] * 1e3:.1f} ms measured, {self.plan.predicted['seconds'] * 1e3:.1f} ms predicted"]
+        if refs is not None:
+            lines.append(f"  = {m['seconds'] / refs[1].seconds:.2f}x the fastest budget-meeting reference ({refs[0].name}, {refs[1].seconds * 1e3:.1f} ms)")
+        return lines
 
 
 def _to(batch, device):
@@ -192,6 +208,27 @@ def _candidates(space: SearchSpace, study: optuna.Study, exact: Solution, memory
             continue
         seen[key] = (name, Solution(assignment, total))
     return sorted(seen.values(), key=lambda item: item[1].total.seconds)[:top]
+
+
+def _with_references(proposed, space, costs, config, ruled_out, memory, loss_budget, budgets_meta, meta, device) -> list[Candidate]:
+    """``proposed`` plus the references: each uniform plan of the space that fits the budgets as
+    predicted, and plain autocast in each half format the device runs and the space allows; all
+    distinct, fastest predicted first (so `MeasuredStage.run` can prune far slower ones unrun)."""
+    out = {c.id: c for c in proposed}
+    for fmt in config.formats:
+        assignment = space.uniform(fmt)
+        if assignment is None:
+            continue
+        total = space.totals(assignment)
+        reasons = layer_reasons(space, assignment, config.rules, ruled_out)
+        plan = plan_from_solution(space, costs, Solution(assignment, total), reasons, budgets_meta, meta)
+        uniform = Candidate(f"uniform-{fmt.value}", plan)
+        if total.bytes <= memory and total.loss <= loss_budget:
+            out.setdefault(uniform.id, uniform)
+        if fmt in (Format.BF16, Format.FP16) and format_support(fmt, device).runnable:
+            reference = Candidate(f"autocast-{fmt.value}", plan, autocast=True)
+            out[reference.id] = reference
+    return sorted(out.values(), key=lambda c: c.plan.predicted["seconds"])
 
 
 def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
@@ -278,10 +315,10 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
         "train_loss_first": loss_first, "train_loss_last": loss_last, "profile_steps": config.profile_steps,
         "exact_seconds": exact.total.seconds, "sensitivity": "fisher",
     }
-    candidates = [
-        Candidate(name, plan_from_solution(space, costs, sol, layer_reasons(space, sol.assignment, config.rules, ruled_out), budgets_meta, meta))
-        for name, sol in top
-    ]
+    candidates = _with_references(
+        [Candidate(name, plan_from_solution(space, costs, sol, layer_reasons(space, sol.assignment, config.rules, ruled_out), budgets_meta, meta)) for name, sol in top],
+        space, costs, config, ruled_out, memory, loss_budget, budgets_meta, meta, device,
+    )
 
     measured_study = optuna.create_study(
         study_name=f"{config.study_name}:measured", storage=storage, direction="minimize",
@@ -289,31 +326,27 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
     )
     measured_memory = config.budgets.memory_bytes(stage.memory(None))
     results = stage.run(candidates, measured_study, measured_memory, loss_budget, progress)
-    if progress is not None:
-        progress(0, 1, "measuring references")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", EmulationWarning)
-        references = {"fp32": stage.reference("fp32"), "bf16_autocast": stage.reference("bf16_autocast")}
-
-    def meets(m) -> bool:
-        return isinstance(m, Measurement) and m.bytes <= measured_memory and m.loss_increase <= loss_budget
+    references = {"fp32": stage.fp32()}
 
     pairs = [(c, results.get(c.id, "not measured")) for c in candidates]
-    winners = sorted((p for p in pairs if meets(p[1])), key=lambda p: p[1].seconds)
+    winner = fastest_meeting(pairs, measured_memory, loss_budget)
     plan = plan_path = None
-    if winners:
-        candidate, m = winners[0]
-        emulated = _emulated(model, candidate.plan, example_inputs)
-        fp32, bf16 = references["fp32"], references["bf16_autocast"]
+    if winner is not None:
+        candidate, m = winner
+        emulated = {} if candidate.autocast else _emulated(model, candidate.plan, example_inputs)
+        fp32 = references["fp32"]
         measured = {
-            **m.to_dict(), "baseline_loss": stage.baseline_loss,
-            "fp32_bytes": fp32.bytes, "fp32_seconds": fp32.seconds,
-            "bf16_autocast_bytes": bf16.bytes, "bf16_autocast_seconds": bf16.seconds, "bf16_autocast_loss_increase": bf16.loss_increase,
+            **m.to_dict(), "baseline_loss": stage.baseline_loss, "fp32_bytes": fp32.bytes, "fp32_seconds": fp32.seconds,
+            "references": {"fp32": fp32.to_dict(), **{c.name: r.to_dict() if isinstance(r, Measurement) else {"pruned": r} for c, r in pairs if c.is_reference}},
         }
         metadata = {
             **candidate.plan.metadata, "candidate": candidate.name, "proxy_gap": None if study_best is None else study_best.total.seconds / exact.total.seconds - 1.0,
             "emulated_layers": emulated, "seconds": round(time.perf_counter() - start, 1),
         }
+        if candidate.autocast:
+            half = Format.parse(next(iter(candidate.plan.format_counts())))
+            metadata["runs_as"] = f"plain torch.autocast({device.type!r}, dtype={half.dtype})"
+            metadata["reason"] = f"plain autocast was the fastest candidate that met the budgets as measured; this uniform plan runs as {metadata['runs_as']}"
         plan = candidate.plan.replace(measured=measured, metadata=metadata)
         plan_path = plan.save(config.out / "plan.json")
         if emulated:
@@ -322,6 +355,7 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
         config=config, plan=plan, plan_path=plan_path, references=references, candidates=pairs, exact=exact,
         proxy_best=study_best, memory_budget=measured_memory, loss_budget=loss_budget, predicted_memory_budget=memory,
         predicted_fp32={"bytes": fp32_cost.bytes, "seconds": fp32_cost.step_seconds}, seconds=time.perf_counter() - start,
+        chosen=winner[0] if winner is not None else None,
     )
     _write_logs(config, result, proxy.study)
     return result

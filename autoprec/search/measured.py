@@ -12,9 +12,17 @@ device the way training will run it (`apply_plan`), and three figures are measur
   interleaved one for one with FP32 steps of another copy, so the machine's drift cancels: the
   candidate's figure is its median ratio to FP32 times the FP32 median of the whole stage.
 
+A candidate is an autoprec plan, or a **reference** that is not one: plain
+``torch.autocast`` in the half format of a uniform plan (`Candidate.autocast`), measured in
+exactly the same way, so that the search can never return a plan slower than what a user gets
+without autoprec.
+
 Each candidate is a trial of an Optuna study in the job's storage (a crashed job resumes with
-the candidates already measured kept). Measuring stops early: a candidate over the memory budget
-is pruned after one step, and `BudgetPruner` prunes one whose running loss increase is already
+the candidates already measured kept). Measuring stops early: a candidate whose predicted step
+time is over ``slow_prune`` times the predicted time of the fastest budget-meeting candidate
+measured so far is pruned before it runs (measure candidates fastest-predicted first; predicted
+is compared with predicted, so a cost model off by a constant factor prunes nothing wrongly), one over the memory budget is
+pruned after one step, and `BudgetPruner` prunes one whose running loss increase is already
 clearly over the loss budget, before its step time is measured.
 """
 
@@ -42,7 +50,7 @@ from ..measure import SavedTensorMeter
 from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan
 
-__all__ = ["Measurement", "Candidate", "BudgetPruner", "MeasuredStage", "candidate_id"]
+__all__ = ["Measurement", "Candidate", "BudgetPruner", "MeasuredStage", "candidate_id", "fastest_meeting"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +71,31 @@ class Measurement:
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """A plan to measure, with its identity in the measured study."""
+    """A plan to measure, with its identity in the measured study.
+
+    ``autocast``: run as plain ``torch.autocast`` in the plan's format (a uniform BF16 or FP16
+    plan) instead of through `apply_plan`: the reference a user has without autoprec.
+    """
 
     name: str
     plan: Plan
+    autocast: bool = False
 
     @property
     def id(self) -> str:
-        return candidate_id(self.plan)
+        return candidate_id(self.plan) + (":autocast" if self.autocast else "")
+
+    @property
+    def is_reference(self) -> bool:
+        """A uniform plan or plain autocast: measured to compare against, not proposed by the search."""
+        return self.autocast or len(self.plan.format_counts()) == 1
+
+    def context(self, device: torch.device) -> Callable[[nn.Module], Any]:
+        """``model -> context manager`` that runs a training step of this candidate."""
+        if self.autocast:
+            (fmt,) = {lp.format for lp in self.plan.layers.values()}
+            return lambda m: torch.autocast(device.type, dtype=fmt.dtype)
+        return _plan_context(self.plan)
 
 
 def candidate_id(plan: Plan) -> str:
@@ -158,7 +183,7 @@ class MeasuredStage:
         self.warmup = warmup
         first = next(model.parameters())
         self.device = first.device
-        self.baseline_losses = self._val_losses(None)
+        self.baseline_losses = self._val_losses()
         self.baseline_loss = statistics.fmean(self.baseline_losses)
         self._fp32 = _Variant(model, lr, lambda m: contextlib.nullcontext())
         self._fp32_times: list[float] = []
@@ -177,17 +202,19 @@ class MeasuredStage:
         grads = sum(p.grad.nbytes for fqn in self.layers for p in modules[fqn].parameters(recurse=False) if p.grad is not None)
         return meter.total_bytes + grads
 
-    def loss_increases(self, plan: Plan):
+    def loss_increases(self, candidate: Candidate):
         """Yields (running mean increase, its standard error) after each held-out batch."""
-        runtime = apply_plan(self.model, plan, validate=False)
+        runtime = None if candidate.autocast else apply_plan(self.model, candidate.plan, validate=False)
+        context = candidate.context(self.device)
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
-                self._calibrate(plan, runtime)
+                if runtime is not None:
+                    self._calibrate(candidate.plan, runtime)
                 diffs = []
                 for batch, base in zip(self.val_batches, self.baseline_losses):
-                    with runtime:
+                    with runtime if runtime is not None else context(self.model):
                         diffs.append(float(loss_of(self.loss_fn(self.model, batch))) - base)
                     stderr = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else 0.0
                     yield statistics.fmean(diffs), stderr
@@ -223,33 +250,16 @@ class MeasuredStage:
 
     # -- references and candidates ----------------------------------------------------------
 
-    def reference(self, name: str) -> Measurement:
-        """``"fp32"`` (plain) or ``"bf16_autocast"`` (uniform ``torch.autocast`` BF16)."""
-        if name == "fp32":
-            context = lambda m: contextlib.nullcontext()  # noqa: E731
-        elif name == "bf16_autocast":
-            context = lambda m: torch.autocast(self.device.type, dtype=torch.bfloat16)  # noqa: E731
-        else:
-            raise ValueError(f"unknown reference {name!r}; use 'fp32' or 'bf16_autocast'")
-        bytes_ = self.memory(None, context)
-        seconds = self.step_seconds(context)
-        if name == "fp32":
-            losses = self.baseline_losses
-        else:
-            losses = self._val_losses(context)
-        loss = statistics.fmean(losses)
-        return Measurement(bytes_, seconds, loss, loss - self.baseline_loss)
+    def fp32(self) -> Measurement:
+        """Plain FP32 (no plan, no autocast): the baseline every ratio is taken against."""
+        return Measurement(self.memory(None), self.fp32_seconds, self.baseline_loss, 0.0)
 
-    def _val_losses(self, context) -> list[float]:
+    def _val_losses(self) -> list[float]:
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
-                out = []
-                for batch in self.val_batches:
-                    with context(self.model) if context is not None else contextlib.nullcontext():
-                        out.append(float(loss_of(self.loss_fn(self.model, batch))))
-                return out
+                return [float(loss_of(self.loss_fn(self.model, batch))) for batch in self.val_batches]
         finally:
             self.model.train(was_training)
 
@@ -266,28 +276,42 @@ class MeasuredStage:
         memory_bytes: float,
         loss_budget: float,
         progress: "Callable[[int, int, str], None] | None" = None,
+        slow_prune: float = 2.0,
     ) -> dict[str, "Measurement | str"]:
         """Measure every candidate not yet measured in ``study`` (trials keyed by the user
-        attribute ``candidate``); returns candidate id -> `Measurement`, or the reason it was
-        pruned. ``memory_bytes`` / ``loss_budget`` are absolute (inf when open)."""
+        attribute ``candidate``), in the order given; returns candidate id -> `Measurement`, or
+        the reason it was pruned. ``memory_bytes`` / ``loss_budget`` are absolute (inf when
+        open). ``slow_prune``: a candidate whose ``plan.predicted["seconds"]`` is over this
+        times that of the fastest budget-meeting candidate measured so far is pruned unrun."""
         by_id = {c.id: c for c in candidates}
+
+        def fastest_predicted() -> float:
+            """Predicted seconds of the fastest budget-meeting candidate measured so far."""
+            done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            met = [t for t in done if t.user_attrs["bytes"] <= memory_bytes and t.user_attrs["loss_increase"] <= loss_budget]
+            return min(met, key=lambda t: t.value).user_attrs.get("predicted", math.inf) if met else math.inf
 
         def finished() -> dict[str, optuna.trial.FrozenTrial]:
             return {t.user_attrs.get("candidate"): t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))}
 
         def objective(trial: optuna.Trial) -> float:
             candidate = by_id[trial.user_attrs["candidate"]]
-            plan = candidate.plan
+            predicted, fastest = candidate.plan.predicted.get("seconds", 0.0), fastest_predicted()
+            trial.set_user_attr("predicted", predicted)
+            if predicted > slow_prune * fastest:
+                trial.set_user_attr("pruned", f"predicted {predicted * 1e3:.1f} ms > {slow_prune:g}x the {fastest * 1e3:.1f} ms predicted for the fastest measured")
+                raise optuna.TrialPruned(trial.user_attrs["pruned"])
+            context = candidate.context(self.device)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", EmulationWarning)  # named in the plan's metadata instead
-                bytes_ = self.memory(plan)
+                bytes_ = self.memory(None, context)
                 trial.set_user_attr("bytes", bytes_)
                 trial.set_constraint("memory", bytes_ - memory_bytes if math.isfinite(memory_bytes) else -1.0)
                 if bytes_ > memory_bytes:
                     trial.set_user_attr("pruned", f"measured {bytes_:,} bytes > memory budget {memory_bytes:,.0f}")
                     raise optuna.TrialPruned(trial.user_attrs["pruned"])
                 increase = math.nan
-                for i, (increase, stderr) in enumerate(self.loss_increases(plan)):
+                for i, (increase, stderr) in enumerate(self.loss_increases(candidate)):
                     trial.set_user_attr("stderr", stderr)
                     trial.report(increase, i)
                     if trial.should_prune():
@@ -296,7 +320,7 @@ class MeasuredStage:
                         raise optuna.TrialPruned(trial.user_attrs["pruned"])
                 trial.set_user_attr("loss_increase", increase)
                 trial.set_constraint("loss", increase - loss_budget if math.isfinite(loss_budget) else -1.0)
-                seconds = self.step_seconds(_plan_context(plan))
+                seconds = self.step_seconds(context)
             trial.set_user_attr("seconds", seconds)
             return seconds
 
@@ -322,6 +346,13 @@ class MeasuredStage:
                 a = trial.user_attrs
                 results[cid] = Measurement(int(a["bytes"]), float(a["seconds"]), self.baseline_loss + float(a["loss_increase"]), float(a["loss_increase"]))
         return results
+
+
+def fastest_meeting(pairs: Sequence[tuple[Candidate, "Measurement | str"]], memory_bytes: float, loss_budget: float) -> "tuple[Candidate, Measurement] | None":
+    """The candidate with the fastest measured step among those that met both budgets as
+    measured (references included), or None."""
+    met = [(c, m) for c, m in pairs if isinstance(m, Measurement) and m.bytes <= memory_bytes and m.loss_increase <= loss_budget]
+    return min(met, key=lambda p: p[1].seconds, default=None)
 
 
 def _plan_context(plan: "Plan | None") -> Callable[[nn.Module], Any]:

@@ -1,0 +1,298 @@
+"""Per-layer seconds measured in place: real training steps, each layer timed where it runs.
+
+Why in place rather than replaying each call alone (`timing.MeasuredTimeModel`): a replay pays
+per call what a real step pays once or overlaps (Python dispatch, entering the runtime, a
+device sync per timed span) and runs in another cache and thread state than the step, so on a
+model of small layers the replays' sum can exceed the whole FP32 step several times over, and
+"the rest of the step" (step minus layers) becomes meaningless. Timed in place, a layer costs
+what it costs inside the step, and the rest is the step minus the layers of the same steps.
+
+How one step is attributed (`_StepTimer`):
+
+- **forward**: a pre- and post-forward hook per layer; a layer's time excludes the layers
+  nested in it (an attention layer whose q/k/v projection is a layer of its own);
+- **backward**: every autograd node a layer's forward created (its sequence number lies in the
+  range the layer's forward spanned; nodes of a nested layer go to that layer) and the
+  gradient accumulation of the parameters it owns, each node timed by a pre-hook and a hook;
+- **rest**: the step's time outside every layer (embeddings, norms, the loss, the optimizer).
+
+Each plan runs on one copy of the model under ``apply_plan``, the plans interleaved round by
+round (one step of each per round, the first rotated) so that the machine's drift spreads over
+all of them; medians over the timed rounds are kept. A plan whose first step runs past
+``slow_factor`` times the first plan's (a format with only a reference kernel here: FP8
+``torch._scaled_mm`` on a CPU can be a thousand times slower than FP32) is stopped at the next
+layer it enters and never timed further: each of its layers costs the first plan's time of that
+layer times the median slowdown of the layers whose forward finished (a host-clock deadline, so
+on CUDA, where the host runs ahead of the device, it rarely fires). Costs per step: two Python calls per layer
+forward and per autograd node of a layer, one walk of the autograd graph, and on CUDA two events
+per timed span and one host sync (elapsed times are read after it).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import statistics
+import time
+import warnings
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from ..errors import CostModelError
+from ..plan import Plan
+from ..runtime import EmulationWarning, apply_plan
+from .trace import _forward
+
+__all__ = ["InPlaceTimes", "measure_in_place"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class InPlaceTimes:
+    """One plan's median training-step seconds and each layer's median seconds in that step
+    (forward + backward, nested layers excluded); ``rest_seconds`` is the step minus its layers."""
+
+    step_seconds: float
+    layer_seconds: Mapping[str, float]
+    extrapolated: bool = False  # stopped past the deadline; scaled from the first plan's layers
+
+    @property
+    def rest_seconds(self) -> float:
+        return self.step_seconds - sum(self.layer_seconds.values())
+
+
+class _Clock:
+    """Marks on the host clock, or CUDA events read after the step's sync."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+
+class _TooSlow(Exception):
+    """Raised by a forward pre-hook once the step's deadline has passed."""
+
+
+class _StepTimer:
+    """Attributes one training step's time to layers (see the module docstring).
+
+    Install once with `__enter__` (forward hooks), call `before_backward(loss)` between the
+    forward and the backward (registers node hooks), and `finish()` after the backward: it
+    removes the node hooks and returns the step's seconds per layer.
+    """
+
+    def __init__(self, model: nn.Module, layers: Sequence[str]):
+        modules = dict(model.named_modules())
+        self.layers = list(layers)
+        first = next(model.parameters(), None)
+        self.clock = _Clock(first.device if first is not None else torch.device("cpu"))
+        # Innermost layer owning each parameter: outer layers first, nested ones overwrite.
+        self.owner_of_param: dict[int, str] = {}
+        for fqn in sorted(self.layers, key=lambda f: f.count(".") if f else -1):
+            for p in modules[fqn].parameters():
+                self.owner_of_param[id(p)] = fqn
+        self._modules = [(fqn, modules[fqn]) for fqn in self.layers]
+        # A leaf whose views read autograd's sequence counter (each new node takes the next number).
+        self._probe = torch.zeros(1, requires_grad=True)
+        self._handles: list = []
+        self._node_handles: list = []
+        self.deadline: Optional[float] = None  # host perf_counter() past which a layer's forward raises _TooSlow
+        self._reset()
+
+    def _reset(self) -> None:
+        self._stack: list[list] = []  # open spans: [fqn, start mark, first sequence number, children spans]
+        self._spans: list[tuple] = []  # closed forward spans: (fqn, start, end, children, complete)
+        self._ranges: list[tuple[int, int, str]] = []  # (first, last) sequence numbers of each layer forward
+        self._node_marks: list[tuple[str, list]] = []
+        self._stopped = False  # set when _TooSlow was raised: spans closed after it are partial
+
+    def _sequence_nr(self) -> int:
+        with torch.enable_grad():
+            return self._probe.view(1).grad_fn._sequence_nr()
+
+    def __enter__(self) -> "_StepTimer":
+        def pre(fqn):
+            def hook(module, args):
+                if self.deadline is not None and time.perf_counter() > self.deadline:
+                    self._stopped = True
+                    raise _TooSlow
+                self._stack.append([fqn, self.clock.mark(), self._sequence_nr(), []])
+            return hook
+
+        def post(fqn):
+            def hook(module, args, output):
+                if not self._stack or self._stack[-1][0] != fqn:
+                    return  # its pre-hook raised _TooSlow: no span was opened
+                _, start, first, children = self._stack.pop()
+                span = (fqn, start, self.clock.mark(), children, not self._stopped)
+                self._ranges.append((first, self._sequence_nr(), fqn))
+                (self._stack[-1][3] if self._stack else self._spans).append(span)
+            return hook
+
+        for fqn, module in self._modules:
+            self._handles.append(module.register_forward_pre_hook(pre(fqn)))
+            self._handles.append(module.register_forward_hook(post(fqn), always_call=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles + self._node_handles:
+            handle.remove()
+        self._handles.clear()
+        self._node_handles.clear()
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        """Hook every autograd node a layer owns (one walk of the graph from ``loss``)."""
+        owner_at: dict[int, str] = {}
+        # Longest ranges first so that a nested layer's range overwrites its parent's.
+        for first, last, fqn in sorted(self._ranges, key=lambda r: r[0] - r[1]):
+            for nr in range(first + 1, last):
+                owner_at[nr] = fqn
+        seen: set = set()
+        todo = [loss.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)
+            owner = self.owner_of_param.get(id(variable)) if variable is not None else owner_at.get(node._sequence_nr())
+            if owner is not None:
+                marks: list = []
+                self._node_marks.append((owner, marks))
+                self._node_handles.append(node.register_prehook(lambda grads, marks=marks: marks.append(self.clock.mark())))
+                self._node_handles.append(node.register_hook(lambda grads_in, grads_out, marks=marks: marks.append(self.clock.mark())))
+            todo.extend(next_node for next_node, _ in node.next_functions)
+
+    def finish(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Seconds per layer of the step just run: (forward + backward, forward), forwards
+        exclusive of nested layers; the forward only of layers that finished before a stop."""
+        for handle in self._node_handles:
+            handle.remove()
+        self._node_handles.clear()
+        if self.clock.cuda:
+            torch.cuda.synchronize()
+        seconds = dict.fromkeys(self.layers, 0.0)
+        forward: dict[str, float] = {}
+        spans = list(self._spans)
+        while spans:
+            fqn, start, end, children, in_time = spans.pop()
+            own = self.clock.seconds(start, end) - sum(self.clock.seconds(c[1], c[2]) for c in children)
+            seconds[fqn] += own
+            if in_time:
+                forward[fqn] = forward.get(fqn, 0.0) + own
+            spans.extend(children)
+        for owner, marks in self._node_marks:
+            if len(marks) == 2:  # a node the backward did not reach has no marks
+                seconds[owner] += self.clock.seconds(marks[0], marks[1])
+        self._reset()
+        return seconds, forward
+
+
+def _default_loss(output: Any) -> torch.Tensor:
+    """The mean of every floating output that needs a gradient, summed (a stand-in loss)."""
+    tensors = [t for t in pytree.tree_leaves(output) if torch.is_tensor(t) and t.is_floating_point() and t.requires_grad]
+    if not tensors:
+        raise CostModelError("the model's output has no floating tensor that needs a gradient; pass loss_fn=(model, inputs) -> loss")
+    return sum(t.float().mean() for t in tensors)
+
+
+def _step_loss(model: nn.Module, batch: Any, loss_fn: Optional[Callable]) -> torch.Tensor:
+    output = _forward(model, batch, loss_fn)
+    return output if loss_fn is not None else _default_loss(output)
+
+
+def measure_in_place(
+    model: nn.Module,
+    batches: Sequence[Any],
+    plans: Mapping[str, Plan],
+    layers: Sequence[str],
+    loss_fn: Optional[Callable[[nn.Module, Any], torch.Tensor]] = None,
+    *,
+    warmup: int = 3,
+    steps: int = 8,
+    slow_factor: float = 20.0,
+) -> dict[str, InPlaceTimes]:
+    """Median step and per-layer seconds of each of ``plans`` (name -> plan) over real training
+    steps (zero_grad, forward + loss under ``apply_plan``, backward, AdamW step) of one copy of
+    ``model`` (the caller's weights stay untouched), ``batches`` taken in turn.
+
+    ``layers``: the fqns timed (the plans' layers). ``loss_fn(model, batch)``: the loss (default:
+    the mean of the floating outputs). A plan whose first step raises is left out with a warning;
+    one slower than ``slow_factor`` times the first plan is extrapolated (module docstring).
+    Cost: ``len(plans) × (1 + warmup + steps)`` training steps plus the hooks' overhead (module
+    docstring), a stopped plan one partial step; the RNG is left as it was.
+    """
+    clone = copy.deepcopy(model)
+    clone.train()
+    optimizer = torch.optim.AdamW(clone.parameters(), lr=1e-3)  # the value does not change the cost
+    device = next(clone.parameters()).device
+    timer = _StepTimer(clone, layers)
+    runtimes, results, first_steps, stopped = {}, {}, {}, {}
+
+    def step(runtime, batch) -> tuple[float, tuple[dict[str, float], dict[str, float]]]:
+        optimizer.zero_grad(set_to_none=True)
+        start = timer.clock.mark()
+        with runtime:
+            loss = _step_loss(clone, batch, loss_fn)
+        timer.before_backward(loss)
+        loss.backward()
+        optimizer.step()
+        end = timer.clock.mark()
+        per_layer = timer.finish()
+        return timer.clock.seconds(start, end), per_layer
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), warnings.catch_warnings(), timer:
+        warnings.simplefilter("ignore", EmulationWarning)
+        for name, plan in plans.items():
+            runtime = apply_plan(clone, plan, validate=False)
+            if first_steps:
+                timer.deadline = time.perf_counter() + slow_factor * next(iter(first_steps.values()))[0]
+            try:
+                first_steps[name] = step(runtime, batches[0])
+            except _TooSlow:
+                stopped[name] = timer.finish()[1]
+                logger.info("plan %s is over %gx slower than the first plan; its layers are extrapolated", name, slow_factor)
+                continue
+            except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:
+                timer.finish()
+                logger.warning("cannot time plan %s in place (%s); left to the time model", name, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                continue
+            finally:
+                timer.deadline = None
+            runtimes[name] = runtime
+        times: dict[str, list] = {name: [] for name in runtimes}
+        order = list(runtimes)
+        for r in range(warmup + steps):
+            shift = r % max(len(order), 1)
+            for name in order[shift:] + order[:shift]:
+                seconds = step(runtimes[name], batches[r % len(batches)])
+                if r >= warmup:
+                    times[name].append(seconds)
+    for name, runs in times.items():
+        results[name] = InPlaceTimes(
+            statistics.median(s for s, _ in runs),
+            {fqn: statistics.median(per[fqn] for _, (per, _) in runs) for fqn in layers},
+        )
+    if stopped and runtimes:
+        first = next(iter(first_steps))
+        first_forward = first_steps[first][1][1]
+        for name, forward in stopped.items():
+            ratios = [forward[fqn] / first_forward[fqn] for fqn in forward if first_forward.get(fqn, 0.0) > 0]
+            slowdown = statistics.median(ratios) if ratios else slow_factor  # no layer finished: at least this slow
+            layer_seconds = {fqn: slowdown * s for fqn, s in results[first].layer_seconds.items()}
+            results[name] = InPlaceTimes(results[first].rest_seconds + sum(layer_seconds.values()), layer_seconds, extrapolated=True)
+    return results
