@@ -66,8 +66,8 @@ def test_good_job_loads_with_paths_resolved_against_the_file(tmp_path):
     "old, new, expected",
     [
         ("trials = 200", "trials = 200\ntrails = 5", "[search].trails: unknown key; expected one of"),
-        ("trials = 200", 'trials = "many"', "[search].trials: expected an integer >= 1, got 'many'"),
-        ("trials = 200", "trials = 0", "[search].trials: expected an integer >= 1, got 0"),
+        ("trials = 200", 'trials = "many"', "[search].trials: expected an integer from 1 to 100000, got 'many'"),
+        ("trials = 200", "trials = 0", "[search].trials: expected an integer from 1 to 100000, got 0"),
         ("memory = 0.5", "memory = -1", "[budgets].memory: expected a fraction of FP32 bytes"),
         ("memory = 0.5", "memory = true", "[budgets].memory: expected"),
         ('"bf16", "fp8_e4m3"', '"bf16", "fp9"', "[search].formats: unknown format 'fp9'"),

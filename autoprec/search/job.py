@@ -35,6 +35,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import time
 import warnings
 from pathlib import Path
@@ -43,6 +44,7 @@ from typing import Callable, Mapping, Sequence
 import optuna
 import torch
 
+from ..coverage import find_layers
 from ..device import resolve_device
 from ..errors import InfeasibleBudgetError, SearchError
 from ..formats import Format
@@ -53,13 +55,15 @@ from .exact import Solution, solve_exact
 from .measured import BudgetPruner, Candidate, MeasuredStage, Measurement, candidate_id
 from .planner import build_space, in_budget_terms, layer_reasons, plan_from_solution
 from .space import SearchSpace
-from .study import feasible, open_storage, run_proxy_study
+from .study import feasible, open_storage, quiet_interrupts, run_proxy_study
 
 __all__ = ["JobResult", "run_job"]
 
 logger = logging.getLogger(__name__)
 
 Progress = Callable[[int, int, str], None]
+
+_SEARCH_ATTR = "autoprec_search"  # the study's user attribute holding `_signature`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,12 +135,23 @@ def _workload(config: JobConfig):
     factory = resolve_factory(config)
     try:
         workload = factory(**config.factory_kwargs)
-    except TypeError as exc:
-        raise SearchError(f"{config.source}: [workload].kwargs: {config.factory} rejected them: {exc}") from None
+    except (TypeError, ValueError, KeyError) as exc:  # what a factory raises for arguments it cannot use
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SearchError(f"{config.source}: [workload].kwargs: {config.factory} rejected {dict(config.factory_kwargs)}: {reason}; fix the kwargs table") from None
     missing = [m for m in ("build_model", "train_batches", "val_batches", "loss") if not callable(getattr(workload, m, None))]
     if missing:
         raise SearchError(f"{config.source}: [workload].factory: {config.factory} returned a {type(workload).__name__} without {', '.join(missing)}; see autoprec.search.job for what a workload provides")
     return workload
+
+
+def _make_out(config: JobConfig) -> None:
+    """Create ``[job].out``; `SearchError` naming the key when it cannot hold the artifacts."""
+    try:
+        config.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SearchError(f"{config.source}: [job].out: cannot create {config.out} ({exc.strerror}); set it to a writable folder") from None
+    if not os.access(config.out, os.W_OK | os.X_OK):
+        raise SearchError(f"{config.source}: [job].out: {config.out} is not writable; set it to a writable folder")
 
 
 def _train_and_profile(config, workload, model, example_inputs, lr, device, progress):
@@ -160,18 +175,21 @@ def _train_and_profile(config, workload, model, example_inputs, lr, device, prog
 
 def _signature(space: SearchSpace, memory: float, loss: float) -> str:
     """What a study's trials depend on: the units, their formats and the budgets."""
-    signature = {"units": {u.name: [f.value for f in u.formats] for u in space.units}, "budgets": [round(memory), float(f"{loss:.6g}")]}
+    # An open budget is inf: JSON writes it as Infinity, round() cannot take it.
+    budgets = [round(memory) if math.isfinite(memory) else memory, float(f"{loss:.6g}")]
+    signature = {"units": {u.name: [f.value for f in u.formats] for u in space.units}, "budgets": budgets}
     return hashlib.sha1(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _check_study(storage, config: JobConfig, digest: str) -> None:
-    """Refuse to resume a study made for another search (other layers, formats or budgets)."""
+    """Refuse to resume a study made for another search (other layers, formats or budgets),
+    finished or interrupted (the search's digest is set before the study's first trial)."""
     try:
         study = optuna.load_study(study_name=config.study_name, storage=storage)
     except KeyError:
         return
-    held = study.user_attrs.get("autoprec_search")
-    if held is not None and held != digest:
+    held = study.user_attrs.get(_SEARCH_ATTR)
+    if held != digest and (held is not None or study.get_trials(deepcopy=False)):
         raise SearchError(
             f"study {config.study_name!r} in {config.storage_url} holds trials of another search (layers, formats or budgets "
             "changed); set [search].study_name to a new name or delete the study to start over"
@@ -205,10 +223,14 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
     from ..workloads import batch_inputs
 
     start = time.perf_counter()
-    config.out.mkdir(parents=True, exist_ok=True)
-    storage = open_storage(config.storage_url)  # an unreachable storage fails before any work
+    # Checked before anything is written, so a bad device or folder leaves no empty study behind.
+    device = resolve_device(config.device, SearchError, "the search", fix=f'set [job].device = "cpu" (or "auto") in {config.source}')
+    _make_out(config)
+    try:
+        storage = open_storage(config.storage_url)  # an unreachable storage fails before any work
+    except SearchError as exc:
+        raise SearchError(f"{config.source}: [search].storage: {exc}; fix the path or URL") from None
     workload = _workload(config)
-    device = resolve_device(config.device, SearchError, "the search")
     lr = float(getattr(workload, "lr", 1e-3))
     model = workload.build_model(config.seed).to(device)
     val = [_to(b, device) for b in workload.val_batches(config.val_batches)]
@@ -254,13 +276,13 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
         if progress is not None:
             progress(min(len(study.trials), total_trials), total_trials, "proxy search")
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), quiet_interrupts():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         proxy = run_proxy_study(
             space, memory, loss_budget, n_trials=config.trials, storage=storage, study_name=config.study_name, seed=config.seed,
             warm_start=warm, multi_objective=config.multi_objective, timeout=config.timeout_s, callbacks=[on_trial],
+            study_attrs={_SEARCH_ATTR: signature},
         )
-    proxy.study.set_user_attr("autoprec_search", signature)
     top = _candidates(space, proxy.study, exact, memory, loss_budget, config.measure_top)
     # The study's best feasible trial (the enqueued exact optimum is one of its trials).
     study_best = None if proxy.best is None else Solution(proxy.best.assignment, space.totals(proxy.best.assignment))
@@ -275,8 +297,9 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
         "train_loss_first": loss_first, "train_loss_last": loss_last, "profile_steps": config.profile_steps,
         "exact_seconds": exact.total.seconds, "sensitivity": "fisher",
     }
+    fingerprint = find_layers(model, example_inputs)  # the plan refuses another model of the same layer names
     candidates = [
-        Candidate(name, plan_from_solution(space, costs, sol, layer_reasons(space, sol.assignment, config.rules, ruled_out), budgets_meta, meta))
+        Candidate(name, plan_from_solution(space, costs, sol, layer_reasons(space, sol.assignment, config.rules, ruled_out), budgets_meta, meta, fingerprint))
         for name, sol in top
     ]
 
@@ -285,7 +308,8 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
         pruner=BudgetPruner(loss_budget), load_if_exists=True,
     )
     measured_memory = config.budgets.memory_bytes(stage.memory(None))
-    results = stage.run(candidates, measured_study, measured_memory, loss_budget, progress)
+    with quiet_interrupts():
+        results = stage.run(candidates, measured_study, measured_memory, loss_budget, progress)
     if progress is not None:
         progress(0, 1, "measuring references")
     with warnings.catch_warnings():

@@ -12,8 +12,10 @@ device the way training will run it (`apply_plan`), and three figures are measur
   interleaved one for one with FP32 steps of another copy, so the machine's drift cancels: the
   candidate's figure is its median ratio to FP32 times the FP32 median of the whole stage.
 
-Each candidate is a trial of an Optuna study in the job's storage (a crashed job resumes with
-the candidates already measured kept). Measuring stops early: a candidate over the memory budget
+Each candidate is a trial of an Optuna study in the job's storage, keyed by `candidate_id` (the
+hash of its layers' formats) in the user attribute ``candidate``: a crashed or interrupted job
+resumes with the candidates already measured kept, fails and re-queues the trials it left
+running, and never measures a candidate twice. Measuring stops early: a candidate over the memory budget
 is pruned after one step, and `BudgetPruner` prunes one whose running loss increase is already
 clearly over the loss budget, before its step time is measured.
 """
@@ -40,6 +42,7 @@ from ..formats import Format
 from ..measure import SavedTensorMeter
 from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan
+from .study import mark_worker, recover_interrupted_trials
 
 __all__ = ["Measurement", "Candidate", "BudgetPruner", "MeasuredStage", "candidate_id"]
 
@@ -268,14 +271,27 @@ class MeasuredStage:
     ) -> dict[str, "Measurement | str"]:
         """Measure every candidate not yet measured in ``study`` (trials keyed by the user
         attribute ``candidate``); returns candidate id -> `Measurement`, or the reason it was
-        pruned. ``memory_bytes`` / ``loss_budget`` are absolute (inf when open)."""
+        pruned. ``memory_bytes`` / ``loss_budget`` are absolute (inf when open).
+
+        Trials an interrupted run left RUNNING are failed and queued again first; a queued
+        trial whose candidate is already measured, or is not one of ``candidates``, is pruned
+        at once with the user attribute ``skipped`` saying why (no measurement)."""
         by_id = {c.id: c for c in candidates}
+        recover_interrupted_trials(study)
 
         def finished() -> dict[str, optuna.trial.FrozenTrial]:
-            return {t.user_attrs.get("candidate"): t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))}
+            trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+            return {t.user_attrs.get("candidate"): t for t in trials if "skipped" not in t.user_attrs}
 
         def objective(trial: optuna.Trial) -> float:
-            candidate = by_id[trial.user_attrs["candidate"]]
+            mark_worker(trial)
+            cid = trial.user_attrs.get("candidate")
+            earlier = finished().get(cid)
+            if earlier is not None or cid not in by_id:
+                why = f"already measured in trial {earlier.number}" if earlier is not None else "not a candidate of this run"
+                trial.set_user_attr("skipped", why)
+                raise optuna.TrialPruned(why)
+            candidate = by_id[cid]
             plan = candidate.plan
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", EmulationWarning)  # named in the plan's metadata instead
