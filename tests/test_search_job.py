@@ -231,3 +231,18 @@ def test_proxy_study_on_a_120_layer_model_is_within_one_percent_of_the_exact_opt
     result = run_proxy_study(space, memory, loss_budget, n_trials=60, warm_start=[exact.assignment])
     assert result.best.total.bytes <= memory and result.best.total.loss <= loss_budget
     assert result.best.total.seconds <= 1.01 * exact.total.seconds
+
+
+def test_the_searched_plan_refuses_a_model_of_the_same_layer_names_and_other_widths(searched):
+    import dataclasses
+
+    from autoprec.errors import PlanError
+    from autoprec.workloads import ByteLM
+
+    folder, _, _ = searched
+    plan = Plan.load(folder / "out" / "plan.json")
+    config = default_workload("tiny").config
+    wider = ByteLM(dataclasses.replace(config, d_ff=2 * config.d_ff))
+    assert set(plan.layers) <= {fqn for fqn, _ in wider.named_modules()}  # the same layer names
+    with pytest.raises(PlanError, match="parameter shapes .* differ from the plan's"):
+        plan.validate(wider)
