@@ -197,17 +197,17 @@ class DynamicPrecisionScheduler:
         for name, value in (("monitor_window", monitor_window), ("monitor_steps", monitor_steps), ("search_trials", search_trials)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise SearchError(f"DynamicPrecisionScheduler({name}={value!r}): expected a positive integer")
-        numbers = (
-            ("max_grad_norm", max_grad_norm, 0, True, "a finite number > 0 or None"),
-            ("memory_budget", memory_budget, 0, True, "a finite fraction of the FP32 bytes (<= 1) or bytes (> 1), or None"),
-            ("accuracy_budget", accuracy_budget, 0, False, "a finite loss increase >= 0, or None"),
-            ("lr", lr, 0, True, "the finite learning rate > 0"),
-            ("search_timeout_s", search_timeout_s, 0, True, "a finite number of seconds > 0"),
-        )
-        for name, value, low, strict, expected in numbers:
-            if value is None and name not in ("lr", "search_timeout_s"):
+        # name, value, whether None is allowed, whether 0 is allowed, what is expected
+        for name, value, optional, zero_ok, expected in (
+            ("max_grad_norm", max_grad_norm, True, False, "a finite number > 0 or None"),
+            ("memory_budget", memory_budget, True, False, "a finite fraction of the FP32 bytes (<= 1) or bytes (> 1), or None"),
+            ("accuracy_budget", accuracy_budget, True, True, "a finite loss increase >= 0, or None"),
+            ("lr", lr, False, False, "the finite learning rate > 0"),
+            ("search_timeout_s", search_timeout_s, False, False, "a finite number of seconds > 0"),
+        ):
+            if value is None and optional:
                 continue
-            if not _finite(value) or value < low or (strict and value == low):
+            if not _finite(value) or value < 0 or (value == 0 and not zero_ok):
                 raise SearchError(f"DynamicPrecisionScheduler({name}={value!r}): expected {expected}")
         if not dynamic and plan is None:
             raise SearchError("DynamicPrecisionScheduler(dynamic=False) needs plan=...; use DynamicPrecisionScheduler.from_plan(model, path)")

@@ -5,6 +5,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -127,7 +128,7 @@ def test_a_trial_left_running_by_a_dead_process_is_failed_and_queued_again(tmp_p
     storage = open_storage(tmp_path / "study.db")
     study = optuna.create_study(study_name="s", storage=storage)
     trial = study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})
-    trial.set_user_attr("worker", f"{os.uname().nodename}:{dead_pid()}")
+    trial.set_user_attr("worker", f"{socket.gethostname()}:{dead_pid()}")
     assert recover_interrupted_trials(study) == 1
     states = [t.state for t in study.get_trials()]
     assert states == [TrialState.FAIL, TrialState.WAITING]
@@ -138,7 +139,7 @@ def test_a_trial_of_a_live_process_is_left_running(tmp_path):
     storage = open_storage(tmp_path / "study.db")
     study = optuna.create_study(study_name="s", storage=storage)
     trial = study.ask()
-    trial.set_user_attr("worker", f"{os.uname().nodename}:{os.getppid()}")
+    trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getppid()}")
     assert recover_interrupted_trials(study) == 0
     assert [t.state for t in study.get_trials()] == [TrialState.RUNNING]
 
@@ -183,7 +184,7 @@ def test_resume_fails_the_killed_trial_and_measures_each_candidate_once(tmp_path
     study = optuna.create_study(study_name="m", storage=open_storage(tmp_path / "study.db"))
     killed = study.ask()  # what kill -9 leaves: candidate 0 RUNNING, its process gone
     killed.set_user_attr("candidate", candidates[0].id)
-    killed.set_user_attr("worker", f"{os.uname().nodename}:{dead_pid()}")
+    killed.set_user_attr("worker", f"{socket.gethostname()}:{dead_pid()}")
     stage.run(candidates, study, math.inf, math.inf)
     assert not study.get_trials(states=(TrialState.RUNNING,))
     assert [measured(study, c) for c in candidates] == [1, 1]
