@@ -30,6 +30,7 @@ and optionally ``lr`` and ``name``; batches are tuples of tensors whose last ent
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -144,6 +145,15 @@ def _workload(config: JobConfig):
     return workload
 
 
+@contextlib.contextmanager
+def _naming(config: JobConfig, key: str, fix: str = ""):
+    """A `SearchError` raised inside, restated as one line naming the job file and ``key``."""
+    try:
+        yield
+    except SearchError as exc:
+        raise SearchError(f"{config.source}: {key}: {exc}{fix}") from None
+
+
 def _make_out(config: JobConfig) -> None:
     """Create ``[job].out``; `SearchError` naming the key when it cannot hold the artifacts."""
     try:
@@ -224,12 +234,11 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
 
     start = time.perf_counter()
     # Checked before anything is written, so a bad device or folder leaves no empty study behind.
-    device = resolve_device(config.device, SearchError, "the search", fix=f'set [job].device = "cpu" (or "auto") in {config.source}')
+    with _naming(config, "[job].device"):
+        device = resolve_device(config.device, SearchError, "the search", fix='set [job].device = "cpu" (or "auto")')
     _make_out(config)
-    try:
+    with _naming(config, "[search].storage", "; fix the path or URL"):
         storage = open_storage(config.storage_url)  # an unreachable storage fails before any work
-    except SearchError as exc:
-        raise SearchError(f"{config.source}: [search].storage: {exc}; fix the path or URL") from None
     workload = _workload(config)
     lr = float(getattr(workload, "lr", 1e-3))
     model = workload.build_model(config.seed).to(device)
