@@ -376,6 +376,10 @@ def _cmd_search(args: argparse.Namespace) -> int:
     progress = _Progress(f"search {config.name}")
     try:
         result = run_job(config, progress=progress)
+    except KeyboardInterrupt:
+        progress.close()
+        print(f"autoprec: search interrupted; run the same command again to resume from the study in {config.storage_url}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     finally:
         progress.close()
     print(result.format_table())

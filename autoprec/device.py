@@ -102,11 +102,12 @@ def format_support(fmt: Format, device: "torch.device | str | None" = None) -> S
     return Support(True, ok, reason if ok else reason + "; emulated (INT8 storage, FP32 compute)")
 
 
-def resolve_device(name: "str | torch.device", error: type, job: str) -> torch.device:
+def resolve_device(name: "str | torch.device", error: type, job: str, fix: str = "use --device cpu") -> torch.device:
     """The device a job runs on: ``"auto"`` is CUDA when available, else CPU.
 
     Raises ``error`` (an autoprec error class) with one line naming the device and the fix for a
     name torch does not know, a CUDA device this machine lacks, or a type other than cpu / cuda.
+    ``fix`` says how this job's user picks another device (a flag, a config key).
     """
     if str(name) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -116,7 +117,7 @@ def resolve_device(name: "str | torch.device", error: type, job: str) -> torch.d
         raise error(f"device {name!r} is not a torch device; use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise error(f"device {name!r}: CUDA is not available in this torch build or machine; use --device cpu")
+            raise error(f"device {name!r}: CUDA is not available in this torch build or machine; {fix}")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise error(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) present")
     elif device.type != "cpu":

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 import os
 import types
 from collections import Counter
@@ -217,6 +218,17 @@ def _parse_layer(fqn: str, data: Any, problems: list[str]) -> "LayerPrecision | 
     return LayerPrecision(formats["format"], formats.get("grad_format"), scaling, calibration, reason)
 
 
+# An amax history is one float32 tensor of this length per scaled operand, kept on the device;
+# 4096 steps is four times Transformer Engine's default window (1024) and 16 KiB per tensor.
+MAX_HISTORY_LEN = 4096
+
+
+def _max_margin(fmt: Format) -> int:
+    """The largest margin that still maps an amax onto a value >= 1 of ``fmt`` (``fmt.max /
+    2**margin >= 1``): INT8 6, FP8 E4M3 8, E5M2 15. Beyond it every value rounds to a few levels."""
+    return math.floor(math.log2(fmt.max))
+
+
 def _check_layer(fqn: str, lp: LayerPrecision) -> list[str]:
     """Consistency rules a `LayerPrecision` must meet (independent of any model)."""
     problems = []
@@ -226,8 +238,15 @@ def _check_layer(fqn: str, lp: LayerPrecision) -> list[str]:
             f"layers[{fqn!r}].scaling: delayed scaling keeps one amax per tensor, so it needs "
             f"granularity 'tensor', got {s.granularity.value!r}; set mode 'current' or granularity 'tensor'"
         )
-    if s.history_len < 1:
-        problems.append(f"layers[{fqn!r}].scaling.history_len: must be >= 1, got {s.history_len}")
+    if not 1 <= s.history_len <= MAX_HISTORY_LEN:
+        problems.append(f"layers[{fqn!r}].scaling.history_len: must be from 1 to {MAX_HISTORY_LEN} steps, got {s.history_len}")
+    scaled = [f for f in (lp.format, lp.grad_format) if f.needs_scale]
+    max_margin = min((_max_margin(f) for f in scaled), default=max(_max_margin(f) for f in Format if f.needs_scale))
+    if not 0 <= s.margin <= max_margin:
+        problems.append(
+            f"layers[{fqn!r}].scaling.margin: must be from 0 to {max_margin} for {lp.format.value} "
+            f"(the scaled amax must stay >= 1 so values keep their levels), got {s.margin}"
+        )
     if s.reduction not in ("max", "most_recent"):
         problems.append(f"layers[{fqn!r}].scaling.reduction: must be 'max' or 'most_recent', got {s.reduction!r}")
     if not 0 < c.percentile <= 100:

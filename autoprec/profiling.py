@@ -652,6 +652,8 @@ class _Reader:
                     got = [self.field(entry, k, swhere, kind) for k, kind in (("underflow", "number"), ("overflow", "number"), ("underflow_range", "pair"), ("overflow_range", "pair"))]
                     if None not in got:
                         fractions[fmt.value][scaling] = FormatFractions(self.num(got[0]), self.num(got[1]), tuple(got[2]), tuple(got[3]))
+        if values["amax"] is not None and values["nonfinite_steps"] is not None:
+            self.amax(tuple(self.num(v) for v in values["amax"]), values["nonfinite_steps"], f"{where}.amax")
         if len(self.problems) > before:
             return None
         return TensorStats(
@@ -659,6 +661,15 @@ class _Reader:
             amax=tuple(self.num(v) for v in values["amax"]), nonfinite_steps=values["nonfinite_steps"],
             mean=self.num(values["mean"]), var=self.num(values["var"]), histograms=hists, fractions=fractions,
         )
+
+    def amax(self, amax: Sequence[float], nonfinite_steps: int, where: str) -> None:
+        """The profiler writes a NaN / inf amax exactly for the steps it counts in
+        ``nonfinite_steps``; any other non-finite or negative amax was not written by it."""
+        nonfinite = sum(1 for v in amax if not math.isfinite(v))
+        if nonfinite != nonfinite_steps:
+            self.bad(where, f"{nonfinite} NaN / inf value(s) but nonfinite_steps is {nonfinite_steps}; the amaxes were edited or damaged")
+        if any(v < 0 for v in amax):
+            self.bad(where, "holds a negative amax; an amax is an absolute maximum (>= 0)")
 
     def grad(self, data, where) -> Optional[GradStats]:
         if data is None:
@@ -724,6 +735,10 @@ class _Reader:
                     continue
                 tensors[kind] = self.tensor(tdata, f"{where}.tensors.{kind}", formats)
             layers[fqn] = LayerProfile(lsteps, grad, tensors)
+        if raw_layers is not None:
+            for fqn in fingerprint:
+                if fqn not in raw_layers:
+                    self.bad(f"layers[{fqn!r}]", "missing: the fingerprint lists this layer but the profile has no statistics for it")
         if self.problems:
             raise ProfileError(self.problems, self.HINT)
         return Profile(fingerprint, layers, steps, cfg["window"], cfg["sample"], cfg["every"], cfg["grad_sample"], cfg["history_len"], tuple(formats), metadata)

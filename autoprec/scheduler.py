@@ -55,7 +55,7 @@ import torch
 import torch.nn as nn
 
 from .calls import ModelCall, loss_of, prediction_of
-from .coverage import find_layers
+from .coverage import LayerInfo, find_layers
 from .device import format_support
 from .errors import AutoprecError, InfeasibleBudgetError, ModelCallError, RuntimeStateError, SearchError
 from .formats import Format
@@ -72,6 +72,13 @@ logger = logging.getLogger(__name__)
 
 _STATE_VERSION = 2  # 2: the example and captured inputs are ModelCall states (args and kwargs)
 _CAPTURED_STEPS = 2  # steps whose inputs and output gradients feed the sensitivity estimate
+# Steps skipped in a row before a warning (then again at each doubling): a few skips are loss
+# scaling doing its job, ten in a row mean the model diverges at this precision.
+_SKIPS_BEFORE_WARNING = 10
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +105,18 @@ class Thresholds:
     amax_drift: float = 16.0
     nonfinite_steps: int = 3
     stable_windows: int = 2
+
+    def __post_init__(self):
+        for name in ("overflow", "underflow"):
+            value = getattr(self, name)
+            if not (_finite(value) and 0 <= value <= 1):
+                raise SearchError(f"Thresholds({name}={value!r}): expected a fraction from 0 to 1")
+        if not (_finite(self.amax_drift) and self.amax_drift > 1):
+            raise SearchError(f"Thresholds(amax_drift={self.amax_drift!r}): expected a finite factor > 1")
+        for name in ("nonfinite_steps", "stable_windows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SearchError(f"Thresholds({name}={value!r}): expected an integer >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,8 +196,18 @@ class DynamicPrecisionScheduler:
         for name, value in (("monitor_window", monitor_window), ("monitor_steps", monitor_steps), ("search_trials", search_trials)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise SearchError(f"DynamicPrecisionScheduler({name}={value!r}): expected a positive integer")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise SearchError(f"DynamicPrecisionScheduler(max_grad_norm={max_grad_norm!r}): expected a positive number or None")
+        # name, value, whether None is allowed, whether 0 is allowed, what is expected
+        for name, value, optional, zero_ok, expected in (
+            ("max_grad_norm", max_grad_norm, True, False, "a finite number > 0 or None"),
+            ("memory_budget", memory_budget, True, False, "a finite fraction of the FP32 bytes (<= 1) or bytes (> 1), or None"),
+            ("accuracy_budget", accuracy_budget, True, True, "a finite loss increase >= 0, or None"),
+            ("lr", lr, False, False, "the finite learning rate > 0"),
+            ("search_timeout_s", search_timeout_s, False, False, "a finite number of seconds > 0"),
+        ):
+            if value is None and optional:
+                continue
+            if not _finite(value) or value < 0 or (value == 0 and not zero_ok):
+                raise SearchError(f"DynamicPrecisionScheduler({name}={value!r}): expected {expected}")
         if not dynamic and plan is None:
             raise SearchError("DynamicPrecisionScheduler(dynamic=False) needs plan=...; use DynamicPrecisionScheduler.from_plan(model, path)")
         self.formats = formats_for_precision(min_precision, max_precision, [Format.parse(f) for f in formats])
@@ -197,6 +226,7 @@ class DynamicPrecisionScheduler:
 
         self.model: Optional[nn.Module] = model
         self.layers: tuple[str, ...] = ()
+        self._fingerprint: Mapping[str, LayerInfo] = {}  # the bound model's layers, saved in state_dict
         self.step_count = 0
         self.window_start = 0
         self.plan: Optional[Plan] = None
@@ -222,6 +252,8 @@ class DynamicPrecisionScheduler:
         self._meter_bytes: Optional[int] = None
         self._meter_next = False
         self._context_stack: Optional[contextlib.ExitStack] = None
+        self._backward_due = False  # a forward with autograd ran since the last backward
+        self._skips_in_row = 0
         self.scaler = self._new_scaler(enabled=False)
         self._writer = None
 
@@ -266,6 +298,7 @@ class DynamicPrecisionScheduler:
                 self._arm_binding()
             else:
                 self._enter_step(stack)
+            self._backward_due = torch.is_grad_enabled()
             yield self
         finally:
             self._context_stack = None
@@ -284,8 +317,13 @@ class DynamicPrecisionScheduler:
         loss = loss_of(loss)
         detached = loss.detach().float()
         self._last_loss = detached
+        self._backward_due = False
         if self.plan is None:
-            self._loss_sum = detached.clone() if self._loss_sum is None else self._loss_sum + detached
+            # (sum of the finite losses, how many were finite): a NaN batch must not make the
+            # baseline NaN (it would switch the accuracy budget off). No host sync.
+            finite = torch.isfinite(detached)
+            entry = torch.stack([torch.where(finite, detached, torch.zeros_like(detached)), finite.float()])
+            self._loss_sum = entry if self._loss_sum is None else self._loss_sum + entry
             self._loss_count += 1
         return self.scaler.scale(loss)
 
@@ -301,6 +339,8 @@ class DynamicPrecisionScheduler:
             raise RuntimeStateError("step() needs the optimizer(s): scheduler.step(optimizer)")
         if self._example is None:
             raise RuntimeStateError("step() before any forward ran inside precision_context()")
+        if self._backward_due:
+            raise RuntimeStateError("step() after a forward but before its backward: call scheduler.backward(loss) (or scheduler.scale(loss).backward()) before scheduler.step(optimizer)")
         if self._profiler is not None and self._profiler.collecting:
             self._profiler.step()
         for optimizer in optimizers:
@@ -314,12 +354,26 @@ class DynamicPrecisionScheduler:
         first_bad_output = self.scaler.first_nonfinite_output if self.scaler.last_loss_finite is False else None
         self.scaler.update()
         self.step_count += 1
+        self._count_skips(skipped, nonfinite)
         if self._writer is not None:
             self._writer.log_step(self.step_count, loss=self._last_loss, loss_scale=self.scaler.get_scale(), skipped=skipped)
         if self.dynamic and self.plan is not None:
             self._on_nonfinite(nonfinite, first_bad_output)
         self._advance()
         return not skipped
+
+    def _count_skips(self, skipped: bool, layers: Sequence[str]) -> None:
+        """Warn when steps are skipped many times in a row (at 10, 20, 40, ... skips)."""
+        self._skips_in_row = self._skips_in_row + 1 if skipped else 0
+        n = self._skips_in_row
+        times, rest = divmod(n, _SKIPS_BEFORE_WARNING)
+        if rest == 0 and times > 0 and times & (times - 1) == 0:  # times is a power of two
+            where = f"non-finite gradients in {', '.join(layers)}" if layers else "a non-finite loss"
+            plan = self.plan.format_counts() if self.plan is not None else "the safe precision"
+            logger.warning(
+                "autoprec: step %d: %d optimizer steps in a row skipped (%s) under plan %s; training is not progressing: "
+                "lower the learning rate, set max_grad_norm, or raise min_precision", self.step_count, n, where, plan,
+            )
 
     # -- binding --------------------------------------------------------------------------------
 
@@ -356,7 +410,8 @@ class DynamicPrecisionScheduler:
         self._example = example
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", EmulationWarning)
-            self.layers = tuple(find_layers(model, self._example))
+            self._fingerprint = find_layers(model, self._example)
+        self.layers = tuple(self._fingerprint)
         if not self.layers:
             raise AutoprecError(f"{type(model).__name__} runs no matrix product: autoprec has no layer to manage")
         if self.log_dir is not None and self._writer is None:
@@ -531,7 +586,13 @@ class DynamicPrecisionScheduler:
         from .search.planner import build_space, in_budget_terms, layer_reasons, plan_from_solution
         from .sensitivity import FisherEstimator, estimate_sensitivity
 
-        loss = float(self._loss_sum / self._loss_count) if self._loss_count else None
+        loss = None
+        if self._loss_count:
+            total, finite = (float(v) for v in self._loss_sum)  # one host sync per search
+            if finite < self._loss_count:
+                logger.warning("autoprec: step %d: %d of the window's %d losses were NaN / inf; the baseline loss is the mean of the other %d",
+                               self.step_count, self._loss_count - int(finite), self._loss_count, int(finite))
+            loss = total / finite if finite else None
         batches = [(call, grad) for call, grad in self._captured if grad is not None]
         self.scaler.unwatch()  # the search's own forwards are not training steps
         try:
@@ -566,7 +627,8 @@ class DynamicPrecisionScheduler:
             budgets = {"memory": self.budgets.memory, "memory_bytes": memory, "accuracy": self.budgets.accuracy,
                        "loss_increase": loss_budget, "baseline_loss": loss}
             plan = plan_from_solution(space, costs, best, layer_reasons(space, best.assignment, self.rules, ruled_out), budgets,
-                                      {"step": self.step_count, "trials": proxy.trials, "source": "DynamicPrecisionScheduler"})
+                                      {"step": self.step_count, "trials": proxy.trials, "source": "DynamicPrecisionScheduler"},
+                                      self._fingerprint)
         except AutoprecError as exc:
             self.last_search_error = str(exc)
             logger.warning("autoprec: step %d: search failed, training stays at the safe precision: %s", self.step_count, exc)
@@ -639,6 +701,7 @@ class DynamicPrecisionScheduler:
         """Everything a resumed run needs to continue exactly (tensors are cloned, on device)."""
         return {
             "version": _STATE_VERSION,
+            "fingerprint": {fqn: info.to_dict() for fqn, info in self._fingerprint.items()},
             "step": self.step_count,
             "window_start": self.window_start,
             "example": None if self._example is None else self._example.to_state(),
@@ -664,14 +727,23 @@ class DynamicPrecisionScheduler:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict` into a scheduler made with the same settings for the same model.
         Before the scheduler is bound to a model (no ``model=``, no forward yet) the state is kept
-        and applied when the first forward binds it, so the run continues exactly the same."""
-        if state.get("version") != _STATE_VERSION:
-            raise RuntimeStateError(f"scheduler state version {state.get('version')!r} is not {_STATE_VERSION}; it was saved by another autoprec")
+        and applied when the first forward binds it, so the run continues exactly the same.
+
+        Refused with one `RuntimeStateError` line, before anything changes: a state of another
+        version, one missing keys, one saved for a model whose layers have other names or
+        shapes, or one whose plan runs a format this scheduler's settings exclude."""
+        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
+            version = state.get("version") if isinstance(state, Mapping) else type(state).__name__
+            raise RuntimeStateError(f"scheduler state version {version!r} is not {_STATE_VERSION}; it was saved by another autoprec")
+        missing = sorted(set(self.state_dict()) - set(state))
+        if missing:
+            raise RuntimeStateError(f"load_state_dict(): the state lacks {', '.join(map(repr, missing))}; pass the whole dict that DynamicPrecisionScheduler.state_dict() returned")
         if state["example"] is None:
             raise RuntimeStateError("load_state_dict(): the state was saved before the scheduler was bound; there is nothing to restore")
         if self.model is None:
             self._pending_state = state
             return
+        self._check_state_fits(state)
         if self._example is None:
             self._attach(self.model, ModelCall.from_state(state["example"]))  # plan, scaler and profiler come from the state below
         self.step_count, self.window_start = state["step"], state["window_start"]
@@ -699,6 +771,31 @@ class DynamicPrecisionScheduler:
         if state["profiler"] is not None:
             self._start_profiler(state["profiler"]["window"])
             self._profiler.load_state_dict(state["profiler"]["state"])
+
+    def _check_state_fits(self, state: Mapping[str, Any]) -> None:
+        """`RuntimeStateError` when ``state`` was saved for another model (layer names or
+        parameter shapes, compared without a forward) or its plan breaks this scheduler's formats."""
+        modules = dict(self.model.named_modules())
+        for fqn, raw in state["fingerprint"].items():
+            saved = LayerInfo.from_dict(raw)
+            if fqn not in modules:
+                raise RuntimeStateError(f"load_state_dict(): the state was saved for a model with a layer {fqn!r} this {type(self.model).__name__} lacks; load it into the model it was saved from")
+            actual = dict(LayerInfo.of(modules[fqn], saved.ops).params)
+            if actual != dict(saved.params):
+                raise RuntimeStateError(
+                    f"load_state_dict(): layer {fqn!r} has parameter shapes {actual} here but {dict(saved.params)} in the state; "
+                    "load it into the model it was saved from"
+                )
+        if state["plan"] is None or self._fixed_plan is not None:
+            return
+        allowed = set(self.formats)
+        for fqn, lp in Plan.from_dict(state["plan"], "the saved plan").layers.items():
+            if lp.format not in allowed:
+                raise RuntimeStateError(
+                    f"load_state_dict(): the saved plan runs {fqn!r} in {lp.format.value}, which this scheduler's settings "
+                    f"(min_precision={self.min_precision}, max_precision={self.max_precision}, formats {', '.join(f.value for f in self.formats)}) "
+                    "exclude; create the scheduler with the settings the state was saved with"
+                )
 
     def close(self) -> None:
         """Remove hooks and flush the TensorBoard writer (the plan runtime is only active inside

@@ -879,3 +879,22 @@ def test_fingerprint_ops_must_be_a_list(tmp_path):
     data["fingerprint"] = {"fc1": {"module": "Linear", "ops": "linear", "params": {}}}
     error = load_error(write_json(tmp_path, data))
     assert "fingerprint['fc1']" in str(error)
+
+
+@pytest.mark.parametrize(
+    "scaling, field",
+    [
+        (dict(margin=10**6), "margin"),
+        (dict(margin=-(10**6)), "margin"),
+        (dict(margin=7), "margin"),  # 127 / 2**7 < 1: every INT8 value would round to 0 or ±1
+        (dict(history_len=10**12), "history_len"),
+    ],
+)
+def test_scaling_out_of_its_sane_range_is_refused(scaling, field):
+    with pytest.raises(PlanError, match=rf"layers\['fc'\]\.scaling\.{field}: must be from"):
+        Plan({"fc": LayerPrecision(Format.INT8, scaling=Scaling(**scaling))})
+
+
+def test_the_largest_useful_margin_is_accepted():
+    plan = Plan({"fc": LayerPrecision(Format.FP8_E4M3, scaling=Scaling(margin=8))})  # 448 / 2**8 = 1.75
+    assert plan["fc"].scaling.margin == 8

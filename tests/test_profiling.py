@@ -473,3 +473,34 @@ def test_measure_overhead_reports_both_figures():
     result = measure_overhead("tiny", steps=2, warmup=0, batch_size=4, device="cpu")
     assert result["after_hooks_removed"] and all(v > 0 for v in result["median_ms"].values())
     assert {"overhead_window", "overhead_after"} <= set(result)
+
+
+def _edited(profile, tmp_path, edit):
+    data = json.loads(json.dumps(profile.to_dict()))
+    edit(data)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    return path
+
+
+def test_a_profile_missing_a_layers_statistics_is_refused_for_its_model(small_profile, tmp_path):
+    path = _edited(small_profile, tmp_path, lambda d: d["layers"].pop("fc2"))
+    with pytest.raises(ProfileError, match=r"layers\['fc2'\]: missing"):
+        Profile.load(path, model=_model())
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", -1.0])
+def test_an_amax_the_profiler_did_not_write_is_refused(tmp_path, value):
+    model = _model()
+    profiler = LayerProfiler(model, window=3)
+    with profiler:
+        _train(model, profiler, _batches(3))
+
+    def edit(data):
+        stats = data["layers"]["fc1"]["tensors"]["activation"]
+        assert stats["nonfinite_steps"] == 0  # finite inputs: no step may hold a NaN / inf amax
+        stats["amax"][0] = value
+
+    path = _edited(profiler.profile(), tmp_path, edit)
+    with pytest.raises(ProfileError, match=r"layers\['fc1'\]\.tensors\.activation\.amax"):
+        Profile.load(path, model=_model())

@@ -66,8 +66,8 @@ def test_good_job_loads_with_paths_resolved_against_the_file(tmp_path):
     "old, new, expected",
     [
         ("trials = 200", "trials = 200\ntrails = 5", "[search].trails: unknown key; expected one of"),
-        ("trials = 200", 'trials = "many"', "[search].trials: expected an integer >= 1, got 'many'"),
-        ("trials = 200", "trials = 0", "[search].trials: expected an integer >= 1, got 0"),
+        ("trials = 200", 'trials = "many"', "[search].trials: expected an integer from 1 to 100000, got 'many'"),
+        ("trials = 200", "trials = 0", "[search].trials: expected an integer from 1 to 100000, got 0"),
         ("memory = 0.5", "memory = -1", "[budgets].memory: expected a fraction of FP32 bytes"),
         ("memory = 0.5", "memory = true", "[budgets].memory: expected"),
         ('"bf16", "fp8_e4m3"', '"bf16", "fp9"', "[search].formats: unknown format 'fp9'"),
@@ -99,3 +99,22 @@ def test_malformed_toml_names_the_file(tmp_path):
 
 def test_missing_file_is_named(tmp_path):
     assert "no such job file" in error_of(tmp_path / "absent.toml")
+
+
+@pytest.mark.parametrize(
+    "old, new, expected",
+    [
+        ("memory = 0.5", "memory = inf", "[budgets].memory: expected a fraction of FP32 bytes"),
+        ("accuracy = 0.01", "accuracy = nan", "[budgets].accuracy: expected an allowed loss increase >= 0, finite"),
+        ("trials = 200", "trials = 1_000_000_000_000", "[search].trials: expected an integer from 1 to 100000"),
+        ("seed = 3", "seed = 3\ntimeout_s = inf", "[search].timeout_s: expected a number of seconds > 0, finite"),
+    ],
+)
+def test_non_finite_or_unbounded_values_are_refused(tmp_path, old, new, expected):
+    assert old in GOOD
+    assert expected in error_of(write(tmp_path, GOOD.replace(old, new, 1)))
+
+
+def test_a_huge_number_of_held_out_batches_is_refused(tmp_path):
+    message = error_of(write(tmp_path, GOOD + "\n[measure]\nval_batches = 100000000\n"))
+    assert "[measure].val_batches: expected an integer from 2 to 1024" in message

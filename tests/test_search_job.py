@@ -278,3 +278,18 @@ def test_the_fastest_budget_meeting_candidate_wins_references_included():
     pairs = [(proposed, _measured(2.0)), (reference, _measured(1.5)), (too_big, _measured(0.5, bytes_=200))]
     assert fastest_meeting(pairs, 150, 0.01)[0] is reference
     assert fastest_meeting([(proposed, "pruned: memory")], 150, 0.01) is None
+
+
+def test_the_searched_plan_refuses_a_model_of_the_same_layer_names_and_other_widths(searched):
+    import dataclasses
+
+    from autoprec.errors import PlanError
+    from autoprec.workloads import ByteLM
+
+    folder, _, _ = searched
+    plan = Plan.load(folder / "out" / "plan.json")
+    config = default_workload("tiny").config
+    wider = ByteLM(dataclasses.replace(config, d_ff=2 * config.d_ff))
+    assert set(plan.layers) <= {fqn for fqn, _ in wider.named_modules()}  # the same layer names
+    with pytest.raises(PlanError, match="parameter shapes .* differ from the plan's"):
+        plan.validate(wider)

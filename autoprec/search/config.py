@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -73,23 +74,36 @@ class JobConfig:
         return f"sqlite:///{path if path.is_absolute() else self.out / path}"
 
 
+# Upper bounds that keep a typo (an extra 000) from asking for hours or gigabytes: every held-out
+# batch is kept on the device for the whole measured stage, and a proxy trial costs a storage
+# write (about a millisecond on SQLite), so 100 000 trials is already a long search.
+MAX_VAL_BATCHES = 1024
+MAX_TRIALS = 100_000
+
+
 # key -> (checker, what is expected) per table; checkers return the converted value or raise.
-def _int(minimum: int):
+def _int(minimum: int, maximum: "int | None" = None):
     def check(v):
-        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum or (maximum is not None and v > maximum):
             raise ValueError
         return v
     return check
 
 
+def _number(v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError
+    return v
+
+
 def _positive(v):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+    if not _number(v) > 0:
         raise ValueError
     return v
 
 
 def _non_negative(v):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+    if _number(v) < 0:
         raise ValueError
     return v
 
@@ -137,21 +151,21 @@ _SCHEMA: dict[str, dict[str, tuple[Callable, str]]] = {
     "job": {"name": (_str, "a non-empty string"), "out": (_str, "a folder path"), "device": (_str, "auto, cpu, cuda or cuda:N")},
     "workload": {"factory": (_str, 'a "module:function" string'), "kwargs": (_table, "a table of keyword arguments")},
     "budgets": {
-        "memory": (_positive, "a fraction of FP32 bytes (<= 1) or bytes (> 1)"),
-        "accuracy": (_non_negative, "an allowed loss increase >= 0"),
+        "memory": (_positive, "a fraction of FP32 bytes (<= 1) or bytes (> 1), finite; leave it out for no memory budget"),
+        "accuracy": (_non_negative, "an allowed loss increase >= 0, finite; leave it out for no accuracy budget"),
         "accuracy_relative": (_bool, "true or false"),
     },
     "search": {
         "min_precision": (_int(8), "8, 16 or 32"),
         "max_precision": (_int(8), "8, 16 or 32"),
         "formats": (_format_list, f"a non-empty list of formats ({FORMATS})"),
-        "trials": (_int(1), "an integer >= 1"),
+        "trials": (_int(1, MAX_TRIALS), f"an integer from 1 to {MAX_TRIALS}"),
         "storage": (_str, "a file path or an Optuna storage URL"),
         "study_name": (_str, "a non-empty string"),
         "seed": (_int(0), "an integer >= 0"),
         "multi_objective": (_bool, "true or false"),
         "measure_top": (_int(1), "an integer >= 1"),
-        "timeout_s": (_positive, "a number of seconds > 0"),
+        "timeout_s": (_positive, "a number of seconds > 0, finite"),
     },
     "rules": {
         "pin": (_pin, f"a table of layer pattern = format ({FORMATS})"),
@@ -163,7 +177,7 @@ _SCHEMA: dict[str, dict[str, tuple[Callable, str]]] = {
         "steps": (_int(1), "an integer >= 1"),
         "sensitivity_batches": (_int(1), "an integer >= 1"),
     },
-    "measure": {"val_batches": (_int(2), "an integer >= 2"), "steps": (_int(1), "an integer >= 1")},
+    "measure": {"val_batches": (_int(2, MAX_VAL_BATCHES), f"an integer from 2 to {MAX_VAL_BATCHES}"), "steps": (_int(1), "an integer >= 1")},
 }
 _REQUIRED = {("job", "name"), ("workload", "factory")}
 

@@ -33,11 +33,13 @@ keyword inputs): the model's inputs are captured from the loss's own call of the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import math
+import os
 import time
 import warnings
 from pathlib import Path
@@ -47,6 +49,7 @@ import optuna
 import torch
 
 from ..calls import ModelCall
+from ..coverage import find_layers
 from ..device import format_support, resolve_device
 from ..errors import InfeasibleBudgetError, SearchError
 from ..formats import Format
@@ -57,13 +60,15 @@ from .exact import Solution, solve_exact
 from .measured import BudgetPruner, Candidate, MeasuredStage, Measurement, fastest_meeting
 from .planner import build_space, in_budget_terms, layer_reasons, plan_from_solution
 from .space import SearchSpace
-from .study import feasible, open_storage, run_proxy_study
+from .study import feasible, open_storage, quiet_interrupts, run_proxy_study
 
 __all__ = ["JobResult", "run_job"]
 
 logger = logging.getLogger(__name__)
 
 Progress = Callable[[int, int, str], None]
+
+_SEARCH_ATTR = "autoprec_search"  # the study's user attribute holding `_signature`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,12 +153,32 @@ def _workload(config: JobConfig):
     factory = resolve_factory(config)
     try:
         workload = factory(**config.factory_kwargs)
-    except TypeError as exc:
-        raise SearchError(f"{config.source}: [workload].kwargs: {config.factory} rejected them: {exc}") from None
+    except (TypeError, ValueError, KeyError) as exc:  # what a factory raises for arguments it cannot use
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SearchError(f"{config.source}: [workload].kwargs: {config.factory} rejected {dict(config.factory_kwargs)}: {reason}; fix the kwargs table") from None
     missing = [m for m in ("build_model", "train_batches", "val_batches", "loss") if not callable(getattr(workload, m, None))]
     if missing:
         raise SearchError(f"{config.source}: [workload].factory: {config.factory} returned a {type(workload).__name__} without {', '.join(missing)}; see autoprec.search.job for what a workload provides")
     return workload
+
+
+@contextlib.contextmanager
+def _naming(config: JobConfig, key: str, fix: str = ""):
+    """A `SearchError` raised inside, restated as one line naming the job file and ``key``."""
+    try:
+        yield
+    except SearchError as exc:
+        raise SearchError(f"{config.source}: {key}: {exc}{fix}") from None
+
+
+def _make_out(config: JobConfig) -> None:
+    """Create ``[job].out``; `SearchError` naming the key when it cannot hold the artifacts."""
+    try:
+        config.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SearchError(f"{config.source}: [job].out: cannot create {config.out} ({exc.strerror}); set it to a writable folder") from None
+    if not os.access(config.out, os.W_OK | os.X_OK):
+        raise SearchError(f"{config.source}: [job].out: {config.out} is not writable; set it to a writable folder")
 
 
 def _train_and_profile(config, workload, model, example_inputs, lr, device, progress):
@@ -177,18 +202,21 @@ def _train_and_profile(config, workload, model, example_inputs, lr, device, prog
 
 def _signature(space: SearchSpace, memory: float, loss: float) -> str:
     """What a study's trials depend on: the units, their formats and the budgets."""
-    signature = {"units": {u.name: [f.value for f in u.formats] for u in space.units}, "budgets": [round(memory), float(f"{loss:.6g}")]}
+    # An open budget is inf: JSON writes it as Infinity, round() cannot take it.
+    budgets = [round(memory) if math.isfinite(memory) else memory, float(f"{loss:.6g}")]
+    signature = {"units": {u.name: [f.value for f in u.formats] for u in space.units}, "budgets": budgets}
     return hashlib.sha1(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _check_study(storage, config: JobConfig, digest: str) -> None:
-    """Refuse to resume a study made for another search (other layers, formats or budgets)."""
+    """Refuse to resume a study made for another search (other layers, formats or budgets),
+    finished or interrupted (the search's digest is set before the study's first trial)."""
     try:
         study = optuna.load_study(study_name=config.study_name, storage=storage)
     except KeyError:
         return
-    held = study.user_attrs.get("autoprec_search")
-    if held is not None and held != digest:
+    held = study.user_attrs.get(_SEARCH_ATTR)
+    if held != digest and (held is not None or study.get_trials(deepcopy=False)):
         raise SearchError(
             f"study {config.study_name!r} in {config.storage_url} holds trials of another search (layers, formats or budgets "
             "changed); set [search].study_name to a new name or delete the study to start over"
@@ -210,7 +238,7 @@ def _candidates(space: SearchSpace, study: optuna.Study, exact: Solution, memory
     return sorted(seen.values(), key=lambda item: item[1].total.seconds)[:top]
 
 
-def _with_references(proposed, space, costs, config, ruled_out, memory, loss_budget, budgets_meta, meta, device) -> list[Candidate]:
+def _with_references(proposed, space, costs, config, ruled_out, memory, loss_budget, budgets_meta, meta, device, fingerprint) -> list[Candidate]:
     """``proposed`` plus the references: each uniform plan of the space that fits the budgets as
     predicted, and plain autocast in each half format the device runs and the space allows; all
     distinct, fastest predicted first (so `MeasuredStage.run` can prune far slower ones unrun)."""
@@ -221,7 +249,7 @@ def _with_references(proposed, space, costs, config, ruled_out, memory, loss_bud
             continue
         total = space.totals(assignment)
         reasons = layer_reasons(space, assignment, config.rules, ruled_out)
-        plan = plan_from_solution(space, costs, Solution(assignment, total), reasons, budgets_meta, meta)
+        plan = plan_from_solution(space, costs, Solution(assignment, total), reasons, budgets_meta, meta, fingerprint)
         uniform = Candidate(f"uniform-{fmt.value}", plan)
         if total.bytes <= memory and total.loss <= loss_budget:
             out.setdefault(uniform.id, uniform)
@@ -242,10 +270,13 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
     from ..sensitivity import FisherEstimator, estimate_sensitivity
 
     start = time.perf_counter()
-    config.out.mkdir(parents=True, exist_ok=True)
-    storage = open_storage(config.storage_url)  # an unreachable storage fails before any work
+    # Checked before anything is written, so a bad device or folder leaves no empty study behind.
+    with _naming(config, "[job].device"):
+        device = resolve_device(config.device, SearchError, "the search", fix='set [job].device = "cpu" (or "auto")')
+    _make_out(config)
+    with _naming(config, "[search].storage", "; fix the path or URL"):
+        storage = open_storage(config.storage_url)  # an unreachable storage fails before any work
     workload = _workload(config)
-    device = resolve_device(config.device, SearchError, "the search")
     lr = float(getattr(workload, "lr", 1e-3))
     model = workload.build_model(config.seed).to(device)
     val = [_to(b, device) for b in workload.val_batches(config.val_batches)]
@@ -294,13 +325,13 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
         if progress is not None:
             progress(min(len(study.trials), total_trials), total_trials, "proxy search")
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), quiet_interrupts():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         proxy = run_proxy_study(
             space, memory, loss_budget, n_trials=config.trials, storage=storage, study_name=config.study_name, seed=config.seed,
             warm_start=warm, multi_objective=config.multi_objective, timeout=config.timeout_s, callbacks=[on_trial],
+            study_attrs={_SEARCH_ATTR: signature},
         )
-    proxy.study.set_user_attr("autoprec_search", signature)
     top = _candidates(space, proxy.study, exact, memory, loss_budget, config.measure_top)
     # The study's best feasible trial (the enqueued exact optimum is one of its trials).
     study_best = None if proxy.best is None else Solution(proxy.best.assignment, space.totals(proxy.best.assignment))
@@ -315,9 +346,13 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
         "train_loss_first": loss_first, "train_loss_last": loss_last, "profile_steps": config.profile_steps,
         "exact_seconds": exact.total.seconds, "sensitivity": "fisher",
     }
+    fingerprint = find_layers(model, example_inputs)  # the plan refuses another model of the same layer names
     candidates = _with_references(
-        [Candidate(name, plan_from_solution(space, costs, sol, layer_reasons(space, sol.assignment, config.rules, ruled_out), budgets_meta, meta)) for name, sol in top],
-        space, costs, config, ruled_out, memory, loss_budget, budgets_meta, meta, device,
+        [
+            Candidate(name, plan_from_solution(space, costs, sol, layer_reasons(space, sol.assignment, config.rules, ruled_out), budgets_meta, meta, fingerprint))
+            for name, sol in top
+        ],
+        space, costs, config, ruled_out, memory, loss_budget, budgets_meta, meta, device, fingerprint,
     )
 
     measured_study = optuna.create_study(
@@ -325,7 +360,8 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
         pruner=BudgetPruner(loss_budget), load_if_exists=True,
     )
     measured_memory = config.budgets.memory_bytes(stage.memory(None))
-    results = stage.run(candidates, measured_study, measured_memory, loss_budget, progress)
+    with quiet_interrupts():
+        results = stage.run(candidates, measured_study, measured_memory, loss_budget, progress)
     references = {"fp32": stage.fp32()}
 
     pairs = [(c, results.get(c.id, "not measured")) for c in candidates]

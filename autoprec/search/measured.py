@@ -17,12 +17,15 @@ A candidate is an autoprec plan, or a **reference** that is not one: plain
 exactly the same way, so that the search can never return a plan slower than what a user gets
 without autoprec.
 
-Each candidate is a trial of an Optuna study in the job's storage (a crashed job resumes with
-the candidates already measured kept). Measuring stops early: a candidate whose predicted step
-time is over ``slow_prune`` times the predicted time of the fastest budget-meeting candidate
+Each candidate is a trial of an Optuna study in the job's storage, keyed by `candidate_id` (the
+hash of its layers' formats) in the user attribute ``candidate``: a crashed or interrupted job
+resumes with the candidates already measured kept, fails and re-queues the trials it left
+running, and never measures a candidate twice. Measuring stops early: a candidate whose predicted
+step time is over ``slow_prune`` times the predicted time of the fastest budget-meeting candidate
 measured so far is pruned before it runs (measure candidates fastest-predicted first; predicted
-is compared with predicted, so a cost model off by a constant factor prunes nothing wrongly), one over the memory budget is
-pruned after one step, and `BudgetPruner` prunes one whose running loss increase is already
+is compared with predicted, so a cost model off by a constant factor prunes nothing wrongly), one
+over the memory budget is pruned after one step, and `BudgetPruner` prunes one whose running loss
+increase is already
 clearly over the loss budget, before its step time is measured.
 """
 
@@ -49,6 +52,7 @@ from ..formats import Format
 from ..measure import SavedTensorMeter
 from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan
+from .study import mark_worker, recover_interrupted_trials
 
 __all__ = ["Measurement", "Candidate", "BudgetPruner", "MeasuredStage", "candidate_id", "fastest_meeting"]
 
@@ -282,8 +286,13 @@ class MeasuredStage:
         attribute ``candidate``), in the order given; returns candidate id -> `Measurement`, or
         the reason it was pruned. ``memory_bytes`` / ``loss_budget`` are absolute (inf when
         open). ``slow_prune``: a candidate whose ``plan.predicted["seconds"]`` is over this
-        times that of the fastest budget-meeting candidate measured so far is pruned unrun."""
+        times that of the fastest budget-meeting candidate measured so far is pruned unrun.
+
+        Trials an interrupted run left RUNNING are failed and queued again first; a queued
+        trial whose candidate is already measured, or is not one of ``candidates``, is pruned
+        at once with the user attribute ``skipped`` saying why (no measurement)."""
         by_id = {c.id: c for c in candidates}
+        recover_interrupted_trials(study)
 
         def fastest_predicted() -> float:
             """Predicted seconds of the fastest budget-meeting candidate measured so far."""
@@ -292,10 +301,18 @@ class MeasuredStage:
             return min(met, key=lambda t: t.value).user_attrs.get("predicted", math.inf) if met else math.inf
 
         def finished() -> dict[str, optuna.trial.FrozenTrial]:
-            return {t.user_attrs.get("candidate"): t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))}
+            trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+            return {t.user_attrs.get("candidate"): t for t in trials if "skipped" not in t.user_attrs}
 
         def objective(trial: optuna.Trial) -> float:
-            candidate = by_id[trial.user_attrs["candidate"]]
+            mark_worker(trial)
+            cid = trial.user_attrs.get("candidate")
+            earlier = finished().get(cid)
+            if earlier is not None or cid not in by_id:
+                why = f"already measured in trial {earlier.number}" if earlier is not None else "not a candidate of this run"
+                trial.set_user_attr("skipped", why)
+                raise optuna.TrialPruned(why)
+            candidate = by_id[cid]
             predicted, fastest = candidate.plan.predicted.get("seconds", 0.0), fastest_predicted()
             trial.set_user_attr("predicted", predicted)
             if predicted > slow_prune * fastest:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Iterable, Mapping
 
+from ..coverage import LayerInfo
 from ..errors import InfeasibleBudgetError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
@@ -131,8 +132,12 @@ def _pin_notes(rules: LayerRules, space: SearchSpace) -> dict[str, str]:
     return notes
 
 
-def plan_from_solution(space: SearchSpace, costs, solution: Solution, reasons: Mapping[str, str], budgets: Mapping, metadata: Mapping) -> Plan:
-    """The plan of ``solution`` with its reasons and predicted totals and per-layer figures."""
+def plan_from_solution(
+    space: SearchSpace, costs, solution: Solution, reasons: Mapping[str, str], budgets: Mapping, metadata: Mapping,
+    fingerprint: "Mapping[str, LayerInfo] | None" = None,
+) -> Plan:
+    """The plan of ``solution`` with its reasons and predicted totals and per-layer figures;
+    ``fingerprint`` (`find_layers` of the model) lets `Plan.validate` refuse another model."""
     formats = space.layer_formats(solution.assignment)
     layers = {fqn: LayerPrecision(formats[fqn], reason=reasons[fqn]) for fqn in costs.layers}
     plan = Plan(layers)
@@ -152,7 +157,7 @@ def plan_from_solution(space: SearchSpace, costs, solution: Solution, reasons: M
         "fp32_seconds": fp32.step_seconds,
         "layers": per_layer,
     }
-    return Plan(layers, budgets=budgets, predicted=predicted, metadata=metadata)
+    return Plan(layers, fingerprint=fingerprint, budgets=budgets, predicted=predicted, metadata=metadata)
 
 
 def in_budget_terms(exc: InfeasibleBudgetError, fp32_bytes: float, baseline_loss: "float | None", where: str) -> InfeasibleBudgetError:

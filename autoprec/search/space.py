@@ -57,6 +57,10 @@ class Choice:
 ZERO = Choice(0.0, 0.0, 0.0)
 
 
+def _finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class Budgets:
     """What a plan may spend.
@@ -71,10 +75,10 @@ class Budgets:
     accuracy_relative: bool = True
 
     def __post_init__(self):
-        if self.memory is not None and not self.memory > 0:
-            raise SearchError(f"memory budget must be > 0 (a fraction of FP32 bytes or bytes), got {self.memory!r}")
-        if self.accuracy is not None and self.accuracy < 0:
-            raise SearchError(f"accuracy budget must be >= 0, got {self.accuracy!r}")
+        if self.memory is not None and not (_finite_number(self.memory) and self.memory > 0):
+            raise SearchError(f"memory budget must be a finite number > 0 (a fraction of FP32 bytes or bytes) or None, got {self.memory!r}")
+        if self.accuracy is not None and not (_finite_number(self.accuracy) and self.accuracy >= 0):
+            raise SearchError(f"accuracy budget must be a finite number >= 0 or None, got {self.accuracy!r}")
 
     def memory_bytes(self, fp32_bytes: float) -> float:
         if self.memory is None:

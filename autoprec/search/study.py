@@ -6,15 +6,21 @@ constraints (``Trial.set_constraint``), so infeasible trials still teach the sam
 boundary is. The exact optimum warm-starts a fresh study and is the yardstick for its result.
 
 Storage is any Optuna storage URL; a plain path means a local SQLite file. Trials a crashed
-worker left running are retried once their heartbeat goes stale, so an interrupted study resumes
-with no trial lost, and ``n_trials`` counts the study's trials across every worker and restart.
+worker left running are failed and queued again (`recover_interrupted_trials`): at once when the
+worker was a process of this machine that no longer exists, else once its heartbeat goes stale.
+So an interrupted study resumes with no trial lost, and ``n_trials`` counts the study's trials
+across every worker and restart.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import logging
 import math
+import os
+import socket
 import warnings
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -28,7 +34,10 @@ from ..formats import Format
 from .exact import Solution
 from .space import Choice, SearchSpace
 
-__all__ = ["ProxyResult", "open_storage", "run_proxy_study", "feasible", "HEARTBEAT_SECONDS"]
+__all__ = [
+    "ProxyResult", "open_storage", "run_proxy_study", "feasible", "HEARTBEAT_SECONDS",
+    "WORKER_ATTR", "mark_worker", "recover_interrupted_trials", "quiet_interrupts",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +71,93 @@ def open_storage(url_or_path: "str | Path", heartbeat_seconds: int = HEARTBEAT_S
     except Exception as exc:  # SQLAlchemy raises many types for an unreachable or bad URL
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SearchError(f"cannot open Optuna storage {text!r}: {reason}") from None
+
+
+# The user attribute naming the process that runs a trial ("host:pid"), so a resumed job can tell
+# a trial whose process died (kill -9, power loss) from one another live worker is running.
+WORKER_ATTR = "worker"
+
+
+def mark_worker(trial: optuna.Trial) -> None:
+    """Record this process as the trial's worker (one storage write)."""
+    trial.set_user_attr(WORKER_ATTR, f"{socket.gethostname()}:{os.getpid()}")
+
+
+def _worker_gone(trial: optuna.trial.FrozenTrial) -> bool:
+    """Whether the trial's worker was a process of this machine that no longer exists."""
+    host, _, pid = str(trial.user_attrs.get(WORKER_ATTR, "")).rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)  # signal 0: an existence check, nothing is sent
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, under another user
+        return False
+    return False
+
+
+def recover_interrupted_trials(study: optuna.Study) -> int:
+    """Fail the RUNNING trials of ``study`` whose worker is gone and queue each again; returns
+    how many were failed.
+
+    A trial is gone when its worker was a process of this machine that no longer exists (checked
+    at once), or when its heartbeat is stale (Optuna's `fail_stale_trials`, for workers elsewhere).
+    Each failed trial is re-queued as WAITING with its parameters and user attributes by the
+    storage's `RetryHeartbeatStaleTrialCallback` (at most 3 retries). One storage read of the
+    running trials, one write per failed trial.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+        # Optuna has no public call to fail a trial of a dead worker; fail_stale_trials itself goes
+        # through the storage in the same way.
+        storage = study._storage
+        retry = getattr(storage, "get_heartbeat_stale_trial_callback", lambda: None)() or optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=3)
+        failed = 0
+        for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if not _worker_gone(trial):
+                continue
+            try:
+                if not storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL):
+                    continue
+            except optuna.exceptions.UpdateFinishedTrialError:  # another process failed it first
+                continue
+            logger.warning("trial %d of study %r was left running by %s, which is gone: failed and queued again",
+                           trial.number, study.study_name, trial.user_attrs[WORKER_ATTR])
+            retry(study, copy.deepcopy(storage.get_trial(trial._trial_id)))
+            failed += 1
+    return failed
+
+
+class _InterruptFilter(logging.Filter):
+    """Drops Optuna's two "Trial N failed" records (the first with a traceback) of a trial that
+    Ctrl-C stopped: the caller reports the interrupt in one line instead."""
+
+    def __init__(self):
+        super().__init__()
+        self._interrupted: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        trial = message.split(" failed ", 1)[0]
+        if record.exc_info and record.exc_info[0] is not None and issubclass(record.exc_info[0], KeyboardInterrupt):
+            self._interrupted.add(trial)
+            return False
+        return trial not in self._interrupted
+
+
+@contextlib.contextmanager
+def quiet_interrupts():
+    """While active, a Ctrl-C inside an Optuna trial leaves no traceback in Optuna's log (the trial
+    is still marked FAIL and the KeyboardInterrupt still propagates)."""
+    optimize_logger = logging.getLogger("optuna.study._optimize")  # where Optuna logs failed trials
+    quiet = _InterruptFilter()
+    optimize_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        optimize_logger.removeFilter(quiet)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,12 +194,16 @@ def run_proxy_study(
     multi_objective: bool = False,
     timeout: "float | None" = None,
     callbacks: Sequence[Callable] = (),
+    study_attrs: "Mapping[str, object] | None" = None,
 ) -> ProxyResult:
     """Run (or resume) the proxy study until it holds ``n_trials`` finished trials.
 
     ``warm_start`` assignments (e.g. the exact optimum and the uniform plans) are enqueued only
-    into a study that has no trials yet, so resuming never repeats them. Costs one evaluation of
-    the additive table per trial (microseconds) plus the storage's write per trial.
+    into a study that has no trials yet, so resuming never repeats them. ``study_attrs`` are set
+    on the study before its first trial runs (what the trials depend on, for a later resume to
+    check). Trials an interrupted run left RUNNING are failed and queued again first
+    (`recover_interrupted_trials`). Costs one evaluation of the additive table per trial
+    (microseconds) plus the storage's write per trial.
     """
     if n_trials < 1:
         raise SearchError(f"n_trials must be >= 1, got {n_trials}")
@@ -122,11 +222,15 @@ def run_proxy_study(
         directions=directions,
         load_if_exists=True,
     )
+    for key, value in (study_attrs or {}).items():
+        study.set_user_attr(key, value)
+    recover_interrupted_trials(study)
     if not study.trials:
         for assignment in warm_start:
             study.enqueue_trial({name: Format.parse(fmt).value for name, fmt in assignment.items()}, skip_if_exists=True)
 
     def objective(trial: optuna.Trial):
+        mark_worker(trial)
         params = {u.name: trial.suggest_categorical(u.name, [f.value for f in u.formats]) for u in space.units}
         total = space.totals(_assignment(space, params))
         # Positive means violated; an open budget is never violated.

@@ -1,0 +1,384 @@
+"""Bad input and interrupts (issue 12 §2): a one-line error naming the field and the fix, and
+nothing lost or measured twice when a search is killed or interrupted and run again."""
+
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import types
+
+import optuna
+import pytest
+import torch
+import torch.nn as nn
+from optuna.trial import TrialState
+
+from autoprec.cli import main
+from autoprec.errors import RuntimeStateError, SearchError
+from autoprec.formats import Format
+from autoprec.plan import Plan
+from autoprec.scheduler import DynamicPrecisionScheduler, Thresholds
+from autoprec.search.exact import Choice
+from autoprec.search.job import _check_study
+from autoprec.search.measured import Candidate, MeasuredStage
+from autoprec.search.space import SearchSpace
+from autoprec.search.study import open_storage, recover_interrupted_trials, run_proxy_study
+from autoprec.workloads import default_workload
+
+# study.ask() on a storage with heartbeats: the tests play the part of a worker that died.
+pytestmark = pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")
+
+JOB = """
+[job]
+name = "tiny"
+out = "{out}"
+device = "{device}"
+
+[workload]
+factory = "autoprec.workloads:default_workload"
+kwargs = {{ {kwargs} }}
+
+[budgets]
+memory = {memory}
+accuracy = 0.05
+
+[search]
+formats = ["fp32", "bf16", "int8"]
+trials = 30
+measure_top = 3
+storage = "{storage}"
+
+[profile]
+steps = 5
+sensitivity_batches = 1
+
+[measure]
+val_batches = 2
+steps = 1
+"""
+
+
+def write_job(folder, out="out", device="cpu", kwargs='name = "tiny", batch_size = 4', memory=0.85, storage="study.db"):
+    path = folder / "job.toml"
+    path.write_text(textwrap.dedent(JOB.format(out=out, device=device, kwargs=kwargs, memory=memory, storage=storage)), encoding="utf-8")
+    return path
+
+
+def search_error(path, capsys) -> str:
+    assert main(["search", str(path)]) != 0
+    message = capsys.readouterr().err.strip()
+    assert "\n" not in message and "Traceback" not in message
+    return message
+
+
+# -- the search job --------------------------------------------------------------------------------
+
+
+def test_out_under_a_regular_file_names_job_out(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    message = search_error(write_job(tmp_path, out="afile/out"), capsys)
+    assert "[job].out: cannot create" in message and "writable folder" in message
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_unwritable_out_names_job_out(tmp_path, capsys):
+    out = tmp_path / "locked"
+    out.mkdir(mode=0o500)
+    assert "[job].out:" in search_error(write_job(tmp_path, out="locked"), capsys)
+
+
+def test_kwargs_the_factory_rejects_name_workload_kwargs(tmp_path, capsys):
+    message = search_error(write_job(tmp_path, kwargs='name = "huge"'), capsys)
+    assert "[workload].kwargs" in message and "unknown preset" in message
+
+
+def test_an_unopenable_storage_names_search_storage(tmp_path, capsys):
+    storage = f"sqlite:///{tmp_path}/afile/study.db"
+    (tmp_path / "afile").write_text("x")
+    assert "[search].storage: cannot open Optuna storage" in search_error(write_job(tmp_path, storage=storage), capsys)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_names_job_device_and_leaves_no_study(tmp_path, capsys):
+    message = search_error(write_job(tmp_path, device="cuda"), capsys)
+    assert '[job].device = "cpu"' in message and "--device" not in message
+    assert not (tmp_path / "out" / "study.db").exists()
+
+
+# -- interrupts: the proxy study -------------------------------------------------------------------
+
+
+def tiny_space() -> SearchSpace:
+    choices = {Format.FP32: Choice(4.0, 2e-6, 0.0), Format.BF16: Choice(2.0, 1e-6, 0.01)}
+    return SearchSpace({f"layer{i}": choices for i in range(4)})
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_a_trial_left_running_by_a_dead_process_is_failed_and_queued_again(tmp_path):
+    storage = open_storage(tmp_path / "study.db")
+    study = optuna.create_study(study_name="s", storage=storage)
+    trial = study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})
+    trial.set_user_attr("worker", f"{socket.gethostname()}:{dead_pid()}")
+    assert recover_interrupted_trials(study) == 1
+    states = [t.state for t in study.get_trials()]
+    assert states == [TrialState.FAIL, TrialState.WAITING]
+    assert study.get_trials()[1].params == study.get_trials()[0].params
+
+
+def test_a_trial_of_a_live_process_is_left_running(tmp_path):
+    storage = open_storage(tmp_path / "study.db")
+    study = optuna.create_study(study_name="s", storage=storage)
+    trial = study.ask()
+    trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getppid()}")
+    assert recover_interrupted_trials(study) == 0
+    assert [t.state for t in study.get_trials()] == [TrialState.RUNNING]
+
+
+def test_an_interrupted_study_rerun_with_other_budgets_is_refused(tmp_path):
+    storage = open_storage(tmp_path / "study.db")
+
+    def interrupt(study, trial):
+        if len(study.trials) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_proxy_study(tiny_space(), 10.0, 1.0, n_trials=20, storage=storage, study_name="s", callbacks=[interrupt],
+                        study_attrs={"autoprec_search": "budgets A"})
+    job = types.SimpleNamespace(study_name="s", storage_url=str(tmp_path / "study.db"))
+    _check_study(storage, job, "budgets A")  # the same search resumes
+    with pytest.raises(SearchError, match="holds trials of another search"):
+        _check_study(storage, job, "budgets B")
+
+
+# -- interrupts: the measured stage ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stage():
+    wl = default_workload("tiny", batch_size=2)
+    model = wl.build_model(0)
+    sampler = wl.train_batches(0)
+    train = [sampler.next()]
+    candidates = [Candidate(f.value, Plan.uniform(model, f, train[0][0])) for f in (Format.BF16, Format.FP32)]
+    return MeasuredStage(model, wl.loss, train, wl.val_batches(2), list(candidates[0].plan.layers), steps=1, warmup=0), candidates
+
+
+def measured(study, candidate) -> int:
+    """Trials that measured ``candidate`` to the end (completed, or pruned on a measurement)."""
+    return sum(1 for t in study.get_trials() if t.user_attrs.get("candidate") == candidate.id
+               and t.state in (TrialState.COMPLETE, TrialState.PRUNED) and "skipped" not in t.user_attrs)
+
+
+def test_resume_fails_the_killed_trial_and_measures_each_candidate_once(tmp_path, stage):
+    stage, candidates = stage
+    study = optuna.create_study(study_name="m", storage=open_storage(tmp_path / "study.db"))
+    killed = study.ask()  # what kill -9 leaves: candidate 0 RUNNING, its process gone
+    killed.set_user_attr("candidate", candidates[0].id)
+    killed.set_user_attr("worker", f"{socket.gethostname()}:{dead_pid()}")
+    stage.run(candidates, study, math.inf, math.inf)
+    assert not study.get_trials(states=(TrialState.RUNNING,))
+    assert [measured(study, c) for c in candidates] == [1, 1]
+
+
+def test_a_queued_retry_of_a_measured_candidate_is_not_measured_again(tmp_path, stage):
+    stage, candidates = stage
+    study = optuna.create_study(study_name="m", storage=open_storage(tmp_path / "study.db"))
+    stage.run(candidates[:1], study, math.inf, math.inf)
+    # What Optuna's heartbeat retry leaves after a stale trial: a WAITING copy of candidate 0.
+    study.enqueue_trial({}, user_attrs={"candidate": candidates[0].id})
+    stage.run(candidates, study, math.inf, math.inf)
+    assert [measured(study, c) for c in candidates] == [1, 1]
+
+
+# -- the scheduler ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(accuracy_budget=math.nan), "accuracy_budget"),
+        (dict(memory_budget="0.5"), "memory_budget"),
+        (dict(memory_budget=math.inf), "memory_budget"),
+        (dict(lr=-1.0), "lr"),
+        (dict(lr=math.nan), "lr"),
+        (dict(search_timeout_s=-1.0), "search_timeout_s"),
+    ],
+)
+def test_bad_scheduler_arguments_are_refused_at_construction(kwargs, name):
+    with pytest.raises(SearchError, match=rf"^DynamicPrecisionScheduler\({name}=.*\): expected"):
+        DynamicPrecisionScheduler(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(overflow=-0.1), dict(underflow=2.0), dict(amax_drift=-16.0), dict(nonfinite_steps=-3), dict(stable_windows=0)])
+def test_negative_or_out_of_range_thresholds_are_refused(kwargs):
+    (name,) = kwargs
+    with pytest.raises(SearchError, match=rf"^Thresholds\({name}="):
+        Thresholds(**kwargs)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.fc1 = nn.Linear(8, hidden)
+        self.fc2 = nn.Linear(hidden, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def steps(model, sch, opt, n, poison=lambda i: False):
+    """``n`` training steps of ``model`` under ``sch``; ``poison(i)`` makes step i's loss NaN."""
+    gen = torch.Generator().manual_seed(0)
+    for i in range(n):
+        x = torch.randn(16, 8, generator=gen)
+        with sch.precision_context():
+            loss = model(x).pow(2).mean()
+        if poison(i):
+            loss = loss * math.nan
+        sch.backward(loss)
+        sch.step(opt)
+        opt.zero_grad(set_to_none=True)
+
+
+def small_scheduler(**kwargs):
+    settings = dict(monitor_window=6, monitor_steps=3, memory_budget=0.9, accuracy_budget=0.05, measure_costs=False, search_trials=10)
+    settings.update(kwargs)
+    return DynamicPrecisionScheduler(**settings)
+
+
+def test_step_after_a_forward_but_before_backward_is_refused():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sch = small_scheduler()
+    steps(model, sch, opt, 1)
+    with sch.precision_context():
+        model(torch.randn(4, 8)).sum()
+    with pytest.raises(RuntimeStateError, match=r"before its backward: call scheduler\.backward\(loss\)"):
+        sch.step(opt)
+
+
+def test_a_nan_batch_in_the_profiling_window_is_left_out_of_the_baseline(caplog):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sch = small_scheduler()
+    with caplog.at_level(logging.WARNING, logger="autoprec.scheduler"):
+        steps(model, sch, opt, 7, poison=lambda i: i == 2)
+    assert sch.plan is not None
+    assert math.isfinite(sch.plan.budgets["baseline_loss"]) and math.isfinite(sch.plan.budgets["loss_increase"])
+    assert any("1 of the window's 6 losses were NaN / inf" in r.message for r in caplog.records)
+
+
+def test_many_skipped_steps_in_a_row_warn(caplog):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sch = DynamicPrecisionScheduler.from_plan(model, Plan.uniform(model, Format.BF16))
+    with caplog.at_level(logging.WARNING, logger="autoprec.scheduler"):
+        steps(model, sch, opt, 25, poison=lambda i: True)
+    warnings = [r.message for r in caplog.records if "in a row skipped" in r.message]
+    assert len(warnings) == 2  # at 10 and at 20 skips, not once per step
+    assert warnings[0].startswith("autoprec: step 10: 10 optimizer steps in a row skipped (non-finite")
+
+
+@pytest.fixture(scope="module")
+def saved_int8_state():
+    """The state of a scheduler running INT8 (started from a uniform INT8 plan, dynamic)."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(16, 8)
+    sch = DynamicPrecisionScheduler.from_plan(model, Plan.uniform(model, Format.INT8, x), dynamic=True, monitor_window=50, measure_costs=False)
+    steps(model, sch, opt, 2)
+    return sch.state_dict()
+
+
+def test_loading_into_settings_that_exclude_the_plans_formats_is_refused(saved_int8_state):
+    torch.manual_seed(0)
+    sch = small_scheduler(model=MLP(), min_precision=16)
+    with pytest.raises(RuntimeStateError, match=r"the saved plan runs 'fc1' in int8, which this scheduler's settings \(min_precision=16"):
+        sch.load_state_dict(saved_int8_state)
+
+
+def test_loading_into_a_model_of_other_widths_is_refused(saved_int8_state):
+    sch = small_scheduler(model=MLP(hidden=32))
+    with pytest.raises(RuntimeStateError, match=r"layer 'fc1' has parameter shapes .* here but .* in the state"):
+        sch.load_state_dict(saved_int8_state)
+
+
+def test_loading_a_state_missing_a_key_names_it(saved_int8_state):
+    state = {k: v for k, v in saved_int8_state.items() if k != "scaler"}
+    sch = small_scheduler(model=MLP())
+    with pytest.raises(RuntimeStateError, match=r"the state lacks 'scaler'"):
+        sch.load_state_dict(state)
+
+
+# -- kill -9 and Ctrl-C of the real job, in a subprocess -------------------------------------------
+
+
+def wait_for(predicate, process, timeout=300.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"the job ended before the signal: {process.communicate()}")
+        if predicate():
+            return
+        time.sleep(0.2)
+    pytest.fail("the job did not reach the state to interrupt")
+
+
+def trials_of(storage, name, states=None):
+    try:
+        return optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False, states=states)
+    except KeyError:
+        return []
+
+
+def start_search(path):
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    return subprocess.Popen([sys.executable, "-m", "autoprec", "search", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.mark.slow
+def test_kill_and_ctrl_c_resume_with_no_trial_left_running_and_no_candidate_measured_twice(tmp_path):
+    path = write_job(tmp_path)
+    url = f"sqlite:///{tmp_path / 'out' / 'study.db'}"
+    running = (TrialState.RUNNING,)
+
+    # kill -9 while a candidate is being measured.
+    job = start_search(path)
+    wait_for(lambda: (tmp_path / "out" / "study.db").exists() and trials_of(url, "tiny:measured", running), job)
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+
+    # Ctrl-C in the resumed run's measured stage: one line, no traceback.
+    job = start_search(path)
+    wait_for(lambda: len(trials_of(url, "tiny:measured")) >= 3 and trials_of(url, "tiny:measured", running), job)
+    job.send_signal(signal.SIGINT)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 130
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert err.strip().splitlines()[-1].startswith("autoprec: search interrupted; run the same command again to resume")
+
+    # Other budgets on the interrupted study: refused.
+    other = write_job(tmp_path, memory=0.7)
+    assert main(["search", str(other)]) != 0
+
+    # The same job again: it finishes, nothing left running, every candidate measured once.
+    write_job(tmp_path)
+    assert main(["search", str(path)]) == 0
+    assert not trials_of(url, "tiny", running) and not trials_of(url, "tiny:measured", running)
+    finished = [t for t in trials_of(url, "tiny:measured", (TrialState.COMPLETE, TrialState.PRUNED)) if "skipped" not in t.user_attrs]
+    ids = [t.user_attrs["candidate"] for t in finished]
+    assert len(ids) == len(set(ids)) == 3
