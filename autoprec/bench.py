@@ -130,6 +130,18 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+def _check_device_and_seed(device: str, seed: Any) -> None:
+    """Raises `BenchConfigError` for a device name torch does not parse or a non-integer seed
+    (whether the device exists is checked when the run starts)."""
+    if device != "auto":
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError):
+            raise BenchConfigError(f"device {device!r} is not a torch device; use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise BenchConfigError(f"seed must be an integer, got {seed!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
     """What `run_bench` measures. Immutable; derive variants with ``dataclasses.replace``.
@@ -172,13 +184,7 @@ class BenchConfig:
         if duplicates:
             raise BenchConfigError(f"variants repeat {', '.join(duplicates)}")
         object.__setattr__(self, "variants", names)
-        if self.device != "auto":
-            try:
-                torch.device(self.device)
-            except (RuntimeError, TypeError):
-                raise BenchConfigError(f"device {self.device!r} is not a torch device; use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise BenchConfigError(f"seed must be an integer, got {self.seed!r}")
+        _check_device_and_seed(self.device, self.seed)
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "BenchConfig":
@@ -668,8 +674,7 @@ class OpsBenchConfig:
             raise BenchConfigError(f"calibration_batches must be an integer >= 2 (the freeze step is forward N), got {self.calibration_batches!r}")
         if self.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
             raise BenchConfigError(f"compile_backend {self.compile_backend!r} is not a torch.compile backend; use 'inductor' or 'aot_eager'")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise BenchConfigError(f"seed must be an integer, got {self.seed!r}")
+        _check_device_and_seed(self.device, self.seed)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -867,11 +872,11 @@ def run_ops_bench(config: OpsBenchConfig = OpsBenchConfig(), progress: Optional[
             layer = _seeded(config.seed, lambda: nn.Linear(*OPS_LAYER)).to(device)
             rows += _ops_rows(variant, _training_step(layer, _ops_context(variant, layer, device, config), x), config)
             if progress is not None:
-                progress(len(rows), total, variant)
-        for i, variant in enumerate(OPS_COMPILE_VARIANTS):
+                progress(len({r.variant for r in rows}), total, variant)
+        for variant in OPS_COMPILE_VARIANTS:
             compile_rows.append(_compile_row(variant, device, x, config))
             if progress is not None:
-                progress(len(OPS_STEP_VARIANTS) + i + 1, total, variant)
+                progress(len(OPS_STEP_VARIANTS) + len(compile_rows), total, variant)
     result = OpsBenchResult(config, device_info(device), rows, compile_rows, time.perf_counter() - start)
     logger.info("ops bench done in %.1f s", result.wall_s)
     return result

@@ -156,6 +156,12 @@ def _add_bench(subparsers, common: argparse.ArgumentParser) -> None:
             "on stdout. The default run takes ~2 minutes on 2 CPU cores."
         ),
     )
+    p.add_argument(
+        "--suite", choices=("models", "ops"), default="models",
+        help="models: time and bytes of training steps (default); ops: aten ops and host syncs per "
+             "step of one Linear under every variant, graph breaks and torch.compile vs eager of an MLP "
+             "(takes --warmup, --device, --seed and --json only)",
+    )
     p.add_argument("--steps", type=_positive_int, default=None, help=f"timed rounds (default {default.steps}; --quick: 3)")
     p.add_argument("--warmup", type=_positive_int, default=None, help=f"untimed rounds first (default {default.warmup}; --quick: 1)")
     p.add_argument("--quick", action="store_true", help="1 warmup + 3 timed rounds: a smoke run, too short for trustworthy timings")
@@ -183,6 +189,9 @@ def _add_bench(subparsers, common: argparse.ArgumentParser) -> None:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import BenchConfig, BenchConfigError, run_bench
 
+    if args.suite == "ops":
+        return _cmd_bench_ops(args)
+
     overrides = {
         "device": args.device,
         "workload": args.workload,
@@ -206,16 +215,47 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     print(result.format_table())
-    if args.json is not None:
-        try:
-            result.save(args.json)
-        except OSError as exc:
-            return _fail(f"cannot write {args.json}: {exc.strerror or exc}", EXIT_FAILED)
-        print(f"wrote {args.json}", file=sys.stderr)
+    status = _write_json(result, args.json)
+    if status != EXIT_OK:
+        return status
     if args.check and not result.passed:
         failed = ", ".join(t.name for t in result.targets if not t.passed)
         return _fail(f"targets failed: {failed}", EXIT_FAILED)
     return EXIT_OK
+
+
+def _write_json(result, path: Optional[Path]) -> int:
+    """``result.save(path)`` when a path was given; a failed write is one line and exit 1."""
+    if path is None:
+        return EXIT_OK
+    try:
+        result.save(path)
+    except OSError as exc:
+        return _fail(f"cannot write {path}: {exc.strerror or exc}", EXIT_FAILED)
+    print(f"wrote {path}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _cmd_bench_ops(args: argparse.Namespace) -> int:
+    from .bench import BenchConfigError, OpsBenchConfig, run_ops_bench
+
+    models_only = [flag for flag, given in (("--steps", args.steps), ("--variants", args.variants), ("--quick", args.quick), ("--check", args.check)) if given]
+    if models_only:
+        return _fail(f"the ops suite takes only --warmup, --device, --seed and --json; drop {', '.join(models_only)} (see 'autoprec bench --help')", EXIT_USAGE)
+    overrides = {"device": args.device, "seed": args.seed}
+    if args.warmup is not None:
+        overrides["warmup"] = args.warmup
+    try:
+        config = OpsBenchConfig(**overrides)
+    except BenchConfigError as exc:
+        return _fail(f"{exc} (see 'autoprec bench --help')", EXIT_USAGE)
+    progress = _Progress("bench ops")
+    try:
+        result = run_ops_bench(config, progress=progress)
+    finally:
+        progress.close()
+    print(result.format_table())
+    return _write_json(result, args.json)
 
 
 # -- profile ----------------------------------------------------------------------------------
