@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import logging
@@ -50,7 +51,7 @@ from .device import resolve_device
 from .errors import AutoprecError
 from .formats import Format, Granularity
 from .measure import SavedTensorMeter
-from .opcount import OpCounts, count_training_step, graph_breaks, max_abs_diff
+from .opcount import OpCounts, count_training_step, graph_breaks, max_abs_diff, training_step
 from .plan import Calibration, Plan, Scaling, ScalingMode
 from .runtime import EmulationWarning, PlanRuntime, apply_plan
 from .workloads import LMConfig, TransformerBlock, default_workload
@@ -794,21 +795,6 @@ def _sum_loss(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return loss
 
 
-def _training_step(model: nn.Module, context: Callable[[], Any], x: torch.Tensor, forward: Optional[Callable] = None) -> Callable[[], torch.Tensor]:
-    """One step closure: grads dropped (no aten op), ``forward`` (default `_sum_loss`) in the
-    context, backward."""
-    forward = forward or _sum_loss(model)
-
-    def step() -> torch.Tensor:
-        model.zero_grad(set_to_none=True)
-        with context():
-            loss = forward(x)
-        loss.backward()
-        return loss
-
-    return step
-
-
 def _ops_rows(variant: str, step: Callable[[], Any], config: OpsBenchConfig) -> list[OpsRow]:
     def row(name: str, counts: OpCounts) -> OpsRow:
         return OpsRow(variant, name, counts.total, counts.sync_total, dict(counts.ops), dict(counts.syncs))
@@ -838,7 +824,7 @@ def _compile_row(variant: str, device: torch.device, x: torch.Tensor, config: Op
         forward = _sum_loss(model)
         if compiled:
             forward = torch.compile(forward, backend=config.compile_backend)
-        step = _training_step(model, ctx, x, forward)
+        step = training_step(model, functools.partial(forward, x), ctx)
         for _ in range(config.warmup + 1):
             loss = step()
         results.append((loss, [p.grad for p in model.parameters()]))
@@ -870,7 +856,8 @@ def run_ops_bench(config: OpsBenchConfig = OpsBenchConfig(), progress: Optional[
         warnings.simplefilter("ignore", EmulationWarning)
         for variant in OPS_STEP_VARIANTS:
             layer = _seeded(config.seed, lambda: nn.Linear(*OPS_LAYER)).to(device)
-            rows += _ops_rows(variant, _training_step(layer, _ops_context(variant, layer, device, config), x), config)
+            step = training_step(layer, functools.partial(_sum_loss(layer), x), _ops_context(variant, layer, device, config))
+            rows += _ops_rows(variant, step, config)
             if progress is not None:
                 progress(len({r.variant for r in rows}), total, variant)
         for variant in OPS_COMPILE_VARIANTS:

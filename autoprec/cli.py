@@ -209,12 +209,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         config = BenchConfig.from_preset("quick" if args.quick else "default", **overrides)
     except BenchConfigError as exc:
         return _fail(f"{exc} (see 'autoprec bench --help')", EXIT_USAGE)
-    progress = _Progress("bench")
-    try:
-        result = run_bench(config, progress=progress)
-    finally:
-        progress.close()
-    print(result.format_table())
+    result = _run_and_print("bench", run_bench, config)
     status = _write_json(result, args.json)
     if status != EXIT_OK:
         return status
@@ -222,6 +217,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         failed = ", ".join(t.name for t in result.targets if not t.passed)
         return _fail(f"targets failed: {failed}", EXIT_FAILED)
     return EXIT_OK
+
+
+def _run_and_print(label: str, run: Callable, config):
+    """``run(config, progress=...)`` with progress on stderr, its table on stdout; the result."""
+    progress = _Progress(label)
+    try:
+        result = run(config, progress=progress)
+    finally:
+        progress.close()
+    print(result.format_table())
+    return result
 
 
 def _write_json(result, path: Optional[Path]) -> int:
@@ -249,13 +255,7 @@ def _cmd_bench_ops(args: argparse.Namespace) -> int:
         config = OpsBenchConfig(**overrides)
     except BenchConfigError as exc:
         return _fail(f"{exc} (see 'autoprec bench --help')", EXIT_USAGE)
-    progress = _Progress("bench ops")
-    try:
-        result = run_ops_bench(config, progress=progress)
-    finally:
-        progress.close()
-    print(result.format_table())
-    return _write_json(result, args.json)
+    return _write_json(_run_and_print("bench ops", run_ops_bench, config), args.json)
 
 
 # -- profile ----------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ A host sync is an op whose result the host must wait for on CUDA:
   only without ``output_size``;
 - a copy from a device to the CPU.
 
-The counts are the same on CPU and CUDA for the same code, so CPU tests can hold the line on
-syncs that only cost time on a GPU.
+Data-dependent ops count whatever their tensors' device, so the counts are the same on CPU and
+CUDA for the same code and CPU tests can hold the line on syncs that only cost time on a GPU (on
+CUDA, such an op on a tensor kept on the host would not sync; a CPU run cannot tell).
 
 Limit: an op defined outside ``aten`` / ``prims`` (a ``torch.library`` custom op) is counted as
 one op under its own name; the ops inside its body are not seen.
@@ -25,6 +26,7 @@ one op under its own name; the ops inside its body are not seen.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 from typing import Any, Callable, Mapping
 
@@ -34,8 +36,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import AutoprecError
 
-__all__ = ["OpCountError", "OpCounts", "OpCounter", "count_training_step", "GraphBreaks", "graph_breaks", "max_abs_diff", "is_host_sync"]
-
+__all__ = [
+    "OpCountError",
+    "OpCounts",
+    "OpCounter",
+    "is_host_sync",
+    "count_training_step",
+    "training_step",
+    "GraphBreaks",
+    "graph_breaks",
+    "max_abs_diff",
+]
 
 
 class OpCountError(AutoprecError, ValueError):
@@ -49,15 +60,19 @@ _MASK_DTYPES = (torch.bool, torch.uint8)  # uint8 indices are read as masks (dep
 def _has_mask_index(args: tuple) -> bool:
     """``index`` / ``index_put`` with a boolean (or uint8) index: the mask's nonzero count sets the shape."""
     indices = args[1] if len(args) > 1 else ()
-    return any(torch.is_tensor(i) and i.dtype in _MASK_DTYPES for i in indices or ())
+    return any(torch.is_tensor(i) and i.dtype in _MASK_DTYPES for i in indices)
 
 
 def _copies_to_host(func, args: tuple, kwargs: dict, out: Any) -> bool:
-    if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
-        src = args[1] if func is torch.ops.aten.copy_.default else args[0]
-        dst = args[0] if func is torch.ops.aten.copy_.default else out
-        return torch.is_tensor(src) and torch.is_tensor(dst) and src.device.type != "cpu" and dst.device.type == "cpu"
-    return False
+    """A blocking copy from a device to the CPU (``.cpu()``, ``.to("cpu")``, ``cpu_t.copy_(dev_t)``)."""
+    if func is torch.ops.aten._to_copy.default:
+        src, dst, non_blocking = args[0], out, kwargs.get("non_blocking", False)
+    elif func is torch.ops.aten.copy_.default:
+        src, dst = args[1], args[0]
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+    else:
+        return False
+    return not non_blocking and torch.is_tensor(src) and torch.is_tensor(dst) and src.device.type != "cpu" and dst.device.type == "cpu"
 
 
 def _mask_put_syncs(args: tuple, kwargs: dict) -> bool:
@@ -154,6 +169,21 @@ def count_training_step(fn: Callable[[], Any], warmup: int = 1) -> OpCounts:
     with OpCounter() as counter:
         fn()
     return counter.counts()
+
+
+def training_step(model: torch.nn.Module, forward: Callable[[], torch.Tensor], context: Callable[[], Any] = contextlib.nullcontext) -> Callable[[], torch.Tensor]:
+    """A step closure for `count_training_step`: ``model``'s grads set to None (no aten op, so
+    every step starts alike and none accumulates), ``forward()`` (forward + loss) inside a fresh
+    ``context()``, then backward outside it, as with ``torch.autocast``. The closure returns the loss."""
+
+    def step() -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        with context():
+            loss = forward()
+        loss.backward()
+        return loss
+
+    return step
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 import autoprec as ap
-from autoprec.opcount import count_training_step, graph_breaks
+from autoprec.opcount import count_training_step, graph_breaks, training_step
 
 OP_LIMIT = 30  # aten ops per FP8 / INT8 training step (issue 10 §2)
 CALIBRATION = ap.Calibration(batches=4)
@@ -78,17 +78,9 @@ def _sum_loss(model):
 
 
 def _step(model, context, x, forward=None):
-    """``context()`` gives the context to enter; ``forward(x)`` is forward + loss."""
+    """One training step of ``model`` on ``x``; ``forward(x)`` is forward + loss."""
     forward = forward or _sum_loss(model)
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        with context():
-            loss = forward(x)
-        loss.backward()
-        return loss
-
-    return step
+    return training_step(model, lambda: forward(x), context)
 
 
 def _plan_step(model, name, x, scaling=ap.Scaling(), forward=None):
