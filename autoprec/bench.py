@@ -1,6 +1,10 @@
 """`autoprec bench`: the foundation benchmark of every precision variant on two real models.
 
-One run trains, side by side, the built-in byte-level LM (`default_workload`) and one standalone
+Two suites: ``models`` (`run_bench`, below: time and saved bytes of training steps) and ``ops``
+(`run_ops_bench`, in its own section at the end: aten ops, host syncs and graph breaks per step,
+counted rather than timed).
+
+One ``models`` run trains, side by side, the built-in byte-level LM (`default_workload`) and one standalone
 `TransformerBlock` under each variant:
 
 - ``fp32``: the plain model, no autoprec (the reference every ratio is taken against);
