@@ -178,10 +178,12 @@ def _add_bench(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=_output_path, default=None, metavar="PATH", help="also write the full result as JSON (atomically)")
     p.add_argument("--check", action="store_true", help="exit 1 when a target fails (targets are otherwise only reported)")
     p.add_argument(
-        "--suite", choices=("models", "gpu"), default="models",
-        help="models: the variants above on the built-in LM and block (default); gpu: the GPU suite "
-             "(correctness probe, per-layer and end-to-end speed; see benchmarks/README.md), which "
-             "uses only --device, --json, --check, --smoke and --plan",
+        "--suite", choices=("models", "ops", "gpu"), default="models",
+        help="models: the variants above on the built-in LM and block (default); ops: aten ops and "
+             "host syncs per step of one Linear under every variant, graph breaks and torch.compile "
+             "vs eager of an MLP (takes --warmup, --device, --seed and --json only); gpu: the GPU "
+             "suite (correctness probe, per-layer and end-to-end speed; see benchmarks/README.md), "
+             "which uses only --device, --json, --check, --smoke and --plan",
     )
     p.add_argument("--smoke", action="store_true", help="--suite gpu: every code path at tiny sizes, for a CPU; timings mean nothing")
     p.add_argument(
@@ -190,17 +192,6 @@ def _add_bench(subparsers, common: argparse.ArgumentParser) -> None:
              "bf16 and fp8 in the per-layer timings)",
     )
     p.set_defaults(handler=_cmd_bench)
-
-
-def _saved(result, path: Path) -> bool:
-    """Write ``result`` as JSON to ``path``: True when written, else False after one error line."""
-    try:
-        result.save(path)
-    except OSError as exc:
-        _fail(f"cannot write {path}: {exc.strerror or exc}", EXIT_FAILED)
-        return False
-    print(f"wrote {path}", file=sys.stderr)
-    return True
 
 
 def _cmd_bench_gpu(args: argparse.Namespace) -> int:
@@ -213,8 +204,9 @@ def _cmd_bench_gpu(args: argparse.Namespace) -> int:
         return _fail(f"{exc} (see 'autoprec bench --help')", EXIT_USAGE)
     finally:
         progress.close()
-    if args.json is not None and not _saved(result, args.json):
-        return EXIT_FAILED
+    status = _write_json(result, args.json)
+    if status != EXIT_OK:
+        return status
     # Last, so the end of a long log (all some machines return) shows it.
     print(result.format_table(), flush=True)
     if args.check and not result.passed:
@@ -227,6 +219,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.suite == "gpu":
         return _cmd_bench_gpu(args)
+    if args.suite == "ops":
+        return _cmd_bench_ops(args)
     if args.smoke or args.plan is not None:
         return _fail("options --smoke and --plan belong to --suite gpu (see 'autoprec bench --help')", EXIT_USAGE)
 
@@ -247,18 +241,53 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         config = BenchConfig.from_preset("quick" if args.quick else "default", **overrides)
     except BenchConfigError as exc:
         return _fail(f"{exc} (see 'autoprec bench --help')", EXIT_USAGE)
-    progress = _Progress("bench")
-    try:
-        result = run_bench(config, progress=progress)
-    finally:
-        progress.close()
-    print(result.format_table())
-    if args.json is not None and not _saved(result, args.json):
-        return EXIT_FAILED
+    result = _run_and_print("bench", run_bench, config)
+    status = _write_json(result, args.json)
+    if status != EXIT_OK:
+        return status
     if args.check and not result.passed:
         failed = ", ".join(t.name for t in result.targets if not t.passed)
         return _fail(f"targets failed: {failed}", EXIT_FAILED)
     return EXIT_OK
+
+
+def _run_and_print(label: str, run: Callable, config):
+    """``run(config, progress=...)`` with progress on stderr, its table on stdout; the result."""
+    progress = _Progress(label)
+    try:
+        result = run(config, progress=progress)
+    finally:
+        progress.close()
+    print(result.format_table())
+    return result
+
+
+def _write_json(result, path: Optional[Path]) -> int:
+    """``result.save(path)`` when a path was given; a failed write is one line and exit 1."""
+    if path is None:
+        return EXIT_OK
+    try:
+        result.save(path)
+    except OSError as exc:
+        return _fail(f"cannot write {path}: {exc.strerror or exc}", EXIT_FAILED)
+    print(f"wrote {path}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _cmd_bench_ops(args: argparse.Namespace) -> int:
+    from .bench import BenchConfigError, OpsBenchConfig, run_ops_bench
+
+    models_only = [flag for flag, given in (("--steps", args.steps), ("--variants", args.variants), ("--quick", args.quick), ("--check", args.check)) if given]
+    if models_only:
+        return _fail(f"the ops suite takes only --warmup, --device, --seed and --json; drop {', '.join(models_only)} (see 'autoprec bench --help')", EXIT_USAGE)
+    overrides = {"device": args.device, "seed": args.seed}
+    if args.warmup is not None:
+        overrides["warmup"] = args.warmup
+    try:
+        config = OpsBenchConfig(**overrides)
+    except BenchConfigError as exc:
+        return _fail(f"{exc} (see 'autoprec bench --help')", EXIT_USAGE)
+    return _write_json(_run_and_print("bench ops", run_ops_bench, config), args.json)
 
 
 # -- profile ----------------------------------------------------------------------------------
