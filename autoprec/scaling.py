@@ -17,8 +17,7 @@ Usage::
     for x, y in loader:
         loss = loss_fn(model(x), y)
         scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)            # optional: only to clip or inspect true gradients
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.clip_grad_norm_(optimizer, 1.0)  # optional: unscale_, then clip (keeps attribution)
         scaler.step(optimizer)                # skipped when a gradient is inf/NaN
         scaler.update()                       # once per iteration, after every optimizer stepped
         optimizer.zero_grad()
@@ -603,6 +602,23 @@ class LossScaler(torch.amp.GradScaler):
                 f"LossScaler.unscale_(optimizer): {exc} Unscaling FP16 gradients in place flushes small values "
                 "to zero; keep FP32 master weights (autoprec's runtime does) or disable the scaler"
             ) from exc
+
+    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """`unscale_` (unless done) and clip ``optimizer``'s gradients to a total ``norm_type``-norm
+        of ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does; returns the total norm (a
+        device tensor, no sync). Unlike it, a non-finite norm leaves the gradients unchanged: its
+        coefficient would be NaN and spread to every gradient, so attribution would name every
+        layer (the step is skipped either way). Cost: clip_grad_norm_'s passes (one norm, one
+        multiply per gradient) and one 0-d ``where``."""
+        if not _is_number(max_norm) or max_norm <= 0:
+            raise ScalingError(f"LossScaler.clip_grad_norm_(max_norm={max_norm!r}): max_norm must be a finite number > 0")
+        if self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+        # A zero norm makes the clip coefficient clamp to 1: the gradients stay as they are.
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.where(total.isfinite(), total, 0.0))
+        return total
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """GradScaler's ``step``: unscale (unless `unscale_` did) and call

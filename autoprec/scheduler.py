@@ -291,9 +291,7 @@ class DynamicPrecisionScheduler:
             self._profiler.step()
         for optimizer in optimizers:
             if self.max_grad_norm is not None:
-                self.scaler.unscale_(optimizer)
-                params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-                torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+                self.scaler.clip_grad_norm_(optimizer, self.max_grad_norm)
             self.scaler.step(optimizer)
         self.scaler.update()  # fills the attribution below, on an overflowing iteration only
         skipped = self.scaler.last_overflowed

@@ -414,6 +414,39 @@ def test_clipping_after_unscale_sees_unscaled_gradients():
         assert_identical(params(ours), params(ref))
 
 
+def test_clip_grad_norm_matches_torch_on_unscaled_gradients():
+    ours, ref = make_model(), make_model()
+    opt, ref_opt = torch.optim.SGD(ours.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler = LossScaler(init_scale=2.0**14)
+    for step in range(3):
+        scaler.scale(loss_of(ours, step)).backward()
+        norm = scaler.clip_grad_norm_(opt, 0.05)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+        loss_of(ref, step).backward()
+        ref_norm = nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.05)
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+        assert ref_norm > 0.05  # clipping was active
+        assert torch.equal(norm, ref_norm)
+        assert_identical(params(ours), params(ref))
+
+
+def test_clip_grad_norm_keeps_the_attribution_of_an_overflow():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler().watch(model)
+    scaler.scale(loss_of(model, 0)).backward()
+    model[2].weight.grad[0, 0] = NAN
+    scaler.clip_grad_norm_(opt, 0.05)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_nonfinite_layers == ("2",)  # torch's clip would have made every gradient NaN
+
+
 def test_gradient_accumulation_matches_unscaled_reference():
     ours, ref = make_model(), make_model()
     opt, ref_opt = torch.optim.Adam(ours.parameters(), lr=0.01), torch.optim.Adam(ref.parameters(), lr=0.01)
