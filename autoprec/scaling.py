@@ -1,10 +1,15 @@
-"""Dynamic loss scaling that names the layers whose gradients or outputs went non-finite.
+"""Dynamic loss scaling on ``torch.amp.GradScaler``, naming the layers whose gradients overflowed.
 
-`LossScaler` gives the guarantees of ``torch.amp.GradScaler`` (same call sequence, same scale
-trajectory, same parameters: ``tests/test_scaling.py`` checks them step by step against it) and
-adds, per optimizer step, *which* layers had inf/NaN gradients. `OutputWatch` names the first
-layer, in execution order, whose forward output went non-finite, for when the loss itself is
-inf/NaN (then every gradient is, and gradient attribution says nothing).
+`LossScaler` *is* a ``torch.amp.GradScaler``: scaling, the fused unscale-and-check
+(``torch._amp_foreach_non_finite_check_and_unscale_``, one pass over the gradients), the skip,
+the fast path of fused / capturable optimizers (``_step_supports_amp_scaling``) and the growth
+rule (``torch._amp_update_scale_``) are torch's. On top it adds a floor (``min_scale``),
+hysteresis (back off only when ``hysteresis`` overflowing iterations spent the budget, as
+Megatron-LM and DeepSpeed do), autoprec's defaults (`LossScaling`), a pass-through that still
+skips non-finite steps (``enabled=False``), and, **only on an iteration that overflowed**, which
+layers' gradients were inf/NaN. `OutputWatch` names the first layer, in execution order, whose
+forward output went non-finite, for when the loss itself is inf/NaN (then every gradient is, and
+gradient attribution says nothing).
 
 Usage::
 
@@ -12,44 +17,41 @@ Usage::
     for x, y in loader:
         loss = loss_fn(model(x), y)
         scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)            # optional: only to clip or inspect true gradients
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.clip_grad_norm_(optimizer, 1.0)  # optional: unscale_, then clip (keeps attribution)
         scaler.step(optimizer)                # skipped when a gradient is inf/NaN
         scaler.update()                       # once per iteration, after every optimizer stepped
         optimizer.zero_grad()
     scaler.last_nonfinite_layers              # ("blocks.3.mlp.fc2",) after an overflow, else ()
 
-Units: the scale is a plain multiplier (a power of two with the default factors), kept as a
-float32-representable Python float as GradScaler keeps it in a float32 tensor. Step counts are
-iterations, i.e. `LossScaler.update` calls.
+Units: the scale is a plain multiplier held, as GradScaler holds it, in a 0-d float32 tensor on
+the device of the first loss (or gradient) it meets. Step counts are iterations (`update` calls).
 
-Costs:
+Host syncs per iteration (each a ``.item()``, i.e. ``aten._local_scalar_dense``):
 
-- **One host-device sync per optimizer per iteration**, in `LossScaler.step` (or in `update` for
-  an optimizer that was unscaled but never stepped): the decision whether to skip needs the
-  flags on the host. The per-parameter finite flags (``torch._foreach_norm`` with ``ord=inf``:
-  one read of every gradient, no temporary of its size; NaN propagates through max) are computed
-  on the device in `unscale_` and cross in one transfer, together with the flags of the losses
-  passed to `scale` and of the outputs recorded by an attached `OutputWatch`.
-- ``scale``, ``unscale_``, ``update`` and ``get_scale`` never sync: the scale lives on the host
-  because the skip decision already brought the overflow flag there (GradScaler keeps it on the
-  device and syncs in ``get_scale`` instead).
-- `OutputWatch`: one reduction over each watched output per call, no sync until
-  `OutputWatch.first_nonfinite`.
+- **clean iteration**: GradScaler's one ``.item()`` per optimizer in `step` (per device holding
+  its gradients), the skip decision. A fused / capturable optimizer skips on the device and
+  syncs nothing in `step`; then `update` pays one ``.item()`` for all such optimizers together
+  (GradScaler pays none: it never needs to know), so that counts and attribution stay exact.
+  ``scale``, ``unscale_`` and ``update`` otherwise never sync; `get_scale` does (GradScaler's),
+  `scale_tensor` does not.
+- **overflowing iteration**, in addition: the attribution pass (one inf-norm per gradient of the
+  overflowing optimizers, and per loss passed to `scale`) and one ``.tolist()`` in `update`
+  bringing those flags, the `OutputWatch` flags and the new scale to the host in one transfer.
+- an attached `OutputWatch` costs one reduction per watched layer call on every iteration (its
+  flags are only read on an overflowing one).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import logging
 import math
-import struct
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
+from torch.amp.grad_scaler import OptState
 
 from .coverage import ModuleFilter
 from .errors import RuntimeStateError, ScalingError
@@ -57,18 +59,20 @@ from .errors import RuntimeStateError, ScalingError
 __all__ = [
     "ScalingError",
     "LossScaler",
+    "LossScaling",
     "OutputWatch",
     "DEFAULT_INIT_SCALE",
     "DEFAULT_GROWTH_FACTOR",
     "DEFAULT_BACKOFF_FACTOR",
     "DEFAULT_GROWTH_INTERVAL",
     "DEFAULT_MIN_SCALE",
+    "DEFAULT_HYSTERESIS",
 ]
 
 logger = logging.getLogger(__name__)
 
 # The defaults asked for in DESIGN.md ("Numbers worth knowing"); torch's GradScaler starts at 65536
-# with the same factors and interval.
+# with the same factors and interval. Stated here once: `LossScaling` and `LossScaler` use them.
 DEFAULT_INIT_SCALE = 4096.0
 DEFAULT_GROWTH_FACTOR = 2.0
 DEFAULT_BACKOFF_FACTOR = 0.5
@@ -76,15 +80,23 @@ DEFAULT_GROWTH_INTERVAL = 2000
 # Megatron-LM's DynamicGradScaler floor: below 1 the scale no longer protects small gradients and
 # persistent overflows mean the model, not the scale, is wrong.
 DEFAULT_MIN_SCALE = 1.0
+DEFAULT_HYSTERESIS = 1  # back off on every overflow, as GradScaler does
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 Layers = Union[Sequence[str], ModuleFilter, None]
 
 
-def _float32(x: float) -> float:
-    """``x`` rounded to float32 (GradScaler's scale is a float32 tensor)."""
-    return struct.unpack("f", struct.pack("f", x))[0]
+@dataclasses.dataclass(frozen=True)
+class LossScaling:
+    """Dynamic loss-scaling settings: `LossScaler`'s arguments (``LossScaler(**asdict(cfg))``)."""
+
+    init_scale: float = DEFAULT_INIT_SCALE
+    growth_factor: float = DEFAULT_GROWTH_FACTOR
+    backoff_factor: float = DEFAULT_BACKOFF_FACTOR
+    growth_interval: int = DEFAULT_GROWTH_INTERVAL
+    min_scale: float = DEFAULT_MIN_SCALE
+    hysteresis: int = DEFAULT_HYSTERESIS
 
 
 def _is_number(x: Any) -> bool:
@@ -165,13 +177,13 @@ def _floating_tensors(value: Any) -> Iterable[torch.Tensor]:
             yield from _floating_tensors(v)
 
 
-def _to_host(parts: list[torch.Tensor]) -> list[bool]:
-    """The flags of ``parts`` (bool tensors, any shape) as one host list: one device-to-host copy,
-    the only sync a step pays."""
+def _to_host(parts: list[torch.Tensor]) -> list[float]:
+    """``parts`` (bool or float tensors, any shape, any device) as one host list of floats (a flag
+    is 1.0 or 0.0): one device-to-host transfer."""
     if not parts:
         return []
     device = parts[0].device
-    return torch.cat([p.reshape(-1).to(device) for p in parts]).tolist()
+    return torch.cat([p.reshape(-1).to(device=device, dtype=torch.float32) for p in parts]).tolist()
 
 
 # -- output watch -------------------------------------------------------------------------------
@@ -288,56 +300,70 @@ def _first_false(names: Sequence[str], finite: Sequence[bool]) -> Optional[str]:
 
 # -- loss scaler --------------------------------------------------------------------------------
 
-
-class _Stage(enum.Enum):
-    READY = "ready"
-    UNSCALED = "unscaled"
-    STEPPED = "stepped"
+NameOf = Callable[[torch.Tensor, torch.optim.Optimizer, int, int], str]
 
 
-@dataclasses.dataclass
-class _OptimizerState:
-    stage: _Stage = _Stage.READY
-    names: list[str] = dataclasses.field(default_factory=list)  # one per checked gradient
-    flags: list[torch.Tensor] = dataclasses.field(default_factory=list)  # 1-D bool, finite per gradient
-    bad: Optional[tuple[str, ...]] = None  # None until the flags reached the host
+def _nonfinite_gradients(optimizer: torch.optim.Optimizer, name_of: NameOf) -> tuple[list[str], list[torch.Tensor]]:
+    """The attribution pass, run only on an overflowing iteration: the names of ``optimizer``'s
+    gradients and, per (device, dtype) group, a 1-D bool device tensor (True: holds an inf or
+    NaN). One inf-norm per gradient (one read, no temporary of its size; NaN propagates through
+    max). No sync."""
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[str]]] = {}
+    for i, group in enumerate(optimizer.param_groups):
+        for j, param in enumerate(group["params"]):
+            grad = param.grad
+            if grad is None:
+                continue
+            values = grad._values() if grad.is_sparse else grad
+            if values.numel() == 0:
+                continue  # trivially finite, and the inf-norm of nothing is undefined
+            tensors, names = groups.setdefault((values.device, values.dtype), ([], []))
+            tensors.append(values)
+            names.append(name_of(param, optimizer, i, j))
+    names: list[str] = []
+    flags: list[torch.Tensor] = []
+    with torch.no_grad():
+        for tensors, group_names in groups.values():
+            flags.append(~torch.stack(torch._foreach_norm(tensors, math.inf)).isfinite())
+            names.extend(group_names)
+    return names, flags
 
 
-class LossScaler:
-    """Dynamic loss scaling with ``torch.amp.GradScaler``'s guarantees and per-layer attribution.
+class LossScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` with a floor, hysteresis, autoprec's defaults and per-layer
+    attribution of overflows (costs: see the module docstring).
 
-    Scale update, once per iteration in `update` (``torch._amp_update_scale_``'s rule, plus a
-    floor and hysteresis):
+    Scale update, once per iteration in `update`:
 
-    - an iteration is *clean* when no optimizer saw an inf/NaN gradient. After ``growth_interval``
-      consecutive clean iterations the scale is multiplied by ``growth_factor`` (unless that
-      overflows float32) and the clean count restarts;
+    - an iteration is *clean* when no optimizer saw an inf/NaN gradient: GradScaler's rule
+      (``torch._amp_update_scale_``: after ``growth_interval`` consecutive clean iterations the
+      scale is multiplied by ``growth_factor`` unless that overflows float32). A growth also
+      restores the hysteresis budget;
     - an *overflowing* iteration restarts the clean count and spends one unit of the hysteresis
-      budget; when the budget is spent the scale is multiplied by ``backoff_factor``, never going
-      below ``min_scale``. The budget starts at ``hysteresis`` and is restored only by a growth,
-      not by clean iterations: the scale tolerates ``hysteresis - 1`` overflowing iterations per
-      growth interval, then backs off on every further overflow until it grows again (Megatron-LM's
-      ``DynamicGradScaler``; DeepSpeed's default ``consecutive_hysteresis=False``). With the
-      default ``hysteresis=1`` every overflow backs off, exactly as GradScaler does.
+      budget (``hysteresis`` at the start). When the budget is spent, GradScaler's back-off
+      (``x backoff_factor``), never below ``min_scale``. Only a growth restores the budget, so the
+      scale tolerates ``hysteresis - 1`` overflowing iterations per growth interval, then backs
+      off on each further one (Megatron-LM's ``DynamicGradScaler``, DeepSpeed's default
+      ``consecutive_hysteresis=False``): sporadic overflows cannot keep a too-large scale alive.
+      With ``hysteresis=1`` and the floor out of reach this is exactly GradScaler.
 
-    Every overflowing optimizer step is skipped, tolerated by hysteresis or not: ``optimizer.step``
-    is not called, so parameters and optimizer state (Adam's moments and step count) stay
-    untouched. With several optimizers, each skips only when its own gradients were non-finite;
-    the scale backs off when any did.
+    Every overflowing optimizer step is skipped, tolerated by hysteresis or not (GradScaler's
+    skip: parameters and optimizer state stay untouched). With several optimizers each skips only
+    when its own gradients were non-finite; the scale backs off when any did.
 
-    ``enabled=False`` is a pass-through for BF16 / FP32 plans, which need no scaling: `scale`
-    returns its input, `get_scale` is 1.0 and never grows. **A non-finite gradient still skips the
-    optimizer step** (and is counted and attributed), so training never takes a NaN step; this
-    costs the same one sync per optimizer step. The scale state is kept (and saved) unchanged, so
-    a scaler re-created with ``enabled=True`` from its state dict resumes where it stood.
+    ``enabled=False`` is a pass-through for plans that need no scale: `scale` returns its input,
+    `get_scale` is 1.0 and never grows, fused optimizers get a scale of 1. **A non-finite gradient
+    still skips the optimizer step** (and is counted and attributed) through the same fused check,
+    so training never takes a NaN step. The scale state is kept (and saved) unchanged, so a scaler
+    re-created with ``enabled=True`` from its state dict resumes where it stood.
 
-    Attribution: after `watch`, gradients are reported per layer fqn; parameters no watched layer
-    owns, under their parameter fqn; parameters of an unwatched model, as
-    ``"<Optimizer>.param_groups[i][j]"``.
+    Attribution, filled by `update`: after `watch`, gradients are reported per layer fqn;
+    parameters no watched layer owns, under their parameter fqn; parameters of an unwatched model,
+    as ``"<Optimizer>.param_groups[i][j]"``.
 
     Not supported: ``optimizer.step(closure=...)`` (the closure recomputes gradients after the
-    check), and FP16 gradients when enabled (unscaling them in place would flush small values to
-    zero; keep FP32 master weights, as autoprec's runtime does). Both raise `RuntimeStateError`.
+    check), and FP16 gradients when enabled (GradScaler refuses to unscale them in place; keep
+    FP32 master weights, as autoprec's runtime does). Both raise `RuntimeStateError`.
     """
 
     def __init__(
@@ -348,29 +374,30 @@ class LossScaler:
         growth_interval: int = DEFAULT_GROWTH_INTERVAL,
         *,
         min_scale: float = DEFAULT_MIN_SCALE,
-        hysteresis: int = 1,
+        hysteresis: int = DEFAULT_HYSTERESIS,
         enabled: bool = True,
         max_events: int = 100,
     ):
         _check_config("LossScaler", init_scale, growth_factor, backoff_factor, growth_interval, min_scale, hysteresis, max_events)
         if not isinstance(enabled, bool):
             raise ScalingError(f"LossScaler(enabled={enabled!r}): enabled must be True or False")
-        self._init_scale = _float32(float(init_scale))
-        self._growth_factor = float(growth_factor)
-        self._backoff_factor = float(backoff_factor)
-        self._growth_interval = int(growth_interval)
-        self._min_scale = _float32(float(min_scale))  # the scale is float32: so is its floor
+        # GradScaler stays enabled when scaling is off: its fused check is what skips a NaN step.
+        # Its ``device`` only serves a CUDA-availability warning and a tensor ``new_scale`` (not
+        # accepted here); the scale is created on the device of the first loss or gradient.
+        super().__init__("cpu", float(init_scale), float(growth_factor), float(backoff_factor), int(growth_interval), enabled=True)
+        self._scaling = enabled
+        self._min_scale = float(min_scale)
         self._hysteresis = int(hysteresis)
-        self._enabled = enabled
+        self._init_hysteresis_tracker = self._hysteresis
+        self._hysteresis_tracker: Optional[torch.Tensor] = None  # overflows left before a back-off
+        self._unit: Optional[torch.Tensor] = None  # 1.0 beside the scale: what a disabled scaler applies
         self._max_events = int(max_events)
 
-        self._scale = self._init_scale
-        self._growth_tracker = 0
-        self._hysteresis_tracker = self._hysteresis
         self._steps = 0
         self._skipped_steps = 0
         self._nonfinite_counts: dict[str, int] = {}
         self._events: collections.deque = collections.deque(maxlen=self._max_events)
+        self._last_overflowed = False
         self._last_nonfinite_layers: tuple[str, ...] = ()
         self._last_loss_finite: Optional[bool] = None
         self._first_nonfinite_output: Optional[str] = None
@@ -382,39 +409,21 @@ class LossScaler:
         self._rank: dict[str, int] = {}
         self._output_watch: Optional[OutputWatch] = None
 
-        self._scale_tensors: dict[torch.device, torch.Tensor] = {}
-        self._reset_iteration()
+        # The iteration in progress.
+        self._optimizers: dict[int, torch.optim.Optimizer] = {}  # unscaled or stepped ones
+        self._found: dict[int, bool] = {}  # id(optimizer) -> overflowed, once known on the host
+        self._losses: list[torch.Tensor] = []  # what `scale` was given (references, no copies)
+        self._pending_names: list[str] = []
+        self._pending_flags: list[torch.Tensor] = []
 
-    def _reset_iteration(self) -> None:
-        self._optimizers: dict[int, _OptimizerState] = {}
-        self._loss_flags: list[torch.Tensor] = []
-        self._iteration_bad: set[str] = set()
-        self._iteration_loss_finite: Optional[bool] = None
-        self._iteration_output: Optional[str] = None
-        if self._output_watch is not None:
-            self._output_watch.reset()
-
-    # -- configuration (read-only; a new configuration is a new scaler or load_state_dict) -----
+    # -- configuration (a new configuration is a new scaler or load_state_dict) -----------------
 
     @property
     def enabled(self) -> bool:
-        return self._enabled
+        return self._scaling
 
-    @property
-    def init_scale(self) -> float:
-        return self._init_scale
-
-    @property
-    def growth_factor(self) -> float:
-        return self._growth_factor
-
-    @property
-    def backoff_factor(self) -> float:
-        return self._backoff_factor
-
-    @property
-    def growth_interval(self) -> int:
-        return self._growth_interval
+    def is_enabled(self) -> bool:
+        return self._scaling
 
     @property
     def min_scale(self) -> float:
@@ -424,7 +433,7 @@ class LossScaler:
     def hysteresis(self) -> int:
         return self._hysteresis
 
-    # -- results --------------------------------------------------------------------------------
+    # -- results (of the last completed iteration) ------------------------------------------------
 
     @property
     def steps(self) -> int:
@@ -442,26 +451,25 @@ class LossScaler:
         return dict(self._nonfinite_counts)
 
     @property
+    def last_overflowed(self) -> bool:
+        """Whether some gradient of the last iteration was inf/NaN (so some step was skipped)."""
+        return self._last_overflowed
+
+    @property
     def last_nonfinite_layers(self) -> tuple[str, ...]:
-        """Layers with non-finite gradients in the current iteration's steps so far, else in the
-        last completed iteration, in model order; ``()`` when clean."""
-        if self._optimizers:
-            return self._ordered(self._iteration_bad)
+        """Layers with non-finite gradients in the last iteration, in model order; ``()`` when clean."""
         return self._last_nonfinite_layers
 
     @property
     def last_loss_finite(self) -> Optional[bool]:
-        """Whether every tensor passed to `scale` in the last iteration was finite (None: no call)."""
-        if self._iteration_loss_finite is not None:
-            return self._iteration_loss_finite
+        """After an overflowing iteration, whether every tensor passed to `scale` was finite; None
+        after a clean one (not checked: the check would cost a sync)."""
         return self._last_loss_finite
 
     @property
     def first_nonfinite_output(self) -> Optional[str]:
-        """With ``watch(..., outputs=True)``: the first layer, in call order, whose forward output
-        was non-finite in the last iteration (what made an inf/NaN loss), else None."""
-        if self._optimizers:
-            return self._iteration_output
+        """With ``watch(..., outputs=True)``, after an overflowing iteration: the first layer, in
+        call order, whose forward output was non-finite (what made an inf/NaN loss), else None."""
         return self._first_nonfinite_output
 
     @property
@@ -475,8 +483,19 @@ class LossScaler:
         return self._output_watch
 
     def get_scale(self) -> float:
-        """The current scale (1.0 when disabled). No sync."""
-        return self._scale if self._enabled else 1.0
+        """The current scale (1.0 when disabled). One sync (GradScaler's ``.item()``) when enabled
+        and the scale exists; `scale_tensor` reads it without one."""
+        return super().get_scale() if self._scaling else 1.0
+
+    @property
+    def scale_tensor(self) -> Optional[torch.Tensor]:
+        """The scale applied, as GradScaler's 0-d float32 device tensor (1.0 when disabled; None
+        before the first `scale`), for logging without a sync. Do not modify it."""
+        return self._get_scale_async()
+
+    def _get_scale_async(self) -> Optional[torch.Tensor]:
+        # GradScaler hands this to fused optimizers as their ``grad_scale``: 1 when disabled.
+        return self._scale if self._scaling else self._unit
 
     # -- attribution setup ------------------------------------------------------------------------
 
@@ -486,8 +505,8 @@ class LossScaler:
         ``layers``: module fqns or a ``(module, fqn) -> bool`` filter; default: every module that
         directly owns parameters. A parameter belongs to the innermost watched module holding it;
         others are reported under their parameter fqn. ``outputs=True`` also attaches an
-        `OutputWatch` on the same layers (one reduction per layer call), whose flags travel with
-        the step's one transfer, to fill `first_nonfinite_output`. Replaces a previous watch.
+        `OutputWatch` on the same layers (one reduction per layer call), read on overflowing
+        iterations to fill `first_nonfinite_output`. Replaces a previous watch.
         """
         if not isinstance(model, nn.Module):
             raise ScalingError(f"LossScaler.watch(model={type(model).__name__}): model must be an nn.Module")
@@ -523,247 +542,233 @@ class LossScaler:
             self._rank.setdefault(name, len(self._rank))
         return tuple(sorted(names, key=self._rank.__getitem__))
 
+    def _name_of(self, param: torch.Tensor, optimizer: torch.optim.Optimizer, i: int, j: int) -> str:
+        name = self._param_names.get(id(param))
+        return name if name is not None else f"{type(optimizer).__name__}.param_groups[{i}][{j}]"
+
     # -- the training-loop calls --------------------------------------------------------------------
 
-    def scale(self, outputs):
-        """``outputs`` (a tensor or a nested list / tuple / iterable of tensors) times the scale, as
-        float32 like GradScaler (an FP16 loss times 4096 would overflow FP16). Unchanged when
-        disabled. Also records, on the device, whether they were finite. No sync."""
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        super()._lazy_init_scale_growth_tracker(dev)
+        self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
+        self._unit = torch.ones((), dtype=torch.float32, device=dev)
 
-        def apply(value):
-            if isinstance(value, torch.Tensor):
-                self._loss_flags.append(_finite_flag(value))
-                if not self._enabled:
-                    return value
-                return value * self._scale_on(value.device)
-            if isinstance(value, (list, tuple)):
-                return type(value)(apply(v) for v in value)
-            if isinstance(value, Iterable):
-                return map(apply, value)
-            raise ScalingError(f"LossScaler.scale({type(value).__name__}): expected a tensor or an iterable of tensors")
-
-        return apply(outputs)
-
-    def _scale_on(self, device: torch.device) -> torch.Tensor:
-        scale = self._scale_tensors.get(device)
-        if scale is None:
-            # torch.full fills on the device: no host-to-device copy to wait for.
-            scale = torch.full((), self._scale, dtype=torch.float32, device=device)
-            self._scale_tensors[device] = scale
-        return scale
-
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide ``optimizer``'s gradients by the scale in place (not when disabled) and compute
-        their finite flags on the device. Optional: `step` does it when not done; call it to clip or inspect the true
-        gradients. Once per optimizer per iteration, after all backward passes; a second call before
-        `update` raises `RuntimeStateError`. No sync."""
-        state = self._optimizers.setdefault(id(optimizer), _OptimizerState())
-        if state.stage is _Stage.UNSCALED:
+    def _begin(self, optimizer: torch.optim.Optimizer, call: str) -> dict[str, Any]:
+        """GradScaler's state for ``optimizer`` after the checks of a ``call`` to `unscale_` or
+        `step`; creates the scale on its gradients' device when no `scale` call did."""
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeStateError(
+                f"LossScaler.{call}(optimizer) after step(optimizer) in the same iteration; "
+                "call update() once per iteration, after every optimizer stepped"
+            )
+        if call == "unscale_" and state["stage"] is OptState.UNSCALED:
             raise RuntimeStateError(
                 "LossScaler.unscale_(optimizer) was already called for this optimizer since the last update(); "
                 "call it once per optimizer per iteration, after the last backward pass"
             )
-        if state.stage is _Stage.STEPPED:
+        if self._scale is None:
+            grads = (p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
+            first = next(grads, None)
+            self._lazy_init_scale_growth_tracker(first.device if first is not None else torch.device("cpu"))
+        self._optimizers[id(optimizer)] = optimizer
+        return state
+
+    def scale(self, outputs):
+        """``outputs`` (a tensor or a nested list / tuple / iterable of tensors) times the scale,
+        as float32 (GradScaler's); unchanged when disabled. Keeps a reference to the tensors of a
+        tensor, list or tuple, checked only if the iteration overflows. No sync."""
+        if not isinstance(outputs, (torch.Tensor, Iterable)):
+            raise ScalingError(f"LossScaler.scale({type(outputs).__name__}): expected a tensor or an iterable of tensors")
+        tensors = [t.detach() for t in _floating_tensors(outputs)]
+        self._losses.extend(tensors)
+        if self._scale is None and tensors:
+            self._lazy_init_scale_growth_tracker(tensors[0].device)
+        return super().scale(outputs) if self._scaling else outputs
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """GradScaler's ``unscale_``: divide ``optimizer``'s gradients by the scale in place and
+        check them, in one fused pass (when disabled, the check alone). Optional: `step` does it;
+        call it to clip or inspect the true gradients. Once per optimizer per iteration. No sync."""
+        state = self._begin(optimizer, "unscale_")
+        if not self._scaling:
+            self._check_inf_per_device(optimizer)  # the same fused pass, multiplying by 1
+            state["stage"] = OptState.UNSCALED
+            return
+        try:
+            super().unscale_(optimizer)
+        except ValueError as exc:  # GradScaler's refusal of FP16 gradients
             raise RuntimeStateError(
-                "LossScaler.unscale_(optimizer) called after step(optimizer) in the same iteration; "
-                "unscale before stepping, and call update() to start the next iteration"
-            )
-        self._check_gradients(optimizer, state)
-        state.stage = _Stage.UNSCALED
+                f"LossScaler.unscale_(optimizer): {exc} Unscaling FP16 gradients in place flushes small values "
+                "to zero; keep FP32 master weights (autoprec's runtime does) or disable the scaler"
+            ) from exc
 
-    def _check_gradients(self, optimizer: torch.optim.Optimizer, state: _OptimizerState) -> None:
-        unscale = self._enabled and self._scale != 1.0
-        # FP32 division is inexact under some compile options; GradScaler takes the reciprocal in
-        # FP64 and rounds it to FP32, and so do we, so the unscaled gradients match it bit for bit.
-        inv_scale = _float32(1.0 / self._scale)
-        groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[str]]] = {}
-        opt_name = type(optimizer).__name__
-        for i, group in enumerate(optimizer.param_groups):
-            for j, param in enumerate(group["params"]):
-                grad = param.grad
-                if grad is None:
-                    continue
-                if self._enabled and grad.dtype == torch.float16:
-                    raise RuntimeStateError(
-                        f"LossScaler cannot unscale the FP16 gradient of {self._name_of(param, opt_name, i, j)} in place "
-                        "without flushing small values to zero; keep FP32 master weights (autoprec's runtime does) "
-                        "or disable the scaler"
-                    )
-                values = grad._values() if grad.is_sparse else grad
-                if values.numel() == 0:
-                    continue  # trivially finite, and the inf-norm of nothing is undefined
-                tensors, names = groups.setdefault((values.device, values.dtype), ([], []))
-                tensors.append(values)
-                names.append(self._name_of(param, opt_name, i, j))
-        state.names, state.flags, state.bad = [], [], None
-        with torch.no_grad():
-            for tensors, names in groups.values():
-                if unscale:
-                    torch._foreach_mul_(tensors, inv_scale)
-                # After unscaling, so that a finite value pushed past the range by a scale below 1
-                # is caught too; inf and NaN stay non-finite through the multiplication.
-                state.flags.append(torch.stack(torch._foreach_norm(tensors, math.inf)).isfinite())
-                state.names.extend(names)
-
-    def _name_of(self, param: torch.Tensor, opt_name: str, i: int, j: int) -> str:
-        name = self._param_names.get(id(param))
-        return name if name is not None else f"{opt_name}.param_groups[{i}][{j}]"
-
-    def _resolve(self, state: _OptimizerState) -> None:
-        """Bring this optimizer's flags (and the iteration's pending loss and output flags) to the
-        host in one transfer: the one sync of the step."""
-        parts = list(state.flags)
-        n_grads = sum(int(f.numel()) for f in parts)
-        n_loss = len(self._loss_flags)
-        if n_loss:
-            parts.append(torch.stack([f.to(self._loss_flags[0].device) for f in self._loss_flags]))
-        out_names, out_flags = self._output_watch._pending() if self._output_watch is not None else ([], None)
-        if out_flags is not None:
-            parts.append(out_flags)
-        host = _to_host(parts)
-        state.bad = tuple(name for name, ok in zip(state.names, host[:n_grads]) if not ok)
-        if n_loss:
-            finite = all(host[n_grads : n_grads + n_loss])
-            self._iteration_loss_finite = finite and self._iteration_loss_finite is not False
-            self._loss_flags = []
-        if out_flags is not None:
-            first = _first_false(out_names, host[n_grads + n_loss :])
-            if first is not None and self._iteration_output is None:
-                self._iteration_output = first
-            if self._output_watch is not None:
-                self._output_watch.reset()
-        self._iteration_bad.update(state.bad)
+    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """`unscale_` (unless done) and clip ``optimizer``'s gradients to a total ``norm_type``-norm
+        of ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does; returns the total norm (a
+        device tensor, no sync). Unlike it, a non-finite norm leaves the gradients unchanged: its
+        coefficient would be NaN and spread to every gradient, so attribution would name every
+        layer (the step is skipped either way). Cost: clip_grad_norm_'s passes (one norm, one
+        multiply per gradient) and one 0-d ``where``."""
+        if not _is_number(max_norm) or max_norm <= 0:
+            raise ScalingError(f"LossScaler.clip_grad_norm_(max_norm={max_norm!r}): max_norm must be a finite number > 0")
+        if self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+        # A zero norm makes the clip coefficient clamp to 1: the gradients stay as they are.
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.where(total.isfinite(), total, 0.0))
+        return total
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """Unscale ``optimizer``'s gradients (unless `unscale_` did) and call
-        ``optimizer.step(*args, **kwargs)`` when they are all finite; return its value, or None when
-        skipped. One sync (the skip decision). Once per optimizer per iteration."""
+        """GradScaler's ``step``: unscale (unless `unscale_` did) and call
+        ``optimizer.step(*args, **kwargs)`` unless a gradient is inf/NaN; return its value, or
+        None when skipped. One sync (the skip decision), none for fused / capturable optimizers."""
         if "closure" in kwargs:
             raise RuntimeStateError(
                 "LossScaler.step(optimizer, closure=...) is not supported: the closure would recompute the "
                 "gradients after they were checked; run forward and backward before step()"
             )
-        state = self._optimizers.setdefault(id(optimizer), _OptimizerState())
-        if state.stage is _Stage.STEPPED:
-            raise RuntimeStateError(
-                "LossScaler.step(optimizer) was already called for this optimizer since the last update(); "
-                "call update() once per iteration, after every optimizer stepped"
-            )
-        if state.stage is _Stage.READY:
-            self.unscale_(optimizer)
-        if state.bad is None:
-            self._resolve(state)
-        state.stage = _Stage.STEPPED
-        if state.bad:
-            logger.debug("skipped %s.step(): non-finite gradients in %s", type(optimizer).__name__, ", ".join(self._ordered(state.bad)))
+        self._begin(optimizer, "step")
+        return super().step(optimizer, *args, **kwargs)
+
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        # GradScaler's skip decision and its one sync; the answer is kept for update().
+        found = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
+        self._found[id(optimizer)] = found
+        if found:
+            self._attribute(optimizer)  # now, while the gradients surely exist
             return None
         return optimizer.step(*args, **kwargs)
 
+    def _attribute(self, optimizer: torch.optim.Optimizer) -> None:
+        names, flags = _nonfinite_gradients(optimizer, self._name_of)
+        self._pending_names.extend(names)
+        self._pending_flags.extend(flags)
+
     def update(self, new_scale: Optional[float] = None) -> None:
-        """End the iteration: update the scale (or set it to ``new_scale``, a positive float) and
-        the counters. Call once per iteration, after every optimizer stepped. No sync, except one
-        transfer for an optimizer that was unscaled but not stepped, or for `scale` calls and
-        watched forwards made after the last step. ``new_scale`` is ignored when disabled."""
-        if not self._optimizers:
+        """End the iteration: the scale rule (see the class doc; or set the scale to ``new_scale``,
+        a positive number, ignored when disabled), the counters, and on an overflowing iteration
+        the attribution (see the module docstring for the syncs). Call once per iteration, after
+        every optimizer stepped."""
+        states = self._per_optimizer_states
+        checked = [key for key, state in states.items() if state["found_inf_per_device"]]
+        if not checked:
             raise RuntimeStateError(
                 "LossScaler.update() called with no step(optimizer) or unscale_(optimizer) since the last update(); "
                 "call scaler.step(optimizer) first"
             )
         if new_scale is not None and (not _is_number(new_scale) or not 0 < new_scale <= _FLOAT32_MAX):
             raise ScalingError(f"LossScaler.update(new_scale={new_scale!r}): new_scale must be a finite number > 0, or None")
-        for state in self._optimizers.values():
-            if state.bad is None:
-                self._resolve(state)
-        if self._loss_flags or (self._output_watch is not None and self._output_watch.calls):
-            # scale() or a forward after the last step of the iteration: one more transfer.
-            self._resolve(_OptimizerState())
-        found = bool(self._iteration_bad)
-        old = self.get_scale()
-        if self._enabled:
-            if new_scale is not None:
-                self._set_scale(_float32(float(new_scale)))
-            else:
-                self._update_scale(found)
+        # Fused optimizers skipped on the device, and optimizers unscaled but never stepped: one
+        # sync for all of them says whether this iteration needs attribution.
+        unknown = [key for key in checked if key not in self._found]
+        found = any(self._found.values())
+        if unknown:
+            flags = [f.to(self._scale.device) for key in unknown for f in states[key]["found_inf_per_device"].values()]
+            if torch.stack(flags).sum().item():
+                found = True
+                for key in unknown:
+                    self._attribute(self._optimizers[key])
+        if self._scaling and new_scale is not None:
+            super().update(float(new_scale))
+        elif self._scaling and found:
+            self._back_off()
+        elif self._scaling:
+            super().update()
+            # The interval was reached (the tracker restarted): a growth restores the budget.
+            self._hysteresis_tracker.masked_fill_(self._growth_tracker == 0, self._hysteresis)
+        self._per_optimizer_states.clear()
+        self._finish_iteration(found)
 
+    def _back_off(self) -> None:
+        """An overflowing iteration: spend one unit of the hysteresis budget; GradScaler's back-off,
+        floored at ``min_scale``, once it is spent. A few 0-d device ops, no sync."""
+        budget = self._hysteresis_tracker
+        budget.sub_(1).clamp_(min=0)
+        before = self._scale.clone()
+        super().update()  # torch._amp_update_scale_: scale x backoff_factor, clean count 0
+        torch.where(budget > 0, before, self._scale.clamp(min=self._min_scale), out=self._scale)
+
+    def _finish_iteration(self, found: bool) -> None:
         iteration = self._steps
         self._steps += 1
-        layers = self._ordered(self._iteration_bad)
+        layers: tuple[str, ...] = ()
+        loss_finite: Optional[bool] = None
+        first_output: Optional[str] = None
         if found:
-            self._skipped_steps += 1
-            for name in layers:
-                self._nonfinite_counts[name] = self._nonfinite_counts.get(name, 0) + 1
-            self._events.append((iteration, layers))
-            logger.info(
-                "iteration %d: non-finite gradients in %s; optimizer step skipped; loss scale %g -> %g%s",
-                iteration, ", ".join(layers), old, self.get_scale(),
-                f"; first non-finite output: {self._iteration_output}" if self._iteration_output else "",
-            )
+            # The iteration's one transfer: gradient flags, loss and output flags, the new scale.
+            loss_flags = [_finite_flag(t) for t in self._losses]
+            out_names, out_flags = self._output_watch._pending() if self._output_watch is not None else ([], None)
+            parts = self._pending_flags + loss_flags + ([out_flags] if out_flags is not None else []) + [self._get_scale_async()]
+            host = _to_host(parts)
+            n_grads, n_loss = len(self._pending_names), len(loss_flags)
+            layers = self._ordered({name for name, bad in zip(self._pending_names, host[:n_grads]) if bad})
+            loss_finite = all(host[n_grads : n_grads + n_loss]) if n_loss else None
+            first_output = _first_false(out_names, host[n_grads + n_loss : -1])
+            self._record_overflow(iteration, layers, host[-1], first_output)
+        self._last_overflowed = found
         self._last_nonfinite_layers = layers
-        self._last_loss_finite = self._iteration_loss_finite
-        self._first_nonfinite_output = self._iteration_output
-        self._reset_iteration()
+        self._last_loss_finite = loss_finite
+        self._first_nonfinite_output = first_output
+        self._optimizers.clear()
+        self._found.clear()
+        self._losses.clear()
+        self._pending_names.clear()
+        self._pending_flags.clear()
+        if self._output_watch is not None:
+            self._output_watch.reset()
 
-    def _update_scale(self, found: bool) -> None:
-        if found:
-            self._growth_tracker = 0
-            self._hysteresis_tracker = max(self._hysteresis_tracker - 1, 0)
-            if self._hysteresis_tracker == 0:
-                if self._scale <= self._min_scale and not self._warned_at_floor:
-                    # Once until the scale grows again: a model stuck at the floor would flood the log.
-                    self._warned_at_floor = True
-                    logger.warning(
-                        "loss scale is at its floor min_scale=%g and gradients still overflow: the model, not "
-                        "the scale, makes inf/NaN (see last_nonfinite_layers / first_nonfinite_output)",
-                        self._min_scale,
-                    )
-                self._set_scale(max(_float32(self._scale * self._backoff_factor), self._min_scale))
-            return
-        self._growth_tracker += 1
-        if self._growth_tracker >= self._growth_interval:
-            self._growth_tracker = 0
-            self._hysteresis_tracker = self._hysteresis
-            grown = self._scale * self._growth_factor
-            # GradScaler keeps the old scale when the grown one is not finite in float32.
-            if grown <= _FLOAT32_MAX:
-                self._set_scale(_float32(grown))
-                self._warned_at_floor = False
-
-    def _set_scale(self, scale: float) -> None:
-        if scale != self._scale:
-            self._scale = scale
-            self._scale_tensors.clear()
+    def _record_overflow(self, iteration: int, layers: tuple[str, ...], scale: float, first_output: Optional[str]) -> None:
+        self._skipped_steps += 1
+        for name in layers:
+            self._nonfinite_counts[name] = self._nonfinite_counts.get(name, 0) + 1
+        self._events.append((iteration, layers))
+        logger.info(
+            "iteration %d: non-finite gradients in %s; optimizer step skipped; loss scale now %g%s",
+            iteration, ", ".join(layers) or "(no watched gradient)", scale,
+            f"; first non-finite output: {first_output}" if first_output else "",
+        )
+        at_floor = self._scaling and scale <= self._min_scale
+        if at_floor and not self._warned_at_floor:
+            # Once until an overflow finds the scale above the floor again: a stuck model would flood the log.
+            logger.warning(
+                "loss scale is at its floor min_scale=%g and gradients still overflow: the model, not the scale, "
+                "makes inf/NaN (see last_nonfinite_layers / first_nonfinite_output)",
+                self._min_scale,
+            )
+        self._warned_at_floor = at_floor
 
     # -- persistence --------------------------------------------------------------------------------
 
-    _CONFIG_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "min_scale", "hysteresis", "max_events")
-    _STATE_KEYS = (
-        "scale", "growth_tracker", "hysteresis_tracker", "steps", "skipped_steps", "nonfinite_counts",
-        "events", "last_nonfinite_layers", "last_loss_finite", "first_nonfinite_output",
+    _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+    _OWN_KEYS = (
+        "min_scale", "hysteresis", "hysteresis_tracker", "max_events", "steps", "skipped_steps", "nonfinite_counts",
+        "events", "last_overflowed", "last_nonfinite_layers", "last_loss_finite", "first_nonfinite_output",
     )
 
     def state_dict(self) -> dict[str, Any]:
-        """Configuration, scale, trackers, counters and events, as plain JSON-ready values. Call
-        between iterations: what the current iteration recorded before `update` is not saved.
-        ``enabled`` is not state (the caller chooses it); a disabled scaler saves its unused scale."""
-        return {
-            "init_scale": self._init_scale,
-            "growth_factor": self._growth_factor,
-            "backoff_factor": self._backoff_factor,
-            "growth_interval": self._growth_interval,
-            "min_scale": self._min_scale,
-            "hysteresis": self._hysteresis,
-            "max_events": self._max_events,
-            "scale": self._scale,
-            "growth_tracker": self._growth_tracker,
-            "hysteresis_tracker": self._hysteresis_tracker,
-            "steps": self._steps,
-            "skipped_steps": self._skipped_steps,
-            "nonfinite_counts": dict(self._nonfinite_counts),
-            "events": [[step, list(layers)] for step, layers in self._events],
-            "last_nonfinite_layers": list(self._last_nonfinite_layers),
-            "last_loss_finite": self._last_loss_finite,
-            "first_nonfinite_output": self._first_nonfinite_output,
-        }
+        """GradScaler's entries (so a ``GradScaler`` loads it) plus the floor, hysteresis,
+        counters and events, as plain JSON-ready values. Three syncs (scale, growth and hysteresis
+        trackers): call between iterations, after `update`. ``enabled`` is not state (the caller
+        chooses it); a disabled scaler saves the scale it keeps."""
+        sd = super().state_dict()
+        sd["scale"] = self._init_scale if self._scale is None else float(self._scale.item())
+        sd.update(
+            min_scale=self._min_scale,
+            hysteresis=self._hysteresis,
+            hysteresis_tracker=self._init_hysteresis_tracker if self._hysteresis_tracker is None else int(self._hysteresis_tracker.item()),
+            max_events=self._max_events,
+            steps=self._steps,
+            skipped_steps=self._skipped_steps,
+            nonfinite_counts=dict(self._nonfinite_counts),
+            events=[[step, list(layers)] for step, layers in self._events],
+            last_overflowed=self._last_overflowed,
+            last_nonfinite_layers=list(self._last_nonfinite_layers),
+            last_loss_finite=self._last_loss_finite,
+            first_nonfinite_output=self._first_nonfinite_output,
+        )
+        return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore everything `state_dict` saved, configuration included. Raises `ScalingError`
@@ -772,15 +777,16 @@ class LossScaler:
             raise RuntimeStateError("LossScaler.load_state_dict() called in the middle of an iteration; call it before the first step or right after update()")
         if not isinstance(state_dict, Mapping):
             raise ScalingError(f"LossScaler.load_state_dict({type(state_dict).__name__}): expected the mapping state_dict() returned")
-        missing = [k for k in self._CONFIG_KEYS + self._STATE_KEYS if k not in state_dict]
+        sd = state_dict
+        missing = [k for k in self._TORCH_KEYS + self._OWN_KEYS if k not in sd]
         if missing:
             raise ScalingError(f"LossScaler.load_state_dict(): missing {', '.join(missing)}; pass a dict from LossScaler.state_dict()")
-        sd = state_dict
-        _check_config("LossScaler.load_state_dict", *(sd[k] for k in self._CONFIG_KEYS))
-        scale = sd["scale"]
-        if not _is_number(scale) or not sd["min_scale"] <= scale <= _FLOAT32_MAX:
-            raise ScalingError(f"LossScaler.load_state_dict(): scale={scale!r} must be a finite number >= min_scale")
-        for key in ("growth_tracker", "hysteresis_tracker", "steps", "skipped_steps"):
+        scale, min_scale = sd["scale"], sd["min_scale"]
+        if not _is_number(scale) or not _is_number(min_scale) or not 0 < min_scale <= scale <= _FLOAT32_MAX:
+            raise ScalingError(f"LossScaler.load_state_dict(): scale={scale!r} must be a finite number >= min_scale={min_scale!r} > 0")
+        _check_config("LossScaler.load_state_dict", scale, sd["growth_factor"], sd["backoff_factor"], sd["growth_interval"],
+                      sd["min_scale"], sd["hysteresis"], sd["max_events"])
+        for key in ("_growth_tracker", "hysteresis_tracker", "steps", "skipped_steps"):
             if not _is_int(sd[key]) or sd[key] < 0:
                 raise ScalingError(f"LossScaler.load_state_dict(): {key}={sd[key]!r} must be an int >= 0")
         try:
@@ -792,20 +798,18 @@ class LossScaler:
                 f"LossScaler.load_state_dict(): nonfinite_counts, events or last_nonfinite_layers is malformed ({exc}); "
                 "pass a dict from LossScaler.state_dict()"
             ) from exc
-        self._init_scale = _float32(float(sd["init_scale"]))
-        self._growth_factor = float(sd["growth_factor"])
-        self._backoff_factor = float(sd["backoff_factor"])
-        self._growth_interval = int(sd["growth_interval"])
-        self._min_scale = _float32(float(sd["min_scale"]))
+        super().load_state_dict({k: sd[k] for k in self._TORCH_KEYS})
+        self._min_scale = float(sd["min_scale"])
         self._hysteresis = int(sd["hysteresis"])
+        self._init_hysteresis_tracker = min(int(sd["hysteresis_tracker"]), self._hysteresis)
+        if self._hysteresis_tracker is not None:
+            self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
         self._max_events = int(sd["max_events"])
-        self._set_scale(_float32(float(scale)))
-        self._growth_tracker = int(sd["growth_tracker"])
-        self._hysteresis_tracker = min(int(sd["hysteresis_tracker"]), self._hysteresis)
         self._steps = int(sd["steps"])
         self._skipped_steps = int(sd["skipped_steps"])
         self._nonfinite_counts = counts
         self._events = collections.deque(events, maxlen=self._max_events)
+        self._last_overflowed = bool(sd["last_overflowed"])
         self._last_nonfinite_layers = last_layers
         self._last_loss_finite = sd["last_loss_finite"]
         self._first_nonfinite_output = sd["first_nonfinite_output"]

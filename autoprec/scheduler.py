@@ -62,7 +62,7 @@ from .formats import Format
 from .measure import SavedTensorMeter
 from .plan import LayerPrecision, Plan
 from .runtime import EmulationWarning, apply_plan
-from .scaling import LossScaler
+from .scaling import LossScaler, LossScaling
 from .search.planner import cast_of
 from .search.space import DEFAULT_CANDIDATES, Budgets, LayerRules, formats_for_precision
 
@@ -79,18 +79,6 @@ _SKIPS_BEFORE_WARNING = 10
 
 def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-@dataclasses.dataclass(frozen=True)
-class LossScaling:
-    """Dynamic loss-scaling settings (`autoprec.scaling.LossScaler`'s arguments)."""
-
-    init_scale: float = 4096.0
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    min_scale: float = 1.0
-    hysteresis: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,18 +333,16 @@ class DynamicPrecisionScheduler:
             self._profiler.step()
         for optimizer in optimizers:
             if self.max_grad_norm is not None:
-                self.scaler.unscale_(optimizer)
-                params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-                torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+                self.scaler.clip_grad_norm_(optimizer, self.max_grad_norm)
             self.scaler.step(optimizer)
-        skipped = bool(self.scaler.last_nonfinite_layers) or self.scaler.last_loss_finite is False
+        self.scaler.update()  # fills the attribution below, on an overflowing iteration only
+        skipped = self.scaler.last_overflowed
         nonfinite = self.scaler.last_nonfinite_layers
         first_bad_output = self.scaler.first_nonfinite_output if self.scaler.last_loss_finite is False else None
-        self.scaler.update()
         self.step_count += 1
         self._count_skips(skipped, nonfinite)
         if self._writer is not None:
-            self._writer.log_step(self.step_count, loss=self._last_loss, loss_scale=self.scaler.get_scale(), skipped=skipped)
+            self._writer.log_step(self.step_count, loss=self._last_loss, loss_scale=self.scaler.scale_tensor, skipped=skipped)
         if self.dynamic and self.plan is not None:
             self._on_nonfinite(nonfinite, first_bad_output)
         self._advance()
@@ -466,8 +452,7 @@ class DynamicPrecisionScheduler:
     # -- plans ----------------------------------------------------------------------------------
 
     def _new_scaler(self, enabled: bool) -> LossScaler:
-        s = self.loss_scaling
-        return LossScaler(s.init_scale, s.growth_factor, s.backoff_factor, s.growth_interval, min_scale=s.min_scale, hysteresis=s.hysteresis, enabled=enabled)
+        return LossScaler(**dataclasses.asdict(self.loss_scaling), enabled=enabled)
 
     def _replace_scaler(self, enabled: bool, state: Mapping[str, Any]) -> None:
         """A scaler with ``enabled`` and ``state``, watching the layers in place of the current one."""

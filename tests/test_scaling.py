@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import autoprec.scaling as scaling
 from autoprec.errors import AutoprecError, RuntimeStateError
 from autoprec.scaling import LossScaler, OutputWatch, ScalingError
 
@@ -40,6 +42,19 @@ def assert_identical(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
         assert torch.equal(x, y)
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops run inside it by name (``aten._local_scalar_dense`` is a host sync:
+    what ``.item()`` and ``bool()`` of a tensor run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def scaled_step(scaler, model, optimizer, step: int, poison: str | None = None, value: float = INF):
     """One iteration; ``poison`` names a parameter whose gradient gets ``value`` after backward."""
     scaler.scale(loss_of(model, step)).backward()
@@ -56,8 +71,12 @@ def scaled_step(scaler, model, optimizer, step: int, poison: str | None = None, 
 
 def test_defaults():
     scaler = LossScaler()
-    assert (scaler.get_scale(), scaler.growth_factor, scaler.backoff_factor, scaler.growth_interval) == (4096.0, 2.0, 0.5, 2000)
+    assert (scaler.get_scale(), scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval()) == (4096.0, 2.0, 0.5, 2000)
     assert (scaler.min_scale, scaler.hysteresis, scaler.enabled) == (1.0, 1, True)
+
+
+def test_is_a_grad_scaler():
+    assert isinstance(LossScaler(), torch.amp.GradScaler)
 
 
 @pytest.mark.parametrize(
@@ -114,6 +133,44 @@ def test_matches_grad_scaler_step_by_step(opt_cls):
     changes = [b / a for a, b in zip(scales, scales[1:])]
     assert 2.0 in changes and 0.5 in changes
     assert scaler.skipped_steps == len(overflow) and scaler.steps == 20
+
+
+def test_fused_adamw_matches_grad_scaler_step_by_step():
+    kwargs = dict(init_scale=2.0**10, growth_interval=3)
+    ours, ref = make_model(), make_model()
+    opt = torch.optim.AdamW(ours.parameters(), lr=0.01, fused=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, fused=True)
+    scaler, grad_scaler = LossScaler(**kwargs).watch(ours), torch.amp.GradScaler(device="cpu", **kwargs)
+    overflow = {2: "2.weight", 5: "0.bias"}
+    for step in range(8):
+        scaled_step(scaler, ours, opt, step, overflow.get(step))
+        scaled_step(grad_scaler, ref, ref_opt, step, overflow.get(step))
+        assert scaler.get_scale() == grad_scaler.get_scale(), step
+        assert_identical(params(ours), params(ref))
+        assert scaler.last_nonfinite_layers == ((overflow[step][0],) if step in overflow else ())
+    assert scaler.skipped_steps == len(overflow)
+
+
+def test_fused_adamw_keeps_its_fast_path_with_one_sync_per_iteration():
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    counts = count_ops(LossScaler().watch(model), model, [opt])
+    assert counts["_amp_foreach_non_finite_check_and_unscale_"] == 1  # GradScaler's check, scale 1
+    assert counts["_fused_adamw_"] == 1  # which unscales and skips inside the fused kernel
+    assert counts["_local_scalar_dense"] == 1  # in update: whether to attribute
+
+
+def test_disabled_scaler_gives_fused_adamw_a_scale_of_one():
+    ours, ref = make_model(), make_model()
+    opt = torch.optim.AdamW(ours.parameters(), lr=0.01, fused=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, fused=True)
+    scaler = LossScaler(enabled=False)
+    for step in range(3):
+        scaled_step(scaler, ours, opt, step)
+        loss_of(ref, step).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_identical(params(ours), params(ref))
 
 
 # -- skipping and attribution ---------------------------------------------------------------------
@@ -178,32 +235,63 @@ def test_several_layers_reported_in_model_order():
     assert scaler.nonfinite_counts == {"0": 1, "4": 1}
 
 
-def test_one_host_transfer_per_optimizer_step(monkeypatch):
-    model = make_model()
+def two_optimizers(model):
     half = len(list(model.parameters())) // 2
-    opts = [torch.optim.SGD(list(model.parameters())[:half], lr=0.1), torch.optim.SGD(list(model.parameters())[half:], lr=0.1)]
-    scaler = LossScaler().watch(model, outputs=True)
+    return [torch.optim.SGD(list(model.parameters())[:half], lr=0.1), torch.optim.SGD(list(model.parameters())[half:], lr=0.1)]
+
+
+def count_ops(scaler, model, opts, poison: str | None = None) -> collections.Counter:
+    """The ops of one iteration's scaler calls (not of forward / backward)."""
+    loss = loss_of(model, 0)
+    counter = OpCounter()
+    with counter:
+        scaled = scaler.scale(loss)
+    scaled.backward()
+    if poison is not None:
+        dict(model.named_parameters())[poison].grad.view(-1)[0] = INF
+    with counter:
+        for opt in opts:
+            scaler.step(opt)
+        scaler.update()
+    return counter.counts
+
+
+def test_clean_iteration_syncs_once_per_optimizer():
+    model = make_model()
+    counts = count_ops(LossScaler().watch(model, outputs=True), model, two_optimizers(model))
+    assert counts["_local_scalar_dense"] == 2
+
+
+def test_clean_iteration_checks_gradients_in_one_fused_pass_per_optimizer():
+    model = make_model()
+    counts = count_ops(LossScaler().watch(model), model, two_optimizers(model))
+    assert counts["_amp_foreach_non_finite_check_and_unscale_"] == 2
+    assert counts["_foreach_norm"] == 0  # no attribution pass
+
+
+def test_clean_iterations_never_run_the_attribution(monkeypatch):
+    calls = []
+    real = scaling._nonfinite_gradients
+    monkeypatch.setattr(scaling, "_nonfinite_gradients", lambda *a: calls.append(1) or real(*a))
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler().watch(model)
+    for step in range(3):
+        scaled_step(scaler, model, opt, step)
+    assert calls == []
+    scaled_step(scaler, model, opt, 3, poison="2.weight")
+    assert calls == [1]
+    assert scaler.last_nonfinite_layers == ("2",)
+
+
+def test_overflowing_iteration_adds_one_transfer(monkeypatch):
+    model = make_model()
     transfers = []
     real_tolist = torch.Tensor.tolist
-
-    def counting_tolist(self):
-        transfers.append(self.numel())
-        return real_tolist(self)
-
-    def forbidden(self, *args, **kwargs):
-        raise AssertionError("host sync outside the skip decision")
-
-    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
-    for name in ("item", "__bool__", "cpu", "numpy"):
-        monkeypatch.setattr(torch.Tensor, name, forbidden)
-    scaler.scale(loss_of(model, 0)).backward()
-    scaler.unscale_(opts[0])
-    assert transfers == []
-    scaler.step(opts[0])
-    scaler.step(opts[1])
-    scaler.update()
-    monkeypatch.undo()
-    assert len(transfers) == 2
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: transfers.append(self.numel()) or real_tolist(self))
+    counts = count_ops(LossScaler().watch(model, outputs=True), model, two_optimizers(model), poison="4.bias")
+    assert counts["_local_scalar_dense"] == 2  # still GradScaler's one per optimizer
+    assert len(transfers) == 1
 
 
 # -- the scale rule -------------------------------------------------------------------------------
@@ -236,6 +324,17 @@ def test_hysteresis_tolerates_h_minus_one_overflows_per_growth_interval():
             assert_identical(params(model), before)
     assert trajectory == [1024, 1024, 1024, 512, 256, 256, 256, 512, 512, 512, 512]
     assert scaler.skipped_steps == sum(pattern)
+
+
+def test_hysteresis_backs_off_on_the_nth_consecutive_overflow():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler(init_scale=1024.0, hysteresis=3)
+    trajectory = []
+    for step in range(4):
+        scaled_step(scaler, model, opt, step, poison="0.weight")
+        trajectory.append(scaler.get_scale())
+    assert trajectory == [1024, 1024, 512, 256]
 
 
 def test_growth_stops_at_float32_max():
@@ -313,6 +412,39 @@ def test_clipping_after_unscale_sees_unscaled_gradients():
         assert ref_norm > 0.05  # clipping was active
         assert torch.equal(norm, ref_norm)
         assert_identical(params(ours), params(ref))
+
+
+def test_clip_grad_norm_matches_torch_on_unscaled_gradients():
+    ours, ref = make_model(), make_model()
+    opt, ref_opt = torch.optim.SGD(ours.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler = LossScaler(init_scale=2.0**14)
+    for step in range(3):
+        scaler.scale(loss_of(ours, step)).backward()
+        norm = scaler.clip_grad_norm_(opt, 0.05)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+        loss_of(ref, step).backward()
+        ref_norm = nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.05)
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+        assert ref_norm > 0.05  # clipping was active
+        assert torch.equal(norm, ref_norm)
+        assert_identical(params(ours), params(ref))
+
+
+def test_clip_grad_norm_keeps_the_attribution_of_an_overflow():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler().watch(model)
+    scaler.scale(loss_of(model, 0)).backward()
+    model[2].weight.grad[0, 0] = NAN
+    scaler.clip_grad_norm_(opt, 0.05)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_nonfinite_layers == ("2",)  # torch's clip would have made every gradient NaN
 
 
 def test_gradient_accumulation_matches_unscaled_reference():
@@ -415,10 +547,21 @@ def test_state_dict_round_trip_continues_identically():
     assert current_scaler.state_dict() == scaler.state_dict()
 
 
+def test_grad_scaler_loads_the_state_dict():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler(init_scale=512.0, growth_interval=4)
+    scaled_step(scaler, model, opt, 0, poison="0.weight")
+    scaled_step(scaler, model, opt, 1)
+    grad_scaler = torch.amp.GradScaler(device="cpu")
+    grad_scaler.load_state_dict(scaler.state_dict())
+    assert (grad_scaler.get_scale(), grad_scaler._get_growth_tracker(), grad_scaler.get_growth_interval()) == (256.0, 1, 4)
+
+
 def test_load_state_dict_names_missing_entries():
     saved = LossScaler().state_dict()
-    del saved["growth_tracker"]
-    with pytest.raises(ScalingError, match="growth_tracker"):
+    del saved["_growth_tracker"]
+    with pytest.raises(ScalingError, match="_growth_tracker"):
         LossScaler().load_state_dict(saved)
 
 
@@ -473,7 +616,7 @@ def test_scaler_names_first_nonfinite_output_when_the_loss_is_nonfinite():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = LossScaler().watch(model, outputs=True)
     scaled_step(scaler, model, opt, 0)
-    assert (scaler.last_loss_finite, scaler.first_nonfinite_output) == (True, None)
+    assert (scaler.last_loss_finite, scaler.first_nonfinite_output) == (None, None)  # clean: not checked
 
     with torch.no_grad():
         model[2].weight[0, 0] = NAN
