@@ -137,6 +137,7 @@ class _Layer:
         self.precision = precision
         self.format = precision.format
         self.low_precision = self.format in (Format.FP8_E4M3, Format.FP8_E5M2, Format.INT8)
+        self.device = device
         self.kernel_reason = kernel_reason(precision, device) if self.low_precision else None
         self.inputs: dict[str, InputQuantizer] = {}
         self.calibrators: dict[str, Int8Calibrator] = {}
@@ -176,7 +177,8 @@ class _Layer:
         if quantizer is None:
             rowwise = self.precision.scaling.granularity is Granularity.ROW
             fmt = Format.INT8 if self.format is Format.INT8 else Format.FP8_E4M3
-            quantizer = self.weights[key] = WeightQuantizer(fmt, rowwise, INT8_ALIGN if fmt is Format.INT8 else FP8_ALIGN)
+            row_scales = self.device.type == "cpu" and self.format is Format.FP8_E4M3
+            quantizer = self.weights[key] = WeightQuantizer(fmt, rowwise, INT8_ALIGN if fmt is Format.INT8 else FP8_ALIGN, row_scales)
         return quantizer
 
     def note(self, op: str, how: str) -> None:
@@ -397,7 +399,7 @@ class PlanRuntime:
             out = self._int8(layer, key, x2, weight, bias, wq, out_dtype, k, n)
         else:
             rowwise = layer.precision.scaling.granularity is Granularity.ROW
-            expand = self.device_type == "cpu" and not rowwise and layer.format is Format.FP8_E4M3
+            expand = wq.inv_scale.dim() == 2 and not rowwise  # the weight cache chose row-shaped scales
             # Row-wise _scaled_mm writes BF16 only; a wider output is cast after the kernel.
             kernel_dtype = torch.bfloat16 if rowwise or expand else out_dtype
             # _scaled_mm fuses no bias into an FP32 output: there it is added after the kernel.

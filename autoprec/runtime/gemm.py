@@ -84,7 +84,8 @@ class Fp8Linear(torch.autograd.Function):
         if spec.rowwise:
             scale_a, scale_b = x_inv, w_inv.t()
         elif spec.expand_scales:
-            scale_a, scale_b = x_inv.expand(xq.shape[0], 1).contiguous(), w_inv.expand(1, w_data.shape[0]).contiguous()
+            # w_inv arrives already as the (1, N') row (cached with the weight).
+            scale_a, scale_b = x_inv.expand(xq.shape[0], 1).contiguous(), w_inv
         else:
             scale_a, scale_b = x_inv, w_inv
         out = torch._scaled_mm(
@@ -102,7 +103,7 @@ class Fp8Linear(torch.autograd.Function):
         ctx.has_bias = bias is not None
         # Per-tensor weights use one scale both ways (passed once: autograd functions take no
         # tensor twice under torch.compile).
-        ctx.save_for_backward(xq, x_inv, w_t, w_inv if w_t_inv is None else w_t_inv)
+        ctx.save_for_backward(xq, x_inv, w_t, w_t_inv if w_t_inv is not None else w_inv)
         return out
 
     @staticmethod
@@ -120,15 +121,23 @@ class Fp8Linear(torch.autograd.Function):
                 grad_w = (g.t() @ (xq.to(compute) * x_inv.to(compute))).float()
         else:
             g_amax = amax(g)
-            g_inv = inverse_scale(g_amax, spec.grad_format)
-            gq = to_fp8(g, g_inv, spec.grad_format).contiguous()
+            quantized: dict = {}
+
+            def g_in(fmt):
+                """The output gradient in ``fmt`` with its inverse scale; each format made once."""
+                if fmt not in quantized:
+                    inv = inverse_scale(g_amax, fmt)
+                    quantized[fmt] = to_fp8(g, inv, fmt).contiguous(), inv
+                return quantized[fmt]
+
             if ctx.needs_input_grad[0]:
+                gq, g_inv = g_in(spec.grad_format)
                 out_dtype = ctx.x_dtype if ctx.x_dtype in (torch.float32, torch.bfloat16, torch.float16) else spec.out_dtype
                 grad_x = torch._scaled_mm(gq, w_t.t(), scale_a=g_inv, scale_b=w_t_inv, out_dtype=out_dtype)
             if ctx.needs_input_grad[1]:
-                if spec.input_format is Format.FP8_E5M2 and spec.grad_format is Format.FP8_E5M2:
-                    g_inv = inverse_scale(g_amax, Format.FP8_E4M3)
-                    gq = to_fp8(g, g_inv, Format.FP8_E4M3).contiguous()
+                # E5M2 x E5M2 is refused: an E5M2 input meets an E4M3 copy of the gradient.
+                e5m2_pair = spec.input_format is Format.FP8_E5M2 and spec.grad_format is Format.FP8_E5M2
+                gq, g_inv = g_in(Format.FP8_E4M3 if e5m2_pair else spec.grad_format)
                 g_rows = _pad_rows_fp8(gq, FP8_ALIGN).t().contiguous()
                 x_cols = _pad_rows_fp8(xq, FP8_ALIGN).t().contiguous().t()
                 grad_w = torch._scaled_mm(g_rows, x_cols, scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32)

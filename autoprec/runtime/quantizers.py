@@ -118,10 +118,13 @@ class WeightQuantizer:
     transpose) of the weight until the parameter changes.
     """
 
-    def __init__(self, fmt: Format, rowwise: bool, align: int):
+    def __init__(self, fmt: Format, rowwise: bool, align: int, row_scales: bool = False):
         self.fmt = fmt
         self.rowwise = rowwise or fmt is Format.INT8
         self.align = align
+        # Per-tensor FP8 scales handed to the forward kernel in row-wise shape (1, N'): see
+        # gemm.Fp8Spec.expand_scales. The backward keeps the per-tensor scale.
+        self.row_scales = row_scales and not self.rowwise and fmt is not Format.INT8
         self._key: "tuple | None" = None
         self._cached: "QuantizedWeight | None" = None
 
@@ -150,8 +153,10 @@ class WeightQuantizer:
         # its layout; the kernels need (N, K) row-major.
         data = to_fp8(w, inv, self.fmt).contiguous()
         if not need_transposed:
-            return QuantizedWeight(data, inv)
+            return QuantizedWeight(data, inv.expand(1, w.shape[0]).contiguous() if self.row_scales else inv)
         if not self.rowwise:
+            if self.row_scales:
+                return QuantizedWeight(data, inv.expand(1, w.shape[0]).contiguous(), data.t().contiguous(), inv)
             return QuantizedWeight(data, inv, data.t().contiguous())
         backward_inv = inverse_scale(amax(w), self.fmt)
         return QuantizedWeight(data, inv, to_fp8(w.t(), backward_inv, self.fmt).contiguous(), backward_inv)
