@@ -31,10 +31,10 @@ Lifecycle (each step of it uses the part that owns it; nothing is re-implemented
    scales are re-calibrated every window. Every change is kept in `changes` with its step and
    reason, and logged.
 
-Loss scaling (`autoprec.scaling.LossScaler`) is on only while some layer is FP16 or FP8; a
-non-finite gradient skips the step either way. `state_dict` covers everything (plan, scaler,
-amax histories and calibration, profiler statistics, window position, step): a resumed run
-continues exactly as the uninterrupted one.
+Loss scaling (`autoprec.scaling.LossScaler`) is on only while some layer has FP16 gradients (FP8
+gradients carry their own per-tensor scale); a non-finite gradient skips the step either way.
+`state_dict` covers everything (plan, scaler, amax histories and calibration, profiler
+statistics, window position, step): a resumed run continues exactly as the uninterrupted one.
 
 Costs per step: the runtime's (see `runtime`), the scaler's one host sync per optimizer, and in
 monitored steps the profiler's (~+10 % per step). A search costs the cost model's measurements
@@ -122,8 +122,11 @@ class PrecisionChange:
 
 
 def _needs_loss_scaling(plan: "Plan | None") -> bool:
-    # FP16 and FP8 gradients underflow without a scale; BF16, FP32 and INT8 (FP32 backward) do not.
-    return plan is not None and any(lp.grad_format in (Format.FP16, Format.FP8_E5M2, Format.FP8_E4M3) for lp in plan.layers.values())
+    # Only FP16 gradients underflow without a scale. FP8 gradients are quantized with their own
+    # per-tensor current scale (amax -> scale), which divides a power-of-two loss scale out exactly:
+    # examples/measure_loss_scaling.py trains identically with the dynamic scale and with 1.
+    # BF16 has FP32's range; INT8 layers run their backward in FP32.
+    return plan is not None and any(lp.grad_format is Format.FP16 for lp in plan.layers.values())
 
 
 class _LinearisedLoss:
