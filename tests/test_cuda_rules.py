@@ -3,6 +3,8 @@
 The calls run on CPU, where the kernels accept all of them; the checker alone decides.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -324,27 +326,30 @@ def test_saturating_cast():
 """
 
 
-def run_in_file(pytester, name, marker=""):
+def run_in_file(pytester, monkeypatch, name, marker=""):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     pytester.makeconftest("from tests.conftest import *")
     pytester.makepyfile(**{name: _VIOLATING_TEST.format(marker=marker)})
-    return pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    # A subprocess: the file names are those of this suite's own modules, already imported here.
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider")
 
 
-def test_fixture_fails_a_violating_test_of_a_runtime_file_at_teardown(pytester):
-    result = run_in_file(pytester, "test_runtime")
+def test_fixture_fails_a_violating_test_of_a_runtime_file_at_teardown(pytester, monkeypatch):
+    result = run_in_file(pytester, monkeypatch, "test_runtime")
     result.stdout.fnmatch_lines(["*ERROR at teardown of test_saturating_cast*", "*rely on saturation*"])
 
 
-def test_fixture_skips_a_test_marked_no_cuda_rules_with_a_reason(pytester):
-    result = run_in_file(pytester, "test_scheduler", '@pytest.mark.no_cuda_rules(reason="saturates on purpose")')
+def test_fixture_skips_a_test_marked_no_cuda_rules_with_a_reason(pytester, monkeypatch):
+    result = run_in_file(pytester, monkeypatch, "test_scheduler", '@pytest.mark.no_cuda_rules(reason="saturates on purpose")')
     result.assert_outcomes(passed=1)
 
 
-def test_no_cuda_rules_without_a_reason_is_an_error(pytester):
-    result = run_in_file(pytester, "test_costs", "@pytest.mark.no_cuda_rules")
+def test_no_cuda_rules_without_a_reason_is_an_error(pytester, monkeypatch):
+    result = run_in_file(pytester, monkeypatch, "test_costs", "@pytest.mark.no_cuda_rules")
     result.stdout.fnmatch_lines(["*ERROR at setup of test_saturating_cast*", "*needs a reason*"])
 
 
-def test_fixture_leaves_other_files_alone(pytester):
-    result = run_in_file(pytester, "test_formats")
+def test_fixture_leaves_other_files_alone(pytester, monkeypatch):
+    result = run_in_file(pytester, monkeypatch, "test_formats")
     result.assert_outcomes(passed=1)

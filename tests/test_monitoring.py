@@ -63,10 +63,10 @@ def plan():
 
 @pytest.fixture(scope="module")
 def other():
-    """`plan` with qkv in FP8 (half its bytes) and current scaling on the output projection."""
+    """`plan` with qkv in FP8 (half its bytes) and delayed scaling on the output projection."""
     changed = make_plan(**{
         "blocks.0.attn.qkv": LayerPrecision("fp8_e4m3", reason="fits the memory budget"),
-        "blocks.0.attn.out": LayerPrecision("fp8_e4m3", scaling=Scaling(mode="current"), reason="amax drifts"),
+        "blocks.0.attn.out": LayerPrecision("fp8_e4m3", scaling=Scaling(mode="delayed"), reason="amax drifts"),
     })
     predicted = json.loads(json.dumps(dict(changed.predicted)))
     predicted["layers"]["blocks.0.attn.qkv"]["bytes"] = 500_001
@@ -162,7 +162,7 @@ def test_diff_lists_changed_layers_in_model_order(plan, other):
 
 def test_diff_names_scaling_changes_but_not_implied_gradient_formats(plan, other):
     changes = {d.layer: d.changes for d in diff_plans(plan, other)}
-    assert changes == {"blocks.0.attn.qkv": (), "blocks.0.attn.out": ("scaling.mode: delayed → current",)}
+    assert changes == {"blocks.0.attn.qkv": (), "blocks.0.attn.out": ("scaling.mode: current → delayed",)}
 
 
 def test_diff_reports_layers_only_one_plan_has(plan):
@@ -182,7 +182,7 @@ def test_diff_carries_predicted_deltas(plan, other):
 def test_diff_table_aligns_its_columns(plan, other):
     header, qkv, out = diff_plans(plan, other, ("a", "b")).format_table().splitlines()[1:]
     column = header.index("other changes")
-    assert qkv[column:].startswith("–  ") and out[column:].startswith("scaling.mode: delayed → current")
+    assert qkv[column:].startswith("–  ") and out[column:].startswith("scaling.mode: current → delayed")
 
 
 def test_diff_table_shows_signed_deltas(plan, other):
