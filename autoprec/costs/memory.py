@@ -34,8 +34,8 @@ import torch
 
 from ..formats import Format, Granularity
 from ..plan import LayerPrecision
-from ..runtime.calibration import outlier_slots
 from ..runtime.context import as_gemm, kernel_reason
+from ..runtime.gemm import FP8_ALIGN, INT8_ALIGN, INT8_MIN_ROWS
 from .trace import LayerTrace, MatmulCall, TensorSpec
 
 __all__ = ["MemoryCost", "call_path", "layer_memory"]
@@ -124,18 +124,25 @@ def _call_bytes(call: MatmulCall, precision: LayerPrecision, device) -> tuple[in
     if path == "emulated":
         return 0, sum(s.numel * fmt.bytes for s in call.tensors if s.dtype.is_floating_point and not s.weight)
     m, k, n = gemm
-    activations = sum(s.numel * fmt.bytes for s in call.tensors if s.operand and not s.weight)
     has_weight = any(s.operand and s.weight for s in call.tensors)
     if fmt.is_fp8:
-        # gemm.Fp8Linear saves the input in FP8, two scalar scales, and the weight's cached FP8
-        # transpose (1 byte per weight element; a fresh transpose when the operand is no weight).
-        transposed = k * n * fmt.bytes
-        return (transposed, activations + 2 * _SCALE_BYTES) if has_weight else (0, activations + transposed + 2 * _SCALE_BYTES)
-    # gemm.Int8Linear saves the INT8 input and its scale(s), the FP32 master (not a copy), and the
-    # input's outlier columns when calibration keeps them apart.
+        # gemm.Fp8Linear saves the input in FP8 with K padded to the kernel's 16, two scalar
+        # scales, and the weight's cached FP8 transpose (K', N') — a fresh one when the operand is
+        # no weight.
+        k_pad, n_pad = _round_up(k, FP8_ALIGN), _round_up(n, FP8_ALIGN)
+        transposed = k_pad * n_pad * fmt.bytes
+        activations = m * k_pad * fmt.bytes + 2 * _SCALE_BYTES
+        return (transposed, activations) if has_weight else (0, activations + transposed)
+    # gemm.Int8Linear saves the INT8 input padded to the kernel's shape (M > 16, K a multiple of 8)
+    # and its scale(s); the weight it keeps is the FP32 master itself. Outlier channels, once
+    # calibration froze, add at most one high-precision column in 128 of the input: left out.
     row = precision.scaling.granularity is Granularity.ROW
-    outliers = 0 if row or precision.calibration.outlier_ratio is None else outlier_slots(k) * (m * 4 + 8)
-    return 0, activations + (m if row else 1) * _SCALE_BYTES + outliers
+    rows = max(m, INT8_MIN_ROWS)
+    return 0, rows * _round_up(k, INT8_ALIGN) + (m if row else 1) * _SCALE_BYTES
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 def layer_memory(layer: LayerTrace, precision: "LayerPrecision | Format | str", device: "torch.device | str") -> MemoryCost:

@@ -198,8 +198,14 @@ def _calibrated(key: str, device_str: str) -> DevicePeaks:
     one = torch.ones((), device=device)
     for fmt in (Format.FP8_E4M3, Format.FP8_E5M2):
         if format_support(fmt, device).kernel:
-            a8, b8 = a.to(fmt.dtype), b.t().contiguous().t().to(fmt.dtype)
-            runs[fmt] = functools.partial(torch._scaled_mm, a8, b8, scale_a=one, scale_b=one, out_dtype=torch.float32)
+            # The runtime's forward call (runtime.gemm): an E4M3 weight, column-major (E5M2 x E5M2
+            # is refused on CUDA), BF16 out, and on CPU per-tensor scales in row shape (torch's CPU
+            # per-tensor E4M3 x E4M3 kernel is a slow reference path the runtime never takes).
+            a8, b8 = a.to(fmt.dtype), b.t().contiguous().t().to(Format.FP8_E4M3.dtype)
+            rows = device.type == "cpu" and fmt is Format.FP8_E4M3
+            scale_a = torch.ones(n, 1, device=device) if rows else one
+            scale_b = torch.ones(1, n, device=device) if rows else one
+            runs[fmt] = functools.partial(torch._scaled_mm, a8, b8, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
     if format_support(Format.INT8, device).kernel:
         ai, bi = a.clamp(-127, 127).to(torch.int8), b.clamp(-127, 127).to(torch.int8)
         runs[Format.INT8] = functools.partial(torch._int_mm, ai, bi)
