@@ -381,4 +381,5 @@ def test_kill_and_ctrl_c_resume_with_no_trial_left_running_and_no_candidate_meas
     assert not trials_of(url, "tiny", running) and not trials_of(url, "tiny:measured", running)
     finished = [t for t in trials_of(url, "tiny:measured", (TrialState.COMPLETE, TrialState.PRUNED)) if "skipped" not in t.user_attrs]
     ids = [t.user_attrs["candidate"] for t in finished]
-    assert len(ids) == len(set(ids)) == 3
+    # measure_top proposals plus the references that fit (uniform plans, plain autocast), each once.
+    assert len(ids) == len(set(ids)) >= 3
