@@ -462,3 +462,17 @@ def test_predicted_uniform_plan_ranking_matches_measured_step_times(tmp_path):
     # every adjacent pair differs by > 2x except bf16 vs fp16 (~15%), which may tie.
     result = check_uniform_ranking("small", threads=1, cache_dir=tmp_path, steps=8, warmup=2, tie=0.15)
     assert result.agree, result.table()
+
+
+def test_in_place_times_saved_to_a_file_are_reused_and_predict_the_same(tmp_path, monkeypatch):
+    from autoprec.costs import model as cost_model
+
+    model, x = _tiny_model()
+    path = tmp_path / "costs.json"
+    first = CostModel.build(model, x, formats=("fp32", "bf16"), times_file=path, timing_warmup=0, timing_steps=1)
+    measured = []
+    monkeypatch.setattr(cost_model, "measure_in_place", lambda *a, **k: measured.append(1))
+    again = CostModel.build(model, x, formats=("fp32", "bf16"), times_file=path, timing_warmup=0, timing_steps=1)
+    assert measured == []  # read back, not measured again
+    plan = first.uniform_plan(Format.BF16)
+    assert again.plan_cost(plan).step_seconds == first.plan_cost(plan).step_seconds

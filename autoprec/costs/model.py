@@ -26,14 +26,18 @@ the uniform plans on the built-in workload, ranked.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
+from .._io import atomic_write_text
 from ..device import format_support
 from ..errors import CostModelError
 from ..formats import Format
@@ -159,6 +163,7 @@ class CostModel:
         time_model: Optional[TimeModel] = None,
         timing_warmup: int = 3,
         timing_steps: int = 8,
+        times_file: "str | os.PathLike | None" = None,
     ) -> "CostModel":
         """Trace ``model`` on ``example_inputs`` and cost every layer in ``formats``.
 
@@ -170,6 +175,9 @@ class CostModel:
         ``False`` uses `RooflineTimeModel` and sets the rest of the step to 0 s, so predicted
         step times then cover the layers only. ``time_model``: per-call times from that model
         instead, the rest of the step (with ``measure``) from the FP32 steps in place.
+        ``times_file``: a JSON file the in-place times are read from when it holds them for these
+        layers, formats and device, and written to (atomically) when measured — so a resumed job
+        predicts exactly what the interrupted one did.
 
         Cost: one FP32 forward (trace), one low-precision forward per layer + 1 (bytes saved
         between layers), and the timed steps (FP32 only with a ``time_model``). The model is
@@ -185,7 +193,10 @@ class CostModel:
             timed = (Format.FP32,) + tuple(f for f in timed if f is not Format.FP32)
             layers = list(trace.layers)
             plans = {f: Plan({fqn: LayerPrecision(f) for fqn in layers}) for f in timed}
-            in_place = measure_in_place(model, [example_inputs], plans, layers, loss_fn, warmup=timing_warmup, steps=timing_steps)
+            in_place = _load_times(times_file, layers, timed, trace.device)
+            if in_place is None:
+                in_place = measure_in_place(model, [example_inputs], plans, layers, loss_fn, warmup=timing_warmup, steps=timing_steps)
+                _save_times(times_file, layers, in_place, trace.device)
             if Format.FP32 not in in_place:
                 raise CostModelError("CostModel.build: the FP32 training step failed in place; check loss_fn and example_inputs")
         if time_model is None:
@@ -474,3 +485,26 @@ def _check_uniform_ranking(workload, batch_size, formats, steps, warmup, tie, ca
         "time_sources": sorted({c.time_source for fmt in formats for c in costs.plan_cost(costs.uniform_plan(fmt)).layers.values()}),
     }
     return RankingCheck(formats, predicted, measured, iqr, tie, tau, exact, agree, discordant, info)
+
+
+def _times_key(layers: Sequence[str], device: Any) -> dict:
+    return {"layers": list(layers), "device": str(device)}
+
+
+def _load_times(path, layers: Sequence[str], formats: Sequence[Format], device: Any) -> "dict[Format, InPlaceTimes] | None":
+    """In-place times saved by `_save_times` for exactly these layers and device, covering every
+    format in ``formats``; None when there are none (or the file is another model's)."""
+    if path is None or not Path(path).is_file():
+        return None
+    data = json.loads(Path(path).read_text())
+    if {k: data.get(k) for k in ("layers", "device")} != _times_key(layers, device):
+        return None
+    times = {Format.parse(f): InPlaceTimes(t["step_seconds"], t["layer_seconds"], t["extrapolated"]) for f, t in data["times"].items()}
+    return times if all(f in times for f in formats) else None
+
+
+def _save_times(path, layers: Sequence[str], times: "dict[Format, InPlaceTimes]", device: Any) -> None:
+    if path is None:
+        return
+    data = {**_times_key(layers, device), "times": {f.value: dataclasses.asdict(t) for f, t in times.items()}}
+    atomic_write_text(Path(path), json.dumps(data, indent=1))

@@ -291,7 +291,9 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
 
     if progress is not None:
         progress(0, 1, "costing layers")
-    costs = CostModel.build(model, train[0], loss_fn=workload.loss, formats=config.formats)
+    # The in-place times are kept in the out folder: a re-run predicts exactly what this run did,
+    # so the same candidates come out and a resumed study gets no new trial.
+    costs = CostModel.build(model, train[0], loss_fn=workload.loss, formats=config.formats, times_file=config.out / "costs.json")
     if progress is not None:
         progress(0, 1, "estimating sensitivity")
     with warnings.catch_warnings():
