@@ -75,13 +75,17 @@ class Int8Calibrator:
         return self.keep is not None and self.slots > 0
 
     def to(self, device: torch.device) -> None:
-        """Move the state to ``device`` (no-op when it is there); called on first use of new data."""
-        if self.frozen_inv is not None and self.frozen_inv.device != device:
-            for name in ("frozen_inv", "outlier_index", "outlier_valid", "keep", "channel_amax"):
-                value = getattr(self, name)
-                if value is not None:
-                    setattr(self, name, value.to(device))
-            self._errors = {k: v.to(device) for k, v in self._errors.items()}
+        """Move the state to ``device`` (no-op when it is there): called with every input, so a
+        state loaded with any ``map_location`` follows the data, mid-calibration too."""
+        probe = self.frozen_inv if self.frozen_inv is not None else self.channel_amax
+        if probe is None or probe.device == device:
+            return
+        for name in ("frozen_inv", "outlier_index", "outlier_valid", "keep", "channel_amax"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value.to(device))
+        self.samples = [t.to(device) for t in self.samples]
+        self._errors = {k: v.to(device) for k, v in self._errors.items()}
 
     def observe(self, a: torch.Tensor) -> torch.Tensor:
         """Record a (M, K) input while calibrating and return its inverse scale for this pass.
