@@ -1,10 +1,12 @@
 """Bad input and interrupts (issue 12 §2): a one-line error naming the field and the fix, and
 nothing lost or measured twice when a search is killed or interrupted and run again."""
 
+import contextlib
 import logging
 import math
 import os
 import signal
+import sqlite3
 import socket
 import subprocess
 import sys
@@ -59,7 +61,7 @@ sensitivity_batches = 1
 
 [measure]
 val_batches = 2
-steps = 1
+steps = 3
 """
 
 
@@ -338,6 +340,19 @@ def wait_for(predicate, process, timeout=300.0):
     pytest.fail("the job did not reach the state to interrupt")
 
 
+def storage_ready(db):
+    """The job has finished creating its SQLite storage (Optuna writes the alembic revision
+    last). Read-only: opening a half-made storage with Optuna from here would race the job's own
+    schema creation."""
+    if not db.exists():
+        return False
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
+            return con.execute("select count(*) from alembic_version").fetchone()[0] > 0
+    except sqlite3.Error:
+        return False
+
+
 def trials_of(storage, name, states=None):
     try:
         return optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False, states=states)
@@ -358,13 +373,14 @@ def test_kill_and_ctrl_c_resume_with_no_trial_left_running_and_no_candidate_meas
 
     # kill -9 while a candidate is being measured.
     job = start_search(path)
-    wait_for(lambda: (tmp_path / "out" / "study.db").exists() and trials_of(url, "tiny:measured", running), job)
+    wait_for(lambda: storage_ready(tmp_path / "out" / "study.db") and trials_of(url, "tiny:measured", running), job)
     job.send_signal(signal.SIGKILL)
     job.wait()
 
     # Ctrl-C in the resumed run's measured stage: one line, no traceback.
     job = start_search(path)
-    wait_for(lambda: len(trials_of(url, "tiny:measured")) >= 3 and trials_of(url, "tiny:measured", running), job)
+    this_job = f"{socket.gethostname()}:{job.pid}"  # the killed run's trial stays RUNNING until this one recovers it
+    wait_for(lambda: any(t.user_attrs.get("worker") == this_job for t in trials_of(url, "tiny:measured", running)), job)
     job.send_signal(signal.SIGINT)
     _, err = job.communicate(timeout=120)
     assert job.returncode == 130
