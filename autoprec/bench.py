@@ -11,7 +11,9 @@ One ``models`` run trains, side by side, the built-in byte-level LM (`default_wo
 - ``plan:<format>``: ``Plan.uniform(model, format, example_input)`` run by ``apply_plan``; the
   runtime is made once per variant and re-entered every step, so amax histories and INT8
   calibration carry over as in real training;
-- ``autocast:<bf16|fp16>``: plain ``torch.autocast`` around forward + loss.
+- ``autocast:<bf16|fp16>``: plain ``torch.autocast`` around forward + loss;
+- ``compiled:<any of the above>``: the same with the model under ``torch.compile`` (the context
+  entered around the compiled call); compiling costs its first steps, so give enough warmup.
 
 Per variant it measures the median step time (zero_grad, forward + loss, backward, AdamW step)
 and the bytes autograd saves for backward in one forward (`SavedTensorMeter`, parameters
@@ -80,6 +82,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 REFERENCE = "fp32"
+_COMPILED = "compiled:"
 DEFAULT_VARIANTS = (
     "fp32",
     "plan:fp32",
@@ -110,16 +113,23 @@ class _Variant:
     name: str
     kind: str  # "plain" | "plan" | "autocast"
     format: Format
+    compiled: bool = False  # the model under torch.compile (default inductor backend)
 
 
 def _parse_variant(name: str) -> _Variant:
-    """``"fp32"``, ``"plan:<format>"`` or ``"autocast:<bf16|fp16>"``."""
+    """``"fp32"``, ``"plan:<format>"`` or ``"autocast:<bf16|fp16>"``, each optionally prefixed
+    ``"compiled:"``."""
+    if name.startswith(_COMPILED):
+        inner = _parse_variant(name[len(_COMPILED):])
+        if inner.compiled:
+            raise BenchConfigError(f"unknown variant {name!r}: 'compiled:' is given once")
+        return dataclasses.replace(inner, name=_COMPILED + inner.name, compiled=True)
     if name == REFERENCE:
         return _Variant(name, "plain", Format.FP32)
     kind, _, fmt_name = name.partition(":")
     if kind not in ("plan", "autocast") or not fmt_name:
         raise BenchConfigError(
-            f"unknown variant {name!r}; use 'fp32', 'plan:<format>' or 'autocast:<bf16|fp16>' "
+            f"unknown variant {name!r}; use 'fp32', 'plan:<format>' or 'autocast:<bf16|fp16>', optionally prefixed 'compiled:' "
             f"(formats: {', '.join(f.value for f in Format)})"
         )
     try:
@@ -400,6 +410,8 @@ class _Runner:
             self.context = lambda: torch.autocast(device.type, dtype=variant.format.dtype)
         else:
             self.context = contextlib.nullcontext
+        # The precision context is entered around the compiled call, as around autocast.
+        self.forward_model = torch.compile(model) if variant.compiled else model
         self.times: list[float] = []
         self.losses: list[float] = []
         self.saved_bytes = 0
@@ -407,9 +419,12 @@ class _Runner:
 
     def step(self, batch: Any, meter: Optional[SavedTensorMeter] = None) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
+        # The metered (untimed) step runs eagerly: saved-tensor hooks see eager autograd's
+        # tensors, so a compiled variant reports its plan's eager bytes.
+        model = self.model if meter is not None else self.forward_model
         with meter if meter is not None else contextlib.nullcontext():
             with self.context():
-                loss = self.loss_fn(self.model, batch)
+                loss = self.loss_fn(model, batch)
         loss.backward()
         self.optimizer.step()
         return loss
@@ -646,8 +661,8 @@ OPS_MLP_HIDDEN = 512  # the MLP is Linear(256, 512) - GELU - Linear(512, 256)
 OPS_PLANS = {
     "plan:fp32": (Format.FP32, Scaling()),
     "plan:bf16": (Format.BF16, Scaling()),
-    "plan:fp8_e4m3": (Format.FP8_E4M3, Scaling()),  # delayed per-tensor scaling, the default
-    "plan:fp8_e4m3/current": (Format.FP8_E4M3, Scaling(mode=ScalingMode.CURRENT)),
+    "plan:fp8_e4m3": (Format.FP8_E4M3, Scaling()),  # current per-tensor scaling, the default
+    "plan:fp8_e4m3/delayed": (Format.FP8_E4M3, Scaling(mode=ScalingMode.DELAYED)),
     "plan:fp8_e4m3/row-current": (Format.FP8_E4M3, Scaling(granularity=Granularity.ROW, mode=ScalingMode.CURRENT)),
     "plan:fp8_e5m2": (Format.FP8_E5M2, Scaling()),
     "plan:int8": (Format.INT8, Scaling()),

@@ -83,12 +83,29 @@ def test_result_is_json_and_table_lists_targets(result):
         {"variants": ("fp32", "plan:nope")},
         {"variants": ("fp32", "autocast:int8")},
         {"variants": ("fp32", "fp32")},
+        {"variants": ("fp32", "compiled:compiled:fp32")},
         {"device": "not-a-device"},
     ],
 )
 def test_config_rejects_bad_input(changes):
     with pytest.raises(BenchConfigError):
         dataclasses.replace(SMALL, **changes)
+
+
+def test_compiled_variant_trains_the_compiled_model_and_matches_eager_loss():
+    # aot_eager: Dynamo + AOTAutograd as torch.compile runs them, without Inductor's C++ build.
+    import torch
+
+    config = dataclasses.replace(SMALL, variants=("fp32", "compiled:fp32"), steps=2)
+    with pytest.MonkeyPatch.context() as patch:
+        real = torch.compile
+        patch.setattr(torch, "compile", lambda model: real(model, backend="aot_eager"))
+        result = run_bench(config)
+    rows = {(r.target, r.variant): r for r in result.rows}
+    for target in ("workload", "block"):
+        eager, compiled = rows[(target, "fp32")], rows[(target, "compiled:fp32")]
+        assert compiled.final_loss == pytest.approx(eager.final_loss, rel=1e-4)
+        assert compiled.saved_bytes == eager.saved_bytes
 
 
 def test_config_error_is_a_value_error():
