@@ -297,15 +297,19 @@ def test_overflowing_iteration_adds_one_transfer(monkeypatch):
 # -- the scale rule -------------------------------------------------------------------------------
 
 
-def test_min_scale_is_a_floor():
+def overflowing_trajectory(scaler, steps):
+    """The scale after each of ``steps`` iterations that all overflow."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = LossScaler(init_scale=8.0, min_scale=2.0)
     trajectory = []
-    for step in range(4):
+    for step in range(steps):
         scaled_step(scaler, model, opt, step, poison="0.weight")
         trajectory.append(scaler.get_scale())
-    assert trajectory == [4.0, 2.0, 2.0, 2.0]
+    return trajectory
+
+
+def test_min_scale_is_a_floor():
+    assert overflowing_trajectory(LossScaler(init_scale=8.0, min_scale=2.0), 4) == [4.0, 2.0, 2.0, 2.0]
 
 
 def test_hysteresis_tolerates_h_minus_one_overflows_per_growth_interval():
@@ -327,14 +331,7 @@ def test_hysteresis_tolerates_h_minus_one_overflows_per_growth_interval():
 
 
 def test_hysteresis_backs_off_on_the_nth_consecutive_overflow():
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = LossScaler(init_scale=1024.0, hysteresis=3)
-    trajectory = []
-    for step in range(4):
-        scaled_step(scaler, model, opt, step, poison="0.weight")
-        trajectory.append(scaler.get_scale())
-    assert trajectory == [1024, 1024, 512, 256]
+    assert overflowing_trajectory(LossScaler(init_scale=1024.0, hysteresis=3), 4) == [1024, 1024, 512, 256]
 
 
 def test_growth_stops_at_float32_max():

@@ -331,8 +331,6 @@ class PlanRuntime:
 
     @staticmethod
     def _kernel_name(layer: _Layer) -> str:
-        if layer.kernel_reason is not None:
-            return f"emulated ({layer.kernel_reason})"
         return "kernel torch._int_mm" if layer.format is Format.INT8 else "kernel torch._scaled_mm"
 
     # -- context ------------------------------------------------------------------------------
@@ -394,12 +392,13 @@ class PlanRuntime:
         out_dtype = self._out_dtype(x)
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         key = weight_key or self._param_names.get(id(weight), "weight")
-        wq = layer.weight_quantizer((key, weight.stride())).get(weight, need_transposed=grad)
+        quantizer = layer.weight_quantizer((key, weight.stride()))
+        wq = quantizer.get(weight, need_transposed=grad)
         if layer.format is Format.INT8:
             out = self._int8(layer, key, x2, weight, bias, wq, out_dtype, k, n)
         else:
             rowwise = layer.precision.scaling.granularity is Granularity.ROW
-            expand = wq.inv_scale.dim() == 2 and not rowwise  # the weight cache chose row-shaped scales
+            expand = quantizer.row_scales
             # Row-wise _scaled_mm writes BF16 only; a wider output is cast after the kernel.
             kernel_dtype = torch.bfloat16 if rowwise or expand else out_dtype
             # _scaled_mm fuses no bias into an FP32 output: there it is added after the kernel.
@@ -441,7 +440,6 @@ class PlanRuntime:
             return self._emulate(layer, op, func, args, kwargs)
         a, b, bias, beta, alpha, out_shape = gemm
         layer.note(op, self._kernel_name(layer))
-        weight_key = None
         if _is_weight(b):
             base = b if isinstance(b, nn.Parameter) else b._base
             weight_key = self._param_names.get(id(base))
