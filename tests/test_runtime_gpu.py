@@ -113,3 +113,102 @@ def test_fp8_block_saves_at_most_three_quarters_of_autocast_on_gpu():
         warnings.simplefilter("ignore", ap.EmulationWarning)
         fp8 = saved(ap.apply_plan(block, ap.Plan.uniform(block, "fp8_e4m3", x)))
     assert fp8 <= 0.75 * autocast
+
+
+# -- the lean runtime on a real CUDA device (issue 10 §1-2) -----------------------------------
+
+STEADY_PLANS = {
+    "fp8_e4m3-current": ("fp8_e4m3", ap.Scaling(mode="current")),
+    "fp8_e4m3-delayed": ("fp8_e4m3", ap.Scaling(mode="delayed")),
+    "fp8_e4m3-row": ("fp8_e4m3", ap.Scaling(granularity="row", mode="current")),
+    "fp8_e5m2-current": ("fp8_e5m2", ap.Scaling(mode="current")),
+    "int8": ("int8", ap.Scaling()),
+}
+CALIBRATION = ap.Calibration(batches=2)
+
+
+def _plan_of(model, name):
+    fmt, scaling = STEADY_PLANS[name]
+    return ap.Plan.uniform(model, fmt, scaling=scaling, calibration=CALIBRATION)
+
+
+def _needs(name):
+    ok, reason = (INT8_OK, INT8_REASON) if name == "int8" else (FP8_OK, FP8_REASON)
+    if not ok:
+        pytest.skip(reason)
+
+
+@pytest.mark.parametrize("name", STEADY_PLANS)
+def test_training_steps_never_sync_the_host_on_cuda(name):
+    """CUDA's own sync detector, not a CPU proxy: every step after the first (first-touch
+    allocations), the INT8 calibration-freezing step included, runs with syncs as errors."""
+    _needs(name)
+    layer, x, _ = _linear(tokens=1000)
+    runtime = ap.apply_plan(layer, _plan_of(layer, name))
+
+    def step():
+        layer.weight.grad = layer.bias.grad = None
+        with runtime:
+            out = layer(x)
+        out.float().sum().backward()
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(CALIBRATION.batches + 2):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(layer.weight.grad).all()
+
+
+@pytest.mark.skipif(not FP8_OK, reason=FP8_REASON)
+def test_delayed_scaling_spike_saturates_instead_of_overflowing_on_cuda():
+    """An input 8x larger than its amax history: the cast is clamped, so outputs stay finite
+    (an unclamped E4M3 cast on CUDA turns the overflow into NaN)."""
+    layer, x, grad = _linear(tokens=256)
+    runtime = ap.apply_plan(layer, ap.Plan.uniform(layer, "fp8_e4m3", scaling=ap.Scaling(mode="delayed")))
+    for _ in range(3):
+        with runtime:
+            layer(x).float().sum().backward()
+    spike = (8 * x).requires_grad_(True)
+    with runtime:
+        out = layer(spike)
+    out.backward(grad.to(out.dtype))
+    assert torch.isfinite(out).all() and torch.isfinite(spike.grad).all() and torch.isfinite(layer.weight.grad).all()
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3-current", "fp8_e4m3-row", "int8"])
+def test_inductor_compiled_step_matches_eager_with_no_graph_breaks_on_cuda(name):
+    """Inductor (Triton kernels) on the GPU: one graph, and the compiled step is as close to the
+    FP32 reference as the eager step (within 6 dB SQNR)."""
+    _needs(name)
+    from autoprec.opcount import graph_breaks
+
+    def mlp():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(768, 3072), nn.GELU(), nn.Linear(3072, 768)).cuda()
+
+    x = torch.randn(1000, 768, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    reference = mlp()
+    reference(x).sum().backward()
+    grads = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = mlp()
+        runtime = ap.apply_plan(model, _plan_of(model, name))
+        forward = torch.compile(model) if compiled else model
+        for _ in range(CALIBRATION.batches + 2):
+            model.zero_grad(set_to_none=True)
+            with runtime:
+                loss = forward(x).float().sum()
+            loss.backward()
+        grads[compiled] = [p.grad.clone() for p in model.parameters()]
+        if compiled:
+            with runtime:
+                breaks = graph_breaks(lambda inp: model(inp).float().sum(), x)
+            assert breaks.breaks == 0, "\n".join(breaks.reasons)
+    torch._dynamo.reset()
+    for ref, eager, compiled in zip((p.grad for p in reference.parameters()), grads[False], grads[True]):
+        assert sqnr(ref, compiled) >= sqnr(ref, eager) - 6.0

@@ -3,6 +3,7 @@
 import itertools
 import multiprocessing
 import sqlite3
+import time
 
 import numpy as np
 import optuna
@@ -232,9 +233,10 @@ def test_trial_left_running_by_a_dead_worker_is_retried(tmp_path):
     study = optuna.create_study(study_name="s", storage=storage)
     orphan = study.ask({u.name: optuna.distributions.CategoricalDistribution([f.value for f in u.formats]) for u in space.units})
     storage.record_heartbeat(orphan._trial_id)  # a worker that started, then died
-    import time
-
-    time.sleep(2.5)
+    # SQLite's CURRENT_TIMESTAMP, which Optuna stamps heartbeats with and compares them against,
+    # has whole-second resolution: after 2.5 s the stamps can differ by only 2 s, which is not
+    # past the 2 s grace period. 3.5 s makes them differ by at least 3 s whatever the start.
+    time.sleep(2 * 1 + 1.5)
     result = run_proxy_study(space, memory, loss, n_trials=5, storage=storage, study_name="s")
     states = [t.state for t in result.study.trials]
     assert states[0] == optuna.trial.TrialState.FAIL
