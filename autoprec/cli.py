@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -85,6 +87,44 @@ def _output_path(text: str) -> Path:
     return path
 
 
+class _CtrlC:
+    """Ctrl-C that a command never loses.
+
+    Python raises KeyboardInterrupt wherever the main thread happens to be when SIGINT lands. In
+    a finalizer or a weakref callback (SQLAlchemy runs some during a search) it is printed as
+    "Exception ignored" and dropped, and the command would carry on to the end. So the handler
+    also latches the interrupt, and `check` (called on every progress tick and when a command's
+    work returns) raises it again.
+    """
+
+    def __init__(self):
+        self.seen = False
+        self._previous = None
+
+    def __enter__(self) -> "_CtrlC":
+        self.seen = False
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt if Ctrl-C was pressed during this command."""
+        if self.seen:
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
+_CTRL_C = _CtrlC()
+
+
 class _Progress:
     """Progress of a long command on stderr: one rewritten line on a terminal, otherwise a line
     at most every ``every_s`` seconds (and at phase changes), so logs stay short."""
@@ -100,6 +140,7 @@ class _Progress:
         self.width = 0
 
     def __call__(self, done: int, total: int, phase: str) -> None:
+        _CTRL_C.check()
         now = time.monotonic()
         text = f"[{self.label}] {phase} round {done}/{total} ({now - self.start:.0f} s)"
         if self.tty:
@@ -405,6 +446,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     progress = _Progress(f"search {config.name}")
     try:
         result = run_job(config, progress=progress)
+        _CTRL_C.check()
     except KeyboardInterrupt:
         progress.close()
         print(f"autoprec: search interrupted; run the same command again to resume from the study in {config.storage_url}", file=sys.stderr)
@@ -479,7 +521,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = parser.parse_args(argv)
     except _UsageError as exc:
         return _fail(str(exc), EXIT_USAGE)
-    with _logging_to_stderr(getattr(args, "verbose", False)):
+    with _logging_to_stderr(getattr(args, "verbose", False)), _CTRL_C:
         try:
             return args.handler(args)
         except AutoprecError as exc:

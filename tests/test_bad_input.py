@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 import types
+import warnings
 
 import optuna
 import pytest
@@ -135,6 +136,21 @@ def test_a_trial_left_running_by_a_dead_process_is_failed_and_queued_again(tmp_p
     states = [t.state for t in study.get_trials()]
     assert states == [TrialState.FAIL, TrialState.WAITING]
     assert study.get_trials()[1].params == study.get_trials()[0].params
+
+
+def test_a_retried_trial_is_judged_by_its_own_constraints_not_the_killed_attempts(tmp_path):
+    storage = open_storage(tmp_path / "study.db")
+    study = optuna.create_study(study_name="s", storage=storage)
+    killed = study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})
+    killed.set_constraint("memory", 5.0)  # what the killed attempt measured before it died
+    killed.set_user_attr("worker", f"{socket.gethostname()}:{dead_pid()}")
+    recover_interrupted_trials(study)
+    retry = study.ask()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Optuna warns when it ignores a constraint already set
+        retry.set_constraint("memory", -1.0)
+    study.tell(retry, 0.5)
+    assert study.get_trials()[1].constraints == {"memory": -1.0}
 
 
 def test_a_trial_of_a_live_process_is_left_running(tmp_path):
@@ -365,6 +381,24 @@ def start_search(path):
     return subprocess.Popen([sys.executable, "-m", "autoprec", "search", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped raise, on purpose
+def test_ctrl_c_swallowed_by_a_finalizer_still_stops_the_command_at_the_next_tick():
+    """Python drops a KeyboardInterrupt raised inside ``__del__`` (or a weakref callback, as
+    SQLAlchemy's were during a search); the command must stop all the same."""
+    from autoprec.cli import _CTRL_C, _Progress
+
+    class SignalsWhenCollected:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs here, inside the finalizer, and its raise is dropped
+
+    progress = _Progress("test", stream=open(os.devnull, "w"))
+    with _CTRL_C:
+        SignalsWhenCollected()  # collected at once
+        with pytest.raises(KeyboardInterrupt):
+            progress(1, 2, "working")
+
+
 @pytest.mark.slow
 def test_kill_and_ctrl_c_resume_with_no_trial_left_running_and_no_candidate_measured_twice(tmp_path):
     path = write_job(tmp_path)
@@ -383,7 +417,7 @@ def test_kill_and_ctrl_c_resume_with_no_trial_left_running_and_no_candidate_meas
     wait_for(lambda: any(t.user_attrs.get("worker") == this_job for t in trials_of(url, "tiny:measured", running)), job)
     job.send_signal(signal.SIGINT)
     _, err = job.communicate(timeout=120)
-    assert job.returncode == 130
+    assert job.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert err.strip().splitlines()[-1].startswith("autoprec: search interrupted; run the same command again to resume")
 

@@ -35,11 +35,18 @@ def only_rule(call) -> str:
     return rules[0]
 
 
-def only_rule_cpu_refuses_too(call, error) -> str:
-    """The one rule broken by a call that the CPU kernel refuses as well (after the checker saw it)."""
+def only_rule_whatever_the_cpu_does(call) -> str:
+    """The one rule broken by a call that the CPU kernel may refuse as well.
+
+    Whether torch's CPU kernel refuses such a call depends on the CPU (a machine without AVX-512
+    takes another path, with other checks), so its error is allowed but not required; the
+    checker has seen the call before the kernel runs.
+    """
     with CudaRules(raise_on_exit=False) as rules:
-        with pytest.raises(error):
+        try:
             call()
+        except (RuntimeError, ValueError):
+            pass
     assert len(rules.violations) == 1, rules.violations
     return rules.violations[0].rule
 
@@ -140,32 +147,30 @@ def test_e5m2_times_e5m2_is_caught():
 
 def test_non_fp8_operand_is_caught():
     a = torch.randn(24, 32, dtype=torch.bfloat16)
-    rule = only_rule_cpu_refuses_too(
-        lambda: torch._scaled_mm(a, weight_t(32, 48), scale_a=ONE, scale_b=ONE, out_dtype=torch.float32), ValueError
+    rule = only_rule_whatever_the_cpu_does(
+        lambda: torch._scaled_mm(a, weight_t(32, 48), scale_a=ONE, scale_b=ONE, out_dtype=torch.float32)
     )
     assert "float8" in rule
 
 
 def test_non_float32_scale_is_caught():
     half = torch.tensor(1.0, dtype=torch.float16)
-    rule = only_rule(lambda: torch._scaled_mm(fp8(24, 32), weight_t(32, 48), scale_a=half, scale_b=ONE, out_dtype=torch.float32))
+    rule = only_rule_whatever_the_cpu_does(lambda: torch._scaled_mm(fp8(24, 32), weight_t(32, 48), scale_a=half, scale_b=ONE, out_dtype=torch.float32))
     assert "scales must be float32" in rule
 
 
 def test_rowwise_scale_of_wrong_shape_is_caught():
-    rule = only_rule_cpu_refuses_too(
+    rule = only_rule_whatever_the_cpu_does(
         lambda: torch._scaled_mm(
             fp8(24, 32), weight_t(32, 48), scale_a=torch.ones(24), scale_b=torch.ones(1, 48), out_dtype=torch.bfloat16
-        ),
-        ValueError,
+        )
     )
     assert "(24,1)" in rule
 
 
 def test_tensorwise_mixed_with_rowwise_is_caught():
-    rule = only_rule_cpu_refuses_too(
-        lambda: torch._scaled_mm(fp8(24, 32), weight_t(32, 48), scale_a=ONE, scale_b=torch.ones(1, 48), out_dtype=torch.bfloat16),
-        ValueError,
+    rule = only_rule_whatever_the_cpu_does(
+        lambda: torch._scaled_mm(fp8(24, 32), weight_t(32, 48), scale_a=ONE, scale_b=torch.ones(1, 48), out_dtype=torch.bfloat16)
     )
     assert "scales" in rule
 
@@ -205,9 +210,8 @@ def test_bias_dtype_not_matching_out_dtype_is_caught():
 
 
 def test_unsupported_out_dtype_is_caught():
-    rule = only_rule_cpu_refuses_too(
-        lambda: torch._scaled_mm(fp8(24, 32), weight_t(32, 48), scale_a=ONE, scale_b=ONE, out_dtype=torch.float64),
-        RuntimeError,
+    rule = only_rule_whatever_the_cpu_does(
+        lambda: torch._scaled_mm(fp8(24, 32), weight_t(32, 48), scale_a=ONE, scale_b=ONE, out_dtype=torch.float64)
     )
     assert "out_dtype" in rule
 
@@ -237,10 +241,7 @@ def test_int_mm_transposed_first_operand_is_caught():
 
 def test_int_mm_non_int8_operand_is_caught():
     a = torch.randint(-8, 8, (32, 32), dtype=torch.int16)
-    with CudaRules(raise_on_exit=False) as rules:
-        with pytest.raises(RuntimeError):  # the CPU kernel refuses it too, after the checker saw it
-            torch._int_mm(a, int8(32, 24))
-    assert [v.rule for v in rules.violations] == ["operands must be int8"]
+    assert only_rule_whatever_the_cpu_does(lambda: torch._int_mm(a, int8(32, 24))) == "operands must be int8"
 
 
 # -- casts -------------------------------------------------------------------------------------

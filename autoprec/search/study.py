@@ -36,7 +36,7 @@ from .space import Choice, SearchSpace
 
 __all__ = [
     "ProxyResult", "open_storage", "run_proxy_study", "feasible", "HEARTBEAT_SECONDS",
-    "WORKER_ATTR", "mark_worker", "recover_interrupted_trials", "quiet_interrupts",
+    "WORKER_ATTR", "mark_worker", "recover_interrupted_trials", "quiet_interrupts", "RetryWithFreshConstraints",
 ]
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,19 @@ logger = logging.getLogger(__name__)
 # retried (Optuna's RDB heartbeat; the grace period is Optuna's default of 2 intervals).
 HEARTBEAT_SECONDS = 10
 _COUNTED = (TrialState.COMPLETE, TrialState.PRUNED)
+
+
+class RetryWithFreshConstraints(optuna.storages.RetryHeartbeatStaleTrialCallback):
+    """Optuna's retry of a failed trial, minus the constraint values the failed attempt set.
+
+    The stock callback copies every system attribute into the retry, the ``constraints:<key>``
+    values too, and ``Trial.set_constraint`` then ignores (with a warning) the values the retry
+    measures itself: the trial would be judged by what its killed attempt saw.
+    """
+
+    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        trial.system_attrs = {k: v for k, v in trial.system_attrs.items() if not k.startswith("constraints:")}
+        super().__call__(study, trial)
 
 
 def open_storage(url_or_path: "str | Path", heartbeat_seconds: int = HEARTBEAT_SECONDS) -> optuna.storages.BaseStorage:
@@ -66,7 +79,7 @@ def open_storage(url_or_path: "str | Path", heartbeat_seconds: int = HEARTBEAT_S
                 text,
                 heartbeat_interval=heartbeat_seconds,
                 grace_period=2 * heartbeat_seconds,
-                heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=3),
+                heartbeat_stale_trial_callback=RetryWithFreshConstraints(max_retry=3),
             )
     except Exception as exc:  # SQLAlchemy raises many types for an unreachable or bad URL
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -104,7 +117,7 @@ def recover_interrupted_trials(study: optuna.Study) -> int:
     A trial is gone when its worker was a process of this machine that no longer exists (checked
     at once), or when its heartbeat is stale (Optuna's `fail_stale_trials`, for workers elsewhere).
     Each failed trial is re-queued as WAITING with its parameters and user attributes by the
-    storage's `RetryHeartbeatStaleTrialCallback` (at most 3 retries). One storage read of the
+    storage's retry callback (`RetryWithFreshConstraints`, at most 3 retries). One storage read of the
     running trials, one write per failed trial.
     """
     with warnings.catch_warnings():
@@ -113,7 +126,7 @@ def recover_interrupted_trials(study: optuna.Study) -> int:
         # Optuna has no public call to fail a trial of a dead worker; fail_stale_trials itself goes
         # through the storage in the same way.
         storage = study._storage
-        retry = getattr(storage, "get_heartbeat_stale_trial_callback", lambda: None)() or optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=3)
+        retry = getattr(storage, "get_heartbeat_stale_trial_callback", lambda: None)() or RetryWithFreshConstraints(max_retry=3)
         failed = 0
         for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             if not _worker_gone(trial):
