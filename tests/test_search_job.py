@@ -256,14 +256,25 @@ def test_autocast_reference_loss_is_that_of_plain_torch_autocast():
     assert m.loss == pytest.approx(expected, rel=1e-6)
 
 
-def test_a_candidate_predicted_far_slower_than_one_measured_is_pruned_unrun():
+def test_a_proposed_plan_predicted_far_slower_than_one_measured_is_pruned_unrun():
     wl, model, plan, stage = _stage()
     fast = Candidate("autocast-bf16", plan.replace(predicted={"seconds": 1e-3}), autocast=True)
-    slow = Candidate("uniform-bf16", plan.replace(predicted={"seconds": 1e3}))
+    mixed = plan.with_layers({next(iter(plan.layers)): "fp32"}).replace(predicted={"seconds": 1e3})
+    slow = Candidate("trial 7", mixed)
     study = optuna.create_study()
     results = stage.run([fast, slow], study, float("inf"), float("inf"), slow_prune=2.0)
     assert results[slow.id].startswith("predicted 1000000.0 ms > 2x the 1.0 ms predicted for the fastest measured")
     assert "bytes" not in study.trials[1].user_attrs  # never run, not even for its memory
+
+
+def test_a_reference_predicted_far_slower_is_measured_all_the_same():
+    """The returned plan must be no slower than every budget-meeting reference *as measured*,
+    so no prediction keeps a reference from running."""
+    wl, model, plan, stage = _stage()
+    fast = Candidate("autocast-bf16", plan.replace(predicted={"seconds": 1e-3}), autocast=True)
+    slow = Candidate("uniform-bf16", plan.replace(predicted={"seconds": 1e3}))
+    results = stage.run([fast, slow], optuna.create_study(), float("inf"), float("inf"), slow_prune=2.0)
+    assert isinstance(results[slow.id], Measurement) and results[slow.id].seconds > 0
 
 
 def _measured(seconds, bytes_=100, loss_increase=0.0):

@@ -20,11 +20,13 @@ without autoprec.
 Each candidate is a trial of an Optuna study in the job's storage, keyed by `candidate_id` (the
 hash of its layers' formats) in the user attribute ``candidate``: a crashed or interrupted job
 resumes with the candidates already measured kept, fails and re-queues the trials it left
-running, and never measures a candidate twice. Measuring stops early: a candidate whose predicted
-step time is over ``slow_prune`` times the predicted time of the fastest budget-meeting candidate
-measured so far is pruned before it runs (measure candidates fastest-predicted first; predicted
-is compared with predicted, so a cost model off by a constant factor prunes nothing wrongly), one
-over the memory budget is pruned after one step, and `BudgetPruner` prunes one whose running loss
+running, and never measures a candidate twice. Measuring stops early: a proposed plan whose
+predicted step time is over ``slow_prune`` times the predicted time of the fastest budget-meeting
+candidate measured so far is pruned before it runs (measure candidates fastest-predicted first;
+predicted is compared with predicted, so a cost model off by a constant factor prunes nothing
+wrongly); references are always run, since the returned plan must be no slower *as measured*
+than any of them that meets the budgets. Any candidate over the memory budget is pruned after one
+step, and `BudgetPruner` prunes one whose running loss
 increase is already
 clearly over the loss budget, before its step time is measured.
 """
@@ -285,8 +287,9 @@ class MeasuredStage:
         """Measure every candidate not yet measured in ``study`` (trials keyed by the user
         attribute ``candidate``), in the order given; returns candidate id -> `Measurement`, or
         the reason it was pruned. ``memory_bytes`` / ``loss_budget`` are absolute (inf when
-        open). ``slow_prune``: a candidate whose ``plan.predicted["seconds"]`` is over this
-        times that of the fastest budget-meeting candidate measured so far is pruned unrun.
+        open). ``slow_prune``: a candidate that is not a reference whose
+        ``plan.predicted["seconds"]`` is over this times that of the fastest budget-meeting
+        candidate measured so far is pruned unrun.
 
         Trials an interrupted run left RUNNING are failed and queued again first; a queued
         trial whose candidate is already measured, or is not one of ``candidates``, is pruned
@@ -315,7 +318,7 @@ class MeasuredStage:
             candidate = by_id[cid]
             predicted, fastest = candidate.plan.predicted.get("seconds", 0.0), fastest_predicted()
             trial.set_user_attr("predicted", predicted)
-            if predicted > slow_prune * fastest:
+            if not candidate.is_reference and predicted > slow_prune * fastest:
                 trial.set_user_attr("pruned", f"predicted {predicted * 1e3:.1f} ms > {slow_prune:g}x the {fastest * 1e3:.1f} ms predicted for the fastest measured")
                 raise optuna.TrialPruned(trial.user_attrs["pruned"])
             context = candidate.context(self.device)
