@@ -92,24 +92,32 @@ class _CtrlC:
 
     Python raises KeyboardInterrupt wherever the main thread happens to be when SIGINT lands. In
     a finalizer or a weakref callback (SQLAlchemy runs some during a search) it is printed as
-    "Exception ignored" and dropped, and the command would carry on to the end. So the handler
-    also latches the interrupt, and `check` (called on every progress tick and when a command's
-    work returns) raises it again.
+    "Exception ignored" with a traceback and dropped, and the command would carry on to the end.
+    So the handler also latches the interrupt, `check` (called on every progress tick and when a
+    command's work returns) raises it again, and the dropped one is not printed (the user sees
+    the command's one-line "interrupted" message, not a traceback from a library's callback).
     """
 
     def __init__(self):
         self.seen = False
         self._previous = None
+        self._previous_unraisable = None
 
     def __enter__(self) -> "_CtrlC":
         self.seen = False
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._previous_unraisable, sys.unraisablehook = sys.unraisablehook, self._unraisable
         return self
 
     def _handle(self, signum, frame) -> None:
         self.seen = True
         raise KeyboardInterrupt
+
+    def _unraisable(self, unraisable) -> None:
+        if self.seen and unraisable.exc_type is KeyboardInterrupt:
+            return  # latched: `check` raises it again
+        self._previous_unraisable(unraisable)
 
     def check(self) -> None:
         """Raise KeyboardInterrupt if Ctrl-C was pressed during this command."""
@@ -119,7 +127,8 @@ class _CtrlC:
     def __exit__(self, *exc) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+            sys.unraisablehook = self._previous_unraisable
+            self._previous = self._previous_unraisable = None
 
 
 _CTRL_C = _CtrlC()

@@ -381,11 +381,14 @@ def start_search(path):
     return subprocess.Popen([sys.executable, "-m", "autoprec", "search", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped raise, on purpose
-def test_ctrl_c_swallowed_by_a_finalizer_still_stops_the_command_at_the_next_tick():
+def test_ctrl_c_swallowed_by_a_finalizer_still_stops_the_command_at_the_next_tick(monkeypatch):
     """Python drops a KeyboardInterrupt raised inside ``__del__`` (or a weakref callback, as
-    SQLAlchemy's were during a search); the command must stop all the same."""
+    SQLAlchemy's were during a search) and prints it with a traceback; the command must stop
+    all the same, and print no such traceback."""
     from autoprec.cli import _CTRL_C, _Progress
+
+    printed = []
+    monkeypatch.setattr(sys, "unraisablehook", printed.append)  # what Python would print
 
     class SignalsWhenCollected:
         def __del__(self):
@@ -397,6 +400,8 @@ def test_ctrl_c_swallowed_by_a_finalizer_still_stops_the_command_at_the_next_tic
         SignalsWhenCollected()  # collected at once
         with pytest.raises(KeyboardInterrupt):
             progress(1, 2, "working")
+    assert printed == []
+    assert sys.unraisablehook == printed.append  # restored on exit
 
 
 @pytest.mark.slow
