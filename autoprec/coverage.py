@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ._tracing import module_stack, side_effect_free
 from .calls import ModelCall
 
 __all__ = [
@@ -191,34 +192,12 @@ def trace_layers(model: nn.Module, example_inputs: Any) -> dict[str, LayerInfo]:
     exactly as before when this returns, also if it raises.
     """
     call = ModelCall.of(example_inputs)
-    fqn_of = {module: fqn for fqn, module in model.named_modules()}
-    stack: list[str] = []
     seen: dict[str, set[str]] = {}
-    handles = []
-
-    def push(module, *_):
-        stack.append(fqn_of[module])
-
-    def pop(module, *_):
-        stack.pop()
-
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    try:
-        for module in fqn_of:
-            handles.append(module.register_forward_pre_hook(push))
-            handles.append(module.register_forward_hook(pop, always_call=True))
-        # Tracing must not consume random numbers (dropout) that the real run would draw.
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), _MatmulRecorder(stack, seen):
-            call(model)
-    finally:
-        for handle in handles:
-            handle.remove()
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
+    # Tracing must not consume random numbers (dropout) that the real run would draw.
+    with side_effect_free(model), module_stack(model) as stack, torch.no_grad(), _MatmulRecorder(stack, seen):
+        call(model)
     modules = dict(model.named_modules())
-    return {fqn: LayerInfo.of(modules[fqn], seen[fqn]) for fqn in fqn_of.values() if fqn in seen}
+    return {fqn: LayerInfo.of(module, seen[fqn]) for fqn, module in modules.items() if fqn in seen}
 
 
 def find_layers(model: nn.Module, example_inputs: Any = None) -> dict[str, LayerInfo]:

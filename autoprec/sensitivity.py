@@ -86,6 +86,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from ._tracing import module_stack
 from .calls import ModelCall
 from .coverage import ModuleFilter, find_layers
 from .errors import FormatError, SensitivityError
@@ -421,30 +422,15 @@ class _Recorder:
 def _callers(model: nn.Module, loss_fn: LossFn, batch, layers: Sequence[str]) -> dict[str, str]:
     """``layer -> fqn of the module running when the layer is first called`` (not the root);
     one forward under ``torch.no_grad``."""
-    fqn_of = {module: fqn for fqn, module in model.named_modules()}
     wanted = set(layers)
-    stack: list[str] = []
     callers: dict[str, str] = {}
-    handles = []
 
-    def push(module, *_):
-        fqn = fqn_of[module]
+    def record(fqn: str, stack: list) -> None:
         if fqn in wanted and fqn not in callers and stack and stack[-1] != "":
             callers[fqn] = stack[-1]
-        stack.append(fqn)
 
-    def pop(module, *_):
-        stack.pop()
-
-    try:
-        for module in fqn_of:
-            handles.append(module.register_forward_pre_hook(push))
-            handles.append(module.register_forward_hook(pop, always_call=True))
-        with torch.no_grad():
-            loss_fn(model, batch)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with module_stack(model, on_enter=record), torch.no_grad():
+        loss_fn(model, batch)
     return callers
 
 

@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from .._tracing import is_weight, module_stack, side_effect_free
 from ..calls import ModelCall
 from ..coverage import MATMUL_OPS
 from ..errors import CostModelError
@@ -52,11 +53,6 @@ def _bias_of(op: str, args: tuple, kwargs: dict) -> Any:
     if len(args) > at:
         return args[at]
     return kwargs.get("input" if at == 0 else "bias")
-
-
-def _is_weight(t: torch.Tensor) -> bool:
-    # The runtime's rule (runtime.context._is_weight): a Parameter or a view of one.
-    return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +104,7 @@ class TensorSpec:
             storage_numel=t.untyped_storage().nbytes() // max(t.element_size(), 1),
             dtype=t.dtype,
             requires_grad=t.requires_grad,
-            weight=_is_weight(t),
+            weight=is_weight(t),
             param=isinstance(t, nn.Parameter),
             operand=operand and t.is_floating_point(),
         )
@@ -191,12 +187,12 @@ class _Attribution:
     """
 
     def __init__(self, model: nn.Module):
-        self.fqn_of = {module: fqn for fqn, module in model.named_modules()}
+        self.model = model
+        self.layer_names = [fqn for fqn, _ in model.named_modules()]
         self.seen = HeldBytes(model.parameters())
         self.stack: list[str] = []
         self.packs: list[tuple[tuple[str, ...], int, Any]] = []  # (stack, nbytes, call record or None)
         self.current: Any = None
-        self._handles: list = []
         self._exit = contextlib.ExitStack()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -210,27 +206,16 @@ class _Attribution:
         return t
 
     def __enter__(self) -> "_Attribution":
-        def push(module, *_):
-            self.stack.append(self.fqn_of[module])
-
-        def pop(module, *_):
-            self.stack.pop()  # returns None to the hook: the module's output stays as it is
-
         try:
-            for module in self.fqn_of:
-                self._handles.append(module.register_forward_pre_hook(push))
-                self._handles.append(module.register_forward_hook(lambda m, i, o: pop(m), always_call=True))
+            self.stack = self._exit.enter_context(module_stack(self.model))
             self._exit.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
         except BaseException:
-            self.__exit__(None, None, None)
+            self._exit.close()
             raise
         return self
 
     def __exit__(self, *exc) -> None:
         self._exit.close()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
     def split(self, layers) -> tuple[dict[str, int], int]:
         """(bytes per layer, bytes outside every layer) for packs made outside recorded calls."""
@@ -286,20 +271,6 @@ def _forward(model: nn.Module, example_inputs: Any, loss_fn: Optional[Callable])
     return loss_fn(model, example_inputs) if loss_fn is not None else ModelCall.of(example_inputs)(model)
 
 
-@contextlib.contextmanager
-def _side_effect_free(model: nn.Module):
-    """Keep buffers (BatchNorm statistics) and the global RNG as they were (as trace_layers does)."""
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
-
-
 def trace_model(model: nn.Module, example_inputs: Any, loss_fn: Optional[Callable] = None) -> ModelTrace:
     """Record the layers of ``model`` from one FP32 forward with autograd on (no backward).
 
@@ -310,7 +281,7 @@ def trace_model(model: nn.Module, example_inputs: Any, loss_fn: Optional[Callabl
     """
     meter = _Attribution(model)
     recorder = _CallRecorder(meter)
-    with _side_effect_free(model), torch.enable_grad(), meter, recorder:
+    with side_effect_free(model), torch.enable_grad(), meter, recorder:
         output = _forward(model, example_inputs, loss_fn)
     del output
     if not recorder.calls:
@@ -354,10 +325,10 @@ def saved_bytes_by_layer(
     model is checked against. Costs one forward with autograd on (no backward).
     """
     meter = _Attribution(model)
-    unknown = sorted(set(layers) - set(meter.fqn_of.values()))
+    unknown = sorted(set(layers) - set(meter.layer_names))
     if unknown:
         raise CostModelError(f"saved_bytes_by_layer: {unknown} are not modules of {type(model).__name__}")
-    with _side_effect_free(model), torch.enable_grad():
+    with side_effect_free(model), torch.enable_grad():
         with meter, (context() if context is not None else contextlib.nullcontext()):
             output = _forward(model, example_inputs, loss_fn)
         per, rest = meter.split(layers)

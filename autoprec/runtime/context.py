@@ -38,6 +38,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from .._tracing import is_weight
 from ..coverage import MATMUL_OPS
 from ..device import KERNEL_OPS, format_support
 from ..errors import RuntimeStateError
@@ -82,11 +83,6 @@ def kernel_reason(precision: LayerPrecision, device: "torch.device | str") -> "s
     if granularity is Granularity.BLOCK:
         return "block scaling has no kernel"
     return None
-
-
-def _is_weight(t: Any) -> bool:
-    """A Parameter or a view of one (``w.t()``): cached per optimizer step, re-derivable in backward."""
-    return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
 
 
 def _to_fp32(value: Any) -> Any:
@@ -440,7 +436,7 @@ class PlanRuntime:
             return self._emulate(layer, op, func, args, kwargs)
         a, b, bias, beta, alpha, out_shape = gemm
         layer.note(op, self._kernel_name(layer))
-        if _is_weight(b):
+        if is_weight(b):
             base = b if isinstance(b, nn.Parameter) else b._base
             weight_key = self._param_names.get(id(base))
         else:
@@ -461,7 +457,7 @@ class PlanRuntime:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensor_at = [i for i, v in enumerate(leaves) if torch.is_tensor(v)]
         tensors = [leaves[i] for i in tensor_at]
-        weights = tuple(_is_weight(t) for t in tensors)
+        weights = tuple(is_weight(t) for t in tensors)
         out_dtype = self._out_dtype(next((t for t in tensors if t.is_floating_point()), tensors[0]))
 
         def fn(*values):

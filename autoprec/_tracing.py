@@ -1,0 +1,72 @@
+"""Running a model to look at it: the module call stack, a run that leaves no trace, weights.
+
+Three parts watch a model run to learn about it: `coverage` (which modules run matrix products),
+`costs.trace` (what each module saves for backward) and `sensitivity` (which module calls which).
+Each needs the stack of modules executing, and a run whose side effects are undone; the runtime
+and the cost trace share one rule for what a weight is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.nn as nn
+
+__all__ = ["module_stack", "side_effect_free", "is_weight"]
+
+
+@contextlib.contextmanager
+def module_stack(model: nn.Module, on_enter: Optional[Callable[[str, list], None]] = None) -> Iterator[list[str]]:
+    """Yield the list of fully qualified names of the modules of ``model`` now executing,
+    outermost first, kept by a forward pre-hook and a forward hook on every module (removed on
+    exit, also when the body raises). ``on_enter(fqn, stack)`` runs before a module is pushed.
+
+    Cost: two Python calls per module call; the hooks return None, so outputs stay as they are.
+    """
+    fqn_of = {module: fqn for fqn, module in model.named_modules()}
+    stack: list[str] = []
+
+    def push(module, *_):
+        fqn = fqn_of[module]
+        if on_enter is not None:
+            on_enter(fqn, stack)
+        stack.append(fqn)
+
+    def pop(module, *_):
+        stack.pop()
+
+    handles = []
+    try:
+        for module in fqn_of:
+            handles.append(module.register_forward_pre_hook(push))
+            handles.append(module.register_forward_hook(pop, always_call=True))
+        yield stack
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def side_effect_free(model: nn.Module) -> Iterator[None]:
+    """A run of ``model`` that leaves its buffers (BatchNorm statistics) and the global RNG
+    (dropout draws) as they were, also when it raises: a look at the model must not change the
+    real run. Costs one copy of the buffers. CUDA's RNG is forked only once CUDA is initialized
+    (a CUDA model has done that), so a CPU run does not start CUDA.
+    """
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+
+
+def is_weight(t: Any) -> bool:
+    """A Parameter or a view of one (``w.t()``): the runtime caches it per optimizer step and
+    re-derives it in backward, and the cost trace counts it as a weight, not as a saved tensor."""
+    return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
