@@ -54,16 +54,20 @@ import torch.nn as nn
 from . import __version__
 from ._io import atomic_write_text
 from .device import resolve_device
+from .errors import ProfileError
 from .errors import AutoprecError
 from .formats import Format, Granularity
 from .measure import SavedTensorMeter
 from .opcount import OpCounts, count_training_step, graph_breaks, max_abs_diff, training_step
 from .plan import Calibration, Plan, Scaling, ScalingMode
+from .profiling import LayerProfiler
+from .profiling.drivers import builtin_workload, workload_trainer
 from .runtime import EmulationWarning, PlanRuntime, apply_plan
 from .workloads import LMConfig, TransformerBlock, default_workload
 
 __all__ = [
     "DEFAULT_VARIANTS",
+    "measure_overhead",
     "BenchConfig",
     "BenchConfigError",
     "BenchRow",
@@ -886,3 +890,66 @@ def run_ops_bench(config: OpsBenchConfig = OpsBenchConfig(), progress: Optional[
     result = OpsBenchResult(config, device_info(device), rows, compile_rows, time.perf_counter() - start)
     logger.info("ops bench done in %.1f s", result.wall_s)
     return result
+
+
+# -- profiler overhead ---------------------------------------------------------------------------
+
+
+def measure_overhead(
+    workload_name: str = "small",
+    steps: int = 30,
+    *,
+    warmup: int = 3,
+    batch_size: int = 16,
+    sample: int = 8192,
+    every: int = 8,
+    device: "str | torch.device" = "auto",
+    seed: int = 0,
+) -> dict:
+    """Median training-step time with and without the profiler, interleaved in one process.
+
+    Three identical models train side by side, one step of each per round (the order rotated
+    every round): ``plain`` (no profiler), ``window`` (profiler attached, inside its window for
+    every timed step) and ``after`` (profiler attached whose 1-step window ended in warmup: hooks
+    gone, `step` still called). A step is zero_grad, forward + loss, backward, profiler step,
+    clipping and AdamW; timings end with a device sync. Returns medians (ms) and the overheads
+    ``window / plain - 1`` and ``after / plain - 1``.
+    """
+    wl = builtin_workload(workload_name, batch_size)
+    dev = resolve_device(device, ProfileError, "profiling")
+    example = wl.val_batches(1)[0][0].to(dev)
+    trainers = {name: workload_trainer(wl, seed, 3e-3, dev) for name in ("plain", "window", "after")}
+    profilers = {
+        "plain": None,
+        "window": LayerProfiler(trainers["window"].model, example, window=warmup + steps + 1, sample=sample, every=every).attach(),
+        "after": LayerProfiler(trainers["after"].model, example, window=1, sample=sample, every=every).attach(),
+    }
+    names = list(trainers)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(warmup + steps):
+        order = names[round_ % len(names):] + names[: round_ % len(names)]
+        for name in order:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            start = time.perf_counter()
+            profiler = profilers[name]
+            trainers[name].step(profiler.step if profiler is not None else None)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            if round_ >= warmup:
+                times[name].append(time.perf_counter() - start)
+    for profiler in profilers.values():
+        if profiler is not None:
+            profiler.detach()
+    med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    mean = {name: statistics.fmean(ts) * 1e3 for name, ts in times.items()}
+    return {
+        "workload": workload_name, "batch_size": batch_size, "steps": steps, "sample": sample, "every": every,
+        "device": str(dev), "threads": torch.get_num_threads(),
+        "median_ms": med,
+        "mean_ms": mean,
+        "overhead_window": med["window"] / med["plain"] - 1.0,
+        "overhead_after": med["after"] / med["plain"] - 1.0,
+        "overhead_window_mean": mean["window"] / mean["plain"] - 1.0,
+        "after_hooks_removed": not profilers["after"].collecting,
+    }

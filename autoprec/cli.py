@@ -381,7 +381,8 @@ def _add_profile(subparsers, common: argparse.ArgumentParser) -> None:
 def _cmd_profile(args: argparse.Namespace) -> int:
     from .errors import FormatError, ProfileError
     from .formats import Format
-    from .profiling import profile_workload, write_tensorboard
+    from .monitoring.profile import write_tensorboard
+    from .profiling import profile_workload
 
     usage = "(see 'autoprec profile --help')"
     formats = tuple(Format)

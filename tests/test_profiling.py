@@ -16,11 +16,11 @@ from autoprec.cli import main
 from autoprec.coverage import find_layers
 from autoprec.errors import ProfileError
 from autoprec.formats import Format, scale_from_amax
+from autoprec.bench import measure_overhead
 from autoprec.profiling import (
     NUM_BINS,
     LayerProfiler,
     Profile,
-    measure_overhead,
     profile_workload,
 )
 from autoprec.workloads import default_workload

@@ -1,0 +1,423 @@
+"""`LayerProfiler`: forward and tensor hooks that gather per-layer statistics over a window,
+with no host-device sync per step (costs in `autoprec.profiling`'s docstring)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from typing import Any, Iterable, Mapping, Optional
+
+import torch
+import torch.nn as nn
+
+from ..coverage import ModuleFilter, find_layers
+from ..errors import ProfileError
+from ..formats import Format
+from ..plan import Scaling
+from .artifact import LayerProfile, Profile
+from .stats import _BIN_MASK, _SHIFT, KINDS, NUM_BINS, REFERENCES, GradStats, Histogram, TensorStats, _fractions
+
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stride(numel: int, last: int, sample: int) -> int:
+    """Smallest stride ``≥ numel / sample`` coprime with the last dimension (see module doc)."""
+    stride = -(-numel // sample)
+    if stride <= 1:
+        return 1
+    while math.gcd(stride, last) != 1:
+        stride += 1
+    return stride
+
+
+class _TensorState:
+    """Device accumulators of one (layer, kind)."""
+
+    __slots__ = ("hist", "amax", "moments", "calls", "numel", "sampled", "first_step")
+
+    def __init__(self, window: int, device: torch.device):
+        self.hist = torch.zeros(len(REFERENCES) * NUM_BINS, dtype=torch.int64, device=device)
+        self.amax = torch.zeros(window, dtype=torch.float32, device=device)
+        self.moments = torch.zeros(2, dtype=torch.float64, device=device)  # sum x, sum x^2 (sampled)
+        self.calls = self.numel = self.sampled = 0
+        self.first_step: Optional[int] = None
+
+
+class _Welford:
+    """Per-element running mean / M2 of one parameter's (strided) gradient."""
+
+    __slots__ = ("param", "stride", "mean", "m2", "n")
+
+    def __init__(self, param: nn.Parameter, grad_sample: int):
+        self.param = param
+        last = param.shape[-1] if param.dim() else 1
+        self.stride = _stride(param.numel(), last, grad_sample)
+        self.mean: Optional[torch.Tensor] = None
+        self.m2: Optional[torch.Tensor] = None
+        self.n = 0
+
+
+class _LayerState:
+    __slots__ = ("fqn", "module", "weights", "welford", "tensors", "steps", "last_step", "phase")
+
+    def __init__(self, fqn: str, module: nn.Module, grad_sample: int, phase: int):
+        self.fqn = fqn
+        self.phase = phase
+        self.module = module
+        own = [p for _, p in module.named_parameters(recurse=False)]
+        self.weights = [p for p in own if p.dim() >= 2]
+        self.welford = [_Welford(p, grad_sample) for p in own if p.requires_grad]
+        self.tensors: dict[str, _TensorState] = {}
+        self.steps = 0
+        self.last_step = -1
+
+
+def _first_float(obj: Any) -> Optional[torch.Tensor]:
+    if torch.is_tensor(obj):
+        return obj if obj.is_floating_point() else None
+    if isinstance(obj, (tuple, list)):
+        items: Iterable = obj
+    elif isinstance(obj, Mapping):
+        items = obj.values()
+    else:
+        return None
+    for item in items:
+        found = _first_float(item)
+        if found is not None:
+            return found
+    return None
+
+
+class LayerProfiler:
+    """Gathers per-layer statistics over ``window`` optimizer steps (see the module doc).
+
+    ``model``: the model to watch; ``example_inputs``: one input (or a tuple / dict of inputs) to
+    find the layers by tracing, as the runtime does (without it, the module tree's layers: a
+    hand-written matmul module is then missed). ``formats``: the candidate formats whose
+    underflow / overflow fractions are computed. ``window``: steps to profile, after which the
+    hooks remove themselves. ``sample``: elements histogrammed per tensor per call.
+    ``grad_sample``: gradient elements per parameter tracked by the Welford accumulators (they
+    hold two float32 copies of that many elements on the parameter's device).
+    ``history_len``: the delayed-scaling amax history (`Scaling`'s default).
+    ``module_filter(module, fqn) -> bool``: False leaves a layer unprofiled.
+    ``enabled=False``: a pass-through (attach / step do nothing, no hooks).
+
+    Costs, all on the device and without a host sync: per layer call and tensor kind 4 small
+    kernels (the amax), plus ~15 on the layer's histogram steps; `step` adds the weights' and
+    five `torch._foreach_*` kernels for all Welford updates. Memory: per (layer, kind) 48 KiB of
+    histogram and ``4 * window`` bytes of amax history; the Welford state (see ``grad_sample``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        example_inputs: Any = None,
+        *,
+        formats: Iterable["Format | str"] = tuple(Format),
+        window: int = 500,
+        sample: int = 8192,
+        every: int = 8,
+        grad_sample: int = 1 << 20,
+        history_len: int = Scaling().history_len,
+        module_filter: Optional[ModuleFilter] = None,
+        enabled: bool = True,
+    ):
+        for name, value in (("window", window), ("sample", sample), ("every", every), ("grad_sample", grad_sample), ("history_len", history_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ProfileError(f"LayerProfiler({name}={value!r}): must be a positive integer")
+        try:
+            self.formats = tuple(dict.fromkeys(Format.parse(f) for f in formats))
+        except Exception as exc:
+            raise ProfileError(f"LayerProfiler(formats=...): {exc}") from None
+        if not self.formats:
+            raise ProfileError("LayerProfiler(formats=()): give at least one candidate format")
+        self.model = model
+        self.window = window
+        self.sample = sample
+        # A window shorter than `every` would leave some layers without a histogram step.
+        self.every = min(every, window)
+        self.grad_sample = grad_sample
+        self.history_len = history_len
+        self.enabled = enabled
+        found = find_layers(model, example_inputs)
+        modules = dict(model.named_modules())
+        self.fingerprint = {fqn: info for fqn, info in found.items() if module_filter is None or module_filter(modules[fqn], fqn)}
+        if enabled and not self.fingerprint:
+            hint = "" if example_inputs is not None else "; pass example_inputs to find layers that call matmul themselves"
+            raise ProfileError(f"{type(model).__name__} has no layers to profile (no module runs a matrix product){hint}")
+        self._layers = {fqn: _LayerState(fqn, modules[fqn], grad_sample, i % self.every) for i, fqn in enumerate(self.fingerprint)}
+        self._handles: list = []
+        self._steps = 0
+        self._attached = False
+        self._buffers: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    def __repr__(self) -> str:
+        state = "collecting" if self.collecting else ("done" if self._steps >= self.window else "detached")
+        return f"LayerProfiler({len(self._layers)} layers, step {self._steps}/{self.window}, {state})"
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        return tuple(self._layers)
+
+    @property
+    def steps(self) -> int:
+        """Steps completed (calls of `step` inside the window)."""
+        return self._steps
+
+    @property
+    def collecting(self) -> bool:
+        """True while hooks are attached and the window is not over."""
+        return self._attached
+
+    def attach(self) -> "LayerProfiler":
+        """Register the forward hooks (one per layer). Refuses a second attach; a no-op once the
+        window is over or when disabled."""
+        if self._attached:
+            raise ProfileError("this profiler is already attached; detach() it before attaching again")
+        if not self.enabled or self._steps >= self.window:
+            return self
+        try:
+            for fqn, state in self._layers.items():
+                hook = functools.partial(self._forward_hook, state)
+                self._handles.append(state.module.register_forward_hook(hook, with_kwargs=True))
+        except BaseException:
+            self._remove_hooks()
+            raise
+        self._attached = True
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook; the statistics so far stay readable with `profile`. Idempotent."""
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._attached = False
+
+    def __enter__(self) -> "LayerProfiler":
+        return self.attach()
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    # -- hooks ----------------------------------------------------------------------------------
+
+    def _forward_hook(self, state: _LayerState, module, args, kwargs, output) -> None:
+        if not self._attached or not torch.is_grad_enabled():
+            return
+        if state.last_step != self._steps:
+            state.last_step = self._steps
+            state.steps += 1
+        x = _first_float((args, kwargs))
+        if x is not None:
+            self._record(state, "activation", x)
+        out = _first_float(output)
+        if out is not None and out.requires_grad:
+            out.register_hook(functools.partial(self._grad_hook, state))
+
+    def _grad_hook(self, state: _LayerState, grad: torch.Tensor) -> None:
+        # A backward that runs after detach() or after the window (graph built before) records nothing.
+        if self._attached and grad is not None and grad.is_floating_point():
+            self._record(state, "grad", grad)
+
+    def _device_buffers(self, device: torch.device):
+        bufs = self._buffers.get(device)
+        if bufs is None:
+            ones = torch.ones(len(REFERENCES) * self.sample, dtype=torch.int64, device=device)
+            offsets = (torch.arange(len(REFERENCES), dtype=torch.int32, device=device) * NUM_BINS).unsqueeze(1)
+            one = torch.ones((), dtype=torch.float32, device=device)
+            factor = torch.tensor([1.0, 1.0 - 2.0**-22, 1.0 - 2.0**-22], device=device)
+            bufs = self._buffers[device] = (ones, offsets, one, factor)
+        return bufs
+
+    def _record(self, layer: _LayerState, kind: str, x: torch.Tensor) -> None:
+        """Fold one tensor into the (layer, kind) accumulators. No host sync: every branch below
+        is on Python ints and shapes.
+
+        Every call: the exact amax (3 kernels). On the layer's histogram steps (every ``every``-th
+        step, staggered across layers so each step costs about the same): histograms and
+        moments of a strided subsample (about 20 more kernels).
+        """
+        numel = x.numel()
+        if numel == 0:
+            return
+        step = self._steps
+        ts = layer.tensors.get(kind)
+        if ts is None:
+            ts = layer.tensors[kind] = _TensorState(self.window, x.device)
+        x = x.detach()
+        # Exact amax over the full tensor; NaN propagates, so a non-finite value always shows.
+        low, high = torch.aminmax(x)
+        amax = torch.maximum(high, low.neg()).float()
+        slot = ts.amax[step]
+        torch.maximum(slot, amax, out=slot)
+        if ts.first_step is None:
+            ts.first_step = step
+        ts.calls += 1
+        ts.numel += numel
+        if (step + layer.phase) % self.every:
+            return
+        ones, offsets, one, factor = self._device_buffers(x.device)
+        stride = _stride(numel, x.shape[-1] if x.dim() else 1, self.sample)
+        flat = x.reshape(-1)
+        sub = flat[::stride] if stride > 1 else flat
+        # Current scaling uses this call's amax; delayed scaling the largest finite amax of the
+        # previous history_len steps, as AmaxHistory with reduction "max" (a non-finite amax
+        # belongs to a skipped step and counts as zero); the first step has no history and uses
+        # its own amax.
+        if ts.first_step == step:
+            ref = amax
+        else:
+            past = ts.amax[max(0, step - self.history_len) : step]
+            ref = torch.nan_to_num(past, nan=0.0, posinf=0.0, neginf=0.0).amax()
+        # 1, 1/amax and 1/ref, the last two lowered by 2**-22 so that |x| == amax lands strictly
+        # below 1.0 and the bins from 1.0 up count exactly |x| > ref (up to 2**-22, far below any
+        # format's resolution). 0 where the amax is 0 or not finite (every value is then 0 or
+        # flagged as non-finite).
+        scales = torch.stack((one, amax, ref)).reciprocal_().nan_to_num_(0.0, 0.0, 0.0).mul_(factor)
+        scaled = sub.float() * scales.unsqueeze(1)  # (3, m): x, x/amax, x/ref
+        # The mask keeps the exponent and the leading mantissa bits and drops the sign: |x|'s bin.
+        index = (scaled.view(torch.int32) >> _SHIFT).bitwise_and_(_BIN_MASK).add_(offsets)
+        ts.hist.index_add_(0, index.view(-1), ones[: index.numel()])
+        values = scaled[0]
+        ts.moments.add_(torch.stack((values.sum(), torch.dot(values, values))))
+        ts.sampled += values.numel()
+
+    # -- per step -------------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Close one optimizer step: record weights and parameter gradients, advance the window.
+
+        Call it once per optimizer step, after ``backward()`` and before gradient clipping, the
+        optimizer step and ``zero_grad``. When the window is complete the hooks are removed.
+        Returns whether the profiler is still collecting. No host sync.
+        """
+        if not self._attached:
+            return False
+        grads, means, m2s, inv_n = [], [], [], []
+        with torch.no_grad():
+            for layer in self._layers.values():
+                for w in layer.weights:
+                    self._record(layer, "weight", w)
+                for wf in layer.welford:
+                    g = wf.param.grad
+                    if g is None or g.is_sparse:
+                        continue
+                    g = g.detach().reshape(-1)
+                    g = (g[:: wf.stride] if wf.stride > 1 else g).float()
+                    if wf.mean is None:
+                        wf.mean, wf.m2 = torch.zeros_like(g), torch.zeros_like(g)
+                    wf.n += 1
+                    grads.append(g)
+                    means.append(wf.mean)
+                    m2s.append(wf.m2)
+                    inv_n.append(1.0 / wf.n)
+            if grads:
+                # Welford (1962): mean += (g - mean) / n; M2 += (g - mean_old) * (g - mean_new).
+                delta = torch._foreach_sub(grads, means)
+                torch._foreach_add_(means, torch._foreach_mul(delta, inv_n))
+                torch._foreach_addcmul_(m2s, delta, torch._foreach_sub(grads, means))
+        self._steps += 1
+        if self._steps >= self.window:
+            self._remove_hooks()
+            logger.info("profiling window of %d steps complete; hooks removed", self.window)
+        return self._attached
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The statistics gathered so far and the window position (tensors cloned, on their
+        devices), so a resumed run's profile equals the uninterrupted run's. No host sync."""
+        def tensors(ts: _TensorState) -> dict:
+            return {slot: (v.clone() if torch.is_tensor(v) else v) for slot in _TensorState.__slots__ for v in [getattr(ts, slot)]}
+
+        return {
+            "steps": self._steps,
+            "layers": {
+                fqn: {
+                    "steps": layer.steps,
+                    "last_step": layer.last_step,
+                    "welford": [(None if wf.mean is None else wf.mean.clone(), None if wf.m2 is None else wf.m2.clone(), wf.n) for wf in layer.welford],
+                    "tensors": {kind: tensors(ts) for kind, ts in layer.tensors.items()},
+                }
+                for fqn, layer in self._layers.items()
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict` into a profiler made for the same model, window and settings."""
+        if set(state["layers"]) != set(self._layers):
+            raise ProfileError("profiler state names other layers than this profiler watches; make it for the same model")
+        self._steps = int(state["steps"])
+        for fqn, saved in state["layers"].items():
+            layer = self._layers[fqn]
+            layer.steps, layer.last_step = saved["steps"], saved["last_step"]
+            for wf, (mean, m2, n) in zip(layer.welford, saved["welford"]):
+                wf.mean, wf.m2, wf.n = (None if mean is None else mean.clone()), (None if m2 is None else m2.clone()), n
+            layer.tensors = {}
+            for kind, slots in saved["tensors"].items():
+                ts = _TensorState.__new__(_TensorState)
+                for slot, value in slots.items():
+                    setattr(ts, slot, value.clone() if torch.is_tensor(value) else value)
+                layer.tensors[kind] = ts
+        if self._steps >= self.window:
+            self._remove_hooks()
+
+    # -- result ---------------------------------------------------------------------------------
+
+    def profile(self, metadata: Optional[Mapping[str, Any]] = None) -> Profile:
+        """The `Profile` of the steps so far. Forces a host-device sync (copies the accumulators)."""
+        if self._steps == 0:
+            why = "the profiler is disabled" if not self.enabled else "call step() once per optimizer step while attached"
+            raise ProfileError(f"no steps were profiled: {why}")
+        steps = self._steps
+        layers = {}
+        for fqn, layer in self._layers.items():
+            tensors = {kind: self._tensor_stats(layer.tensors[kind], steps) for kind in KINDS if kind in layer.tensors}
+            layers[fqn] = LayerProfile(layer.steps, self._grad_stats(layer), tensors)
+        return Profile(
+            self.fingerprint, layers, steps, self.window, self.sample, self.every, self.grad_sample,
+            self.history_len, self.formats, dict(metadata or {}),
+        )
+
+    def _tensor_stats(self, ts: _TensorState, steps: int) -> TensorStats:
+        hist = ts.hist.cpu().view(len(REFERENCES), NUM_BINS).numpy()
+        hists = {ref: Histogram.from_full(hist[i]) for i, ref in enumerate(REFERENCES)}
+        amax = ts.amax[:steps].cpu().tolist()
+        s1, s2 = ts.moments.cpu().tolist()
+        n = ts.sampled
+        mean = s1 / n if n else math.nan
+        var = (s2 - n * mean * mean) / (n - 1) if n > 1 else math.nan
+        fractions = {f.value: _fractions(hists, n, f) for f in self.formats}
+        return TensorStats(
+            calls=ts.calls, numel=ts.numel, sampled=n, amax=tuple(amax),
+            nonfinite_steps=sum(1 for v in amax if not math.isfinite(v)),
+            mean=mean, var=max(var, 0.0) if math.isfinite(var) else var, histograms=hists,
+            fractions=fractions,
+        )
+
+    @staticmethod
+    def _grad_stats(layer: _LayerState) -> Optional[GradStats]:
+        tracked = [wf for wf in layer.welford if wf.n > 0]
+        if not tracked:
+            return None
+        numel = sampled = 0
+        sum_mean = sum_var = sum_sq = 0.0
+        steps = min(wf.n for wf in tracked)
+        for wf in tracked:
+            mean = wf.mean.double().cpu()
+            m2 = wf.m2.double().cpu()
+            scale = wf.param.numel() / mean.numel()
+            numel += wf.param.numel()
+            sampled += mean.numel()
+            sum_mean += float(mean.sum()) * scale
+            sum_sq += float((mean * mean).sum()) * scale
+            sum_var += (float(m2.sum()) / (wf.n - 1) if wf.n > 1 else math.nan) * scale
+        nsr = sum_var / sum_sq if sum_sq > 0 else (math.inf if sum_var > 0 else math.nan)
+        return GradStats(steps, numel, sampled, sum_mean / numel, sum_var / numel, sum_sq / numel, nsr)

@@ -1,0 +1,260 @@
+"""Per-tensor statistics of a profile: log2 histograms of ``|x|`` read from float32 bits, the
+under/overflow fractions each candidate format would see after its scaling, and gradient moments.
+
+The binning and the fraction rules are explained in `autoprec.profiling`'s docstring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+
+from ..errors import ProfileError
+from ..formats import Format
+
+
+SCHEMA_VERSION = 1
+
+KINDS = ("weight", "activation", "grad")
+REFERENCES = ("absolute", "current", "delayed")
+
+# Bins: the float32 bit pattern of |x| shifted right by 23 - SUB_BITS keeps the 8 exponent bits
+# and SUB_BITS leading mantissa bits; 3 bits give 8 bins per octave (12.5 % relative width).
+SUB_BITS = 3
+_SHIFT = 23 - SUB_BITS
+NUM_BINS = 1 << (8 + SUB_BITS)
+_FIRST_NONFINITE = 255 << SUB_BITS  # biased exponent 255: inf and NaN
+_BIN_MASK = NUM_BINS - 1  # drops the sign bit of a NaN whose sign is set (inf * 0 on x86)
+
+
+def _edges() -> np.ndarray:
+    """Lower edges of bins 0..2040 in float64; bin b < 2040 spans ``[edges[b], edges[b + 1])``."""
+    b = np.arange(_FIRST_NONFINITE + 1)
+    exponent, sub = b >> SUB_BITS, b & ((1 << SUB_BITS) - 1)
+    normal = np.ldexp(1.0 + sub / (1 << SUB_BITS), exponent - 127)
+    subnormal = np.ldexp(sub / (1 << SUB_BITS), -126)
+    return np.where(exponent > 0, normal, subnormal)
+
+
+_EDGES = _edges()
+
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Histogram:
+    """Counts of sampled magnitudes in the `NUM_BINS` fixed bins, stored from bin ``first`` on.
+
+    Bin ``b`` (``1 <= b < 2040``) spans ``[edges[b], edges[b + 1])``, 1/8 of a power of two wide;
+    bin 0 holds zeros (and magnitudes below ``2**-129``); bins 2040.. hold inf and NaN.
+    """
+
+    first: int
+    counts: tuple[int, ...]
+
+    @classmethod
+    def from_full(cls, full: Sequence[int]) -> "Histogram":
+        full = np.asarray(full, dtype=np.int64)
+        nonzero = np.flatnonzero(full)
+        if nonzero.size == 0:
+            return cls(0, ())
+        lo, hi = int(nonzero[0]), int(nonzero[-1]) + 1
+        return cls(lo, tuple(int(c) for c in full[lo:hi]))
+
+    def full(self) -> np.ndarray:
+        out = np.zeros(NUM_BINS, dtype=np.int64)
+        out[self.first : self.first + len(self.counts)] = self.counts
+        return out
+
+    @property
+    def total(self) -> int:
+        return int(sum(self.counts))
+
+    @property
+    def zeros(self) -> int:
+        return int(self.full()[0])
+
+    @property
+    def nonfinite(self) -> int:
+        return int(self.full()[_FIRST_NONFINITE:].sum())
+
+    def _finite_bins(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        counts = self.full()[1:_FIRST_NONFINITE].astype(np.float64)
+        return counts, _EDGES[1:_FIRST_NONFINITE], _EDGES[2 : _FIRST_NONFINITE + 1]
+
+    def count_below(self, threshold: float) -> tuple[float, int, int]:
+        """Nonzero finite magnitudes below ``threshold``: (log-uniform estimate, lower, upper bound)."""
+        counts, lo, hi = self._finite_bins()
+        whole = counts[hi <= threshold].sum()
+        cut = (lo < threshold) & (threshold < hi)
+        part = counts[cut]
+        share = np.log(threshold / lo[cut]) / np.log(hi[cut] / lo[cut]) if part.size else np.zeros(0)
+        return float(whole + (part * share).sum()), int(whole), int(whole + part.sum())
+
+    def count_above(self, threshold: float) -> tuple[float, int, int]:
+        """Finite magnitudes above ``threshold``: (log-uniform estimate, lower, upper bound)."""
+        counts, lo, hi = self._finite_bins()
+        whole = counts[lo >= threshold].sum()
+        cut = (lo < threshold) & (threshold < hi)
+        part = counts[cut]
+        share = np.log(hi[cut] / threshold) / np.log(hi[cut] / lo[cut]) if part.size else np.zeros(0)
+        return float(whole + (part * share).sum()), int(whole), int(whole + part.sum())
+
+    def log2_buckets(self) -> "tuple[list[float], list[float], list[int]] | None":
+        """Lower and upper bucket edges in log2 units and counts of the finite nonzero bins, from
+        the first to the last occupied one (for TensorBoard); None when there are none."""
+        counts = self.full()
+        nonzero = np.flatnonzero(counts[1:_FIRST_NONFINITE]) + 1
+        if nonzero.size == 0:
+            return None
+        lo, hi = int(nonzero[0]), int(nonzero[-1]) + 1
+        logs = np.log2(_EDGES[lo : hi + 1])
+        return [float(v) for v in logs[:-1]], [float(v) for v in logs[1:]], [int(c) for c in counts[lo:hi]]
+
+    def to_dict(self) -> dict:
+        return {"first": self.first, "counts": list(self.counts)}
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatFractions:
+    """Fractions of the sampled values (zeros and non-finite included in the denominator) that
+    would underflow / overflow one format under one scaling; ``*_range`` bound the estimate."""
+
+    underflow: float
+    overflow: float
+    underflow_range: tuple[float, float]
+    overflow_range: tuple[float, float]
+
+    def to_dict(self) -> dict:
+        return {
+            "underflow": self.underflow,
+            "overflow": self.overflow,
+            "underflow_range": list(self.underflow_range),
+            "overflow_range": list(self.overflow_range),
+        }
+
+
+def scalings_for(fmt: Format) -> tuple[str, ...]:
+    """``("none",)`` for formats that run unscaled, ``("current", "delayed")`` for FP8 / INT8."""
+    return ("current", "delayed") if Format.parse(fmt).needs_scale else ("none",)
+
+
+def _fractions(hists: Mapping[str, Histogram], sampled: int, fmt: Format) -> dict[str, FormatFractions]:
+    if sampled <= 0:
+        zero = FormatFractions(0.0, 0.0, (0.0, 0.0), (0.0, 0.0))
+        return {s: zero for s in scalings_for(fmt)}
+
+    def frac(estimate):
+        est, lo, hi = estimate
+        return est / sampled, (lo / sampled, hi / sampled)
+
+    out = {}
+    if not fmt.needs_scale:
+        (u, ur), (o, orng) = frac(hists["absolute"].count_below(fmt.min_subnormal)), frac(hists["absolute"].count_above(fmt.max))
+        out["none"] = FormatFractions(u, o, ur, orng)
+        return out
+    ratio = fmt.min_subnormal / fmt.max  # |x| / amax below this underflows once amax maps to fmt.max
+    u, ur = frac(hists["current"].count_below(ratio))
+    out["current"] = FormatFractions(u, 0.0, ur, (0.0, 0.0))
+    u, ur = frac(hists["delayed"].count_below(ratio))
+    # |x| / ref > 1: 1.0 is a bin edge, so the count is exact (see LayerProfiler._record).
+    o, orng = frac(hists["delayed"].count_above(1.0))
+    out["delayed"] = FormatFractions(u, o, ur, orng)
+    return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TensorStats:
+    """Statistics of one tensor kind of one layer over the window.
+
+    ``amax[t]`` is the exact amax of step ``t`` (the largest over the step's calls; 0 for a step in
+    which the layer did not run; NaN / inf when the tensor held a non-finite value).
+    ``numel`` counts every element seen, ``sampled`` those histogrammed; ``mean`` / ``var`` are of
+    the sampled values (NaN once a non-finite value was sampled). ``fractions[fmt][scaling]``.
+    """
+
+    calls: int
+    numel: int
+    sampled: int
+    amax: tuple[float, ...]
+    nonfinite_steps: int
+    mean: float
+    var: float
+    histograms: Mapping[str, Histogram]
+    fractions: Mapping[str, Mapping[str, FormatFractions]]
+
+    @property
+    def zeros(self) -> int:
+        """Sampled values that are zero (or below ``2**-129``)."""
+        return self.histograms["absolute"].zeros
+
+    @property
+    def nonfinite(self) -> int:
+        """Sampled values that are inf or NaN (exact for tensors of at most ``sample`` elements)."""
+        return self.histograms["absolute"].nonfinite
+
+    def _get(self, fmt, scaling) -> FormatFractions:
+        fmt = Format.parse(fmt)
+        if fmt.value not in self.fractions:
+            raise ProfileError(f"format {fmt.value!r} was not profiled; profiled: {', '.join(self.fractions)}")
+        scaling = scaling or ("delayed" if fmt.needs_scale else "none")
+        table = self.fractions[fmt.value]
+        if scaling not in table:
+            raise ProfileError(f"{fmt.value} has no {scaling!r} scaling here; use one of {', '.join(table)}")
+        return table[scaling]
+
+    def underflow(self, fmt: "Format | str", scaling: Optional[str] = None) -> float:
+        """Fraction that underflows ``fmt``; ``scaling`` defaults to "delayed" (FP8 / INT8) or "none"."""
+        return self._get(fmt, scaling).underflow
+
+    def overflow(self, fmt: "Format | str", scaling: Optional[str] = None) -> float:
+        """Fraction that overflows (or saturates) ``fmt``; ``scaling`` as for `underflow`."""
+        return self._get(fmt, scaling).overflow
+
+    def to_dict(self) -> dict:
+        return {
+            "calls": self.calls,
+            "numel": self.numel,
+            "sampled": self.sampled,
+            "amax": [_enc(v) for v in self.amax],
+            "nonfinite_steps": self.nonfinite_steps,
+            "nonfinite": self.nonfinite,
+            "zeros": self.zeros,
+            "mean": _enc(self.mean),
+            "var": _enc(self.var),
+            "histograms": {ref: h.to_dict() for ref, h in self.histograms.items()},
+            "fractions": {f: {s: ff.to_dict() for s, ff in t.items()} for f, t in self.fractions.items()},
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class GradStats:
+    """Streaming statistics of a layer's parameter gradients over ``steps`` steps.
+
+    ``mean``: mean over elements of the per-element mean gradient ``ḡ``; ``var``: mean over
+    elements of the per-element unbiased variance across steps; ``signal``: mean of ``ḡ²``;
+    ``nsr = var / signal = E‖g − ḡ‖² / ‖ḡ‖²`` (NaN with fewer than 2 steps, inf when ``ḡ = 0``).
+    ``sampled`` of the ``numel`` elements were tracked (strided, at most ``grad_sample`` per
+    parameter); sums are scaled up by ``numel / sampled``.
+    """
+
+    steps: int
+    numel: int
+    sampled: int
+    mean: float
+    var: float
+    signal: float
+    nsr: float
+
+    def to_dict(self) -> dict:
+        return {k: _enc(v) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
+
+def _enc(x: float):
+    """JSON has no NaN / inf: they are written as the strings "nan", "inf", "-inf"."""
+    x = float(x)
+    if math.isfinite(x):
+        return x
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
