@@ -207,7 +207,7 @@ class BenchConfig:
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "BenchConfig":
-        """``"default"`` (~2 min on 2 CPU cores) or ``"quick"`` (1 warmup + 3 timed rounds, for
+        """``"default"`` (the README's benchmark run) or ``"quick"`` (1 warmup + 3 timed rounds, for
         tests and smoke runs; too few rounds for timings to mean much), with fields overridden."""
         try:
             preset = _PRESETS[name]

@@ -203,7 +203,7 @@ def _add_bench(subparsers, common: argparse.ArgumentParser) -> None:
             "fp32, uniform autoprec plans, plain torch.autocast), interleaved round-robin, and "
             "report the median step time and the bytes saved for backward, each as a ratio to "
             "fp32, plus the INT8 calibration error and which layers ran emulated. Prints a table "
-            "on stdout. The default run takes ~2 minutes on 2 CPU cores."
+            "on stdout."
         ),
     )
     p.add_argument("--steps", type=_positive_int, default=None, help=f"timed rounds (default {default.steps}; --quick: 3)")

@@ -420,13 +420,11 @@ def check_uniform_ranking(
     AdamW step) of one model per plan, built from one seed and fed the same batches, interleaved
     round-robin as ``autoprec bench`` runs them; medians over ``steps`` rounds after ``warmup``.
     ``threads``: CPU threads for the whole check (restored after); on a machine whose cores
-    other processes share, 1 avoids OpenMP threads waiting on descheduled siblings (measured
-    here: a 512x64x192 linear forward + backward took 83 ms with 2 threads while another
-    process kept a core busy, 0.6 ms with 1). Timings are cached per thread count.
+    other processes share, 1 avoids OpenMP threads waiting on descheduled siblings (which can
+    make a small product two orders of magnitude slower). Timings are cached per thread count.
 
-    Cost on 2 CPU cores, one thread, "small" workload: the cost model's measurements (~20 s
-    cold, ~1 s with a warm cache) plus ``warmup + steps`` rounds of one step per plan (~2 s a
-    round, BF16 and FP16 steps being ~15x slower than FP32 there).
+    Cost: the cost model's measurements (one in-place timing pass per uniform plan when the
+    cache is cold, none when warm) plus ``warmup + steps`` rounds of one training step per plan.
     """
     if threads is None:
         return _check_uniform_ranking(workload, batch_size, formats, steps, warmup, tie, cache_dir, measure, seed, device)

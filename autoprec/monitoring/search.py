@@ -384,7 +384,7 @@ def render_pareto(
 
 def _add_scalars(writer, values: Mapping[str, float], step: int, walltime: Optional[float] = None) -> None:
     """Scalars as one event, as ``SummaryWriter.add_scalar`` writes each: the event writer's cost
-    is per event (~0.1 ms on one core), so a step's values share one."""
+    is per event (a protobuf encode and a write), so a step's values share one."""
     from tensorboard.compat.proto.summary_pb2 import Summary
 
     summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(value)) for tag, value in values.items()])
