@@ -34,8 +34,9 @@ _LAZY = {
     "load_job": "search.config",
     "run_job": "search.job",
     "DynamicPrecisionScheduler": "scheduler",
-    "LossScaling": "scheduler",
-    "Thresholds": "scheduler",
+    "SchedulerConfig": "scheduler_config",
+    "LossScaling": "scaling",
+    "Thresholds": "scheduler_config",
     "LossScaler": "scaling",
     "OutputWatch": "scaling",
 }
@@ -80,6 +81,7 @@ __all__ = [
     "run_job",
     # training (lazy)
     "DynamicPrecisionScheduler",
+    "SchedulerConfig",
     "LossScaling",
     "Thresholds",
     "LossScaler",

@@ -49,7 +49,7 @@ import dataclasses
 import logging
 import math
 import warnings
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -63,10 +63,10 @@ from .measure import SavedTensorMeter
 from .plan import LayerPrecision, Plan
 from .runtime import EmulationWarning, apply_plan
 from .scaling import LossScaler, LossScaling
+from .scheduler_config import SchedulerConfig, Thresholds
 from .search.planner import cast_of
-from .search.space import DEFAULT_CANDIDATES, Budgets, LayerRules, formats_for_precision
 
-__all__ = ["DynamicPrecisionScheduler", "LossScaling", "Thresholds", "PrecisionChange"]
+__all__ = ["DynamicPrecisionScheduler", "SchedulerConfig", "LossScaling", "Thresholds", "PrecisionChange"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,36 +75,6 @@ _CAPTURED_STEPS = 2  # steps whose inputs and output gradients feed the sensitiv
 # Steps skipped in a row before a warning (then again at each doubling): a few skips are loss
 # scaling doing its job, ten in a row mean the model diverges at this precision.
 _SKIPS_BEFORE_WARNING = 10
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-@dataclasses.dataclass(frozen=True)
-class Thresholds:
-    """When a layer is promoted: more than ``overflow`` / ``underflow`` of a tensor's values out
-    of its format's range (with the layer's scaling) in the monitored steps, an amax that moved
-    by more than ``amax_drift`` times (either way) since the last window, or ``nonfinite_steps``
-    steps with non-finite gradients in one window. Demoted after ``stable_windows`` quiet ones."""
-
-    overflow: float = 1e-3
-    underflow: float = 0.25
-    amax_drift: float = 16.0
-    nonfinite_steps: int = 3
-    stable_windows: int = 2
-
-    def __post_init__(self):
-        for name in ("overflow", "underflow"):
-            value = getattr(self, name)
-            if not (_finite(value) and 0 <= value <= 1):
-                raise SearchError(f"Thresholds({name}={value!r}): expected a fraction from 0 to 1")
-        if not (_finite(self.amax_drift) and self.amax_drift > 1):
-            raise SearchError(f"Thresholds(amax_drift={self.amax_drift!r}): expected a finite factor > 1")
-        for name in ("nonfinite_steps", "stable_windows"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise SearchError(f"Thresholds({name}={value!r}): expected an integer >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,74 +116,21 @@ class _LinearisedLoss:
 class DynamicPrecisionScheduler:
     """Profiles, searches, applies and keeps re-planning per-layer precision for a training loop.
 
-    ``model``: optional (see the module docstring). ``min_precision`` / ``max_precision``: bits
-    (8, 16, 32) of the formats a layer may take. ``monitor_window``: optimizer steps per window.
-    ``memory_budget``: a fraction of the FP32 bytes (<= 1) or bytes; ``accuracy_budget``: the
-    allowed loss increase, relative to the first window's mean training loss (or absolute with
-    ``accuracy_relative=False``); None leaves a budget open. ``formats``, ``rules``: the search's
-    candidates and layer rules; ``search_trials`` / ``search_timeout_s`` bound the study;
-    ``lr``: the learning rate the sensitivity's gradient term assumes. ``loss_scaling``,
-    ``max_grad_norm`` (clip the unscaled gradients; None: no clipping), ``thresholds``,
-    ``monitor_steps`` (profiled steps at the end of each window), ``log_dir`` (TensorBoard).
-    ``measure_costs=False`` uses the roofline time model instead of timing layers on the device
-    (deterministic; for tests). ``dynamic=False`` with ``plan=`` runs a fixed plan.
+    ``model``: optional (see the module docstring). The settings are a `SchedulerConfig`, given
+    as ``config=`` or as its fields by keyword (``memory_budget=0.6, monitor_window=200, ...``;
+    each is documented there). ``plan``: start from this plan (with ``dynamic=False``: run it
+    fixed; `from_plan` loads one from a file).
     """
 
-    def __init__(
-        self,
-        model: Optional[nn.Module] = None,
-        *,
-        min_precision: int = 8,
-        max_precision: int = 32,
-        monitor_window: int = 500,
-        memory_budget: Optional[float] = None,
-        accuracy_budget: Optional[float] = None,
-        accuracy_relative: bool = True,
-        formats: Iterable["Format | str"] = DEFAULT_CANDIDATES,
-        rules: LayerRules = LayerRules(),
-        search_trials: int = 100,
-        search_timeout_s: float = 60.0,
-        lr: float = 1e-3,
-        loss_scaling: LossScaling = LossScaling(),
-        max_grad_norm: Optional[float] = None,
-        thresholds: Thresholds = Thresholds(),
-        monitor_steps: int = 64,
-        log_dir: "str | None" = None,
-        measure_costs: bool = True,
-        dynamic: bool = True,
-        plan: "Plan | None" = None,
-        seed: int = 0,
-    ):
-        for name, value in (("monitor_window", monitor_window), ("monitor_steps", monitor_steps), ("search_trials", search_trials)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise SearchError(f"DynamicPrecisionScheduler({name}={value!r}): expected a positive integer")
-        # name, value, whether None is allowed, whether 0 is allowed, what is expected
-        for name, value, optional, zero_ok, expected in (
-            ("max_grad_norm", max_grad_norm, True, False, "a finite number > 0 or None"),
-            ("memory_budget", memory_budget, True, False, "a finite fraction of the FP32 bytes (<= 1) or bytes (> 1), or None"),
-            ("accuracy_budget", accuracy_budget, True, True, "a finite loss increase >= 0, or None"),
-            ("lr", lr, False, False, "the finite learning rate > 0"),
-            ("search_timeout_s", search_timeout_s, False, False, "a finite number of seconds > 0"),
-        ):
-            if value is None and optional:
-                continue
-            if not _finite(value) or value < 0 or (value == 0 and not zero_ok):
-                raise SearchError(f"DynamicPrecisionScheduler({name}={value!r}): expected {expected}")
-        if not dynamic and plan is None:
+    def __init__(self, model: Optional[nn.Module] = None, *, config: "SchedulerConfig | None" = None, plan: "Plan | None" = None, **settings: Any):
+        if config is not None and settings:
+            raise SearchError(f"DynamicPrecisionScheduler(config=..., {', '.join(sorted(settings))}=...): give the settings in the config or as keywords, not both (dataclasses.replace(config, ...) derives one)")
+        unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(SchedulerConfig)})
+        if unknown:
+            raise SearchError(f"DynamicPrecisionScheduler({unknown[0]}=...): unknown setting; expected one of SchedulerConfig's fields: {', '.join(f.name for f in dataclasses.fields(SchedulerConfig))}")
+        self.config = config = config if config is not None else SchedulerConfig(**settings)
+        if not config.dynamic and plan is None:
             raise SearchError("DynamicPrecisionScheduler(dynamic=False) needs plan=...; use DynamicPrecisionScheduler.from_plan(model, path)")
-        self.formats = formats_for_precision(min_precision, max_precision, [Format.parse(f) for f in formats])
-        self.min_precision, self.max_precision = min_precision, max_precision
-        self.budgets = Budgets(memory_budget, accuracy_budget, accuracy_relative)
-        self.rules = rules
-        self.monitor_window = monitor_window
-        self.monitor_steps = min(monitor_steps, monitor_window)
-        self.search_trials, self.search_timeout_s, self.lr, self.seed = search_trials, search_timeout_s, lr, seed
-        self.loss_scaling = loss_scaling
-        self.max_grad_norm = max_grad_norm
-        self.thresholds = thresholds
-        self.measure_costs = measure_costs
-        self.dynamic = dynamic
-        self.log_dir = log_dir
 
         self.model: Optional[nn.Module] = model
         self.layers: tuple[str, ...] = ()
@@ -335,8 +252,8 @@ class DynamicPrecisionScheduler:
         if self._profiler is not None and self._profiler.collecting:
             self._profiler.step()
         for optimizer in optimizers:
-            if self.max_grad_norm is not None:
-                self.scaler.clip_grad_norm_(optimizer, self.max_grad_norm)
+            if self.config.max_grad_norm is not None:
+                self.scaler.clip_grad_norm_(optimizer, self.config.max_grad_norm)
             self.scaler.step(optimizer)
         self.scaler.update()  # fills the attribution below, on an overflowing iteration only
         skipped = self.scaler.last_overflowed
@@ -346,7 +263,7 @@ class DynamicPrecisionScheduler:
         self._count_skips(skipped, nonfinite)
         if self._writer is not None:
             self._writer.log_step(self.step_count, loss=self._last_loss, loss_scale=self.scaler.scale_tensor, skipped=skipped)
-        if self.dynamic and self.plan is not None:
+        if self.config.dynamic and self.plan is not None:
             self._on_nonfinite(nonfinite, first_bad_output)
         self._advance()
         return not skipped
@@ -403,10 +320,10 @@ class DynamicPrecisionScheduler:
         self.layers = tuple(self._fingerprint)
         if not self.layers:
             raise AutoprecError(f"{type(model).__name__} runs no matrix product: autoprec has no layer to manage")
-        if self.log_dir is not None and self._writer is None:
+        if self.config.log_dir is not None and self._writer is None:
             from .monitoring import TrainingWriter
 
-            self._writer = TrainingWriter(self.log_dir, flush_every=min(100, self.monitor_window))
+            self._writer = TrainingWriter(self.config.log_dir, flush_every=min(100, self.config.monitor_window))
 
     def _bind(self, model: nn.Module, example: ModelCall) -> None:
         if self._fixed_plan is not None:
@@ -416,12 +333,12 @@ class DynamicPrecisionScheduler:
         if self._fixed_plan is not None:
             self._set_plan(self._fixed_plan, "the given plan")
         else:
-            safe = Format.FP32 if self.max_precision == 32 else Format.BF16
+            safe = Format.FP32 if self.config.max_precision == 32 else Format.BF16
             if safe is not Format.FP32:
                 self._set_plan(Plan({fqn: LayerPrecision(safe, reason="safe precision while profiling") for fqn in self.layers}), "profiling", searched=False)
                 self.plan = None  # still profiling: the search has not run
-        if self.dynamic and self._fixed_plan is None:
-            self._start_profiler(self.monitor_window)
+        if self.config.dynamic and self._fixed_plan is None:
+            self._start_profiler(self.config.monitor_window)
         self._maybe_start_monitor()
         logger.info("autoprec: bound to %s with %d layers", type(model).__name__, len(self.layers))
 
@@ -432,7 +349,7 @@ class DynamicPrecisionScheduler:
             meter = stack.enter_context(SavedTensorMeter(list(self.model.parameters())))
             stack.callback(lambda: setattr(self, "_meter_bytes", meter.total_bytes))
             self._meter_next = False
-        if self.phase == "profiling" and self.dynamic and self.step_count >= self.window_start + self.monitor_window - _CAPTURED_STEPS:
+        if self.phase == "profiling" and self.config.dynamic and self.step_count >= self.window_start + self.config.monitor_window - _CAPTURED_STEPS:
             self._capture_handle = self.model.register_forward_hook(self._capture, with_kwargs=True)
             stack.callback(self._stop_capture)
 
@@ -455,7 +372,7 @@ class DynamicPrecisionScheduler:
     # -- plans ----------------------------------------------------------------------------------
 
     def _new_scaler(self, enabled: bool) -> LossScaler:
-        return LossScaler(**dataclasses.asdict(self.loss_scaling), enabled=enabled)
+        return LossScaler(**dataclasses.asdict(self.config.loss_scaling), enabled=enabled)
 
     def _replace_scaler(self, enabled: bool, state: Mapping[str, Any]) -> None:
         """A scaler with ``enabled`` and ``state``, watching the layers in place of the current one."""
@@ -491,7 +408,7 @@ class DynamicPrecisionScheduler:
 
     def _wider(self, fmt: Format) -> Optional[Format]:
         """The next format up: 8-bit and FP16 -> BF16 (FP32's range) -> FP32, within the bounds."""
-        ladder = [f for f in (Format.BF16, Format.FP32) if f.bits <= self.max_precision and format_support(f, self._device()).runnable]
+        ladder = [f for f in (Format.BF16, Format.FP32) if f.bits <= self.config.max_precision and format_support(f, self._device()).runnable]
         if fmt is Format.FP16 or fmt.bits < 16:
             return next(iter(ladder), None)
         return Format.FP32 if fmt is Format.BF16 and Format.FP32 in ladder else None
@@ -520,7 +437,7 @@ class DynamicPrecisionScheduler:
                 self._window_nonfinite[fqn] = self._window_nonfinite.get(fqn, 0) + 1
         if first_bad_output is not None and first_bad_output in self.plan.layers:
             self._window_nonfinite[first_bad_output] = self._window_nonfinite.get(first_bad_output, 0) + 1
-        due = [f for f, n in self._window_nonfinite.items() if n >= self.thresholds.nonfinite_steps and self.plan.layers[f].format is not Format.FP32]
+        due = [f for f, n in self._window_nonfinite.items() if n >= self.config.thresholds.nonfinite_steps and self.plan.layers[f].format is not Format.FP32]
         if due:
             self._promote(due, {f: f"non-finite gradients or outputs in {self._window_nonfinite[f]} steps of this window" for f in due})
             for f in due:
@@ -531,16 +448,16 @@ class DynamicPrecisionScheduler:
     def _start_profiler(self, window: int) -> None:
         from .profiling import LayerProfiler, with_grad_formats
 
-        formats = with_grad_formats(self.formats)
+        formats = with_grad_formats(self.config.candidates)
         self._profiler = LayerProfiler(self.model, self._example, formats=formats, window=window)
         if set(self._profiler.layers) != set(self.layers):
             self._profiler = LayerProfiler(self.model, self._example, formats=formats, window=window, module_filter=lambda m, fqn: fqn in self.layers)
         self._profiler.attach()
 
     def _advance(self) -> None:
-        if not self.dynamic or self.phase == "safe":
+        if not self.config.dynamic or self.phase == "safe":
             return
-        end = self.window_start + self.monitor_window
+        end = self.window_start + self.config.monitor_window
         if self.step_count == end - 1:
             self._meter_next = True  # measure the saved bytes of the window's last step
         if self.step_count < end:
@@ -564,8 +481,8 @@ class DynamicPrecisionScheduler:
 
     def _maybe_start_monitor(self) -> None:
         """Profile the last ``monitor_steps`` steps of each planned window."""
-        if self.dynamic and self.plan is not None and self._profiler is None and self.step_count >= self.window_start + self.monitor_window - self.monitor_steps:
-            self._start_profiler(self.monitor_steps)
+        if self.config.dynamic and self.plan is not None and self._profiler is None and self.step_count >= self.window_start + self.config.monitor_window - self.config.profiled_steps:
+            self._start_profiler(self.config.profiled_steps)
 
     def _search(self, profile) -> None:
         """The first window's search (see the module doc); on failure keep the safe precision."""
@@ -588,33 +505,33 @@ class DynamicPrecisionScheduler:
                 raise SearchError("no output gradients were captured in the window's last steps; call scheduler.backward(loss) inside the loop")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", EmulationWarning)
-                costs = CostModel.build(self.model, self._example, formats=self.formats, measure=self.measure_costs)
+                costs = CostModel.build(self.model, self._example, formats=self.config.candidates, measure=self.config.measure_costs)
                 sensitivity = estimate_sensitivity(
-                    self.model, batches, _LinearisedLoss(), [f for f in self.formats if f is not Format.FP32],
-                    layers=list(costs.layers), example_inputs=self._example, estimator=FisherEstimator(lr=self.lr),
+                    self.model, batches, _LinearisedLoss(), [f for f in self.config.candidates if f is not Format.FP32],
+                    layers=list(costs.layers), example_inputs=self._example, estimator=FisherEstimator(lr=self.config.lr),
                 )
-            space, ruled_out = build_space(costs, sensitivity, profile, formats=self.formats, rules=self.rules,
-                                           min_precision=self.min_precision, max_precision=self.max_precision)
+            space, ruled_out = build_space(costs, sensitivity, profile, formats=self.config.candidates, rules=self.config.rules,
+                                           min_precision=self.config.min_precision, max_precision=self.config.max_precision)
             fp32_bytes = costs.fp32_bytes()
-            memory = self.budgets.memory_bytes(fp32_bytes)
-            loss_budget = self.budgets.loss_increase(loss)
+            memory = self.config.budgets.memory_bytes(fp32_bytes)
+            loss_budget = self.config.budgets.loss_increase(loss)
             try:
                 exact = solve_exact(space, memory, loss_budget)
             except InfeasibleBudgetError as exc:
-                raise in_budget_terms(exc, fp32_bytes, loss if self.budgets.accuracy_relative else None, "") from None
-            warm = [exact.assignment] + [a for a in (space.uniform(f) for f in self.formats) if a is not None]
+                raise in_budget_terms(exc, fp32_bytes, loss if self.config.budgets.accuracy_relative else None, "") from None
+            warm = [exact.assignment] + [a for a in (space.uniform(f) for f in self.config.candidates) if a is not None]
             import optuna
 
             verbosity = optuna.logging.get_verbosity()
             optuna.logging.set_verbosity(optuna.logging.WARNING)  # no line per trial in the training log
             try:
-                proxy = run_proxy_study(space, memory, loss_budget, n_trials=self.search_trials, seed=self.seed, warm_start=warm, timeout=self.search_timeout_s)
+                proxy = run_proxy_study(space, memory, loss_budget, n_trials=self.config.search_trials, seed=self.config.seed, warm_start=warm, timeout=self.config.search_timeout_s)
             finally:
                 optuna.logging.set_verbosity(verbosity)
             best = proxy.best if proxy.best is not None else exact
-            budgets = {"memory": self.budgets.memory, "memory_bytes": memory, "accuracy": self.budgets.accuracy,
+            budgets = {"memory": self.config.budgets.memory, "memory_bytes": memory, "accuracy": self.config.budgets.accuracy,
                        "loss_increase": loss_budget, "baseline_loss": loss}
-            plan = plan_from_solution(space, costs, best, layer_reasons(space, best.assignment, self.rules, ruled_out), budgets,
+            plan = plan_from_solution(space, costs, best, layer_reasons(space, best.assignment, self.config.rules, ruled_out), budgets,
                                       {"step": self.step_count, "trials": proxy.trials, "source": "DynamicPrecisionScheduler"},
                                       self._fingerprint)
         except AutoprecError as exc:
@@ -630,7 +547,7 @@ class DynamicPrecisionScheduler:
 
     def _review_window(self, profile) -> None:
         """Re-calibrate, promote on thresholds, demote after quiet windows (hysteresis)."""
-        t = self.thresholds
+        t = self.config.thresholds
         counts: dict[str, dict[str, float]] = {}
         triggers: dict[str, str] = {}
         for fqn in self.layers:
@@ -776,12 +693,12 @@ class DynamicPrecisionScheduler:
                 )
         if state["plan"] is None or self._fixed_plan is not None:
             return
-        allowed = set(self.formats)
+        allowed = set(self.config.candidates)
         for fqn, lp in Plan.from_dict(state["plan"], "the saved plan").layers.items():
             if lp.format not in allowed:
                 raise RuntimeStateError(
                     f"load_state_dict(): the saved plan runs {fqn!r} in {lp.format.value}, which this scheduler's settings "
-                    f"(min_precision={self.min_precision}, max_precision={self.max_precision}, formats {', '.join(f.value for f in self.formats)}) "
+                    f"(min_precision={self.config.min_precision}, max_precision={self.config.max_precision}, formats {', '.join(f.value for f in self.config.candidates)}) "
                     "exclude; create the scheduler with the settings the state was saved with"
                 )
 

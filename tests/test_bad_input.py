@@ -438,3 +438,34 @@ def test_kill_and_ctrl_c_resume_with_no_trial_left_running_and_no_candidate_meas
     ids = [t.user_attrs["candidate"] for t in finished]
     # measure_top proposals plus the references that fit (uniform plans, plain autocast), each once.
     assert len(ids) == len(set(ids)) >= 3
+
+
+def test_an_unknown_scheduler_setting_is_named_with_the_known_ones():
+    with pytest.raises(SearchError, match=r"^DynamicPrecisionScheduler\(monitor_windows=\.\.\.\): unknown setting; expected one of .*monitor_window"):
+        DynamicPrecisionScheduler(monitor_windows=10)
+
+
+def test_settings_given_both_as_config_and_keywords_are_refused():
+    from autoprec.scheduler_config import SchedulerConfig
+
+    with pytest.raises(SearchError, match=r"config or as keywords, not both"):
+        DynamicPrecisionScheduler(config=SchedulerConfig(), lr=1.0)
+
+
+def test_a_config_runs_as_its_keywords_do():
+    import dataclasses
+
+    from autoprec.scheduler_config import SchedulerConfig
+
+    config = SchedulerConfig(monitor_window=6, monitor_steps=3, memory_budget=0.9, accuracy_budget=0.05, measure_costs=False, search_trials=10)
+    losses = {}
+    for how in ("config", "keywords"):
+        torch.manual_seed(0)
+        model = MLP()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        sch = DynamicPrecisionScheduler(config=config) if how == "config" else DynamicPrecisionScheduler(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+        steps(model, sch, opt, 8)
+        losses[how] = [p.detach().clone() for p in model.parameters()], sch.plan
+    assert losses["config"][1] == losses["keywords"][1] and losses["config"][1] is not None
+    for a, b in zip(losses["config"][0], losses["keywords"][0]):
+        assert torch.equal(a, b)

@@ -1,0 +1,123 @@
+"""The settings of a `DynamicPrecisionScheduler`: one frozen `SchedulerConfig`.
+
+Every default is stated here once; the loss-scaling defaults are `scaling.LossScaling`'s (the same
+as `LossScaler`'s). Derive variants with ``dataclasses.replace``; invalid values raise
+`SearchError` at construction with one line naming the setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+from .errors import SearchError
+from .formats import Format
+from .scaling import LossScaling
+from .search.space import DEFAULT_CANDIDATES, Budgets, LayerRules, formats_for_precision
+
+__all__ = ["SchedulerConfig", "Thresholds"]
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Thresholds:
+    """When a layer is promoted: more than ``overflow`` / ``underflow`` of a tensor's values out
+    of its format's range (with the layer's scaling) in the monitored steps, an amax that moved
+    by more than ``amax_drift`` times (either way) since the last window, or ``nonfinite_steps``
+    steps with non-finite gradients in one window. Demoted after ``stable_windows`` quiet ones."""
+
+    overflow: float = 1e-3
+    underflow: float = 0.25
+    amax_drift: float = 16.0
+    nonfinite_steps: int = 3
+    stable_windows: int = 2
+
+    def __post_init__(self):
+        for name in ("overflow", "underflow"):
+            value = getattr(self, name)
+            if not (_finite(value) and 0 <= value <= 1):
+                raise SearchError(f"Thresholds({name}={value!r}): expected a fraction from 0 to 1")
+        if not (_finite(self.amax_drift) and self.amax_drift > 1):
+            raise SearchError(f"Thresholds(amax_drift={self.amax_drift!r}): expected a finite factor > 1")
+        for name in ("nonfinite_steps", "stable_windows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SearchError(f"Thresholds({name}={value!r}): expected an integer >= 1")
+
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """What a `DynamicPrecisionScheduler` does; its keyword arguments build one.
+
+    ``min_precision`` / ``max_precision``: bits (8, 16, 32) of the formats a layer may take.
+    ``monitor_window``: optimizer steps per window. ``memory_budget``: a fraction of the FP32
+    bytes (<= 1) or bytes; ``accuracy_budget``: the allowed loss increase, relative to the first
+    window's mean training loss (or absolute with ``accuracy_relative=False``); None leaves a
+    budget open. ``formats``, ``rules``: the search's candidates and layer rules;
+    ``search_trials`` / ``search_timeout_s`` bound the study; ``lr``: the learning rate the
+    sensitivity's gradient term assumes. ``loss_scaling``, ``max_grad_norm`` (clip the unscaled
+    gradients; None: no clipping), ``thresholds`` (when layers are promoted and demoted),
+    ``monitor_steps`` (profiled steps at the end of each window), ``log_dir`` (TensorBoard).
+    ``measure_costs=False`` uses the roofline time model instead of timing layers on the device
+    (deterministic; for tests). ``dynamic=False`` runs a fixed plan and never re-plans.
+    """
+
+    min_precision: int = 8
+    max_precision: int = 32
+    monitor_window: int = 500
+    memory_budget: Optional[float] = None
+    accuracy_budget: Optional[float] = None
+    accuracy_relative: bool = True
+    formats: tuple[Format, ...] = DEFAULT_CANDIDATES
+    rules: LayerRules = LayerRules()
+    search_trials: int = 100
+    search_timeout_s: float = 60.0
+    lr: float = 1e-3
+    loss_scaling: LossScaling = LossScaling()
+    max_grad_norm: Optional[float] = None
+    thresholds: Thresholds = Thresholds()
+    monitor_steps: int = 64
+    log_dir: Optional[str] = None
+    measure_costs: bool = True
+    dynamic: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("monitor_window", "monitor_steps", "search_trials"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SearchError(f"DynamicPrecisionScheduler({name}={value!r}): expected a positive integer")
+        # name, whether None is allowed, whether 0 is allowed, what is expected
+        for name, optional, zero_ok, expected in (
+            ("max_grad_norm", True, False, "a finite number > 0 or None"),
+            ("memory_budget", True, False, "a finite fraction of the FP32 bytes (<= 1) or bytes (> 1), or None"),
+            ("accuracy_budget", True, True, "a finite loss increase >= 0, or None"),
+            ("lr", False, False, "the finite learning rate > 0"),
+            ("search_timeout_s", False, False, "a finite number of seconds > 0"),
+        ):
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            if not _finite(value) or value < 0 or (value == 0 and not zero_ok):
+                raise SearchError(f"DynamicPrecisionScheduler({name}={value!r}): expected {expected}")
+        object.__setattr__(self, "formats", tuple(Format.parse(f) for f in self.formats))
+        formats_for_precision(self.min_precision, self.max_precision, self.formats)  # refuses bad bounds now
+
+    @property
+    def candidates(self) -> tuple[Format, ...]:
+        """The formats a layer may take: ``formats`` within the precision bounds."""
+        return formats_for_precision(self.min_precision, self.max_precision, self.formats)
+
+    @property
+    def budgets(self) -> Budgets:
+        return Budgets(self.memory_budget, self.accuracy_budget, self.accuracy_relative)
+
+    @property
+    def profiled_steps(self) -> int:
+        """Steps profiled at the end of each window (at most the window)."""
+        return min(self.monitor_steps, self.monitor_window)
