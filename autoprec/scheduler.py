@@ -61,6 +61,7 @@ from .errors import AutoprecError, InfeasibleBudgetError, ModelCallError, Runtim
 from .formats import Format
 from .measure import SavedTensorMeter
 from .plan import LayerPrecision, Plan
+from .policy import PrecisionChange
 from .runtime import EmulationWarning, apply_plan
 from .scaling import LossScaler, LossScaling
 from .scheduler_config import SchedulerConfig, Thresholds
@@ -75,20 +76,6 @@ _CAPTURED_STEPS = 2  # steps whose inputs and output gradients feed the sensitiv
 # Steps skipped in a row before a warning (then again at each doubling): a few skips are loss
 # scaling doing its job, ten in a row mean the model diverges at this precision.
 _SKIPS_BEFORE_WARNING = 10
-
-
-@dataclasses.dataclass(frozen=True)
-class PrecisionChange:
-    """One layer's format change: at which optimizer step, from what to what, and why."""
-
-    step: int
-    fqn: str
-    old: Format
-    new: Format
-    reason: str
-
-    def to_dict(self) -> dict:
-        return {"step": self.step, "fqn": self.fqn, "old": self.old.value, "new": self.new.value, "reason": self.reason}
 
 
 def _needs_loss_scaling(plan: "Plan | None") -> bool:
@@ -654,7 +641,7 @@ class DynamicPrecisionScheduler:
         self.step_count, self.window_start = state["step"], state["window_start"]
         self.searched_plan = None if state["searched_plan"] is None else Plan.from_dict(state["searched_plan"])
         self.last_search_error = state["last_search_error"]
-        self.changes = [PrecisionChange(c["step"], c["fqn"], Format.parse(c["old"]), Format.parse(c["new"]), c["reason"]) for c in state["changes"]]
+        self.changes = [PrecisionChange.from_dict(c) for c in state["changes"]]
         self._history = {k: list(v) for k, v in state["history"].items()}
         self._stable, self._wait = dict(state["stable"]), dict(state["wait"])
         self._previous_amax, self._window_nonfinite = dict(state["previous_amax"]), dict(state["window_nonfinite"])

@@ -24,7 +24,6 @@ per step written (one event per step, queued for TensorBoard's writer thread).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import numbers
@@ -39,6 +38,7 @@ import torch
 from ..errors import MonitoringError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
+from ..policy import PrecisionChange
 from .plans import _md_table, plan_layers_markdown, plan_summary_markdown, render_precision_map
 from .search import _add_scalars
 from .writer import _add_png, _add_text, _writable_dir, run_name
@@ -58,25 +58,6 @@ FORMAT_INDEX: Mapping[Format, int] = types.MappingProxyType(
 
 _DEFAULT_FLUSH_EVERY = 100
 _DEFAULT_TIMELINE_ROWS = 500
-
-
-@dataclasses.dataclass(frozen=True)
-class PrecisionChange:
-    """One layer moved from one format to another at a step, and why."""
-
-    step: int
-    layer: str
-    old: Format
-    new: Format
-    reason: str = ""
-
-    @property
-    def direction(self) -> str:
-        """``"promotion"`` to more bits, ``"demotion"`` to fewer, ``"lateral"`` for the same
-        width (fp8_e4m3 → fp8_e5m2, fp16 → bf16)."""
-        if self.new.bits == self.old.bits:
-            return "lateral"
-        return "promotion" if self.new.bits > self.old.bits else "demotion"
 
 
 def _step(step: Any) -> int:
@@ -336,7 +317,7 @@ class TrainingWriter:
             self._write_timeline()
         self._changes.append(change)
         self._timeline_step = change.step
-        self._format_scalars({change.layer: change.new}, change.step)
+        self._format_scalars({change.fqn: change.new}, change.step)
         return change
 
     def _write_timeline(self) -> None:
@@ -344,7 +325,7 @@ class TrainingWriter:
         if step is None:
             return
         shown = self._changes[-self.timeline_rows:]
-        rows = [[str(c.step), f"`{c.layer}`", f"`{c.old.value}`", f"`{c.new.value}`", c.direction, c.reason or "–"] for c in shown]
+        rows = [[str(c.step), f"`{c.fqn}`", f"`{c.old.value}`", f"`{c.new.value}`", c.direction, c.reason or "–"] for c in shown]
         text = f"{len(self._changes)} precision changes"
         if len(shown) < len(self._changes):
             text += f" (the last {len(shown)} shown)"
