@@ -1,18 +1,26 @@
-"""What the precision policy decides: a `PrecisionChange` of one layer's format.
+"""The precision policy: when a layer is promoted to a wider format and when it comes back.
 
-The scheduler records each change it makes (``scheduler.changes``, its checkpoints) and the
-TensorBoard training writer shows them (`monitoring.training.TrainingWriter.log_change`): one
-type for both.
+Pure functions of a window's statistics and the policy's own `PolicyState`: they touch no module
+and no device, so every rule is unit-tested without a training run. The scheduler keeps the
+clock (when a window ends, when non-finite steps are counted) and applies the `PrecisionChange`s
+they return; the TensorBoard training writer shows the same records.
+
+- `window_triggers`: overflow / underflow beyond the thresholds in the plan's format (with the
+  runtime's scaling), or an activation amax drift;
+- `promotions`: one step up the ladder (8-bit and FP16 -> BF16 -> FP32);
+- `demotions`: back down after quiet windows, the wait doubling each time (hysteresis).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+import math
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from .formats import Format
+from .plan import Plan
 
-__all__ = ["PrecisionChange"]
+__all__ = ["PrecisionChange", "PolicyState", "wider_format", "promotions", "window_triggers", "demotions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,3 +47,126 @@ class PrecisionChange:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "PrecisionChange":
         return cls(data["step"], data["fqn"], Format.parse(data["old"]), Format.parse(data["new"]), data["reason"])
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyState:
+    """What the policy remembers between windows, per layer (saved in scheduler checkpoints).
+
+    ``history``: the formats a layer was promoted from, newest last (a demotion pops one);
+    ``stable``: quiet windows since its last change; ``wait``: quiet windows it must see before
+    its next demotion (doubles at each demotion: hysteresis); ``previous_amax``: its activation
+    amax in the last window that saw one (for the drift rule).
+    """
+
+    history: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    stable: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    wait: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    previous_amax: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "history": {k: list(v) for k, v in self.history.items()},
+            "stable": dict(self.stable),
+            "wait": dict(self.wait),
+            "previous_amax": dict(self.previous_amax),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "PolicyState":
+        return cls({k: tuple(v) for k, v in data["history"].items()}, dict(data["stable"]), dict(data["wait"]), dict(data["previous_amax"]))
+
+
+def wider_format(fmt: Format, ladder: Sequence[Format]) -> Optional[Format]:
+    """The next format up for a layer in ``fmt``: 8-bit formats and FP16 go to the first of
+    ``ladder`` (BF16 then FP32, those within the bounds and runnable: BF16 has FP32's range),
+    BF16 to FP32; None when there is nothing wider."""
+    if fmt is Format.FP16 or fmt.bits < 16:
+        return next(iter(ladder), None)
+    return Format.FP32 if fmt is Format.BF16 and Format.FP32 in ladder else None
+
+
+def promotions(
+    plan: Plan, reasons: Mapping[str, str], state: PolicyState, step: int, ladder: Sequence[Format]
+) -> tuple[list[PrecisionChange], PolicyState]:
+    """Promote each layer of ``reasons`` (fqn -> why) one step up `wider_format`'s ladder;
+    layers already at the top stay. Returns the changes and the state that remembers them."""
+    history = {k: tuple(v) for k, v in state.history.items()}
+    stable = dict(state.stable)
+    changes = []
+    for fqn, reason in reasons.items():
+        current = plan.layers[fqn].format
+        wider = wider_format(current, ladder)
+        if wider is None:
+            continue
+        history[fqn] = history.get(fqn, ()) + (current.value,)
+        stable[fqn] = 0
+        changes.append(PrecisionChange(step, fqn, current, wider, reason))
+    return changes, dataclasses.replace(state, history=history, stable=stable)
+
+
+def window_triggers(
+    plan: Plan, layers: Sequence[str], profile: Any, nonfinite: Mapping[str, int], state: PolicyState, thresholds: Any
+) -> tuple[dict[str, str], dict[str, dict[str, float]], PolicyState]:
+    """Judge one window's statistics: ``(triggers, counts, state)``.
+
+    ``triggers``: fqn -> why it must be promoted, for layers whose tensors (in the plan's format,
+    with the runtime's scaling: `search.planner.cast_of`) overflowed beyond
+    ``thresholds.overflow`` or underflowed beyond ``thresholds.underflow``, or whose activation
+    amax moved by more than ``thresholds.amax_drift`` times since the last window (FP32 layers
+    are never triggered by drift). ``counts``: per layer the fractions and non-finite steps
+    judged (for the training log). ``profile``: the window's `Profile` (None: nothing profiled).
+    """
+    from .search.planner import cast_of
+
+    triggers: dict[str, str] = {}
+    counts: dict[str, dict[str, float]] = {}
+    previous_amax = dict(state.previous_amax)
+    for fqn in layers:
+        lp = plan.layers[fqn]
+        stats = profile.layers.get(fqn) if profile is not None else None
+        row = {"nonfinite": float(nonfinite.get(fqn, 0))}
+        if stats is not None:
+            for kind, ts in stats.tensors.items():
+                fmt, scaling = cast_of(lp, kind)
+                if fmt is Format.FP32 or fmt.value not in ts.fractions:
+                    continue
+                over, under = ts.overflow(fmt, scaling), ts.underflow(fmt, scaling)
+                row[f"overflow_{kind}"], row[f"underflow_{kind}"] = over, under
+                if over > thresholds.overflow:
+                    triggers.setdefault(fqn, f"{over:.2%} of {kind} values overflow {fmt.value}")
+                elif under > thresholds.underflow:
+                    triggers.setdefault(fqn, f"{under:.2%} of {kind} values underflow {fmt.value}")
+            act = stats.tensors.get("activation")
+            finite = [a for a in (act.amax if act is not None else ()) if math.isfinite(a) and a > 0]
+            if finite:
+                amax = max(finite)
+                before = previous_amax.get(fqn)
+                previous_amax[fqn] = amax
+                if before and lp.format is not Format.FP32 and max(amax / before, before / amax) > thresholds.amax_drift:
+                    triggers.setdefault(fqn, f"activation amax drifted {before:.3g} -> {amax:.3g}")
+        counts[fqn] = row
+    return triggers, counts, dataclasses.replace(state, previous_amax=previous_amax)
+
+
+def demotions(triggered: Iterable[str], state: PolicyState, step: int, stable_windows: int, current: Mapping[str, Format]) -> tuple[list[PrecisionChange], PolicyState]:
+    """After a window: every promoted layer not in ``triggered`` counts one more quiet window;
+    one that has waited its ``wait`` (``stable_windows`` the first time) goes back to the format
+    it was promoted from, and its next wait doubles (a layer that keeps flapping waits longer
+    each time). ``current``: fqn -> the format it runs in now."""
+    triggered = set(triggered)
+    history = {k: tuple(v) for k, v in state.history.items()}
+    stable, wait = dict(state.stable), dict(state.wait)
+    changes = []
+    for fqn, stack in state.history.items():
+        if not stack or fqn in triggered:
+            continue
+        stable[fqn] = stable.get(fqn, 0) + 1
+        if stable[fqn] >= wait.get(fqn, stable_windows):
+            back = Format.parse(stack[-1])
+            history[fqn] = tuple(stack[:-1])
+            stable[fqn] = 0
+            waited = wait.get(fqn, stable_windows)
+            wait[fqn] = waited * 2
+            changes.append(PrecisionChange(step, fqn, current[fqn], back, f"stable for {waited} windows"))
+    return changes, dataclasses.replace(state, history=history, stable=stable, wait=wait)

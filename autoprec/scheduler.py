@@ -47,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import warnings
 from typing import Any, Mapping, Optional, Sequence
 
@@ -61,11 +60,10 @@ from .errors import AutoprecError, InfeasibleBudgetError, ModelCallError, Runtim
 from .formats import Format
 from .measure import SavedTensorMeter
 from .plan import LayerPrecision, Plan
-from .policy import PrecisionChange
+from .policy import PolicyState, PrecisionChange, demotions, promotions, window_triggers
 from .runtime import EmulationWarning, apply_plan
 from .scaling import LossScaler, LossScaling
 from .scheduler_config import SchedulerConfig, Thresholds
-from .search.planner import cast_of
 
 __all__ = ["DynamicPrecisionScheduler", "SchedulerConfig", "LossScaling", "Thresholds", "PrecisionChange"]
 
@@ -133,10 +131,7 @@ class DynamicPrecisionScheduler:
         self._pending_state: Optional[Mapping[str, Any]] = None  # loaded before binding: applied on bind
         self._runtime = None
         self._profiler = None
-        self._previous_amax: dict[str, float] = {}
-        self._history: dict[str, list[str]] = {}  # fqn -> formats it was promoted from (a stack)
-        self._stable: dict[str, int] = {}
-        self._wait: dict[str, int] = {}
+        self._policy = PolicyState()
         self._window_nonfinite: dict[str, int] = {}
         self._loss_sum: Optional[torch.Tensor] = None
         self._loss_count = 0
@@ -393,29 +388,24 @@ class DynamicPrecisionScheduler:
         if self._writer is not None:
             self._writer.log_change(self.step_count, fqn, old, new, reason)
 
-    def _wider(self, fmt: Format) -> Optional[Format]:
-        """The next format up: 8-bit and FP16 -> BF16 (FP32's range) -> FP32, within the bounds."""
-        ladder = [f for f in (Format.BF16, Format.FP32) if f.bits <= self.config.max_precision and format_support(f, self._device()).runnable]
-        if fmt is Format.FP16 or fmt.bits < 16:
-            return next(iter(ladder), None)
-        return Format.FP32 if fmt is Format.BF16 and Format.FP32 in ladder else None
+    def _ladder(self) -> list[Format]:
+        """The formats a promotion may go to, narrowest first: BF16 and FP32 within the bounds,
+        runnable on the model's device."""
+        return [f for f in (Format.BF16, Format.FP32) if f.bits <= self.config.max_precision and format_support(f, self._device()).runnable]
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
     def _promote(self, fqns: Sequence[str], reasons: Mapping[str, str]) -> None:
-        changes = {}
-        for fqn in fqns:
-            current = self.plan.layers[fqn].format
-            wider = self._wider(current)
-            if wider is None:
-                continue
-            self._history.setdefault(fqn, []).append(current.value)
-            self._stable[fqn] = 0
-            changes[fqn] = LayerPrecision(wider, reason=f"promoted at step {self.step_count}: {reasons[fqn]}")
-            self._change(fqn, wider, reasons[fqn])
+        changes, self._policy = promotions(self.plan, {f: reasons[f] for f in fqns}, self._policy, self.step_count, self._ladder())
+        self._apply(changes, "promoted", "promotion")
+
+    def _apply(self, changes: Sequence[PrecisionChange], verb: str, why: str) -> None:
+        """Record ``changes`` and put them in force as one new plan."""
+        for change in changes:
+            self._change(change.fqn, change.new, change.reason)
         if changes:
-            self._set_plan(self.plan.with_layers(changes), "promotion")
+            self._set_plan(self.plan.with_layers({c.fqn: LayerPrecision(c.new, reason=f"{verb} at step {self.step_count}: {c.reason}") for c in changes}), why)
 
     def _on_nonfinite(self, layers: Sequence[str], first_bad_output: Optional[str]) -> None:
         """Count non-finite gradients per layer this window; promote at the threshold at once."""
@@ -535,32 +525,7 @@ class DynamicPrecisionScheduler:
     def _review_window(self, profile) -> None:
         """Re-calibrate, promote on thresholds, demote after quiet windows (hysteresis)."""
         t = self.config.thresholds
-        counts: dict[str, dict[str, float]] = {}
-        triggers: dict[str, str] = {}
-        for fqn in self.layers:
-            lp = self.plan.layers[fqn]
-            stats = profile.layers.get(fqn) if profile is not None else None
-            row = {"nonfinite": float(self._window_nonfinite.get(fqn, 0))}
-            if stats is not None:
-                for kind, ts in stats.tensors.items():
-                    fmt, scaling = cast_of(lp, kind)
-                    if fmt is Format.FP32 or fmt.value not in ts.fractions:
-                        continue
-                    over, under = ts.overflow(fmt, scaling), ts.underflow(fmt, scaling)
-                    row[f"overflow_{kind}"], row[f"underflow_{kind}"] = over, under
-                    if over > t.overflow:
-                        triggers.setdefault(fqn, f"{over:.2%} of {kind} values overflow {fmt.value}")
-                    elif under > t.underflow:
-                        triggers.setdefault(fqn, f"{under:.2%} of {kind} values underflow {fmt.value}")
-                act = stats.tensors.get("activation")
-                finite = [a for a in (act.amax if act is not None else ()) if math.isfinite(a) and a > 0]
-                if finite:
-                    amax = max(finite)
-                    before = self._previous_amax.get(fqn)
-                    self._previous_amax[fqn] = amax
-                    if before and lp.format is not Format.FP32 and max(amax / before, before / amax) > t.amax_drift:
-                        triggers.setdefault(fqn, f"activation amax drifted {before:.3g} -> {amax:.3g}")
-            counts[fqn] = row
+        triggers, counts, self._policy = window_triggers(self.plan, self.layers, profile, self._window_nonfinite, self._policy, t)
         if self._writer is not None:
             self._writer.log_layer_counts(self.step_count, counts)
             if self._meter_bytes is not None:
@@ -571,21 +536,9 @@ class DynamicPrecisionScheduler:
                 self._runtime.recalibrate(int8)
         promote = [fqn for fqn in triggers if self.plan.layers[fqn].format is not Format.FP32]
         self._promote(promote, triggers)
-        demote = {}
-        for fqn, stack in self._history.items():
-            if not stack or fqn in triggers:
-                continue
-            self._stable[fqn] = self._stable.get(fqn, 0) + 1
-            if self._stable[fqn] >= self._wait.get(fqn, t.stable_windows):
-                back = Format.parse(stack.pop())
-                self._stable[fqn] = 0
-                # If this layer was demoted before and promoted again, it waits twice as long.
-                self._wait[fqn] = self._wait.get(fqn, t.stable_windows) * 2
-                reason = f"stable for {self._wait[fqn] // 2} windows"
-                self._change(fqn, back, reason)
-                demote[fqn] = LayerPrecision(back, reason=f"demoted at step {self.step_count}: {reason}")
-        if demote:
-            self._set_plan(self.plan.with_layers(demote), "demotion")
+        current = {fqn: lp.format for fqn, lp in self.plan.layers.items()}
+        changes, self._policy = demotions(triggers, self._policy, self.step_count, t.stable_windows, current)
+        self._apply(changes, "demoted", "demotion")
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -601,10 +554,7 @@ class DynamicPrecisionScheduler:
             "searched_plan": None if self.searched_plan is None else self.searched_plan.to_dict(),
             "changes": [c.to_dict() for c in self.changes],
             "last_search_error": self.last_search_error,
-            "history": {k: list(v) for k, v in self._history.items()},
-            "stable": dict(self._stable),
-            "wait": dict(self._wait),
-            "previous_amax": dict(self._previous_amax),
+            **self._policy.to_dict(),
             "window_nonfinite": dict(self._window_nonfinite),
             "loss_sum": self._loss_sum,
             "loss_count": self._loss_count,
@@ -642,9 +592,8 @@ class DynamicPrecisionScheduler:
         self.searched_plan = None if state["searched_plan"] is None else Plan.from_dict(state["searched_plan"])
         self.last_search_error = state["last_search_error"]
         self.changes = [PrecisionChange.from_dict(c) for c in state["changes"]]
-        self._history = {k: list(v) for k, v in state["history"].items()}
-        self._stable, self._wait = dict(state["stable"]), dict(state["wait"])
-        self._previous_amax, self._window_nonfinite = dict(state["previous_amax"]), dict(state["window_nonfinite"])
+        self._policy = PolicyState.from_dict(state)
+        self._window_nonfinite = dict(state["window_nonfinite"])
         self._loss_sum, self._loss_count = state["loss_sum"], state["loss_count"]
         self._captured = [[ModelCall.from_state(call), grad] for call, grad in state["captured"]]
         self._meter_next = state["meter_next"]

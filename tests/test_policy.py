@@ -1,0 +1,91 @@
+"""The precision policy's rules as pure functions: no model, no training run."""
+
+import types
+
+from autoprec.formats import Format
+from autoprec.plan import Plan
+from autoprec.policy import PolicyState, PrecisionChange, demotions, promotions, wider_format, window_triggers
+from autoprec.scheduler_config import Thresholds
+
+LADDER = [Format.BF16, Format.FP32]
+T = Thresholds(overflow=1e-3, underflow=0.25, amax_drift=16.0, stable_windows=2)
+
+
+def stats(overflow=0.0, underflow=0.0, amax=(1.0,), fmt="int8"):
+    """One tensor's window statistics as the policy reads them (fractions keyed by format)."""
+    return types.SimpleNamespace(
+        fractions={fmt: None}, overflow=lambda f, scaling: overflow, underflow=lambda f, scaling: underflow, amax=list(amax)
+    )
+
+
+def profile(**layers):
+    return types.SimpleNamespace(layers={fqn: types.SimpleNamespace(tensors={"activation": s}) for fqn, s in layers.items()})
+
+
+def test_the_ladder_goes_through_bf16_to_fp32_within_the_bounds():
+    assert [wider_format(f, LADDER) for f in (Format.INT8, Format.FP8_E4M3, Format.FP16, Format.BF16, Format.FP32)] == [
+        Format.BF16, Format.BF16, Format.BF16, Format.FP32, None,
+    ]
+    assert wider_format(Format.BF16, [Format.BF16]) is None  # max_precision=16: BF16 is the top
+    assert wider_format(Format.INT8, [Format.FP32]) is Format.FP32  # no BF16 on this device
+
+
+def test_a_promotion_remembers_where_the_layer_came_from():
+    plan = Plan({"a": "int8", "b": "fp32"})
+    changes, state = promotions(plan, {"a": "overflow", "b": "overflow"}, PolicyState(), step=7, ladder=LADDER)
+    assert changes == [PrecisionChange(7, "a", Format.INT8, Format.BF16, "overflow")]  # b is at the top already
+    assert state.history == {"a": ("int8",)} and state.stable == {"a": 0}
+
+
+def test_overflow_and_underflow_beyond_the_thresholds_trigger_with_their_reason():
+    plan = Plan({"over": "int8", "under": "int8", "fine": "int8"})
+    window = profile(over=stats(overflow=0.01), under=stats(underflow=0.5), fine=stats(overflow=1e-4, underflow=0.1))
+    triggers, counts, _ = window_triggers(plan, ["over", "under", "fine"], window, {"fine": 2}, PolicyState(), T)
+    assert triggers == {"over": "1.00% of activation values overflow int8", "under": "50.00% of activation values underflow int8"}
+    assert counts["fine"] == {"nonfinite": 2.0, "overflow_activation": 1e-4, "underflow_activation": 0.1}
+
+
+def test_an_amax_drift_beyond_the_factor_triggers_from_the_second_window_and_never_for_fp32():
+    plan = Plan({"a": "int8", "b": "fp32", "c": "int8"})
+    first, _, state = window_triggers(plan, ["a", "b", "c"], profile(a=stats(amax=(1.0,)), b=stats(amax=(1.0,), fmt="fp32"), c=stats(amax=(1.0,))), {}, PolicyState(), T)
+    assert first == {} and state.previous_amax == {"a": 1.0, "b": 1.0, "c": 1.0}
+    second, _, state = window_triggers(plan, ["a", "b", "c"], profile(a=stats(amax=(20.0,)), b=stats(amax=(20.0,), fmt="fp32"), c=stats(amax=(15.0,))), {}, state, T)
+    assert second == {"a": "activation amax drifted 1 -> 20"}  # c moved 15x < 16x; b is FP32
+    assert state.previous_amax == {"a": 20.0, "b": 20.0, "c": 15.0}
+
+
+def test_no_profile_means_no_trigger_and_counts_keep_the_nonfinite_steps():
+    plan = Plan({"a": "int8"})
+    triggers, counts, state = window_triggers(plan, ["a"], None, {"a": 1}, PolicyState(), T)
+    assert triggers == {} and counts == {"a": {"nonfinite": 1.0}} and state == PolicyState()
+
+
+def test_a_quiet_layer_comes_back_after_its_wait_and_the_wait_doubles_each_time():
+    plan = Plan({"a": "int8"})
+    _, state = promotions(plan, {"a": "overflow"}, PolicyState(), 0, LADDER)
+    now = {"a": Format.BF16}
+    demoted = []
+    for window in range(1, 12):
+        changes, state = demotions([], state, window, T.stable_windows, now)
+        demoted += changes
+        for _ in changes:  # it flaps: promoted again at once
+            _, state = promotions(Plan({"a": "int8"}), {"a": "overflow again"}, state, window, LADDER)
+    # Waited 2 quiet windows, then 4 (then 8: past the loop).
+    assert demoted == [
+        PrecisionChange(2, "a", Format.BF16, Format.INT8, "stable for 2 windows"),
+        PrecisionChange(6, "a", Format.BF16, Format.INT8, "stable for 4 windows"),
+    ]
+    assert state.wait == {"a": 8}
+
+
+def test_a_triggered_window_does_not_count_as_quiet():
+    _, state = promotions(Plan({"a": "int8"}), {"a": "overflow"}, PolicyState(), 0, LADDER)
+    changes, state = demotions(["a"], state, 1, T.stable_windows, {"a": Format.BF16})
+    assert changes == [] and state.stable == {"a": 0}
+    changes, state = demotions([], state, 2, T.stable_windows, {"a": Format.BF16})
+    assert changes == [] and state.stable == {"a": 1}
+
+
+def test_policy_state_round_trips_through_its_checkpoint_form():
+    _, state = promotions(Plan({"a": "int8"}), {"a": "x"}, PolicyState(previous_amax={"a": 3.0}), 0, LADDER)
+    assert PolicyState.from_dict(state.to_dict()) == state
