@@ -56,7 +56,7 @@ import torch.nn as nn
 from .calls import ModelCall, loss_of, prediction_of
 from .coverage import LayerInfo, find_layers
 from .device import format_support
-from .errors import AutoprecError, InfeasibleBudgetError, ModelCallError, RuntimeStateError, SearchError
+from .errors import AutoprecError, ModelCallError, RuntimeStateError, SearchError
 from .formats import Format
 from .measure import SavedTensorMeter
 from .plan import LayerPrecision, Plan
@@ -463,10 +463,9 @@ class DynamicPrecisionScheduler:
 
     def _search(self, profile) -> None:
         """The first window's search (see the module doc); on failure keep the safe precision."""
-        from .costs import CostModel
-        from .search import run_proxy_study, solve_exact
-        from .search.planner import build_space, in_budget_terms, layer_reasons, plan_from_solution
-        from .sensitivity import FisherEstimator, estimate_sensitivity
+        from .search import run_proxy_study
+        from .search.pipeline import measure_space, solve_in_budgets
+        from .search.planner import layer_reasons, plan_from_solution
 
         loss = None
         if self._loss_count:
@@ -480,22 +479,12 @@ class DynamicPrecisionScheduler:
         try:
             if not batches:
                 raise SearchError("no output gradients were captured in the window's last steps; call scheduler.backward(loss) inside the loop")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", EmulationWarning)
-                costs = CostModel.build(self.model, self._example, formats=self.config.candidates, measure=self.config.measure_costs)
-                sensitivity = estimate_sensitivity(
-                    self.model, batches, _LinearisedLoss(), [f for f in self.config.candidates if f is not Format.FP32],
-                    layers=list(costs.layers), example_inputs=self._example, estimator=FisherEstimator(lr=self.config.lr),
-                )
-            space, ruled_out = build_space(costs, sensitivity, profile, formats=self.config.candidates, rules=self.config.rules,
-                                           min_precision=self.config.min_precision, max_precision=self.config.max_precision)
-            fp32_bytes = costs.fp32_bytes()
-            memory = self.config.budgets.memory_bytes(fp32_bytes)
-            loss_budget = self.config.budgets.loss_increase(loss)
-            try:
-                exact = solve_exact(space, memory, loss_budget)
-            except InfeasibleBudgetError as exc:
-                raise in_budget_terms(exc, fp32_bytes, loss if self.config.budgets.accuracy_relative else None, "") from None
+            c = self.config
+            found = measure_space(self.model, self._example, batches, _LinearisedLoss(), profile, formats=c.candidates, rules=c.rules,
+                                  min_precision=c.min_precision, max_precision=c.max_precision, lr=c.lr, measure=c.measure_costs)
+            optimum = solve_in_budgets(found, c.budgets, loss)
+            costs, space, ruled_out = found.costs, found.space, found.ruled_out
+            memory, loss_budget, exact = optimum.memory, optimum.loss_budget, optimum.exact
             warm = [exact.assignment] + [a for a in (space.uniform(f) for f in self.config.candidates) if a is not None]
             import optuna
 

@@ -51,14 +51,15 @@ import torch
 from ..calls import ModelCall
 from ..coverage import find_layers
 from ..device import format_support, resolve_device
-from ..errors import InfeasibleBudgetError, SearchError
+from ..errors import SearchError
 from ..formats import Format
 from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan
 from .config import JobConfig, resolve_factory
-from .exact import Solution, solve_exact
+from .exact import Solution
 from .measured import BudgetPruner, Candidate, MeasuredStage, Measurement, fastest_meeting
-from .planner import build_space, in_budget_terms, layer_reasons, plan_from_solution
+from .pipeline import measure_space, solve_in_budgets
+from .planner import layer_reasons, plan_from_solution
 from .space import SearchSpace
 from .study import feasible, open_storage, quiet_interrupts, run_proxy_study
 
@@ -266,9 +267,6 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
     `InfeasibleBudgetError` (stating the smallest memory and loss increase reachable) when no
     plan can meet the budgets even on the predictions.
     """
-    from ..costs import CostModel
-    from ..sensitivity import FisherEstimator, estimate_sensitivity
-
     start = time.perf_counter()
     # Checked before anything is written, so a bad device or folder leaves no empty study behind.
     with _naming(config, "[job].device"):
@@ -289,34 +287,18 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
     sampler = workload.train_batches(config.seed + 1)
     train = [_to(sampler.next(), device) for _ in range(max(config.sensitivity_batches, 4))]
 
-    if progress is not None:
-        progress(0, 1, "costing layers")
     # The in-place times are kept in the out folder: a re-run predicts exactly what this run did,
     # so the same candidates come out and a resumed study gets no new trial.
-    costs = CostModel.build(model, train[0], loss_fn=workload.loss, formats=config.formats, times_file=config.out / "costs.json")
-    if progress is not None:
-        progress(0, 1, "estimating sensitivity")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", EmulationWarning)
-        sensitivity = estimate_sensitivity(
-            model, train[: config.sensitivity_batches], workload.loss, [f for f in config.formats if f is not Format.FP32],
-            layers=list(costs.layers), example_inputs=example_inputs, estimator=FisherEstimator(lr=lr),
-        )
-    space, ruled_out = build_space(
-        costs, sensitivity, profile, formats=config.formats, rules=config.rules,
-        min_precision=config.min_precision, max_precision=config.max_precision,
+    found = measure_space(
+        model, example_inputs, train[: config.sensitivity_batches], workload.loss, profile,
+        formats=config.formats, rules=config.rules, min_precision=config.min_precision, max_precision=config.max_precision,
+        lr=lr, cost_inputs=train[0], cost_loss_fn=workload.loss, times_file=config.out / "costs.json", progress=progress,
     )
-
+    costs, space, ruled_out = found.costs, found.space, found.ruled_out
     stage = MeasuredStage(model, workload.loss, train, val, list(costs.layers), lr=lr, steps=config.measure_steps)
     fp32_cost = costs.plan_cost(costs.uniform_plan(Format.FP32))
-    fp32_bytes = fp32_cost.bytes
-    memory = config.budgets.memory_bytes(fp32_bytes)
-    loss_budget = config.budgets.loss_increase(stage.baseline_loss)
-    try:
-        exact = solve_exact(space, memory, loss_budget)
-    except InfeasibleBudgetError as exc:
-        baseline = stage.baseline_loss if config.budgets.accuracy_relative else None
-        raise in_budget_terms(exc, fp32_bytes, baseline, f"{config.source}: ") from None
+    optimum = solve_in_budgets(found, config.budgets, stage.baseline_loss, f"{config.source}: ")
+    memory, loss_budget, exact = optimum.memory, optimum.loss_budget, optimum.exact
 
     signature = _signature(space, memory, loss_budget)
     _check_study(storage, config, signature)
