@@ -29,6 +29,8 @@ from ._tracing import module_stack, side_effect_free
 from .calls import ModelCall
 
 __all__ = [
+    "covered_layers",
+    "changed_shapes",
     "MATMUL_OPS",
     "LayerInfo",
     "static_layers",
@@ -206,3 +208,29 @@ def find_layers(model: nn.Module, example_inputs: Any = None) -> dict[str, Layer
         return static_layers(model)
     return trace_layers(model, example_inputs)
 
+
+
+def covered_layers(model: nn.Module, example_inputs: Any, fingerprint: Mapping[str, LayerInfo]) -> dict[str, LayerInfo]:
+    """The layers an artifact (plan, profile) made for ``model`` must cover: `find_layers`, plus,
+    without an example input, the layers ``fingerprint`` remembers that only a trace finds
+    (hand-written matmul modules)."""
+    covered = find_layers(model, example_inputs)
+    if example_inputs is None:
+        modules = dict(model.named_modules())
+        for fqn, info in fingerprint.items():
+            if fqn in modules:
+                covered.setdefault(fqn, info)
+    return covered
+
+
+def changed_shapes(model: nn.Module, fingerprint: Mapping[str, LayerInfo], layers: "Iterable[str] | None" = None):
+    """``(fqn, shapes now, shapes fingerprinted)`` for each fingerprinted layer of ``model`` (of
+    ``layers`` when given) whose own parameters' shapes differ: the artifact was made for
+    another model."""
+    modules = dict(model.named_modules())
+    wanted = set(layers) if layers is not None else None
+    for fqn, info in fingerprint.items():
+        if fqn in modules and (wanted is None or fqn in wanted):
+            actual = dict(LayerInfo.of(modules[fqn], info.ops).params)
+            if actual != dict(info.params):
+                yield fqn, actual, dict(info.params)

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from . import __version__
 from ._io import atomic_write_text, check_schema_version
-from .coverage import LayerInfo, ModuleFilter, find_layers
+from .coverage import LayerInfo, ModuleFilter, changed_shapes, covered_layers, find_layers
 from .device import KERNEL_OPS, format_support
 from .errors import FormatError, PlanError
 from .formats import Format, Granularity
@@ -428,12 +428,7 @@ class Plan:
         for fqn in self._layers:
             if fqn not in modules:
                 problems.append(f"{fqn!r}: the plan names a layer the model lacks; remove it or check the model")
-        covered = find_layers(model, example_inputs)
-        if example_inputs is None:
-            # The fingerprint remembers layers only tracing finds (hand-written addmm projections).
-            for fqn, info in self._fingerprint.items():
-                if fqn in modules:
-                    covered.setdefault(fqn, info)
+        covered = covered_layers(model, example_inputs, self._fingerprint)
         for fqn in covered:
             if fqn not in self._layers:
                 problems.append(f"{fqn!r}: a covered layer ({covered[fqn].module}) the plan lacks; add it (fp32 keeps it as is)")
@@ -442,11 +437,8 @@ class Plan:
             for fqn in self._layers:
                 if fqn in modules and fqn not in covered:
                     problems.append(f"{fqn!r}: {type(modules[fqn]).__name__} runs no matrix product in its own forward, so it is not a layer; remove it")
-        for fqn, info in self._fingerprint.items():
-            if fqn in modules and fqn in self._layers:
-                actual = LayerInfo.of(modules[fqn], info.ops).params
-                if dict(actual) != dict(info.params):
-                    problems.append(f"{fqn!r}: parameter shapes {dict(actual)} differ from the plan's {dict(info.params)}; the plan was made for another model")
+        for fqn, actual, planned in changed_shapes(model, self._fingerprint, self._layers):
+            problems.append(f"{fqn!r}: parameter shapes {actual} differ from the plan's {planned}; the plan was made for another model")
         if device is None:
             first = next(model.parameters(), None)
             device = first.device if first is not None else "cpu"

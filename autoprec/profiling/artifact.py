@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from .. import __version__
 from .._io import atomic_write_text, check_schema_version
-from ..coverage import LayerInfo, find_layers
+from ..coverage import LayerInfo, changed_shapes, covered_layers
 from ..errors import ProfileError
 from ..formats import Format
 from .stats import KINDS, NUM_BINS, REFERENCES, SCHEMA_VERSION, SUB_BITS, FormatFractions, GradStats, Histogram, TensorStats, scalings_for
@@ -95,12 +95,7 @@ class Profile:
         layers); parameter shapes that changed. Costs one forward with ``example_inputs``.
         """
         modules = dict(model.named_modules())
-        covered = find_layers(model, example_inputs)
-        if example_inputs is None:
-            # Layers only a trace finds (hand-written matmul modules) are known from the fingerprint.
-            for fqn, info in self.fingerprint.items():
-                if fqn in modules:
-                    covered.setdefault(fqn, info)
+        covered = covered_layers(model, example_inputs, self.fingerprint)
         problems = []
         for fqn in self.fingerprint:
             if fqn not in modules:
@@ -108,11 +103,8 @@ class Profile:
         for fqn, info in covered.items():
             if fqn not in self.fingerprint:
                 problems.append(f"{fqn!r}: a covered layer ({info.module}) the profile lacks")
-        for fqn, info in self.fingerprint.items():
-            if fqn in modules:
-                actual = dict(LayerInfo.of(modules[fqn], info.ops).params)
-                if actual != dict(info.params):
-                    problems.append(f"{fqn!r}: parameter shapes {_shapes(actual)} differ from the profiled {_shapes(info.params)}")
+        for fqn, actual, profiled in changed_shapes(model, self.fingerprint):
+            problems.append(f"{fqn!r}: parameter shapes {_shapes(actual)} differ from the profiled {_shapes(profiled)}")
         if problems:
             raise ProfileError(problems, f"The profile was made for another model than this {type(model).__name__}; profile this model again (autoprec profile / LayerProfiler).")
 
