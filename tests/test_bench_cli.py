@@ -115,6 +115,7 @@ def test_config_error_is_a_value_error():
 # -- CLI --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_bench_quick_writes_json(tmp_path, capsys):
     path = tmp_path / "bench.json"
     assert main(["bench", "--quick", "--json", str(path)]) == 0

@@ -285,15 +285,31 @@ def test_a_call_that_cannot_run_falls_back_to_the_roofline(tmp_path, monkeypatch
     assert out[(calls[0].key, Format.FP32)].source == "measured"
 
 
-def test_measured_bf16_gemm_is_slower_than_fp32_on_this_cpu(tmp_path, one_thread):
-    # A 512x512x512 linear: BF16 without bf16 matrix units measured ~30x slower than FP32 here
-    # (282 ms vs 9.6 ms forward + backward); skipped where BF16 has hardware units.
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "DEFAULT", "NO AVX"):
-        pytest.skip(f"CPU capability {torch.backends.cpu.get_cpu_capability()} may have bf16 matrix units")
+def test_measured_bf16_to_fp32_ratio_is_what_this_machine_shows(tmp_path, one_thread):
+    """The cost model measures, it does not assume: its BF16 / FP32 time ratio for a linear is
+    the ratio a direct timing of the same step shows on this machine (BF16 is ~30x slower than
+    FP32 on a CPU without bf16 units, about even or faster with them), within 2x either way."""
+    import statistics
+    import time
+
     model = nn.Linear(512, 512)
     x = torch.randn(512, 512, requires_grad=True)
+
+    def step(half):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):
+            out = model(x)
+        out.float().sum().backward()
+
+    times = {False: [], True: []}
+    for _ in range(5):  # interleaved, so the machine's drift cancels
+        for half in (False, True):
+            start = time.perf_counter()
+            step(half)
+            times[half].append(time.perf_counter() - start)
+    direct = statistics.median(times[True]) / statistics.median(times[False])
     costs = CostModel.build(model, x, formats=["fp32", "bf16"], time_model=MeasuredTimeModel(tmp_path, warmup=1, repeats=3), timing_warmup=0, timing_steps=1)
-    assert costs.layer_cost("", "bf16").seconds > 2 * costs.layer_cost("", "fp32").seconds
+    modelled = costs.layer_cost("", "bf16").seconds / costs.layer_cost("", "fp32").seconds
+    assert direct / 2 < modelled < direct * 2, f"cost model {modelled:.2f}x, direct timing {direct:.2f}x"
 
 
 # -- in place -------------------------------------------------------------------------------------

@@ -234,6 +234,7 @@ def test_metrics_match_a_manual_count_and_restore_train_mode(wl, model):
     assert result["loss"] == pytest.approx(F.cross_entropy(logits, labels).item(), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_thirty_steps_learn_the_sections(wl):
     """Real fine-tuning: 30 `Trainer` steps at the workload's lr (240 articles) take held-out
     accuracy from chance (0.2) to well above it, and the loss on a fixed training batch down.

@@ -50,17 +50,20 @@ def test_suite_imports_without_optuna_scipy_tensorboard():
     assert done.returncode == 0 and "imported" in done.stdout, done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_smoke_run_exits_zero_without_optuna_scipy_tensorboard(smoke):
     done, _ = smoke
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_json_names_device_torch_cuda_and_commit(smoke):
     env = smoke[1]["environment"]
     assert env["type"] == "cpu" and env["torch"] == torch.__version__
     assert "cuda" in env and len(env["git"]["commit"] or "") == 40
 
 
+@pytest.mark.slow
 def test_correctness_rows_cover_every_config_and_input(smoke):
     names = {row["name"] for row in smoke[1]["correctness"]}
     first = SMOKE.probe_tokens[0]
@@ -68,48 +71,57 @@ def test_correctness_rows_cover_every_config_and_input(smoke):
     assert names == {f"probe/{config}/{name}" for config in PROBE_CONFIGS for name in inputs}
 
 
+@pytest.mark.slow
 def test_every_correctness_row_passes_on_cpu(smoke):
     failed = {row["name"]: row["detail"] for row in smoke[1]["correctness"] if row["ok"] is not True}
     assert not failed
 
 
+@pytest.mark.slow
 def test_correctness_rows_report_the_kernel_that_ran(smoke):
     # This CPU build has both kernels (torch._scaled_mm and torch._int_mm run on CPU).
     ops = {row["name"].split("/")[1]: row["detail"]["ops"]["linear"] for row in smoke[1]["correctness"]}
     assert ops == {"fp8_e4m3": "kernel torch._scaled_mm", "fp8_e5m2": "kernel torch._scaled_mm", "int8": "kernel torch._int_mm"}
 
 
+@pytest.mark.slow
 def test_layer_rows_cover_every_shape_and_variant(smoke):
     rows = {(tuple(r["detail"]["shape"]), r["name"].rsplit("/", 1)[1]) for r in smoke[1]["layers"]}
     assert {(tuple(s), v.label) for s in SMOKE.layer_shapes for v in VARIANTS} <= rows
 
 
+@pytest.mark.slow
 def test_layer_rows_time_every_variant_that_can_run(smoke):
     rows = [r for r in smoke[1]["layers"] if not r["name"].split("/")[-1].startswith("torchao")]
     assert all(r["ok"] and r["detail"]["ms"] > 0 and r["detail"]["tflops"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_torchao_rows_ran_or_say_why_not(smoke):
     rows = [r for r in smoke[1]["layers"] if r["name"].split("/")[-1].startswith("torchao")]
     assert rows and all(r["ok"] or (r["ok"] is None and "torchao" in r["detail"]["skipped"]) for r in rows)
 
 
+@pytest.mark.slow
 def test_searched_plan_is_chosen_from_the_measured_end_to_end_shapes(smoke):
     searched = smoke[1]["searched_plan"]
     shapes = {"x".join(map(str, s)) for s in linear_shapes(SMOKE.e2e).values()}
     assert searched["source"] == "per-layer timings" and set(searched["timings_ms"]) == shapes
 
 
+@pytest.mark.slow
 def test_every_end_to_end_plan_trains_and_its_loss_falls(smoke):
     rows = {r["name"]: r for r in smoke[1]["e2e"]}
     assert set(rows) == {"e2e/bf16_autocast", "e2e/fp8_all", "e2e/searched"}
     assert all(r["ok"] and r["detail"]["tokens_per_s"] > 0 and r["detail"]["loss_last"] < r["detail"]["loss_first"] for r in rows.values())
 
 
+@pytest.mark.slow
 def test_targets_are_not_judged_in_smoke(smoke):
     assert [t["passed"] for t in smoke[1]["targets"]] == [None, None, None]
 
 
+@pytest.mark.slow
 def test_table_is_printed_last_with_the_targets(smoke):
     done, _ = smoke
     lines = done.stdout.rstrip().splitlines()
@@ -145,6 +157,7 @@ def test_fp8_plan_puts_linears_in_fp8_and_attention_in_bf16():
     assert formats == {**{fqn: Format.FP8_E4M3 for fqn in linear_shapes(config)}, "blocks.0.attn": Format.BF16}
 
 
+@pytest.mark.slow
 def test_a_failing_kernel_is_a_failed_row_and_the_probe_goes_on(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no FP8 GEMM today")

@@ -151,18 +151,22 @@ def ops_json(tmp_path_factory):
     return json.loads(path.read_text())
 
 
+@pytest.mark.slow
 def test_ops_json_has_a_steady_row_for_every_variant(ops_json):
     assert {r["variant"] for r in ops_json["rows"] if r["step"] == "steady"} == set(OPS_STEP_VARIANTS)
 
 
+@pytest.mark.slow
 def test_ops_json_has_the_int8_calibration_steps(ops_json):
     assert [r["step"] for r in ops_json["rows"] if r["variant"] == "plan:int8"] == ["calibrating", "freeze", "steady"]
 
 
+@pytest.mark.slow
 def test_ops_json_has_a_compile_row_for_every_variant(ops_json):
     assert [r["variant"] for r in ops_json["compile"]] == list(OPS_COMPILE_VARIANTS)
 
 
+@pytest.mark.slow
 def test_ops_json_plain_step_counts_match_a_direct_count(ops_json):
     torch.manual_seed(ops_json["config"]["seed"])
     layer = torch.nn.Linear(256, 512)

@@ -163,6 +163,7 @@ def run_with_checkpoint(stop, total):
     return losses + train(wl, model, opt, sch, total - stop, sampler), sch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", [WINDOW // 2, WINDOW + WINDOW // 2 + 3])
 def test_resumed_run_is_bit_identical_to_the_uninterrupted_one(stop):
     wl, model, opt = setup()

@@ -62,6 +62,7 @@ def searched(tmp_path_factory):
     return folder, path, main(["search", str(path)])
 
 
+@pytest.mark.slow
 def test_search_exits_zero_and_writes_the_artifacts(searched):
     folder, _, status = searched
     assert status == 0
@@ -70,6 +71,7 @@ def test_search_exits_zero_and_writes_the_artifacts(searched):
     assert any((folder / "out" / "logs").rglob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
 def test_logs_hold_the_trials_the_candidates_and_the_plan(searched):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -83,6 +85,7 @@ def test_logs_hold_the_trials_the_candidates_and_the_plan(searched):
     assert "plan/precision_map" in EventAccumulator(str(logs / "plans" / "searched")).Reload().Tags()["images"]
 
 
+@pytest.mark.slow
 def test_plan_meets_the_budgets_as_measured(searched):
     folder, _, _ = searched
     plan = Plan.load(folder / "out" / "plan.json")
@@ -91,6 +94,7 @@ def test_plan_meets_the_budgets_as_measured(searched):
     assert plan.budgets["loss_increase"] == pytest.approx(0.05 * plan.budgets["baseline_loss"])
 
 
+@pytest.mark.slow
 def test_plan_gives_every_layer_a_reason_and_predicted_figures(searched):
     folder, _, _ = searched
     plan = Plan.load(folder / "out" / "plan.json")
@@ -105,12 +109,14 @@ def test_plan_gives_every_layer_a_reason_and_predicted_figures(searched):
     assert "seconds" in references["autocast-bf16"] or "pruned" in references["autocast-bf16"]
 
 
+@pytest.mark.slow
 def test_predicted_bytes_err_on_the_safe_side_within_five_percent(searched):
     folder, _, _ = searched
     plan = Plan.load(folder / "out" / "plan.json")
     assert plan.measured["bytes"] <= plan.predicted["bytes"] <= 1.05 * plan.measured["bytes"]
 
 
+@pytest.mark.slow
 def test_summary_table_lists_references_and_candidates(searched, capsys):
     folder, path, _ = searched
     result = run_job(load_job(path))  # resumes: nothing is searched or measured again
@@ -119,6 +125,7 @@ def test_summary_table_lists_references_and_candidates(searched, capsys):
     assert result.met_budgets and "*" in table
 
 
+@pytest.mark.slow
 def test_rerun_resumes_the_study_without_new_trials(searched):
     folder, path, _ = searched
     storage = f"sqlite:///{folder / 'out' / 'study.db'}"
@@ -132,6 +139,7 @@ def test_rerun_resumes_the_study_without_new_trials(searched):
     assert Plan.load(folder / "out" / "plan.json").format_counts() == first.format_counts()
 
 
+@pytest.mark.slow
 def test_a_study_of_another_search_is_refused(searched):
     folder, _, _ = searched
     other = write_job(folder, memory=0.9, name="other.toml")
@@ -207,6 +215,7 @@ def test_measured_bytes_match_the_saved_tensor_meter_for_fp32():
 # -- a model with 120 layers ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_proxy_study_on_a_120_layer_model_is_within_one_percent_of_the_exact_optimum():
     from autoprec.costs import CostModel
     from autoprec.search import run_proxy_study, solve_exact
@@ -291,6 +300,7 @@ def test_the_fastest_budget_meeting_candidate_wins_references_included():
     assert fastest_meeting([(proposed, "pruned: memory")], 150, 0.01) is None
 
 
+@pytest.mark.slow
 def test_the_searched_plan_refuses_a_model_of_the_same_layer_names_and_other_widths(searched):
     import dataclasses
 
