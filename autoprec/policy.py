@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
 
 from .formats import Format
 from .plan import Plan
+
+if TYPE_CHECKING:
+    from .scheduler_config import Thresholds
 
 __all__ = ["PrecisionChange", "PolicyState", "wider_format", "promotions", "window_triggers", "demotions"]
 
@@ -106,7 +109,7 @@ def promotions(
 
 
 def window_triggers(
-    plan: Plan, layers: Sequence[str], profile: Any, nonfinite: Mapping[str, int], state: PolicyState, thresholds: Any
+    plan: Plan, layers: Sequence[str], profile: Any, nonfinite: Mapping[str, int], state: PolicyState, thresholds: "Thresholds"
 ) -> tuple[dict[str, str], dict[str, dict[str, float]], PolicyState]:
     """Judge one window's statistics: ``(triggers, counts, state)``.
 
