@@ -8,14 +8,23 @@
 
 This is the multiple-choice knapsack with two capacity constraints. A dynamic programme would
 have to discretise both capacities; HiGHS (through ``scipy.optimize.milp``) solves it exactly,
-in milliseconds for hundreds of layers. It warm-starts the Optuna study and is the reference the
-study's best proxy objective is checked against.
+in milliseconds for hundreds of layers.
+
+The candidates the measured stage runs are the **k best** assignments (`k_best`): the optimum,
+then the optimum of the same program with a no-good cut per assignment already found,
+
+    Σ_{(u,f) chosen in it} x[u,f] <= units - 1     (at least one unit takes another format)
+
+so the i-th solution is the i-th fastest predicted plan that meets the budgets, distinct in
+formats from the ones before it. (A sampler such as Optuna's TPE on this table stays far from
+the optimum: +72 % predicted step time after 1,000 trials on 120 layers; the program is exact.)
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+import time
+from typing import Mapping, Sequence
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -24,7 +33,7 @@ from ..errors import InfeasibleBudgetError, SearchError
 from ..formats import Format
 from .space import Choice, SearchSpace
 
-__all__ = ["Solution", "solve_exact", "smallest_reachable"]
+__all__ = ["Solution", "solve_exact", "smallest_reachable", "k_best"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +58,8 @@ def _program(space: SearchSpace):
     return columns, one_hot, bytes_, loss, seconds
 
 
-def _solve(space: SearchSpace, objective: np.ndarray, memory: float, loss_budget: float):
+def _solve(space: SearchSpace, objective: np.ndarray, memory: float, loss_budget: float,
+           cuts: Sequence[Mapping[str, Format]] = (), time_limit: "float | None" = None):
     columns, one_hot, bytes_, loss, _ = _program(space)
     fixed_bytes, fixed_loss = space.fixed_total.bytes, space.fixed_total.loss
     constraints = [LinearConstraint(one_hot, 1, 1)]
@@ -57,8 +67,19 @@ def _solve(space: SearchSpace, objective: np.ndarray, memory: float, loss_budget
         constraints.append(LinearConstraint(bytes_[None, :], -np.inf, memory - fixed_bytes))
     if np.isfinite(loss_budget):
         constraints.append(LinearConstraint(loss[None, :], -np.inf, loss_budget - fixed_loss))
-    result = milp(objective, constraints=constraints, integrality=np.ones(len(columns)), bounds=Bounds(0, 1),
-                  options={"mip_rel_gap": 0.0})
+    if cuts:  # one no-good cut per assignment found: it may not be chosen again
+        rows = np.array([[float(found[name] is fmt) for name, fmt, _ in columns] for found in cuts])
+        constraints.append(LinearConstraint(rows, -np.inf, len(space.units) - 1))
+    # HiGHS stops at an absolute gap of 1e-6 too (scipy exposes no option for it): step times
+    # of a few ms would differ below it, so the objective is scaled to about 1e6 in total.
+    scale = np.abs(objective).max(initial=0.0) * len(space.units)
+    objective = objective * (1e6 / scale) if scale > 0 else objective
+    options = {"mip_rel_gap": 0.0}
+    if time_limit is not None:
+        options["time_limit"] = max(float(time_limit), 1e-3)
+    result = milp(objective, constraints=constraints, integrality=np.ones(len(columns)), bounds=Bounds(0, 1), options=options)
+    if result.x is None and result.status == 1:  # out of time before any feasible plan was found
+        raise SearchError(f"the integer program found no plan within its {time_limit:.3g} s; allow the search more time")
     if result.x is None:
         return None
     chosen = {name: fmt for (name, fmt, _), x in zip(columns, result.x) if x > 0.5}
@@ -80,12 +101,10 @@ def solve_exact(space: SearchSpace, memory_bytes: float = float("inf"), loss_bud
 
     Raises `InfeasibleBudgetError` stating the smallest memory and loss increase reachable.
     """
-    if not space.units:
-        raise SearchError("the search space has no layers")
-    _, _, _, _, seconds = _program(space)
-    solution = _solve(space, seconds, memory_bytes, loss_budget)
-    if solution is not None:
-        return solution
+    return k_best(space, memory_bytes, loss_budget, 1)[0]
+
+
+def _infeasible(space: SearchSpace, memory_bytes: float, loss_budget: float) -> InfeasibleBudgetError:
     min_bytes, min_loss = smallest_reachable(space, memory_bytes, loss_budget)
     floor_bytes = space.totals(space.extreme("bytes")).bytes
     floor_loss = space.totals(space.extreme("loss")).loss
@@ -98,9 +117,39 @@ def solve_exact(space: SearchSpace, memory_bytes: float = float("inf"), loss_bud
             f"within the loss budget the smallest memory reachable is {min_bytes:,.0f} bytes, and within the memory "
             f"budget the smallest loss increase reachable is {min_loss:.4g}"
         )
-    raise InfeasibleBudgetError(
+    return InfeasibleBudgetError(
         f"no plan meets the budgets (memory <= {memory_bytes:,.0f} bytes, loss increase <= {loss_budget:.4g}): {detail}; "
         "raise a budget to at least that",
         min_bytes,
         min_loss,
     )
+
+
+def k_best(space: SearchSpace, memory_bytes: float = float("inf"), loss_budget: float = float("inf"), k: int = 1,
+           *, time_limit: "float | None" = None) -> list[Solution]:
+    """Up to ``k`` assignments meeting both budgets, distinct in formats, in non-decreasing
+    predicted step time: the optimum (as `solve_exact`), then each next-best under no-good cuts
+    of those found (see the module docstring). Fewer than ``k`` when fewer plans are feasible.
+
+    ``time_limit``: seconds for all the solves together; once spent, the solutions found so far
+    are returned (at least the first, which HiGHS may then return short of proven optimal).
+    Raises `InfeasibleBudgetError` like `solve_exact` when no plan meets the budgets. Costs one
+    integer program per solution, each a little larger than the last (one row per cut).
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise SearchError(f"k must be an integer >= 1, got {k!r}")
+    deadline = None if time_limit is None else time.monotonic() + time_limit
+    left = lambda: None if deadline is None else deadline - time.monotonic()  # noqa: E731
+    if not space.units:
+        raise SearchError("the search space has no layers")
+    _, _, _, _, seconds = _program(space)
+    first = _solve(space, seconds, memory_bytes, loss_budget, time_limit=left())
+    if first is None:
+        raise _infeasible(space, memory_bytes, loss_budget)
+    found = [first]
+    while len(found) < k and (deadline is None or left() > 0):
+        nxt = _solve(space, seconds, memory_bytes, loss_budget, cuts=[s.assignment for s in found], time_limit=left())
+        if nxt is None:
+            break
+        found.append(nxt)
+    return found
