@@ -1,5 +1,6 @@
-"""`autoprec.monitoring.search`: a real proxy study and its candidate plans, written as TensorBoard
-runs and read back with TensorBoard's own `EventAccumulator`."""
+"""`autoprec.monitoring.search`: a study of measured plans (as the search job's measured stage
+leaves it), a real proxy study and candidate plans, written as TensorBoard runs and read back with
+TensorBoard's own `EventAccumulator`."""
 
 import io
 import time
@@ -128,17 +129,25 @@ def test_best_feasible_so_far_starts_at_the_first_feasible_trial():
 # --- the Pareto front -------------------------------------------------------------------------------
 
 
+def non_dominated(points):
+    """Brute force: the (bytes, seconds, loss) of feasible points no other feasible point beats on all three."""
+    good = {(p.bytes, p.seconds, p.loss_increase) for p in points if p.feasible}  # repeated trials count once
+    return {p for p in good if not any(all(a <= b for a, b in zip(q, p)) and q != p for q in good)}
+
+
 def test_front_holds_exactly_the_feasible_trials_nothing_beats(result):
     points = search_points(result)
-    front = [(p.bytes, p.seconds) for p in pareto_front(points)]
-    good = {(p.bytes, p.seconds) for p in points if p.feasible}  # repeated trials count once
-    unbeaten = {p for p in good if not any(q[0] <= p[0] and q[1] <= p[1] and q != p for q in good)}
-    assert sorted(front) == sorted(unbeaten) and len(front) > 1
+    front = [(p.bytes, p.seconds, p.loss_increase) for p in pareto_front(points)]
+    assert sorted(front) == sorted(non_dominated(points)) and len(front) > 1
 
 
-def test_front_runs_from_least_memory_to_least_time(result):
+def test_front_runs_from_least_memory_and_a_point_beaten_on_memory_and_time_is_less_lossy(result):
     front = pareto_front(search_points(result))
-    assert [p.bytes for p in front] == sorted(p.bytes for p in front) and [p.seconds for p in front] == sorted((p.seconds for p in front), reverse=True)
+    assert [p.bytes for p in front] == sorted(p.bytes for p in front)
+    for p in front:
+        for q in front:
+            if q.bytes <= p.bytes and q.seconds <= p.seconds and q is not p:
+                assert p.loss_increase < q.loss_increase
 
 
 def test_pareto_image_decodes_at_its_rendered_size(acc):
@@ -197,6 +206,51 @@ def test_writing_again_replaces_the_run(tmp_path, result):
     write_search(result, tmp_path)
     path = write_search(result, tmp_path)
     assert len(accumulator(path).Scalars("search/trial/seconds")) == 120
+
+
+# --- a study of measured plans, as the search job's measured stage leaves it ------------------------
+
+
+def measured_study(rows, memory=3e6, loss=0.05):
+    """A study holding trials as `MeasuredStage.run` writes them: (name, bytes, seconds, loss
+    increase) complete, or (name, None, None, None) pruned before it was measured."""
+    study = optuna.create_study()
+    for name, bytes_, seconds, increase in rows:
+        if bytes_ is None:
+            study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.PRUNED, user_attrs={"name": name, "pruned": "slow"}))
+            continue
+        attrs = {"name": name, "bytes": bytes_, "seconds": seconds, "loss_increase": increase, "candidate": name}
+        study.add_trial(optuna.trial.create_trial(value=seconds, user_attrs=attrs, constraints={"memory": bytes_ - memory, "loss": increase - loss}))
+    return study
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    rng = np.random.default_rng(3)
+    rows = [(f"plan-{i}", float(b), float(t), float(l)) for i, (b, t, l) in enumerate(zip(rng.uniform(1e6, 4e6, 24), rng.uniform(1e-3, 4e-3, 24), rng.uniform(0, 0.08, 24)))]
+    study = measured_study(rows[:12] + [("pruned", None, None, None)] + rows[12:])
+    return study, accumulator(write_search(study, tmp_path_factory.mktemp("measured"), fp32={"bytes": 4e6, "seconds": 4e-3}, memory_bytes=3e6))
+
+
+def test_measured_plans_are_the_points_pruned_ones_left_out(measured):
+    study, acc = measured
+    done = [t for t in study.trials if t.state is optuna.trial.TrialState.COMPLETE]
+    assert [e.value for e in acc.Scalars("search/trial/loss_increase")] == pytest.approx([t.user_attrs["loss_increase"] for t in done])
+    assert [e.step for e in acc.Scalars("search/trial/seconds")] == [t.number for t in done] and len(done) == 24
+
+
+def test_written_front_holds_only_non_dominated_measured_plans(measured):
+    study, acc = measured
+    points = search_points(study)
+    by_name = {p.name: (p.bytes, p.seconds, p.loss_increase) for p in points}
+    table = text_of(acc, "search/summary").split("Pareto front")[1]
+    shown = {name for name in by_name if f"| {name} |" in table}
+    assert {by_name[n] for n in shown} == non_dominated(points) and 1 < len(shown) < sum(p.feasible for p in points)
+
+
+def test_front_ignores_plans_that_missed_a_budget():
+    points = [TrialPoint(0, 1e6, 1e-3, 0.0, False, "over"), TrialPoint(1, 2e6, 2e-3, 0.01, True, "a"), TrialPoint(2, 3e6, 3e-3, 0.0, True, "b")]
+    assert [p.name for p in pareto_front(points)] == ["a", "b"]
 
 
 def test_study_not_made_by_the_proxy_search_is_refused(tmp_path):
