@@ -434,8 +434,8 @@ def _add_search(subparsers, common: argparse.ArgumentParser) -> None:
         description=(
             "Run the search job CONFIG.toml (see searches/README.md): train and profile the "
             "workload's model, cost every (layer, format) on this device, predict each one's loss "
-            "increase, find the exact optimum of the additive proxy and run the Optuna study, "
-            "then measure the best candidate plans for real. Writes plan.json (only when a plan "
+            "increase, find the [search].measure_top best plans of the additive proxy exactly "
+            "(an integer program), then measure them for real in an Optuna study. Writes plan.json (only when a plan "
             "met the budgets as measured), profile.json, the Optuna study and TensorBoard logs "
             "under [job].out; prints the measured candidates against FP32 and BF16 autocast. "
             "Exit status 0 only when a plan met the budgets. An interrupted job resumes its study."

@@ -463,9 +463,7 @@ class DynamicPrecisionScheduler:
 
     def _search(self, profile) -> None:
         """The first window's search (see the module doc); on failure keep the safe precision."""
-        from .search import run_proxy_study
-        from .search.pipeline import measure_space, solve_in_budgets
-        from .search.planner import layer_reasons, plan_from_solution
+        from .search.pipeline import propose_plans
 
         loss = None
         if self._loss_count:
@@ -480,26 +478,12 @@ class DynamicPrecisionScheduler:
             if not batches:
                 raise SearchError("no output gradients were captured in the window's last steps; call scheduler.backward(loss) inside the loop")
             c = self.config
-            found = measure_space(self.model, self._example, batches, _LinearisedLoss(), profile, formats=c.candidates, rules=c.rules,
-                                  min_precision=c.min_precision, max_precision=c.max_precision, lr=c.lr, measure=c.measure_costs)
-            optimum = solve_in_budgets(found, c.budgets, loss)
-            costs, space, ruled_out = found.costs, found.space, found.ruled_out
-            memory, loss_budget, exact = optimum.memory, optimum.loss_budget, optimum.exact
-            warm = [exact.assignment] + [a for a in (space.uniform(f) for f in self.config.candidates) if a is not None]
-            import optuna
-
-            verbosity = optuna.logging.get_verbosity()
-            optuna.logging.set_verbosity(optuna.logging.WARNING)  # no line per trial in the training log
-            try:
-                proxy = run_proxy_study(space, memory, loss_budget, n_trials=self.config.search_trials, seed=self.config.seed, warm_start=warm, timeout=self.config.search_timeout_s)
-            finally:
-                optuna.logging.set_verbosity(verbosity)
-            best = proxy.best if proxy.best is not None else exact
-            budgets = {"memory": self.config.budgets.memory, "memory_bytes": memory, "accuracy": self.config.budgets.accuracy,
-                       "loss_increase": loss_budget, "baseline_loss": loss}
-            plan = plan_from_solution(space, costs, best, layer_reasons(space, best.assignment, self.config.rules, ruled_out), budgets,
-                                      {"step": self.step_count, "trials": proxy.trials, "source": "DynamicPrecisionScheduler"},
-                                      self._fingerprint)
+            # The exact optimum of the predictions (k = 1: nothing is measured here to choose among more).
+            proposal = propose_plans(self.model, self._example, batches, _LinearisedLoss(), profile, budgets=c.budgets, baseline_loss=loss,
+                                     formats=c.candidates, rules=c.rules, min_precision=c.min_precision, max_precision=c.max_precision,
+                                     lr=c.lr, metadata={"step": self.step_count, "source": "DynamicPrecisionScheduler"},
+                                     fingerprint=self._fingerprint, time_limit=c.search_timeout_s, measure=c.measure_costs)
+            plan = proposal.plans[0]
         except AutoprecError as exc:
             self.last_search_error = str(exc)
             logger.warning("autoprec: step %d: search failed, training stays at the safe precision: %s", self.step_count, exc)

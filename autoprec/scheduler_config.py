@@ -59,7 +59,8 @@ class SchedulerConfig:
     bytes (<= 1) or bytes; ``accuracy_budget``: the allowed loss increase, relative to the first
     window's mean training loss (or absolute with ``accuracy_relative=False``); None leaves a
     budget open. ``formats``, ``rules``: the search's candidates and layer rules;
-    ``search_trials`` / ``search_timeout_s`` bound the study; ``lr``: the learning rate the
+    ``search_timeout_s`` bounds the integer program that finds the plan (``search_trials`` is
+    unused since the search has no proxy study; kept so existing calls work); ``lr``: the learning rate the
     sensitivity's gradient term assumes. ``loss_scaling``, ``max_grad_norm`` (clip the unscaled
     gradients; None: no clipping), ``thresholds`` (when layers are promoted and demoted),
     ``monitor_steps`` (profiled steps at the end of each window), ``log_dir`` (TensorBoard).

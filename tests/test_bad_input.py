@@ -26,11 +26,9 @@ from autoprec.errors import RuntimeStateError, SearchError
 from autoprec.formats import Format
 from autoprec.plan import Plan
 from autoprec.scheduler import DynamicPrecisionScheduler, Thresholds
-from autoprec.search.exact import Choice
 from autoprec.search.job import _check_study
 from autoprec.search.measured import Candidate, MeasuredStage
-from autoprec.search.space import SearchSpace
-from autoprec.search.study import open_storage, recover_interrupted_trials, run_proxy_study
+from autoprec.search.study import open_storage, recover_interrupted_trials
 from autoprec.workloads import default_workload
 
 # study.ask() on a storage with heartbeats: the tests play the part of a worker that died.
@@ -52,7 +50,6 @@ accuracy = 0.05
 
 [search]
 formats = ["fp32", "bf16", "int8"]
-trials = 30
 measure_top = 3
 storage = "{storage}"
 
@@ -113,12 +110,7 @@ def test_cuda_without_cuda_names_job_device_and_leaves_no_study(tmp_path, capsys
     assert not (tmp_path / "out" / "study.db").exists()
 
 
-# -- interrupts: the proxy study -------------------------------------------------------------------
-
-
-def tiny_space() -> SearchSpace:
-    choices = {Format.FP32: Choice(4.0, 2e-6, 0.0), Format.BF16: Choice(2.0, 1e-6, 0.01)}
-    return SearchSpace({f"layer{i}": choices for i in range(4)})
+# -- interrupts: a study in the job's storage ------------------------------------------------------
 
 
 def dead_pid() -> int:
@@ -164,14 +156,15 @@ def test_a_trial_of_a_live_process_is_left_running(tmp_path):
 
 def test_an_interrupted_study_rerun_with_other_budgets_is_refused(tmp_path):
     storage = open_storage(tmp_path / "study.db")
+    study = optuna.create_study(study_name="s:measured", storage=storage)  # the job's measured study
+    study.set_user_attr("autoprec_search", "budgets A")  # as run_job sets it before the first trial
 
     def interrupt(study, trial):
         if len(study.trials) == 3:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run_proxy_study(tiny_space(), 10.0, 1.0, n_trials=20, storage=storage, study_name="s", callbacks=[interrupt],
-                        study_attrs={"autoprec_search": "budgets A"})
+        study.optimize(lambda trial: trial.suggest_float("x", 0, 1), n_trials=20, callbacks=[interrupt])
     job = types.SimpleNamespace(study_name="s", storage_url=str(tmp_path / "study.db"))
     _check_study(storage, job, "budgets A")  # the same search resumes
     with pytest.raises(SearchError, match="holds trials of another search"):

@@ -25,7 +25,7 @@ accuracy = 0.01
 min_precision = 8
 max_precision = 32
 formats = ["fp32", "bf16", "fp8_e4m3", "int8"]
-trials = 200
+measure_top = 5
 seed = 3
 
 [rules]
@@ -59,15 +59,17 @@ def test_good_job_loads_with_paths_resolved_against_the_file(tmp_path):
     assert job.rules.forbid == {"blocks.*.attn": (Format.INT8,)}
     assert job.rules.groups == (("blocks.0.attn.qkv", "blocks.0.attn.proj"),)
     assert job.storage_url == f"sqlite:///{tmp_path / 'runs' / 'bytelm' / 'study.db'}"
-    assert job.study_name == "bytelm" and job.trials == 200 and job.seed == 3
+    assert job.study_name == "bytelm" and job.measure_top == 5 and job.seed == 3
 
 
 @pytest.mark.parametrize(
     "old, new, expected",
     [
-        ("trials = 200", "trials = 200\ntrails = 5", "[search].trails: unknown key; expected one of"),
-        ("trials = 200", 'trials = "many"', "[search].trials: expected an integer from 1 to 100000, got 'many'"),
-        ("trials = 200", "trials = 0", "[search].trials: expected an integer from 1 to 100000, got 0"),
+        ("measure_top = 5", "measure_top = 5\nmeasure_tpo = 5", "[search].measure_tpo: unknown key; expected one of"),
+        ("measure_top = 5", 'measure_top = "many"', "[search].measure_top: expected an integer >= 1, got 'many'"),
+        ("measure_top = 5", "measure_top = 0", "[search].measure_top: expected an integer >= 1, got 0"),
+        ("measure_top = 5", "trials = 200", "[search].trials: no longer used: the candidates are the [search].measure_top best plans"),
+        ("measure_top = 5", "multi_objective = true", "[search].multi_objective: no longer used: the logs always show the Pareto front (step time, memory, loss increase) of the measured plans; delete the key"),
         ("memory = 0.5", "memory = -1", "[budgets].memory: expected a fraction of FP32 bytes"),
         ("memory = 0.5", "memory = true", "[budgets].memory: expected"),
         ('"bf16", "fp8_e4m3"', '"bf16", "fp9"', "[search].formats: unknown format 'fp9'"),
@@ -106,7 +108,6 @@ def test_missing_file_is_named(tmp_path):
     [
         ("memory = 0.5", "memory = inf", "[budgets].memory: expected a fraction of FP32 bytes"),
         ("accuracy = 0.01", "accuracy = nan", "[budgets].accuracy: expected an allowed loss increase >= 0, finite"),
-        ("trials = 200", "trials = 1_000_000_000_000", "[search].trials: expected an integer from 1 to 100000"),
         ("seed = 3", "seed = 3\ntimeout_s = inf", "[search].timeout_s: expected a number of seconds > 0, finite"),
     ],
 )

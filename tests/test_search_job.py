@@ -32,7 +32,6 @@ accuracy = 0.05
 
 [search]
 formats = ["fp32", "bf16", "fp8_e4m3", "int8"]
-trials = 30
 measure_top = 2
 
 [rules]
@@ -71,18 +70,40 @@ def test_search_exits_zero_and_writes_the_artifacts(searched):
     assert any((folder / "out" / "logs").rglob("events.out.tfevents.*"))
 
 
+def measured_trials(folder):
+    storage = f"sqlite:///{folder / 'out' / 'study.db'}"
+    study = optuna.load_study(study_name="tiny:measured", storage=storage)
+    return study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+
+
 @pytest.mark.slow
-def test_logs_hold_the_trials_the_candidates_and_the_plan(searched):
+def test_logs_hold_the_measured_plans_the_candidates_and_the_plan(searched):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     folder, _, _ = searched
     logs = folder / "out" / "logs"
     search = EventAccumulator(str(logs / "search")).Reload()
-    assert len(search.Scalars("search/trial/seconds")) == 30
+    done = measured_trials(folder)
+    assert [e.step for e in search.Scalars("search/trial/seconds")] == [t.number for t in done] and done
+    assert [e.value for e in search.Scalars("search/trial/seconds")] == pytest.approx([t.user_attrs["seconds"] for t in done])
     assert "search/pareto" in search.Tags()["images"]
     candidates = {p.name for p in (logs / "candidates").iterdir()}
     assert {"exact", "autocast-bf16"} <= candidates  # a proposed plan and a reference
     assert "plan/precision_map" in EventAccumulator(str(logs / "plans" / "searched")).Reload().Tags()["images"]
+
+
+@pytest.mark.slow
+def test_logged_front_holds_only_non_dominated_measured_plans_that_met_the_budgets(searched):
+    from tb_events import accumulator, text_of
+
+    folder, _, _ = searched
+    done = measured_trials(folder)
+    met = {t.user_attrs["name"]: (t.user_attrs["seconds"], t.user_attrs["bytes"], t.user_attrs["loss_increase"])
+           for t in done if all(v <= 0 for v in t.constraints.values())}
+    table = text_of(accumulator(folder / "out" / "logs" / "search"), "search/summary").split("Pareto front")[1]
+    shown = {name for name in met if f"| {name} |" in table}
+    unbeaten = {n for n, p in met.items() if not any(all(a <= b for a, b in zip(q, p)) and q != p for q in met.values())}
+    assert shown == unbeaten and shown
 
 
 @pytest.mark.slow
@@ -123,18 +144,20 @@ def test_summary_table_lists_references_and_candidates(searched, capsys):
     table = result.format_table()
     assert "fp32" in table and "torch.autocast bf16" in table and "exact" in table
     assert result.met_budgets and "*" in table
+    gap = result.proposal.solutions[-1].total.seconds / result.exact.total.seconds - 1
+    assert f"k-best exact: 2 distinct plans, the 2nd {gap:.2%} slower than the optimum (predicted)" in table
+    assert "exact-2" in table  # measure_top = 2: the optimum and the next best plan
 
 
 @pytest.mark.slow
 def test_rerun_resumes_the_study_without_new_trials(searched):
     folder, path, _ = searched
     storage = f"sqlite:///{folder / 'out' / 'study.db'}"
-    before = len(optuna.load_study(study_name="tiny", storage=storage).trials)
     measured = len(optuna.load_study(study_name="tiny:measured", storage=storage).trials)
     first = Plan.load(folder / "out" / "plan.json")
     again = write_job(folder, profile=f'path = "{(folder / "out" / "profile.json").as_posix()}"', name="again.toml")
     assert main(["search", str(again)]) == 0
-    assert len(optuna.load_study(study_name="tiny", storage=storage).trials) == before == 30
+    assert optuna.get_all_study_names(storage) == ["tiny:measured"]  # no proxy study
     assert len(optuna.load_study(study_name="tiny:measured", storage=storage).trials) == measured
     assert Plan.load(folder / "out" / "plan.json").format_counts() == first.format_counts()
 
@@ -216,9 +239,9 @@ def test_measured_bytes_match_the_saved_tensor_meter_for_fp32():
 
 
 @pytest.mark.slow
-def test_proxy_study_on_a_120_layer_model_is_within_one_percent_of_the_exact_optimum():
+def test_k_best_plans_of_a_120_layer_model_are_distinct_feasible_and_ordered():
     from autoprec.costs import CostModel
-    from autoprec.search import run_proxy_study, solve_exact
+    from autoprec.search import k_best, solve_exact
     from autoprec.search.planner import build_space
     from autoprec.sensitivity import estimate_sensitivity
 
@@ -238,9 +261,11 @@ def test_proxy_study_on_a_120_layer_model_is_within_one_percent_of_the_exact_opt
     fp32 = space.totals(space.uniform(Format.FP32))
     memory, loss_budget = 0.7 * fp32.bytes, 0.5 * space.totals(space.extreme("bytes")).loss
     exact = solve_exact(space, memory, loss_budget)
-    result = run_proxy_study(space, memory, loss_budget, n_trials=60, warm_start=[exact.assignment])
-    assert result.best.total.bytes <= memory and result.best.total.loss <= loss_budget
-    assert result.best.total.seconds <= 1.01 * exact.total.seconds
+    found = k_best(space, memory, loss_budget, 5)
+    assert len({tuple(s.assignment[u.name] for u in space.units) for s in found}) == 5
+    assert all(s.total.bytes <= memory and s.total.loss <= loss_budget for s in found)
+    seconds = [s.total.seconds for s in found]
+    assert seconds == sorted(seconds) and seconds[0] == pytest.approx(exact.total.seconds, rel=1e-9)
 
 
 # -- references and the winner ----------------------------------------------------------------

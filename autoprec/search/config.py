@@ -1,16 +1,18 @@
 """Search job files (``searches/<job>.toml``): parsed, checked, and frozen.
 
 Every problem is one line naming the key and what is expected, e.g.
-``searches/x.toml: [search].trials: expected an integer >= 1, got "many"``. Unknown keys are
-errors (a typo must not silently fall back to a default).
+``searches/x.toml: [search].measure_top: expected an integer >= 1, got "many"``. Unknown keys
+are errors (a typo must not silently fall back to a default), and so are retired keys
+(``[search].trials``, ``[search].multi_objective``: the proxy study they set is gone), each with
+the fix.
 
 Layout::
 
     [job]        name, out, device               # out: folder for plan, study, profile, logs
     [workload]   factory = "module:function", kwargs = {...}
     [budgets]    memory, accuracy, accuracy_relative
-    [search]     min_precision, max_precision, formats, trials, storage, study_name, seed,
-                 multi_objective, measure_top, timeout_s
+    [search]     min_precision, max_precision, formats, storage, study_name, seed,
+                 measure_top (the k best plans measured), timeout_s (for finding them)
     [rules]      pin = {pattern = format}, forbid = {pattern = [formats]}, groups = [[patterns]]
     [profile]    path (a saved profile to load instead of profiling), steps, sensitivity_batches
     [measure]    val_batches, steps               # the measured stage (`search.measured`)
@@ -50,11 +52,9 @@ class JobConfig:
     min_precision: int = 8
     max_precision: int = 32
     formats: tuple[Format, ...] = DEFAULT_CANDIDATES
-    trials: int = 300
     storage: str = "study.db"
     study_name: str = ""
     seed: int = 0
-    multi_objective: bool = False
     measure_top: int = 4
     timeout_s: "float | None" = None
     rules: LayerRules = LayerRules()
@@ -74,11 +74,17 @@ class JobConfig:
         return f"sqlite:///{path if path.is_absolute() else self.out / path}"
 
 
-# Upper bounds that keep a typo (an extra 000) from asking for hours or gigabytes: every held-out
-# batch is kept on the device for the whole measured stage, and a proxy trial costs a storage
-# write (about a millisecond on SQLite), so 100 000 trials is already a long search.
+# An upper bound that keeps a typo (an extra 000) from asking for gigabytes: every held-out
+# batch is kept on the device for the whole measured stage.
 MAX_VAL_BATCHES = 1024
-MAX_TRIALS = 100_000
+
+# Keys a job file may no longer hold: (table, key) -> why, and what to do instead.
+_RETIRED = {
+    ("search", "trials"): "no longer used: the candidates are the [search].measure_top best plans of the exact integer "
+                          "program, not trials of a proxy study; delete the key (measure_top sets how many plans are measured)",
+    ("search", "multi_objective"): "no longer used: the logs always show the Pareto front (step time, memory, loss increase) "
+                                   "of the measured plans; delete the key",
+}
 
 
 # key -> (checker, what is expected) per table; checkers return the converted value or raise.
@@ -159,11 +165,9 @@ _SCHEMA: dict[str, dict[str, tuple[Callable, str]]] = {
         "min_precision": (_int(8), "8, 16 or 32"),
         "max_precision": (_int(8), "8, 16 or 32"),
         "formats": (_format_list, f"a non-empty list of formats ({FORMATS})"),
-        "trials": (_int(1, MAX_TRIALS), f"an integer from 1 to {MAX_TRIALS}"),
         "storage": (_str, "a file path or an Optuna storage URL"),
         "study_name": (_str, "a non-empty string"),
         "seed": (_int(0), "an integer >= 0"),
-        "multi_objective": (_bool, "true or false"),
         "measure_top": (_int(1), "an integer >= 1"),
         "timeout_s": (_positive, "a number of seconds > 0, finite"),
     },
@@ -201,6 +205,8 @@ def load_job(path: "str | Path") -> JobConfig:
         if not isinstance(entries, dict):
             raise SearchError(f"{path}: {table} must be a table, written [{table}]")
         for key, value in entries.items():
+            if (table, key) in _RETIRED:
+                raise SearchError(f"{path}: [{table}].{key}: {_RETIRED[(table, key)]}")
             if key not in _SCHEMA[table]:
                 raise SearchError(f"{path}: [{table}].{key}: unknown key; expected one of {', '.join(_SCHEMA[table])}")
             check, expected = _SCHEMA[table][key]
@@ -239,11 +245,9 @@ def load_job(path: "str | Path") -> JobConfig:
         min_precision=min_p,
         max_precision=max_p,
         formats=get("search", "formats", DEFAULT_CANDIDATES),
-        trials=get("search", "trials", 300),
         storage=get("search", "storage", "study.db"),
         study_name=get("search", "study_name", name),
         seed=get("search", "seed", 0),
-        multi_objective=get("search", "multi_objective", False),
         measure_top=get("search", "measure_top", 4),
         timeout_s=get("search", "timeout_s"),
         rules=LayerRules(get("rules", "pin", {}), get("rules", "forbid", {}), get("rules", "groups", ())),

@@ -11,18 +11,21 @@ One run, in order (each step's figures end up in the plan's ``predicted`` / ``me
 2. **Costs and sensitivity**: a `CostModel` (bytes from the traced shapes, seconds measured on
    this device and cached) and the Fisher sensitivity estimate (predicted loss increase) per
    (layer, format), at the workload's learning rate.
-3. **Exact optimum and proxy study**: the additive table as a `SearchSpace`; its exact optimum
-   (`solve_exact`; an infeasible budget stops here with the smallest reachable); the Optuna
-   study warm-started with it and the uniform plans, resumed from the job's storage.
-4. **Measured stage**: the ``[search].measure_top`` fastest distinct feasible proxy plans run for
-   real (`MeasuredStage`), and beside them the references: every uniform plan that fits the
+3. **The k best plans** (`pipeline.propose_plans`): the additive table as a `SearchSpace`, and
+   its ``[search].measure_top`` fastest predicted plans that meet the budgets, distinct in
+   formats, from the integer program (`exact.k_best`: the exact optimum, then the next best
+   under no-good cuts; an infeasible budget stops here with the smallest reachable;
+   ``[search].timeout_s`` bounds the solves).
+4. **Measured stage**: those plans run for real (`MeasuredStage`, an Optuna study in the job's
+   storage, resumed on a re-run), and beside them the references: every uniform plan that fits the
    budgets as predicted, and plain ``torch.autocast`` in BF16 (and FP16) where the device runs
    it and the rules allow that format. The plan returned is the fastest of all of them that
    meets both budgets *as measured*; when plain autocast wins, that is the uniform half plan,
    its metadata saying it runs as plain autocast. Plain FP32 is measured as the baseline.
 5. **Artifacts** under ``[job].out``: ``plan.json`` (only when a plan met the budgets),
-   ``profile.json``, the study (``study.db`` unless ``[search].storage`` says otherwise) and
-   TensorBoard logs in ``logs/``.
+   ``profile.json``, the measured study (``<study_name>:measured`` in ``study.db`` unless
+   ``[search].storage`` says otherwise) and TensorBoard logs in ``logs/``: the measured plans
+   and their Pareto front (time, memory, loss increase), each candidate, the chosen plan.
 
 Workload factories (``[workload].factory``) return an object with ``build_model(seed)``,
 ``train_batches(seed)`` (``.next()`` gives a batch), ``val_batches(n)``, ``loss(model, batch)``
@@ -58,10 +61,10 @@ from ..runtime import EmulationWarning, apply_plan
 from .config import JobConfig, resolve_factory
 from .exact import Solution
 from .measured import BudgetPruner, Candidate, MeasuredStage, Measurement, fastest_meeting
-from .pipeline import measure_space, solve_in_budgets
+from .pipeline import Proposal, propose_plans
 from .planner import layer_reasons, plan_from_solution
 from .space import SearchSpace
-from .study import feasible, open_storage, quiet_interrupts, run_proxy_study
+from .study import open_storage, quiet_interrupts
 
 __all__ = ["JobResult", "run_job"]
 
@@ -81,11 +84,10 @@ class JobResult:
     plan_path: "Path | None"
     references: Mapping[str, Measurement]
     candidates: Sequence[tuple[Candidate, "Measurement | str"]]
-    exact: Solution
-    proxy_best: "Solution | None"
+    proposal: Proposal  # the k best plans on the predictions (the first is the exact optimum)
     memory_budget: float  # measured bytes allowed
     loss_budget: float  # absolute loss increase allowed
-    predicted_memory_budget: float  # predicted bytes allowed (the proxy stage's budget)
+    predicted_memory_budget: float  # predicted bytes allowed (the integer program's budget)
     predicted_fp32: Mapping[str, float]  # the all-FP32 plan's predicted bytes and seconds
     seconds: float
     chosen: "Candidate | None" = None  # the candidate the plan came from (a reference, maybe)
@@ -95,11 +97,9 @@ class JobResult:
         return self.plan is not None
 
     @property
-    def proxy_gap(self) -> float:
-        """Best proxy step time over the exact optimum's, minus 1 (0.0 = found the optimum)."""
-        if self.proxy_best is None:
-            return math.inf
-        return self.proxy_best.total.seconds / self.exact.total.seconds - 1.0
+    def exact(self) -> Solution:
+        """The exact optimum of the predictions."""
+        return self.proposal.optimum.exact
 
     def format_table(self) -> str:
         """Measured step ms, bytes and loss increase of the references and every candidate."""
@@ -130,7 +130,7 @@ class JobResult:
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         budget = f"budgets: memory <= {self.memory_budget / 2**20:.2f} MiB, loss increase <= {self.loss_budget:.4g}"
-        gap = f"proxy search vs exact optimum: {self.proxy_gap:+.2%} step time" if math.isfinite(self.proxy_gap) else "proxy search found no feasible plan"
+        gap = self.proposal.summary()
         verdict = f"plan: {self.plan_path}" if self.plan_path else "no candidate met the budgets as measured"
         return "\n".join(lines + [budget, gap] + self._comparison() + [verdict])
 
@@ -209,34 +209,23 @@ def _signature(space: SearchSpace, memory: float, loss: float) -> str:
     return hashlib.sha1(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _measured_name(config: JobConfig) -> str:
+    return f"{config.study_name}:measured"
+
+
 def _check_study(storage, config: JobConfig, digest: str) -> None:
-    """Refuse to resume a study made for another search (other layers, formats or budgets),
-    finished or interrupted (the search's digest is set before the study's first trial)."""
+    """Refuse to resume a measured study made for another search (other layers, formats or
+    budgets), finished or interrupted (the search's digest is set before the study's first trial)."""
     try:
-        study = optuna.load_study(study_name=config.study_name, storage=storage)
+        study = optuna.load_study(study_name=_measured_name(config), storage=storage)
     except KeyError:
         return
     held = study.user_attrs.get(_SEARCH_ATTR)
     if held != digest and (held is not None or study.get_trials(deepcopy=False)):
         raise SearchError(
-            f"study {config.study_name!r} in {config.storage_url} holds trials of another search (layers, formats or budgets "
+            f"study {_measured_name(config)!r} in {config.storage_url} holds trials of another search (layers, formats or budgets "
             "changed); set [search].study_name to a new name or delete the study to start over"
         )
-
-
-def _candidates(space: SearchSpace, study: optuna.Study, exact: Solution, memory: float, loss: float, top: int) -> list[tuple[str, Solution]]:
-    """The ``top`` fastest distinct feasible assignments of the study, re-costed on today's table
-    (a resumed study's stored totals came from an earlier measurement of the same table)."""
-    seen: dict[tuple, tuple[str, Solution]] = {}
-    solutions = [("exact", exact.assignment)] + [(f"trial {t.number}", t.params) for t in study.get_trials(deepcopy=False) if feasible(t)]
-    for name, params in solutions:
-        assignment = {u.name: Format.parse(params[u.name]) for u in space.units}
-        key = tuple(assignment[u.name] for u in space.units)
-        total = space.totals(assignment)
-        if key in seen or total.bytes > memory or total.loss > loss:
-            continue
-        seen[key] = (name, Solution(assignment, total))
-    return sorted(seen.values(), key=lambda item: item[1].total.seconds)[:top]
 
 
 def _with_references(proposed, space, costs, config, ruled_out, memory, loss_budget, budgets_meta, meta, device, fingerprint) -> list[Candidate]:
@@ -287,62 +276,40 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
     sampler = workload.train_batches(config.seed + 1)
     train = [_to(sampler.next(), device) for _ in range(max(config.sensitivity_batches, 4))]
 
+    fingerprint = find_layers(model, example_inputs)  # the plan refuses another model of the same layer names
+    stage = MeasuredStage(model, workload.loss, train, val, list(fingerprint), lr=lr, steps=config.measure_steps)
+    meta = {
+        "job": config.name, "source": str(config.source), "device": str(device), "torch": torch.__version__,
+        "study": _measured_name(config), "storage": config.storage_url, "lr": lr,
+        "train_loss_first": loss_first, "train_loss_last": loss_last, "profile_steps": config.profile_steps, "sensitivity": "fisher",
+    }
     # The in-place times are kept in the out folder: a re-run predicts exactly what this run did,
-    # so the same candidates come out and a resumed study gets no new trial.
-    found = measure_space(
+    # so the same candidates come out and the measured study gets no new trial.
+    proposal = propose_plans(
         model, example_inputs, train[: config.sensitivity_batches], workload.loss, profile,
+        budgets=config.budgets, baseline_loss=stage.baseline_loss, k=config.measure_top,
         formats=config.formats, rules=config.rules, min_precision=config.min_precision, max_precision=config.max_precision,
-        lr=lr, cost_inputs=train[0], cost_loss_fn=workload.loss, times_file=config.out / "costs.json", progress=progress,
+        lr=lr, metadata=meta, fingerprint=fingerprint, time_limit=config.timeout_s, source=f"{config.source}: ",
+        cost_inputs=train[0], cost_loss_fn=workload.loss, times_file=config.out / "costs.json", progress=progress,
     )
+    found, optimum = proposal.found, proposal.optimum
     costs, space, ruled_out = found.costs, found.space, found.ruled_out
-    stage = MeasuredStage(model, workload.loss, train, val, list(costs.layers), lr=lr, steps=config.measure_steps)
-    fp32_cost = costs.plan_cost(costs.uniform_plan(Format.FP32))
-    optimum = solve_in_budgets(found, config.budgets, stage.baseline_loss, f"{config.source}: ")
     memory, loss_budget, exact = optimum.memory, optimum.loss_budget, optimum.exact
+    fp32_cost = costs.plan_cost(costs.uniform_plan(Format.FP32))
 
     signature = _signature(space, memory, loss_budget)
     _check_study(storage, config, signature)
-    warm = [exact.assignment] + [a for a in (space.uniform(f) for f in config.formats) if a is not None]
-    total_trials = config.trials
-
-    def on_trial(study, trial):
-        if progress is not None:
-            progress(min(len(study.trials), total_trials), total_trials, "proxy search")
-
-    with warnings.catch_warnings(), quiet_interrupts():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        proxy = run_proxy_study(
-            space, memory, loss_budget, n_trials=config.trials, storage=storage, study_name=config.study_name, seed=config.seed,
-            warm_start=warm, multi_objective=config.multi_objective, timeout=config.timeout_s, callbacks=[on_trial],
-            study_attrs={_SEARCH_ATTR: signature},
-        )
-    top = _candidates(space, proxy.study, exact, memory, loss_budget, config.measure_top)
-    # The study's best feasible trial (the enqueued exact optimum is one of its trials).
-    study_best = None if proxy.best is None else Solution(proxy.best.assignment, space.totals(proxy.best.assignment))
-
-    budgets_meta = {
-        "memory": config.budgets.memory, "memory_bytes": memory, "accuracy": config.budgets.accuracy,
-        "accuracy_relative": config.budgets.accuracy_relative, "loss_increase": loss_budget, "baseline_loss": stage.baseline_loss,
-    }
-    meta = {
-        "job": config.name, "source": str(config.source), "device": str(device), "torch": torch.__version__,
-        "study": config.study_name, "storage": config.storage_url, "trials": proxy.trials, "lr": lr,
-        "train_loss_first": loss_first, "train_loss_last": loss_last, "profile_steps": config.profile_steps,
-        "exact_seconds": exact.total.seconds, "sensitivity": "fisher",
-    }
-    fingerprint = find_layers(model, example_inputs)  # the plan refuses another model of the same layer names
+    proposed = [Candidate("exact" if rank == 0 else f"exact-{rank + 1}", plan) for rank, plan in enumerate(proposal.plans)]
     candidates = _with_references(
-        [
-            Candidate(name, plan_from_solution(space, costs, sol, layer_reasons(space, sol.assignment, config.rules, ruled_out), budgets_meta, meta, fingerprint))
-            for name, sol in top
-        ],
-        space, costs, config, ruled_out, memory, loss_budget, budgets_meta, meta, device, fingerprint,
+        proposed, space, costs, config, ruled_out, memory, loss_budget, proposal.budgets, {**meta, "exact_seconds": exact.total.seconds},
+        device, fingerprint,
     )
 
     measured_study = optuna.create_study(
-        study_name=f"{config.study_name}:measured", storage=storage, direction="minimize",
+        study_name=_measured_name(config), storage=storage, direction="minimize",
         pruner=BudgetPruner(loss_budget), load_if_exists=True,
     )
+    measured_study.set_user_attr(_SEARCH_ATTR, signature)  # before its first trial: what a resume checks
     measured_memory = config.budgets.memory_bytes(stage.memory(None))
     with quiet_interrupts():
         results = stage.run(candidates, measured_study, measured_memory, loss_budget, progress)
@@ -360,7 +327,8 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
             "references": {"fp32": fp32.to_dict(), **{c.name: r.to_dict() if isinstance(r, Measurement) else {"pruned": r} for c, r in pairs if c.is_reference}},
         }
         metadata = {
-            **candidate.plan.metadata, "candidate": candidate.name, "proxy_gap": None if study_best is None else study_best.total.seconds / exact.total.seconds - 1.0,
+            **candidate.plan.metadata, "candidate": candidate.name,
+            "k_best": {"plans": len(proposal.plans), "kth_vs_optimum": proposal.kth_gap},
             "emulated_layers": emulated, "seconds": round(time.perf_counter() - start, 1),
         }
         if candidate.autocast:
@@ -372,12 +340,12 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
         if emulated:
             logger.warning("%d layer(s) of the plan run emulated (no kernel on %s): %s", len(emulated), device, ", ".join(emulated))
     result = JobResult(
-        config=config, plan=plan, plan_path=plan_path, references=references, candidates=pairs, exact=exact,
-        proxy_best=study_best, memory_budget=measured_memory, loss_budget=loss_budget, predicted_memory_budget=memory,
+        config=config, plan=plan, plan_path=plan_path, references=references, candidates=pairs,
+        proposal=proposal, memory_budget=measured_memory, loss_budget=loss_budget, predicted_memory_budget=memory,
         predicted_fp32={"bytes": fp32_cost.bytes, "seconds": fp32_cost.step_seconds}, seconds=time.perf_counter() - start,
         chosen=winner[0] if winner is not None else None,
     )
-    _write_logs(config, result, proxy.study)
+    _write_logs(config, result, measured_study)
     return result
 
 

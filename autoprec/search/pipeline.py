@@ -1,28 +1,34 @@
-"""The planning pipeline up to the exact optimum, shared by the search job and the scheduler.
+"""The planning pipeline, shared by the search job and the scheduler (`propose_plans`).
 
 costs (`CostModel`, measured in place) -> sensitivity (Fisher estimate) -> the search space (less
 the formats the profile saw overflow, `planner.build_space`) -> budgets in bytes and loss ->
-the exact optimum of the additive proxy (`solve_exact`). The offline job (`search.job`) and the
-training-time scheduler run exactly this; what each does after it (a resumable study and a
-measured stage; an in-memory, time-bounded study) is theirs.
+the ``k`` best plans of the additive proxy (`exact.k_best`: the exact optimum first, then the
+next fastest predicted, distinct in formats) -> `Plan` objects with a reason per layer and
+their predicted figures.
+
+The offline job (`search.job`) asks for ``[search].measure_top`` plans and hands them to the
+measured stage (an Optuna study in the job's storage: resumable, pruned), which runs them for
+real beside the references; the training-time scheduler asks for one, in-process, the solve
+bounded by ``search_timeout_s``. No Optuna sampler searches the additive table: the integer
+program solves it exactly, and a sampler's best would only be a worse plan of the same table.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch.nn as nn
 
 from ..errors import InfeasibleBudgetError
 from ..formats import Format
 from ..runtime import EmulationWarning
-from .exact import Solution, solve_exact
-from .planner import build_space, in_budget_terms
+from .exact import Solution, k_best
+from .planner import build_space, in_budget_terms, layer_reasons, plan_from_solution
 from .space import Budgets, LayerRules, SearchSpace
 
-__all__ = ["Space", "Optimum", "measure_space", "solve_in_budgets"]
+__all__ = ["Space", "Optimum", "Proposal", "measure_space", "solve_in_budgets", "propose_plans"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +44,45 @@ class Space:
 
 @dataclasses.dataclass(frozen=True)
 class Optimum:
-    """The budgets in absolute terms (bytes; loss increase) and the exact optimum under them."""
+    """The budgets in absolute terms (bytes; loss increase), the exact optimum under them and
+    the next best plans (``best[0]`` is ``exact``), fastest predicted first."""
 
     fp32_bytes: int
     memory: float
     loss_budget: float
     exact: Solution
+    best: tuple[Solution, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+    """What `propose_plans` found: the measured space, the budgets and the k best plans, as
+    solutions and as plans (same order, fastest predicted first; ``plans[0]`` is the optimum)."""
+
+    found: Space
+    optimum: Optimum
+    plans: tuple[Any, ...]  # Plan
+    budgets: Mapping[str, Any]  # the plans' ``budgets`` field
+
+    @property
+    def solutions(self) -> tuple[Solution, ...]:
+        return self.optimum.best
+
+    @property
+    def kth_gap(self) -> float:
+        """The last plan's predicted step time over the optimum's, minus 1 (0.0 for one plan)."""
+        return self.solutions[-1].total.seconds / self.optimum.exact.total.seconds - 1.0
+
+    def summary(self) -> str:
+        """One line: how many distinct plans, and how far the last is from the optimum."""
+        n = len(self.solutions)
+        if n == 1:
+            return "k-best exact: 1 plan, the optimum (predicted)"
+        return f"k-best exact: {n} distinct plans, the {_ordinal(n)} {self.kth_gap:.2%} slower than the optimum (predicted)"
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def measure_space(
@@ -94,15 +133,68 @@ def measure_space(
     return Space(costs, sensitivity, space, ruled_out)
 
 
-def solve_in_budgets(found: Space, budgets: Budgets, baseline_loss: Optional[float], source: str = "") -> Optimum:
+def solve_in_budgets(found: Space, budgets: Budgets, baseline_loss: Optional[float], source: str = "", k: int = 1,
+                     time_limit: Optional[float] = None) -> Optimum:
     """The budgets in bytes and loss increase (``baseline_loss``: what a relative accuracy budget
-    is relative to) and the exact optimum under them. Raises `InfeasibleBudgetError` stating the
-    smallest budgets reachable, prefixed with ``source``."""
+    is relative to) and the ``k`` best plans under them (`k_best`, within ``time_limit``
+    seconds). Raises `InfeasibleBudgetError` stating the smallest budgets reachable, prefixed
+    with ``source``."""
     fp32_bytes = found.costs.fp32_bytes()
     memory = budgets.memory_bytes(fp32_bytes)
     loss_budget = budgets.loss_increase(baseline_loss)
     try:
-        exact = solve_exact(found.space, memory, loss_budget)
+        best = k_best(found.space, memory, loss_budget, k, time_limit=time_limit)
     except InfeasibleBudgetError as exc:
         raise in_budget_terms(exc, fp32_bytes, baseline_loss if budgets.accuracy_relative else None, source) from None
-    return Optimum(fp32_bytes, memory, loss_budget, exact)
+    return Optimum(fp32_bytes, memory, loss_budget, best[0], tuple(best))
+
+
+def propose_plans(
+    model: nn.Module,
+    example_inputs: Any,
+    batches: Sequence[Any],
+    loss_fn: Callable[[nn.Module, Any], Any],
+    profile: Any,
+    *,
+    budgets: Budgets,
+    baseline_loss: Optional[float],
+    k: int = 1,
+    formats: Sequence[Format],
+    rules: LayerRules,
+    min_precision: int,
+    max_precision: int,
+    lr: float,
+    metadata: Optional[Mapping[str, Any]] = None,
+    fingerprint: Any = None,
+    time_limit: Optional[float] = None,
+    source: str = "",
+    **measure_kwargs: Any,
+) -> Proposal:
+    """The whole planning pipeline (see the module docstring): `measure_space`, then the ``k``
+    best plans under ``budgets`` (`solve_in_budgets`), each made a `Plan` with a reason per layer,
+    its predicted figures, the budgets (with ``baseline_loss``), ``metadata`` plus its rank and
+    predicted step time against the optimum's, and ``fingerprint`` (`find_layers` of the model).
+
+    ``measure_kwargs``: `measure_space`'s ``cost_inputs``, ``cost_loss_fn``, ``measure``,
+    ``times_file`` and ``progress``. ``time_limit``: seconds for the integer programs (the costs
+    and sensitivity are not bounded by it). Raises `InfeasibleBudgetError` (prefixed with
+    ``source``) when no plan meets the budgets on the predictions.
+    """
+    found = measure_space(model, example_inputs, batches, loss_fn, profile, formats=formats, rules=rules,
+                          min_precision=min_precision, max_precision=max_precision, lr=lr, **measure_kwargs)
+    optimum = solve_in_budgets(found, budgets, baseline_loss, source, k, time_limit)
+    budgets_meta = {
+        "memory": budgets.memory, "memory_bytes": optimum.memory, "accuracy": budgets.accuracy,
+        "accuracy_relative": budgets.accuracy_relative, "loss_increase": optimum.loss_budget, "baseline_loss": baseline_loss,
+    }
+    optimal = optimum.exact.total.seconds
+    plans = tuple(
+        plan_from_solution(
+            found.space, found.costs, solution, layer_reasons(found.space, solution.assignment, rules, found.ruled_out), budgets_meta,
+            {**(metadata or {}), "exact_seconds": optimal, "k_best_rank": rank,
+             "predicted_vs_optimum": solution.total.seconds / optimal - 1.0 if optimal > 0 else 0.0},
+            fingerprint,
+        )
+        for rank, solution in enumerate(optimum.best)
+    )
+    return Proposal(found, optimum, plans, budgets_meta)

@@ -114,7 +114,7 @@ def layer_reasons(space: SearchSpace, assignment: Mapping[str, Format], rules: L
             if d.loss > chosen.loss:
                 costs.append(f"adds predicted loss {d.loss - chosen.loss:+.2g} (accuracy budget)")
             why = f"{alt.value} would be {(chosen.seconds - d.seconds) * 1e3:.3g} ms faster " + (
-                "but " + " and ".join(costs) if costs else "at no more bytes or loss (this candidate is not the proxy optimum)")
+                "but " + " and ".join(costs) if costs else "at no more bytes or loss (this candidate is not the predicted optimum)")
         notes = [n for fqn in unit.layers for n in ruled_out.get(fqn, [])]
         group = f"; shares its format with {', '.join(unit.layers)} (rule group)" if len(unit.layers) > 1 else ""
         text = f"{head}; {why}{group}" + ("; " + "; ".join(dict.fromkeys(notes)) if notes else "")
