@@ -1,9 +1,13 @@
-"""The proxy stage: an Optuna study over per-unit formats on the additive cost table.
+"""Optuna storages for the search (opening, crashed workers' trials, quiet interrupts), and a
+proxy study over per-unit formats on the additive cost table.
 
-One categorical parameter per unit. The objective is the predicted step time (or, with
-``multi_objective``, time, memory and loss increase for a Pareto front); the budgets are Optuna
-constraints (``Trial.set_constraint``), so infeasible trials still teach the sampler where the
-boundary is. The exact optimum warm-starts a fresh study and is the yardstick for its result.
+The proxy study (`run_proxy_study`) is a library function, not part of the planning pipeline
+(`search.pipeline`): the integer program (`exact.k_best`) solves the same table exactly, while a
+sampler does not (TPE was +72 % predicted step time off the optimum after 1,000 trials on 120
+layers); a study warm-started with the optimum can only report a gap of zero. One categorical
+parameter per unit. The objective is the predicted step time (or, with ``multi_objective``,
+time, memory and loss increase for a Pareto front); the budgets are Optuna constraints
+(``Trial.set_constraint``), so infeasible trials still teach the sampler where the boundary is.
 
 Storage is any Optuna storage URL; a plain path means a local SQLite file. Trials a crashed
 worker left running are failed and queued again (`recover_interrupted_trials`): at once when the
