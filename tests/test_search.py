@@ -224,6 +224,16 @@ def test_k_best_on_120_layers_is_fast():
     assert len(found) == 4 and time.perf_counter() - start < 20  # generous: a shared 2-core machine
 
 
+def test_k_best_stops_at_its_time_limit_with_the_plans_found():
+    space = SearchSpace(random_table(120, 7))
+    memory, loss = budgets_for(space, 0.4, 0.3)
+    start = time.perf_counter()
+    found = k_best(space, memory, loss, 10_000, time_limit=1.0)
+    assert time.perf_counter() - start < 5  # the limit, plus one solve's setup on a shared machine
+    assert 1 <= len(found) < 10_000
+    assert [s.total.seconds for s in found] == sorted(s.total.seconds for s in found)
+
+
 # -- the proxy study (a library function; the planning pipeline does not run it) -------------------
 
 

@@ -59,7 +59,7 @@ def _program(space: SearchSpace):
 
 
 def _solve(space: SearchSpace, objective: np.ndarray, memory: float, loss_budget: float,
-           cuts: Sequence[Mapping[str, Format]] = (), time_limit: "float | None" = None):
+           cuts: Sequence[Mapping[str, Format]] = (), time_limit: "float | None" = None, proven: bool = False):
     columns, one_hot, bytes_, loss, _ = _program(space)
     fixed_bytes, fixed_loss = space.fixed_total.bytes, space.fixed_total.loss
     constraints = [LinearConstraint(one_hot, 1, 1)]
@@ -78,9 +78,7 @@ def _solve(space: SearchSpace, objective: np.ndarray, memory: float, loss_budget
     if time_limit is not None:
         options["time_limit"] = max(float(time_limit), 1e-3)
     result = milp(objective, constraints=constraints, integrality=np.ones(len(columns)), bounds=Bounds(0, 1), options=options)
-    if result.x is None and result.status == 1:  # out of time before any feasible plan was found
-        raise SearchError(f"the integer program found no plan within its {time_limit:.3g} s; allow the search more time")
-    if result.x is None:
+    if result.x is None or (proven and result.status != 0):  # 0: proven optimal
         return None
     chosen = {name: fmt for (name, fmt, _), x in zip(columns, result.x) if x > 0.5}
     return Solution(chosen, space.totals(chosen))
@@ -144,11 +142,14 @@ def k_best(space: SearchSpace, memory_bytes: float = float("inf"), loss_budget: 
         raise SearchError("the search space has no layers")
     _, _, _, _, seconds = _program(space)
     first = _solve(space, seconds, memory_bytes, loss_budget, time_limit=left())
+    if first is None and deadline is not None and left() <= 0:
+        raise SearchError(f"the integer program found no plan within {time_limit:.3g} s; allow the search more time")
     if first is None:
         raise _infeasible(space, memory_bytes, loss_budget)
     found = [first]
     while len(found) < k and (deadline is None or left() > 0):
-        nxt = _solve(space, seconds, memory_bytes, loss_budget, cuts=[s.assignment for s in found], time_limit=left())
+        # Only a proven optimum keeps the order; one cut short by the time limit ends the list.
+        nxt = _solve(space, seconds, memory_bytes, loss_budget, cuts=[s.assignment for s in found], time_limit=left(), proven=True)
         if nxt is None:
             break
         found.append(nxt)
