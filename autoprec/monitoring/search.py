@@ -207,7 +207,7 @@ def search_summary_markdown(points: Sequence[TrialPoint], fp32: Optional[Mapping
     if feasible:
         best = min(feasible, key=lambda p: (p.seconds, p.number))
         parts.append(
-            f"best feasible: trial {best.number}: step time {shown('seconds', best.seconds)}, "
+            f"best feasible: trial {best.number}: {best.name + ', ' if best.name else ''}step time {shown('seconds', best.seconds)}, "
             f"memory {shown('bytes', best.bytes)}, loss increase {_plain(best.loss_increase)}"
         )
         rows = [[str(p.number), p.name or MISSING, shown("bytes", p.bytes), shown("seconds", p.seconds), _plain(p.loss_increase)] for p in pareto_front(points)]
