@@ -21,7 +21,8 @@ Lifecycle (each step of it uses the part that owns it; nothing is re-implemented
    `estimate_sensitivity` on the last steps' inputs with the loss linearised at the model's
    output (``Σ y·dL/dy``: the same first derivatives as the real loss, so the Fisher estimate
    is the real one's), `search.planner.build_space` (the profile rules out overflowing formats),
-   `solve_exact` and a short Optuna study warm-started with it; then apply the plan.
+   the exact optimum of the integer program (`search.pipeline.propose_plans`, the job's
+   pipeline); then apply the plan.
 4. **Watch** every window: a `LayerProfiler` over its last ``monitor_steps`` steps and the
    scaler's per-layer non-finite counts. A layer is **promoted** (FP8/INT8/FP16 → BF16 → FP32)
    when its overflow or underflow fraction, its amax drift against the last window, or its
@@ -37,9 +38,9 @@ gradients carry their own per-tensor scale); a non-finite gradient skips the ste
 statistics, window position, step): a resumed run continues exactly as the uninterrupted one.
 
 Costs per step: the runtime's (see `runtime`), the scaler's one host sync per optimizer, and in
-monitored steps the profiler's (~+10 % per step). A search costs the cost model's measurements
-(cached on disk), two forward+backward passes per (layer, format) for sensitivity, and
-``search_trials`` proxy trials, bounded by ``search_timeout_s``.
+monitored steps the profiler's (`autoprec.bench.measure_overhead` measures it). A search costs
+the cost model's measurements (cached on disk), two forward+backward passes per (layer, format)
+for sensitivity, and the integer program, bounded by ``search_timeout_s``.
 """
 
 from __future__ import annotations
