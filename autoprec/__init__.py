@@ -6,18 +6,27 @@ import importlib  # noqa: E402
 
 from .errors import (  # noqa: E402
     AutoprecError,
+    BenchConfigError,
+    CostModelError,
     FormatError,
+    GpuBenchError,
     InfeasibleBudgetError,
+    ModelCallError,
+    MonitoringError,
+    OpCountError,
     PlanError,
+    ProblemsError,
     ProfileError,
     RuntimeStateError,
     ScalingError,
     SearchError,
     SensitivityError,
+    WorkloadError,
 )
 from .formats import AmaxHistory, Format, Granularity  # noqa: E402
 from .plan import Calibration, CalibrationMethod, LayerPrecision, Plan, Scaling, ScalingMode  # noqa: E402
 from .runtime import EmulationWarning, PlanRuntime, apply_plan  # noqa: E402
+from .workload import TrainStep, Workload, load_workload  # noqa: E402
 
 # Heavier parts load on first use (Optuna, scipy, TensorBoard, the sensitivity machinery).
 _LAZY = {
@@ -86,8 +95,13 @@ __all__ = [
     "Thresholds",
     "LossScaler",
     "OutputWatch",
-    # errors
+    # workloads
+    "Workload",
+    "TrainStep",
+    "load_workload",
+    # errors: every one derives from AutoprecError (and the builtin it fits)
     "AutoprecError",
+    "ProblemsError",
     "FormatError",
     "PlanError",
     "ProfileError",
@@ -95,5 +109,12 @@ __all__ = [
     "SearchError",
     "InfeasibleBudgetError",
     "SensitivityError",
+    "CostModelError",
     "ScalingError",
+    "ModelCallError",
+    "MonitoringError",
+    "WorkloadError",
+    "BenchConfigError",
+    "OpCountError",
+    "GpuBenchError",
 ]

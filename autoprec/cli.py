@@ -186,20 +186,66 @@ def _logging_to_stderr(verbose: bool):
         root.propagate = saved[1]
 
 
+# -- workloads --------------------------------------------------------------------------------
+
+
+def _add_workload_args(p: argparse.ArgumentParser, what: str) -> None:
+    from .workloads import LMConfig
+
+    p.add_argument(
+        "--workload", default="small", metavar="PRESET|MODULE:FUNCTION",
+        help=f"{what}: a built-in LM preset ({', '.join(LMConfig.preset_names())}; default small) or "
+             "module:function returning an autoprec.workload.Workload (as a search job's [workload].factory)",
+    )
+    p.add_argument("--workload-kwargs", default=None, metavar="JSON", help='keyword arguments of MODULE:FUNCTION as a JSON object, e.g. \'{"batch_size": 8}\'')
+    p.add_argument("--batch-size", type=_positive_int, default=None, help="the built-in LM's batch size (default 16)")
+
+
+def _workload_from_args(args: argparse.Namespace, lr: "float | None" = None):
+    """The workload ``--workload`` names; `WorkloadError` (one line, naming the option) otherwise."""
+    import dataclasses
+    import json
+
+    from .workload import WorkloadError, load_workload
+    from .workloads import LMConfig, default_workload
+
+    if ":" in args.workload:
+        if args.batch_size is not None:
+            raise WorkloadError("argument --batch-size: applies to the built-in presets only; pass it in --workload-kwargs")
+        try:
+            kwargs = json.loads(args.workload_kwargs) if args.workload_kwargs else {}
+        except json.JSONDecodeError as exc:
+            raise WorkloadError(f"argument --workload-kwargs: not JSON ({exc.msg}); give an object such as '{{\"batch_size\": 8}}'") from None
+        if not isinstance(kwargs, dict):
+            raise WorkloadError("argument --workload-kwargs: give a JSON object of keyword arguments")
+        try:
+            return load_workload(args.workload, kwargs)
+        except WorkloadError as exc:
+            raise WorkloadError(f"argument --workload: {exc}") from None
+    if args.workload_kwargs is not None:
+        raise WorkloadError("argument --workload-kwargs: applies to --workload MODULE:FUNCTION only")
+    if args.workload not in LMConfig.preset_names():
+        raise WorkloadError(f"argument --workload: unknown preset {args.workload!r}; choose one of {', '.join(LMConfig.preset_names())} or give module:function")
+    workload = default_workload(args.workload, batch_size=args.batch_size or 16)
+    return workload if lr is None else dataclasses.replace(workload, lr=lr)
+
+
 # -- bench ------------------------------------------------------------------------------------
 
 
 def _add_bench(subparsers, common: argparse.ArgumentParser) -> None:
     from .bench import DEFAULT_VARIANTS, BenchConfig
-    from .workloads import LMConfig
+    from .workloads import BlockWorkload
 
     default = BenchConfig()
+    default_block = BlockWorkload()
     p = subparsers.add_parser(
         "bench",
         parents=[common],
-        help="benchmark every precision variant on the built-in LM and one transformer block",
+        help="benchmark every precision variant on a workload and one transformer block",
         description=(
-            "Train the built-in byte-level LM and one TransformerBlock under each variant (plain "
+            "Train a workload (the built-in byte-level LM, or --workload module:function) and one "
+            "TransformerBlock under each variant (plain "
             "fp32, uniform autoprec plans, plain torch.autocast), interleaved round-robin, and "
             "report the median step time and the bytes saved for backward, each as a ratio to "
             "fp32, plus the INT8 calibration error and which layers ran emulated. Prints a table "
@@ -210,14 +256,10 @@ def _add_bench(subparsers, common: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=_positive_int, default=None, help=f"untimed rounds first (default {default.warmup}; --quick: 1)")
     p.add_argument("--quick", action="store_true", help="1 warmup + 3 timed rounds: a smoke run, too short for trustworthy timings")
     p.add_argument("--device", default=default.device, help="auto (CUDA if available, else CPU), cpu, cuda or cuda:N (default auto)")
+    _add_workload_args(p, "the first target")
     p.add_argument(
-        "--workload", default=default.workload, choices=LMConfig.preset_names(),
-        help=f"built-in LM preset (default {default.workload})",
-    )
-    p.add_argument("--batch-size", type=_positive_int, default=default.batch_size, help=f"LM batch size (default {default.batch_size})")
-    p.add_argument(
-        "--block-shape", type=_shape3, default=default.block_shape, metavar="B,T,C",
-        help="the block's input shape batch,seq,d_model (default %s)" % ",".join(map(str, default.block_shape)),
+        "--block-shape", type=_shape3, default=default_block.shape, metavar="B,T,C",
+        help="the second target, one TransformerBlock: its input shape batch,seq,d_model (default %s)" % ",".join(map(str, default_block.shape)),
     )
     p.add_argument(
         "--variants", default=None, metavar="V1,V2,...",
@@ -274,13 +316,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.smoke or args.plan is not None:
         return _fail("options --smoke and --plan belong to --suite gpu (see 'autoprec bench --help')", EXIT_USAGE)
 
-    overrides = {
-        "device": args.device,
-        "workload": args.workload,
-        "batch_size": args.batch_size,
-        "block_shape": args.block_shape,
-        "seed": args.seed,
-    }
+    from .workload import WorkloadError
+    from .workloads import BlockWorkload
+
+    try:
+        targets = {"workload": _workload_from_args(args), "block": BlockWorkload(args.block_shape)}
+    except (WorkloadError, ValueError) as exc:
+        return _fail(f"{exc} (see 'autoprec bench --help')", EXIT_USAGE)
+    overrides = {"device": args.device, "seed": args.seed}
     if args.steps is not None:
         overrides["steps"] = args.steps
     if args.warmup is not None:
@@ -291,7 +334,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         config = BenchConfig.from_preset("quick" if args.quick else "default", **overrides)
     except BenchConfigError as exc:
         return _fail(f"{exc} (see 'autoprec bench --help')", EXIT_USAGE)
-    result = _run_and_print("bench", run_bench, config)
+    result = _run_and_print("bench", lambda config, progress: run_bench(targets, config, progress), config)
     status = _write_json(result, args.json)
     if status != EXIT_OK:
         return status
@@ -345,25 +388,21 @@ def _cmd_bench_ops(args: argparse.Namespace) -> int:
 
 def _add_profile(subparsers, common: argparse.ArgumentParser) -> None:
     from .formats import Format
-    from .workloads import LMConfig
 
     p = subparsers.add_parser(
         "profile",
         parents=[common],
         help="profile per-layer statistics over a window of real training steps",
         description=(
-            "Train the built-in byte-level LM for --steps steps with a LayerProfiler attached and "
+            "Train a workload (the built-in byte-level LM, or --workload module:function) for --steps "
+            "steps, with its own optimizer, and a LayerProfiler attached, and "
             "write the Profile (per-layer gradient mean / variance / noise-to-signal ratio, amax "
             "histories, histograms, underflow / overflow fractions per candidate format, non-finite "
             "counts) as JSON, plus TensorBoard histograms with --logdir. Prints one line per layer."
         ),
     )
-    p.add_argument(
-        "--workload", default="small", choices=LMConfig.preset_names(),
-        help="built-in LM preset (default small)",
-    )
+    _add_workload_args(p, "what to train")
     p.add_argument("--steps", type=_positive_int, default=100, help="training steps to profile: the window (default 100)")
-    p.add_argument("--batch-size", type=_positive_int, default=16, help="batch size (default 16)")
     p.add_argument("--out", type=_output_path, default=Path("profile.json"), metavar="PATH", help="profile JSON to write, atomically (default profile.json)")
     p.add_argument("--logdir", default=None, metavar="DIR", help="also write TensorBoard events (histograms, amax) under DIR")
     p.add_argument(
@@ -372,7 +411,7 @@ def _add_profile(subparsers, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--sample", type=_positive_int, default=8192, help="elements histogrammed per tensor per call (default 8192)")
     p.add_argument("--every", type=_positive_int, default=8, help="histogram each layer every N-th step; amax every step (default 8)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--lr", type=float, default=None, help="the built-in LM's peak AdamW learning rate (default 3e-3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and batches (default 0)")
     p.add_argument("--device", default="auto", help="auto (CUDA if available, else CPU), cpu, cuda or cuda:N (default auto)")
     p.set_defaults(handler=_cmd_profile)
@@ -383,6 +422,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from .formats import Format
     from .monitoring.profile import write_tensorboard
     from .profiling import profile_workload
+    from .workload import WorkloadError
 
     usage = "(see 'autoprec profile --help')"
     formats = tuple(Format)
@@ -393,16 +433,22 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             return _fail(f"argument --formats: {exc} {usage}", EXIT_USAGE)
         if not formats:
             return _fail(f"argument --formats: give at least one format {usage}", EXIT_USAGE)
-    if not args.lr > 0 or args.lr == float("inf"):
+    if args.lr is not None and (not args.lr > 0 or args.lr == float("inf")):
         return _fail(f"argument --lr: expected a positive number, got {args.lr} {usage}", EXIT_USAGE)
+    if args.lr is not None and ":" in args.workload:
+        return _fail(f"argument --lr: applies to the built-in presets only; a MODULE:FUNCTION workload sets its own optimizer {usage}", EXIT_USAGE)
+    try:
+        workload = _workload_from_args(args, lr=args.lr)
+    except WorkloadError as exc:
+        return _fail(f"{exc} {usage}", EXIT_USAGE)
     logdir = Path(args.logdir) if args.logdir is not None else None
     if logdir is not None and logdir.exists() and not logdir.is_dir():
         return _fail(f"argument --logdir: {str(logdir)!r} is a file; give a directory {usage}", EXIT_USAGE)
     progress = _Progress("profile")
     try:
         profile = profile_workload(
-            args.workload, args.steps, batch_size=args.batch_size, seed=args.seed, lr=args.lr,
-            device=args.device, formats=formats, sample=args.sample, every=args.every, progress=progress,
+            workload, args.steps, seed=args.seed, device=args.device, formats=formats, sample=args.sample,
+            every=args.every, progress=progress, metadata={"workload": args.workload, "batch_size": getattr(workload, "batch_size", None)},
         )
     except ProfileError as exc:
         return _fail(f"{exc} {usage}", EXIT_USAGE)

@@ -97,3 +97,22 @@ class ScalingError(AutoprecError, ValueError):
 class ModelCallError(AutoprecError, ValueError):
     """A model call cannot be captured or replayed as given, or its output holds no loss. The
     message names what was passed and what to pass instead."""
+
+
+class WorkloadError(AutoprecError, ValueError):
+    """A workload spec that cannot be imported or called, or an object that is not a workload
+    (`autoprec.workload`). The message says what failed and the fix."""
+
+
+class BenchConfigError(AutoprecError, ValueError):
+    """A `BenchConfig` field (or the device it names) cannot be benchmarked; the message says why."""
+
+
+class OpCountError(AutoprecError, ValueError):
+    """A counting helper (`autoprec.opcount`) was called with an argument it cannot use; the
+    message names it."""
+
+
+class GpuBenchError(AutoprecError, ValueError):
+    """The GPU suite (`autoprec.gpu_bench`) cannot run as asked (no CUDA device without
+    ``smoke``, a bad device name)."""

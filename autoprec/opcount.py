@@ -34,7 +34,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .errors import AutoprecError
+from .errors import OpCountError
 
 __all__ = [
     "OpCountError",
@@ -47,10 +47,6 @@ __all__ = [
     "graph_breaks",
     "max_abs_diff",
 ]
-
-
-class OpCountError(AutoprecError, ValueError):
-    """A counting helper was called with an argument it cannot use; the message names it."""
 
 
 _SYNC_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)

@@ -18,13 +18,13 @@ import torch
 
 import autoprec as ap
 from autoprec.measure import SavedTensorMeter
-from autoprec.workloads import _WARMUP_STEPS as WARMUP_STEPS
-from autoprec.workloads import Trainer, default_workload
+from autoprec.workload import TrainStep
+from autoprec.workloads import default_workload
 
 
 def workload(name: str):
     if name == "minilm":
-        from autoprec.finetune import minilm_finetune_workload
+        from autoprec.workloads.finetune import minilm_finetune_workload
 
         return minilm_finetune_workload()
     return default_workload(name, batch_size=16)
@@ -52,35 +52,35 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     wl = workload(args.workload)
-    lr = getattr(wl, "lr", 1e-3)
     val = wl.val_batches(8)
+    # Each run trains as the workload trains (its optimizer, warmup and clipping) on the same batches.
     runs = {
-        "fp32": Trainer(wl.build_model(0), wl, lr=lr, seed=0),
-        "bf16_autocast": Trainer(wl.build_model(0), wl, lr=lr, seed=0, context=lambda: torch.autocast("cpu", torch.bfloat16)),
+        "fp32": TrainStep.for_workload(wl, wl.build_model(0)),
+        "bf16_autocast": TrainStep.for_workload(wl, wl.build_model(0), context=lambda: torch.autocast("cpu", torch.bfloat16)),
+        "scheduler": TrainStep.for_workload(wl, wl.build_model(0)),
     }
-    scheduler = ap.DynamicPrecisionScheduler(
-        monitor_window=args.window, memory_budget=args.memory_budget, accuracy_budget=args.accuracy_budget, lr=lr,
-        max_grad_norm=1.0, search_timeout_s=30,
-    )
-    runs["scheduler"] = Trainer(wl.build_model(0), wl, lr=lr, seed=0, context=scheduler.precision_context)
-    # The scheduler owns backward and the step (loss scaling, skipping): drive its trainer by hand.
     sched = runs["scheduler"]
+    scheduler = ap.DynamicPrecisionScheduler(
+        monitor_window=args.window, memory_budget=args.memory_budget, accuracy_budget=args.accuracy_budget, lr=sched.lr,
+        max_grad_norm=getattr(wl, "max_grad_norm", None), search_timeout_s=30,
+    )
+    batches = iter(wl.train_batches(0))
     times = {name: [] for name in runs}
     start = time.perf_counter()
     for step in range(args.steps):
+        batch = next(batches)
         for name, trainer in runs.items():
             t0 = time.perf_counter()
             if name == "scheduler":
-                for group in sched.optimizer.param_groups:  # Trainer's linear warmup
-                    group["lr"] = lr * min(1.0, (step + 1) / WARMUP_STEPS)
-                batch = tuple(t.to(sched.device) for t in sched.sampler.next())
+                # The scheduler owns backward and the step (loss scaling, clipping, skipping).
                 with scheduler.precision_context():
                     loss = wl.loss(sched.model, batch)
                 scheduler.backward(loss)
                 scheduler.step(sched.optimizer)
+                sched.schedule.step()
                 sched.optimizer.zero_grad(set_to_none=True)
             else:
-                trainer.step()
+                trainer(batch)
             if step >= args.window + 10:  # time planned steps only
                 times[name].append(time.perf_counter() - t0)
         if (step + 1) % 100 == 0:

@@ -15,23 +15,19 @@ import torch
 
 from autoprec.bench import DEFAULT_VARIANTS, BenchConfig, BenchConfigError, TargetCheck, run_bench
 from autoprec.cli import main
+from autoprec.workloads import BlockWorkload, default_workload
 
-SMALL = BenchConfig(workload="tiny", batch_size=4, block_shape=(4, 32, 64), steps=3, warmup=1, device="cpu")
+SMALL = BenchConfig(steps=3, warmup=1, device="cpu")
+TARGETS = {"workload": default_workload("tiny", batch_size=4), "block": BlockWorkload((4, 32, 64))}
 
 
 @pytest.fixture(scope="module")
 def result():
-    return run_bench(SMALL)
+    return run_bench(TARGETS, SMALL)
 
 
 def test_every_target_and_variant_has_a_row(result):
     assert {(r.target, r.variant) for r in result.rows} == {(t, v) for t in ("workload", "block") for v in DEFAULT_VARIANTS}
-
-
-def test_reference_ratios_are_one(result):
-    for target in ("workload", "block"):
-        ref = result.row(target, "fp32")
-        assert (ref.step_ratio, ref.saved_ratio) == (1.0, 1.0)
 
 
 def test_times_and_bytes_are_positive(result):
@@ -76,9 +72,6 @@ def test_result_is_json_and_table_lists_targets(result):
     [
         {"steps": 0},
         {"warmup": 0},
-        {"batch_size": -1},
-        {"workload": "huge"},
-        {"block_shape": (4, 32, 63)},
         {"variants": ("plan:bf16",)},
         {"variants": ("fp32", "plan:nope")},
         {"variants": ("fp32", "autocast:int8")},
@@ -92,6 +85,36 @@ def test_config_rejects_bad_input(changes):
         dataclasses.replace(SMALL, **changes)
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--workload", "huge"], "argument --workload: unknown preset 'huge'"),
+        (["--block-shape", "4,32,63"], "d_model 63 must be divisible"),
+        (["--workload", "no_such_module_xyz:f"], "argument --workload: cannot import module 'no_such_module_xyz'"),
+        (["--workload", "tiny", "--workload-kwargs", "{}"], "argument --workload-kwargs: applies to --workload MODULE:FUNCTION only"),
+        (["--workload", "autoprec.workloads:default_workload", "--workload-kwargs", "[1]"], "argument --workload-kwargs: give a JSON object"),
+        (["--workload", "autoprec.workloads:default_workload", "--workload-kwargs", '{"size": 3}'], "argument --workload: autoprec.workloads:default_workload rejected {'size': 3}"),
+        (["--workload", "autoprec.workloads:LMConfig"], "returned a LMConfig without build_model, train_batches, val_batches, loss"),
+    ],
+)
+def test_bench_workload_arguments_fail_in_one_line(capsys, args, message):
+    assert main(["bench", "--quick", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_bench_runs_a_workload_named_module_function(tmp_path, capsys):
+    """``--workload module:function`` is trained like the search job's factory: here the built-in
+    LM's factory with keyword arguments, one variant beside fp32."""
+    path = tmp_path / "bench.json"
+    args = ["bench", "--quick", "--variants", "fp32,plan:bf16", "--block-shape", "2,8,16", "--json", str(path),
+            "--workload", "autoprec.workloads:default_workload", "--workload-kwargs", '{"name": "tiny", "batch_size": 2}']
+    assert main(args) == 0
+    data = json.loads(path.read_text())
+    assert "ByteLM 'tiny'" in data["targets_info"]["workload"] and "batch 2x" in data["targets_info"]["workload"]
+    assert {(r["target"], r["variant"]) for r in data["rows"]} == {(t, v) for t in ("workload", "block") for v in ("fp32", "plan:bf16")}
+
+
 def test_compiled_variant_trains_the_compiled_model_and_matches_eager_loss():
     # aot_eager: Dynamo + AOTAutograd as torch.compile runs them, without Inductor's C++ build.
     import torch
@@ -100,7 +123,7 @@ def test_compiled_variant_trains_the_compiled_model_and_matches_eager_loss():
     with pytest.MonkeyPatch.context() as patch:
         real = torch.compile
         patch.setattr(torch, "compile", lambda model: real(model, backend="aot_eager"))
-        result = run_bench(config)
+        result = run_bench(TARGETS, config)
     rows = {(r.target, r.variant): r for r in result.rows}
     for target in ("workload", "block"):
         eager, compiled = rows[(target, "fp32")], rows[(target, "compiled:fp32")]
@@ -146,7 +169,7 @@ def test_cli_unavailable_device_is_one_line_error(capsys):
 
 def test_cli_check_fails_on_failed_target(monkeypatch, result, capsys):
     failed = dataclasses.replace(result, targets=[TargetCheck("made up", 2.0, 1.0, False)])
-    monkeypatch.setattr("autoprec.bench.run_bench", lambda config, progress=None: failed)
+    monkeypatch.setattr("autoprec.bench.run_bench", lambda targets, config, progress=None: failed)
     assert main(["bench", "--quick"]) == 0
     assert main(["bench", "--quick", "--check"]) == 1
 

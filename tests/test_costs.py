@@ -18,11 +18,11 @@ from autoprec.costs import (
     RooflineTimeModel,
     TimeEstimate,
     TimeModel,
-    check_uniform_ranking,
     layer_memory,
     saved_bytes_by_layer,
     trace_model,
 )
+from autoprec.bench import check_uniform_ranking
 from autoprec.costs import timing
 from autoprec.errors import CostModelError, FormatError
 from autoprec.formats import Format, Granularity
@@ -465,7 +465,7 @@ def test_a_cache_dir_that_is_a_file_is_an_error(tmp_path):
 
 def test_a_ranking_needs_two_formats():
     with pytest.raises(CostModelError, match="two formats"):
-        check_uniform_ranking("tiny", formats=["fp32"])
+        check_uniform_ranking(default_workload("tiny"), formats=["fp32"])
 
 
 # -- the check against real step times ---------------------------------------------------------
@@ -476,7 +476,7 @@ def test_predicted_uniform_plan_ranking_matches_measured_step_times(tmp_path):
     # On this CPU (2 cores, AVX2, torch 2.13, one thread) the uniform plans' measured step times
     # on the "small" workload are ~52 (fp32), 138 (fp8), 380 (int8), 684 (bf16), 783 (fp16) ms:
     # every adjacent pair differs by > 2x except bf16 vs fp16 (~15%), which may tie.
-    result = check_uniform_ranking("small", threads=1, cache_dir=tmp_path, steps=8, warmup=2, tie=0.15)
+    result = check_uniform_ranking(default_workload("small"), threads=1, cache_dir=tmp_path, steps=8, warmup=2, tie=0.15)
     assert result.agree, result.table()
 
 

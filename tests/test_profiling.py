@@ -419,7 +419,7 @@ def test_missing_file_says_how_to_create_one(tmp_path):
 
 
 def test_twenty_real_training_steps_profile_every_layer():
-    profile = profile_workload("tiny", 20, batch_size=8, device="cpu")
+    profile = profile_workload(default_workload("tiny", batch_size=8), 20, device="cpu")
     workload = default_workload("tiny")
     model = workload.build_model()
     example = workload.val_batches(1)[0][0]
@@ -461,6 +461,8 @@ def test_cli_profile_writes_profile_and_tensorboard_histograms(tmp_path, capsys)
         ["--out", "/nonexistent-dir/p.json"],
         ["--lr", "-1"],
         ["--batch-size", "x"],
+        ["--workload", "autoprec.workloads:default_workload", "--lr", "0.1"],
+        ["--workload", "autoprec.workloads:nothing_here"],
     ],
 )
 def test_cli_bad_arguments_fail_with_one_line(argv, capsys):
@@ -469,8 +471,19 @@ def test_cli_bad_arguments_fail_with_one_line(argv, capsys):
     assert err.startswith("autoprec: error:") and err.count("\n") == 1
 
 
+def test_cli_profiles_a_workload_named_module_function(tmp_path):
+    out = tmp_path / "p.json"
+    args = ["profile", "--workload", "autoprec.workloads:default_workload", "--workload-kwargs", '{"name": "tiny", "batch_size": 4}',
+            "--steps", "3", "--device", "cpu", "--out", str(out)]
+    assert main(args) == 0
+    profile = Profile.load(out)
+    assert profile.metadata["workload"] == "autoprec.workloads:default_workload" and profile.metadata["batch_size"] == 4
+    assert list(profile.layers) == list(find_layers(default_workload("tiny").build_model(), default_workload("tiny").val_batches(1)[0][0]))
+    assert all(layer.steps == 3 for layer in profile.layers.values())
+
+
 def test_measure_overhead_reports_both_figures():
-    result = measure_overhead("tiny", steps=2, warmup=0, batch_size=4, device="cpu")
+    result = measure_overhead(default_workload("tiny", batch_size=4), steps=2, warmup=0, device="cpu")
     assert result["after_hooks_removed"] and all(v > 0 for v in result["median_ms"].values())
     assert {"overhead_window", "overhead_after"} <= set(result)
 

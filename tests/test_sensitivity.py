@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import autoprec as ap
 from autoprec.errors import SensitivityError
 from autoprec.formats import Format
-from autoprec.minilm import minilm_available
+from autoprec.workloads.minilm import minilm_available
 from autoprec.sensitivity import (
     FisherEstimator,
     Sensitivity,
@@ -345,7 +345,7 @@ def minilm_result(one_thread):
     (one MiniLM forward is ~0.3 s there, and CPU ``torch._int_mm`` is ~40x slower than the FP32
     matmul); INT8 on MiniLM is in the closing figures below.
     """
-    from autoprec.minilm import load_minilm, minilm_batches, minilm_loss
+    from autoprec.workloads.minilm import load_minilm, minilm_batches, minilm_loss
 
     model = load_minilm()
 

@@ -11,7 +11,8 @@ The concerns, one module each, over one shared trace:
 - `timing`: seconds per (call, format), measured on the device by replaying each call under
   ``apply_plan`` (cached on disk), or a roofline estimate from datasheet peaks;
 - `model`: `CostModel` (per-layer costs, plan totals, the FP32 bytes a memory budget is a
-  fraction of) and `check_uniform_ranking` (predicted vs measured step times).
+  fraction of); `autoprec.bench.ranking.check_uniform_ranking` checks its ranking against
+  measured step times.
 
 Typical use::
 
@@ -22,7 +23,7 @@ Typical use::
 
 from .inplace import InPlaceTimes, measure_in_place
 from .memory import MemoryCost, call_path, layer_memory
-from .model import DEFAULT_FORMATS, CostModel, LayerCost, PlanCost, RankingCheck, check_uniform_ranking
+from .model import DEFAULT_FORMATS, CostModel, LayerCost, PlanCost
 from .timing import (
     PEAKS,
     DevicePeaks,
@@ -42,8 +43,6 @@ __all__ = [
     "LayerCost",
     "PlanCost",
     "DEFAULT_FORMATS",
-    "RankingCheck",
-    "check_uniform_ranking",
     # memory
     "MemoryCost",
     "layer_memory",

@@ -29,7 +29,6 @@ import dataclasses
 import json
 import logging
 import os
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
@@ -45,10 +44,10 @@ from ..plan import LayerPrecision, Plan
 from ..runtime import EmulationWarning, apply_plan
 from .inplace import InPlaceTimes, measure_in_place
 from .memory import layer_memory
-from .timing import MeasuredTimeModel, RooflineTimeModel, TimeEstimate, TimeModel, _sync
+from .timing import MeasuredTimeModel, RooflineTimeModel, TimeEstimate, TimeModel
 from .trace import ModelTrace, saved_bytes_by_layer, trace_model
 
-__all__ = ["DEFAULT_FORMATS", "LayerCost", "PlanCost", "CostModel", "RankingCheck", "check_uniform_ranking"]
+__all__ = ["DEFAULT_FORMATS", "LayerCost", "PlanCost", "CostModel"]
 
 logger = logging.getLogger(__name__)
 
@@ -337,152 +336,6 @@ class CostModel:
                 cells.append(f"{c.seconds * 1e3:8.3f} {c.saved_bytes / 1024:8.1f}")
             lines.append(f"{fqn:<{width}}  " + "  ".join(cells))
         return "\n".join(lines)
-
-
-# -- the check against measured step times ----------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class RankingCheck:
-    """Predicted vs measured step seconds of uniform plans, and whether their orders agree.
-
-    ``exact``: the same order. ``agree``: no pair is ordered differently unless its measured
-    times lie within ``tie`` (relative) of each other. ``kendall_tau``: rank correlation in
-    [-1, 1] (1: same order).
-    """
-
-    formats: tuple[Format, ...]
-    predicted: Mapping[str, float]
-    measured: Mapping[str, float]
-    measured_iqr: Mapping[str, float]
-    tie: float
-    kendall_tau: float
-    exact: bool
-    agree: bool
-    discordant: tuple[tuple[str, str], ...]
-    info: Mapping[str, Any]
-
-    def table(self) -> str:
-        order_p = sorted(self.predicted, key=self.predicted.get)
-        order_m = sorted(self.measured, key=self.measured.get)
-        lines = [f"{'plan':<10} {'predicted ms':>13} {'measured ms':>12} {'IQR':>7} {'pred/meas':>9} {'rank p':>6} {'rank m':>6}"]
-        for f in self.formats:
-            p, m = self.predicted[f.value], self.measured[f.value]
-            lines.append(
-                f"{f.value:<10} {p * 1e3:13.2f} {m * 1e3:12.2f} {self.measured_iqr[f.value] * 1e3:7.2f} {p / m:9.2f} "
-                f"{order_p.index(f.value) + 1:6d} {order_m.index(f.value) + 1:6d}"
-            )
-        lines.append(
-            f"kendall tau {self.kendall_tau:.2f}; exact order {'yes' if self.exact else 'no'}; "
-            f"agree (ties within {self.tie:.0%} allowed) {'yes' if self.agree else 'no'}"
-            + (f"; discordant pairs {list(self.discordant)}" if self.discordant else "")
-        )
-        return "\n".join(lines)
-
-
-def _compare(predicted: Mapping[str, float], measured: Mapping[str, float], tie: float) -> tuple[float, bool, bool, tuple]:
-    names = list(predicted)
-    concordant = discordant_count = 0
-    discordant = []
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            dp = predicted[a] - predicted[b]
-            dm = measured[a] - measured[b]
-            if dp * dm > 0:
-                concordant += 1
-            elif dp * dm < 0:
-                discordant_count += 1
-                if abs(dm) > tie * min(measured[a], measured[b]):
-                    discordant.append((a, b))
-    pairs = len(names) * (len(names) - 1) // 2
-    tau = (concordant - discordant_count) / pairs if pairs else 1.0
-    exact = sorted(names, key=predicted.get) == sorted(names, key=measured.get)
-    return tau, exact, not discordant, tuple(discordant)
-
-
-def check_uniform_ranking(
-    workload: str = "small",
-    *,
-    batch_size: int = 16,
-    formats: Sequence["Format | str"] = DEFAULT_FORMATS,
-    steps: int = 10,
-    warmup: int = 3,
-    tie: float = 0.15,
-    cache_dir: Any = None,
-    measure: bool = True,
-    seed: int = 0,
-    device: str = "cpu",
-    threads: Optional[int] = None,
-) -> RankingCheck:
-    """Predicted (`CostModel`) vs measured step seconds of uniform plans on the built-in workload.
-
-    Measured: real training steps (zero_grad, forward + loss under ``apply_plan``, backward,
-    AdamW step) of one model per plan, built from one seed and fed the same batches, interleaved
-    round-robin as ``autoprec bench`` runs them; medians over ``steps`` rounds after ``warmup``.
-    ``threads``: CPU threads for the whole check (restored after); on a machine whose cores
-    other processes share, 1 avoids OpenMP threads waiting on descheduled siblings (which can
-    make a small product two orders of magnitude slower). Timings are cached per thread count.
-
-    Cost: the cost model's measurements (one in-place timing pass per uniform plan when the
-    cache is cold, none when warm) plus ``warmup + steps`` rounds of one training step per plan.
-    """
-    if threads is None:
-        return _check_uniform_ranking(workload, batch_size, formats, steps, warmup, tie, cache_dir, measure, seed, device)
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise CostModelError(f"check_uniform_ranking(threads={threads!r}): must be a positive int or None")
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return _check_uniform_ranking(workload, batch_size, formats, steps, warmup, tie, cache_dir, measure, seed, device)
-    finally:
-        torch.set_num_threads(before)
-
-
-def _check_uniform_ranking(workload, batch_size, formats, steps, warmup, tie, cache_dir, measure, seed, device) -> RankingCheck:
-    from ..bench import _median_iqr, _Runner, _Variant  # the bench's own step and statistics
-    from ..workloads import default_workload
-
-    formats = tuple(Format.parse(f) for f in formats)
-    if len(formats) < 2:
-        raise CostModelError(f"check_uniform_ranking(formats={[f.value for f in formats]}): a ranking needs two formats or more")
-    if steps < 1 or warmup < 0:
-        raise CostModelError(f"check_uniform_ranking(steps={steps}, warmup={warmup}): steps must be >= 1 and warmup >= 0")
-    dev = torch.device(device)
-    wl = default_workload(workload, batch_size)
-    sampler = wl.train_batches(seed)
-    batches = [tuple(t.to(dev) for t in sampler.next()) for _ in range(warmup + steps)]
-    start = time.perf_counter()
-    costs = CostModel.build(wl.build_model(seed).to(dev), batches[0], loss_fn=wl.loss, formats=formats, measure=measure, cache_dir=cache_dir)
-    predicted = {f.value: costs.plan_cost(costs.uniform_plan(f)).step_seconds for f in formats}
-    model_seconds = time.perf_counter() - start
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", EmulationWarning)
-        runners = []
-        for f in formats:
-            model = wl.build_model(seed).to(dev)
-            model.train()
-            runners.append(_Runner("workload", _Variant(f"plan:{f.value}", "plan", f), model, wl.loss, batches[0][0], dev))
-        for r, batch in enumerate(batches):
-            shift = r % len(runners)
-            for runner in runners[shift:] + runners[:shift]:
-                _sync(dev)
-                t0 = time.perf_counter()
-                runner.step(batch)
-                _sync(dev)
-                if r >= warmup:
-                    runner.times.append(time.perf_counter() - t0)
-    measured, iqr = {}, {}
-    for f, runner in zip(formats, runners):
-        measured[f.value], iqr[f.value] = _median_iqr(runner.times)
-    tau, exact, agree, discordant = _compare(predicted, measured, tie)
-    info = {
-        "workload": workload, "batch_size": batch_size, "steps": steps, "warmup": warmup, "device": str(dev),
-        "threads": torch.get_num_threads(),
-        "rest_seconds": costs.rest_seconds, "cost_model_seconds": model_seconds,
-        "time_sources": sorted({c.time_source for fmt in formats for c in costs.plan_cost(costs.uniform_plan(fmt)).layers.values()}),
-    }
-    return RankingCheck(formats, predicted, measured, iqr, tie, tau, exact, agree, discordant, info)
 
 
 def _times_key(layers: Sequence[str], device: Any) -> dict:

@@ -30,9 +30,9 @@ import torch
 
 from .. import __version__
 from .._io import atomic_write_text
-from ..bench import _json_safe, device_info
+from ..bench._common import _json_safe, device_info
 from ..device import resolve_device
-from ..errors import AutoprecError
+from ..errors import GpuBenchError
 from ..formats import Format
 from ..plan import Plan
 from .e2e import E2EConfig, fp8_plan, linear_shapes, searched_plan, train_plan
@@ -53,10 +53,6 @@ TORCHAO_SLACK = 1.1
 # end-to-end runs are): variant name -> the format it stands for.
 _CHOICE_VARIANTS = {"bf16_autocast": Format.BF16, "autoprec_fp8_tensor": Format.FP8_E4M3}
 Shape = tuple[int, int, int]
-
-
-class GpuBenchError(AutoprecError, ValueError):
-    """The GPU suite cannot run as asked (no CUDA device without ``smoke``, a bad device name)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,92 +18,29 @@ What ``autoprec review PLAN.json... --logdir DIR [--open]`` runs::
         print(tb.url); tb.wait()
 """
 
-from .plans import (
-    FORMAT_COLOURS,
-    ROW_HEIGHT,
-    BudgetCheck,
-    Figures,
-    LayerDiff,
-    PlanDiff,
-    PrecisionMap,
-    budget_checks,
-    describe_scaling,
-    diff_plans,
-    format_plan_line,
-    plan_figures,
-    plan_hparams,
-    plan_layers_markdown,
-    plan_scalars,
-    plan_summary_markdown,
-    render_precision_map,
-)
-from .search import (
-    CANDIDATES_DIR,
-    SEARCH_RUN,
-    ParetoFigure,
-    TrialPoint,
-    best_so_far,
-    budget_scalars,
-    pareto_front,
-    render_pareto,
-    search_points,
-    search_summary_markdown,
-    write_candidates,
-    write_search,
-)
-from .server import TensorBoardServer, free_port, start_tensorboard
-from .training import FORMAT_INDEX, TRAIN_RUN, PrecisionChange, TrainingWriter
-from .writer import DIFFS_DIR, PLANS_DIR, PlanWriter, ReviewResult, load_plans, run_name, write_plan, write_review
+from .plans import LayerDiff, PlanDiff, PrecisionMap, diff_plans, render_precision_map
+from .search import pareto_front, write_candidates, write_search
+from .server import TensorBoardServer, start_tensorboard
+from .training import TrainingWriter
+from .writer import PlanWriter, ReviewResult, load_plans, write_plan, write_review
 
+# The API: what a user calls to write, read, diff and serve reviews. The rendering helpers,
+# constants and run names are the modules' own (`monitoring.plans`, `.search`, ...), not API.
 __all__ = [
-    # review
     "write_review",
-    "load_plans",
     "ReviewResult",
-    "PlanWriter",
+    "load_plans",
     "write_plan",
-    "run_name",
-    "PLANS_DIR",
-    "DIFFS_DIR",
-    # rendering
-    "FORMAT_COLOURS",
-    "ROW_HEIGHT",
-    "PrecisionMap",
-    "render_precision_map",
-    "plan_layers_markdown",
-    "plan_summary_markdown",
-    "format_plan_line",
-    "describe_scaling",
-    "Figures",
-    "plan_figures",
-    "BudgetCheck",
-    "budget_checks",
-    "plan_scalars",
-    "plan_hparams",
-    # differences
-    "LayerDiff",
-    "PlanDiff",
+    "PlanWriter",
     "diff_plans",
-    # search
+    "PlanDiff",
+    "LayerDiff",
+    "render_precision_map",
+    "PrecisionMap",
     "write_search",
     "write_candidates",
-    "SEARCH_RUN",
-    "CANDIDATES_DIR",
-    "TrialPoint",
-    "search_points",
     "pareto_front",
-    "best_so_far",
-    "render_pareto",
-    "ParetoFigure",
-    "search_summary_markdown",
-    "budget_scalars",
-    # training
     "TrainingWriter",
-    "PrecisionChange",
-    "TRAIN_RUN",
-    "FORMAT_INDEX",
-    # TensorBoard
     "TensorBoardServer",
     "start_tensorboard",
-    "free_port",
 ]

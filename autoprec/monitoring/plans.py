@@ -28,7 +28,6 @@ from ..plan import CalibrationMethod, LayerPrecision, Plan, ScalingMode
 
 __all__ = [
     "FORMAT_COLOURS",
-    "ROW_HEIGHT",
     "Figures",
     "BudgetCheck",
     "PrecisionMap",

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 from ..errors import MonitoringError
 
-__all__ = ["TensorBoardServer", "start_tensorboard", "free_port"]
+__all__ = ["TensorBoardServer", "start_tensorboard"]
 
 logger = logging.getLogger(__name__)
 

@@ -1,54 +1,40 @@
-"""Profiling real training steps of the built-in workload (`autoprec profile`, the search job):
-`train_window` drives a `workloads.Trainer` with a profiler attached, `profile_workload` returns
-the `Profile`."""
+"""Profiling real training steps of a workload (`autoprec profile`, the search job): `train_window`
+runs a `workload.TrainStep` with a profiler attached, `profile_workload` returns the `Profile`."""
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
+from ..calls import ModelCall
 from ..device import resolve_device
 from ..errors import ProfileError
 from ..formats import Format
+from ..workload import TrainStep, check_workload, to_device
 from .artifact import Profile
 from .profiler import LayerProfiler
 from .stats import _enc
 
 
-def workload_trainer(workload, seed: int, lr: float, device: torch.device):
-    """The workload's model on ``device`` with its `Trainer` (the same step `workloads.train` runs)."""
-    from ..workloads import Trainer
-
-    return Trainer(workload.build_model(seed).to(device), workload, lr=lr, seed=seed)
-
-
-def builtin_workload(name: str, batch_size: int):
-    from ..workloads import LMConfig, default_workload
-
-    if name not in LMConfig.preset_names():
-        raise ProfileError(f"unknown workload {name!r}; choose one of {', '.join(LMConfig.preset_names())}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ProfileError(f"batch size must be a positive integer, got {batch_size!r}")
-    return default_workload(name, batch_size=batch_size)
-
-
 def train_window(
-    trainer,
+    step: TrainStep,
+    batches: Iterator[Any],
     steps: int,
     profiler: "LayerProfiler | None" = None,
     progress: Optional[Callable[[int, int, str], None]] = None,
     phase: str = "profiling",
 ) -> tuple[float, float]:
-    """Run ``steps`` steps of a `workloads.Trainer` with ``profiler`` attached for them (None:
-    plain training); returns the first and last training loss (one host sync, at the end).
-    ``progress(done, steps, phase)`` is called after every step."""
+    """Run ``steps`` training steps on ``next(batches)`` (moved to the model's device) with
+    ``profiler`` attached for them (None: plain training); returns the first and last training
+    loss (one host sync, at the end). ``progress(done, steps, phase)`` is called after every step."""
+    device = next(step.model.parameters()).device
     losses = []
     with profiler if profiler is not None else contextlib.nullcontext():
         for i in range(steps):
-            losses.append(trainer.step(profiler.step if profiler is not None else None))
+            losses.append(step(to_device(next(batches), device), profiler.step if profiler is not None else None))
             if progress is not None:
                 progress(i + 1, steps, phase)
     first, last = (float(v) for v in torch.stack([losses[0], losses[-1]]).cpu())
@@ -66,36 +52,38 @@ def with_grad_formats(formats: Iterable["Format | str"]) -> tuple[Format, ...]:
 
 
 def profile_workload(
-    workload: str = "small",
+    workload: Any,
     steps: int = 100,
     *,
-    batch_size: int = 16,
     seed: int = 0,
-    lr: float = 3e-3,
     device: "str | torch.device" = "auto",
     formats: Iterable["Format | str"] = tuple(Format),
     sample: int = 8192,
     every: int = 8,
     progress: Optional[Callable[[int, int, str], None]] = None,
+    metadata: Optional[dict] = None,
 ) -> Profile:
-    """Profile ``steps`` real training steps of the built-in LM (`default_workload(workload)`).
+    """Profile ``steps`` real training steps of ``workload`` (an `autoprec.workload.Workload`),
+    trained with its own optimizer, schedule and clipping; the profiler's window is ``steps``.
 
-    The model trains as `autoprec.workloads.train` trains it; the profiler's window is ``steps``.
     ``progress(done, total, phase)`` is called after every step (no sync). Returns the `Profile`,
-    with the workload, seed, first / last loss and wall time in its metadata.
+    with ``metadata``, the seed, learning rate, first / last loss and wall time in its metadata.
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ProfileError(f"steps must be a positive integer, got {steps!r}")
-    wl = builtin_workload(workload, batch_size)
+    check_workload(workload, type(workload).__name__)
     dev = resolve_device(device, ProfileError, "profiling")
-    trainer = workload_trainer(wl, seed, lr, dev)
-    example = wl.val_batches(1)[0][0].to(dev)
-    profiler = LayerProfiler(trainer.model, example, formats=formats, window=steps, sample=sample, every=every)
+    model = workload.build_model(seed).to(dev)
+    step = TrainStep.for_workload(workload, model)
+    example = ModelCall.first(model, lambda: workload.loss(model, to_device(workload.val_batches(1)[0], dev)))
+    if example is None:
+        raise ProfileError(f"{type(workload).__name__}.loss(model, batch) never called the model; it must run model(...) on the batch")
+    profiler = LayerProfiler(model, example, formats=formats, window=steps, sample=sample, every=every)
     start = time.perf_counter()
-    first, last = train_window(trainer, steps, profiler, progress, "profiling")
+    first, last = train_window(step, iter(workload.train_batches(seed)), steps, profiler, progress, "profiling")
     seconds = time.perf_counter() - start
     meta = {
-        "workload": workload, "batch_size": batch_size, "seed": seed, "lr": lr, "device": str(dev),
+        **(metadata or {}), "seed": seed, "lr": step.lr, "device": str(dev),
         "loss_first": _enc(first), "loss_last": _enc(last), "seconds": round(seconds, 3), "torch": torch.__version__,
     }
     return profiler.profile(meta)

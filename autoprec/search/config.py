@@ -21,12 +21,12 @@ Layout::
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from .. import workload
 from ..errors import FormatError, SearchError
 from ..formats import Format
 from .space import DEFAULT_CANDIDATES, Budgets, LayerRules, formats_for_precision
@@ -264,15 +264,7 @@ def load_job(path: "str | Path") -> JobConfig:
 
 def resolve_factory(config: JobConfig) -> Callable:
     """Import ``[workload].factory`` ("module:function"); `SearchError` naming the key otherwise."""
-    where = f"{config.source}: [workload].factory"
-    module_name, _, attr = config.factory.partition(":")
-    if not module_name or not attr:
-        raise SearchError(f'{where}: expected "module:function", got {config.factory!r}')
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise SearchError(f"{where}: cannot import module {module_name!r} ({exc})") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise SearchError(f"{where}: module {module_name!r} has no callable {attr!r}")
-    return factory
+        return workload.resolve_factory(config.factory)
+    except workload.WorkloadError as exc:
+        raise SearchError(f"{config.source}: [workload].factory: {exc}") from None

@@ -27,11 +27,11 @@ One run, in order (each step's figures end up in the plan's ``predicted`` / ``me
    ``[search].storage`` says otherwise) and TensorBoard logs in ``logs/``: the measured plans
    and their Pareto front (time, memory, loss increase), each candidate, the chosen plan.
 
-Workload factories (``[workload].factory``) return an object with ``build_model(seed)``,
-``train_batches(seed)`` (``.next()`` gives a batch), ``val_batches(n)``, ``loss(model, batch)``
-and optionally ``lr`` and ``name``; batches are whatever ``loss`` takes (tuples, dicts of
-keyword inputs): the model's inputs are captured from the loss's own call of the model. `autoprec.workloads.default_workload` and
-`autoprec.finetune.minilm_finetune_workload` are two.
+Workload factories (``[workload].factory``) return an `autoprec.workload.Workload`; profiled and
+measured steps both train with its own optimizer, schedule and clipping (`TrainStep.for_workload`).
+Batches are whatever its ``loss`` takes (tuples, dicts of keyword inputs): the model's inputs are
+captured from the loss's own call of the model. `autoprec.workloads.default_workload` and
+`autoprec.workloads.finetune.minilm_finetune_workload` are two.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ from ..errors import SearchError
 from ..formats import Format
 from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan
-from .config import JobConfig, resolve_factory
+from ..workload import TrainStep, WorkloadError, load_workload, to_device
+from .config import JobConfig
 from .exact import Solution
 from .measured import BudgetPruner, Candidate, MeasuredStage, Measurement, fastest_meeting
 from .pipeline import Proposal, propose_plans
@@ -146,21 +147,12 @@ class JobResult:
         return lines
 
 
-def _to(batch, device):
-    return tuple(t.to(device) for t in batch)
-
-
 def _workload(config: JobConfig):
-    factory = resolve_factory(config)
     try:
-        workload = factory(**config.factory_kwargs)
-    except (TypeError, ValueError, KeyError) as exc:  # what a factory raises for arguments it cannot use
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise SearchError(f"{config.source}: [workload].kwargs: {config.factory} rejected {dict(config.factory_kwargs)}: {reason}; fix the kwargs table") from None
-    missing = [m for m in ("build_model", "train_batches", "val_batches", "loss") if not callable(getattr(workload, m, None))]
-    if missing:
-        raise SearchError(f"{config.source}: [workload].factory: {config.factory} returned a {type(workload).__name__} without {', '.join(missing)}; see autoprec.search.job for what a workload provides")
-    return workload
+        return load_workload(config.factory, config.factory_kwargs)
+    except WorkloadError as exc:
+        key = "[workload].kwargs" if "rejected" in str(exc) else "[workload].factory"
+        raise SearchError(f"{config.source}: {key}: {exc}") from None
 
 
 @contextlib.contextmanager
@@ -182,21 +174,20 @@ def _make_out(config: JobConfig) -> None:
         raise SearchError(f"{config.source}: [job].out: {config.out} is not writable; set it to a writable folder")
 
 
-def _train_and_profile(config, workload, model, example_inputs, lr, device, progress):
+def _train_and_profile(config, workload, step, example_inputs, progress):
     """Train ``[profile].steps`` steps (the profiler attached unless a profile is loaded)."""
     from ..profiling import LayerProfiler, Profile, train_window, with_grad_formats
-    from ..workloads import Trainer
 
-    trainer = Trainer(model, workload, lr=lr, seed=config.seed)
+    model = step.model
     profiler = None
     if config.profile_path is None:
         profiler = LayerProfiler(model, example_inputs, formats=with_grad_formats(config.formats), window=config.profile_steps)
     phase = "training + profiling" if profiler is not None else "training"
-    first, last = train_window(trainer, config.profile_steps, profiler, progress, phase)
+    first, last = train_window(step, iter(workload.train_batches(config.seed)), config.profile_steps, profiler, progress, phase)
     if profiler is None:
         profile = Profile.load(config.profile_path, model, example_inputs)
     else:
-        profile = profiler.profile({"job": config.name, "lr": lr, "seed": config.seed, "loss_first": first, "loss_last": last})
+        profile = profiler.profile({"job": config.name, "lr": step.lr, "seed": config.seed, "loss_first": first, "loss_last": last})
         profile.save(config.out / "profile.json")
     return profile, (first, last)
 
@@ -264,20 +255,22 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
     with _naming(config, "[search].storage", "; fix the path or URL"):
         storage = open_storage(config.storage_url)  # an unreachable storage fails before any work
     workload = _workload(config)
-    lr = float(getattr(workload, "lr", 1e-3))
     model = workload.build_model(config.seed).to(device)
-    val = [_to(b, device) for b in workload.val_batches(config.val_batches)]
+    step = TrainStep.for_workload(workload, model)
+    lr = step.lr
+    val = [to_device(b, device) for b in workload.val_batches(config.val_batches)]
     # The model's inputs as the workload's loss calls it: tuples or dicts of keyword inputs.
     example_inputs = ModelCall.first(model, lambda: workload.loss(model, val[0]))
     if example_inputs is None:
         raise SearchError(f"{config.source}: [workload].factory: {config.factory}'s loss(model, batch) never called the model; it must run model(...) on the batch")
 
-    profile, (loss_first, loss_last) = _train_and_profile(config, workload, model, example_inputs, lr, device, progress)
-    sampler = workload.train_batches(config.seed + 1)
-    train = [_to(sampler.next(), device) for _ in range(max(config.sensitivity_batches, 4))]
+    profile, (loss_first, loss_last) = _train_and_profile(config, workload, step, example_inputs, progress)
+    batches = iter(workload.train_batches(config.seed + 1))
+    train = [to_device(next(batches), device) for _ in range(max(config.sensitivity_batches, 4))]
 
     fingerprint = find_layers(model, example_inputs)  # the plan refuses another model of the same layer names
-    stage = MeasuredStage(model, workload.loss, train, val, list(fingerprint), lr=lr, steps=config.measure_steps)
+    # The measured steps train as the profiled ones did: the workload's optimizer and clipping.
+    stage = MeasuredStage(model, workload.loss, train, val, list(fingerprint), train_step=lambda m: TrainStep.for_workload(workload, m), steps=config.measure_steps)
     meta = {
         "job": config.name, "source": str(config.source), "device": str(device), "torch": torch.__version__,
         "study": _measured_name(config), "storage": config.storage_url, "lr": lr,

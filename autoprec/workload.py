@@ -1,0 +1,178 @@
+"""What autoprec trains when it searches, profiles or benchmarks: the `Workload` protocol, and the
+one training step (`TrainStep`) every entry point runs it with.
+
+A workload is any object with four methods::
+
+    build_model(seed) -> nn.Module           # same seed, same weights
+    train_batches(seed) -> iterator          # next(it) gives a training batch
+    val_batches(n) -> sequence of n batches  # fixed held-out batches
+    loss(model, batch) -> scalar tensor      # calls model(...) on the batch, any signature
+
+and, optionally, how it is trained (read with ``getattr``; the defaults in brackets):
+
+    lr: float                                  # [1e-3] the default optimizer's learning rate
+    make_optimizer(model) -> Optimizer | (Optimizer, LRScheduler)   # [AdamW(lr)]
+    max_grad_norm: float | None                # [None] clip the total gradient norm to this
+
+The search job's ``[workload].factory``, ``autoprec profile --workload module:factory`` and
+``autoprec bench --workload module:factory`` all name a function returning one. The profiled
+steps, the measured stage's timed steps and ``autoprec bench`` all train with the workload's own
+optimizer, schedule and clipping (`TrainStep.for_workload`), so the plan is chosen on the steps the
+user will run. The built-in workloads (`autoprec.workloads`) are examples of the protocol; the core
+never imports them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+from torch import nn
+
+from .calls import loss_of
+from .errors import WorkloadError
+
+__all__ = ["Workload", "WorkloadError", "TrainStep", "load_workload", "resolve_factory", "learning_rate", "to_device"]
+
+_DEFAULT_LR = 1e-3
+_REQUIRED = ("build_model", "train_batches", "val_batches", "loss")
+
+
+@runtime_checkable
+class Workload(Protocol):
+    """A model, its data and its loss (see the module docstring for the optional members)."""
+
+    def build_model(self, seed: int) -> nn.Module: ...
+
+    def train_batches(self, seed: int) -> Iterator[Any]: ...
+
+    def val_batches(self, n: int) -> Sequence[Any]: ...
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor: ...
+
+
+def check_workload(obj: Any, where: str) -> Any:
+    """``obj`` if it has the four methods; `WorkloadError` naming ``where`` and what is missing."""
+    missing = [m for m in _REQUIRED if not callable(getattr(obj, m, None))]
+    if missing:
+        raise WorkloadError(f"{where} returned a {type(obj).__name__} without {', '.join(missing)}; a workload provides {', '.join(_REQUIRED)} (see autoprec.workload)")
+    grad_norm = getattr(obj, "max_grad_norm", None)
+    if grad_norm is not None and (isinstance(grad_norm, bool) or not isinstance(grad_norm, (int, float)) or not grad_norm > 0):
+        raise WorkloadError(f"{where}: max_grad_norm must be a positive number or None, got {grad_norm!r}")
+    return obj
+
+
+def resolve_factory(spec: str) -> Callable[..., Any]:
+    """Import ``"module:function"``; `WorkloadError` (one line, with the fix) when it cannot."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise WorkloadError(f'expected "module:function", got {spec!r}')
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise WorkloadError(f"cannot import module {module_name!r} ({exc}); install it or fix the module name") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise WorkloadError(f"module {module_name!r} has no callable {attr!r}; fix the name after the colon")
+    return factory
+
+
+def load_workload(spec: str, kwargs: Optional[Mapping[str, Any]] = None) -> Any:
+    """Import ``"module:function"``, call it with ``kwargs`` and check that the result is a workload.
+
+    Raises `WorkloadError` (one line: what failed and the fix) for a malformed spec, a missing
+    module or function, arguments the function rejects, or a result that is not a workload.
+    """
+    factory = resolve_factory(spec)
+    kwargs = dict(kwargs or {})
+    try:
+        workload = factory(**kwargs)
+    except (TypeError, ValueError, KeyError) as exc:  # what a factory raises for arguments it cannot use
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise WorkloadError(f"{spec} rejected {kwargs}: {reason}; fix the keyword arguments") from None
+    return check_workload(workload, spec)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor in it (tuples, lists and dicts, nested) moved to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return type(batch)((k, to_device(v, device)) for k, v in batch.items())
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def _optimizer_and_schedule(workload: Any, model: nn.Module):
+    make = getattr(workload, "make_optimizer", None)
+    if make is None:
+        return torch.optim.AdamW(model.parameters(), lr=float(getattr(workload, "lr", _DEFAULT_LR))), None
+    made = make(model)
+    optimizer, schedule = made if isinstance(made, tuple) else (made, None)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise WorkloadError(f"{type(workload).__name__}.make_optimizer returned {type(optimizer).__name__}; return a torch.optim.Optimizer or (optimizer, lr_scheduler)")
+    return optimizer, schedule
+
+
+def learning_rate(optimizer: torch.optim.Optimizer) -> float:
+    """The optimizer's base learning rate (its first group's, before any schedule scaled it):
+    the step size the sensitivity estimate assumes."""
+    group = optimizer.param_groups[0]
+    return float(group.get("initial_lr", group["lr"]))
+
+
+class TrainStep:
+    """One training step as the workload trains: zero_grad, forward + loss inside ``context()``,
+    backward, ``after_backward()`` (a profiler's ``step``), clipping, optimizer and schedule step.
+
+    ``context``, if given, is called every step and the context manager it returns wraps forward
+    + loss only (e.g. ``lambda: torch.autocast("cpu", torch.bfloat16)``). Costs the model's step
+    and no host sync: the returned loss is detached, not read.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[[nn.Module, Any], Any],
+        optimizer: torch.optim.Optimizer,
+        schedule: Any = None,
+        max_grad_norm: Optional[float] = None,
+        context: Optional[Callable[[], AbstractContextManager[Any]]] = None,
+    ):
+        self.model = model
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.schedule = schedule
+        self.max_grad_norm = max_grad_norm
+        self.make_context = context if context is not None else nullcontext
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.steps_done = 0
+        model.train()
+
+    @classmethod
+    def for_workload(cls, workload: Any, model: nn.Module, context: Optional[Callable[[], AbstractContextManager[Any]]] = None) -> "TrainStep":
+        """The workload's own optimizer, schedule and clipping (module docstring) for ``model``."""
+        optimizer, schedule = _optimizer_and_schedule(workload, model)
+        return cls(model, workload.loss, optimizer, schedule, getattr(workload, "max_grad_norm", None), context)
+
+    @property
+    def lr(self) -> float:
+        return learning_rate(self.optimizer)
+
+    def __call__(self, batch: Any, after_backward: Optional[Callable[[], Any]] = None) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.make_context():
+            loss = loss_of(self.loss_fn(self.model, batch))
+        loss.backward()
+        if after_backward is not None:
+            after_backward()
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        self.optimizer.step()
+        if self.schedule is not None:
+            self.schedule.step()
+        self.steps_done += 1
+        return loss.detach()
