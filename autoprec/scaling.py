@@ -39,6 +39,11 @@ Host syncs per iteration (each a ``.item()``, i.e. ``aten._local_scalar_dense``)
   bringing those flags, the `OutputWatch` flags and the new scale to the host in one transfer.
 - an attached `OutputWatch` costs one reduction per watched layer call on every iteration (its
   flags are only read on an overflowing one).
+
+Why one module of ~800 lines: `LossScaler` is one ``GradScaler`` subclass whose overrides
+(``scale``, ``unscale_``, ``step``, ``update``, state) share one per-iteration sync budget, and
+`OutputWatch` shares its non-finite flags and the single host transfer of ``update``; split,
+that budget would be spread over modules that each look sync-free.
 """
 
 from __future__ import annotations

@@ -111,6 +111,8 @@ class DynamicPrecisionScheduler:
     def __init__(self, model: Optional[nn.Module] = None, *, config: "SchedulerConfig | None" = None, plan: "Plan | None" = None, **settings: Any):
         if config is not None and settings:
             raise SearchError(f"DynamicPrecisionScheduler(config=..., {', '.join(sorted(settings))}=...): give the settings in the config or as keywords, not both (dataclasses.replace(config, ...) derives one)")
+        if "search_trials" in settings:  # the scheduler's search has no trials since it is exact
+            raise SearchError("DynamicPrecisionScheduler(search_trials=...): removed: the search is the exact optimum of the integer program, bounded by search_timeout_s; delete the argument")
         unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(SchedulerConfig)})
         if unknown:
             raise SearchError(f"DynamicPrecisionScheduler({unknown[0]}=...): unknown setting; expected one of SchedulerConfig's fields: {', '.join(f.name for f in dataclasses.fields(SchedulerConfig))}")

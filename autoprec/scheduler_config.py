@@ -59,9 +59,8 @@ class SchedulerConfig:
     bytes (<= 1) or bytes; ``accuracy_budget``: the allowed loss increase, relative to the first
     window's mean training loss (or absolute with ``accuracy_relative=False``); None leaves a
     budget open. ``formats``, ``rules``: the search's candidates and layer rules;
-    ``search_timeout_s`` bounds the integer program that finds the plan (``search_trials`` is
-    unused since the search has no proxy study; kept so existing calls work); ``lr``: the learning rate the
-    sensitivity's gradient term assumes. ``loss_scaling``, ``max_grad_norm`` (clip the unscaled
+    ``search_timeout_s`` bounds the integer program that finds the plan; ``lr``: the learning
+    rate the sensitivity's gradient term assumes. ``loss_scaling``, ``max_grad_norm`` (clip the unscaled
     gradients; None: no clipping), ``thresholds`` (when layers are promoted and demoted),
     ``monitor_steps`` (profiled steps at the end of each window), ``log_dir`` (TensorBoard).
     ``measure_costs=False`` uses the roofline time model instead of timing layers on the device
@@ -76,7 +75,6 @@ class SchedulerConfig:
     accuracy_relative: bool = True
     formats: tuple[Format, ...] = DEFAULT_CANDIDATES
     rules: LayerRules = LayerRules()
-    search_trials: int = 100
     search_timeout_s: float = 60.0
     lr: float = 1e-3
     loss_scaling: LossScaling = LossScaling()
@@ -89,7 +87,7 @@ class SchedulerConfig:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("monitor_window", "monitor_steps", "search_trials"):
+        for name in ("monitor_window", "monitor_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise SearchError(f"DynamicPrecisionScheduler({name}={value!r}): expected a positive integer")

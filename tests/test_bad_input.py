@@ -262,7 +262,7 @@ def steps(model, sch, opt, n, poison=lambda i: False):
 
 
 def small_scheduler(**kwargs):
-    settings = dict(monitor_window=6, monitor_steps=3, memory_budget=0.9, accuracy_budget=0.05, measure_costs=False, search_trials=10)
+    settings = dict(monitor_window=6, monitor_steps=3, memory_budget=0.9, accuracy_budget=0.05, measure_costs=False)
     settings.update(kwargs)
     return DynamicPrecisionScheduler(**settings)
 
@@ -438,6 +438,11 @@ def test_an_unknown_scheduler_setting_is_named_with_the_known_ones():
         DynamicPrecisionScheduler(monitor_windows=10)
 
 
+def test_the_removed_search_trials_setting_says_why_and_the_fix():
+    with pytest.raises(SearchError, match=r"search_trials=\.\.\.\): removed: the search is the exact optimum .* bounded by search_timeout_s; delete the argument"):
+        DynamicPrecisionScheduler(search_trials=10)
+
+
 def test_settings_given_both_as_config_and_keywords_are_refused():
     from autoprec.scheduler_config import SchedulerConfig
 
@@ -450,7 +455,7 @@ def test_a_config_runs_as_its_keywords_do():
 
     from autoprec.scheduler_config import SchedulerConfig
 
-    config = SchedulerConfig(monitor_window=6, monitor_steps=3, memory_budget=0.9, accuracy_budget=0.05, measure_costs=False, search_trials=10)
+    config = SchedulerConfig(monitor_window=6, monitor_steps=3, memory_budget=0.9, accuracy_budget=0.05, measure_costs=False)
     losses = {}
     for how in ("config", "keywords"):
         torch.manual_seed(0)

@@ -17,7 +17,7 @@ WINDOW = 10
 
 
 def scheduler(**kwargs):
-    settings = dict(monitor_window=WINDOW, monitor_steps=5, memory_budget=0.8, accuracy_budget=0.05, measure_costs=False, search_trials=20, max_grad_norm=1.0)
+    settings = dict(monitor_window=WINDOW, monitor_steps=5, memory_budget=0.8, accuracy_budget=0.05, measure_costs=False, max_grad_norm=1.0)
     settings.update(kwargs)
     return DynamicPrecisionScheduler(**settings)
 

@@ -125,7 +125,7 @@ def test_token_fisher_sums_each_token_before_squaring():
     ids=["lm-tokens", "pairs-sequences", "rows", "scalar-loss"],
 )
 def test_auto_fisher_blocks_follow_the_number_of_loss_terms(shape, n, expected):
-    from autoprec.sensitivity import _fisher_blocks
+    from autoprec.sensitivity.fisher import _fisher_blocks
 
     products = torch.randn(shape)
     blocks = _fisher_blocks(products, n, "auto")
@@ -134,7 +134,7 @@ def test_auto_fisher_blocks_follow_the_number_of_loss_terms(shape, n, expected):
 
 
 def test_sample_blocks_sum_whole_sequences_before_squaring():
-    from autoprec.sensitivity import _fisher_blocks
+    from autoprec.sensitivity.fisher import _fisher_blocks
 
     products = torch.randn(3, 4, 5)
     torch.testing.assert_close(_fisher_blocks(products, 3, "sample"), products.sum(dim=(1, 2)))

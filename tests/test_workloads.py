@@ -1,4 +1,4 @@
-"""Tests for the built-in byte-level LM workload (autoprec/workloads.py)."""
+"""Tests for the built-in byte-level LM workload (autoprec/workloads/bytelm.py)."""
 
 import dataclasses
 import math

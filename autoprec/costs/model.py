@@ -19,8 +19,8 @@ region and once with a low-precision one (activations between layers are then 2 
 plus, for each layer kept FP32 inside a low-precision region, the measured extra that costs (its
 FP32 output widens what the ops after it save; its half inputs are upcast copies).
 
-`check_uniform_ranking` checks the model against reality: predicted and measured step times of
-the uniform plans on the built-in workload, ranked.
+`autoprec.bench.check_uniform_ranking` checks the model against reality: predicted and measured
+step times of the uniform plans on a workload, ranked.
 """
 
 from __future__ import annotations

@@ -440,7 +440,7 @@ class _ReplayStep:
 
 def _time_replays(steps: Sequence[Callable[[], float]], warmup: int, repeats: int) -> list[list[float]]:
     """Run every step ``warmup + repeats`` rounds, interleaved (one of each per round, the
-    starting one rotated each round, as bench.py does); the seconds of the timed rounds."""
+    starting one rotated each round, as autoprec.bench does); the seconds of the timed rounds."""
     times: list[list[float]] = [[] for _ in steps]
     order = list(range(len(steps)))
     gc.collect()

@@ -1,0 +1,265 @@
+"""`FisherEstimator` (the default estimator: forward term from the empirical Fisher at the layer's
+caller, gradient term from the exact gradient error) and `estimate_sensitivity` (see the package
+docstring for the method)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from ..coverage import ModuleFilter
+from ..errors import SensitivityError
+from ..formats import Format
+from ..plan import LayerPrecision
+from ..runtime import apply_plan
+from .problem import (
+    LossFn, Sensitivity, SensitivityEstimator, SensitivityProblem, _calibrate, _Call, _callers, _eval_mode, _float_leaves,
+    _Recorder, _resolve, _runtime_errors,
+)
+
+__all__ = ["FisherEstimator", "estimate_sensitivity"]
+
+logger = logging.getLogger(__name__)
+
+
+
+# -- the default estimator ------------------------------------------------------------------------
+
+_FISHER_BLOCKS = ("auto", "token", "sample", "diagonal")
+
+
+def _fisher_blocks(products: torch.Tensor, n: int, mode: str) -> torch.Tensor:
+    """Sum ``dL/dy · δ`` within each Fisher block of an output (one value per block).
+
+    A block is the part of the output one loss term sees: "token" = a row of the last dimension
+    (a language model's loss has one term per token), "sample" = everything of one index of the
+    first dimension (a sentence-embedding loss has one term per sentence pair), "diagonal" = one
+    element (no cross terms). "auto" takes the leading dimensions whose count is nearest, by
+    ratio, to the N terms of the loss (ties: the finer), so it picks "token" for the LM
+    (16 x 64 positions, N = 1024) and "sample" for MiniLM (32 sequences, N = 16 pairs).
+    """
+    if mode == "diagonal" or products.dim() < 2 or products.numel() == 0:
+        return products
+    shape = products.shape
+    if mode == "token":
+        k = products.dim() - 1
+    elif mode == "sample":
+        k = 1
+    else:
+        sizes = [math.prod(shape[:k]) for k in range(1, products.dim())]
+        k = 1 + min(range(len(sizes)), key=lambda i: (abs(math.log(sizes[i] / n)), -i))
+    return products.reshape(math.prod(shape[:k]), -1).sum(-1)
+
+
+
+@dataclasses.dataclass(frozen=True)
+class FisherEstimator(SensitivityEstimator):
+    """Fisher-weighted output error (forward) plus steady-state gradient-noise loss (grad).
+
+    See the module docstring for both formulas and their sources. ``fisher``: "token" (default)
+    or "diagonal"; ``site``: "parent" (default: the layer's caller's output) or "layer".
+    ``grad_term=False`` skips the gradient part (it costs 2-5x the forward part);
+    ``upstream=False`` keeps only the site's own parameters in it (skips one partial backward
+    per layer, format and batch). ``optimizer`` is "adam" (v from the batches) or "sgd"; ``lr``
+    the learning rate the term assumes (torch's Adam default); ``eps`` Adam's. ``loss_scale``
+    multiplies dL/dy in the gradient pass as a loss scaler does (4096: DESIGN.md's initial
+    dynamic scale); without it FP16 gradients of 1e-8 flush to zero, which no FP16 run allows.
+    """
+
+    grad_term: bool = True
+    upstream: bool = True
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    eps: float = 1e-8
+    loss_scale: float = 4096.0
+    site: str = "parent"
+    fisher: str = "auto"
+
+    name = "fisher"
+
+    def __post_init__(self):
+        if self.optimizer not in ("adam", "sgd"):
+            raise SensitivityError(f"FisherEstimator(optimizer={self.optimizer!r}): use 'adam' or 'sgd'")
+        if not self.lr > 0:
+            raise SensitivityError(f"FisherEstimator(lr={self.lr!r}): the learning rate must be positive")
+        if not self.loss_scale > 0:
+            raise SensitivityError(f"FisherEstimator(loss_scale={self.loss_scale!r}): must be positive (1.0 for none)")
+        if self.fisher not in _FISHER_BLOCKS:
+            raise SensitivityError(f"FisherEstimator(fisher={self.fisher!r}): use one of {', '.join(_FISHER_BLOCKS)}")
+        if self.site not in ("layer", "parent"):
+            raise SensitivityError(f"FisherEstimator(site={self.site!r}): use 'parent' or 'layer'")
+
+    def sites(self, problem: SensitivityProblem) -> dict[str, str]:
+        """``layer fqn -> fqn of the module whose output error is scored``.
+
+        ``site="parent"``: the module that calls the layer (found by one traced forward), unless
+        that is the model itself. A lowered layer emits the region's half dtype, and its caller's
+        own ops after it (GELU, the attention products of a module whose projections are lowered)
+        then run on those half tensors too -- in the measured run as here -- until the caller's
+        output. ``site="layer"``: the layer's own output (cheaper, blind to that).
+        """
+        if self.site == "layer":
+            return {fqn: fqn for fqn in problem.layers}
+        callers = _callers(problem.model, problem.loss_fn, problem.batches[0], problem.layers)
+        return {fqn: callers.get(fqn) or fqn for fqn in problem.layers}
+
+    def estimate(self, problem: SensitivityProblem) -> Sensitivity:
+        start = time.perf_counter()
+        model = problem.model
+        lowered = {f: lp for f, lp in problem.candidates.items() if f is not Format.FP32}
+        params = [p for p in model.parameters() if p.requires_grad]
+        grad_term = self.grad_term and bool(params)
+        keys = [(fqn, fmt) for fqn in problem.layers for fmt in problem.candidates]
+        forward = dict.fromkeys(keys, 0.0)
+        grad = dict.fromkeys(keys, 0.0)
+        # Separate runtimes for the no-grad forward (current FP8 scaling, as in the measured run)
+        # and the gradient pass (which records delayed-scaling histories, as training does).
+        fwd_rt = {(fqn, f): apply_plan(model, problem.plan_for(fqn, f), validate=False) for fqn in problem.layers for f in lowered}
+        grad_rt = {key: apply_plan(model, problem.plan_for(*key), validate=False) for key in fwd_rt} if grad_term else {}
+        with _eval_mode(model):
+            sites = self.sites(problem)
+            _calibrate(problem, fwd_rt, problem.batches)
+            for key, rt in grad_rt.items():
+                rt.load_state_dict(fwd_rt[key].state_dict())
+            weight = self._second_moment(problem, params) if grad_term and self.optimizer == "adam" else None
+            for batch in problem.batches:
+                recorder = _Recorder(model, list(dict.fromkeys(sites.values())))
+                with recorder:
+                    loss, n = problem.loss(batch)
+                recorder.take_grads(loss, keep_graph=grad_term and self.upstream)
+                del loss
+                references = {}
+                for fqn in problem.layers:
+                    site = sites[fqn]
+                    module = recorder.modules[site]
+                    for i, call in enumerate(recorder.calls[site]):
+                        if all(g is None for g in call.grads):
+                            continue  # the loss does not depend on this call: zero sensitivity
+                        if grad_term and (site, i) not in references:
+                            references[(site, i)] = self._local_grads(module, call, None)
+                        for fmt in lowered:
+                            with _runtime_errors(fqn, fmt):
+                                forward[(fqn, fmt)] += n / 2 * self._output_error(module, call, fwd_rt[(fqn, fmt)], n)
+                                if grad_term:
+                                    grad[(fqn, fmt)] += self._grad_error(module, call, grad_rt[(fqn, fmt)], references[(site, i)], params, weight)
+                del recorder, references
+        b = len(problem.batches)
+        forward = {k: v / b for k, v in forward.items()}
+        grad = {k: self.lr / 4 * v / b for k, v in grad.items()}
+        meta = {"estimator": repr(self), "seconds": round(time.perf_counter() - start, 3)}
+        return Sensitivity({"forward": forward, "grad": grad}, total_of=("forward", "grad"), method=self.name, batches=b, metadata=meta)
+
+    def _second_moment(self, problem, params) -> list[torch.Tensor]:
+        """Adam's preconditioner ``1 / (√v + ε)``, v = mean_b g_b² of the FP32 parameter
+        gradients over the batches (one forward + backward each)."""
+        v = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        for batch in problem.batches:
+            loss, _ = problem.loss(batch)
+            for acc, g in zip(v, torch.autograd.grad(loss, params, allow_unused=True)):
+                if g is not None:
+                    acc.add_(g.detach().float().square())
+        b = len(problem.batches)
+        return [1.0 / ((acc / b).sqrt() + self.eps) for acc in v]
+
+    def _output_error(self, module, call: _Call, runtime, n: int) -> float:
+        """``Σ_blocks (dL/dy_B · (y_q − y)_B)²`` for one call (see `_fisher_blocks`), y_q from the
+        module re-run under the runtime."""
+        with torch.no_grad(), runtime:
+            out = module(*call.args, **call.kwargs)
+        total = 0.0
+        for y, y_q, g in zip(call.outputs, _float_leaves(out), call.grads):
+            if g is not None:
+                products = _fisher_blocks(g * (y_q.float() - y), n, self.fisher)
+                total += float(products.square().sum(dtype=torch.float64))
+        return total
+
+    def _local_grads(self, module, call: _Call, runtime) -> tuple[list, list]:
+        """Gradients of the module's inputs and (recursive) parameters against the recorded dL/dy,
+        the module re-run alone under ``runtime`` (None: plain FP32); backward after the context
+        exits, as in training."""
+        leaves, spec = pytree.tree_flatten((call.args, call.kwargs))
+        floats = [i for i, t in enumerate(leaves) if torch.is_tensor(t) and t.is_floating_point()]
+        inputs = []
+        for i, needed in zip(floats, call.grad_mask):
+            if needed:
+                leaves[i] = leaves[i].detach().requires_grad_(True)
+                inputs.append(leaves[i])
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        own = [p for p in module.parameters() if p.requires_grad]
+        with torch.enable_grad(), (runtime if runtime is not None else contextlib.nullcontext()):
+            out = module(*args, **kwargs)
+        pairs = [(y, g) for y, g in zip(_float_leaves(out), call.grads) if g is not None and y.requires_grad]
+        if not pairs or not (inputs or own):
+            return [None] * len(inputs), [None] * len(own)
+        scale = self.loss_scale
+        grads = torch.autograd.grad([y for y, _ in pairs], inputs + own, [(g * scale).to(y.dtype) for y, g in pairs], allow_unused=True)
+        grads = [None if g is None else g.float() / scale for g in grads]
+        return grads[: len(inputs)], grads[len(inputs) :]
+
+    def _grad_error(self, module, call: _Call, runtime, reference, params, weight) -> float:
+        """Σ_i P_i e_i² over all parameters for one call: own parameters from the local backward,
+        upstream ones through one vector-Jacobian product of the FP32 graph."""
+        dx_q, dw_q = self._local_grads(module, call, runtime)
+        dx, dw = reference
+        w_of = {id(p): w for p, w in zip(params, weight)} if weight is not None else {}
+
+        def weighted(p, e) -> float:
+            e2 = e.float().square()
+            if w_of:
+                e2 = e2 * w_of[id(p)]
+            return float(e2.sum(dtype=torch.float64))
+
+        total = 0.0
+        own = [p for p in module.parameters() if p.requires_grad]
+        for p, a, b in zip(own, dw_q, dw):
+            if a is not None or b is not None:
+                total += weighted(p, (a if a is not None else 0.0) - (b if b is not None else torch.zeros_like(a)))
+        if self.upstream:
+            errors = [(x, a.float() - b.float()) for x, a, b in zip(call.graph_inputs, dx_q, dx) if a is not None and b is not None]
+            if errors:
+                ups = torch.autograd.grad([x for x, _ in errors], params, [e.to(x.dtype) for x, e in errors], retain_graph=True, allow_unused=True)
+                owned = {id(p) for p in own}
+                for p, u in zip(params, ups):
+                    if u is not None and id(p) not in owned:
+                        total += weighted(p, u)
+        return total
+
+
+# -- public functions -----------------------------------------------------------------------------
+
+
+def estimate_sensitivity(
+    model: nn.Module,
+    batches: Iterable,
+    loss_fn: LossFn,
+    formats: "Iterable[Format | str | LayerPrecision]",
+    layers: "Iterable[str] | ModuleFilter | None" = None,
+    example_inputs: Any = None,
+    *,
+    estimator: "SensitivityEstimator | None" = None,
+    loss_terms: "int | Callable[[Any], int] | None" = None,
+) -> Sensitivity:
+    """Predicted loss increase per (layer, format) when only that layer runs in that format.
+
+    ``loss_fn(model, batch)`` returns the mean loss, or per-term losses (then their mean is the
+    loss and their count N scales the Fisher; see the module docstring, or pass ``loss_terms``).
+    ``formats``: candidates as names, `Format` or `LayerPrecision` (to set scaling/calibration).
+    ``layers``: fqns, a ``(module, fqn) -> bool`` filter, or None for every covered layer; layers
+    are traced from the model's inputs in the first batch unless ``example_inputs`` is given.
+    ``estimator`` defaults to `FisherEstimator()`. The model is left as it was (training flag,
+    ``.grad``, hooks); batches are kept in memory for the passes over them.
+    """
+    problem = _resolve(model, batches, loss_fn, formats, layers, example_inputs, loss_terms)
+    estimator = estimator if estimator is not None else FisherEstimator()
+    if not isinstance(estimator, SensitivityEstimator):
+        raise SensitivityError(f"estimator must be a SensitivityEstimator, got {type(estimator).__name__}")
+    return estimator.estimate(problem)
+

@@ -1,0 +1,393 @@
+"""The sensitivity problem: its result type (`Sensitivity`), what an estimator is given
+(`SensitivityProblem`, `SensitivityEstimator`), and the recording and INT8 calibration helpers
+both estimators and the measured check share (see the package docstring)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from .._tracing import module_stack
+from ..calls import ModelCall
+from ..coverage import find_layers
+from ..errors import FormatError, SensitivityError
+from ..formats import Format, Granularity
+from ..plan import LayerPrecision, Plan
+
+__all__ = ["Sensitivity", "SensitivityProblem", "SensitivityEstimator"]
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+Key = tuple[str, Format]
+
+
+# -- result ---------------------------------------------------------------------------------------
+
+
+class Sensitivity(Mapping):
+    """``(fqn, Format) -> loss increase`` (predicted or measured), in model and candidate order.
+
+    The value is the sum of the ``total_of`` parts: for an estimate ``forward + grad``, for a
+    measurement the measured ``increase``. Every part is kept (`part`): an estimate has
+    ``forward`` and ``grad``; a measurement ``increase``, ``first_order`` and ``second_order``
+    (see `measure_sensitivity`). Keys may use format names: ``s["lm_head", "int8"]``. Read-only.
+    """
+
+    def __init__(self, parts: Mapping[str, Mapping[Key, float]], *, total_of: Sequence[str], method: str, batches: int, metadata: "Mapping[str, Any] | None" = None):
+        if not parts or any(name not in parts for name in total_of):
+            raise SensitivityError(f"Sensitivity needs the parts it sums ({list(total_of)}), got {list(parts)}")
+        first = next(iter(parts.values()))
+        keys = [(fqn, Format.parse(fmt)) for fqn, fmt in first]
+        self._parts = {}
+        for name, values in parts.items():
+            values = {(fqn, Format.parse(fmt)): float(v) for (fqn, fmt), v in values.items()}
+            if set(values) != set(keys):
+                raise SensitivityError(f"Sensitivity part {name!r} covers other (layer, format) pairs than {next(iter(parts))!r}")
+            self._parts[name] = {k: values[k] for k in keys}
+        self._total_of = tuple(total_of)
+        self._total = {k: sum(self._parts[name][k] for name in self._total_of) for k in keys}
+        self.method = method
+        self.batches = int(batches)
+        self.metadata = dict(metadata or {})
+
+    @staticmethod
+    def _key(key) -> Key:
+        if not (isinstance(key, tuple) and len(key) == 2):
+            raise KeyError(f"Sensitivity keys are (fqn, format) pairs, got {key!r}")
+        try:
+            return key[0], Format.parse(key[1])
+        except FormatError:
+            raise KeyError(key) from None
+
+    def __getitem__(self, key) -> float:
+        return self._total[self._key(key)]
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter(self._total)
+
+    def __len__(self) -> int:
+        return len(self._total)
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return tuple(self._parts)
+
+    def part(self, name: str) -> dict[Key, float]:
+        """One part as ``{(fqn, Format): value}``; ``"total"`` is the value itself."""
+        if name == "total":
+            return dict(self._total)
+        if name not in self._parts:
+            raise SensitivityError(f"part {name!r}: this {self.method} result has {', '.join(('total',) + self.parts)}")
+        return dict(self._parts[name])
+
+    @property
+    def forward(self) -> dict[Key, float]:
+        """An estimate's forward term, ``part("forward")``."""
+        return self.part("forward")
+
+    @property
+    def grad(self) -> dict[Key, float]:
+        """An estimate's gradient term, ``part("grad")``."""
+        return self.part("grad")
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(fqn for fqn, _ in self._total))
+
+    @property
+    def formats(self) -> tuple[Format, ...]:
+        return tuple(dict.fromkeys(fmt for _, fmt in self._total))
+
+    def of_format(self, fmt: "Format | str", part: str = "total") -> dict[str, float]:
+        """``fqn -> value`` of one part (default the total) for one format."""
+        fmt = Format.parse(fmt)
+        return {fqn: v for (fqn, f), v in self.part(part).items() if f is fmt}
+
+    def to_dict(self) -> dict:
+        """JSON-ready: ``{"method", "batches", "total_of", "metadata", "layers": {fqn: {fmt: {part: value, "total": value}}}}``."""
+        layers: dict[str, dict] = {}
+        for key, total in self._total.items():
+            entry = {name: values[key] for name, values in self._parts.items()}
+            entry["total"] = total
+            layers.setdefault(key[0], {})[key[1].value] = entry
+        return {"method": self.method, "batches": self.batches, "total_of": list(self._total_of), "metadata": dict(self.metadata), "layers": layers}
+
+    def __repr__(self) -> str:
+        return f"Sensitivity({self.method}, {len(self.layers)} layers x {len(self.formats)} formats, {self.batches} batches)"
+
+
+# -- the problem an estimator solves --------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SensitivityProblem:
+    """Everything an estimator needs, resolved and checked by `estimate_sensitivity`.
+
+    ``candidates``: format -> the `LayerPrecision` a lowered layer gets. ``layers``: the fqns to
+    score, in model order. ``base_plan``: every covered layer FP32 (lowering one layer is
+    ``base_plan.with_layers({fqn: precision})``). ``loss_terms``: see the module docstring.
+    """
+
+    model: nn.Module
+    batches: tuple
+    loss_fn: LossFn
+    candidates: Mapping[Format, LayerPrecision]
+    layers: tuple[str, ...]
+    base_plan: Plan
+    loss_terms: "int | Callable[[Any], int] | None" = None
+
+    def loss(self, batch) -> tuple[torch.Tensor, int]:
+        """``(mean loss, N)`` for one batch; raises `SensitivityError` on a bad loss."""
+        return _loss(self.loss_fn, self.model, batch, self.loss_terms)
+
+    def plan_for(self, fqn: str, fmt: Format) -> Plan:
+        return self.base_plan.with_layers({fqn: self.candidates[fmt]})
+
+
+class SensitivityEstimator:
+    """Base class of sensitivity estimators (the extension point, like Optuna's samplers).
+
+    A subclass implements `estimate`, which returns a `Sensitivity` with one entry per
+    ``(fqn, format)`` of ``problem.layers x problem.candidates``: the predicted increase of the
+    mean loss when only that layer runs in that format, split into a ``forward`` part (what a
+    forward-only measurement sees) and a ``grad`` part (the effect of the format on training
+    through gradient error). It must leave the model as it found it (parameters, gradients,
+    training flag, hooks).
+    """
+
+    name = "estimator"
+
+    def estimate(self, problem: SensitivityProblem) -> Sensitivity:
+        raise NotImplementedError(f"{type(self).__name__} must implement estimate(problem) -> Sensitivity")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def _loss(loss_fn: LossFn, model: nn.Module, batch, loss_terms) -> tuple[torch.Tensor, int]:
+    loss = loss_fn(model, batch)
+    if not torch.is_tensor(loss) or not loss.is_floating_point() or loss.numel() == 0:
+        raise SensitivityError(
+            f"loss_fn(model, batch) returned {type(loss).__name__ if not torch.is_tensor(loss) else f'a {loss.dtype} tensor of shape {tuple(loss.shape)}'}; "
+            "it must return a floating scalar loss or a tensor of per-term losses"
+        )
+    if loss.numel() > 1:
+        n = loss.numel()
+        # In float64: a measured increase of 1e-7 is below the rounding of a float32 mean near 2.
+        loss = loss.double().mean()
+    else:
+        loss = loss.double().reshape(())
+        n = loss_terms(batch) if callable(loss_terms) else (loss_terms if loss_terms is not None else 1)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise SensitivityError(f"loss_terms gave {n!r}; it must be a positive int (the number of terms the mean loss is over)")
+    if not bool(torch.isfinite(loss)):
+        raise SensitivityError(f"loss_fn(model, batch) returned a non-finite loss ({float(loss.detach())}); check the model and the batch")
+    return loss, n
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module):
+    """Eval mode (no dropout: deterministic, as a measurement must be); restores every flag."""
+    flags = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+
+
+def _candidates(formats) -> dict[Format, LayerPrecision]:
+    if isinstance(formats, (str, Format, LayerPrecision)):
+        formats = [formats]
+    out: dict[Format, LayerPrecision] = {}
+    for item in formats:
+        try:
+            lp = item if isinstance(item, LayerPrecision) else LayerPrecision(Format.parse(item))
+        except FormatError as exc:
+            raise SensitivityError(f"formats: {exc}") from None
+        if lp.format in out:
+            raise SensitivityError(f"formats: {lp.format.value} is listed twice; give each format once")
+        out[lp.format] = lp
+    if not out:
+        raise SensitivityError("formats is empty; pass candidates like ['fp8_e4m3', 'int8']")
+    return out
+
+
+def _example_from(model: nn.Module, loss_fn: LossFn, batch) -> ModelCall:
+    """The model's first call in ``loss_fn(model, batch)`` (one forward, no grad)."""
+    call = ModelCall.first(model, lambda: loss_fn(model, batch))
+    if call is None:
+        raise SensitivityError("loss_fn(model, batch) never called the model; it must run model(...) on the batch")
+    return call
+
+
+def _resolve(model, batches, loss_fn, formats, layers, example_inputs, loss_terms) -> SensitivityProblem:
+    if not isinstance(model, nn.Module):
+        raise SensitivityError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(loss_fn):
+        raise SensitivityError(f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}")
+    batches = tuple(batches)
+    if not batches:
+        raise SensitivityError("batches is empty; pass a few batches (e.g. workload.val_batches(4))")
+    candidates = _candidates(formats)
+    if example_inputs is None:
+        with _eval_mode(model):
+            example_inputs = _example_from(model, loss_fn, batches[0])
+    found = find_layers(model, example_inputs)
+    if not found:
+        raise SensitivityError(f"{type(model).__name__} has no layer (no module runs a matrix product); nothing to estimate")
+    modules = dict(model.named_modules())
+    if layers is None:
+        chosen = list(found)
+    elif callable(layers):
+        chosen = [fqn for fqn in found if layers(modules[fqn], fqn)]
+    else:
+        wanted = [layers] if isinstance(layers, str) else list(layers)
+        unknown = [fqn for fqn in wanted if fqn not in found]
+        if unknown:
+            raise SensitivityError(f"layers {unknown} are not layers of {type(model).__name__}; use names from autoprec.coverage.find_layers(model, example), e.g. {list(found)[:3]}")
+        chosen = [fqn for fqn in found if fqn in set(wanted)]
+    if not chosen:
+        raise SensitivityError("no layer selected; the layers filter rejected every covered layer")
+    base = Plan({fqn: LayerPrecision(Format.FP32) for fqn in found}, fingerprint=found)
+    problem = SensitivityProblem(model, batches, loss_fn, candidates, tuple(chosen), base, loss_terms)
+    # One validation up front (names the formats the device cannot run); derived plans skip it.
+    for fmt in candidates:
+        problem.plan_for(chosen[0], fmt).validate(model)
+    return problem
+
+
+def _float_leaves(value) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if torch.is_tensor(t) and t.is_floating_point()]
+
+
+@dataclasses.dataclass
+class _Call:
+    """One call of a layer's module in the recorded FP32 forward."""
+
+    args: tuple
+    kwargs: dict
+    grad_mask: list  # per floating input leaf (pytree order): did it require grad
+    graph_inputs: list  # the floating inputs that require grad, as they sit in the autograd graph
+    outputs: list  # floating outputs, detached FP32 copies
+    out_tensors: list  # the same outputs in the graph (dropped once their grads are taken)
+    grads: list  # dL/dy per output (None where the loss does not depend on it)
+
+
+class _Recorder:
+    """Forward hooks that record, per layer, each call's inputs and outputs (``with`` scope)."""
+
+    def __init__(self, model: nn.Module, fqns: Sequence[str]):
+        modules = dict(model.named_modules())
+        self.modules = {fqn: modules[fqn] for fqn in fqns}
+        self.calls: dict[str, list[_Call]] = {fqn: [] for fqn in fqns}
+        self._handles: list = []
+
+    def __enter__(self):
+        for fqn, module in self.modules.items():
+            self._handles.append(module.register_forward_hook(self._hook(fqn), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, fqn):
+        def hook(module, args, kwargs, output):
+            def detach(t):
+                return t.detach() if torch.is_tensor(t) else t
+
+            outs = _float_leaves(output)
+            inputs = _float_leaves((args, kwargs))
+            self.calls[fqn].append(_Call(
+                args=pytree.tree_map(detach, args),
+                kwargs=pytree.tree_map(detach, kwargs),
+                grad_mask=[t.requires_grad for t in inputs],
+                graph_inputs=[t for t in inputs if t.requires_grad],
+                # A copy: an in-place op after the layer (ReLU(inplace=True)) must not change it.
+                outputs=[t.detach().float().clone() for t in outs],
+                out_tensors=list(outs),
+                grads=[None] * len(outs),
+            ))
+
+        return hook
+
+    def take_grads(self, loss: torch.Tensor, keep_graph: bool) -> None:
+        """dL/dy for every recorded output, by one backward that touches no ``.grad``."""
+        slots = [(call, i, t) for calls in self.calls.values() for call in calls for i, t in enumerate(call.out_tensors) if t.requires_grad]
+        if slots:
+            grads = torch.autograd.grad(loss, [t for _, _, t in slots], allow_unused=True, retain_graph=keep_graph)
+            for (call, i, _), g in zip(slots, grads):
+                call.grads[i] = None if g is None else g.detach().float()
+        for calls in self.calls.values():
+            for call in calls:
+                call.out_tensors = []
+
+
+def _callers(model: nn.Module, loss_fn: LossFn, batch, layers: Sequence[str]) -> dict[str, str]:
+    """``layer -> fqn of the module running when the layer is first called`` (not the root);
+    one forward under ``torch.no_grad``."""
+    wanted = set(layers)
+    callers: dict[str, str] = {}
+
+    def record(fqn: str, stack: list) -> None:
+        if fqn in wanted and fqn not in callers and stack and stack[-1] != "":
+            callers[fqn] = stack[-1]
+
+    with module_stack(model, on_enter=record), torch.no_grad():
+        loss_fn(model, batch)
+    return callers
+
+
+def _calibrates(lp: LayerPrecision) -> bool:
+    return lp.format is Format.INT8 and lp.scaling.granularity is Granularity.TENSOR
+
+
+def _calibrate(problem: "SensitivityProblem", runtimes: Mapping, batches: Sequence) -> None:
+    """Calibrate every INT8 single-layer runtime until its scale freezes, as in steady training.
+
+    The layer alone is re-run under its runtime on the inputs it had in an FP32 forward: with
+    only that layer lowered, everything before it is FP32, so these are exactly the inputs it
+    sees in the measured run, at the cost of one model forward per batch for all layers together.
+    ``batches`` are cycled until each layer has observed ``calibration.batches`` of them.
+    """
+    keys = [key for key in runtimes if _calibrates(problem.candidates[key[1]])]
+    if not keys or not batches:
+        return
+    rounds = max(problem.candidates[fmt].calibration.batches for _, fmt in keys)
+    fqns = list(dict.fromkeys(fqn for fqn, _ in keys))
+    with torch.no_grad():
+        for i in range(rounds):
+            recorder = _Recorder(problem.model, fqns)
+            with recorder:
+                problem.loss(batches[i % len(batches)])
+            for fqn, fmt in keys:
+                if i < problem.candidates[fmt].calibration.batches:
+                    for call in recorder.calls[fqn]:
+                        with _runtime_errors(fqn, fmt), runtimes[(fqn, fmt)]:
+                            recorder.modules[fqn](*call.args, **call.kwargs)
+
+
+@contextlib.contextmanager
+def _runtime_errors(fqn: str, fmt: Format):
+    """Name the (layer, format) when the runtime cannot run a single-layer plan."""
+    try:
+        yield
+    except (RuntimeError, TypeError) as exc:
+        raise SensitivityError(
+            f"the runtime cannot run {fqn!r} in {fmt.value} alone: {str(exc).splitlines()[0]}; "
+            "leave this layer or format out (layers=..., formats=...)"
+        ) from exc
