@@ -1,0 +1,37 @@
+"""The scheduler's state as flat metrics for a framework's logger (Lightning's, the HF Trainer's)."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from ..scheduler import DynamicPrecisionScheduler
+
+__all__ = ["PHASES", "scheduler_metrics"]
+
+# `DynamicPrecisionScheduler.phase`, numbered so that a scalar logger can plot it.
+PHASES = ("unbound", "profiling", "planned", "safe")
+
+
+def scheduler_metrics(scheduler: DynamicPrecisionScheduler, prefix: str = "autoprec/", sync: bool = True) -> dict[str, Union[float, torch.Tensor]]:
+    """``{prefix + name: value}``: ``loss_scale``, ``skipped_steps`` (optimizer steps skipped for
+    non-finite gradients since the start), ``plan_changes`` (promotions and demotions so far),
+    ``phase`` (the index of `scheduler.phase` in `PHASES`: 2 is "planned"), ``step`` (the
+    scheduler's optimizer steps) and, once a plan is in force, ``layers_<format>`` (layers per format).
+
+    ``sync=False`` gives the loss scale as the scaler's 0-d device tensor (no host sync; the
+    logger reads it when it writes); ``sync=True`` as a float (one host sync when scaling is on).
+    Everything else is host bookkeeping."""
+    scaler = scheduler.scaler
+    scale = scaler.get_scale() if sync or scaler.scale_tensor is None else scaler.scale_tensor.detach().clone()
+    metrics: dict[str, Union[float, torch.Tensor]] = {
+        "loss_scale": scale,
+        "skipped_steps": float(scaler.skipped_steps),
+        "plan_changes": float(len(scheduler.changes)),
+        "phase": float(PHASES.index(scheduler.phase)),
+        "step": float(scheduler.step_count),
+    }
+    if scheduler.plan is not None:
+        metrics.update({f"layers_{fmt}": float(n) for fmt, n in sorted(scheduler.plan.format_counts().items())})
+    return {prefix + name: value for name, value in metrics.items()}

@@ -1,0 +1,226 @@
+"""`AutoprecPrecision` in a real `lightning.Trainer` on CPU: a plan is reached and training
+converges, metrics reach the logger, checkpoints resume the scheduler, gradient clipping sees
+unscaled gradients, a non-finite gradient skips the step, unsupported settings are refused."""
+
+import csv
+import glob
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+L = pytest.importorskip("lightning")
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+
+from autoprec.formats import Format  # noqa: E402
+from autoprec.integrations import AutoprecPrecision, IntegrationError  # noqa: E402
+from autoprec.plan import Plan  # noqa: E402
+
+WINDOW = 10
+STEPS = 40
+SETTINGS = dict(monitor_window=WINDOW, monitor_steps=4, accuracy_budget=0.05, measure_costs=False, search_timeout_s=10)
+
+
+class Classifier(L.LightningModule):
+    """A three-layer MLP on 16 features, 4 classes; ``training_step`` calls ``self(x)``."""
+
+    def __init__(self, lr=3e-3, optimizer="adamw", seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 4))
+        self.lr, self.optimizer = lr, optimizer
+        self.losses = []
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.losses.append(loss.item())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def configure_optimizers(self):
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def loader(shuffle=True, n=512):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 16, generator=g)
+    y = (x @ torch.randn(16, 4, generator=g)).argmax(-1)  # a learnable labelling
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=64, shuffle=shuffle, generator=torch.Generator().manual_seed(1))
+
+
+def trainer(tmp_path, plugin, max_steps, **kwargs):
+    settings = dict(max_steps=max_steps, plugins=[plugin], accelerator="cpu", devices=1, logger=CSVLogger(str(tmp_path), name="logs"),
+                    enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1, enable_checkpointing=False,
+                    num_sanity_val_steps=0, limit_val_batches=0)
+    settings.update(kwargs)
+    return L.Trainer(default_root_dir=str(tmp_path), **settings)
+
+
+def logged_rows(tmp_path):
+    (path,) = glob.glob(os.path.join(str(tmp_path), "logs", "version_*", "metrics.csv"))
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One fit of STEPS steps with validation, CSV logs and a checkpoint every 20 steps."""
+    tmp = tmp_path_factory.mktemp("fit")
+    plugin = AutoprecPrecision(**SETTINGS)
+    module = Classifier()
+    checkpoints = ModelCheckpoint(dirpath=str(tmp / "ckpt"), every_n_train_steps=20, save_top_k=-1, filename="{step}")
+    t = trainer(tmp, plugin, STEPS, enable_checkpointing=True, callbacks=[checkpoints], limit_val_batches=2, num_sanity_val_steps=2,
+                val_check_interval=WINDOW + 5, check_val_every_n_epoch=None)
+    t.fit(module, loader(), loader(shuffle=False, n=128))
+    return tmp, plugin, module, t
+
+
+def test_a_plan_is_reached_and_the_loss_falls(run):
+    _, plugin, module, t = run
+    sch = plugin.scheduler
+    assert sch.phase == "planned" and sch.model is module
+    assert sch.step_count == t.global_step == STEPS
+    assert any(lp.format is not Format.FP32 for lp in sch.plan.layers.values())
+    assert sum(module.losses[-5:]) / 5 < sum(module.losses[:5]) / 5 - 0.3
+
+
+def test_metrics_reach_the_trainers_logger(run):
+    tmp, plugin, _, _ = run
+    rows = logged_rows(tmp)
+    steps = [row for row in rows if row.get("autoprec/step")]
+    assert len(steps) == STEPS  # log_every_n_steps=1: one row per optimizer step
+    phases = [float(row["autoprec/phase"]) for row in steps]
+    assert phases[0] == 1.0 and phases[-1] == 2.0  # profiling, then planned
+    assert phases.index(2.0) == WINDOW - 1  # the plan is in force from the window's last step on
+    assert float(steps[-1]["autoprec/loss_scale"]) == plugin.scheduler.scaler.get_scale()
+    counts = {key[len("autoprec/layers_"):]: float(value) for key, value in steps[-1].items() if key.startswith("autoprec/layers_") and value}
+    assert counts == {fmt: float(n) for fmt, n in plugin.scheduler.plan.format_counts().items()}
+    assert any(row.get("val_loss") for row in rows)  # validation ran under the plan
+
+
+def test_checkpoint_resumes_the_scheduler(run, tmp_path):
+    tmp, _, _, _ = run
+    path = str(tmp / "ckpt" / "step=20.ckpt")
+    saved = torch.load(path, weights_only=False)["AutoprecPrecision"]["scheduler"]
+    seen = {}
+
+    class AtStart(Callback):
+        def on_train_start(self, trainer, pl_module):
+            sch = trainer.precision_plugin.scheduler
+            seen.update(step=sch.step_count, plan=sch.plan.to_dict(), phase=sch.phase, window_start=sch.window_start)
+
+    plugin = AutoprecPrecision(**SETTINGS)
+    module = Classifier(seed=1)  # other weights: the checkpoint restores them
+    trainer(tmp_path, plugin, 25, callbacks=[AtStart()]).fit(module, loader(), ckpt_path=path)
+    assert saved["step"] == 20
+    assert seen == {"step": 20, "plan": saved["plan"], "phase": "planned", "window_start": saved["window_start"]}
+    assert plugin.scheduler.step_count == 25 and plugin.scheduler.plan.to_dict() == saved["plan"]
+
+
+class Record(Callback):
+    """Parameters before and after each optimizer step, and the gradients the hooks see."""
+
+    def __init__(self, poison_step=None):
+        self.poison_step = poison_step
+        self.updates, self.largest, self.grad_norms = [], [], []
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_step == self.poison_step:
+            pl_module.net[2].weight.grad[0, 0] = float("nan")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.before = [p.detach().clone() for p in pl_module.parameters()]
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        self.grad_norms.append(float(torch.nn.utils.get_total_norm(grads)))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        deltas = [(a.detach() - b).flatten() for a, b in zip(pl_module.parameters(), self.before)]
+        self.updates.append(float(torch.linalg.vector_norm(torch.cat(deltas))))
+        self.largest.append(float(torch.cat(deltas).abs().max()))
+
+
+def fp16_plan():
+    # FP16 gradients switch the loss scale on (4096 at the start): clipping sees scaled gradients
+    # unless the plugin unscales them first.
+    return Plan.uniform(Classifier(), Format.FP16, torch.randn(64, 16))
+
+
+def fp32_gradient_norm(batch):
+    """The first batch's gradient norm in plain FP32, the reference for what hooks should see."""
+    module = Classifier()
+    x, y = batch
+    F.cross_entropy(module(x), y).backward()
+    return float(torch.nn.utils.get_total_norm([p.grad for p in module.parameters()]))
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_gradient_clipping_runs_on_unscaled_gradients(tmp_path, algorithm):
+    lr, clip = 1.0, 1e-2
+    plugin = AutoprecPrecision(plan=fp16_plan(), dynamic=False, monitor_window=WINDOW, measure_costs=False)
+    record = Record()
+    data = loader(shuffle=False)
+    t = trainer(tmp_path, plugin, 5, callbacks=[record], gradient_clip_val=clip, gradient_clip_algorithm=algorithm)
+    t.fit(Classifier(lr=lr, optimizer="sgd"), data)
+    assert plugin.scheduler.scaler.enabled and plugin.scheduler.scaler.get_scale() >= 4096.0
+    # on_before_optimizer_step saw the true gradient (FP16 rounding apart), not 4096 times it.
+    assert record.grad_norms[0] == pytest.approx(fp32_gradient_norm(next(iter(data))), rel=0.05)
+    assert min(record.grad_norms) > 10 * clip
+    # Plain SGD moves the parameters by lr x the clipped gradient: by lr x clip (in norm, or in
+    # the largest element) when clipping saw unscaled gradients; 4096 times less had it clipped
+    # the scaled ones.
+    moved = record.updates if algorithm == "norm" else record.largest
+    assert moved == pytest.approx([lr * clip] * 5, rel=1e-3)
+
+
+def test_a_nonfinite_gradient_skips_the_step_and_leaves_the_weights(tmp_path):
+    record = Record(poison_step=3)
+    plugin = AutoprecPrecision(**SETTINGS)
+    module = Classifier()
+    trainer(tmp_path, plugin, 6, callbacks=[record]).fit(module, loader())
+    assert plugin.scheduler.scaler.skipped_steps == 1
+    assert plugin.scheduler.scaler.last_nonfinite_layers == () and "net.2" in plugin.scheduler.scaler.nonfinite_counts
+    assert [u == 0.0 for u in record.updates] == [False, False, False, True, False, False]
+    assert [float(r["autoprec/skipped_steps"]) for r in logged_rows(tmp_path) if r.get("autoprec/skipped_steps")] == [0, 0, 0, 1, 1, 1]
+
+
+class Manual(Classifier):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class NoForward(Classifier):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)  # the module's forward never runs
+
+
+def test_manual_optimization_is_refused(tmp_path):
+    t = trainer(tmp_path, AutoprecPrecision(**SETTINGS), 2)
+    with pytest.raises(IntegrationError, match="manual optimization"):
+        t.fit(Manual(), loader())
+
+
+def test_a_training_step_that_bypasses_forward_is_refused(tmp_path):
+    t = trainer(tmp_path, AutoprecPrecision(**SETTINGS), 2)
+    with pytest.raises(IntegrationError, match=r"self\(\.\.\.\) in training_step"):
+        t.fit(NoForward(), loader())
+
+
+def test_clipping_in_two_places_is_refused(tmp_path):
+    t = trainer(tmp_path, AutoprecPrecision(max_grad_norm=1.0, **SETTINGS), 2, gradient_clip_val=0.5)
+    with pytest.raises(IntegrationError, match="gradient_clip_val"):
+        t.fit(Classifier(), loader())
