@@ -11,6 +11,7 @@ from .errors import (  # noqa: E402
     FormatError,
     GpuBenchError,
     InfeasibleBudgetError,
+    IntegrationError,
     ModelCallError,
     MonitoringError,
     OpCountError,
@@ -117,4 +118,5 @@ __all__ = [
     "BenchConfigError",
     "OpCountError",
     "GpuBenchError",
+    "IntegrationError",
 ]

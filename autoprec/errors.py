@@ -116,3 +116,8 @@ class OpCountError(AutoprecError, ValueError):
 class GpuBenchError(AutoprecError, ValueError):
     """The GPU suite (`autoprec.gpu_bench`) cannot run as asked (no CUDA device without
     ``smoke``, a bad device name)."""
+
+
+class IntegrationError(AutoprecError, ValueError):
+    """A Trainer setting that cannot be combined with autoprec's scheduler (a second precision
+    manager, manual optimization, a wrapped model, ...); the message names the setting and the fix."""

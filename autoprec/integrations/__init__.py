@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 
-from ._errors import IntegrationError
+from ..errors import IntegrationError
 
 __all__ = ["AutoprecPrecision", "AutoprecTrainer", "IntegrationError", "scheduler_metrics"]
 

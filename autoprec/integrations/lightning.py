@@ -49,7 +49,7 @@ from lightning.pytorch.plugins.precision import Precision
 from ..plan import Plan
 from ..scheduler import DynamicPrecisionScheduler
 from ..scheduler_config import SchedulerConfig
-from ._errors import IntegrationError
+from ..errors import IntegrationError
 from ._metrics import scheduler_metrics
 
 __all__ = ["AutoprecPrecision"]

@@ -43,7 +43,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..scheduler import DynamicPrecisionScheduler
-from ._errors import IntegrationError
+from ..errors import IntegrationError
 from ._metrics import scheduler_metrics
 
 __all__ = ["AutoprecTrainer", "SCHEDULER_NAME"]
