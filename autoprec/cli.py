@@ -549,10 +549,43 @@ def _cmd_review(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- export -----------------------------------------------------------------------------------
+
+
+def _add_export(subparsers, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "export",
+        parents=[common],
+        help="write a plan for another library to run (torchao float8 training)",
+        description=(
+            "Write PLAN.json as a self-contained Python module for torchao's float8 training: the "
+            "nn.Linear layers to convert per recipe (a module_filter_fn over fully-qualified names, "
+            "and convert(model)), and every layer torchao cannot run in float8, with the reason."
+        ),
+    )
+    p.add_argument("plan", type=Path, metavar="PLAN.json", help="the plan to export")
+    p.add_argument("--to", required=True, choices=("torchao",), help="the target library")
+    p.add_argument("--out", type=_output_path, default=None, metavar="PATH.py", help="where to write (default: <plan>_torchao.py beside the plan)")
+    p.set_defaults(handler=_cmd_export)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .export import write_torchao
+
+    try:
+        out, export = write_torchao(args.plan, args.out)
+    except OSError as exc:
+        return _fail(f"cannot read {args.plan} or write the export: {exc.strerror or exc}", EXIT_FAILED)
+    print(f"{len(export.converted)} layers converted to torchao float8 ({', '.join(f'{k}: {len(v)}' for k, v in export.recipes.items()) or 'none'}), "
+          f"{len(export.not_converted)} not (see NOT_CONVERTED)", file=sys.stderr)
+    print(f"wrote {out}", file=sys.stderr)
+    return EXIT_OK
+
+
 # -- entry point ------------------------------------------------------------------------------
 
 # Each subcommand registers itself here, one function each.
-_COMMANDS: tuple[Callable, ...] = (_add_bench, _add_profile, _add_search, _add_review)
+_COMMANDS: tuple[Callable, ...] = (_add_bench, _add_profile, _add_search, _add_review, _add_export)
 
 
 def _build_parser() -> argparse.ArgumentParser:

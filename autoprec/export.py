@@ -1,0 +1,167 @@
+"""A plan, portable: `autoprec export PLAN.json --to torchao` writes what a torchao user needs to
+train with autoprec's decision under torchao's float8 training (``torchao.float8``).
+
+torchao converts ``nn.Linear`` modules to ``Float8Linear`` with one ``Float8LinearConfig`` per
+conversion call, choosing modules with a ``module_filter_fn(module, fqn)``. The export maps each
+layer of the plan:
+
+- **converted**: FP8 E4M3 layers (E5M2 gradients, as torchao's recipes) that are exactly
+  ``nn.Linear`` with both dimensions divisible by 16 (the float8 kernels' requirement, which
+  torchao checks too), grouped by recipe: per-tensor scaling → ``"tensorwise"``, row-wise →
+  ``"rowwise"``. Delayed scaling has no torchao counterpart any more; those layers use
+  ``"tensorwise"`` (current scaling) and the file says so.
+- **not converted**, each with the reason: FP8 layers that are not ``nn.Linear`` (a module's own
+  matmuls, e.g. attention products), whose dimensions are not multiples of 16, or in E5M2
+  forward (no torchao recipe); INT8 layers (torchao's float8 training has no INT8 path); BF16 /
+  FP16 layers (run them under ``torch.autocast``, as autoprec does); FP32 layers.
+
+The output is one self-contained Python file (no autoprec import) with the layer sets, a
+``module_filter_fn`` per recipe and ``convert(model, emulate=False)``, which calls
+``convert_to_float8_training`` once per recipe. Module types and shapes come from the plan's
+fingerprint, so no model is needed to export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Mapping
+
+from ._io import atomic_write_text
+from .errors import PlanError
+from .formats import Format, Granularity
+from .plan import Plan, ScalingMode
+
+__all__ = ["TorchaoExport", "torchao_export", "write_torchao"]
+
+_FP8_MULTIPLE = 16  # float8 GEMMs need both matrix dimensions divisible by 16
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchaoExport:
+    """A plan's layers as torchao float8 training runs them (see the module docstring)."""
+
+    recipes: Mapping[str, tuple[str, ...]]  # recipe name -> fqns converted with it
+    not_converted: Mapping[str, str]  # fqn -> why torchao does not run it in FP8
+    notes: tuple[str, ...]  # plan settings torchao runs differently (delayed -> current scaling)
+    autocast: str | None  # the autocast dtype autoprec runs the plan under ("bfloat16", "float16"; None: all FP32)
+
+    @property
+    def converted(self) -> tuple[str, ...]:
+        return tuple(sorted(f for fqns in self.recipes.values() for f in fqns))
+
+
+def torchao_export(plan: Plan) -> TorchaoExport:
+    """Map ``plan`` onto torchao's float8 training (pure; see the module docstring)."""
+    if not plan.fingerprint:
+        raise PlanError("the plan has no fingerprint (module types and shapes) to export from; re-save it with autoprec >= 0.1")
+    recipes: dict[str, list[str]] = {"tensorwise": [], "rowwise": []}
+    skipped: dict[str, str] = {}
+    notes: list[str] = []
+    halves = set()
+    for fqn, lp in plan.layers.items():
+        info = plan.fingerprint.get(fqn)
+        if lp.format is Format.FP8_E4M3:
+            weight = dict(info.params).get("weight") if info is not None else None
+            if info is None or info.module != "Linear" or weight is None:
+                kind = info.module if info is not None else "unknown module"
+                skipped[fqn] = f"fp8_e4m3 in the plan, but a {kind} (its own {', '.join(info.ops) if info else 'ops'}), not nn.Linear: torchao converts nn.Linear only; it stays in high precision"
+                continue
+            out_features, in_features = weight
+            if in_features % _FP8_MULTIPLE or out_features % _FP8_MULTIPLE:
+                skipped[fqn] = f"fp8_e4m3 in the plan, but Linear({in_features}, {out_features}) has a dimension not divisible by {_FP8_MULTIPLE} (float8 kernels need it); it stays in high precision"
+                continue
+            row = lp.scaling.granularity is Granularity.ROW
+            recipes["rowwise" if row else "tensorwise"].append(fqn)
+            if lp.scaling.mode is ScalingMode.DELAYED:
+                notes.append(f"{fqn}: delayed scaling in the plan; torchao scales currently (per {'row' if row else 'tensor'})")
+        elif lp.format is Format.FP8_E5M2:
+            skipped[fqn] = "fp8_e5m2 forward in the plan: torchao's recipes run e4m3 forward; it stays in high precision"
+        elif lp.format is Format.INT8:
+            skipped[fqn] = "int8 in the plan: torchao's float8 training has no INT8 path; it stays in high precision"
+        elif lp.format in (Format.BF16, Format.FP16):
+            halves.add(lp.format)
+            skipped[fqn] = f"{lp.format.value} in the plan: not float8; run it under torch.autocast({lp.format.dtype})"
+        else:
+            skipped[fqn] = "fp32 in the plan: autoprec runs it outside autocast (torch.autocast(enabled=False) around it matches that)"
+    # autoprec runs a plan with any non-FP32 layer under one autocast region, so the ops between
+    # layers run in half precision too: BF16 unless every half layer is FP16 (`runtime.context`).
+    lowered = any(lp.format is not Format.FP32 for lp in plan.layers.values())
+    autocast = None if not lowered else ("float16" if halves == {Format.FP16} else "bfloat16")
+    return TorchaoExport({k: tuple(v) for k, v in recipes.items() if v}, skipped, tuple(notes), autocast)
+
+
+_TEMPLATE = '''"""torchao float8 training of the autoprec plan {source} (sha1 {digest}), exported by autoprec {version}.
+
+    from {module} import convert
+    convert(model)            # nn.Linear layers the plan runs in FP8 become torchao Float8Linear
+{autocast_usage}
+Converted: {n_converted} layers; not converted: {n_skipped} (NOT_CONVERTED says why, layer by layer).
+"""
+
+import dataclasses
+
+import torch
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+# recipe -> fully-qualified names of the nn.Linear layers converted with it
+RECIPES = {recipes}
+
+# layers torchao does not run in float8, and why
+NOT_CONVERTED = {not_converted}
+
+# plan settings torchao runs differently
+NOTES = {notes}
+
+# autoprec runs this plan under torch.autocast in this dtype (None: every layer FP32)
+AUTOCAST_DTYPE = {autocast}
+
+
+def module_filter_fn(recipe):
+    """torchao's ``module_filter_fn(module, fqn)`` for one recipe: convert exactly its layers."""
+    wanted = frozenset(RECIPES[recipe])
+    return lambda module, fqn: fqn in wanted
+
+
+def convert(model, emulate=False):
+    """Convert ``model`` in place, one ``convert_to_float8_training`` call per recipe; returns it.
+    ``emulate=True`` runs torchao's emulated float8 (CPU, or a GPU without float8 tensor cores)."""
+    for recipe in RECIPES:
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        if emulate:
+            config = dataclasses.replace(config, emulate=True)
+        convert_to_float8_training(model, module_filter_fn=module_filter_fn(recipe), config=config)
+    return model
+'''
+
+
+def _literal(value) -> str:
+    """A Python literal for JSON-able ``value``, one entry per line for readable diffs."""
+    return json.dumps(value, indent=4).replace("null", "None").replace("true", "True").replace("false", "False")
+
+
+def write_torchao(plan_path: "str | Path", out: "str | Path | None" = None) -> tuple[Path, TorchaoExport]:
+    """Export the plan at ``plan_path`` for torchao (atomically) to ``out`` (default: next to the
+    plan, ``<plan stem>_torchao.py``); returns the path written and the mapping."""
+    plan_path = Path(plan_path)
+    plan = Plan.load(plan_path)
+    export = torchao_export(plan)
+    out = Path(out) if out is not None else plan_path.with_name(f"{plan_path.stem}_torchao.py")
+    if out.suffix != ".py" or not out.stem.isidentifier():
+        raise PlanError(f"--out {str(out)!r}: the export is a Python module; give a path like plan_torchao.py (a valid module name)")
+    from . import __version__
+
+    autocast_usage = (
+        f"    with torch.autocast(device_type, dtype=torch.{export.autocast}):   # as autoprec runs the plan\n        loss = loss_fn(model(x), y)\n"
+        if export.autocast else ""
+    )
+    text = _TEMPLATE.format(
+        source=plan_path.name, digest=hashlib.sha1(plan_path.read_bytes()).hexdigest()[:12], version=__version__,
+        module=out.stem, autocast_usage=autocast_usage, n_converted=len(export.converted), n_skipped=len(export.not_converted),
+        recipes=_literal({k: list(v) for k, v in export.recipes.items()}), not_converted=_literal(dict(export.not_converted)),
+        notes=_literal(list(export.notes)), autocast=f"torch.{export.autocast}" if export.autocast else "None",
+    )
+    atomic_write_text(out, text)
+    return out, export

@@ -1,0 +1,134 @@
+"""`autoprec export PLAN.json --to torchao`: the mapping, and the written module run by real torchao."""
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+from autoprec import Format, LayerPrecision, Plan, Scaling, ScalingMode, apply_plan
+from autoprec.cli import main
+from autoprec.export import torchao_export
+from autoprec.formats import Granularity
+
+
+class Net(nn.Module):
+    """Linear layers torchao can and cannot convert, and a module that runs its own matmul."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64)
+        self.fc2 = nn.Linear(64, 32)
+        self.odd = nn.Linear(32, 24)  # 24 is not a multiple of 16
+        self.head = nn.Linear(24, 16)
+
+    def forward(self, x):
+        return self.head(self.odd(torch.relu(self.fc2(torch.relu(self.fc1(x))))))
+
+
+class Gram(nn.Module):
+    def forward(self, x):
+        return x @ x.transpose(-1, -2)
+
+
+class WithGram(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.gram = Gram()
+
+    def forward(self, x):
+        return self.gram(self.fc(x))
+
+
+def _plan(model, example, formats, **scaling):
+    base = Plan.uniform(model, Format.FP32, example)
+    layers = {fqn: LayerPrecision(formats.get(fqn, Format.FP32), scaling=scaling.get(fqn, Scaling())) for fqn in base.layers}
+    return Plan(layers, fingerprint=base.fingerprint)
+
+
+def test_each_layer_is_converted_or_listed_with_its_reason():
+    model, x = Net(), torch.randn(4, 32)
+    plan = _plan(
+        model, x,
+        {"fc1": Format.FP8_E4M3, "fc2": Format.FP8_E4M3, "odd": Format.FP8_E4M3, "head": Format.INT8},
+        fc2=Scaling(granularity=Granularity.ROW, mode=ScalingMode.CURRENT),
+        fc1=Scaling(mode=ScalingMode.DELAYED),
+    )
+    export = torchao_export(plan)
+    assert dict(export.recipes) == {"tensorwise": ("fc1",), "rowwise": ("fc2",)}
+    assert "Linear(32, 24) has a dimension not divisible by 16" in export.not_converted["odd"]
+    assert "no INT8 path" in export.not_converted["head"]
+    assert export.notes == ("fc1: delayed scaling in the plan; torchao scales currently (per tensor)",)
+    assert export.autocast == "bfloat16"  # autoprec runs any lowered plan under BF16 autocast
+    assert torchao_export(_plan(model, x, {})).autocast is None
+
+
+def test_a_module_running_its_own_matmul_and_half_layers_are_not_converted():
+    model, x = WithGram(), torch.randn(2, 5, 32)
+    plan = _plan(model, x, {"fc": Format.BF16, "gram": Format.FP8_E4M3})
+    export = torchao_export(plan)
+    assert export.converted == ()
+    assert "a Gram (its own matmul), not nn.Linear: torchao converts nn.Linear only" in export.not_converted["gram"]
+    assert "run it under torch.autocast(torch.bfloat16)" in export.not_converted["fc"]
+    assert export.autocast == "bfloat16"
+
+
+def _load(path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_written_module_runs_the_plans_fp8_layers_in_torchao_as_autoprec_runs_them(tmp_path):
+    """torchao (emulated on CPU) and autoprec's runtime quantize the same layers the same way
+    (E4M3 per-tensor current scaling): a converted layer's outputs agree far more closely than
+    either agrees with FP32, the whole model's error is the same size, and the layers the export
+    leaves out stay nn.Linear."""
+    pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install -e '.[test]')")
+    from torchao.float8.float8_linear import Float8Linear
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(64, 32)
+    plan = _plan(model, x, {"fc1": Format.FP8_E4M3, "fc2": Format.FP8_E4M3})
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert main(["export", str(path), "--to", "torchao"]) == 0
+    exported = _load(tmp_path / "plan_torchao.py")
+    assert exported.RECIPES == {"tensorwise": ["fc1", "fc2"]}
+
+    converted = exported.convert(copy.deepcopy(model), emulate=True)
+    assert [type(converted.get_submodule(n)) for n in ("fc1", "fc2", "odd", "head")] == [Float8Linear, Float8Linear, nn.Linear, nn.Linear]
+
+    h = torch.randn(64, 32)
+    reference, theirs = model.fc1(h), converted.fc1(h)
+    with apply_plan(model, plan, validate=False):
+        ours = model.fc1(h).float()
+    quantization_error = (theirs - reference).norm()
+    assert quantization_error > 0  # FP8 really ran
+    assert (theirs - ours).norm() < 0.25 * quantization_error
+
+    assert exported.AUTOCAST_DTYPE is torch.bfloat16
+    with torch.autocast("cpu", dtype=exported.AUTOCAST_DTYPE):
+        theirs = converted(x).float()
+    with apply_plan(model, plan, validate=False):
+        ours = model(x).float()
+    reference = model(x)
+    ratio = (theirs - reference).norm() / (ours - reference).norm()
+    assert 0.5 < ratio < 2.0, ratio
+    theirs.sum().backward()  # torchao's backward runs too
+    assert converted.fc1.weight.grad is not None and torch.isfinite(converted.fc1.weight.grad).all()
+
+
+def test_cli_export_errors_are_one_line(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "none.json"), "--to", "torchao"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "no such plan file" in err and len(err.splitlines()) == 1
+    model, x = Net(), torch.randn(4, 32)
+    path = tmp_path / "plan.json"
+    Plan.uniform(model, Format.FP8_E4M3, x).save(path)
+    assert main(["export", str(path), "--to", "torchao", "--out", str(tmp_path / "not-a-module.py")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "a valid module name" in err and len(err.splitlines()) == 1
