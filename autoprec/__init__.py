@@ -40,7 +40,6 @@ _LAZY = {
     "Budgets": "search",
     "LayerRules": "search",
     "solve_exact": "search",
-    "run_proxy_study": "search",
     "load_job": "search.config",
     "run_job": "search.job",
     "DynamicPrecisionScheduler": "scheduler",
@@ -86,7 +85,6 @@ __all__ = [
     "Budgets",
     "LayerRules",
     "solve_exact",
-    "run_proxy_study",
     "load_job",
     "run_job",
     # training (lazy)

@@ -201,6 +201,27 @@ def test_resume_fails_the_killed_trial_and_measures_each_candidate_once(tmp_path
     assert [measured(study, c) for c in candidates] == [1, 1]
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")  # the orphan comes from ask(), on purpose
+def test_a_trial_whose_worker_stopped_beating_is_failed_and_its_candidate_measured_once(tmp_path, stage):
+    """A worker on another machine (no pid to check) that died mid-trial: its heartbeat goes
+    stale, Optuna fails the trial and queues a retry, and the candidate is measured once."""
+    stage, candidates = stage
+    storage = open_storage(tmp_path / "study.db", heartbeat_seconds=1)
+    study = optuna.create_study(study_name="m", storage=storage)
+    orphan = study.ask()
+    orphan.set_user_attr("candidate", candidates[0].id)
+    orphan.set_user_attr("worker", "another-machine:1")
+    storage.record_heartbeat(orphan._trial_id)
+    # SQLite's CURRENT_TIMESTAMP, which Optuna stamps heartbeats with and compares them against,
+    # has whole-second resolution: after 2.5 s the stamps can differ by only 2 s, which is not
+    # past the 2 s grace period. 3.5 s makes them differ by at least 3 s whatever the start.
+    time.sleep(2 * 1 + 1.5)
+    stage.run(candidates, study, math.inf, math.inf)
+    assert study.get_trials()[0].state is TrialState.FAIL
+    assert not study.get_trials(states=(TrialState.RUNNING,))
+    assert [measured(study, c) for c in candidates] == [1, 1]
+
+
 def test_a_queued_retry_of_a_measured_candidate_is_not_measured_again(tmp_path, stage):
     stage, candidates = stage
     study = optuna.create_study(study_name="m", storage=open_storage(tmp_path / "study.db"))

@@ -1,6 +1,6 @@
-"""`autoprec.monitoring.search`: a study of measured plans (as the search job's measured stage
-leaves it), a real proxy study and candidate plans, written as TensorBoard runs and read back with
-TensorBoard's own `EventAccumulator`."""
+"""`autoprec.monitoring.search`: studies of measured plans (as the search job's measured stage
+leaves them) and candidate plans, written as TensorBoard runs and read back with TensorBoard's own
+`EventAccumulator`."""
 
 import io
 import time
@@ -28,7 +28,7 @@ from autoprec.monitoring.search import (
     write_candidates,
     write_search,
 )
-from autoprec.search import Choice, SearchSpace, run_proxy_study
+from autoprec.search import Choice, SearchSpace
 from autoprec.search.study import feasible
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -69,9 +69,22 @@ def budgets(space):
     return {"memory": 0.45 * fp32.bytes, "loss": 0.4 * space.totals(space.extreme("bytes")).loss, "fp32": fp32}
 
 
+def random_plans(space, n, seed):
+    """``n`` random plans of ``space`` as (name, bytes, seconds, loss increase) rows, their totals
+    standing in for measured ones."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        assignment = {u.name: u.formats[rng.integers(len(u.formats))] for u in space.units}
+        total = space.totals(assignment)
+        rows.append((f"plan-{i}", total.bytes, total.seconds, total.loss, {k: f.value for k, f in assignment.items()}))
+    return rows
+
+
 @pytest.fixture(scope="module")
 def result(space, budgets):
-    return run_proxy_study(space, budgets["memory"], budgets["loss"], n_trials=120, seed=0, warm_start=[space.uniform(Format.FP32)])
+    """A study of 120 plans stored as the measured stage stores them."""
+    return measured_study(random_plans(space, 120, 0), memory=budgets["memory"], loss=budgets["loss"])
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +102,8 @@ def acc(written):
     return accumulator(written)
 
 
-def complete(result):
-    return sorted((t for t in result.study.trials if t.state is optuna.trial.TrialState.COMPLETE), key=lambda t: t.number)
+def complete(study):
+    return sorted((t for t in study.trials if t.state is optuna.trial.TrialState.COMPLETE), key=lambda t: t.number)
 
 
 # --- scalars ----------------------------------------------------------------------------------------
@@ -100,8 +113,8 @@ def test_one_scalar_per_trial_at_its_number(acc, result):
     assert [e.step for e in acc.Scalars("search/trial/seconds")] == [t.number for t in complete(result)] and len(complete(result)) == 120
 
 
-@pytest.mark.parametrize(("tag", "attr"), [("seconds", "seconds"), ("bytes", "bytes"), ("loss_increase", "loss")])
-def test_trial_scalars_are_the_trials_predicted_totals(acc, result, tag, attr):
+@pytest.mark.parametrize(("tag", "attr"), [("seconds", "seconds"), ("bytes", "bytes"), ("loss_increase", "loss_increase")])
+def test_trial_scalars_are_the_trials_totals(acc, result, tag, attr):
     values = [e.value for e in acc.Scalars(f"search/trial/{tag}")]
     assert values == pytest.approx([t.user_attrs[attr] for t in complete(result)], rel=1e-6)
 
@@ -118,7 +131,8 @@ def test_fractions_of_fp32_divide_by_the_fp32_totals(acc, result, fp32):
 
 def test_best_feasible_so_far_never_rises_and_ends_at_the_studys_best(acc, result):
     values = [e.value for e in acc.Scalars("search/best_feasible_seconds")]
-    assert all(b <= a for a, b in zip(values, values[1:])) and values[-1] == pytest.approx(result.best.total.seconds, rel=1e-6)
+    best = min(t.user_attrs["seconds"] for t in complete(result) if feasible(t))
+    assert all(b <= a for a, b in zip(values, values[1:])) and values[-1] == pytest.approx(best, rel=1e-6)
 
 
 def test_best_feasible_so_far_starts_at_the_first_feasible_trial():
@@ -197,8 +211,12 @@ def test_summary_names_the_best_trial(acc, result):
 
 
 def test_multi_objective_study_is_written_too(tmp_path, space, budgets):
-    multi = run_proxy_study(space, budgets["memory"], budgets["loss"], n_trials=30, seed=0, multi_objective=True)
-    acc = accumulator(write_search(multi.study, tmp_path))
+    multi = optuna.create_study(directions=["minimize"] * 3)
+    for name, bytes_, seconds, increase, _ in random_plans(space, 30, 1):
+        attrs = {"name": name, "bytes": bytes_, "seconds": seconds, "loss_increase": increase}
+        constraints = {"memory": bytes_ - budgets["memory"], "loss": increase - budgets["loss"]}
+        multi.add_trial(optuna.trial.create_trial(values=[seconds, bytes_, increase], user_attrs=attrs, constraints=constraints))
+    acc = accumulator(write_search(multi, tmp_path))
     assert len(acc.Scalars("search/trial/bytes")) == 30 and len(acc.Images("search/pareto")) == 1
 
 
@@ -213,13 +231,15 @@ def test_writing_again_replaces_the_run(tmp_path, result):
 
 def measured_study(rows, memory=3e6, loss=0.05):
     """A study holding trials as `MeasuredStage.run` writes them: (name, bytes, seconds, loss
-    increase) complete, or (name, None, None, None) pruned before it was measured."""
+    increase[, unit formats]) complete, or (name, None, None, None) pruned before it was measured."""
     study = optuna.create_study()
-    for name, bytes_, seconds, increase in rows:
+    for name, bytes_, seconds, increase, *formats in rows:
         if bytes_ is None:
             study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.PRUNED, user_attrs={"name": name, "pruned": "slow"}))
             continue
         attrs = {"name": name, "bytes": bytes_, "seconds": seconds, "loss_increase": increase, "candidate": name}
+        if formats:
+            attrs["formats"] = formats[0]
         study.add_trial(optuna.trial.create_trial(value=seconds, user_attrs=attrs, constraints={"memory": bytes_ - memory, "loss": increase - loss}))
     return study
 
@@ -253,7 +273,7 @@ def test_front_ignores_plans_that_missed_a_budget():
     assert [p.name for p in pareto_front(points)] == ["a", "b"]
 
 
-def test_study_not_made_by_the_proxy_search_is_refused(tmp_path):
+def test_study_not_made_by_the_measured_stage_is_refused(tmp_path):
     study = optuna.create_study()
     study.optimize(lambda trial: trial.suggest_float("x", 0, 1), n_trials=1)
     with pytest.raises(MonitoringError, match="trial 0 .* has no finite user attributes bytes/seconds/loss"):
@@ -271,8 +291,8 @@ def test_unwritable_logdir_is_one_line(tmp_path, result):
 
 
 def candidate(space, trial, budgets, measured=None) -> Plan:
-    layers = space.layer_formats({u.name: trial.params[u.name] for u in space.units})
-    predicted = {"bytes": trial.user_attrs["bytes"], "seconds": trial.user_attrs["seconds"], "loss_increase": trial.user_attrs["loss"],
+    layers = space.layer_formats({u.name: trial.user_attrs["formats"][u.name] for u in space.units})
+    predicted = {"bytes": trial.user_attrs["bytes"], "seconds": trial.user_attrs["seconds"], "loss_increase": trial.user_attrs["loss_increase"],
                  "fp32_bytes": budgets["fp32"].bytes, "fp32_seconds": budgets["fp32"].seconds}
     return Plan(layers, predicted=predicted, measured=measured or {}, budgets={"memory_bytes": budgets["memory"], "loss_increase": budgets["loss"]})
 

@@ -1,8 +1,6 @@
-"""The search core: space rules, the exact optimum and the k best plans (vs brute force), the Optuna proxy study."""
+"""The search core: space rules, the exact optimum and the k best plans (vs brute force), storages."""
 
 import itertools
-import multiprocessing
-import sqlite3
 import time
 
 import numpy as np
@@ -11,7 +9,7 @@ import pytest
 
 from autoprec.errors import InfeasibleBudgetError, SearchError
 from autoprec.formats import Format
-from autoprec.search import Budgets, Choice, LayerRules, SearchSpace, formats_for_precision, k_best, run_proxy_study, solve_exact
+from autoprec.search import Budgets, Choice, LayerRules, SearchSpace, formats_for_precision, k_best, solve_exact
 from autoprec.search.study import open_storage
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -232,93 +230,6 @@ def test_k_best_stops_at_its_time_limit_with_the_plans_found():
     assert time.perf_counter() - start < 5  # the limit, plus one solve's setup on a shared machine
     assert 1 <= len(found) < 10_000
     assert [s.total.seconds for s in found] == sorted(s.total.seconds for s in found)
-
-
-# -- the proxy study (a library function; the planning pipeline does not run it) -------------------
-
-
-def test_cold_study_finds_the_exact_optimum_on_a_small_space():
-    space = SearchSpace(random_table(8, 4, formats=(Format.FP32, Format.BF16, Format.FP8_E4M3)))
-    memory, loss = budgets_for(space, 0.6, 0.5)
-    exact = solve_exact(space, memory, loss)
-    result = run_proxy_study(space, memory, loss, n_trials=250, seed=0)
-    assert result.best.total.seconds <= exact.total.seconds * 1.01
-
-
-def test_infeasible_trials_never_count_as_best():
-    space = SearchSpace(random_table(10, 5))
-    memory, loss = budgets_for(space, 0.45, 0.2)
-    result = run_proxy_study(space, memory, loss, n_trials=40, seed=1)
-    if result.best is not None:
-        assert result.best.total.bytes <= memory and result.best.total.loss <= loss
-    infeasible = [t for t in result.study.trials if t.user_attrs["bytes"] > memory]
-    assert infeasible  # the budget is tight enough to reject some trials
-
-
-def test_multi_objective_front_is_feasible_and_non_dominated():
-    space = SearchSpace(random_table(10, 6))
-    memory, loss = budgets_for(space, 0.7, 0.8)
-    result = run_proxy_study(space, memory, loss, n_trials=80, multi_objective=True, seed=0)
-    assert result.pareto
-    points = [(s.total.seconds, s.total.bytes, s.total.loss) for s in result.pareto]
-    for p in points:
-        assert p[1] <= memory and p[2] <= loss
-        assert not any(all(q[i] <= p[i] for i in range(3)) and q != p for q in points)
-
-
-def test_sqlite_study_resumes_without_losing_or_repeating_trials(tmp_path):
-    space = SearchSpace(random_table(10, 8))
-    memory, loss = budgets_for(space)
-    path = tmp_path / "study.db"
-    first = run_proxy_study(space, memory, loss, n_trials=15, storage=path, study_name="s", warm_start=[space.uniform(Format.FP32)])
-    before = [(t.number, t.params) for t in first.study.trials]
-    second = run_proxy_study(space, memory, loss, n_trials=30, storage=path, study_name="s", warm_start=[space.uniform(Format.FP32)])
-    after = [(t.number, t.params) for t in second.study.trials]
-    assert second.trials == 30
-    assert after[:15] == before
-    assert [n for n, _ in after] == list(range(30))
-    fp32 = {u.name: "fp32" for u in space.units}
-    assert sum(params == fp32 for _, params in after) == 1  # the warm start ran once, not on resume
-
-
-@pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")  # the orphan comes from ask(), on purpose
-def test_trial_left_running_by_a_dead_worker_is_retried(tmp_path):
-    space = SearchSpace(random_table(6, 9))
-    memory, loss = budgets_for(space)
-    storage = open_storage(tmp_path / "study.db", heartbeat_seconds=1)
-    study = optuna.create_study(study_name="s", storage=storage)
-    orphan = study.ask({u.name: optuna.distributions.CategoricalDistribution([f.value for f in u.formats]) for u in space.units})
-    storage.record_heartbeat(orphan._trial_id)  # a worker that started, then died
-    # SQLite's CURRENT_TIMESTAMP, which Optuna stamps heartbeats with and compares them against,
-    # has whole-second resolution: after 2.5 s the stamps can differ by only 2 s, which is not
-    # past the 2 s grace period. 3.5 s makes them differ by at least 3 s whatever the start.
-    time.sleep(2 * 1 + 1.5)
-    result = run_proxy_study(space, memory, loss, n_trials=5, storage=storage, study_name="s")
-    states = [t.state for t in result.study.trials]
-    assert states[0] == optuna.trial.TrialState.FAIL
-    retried = [t for t in result.study.trials if t.system_attrs.get("failed_trial") == orphan.number]
-    assert retried and retried[0].params == orphan.params
-    assert result.trials == 5
-
-
-def _worker(path, n_trials):
-    space = SearchSpace(random_table(10, 10))
-    memory, loss = budgets_for(space)
-    run_proxy_study(space, memory, loss, n_trials=n_trials, storage=path, study_name="shared", seed=None)
-
-
-def test_second_worker_joins_the_same_study(tmp_path):
-    path = str(tmp_path / "study.db")
-    _worker(path, 1)  # create the study before two processes race to create it
-    workers = [multiprocessing.get_context("spawn").Process(target=_worker, args=(path, 24)) for _ in range(2)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(120)
-    assert all(w.exitcode == 0 for w in workers)
-    with sqlite3.connect(path) as db:
-        count, = db.execute("SELECT COUNT(*) FROM trials WHERE state = 'COMPLETE'").fetchone()
-    assert 24 <= count <= 25  # each worker stops at 24; one may finish a trial already started
 
 
 def test_unreachable_storage_is_a_one_line_error():

@@ -17,12 +17,10 @@ Layout (one TensorBoard run per folder)::
 The candidates' metric tags are `plan_scalars`' (the ones ``autoprec review`` writes), so their
 HParams columns line up with reviewed plans in the same logdir. The trials are read from the
 search job's measured study (`autoprec.search.measured.MeasuredStage`: one trial per plan run
-for real, user attributes ``bytes``, ``seconds``, ``loss_increase`` and ``name``) or from a proxy
-study (`autoprec.search.run_proxy_study`: predicted totals, the loss as ``loss``); a trial is
+for real, user attributes ``bytes``, ``seconds``, ``loss_increase`` and ``name``); a trial is
 feasible when its constraints ``memory`` and ``loss`` are all <= 0. The Pareto front is Optuna's
 multi-objective view of those trials (`pareto_front`).
-Writing is host-only work (no device): about 80 ms for 300 trials on one slow CPU core, mostly
-TensorBoard's event writer (one event per trial); the image takes ~5 ms of it.
+Writing is host-only work (no device): one TensorBoard event per trial and one image.
 """
 
 from __future__ import annotations
@@ -104,7 +102,7 @@ _PAD, _LINE, _RADIUS = 4, 14, 3
 
 @dataclasses.dataclass(frozen=True)
 class TrialPoint:
-    """One complete trial's totals (measured, or predicted for a proxy study), whether it met
+    """One complete trial's totals (as the measured stage stored them), whether it met
     both budgets, and the name of its plan when the trial has one."""
 
     number: int
@@ -115,26 +113,25 @@ class TrialPoint:
     name: str = ""
 
 
-def search_points(study: "optuna.Study | Any") -> list[TrialPoint]:
-    """The complete trials of a study (or a `ProxyResult`) in trial-number order.
+def search_points(study: "optuna.Study") -> list[TrialPoint]:
+    """The complete trials of a measured study in trial-number order.
 
     Running, failed and pruned trials are left out. Raises `MonitoringError` for a complete trial
     without the ``bytes`` / ``seconds`` / ``loss_increase`` user attributes the measured stage
-    sets (``loss`` instead of ``loss_increase`` in a proxy study).
+    sets.
     """
     from optuna.trial import TrialState
 
     from ..search.study import feasible
 
-    study = getattr(study, "study", study)  # a ProxyResult carries its study
     points = []
     for trial in sorted(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)), key=lambda t: t.number):
         attrs = trial.user_attrs
-        values = [_number(attrs.get(key)) for key in ("bytes", "seconds", "loss_increase" if "loss_increase" in attrs else "loss")]
+        values = [_number(attrs.get(key)) for key in ("bytes", "seconds", "loss_increase")]
         if any(v is None for v in values):
             raise MonitoringError(
                 f"trial {trial.number} of study {study.study_name!r} has no finite user attributes "
-                f"bytes/seconds/loss_increase; write_search reads the search job's measured study (or a proxy study)"
+                f"bytes/seconds/loss_increase; write_search reads the search job's measured study"
             )
         points.append(TrialPoint(trial.number, *values, feasible(trial), str(attrs.get("name", ""))))
     return points
@@ -435,8 +432,7 @@ def write_search(
     measured: Sequence[tuple[str, Plan]] = (),
     replace: bool = True,
 ) -> Path:
-    """Write a search's study as the run ``logdir/run``: the job's measured study (one trial per
-    plan run for real) or a proxy study (an `optuna.Study` or a `ProxyResult`).
+    """Write a search's measured study (one trial per plan run for real) as the run ``logdir/run``.
 
     Per complete trial (step = trial number): ``search/trial/seconds``, ``bytes``,
     ``loss_increase`` and ``feasible`` (1 or 0), and ``*_vs_fp32`` fractions where ``fp32`` (a

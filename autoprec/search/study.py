@@ -1,45 +1,33 @@
-"""Optuna storages for the search (opening, crashed workers' trials, quiet interrupts), and a
-proxy study over per-unit formats on the additive cost table.
+"""Optuna storages for the measured study (opening, crashed workers' trials, quiet interrupts).
 
-The proxy study (`run_proxy_study`) is a library function, not part of the planning pipeline
-(`search.pipeline`): the integer program (`exact.k_best`) solves the same table exactly, while a
-sampler does not (TPE was +72 % predicted step time off the optimum after 1,000 trials on 120
-layers); a study warm-started with the optimum can only report a gap of zero. One categorical
-parameter per unit. The objective is the predicted step time (or, with ``multi_objective``,
-time, memory and loss increase for a Pareto front); the budgets are Optuna constraints
-(``Trial.set_constraint``), so infeasible trials still teach the sampler where the boundary is.
+There is no sampler-driven proxy study: the integer program (`exact.k_best`) solves the additive
+table exactly, which TPE did not (+72 % predicted step time off the optimum after 1,000 trials
+on 120 layers). Optuna runs what it is good at here, the study of measured plans
+(`search.measured`): its storage, resume, heartbeats and pruning.
 
 Storage is any Optuna storage URL; a plain path means a local SQLite file. Trials a crashed
 worker left running are failed and queued again (`recover_interrupted_trials`): at once when the
 worker was a process of this machine that no longer exists, else once its heartbeat goes stale.
-So an interrupted study resumes with no trial lost, and ``n_trials`` counts the study's trials
-across every worker and restart.
+So an interrupted study resumes with no trial lost.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import logging
-import math
 import os
 import socket
 import warnings
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
 import optuna
-from optuna.study import MaxTrialsCallback
 from optuna.trial import TrialState
 
 from ..errors import SearchError
-from ..formats import Format
-from .exact import Solution
-from .space import Choice, SearchSpace
 
 __all__ = [
-    "ProxyResult", "open_storage", "run_proxy_study", "feasible", "HEARTBEAT_SECONDS",
+    "open_storage", "feasible", "HEARTBEAT_SECONDS",
     "WORKER_ATTR", "mark_worker", "recover_interrupted_trials", "quiet_interrupts", "RetryWithFreshConstraints",
 ]
 
@@ -48,7 +36,6 @@ logger = logging.getLogger(__name__)
 # A running trial whose worker stopped sending heartbeats for this long is marked failed and
 # retried (Optuna's RDB heartbeat; the grace period is Optuna's default of 2 intervals).
 HEARTBEAT_SECONDS = 10
-_COUNTED = (TrialState.COMPLETE, TrialState.PRUNED)
 
 
 class RetryWithFreshConstraints(optuna.storages.RetryHeartbeatStaleTrialCallback):
@@ -177,108 +164,7 @@ def quiet_interrupts():
         optimize_logger.removeFilter(quiet)
 
 
-@dataclasses.dataclass(frozen=True)
-class ProxyResult:
-    """Best feasible assignment of the study, its cost, the Pareto front (multi-objective) and the
-    study itself."""
-
-    best: "Solution | None"
-    pareto: tuple[Solution, ...]
-    study: optuna.Study
-    trials: int
-
-
 def feasible(trial: optuna.trial.FrozenTrial) -> bool:
     """A finished trial that met both budgets (Optuna's convention: constraint values <= 0)."""
     values = list(trial.constraints.values())  # constraint name -> value
     return trial.state is TrialState.COMPLETE and bool(values) and all(v <= 0 for v in values)
-
-
-def _assignment(space: SearchSpace, params: Mapping[str, str]) -> dict[str, Format]:
-    return {u.name: Format.parse(params[u.name]) for u in space.units}
-
-
-def run_proxy_study(
-    space: SearchSpace,
-    memory_bytes: float,
-    loss_budget: float,
-    *,
-    n_trials: int = 300,
-    storage: "str | Path | optuna.storages.BaseStorage | None" = None,
-    study_name: str = "autoprec",
-    seed: "int | None" = 0,
-    warm_start: Sequence[Mapping[str, Format]] = (),
-    multi_objective: bool = False,
-    timeout: "float | None" = None,
-    callbacks: Sequence[Callable] = (),
-    study_attrs: "Mapping[str, object] | None" = None,
-) -> ProxyResult:
-    """Run (or resume) the proxy study until it holds ``n_trials`` finished trials.
-
-    ``warm_start`` assignments (e.g. the exact optimum and the uniform plans) are enqueued only
-    into a study that has no trials yet, so resuming never repeats them. ``study_attrs`` are set
-    on the study before its first trial runs (what the trials depend on, for a later resume to
-    check). Trials an interrupted run left RUNNING are failed and queued again first
-    (`recover_interrupted_trials`). Costs one evaluation of the additive table per trial
-    (microseconds) plus the storage's write per trial.
-    """
-    if n_trials < 1:
-        raise SearchError(f"n_trials must be >= 1, got {n_trials}")
-    directions = ["minimize"] * (3 if multi_objective else 1)
-    if multi_objective:
-        sampler = optuna.samplers.NSGAIISampler(seed=seed)
-    else:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            # Multivariate TPE models the layers jointly: the budgets couple them.
-            sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=20, multivariate=True)
-    study = optuna.create_study(
-        study_name=study_name,
-        storage=storage if storage is None or isinstance(storage, optuna.storages.BaseStorage) else open_storage(storage),
-        sampler=sampler,
-        directions=directions,
-        load_if_exists=True,
-    )
-    for key, value in (study_attrs or {}).items():
-        study.set_user_attr(key, value)
-    recover_interrupted_trials(study)
-    if not study.trials:
-        for assignment in warm_start:
-            study.enqueue_trial({name: Format.parse(fmt).value for name, fmt in assignment.items()}, skip_if_exists=True)
-
-    def objective(trial: optuna.Trial):
-        mark_worker(trial)
-        params = {u.name: trial.suggest_categorical(u.name, [f.value for f in u.formats]) for u in space.units}
-        total = space.totals(_assignment(space, params))
-        # Positive means violated; an open budget is never violated.
-        trial.set_constraint("memory", total.bytes - memory_bytes if math.isfinite(memory_bytes) else -1.0)
-        trial.set_constraint("loss", total.loss - loss_budget if math.isfinite(loss_budget) else -1.0)
-        trial.set_user_attr("bytes", total.bytes)
-        trial.set_user_attr("loss", total.loss)
-        trial.set_user_attr("seconds", total.seconds)
-        return (total.seconds, total.bytes, total.loss) if multi_objective else total.seconds
-
-    done = sum(t.state in _COUNTED for t in study.trials)
-    if done < n_trials:
-        study.optimize(
-            objective,
-            n_trials=None,
-            timeout=timeout,
-            callbacks=[MaxTrialsCallback(n_trials, states=_COUNTED), *callbacks],
-            gc_after_trial=False,
-        )
-    trials = study.get_trials(deepcopy=False)
-    good = [t for t in trials if feasible(t)]
-    best = None
-    if good:
-        top = min(good, key=lambda t: t.user_attrs["seconds"])
-        best = _solution(space, top)
-    pareto: tuple[Solution, ...] = ()
-    if multi_objective:
-        pareto = tuple(_solution(space, t) for t in study.best_trials if feasible(t))
-    return ProxyResult(best, pareto, study, sum(t.state in _COUNTED for t in trials))
-
-
-def _solution(space: SearchSpace, trial: optuna.trial.FrozenTrial) -> Solution:
-    assignment = _assignment(space, trial.params)
-    return Solution(assignment, Choice(trial.user_attrs["bytes"], trial.user_attrs["seconds"], trial.user_attrs["loss"]))
