@@ -22,7 +22,7 @@ from tb_events import accumulator  # noqa: E402
 
 WINDOW = 10
 STEPS = 40
-SETTINGS = dict(monitor_window=WINDOW, monitor_steps=4, accuracy_budget=0.05, measure_costs=False, search_timeout_s=10)
+SETTINGS = dict(monitor_window=WINDOW, monitor_steps=4, memory_budget=0.9, accuracy_budget=0.05, measure_costs=False, search_timeout_s=10)
 
 
 def bert(seed=0):
@@ -64,6 +64,9 @@ def training_logs(trainer):
 def test_a_plan_is_reached_with_gradient_accumulation_and_the_loss_falls(run):
     _, trainer, sch = run
     assert sch.phase == "planned" and sch.model is trainer.model
+    # The memory budget (the cost model's timings vary run to run; the bytes do not) forces a
+    # plan with narrower layers.
+    assert sch.plan.predicted["bytes"] <= 0.9 * sch.plan.predicted["fp32_bytes"]
     assert any(lp.format is not Format.FP32 for lp in sch.plan.layers.values())
     # One scheduler step per optimizer step, not per micro-batch (2 per step here).
     assert sch.step_count == trainer.state.global_step == STEPS
