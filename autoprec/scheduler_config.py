@@ -63,8 +63,10 @@ class SchedulerConfig:
     rate the sensitivity's gradient term assumes. ``loss_scaling``, ``max_grad_norm`` (clip the unscaled
     gradients; None: no clipping), ``thresholds`` (when layers are promoted and demoted),
     ``monitor_steps`` (profiled steps at the end of each window), ``log_dir`` (TensorBoard).
-    ``measure_costs=False`` uses the roofline time model instead of timing layers on the device
-    (deterministic; for tests). ``dynamic=False`` runs a fixed plan and never re-plans.
+    ``measure_costs=False`` uses the roofline time model instead of timing every layer on the
+    device: cheaper, but deterministic only where the device has a datasheet entry (elsewhere,
+    a CPU included, its peaks are calibrated once per process by one GEMM per format, so the
+    predicted seconds, and a plan without a memory budget, can differ between runs). ``dynamic=False`` runs a fixed plan and never re-plans.
     """
 
     min_precision: int = 8
