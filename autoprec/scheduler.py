@@ -33,7 +33,10 @@ Lifecycle (each step of it uses the part that owns it; nothing is re-implemented
    reason, and logged.
 
 Loss scaling (`autoprec.scaling.LossScaler`) is on only while some layer has FP16 gradients (FP8
-gradients carry their own per-tensor scale); a non-finite gradient skips the step either way.
+gradients carry their own per-tensor scale); a non-finite gradient skips the step either way, and
+the scaler names the layers whose gradients were. A non-finite *loss* (every gradient then is)
+arms an `OutputWatch` (one reduction per layer call) until a window passes without one, so the
+next non-finite loss names the first layer whose output went inf/NaN; clean training never pays it.
 `state_dict` covers everything (plan, scaler, amax histories and calibration, profiler
 statistics, window position, step): a resumed run continues exactly as the uninterrupted one.
 
@@ -147,6 +150,10 @@ class DynamicPrecisionScheduler:
         self._context_stack: Optional[contextlib.ExitStack] = None
         self._backward_due = False  # a forward with autograd ran since the last backward
         self._skips_in_row = 0
+        # Per-layer output checks (one reduction per layer call) are armed only after a loss went
+        # non-finite, and disarmed after a window without one: clean training does not pay them.
+        self._watch_outputs = False
+        self._nonfinite_losses = 0  # this window's
         self.scaler = self._new_scaler(enabled=False)
         self._writer = None
 
@@ -246,6 +253,11 @@ class DynamicPrecisionScheduler:
         first_bad_output = self.scaler.first_nonfinite_output if self.scaler.last_loss_finite is False else None
         self.step_count += 1
         self._count_skips(skipped, nonfinite)
+        if self.scaler.last_loss_finite is False:
+            self._nonfinite_losses += 1
+            if not self._watch_outputs:  # the next non-finite loss names the layer whose output went first
+                self._watch_outputs = True
+                self._watch()
         if self._writer is not None:
             self._writer.log_step(self.step_count, loss=self._last_loss, loss_scale=self.scaler.scale_tensor, skipped=skipped)
         if self.config.dynamic and self.plan is not None:
@@ -314,7 +326,7 @@ class DynamicPrecisionScheduler:
         if self._fixed_plan is not None:
             self._fixed_plan.validate(model, example)  # a plan for another model: PlanError naming each layer
         self._attach(model, example)
-        self.scaler.watch(model, list(self.layers), outputs=True)
+        self._watch()
         if self._fixed_plan is not None:
             self._set_plan(self._fixed_plan, "the given plan")
         else:
@@ -359,12 +371,16 @@ class DynamicPrecisionScheduler:
     def _new_scaler(self, enabled: bool) -> LossScaler:
         return LossScaler(**dataclasses.asdict(self.config.loss_scaling), enabled=enabled)
 
+    def _watch(self) -> None:
+        """Attribute non-finite gradients to the layers (and outputs, while armed)."""
+        self.scaler.watch(self.model, list(self.layers), outputs=self._watch_outputs)
+
     def _replace_scaler(self, enabled: bool, state: Mapping[str, Any]) -> None:
         """A scaler with ``enabled`` and ``state``, watching the layers in place of the current one."""
         self.scaler.unwatch()  # its hooks would keep recording into a scaler nobody updates
         self.scaler = self._new_scaler(enabled=enabled)
         self.scaler.load_state_dict(state)
-        self.scaler.watch(self.model, list(self.layers), outputs=True)
+        self._watch()
 
     def _set_plan(self, plan: Plan, why: str, searched: bool = True) -> None:
         """Install ``plan``: a new runtime keeping the amax histories and calibration of layers
@@ -457,6 +473,10 @@ class DynamicPrecisionScheduler:
             self._review_window(profile)
         self.window_start = self.step_count
         self._window_nonfinite = {}
+        if self._watch_outputs and not self._nonfinite_losses:
+            self._watch_outputs = False
+            self._watch()
+        self._nonfinite_losses = 0
         self._maybe_start_monitor()
 
     def _maybe_start_monitor(self) -> None:
@@ -493,7 +513,7 @@ class DynamicPrecisionScheduler:
             return
         finally:
             self._captured = []
-            self.scaler.watch(self.model, list(self.layers), outputs=True)
+            self._watch()
         self._set_plan(plan, f"searched after {self.step_count} steps")
         if self._writer is not None and self._meter_bytes is not None:
             self._writer.log_memory(self.step_count, predicted_bytes=plan.predicted.get("bytes"), measured_bytes=self._meter_bytes)

@@ -81,10 +81,33 @@ def test_loss_scaling_follows_the_plan(planned):
         assert sch.scaler.get_scale() == 4096.0
 
 
-def test_switching_the_scaler_leaves_one_watch_per_layer(planned):
+def test_switching_the_scaler_leaves_no_stale_watch(planned):
     _, model, _, sch, _ = planned
-    # An old scaler's hooks would record every forward into a scaler nobody updates (a leak).
-    assert all(len(dict(model.named_modules())[fqn]._forward_hooks) == 1 for fqn in sch.layers)
+    # An old scaler's hooks would record every forward into a scaler nobody updates (a leak);
+    # clean training has no output watch at all (it is armed by a non-finite loss).
+    assert all(not dict(model.named_modules())[fqn]._forward_hooks for fqn in sch.layers)
+
+
+def test_a_nonfinite_loss_arms_the_output_watch_which_names_the_layer_then_a_clean_window_disarms_it():
+    wl, model, opt = setup()
+    sch = scheduler()
+    sampler = wl.train_batches(0)
+    train(wl, model, opt, sch, WINDOW, sampler)
+    modules = dict(model.named_modules())
+    other = next(fqn for fqn in sch.layers if fqn != "lm_head")
+    bad = {WINDOW, WINDOW + 1}  # step_count during the forward of steps WINDOW + 1 and WINDOW + 2
+
+    def poison_output(module, args, output):
+        return output * float("inf") if sch.step_count in bad else output
+
+    modules["lm_head"].register_forward_hook(poison_output)  # before the watch's, so the watch sees it
+    train(wl, model, opt, sch, 1, sampler)
+    assert sch.scaler.last_loss_finite is False and sch.scaler.first_nonfinite_output is None  # not armed yet
+    assert len(modules[other]._forward_hooks) == 1  # armed
+    train(wl, model, opt, sch, 1, sampler)
+    assert sch.scaler.last_loss_finite is False and sch.scaler.first_nonfinite_output == "lm_head"
+    train(wl, model, opt, sch, 2 * WINDOW - 2, sampler)  # the rest of this window, then a clean one
+    assert not modules[other]._forward_hooks  # disarmed
 
 
 def test_planned_steps_run_the_plan(planned):
