@@ -154,6 +154,20 @@ def test_a_trial_of_a_live_process_is_left_running(tmp_path):
     assert [t.state for t in study.get_trials()] == [TrialState.RUNNING]
 
 
+def test_a_trial_whose_worker_died_before_naming_itself_is_failed_after_the_grace_period(tmp_path, monkeypatch):
+    """kill -9 between Optuna creating the trial and the worker naming itself leaves a trial with
+    no worker and no heartbeat: failed once it has been nameless for the grace period."""
+    import autoprec.search.study as study_module
+
+    storage = open_storage(tmp_path / "study.db")
+    study = optuna.create_study(study_name="s", storage=storage)
+    study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})
+    assert recover_interrupted_trials(study) == 0  # just created: its worker may be naming itself now
+    monkeypatch.setattr(study_module, "HEARTBEAT_SECONDS", 0)  # the grace period has passed
+    assert recover_interrupted_trials(study) == 1
+    assert [t.state for t in study.get_trials()] == [TrialState.FAIL, TrialState.WAITING]
+
+
 def test_an_interrupted_study_rerun_with_other_budgets_is_refused(tmp_path):
     storage = open_storage(tmp_path / "study.db")
     study = optuna.create_study(study_name="s:measured", storage=storage)  # the job's measured study
@@ -426,7 +440,9 @@ def test_kill_and_ctrl_c_resume_with_no_trial_left_running_and_no_candidate_meas
 
     # kill -9 while a candidate is being measured.
     job = start_search(path)
-    wait_for(lambda: storage_ready(tmp_path / "out" / "study.db") and trials_of(url, "tiny:measured", running), job)
+    # (Once the trial names its worker: a kill before that is recovered only after the grace
+    # period, tested on its own above.)
+    wait_for(lambda: storage_ready(tmp_path / "out" / "study.db") and any("worker" in t.user_attrs for t in trials_of(url, "tiny:measured", running)), job)
     job.send_signal(signal.SIGKILL)
     job.wait()
 

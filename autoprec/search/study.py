@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
 import logging
 import os
 import socket
@@ -88,8 +89,15 @@ def mark_worker(trial: optuna.Trial) -> None:
 
 
 def _worker_gone(trial: optuna.trial.FrozenTrial) -> bool:
-    """Whether the trial's worker was a process of this machine that no longer exists."""
-    host, _, pid = str(trial.user_attrs.get(WORKER_ATTR, "")).rpartition(":")
+    """Whether the trial's worker was a process of this machine that no longer exists, or died
+    between Optuna creating the trial and the worker naming itself in it."""
+    if WORKER_ATTR not in trial.user_attrs:
+        # A live worker names itself (and Optuna records its first heartbeat) milliseconds after
+        # creating the trial; a trial nameless for a whole grace period lost its worker in that
+        # gap, and with no heartbeat on record `fail_stale_trials` would never fail it.
+        started = trial.datetime_start
+        return started is not None and (datetime.datetime.now() - started).total_seconds() > 2 * HEARTBEAT_SECONDS
+    host, _, pid = str(trial.user_attrs[WORKER_ATTR]).rpartition(":")
     if host != socket.gethostname() or not pid.isdigit() or int(pid) == os.getpid():
         return False
     try:
@@ -128,7 +136,7 @@ def recover_interrupted_trials(study: optuna.Study) -> int:
             except optuna.exceptions.UpdateFinishedTrialError:  # another process failed it first
                 continue
             logger.warning("trial %d of study %r was left running by %s, which is gone: failed and queued again",
-                           trial.number, study.study_name, trial.user_attrs[WORKER_ATTR])
+                           trial.number, study.study_name, trial.user_attrs.get(WORKER_ATTR, "a worker that never named itself"))
             retry(study, copy.deepcopy(storage.get_trial(trial._trial_id)))
             failed += 1
     return failed
