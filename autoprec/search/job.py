@@ -66,6 +66,7 @@ from .pipeline import Proposal, propose_plans
 from .planner import layer_reasons, plan_from_solution
 from .space import SearchSpace
 from .study import open_storage, quiet_interrupts
+from .workers import adopt_candidates, check_workers, run_workers
 
 __all__ = ["JobResult", "run_job"]
 
@@ -240,10 +241,13 @@ def _with_references(proposed, space, costs, config, ruled_out, memory, loss_bud
     return sorted(out.values(), key=lambda c: c.plan.predicted["seconds"])
 
 
-def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
+def run_job(config: JobConfig, progress: "Progress | None" = None, workers: int = 1) -> JobResult:
     """Run the search job ``config`` (see the module docstring); returns what it found.
 
-    Raises `SearchError` for a bad workload or a study of another search, and
+    ``workers`` > 1 measures the candidates in that many processes on the job's storage (a
+    journal file or a server database, `search.workers`); everything before the measured stage
+    runs once, here. Raises `SearchError` for a bad workload, a study of another search or a
+    storage that cannot take several workers, and
     `InfeasibleBudgetError` (stating the smallest memory and loss increase reachable) when no
     plan can meet the budgets even on the predictions.
     """
@@ -252,6 +256,7 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
     with _naming(config, "[job].device"):
         device = resolve_device(config.device, SearchError, "the search", fix='set [job].device = "cpu" (or "auto")')
     _make_out(config)
+    check_workers(config.source, config.storage_url, workers)
     with _naming(config, "[search].storage", "; fix the path or URL"):
         storage = open_storage(config.storage_url)  # an unreachable storage fails before any work
     workload = _workload(config)
@@ -304,6 +309,16 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
     )
     measured_study.set_user_attr(_SEARCH_ATTR, signature)  # before its first trial: what a resume checks
     measured_memory = config.budgets.memory_bytes(stage.memory(None))
+    candidates = adopt_candidates(measured_study, candidates)  # several machines: the first one's list
+    if workers > 1:
+        payload = {
+            "config": config, "device": device, "state_dict": {k: v.cpu() for k, v in model.state_dict().items()},
+            "train": [to_device(b, "cpu") for b in train], "val": [to_device(b, "cpu") for b in val], "layers": list(fingerprint),
+            "candidates": candidates, "memory": measured_memory, "loss_budget": loss_budget,
+            "study_name": _measured_name(config), "storage": config.storage_url,
+        }
+        run_workers(config, payload, candidates, measured_study, workers, progress)
+    # With workers, this collects what they measured (and measures what a dead one left).
     with quiet_interrupts():
         results = stage.run(candidates, measured_study, measured_memory, loss_budget, progress)
     references = {"fp32": stage.fp32()}
