@@ -252,11 +252,11 @@ def run_job(config: JobConfig, progress: "Progress | None" = None, workers: int 
     plan can meet the budgets even on the predictions.
     """
     start = time.perf_counter()
+    check_workers(config.source, config.storage_url, workers)
     # Checked before anything is written, so a bad device or folder leaves no empty study behind.
     with _naming(config, "[job].device"):
         device = resolve_device(config.device, SearchError, "the search", fix='set [job].device = "cpu" (or "auto")')
     _make_out(config)
-    check_workers(config.source, config.storage_url, workers)
     with _naming(config, "[search].storage", "; fix the path or URL"):
         storage = open_storage(config.storage_url)  # an unreachable storage fails before any work
     workload = _workload(config)
