@@ -74,14 +74,16 @@ def test_sqlite_with_several_workers_is_refused_in_one_line_naming_the_key_and_t
 
 @pytest.mark.slow
 def test_two_workers_on_a_journal_measure_every_candidate_once_and_choose_the_one_worker_plan(tmp_path):
+    # 60 timed steps: trials of about a second, so one worker cannot take every candidate while
+    # the other is still starting (a process start is seconds: Python, torch, the workload).
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
-    assert main(["search", str(worker_job(one, "study.journal")), "--workers", "1"]) == 0
+    assert main(["search", str(worker_job(one, "study.journal", steps=60)), "--workers", "1"]) == 0
     # The proxy made deterministic: the second search predicts from the first one's measured
     # layer times (costs.json is read back, not measured again), so it proposes the same plans.
     (two / "out").mkdir()
     shutil.copy(one / "out" / "costs.json", two / "out" / "costs.json")
-    assert main(["search", str(worker_job(two, "study.journal")), "--workers", "2"]) == 0
+    assert main(["search", str(worker_job(two, "study.journal", steps=60)), "--workers", "2"]) == 0
 
     single, parallel = (study_of(f"journal://{f / 'out' / 'study.journal'}") for f in (one, two))
     assert _candidate_ids(parallel) == _candidate_ids(single)

@@ -19,7 +19,8 @@ One run, in order (each step's figures end up in the plan's ``predicted`` / ``me
 4. **Measured stage**: those plans run for real (`MeasuredStage`, an Optuna study in the job's
    storage, resumed on a re-run), and beside them the references: every uniform plan that fits the
    budgets as predicted, and plain ``torch.autocast`` in BF16 (and FP16) where the device runs
-   it and the rules allow that format. The plan returned is the fastest of all of them that
+   it and the rules allow that format (``--workers N``: N processes measure them, `search.workers`;
+   this process then collects the study). The plan returned is the fastest of all of them that
    meets both budgets *as measured*; when plain autocast wins, that is the uniform half plan,
    its metadata saying it runs as plain autocast. Plain FP32 is measured as the baseline.
 5. **Artifacts** under ``[job].out``: ``plan.json`` (only when a plan met the budgets),
