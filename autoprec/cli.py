@@ -488,6 +488,12 @@ def _add_search(subparsers, common: argparse.ArgumentParser) -> None:
         ),
     )
     p.add_argument("config", type=Path, metavar="CONFIG.toml", help="the search job file")
+    p.add_argument(
+        "--workers", type=_positive_int, default=1, metavar="N",
+        help="measure the candidates in N processes on one study (default 1); N > 1 needs [search].storage to be a "
+             "journal file (study.journal) or a PostgreSQL URL. Another machine joins by running the same job "
+             "file with the same PostgreSQL storage",
+    )
     p.set_defaults(handler=_cmd_search)
 
 
@@ -501,7 +507,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     optuna.logging.set_verbosity(optuna.logging.INFO if args.verbose else optuna.logging.WARNING)
     progress = _Progress(f"search {config.name}")
     try:
-        result = run_job(config, progress=progress)
+        result = run_job(config, progress=progress, workers=args.workers)
         _CTRL_C.check()
     except KeyboardInterrupt:
         progress.close()

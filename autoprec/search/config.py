@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping
 from .. import workload
 from ..errors import FormatError, SearchError
 from ..formats import Format
+from .study import JOURNAL_SCHEME, JOURNAL_SUFFIXES
 from .space import DEFAULT_CANDIDATES, Budgets, LayerRules, formats_for_precision
 
 if sys.version_info >= (3, 11):
@@ -67,11 +68,15 @@ class JobConfig:
 
     @property
     def storage_url(self) -> str:
-        """An Optuna URL; a bare path is a SQLite file under ``out``."""
-        if "://" in self.storage:
+        """An Optuna storage URL; a relative path (bare or ``journal://``) is under ``out``: a
+        path ending in ``.journal`` / ``.log`` is a journal file (``journal:///abs/path``), any
+        other bare path a SQLite file."""
+        if "://" in self.storage and not self.storage.startswith(JOURNAL_SCHEME):
             return self.storage
-        path = Path(self.storage)
-        return f"sqlite:///{path if path.is_absolute() else self.out / path}"
+        path = Path(self.storage.removeprefix(JOURNAL_SCHEME))
+        path = path if path.is_absolute() else self.out / path
+        journal = self.storage.startswith(JOURNAL_SCHEME) or path.suffix in JOURNAL_SUFFIXES
+        return f"{JOURNAL_SCHEME}{path}" if journal else f"sqlite:///{path}"
 
 
 # An upper bound that keeps a typo (an extra 000) from asking for gigabytes: every held-out
@@ -165,7 +170,7 @@ _SCHEMA: dict[str, dict[str, tuple[Callable, str]]] = {
         "min_precision": (_int(8), "8, 16 or 32"),
         "max_precision": (_int(8), "8, 16 or 32"),
         "formats": (_format_list, f"a non-empty list of formats ({FORMATS})"),
-        "storage": (_str, "a file path or an Optuna storage URL"),
+        "storage": (_str, "a file path (.journal / .log: a journal file, else SQLite) or an Optuna storage URL"),
         "study_name": (_str, "a non-empty string"),
         "seed": (_int(0), "an integer >= 0"),
         "measure_top": (_int(1), "an integer >= 1"),

@@ -19,7 +19,8 @@ One run, in order (each step's figures end up in the plan's ``predicted`` / ``me
 4. **Measured stage**: those plans run for real (`MeasuredStage`, an Optuna study in the job's
    storage, resumed on a re-run), and beside them the references: every uniform plan that fits the
    budgets as predicted, and plain ``torch.autocast`` in BF16 (and FP16) where the device runs
-   it and the rules allow that format. The plan returned is the fastest of all of them that
+   it and the rules allow that format (``--workers N``: N processes measure them, `search.workers`;
+   this process then collects the study). The plan returned is the fastest of all of them that
    meets both budgets *as measured*; when plain autocast wins, that is the uniform half plan,
    its metadata saying it runs as plain autocast. Plain FP32 is measured as the baseline.
 5. **Artifacts** under ``[job].out``: ``plan.json`` (only when a plan met the budgets),
@@ -66,6 +67,7 @@ from .pipeline import Proposal, propose_plans
 from .planner import layer_reasons, plan_from_solution
 from .space import SearchSpace
 from .study import open_storage, quiet_interrupts
+from .workers import adopt_candidates, check_workers, run_workers
 
 __all__ = ["JobResult", "run_job"]
 
@@ -240,14 +242,18 @@ def _with_references(proposed, space, costs, config, ruled_out, memory, loss_bud
     return sorted(out.values(), key=lambda c: c.plan.predicted["seconds"])
 
 
-def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
+def run_job(config: JobConfig, progress: "Progress | None" = None, workers: int = 1) -> JobResult:
     """Run the search job ``config`` (see the module docstring); returns what it found.
 
-    Raises `SearchError` for a bad workload or a study of another search, and
+    ``workers`` > 1 measures the candidates in that many processes on the job's storage (a
+    journal file or a server database, `search.workers`); everything before the measured stage
+    runs once, here. Raises `SearchError` for a bad workload, a study of another search or a
+    storage that cannot take several workers, and
     `InfeasibleBudgetError` (stating the smallest memory and loss increase reachable) when no
     plan can meet the budgets even on the predictions.
     """
     start = time.perf_counter()
+    check_workers(config.source, config.storage_url, workers)
     # Checked before anything is written, so a bad device or folder leaves no empty study behind.
     with _naming(config, "[job].device"):
         device = resolve_device(config.device, SearchError, "the search", fix='set [job].device = "cpu" (or "auto")')
@@ -304,6 +310,16 @@ def run_job(config: JobConfig, progress: "Progress | None" = None) -> JobResult:
     )
     measured_study.set_user_attr(_SEARCH_ATTR, signature)  # before its first trial: what a resume checks
     measured_memory = config.budgets.memory_bytes(stage.memory(None))
+    candidates = adopt_candidates(measured_study, candidates)  # several machines: the first one's list
+    if workers > 1:
+        payload = {
+            "config": config, "device": device, "state_dict": {k: v.cpu() for k, v in model.state_dict().items()},
+            "train": [to_device(b, "cpu") for b in train], "val": [to_device(b, "cpu") for b in val], "layers": list(fingerprint),
+            "candidates": candidates, "memory": measured_memory, "loss_budget": loss_budget,
+            "study_name": _measured_name(config), "storage": config.storage_url,
+        }
+        run_workers(config, payload, candidates, measured_study, workers, progress)
+    # With workers, this collects what they measured (and measures what a dead one left).
     with quiet_interrupts():
         results = stage.run(candidates, measured_study, measured_memory, loss_budget, progress)
     references = {"fp32": stage.fp32()}

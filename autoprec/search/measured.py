@@ -57,7 +57,7 @@ from ..runtime import EmulationWarning, apply_plan
 from ..workload import TrainStep
 from .study import mark_worker, recover_interrupted_trials
 
-__all__ = ["Measurement", "Candidate", "BudgetPruner", "MeasuredStage", "candidate_id", "fastest_meeting"]
+__all__ = ["Measurement", "Candidate", "BudgetPruner", "MeasuredStage", "candidate_id", "enqueue", "fastest_meeting"]
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +228,12 @@ class MeasuredStage:
 
     def step_seconds(self, context: Callable[[nn.Module], Any]) -> float:
         """Median training-step seconds of a variant, as its median ratio to interleaved FP32
-        steps times the FP32 median of every step this stage has timed."""
+        steps (`step_ratio`) times the FP32 median of every step this stage has timed."""
+        return self.step_ratio(context) * self.fp32_seconds
+
+    def step_ratio(self, context: Callable[[nn.Module], Any]) -> float:
+        """Median ratio of a variant's training-step time to FP32's, steps interleaved one for
+        one (``2 × (warmup + steps)`` training steps); the FP32 times join `fp32_seconds`."""
         variant = _Variant(self.model, self.train_step, context)
         ratios = []
         for i in range(self.warmup + self.steps):
@@ -244,13 +249,13 @@ class MeasuredStage:
             if i >= self.warmup:
                 self._fp32_times.append(t[id(self._fp32)])
                 ratios.append(t[id(variant)] / t[id(self._fp32)])
-        return statistics.median(ratios) * self.fp32_seconds
+        return statistics.median(ratios)
 
     @property
     def fp32_seconds(self) -> float:
         """Median FP32 step seconds over every interleaved step timed so far."""
         if not self._fp32_times:
-            self.step_seconds(lambda m: contextlib.nullcontext())
+            self.step_ratio(lambda m: contextlib.nullcontext())
         return statistics.median(self._fp32_times)
 
     # -- references and candidates ----------------------------------------------------------
@@ -282,6 +287,7 @@ class MeasuredStage:
         loss_budget: float,
         progress: "Callable[[int, int, str], None] | None" = None,
         slow_prune: float = 2.0,
+        poll_s: float = 1.0,
     ) -> dict[str, "Measurement | str"]:
         """Measure every candidate not yet measured in ``study`` (trials keyed by the user
         attribute ``candidate``), in the order given; returns candidate id -> `Measurement`, or
@@ -292,7 +298,15 @@ class MeasuredStage:
 
         Trials an interrupted run left RUNNING are failed and queued again first; a queued
         trial whose candidate is already measured, or is not one of ``candidates``, is pruned
-        at once with the user attribute ``skipped`` saying why (no measurement)."""
+        at once with the user attribute ``skipped`` saying why (no measurement).
+
+        Many processes may run this on one study at once (`search.workers`): each takes the next
+        candidate that no trial holds, a trial whose candidate an earlier-numbered live trial
+        holds is skipped (so no candidate is measured twice, whatever the race), and a process
+        with nothing left to take polls every ``poll_s`` seconds until the trials the others run
+        finish, or fail and come back queued. The step seconds returned are each trial's
+        ``fp32_ratio`` times this stage's FP32 median, so trials of several workers (each with
+        its own FP32 timings) compare on one scale."""
         by_id = {c.id: c for c in candidates}
         recover_interrupted_trials(study)
 
@@ -309,9 +323,9 @@ class MeasuredStage:
         def objective(trial: optuna.Trial) -> float:
             mark_worker(trial)
             cid = trial.user_attrs.get("candidate")
-            earlier = finished().get(cid)
+            earlier = _owner(study, cid, trial.number)
             if earlier is not None or cid not in by_id:
-                why = f"already measured in trial {earlier.number}" if earlier is not None else "not a candidate of this run"
+                why = f"measured by trial {earlier.number}" if earlier is not None else "not a candidate of this run"
                 trial.set_user_attr("skipped", why)
                 raise optuna.TrialPruned(why)
             candidate = by_id[cid]
@@ -339,7 +353,9 @@ class MeasuredStage:
                         raise optuna.TrialPruned(trial.user_attrs["pruned"])
                 trial.set_user_attr("loss_increase", increase)
                 trial.set_constraint("loss", increase - loss_budget if math.isfinite(loss_budget) else -1.0)
-                seconds = self.step_seconds(context)
+                ratio = self.step_ratio(context)
+                seconds = ratio * self.fp32_seconds
+            trial.set_user_attr("fp32_ratio", ratio)
             trial.set_user_attr("seconds", seconds)
             return seconds
 
@@ -351,9 +367,16 @@ class MeasuredStage:
                 progress(total - len(todo), total, "measuring")
             if not todo:
                 break
-            waiting = {t.user_attrs.get("candidate") for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))}
-            if todo[0].id not in waiting:
-                study.enqueue_trial({}, user_attrs={"candidate": todo[0].id, "name": todo[0].name})
+            held, waiting = _held(study)
+            free = [c for c in todo if c.id not in held]
+            if free:
+                enqueue(study, free[:1])
+            elif not waiting:
+                # Every candidate left is being measured by another worker: wait for it to finish,
+                # or to die and have its trial queued again (by the check at the top of the loop).
+                time.sleep(poll_s)
+                recover_interrupted_trials(study)
+                continue
             study.optimize(objective, n_trials=1, catch=(), gc_after_trial=False)
         results: dict[str, Measurement | str] = {}
         for cid, trial in finished().items():
@@ -363,8 +386,37 @@ class MeasuredStage:
                 results[cid] = trial.user_attrs.get("pruned", "pruned")
             else:
                 a = trial.user_attrs
-                results[cid] = Measurement(int(a["bytes"]), float(a["seconds"]), self.baseline_loss + float(a["loss_increase"]), float(a["loss_increase"]))
+                seconds = float(a["fp32_ratio"]) * self.fp32_seconds if "fp32_ratio" in a else float(a["seconds"])
+                results[cid] = Measurement(int(a["bytes"]), seconds, self.baseline_loss + float(a["loss_increase"]), float(a["loss_increase"]))
         return results
+
+
+_LIVE = (TrialState.WAITING, TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED)
+
+
+def _owner(study: optuna.Study, cid: "str | None", number: int) -> "optuna.trial.FrozenTrial | None":
+    """Another trial that holds candidate ``cid`` before trial ``number``: a finished one, or a
+    queued or running one numbered lower (the tie-break that lets exactly one of two racing
+    trials of a candidate run). Skipped trials hold nothing. One storage read."""
+    rivals = [
+        t for t in study.get_trials(deepcopy=False, states=_LIVE)
+        if t.number != number and t.user_attrs.get("candidate") == cid and "skipped" not in t.user_attrs
+        and (t.state in (TrialState.COMPLETE, TrialState.PRUNED) or t.number < number)
+    ]
+    return min(rivals, key=lambda t: t.number, default=None)
+
+
+def _held(study: optuna.Study) -> tuple[set, bool]:
+    """The candidate ids that a queued or running trial holds, and whether any trial is queued
+    (one storage read)."""
+    trials = study.get_trials(deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING))
+    return {t.user_attrs.get("candidate") for t in trials}, any(t.state is TrialState.WAITING for t in trials)
+
+
+def enqueue(study: optuna.Study, candidates: Sequence[Candidate]) -> None:
+    """Queue one trial per candidate (one storage write each), in the order given."""
+    for c in candidates:
+        study.enqueue_trial({}, user_attrs={"candidate": c.id, "name": c.name})
 
 
 def fastest_meeting(pairs: Sequence[tuple[Candidate, "Measurement | str"]], memory_bytes: float, loss_budget: float) -> "tuple[Candidate, Measurement] | None":

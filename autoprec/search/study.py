@@ -5,7 +5,8 @@ table exactly, which TPE did not (+72 % predicted step time off the optimum afte
 on 120 layers). Optuna runs what it is good at here, the study of measured plans
 (`search.measured`): its storage, resume, heartbeats and pruning.
 
-Storage is any Optuna storage URL; a plain path means a local SQLite file. Trials a crashed
+Storage is any Optuna storage URL, or a path: an Optuna journal file when it ends in ``.journal``
+or ``.log`` (or is written ``journal:///path``), else a local SQLite file. Trials a crashed
 worker left running are failed and queued again (`recover_interrupted_trials`): at once when the
 worker was a process of this machine that no longer exists, else once its heartbeat goes stale.
 So an interrupted study resumes with no trial lost.
@@ -28,7 +29,7 @@ from optuna.trial import TrialState
 from ..errors import SearchError
 
 __all__ = [
-    "open_storage", "feasible", "HEARTBEAT_SECONDS",
+    "open_storage", "storage_kind", "feasible", "HEARTBEAT_SECONDS",
     "WORKER_ATTR", "mark_worker", "recover_interrupted_trials", "quiet_interrupts", "RetryWithFreshConstraints",
 ]
 
@@ -52,15 +53,43 @@ class RetryWithFreshConstraints(optuna.storages.RetryHeartbeatStaleTrialCallback
         super().__call__(study, trial)
 
 
-def open_storage(url_or_path: "str | Path", heartbeat_seconds: int = HEARTBEAT_SECONDS) -> optuna.storages.BaseStorage:
-    """An Optuna storage from a URL (``sqlite:///…``, ``postgresql://…``) or a file path (SQLite).
+# A path with one of these suffixes (or a ``journal://`` URL) is an Optuna journal file: an
+# append-only log that many processes share through a lock file, on one machine or a shared
+# file system. SQLite locks its whole database per write, so concurrent workers time out on it.
+JOURNAL_SUFFIXES = (".journal", ".log")
+JOURNAL_SCHEME = "journal://"
 
-    Raises `SearchError` with one line when the storage cannot be reached.
+
+def storage_kind(url: str) -> str:
+    """``"journal"``, ``"sqlite"`` or ``"rdb"`` (a server database: PostgreSQL, MySQL) for a
+    storage URL as `open_storage` takes it."""
+    if url.startswith(JOURNAL_SCHEME) or ("://" not in url and url.endswith(JOURNAL_SUFFIXES)):
+        return "journal"
+    return "sqlite" if url.startswith("sqlite:") or "://" not in url else "rdb"
+
+
+def open_storage(url_or_path: "str | Path", heartbeat_seconds: int = HEARTBEAT_SECONDS) -> optuna.storages.BaseStorage:
+    """An Optuna storage from a URL (``sqlite:///…``, ``postgresql://…``, ``journal:///path``) or a
+    file path (a journal file when it ends in ``.journal`` or ``.log``, else SQLite).
+
+    Server databases and SQLite get Optuna's heartbeat (a running trial whose worker is silent
+    for ``2 × heartbeat_seconds`` is failed and retried); a journal file has none in Optuna, so a
+    dead worker's trial there is found from its process id (`recover_interrupted_trials`), on the
+    worker's own machine. Raises `SearchError` with one line when the storage cannot be reached.
     """
     text = str(url_or_path)
-    if "://" not in text:
-        path = Path(text).expanduser().resolve()
-        path.parent.mkdir(parents=True, exist_ok=True)
+    kind = storage_kind(text)
+    if "://" not in text or kind == "journal":
+        path = Path(text.removeprefix(JOURNAL_SCHEME)).expanduser().resolve()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SearchError(f"cannot open Optuna storage {text!r}: cannot create {path.parent} ({exc.strerror})") from None
+        if kind == "journal":
+            try:
+                return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
+            except OSError as exc:
+                raise SearchError(f"cannot open Optuna journal file {str(path)!r}: {exc.strerror}") from None
         text = f"sqlite:///{path}"
     try:
         with warnings.catch_warnings():
