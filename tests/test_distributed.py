@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import autoprec as ap
-from autoprec.distributed import SchedulerCheckpoint, plan_hash
+from autoprec.distributed import SchedulerCheckpoint, grad_comm_format, plan_hash
 from autoprec.scheduler import DynamicPrecisionScheduler, Thresholds
 
 WINDOW = 4
@@ -78,6 +78,25 @@ def train(model, sch, opt, steps, rank, world, start=0, fault=None, counts=None)
         why = sch.distributed.last_verdict.describe() if not stepped and sch.distributed is not None else None
         out.append((loss.item(), stepped, unchanged, why))
     return out
+
+
+# -- gradient communication precision (no process group needed) ---------------------------------
+
+
+def test_grad_comm_auto_goes_bf16_only_for_a_16_bit_gradient_plan_with_a_budget():
+    config = ap.SchedulerConfig(grad_comm="auto", accuracy_budget=0.05)
+    half = ap.Plan.uniform(make_model(), ap.Format.BF16)
+    mixed = half.with_layers({"2": ap.Format.FP32})
+    assert grad_comm_format(config, half) is ap.Format.BF16
+    assert grad_comm_format(config, mixed) is ap.Format.FP32
+    assert grad_comm_format(config, None) is ap.Format.FP32  # profiling: no plan yet
+    assert grad_comm_format(ap.SchedulerConfig(grad_comm="auto"), half) is ap.Format.FP32  # no budget to spend
+    assert grad_comm_format(ap.SchedulerConfig(grad_comm="fp16"), mixed) is ap.Format.FP16
+
+
+def test_an_unknown_grad_comm_is_refused_naming_the_setting():
+    with pytest.raises(ap.SearchError, match=r"grad_comm='int8'.*'fp32', 'bf16', 'fp16', 'auto'"):
+        ap.SchedulerConfig(grad_comm="int8")
 
 
 # -- DDP: one plan, one skip decision, promotions at one step, comm volume ---------------------------
