@@ -60,6 +60,7 @@ from torch.amp.grad_scaler import OptState
 
 from .coverage import ModuleFilter
 from .errors import RuntimeStateError, ScalingError
+from .measure import local_shard
 
 __all__ = [
     "ScalingError",
@@ -319,7 +320,7 @@ def _nonfinite_gradients(optimizer: torch.optim.Optimizer, name_of: NameOf) -> t
             grad = param.grad
             if grad is None:
                 continue
-            values = grad._values() if grad.is_sparse else grad
+            values = grad._values() if grad.is_sparse else local_shard(grad)  # FSDP2: this rank's shard
             if values.numel() == 0:
                 continue  # trivially finite, and the inf-norm of nothing is undefined
             tensors, names = groups.setdefault((values.device, values.dtype), ([], []))

@@ -166,6 +166,27 @@ def test_one_small_all_reduce_per_step_outside_window_ends(ddp_run):
             assert len(calls) > 1, (step, calls)  # the window's statistics are reduced too
 
 
+def comm_scenario(rank, world, tmp):
+    """Per grad_comm: whether every all-reduced gradient is a BF16 value after one backward."""
+    out = {}
+    for comm in ("fp32", "bf16"):
+        model = make_model()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        sch = DynamicPrecisionScheduler.from_plan(ddp, ap.Plan.uniform(make_model(), ap.Format.BF16), **{**SETTINGS, "grad_comm": comm})
+        x, y = batch(0, rank, world)
+        with sch.precision_context():
+            loss = nn.functional.cross_entropy(ddp(x).float(), y)
+        sch.backward(loss)
+        out[comm] = all(torch.equal(p.grad, p.grad.bfloat16().float()) for p in model.parameters())
+    return out
+
+
+@pytest.mark.slow
+def test_grad_comm_bf16_all_reduces_through_torchs_bf16_hook(tmp_path):
+    for result in run(comm_scenario, tmp_path):
+        assert result == {"fp32": False, "bf16": True}
+
+
 # -- 2 ranks vs 1 rank on the same global batch ----------------------------------------------------
 
 
@@ -260,6 +281,33 @@ def test_fsdp2_trains_a_plan_like_ddp(tmp_path):
         assert fsdp["steps"][-1][0] < fsdp["steps"][0][0]
         for name, value in ddp["params"].items():
             torch.testing.assert_close(fsdp["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def fsdp_dynamic_scenario(rank, world, tmp):
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    for fqn in ("0", "2", "4"):
+        fully_shard(model.get_submodule(fqn))
+    net = fully_shard(model)
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
+    plan = ap.Plan({fqn: ap.LayerPrecision(fmt) for fqn, fmt in FSDP_PLAN.items()})
+    sch = DynamicPrecisionScheduler.from_plan(net, plan, dynamic=True, **SETTINGS)
+
+    def fault(step, loss):
+        return loss * float("inf") if step == 5 and rank == 1 else loss
+
+    return {"steps": train(net, sch, opt, 8, rank, world, fault=fault), "changes": [c.to_dict() for c in sch.changes]}
+
+
+@pytest.mark.slow
+def test_fsdp2_skips_on_every_rank_and_promotes_at_one_step(tmp_path):
+    r0, r1 = run(fsdp_dynamic_scenario, tmp_path)
+    for result in (r0, r1):
+        assert [s[1] for s in result["steps"]] == [i != 5 for i in range(8)]
+        assert result["steps"][5][2] and "non-finite loss on rank 1" in result["steps"][5][3]
+    assert r0["changes"] and r0["changes"] == r1["changes"]
+    assert {c["step"] for c in r0["changes"]} == {6}
 
 
 def first_forward_error(model, plan, rank, world):
