@@ -37,6 +37,9 @@ gradients carry their own per-tensor scale); a non-finite gradient skips the ste
 `state_dict` covers everything (plan, scaler, amax histories and calibration, profiler
 statistics, window position, step): a resumed run continues exactly as the uninterrupted one.
 
+Under ``torch.distributed`` (DDP or FSDP2, no new call) the ranks agree through
+`autoprec.distributed`: one plan, one skip decision per step, promotions at one step.
+
 Costs per step: the runtime's (see `runtime`), the scaler's one host sync per optimizer, and in
 monitored steps the profiler's (`autoprec.bench.measure_overhead` measures it). A search costs
 the cost model's measurements (cached on disk), two forward+backward passes per (layer, format)
@@ -235,7 +238,8 @@ class DynamicPrecisionScheduler:
     def step(self, *optimizers: torch.optim.Optimizer) -> bool:
         """Unscale, clip (``max_grad_norm``), step each optimizer unless its gradients are
         non-finite, update the scale, and advance the lifecycle. Returns whether every optimizer
-        stepped. One host sync per optimizer (the scaler's)."""
+        stepped. One host sync per optimizer (the scaler's); in a process group also one all-reduce
+        of ``8 * (optimizers + 1 + 2 * layers)`` bytes and one host transfer (`autoprec.distributed`)."""
         if not optimizers:
             raise RuntimeStateError("step() needs the optimizer(s): scheduler.step(optimizer)")
         if self._example is None:
