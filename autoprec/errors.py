@@ -47,6 +47,10 @@ class RuntimeStateError(AutoprecError, RuntimeError):
     """A precision context was used wrongly (re-entered while active, exited twice, ...)."""
 
 
+class DistributedError(AutoprecError, RuntimeError):
+    """Ranks of a process group disagree (plan, settings) or a setup cannot run distributed."""
+
+
 class FormatError(AutoprecError, ValueError):
     """An unknown format name or a quantization request the format cannot serve."""
 

@@ -35,6 +35,12 @@ def held_span(shape, stride, offset: int, storage_nbytes: int, itemsize: int, re
     return offset * itemsize, min((last + 1) * itemsize, storage_nbytes)
 
 
+def local_shard(x: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2 parameters and gradients), else ``x``: a DTensor
+    wrapper has no storage of its own."""
+    return x.to_local() if hasattr(x, "to_local") else x
+
+
 class HeldBytes:
     """The bytes saved tensors hold, each byte of a storage counted once (intervals per storage).
 
@@ -43,7 +49,7 @@ class HeldBytes:
     """
 
     def __init__(self, excluded: Iterable[torch.Tensor] = ()):
-        self._excluded = {t.untyped_storage().data_ptr() for t in excluded}
+        self._excluded = {local_shard(t).untyped_storage().data_ptr() for t in excluded}
         self._spans: dict[int, list[tuple[int, int]]] = {}
 
     def __contains__(self, storage_key: int) -> bool:

@@ -60,6 +60,7 @@ from torch.amp.grad_scaler import OptState
 
 from .coverage import ModuleFilter
 from .errors import RuntimeStateError, ScalingError
+from .measure import local_shard
 
 __all__ = [
     "ScalingError",
@@ -319,7 +320,7 @@ def _nonfinite_gradients(optimizer: torch.optim.Optimizer, name_of: NameOf) -> t
             grad = param.grad
             if grad is None:
                 continue
-            values = grad._values() if grad.is_sparse else grad
+            values = grad._values() if grad.is_sparse else local_shard(grad)  # FSDP2: this rank's shard
             if values.numel() == 0:
                 continue  # trivially finite, and the inf-norm of nothing is undefined
             tensors, names = groups.setdefault((values.device, values.dtype), ([], []))
@@ -624,6 +625,22 @@ class LossScaler(torch.amp.GradScaler):
         # A zero norm makes the clip coefficient clamp to 1: the gradients stay as they are.
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.where(total.isfinite(), total, 0.0))
         return total
+
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """`unscale_` (unless done) and return whether ``optimizer``'s gradients held an inf/NaN,
+        as a 0-d float32 device tensor (> 0: found). No sync. For agreeing across ranks
+        (`autoprec.distributed`) before `step` reads it."""
+        if self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        flags = list(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+        return torch.stack([f.reshape(()).to(flags[0].device) for f in flags]).sum()
+
+    def set_found_inf(self, optimizer: torch.optim.Optimizer, found: bool) -> None:
+        """Overwrite ``optimizer``'s non-finite flag after `found_inf` (a decision reduced across
+        ranks): `step` then skips, and `update` backs off, exactly when ``found``."""
+        flags = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        for i, flag in enumerate(flags.values()):
+            flag.fill_(1.0 if found and i == 0 else 0.0)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """GradScaler's ``step``: unscale (unless `unscale_` did) and call

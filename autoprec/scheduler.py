@@ -40,6 +40,9 @@ next non-finite loss names the first layer whose output went inf/NaN; clean trai
 `state_dict` covers everything (plan, scaler, amax histories and calibration, profiler
 statistics, window position, step): a resumed run continues exactly as the uninterrupted one.
 
+Under ``torch.distributed`` (DDP or FSDP2, no new call) the ranks agree through
+`autoprec.distributed`: one plan, one skip decision per step, promotions at one step.
+
 Costs per step: the runtime's (see `runtime`), the scaler's one host sync per optimizer, and in
 monitored steps the profiler's (`autoprec.bench.measure_overhead` measures it). A search costs
 the cost model's measurements (cached on disk), two forward+backward passes per (layer, format)
@@ -60,6 +63,7 @@ import torch.nn as nn
 from .calls import ModelCall, loss_of, prediction_of
 from .coverage import LayerInfo, find_layers
 from .device import format_support
+from .distributed import RankAgreement, grad_comm_format, unwrap_ddp
 from .errors import AutoprecError, ModelCallError, RuntimeStateError, SearchError
 from .formats import Format
 from .measure import SavedTensorMeter
@@ -123,7 +127,9 @@ class DynamicPrecisionScheduler:
         if not config.dynamic and plan is None:
             raise SearchError("DynamicPrecisionScheduler(dynamic=False) needs plan=...; use DynamicPrecisionScheduler.from_plan(model, path)")
 
-        self.model: Optional[nn.Module] = model
+        # Under DDP the plan is the inner module's (its fqns); the wrapper carries the comm hook.
+        self.model, self._ddp = unwrap_ddp(model)
+        self._dist: Optional[RankAgreement] = None  # set on bind inside a process group
         self.layers: tuple[str, ...] = ()
         self._fingerprint: Mapping[str, LayerInfo] = {}  # the bound model's layers, saved in state_dict
         self.step_count = 0
@@ -176,6 +182,11 @@ class DynamicPrecisionScheduler:
         if self.plan is None:
             return "safe" if self.last_search_error is not None else "profiling"
         return "planned"
+
+    @property
+    def distributed(self) -> Optional[RankAgreement]:
+        """The `RankAgreement` with the other ranks (None outside a process group or before bind)."""
+        return self._dist
 
     def __repr__(self) -> str:
         counts = self.plan.format_counts() if self.plan is not None else {}
@@ -234,7 +245,8 @@ class DynamicPrecisionScheduler:
     def step(self, *optimizers: torch.optim.Optimizer) -> bool:
         """Unscale, clip (``max_grad_norm``), step each optimizer unless its gradients are
         non-finite, update the scale, and advance the lifecycle. Returns whether every optimizer
-        stepped. One host sync per optimizer (the scaler's)."""
+        stepped. One host sync per optimizer (the scaler's); in a process group also one all-reduce
+        of ``8 * (optimizers + 1 + 2 * layers)`` bytes and one host transfer (`autoprec.distributed`)."""
         if not optimizers:
             raise RuntimeStateError("step() needs the optimizer(s): scheduler.step(optimizer)")
         if self._example is None:
@@ -243,6 +255,7 @@ class DynamicPrecisionScheduler:
             raise RuntimeStateError("step() after a forward but before its backward: call scheduler.backward(loss) (or scheduler.scale(loss).backward()) before scheduler.step(optimizer)")
         if self._profiler is not None and self._profiler.collecting:
             self._profiler.step()
+        verdict = self._dist.agree_on_step(self.scaler, optimizers, self._last_loss) if self._dist is not None else None
         for optimizer in optimizers:
             if self.config.max_grad_norm is not None:
                 self.scaler.clip_grad_norm_(optimizer, self.config.max_grad_norm)
@@ -251,9 +264,15 @@ class DynamicPrecisionScheduler:
         skipped = self.scaler.last_overflowed
         nonfinite = self.scaler.last_nonfinite_layers
         first_bad_output = self.scaler.first_nonfinite_output if self.scaler.last_loss_finite is False else None
+        if verdict is not None:  # every rank's flags, reduced: the same on all ranks
+            nonfinite, first_bad_output = verdict.layers, verdict.first_output if verdict.loss_ranks else None
+            if skipped:
+                # Without loss scaling an inf is never the scale's doing: warn.
+                logger.log(logging.INFO if self.scaler.enabled else logging.WARNING, "autoprec: step %d skipped on all %d ranks: %s", self.step_count, self._dist.world, verdict.describe())
+        loss_nonfinite = bool(verdict.loss_ranks) if verdict is not None else self.scaler.last_loss_finite is False
         self.step_count += 1
         self._count_skips(skipped, nonfinite)
-        if self.scaler.last_loss_finite is False:
+        if loss_nonfinite:  # on every rank alike: they arm and disarm the watch at the same steps
             self._nonfinite_losses += 1
             if not self._watch_outputs:  # the next non-finite loss names the layer whose output went first
                 self._watch_outputs = True
@@ -285,6 +304,8 @@ class DynamicPrecisionScheduler:
             if self._bind_handle is not None:
                 self._bind_handle.remove()
                 self._bind_handle = None
+            module, ddp = unwrap_ddp(module)
+            self._ddp = ddp if ddp is not None else self._ddp
             if self._pending_state is not None:
                 state, self._pending_state = self._pending_state, None
                 self.model = module
@@ -317,7 +338,11 @@ class DynamicPrecisionScheduler:
         self.layers = tuple(self._fingerprint)
         if not self.layers:
             raise AutoprecError(f"{type(model).__name__} runs no matrix product: autoprec has no layer to manage")
-        if self.config.log_dir is not None and self._writer is None:
+        self._dist = RankAgreement.join(self.config, model, self.layers, self._ddp)
+        if self._dist is not None:
+            self._dist.check_bind(self.config, self._fixed_plan)
+            self._dist.set_grad_comm(grad_comm_format(self.config, None))
+        if self.config.log_dir is not None and self._writer is None and (self._dist is None or self._dist.rank == 0):
             from .monitoring import TrainingWriter
 
             self._writer = TrainingWriter(self.config.log_dir, flush_every=min(100, self.config.monitor_window))
@@ -394,6 +419,8 @@ class DynamicPrecisionScheduler:
         self.plan = plan
         if searched and self.searched_plan is None:
             self.searched_plan = plan
+        if self._dist is not None:
+            self._dist.set_grad_comm(grad_comm_format(self.config, plan))
         if _needs_loss_scaling(plan) != self.scaler.enabled:
             self._replace_scaler(_needs_loss_scaling(plan), self.scaler.state_dict())
         if self._writer is not None:
@@ -463,14 +490,26 @@ class DynamicPrecisionScheduler:
             modules = dict(self.model.named_modules())
             grads = {fqn: p.grad for fqn in self.layers for p in modules[fqn].parameters(recurse=False) if p.dim() >= 2 and p.grad is not None}
             self._writer.log_grad_histograms(self.step_count, grads)
-        profile = self._profiler.profile() if self._profiler is not None and self._profiler.steps else None
-        if self._profiler is not None:
-            self._profiler.detach()
-            self._profiler = None
-        if self.plan is None:
-            self._search(profile)
+        if self._dist is not None:  # every rank's statistics before rank 0 decides
+            reduced = self._dist.reduce_window(self._profiler, self._loss_sum if self.plan is None else None)
+            if self.plan is None and reduced is not None:
+                self._loss_sum, self._loss_count = reduced, self._loss_count * self._dist.world
+        profiler, self._profiler = self._profiler, None
+        if profiler is not None:
+            profiler.detach()
+
+        def decide():
+            profile = profiler.profile() if profiler is not None and profiler.steps else None
+            self._search(profile) if self.plan is None else self._review_window(profile)
+
+        if self.plan is not None and self._runtime is not None:  # on every rank, before the review
+            int8 = [fqn for fqn, lp in self.plan.layers.items() if lp.format is Format.INT8]
+            if int8:
+                self._runtime.recalibrate(int8)
+        if self._dist is None:
+            decide()
         else:
-            self._review_window(profile)
+            self._dist.decide(self, decide)
         self.window_start = self.step_count
         self._window_nonfinite = {}
         if self._watch_outputs and not self._nonfinite_losses:
@@ -526,15 +565,30 @@ class DynamicPrecisionScheduler:
             self._writer.log_layer_counts(self.step_count, counts)
             if self._meter_bytes is not None:
                 self._writer.log_memory(self.step_count, predicted_bytes=self.plan.predicted.get("bytes"), measured_bytes=self._meter_bytes)
-        if self._runtime is not None:
-            int8 = [fqn for fqn, lp in self.plan.layers.items() if lp.format is Format.INT8]
-            if int8:
-                self._runtime.recalibrate(int8)
         promote = [fqn for fqn in triggers if self.plan.layers[fqn].format is not Format.FP32]
         self._promote(promote, triggers)
         current = {fqn: lp.format for fqn, lp in self.plan.layers.items()}
         changes, self._policy = demotions(triggers, self._policy, self.step_count, t.stable_windows, current)
         self._apply(changes, "demoted", "demotion")
+
+    def _decision(self) -> dict:
+        """What this rank decided at a window end, for the others (`RankAgreement.decide`)."""
+        return {
+            "plan": None if self.plan is None else self.plan.to_dict(),
+            "searched_plan": None if self.searched_plan is None else self.searched_plan.to_dict(),
+            "changes": [c.to_dict() for c in self.changes], "policy": self._policy.to_dict(), "last_search_error": self.last_search_error,
+        }
+
+    def _adopt(self, decision: Mapping[str, Any]) -> None:
+        """Take rank 0's `_decision` as this rank's own."""
+        self.changes = [PrecisionChange.from_dict(c) for c in decision["changes"]]
+        self._policy = PolicyState.from_dict(decision["policy"])
+        self.last_search_error = decision["last_search_error"]
+        self.searched_plan = None if decision["searched_plan"] is None else Plan.from_dict(decision["searched_plan"])
+        self._captured = []  # rank 0's search consumed its own; these are spent too
+        plan = None if decision["plan"] is None else Plan.from_dict(decision["plan"])
+        if plan is not None and plan != self.plan:
+            self._set_plan(plan, "decided on rank 0", searched=False)
 
     # -- checkpoints ----------------------------------------------------------------------------
 

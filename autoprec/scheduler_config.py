@@ -16,7 +16,9 @@ from .formats import Format
 from .scaling import LossScaling
 from .search.space import DEFAULT_CANDIDATES, Budgets, LayerRules, formats_for_precision
 
-__all__ = ["SchedulerConfig", "Thresholds"]
+__all__ = ["SchedulerConfig", "Thresholds", "GRAD_COMM"]
+
+GRAD_COMM = ("fp32", "bf16", "fp16", "auto")  # gradient all-reduce precisions (`grad_comm`)
 
 
 def _finite(value: Any) -> bool:
@@ -67,6 +69,12 @@ class SchedulerConfig:
     device: cheaper, but deterministic only where the device has a datasheet entry (elsewhere,
     a CPU included, its peaks are calibrated once per process by one GEMM per format, so the
     predicted seconds, and a plan without a memory budget, can differ between runs). ``dynamic=False`` runs a fixed plan and never re-plans.
+
+    Under ``torch.distributed`` (see `autoprec.distributed`): ``process_group`` is the group the
+    ranks agree in (None: the default group, once initialised); ``grad_comm`` the precision DDP
+    all-reduces gradients in, through torch's own communication hooks: ``"fp32"``, ``"bf16"``,
+    ``"fp16"``, or ``"auto"`` (BF16 once the plan computes every layer's gradients in 16 bits or
+    fewer and an accuracy budget is set, else FP32; halves the bytes on the wire).
     """
 
     min_precision: int = 8
@@ -87,6 +95,8 @@ class SchedulerConfig:
     measure_costs: bool = True
     dynamic: bool = True
     seed: int = 0
+    process_group: Any = None
+    grad_comm: str = "fp32"
 
     def __post_init__(self):
         for name in ("monitor_window", "monitor_steps"):
@@ -106,6 +116,8 @@ class SchedulerConfig:
                 continue
             if not _finite(value) or value < 0 or (value == 0 and not zero_ok):
                 raise SearchError(f"DynamicPrecisionScheduler({name}={value!r}): expected {expected}")
+        if self.grad_comm not in GRAD_COMM:
+            raise SearchError(f"DynamicPrecisionScheduler(grad_comm={self.grad_comm!r}): expected one of {', '.join(map(repr, GRAD_COMM))}")
         object.__setattr__(self, "formats", tuple(Format.parse(f) for f in self.formats))
         formats_for_precision(self.min_precision, self.max_precision, self.formats)  # refuses bad bounds now
 

@@ -14,6 +14,7 @@ import torch.nn as nn
 from ..coverage import ModuleFilter, find_layers
 from ..errors import ProfileError
 from ..formats import Format
+from ..measure import local_shard as _local  # FSDP2: per-shard statistics, reduced at the window's end (autoprec.distributed)
 from ..plan import Scaling
 from .artifact import LayerProfile, Profile
 from .stats import _BIN_MASK, _SHIFT, KINDS, NUM_BINS, REFERENCES, GradStats, Histogram, TensorStats, _fractions
@@ -244,6 +245,7 @@ class LayerProfiler:
         step, staggered across layers so each step costs about the same): histograms and
         moments of a strided subsample (about 20 more kernels).
         """
+        x = _local(x)
         numel = x.numel()
         if numel == 0:
             return
@@ -309,7 +311,7 @@ class LayerProfiler:
                     g = wf.param.grad
                     if g is None or g.is_sparse:
                         continue
-                    g = g.detach().reshape(-1)
+                    g = _local(g).detach().reshape(-1)
                     g = (g[:: wf.stride] if wf.stride > 1 else g).float()
                     if wf.mean is None:
                         wf.mean, wf.m2 = torch.zeros_like(g), torch.zeros_like(g)

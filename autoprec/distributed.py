@@ -1,0 +1,402 @@
+"""Agreement across ranks: one plan, one skip decision, one clock, DCP checkpoints.
+
+`DynamicPrecisionScheduler` needs no new call under ``torch.distributed``: when a process group
+is initialised (the default one, or ``SchedulerConfig.process_group``) and has more than one rank,
+it makes a `RankAgreement` when it binds. Every communication is torch's (``dist.all_reduce``,
+``broadcast_object_list``, ``all_gather_object``, DDP's ``register_comm_hook`` with torch's
+``default_hooks``); nothing here moves bytes itself.
+
+Decisions and why:
+
+- **Rank 0 decides, the others adopt.** The search times layers on the device
+  (``measure_costs``) under a wall-clock limit (``search_timeout_s``), so ranks that "solve
+  identically" could still return different plans; one rank solving and one broadcast of the
+  plan's JSON cannot disagree. The window review (promotions, demotions) is broadcast the same
+  way, so changes happen at the same step everywhere. Then every rank hashes the plan it runs and
+  the hashes are gathered: a mismatch raises `DistributedError` on every rank, naming the ranks.
+- **Statistics are reduced before rank 0 decides**: the profiler's accumulators (histograms and
+  counts summed, per-step amax maxed, moments summed) and the loss baseline (sum, count), so the
+  plan sees every rank's data. Per-parameter gradient statistics (Welford) are not reduced: under
+  DDP the gradients are already identical; under FSDP2 rank 0 sees its own shard (a sample).
+- **One skip decision**: per step one all-reduce (SUM) of one int64 vector: per optimizer the
+  scaler's found-inf, the loss's non-finite flag, per layer a non-finite-gradient flag and a
+  first-non-finite-output flag, each entry ``1 << rank`` when set, so the sum names the ranks (up to
+  rank 62; above, entries count ranks). The reduced found-inf replaces the scaler's, so GradScaler
+  skips (and backs off) on every rank or on none. Under DDP the layer flags come from the
+  communication hook, before the all-reduce spreads an inf to every rank, so they name the rank
+  where it arose; elsewhere (FSDP2, a user's own hook) from the local gradients after it.
+- **Amax histories and INT8 calibration agree without a reduction**: under DDP the weights and
+  every rank's state start equal, but activations differ per rank. autoprec's FP8 inputs default
+  to current scaling (the tensor's own amax, no history) and output gradients always use it, so
+  they need no agreement at all; what is kept per rank (delayed input histories, INT8 calibration
+  samples) only scales that rank's own local products, like torchao's current scaling, which
+  needs no ``sync_float8_amax_and_scale_history``. A reduction of every history per step would be
+  one more collective per layer. The plan (formats, scaling modes) is what must agree, and does.
+
+Costs: per optimizer step one all-reduce of ``8 * (optimizers + 1 + 2 * layers)`` bytes, one
+inf-norm over every gradient (a read of the gradients; in the DDP hook instead of after it), and
+one host transfer of that vector. Per window end: three all-reduces of the profiler's
+accumulators (about 48 KiB of histogram per layer and tensor kind), one ``broadcast_object_list``
+of the decision (the plan's JSON, a few KiB) and one ``all_gather_object`` of plan hashes. At
+bind: one ``all_gather_object`` of the settings' and given plan's hashes.
+
+FSDP2 (``fully_shard``): parameters are DTensors; the runtime runs inside FSDP2's all-gathered
+forward, the scaler and flags read the local shards (``to_local``). FSDP2's
+``MixedPrecisionPolicy(param_dtype=...)`` would cast every parameter to one dtype before
+autoprec's per-layer formats see them, so any ``param_dtype`` other than None / float32 is refused;
+``reduce_dtype`` (the gradient reduce-scatter precision) is FSDP2's and allowed. The search runs
+forwards on rank 0 alone, which FSDP2's all-gathers would deadlock: under FSDP2 the scheduler needs
+``plan=`` (``from_plan``; with ``dynamic=True`` it still promotes and demotes).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .errors import DistributedError, RuntimeStateError
+from .formats import Format
+
+if TYPE_CHECKING:
+    from .plan import Plan
+    from .scheduler import DynamicPrecisionScheduler
+
+__all__ = ["RankAgreement", "StepVerdict", "SchedulerCheckpoint", "GradCommHook", "unwrap_ddp", "plan_hash", "grad_comm_format"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_NAMED_RANK = 62  # 1 << 62 still fits an int64 sum of distinct bits
+
+
+def unwrap_ddp(model: Optional[nn.Module]) -> tuple[Optional[nn.Module], Any]:
+    """``(the module to plan, the DDP wrapper or None)``: the plan's fqns are the inner model's."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return model.module, model
+    return model, None
+
+
+def plan_hash(plan: "Optional[Plan]") -> str:
+    """SHA-256 of the plan's canonical JSON (``"none"`` while profiling)."""
+    if plan is None:
+        return "none"
+    return hashlib.sha256(json.dumps(plan.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def _is_fsdp2(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _check_fsdp2_policy(model: nn.Module) -> None:
+    """Refuse an FSDP2 ``param_dtype`` that would override the per-layer formats."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for fqn, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            dtype = module._get_fsdp_state()._mp_policy.param_dtype
+            if dtype not in (None, torch.float32):
+                raise DistributedError(
+                    f"fully_shard({fqn or type(model).__name__}, mp_policy=MixedPrecisionPolicy(param_dtype={dtype})) casts every parameter, "
+                    "overriding autoprec's per-layer formats; use MixedPrecisionPolicy(param_dtype=None) and let the plan choose"
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepVerdict:
+    """One step's agreed outcome: which optimizers skip, and where and on which ranks it began.
+
+    ``layers``: layers with non-finite gradients on some rank (model order); ``ranks``: layer ->
+    ranks that reported it; ``first_output``: the first layer (model order) whose forward output
+    went non-finite on some rank, with ``output_ranks``; ``loss_ranks``: ranks whose loss was
+    non-finite. Rank lists are exact up to rank 62 (see the module doc)."""
+
+    skipped: tuple[bool, ...]
+    layers: tuple[str, ...] = ()
+    ranks: dict = dataclasses.field(default_factory=dict)
+    first_output: Optional[str] = None
+    output_ranks: tuple[int, ...] = ()
+    loss_ranks: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        parts = [f"non-finite gradients in {fqn} on rank {', '.join(map(str, self.ranks[fqn]))}" for fqn in self.layers]
+        if self.first_output is not None:
+            parts.append(f"first non-finite output {self.first_output} on rank {', '.join(map(str, self.output_ranks))}")
+        if self.loss_ranks:
+            parts.append(f"non-finite loss on rank {', '.join(map(str, self.loss_ranks))}")
+        return "; ".join(parts) or "non-finite gradients outside the watched layers"
+
+
+def _ranks(value: int, world: int) -> tuple[int, ...]:
+    if world > _MAX_NAMED_RANK + 1:
+        return ()  # counts, not bits: the ranks cannot be told apart
+    return tuple(r for r in range(world) if value >> r & 1)
+
+
+class GradCommHook:
+    """The state DDP's ``register_comm_hook`` holds: which of torch's hooks all-reduces the
+    gradients (``default_hooks.allreduce_hook``, ``bf16_compress_hook``, ``fp16_compress_hook``:
+    switched by `format`, since DDP takes one registration for its life), and, per step, which
+    layers' local gradients were non-finite before the all-reduce (one inf-norm per bucket
+    gradient, no sync)."""
+
+    def __init__(self, group, layer_of: dict[int, int], layers: int):
+        self.process_group = group
+        self.format = Format.FP32
+        self._layer_of = layer_of  # id(parameter) -> layer index
+        self._layers = layers
+        self.flags: Optional[torch.Tensor] = None  # int64 (layers,), since the last take()
+
+    def take(self) -> Optional[torch.Tensor]:
+        flags, self.flags = self.flags, None
+        return flags
+
+    @staticmethod
+    def hook(state, bucket):  # no annotations: DDP compares them to real types, and this module's are strings
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        grads, params = bucket.gradients(), bucket.parameters()
+        index = [state._layer_of.get(id(p), -1) for p in params]
+        kept = [(i, g) for i, g in zip(index, grads) if i >= 0 and g.numel()]
+        if kept:
+            with torch.no_grad():
+                bad = ~torch.stack(torch._foreach_norm([g for _, g in kept], float("inf"))).isfinite()
+                at = torch.tensor([i for i, _ in kept], device=bad.device)
+                if state.flags is None:
+                    state.flags = torch.zeros(state._layers, dtype=torch.int64, device=bad.device)
+                state.flags.index_add_(0, at, bad.long())
+        hook = {Format.FP32: default_hooks.allreduce_hook, Format.BF16: default_hooks.bf16_compress_hook,
+                Format.FP16: default_hooks.fp16_compress_hook}[state.format]
+        return hook(state.process_group, bucket)
+
+
+class RankAgreement:
+    """What the ranks of ``group`` agree on for one scheduler (see the module doc for costs).
+
+    ``sent``: collective -> calls and bytes the scheduler itself issued (``all_reduce`` bytes are
+    the tensors'; object collectives count their pickled payload), for measuring its overhead."""
+
+    def __init__(self, group, model: nn.Module, layers: Sequence[str], ddp: Any = None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.fsdp2 = _is_fsdp2(model)
+        if self.fsdp2:
+            _check_fsdp2_policy(model)
+        self.layers = tuple(layers)
+        self.sent: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.last_verdict: Optional[StepVerdict] = None
+        self._bit = 1 << self.rank if self.world <= _MAX_NAMED_RANK + 1 else 1
+        modules = dict(model.named_modules())
+        self._params = [(i, p) for i, fqn in enumerate(self.layers) for p in modules[fqn].parameters(recurse=False)]
+        self.comm_hook: Optional[GradCommHook] = None
+        if ddp is not None:
+            state = GradCommHook(group, {id(p): i for i, p in self._params}, len(self.layers))
+            try:
+                ddp.register_comm_hook(state, GradCommHook.hook)
+                self.comm_hook = state
+            except RuntimeError as exc:  # the user registered a hook of their own: keep it
+                logger.info("autoprec: DDP keeps its own communication hook (%s); non-finite gradients are named after the all-reduce", exc)
+
+    @classmethod
+    def join(cls, config, model: nn.Module, layers: Sequence[str], ddp: Any = None) -> "Optional[RankAgreement]":
+        """The agreement for ``config.process_group`` (None: the default group), or None when not
+        distributed (no initialised group, or one rank)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            if config.process_group is not None:
+                raise DistributedError("SchedulerConfig(process_group=...) given but torch.distributed is not initialised; call dist.init_process_group first")
+            return None
+        if dist.get_world_size(config.process_group) == 1:
+            return None
+        return cls(config.process_group, model, layers, ddp)
+
+    # -- counted collectives --------------------------------------------------------------------
+
+    def _all_reduce(self, tensor: torch.Tensor, op) -> None:
+        self.sent["all_reduce"].update(calls=1, bytes=tensor.numel() * tensor.element_size())
+        dist.all_reduce(tensor, op=op, group=self.group)
+
+    def _gather(self, value: Any) -> list:
+        out: list = [None] * self.world
+        self.sent["all_gather_object"].update(calls=1, bytes=len(json.dumps(value, default=str)))
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def _broadcast(self, value: Any) -> Any:
+        box = [value]
+        self.sent["broadcast_object_list"].update(calls=1, bytes=len(json.dumps(value, default=str)) if self.rank == 0 else 0)
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        return box[0]
+
+    # -- agreement ------------------------------------------------------------------------------
+
+    def verify(self, what: str, value: str) -> None:
+        """Gather ``value`` (a hash) from every rank; `DistributedError` on all when one differs
+        from rank 0's, naming the ranks."""
+        values = self._gather(value)
+        bad = [r for r, v in enumerate(values) if v != values[0]]
+        if bad:
+            raise DistributedError(f"rank {', '.join(map(str, bad))} holds another {what} than rank 0 ({values[bad[0]][:12]} vs {values[0][:12]}); start every rank with the same settings, plan and model")
+
+    def check_bind(self, config, plan: "Optional[Plan]") -> None:
+        """At bind: every rank has the same settings (but the group object) and given plan."""
+        settings = repr(dataclasses.replace(config, process_group=None, log_dir=None))
+        self.verify("scheduler settings or plan=", hashlib.sha256((settings + plan_hash(plan)).encode()).hexdigest())
+        if self.fsdp2 and config.dynamic and plan is None:
+            raise DistributedError("DynamicPrecisionScheduler under fully_shard needs plan=... (DynamicPrecisionScheduler.from_plan): its in-run search runs forwards on rank 0 alone, which FSDP2's all-gathers would deadlock; search with DDP or offline (autoprec search)")
+
+    def decide(self, scheduler: "DynamicPrecisionScheduler", decide: Callable[[], None]) -> None:
+        """Rank 0 runs ``decide`` (the search or the window review); its outcome is broadcast and
+        adopted by the others; then the plan hashes are verified."""
+        outcome = None
+        if self.rank == 0:
+            decide()
+            outcome = scheduler._decision()
+        outcome = self._broadcast(outcome)
+        if self.rank != 0:
+            scheduler._adopt(outcome)
+        self.verify("plan", plan_hash(scheduler.plan))
+
+    def reduce_window(self, profiler, loss_sum: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Sum / max the profiler's window accumulators and the loss sum across ranks, in place
+        (three all-reduces); returns the reduced loss sum."""
+        layers = profiler._layers if profiler is not None else {}
+        states = [layers[fqn].tensors[kind] for fqn in sorted(layers) for kind in sorted(layers[fqn].tensors)]
+        ints = [torch.cat([ts.hist, torch.tensor([ts.calls, ts.numel, ts.sampled], device=ts.hist.device)]) for ts in states]
+        floats = [ts.moments for ts in states] + ([loss_sum.double().reshape(-1)] if loss_sum is not None else [])
+        if ints:
+            flat = torch.cat(ints)
+            self._all_reduce(flat, dist.ReduceOp.SUM)
+            for ts, part in zip(states, flat.split([t.numel() for t in ints])):
+                ts.hist.copy_(part[:-3])
+                ts.calls, ts.numel, ts.sampled = (int(v) for v in part[-3:].tolist())
+            # A NaN amax marks a non-finite step; as inf it survives MAX on every backend.
+            amax = torch.cat([ts.amax.nan_to_num(nan=float("inf")) for ts in states])
+            self._all_reduce(amax, dist.ReduceOp.MAX)
+            for ts, part in zip(states, amax.split([ts.amax.numel() for ts in states])):
+                ts.amax.copy_(part)
+        if floats:
+            flat = torch.cat(floats)
+            self._all_reduce(flat, dist.ReduceOp.SUM)
+            for ts, part in zip(states, flat.split([t.numel() for t in floats])):
+                ts.moments.copy_(part)
+            if loss_sum is not None:
+                return flat[-loss_sum.numel():].to(loss_sum.dtype).reshape(loss_sum.shape)
+        return loss_sum
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def _local_grad_flags(self, device: torch.device) -> torch.Tensor:
+        flags = torch.zeros(len(self.layers), dtype=torch.int64, device=device)
+        kept = [(i, p.grad) for i, p in self._params if p.grad is not None]
+        kept = [(i, g.to_local() if hasattr(g, "to_local") else g) for i, g in kept]
+        kept = [(i, g) for i, g in kept if g.numel()]
+        if kept:
+            bad = ~torch.stack(torch._foreach_norm([g for _, g in kept], float("inf"))).isfinite()
+            flags.index_add_(0, torch.tensor([i for i, _ in kept], device=device), bad.long().to(device))
+        return flags
+
+    def _output_flags(self, scaler, device: torch.device) -> torch.Tensor:
+        """One-hot (per layer) of this rank's first non-finite forward output."""
+        flags = torch.zeros(len(self.layers), dtype=torch.int64, device=device)
+        watch = scaler.output_watch
+        names, finite = watch._pending() if watch is not None else ([], None)
+        index = {fqn: i for i, fqn in enumerate(self.layers)}
+        at = [(k, index[n]) for k, n in enumerate(names) if n in index]
+        if at:
+            bad = ~finite.to(device)[[k for k, _ in at]]
+            first = bad & (bad.long().cumsum(0) == 1)
+            flags.index_add_(0, torch.tensor([i for _, i in at], device=device), first.long())
+        return flags
+
+    def agree_on_step(self, scaler, optimizers: Sequence[torch.optim.Optimizer], loss: Optional[torch.Tensor]) -> StepVerdict:
+        """Unscale, then one all-reduce of the step's flags (see the module doc); the scaler's
+        found-inf of each optimizer becomes the reduced one. One host transfer."""
+        found = [scaler.found_inf(opt) for opt in optimizers]
+        device = found[0].device
+        grads = self.comm_hook.take() if self.comm_hook is not None else None
+        if grads is None:
+            grads = self._local_grad_flags(device)
+        loss_bad = (~torch.isfinite(loss)).reshape(1) if loss is not None else torch.zeros(1, dtype=torch.bool, device=device)
+        flags = torch.cat([torch.stack(found).reshape(-1) > 0, loss_bad.to(device), grads.to(device) > 0, self._output_flags(scaler, device) > 0])
+        vector = flags.long() * self._bit
+        self._all_reduce(vector, dist.ReduceOp.SUM)
+        host = vector.tolist()
+        k, n = len(optimizers), len(self.layers)
+        skipped = tuple(bool(v) for v in host[:k])
+        for opt, skip in zip(optimizers, skipped):
+            scaler.set_found_inf(opt, skip)
+        grad_bits, out_bits = host[k + 1 : k + 1 + n], host[k + 1 + n :]
+        layers = tuple(fqn for fqn, v in zip(self.layers, grad_bits) if v)
+        first = next((i for i, v in enumerate(out_bits) if v), None)
+        verdict = StepVerdict(
+            skipped, layers, {fqn: _ranks(v, self.world) for fqn, v in zip(self.layers, grad_bits) if v},
+            None if first is None else self.layers[first], () if first is None else _ranks(out_bits[first], self.world),
+            _ranks(host[k], self.world),
+        )
+        self.last_verdict = verdict
+        return verdict
+
+    def set_grad_comm(self, fmt: Format) -> None:
+        """Switch the DDP gradient all-reduce precision (no-op without the hook)."""
+        if self.comm_hook is not None and self.comm_hook.format is not fmt:
+            self.comm_hook.format = fmt
+            logger.info("autoprec: DDP gradients now all-reduced in %s", fmt.value)
+
+
+class SchedulerCheckpoint:
+    """A ``torch.distributed.checkpoint`` ``Stateful`` for a scheduler::
+
+        dcp.save({"model": ..., "optim": ..., "autoprec": SchedulerCheckpoint(scheduler)}, checkpoint_id=path)
+        dcp.load({"model": ..., "optim": ..., "autoprec": SchedulerCheckpoint(scheduler)}, checkpoint_id=path)
+
+    Each rank saves its whole `state_dict` as one bytes entry under its own key (``rank<r>``):
+    the profiler's window accumulators and captured inputs are per rank, and a plain tensor in a
+    DCP state dict would be taken as replicated and loaded from one rank. So a checkpoint resumes
+    on the same world size (refused in one line otherwise). Cost: one ``torch.save`` per rank."""
+
+    def __init__(self, scheduler: "DynamicPrecisionScheduler"):
+        self.scheduler = scheduler
+
+    @staticmethod
+    def _rank() -> tuple[int, int]:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    def state_dict(self) -> dict:
+        rank, world = self._rank()
+        buffer = io.BytesIO()
+        torch.save(self.scheduler.state_dict(), buffer)
+        return {f"rank{rank}": buffer.getvalue(), "world_size": world}
+
+    def load_state_dict(self, state: dict) -> None:
+        rank, world = self._rank()
+        blob = state.get(f"rank{rank}")
+        if not isinstance(blob, (bytes, bytearray)) or state.get("world_size") != world:
+            raise RuntimeStateError(f"the autoprec checkpoint was not saved by rank {rank} of a {world}-rank run; resume on the world size it was saved with")
+        self.scheduler.load_state_dict(torch.load(io.BytesIO(blob), weights_only=False))
+
+
+def grad_comm_format(config, plan: "Optional[Plan]") -> Format:
+    """The DDP gradient all-reduce precision ``config.grad_comm`` asks for under ``plan``.
+
+    ``"auto"``: BF16 once a plan computes every layer's gradients in 16 bits or fewer and an
+    accuracy budget is set (those gradients already carry BF16-or-coarser rounding, so rounding
+    their average once more to BF16 adds error of the same order, which the search's budget
+    already allowed for each layer), else FP32."""
+    if config.grad_comm != "auto":
+        return Format.parse(config.grad_comm)
+    narrow = plan is not None and all(lp.grad_format.bits <= 16 for lp in plan.layers.values())
+    return Format.BF16 if narrow and config.accuracy_budget is not None else Format.FP32

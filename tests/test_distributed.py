@@ -1,0 +1,346 @@
+"""DynamicPrecisionScheduler under torch.distributed: 2 gloo CPU ranks (torch.multiprocessing.spawn)
+with DDP and FSDP2; one plan, one skip decision, promotions at one step, DCP resume, comm volume."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import autoprec as ap
+from autoprec.distributed import SchedulerCheckpoint, grad_comm_format, plan_hash
+from autoprec.scheduler import DynamicPrecisionScheduler, Thresholds
+
+WINDOW = 4
+WORLD = 2
+GLOBAL_BATCH = 16
+TEACHER = torch.randn(32, 8, generator=torch.Generator().manual_seed(7))
+SETTINGS = dict(monitor_window=WINDOW, monitor_steps=2, memory_budget=0.9, accuracy_budget=0.05, measure_costs=False,
+                thresholds=Thresholds(nonfinite_steps=1), search_timeout_s=20.0)
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+
+
+def batch(step, rank, world):
+    """This rank's rows of the global batch of ``step`` (the same global batch for any world size)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(GLOBAL_BATCH, 32, generator=g)
+    y = (x @ TEACHER).argmax(-1)  # learnable labels: a fixed linear teacher's classes
+    return x[rank::world], y[rank::world]
+
+
+def run(scenario, tmp_path, world=WORLD):
+    """Spawn ``world`` ranks running ``scenario(rank, world, tmp_path)``; return each rank's result."""
+    os.makedirs(tmp_path, exist_ok=True)
+    mp.spawn(_entry, args=(scenario, world, str(tmp_path)), nprocs=world, join=True)
+    return [torch.load(os.path.join(tmp_path, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def _entry(rank, scenario, world, tmp):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    try:
+        result = scenario(rank, world, tmp)
+        torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def train(model, sch, opt, steps, rank, world, start=0, fault=None, counts=None):
+    """``steps`` steps from global step ``start``; per step (loss, stepped, parameters unchanged,
+    the agreed reason of a skip)."""
+    out = []
+    for step in range(start, start + steps):
+        x, y = batch(step, rank, world)
+        with sch.precision_context():
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+        if fault is not None:
+            loss = fault(step, loss)
+        sch.backward(loss)
+        before = {k: v.detach().clone() for k, v in model.named_parameters()}
+        calls = []
+        if counts is not None:  # every dist.all_reduce the scheduler's step issues, with its bytes
+            real = dist.all_reduce
+            dist.all_reduce = lambda t, *a, **k: (calls.append(t.numel() * t.element_size()), real(t, *a, **k))[1]
+        try:
+            stepped = sch.step(opt)
+        finally:
+            if counts is not None:
+                dist.all_reduce = real
+                counts.append(calls)
+        opt.zero_grad(set_to_none=True)
+        unchanged = all(torch.equal(before[k], v) for k, v in model.named_parameters())
+        why = sch.distributed.last_verdict.describe() if not stepped and sch.distributed is not None else None
+        out.append((loss.item(), stepped, unchanged, why))
+    return out
+
+
+# -- gradient communication precision (no process group needed) ---------------------------------
+
+
+def test_grad_comm_auto_goes_bf16_only_for_a_16_bit_gradient_plan_with_a_budget():
+    config = ap.SchedulerConfig(grad_comm="auto", accuracy_budget=0.05)
+    half = ap.Plan.uniform(make_model(), ap.Format.BF16)
+    mixed = half.with_layers({"2": ap.Format.FP32})
+    assert grad_comm_format(config, half) is ap.Format.BF16
+    assert grad_comm_format(config, mixed) is ap.Format.FP32
+    assert grad_comm_format(config, None) is ap.Format.FP32  # profiling: no plan yet
+    assert grad_comm_format(ap.SchedulerConfig(grad_comm="auto"), half) is ap.Format.FP32  # no budget to spend
+    assert grad_comm_format(ap.SchedulerConfig(grad_comm="fp16"), mixed) is ap.Format.FP16
+
+
+def test_an_unknown_grad_comm_is_refused_naming_the_setting():
+    with pytest.raises(ap.SearchError, match=r"grad_comm='int8'.*'fp32', 'bf16', 'fp16', 'auto'"):
+        ap.SchedulerConfig(grad_comm="int8")
+
+
+# -- DDP: one plan, one skip decision, promotions at one step, comm volume ---------------------------
+
+INF_STEP = 9  # after the search (step 4): the plan is in force, so promotions can follow
+
+
+def ddp_scenario(rank, world, tmp):
+    model = make_model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    sch = DynamicPrecisionScheduler(**SETTINGS)
+
+    def fault(step, loss):  # an inf loss on rank 1 only
+        return loss * float("inf") if step == INF_STEP and rank == 1 else loss
+
+    counts = []
+    steps = train(ddp, sch, opt, 14, rank, world, fault=fault, counts=counts)
+    return {
+        "steps": steps, "counts": counts, "plan": sch.searched_plan.to_dict(), "hash": plan_hash(sch.plan),
+        "changes": [c.to_dict() for c in sch.changes],
+        "layers": sch.layers, "params": {k: v.detach() for k, v in model.named_parameters()},
+    }
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    return run(ddp_scenario, tmp_path_factory.mktemp("ddp"))
+
+
+@pytest.mark.slow
+def test_ddp_ranks_search_one_plan(ddp_run):
+    r0, r1 = ddp_run
+    assert r0["plan"] == r1["plan"] and r0["hash"] == r1["hash"]
+    assert any(layer["format"] != "fp32" for layer in r0["plan"]["layers"].values()), "the search lowered nothing: nothing to agree on"
+
+
+@pytest.mark.slow
+def test_inf_on_rank_1_skips_the_step_on_both_ranks_and_names_it(ddp_run):
+    for result in ddp_run:
+        loss, stepped, unchanged, why = result["steps"][INF_STEP]
+        assert not stepped and unchanged
+        assert all(s[1] for i, s in enumerate(result["steps"]) if i != INF_STEP)
+        assert why == ddp_run[0]["steps"][INF_STEP][3]  # one verdict, word for word, on both ranks
+        assert "non-finite loss on rank 1" in why and "rank 0" not in why
+        assert any(f"non-finite gradients in {fqn} on rank 1" in why for fqn in result["layers"])
+
+
+@pytest.mark.slow
+def test_promotions_happen_at_the_same_step_on_every_rank(ddp_run):
+    r0, r1 = ddp_run
+    promoted = [c for c in r0["changes"] if c["step"] == INF_STEP + 1]
+    assert promoted, "the non-finite step promoted no layer"
+    assert r0["changes"] == r1["changes"]
+    for name, value in r0["params"].items():
+        assert torch.equal(value, r1["params"][name]), name
+
+
+@pytest.mark.slow
+def test_one_small_all_reduce_per_step_outside_window_ends(ddp_run):
+    counts, layers = ddp_run[0]["counts"], ddp_run[0]["layers"]
+    window_ends = {WINDOW * k - 1 for k in range(1, 5)}
+    for step, calls in enumerate(counts):
+        if step not in window_ends:
+            assert calls == [8 * (1 + 1 + 2 * len(layers))], (step, calls)
+        else:
+            assert len(calls) > 1, (step, calls)  # the window's statistics are reduced too
+
+
+def comm_scenario(rank, world, tmp):
+    """Per grad_comm: whether every all-reduced gradient is a BF16 value after one backward."""
+    out = {}
+    for comm in ("fp32", "bf16"):
+        model = make_model()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        sch = DynamicPrecisionScheduler.from_plan(ddp, ap.Plan.uniform(make_model(), ap.Format.BF16), **{**SETTINGS, "grad_comm": comm})
+        x, y = batch(0, rank, world)
+        with sch.precision_context():
+            loss = nn.functional.cross_entropy(ddp(x).float(), y)
+        sch.backward(loss)
+        out[comm] = all(torch.equal(p.grad, p.grad.bfloat16().float()) for p in model.parameters())
+    return out
+
+
+@pytest.mark.slow
+def test_grad_comm_bf16_all_reduces_through_torchs_bf16_hook(tmp_path):
+    for result in run(comm_scenario, tmp_path):
+        assert result == {"fp32": False, "bf16": True}
+
+
+# -- 2 ranks vs 1 rank on the same global batch ----------------------------------------------------
+
+
+def curve_scenario(rank, world, tmp):
+    model = make_model()
+    net = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
+    sch = DynamicPrecisionScheduler(**SETTINGS)
+    return [s[0] for s in train(net, sch, opt, 24, rank, world)]
+
+
+@pytest.mark.slow
+def test_two_ranks_track_one_rank_within_the_accuracy_budget(tmp_path):
+    one = run(curve_scenario, tmp_path / "one", world=1)[0]
+    two = run(curve_scenario, tmp_path / "two")
+    global_two = [(a + b) / 2 for a, b in zip(*two)]  # the mean over equal halves of the global batch
+    last_one, last_two = sum(one[-4:]) / 4, sum(global_two[-4:]) / 4
+    assert last_two < global_two[0] * 0.95 and last_one < one[0] * 0.95  # both learned
+    assert abs(last_two - last_one) / last_one <= SETTINGS["accuracy_budget"]
+
+
+# -- DCP checkpoints -------------------------------------------------------------------------------
+
+
+def resume_scenario(rank, world, tmp):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def fresh():
+        model = make_model()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        return model, ddp, torch.optim.AdamW(ddp.parameters(), lr=3e-3), DynamicPrecisionScheduler(**SETTINGS)
+
+    model, ddp, opt, sch = fresh()
+    straight = train(ddp, sch, opt, 12, rank, world)
+    reference = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    model, ddp, opt, sch = fresh()
+    first = train(ddp, sch, opt, 6, rank, world)
+    msd, osd = get_state_dict(ddp, opt)
+    dcp.save({"model": msd, "optim": osd, "autoprec": SchedulerCheckpoint(sch)}, checkpoint_id=f"{tmp}/ckpt")
+
+    model, ddp, opt, sch = fresh()
+    msd, osd = get_state_dict(ddp, opt)
+    state = {"model": msd, "optim": osd, "autoprec": SchedulerCheckpoint(sch)}
+    dcp.load(state, checkpoint_id=f"{tmp}/ckpt")
+    set_state_dict(ddp, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    second = train(ddp, sch, opt, 6, rank, world, start=6)
+    resumed = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return {"straight": straight, "resumed": first + second, "reference": reference, "params": resumed, "plan": sch.plan.to_dict()}
+
+
+@pytest.mark.slow
+def test_dcp_resume_continues_bit_identically(tmp_path):
+    for result in run(resume_scenario, tmp_path):
+        assert [s[0] for s in result["resumed"]] == [s[0] for s in result["straight"]]
+        for name, value in result["reference"].items():
+            assert torch.equal(result["params"][name], value), name
+
+
+# -- FSDP2 -----------------------------------------------------------------------------------------
+
+FSDP_PLAN = {"0": ap.Format.BF16, "2": ap.Format.FP32, "4": ap.Format.BF16}
+
+
+def fsdp_scenario(rank, world, tmp):
+    from torch.distributed.fsdp import fully_shard
+
+    results = {}
+    for kind in ("fsdp2", "ddp"):
+        model = make_model()
+        plan = ap.Plan({fqn: ap.LayerPrecision(fmt) for fqn, fmt in FSDP_PLAN.items()})
+        if kind == "fsdp2":
+            for fqn in ("0", "2", "4"):
+                fully_shard(model.get_submodule(fqn))
+            net = fully_shard(model)
+        else:
+            net = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
+        sch = DynamicPrecisionScheduler.from_plan(net, plan, **SETTINGS)
+        steps = train(net, sch, opt, 6, rank, world)
+        full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.named_parameters()}
+        results[kind] = {"steps": steps, "params": full, "hash": plan_hash(sch.plan)}
+    return results
+
+
+@pytest.mark.slow
+def test_fsdp2_trains_a_plan_like_ddp(tmp_path):
+    for result in run(fsdp_scenario, tmp_path):
+        fsdp, ddp = result["fsdp2"], result["ddp"]
+        assert all(s[1] for s in fsdp["steps"])
+        assert fsdp["steps"][-1][0] < fsdp["steps"][0][0]
+        for name, value in ddp["params"].items():
+            torch.testing.assert_close(fsdp["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def fsdp_dynamic_scenario(rank, world, tmp):
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    for fqn in ("0", "2", "4"):
+        fully_shard(model.get_submodule(fqn))
+    net = fully_shard(model)
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
+    plan = ap.Plan({fqn: ap.LayerPrecision(fmt) for fqn, fmt in FSDP_PLAN.items()})
+    sch = DynamicPrecisionScheduler.from_plan(net, plan, dynamic=True, **SETTINGS)
+
+    def fault(step, loss):
+        return loss * float("inf") if step == 5 and rank == 1 else loss
+
+    return {"steps": train(net, sch, opt, 8, rank, world, fault=fault), "changes": [c.to_dict() for c in sch.changes]}
+
+
+@pytest.mark.slow
+def test_fsdp2_skips_on_every_rank_and_promotes_at_one_step(tmp_path):
+    r0, r1 = run(fsdp_dynamic_scenario, tmp_path)
+    for result in (r0, r1):
+        assert [s[1] for s in result["steps"]] == [i != 5 for i in range(8)]
+        assert result["steps"][5][2] and "non-finite loss on rank 1" in result["steps"][5][3]
+    assert r0["changes"] and r0["changes"] == r1["changes"]
+    assert {c["step"] for c in r0["changes"]} == {6}
+
+
+def first_forward_error(model, plan, rank, world):
+    """The `DistributedError` message binding ``plan`` on ``model`` raises, or None."""
+    sch = DynamicPrecisionScheduler.from_plan(model, plan, **SETTINGS)
+    try:
+        with sch.precision_context():
+            model(batch(0, rank, world)[0])
+    except ap.DistributedError as exc:
+        return str(exc)
+    return None
+
+
+def fsdp_policy_scenario(rank, world, tmp):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = fully_shard(make_model(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    return first_forward_error(model, ap.Plan.uniform(make_model(), ap.Format.BF16), rank, world)
+
+
+@pytest.mark.slow
+def test_fsdp2_param_dtype_policy_is_refused_in_one_line(tmp_path):
+    for message in run(fsdp_policy_scenario, tmp_path):
+        assert message is not None and "\n" not in message
+        assert "param_dtype=None" in message
+
+
+def mismatch_scenario(rank, world, tmp):
+    plan = ap.Plan.uniform(make_model(), ap.Format.BF16 if rank == 0 else ap.Format.FP32)
+    return first_forward_error(nn.parallel.DistributedDataParallel(make_model()), plan, rank, world)
+
+
+@pytest.mark.slow
+def test_a_rank_with_another_plan_is_named_on_every_rank(tmp_path):
+    for message in run(mismatch_scenario, tmp_path):
+        assert message is not None and message.startswith("rank 1 holds another")
