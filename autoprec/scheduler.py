@@ -47,6 +47,11 @@ Costs per step: the runtime's (see `runtime`), the scaler's one host sync per op
 monitored steps the profiler's (`autoprec.bench.measure_overhead` measures it). A search costs
 the cost model's measurements (cached on disk), two forward+backward passes per (layer, format)
 for sensitivity, and the integer program, bounded by ``search_timeout_s``.
+
+Why one module of ~700 lines: what is left here is the window clock and the swaps, and every
+method reads or moves the same few pieces of state (plan, runtime, scaler, profiler, window
+position); the decisions themselves live elsewhere (`policy`, `search.pipeline`, `distributed`,
+`scaling`), and splitting the clock from the swaps would pass that state back and forth.
 """
 
 from __future__ import annotations
