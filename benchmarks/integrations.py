@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from autoprec.measure import SavedTensorMeter
 
 # Roofline time model instead of timing every layer in place (seconds of measurement per search,
-# noisy on a shared 2-core machine): the plan is then deterministic for a given profile.
+# noisy on a shared 2-core machine); on a CPU its peaks are calibrated once per process, and the
+# memory budget is what fixes which layers the plan narrows.
 # monitor_steps=4: each window profiles its last 4 steps, as 64 of 500 would in a long run.
 SCHEDULER = dict(memory_budget=0.75, accuracy_budget=0.05, measure_costs=False, search_timeout_s=30, monitor_steps=4)
 LAST = 10  # steps whose mean training loss is the "final loss"
