@@ -468,7 +468,7 @@ def render_precision_map(plan: Plan, name: str = "plan") -> PrecisionMap:
     """Layers in model order (rows) × formats (columns), the chosen format's cell filled in its
     colour (`FORMAT_COLOURS`), layer names at the left, a legend with the count per format.
 
-    Costs about 0.1 ms per layer on one CPU core (PIL drawing); the image is ~500 px wide (more
+    Host-only: one PIL row per layer; the image is ~500 px wide (more
     for long layer names) and `ROW_HEIGHT` px per layer tall.
     """
     formats = list(Format)

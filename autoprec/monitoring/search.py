@@ -143,7 +143,7 @@ def pareto_front(points: Sequence[TrialPoint]) -> list[TrialPoint]:
 
     Optuna's multi-objective view: the points become the trials of an in-memory study with the
     three objectives minimised and the budgets as constraints, and the front is its
-    ``best_trials``. Costs about 0.1 ms per point (Optuna's bookkeeping).
+    ``best_trials``. Host-only; one in-memory Optuna trial per point.
     """
     import optuna
 
@@ -295,7 +295,7 @@ def render_pareto(
     vertical line marks ``memory_bytes`` (the memory budget) when given; each ``measured`` plan
     with measured totals is an orange square joined to its predicted point.
 
-    Costs about 0.1 ms per trial on one CPU core (PIL drawing) plus ~5 ms for the frame.
+    Host-only: one PIL marker per trial plus the axes and legend, drawn once per call.
     """
     from PIL import Image, ImageDraw
 
@@ -444,8 +444,8 @@ def write_search(
     ``replace`` (default) removes the run's earlier event files, so writing a study again (say
     from an Optuna callback as it runs) shows it once. Returns the run's folder. Raises
     `MonitoringError` for an unwritable ``logdir`` or a study whose trials lack those figures.
-    Host-only work, no device: ~0.3 ms per trial, all trials each call (so from a callback, write
-    every few dozen trials rather than after each).
+    Host-only work, no device, linear in the trials and redone for all of them each call (so from
+    a callback, write every few dozen trials rather than after each).
     """
     reference = _fp32_reference(fp32)
     points = search_points(study)
@@ -509,7 +509,7 @@ def write_candidates(
     The metrics are the scalars present in any session (no experiment summary is written, as in
     `autoprec.monitoring.writer`), so every session shares the same columns and a session
     lacking a figure shows an empty cell. Returns ``{run: folder}``. Raises `MonitoringError` for
-    no plans, two names giving one run, or an unwritable ``logdir``. ~20 ms per 100-layer plan.
+    no plans, two names giving one run, or an unwritable ``logdir``. Host-only, linear in the layers of each plan.
     """
     from torch.utils.tensorboard.summary import hparams
 
