@@ -20,6 +20,7 @@ from ..errors import SensitivityError
 from ..formats import Format
 from ..plan import LayerPrecision
 from ..runtime import apply_plan
+from ..scaling import DEFAULT_INIT_SCALE
 from .problem import (
     LossFn, Sensitivity, SensitivityEstimator, SensitivityProblem, _calibrate, _Call, _callers, _eval_mode, _float_leaves,
     _Recorder, _resolve, _runtime_errors,
@@ -70,8 +71,8 @@ class FisherEstimator(SensitivityEstimator):
     ``upstream=False`` keeps only the site's own parameters in it (skips one partial backward
     per layer, format and batch). ``optimizer`` is "adam" (v from the batches) or "sgd"; ``lr``
     the learning rate the term assumes (torch's Adam default); ``eps`` Adam's. ``loss_scale``
-    multiplies dL/dy in the gradient pass as a loss scaler does (4096: DESIGN.md's initial
-    dynamic scale); without it FP16 gradients of 1e-8 flush to zero, which no FP16 run allows.
+    multiplies dL/dy in the gradient pass as a loss scaler does (default: the loss scaler's
+    initial dynamic scale); without it FP16 gradients of 1e-8 flush to zero, which no FP16 run allows.
     """
 
     grad_term: bool = True
@@ -79,7 +80,7 @@ class FisherEstimator(SensitivityEstimator):
     optimizer: str = "adam"
     lr: float = 1e-3
     eps: float = 1e-8
-    loss_scale: float = 4096.0
+    loss_scale: float = DEFAULT_INIT_SCALE
     site: str = "parent"
     fisher: str = "auto"
 
