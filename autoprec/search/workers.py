@@ -12,8 +12,8 @@ worker left), and picks the plan exactly as the single-process job does.
 Placement: with several CUDA devices (``[job].device`` "auto" or "cuda"), worker *i* runs on
 device *i mod count*; otherwise every worker runs on the job's device. Each worker sets
 ``torch.set_num_threads(max(1, cores // N))``: N workers with ``cores`` intra-op threads each
-would oversubscribe the cores, and idle OpenMP threads spin-wait (a 10 s test run was measured
-at 331 s that way, see tests/conftest.py); the step times are ratios to interleaved FP32 steps
+would oversubscribe the cores, and idle OpenMP threads spin-wait on each other's cores; the
+step times are ratios to interleaved FP32 steps
 of the same worker, so each worker's thread count cancels out of the comparison.
 
 Storages (`study.open_storage`): a journal file (``[search].storage = "study.journal"``) or a
