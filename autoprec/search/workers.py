@@ -13,8 +13,8 @@ Placement: with several CUDA devices (``[job].device`` "auto" or "cuda"), worker
 device *i mod count*; otherwise every worker runs on the job's device. Each worker sets
 ``torch.set_num_threads(max(1, cores // N))``: N workers with ``cores`` intra-op threads each
 would oversubscribe the cores, and idle OpenMP threads spin-wait on each other's cores; the
-step times are ratios to interleaved FP32 steps
-of the same worker, so each worker's thread count cancels out of the comparison.
+step times are ratios to interleaved FP32 steps of the same worker, so each worker's thread
+count cancels out of the comparison.
 
 Storages (`study.open_storage`): a journal file (``[search].storage = "study.journal"``) or a
 server database (``postgresql://...``); SQLite is refused for N > 1 (`check_workers`). Several
