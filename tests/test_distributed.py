@@ -2,6 +2,7 @@
 with DDP and FSDP2; one plan, one skip decision, promotions at one step, DCP resume, comm volume."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -49,6 +50,12 @@ def _entry(rank, scenario, world, tmp):
         torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    # torch's FSDP2 on gloo aborts at interpreter exit in a few runs in a hundred ("terminate called
+    # without an active exception", after the group is destroyed; a plain FSDP2 loop without
+    # autoprec does the same). The result is saved: leave without that C++ teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def train(model, sch, opt, steps, rank, world, start=0, fault=None, counts=None):
