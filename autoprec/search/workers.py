@@ -131,7 +131,7 @@ def run_workers(
         while True:
             alive = [p for p in processes if p.is_alive()]  # is_alive() reaps a dead worker, so its pid is gone
             if progress is not None:
-                progress(_finished(study, ids), len(ids), f"measuring ({len(alive)} workers)")
+                progress(_finished(study, ids), len(ids), f"measuring ({len(alive)} worker{'s' if len(alive) != 1 else ''})")
             if not alive:
                 break
             time.sleep(poll_s)
