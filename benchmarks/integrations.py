@@ -39,6 +39,8 @@ from autoprec.measure import SavedTensorMeter
 # memory budget is what fixes which layers the plan narrows.
 # monitor_steps=4: each window profiles its last 4 steps, as 64 of 500 would in a long run.
 SCHEDULER = dict(memory_budget=0.75, accuracy_budget=0.05, measure_costs=False, search_timeout_s=30, monitor_steps=4)
+# The same with no memory budget: the plan then only minimises the predicted step time.
+OPEN_MEMORY = {**SCHEDULER, "memory_budget": None}
 LAST = 10  # steps whose mean training loss is the "final loss"
 
 
@@ -128,12 +130,15 @@ def lightning_runs(steps: int, window: int, out: str) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256 * 16, 256, generator=g)
     y = (x @ torch.randn(256, 16, generator=g)).argmax(-1)
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=256, shuffle=True, generator=torch.Generator().manual_seed(1))
 
     rows = []
     for name, setting in (("fp32", dict(precision="32-true")), ("bf16-mixed", dict(precision="bf16-mixed")),
-                          ("autoprec", dict(plugins=[AutoprecPrecision(monitor_window=window, **SCHEDULER)]))):
+                          ("autoprec", dict(plugins=[AutoprecPrecision(monitor_window=window, **SCHEDULER)])),
+                          ("autoprec-open-memory", dict(plugins=[AutoprecPrecision(monitor_window=window, **OPEN_MEMORY)]))):
         module = MLP()
+        # A loader per variant: one shared loader's shuffle generator would give each variant
+        # another batch order.
+        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=256, shuffle=True, generator=torch.Generator().manual_seed(1))
         clock = Clock(module, meter_at=meter_step(steps, window))
         trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, callbacks=[Timing(clock)], default_root_dir=out, **setting)
@@ -180,14 +185,14 @@ def transformers_runs(steps: int, window: int, out: str) -> list[dict]:
                 self.clock.losses.append(logs["loss"])
 
     rows = []
-    for name, flags in (("fp32", {}), ("bf16=True", {"bf16": True}), ("autoprec", None)):
+    for name, flags, settings in (("fp32", {}, None), ("bf16=True", {"bf16": True}, None), ("autoprec", None, SCHEDULER), ("autoprec-open-memory", None, OPEN_MEMORY)):
         model = bert()
         clock = Clock(model, meter_at=meter_step(steps, window))
         args = TrainingArguments(output_dir=os.path.join(out, name), max_steps=steps, per_device_train_batch_size=16, gradient_accumulation_steps=2,
                                  learning_rate=5e-4, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
                                  disable_tqdm=True, seed=0, **(flags or {}))
         if flags is None:
-            scheduler = DynamicPrecisionScheduler(monitor_window=window, **SCHEDULER)
+            scheduler = DynamicPrecisionScheduler(monitor_window=window, **settings)
             trainer = AutoprecTrainer(model=model, args=args, train_dataset=dataset, scheduler=scheduler, callbacks=[Timing(clock)])
         else:
             scheduler = None

@@ -114,6 +114,18 @@ def test_metrics_reach_the_trainers_logger(run):
     assert any(row.get("val_loss") for row in rows)  # validation ran under the plan
 
 
+def test_metrics_are_logged_only_on_the_steps_the_trainer_writes(tmp_path):
+    plugin = AutoprecPrecision(**SETTINGS)
+    module = Classifier()
+    calls = []
+    log_dict = module.log_dict
+    module.log_dict = lambda metrics, **kwargs: (calls.append(metrics["autoprec/step"]) if "autoprec/step" in metrics else None, log_dict(metrics, **kwargs))
+    trainer(tmp_path, plugin, 12, log_every_n_steps=5).fit(module, loader())
+    assert calls == [5.0, 10.0]  # not every step: each `log` is host work Lightning would discard
+    logged = [float(row["autoprec/step"]) for row in logged_rows(tmp_path) if row.get("autoprec/step")]
+    assert logged == [5.0, 10.0]  # and what the logger writes is the same
+
+
 def test_checkpoint_resumes_the_scheduler(run, tmp_path):
     tmp, _, _, _ = run
     path = str(tmp / "ckpt" / "step=20.ckpt")
