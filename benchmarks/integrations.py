@@ -6,7 +6,9 @@ Lightning: an MLP classifier (256 -> 1024 -> 1024 -> 16, batch 256) trained by `
 with ``precision="32-true"``, ``"bf16-mixed"`` and ``plugins=[AutoprecPrecision(...)]``.
 Hugging Face: a 2-layer BERT classifier built from a config (hidden 128, sequence 64, batch 16,
 gradient accumulation 2) trained by ``transformers.Trainer`` (FP32, ``bf16=True``) and by
-``AutoprecTrainer``. Same seed, data and steps for every variant; nothing is downloaded.
+``AutoprecTrainer``, each under the settings in ``SCHEDULER`` (a memory budget of 0.75) and with
+no memory budget (``-open-memory``). Same seed, data, batch order and steps for every variant;
+nothing is downloaded.
 
 Per variant: the final loss (mean training loss of the last 10 optimizer steps), the mean
 optimizer-step time over the steps after the scheduler's first window (the window's profiling
