@@ -57,6 +57,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
@@ -65,6 +66,7 @@ import torch.nn as nn
 
 from .errors import DistributedError, RuntimeStateError
 from .formats import Format
+from .measure import local_shard
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -144,6 +146,17 @@ def _ranks(value: int, world: int) -> tuple[int, ...]:
     return tuple(r for r in range(world) if value >> r & 1)
 
 
+def _count_nonfinite(flags: torch.Tensor, grads: Sequence[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """Add 1 to ``flags[i]`` for each ``(i, gradient)`` holding an inf or NaN; returns ``flags``.
+    One inf-norm per non-empty gradient (NaN propagates through max), no sync."""
+    grads = [(i, g) for i, g in grads if g.numel()]  # the inf-norm of nothing is undefined
+    if grads:
+        with torch.no_grad():
+            bad = ~torch.stack(torch._foreach_norm([g for _, g in grads], math.inf)).isfinite()
+            flags.index_add_(0, torch.tensor([i for i, _ in grads], device=flags.device), bad.long().to(flags.device))
+    return flags
+
+
 class GradCommHook:
     """The state DDP's ``register_comm_hook`` holds: which of torch's hooks all-reduces the
     gradients (``default_hooks.allreduce_hook``, ``bf16_compress_hook``, ``fp16_compress_hook``:
@@ -167,15 +180,11 @@ class GradCommHook:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         grads, params = bucket.gradients(), bucket.parameters()
-        index = [state._layer_of.get(id(p), -1) for p in params]
-        kept = [(i, g) for i, g in zip(index, grads) if i >= 0 and g.numel()]
+        kept = [(state._layer_of[id(p)], g) for p, g in zip(params, grads) if id(p) in state._layer_of]
         if kept:
-            with torch.no_grad():
-                bad = ~torch.stack(torch._foreach_norm([g for _, g in kept], float("inf"))).isfinite()
-                at = torch.tensor([i for i, _ in kept], device=bad.device)
-                if state.flags is None:
-                    state.flags = torch.zeros(state._layers, dtype=torch.int64, device=bad.device)
-                state.flags.index_add_(0, at, bad.long())
+            if state.flags is None:
+                state.flags = torch.zeros(state._layers, dtype=torch.int64, device=grads[0].device)
+            _count_nonfinite(state.flags, kept)
         hook = {Format.FP32: default_hooks.allreduce_hook, Format.BF16: default_hooks.bf16_compress_hook,
                 Format.FP16: default_hooks.fp16_compress_hook}[state.format]
         return hook(state.process_group, bucket)
@@ -299,13 +308,7 @@ class RankAgreement:
 
     def _local_grad_flags(self, device: torch.device) -> torch.Tensor:
         flags = torch.zeros(len(self.layers), dtype=torch.int64, device=device)
-        kept = [(i, p.grad) for i, p in self._params if p.grad is not None]
-        kept = [(i, g.to_local() if hasattr(g, "to_local") else g) for i, g in kept]
-        kept = [(i, g) for i, g in kept if g.numel()]
-        if kept:
-            bad = ~torch.stack(torch._foreach_norm([g for _, g in kept], float("inf"))).isfinite()
-            flags.index_add_(0, torch.tensor([i for i, _ in kept], device=device), bad.long().to(device))
-        return flags
+        return _count_nonfinite(flags, [(i, local_shard(p.grad)) for i, p in self._params if p.grad is not None])
 
     def _output_flags(self, scaler, device: torch.device) -> torch.Tensor:
         """One-hot (per layer) of this rank's first non-finite forward output."""
