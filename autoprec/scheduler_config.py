@@ -68,7 +68,8 @@ class SchedulerConfig:
     ``measure_costs=False`` uses the roofline time model instead of timing every layer on the
     device: cheaper, but deterministic only where the device has a datasheet entry (elsewhere,
     a CPU included, its peaks are calibrated once per process by one GEMM per format, so the
-    predicted seconds, and a plan without a memory budget, can differ between runs). ``dynamic=False`` runs a fixed plan and never re-plans.
+    predicted seconds, and a plan without a memory budget, can differ between runs).
+    ``dynamic=False`` runs a fixed plan and never re-plans.
 
     Under ``torch.distributed`` (see `autoprec.distributed`): ``process_group`` is the group the
     ranks agree in (None: the default group, once initialised); ``grad_comm`` the precision DDP

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import autoprec as ap
+from autoprec.scheduler_config import GRAD_COMM
 from autoprec.workloads import default_workload
 
 
@@ -27,7 +28,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--window", type=int, default=20, help="monitor_window: steps per profiling / re-planning window")
     parser.add_argument("--global-batch", type=int, default=16, help="sequences per step over all ranks")
-    parser.add_argument("--grad-comm", default="fp32", choices=("fp32", "bf16", "fp16", "auto"), help="gradient all-reduce precision")
+    parser.add_argument("--grad-comm", default="fp32", choices=GRAD_COMM, help="gradient all-reduce precision")
     parser.add_argument("--json", help="write the figures (losses, bytes) to this file (rank 0)")
     args = parser.parse_args()
     dist.init_process_group("gloo")  # torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR/PORT
