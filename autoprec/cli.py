@@ -125,6 +125,18 @@ class _CtrlC:
         if self.seen:
             raise KeyboardInterrupt
 
+    def caused(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is this command's Ctrl-C: the KeyboardInterrupt itself, or an error a
+        library raised while the interrupt unwound through it (Optuna's trial bookkeeping raised
+        UnboundLocalError when Ctrl-C landed inside it), found in the ``__context__`` chain."""
+        seen: set[int] = set()
+        while exc is not None and id(exc) not in seen:
+            if isinstance(exc, KeyboardInterrupt):
+                return True
+            seen.add(id(exc))
+            exc = exc.__context__
+        return False
+
     def __exit__(self, *exc) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
@@ -510,7 +522,9 @@ def _cmd_search(args: argparse.Namespace) -> int:
     try:
         result = run_job(config, progress=progress, workers=args.workers)
         _CTRL_C.check()
-    except KeyboardInterrupt:
+    except BaseException as exc:
+        if not _CTRL_C.caused(exc):
+            raise
         progress.close()
         print(f"autoprec: search interrupted; run the same command again to resume from the study in {config.storage_url}", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -622,7 +636,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return args.handler(args)
         except AutoprecError as exc:
             return _fail(str(exc), EXIT_FAILED)
-        except KeyboardInterrupt:
+        except BaseException as exc:
+            if not _CTRL_C.caused(exc):
+                raise
             print("autoprec: interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED
 

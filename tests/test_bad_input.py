@@ -432,6 +432,30 @@ def test_ctrl_c_swallowed_by_a_finalizer_still_stops_the_command_at_the_next_tic
     assert sys.unraisablehook == printed.append  # restored on exit
 
 
+def test_ctrl_c_that_a_library_turns_into_another_error_still_ends_as_an_interrupt(tmp_path, monkeypatch, capsys):
+    """Ctrl-C landing inside Optuna's trial bookkeeping once surfaced as its UnboundLocalError,
+    with a traceback and exit status 1, instead of the one-line interrupt."""
+    import autoprec.search.job as job_module
+
+    def run_job(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler raises here
+        except KeyboardInterrupt:
+            raise UnboundLocalError("cannot access local variable 'updated_state'")  # as Optuna did
+
+    monkeypatch.setattr(job_module, "run_job", run_job)
+    assert main(["search", str(write_job(tmp_path))]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("autoprec: search interrupted; run the same command again")
+
+    def unrelated(*args, **kwargs):
+        raise UnboundLocalError("a bug of its own")
+
+    monkeypatch.setattr(job_module, "run_job", unrelated)
+    with pytest.raises(UnboundLocalError):  # not an interrupt: a traceback, as any bug
+        main(["search", str(write_job(tmp_path))])
+
+
 @pytest.mark.slow
 def test_kill_and_ctrl_c_resume_with_no_trial_left_running_and_no_candidate_measured_twice(tmp_path):
     path = write_job(tmp_path)
