@@ -412,10 +412,17 @@ class DynamicPrecisionScheduler:
         self.scaler.load_state_dict(state)
         self._watch()
 
+    def _drop_runtime(self) -> None:
+        if self._runtime is not None:
+            self._runtime.remove()
+            self._runtime = None
+
     def _set_plan(self, plan: Plan, why: str, searched: bool = True) -> None:
         """Install ``plan``: a new runtime keeping the amax histories and calibration of layers
         whose precision did not change; the scaler switched on or off as the plan needs."""
         old = self._runtime
+        if old is not None:
+            old.remove()  # its layer wrappers off the model before the new plan's go on
         runtime = apply_plan(self.model, plan, validate=False)
         if old is not None:
             kept = {fqn: s for fqn, s in old.state_dict()["layers"].items() if fqn in plan.layers and old.plan.layers.get(fqn) == plan.layers[fqn]}
@@ -653,7 +660,7 @@ class DynamicPrecisionScheduler:
         self._captured = [[ModelCall.from_state(call), grad] for call, grad in state["captured"]]
         self._meter_next = state["meter_next"]
         plan = None if state["plan"] is None else Plan.from_dict(state["plan"])
-        self._runtime = None
+        self._drop_runtime()
         if plan is not None:
             self._set_plan(plan, "restored", searched=False)
             if self._runtime is not None and state["runtime"] is not None:
@@ -694,8 +701,8 @@ class DynamicPrecisionScheduler:
                 )
 
     def close(self) -> None:
-        """Remove hooks and flush the TensorBoard writer (the plan runtime is only active inside
-        `precision_context`)."""
+        """Remove hooks and the plan's layer wrappers, and flush the TensorBoard writer."""
+        self._drop_runtime()
         if self._profiler is not None:
             self._profiler.detach()
         self._stop_capture()

@@ -325,16 +325,31 @@ def _assert_restored(model, snapshot):
     assert torch.overrides._get_current_function_mode_stack() == []
 
 
+def _plain_loss_and_grads(wl, model, batch):
+    model.zero_grad()
+    loss = wl.loss(model, batch)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
 @pytest.mark.parametrize("fmt", LOW)
-def test_exit_restores_the_model_exactly(fmt):
+def test_exit_leaves_the_plain_model_and_remove_restores_it_exactly(fmt):
     wl = default_workload("tiny", batch_size=2)
     model = wl.build_model()
     batch = wl.val_batches(1)[0]
     snapshot = _snapshot(model)
+    plain_loss, plain_grads = _plain_loss_and_grads(wl, model, batch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ap.EmulationWarning)
-        with ap.apply_plan(model, ap.Plan.uniform(model, fmt, batch[0])):
-            wl.loss(model, batch)
+        runtime = ap.apply_plan(model, ap.Plan.uniform(model, fmt, batch[0]))
+        with runtime:
+            planned = wl.loss(model, batch)
+    assert not torch.equal(planned.detach(), plain_loss)  # the plan did run
+    # Outside the context installed wrappers pass through: bit-identical results.
+    loss, grads = _plain_loss_and_grads(wl, model, batch)
+    assert torch.equal(loss, plain_loss) and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+    model.zero_grad(set_to_none=True)
+    runtime.remove()
     _assert_restored(model, snapshot)
 
 
@@ -343,24 +358,53 @@ def test_exit_restores_the_model_when_the_body_raises():
     model = wl.build_model()
     batch = wl.val_batches(1)[0]
     snapshot = _snapshot(model)
-    runtime = ap.apply_plan(model, ap.Plan.uniform(model, "bf16", batch[0]))
+    runtime = ap.apply_plan(model, ap.Plan.uniform(model, "fp8_e4m3", batch[0]))
     with pytest.raises(ZeroDivisionError):
         with runtime:
             wl.loss(model, batch)
             1 / 0
-    _assert_restored(model, snapshot)
     assert not runtime.active
+    runtime.remove()
+    _assert_restored(model, snapshot)
 
 
-def test_exit_restores_a_forward_the_user_had_patched():
+def test_remove_restores_a_forward_the_user_had_patched():
     layer, x, _ = _linear_case()
     patched = lambda inp: F.linear(inp, layer.weight, layer.bias) * 2  # noqa: E731
     layer.forward = patched
-    with ap.apply_plan(layer, ap.Plan.uniform(layer, "fp8_e4m3")):
+    runtime = ap.apply_plan(layer, ap.Plan.uniform(layer, "fp8_e4m3"))
+    with runtime:
         assert layer.forward is not patched
         out = layer(x)
-    assert layer.forward is patched
     assert sqnr(patched(x), out.float()) > 20  # the wrapper ran the user's forward, not Linear's
+    assert torch.equal(layer(x), patched(x))  # outside the context: the user's forward
+    runtime.remove()
+    assert layer.forward is patched
+
+
+def test_a_deep_copy_of_a_planned_model_runs_its_own_weights():
+    layer, x, _ = _linear_case()
+    runtime = ap.apply_plan(layer, ap.Plan.uniform(layer, "fp8_e4m3"))
+    with runtime:
+        layer(x)
+    copy = __import__("copy").deepcopy(layer)  # e.g. an EMA model made while the plan is installed
+    with torch.no_grad():
+        copy.weight.mul_(-1)
+        assert torch.equal(copy(x), F.linear(x, copy.weight, copy.bias))
+        with runtime:  # the plan belongs to the original: the copy stays plain inside it too
+            assert torch.equal(copy(x), F.linear(x, copy.weight, copy.bias))
+
+
+def test_a_second_runtime_displaces_an_inactive_one_and_each_runs_its_own_plan():
+    layer, x, _ = _linear_case()
+    fp8 = ap.apply_plan(layer, ap.Plan.uniform(layer, "fp8_e4m3"))
+    int8 = ap.apply_plan(layer, ap.Plan.uniform(layer, "int8"))
+    with torch.no_grad():
+        for runtime, kernel in [(fp8, "_scaled_mm"), (int8, "_int_mm"), (fp8, "_scaled_mm")]:
+            with runtime:
+                layer(x)
+            assert kernel in runtime.report()[""]["ops"]["linear"]
+            assert layer.forward.__func__._autoprec_runtime is runtime
 
 
 def test_re_entering_an_active_runtime_raises():

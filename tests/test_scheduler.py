@@ -114,9 +114,15 @@ def test_planned_steps_run_the_plan(planned):
     wl, model, opt, sch, _ = planned
     lowered = next(fqn for fqn, lp in sch.plan.layers.items() if lp.format is not Format.FP32)
     module = dict(model.named_modules())[lowered]
-    with sch.precision_context():
-        assert "_autoprec_active_runtime" in module.__dict__
-    assert "forward" not in module.__dict__ and "_autoprec_active_runtime" not in module.__dict__  # restored on exit
+    batch = wl.val_batches(1)[0]
+    plain = copy.deepcopy(model)  # the copy's wrappers pass through: the plain model
+    with torch.no_grad():
+        with sch.precision_context():
+            assert "_autoprec_active_runtime" in module.__dict__
+            planned_loss = wl.loss(model, batch)
+        assert "_autoprec_active_runtime" not in module.__dict__
+        assert not torch.equal(planned_loss, wl.loss(plain, batch))
+        assert torch.equal(wl.loss(model, batch), wl.loss(plain, batch))  # outside: the plain model
 
 
 def poison(layer, steps):

@@ -41,7 +41,7 @@ from ..device import format_support
 from ..errors import CostModelError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
-from ..runtime import EmulationWarning, apply_plan
+from ..runtime import EmulationWarning, apply_plan, removing
 from .inplace import InPlaceTimes, measure_in_place
 from .memory import layer_memory
 from .timing import MeasuredTimeModel, RooflineTimeModel, TimeEstimate, TimeModel
@@ -226,7 +226,7 @@ class CostModel:
 
         def saved(plan: Plan) -> tuple[dict[str, int], int]:
             runtime = apply_plan(model, plan, validate=False)
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), removing([runtime]):
                 warnings.simplefilter("ignore", EmulationWarning)
                 return saved_bytes_by_layer(model, example_inputs, layers, lambda: runtime, loss_fn)
 

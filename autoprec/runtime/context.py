@@ -10,8 +10,11 @@ How a plan runs (``with runtime:``), cheapest first:
 - A layer gets a forward wrapper only where the region's autocast is not already what it needs:
   FP32 layers (autocast off, FP32 inputs), half layers in the other half dtype, FP8 / INT8 layers,
   and every planned layer below a wrapped one (so the innermost planned layer always decides).
-  Wrappers are built once per runtime; entering the context installs them (one attribute per
-  layer) and leaving removes them, so the model is exactly restored.
+  Wrappers are built and installed once per runtime (one ``forward`` attribute per layer) and
+  stay until `PlanRuntime.remove`; entering the context only flips a flag of the calling
+  thread, so a compiled step can enter it (`PlanRuntime.region`) with no graph break. Outside
+  the context, in any other thread and in a deep copy of the model, a wrapper calls the
+  module's own forward: the plain model's ops exactly.
 - FP8 / INT8 ``nn.Linear`` layers call the kernels directly (`gemm.Fp8Linear` / `gemm.Int8Linear`).
   Other FP8 / INT8 layers (a projection calling ``addmm`` on a transposed weight, ``x @ w.t()``,
   convolutions, attention) run under a `TorchFunctionMode` entered only inside their own forward,
@@ -21,8 +24,8 @@ Backward needs no context: the autograd functions hold what they need, so ``loss
 run after the ``with`` block, as with ``torch.autocast``.
 
 Costs per training step of an FP8 / INT8 linear layer: the ops of `gemm` and `quantizers` (one
-amax and one cast per input and output gradient, three GEMMs; the weight is quantized once per
-optimizer step), no host sync. Runtime state (amax histories, INT8 calibration) survives exits and
+amax and one cast per input, weight and output gradient, three GEMMs; under `reusing_weights`
+the weight once per scope), no host sync. Runtime state (amax histories, INT8 calibration) survives exits and
 re-entries; ``state_dict()`` / ``load_state_dict()`` save and restore it.
 """
 
@@ -30,7 +33,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import types
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -51,7 +57,7 @@ from .quantize import inverse_scale, pad_to_multiple
 from .quantize import amax as amax_fp32
 from .quantizers import InputQuantizer, WeightQuantizer
 
-__all__ = ["PlanRuntime", "apply_plan", "EmulationWarning", "kernel_reason", "as_gemm"]
+__all__ = ["PlanRuntime", "apply_plan", "removing", "EmulationWarning", "kernel_reason", "as_gemm"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +66,37 @@ logger = logging.getLogger(__name__)
 _AUTOCAST_UNCAST = {"cpu": frozenset({"mv", "addmv", "bilinear"})}
 
 
-# Set in a planned module's __dict__ while a runtime is active on it, so a second runtime on the
-# same layers is refused (two plans on one layer would fight over its forward and dtypes).
+# Attribute of an installed wrapper's function naming the runtime that installed it.
+_OWNER = "_autoprec_runtime"
+# Set in a planned module's __dict__ while a runtime is active on it (eager entries), so a second
+# runtime on the same layers is refused: two plans on one layer would fight over its dtypes. A weak
+# reference, so that a deep copy of the model made meanwhile copies no runtime, and its stale
+# mark counts only while that runtime stays active.
 _ACTIVE_MARK = "_autoprec_active_runtime"
+
+
+def _active_runtime(module: nn.Module) -> "PlanRuntime | None":
+    mark = module.__dict__.get(_ACTIVE_MARK)
+    runtime = mark() if mark is not None else None
+    return runtime if runtime is not None and runtime._active else None
+
+
+class _ThreadState:
+    """What one thread has entered. Plain attributes, not a ``threading.local``'s own: Dynamo
+    replays mutations of an ordinary object inside a compiled region, while a write to a
+    ``threading.local`` inside one is not seen by later reads of the same trace (torch 2.13)."""
+
+    __slots__ = ("active", "stack", "mode_active")
+
+    def __init__(self):
+        self.active = False
+        self.stack: list = []  # the planned layers whose forward is running, innermost last
+        self.mode_active = False
+
+
+class _PerThread(threading.local):
+    def __init__(self):
+        self.state = _ThreadState()
 
 
 class EmulationWarning(UserWarning):
@@ -139,8 +173,6 @@ class _Layer:
         self.calibrators: dict[str, Int8Calibrator] = {}
         self.weights: dict[tuple, WeightQuantizer] = {}
         self.ops: dict[str, str] = {}  # op -> how it ran ("kernel ...", "emulated (...)", "autocast ...")
-        self._bias_key: "tuple | None" = None
-        self._bias: "torch.Tensor | None" = None
 
     def input_quantizer(self, key: str) -> InputQuantizer:
         quantizer = self.inputs.get(key)
@@ -154,18 +186,14 @@ class _Layer:
             calibrator = self.calibrators[key] = Int8Calibrator(self.precision.calibration, channels)
         return calibrator
 
-    def kernel_bias(self, bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``bias`` in ``dtype``, padded to the FP8 kernel's N; cached on the bias's version (in
-        eager mode) so a step does not re-cast it."""
-        key = (bias.data_ptr(), bias._version, dtype) if not torch.compiler.is_compiling() else None
-        if key is not None and self._bias_key == key:
-            return self._bias
+    @staticmethod
+    def kernel_bias(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``bias`` in ``dtype``, padded to the FP8 kernel's N: one cast (and a pad) of N
+        elements per call, never kept (a kept copy would go stale as the weights do)."""
         with torch.no_grad():
             padded = bias.to(dtype)
             if bias.shape[0] % FP8_ALIGN:
                 padded = pad_to_multiple(padded.unsqueeze(0), 1, FP8_ALIGN).squeeze(0)
-        if key is not None:
-            self._bias_key, self._bias = key, padded
         return padded
 
     def weight_quantizer(self, key: tuple) -> WeightQuantizer:
@@ -202,7 +230,7 @@ class _LayerMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         op = MATMUL_OPS.get(func)
-        stack = self.runtime._stack
+        stack = self.runtime._threads.state.stack
         if op is None or not stack:
             return func(*args, **kwargs)
         layer = stack[-1]
@@ -219,7 +247,11 @@ class PlanRuntime:
     """Applies ``plan`` to ``model`` inside ``with runtime:``; reusable, not re-entrant.
 
     Use `apply_plan` to make one. Parameters, their dtypes and ``state_dict()`` are never touched:
-    weights stay FP32 masters and receive FP32 gradients.
+    weights stay FP32 masters and receive FP32 gradients. The plan is thread-local, as
+    ``torch.autocast`` is: it applies to the thread that entered the context only. Any write to
+    a weight is seen by the next forward (weights are quantized per forward, see
+    `reusing_weights`). The layer wrappers stay on the model between steps: `remove` them before
+    ``torch.save(model)`` (a wrapper does not pickle; ``copy.deepcopy`` works).
     """
 
     def __init__(self, model: nn.Module, plan: Plan, *, validate: bool = True, example_inputs: Any = None):
@@ -241,12 +273,13 @@ class PlanRuntime:
         # INT8 (and FP8 FP32-gradient) backward runs in BF16 on CUDA and FP32 on CPU, where BF16
         # matrix units are not a given.
         self.backward_dtype = torch.bfloat16 if self.device_type == "cuda" else torch.float32
-        self._stack: list[_Layer] = []
-        self._mode_active = False
+        self._threads = _PerThread()
+        self._active = False  # entered by some thread (a runtime is not re-entrant)
+        self._entered = None  # the region() that ``with runtime:`` entered
+        self._reuse_weights = False
         self._wrappers = self._build_wrappers() if self.low_precision else {}
-        self._active = False
-        self._exit_stack: "contextlib.ExitStack | None" = None
-        self._restore: list[tuple[nn.Module, bool, Any]] = []
+        if not any(_active_runtime(layer.module) is not None for layer in self._layers.values()):
+            self._install()  # else on entry, once the active runtime has left
 
     # -- installation (once per runtime) ------------------------------------------------------
 
@@ -287,8 +320,12 @@ class PlanRuntime:
         return wrappers
 
     def _wrapper(self, layer: _Layer, mode: bool):
-        module, fmt, device_type, stack = layer.module, layer.format, self.device_type, self._stack
-        original = module.forward  # a forward the user patched onto the instance is kept
+        """The forward installed on ``layer.module``: the plan's in a thread that entered this
+        runtime, the module's own everywhere else (other threads, outside the context, a copy)."""
+        module, fmt, device_type, threads = layer.module, layer.format, self.device_type, self._threads
+        had_own, previous = "forward" in module.__dict__, module.__dict__.get("forward")
+        if had_own and getattr(getattr(previous, "__func__", None), _OWNER, None) is not None:
+            had_own, previous = previous.__func__._autoprec_previous  # another runtime's wrapper: keep the user's
         direct_linear = layer.low_precision and not mode
         if direct_linear:
             layer.ops = {"linear": self._kernel_name(layer)}
@@ -296,7 +333,13 @@ class PlanRuntime:
             layer.ops = {"*": f"torch.autocast({device_type!r}, {fmt.dtype})"}
         runtime = self
 
-        def forward(*args, **kwargs):
+        def forward(self_module, *args, **kwargs):
+            state = threads.state
+            if not state.active or self_module is not module:
+                # A deep copy of the model carries this method re-bound to the copy: it runs the
+                # copy's own forward, never this module's weights.
+                own = previous if had_own and self_module is module else type(self_module).forward.__get__(self_module)
+                return own(*args, **kwargs)
             if direct_linear:
                 return runtime._linear(layer, args[0] if args else kwargs["input"], module.weight, module.bias)
             if fmt is Format.FP32:
@@ -306,71 +349,136 @@ class PlanRuntime:
                 scope = torch.autocast(device_type, dtype=fmt.dtype)
             else:
                 scope = contextlib.nullcontext()
-            enter_mode = mode and not runtime._mode_active
-            stack.append(layer)
+            enter_mode = mode and not state.mode_active
+            state.stack.append(layer)
             try:
-                with scope, (runtime._layer_mode() if enter_mode else contextlib.nullcontext()):
-                    return original(*args, **kwargs)
+                with scope, (runtime._layer_mode(state) if enter_mode else contextlib.nullcontext()):
+                    return (previous if had_own else type(module).forward.__get__(module))(*args, **kwargs)
             finally:
-                stack.pop()
+                state.stack.pop()
 
-        return forward
+        setattr(forward, _OWNER, self)
+        forward._autoprec_previous = (had_own, previous)
+        # Bound, so that copy.deepcopy(model) re-binds it to the copy (see the check above).
+        return types.MethodType(forward, module)
 
     @contextlib.contextmanager
-    def _layer_mode(self):
-        self._mode_active = True
+    def _layer_mode(self, state: _ThreadState):
+        state.mode_active = True
         try:
             with _LayerMode(self):
                 yield
         finally:
-            self._mode_active = False
+            state.mode_active = False
 
     @staticmethod
     def _kernel_name(layer: _Layer) -> str:
         return "kernel torch._int_mm" if layer.format is Format.INT8 else "kernel torch._scaled_mm"
 
-    # -- context ------------------------------------------------------------------------------
+    # -- installation and context -------------------------------------------------------------
 
-    def __enter__(self) -> "PlanRuntime":
+    def _installed(self) -> bool:
+        return all(self._layers[fqn].module.__dict__.get("forward") is forward for fqn, forward in self._wrappers.items())
+
+    def _install(self) -> None:
+        """Put this runtime's wrappers on its layers, displacing an inactive runtime's; they stay
+        until `remove` (wrap once, flip on enter: entering then costs no module surgery, and a
+        compiled step can enter the context without a graph break)."""
+        for fqn, forward in self._wrappers.items():
+            self._layers[fqn].module.forward = forward
+
+    def remove(self) -> None:
+        """Take this runtime's wrappers off the model, restoring each module's ``__dict__`` as it
+        was (a forward the user had set on an instance included). Call it before pickling the
+        model (``torch.save(model)``); entering the runtime again re-installs them."""
         if self._active:
-            raise RuntimeStateError("this plan runtime is already active; exit it before entering again (it is not re-entrant)")
-        for fqn, layer in self._layers.items():
-            if _ACTIVE_MARK in layer.module.__dict__:
-                raise RuntimeStateError(f"layer {fqn!r} already runs under another active autoprec plan; exit that one first")
-        for layer in self._layers.values():
-            layer.module.__dict__[_ACTIVE_MARK] = self
-        stack = contextlib.ExitStack()
-        if self.low_precision:
-            stack.enter_context(torch.autocast(self.device_type, dtype=self.region_dtype))
+            raise RuntimeStateError("exit this plan runtime before removing it")
         for fqn, forward in self._wrappers.items():
             module = self._layers[fqn].module
-            self._restore.append((module, "forward" in module.__dict__, module.__dict__.get("forward")))
-            module.forward = forward
-        self._exit_stack = stack
-        self._active = True
-        return self
+            if module.__dict__.get("forward") is not forward:
+                continue  # displaced by another runtime, which restores on its own removal
+            had_own, previous = forward.__func__._autoprec_previous
+            if had_own:
+                module.forward = previous
+            else:
+                del module.__dict__["forward"]
+
+    def __enter__(self) -> "PlanRuntime":
+        """Turns the plan on for the calling thread only (like ``torch.autocast``): the same model
+        run by another thread meanwhile runs unplanned. Costs no module surgery.
+
+        Inside a function compiled whole, use ``with runtime.region():`` instead: Dynamo (torch
+        2.11 to 2.13) cannot enter a context-manager object made outside the compiled function
+        and breaks the graph at ``with runtime:``.
+        """
+        region = self.region()
+        entered = region.__enter__()
+        self._entered = region
+        return entered
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if not self._active:
+        region, self._entered = self._entered, None
+        if region is None:
             raise RuntimeStateError("this plan runtime is not active")
-        try:
-            self._exit_stack.close()
-        finally:
-            for module, had_own, previous in reversed(self._restore):
-                if had_own:
-                    module.forward = previous
-                else:
-                    module.__dict__.pop("forward", None)
-            self._restore.clear()
+        region.__exit__(exc_type, exc, tb)
+
+    @contextlib.contextmanager
+    def region(self):
+        """``with runtime:`` as a generator context manager, which ``torch.compile`` traces
+        with no graph break: ``with runtime.region():`` inside a compiled training step."""
+        if self._active:
+            raise RuntimeStateError("this plan runtime is already active; exit it before entering again (it is not re-entrant)")
+        if not torch.compiler.is_compiling():
+            for fqn, layer in self._layers.items():
+                if _active_runtime(layer.module) is not None:
+                    raise RuntimeStateError(f"layer {fqn!r} already runs under another active autoprec plan; exit that one first")
+            mark = weakref.ref(self)
             for layer in self._layers.values():
-                layer.module.__dict__.pop(_ACTIVE_MARK, None)
-            self._stack.clear()
-            self._exit_stack = None
+                layer.module.__dict__[_ACTIVE_MARK] = mark
+        if not self._installed():
+            self._install()  # another runtime displaced this one's wrappers since
+        state = self._threads.state
+        state.active = True
+        self._active = True
+        try:
+            if self.low_precision:
+                with torch.autocast(self.device_type, dtype=self.region_dtype):
+                    yield self
+            else:
+                yield self
+        finally:
+            state.active = False
+            state.stack.clear()
             self._active = False
+            if not torch.compiler.is_compiling():
+                for layer in self._layers.values():
+                    layer.module.__dict__.pop(_ACTIVE_MARK, None)
 
     @property
     def active(self) -> bool:
         return self._active
+
+    @contextlib.contextmanager
+    def reusing_weights(self):
+        """Inside, each weight is quantized once and its low-precision copy reused by later
+        forwards: for the micro-batches of one optimizer step under gradient accumulation.
+
+        The caller promises that nothing writes a planned weight inside the scope (no optimizer
+        step, ``.data`` update, ``load_state_dict`` or FSDP2 reshard between the forwards):
+        autoprec cannot see such writes, and a copy made before one would be stale. Leaving the
+        scope drops the copies. Saves, per micro-batch after the first, one amax, one cast and
+        one transposed copy per FP8 / INT8 weight; holds one to two bytes per weight element.
+        """
+        if self._reuse_weights:
+            raise RuntimeStateError("reusing_weights() is already open on this runtime; it does not nest")
+        self._reuse_weights = True
+        try:
+            yield self
+        finally:
+            self._reuse_weights = False
+            for layer in self._layers.values():
+                for quantizer in layer.weights.values():
+                    quantizer.clear()
 
     # -- low-precision matrix products --------------------------------------------------------
 
@@ -379,8 +487,10 @@ class PlanRuntime:
             return torch.get_autocast_dtype(self.device_type)
         return reference.dtype if reference.dtype in (torch.float16, torch.bfloat16) else torch.float32
 
-    def _linear(self, layer: _Layer, x: torch.Tensor, weight: torch.Tensor, bias, weight_key: "str | None" = None):
-        """``x @ weight.T + bias`` in the layer's format; ``weight`` is (N, K), x is (..., K)."""
+    def _linear(self, layer: _Layer, x: torch.Tensor, weight: torch.Tensor, bias, weight_key: "str | None" = None, is_param: bool = True):
+        """``x @ weight.T + bias`` in the layer's format; ``weight`` is (N, K), x is (..., K).
+        ``is_param``: ``weight`` is a parameter (or a view of one), not an activation; only a
+        parameter's quantized copy may be reused, inside `reusing_weights`."""
         if layer.kernel_reason is not None:
             return self._emulate(layer, "linear", torch.nn.functional.linear, (x, weight, bias), {})
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -389,7 +499,7 @@ class PlanRuntime:
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         key = weight_key or self._param_names.get(id(weight), "weight")
         quantizer = layer.weight_quantizer((key, weight.stride()))
-        wq = quantizer.get(weight, need_transposed=grad)
+        wq = quantizer.get(weight, need_transposed=grad, reuse=is_param and self._reuse_weights)
         if layer.format is Format.INT8:
             out = self._int8(layer, key, x2, weight, bias, wq, out_dtype, k, n)
         else:
@@ -436,12 +546,13 @@ class PlanRuntime:
             return self._emulate(layer, op, func, args, kwargs)
         a, b, bias, beta, alpha, out_shape = gemm
         layer.note(op, self._kernel_name(layer))
-        if is_weight(b):
+        is_param = is_weight(b)
+        if is_param:
             base = b if isinstance(b, nn.Parameter) else b._base
             weight_key = self._param_names.get(id(base))
         else:
-            weight_key = f"activation:{op}"
-        out = self._linear(layer, a, b.t(), bias if beta == 1 else None, weight_key=weight_key)
+            weight_key = f"activation:{op}"  # its scaling state only: an activation is never kept
+        out = self._linear(layer, a, b.t(), bias if beta == 1 else None, weight_key=weight_key, is_param=is_param)
         if alpha != 1:
             out = out * alpha
         if bias is not None and beta != 1:
@@ -546,11 +657,25 @@ class PlanRuntime:
                 raise RuntimeStateError(f"runtime state for layer {fqn!r} does not match this plan: {exc}") from None
 
 
+@contextlib.contextmanager
+def removing(runtimes):
+    """Takes the wrappers of ``runtimes`` (an iterable of `PlanRuntime`, None entries skipped)
+    off their model when the block ends: for runtimes made for one measurement, so the user's
+    model is left as it was."""
+    try:
+        yield
+    finally:
+        for runtime in runtimes:
+            if runtime is not None:
+                runtime.remove()
+
+
 def apply_plan(model: nn.Module, plan: Plan, *, validate: bool = True, example_inputs: Any = None) -> PlanRuntime:
     """A `PlanRuntime` for ``model``: ``with apply_plan(model, plan): ...``.
 
-    Keep the returned runtime and re-enter it every step so amax histories, INT8 calibration and
-    the per-step weight cache carry over; a fresh ``apply_plan`` starts them anew. Validation
+    Keep the returned runtime and re-enter it every step so amax histories and INT8 calibration
+    carry over; a fresh ``apply_plan`` starts them anew (and displaces this one's layer wrappers
+    until this one is entered again; `PlanRuntime.remove` takes them off). Validation
     (``plan.validate``) runs once here and raises `PlanError` naming every problem.
     """
     return PlanRuntime(model, plan, validate=validate, example_inputs=example_inputs)

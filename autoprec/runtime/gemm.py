@@ -21,8 +21,8 @@ INT8 layers differentiate in high precision (INT8 has no useful gradient format)
 CUDA, in FP32 on CPU, from the INT8-saved input and the FP32 master weight.
 
 What is saved for backward: the input in its low-precision format (1 byte per element), the
-weight's cached low-precision transpose (shared with the runtime's cache, so no extra memory),
-and scalars. The master weight itself is never copied.
+weight's low-precision transpose made in the same forward (shared with a copy kept under
+`PlanRuntime.reusing_weights`, so no extra memory there), and scalars. The master weight itself is never copied.
 """
 
 from __future__ import annotations

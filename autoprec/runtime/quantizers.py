@@ -6,11 +6,14 @@ backward the gradient of the output. State is kept per *role*, never per call or
 
 - `InputQuantizer` owns how the input is scaled: current (this tensor's amax) or delayed (an amax
   history of earlier steps), per tensor or per row. INT8 inputs use the `Int8Calibrator` instead.
-- `WeightQuantizer` quantizes the weight once per optimizer step: the low-precision copy and its
-  transpose are cached, keyed on the parameter's version counter, and shared by every
-  micro-batch's forward and backward (Transformer Engine's ``is_first_microbatch`` idea, made
-  automatic). Under ``torch.compile`` the cache is bypassed and the quantization is traced into the
-  graph, where it fuses.
+- `WeightQuantizer` quantizes the weight on every forward (as torchao does): a weight can change
+  without any sign a cache could key on (``p.data -= lr * p.grad``, an EMA update, FSDP2's
+  all-gather into re-allocated storage under ``_unsafe_preserve_version_counter``), so a copy
+  is reused only where the caller vouches that the weights did not change: inside
+  `PlanRuntime.reusing_weights` (the micro-batches of one optimizer step; Transformer Engine's
+  ``is_first_microbatch`` made a scope). The forward's copy and its transpose are saved for
+  that forward's backward either way. Under ``torch.compile`` the quantization is traced into
+  the graph, where it fuses.
 - The output gradient is scaled per tensor from its own amax on every backward (gradients drift too
   fast for a history); that is a pure function in `gemm`, with no state.
 
@@ -107,15 +110,15 @@ class QuantizedWeight:
 
 
 class WeightQuantizer:
-    """Quantizes one weight once per optimizer step and caches the result.
+    """Quantizes one weight; keeps the result only while the caller vouches it is unchanged.
 
     ``fmt``: FP8 E4M3 (FP8 layers: E4M3 weights are legal against E4M3 and E5M2 activations and
     gradients, E5M2 x E5M2 is not) or INT8 (one scale per output channel). ``rowwise``: one scale
     per output channel for FP8. ``align``: K and N are padded to multiples of it.
 
-    Cost: on a cache miss one amax and one cast over the weight, plus one transposed copy when a
-    backward needs it; on a hit nothing. The cache holds one low-precision copy (two with the
-    transpose) of the weight until the parameter changes.
+    Cost per call: one amax and one cast over the weight, plus one transposed copy when a backward
+    needs it; nothing on a reuse hit. A kept copy holds one byte per weight element (two with
+    the transpose) until `clear`.
     """
 
     def __init__(self, fmt: Format, rowwise: bool, align: int, row_scales: bool = False):
@@ -126,21 +129,26 @@ class WeightQuantizer:
         # gemm.Fp8Spec.expand_scales. The backward keeps the per-tensor scale.
         self.row_scales = row_scales and not self.rowwise and fmt is not Format.INT8
         self._key: "tuple | None" = None
-        self._cached: "QuantizedWeight | None" = None
+        self._kept: "QuantizedWeight | None" = None
 
-    def get(self, weight: torch.Tensor, need_transposed: bool) -> QuantizedWeight:
-        """The quantized ``weight`` (N, K); cached on its storage, layout and version counter."""
-        compiling = torch.compiler.is_compiling()
-        if not compiling:
+    def get(self, weight: torch.Tensor, need_transposed: bool, reuse: bool = False) -> QuantizedWeight:
+        """The quantized ``weight`` (N, K), made now unless ``reuse`` and a copy of the same
+        storage, layout and version was kept by an earlier call that also passed ``reuse``.
+
+        ``reuse`` is the caller's promise that nothing wrote the weight since that call: the
+        version counter alone cannot tell (``.data`` writes and FSDP2's copy-in keep it).
+        """
+        keep = reuse and not torch.compiler.is_compiling()
+        if keep:
             key = (weight.data_ptr(), weight.stride(), weight._version, weight.device)
-            hit = self._cached
+            hit = self._kept
             if key == self._key and hit is not None and (hit.transposed is not None or not need_transposed or self.fmt is Format.INT8):
                 return hit
-        with torch.no_grad():
-            w = pad_to_multiple(weight.detach(), self.align, self.align)
+        with torch.no_grad():  # no detach needed (one op less): nothing here records a graph
+            w = pad_to_multiple(weight, self.align, self.align)
             result = self._quantize(w, need_transposed and self.fmt is not Format.INT8, weight.shape[0])
-        if not compiling:
-            self._key, self._cached = key, result
+        if keep:
+            self._key, self._kept = key, result
         return result
 
     def _quantize(self, w: torch.Tensor, need_transposed: bool, weight_rows: int) -> QuantizedWeight:
@@ -162,4 +170,5 @@ class WeightQuantizer:
         return QuantizedWeight(data, inv, to_fp8(w.t(), backward_inv, self.fmt).contiguous(), backward_inv)
 
     def clear(self) -> None:
-        self._key, self._cached = None, None
+        """Drop the kept copy (its memory is freed once no backward holds it)."""
+        self._key, self._kept = None, None

@@ -58,7 +58,7 @@ from ..device import format_support, resolve_device
 from ..errors import SearchError
 from ..formats import Format
 from ..plan import Plan
-from ..runtime import EmulationWarning, apply_plan
+from ..runtime import EmulationWarning, apply_plan, removing
 from ..workload import TrainStep, WorkloadError, load_workload, to_device
 from .config import JobConfig
 from .exact import Solution
@@ -361,7 +361,7 @@ def run_job(config: JobConfig, progress: "Progress | None" = None, workers: int 
 def _emulated(model, plan: Plan, example_inputs) -> dict[str, list[str]]:
     """Layers of ``plan`` whose products have no kernel here (one forward under the plan)."""
     runtime = apply_plan(model, plan, validate=False)
-    with warnings.catch_warnings(), torch.no_grad():
+    with warnings.catch_warnings(), torch.no_grad(), removing([runtime]):
         warnings.simplefilter("ignore", EmulationWarning)
         with runtime:
             example_inputs(model)

@@ -53,7 +53,7 @@ from ..calls import loss_of
 from ..formats import Format
 from ..measure import SavedTensorMeter
 from ..plan import Plan
-from ..runtime import EmulationWarning, apply_plan
+from ..runtime import EmulationWarning, apply_plan, removing
 from ..workload import TrainStep
 from .study import mark_worker, recover_interrupted_trials
 
@@ -214,7 +214,7 @@ class MeasuredStage:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), removing([runtime]):
                 if runtime is not None:
                     self._calibrate(candidate.plan, runtime)
                 diffs = []

@@ -19,7 +19,7 @@ from ..coverage import ModuleFilter
 from ..errors import SensitivityError
 from ..formats import Format
 from ..plan import LayerPrecision
-from ..runtime import apply_plan
+from ..runtime import apply_plan, removing
 from ..scaling import DEFAULT_INIT_SCALE
 from .problem import (
     LossFn, Sensitivity, SensitivityEstimator, SensitivityProblem, _calibrate, _Call, _callers, _eval_mode, _float_leaves,
@@ -125,7 +125,7 @@ class FisherEstimator(SensitivityEstimator):
         # and the gradient pass (which records delayed-scaling histories, as training does).
         fwd_rt = {(fqn, f): apply_plan(model, problem.plan_for(fqn, f), validate=False) for fqn in problem.layers for f in lowered}
         grad_rt = {key: apply_plan(model, problem.plan_for(*key), validate=False) for key in fwd_rt} if grad_term else {}
-        with _eval_mode(model):
+        with _eval_mode(model), removing([*fwd_rt.values(), *grad_rt.values()]):
             sites = self.sites(problem)
             _calibrate(problem, fwd_rt, problem.batches)
             for key, rt in grad_rt.items():

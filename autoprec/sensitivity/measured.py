@@ -18,7 +18,7 @@ from ..coverage import ModuleFilter
 from ..errors import SensitivityError
 from ..formats import Format
 from ..plan import LayerPrecision
-from ..runtime import apply_plan
+from ..runtime import apply_plan, removing
 from .problem import LossFn, Sensitivity, _calibrate, _eval_mode, _float_leaves, _resolve, _runtime_errors
 
 __all__ = ["measure_sensitivity", "spearman", "rank_agreement"]
@@ -68,7 +68,7 @@ def measure_sensitivity(
             reference.append((float(loss.detach()), [z.detach() for z in tap.outputs], dict(zip(map(id, wanted), grads)), [id(z) for z in tap.outputs]))
         runtimes = {(fqn, fmt): apply_plan(model, problem.plan_for(fqn, fmt), validate=False) for fqn in problem.layers for fmt in problem.candidates if fmt is not Format.FP32}
         _calibrate(problem, runtimes, calibration)
-        with torch.no_grad():
+        with torch.no_grad(), removing(runtimes.values()):
             for fqn in problem.layers:
                 for fmt in problem.candidates:
                     if fmt is Format.FP32:
