@@ -45,6 +45,11 @@ CPU_SCALED_MM_ROW_SCALES = {(2, 11): False, (2, 13): True}.get(TORCH)
 # aten._scaled_mm_v2 on CPU: 2.13 runs it; 2.11 has the op but no CPU kernel (NotImplementedError).
 CPU_SCALED_MM_V2 = {(2, 11): False, (2, 13): True}.get(TORCH)
 
+# torch.compile (aot_eager) of an INT8 layer that computes outlier channels apart (the default
+# calibration): 2.13's gradients match eager; 2.11's are all zero once calibration froze (found
+# on CPU, not yet explained; without outlier channels 2.11 is right). Open: the test is an xfail.
+COMPILED_INT8_OUTLIER_GRADIENTS = {(2, 11): False, (2, 13): True}.get(TORCH, True)
+
 if CPU_E4M3_CAST_SATURATES is None:  # an untested version: what it does, probed
     CPU_E4M3_CAST_SATURATES = _e4m3_cast_saturates()
     CPU_SCALED_MM_ROW_SCALES = _row_scales_run()
