@@ -3,7 +3,7 @@
 The CPU kernels of ``torch._scaled_mm`` and ``torch._int_mm`` take any shape and layout, and
 CPU casts to ``float8_e4m3fn`` saturate, so a runtime can pass every CPU test and still fail (or
 produce NaN) on the GPU. `CudaRules` is a `TorchDispatchMode` that inspects those calls at the
-aten level and records each one that CUDA under torch >= 2.4 would reject.
+aten level and records each one that CUDA under torch >= 2.11 (the supported floor) would reject.
 
 Sources of the rules (pytorch/pytorch):
 
@@ -244,4 +244,4 @@ class CudaRules(TorchDispatchMode):
 
     def _refuse_scaled_mm_v2(self, call: dict) -> None:
         self.counts["_scaled_mm_v2"] += 1
-        self._record("_scaled_mm_v2", ["absent from torch 2.4 and unchecked here; call torch._scaled_mm"], a=call["self"], b=call["mat2"])
+        self._record("_scaled_mm_v2", ["unchecked here (and without a CPU kernel in torch 2.11); call torch._scaled_mm"], a=call["self"], b=call["mat2"])

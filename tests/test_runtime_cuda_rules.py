@@ -1,5 +1,5 @@
 """The FP8 / INT8 runtime under `CudaRules`: every kernel call and FP8 cast it makes, forward and
-backward, must be one an H100 (torch >= 2.4) accepts, with finite outputs and gradients.
+backward, must be one an H100 (torch >= 2.11) accepts, with finite outputs and gradients.
 
 Public API only. Token counts 1000, 24 and 4104 are multiples of 8 but not of 16 (the contracted
 dimension K of a weight-gradient GEMM); inputs come contiguous, transposed and 3-D. Feature sizes
