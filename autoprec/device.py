@@ -14,7 +14,7 @@ import torch
 
 from .formats import Format
 
-__all__ = ["Support", "format_support", "has_scaled_mm", "has_int_mm", "resolve_device", "KERNEL_OPS"]
+__all__ = ["Support", "format_support", "has_scaled_mm", "scaled_mm_form", "has_int_mm", "resolve_device", "KERNEL_OPS"]
 
 # Ops that a 2-D FP8 / INT8 GEMM kernel serves; every other matrix product (convolution, batched
 # matmul, attention) in an FP8 or INT8 layer is emulated: stored in the format, computed in FP32.
@@ -41,30 +41,80 @@ def _device_key(device: "torch.device | str | None") -> str:
     return device.type
 
 
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
+
+
+# What a kernel raises for a form it refuses: RuntimeError (TORCH_CHECK, or an INTERNAL ASSERT as
+# torch 2.11's CPU kernel for row-shaped scales), ValueError (TORCH_CHECK_VALUE in newer torch),
+# NotImplementedError (no kernel for the device), TypeError (an argument the build lacks).
+_REFUSALS = (RuntimeError, NotImplementedError, ValueError, TypeError)
+
+
 @functools.lru_cache(maxsize=None)
-def has_scaled_mm(device: str) -> tuple[bool, str]:
-    """Probe ``torch._scaled_mm`` in the forms the runtime calls it: E4M3 × E4M3 and E5M2 × E4M3
-    operands, FP32 and BF16 outputs, a fused bias (one tiny call each)."""
+def scaled_mm_form(
+    device: str, a_dtype: torch.dtype, b_dtype: torch.dtype, out_dtype: torch.dtype, *, row_scales: bool = False, bias: bool = False,
+) -> tuple[bool, str]:
+    """Whether ``torch._scaled_mm`` runs on ``device`` in exactly this form: operands ``a_dtype`` x
+    ``b_dtype`` (the second column-major, as cuBLASLt wants), scales per tensor (0-d) or, with
+    ``row_scales``, in row-wise shape ((M, 1) and (1, N)), an ``out_dtype`` output and, with
+    ``bias``, a fused bias in ``out_dtype``. One tiny call on the installed torch, cached per form.
+
+    Accepted forms differ between torch versions and devices (torch 2.11's CPU kernel refuses
+    row-shaped scales that 2.13's runs; CUDA's row-wise path needs compute capability 9.0 and
+    cuBLAS 12.9 for an FP16 output), so the runtime asks this before it makes a call.
+    """
     if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "_scaled_mm"):
         return False, f"torch {torch.__version__} has no float8 dtypes or _scaled_mm"
     if device.startswith("cuda") and torch.cuda.get_device_capability(device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(device)
         return False, f"FP8 GEMMs need compute capability 8.9 (Ada/Hopper); {device} has {major}.{minor}"
+    form = (
+        f"{str(a_dtype).removeprefix('torch.')} x {str(b_dtype).removeprefix('torch.')} -> {str(out_dtype).removeprefix('torch.')}, "
+        f"{'row-wise' if row_scales else 'per-tensor'} scales{', fused bias' if bias else ''}"
+    )
     try:
-        one = torch.ones((), device=device)
-        a = torch.zeros(16, 32, device=device)
-        b = torch.zeros(32, 16, device=device).t().contiguous().t()  # column-major, as cuBLASLt wants
-        torch._scaled_mm(a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn), scale_a=one, scale_b=one, out_dtype=torch.float32)
-        torch._scaled_mm(a.to(torch.float8_e5m2), b.to(torch.float8_e4m3fn), scale_a=one, scale_b=one, out_dtype=torch.float32)
-        # The runtime's forward form: BF16 output, fused BF16 bias, fast accumulation.
-        bias = torch.zeros(16, device=device, dtype=torch.bfloat16)
-        torch._scaled_mm(
-            a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn), scale_a=one, scale_b=one,
-            bias=bias, out_dtype=torch.bfloat16, use_fast_accum=True,
-        )
-    except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
-        # Newer torch raises ValueError (TORCH_CHECK_VALUE) for unsupported devices or dtypes.
-        return False, f"torch._scaled_mm does not run on {device}: {str(exc).splitlines()[0]}"
+        m, k, n = 16, 32, 16
+        a = torch.ones(m, k, device=device).to(a_dtype)
+        b = torch.ones(n, k, device=device).to(b_dtype).t()  # column-major
+        scale_a = torch.ones(m, 1, device=device) if row_scales else torch.ones((), device=device)
+        scale_b = torch.ones(1, n, device=device) if row_scales else torch.ones((), device=device)
+        kernel_bias = torch.ones(n, device=device, dtype=out_dtype) if bias else None
+        out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=kernel_bias, out_dtype=out_dtype, use_fast_accum=True)
+        # A kernel that runs but computes something else is refused too: each entry is K (+ 1).
+        expected = k + (1 if bias else 0)
+        if out.dtype != out_dtype or not bool((out.float() == expected).all()):
+            return False, f"torch._scaled_mm on {device} ({form}) returned a wrong result"
+    except _REFUSALS as exc:
+        return False, f"torch {torch.__version__} _scaled_mm does not run on {device} ({form}): {_first_line(exc)}"
+    return True, f"torch._scaled_mm runs on {device} ({form})"
+
+
+# The per-tensor forms every FP8 layer's three GEMMs make (runtime.gemm): forward E4M3 / E5M2
+# input x E4M3 weight into the region's half dtype with a fused bias; input gradient (E4M3 /
+# E5M2 gradient x E4M3 weight) into the input's dtype; weight gradient (E4M3 / E5M2 gradient x
+# E4M3 / E5M2 input, never E5M2 x E5M2) into FP32.
+_E4M3, _E5M2 = (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
+_REQUIRED_FORMS = (
+    (_E4M3, _E4M3, torch.float32, False),
+    (_E5M2, _E4M3, torch.float32, False),
+    (_E4M3, _E5M2, torch.float32, False),
+    (_E4M3, _E4M3, torch.bfloat16, True),
+    (_E5M2, _E4M3, torch.bfloat16, True),
+    (_E4M3, _E4M3, torch.float16, True),
+    (_E5M2, _E4M3, torch.float16, True),
+)
+
+
+@functools.lru_cache(maxsize=None)
+def has_scaled_mm(device: str) -> tuple[bool, str]:
+    """Probe ``torch._scaled_mm`` in the per-tensor forms every FP8 layer makes (`scaled_mm_form`
+    for each: E4M3 x E4M3, E5M2 x E4M3 and E4M3 x E5M2 into FP32; E4M3 / E5M2 x E4M3 into BF16
+    with a fused bias). Row-wise scales and FP16 outputs are probed where they are used."""
+    for a_dtype, b_dtype, out_dtype, bias in _REQUIRED_FORMS:
+        ok, reason = scaled_mm_form(device, a_dtype, b_dtype, out_dtype, bias=bias)
+        if not ok:
+            return False, reason
     return True, f"torch._scaled_mm runs on {device}"
 
 
@@ -76,8 +126,8 @@ def has_int_mm(device: str) -> tuple[bool, str]:
     try:
         a = torch.zeros(32, 32, dtype=torch.int8, device=device)
         torch._int_mm(a, a.t())  # the runtime's layout: the weight (N, K) row-major, transposed
-    except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
-        return False, f"torch._int_mm does not run on {device}: {str(exc).splitlines()[0]}"
+    except _REFUSALS as exc:
+        return False, f"torch._int_mm does not run on {device}: {_first_line(exc)}"
     return True, f"torch._int_mm runs on {device}"
 
 

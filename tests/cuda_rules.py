@@ -3,7 +3,7 @@
 The CPU kernels of ``torch._scaled_mm`` and ``torch._int_mm`` take any shape and layout, and
 CPU casts to ``float8_e4m3fn`` saturate, so a runtime can pass every CPU test and still fail (or
 produce NaN) on the GPU. `CudaRules` is a `TorchDispatchMode` that inspects those calls at the
-aten level and records each one that CUDA under torch >= 2.4 would reject.
+aten level and records each one that CUDA under torch >= 2.11 (the supported floor) would reject.
 
 Sources of the rules (pytorch/pytorch):
 
@@ -13,7 +13,8 @@ Sources of the rules (pytorch/pytorch):
   ("Only multiplication of row-major and column-major matrices is supported by cuBLASLt"),
   ``_int_mm_out_cuda`` (M > 16, K and N positive multiples of 8).
 - ``aten/src/ATen/native/cuda/RowwiseScaledMM.cu``: ``check_inputs`` of ``f8f8bf16_rowwise``,
-  the kernel rowwise scaling uses before cuBLAS 12.9 (BF16 output, E4M3 second operand).
+  the kernel rowwise scaling uses before cuBLAS 12.9 or sm_90 (E4M3 second operand, no FP32
+  output); from cuBLAS 12.9 on sm_90 (torch 2.11's CUDA 13 wheel) cuBLASLt runs it, FP16 out too.
 - ``test/test_linalg.py``: ``test__int_mm`` expects ``CUBLAS_STATUS_NOT_SUPPORTED`` for a
   transposed first operand.
 - NVIDIA cuBLAS docs, ``cublasLtMatmul`` FP8 requirements: 16-byte aligned pointers and leading
@@ -113,9 +114,11 @@ def _scaled_mm_problems(a, b, scale_a, scale_b, bias, scale_result, out_dtype) -
     if not (tensorwise or rowwise):
         problems.append(f"scales must be float32, both one element or ({m},1) and (1,{n}) contiguous")
     if rowwise and not tensorwise:
-        # f8f8bf16_rowwise (RowwiseScaledMM.cu check_inputs)
-        if out_dtype != torch.bfloat16:
-            problems.append("rowwise scaling needs out_dtype bfloat16")
+        # torch 2.11 on sm_90 with cuBLAS >= 12.9 (its CUDA 13 wheel) runs row-wise scaling in
+        # cuBLASLt, with a BF16 or FP16 output (Blas.cpp, _scaled_mm_out_cuda); the
+        # f8f8bf16_rowwise fallback (RowwiseScaledMM.cu check_inputs) takes no FP32 output.
+        if out_dtype not in (torch.bfloat16, torch.float16):
+            problems.append("rowwise scaling needs out_dtype bfloat16 or float16")
         if b.dtype != torch.float8_e4m3fn:
             problems.append("rowwise scaling needs an E4M3 second operand")
     if bias is not None:
@@ -241,4 +244,4 @@ class CudaRules(TorchDispatchMode):
 
     def _refuse_scaled_mm_v2(self, call: dict) -> None:
         self.counts["_scaled_mm_v2"] += 1
-        self._record("_scaled_mm_v2", ["absent from torch 2.4 and unchecked here; call torch._scaled_mm"], a=call["self"], b=call["mat2"])
+        self._record("_scaled_mm_v2", ["unchecked here (and without a CPU kernel in torch 2.11); call torch._scaled_mm"], a=call["self"], b=call["mat2"])

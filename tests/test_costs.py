@@ -492,3 +492,23 @@ def test_in_place_times_saved_to_a_file_are_reused_and_predict_the_same(tmp_path
     assert measured == []  # read back, not measured again
     plan = first.uniform_plan(Format.BF16)
     assert again.plan_cost(plan).step_seconds == first.plan_cost(plan).step_seconds
+
+
+def test_calibration_times_int_mm_in_the_runtimes_layout():
+    """The INT8 peak is measured with the column-major second operand the runtime passes (its
+    weight (N, K) row-major, transposed): a row-major one times a slower kernel (the NN layout
+    on CUDA) and under-rates INT8."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    second_operands = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._int_mm.default:
+                second_operands.append(args[1])
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        timing._calibrated.__wrapped__("test", "cpu")  # uncached: this call measures
+    assert second_operands
+    assert all(b.stride(0) == 1 and b.stride(1) == b.shape[0] for b in second_operands)  # column-major

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.cuda_rules import CudaRules
+from tests.torch_versions import CPU_SCALED_MM_ROW_SCALES, CPU_SCALED_MM_V2
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 ONE = torch.tensor(1.0)
@@ -51,6 +52,25 @@ def only_rule_whatever_the_cpu_does(call) -> str:
     return rules.violations[0].rule
 
 
+def cpu_refusal_per_version(call, runs: bool, error: type, match: str):
+    """``call`` as the installed torch's CPU kernel takes it: run where ``runs`` (its version's
+    statement in tests/torch_versions.py), else refused with ``error`` -- after the checker has
+    seen the call, so the checker's verdict is the same on every version."""
+
+    def run():
+        if runs:
+            return call()
+        with pytest.raises(error, match=match):
+            call()
+
+    return run
+
+
+def rowwise(call):
+    """A call with row-wise scales: torch 2.13's CPU kernel runs it, 2.11's refuses it."""
+    return cpu_refusal_per_version(call, CPU_SCALED_MM_ROW_SCALES, RuntimeError, "per-tensor scaling for CPU")
+
+
 # -- legal forms -------------------------------------------------------------------------------
 
 
@@ -60,21 +80,22 @@ def test_tensorwise_scaled_mm_is_legal_and_counted():
     assert rules.counts["_scaled_mm"] == 1
 
 
-def test_rowwise_scaled_mm_with_bf16_out_and_bias_is_legal():
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=str)
+def test_rowwise_scaled_mm_with_half_out_and_bias_is_legal(half):
+    # FP16 too: torch 2.11 on sm_90 with cuBLAS >= 12.9 runs row-wise scaling in cuBLASLt.
     a, b = fp8(24, 32), weight_t(32, 48)
-    assert not violations(
+    assert not violations(rowwise(
         lambda: torch._scaled_mm(
-            a, b, scale_a=torch.ones(24, 1), scale_b=torch.ones(1, 48), bias=torch.zeros(48, dtype=torch.bfloat16),
-            out_dtype=torch.bfloat16,
+            a, b, scale_a=torch.ones(24, 1), scale_b=torch.ones(1, 48), bias=torch.zeros(48, dtype=half), out_dtype=half,
         )
-    )
+    ))
 
 
 def test_rowwise_scale_b_made_as_a_transposed_column_is_legal():
     scale_b = torch.ones(48, 1).t()
-    assert not violations(
+    assert not violations(rowwise(
         lambda: torch._scaled_mm(fp8(24, 32), weight_t(32, 48), scale_a=torch.ones(24, 1), scale_b=scale_b, out_dtype=torch.bfloat16)
-    )
+    ))
 
 
 def test_e5m2_grad_times_e4m3_operand_is_legal():
@@ -176,20 +197,20 @@ def test_tensorwise_mixed_with_rowwise_is_caught():
 
 
 def test_rowwise_with_float32_out_is_caught():
-    rule = only_rule(
+    rule = only_rule(rowwise(
         lambda: torch._scaled_mm(
             fp8(24, 32), weight_t(32, 48), scale_a=torch.ones(24, 1), scale_b=torch.ones(1, 48), out_dtype=torch.float32
         )
-    )
+    ))
     assert "bfloat16" in rule
 
 
 def test_rowwise_with_e5m2_second_operand_is_caught():
-    rule = only_rule(
+    rule = only_rule(rowwise(
         lambda: torch._scaled_mm(
             fp8(24, 32), weight_t(32, 48, E5M2), scale_a=torch.ones(24, 1), scale_b=torch.ones(1, 48), out_dtype=torch.bfloat16
         )
-    )
+    ))
     assert "E4M3 second operand" in rule
 
 
@@ -310,7 +331,9 @@ def test_body_error_propagates_unchanged_without_violations():
 
 def test_unchecked_scaled_mm_v2_is_reported():
     a, b = fp8(24, 32), weight_t(32, 48)
-    rule = only_rule(lambda: torch.ops.aten._scaled_mm_v2.default(a, b, [ONE], [0], [], [ONE], [0], [], None, torch.float32))
+    call = lambda: torch.ops.aten._scaled_mm_v2.default(a, b, [ONE], [0], [], [ONE], [0], [], None, torch.float32)  # noqa: E731
+    # torch 2.13 has a CPU kernel for it, 2.11 none.
+    rule = only_rule(cpu_refusal_per_version(call, CPU_SCALED_MM_V2, NotImplementedError, "_scaled_mm_v2"))
     assert "torch._scaled_mm" in rule
 
 

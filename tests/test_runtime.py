@@ -6,12 +6,14 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoprec as ap
 from autoprec.formats import Format, sqnr
 from autoprec.measure import SavedTensorMeter
 from autoprec.workloads import LMConfig, TransformerBlock, default_workload
 from models import TransposedProjection
+from tests.torch_versions import CPU_SCALED_MM_ROW_SCALES
 
 LOW = ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8"]
 
@@ -581,3 +583,48 @@ def test_training_under_a_uniform_plan_tracks_fp32(fmt):
     ref_loss, ap_loss = evaluate(ref_model, val), evaluate(ap_model, val)
     assert ap_loss < 3.2  # it learned (starts at ~5.5)
     assert abs(ap_loss - ref_loss) / ref_loss < 0.05
+
+
+@pytest.mark.skipif(not CPU_SCALED_MM_ROW_SCALES, reason=f"torch {torch.__version__}'s CPU _scaled_mm refuses row-wise scales (row-wise layers are emulated)")
+def test_rowwise_layer_in_an_fp16_region_writes_fp16_from_the_kernel():
+    """An FP16 region: the row-wise kernel writes FP16 itself (the installed torch takes it: 2.13 on
+    CPU; 2.11 on sm_90 with cuBLAS >= 12.9), not BF16 cast to FP16 (BF16 rounding, one more kernel,
+    the bias fused in BF16)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 48))
+    x = torch.randn(32, 64)
+    plan = ap.Plan.uniform(model, "fp16").with_layers({"1": ap.LayerPrecision("fp8_e4m3", scaling=ap.Scaling(granularity="row", mode="current"))})
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._scaled_mm.default:
+                calls.append(out.dtype)
+            return out
+
+    with torch.no_grad(), ap.apply_plan(model, plan), Record():
+        h = model[0](x)
+        out = model(x)
+    assert calls and set(calls) == {torch.float16}
+    # Plain-torch reference from the same FP16 input: per-row inverse scales amax / 448, torch's
+    # casts, FP32 product, bias, one rounding to FP16. A BF16 kernel output is off by up to 2**-9
+    # relative; FP16 by 2**-11.
+    fmt, w = Format.FP8_E4M3, model[1].weight
+    inv_x = h.float().abs().amax(dim=1, keepdim=True) * (1 / fmt.max)
+    inv_w = w.abs().amax(dim=1, keepdim=True) * (1 / fmt.max)
+    xq = (h.float() / inv_x).to(torch.float8_e4m3fn).float() * inv_x
+    wq = (w / inv_w).to(torch.float8_e4m3fn).float() * inv_w
+    expected = (xq @ wq.t() + model[1].bias).to(torch.float16)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2**-10, atol=1e-3)
+
+
+@pytest.mark.parametrize("n", [1, 2, 1000, 123457])
+def test_calibration_percentile_equals_torch_quantile_bitwise(n):
+    # The INT8 percentile clip is computed from one sort (torch 2.11's quantile syncs once).
+    from autoprec.runtime.calibration import _quantile
+
+    values = torch.randn(n, generator=torch.Generator().manual_seed(n)).abs()
+    for q in (0.0, 0.5, 0.999, 0.9999, 1.0):
+        assert torch.equal(_quantile(values, q), torch.quantile(values, q))

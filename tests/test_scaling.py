@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.amp.grad_scaler import OptState
 
 import autoprec.scaling as scaling
 from autoprec.errors import AutoprecError, RuntimeStateError
@@ -610,3 +611,27 @@ def test_scaler_names_first_nonfinite_output_when_the_loss_is_nonfinite():
     assert scaler.first_nonfinite_output == "2"
     assert scaler.last_nonfinite_layers == ("0", "2", "4")
     assert scaler.get_scale() == 2048.0
+
+
+def test_grad_scaler_internals_loss_scaler_overrides_keep_their_shape():
+    """`LossScaler` overrides GradScaler internals whose shape could change between releases;
+    CI runs this on every supported torch (2.11 and 2.13). ``step`` returns what
+    ``_maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)`` returns, as is (some releases
+    unpack a ``(retval, found_inf)`` pair); the per-optimizer state holds ``stage`` and
+    ``found_inf_per_device``; ``_scale`` and ``_growth_tracker`` are 0-d float32 / int32 tensors."""
+    sentinel = object()
+    seen = {}
+
+    class Probe(torch.amp.GradScaler):
+        def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+            seen.update(optimizer_state)
+            return sentinel
+
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = Probe("cpu", init_scale=8.0)
+    scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+    assert scaler.step(opt) is sentinel
+    assert seen["stage"] is OptState.UNSCALED and set(seen["found_inf_per_device"]) == {torch.device("cpu")}
+    assert (scaler._scale.shape, scaler._scale.dtype) == ((), torch.float32)
+    assert (scaler._growth_tracker.shape, scaler._growth_tracker.dtype) == ((), torch.int32)

@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from .._io import atomic_write_text
-from ..device import format_support
+from ..device import _device_key, format_support, scaled_mm_form
 from ..errors import CostModelError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
@@ -199,15 +199,23 @@ def _calibrated(key: str, device_str: str) -> DevicePeaks:
     for fmt in (Format.FP8_E4M3, Format.FP8_E5M2):
         if format_support(fmt, device).kernel:
             # The runtime's forward call (runtime.gemm): an E4M3 weight, column-major (E5M2 x E5M2
-            # is refused on CUDA), BF16 out, and on CPU per-tensor scales in row shape (torch's CPU
-            # per-tensor E4M3 x E4M3 kernel is a slow reference path the runtime never takes).
+            # is refused on CUDA), BF16 out, and on CPU per-tensor scales in row shape where the
+            # installed torch takes them, as the runtime does (2.13's CPU per-tensor E4M3 x E4M3
+            # kernel is a slow reference path the runtime never takes there; 2.11 refuses rows).
             a8, b8 = a.to(fmt.dtype), b.t().contiguous().t().to(Format.FP8_E4M3.dtype)
-            rows = device.type == "cpu" and fmt is Format.FP8_E4M3
+            rows = (
+                device.type == "cpu" and fmt is Format.FP8_E4M3
+                and scaled_mm_form(_device_key(device), fmt.dtype, fmt.dtype, torch.bfloat16, row_scales=True, bias=True)[0]
+            )
             scale_a = torch.ones(n, 1, device=device) if rows else one
             scale_b = torch.ones(1, n, device=device) if rows else one
             runs[fmt] = functools.partial(torch._scaled_mm, a8, b8, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
     if format_support(Format.INT8, device).kernel:
-        ai, bi = a.clamp(-127, 127).to(torch.int8), b.clamp(-127, 127).to(torch.int8)
+        # The runtime's call (runtime.gemm.Int8Linear): the weight (N, K) row-major passed as its
+        # transpose, a column-major second operand (the TN layout cuBLASLt's INT8 path is built
+        # for); a row-major one times another, slower kernel and under-rates INT8.
+        ai = a.clamp(-127, 127).to(torch.int8)
+        bi = b.clamp(-127, 127).to(torch.int8).t().contiguous().t()
         runs[Format.INT8] = functools.partial(torch._int_mm, ai, bi)
     for fmt, fn in runs.items():
         flops[fmt] = 2 * n**3 / _median_time(fn, device)

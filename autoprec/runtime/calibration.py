@@ -21,6 +21,7 @@ and read only when `report` is asked for (that read syncs).
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
@@ -46,6 +47,23 @@ def outlier_slots(channels: int) -> int:
 
 def _fake_int8(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     return to_int8(x, inv).float() * inv
+
+
+def _fp32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _quantile(values: torch.Tensor, q: float) -> torch.Tensor:
+    """``torch.quantile(values, q)`` (linear interpolation) of a 1-D tensor from one sort, with
+    no host sync: torch 2.11's ``quantile`` syncs once (an ``aten.equal`` check), 2.13's does not.
+    The rank ``q * (n - 1)`` is a host number, so the two neighbours are plain indices; it is
+    rounded to FP32 as torch computes it (aten quantile: ranks in the input's dtype, then lerp)."""
+    n = values.numel()
+    rank = _fp32(_fp32(q) * _fp32(n - 1))  # a product of two FP32 values is exact in a double
+    lo = min(int(math.floor(rank)), n - 1)
+    hi = min(lo + 1, n - 1)
+    ordered = values.sort().values
+    return torch.lerp(ordered[lo], ordered[hi], rank - lo)
 
 
 class Int8Calibrator:
@@ -141,9 +159,10 @@ class Int8Calibrator:
         if cal.method is CalibrationMethod.MAX or values.numel() == 0:
             return full_max
         if cal.method is CalibrationMethod.PERCENTILE:
-            # torch.quantile caps its input at 2**24 elements: subsample evenly above that.
+            # Subsampled evenly above 2**24 elements (torch.quantile's cap; kept so the clip
+            # does not depend on which of the two computes it).
             step = max(1, math.ceil(values.numel() / (1 << 24)))
-            return torch.quantile(values[::step], cal.percentile / 100.0).clamp(max=full_max)
+            return _quantile(values[::step], cal.percentile / 100.0).clamp(max=full_max)
         values = values[:: max(1, values.numel() // _MSE_VALUES)]
         candidates = full_max * torch.linspace(0.01, 1.0, _MSE_GRID, device=values.device)
         inv = inverse_scale(candidates, Format.INT8).unsqueeze(1)

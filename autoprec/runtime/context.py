@@ -46,7 +46,7 @@ from torch.utils import _pytree as pytree
 
 from .._tracing import is_weight
 from ..coverage import MATMUL_OPS
-from ..device import KERNEL_OPS, format_support
+from ..device import KERNEL_OPS, _device_key, format_support, scaled_mm_form
 from ..errors import RuntimeStateError
 from ..formats import ACTIVATION_BLOCK, WEIGHT_BLOCK, Format, Granularity, amax, scale_from_amax
 from ..plan import LayerPrecision, Plan
@@ -116,7 +116,19 @@ def kernel_reason(precision: LayerPrecision, device: "torch.device | str") -> "s
     granularity = precision.scaling.granularity
     if granularity is Granularity.BLOCK:
         return "block scaling has no kernel"
+    if granularity is Granularity.ROW and fmt.is_fp8:
+        # Row-wise scales are a form of their own (torch 2.11's CPU kernel refuses them): the
+        # forward's exact call, BF16 out (the form every torch with row-wise scaling takes).
+        ok, reason = _row_scale_form(fmt, torch.bfloat16, device)
+        if not ok:
+            return reason
     return None
+
+
+def _row_scale_form(fmt: Format, out_dtype: torch.dtype, device: "torch.device | str") -> tuple[bool, str]:
+    """Whether the installed torch runs an FP8 forward with row-wise-shaped scales on ``device``:
+    ``fmt`` input x E4M3 weight, fused bias, ``out_dtype`` out (probed once, cached)."""
+    return scaled_mm_form(_device_key(device), fmt.dtype, Format.FP8_E4M3.dtype, out_dtype, row_scales=True, bias=True)
 
 
 def _to_fp32(value: Any) -> Any:
@@ -169,6 +181,14 @@ class _Layer:
         self.low_precision = self.format in (Format.FP8_E4M3, Format.FP8_E5M2, Format.INT8)
         self.device = device
         self.kernel_reason = kernel_reason(precision, device) if self.low_precision else None
+        # The half dtypes the installed torch's _scaled_mm writes with row-wise-shaped scales for
+        # this layer's forward (empty where it refuses them, e.g. torch 2.11 on CPU): probed here
+        # once, never in a forward (which may be traced by torch.compile).
+        self.row_scale_outs: frozenset = frozenset()
+        if self.format.is_fp8 and self.kernel_reason is None:
+            self.row_scale_outs = frozenset(
+                d for d in (torch.bfloat16, torch.float16) if _row_scale_form(self.format, d, device)[0]
+            )
         self.inputs: dict[str, InputQuantizer] = {}
         self.calibrators: dict[str, Int8Calibrator] = {}
         self.weights: dict[tuple, WeightQuantizer] = {}
@@ -201,7 +221,9 @@ class _Layer:
         if quantizer is None:
             rowwise = self.precision.scaling.granularity is Granularity.ROW
             fmt = Format.INT8 if self.format is Format.INT8 else Format.FP8_E4M3
-            row_scales = self.device.type == "cpu" and self.format is Format.FP8_E4M3
+            # Per-tensor scales in row-wise shape only on CPU and only where the installed torch
+            # takes that form (2.13 does, 2.11 refuses it): see gemm.Fp8Spec.expand_scales.
+            row_scales = self.device.type == "cpu" and self.format is Format.FP8_E4M3 and torch.bfloat16 in self.row_scale_outs
             quantizer = self.weights[key] = WeightQuantizer(fmt, rowwise, INT8_ALIGN if fmt is Format.INT8 else FP8_ALIGN, row_scales)
         return quantizer
 
@@ -505,8 +527,13 @@ class PlanRuntime:
         else:
             rowwise = layer.precision.scaling.granularity is Granularity.ROW
             expand = quantizer.row_scales
-            # Row-wise _scaled_mm writes BF16 only; a wider output is cast after the kernel.
-            kernel_dtype = torch.bfloat16 if rowwise or expand else out_dtype
+            # Row-wise scales: the kernel writes the region's half dtype where the installed torch
+            # takes it (torch 2.11 on sm_90 with cuBLAS >= 12.9 runs FP16 in cuBLASLt), else BF16,
+            # cast after the kernel (one more kernel, BF16 rounding); FP32 out is never row-wise.
+            if rowwise or expand:
+                kernel_dtype = out_dtype if out_dtype in layer.row_scale_outs else torch.bfloat16
+            else:
+                kernel_dtype = out_dtype
             # _scaled_mm fuses no bias into an FP32 output: there it is added after the kernel.
             fused = bias is not None and kernel_dtype != torch.float32
             kernel_bias = layer.kernel_bias(bias, kernel_dtype) if fused else None

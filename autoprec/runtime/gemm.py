@@ -14,7 +14,8 @@ first operand row-major and second column-major; K and N multiples of 16 — K i
 in the weight-gradient GEMM, so tokens are padded with zero rows there (zero rows change no
 gradient); never E5M2 x E5M2 (weights are E4M3; an E5M2 layer's weight gradient takes an E4M3
 copy of the output gradient); per-tensor scales as 0-d FP32 tensors, row-wise as (M, 1) and
-(1, N) FP32 with E4M3 operands and BF16 output. ``_int_mm`` (``_int_mm_out_cuda``): M > 16 and
+(1, N) FP32 with an E4M3 second operand and BF16 output (FP16 too in torch 2.11 on sm_90 with
+cuBLAS >= 12.9, where row-wise runs in cuBLASLt; the runtime probes which, `device.scaled_mm_form`). ``_int_mm`` (``_int_mm_out_cuda``): M > 16 and
 K, N multiples of 8, so rows and columns are padded the same way.
 
 INT8 layers differentiate in high precision (INT8 has no useful gradient format): in BF16 on
@@ -57,9 +58,10 @@ class Fp8Spec:
     grad_format: Format  # E4M3, E5M2, or FP32 (a high-precision backward)
     rowwise: bool
     out_dtype: torch.dtype  # the region's half dtype
-    # Per-tensor scales passed in row-wise shape: torch's CPU kernel runs E4M3 x E4M3 per-tensor
-    # through a reference path hundreds of times slower than its row-wise one (same result; the
-    # row-wise form is as legal on CUDA, but slower there, so CUDA keeps per-tensor).
+    # Per-tensor scales passed in row-wise shape: torch 2.13's CPU kernel runs E4M3 x E4M3
+    # per-tensor through a reference path hundreds of times slower than its row-wise one (same
+    # result; the row-wise form is as legal on CUDA, but slower there, so CUDA keeps per-tensor).
+    # Only where the installed torch takes row-shaped scales: 2.11's CPU kernel refuses them.
     expand_scales: bool
     in_features: int
     out_features: int
