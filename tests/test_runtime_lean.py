@@ -23,7 +23,6 @@ import torch.nn as nn
 
 import autoprec as ap
 from autoprec.opcount import count_training_step, graph_breaks, training_step
-from tests.torch_versions import COMPILED_INT8_OUTLIER_GRADIENTS
 
 # Aten ops per FP8 / INT8 training step, the weight's quantization included: a training step's
 # weights changed since the previous one (the optimizer stepped), so it is quantized every step.
@@ -171,13 +170,7 @@ def test_forward_and_loss_compile_without_graph_breaks(name, x):
     assert (breaks.graphs, breaks.breaks) == (1, 0), "\n".join(breaks.reasons)
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(
-        n == "int8" and not COMPILED_INT8_OUTLIER_GRADIENTS, strict=True,
-        reason=f"torch {torch.__version__}: compiled INT8 gradients with outlier channels are zero (tests/torch_versions.py)",
-    ))
-    for n in COMPILE_PLANS
-])
+@pytest.mark.parametrize("name", COMPILE_PLANS)
 def test_compiled_forward_and_backward_match_eager(name, x):
     """Compiled and eager agree up to the plan's own rounding error.
 

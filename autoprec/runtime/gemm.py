@@ -188,7 +188,14 @@ class Int8Linear(torch.autograd.Function):
         side = None
         if keep is not None:
             side = x.index_select(1, outlier_index) * outlier_valid
-            out = torch.addmm(out, side.to(out.dtype), weight.index_select(1, outlier_index).t().to(out.dtype))
+            w_side = weight.index_select(1, outlier_index).t().to(out.dtype)
+            if torch.compiler.is_compiling():
+                # torch 2.11 compiles addmm(out, side, w_side) here into a graph whose backward
+                # gives every gradient of the step as zero (2.13 is right); an add of a product is
+                # right on both, and inductor fuses the add anyway.
+                out = out + side.to(out.dtype) @ w_side
+            else:
+                out = torch.addmm(out, side.to(out.dtype), w_side)
         ctx.spec = spec
         ctx.has_bias = bias is not None
         ctx.save_for_backward(xq, x_inv, weight, side, outlier_index)
