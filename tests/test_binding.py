@@ -2,6 +2,7 @@
 context however it is called, and each ambiguity refused with one line naming the fix: a second
 model in one context, another model in a later context, a first context that calls no model."""
 
+import copy
 import logging
 import threading
 
@@ -86,6 +87,35 @@ def test_another_threads_model_is_neither_bound_nor_refused():
         worker.join()
         model(torch.randn(2, 8))
     assert other.calls == 1 and sch.model is model
+
+
+class ConvNet(nn.Module):
+    """Convolution, BatchNorm (running statistics, saved for backward), a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4 * 6 * 6, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+def test_binding_between_the_first_forward_and_its_backward_leaves_both_as_without_it():
+    # Binding traces the model after its first forward; its backward must still run, and the
+    # BatchNorm statistics must be that forward's alone.
+    torch.manual_seed(0)
+    model = ConvNet()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 3, 8, 8)
+    sch = scheduler()
+    with sch.precision_context():
+        loss = model(x).square().mean()
+    sch.backward(loss)
+    reference(x).square().mean().backward()
+    assert torch.equal(model.bn.running_mean, reference.bn.running_mean)
+    assert torch.equal(model.conv.weight.grad, reference.conv.weight.grad)
 
 
 # --- refusals -----------------------------------------------------------------------------------
