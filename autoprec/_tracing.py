@@ -54,6 +54,12 @@ def side_effect_free(model: nn.Module) -> Iterator[None]:
     (dropout draws) as they were, also when it raises: a look at the model must not change the
     real run. Costs one copy of the buffers. CUDA's RNG is forked only once CUDA is initialized
     (a CUDA model has done that), so a CPU run does not start CUDA.
+
+    The buffers are written back through ``.data``, which autograd's version counters do not
+    see (as BatchNorm's own running-statistics update is not seen): a look taken between a real
+    forward and its backward (the scheduler binding at the end of a model's first call) must not
+    make that backward refuse a buffer it saved (BERT's ``token_type_ids`` slice, BatchNorm's
+    running statistics) as modified in place. The values written are the ones that forward left.
     """
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
@@ -63,7 +69,7 @@ def side_effect_free(model: nn.Module) -> Iterator[None]:
     finally:
         with torch.no_grad():
             for name, b in model.named_buffers():
-                b.copy_(buffers[name])
+                b.data.copy_(buffers[name])
 
 
 def is_weight(t: Any) -> bool:

@@ -10,11 +10,21 @@
 
 Lifecycle (each step of it uses the part that owns it; nothing is re-implemented here):
 
-1. **Bind.** Without ``model=`` the scheduler binds to the outermost module run inside the first
-   `precision_context` (a one-shot global forward pre-hook, which torch gives no keyword
-   arguments: a model called with keywords only needs ``model=``). Its inputs, positional and
-   keyword (`calls.ModelCall`), are the example the layers are traced from (`coverage.find_layers`)
-   and that the search re-runs.
+1. **Bind** (`_binding`). The model is the outermost module called inside the first
+   `precision_context` that holds a matrix parameter, however it is called: positionally, by
+   keyword, ``**batch``, with ``labels=`` so that it returns its loss. Its call, positional and
+   keyword inputs (`calls.ModelCall`), is the example the layers are traced from
+   (`coverage.find_layers`) and that the search re-runs. torch shows a global hook only the
+   positional inputs, and a model's own hook registered during its call only that call's end;
+   so a scheduler made without ``model=`` binds at the end of the first call, where inputs and
+   output are all at hand: that one forward runs at FP32 and unprofiled (logged), and its
+   backward and step are the window's first. With ``model=`` a hook on the model binds before
+   its first forward, which then runs the safe precision or the given plan; a state loaded
+   before binding holds its example call, so a resumed run binds before its first forward too
+   and continues exactly. Refused with one `RuntimeStateError` line each: a second model called
+   in one context (it would run unplanned under the plan's autocast), a model other than the
+   bound one in a later context, and a first context in which no model was called (the model
+   run as ``model.forward(...)`` or as a function of its weights, which no hook sees).
 2. **Profile** the first ``monitor_window`` optimizer steps at a safe precision (FP32, or BF16
    when ``max_precision`` is 16) with a `LayerProfiler`, recording the training loss.
 3. **Search** at the window's end, in-process and time-bounded: `CostModel` (bytes, seconds),
@@ -65,6 +75,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from ._binding import ModelWatch
 from .calls import ModelCall, loss_of, prediction_of
 from .coverage import LayerInfo, find_layers
 from .device import format_support
@@ -155,7 +166,6 @@ class DynamicPrecisionScheduler:
         self._last_loss: Optional[torch.Tensor] = None
         self._captured: list[list] = []  # [ModelCall, dL/d prediction or None] of the window's last steps
         self._capture_handle = None
-        self._bind_handle = None
         self._meter_bytes: Optional[int] = None
         self._meter_next = False
         self._context_stack: Optional[contextlib.ExitStack] = None
@@ -203,24 +213,25 @@ class DynamicPrecisionScheduler:
     def precision_context(self):
         """Forward passes inside run the plan in force (or the safe precision while profiling).
 
-        Not re-entrant. The first one binds the scheduler to its model (see the module doc).
+        Not re-entrant. The first one binds the scheduler to its model (see the module doc). Each
+        one refuses, with a `RuntimeStateError` before it runs, a call of a model other than the
+        scheduler's (`_binding`); the first one, ending without any model called (nothing to bind
+        to), refuses that on exit.
         """
         if self._context_stack is not None:
             raise RuntimeStateError("precision_context() is already active; it is not re-entrant")
         stack = contextlib.ExitStack()
         self._context_stack = stack
         try:
-            if self._example is None:
-                self._arm_binding()
-            else:
+            if self._example is not None:
                 self._enter_step(stack)
+            stack.enter_context(self._model_watch())
             self._backward_due = torch.is_grad_enabled()
             yield self
+            if self._example is None:
+                raise RuntimeStateError(self._unbound_exit())
         finally:
             self._context_stack = None
-            if self._bind_handle is not None:  # the body ran no module: stay unbound
-                self._bind_handle.remove()
-                self._bind_handle = None
             stack.close()
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -304,34 +315,45 @@ class DynamicPrecisionScheduler:
 
     # -- binding --------------------------------------------------------------------------------
 
-    def _arm_binding(self) -> None:
-        def bind(module, args, kwargs):
-            if self._bind_handle is not None:
-                self._bind_handle.remove()
-                self._bind_handle = None
-            module, ddp = unwrap_ddp(module)
-            self._ddp = ddp if ddp is not None else self._ddp
-            if self._pending_state is not None:
-                state, self._pending_state = self._pending_state, None
-                self.model = module
-                self.load_state_dict(state)
-            else:
-                self._bind(module, ModelCall.capture(args, kwargs))
-            self._enter_step(self._context_stack)
+    def _model_watch(self) -> ModelWatch:
+        """This context's `ModelWatch`, with the binding for the case at hand (module doc, step 1)."""
+        if self._example is not None:
+            return ModelWatch(self._ddp if self._ddp is not None else self.model, bound_before=True)
+        if self.model is not None:  # model=: its own pre-hook sees the keyword inputs before it runs
+            return ModelWatch(self._ddp if self._ddp is not None else self.model, at_start=self._bind_at_start)
+        if self._pending_state is not None:  # the saved example call: bind before the first forward
+            return ModelWatch(at_start=self._bind_resumed)
+        return ModelWatch(at_end=self._bind_at_end)
 
-        def bind_any(module, args):
-            if not args:
-                # torch passes global forward pre-hooks no keyword arguments: they cannot be captured.
-                raise RuntimeStateError(
-                    f"{type(module).__name__} was called with keyword arguments only, which a scheduler made "
-                    "without model= cannot capture; pass DynamicPrecisionScheduler(model=...)"
-                )
-            bind(module, args, {})
+    def _bind_at_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._bind(self.model, ModelCall.capture(args, kwargs))
+        self._enter_step(self._context_stack)
 
+    def _bind_resumed(self, module: nn.Module, args: tuple, kwargs: None) -> None:
+        state, self._pending_state = self._pending_state, None
+        self.model, self._ddp = unwrap_ddp(module)
+        try:
+            self.load_state_dict(state)
+        except BaseException:  # a state for another model: stay unbound, as before the call
+            self.model, self._ddp, self._pending_state = None, None, state
+            raise
+        self._enter_step(self._context_stack)
+
+    def _bind_at_end(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        model, self._ddp = unwrap_ddp(module)
+        self._bind(model, ModelCall.capture(args, kwargs))
+        logger.info("autoprec: bound to %s at the end of its first call (a model's keyword inputs are seen only then): "
+                    "that forward ran at FP32 and unprofiled; the scheduler's precision applies from the next forward on", type(model).__name__)
+        self._enter_step(self._context_stack)
+        if self._capture_handle is not None:  # this call is one of the window's captured steps
+            self._capture(module, args, kwargs, output)
+
+    def _unbound_exit(self) -> str:
         if self.model is not None:
-            self._bind_handle = self.model.register_forward_pre_hook(bind, with_kwargs=True)
-        else:
-            self._bind_handle = nn.modules.module.register_module_forward_pre_hook(bind_any)
+            return (f"precision_context(): the scheduler's model ({type(self.model).__name__}, model=) was not called inside it; "
+                    "call it inside the context as model(...), not model.forward(...)")
+        return ("precision_context(): no model was called inside it, so the scheduler has nothing to bind to; call the model "
+                "inside the context as model(...), not model.forward(...) or a function of its weights, or pass DynamicPrecisionScheduler(model=...)")
 
     def _attach(self, model: nn.Module, example: ModelCall) -> None:
         """Take ``model`` and its example call: find the layers, open the TensorBoard writer."""

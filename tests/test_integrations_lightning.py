@@ -15,6 +15,7 @@ L = pytest.importorskip("lightning")
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
+from autoprec.errors import RuntimeStateError  # noqa: E402
 from autoprec.formats import Format  # noqa: E402
 from autoprec.integrations import AutoprecPrecision, IntegrationError  # noqa: E402
 from autoprec.plan import Plan  # noqa: E402
@@ -133,9 +134,11 @@ def test_checkpoint_resumes_the_scheduler(run, tmp_path):
     seen = {}
 
     class AtStart(Callback):
-        def on_train_start(self, trainer, pl_module):
+        # The state is applied when the first training forward binds the scheduler.
+        def on_before_backward(self, trainer, pl_module, loss):
             sch = trainer.precision_plugin.scheduler
-            seen.update(step=sch.step_count, plan=sch.plan.to_dict(), phase=sch.phase, window_start=sch.window_start)
+            if not seen:
+                seen.update(step=sch.step_count, plan=sch.plan.to_dict(), phase=sch.phase, window_start=sch.window_start)
 
     plugin = AutoprecPrecision(**SETTINGS)
     module = Classifier(seed=1)  # other weights: the checkpoint restores them
@@ -217,10 +220,17 @@ class Manual(Classifier):
         self.automatic_optimization = False
 
 
-class NoForward(Classifier):
+class CallsItsNet(Classifier):
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return F.cross_entropy(self.net(x), y)  # the module's forward never runs
+        return F.cross_entropy(self.net(x), y)  # the module's own forward never runs
+
+
+class CallsNoModule(Classifier):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = torch.relu(F.linear(x, self.net[0].weight, self.net[0].bias))  # the weights, not the modules
+        return F.cross_entropy(F.linear(F.linear(h, self.net[2].weight).relu(), self.net[4].weight), y)
 
 
 def test_manual_optimization_is_refused(tmp_path):
@@ -229,10 +239,44 @@ def test_manual_optimization_is_refused(tmp_path):
         t.fit(Manual(), loader())
 
 
-def test_a_training_step_that_bypasses_forward_is_refused(tmp_path):
+def test_a_training_step_that_calls_a_model_inside_the_module_trains_it(tmp_path):
+    plugin = AutoprecPrecision(**SETTINGS)
+    module = CallsItsNet()
+    trainer(tmp_path, plugin, WINDOW + 2).fit(module, loader())
+    assert plugin.scheduler.model is module.net and plugin.scheduler.phase == "planned"
+    assert set(plugin.scheduler.plan.layers) == {"0", "2", "4"}
+
+
+class HuggingFaceLM(L.LightningModule):
+    """A Hugging Face GPT-2 inside a LightningModule, called as its users call it: ``self.model(**batch)``."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_a_hugging_face_model_called_with_a_batch_dict_is_planned(tmp_path):
+    gpt2 = pytest.importorskip("test_real_models").gpt2  # skipped without transformers
+    torch.manual_seed(0)
+    model, batch = gpt2()
+    module = HuggingFaceLM(model)
+    data = torch.utils.data.DataLoader([{k: v[i] for k, v in batch.items()} for i in range(len(batch["input_ids"]))], batch_size=4)
+    plugin = AutoprecPrecision(**{**SETTINGS, "monitor_window": 3})
+    trainer(tmp_path, plugin, 5).fit(module, data)
+    assert plugin.scheduler.model is module.model and plugin.scheduler.phase == "planned"
+    assert plugin.scheduler.last_search_error is None and any(lp.format is not Format.FP32 for lp in plugin.scheduler.plan.layers.values())
+
+
+def test_a_training_step_that_calls_no_module_is_refused(tmp_path):
     t = trainer(tmp_path, AutoprecPrecision(**SETTINGS), 2)
-    with pytest.raises(IntegrationError, match=r"self\(\.\.\.\) in training_step"):
-        t.fit(NoForward(), loader())
+    with pytest.raises(RuntimeStateError, match="no model was called inside it"):
+        t.fit(CallsNoModule(), loader())
 
 
 def test_clipping_in_two_places_is_refused(tmp_path):

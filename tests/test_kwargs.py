@@ -1,6 +1,6 @@
-"""Models as people call them: keyword inputs captured and replayed, losses read from model
-outputs, layers that are not `nn.Linear` found without an example, and a scheduler state loaded
-before the scheduler is bound."""
+"""Models as people call them: keyword inputs captured and replayed (by a scheduler with or
+without ``model=``), losses read from model outputs, layers that are not `nn.Linear` found without
+an example, and a scheduler state loaded before the scheduler is bound."""
 
 import copy
 import warnings
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import autoprec as ap
 from autoprec.calls import ModelCall, loss_of, prediction_of
 from autoprec.coverage import static_layers, trace_layers
-from autoprec.errors import ModelCallError, RuntimeStateError
+from autoprec.errors import ModelCallError
 from autoprec.runtime import EmulationWarning
 from autoprec.scheduler import DynamicPrecisionScheduler
 from autoprec.search.measured import MeasuredStage
@@ -125,11 +125,28 @@ def test_scheduler_plans_a_model_called_with_keyword_inputs_only():
     assert sch.last_search_error is None and set(sch.plan.layers) == {"fc1", "fc2"}
 
 
-def test_scheduler_without_model_refuses_keyword_only_calls_and_names_the_fix():
+def test_scheduler_without_model_plans_a_model_called_with_keyword_inputs_only():
+    torch.manual_seed(0)
     model = KeywordOnly()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sch = scheduler()
-    with pytest.raises(RuntimeStateError, match="model="), sch.precision_context():
-        model(x=torch.randn(2, 8))
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    for _ in range(WINDOW + 1):
+        with sch.precision_context():
+            out = model(x=x, targets=y)
+        sch.backward(out)
+        sch.step(opt)
+        opt.zero_grad()
+    assert sch.model is model and sch.last_search_error is None and set(sch.plan.layers) == {"fc1", "fc2"}
+
+
+def test_scheduler_without_model_captures_the_keyword_input_of_a_mixed_call():
+    # gate_proj runs only when gate= is given: it is a layer only if the keyword input was captured.
+    model = GatedByKeyword()
+    sch = scheduler()
+    with sch.precision_context():
+        model(torch.randn(2, 8), gate=torch.randn(2, 8))
+    assert sch.layers == ("fc", "gate_proj")
 
 
 # --- layers found without an example ---------------------------------------------------------------

@@ -4,16 +4,19 @@
 
 What the plugin does at each of Lightning's precision hooks (`lightning.pytorch.plugins.precision.Precision`):
 
-- ``convert_module``: binds the scheduler to the LightningModule (``model=`` it: the scheduler's
-  example call is the module's ``forward``, which ``training_step`` must call, e.g. ``self(x)``).
 - ``forward_context`` (training, validation, test and predict steps): the scheduler's
-  `precision_context`. An evaluation step before the first training forward runs as plain FP32
-  so that the scheduler binds to a training call, not to the sanity-check batch.
+  `precision_context`. The scheduler is made without ``model=``, so it binds to the outermost
+  model ``training_step`` calls, however it calls it: the LightningModule (``self(x)``) or the
+  model it holds (``self.model(**batch)``, as Hugging Face models are called); its first
+  forward runs at FP32 (`autoprec.scheduler`, step 1). An evaluation step before the first
+  training forward runs as plain FP32 so that the scheduler binds to a training call, not to the
+  sanity-check batch.
 - ``pre_backward``: the loss times the scheduler's loss scale (`DynamicPrecisionScheduler.scale`).
 - ``optimizer_step``: the closure (training_step and backward), then the scaler's ``unscale_``,
   then Lightning's ``on_before_optimizer_step`` hooks and gradient clipping, then
   `DynamicPrecisionScheduler.step` (skip on non-finite gradients, scale update, the window clock).
-- ``state_dict`` / ``load_state_dict``: the scheduler's state, in and out of Lightning checkpoints.
+- ``state_dict`` / ``load_state_dict``: the scheduler's state, in and out of Lightning
+  checkpoints; a state loaded before the first training forward is applied when it binds.
 
 Gradient clipping: Lightning's own ``gradient_clip_val`` / ``gradient_clip_algorithm`` (and a
 module's ``configure_gradient_clipping`` override) run as usual, on gradients the plugin has just
@@ -75,15 +78,14 @@ class AutoprecPrecision(Precision):
     # -- setup ----------------------------------------------------------------------------------
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Bind the scheduler to ``module`` (Lightning calls ``training_step``, whose forward the
-        scheduler sees only through the module's ``forward``)."""
+        """Take ``module`` as the one this plugin trains; the scheduler binds to what its
+        ``training_step`` calls (the module or a model inside it) at the first training step."""
         bound = self.scheduler.model
-        if bound is not None and bound is not module:
+        if bound is not None and not any(m is bound for m in module.modules()):
             raise IntegrationError(
                 f"AutoprecPrecision is bound to a {type(bound).__name__} but this Trainer runs a {type(module).__name__}; "
                 "create one AutoprecPrecision per model"
             )
-        self.scheduler.model = module
         self._module = module if isinstance(module, LightningModule) else None
         return module
 
@@ -126,12 +128,8 @@ class AutoprecPrecision(Precision):
             yield
 
     def pre_backward(self, tensor: torch.Tensor, module: LightningModule) -> torch.Tensor:
-        """The loss times the loss scale (records the loss for the scheduler's baseline). No sync."""
-        if self.scheduler.phase == "unbound":
-            raise IntegrationError(
-                f"{type(module).__name__}.training_step never called the module's forward, which AutoprecPrecision binds to; "
-                "compute the predictions with self(...) in training_step"
-            )
+        """The loss times the loss scale (records the loss for the scheduler's baseline). No sync.
+        A ``training_step`` that called no model was refused when its `precision_context` ended."""
         return super().pre_backward(self.scheduler.scale(tensor), module)
 
     # -- the optimizer step ---------------------------------------------------------------------
@@ -177,8 +175,8 @@ class AutoprecPrecision(Precision):
         return {"scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the scheduler (Lightning calls this after `convert_module`, so the scheduler
-        knows its module and checks the state against it)."""
+        """Restore the scheduler: at once when it is bound, else when the first training forward
+        binds it, where the state is checked against the model (layer names and shapes)."""
         if "scheduler" not in state_dict:
             raise IntegrationError(
                 f"AutoprecPrecision.load_state_dict(): the checkpoint's precision state has {sorted(state_dict)}, not 'scheduler'; "

@@ -7,9 +7,11 @@
 Where each part of the step goes (the Trainer's loop itself is untouched):
 
 - **Forward**: ``compute_loss`` runs inside the scheduler's `precision_context`. The scheduler is
-  bound to the Trainer's model (``model=``: the Trainer calls ``model(**inputs)``, keywords only,
-  which a scheduler without a model cannot capture). Evaluation before the first training step
-  runs as plain FP32, so that the scheduler takes its example call from a training batch.
+  bound to the Trainer's model (as with ``model=``), so that its first training forward already
+  runs the scheduler's precision (a scheduler binding itself runs that one at FP32) and a
+  ``compute_loss`` override calling another model is refused (`autoprec._binding`). Evaluation
+  before the first training step runs as plain FP32, so that the scheduler takes its example
+  call from a training batch.
 - **Backward and optimizer step**: through accelerate's own loss-scaler slot. ``accelerator.scaler``
   is a `_SchedulerScaling`, so ``accelerator.backward`` scales each micro-batch's loss with the
   scheduler (`DynamicPrecisionScheduler.scale`), and the ``AcceleratedOptimizer`` hands its step

@@ -1,0 +1,158 @@
+"""Which model a `precision_context` runs, learnt from the module calls of the thread that entered it.
+
+A *model* here is a module holding a matrix parameter (2-D or more, outside embedding tables):
+what has layers to plan. Loss modules, metrics and activations called beside the model hold none
+and are never in question.
+
+Inside one context, `ModelWatch` sees every module call of the entering thread that is not inside
+the model (a global forward pre-hook, paused while the model runs, so the model's own submodules
+keep torch's hook-free fast path):
+
+- no model known yet (a scheduler made without ``model=``, first context): the first model called
+  is the model. torch hands a global pre-hook the positional inputs only, and a hook registered
+  on the module while its call is under way first runs at that call's end; so the keyword inputs
+  of that first call are read by a forward hook at its end (``at_end``), the one point where
+  positional and keyword inputs and the output are all at hand however the model was called;
+- a model known: a call of a module that is neither a part of it nor wraps it (DDP) is another
+  model, refused with one `RuntimeStateError` line before it runs, since it would run unplanned
+  under the plan's autocast.
+
+Costs: per context two hook registrations; per call of a module outside the model one Python
+call (loss modules), plus a walk of the module trees when that module holds parameters. Inside
+the model: nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional
+
+import torch.nn as nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+
+from .errors import RuntimeStateError
+
+__all__ = ["ModelWatch", "holds_matrix"]
+
+# Tables looked up, not multiplied: a model of embeddings alone has no layer (coverage does the same).
+_LOOKUP_CLASSES = (nn.Embedding, nn.EmbeddingBag)
+
+
+def holds_matrix(module: nn.Module) -> bool:
+    """Whether ``module`` (with its children) holds a matrix parameter outside embedding tables."""
+    return any(p.dim() >= 2 for m in module.modules() if not isinstance(m, _LOOKUP_CLASSES) for p in m.parameters(recurse=False))
+
+
+def _related(module: nn.Module, model: nn.Module) -> bool:
+    """``module`` is ``model``, a part of it, or wraps it (a DDP wrapper, a parent module)."""
+    return module is model or any(m is module for m in model.modules()) or any(m is model for m in module.modules())
+
+
+class ModelWatch:
+    """One context's watch over which model runs (see the module doc). Enter it with the context.
+
+    ``model``: the model already known (bound, or given as ``model=``), else None: the first
+    model called becomes it. ``at_start(module, args, kwargs)``: once, at the start of the first
+    call of the model (``kwargs`` is None when the model was found by the global hook, which
+    cannot see them). ``at_end(module, args, kwargs, output)``: once, when that call returns.
+    Both run with the watch deaf, so they may run the model themselves (tracing).
+    """
+
+    def __init__(self, model: Optional[nn.Module] = None, *, at_start: Optional[Callable[..., None]] = None,
+                 at_end: Optional[Callable[..., None]] = None, bound_before: bool = False):
+        self.model = model
+        self.called = False  # the model (or a part of it) ran in this context
+        self._bound_before = bound_before  # the model was bound in an earlier context
+        self._at_start, self._at_end = at_start, at_end
+        self._thread = threading.get_ident()
+        self._guard = None
+        self._outer: Optional[nn.Module] = None  # the model's call under way (the guard paused)
+        self._deaf = False
+        self._active = False
+        self._handles: list = []
+        self._hooked: set[int] = set()  # ids of modules carrying this watch's end-of-call hook
+
+    def __enter__(self) -> "ModelWatch":
+        if self.model is not None and self._at_start is not None:
+            # A hook on the model itself sees its keyword inputs before it runs.
+            self._handles.append(self.model.register_forward_pre_hook(self._model_starts, with_kwargs=True))
+        self._guard = register_module_forward_pre_hook(self._on_call)
+        self._active = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._active = False
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _mine(self) -> bool:
+        return not self._deaf and threading.get_ident() == self._thread
+
+    def _run_deaf(self, fn: Callable[..., None], *args: Any) -> None:
+        self._deaf = True
+        try:
+            fn(*args)
+        finally:
+            self._deaf = False
+
+    def _on_call(self, module: nn.Module, args: tuple) -> None:
+        """The global pre-hook: a module call outside the model."""
+        if not self._mine():
+            return
+        if self.model is None:
+            if not holds_matrix(module):
+                return
+            self.model = module
+            self._begin(module)
+            if self._at_start is not None:
+                at_start, self._at_start = self._at_start, None
+                self._run_deaf(at_start, module, args, None)
+            return
+        if _related(module, self.model):
+            self._begin(module)
+        elif holds_matrix(module):
+            raise RuntimeStateError(self._refusal(module))
+
+    def _begin(self, module: nn.Module) -> None:
+        """The model (or a part or wrapper of it) starts: pause the guard until this call returns."""
+        self.called = True
+        self._outer = module
+        self._guard.remove()
+        self._guard = None
+        if id(module) not in self._hooked:
+            self._hooked.add(id(module))
+            self._handles.append(module.register_forward_hook(self._returns, with_kwargs=True, always_call=True))
+
+    def _model_starts(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._mine() and self._at_start is not None:
+            at_start, self._at_start = self._at_start, None
+            self._run_deaf(at_start, module, args, kwargs)
+
+    def _returns(self, module: nn.Module, args: tuple, *rest: Any) -> None:
+        """The end of a call of the model: ``rest`` is ``(kwargs, output)``, or ``(None,)`` when
+        the forward raised (torch then calls always-call hooks without keyword inputs)."""
+        if not self._mine() or module is not self._outer:
+            return
+        self._outer = None
+        try:
+            if self._at_end is not None and len(rest) == 2:
+                at_end, self._at_end = self._at_end, None
+                self._run_deaf(at_end, module, args, rest[0], rest[1])
+        finally:
+            if self._active:
+                self._guard = register_module_forward_pre_hook(self._on_call)
+
+    def _refusal(self, other: nn.Module) -> str:
+        a, b = type(self.model).__name__, type(other).__name__
+        if self.called:
+            return (f"precision_context(): {a} and then {b} were called in one context; a scheduler plans one model: "
+                    f"call {b} outside the context or give it a scheduler of its own (if both are parts of one model, call that model itself, model(...), not model.forward(...))")
+        if self._bound_before:
+            return (f"precision_context(): this context called {b}, but the scheduler's model is {a} (bound in its first context); "
+                    f"a scheduler plans one model for the whole run: call {a} here, or make a new DynamicPrecisionScheduler for {b}")
+        return (f"precision_context(): this context called {b}, but the scheduler was made with model={a}; "
+                f"call {a} inside the context, or make the scheduler for {b}")
