@@ -158,6 +158,7 @@ class DynamicPrecisionScheduler:
         self._example: Optional[ModelCall] = None
         self._pending_state: Optional[Mapping[str, Any]] = None  # loaded before binding: applied on bind
         self._runtime = None
+        self._reusing_weights = False  # inside reusing_weights(): step() is refused
         self._profiler = None
         self._policy = PolicyState()
         self._window_nonfinite: dict[str, int] = {}
@@ -254,6 +255,25 @@ class DynamicPrecisionScheduler:
             self._loss_count += 1
         return self.scaler.scale(loss)
 
+    @contextlib.contextmanager
+    def reusing_weights(self):
+        """The micro-batches of one optimizer step (gradient accumulation) reuse each FP8 / INT8
+        weight's quantized copy instead of quantizing it per forward (`PlanRuntime.reusing_weights`:
+        one amax, cast and transpose per weight saved per micro-batch after the first). You promise
+        that nothing writes the weights inside; `step` inside it is refused. A pass-through while
+        no 8-bit plan is in force.
+
+        ``with scheduler.reusing_weights(): for micro in micro_batches: ...forward, backward``
+        then ``scheduler.step(optimizer)`` after the block.
+        """
+        runtime = self._runtime
+        self._reusing_weights = True
+        try:
+            with runtime.reusing_weights() if runtime is not None else contextlib.nullcontext():
+                yield
+        finally:
+            self._reusing_weights = False
+
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``loss.backward()`` on the scaled loss (call once per micro-batch). No host sync."""
         self.scale(loss).backward(**kwargs)
@@ -265,6 +285,8 @@ class DynamicPrecisionScheduler:
         of ``8 * (optimizers + 1 + 2 * layers)`` bytes and one host transfer (`autoprec.distributed`)."""
         if not optimizers:
             raise RuntimeStateError("step() needs the optimizer(s): scheduler.step(optimizer)")
+        if self._reusing_weights:
+            raise RuntimeStateError("step() inside reusing_weights(): the optimizer writes the weights; end that block before scheduler.step(optimizer)")
         if self._example is None:
             raise RuntimeStateError("step() before any forward ran inside precision_context()")
         if self._backward_due:

@@ -1,6 +1,7 @@
 """DynamicPrecisionScheduler end to end on the built-in LM ("tiny"): lifecycle, loss scaling,
 fault injection, promotion / demotion, checkpoints, logging."""
 
+import contextlib
 import copy
 
 import pytest
@@ -282,3 +283,29 @@ def test_step_before_any_forward_is_refused():
     _, _, opt = setup()
     with pytest.raises(RuntimeStateError, match="precision_context"):
         scheduler().step(opt)
+
+
+def test_micro_batches_reusing_weights_give_the_same_gradients_and_step_is_refused_inside():
+    wl, model, _ = setup()
+    batches = [wl.train_batches(0).next() for _ in range(3)]
+    plan = Plan.uniform(model, Format.FP8_E4M3, batches[0][0])
+    grads = {}
+    for reuse in (False, True):
+        trained = copy.deepcopy(model)
+        sch = DynamicPrecisionScheduler.from_plan(trained, plan, measure_costs=False)
+        opt = torch.optim.SGD(trained.parameters(), lr=0.1)
+        with torch.no_grad(), sch.precision_context():  # binds: the plan's runtime exists from here
+            wl.loss(trained, batches[0])
+        with sch.reusing_weights() if reuse else contextlib.nullcontext():
+            for batch in batches:
+                with sch.precision_context():
+                    loss = wl.loss(trained, batch) / len(batches)
+                sch.backward(loss)
+            kept = [q._kept for layer in sch._runtime._layers.values() for q in layer.weights.values()]
+            assert bool(kept) and all(k is not None for k in kept) == reuse
+            if reuse:
+                with pytest.raises(RuntimeStateError, match="inside reusing_weights"):
+                    sch.step(opt)
+        grads[reuse] = [p.grad.clone() for p in trained.parameters()]
+        assert sch.step(opt)
+    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
