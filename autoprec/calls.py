@@ -6,11 +6,22 @@ positional and keyword inputs together. Every site that re-runs a model from inp
 replays a `ModelCall`, so keyword inputs are never dropped. `loss_of` and `prediction_of` read
 a model's output whether it is a tensor, a dict / ``transformers`` ``ModelOutput`` with a
 ``loss`` field, or a tuple.
+
+A recorded call is isolated from the run it came from, and every replay from the others
+(`isolated`, `fresh`): an argument is not only tensors in tuples, lists and dicts but may be an
+object that holds tensors and that the call changes, a ``transformers`` ``Cache`` above all (a
+decoder layer appends its keys and values to it). Replaying a call with the object the real
+forward used would read tensors of that forward's graph (a backward through them fails once its
+graph is freed) and keys it appended itself, and would append again. So such an object (any
+list, dict or object with a ``__dict__``: an empty cache holds no tensor yet) is copied, its
+tensors detached, as the call begins, and copied again, tensors cloned, for each replay.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import enum
 import types
 from typing import Any, Callable, Mapping
 
@@ -20,17 +31,88 @@ from torch.utils import _pytree as pytree
 
 from .errors import ModelCallError
 
-__all__ = ["ModelCall", "loss_of", "prediction_of"]
+__all__ = ["ModelCall", "loss_of", "prediction_of", "isolated", "fresh"]
+
+
+_SHARED = (nn.Module, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, enum.Enum,
+           str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
+
+
+def isolated(value: Any, copy_tensor: Callable[[torch.Tensor], torch.Tensor], memo: "dict | None" = None) -> Any:
+    """A copy of ``value`` that a run can change without touching ``value``: ``copy_tensor``
+    applied to every tensor in it, however deep, and every list, dict and other object with a
+    ``__dict__`` in it copied (``copy.copy``, then its contents isolated) whether or not it
+    holds a tensor yet, since a call may fill it (a ``transformers`` ``Cache`` holds no tensor
+    until its first layer runs). Tuples are rebuilt only around what changed. Kept as they are:
+    modules, classes, functions, enums, scalars, strings, and objects without a ``__dict__``
+    (``__slots__`` only). ``memo`` keeps an object reached twice one copy. Cost: one Python
+    visit per object reached, plus what ``copy_tensor`` costs."""
+    memo = {} if memo is None else memo
+    key = id(value)
+    if key in memo:
+        return memo[key]
+    if torch.is_tensor(value):
+        out = copy_tensor(value)
+    elif isinstance(value, _SHARED):
+        out = value
+    else:
+        memo[key] = value  # a cycle back to here sees the object itself
+        out = _isolated_contents(value, copy_tensor, memo)
+    memo[key] = out
+    return out
+
+
+def _isolated_contents(value: Any, copy_tensor, memo: dict) -> Any:
+    if isinstance(value, tuple):
+        items = [isolated(v, copy_tensor, memo) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, list):
+        return _copied_with(value, items=[isolated(v, copy_tensor, memo) for v in value])
+    if isinstance(value, dict):
+        return _copied_with(value, items={k: isolated(v, copy_tensor, memo) for k, v in value.items()})
+    state = getattr(value, "__dict__", None)
+    if not isinstance(state, dict):
+        return value
+    return _copied_with(value, attrs={k: isolated(v, copy_tensor, memo) for k, v in state.items()})
+
+
+def _copied_with(value: Any, items: Any = None, attrs: "dict | None" = None) -> Any:
+    """A shallow copy of ``value`` holding ``items`` (list elements / dict values) and ``attrs``."""
+    try:
+        out = copy.copy(value)
+    except Exception as exc:
+        raise ModelCallError(
+            f"a model or layer call has an argument of type {type(value).__name__} that cannot be copied "
+            f"({type(exc).__name__}: {exc}); autoprec re-runs calls on copies of their arguments, so make it copyable (copy.copy)"
+        ) from exc
+    if isinstance(items, list):
+        out[:] = items
+    elif isinstance(items, dict):
+        for k, v in items.items():
+            out[k] = v
+    if attrs is not None:
+        vars(out).update(attrs)
+    return out
+
+
+def fresh(value: Any, copy_tensor: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.clone) -> Any:
+    """``value`` for one more run of a recorded call: tensors in tuples, lists and dicts as they
+    are, other objects (a KV cache, which the run changes) copied by `isolated` with
+    ``copy_tensor`` applied to their tensors (default: cloned, so that no run sees what another
+    wrote, even a cache that writes its tensors in place). Costs one copy of those objects'
+    tensors per run; nothing when the call has only tensors and scalars."""
+    memo: dict = {}
+    return pytree.tree_map(lambda leaf: leaf if torch.is_tensor(leaf) else isolated(leaf, copy_tensor, memo), value)
 
 
 def _detached(value: Any, device: "torch.device | None") -> Any:
     def one(leaf):
-        if not torch.is_tensor(leaf):
-            return leaf
         leaf = leaf.detach()
         return leaf.to(device, copy=True) if device is not None else leaf.clone()
 
-    return pytree.tree_map(one, value)
+    return isolated(value, one)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq=False: comparing tensors has no single truth value
@@ -62,21 +144,24 @@ class ModelCall:
     @classmethod
     def capture(cls, args: tuple, kwargs: "Mapping[str, Any] | None" = None, device: "torch.device | str | None" = None) -> "ModelCall":
         """A copy of a call that outlives it: every tensor detached and cloned (onto ``device``
-        when given), other values kept. One copy of each input tensor; no host sync on one device."""
+        when given), also those inside other objects (`isolated`), other values kept. One copy
+        of each input tensor; no host sync on one device."""
         device = torch.device(device) if device is not None else None
         return cls(_detached(tuple(args), device), _detached(dict(kwargs or {}), device))
 
     @classmethod
     def first(cls, model: nn.Module, run: Callable[[], Any]) -> "ModelCall | None":
         """The first call of ``model`` while ``run()`` runs (e.g. ``workload.loss(model, batch)``),
-        or None if it never calls the model. The inputs are the call's own tensors, not copies.
-        ``run`` runs once under ``torch.no_grad`` in eval mode with the RNG forked, so dropout and
-        BatchNorm statistics are as if it had not run; the training flags are restored."""
+        or None if it never calls the model. The inputs are the call's own tensors, not copies,
+        but another object (a KV cache) is copied as it was when the call began, its tensors
+        detached, since the call goes on to change it (`fresh`). ``run`` runs once under
+        ``torch.no_grad`` in eval mode with the RNG forked, so dropout and BatchNorm statistics
+        are as if it had not run; the training flags are restored."""
         seen: list = []
 
         def pre(module, args, kwargs):
             if not seen:
-                seen.append(cls(args, kwargs))
+                seen.append(cls(*fresh((args, kwargs), torch.Tensor.detach)))
 
         training = {m: m.training for m in model.modules()}
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
@@ -92,8 +177,10 @@ class ModelCall:
         return seen[0] if seen else None
 
     def __call__(self, model: nn.Module) -> Any:
-        """``model(*args, **kwargs)``."""
-        return model(*self.args, **self.kwargs)
+        """``model(*args, **kwargs)``, objects other than tensors and scalars (a KV cache)
+        copied for this run (`fresh`), so that replays neither share nor change them."""
+        args, kwargs = fresh((self.args, dict(self.kwargs)))
+        return model(*args, **kwargs)
 
     def to_state(self) -> dict:
         """Plain containers for a checkpoint (``torch.save`` with ``weights_only=True`` loads them)."""

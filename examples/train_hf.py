@@ -40,9 +40,6 @@ def main(argv=None) -> ap.DynamicPrecisionScheduler:
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
     model = transformers.GPT2LMHeadModel(config)
-    # Training needs no key/value cache, and the scheduler's sensitivity estimate re-runs blocks
-    # with the cache object of the forward it recorded, which fails: switch it off.
-    model.config.use_cache = False
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     loader = batches(batch_size=8, length=64)
 

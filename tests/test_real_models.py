@@ -27,7 +27,7 @@ WEIGHT_LAYERS = (nn.Linear, nn.Conv2d, Conv1D)
 
 def gpt2():
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
-                                  eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+                                  eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(1))
     return transformers.GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
 

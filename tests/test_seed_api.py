@@ -33,7 +33,7 @@ EIGHT_BIT = {Format.INT8, Format.FP8_E4M3, Format.FP8_E5M2}
 
 def llama():
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False)
+                                   num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     ids = torch.randint(1, 64, (8, 16), generator=torch.Generator().manual_seed(1))
     return transformers.LlamaForCausalLM(cfg), {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 

@@ -173,8 +173,9 @@ class FisherEstimator(SensitivityEstimator):
     def _output_error(self, module, call: _Call, runtime, n: int) -> float:
         """``Σ_blocks (dL/dy_B · (y_q − y)_B)²`` for one call (see `_fisher_blocks`), y_q from the
         module re-run under the runtime."""
+        args, kwargs = call.inputs()
         with torch.no_grad(), runtime:
-            out = module(*call.args, **call.kwargs)
+            out = module(*args, **kwargs)
         total = 0.0
         for y, y_q, g in zip(call.outputs, _float_leaves(out), call.grads):
             if g is not None:
@@ -186,7 +187,7 @@ class FisherEstimator(SensitivityEstimator):
         """Gradients of the module's inputs and (recursive) parameters against the recorded dL/dy,
         the module re-run alone under ``runtime`` (None: plain FP32); backward after the context
         exits, as in training."""
-        leaves, spec = pytree.tree_flatten((call.args, call.kwargs))
+        leaves, spec = pytree.tree_flatten(call.inputs())
         floats = [i for i, t in enumerate(leaves) if torch.is_tensor(t) and t.is_floating_point()]
         inputs = []
         for i, needed in zip(floats, call.grad_mask):

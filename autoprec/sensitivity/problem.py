@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from .._tracing import module_stack
-from ..calls import ModelCall
+from ..calls import ModelCall, fresh, isolated
 from ..coverage import find_layers
 from ..errors import FormatError, SensitivityError
 from ..formats import Format, Granularity
@@ -277,7 +277,7 @@ def _float_leaves(value) -> list[torch.Tensor]:
 class _Call:
     """One call of a layer's module in the recorded FP32 forward."""
 
-    args: tuple
+    args: tuple  # as the call began, isolated from the forward (`_Recorder`)
     kwargs: dict
     grad_mask: list  # per floating input leaf (pytree order): did it require grad
     graph_inputs: list  # the floating inputs that require grad, as they sit in the autograd graph
@@ -285,18 +285,36 @@ class _Call:
     out_tensors: list  # the same outputs in the graph (dropped once their grads are taken)
     grads: list  # dL/dy per output (None where the loss does not depend on it)
 
+    def inputs(self) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` for one re-run of the module (`calls.fresh`): a KV cache among them
+        is this run's own copy, so no re-run sees or changes another's, nor the forward's."""
+        return fresh((self.args, self.kwargs))
+
 
 class _Recorder:
-    """Forward hooks that record, per layer, each call's inputs and outputs (``with`` scope)."""
+    """Forward hooks that record, per layer, each call's inputs and outputs (``with`` scope).
+
+    The inputs are taken as the call begins (a forward pre-hook) and isolated from the forward
+    (`calls.isolated`): tensors detached, and every other object among them copied, its tensors
+    detached. A decoder block's KV cache (a ``transformers`` ``Cache``, which the model makes
+    itself when ``use_cache`` is on, its default) is such an object: the real forward appends to
+    it and backpropagates through its tensors, so a re-run given that object would attend to the
+    keys the call already appended, append again, and take gradients through a freed graph. The
+    copy is of the cache as the layer saw it, so a re-run computes what the layer computed,
+    also with a cache the user filled. Recording copies no tensor data (the detached tensors
+    share the forward's storage, and keep that storage alive with the recorder); each re-run
+    clones the cache's tensors (`_Call.inputs`)."""
 
     def __init__(self, model: nn.Module, fqns: Sequence[str]):
         modules = dict(model.named_modules())
         self.modules = {fqn: modules[fqn] for fqn in fqns}
         self.calls: dict[str, list[_Call]] = {fqn: [] for fqn in fqns}
         self._handles: list = []
+        self._entered: dict[str, list] = {fqn: [] for fqn in fqns}  # a stack per module: calls may nest
 
     def __enter__(self):
         for fqn, module in self.modules.items():
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(fqn), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._hook(fqn), with_kwargs=True))
         return self
 
@@ -304,19 +322,26 @@ class _Recorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for entered in self._entered.values():
+            entered.clear()
+
+    def _pre_hook(self, fqn):
+        def pre_hook(module, args, kwargs):
+            inputs = _float_leaves((args, kwargs))
+            args, kwargs = isolated((args, kwargs), torch.Tensor.detach)
+            self._entered[fqn].append((args, kwargs, [t.requires_grad for t in inputs], [t for t in inputs if t.requires_grad]))
+
+        return pre_hook
 
     def _hook(self, fqn):
         def hook(module, args, kwargs, output):
-            def detach(t):
-                return t.detach() if torch.is_tensor(t) else t
-
+            args, kwargs, grad_mask, graph_inputs = self._entered[fqn].pop()
             outs = _float_leaves(output)
-            inputs = _float_leaves((args, kwargs))
             self.calls[fqn].append(_Call(
-                args=pytree.tree_map(detach, args),
-                kwargs=pytree.tree_map(detach, kwargs),
-                grad_mask=[t.requires_grad for t in inputs],
-                graph_inputs=[t for t in inputs if t.requires_grad],
+                args=args,
+                kwargs=kwargs,
+                grad_mask=grad_mask,
+                graph_inputs=graph_inputs,
                 # A copy: an in-place op after the layer (ReLU(inplace=True)) must not change it.
                 outputs=[t.detach().float().clone() for t in outs],
                 out_tensors=list(outs),
@@ -377,8 +402,9 @@ def _calibrate(problem: "SensitivityProblem", runtimes: Mapping, batches: Sequen
             for fqn, fmt in keys:
                 if i < problem.candidates[fmt].calibration.batches:
                     for call in recorder.calls[fqn]:
+                        args, kwargs = call.inputs()
                         with _runtime_errors(fqn, fmt), runtimes[(fqn, fmt)]:
-                            recorder.modules[fqn](*call.args, **call.kwargs)
+                            recorder.modules[fqn](*args, **kwargs)
 
 
 @contextlib.contextmanager
