@@ -71,13 +71,14 @@ def profile_workload(
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ProfileError(f"steps must be a positive integer, got {steps!r}")
-    check_workload(workload, type(workload).__name__)
+    name = type(workload).__name__
+    workload = check_workload(workload, name)
     dev = resolve_device(device, ProfileError, "profiling")
     model = workload.build_model(seed).to(dev)
     step = TrainStep.for_workload(workload, model)
     example = ModelCall.first(model, lambda: workload.loss(model, to_device(workload.val_batches(1)[0], dev)))
     if example is None:
-        raise ProfileError(f"{type(workload).__name__}.loss(model, batch) never called the model; it must run model(...) on the batch")
+        raise ProfileError(f"{name}.loss(model, batch) never called the model; it must run model(...) on the batch")
     profiler = LayerProfiler(model, example, formats=formats, window=steps, sample=sample, every=every)
     start = time.perf_counter()
     first, last = train_window(step, iter(workload.train_batches(seed)), steps, profiler, progress, "profiling")
