@@ -58,6 +58,8 @@ class Hostile:
         if self.fail == "train_batch_raises" and i == 1:
             raise KeyError("label")
         x = torch.randn(4, 8, generator=g)
+        if self.fail == "train_nan" and i == 1:
+            x[0, 0] = math.nan
         return x, x.sum(1, keepdim=True)
 
     def val_batches(self, n):
@@ -214,3 +216,43 @@ def test_a_well_behaved_workload_still_profiles(hostile, capsys):
     status, err, out = profile(hostile, capsys)
     assert status == 0, err
     assert math.isfinite(json.loads(out.read_text())["metadata"]["loss_last"])
+
+
+# -- non-finite data -------------------------------------------------------------------------------
+
+
+def test_a_nan_training_batch_while_profiling_stops_naming_the_step_and_writes_nothing(hostile, capsys):
+    status, err, out = profile(hostile, capsys, fail="train_nan")
+    assert status == 1 and not out.exists()
+    line = first_line(err)
+    assert "profiling: training step 2 of 3 (training batch 1) gave a non-finite loss (nan)" in line
+    assert "Traceback" not in err
+
+
+def test_a_nan_training_batch_in_the_search_job_stops_before_writing_a_profile(hostile, capsys):
+    job = hostile / "job.toml"
+    job.write_text(textwrap.dedent('''
+        [job]
+        name = "nan"
+        out = "out"
+        device = "cpu"
+        [workload]
+        factory = "hostile_wl:make"
+        kwargs = { fail = "train_nan" }
+        [budgets]
+        memory = 0.9
+        accuracy = 0.05
+        [search]
+        formats = ["fp32", "bf16"]
+        measure_top = 2
+        [profile]
+        steps = 3
+        sensitivity_batches = 1
+        [measure]
+        val_batches = 2
+        steps = 2
+    '''), encoding="utf-8")
+    assert main(["search", str(job)]) == 1
+    err = capsys.readouterr().err
+    assert "training step 2 of 3 (training batch 1) gave a non-finite loss" in first_line(err)
+    assert (hostile / "out").is_dir() and not (hostile / "out" / "profile.json").exists()
