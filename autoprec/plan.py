@@ -361,6 +361,10 @@ class Plan:
         """
         fmt = Format.parse(fmt)
         found = find_layers(model, example_inputs)
+        if not found:
+            # Plan.load refuses a plan without layers, so one is not created either.
+            how = "" if example_inputs is not None else "; if its matrix products run in modules without a matrix parameter, pass example_inputs to find them by tracing"
+            raise PlanError(f"Plan.uniform: {type(model).__name__} has no layer that runs a matrix product (linear, matmul, convolution), so there is nothing to plan{how}")
         modules = dict(model.named_modules())
         layers = {}
         for fqn in found:

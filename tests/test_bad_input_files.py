@@ -37,6 +37,14 @@ def profile_dict():
     return json.loads(json.dumps(profiler.profile({}).to_dict()))
 
 
+def edited(tmp_path, base, edit, name):
+    data = copy.deepcopy(base)
+    edit(data)
+    path = tmp_path / name
+    path.write_text(json.dumps(data), encoding="utf-8")
+    return path
+
+
 def put(path, value):
     def edit(d):
         *head, last = path
@@ -64,12 +72,8 @@ PLAN_EDITS = {
 
 @pytest.mark.parametrize("edit, field", PLAN_EDITS.values(), ids=PLAN_EDITS.keys())
 def test_a_hand_edited_plan_is_refused_naming_the_file_and_field(tmp_path, plan_dict, edit, field):
-    data = copy.deepcopy(plan_dict)
-    edit(data)
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(data), encoding="utf-8")
     with pytest.raises(PlanError, match="plan.json") as info:
-        Plan.load(path)
+        Plan.load(edited(tmp_path, plan_dict, edit, "plan.json"))
     assert field in str(info.value)
 
 
@@ -101,12 +105,8 @@ PROFILE_EDITS = {
 
 @pytest.mark.parametrize("edit, field", PROFILE_EDITS.values(), ids=PROFILE_EDITS.keys())
 def test_a_hand_edited_profile_is_refused_naming_the_file_and_field(tmp_path, profile_dict, edit, field):
-    data = copy.deepcopy(profile_dict)
-    edit(data)
-    path = tmp_path / "profile.json"
-    path.write_text(json.dumps(data), encoding="utf-8")
     with pytest.raises(ProfileError, match="profile.json") as info:
-        Profile.load(path)
+        Profile.load(edited(tmp_path, profile_dict, edit, "profile.json"))
     assert field in str(info.value)
 
 
@@ -137,3 +137,11 @@ def test_the_cli_refuses_a_hand_edited_plan_in_one_line(tmp_path, plan_dict, cap
     assert main([args[0], str(path), *args[1:]]) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "predicted.bytes: NaN" in err and str(path) in err
+
+
+# -- paths and sizes -------------------------------------------------------------------------------
+
+
+def test_a_uniform_plan_of_a_model_without_matrix_products_is_refused_at_creation():
+    with pytest.raises(PlanError, match="Plan.uniform: Sequential has no layer that runs a matrix product"):
+        Plan.uniform(nn.Sequential(nn.ReLU(), nn.LayerNorm(4)), "bf16")
