@@ -23,6 +23,7 @@ from .errors import (  # noqa: E402
     ScalingError,
     SearchError,
     SensitivityError,
+    UserCodeError,
     WorkloadError,
 )
 from .formats import AmaxHistory, Format, Granularity  # noqa: E402
@@ -115,6 +116,7 @@ __all__ = [
     "ModelCallError",
     "MonitoringError",
     "WorkloadError",
+    "UserCodeError",
     "BenchConfigError",
     "OpCountError",
     "GpuBenchError",

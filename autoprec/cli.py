@@ -13,15 +13,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from . import __version__
-from .errors import AutoprecError
+from .errors import AutoprecError, UserCodeError
 
 __all__ = ["main"]
 
@@ -53,6 +55,43 @@ def _one_line(text: str) -> str:
 
 def _fail(message: str, status: int) -> int:
     print(f"autoprec: error: {_one_line(message)}", file=sys.stderr)
+    return status
+
+
+def _debugging(args: argparse.Namespace) -> bool:
+    """``--debug``, or ``AUTOPREC_DEBUG`` set to anything but 0 / empty (read now, not at import)."""
+    return bool(getattr(args, "debug", False)) or os.environ.get("AUTOPREC_DEBUG", "0") not in ("", "0")
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Where autoprec, torch and the standard library live: frames there are not the user's."""
+    import sysconfig
+
+    import torch
+
+    dirs = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__))]
+    dirs += [sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib")]
+    return tuple(os.path.join(os.path.abspath(d), "") for d in dirs)
+
+
+def _user_frames(exc: BaseException) -> str:
+    """The frames of ``exc``'s traceback in the user's own files, formatted as Python does."""
+    skip = _library_dirs()
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not os.path.abspath(f.filename).startswith(skip) and not f.filename.startswith("<")]
+    return "".join(traceback.format_list(frames))
+
+
+def _report(exc: AutoprecError, debug: bool) -> int:
+    """One ``autoprec: error:`` line; for the user's own code failing, its frames after it (all
+    frames, autoprec's too, before it with ``debug``)."""
+    if debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    status = _fail(str(exc), EXIT_FAILED)
+    if isinstance(exc, UserCodeError) and exc.__cause__ is not None and not debug:
+        frames = _user_frames(exc.__cause__)
+        if frames:
+            print(f"your code, innermost call last:\n{frames.rstrip()}", file=sys.stderr)
+        print("(run with --debug or AUTOPREC_DEBUG=1 for the full traceback)", file=sys.stderr)
     return status
 
 
@@ -617,6 +656,7 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"autoprec {__version__}")
     common = _Parser(add_help=False)
     common.add_argument("-v", "--verbose", action="store_true", help="log progress details (INFO) on stderr")
+    common.add_argument("--debug", action="store_true", help="on an error, print the full traceback (also AUTOPREC_DEBUG=1)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     subparsers.required = True
     for add in _COMMANDS:
@@ -635,7 +675,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             return args.handler(args)
         except AutoprecError as exc:
-            return _fail(str(exc), EXIT_FAILED)
+            return _report(exc, _debugging(args))
         except BaseException as exc:
             if not _CTRL_C.caused(exc):
                 raise

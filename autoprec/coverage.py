@@ -106,12 +106,22 @@ class LayerInfo:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "LayerInfo":
-        if not isinstance(data["ops"], (list, tuple)):
-            raise TypeError("ops must be a list of op names")
+        """The entry a plan or profile file holds; `ValueError` naming the field that is wrong."""
+        if not isinstance(data, Mapping) or not {"module", "ops", "params"} <= set(data):
+            raise ValueError("must be an object with 'module', 'ops' and 'params'")
+        if not isinstance(data["module"], str):
+            raise ValueError(f".module: expected a class name, got {data['module']!r}")
+        if not isinstance(data["ops"], (list, tuple)) or not all(isinstance(op, str) for op in data["ops"]):
+            raise ValueError(f".ops: expected a list of op names, got {data['ops']!r}")
+        if not isinstance(data["params"], Mapping):
+            raise ValueError(f".params: expected an object mapping parameter names to shapes, got {data['params']!r}")
+        for name, shape in data["params"].items():
+            if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+                raise ValueError(f".params[{name!r}]: expected a shape, a list of non-negative integers, got {shape!r}")
         return cls(
-            module=str(data["module"]),
-            ops=tuple(str(op) for op in data["ops"]),
-            params={k: tuple(int(d) for d in v) for k, v in dict(data["params"]).items()},
+            module=data["module"],
+            ops=tuple(data["ops"]),
+            params={k: tuple(v) for k, v in data["params"].items()},
         )
 
     @classmethod

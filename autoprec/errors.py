@@ -108,6 +108,16 @@ class WorkloadError(AutoprecError, ValueError):
     (`autoprec.workload`). The message says what failed and the fix."""
 
 
+class UserCodeError(AutoprecError, RuntimeError):
+    """The user's own code (a workload hook, a model's forward) raised. The message names the hook
+    and what it raised; the original exception is ``__cause__``, whose traceback the CLI shows
+    trimmed to the user's own frames (all of it with ``--debug`` or ``AUTOPREC_DEBUG=1``)."""
+
+    def __init__(self, message: str, hook: str = ""):
+        super().__init__(message)
+        self.hook = hook
+
+
 class BenchConfigError(AutoprecError, ValueError):
     """A `BenchConfig` field (or the device it names) cannot be benchmarked; the message says why."""
 

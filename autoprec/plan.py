@@ -223,6 +223,34 @@ def _parse_layer(fqn: str, data: Any, problems: list[str]) -> "LayerPrecision | 
 MAX_HISTORY_LEN = 4096
 
 
+def _figure_problems(key: str, figures: Mapping[str, Any]) -> list[str]:
+    """A loaded plan's ``budgets`` / ``predicted`` / ``measured`` numbers (and the per-layer ones
+    under ``predicted.layers``): none NaN, byte counts and times not negative, and only budgets
+    open (inf). The search writes no other; a hand edit that breaks this is named here."""
+    problems = []
+
+    def check(where: str, name: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if value is not None and (name.endswith(("bytes", "seconds")) or name in ("loss", "loss_increase")):
+                problems.append(f"{where}: expected a number, got {value!r}")
+            return
+        if math.isnan(value):
+            problems.append(f"{where}: NaN; give a number or remove the field")
+        elif name.endswith(("bytes", "seconds")) or key == "budgets":
+            if value < 0:
+                problems.append(f"{where}: must be >= 0, got {value}")
+            elif math.isinf(value) and key != "budgets":
+                problems.append(f"{where}: must be finite, got {value}")
+
+    for name, value in figures.items():
+        check(f"{key}.{name}", name, value)
+    layers = figures.get("layers") if key == "predicted" else None
+    for fqn, row in (layers.items() if isinstance(layers, Mapping) else ()):
+        for name, value in (row.items() if isinstance(row, Mapping) else ()):
+            check(f"{key}.layers[{fqn!r}].{name}", name, value)
+    return problems
+
+
 def _max_margin(fmt: Format) -> int:
     """The largest margin that still maps an amax onto a value >= 1 of ``fmt`` (``fmt.max /
     2**margin >= 1``): INT8 6, FP8 E4M3 8, E5M2 15. Beyond it every value rounds to a few levels."""
@@ -253,7 +281,7 @@ def _check_layer(fqn: str, lp: LayerPrecision) -> list[str]:
         problems.append(f"layers[{fqn!r}].calibration.percentile: must be in (0, 100], got {c.percentile}")
     if c.batches < 1:
         problems.append(f"layers[{fqn!r}].calibration.batches: must be >= 1, got {c.batches}")
-    if c.outlier_ratio is not None and c.outlier_ratio <= 1:
+    if c.outlier_ratio is not None and not c.outlier_ratio > 1:  # `not >`: NaN is refused too
         problems.append(f"layers[{fqn!r}].calibration.outlier_ratio: must be > 1 or null, got {c.outlier_ratio}")
     if lp.format.is_fp8 and not lp.grad_format.is_fp8 and lp.grad_format is not Format.FP32:
         problems.append(f"layers[{fqn!r}].grad_format: an FP8 layer's gradients are fp8_e5m2, fp8_e4m3 or fp32, got {lp.grad_format.value!r}")
@@ -333,6 +361,10 @@ class Plan:
         """
         fmt = Format.parse(fmt)
         found = find_layers(model, example_inputs)
+        if not found:
+            # Plan.load refuses a plan without layers, so one is not created either.
+            how = "" if example_inputs is not None else "; if its matrix products run in modules without a matrix parameter, pass example_inputs to find them by tracing"
+            raise PlanError(f"Plan.uniform: {type(model).__name__} has no layer that runs a matrix product (linear, matmul, convolution), so there is nothing to plan{how}")
         modules = dict(model.named_modules())
         layers = {}
         for fqn in found:
@@ -492,11 +524,13 @@ class Plan:
         for fqn, info in raw_fingerprint.items():
             try:
                 fingerprint[fqn] = LayerInfo.from_dict(info)
-            except (KeyError, TypeError, ValueError):
-                problems.append(f"{source}: fingerprint[{fqn!r}] must have 'module', 'ops' and 'params'")
+            except ValueError as exc:
+                problems.append(f"{source}: fingerprint[{fqn!r}]{'' if str(exc).startswith('.') else ' '}{exc}")
         for key in ("budgets", "predicted", "measured", "metadata"):
             if not isinstance(data.get(key) or {}, Mapping):
                 problems.append(f"{source}: {key!r} must be an object")
+            elif key != "metadata":
+                problems.extend(f"{source}: {p}" for p in _figure_problems(key, data.get(key) or {}))
         if problems:
             raise PlanError(problems)
         try:
@@ -527,4 +561,6 @@ class Plan:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise PlanError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+        except RecursionError:
+            raise PlanError(f"{path}: JSON nested too deeply to be a plan; is this a plan saved by Plan.save?") from None
         return cls.from_dict(data, source=str(path))

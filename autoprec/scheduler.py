@@ -143,6 +143,8 @@ class DynamicPrecisionScheduler:
         if not config.dynamic and plan is None:
             raise SearchError("DynamicPrecisionScheduler(dynamic=False) needs plan=...; use DynamicPrecisionScheduler.from_plan(model, path)")
 
+        if model is not None and not isinstance(model, nn.Module):
+            raise SearchError(f"DynamicPrecisionScheduler(model={model!r}): expected the torch.nn.Module being trained, or None to bind to the model run in the first precision_context()")
         # Under DDP the plan is the inner module's (its fqns); the wrapper carries the comm hook.
         self.model, self._ddp = unwrap_ddp(model)
         self._dist: Optional[RankAgreement] = None  # set on bind inside a process group

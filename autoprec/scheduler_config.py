@@ -100,6 +100,7 @@ class SchedulerConfig:
     grad_comm: str = "fp32"
 
     def __post_init__(self):
+        self._check_types()
         for name in ("monitor_window", "monitor_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -121,6 +122,27 @@ class SchedulerConfig:
             raise SearchError(f"DynamicPrecisionScheduler(grad_comm={self.grad_comm!r}): expected one of {', '.join(map(repr, GRAD_COMM))}")
         object.__setattr__(self, "formats", tuple(Format.parse(f) for f in self.formats))
         formats_for_precision(self.min_precision, self.max_precision, self.formats)  # refuses bad bounds now
+
+    def _check_types(self) -> None:
+        """Settings of the wrong type, refused naming the argument (``dynamic='no'`` is truthy,
+        ``thresholds=None`` would fail at the first window, far from the call)."""
+        import os
+
+        def refuse(name: str, expected: str) -> None:
+            raise SearchError(f"DynamicPrecisionScheduler({name}={getattr(self, name)!r}): expected {expected}")
+
+        for name in ("accuracy_relative", "measure_costs", "dynamic"):
+            if not isinstance(getattr(self, name), bool):
+                refuse(name, "True or False")
+        for name, cls in (("thresholds", Thresholds), ("rules", LayerRules), ("loss_scaling", LossScaling)):
+            if not isinstance(getattr(self, name), cls):
+                refuse(name, f"an autoprec.{cls.__name__}(...); leave it out for the defaults")
+        if self.log_dir is not None and not isinstance(self.log_dir, (str, os.PathLike)):
+            refuse("log_dir", "a folder path (str or pathlib.Path) or None")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            refuse("seed", "an integer")
+        if isinstance(self.formats, (str, Format)) or not isinstance(self.formats, (tuple, list)):
+            refuse("formats", "a list of format names, e.g. ['bf16', 'fp8_e4m3']")
 
     @property
     def candidates(self) -> tuple[Format, ...]:

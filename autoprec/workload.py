@@ -25,6 +25,7 @@ never imports them.
 from __future__ import annotations
 
 import importlib
+import math
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 from .calls import loss_of
-from .errors import WorkloadError
+from .errors import AutoprecError, UserCodeError, WorkloadError
 
 __all__ = ["Workload", "WorkloadError", "TrainStep", "load_workload", "resolve_factory", "learning_rate", "to_device"]
 
@@ -54,14 +55,138 @@ class Workload(Protocol):
 
 
 def check_workload(obj: Any, where: str) -> Any:
-    """``obj`` if it has the four methods; `WorkloadError` naming ``where`` and what is missing."""
+    """``obj`` wrapped so that each hook's failure is one error naming it (`CheckedWorkload`);
+    `WorkloadError` naming ``where`` and what is missing when it lacks a method or holds a bad
+    setting. Checking a checked workload returns it."""
+    if isinstance(obj, CheckedWorkload):
+        return obj
     missing = [m for m in _REQUIRED if not callable(getattr(obj, m, None))]
     if missing:
         raise WorkloadError(f"{where} returned a {type(obj).__name__} without {', '.join(missing)}; a workload provides {', '.join(_REQUIRED)} (see autoprec.workload)")
     grad_norm = getattr(obj, "max_grad_norm", None)
     if grad_norm is not None and (isinstance(grad_norm, bool) or not isinstance(grad_norm, (int, float)) or not grad_norm > 0):
         raise WorkloadError(f"{where}: max_grad_norm must be a positive number or None, got {grad_norm!r}")
-    return obj
+    lr = getattr(obj, "lr", None)
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf):
+        raise WorkloadError(f"{where}: lr must be a positive finite number, got {lr!r}")
+    return CheckedWorkload(obj)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def _shape(value: Any) -> str:
+    return f"a tensor of shape {tuple(value.shape)}" if torch.is_tensor(value) else f"{type(value).__name__}"
+
+
+class CheckedWorkload:
+    """A workload whose hooks report their own failures: an exception raised by the user's code
+    becomes a `UserCodeError` naming the hook (the original is its ``__cause__``), and a result a
+    hook must not return (``build_model`` giving None, a vector loss, no held-out batches, a
+    training iterator that runs out, a non-finite held-out batch) a `WorkloadError` saying what to
+    return instead. Every other attribute is the workload's own. Costs one Python call per hook
+    and no host sync per step (held-out batches are checked once, when asked for)."""
+
+    def __init__(self, workload: Any):
+        object.__setattr__(self, "_workload", workload)
+        object.__setattr__(self, "_name", type(workload).__name__)
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__") or attr in ("_workload", "_name"):
+            raise AttributeError(attr)  # copy / pickle probes: not the workload's
+        return getattr(self._workload, attr)
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        setattr(self._workload, attr, value)
+
+    def __repr__(self) -> str:
+        return repr(self._workload)
+
+    def call(self, hook: str, signature: str, *args: Any) -> Any:
+        """``inner.<hook>(*args)``; a `UserCodeError` naming ``NAME.signature`` if it raises."""
+        try:
+            return getattr(self._workload, hook)(*args)
+        except AutoprecError:
+            raise
+        except Exception as exc:
+            raise UserCodeError(f"{self._name}.{signature} raised {_first_line(exc)}", hook) from exc
+
+    def build_model(self, seed: int) -> nn.Module:
+        model = self.call("build_model", f"build_model({seed})", seed)
+        if not isinstance(model, nn.Module):
+            raise WorkloadError(f"{self._name}.build_model({seed}) returned {_shape(model)}; return the torch.nn.Module to train")
+        return model
+
+    def train_batches(self, seed: int) -> Iterator[Any]:
+        batches = self.call("train_batches", f"train_batches({seed})", seed)
+        try:
+            iterator = iter(batches)
+        except TypeError:
+            raise WorkloadError(f"{self._name}.train_batches({seed}) returned {_shape(batches)}, which is not iterable; return an iterator of training batches") from None
+        return _TrainingBatches(self._name, seed, iterator)
+
+    def val_batches(self, n: int) -> list:
+        batches = self.call("val_batches", f"val_batches({n})", n)
+        try:
+            batches = list(batches)
+        except TypeError:
+            raise WorkloadError(f"{self._name}.val_batches({n}) returned {_shape(batches)}; return a list of {n} held-out batches") from None
+        if not batches:
+            raise WorkloadError(f"{self._name}.val_batches({n}) returned no batches; return {n} held-out batches (the loss is measured on them)")
+        for i, batch in enumerate(batches):
+            bad = _non_finite(batch)
+            if bad:
+                raise WorkloadError(f"{self._name}.val_batches({n}): held-out batch {i} holds {bad}; held-out batches must be finite (the loss is compared on them)")
+        return batches
+
+    def loss(self, model: nn.Module, batch: Any) -> Any:
+        output = self.call("loss", "loss(model, batch)", model, batch)
+        try:
+            value = loss_of(output)
+        except AutoprecError:
+            raise WorkloadError(f"{self._name}.loss(model, batch) returned {_shape(output)}; return the loss, a scalar tensor") from None
+        if value.numel() != 1:
+            raise WorkloadError(f"{self._name}.loss(model, batch) returned {_shape(value)}; return a scalar (reduce it, e.g. with .mean())")
+        if not value.is_floating_point():
+            raise WorkloadError(f"{self._name}.loss(model, batch) returned a {value.dtype} tensor; return a floating-point loss")
+        return output
+
+
+def _non_finite(batch: Any) -> str:
+    """'NaN' / 'inf' when a floating tensor in ``batch`` holds one, else ''. One host sync."""
+    tensors = [t for t in torch.utils._pytree.tree_leaves(batch) if torch.is_tensor(t) and t.is_floating_point()]
+    if not tensors:
+        return ""
+    if any(bool(torch.isnan(t).any()) for t in tensors):
+        return "NaN"
+    return "inf" if any(bool(torch.isinf(t).any()) for t in tensors) else ""
+
+
+class _TrainingBatches:
+    """The training iterator, which must not run out: a `WorkloadError` saying so when it does."""
+
+    def __init__(self, name: str, seed: int, iterator: Iterator[Any]):
+        self.name, self.seed, self.iterator, self.taken = name, seed, iterator, 0
+
+    def __iter__(self) -> "_TrainingBatches":
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            batch = next(self.iterator)
+        except StopIteration:
+            raise WorkloadError(
+                f"{self.name}.train_batches({self.seed}) ran out after {self.taken} batches; yield batches without end "
+                "(e.g. itertools.cycle over an epoch) or train fewer steps"
+            ) from None
+        except AutoprecError:
+            raise
+        except Exception as exc:
+            raise UserCodeError(f"{self.name}.train_batches({self.seed}) raised {_first_line(exc)} at batch {self.taken}", "train_batches") from exc
+        self.taken += 1
+        return batch
 
 
 def resolve_factory(spec: str) -> Callable[..., Any]:
@@ -92,6 +217,10 @@ def load_workload(spec: str, kwargs: Optional[Mapping[str, Any]] = None) -> Any:
     except (TypeError, ValueError, KeyError) as exc:  # what a factory raises for arguments it cannot use
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise WorkloadError(f"{spec} rejected {kwargs}: {reason}; fix the keyword arguments") from None
+    except AutoprecError:
+        raise
+    except Exception as exc:
+        raise UserCodeError(f"the workload factory {spec} raised {_first_line(exc)}", "factory") from exc
     return check_workload(workload, spec)
 
 
@@ -110,10 +239,18 @@ def _optimizer_and_schedule(workload: Any, model: nn.Module):
     make = getattr(workload, "make_optimizer", None)
     if make is None:
         return torch.optim.AdamW(model.parameters(), lr=float(getattr(workload, "lr", _DEFAULT_LR))), None
-    made = make(model)
+    try:
+        made = make(model)
+    except AutoprecError:
+        raise
+    except Exception as exc:
+        raise UserCodeError(f"{type(getattr(workload, '_workload', workload)).__name__}.make_optimizer(model) raised {_first_line(exc)}", "make_optimizer") from exc
     optimizer, schedule = made if isinstance(made, tuple) else (made, None)
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise WorkloadError(f"{type(workload).__name__}.make_optimizer returned {type(optimizer).__name__}; return a torch.optim.Optimizer or (optimizer, lr_scheduler)")
+        raise WorkloadError(f"{type(getattr(workload, '_workload', workload)).__name__}.make_optimizer returned {type(optimizer).__name__}; return a torch.optim.Optimizer or (optimizer, lr_scheduler)")
+    bad = [g["lr"] for g in optimizer.param_groups if not isinstance(g.get("lr"), torch.Tensor) and not 0 <= float(g.get("lr", 0.0)) < math.inf]
+    if bad:
+        raise WorkloadError(f"{type(getattr(workload, '_workload', workload)).__name__}.make_optimizer: the optimizer's learning rate is {bad[0]!r}; give a finite, non-negative lr")
     return optimizer, schedule
 
 

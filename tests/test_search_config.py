@@ -66,8 +66,8 @@ def test_good_job_loads_with_paths_resolved_against_the_file(tmp_path):
     "old, new, expected",
     [
         ("measure_top = 5", "measure_top = 5\nmeasure_tpo = 5", "[search].measure_tpo: unknown key; expected one of"),
-        ("measure_top = 5", 'measure_top = "many"', "[search].measure_top: expected an integer >= 1, got 'many'"),
-        ("measure_top = 5", "measure_top = 0", "[search].measure_top: expected an integer >= 1, got 0"),
+        ("measure_top = 5", 'measure_top = "many"', "[search].measure_top: expected an integer from 1 to 256 (each plan is trained and timed; more do not finish), got 'many'"),
+        ("measure_top = 5", "measure_top = 0", "[search].measure_top: expected an integer from 1 to 256 (each plan is trained and timed; more do not finish), got 0"),
         ("measure_top = 5", "trials = 200", "[search].trials: no longer used: the candidates are the [search].measure_top best plans"),
         ("measure_top = 5", "multi_objective = true", "[search].multi_objective: no longer used: the logs always show the Pareto front (step time, memory, loss increase) of the measured plans; delete the key"),
         ("memory = 0.5", "memory = -1", "[budgets].memory: expected a fraction of FP32 bytes"),

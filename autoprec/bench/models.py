@@ -365,8 +365,7 @@ def run_bench(
     """
     if not targets:
         raise BenchConfigError("run_bench needs at least one target workload")
-    for name, workload in targets.items():
-        check_workload(workload, f"target {name!r}")
+    targets = {name: check_workload(workload, f"target {name!r}") for name, workload in targets.items()}
     start = time.perf_counter()
     contention = _CpuContention()
     device = resolve_device(config.device, BenchConfigError, "the bench")

@@ -39,7 +39,7 @@ def measure_overhead(
     and the optimizer step; timings end with a device sync. Returns medians (ms) and the overheads
     ``window / plain - 1`` and ``after / plain - 1``.
     """
-    check_workload(workload, type(workload).__name__)
+    workload = check_workload(workload, type(workload).__name__)
     dev = resolve_device(device, ProfileError, "profiling")
     names = ("plain", "window", "after")
     steps_by_name = {name: TrainStep.for_workload(workload, workload.build_model(seed).to(dev)) for name in names}

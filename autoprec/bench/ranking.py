@@ -126,7 +126,7 @@ def _check_uniform_ranking(workload, formats, steps, warmup, tie, cache_dir, mea
     if steps < 1 or warmup < 0:
         raise CostModelError(f"check_uniform_ranking(steps={steps}, warmup={warmup}): steps must be >= 1 and warmup >= 0")
     dev = torch.device(device)
-    check_workload(workload, type(workload).__name__)
+    workload = check_workload(workload, type(workload).__name__)
     wl = workload
     sampler = iter(wl.train_batches(seed))
     batches = [to_device(next(sampler), dev) for _ in range(warmup + steps)]

@@ -347,10 +347,15 @@ def _load_times(path, layers: Sequence[str], formats: Sequence[Format], device: 
     format in ``formats``; None when there are none (or the file is another model's)."""
     if path is None or not Path(path).is_file():
         return None
-    data = json.loads(Path(path).read_text())
-    if {k: data.get(k) for k in ("layers", "device")} != _times_key(layers, device):
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        if {k: data.get(k) for k in ("layers", "device")} != _times_key(layers, device):
+            return None
+        times = {Format.parse(f): InPlaceTimes(t["step_seconds"], t["layer_seconds"], t["extrapolated"]) for f, t in data["times"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        # A cache: damaged (a hand edit, a crash of another tool), it is measured again and rewritten.
+        logger.warning("ignoring the damaged timing cache %s (%s: %s); the layers are timed again and it is rewritten", path, type(exc).__name__, exc)
         return None
-    times = {Format.parse(f): InPlaceTimes(t["step_seconds"], t["layer_seconds"], t["extrapolated"]) for f, t in data["times"].items()}
     return times if all(f in times for f in formats) else None
 
 

@@ -169,6 +169,8 @@ class Profile:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ProfileError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); re-create it with 'autoprec profile'") from None
+        except RecursionError:
+            raise ProfileError(f"{path}: JSON nested too deeply to be a profile; re-create it with 'autoprec profile'") from None
         return _Reader(str(path)).profile(data)
 
     # -- reading --------------------------------------------------------------------------------
@@ -239,10 +241,13 @@ class _Reader:
             "object": lambda v: isinstance(v, Mapping),
             "object or null": lambda v: v is None or isinstance(v, Mapping),
             "pair": lambda v: isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v),
+            "fraction": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1,
+            "fraction pair": lambda v: isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 1 for x in v) and v[0] <= v[1],
         }[kind](value)
         if not ok:
             shown = json.dumps(value)[:60] if _jsonable(value) else repr(value)[:60]
-            self.bad(path, f"expected {'a non-negative integer' if kind == 'int' else kind}, got {shown}")
+            expected = {"int": "a non-negative integer", "fraction": "a fraction in [0, 1]", "fraction pair": "a range [low, high] within [0, 1]"}.get(kind, kind)
+            self.bad(path, f"expected {expected}, got {shown}")
             return None
         return value
 
@@ -290,7 +295,7 @@ class _Reader:
                     swhere = f"{fwhere}.{scaling}"
                     if self.obj(entry, swhere) is None:
                         continue
-                    got = [self.field(entry, k, swhere, kind) for k, kind in (("underflow", "number"), ("overflow", "number"), ("underflow_range", "pair"), ("overflow_range", "pair"))]
+                    got = [self.field(entry, k, swhere, kind) for k, kind in (("underflow", "fraction"), ("overflow", "fraction"), ("underflow_range", "fraction pair"), ("overflow_range", "fraction pair"))]
                     if None not in got:
                         fractions[fmt.value][scaling] = FormatFractions(self.num(got[0]), self.num(got[1]), tuple(got[2]), tuple(got[3]))
         if values["amax"] is not None and values["nonfinite_steps"] is not None:
@@ -320,6 +325,10 @@ class _Reader:
         got = {f.name: self.field(data, f.name, where, "int" if f.type in ("int", int) else "number") for f in dataclasses.fields(GradStats)}
         if None in got.values():
             return None
+        values = {k: self.num(v) for k, v in got.items() if k in ("mean", "var", "signal", "nsr")}
+        for k in ("var", "signal", "nsr"):
+            if values[k] < 0:
+                self.bad(f"{where}.{k}", f"must be >= 0 (a variance or a ratio of them), got {values[k]}")
         return GradStats(**{k: (v if isinstance(v, int) and not isinstance(v, bool) and k in ("steps", "numel", "sampled") else self.num(v)) for k, v in got.items()})
 
     def profile(self, data: Any) -> Profile:
@@ -353,8 +362,9 @@ class _Reader:
         for fqn, info in (raw_fp or {}).items():
             try:
                 fingerprint[fqn] = LayerInfo.from_dict(info)
-            except (KeyError, TypeError, ValueError, AttributeError):
-                self.bad(f"fingerprint[{fqn!r}]", "must be an object with 'module', 'ops' and 'params'")
+            except ValueError as exc:
+                field, _, message = str(exc).partition(": ") if str(exc).startswith(".") else ("", "", str(exc))
+                self.bad(f"fingerprint[{fqn!r}]{field}", message)
         metadata = self.field(data, "metadata", "", "object", default={})
         layers = {}
         raw_layers = self.field(data, "layers", "", "object")
@@ -375,6 +385,12 @@ class _Reader:
                     self.bad(f"{where}.tensors.{kind}", f"unknown tensor kind; expected one of {', '.join(KINDS)}")
                     continue
                 tensors[kind] = self.tensor(tdata, f"{where}.tensors.{kind}", formats)
+            nonfinite = any(ts is not None and ts.nonfinite_steps for ts in tensors.values())
+            nan = [k for k in ("mean", "var", "signal") if grad is not None and grad.steps >= 2 and math.isnan(getattr(grad, k))]
+            if nan and not nonfinite:
+                # The profiler writes a NaN gradient statistic over 2+ steps only when a step was
+                # non-finite, which it counts in the tensors' nonfinite_steps.
+                self.bad(f"{where}.param_grad.{nan[0]}", f"NaN over {grad.steps} steps although no tensor of the layer had a non-finite step; the file was edited or damaged")
             layers[fqn] = LayerProfile(lsteps, grad, tensors)
         if raw_layers is not None:
             for fqn in fingerprint:

@@ -4,6 +4,7 @@ runs a `workload.TrainStep` with a profiler attached, `profile_workload` returns
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -11,7 +12,7 @@ import torch
 
 from ..calls import ModelCall
 from ..device import resolve_device
-from ..errors import ProfileError
+from ..errors import ProfileError, WorkloadError
 from ..formats import Format
 from ..workload import TrainStep, check_workload, to_device
 from .artifact import Profile
@@ -37,8 +38,16 @@ def train_window(
             losses.append(step(to_device(next(batches), device), profiler.step if profiler is not None else None))
             if progress is not None:
                 progress(i + 1, steps, phase)
-    first, last = (float(v) for v in torch.stack([losses[0], losses[-1]]).cpu())
-    return first, last
+    values = torch.stack(losses).cpu().tolist()
+    bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+    if bad is not None:
+        # Past a non-finite loss the optimizer has written NaN into the weights, so every statistic
+        # from there on is NaN too: stop here rather than write a profile or plan built on it.
+        raise WorkloadError(
+            f"{phase}: training step {bad + 1} of {steps} (training batch {bad}) gave a non-finite loss ({values[bad]}); "
+            "every statistic after it would be NaN: remove the non-finite values from that batch or lower the learning rate"
+        )
+    return values[0], values[-1]
 
 
 def with_grad_formats(formats: Iterable["Format | str"]) -> tuple[Format, ...]:
@@ -71,13 +80,14 @@ def profile_workload(
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ProfileError(f"steps must be a positive integer, got {steps!r}")
-    check_workload(workload, type(workload).__name__)
+    name = type(workload).__name__
+    workload = check_workload(workload, name)
     dev = resolve_device(device, ProfileError, "profiling")
     model = workload.build_model(seed).to(dev)
     step = TrainStep.for_workload(workload, model)
     example = ModelCall.first(model, lambda: workload.loss(model, to_device(workload.val_batches(1)[0], dev)))
     if example is None:
-        raise ProfileError(f"{type(workload).__name__}.loss(model, batch) never called the model; it must run model(...) on the batch")
+        raise ProfileError(f"{name}.loss(model, batch) never called the model; it must run model(...) on the batch")
     profiler = LayerProfiler(model, example, formats=formats, window=steps, sample=sample, every=every)
     start = time.perf_counter()
     first, last = train_window(step, iter(workload.train_batches(seed)), steps, profiler, progress, "profiling")

@@ -82,6 +82,9 @@ class JobConfig:
 # An upper bound that keeps a typo (an extra 000) from asking for gigabytes: every held-out
 # batch is kept on the device for the whole measured stage.
 MAX_VAL_BATCHES = 1024
+# Each of the measure_top plans is trained and timed for real, and the exact k-best enumeration
+# grows with k: beyond a few hundred a job neither enumerates nor measures in reasonable time.
+MAX_MEASURE_TOP = 256
 
 # Keys a job file may no longer hold: (table, key) -> why, and what to do instead.
 _RETIRED = {
@@ -115,6 +118,13 @@ def _positive(v):
 
 def _non_negative(v):
     if _number(v) < 0:
+        raise ValueError
+    return v
+
+
+def _name(v):
+    """A job name, used as a folder under runs/: no path separators, not '.' or '..'."""
+    if not isinstance(v, str) or not v.strip() or v in (".", "..") or any(c in v for c in "/\\\0") or not v.isprintable():
         raise ValueError
     return v
 
@@ -159,7 +169,7 @@ def _groups(v):
 
 FORMATS = ", ".join(f.value for f in Format)
 _SCHEMA: dict[str, dict[str, tuple[Callable, str]]] = {
-    "job": {"name": (_str, "a non-empty string"), "out": (_str, "a folder path"), "device": (_str, "auto, cpu, cuda or cuda:N")},
+    "job": {"name": (_name, "a name for the runs/ folder, without '/', '\\' or '..'; set [job].out to write elsewhere"), "out": (_str, "a folder path"), "device": (_str, "auto, cpu, cuda or cuda:N")},
     "workload": {"factory": (_str, 'a "module:function" string'), "kwargs": (_table, "a table of keyword arguments")},
     "budgets": {
         "memory": (_positive, "a fraction of FP32 bytes (<= 1) or bytes (> 1), finite; leave it out for no memory budget"),
@@ -173,7 +183,7 @@ _SCHEMA: dict[str, dict[str, tuple[Callable, str]]] = {
         "storage": (_str, "a file path (.journal / .log: a journal file, else SQLite) or an Optuna storage URL"),
         "study_name": (_str, "a non-empty string"),
         "seed": (_int(0), "an integer >= 0"),
-        "measure_top": (_int(1), "an integer >= 1"),
+        "measure_top": (_int(1, MAX_MEASURE_TOP), f"an integer from 1 to {MAX_MEASURE_TOP} (each plan is trained and timed; more do not finish)"),
         "timeout_s": (_positive, "a number of seconds > 0, finite"),
     },
     "rules": {
