@@ -184,3 +184,32 @@ def test_a_plan_another_worker_holds_is_not_proposed_again():
     assert held
     second = study.ask()
     assert second.relative_params and second.relative_params != held
+
+
+# -- end to end: `autoprec search` with [search].measured_trials --------------------------------
+
+
+@pytest.mark.slow
+def test_search_job_with_a_measured_trial_budget_runs_the_learning_sampler(tmp_path):
+    from autoprec.cli import main
+    from autoprec.plan import Plan
+    from test_search_job import write_job
+
+    path = write_job(tmp_path)
+    path.write_text(path.read_text().replace("measure_top = 2", "measure_top = 1\nmeasured_trials = 9"), encoding="utf-8")
+    assert main(["search", str(path)]) == 0
+    study = optuna.load_study(study_name="tiny:measured", storage=f"sqlite:///{tmp_path / 'out' / 'study.db'}")
+    assert isinstance(study.user_attrs["autoprec_candidates"], list)
+    taken = [t for t in study.trials if "skipped" not in t.user_attrs and t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    ids = [t.user_attrs["candidate"] for t in taken]
+    assert len(ids) == len(set(ids)) <= 9  # within the budget, no plan measured twice
+    refined = [t for t in taken if "refined" in t.user_attrs]
+    design = len(study.user_attrs["autoprec_candidates"])
+    # The sampler either spent the budget or stopped at a measured corrected optimum.
+    assert len(taken) == 9 or len(refined) < 9 - design
+    for t in refined:  # each proposal recorded what the corrected proxy predicted for it
+        assert set(t.user_attrs["refined"]["predicted"]) == {"seconds", "bytes", "loss"}
+        assert t.params == t.user_attrs["refined"]["assignment"]
+    plan = Plan.load(tmp_path / "out" / "plan.json")
+    if plan.metadata.get("proposed_by") == "learning sampler":
+        assert any("decided by measurement" in lp.reason for lp in plan.layers.values())

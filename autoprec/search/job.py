@@ -21,7 +21,8 @@ One run, in order (each step's figures end up in the plan's ``predicted`` / ``me
    budgets as predicted, and plain ``torch.autocast`` in BF16 (and FP16) where the device runs
    it and the rules allow that format (``--workers N``: N processes measure them, `search.workers`;
    this process then collects the study). The plan returned is the fastest of all of them that
-   meets both budgets *as measured*; when plain autocast wins, that is the uniform half plan,
+   meets both budgets *as measured* (with ``[search].measured_trials``, after those the
+   learning sampler's plans too, `search.refine`); when plain autocast wins, that is the uniform half plan,
    its metadata saying it runs as plain autocast. Plain FP32 is measured as the baseline.
 5. **Artifacts** under ``[job].out``: ``plan.json`` (only when a plan met the budgets),
    ``profile.json``, the measured study (``<study_name>:measured`` in ``study.db`` unless
