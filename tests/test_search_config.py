@@ -60,6 +60,7 @@ def test_good_job_loads_with_paths_resolved_against_the_file(tmp_path):
     assert job.rules.groups == (("blocks.0.attn.qkv", "blocks.0.attn.proj"),)
     assert job.storage_url == f"sqlite:///{tmp_path / 'runs' / 'bytelm' / 'study.db'}"
     assert job.study_name == "bytelm" and job.measure_top == 5 and job.seed == 3
+    assert job.measured_trials == 0  # the learning sampler is off unless asked for
 
 
 @pytest.mark.parametrize(
@@ -68,6 +69,7 @@ def test_good_job_loads_with_paths_resolved_against_the_file(tmp_path):
         ("measure_top = 5", "measure_top = 5\nmeasure_tpo = 5", "[search].measure_tpo: unknown key; expected one of"),
         ("measure_top = 5", 'measure_top = "many"', "[search].measure_top: expected an integer from 1 to 256 (each plan is trained and timed; more do not finish), got 'many'"),
         ("measure_top = 5", "measure_top = 0", "[search].measure_top: expected an integer from 1 to 256 (each plan is trained and timed; more do not finish), got 0"),
+        ("measure_top = 5", "measure_top = 5\nmeasured_trials = -1", "[search].measured_trials: expected an integer >= 0 (0: no learning sampler), got -1"),
         ("measure_top = 5", "trials = 200", "[search].trials: no longer used: the candidates are the [search].measure_top best plans"),
         ("measure_top = 5", "multi_objective = true", "[search].multi_objective: no longer used: the logs always show the Pareto front (step time, memory, loss increase) of the measured plans; delete the key"),
         ("memory = 0.5", "memory = -1", "[budgets].memory: expected a fraction of FP32 bytes"),

@@ -12,7 +12,9 @@ Layout::
     [workload]   factory = "module:function", kwargs = {...}
     [budgets]    memory, accuracy, accuracy_relative
     [search]     min_precision, max_precision, formats, storage, study_name, seed,
-                 measure_top (the k best plans measured), timeout_s (for finding them)
+                 measure_top (the k best plans measured), timeout_s (for finding them),
+                 measured_trials (the most plans measured in all; above the k best and the
+                 references, the learning sampler proposes the rest: `search.refine`; 0 = off)
     [rules]      pin = {pattern = format}, forbid = {pattern = [formats]}, groups = [[patterns]]
     [profile]    path (a saved profile to load instead of profiling), steps, sensitivity_batches
     [measure]    val_batches, steps               # the measured stage (`search.measured`)
@@ -57,6 +59,7 @@ class JobConfig:
     study_name: str = ""
     seed: int = 0
     measure_top: int = 4
+    measured_trials: int = 0
     timeout_s: "float | None" = None
     rules: LayerRules = LayerRules()
     profile_path: "Path | None" = None
@@ -183,7 +186,12 @@ _SCHEMA: dict[str, dict[str, tuple[Callable, str]]] = {
         "storage": (_str, "a file path (.journal / .log: a journal file, else SQLite) or an Optuna storage URL"),
         "study_name": (_str, "a non-empty string"),
         "seed": (_int(0), "an integer >= 0"),
+<<<<<<< HEAD
         "measure_top": (_int(1, MAX_MEASURE_TOP), f"an integer from 1 to {MAX_MEASURE_TOP} (each plan is trained and timed; more do not finish)"),
+=======
+        "measure_top": (_int(1), "an integer >= 1"),
+        "measured_trials": (_int(0), "an integer >= 0 (0: no learning sampler)"),
+>>>>>>> issue23
         "timeout_s": (_positive, "a number of seconds > 0, finite"),
     },
     "rules": {
@@ -264,6 +272,7 @@ def load_job(path: "str | Path") -> JobConfig:
         study_name=get("search", "study_name", name),
         seed=get("search", "seed", 0),
         measure_top=get("search", "measure_top", 4),
+        measured_trials=get("search", "measured_trials", 0),
         timeout_s=get("search", "timeout_s"),
         rules=LayerRules(get("rules", "pin", {}), get("rules", "forbid", {}), get("rules", "groups", ())),
         profile_path=(base / profile) if profile and not Path(profile).is_absolute() else (Path(profile) if profile else None),

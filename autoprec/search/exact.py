@@ -124,12 +124,13 @@ def _infeasible(space: SearchSpace, memory_bytes: float, loss_budget: float) -> 
 
 
 def k_best(space: SearchSpace, memory_bytes: float = float("inf"), loss_budget: float = float("inf"), k: int = 1,
-           *, time_limit: "float | None" = None) -> list[Solution]:
+           *, time_limit: "float | None" = None, exclude: Sequence[Mapping[str, Format]] = ()) -> list[Solution]:
     """Up to ``k`` assignments meeting both budgets, distinct in formats, in non-decreasing
     predicted step time: the optimum (as `solve_exact`), then each next-best under no-good cuts
     of those found (see the module docstring). Fewer than ``k`` when fewer plans are feasible.
 
-    ``time_limit``: seconds for all the solves together; once spent, the solutions found so far
+    ``exclude``: assignments none of the solutions may be (a no-good cut each, from the first
+    solve on). ``time_limit``: seconds for all the solves together; once spent, the solutions found so far
     are returned (at least the first, which HiGHS may then return short of proven optimal).
     Raises `InfeasibleBudgetError` like `solve_exact` when no plan meets the budgets. Costs one
     integer program per solution, each a little larger than the last (one row per cut).
@@ -141,7 +142,8 @@ def k_best(space: SearchSpace, memory_bytes: float = float("inf"), loss_budget: 
     if not space.units:
         raise SearchError("the search space has no layers")
     _, _, _, _, seconds = _program(space)
-    first = _solve(space, seconds, memory_bytes, loss_budget, time_limit=left())
+    exclude = list(exclude)
+    first = _solve(space, seconds, memory_bytes, loss_budget, cuts=exclude, time_limit=left())
     if first is None and deadline is not None and left() <= 0:
         raise SearchError(f"the integer program found no plan within {time_limit:.3g} s; allow the search more time")
     if first is None:
@@ -149,7 +151,7 @@ def k_best(space: SearchSpace, memory_bytes: float = float("inf"), loss_budget: 
     found = [first]
     while len(found) < k and (deadline is None or left() > 0):
         # Only a proven optimum keeps the order; one cut short by the time limit ends the list.
-        nxt = _solve(space, seconds, memory_bytes, loss_budget, cuts=[s.assignment for s in found], time_limit=left(), proven=True)
+        nxt = _solve(space, seconds, memory_bytes, loss_budget, cuts=exclude + [s.assignment for s in found], time_limit=left(), proven=True)
         if nxt is None:
             break
         found.append(nxt)

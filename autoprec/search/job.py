@@ -21,7 +21,8 @@ One run, in order (each step's figures end up in the plan's ``predicted`` / ``me
    budgets as predicted, and plain ``torch.autocast`` in BF16 (and FP16) where the device runs
    it and the rules allow that format (``--workers N``: N processes measure them, `search.workers`;
    this process then collects the study). The plan returned is the fastest of all of them that
-   meets both budgets *as measured*; when plain autocast wins, that is the uniform half plan,
+   meets both budgets *as measured* (with ``[search].measured_trials``, after those the
+   learning sampler's plans too, `search.refine`); when plain autocast wins, that is the uniform half plan,
    its metadata saying it runs as plain autocast. Plain FP32 is measured as the baseline.
 5. **Artifacts** under ``[job].out``: ``plan.json`` (only when a plan met the budgets),
    ``profile.json``, the measured study (``<study_name>:measured`` in ``study.db`` unless
@@ -65,6 +66,7 @@ from .exact import Solution
 from .measured import BudgetPruner, Candidate, MeasuredStage, Measurement, fastest_meeting
 from .pipeline import Proposal, propose_plans
 from .planner import layer_reasons, plan_from_solution
+from .refine import CorrectingSampler
 from .space import SearchSpace
 from .study import open_storage, quiet_interrupts
 from .workers import adopt_candidates, check_workers, run_workers
@@ -311,18 +313,29 @@ def run_job(config: JobConfig, progress: "Progress | None" = None, workers: int 
     measured_study.set_user_attr(_SEARCH_ATTR, signature)  # before its first trial: what a resume checks
     measured_memory = config.budgets.memory_bytes(stage.memory(None))
     candidates = adopt_candidates(measured_study, candidates)  # several machines: the first one's list
+    sampler = None
+    if config.measured_trials > 0:
+        # After the initial design, the learning sampler proposes plans (`search.refine`).
+        sampler = CorrectingSampler(space, [c.plan for c in candidates if not c.autocast], measured_memory, loss_budget,
+                                    fp32_cost.step_seconds, config.measured_trials)
+        measured_study.sampler = sampler
     if workers > 1:
         payload = {
             "config": config, "device": device, "state_dict": {k: v.cpu() for k, v in model.state_dict().items()},
             "train": [to_device(b, "cpu") for b in train], "val": [to_device(b, "cpu") for b in val], "layers": list(fingerprint),
             "candidates": candidates, "memory": measured_memory, "loss_budget": loss_budget,
-            "study_name": _measured_name(config), "storage": config.storage_url,
+            "study_name": _measured_name(config), "storage": config.storage_url, "sampler": sampler,
         }
         run_workers(config, payload, candidates, measured_study, workers, progress)
     # With workers, this collects what they measured (and measures what a dead one left).
     with quiet_interrupts():
         results = stage.run(candidates, measured_study, measured_memory, loss_budget, progress)
     references = {"fp32": stage.fp32()}
+    if stage.refined:  # the learning sampler's plans, made whole: reasons and predicted figures
+        candidates = candidates + [
+            _refined(c, sampler, space, costs, config, ruled_out, proposal, {**meta, "exact_seconds": exact.total.seconds}, fingerprint)
+            for c in stage.refined
+        ]
 
     pairs = [(c, results.get(c.id, "not measured")) for c in candidates]
     winner = fastest_meeting(pairs, measured_memory, loss_budget)
@@ -356,6 +369,21 @@ def run_job(config: JobConfig, progress: "Progress | None" = None, workers: int 
     )
     _write_logs(config, result, measured_study)
     return result
+
+
+def _refined(candidate: Candidate, sampler, space, costs, config, ruled_out, proposal, meta, fingerprint) -> Candidate:
+    """A plan the learning sampler proposed, as a full plan: each layer's reason says where the
+    measured correction, not the proxy, decided its format (it differs from the proxy's optimum)."""
+    assignment = sampler.assignment_of(candidate.plan)
+    reasons = layer_reasons(space, assignment, config.rules, ruled_out)
+    optimum = space.layer_formats(proposal.optimum.exact.assignment)
+    for fqn, fmt in space.layer_formats(assignment).items():
+        if optimum[fqn] is not fmt:
+            reasons[fqn] += (f"; decided by measurement: the proxy's optimum has {optimum[fqn].value} here, the proxy corrected "
+                             "by the measured trials (learning sampler) chose this")
+    plan = plan_from_solution(space, costs, Solution(assignment, space.totals(assignment)), reasons, proposal.budgets,
+                              {**meta, "proposed_by": "learning sampler"}, fingerprint)
+    return Candidate(candidate.name, plan)
 
 
 def _emulated(model, plan: Plan, example_inputs) -> dict[str, list[str]]:

@@ -57,7 +57,7 @@ from ..runtime import EmulationWarning, apply_plan, removing
 from ..workload import TrainStep
 from .study import mark_worker, recover_interrupted_trials
 
-__all__ = ["Measurement", "Candidate", "BudgetPruner", "MeasuredStage", "candidate_id", "enqueue", "fastest_meeting"]
+__all__ = ["Measurement", "Candidate", "BudgetPruner", "MeasuredStage", "candidate_id", "formats_id", "enqueue", "fastest_meeting"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,12 @@ class Candidate:
 
 def candidate_id(plan: Plan) -> str:
     """A short stable id of a plan's formats (same layers and formats, same id)."""
-    text = ";".join(f"{fqn}={lp.format.value}" for fqn, lp in sorted(plan.layers.items()))
+    return formats_id({fqn: lp.format for fqn, lp in plan.layers.items()})
+
+
+def formats_id(formats: "dict[str, Format]") -> str:
+    """`candidate_id` of a plan with these layer formats (fqn -> format)."""
+    text = ";".join(f"{fqn}={Format.parse(fmt).value}" for fqn, fmt in sorted(formats.items()))
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
@@ -192,6 +197,7 @@ class MeasuredStage:
         self.baseline_loss = statistics.fmean(self.baseline_losses)
         self._fp32 = _Variant(model, self.train_step, lambda m: contextlib.nullcontext())
         self._fp32_times: list[float] = []
+        self.refined: list[Candidate] = []  # what the learning sampler proposed, after `run`
 
     # -- the three figures ------------------------------------------------------------------
 
@@ -308,6 +314,10 @@ class MeasuredStage:
         ``fp32_ratio`` times this stage's FP32 median, so trials of several workers (each with
         its own FP32 timings) compare on one scale."""
         by_id = {c.id: c for c in candidates}
+        initial = set(by_id)
+        # The learning sampler (`search.refine`), when the study has one: it proposes plans after
+        # the initial design (duck-typed: refine imports this module).
+        refine = study.sampler if hasattr(study.sampler, "next_plan") else None
         recover_interrupted_trials(study)
 
         def fastest_predicted() -> float:
@@ -323,6 +333,16 @@ class MeasuredStage:
         def objective(trial: optuna.Trial) -> float:
             mark_worker(trial)
             cid = trial.user_attrs.get("candidate")
+            if cid is None and refine is not None:  # a trial of the learning sampler
+                if not trial.relative_params:
+                    trial.set_user_attr("skipped", "the learning sampler stopped")
+                    raise optuna.TrialPruned("the learning sampler stopped")
+                proposed = {u.name: Format.parse(trial.suggest_categorical(u.name, [f.value for f in u.choices])) for u in refine.space.units}
+                candidate = refine.candidate(proposed, f"refined-{trial.number}")
+                cid = candidate.id
+                by_id.setdefault(cid, candidate)
+                trial.set_user_attr("candidate", cid)
+                trial.set_user_attr("name", candidate.name)
             earlier = _owner(study, cid, trial.number)
             if earlier is not None or cid not in by_id:
                 why = f"measured by trial {earlier.number}" if earlier is not None else "not a candidate of this run"
@@ -331,7 +351,7 @@ class MeasuredStage:
             candidate = by_id[cid]
             predicted, fastest = candidate.plan.predicted.get("seconds", 0.0), fastest_predicted()
             trial.set_user_attr("predicted", predicted)
-            if not candidate.is_reference and predicted > slow_prune * fastest:
+            if not candidate.is_reference and cid in initial and predicted > slow_prune * fastest:
                 trial.set_user_attr("pruned", f"predicted {predicted * 1e3:.1f} ms > {slow_prune:g}x the {fastest * 1e3:.1f} ms predicted for the fastest measured")
                 raise optuna.TrialPruned(trial.user_attrs["pruned"])
             context = candidate.context(self.device)
@@ -359,14 +379,17 @@ class MeasuredStage:
             trial.set_user_attr("seconds", seconds)
             return seconds
 
-        total = len(candidates)
+        total = max(len(candidates), refine.max_trials if refine is not None else 0)
         while True:
             done = finished()
             todo = [c for c in candidates if c.id not in done]
             if progress is not None:
-                progress(total - len(todo), total, "measuring")
+                progress(min(len(done), total), total, "measuring" if todo or refine is None else "measuring (learning sampler)")
             if not todo:
-                break
+                if refine is None or refine.next_plan(study).assignment is None:
+                    break
+                study.optimize(objective, n_trials=1, catch=(), gc_after_trial=False)
+                continue
             held, waiting = _held(study)
             free = [c for c in todo if c.id not in held]
             if free:
@@ -379,9 +402,15 @@ class MeasuredStage:
                 continue
             study.optimize(objective, n_trials=1, catch=(), gc_after_trial=False)
         results: dict[str, Measurement | str] = {}
+        self.refined = []
         for cid, trial in finished().items():
+            if cid not in by_id and refine is not None and trial.params:  # another worker's proposal
+                proposed = {name: Format.parse(value) for name, value in trial.params.items()}
+                by_id[cid] = refine.candidate(proposed, trial.user_attrs.get("name", f"refined-{trial.number}"))
             if cid not in by_id:
                 continue
+            if cid not in initial:
+                self.refined.append(by_id[cid])
             if trial.state is TrialState.PRUNED:
                 results[cid] = trial.user_attrs.get("pruned", "pruned")
             else:

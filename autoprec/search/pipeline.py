@@ -11,6 +11,8 @@ measured stage (an Optuna study in the job's storage: resumable, pruned), which 
 real beside the references; the training-time scheduler asks for one, in-process, the solve
 bounded by ``search_timeout_s``. No Optuna sampler searches the additive table: the integer
 program solves it exactly, and a sampler's best would only be a worse plan of the same table.
+The job's learning sampler (`search.refine`) searches what the table cannot see instead: it
+corrects the table with the measured plans and solves the corrected one with the same program.
 """
 
 from __future__ import annotations

@@ -172,7 +172,8 @@ def _worker_main(path: str, device: str, threads: int, verbosity: int) -> None:
         model, workload.loss, [to_device(b, device) for b in payload["train"]], [to_device(b, device) for b in payload["val"]],
         payload["layers"], train_step=lambda m: TrainStep.for_workload(workload, m), steps=config.measure_steps,
     )
-    study = optuna.load_study(study_name=payload["study_name"], storage=open_storage(payload["storage"]), pruner=BudgetPruner(payload["loss_budget"]))
+    study = optuna.load_study(study_name=payload["study_name"], storage=open_storage(payload["storage"]), pruner=BudgetPruner(payload["loss_budget"]),
+                              sampler=payload.get("sampler"))
     try:
         with quiet_interrupts():
             stage.run(payload["candidates"], study, payload["memory"], payload["loss_budget"])

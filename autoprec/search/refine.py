@@ -1,0 +1,229 @@
+"""Measured refinement: an Optuna sampler that corrects the proxy with what was measured.
+
+The k best plans of the additive proxy and the references are the measured study's initial
+design (enqueued by the job). `CorrectingSampler` decides the trials after them:
+
+1. **Fit.** For each measured figure — step time, bytes, loss increase — one multiplicative
+   factor per format and one for the fixed cost (the rest of the step), so that for every measured
+   plan ``measured ≈ c_fixed · fixed + Σ_f c_f · (predicted of its units in format f)``. Ridge
+   least squares over every measured trial of the study, pulled toward 1 (the proxy as it is)
+   with the weight of one trial per factor: a format no measured plan uses keeps its
+   prediction, and one noisy trial moves a factor only part way. Step time is fitted as the
+   trial's ratio to interleaved FP32 steps times the proxy's FP32 step, one scale across workers.
+   A trial pruned for memory still gives its bytes; one pruned for loss its bytes and loss.
+2. **Re-solve.** The corrected table (`SearchSpace.scaled`) goes to the exact solver
+   (`exact.k_best`) under the *measured* budgets (the factors map predictions to measurements).
+3. **Propose** the corrected optimum, or when a live trial (another worker's) holds it, the best
+   plan under no-good cuts of everything measured or held.
+
+It stops (proposes nothing) when ``max_trials`` plans are measured or held (initial design
+included), when the corrected optimum is already measured, or when the corrected problem has
+no plan within the budgets. Every decision is a function of the study's trials read from the
+storage, so a resumed job and N workers on one study need nothing more: two workers racing for
+one plan are settled by `MeasuredStage.run` (the earlier trial measures it, the other is skipped
+and asks again). Costs per proposal: one storage read, three small least-squares fits and one
+or two integer programs (milliseconds for tens of layers).
+
+Per-format factors cannot see effects between neighbouring layers (casts at format boundaries,
+fusion): they correct the proxy's systematic errors per format, not its non-additivity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import optuna
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import TrialState
+
+from ..errors import InfeasibleBudgetError
+from ..formats import Format
+from ..plan import LayerPrecision, Plan
+from .exact import k_best
+from .measured import Candidate, formats_id
+from .space import Choice, SearchSpace
+
+__all__ = ["Correction", "Next", "CorrectingSampler", "fit_factors"]
+
+_FIELDS = ("seconds", "bytes", "loss")
+REFINED_ATTR = "refined"  # user attribute of a trial this sampler proposed: its corrected prediction
+
+
+@dataclasses.dataclass(frozen=True)
+class Correction:
+    """Multiplicative factors per format and for the fixed cost, and the trials they fit."""
+
+    factors: Mapping[Format, Choice]
+    fixed: Choice
+    trials: int
+
+    def to_dict(self) -> dict:
+        as_dict = lambda c: {f: getattr(c, f) for f in _FIELDS}  # noqa: E731
+        return {"trials": self.trials, "fixed": as_dict(self.fixed), **{f.value: as_dict(c) for f, c in self.factors.items()}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Next:
+    """The sampler's decision: a unit assignment to measure with its corrected prediction, or
+    None and why it stops."""
+
+    assignment: "dict[str, Format] | None"
+    why: str
+    correction: Correction
+    predicted: "Choice | None" = None
+
+
+def fit_factors(rows: np.ndarray, targets: np.ndarray, prior: float = 1.0) -> np.ndarray:
+    """Least squares ``rows @ c ≈ targets`` plus ``prior · Σ_j s_j² (c_j - 1)²``, where ``s_j``
+    is column j's root mean square (one trial's worth of that column); factors clipped at 0.
+    A column no row uses gets exactly 1."""
+    rows = np.asarray(rows, dtype=float)
+    n = rows.shape[1]
+    if rows.shape[0] == 0:
+        return np.ones(n)
+    scale = np.sqrt(np.mean(rows**2, axis=0))
+    scale = np.where(scale > 0, scale, 1.0)
+    a = np.vstack([rows, np.sqrt(prior) * np.diag(scale)])
+    b = np.concatenate([np.asarray(targets, dtype=float), np.sqrt(prior) * scale])
+    return np.clip(np.linalg.lstsq(a, b, rcond=None)[0], 0.0, None)
+
+
+class CorrectingSampler(optuna.samplers.BaseSampler):
+    """Proposes, after the initial design, the exact optimum of the proxy corrected by the
+    measured trials (see the module docstring).
+
+    ``space``: the proxy (the job's `SearchSpace`); ``design``: the initial design's plans, so
+    their trials (keyed by candidate id, no params) can be fitted; ``memory_bytes`` /
+    ``loss_budget``: the measured budgets (absolute, inf when open); ``fp32_seconds``: the proxy's
+    all-FP32 step (what a trial's measured FP32 ratio is scaled by); ``max_trials``: plans
+    measured in all. Params of a proposed trial are unit name -> format value.
+    """
+
+    def __init__(self, space: SearchSpace, design: Sequence[Plan], memory_bytes: float, loss_budget: float,
+                 fp32_seconds: float, max_trials: int, *, prior: float = 0.1):
+        self.space = space
+        self.memory_bytes = float(memory_bytes)
+        self.loss_budget = float(loss_budget)
+        self.fp32_seconds = float(fp32_seconds)
+        self.max_trials = int(max_trials)
+        self.prior = prior
+        self.formats = tuple(dict.fromkeys(f for u in space.units for f in u.choices))
+        self._design = {}
+        for plan in design:
+            assignment = self.assignment_of(plan)
+            if assignment is not None:
+                self._design[formats_id(space.layer_formats(assignment))] = assignment
+
+    # -- plans and trials -------------------------------------------------------------------
+
+    def assignment_of(self, plan: Plan) -> "dict[str, Format] | None":
+        """The unit assignment of ``plan``, or None when it is not one of this space."""
+        out = {}
+        for unit in self.space.units:
+            fmt = plan.layers[unit.layers[0]].format if unit.layers[0] in plan.layers else None
+            if fmt not in unit.choices or any(plan.layers.get(fqn, LayerPrecision(fmt)).format is not fmt for fqn in unit.layers):
+                return None
+            out[unit.name] = fmt
+        return out
+
+    def candidate(self, assignment: Mapping[str, Format], name: str = "refined") -> Candidate:
+        """The plan to measure for ``assignment``: its layers' formats (default scaling and
+        calibration, as the k-best plans have) and the proxy's predicted figures."""
+        total = self.space.totals(assignment)
+        layers = {fqn: LayerPrecision(fmt) for fqn, fmt in self.space.layer_formats(assignment).items()}
+        return Candidate(name, Plan(layers, predicted={"seconds": total.seconds, "bytes": total.bytes, "loss_increase": total.loss}))
+
+    def _assignment(self, trial: optuna.trial.FrozenTrial) -> "dict[str, Format] | None":
+        # Params once suggested; before that (a live trial), what `sample_relative` recorded.
+        params = trial.params or trial.user_attrs.get(REFINED_ATTR, {}).get("assignment")
+        if params:
+            return {name: Format.parse(value) for name, value in params.items()}
+        return self._design.get(trial.user_attrs.get("candidate"))
+
+    def _id(self, assignment: Mapping[str, Format]) -> str:
+        return formats_id(self.space.layer_formats(assignment))
+
+    # -- the correction ---------------------------------------------------------------------
+
+    def _row(self, assignment: Mapping[str, Format], field: str) -> list[float]:
+        row = [getattr(self.space.fixed_total, field)] + [0.0] * len(self.formats)
+        for unit in self.space.units:
+            fmt = assignment[unit.name]
+            row[1 + self.formats.index(fmt)] += getattr(unit.choices[fmt], field)
+        return row
+
+    def correction(self, trials: Sequence[optuna.trial.FrozenTrial]) -> Correction:
+        """Factors fitted to the measured figures of ``trials`` (finished ones of this space)."""
+        rows = {f: [] for f in _FIELDS}
+        targets = {f: [] for f in _FIELDS}
+        used = 0
+        for t in trials:
+            a = t.user_attrs
+            assignment = self._assignment(t)
+            if assignment is None or "bytes" not in a or "skipped" in a:
+                continue
+            used += 1
+            measured = {"bytes": a["bytes"], "loss": a.get("loss_increase"),
+                        "seconds": a["fp32_ratio"] * self.fp32_seconds if "fp32_ratio" in a else None}
+            for field, value in measured.items():
+                if value is not None and np.isfinite(value):
+                    rows[field].append(self._row(assignment, field))
+                    targets[field].append(float(value))
+        fitted = {f: fit_factors(np.array(rows[f]).reshape(-1, 1 + len(self.formats)), np.array(targets[f]), self.prior) for f in _FIELDS}
+        factor = lambda i: Choice(*(fitted[f][i] for f in ("bytes", "seconds", "loss")))  # noqa: E731  (Choice's field order)
+        return Correction({fmt: factor(1 + i) for i, fmt in enumerate(self.formats)}, factor(0), used)
+
+    def next_plan(self, study: optuna.Study, for_trial: "int | None" = None) -> Next:
+        """What to measure next, from every trial of ``study`` (one storage read) but trial
+        number ``for_trial`` (the one asking)."""
+        trials = [t for t in study.get_trials(deepcopy=False) if t.number != for_trial]
+        finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED) and "skipped" not in t.user_attrs]
+        live = [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING) and "skipped" not in t.user_attrs]
+        correction = self.correction(finished)
+        if len(finished) + len(live) >= self.max_trials:
+            return Next(None, f"the budget of {self.max_trials} measured trials is spent", correction)
+        corrected = self.space.scaled(correction.factors, correction.fixed)
+        done = {t.user_attrs.get("candidate") for t in finished}
+        held = [a for a in map(self._assignment, live) if a is not None]
+        try:
+            (best,) = k_best(corrected, self.memory_bytes, self.loss_budget, 1)
+        except InfeasibleBudgetError:
+            return Next(None, "no plan meets the budgets on the corrected proxy", correction)
+        if self._id(best.assignment) in done:
+            return Next(None, "the corrected optimum is already measured", correction)
+        if best.assignment in held:
+            measured = [a for a in map(self._assignment, finished) if a is not None]
+            try:
+                (best,) = k_best(corrected, self.memory_bytes, self.loss_budget, 1, exclude=held + measured)
+            except InfeasibleBudgetError:
+                return Next(None, "every plan within the budgets on the corrected proxy is measured or held", correction)
+            return Next(dict(best.assignment), "the best corrected plan no live trial holds", correction, best.total)
+        return Next(dict(best.assignment), "the corrected optimum", correction, best.total)
+
+    # -- the sampler interface --------------------------------------------------------------
+
+    def infer_relative_search_space(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> dict[str, Any]:
+        return {u.name: CategoricalDistribution([f.value for f in u.choices]) for u in self.space.units}
+
+    def sample_relative(self, study: optuna.Study, trial: optuna.trial.FrozenTrial, search_space: dict[str, Any]) -> dict[str, Any]:
+        """The next plan as params (unit -> format value), or {} when stopped or when the trial
+        is an enqueued one of the initial design. Marks the trial with the plan's candidate id
+        at once, so other workers' samplers see it held."""
+        if "candidate" in trial.user_attrs:
+            return {}
+        nxt = self.next_plan(study, trial.number)
+        if nxt.assignment is None:
+            return {}
+        storage = study._storage  # noqa: SLF001  (as Optuna's own samplers write trial attributes)
+        storage.set_trial_user_attr(trial._trial_id, "candidate", self._id(nxt.assignment))  # noqa: SLF001
+        params = {name: fmt.value for name, fmt in nxt.assignment.items()}
+        storage.set_trial_user_attr(trial._trial_id, REFINED_ATTR, {
+            "assignment": params, "predicted": {f: getattr(nxt.predicted, f) for f in _FIELDS}, "correction": nxt.correction.to_dict(),
+        })
+        return params
+
+    def sample_independent(self, study, trial, param_name, param_distribution) -> Any:
+        # Only reached for a param outside the units (none is suggested): the first choice.
+        return param_distribution.choices[0]
