@@ -186,12 +186,8 @@ _SCHEMA: dict[str, dict[str, tuple[Callable, str]]] = {
         "storage": (_str, "a file path (.journal / .log: a journal file, else SQLite) or an Optuna storage URL"),
         "study_name": (_str, "a non-empty string"),
         "seed": (_int(0), "an integer >= 0"),
-<<<<<<< HEAD
         "measure_top": (_int(1, MAX_MEASURE_TOP), f"an integer from 1 to {MAX_MEASURE_TOP} (each plan is trained and timed; more do not finish)"),
-=======
-        "measure_top": (_int(1), "an integer >= 1"),
         "measured_trials": (_int(0), "an integer >= 0 (0: no learning sampler)"),
->>>>>>> issue23
         "timeout_s": (_positive, "a number of seconds > 0, finite"),
     },
     "rules": {
