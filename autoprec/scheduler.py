@@ -100,6 +100,51 @@ _CAPTURED_STEPS = 2  # steps whose inputs and output gradients feed the sensitiv
 _SKIPS_BEFORE_WARNING = 10
 
 
+_STATE_FIX = "pass the whole dict that DynamicPrecisionScheduler.state_dict() returned"
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _optional_dict(v: Any) -> bool:
+    return v is None or isinstance(v, Mapping)
+
+
+# The scheduler state's fields, each with its check and what it expects: a hand-edited or
+# damaged checkpoint is refused naming the field before anything is restored.
+_STATE_FIELDS: dict[str, tuple[Any, str]] = {
+    "step": (_count, "a step count, an integer >= 0"),
+    "window_start": (_count, "a step count, an integer >= 0"),
+    "loss_count": (_count, "a count, an integer >= 0"),
+    "loss_sum": (lambda v: v is None or (isinstance(v, torch.Tensor) and v.shape == (2,)), "None or a tensor of (loss sum, finite count)"),
+    "meter_next": (lambda v: isinstance(v, bool), "True or False"),
+    "scaler_enabled": (lambda v: isinstance(v, bool), "True or False"),
+    "fingerprint": (lambda v: isinstance(v, Mapping), "a dict of layers"),
+    "window_nonfinite": (lambda v: isinstance(v, Mapping) and all(_count(n) for n in v.values()), "a dict of layer -> count >= 0"),
+    "changes": (lambda v: isinstance(v, (list, tuple)), "a list of changes"),
+    "captured": (lambda v: isinstance(v, (list, tuple)), "a list of captured calls"),
+    "plan": (_optional_dict, "None or a plan as a dict"),
+    "searched_plan": (_optional_dict, "None or a plan as a dict"),
+    "runtime": (_optional_dict, "None or PlanRuntime.state_dict()"),
+    "scaler": (lambda v: isinstance(v, Mapping), "LossScaler.state_dict()"),
+    "profiler": (lambda v: v is None or (isinstance(v, Mapping) and _count(v.get("window")) and "state" in v), "None or a dict with 'window' (>= 1) and 'state'"),
+    "history": (lambda v: isinstance(v, Mapping), "a dict of layer -> formats"),
+    "stable": (lambda v: isinstance(v, Mapping) and all(_count(n) for n in v.values()), "a dict of layer -> count >= 0"),
+    "wait": (lambda v: isinstance(v, Mapping) and all(_count(n) for n in v.values()), "a dict of layer -> count >= 0"),
+    "previous_amax": (lambda v: isinstance(v, Mapping), "a dict of layer -> amax"),
+}
+
+
+def _check_state_fields(state: Mapping[str, Any]) -> None:
+    """`RuntimeStateError` naming the first field of ``state`` of the wrong type or sign."""
+    for field, (ok, expects) in _STATE_FIELDS.items():
+        if not ok(state[field]):
+            raise RuntimeStateError(f"load_state_dict(): state[{field!r}] = {state[field]!r:.60} is not {expects}; {_STATE_FIX}")
+    if state["window_start"] > state["step"]:
+        raise RuntimeStateError(f"load_state_dict(): state['window_start'] = {state['window_start']} is after state['step'] = {state['step']}; {_STATE_FIX}")
+
+
 def _needs_loss_scaling(plan: "Plan | None") -> bool:
     # Only FP16 gradients underflow without a scale. FP8 gradients are quantized with their own
     # per-tensor current scale (amax -> scale), which divides a power-of-two loss scale out exactly:
@@ -682,12 +727,16 @@ class DynamicPrecisionScheduler:
         Refused with one `RuntimeStateError` line, before anything changes: a state of another
         version, one missing keys, one saved for a model whose layers have other names or
         shapes, or one whose plan runs a format this scheduler's settings exclude."""
-        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
-            version = state.get("version") if isinstance(state, Mapping) else type(state).__name__
-            raise RuntimeStateError(f"scheduler state version {version!r} is not {_STATE_VERSION}; it was saved by another autoprec")
+        if not isinstance(state, Mapping):
+            raise RuntimeStateError(f"load_state_dict({type(state).__name__}): expected a dict; {_STATE_FIX} (torch.load a saved one first)")
+        if not state:
+            raise RuntimeStateError(f"load_state_dict(): the state is empty; {_STATE_FIX}")
+        if state.get("version") != _STATE_VERSION:
+            raise RuntimeStateError(f"scheduler state version {state.get('version')!r} is not {_STATE_VERSION}; it was saved by another autoprec")
         missing = sorted(set(self.state_dict()) - set(state))
         if missing:
-            raise RuntimeStateError(f"load_state_dict(): the state lacks {', '.join(map(repr, missing))}; pass the whole dict that DynamicPrecisionScheduler.state_dict() returned")
+            raise RuntimeStateError(f"load_state_dict(): the state lacks {', '.join(map(repr, missing))}; {_STATE_FIX}")
+        _check_state_fields(state)
         if state["example"] is None:
             raise RuntimeStateError("load_state_dict(): the state was saved before the scheduler was bound; there is nothing to restore")
         if self.model is None:
