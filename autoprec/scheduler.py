@@ -216,6 +216,8 @@ class DynamicPrecisionScheduler:
         self._capture_handle = None
         self._meter_bytes: Optional[int] = None
         self._meter_next = False
+        self._optimizers_seen: set[int] = set()  # ids of optimizers whose parameters step() checked
+        self._output_checked = False  # the first forward's output holds a prediction (dynamic only)
         self._context_stack: Optional[contextlib.ExitStack] = None
         self._backward_due = False  # a forward with autograd ran since the last backward
         self._skips_in_row = 0
@@ -338,6 +340,8 @@ class DynamicPrecisionScheduler:
             raise RuntimeStateError("step() before any forward ran inside precision_context()")
         if self._backward_due:
             raise RuntimeStateError("step() after a forward but before its backward: call scheduler.backward(loss) (or scheduler.scale(loss).backward()) before scheduler.step(optimizer)")
+        for i, optimizer in enumerate(optimizers):
+            self._check_optimizer(i, optimizer)
         if self._profiler is not None and self._profiler.collecting:
             self._profiler.step()
         verdict = self._dist.agree_on_step(self.scaler, optimizers, self._last_loss) if self._dist is not None else None
@@ -368,6 +372,28 @@ class DynamicPrecisionScheduler:
             self._on_nonfinite(nonfinite, first_bad_output)
         self._advance()
         return not skipped
+
+    def _check_optimizer(self, i: int, optimizer: Any) -> None:
+        """`RuntimeStateError` for an optimizer holding none of the bound model's parameters
+        (checked once per optimizer) or none with a gradient (each step: it stops at the first
+        gradient found, so it costs one look on a normal step)."""
+        where = f"step({type(optimizer).__name__}, optimizer #{i + 1})"
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise RuntimeStateError(f"step({type(optimizer).__name__}): expected a torch.optim.Optimizer over the model's parameters")
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if id(optimizer) not in self._optimizers_seen:
+            own = {id(p) for p in self.model.parameters()}
+            if not any(id(p) in own for p in params):
+                raise RuntimeStateError(
+                    f"{where}: the optimizer holds none of {type(self.model).__name__}'s parameters (the model the scheduler is bound to); "
+                    "pass the optimizer made from this model's parameters"
+                )
+            self._optimizers_seen.add(id(optimizer))
+        if not any(p.grad is not None for p in params):
+            raise RuntimeStateError(
+                f"{where}: no parameter has a gradient; call scheduler.backward(loss) on a loss computed from the model's output "
+                "before step() (a loss detached from the model, or zero_grad(set_to_none=True) after backward, leaves none)"
+            )
 
     def _count_skips(self, skipped: bool, layers: Sequence[str]) -> None:
         """Warn when steps are skipped many times in a row (at 10, 20, 40, ... skips)."""
@@ -414,6 +440,7 @@ class DynamicPrecisionScheduler:
         logger.info("autoprec: bound to %s at the end of its first call (a model's keyword inputs are seen only then): "
                     "that forward ran at FP32 and unprofiled; the scheduler's precision applies from the next forward on", type(model).__name__)
         self._enter_step(self._context_stack)
+        self._check_output(module, args, kwargs, output)
         if self._capture_handle is not None:  # this call is one of the window's captured steps
             self._capture(module, args, kwargs, output)
 
@@ -461,6 +488,9 @@ class DynamicPrecisionScheduler:
         logger.info("autoprec: bound to %s with %d layers", type(model).__name__, len(self.layers))
 
     def _enter_step(self, stack: contextlib.ExitStack) -> None:
+        if not self._output_checked:  # once: the first forward under the scheduler
+            handle = self.model.register_forward_hook(self._check_output, with_kwargs=True)
+            stack.callback(handle.remove)
         if self._runtime is not None:
             stack.enter_context(self._runtime)
         if self._meter_next:
@@ -470,6 +500,23 @@ class DynamicPrecisionScheduler:
         if self.phase == "profiling" and self.config.dynamic and self.step_count >= self.window_start + self.config.monitor_window - _CAPTURED_STEPS:
             self._capture_handle = self.model.register_forward_hook(self._capture, with_kwargs=True)
             stack.callback(self._stop_capture)
+
+    def _check_output(self, module, args, kwargs, output) -> None:
+        """`ModelCallError` when a dynamic scheduler's model returns no floating-point tensor
+        (None, say): the search linearises the loss at the model's prediction, so it needs one."""
+        if self._output_checked:
+            return
+        self._output_checked = True
+        if not self.config.dynamic or self._fixed_plan is not None:
+            return
+        try:
+            prediction_of(output)
+        except ModelCallError:
+            raise ModelCallError(
+                f"DynamicPrecisionScheduler: {type(module).__name__}'s forward returned {type(output).__name__} with no floating-point tensor; "
+                "the scheduler estimates each layer's sensitivity at the model's prediction: return the output (a tensor, or a tuple, dict "
+                "or ModelOutput holding one), or run a fixed plan (DynamicPrecisionScheduler.from_plan)"
+            ) from None
 
     def _capture(self, module, args, kwargs, output) -> None:
         try:
