@@ -32,18 +32,25 @@ Lifecycle (each step of it uses the part that owns it; nothing is re-implemented
    output (``Σ y·dL/dy``: the same first derivatives as the real loss, so the Fisher estimate
    is the real one's), `search.planner.build_space` (the profile rules out overflowing formats),
    the exact optimum of the integer program (`search.pipeline.propose_plans`, the job's
-   pipeline); then apply the plan.
+   pipeline); then apply the plan. A failed search keeps the safe precision ("safe"). Budgets
+   no plan meets are final (they do not change with the data); any other failure (a NaN batch
+   among the last steps) is retried: after the n-th failure in a row the scheduler waits
+   2**(n-1) windows, then profiles a fresh window and searches again.
 4. **Watch** every window: a `LayerProfiler` over its last ``monitor_steps`` steps and the
    scaler's per-layer non-finite counts. A layer is **promoted** (FP8/INT8/FP16 → BF16 → FP32)
    when its overflow or underflow fraction, its amax drift against the last window, or its
    count of non-finite steps crosses a `Thresholds` value (non-finite gradients promote at
    once); a promoted layer is **demoted** back one step after ``stable_windows`` quiet windows,
-   and that wait doubles each time a demotion has to be undone (hysteresis: no flapping). INT8
+   and that wait doubles each time a demotion has to be undone (hysteresis: no flapping). A
+   window with any skipped step is never quiet (an inf in every batch, which no format fixes,
+   must not read as stable): it demotes nothing and restarts the quiet count. INT8
    scales are re-calibrated every window. Every change is kept in `changes` with its step and
    reason, and logged.
 
 Loss scaling (`autoprec.scaling.LossScaler`) is on only while some layer has FP16 gradients (FP8
-gradients carry their own per-tensor scale); a non-finite gradient skips the step either way, and
+gradients carry their own per-tensor scale); while on, the scale never reads below
+``LossScaling.min_scale``; while off it reads 1.0, and the skipped-steps warning says scaling is
+off and why. A non-finite gradient skips the step either way, and
 the scaler names the layers whose gradients were. A non-finite *loss* (every gradient then is)
 arms an `OutputWatch` (one reduction per layer call) until a window passes without one, so the
 next non-finite loss names the first layer whose output went inf/NaN; clean training never pays it.
@@ -80,7 +87,7 @@ from .calls import ModelCall, loss_of, prediction_of
 from .coverage import LayerInfo, find_layers
 from .device import format_support
 from .distributed import RankAgreement, grad_comm_format, unwrap_ddp
-from .errors import AutoprecError, ModelCallError, RuntimeStateError, SearchError
+from .errors import AutoprecError, InfeasibleBudgetError, ModelCallError, RuntimeStateError, SearchError
 from .formats import Format
 from .measure import SavedTensorMeter
 from .plan import LayerPrecision, Plan
@@ -117,6 +124,9 @@ _STATE_FIELDS: dict[str, tuple[Any, str]] = {
     "step": (_count, "a step count, an integer >= 0"),
     "window_start": (_count, "a step count, an integer >= 0"),
     "loss_count": (_count, "a count, an integer >= 0"),
+    "window_skipped": (_count, "a count, an integer >= 0"),
+    "search_failures": (_count, "a count, an integer >= 0"),
+    "retry_at": (lambda v: v is None or _count(v), "None or a step, an integer >= 0"),
     "loss_sum": (lambda v: v is None or (isinstance(v, torch.Tensor) and v.shape == (2,)), "None or a tensor of (loss sum, finite count)"),
     "meter_next": (lambda v: isinstance(v, bool), "True or False"),
     "scaler_enabled": (lambda v: isinstance(v, bool), "True or False"),
@@ -136,9 +146,15 @@ _STATE_FIELDS: dict[str, tuple[Any, str]] = {
 }
 
 
+# Fields added within state version 2, with the value a state saved without them means.
+_LATER_STATE: dict[str, Any] = {"window_skipped": 0, "search_failures": 0, "retry_at": None}
+
+
 def _check_state_fields(state: Mapping[str, Any]) -> None:
     """`RuntimeStateError` naming the first field of ``state`` of the wrong type or sign."""
     for field, (ok, expects) in _STATE_FIELDS.items():
+        if field in _LATER_STATE and field not in state:
+            continue
         if not ok(state[field]):
             raise RuntimeStateError(f"load_state_dict(): state[{field!r}] = {state[field]!r:.60} is not {expects}; {_STATE_FIX}")
     if state["window_start"] > state["step"]:
@@ -216,6 +232,9 @@ class DynamicPrecisionScheduler:
         self._capture_handle = None
         self._meter_bytes: Optional[int] = None
         self._meter_next = False
+        self._window_skipped = 0  # optimizer steps skipped in this window: such a window is never quiet
+        self._search_failures = 0  # failed searches in a row: the next retry waits 2**(n-1) windows
+        self._retry_at: Optional[int] = None  # the step at which a failed search profiles again
         self._optimizers_seen: set[int] = set()  # ids of optimizers whose parameters step() checked
         self._output_checked = False  # the first forward's output holds a prediction (dynamic only)
         self._context_stack: Optional[contextlib.ExitStack] = None
@@ -360,6 +379,7 @@ class DynamicPrecisionScheduler:
                 logger.log(logging.INFO if self.scaler.enabled else logging.WARNING, "autoprec: step %d skipped on all %d ranks: %s", self.step_count, self._dist.world, verdict.describe())
         loss_nonfinite = bool(verdict.loss_ranks) if verdict is not None else self.scaler.last_loss_finite is False
         self.step_count += 1
+        self._window_skipped += int(skipped)
         self._count_skips(skipped, nonfinite)
         if loss_nonfinite:  # on every rank alike: they arm and disarm the watch at the same steps
             self._nonfinite_losses += 1
@@ -404,9 +424,17 @@ class DynamicPrecisionScheduler:
             where = f"non-finite gradients in {', '.join(layers)}" if layers else "a non-finite loss"
             plan = self.plan.format_counts() if self.plan is not None else "the safe precision"
             logger.warning(
-                "autoprec: step %d: %d optimizer steps in a row skipped (%s) under plan %s; training is not progressing: "
-                "lower the learning rate, set max_grad_norm, or raise min_precision", self.step_count, n, where, plan,
+                "autoprec: step %d: %d optimizer steps in a row skipped (%s) under plan %s; %s; training is not progressing: "
+                "lower the learning rate, set max_grad_norm, or raise min_precision", self.step_count, n, where, plan, self._scaling_note(),
             )
+
+    def _scaling_note(self) -> str:
+        """The loss scale and its floor, or why scaling is off (the scale then reads 1.0 whatever
+        ``LossScaling(min_scale=...)`` says: the floor holds only while scaling is on)."""
+        if self.scaler.enabled:
+            return f"loss scale {self.scaler.get_scale():g} (floor min_scale={self.scaler.min_scale:g})"
+        return ("loss scaling is off: no FP16 layer runs (BF16 and FP32 have FP32's range, so no scale helps), "
+                f"the scale reads 1.0 and min_scale={self.config.loss_scaling.min_scale:g} applies once an FP16 layer runs")
 
     # -- binding --------------------------------------------------------------------------------
 
@@ -628,7 +656,10 @@ class DynamicPrecisionScheduler:
         self._profiler.attach()
 
     def _advance(self) -> None:
-        if not self.config.dynamic or self.phase == "safe":
+        if not self.config.dynamic:
+            return
+        if self.phase == "safe":
+            self._maybe_retry()
             return
         end = self.window_start + self.config.monitor_window
         if self.step_count == end - 1:
@@ -662,11 +693,28 @@ class DynamicPrecisionScheduler:
             self._dist.decide(self, decide)
         self.window_start = self.step_count
         self._window_nonfinite = {}
+        self._window_skipped = 0
         if self._watch_outputs and not self._nonfinite_losses:
             self._watch_outputs = False
             self._watch()
         self._nonfinite_losses = 0
         self._maybe_start_monitor()
+
+    def _maybe_retry(self) -> None:
+        """A failed search (other than budgets no plan meets) is retried: one NaN batch at the end of the first window
+        must not pin the safe precision for the rest of training. After the n-th failure in a
+        row the scheduler stays safe for 2**(n-1) windows (hysteresis: a search that keeps failing,
+        say on a budget no plan meets, costs ever less), then profiles one fresh window and
+        searches again; `last_search_error` keeps the last reason until a search succeeds."""
+        if self._retry_at is None or self.step_count < self._retry_at:
+            return
+        logger.info("autoprec: step %d: profiling again after a failed search (%d in a row): %s", self.step_count, self._search_failures, self.last_search_error)
+        self._retry_at = None
+        self.last_search_error = None  # back to "profiling"
+        self.window_start = self.step_count
+        self._window_nonfinite, self._window_skipped = {}, 0
+        self._loss_sum, self._loss_count, self._captured = None, 0, []
+        self._start_profiler(self.config.monitor_window)
 
     def _maybe_start_monitor(self) -> None:
         """Profile the last ``monitor_steps`` steps of each planned window."""
@@ -698,11 +746,19 @@ class DynamicPrecisionScheduler:
             plan = proposal.plans[0]
         except AutoprecError as exc:
             self.last_search_error = str(exc)
-            logger.warning("autoprec: step %d: search failed, training stays at the safe precision: %s", self.step_count, exc)
+            if isinstance(exc, InfeasibleBudgetError):  # the budgets do not change with the data: final
+                logger.warning("autoprec: step %d: search failed, training stays at the safe precision: %s", self.step_count, exc)
+                return
+            self._search_failures += 1
+            wait = 2 ** (self._search_failures - 1)
+            self._retry_at = self.step_count + wait * self.config.monitor_window
+            logger.warning("autoprec: step %d: search failed, training stays at the safe precision and searches again after %d window(s) (step %d): %s",
+                           self.step_count, wait, self._retry_at, exc)
             return
         finally:
             self._captured = []
             self._watch()
+        self._search_failures = 0
         self._set_plan(plan, f"searched after {self.step_count} steps")
         if self._writer is not None and self._meter_bytes is not None:
             self._writer.log_memory(self.step_count, predicted_bytes=plan.predicted.get("bytes"), measured_bytes=self._meter_bytes)
@@ -718,7 +774,7 @@ class DynamicPrecisionScheduler:
         promote = [fqn for fqn in triggers if self.plan.layers[fqn].format is not Format.FP32]
         self._promote(promote, triggers)
         current = {fqn: lp.format for fqn, lp in self.plan.layers.items()}
-        changes, self._policy = demotions(triggers, self._policy, self.step_count, t.stable_windows, current)
+        changes, self._policy = demotions(triggers, self._policy, self.step_count, t.stable_windows, current, self._window_skipped)
         self._apply(changes, "demoted", "demotion")
 
     def _decision(self) -> dict:
@@ -756,6 +812,9 @@ class DynamicPrecisionScheduler:
             "last_search_error": self.last_search_error,
             **self._policy.to_dict(),
             "window_nonfinite": dict(self._window_nonfinite),
+            "window_skipped": self._window_skipped,
+            "search_failures": self._search_failures,
+            "retry_at": self._retry_at,
             "loss_sum": self._loss_sum,
             "loss_count": self._loss_count,
             "captured": [(call.to_state(), grad) for call, grad in self._captured],
@@ -780,7 +839,7 @@ class DynamicPrecisionScheduler:
             raise RuntimeStateError(f"load_state_dict(): the state is empty; {_STATE_FIX}")
         if state.get("version") != _STATE_VERSION:
             raise RuntimeStateError(f"scheduler state version {state.get('version')!r} is not {_STATE_VERSION}; it was saved by another autoprec")
-        missing = sorted(set(self.state_dict()) - set(state))
+        missing = sorted(set(self.state_dict()) - set(state) - set(_LATER_STATE))
         if missing:
             raise RuntimeStateError(f"load_state_dict(): the state lacks {', '.join(map(repr, missing))}; {_STATE_FIX}")
         _check_state_fields(state)
@@ -798,6 +857,7 @@ class DynamicPrecisionScheduler:
         self.changes = [PrecisionChange.from_dict(c) for c in state["changes"]]
         self._policy = PolicyState.from_dict(state)
         self._window_nonfinite = dict(state["window_nonfinite"])
+        self._window_skipped, self._search_failures, self._retry_at = (state.get(k, d) for k, d in _LATER_STATE.items())
         self._loss_sum, self._loss_count = state["loss_sum"], state["loss_count"]
         self._captured = [[ModelCall.from_state(call), grad] for call, grad in state["captured"]]
         self._meter_next = state["meter_next"]
