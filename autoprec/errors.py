@@ -44,7 +44,9 @@ class PlanError(ProblemsError):
 
 
 class RuntimeStateError(AutoprecError, RuntimeError):
-    """A precision context was used wrongly (re-entered while active, exited twice, ...)."""
+    """A precision context was used wrongly (re-entered while active, exited twice, ...), given
+    something other than a module or a `Plan`, or handed a state dict it cannot restore; the
+    message names the argument or field and the fix."""
 
 
 class DistributedError(AutoprecError, RuntimeError):

@@ -152,16 +152,25 @@ def window_triggers(
     return triggers, counts, dataclasses.replace(state, previous_amax=previous_amax)
 
 
-def demotions(triggered: Iterable[str], state: PolicyState, step: int, stable_windows: int, current: Mapping[str, Format]) -> tuple[list[PrecisionChange], PolicyState]:
+def demotions(triggered: Iterable[str], state: PolicyState, step: int, stable_windows: int, current: Mapping[str, Format],
+              skipped_steps: int = 0) -> tuple[list[PrecisionChange], PolicyState]:
     """After a window: every promoted layer not in ``triggered`` counts one more quiet window;
     one that has waited its ``wait`` (``stable_windows`` the first time) goes back to the format
     it was promoted from, and its next wait doubles (a layer that keeps flapping waits longer
-    each time). ``current``: fqn -> the format it runs in now."""
+    each time). ``current``: fqn -> the format it runs in now.
+
+    A window with ``skipped_steps`` (optimizer steps skipped for non-finite gradients or loss)
+    is never quiet: its statistics come from steps that did not train, and an inf in every
+    batch (which no format fixes) must not read as "stable". No layer is demoted after it and
+    every promoted layer's run of quiet windows starts again."""
     triggered = set(triggered)
     history = {k: tuple(v) for k, v in state.history.items()}
     stable, wait = dict(state.stable), dict(state.wait)
     changes = []
     for fqn, stack in state.history.items():
+        if skipped_steps and stack:
+            stable[fqn] = 0
+            continue
         if not stack or fqn in triggered:
             continue
         stable[fqn] = stable.get(fqn, 0) + 1

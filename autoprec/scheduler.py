@@ -32,18 +32,25 @@ Lifecycle (each step of it uses the part that owns it; nothing is re-implemented
    output (``Σ y·dL/dy``: the same first derivatives as the real loss, so the Fisher estimate
    is the real one's), `search.planner.build_space` (the profile rules out overflowing formats),
    the exact optimum of the integer program (`search.pipeline.propose_plans`, the job's
-   pipeline); then apply the plan.
+   pipeline); then apply the plan. A failed search keeps the safe precision ("safe"). Budgets
+   no plan meets are final (they do not change with the data); any other failure (a NaN batch
+   among the last steps) is retried: after the n-th failure in a row the scheduler waits
+   2**(n-1) windows, then profiles a fresh window and searches again.
 4. **Watch** every window: a `LayerProfiler` over its last ``monitor_steps`` steps and the
    scaler's per-layer non-finite counts. A layer is **promoted** (FP8/INT8/FP16 → BF16 → FP32)
    when its overflow or underflow fraction, its amax drift against the last window, or its
    count of non-finite steps crosses a `Thresholds` value (non-finite gradients promote at
    once); a promoted layer is **demoted** back one step after ``stable_windows`` quiet windows,
-   and that wait doubles each time a demotion has to be undone (hysteresis: no flapping). INT8
+   and that wait doubles each time a demotion has to be undone (hysteresis: no flapping). A
+   window with any skipped step is never quiet (an inf in every batch, which no format fixes,
+   must not read as stable): it demotes nothing and restarts the quiet count. INT8
    scales are re-calibrated every window. Every change is kept in `changes` with its step and
    reason, and logged.
 
 Loss scaling (`autoprec.scaling.LossScaler`) is on only while some layer has FP16 gradients (FP8
-gradients carry their own per-tensor scale); a non-finite gradient skips the step either way, and
+gradients carry their own per-tensor scale); while on, the scale never reads below
+``LossScaling.min_scale``; while off it reads 1.0, and the skipped-steps warning says scaling is
+off and why. A non-finite gradient skips the step either way, and
 the scaler names the layers whose gradients were. A non-finite *loss* (every gradient then is)
 arms an `OutputWatch` (one reduction per layer call) until a window passes without one, so the
 next non-finite loss names the first layer whose output went inf/NaN; clean training never pays it.
@@ -80,7 +87,7 @@ from .calls import ModelCall, loss_of, prediction_of
 from .coverage import LayerInfo, find_layers
 from .device import format_support
 from .distributed import RankAgreement, grad_comm_format, unwrap_ddp
-from .errors import AutoprecError, ModelCallError, RuntimeStateError, SearchError
+from .errors import AutoprecError, InfeasibleBudgetError, ModelCallError, RuntimeStateError, SearchError
 from .formats import Format
 from .measure import SavedTensorMeter
 from .plan import LayerPrecision, Plan
@@ -98,6 +105,60 @@ _CAPTURED_STEPS = 2  # steps whose inputs and output gradients feed the sensitiv
 # Steps skipped in a row before a warning (then again at each doubling): a few skips are loss
 # scaling doing its job, ten in a row mean the model diverges at this precision.
 _SKIPS_BEFORE_WARNING = 10
+
+
+_STATE_FIX = "pass the whole dict that DynamicPrecisionScheduler.state_dict() returned"
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _optional_dict(v: Any) -> bool:
+    return v is None or isinstance(v, Mapping)
+
+
+# The scheduler state's fields, each with its check and what it expects: a hand-edited or
+# damaged checkpoint is refused naming the field before anything is restored.
+_STATE_FIELDS: dict[str, tuple[Any, str]] = {
+    "step": (_count, "a step count, an integer >= 0"),
+    "window_start": (_count, "a step count, an integer >= 0"),
+    "loss_count": (_count, "a count, an integer >= 0"),
+    "window_skipped": (_count, "a count, an integer >= 0"),
+    "search_failures": (_count, "a count, an integer >= 0"),
+    "retry_at": (lambda v: v is None or _count(v), "None or a step, an integer >= 0"),
+    "loss_sum": (lambda v: v is None or (isinstance(v, torch.Tensor) and v.shape == (2,)), "None or a tensor of (loss sum, finite count)"),
+    "meter_next": (lambda v: isinstance(v, bool), "True or False"),
+    "scaler_enabled": (lambda v: isinstance(v, bool), "True or False"),
+    "fingerprint": (lambda v: isinstance(v, Mapping), "a dict of layers"),
+    "window_nonfinite": (lambda v: isinstance(v, Mapping) and all(_count(n) for n in v.values()), "a dict of layer -> count >= 0"),
+    "changes": (lambda v: isinstance(v, (list, tuple)), "a list of changes"),
+    "captured": (lambda v: isinstance(v, (list, tuple)), "a list of captured calls"),
+    "plan": (_optional_dict, "None or a plan as a dict"),
+    "searched_plan": (_optional_dict, "None or a plan as a dict"),
+    "runtime": (_optional_dict, "None or PlanRuntime.state_dict()"),
+    "scaler": (lambda v: isinstance(v, Mapping), "LossScaler.state_dict()"),
+    "profiler": (lambda v: v is None or (isinstance(v, Mapping) and _count(v.get("window")) and "state" in v), "None or a dict with 'window' (>= 1) and 'state'"),
+    "history": (lambda v: isinstance(v, Mapping), "a dict of layer -> formats"),
+    "stable": (lambda v: isinstance(v, Mapping) and all(_count(n) for n in v.values()), "a dict of layer -> count >= 0"),
+    "wait": (lambda v: isinstance(v, Mapping) and all(_count(n) for n in v.values()), "a dict of layer -> count >= 0"),
+    "previous_amax": (lambda v: isinstance(v, Mapping), "a dict of layer -> amax"),
+}
+
+
+# Fields added within state version 2, with the value a state saved without them means.
+_LATER_STATE: dict[str, Any] = {"window_skipped": 0, "search_failures": 0, "retry_at": None}
+
+
+def _check_state_fields(state: Mapping[str, Any]) -> None:
+    """`RuntimeStateError` naming the first field of ``state`` of the wrong type or sign."""
+    for field, (ok, expects) in _STATE_FIELDS.items():
+        if field in _LATER_STATE and field not in state:
+            continue
+        if not ok(state[field]):
+            raise RuntimeStateError(f"load_state_dict(): state[{field!r}] = {state[field]!r:.60} is not {expects}; {_STATE_FIX}")
+    if state["window_start"] > state["step"]:
+        raise RuntimeStateError(f"load_state_dict(): state['window_start'] = {state['window_start']} is after state['step'] = {state['step']}; {_STATE_FIX}")
 
 
 def _needs_loss_scaling(plan: "Plan | None") -> bool:
@@ -171,6 +232,11 @@ class DynamicPrecisionScheduler:
         self._capture_handle = None
         self._meter_bytes: Optional[int] = None
         self._meter_next = False
+        self._window_skipped = 0  # optimizer steps skipped in this window: such a window is never quiet
+        self._search_failures = 0  # failed searches in a row: the next retry waits 2**(n-1) windows
+        self._retry_at: Optional[int] = None  # the step at which a failed search profiles again
+        self._optimizers_seen: set[int] = set()  # ids of optimizers whose parameters step() checked
+        self._output_checked = False  # the first forward's output holds a prediction (dynamic only)
         self._context_stack: Optional[contextlib.ExitStack] = None
         self._backward_due = False  # a forward with autograd ran since the last backward
         self._skips_in_row = 0
@@ -293,6 +359,8 @@ class DynamicPrecisionScheduler:
             raise RuntimeStateError("step() before any forward ran inside precision_context()")
         if self._backward_due:
             raise RuntimeStateError("step() after a forward but before its backward: call scheduler.backward(loss) (or scheduler.scale(loss).backward()) before scheduler.step(optimizer)")
+        for i, optimizer in enumerate(optimizers):
+            self._check_optimizer(i, optimizer)
         if self._profiler is not None and self._profiler.collecting:
             self._profiler.step()
         verdict = self._dist.agree_on_step(self.scaler, optimizers, self._last_loss) if self._dist is not None else None
@@ -311,6 +379,7 @@ class DynamicPrecisionScheduler:
                 logger.log(logging.INFO if self.scaler.enabled else logging.WARNING, "autoprec: step %d skipped on all %d ranks: %s", self.step_count, self._dist.world, verdict.describe())
         loss_nonfinite = bool(verdict.loss_ranks) if verdict is not None else self.scaler.last_loss_finite is False
         self.step_count += 1
+        self._window_skipped += int(skipped)
         self._count_skips(skipped, nonfinite)
         if loss_nonfinite:  # on every rank alike: they arm and disarm the watch at the same steps
             self._nonfinite_losses += 1
@@ -324,6 +393,28 @@ class DynamicPrecisionScheduler:
         self._advance()
         return not skipped
 
+    def _check_optimizer(self, i: int, optimizer: Any) -> None:
+        """`RuntimeStateError` for an optimizer holding none of the bound model's parameters
+        (checked once per optimizer) or none with a gradient (each step: it stops at the first
+        gradient found, so it costs one look on a normal step)."""
+        where = f"step({type(optimizer).__name__}, optimizer #{i + 1})"
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise RuntimeStateError(f"step({type(optimizer).__name__}): expected a torch.optim.Optimizer over the model's parameters")
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if id(optimizer) not in self._optimizers_seen:
+            own = {id(p) for p in self.model.parameters()}
+            if not any(id(p) in own for p in params):
+                raise RuntimeStateError(
+                    f"{where}: the optimizer holds none of {type(self.model).__name__}'s parameters (the model the scheduler is bound to); "
+                    "pass the optimizer made from this model's parameters"
+                )
+            self._optimizers_seen.add(id(optimizer))
+        if not any(p.grad is not None for p in params):
+            raise RuntimeStateError(
+                f"{where}: no parameter has a gradient; call scheduler.backward(loss) on a loss computed from the model's output "
+                "before step() (a loss detached from the model, or zero_grad(set_to_none=True) after backward, leaves none)"
+            )
+
     def _count_skips(self, skipped: bool, layers: Sequence[str]) -> None:
         """Warn when steps are skipped many times in a row (at 10, 20, 40, ... skips)."""
         self._skips_in_row = self._skips_in_row + 1 if skipped else 0
@@ -333,9 +424,17 @@ class DynamicPrecisionScheduler:
             where = f"non-finite gradients in {', '.join(layers)}" if layers else "a non-finite loss"
             plan = self.plan.format_counts() if self.plan is not None else "the safe precision"
             logger.warning(
-                "autoprec: step %d: %d optimizer steps in a row skipped (%s) under plan %s; training is not progressing: "
-                "lower the learning rate, set max_grad_norm, or raise min_precision", self.step_count, n, where, plan,
+                "autoprec: step %d: %d optimizer steps in a row skipped (%s) under plan %s; %s; training is not progressing: "
+                "lower the learning rate, set max_grad_norm, or raise min_precision", self.step_count, n, where, plan, self._scaling_note(),
             )
+
+    def _scaling_note(self) -> str:
+        """The loss scale and its floor, or why scaling is off (the scale then reads 1.0 whatever
+        ``LossScaling(min_scale=...)`` says: the floor holds only while scaling is on)."""
+        if self.scaler.enabled:
+            return f"loss scale {self.scaler.get_scale():g} (floor min_scale={self.scaler.min_scale:g})"
+        return ("loss scaling is off: no FP16 layer runs (BF16 and FP32 have FP32's range, so no scale helps), "
+                f"the scale reads 1.0 and min_scale={self.config.loss_scaling.min_scale:g} applies once an FP16 layer runs")
 
     # -- binding --------------------------------------------------------------------------------
 
@@ -369,6 +468,7 @@ class DynamicPrecisionScheduler:
         logger.info("autoprec: bound to %s at the end of its first call (a model's keyword inputs are seen only then): "
                     "that forward ran at FP32 and unprofiled; the scheduler's precision applies from the next forward on", type(model).__name__)
         self._enter_step(self._context_stack)
+        self._check_output(module, args, kwargs, output)
         if self._capture_handle is not None:  # this call is one of the window's captured steps
             self._capture(module, args, kwargs, output)
 
@@ -416,6 +516,9 @@ class DynamicPrecisionScheduler:
         logger.info("autoprec: bound to %s with %d layers", type(model).__name__, len(self.layers))
 
     def _enter_step(self, stack: contextlib.ExitStack) -> None:
+        if not self._output_checked:  # once: the first forward under the scheduler
+            handle = self.model.register_forward_hook(self._check_output, with_kwargs=True)
+            stack.callback(handle.remove)
         if self._runtime is not None:
             stack.enter_context(self._runtime)
         if self._meter_next:
@@ -425,6 +528,23 @@ class DynamicPrecisionScheduler:
         if self.phase == "profiling" and self.config.dynamic and self.step_count >= self.window_start + self.config.monitor_window - _CAPTURED_STEPS:
             self._capture_handle = self.model.register_forward_hook(self._capture, with_kwargs=True)
             stack.callback(self._stop_capture)
+
+    def _check_output(self, module, args, kwargs, output) -> None:
+        """`ModelCallError` when a dynamic scheduler's model returns no floating-point tensor
+        (None, say): the search linearises the loss at the model's prediction, so it needs one."""
+        if self._output_checked:
+            return
+        self._output_checked = True
+        if not self.config.dynamic or self._fixed_plan is not None:
+            return
+        try:
+            prediction_of(output)
+        except ModelCallError:
+            raise ModelCallError(
+                f"DynamicPrecisionScheduler: {type(module).__name__}'s forward returned {type(output).__name__} with no floating-point tensor; "
+                "the scheduler estimates each layer's sensitivity at the model's prediction: return the output (a tensor, or a tuple, dict "
+                "or ModelOutput holding one), or run a fixed plan (DynamicPrecisionScheduler.from_plan)"
+            ) from None
 
     def _capture(self, module, args, kwargs, output) -> None:
         try:
@@ -536,7 +656,10 @@ class DynamicPrecisionScheduler:
         self._profiler.attach()
 
     def _advance(self) -> None:
-        if not self.config.dynamic or self.phase == "safe":
+        if not self.config.dynamic:
+            return
+        if self.phase == "safe":
+            self._maybe_retry()
             return
         end = self.window_start + self.config.monitor_window
         if self.step_count == end - 1:
@@ -570,11 +693,28 @@ class DynamicPrecisionScheduler:
             self._dist.decide(self, decide)
         self.window_start = self.step_count
         self._window_nonfinite = {}
+        self._window_skipped = 0
         if self._watch_outputs and not self._nonfinite_losses:
             self._watch_outputs = False
             self._watch()
         self._nonfinite_losses = 0
         self._maybe_start_monitor()
+
+    def _maybe_retry(self) -> None:
+        """A failed search (other than budgets no plan meets) is retried: one NaN batch at the end of the first window
+        must not pin the safe precision for the rest of training. After the n-th failure in a
+        row the scheduler stays safe for 2**(n-1) windows (hysteresis: a search that keeps failing,
+        say on a budget no plan meets, costs ever less), then profiles one fresh window and
+        searches again; `last_search_error` keeps the last reason until a search succeeds."""
+        if self._retry_at is None or self.step_count < self._retry_at:
+            return
+        logger.info("autoprec: step %d: profiling again after a failed search (%d in a row): %s", self.step_count, self._search_failures, self.last_search_error)
+        self._retry_at = None
+        self.last_search_error = None  # back to "profiling"
+        self.window_start = self.step_count
+        self._window_nonfinite, self._window_skipped = {}, 0
+        self._loss_sum, self._loss_count, self._captured = None, 0, []
+        self._start_profiler(self.config.monitor_window)
 
     def _maybe_start_monitor(self) -> None:
         """Profile the last ``monitor_steps`` steps of each planned window."""
@@ -606,11 +746,19 @@ class DynamicPrecisionScheduler:
             plan = proposal.plans[0]
         except AutoprecError as exc:
             self.last_search_error = str(exc)
-            logger.warning("autoprec: step %d: search failed, training stays at the safe precision: %s", self.step_count, exc)
+            if isinstance(exc, InfeasibleBudgetError):  # the budgets do not change with the data: final
+                logger.warning("autoprec: step %d: search failed, training stays at the safe precision: %s", self.step_count, exc)
+                return
+            self._search_failures += 1
+            wait = 2 ** (self._search_failures - 1)
+            self._retry_at = self.step_count + wait * self.config.monitor_window
+            logger.warning("autoprec: step %d: search failed, training stays at the safe precision and searches again after %d window(s) (step %d): %s",
+                           self.step_count, wait, self._retry_at, exc)
             return
         finally:
             self._captured = []
             self._watch()
+        self._search_failures = 0
         self._set_plan(plan, f"searched after {self.step_count} steps")
         if self._writer is not None and self._meter_bytes is not None:
             self._writer.log_memory(self.step_count, predicted_bytes=plan.predicted.get("bytes"), measured_bytes=self._meter_bytes)
@@ -626,7 +774,7 @@ class DynamicPrecisionScheduler:
         promote = [fqn for fqn in triggers if self.plan.layers[fqn].format is not Format.FP32]
         self._promote(promote, triggers)
         current = {fqn: lp.format for fqn, lp in self.plan.layers.items()}
-        changes, self._policy = demotions(triggers, self._policy, self.step_count, t.stable_windows, current)
+        changes, self._policy = demotions(triggers, self._policy, self.step_count, t.stable_windows, current, self._window_skipped)
         self._apply(changes, "demoted", "demotion")
 
     def _decision(self) -> dict:
@@ -664,6 +812,9 @@ class DynamicPrecisionScheduler:
             "last_search_error": self.last_search_error,
             **self._policy.to_dict(),
             "window_nonfinite": dict(self._window_nonfinite),
+            "window_skipped": self._window_skipped,
+            "search_failures": self._search_failures,
+            "retry_at": self._retry_at,
             "loss_sum": self._loss_sum,
             "loss_count": self._loss_count,
             "captured": [(call.to_state(), grad) for call, grad in self._captured],
@@ -682,12 +833,16 @@ class DynamicPrecisionScheduler:
         Refused with one `RuntimeStateError` line, before anything changes: a state of another
         version, one missing keys, one saved for a model whose layers have other names or
         shapes, or one whose plan runs a format this scheduler's settings exclude."""
-        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
-            version = state.get("version") if isinstance(state, Mapping) else type(state).__name__
-            raise RuntimeStateError(f"scheduler state version {version!r} is not {_STATE_VERSION}; it was saved by another autoprec")
-        missing = sorted(set(self.state_dict()) - set(state))
+        if not isinstance(state, Mapping):
+            raise RuntimeStateError(f"load_state_dict({type(state).__name__}): expected a dict; {_STATE_FIX} (torch.load a saved one first)")
+        if not state:
+            raise RuntimeStateError(f"load_state_dict(): the state is empty; {_STATE_FIX}")
+        if state.get("version") != _STATE_VERSION:
+            raise RuntimeStateError(f"scheduler state version {state.get('version')!r} is not {_STATE_VERSION}; it was saved by another autoprec")
+        missing = sorted(set(self.state_dict()) - set(state) - set(_LATER_STATE))
         if missing:
-            raise RuntimeStateError(f"load_state_dict(): the state lacks {', '.join(map(repr, missing))}; pass the whole dict that DynamicPrecisionScheduler.state_dict() returned")
+            raise RuntimeStateError(f"load_state_dict(): the state lacks {', '.join(map(repr, missing))}; {_STATE_FIX}")
+        _check_state_fields(state)
         if state["example"] is None:
             raise RuntimeStateError("load_state_dict(): the state was saved before the scheduler was bound; there is nothing to restore")
         if self.model is None:
@@ -702,6 +857,7 @@ class DynamicPrecisionScheduler:
         self.changes = [PrecisionChange.from_dict(c) for c in state["changes"]]
         self._policy = PolicyState.from_dict(state)
         self._window_nonfinite = dict(state["window_nonfinite"])
+        self._window_skipped, self._search_failures, self._retry_at = (state.get(k, d) for k, d in _LATER_STATE.items())
         self._loss_sum, self._loss_count = state["loss_sum"], state["loss_count"]
         self._captured = [[ModelCall.from_state(call), grad] for call, grad in state["captured"]]
         self._meter_next = state["meter_next"]

@@ -121,7 +121,12 @@ class SchedulerConfig:
         if self.grad_comm not in GRAD_COMM:
             raise SearchError(f"DynamicPrecisionScheduler(grad_comm={self.grad_comm!r}): expected one of {', '.join(map(repr, GRAD_COMM))}")
         object.__setattr__(self, "formats", tuple(Format.parse(f) for f in self.formats))
-        formats_for_precision(self.min_precision, self.max_precision, self.formats)  # refuses bad bounds now
+        if not formats_for_precision(self.min_precision, self.max_precision, self.formats):  # refuses bad bounds now
+            raise SearchError(
+                f"DynamicPrecisionScheduler(min_precision={self.min_precision}, max_precision={self.max_precision}): no format in "
+                f"formats ({', '.join(f.value for f in self.formats) or 'none'}) lies within these bounds; widen the bounds or add a format "
+                "of that width (e.g. 'bf16' for 16 bits)"
+            )
 
     def _check_types(self) -> None:
         """Settings of the wrong type, refused naming the argument (``dynamic='no'`` is truthy,

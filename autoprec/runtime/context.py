@@ -36,7 +36,9 @@ import logging
 import threading
 import types
 import warnings
+import os
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -277,6 +279,7 @@ class PlanRuntime:
     """
 
     def __init__(self, model: nn.Module, plan: Plan, *, validate: bool = True, example_inputs: Any = None):
+        _check_arguments(model, plan)
         if validate:
             plan.validate(model, example_inputs)
         self.model = model
@@ -668,7 +671,13 @@ class PlanRuntime:
         return {"layers": layers}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict`; tensors move to the data's device on first use (any map_location)."""
+        """Restore `state_dict`; tensors move to the data's device on first use (any map_location).
+
+        Refused with one `RuntimeStateError` line naming the field: before anything changes, a
+        state that is not the dict `state_dict` returned (empty, a path, ``layers`` not a dict of
+        layers each with ``inputs`` and ``calibrators`` dicts) or one naming a layer this plan
+        lacks; then a layer whose saved history or calibration does not fit its scaling."""
+        _check_runtime_state(state)
         unknown = sorted(set(state["layers"]) - set(self._layers))
         if unknown:
             raise RuntimeStateError(f"runtime state names layers this plan lacks: {unknown}")
@@ -682,6 +691,42 @@ class PlanRuntime:
                     layer.calibrator(key, channels).load_state_dict(c_state)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise RuntimeStateError(f"runtime state for layer {fqn!r} does not match this plan: {exc}") from None
+
+
+def _check_arguments(model: Any, plan: Any) -> None:
+    """`RuntimeStateError` naming the argument when ``model`` is not a module or ``plan`` not a
+    `Plan` (a path, a dict, None), with the call that makes the right object."""
+    if not isinstance(model, nn.Module):
+        fix = " (load the model first: torch.load, or build it)" if isinstance(model, (str, os.PathLike)) else ""
+        shown = repr(model) if model is None or isinstance(model, (str, os.PathLike)) else type(model).__name__
+        raise RuntimeStateError(f"apply_plan(model={shown}): expected the torch.nn.Module to run the plan on{fix}")
+    if not isinstance(plan, Plan):
+        if isinstance(plan, (str, os.PathLike)):
+            fix = f"load the file first: apply_plan(model, Plan.load({str(plan)!r}))"
+        elif isinstance(plan, dict):
+            fix = "make one from the dict with Plan.from_dict(...)"
+        else:
+            fix = "make one with Plan.uniform(model, 'bf16'), Plan.load(path) or autoprec.search"
+        raise RuntimeStateError(f"apply_plan(plan={type(plan).__name__}): expected an autoprec.Plan; {fix}")
+
+
+_STATE_FIX = "pass the dict PlanRuntime.state_dict() returned"
+
+
+def _check_runtime_state(state: Any) -> None:
+    """`RuntimeStateError` naming the field when ``state`` does not have `state_dict`'s shape."""
+    if not isinstance(state, Mapping):
+        raise RuntimeStateError(f"PlanRuntime.load_state_dict({type(state).__name__}): expected a dict; {_STATE_FIX} (torch.load a saved one first)")
+    if not isinstance(state.get("layers"), Mapping):
+        what = "lacks 'layers'" if "layers" not in state else f"has 'layers' of type {type(state['layers']).__name__}, not a dict"
+        raise RuntimeStateError(f"PlanRuntime.load_state_dict(): the state {what}; {_STATE_FIX}")
+    for fqn, saved in state["layers"].items():
+        for field in ("inputs", "calibrators"):
+            if not isinstance(saved, Mapping) or not isinstance(saved.get(field), Mapping):
+                raise RuntimeStateError(f"PlanRuntime.load_state_dict(): state['layers'][{fqn!r}] needs {field!r} as a dict; {_STATE_FIX}")
+            for key, entry in saved[field].items():
+                if not isinstance(entry, Mapping):
+                    raise RuntimeStateError(f"PlanRuntime.load_state_dict(): state['layers'][{fqn!r}][{field!r}][{key!r}] is a {type(entry).__name__}, not a dict; {_STATE_FIX}")
 
 
 @contextlib.contextmanager

@@ -1,0 +1,78 @@
+"""Numerics the scheduler must not misread (issue 25): a window with skipped steps is never
+quiet, `LossScaling(min_scale=...)` holds or the log says why scaling is off, and a failed first
+search (one NaN batch) is retried at a later window with a doubling wait."""
+
+import logging
+
+import torch
+import torch.nn as nn
+
+import autoprec as ap
+from autoprec.formats import Format
+from autoprec.policy import PolicyState, demotions
+
+
+def test_a_window_with_skipped_steps_demotes_nothing_and_restarts_the_quiet_count():
+    state = PolicyState(history={"a": ("fp8_e4m3",)}, stable={"a": 1}, wait={})
+    changes, after = demotions([], state, 10, 2, {"a": Format.BF16}, skipped_steps=3)
+    assert changes == [] and after.stable["a"] == 0
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+
+
+def train(scheduler, net, steps, bad=lambda i: False):
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    for i in range(steps):
+        x = torch.randn(4, 8)
+        if bad(i):
+            x[0, 0] = float("nan")
+        with scheduler.precision_context():
+            loss = net(x).square().mean()
+        scheduler.backward(loss)
+        scheduler.step(optimizer)
+        optimizer.zero_grad()
+
+
+def test_one_nan_batch_at_the_end_of_the_first_window_does_not_disable_planning():
+    net = model()
+    scheduler = ap.DynamicPrecisionScheduler(net, monitor_window=4)
+    train(scheduler, net, 4, bad=lambda i: i == 3)
+    assert scheduler.phase == "safe"
+    train(scheduler, net, 8)  # one window's wait, then a fresh window profiled and searched
+    assert scheduler.phase == "planned" and scheduler.last_search_error is None
+
+
+def test_a_search_that_keeps_failing_waits_twice_as_long_each_time():
+    net = model()
+    scheduler = ap.DynamicPrecisionScheduler(net, monitor_window=2)
+    train(scheduler, net, 2 + 2 + 2, bad=lambda i: True)  # fails at 2, waits 1 window, profiles 4..6, fails
+    assert scheduler.phase == "safe" and scheduler.state_dict()["retry_at"] == 6 + 2 * 2
+
+
+def test_scaling_off_under_a_bf16_plan_is_explained_in_the_skip_warning(caplog):
+    net = model()
+    scheduler = ap.DynamicPrecisionScheduler(net, loss_scaling=ap.LossScaling(min_scale=8.0), monitor_window=100)
+    with caplog.at_level(logging.WARNING, logger="autoprec.scheduler"):
+        train(scheduler, net, 10, bad=lambda i: True)
+    assert scheduler.scaler.get_scale() == 1.0
+    assert "loss scaling is off: no FP16 layer runs" in caplog.text and "min_scale=8 applies once an FP16 layer runs" in caplog.text
+
+
+def test_min_scale_holds_under_an_fp16_plan_with_an_inf_every_step():
+    net = model()
+    scheduler = ap.DynamicPrecisionScheduler.from_plan(net, ap.Plan.uniform(net, "fp16"), loss_scaling=ap.LossScaling(min_scale=8.0))
+    train(scheduler, net, 50, bad=lambda i: True)
+    assert scheduler.scaler.enabled and scheduler.scaler.get_scale() >= 8.0
+
+
+def test_a_state_saved_without_the_retry_fields_still_loads():
+    net = model()
+    scheduler = ap.DynamicPrecisionScheduler(net, monitor_window=4)
+    train(scheduler, net, 2)
+    state = {k: v for k, v in scheduler.state_dict().items() if k not in ("window_skipped", "search_failures", "retry_at")}
+    resumed = ap.DynamicPrecisionScheduler(model(), monitor_window=4)
+    resumed.load_state_dict(state)
+    assert resumed.step_count == 2

@@ -1,0 +1,133 @@
+"""Bad input at the runtime door (issue 25): `apply_plan` given something other than a module or
+a `Plan`, and runtime or scheduler state dicts that are empty, of the wrong shape, or hold a
+string or negative step, are each refused with one `RuntimeStateError` line naming the argument
+or field and the fix, before anything is restored."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autoprec as ap
+from autoprec.errors import RuntimeStateError
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+
+
+def one_line(info) -> str:
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("bad, shown", [
+    ("model.pt", "'model.pt'"), (None, "None"), (lambda x: x, "function"),
+], ids=["path", "none", "function"])
+def test_apply_plan_refuses_a_model_that_is_not_a_module(bad, shown):
+    plan = ap.Plan.uniform(model(), "bf16")
+    with pytest.raises(RuntimeStateError, match=rf"^apply_plan\(model={shown}\): expected the torch.nn.Module") as info:
+        ap.apply_plan(bad, plan)
+    one_line(info)
+
+
+@pytest.mark.parametrize("bad, fix", [
+    ("plan.json", r"Plan.load\('plan.json'\)"), (None, r"Plan.uniform"), ({"layers": {}}, r"Plan.from_dict"),
+], ids=["path", "none", "dict"])
+def test_apply_plan_refuses_a_plan_that_is_not_a_plan(bad, fix):
+    with pytest.raises(RuntimeStateError, match=rf"^apply_plan\(plan=\w+\): expected an autoprec.Plan; .*{fix}") as info:
+        ap.apply_plan(model(), bad)
+    one_line(info)
+
+
+@pytest.fixture
+def runtime():
+    m = model()
+    runtime = ap.apply_plan(m, ap.Plan.uniform(m, "fp8_e4m3", scaling=ap.Scaling(mode="delayed")))
+    with runtime:
+        m(torch.randn(4, 8)).sum().backward()
+    return runtime
+
+
+@pytest.mark.parametrize("state, names", [
+    ({}, "lacks 'layers'"),
+    (None, r"NoneType\): expected a dict"),
+    ("runtime.pt", r"str\): expected a dict"),
+    ({"layers": []}, "'layers' of type list"),
+    ({"layers": {"0": "x"}}, r"state\['layers'\]\['0'\] needs 'inputs'"),
+    ({"layers": {"0": {"inputs": {"weight": 5}, "calibrators": {}}}}, r"state\['layers'\]\['0'\]\['inputs'\]\['weight'\] is a int"),
+], ids=["empty", "none", "path", "layers-list", "layer-string", "quantizer-int"])
+def test_a_runtime_state_of_the_wrong_shape_is_refused_naming_the_field(runtime, state, names):
+    with pytest.raises(RuntimeStateError, match=rf"^PlanRuntime.load_state_dict\(.*{names}.*; pass the dict PlanRuntime.state_dict\(\) returned") as info:
+        runtime.load_state_dict(state)
+    one_line(info)
+
+
+def test_a_runtime_state_with_a_history_of_the_wrong_length_is_refused(runtime):
+    state = runtime.state_dict()
+    history = state["layers"]["0"]["inputs"]
+    key = next(iter(history))
+    history[key] = {"history": torch.zeros(3)}
+    with pytest.raises(RuntimeStateError, match=r"layer '0' does not match this plan: .*history_len"):
+        runtime.load_state_dict(state)
+
+
+@pytest.fixture(scope="module")
+def saved():
+    m = model()
+    scheduler = ap.DynamicPrecisionScheduler(m, monitor_window=4)
+    optimizer = torch.optim.SGD(m.parameters(), lr=0.01)
+    for _ in range(2):
+        with scheduler.precision_context():
+            loss = m(torch.randn(4, 8)).square().mean()
+        scheduler.backward(loss)
+        scheduler.step(optimizer)
+        optimizer.zero_grad()
+    return scheduler.state_dict()
+
+
+@pytest.mark.parametrize("edit, names", [
+    (dict(step="3"), r"state\['step'\] = '3' is not a step count"),
+    (dict(step=-1), r"state\['step'\] = -1 is not a step count"),
+    (dict(step=2.5), r"state\['step'\] = 2.5 is not a step count"),
+    (dict(window_start=-2), r"state\['window_start'\] = -2"),
+    (dict(window_start=9), r"state\['window_start'\] = 9 is after state\['step'\] = 2"),
+    (dict(loss_count=-1), r"state\['loss_count'\] = -1"),
+    (dict(changes={}), r"state\['changes'\] = \{\} is not a list"),
+    (dict(window_nonfinite=[]), r"state\['window_nonfinite'\] = \[\]"),
+    (dict(fingerprint=[]), r"state\['fingerprint'\] = \[\]"),
+    (dict(plan="plan.json"), r"state\['plan'\] = 'plan.json'"),
+    (dict(captured={}), r"state\['captured'\] = \{\}"),
+    (dict(meter_next="x"), r"state\['meter_next'\] = 'x' is not True or False"),
+    (dict(stable={"0": -1}), r"state\['stable'\]"),
+    (dict(scaler="x"), r"state\['scaler'\] = 'x'"),
+    (dict(profiler={"window": "4", "state": {}}), r"state\['profiler'\]"),
+], ids=lambda v: "-".join(f"{k}={w!r}" for k, w in v.items()) if isinstance(v, dict) else None)
+def test_a_scheduler_state_field_of_the_wrong_type_or_sign_is_refused_naming_it(saved, edit, names):
+    scheduler = ap.DynamicPrecisionScheduler(model())
+    with pytest.raises(RuntimeStateError, match=rf"^load_state_dict\(\): {names}.*; pass the whole dict") as info:
+        scheduler.load_state_dict({**saved, **edit})
+    one_line(info)
+
+
+@pytest.mark.parametrize("state, says", [
+    ({}, r"^load_state_dict\(\): the state is empty; pass the whole dict"),
+    ("checkpoint.pt", r"^load_state_dict\(str\): expected a dict; .*torch.load"),
+], ids=["empty", "path"])
+def test_an_empty_or_path_scheduler_state_says_what_to_pass(state, says):
+    with pytest.raises(RuntimeStateError, match=says):
+        ap.DynamicPrecisionScheduler(model()).load_state_dict(state)
+
+
+def test_a_refused_scheduler_state_restores_nothing(saved):
+    scheduler = ap.DynamicPrecisionScheduler(model())
+    with pytest.raises(RuntimeStateError):
+        scheduler.load_state_dict({**saved, "meter_next": "x"})
+    assert scheduler.step_count == 0 and scheduler.plan is None
+
+
+def test_the_saved_scheduler_state_still_loads(saved):
+    scheduler = ap.DynamicPrecisionScheduler(model())
+    scheduler.load_state_dict(saved)
+    assert scheduler.step_count == 2
