@@ -29,18 +29,28 @@ the device of the first loss (or gradient) it meets. Step counts are iterations 
 Host syncs per iteration (each a ``.item()``, i.e. ``aten._local_scalar_dense``):
 
 - **clean iteration**: GradScaler's one ``.item()`` per optimizer in `step` (per device holding
-  its gradients), the skip decision. A fused / capturable optimizer skips on the device and
-  syncs nothing in `step`; then `update` pays one ``.item()`` for all such optimizers together
-  (GradScaler pays none: it never needs to know), so that counts and attribution stay exact.
-  ``scale``, ``unscale_`` and ``update`` otherwise never sync; `get_scale` does (GradScaler's),
-  `scale_tensor` does not.
+  its gradients), the skip decision. ``scale``, ``unscale_`` and ``update`` never sync;
+  `get_scale` does (GradScaler's), `scale_tensor` does not.
+- **fused / capturable optimizers** (``_step_supports_amp_scaling``: ``AdamW(fused=True)``...)
+  skip on the device, and when every optimizer of the iteration is one, nothing syncs, as with
+  GradScaler: `update` runs the scale rule (hysteresis and floor included) on the device from
+  their non-finite flags, and keeps the flags (0-d tensors GradScaler made anyway) and
+  references to the gradients, losses and output flags. The first read of a result (`skipped_steps`,
+  `last_overflowed`, `events`..., `state_dict`) brings every kept flag and the scale to the
+  host in one transfer; when the last iteration overflowed, its attribution pass and one more
+  transfer follow. The references are dropped when the next iteration begins (its first `scale`,
+  `unscale_` or `step`), so read the results before that to have the layers named (after
+  ``zero_grad(set_to_none=True)`` is fine: the gradients are still held; ``set_to_none=False``
+  zeroes them, and no layer is named); an overflow read later is counted with no layers. Unread
+  for 1024 iterations, `update` reads them itself (one sync).
 - **overflowing iteration**, in addition: the attribution pass (one inf-norm per gradient of the
-  overflowing optimizers, and per loss passed to `scale`) and one ``.tolist()`` in `update`
-  bringing those flags, the `OutputWatch` flags and the new scale to the host in one transfer.
+  overflowing optimizers, and per loss passed to `scale`) and one ``.tolist()`` in `update` (or
+  at the deferred read) bringing those flags, the `OutputWatch` flags and the new scale to the
+  host in one transfer.
 - an attached `OutputWatch` costs one reduction per watched layer call on every iteration (its
   flags are only read on an overflowing one).
 
-Why one module of ~800 lines: `LossScaler` is one ``GradScaler`` subclass whose overrides
+Why one module of ~1000 lines: `LossScaler` is one ``GradScaler`` subclass whose overrides
 (``scale``, ``unscale_``, ``step``, ``update``, state) share one per-iteration sync budget, and
 `OutputWatch` shares its non-finite flags and the single host transfer of ``update``; split,
 that budget would be spread over modules that each look sync-free.
@@ -309,15 +319,23 @@ def _first_false(names: Sequence[str], finite: Sequence[bool]) -> Optional[str]:
 NameOf = Callable[[torch.Tensor, torch.optim.Optimizer, int, int], str]
 
 
-def _nonfinite_gradients(optimizer: torch.optim.Optimizer, name_of: NameOf) -> tuple[list[str], list[torch.Tensor]]:
+Grads = list  # per param group, the gradients (or None) in param order: what `_held_gradients` keeps
+
+
+def _held_gradients(optimizer: torch.optim.Optimizer) -> Grads:
+    """References to ``optimizer``'s gradients (no copy, no device op)."""
+    return [[p.grad for p in group["params"]] for group in optimizer.param_groups]
+
+
+def _nonfinite_gradients(optimizer: torch.optim.Optimizer, name_of: NameOf, grads: Optional[Grads] = None) -> tuple[list[str], list[torch.Tensor]]:
     """The attribution pass, run only on an overflowing iteration: the names of ``optimizer``'s
-    gradients and, per (device, dtype) group, a 1-D bool device tensor (True: holds an inf or
-    NaN). One inf-norm per gradient (one read, no temporary of its size; NaN propagates through
-    max). No sync."""
+    gradients (``grads``, as `_held_gradients` kept them, else the current ones) and, per
+    (device, dtype) group, a 1-D bool device tensor (True: holds an inf or NaN). One inf-norm per
+    gradient (one read, no temporary of its size; NaN propagates through max). No sync."""
     groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[str]]] = {}
     for i, group in enumerate(optimizer.param_groups):
         for j, param in enumerate(group["params"]):
-            grad = param.grad
+            grad = param.grad if grads is None else grads[i][j]
             if grad is None:
                 continue
             values = grad._values() if grad.is_sparse else local_shard(grad)  # FSDP2: this rank's shard
@@ -333,6 +351,28 @@ def _nonfinite_gradients(optimizer: torch.optim.Optimizer, name_of: NameOf) -> t
             flags.append(~torch.stack(torch._foreach_norm(tensors, math.inf)).isfinite())
             names.extend(group_names)
     return names, flags
+
+
+@dataclasses.dataclass
+class _Deferred:
+    """An iteration whose overflow only the device knows yet (every optimizer fused / capturable
+    and clean as far as the host saw). ``found``: 0-d float32 device tensor, > 0 when some
+    gradient was inf/NaN. The rest is what attribution needs, kept by reference (no copies) only
+    until the next iteration begins, when the gradients are no longer this iteration's."""
+
+    iteration: int
+    found: torch.Tensor
+    grads: Optional[list[tuple[torch.optim.Optimizer, Grads]]]
+    losses: list[torch.Tensor]
+    outputs: tuple[list[str], list[torch.Tensor]]
+
+    def release(self) -> None:
+        self.grads, self.losses, self.outputs = None, [], ([], [])
+
+
+# Deferred iterations kept before `update` reads their flags itself: one sync per this many
+# iterations when nothing reads a result (each entry is one 0-d tensor GradScaler made anyway).
+_MAX_DEFERRED = 1024
 
 
 class LossScaler(torch.amp.GradScaler):
@@ -421,6 +461,8 @@ class LossScaler(torch.amp.GradScaler):
         self._losses: list[torch.Tensor] = []  # what `scale` was given (references, no copies)
         self._pending_names: list[str] = []
         self._pending_flags: list[torch.Tensor] = []
+        # Completed iterations not yet known on the host (fused / capturable optimizers), oldest first.
+        self._deferred: list[_Deferred] = []
 
     # -- configuration (a new configuration is a new scaler or load_state_dict) -----------------
 
@@ -449,38 +491,45 @@ class LossScaler(torch.amp.GradScaler):
     @property
     def skipped_steps(self) -> int:
         """Iterations in which some gradient was non-finite (at least one optimizer step skipped)."""
+        self._resolve()
         return self._skipped_steps
 
     @property
     def nonfinite_counts(self) -> dict[str, int]:
         """Layer fqn -> iterations in which its gradients were non-finite (a copy)."""
+        self._resolve()
         return dict(self._nonfinite_counts)
 
     @property
     def last_overflowed(self) -> bool:
         """Whether some gradient of the last iteration was inf/NaN (so some step was skipped)."""
+        self._resolve()
         return self._last_overflowed
 
     @property
     def last_nonfinite_layers(self) -> tuple[str, ...]:
         """Layers with non-finite gradients in the last iteration, in model order; ``()`` when clean."""
+        self._resolve()
         return self._last_nonfinite_layers
 
     @property
     def last_loss_finite(self) -> Optional[bool]:
         """After an overflowing iteration, whether every tensor passed to `scale` was finite; None
         after a clean one (not checked: the check would cost a sync)."""
+        self._resolve()
         return self._last_loss_finite
 
     @property
     def first_nonfinite_output(self) -> Optional[str]:
         """With ``watch(..., outputs=True)``, after an overflowing iteration: the first layer, in
         call order, whose forward output was non-finite (what made an inf/NaN loss), else None."""
+        self._resolve()
         return self._first_nonfinite_output
 
     @property
     def events(self) -> tuple[tuple[int, tuple[str, ...]], ...]:
         """The last ``max_events`` overflows as ``(iteration, layers)``; iteration counts from 0."""
+        self._resolve()
         return tuple(self._events)
 
     @property
@@ -573,6 +622,7 @@ class LossScaler(torch.amp.GradScaler):
                 "LossScaler.unscale_(optimizer) was already called for this optimizer since the last update(); "
                 "call it once per optimizer per iteration, after the last backward pass"
             )
+        self._release_held()
         if self._scale is None:
             grads = (p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
             first = next(grads, None)
@@ -586,6 +636,7 @@ class LossScaler(torch.amp.GradScaler):
         tensor, list or tuple, checked only if the iteration overflows. No sync."""
         if not isinstance(outputs, (torch.Tensor, Iterable)):
             raise ScalingError(f"LossScaler.scale({type(outputs).__name__}): expected a tensor or an iterable of tensors")
+        self._release_held()
         tensors = [t.detach() for t in _floating_tensors(outputs)]
         self._losses.extend(tensors)
         if self._scale is None and tensors:
@@ -663,8 +714,8 @@ class LossScaler(torch.amp.GradScaler):
             return None
         return optimizer.step(*args, **kwargs)
 
-    def _attribute(self, optimizer: torch.optim.Optimizer) -> None:
-        names, flags = _nonfinite_gradients(optimizer, self._name_of)
+    def _attribute(self, optimizer: torch.optim.Optimizer, grads: Optional[Grads] = None) -> None:
+        names, flags = _nonfinite_gradients(optimizer, self._name_of, grads)
         self._pending_names.extend(names)
         self._pending_flags.extend(flags)
 
@@ -672,7 +723,8 @@ class LossScaler(torch.amp.GradScaler):
         """End the iteration: the scale rule (see the class doc; or set the scale to ``new_scale``,
         a positive number, ignored when disabled), the counters, and on an overflowing iteration
         the attribution (see the module docstring for the syncs). Call once per iteration, after
-        every optimizer stepped."""
+        every optimizer stepped. With only fused / capturable optimizers no sync: the rule runs on
+        the device and the results are read when first asked for."""
         states = self._per_optimizer_states
         checked = [key for key, state in states.items() if state["found_inf_per_device"]]
         if not checked:
@@ -682,18 +734,20 @@ class LossScaler(torch.amp.GradScaler):
             )
         if new_scale is not None and (not _is_number(new_scale) or not 0 < new_scale <= _FLOAT32_MAX):
             raise ScalingError(f"LossScaler.update(new_scale={new_scale!r}): new_scale must be a finite number > 0, or None")
-        # Fused optimizers skipped on the device, and optimizers unscaled but never stepped: one
-        # sync for all of them says whether this iteration needs attribution.
+        # Fused optimizers skipped on the device, and optimizers unscaled but never stepped: the
+        # host does not know whether they overflowed.
         unknown = [key for key in checked if key not in self._found]
         found = any(self._found.values())
-        if unknown:
-            flags = [f.to(self._scale.device) for key in unknown for f in states[key]["found_inf_per_device"].values()]
-            if torch.stack(flags).sum().item():
-                found = True
-                for key in unknown:
-                    self._attribute(self._optimizers[key])
+        if found and unknown:
+            # The iteration overflowed anyway: attribute the others too, read in the same transfer.
+            for key in unknown:
+                self._attribute(self._optimizers[key])
+            unknown = []
+        found_on_device = self._found_on_device([states[key] for key in unknown]) if unknown else None
         if self._scaling and new_scale is not None:
             super().update(float(new_scale))
+        elif self._scaling and found_on_device is not None:
+            self._update_on_device(found_on_device)
         elif self._scaling and found:
             self._back_off()
         elif self._scaling:
@@ -701,7 +755,18 @@ class LossScaler(torch.amp.GradScaler):
             # The interval was reached (the tracker restarted): a growth restores the budget.
             self._hysteresis_tracker.masked_fill_(self._growth_tracker == 0, self._hysteresis)
         self._per_optimizer_states.clear()
-        self._finish_iteration(found)
+        if found_on_device is not None:
+            self._defer(found_on_device, [self._optimizers[key] for key in unknown])
+        else:
+            self._finish_iteration(found)
+
+    def _found_on_device(self, states: list[dict[str, Any]]) -> torch.Tensor:
+        """The optimizers' non-finite flags summed on the scale's device (> 0: found). No sync;
+        no op at all for one optimizer on one device."""
+        flags = [f for state in states for f in state["found_inf_per_device"].values()]
+        if len(flags) == 1 and flags[0].device == self._scale.device:
+            return flags[0]
+        return torch.stack([f.reshape(()).to(self._scale.device) for f in flags]).sum()
 
     def _back_off(self) -> None:
         """An overflowing iteration: spend one unit of the hysteresis budget; GradScaler's back-off,
@@ -712,20 +777,87 @@ class LossScaler(torch.amp.GradScaler):
         super().update()  # torch._amp_update_scale_: scale x backoff_factor, clean count 0
         torch.where(budget > 0, before, self._scale.clamp(min=self._min_scale), out=self._scale)
 
+    def _update_on_device(self, found: torch.Tensor) -> None:
+        """The scale rule when only the device knows whether the iteration overflowed: `_back_off`
+        and the clean-iteration rule of `update` in one, chosen by ``found`` on the device (as
+        ``torch._amp_update_scale_`` chooses). Nine 0-d device ops, no sync."""
+        overflow = found > 0
+        budget = self._hysteresis_tracker
+        budget.sub_(overflow.to(budget.dtype)).clamp_(min=0)
+        before = self._scale.clone()
+        super().update()  # grows, or backs off and restarts the clean count, on `found`
+        floored = torch.where(overflow, self._scale.clamp(min=self._min_scale), self._scale)
+        torch.where(overflow & (budget > 0), before, floored, out=self._scale)
+        budget.masked_fill_((self._growth_tracker == 0) & ~overflow, self._hysteresis)
+
+    def _defer(self, found: torch.Tensor, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Close an iteration whose overflow the host does not know, keeping what attribution would
+        need (references, until the next iteration begins)."""
+        self._release_held()
+        watch = self._output_watch
+        outputs = (list(watch._names), list(watch._flags)) if watch is not None else ([], [])
+        held = [(opt, _held_gradients(opt)) for opt in optimizers]
+        self._deferred.append(_Deferred(self._steps, found, held, list(self._losses), outputs))
+        self._steps += 1
+        self._clear_iteration()
+        if len(self._deferred) >= _MAX_DEFERRED:
+            self._resolve()
+
+    def _release_held(self) -> None:
+        """A new iteration begins: the last deferred one's gradients, losses and outputs are no
+        longer its own; drop the references (the memory is the optimizer's again to free)."""
+        if self._deferred and self._deferred[-1].grads is not None:
+            self._deferred[-1].release()
+
+    def _resolve(self) -> None:
+        """Bring the deferred iterations' flags to the host (one sync; a second transfer when the
+        last one overflowed and its gradients are still held) and fill the results in order. An
+        overflow found after its gradients were released is counted without layers."""
+        if not self._deferred:
+            return
+        deferred, self._deferred = self._deferred, []
+        *host, scale = _to_host([d.found.reshape(()) for d in deferred] + [self._get_scale_async()])
+        for d, flag in zip(deferred, host):
+            found = flag > 0
+            names: list[str] = []
+            flags: list[torch.Tensor] = []
+            if found and d.grads is not None:
+                for opt, grads in d.grads:
+                    more_names, more_flags = _nonfinite_gradients(opt, self._name_of, grads)
+                    names.extend(more_names)
+                    flags.extend(more_flags)
+            self._conclude(d.iteration, found, (names, flags), d.losses, d.outputs, scale)
+            d.release()
+
     def _finish_iteration(self, found: bool) -> None:
+        self._resolve()  # earlier iterations first: the events stay in order
         iteration = self._steps
         self._steps += 1
+        watch = self._output_watch
+        outputs = (watch._names, watch._flags) if watch is not None else ([], [])
+        self._conclude(iteration, found, (self._pending_names, self._pending_flags), self._losses, outputs)
+        self._clear_iteration()
+
+    def _conclude(
+        self, iteration: int, found: bool, gradients: tuple[list[str], list[torch.Tensor]], losses: list[torch.Tensor],
+        outputs: tuple[list[str], list[torch.Tensor]], scale: Optional[float] = None,
+    ) -> None:
+        """Fill the results of ``iteration``; on an overflow, from the attribution pass's
+        ``gradients`` (names, flags), the ``losses`` and the output flags (names, 0-d flags), in
+        one transfer (none when there is nothing to read and the ``scale`` to log is given)."""
         layers: tuple[str, ...] = ()
         loss_finite: Optional[bool] = None
         first_output: Optional[str] = None
         if found:
             # The iteration's one transfer: gradient flags, loss and output flags, the new scale.
-            loss_flags = [_finite_flag(t) for t in self._losses]
-            out_names, out_flags = self._output_watch._pending() if self._output_watch is not None else ([], None)
-            parts = self._pending_flags + loss_flags + ([out_flags] if out_flags is not None else []) + [self._get_scale_async()]
-            host = _to_host(parts)
-            n_grads, n_loss = len(self._pending_names), len(loss_flags)
-            layers = self._ordered({name for name, bad in zip(self._pending_names, host[:n_grads]) if bad})
+            loss_flags = [_finite_flag(t) for t in losses]
+            out_names, out_flags = outputs
+            stacked = [torch.stack([f.to(out_flags[0].device) for f in out_flags])] if out_flags else []
+            grad_names, grad_flags = gradients
+            parts = grad_flags + loss_flags + stacked
+            host = _to_host(parts + [self._get_scale_async()]) if parts or scale is None else [scale]
+            n_grads, n_loss = len(grad_names), len(loss_flags)
+            layers = self._ordered({name for name, bad in zip(grad_names, host[:n_grads]) if bad})
             loss_finite = all(host[n_grads : n_grads + n_loss]) if n_loss else None
             first_output = _first_false(out_names, host[n_grads + n_loss : -1])
             self._record_overflow(iteration, layers, host[-1], first_output)
@@ -733,6 +865,8 @@ class LossScaler(torch.amp.GradScaler):
         self._last_nonfinite_layers = layers
         self._last_loss_finite = loss_finite
         self._first_nonfinite_output = first_output
+
+    def _clear_iteration(self) -> None:
         self._optimizers.clear()
         self._found.clear()
         self._losses.clear()
@@ -772,8 +906,9 @@ class LossScaler(torch.amp.GradScaler):
     def state_dict(self) -> dict[str, Any]:
         """GradScaler's entries (so a ``GradScaler`` loads it) plus the floor, hysteresis,
         counters and events, as plain JSON-ready values. Three syncs (scale, growth and hysteresis
-        trackers): call between iterations, after `update`. ``enabled`` is not state (the caller
+        trackers), and the read of deferred iterations, if any (see the module docstring): call between iterations, after `update`. ``enabled`` is not state (the caller
         chooses it); a disabled scaler saves the scale it keeps."""
+        self._resolve()
         sd = super().state_dict()
         sd["scale"] = self._init_scale if self._scale is None else float(self._scale.item())
         sd.update(
@@ -821,6 +956,7 @@ class LossScaler(torch.amp.GradScaler):
                 "pass a dict from LossScaler.state_dict()"
             ) from exc
         super().load_state_dict({k: sd[k] for k in self._TORCH_KEYS})
+        self._deferred.clear()  # the loaded counters replace what they would have added to
         self._min_scale = float(sd["min_scale"])
         self._hysteresis = int(sd["hysteresis"])
         self._init_hysteresis_tracker = min(int(sd["hysteresis_tracker"]), self._hysteresis)

@@ -388,6 +388,33 @@ def test_a_plan_far_slower_than_the_first_is_stopped_and_extrapolated():
     assert out["bf16"].step_seconds > 2.0 * out["fp32"].step_seconds
 
 
+def test_extrapolation_is_against_the_first_plans_timed_steps_not_its_cold_first_one():
+    # The first plan's first step is slow once (a cold call: under load it can be much slower
+    # than the timed ones); the stopped plan's slowdown must not be measured against it.
+    from autoprec.costs.inplace import measure_in_place
+
+    class ColdOnce(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(8, 8))
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if torch.is_autocast_enabled("cpu"):
+                time.sleep(0.5)
+            elif self.calls == 1:
+                time.sleep(0.1)
+            return torch.nn.functional.linear(x, self.weight)
+
+    model = nn.Sequential(ColdOnce(), ColdOnce())
+    plans = {f: Plan({"0": f, "1": f}) for f in ("fp32", "bf16")}
+    out = measure_in_place(model, [torch.randn(4, 8)], plans, ["0", "1"], warmup=0, steps=2, slow_factor=2.0)
+    assert out["bf16"].extrapolated
+    # Its first layer's forward alone took 0.5 s; a layer of the timed FP32 steps, far less.
+    assert out["bf16"].layer_seconds["0"] > 0.25
+
+
 # -- roofline -------------------------------------------------------------------------------------
 
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from autoprec.cli import main
-from autoprec.device import has_scaled_mm
+from autoprec.device import has_scaled_mm, scaled_mm_form
+from tests import torch_versions
 from autoprec.formats import Format
 from autoprec.gpu_bench import GpuBenchConfig
 from autoprec.gpu_bench.e2e import BenchLM, E2EConfig, choose_formats, fp8_plan, linear_shapes
@@ -79,9 +80,15 @@ def test_every_correctness_row_passes_on_cpu(smoke):
 
 @pytest.mark.slow
 def test_correctness_rows_report_the_kernel_that_ran(smoke):
-    # This CPU build has both kernels (torch._scaled_mm and torch._int_mm run on CPU).
-    ops = {row["name"].split("/")[1]: row["detail"]["ops"]["linear"] for row in smoke[1]["correctness"]}
-    assert ops == {"fp8_e4m3": "kernel torch._scaled_mm", "fp8_e5m2": "kernel torch._scaled_mm", "int8": "kernel torch._int_mm"}
+    # torch._scaled_mm and torch._int_mm run on CPU; row-wise scales only where the installed
+    # torch's CPU kernel takes them (tests/torch_versions.py), else the row emulates and passes.
+    ops = {tuple(row["name"].split("/")[1:3]): row["detail"]["ops"]["linear"] for row in smoke[1]["correctness"]}
+    kernels = {"fp8_e4m3": "kernel torch._scaled_mm", "fp8_e5m2": "kernel torch._scaled_mm", "int8": "kernel torch._int_mm"}
+    for (fmt, scaling), how in ops.items():
+        if scaling == "row-current" and not torch_versions.CPU_SCALED_MM_ROW_SCALES:
+            assert how.startswith("emulated (") and "row-wise scales" in how, (fmt, scaling, how)
+        else:
+            assert how == kernels[fmt], (fmt, scaling, how)
 
 
 @pytest.mark.slow
@@ -162,12 +169,18 @@ def test_a_failing_kernel_is_a_failed_row_and_the_probe_goes_on(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no FP8 GEMM today")
 
-    assert has_scaled_mm("cpu")[0]  # probed (and cached) with the real kernel before it breaks
+    # Probed (and cached) with the real kernel before it breaks: the per-tensor forms, and the
+    # row-wise form the row-current rows use (which torch 2.11's CPU kernel refuses).
+    assert has_scaled_mm("cpu")[0]
+    e4m3 = torch.float8_e4m3fn
+    row_scales = scaled_mm_form("cpu", e4m3, e4m3, torch.bfloat16, row_scales=True, bias=True)[0]
+    assert row_scales == torch_versions.CPU_SCALED_MM_ROW_SCALES
     monkeypatch.setattr(torch, "_scaled_mm", broken)
     rows = run_probe(torch.device("cpu"), (16, 16), (20, 24, 36))
     by_format = {fmt: [r for r in rows if r.name.startswith(f"probe/{fmt}/")] for fmt in ("fp8_e4m3", "int8")}
-    assert all(not r.ok and "no FP8 GEMM today" in r.detail["error"] for r in by_format["fp8_e4m3"])
-    assert all(r.ok for r in by_format["int8"])
+    emulated = [r for r in by_format["fp8_e4m3"] if "/row-current/" in r.name and not row_scales]
+    assert all(not r.ok and "no FP8 GEMM today" in r.detail["error"] for r in by_format["fp8_e4m3"] if r not in emulated)
+    assert all(r.ok for r in emulated + by_format["int8"])
 
 
 def test_compiled_variants_do_not_start_after_the_deadline():

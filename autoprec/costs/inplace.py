@@ -23,7 +23,8 @@ all of them; medians over the timed rounds are kept. A plan whose first step run
 ``torch._scaled_mm`` on a CPU can be a thousand times slower than FP32) is stopped at the next
 layer it enters and never timed further: each of its layers costs the first plan's time of that
 layer times the median slowdown of the layers whose forward finished (a host-clock deadline, so
-on CUDA, where the host runs ahead of the device, it rarely fires). Costs per step: two Python calls per layer
+on CUDA, where the host runs ahead of the device, it rarely fires); the slowdowns are taken
+against the first plan's median forward times, not its cold first step. Costs per step: two Python calls per layer
 forward and per autograd node of a layer, one walk of the autograd graph, and on CUDA two events
 per timed span and one host sync (elapsed times are read after it).
 """
@@ -288,8 +289,13 @@ def measure_in_place(
             {fqn: statistics.median(per[fqn] for _, (per, _) in runs) for fqn in layers},
         )
     if stopped and runtimes:
-        first = next(iter(first_steps))
-        first_forward = first_steps[first][1][1]
+        first = next(iter(runtimes))
+        # Against the first plan's median forwards of the timed rounds, not its first step: that
+        # one is cold (first calls, allocations), and under load it can be slow enough that a
+        # stopped plan's ratio, applied to the median times, comes out far too small.
+        first_forward = {
+            fqn: statistics.median(forward.get(fqn, 0.0) for _, (_, forward) in times[first]) for fqn in layers
+        }
         for name, forward in stopped.items():
             ratios = [forward[fqn] / first_forward[fqn] for fqn in forward if first_forward.get(fqn, 0.0) > 0]
             slowdown = statistics.median(ratios) if ratios else slow_factor  # no layer finished: at least this slow

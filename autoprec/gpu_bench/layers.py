@@ -27,8 +27,9 @@ import torch
 import torch.nn as nn
 
 from ..formats import Format, Granularity
-from ..plan import Plan, Scaling, ScalingMode
+from ..plan import LayerPrecision, Plan, Scaling, ScalingMode
 from ..runtime import apply_plan
+from ..runtime.context import kernel_reason
 from .rows import Row, error_text, guarded
 from .timing import median_ms, rotation_count, tflops, warm_up
 
@@ -55,6 +56,7 @@ class LayerVariant:
 
 
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
+_ROWWISE = LayerPrecision(Format.FP8_E4M3, scaling=Scaling(Granularity.ROW, ScalingMode.CURRENT))
 _AUTOPREC = (
     ("autoprec_fp8_tensor", Format.FP8_E4M3, Scaling(Granularity.TENSOR, ScalingMode.DELAYED)),
     ("autoprec_fp8_row", Format.FP8_E4M3, Scaling(Granularity.ROW, ScalingMode.CURRENT)),
@@ -182,6 +184,9 @@ def measure_layers(
                 progress(name)
             if variant.kind == "torchao" and not have_torchao:
                 row = Row(name, None, {"skipped": torchao_reason})
+            elif variant.kind == "torchao" and variant.recipe == "rowwise" and (no_rowwise := kernel_reason(_ROWWISE, device)):
+                # torchao calls _scaled_mm with row-wise scales and no fallback (torch 2.11's CPU kernel refuses them).
+                row = Row(name, None, {"skipped": f"torchao rowwise needs _scaled_mm with row-wise scales: {no_rowwise}"})
             elif variant.compiled and deadline is not None and time.monotonic() > deadline:
                 row = Row(name, None, {"skipped": "the per-layer time budget was spent (compilation); raise GpuBenchConfig.layers_budget_s"})
             else:
