@@ -97,6 +97,8 @@ class _ThreadState:
 
 
 class _PerThread(threading.local):
+    """One `_ThreadState` per thread, made on the thread's first read (like autocast's state)."""
+
     def __init__(self):
         self.state = _ThreadState()
 
