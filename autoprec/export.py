@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from pathlib import Path
 from typing import Mapping
 
@@ -138,8 +137,22 @@ def convert(model, emulate=False):
 
 
 def _literal(value) -> str:
-    """A Python literal for JSON-able ``value``, one entry per line for readable diffs."""
-    return json.dumps(value, indent=4).replace("null", "None").replace("true", "True").replace("false", "False")
+    """A Python literal for ``value`` (a dict or list of strings and lists of strings), one entry
+    per line for readable diffs. Built from `repr`, which writes any string as valid Python:
+    rewriting JSON's null / true / false renamed layers holding those words (``null_proj``)."""
+    if isinstance(value, dict):
+        brackets, entries = "{}", [f"{k!r}: {_literal(v)}" for k, v in value.items()]
+    elif isinstance(value, list):
+        brackets, entries = "[]", [_literal(v) for v in value]
+    else:
+        return repr(value)
+    body = "".join("\n    " + e.replace("\n", "\n    ") + "," for e in entries)
+    return brackets[0] + body + ("\n" if entries else "") + brackets[1]
+
+
+def _docstring_text(text: str) -> str:
+    """``text`` as it can stand inside a triple-quoted docstring: escapes, not quotes or newlines."""
+    return text.encode("unicode_escape").decode("ascii").replace('"', '\\"')
 
 
 def write_torchao(plan_path: "str | Path", out: "str | Path | None" = None) -> tuple[Path, TorchaoExport]:
@@ -158,7 +171,7 @@ def write_torchao(plan_path: "str | Path", out: "str | Path | None" = None) -> t
         if export.autocast else ""
     )
     text = _TEMPLATE.format(
-        source=plan_path.name, digest=hashlib.sha1(plan_path.read_bytes()).hexdigest()[:12], version=__version__,
+        source=_docstring_text(plan_path.name), digest=hashlib.sha1(plan_path.read_bytes()).hexdigest()[:12], version=__version__,
         module=out.stem, autocast_usage=autocast_usage, n_converted=len(export.converted), n_skipped=len(export.not_converted),
         recipes=_literal({k: list(v) for k, v in export.recipes.items()}), not_converted=_literal(dict(export.not_converted)),
         notes=_literal(list(export.notes)), autocast=f"torch.{export.autocast}" if export.autocast else "None",

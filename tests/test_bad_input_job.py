@@ -44,3 +44,16 @@ def test_measure_top_beyond_the_bound_is_refused_with_the_bound(tmp_path, top):
 
 def test_measure_top_at_the_bound_is_accepted(tmp_path):
     assert load_job(job(tmp_path, top=MAX_MEASURE_TOP)).measure_top == MAX_MEASURE_TOP
+
+
+@pytest.mark.parametrize("text, named", [
+    ('["\\n"]\nx = 1\n', r'unknown table \["\\n"\]'),
+    ('[job]\n"na\\"me" = 1\n', r'\[job\]."na\\"me": unknown key'),
+])
+def test_a_table_or_key_name_with_a_newline_or_quote_is_named_on_one_line(tmp_path, text, named):
+    # Found by tests/test_properties.py: an unknown table named "\n" made a two-line error.
+    path = tmp_path / "job.toml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(SearchError, match=named) as info:
+        load_job(path)
+    assert "\n" not in str(info.value)

@@ -9,6 +9,7 @@ from torch import nn
 
 from autoprec import Format, LayerPrecision, Plan, Scaling, ScalingMode, apply_plan
 from autoprec.cli import main
+from autoprec.coverage import LayerInfo
 from autoprec.export import torchao_export
 from autoprec.formats import Granularity
 
@@ -132,3 +133,23 @@ def test_cli_export_errors_are_one_line(tmp_path, capsys):
     assert main(["export", str(path), "--to", "torchao", "--out", str(tmp_path / "not-a-module.py")]) == 1
     err = capsys.readouterr().err.strip()
     assert "a valid module name" in err and len(err.splitlines()) == 1
+
+
+# Names that broke the written filter: JSON words rewritten as Python ones (null -> None), quotes,
+# backslashes, newlines, and a plan file name that ended the module's docstring.
+AWKWARD = ["null_proj", "gate_true", "false.up", 'q"uote', "it's", "back\\slash", "new\nline", '"""', "ü.层"]
+
+
+def test_awkward_layer_names_survive_the_export_exactly(tmp_path):
+    fingerprint = {n: LayerInfo("Linear", ("linear",), {"weight": (32, 32)}) for n in AWKWARD}
+    layers = {n: LayerPrecision(Format.FP8_E4M3, scaling=Scaling(Granularity.ROW if i % 2 else Granularity.TENSOR)) for i, n in enumerate(AWKWARD)}
+    layers["kept \"null\""] = LayerPrecision(Format.FP32)
+    fingerprint["kept \"null\""] = LayerInfo("Linear", ("linear",), {"weight": (32, 32)})
+    plan_path = Plan(layers, fingerprint).save(tmp_path / 'plan """ \\ "x.json')
+    out = tmp_path / "plan_torchao.py"
+    assert main(["export", str(plan_path), "--to", "torchao", "--out", str(out)]) == 0
+    module = _load(out)
+    chosen = {fqn for recipe in module.RECIPES for fqn in AWKWARD + ["kept \"null\"", "None_proj", "gate_True"] if module.module_filter_fn(recipe)(None, fqn)}
+    assert chosen == set(AWKWARD)
+    assert set(module.NOT_CONVERTED) == {"kept \"null\""}
+    assert plan_path.name in module.__doc__

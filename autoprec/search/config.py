@@ -23,7 +23,9 @@ Layout::
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -205,6 +207,12 @@ _SCHEMA: dict[str, dict[str, tuple[Callable, str]]] = {
 _REQUIRED = {("job", "name"), ("workload", "factory")}
 
 
+def _key(name: str) -> str:
+    """A table or key name as TOML writes it: bare when it can be, else quoted with escapes (a
+    name holding a newline or a quote stays on the error's one line)."""
+    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name)
+
+
 def load_job(path: "str | Path") -> JobConfig:
     """Read and check a job file; `SearchError` with one line for the first problem found."""
     path = Path(path)
@@ -220,14 +228,14 @@ def load_job(path: "str | Path") -> JobConfig:
     values: dict[tuple[str, str], Any] = {}
     for table, entries in raw.items():
         if table not in _SCHEMA:
-            raise SearchError(f"{path}: unknown table [{table}]; expected one of {', '.join(f'[{t}]' for t in _SCHEMA)}")
+            raise SearchError(f"{path}: unknown table [{_key(table)}]; expected one of {', '.join(f'[{t}]' for t in _SCHEMA)}")
         if not isinstance(entries, dict):
-            raise SearchError(f"{path}: {table} must be a table, written [{table}]")
+            raise SearchError(f"{path}: {_key(table)} must be a table, written [{_key(table)}]")
         for key, value in entries.items():
             if (table, key) in _RETIRED:
                 raise SearchError(f"{path}: [{table}].{key}: {_RETIRED[(table, key)]}")
             if key not in _SCHEMA[table]:
-                raise SearchError(f"{path}: [{table}].{key}: unknown key; expected one of {', '.join(_SCHEMA[table])}")
+                raise SearchError(f"{path}: [{table}].{_key(key)}: unknown key; expected one of {', '.join(_SCHEMA[table])}")
             check, expected = _SCHEMA[table][key]
             try:
                 values[(table, key)] = check(value)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -168,6 +169,59 @@ def _naming(config: JobConfig, key: str, fix: str = ""):
         raise SearchError(f"{config.source}: {key}: {exc}{fix}") from None
 
 
+# errno values of a full disk or an exhausted quota, and the words SQLite reports them in.
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_DISK_FULL_WORDS = ("disk is full", "no space left", "disk quota")
+
+
+def _chain(exc: "BaseException | None"):
+    """``exc`` and the exceptions it was raised from or during, innermost last."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` or what it wraps (Optuna's StorageInternalError wraps SQLAlchemy's error)
+    says the disk is full."""
+    return any(
+        (isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNOS) or any(w in str(e).lower() for w in _DISK_FULL_WORDS)
+        for e in _chain(exc)
+    )
+
+
+@contextlib.contextmanager
+def _storage_failures(config: JobConfig, workers: int):
+    """A full disk or a failing Optuna storage while searching, restated as one `SearchError`
+    line: what happened, that the trials the storage committed are kept, and how to resume.
+
+    Looks through the exception's context: when the write of a trial's result fails, Optuna 4.x
+    (``study/_optimize.py``, ``_run_trial``) finds the trial still running and raises
+    ``AssertionError("Should not reach.")`` from its ``finally``, with the storage's error as
+    the context."""
+    try:
+        yield
+    except Exception as exc:
+        storage_error = next((e for e in _chain(exc) if isinstance(e, optuna.exceptions.StorageInternalError)), None)
+        full = _disk_full(exc)
+        if storage_error is None and not full:
+            raise
+        what = "the disk is full" if full else f"the study's storage failed ({_one_line(storage_error)})"
+        fix = "free some space" if full else "fix the storage"
+        again = f"autoprec search {config.source}" + (f" --workers {workers}" if workers > 1 else "")
+        raise SearchError(
+            f"{config.source}: {what} while searching; the trials already committed to {config.storage_url} are kept: "
+            f"{fix} and run the same command ({again}) to resume"
+        ) from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
 def _make_out(config: JobConfig) -> None:
     """Create ``[job].out``; `SearchError` naming the key when it cannot hold the artifacts."""
     try:
@@ -262,6 +316,11 @@ def run_job(config: JobConfig, progress: "Progress | None" = None, workers: int 
     _make_out(config)
     with _naming(config, "[search].storage", "; fix the path or URL"):
         storage = open_storage(config.storage_url)  # an unreachable storage fails before any work
+    with _storage_failures(config, workers):
+        return _search(config, progress, workers, device, storage, start)
+
+
+def _search(config: JobConfig, progress, workers: int, device, storage, start: float) -> JobResult:
     workload = _workload(config)
     model = workload.build_model(config.seed).to(device)
     step = TrainStep.for_workload(workload, model)
