@@ -499,6 +499,11 @@ class DynamicPrecisionScheduler:
             self._writer = TrainingWriter(self.config.log_dir, flush_every=min(100, self.config.monitor_window))
 
     def _bind(self, model: nn.Module, example: ModelCall) -> None:
+        if any(p.is_meta for p in model.parameters()):
+            raise RuntimeStateError(
+                f"{type(model).__name__} ran on the meta device inside precision_context(); materialise it first "
+                "(model.to_empty(device=...) and initialise the weights), then train it under the scheduler"
+            )
         if self._fixed_plan is not None:
             self._fixed_plan.validate(model, example)  # a plan for another model: PlanError naming each layer
         self._attach(model, example)

@@ -131,3 +131,30 @@ def test_the_saved_scheduler_state_still_loads(saved):
     scheduler = ap.DynamicPrecisionScheduler(model())
     scheduler.load_state_dict(saved)
     assert scheduler.step_count == 2
+
+
+def _meta_mlp():
+    with torch.device("meta"):
+        return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
+
+
+def test_a_plan_on_a_meta_model_is_refused_until_it_is_materialised():
+    model = _meta_mlp()
+    plan = ap.Plan.uniform(model, "fp8_e4m3")
+    with pytest.raises(ap.RuntimeStateError, match="meta device; materialise it first"):
+        ap.apply_plan(model, plan)
+    model.to_empty(device="cpu")
+    for layer in (model[0], model[2]):
+        layer.reset_parameters()
+    x = torch.randn(16, 32)
+    with torch.no_grad(), ap.apply_plan(model, plan):
+        out = model(x)
+    assert torch.isfinite(out).all() and out.shape == (16, 8)
+
+
+def test_the_scheduler_refuses_a_model_run_on_the_meta_device():
+    model = _meta_mlp()
+    sch = ap.DynamicPrecisionScheduler(monitor_window=2, memory_budget=0.8, accuracy_budget=0.05, measure_costs=False)
+    with pytest.raises(ap.RuntimeStateError, match="meta device inside precision_context"):
+        with sch.precision_context():
+            model(torch.randn(4, 32, device="meta"))

@@ -710,6 +710,12 @@ def _check_arguments(model: Any, plan: Any) -> None:
         else:
             fix = "make one with Plan.uniform(model, 'bf16'), Plan.load(path) or autoprec.search"
         raise RuntimeStateError(f"apply_plan(plan={type(plan).__name__}): expected an autoprec.Plan; {fix}")
+    if any(p.is_meta for p in model.parameters()):
+        # The runtime's device (autocast, kernels, state) is the parameters': meta has none.
+        raise RuntimeStateError(
+            f"apply_plan(model={type(model).__name__}): its parameters are on the meta device; materialise it first "
+            "(model.to_empty(device=...) and initialise the weights), then apply the plan"
+        )
 
 
 _STATE_FIX = "pass the dict PlanRuntime.state_dict() returned"
