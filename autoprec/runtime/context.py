@@ -651,7 +651,7 @@ class PlanRuntime:
         }
 
     def recalibrate(self, fqns=None) -> None:
-        """Forget INT8 calibration, amax histories and cached weights of the named layers (default: all)."""
+        """Forget INT8 calibration, amax histories and kept weight copies of the named layers (default: all)."""
         for fqn in fqns if fqns is not None else self._layers:
             layer = self._layers[fqn]
             for calibrator in layer.calibrators.values():

@@ -86,7 +86,7 @@ class Fp8Linear(torch.autograd.Function):
         if spec.rowwise:
             scale_a, scale_b = x_inv, w_inv.t()
         elif spec.expand_scales:
-            # w_inv arrives already as the (1, N') row (cached with the weight).
+            # w_inv arrives already as the (1, N') row (made with the quantized weight).
             scale_a, scale_b = x_inv.expand(xq.shape[0], 1).contiguous(), w_inv
         else:
             scale_a, scale_b = x_inv, w_inv
