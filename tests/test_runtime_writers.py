@@ -173,22 +173,21 @@ def _mlp():
     return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
 
 
-def _other_thread_outputs(call, x, runtime, planned_call=None):
-    """``call(x)`` on a second thread while this thread is inside ``runtime``; also this thread's
-    own planned output, computed while the other thread runs."""
-    started, done, result = threading.Event(), threading.Event(), {}
+def _other_thread_outputs(call, x, runtime):
+    """``call(x)`` on a second thread while this thread is inside ``runtime``, and this thread's
+    own output inside it. The two calls do not overlap: Dynamo's compilation is not thread-safe
+    (torch 2.11 segfaults compiling in two threads at once), and overlap is not what leaked."""
+    result = {}
 
     def other():
-        started.set()
         result["other"] = [call(x) for _ in range(3)]
-        done.set()
 
     with torch.no_grad(), runtime:
+        result["mine"] = call(x)
         thread = threading.Thread(target=other)
         thread.start()
-        started.wait()
-        result["mine"] = (planned_call or call)(x)
         thread.join()
+        result["mine_after"] = call(x)
     return result
 
 
@@ -201,6 +200,7 @@ def test_a_plan_applies_only_to_the_thread_that_entered_it(fmt):
     result = _other_thread_outputs(model, x, runtime)
     assert all(torch.equal(out, plain) for out in result["other"])
     assert not torch.equal(result["mine"].float(), plain)  # this thread did run the plan
+    assert torch.equal(result["mine_after"], result["mine"])  # and still does after the other ran
     assert sqnr(plain, result["mine"]) > SQNR_FLOOR.get(fmt, 30.0) - 6
 
 
@@ -226,11 +226,15 @@ def test_a_compiled_model_runs_the_plan_only_in_the_entering_thread(fmt):
 def _plan(model, name):
     if name == "mixed":
         return ap.Plan.uniform(model, "fp8_e4m3").with_layers({"2": "bf16"})
+    if name == "fp8+fp32":  # an FP32 layer's wrapper calls the module's own forward
+        return ap.Plan.uniform(model, "fp8_e4m3").with_layers({"2": "fp32"})
     return ap.Plan.uniform(model, name, calibration=ap.Calibration(batches=1))
 
 
-@pytest.mark.parametrize("name", ["fp8_e4m3", "int8", "bf16", "mixed"])
+@pytest.mark.parametrize("name", ["fp8_e4m3", "int8", "bf16", "mixed", "fp8+fp32"])
 def test_a_step_compiled_whole_with_the_region_inside_has_no_graph_break(name):
+    """On torch 2.11 the fp8+fp32 case broke the graph when a wrapper called the module's forward
+    through ``function.__get__``, which that Dynamo cannot trace."""
     model, x = _mlp(), torch.randn(16, 64)
     runtime = ap.apply_plan(model, _plan(model, name))
 

@@ -365,8 +365,11 @@ class PlanRuntime:
             if not state.active or self_module is not module:
                 # A deep copy of the model carries this method re-bound to the copy: it runs the
                 # copy's own forward, never this module's weights.
-                own = previous if had_own and self_module is module else type(self_module).forward.__get__(self_module)
-                return own(*args, **kwargs)
+                # type(m).forward(m, ...), not a bound method made with __get__: torch 2.11's
+                # Dynamo cannot trace function.__get__ and would break the graph here.
+                if had_own and self_module is module:
+                    return previous(*args, **kwargs)
+                return type(self_module).forward(self_module, *args, **kwargs)
             if direct_linear:
                 return runtime._linear(layer, args[0] if args else kwargs["input"], module.weight, module.bias)
             if fmt is Format.FP32:
@@ -380,7 +383,9 @@ class PlanRuntime:
             state.stack.append(layer)
             try:
                 with scope, (runtime._layer_mode(state) if enter_mode else contextlib.nullcontext()):
-                    return (previous if had_own else type(module).forward.__get__(module))(*args, **kwargs)
+                    if had_own:
+                        return previous(*args, **kwargs)
+                    return type(module).forward(module, *args, **kwargs)
             finally:
                 state.stack.pop()
 
