@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import types
 import warnings
-import os
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -360,16 +360,20 @@ class PlanRuntime:
             layer.ops = {"*": f"torch.autocast({device_type!r}, {fmt.dtype})"}
         runtime = self
 
+        def own_forward(m, args, kwargs):
+            """``m``'s forward without the plan: the user's instance forward, if this module had
+            one, else its class's. ``type(m).forward(m, ...)``, not a method bound with
+            ``__get__``: torch 2.11's Dynamo cannot trace ``function.__get__`` (a graph break)."""
+            if had_own and m is module:
+                return previous(*args, **kwargs)
+            return type(m).forward(m, *args, **kwargs)
+
         def forward(self_module, *args, **kwargs):
             state = threads.state
             if not state.active or self_module is not module:
                 # A deep copy of the model carries this method re-bound to the copy: it runs the
                 # copy's own forward, never this module's weights.
-                # type(m).forward(m, ...), not a bound method made with __get__: torch 2.11's
-                # Dynamo cannot trace function.__get__ and would break the graph here.
-                if had_own and self_module is module:
-                    return previous(*args, **kwargs)
-                return type(self_module).forward(self_module, *args, **kwargs)
+                return own_forward(self_module, args, kwargs)
             if direct_linear:
                 return runtime._linear(layer, args[0] if args else kwargs["input"], module.weight, module.bias)
             if fmt is Format.FP32:
@@ -383,9 +387,7 @@ class PlanRuntime:
             state.stack.append(layer)
             try:
                 with scope, (runtime._layer_mode(state) if enter_mode else contextlib.nullcontext()):
-                    if had_own:
-                        return previous(*args, **kwargs)
-                    return type(module).forward(module, *args, **kwargs)
+                    return own_forward(module, args, kwargs)
             finally:
                 state.stack.pop()
 
