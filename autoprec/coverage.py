@@ -104,6 +104,15 @@ class LayerInfo:
     def to_dict(self) -> dict:
         return {"module": self.module, "ops": list(self.ops), "params": {k: list(v) for k, v in self.params.items()}}
 
+    def role(self, fqn: str) -> str:
+        """What layers of one role share: the fqn with its numeric parts (block indices) as
+        ``*``, the class, the ops and the parameter shapes. The layers of one role (the same
+        projection in every block of a transformer) cost the same seconds and bytes, so one
+        measurement serves them all (the scheduler's search)."""
+        pattern = ".".join("*" if part.isdigit() else part for part in fqn.split("."))
+        shapes = ",".join(f"{k}{list(v)}" for k, v in sorted(self.params.items()))
+        return f"{pattern}|{self.module}|{','.join(self.ops)}|{shapes}"
+
     @classmethod
     def from_dict(cls, data: Mapping) -> "LayerInfo":
         """The entry a plan or profile file holds; `ValueError` naming the field that is wrong."""

@@ -277,6 +277,11 @@ class RankAgreement:
             scheduler._adopt(outcome)
         self.verify("plan", plan_hash(scheduler.plan))
 
+    def share(self, value: Any) -> Any:
+        """Rank 0's ``value`` (JSON-like) on every rank: one ``broadcast_object_list``. The
+        scheduler's search sends its candidate plans (or its error) this way, once they exist."""
+        return self._broadcast(value)
+
     def reduce_window(self, profiler, loss_sum: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Sum / max the profiler's window accumulators and the loss sum across ranks, in place
         (three all-reduces); returns the reduced loss sum."""

@@ -73,9 +73,13 @@ position); the decisions themselves live elsewhere (`policy`, `search.pipeline`,
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
+import math
+import statistics
+import time
 import warnings
 from typing import Any, Mapping, Optional, Sequence
 
@@ -84,6 +88,7 @@ import torch.nn as nn
 
 from ._binding import ModelWatch
 from .calls import ModelCall, loss_of, prediction_of
+from .costs.inplace import StepTimer
 from .coverage import LayerInfo, find_layers
 from .device import format_support
 from .distributed import RankAgreement, grad_comm_format, unwrap_ddp
@@ -95,6 +100,7 @@ from .policy import PolicyState, PrecisionChange, demotions, promotions, window_
 from .runtime import EmulationWarning, apply_plan
 from .scaling import LossScaler, LossScaling
 from .scheduler_config import SchedulerConfig, Thresholds
+from .search.training import TrainingSearch
 
 __all__ = ["DynamicPrecisionScheduler", "SchedulerConfig", "LossScaling", "Thresholds", "PrecisionChange"]
 
@@ -143,11 +149,13 @@ _STATE_FIELDS: dict[str, tuple[Any, str]] = {
     "stable": (lambda v: isinstance(v, Mapping) and all(_count(n) for n in v.values()), "a dict of layer -> count >= 0"),
     "wait": (lambda v: isinstance(v, Mapping) and all(_count(n) for n in v.values()), "a dict of layer -> count >= 0"),
     "previous_amax": (lambda v: isinstance(v, Mapping), "a dict of layer -> amax"),
+    "search": (_optional_dict, "None or the search in progress (TrainingSearch.state_dict())"),
+    "known_times": (lambda v: isinstance(v, Mapping) and all(isinstance(t, (int, float)) for t in v.values()), "a dict of 'role|format' -> seconds"),
 }
 
 
 # Fields added within state version 2, with the value a state saved without them means.
-_LATER_STATE: dict[str, Any] = {"window_skipped": 0, "search_failures": 0, "retry_at": None}
+_LATER_STATE: dict[str, Any] = {"window_skipped": 0, "search_failures": 0, "retry_at": None, "search": None, "known_times": {}}
 
 
 def _check_state_fields(state: Mapping[str, Any]) -> None:
@@ -244,6 +252,17 @@ class DynamicPrecisionScheduler:
         # non-finite, and disarmed after a window without one: clean training does not pay them.
         self._watch_outputs = False
         self._nonfinite_losses = 0  # this window's
+        # The search in progress (`search.training`), spread over the steps after the window,
+        # and what each step ran for it: its kind, its start, its per-layer timer, its bytes.
+        self._searching: Optional[TrainingSearch] = None
+        self._step_kind: Optional[str] = None
+        self._step_started: Optional[float] = None
+        self._step_timer: Optional[StepTimer] = None
+        self._step_bytes: Optional[int] = None
+        self._recent_steps: collections.deque = collections.deque(maxlen=64)  # seconds of safe-precision steps
+        # "role|format" -> seconds and "rest", measured by probe steps on this device: a later
+        # search (a retry) does not probe again.
+        self._known_times: dict[str, float] = {}
         self.scaler = self._new_scaler(enabled=False)
         self._writer = None
 
@@ -259,10 +278,13 @@ class DynamicPrecisionScheduler:
 
     @property
     def phase(self) -> str:
-        """"unbound" (before the first forward), "profiling" (the first window), "planned", or
-        "safe" (the search failed, see `last_search_error`: training stays at the safe precision)."""
+        """"unbound" (before the first forward), "profiling" (the first window), "searching" (the
+        steps after it, while the search runs: `search.training`), "planned", or "safe" (the search
+        failed, see `last_search_error`: training stays at the safe precision)."""
         if self._example is None:
             return "unbound"
+        if self._searching is not None:
+            return "searching"
         if self.plan is None:
             return "safe" if self.last_search_error is not None else "profiling"
         return "planned"
@@ -314,7 +336,9 @@ class DynamicPrecisionScheduler:
         detached = loss.detach().float()
         self._last_loss = detached
         self._backward_due = False
-        if self.plan is None:
+        if self._step_timer is not None:  # a probe step: hook the autograd nodes of each layer
+            self._step_timer.before_backward(loss)
+        if self.phase == "profiling":
             # (sum of the finite losses, how many were finite): a NaN batch must not make the
             # baseline NaN (it would switch the accuracy budget off). No host sync.
             finite = torch.isfinite(detached)
@@ -390,6 +414,7 @@ class DynamicPrecisionScheduler:
             self._writer.log_step(self.step_count, loss=self._last_loss, loss_scale=self.scaler.scale_tensor, skipped=skipped)
         if self.config.dynamic and self.plan is not None:
             self._on_nonfinite(nonfinite, first_bad_output)
+        self._end_step(skipped)
         self._advance()
         return not skipped
 
@@ -511,7 +536,7 @@ class DynamicPrecisionScheduler:
         if self._fixed_plan is not None:
             self._set_plan(self._fixed_plan, "the given plan")
         else:
-            safe = Format.FP32 if self.config.max_precision == 32 else Format.BF16
+            safe = self._safe_format()
             if safe is not Format.FP32:
                 self._set_plan(Plan({fqn: LayerPrecision(safe, reason="safe precision while profiling") for fqn in self.layers}), "profiling", searched=False)
                 self.plan = None  # still profiling: the search has not run
@@ -524,7 +549,19 @@ class DynamicPrecisionScheduler:
         if not self._output_checked:  # once: the first forward under the scheduler
             handle = self.model.register_forward_hook(self._check_output, with_kwargs=True)
             stack.callback(handle.remove)
-        if self._runtime is not None:
+        self._step_started = time.perf_counter()
+        entry = self._searching.step_runtime() if self._searching is not None else None
+        self._step_kind = entry[0] if entry is not None else None
+        if entry is not None:  # a probe or trial step of the search: its runtime instead of the safe one
+            stack.enter_context(warnings.catch_warnings())
+            warnings.simplefilter("ignore", EmulationWarning)  # the adopted plan names its emulated layers
+            stack.enter_context(entry[1])
+            if self._step_kind == "probe":
+                self._step_timer = StepTimer(self.model, self.layers).__enter__()
+            if self._searching.wants_bytes():
+                meter = stack.enter_context(SavedTensorMeter(list(self.model.parameters())))
+                stack.callback(lambda: setattr(self, "_step_bytes", meter.total_bytes))
+        elif self._runtime is not None:
             stack.enter_context(self._runtime)
         if self._meter_next:
             meter = stack.enter_context(SavedTensorMeter(list(self.model.parameters())))
@@ -588,17 +625,21 @@ class DynamicPrecisionScheduler:
             self._runtime.remove()
             self._runtime = None
 
-    def _set_plan(self, plan: Plan, why: str, searched: bool = True) -> None:
-        """Install ``plan``: a new runtime keeping the amax histories and calibration of layers
-        whose precision did not change; the scaler switched on or off as the plan needs."""
+    def _set_plan(self, plan: Plan, why: str, searched: bool = True, runtime: Any = None) -> None:
+        """Install ``plan``: a new runtime (or ``runtime``, one already installed for it: a trial's)
+        keeping the amax histories and calibration of layers whose precision did not change; the
+        scaler switched on or off as the plan needs."""
         old = self._runtime
         if old is not None:
             old.remove()  # its layer wrappers off the model before the new plan's go on
-        runtime = apply_plan(self.model, plan, validate=False)
-        if old is not None:
-            kept = {fqn: s for fqn, s in old.state_dict()["layers"].items() if fqn in plan.layers and old.plan.layers.get(fqn) == plan.layers[fqn]}
-            runtime.load_state_dict({"layers": kept})
+        if runtime is None:
+            runtime = apply_plan(self.model, plan, validate=False)
+            if old is not None:
+                kept = {fqn: s for fqn, s in old.state_dict()["layers"].items() if fqn in plan.layers and old.plan.layers.get(fqn) == plan.layers[fqn]}
+                runtime.load_state_dict({"layers": kept})
         self._runtime = runtime if any(lp.format is not Format.FP32 for lp in plan.layers.values()) else None
+        if self._runtime is None:
+            runtime.remove()  # an all-FP32 plan runs the model as it is
         self.plan = plan
         if searched and self.searched_plan is None:
             self.searched_plan = plan
@@ -616,6 +657,10 @@ class DynamicPrecisionScheduler:
         logger.info("autoprec: step %d: %s %s -> %s (%s)", self.step_count, fqn, old.value, new.value, reason)
         if self._writer is not None:
             self._writer.log_change(self.step_count, fqn, old, new, reason)
+
+    def _safe_format(self) -> Format:
+        """The precision of the profiling window and of a failed search."""
+        return Format.FP32 if self.config.max_precision == 32 else Format.BF16
 
     def _ladder(self) -> list[Format]:
         """The formats a promotion may go to, narrowest first: BF16 and FP32 within the bounds,
@@ -661,7 +706,7 @@ class DynamicPrecisionScheduler:
         self._profiler.attach()
 
     def _advance(self) -> None:
-        if not self.config.dynamic:
+        if not self.config.dynamic or self._searching is not None:
             return
         if self.phase == "safe":
             self._maybe_retry()
@@ -683,19 +728,22 @@ class DynamicPrecisionScheduler:
         profiler, self._profiler = self._profiler, None
         if profiler is not None:
             profiler.detach()
-
-        def decide():
-            profile = profiler.profile() if profiler is not None and profiler.steps else None
-            self._search(profile) if self.plan is None else self._review_window(profile)
-
-        if self.plan is not None and self._runtime is not None:  # on every rank, before the review
+        # On every rank: the accumulators were reduced, so every rank's profile is the same.
+        profile = profiler.profile() if profiler is not None and profiler.steps else None
+        if self.plan is None:
+            self._start_search(profile)
+            return
+        if self._runtime is not None:  # on every rank, before the review
             int8 = [fqn for fqn, lp in self.plan.layers.items() if lp.format is Format.INT8]
             if int8:
                 self._runtime.recalibrate(int8)
         if self._dist is None:
-            decide()
+            self._review_window(profile)
         else:
-            self._dist.decide(self, decide)
+            self._dist.decide(self, lambda: self._review_window(profile))
+        self._next_window()
+
+    def _next_window(self) -> None:
         self.window_start = self.step_count
         self._window_nonfinite = {}
         self._window_skipped = 0
@@ -726,10 +774,9 @@ class DynamicPrecisionScheduler:
         if self.config.dynamic and self.plan is not None and self._profiler is None and self.step_count >= self.window_start + self.config.monitor_window - self.config.profiled_steps:
             self._start_profiler(self.config.profiled_steps)
 
-    def _search(self, profile) -> None:
-        """The first window's search (see the module doc); on failure keep the safe precision."""
-        from .search.pipeline import propose_plans
-
+    def _start_search(self, profile) -> None:
+        """The first window's search (see the module doc), spread over the next training steps
+        (`search.training.TrainingSearch`); rank 0 does its off-path work."""
         loss = None
         if self._loss_count:
             total, finite = (float(v) for v in self._loss_sum)  # one host sync per search
@@ -737,36 +784,118 @@ class DynamicPrecisionScheduler:
                 logger.warning("autoprec: step %d: %d of the window's %d losses were NaN / inf; the baseline loss is the mean of the other %d",
                                self.step_count, self._loss_count - int(finite), self._loss_count, int(finite))
             loss = total / finite if finite else None
+        self._new_search(profile, loss, median_step=statistics.median(self._recent_steps) if self._recent_steps else None,
+                         safe_bytes=None if self._meter_bytes is None else (self._safe_format(), self._meter_bytes))
+        logger.info("autoprec: step %d: searching over the next training steps (%d probe steps, then the candidates)", self.step_count, self._searching.probe_steps)
+        self._advance_search()  # its first slice in this step
+
+    def _new_search(self, profile, baseline_loss: Optional[float], restore: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> None:
         batches = [(call, grad) for call, grad in self._captured if grad is not None]
-        self.scaler.unwatch()  # the search's own forwards are not training steps
+        lead = self._dist is None or self._dist.rank == 0
+        self.scaler.unwatch()  # its hooks must not be copied into the search's snapshot
         try:
-            if not batches:
-                raise SearchError("no output gradients were captured in the window's last steps; call scheduler.backward(loss) inside the loop")
-            c = self.config
-            # The exact optimum of the predictions (k = 1: nothing is measured here to choose among more).
-            proposal = propose_plans(self.model, self._example, batches, _LinearisedLoss(), profile, budgets=c.budgets, baseline_loss=loss,
-                                     formats=c.candidates, rules=c.rules, min_precision=c.min_precision, max_precision=c.max_precision,
-                                     lr=c.lr, metadata={"step": self.step_count, "source": "DynamicPrecisionScheduler"},
-                                     fingerprint=self._fingerprint, time_limit=c.search_timeout_s, measure=c.measure_costs)
-            plan = proposal.plans[0]
-        except AutoprecError as exc:
-            self.last_search_error = str(exc)
-            if isinstance(exc, InfeasibleBudgetError):  # the budgets do not change with the data: final
-                logger.warning("autoprec: step %d: search failed, training stays at the safe precision: %s", self.step_count, exc)
-                return
-            self._search_failures += 1
-            wait = 2 ** (self._search_failures - 1)
-            self._retry_at = self.step_count + wait * self.config.monitor_window
-            logger.warning("autoprec: step %d: search failed, training stays at the safe precision and searches again after %d window(s) (step %d): %s",
-                           self.step_count, wait, self._retry_at, exc)
-            return
+            self._searching = TrainingSearch(
+                self.model, self._example, batches, _LinearisedLoss(), profile, config=self.config, baseline_loss=baseline_loss,
+                fingerprint=self._fingerprint, step=self.step_count, known=self._known_times, lead=lead, restore=restore, **kwargs,
+            )
         finally:
-            self._captured = []
             self._watch()
-        self._search_failures = 0
-        self._set_plan(plan, f"searched after {self.step_count} steps")
-        if self._writer is not None and self._meter_bytes is not None:
-            self._writer.log_memory(self.step_count, predicted_bytes=plan.predicted.get("bytes"), measured_bytes=self._meter_bytes)
+        if lead and not batches and self._searching.candidates is None:
+            self._searching.fail(SearchError("no output gradients were captured in the window's last steps; call scheduler.backward(loss) inside the loop"))
+
+    def _resume_search(self, state: Mapping[str, Any]) -> None:
+        """The search a checkpoint was taken in, continued (`TrainingSearch.state_dict`)."""
+        from .profiling import Profile
+
+        profile = None if state["profile"] is None else Profile.from_dict(state["profile"])
+        self._new_search(profile, state["baseline_loss"], restore=state)
+
+    def _close_search(self) -> None:
+        """Drop a search in progress (its runtimes off the model, the step's timer removed)."""
+        if self._step_timer is not None:
+            self._step_timer.__exit__(None, None, None)
+            self._step_timer = None
+        if self._searching is not None:
+            self._searching.close()
+            self._searching = None
+
+    def _end_step(self, skipped: bool) -> None:
+        """Time the step just run; while searching, report it and give the search its slice."""
+        seconds = time.perf_counter() - self._step_started if self._step_started is not None else None
+        self._step_started = None
+        search = self._searching
+        if search is None:
+            if seconds is not None and self.plan is None:
+                self._recent_steps.append(seconds)
+            return
+        layer_seconds = None
+        if self._step_timer is not None:
+            layer_seconds = self._step_timer.finish()[0]
+            self._step_timer.__exit__(None, None, None)
+            self._step_timer = None
+        search.record(self._step_kind, seconds if seconds is not None else 0.0, layer_seconds=layer_seconds, saved_bytes=self._step_bytes, skipped=skipped)
+        self._step_kind, self._step_bytes = None, None
+        if search.median_step is None and seconds is not None:
+            search.median_step = seconds
+        self._advance_search()
+
+    def _advance_search(self) -> None:
+        """The search's slice of off-path work after a step; rank 0's candidates to the others;
+        the result in force once the search is done."""
+        search = self._searching
+        slice_ = self.config.search_slice
+        search.work(math.inf if slice_ is None or search.median_step is None else slice_ * search.median_step)
+        if self._dist is not None and not search.shared:
+            # Rank 0's candidates (or its error) reach every rank at the same step: one broadcast
+            # per step until they exist (every rank calls it: none knows before rank 0 is done).
+            ready = search.candidates is not None or search.error is not None
+            shared = self._dist.share(None if not ready else
+                                      {"plans": [p.to_dict() for p in search.candidates or []], "error": None if search.error is None else str(search.error)})
+            if shared is not None:
+                search.shared = True
+                if self._dist.rank != 0:
+                    search.fail(SearchError(shared["error"])) if shared["error"] else search.set_candidates([Plan.from_dict(p) for p in shared["plans"]])
+        if search.done:
+            self._finish_search()
+
+    def _finish_search(self) -> None:
+        """Adopt the search's result (on rank 0; the others adopt rank 0's decision), or keep the
+        safe precision on failure; log its timeline."""
+        search, self._searching = self._searching, None
+
+        def decide():
+            if search.error is not None:
+                self._search_failed(search.error)
+            else:
+                self._search_failures = 0
+                self._set_plan(search.result, f"searched after {search.started} steps, tried on {search.steps} training steps", runtime=search.take_runtime())
+                if self._writer is not None:
+                    self._writer.log_memory(self.step_count, predicted_bytes=search.result.predicted.get("bytes"), measured_bytes=search.result.measured.get("saved_bytes"))
+
+        try:
+            if self._dist is None:
+                decide()
+            else:
+                self._dist.decide(self, decide)
+        finally:
+            search.close()
+            self._captured = []
+        logger.info("autoprec: step %d: %s", self.step_count, search.summary())
+        if self._writer is not None:
+            self._writer.log_search(self.step_count, search.timeline, longest_step_ratio=search.longest_step / search.median_step if search.median_step else None)
+        self._next_window()
+
+    def _search_failed(self, exc: AutoprecError) -> None:
+        """Keep the safe precision; retry later unless no plan meets the budgets (module doc)."""
+        self.last_search_error = str(exc)
+        if isinstance(exc, InfeasibleBudgetError):  # the budgets do not change with the data: final
+            logger.warning("autoprec: step %d: search failed, training stays at the safe precision: %s", self.step_count, exc)
+            return
+        self._search_failures += 1
+        wait = 2 ** (self._search_failures - 1)
+        self._retry_at = self.step_count + wait * self.config.monitor_window
+        logger.warning("autoprec: step %d: search failed, training stays at the safe precision and searches again after %d window(s) (step %d): %s",
+                       self.step_count, wait, self._retry_at, exc)
 
     def _review_window(self, profile) -> None:
         """Re-calibrate, promote on thresholds, demote after quiet windows (hysteresis)."""
@@ -788,6 +917,7 @@ class DynamicPrecisionScheduler:
             "plan": None if self.plan is None else self.plan.to_dict(),
             "searched_plan": None if self.searched_plan is None else self.searched_plan.to_dict(),
             "changes": [c.to_dict() for c in self.changes], "policy": self._policy.to_dict(), "last_search_error": self.last_search_error,
+            "search_failures": self._search_failures, "retry_at": self._retry_at,
         }
 
     def _adopt(self, decision: Mapping[str, Any]) -> None:
@@ -795,6 +925,7 @@ class DynamicPrecisionScheduler:
         self.changes = [PrecisionChange.from_dict(c) for c in decision["changes"]]
         self._policy = PolicyState.from_dict(decision["policy"])
         self.last_search_error = decision["last_search_error"]
+        self._search_failures, self._retry_at = decision["search_failures"], decision["retry_at"]  # every rank retries at one step
         self.searched_plan = None if decision["searched_plan"] is None else Plan.from_dict(decision["searched_plan"])
         self._captured = []  # rank 0's search consumed its own; these are spent too
         plan = None if decision["plan"] is None else Plan.from_dict(decision["plan"])
@@ -828,6 +959,8 @@ class DynamicPrecisionScheduler:
             "scaler_enabled": self.scaler.enabled,
             "runtime": None if self._runtime is None else self._runtime.state_dict(),
             "profiler": None if self._profiler is None else {"window": self._profiler.window, "state": self._profiler.state_dict()},
+            "search": None if self._searching is None else self._searching.state_dict(),
+            "known_times": dict(self._known_times),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -862,7 +995,8 @@ class DynamicPrecisionScheduler:
         self.changes = [PrecisionChange.from_dict(c) for c in state["changes"]]
         self._policy = PolicyState.from_dict(state)
         self._window_nonfinite = dict(state["window_nonfinite"])
-        self._window_skipped, self._search_failures, self._retry_at = (state.get(k, d) for k, d in _LATER_STATE.items())
+        self._window_skipped, self._search_failures, self._retry_at, search, known = (state.get(k, d) for k, d in _LATER_STATE.items())
+        self._known_times = dict(known)
         self._loss_sum, self._loss_count = state["loss_sum"], state["loss_count"]
         self._captured = [[ModelCall.from_state(call), grad] for call, grad in state["captured"]]
         self._meter_next = state["meter_next"]
@@ -881,6 +1015,9 @@ class DynamicPrecisionScheduler:
         if state["profiler"] is not None:
             self._start_profiler(state["profiler"]["window"])
             self._profiler.load_state_dict(state["profiler"]["state"])
+        self._close_search()
+        if search is not None:
+            self._resume_search(search)
 
     def _check_state_fits(self, state: Mapping[str, Any]) -> None:
         """`RuntimeStateError` when ``state`` was saved for another model (layer names or
@@ -909,6 +1046,7 @@ class DynamicPrecisionScheduler:
 
     def close(self) -> None:
         """Remove hooks and the plan's layer wrappers, and flush the TensorBoard writer."""
+        self._close_search()
         self._drop_runtime()
         if self._profiler is not None:
             self._profiler.detach()

@@ -61,7 +61,11 @@ class SchedulerConfig:
     bytes (<= 1) or bytes; ``accuracy_budget``: the allowed loss increase, relative to the first
     window's mean training loss (or absolute with ``accuracy_relative=False``); None leaves a
     budget open. ``formats``, ``rules``: the search's candidates and layer rules;
-    ``search_timeout_s`` bounds the integer program that finds the plan; ``lr``: the learning
+    ``search_timeout_s`` bounds the integer program that finds the plan; ``search_slice``: the
+    search's work after each training step while it runs, in median steps (a step then takes
+    about ``1 + search_slice`` times the median, plus at most one unit of work; see
+    `search.training`), or None: all of it in the window's last step (one long step; with
+    ``measure_costs=False`` the plan is then in force from the next step); ``lr``: the learning
     rate the sensitivity's gradient term assumes. ``loss_scaling``, ``max_grad_norm`` (clip the unscaled
     gradients; None: no clipping), ``thresholds`` (when layers are promoted and demoted),
     ``monitor_steps`` (profiled steps at the end of each window), ``log_dir`` (TensorBoard).
@@ -87,6 +91,7 @@ class SchedulerConfig:
     formats: tuple[Format, ...] = DEFAULT_CANDIDATES
     rules: LayerRules = LayerRules()
     search_timeout_s: float = 60.0
+    search_slice: Optional[float] = 1.0
     lr: float = 1e-3
     loss_scaling: LossScaling = LossScaling()
     max_grad_norm: Optional[float] = None
@@ -112,6 +117,7 @@ class SchedulerConfig:
             ("accuracy_budget", True, True, "a finite loss increase >= 0, or None"),
             ("lr", False, False, "the finite learning rate > 0"),
             ("search_timeout_s", False, False, "a finite number of seconds > 0"),
+            ("search_slice", True, False, "a finite number of median steps > 0 (1.0: a step about twice the median), or None (all at once)"),
         ):
             value = getattr(self, name)
             if value is None and optional:

@@ -297,7 +297,7 @@ def steps(model, sch, opt, n, poison=lambda i: False):
 
 
 def small_scheduler(**kwargs):
-    settings = dict(monitor_window=6, monitor_steps=3, memory_budget=0.9, accuracy_budget=0.05, measure_costs=False)
+    settings = dict(monitor_window=6, monitor_steps=3, memory_budget=0.9, accuracy_budget=0.05, measure_costs=False, search_slice=None)
     settings.update(kwargs)
     return DynamicPrecisionScheduler(**settings)
 
@@ -345,7 +345,7 @@ def saved_int8_state():
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(16, 8)
-    sch = DynamicPrecisionScheduler.from_plan(model, Plan.uniform(model, Format.INT8, x), dynamic=True, monitor_window=50, measure_costs=False)
+    sch = DynamicPrecisionScheduler.from_plan(model, Plan.uniform(model, Format.INT8, x), dynamic=True, monitor_window=50, measure_costs=False, search_slice=None)
     steps(model, sch, opt, 2)
     return sch.state_dict()
 
@@ -516,7 +516,7 @@ def test_a_config_runs_as_its_keywords_do():
 
     from autoprec.scheduler_config import SchedulerConfig
 
-    config = SchedulerConfig(monitor_window=6, monitor_steps=3, memory_budget=0.9, accuracy_budget=0.05, measure_costs=False)
+    config = SchedulerConfig(monitor_window=6, monitor_steps=3, memory_budget=0.9, accuracy_budget=0.05, measure_costs=False, search_slice=None)
     losses = {}
     for how in ("config", "keywords"):
         torch.manual_seed(0)

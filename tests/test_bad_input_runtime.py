@@ -154,7 +154,7 @@ def test_a_plan_on_a_meta_model_is_refused_until_it_is_materialised():
 
 def test_the_scheduler_refuses_a_model_run_on_the_meta_device():
     model = _meta_mlp()
-    sch = ap.DynamicPrecisionScheduler(monitor_window=2, memory_budget=0.8, accuracy_budget=0.05, measure_costs=False)
+    sch = ap.DynamicPrecisionScheduler(monitor_window=2, memory_budget=0.8, accuracy_budget=0.05, measure_costs=False, search_slice=None)
     with pytest.raises(ap.RuntimeStateError, match="meta device inside precision_context"):
         with sch.precision_context():
             model(torch.randn(4, 32, device="meta"))

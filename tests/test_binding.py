@@ -32,7 +32,7 @@ class Counted(nn.Module):
 
 
 def scheduler(**kwargs):
-    settings = dict(monitor_window=WINDOW, formats=("fp32", "bf16"), measure_costs=False, search_timeout_s=10)
+    settings = dict(monitor_window=WINDOW, formats=("fp32", "bf16"), measure_costs=False, search_slice=None, search_timeout_s=10)
     settings.update(kwargs)
     return DynamicPrecisionScheduler(**settings)
 

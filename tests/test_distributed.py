@@ -18,7 +18,7 @@ WINDOW = 4
 WORLD = 2
 GLOBAL_BATCH = 16
 TEACHER = torch.randn(32, 8, generator=torch.Generator().manual_seed(7))
-SETTINGS = dict(monitor_window=WINDOW, monitor_steps=2, memory_budget=0.9, accuracy_budget=0.05, measure_costs=False,
+SETTINGS = dict(monitor_window=WINDOW, monitor_steps=2, memory_budget=0.9, accuracy_budget=0.05, measure_costs=False, search_slice=None,
                 thresholds=Thresholds(nonfinite_steps=1), search_timeout_s=20.0)
 
 

@@ -22,7 +22,7 @@ from autoprec.plan import Plan  # noqa: E402
 
 WINDOW = 10
 STEPS = 40
-SETTINGS = dict(monitor_window=WINDOW, monitor_steps=4, memory_budget=0.9, accuracy_budget=0.05, measure_costs=False, search_timeout_s=10)
+SETTINGS = dict(monitor_window=WINDOW, monitor_steps=4, memory_budget=0.9, accuracy_budget=0.05, measure_costs=False, search_slice=None, search_timeout_s=10)
 
 
 class Classifier(L.LightningModule):
@@ -187,7 +187,7 @@ def fp32_gradient_norm(batch):
 @pytest.mark.parametrize("algorithm", ["norm", "value"])
 def test_gradient_clipping_runs_on_unscaled_gradients(tmp_path, algorithm):
     lr, clip = 1.0, 1e-2
-    plugin = AutoprecPrecision(plan=fp16_plan(), dynamic=False, monitor_window=WINDOW, measure_costs=False)
+    plugin = AutoprecPrecision(plan=fp16_plan(), dynamic=False, monitor_window=WINDOW, measure_costs=False, search_slice=None)
     record = Record()
     data = loader(shuffle=False)
     t = trainer(tmp_path, plugin, 5, callbacks=[record], gradient_clip_val=clip, gradient_clip_algorithm=algorithm)
@@ -289,7 +289,7 @@ def test_clipping_in_two_places_is_refused(tmp_path):
 def test_validation_in_inference_mode_between_training_steps_under_a_plan(tmp_path, fmt):
     # The runtime caches quantized weights per optimizer step; a cache filled under Lightning's
     # inference_mode validation must not break the next training step's backward.
-    plugin = AutoprecPrecision(plan=Plan.uniform(Classifier(), fmt, torch.randn(64, 16)), dynamic=False, monitor_window=WINDOW, measure_costs=False)
+    plugin = AutoprecPrecision(plan=Plan.uniform(Classifier(), fmt, torch.randn(64, 16)), dynamic=False, monitor_window=WINDOW, measure_costs=False, search_slice=None)
     module = Classifier()
     t = trainer(tmp_path, plugin, 20, limit_val_batches=2, num_sanity_val_steps=2, val_check_interval=5, check_val_every_n_epoch=None)
     t.fit(module, loader(), loader(shuffle=False, n=128))

@@ -22,7 +22,7 @@ from tb_events import accumulator  # noqa: E402
 
 WINDOW = 10
 STEPS = 40
-SETTINGS = dict(monitor_window=WINDOW, monitor_steps=4, memory_budget=0.9, accuracy_budget=0.05, measure_costs=False, search_timeout_s=10)
+SETTINGS = dict(monitor_window=WINDOW, monitor_steps=4, memory_budget=0.9, accuracy_budget=0.05, measure_costs=False, search_slice=None, search_timeout_s=10)
 
 
 def bert(seed=0):
@@ -136,7 +136,7 @@ def test_max_grad_norm_clips_the_unscaled_gradients(tmp_path):
     # update 4096 times smaller than lr x max_grad_norm.
     lr, clip = 1.0, 1e-2
     model = bert()
-    sch = DynamicPrecisionScheduler.from_plan(model, Plan.uniform(model, Format.FP16, {k: v[None] for k, v in dataset(1)[0].items() if k != "labels"}), monitor_window=WINDOW, measure_costs=False)
+    sch = DynamicPrecisionScheduler.from_plan(model, Plan.uniform(model, Format.FP16, {k: v[None] for k, v in dataset(1)[0].items() if k != "labels"}), monitor_window=WINDOW, measure_costs=False, search_slice=None)
     record = Updates(model)
     args = arguments(tmp_path, max_steps=4, optim="sgd", learning_rate=lr, weight_decay=0.0, lr_scheduler_type="constant", max_grad_norm=clip, logging_steps=1)
     trainer = AutoprecTrainer(model=model, args=args, train_dataset=dataset(), scheduler=sch, callbacks=[record])

@@ -161,7 +161,7 @@ def test_a_causal_lm_with_its_default_cache_trains_through_the_scheduler_to_a_pl
     ids = _ids()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = DynamicPrecisionScheduler(min_precision=8, max_precision=32, monitor_window=WINDOW, memory_budget=MEMORY[build.__name__[1:]],
-                                          accuracy_budget=0.01, measure_costs=False, search_timeout_s=20)
+                                          accuracy_budget=0.01, measure_costs=False, search_slice=None, search_timeout_s=20)
     losses = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EmulationWarning)  # no FP8 / INT8 kernel for attention on CPU

@@ -53,7 +53,7 @@ class GatedByKeyword(nn.Module):
 
 def scheduler(**kwargs):
     settings = dict(monitor_window=WINDOW, monitor_steps=2, formats=("fp32", "bf16", "fp8_e4m3"),
-                    measure_costs=False, search_timeout_s=10)
+                    measure_costs=False, search_slice=None, search_timeout_s=10)
     settings.update(kwargs)
     return DynamicPrecisionScheduler(**settings)
 

@@ -61,7 +61,7 @@ def trained(request):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sch = DynamicPrecisionScheduler(
         model, monitor_window=WINDOW, monitor_steps=2, memory_budget=0.8, formats=("fp32", "bf16", "fp8_e4m3"),
-        measure_costs=False, search_timeout_s=20,
+        measure_costs=False, search_slice=None, search_timeout_s=20,
     )
     losses = []
     with warnings.catch_warnings(record=True) as caught:

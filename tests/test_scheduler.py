@@ -18,7 +18,7 @@ WINDOW = 10
 
 
 def scheduler(**kwargs):
-    settings = dict(monitor_window=WINDOW, monitor_steps=5, memory_budget=0.8, accuracy_budget=0.05, measure_costs=False, max_grad_norm=1.0)
+    settings = dict(monitor_window=WINDOW, monitor_steps=5, memory_budget=0.8, accuracy_budget=0.05, measure_costs=False, search_slice=None, max_grad_norm=1.0)
     settings.update(kwargs)
     return DynamicPrecisionScheduler(**settings)
 
@@ -292,7 +292,7 @@ def test_micro_batches_reusing_weights_give_the_same_gradients_and_step_is_refus
     grads = {}
     for reuse in (False, True):
         trained = copy.deepcopy(model)
-        sch = DynamicPrecisionScheduler.from_plan(trained, plan, measure_costs=False)
+        sch = DynamicPrecisionScheduler.from_plan(trained, plan, measure_costs=False, search_slice=None)
         opt = torch.optim.SGD(trained.parameters(), lr=0.1)
         with torch.no_grad(), sch.precision_context():  # binds: the plan's runtime exists from here
             wl.loss(trained, batches[0])

@@ -77,7 +77,7 @@ def trained(request):
     reference = _fp32_losses(copy.deepcopy(model), batch, call)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = DynamicPrecisionScheduler(min_precision=8, max_precision=32, monitor_window=WINDOW, memory_budget=MEMORY[request.param.__name__],
-                                          accuracy_budget=ACCURACY, measure_costs=False, search_timeout_s=20)
+                                          accuracy_budget=ACCURACY, measure_costs=False, search_slice=None, search_timeout_s=20)
     losses = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EmulationWarning)  # no FP8 / INT8 kernel for attention on CPU

@@ -7,7 +7,7 @@ model of small layers the replays' sum can exceed the whole FP32 step several ti
 "the rest of the step" (step minus layers) becomes meaningless. Timed in place, a layer costs
 what it costs inside the step, and the rest is the step minus the layers of the same steps.
 
-How one step is attributed (`_StepTimer`):
+How one step is attributed (`StepTimer`):
 
 - **forward**: a pre- and post-forward hook per layer; a layer's time excludes the layers
   nested in it (an attention layer whose q/k/v projection is a layer of its own);
@@ -48,7 +48,7 @@ from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan
 from .trace import _forward
 
-__all__ = ["InPlaceTimes", "measure_in_place"]
+__all__ = ["InPlaceTimes", "StepTimer", "measure_in_place"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class _TooSlow(Exception):
     """Raised by a forward pre-hook once the step's deadline has passed."""
 
 
-class _StepTimer:
+class StepTimer:
     """Attributes one training step's time to layers (see the module docstring).
 
     Install once with `__enter__` (forward hooks), call `before_backward(loss)` between the
@@ -125,7 +125,7 @@ class _StepTimer:
         with torch.enable_grad():
             return self._probe.view(1).grad_fn._sequence_nr()
 
-    def __enter__(self) -> "_StepTimer":
+    def __enter__(self) -> "StepTimer":
         def pre(fqn):
             def hook(module, args):
                 if self.deadline is not None and time.perf_counter() > self.deadline:
@@ -241,7 +241,7 @@ def measure_in_place(
     clone.train()
     optimizer = torch.optim.AdamW(clone.parameters(), lr=1e-3)  # the value does not change the cost
     device = next(clone.parameters()).device
-    timer = _StepTimer(clone, layers)
+    timer = StepTimer(clone, layers)
     runtimes, results, first_steps, stopped = {}, {}, {}, {}
 
     def step(runtime, batch) -> tuple[float, tuple[dict[str, float], dict[str, float]]]:

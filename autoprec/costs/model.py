@@ -31,7 +31,7 @@ import logging
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -211,12 +211,19 @@ class CostModel:
         return costs
 
     def _measure_region_bytes(self, model, example_inputs, loss_fn) -> None:
+        for _ in self.region_bytes_steps(model, example_inputs, loss_fn):
+            pass
+
+    def region_bytes_steps(self, model: nn.Module, example_inputs: Any, loss_fn: Optional[Callable] = None,
+                           roles: "Mapping[str, str] | None" = None) -> Iterator[str]:
         """Bytes that depend on a layer's neighbours, measured: what ops outside layers save in a
         lowered region (activations between layers 2 bytes wide: a uniform BF16, else FP16,
         plan), and per layer the extra that keeping it FP32 inside that region costs (its FP32
         output makes the ops after it save FP32; half inputs are upcast copies). The extra is
         measured against half-precision neighbours, the most it can be, so predictions err on
-        the side of more memory. Costs one forward (autograd on, no backward) per layer + 1.
+        the side of more memory. A generator: one forward (autograd on, no backward) per unit,
+        the region first, then one per layer, or per role with ``roles`` (fqn -> `layer_roles`:
+        a layer takes the figure of the first layer of its role).
         """
         fmt = next((f for f in (Format.BF16, Format.FP16) if format_support(f, self.device).runnable), None)
         if fmt is None:
@@ -233,11 +240,20 @@ class CostModel:
         per_low, rest_low = saved(low)
         self.rest_saved_bytes = (self.trace.rest_saved_bytes, rest_low)
         total_low = sum(per_low.values()) + rest_low
+        yield "region"
+        by_role: dict[str, int] = {}
         for fqn in layers:
+            role = roles.get(fqn) if roles is not None else None
+            if role is not None and role in by_role:
+                self.fp32_in_region_bytes[fqn] = by_role[role]
+                continue
             per, rest = saved(low.with_layers({fqn: Format.FP32}))
             modelled = _saved(layer_memory(self._layer(fqn), LayerPrecision(Format.FP32), self.device)) - _saved(
                 layer_memory(self._layer(fqn), LayerPrecision(fmt), self.device))
             self.fp32_in_region_bytes[fqn] = max(0, sum(per.values()) + rest - total_low - modelled)
+            if role is not None:
+                by_role[role] = self.fp32_in_region_bytes[fqn]
+            yield fqn
 
     # -- queries ------------------------------------------------------------------------------
 

@@ -192,6 +192,17 @@ class TrainingWriter:
             values.append((f"train/{_name(name)}", _value(f"scalars[{name!r}]", v)))
         self._defer(step, values)
 
+    def log_search(self, step: int, timeline: Mapping[str, float], longest_step_ratio: Optional[float] = None) -> None:
+        """Buffer a search's timeline: ``search/<stage>_seconds`` per stage (off-path work, and
+        what probe and trial steps took beyond the median step) and ``search/longest_step_ratio``."""
+        if not self._live():
+            return
+        step = _step(step)
+        values = [(f"search/{_name(stage.replace(' ', '_'))}_seconds", float(seconds)) for stage, seconds in timeline.items()]
+        if longest_step_ratio is not None:
+            values.append(("search/longest_step_ratio", float(longest_step_ratio)))
+        self._defer(step, values)
+
     def log_layer_counts(self, step: int, counts: Mapping[str, Mapping[str, Any]]) -> None:
         """Buffer per-layer counts, ``{fqn: {"overflow": n, "underflow": n, "nonfinite": n}}``
         (any count names), as ``<name>/<fqn>``. Ints or one-element tensors; no sync."""

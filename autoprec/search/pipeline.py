@@ -30,7 +30,7 @@ from .exact import Solution, k_best
 from .planner import build_space, in_budget_terms, layer_reasons, plan_from_solution
 from .space import Budgets, LayerRules, SearchSpace
 
-__all__ = ["Space", "Optimum", "Proposal", "measure_space", "solve_in_budgets", "propose_plans"]
+__all__ = ["Space", "Optimum", "Proposal", "measure_space", "solve_in_budgets", "propose_plans", "propose_from"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +184,24 @@ def propose_plans(
     """
     found = measure_space(model, example_inputs, batches, loss_fn, profile, formats=formats, rules=rules,
                           min_precision=min_precision, max_precision=max_precision, lr=lr, **measure_kwargs)
+    return propose_from(found, budgets=budgets, baseline_loss=baseline_loss, k=k, rules=rules, metadata=metadata,
+                        fingerprint=fingerprint, time_limit=time_limit, source=source)
+
+
+def propose_from(
+    found: Space,
+    *,
+    budgets: Budgets,
+    baseline_loss: Optional[float],
+    k: int = 1,
+    rules: LayerRules,
+    metadata: Optional[Mapping[str, Any]] = None,
+    fingerprint: Any = None,
+    time_limit: Optional[float] = None,
+    source: str = "",
+) -> Proposal:
+    """`propose_plans` from a space already measured: the ``k`` best plans under ``budgets``
+    (`solve_in_budgets`), each a `Plan` with its reasons, predicted figures and metadata."""
     optimum = solve_in_budgets(found, budgets, baseline_loss, source, k, time_limit)
     budgets_meta = {
         "memory": budgets.memory, "memory_bytes": optimum.memory, "accuracy": budgets.accuracy,

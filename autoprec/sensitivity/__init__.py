@@ -75,7 +75,7 @@ calibration helpers), `fisher` (`FisherEstimator`, `estimate_sensitivity`), `mea
 (`measure_sensitivity`, `spearman`, `rank_agreement`).
 """
 
-from .fisher import FisherEstimator, estimate_sensitivity
+from .fisher import FisherEstimator, estimate_sensitivity, sensitivity_steps
 from .measured import measure_sensitivity, rank_agreement, spearman
 from .problem import Sensitivity, SensitivityEstimator, SensitivityProblem
 
@@ -85,6 +85,7 @@ __all__ = [
     "SensitivityEstimator",
     "FisherEstimator",
     "estimate_sensitivity",
+    "sensitivity_steps",
     "measure_sensitivity",
     "spearman",
     "rank_agreement",

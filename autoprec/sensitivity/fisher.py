@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Generator, Iterable, TypeVar
 
 import torch
 import torch.nn as nn
@@ -22,14 +22,26 @@ from ..plan import LayerPrecision
 from ..runtime import apply_plan, removing
 from ..scaling import DEFAULT_INIT_SCALE
 from .problem import (
-    LossFn, Sensitivity, SensitivityEstimator, SensitivityProblem, _calibrate, _Call, _callers, _eval_mode, _float_leaves,
+    LossFn, Sensitivity, SensitivityEstimator, SensitivityProblem, _calibrating, _Call, _callers, _eval_mode, _float_leaves,
     _Recorder, _resolve, _runtime_errors,
 )
 
-__all__ = ["FisherEstimator", "estimate_sensitivity"]
+__all__ = ["FisherEstimator", "estimate_sensitivity", "sensitivity_steps"]
 
 logger = logging.getLogger(__name__)
 
+
+
+_T = TypeVar("_T")
+
+
+def _drain(steps: Generator[Any, None, _T]) -> _T:
+    """Run a generator of units to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 # -- the default estimator ------------------------------------------------------------------------
@@ -113,7 +125,30 @@ class FisherEstimator(SensitivityEstimator):
         return {fqn: callers.get(fqn) or fqn for fqn in problem.layers}
 
     def estimate(self, problem: SensitivityProblem) -> Sensitivity:
-        start = time.perf_counter()
+        return _drain(self.estimate_steps(problem))
+
+    def estimate_steps(self, problem: SensitivityProblem) -> Generator[str, None, Sensitivity]:
+        """`estimate` in units, each at most one model forward + backward (INT8 calibration
+        rounds, the Adam second moment, one recorded batch) or one (layer, batch) re-run of the
+        layer's site in every format. The model stays in eval mode with the single-layer runtimes
+        installed until the generator ends: give it a model nothing else runs meanwhile (the
+        scheduler gives it a snapshot). ``metadata["seconds"]`` counts the units' own time."""
+        busy = 0.0
+        units = self._units(problem)
+        while True:
+            start = time.perf_counter()
+            try:
+                label = next(units)
+            except StopIteration as done:
+                forward, grad, b = done.value
+                busy += time.perf_counter() - start
+                break
+            busy += time.perf_counter() - start
+            yield label
+        meta = {"estimator": repr(self), "seconds": round(busy, 3)}
+        return Sensitivity({"forward": forward, "grad": grad}, total_of=("forward", "grad"), method=self.name, batches=b, metadata=meta)
+
+    def _units(self, problem: SensitivityProblem) -> Generator[str, None, tuple[dict, dict, int]]:
         model = problem.model
         lowered = {f: lp for f, lp in problem.candidates.items() if f is not Format.FP32}
         params = [p for p in model.parameters() if p.requires_grad]
@@ -125,18 +160,23 @@ class FisherEstimator(SensitivityEstimator):
         # and the gradient pass (which records delayed-scaling histories, as training does).
         fwd_rt = {(fqn, f): apply_plan(model, problem.plan_for(fqn, f), validate=False) for fqn in problem.layers for f in lowered}
         grad_rt = {key: apply_plan(model, problem.plan_for(*key), validate=False) for key in fwd_rt} if grad_term else {}
+        # Nothing here holds a grad-mode or autocast context across a yield (they are the
+        # thread's, and the caller trains between units); eval mode and the runtimes are the model's.
         with _eval_mode(model), removing([*fwd_rt.values(), *grad_rt.values()]):
             sites = self.sites(problem)
-            _calibrate(problem, fwd_rt, problem.batches)
+            yield "sites"
+            yield from _calibrating(problem, fwd_rt, problem.batches)
             for key, rt in grad_rt.items():
                 rt.load_state_dict(fwd_rt[key].state_dict())
             weight = self._second_moment(problem, params) if grad_term and self.optimizer == "adam" else None
+            yield "second moment"
             for batch in problem.batches:
                 recorder = _Recorder(model, list(dict.fromkeys(sites.values())))
                 with recorder:
                     loss, n = problem.loss(batch)
                 recorder.take_grads(loss, keep_graph=grad_term and self.upstream)
                 del loss
+                yield "recorded batch"
                 references = {}
                 for fqn in problem.layers:
                     site = sites[fqn]
@@ -151,12 +191,12 @@ class FisherEstimator(SensitivityEstimator):
                                 forward[(fqn, fmt)] += n / 2 * self._output_error(module, call, fwd_rt[(fqn, fmt)], n)
                                 if grad_term:
                                     grad[(fqn, fmt)] += self._grad_error(module, call, grad_rt[(fqn, fmt)], references[(site, i)], params, weight)
+                    yield fqn
                 del recorder, references
         b = len(problem.batches)
         forward = {k: v / b for k, v in forward.items()}
         grad = {k: self.lr / 4 * v / b for k, v in grad.items()}
-        meta = {"estimator": repr(self), "seconds": round(time.perf_counter() - start, 3)}
-        return Sensitivity({"forward": forward, "grad": grad}, total_of=("forward", "grad"), method=self.name, batches=b, metadata=meta)
+        return forward, grad, b
 
     def _second_moment(self, problem, params) -> list[torch.Tensor]:
         """Adam's preconditioner ``1 / (√v + ε)``, v = mean_b g_b² of the FP32 parameter
@@ -259,9 +299,31 @@ def estimate_sensitivity(
     ``estimator`` defaults to `FisherEstimator()`. The model is left as it was (training flag,
     ``.grad``, hooks); batches are kept in memory for the passes over them.
     """
-    problem = _resolve(model, batches, loss_fn, formats, layers, example_inputs, loss_terms)
+    return _estimator(estimator).estimate(_resolve(model, batches, loss_fn, formats, layers, example_inputs, loss_terms))
+
+
+def sensitivity_steps(
+    model: nn.Module,
+    batches: Iterable,
+    loss_fn: LossFn,
+    formats: "Iterable[Format | str | LayerPrecision]",
+    layers: "Iterable[str] | ModuleFilter | None" = None,
+    example_inputs: Any = None,
+    *,
+    estimator: "SensitivityEstimator | None" = None,
+) -> Generator[str, None, Sensitivity]:
+    """`estimate_sensitivity` as a generator of units (`SensitivityEstimator.estimate_steps`):
+    it yields a label between units and returns the `Sensitivity`. The model is the
+    estimator's until the generator ends (eval mode, single-layer runtimes installed)."""
+    estimator = _estimator(estimator)
+    problem = _resolve(model, batches, loss_fn, formats, layers, example_inputs, None)
+    yield "layers"
+    return (yield from estimator.estimate_steps(problem))
+
+
+def _estimator(estimator: "SensitivityEstimator | None") -> SensitivityEstimator:
     estimator = estimator if estimator is not None else FisherEstimator()
     if not isinstance(estimator, SensitivityEstimator):
         raise SensitivityError(f"estimator must be a SensitivityEstimator, got {type(estimator).__name__}")
-    return estimator.estimate(problem)
+    return estimator
 

@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -167,6 +167,13 @@ class SensitivityEstimator:
 
     def estimate(self, problem: SensitivityProblem) -> Sensitivity:
         raise NotImplementedError(f"{type(self).__name__} must implement estimate(problem) -> Sensitivity")
+
+    def estimate_steps(self, problem: SensitivityProblem) -> Generator[str, None, Sensitivity]:
+        """`estimate` as a generator that yields (a label) between units of work and returns the
+        `Sensitivity`, so a caller can spread it over training steps (the scheduler's search).
+        The default is one unit; an estimator that can stop between units overrides it."""
+        return self.estimate(problem)
+        yield  # pragma: no cover (makes this a generator)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -382,7 +389,14 @@ def _calibrates(lp: LayerPrecision) -> bool:
 
 
 def _calibrate(problem: "SensitivityProblem", runtimes: Mapping, batches: Sequence) -> None:
-    """Calibrate every INT8 single-layer runtime until its scale freezes, as in steady training.
+    """`_calibrating` run to its end."""
+    for _ in _calibrating(problem, runtimes, batches):
+        pass
+
+
+def _calibrating(problem: "SensitivityProblem", runtimes: Mapping, batches: Sequence) -> Iterator[str]:
+    """Calibrate every INT8 single-layer runtime until its scale freezes, as in steady training;
+    yields after each round (one model forward).
 
     The layer alone is re-run under its runtime on the inputs it had in an FP32 forward: with
     only that layer lowered, everything before it is FP32, so these are exactly the inputs it
@@ -394,8 +408,8 @@ def _calibrate(problem: "SensitivityProblem", runtimes: Mapping, batches: Sequen
         return
     rounds = max(problem.candidates[fmt].calibration.batches for _, fmt in keys)
     fqns = list(dict.fromkeys(fqn for fqn, _ in keys))
-    with torch.no_grad():
-        for i in range(rounds):
+    for i in range(rounds):
+        with torch.no_grad():  # not held across the yield: grad mode is the caller's between rounds
             recorder = _Recorder(problem.model, fqns)
             with recorder:
                 problem.loss(batches[i % len(batches)])
@@ -405,6 +419,7 @@ def _calibrate(problem: "SensitivityProblem", runtimes: Mapping, batches: Sequen
                         args, kwargs = call.inputs()
                         with _runtime_errors(fqn, fmt), runtimes[(fqn, fmt)]:
                             recorder.modules[fqn](*args, **kwargs)
+        yield "calibration"
 
 
 @contextlib.contextmanager

@@ -1,0 +1,434 @@
+"""The scheduler's search, spread over training steps: `TrainingSearch`.
+
+Run at once at a window's end, a search holds training for the whole of its work (per-layer
+timing of every format, the region bytes, the sensitivity estimate): hundreds of steps' worth on
+a small GPT. Here it never holds one step for long, and most of it costs no extra compute:
+
+- **Probe steps** (training steps, nothing extra): the steps after the window run *probe plans*
+  in which every layer cycles through the formats it may take, the layers of one role
+  (`LayerInfo.role`: the same projection in every block) staggered so each step holds a mix.
+  Each probe step is timed in place (`costs.inplace.StepTimer`); a (role, format)'s seconds are
+  the median over its layers and steps, and serve every layer of that role. Times already known
+  on this device (an earlier search) are not probed again.
+- **Off-path units** on a snapshot of the model (a copy of its weights, held until the search
+  ends): the trace, the region bytes (one forward per role), the sensitivity estimate
+  (`sensitivity_steps`), then the exact solve. They run after training steps in slices
+  (`work(seconds)`), each at least one unit; a unit is at most one forward + backward.
+- **Trial steps** (training steps): the k best plans each run ``trial_steps`` steps, timed, the
+  first metered for saved bytes. A candidate with a skipped (non-finite) step is dropped at once,
+  one whose measured bytes break the memory budget when choosing (its steps train as any other);
+  the fastest kept one is the result.
+
+Every step is the user's real training step: none is lost or repeated, and probe and trial
+steps differ from safe-precision steps only by their formats' rounding (loss scaling stays as
+it is during the search: FP16 gradients run unscaled in those few steps). The `timeline`
+records each stage's seconds (off-path work, and what probe and trial steps took beyond the
+median safe step) for the log and TensorBoard.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+import time
+import warnings
+from typing import Any, Callable, Generator, Mapping, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..costs import CostModel, InPlaceTimes, RooflineTimeModel, trace_model
+from ..device import format_support
+from ..errors import AutoprecError, SearchError
+from ..formats import Format
+from ..plan import Calibration, LayerPrecision, Plan
+from ..runtime import EmulationWarning, apply_plan
+from ..sensitivity import FisherEstimator, sensitivity_steps
+from .pipeline import Space, propose_from
+from .planner import build_space, overflow_reason
+
+__all__ = ["TrainingSearch", "probe_formats"]
+
+# Probe cycles: the first warms up (first calls of each kernel, INT8 calibration of one batch)
+# and is not sampled; the others give each (layer, format) one sample each.
+PROBE_ROUNDS = 3
+TIMED_TRIAL_STEPS = 2  # a candidate's steps timed once its INT8 scales froze (median of these)
+CANDIDATES = 2  # plans tried on training steps: the exact optimum and the next best
+
+
+def probe_formats(layers: Sequence[str], formats: Sequence[Format], profile: Any, device: torch.device) -> dict[str, list[Format]]:
+    """Per layer, the formats a probe step may run it in: runnable on ``device`` and not seen
+    to overflow in ``profile`` (a probe must not skip a step the search could have foreseen)."""
+    runnable = [f for f in formats if format_support(f, device).runnable]
+    return {fqn: [f for f in runnable if f is Format.FP32 or profile is None or overflow_reason(profile, fqn, f) is None] for fqn in layers}
+
+
+@dataclasses.dataclass
+class _Trial:
+    """A candidate on the training steps: it runs until its INT8 scales froze (calibration's
+    ``batches`` steps; the first is metered for bytes), then ``TIMED_TRIAL_STEPS`` timed ones."""
+
+    plan: Plan
+    runtime: Any = None
+    steps: int = 0
+    seconds: list = dataclasses.field(default_factory=list)
+    saved_bytes: Optional[int] = None
+    dropped: Optional[str] = None
+
+    @property
+    def warmup(self) -> int:
+        return max([1] + [lp.calibration.batches for lp in self.plan.layers.values() if lp.format is Format.INT8])
+
+    @property
+    def over(self) -> bool:
+        return self.dropped is not None or self.steps >= self.warmup + TIMED_TRIAL_STEPS
+
+
+class TrainingSearch:
+    """One search of the scheduler (module docstring). The scheduler asks `plan_for_step` before
+    each training step (None: the step runs the safe precision), reports each step with
+    `record`, and gives it `work` after each step; it is over when `done` (then `result` or `error`).
+
+    ``known``: ``"role|format" -> seconds`` and ``"rest"`` measured by earlier searches on this
+    device (updated in place with what the probes measure). ``lead``: this process runs the
+    off-path work (False on ranks other than 0, which get the candidates with `set_candidates`);
+    the lead copies ``model`` when made (remove hooks that must not run on the copy first).
+    ``safe_bytes``: (the safe format, the saved bytes metered on a safe step), which anchors
+    the measured bytes of the trials to the cost model's (module docstring).
+    """
+
+    def __init__(self, model: nn.Module, example: Any, batches: Sequence[Any], loss_fn: Callable, profile: Any, *,
+                 config: Any, baseline_loss: Optional[float], fingerprint: Mapping[str, Any], step: int,
+                 known: dict, lead: bool = True, median_step: Optional[float] = None,
+                 safe_bytes: "tuple[Format, int] | None" = None, restore: Optional[Mapping[str, Any]] = None):
+        self.model = model
+        self.example = example
+        self.batches = list(batches)
+        self.loss_fn = loss_fn
+        self.profile = profile
+        self.config = config
+        self.baseline_loss = baseline_loss
+        self.fingerprint = fingerprint
+        self.started = step
+        self.known = known
+        self.layers = list(fingerprint)
+        self.roles = {fqn: info.role(fqn) for fqn, info in fingerprint.items()}
+        device = next(model.parameters()).device
+        self.formats = list(config.candidates)
+        # measure_costs=False: roofline seconds, no probe and no trial steps (the optimum is adopted).
+        self.measuring = bool(config.measure_costs)
+        self._probes = self._probe_plans(probe_formats(self.layers, self.formats, profile, device)) if self.measuring else []
+        self._probe_runtimes: dict[int, Any] = {}
+        self._samples: dict[str, list[float]] = {}  # "role|format" -> seconds measured in probe steps
+        self._rest: list[float] = []
+        self.median_step = median_step  # seconds of a safe step, for the timeline's "extra"
+        self.timeline: dict[str, float] = {}
+        self.candidates: Optional[list[Plan]] = None
+        self._trials: list[_Trial] = []
+        self.result: Optional[Plan] = None
+        self.error: Optional[AutoprecError] = None
+        self.steps = 0  # training steps since the search started
+        self.longest_step = 0.0
+        self.shared = False  # under torch.distributed: the candidates (or error) reached every rank
+        self._winner: Optional[_Trial] = None
+        self.grad_bytes: Optional[int] = None  # the FP32 gradient buffers' bytes (lead only)
+        self.safe_bytes = safe_bytes
+        self._outside_bytes = 0  # saved bytes the meter sees beyond the cost model's forward
+        if restore is not None:
+            self._restore(restore)
+        self._snapshot: Optional[nn.Module] = None
+        if lead and self.candidates is None:  # the weights as of the window's end: the off-path work's, while training goes on
+            start = time.perf_counter()
+            self._snapshot = copy.deepcopy(model)
+            for p in self._snapshot.parameters():
+                p.grad = None
+            self._add("snapshot", time.perf_counter() - start)
+        self._offpath = self._offpath_units() if lead and self.candidates is None else None
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The search's progress as plain data: its inputs (profile, baseline, budgets' anchors),
+        the probe plans and samples so far, the candidates once solved. Resumed (``restore=``),
+        probes continue where they were; off-path work not finished restarts on a new snapshot
+        (of the weights at resume); trials restart from the first candidate."""
+        return {
+            "started": self.started, "steps": self.steps, "median_step": self.median_step, "longest_step": self.longest_step,
+            "profile": None if self.profile is None else self.profile.to_dict(), "baseline_loss": self.baseline_loss,
+            "safe_bytes": None if self.safe_bytes is None else [self.safe_bytes[0].value, self.safe_bytes[1]],
+            "probes": [p.to_dict() for p in self._probes], "samples": {k: list(v) for k, v in self._samples.items()}, "rest": list(self._rest),
+            "timeline": dict(self.timeline), "candidates": None if self.candidates is None else [p.to_dict() for p in self.candidates],
+            "grad_bytes": self.grad_bytes, "outside_bytes": self._outside_bytes,
+        }
+
+    def _restore(self, state: Mapping[str, Any]) -> None:
+        self.started, self.steps, self.median_step, self.longest_step = state["started"], state["steps"], state["median_step"], state["longest_step"]
+        self.safe_bytes = None if state["safe_bytes"] is None else (Format.parse(state["safe_bytes"][0]), state["safe_bytes"][1])
+        self._probes = [Plan.from_dict(p) for p in state["probes"]]
+        self._samples = {k: list(v) for k, v in state["samples"].items()}
+        self._rest = list(state["rest"])
+        self.timeline = dict(state["timeline"])
+        self.grad_bytes, self._outside_bytes = state["grad_bytes"], state["outside_bytes"]
+        if state["candidates"] is not None:
+            self.set_candidates([Plan.from_dict(p) for p in state["candidates"]])
+            self.shared = True
+
+    # -- on the training path -----------------------------------------------------------------
+
+    def _probe_plans(self, allowed: Mapping[str, list[Format]]) -> list[Plan]:
+        """One probe cycle: step p runs the j-th layer of a role in its formats[(j + p) % n], so
+        one step mixes formats and a cycle gives each (layer, format) one sample. INT8 calibrates
+        on one batch (the warm-up cycle's). Empty when every (role, format) is known already."""
+        if "rest" in self.known and all(f"{self.roles[fqn]}|{f.value}" in self.known for fqn, fmts in allowed.items() for f in fmts):
+            return []
+        index: dict[str, int] = {}
+        position = {}
+        for fqn in self.layers:
+            role = self.roles[fqn]
+            position[fqn] = index.get(role, 0)
+            index[role] = position[fqn] + 1
+        one_batch = Calibration(batches=1)
+        plans = []
+        for p in range(max(len(fmts) for fmts in allowed.values())):
+            layers = {}
+            for fqn in self.layers:
+                fmts = allowed[fqn]
+                layers[fqn] = LayerPrecision(fmts[(position[fqn] + p) % len(fmts)], calibration=one_batch, reason="probe step of the search")
+            plans.append(Plan(layers, metadata={"source": "DynamicPrecisionScheduler probe"}))
+        return plans
+
+    @property
+    def probe_steps(self) -> int:
+        return PROBE_ROUNDS * len(self._probes)
+
+    def step_runtime(self) -> "tuple[str, Any] | None":
+        """What the next training step runs: ``("probe", runtime)`` (time it per layer),
+        ``("trial", runtime)`` (time it whole; meter its bytes when `wants_bytes`) or None (the
+        safe precision: the search waits on off-path work). The runtimes are the search's
+        (`close` removes them); a probe plan's runtime serves each of its cycles."""
+        if self.done:
+            return None
+        if self.steps < self.probe_steps:
+            i = self.steps % len(self._probes)
+            if i not in self._probe_runtimes:
+                self._probe_runtimes[i] = apply_plan(self.model, self._probes[i], validate=False)
+            return "probe", self._probe_runtimes[i]
+        trial = self._trial()
+        if trial is not None:
+            if trial.runtime is None:
+                trial.runtime = apply_plan(self.model, trial.plan, validate=False)
+            return "trial", trial.runtime
+        return None
+
+    def _trial(self) -> "Optional[_Trial]":
+        return next((t for t in self._trials if not t.over), None)
+
+    def wants_bytes(self) -> bool:
+        """Whether the next step is a candidate's first (meter its saved bytes)."""
+        trial = self._trial() if self.steps >= self.probe_steps else None
+        return trial is not None and trial.steps == 0
+
+    def record(self, kind: Optional[str], seconds: float, *, layer_seconds: Optional[Mapping[str, float]] = None,
+               saved_bytes: Optional[int] = None, skipped: bool = False) -> None:
+        """Report the step just run: its kind from `step_runtime` (None: safe precision), its
+        seconds (forward to the end of the optimizer step), a probe step's per-layer seconds, a
+        metered step's saved bytes, and whether the optimizer step was skipped."""
+        extra = max(0.0, seconds - self.median_step) if self.median_step is not None else 0.0
+        self.longest_step = max(self.longest_step, seconds)
+        if kind == "probe":
+            self._add("probe steps", extra)
+            plan = self._probes[self.steps % len(self._probes)]
+            if layer_seconds is not None and not skipped and self.steps >= len(self._probes):  # the first cycle warms up
+                for fqn, s in layer_seconds.items():
+                    self._samples.setdefault(f"{self.roles[fqn]}|{plan.layers[fqn].format.value}", []).append(s)
+                self._rest.append(seconds - sum(layer_seconds.values()))
+            self.steps += 1
+            if self.steps == self.probe_steps:
+                self._settle_probes()
+            return
+        self.steps += 1
+        if kind != "trial":
+            return
+        self._add("trial steps", extra)
+        trial = self._trial()
+        trial.steps += 1
+        if skipped:
+            trial.dropped = "a non-finite gradient skipped its step"
+        elif saved_bytes is not None:
+            trial.saved_bytes = saved_bytes  # checked against the budget when choosing (rank 0 decides)
+        if trial.steps > trial.warmup and trial.dropped is None:
+            trial.seconds.append(seconds)
+        if self._trial() is None:
+            self._choose()
+
+    def _add(self, stage: str, seconds: float) -> None:
+        self.timeline[stage] = self.timeline.get(stage, 0.0) + seconds
+
+    def _settle_probes(self) -> None:
+        """Fold the probe samples into ``known``: medians per (role, format) and of the rest."""
+        for key, values in self._samples.items():
+            self.known[key] = statistics.median(values)
+        if self._rest:
+            self.known["rest"] = max(0.0, statistics.median(self._rest))
+
+    # -- off the training path ------------------------------------------------------------------
+
+    def work(self, seconds: float) -> None:
+        """Run off-path units for about ``seconds`` (at least one unit when any is ready)."""
+        if self._offpath is None or self.done:
+            return
+        deadline = time.perf_counter() + seconds
+        while True:
+            start = time.perf_counter()
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", EmulationWarning)  # the plan names its emulated layers itself
+                    stage = next(self._offpath)
+            except StopIteration:
+                self._offpath = None
+                return
+            except AutoprecError as exc:
+                self.error, self._offpath = exc, None
+                return
+            if stage == "waiting":
+                return
+            self._add(stage, time.perf_counter() - start)
+            if time.perf_counter() >= deadline:
+                return
+
+    def _offpath_units(self) -> Generator[str, None, None]:
+        c = self.config
+        snapshot = self._snapshot
+        trace = trace_model(snapshot, self.example, None)
+        yield "trace"
+        costs = CostModel(trace, RooflineTimeModel(), formats=[Format.FP32])
+        yield from ("region bytes" for _ in costs.region_bytes_steps(snapshot, self.example, None, roles=self.roles))
+        lowered = [f for f in self.formats if f is not Format.FP32]
+        sensitivity = yield from self._sensitivity(snapshot, lowered)
+        del snapshot
+        self._snapshot = None
+        while self.steps < self.probe_steps:
+            yield "waiting"  # the probe steps are still running
+        start = time.perf_counter()
+        if self.measuring:
+            costs = self._cost_model(costs, trace)
+        else:
+            costs = CostModel(trace, RooflineTimeModel(), formats=self.formats, rest_saved_bytes=costs.rest_saved_bytes,
+                              fp32_in_region_bytes=costs.fp32_in_region_bytes)
+        space, ruled_out = build_space(costs, sensitivity, self.profile, formats=self.formats, rules=c.rules,
+                                       min_precision=c.min_precision, max_precision=c.max_precision)
+        proposal = propose_from(Space(costs, sensitivity, space, ruled_out), budgets=c.budgets, baseline_loss=self.baseline_loss,
+                                k=CANDIDATES if self.measuring else 1, rules=c.rules, fingerprint=self.fingerprint, time_limit=c.search_timeout_s,
+                                metadata={"step": self.started, "source": "DynamicPrecisionScheduler"})
+        fp32 = costs.plan_cost(costs.uniform_plan(Format.FP32))
+        self.grad_bytes = fp32.bytes - fp32.saved_bytes
+        if self.safe_bytes is not None:
+            # What the meter sees beyond the cost model's forward (the loss's saved tensors) is
+            # the same in every plan: measured once, on the window's last (safe) step.
+            safe, measured = self.safe_bytes
+            self._outside_bytes = measured - costs.plan_cost(costs.uniform_plan(safe)).saved_bytes
+        self._add("solve", time.perf_counter() - start)
+        self.set_candidates(list(proposal.plans))
+
+    def _sensitivity(self, snapshot: nn.Module, lowered: Sequence[Format]) -> Generator[str, None, Any]:
+        if not lowered:
+            from ..sensitivity import Sensitivity
+
+            return Sensitivity({"forward": {}, "grad": {}}, total_of=("forward", "grad"), method="none", batches=0)
+        steps = sensitivity_steps(snapshot, self.batches, self.loss_fn, lowered, layers=self.layers, example_inputs=self.example,
+                                  estimator=FisherEstimator(lr=self.config.lr))
+        return (yield from _labelled(steps, "sensitivity"))
+
+    def _cost_model(self, costs: CostModel, trace) -> CostModel:
+        """The cost model with the probe-measured seconds per (role, format). A (role, format) no
+        probe ran (ruled out for every layer of the role, or not runnable) takes the role's FP32
+        seconds times that format's median ratio to FP32 over the roles that ran it."""
+        ratios: dict[Format, float] = {}
+        for fmt in self.formats:
+            r = [self.known[f"{role}|{fmt.value}"] / self.known[f"{role}|fp32"] for role in set(self.roles.values())
+                 if f"{role}|{fmt.value}" in self.known and self.known.get(f"{role}|fp32", 0) > 0]
+            ratios[fmt] = statistics.median(r) if r else 1.0
+        in_place = {}
+        for fmt in self.formats:
+            layer_seconds = {}
+            for fqn in self.layers:
+                role = self.roles[fqn]
+                seconds = self.known.get(f"{role}|{fmt.value}")
+                layer_seconds[fqn] = seconds if seconds is not None else self.known.get(f"{role}|fp32", 0.0) * ratios[fmt]
+            rest = self.known.get("rest", 0.0)
+            in_place[fmt] = InPlaceTimes(rest + sum(layer_seconds.values()), layer_seconds)
+        measured = CostModel(trace, RooflineTimeModel(), formats=self.formats, rest_seconds=self.known.get("rest", 0.0), in_place=in_place,
+                             rest_saved_bytes=costs.rest_saved_bytes, fp32_in_region_bytes=costs.fp32_in_region_bytes)
+        return measured
+
+    # -- candidates and the result --------------------------------------------------------------
+
+    def set_candidates(self, plans: Sequence[Plan]) -> None:
+        """The plans to try on training steps (rank 0's, on the other ranks)."""
+        self.candidates = list(plans)
+        if not self.measuring:  # nothing to try: the predicted optimum is the result
+            self.result = self.candidates[0]
+            return
+        self._trials = [_Trial(p) for p in plans]
+
+    def fail(self, error: AutoprecError) -> None:
+        self.error = error
+
+    def _choose(self) -> None:
+        limit = self._trials[0].plan.budgets.get("memory_bytes") if self._trials else None
+        for t in self._trials:
+            # Measured saved bytes plus the FP32 gradient buffers (the same in every plan).
+            if t.dropped is None and limit is not None and t.saved_bytes is not None and self.grad_bytes is not None:
+                total = t.saved_bytes - self._outside_bytes + self.grad_bytes
+                if total > limit:
+                    t.dropped = f"measured {total:,} bytes, over the memory budget of {int(limit):,}"
+        kept = [t for t in self._trials if t.dropped is None and t.seconds]
+        if not kept:
+            why = "; ".join(f"candidate {i + 1}: {t.dropped}" for i, t in enumerate(self._trials))
+            self.error = SearchError(f"every candidate plan failed on the training steps ({why}); training stays at the safe precision")
+            return
+        best = min(kept, key=lambda t: statistics.median(t.seconds))
+        self._winner = best
+        self.result = best.plan.replace(measured={
+            "source": "training steps", "step_seconds": statistics.median(best.seconds), "saved_bytes": best.saved_bytes,
+            "candidates": [{"rank": i, "step_seconds": statistics.median(t.seconds) if t.seconds else None, "saved_bytes": t.saved_bytes,
+                            "dropped": t.dropped} for i, t in enumerate(self._trials)],
+        })
+
+    def take_runtime(self) -> Any:
+        """The result's runtime (its INT8 scales calibrated on the trial steps; None when no
+        trial ran): the caller's from now on, `close` leaves it installed."""
+        if self._winner is None:
+            return None
+        runtime, self._winner.runtime = self._winner.runtime, None
+        return runtime
+
+    def close(self) -> None:
+        """Remove the probe and trial runtimes from the model (all but a taken one)."""
+        for runtime in [*self._probe_runtimes.values(), *(t.runtime for t in self._trials)]:
+            if runtime is not None:
+                runtime.remove()
+        self._probe_runtimes.clear()
+        for t in self._trials:
+            t.runtime = None
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None
+
+    def summary(self) -> str:
+        """One line: the timeline's stages in seconds, and the longest step against the median."""
+        parts = ", ".join(f"{stage} {seconds:.2f} s" for stage, seconds in self.timeline.items())
+        ratio = f"; longest step {self.longest_step / self.median_step:.1f}x the median safe step" if self.median_step else ""
+        return f"search over {self.steps} training steps: {parts}{ratio}"
+
+
+def _labelled(steps: Generator[Any, None, Any], label: str) -> Generator[str, None, Any]:
+    """Relabel a generator's yields as ``label``; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        yield label

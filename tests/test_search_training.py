@@ -1,0 +1,229 @@
+"""The scheduler's search spread over training steps (`autoprec.search.training`): probe steps
+time (role, format) in place, off-path units run in bounded slices, candidates are tried on
+training steps, every step trains the model, a mid-search checkpoint resumes, DDP ranks agree."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autoprec.coverage import find_layers
+from autoprec.formats import Format
+from autoprec.scheduler import DynamicPrecisionScheduler
+from autoprec.search.training import PROBE_ROUNDS, TrainingSearch, probe_formats
+from autoprec.workloads import default_workload
+
+WINDOW = 6
+LR = 0.05  # plain SGD (see setup); at 0.5 the tiny LM is chaotic enough that rounding grows to a step's size
+
+
+def setup(seed=0):
+    """The tiny LM and plain SGD: an update proportional to the gradient, so a step's rounding
+    moves the weights by as little (Adam's normalised update would magnify it to a step's size)."""
+    wl = default_workload("tiny", batch_size=8)
+    model = wl.build_model(seed)
+    return wl, model, torch.optim.SGD(model.parameters(), lr=LR)
+
+
+def make(**kwargs):
+    settings = dict(monitor_window=WINDOW, monitor_steps=3, memory_budget=0.85, accuracy_budget=0.05, formats=("fp32", "bf16", "int8"))
+    settings.update(kwargs)
+    return DynamicPrecisionScheduler(**settings)
+
+
+def train(wl, model, opt, sch, steps, sampler):
+    phases = []
+    for _ in range(steps):
+        batch = sampler.next()
+        with sch.precision_context():
+            loss = wl.loss(model, batch)
+        sch.backward(loss)
+        sch.step(opt)
+        opt.zero_grad(set_to_none=True)
+        phases.append(sch.phase)
+    return phases
+
+
+def until_planned(wl, model, opt, sch, sampler, limit=200):
+    phases = []
+    while sch.phase != "planned" and len(phases) < limit:
+        phases += train(wl, model, opt, sch, 1, sampler)
+    assert sch.phase == "planned", f"no plan after {limit} steps: {sch.last_search_error}"
+    return phases
+
+
+def test_layers_of_one_role_share_a_role_and_others_do_not():
+    wl, model, _ = setup()
+    layers = find_layers(model, wl.train_batches(0).next()[0])
+    roles = {fqn: info.role(fqn) for fqn, info in layers.items()}
+    assert roles["blocks.0.mlp.fc"] == roles["blocks.1.mlp.fc"]
+    assert roles["blocks.0.attn.proj"] == roles["blocks.1.attn.proj"]
+    assert roles["blocks.0.attn.proj"] != roles["blocks.0.mlp.fc"]
+    assert roles["lm_head"] not in {roles[f] for f in roles if f != "lm_head"}
+
+
+def search_for(model, example, known=None, profile=None, **settings):
+    from autoprec.scheduler_config import SchedulerConfig
+
+    config = SchedulerConfig(**{"formats": ("fp32", "bf16", "fp16", "int8"), **settings})
+    fingerprint = find_layers(model, example)
+    return TrainingSearch(model, example, [], None, profile, config=config, baseline_loss=None, fingerprint=fingerprint, step=0,
+                          known={} if known is None else known, lead=False)
+
+
+def test_probe_steps_give_every_layer_every_format_and_mix_formats_within_a_step():
+    wl, model, _ = setup()
+    x = wl.train_batches(0).next()[0]
+    search = search_for(model, x)
+    allowed = probe_formats(search.layers, search.formats, None, torch.device("cpu"))
+    assert search.probe_steps == PROBE_ROUNDS * max(len(f) for f in allowed.values())
+    seen = {fqn: set() for fqn in search.layers}
+    for plan in search._probes:
+        for fqn, lp in plan.layers.items():
+            seen[fqn].add(lp.format)
+        # The layers of one role run different formats in one step (two blocks, two formats at least).
+        assert plan.layers["blocks.0.mlp.fc"].format is not plan.layers["blocks.1.mlp.fc"].format
+    assert all(seen[fqn] == set(allowed[fqn]) for fqn in search.layers)
+
+
+def test_known_times_skip_the_probes_and_a_partial_table_does_not():
+    wl, model, _ = setup()
+    x = wl.train_batches(0).next()[0]
+    first = search_for(model, x)
+    known = {f"{first.roles[fqn]}|{f.value}": 1e-3 for fqn in first.layers for f in first.formats}
+    assert search_for(model, x, known=known).probe_steps > 0  # the rest of the step is not known yet
+    known["rest"] = 1e-3
+    assert search_for(model, x, known=known).probe_steps == 0
+    del known[f"{first.roles['lm_head']}|int8"]
+    assert search_for(model, x, known=known).probe_steps > 0
+
+
+def test_measure_costs_false_has_no_probe_steps():
+    wl, model, _ = setup()
+    assert search_for(model, wl.train_batches(0).next()[0], measure_costs=False).probe_steps == 0
+
+
+@pytest.fixture(scope="module")
+def searched():
+    wl, model, opt = setup()
+    sch = make()
+    sampler = wl.train_batches(0)
+    phases = train(wl, model, opt, sch, WINDOW, sampler)
+    phases += until_planned(wl, model, opt, sch, sampler)
+    return wl, model, opt, sch, phases
+
+
+def test_the_search_runs_on_the_steps_after_the_window_and_tries_its_candidates(searched):
+    _, _, _, sch, phases = searched
+    assert phases[: WINDOW - 1] == ["profiling"] * (WINDOW - 1)
+    searching = phases.count("searching")
+    assert phases[WINDOW - 1 : WINDOW - 1 + searching] == ["searching"] * searching and phases[-1] == "planned"
+    measured = sch.plan.measured
+    assert measured["source"] == "training steps"
+    assert 1 <= len(measured["candidates"]) <= 2 and measured["saved_bytes"] > 0
+    kept = [c["step_seconds"] for c in measured["candidates"] if c["dropped"] is None]
+    assert measured["step_seconds"] == min(kept)  # the fastest kept candidate won
+    assert searching >= PROBE_ROUNDS * 3  # three formats: at least one probe cycle each round
+
+
+def test_probe_measurements_are_kept_for_the_next_search(searched):
+    _, _, _, sch, _ = searched
+    roles = {info.role(fqn) for fqn, info in sch._fingerprint.items()}
+    assert "rest" in sch._known_times
+    assert all(f"{role}|{f}" in sch._known_times for role in roles for f in ("fp32", "bf16"))
+    assert sch.state_dict()["known_times"] == sch._known_times
+
+
+def test_every_search_step_trains_the_model_none_lost_or_repeated(searched):
+    """The weights after window + search steps are those of as many FP32 steps, up to the
+    formats' rounding: much nearer than a run one step short or one step long."""
+    wl, model, _, sch, phases = searched
+    n = len(phases)
+
+    def plain(steps):
+        torch.manual_seed(0)
+        _, m, o = setup()
+        sampler = wl.train_batches(0)
+        for _ in range(steps):
+            loss = wl.loss(m, sampler.next())
+            loss.backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+        return torch.cat([p.detach().flatten() for p in m.parameters()])
+
+    ours = torch.cat([p.detach().flatten() for p in model.parameters()])
+    same, short, long = plain(n), plain(n - 1), plain(n + 1)
+    distance = (ours - same).norm()
+    assert distance < 0.25 * (short - same).norm() and distance < 0.25 * (long - same).norm()
+
+
+def test_work_runs_one_unit_per_zero_slice_and_everything_at_once_without_a_bound():
+    wl, model, opt = setup()
+    sampler = wl.train_batches(0)
+    sch = make(measure_costs=False, search_slice=None)
+    train(wl, model, opt, sch, WINDOW, sampler)
+    assert sch.phase == "planned"  # None: the whole search in the window's last step
+
+    wl, model, opt = setup()
+    sch = make(measure_costs=False, search_slice=1e-9)  # each step: exactly one unit of work
+    phases = train(wl, model, opt, sch, WINDOW, sampler)
+    assert phases[-1] == "searching"
+    search = sch._searching
+    steps = 0
+    while sch.phase == "searching" and steps < 300:
+        train(wl, model, opt, sch, 1, sampler)
+        steps += 1
+    assert sch.phase == "planned" and set(search.timeline) >= {"trace", "region bytes", "sensitivity", "solve"}
+    assert steps >= len(sch.layers)  # one unit a step: region bytes and sensitivity take one per layer at least
+
+
+def test_a_checkpoint_taken_mid_search_resumes_and_finishes(searched):
+    wl, model, opt = setup()
+    sampler = wl.train_batches(0)
+    sch = make()
+    train(wl, model, opt, sch, WINDOW + 5, sampler)  # inside the probe steps: the second cycle began
+    assert sch.phase == "searching"
+    state = copy.deepcopy(sch.state_dict())
+    assert state["search"]["steps"] == 5 and state["search"]["samples"]
+    model2 = copy.deepcopy(model)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=LR)
+    opt2.load_state_dict(opt.state_dict())
+    resumed = make(model=model2)
+    resumed.load_state_dict(state)
+    assert resumed.phase == "searching" and resumed.step_count == sch.step_count
+    assert resumed._searching.steps == 5 and resumed._searching._samples == sch._searching._samples
+    sampler2 = copy.deepcopy(sampler)
+    until_planned(wl, model2, opt2, resumed, sampler2)
+    assert resumed.plan.measured["source"] == "training steps"
+    assert resumed.plan.layers.keys() == set(resumed.layers)
+
+
+# -- DDP ------------------------------------------------------------------------------------------
+
+
+def ddp_search_scenario(rank, world, tmp):
+    from test_distributed import make_model, train as ddp_train
+
+    model = make_model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    sch = DynamicPrecisionScheduler(monitor_window=4, monitor_steps=2, memory_budget=0.9, accuracy_budget=0.05, formats=("fp32", "bf16", "int8"))
+    phases = []
+    for step in range(100):
+        ddp_train(ddp, sch, opt, 1, rank, world, start=step)
+        phases.append(sch.phase)
+        if sch.phase == "planned":
+            break
+    return {"phases": phases, "plan": sch.plan.to_dict() if sch.plan else None, "error": sch.last_search_error}
+
+
+@pytest.mark.slow
+def test_ddp_ranks_probe_try_and_adopt_one_plan_at_one_step(tmp_path):
+    from test_distributed import run
+
+    r0, r1 = run(ddp_search_scenario, tmp_path)
+    assert r0["error"] is None and r0["plan"] is not None
+    assert r0["phases"] == r1["phases"] and r0["plan"] == r1["plan"]
+    assert r0["phases"].count("searching") > 1  # spread over steps, the same ones on both ranks
+    assert r0["plan"]["measured"]["source"] == "training steps"
