@@ -164,7 +164,7 @@ class _CtrlC:
         if self.seen:
             raise KeyboardInterrupt
 
-    def caused(self, exc: BaseException) -> bool:
+    def caused(self, exc: Optional[BaseException]) -> bool:
         """Whether ``exc`` is this command's Ctrl-C: the KeyboardInterrupt itself, or an error a
         library raised while the interrupt unwound through it (Optuna's trial bookkeeping raised
         UnboundLocalError when Ctrl-C landed inside it), found in the ``__context__`` chain."""
@@ -197,7 +197,7 @@ class _Progress:
         self.every_s = every_s
         self.start = time.monotonic()
         self.last = self.start
-        self.phase = None
+        self.phase: Optional[str] = None
         self.width = 0
 
     def __call__(self, done: int, total: int, phase: str) -> None:

@@ -201,7 +201,7 @@ class OutputWatch:
         return first_false(names, to_host([flags]) if flags is not None else [])
 
 
-def first_false(names: Sequence[str], finite: Sequence[bool]) -> Optional[str]:
+def first_false(names: Sequence[str], finite: Sequence[float]) -> Optional[str]:
     for name, ok in zip(names, finite):
         if not ok:
             return name
@@ -233,9 +233,9 @@ def nonfinite_gradients(optimizer: torch.optim.Optimizer, name_of: NameOf, grads
             values = grad._values() if grad.is_sparse else local_shard(grad)  # FSDP2: this rank's shard
             if values.numel() == 0:
                 continue  # trivially finite, and the inf-norm of nothing is undefined
-            tensors, names = groups.setdefault((values.device, values.dtype), ([], []))
+            tensors, group_names = groups.setdefault((values.device, values.dtype), ([], []))
             tensors.append(values)
-            names.append(name_of(param, optimizer, i, j))
+            group_names.append(name_of(param, optimizer, i, j))
     names: list[str] = []
     flags: list[torch.Tensor] = []
     with torch.no_grad():

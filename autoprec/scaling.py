@@ -62,7 +62,7 @@ class _OptimizerState:
 
     stage: OptState = OptState.READY
     found: dict[torch.device, torch.Tensor] = dataclasses.field(default_factory=dict)
-    optimizer: Optional[torch.optim.Optimizer] = None
+    optimizer: Any = None  # set by LossScaler._begin
     overflowed: Optional[bool] = None
 
 
@@ -138,11 +138,12 @@ class LossScaler(torch.amp.GradScaler):
         self._min_scale = float(min_scale)
         self._hysteresis = int(hysteresis)
         self._init_hysteresis_tracker = self._hysteresis
-        # 0-d device tensors, made on the device of the first loss or gradient met.
-        self._scale: Optional[torch.Tensor] = None  # float32
-        self._growth_tracker: Optional[torch.Tensor] = None  # int32: clean iterations in a row
-        self._hysteresis_tracker: Optional[torch.Tensor] = None  # int32: overflows left before a back-off
-        self._unit: Optional[torch.Tensor] = None  # 1.0 beside the scale: what a disabled scaler applies
+        # 0-d device tensors, None until made on the device of the first loss or gradient met
+        # (`_lazy_init`, before any method that reads them): typed as the tensors they then are.
+        self._scale: torch.Tensor = None  # type: ignore[assignment]  # float32
+        self._growth_tracker: torch.Tensor = None  # type: ignore[assignment]  # int32: clean iterations in a row
+        self._hysteresis_tracker: torch.Tensor = None  # type: ignore[assignment]  # int32: overflows left before a back-off
+        self._unit: torch.Tensor = None  # type: ignore[assignment]  # 1.0 beside the scale: what a disabled scaler applies
         self._max_events = int(max_events)
         self._record = Attribution(self._max_events)
 
@@ -217,9 +218,9 @@ class LossScaler(torch.amp.GradScaler):
     def scale_tensor(self) -> Optional[torch.Tensor]:
         """The scale applied, a 0-d float32 device tensor (1.0 when disabled; None before the
         first `scale`), for logging without a sync. Do not modify it."""
-        return self._get_scale_async()
+        return None if self._scale is None else self._applied()
 
-    def _get_scale_async(self) -> Optional[torch.Tensor]:
+    def _applied(self) -> torch.Tensor:
         return self._scale if self._scaling else self._unit
 
     # -- attribution setup ------------------------------------------------------------------------
@@ -350,13 +351,13 @@ class LossScaler(torch.amp.GradScaler):
             unscaled = state.stage is OptState.UNSCALED
             if not unscaled:
                 state.found = check_and_unscale(optimizer, self._unit, refuse_fp16=False)
-            scale = self._get_scale_async()
-            optimizer.grad_scale = getattr(optimizer, "grad_scale", None) if unscaled else scale * getattr(optimizer, "grad_scale", 1)
-            optimizer.found_inf = summed_flags(list(state.found.values()), scale.device)
+            scale = self._applied()
+            optimizer.grad_scale = getattr(optimizer, "grad_scale", None) if unscaled else scale * getattr(optimizer, "grad_scale", 1)  # type: ignore[attr-defined]
+            optimizer.found_inf = summed_flags(list(state.found.values()), scale.device)  # type: ignore[attr-defined]
             try:
                 retval = optimizer.step(*args, **kwargs)
             finally:
-                del optimizer.grad_scale, optimizer.found_inf
+                del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
             state.stage = OptState.STEPPED
             return retval
         if state.stage is OptState.READY:
@@ -370,7 +371,7 @@ class LossScaler(torch.amp.GradScaler):
         state.stage = OptState.STEPPED
         return retval
 
-    def update(self, new_scale: Optional[float] = None) -> None:
+    def update(self, new_scale: Optional[float] = None) -> None:  # type: ignore[override]  # a tensor is refused
         """End the iteration: the scale rule (see the class doc; or set the scale to ``new_scale``,
         a positive number, ignored when disabled), the counters, and on an overflowing iteration
         the attribution (see the module docstring for the syncs). Call once per iteration, after
@@ -403,7 +404,7 @@ class LossScaler(torch.amp.GradScaler):
         if unknown and self._record.defer(total, [state.optimizer for state in unknown]):
             self._resolve()
         elif not unknown:
-            self._record.finish(found, _to_host, _nonfinite_gradients, self._get_scale_async(), self._floor())
+            self._record.finish(found, _to_host, _nonfinite_gradients, self._applied(), self._floor())
 
     def _update_scale(self, found: torch.Tensor, overflow: Optional[bool]) -> None:
         """The scale rule on the device, ``found`` (> 0) choosing as ``torch._amp_update_scale_``
@@ -412,23 +413,23 @@ class LossScaler(torch.amp.GradScaler):
         ``min_scale``. ``overflow`` False: the host knows the iteration was clean, which spares
         the ops of the other branch. A few 0-d device ops, no sync."""
         scale, tracker, budget = self._scale, self._growth_tracker, self._hysteresis_tracker
-        before = scale.clone() if overflow is not False else None
+        before = scale.clone() if overflow is not False else scale  # read only on an overflow
         torch._amp_update_scale_(scale, tracker, found, self._growth_factor, self._backoff_factor, self._growth_interval)
         if overflow is False:
-            budget.masked_fill_(tracker == 0, self._hysteresis)
+            budget.masked_fill_(tracker.eq(0), self._hysteresis)
             return
         bad = found > 0
         budget.sub_(bad.to(budget.dtype)).clamp_(min=0)
         floored = torch.where(bad, scale.clamp(min=self._min_scale), scale)
         torch.where(bad & (budget > 0), before, floored, out=scale)
-        budget.masked_fill_((tracker == 0) & ~bad, self._hysteresis)
+        budget.masked_fill_(tracker.eq(0) & ~bad, self._hysteresis)
 
     def _floor(self) -> Optional[float]:
         return self._min_scale if self._scaling else None
 
     def _resolve(self) -> None:
         """Read the deferred iterations' results, if any (see `Attribution.resolve`)."""
-        self._record.resolve(_to_host, _nonfinite_gradients, self._get_scale_async(), self._floor())
+        self._record.resolve(_to_host, _nonfinite_gradients, self._applied(), self._floor())
 
     # -- persistence --------------------------------------------------------------------------------
 
