@@ -9,10 +9,11 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# aten products (and the fused attention kernels, which multiply matrices inside) -> the positions
-# of their matrix operands; an addmm-like op's first argument is the bias.
+# aten matrix products (and the fused attention kernels, which multiply matrices inside; not the
+# vector ``dot`` that statistics hooks run) -> the positions of their matrix operands; an
+# addmm-like op's first argument is the bias.
 _OPERANDS = {
-    "mm": (0, 1), "bmm": (0, 1), "mv": (0, 1), "dot": (0, 1), "_int_mm": (0, 1), "_scaled_mm": (0, 1),
+    "mm": (0, 1), "bmm": (0, 1), "mv": (0, 1), "_int_mm": (0, 1), "_scaled_mm": (0, 1),
     "addmm": (1, 2), "baddbmm": (1, 2), "addbmm": (1, 2), "addmv": (1, 2), "convolution": (0, 1),
 }
 _ATTENTION_PREFIX = "_scaled_dot_product_"  # _scaled_dot_product_flash_attention_for_cpu, ...
