@@ -26,7 +26,7 @@ from .coverage import ModuleFilter
 from .errors import RuntimeStateError, ScalingError
 from .measure import local_shard
 
-__all__ = ["OutputWatch", "LayerNames", "Attribution", "Layers"]
+__all__ = ["OutputWatch", "LayerNames", "Attribution", "Layers", "check_and_unscale", "nonfinite_gradients", "summed_flags"]
 
 # Deferred iterations kept before the scaler reads their flags itself: one sync per this many
 # iterations when nothing reads a result (each entry is one 0-d tensor made anyway).

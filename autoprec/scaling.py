@@ -5,6 +5,7 @@ torch's two fused ops, overriding none of GradScaler's private ones (they change
 ``torch._amp_foreach_non_finite_check_and_unscale_`` (one pass per device and dtype) and
 ``torch._amp_update_scale_``. Fused / capturable optimizers get ``optimizer.grad_scale`` /
 ``optimizer.found_inf``, as GradScaler hands them. Which layers overflowed is `autoprec.nonfinite`'s.
+Usage::
 
     scaler = LossScaler().watch(model)        # defaults: 4096, x2.0 after 2000 clean steps, x0.5
     for x, y in loader:
