@@ -22,6 +22,8 @@ import traceback
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from tqdm import tqdm
+
 from . import __version__
 from .errors import AutoprecError, UserCodeError
 
@@ -164,7 +166,7 @@ class _CtrlC:
         if self.seen:
             raise KeyboardInterrupt
 
-    def caused(self, exc: BaseException) -> bool:
+    def caused(self, exc: Optional[BaseException]) -> bool:
         """Whether ``exc`` is this command's Ctrl-C: the KeyboardInterrupt itself, or an error a
         library raised while the interrupt unwound through it (Optuna's trial bookkeeping raised
         UnboundLocalError when Ctrl-C landed inside it), found in the ``__context__`` chain."""
@@ -187,37 +189,38 @@ _CTRL_C = _CtrlC()
 
 
 class _Progress:
-    """Progress of a long command on stderr: one rewritten line on a terminal, otherwise a line
-    at most every ``every_s`` seconds (and at phase changes), so logs stay short."""
+    """Progress of a long command on stderr: on a terminal a ``tqdm`` bar (one line, redrawn);
+    otherwise a plain line at most every ``every_s`` seconds and at phase changes, since a log
+    file would keep every redraw of a bar. Each tick also stops the command after Ctrl-C."""
 
     def __init__(self, label: str, stream=None, every_s: float = 15.0):
         self.label = label
         self.stream = stream if stream is not None else sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.every_s = every_s
-        self.start = time.monotonic()
-        self.last = self.start
-        self.phase = None
-        self.width = 0
+        self.start = self.last = time.monotonic()
+        self.phase: Optional[str] = None
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.bar: Optional[tqdm] = None  # made at the first tick, which knows the total
 
     def __call__(self, done: int, total: int, phase: str) -> None:
         _CTRL_C.check()
-        now = time.monotonic()
-        text = f"[{self.label}] {phase} round {done}/{total} ({now - self.start:.0f} s)"
         if self.tty:
-            self.stream.write("\r" + text.ljust(self.width))
-            self.width = len(text)
-            self.stream.flush()
-        elif phase != self.phase or now - self.last >= self.every_s or done == total:
-            print(text, file=self.stream, flush=True)
-            self.last = now
+            desc = f"[{self.label}] {phase} round"
+            if self.bar is None:
+                self.bar = tqdm(total=total, desc=desc, file=self.stream, leave=False, mininterval=0, bar_format="{desc} {n}/{total} ({elapsed})")
+            self.bar.set_description_str(desc, refresh=False)
+            self.bar.total, self.bar.n = total, done
+            self.bar.refresh()
+        else:
+            now = time.monotonic()
+            if phase != self.phase or now - self.last >= self.every_s or done == total:
+                print(f"[{self.label}] {phase} round {done}/{total} ({now - self.start:.0f} s)", file=self.stream, flush=True)
+                self.last = now
         self.phase = phase
 
     def close(self) -> None:
-        if self.tty and self.width:
-            self.stream.write("\r" + " " * self.width + "\r")
-            self.stream.flush()
-            self.width = 0
+        if self.bar is not None:
+            self.bar.close()
 
 
 @contextlib.contextmanager

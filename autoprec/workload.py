@@ -229,7 +229,7 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.to(device)
     if isinstance(batch, Mapping):
-        return type(batch)((k, to_device(v, device)) for k, v in batch.items())
+        return type(batch)((k, to_device(v, device)) for k, v in batch.items())  # type: ignore[call-arg]
     if isinstance(batch, (tuple, list)):
         return type(batch)(to_device(v, device) for v in batch)
     return batch

@@ -55,7 +55,10 @@ def throwaway_postgres(port: int = 54329):
             user = pwd.getpwnam(_USER)
             os.chown(folder, user.pw_uid, user.pw_gid)
         data = folder / "data"
-        run = lambda *args: subprocess.run(_as_server_user([str(a) for a in args]), check=True, capture_output=True, text=True, cwd=folder)
+
+        def run(*args):
+            return subprocess.run(_as_server_user([str(a) for a in args]), check=True, capture_output=True, text=True, cwd=folder)
+
         run(bin_dir / "initdb", "-D", data, "-U", "autoprec", "--auth=trust", "--no-sync")
         # listen_addresses='' : no TCP at all; the socket lives in the temporary folder.
         options = f"-k {folder} -p {port} -c listen_addresses='' -c fsync=off"

@@ -7,7 +7,6 @@ import math
 import textwrap
 
 import pytest
-import torch
 
 from autoprec.cli import main
 from autoprec.errors import UserCodeError, WorkloadError

@@ -18,6 +18,7 @@ from autoprec.runtime import EmulationWarning
 from autoprec.scheduler import DynamicPrecisionScheduler
 from autoprec.search.measured import MeasuredStage
 from models import WithProjection
+from products import ProductLog
 
 WINDOW = 3
 
@@ -155,12 +156,16 @@ def test_scheduler_without_model_captures_the_keyword_input_of_a_mixed_call():
 def test_uniform_plan_without_example_lowers_the_addmm_projection():
     model = WithProjection()
     plan = ap.Plan.uniform(model, "fp8_e4m3")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", EmulationWarning)
-        with ap.apply_plan(model, plan) as runtime:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EmulationWarning)
+        with ap.apply_plan(model, plan) as runtime, ProductLog(model) as log:
             model(torch.randn(4, 8))
-    assert "addmm" in runtime.report()["proj"]["ops"]
-    assert not [w for w in caught if "outside every planned layer" in str(w.message)]
+    report = runtime.report()
+    assert "addmm" in report["proj"]["ops"]
+    # Both products ran, each inside its layer and in FP8 (a kernel, or emulation where reported).
+    assert [p.modules[-1] for p in log.products] == ["fc", "proj"]
+    emulated = {fqn for fqn, entry in report.items() if any(how.startswith("emulated") for how in entry["ops"].values())}
+    assert log.outside_plan({fqn: lp.format.value for fqn, lp in plan.layers.items()}, emulated) == []
 
 
 def test_validate_without_example_names_the_addmm_projection_the_plan_lacks():

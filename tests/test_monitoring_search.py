@@ -45,7 +45,7 @@ def tradeoff_table(layers, seed):
         sensitivity = rng.lognormal(-6, 1.5)
         shape = {Format.FP32: (4.0, 1.0, 0.0), Format.BF16: (2.0, 0.55, 0.2), Format.FP8_E4M3: (1.2, 0.35, 1.0), Format.INT8: (1.0, 0.7, 1.5)}
         table[f"blocks.{i // 4}.layer{i % 4}"] = {
-            f: Choice(size * b, t * s * rng.uniform(0.9, 1.1), sensitivity * l * rng.uniform(0.5, 2)) for f, (b, s, l) in shape.items()
+            f: Choice(size * b, t * s * rng.uniform(0.9, 1.1), sensitivity * sens * rng.uniform(0.5, 2)) for f, (b, s, sens) in shape.items()
         }
     return table
 
@@ -199,7 +199,7 @@ def test_measured_plan_is_an_orange_square_at_its_measured_totals(result):
 
 def test_rendering_hundreds_of_trials_is_fast():
     rng = np.random.default_rng(0)
-    points = [TrialPoint(i, float(b), float(s), float(l), bool(f)) for i, (b, s, l, f) in enumerate(zip(rng.uniform(1e6, 1e7, 400), rng.uniform(1e-3, 1e-2, 400), rng.uniform(0, 0.1, 400), rng.random(400) < 0.5))]
+    points = [TrialPoint(i, float(b), float(s), float(loss), bool(f)) for i, (b, s, loss, f) in enumerate(zip(rng.uniform(1e6, 1e7, 400), rng.uniform(1e-3, 1e-2, 400), rng.uniform(0, 0.1, 400), rng.random(400) < 0.5))]
     start = time.perf_counter()
     render_pareto(points).to_png()
     assert time.perf_counter() - start < 0.5
@@ -247,7 +247,7 @@ def measured_study(rows, memory=3e6, loss=0.05):
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     rng = np.random.default_rng(3)
-    rows = [(f"plan-{i}", float(b), float(t), float(l)) for i, (b, t, l) in enumerate(zip(rng.uniform(1e6, 4e6, 24), rng.uniform(1e-3, 4e-3, 24), rng.uniform(0, 0.08, 24)))]
+    rows = [(f"plan-{i}", float(b), float(t), float(loss)) for i, (b, t, loss) in enumerate(zip(rng.uniform(1e6, 4e6, 24), rng.uniform(1e-3, 4e-3, 24), rng.uniform(0, 0.08, 24)))]
     study = measured_study(rows[:12] + [("pruned", None, None, None)] + rows[12:])
     return study, accumulator(write_search(study, tmp_path_factory.mktemp("measured"), fp32={"bytes": 4e6, "seconds": 4e-3}, memory_bytes=3e6))
 

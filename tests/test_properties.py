@@ -4,10 +4,8 @@ one `SearchError` line, never a traceback type."""
 
 import json
 import math
-import string
 
-import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autoprec.coverage import LayerInfo

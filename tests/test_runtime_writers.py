@@ -9,7 +9,6 @@ keep): the next forward ran the old weights, relative error ~1 against the new o
 
 import copy
 import threading
-import warnings
 
 import pytest
 import torch

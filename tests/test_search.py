@@ -1,7 +1,7 @@
 """The search core: space rules, the exact optimum and the k best plans (vs brute force), storages."""
 
 import itertools
-import time
+import types
 
 import numpy as np
 import optuna
@@ -10,6 +10,7 @@ import pytest
 from autoprec.errors import InfeasibleBudgetError, SearchError
 from autoprec.formats import Format
 from autoprec.search import Budgets, Choice, LayerRules, SearchSpace, formats_for_precision, k_best, solve_exact
+from autoprec.search import exact
 from autoprec.search.study import open_storage
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -214,21 +215,52 @@ def test_k_best_of_infeasible_budgets_states_the_smallest_reachable():
         k_best(space, space.totals(space.extreme("bytes")).bytes * 0.9, float("inf"), 3)
 
 
-def test_k_best_on_120_layers_is_fast():
+def test_k_best_on_120_layers_solves_one_program_per_plan_and_no_single_change_beats_them(monkeypatch):
+    # Too many layers to enumerate: k_best costs one integer program per plan (no enumeration),
+    # and no feasible plan one layer away from the optimum is faster than the last plan found
+    # unless it is one of the plans found.
     space = SearchSpace(random_table(120, 7))
     memory, loss = budgets_for(space, 0.4, 0.3)
-    start = time.perf_counter()
+    solves = []
+    real_solve = exact._solve
+    monkeypatch.setattr(exact, "_solve", lambda *a, **kw: solves.append(1) or real_solve(*a, **kw))
     found = k_best(space, memory, loss, 4)
-    assert len(found) == 4 and time.perf_counter() - start < 20  # generous: a shared 2-core machine
+    assert len(found) == 4 and len(solves) == 4
+    seconds = [s.total.seconds for s in found]
+    assert seconds == sorted(seconds)
+    keys = {tuple(sorted((n, f.value) for n, f in s.assignment.items())) for s in found}
+    neighbours = 0
+    for unit in space.units:
+        for fmt in unit.formats:
+            plan = {**found[0].assignment, unit.name: fmt}
+            total = space.totals(plan)
+            if tuple(sorted((n, f.value) for n, f in plan.items())) in keys or total.bytes > memory or total.loss > loss:
+                continue
+            neighbours += 1
+            assert total.seconds >= seconds[-1] * (1 - 1e-9), unit.name
+    assert neighbours > 0  # the check compared something
 
 
-def test_k_best_stops_at_its_time_limit_with_the_plans_found():
+def test_k_best_stops_at_its_time_limit_with_the_plans_found(monkeypatch):
+    # A clock that moves only when a program is solved, one second per solve: with 2.5 s the third
+    # solve starts with 0.5 s left and no fourth starts, whatever the machine's speed.
     space = SearchSpace(random_table(120, 7))
     memory, loss = budgets_for(space, 0.4, 0.3)
-    start = time.perf_counter()
-    found = k_best(space, memory, loss, 10_000, time_limit=1.0)
-    assert time.perf_counter() - start < 5  # the limit, plus one solve's setup on a shared machine
-    assert 1 <= len(found) < 10_000
+    clock = [0.0]
+    limits = []
+    real_solve = exact._solve
+
+    def solve(*args, time_limit=None, **kwargs):
+        limits.append(time_limit)
+        result = real_solve(*args, **kwargs)  # no real limit: the fake clock alone decides
+        clock[0] += 1.0
+        return result
+
+    monkeypatch.setattr(exact, "_solve", solve)
+    monkeypatch.setattr(exact, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    found = k_best(space, memory, loss, 10_000, time_limit=2.5)
+    assert limits == pytest.approx([2.5, 1.5, 0.5])
+    assert len(found) == 3
     assert [s.total.seconds for s in found] == sorted(s.total.seconds for s in found)
 
 

@@ -13,7 +13,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn as nn
 
 transformers = pytest.importorskip("transformers")
 

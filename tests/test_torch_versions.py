@@ -39,7 +39,10 @@ def test_saturating_cast_clamps_and_keeps_nan():
 @tested
 def test_cpu_scaled_mm_row_scales_per_version():
     a = torch.ones(16, 32).to(E4M3)
-    call = lambda: torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+
+    def call():
+        return torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+
     if tv.CPU_SCALED_MM_ROW_SCALES:  # 2.13
         assert call().float().eq(32).all()
     else:  # 2.11
@@ -58,7 +61,10 @@ def test_device_probe_agrees_with_the_version_statement(out_dtype):
 @tested
 def test_cpu_scaled_mm_v2_per_version():
     a, one = torch.ones(16, 32).to(E4M3), torch.tensor(1.0)
-    call = lambda: torch.ops.aten._scaled_mm_v2.default(a, a.t(), [one], [0], [], [one], [0], [], None, torch.float32)
+
+    def call():
+        return torch.ops.aten._scaled_mm_v2.default(a, a.t(), [one], [0], [], [one], [0], [], None, torch.float32)
+
     if tv.CPU_SCALED_MM_V2:  # 2.13
         assert call().eq(32).all()
     else:  # 2.11

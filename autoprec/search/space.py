@@ -157,8 +157,8 @@ class SearchSpace:
                     formats = [f for f in formats if f is Format.parse(fmt)]
             for pattern, banned in rules.forbid.items():
                 if fnmatch.fnmatchcase(fqn, pattern):
-                    banned = {Format.parse(f) for f in banned}
-                    formats = [f for f in formats if f not in banned]
+                    refused = {Format.parse(f) for f in banned}
+                    formats = [f for f in formats if f not in refused]
             if not formats:
                 problems.append(f"{fqn!r}: no format left (costed {[str(f) for f in options]}, precision {min_precision}..{max_precision} bits, rules, device)")
             allowed[fqn] = formats

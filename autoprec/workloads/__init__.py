@@ -10,4 +10,4 @@ The byte LM's names are re-exported here: ``from autoprec.workloads import defau
 """
 
 from .bytelm import *  # noqa: F401,F403
-from .bytelm import __all__
+from .bytelm import __all__ as __all__
