@@ -9,7 +9,6 @@ import torch
 import torch.nn as nn
 
 from autoprec.coverage import find_layers
-from autoprec.formats import Format
 from autoprec.scheduler import DynamicPrecisionScheduler
 from autoprec.search.training import PROBE_ROUNDS, TrainingSearch, probe_formats
 from autoprec.workloads import default_workload

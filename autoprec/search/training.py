@@ -252,6 +252,7 @@ class TrainingSearch:
             return
         self._add("trial steps", extra)
         trial = self._trial()
+        assert trial is not None, "a trial step ran with every candidate over"
         trial.steps += 1
         if skipped:
             trial.dropped = "a non-finite gradient skipped its step"
@@ -300,6 +301,7 @@ class TrainingSearch:
     def _offpath_units(self) -> Generator[str, None, None]:
         c = self.config
         snapshot = self._snapshot
+        assert snapshot is not None, "off-path work without a snapshot"
         trace = trace_model(snapshot, self.example, None)
         yield "trace"
         costs = CostModel(trace, RooflineTimeModel(), formats=[Format.FP32])
@@ -314,7 +316,7 @@ class TrainingSearch:
         if self.measuring:
             costs = self._cost_model(costs, trace)
         else:
-            costs = CostModel(trace, RooflineTimeModel(), formats=self.formats, rest_saved_bytes=costs.rest_saved_bytes,
+            costs = CostModel(trace, RooflineTimeModel(), formats=self.formats, rest_saved_bytes=(costs.rest_saved_bytes[0], costs.rest_saved_bytes[1]),
                               fp32_in_region_bytes=costs.fp32_in_region_bytes)
         space, ruled_out = build_space(costs, sensitivity, self.profile, formats=self.formats, rules=c.rules,
                                        min_precision=c.min_precision, max_precision=c.max_precision)
@@ -359,7 +361,7 @@ class TrainingSearch:
             rest = self.known.get("rest", 0.0)
             in_place[fmt] = InPlaceTimes(rest + sum(layer_seconds.values()), layer_seconds)
         measured = CostModel(trace, RooflineTimeModel(), formats=self.formats, rest_seconds=self.known.get("rest", 0.0), in_place=in_place,
-                             rest_saved_bytes=costs.rest_saved_bytes, fp32_in_region_bytes=costs.fp32_in_region_bytes)
+                             rest_saved_bytes=(costs.rest_saved_bytes[0], costs.rest_saved_bytes[1]), fp32_in_region_bytes=costs.fp32_in_region_bytes)
         return measured
 
     # -- candidates and the result --------------------------------------------------------------
@@ -376,7 +378,7 @@ class TrainingSearch:
         self.error = error
 
     def _choose(self) -> None:
-        limit = self._trials[0].plan.budgets.get("memory_bytes") if self._trials else None
+        limit = self._trials[0].plan.budgets.get("memory_bytes") if self._trials else None  # type: ignore[attr-defined]
         for t in self._trials:
             # Measured saved bytes plus the FP32 gradient buffers (the same in every plan).
             if t.dropped is None and limit is not None and t.saved_bytes is not None and self.grad_bytes is not None:
