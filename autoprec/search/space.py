@@ -221,17 +221,17 @@ class SearchSpace:
             return {u.name: fmt for u in self.units}
         return None
 
-    def scaled(self, factors: Mapping[Format, Choice], fixed: Choice = Choice(1.0, 1.0, 1.0)) -> "SearchSpace":
-        """This space with every choice in format ``f`` multiplied field by field by
-        ``factors[f]`` (1 where absent) and the fixed costs by ``fixed``: a corrected proxy
-        (`search.refine`). Same units, names and formats."""
+    def scaled(self, factors: Mapping[tuple[str, Format], Choice], fixed: Choice = Choice(1.0, 1.0, 1.0)) -> "SearchSpace":
+        """This space with unit u's choice in format f multiplied field by field by
+        ``factors[(u.name, f)]`` (1 where absent) and the fixed costs by ``fixed``: a corrected
+        proxy (`search.refine`). Same units, names and formats."""
         one = Choice(1.0, 1.0, 1.0)
 
         def times(c: Choice, k: Choice) -> Choice:
             return Choice(c.bytes * k.bytes, c.seconds * k.seconds, c.loss * k.loss)
 
         out = copy.copy(self)
-        out.units = tuple(dataclasses.replace(u, choices={f: times(c, factors.get(f, one)) for f, c in u.choices.items()}) for u in self.units)
+        out.units = tuple(dataclasses.replace(u, choices={f: times(c, factors.get((u.name, f), one)) for f, c in u.choices.items()}) for u in self.units)
         out.fixed_total = times(self.fixed_total, fixed)
         return out
 
