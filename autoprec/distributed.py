@@ -37,8 +37,11 @@ Costs: per optimizer step one all-reduce of ``8 * (optimizers + 1 + 2 * layers)`
 inf-norm over every gradient (a read of the gradients; in the DDP hook instead of after it), and
 one host transfer of that vector. Per window end: three all-reduces of the profiler's
 accumulators (about 48 KiB of histogram per layer and tensor kind), one ``broadcast_object_list``
-of the decision (the plan's JSON, a few KiB) and one ``all_gather_object`` of plan hashes. At
-bind: one ``all_gather_object`` of the settings' and given plan's hashes.
+of the decision (the plan's JSON, a few KiB) and one ``all_gather_object`` of plan hashes. While
+the first search runs (`search.training`): every rank runs the same probe and trial steps (their
+plans follow from the step and the reduced profile), rank 0 alone the off-path work, and one
+``broadcast_object_list`` per step (None until rank 0's candidates exist, then their JSON) keeps
+the ranks on one schedule. At bind: one ``all_gather_object`` of the settings' and given plan's hashes.
 
 FSDP2 (``fully_shard``): parameters are DTensors; the runtime runs inside FSDP2's all-gathered
 forward, the scaler and flags read the local shards (``to_local``). FSDP2's

@@ -27,15 +27,19 @@ Lifecycle (each step of it uses the part that owns it; nothing is re-implemented
    run as ``model.forward(...)`` or as a function of its weights, which no hook sees).
 2. **Profile** the first ``monitor_window`` optimizer steps at a safe precision (FP32, or BF16
    when ``max_precision`` is 16) with a `LayerProfiler`, recording the training loss.
-3. **Search** at the window's end, in-process and time-bounded: `CostModel` (bytes, seconds),
-   `estimate_sensitivity` on the last steps' inputs with the loss linearised at the model's
-   output (``Σ y·dL/dy``: the same first derivatives as the real loss, so the Fisher estimate
-   is the real one's), `search.planner.build_space` (the profile rules out overflowing formats),
-   the exact optimum of the integer program (`search.pipeline.propose_plans`, the job's
-   pipeline); then apply the plan. A failed search keeps the safe precision ("safe"). Budgets
-   no plan meets are final (they do not change with the data); any other failure (a NaN batch
-   among the last steps) is retried: after the n-th failure in a row the scheduler waits
-   2**(n-1) windows, then profiles a fresh window and searches again.
+3. **Search** over the steps after the window ("searching"; `search.training.TrainingSearch`),
+   never one long step: probe steps (training steps whose layers cycle through their formats,
+   timed in place, one measurement per (role, format) serving every block), off-path units
+   on a snapshot in slices of ``search_slice`` median steps (the `CostModel`'s bytes; the
+   sensitivity on the last steps' inputs with the loss linearised at the model's output,
+   ``Σ y·dL/dy``: the same first derivatives as the real loss; the exact optimum of the integer
+   program, `search.pipeline.propose_from`, the job's pipeline), then the two best plans tried
+   on training steps (time and saved bytes measured; the fastest that keeps the budgets and
+   skips no step is adopted). Every one of these steps trains the model. A failed search keeps
+   the safe precision ("safe"). Budgets no plan meets are final (they do not change with the
+   data); any other failure (a NaN batch among the last steps) is retried: after the n-th
+   failure in a row the scheduler waits 2**(n-1) windows, then profiles a fresh window and
+   searches again, reusing the probe times it measured.
 4. **Watch** every window: a `LayerProfiler` over its last ``monitor_steps`` steps and the
    scaler's per-layer non-finite counts. A layer is **promoted** (FP8/INT8/FP16 → BF16 → FP32)
    when its overflow or underflow fraction, its amax drift against the last window, or its
@@ -61,14 +65,15 @@ Under ``torch.distributed`` (DDP or FSDP2, no new call) the ranks agree through
 `autoprec.distributed`: one plan, one skip decision per step, promotions at one step.
 
 Costs per step: the runtime's (see `runtime`), the scaler's one host sync per optimizer, and in
-monitored steps the profiler's (`autoprec.bench.measure_overhead` measures it). A search costs
-the cost model's measurements (cached on disk), two forward+backward passes per (layer, format)
-for sensitivity, and the integer program, bounded by ``search_timeout_s``.
+monitored steps the profiler's (`autoprec.bench.measure_overhead` measures it). A search costs a
+copy of the weights while it runs, the per-layer timer's hooks in probe steps, and off-path
+work of about one forward per layer role plus a partial forward + backward per (layer, format),
+spread over steps; its timeline (log line and ``search/*`` TensorBoard scalars) says where.
 
-Why one module of ~700 lines: what is left here is the window clock and the swaps, and every
+Why one module: what is left here is the window clock and the swaps, and every
 method reads or moves the same few pieces of state (plan, runtime, scaler, profiler, window
 position); the decisions themselves live elsewhere (`policy`, `search.pipeline`, `distributed`,
-`scaling`), and splitting the clock from the swaps would pass that state back and forth.
+`scaling`, `search.training`), and splitting the clock from the swaps would pass that state back and forth.
 """
 
 from __future__ import annotations

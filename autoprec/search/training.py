@@ -12,7 +12,8 @@ a small GPT. Here it never holds one step for long, and most of it costs no extr
   on this device (an earlier search) are not probed again.
 - **Off-path units** on a snapshot of the model (a copy of its weights, held until the search
   ends): the trace, the region bytes (one forward per role), the sensitivity estimate
-  (`sensitivity_steps`), then the exact solve. They run after training steps in slices
+  (`sensitivity_steps` on the last captured batch, each layer's gradient term from its own
+  parameters: ``FisherEstimator(upstream=False)``), then the exact solve. They run after training steps in slices
   (`work(seconds)`), each at least one unit; a unit is at most one forward + backward.
 - **Trial steps** (training steps): the k best plans each run ``trial_steps`` steps, timed, the
   first metered for saved bytes. A candidate with a skipped (non-finite) step is dropped at once,
@@ -338,8 +339,12 @@ class TrainingSearch:
             from ..sensitivity import Sensitivity
 
             return Sensitivity({"forward": {}, "grad": {}}, total_of=("forward", "grad"), method="none", batches=0)
-        steps = sensitivity_steps(snapshot, self.batches, self.loss_fn, lowered, layers=self.layers, example_inputs=self.example,
-                                  estimator=FisherEstimator(lr=self.config.lr))
+        # The last captured batch, and the gradient term of each layer's own parameters only
+        # (no backward through the rest of the model per layer and format): a quarter of the full
+        # estimate's cost, and on the 6-block GPT the same plans at two memory budgets
+        # (benchmarks/search_stall.py's model; the note has the comparison).
+        steps = sensitivity_steps(snapshot, self.batches[-1:], self.loss_fn, lowered, layers=self.layers, example_inputs=self.example,
+                                  estimator=FisherEstimator(lr=self.config.lr, upstream=False))
         return (yield from _labelled(steps, "sensitivity"))
 
     def _cost_model(self, costs: CostModel, trace) -> CostModel:
