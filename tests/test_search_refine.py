@@ -13,7 +13,7 @@ from autoprec.formats import Format
 from autoprec.search.exact import k_best
 from autoprec.search.measured import formats_id
 from autoprec.search.refine import CorrectingSampler, fit_factors
-from autoprec.search.space import Choice, SearchSpace
+from autoprec.search.space import Choice, LayerRules, SearchSpace
 
 F32, B16, I8 = Format.FP32, Format.BF16, Format.INT8
 LAYERS = [f"l{i}" for i in range(6)]
@@ -84,7 +84,8 @@ def search(space, memory, loss, k, budget):
             break
         proposed = {u.name: Format.parse(trial.suggest_categorical(u.name, [f.value for f in u.choices])) for u in space.units}
         seconds, bytes_, loss_ = true_figures(space, proposed)
-        for key, value in {"bytes": bytes_, "loss_increase": loss_, "fp32_ratio": seconds}.items():
+        attrs = {"bytes": bytes_, "loss_increase": loss_, "fp32_ratio": seconds, "seconds": seconds, "predicted": space.totals(proposed).seconds}
+        for key, value in attrs.items():
             trial.set_user_attr(key, value)
         study.tell(trial, seconds)
     return study, sampler
@@ -205,19 +206,79 @@ def test_a_plan_another_worker_holds_is_not_proposed_again():
     assert second.relative_params and second.relative_params != held
 
 
+# -- the review: TensorBoard scalars and the plan's reasons ---------------------------------------
+
+
+def test_review_writes_each_refined_trial_as_refine_scalars(tmp_path):
+    from tb_events import accumulator
+
+    from autoprec.monitoring.search import write_search
+
+    space = proxy_space()
+    study, sampler = search(space, 0.6 * space.totals(space.uniform(F32)).bytes, 4.0, k=4, budget=12)
+    refined = [t for t in measured(study) if "refined" in t.user_attrs]
+    assert len(refined) >= 2
+    acc = accumulator(write_search(study, tmp_path))
+    scalars = lambda tag: [(e.step, e.value) for e in acc.Scalars(tag)]  # noqa: E731
+    numbers = [t.number for t in refined]
+    assert [s for s, _ in scalars("refine/measured_seconds")] == numbers
+    assert [v for _, v in scalars("refine/measured_seconds")] == pytest.approx([t.user_attrs["seconds"] for t in refined])
+    assert [v for _, v in scalars("refine/predicted_seconds")] == pytest.approx([t.user_attrs["predicted"] for t in refined])
+    assert [v for _, v in scalars("refine/corrected_seconds")] == pytest.approx([t.user_attrs["refined"]["predicted"]["seconds"] for t in refined])
+    # The correction as it moved: INT8's step-time factor, fitted on more trials at each proposal.
+    int8 = [v for _, v in scalars("refine/factor/int8/seconds")]
+    assert int8 == pytest.approx([t.user_attrs["refined"]["correction"]["int8"]["seconds"] for t in refined])
+    assert int8[-1] > 1.5  # toward the true 2.2 (the proxy's own factor is 1)
+    fitted = [v for _, v in scalars("refine/fitted_trials")]
+    assert fitted == sorted(fitted) and fitted[0] >= 4  # the initial design first
+    # The trials of the initial design have no refine/ point.
+    assert {s for s, _ in scalars("search/trial/seconds")} - set(numbers)
+
+
+def test_a_layer_a_measurement_decided_says_so_and_one_the_proxy_decided_does_not():
+    from autoprec.search.planner import layer_reasons, measured_reasons
+
+    space = proxy_space()
+    optimum = space.uniform(B16)
+    proposed = {**optimum, "l2": I8}
+    reasons = measured_reasons(layer_reasons(space, proposed, LayerRules(), {}), space.layer_formats(proposed),
+                               space.layer_formats(optimum), "measured: trial 7 ran 12.0% faster than the proxy's optimum")
+    assert "decided by measurement, not the proxy: measured: trial 7 ran 12.0% faster" in reasons["l2"]
+    assert "the proxy's optimum has bf16 here" in reasons["l2"]
+    assert all("measurement" not in reasons[fqn] for fqn in LAYERS if fqn != "l2")
+
+
+def test_the_evidence_compares_the_trial_with_the_proxys_optimum_as_measured():
+    from autoprec.search.job import _evidence
+    from autoprec.search.measured import Measurement
+
+    text = _evidence(7, Measurement(100, 0.088), 0.105, (0, Measurement(100, 0.1), 0.1))
+    assert text.startswith("measured: trial 7 ran 12.0% faster than the proxy's optimum (trial 0, 100 ms as measured)")
+    assert text.endswith("the proxy predicted it 5.0% slower")
+
+
 # -- end to end: `autoprec search` with [search].measured_trials --------------------------------
 
 
-@pytest.mark.slow
-def test_search_job_with_a_measured_trial_budget_runs_the_learning_sampler(tmp_path):
+@pytest.fixture(scope="module")
+def refined_job(tmp_path_factory):
     from autoprec.cli import main
-    from autoprec.plan import Plan
     from test_search_job import write_job
 
-    path = write_job(tmp_path)
+    folder = tmp_path_factory.mktemp("refined")
+    path = write_job(folder)
     path.write_text(path.read_text().replace("measure_top = 2", "measure_top = 1\nmeasured_trials = 9"), encoding="utf-8")
-    assert main(["search", str(path)]) == 0
-    study = optuna.load_study(study_name="tiny:measured", storage=f"sqlite:///{tmp_path / 'out' / 'study.db'}")
+    status = main(["search", str(path)])
+    study = optuna.load_study(study_name="tiny:measured", storage=f"sqlite:///{folder / 'out' / 'study.db'}")
+    return folder / "out", status, study
+
+
+@pytest.mark.slow
+def test_search_job_with_a_measured_trial_budget_runs_the_learning_sampler(refined_job):
+    from autoprec.plan import Plan
+
+    out, status, study = refined_job
+    assert status == 0
     assert isinstance(study.user_attrs["autoprec_candidates"], list)
     taken = [t for t in study.trials if "skipped" not in t.user_attrs and t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
     ids = [t.user_attrs["candidate"] for t in taken]
@@ -229,6 +290,25 @@ def test_search_job_with_a_measured_trial_budget_runs_the_learning_sampler(tmp_p
     for t in refined:  # each proposal recorded what the corrected proxy predicted for it
         assert set(t.user_attrs["refined"]["predicted"]) == {"seconds", "bytes", "loss"}
         assert t.params == t.user_attrs["refined"]["assignment"]
-    plan = Plan.load(tmp_path / "out" / "plan.json")
+    plan = Plan.load(out / "plan.json")
     if plan.metadata.get("proposed_by") == "learning sampler":
-        assert any("decided by measurement" in lp.reason for lp in plan.layers.values())
+        number = int(plan.metadata["candidate"].rsplit("-", 1)[1])
+        decided = [lp.reason for lp in plan.layers.values() if "decided by measurement" in lp.reason]
+        assert decided and all(f"measured: trial {number} ran " in r for r in decided)
+
+
+@pytest.mark.slow
+def test_search_job_review_shows_each_refined_trial(refined_job):
+    from tb_events import accumulator
+
+    out, _, study = refined_job
+    refined = sorted((t for t in study.trials if "refined" in t.user_attrs and "skipped" not in t.user_attrs
+                      and t.state is TrialState.COMPLETE), key=lambda t: t.number)
+    if not refined:
+        pytest.skip("the learning sampler stopped before proposing a plan on this machine's timings")
+    acc = accumulator(out / "logs" / "search")
+    measured_ = acc.Scalars("refine/measured_seconds")
+    assert [e.step for e in measured_] == [t.number for t in refined]
+    assert [e.value for e in measured_] == pytest.approx([t.user_attrs["seconds"] for t in refined])
+    for tag in ("refine/predicted_seconds", "refine/corrected_seconds", "refine/corrected_error", "refine/factor/int8/seconds"):
+        assert [e.step for e in acc.Scalars(tag)] == [t.number for t in refined], tag

@@ -6,6 +6,8 @@ Layout (one TensorBoard run per folder)::
     LOGDIR/search/                  scalars search/trial/{seconds,bytes,loss_increase,feasible}
                                             (step = trial number; ``*_vs_fp32`` with ``fp32=``)
                                     scalar  search/best_feasible_seconds   best feasible so far
+                                    scalars refine/{predicted,corrected,measured}_seconds, ...
+                                            per trial of the learning sampler (`refine_points`)
                                     image   search/pareto    memory (x) vs step time (y), all trials,
                                                              the (time, memory, loss) front ringed
                                     text    search/summary   counts, best trial, the front's table
@@ -67,8 +69,11 @@ __all__ = [
     "MEASURED_COLOUR",
     "LOSS_COLOURS",
     "TrialPoint",
+    "RefinePoint",
     "ParetoFigure",
     "search_points",
+    "refine_points",
+    "refine_scalars",
     "pareto_front",
     "best_so_far",
     "search_summary_markdown",
@@ -135,6 +140,69 @@ def search_points(study: "optuna.Study") -> list[TrialPoint]:
             )
         points.append(TrialPoint(trial.number, *values, feasible(trial), str(attrs.get("name", ""))))
     return points
+
+
+@dataclasses.dataclass(frozen=True)
+class RefinePoint:
+    """One trial the learning sampler (`autoprec.search.refine`) proposed: the proxy's predicted
+    step seconds, the corrected prediction it was proposed on, what was measured (None when the
+    trial was pruned before its step was timed), and the correction fitted before it
+    (`Correction.to_dict`: factors per format and for the fixed cost, per unit deviations)."""
+
+    number: int
+    predicted_seconds: "float | None"
+    corrected_seconds: float
+    measured_seconds: "float | None"
+    measured_on_proxy_scale: "float | None"  # fp32 ratio x the proxy's FP32 step: what the fit targets
+    correction: Mapping[str, Any]
+
+
+def refine_points(study: "optuna.Study") -> list[RefinePoint]:
+    """The learning sampler's finished trials of a measured study (user attribute ``refined``),
+    by trial number; trials skipped unmeasured (another worker took the plan) are left out."""
+    from optuna.trial import TrialState
+
+    from ..search.refine import REFINED_ATTR
+
+    points = []
+    for trial in sorted(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)), key=lambda t: t.number):
+        attrs = trial.user_attrs
+        refined = attrs.get(REFINED_ATTR)
+        if not isinstance(refined, Mapping) or "skipped" in attrs:
+            continue
+        ratio, scale = _number(attrs.get("fp32_ratio")), _number(refined.get("fp32_seconds"))
+        points.append(RefinePoint(
+            trial.number, _number(attrs.get("predicted")), float(refined["predicted"]["seconds"]),
+            _number(attrs.get("seconds")) if trial.state is TrialState.COMPLETE else None,
+            ratio * scale if ratio is not None and scale is not None else None, refined.get("correction", {}),
+        ))
+    return points
+
+
+def refine_scalars(point: RefinePoint) -> dict[str, float]:
+    """A learning-sampler trial as ``refine/`` scalars: ``predicted_seconds`` (the proxy),
+    ``corrected_seconds`` (the corrected proxy it was proposed on), ``measured_seconds`` and
+    ``corrected_error`` (corrected / measured on the proxy's FP32 scale - 1) once measured,
+    ``fitted_trials``, and the correction then: ``factor/<format or fixed>/<seconds, bytes,
+    loss>`` and ``unit_deviation_rms/<field>`` (the per-layer deviations' root mean square)."""
+    scalars = {"refine/corrected_seconds": point.corrected_seconds}
+    if point.predicted_seconds is not None:
+        scalars["refine/predicted_seconds"] = point.predicted_seconds
+    if point.measured_seconds is not None:
+        scalars["refine/measured_seconds"] = point.measured_seconds
+        if point.measured_on_proxy_scale:
+            scalars["refine/corrected_error"] = point.corrected_seconds / point.measured_on_proxy_scale - 1
+    correction = dict(point.correction)
+    if "trials" in correction:
+        scalars["refine/fitted_trials"] = correction.pop("trials")
+    units = correction.pop("units", {}) or {}
+    for name, factors in correction.items():
+        scalars.update({f"refine/factor/{name}/{field}": value for field, value in factors.items() if _number(value) is not None})
+    for field in ("seconds", "bytes", "loss"):
+        values = [d[field] for d in units.values() if _number(d.get(field)) is not None]
+        if values:
+            scalars[f"refine/unit_deviation_rms/{field}"] = math.sqrt(sum(v * v for v in values) / len(values))
+    return scalars
 
 
 def pareto_front(points: Sequence[TrialPoint]) -> list[TrialPoint]:
@@ -437,7 +505,9 @@ def write_search(
     Per complete trial (step = trial number): ``search/trial/seconds``, ``bytes``,
     ``loss_increase`` and ``feasible`` (1 or 0), and ``*_vs_fp32`` fractions where ``fp32`` (a
     mapping with ``bytes`` and/or ``seconds`` of the all-FP32 plan) has them; from the first
-    feasible trial on, ``search/best_feasible_seconds``. At the last trial's step: the Pareto image
+    feasible trial on, ``search/best_feasible_seconds``. Per trial the learning sampler proposed
+    (complete or pruned), in the same event: the `refine_scalars` (predicted, corrected and
+    measured step seconds, the correction's factors then). At the last trial's step: the Pareto image
     ``search/pareto`` (`render_pareto`, with ``memory_bytes`` as the budget line and the
     ``measured`` plans' measured totals) and the text ``search/summary``.
 
@@ -452,6 +522,7 @@ def write_search(
     logdir = Path(logdir)
     run = "/".join(run_name(part) for part in str(run).split("/"))
     best_seconds = dict(best_so_far(points))
+    events: dict[int, dict[str, float]] = {p.number: refine_scalars(p) for p in refine_points(study)}
     writer = _open(logdir, run, replace)
     try:
         for p in points:
@@ -463,7 +534,9 @@ def write_search(
                 scalars["search/best_feasible_seconds"] = best
                 if "seconds" in reference:
                     scalars["search/best_feasible_seconds_vs_fp32"] = best / reference["seconds"]
-            _add_scalars(writer, scalars, p.number)
+            events[p.number] = {**scalars, **events.get(p.number, {})}
+        for number in sorted(events):
+            _add_scalars(writer, events[number], number)
         step = points[-1].number if points else 0
         name = getattr(getattr(study, "study", study), "study_name", run)
         _add_png(writer, "search/pareto", render_pareto(points, title=name, memory_bytes=memory_bytes, measured=measured), step)

@@ -64,9 +64,9 @@ from ..runtime import EmulationWarning, apply_plan, removing
 from ..workload import TrainStep, WorkloadError, load_workload, to_device
 from .config import JobConfig
 from .exact import Solution
-from .measured import BudgetPruner, Candidate, MeasuredStage, Measurement, fastest_meeting
+from .measured import BudgetPruner, Candidate, MeasuredStage, Measurement, candidate_id, fastest_meeting
 from .pipeline import Proposal, propose_plans
-from .planner import layer_reasons, plan_from_solution
+from .planner import layer_reasons, measured_reasons, plan_from_solution
 from .refine import CorrectingSampler
 from .space import SearchSpace
 from .study import open_storage, quiet_interrupts
@@ -79,6 +79,7 @@ logger = logging.getLogger(__name__)
 Progress = Callable[[int, int, str], None]
 
 _SEARCH_ATTR = "autoprec_search"  # the study's user attribute holding `_signature`
+_FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,8 +392,13 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
         results = stage.run(candidates, measured_study, measured_memory, loss_budget, progress)
     references = {"fp32": stage.fp32()}
     if stage.refined:  # the learning sampler's plans, made whole: reasons and predicted figures
+        numbers = {t.user_attrs.get("candidate"): t.number for t in measured_study.get_trials(deepcopy=False, states=_FINISHED)
+                   if "skipped" not in t.user_attrs}
+        exact_id = candidate_id(proposal.plans[0])  # the proxy's optimum
+        baseline = (numbers.get(exact_id), results.get(exact_id), proposal.optimum.exact.total.seconds)
         candidates = candidates + [
-            _refined(c, sampler, space, costs, config, ruled_out, proposal, {**meta, "exact_seconds": exact.total.seconds}, fingerprint)
+            _refined(c, sampler, space, costs, config, ruled_out, proposal, {**meta, "exact_seconds": exact.total.seconds}, fingerprint,
+                     _evidence(numbers.get(c.id), results.get(c.id), c.plan.predicted["seconds"], baseline))
             for c in stage.refined
         ]
 
@@ -430,19 +436,34 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
     return result
 
 
-def _refined(candidate: Candidate, sampler, space, costs, config, ruled_out, proposal, meta, fingerprint) -> Candidate:
-    """A plan the learning sampler proposed, as a full plan: each layer's reason says where the
-    measured correction, not the proxy, decided its format (it differs from the proxy's optimum)."""
+def _refined(candidate: Candidate, sampler, space, costs, config, ruled_out, proposal, meta, fingerprint, evidence: str) -> Candidate:
+    """A plan the learning sampler proposed, as a full plan: each layer whose format differs from
+    the proxy's optimum says a measurement decided it, with ``evidence`` (`_evidence`)."""
     assignment = sampler.assignment_of(candidate.plan)
-    reasons = layer_reasons(space, assignment, config.rules, ruled_out)
-    optimum = space.layer_formats(proposal.optimum.exact.assignment)
-    for fqn, fmt in space.layer_formats(assignment).items():
-        if optimum[fqn] is not fmt:
-            reasons[fqn] += (f"; decided by measurement: the proxy's optimum has {optimum[fqn].value} here, the proxy corrected "
-                             "by the measured trials (learning sampler) chose this")
+    formats = space.layer_formats(assignment)
+    reasons = measured_reasons(layer_reasons(space, assignment, config.rules, ruled_out), formats,
+                               space.layer_formats(proposal.optimum.exact.assignment), evidence)
     plan = plan_from_solution(space, costs, Solution(assignment, space.totals(assignment)), reasons, proposal.budgets,
                               {**meta, "proposed_by": "learning sampler"}, fingerprint)
     return Candidate(candidate.name, plan)
+
+
+def _evidence(number: "int | None", measured: "Measurement | str | None", predicted: float,
+              optimum: "tuple[int | None, Measurement | str | None, float]") -> str:
+    """What measuring the learning sampler's trial ``number`` showed against the proxy's optimum
+    (``optimum``: its trial number, measurement or why it was pruned, and predicted seconds)."""
+    trial = f"trial {number}" if number is not None else "its trial"
+    opt_number, opt_measured, opt_predicted = optimum
+    opt_trial = f"trial {opt_number}" if opt_number is not None else "not measured"
+    if not isinstance(measured, Measurement) or measured.seconds is None:
+        return f"{trial} was proposed on the measured trials' correction ({measured or 'not measured'})"
+    proxy = f"the proxy predicted it {abs(predicted / opt_predicted - 1):.1%} {'slower' if predicted >= opt_predicted else 'faster'}"
+    if not isinstance(opt_measured, Measurement) or opt_measured.seconds is None:
+        return (f"measured: {trial} ran in {measured.seconds * 1e3:.3g} ms, the proxy's optimum ({opt_trial}) has no measured step "
+                f"({opt_measured or 'not measured'}); {proxy}")
+    gain = 1 - measured.seconds / opt_measured.seconds
+    return (f"measured: {trial} ran {abs(gain):.1%} {'faster' if gain >= 0 else 'slower'} than the proxy's optimum ({opt_trial}, "
+            f"{opt_measured.seconds * 1e3:.3g} ms as measured); {proxy}")
 
 
 def _emulated(model, plan: Plan, example_inputs) -> dict[str, list[str]]:

@@ -18,7 +18,7 @@ from ..plan import LayerPrecision, Plan
 from .exact import Solution
 from .space import Choice, LayerRules, SearchSpace
 
-__all__ = ["OVERFLOW_LIMIT", "cast_of", "overflow_reason", "build_space", "layer_reasons", "plan_from_solution", "in_budget_terms"]
+__all__ = ["OVERFLOW_LIMIT", "cast_of", "overflow_reason", "build_space", "layer_reasons", "measured_reasons", "plan_from_solution", "in_budget_terms"]
 
 # A format is ruled out for a layer when the profile saw more than this fraction of a tensor
 # overflow it (after the format's scaling). Overflow to inf (FP16, E5M2) poisons a step, so the
@@ -120,6 +120,18 @@ def layer_reasons(space: SearchSpace, assignment: Mapping[str, Format], rules: L
         text = f"{head}; {why}{group}" + ("; " + "; ".join(dict.fromkeys(notes)) if notes else "")
         for fqn in unit.layers:
             out[fqn] = text
+    return out
+
+
+def measured_reasons(reasons: Mapping[str, str], formats: Mapping[str, Format], optimum: Mapping[str, Format], evidence: str) -> dict[str, str]:
+    """``reasons`` (`layer_reasons`) of a plan the learning sampler proposed, each layer whose
+    format in ``formats`` differs from the proxy's optimum (``optimum``: its layer formats) marked
+    as decided by a measurement, with ``evidence`` (what was measured, in words)."""
+    out = dict(reasons)
+    for fqn, fmt in formats.items():
+        if fqn in optimum and optimum[fqn] is not fmt:
+            out[fqn] = (f"{out[fqn]}; decided by measurement, not the proxy: {evidence}; the proxy's optimum has "
+                        f"{optimum[fqn].value} here (learning sampler: the proxy corrected by the measured trials)")
     return out
 
 

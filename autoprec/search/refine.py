@@ -279,6 +279,7 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
         params = {name: fmt.value for name, fmt in nxt.assignment.items()}
         storage.set_trial_user_attr(trial._trial_id, REFINED_ATTR, {
             "assignment": params, "predicted": {f: getattr(nxt.predicted, f) for f in _FIELDS}, "correction": nxt.correction.to_dict(),
+            "fp32_seconds": self.fp32_seconds,  # the scale of "predicted": measured seconds on it = fp32_ratio x this
         })
         return params
 
