@@ -264,6 +264,7 @@ class DynamicPrecisionScheduler:
         self._step_started: Optional[float] = None
         self._step_timer: Optional[StepTimer] = None
         self._step_bytes: Optional[int] = None
+        self._last_step_seconds: Optional[float] = None
         self._recent_steps: collections.deque = collections.deque(maxlen=64)  # seconds of safe-precision steps
         # "role|format" -> seconds and "rest", measured by probe steps on this device: a later
         # search (a retry) does not probe again.
@@ -827,7 +828,7 @@ class DynamicPrecisionScheduler:
     def _end_step(self, skipped: bool) -> None:
         """Time the step just run; while searching, report it and give the search its slice."""
         seconds = time.perf_counter() - self._step_started if self._step_started is not None else None
-        self._step_started = None
+        self._step_started, self._last_step_seconds = None, seconds
         search = self._searching
         if search is None:
             if seconds is not None and self.plan is None:
@@ -849,7 +850,10 @@ class DynamicPrecisionScheduler:
         the result in force once the search is done."""
         search = self._searching
         slice_ = self.config.search_slice
-        search.work(math.inf if slice_ is None or search.median_step is None else slice_ * search.median_step)
+        if slice_ is None or search.median_step is None:
+            search.work(math.inf)
+        else:  # the step and its slice together: about (1 + search_slice) median steps
+            search.work((1 + slice_) * search.median_step - (self._last_step_seconds or 0.0))
         if self._dist is not None and not search.shared:
             # Rank 0's candidates (or its error) reach every rank at the same step: one broadcast
             # per step until they exist (every rank calls it: none knows before rank 0 is done).

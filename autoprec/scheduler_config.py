@@ -62,9 +62,9 @@ class SchedulerConfig:
     window's mean training loss (or absolute with ``accuracy_relative=False``); None leaves a
     budget open. ``formats``, ``rules``: the search's candidates and layer rules;
     ``search_timeout_s`` bounds the integer program that finds the plan; ``search_slice``: the
-    search's work after each training step while it runs, in median steps (a step then takes
-    about ``1 + search_slice`` times the median, plus at most one unit of work; see
-    `search.training`), or None: all of it in the window's last step (one long step; with
+    search's work after each training step while it runs, in median steps (a step and its work
+    then take at most about ``1 + search_slice`` times the median; a unit of work longer than
+    that runs alone, in every third step at most; see `search.training`), or None: all of it in the window's last step (one long step; with
     ``measure_costs=False`` the plan is then in force from the next step); ``lr``: the learning
     rate the sensitivity's gradient term assumes. ``loss_scaling``, ``max_grad_norm`` (clip the unscaled
     gradients; None: no clipping), ``thresholds`` (when layers are promoted and demoted),

@@ -157,7 +157,7 @@ def test_every_search_step_trains_the_model_none_lost_or_repeated(searched):
     assert distance < 0.25 * (short - same).norm() and distance < 0.25 * (long - same).norm()
 
 
-def test_work_runs_one_unit_per_zero_slice_and_everything_at_once_without_a_bound():
+def test_the_whole_search_runs_in_one_step_without_a_slice_and_over_many_with_a_tiny_one():
     wl, model, opt = setup()
     sampler = wl.train_batches(0)
     sch = make(measure_costs=False, search_slice=None)
@@ -165,16 +165,39 @@ def test_work_runs_one_unit_per_zero_slice_and_everything_at_once_without_a_boun
     assert sch.phase == "planned"  # None: the whole search in the window's last step
 
     wl, model, opt = setup()
-    sch = make(measure_costs=False, search_slice=1e-9)  # each step: exactly one unit of work
+    sch = make(measure_costs=False, search_slice=1e-9)  # no unit fits: one runs every third step
     phases = train(wl, model, opt, sch, WINDOW, sampler)
     assert phases[-1] == "searching"
     search = sch._searching
     steps = 0
-    while sch.phase == "searching" and steps < 300:
+    while sch.phase == "searching" and steps < 600:
         train(wl, model, opt, sch, 1, sampler)
         steps += 1
     assert sch.phase == "planned" and set(search.timeline) >= {"trace", "region bytes", "sensitivity", "solve"}
-    assert steps >= len(sch.layers)  # one unit a step: region bytes and sensitivity take one per layer at least
+    # Region bytes (one unit per role) and sensitivity (one per layer and format): every third step.
+    assert steps >= 3 * len(sch.layers)
+
+
+def test_a_slice_runs_units_while_they_fit_and_one_after_two_empty_slices():
+    wl, model, _ = setup()
+    search = search_for(model, wl.train_batches(0).next()[0], measure_costs=False)
+    ran = []
+
+    def units(n):
+        for i in range(n):
+            ran.append(i)
+            yield "sensitivity"
+
+    search._offpath, search._unit_seconds = units(3), {}
+    search.work(1.0)  # units of no known length: all of them run
+    assert ran == [0, 1, 2] and search._offpath is None
+    ran.clear()
+    search._offpath, search._unit_seconds, search._next_stage = units(2), {"sensitivity": 10.0}, "sensitivity"
+    search.work(1.0)
+    search.work(1.0)
+    assert ran == []  # a 10 s unit fits in no 1 s slice
+    search.work(1.0)  # the third slice in a row runs one anyway (then, at its measured length, the next fits)
+    assert ran[:1] == [0]
 
 
 def test_a_checkpoint_taken_mid_search_resumes_and_finishes(searched):

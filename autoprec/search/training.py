@@ -131,6 +131,9 @@ class TrainingSearch:
         self.error: Optional[AutoprecError] = None
         self.steps = 0  # training steps since the search started
         self.longest_step = 0.0
+        self._unit_seconds: dict[str, float] = {}  # the last unit's seconds, per stage
+        self._next_stage = ""
+        self._starved = 0  # slices in a row that ran no unit
         self.shared = False  # under torch.distributed: the candidates (or error) reached every rank
         self._winner: Optional[_Trial] = None
         self.grad_bytes: Optional[int] = None  # the FP32 gradient buffers' bytes (lead only)
@@ -277,11 +280,19 @@ class TrainingSearch:
     # -- off the training path ------------------------------------------------------------------
 
     def work(self, seconds: float) -> None:
-        """Run off-path units for about ``seconds`` (at least one unit when any is ready)."""
+        """Run off-path units within ``seconds``: a unit starts only when its expected length (the
+        last unit of its stage) fits in what is left; after two slices that ran nothing, one runs
+        whatever its length (a unit longer than every slice must not stall the search)."""
         if self._offpath is None or self.done:
             return
         deadline = time.perf_counter() + seconds
+        ran = 0
         while True:
+            left = deadline - time.perf_counter()
+            expected = self._unit_seconds.get(self._next_stage, 0.0)
+            if (expected > left or left <= 0) and not (ran == 0 and self._starved >= 2):
+                self._starved = self._starved + 1 if ran == 0 else 0
+                return
             start = time.perf_counter()
             try:
                 with warnings.catch_warnings():
@@ -295,9 +306,14 @@ class TrainingSearch:
                 return
             if stage == "waiting":
                 return
-            self._add(stage, time.perf_counter() - start)
-            if time.perf_counter() >= deadline:
-                return
+            took = time.perf_counter() - start
+            self._add(stage, took)
+            # Units of a stage are alike (a layer's forward, a (layer, format) of the sensitivity);
+            # the next one is expected to last as long as this one.
+            self._unit_seconds[stage] = took
+            self._next_stage = stage
+            ran += 1
+            self._starved = 0
 
     def _offpath_units(self) -> Generator[str, None, None]:
         c = self.config

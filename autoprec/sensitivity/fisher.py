@@ -129,8 +129,8 @@ class FisherEstimator(SensitivityEstimator):
 
     def estimate_steps(self, problem: SensitivityProblem) -> Generator[str, None, Sensitivity]:
         """`estimate` in units, each at most one model forward + backward (INT8 calibration
-        rounds, the Adam second moment, one recorded batch) or one (layer, batch) re-run of the
-        layer's site in every format. The model stays in eval mode with the single-layer runtimes
+        rounds, the Adam second moment, one recorded batch) or one (layer, format, call) re-run
+        of the layer's site. The model stays in eval mode with the single-layer runtimes
         installed until the generator ends: give it a model nothing else runs meanwhile (the
         scheduler gives it a snapshot). ``metadata["seconds"]`` counts the units' own time."""
         busy = 0.0
@@ -191,7 +191,7 @@ class FisherEstimator(SensitivityEstimator):
                                 forward[(fqn, fmt)] += n / 2 * self._output_error(module, call, fwd_rt[(fqn, fmt)], n)
                                 if grad_term:
                                     grad[(fqn, fmt)] += self._grad_error(module, call, grad_rt[(fqn, fmt)], references[(site, i)], params, weight)
-                    yield fqn
+                            yield fqn
                 del recorder, references
         b = len(problem.batches)
         forward = {k: v / b for k, v in forward.items()}
