@@ -97,6 +97,7 @@ def main() -> None:
         "benchmark": "search_stall", "commit": commit, "torch": torch.__version__, "device": "cpu", "cpu": platform.processor() or platform.machine(),
         "threads": args.threads, "steps": args.steps, "window": args.window, "memory_budget": args.memory_budget, "accuracy_budget": args.accuracy_budget,
         "plan": scheduler.plan.format_counts(),
+        "search_timeline_s": dict(scheduler.plan.measured.get("search_seconds", {})),  # per stage (the spread search)
         "search_steps": len(search),
         "median_planned_step_s": median_planned,
         "longest_search_step_s": max(search),
@@ -109,6 +110,7 @@ def main() -> None:
         "saved_bytes_over_fp32": tried["saved_bytes"] / fp32["saved_bytes"],
         "median_fp32_step_s": statistics.median(fp32["seconds"][1:]),
         "val_loss": tried["val_loss"], "fp32_val_loss": fp32["val_loss"],
+        "search_step_seconds": [round(t, 4) for t in search],
     }
     print(json.dumps(result, indent=1))
     if args.out is not None:

@@ -415,6 +415,7 @@ class TrainingSearch:
         self._winner = best
         self.result = best.plan.replace(measured={
             "source": "training steps", "step_seconds": statistics.median(best.seconds), "saved_bytes": best.saved_bytes,
+            "search_seconds": dict(self.timeline), "search_steps": self.steps,
             "candidates": [{"rank": i, "step_seconds": statistics.median(t.seconds) if t.seconds else None, "saved_bytes": t.saved_bytes,
                             "dropped": t.dropped} for i, t in enumerate(self._trials)],
         })
