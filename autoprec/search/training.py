@@ -415,7 +415,7 @@ class TrainingSearch:
         self._winner = best
         self.result = best.plan.replace(measured={
             "source": "training steps", "step_seconds": statistics.median(best.seconds), "saved_bytes": best.saved_bytes,
-            "search_seconds": dict(self.timeline), "search_steps": self.steps,
+            "search_timeline": dict(self.timeline), "search_steps": self.steps,
             "candidates": [{"rank": i, "step_seconds": statistics.median(t.seconds) if t.seconds else None, "saved_bytes": t.saved_bytes,
                             "dropped": t.dropped} for i, t in enumerate(self._trials)],
         })
@@ -429,7 +429,12 @@ class TrainingSearch:
         return runtime
 
     def close(self) -> None:
-        """Remove the probe and trial runtimes from the model (all but a taken one)."""
+        """Remove the probe and trial runtimes from the model (all but a taken one), and end the
+        off-path work (its runtimes off the snapshot, the snapshot dropped)."""
+        if self._offpath is not None:
+            self._offpath.close()
+            self._offpath = None
+        self._snapshot = None
         for runtime in [*self._probe_runtimes.values(), *(t.runtime for t in self._trials)]:
             if runtime is not None:
                 runtime.remove()

@@ -158,11 +158,18 @@ class FisherEstimator(SensitivityEstimator):
         grad = dict.fromkeys(keys, 0.0)
         # Separate runtimes for the no-grad forward (current FP8 scaling, as in the measured run)
         # and the gradient pass (which records delayed-scaling histories, as training does).
-        fwd_rt = {(fqn, f): apply_plan(model, problem.plan_for(fqn, f), validate=False) for fqn in problem.layers for f in lowered}
-        grad_rt = {key: apply_plan(model, problem.plan_for(*key), validate=False) for key in fwd_rt} if grad_term else {}
+        fwd_rt: dict = {}
+        grad_rt: dict = {}
         # Nothing here holds a grad-mode or autocast context across a yield (they are the
         # thread's, and the caller trains between units); eval mode and the runtimes are the model's.
-        with _eval_mode(model), removing([*fwd_rt.values(), *grad_rt.values()]):
+        # removing() iterates at the block's end, so it takes off the runtimes made by then.
+        with _eval_mode(model), removing(rt for made in (fwd_rt, grad_rt) for rt in made.values()):
+            for fqn in problem.layers:  # one unit per layer: hundreds of runtimes on a large model
+                for f in lowered:
+                    fwd_rt[(fqn, f)] = apply_plan(model, problem.plan_for(fqn, f), validate=False)
+                    if grad_term:
+                        grad_rt[(fqn, f)] = apply_plan(model, problem.plan_for(fqn, f), validate=False)
+                yield "runtimes"
             sites = self.sites(problem)
             yield "sites"
             yield from _calibrating(problem, fwd_rt, problem.batches)
