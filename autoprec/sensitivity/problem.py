@@ -396,7 +396,7 @@ def _calibrate(problem: "SensitivityProblem", runtimes: Mapping, batches: Sequen
 
 def _calibrating(problem: "SensitivityProblem", runtimes: Mapping, batches: Sequence) -> Iterator[str]:
     """Calibrate every INT8 single-layer runtime until its scale freezes, as in steady training;
-    yields after each round (one model forward).
+    yields after each round's recorded forward and after each layer's re-run.
 
     The layer alone is re-run under its runtime on the inputs it had in an FP32 forward: with
     only that layer lowered, everything before it is FP32, so these are exactly the inputs it
@@ -409,17 +409,20 @@ def _calibrating(problem: "SensitivityProblem", runtimes: Mapping, batches: Sequ
     rounds = max(problem.candidates[fmt].calibration.batches for _, fmt in keys)
     fqns = list(dict.fromkeys(fqn for fqn, _ in keys))
     for i in range(rounds):
-        with torch.no_grad():  # not held across the yield: grad mode is the caller's between rounds
+        # No grad-mode context is held across a yield: grad mode is the caller's between units.
+        with torch.no_grad():
             recorder = _Recorder(problem.model, fqns)
             with recorder:
                 problem.loss(batches[i % len(batches)])
-            for fqn, fmt in keys:
-                if i < problem.candidates[fmt].calibration.batches:
+        yield "calibration"
+        for fqn, fmt in keys:
+            if i < problem.candidates[fmt].calibration.batches:
+                with torch.no_grad():
                     for call in recorder.calls[fqn]:
                         args, kwargs = call.inputs()
                         with _runtime_errors(fqn, fmt), runtimes[(fqn, fmt)]:
                             recorder.modules[fqn](*args, **kwargs)
-        yield "calibration"
+                yield "calibration"
 
 
 @contextlib.contextmanager
