@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from autoprec.coverage import find_layers
+from autoprec.formats import Format
 from autoprec.scheduler import DynamicPrecisionScheduler
 from autoprec.search.training import PROBE_ROUNDS, TrainingSearch, probe_formats
 from autoprec.workloads import default_workload
@@ -84,6 +85,18 @@ def test_probe_steps_give_every_layer_every_format_and_mix_formats_within_a_step
         # The layers of one role run different formats in one step (two blocks, two formats at least).
         assert plan.layers["blocks.0.mlp.fc"].format is not plan.layers["blocks.1.mlp.fc"].format
     assert all(seen[fqn] == set(allowed[fqn]) for fqn in search.layers)
+
+
+def test_probes_keep_a_pinned_layer_in_its_format_and_never_run_a_forbidden_one():
+    from autoprec.search.space import LayerRules
+
+    wl, model, _ = setup()
+    rules = LayerRules(pin={"lm_head": Format.FP32}, forbid={"blocks.*.mlp.*": [Format.INT8]})
+    search = search_for(model, wl.train_batches(0).next()[0], rules=rules)
+    for plan in search._probes:
+        assert plan.layers["lm_head"].format is Format.FP32
+        assert all(lp.format is not Format.INT8 for fqn, lp in plan.layers.items() if ".mlp." in fqn)
+    assert any(plan.layers["blocks.0.mlp.fc"].format is Format.FP16 for plan in search._probes)
 
 
 def test_known_times_skip_the_probes_and_a_partial_table_does_not():

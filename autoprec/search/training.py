@@ -13,12 +13,14 @@ a small GPT. Here it never holds one step for long, and most of it costs no extr
 - **Off-path units** on a snapshot of the model (a copy of its weights, held until the search
   ends): the trace, the region bytes (one forward per role), the sensitivity estimate
   (`sensitivity_steps` on the last captured batch, each layer's gradient term from its own
-  parameters: ``FisherEstimator(upstream=False)``), then the exact solve. They run after training steps in slices
-  (`work(seconds)`), each at least one unit; a unit is at most one forward + backward.
-- **Trial steps** (training steps): the k best plans each run ``trial_steps`` steps, timed, the
-  first metered for saved bytes. A candidate with a skipped (non-finite) step is dropped at once,
-  one whose measured bytes break the memory budget when choosing (its steps train as any other);
-  the fastest kept one is the result.
+  parameters: ``FisherEstimator(upstream=False)``), then the exact solve. They run after
+  training steps in slices (`work(seconds)`: a unit starts when it fits); a unit is at most
+  one forward + backward.
+- **Trial steps** (training steps): the ``CANDIDATES`` best plans each run until their INT8
+  scales froze, then ``TIMED_TRIAL_STEPS`` timed steps; the first is metered for saved bytes.
+  A candidate with a skipped (non-finite) step is dropped at once, one whose measured bytes
+  break the memory budget when choosing (its steps train as any other); the fastest kept one
+  is the result, adopted with its runtime.
 
 Every step is the user's real training step: none is lost or repeated, and probe and trial
 steps differ from safe-precision steps only by their formats' rounding (loss scaling stays as
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import fnmatch
 import statistics
 import time
 import warnings
@@ -48,6 +51,7 @@ from ..runtime import EmulationWarning, apply_plan
 from ..sensitivity import FisherEstimator, sensitivity_steps
 from .pipeline import Space, propose_from
 from .planner import build_space, overflow_reason
+from .space import LayerRules
 
 __all__ = ["TrainingSearch", "probe_formats"]
 
@@ -58,11 +62,20 @@ TIMED_TRIAL_STEPS = 2  # a candidate's steps timed once its INT8 scales froze (m
 CANDIDATES = 2  # plans tried on training steps: the exact optimum and the next best
 
 
-def probe_formats(layers: Sequence[str], formats: Sequence[Format], profile: Any, device: torch.device) -> dict[str, list[Format]]:
-    """Per layer, the formats a probe step may run it in: runnable on ``device`` and not seen
+def probe_formats(layers: Sequence[str], formats: Sequence[Format], profile: Any, device: torch.device,
+                  rules: LayerRules = LayerRules()) -> dict[str, list[Format]]:
+    """Per layer, the formats a probe step may run it in: runnable on ``device``, allowed by the
+    ``rules`` (a pinned layer runs its pinned format only, a forbidden format never) and not seen
     to overflow in ``profile`` (a probe must not skip a step the search could have foreseen)."""
     runnable = [f for f in formats if format_support(f, device).runnable]
-    return {fqn: [f for f in runnable if f is Format.FP32 or profile is None or overflow_reason(profile, fqn, f) is None] for fqn in layers}
+    allowed = {}
+    for fqn in layers:
+        pinned = [Format.parse(f) for pattern, f in rules.pin.items() if fnmatch.fnmatchcase(fqn, pattern)]
+        forbidden = {Format.parse(f) for pattern, fs in rules.forbid.items() if fnmatch.fnmatchcase(fqn, pattern) for f in fs}
+        fmts = [f for f in runnable if f not in forbidden and (not pinned or f in pinned)]
+        fmts = [f for f in fmts if f is Format.FP32 or profile is None or overflow_reason(profile, fqn, f) is None]
+        allowed[fqn] = fmts or [pinned[0] if pinned else Format.FP32]
+    return allowed
 
 
 @dataclasses.dataclass
@@ -87,9 +100,10 @@ class _Trial:
 
 
 class TrainingSearch:
-    """One search of the scheduler (module docstring). The scheduler asks `plan_for_step` before
+    """One search of the scheduler (module docstring). The scheduler asks `step_runtime` before
     each training step (None: the step runs the safe precision), reports each step with
-    `record`, and gives it `work` after each step; it is over when `done` (then `result` or `error`).
+    `record`, and gives it `work` after each step; it is over when `done` (then `result` or
+    `error`), and `close` takes its runtimes off the model.
 
     ``known``: ``"role|format" -> seconds`` and ``"rest"`` measured by earlier searches on this
     device (updated in place with what the probes measure). ``lead``: this process runs the
@@ -119,7 +133,8 @@ class TrainingSearch:
         self.formats = list(config.candidates)
         # measure_costs=False: roofline seconds, no probe and no trial steps (the optimum is adopted).
         self.measuring = bool(config.measure_costs)
-        self._probes = self._probe_plans(probe_formats(self.layers, self.formats, profile, device)) if self.measuring else []
+        allowed = probe_formats(self.layers, self.formats, profile, device, config.rules)
+        self._probes = self._probe_plans(allowed) if self.measuring else []
         self._probe_runtimes: dict[int, Any] = {}
         self._samples: dict[str, list[float]] = {}  # "role|format" -> seconds measured in probe steps
         self._rest: list[float] = []
