@@ -38,16 +38,35 @@ def train(scheduler, net, steps, bad=lambda i: False):
 
 def test_one_nan_batch_at_the_end_of_the_first_window_does_not_disable_planning():
     net = model()
-    scheduler = ap.DynamicPrecisionScheduler(net, monitor_window=4)
+    # search_slice=None: the off-path work (where the NaN batch fails the sensitivity) runs in
+    # the window's last step, so the failure and the retry fall on known steps.
+    scheduler = ap.DynamicPrecisionScheduler(net, monitor_window=4, search_slice=None)
     train(scheduler, net, 4, bad=lambda i: i == 3)
     assert scheduler.phase == "safe"
-    train(scheduler, net, 8)  # one window's wait, then a fresh window profiled and searched
+    train(scheduler, net, 4 + 4)  # one window's wait, then a fresh window profiled and searched
+    assert scheduler.phase == "searching"  # its probe and trial steps
+    steps = 0
+    while scheduler.phase == "searching" and steps < 100:
+        train(scheduler, net, 1)
+        steps += 1
     assert scheduler.phase == "planned" and scheduler.last_search_error is None
+
+
+def test_a_nan_batch_fails_a_spread_search_on_a_later_step_and_it_is_retried():
+    net = model()
+    scheduler = ap.DynamicPrecisionScheduler(net, monitor_window=4)  # the default: spread over steps
+    train(scheduler, net, 4, bad=lambda i: i == 3)
+    steps = 0
+    while scheduler.phase == "searching" and steps < 100:
+        train(scheduler, net, 1)
+        steps += 1
+    assert steps >= 1 and scheduler.phase == "safe" and "non-finite" in scheduler.last_search_error
+    assert scheduler.state_dict()["retry_at"] == scheduler.step_count + 4  # one window after the step it failed in
 
 
 def test_a_search_that_keeps_failing_waits_twice_as_long_each_time():
     net = model()
-    scheduler = ap.DynamicPrecisionScheduler(net, monitor_window=2)
+    scheduler = ap.DynamicPrecisionScheduler(net, monitor_window=2, search_slice=None)
     train(scheduler, net, 2 + 2 + 2, bad=lambda i: True)  # fails at 2, waits 1 window, profiles 4..6, fails
     assert scheduler.phase == "safe" and scheduler.state_dict()["retry_at"] == 6 + 2 * 2
 
