@@ -97,6 +97,7 @@ def main() -> None:
         "benchmark": "search_stall", "commit": commit, "torch": torch.__version__, "device": "cpu", "cpu": platform.processor() or platform.machine(),
         "threads": args.threads, "steps": args.steps, "window": args.window, "memory_budget": args.memory_budget, "accuracy_budget": args.accuracy_budget,
         "plan": scheduler.plan.format_counts(),
+        "plan_layers": {fqn: lp.format.value for fqn, lp in scheduler.plan.layers.items()},
         "search_timeline_s": dict(scheduler.plan.measured.get("search_timeline", {})),  # per stage (the spread search)
         "search_steps": len(search),
         "median_planned_step_s": median_planned,
