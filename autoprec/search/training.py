@@ -44,7 +44,7 @@ import torch.nn as nn
 
 from ..costs import CostModel, InPlaceTimes, RooflineTimeModel, trace_model
 from ..device import format_support
-from ..errors import AutoprecError, SearchError
+from ..errors import AutoprecError, RuntimeStateError, SearchError
 from ..formats import Format
 from ..plan import Calibration, LayerPrecision, Plan
 from ..runtime import EmulationWarning, apply_plan
@@ -271,7 +271,8 @@ class TrainingSearch:
             return
         self._add("trial steps", extra)
         trial = self._trial()
-        assert trial is not None, "a trial step ran with every candidate over"
+        if trial is None:
+            raise RuntimeStateError("TrainingSearch.record('trial', ...): no candidate is being tried; report the kind step_runtime() gave")
         trial.steps += 1
         if skipped:
             trial.dropped = "a non-finite gradient skipped its step"
@@ -333,7 +334,8 @@ class TrainingSearch:
     def _offpath_units(self) -> Generator[str, None, None]:
         c = self.config
         snapshot = self._snapshot
-        assert snapshot is not None, "off-path work without a snapshot"
+        if snapshot is None:
+            raise RuntimeStateError("TrainingSearch: off-path work without a snapshot (made with lead=False)")
         trace = trace_model(snapshot, self.example, None)
         yield "trace"
         costs = CostModel(trace, RooflineTimeModel(), formats=[Format.FP32])
