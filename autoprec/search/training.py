@@ -347,11 +347,7 @@ class TrainingSearch:
         while self.steps < self.probe_steps:
             yield "waiting"  # the probe steps are still running
         start = time.perf_counter()
-        if self.measuring:
-            costs = self._cost_model(costs, trace)
-        else:
-            costs = CostModel(trace, RooflineTimeModel(), formats=self.formats, rest_saved_bytes=(costs.rest_saved_bytes[0], costs.rest_saved_bytes[1]),
-                              fp32_in_region_bytes=costs.fp32_in_region_bytes)
+        costs = self._cost_model(costs, trace)
         space, ruled_out = build_space(costs, sensitivity, self.profile, formats=self.formats, rules=c.rules,
                                        min_precision=c.min_precision, max_precision=c.max_precision)
         proposal = propose_from(Space(costs, sensitivity, space, ruled_out), budgets=c.budgets, baseline_loss=self.baseline_loss,
@@ -380,27 +376,26 @@ class TrainingSearch:
                                   estimator=FisherEstimator(lr=self.config.lr, upstream=False))
         return (yield from _labelled(steps, "sensitivity"))
 
-    def _cost_model(self, costs: CostModel, trace) -> CostModel:
-        """The cost model with the probe-measured seconds per (role, format). A (role, format) no
-        probe ran (ruled out for every layer of the role, or not runnable) takes the role's FP32
-        seconds times that format's median ratio to FP32 over the roles that ran it."""
-        ratios: dict[Format, float] = {}
-        for fmt in self.formats:
-            r = [self.known[f"{role}|{fmt.value}"] / self.known[f"{role}|fp32"] for role in set(self.roles.values())
-                 if f"{role}|{fmt.value}" in self.known and self.known.get(f"{role}|fp32", 0) > 0]
-            ratios[fmt] = statistics.median(r) if r else 1.0
+    def _cost_model(self, region: CostModel, trace) -> CostModel:
+        """The cost model of every format: ``region``'s measured bytes, and the probe-measured
+        seconds per (role, format) (roofline seconds without probes, ``measure_costs=False``).
+        A (role, format) no probe ran (ruled out for every layer of the role, or not runnable)
+        takes the role's FP32 seconds times that format's median ratio to FP32 over the roles
+        that ran it."""
         in_place = {}
-        for fmt in self.formats:
+        rest = self.known.get("rest", 0.0) if self.measuring else 0.0
+        for fmt in self.formats if self.measuring else ():
+            ratios = [self.known[f"{role}|{fmt.value}"] / self.known[f"{role}|fp32"] for role in set(self.roles.values())
+                      if f"{role}|{fmt.value}" in self.known and self.known.get(f"{role}|fp32", 0) > 0]
+            ratio = statistics.median(ratios) if ratios else 1.0
             layer_seconds = {}
             for fqn in self.layers:
                 role = self.roles[fqn]
                 seconds = self.known.get(f"{role}|{fmt.value}")
-                layer_seconds[fqn] = seconds if seconds is not None else self.known.get(f"{role}|fp32", 0.0) * ratios[fmt]
-            rest = self.known.get("rest", 0.0)
+                layer_seconds[fqn] = seconds if seconds is not None else self.known.get(f"{role}|fp32", 0.0) * ratio
             in_place[fmt] = InPlaceTimes(rest + sum(layer_seconds.values()), layer_seconds)
-        measured = CostModel(trace, RooflineTimeModel(), formats=self.formats, rest_seconds=self.known.get("rest", 0.0), in_place=in_place,
-                             rest_saved_bytes=(costs.rest_saved_bytes[0], costs.rest_saved_bytes[1]), fp32_in_region_bytes=costs.fp32_in_region_bytes)
-        return measured
+        return CostModel(trace, RooflineTimeModel(), formats=self.formats, rest_seconds=rest, in_place=in_place,
+                         rest_saved_bytes=(region.rest_saved_bytes[0], region.rest_saved_bytes[1]), fp32_in_region_bytes=region.fp32_in_region_bytes)
 
     # -- candidates and the result --------------------------------------------------------------
 
