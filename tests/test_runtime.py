@@ -620,11 +620,14 @@ def test_rowwise_layer_in_an_fp16_region_writes_fp16_from_the_kernel():
     torch.testing.assert_close(out.float(), expected.float(), rtol=2**-10, atol=1e-3)
 
 
-@pytest.mark.parametrize("n", [1, 2, 1000, 123457])
-def test_calibration_percentile_equals_torch_quantile_bitwise(n):
-    # The INT8 percentile clip is computed from one sort (torch 2.11's quantile syncs once).
+@pytest.mark.parametrize("n", [1, 2, 3, 1000, 123457])
+@pytest.mark.parametrize("ties", [False, True])
+def test_calibration_percentile_equals_torch_quantile_bitwise(n, ties):
+    # The INT8 percentile clip is computed from a topk of the shorter side (torch 2.11's quantile
+    # syncs once); both sides are reached (q below and above one half), with and without ties.
     from autoprec.runtime.calibration import _quantile
 
-    values = torch.randn(n, generator=torch.Generator().manual_seed(n)).abs()
-    for q in (0.0, 0.5, 0.999, 0.9999, 1.0):
-        assert torch.equal(_quantile(values, q), torch.quantile(values, q))
+    g = torch.Generator().manual_seed(n)
+    values = torch.randint(0, 7, (n,), generator=g).float() if ties else torch.randn(n, generator=g).abs()
+    for q in (0.0, 0.001, 0.25, 0.5, 0.75, 0.999, 0.9999, 1.0):
+        assert torch.equal(_quantile(values, q), torch.quantile(values, q)), q

@@ -57,13 +57,20 @@ def _quantile(values: torch.Tensor, q: float) -> torch.Tensor:
     """``torch.quantile(values, q)`` (linear interpolation) of a 1-D tensor from one sort, with
     no host sync: torch 2.11's ``quantile`` syncs once (an ``aten.equal`` check), 2.13's does not.
     The rank ``q * (n - 1)`` is a host number, so the two neighbours are plain indices; it is
-    rounded to FP32 as torch computes it (aten quantile: ranks in the input's dtype, then lerp)."""
+    rounded to FP32 as torch computes it (aten quantile: ranks in the input's dtype, then lerp).
+    Only the two neighbours are needed, so the sort is a ``topk`` of the shorter side: for a
+    calibration percentile (99.99 of a million values) a hundred values, not a million."""
     n = values.numel()
     rank = _fp32(_fp32(q) * _fp32(n - 1))  # a product of two FP32 values is exact in a double
     lo = min(int(math.floor(rank)), n - 1)
     hi = min(lo + 1, n - 1)
-    ordered = values.sort().values
-    return torch.lerp(ordered[lo], ordered[hi], rank - lo)
+    if n - lo <= hi + 1:  # the neighbours are among the n - lo largest (descending order)
+        top = values.topk(n - lo).values
+        low, high = top[n - lo - 1], top[n - hi - 1]
+    else:  # among the hi + 1 smallest (ascending order)
+        bottom = values.topk(hi + 1, largest=False).values
+        low, high = bottom[lo], bottom[hi]
+    return torch.lerp(low, high, rank - lo)
 
 
 class Int8Calibrator:

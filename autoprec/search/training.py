@@ -12,8 +12,9 @@ a small GPT. Here it never holds one step for long, and most of it costs no extr
   on this device (an earlier search) are not probed again.
 - **Off-path units** on a snapshot of the model (a copy of its weights, held until the search
   ends): the trace, the region bytes (one forward per role), the sensitivity estimate
-  (`sensitivity_steps` on the last captured batch, each layer's gradient term from its own
-  parameters: ``FisherEstimator(upstream=False)``), then the exact solve. They run after
+  (`sensitivity_steps` on the last captured batch, each layer's output error and the gradient
+  term of its own parameters: ``FisherEstimator(upstream=False, site="layer")``), then the
+  exact solve. They run after
   training steps in slices (`work(seconds)`: a unit starts when it fits); a unit is at most
   one forward + backward.
 - **Trial steps** (training steps): the ``CANDIDATES`` best plans each run until their INT8
@@ -368,12 +369,14 @@ class TrainingSearch:
             from ..sensitivity import Sensitivity
 
             return Sensitivity({"forward": {}, "grad": {}}, total_of=("forward", "grad"), method="none", batches=0)
-        # The last captured batch, and the gradient term of each layer's own parameters only
-        # (no backward through the rest of the model per layer and format): a quarter of the full
-        # estimate's cost, and on the 6-block GPT the same plans at two memory budgets
-        # (benchmarks/search_stall.py's model; the issue's note has the comparison).
+        # The last captured batch, each layer's own output error (site="layer": the layer alone
+        # re-run, not its caller) and the gradient term of its own parameters only (no backward
+        # through the rest of the model per layer and format): per (layer, format) one forward
+        # and one weight-gradient product of that layer. On the 6-block GPT of
+        # benchmarks/search_stall.py it gives the plan of the caller-output estimate, layer for
+        # layer, which gave those of the full estimate at two budgets (the issues' notes).
         steps = sensitivity_steps(snapshot, self.batches[-1:], self.loss_fn, lowered, layers=self.layers, example_inputs=self.example,
-                                  estimator=FisherEstimator(lr=self.config.lr, upstream=False))
+                                  estimator=FisherEstimator(lr=self.config.lr, upstream=False, site="layer"))
         return (yield from _labelled(steps, "sensitivity"))
 
     def _cost_model(self, region: CostModel, trace) -> CostModel:

@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from ..coverage import ModuleFilter
 from ..errors import SensitivityError
 from ..formats import Format
-from ..plan import LayerPrecision
+from ..plan import LayerPrecision, ScalingMode
 from ..runtime import apply_plan, removing
 from ..scaling import DEFAULT_INIT_SCALE
 from .problem import (
@@ -156,10 +156,12 @@ class FisherEstimator(SensitivityEstimator):
         keys = [(fqn, fmt) for fqn in problem.layers for fmt in problem.candidates]
         forward = dict.fromkeys(keys, 0.0)
         grad = dict.fromkeys(keys, 0.0)
-        # Separate runtimes for the no-grad forward (current FP8 scaling, as in the measured run)
-        # and the gradient pass (which records delayed-scaling histories, as training does).
+        # A delayed-scaling format gets separate runtimes for the no-grad forward (current
+        # scaling, as in the measured run) and the gradient pass (which records amax histories,
+        # as training does). Any other format runs one forward with grad for both terms.
         fwd_rt: dict = {}
         grad_rt: dict = {}
+        shared = {f for f, lp in lowered.items() if not (grad_term and lp.scaling.mode is ScalingMode.DELAYED)}
         # Nothing here holds a grad-mode or autocast context across a yield (they are the
         # thread's, and the caller trains between units); eval mode and the runtimes are the model's.
         # removing() iterates at the block's end, so it takes off the runtimes made by then.
@@ -167,7 +169,7 @@ class FisherEstimator(SensitivityEstimator):
             for fqn in problem.layers:  # one unit per layer: hundreds of runtimes on a large model
                 for f in lowered:
                     fwd_rt[(fqn, f)] = apply_plan(model, problem.plan_for(fqn, f), validate=False)
-                    if grad_term:
+                    if grad_term and f not in shared:
                         grad_rt[(fqn, f)] = apply_plan(model, problem.plan_for(fqn, f), validate=False)
                 yield "runtimes"
             sites = self.sites(problem)
@@ -175,6 +177,9 @@ class FisherEstimator(SensitivityEstimator):
             yield from _calibrating(problem, fwd_rt, problem.batches)
             for key, rt in grad_rt.items():
                 rt.load_state_dict(fwd_rt[key].state_dict())
+            for key, rt in fwd_rt.items():
+                if key[1] in shared and grad_term:
+                    grad_rt[key] = rt
             weight = self._second_moment(problem, params) if grad_term and self.optimizer == "adam" else None
             yield "second moment"
             for batch in problem.batches:
@@ -192,12 +197,18 @@ class FisherEstimator(SensitivityEstimator):
                         if all(g is None for g in call.grads):
                             continue  # the loss does not depend on this call: zero sensitivity
                         if grad_term and (site, i) not in references:
-                            references[(site, i)] = self._local_grads(module, call, None)
+                            references[(site, i)] = self._local_grads(module, call, None)[1]
                         for fmt in lowered:
+                            key = (fqn, fmt)
                             with _runtime_errors(fqn, fmt):
-                                forward[(fqn, fmt)] += n / 2 * self._output_error(module, call, fwd_rt[(fqn, fmt)], n)
+                                if grad_term and fmt in shared:
+                                    out, local = self._local_grads(module, call, grad_rt[key])
+                                else:
+                                    out = self._rerun(module, call, fwd_rt[key])
+                                    local = self._local_grads(module, call, grad_rt[key])[1] if grad_term else None
+                                forward[key] += n / 2 * self._output_error(call, out, n)
                                 if grad_term:
-                                    grad[(fqn, fmt)] += self._grad_error(module, call, grad_rt[(fqn, fmt)], references[(site, i)], params, weight)
+                                    grad[key] += self._grad_error(module, call, local, references[(site, i)], params, weight)
                             yield fqn
                 del recorder, references
         b = len(problem.batches)
@@ -217,28 +228,33 @@ class FisherEstimator(SensitivityEstimator):
         b = len(problem.batches)
         return [1.0 / ((acc / b).sqrt() + self.eps) for acc in v]
 
-    def _output_error(self, module, call: _Call, runtime, n: int) -> float:
-        """``Σ_blocks (dL/dy_B · (y_q − y)_B)²`` for one call (see `_fisher_blocks`), y_q from the
-        module re-run under the runtime."""
+    @staticmethod
+    def _rerun(module, call: _Call, runtime) -> Any:
+        """The module's output re-run under ``runtime``, without grad."""
         args, kwargs = call.inputs()
         with torch.no_grad(), runtime:
-            out = module(*args, **kwargs)
+            return module(*args, **kwargs)
+
+    def _output_error(self, call: _Call, out, n: int) -> float:
+        """``Σ_blocks (dL/dy_B · (y_q − y)_B)²`` for one call (see `_fisher_blocks`), y_q its
+        output ``out`` re-run under a runtime."""
         total = 0.0
         for y, y_q, g in zip(call.outputs, _float_leaves(out), call.grads):
             if g is not None:
-                products = _fisher_blocks(g * (y_q.float() - y), n, self.fisher)
+                products = _fisher_blocks(g * (y_q.detach().float() - y), n, self.fisher)
                 total += float(products.square().sum(dtype=torch.float64))
         return total
 
-    def _local_grads(self, module, call: _Call, runtime) -> tuple[list, list]:
-        """Gradients of the module's inputs and (recursive) parameters against the recorded dL/dy,
-        the module re-run alone under ``runtime`` (None: plain FP32); backward after the context
-        exits, as in training."""
+    def _local_grads(self, module, call: _Call, runtime) -> tuple[Any, tuple[list, list]]:
+        """The module re-run alone under ``runtime`` (None: plain FP32), with grad: its output,
+        and the gradients of its inputs (only with ``upstream``, which needs them) and of its
+        (recursive) parameters against the recorded dL/dy; backward after the context exits,
+        as in training."""
         leaves, spec = pytree.tree_flatten(call.inputs())
         floats = [i for i, t in enumerate(leaves) if torch.is_tensor(t) and t.is_floating_point()]
         inputs = []
         for i, needed in zip(floats, call.grad_mask):
-            if needed:
+            if needed and self.upstream:
                 leaves[i] = leaves[i].detach().requires_grad_(True)
                 inputs.append(leaves[i])
         args, kwargs = pytree.tree_unflatten(leaves, spec)
@@ -247,16 +263,17 @@ class FisherEstimator(SensitivityEstimator):
             out = module(*args, **kwargs)
         pairs = [(y, g) for y, g in zip(_float_leaves(out), call.grads) if g is not None and y.requires_grad]
         if not pairs or not (inputs or own):
-            return [None] * len(inputs), [None] * len(own)
+            return out, ([None] * len(inputs), [None] * len(own))
         scale = self.loss_scale
         grads = torch.autograd.grad([y for y, _ in pairs], inputs + own, [(g * scale).to(y.dtype) for y, g in pairs], allow_unused=True)
         grads = [None if g is None else g.float() / scale for g in grads]
-        return grads[: len(inputs)], grads[len(inputs) :]
+        return out, (grads[: len(inputs)], grads[len(inputs) :])
 
-    def _grad_error(self, module, call: _Call, runtime, reference, params, weight) -> float:
-        """Σ_i P_i e_i² over all parameters for one call: own parameters from the local backward,
-        upstream ones through one vector-Jacobian product of the FP32 graph."""
-        dx_q, dw_q = self._local_grads(module, call, runtime)
+    def _grad_error(self, module, call: _Call, local, reference, params, weight) -> float:
+        """Σ_i P_i e_i² over all parameters for one call: own parameters from the local backward
+        (``local``, the runtime's; ``reference``, FP32's), upstream ones through one
+        vector-Jacobian product of the FP32 graph."""
+        dx_q, dw_q = local
         dx, dw = reference
         w_of = {id(p): w for p, w in zip(params, weight)} if weight is not None else {}
 

@@ -54,8 +54,9 @@ def measure_sensitivity(
     cross-entropy on logits, where it is exactly ``KL(p_fp32 ‖ p_q)`` (the expected increase
     with targets drawn from the model), and what the Fisher forward term predicts.
     """
-    problem = _resolve(model, batches, loss_fn, formats, layers, example_inputs, None)
-    calibration = tuple(calibration_batches) if calibration_batches is not None else problem.batches
+    calibration = tuple(calibration_batches) if calibration_batches is not None else None
+    problem = _resolve(model, batches, loss_fn, formats, layers, example_inputs, None, None if calibration is None else len(calibration))
+    calibration = calibration if calibration is not None else problem.batches
     start = time.perf_counter()
     increase, first = {}, {}
     with _eval_mode(model):

@@ -232,6 +232,12 @@ def _candidates(formats) -> dict[Format, LayerPrecision]:
     return out
 
 
+def _at_most(lp: LayerPrecision, batches: int) -> LayerPrecision:
+    if lp.calibration.batches <= batches:
+        return lp
+    return dataclasses.replace(lp, calibration=dataclasses.replace(lp.calibration, batches=batches))
+
+
 def _example_from(model: nn.Module, loss_fn: LossFn, batch) -> ModelCall:
     """The model's first call in ``loss_fn(model, batch)`` (one forward, no grad)."""
     call = ModelCall.first(model, lambda: loss_fn(model, batch))
@@ -240,7 +246,9 @@ def _example_from(model: nn.Module, loss_fn: LossFn, batch) -> ModelCall:
     return call
 
 
-def _resolve(model, batches, loss_fn, formats, layers, example_inputs, loss_terms) -> SensitivityProblem:
+def _resolve(model, batches, loss_fn, formats, layers, example_inputs, loss_terms, calibration_batches: "int | None" = None) -> SensitivityProblem:
+    """The checked problem; INT8 candidates calibrate on at most ``calibration_batches``
+    (default: the batches given)."""
     if not isinstance(model, nn.Module):
         raise SensitivityError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(loss_fn):
@@ -248,7 +256,11 @@ def _resolve(model, batches, loss_fn, formats, layers, example_inputs, loss_term
     batches = tuple(batches)
     if not batches:
         raise SensitivityError("batches is empty; pass a few batches (e.g. workload.val_batches(4))")
-    candidates = _candidates(formats)
+    # A layer calibrates on at most the batches it has: cycling them again to reach
+    # ``calibration.batches`` repeats observations, which move no max and a percentile only by
+    # its interpolation, at one model forward and a re-run per layer per extra round.
+    limit = len(batches) if calibration_batches is None else calibration_batches
+    candidates = {f: _at_most(lp, max(1, limit)) for f, lp in _candidates(formats).items()}
     if example_inputs is None:
         with _eval_mode(model):
             example_inputs = _example_from(model, loss_fn, batches[0])
@@ -401,7 +413,8 @@ def _calibrating(problem: "SensitivityProblem", runtimes: Mapping, batches: Sequ
     The layer alone is re-run under its runtime on the inputs it had in an FP32 forward: with
     only that layer lowered, everything before it is FP32, so these are exactly the inputs it
     sees in the measured run, at the cost of one model forward per batch for all layers together.
-    ``batches`` are cycled until each layer has observed ``calibration.batches`` of them.
+    ``batches`` are cycled until each layer has observed ``calibration.batches`` of them (more
+    than there are only when the caller set it so: `_resolve` caps it at the batches).
     """
     keys = [key for key in runtimes if _calibrates(problem.candidates[key[1]])]
     if not keys or not batches:
