@@ -14,7 +14,7 @@ from typing import Any, Optional
 from .errors import SearchError
 from .formats import Format
 from .scaling import LossScaling
-from .search.space import DEFAULT_CANDIDATES, Budgets, LayerRules, formats_for_precision
+from .search.space import DEFAULT_CANDIDATES, Budgets, LayerRules, formats_for_precision, memory_budget, MEMORY_SPELLINGS
 
 __all__ = ["SchedulerConfig", "Thresholds", "GRAD_COMM"]
 
@@ -58,7 +58,7 @@ class SchedulerConfig:
 
     ``min_precision`` / ``max_precision``: bits (8, 16, 32) of the formats a layer may take.
     ``monitor_window``: optimizer steps per window. ``memory_budget``: a fraction of the FP32
-    bytes (<= 1) or bytes; ``accuracy_budget``: the allowed loss increase, relative to the first
+    bytes (a float in (0, 1]) or bytes (an int, or a size string such as ``"6GiB"``); ``accuracy_budget``: the allowed loss increase, relative to the first
     window's mean training loss (or absolute with ``accuracy_relative=False``); None leaves a
     budget open. ``formats``, ``rules``: the search's candidates and layer rules;
     ``search_timeout_s`` bounds the integer program that finds the plan; ``search_slice``: the
@@ -85,7 +85,7 @@ class SchedulerConfig:
     min_precision: int = 8
     max_precision: int = 32
     monitor_window: int = 500
-    memory_budget: Optional[float] = None
+    memory_budget: "float | int | str | None" = None
     accuracy_budget: Optional[float] = None
     accuracy_relative: bool = True
     formats: tuple[Format, ...] = DEFAULT_CANDIDATES
@@ -113,7 +113,6 @@ class SchedulerConfig:
         # name, whether None is allowed, whether 0 is allowed, what is expected
         for name, optional, zero_ok, expected in (
             ("max_grad_norm", True, False, "a finite number > 0 or None"),
-            ("memory_budget", True, False, "a finite fraction of the FP32 bytes (<= 1) or bytes (> 1), or None"),
             ("accuracy_budget", True, True, "a finite loss increase >= 0, or None"),
             ("lr", False, False, "the finite learning rate > 0"),
             ("search_timeout_s", False, False, "a finite number of seconds > 0"),
@@ -124,6 +123,10 @@ class SchedulerConfig:
                 continue
             if not _finite(value) or value < 0 or (value == 0 and not zero_ok):
                 raise SearchError(f"DynamicPrecisionScheduler({name}={value!r}): expected {expected}")
+        try:
+            object.__setattr__(self, "memory_budget", memory_budget(self.memory_budget))
+        except ValueError as exc:
+            raise SearchError(f"DynamicPrecisionScheduler(memory_budget={self.memory_budget!r}): expected {MEMORY_SPELLINGS} ({exc})") from None
         if self.grad_comm not in GRAD_COMM:
             raise SearchError(f"DynamicPrecisionScheduler(grad_comm={self.grad_comm!r}): expected one of {', '.join(map(repr, GRAD_COMM))}")
         object.__setattr__(self, "formats", tuple(Format.parse(f) for f in self.formats))

@@ -255,6 +255,7 @@ def test_a_queued_retry_of_a_measured_candidate_is_not_measured_again(tmp_path, 
         (dict(accuracy_budget=math.nan), "accuracy_budget"),
         (dict(memory_budget="0.5"), "memory_budget"),
         (dict(memory_budget=math.inf), "memory_budget"),
+        (dict(memory_budget=1.5), "memory_budget"),  # once 1.5 bytes; now neither spelling
         (dict(lr=-1.0), "lr"),
         (dict(lr=math.nan), "lr"),
         (dict(search_timeout_s=-1.0), "search_timeout_s"),

@@ -1,6 +1,7 @@
 """The search core: space rules, the exact optimum and the k best plans (vs brute force), storages."""
 
 import itertools
+import math
 import types
 
 import numpy as np
@@ -108,8 +109,28 @@ def test_budgets_resolve_fractions_and_relative_loss():
     budgets = Budgets(memory=0.5, accuracy=0.01)
     assert budgets.memory_bytes(1000) == 500
     assert Budgets(memory=4096).memory_bytes(1000) == 4096
+    assert Budgets(memory=1.0).memory_bytes(1000) == 1000  # the float 1.0: all of FP32's bytes
     assert budgets.loss_increase(2.5) == pytest.approx(0.025)
     assert Budgets(accuracy=0.1, accuracy_relative=False).loss_increase(None) == 0.1
+
+
+@pytest.mark.parametrize("spelled, expected", [
+    ("6GiB", 6 * 2**30), ("512 MB", 512 * 10**6), ("1.5KiB", 1536), ("2048", 2048), ("3tb", 3 * 10**12), (np.int64(4096), 4096),
+])
+def test_memory_budget_in_bytes_is_an_integer_or_a_size_string(spelled, expected):
+    budgets = Budgets(memory=spelled)
+    assert budgets.memory == expected and isinstance(budgets.memory, int)
+    assert budgets.memory_bytes(10**15) == expected  # bytes whatever FP32's
+
+
+@pytest.mark.parametrize("spelled, why", [
+    (1.5, "outside"), (0.0, "outside"), (-0.5, "outside"), (math.inf, "not finite"), (1, "no budget"), (0, "no budget"),
+    ("lots", "not a size"), ("0.5", "not a positive number of bytes"), (True, "bool"), ([0.5], "list"),
+])
+def test_memory_budget_that_is_neither_a_fraction_nor_bytes_is_refused(spelled, why):
+    # 1.5 used to mean 1.5 bytes; the message gives both spellings and what is wrong.
+    with pytest.raises(SearchError, match=rf"memory budget: expected a fraction .* or bytes .*'6GiB', got .*{why}"):
+        Budgets(memory=spelled)
 
 
 def test_relative_accuracy_without_baseline_says_what_is_missing():

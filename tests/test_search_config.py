@@ -72,7 +72,9 @@ def test_good_job_loads_with_paths_resolved_against_the_file(tmp_path):
         ("measure_top = 5", "measure_top = 5\nmeasured_trials = -1", "[search].measured_trials: expected an integer >= 0 (0: no learning sampler), got -1"),
         ("measure_top = 5", "trials = 200", "[search].trials: no longer used: the candidates are the [search].measure_top best plans"),
         ("measure_top = 5", "multi_objective = true", "[search].multi_objective: no longer used: the logs always show the Pareto front (step time, memory, loss increase) of the measured plans; delete the key"),
-        ("memory = 0.5", "memory = -1", "[budgets].memory: expected a fraction of FP32 bytes"),
+        ("memory = 0.5", "memory = -1", "[budgets].memory: expected a fraction of the FP32 bytes as a float in (0, 1], or bytes as an integer or a size string such as '6GiB'"),
+        ("memory = 0.5", "memory = 1.5", "[budgets].memory: expected a fraction of the FP32 bytes as a float in (0, 1], or bytes"),
+        ("memory = 0.5", 'memory = "6 gigs"', "[budgets].memory: expected a fraction"),
         ("memory = 0.5", "memory = true", "[budgets].memory: expected"),
         ('"bf16", "fp8_e4m3"', '"bf16", "fp9"', "[search].formats: unknown format 'fp9'"),
         ('"lm_head" = "bf16"', '"lm_head" = "bf17"', "[rules].pin: unknown format 'bf17'"),
@@ -92,6 +94,12 @@ def test_bad_entries_are_one_line_errors_naming_the_key(tmp_path, old, new, expe
     assert expected in message
 
 
+@pytest.mark.parametrize("spelled, expected", [("0.5", 0.5), ('"6GiB"', 6 * 2**30), ("1048576", 2**20)])
+def test_memory_budget_is_a_fraction_or_bytes(tmp_path, spelled, expected):
+    job = load_job(write(tmp_path, GOOD.replace("memory = 0.5", f"memory = {spelled}", 1)))
+    assert job.budgets.memory == expected and type(job.budgets.memory) is type(expected)
+
+
 def test_missing_factory_is_named(tmp_path):
     text = GOOD.replace('factory = "autoprec.workloads:default_workload"\n', "")
     assert "[workload].factory is missing" in error_of(write(tmp_path, text))
@@ -108,7 +116,7 @@ def test_missing_file_is_named(tmp_path):
 @pytest.mark.parametrize(
     "old, new, expected",
     [
-        ("memory = 0.5", "memory = inf", "[budgets].memory: expected a fraction of FP32 bytes"),
+        ("memory = 0.5", "memory = inf", "[budgets].memory: expected a fraction of the FP32 bytes"),
         ("accuracy = 0.01", "accuracy = nan", "[budgets].accuracy: expected an allowed loss increase >= 0, finite"),
         ("seed = 3", "seed = 3\ntimeout_s = inf", "[search].timeout_s: expected a number of seconds > 0, finite"),
     ],

@@ -178,8 +178,8 @@ class BudgetCheck:
 def budget_checks(plan: Plan) -> list[BudgetCheck]:
     """The plan's budgets, each with its limit worked out where the plan's figures allow.
 
-    ``memory`` is a fraction of the FP32 bytes when ``<= 1``, else bytes (as in
-    `autoprec.search.Budgets`); ``memory_bytes`` is the absolute limit and wins when both are
+    ``memory`` is a fraction of the FP32 bytes when ``<= 1``, else bytes (`autoprec.search.Budgets`
+    stores a fraction as a float in (0, 1] and bytes as an int of at least 1 KiB); ``memory_bytes`` is the absolute limit and wins when both are
     given. ``loss_increase`` is the absolute loss budget; ``accuracy`` (relative to the FP32
     loss) is shown beside it and checked only through ``loss_increase``.
     """

@@ -34,7 +34,7 @@ from .. import workload
 from ..errors import FormatError, SearchError
 from ..formats import Format
 from .study import JOURNAL_SCHEME, JOURNAL_SUFFIXES
-from .space import DEFAULT_CANDIDATES, Budgets, LayerRules, formats_for_precision
+from .space import DEFAULT_CANDIDATES, MEMORY_SPELLINGS, Budgets, LayerRules, formats_for_precision, memory_budget
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -115,6 +115,10 @@ def _number(v) -> float:
     return v
 
 
+def _memory(v):
+    return memory_budget(v)  # its ValueError becomes the key's one-line error
+
+
 def _positive(v):
     if not _number(v) > 0:
         raise ValueError
@@ -177,7 +181,7 @@ _SCHEMA: dict[str, dict[str, tuple[Callable, str]]] = {
     "job": {"name": (_name, "a name for the runs/ folder, without '/', '\\' or '..'; set [job].out to write elsewhere"), "out": (_str, "a folder path"), "device": (_str, "auto, cpu, cuda or cuda:N")},
     "workload": {"factory": (_str, 'a "module:function" string'), "kwargs": (_table, "a table of keyword arguments")},
     "budgets": {
-        "memory": (_positive, "a fraction of FP32 bytes (<= 1) or bytes (> 1), finite; leave it out for no memory budget"),
+        "memory": (_memory, f"{MEMORY_SPELLINGS}; leave it out for no memory budget"),
         "accuracy": (_non_negative, "an allowed loss increase >= 0, finite; leave it out for no accuracy budget"),
         "accuracy_relative": (_bool, "true or false"),
     },
