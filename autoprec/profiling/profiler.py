@@ -1,5 +1,5 @@
 """`LayerProfiler`: forward and tensor hooks that gather per-layer statistics over a window,
-with no host-device sync per step (costs in `autoprec.profiling`'s docstring)."""
+with no host-device sync per step (costs in its docstring)."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def _first_float(obj: Any) -> Optional[torch.Tensor]:
 
 
 class LayerProfiler:
-    """Gathers per-layer statistics over ``window`` optimizer steps (see the module doc).
+    """Gathers per-layer statistics over ``window`` optimizer steps (`autoprec.profiling` lists them).
 
     ``model``: the model to watch; ``example_inputs``: one input (or a tuple / dict of inputs) to
     find the layers by tracing, as the runtime does (without it, the module tree's layers: a
@@ -109,6 +109,31 @@ class LayerProfiler:
     kernels (the amax), plus ~15 on the layer's histogram steps; `step` adds the weights' and
     five `torch._foreach_*` kernels for all Welford updates. Memory: per (layer, kind) 48 KiB of
     histogram and ``4 * window`` bytes of amax history; the Welford state (see ``grad_sample``).
+
+    How it stays cheap:
+
+    - **No host-device sync per step.** Every accumulator is a device tensor updated in place; step
+      indices and counts are Python ints. `LayerProfiler.profile` syncs once, at the end.
+    - **Every step, exactly:** the amax of every tensor (one reduction over the full tensor) and the
+      Welford update of the parameter gradients.
+    - **Subsampled in time:** histograms and moments are taken on every ``every``-th step of a layer
+      (default 8), staggered across layers (layer ``i`` on steps where ``(step + i) % every == 0``)
+      so that every step costs about the same. A window of 500 steps still pools 62 steps per tensor.
+    - **Subsampled in space:** those steps see a strided subsample of at most ``sample`` elements
+      per tensor (default 8192; all of it when smaller). The stride is the smallest integer
+      ``≥ numel / sample`` that is coprime with the tensor's last dimension, so the samples cycle
+      through every channel instead of hitting the same few (an outlier channel is never skipped
+      systematically). Error: a fraction ``p`` estimated from ``n`` sampled values has a standard
+      error ``sqrt(p(1-p)/n) ≤ 0.5/sqrt(n)`` for values without structure at the stride's period
+      (≤ 0.55 % for one call at ``sample = 8192``; a window pools its steps' samples, ~0.07 % for 62
+      of them). ``tests/test_profiling.py`` checks subsampled fractions against the full tensor
+      within 5 standard errors, on a tensor whose channels span 12 octaves.
+    - **Non-finite values**: ``nonfinite_steps`` is exact (the full-tensor amax is NaN or inf exactly
+      when the tensor holds a non-finite value); ``nonfinite`` counts them in the subsample (exact for
+      tensors of at most ``sample`` elements). An exact full count would cost ``isfinite`` + ``sum``
+      over the full tensor: a full pass more per tensor than the amax already takes.
+    - **Measured**: `autoprec.bench.measure_overhead` times training steps with the profiler inside
+      its window, after it, and without it, interleaved in one process (ratios; see the README).
     """
 
     def __init__(

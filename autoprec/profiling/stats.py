@@ -1,7 +1,26 @@
 """Per-tensor statistics of a profile: log2 histograms of ``|x|`` read from float32 bits, the
 under/overflow fractions each candidate format would see after its scaling, and gradient moments.
 
-The binning and the fraction rules are explained in `autoprec.profiling`'s docstring.
+Histograms: one bin per 1/8 of a power of two (the float32 exponent and its 3 leading mantissa
+bits, read from the bits of ``|x|``: ``bits >> 20``), so 2048 bins cover every float32 magnitude
+with no clamping; bin 0 holds zeros (and ``|x| < 2**-129``), bins 2040.. hold inf and NaN. Each
+tensor gets three: of ``|x|`` (``absolute``), of ``|x| / amax`` with the call's own amax
+(``current``) and of ``|x| / ref`` with the delayed-scaling reference ``ref``, the largest finite
+amax of the previous ``history_len`` steps (``delayed``; Transformer Engine's delayed recipe, as
+`autoprec.formats.AmaxHistory` with reduction "max"; the layer's first step uses its own amax).
+
+Underflow / overflow, per candidate format (numbers from `Format`, never hard-coded):
+
+- unscaled formats (FP32, BF16, FP16; scaling ``"none"``): ``|x| < fmt.min_subnormal`` underflows,
+  ``|x| > fmt.max`` overflows (read from the ``absolute`` histogram);
+- scaled formats (FP8, INT8): the scale maps the reference amax onto ``fmt.max`` (margin 0), so
+  ``|x| / amax < fmt.min_subnormal / fmt.max`` underflows (flushed to zero or to the smallest
+  subnormal: no relative precision left). With ``"current"`` scaling nothing overflows by
+  construction; with ``"delayed"`` scaling values above ``ref`` overflow (inf for E5M2, saturated
+  for E4M3 / INT8) and are counted exactly in the subsample.
+
+A threshold falls inside one bin; its count is split log-uniformly, and ``*_range`` gives the
+exact lower and upper bounds (the bin wholly excluded or included).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`FisherEstimator` (the default estimator: forward term from the empirical Fisher at the layer's
-caller, gradient term from the exact gradient error) and `estimate_sensitivity` (see the package
-docstring for the method)."""
+caller, gradient term from the exact gradient error; its docstring gives the method) and
+`estimate_sensitivity` / `sensitivity_steps`."""
 
 from __future__ import annotations
 
@@ -77,8 +77,49 @@ def _fisher_blocks(products: torch.Tensor, n: int, mode: str) -> torch.Tensor:
 class FisherEstimator(SensitivityEstimator):
     """Fisher-weighted output error (forward) plus steady-state gradient-noise loss (grad).
 
-    See the module docstring for both formulas and their sources. ``fisher``: "token" (default)
-    or "diagonal"; ``site``: "parent" (default: the layer's caller's output) or "layer".
+    **Forward term.** The second-order Taylor expansion of the loss in a layer's output y, the
+    Hessian replaced by the empirical Fisher (Gauss-Newton) matrix, gives the loss increase of
+    perturbing y by ``δ = y_q − y`` as ``½ δᵀ F δ``: the score of HAWQ-V2 (arXiv:1911.03852, with
+    the Hessian trace), Optimal Brain Compression (arXiv:2208.11580) and NVIDIA ModelOpt's
+    ``auto_quantize`` (``Σ (dL/dy)² (y_q − y)²``, the diagonal). The first-order term is dropped:
+    at a trained point the gradient averages to zero over the data. For a loss that is the mean
+    over N terms, where a block B_i of the output feeds only term i, ``½ δᵀFδ = (N/2) Σ_i
+    (dL/dy_{B_i} · δ_{B_i})²``, averaged over batches, in units of the mean loss. A block is one
+    token for a language model, one sequence for a sentence-embedding loss; ``fisher="auto"``
+    picks the leading dimensions whose count is nearest to N (`_fisher_blocks`). The diagonal
+    form (``fisher="diagonal"``, ModelOpt's) drops the cross terms within a block, so it misses
+    that a quantization error is correlated along a token (the weight's rounding error is shared
+    by every token); it under-predicted the measured second-order increase 3-10x and ranked worse
+    on both models (figures in tests/test_sensitivity.py). N comes from the loss: per-term losses
+    (``reduction="none"``) give it as their count; a scalar loss takes ``loss_terms`` (an int or
+    ``batch -> int``), else N = 1 (magnitudes too small by N).
+
+    **Where δ is taken** (``site="parent"``, default). A lowered layer hands the region's half
+    dtype to its caller, whose own ops then run on half tensors too (GELU after a lowered ``fc``,
+    the attention products after a lowered ``qkv``). So the caller (found by one traced forward;
+    the layer itself when the model calls it directly) is re-run on its recorded FP32 inputs with
+    only that layer lowered, and δ and dL/dy are taken at its output. ``site="layer"``: the
+    layer's own output (cheaper, blind to that). Runs are in eval mode.
+
+    **Gradient term.** FP8 layers quantize the incoming gradient to E5M2, BF16/FP16 layers run
+    backward in half precision, INT8 layers take the weight gradient from the INT8-saved
+    activation. Per batch the gradient error ``e`` of every parameter is computed exactly, given
+    the FP32 dL/dy at the site (times ``loss_scale``, then unscaled): the site's own parameters
+    from a local backward under the plan, every upstream parameter by one vector-Jacobian product
+    of the recorded FP32 graph (``upstream=False`` skips it). Treating e as zero-mean gradient
+    noise of covariance C, SGD with learning rate η settles where the expected excess loss is
+    ``(η/4) tr(C)`` (Mandt, Hoffman & Blei, arXiv:1704.04289, eq. 11, whatever the curvature);
+    with Adam's preconditioner ``P = 1/(√v + ε)`` it is ``(η/4) tr(P C)``. Hence ``grad = (lr/4)
+    · Σ_i P_i · mean_b(e_i²)``: a steady-state estimate no forward-only measurement validates;
+    rank plans by the total.
+
+    **Costs**: two no-grad forwards (layers, callers); per batch one FP32 forward + backward that
+    records; INT8 calibration ``min(Calibration.batches, batches)`` FP32 forwards, each INT8
+    layer then replaying its inputs; Adam's v one forward + backward per batch; per (layer,
+    format, batch) one run of the site with grad and its local backward (a delayed-scaling
+    format: one more no-grad run), plus one partial backward of the model with ``upstream``.
+
+    ``fisher``: "auto" (default), "token", "sample" or "diagonal"; ``site``: "parent" or "layer".
     ``grad_term=False`` skips the gradient part (it costs 2-5x the forward part);
     ``upstream=False`` keeps only the site's own parameters in it (skips one partial backward
     per layer, format and batch). ``optimizer`` is "adam" (v from the batches) or "sgd"; ``lr``
