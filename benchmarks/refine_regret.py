@@ -17,8 +17,8 @@ table is cached as JSON (``--table``): replays read it and measure nothing.
 
 **The replays.** For three budget settings (loose, medium, tight) and each seed, every search
 is replayed against the table. A plan a search "measures" gets the median of ``--job-steps``
-of its timed rounds drawn at random (seeded), as a job's measured stage sees it; the regret is
-judged on the table's medians:
+(default: a job's ``[measure].steps``) of its ``--rounds`` timed rounds drawn at random (seeded),
+as a job's measured stage sees it; the regret is judged on the table's medians:
 
 - ``proxy top-1`` / ``proxy top-3``: the k best plans of the proxy under the setting's
   predicted budgets, the fastest of them that meets the budgets as measured;
@@ -35,7 +35,7 @@ Regret = the table's step time of the plan a search returns / that of the fastes
 table meeting the budgets as measured.
 
     PYTHONPATH=. python benchmarks/refine_regret.py                # ~2 min on 2 CPU cores (GP most of it)
-    PYTHONPATH=. python benchmarks/refine_regret.py --remeasure    # the table again first: ~5 min more
+    PYTHONPATH=. python benchmarks/refine_regret.py --remeasure    # the table again first: ~8 min more
 
 Writes ``benchmarks/results/refine_regret_<device>_torch<v>.json`` (and the table beside it).
 """
@@ -62,7 +62,7 @@ from optuna.distributions import CategoricalDistribution
 
 import autoprec.search.job as job_module
 from autoprec.formats import Format
-from autoprec.search.config import load_job
+from autoprec.search.config import JobConfig, load_job
 from autoprec.search.exact import k_best
 from autoprec.search.job import run_job
 from autoprec.search.measured import MeasuredStage, _Variant, _sync, formats_id
@@ -345,8 +345,10 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the replays (drawn step times, TPE)")
     parser.add_argument("--trials", type=int, default=20, help="measured-trial budget of each search")
     parser.add_argument("--design", type=int, default=2, help="k best plans in the initial design of the sampler and TPE")
-    parser.add_argument("--job-steps", type=int, default=5, help="timed rounds a replayed measurement takes the median of")
-    parser.add_argument("--rounds", type=int, default=15, help="timed rounds per plan when measuring the table")
+    parser.add_argument("--job-steps", type=int, default=JobConfig.measure_steps,
+                        help="timed rounds a replayed measurement takes the median of (default: a job's [measure].steps)")
+    parser.add_argument("--rounds", type=int, default=30, help="timed rounds per plan when measuring the table (well above --job-steps: "
+                        "a measurement drawing most of a plan's rounds would nearly be its table median)")
     parser.add_argument("--offshelf", nargs="*", default=["tpe", "gp"], choices=sorted(OFFSHELF), help="off-the-shelf Optuna samplers compared")
     parser.add_argument("--block", type=int, default=81, help="plans timed together (interleaved) when measuring the table")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: a neighbour's load on a shared machine does not stall OpenMP)")

@@ -69,7 +69,11 @@ class JobConfig:
     sensitivity_batches: int = 2
     device: str = "auto"
     val_batches: int = 8
-    measure_steps: int = 5
+    # A plan's step time is the median of this many steps interleaved with FP32 ones. On a CPU
+    # the median of 5 varied by 3.4-7.5 % (benchmarks/refine_regret.py's tables): more than the
+    # gaps between the best plans, so that at 7.5 % even measuring every plan once kept one over
+    # 3 % slower in half the replays; 10 steps halve that noise (README, regret).
+    measure_steps: int = 10
 
     @property
     def storage_url(self) -> str:
@@ -288,7 +292,7 @@ def load_job(path: "str | Path") -> JobConfig:
         sensitivity_batches=get("profile", "sensitivity_batches", 2),
         device=get("job", "device", "auto"),
         val_batches=get("measure", "val_batches", 8),
-        measure_steps=get("measure", "steps", 5),
+        measure_steps=get("measure", "steps", JobConfig.measure_steps),
     )
     resolve_factory(config)  # a missing factory is a config error, found before any work
     return config
