@@ -175,3 +175,23 @@ def _trials(url):
         return study_of(url).get_trials(deepcopy=False)
     except KeyError:
         return []
+
+
+@pytest.mark.slow
+def test_two_workers_with_the_learning_sampler_measure_no_plan_twice_and_keep_its_budget(tmp_path):
+    # Each worker's sampler reads the study and marks its proposal held at once: whatever the race
+    # between the two, no plan is measured twice and the plans measured stay within the budget.
+    path = worker_job(tmp_path, "study.journal")
+    path.write_text(path.read_text(encoding="utf-8").replace("measure_top = 1", "measure_top = 1\nmeasured_trials = 9"), encoding="utf-8")
+    with worker_log() as records:
+        assert main(["search", str(path), "--workers", "2"]) == 0
+    study = study_of(f"journal://{tmp_path / 'out' / 'study.journal'}")
+    taken = [t for t in study.get_trials(deepcopy=False, states=FINISHED) if "skipped" not in t.user_attrs]
+    ids = [t.user_attrs["candidate"] for t in taken]
+    assert len(ids) == len(set(ids)) <= 9
+    assert set(_candidate_ids(study)) <= set(ids)  # the initial design all measured
+    assert measuring_pids({t.number: t for t in taken}) <= started_worker_pids(records, 2)
+    # Every sampler trial that proposed nothing says why; none is left running or queued.
+    assert all(t.user_attrs.get("skipped") for t in study.trials if t.state is TrialState.PRUNED and "candidate" not in t.user_attrs)
+    assert not study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING))
+    assert (tmp_path / "out" / "plan.json").exists()
