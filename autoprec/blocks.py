@@ -18,7 +18,7 @@ from typing import Iterable, Sequence
 
 import torch.nn as nn
 
-from .errors import PlanError
+from .errors import SearchError
 
 __all__ = ["find_blocks", "check_block_patterns"]
 
@@ -28,13 +28,13 @@ def _inside(fqn: str, block: str) -> bool:
 
 
 def check_block_patterns(patterns: object, where: str) -> tuple[str, ...]:
-    """``patterns`` as a tuple of non-empty strings, or a `PlanError` naming ``where`` (the
+    """``patterns`` as a tuple of non-empty strings, or a one-line `SearchError` naming ``where`` (the
     setting: ``[rules].recompute``, ``recompute=``) and the fix. No model needed."""
     if isinstance(patterns, str) or not isinstance(patterns, (list, tuple)):
-        raise PlanError(f'{where}: expected a list of module name patterns like ["blocks.*"], got {patterns!r}')
+        raise SearchError(f'{where}: expected a list of module name patterns like ["blocks.*"], got {patterns!r}')
     bad = [p for p in patterns if not isinstance(p, str) or not p.strip()]
     if bad:
-        raise PlanError(f'{where}: every entry must be a non-empty module name pattern like "blocks.*", got {bad[0]!r}')
+        raise SearchError(f'{where}: every entry must be a non-empty module name pattern like "blocks.*", got {bad[0]!r}')
     return tuple(patterns)
 
 
@@ -50,7 +50,7 @@ def find_blocks(model: nn.Module, layers: Iterable[str], patterns: "Sequence[str
 
     With ``patterns`` (``fnmatch`` on fqns, e.g. ``["blocks.*"]``): the outermost modules that match
     and hold a layer (a pattern's matches inside another match are dropped: ``"blocks.*"`` also
-    matches ``blocks.0.attn``). Each pattern must match such a module: a `PlanError` names the
+    matches ``blocks.0.attn``). Each pattern must match such a module: a one-line `SearchError` names the
     pattern and the fix otherwise. Costs one walk of the module tree.
     """
     layers = [fqn for fqn in layers]
@@ -80,7 +80,7 @@ def find_blocks(model: nn.Module, layers: Iterable[str], patterns: "Sequence[str
             some = [fqn for fqn in modules if fnmatch.fnmatchcase(fqn, pattern)]
             why = f"it matches only modules without a layer ({', '.join(map(repr, some[:3]))})" if some else "it matches no module"
             example = next((fqn for fqn in modules if holds_layer(fqn, strictly=True) and fqn), "")
-            raise PlanError(f"recompute pattern {pattern!r}: {why}; give fnmatch patterns of module names that hold layers, e.g. {example!r}")
+            raise SearchError(f"recompute pattern {pattern!r}: {why}; give fnmatch patterns of module names that hold layers, e.g. {example!r}")
         for fqn in hits:
             matched.setdefault(fqn, pattern)
     return tuple(fqn for fqn in matched if not any(_inside(fqn, other) for other in matched))
