@@ -361,6 +361,7 @@ class PlanRuntime:
         if had_own and getattr(getattr(previous, "__func__", None), _OWNER, None) is not None:
             had_own, previous = previous.__func__._autoprec_previous  # another runtime's wrapper: keep the user's
         direct_linear = layer.low_precision and not mode
+        layer.wrapped_direct = direct_linear  # a direct wrapper keeps no thread state (see recompute.compile_refusal)
         if direct_linear:
             layer.ops = {"linear": self._kernel_name(layer)}
         elif fmt in (Format.BF16, Format.FP16):

@@ -172,20 +172,45 @@ def compile_refusal(runtime: "PlanRuntime", block: str) -> "str | None":
     makes its quantizers.
     """
     for fqn, layer in runtime._layers.items():
-        if not (fqn.startswith(block + ".") or block == "") or not layer.low_precision:
+        if not (fqn.startswith(block + ".") or block == ""):
+            continue
+        if fqn in runtime._wrappers and not getattr(layer, "wrapped_direct", False):
+            # Its wrapper records the running layer in the thread's state, which Dynamo refuses to
+            # change inside a checkpointed body (that state is seen outside it too).
+            return (f"recomputed block {block!r} under torch.compile: layer {fqn!r} ({layer.format.value}) runs under its own "
+                    "scope inside the block, which Dynamo cannot trace in a recomputed block; run the step eagerly, stop recomputing "
+                    "the block, or plan its layers so that none needs one (nn.Linear layers in FP8 / INT8, or the region's half format)")
+        if not layer.low_precision:
             continue
         scaling = layer.precision.scaling
         if layer.format.is_fp8 and scaling.mode is ScalingMode.DELAYED and scaling.granularity is Granularity.TENSOR:
             return (f"recomputed block {block!r} under torch.compile: layer {fqn!r} uses delayed scaling, whose amax history "
                     "a compiled recomputation would read after the forward updated it; give the block's layers current "
                     "scaling (the default), stop recomputing the block, or run the step eagerly")
-        if layer.kernel_reason is None and not layer.weights:
+        ran = layer.weights or any(how.startswith("emulated") for how in layer.ops.values())
+        if layer.kernel_reason is None and not ran:
             return (f"recomputed block {block!r} under torch.compile: layer {fqn!r} has not run yet, and Dynamo cannot create "
                     "its quantizers inside a recomputed block; run one training step eagerly before the compiled one")
         if any(c.calibrating for c in layer.calibrators.values()):
             return (f"recomputed block {block!r} under torch.compile: layer {fqn!r} is still calibrating INT8, which Dynamo cannot "
                     f"trace inside a recomputed block; run the first {layer.precision.calibration.batches} steps eagerly, then compile")
     return None
+
+
+def traced(run: Callable, block: str) -> Callable:
+    """``run`` for a checkpoint chosen while Dynamo traced: if Dynamo fails to trace the
+    checkpoint and runs it eagerly instead, the recomputation would run outside the plan (no
+    recompute context was given): refused, rather than gradients silently of another model."""
+
+    def body(*tensors):
+        if not torch.compiler.is_compiling():
+            raise RuntimeStateError(
+                f"recomputed block {block!r}: torch.compile could not trace its checkpoint and ran it eagerly, where its "
+                "recomputation would run without the plan; compile with fullgraph=True to see why, or stop recomputing the block"
+            )
+        return run(*tensors)
+
+    return body
 
 
 def block_wrapper(runtime: "PlanRuntime", fqn: str, module: nn.Module, owner: str):
@@ -224,7 +249,7 @@ def block_wrapper(runtime: "PlanRuntime", fqn: str, module: nn.Module, owner: st
             refusal = compile_refusal(runtime, fqn)
             if refusal is not None:
                 raise RuntimeStateError(refusal)
-            return checkpoint(run, *tensors, use_reentrant=False)
+            return checkpoint(traced(run, fqn), *tensors, use_reentrant=False)
         record = ScaleRecord(fqn)
         stack, mode_active = thread.stack, thread.mode_active
 
