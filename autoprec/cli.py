@@ -641,6 +641,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
         return _fail(f"cannot read {args.plan} or write the export: {exc.strerror or exc}", EXIT_FAILED)
     print(f"{len(export.converted)} layers converted to torchao float8 ({', '.join(f'{k}: {len(v)}' for k, v in export.recipes.items()) or 'none'}), "
           f"{len(export.not_converted)} not (see NOT_CONVERTED)", file=sys.stderr)
+    if export.recompute:
+        print(f"{len(export.recompute)} modules recomputed (see RECOMPUTE: wrap them in activation checkpointing)", file=sys.stderr)
     print(f"wrote {out}", file=sys.stderr)
     return EXIT_OK
 

@@ -18,7 +18,10 @@ layer of the plan:
 The output is one self-contained Python file (no autoprec import) with the layer sets, a
 ``module_filter_fn`` per recipe and ``convert(model, emulate=False)``, which calls
 ``convert_to_float8_training`` once per recipe. Module types and shapes come from the plan's
-fingerprint, so no model is needed to export.
+fingerprint, so no model is needed to export. Beside the filter, ``RECOMPUTE`` lists the modules
+the plan recomputes (its blocks with ``recompute: true``): the modules to wrap in non-reentrant
+activation checkpointing (``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, e.g.
+torch's ``checkpoint_wrapper``), as autoprec's runtime runs them.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class TorchaoExport:
     not_converted: Mapping[str, str]  # fqn -> why torchao does not run it in FP8
     notes: tuple[str, ...]  # plan settings torchao runs differently (delayed -> current scaling)
     autocast: str | None  # the autocast dtype autoprec runs the plan under ("bfloat16", "float16"; None: all FP32)
+    recompute: tuple[str, ...] = ()  # fqns of the modules the plan recomputes (to wrap in activation checkpointing)
 
     @property
     def converted(self) -> tuple[str, ...]:
@@ -89,7 +93,7 @@ def torchao_export(plan: Plan) -> TorchaoExport:
     # layers run in half precision too: BF16 unless every half layer is FP16 (`runtime.context`).
     lowered = any(lp.format is not Format.FP32 for lp in plan.layers.values())
     autocast = None if not lowered else ("float16" if halves == {Format.FP16} else "bfloat16")
-    return TorchaoExport({k: tuple(v) for k, v in recipes.items() if v}, skipped, tuple(notes), autocast)
+    return TorchaoExport({k: tuple(v) for k, v in recipes.items() if v}, skipped, tuple(notes), autocast, plan.recompute)
 
 
 _TEMPLATE = '''"""torchao float8 training of the autoprec plan {source} (sha1 {digest}), exported by autoprec {version}.
@@ -98,6 +102,8 @@ _TEMPLATE = '''"""torchao float8 training of the autoprec plan {source} (sha1 {d
     convert(model)            # nn.Linear layers the plan runs in FP8 become torchao Float8Linear
 {autocast_usage}
 Converted: {n_converted} layers; not converted: {n_skipped} (NOT_CONVERTED says why, layer by layer).
+Recomputed: {n_recompute} modules (RECOMPUTE); wrap each in non-reentrant activation checkpointing
+after convert(model), as autoprec runs them.
 """
 
 import dataclasses
@@ -116,6 +122,11 @@ NOTES = {notes}
 
 # autoprec runs this plan under torch.autocast in this dtype (None: every layer FP32)
 AUTOCAST_DTYPE = {autocast}
+
+# fully-qualified names of the modules the plan recomputes: wrap each in non-reentrant activation
+# checkpointing (torch.utils.checkpoint.checkpoint(..., use_reentrant=False)); its forward runs
+# again in the backward instead of its activations being kept
+RECOMPUTE = {recompute}
 
 
 def module_filter_fn(recipe):
@@ -175,6 +186,7 @@ def write_torchao(plan_path: "str | Path", out: "str | Path | None" = None) -> t
         module=out.stem, autocast_usage=autocast_usage, n_converted=len(export.converted), n_skipped=len(export.not_converted),
         recipes=_literal({k: list(v) for k, v in export.recipes.items()}), not_converted=_literal(dict(export.not_converted)),
         notes=_literal(list(export.notes)), autocast=f"torch.{export.autocast}" if export.autocast else "None",
+        n_recompute=len(export.recompute), recompute=_literal(list(export.recompute)),
     )
     atomic_write_text(out, text)
     return out, export

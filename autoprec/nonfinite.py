@@ -25,6 +25,7 @@ import torch.nn as nn
 from .coverage import ModuleFilter
 from .errors import RuntimeStateError, ScalingError
 from .measure import local_shard
+from .runtime.recompute import recomputing
 
 __all__ = ["OutputWatch", "LayerNames", "Attribution", "Layers", "check_and_unscale", "nonfinite_gradients", "summed_flags"]
 
@@ -176,6 +177,8 @@ class OutputWatch:
         def hook(module, args, output):
             if not self._include_no_grad and not torch.is_grad_enabled():
                 return
+            if recomputing():
+                return  # a recomputed block's forward again in the backward: this call was recorded
             flags = [finite_flag(t) for t in floating_tensors(output)]
             if not flags:
                 return

@@ -4,13 +4,18 @@ A plan maps fully qualified module names to `LayerPrecision` (format, scaling, c
 the reason for the choice). It holds no runtime state: amax histories and calibrated scales live
 in the runtime (`autoprec.runtime`), which can be saved and restored on its own.
 
-JSON layout (``schema_version`` 1)::
+JSON layout (``schema_version`` 2)::
 
-    {"schema_version": 1, "autoprec_version": "...",
+    {"schema_version": 2, "autoprec_version": "...",
      "fingerprint": {fqn: {"module": "Linear", "ops": ["linear"], "params": {"weight": [o, i]}}},
      "budgets": {...}, "predicted": {...}, "measured": {...}, "metadata": {...},
      "layers": {fqn: {"format": "fp8_e4m3", "grad_format": "fp8_e5m2",
-                      "scaling": {...}, "calibration": {...}, "reason": "..."}}}
+                      "scaling": {...}, "calibration": {...}, "reason": "..."}},
+     "blocks": {fqn: {"recompute": true}}}
+
+``blocks`` (new in version 2) names recompute units (`autoprec.blocks.find_blocks`) and whether
+each runs recomputed: its forward runs again in the backward instead of its activations being
+kept. A plan saved at version 1 has none and loads with no block recomputed.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import os
 import types
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch.nn as nn
 
@@ -36,7 +41,7 @@ from .formats import Format, Granularity
 
 __all__ = ["SCHEMA_VERSION", "ScalingMode", "CalibrationMethod", "Scaling", "Calibration", "LayerPrecision", "Plan"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: per-block recompute flags ("blocks")
 
 
 class ScalingMode(str, enum.Enum):
@@ -294,14 +299,43 @@ def _check_layer(fqn: str, lp: LayerPrecision) -> list[str]:
     return problems
 
 
+def _inside(fqn: str, block: str) -> bool:
+    """Whether module ``fqn`` lies strictly inside module ``block`` ("" is the root)."""
+    return fqn != block and (block == "" or fqn.startswith(block + "."))
+
+
+def _parse_blocks(blocks: "Mapping[str, bool] | None", problems: list[str]) -> dict[str, bool]:
+    """``blocks`` as a plain dict of ``fqn -> bool``; none inside another (the recomputation of
+    the outer one already covers the inner one, and the runtime checkpoints each unit once)."""
+    if blocks is None:
+        return {}
+    if not isinstance(blocks, Mapping):
+        problems.append(f"blocks: expected a mapping of block fqn -> recompute (true/false), got {type(blocks).__name__}; use Plan.with_recompute([...])")
+        return {}
+    flags = {}
+    for fqn, on in blocks.items():
+        if not isinstance(fqn, str):
+            problems.append(f"blocks[{fqn!r}]: a block is named by its module fqn, a string")
+        elif not isinstance(on, bool):
+            problems.append(f"blocks[{fqn!r}]: recompute must be true or false, got {on!r}")
+        else:
+            flags[fqn] = on
+    for fqn in flags:
+        outer = next((b for b in flags if _inside(fqn, b)), None)
+        if outer is not None:
+            problems.append(f"blocks[{fqn!r}]: lies inside block {outer!r}; name one of the two (blocks do not nest)")
+    return flags
+
+
 class Plan:
     """An immutable map ``fqn -> LayerPrecision`` with the context it was made in.
 
     Plans compare equal by value, and a JSON round trip gives an equal plan. Derive variants with
-    `replace` / `with_layers`; nothing mutates a plan.
+    `replace` / `with_layers` / `with_recompute`; nothing mutates a plan. ``blocks`` maps recompute
+    units (module fqns, `autoprec.blocks.find_blocks`) to whether each runs recomputed.
     """
 
-    __slots__ = ("_layers", "_fingerprint", "budgets", "predicted", "measured", "metadata")
+    __slots__ = ("_layers", "_fingerprint", "_blocks", "budgets", "predicted", "measured", "metadata")
 
     def __init__(
         self,
@@ -311,6 +345,7 @@ class Plan:
         predicted: "Mapping[str, Any] | None" = None,
         measured: "Mapping[str, Any] | None" = None,
         metadata: "Mapping[str, Any] | None" = None,
+        blocks: "Mapping[str, bool] | None" = None,
     ):
         problems: list[str] = []
         parsed = {}
@@ -319,11 +354,13 @@ class Plan:
             if lp is not None:
                 problems.extend(_check_layer(fqn, lp))
                 parsed[fqn] = lp
+        flags = _parse_blocks(blocks, problems)
         if problems:
             raise PlanError(problems, "Fix these entries (see autoprec.plan for the JSON layout).")
         _set = object.__setattr__
         _set(self, "_layers", types.MappingProxyType(parsed))
         _set(self, "_fingerprint", types.MappingProxyType(dict(fingerprint or {})))
+        _set(self, "_blocks", types.MappingProxyType(flags))
         for name, value in (("budgets", budgets), ("predicted", predicted), ("measured", measured), ("metadata", metadata)):
             _set(self, name, types.MappingProxyType(json.loads(json.dumps(dict(value or {})))))
 
@@ -336,7 +373,7 @@ class Plan:
     def __reduce__(self):
         # The default protocol restores __slots__ through __setattr__ (which refuses) and cannot
         # pickle mappingproxy; rebuild through the constructor instead (pickle, copy, deepcopy).
-        return (Plan, (dict(self._layers), dict(self._fingerprint), dict(self.budgets), dict(self.predicted), dict(self.measured), dict(self.metadata)))
+        return (Plan, (dict(self._layers), dict(self._fingerprint), dict(self.budgets), dict(self.predicted), dict(self.measured), dict(self.metadata), dict(self._blocks)))
 
     # -- construction -------------------------------------------------------------------------
 
@@ -375,9 +412,10 @@ class Plan:
         return cls(layers, fingerprint=found, metadata={"source": f"Plan.uniform({fmt.value})"})
 
     def replace(self, **changes) -> "Plan":
-        """A copy with some of ``layers``, ``fingerprint``, ``budgets``, ``predicted``, ``measured``, ``metadata`` replaced."""
+        """A copy with some of ``layers``, ``fingerprint``, ``budgets``, ``predicted``, ``measured``, ``metadata``, ``blocks`` replaced."""
         fields = {
             "layers": self._layers,
+            "blocks": self._blocks,
             "fingerprint": self._fingerprint,
             "budgets": self.budgets,
             "predicted": self.predicted,
@@ -400,6 +438,22 @@ class Plan:
         layers.update(changes)
         return self.replace(layers=layers)
 
+    def with_recompute(self, blocks: "Mapping[str, bool] | Iterable[str]") -> "Plan":
+        """A copy with recompute flags set: a mapping ``fqn -> bool`` sets those blocks' flags and
+        keeps the others' (what a solver choosing per block calls); an iterable of fqns makes
+        exactly those blocks recomputed and drops every other block (``()`` recomputes none).
+
+        A recomputed block keeps no activations of its own for the backward and runs its forward
+        once more there: one extra forward of the block per backward, its layers in their formats.
+        """
+        if isinstance(blocks, str):
+            raise PlanError(f"Plan.with_recompute({blocks!r}): expected fqns of blocks or a mapping fqn -> bool; wrap one name in a list: [{blocks!r}]")
+        if isinstance(blocks, Mapping):
+            flags = {**self._blocks, **blocks}
+        else:
+            flags = {fqn: True for fqn in blocks}
+        return self.replace(blocks=flags)
+
     # -- reading ------------------------------------------------------------------------------
 
     @property
@@ -411,6 +465,16 @@ class Plan:
     def fingerprint(self) -> Mapping[str, LayerInfo]:
         """``fqn -> LayerInfo`` (module class, ops, parameter shapes) of the model the plan was made for."""
         return self._fingerprint
+
+    @property
+    def blocks(self) -> Mapping[str, bool]:
+        """Read-only mapping ``block fqn -> recompute`` (empty: nothing recomputed)."""
+        return self._blocks
+
+    @property
+    def recompute(self) -> tuple[str, ...]:
+        """The fqns of the blocks that run recomputed, in the order ``blocks`` holds them."""
+        return tuple(fqn for fqn, on in self._blocks.items() if on)
 
     def __getitem__(self, fqn: str) -> LayerPrecision:
         return self._layers[fqn]
@@ -432,6 +496,7 @@ class Plan:
             dict(self.predicted),
             dict(self.measured),
             dict(self.metadata),
+            dict(self._blocks),
         )
 
     def __eq__(self, other) -> bool:
@@ -442,7 +507,8 @@ class Plan:
 
     def __repr__(self) -> str:
         counts = ", ".join(f"{k}={v}" for k, v in sorted(self.format_counts().items()))
-        return f"Plan({len(self)} layers: {counts})"
+        recomputed = f"; {len(self.recompute)} blocks recomputed" if self.recompute else ""
+        return f"Plan({len(self)} layers: {counts}{recomputed})"
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -469,6 +535,13 @@ class Plan:
             for fqn in self._layers:
                 if fqn in modules and fqn not in covered:
                     problems.append(f"{fqn!r}: {type(modules[fqn]).__name__} runs no matrix product in its own forward, so it is not a layer; remove it")
+        for fqn in self._blocks:
+            if fqn not in modules:
+                problems.append(f"blocks[{fqn!r}]: the plan names a block the model lacks; remove it or check the model")
+            elif fqn in self._layers:
+                problems.append(f"blocks[{fqn!r}]: a layer, not a block; recomputing one layer saves nothing (it keeps only its input): name a module holding several layers")
+            elif not any(_inside(layer, fqn) for layer in self._layers):
+                problems.append(f"blocks[{fqn!r}]: {type(modules[fqn]).__name__} holds no layer of the plan, so recomputing it saves nothing; remove it")
         for fqn, actual, planned in changed_shapes(model, self._fingerprint, self._layers):
             problems.append(f"{fqn!r}: parameter shapes {actual} differ from the plan's {planned}; the plan was made for another model")
         if device is None:
@@ -504,14 +577,17 @@ class Plan:
             "measured": dict(self.measured),
             "metadata": dict(self.metadata),
             "layers": {fqn: lp.to_dict() for fqn, lp in self._layers.items()},
+            "blocks": {fqn: {"recompute": on} for fqn, on in self._blocks.items()},
         }
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "plan") -> "Plan":
         if not isinstance(data, Mapping):
             raise PlanError(f"{source}: expected a JSON object at the top level, got {type(data).__name__}")
-        check_schema_version(data, source, "plan", SCHEMA_VERSION, PlanError, "save plans with Plan.save")
+        version = check_schema_version(data, source, "plan", SCHEMA_VERSION, PlanError, "save plans with Plan.save")
         allowed = {"schema_version", "autoprec_version", "fingerprint", "budgets", "predicted", "measured", "metadata", "layers"}
+        if version >= 2:  # version 1 had no blocks: such a plan recomputes none
+            allowed.add("blocks")
         problems = [f"{source}: unknown top-level key {key!r}; expected some of {', '.join(sorted(allowed))}" for key in sorted(set(data) - allowed)]
         layers = data.get("layers")
         if not isinstance(layers, Mapping) or not layers:
@@ -531,12 +607,22 @@ class Plan:
                 problems.append(f"{source}: {key!r} must be an object")
             elif key != "metadata":
                 problems.extend(f"{source}: {p}" for p in _figure_problems(key, data.get(key) or {}))
+        blocks = data.get("blocks") or {}
+        if not isinstance(blocks, Mapping):
+            problems.append(f"{source}: 'blocks' must be an object mapping module names to {{\"recompute\": true|false}}")
+            blocks = {}
+        flags = {}
+        for fqn, entry in blocks.items():
+            if not isinstance(entry, Mapping) or set(entry) != {"recompute"} or not isinstance(entry["recompute"], bool):
+                problems.append(f"{source}: blocks[{fqn!r}]: expected {{\"recompute\": true}} or {{\"recompute\": false}}, got {json.dumps(entry)}")
+            else:
+                flags[fqn] = entry["recompute"]
         if problems:
             raise PlanError(problems)
         try:
             return cls(
                 layers, fingerprint,
-                data.get("budgets"), data.get("predicted"), data.get("measured"), data.get("metadata"),
+                data.get("budgets"), data.get("predicted"), data.get("measured"), data.get("metadata"), flags,
             )
         except PlanError as exc:
             raise PlanError([f"{source}: {p}" for p in exc.problems]) from None

@@ -92,6 +92,7 @@ import torch
 import torch.nn as nn
 
 from ._binding import ModelWatch
+from .blocks import find_blocks
 from .calls import ModelCall, loss_of, prediction_of
 from .costs.inplace import StepTimer
 from .coverage import LayerInfo, find_layers
@@ -520,6 +521,11 @@ class DynamicPrecisionScheduler:
         self.layers = tuple(self._fingerprint)
         if not self.layers:
             raise AutoprecError(f"{type(model).__name__} runs no matrix product: autoprec has no layer to manage")
+        if self.config.recompute is not None:
+            try:
+                find_blocks(model, self.layers, self.config.recompute)
+            except SearchError as exc:
+                raise SearchError(f"DynamicPrecisionScheduler(recompute={list(self.config.recompute)!r}): {exc}") from None
         self._dist = RankAgreement.join(self.config, model, self.layers, self._ddp)
         if self._dist is not None:
             self._dist.check_bind(self.config, self._fixed_plan)

@@ -11,6 +11,7 @@ import dataclasses
 import math
 from typing import Any, Optional
 
+from .blocks import check_block_patterns
 from .errors import SearchError
 from .formats import Format
 from .scaling import LossScaling
@@ -74,6 +75,10 @@ class SchedulerConfig:
     a CPU included, its peaks are calibrated once per process by one GEMM per format, so the
     predicted seconds, and a plan without a memory budget, can differ between runs).
     ``dynamic=False`` runs a fixed plan and never re-plans.
+    ``recompute``: fnmatch patterns of the recompute units (blocks, `autoprec.blocks.find_blocks`,
+    e.g. ``["blocks.*"]``), checked against the model when the scheduler binds; None: the blocks
+    found automatically. The search does not choose recompute flags yet: a plan given with
+    ``plan=`` runs its recomputed blocks (`autoprec.Plan.with_recompute`).
 
     Under ``torch.distributed`` (see `autoprec.distributed`): ``process_group`` is the group the
     ranks agree in (None: the default group, once initialised); ``grad_comm`` the precision DDP
@@ -103,6 +108,7 @@ class SchedulerConfig:
     seed: int = 0
     process_group: Any = None
     grad_comm: str = "fp32"
+    recompute: Optional[tuple[str, ...]] = None
 
     def __post_init__(self):
         self._check_types()
@@ -157,6 +163,9 @@ class SchedulerConfig:
             refuse("seed", "an integer")
         if isinstance(self.formats, (str, Format)) or not isinstance(self.formats, (tuple, list)):
             refuse("formats", "a list of format names, e.g. ['bf16', 'fp8_e4m3']")
+        if self.recompute is not None:
+            patterns = check_block_patterns(self.recompute, f"DynamicPrecisionScheduler(recompute={self.recompute!r})")
+            object.__setattr__(self, "recompute", patterns)
 
     @property
     def candidates(self) -> tuple[Format, ...]:

@@ -153,3 +153,24 @@ def test_awkward_layer_names_survive_the_export_exactly(tmp_path):
     assert chosen == set(AWKWARD)
     assert set(module.NOT_CONVERTED) == {"kept \"null\""}
     assert plan_path.name in module.__doc__
+
+
+def test_the_export_lists_the_recomputed_modules_beside_the_filter(tmp_path):
+    """RECOMPUTE: the plan's blocks with recompute true, the modules to wrap in checkpointing."""
+
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Net() for _ in range(3))
+
+        def forward(self, x):
+            return sum(layer(x) for layer in self.layers)
+
+    model, x = Blocks(), torch.randn(4, 32)
+    plan = Plan.uniform(model, Format.FP8_E4M3, x).with_recompute({"layers.0": True, "layers.1": False, "layers.2": True})
+    path = plan.save(tmp_path / "plan.json")
+    assert main(["export", str(path), "--to", "torchao"]) == 0
+    exported = _load(tmp_path / "plan_torchao.py")
+    assert exported.RECOMPUTE == ["layers.0", "layers.2"]
+    assert "layers.0.fc1" in exported.RECIPES["tensorwise"]  # the filter beside it still names layers
+    assert torchao_export(Plan.uniform(Net(), Format.FP8_E4M3)).recompute == ()

@@ -365,3 +365,31 @@ def test_dropped_server_is_stopped(tmp_path):
     process = start_tensorboard(tmp_path, timeout=60)._process
     gc.collect()
     assert process.poll() is not None
+
+
+# -- recomputed blocks (issue 24) -------------------------------------------------------------
+
+
+def test_map_marks_the_layers_of_recomputed_blocks_in_a_column_of_their_own(plan):
+    from autoprec.monitoring.plans import RECOMPUTE_COLUMN, _RECOMPUTED
+
+    recomputed = plan.with_recompute({"blocks.0": True, "blocks.1": False})
+    picture = render_precision_map(recomputed)
+    image = picture.to_array()
+    assert picture.columns[-1] == RECOMPUTE_COLUMN
+    inside = [fqn for fqn in plan.layers if fqn.startswith("blocks.0.")]
+    outside = [fqn for fqn in plan.layers if not fqn.startswith("blocks.0.")]
+    assert inside and outside
+    assert all(tuple(image[y, x]) == _RECOMPUTED for x, y in (picture.cell_center(f, RECOMPUTE_COLUMN) for f in inside))
+    assert all(tuple(image[y, x]) != _RECOMPUTED for x, y in (picture.cell_center(f, RECOMPUTE_COLUMN) for f in outside))
+    assert RECOMPUTE_COLUMN not in render_precision_map(plan).columns  # a plan recomputing nothing: the map as before
+
+
+def test_summary_and_line_name_the_recomputed_blocks(plan):
+    from autoprec.monitoring.plans import format_plan_line, plan_summary_markdown
+
+    recomputed = plan.with_recompute({"blocks.0": True, "blocks.1": False})
+    summary = plan_summary_markdown(recomputed, "p")
+    assert "recomputed blocks: 1 of 2" in summary and "| `blocks.0` | yes |" in summary and "| `blocks.1` | no |" in summary
+    assert "recomputed" not in plan_summary_markdown(plan, "p")
+    assert format_plan_line(recomputed, "p").startswith(f"p: {len(plan)} layers (") and ", 1 blocks recomputed" in format_plan_line(recomputed, "p")

@@ -40,6 +40,8 @@ __all__ = [
     "plan_summary_markdown",
     "plan_layers_markdown",
     "format_plan_line",
+    "recomputed_layers",
+    "recompute_markdown",
     "describe_scaling",
     "render_precision_map",
     "diff_plans",
@@ -60,6 +62,8 @@ FORMAT_COLOURS: Mapping[Format, RGB] = types.MappingProxyType({
     Format.INT8: (204, 121, 167),
 })
 _CHANGED = (200, 30, 30)  # the mark of a changed row in a diff map
+_RECOMPUTED = (120, 120, 120)  # a layer inside a block the plan recomputes
+RECOMPUTE_COLUMN = "recompute"
 _INK, _GRID, _STRIPE, _BACKGROUND, _CHANGED_ROW = (40, 40, 40), (200, 200, 200), (243, 243, 243), (255, 255, 255), (255, 236, 200)
 
 ROW_HEIGHT = 12  # px per layer: PIL's bitmap font is 11 px tall, so 500 layers make a 6000 px tall image
@@ -313,6 +317,9 @@ def plan_summary_markdown(plan: Plan, name: str) -> str:
         parts.append(_md_table(["budget", "limit", "predicted", "measured"], [[c.name, c.limit, *(c.verdict(f) for f in figures.values())] for c in checks]))
     else:
         parts.append("budgets: " + MISSING)
+    if plan.blocks:
+        parts.append(f"recomputed blocks: {len(plan.recompute)} of {len(plan.blocks)} (forward run again in the backward)")
+        parts.append(recompute_markdown(plan))
     if plan.metadata:
         parts.append(_md_table(["metadata", "value"], [[k, str(v)] for k, v in plan.metadata.items()]))
     return "\n\n".join(parts)
@@ -321,6 +328,8 @@ def plan_summary_markdown(plan: Plan, name: str) -> str:
 def format_plan_line(plan: Plan, name: str) -> str:
     """One line for a terminal: layers per format and the predicted / measured totals present."""
     text = f"{name}: {len(plan)} layers ({_counts_text(plan.format_counts(), ', ')})"
+    if plan.recompute:
+        text += f", {len(plan.recompute)} blocks recomputed"
     for source, f in plan_figures(plan).items():
         shown = []
         for key in ("bytes", "seconds"):
@@ -475,7 +484,36 @@ def render_precision_map(plan: Plan, name: str = "plan") -> PrecisionMap:
     counts = plan.format_counts()
     cells = [[FORMAT_COLOURS[f] if f is lp.format else None for f in formats] for lp in plan.layers.values()]
     legend = [(FORMAT_COLOURS[f], f"{f.value} {counts.get(f.value, 0)}") for f in formats]
-    return _render_grid(f"{name}: {len(plan)} layers", list(plan.layers), [f.value for f in formats], cells, legend)
+    columns = [f.value for f in formats]
+    title = f"{name}: {len(plan)} layers"
+    if plan.recompute:
+        # One more column: the layers whose block runs recomputed (its forward again in the backward).
+        inside = recomputed_layers(plan)
+        for row, fqn in zip(cells, plan.layers):
+            row.append(_RECOMPUTED if fqn in inside else None)
+        columns.append(RECOMPUTE_COLUMN)
+        legend.append((_RECOMPUTED, f"recomputed: {len(plan.recompute)} of {len(plan.blocks)} blocks"))
+        title += f", {len(plan.recompute)} blocks recomputed"
+    return _render_grid(title, list(plan.layers), columns, cells, legend)
+
+
+def recomputed_layers(plan: Plan) -> dict[str, str]:
+    """``layer fqn -> the recomputed block holding it`` for the plan's recomputed blocks."""
+    out = {}
+    for block in plan.recompute:
+        for fqn in plan.layers:
+            if block == "" or fqn.startswith(block + "."):
+                out[fqn] = block
+    return out
+
+
+def recompute_markdown(plan: Plan) -> str:
+    """The plan's blocks and whether each runs recomputed ("" for a plan without blocks)."""
+    if not plan.blocks:
+        return ""
+    inside = recomputed_layers(plan)
+    rows = [[f"`{fqn}`", "yes" if on else "no", str(sum(1 for b in inside.values() if b == fqn)) if on else MISSING] for fqn, on in plan.blocks.items()]
+    return _md_table(["block", "recomputed", "layers recomputed"], rows)
 
 
 # -- differences -------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from ..errors import ProfileError
 from ..formats import Format
 from ..measure import local_shard as _local  # FSDP2: per-shard statistics, reduced at the window's end (autoprec.distributed)
 from ..plan import Scaling
+from ..runtime.recompute import recomputing
 from .artifact import LayerProfile, Profile
 from .stats import _BIN_MASK, _SHIFT, KINDS, NUM_BINS, REFERENCES, GradStats, Histogram, TensorStats, _fractions
 
@@ -235,7 +236,8 @@ class LayerProfiler:
     # -- hooks ----------------------------------------------------------------------------------
 
     def _forward_hook(self, state: _LayerState, module, args, kwargs, output) -> None:
-        if not self._attached or not torch.is_grad_enabled():
+        # A recomputed block's forward running again in the backward: this call was counted.
+        if not self._attached or not torch.is_grad_enabled() or recomputing():
             return
         if state.last_step != self._steps:
             state.last_step = self._steps

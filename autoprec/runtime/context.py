@@ -58,6 +58,7 @@ from .gemm import FP8_ALIGN, INT8_ALIGN, Fp8Linear, Fp8Spec, Int8Linear, Int8Spe
 from .quantize import inverse_scale, pad_to_multiple
 from .quantize import amax as amax_fp32
 from .quantizers import InputQuantizer, WeightQuantizer
+from .recompute import block_wrapper, recorded_scale
 
 __all__ = ["PlanRuntime", "apply_plan", "removing", "EmulationWarning", "kernel_reason", "as_gemm"]
 
@@ -92,7 +93,10 @@ class _ThreadState:
 
     def __init__(self):
         self.active = False
-        self.stack: list = []  # the planned layers whose forward is running, innermost last
+        # The planned layers whose forward is running, innermost last. A tuple replaced on entry and
+        # restored on exit, never mutated: Dynamo refuses a list mutation inside a checkpointed
+        # (recomputed) block's traced body, an attribute set and reset it accepts.
+        self.stack: tuple = ()
         self.mode_active = False
 
 
@@ -305,6 +309,9 @@ class PlanRuntime:
         self._entered = None  # the region() that ``with runtime:`` entered
         self._reuse_weights = False
         self._wrappers = self._build_wrappers() if self.low_precision else {}
+        # Recomputed blocks: checkpointed while the plan is on (see `recompute`); installed after
+        # the layers' wrappers, taken off with them.
+        self._block_wrappers = {fqn: (modules[fqn], block_wrapper(self, fqn, modules[fqn], _OWNER)) for fqn in plan.recompute}
         if not any(_active_runtime(layer.module) is not None for layer in self._layers.values()):
             self._install()  # else on entry, once the active runtime has left
 
@@ -354,6 +361,7 @@ class PlanRuntime:
         if had_own and getattr(getattr(previous, "__func__", None), _OWNER, None) is not None:
             had_own, previous = previous.__func__._autoprec_previous  # another runtime's wrapper: keep the user's
         direct_linear = layer.low_precision and not mode
+        layer.wrapped_direct = direct_linear  # a direct wrapper keeps no thread state (see recompute.compile_refusal)
         if direct_linear:
             layer.ops = {"linear": self._kernel_name(layer)}
         elif fmt in (Format.BF16, Format.FP16):
@@ -384,12 +392,13 @@ class PlanRuntime:
             else:
                 scope = contextlib.nullcontext()
             enter_mode = mode and not state.mode_active
-            state.stack.append(layer)
+            outer = state.stack
+            state.stack = outer + (layer,)
             try:
                 with scope, (runtime._layer_mode(state) if enter_mode else contextlib.nullcontext()):
                     return own_forward(module, args, kwargs)
             finally:
-                state.stack.pop()
+                state.stack = outer
 
         setattr(forward, _OWNER, self)
         forward._autoprec_previous = (had_own, previous)
@@ -411,15 +420,19 @@ class PlanRuntime:
 
     # -- installation and context -------------------------------------------------------------
 
+    def _installed_wrappers(self) -> list:
+        """(module, forward) of every wrapper this runtime installs: layers, then recomputed blocks."""
+        return [(self._layers[fqn].module, forward) for fqn, forward in self._wrappers.items()] + list(self._block_wrappers.values())
+
     def _installed(self) -> bool:
-        return all(self._layers[fqn].module.__dict__.get("forward") is forward for fqn, forward in self._wrappers.items())
+        return all(module.__dict__.get("forward") is forward for module, forward in self._installed_wrappers())
 
     def _install(self) -> None:
-        """Put this runtime's wrappers on its layers, displacing an inactive runtime's; they stay
-        until `remove` (wrap once, flip on enter: entering then costs no module surgery, and a
-        compiled step can enter the context without a graph break)."""
-        for fqn, forward in self._wrappers.items():
-            self._layers[fqn].module.forward = forward
+        """Put this runtime's wrappers on its layers and recomputed blocks, displacing an inactive
+        runtime's; they stay until `remove` (wrap once, flip on enter: entering then costs no
+        module surgery, and a compiled step can enter the context without a graph break)."""
+        for module, forward in self._installed_wrappers():
+            module.forward = forward
 
     def remove(self) -> None:
         """Take this runtime's wrappers off the model, restoring each module's ``__dict__`` as it
@@ -427,8 +440,7 @@ class PlanRuntime:
         model (``torch.save(model)``); entering the runtime again re-installs them."""
         if self._active:
             raise RuntimeStateError("exit this plan runtime before removing it")
-        for fqn, forward in self._wrappers.items():
-            module = self._layers[fqn].module
+        for module, forward in self._installed_wrappers():
             if module.__dict__.get("forward") is not forward:
                 continue  # displaced by another runtime, which restores on its own removal
             had_own, previous = forward.__func__._autoprec_previous
@@ -482,7 +494,7 @@ class PlanRuntime:
                 yield self
         finally:
             state.active = False
-            state.stack.clear()
+            state.stack = ()
             self._active = False
             if not torch.compiler.is_compiling():
                 for layer in self._layers.values():
@@ -551,7 +563,9 @@ class PlanRuntime:
             kernel_bias = layer.kernel_bias(bias, kernel_dtype) if fused else None
             record = torch.is_grad_enabled()
             with torch.no_grad():
-                x_inv = layer.input_quantizer(key).inverse_scale(x2, record=record)
+                # A recomputed block's backward reads back the scale its forward chose: asking the
+                # quantizer again would record this batch's amax into its history twice.
+                x_inv = recorded_scale(layer.fqn, key, lambda: layer.input_quantizer(key).inverse_scale(x2, record=record))
             spec = Fp8Spec(layer.format, layer.precision.grad_format, rowwise, kernel_dtype, expand, k, n)
             out = Fp8Linear.apply(
                 x2, weight, bias if fused else None, kernel_bias, x_inv,
@@ -569,11 +583,17 @@ class PlanRuntime:
             with torch.no_grad():
                 x_inv = inverse_scale(amax_fp32(x2, dim=1), Format.INT8)
         else:
-            calibrator = layer.calibrator(key, k)
-            calibrator.to(x2.device)
-            x_inv = calibrator.observe(x2)
-            if calibrator.has_outliers:
-                keep, index, valid = calibrator.keep, calibrator.outlier_index, calibrator.outlier_valid
+            def calibrated():
+                calibrator = layer.calibrator(key, k)
+                calibrator.to(x2.device)
+                inv = calibrator.observe(x2)
+                if calibrator.has_outliers:
+                    return inv, calibrator.keep, calibrator.outlier_index, calibrator.outlier_valid
+                return inv, None, None, None
+
+            # A recomputed block's backward reads back what its forward used: observing again would
+            # count the batch twice towards calibration (and could freeze it in between).
+            x_inv, keep, index, valid = recorded_scale(layer.fqn, key, calibrated)
         spec = Int8Spec(out_dtype, self.backward_dtype, k, n)
         return Int8Linear.apply(x2, weight, bias, x_inv, wq.data, wq.inv_scale, keep, index, valid, spec)
 

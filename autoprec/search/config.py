@@ -15,7 +15,8 @@ Layout::
                  measure_top (the k best plans measured), timeout_s (for finding them),
                  measured_trials (the most plans measured in all; above the k best and the
                  references, the learning sampler proposes the rest: `search.refine`; 0 = off)
-    [rules]      pin = {pattern = format}, forbid = {pattern = [formats]}, groups = [[patterns]]
+    [rules]      pin = {pattern = format}, forbid = {pattern = [formats]}, groups = [[patterns]],
+                 recompute = [patterns]         # recompute units (blocks); checked, not searched yet
     [profile]    path (a saved profile to load instead of profiling), steps, sensitivity_batches
     [measure]    val_batches, steps               # the measured stage (`search.measured`)
 """
@@ -180,6 +181,12 @@ def _groups(v):
     return tuple(tuple(g) for g in v)
 
 
+def _recompute(v):
+    if not isinstance(v, list) or not all(isinstance(p, str) and p.strip() for p in v):
+        raise ValueError
+    return tuple(v)
+
+
 FORMATS = ", ".join(f.value for f in Format)
 _SCHEMA: dict[str, dict[str, tuple[Callable, str]]] = {
     "job": {"name": (_name, "a name for the runs/ folder, without '/', '\\' or '..'; set [job].out to write elsewhere"), "out": (_str, "a folder path"), "device": (_str, "auto, cpu, cuda or cuda:N")},
@@ -204,6 +211,7 @@ _SCHEMA: dict[str, dict[str, tuple[Callable, str]]] = {
         "pin": (_pin, f"a table of layer pattern = format ({FORMATS})"),
         "forbid": (_forbid, "a table of layer pattern = [formats]"),
         "groups": (_groups, "a list of lists of layer patterns"),
+        "recompute": (_recompute, 'a list of module name patterns of blocks, e.g. ["blocks.*"]'),
     },
     "profile": {
         "path": (_str, "a saved profile's path"),
@@ -286,7 +294,7 @@ def load_job(path: "str | Path") -> JobConfig:
         measure_top=get("search", "measure_top", 4),
         measured_trials=get("search", "measured_trials", 0),
         timeout_s=get("search", "timeout_s"),
-        rules=LayerRules(get("rules", "pin", {}), get("rules", "forbid", {}), get("rules", "groups", ())),
+        rules=LayerRules(get("rules", "pin", {}), get("rules", "forbid", {}), get("rules", "groups", ()), get("rules", "recompute")),
         profile_path=(base / profile) if profile and not Path(profile).is_absolute() else (Path(profile) if profile else None),
         profile_steps=get("profile", "steps", 50),
         sensitivity_batches=get("profile", "sensitivity_batches", 2),

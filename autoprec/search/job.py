@@ -55,6 +55,7 @@ import optuna
 import torch
 
 from ..calls import ModelCall
+from ..blocks import find_blocks
 from ..coverage import find_layers
 from ..device import format_support, resolve_device
 from ..errors import SearchError
@@ -332,6 +333,14 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
     if example_inputs is None:
         raise SearchError(f"{config.source}: [workload].factory: {config.factory}'s loss(model, batch) never called the model; it must run model(...) on the batch")
 
+    if config.rules.recompute is not None:
+        # Checked before any training: a pattern that names no block is a config error. The layers
+        # from the module tree (no forward, so the run's RNG is untouched); the search does not
+        # choose recompute flags yet.
+        try:
+            find_blocks(model, find_layers(model), config.rules.recompute)
+        except SearchError as exc:
+            raise SearchError(f"{config.source}: [rules].recompute: {exc}") from None
     profile, (loss_first, loss_last) = _train_and_profile(config, workload, step, example_inputs, progress)
     batches = iter(workload.train_batches(config.seed + 1))
     train = [to_device(next(batches), device) for _ in range(max(config.sensitivity_batches, 4))]

@@ -16,6 +16,7 @@ import numbers
 import re
 from typing import Iterable, Mapping, Sequence
 
+from ..blocks import check_block_patterns
 from ..device import format_support
 from ..errors import SearchError
 from ..formats import Format
@@ -141,12 +142,20 @@ class LayerRules:
 
     ``pin``: pattern -> the only format allowed. ``forbid``: pattern -> formats not allowed.
     ``groups``: each entry is a list of patterns; layers matching any pattern of one group share a
-    format. Groups are literal: write one group per attention block.
+    format. Groups are literal: write one group per attention block. ``recompute``: patterns of
+    the recompute units (`autoprec.blocks.find_blocks`, e.g. ``["blocks.*"]``); None: the blocks
+    found automatically. Checked against the model when the job starts; the search does not
+    choose recompute flags yet (a plan sets them: `autoprec.Plan.with_recompute`).
     """
 
     pin: Mapping[str, Format] = dataclasses.field(default_factory=dict)
     forbid: Mapping[str, Sequence[Format]] = dataclasses.field(default_factory=dict)
     groups: Sequence[Sequence[str]] = ()
+    recompute: "Sequence[str] | None" = None
+
+    def __post_init__(self):
+        if self.recompute is not None:
+            object.__setattr__(self, "recompute", check_block_patterns(self.recompute, "LayerRules(recompute=...)"))
 
 
 @dataclasses.dataclass(frozen=True)

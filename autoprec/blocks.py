@@ -1,0 +1,86 @@
+"""Recompute units: the blocks of a model whose forward can run again in the backward.
+
+Recomputing one matrix product saves nothing (a linear layer keeps only its input, which the
+recomputation would need anyway), so the unit is a *block*: a module holding several layers whose
+intermediate activations (attention scores, MLP hidden states, norms) are what recomputation
+frees. `find_blocks` finds them the way torchtitan and Megatron apply activation checkpointing:
+the repeated children of an ``nn.ModuleList`` / ``nn.Sequential`` (the transformer blocks of a
+GPT, BERT, ViT or Llama), or the modules a user names by pattern. The Plan stores a recompute flag
+per block (`autoprec.Plan.with_recompute`); the runtime runs the flagged ones under
+``torch.utils.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import Counter
+from typing import Iterable, Sequence
+
+import torch.nn as nn
+
+from .errors import SearchError
+
+__all__ = ["find_blocks", "check_block_patterns"]
+
+
+def _inside(fqn: str, block: str) -> bool:
+    return fqn != block and (block == "" or fqn.startswith(block + "."))
+
+
+def check_block_patterns(patterns: object, where: str) -> tuple[str, ...]:
+    """``patterns`` as a tuple of non-empty strings, or a one-line `SearchError` naming ``where`` (the
+    setting: ``[rules].recompute``, ``recompute=``) and the fix. No model needed."""
+    if isinstance(patterns, str) or not isinstance(patterns, (list, tuple)):
+        raise SearchError(f'{where}: expected a list of module name patterns like ["blocks.*"], got {patterns!r}')
+    bad = [p for p in patterns if not isinstance(p, str) or not p.strip()]
+    if bad:
+        raise SearchError(f'{where}: every entry must be a non-empty module name pattern like "blocks.*", got {bad[0]!r}')
+    return tuple(patterns)
+
+
+def find_blocks(model: nn.Module, layers: Iterable[str], patterns: "Sequence[str] | None" = None) -> tuple[str, ...]:
+    """The recompute units of ``model`` holding at least one of ``layers`` (fqns, e.g. a plan's),
+    outermost first in model order; no block lies inside another.
+
+    Without ``patterns``: the children of an ``nn.ModuleList`` / ``nn.Sequential`` whose class
+    occurs at least twice among that container's children and that hold a layer strictly inside
+    (``blocks.0``, ``blocks.1`` of a GPT; ``bert.encoder.layer.0`` of BERT); the search does not
+    descend into a block found. A container's lone or layer-only children (an MLP's two
+    ``nn.Linear`` in a ``Sequential``) are not blocks: recomputing one layer saves nothing.
+
+    With ``patterns`` (``fnmatch`` on fqns, e.g. ``["blocks.*"]``): the outermost modules that match
+    and hold a layer (a pattern's matches inside another match are dropped: ``"blocks.*"`` also
+    matches ``blocks.0.attn``). Each pattern must match such a module: a one-line `SearchError` names the
+    pattern and the fix otherwise. Costs one walk of the module tree.
+    """
+    layers = [fqn for fqn in layers]
+    modules = dict(model.named_modules())
+
+    def holds_layer(fqn: str, strictly: bool) -> bool:
+        return any(_inside(layer, fqn) or (not strictly and layer == fqn) for layer in layers)
+
+    if patterns is None:
+        found: list[str] = []
+        for fqn, module in modules.items():
+            if not isinstance(module, (nn.ModuleList, nn.Sequential)) or any(_inside(fqn, b) or fqn == b for b in found):
+                continue
+            children = list(module.named_children())
+            repeated = Counter(type(child) for _, child in children)
+            for name, child in children:
+                child_fqn = f"{fqn}.{name}" if fqn else name
+                if repeated[type(child)] >= 2 and holds_layer(child_fqn, strictly=True):
+                    found.append(child_fqn)
+        return tuple(fqn for fqn in modules if fqn in set(found))
+
+    patterns = check_block_patterns(patterns, "recompute patterns")
+    matched: dict[str, str] = {}  # fqn -> the first pattern matching it
+    for pattern in patterns:
+        hits = [fqn for fqn in modules if fnmatch.fnmatchcase(fqn, pattern) and holds_layer(fqn, strictly=False)]
+        if not hits:
+            some = [fqn for fqn in modules if fnmatch.fnmatchcase(fqn, pattern)]
+            why = f"it matches only modules without a layer ({', '.join(map(repr, some[:3]))})" if some else "it matches no module"
+            example = next((fqn for fqn in modules if holds_layer(fqn, strictly=True) and fqn), "")
+            raise SearchError(f"recompute pattern {pattern!r}: {why}; give fnmatch patterns of module names that hold layers, e.g. {example!r}")
+        for fqn in hits:
+            matched.setdefault(fqn, pattern)
+    return tuple(fqn for fqn in matched if not any(_inside(fqn, other) for other in matched))

@@ -1,0 +1,264 @@
+"""Block recomputation: a plan's recomputed blocks run under ``torch.utils.checkpoint``.
+
+A block the plan marks for recomputation (`autoprec.Plan.with_recompute`) keeps no activations of
+its own for the backward: it runs under non-reentrant ``torch.utils.checkpoint.checkpoint``
+(``use_reentrant=False``), which saves only the block's inputs and runs its forward once more in
+the backward when the saved activations are needed. Cost: one extra forward of the block per
+backward, with the block's layers in their planned formats; memory: the block's activations
+beyond its inputs are freed after the forward.
+
+What the recomputation must reproduce, and how (eager):
+
+- **RNG**: checkpoint's ``preserve_rng_state`` (on) restores the forward's CPU and device RNG, so
+  dropout draws the same masks; checkpoint also restores the forward's autocast state.
+- **The plan**: the backward runs outside ``with runtime:``, so the recompute context re-enters the
+  runtime for the calling thread as the forward saw it (active, the planned layers running around
+  the block, their matrix-product mode) and leaves it as it was after.
+- **Scales, not state**: state updated in a forward is updated once. The forward of a checkpointed
+  block records every scale its layers chose (delayed-scaling inverse scales, INT8 calibrated
+  scales and outlier channels) in a `ScaleRecord`; the recomputation reads them back in the same
+  order per layer and operand instead of asking the quantizers and calibrators again, so no amax
+  history or calibration observes the batch twice and the recomputed activations are bit for bit
+  the forward's. Forward hooks of autoprec's profiler and output watch skip while `recomputing`.
+
+Under ``torch.compile`` the block is the same checkpoint, traced as Dynamo's checkpoint operator:
+the recomputation is part of the compiled backward graph, which replays the forward's values
+(functionally: a history written in the forward is written once, and read as the forward read
+it), so no context is needed there (and Dynamo accepts none but dispatch modes).
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
+
+from ..errors import RuntimeStateError
+from ..formats import Granularity
+from ..plan import ScalingMode
+
+if TYPE_CHECKING:
+    from .context import PlanRuntime
+
+__all__ = ["recomputing", "recorded_scale", "ScaleRecord", "block_wrapper"]
+
+
+class _RecomputeState(threading.local):
+    """The calling thread's place in a checkpointed block: ``record`` while its forward runs,
+    ``replay`` while its recomputation runs (the backward's thread: on CUDA not the caller's)."""
+
+    def __init__(self):
+        self.record: "ScaleRecord | None" = None
+        self.replay: "ScaleRecord | None" = None
+
+
+_state = _RecomputeState()
+
+
+def recomputing() -> bool:
+    """True while the calling thread re-runs a recomputed block's forward inside a backward.
+
+    Forward hooks that accumulate state (statistics, finiteness records) return early then: the
+    forward already counted this call. Always False under ``torch.compile``, whose compiled
+    backward runs no Python.
+    """
+    return _state.replay is not None
+
+
+class ScaleRecord:
+    """The scales one checkpointed forward of a block chose, per ``(layer fqn, operand)`` in
+    call order, for its recomputation to read back. Holds references to small tensors (one
+    scalar, or an INT8 operand's scale and outlier masks), no activations."""
+
+    __slots__ = ("block", "values", "taken")
+
+    def __init__(self, block: str):
+        self.block = block
+        self.values: dict[tuple, list] = {}
+        self.taken: dict[tuple, int] = {}
+
+    def put(self, key: tuple, value: Any) -> None:
+        self.values.setdefault(key, []).append(value)
+
+    def take(self, key: tuple) -> Any:
+        index = self.taken.get(key, 0)
+        values = self.values.get(key, ())
+        if index >= len(values):
+            raise RuntimeStateError(
+                f"recomputing block {self.block!r}: layer {key[0]!r} asked for a scale its forward did not "
+                f"use ({key[1]!r}, call {index + 1}); the block's forward must call its layers the same way "
+                "when it runs again (no data-dependent branches on values that differ in the backward)"
+            )
+        self.taken[key] = index + 1
+        return values[index]
+
+
+def recorded_scale(layer: str, operand: str, compute: Callable[[], Any]) -> Any:
+    """``compute()``, the scale of ``layer``'s ``operand`` for this call, except while a
+    recomputation replays: then the value its forward computed, without calling ``compute`` (which
+    would update the quantizer's or calibrator's state a second time). Inside a checkpointed
+    forward the value is recorded. Costs a dict lookup; nothing under ``torch.compile``."""
+    if torch.compiler.is_compiling():
+        return compute()
+    state = _state
+    if state.replay is not None:
+        return state.replay.take((layer, operand))
+    value = compute()
+    if state.record is not None:
+        state.record.put((layer, operand), value)
+    return value
+
+
+class _Recording:
+    """The forward context of one checkpoint call: scales go into ``record``."""
+
+    def __init__(self, record: ScaleRecord):
+        self.record = record
+
+    def __enter__(self):
+        self.previous = _state.record
+        _state.record = self.record
+
+    def __exit__(self, *exc):
+        _state.record = self.previous
+
+
+class _Replaying:
+    """The recompute context of one checkpoint call, entered once per backward that recomputes
+    (``retain_graph=True`` backwards recompute again): the runtime active for this thread as the
+    forward saw it, and ``record`` read back from its start."""
+
+    def __init__(self, runtime: "PlanRuntime", record: ScaleRecord, stack: tuple, mode_active: bool):
+        self.runtime, self.record, self.stack, self.mode_active = runtime, record, stack, mode_active
+        self.saved: list = []
+
+    def __enter__(self):
+        runtime = self.runtime
+        if not runtime._installed():
+            raise RuntimeStateError(
+                f"backward through recomputed block {self.record.block!r} after its plan runtime was removed or displaced; "
+                "run loss.backward() before runtime.remove() or applying another plan to the model"
+            )
+        thread = runtime._threads.state
+        self.saved.append((thread.active, thread.stack, thread.mode_active, _state.record, _state.replay))
+        self.record.taken = {}
+        thread.active, thread.stack = True, self.stack
+        _state.record, _state.replay = None, self.record
+        self.mode = runtime._layer_mode(thread) if self.mode_active and not thread.mode_active else None
+        if self.mode is not None:
+            self.mode.__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            if self.mode is not None:
+                self.mode.__exit__(*exc)
+        finally:
+            thread = self.runtime._threads.state
+            thread.active, thread.stack, thread.mode_active, _state.record, _state.replay = self.saved.pop()
+
+
+def compile_refusal(runtime: "PlanRuntime", block: str) -> "str | None":
+    """Why ``block`` cannot run recomputed inside a compiled step now, or None.
+
+    A compiled recomputation re-reads state from the tensors the forward read, after the forward
+    wrote them: an amax history updated in place gives the recomputation another scale than the
+    forward (gradients off by a rounding step). And Dynamo refuses state created or changed in
+    Python inside a checkpointed body: INT8 calibration, and the first forward of a layer, which
+    makes its quantizers.
+    """
+    for fqn, layer in runtime._layers.items():
+        if not (fqn.startswith(block + ".") or block == ""):
+            continue
+        if fqn in runtime._wrappers and not getattr(layer, "wrapped_direct", False):
+            # Its wrapper records the running layer in the thread's state, which Dynamo refuses to
+            # change inside a checkpointed body (that state is seen outside it too).
+            return (f"recomputed block {block!r} under torch.compile: layer {fqn!r} ({layer.format.value}) runs under its own "
+                    "scope inside the block, which Dynamo cannot trace in a recomputed block; run the step eagerly, stop recomputing "
+                    "the block, or plan its layers so that none needs one (nn.Linear layers in FP8 / INT8, or the region's half format)")
+        if not layer.low_precision:
+            continue
+        scaling = layer.precision.scaling
+        if layer.format.is_fp8 and scaling.mode is ScalingMode.DELAYED and scaling.granularity is Granularity.TENSOR:
+            return (f"recomputed block {block!r} under torch.compile: layer {fqn!r} uses delayed scaling, whose amax history "
+                    "a compiled recomputation would read after the forward updated it; give the block's layers current "
+                    "scaling (the default), stop recomputing the block, or run the step eagerly")
+        ran = layer.weights or any(how.startswith("emulated") for how in layer.ops.values())
+        if layer.kernel_reason is None and not ran:
+            return (f"recomputed block {block!r} under torch.compile: layer {fqn!r} has not run yet, and Dynamo cannot create "
+                    "its quantizers inside a recomputed block; run one training step eagerly before the compiled one")
+        if any(c.calibrating for c in layer.calibrators.values()):
+            return (f"recomputed block {block!r} under torch.compile: layer {fqn!r} is still calibrating INT8, which Dynamo cannot "
+                    f"trace inside a recomputed block; run the first {layer.precision.calibration.batches} steps eagerly, then compile")
+    return None
+
+
+def traced(run: Callable, block: str) -> Callable:
+    """``run`` for a checkpoint chosen while Dynamo traced: if Dynamo fails to trace the
+    checkpoint and runs it eagerly instead, the recomputation would run outside the plan (no
+    recompute context was given): refused, rather than gradients silently of another model."""
+
+    def body(*tensors):
+        if not torch.compiler.is_compiling():
+            raise RuntimeStateError(
+                f"recomputed block {block!r}: torch.compile could not trace its checkpoint and ran it eagerly, where its "
+                "recomputation would run without the plan; compile with fullgraph=True to see why, or stop recomputing the block"
+            )
+        return run(*tensors)
+
+    return body
+
+
+def block_wrapper(runtime: "PlanRuntime", fqn: str, module: nn.Module, owner: str):
+    """The ``forward`` installed on a recomputed block: checkpointed in a thread that entered
+    ``runtime`` with gradients on, the module's own forward everywhere else (other threads,
+    outside the context, ``torch.no_grad``, a deep copy). ``owner``: the attribute naming the
+    runtime on the function (as the layer wrappers carry it)."""
+    threads = runtime._threads
+    had_own, previous = "forward" in module.__dict__, module.__dict__.get("forward")
+    if had_own and getattr(getattr(previous, "__func__", None), owner, None) is not None:
+        had_own, previous = previous.__func__._autoprec_previous  # another runtime's wrapper: keep the user's
+
+    def own_forward(m, args, kwargs):
+        if had_own and m is module:
+            return previous(*args, **kwargs)
+        return type(m).forward(m, *args, **kwargs)
+
+    def forward(self_module, *args, **kwargs):
+        thread = threads.state
+        if not thread.active or self_module is not module or not torch.is_grad_enabled():
+            return own_forward(self_module, args, kwargs)
+        # Every tensor goes to checkpoint positionally, keyword ones included: checkpoint finds the
+        # device whose RNG it preserves from its positional arguments only.
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        at = [i for i, v in enumerate(leaves) if torch.is_tensor(v)]
+
+        def run(*tensors):
+            filled = list(leaves)
+            for i, t in zip(at, tensors):
+                filled[i] = t
+            call_args, call_kwargs = pytree.tree_unflatten(filled, spec)
+            return own_forward(module, call_args, call_kwargs)
+
+        tensors = [leaves[i] for i in at]
+        if torch.compiler.is_compiling():
+            refusal = compile_refusal(runtime, fqn)
+            if refusal is not None:
+                raise RuntimeStateError(refusal)
+            return checkpoint(traced(run, fqn), *tensors, use_reentrant=False)
+        record = ScaleRecord(fqn)
+        stack, mode_active = thread.stack, thread.mode_active
+
+        def contexts():
+            return _Recording(record), _Replaying(runtime, record, stack, mode_active)
+
+        return checkpoint(run, *tensors, use_reentrant=False, context_fn=contexts)
+
+    setattr(forward, owner, runtime)
+    forward._autoprec_previous = (had_own, previous)
+    # Bound, so that copy.deepcopy(model) re-binds it to the copy (which then runs its own forward).
+    return types.MethodType(forward, module)
