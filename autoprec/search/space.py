@@ -91,7 +91,7 @@ class Budgets:
     def memory_bytes(self, fp32_bytes: float) -> float:
         if self.memory is None:
             return float("inf")
-        return float(self.memory) if isinstance(self.memory, int) else self.memory * fp32_bytes
+        return float(self.memory) if isinstance(self.memory, int) else float(self.memory) * fp32_bytes  # a str was parsed to bytes
 
     def loss_increase(self, baseline_loss: "float | None") -> float:
         if self.accuracy is None:
