@@ -360,3 +360,89 @@ def mismatch_scenario(rank, world, tmp):
 def test_a_rank_with_another_plan_is_named_on_every_rank(tmp_path):
     for message in run(mismatch_scenario, tmp_path):
         assert message is not None and message.startswith("rank 1 holds another")
+
+
+# -- recomputed blocks under DDP and FSDP2 -----------------------------------------------------
+
+
+class _Block(nn.Module):
+    runs = 0  # forwards of any block in this process, recomputations included
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(32, 64), nn.Linear(64, 32), nn.Dropout(0.1)
+
+    def forward(self, x):
+        _Block.runs += 1
+        return x + self.fc2(self.drop(nn.functional.gelu(self.fc1(x))))
+
+
+class _BlockNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+RECOMPUTE_PLANS = {
+    "bf16-fp32": {"fc1": ap.Format.BF16, "fc2": ap.Format.FP32},
+    "fp8-int8": {"fc1": ap.Format.FP8_E4M3, "fc2": ap.Format.INT8},
+}
+
+
+def recompute_scenario(rank, world, tmp, formats):
+    from torch.distributed.fsdp import fully_shard
+
+    results = {}
+    for kind in ("fsdp2", "ddp"):
+        for recompute in (False, True):
+            torch.manual_seed(0)
+            model = _BlockNet()
+            layers = {f"blocks.{i}.{name}": ap.LayerPrecision(fmt) for i in range(2) for name, fmt in formats.items()}
+            plan = ap.Plan({**layers, "head": ap.LayerPrecision(ap.Format.BF16)})
+            if recompute:
+                plan = plan.with_recompute(["blocks.0", "blocks.1"])
+            if kind == "fsdp2":
+                for block in model.blocks:
+                    fully_shard(block)
+                net = fully_shard(model)
+            else:
+                net = nn.parallel.DistributedDataParallel(model)
+            opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
+            sch = DynamicPrecisionScheduler.from_plan(net, plan, **SETTINGS)
+            torch.manual_seed(100 + rank)  # the same dropout masks with and without recomputation
+            runs = _Block.runs
+            steps = train(net, sch, opt, 4, rank, world)
+            full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.named_parameters()}
+            results[(kind, recompute)] = {"steps": steps, "params": full, "runs": _Block.runs - runs}
+    return results
+
+
+def recompute_bf16_scenario(rank, world, tmp):
+    return recompute_scenario(rank, world, tmp, RECOMPUTE_PLANS["bf16-fp32"])
+
+
+def recompute_low_scenario(rank, world, tmp):
+    return recompute_scenario(rank, world, tmp, RECOMPUTE_PLANS["fp8-int8"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", [recompute_bf16_scenario, recompute_low_scenario], ids=list(RECOMPUTE_PLANS))
+def test_recomputed_blocks_train_bit_for_bit_like_stored_ones_under_ddp_and_fsdp2(tmp_path, scenario):
+    # Checkpointed blocks under FSDP2 (each block sharded, its recomputation after the backward's
+    # all-gather) and DDP: the same losses and, after 4 AdamW steps with dropout, the same weights
+    # bit for bit as the blocks keeping their activations (the recomputation replays the forward's
+    # RNG and its FP8 / INT8 scales).
+    for result in run(scenario, tmp_path):
+        for kind in ("fsdp2", "ddp"):
+            kept, recomputed = result[(kind, False)], result[(kind, True)]
+            assert all(s[1] for s in recomputed["steps"]), kind
+            assert recomputed["runs"] == kept["runs"] + 2 * 4, kind  # each block once more per step: recomputed
+            assert [s[0] for s in recomputed["steps"]] == [s[0] for s in kept["steps"]], kind
+            for name, value in kept["params"].items():
+                assert torch.equal(recomputed["params"][name], value), (kind, name)
