@@ -268,17 +268,15 @@ class RankAgreement:
         if self.fsdp2 and config.dynamic and plan is None:
             raise DistributedError("DynamicPrecisionScheduler under fully_shard needs plan=... (DynamicPrecisionScheduler.from_plan): its in-run search runs forwards on rank 0 alone, which FSDP2's all-gathers would deadlock; search with DDP or offline (autoprec search)")
 
-    def decide(self, scheduler: "DynamicPrecisionScheduler", decide: Callable[[], None]) -> None:
-        """Rank 0 runs ``decide`` (the search or the window review); its outcome is broadcast and
-        adopted by the others; then the plan hashes are verified."""
-        outcome = None
-        if self.rank == 0:
-            decide()
-            outcome = scheduler._decision()
+    def decide(self, decide: Callable[[], Any], adopt: Callable[[Any], None], plan: Callable[[], "Optional[Plan]"]) -> None:
+        """Rank 0 runs ``decide`` (the search or the window review), which returns its outcome as
+        plain data; the outcome is broadcast and the other ranks ``adopt`` it; then every rank's
+        ``plan()`` is verified to hash alike."""
+        outcome = decide() if self.rank == 0 else None
         outcome = self._broadcast(outcome)
         if self.rank != 0:
-            scheduler._adopt(outcome)
-        self.verify("plan", plan_hash(scheduler.plan))
+            adopt(outcome)
+        self.verify("plan", plan_hash(plan()))
 
     def share(self, value: Any) -> Any:
         """Rank 0's ``value`` (JSON-like) on every rank: one ``broadcast_object_list``. The
@@ -286,31 +284,15 @@ class RankAgreement:
         return self._broadcast(value)
 
     def reduce_window(self, profiler, loss_sum: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Sum / max the profiler's window accumulators and the loss sum across ranks, in place
-        (three all-reduces); returns the reduced loss sum."""
-        layers = profiler._layers if profiler is not None else {}
-        states = [layers[fqn].tensors[kind] for fqn in sorted(layers) for kind in sorted(layers[fqn].tensors)]
-        ints = [torch.cat([ts.hist, torch.tensor([ts.calls, ts.numel, ts.sampled], device=ts.hist.device)]) for ts in states]
-        floats = [ts.moments for ts in states] + ([loss_sum.double().reshape(-1)] if loss_sum is not None else [])
-        if ints:
-            flat = torch.cat(ints)
-            self._all_reduce(flat, dist.ReduceOp.SUM)
-            for ts, part in zip(states, flat.split([t.numel() for t in ints])):
-                ts.hist.copy_(part[:-3])
-                ts.calls, ts.numel, ts.sampled = (int(v) for v in part[-3:].tolist())
-            # A NaN amax marks a non-finite step; as inf it survives MAX on every backend.
-            amax = torch.cat([ts.amax.nan_to_num(nan=float("inf")) for ts in states])
-            self._all_reduce(amax, dist.ReduceOp.MAX)
-            for ts, part in zip(states, amax.split([ts.amax.numel() for ts in states])):
-                ts.amax.copy_(part)
-        if floats:
-            flat = torch.cat(floats)
-            self._all_reduce(flat, dist.ReduceOp.SUM)
-            for ts, part in zip(states, flat.split([t.numel() for t in floats])):
-                ts.moments.copy_(part)
-            if loss_sum is not None:
-                return flat[-loss_sum.numel():].to(loss_sum.dtype).reshape(loss_sum.shape)
-        return loss_sum
+        """Combine the profiler's window statistics and the loss sum across ranks, in place
+        (`LayerProfiler.reduce_`: three all-reduces); returns the reduced loss sum."""
+        if profiler is None:
+            if loss_sum is None:
+                return None
+            reduced = loss_sum.double().reshape(-1).clone()
+            self._all_reduce(reduced, dist.ReduceOp.SUM)
+            return reduced.to(loss_sum.dtype).reshape(loss_sum.shape)
+        return profiler.reduce_(self._all_reduce, also_sum=loss_sum)
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -322,7 +304,7 @@ class RankAgreement:
         """One-hot (per layer) of this rank's first non-finite forward output."""
         flags = torch.zeros(len(self.layers), dtype=torch.int64, device=device)
         watch = scaler.output_watch
-        names, finite = watch._pending() if watch is not None else ([], None)
+        names, finite = watch.pending() if watch is not None else ([], None)
         index = {fqn: i for i, fqn in enumerate(self.layers)}
         at = [(k, index[n]) for k, n in enumerate(names) if n in index]
         if at:

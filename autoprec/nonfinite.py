@@ -191,7 +191,7 @@ class OutputWatch:
         """(names, 0-d bool finite flags) of the recorded calls, as copies of the lists; no sync."""
         return list(self._names), list(self._flags)
 
-    def _pending(self) -> tuple[list[str], Optional[torch.Tensor]]:
+    def pending(self) -> tuple[list[str], Optional[torch.Tensor]]:
         """(names, 1-D bool device tensor of finite flags) of the recorded calls; no sync."""
         if not self._flags:
             return [], None
@@ -200,7 +200,7 @@ class OutputWatch:
 
     def first_nonfinite(self) -> Optional[str]:
         """The fqn of the first recorded call whose output held an inf or NaN, or None. One sync."""
-        names, flags = self._pending()
+        names, flags = self.pending()
         return first_false(names, to_host([flags]) if flags is not None else [])
 
 

@@ -86,7 +86,7 @@ import math
 import statistics
 import time
 import warnings
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -749,10 +749,7 @@ class DynamicPrecisionScheduler:
             int8 = [fqn for fqn, lp in self.plan.layers.items() if lp.format is Format.INT8]
             if int8:
                 self._runtime.recalibrate(int8)
-        if self._dist is None:
-            self._review_window(profile)
-        else:
-            self._dist.decide(self, lambda: self._review_window(profile))
+        self._decide_on_every_rank(lambda: self._review_window(profile))
         self._next_window()
 
     def _next_window(self) -> None:
@@ -888,10 +885,7 @@ class DynamicPrecisionScheduler:
                     self._writer.log_memory(self.step_count, predicted_bytes=search.result.predicted.get("bytes"), measured_bytes=search.result.measured.get("saved_bytes"))
 
         try:
-            if self._dist is None:
-                decide()
-            else:
-                self._dist.decide(self, decide)
+            self._decide_on_every_rank(decide)
         finally:
             search.close()
             self._captured = []
@@ -925,6 +919,18 @@ class DynamicPrecisionScheduler:
         current = {fqn: lp.format for fqn, lp in self.plan.layers.items()}
         changes, self._policy = demotions(triggers, self._policy, self.step_count, t.stable_windows, current, self._window_skipped)
         self._apply(changes, "demoted", "demotion")
+
+    def _decide_on_every_rank(self, decide: Callable[[], None]) -> None:
+        """``decide()`` here; under torch.distributed on rank 0, the others adopting its outcome."""
+        if self._dist is None:
+            decide()
+            return
+
+        def decided() -> dict:
+            decide()
+            return self._decision()
+
+        self._dist.decide(decided, self._adopt, lambda: self.plan)
 
     def _decision(self) -> dict:
         """What this rank decided at a window end, for the others (`RankAgreement.decide`)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -357,6 +357,40 @@ class LayerProfiler:
             self._remove_hooks()
             logger.info("profiling window of %d steps complete; hooks removed", self.window)
         return self._attached
+
+    # -- across ranks ---------------------------------------------------------------------------
+
+    def reduce_(self, all_reduce: Callable[[torch.Tensor, Any], None], also_sum: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Combine this window's statistics with the other ranks', in place: histograms, counts and
+        moments summed, amax histories maxed. ``all_reduce(tensor, op)`` reduces one tensor in
+        place across the ranks (``op`` a ``torch.distributed.ReduceOp``). ``also_sum``: a float
+        tensor summed in the same collective (the caller's window loss), returned reduced.
+        Three collectives in all, whatever the number of layers; no host sync beyond the counts
+        (three ints per tensor, read back once)."""
+        import torch.distributed as dist
+
+        states = [self._layers[fqn].tensors[kind] for fqn in sorted(self._layers) for kind in sorted(self._layers[fqn].tensors)]
+        ints = [torch.cat([ts.hist, torch.tensor([ts.calls, ts.numel, ts.sampled], device=ts.hist.device)]) for ts in states]
+        floats = [ts.moments for ts in states] + ([also_sum.double().reshape(-1)] if also_sum is not None else [])
+        if ints:
+            flat = torch.cat(ints)
+            all_reduce(flat, dist.ReduceOp.SUM)
+            for ts, part in zip(states, flat.split([t.numel() for t in ints])):
+                ts.hist.copy_(part[:-3])
+                ts.calls, ts.numel, ts.sampled = (int(v) for v in part[-3:].tolist())
+            # A NaN amax marks a non-finite step; as inf it survives MAX on every backend.
+            amax = torch.cat([ts.amax.nan_to_num(nan=float("inf")) for ts in states])
+            all_reduce(amax, dist.ReduceOp.MAX)
+            for ts, part in zip(states, amax.split([ts.amax.numel() for ts in states])):
+                ts.amax.copy_(part)
+        if floats:
+            flat = torch.cat(floats)
+            all_reduce(flat, dist.ReduceOp.SUM)
+            for ts, part in zip(states, flat.split([t.numel() for t in floats])):
+                ts.moments.copy_(part)
+            if also_sum is not None:
+                return flat[-also_sum.numel():].to(also_sum.dtype).reshape(also_sum.shape)
+        return also_sum
 
     # -- checkpoints ----------------------------------------------------------------------------
 
