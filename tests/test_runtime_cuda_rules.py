@@ -115,3 +115,35 @@ def test_delayed_scaling_spike_obeys_cuda_rules(module_name, fmt):
             step(model, runtime, torch.randn(256, D_IN))
         step(model, runtime, 8 * torch.randn(256, D_IN))
     assert rules.counts["_scaled_mm"] >= 2 * 5
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D_IN, D_IN), nn.Linear(D_IN, D_IN)
+
+    def forward(self, x):
+        return x + self.fc2(nn.functional.gelu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("recipe", ["fp8_e4m3-tensor-current", "fp8_e4m3-tensor-delayed", "int8-tensor"])
+def test_recomputed_blocks_rerun_their_kernels_within_cuda_rules(recipe):
+    """Two checkpointed blocks of two layers: the recomputation in the backward runs each
+    layer's kernel once more (4 calls), and every call, recomputed ones included, is one an H100
+    accepts; 1000 tokens (K of the weight gradient not a multiple of 16)."""
+    fmt, scaling = RECIPES[recipe]
+    counts = {}
+    for recompute in (False, True):
+        torch.manual_seed(3)
+        model = nn.Sequential(_Block(), _Block())
+        x = torch.randn(1000, D_IN)
+        plan = ap.Plan.uniform(model, fmt, x, scaling=scaling, calibration=CALIBRATION)
+        if recompute:
+            plan = plan.with_recompute(["0", "1"])
+        runtime = ap.apply_plan(model, plan)
+        step(model, runtime, x)  # the first step calibrates INT8 and fills the delayed history
+        with CudaRules() as rules:
+            step(model, runtime, torch.randn(1000, D_IN))
+        counts[recompute] = rules.counts["_int_mm" if fmt == "int8" else "_scaled_mm"]
+    assert counts[False] >= 4
+    assert counts[True] == counts[False] + 4
