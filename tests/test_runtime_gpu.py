@@ -212,3 +212,51 @@ def test_inductor_compiled_step_matches_eager_with_no_graph_breaks_on_cuda(name)
     torch._dynamo.reset()
     for ref, eager, compiled in zip((p.grad for p in reference.parameters()), grads[False], grads[True]):
         assert sqnr(ref, compiled) >= sqnr(ref, eager) - 6.0
+
+
+class _MLPBlock(nn.Module):
+    def __init__(self, d=768, ff=3072):
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(d, ff), nn.Linear(ff, d), nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.fc2(nn.functional.gelu(self.fc1(x))))
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8_e4m3-current", "int8"])
+def test_recomputed_blocks_match_stored_ones_and_sync_nothing_on_cuda(name):
+    """Two checkpointed MLP blocks with dropout on the GPU: gradients equal those of the same
+    plan without recomputation bit for bit (the recomputation replays the forward's CUDA RNG and
+    its scales), and the steps after the first run with CUDA's sync detector set to error."""
+    if name != "bf16":
+        _needs(name)
+    elif not CUDA:
+        pytest.skip(NO_CUDA)
+    x = torch.randn(1000, 768, device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    grads = {}
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(_MLPBlock(), _MLPBlock()).cuda()
+        plan = ap.Plan.uniform(model, name.split("-")[0], x, calibration=CALIBRATION)
+        if recompute:
+            plan = plan.with_recompute(["0", "1"])
+        runtime = ap.apply_plan(model, plan)
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            with runtime:
+                loss = model(x).float().square().mean()
+            loss.backward()
+
+        torch.manual_seed(1)  # the same dropout masks in both runs
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(CALIBRATION.batches + 1):
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        grads[recompute] = [p.grad.clone() for p in model.parameters()]
+    for kept, recomputed in zip(grads[False], grads[True]):
+        assert torch.equal(kept, recomputed)
