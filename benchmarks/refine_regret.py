@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import platform
@@ -65,10 +66,11 @@ from autoprec.formats import Format
 from autoprec.search.config import JobConfig, load_job
 from autoprec.search.exact import k_best
 from autoprec.search.job import run_job
-from autoprec.search.measured import MeasuredStage, _Variant, _sync, formats_id
+from autoprec.search.measured import MeasuredStage, _Variant, formats_id
 from autoprec.runtime import EmulationWarning
 from autoprec.search.refine import CorrectingSampler
 from autoprec.search.space import Choice, SearchSpace
+from autoprec.timing import timed
 
 JOB = """
 [job]
@@ -127,11 +129,7 @@ def time_rounds(stage: MeasuredStage, contexts: dict, rounds: int, seed: int, wa
     for r in range(rounds):
         batch = stage.train_batches[r % len(stage.train_batches)]
         for i in rng.permutation(len(keys)):
-            _sync(stage.device)
-            t = time.perf_counter()
-            variants[keys[i]].step(batch)
-            _sync(stage.device)
-            times[keys[i]].append(time.perf_counter() - t)
+            times[keys[i]].append(timed(functools.partial(variants[keys[i]].step, batch), stage.device)[1])
     for v in variants.values():  # the copies' plan wrappers off (a live runtime per copy slowed steps down)
         getattr(v.context, "remove", lambda: None)()
     return times

@@ -47,8 +47,18 @@ def test_final_losses_are_finite(result):
     assert all(r.finite and math.isfinite(r.final_loss) for r in result.rows)
 
 
-def test_all_four_targets_are_checked(result):
-    assert len(result.targets) == 4 and all(isinstance(t.passed, bool) for t in result.targets)
+def test_all_four_targets_are_the_ratios_of_the_rows_they_name(result):
+    # Each target's name says which rows it divides ("block: plan:bf16 saved bytes / autocast:bf16
+    # saved bytes"); its value is recomputed here from those rows, and it passes when within its limit.
+    fields = {"saved bytes": "saved_bytes", "step time": "step_ms"}
+    assert len(result.targets) == 4
+    for check in result.targets:
+        target, ratio = check.name.split(": ", 1)
+        (a, field), (b, field_b) = (side.split(" ", 1) for side in ratio.split(" / "))
+        assert field == field_b, check.name
+        a_row, b_row = result.row(target, a), result.row(target, b)
+        value = getattr(a_row, fields[field]) / getattr(b_row, fields[field])
+        assert (check.value, check.passed) == (pytest.approx(value), value <= check.limit), check
 
 
 def test_int8_calibration_is_summarised(result):
@@ -174,10 +184,18 @@ def test_cli_check_fails_on_failed_target(monkeypatch, result, capsys):
     assert main(["bench", "--quick", "--check"]) == 1
 
 
-def test_cli_help_exits_zero():
+def test_cli_help_and_every_commands_help_exit_zero(capsys):
+    # The commands are read off the top-level help, then each one's own help is asked for.
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
     assert exc.value.code == 0
+    listing = capsys.readouterr().out.split("commands:", 1)[1]
+    commands = [line.split()[0] for line in listing.splitlines() if line.startswith("    ") and not line.startswith("     ")]
+    assert len(commands) >= 5 and "bench" in commands, commands
+    for command in commands:
+        with pytest.raises(SystemExit) as exc:
+            main([command, "--help"])
+        assert exc.value.code == 0 and capsys.readouterr().out.startswith(f"usage: autoprec {command}"), command
 
 
 def test_cli_without_command_is_usage_error(capsys):

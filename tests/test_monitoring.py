@@ -79,8 +79,20 @@ def colour_at(picture: Image.Image, xy) -> tuple:
 # --- rendering --------------------------------------------------------------------------------
 
 
-def test_every_format_has_its_own_colour():
-    assert set(FORMAT_COLOURS) == set(Format) and len(set(FORMAT_COLOURS.values())) == len(Format)
+def test_every_format_draws_in_a_colour_of_its_own():
+    # Read off the rendered map, one layer per format: each filled cell differs from every other
+    # format's filled cell and from every empty cell.
+    plan = Plan({f"layers.{i}": f for i, f in enumerate(Format)})
+    picture = render_precision_map(plan)
+    image = picture.to_array()
+
+    def colour(i, fmt):
+        x, y = picture.cell_center(f"layers.{i}", fmt.value)
+        return tuple(image[y, x])
+
+    filled = {colour(i, f) for i, f in enumerate(Format)}
+    empty = {colour(i, g) for i, f in enumerate(Format) for g in Format if g is not f}
+    assert len(filled) == len(Format) and not filled & empty
 
 
 def test_map_fills_a_layers_format_cell_in_its_colour(plan):

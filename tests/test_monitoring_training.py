@@ -2,6 +2,7 @@
 read back with TensorBoard's own `EventAccumulator`."""
 
 import io
+import re
 
 import pytest
 import torch
@@ -23,6 +24,19 @@ def scalars(path, tag) -> list[tuple[int, float]]:
 
 def texts(path, tag) -> list[tuple[int, str]]:
     return [(e.step, e.tensor_proto.string_val[0].decode("utf-8")) for e in accumulator(path).Tensors(tag)]
+
+
+def legend_rows(path) -> list[list[str]]:
+    """The rows (value, format, bits, exponent bits) of the run's ``format/legend`` table, as a
+    reader of the run sees them."""
+    (_, legend), = texts(path, "format/legend")
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in legend.splitlines() if re.match(r"^\|\s*\d+\s*\|", line)]
+
+
+def formats_read_back(path, fqn) -> list[tuple[int, str]]:
+    """``format/<fqn>`` decoded with the legend written into the same run (no autoprec table)."""
+    names = {float(value): name for value, name, *_ in legend_rows(path)}
+    return [(step, names[value]) for step, value in scalars(path, f"format/{fqn}")]
 
 
 @pytest.fixture
@@ -172,8 +186,15 @@ def test_histogram_of_a_constant_has_one_bucket(writer):
 # --- precision changes ------------------------------------------------------------------------------
 
 
-def test_format_index_orders_by_width_then_range():
-    assert sorted(FORMAT_INDEX, key=FORMAT_INDEX.get) == [Format.INT8, Format.FP8_E4M3, Format.FP8_E5M2, Format.FP16, Format.BF16, Format.FP32]
+def test_format_scalar_steps_up_on_every_promotion_and_down_on_every_demotion():
+    # What the index is for: a promotion draws as a step up. Checked against the policy's own
+    # notion of direction (PrecisionChange, from the formats' bits) over every pair of formats.
+    assert sorted(FORMAT_INDEX.values()) == list(range(len(Format)))
+    for a in Format:
+        for b in Format:
+            direction = PrecisionChange(0, "x", a, b).direction
+            rise = FORMAT_INDEX[b] - FORMAT_INDEX[a]
+            assert (direction != "promotion" or rise > 0) and (direction != "demotion" or rise < 0), (a, b, direction, rise)
 
 
 def test_change_writes_the_layers_format_scalar_at_its_step(writer):
@@ -181,14 +202,17 @@ def test_change_writes_the_layers_format_scalar_at_its_step(writer):
     writer.log_change(300, "fc1", "fp8_e4m3", "bf16", "overflow in 3 of 100 steps")
     writer.log_change(900, "fc1", "bf16", "fp8_e4m3", "amax stable")
     writer.flush()
-    assert scalars(writer.path, "format/fc1") == [(0, FORMAT_INDEX[Format.FP8_E4M3]), (300, FORMAT_INDEX[Format.BF16]), (900, FORMAT_INDEX[Format.FP8_E4M3])]
+    assert formats_read_back(writer.path, "fc1") == [(0, "fp8_e4m3"), (300, "bf16"), (900, "fp8_e4m3")]
+    assert formats_read_back(writer.path, "fc2") == [(0, "bf16")]
 
 
-def test_format_legend_names_every_index(writer):
+def test_format_legend_names_every_format_once_with_its_own_numbers(writer):
     writer.log_formats(0, {"fc1": "int8"})
     writer.flush()
-    (_, legend), = texts(writer.path, "format/legend")
-    assert all(f"| {i} | {f.value} |" in legend for f, i in FORMAT_INDEX.items())
+    rows = legend_rows(writer.path)
+    assert sorted(int(value) for value, *_ in rows) == list(range(len(Format)))
+    assert sorted(name for _, name, *_ in rows) == sorted(f.value for f in Format)
+    assert all((int(bits), int(exponent)) == (Format(name).bits, Format(name).spec.exponent_bits) for _, name, bits, exponent in rows)
 
 
 def test_timeline_lists_every_change_with_its_reason_once_per_step(writer):
@@ -238,8 +262,8 @@ def test_plan_is_written_into_the_run_with_its_formats(writer):
     (event,) = acc.Images("plan/precision_map")
     picture = Image.open(io.BytesIO(event.encoded_image_string)).convert("RGB")
     assert picture.getpixel(render_precision_map(plan, "start").cell_center("head", "int8")) == FORMAT_COLOURS[Format.INT8]
-    assert (event.step, scalars(writer.path, "format/embed"), sorted(acc.Tags()["tensors"])) == (
-        50, [(50, FORMAT_INDEX[Format.FP32])], ["format/legend", "plan/layers", "plan/summary"],
+    assert (event.step, formats_read_back(writer.path, "embed"), sorted(acc.Tags()["tensors"])) == (
+        50, [(50, "fp32")], ["format/legend", "plan/layers", "plan/summary"],
     )
 
 

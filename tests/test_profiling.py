@@ -5,6 +5,7 @@ References are computed from tensors captured by the test's own hooks (or built 
 values), never from the profiler's code paths.
 """
 
+import collections
 import json
 import math
 
@@ -23,6 +24,7 @@ from autoprec.profiling import (
     Profile,
     profile_workload,
 )
+from autoprec.workload import TrainStep
 from autoprec.workloads import default_workload
 
 
@@ -360,8 +362,16 @@ def test_save_load_round_trip_is_equal(small_profile, tmp_path):
     json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
 
 
-def test_profile_fits_its_own_model(small_profile):
-    small_profile.check_model(_model(seed=5))
+def test_profile_fits_its_architecture_whatever_the_weights_and_no_other(small_profile):
+    # The check passes models of the profiled architecture with other weights (other seeds, a
+    # trained copy), and the same check refuses that architecture with one layer widened: it is
+    # not a check that passes everything.
+    trained = _model(seed=7)
+    _train(trained, LayerProfiler(trained, enabled=False), _batches(2))
+    for model in (_model(seed=5), _model(seed=6), trained):
+        small_profile.check_model(model)
+    with pytest.raises(ProfileError, match="'fc1': parameter shapes"):
+        small_profile.check_model(_model(seed=5, hidden=17))
 
 
 def test_profile_for_another_model_names_every_mismatching_layer(small_profile):
@@ -482,10 +492,25 @@ def test_cli_profiles_a_workload_named_module_function(tmp_path):
     assert all(layer.steps == 3 for layer in profile.layers.values())
 
 
-def test_measure_overhead_reports_both_figures():
-    result = measure_overhead(default_workload("tiny", batch_size=4), steps=2, warmup=0, device="cpu")
-    assert result["after_hooks_removed"] and all(v > 0 for v in result["median_ms"].values())
-    assert {"overhead_window", "overhead_after"} <= set(result)
+def test_measure_overhead_steps_three_models_alike_and_reports_ratios_of_its_medians(monkeypatch):
+    # Counted from the real path: each of the three models (plain, window, after) trains every
+    # round; the overheads are the ratios of the reported medians, recomputed here.
+    stepped = collections.Counter()
+    real = TrainStep.__call__
+
+    def counted(self, *args, **kwargs):
+        stepped[id(self)] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(TrainStep, "__call__", counted)
+    # Three timed steps: with two, a median is also the mean.
+    result = measure_overhead(default_workload("tiny", batch_size=4), steps=3, warmup=1, device="cpu")
+    median = result["median_ms"]
+    assert sorted(stepped.values()) == [4, 4, 4] and set(median) == {"plain", "window", "after"}
+    assert result["after_hooks_removed"] and all(v > 0 for v in median.values())
+    assert (result["overhead_window"], result["overhead_after"]) == (
+        pytest.approx(median["window"] / median["plain"] - 1), pytest.approx(median["after"] / median["plain"] - 1),
+    )
 
 
 def _edited(profile, tmp_path, edit):

@@ -1,5 +1,5 @@
-"""What the bench suites share: the config error, argument checks, device facts, CPU contention,
-device syncs and the median / ratio statistics."""
+"""What the bench suites share: the config error, argument checks, device facts, CPU contention
+and the median / ratio statistics."""
 
 from __future__ import annotations
 
@@ -83,11 +83,6 @@ class _CpuContention:
             return None
         other = (end[1] - self.start[1]) - (end[2] - self.start[2])
         return max(0.0, other / (end[0] - self.start[0]))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _median_iqr(values: list[float]) -> tuple[float, float]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import logging
@@ -56,9 +57,10 @@ from ..formats import Format
 from ..measure import SavedTensorMeter
 from ..plan import Plan
 from ..runtime import EmulationWarning, PlanRuntime, apply_plan
+from ..timing import rotated, timed
 from ..workload import TrainStep, check_workload, to_device
 from ._common import (
-    BenchConfigError, _check_device_and_seed, _CpuContention, _json_safe, _median_iqr, _positive_int, _ratio, _sync, device_info,
+    BenchConfigError, _check_device_and_seed, _CpuContention, _json_safe, _median_iqr, _positive_int, _ratio, device_info,
 )
 
 __all__ = ["DEFAULT_VARIANTS", "BenchConfig", "BenchRow", "TargetCheck", "BenchResult", "run_bench"]
@@ -391,26 +393,21 @@ def run_bench(
 
         gc.collect()
         for r in range(rounds):
-            timed = r >= config.warmup
-            shift = r % len(runners)
-            for runner in runners[shift:] + runners[:shift]:
+            timed_round = r >= config.warmup
+            for runner in rotated(runners, r):
                 batch = inputs[runner.target][r]
                 meter = None
                 if r == config.warmup - 1:  # the last warmup step: calibration and histories are warm
                     meter = SavedTensorMeter(runner.model.parameters())
-                _sync(device)
-                t0 = time.perf_counter()
-                loss = runner.step(batch, meter)
-                _sync(device)
-                elapsed = time.perf_counter() - t0
+                loss, elapsed = timed(functools.partial(runner.step, batch, meter), device)
                 if meter is not None:
                     runner.saved_bytes = meter.total_bytes
                     runner.saved_by_dtype = meter.bytes_by_dtype()
-                if timed:
+                if timed_round:
                     runner.times.append(elapsed)
                     runner.losses.append(float(loss.detach()))
             if progress is not None:
-                progress(r + 1, rounds, "timed" if timed else "warmup")
+                progress(r + 1, rounds, "timed" if timed_round else "warmup")
 
     rows = []
     reference = {run.target: run for run in runners if run.variant.name == REFERENCE}

@@ -3,8 +3,8 @@ interleaved in one process."""
 
 from __future__ import annotations
 
+import functools
 import statistics
-import time
 from typing import Any
 
 import torch
@@ -14,7 +14,7 @@ from ..device import resolve_device
 from ..errors import ProfileError
 from ..profiling import LayerProfiler
 from ..workload import TrainStep, check_workload, to_device
-from ._common import _sync
+from ..timing import rotated, timed
 
 __all__ = ["measure_overhead"]
 
@@ -53,15 +53,11 @@ def measure_overhead(
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(warmup + steps):
         batch = to_device(next(batches), dev)  # every model sees the same batches
-        order = names[round_ % len(names):] + names[: round_ % len(names)]
-        for name in order:
-            _sync(dev)
-            start = time.perf_counter()
+        for name in rotated(names, round_):
             profiler = profilers[name]
-            steps_by_name[name](batch, profiler.step if profiler is not None else None)
-            _sync(dev)
+            _, seconds = timed(functools.partial(steps_by_name[name], batch, profiler.step if profiler is not None else None), dev)
             if round_ >= warmup:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(seconds)
     for profiler in profilers.values():
         if profiler is not None:
             profiler.detach()

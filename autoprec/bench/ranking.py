@@ -5,6 +5,7 @@ built-in LM to it)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import warnings
 from typing import Any, Mapping, Optional, Sequence
@@ -16,8 +17,9 @@ from ..costs.model import DEFAULT_FORMATS, CostModel
 from ..errors import CostModelError
 from ..formats import Format
 from ..runtime import EmulationWarning
+from ..timing import rotated, timed
 from ..workload import check_workload, to_device
-from ._common import _median_iqr, _sync
+from ._common import _median_iqr
 from .models import _Runner, _Variant
 
 __all__ = ["RankingCheck", "check_uniform_ranking"]
@@ -143,14 +145,10 @@ def _check_uniform_ranking(workload, formats, steps, warmup, tie, cache_dir, mea
             example = ModelCall.first(model, lambda: wl.loss(model, batches[0]))
             runners.append(_Runner("workload", _Variant(f"plan:{f.value}", "plan", f), wl, model, example, dev))
         for r, batch in enumerate(batches):
-            shift = r % len(runners)
-            for runner in runners[shift:] + runners[:shift]:
-                _sync(dev)
-                t0 = time.perf_counter()
-                runner.step(batch)
-                _sync(dev)
+            for runner in rotated(runners, r):
+                _, seconds = timed(functools.partial(runner.step, batch), dev)
                 if r >= warmup:
-                    runner.times.append(time.perf_counter() - t0)
+                    runner.times.append(seconds)
     measured, iqr = {}, {}
     for f, runner in zip(formats, runners):
         measured[f.value], iqr[f.value] = _median_iqr(runner.times)

@@ -46,6 +46,7 @@ from torch.utils import _pytree as pytree
 from ..errors import CostModelError
 from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan
+from ..timing import Clock, rotated
 from .trace import _forward
 
 __all__ = ["InPlaceTimes", "StepTimer", "measure_in_place"]
@@ -67,23 +68,6 @@ class InPlaceTimes:
         return self.step_seconds - sum(self.layer_seconds.values())
 
 
-class _Clock:
-    """Marks on the host clock, or CUDA events read after the step's sync."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def mark(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def seconds(self, start: Any, end: Any) -> float:
-        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
-
-
 class _TooSlow(Exception):
     """Raised by a forward pre-hook once the step's deadline has passed."""
 
@@ -100,7 +84,8 @@ class StepTimer:
         modules = dict(model.named_modules())
         self.layers = list(layers)
         first = next(model.parameters(), None)
-        self.clock = _Clock(first.device if first is not None else torch.device("cpu"))
+        # Marks on the host clock, or CUDA events read after the step's sync (`finish`).
+        self.clock = Clock(first.device if first is not None else torch.device("cpu"))
         # Innermost layer owning each parameter: outer layers first, nested ones overwrite.
         self.owner_of_param: dict[int, str] = {}
         for fqn in sorted(self.layers, key=lambda f: f.count(".") if f else -1):
@@ -184,8 +169,7 @@ class StepTimer:
         for handle in self._node_handles:
             handle.remove()
         self._node_handles.clear()
-        if self.clock.cuda:
-            torch.cuda.synchronize()
+        self.clock.wait()  # CUDA: the one host sync per step, before the events are read
         seconds = dict.fromkeys(self.layers, 0.0)
         forward: dict[str, float] = {}
         spans = list(self._spans)
@@ -278,8 +262,7 @@ def measure_in_place(
         times: dict[str, list] = {name: [] for name in runtimes}
         order = list(runtimes)
         for r in range(warmup + steps):
-            shift = r % max(len(order), 1)
-            for name in order[shift:] + order[:shift]:
+            for name in rotated(order, r):
                 seconds = step(runtimes[name], batches[r % len(batches)])
                 if r >= warmup:
                     times[name].append(seconds)

@@ -30,7 +30,6 @@ import os
 import platform
 import re
 import statistics
-import time
 import warnings
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
@@ -45,6 +44,7 @@ from ..errors import CostModelError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
 from ..runtime import EmulationWarning, apply_plan
+from ..timing import interleaved, timed
 from .memory import call_path
 from .trace import MatmulCall
 
@@ -164,20 +164,9 @@ PEAKS: dict[str, DevicePeaks] = {
 
 
 def _median_time(fn: Callable[[], object], device: torch.device, repeats: int = 5, warmup: int = 2) -> float:
-    times = []
-    for i in range(warmup + repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """Median wall seconds of ``fn`` over ``repeats`` calls after ``warmup`` (`timing.timed`)."""
+    times = [timed(fn, device)[1] for _ in range(warmup + repeats)]
+    return statistics.median(times[warmup:])
 
 
 @functools.lru_cache(maxsize=None)
@@ -430,35 +419,22 @@ class _ReplayStep:
         self.replay.zero_grad_all()
         inputs = self.replay.inputs()
         with self.runtime:
-            _sync(self.device)
-            t0 = time.perf_counter()
-            out = self.replay(*inputs)
-            _sync(self.device)
-            forward = time.perf_counter() - t0
+            out, forward = timed(lambda: self.replay(*inputs), self.device)
         outs = [t for t in pytree.tree_leaves(out) if torch.is_tensor(t) and t.requires_grad]
         if self.grads is None:
             gen = torch.Generator().manual_seed(1)
             self.grads = [torch.randn(t.shape, generator=gen).to(device=t.device, dtype=t.dtype) for t in outs]
-        t1 = time.perf_counter()
-        if outs:
-            torch.autograd.backward(outs, self.grads)
-        _sync(self.device)
-        return forward + time.perf_counter() - t1
+        grads = self.grads
+        _, backward = timed(lambda: torch.autograd.backward(outs, grads) if outs else None, self.device)
+        return forward + backward
 
 
 def _time_replays(steps: Sequence[Callable[[], float]], warmup: int, repeats: int) -> list[list[float]]:
-    """Run every step ``warmup + repeats`` rounds, interleaved (one of each per round, the
-    starting one rotated each round, as autoprec.bench does); the seconds of the timed rounds."""
-    times: list[list[float]] = [[] for _ in steps]
-    order = list(range(len(steps)))
+    """Run every step ``warmup + repeats`` rounds, interleaved (`timing.interleaved`: one of each
+    per round, the first rotated, as autoprec.bench does); the seconds of the timed rounds.
+    Collects garbage once before, so no collection lands in a timed round of one format only."""
     gc.collect()
-    for r in range(warmup + repeats):
-        shift = r % len(order)
-        for i in order[shift:] + order[:shift]:
-            seconds = steps[i]()
-            if r >= warmup:
-                times[i].append(seconds)
-    return times
+    return interleaved(steps, warmup, repeats)
 
 
 class MeasuredTimeModel(TimeModel):
@@ -531,7 +507,7 @@ class MeasuredTimeModel(TimeModel):
                     missing.append(fmt)
             if not missing:
                 continue
-            steps, timed = [], []
+            steps, timed_formats = [], []
             for fmt in missing:
                 try:
                     with warnings.catch_warnings():
@@ -539,7 +515,7 @@ class MeasuredTimeModel(TimeModel):
                         step = _ReplayStep(call, fmt, device)
                         step()  # fails here, not mid-measurement, when the format cannot run
                     steps.append(step)
-                    timed.append(fmt)
+                    timed_formats.append(fmt)
                 except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:
                     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                     logger.warning("cannot time %s in %s on %s (%s); using the roofline estimate", call.op, fmt.value, device, reason)
@@ -551,7 +527,7 @@ class MeasuredTimeModel(TimeModel):
                 warnings.simplefilter("ignore", EmulationWarning)
                 times = _time_replays(steps, self.warmup, self.repeats)
             self.measured_calls += len(steps)
-            for fmt, seconds in zip(timed, times):
+            for fmt, seconds in zip(timed_formats, times):
                 median = statistics.median(seconds)
                 result[(call.key, fmt)] = TimeEstimate(median, "measured")
                 new[f"{fmt.value}|{call.key}"] = {"seconds": median, "repeats": len(seconds), "min": min(seconds), "max": max(seconds)}

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import hashlib
 import logging
 import math
@@ -54,6 +55,7 @@ from ..formats import Format
 from ..measure import SavedTensorMeter
 from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan, removing
+from ..timing import rotated, timed
 from ..workload import TrainStep
 from .study import mark_worker, recover_interrupted_trials
 
@@ -151,11 +153,6 @@ class _Variant:
         self.train_step(batch)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class MeasuredStage:
     """Measures plans of one model on fixed batches (see the module docstring).
 
@@ -244,14 +241,8 @@ class MeasuredStage:
         ratios = []
         for i in range(self.warmup + self.steps):
             batch = self.train_batches[i % len(self.train_batches)]
-            pair = []
-            for v in (self._fp32, variant) if i % 2 == 0 else (variant, self._fp32):
-                _sync(self.device)
-                start = time.perf_counter()
-                v.step(batch)
-                _sync(self.device)
-                pair.append((v, time.perf_counter() - start))
-            t = dict((id(v), s) for v, s in pair)
+            # One of each per round, the first alternating (`timing.rotated`), each synced wall time.
+            t = {id(v): timed(functools.partial(v.step, batch), self.device)[1] for v in rotated((self._fp32, variant), i)}
             if i >= self.warmup:
                 self._fp32_times.append(t[id(self._fp32)])
                 ratios.append(t[id(variant)] / t[id(self._fp32)])
