@@ -23,6 +23,7 @@ from .errors import (  # noqa: E402
     ScalingError,
     SearchError,
     SensitivityError,
+    SettingsError,
     UserCodeError,
     WorkloadError,
 )
@@ -110,6 +111,7 @@ __all__ = [
     "ProfileError",
     "RuntimeStateError",
     "DistributedError",
+    "SettingsError",
     "SearchError",
     "InfeasibleBudgetError",
     "SensitivityError",

@@ -57,6 +57,12 @@ class FormatError(AutoprecError, ValueError):
     """An unknown format name or a quantization request the format cannot serve."""
 
 
+class SettingsError(AutoprecError, ValueError):
+    """A setting a caller gave cannot be used: a keyword argument (`SchedulerConfig`,
+    `Thresholds`, a Trainer integration's), a benchmark field. One line naming the setting and
+    the fix."""
+
+
 class SearchError(AutoprecError, ValueError):
     """A search cannot run as configured: an empty space, a bad rule, a bad budget."""
 
@@ -120,7 +126,7 @@ class UserCodeError(AutoprecError, RuntimeError):
         self.hook = hook
 
 
-class BenchConfigError(AutoprecError, ValueError):
+class BenchConfigError(SettingsError):
     """A `BenchConfig` field (or the device it names) cannot be benchmarked; the message says why."""
 
 
@@ -134,6 +140,6 @@ class GpuBenchError(AutoprecError, ValueError):
     ``smoke``, a bad device name)."""
 
 
-class IntegrationError(AutoprecError, ValueError):
+class IntegrationError(SettingsError):
     """A Trainer setting that cannot be combined with autoprec's scheduler (a second precision
     manager, manual optimization, a wrapped model, ...); the message names the setting and the fix."""

@@ -98,7 +98,7 @@ from .costs.inplace import StepTimer
 from .coverage import LayerInfo, find_layers
 from .device import format_support
 from .distributed import RankAgreement, grad_comm_format, unwrap_ddp
-from .errors import AutoprecError, InfeasibleBudgetError, ModelCallError, RuntimeStateError, SearchError
+from .errors import AutoprecError, InfeasibleBudgetError, ModelCallError, RuntimeStateError, SearchError, SettingsError
 from .formats import Format
 from .measure import SavedTensorMeter
 from .plan import LayerPrecision, Plan
@@ -208,18 +208,18 @@ class DynamicPrecisionScheduler:
 
     def __init__(self, model: Optional[nn.Module] = None, *, config: "SchedulerConfig | None" = None, plan: "Plan | None" = None, **settings: Any):
         if config is not None and settings:
-            raise SearchError(f"DynamicPrecisionScheduler(config=..., {', '.join(sorted(settings))}=...): give the settings in the config or as keywords, not both (dataclasses.replace(config, ...) derives one)")
+            raise SettingsError(f"DynamicPrecisionScheduler(config=..., {', '.join(sorted(settings))}=...): give the settings in the config or as keywords, not both (dataclasses.replace(config, ...) derives one)")
         if "search_trials" in settings:  # the scheduler's search has no trials since it is exact
-            raise SearchError("DynamicPrecisionScheduler(search_trials=...): removed: the search is the exact optimum of the integer program, bounded by search_timeout_s; delete the argument")
+            raise SettingsError("DynamicPrecisionScheduler(search_trials=...): removed: the search is the exact optimum of the integer program, bounded by search_timeout_s; delete the argument")
         unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(SchedulerConfig)})
         if unknown:
-            raise SearchError(f"DynamicPrecisionScheduler({unknown[0]}=...): unknown setting; expected one of SchedulerConfig's fields: {', '.join(f.name for f in dataclasses.fields(SchedulerConfig))}")
+            raise SettingsError(f"DynamicPrecisionScheduler({unknown[0]}=...): unknown setting; expected one of SchedulerConfig's fields: {', '.join(f.name for f in dataclasses.fields(SchedulerConfig))}")
         self.config = config = config if config is not None else SchedulerConfig(**settings)
         if not config.dynamic and plan is None:
-            raise SearchError("DynamicPrecisionScheduler(dynamic=False) needs plan=...; use DynamicPrecisionScheduler.from_plan(model, path)")
+            raise SettingsError("DynamicPrecisionScheduler(dynamic=False) needs plan=...; use DynamicPrecisionScheduler.from_plan(model, path)")
 
         if model is not None and not isinstance(model, nn.Module):
-            raise SearchError(f"DynamicPrecisionScheduler(model={model!r}): expected the torch.nn.Module being trained, or None to bind to the model run in the first precision_context()")
+            raise SettingsError(f"DynamicPrecisionScheduler(model={model!r}): expected the torch.nn.Module being trained, or None to bind to the model run in the first precision_context()")
         # Under DDP the plan is the inner module's (its fqns); the wrapper carries the comm hook.
         self.model, self._ddp = unwrap_ddp(model)
         self._dist: Optional[RankAgreement] = None  # set on bind inside a process group
@@ -525,7 +525,7 @@ class DynamicPrecisionScheduler:
             try:
                 find_blocks(model, self.layers, self.config.recompute)
             except SearchError as exc:
-                raise SearchError(f"DynamicPrecisionScheduler(recompute={list(self.config.recompute)!r}): {exc}") from None
+                raise SettingsError(f"DynamicPrecisionScheduler(recompute={list(self.config.recompute)!r}): {exc}") from None
         self._dist = RankAgreement.join(self.config, model, self.layers, self._ddp)
         if self._dist is not None:
             self._dist.check_bind(self.config, self._fixed_plan)

@@ -2,7 +2,7 @@
 
 Every default is stated here once; the loss-scaling defaults are `scaling.LossScaling`'s (the same
 as `LossScaler`'s). Derive variants with ``dataclasses.replace``; invalid values raise
-`SearchError` at construction with one line naming the setting.
+`SettingsError` at construction with one line naming the setting.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 from typing import Any, Optional
 
 from .blocks import check_block_patterns
-from .errors import SearchError
+from .errors import SearchError, SettingsError
 from .formats import Format
 from .scaling import LossScaling
 from .search.space import DEFAULT_CANDIDATES, Budgets, LayerRules, formats_for_precision, memory_budget, MEMORY_SPELLINGS
@@ -43,13 +43,13 @@ class Thresholds:
         for name in ("overflow", "underflow"):
             value = getattr(self, name)
             if not (_finite(value) and 0 <= value <= 1):
-                raise SearchError(f"Thresholds({name}={value!r}): expected a fraction from 0 to 1")
+                raise SettingsError(f"Thresholds({name}={value!r}): expected a fraction from 0 to 1")
         if not (_finite(self.amax_drift) and self.amax_drift > 1):
-            raise SearchError(f"Thresholds(amax_drift={self.amax_drift!r}): expected a finite factor > 1")
+            raise SettingsError(f"Thresholds(amax_drift={self.amax_drift!r}): expected a finite factor > 1")
         for name in ("nonfinite_steps", "stable_windows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise SearchError(f"Thresholds({name}={value!r}): expected an integer >= 1")
+                raise SettingsError(f"Thresholds({name}={value!r}): expected an integer >= 1")
 
 
 
@@ -115,7 +115,7 @@ class SchedulerConfig:
         for name in ("monitor_window", "monitor_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise SearchError(f"DynamicPrecisionScheduler({name}={value!r}): expected a positive integer")
+                raise SettingsError(f"DynamicPrecisionScheduler({name}={value!r}): expected a positive integer")
         # name, whether None is allowed, whether 0 is allowed, what is expected
         for name, optional, zero_ok, expected in (
             ("max_grad_norm", True, False, "a finite number > 0 or None"),
@@ -128,16 +128,20 @@ class SchedulerConfig:
             if value is None and optional:
                 continue
             if not _finite(value) or value < 0 or (value == 0 and not zero_ok):
-                raise SearchError(f"DynamicPrecisionScheduler({name}={value!r}): expected {expected}")
+                raise SettingsError(f"DynamicPrecisionScheduler({name}={value!r}): expected {expected}")
         try:
             object.__setattr__(self, "memory_budget", memory_budget(self.memory_budget))
         except ValueError as exc:
-            raise SearchError(f"DynamicPrecisionScheduler(memory_budget={self.memory_budget!r}): expected {MEMORY_SPELLINGS} ({exc})") from None
+            raise SettingsError(f"DynamicPrecisionScheduler(memory_budget={self.memory_budget!r}): expected {MEMORY_SPELLINGS} ({exc})") from None
         if self.grad_comm not in GRAD_COMM:
-            raise SearchError(f"DynamicPrecisionScheduler(grad_comm={self.grad_comm!r}): expected one of {', '.join(map(repr, GRAD_COMM))}")
+            raise SettingsError(f"DynamicPrecisionScheduler(grad_comm={self.grad_comm!r}): expected one of {', '.join(map(repr, GRAD_COMM))}")
         object.__setattr__(self, "formats", tuple(Format.parse(f) for f in self.formats))
-        if not formats_for_precision(self.min_precision, self.max_precision, self.formats):  # refuses bad bounds now
-            raise SearchError(
+        try:
+            allowed = formats_for_precision(self.min_precision, self.max_precision, self.formats)  # refuses bad bounds now
+        except SearchError as exc:
+            raise SettingsError(str(exc)) from None
+        if not allowed:
+            raise SettingsError(
                 f"DynamicPrecisionScheduler(min_precision={self.min_precision}, max_precision={self.max_precision}): no format in "
                 f"formats ({', '.join(f.value for f in self.formats) or 'none'}) lies within these bounds; widen the bounds or add a format "
                 "of that width (e.g. 'bf16' for 16 bits)"
@@ -149,7 +153,7 @@ class SchedulerConfig:
         import os
 
         def refuse(name: str, expected: str) -> None:
-            raise SearchError(f"DynamicPrecisionScheduler({name}={getattr(self, name)!r}): expected {expected}")
+            raise SettingsError(f"DynamicPrecisionScheduler({name}={getattr(self, name)!r}): expected {expected}")
 
         for name in ("accuracy_relative", "measure_costs", "dynamic"):
             if not isinstance(getattr(self, name), bool):
@@ -164,7 +168,10 @@ class SchedulerConfig:
         if isinstance(self.formats, (str, Format)) or not isinstance(self.formats, (tuple, list)):
             refuse("formats", "a list of format names, e.g. ['bf16', 'fp8_e4m3']")
         if self.recompute is not None:
-            patterns = check_block_patterns(self.recompute, f"DynamicPrecisionScheduler(recompute={self.recompute!r})")
+            try:
+                patterns = check_block_patterns(self.recompute, f"DynamicPrecisionScheduler(recompute={self.recompute!r})")
+            except SearchError as exc:
+                raise SettingsError(str(exc)) from None
             object.__setattr__(self, "recompute", patterns)
 
     @property

@@ -22,7 +22,7 @@ import torch.nn as nn
 from optuna.trial import TrialState
 
 from autoprec.cli import main
-from autoprec.errors import RuntimeStateError, SearchError
+from autoprec.errors import RuntimeStateError, SearchError, SettingsError
 from autoprec.formats import Format
 from autoprec.plan import Plan
 from autoprec.scheduler import DynamicPrecisionScheduler, Thresholds
@@ -262,14 +262,16 @@ def test_a_queued_retry_of_a_measured_candidate_is_not_measured_again(tmp_path, 
     ],
 )
 def test_bad_scheduler_arguments_are_refused_at_construction(kwargs, name):
-    with pytest.raises(SearchError, match=rf"^DynamicPrecisionScheduler\({name}=.*\): expected"):
+    # A settings error, not a search error: nothing was searched (and still a ValueError).
+    with pytest.raises(SettingsError, match=rf"^DynamicPrecisionScheduler\({name}=.*\): expected") as info:
         DynamicPrecisionScheduler(**kwargs)
+    assert isinstance(info.value, ValueError) and not isinstance(info.value, SearchError)
 
 
 @pytest.mark.parametrize("kwargs", [dict(overflow=-0.1), dict(underflow=2.0), dict(amax_drift=-16.0), dict(nonfinite_steps=-3), dict(stable_windows=0)])
 def test_negative_or_out_of_range_thresholds_are_refused(kwargs):
     (name,) = kwargs
-    with pytest.raises(SearchError, match=rf"^Thresholds\({name}="):
+    with pytest.raises(SettingsError, match=rf"^Thresholds\({name}="):
         Thresholds(**kwargs)
 
 
@@ -496,19 +498,19 @@ def test_kill_and_ctrl_c_resume_with_no_trial_left_running_and_no_candidate_meas
 
 
 def test_an_unknown_scheduler_setting_is_named_with_the_known_ones():
-    with pytest.raises(SearchError, match=r"^DynamicPrecisionScheduler\(monitor_windows=\.\.\.\): unknown setting; expected one of .*monitor_window"):
+    with pytest.raises(SettingsError, match=r"^DynamicPrecisionScheduler\(monitor_windows=\.\.\.\): unknown setting; expected one of .*monitor_window"):
         DynamicPrecisionScheduler(monitor_windows=10)
 
 
 def test_the_removed_search_trials_setting_says_why_and_the_fix():
-    with pytest.raises(SearchError, match=r"search_trials=\.\.\.\): removed: the search is the exact optimum .* bounded by search_timeout_s; delete the argument"):
+    with pytest.raises(SettingsError, match=r"search_trials=\.\.\.\): removed: the search is the exact optimum .* bounded by search_timeout_s; delete the argument"):
         DynamicPrecisionScheduler(search_trials=10)
 
 
 def test_settings_given_both_as_config_and_keywords_are_refused():
     from autoprec.scheduler_config import SchedulerConfig
 
-    with pytest.raises(SearchError, match=r"config or as keywords, not both"):
+    with pytest.raises(SettingsError, match=r"config or as keywords, not both"):
         DynamicPrecisionScheduler(config=SchedulerConfig(), lr=1.0)
 
 

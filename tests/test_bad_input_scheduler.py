@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import autoprec as ap
-from autoprec.errors import ModelCallError, RuntimeStateError, SearchError
+from autoprec.errors import ModelCallError, RuntimeStateError, SettingsError
 
 
 def model():
@@ -82,5 +82,5 @@ def test_step_with_an_optimizer_over_part_of_the_model_steps():
 
 
 def test_bounds_that_leave_no_format_blame_the_bounds():
-    with pytest.raises(SearchError, match=r"^DynamicPrecisionScheduler\(min_precision=16, max_precision=32\): no format in formats \(fp8_e4m3, fp8_e5m2\)"):
+    with pytest.raises(SettingsError, match=r"^DynamicPrecisionScheduler\(min_precision=16, max_precision=32\): no format in formats \(fp8_e4m3, fp8_e5m2\)"):
         ap.DynamicPrecisionScheduler(model(), min_precision=16, formats=["fp8_e4m3", "fp8_e5m2"])

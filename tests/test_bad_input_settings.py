@@ -6,7 +6,7 @@ import pathlib
 import pytest
 import torch.nn as nn
 
-from autoprec.errors import SearchError
+from autoprec.errors import SettingsError
 from autoprec.scheduler import DynamicPrecisionScheduler
 from autoprec.scheduler_config import SchedulerConfig
 
@@ -25,14 +25,14 @@ from autoprec.scheduler_config import SchedulerConfig
 ], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
 def test_a_setting_of_the_wrong_type_is_refused_naming_it(kwargs, expects):
     (name,) = kwargs
-    with pytest.raises(SearchError, match=rf"^DynamicPrecisionScheduler\({name}=") as info:
+    with pytest.raises(SettingsError, match=rf"^DynamicPrecisionScheduler\({name}=") as info:
         DynamicPrecisionScheduler(**kwargs)
     assert expects in str(info.value) and "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("model", [lambda x: x, "model.pt", 5], ids=["function", "path", "int"])
 def test_a_scheduler_given_something_other_than_a_module_is_refused(model):
-    with pytest.raises(SearchError, match=r"^DynamicPrecisionScheduler\(model=.*\): expected the torch.nn.Module"):
+    with pytest.raises(SettingsError, match=r"^DynamicPrecisionScheduler\(model=.*\): expected the torch.nn.Module"):
         DynamicPrecisionScheduler(model)
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import autoprec as ap
-from autoprec.errors import PlanError, SearchError
+from autoprec.errors import PlanError, SearchError, SettingsError
 from autoprec.plan import SCHEMA_VERSION
 from autoprec.search.config import load_job
 from autoprec.search.space import LayerRules
@@ -181,7 +181,7 @@ def test_a_bad_recompute_rule_is_one_line_naming_the_key(tmp_path, value):
 def test_layer_rules_and_the_scheduler_refuse_a_bare_string():
     with pytest.raises(SearchError, match=r"LayerRules\(recompute=...\): expected a list"):
         LayerRules(recompute="blocks.*")
-    with pytest.raises(SearchError, match=r"DynamicPrecisionScheduler\(recompute='blocks.\*'\): expected a list"):
+    with pytest.raises(SettingsError, match=r"DynamicPrecisionScheduler\(recompute='blocks.\*'\): expected a list"):
         ap.DynamicPrecisionScheduler(recompute="blocks.*")
     assert ap.DynamicPrecisionScheduler(recompute=["blocks.*"]).config.recompute == ("blocks.*",)
 
@@ -191,7 +191,7 @@ def test_the_scheduler_checks_its_patterns_against_the_model_when_it_binds():
     model = ByteLM(TINY)
     scheduler = ap.DynamicPrecisionScheduler(recompute=["decoder.*"], monitor_window=4)
     idx = torch.randint(0, 256, (2, 16))
-    with pytest.raises(SearchError) as info:
+    with pytest.raises(SettingsError) as info:
         with scheduler.precision_context():
             model(idx)
     message = str(info.value)

@@ -102,7 +102,7 @@ def test_grad_comm_auto_goes_bf16_only_for_a_16_bit_gradient_plan_with_a_budget(
 
 
 def test_an_unknown_grad_comm_is_refused_naming_the_setting():
-    with pytest.raises(ap.SearchError, match=r"grad_comm='int8'.*'fp32', 'bf16', 'fp16', 'auto'"):
+    with pytest.raises(ap.SettingsError, match=r"grad_comm='int8'.*'fp32', 'bf16', 'fp16', 'auto'"):
         ap.SchedulerConfig(grad_comm="int8")
 
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from autoprec.errors import RuntimeStateError, SearchError
+from autoprec.errors import RuntimeStateError, SettingsError
 from autoprec.formats import Format
 from autoprec.plan import Plan
 from autoprec.scheduler import DynamicPrecisionScheduler, Thresholds
@@ -273,9 +273,9 @@ def test_infeasible_budget_keeps_the_safe_precision_and_says_the_smallest(caplog
 
 
 def test_bad_settings_name_the_argument():
-    with pytest.raises(SearchError, match="monitor_window"):
+    with pytest.raises(SettingsError, match="monitor_window"):
         DynamicPrecisionScheduler(monitor_window=0)
-    with pytest.raises(SearchError, match="8, 16 or 32"):
+    with pytest.raises(SettingsError, match="8, 16 or 32"):
         DynamicPrecisionScheduler(min_precision=4)
 
 
