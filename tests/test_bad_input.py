@@ -531,3 +531,32 @@ def test_a_config_runs_as_its_keywords_do():
     assert losses["config"][1] == losses["keywords"][1] and losses["config"][1] is not None
     for a, b in zip(losses["config"][0], losses["keywords"][0]):
         assert torch.equal(a, b)
+
+
+def test_a_killed_learning_sampler_trial_is_measured_once_when_the_run_resumes(tmp_path, stage):
+    """kill -9 during a trial the learning sampler proposed: on resume the trial is failed and
+    queued again with its plan's formats, and that queued trial measures the plan (once)."""
+    from autoprec.search.refine import CorrectingSampler
+    from autoprec.search.space import Choice, SearchSpace
+
+    stage, candidates = stage
+    layers = candidates[0].plan.layers
+    # A proxy in which BF16 is faster for every layer; the design measures uniform FP32 only.
+    space = SearchSpace({fqn: {Format.FP32: Choice(2.0, 2.0, 0.0), Format.BF16: Choice(1.0, 1.0, 0.0)} for fqn in layers})
+    sampler = CorrectingSampler(space, [candidates[1].plan], math.inf, math.inf, fp32_seconds=1.0, max_trials=4)
+    study = optuna.create_study(study_name="m", storage=open_storage(tmp_path / "study.db"), sampler=sampler)
+    killed = study.ask()
+    assert killed.relative_params  # the sampler proposes, marking the trial with its plan at once; then the kill
+    killed.set_user_attr("worker", f"{socket.gethostname()}:{dead_pid()}")
+    marked = study.trials[killed.number].user_attrs
+    proposed = marked["candidate"]
+    stage.run(candidates[1:], study, math.inf, math.inf)
+    assert study.trials[killed.number].state is TrialState.FAIL
+    assert not study.get_trials(states=(TrialState.RUNNING, TrialState.WAITING))
+    runs = [t for t in study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))
+            if t.user_attrs.get("candidate") == proposed and "skipped" not in t.user_attrs]
+    assert len(runs) == 1 and runs[0].number > killed.number
+    # The queued copy itself measured it: no copy of this plan was skipped and proposed anew.
+    assert not [t for t in study.trials if t.user_attrs.get("candidate") == proposed and "skipped" in t.user_attrs]
+    assert runs[0].user_attrs["refined"]["assignment"] == marked["refined"]["assignment"]
+    assert [measured(study, c) for c in candidates[1:]] == [1]

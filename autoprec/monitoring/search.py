@@ -162,7 +162,7 @@ def refine_points(study: "optuna.Study") -> list[RefinePoint]:
     by trial number; trials skipped unmeasured (another worker took the plan) are left out."""
     from optuna.trial import TrialState
 
-    from ..search.refine import REFINED_ATTR
+    from ..search.measured import REFINED_ATTR
 
     points = []
     for trial in sorted(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)), key=lambda t: t.number):

@@ -334,6 +334,13 @@ class MeasuredStage:
                 by_id.setdefault(cid, candidate)
                 trial.set_user_attr("candidate", cid)
                 trial.set_user_attr("name", candidate.name)
+            if cid not in by_id and refine is not None and REFINED_ASSIGNMENT in trial.user_attrs.get(REFINED_ATTR, {}):
+                # The sampler's plan, queued again after its worker died (or proposed by another
+                # worker): measured from its recorded assignment, not skipped and proposed anew.
+                proposed = {name: Format.parse(value) for name, value in trial.user_attrs[REFINED_ATTR][REFINED_ASSIGNMENT].items()}
+                candidate = refine.candidate(proposed, trial.user_attrs.get("name", f"refined-{trial.number}"))
+                if candidate.id == cid:
+                    by_id[cid] = candidate
             earlier = _owner(study, cid, trial.number)
             if earlier is not None or cid not in by_id:
                 why = f"measured by trial {earlier.number}" if earlier is not None else "not a candidate of this run"
@@ -411,6 +418,10 @@ class MeasuredStage:
         return results
 
 
+# A learning-sampler trial's user attribute (`search.refine`): its corrected prediction, and under
+# "assignment" its plan's unit formats.
+REFINED_ATTR = "refined"
+REFINED_ASSIGNMENT = "assignment"
 _LIVE = (TrialState.WAITING, TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED)
 
 

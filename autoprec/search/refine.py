@@ -54,13 +54,12 @@ from ..errors import InfeasibleBudgetError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
 from .exact import k_best
-from .measured import Candidate, formats_id
+from .measured import REFINED_ASSIGNMENT, REFINED_ATTR, Candidate, formats_id
 from .space import Choice, SearchSpace
 
 __all__ = ["Correction", "Next", "CorrectingSampler", "fit_factors"]
 
 _FIELDS = ("seconds", "bytes", "loss")
-REFINED_ATTR = "refined"  # user attribute of a trial this sampler proposed: its corrected prediction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +171,7 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
 
     def _assignment(self, trial: optuna.trial.FrozenTrial) -> "dict[str, Format] | None":
         # Params once suggested; before that (a live trial), what `sample_relative` recorded.
-        params = trial.params or trial.user_attrs.get(REFINED_ATTR, {}).get("assignment")
+        params = trial.params or trial.user_attrs.get(REFINED_ATTR, {}).get(REFINED_ASSIGNMENT)
         if params:
             return {name: Format.parse(value) for name, value in params.items()}
         return self._design.get(trial.user_attrs.get("candidate"))
@@ -278,7 +277,7 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
         storage.set_trial_user_attr(trial._trial_id, "candidate", self._id(nxt.assignment))  # noqa: SLF001
         params = {name: fmt.value for name, fmt in nxt.assignment.items()}
         storage.set_trial_user_attr(trial._trial_id, REFINED_ATTR, {
-            "assignment": params, "predicted": {f: getattr(nxt.predicted, f) for f in _FIELDS}, "correction": nxt.correction.to_dict(),
+            REFINED_ASSIGNMENT: params, "predicted": {f: getattr(nxt.predicted, f) for f in _FIELDS}, "correction": nxt.correction.to_dict(),
             "fp32_seconds": self.fp32_seconds,  # the scale of "predicted": measured seconds on it = fp32_ratio x this
         })
         return params
