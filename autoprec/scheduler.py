@@ -10,70 +10,35 @@
 
 Lifecycle (each step of it uses the part that owns it; nothing is re-implemented here):
 
-1. **Bind** (`_binding`). The model is the outermost module called inside the first
-   `precision_context` that holds a matrix parameter, however it is called: positionally, by
-   keyword, ``**batch``, with ``labels=`` so that it returns its loss. Its call, positional and
-   keyword inputs (`calls.ModelCall`), is the example the layers are traced from
-   (`coverage.find_layers`) and that the search re-runs. torch shows a global hook only the
-   positional inputs, and a model's own hook registered during its call only that call's end;
-   so a scheduler made without ``model=`` binds at the end of the first call, where inputs and
-   output are all at hand: that one forward runs at FP32 and unprofiled (logged), and its
-   backward and step are the window's first. With ``model=`` a hook on the model binds before
-   its first forward, which then runs the safe precision or the given plan; a state loaded
-   before binding holds its example call, so a resumed run binds before its first forward too
-   and continues exactly. Refused with one `RuntimeStateError` line each: a second model called
-   in one context (it would run unplanned under the plan's autocast), a model other than the
-   bound one in a later context, and a first context in which no model was called (the model
-   run as ``model.forward(...)`` or as a function of its weights, which no hook sees).
+1. **Bind** (`_binding`): the model is the outermost module with a matrix parameter called inside
+   the first `precision_context`, however it is called (positionally, by keyword, ``**batch``);
+   without ``model=`` that first forward runs at FP32, unprofiled. A second model in one context,
+   another model later, or a context that called none is refused in one line.
 2. **Profile** the first ``monitor_window`` optimizer steps at a safe precision (FP32, or BF16
    when ``max_precision`` is 16) with a `LayerProfiler`, recording the training loss.
-3. **Search** over the steps after the window ("searching"; `search.training.TrainingSearch`),
-   never one long step: probe steps (training steps whose layers cycle through their formats,
-   timed in place, one measurement per (role, format) serving every block), off-path units
-   on a snapshot in slices of ``search_slice`` median steps (the `CostModel`'s bytes; the
-   sensitivity on the last steps' inputs with the loss linearised at the model's output,
-   ``Σ y·dL/dy``: the same first derivatives as the real loss; the exact optimum of the integer
-   program, `search.pipeline.propose_from`, the job's pipeline), then the two best plans tried
-   on training steps (time and saved bytes measured; the fastest that keeps the budgets and
-   skips no step is adopted). Every one of these steps trains the model. A failed search keeps
-   the safe precision ("safe"). Budgets no plan meets are final (they do not change with the
-   data); any other failure (a NaN batch among the last steps) is retried: after the n-th
-   failure in a row the scheduler waits 2**(n-1) windows, then profiles a fresh window and
-   searches again, reusing the probe times it measured.
-4. **Watch** every window: a `LayerProfiler` over its last ``monitor_steps`` steps and the
-   scaler's per-layer non-finite counts. A layer is **promoted** (FP8/INT8/FP16 → BF16 → FP32)
-   when its overflow or underflow fraction, its amax drift against the last window, or its
-   count of non-finite steps crosses a `Thresholds` value (non-finite gradients promote at
-   once); a promoted layer is **demoted** back one step after ``stable_windows`` quiet windows,
-   and that wait doubles each time a demotion has to be undone (hysteresis: no flapping). A
-   window with any skipped step is never quiet (an inf in every batch, which no format fixes,
-   must not read as stable): it demotes nothing and restarts the quiet count. INT8
-   scales are re-calibrated every window. Every change is kept in `changes` with its step and
-   reason, and logged.
+3. **Search** over the following training steps ("searching"; `search.training.TrainingSearch`:
+   probe steps timed in place, off-path work on a snapshot in slices of ``search_slice`` median
+   steps, the exact optimum of `search.pipeline.propose_from`, the two best plans tried on
+   training steps). Budgets no plan meets are final ("safe"); any other failure is retried after
+   2**(n-1) windows, reusing the probe times.
+4. **Watch** every window (a `LayerProfiler` over its last ``monitor_steps`` steps, the scaler's
+   per-layer non-finite counts): a layer is **promoted** (FP8/INT8/FP16 → BF16 → FP32) when a
+   `Thresholds` value is crossed (non-finite gradients at once) and **demoted** one step after
+   ``stable_windows`` quiet windows, a wait that doubles each time a demotion is undone
+   (`policy`); a window with a skipped step is never quiet. INT8 scales are re-calibrated every
+   window; every change is kept in `changes` with its step and reason.
 
-Loss scaling (`autoprec.scaling.LossScaler`) is on only while some layer has FP16 gradients (FP8
-gradients carry their own per-tensor scale); while on, the scale never reads below
-``LossScaling.min_scale``; while off it reads 1.0, and the skipped-steps warning says scaling is
-off and why. A non-finite gradient skips the step either way, and
-the scaler names the layers whose gradients were. A non-finite *loss* (every gradient then is)
-arms an `OutputWatch` (one reduction per layer call) until a window passes without one, so the
-next non-finite loss names the first layer whose output went inf/NaN; clean training never pays it.
-`state_dict` covers everything (plan, scaler, amax histories and calibration, profiler
-statistics, window position, step): a resumed run continues exactly as the uninterrupted one.
+Loss scaling (`autoprec.scaling.LossScaler`) is on only while some layer has FP16 gradients; a
+non-finite gradient skips the step either way and the scaler names the layers whose gradients
+were (a non-finite loss arms an `OutputWatch` that names the first layer whose output went
+inf/NaN). `state_dict` covers everything: a resumed run continues exactly as the uninterrupted
+one. Under ``torch.distributed`` (DDP or FSDP2) the ranks agree through `autoprec.distributed`.
 
-Under ``torch.distributed`` (DDP or FSDP2, no new call) the ranks agree through
-`autoprec.distributed`: one plan, one skip decision per step, promotions at one step.
-
-Costs per step: the runtime's (see `runtime`), the scaler's one host sync per optimizer, and in
-monitored steps the profiler's (`autoprec.bench.measure_overhead` measures it). A search costs a
-copy of the weights while it runs, the per-layer timer's hooks in probe steps, and off-path
-work of about one forward per layer role plus a partial forward + backward per (layer, format),
-spread over steps; its timeline (log line and ``search/*`` TensorBoard scalars) says where.
-
-Why one module: what is left here is the window clock and the swaps, and every
-method reads or moves the same few pieces of state (plan, runtime, scaler, profiler, window
-position); the decisions themselves live elsewhere (`policy`, `search.pipeline`, `distributed`,
-`scaling`, `search.training`), and splitting the clock from the swaps would pass that state back and forth.
+Costs per step: the runtime's, the scaler's one host sync per optimizer, and in monitored steps
+the profiler's (`autoprec.bench.measure_overhead`). A search costs a copy of the weights while it
+runs, the per-layer timer's hooks in probe steps, and off-path work of about one forward per
+layer role plus a forward and weight-gradient product per (layer, format), spread over steps; its
+timeline (log line and ``search/*`` TensorBoard scalars) says where.
 """
 
 from __future__ import annotations
