@@ -391,5 +391,5 @@ def grad_comm_format(config, plan: "Optional[Plan]") -> Format:
     already allowed for each layer), else FP32."""
     if config.grad_comm != "auto":
         return Format.parse(config.grad_comm)
-    narrow = plan is not None and all(lp.grad_format.bits <= 16 for lp in plan.layers.values())
+    narrow = plan is not None and all((lp.grad_format or lp.format).bits <= 16 for lp in plan.layers.values())
     return Format.BF16 if narrow and config.accuracy_budget is not None else Format.FP32

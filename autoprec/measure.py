@@ -62,7 +62,7 @@ class HeldBytes:
         key = storage.data_ptr()
         if key in self._excluded:
             return 0
-        start, end = held_span(t.shape, t.stride(), t.storage_offset(), storage.nbytes(), t.element_size(), t.requires_grad)
+        start, end = held_span(t.shape, t.stride(), int(t.storage_offset()), storage.nbytes(), t.element_size(), t.requires_grad)
         spans = self._spans.setdefault(key, [])
         new = end - start
         for s, e in spans:

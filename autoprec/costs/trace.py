@@ -100,7 +100,7 @@ class TensorSpec:
         return cls(
             shape=tuple(t.shape),
             stride=tuple(t.stride()),
-            offset=t.storage_offset(),
+            offset=int(t.storage_offset()),
             storage_numel=t.untyped_storage().nbytes() // max(t.element_size(), 1),
             dtype=t.dtype,
             requires_grad=t.requires_grad,

@@ -56,7 +56,7 @@ def with_grad_formats(formats: Iterable["Format | str"]) -> tuple[Format, ...]:
     from ..plan import LayerPrecision
 
     wanted = {Format.parse(f) for f in formats}
-    wanted |= {LayerPrecision(f).grad_format for f in wanted}
+    wanted |= {g for f in wanted if (g := LayerPrecision(f).grad_format) is not None}
     return tuple(f for f in Format if f in wanted)
 
 

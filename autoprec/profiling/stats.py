@@ -76,12 +76,12 @@ class Histogram:
 
     @classmethod
     def from_full(cls, full: Sequence[int]) -> "Histogram":
-        full = np.asarray(full, dtype=np.int64)
-        nonzero = np.flatnonzero(full)
+        counts = np.asarray(full, dtype=np.int64)
+        nonzero = np.flatnonzero(counts)
         if nonzero.size == 0:
             return cls(0, ())
         lo, hi = int(nonzero[0]), int(nonzero[-1]) + 1
-        return cls(lo, tuple(int(c) for c in full[lo:hi]))
+        return cls(lo, tuple(int(c) for c in counts[lo:hi]))
 
     def full(self) -> np.ndarray:
         out = np.zeros(NUM_BINS, dtype=np.int64)

@@ -44,7 +44,9 @@ class StoredInFormat(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn: Callable, fmt: Format, grad_fmt: Format, scaler: Callable, is_weight: tuple, *inputs):
         device_type = next(x.device.type for x in inputs if torch.is_tensor(x))
-        saved, codecs, rounded = [], [], []
+        saved: list = []
+        codecs: list = []
+        rounded: list = []
         for i, x in enumerate(inputs):
             if not torch.is_tensor(x) or not x.is_floating_point():
                 saved.append(x)

@@ -24,6 +24,7 @@ import warnings
 from pathlib import Path
 
 import optuna
+from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from ..errors import SearchError
@@ -87,7 +88,7 @@ def open_storage(url_or_path: "str | Path", heartbeat_seconds: int = HEARTBEAT_S
             raise SearchError(f"cannot open Optuna storage {text!r}: cannot create {path.parent} ({exc.strerror})") from None
         if kind == "journal":
             try:
-                return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
+                return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
             except OSError as exc:
                 raise SearchError(f"cannot open Optuna journal file {str(path)!r}: {exc.strerror}") from None
         text = f"sqlite:///{path}"
