@@ -10,16 +10,18 @@ One run, in order (each step's figures end up in the plan's ``predicted`` / ``me
    that format's scaling) is taken out of the layer's choices, with that reason.
 2. **Costs and sensitivity**: a `CostModel` (bytes from the traced shapes, seconds measured on
    this device and cached) and the Fisher sensitivity estimate (predicted loss increase) per
-   (layer, format), at the workload's learning rate.
+   (layer, format), at the workload's learning rate; per recompute block (`find_blocks`, or
+   ``[rules].recompute``; ``[]`` for none) the bytes recomputing it frees and its extra forward.
 3. **The k best plans** (`pipeline.propose_plans`): the additive table as a `SearchSpace`, and
    its ``[search].measure_top`` fastest predicted plans that meet the budgets, distinct in
-   formats, from the integer program (`exact.k_best`: the exact optimum, then the next best
+   formats or recomputed blocks (chosen together), from the integer program (`exact.k_best`: the exact optimum, then the next best
    under no-good cuts; an infeasible budget stops here with the smallest reachable;
    ``[search].timeout_s`` bounds the solves).
 4. **Measured stage**: those plans run for real (`MeasuredStage`, an Optuna study in the job's
    storage, resumed on a re-run), and beside them the references: every uniform plan that fits the
    budgets as predicted, and plain ``torch.autocast`` in BF16 (and FP16) where the device runs
-   it and the rules allow that format (``--workers N``: N processes measure them, `search.workers`;
+   it and the rules allow that format, and with blocks every block recomputed in FP32 and under
+   plain BF16 autocast (``--workers N``: N processes measure them, `search.workers`;
    this process then collects the study). The plan returned is the fastest of all of them that
    meets both budgets *as measured* (with ``[search].measured_trials``, after those the
    learning sampler's plans too, `search.refine`); when plain autocast wins, that is the uniform half plan,
