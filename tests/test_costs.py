@@ -576,3 +576,126 @@ def test_calibration_times_int_mm_in_the_runtimes_layout():
         timing._calibrated.__wrapped__("test", "cpu")  # uncached: this call measures
     assert second_operands
     assert all(b.stride(0) == 1 and b.stride(1) == b.shape[0] for b in second_operands)  # column-major
+
+
+# -- recompute blocks (issue 24) ------------------------------------------------------------------
+
+BLOCKS = ("blocks.0", "blocks.1")
+# Uniform plans and mixed ones (an FP8 layer in a BF16 block, an FP32 attention among lowered layers).
+BLOCK_PLANS = {
+    "fp32": lambda c: c.uniform_plan("fp32"),
+    "bf16-with-fp8": lambda c: c.uniform_plan("bf16").with_layers({"blocks.0.mlp.fc": "fp8_e4m3"}),
+    "fp8-with-fp32": lambda c: c.uniform_plan("fp8_e4m3").with_layers({"blocks.1.attn": "fp32", "lm_head": "bf16"}),
+    "int8": lambda c: c.uniform_plan("int8"),
+}
+
+
+@pytest.fixture(scope="module")
+def block_costs(lm):
+    wl, model, batch, _ = lm
+    return CostModel.build(model, batch, loss_fn=wl.loss, formats=["fp32", "bf16", "fp8_e4m3", "int8"],
+                           time_model=ConstantTime(), measure=False, blocks=BLOCKS)
+
+
+def _meter(wl, model, batch, plan) -> int:
+    runtime = ap.apply_plan(model, plan, validate=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ap.EmulationWarning)
+        with SavedTensorMeter(model.parameters()) as meter, runtime:
+            loss = wl.loss(model, batch)
+    del loss
+    return meter.total_bytes
+
+
+@pytest.mark.parametrize("recompute", [("blocks.0",), BLOCKS], ids=["one", "both"])
+@pytest.mark.parametrize("name", list(BLOCK_PLANS))
+def test_predicted_bytes_freed_by_recomputed_blocks_match_the_meter(lm, block_costs, name, recompute):
+    wl, model, batch, _ = lm
+    plan = BLOCK_PLANS[name](block_costs)
+    kept, recomputed = _meter(wl, model, batch, plan), _meter(wl, model, batch, plan.with_recompute(recompute))
+    predicted = block_costs.plan_cost(plan.with_recompute(recompute))
+    assert predicted.recompute_freed_bytes > 0
+    assert predicted.saved_bytes >= recomputed  # on the safe side, as without recomputation
+    if "fp32" in name.split("-")[1:]:
+        # An FP32 layer's extra in a lowered region is never counted as freed: less freed than measured, not more.
+        assert 0.9 * (kept - recomputed) <= predicted.recompute_freed_bytes <= kept - recomputed
+    else:
+        assert predicted.recompute_freed_bytes == pytest.approx(kept - recomputed, rel=0.01)
+    assert block_costs.plan_cost(plan).recompute_freed_bytes == 0
+
+
+def test_a_block_frees_what_it_holds_beyond_its_input(lm, block_costs):
+    wl, model, batch, _ = lm
+    block = block_costs.blocks["blocks.0"]
+    # Directly: the meter's count across the block's forward, run as it is (not checkpointed).
+    marks = []
+    module = dict(model.named_modules())["blocks.0"]
+    with SavedTensorMeter(model.parameters()) as meter, ap.apply_plan(model, block_costs.uniform_plan("fp32"), validate=False):
+        handles = [module.register_forward_pre_hook(lambda m, a: marks.append(meter.total_bytes) and None),
+                   module.register_forward_hook(lambda m, a, o: marks.append(meter.total_bytes) and None)]
+        try:
+            loss = wl.loss(model, batch)
+        finally:
+            for h in handles:
+                h.remove()
+    del loss
+    batch_size, tokens = batch[0].shape
+    block_input = batch_size * tokens * model.config.d_model * 4  # the FP32 residual stream entering the block
+    # Its first norm saves the input, which the checkpoint keeps all the same.
+    assert block.freed_bytes[0] == marks[1] - marks[0] - block_input
+    assert block.freed_bytes[1] < block.freed_bytes[0]  # lowered: 2-byte activations
+    assert block.layers == tuple(f for f in block_costs.layers if f.startswith("blocks.0."))
+
+
+def test_recomputation_adds_one_forward_of_the_block_timed_in_place(tmp_path, monkeypatch, one_thread):
+    from autoprec.costs import model as cost_model
+
+    wl = default_workload("tiny", batch_size=2)
+    model = wl.build_model()
+    batch = wl.val_batches(1)[0]
+    path = tmp_path / "costs.json"
+    kwargs = dict(loss_fn=wl.loss, formats=("fp32", "bf16"), times_file=path, timing_warmup=0, timing_steps=1, blocks=BLOCKS)
+    first = CostModel.build(model, batch, **kwargs)
+    fp32 = first.in_place[Format.FP32]
+    assert set(fp32.block_seconds) == set(BLOCKS) and all(s > 0 for s in fp32.block_seconds.values())
+    for fqn in first.layers:  # a layer's forward is part of its forward + backward
+        assert 0 < first.layer_forward_seconds(fqn, "bf16") < first.layer_cost(fqn, "bf16").seconds
+    plan = first.uniform_plan("bf16").with_recompute(["blocks.1"])
+    cost = first.plan_cost(plan)
+    block = first.blocks["blocks.1"]
+    assert cost.recompute_seconds == pytest.approx(
+        block.other_seconds[1] + sum(first.in_place[Format.BF16].forward_seconds[f] for f in block.layers))
+    assert cost.step_seconds == pytest.approx(first.plan_cost(plan.with_recompute([])).step_seconds + cost.recompute_seconds)
+    # The block times are in costs.json: a second build reads them back and predicts the same.
+    assert set(json.loads(path.read_text())["times"]["fp32"]["block_seconds"]) == set(BLOCKS)
+    monkeypatch.setattr(cost_model, "measure_in_place", lambda *a, **k: pytest.fail("measured again"))
+    again = CostModel.build(model, batch, **kwargs)
+    assert again.plan_cost(plan).step_seconds == cost.step_seconds
+    assert again.blocks == first.blocks
+
+
+def test_a_times_file_without_the_blocks_is_measured_again(tmp_path, monkeypatch, one_thread):
+    from autoprec.costs import model as cost_model
+
+    wl = default_workload("tiny", batch_size=2)
+    model, batch = wl.build_model(), wl.val_batches(1)[0]
+    path = tmp_path / "costs.json"
+    kwargs = dict(loss_fn=wl.loss, formats=("fp32",), times_file=path, timing_warmup=0, timing_steps=1)
+    CostModel.build(model, batch, **kwargs)
+    assert "blocks" not in json.loads(path.read_text())  # no blocks: the file is as before issue 24
+    real, measured = cost_model.measure_in_place, []
+    monkeypatch.setattr(cost_model, "measure_in_place", lambda *a, **k: measured.append(k["blocks"]) or real(*a, **k))
+    with_blocks = CostModel.build(model, batch, blocks=BLOCKS, **kwargs)
+    assert measured == [list(BLOCKS)]  # the blocks' forwards were never timed: measured, not read back
+    assert json.loads(path.read_text())["blocks"] == list(BLOCKS)
+    assert with_blocks.plan_cost(with_blocks.uniform_plan("fp32").with_recompute(BLOCKS)).recompute_seconds > 0
+
+
+def test_block_errors_name_the_block_and_the_fix(lm, block_costs):
+    wl, model, batch, _ = lm
+    with pytest.raises(CostModelError, match=r"'blocks\.9' is not a module.*find_blocks"):
+        CostModel.build(model, batch, loss_fn=wl.loss, formats=["fp32"], time_model=ConstantTime(), measure=False, blocks=["blocks.9"])
+    plan = block_costs.uniform_plan("fp32").with_recompute(["blocks.0"])
+    plain = CostModel.build(model, batch, loss_fn=wl.loss, formats=["fp32"], time_model=ConstantTime(), measure=False)
+    with pytest.raises(CostModelError, match=r"recomputes 'blocks\.0', a block this cost model did not cost"):
+        plain.plan_cost(plan)

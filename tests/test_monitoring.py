@@ -405,3 +405,12 @@ def test_summary_and_line_name_the_recomputed_blocks(plan):
     assert "recomputed blocks: 1 of 2" in summary and "| `blocks.0` | yes |" in summary and "| `blocks.1` | no |" in summary
     assert "recomputed" not in plan_summary_markdown(plan, "p")
     assert format_plan_line(recomputed, "p").startswith(f"p: {len(plan)} layers (") and ", 1 blocks recomputed" in format_plan_line(recomputed, "p")
+
+
+def test_summary_gives_the_searchs_reason_for_each_block(plan):
+    reasons = {"blocks.0": "recomputed: frees 10 KiB", "blocks.1": "kept: recomputing would free 9 KiB"}
+    searched = plan.with_recompute({"blocks.0": True, "blocks.1": False}).replace(metadata={"recompute_reasons": reasons})
+    summary = plan_summary_markdown(searched, "p")
+    assert "| `blocks.0` | yes | " in summary and "| recomputed: frees 10 KiB |" in summary
+    assert "| `blocks.1` | no |" in summary and "| kept: recomputing would free 9 KiB |" in summary
+    assert "| why |" not in plan_summary_markdown(plan.with_recompute({"blocks.0": True}), "p")  # a hand-made plan has no reasons

@@ -10,7 +10,8 @@ import pytest
 
 from autoprec.errors import InfeasibleBudgetError, SearchError
 from autoprec.formats import Format
-from autoprec.search import Budgets, Choice, LayerRules, SearchSpace, formats_for_precision, k_best, solve_exact
+from autoprec.search import Block, Budgets, Choice, LayerRules, SearchSpace, formats_for_precision, k_best, solve_exact
+
 from autoprec.search import exact
 from autoprec.search.study import open_storage
 
@@ -289,3 +290,158 @@ def test_unreachable_storage_is_a_one_line_error():
     with pytest.raises(SearchError, match="cannot open Optuna storage") as info:
         open_storage("sqlite:////nonexistent-dir/study.db")
     assert "\n" not in str(info.value)
+
+
+# -- recompute blocks (issue 24) --------------------------------------------------------------------
+
+
+def block_space(seed, layers=6, per_block=2, formats=(Format.FP32, Format.BF16, Format.FP8_E4M3), blocks=True, memory_share=(0.3, 0.9)):
+    """A space of ``layers`` layers, ``per_block`` per recompute block (the last layer outside any
+    block): recomputing frees a random share of a layer's bytes, costs a third of its seconds or so,
+    and the block's own ops free and cost a little more."""
+    rng = np.random.default_rng(seed)
+    table, freed, forward = {}, {}, {}
+    for i in range(layers):
+        name = f"blocks.{i // per_block}.l{i % per_block}" if i < layers - 1 else "head"
+        size = rng.integers(1, 50) * 1e4
+        sensitivity = rng.lognormal(-6, 1.5)
+        table[name] = {f: Choice(size * f.bytes, size * 1e-9 * (f.bytes / 4 + rng.uniform(0, 0.3)),
+                                 0.0 if f is Format.FP32 else sensitivity * 8 / f.bits * rng.uniform(0.5, 2)) for f in formats}
+        if name != "head":
+            freed[name] = {f: table[name][f].bytes * rng.uniform(*memory_share) for f in formats}
+            forward[name] = {f: table[name][f].seconds * rng.uniform(0.25, 0.4) for f in formats}
+    block_names = sorted({n.rsplit(".", 1)[0] for n in freed})
+    spec = [Block(b, {n: freed[n] for n in freed if n.startswith(b + ".")}, {n: forward[n] for n in forward if n.startswith(b + ".")},
+                  other_bytes=float(rng.integers(0, 20) * 1e4), other_seconds=float(rng.uniform(0, 2e-5))) for b in block_names]
+    return SearchSpace(table, fixed={"rest": Choice(1e5, 1e-4, 0.0)}, blocks=spec if blocks else ())
+
+
+def plan_totals(space, assignment, recompute):
+    """Totals of (formats, recompute set) from the Block specs directly, not `SearchSpace.totals`."""
+    formats = space.layer_formats(assignment)
+    total = [space.fixed_total.bytes, space.fixed_total.seconds, space.fixed_total.loss]
+    for unit in space.units:
+        c = unit.choices[assignment[unit.name]]
+        total = [total[0] + c.bytes, total[1] + c.seconds, total[2] + c.loss]
+    for block in space.blocks:
+        if block.name in recompute:
+            total[0] -= block.other_bytes + sum(block.freed[n][formats[n]] for n in block.layers)
+            total[1] += block.other_seconds + sum(block.forward[n][formats[n]] for n in block.layers)
+    return tuple(total)
+
+
+def every_plan(space):
+    """(assignment, recompute set, (bytes, seconds, loss)) for every plan of ``space``."""
+    names = [u.name for u in space.units]
+    blocks = [b.name for b in space.blocks]
+    for combo in itertools.product(*[u.formats for u in space.units]):
+        assignment = dict(zip(names, combo))
+        for flags in itertools.product((False, True), repeat=len(blocks)):
+            recompute = frozenset(b for b, on in zip(blocks, flags) if on)
+            yield assignment, recompute, plan_totals(space, assignment, recompute)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("fractions", [(0.6, 0.5), (0.35, 0.4), (0.25, 1.0), (0.9, 0.1)])
+def test_exact_solver_with_blocks_matches_brute_force_over_formats_and_recompute_sets(seed, fractions):
+    space = block_space(seed)
+    memory, loss = budgets_for(space, *fractions)
+    feasible = [(t[1], a, r) for a, r, t in every_plan(space) if t[0] <= memory and t[2] <= loss]
+    if not feasible:
+        with pytest.raises(InfeasibleBudgetError):
+            solve_exact(space, memory, loss)
+        return
+    best_seconds = min(f[0] for f in feasible)
+    solution = solve_exact(space, memory, loss)
+    assert solution.total.seconds == pytest.approx(best_seconds, rel=1e-9)
+    assert (solution.total.bytes, solution.total.seconds, solution.total.loss) == pytest.approx(
+        plan_totals(space, solution.assignment, solution.recompute), rel=1e-12)
+    assert solution.total.bytes <= memory and solution.total.loss <= loss + 1e-12
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_memory_budget_at_exactly_a_recomputed_plans_bytes_is_met(seed):
+    # The linearisation is exact: a plan whose bytes are the budget itself is feasible (y and w
+    # never count more than the products), and nothing below its true bytes is reported feasible.
+    space = block_space(seed)
+    plans = [(t, a, r) for a, r, t in every_plan(space) if r]
+    totals, _, _ = plans[seed * 7 % len(plans)]
+    solution = solve_exact(space, totals[0], float("inf"))
+    best = min(t[1] for a, r, t in every_plan(space) if t[0] <= totals[0])
+    assert solution.total.seconds == pytest.approx(best, rel=1e-9)
+    assert solution.total.bytes <= totals[0] * (1 + 1e-12)
+
+
+def test_a_budget_only_recomputation_meets_is_met_and_without_blocks_is_infeasible():
+    with_blocks, without = block_space(3), block_space(3, blocks=False)
+    least_without = without.totals(without.extreme("bytes")).bytes
+    least_with = min(t[0] for _, _, t in every_plan(with_blocks))
+    assert least_with < least_without
+    memory = (least_with + least_without) / 2
+    solution = solve_exact(with_blocks, memory, float("inf"))
+    assert solution.recompute and solution.total.bytes <= memory
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve_exact(without, memory, float("inf"))
+    assert info.value.min_bytes == pytest.approx(least_without)
+    assert f"{least_without:,.0f} bytes" in str(info.value)
+    # Below what recomputation reaches too, the error names the smallest reachable with it.
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve_exact(with_blocks, least_with * 0.99, float("inf"))
+    assert info.value.min_bytes == pytest.approx(least_with)
+    assert f"{least_with:,.0f} bytes" in str(info.value)
+
+
+def test_smallest_reachable_within_a_loss_budget_counts_recomputation():
+    space = block_space(5)
+    loss = budgets_for(space, 1.0, 0.3)[1]
+    least = min(t[0] for _, _, t in every_plan(space) if t[2] <= loss)
+    assert exact.smallest_reachable(space, float("inf"), loss)[0] == pytest.approx(least)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_k_best_with_blocks_equals_brute_force_and_tells_recompute_sets_apart(seed):
+    space = block_space(seed, layers=5)
+    memory, loss = budgets_for(space, 0.7, 0.8)
+    expected = sorted(t[1] for _, _, t in every_plan(space) if t[0] <= memory and t[2] <= loss)[:12]
+    found = k_best(space, memory, loss, 12)
+    assert [s.total.seconds for s in found] == pytest.approx(expected, rel=1e-9)
+    keys = [(tuple(sorted((n, f.value) for n, f in s.assignment.items())), s.recompute) for s in found]
+    assert len(set(keys)) == len(keys)
+    # The same formats with another recompute set is another plan, not a repeat.
+    assert len({k[0] for k in keys}) < len(keys)
+
+
+def test_excluding_a_plan_keeps_its_formats_with_another_recompute_set():
+    space = block_space(2, layers=5)
+    first = solve_exact(space)
+    assert first.recompute == frozenset()  # no budget: recomputing only costs time
+    (second,) = k_best(space, exclude=[first])
+    (plain,) = k_best(space, exclude=[dict(first.assignment)])  # an assignment: that plan recomputing nothing
+    assert (second.assignment, second.recompute) != (first.assignment, first.recompute)
+    assert (plain.assignment, plain.recompute) == (second.assignment, second.recompute)
+
+
+def test_fixing_a_recompute_set_folds_it_into_the_choices():
+    space = block_space(4)
+    recompute = ("blocks.1",)
+    fixed = space.fixing_recompute(recompute)
+    assert fixed.blocks == ()
+    for assignment, r, totals in every_plan(space):
+        if r == frozenset(recompute):
+            t = fixed.totals(assignment)
+            assert (t.bytes, t.seconds, t.loss) == pytest.approx(totals, rel=1e-12)
+
+
+def test_bad_blocks_are_refused_naming_the_block():
+    table = random_table(4, 0)
+    names = list(table)
+    ok = {n: {f: 1.0 for f in FORMATS} for n in names[:2]}
+    with pytest.raises(SearchError, match=r"block 'b': freed\['blocks.0.layer0'\]\[fp32\] must be a finite number >= 0"):
+        Block("b", {names[0]: {Format.FP32: -1.0}}, {names[0]: {Format.FP32: 0.0}})
+    with pytest.raises(SearchError, match=r"'nope' is not in the search space"):
+        SearchSpace(table, blocks=[Block("b", {"nope": {}}, {})])
+    with pytest.raises(SearchError, match=r"layer 'blocks.0.layer0' is in blocks 'a' and 'b'"):
+        SearchSpace(table, blocks=[Block("a", ok, ok), Block("b", ok, ok)])
+    too_much = {names[0]: {f: table[names[0]][f].bytes * 2 for f in FORMATS}}
+    with pytest.raises(SearchError, match=r"would free .* more than its"):
+        SearchSpace(table, blocks=[Block("a", too_much, {names[0]: {f: 0.0 for f in FORMATS}})])

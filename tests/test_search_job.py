@@ -1,6 +1,7 @@
 """The offline search job end to end on the built-in LM ("tiny"), through `autoprec search`."""
 
 import json
+import re
 import textwrap
 
 import optuna
@@ -8,12 +9,13 @@ import torch
 import pytest
 
 from autoprec.cli import main
-from autoprec.errors import SearchError
+from autoprec.errors import InfeasibleBudgetError, SearchError
+from autoprec.measure import SavedTensorMeter
 from autoprec.formats import Format
 from autoprec.plan import Plan
 from autoprec.search.config import load_job
 from autoprec.search.job import run_job
-from autoprec.search.measured import BudgetPruner, Candidate, MeasuredStage, Measurement, fastest_meeting
+from autoprec.search.measured import AutocastCheckpoint, BudgetPruner, Candidate, MeasuredStage, Measurement, fastest_meeting
 from autoprec.workloads import default_workload
 
 JOB = """
@@ -339,3 +341,94 @@ def test_the_searched_plan_refuses_a_model_of_the_same_layer_names_and_other_wid
     assert set(plan.layers) <= {fqn for fqn, _ in wider.named_modules()}  # the same layer names
     with pytest.raises(PlanError, match="parameter shapes .* differ from the plan's"):
         plan.validate(wider)
+
+
+# -- recompute blocks (issue 24) --------------------------------------------------------------------
+
+# Below what any plan reaches without recomputation on the tiny LM (0.65 of the FP32 bytes at the
+# least: `test_a_budget_only_recomputation_meets_is_infeasible_without_blocks`).
+TIGHT = 0.45
+
+
+@pytest.fixture(scope="module")
+def tight(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tight")
+    return folder, run_job(load_job(write_job(folder, memory=TIGHT)))
+
+
+@pytest.mark.slow
+def test_a_tight_budget_returns_a_plan_with_recomputed_blocks_whose_measured_bytes_meet_it(tight):
+    folder, result = tight
+    plan = Plan.load(folder / "out" / "plan.json")
+    assert plan.recompute  # the search chose to recompute
+    assert set(plan.blocks) == {"blocks.0", "blocks.1"}
+    assert plan.measured["bytes"] <= TIGHT * plan.measured["fp32_bytes"]
+    assert plan.measured["loss_increase"] <= plan.budgets["loss_increase"]
+    reasons = plan.metadata["recompute_reasons"]
+    for fqn, on in plan.blocks.items():
+        assert reasons[fqn].startswith("recomputed: frees" if on else "kept: recomputing would free")
+    assert plan.predicted["recompute_freed_bytes"] > 0 and plan.predicted["recompute_seconds"] > 0
+
+
+@pytest.mark.slow
+def test_the_references_include_every_block_recomputed_in_fp32_and_under_bf16_autocast(tight):
+    _, result = tight
+    by_name = {c.name: (c, m) for c, m in result.candidates}
+    fp32, m_fp32 = by_name["recompute-all-fp32"]
+    autocast, m_autocast = by_name["recompute-all-autocast-bf16"]
+    assert fp32.plan.recompute == autocast.plan.recompute == ("blocks.0", "blocks.1")
+    assert not fp32.autocast and autocast.autocast
+    assert fp32.plan.format_counts() == {"fp32": len(fp32.plan)}
+    # Measured, and recomputing every block holds less than either without it.
+    assert isinstance(m_fp32, Measurement) and isinstance(m_autocast, Measurement)
+    assert m_fp32.bytes < result.references["fp32"].bytes
+    assert m_autocast.bytes <= result.memory_budget
+    assert by_name["autocast-bf16"][1].startswith("measured")  # plain autocast: pruned over the memory budget
+
+
+@pytest.mark.slow
+def test_the_same_budget_without_blocks_is_infeasible_naming_the_smallest_reachable(tmp_path):
+    path = write_job(tmp_path, memory=TIGHT)
+    path.write_text(path.read_text().replace("[rules]\n", "[rules]\nrecompute = []\n"), encoding="utf-8")
+    with pytest.raises(InfeasibleBudgetError, match=r"smallest reachable at all, [\d,]+ bytes") as info:
+        run_job(load_job(path))
+    fraction = float(re.search(r"as budgets: memory (\d\.\d+) of the FP32 bytes", str(info.value)).group(1))
+    assert fraction > TIGHT
+
+
+def test_autocast_with_checkpointed_blocks_gives_plain_autocasts_loss_and_gradients_and_holds_less():
+    wl = default_workload("tiny", batch_size=4)
+    model = wl.build_model(0)
+    batch = wl.val_batches(1)[0]
+    grads, held = [], []
+    for blocks in ((), ("blocks.0", "blocks.1")):
+        model.zero_grad(set_to_none=True)
+        context = AutocastCheckpoint(model, "cpu", torch.bfloat16, blocks) if blocks else torch.autocast("cpu", dtype=torch.bfloat16)
+        with SavedTensorMeter(model.parameters()) as meter, context:
+            loss = wl.loss(model, batch)
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        held.append(meter.total_bytes)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert held[1] < held[0]
+    assert "forward" not in dict(model.named_modules())["blocks.0"].__dict__  # restored on exit
+
+
+def test_autocast_with_checkpointed_blocks_restores_the_blocks_when_the_body_raises():
+    wl = default_workload("tiny", batch_size=4)
+    model = wl.build_model(0)
+    context = AutocastCheckpoint(model, "cpu", torch.bfloat16, ["blocks.0"])
+    with pytest.raises(ZeroDivisionError):
+        with context:
+            1 / 0
+    assert "forward" not in dict(model.named_modules())["blocks.0"].__dict__
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_a_recompute_set_is_part_of_a_candidates_identity():
+    wl, model, plan, _ = _stage()
+    ids = {Candidate("a", plan).id, Candidate("b", plan.with_recompute(["blocks.0"])).id,
+           Candidate("c", plan.with_recompute(["blocks.0", "blocks.1"])).id, Candidate("d", plan.with_recompute(["blocks.0"]), autocast=True).id}
+    assert len(ids) == 4
+    # A plan recomputing nothing keeps the id it had before blocks existed (resumed studies find their trials).
+    assert Candidate("e", plan.with_recompute({"blocks.0": False})).id == Candidate("a", plan).id

@@ -316,3 +316,29 @@ def test_search_job_review_shows_each_refined_trial(refined_job):
     assert [e.step for e in acc.Scalars("refine/corrected_error")] == [t.number for t in refined]
     for tag in ("refine/predicted_seconds", "refine/corrected_seconds", "refine/factor/int8/seconds"):
         assert [e.step for e in acc.Scalars(tag)] == [t.number for t in proposed], tag
+
+
+# -- recompute blocks (issue 24) ---------------------------------------------------------------------
+
+
+def test_the_sampler_proposes_formats_around_a_fixed_recompute_set_and_fits_only_those_trials():
+    from autoprec.search.space import Block
+
+    base = proxy_space()
+    table = {u.layers[0]: dict(u.choices) for u in base.units}
+    block = Block("b", {fqn: {f: c.bytes / 2 for f, c in table[fqn].items()} for fqn in LAYERS[:3]},
+                  {fqn: {f: c.seconds / 3 for f, c in table[fqn].items()} for fqn in LAYERS[:3]})
+    space = SearchSpace(table, fixed={"rest": Choice(500.0, REST, 0.0)}, blocks=[block])
+    folded = space.fixing_recompute(["b"])
+    sampler = CorrectingSampler(folded, [], float("inf"), float("inf"), fp32_seconds=1.0, max_trials=10, recompute=["b"])
+    assignment = {u.name: F32 for u in folded.units}
+    plan = sampler.candidate(assignment).plan
+    assert plan.recompute == ("b",)
+    assert sampler.candidate(assignment).plan.predicted["bytes"] == pytest.approx(space.totals(assignment, ["b"]).bytes)
+    assert sampler.assignment_of(plan) == assignment
+    assert sampler.assignment_of(plan.with_recompute([])) is None  # another recompute set: not fitted, not this space's
+    study = optuna.create_study(sampler=sampler)
+    nxt = sampler.next_plan(study)
+    assert nxt.assignment is not None
+    # Its trial ids name the recompute set, so a plan of the same formats kept whole is another candidate.
+    assert sampler._id(nxt.assignment) == formats_id(folded.layer_formats(nxt.assignment), ["b"]) != formats_id(folded.layer_formats(nxt.assignment))

@@ -23,7 +23,7 @@ Typical use::
 
 from .inplace import InPlaceTimes, measure_in_place
 from .memory import MemoryCost, call_path, layer_memory
-from .model import DEFAULT_FORMATS, CostModel, LayerCost, PlanCost
+from .model import DEFAULT_FORMATS, BlockCost, CostModel, LayerCost, PlanCost
 from .timing import (
     PEAKS,
     DevicePeaks,
@@ -42,6 +42,7 @@ __all__ = [
     "CostModel",
     "LayerCost",
     "PlanCost",
+    "BlockCost",
     "DEFAULT_FORMATS",
     # memory
     "MemoryCost",

@@ -62,6 +62,11 @@ class InPlaceTimes:
     step_seconds: float
     layer_seconds: Mapping[str, float]
     extrapolated: bool = False  # stopped past the deadline; scaled from the first plan's layers
+    # Each layer's median forward alone (nested layers excluded) and each recompute block's median
+    # forward, its layers included: what one more forward of the block costs (`CostModel.blocks`).
+    # Empty for an extrapolated plan (its forwards were cut short) and in caches written before them.
+    forward_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    block_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def rest_seconds(self) -> float:
@@ -80,9 +85,11 @@ class StepTimer:
     removes the node hooks and returns the step's seconds per layer.
     """
 
-    def __init__(self, model: nn.Module, layers: Sequence[str]):
+    def __init__(self, model: nn.Module, layers: Sequence[str], blocks: Sequence[str] = ()):
         modules = dict(model.named_modules())
         self.layers = list(layers)
+        # Recompute blocks (`autoprec.blocks`): their whole forward, layers included, is timed too.
+        self._blocks = [(fqn, modules[fqn]) for fqn in blocks]
         first = next(model.parameters(), None)
         # Marks on the host clock, or CUDA events read after the step's sync (`finish`).
         self.clock = Clock(first.device if first is not None else torch.device("cpu"))
@@ -104,6 +111,7 @@ class StepTimer:
         self._spans: list[tuple] = []  # closed forward spans: (fqn, start, end, children, complete)
         self._ranges: list[tuple[int, int, str]] = []  # (first, last) sequence numbers of each layer forward
         self._node_marks: list[tuple[str, list]] = []
+        self._block_marks: list[tuple[str, list]] = []  # (block, [start, end]) per block forward
         self._stopped = False  # set when _TooSlow was raised: spans closed after it are partial
 
     def _sequence_nr(self) -> int:
@@ -132,6 +140,22 @@ class StepTimer:
         for fqn, module in self._modules:
             self._handles.append(module.register_forward_pre_hook(pre(fqn)))
             self._handles.append(module.register_forward_hook(post(fqn), always_call=True))
+
+        def block_pre(fqn):
+            def hook(module, args):
+                self._block_marks.append((fqn, [self.clock.mark()]))
+            return hook
+
+        def block_post(fqn):
+            def hook(module, args, output):
+                open_spans = [marks for name, marks in self._block_marks if name == fqn and len(marks) == 1]
+                if open_spans:
+                    open_spans[-1].append(self.clock.mark())
+            return hook
+
+        for fqn, module in self._blocks:
+            self._handles.append(module.register_forward_pre_hook(block_pre(fqn)))
+            self._handles.append(module.register_forward_hook(block_post(fqn), always_call=True))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -165,7 +189,8 @@ class StepTimer:
 
     def finish(self) -> tuple[dict[str, float], dict[str, float]]:
         """Seconds per layer of the step just run: (forward + backward, forward), forwards
-        exclusive of nested layers; the forward only of layers that finished before a stop."""
+        exclusive of nested layers; the forward only of layers that finished before a stop.
+        The blocks' forwards of the step are left in `block_forward` until the next `finish`."""
         for handle in self._node_handles:
             handle.remove()
         self._node_handles.clear()
@@ -183,6 +208,10 @@ class StepTimer:
         for owner, marks in self._node_marks:
             if len(marks) == 2:  # a node the backward did not reach has no marks
                 seconds[owner] += self.clock.seconds(marks[0], marks[1])
+        self.block_forward: dict[str, float] = {}
+        for fqn, marks in self._block_marks:
+            if len(marks) == 2:
+                self.block_forward[fqn] = self.block_forward.get(fqn, 0.0) + self.clock.seconds(marks[0], marks[1])
         self._reset()
         return seconds, forward
 
@@ -210,12 +239,15 @@ def measure_in_place(
     warmup: int = 3,
     steps: int = 8,
     slow_factor: float = 20.0,
+    blocks: Sequence[str] = (),
 ) -> dict[str, InPlaceTimes]:
     """Median step and per-layer seconds of each of ``plans`` (name -> plan) over real training
     steps (zero_grad, forward + loss under ``apply_plan``, backward, AdamW step) of one copy of
     ``model`` (the caller's weights stay untouched), ``batches`` taken in turn.
 
-    ``layers``: the fqns timed (the plans' layers). ``loss_fn(model, batch)``: the loss (default:
+    ``layers``: the fqns timed (the plans' layers). ``blocks``: recompute blocks whose whole
+    forward is timed too (`InPlaceTimes.block_seconds`), in the plans' own steps: two more host
+    marks (CUDA events) per block forward. ``loss_fn(model, batch)``: the loss (default:
     the mean of the floating outputs). A plan whose first step raises is left out with a warning;
     one slower than ``slow_factor`` times the first plan is extrapolated (module docstring).
     Cost: ``len(plans) × (1 + warmup + steps)`` training steps plus the hooks' overhead (module
@@ -225,10 +257,10 @@ def measure_in_place(
     clone.train()
     optimizer = torch.optim.AdamW(clone.parameters(), lr=1e-3)  # the value does not change the cost
     device = next(clone.parameters()).device
-    timer = StepTimer(clone, layers)
+    timer = StepTimer(clone, layers, blocks)
     runtimes, results, first_steps, stopped = {}, {}, {}, {}
 
-    def step(runtime, batch) -> tuple[float, tuple[dict[str, float], dict[str, float]]]:
+    def step(runtime, batch) -> tuple[float, tuple[dict[str, float], dict[str, float], dict[str, float]]]:
         optimizer.zero_grad(set_to_none=True)
         start = timer.clock.mark()
         with runtime:
@@ -237,8 +269,8 @@ def measure_in_place(
         loss.backward()
         optimizer.step()
         end = timer.clock.mark()
-        per_layer = timer.finish()
-        return timer.clock.seconds(start, end), per_layer
+        per_layer, forward = timer.finish()
+        return timer.clock.seconds(start, end), (per_layer, forward, timer.block_forward)
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), warnings.catch_warnings(), timer:
         warnings.simplefilter("ignore", EmulationWarning)
@@ -269,7 +301,9 @@ def measure_in_place(
     for name, runs in times.items():
         results[name] = InPlaceTimes(
             statistics.median(s for s, _ in runs),
-            {fqn: statistics.median(per[fqn] for _, (per, _) in runs) for fqn in layers},
+            {fqn: statistics.median(per[fqn] for _, (per, _, _) in runs) for fqn in layers},
+            forward_seconds={fqn: statistics.median(fwd.get(fqn, 0.0) for _, (_, fwd, _) in runs) for fqn in layers} if blocks else {},
+            block_seconds={fqn: statistics.median(b.get(fqn, 0.0) for _, (_, _, b) in runs) for fqn in blocks},
         )
     if stopped and runtimes:
         first = next(iter(runtimes))
@@ -277,7 +311,7 @@ def measure_in_place(
         # one is cold (first calls, allocations), and under load it can be slow enough that a
         # stopped plan's ratio, applied to the median times, comes out far too small.
         first_forward = {
-            fqn: statistics.median(forward.get(fqn, 0.0) for _, (_, forward) in times[first]) for fqn in layers
+            fqn: statistics.median(forward.get(fqn, 0.0) for _, (_, forward, _) in times[first]) for fqn in layers
         }
         for name, forward in stopped.items():
             ratios = [forward[fqn] / first_forward[fqn] for fqn in forward if first_forward.get(fqn, 0.0) > 0]

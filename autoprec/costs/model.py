@@ -19,6 +19,21 @@ region and once with a low-precision one (activations between layers are then 2 
 plus, for each layer kept FP32 inside a low-precision region, the measured extra that costs (its
 FP32 output widens what the ops after it save; its half inputs are upcast copies).
 
+**Recompute blocks** (`autoprec.blocks`, `BlockCost`): built with ``blocks=``, the model also
+costs recomputing each block (its forward run again in the backward instead of its activations
+kept). Bytes: the saved bytes of one forward of a uniform plan minus those of the same plan with
+the block recomputed, measured with the saved-tensor meter in the FP32 region and in the lowered
+one (the checkpoint keeps the block's inputs, and the meter counts them, so this is what the
+block holds beyond its input). A mixed plan frees its layers' modelled saved bytes in their own
+formats plus the block's measured remainder (what ops between its layers save, less its input)
+of the plan's region: the remainder is the one figure not re-measured per format. Seconds: one
+more forward of the block, its layers' forwards in their formats plus its own ops' forward, all
+measured in place in the uniform plans' steps (the block's forward timed whole, its layers
+alone); a format not timed in place takes the layer's replayed time times the share of its FP32
+step time that the FP32 forward took (or a third, by the 2:4 forward-to-backward FLOP count of
+Kaplan et al. 2020, sec. 2.1, when nothing was timed in place). The extra bytes of an FP32 layer
+inside a lowered region (below) are never counted as freed: predictions err toward more memory.
+
 `autoprec.bench.check_uniform_ranking` checks the model against reality: predicted and measured
 step times of the uniform plans on a workload, ranked.
 """
@@ -47,7 +62,7 @@ from .memory import layer_memory
 from .timing import MeasuredTimeModel, RooflineTimeModel, TimeEstimate, TimeModel
 from .trace import ModelTrace, saved_bytes_by_layer, trace_model
 
-__all__ = ["DEFAULT_FORMATS", "LayerCost", "PlanCost", "CostModel"]
+__all__ = ["DEFAULT_FORMATS", "LayerCost", "PlanCost", "BlockCost", "CostModel"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,10 +103,12 @@ class PlanCost:
     layers: Mapping[str, LayerCost]
     rest_saved_bytes: int
     rest_seconds: float
+    recompute_freed_bytes: int = 0  # what the plan's recomputed blocks do not keep (`BlockCost`)
+    recompute_seconds: float = 0.0  # their forwards run once more
 
     @property
     def saved_bytes(self) -> int:
-        return sum(c.saved_bytes for c in self.layers.values()) + self.rest_saved_bytes
+        return sum(c.saved_bytes for c in self.layers.values()) + self.rest_saved_bytes - self.recompute_freed_bytes
 
     @property
     def bytes(self) -> int:
@@ -104,11 +121,31 @@ class PlanCost:
 
     @property
     def step_seconds(self) -> float:
-        return self.layer_seconds + self.rest_seconds
+        return self.layer_seconds + self.rest_seconds + self.recompute_seconds
 
     def to_dict(self) -> dict:
         """The totals, for a plan's ``predicted`` field."""
-        return {"bytes": self.bytes, "saved_bytes": self.saved_bytes, "step_seconds": self.step_seconds, "rest_seconds": self.rest_seconds}
+        out = {"bytes": self.bytes, "saved_bytes": self.saved_bytes, "step_seconds": self.step_seconds, "rest_seconds": self.rest_seconds}
+        if self.recompute_freed_bytes or self.recompute_seconds:
+            out.update(recompute_freed_bytes=self.recompute_freed_bytes, recompute_seconds=self.recompute_seconds)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCost:
+    """What recomputing one block costs and frees (module docstring), per region: index 0 an
+    all-FP32 plan, 1 a plan with any layer lowered.
+
+    ``freed_bytes``: measured, the uniform plan's saved bytes less those with this block
+    recomputed. ``other_bytes``: that less its layers' modelled saved bytes in the region's
+    format (the saves of the block's own ops beyond its input; negative when a layer saved the
+    input itself). ``other_seconds``: the block's forward less its layers' forwards, in place."""
+
+    fqn: str
+    layers: tuple[str, ...]
+    freed_bytes: tuple[int, int]
+    other_bytes: tuple[int, int]
+    other_seconds: tuple[float, float] = (0.0, 0.0)
 
 
 def _saved(memory) -> int:
@@ -132,6 +169,7 @@ class CostModel:
         in_place: "Mapping[Format, InPlaceTimes] | None" = None,
         rest_saved_bytes: "tuple[int, int] | None" = None,
         fp32_in_region_bytes: "Mapping[str, int] | None" = None,
+        blocks: "Mapping[str, BlockCost] | None" = None,
     ):
         self.trace = trace
         self.time_model = time_model
@@ -143,6 +181,8 @@ class CostModel:
         self.rest_saved_bytes = tuple(rest_saved_bytes) if rest_saved_bytes is not None else (trace.rest_saved_bytes, trace.rest_saved_bytes)
         # fqn -> extra bytes saved when that layer stays FP32 inside a lowered region (see build).
         self.fp32_in_region_bytes = dict(fp32_in_region_bytes or {})
+        # block fqn -> what recomputing it frees and costs (module docstring); empty: none costed.
+        self.blocks: dict[str, BlockCost] = dict(blocks or {})
         self._times: dict[tuple[str, Format], TimeEstimate] = {}
         self.formats = tuple(Format.parse(f) for f in formats)
         self._ensure_times(self.formats)
@@ -163,6 +203,7 @@ class CostModel:
         timing_warmup: int = 3,
         timing_steps: int = 8,
         times_file: "str | os.PathLike | None" = None,
+        blocks: "Sequence[str] | None" = None,
     ) -> "CostModel":
         """Trace ``model`` on ``example_inputs`` and cost every layer in ``formats``.
 
@@ -177,25 +218,31 @@ class CostModel:
         ``times_file``: a JSON file the in-place times are read from when it holds them for these
         layers, formats and device, and written to (atomically) when measured — so a resumed job
         predicts exactly what the interrupted one did.
+        ``blocks``: fqns of recompute units (`autoprec.blocks.find_blocks`) to cost
+        (`BlockCost`, module docstring); their forwards are timed in the same steps and kept
+        in ``times_file`` with the layers' times.
 
         Cost: one FP32 forward (trace), one low-precision forward per layer + 1 (bytes saved
-        between layers), and the timed steps (FP32 only with a ``time_model``). The model is
-        left unchanged.
+        between layers), and the timed steps (FP32 only with a ``time_model``); with ``blocks``,
+        two more forwards per block and two per run (the bytes it frees, per region). The
+        model is left unchanged.
         """
         formats = tuple(Format.parse(f) for f in formats)
         if not formats:
             raise CostModelError("CostModel.build(formats=()): give at least one format, e.g. DEFAULT_FORMATS")
         trace = trace_model(model, example_inputs, loss_fn)
+        block_layers = _block_layers(model, trace, blocks or ())
         in_place: dict[Format, InPlaceTimes] = {}
         if measure:
             timed = formats if time_model is None else (Format.FP32,)
             timed = (Format.FP32,) + tuple(f for f in timed if f is not Format.FP32)
             layers = list(trace.layers)
             plans = {f: Plan({fqn: LayerPrecision(f) for fqn in layers}) for f in timed}
-            in_place = _load_times(times_file, layers, timed, trace.device)
+            in_place = _load_times(times_file, layers, timed, trace.device, list(block_layers))
             if in_place is None:
-                in_place = measure_in_place(model, [example_inputs], plans, layers, loss_fn, warmup=timing_warmup, steps=timing_steps)
-                _save_times(times_file, layers, in_place, trace.device)
+                in_place = measure_in_place(model, [example_inputs], plans, layers, loss_fn, warmup=timing_warmup, steps=timing_steps,
+                                            blocks=list(block_layers))
+                _save_times(times_file, layers, in_place, trace.device, list(block_layers))
             if Format.FP32 not in in_place:
                 raise CostModelError("CostModel.build: the FP32 training step failed in place; check loss_fn and example_inputs")
         if time_model is None:
@@ -204,6 +251,8 @@ class CostModel:
         else:
             costs = cls(trace, time_model, formats=formats)
         costs._measure_region_bytes(model, example_inputs, loss_fn)
+        for _ in costs.block_bytes_steps(model, example_inputs, loss_fn, block_layers):
+            pass
         if measure:
             fp32 = in_place[Format.FP32]
             layers_seconds = costs.plan_cost(costs.uniform_plan(Format.FP32)).layer_seconds
@@ -232,10 +281,7 @@ class CostModel:
         low = Plan({fqn: LayerPrecision(fmt) for fqn in layers})
 
         def saved(plan: Plan) -> tuple[dict[str, int], int]:
-            runtime = apply_plan(model, plan, validate=False)
-            with warnings.catch_warnings(), removing([runtime]):
-                warnings.simplefilter("ignore", EmulationWarning)
-                return saved_bytes_by_layer(model, example_inputs, layers, lambda: runtime, loss_fn)
+            return self._saved_by_layer(model, example_inputs, loss_fn, plan)
 
         per_low, rest_low = saved(low)
         self.rest_saved_bytes = (self.trace.rest_saved_bytes, rest_low)
@@ -254,6 +300,70 @@ class CostModel:
             if role is not None:
                 by_role[role] = self.fp32_in_region_bytes[fqn]
             yield fqn
+
+    @property
+    def region_format(self) -> "Format | None":
+        """The half format of a lowered region's activations here (BF16, else FP16), or None."""
+        return next((f for f in (Format.BF16, Format.FP16) if format_support(f, self.device).runnable), None)
+
+    def _saved_by_layer(self, model, example_inputs, loss_fn, plan: Plan) -> tuple[dict[str, int], int]:
+        """Bytes one forward under ``plan`` saves, per layer and outside layers (measured)."""
+        runtime = apply_plan(model, plan, validate=False)
+        with warnings.catch_warnings(), removing([runtime]):
+            warnings.simplefilter("ignore", EmulationWarning)
+            return saved_bytes_by_layer(model, example_inputs, list(self.trace.layers), lambda: runtime, loss_fn)
+
+    def _uniform_saved(self, model, example_inputs, loss_fn, plan: Plan) -> int:
+        per, rest = self._saved_by_layer(model, example_inputs, loss_fn, plan)
+        return sum(per.values()) + rest
+
+    def block_bytes_steps(self, model: nn.Module, example_inputs: Any, loss_fn: Optional[Callable],
+                          blocks: Mapping[str, Sequence[str]]) -> Iterator[str]:
+        """Measure what recomputing each of ``blocks`` (fqn -> its traced layers) frees, into
+        `blocks` (`BlockCost`; module docstring): per region (the FP32 plan, the uniform plan in
+        `region_format`) one forward as it is and one per block recomputed, autograd on and no
+        backward. A generator yielding each block's fqn once costed; the in-place times (when
+        measured) must be set before, since the block's own forward seconds are taken from them."""
+        if not blocks:
+            return
+        regions = [Format.FP32] + ([self.region_format] if self.region_format is not None else [])
+        freed: dict[str, list[int]] = {fqn: [] for fqn in blocks}
+        for fmt in regions:
+            plan = self.uniform_plan(fmt)
+            base = self._uniform_saved(model, example_inputs, loss_fn, plan)
+            for fqn in blocks:
+                freed[fqn].append(base - self._uniform_saved(model, example_inputs, loss_fn, plan.with_recompute([fqn])))
+        for fqn, layers in blocks.items():
+            pair = (freed[fqn][0], freed[fqn][-1])  # a device without a half format: the FP32 figure for both
+            # The layers' part from the memory model (no time estimate needed for the region's format).
+            other = tuple(pair[i] - sum(_saved(layer_memory(self._layer(layer), LayerPrecision(regions[min(i, len(regions) - 1)]), self.device))
+                                        for layer in layers) for i in (0, 1))
+            seconds = tuple(self._block_other_seconds(fqn, layers, fmt) for fmt in (regions[0], regions[-1]))
+            self.blocks[fqn] = BlockCost(fqn, tuple(layers), pair, (other[0], other[1]), (seconds[0], seconds[1]))
+            yield fqn
+
+    def _block_other_seconds(self, fqn: str, layers: Sequence[str], fmt: Format) -> float:
+        """The block's own ops' forward seconds (its forward less its layers') in the uniform
+        ``fmt`` step timed in place, else the FP32 one; 0 when neither timed blocks."""
+        times = self.in_place.get(fmt) if fmt in self.in_place and fqn in self.in_place[fmt].block_seconds else self.in_place.get(Format.FP32)
+        if times is None or fqn not in times.block_seconds:
+            return 0.0
+        # Timing noise can make the difference of two medians slightly negative: no op costs less than nothing.
+        return max(0.0, times.block_seconds[fqn] - sum(times.forward_seconds.get(layer, 0.0) for layer in layers))
+
+    def layer_forward_seconds(self, fqn: str, fmt: "Format | str") -> float:
+        """Seconds of one forward of layer ``fqn`` in ``fmt`` (its share of one more forward of a
+        recomputed block): timed in place when ``fmt`` was, else derived (module docstring)."""
+        fmt = Format.parse(fmt)
+        times = self.in_place.get(fmt)
+        if times is not None and fqn in times.forward_seconds:
+            return times.forward_seconds[fqn]
+        fp32 = self.in_place.get(Format.FP32)
+        if fp32 is not None and fp32.layer_seconds.get(fqn, 0.0) > 0 and fqn in fp32.forward_seconds:
+            share = min(1.0, fp32.forward_seconds[fqn] / fp32.layer_seconds[fqn])
+        else:
+            share = 1 / 3  # forward 2N of the 6N FLOPs per token of a step (Kaplan et al. 2020, sec. 2.1)
+        return self.layer_cost(fqn, fmt).seconds * share
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -322,12 +432,23 @@ class CostModel:
                 "plan_cost: the plan does not match the traced model:\n  - " + "\n  - ".join(problems)
                 + "\nMake the plan with an example input (Plan.uniform(model, fmt, example)) or from cost_model.uniform_plan(fmt)."
             )
+        unknown_blocks = [fqn for fqn in plan.recompute if fqn not in self.blocks]
+        if unknown_blocks:
+            known = ", ".join(map(repr, self.blocks)) or "none"
+            raise CostModelError(f"plan_cost: the plan recomputes {unknown_blocks[0]!r}, a block this cost model did not cost (costed: {known}); "
+                                 "build it with blocks=find_blocks(model, layers)")
         self._ensure_times(sorted({lp.format for lp in plan.layers.values()}, key=list(Format).index))
         layers = {fqn: self.layer_cost(fqn, plan.layers[fqn]) for fqn in self.trace.layers}
-        if not any(lp.format is not Format.FP32 for lp in plan.layers.values()):
-            return PlanCost(layers, self.rest_saved_bytes[0], self.rest_seconds)
+        lowered = any(lp.format is not Format.FP32 for lp in plan.layers.values())
+        freed, seconds = 0, 0.0
+        for fqn in plan.recompute:
+            block = self.blocks[fqn]
+            freed += block.other_bytes[lowered] + sum(layers[layer].saved_bytes for layer in block.layers)
+            seconds += block.other_seconds[lowered] + sum(self.layer_forward_seconds(layer, layers[layer].format) for layer in block.layers)
+        if not lowered:
+            return PlanCost(layers, self.rest_saved_bytes[0], self.rest_seconds, freed, seconds)
         extra = sum(self.fp32_in_region_bytes.get(fqn, 0) for fqn, lp in plan.layers.items() if lp.format is Format.FP32)
-        return PlanCost(layers, self.rest_saved_bytes[1] + extra, self.rest_seconds)
+        return PlanCost(layers, self.rest_saved_bytes[1] + extra, self.rest_seconds, freed, seconds)
 
     def fp32_bytes(self) -> int:
         """Predicted bytes of the all-FP32 plan: the denominator of a fractional memory budget."""
@@ -354,20 +475,40 @@ class CostModel:
         return "\n".join(lines)
 
 
-def _times_key(layers: Sequence[str], device: Any) -> dict:
-    return {"layers": list(layers), "device": str(device)}
+def _block_layers(model: nn.Module, trace: ModelTrace, blocks: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """``block fqn -> its traced layers`` for each of ``blocks``; a one-line `CostModelError` for
+    a name that is no module, or a module holding no traced layer."""
+    modules = dict(model.named_modules())
+    out = {}
+    for fqn in blocks:
+        if fqn not in modules:
+            raise CostModelError(f"CostModel.build(blocks=...): {fqn!r} is not a module of the model; pass find_blocks(model, layers)")
+        inside = tuple(layer for layer in trace.layers if layer.startswith(fqn + ".") or fqn == "")
+        if not inside:
+            raise CostModelError(f"CostModel.build(blocks=...): {fqn!r} holds no traced layer, so recomputing it frees nothing; drop it")
+        out[fqn] = inside
+    return out
 
 
-def _load_times(path, layers: Sequence[str], formats: Sequence[Format], device: Any) -> "dict[Format, InPlaceTimes] | None":
+def _times_key(layers: Sequence[str], device: Any, blocks: Sequence[str] = ()) -> dict:
+    # The blocks join the key only when there are some, so caches written without any stay valid.
+    return {"layers": list(layers), "device": str(device), **({"blocks": list(blocks)} if blocks else {})}
+
+
+def _load_times(path, layers: Sequence[str], formats: Sequence[Format], device: Any,
+                blocks: Sequence[str] = ()) -> "dict[Format, InPlaceTimes] | None":
     """In-place times saved by `_save_times` for exactly these layers and device, covering every
     format in ``formats``; None when there are none (or the file is another model's)."""
     if path is None or not Path(path).is_file():
         return None
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-        if {k: data.get(k) for k in ("layers", "device")} != _times_key(layers, device):
+        key = _times_key(layers, device, blocks)
+        if {k: data.get(k) for k in ("layers", "device", "blocks")} != {"blocks": None, **key}:
             return None
-        times = {Format.parse(f): InPlaceTimes(t["step_seconds"], t["layer_seconds"], t["extrapolated"]) for f, t in data["times"].items()}
+        times = {Format.parse(f): InPlaceTimes(t["step_seconds"], t["layer_seconds"], t["extrapolated"],
+                                               dict(t.get("forward_seconds", {})), dict(t.get("block_seconds", {})))
+                 for f, t in data["times"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         # A cache: damaged (a hand edit, a crash of another tool), it is measured again and rewritten.
         logger.warning("ignoring the damaged timing cache %s (%s: %s); the layers are timed again and it is rewritten", path, type(exc).__name__, exc)
@@ -375,8 +516,8 @@ def _load_times(path, layers: Sequence[str], formats: Sequence[Format], device: 
     return times if all(f in times for f in formats) else None
 
 
-def _save_times(path, layers: Sequence[str], times: "dict[Format, InPlaceTimes]", device: Any) -> None:
+def _save_times(path, layers: Sequence[str], times: "dict[Format, InPlaceTimes]", device: Any, blocks: Sequence[str] = ()) -> None:
     if path is None:
         return
-    data = {**_times_key(layers, device), "times": {f.value: dataclasses.asdict(t) for f, t in times.items()}}
+    data = {**_times_key(layers, device, blocks), "times": {f.value: dataclasses.asdict(t) for f, t in times.items()}}
     atomic_write_text(Path(path), json.dumps(data, indent=1))

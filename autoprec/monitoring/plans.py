@@ -508,11 +508,15 @@ def recomputed_layers(plan: Plan) -> dict[str, str]:
 
 
 def recompute_markdown(plan: Plan) -> str:
-    """The plan's blocks and whether each runs recomputed ("" for a plan without blocks)."""
+    """The plan's blocks and whether each runs recomputed, with the search's reason for each when
+    it has them (``metadata["recompute_reasons"]``); "" for a plan without blocks."""
     if not plan.blocks:
         return ""
     inside = recomputed_layers(plan)
     rows = [[f"`{fqn}`", "yes" if on else "no", str(sum(1 for b in inside.values() if b == fqn)) if on else MISSING] for fqn, on in plan.blocks.items()]
+    reasons = plan.metadata.get("recompute_reasons")
+    if isinstance(reasons, dict) and reasons:  # a searched plan: why each block is recomputed or kept
+        return _md_table(["block", "recomputed", "layers recomputed", "why"], [row + [str(reasons.get(fqn, MISSING))] for row, fqn in zip(rows, plan.blocks)])
     return _md_table(["block", "recomputed", "layers recomputed"], rows)
 
 

@@ -3,7 +3,7 @@ planning pipeline (`pipeline.propose_plans`), the measured stage (an Optuna stud
 """
 
 from .exact import Solution, k_best, smallest_reachable, solve_exact
-from .space import DEFAULT_CANDIDATES, Budgets, Choice, LayerRules, SearchSpace, Unit, formats_for_precision
+from .space import DEFAULT_CANDIDATES, Block, Budgets, Choice, LayerRules, SearchSpace, Unit, formats_for_precision
 from .study import open_storage
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "LayerRules",
     "SearchSpace",
     "Unit",
+    "Block",
     "DEFAULT_CANDIDATES",
     "formats_for_precision",
     "Solution",

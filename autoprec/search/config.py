@@ -16,7 +16,7 @@ Layout::
                  measured_trials (the most plans measured in all; above the k best and the
                  references, the learning sampler proposes the rest: `search.refine`; 0 = off)
     [rules]      pin = {pattern = format}, forbid = {pattern = [formats]}, groups = [[patterns]],
-                 recompute = [patterns]         # recompute units (blocks); checked, not searched yet
+                 recompute = [patterns]         # recompute units (blocks) the search chooses among; [] = none
     [profile]    path (a saved profile to load instead of profiling), steps, sensitivity_batches
     [measure]    val_batches, steps               # the measured stage (`search.measured`)
 """

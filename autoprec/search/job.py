@@ -10,16 +10,18 @@ One run, in order (each step's figures end up in the plan's ``predicted`` / ``me
    that format's scaling) is taken out of the layer's choices, with that reason.
 2. **Costs and sensitivity**: a `CostModel` (bytes from the traced shapes, seconds measured on
    this device and cached) and the Fisher sensitivity estimate (predicted loss increase) per
-   (layer, format), at the workload's learning rate.
+   (layer, format), at the workload's learning rate; per recompute block (`find_blocks`, or
+   ``[rules].recompute``; ``[]`` for none) the bytes recomputing it frees and its extra forward.
 3. **The k best plans** (`pipeline.propose_plans`): the additive table as a `SearchSpace`, and
    its ``[search].measure_top`` fastest predicted plans that meet the budgets, distinct in
-   formats, from the integer program (`exact.k_best`: the exact optimum, then the next best
+   formats or recomputed blocks (chosen together), from the integer program (`exact.k_best`: the exact optimum, then the next best
    under no-good cuts; an infeasible budget stops here with the smallest reachable;
    ``[search].timeout_s`` bounds the solves).
 4. **Measured stage**: those plans run for real (`MeasuredStage`, an Optuna study in the job's
    storage, resumed on a re-run), and beside them the references: every uniform plan that fits the
    budgets as predicted, and plain ``torch.autocast`` in BF16 (and FP16) where the device runs
-   it and the rules allow that format (``--workers N``: N processes measure them, `search.workers`;
+   it and the rules allow that format, and with blocks every block recomputed in FP32 and under
+   plain BF16 autocast (``--workers N``: N processes measure them, `search.workers`;
    this process then collects the study). The plan returned is the fastest of all of them that
    meets both budgets *as measured* (with ``[search].measured_trials``, after those the
    learning sampler's plans too, `search.refine`); when plain autocast wins, that is the uniform half plan,
@@ -127,6 +129,8 @@ class JobResult:
         for candidate, m in self.candidates:
             counts = ",".join(f"{n} {f}" for f, n in candidate.plan.format_counts().items())
             counts = f"torch.autocast {counts.split()[-1]}" if candidate.autocast else counts
+            if candidate.plan.recompute:
+                counts += f", {len(candidate.plan.recompute)} blocks recomputed"
             p = candidate.plan.predicted
             predicted = f"{p['seconds'] * 1e3:.1f} / {p['bytes'] / 2**20:.2f} / {p['loss_increase']:+.4f}"
             if isinstance(m, str):
@@ -257,6 +261,8 @@ def _signature(space: SearchSpace, memory: float, loss: float) -> str:
     # An open budget is inf: JSON writes it as Infinity, round() cannot take it.
     budgets = [round(memory) if math.isfinite(memory) else memory, float(f"{loss:.6g}")]
     signature = {"units": {u.name: [f.value for f in u.formats] for u in space.units}, "budgets": budgets}
+    if space.blocks:  # only then: a study of a search without blocks keeps its digest
+        signature["blocks"] = [b.name for b in space.blocks]
     return hashlib.sha1(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -281,9 +287,21 @@ def _check_study(storage, config: JobConfig, digest: str) -> None:
 
 def _with_references(proposed, space, costs, config, ruled_out, memory, loss_budget, budgets_meta, meta, device, fingerprint) -> list[Candidate]:
     """``proposed`` plus the references: each uniform plan of the space that fits the budgets as
-    predicted, and plain autocast in each half format the device runs and the space allows; all
-    distinct, fastest predicted first (so `MeasuredStage.run` can prune far slower ones unrun)."""
+    predicted, and plain autocast in each half format the device runs and the space allows; with
+    recompute blocks also every block recomputed in FP32 and under plain BF16 autocast
+    (torchtitan's "full" activation checkpointing); all distinct, fastest predicted first (so
+    `MeasuredStage.run` can prune far slower ones unrun)."""
     out = {c.id: c for c in proposed}
+    everything = frozenset(b.name for b in space.blocks)
+    for fmt, autocast in ((Format.FP32, False), (Format.BF16, True)) if everything else ():
+        assignment = space.uniform(fmt)
+        if assignment is None or (autocast and not format_support(fmt, device).runnable):
+            continue
+        order = [b.name for b in space.blocks]
+        solution = Solution(assignment, space.totals(assignment, order), everything)
+        plan = plan_from_solution(space, costs, solution, layer_reasons(space, assignment, config.rules, ruled_out), budgets_meta, meta, fingerprint)
+        reference = Candidate(f"recompute-all-{'autocast-' if autocast else ''}{fmt.value}", plan, autocast=autocast)
+        out[reference.id] = reference
     for fmt in config.formats:
         assignment = space.uniform(fmt)
         if assignment is None:
@@ -333,14 +351,13 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
     if example_inputs is None:
         raise SearchError(f"{config.source}: [workload].factory: {config.factory}'s loss(model, batch) never called the model; it must run model(...) on the batch")
 
-    if config.rules.recompute is not None:
-        # Checked before any training: a pattern that names no block is a config error. The layers
-        # from the module tree (no forward, so the run's RNG is untouched); the search does not
-        # choose recompute flags yet.
-        try:
-            find_blocks(model, find_layers(model), config.rules.recompute)
-        except SearchError as exc:
-            raise SearchError(f"{config.source}: [rules].recompute: {exc}") from None
+    # The recompute units the search chooses among, found before any training: a pattern that names
+    # no block is a config error. The layers from the module tree (no forward, so the run's RNG is
+    # untouched); ``[rules].recompute = []`` searches formats only.
+    try:
+        blocks = find_blocks(model, find_layers(model), config.rules.recompute)
+    except SearchError as exc:
+        raise SearchError(f"{config.source}: [rules].recompute: {exc}") from None
     profile, (loss_first, loss_last) = _train_and_profile(config, workload, step, example_inputs, progress)
     batches = iter(workload.train_batches(config.seed + 1))
     train = [to_device(next(batches), device) for _ in range(max(config.sensitivity_batches, 4))]
@@ -360,7 +377,7 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
         budgets=config.budgets, baseline_loss=stage.baseline_loss, k=config.measure_top,
         formats=config.formats, rules=config.rules, min_precision=config.min_precision, max_precision=config.max_precision,
         lr=lr, metadata=meta, fingerprint=fingerprint, time_limit=config.timeout_s, source=f"{config.source}: ",
-        cost_inputs=train[0], cost_loss_fn=workload.loss, times_file=config.out / "costs.json", progress=progress,
+        cost_inputs=train[0], cost_loss_fn=workload.loss, times_file=config.out / "costs.json", progress=progress, blocks=blocks,
     )
     found, optimum = proposal.found, proposal.optimum
     costs, space, ruled_out = found.costs, found.space, found.ruled_out
@@ -384,9 +401,10 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
     candidates = adopt_candidates(measured_study, candidates)  # several machines: the first one's list
     sampler = None
     if config.measured_trials > 0:
-        # After the initial design, the learning sampler proposes plans (`search.refine`).
-        sampler = CorrectingSampler(space, [c.plan for c in candidates if not c.autocast], measured_memory, loss_budget,
-                                    fp32_cost.step_seconds, config.measured_trials)
+        # After the initial design, the learning sampler proposes plans (`search.refine`): formats
+        # around the recompute set of the proxy's optimum, which it keeps.
+        sampler = CorrectingSampler(space.fixing_recompute(sorted(exact.recompute)), [c.plan for c in candidates if not c.autocast],
+                                    measured_memory, loss_budget, fp32_cost.step_seconds, config.measured_trials, recompute=sorted(exact.recompute))
         measured_study.sampler = sampler
     if workers > 1:
         payload = {
@@ -429,7 +447,8 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
         }
         if candidate.autocast:
             half = Format.parse(next(iter(candidate.plan.format_counts())))
-            metadata["runs_as"] = f"plain torch.autocast({device.type!r}, dtype={half.dtype})"
+            metadata["runs_as"] = f"plain torch.autocast({device.type!r}, dtype={half.dtype})" + (
+                f" with {len(candidate.plan.recompute)} blocks under torch.utils.checkpoint" if candidate.plan.recompute else "")
             metadata["reason"] = f"plain autocast was the fastest candidate that met the budgets as measured; this uniform plan runs as {metadata['runs_as']}"
         plan = candidate.plan.replace(measured=measured, metadata=metadata)
         plan_path = plan.save(config.out / "plan.json")
@@ -449,10 +468,11 @@ def _refined(candidate: Candidate, sampler, space, costs, config, ruled_out, pro
     """A plan the learning sampler proposed, as a full plan: each layer whose format differs from
     the proxy's optimum says a measurement decided it, with ``evidence`` (`_evidence`)."""
     assignment = sampler.assignment_of(candidate.plan)
+    recompute = frozenset(sampler.recompute)
     formats = space.layer_formats(assignment)
     reasons = measured_reasons(layer_reasons(space, assignment, config.rules, ruled_out), formats,
                                space.layer_formats(proposal.optimum.exact.assignment), evidence)
-    plan = plan_from_solution(space, costs, Solution(assignment, space.totals(assignment)), reasons, proposal.budgets,
+    plan = plan_from_solution(space, costs, Solution(assignment, space.totals(assignment, sorted(recompute)), recompute), reasons, proposal.budgets,
                               {**meta, "proposed_by": "learning sampler"}, fingerprint)
     return Candidate(candidate.name, plan)
 

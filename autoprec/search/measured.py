@@ -15,7 +15,10 @@ device the way training will run it (`apply_plan`), and three figures are measur
 A candidate is an autoprec plan, or a **reference** that is not one: plain
 ``torch.autocast`` in the half format of a uniform plan (`Candidate.autocast`), measured in
 exactly the same way, so that the search can never return a plan slower than what a user gets
-without autoprec.
+without autoprec. A plan that recomputes blocks is measured like any other (the runtime
+checkpoints them); an autocast reference whose plan recomputes blocks runs them under plain
+non-reentrant ``torch.utils.checkpoint`` inside ``torch.autocast`` (torchtitan's "full"
+activation checkpointing when every block is named).
 
 Each candidate is a trial of an Optuna study in the job's storage, keyed by `candidate_id` (the
 hash of its layers' formats) in the user attribute ``candidate``: a crashed or interrupted job
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import types
 import dataclasses
 import functools
 import hashlib
@@ -43,12 +47,13 @@ import math
 import statistics
 import time
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import optuna
 import torch
 import torch.nn as nn
 from optuna.trial import TrialState
+from torch.utils.checkpoint import checkpoint
 
 from ..calls import loss_of
 from ..formats import Format
@@ -59,7 +64,7 @@ from ..timing import rotated, timed
 from ..workload import TrainStep
 from .study import mark_worker, recover_interrupted_trials
 
-__all__ = ["Measurement", "Candidate", "BudgetPruner", "MeasuredStage", "candidate_id", "formats_id", "enqueue", "fastest_meeting"]
+__all__ = ["Measurement", "Candidate", "AutocastCheckpoint", "BudgetPruner", "MeasuredStage", "candidate_id", "formats_id", "enqueue", "fastest_meeting"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +88,8 @@ class Candidate:
     """A plan to measure, with its identity in the measured study.
 
     ``autocast``: run as plain ``torch.autocast`` in the plan's format (a uniform BF16 or FP16
-    plan) instead of through `apply_plan`: the reference a user has without autoprec.
+    plan) instead of through `apply_plan`: the reference a user has without autoprec; the plan's
+    recomputed blocks, if any, under plain ``torch.utils.checkpoint`` (`AutocastCheckpoint`).
     """
 
     name: str
@@ -103,18 +109,67 @@ class Candidate:
         """``model -> context manager`` that runs a training step of this candidate."""
         if self.autocast:
             (fmt,) = {lp.format for lp in self.plan.layers.values()}
+            blocks = self.plan.recompute
+            if blocks:
+                return lambda m: AutocastCheckpoint(m, device.type, fmt.dtype, blocks)
             return lambda m: torch.autocast(device.type, dtype=fmt.dtype)
         return _plan_context(self.plan)
 
 
+class AutocastCheckpoint:
+    """``torch.autocast(device_type, dtype)`` with the modules ``blocks`` of ``model`` run under
+    non-reentrant ``torch.utils.checkpoint`` while gradients are on: what a user writes for
+    activation checkpointing without autoprec (torchtitan's "full" mode). Re-entered every step;
+    the blocks' own ``forward`` is restored on exit, also when the body raises. Costs one more
+    forward of each block per backward."""
+
+    def __init__(self, model: nn.Module, device_type: str, dtype: torch.dtype, blocks: Iterable[str]):
+        modules = dict(model.named_modules())
+        self.blocks = [modules[fqn] for fqn in blocks]
+        self.autocast = torch.autocast(device_type, dtype=dtype)
+        self._saved: list = []
+
+    def __enter__(self) -> "AutocastCheckpoint":
+        if self._saved:
+            raise RuntimeError("AutocastCheckpoint is already entered; leave it before entering it again")
+        for module in self.blocks:
+            own = module.__dict__.get("forward")
+            self._saved.append((module, own))
+
+            def forward(m, *args, _own=own, **kwargs):
+                run = _own if _own is not None else types.MethodType(type(m).forward, m)
+                if not torch.is_grad_enabled():
+                    return run(*args, **kwargs)
+                return checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+            module.forward = types.MethodType(forward, module)
+        self.autocast.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.autocast.__exit__(*exc)
+        finally:
+            for module, own in self._saved:
+                if own is None:
+                    del module.forward
+                else:
+                    module.forward = own
+            self._saved = []
+
+
 def candidate_id(plan: Plan) -> str:
-    """A short stable id of a plan's formats (same layers and formats, same id)."""
-    return formats_id({fqn: lp.format for fqn, lp in plan.layers.items()})
+    """A short stable id of a plan's formats and recomputed blocks (same layers, formats and
+    recompute set, same id; a plan recomputing nothing keeps the id it had before blocks)."""
+    return formats_id({fqn: lp.format for fqn, lp in plan.layers.items()}, plan.recompute)
 
 
-def formats_id(formats: "dict[str, Format]") -> str:
-    """`candidate_id` of a plan with these layer formats (fqn -> format)."""
+def formats_id(formats: "dict[str, Format]", recompute: Iterable[str] = ()) -> str:
+    """`candidate_id` of a plan with these layer formats (fqn -> format) recomputing ``recompute``."""
     text = ";".join(f"{fqn}={Format.parse(fmt).value}" for fqn, fmt in sorted(formats.items()))
+    recompute = sorted(recompute)
+    if recompute:
+        text += ";recompute=" + ",".join(recompute)
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 

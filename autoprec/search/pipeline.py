@@ -3,8 +3,9 @@
 costs (`CostModel`, measured in place) -> sensitivity (Fisher estimate) -> the search space (less
 the formats the profile saw overflow, `planner.build_space`) -> budgets in bytes and loss ->
 the ``k`` best plans of the additive proxy (`exact.k_best`: the exact optimum first, then the
-next fastest predicted, distinct in formats) -> `Plan` objects with a reason per layer and
-their predicted figures.
+next fastest predicted, distinct in formats or recompute set; with recompute blocks, the program
+chooses which to recompute together with the formats) -> `Plan` objects with a reason per layer
+and per block and their predicted figures.
 
 The offline job (`search.job`) asks for ``[search].measure_top`` plans and hands them to the
 measured stage (an Optuna study in the job's storage: resumable, pruned), which runs them for
@@ -104,14 +105,17 @@ def measure_space(
     measure: bool = True,
     times_file: Any = None,
     progress: Optional[Callable[[int, int, str], None]] = None,
+    blocks: Sequence[str] = (),
 ) -> Space:
     """Costs, sensitivity and the space of ``model`` (see the module docstring).
 
     ``batches`` / ``loss_fn``: what the sensitivity estimate differentiates; ``cost_inputs`` /
     ``cost_loss_fn``: the training step the cost model times (default: ``example_inputs``, a
     forward alone); ``measure=False``: roofline times instead of measured ones; ``times_file``:
-    keep the measured times there and reuse them. Cost: the cost model's in-place timing (one
-    pass per uniform plan unless cached) and one sensitivity pass per batch and format.
+    keep the measured times there and reuse them; ``blocks``: recompute units the search may
+    recompute (`autoprec.blocks.find_blocks`; none: formats only). Cost: the cost model's
+    in-place timing (one pass per uniform plan unless cached), two forwards per block and region
+    (`CostModel.build`) and one sensitivity pass per batch and format.
     """
     from ..costs import CostModel
     from ..sensitivity import FisherEstimator, estimate_sensitivity
@@ -122,7 +126,7 @@ def measure_space(
         warnings.simplefilter("ignore", EmulationWarning)  # the plan names its emulated layers itself
         costs = CostModel.build(
             model, cost_inputs if cost_inputs is not None else example_inputs, loss_fn=cost_loss_fn,
-            formats=formats, measure=measure, times_file=times_file,
+            formats=formats, measure=measure, times_file=times_file, blocks=list(blocks),
         )
         if progress is not None:
             progress(0, 1, "estimating sensitivity")
@@ -178,7 +182,7 @@ def propose_plans(
     predicted step time against the optimum's, and ``fingerprint`` (`find_layers` of the model).
 
     ``measure_kwargs``: `measure_space`'s ``cost_inputs``, ``cost_loss_fn``, ``measure``,
-    ``times_file`` and ``progress``. ``time_limit``: seconds for the integer programs (the costs
+    ``times_file``, ``progress`` and ``blocks``. ``time_limit``: seconds for the integer programs (the costs
     and sensitivity are not bounded by it). Raises `InfeasibleBudgetError` (prefixed with
     ``source``) when no plan meets the budgets on the predictions.
     """

@@ -3,7 +3,8 @@
 The pieces the offline job (`search.job`) and the training-time scheduler share: the additive
 table of (bytes, seconds, predicted loss) per (layer, format), less the formats a profile saw
 overflow; and a plan whose every layer carries the reason for its format, in the figures the
-search compared.
+search compared. With recompute blocks costed (`CostModel.blocks`) the space holds them
+(`space.Block`) and a plan carries the search's recompute flags, each block with its reason.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from ..errors import InfeasibleBudgetError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
 from .exact import Solution
-from .space import Choice, LayerRules, SearchSpace
+from .space import Block, Choice, LayerRules, SearchSpace
 
-__all__ = ["OVERFLOW_LIMIT", "cast_of", "overflow_reason", "build_space", "layer_reasons", "measured_reasons", "plan_from_solution", "in_budget_terms"]
+__all__ = ["OVERFLOW_LIMIT", "cast_of", "overflow_reason", "build_space", "layer_reasons", "block_reasons", "measured_reasons",
+           "plan_from_solution", "in_budget_terms"]
 
 # A format is ruled out for a layer when the profile saw more than this fraction of a tensor
 # overflow it (after the format's scaling). Overflow to inf (FP16, E5M2) poisons a step, so the
@@ -65,7 +67,11 @@ def build_space(
 ) -> tuple[SearchSpace, dict[str, list[str]]]:
     """The additive table of ``costs`` (a `CostModel`) and ``sensitivity`` (predicted loss per
     (layer, format)) over ``formats``, less what ``profile`` (a `Profile` or None) saw overflow,
-    unless a rule pins the layer. Returns the space and, per layer, the formats ruled out and why."""
+    unless a rule pins the layer; each block ``costs`` has costed (`CostModel.blocks`) is a
+    recompute `Block` of the space: per layer and format its modelled saved bytes (what
+    recomputation frees; its gradients and its FP32-in-region extra stay) and its forward seconds,
+    and the block's own ops in the lowered region (as the fixed cost below). Returns the space and,
+    per layer, the formats ruled out and why."""
     table: dict[str, dict[Format, Choice]] = {}
     ruled_out: dict[str, list[str]] = {}
     for fqn in costs.layers:
@@ -86,8 +92,13 @@ def build_space(
     # between layers are then 2 bytes wide); the fixed cost takes the lowered figure, exact for
     # every plan but all-FP32 (whose totals `CostModel.plan_cost` reports exactly).
     fixed = {"rest of the step": Choice(costs.rest_saved_bytes[1], costs.rest_seconds, 0.0)}
+    blocks = []
+    for fqn, block in getattr(costs, "blocks", {}).items():
+        freed = {layer: {f: float(costs.layer_cost(layer, f).saved_bytes) for f in table[layer]} for layer in block.layers}
+        forward = {layer: {f: costs.layer_forward_seconds(layer, f) for f in table[layer]} for layer in block.layers}
+        blocks.append(Block(fqn, freed, forward, other_bytes=float(block.other_bytes[1]), other_seconds=float(block.other_seconds[1])))
     device = costs.device
-    space = SearchSpace(table, min_precision=min_precision, max_precision=max_precision, rules=rules, device=device, fixed=fixed)
+    space = SearchSpace(table, min_precision=min_precision, max_precision=max_precision, rules=rules, device=device, fixed=fixed, blocks=blocks)
     return space, ruled_out
 
 
@@ -123,6 +134,20 @@ def layer_reasons(space: SearchSpace, assignment: Mapping[str, Format], rules: L
     return out
 
 
+def block_reasons(space: SearchSpace, solution: Solution) -> dict[str, str]:
+    """Per recompute block of ``space``: why ``solution`` recomputes it or keeps it, in the bytes
+    it frees and the seconds its extra forward costs with the solution's formats."""
+    out = {}
+    for block in space.blocks:
+        effect = space.recompute_effect(solution.assignment, [block.name])
+        figures = f"{-effect.bytes / 1024:.0f} KiB of activations for {effect.seconds * 1e3:.3g} ms more per step (its forward once more in the backward)"
+        if block.name in solution.recompute:
+            out[block.name] = f"recomputed: frees {figures}; the memory budget needs the bytes more than the step needs the time"
+        else:
+            out[block.name] = f"kept: recomputing would free {figures}; not needed within the memory budget"
+    return out
+
+
 def measured_reasons(reasons: Mapping[str, str], formats: Mapping[str, Format], optimum: Mapping[str, Format], evidence: str) -> dict[str, str]:
     """``reasons`` (`layer_reasons`) of a plan the learning sampler proposed, each layer whose
     format in ``formats`` differs from the proxy's optimum (``optimum``: its layer formats) marked
@@ -152,7 +177,9 @@ def plan_from_solution(
     ``fingerprint`` (`find_layers` of the model) lets `Plan.validate` refuse another model."""
     formats = space.layer_formats(solution.assignment)
     layers = {fqn: LayerPrecision(formats[fqn], reason=reasons[fqn]) for fqn in costs.layers}
-    plan = Plan(layers)
+    # Every block of the space is named, recomputed or not, so the review lists the choice for each.
+    blocks = {b.name: b.name in solution.recompute for b in space.blocks}
+    plan = Plan(layers, blocks=blocks)
     predicted_cost = costs.plan_cost(plan)
     per_layer = {}
     for unit in space.units:
@@ -169,7 +196,10 @@ def plan_from_solution(
         "fp32_seconds": fp32.step_seconds,
         "layers": per_layer,
     }
-    return Plan(layers, fingerprint=fingerprint, budgets=budgets, predicted=predicted, metadata=metadata)
+    if space.blocks:
+        predicted.update(recompute_freed_bytes=predicted_cost.recompute_freed_bytes, recompute_seconds=predicted_cost.recompute_seconds)
+        metadata = {**metadata, "recompute_reasons": block_reasons(space, solution)}
+    return Plan(layers, fingerprint=fingerprint, budgets=budgets, predicted=predicted, metadata=metadata, blocks=blocks)
 
 
 def in_budget_terms(exc: InfeasibleBudgetError, fp32_bytes: float, baseline_loss: "float | None", where: str) -> InfeasibleBudgetError:

@@ -38,12 +38,19 @@ of layers and trials).
 
 The corrections are additive per layer: they cannot see effects between neighbouring layers
 (casts at format boundaries, fusion) beyond what a layer's own factor absorbs on average.
+
+**Recomputation**: the sampler proposes formats only, around one fixed recompute set — the
+recompute set of the proxy's exact optimum, which the job passes as ``recompute`` with the space
+folded around it (`SearchSpace.fixing_recompute`). Its plans all recompute exactly those blocks,
+and only measured plans with that recompute set are fitted (another set changes bytes and time
+in ways the per-format factors do not model). Choosing recompute flags again on the corrected
+proxy is left out: the fit has no term for a block, so it could only repeat the proxy's choice.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import optuna
@@ -129,12 +136,16 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
     their trials (keyed by candidate id, no params) can be fitted; ``memory_bytes`` /
     ``loss_budget``: the measured budgets (absolute, inf when open); ``fp32_seconds``: the proxy's
     all-FP32 step (what a trial's measured FP32 ratio is scaled by); ``max_trials``: plans
-    measured in all. Params of a proposed trial are unit name -> format value.
+    measured in all. Params of a proposed trial are unit name -> format value. ``recompute``:
+    the blocks every plan it proposes recomputes (module docstring); ``space`` must then already
+    hold their costs (`SearchSpace.fixing_recompute`).
     """
 
     def __init__(self, space: SearchSpace, design: Sequence[Plan], memory_bytes: float, loss_budget: float,
-                 fp32_seconds: float, max_trials: int, *, prior: float = 0.1, unit_prior: float = 0.3, min_gain: float = 0.05):
+                 fp32_seconds: float, max_trials: int, *, prior: float = 0.1, unit_prior: float = 0.3, min_gain: float = 0.05,
+                 recompute: Iterable[str] = ()):
         self.space = space
+        self.recompute = tuple(recompute)
         self.memory_bytes = float(memory_bytes)
         self.loss_budget = float(loss_budget)
         self.fp32_seconds = float(fp32_seconds)
@@ -148,12 +159,15 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
         for plan in design:
             assignment = self.assignment_of(plan)
             if assignment is not None:
-                self._design[formats_id(space.layer_formats(assignment))] = assignment
+                self._design[formats_id(space.layer_formats(assignment), self.recompute)] = assignment
 
     # -- plans and trials -------------------------------------------------------------------
 
     def assignment_of(self, plan: Plan) -> "dict[str, Format] | None":
-        """The unit assignment of ``plan``, or None when it is not one of this space."""
+        """The unit assignment of ``plan``, or None when it is not one of this space (or does not
+        recompute exactly the sampler's blocks)."""
+        if set(plan.recompute) != set(self.recompute):
+            return None
         out = {}
         for unit in self.space.units:
             fmt = plan.layers[unit.layers[0]].format if unit.layers[0] in plan.layers else None
@@ -167,7 +181,8 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
         calibration, as the k-best plans have) and the proxy's predicted figures."""
         total = self.space.totals(assignment)
         layers = {fqn: LayerPrecision(fmt) for fqn, fmt in self.space.layer_formats(assignment).items()}
-        return Candidate(name, Plan(layers, predicted={"seconds": total.seconds, "bytes": total.bytes, "loss_increase": total.loss}))
+        predicted = {"seconds": total.seconds, "bytes": total.bytes, "loss_increase": total.loss}
+        return Candidate(name, Plan(layers, predicted=predicted, blocks=dict.fromkeys(self.recompute, True)))
 
     def _assignment(self, trial: optuna.trial.FrozenTrial) -> "dict[str, Format] | None":
         # Params once suggested; before that (a live trial), what `sample_relative` recorded.
@@ -177,7 +192,7 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
         return self._design.get(trial.user_attrs.get("candidate"))
 
     def _id(self, assignment: Mapping[str, Format]) -> str:
-        return formats_id(self.space.layer_formats(assignment))
+        return formats_id(self.space.layer_formats(assignment), self.recompute)
 
     # -- the correction ---------------------------------------------------------------------
 

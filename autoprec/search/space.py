@@ -4,6 +4,11 @@ A search decides one format per *unit*: a single layer, or a group of layers tha
 format (the q/k/v projections of one attention block, say). Each (unit, format) carries an
 additive `Choice` — bytes, seconds, predicted loss increase — summed over the unit's layers, so a
 plan's totals are the sums of its choices (the additive proxy the exact solver optimises).
+
+A search may also decide, per recompute `Block` (`autoprec.blocks`), whether the block's forward
+runs again in the backward: recomputing it frees the saved bytes of its layers in their chosen
+formats and of its own ops, costs one more forward of it, and adds no loss. A plan is then an
+assignment of formats to units plus a set of recomputed blocks (`SearchSpace.totals`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from ..device import format_support
 from ..errors import SearchError
 from ..formats import Format
 
-__all__ = ["Choice", "Budgets", "LayerRules", "Unit", "SearchSpace", "formats_for_precision", "DEFAULT_CANDIDATES"]
+__all__ = ["Choice", "Budgets", "LayerRules", "Unit", "Block", "SearchSpace", "formats_for_precision", "DEFAULT_CANDIDATES"]
 
 # Forward formats searched by default. FP8 E5M2 as a *forward* format loses a mantissa bit for
 # range activations rarely need; FP8 layers already compute gradients in E5M2.
@@ -144,8 +149,8 @@ class LayerRules:
     ``groups``: each entry is a list of patterns; layers matching any pattern of one group share a
     format. Groups are literal: write one group per attention block. ``recompute``: patterns of
     the recompute units (`autoprec.blocks.find_blocks`, e.g. ``["blocks.*"]``); None: the blocks
-    found automatically. Checked against the model when the job starts; the search does not
-    choose recompute flags yet (a plan sets them: `autoprec.Plan.with_recompute`).
+    found automatically. Checked against the model when the job starts; the offline search
+    chooses which of them to recompute together with the formats (`Block`).
     """
 
     pin: Mapping[str, Format] = dataclasses.field(default_factory=dict)
@@ -171,12 +176,46 @@ class Unit:
         return tuple(self.choices)
 
 
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """A recompute unit of the space (`autoprec.blocks`): what recomputing it frees and costs.
+
+    ``freed``: layer fqn -> format -> the bytes that layer's choice holds and recomputation frees
+    (at most its choice's bytes); ``forward``: layer fqn -> format -> seconds of one more forward
+    of it; ``other_bytes`` / ``other_seconds``: the same for the block's own ops between its
+    layers (beyond its input, which it keeps; may be negative when a layer saved the input).
+    Recomputing adds no loss increase.
+    """
+
+    name: str
+    freed: Mapping[str, Mapping[Format, float]]
+    forward: Mapping[str, Mapping[Format, float]]
+    other_bytes: float = 0.0
+    other_seconds: float = 0.0
+
+    def __post_init__(self):
+        for field in ("freed", "forward"):
+            for fqn, row in getattr(self, field).items():
+                for fmt, value in row.items():
+                    if not (_finite_number(value) and value >= 0):
+                        raise SearchError(f"block {self.name!r}: {field}[{fqn!r}][{Format.parse(fmt).value}] must be a finite number >= 0, got {value!r}")
+        for field in ("other_bytes", "other_seconds"):
+            if not _finite_number(getattr(self, field)):
+                raise SearchError(f"block {self.name!r}: {field} must be a finite number, got {getattr(self, field)!r}")
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        return tuple(self.freed)
+
+
 class SearchSpace:
     """Units (layers or groups) with their allowed formats and additive costs.
 
     ``table``: fqn -> {format: Choice} for every covered layer, in model order. Allowed formats
     are the table's formats within ``[min_precision, max_precision]`` bits, runnable on
     ``device``, and permitted by ``rules``. A layer left with no format is an error naming it.
+    ``blocks``: recompute units the search may recompute (`Block`; none: formats only, exactly
+    as before blocks existed); each names layers of the table, no layer in two blocks.
     """
 
     def __init__(
@@ -188,6 +227,7 @@ class SearchSpace:
         rules: LayerRules = LayerRules(),
         device=None,
         fixed: "Mapping[str, Choice] | None" = None,
+        blocks: Sequence[Block] = (),
     ):
         allowed_bits = set(formats_for_precision(min_precision, max_precision, Format))
         runnable = {f for f in Format if format_support(f, device).runnable}
@@ -246,13 +286,93 @@ class SearchSpace:
             units.append(Unit(f"group{index}:" + "+".join(members), members, choices))
         self.units: tuple[Unit, ...] = tuple(units)
         self.layers: tuple[str, ...] = tuple(table)
+        self.blocks: tuple[Block, ...] = ()
+        self._set_blocks(blocks)
 
-    def totals(self, assignment: Mapping[str, Format]) -> Choice:
-        """Summed cost of ``assignment`` (unit name -> format), plus the fixed costs."""
+    def _set_blocks(self, blocks: Sequence[Block]) -> None:
+        """Check ``blocks`` against the units and index them: ``links`` holds, per block, each
+        unit with layers in it and, per format of the unit, the bytes freed and forward seconds
+        of those layers."""
+        owner: dict[str, str] = {}
+        for block in blocks:
+            for fqn in block.layers:
+                if fqn not in self.layers:
+                    raise SearchError(f"block {block.name!r}: layer {fqn!r} is not in the search space; cost the block's layers (or drop the block)")
+                if fqn in owner:
+                    raise SearchError(f"layer {fqn!r} is in blocks {owner[fqn]!r} and {block.name!r}; blocks do not nest or overlap")
+                owner[fqn] = block.name
+        names = [b.name for b in blocks]
+        if len(set(names)) != len(names):
+            raise SearchError(f"two recompute blocks share a name in {names}; name each block once")
+        self.blocks = tuple(blocks)
+        self.links: dict[str, list[tuple[str, dict[Format, tuple[float, float]]]]] = {}
+        for block in self.blocks:
+            links = []
+            for unit in self.units:
+                inside = [fqn for fqn in unit.layers if owner.get(fqn) == block.name]
+                if not inside:
+                    continue
+                per = {}
+                for f in unit.choices:
+                    missing = [fqn for fqn in inside if f not in block.freed[fqn] or f not in block.forward.get(fqn, {})]
+                    if missing:
+                        raise SearchError(f"block {block.name!r}: no recompute cost for layer {missing[0]!r} in {f.value}; cost every format of its layers")
+                    per[f] = (sum(block.freed[fqn][f] for fqn in inside), sum(block.forward[fqn][f] for fqn in inside))
+                    if per[f][0] > unit.choices[f].bytes + 1e-9 * max(1.0, abs(unit.choices[f].bytes)):
+                        raise SearchError(f"block {block.name!r}: unit {unit.name!r} in {f.value} would free {per[f][0]:,.0f} bytes, more than its "
+                                          f"{unit.choices[f].bytes:,.0f}; freed bytes are part of a layer's bytes")
+                links.append((unit.name, per))
+            self.links[block.name] = links
+
+    def _block(self, name: str) -> Block:
+        for block in self.blocks:
+            if block.name == name:
+                return block
+        known = ", ".join(repr(b.name) for b in self.blocks) or "none"
+        raise SearchError(f"recompute block {name!r} is not one of the search space's blocks ({known})")
+
+    def recompute_effect(self, assignment: Mapping[str, Format], recompute: Iterable[str]) -> Choice:
+        """What recomputing the blocks ``recompute`` changes in ``assignment``'s totals: bytes
+        freed (negative), seconds of the extra forwards, no loss."""
+        freed = seconds = 0.0
+        for name in recompute:
+            block = self._block(name)
+            freed += block.other_bytes
+            seconds += block.other_seconds
+            for unit_name, per in self.links[name]:
+                b, s = per[Format.parse(assignment[unit_name])]
+                freed += b
+                seconds += s
+        return Choice(-freed, seconds, 0.0)
+
+    def totals(self, assignment: Mapping[str, Format], recompute: Iterable[str] = ()) -> Choice:
+        """Summed cost of ``assignment`` (unit name -> format), plus the fixed costs, with the
+        blocks named in ``recompute`` recomputed (`recompute_effect`)."""
         total = self.fixed_total
         for unit in self.units:
             total = total + unit.choices[Format.parse(assignment[unit.name])]
-        return total
+        recompute = tuple(recompute)
+        return total + self.recompute_effect(assignment, recompute) if recompute else total
+
+    def fixing_recompute(self, recompute: Iterable[str]) -> "SearchSpace":
+        """This space with the blocks ``recompute`` always recomputed and no block left to
+        choose: each unit's choices and the fixed cost take in what recomputing them frees and
+        costs, so its totals are this space's with ``recompute`` (a formats-only search around
+        one recompute set: `search.refine`)."""
+        recompute = tuple(recompute)
+        extra = {u.name: {f: ZERO for f in u.choices} for u in self.units}
+        fixed = self.fixed_total
+        for name in recompute:
+            block = self._block(name)
+            fixed = fixed + Choice(-block.other_bytes, block.other_seconds, 0.0)
+            for unit_name, per in self.links[name]:
+                for f, (b, s) in per.items():
+                    extra[unit_name][f] = extra[unit_name][f] + Choice(-b, s, 0.0)
+        out = copy.copy(self)
+        out.units = tuple(dataclasses.replace(u, choices={f: c + extra[u.name][f] for f, c in u.choices.items()}) for u in self.units)
+        out.fixed_total = fixed
+        out.blocks, out.links = (), {}
+        return out
 
     def layer_formats(self, assignment: Mapping[str, Format]) -> dict[str, Format]:
         """fqn -> format for every layer, from a unit assignment."""
@@ -281,6 +401,11 @@ class SearchSpace:
         out = copy.copy(self)
         out.units = tuple(dataclasses.replace(u, choices={f: times(c, factors.get((u.name, f), one)) for f, c in u.choices.items()}) for u in self.units)
         out.fixed_total = times(self.fixed_total, fixed)
+        # What a block frees and costs scales with its units' bytes and seconds, its own ops with the fixed cost.
+        out.links = {name: [(u, {f: (b * factors.get((u, f), one).bytes, s * factors.get((u, f), one).seconds) for f, (b, s) in per.items()})
+                            for u, per in links] for name, links in self.links.items()}
+        out.blocks = tuple(dataclasses.replace(b, other_bytes=b.other_bytes * fixed.bytes, other_seconds=b.other_seconds * fixed.seconds)
+                           for b in self.blocks)
         return out
 
     def __len__(self) -> int:
