@@ -138,6 +138,19 @@ def _needs(name):
         pytest.skip(reason)
 
 
+def _first_then_without_syncs(step, steps: int) -> None:
+    """``step()`` once (first-touch allocations), then ``steps`` times with CUDA's sync detector
+    set to error."""
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.parametrize("name", STEADY_PLANS)
 def test_training_steps_never_sync_the_host_on_cuda(name):
     """CUDA's own sync detector, not a CPU proxy: every step after the first (first-touch
@@ -152,14 +165,7 @@ def test_training_steps_never_sync_the_host_on_cuda(name):
             out = layer(x)
         out.float().sum().backward()
 
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(CALIBRATION.batches + 2):
-            step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    _first_then_without_syncs(step, CALIBRATION.batches + 2)
     assert torch.isfinite(layer.weight.grad).all()
 
 
@@ -249,14 +255,7 @@ def test_recomputed_blocks_match_stored_ones_and_sync_nothing_on_cuda(name):
             loss.backward()
 
         torch.manual_seed(1)  # the same dropout masks in both runs
-        step()
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            for _ in range(CALIBRATION.batches + 1):
-                step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        _first_then_without_syncs(step, CALIBRATION.batches + 1)
         grads[recompute] = [p.grad.clone() for p in model.parameters()]
     for kept, recomputed in zip(grads[False], grads[True]):
         assert torch.equal(kept, recomputed)
