@@ -32,7 +32,7 @@ plus 0.2 % of the FP32 loss; at the loose budget the returned plan is no slower 
 shared 2-core CPU the step ratios of two plans within ~10 % of each other are noise
 (``--steps`` timed steps each); the JSON keeps every figure.
 
-    PYTHONPATH=. python benchmarks/recompute.py                  # both models, ~5-10 min on 2 CPU cores
+    PYTHONPATH=. python benchmarks/recompute.py                  # both models, ~1.5 min on 2 CPU cores
     PYTHONPATH=. python benchmarks/recompute.py --models bytelm  # the built-in LM only
 
 Writes ``benchmarks/results/recompute_<device>_torch<v>.json`` (device, torch version, commit).
@@ -62,7 +62,7 @@ from autoprec.errors import InfeasibleBudgetError
 from autoprec.formats import Format
 from autoprec.plan import Plan
 from autoprec.runtime import EmulationWarning
-from autoprec.search.config import load_job
+from autoprec.search.config import JobConfig, load_job
 from autoprec.search.job import run_job
 from autoprec.search.measured import Candidate, MeasuredStage, Measurement
 from autoprec.workload import TrainStep, load_workload
@@ -303,8 +303,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=3, help="[search].measure_top of the jobs")
     parser.add_argument("--profile-steps", type=int, default=60)
     parser.add_argument("--val", type=int, default=6)
-    parser.add_argument("--job-steps", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=12, help="timed steps per variant in the head-to-head stage")
+    parser.add_argument("--job-steps", type=int, default=JobConfig.measure_steps, help="[measure].steps of the jobs (default: a job's)")
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per variant in the head-to-head stage")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
