@@ -72,6 +72,7 @@ from .runtime import EmulationWarning, apply_plan
 from .scaling import LossScaler, LossScaling
 from .scheduler_config import SchedulerConfig, Thresholds
 from .search.training import TrainingSearch
+from .sensitivity import adam_second_moment
 
 __all__ = ["DynamicPrecisionScheduler", "SchedulerConfig", "LossScaling", "Thresholds", "PrecisionChange"]
 
@@ -215,6 +216,7 @@ class DynamicPrecisionScheduler:
         self._search_failures = 0  # failed searches in a row: the next retry waits 2**(n-1) windows
         self._retry_at: Optional[int] = None  # the step at which a failed search profiles again
         self._optimizers_seen: set[int] = set()  # ids of optimizers whose parameters step() checked
+        self._optimizers: tuple = ()  # the last step()'s
         self._output_checked = False  # the first forward's output holds a prediction (dynamic only)
         self._context_stack: Optional[contextlib.ExitStack] = None
         self._backward_due = False  # a forward with autograd ran since the last backward
@@ -357,6 +359,7 @@ class DynamicPrecisionScheduler:
             raise RuntimeStateError("step() after a forward but before its backward: call scheduler.backward(loss) (or scheduler.scale(loss).backward()) before scheduler.step(optimizer)")
         for i, optimizer in enumerate(optimizers):
             self._check_optimizer(i, optimizer)
+        self._optimizers = optimizers  # a search starting this step reads their Adam state
         if self._profiler is not None and self._profiler.collecting:
             self._profiler.step()
         verdict = self._dist.agree_on_step(self.scaler, optimizers, self._last_loss) if self._dist is not None else None
@@ -770,7 +773,8 @@ class DynamicPrecisionScheduler:
         try:
             self._searching = TrainingSearch(
                 self.model, self._example, batches, _LinearisedLoss(), profile, config=self.config, baseline_loss=baseline_loss,
-                fingerprint=self._fingerprint, step=self.step_count, known=self._known_times, lead=lead, restore=restore, **kwargs,
+                fingerprint=self._fingerprint, step=self.step_count, known=self._known_times, lead=lead, restore=restore,
+                second_moment=adam_second_moment(self.model, self._optimizers) if lead else None, **kwargs,
             )
         finally:
             self._watch()

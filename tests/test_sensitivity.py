@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import autoprec as ap
 from autoprec.errors import SensitivityError
+from autoprec.coverage import find_layers
 from autoprec.formats import Format
 from autoprec.workloads.minilm import minilm_available
 from autoprec.sensitivity import (
@@ -200,6 +201,89 @@ def test_adam_grad_term_weights_by_inverse_root_second_moment():
     key = ("head", Format.FP8_E4M3)
     # Gradients here are ~1e-2, so 1/sqrt(v) weights the same errors far more than SGD's 1.
     assert adam.part("grad")[key] > 10 * sgd.part("grad")[key] > 0
+
+
+def test_adam_second_moment_is_the_optimizers_bias_corrected_v():
+    model, data = _toy()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.8, 0.95))
+    grads = []
+    for batch in data:
+        optimizer.zero_grad()
+        per_sample_ce(model, batch).mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        optimizer.step()
+    moments = ap.sensitivity.adam_second_moment(model, [optimizer])
+    for name, _ in model.named_parameters():  # v_t = β₂ v + (1 - β₂) g², over 1 - β₂^t
+        v = torch.zeros_like(grads[0][name])
+        for step in grads:
+            v = 0.95 * v + 0.05 * step[name].square()
+        torch.testing.assert_close(moments[name], v / (1 - 0.95 ** len(grads)))
+    assert ap.sensitivity.adam_second_moment(model, [torch.optim.SGD(model.parameters(), lr=0.1)]) is None
+    fresh = torch.optim.Adam(model.parameters())
+    assert ap.sensitivity.adam_second_moment(model, [fresh]) is None  # no step yet: no state
+
+
+def test_a_given_second_moment_replaces_the_batches_estimate():
+    model, data = _toy()
+    v = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for batch in data:  # the estimator's own: mean over batches of the squared FP32 gradients
+        model.zero_grad()
+        per_sample_ce(model, batch).mean().backward()
+        for n, p in model.named_parameters():
+            v[n] += p.grad.square() / len(data)
+    model.zero_grad()
+
+    def grad_term(second_moment):
+        steps = ap.sensitivity.sensitivity_steps(model, data, per_sample_ce, ["fp8_e4m3"], ["head"], traced=find_layers(model, data[0][0]),
+                                                 estimator=FisherEstimator(upstream=False), second_moment=second_moment)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value.part("grad")[("head", Format.FP8_E4M3)]
+
+    estimated = estimate_sensitivity(model, data, per_sample_ce, ["fp8_e4m3"], ["head"], estimator=FisherEstimator(upstream=False))
+    assert grad_term(v) == pytest.approx(estimated.part("grad")[("head", Format.FP8_E4M3)], rel=1e-5)
+    assert grad_term({n: 4 * t for n, t in v.items()}) == pytest.approx(grad_term(v) / 2, rel=1e-3)  # P = 1 / sqrt(v)
+    assert grad_term({"fc.weight": v["fc.weight"]}) == pytest.approx(grad_term(v), rel=1e-5)  # incomplete: estimated
+
+
+class _Attention(nn.Module):
+    """Projections that are layers of their own, and products that make the module a layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return self.proj(torch.softmax(q @ k.transpose(-1, -2) / 4, -1) @ v)
+
+
+class _AttentionModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = _Attention()
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.head(self.attn(x).mean(1))
+
+
+def test_site_layer_without_upstream_scores_no_parameter_of_an_inner_layer():
+    torch.manual_seed(0)
+    model = _AttentionModel()
+    data = [(torch.randn(4, 8, 16), torch.randint(0, 5, (4,))) for _ in range(2)]
+    layers = ["attn", "attn.qkv"]
+    assert set(layers) <= set(find_layers(model, data[0][0]))  # the products make attn a layer
+    own = estimate_sensitivity(model, data, per_sample_ce, ["bf16"], layers, estimator=FisherEstimator(site="layer", upstream=False))
+    full = estimate_sensitivity(model, data, per_sample_ce, ["bf16"], layers, estimator=FisherEstimator(site="layer", upstream=True))
+    attn, qkv = ("attn", Format.BF16), ("attn.qkv", Format.BF16)
+    assert own.part("grad")[attn] == 0.0 < full.part("grad")[attn]  # qkv and proj weights are other layers'
+    assert own.part("grad")[qkv] > 0  # a Linear keeps its own weight's term
+    assert own.part("forward")[attn] > 0
+    assert own.part("forward")[attn] == pytest.approx(full.part("forward")[attn], rel=1e-6)  # the no-grad run's output
 
 
 def test_loss_scale_keeps_fp16_gradients_out_of_the_subnormals():

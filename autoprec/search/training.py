@@ -5,15 +5,16 @@ timing of every format, the region bytes, the sensitivity estimate): hundreds of
 a small GPT. Here it never holds one step for long, and most of it costs no extra compute:
 
 - **Probe steps** (training steps, nothing extra): the steps after the window run *probe plans*
-  in which every layer cycles through the formats it may take, the layers of one role
-  (`LayerInfo.role`: the same projection in every block) staggered so each step holds a mix.
+  in which up to three layers of each role (`LayerInfo.role`: the same projection in every
+  block) cycle through the formats they may take, staggered so each step holds a mix.
   Each probe step is timed in place (`costs.inplace.StepTimer`); a (role, format)'s seconds are
   the median over its layers and steps, and serve every layer of that role. Times already known
   on this device (an earlier search) are not probed again.
 - **Off-path units** on a snapshot of the model (a copy of its weights, held until the search
   ends): the trace, the region bytes (one forward per role), the sensitivity estimate
   (`sensitivity_steps` on the last captured batch, each layer's output error and the gradient
-  term of its own parameters: ``FisherEstimator(upstream=False, site="layer")``), then the
+  term of its own parameters: ``FisherEstimator(upstream=False, site="layer")``, preconditioned
+  by the training optimizer's Adam state when it has one), then the
   exact solve. They run after
   training steps in slices (`work(seconds)`: a unit starts when it fits); a unit is at most
   one forward + backward.
@@ -57,8 +58,12 @@ from .space import LayerRules
 __all__ = ["TrainingSearch", "probe_formats"]
 
 # Probe cycles: the first warms up (first calls of each kernel, INT8 calibration of one batch)
-# and is not sampled; the others give each (layer, format) one sample each.
-PROBE_ROUNDS = 3
+# and is not sampled; the other gives each probed (layer, format) one sample. Of a role's layers
+# (a transformer's blocks) at most PROBED_PER_ROLE, spread over the model, cycle through the
+# formats; the others run their widest allowed format. A probe step's
+# extra time is what its slower formats cost, so it falls with the layers probed.
+PROBE_ROUNDS = 2
+PROBED_PER_ROLE = 3
 TIMED_TRIAL_STEPS = 2  # a candidate's steps timed once its INT8 scales froze (median of these)
 CANDIDATES = 2  # plans tried on training steps: the exact optimum and the next best
 
@@ -112,12 +117,16 @@ class TrainingSearch:
     the lead copies ``model`` when made (remove hooks that must not run on the copy first).
     ``safe_bytes``: (the safe format, the saved bytes metered on a safe step), which anchors
     the measured bytes of the trials to the cost model's (module docstring).
+    ``second_moment``: Adam's, per parameter name, at the window's end (`adam_second_moment`),
+    for the sensitivity's gradient term (None: estimated on the snapshot, one more forward +
+    backward).
     """
 
     def __init__(self, model: nn.Module, example: Any, batches: Sequence[Any], loss_fn: Callable, profile: Any, *,
                  config: Any, baseline_loss: Optional[float], fingerprint: Mapping[str, Any], step: int,
                  known: dict, lead: bool = True, median_step: Optional[float] = None,
-                 safe_bytes: "tuple[Format, int] | None" = None, restore: Optional[Mapping[str, Any]] = None):
+                 safe_bytes: "tuple[Format, int] | None" = None, restore: Optional[Mapping[str, Any]] = None,
+                 second_moment: "Mapping[str, torch.Tensor] | None" = None):
         self.model = model
         self.example = example
         self.batches = list(batches)
@@ -154,6 +163,7 @@ class TrainingSearch:
         self._winner: Optional[_Trial] = None
         self.grad_bytes: Optional[int] = None  # the FP32 gradient buffers' bytes (lead only)
         self.safe_bytes = safe_bytes
+        self._second_moment = second_moment
         self._outside_bytes = 0  # saved bytes the meter sees beyond the cost model's forward
         if restore is not None:
             self._restore(restore)
@@ -197,24 +207,29 @@ class TrainingSearch:
     # -- on the training path -----------------------------------------------------------------
 
     def _probe_plans(self, allowed: Mapping[str, list[Format]]) -> list[Plan]:
-        """One probe cycle: step p runs the j-th layer of a role in its formats[(j + p) % n], so
-        one step mixes formats and a cycle gives each (layer, format) one sample. INT8 calibrates
-        on one batch (the warm-up cycle's). Empty when every (role, format) is known already."""
+        """One probe cycle: step p runs the j-th probed layer of a role in its formats[(j + p) %
+        n], so one step mixes formats and a cycle gives each probed (layer, format) one sample.
+        A role probes at most `PROBED_PER_ROLE` of its layers, evenly spread; the others run
+        their widest allowed format. INT8 calibrates on one batch (the warm-up cycle's). Empty
+        when every (role, format) is known already."""
         if "rest" in self.known and all(f"{self.roles[fqn]}|{f.value}" in self.known for fqn, fmts in allowed.items() for f in fmts):
             return []
-        index: dict[str, int] = {}
-        position = {}
+        members: dict[str, list[str]] = {}
         for fqn in self.layers:
-            role = self.roles[fqn]
-            position[fqn] = index.get(role, 0)
-            index[role] = position[fqn] + 1
+            members.setdefault(self.roles[fqn], []).append(fqn)
+        position = {}
+        for fqns in members.values():
+            stride = -(-len(fqns) // PROBED_PER_ROLE)  # ceil: 6 blocks probe blocks 0, 2 and 4
+            for j, fqn in enumerate(fqns[::stride]):
+                position[fqn] = j
         one_batch = Calibration(batches=1)
         plans = []
         for p in range(max(len(fmts) for fmts in allowed.values())):
             layers = {}
             for fqn in self.layers:
                 fmts = allowed[fqn]
-                layers[fqn] = LayerPrecision(fmts[(position[fqn] + p) % len(fmts)], calibration=one_batch, reason="probe step of the search")
+                fmt = fmts[(position[fqn] + p) % len(fmts)] if fqn in position else max(fmts, key=lambda f: f.bits)
+                layers[fqn] = LayerPrecision(fmt, calibration=one_batch, reason="probe step of the search")
             plans.append(Plan(layers, metadata={"source": "DynamicPrecisionScheduler probe"}))
         return plans
 
@@ -376,7 +391,9 @@ class TrainingSearch:
         # benchmarks/search_stall.py it gives the plan of the caller-output estimate, layer for
         # layer, which gave those of the full estimate at two budgets (the issues' notes).
         steps = sensitivity_steps(snapshot, self.batches[-1:], self.loss_fn, lowered, layers=self.layers, example_inputs=self.example,
-                                  estimator=FisherEstimator(lr=self.config.lr, upstream=False, site="layer"))
+                                  estimator=FisherEstimator(lr=self.config.lr, upstream=False, site="layer"),
+                                  traced=self.fingerprint, second_moment=self._second_moment)
+        self._second_moment = None  # the estimate holds what it needs
         return (yield from _labelled(steps, "sensitivity"))
 
     def _cost_model(self, region: CostModel, trace) -> CostModel:

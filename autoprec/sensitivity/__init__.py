@@ -17,10 +17,10 @@ Both run each layer under `apply_plan` with only that layer lowered, so FP8 scal
 calibration, the half output cast and emulation are the runtime's. Batches are kept in memory.
 
 Modules: `problem` (the result type, the problem an estimator solves, recording and calibration
-helpers), `fisher` (`FisherEstimator`, `estimate_sensitivity`), `measured` (`measure_sensitivity`,
+helpers), `fisher` (`FisherEstimator`, `estimate_sensitivity`, `adam_second_moment`), `measured` (`measure_sensitivity`,
 `spearman`, `rank_agreement`).
 """
-from .fisher import FisherEstimator, estimate_sensitivity, sensitivity_steps
+from .fisher import FisherEstimator, adam_second_moment, estimate_sensitivity, sensitivity_steps
 from .measured import measure_sensitivity, rank_agreement, spearman
 from .problem import Sensitivity, SensitivityEstimator, SensitivityProblem
 
@@ -31,6 +31,7 @@ __all__ = [
     "FisherEstimator",
     "estimate_sensitivity",
     "sensitivity_steps",
+    "adam_second_moment",
     "measure_sensitivity",
     "spearman",
     "rank_agreement",

@@ -9,13 +9,14 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Mapping
 from typing import Any, Callable, Generator, Iterable, TypeVar
 
 import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from ..coverage import ModuleFilter
+from ..coverage import LayerInfo, ModuleFilter
 from ..errors import SensitivityError
 from ..formats import Format
 from ..plan import LayerPrecision, ScalingMode
@@ -26,7 +27,7 @@ from .problem import (
     _Recorder, _resolve, _runtime_errors,
 )
 
-__all__ = ["FisherEstimator", "estimate_sensitivity", "sensitivity_steps"]
+__all__ = ["FisherEstimator", "adam_second_moment", "estimate_sensitivity", "sensitivity_steps"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,14 +116,17 @@ class FisherEstimator(SensitivityEstimator):
 
     **Costs**: two no-grad forwards (layers, callers); per batch one FP32 forward + backward that
     records; INT8 calibration ``min(Calibration.batches, batches)`` FP32 forwards, each INT8
-    layer then replaying its inputs; Adam's v one forward + backward per batch; per (layer,
+    layer then replaying its inputs; Adam's v one forward + backward per batch (none when the
+    problem carries the optimizer's, `adam_second_moment`); per (layer,
     format, batch) one run of the site with grad and its local backward (a delayed-scaling
     format: one more no-grad run), plus one partial backward of the model with ``upstream``.
 
     ``fisher``: "auto" (default), "token", "sample" or "diagonal"; ``site``: "parent" or "layer".
     ``grad_term=False`` skips the gradient part (it costs 2-5x the forward part);
     ``upstream=False`` keeps only the site's own parameters in it (skips one partial backward
-    per layer, format and batch). ``optimizer`` is "adam" (v from the batches) or "sgd"; ``lr``
+    per layer, format and batch; with ``site="layer"`` a site scores only the parameters no
+    other layer inside it owns, so an attention module whose projections are layers runs its
+    formats without grad). ``optimizer`` is "adam" (v from the batches) or "sgd"; ``lr``
     the learning rate the term assumes (torch's Adam default); ``eps`` Adam's. ``loss_scale``
     multiplies dL/dy in the gradient pass as a loss scaler does (default: the loss scaler's
     initial dynamic scale); without it FP16 gradients of 1e-8 flush to zero, which no FP16 run allows.
@@ -192,7 +196,8 @@ class FisherEstimator(SensitivityEstimator):
     def _units(self, problem: SensitivityProblem) -> Generator[str, None, tuple[dict, dict, int]]:
         model = problem.model
         lowered = {f: lp for f, lp in problem.candidates.items() if f is not Format.FP32}
-        params = [p for p in model.parameters() if p.requires_grad]
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
         grad_term = self.grad_term and bool(params)
         keys = [(fqn, fmt) for fqn in problem.layers for fmt in problem.candidates]
         forward = dict.fromkeys(keys, 0.0)
@@ -214,6 +219,7 @@ class FisherEstimator(SensitivityEstimator):
                         grad_rt[(fqn, f)] = apply_plan(model, problem.plan_for(fqn, f), validate=False)
                 yield "runtimes"
             sites = self.sites(problem)
+            own = {site: self._own_parameters(problem, site) for site in set(sites.values())}
             yield "sites"
             yield from _calibrating(problem, fwd_rt, problem.batches)
             for key, rt in grad_rt.items():
@@ -221,8 +227,10 @@ class FisherEstimator(SensitivityEstimator):
             for key, rt in fwd_rt.items():
                 if key[1] in shared and grad_term:
                     grad_rt[key] = rt
-            weight = self._second_moment(problem, params) if grad_term and self.optimizer == "adam" else None
-            yield "second moment"
+            weight = None
+            if grad_term and self.optimizer == "adam":
+                weight = self._preconditioner(problem, named)
+                yield "second moment"
             for batch in problem.batches:
                 recorder = _Recorder(model, list(dict.fromkeys(sites.values())))
                 with recorder:
@@ -237,19 +245,23 @@ class FisherEstimator(SensitivityEstimator):
                     for i, call in enumerate(recorder.calls[site]):
                         if all(g is None for g in call.grads):
                             continue  # the loss does not depend on this call: zero sensitivity
-                        if grad_term and (site, i) not in references:
-                            references[(site, i)] = self._local_grads(module, call, None)[1]
+                        # A site without parameters of its own (an attention module whose
+                        # projections are layers of their own) has no gradient term without
+                        # ``upstream``: one no-grad run per format gives its forward term.
+                        with_grad = grad_term and (self.upstream or bool(own[site]))
+                        if with_grad and (site, i) not in references:
+                            references[(site, i)] = self._local_grads(module, call, None, own[site])[1]
                         for fmt in lowered:
                             key = (fqn, fmt)
                             with _runtime_errors(fqn, fmt):
-                                if grad_term and fmt in shared:
-                                    out, local = self._local_grads(module, call, grad_rt[key])
+                                if with_grad and fmt in shared:
+                                    out, local = self._local_grads(module, call, grad_rt[key], own[site])
                                 else:
                                     out = self._rerun(module, call, fwd_rt[key])
-                                    local = self._local_grads(module, call, grad_rt[key])[1] if grad_term else None
+                                    local = self._local_grads(module, call, grad_rt[key], own[site])[1] if with_grad else None
                                 forward[key] += n / 2 * self._output_error(call, out, n)
-                                if grad_term:
-                                    grad[key] += self._grad_error(module, call, local, references[(site, i)], params, weight)
+                                if with_grad:
+                                    grad[key] += self._grad_error(call, local, references[(site, i)], own[site], params, weight)
                             yield fqn
                 del recorder, references
         b = len(problem.batches)
@@ -257,9 +269,28 @@ class FisherEstimator(SensitivityEstimator):
         grad = {k: self.lr / 4 * v / b for k, v in grad.items()}
         return forward, grad, b
 
-    def _second_moment(self, problem, params) -> list[torch.Tensor]:
-        """Adam's preconditioner ``1 / (√v + ε)``, v = mean_b g_b² of the FP32 parameter
-        gradients over the batches (one forward + backward each)."""
+    def _own_parameters(self, problem: SensitivityProblem, site: str) -> list[torch.nn.Parameter]:
+        """The parameters whose gradient error a site's local backward scores: all of the site's
+        (recursively) with ``upstream`` or ``site="parent"`` (a caller holds the layer it
+        lowers); with ``site="layer"`` and no ``upstream``, only those no other layer inside the
+        site owns (the attention products' module scores none of its projections' weights:
+        they are upstream or downstream of its matrix products, as any other layer's are)."""
+        module = dict(problem.model.named_modules())[site]
+        params = [p for p in module.parameters() if p.requires_grad]
+        if self.upstream or self.site != "layer":
+            return params
+        inner = [m for name, m in module.named_modules() if name and f"{site}.{name}" in problem.base_plan.layers]
+        others = {id(p) for m in inner for p in m.parameters()}
+        return [p for p in params if id(p) not in others]
+
+    def _preconditioner(self, problem: SensitivityProblem, named: list[tuple[str, torch.nn.Parameter]]) -> list[torch.Tensor]:
+        """Adam's preconditioner ``1 / (√v + ε)``: v from ``problem.second_moment`` (the
+        optimizer's own, bias-corrected) when it has every parameter, else mean_b g_b² of the
+        FP32 parameter gradients over the batches (one forward + backward each)."""
+        given = problem.second_moment
+        if given is not None and all(name in given for name, _ in named):
+            return [1.0 / (given[name].float().sqrt() + self.eps) for name, _ in named]
+        params = [p for _, p in named]
         v = [torch.zeros_like(p, dtype=torch.float32) for p in params]
         for batch in problem.batches:
             loss, _ = problem.loss(batch)
@@ -286,11 +317,11 @@ class FisherEstimator(SensitivityEstimator):
                 total += float(products.square().sum(dtype=torch.float64))
         return total
 
-    def _local_grads(self, module, call: _Call, runtime) -> tuple[Any, tuple[list, list]]:
+    def _local_grads(self, module, call: _Call, runtime, own: list) -> tuple[Any, tuple[list, list]]:
         """The module re-run alone under ``runtime`` (None: plain FP32), with grad: its output,
         and the gradients of its inputs (only with ``upstream``, which needs them) and of its
-        (recursive) parameters against the recorded dL/dy; backward after the context exits,
-        as in training."""
+        parameters ``own`` (`_own_parameters`) against the recorded dL/dy; backward after the
+        context exits, as in training."""
         leaves, spec = pytree.tree_flatten(call.inputs())
         floats = [i for i, t in enumerate(leaves) if torch.is_tensor(t) and t.is_floating_point()]
         inputs = []
@@ -299,7 +330,6 @@ class FisherEstimator(SensitivityEstimator):
                 leaves[i] = leaves[i].detach().requires_grad_(True)
                 inputs.append(leaves[i])
         args, kwargs = pytree.tree_unflatten(leaves, spec)
-        own = [p for p in module.parameters() if p.requires_grad]
         with torch.enable_grad(), (runtime if runtime is not None else contextlib.nullcontext()):
             out = module(*args, **kwargs)
         pairs = [(y, g) for y, g in zip(_float_leaves(out), call.grads) if g is not None and y.requires_grad]
@@ -310,7 +340,7 @@ class FisherEstimator(SensitivityEstimator):
         grads = [None if g is None else g.float() / scale for g in grads]
         return out, (grads[: len(inputs)], grads[len(inputs) :])
 
-    def _grad_error(self, module, call: _Call, local, reference, params, weight) -> float:
+    def _grad_error(self, call: _Call, local, reference, own, params, weight) -> float:
         """Σ_i P_i e_i² over all parameters for one call: own parameters from the local backward
         (``local``, the runtime's; ``reference``, FP32's), upstream ones through one
         vector-Jacobian product of the FP32 graph."""
@@ -325,7 +355,6 @@ class FisherEstimator(SensitivityEstimator):
             return float(e2.sum(dtype=torch.float64))
 
         total = 0.0
-        own = [p for p in module.parameters() if p.requires_grad]
         for p, a, b in zip(own, dw_q, dw):
             if a is not None or b is not None:
                 total += weighted(p, (a if a is not None else 0.0) - (b if b is not None else torch.zeros_like(a)))
@@ -376,14 +405,47 @@ def sensitivity_steps(
     example_inputs: Any = None,
     *,
     estimator: "SensitivityEstimator | None" = None,
+    traced: "Mapping[str, LayerInfo] | None" = None,
+    second_moment: "Mapping[str, torch.Tensor] | None" = None,
 ) -> Generator[str, None, Sensitivity]:
     """`estimate_sensitivity` as a generator of units (`SensitivityEstimator.estimate_steps`):
     it yields a label between units and returns the `Sensitivity`. The model is the
-    estimator's until the generator ends (eval mode, single-layer runtimes installed)."""
+    estimator's until the generator ends (eval mode, single-layer runtimes installed).
+    ``traced``: the model's layers as `find_layers` gave them for ``example_inputs`` (saves a
+    traced forward); ``second_moment``: Adam's, per parameter name (`adam_second_moment`;
+    saves a forward + backward per batch)."""
     estimator = _estimator(estimator)
-    problem = _resolve(model, batches, loss_fn, formats, layers, example_inputs, None)
+    problem = _resolve(model, batches, loss_fn, formats, layers, example_inputs, None, traced=traced, second_moment=second_moment)
     yield "layers"
     return (yield from estimator.estimate_steps(problem))
+
+
+def adam_second_moment(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> "dict[str, torch.Tensor] | None":
+    """Adam's bias-corrected second moment ``v / (1 - β₂^t)`` per parameter name of ``model``,
+    read from the state of ``optimizers`` (torch's Adam / AdamW and any optimizer keeping
+    ``exp_avg_sq`` and ``step`` with ``betas``); None when a trained parameter has no such state
+    (another optimizer, or before its first step). A new tensor per parameter (the parameters'
+    size in FP32, as the estimate from the batches holds), no host sync."""
+    state: dict[int, tuple[Any, float]] = {}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            betas = group.get("betas")
+            for p in group["params"]:
+                s = optimizer.state.get(p, {})
+                if betas is not None and "exp_avg_sq" in s and "step" in s:
+                    state[id(p)] = (s, betas[1])
+    moments = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) not in state:
+            return None
+        s, beta2 = state[id(p)]
+        step = s["step"]
+        # A tensor step (capturable / fused Adam keep it on the device) stays a tensor: no sync.
+        correction = 1 - beta2 ** (step.to(torch.float32) if torch.is_tensor(step) else float(step))
+        moments[name] = s["exp_avg_sq"].detach().float() / correction
+    return moments
 
 
 def _estimator(estimator: "SensitivityEstimator | None") -> SensitivityEstimator:

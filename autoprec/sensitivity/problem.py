@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 
 from .._tracing import module_stack
 from ..calls import ModelCall, fresh, isolated
-from ..coverage import find_layers
+from ..coverage import LayerInfo, find_layers
 from ..errors import FormatError, SensitivityError
 from ..formats import Format, Granularity
 from ..plan import LayerPrecision, Plan
@@ -134,6 +134,8 @@ class SensitivityProblem:
     ``candidates``: format -> the `LayerPrecision` a lowered layer gets. ``layers``: the fqns to
     score, in model order. ``base_plan``: every covered layer FP32 (lowering one layer is
     ``base_plan.with_layers({fqn: precision})``). ``loss_terms``: see the module docstring.
+    ``second_moment``: Adam's bias-corrected second moment per parameter name, from the
+    optimizer that trains the model (`adam_second_moment`); None: estimated from the batches.
     """
 
     model: nn.Module
@@ -143,6 +145,7 @@ class SensitivityProblem:
     layers: tuple[str, ...]
     base_plan: Plan
     loss_terms: "int | Callable[[Any], int] | None" = None
+    second_moment: "Mapping[str, torch.Tensor] | None" = None
 
     def loss(self, batch) -> tuple[torch.Tensor, int]:
         """``(mean loss, N)`` for one batch; raises `SensitivityError` on a bad loss."""
@@ -246,9 +249,11 @@ def _example_from(model: nn.Module, loss_fn: LossFn, batch) -> ModelCall:
     return call
 
 
-def _resolve(model, batches, loss_fn, formats, layers, example_inputs, loss_terms, calibration_batches: "int | None" = None) -> SensitivityProblem:
+def _resolve(model, batches, loss_fn, formats, layers, example_inputs, loss_terms, calibration_batches: "int | None" = None,
+             traced: "Mapping[str, LayerInfo] | None" = None, second_moment: "Mapping[str, torch.Tensor] | None" = None) -> SensitivityProblem:
     """The checked problem; INT8 candidates calibrate on at most ``calibration_batches``
-    (default: the batches given)."""
+    (default: the batches given). ``traced``: the model's layers as `find_layers` gave them for
+    ``example_inputs`` (skips that trace, one forward)."""
     if not isinstance(model, nn.Module):
         raise SensitivityError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(loss_fn):
@@ -264,7 +269,7 @@ def _resolve(model, batches, loss_fn, formats, layers, example_inputs, loss_term
     if example_inputs is None:
         with _eval_mode(model):
             example_inputs = _example_from(model, loss_fn, batches[0])
-    found = find_layers(model, example_inputs)
+    found = dict(traced) if traced is not None else find_layers(model, example_inputs)
     if not found:
         raise SensitivityError(f"{type(model).__name__} has no layer (no module runs a matrix product); nothing to estimate")
     modules = dict(model.named_modules())
@@ -281,7 +286,7 @@ def _resolve(model, batches, loss_fn, formats, layers, example_inputs, loss_term
     if not chosen:
         raise SensitivityError("no layer selected; the layers filter rejected every covered layer")
     base = Plan({fqn: LayerPrecision(Format.FP32) for fqn in found}, fingerprint=found)
-    problem = SensitivityProblem(model, batches, loss_fn, candidates, tuple(chosen), base, loss_terms)
+    problem = SensitivityProblem(model, batches, loss_fn, candidates, tuple(chosen), base, loss_terms, second_moment)
     # One validation up front (names the formats the device cannot run); derived plans skip it.
     for fmt in candidates:
         problem.plan_for(chosen[0], fmt).validate(model)
