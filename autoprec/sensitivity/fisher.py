@@ -424,7 +424,7 @@ def adam_second_moment(model: nn.Module, optimizers: Iterable[torch.optim.Optimi
     """Adam's bias-corrected second moment ``v / (1 - β₂^t)`` per parameter name of ``model``,
     read from the state of ``optimizers`` (torch's Adam / AdamW and any optimizer keeping
     ``exp_avg_sq`` and ``step`` with ``betas``); None when a trained parameter has no such state
-    (another optimizer, or before its first step). A new tensor per parameter (the parameters'
+    (another optimizer, or before its first step) or holds a shard of it (FSDP2). A new tensor per parameter (the parameters'
     size in FP32, as the estimate from the batches holds), no host sync."""
     state: dict[int, tuple[Any, float]] = {}
     for optimizer in optimizers:
@@ -441,6 +441,8 @@ def adam_second_moment(model: nn.Module, optimizers: Iterable[torch.optim.Optimi
         if id(p) not in state:
             return None
         s, beta2 = state[id(p)]
+        if hasattr(s["exp_avg_sq"], "placements"):
+            return None  # a DTensor shard (FSDP2): only the estimate sees whole parameters
         step = s["step"]
         # A tensor step (capturable / fused Adam keep it on the device) stays a tensor: no sync.
         correction = 1 - beta2 ** (step.to(torch.float32) if torch.is_tensor(step) else float(step))
