@@ -367,6 +367,7 @@ class Attribution:
     def __init__(self, max_events: int) -> None:
         self.names = LayerNames()
         self.output_watch: Optional[OutputWatch] = None
+        self._watched: "tuple[nn.Module, list[str]] | None" = None  # the model and layers `watch` was given
         self.steps = 0
         self.skipped_steps = 0
         self.nonfinite_counts: dict[str, int] = {}
@@ -384,13 +385,20 @@ class Attribution:
     def watch(self, model: nn.Module, fqns: Sequence[str], outputs: bool) -> None:
         self.unwatch()
         self.names.watch(model, fqns)
-        if outputs:
-            self.output_watch = OutputWatch(model, fqns).attach()
+        self._watched = (model, list(fqns))
+        self.watch_outputs(outputs)
 
-    def unwatch(self) -> None:
-        if self.output_watch is not None:
+    def watch_outputs(self, on: bool) -> None:
+        """Attach (``on``) or detach the `OutputWatch` on the watched model's layers."""
+        if on and self.output_watch is None and self._watched is not None:
+            self.output_watch = OutputWatch(*self._watched).attach()
+        elif not on and self.output_watch is not None:
             self.output_watch.detach()
             self.output_watch = None
+
+    def unwatch(self) -> None:
+        self.watch_outputs(False)
+        self._watched = None
         self.names.clear()
 
     def _outputs(self) -> tuple[list[str], list[torch.Tensor]]:

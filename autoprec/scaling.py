@@ -241,6 +241,16 @@ class LossScaler(torch.amp.GradScaler):
         self._record.watch(model, fqns, outputs)
         return self
 
+    def watch_outputs(self, on: bool) -> None:
+        """Arm (``on``) or disarm the per-layer output checks on the watched model (as
+        ``watch(..., outputs=on)``, keeping the gradient attribution as it is). Armed, every
+        layer call costs one reduction; nothing before `watch`."""
+        self._record.watch_outputs(on)
+
+    @property
+    def watching_outputs(self) -> bool:
+        return self._record.output_watch is not None
+
     def unwatch(self) -> None:
         """Forget the watched model and remove the output hooks, if any."""
         self._record.unwatch()

@@ -221,9 +221,9 @@ class DynamicPrecisionScheduler:
         self._context_stack: Optional[contextlib.ExitStack] = None
         self._backward_due = False  # a forward with autograd ran since the last backward
         self._skips_in_row = 0
-        # Per-layer output checks (one reduction per layer call) are armed only after a loss went
-        # non-finite, and disarmed after a window without one: clean training does not pay them.
-        self._watch_outputs = False
+        # Per-layer output checks (`LossScaler.watch_outputs`: one reduction per layer call) are
+        # armed only after a loss went non-finite, and disarmed after a window without one: clean
+        # training does not pay them.
         self._nonfinite_losses = 0  # this window's
         # The search in progress (`search.training`), spread over the steps after the window,
         # and what each step ran for it: its kind, its start, its per-layer timer, its bytes.
@@ -382,9 +382,7 @@ class DynamicPrecisionScheduler:
         self._count_skips(skipped, nonfinite)
         if loss_nonfinite:  # on every rank alike: they arm and disarm the watch at the same steps
             self._nonfinite_losses += 1
-            if not self._watch_outputs:  # the next non-finite loss names the layer whose output went first
-                self._watch_outputs = True
-                self._watch()
+            self.scaler.watch_outputs(True)  # the next non-finite loss names the layer whose output went first
         if self._writer is not None:
             self._writer.log_step(self.step_count, loss=self._last_loss, loss_scale=self.scaler.scale_tensor, skipped=skipped)
         if self.config.dynamic and self.plan is not None:
@@ -589,16 +587,17 @@ class DynamicPrecisionScheduler:
     def _new_scaler(self, enabled: bool) -> LossScaler:
         return LossScaler(**dataclasses.asdict(self.config.loss_scaling), enabled=enabled)
 
-    def _watch(self) -> None:
-        """Attribute non-finite gradients to the layers (and outputs, while armed)."""
-        self.scaler.watch(self.model, list(self.layers), outputs=self._watch_outputs)
+    def _watch(self, outputs: bool = False) -> None:
+        """Attribute non-finite gradients to the layers (and check their outputs with ``outputs``)."""
+        self.scaler.watch(self.model, list(self.layers), outputs=outputs)
 
     def _replace_scaler(self, enabled: bool, state: Mapping[str, Any]) -> None:
         """A scaler with ``enabled`` and ``state``, watching the layers in place of the current one."""
+        armed = self.scaler.watching_outputs
         self.scaler.unwatch()  # its hooks would keep recording into a scaler nobody updates
         self.scaler = self._new_scaler(enabled=enabled)
         self.scaler.load_state_dict(state)
-        self._watch()
+        self._watch(outputs=armed)
 
     def _drop_runtime(self) -> None:
         if self._runtime is not None:
@@ -724,9 +723,8 @@ class DynamicPrecisionScheduler:
         self.window_start = self.step_count
         self._window_nonfinite = {}
         self._window_skipped = 0
-        if self._watch_outputs and not self._nonfinite_losses:
-            self._watch_outputs = False
-            self._watch()
+        if not self._nonfinite_losses:
+            self.scaler.watch_outputs(False)
         self._nonfinite_losses = 0
         self._maybe_start_monitor()
 
@@ -769,7 +767,8 @@ class DynamicPrecisionScheduler:
     def _new_search(self, profile, baseline_loss: Optional[float], restore: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> None:
         batches = [(call, grad) for call, grad in self._captured if grad is not None]
         lead = self._dist is None or self._dist.rank == 0
-        self.scaler.unwatch()  # its hooks must not be copied into the search's snapshot
+        armed = self.scaler.watching_outputs
+        self.scaler.watch_outputs(False)  # its hooks must not be copied into the search's snapshot
         try:
             self._searching = TrainingSearch(
                 self.model, self._example, batches, _LinearisedLoss(), profile, config=self.config, baseline_loss=baseline_loss,
@@ -777,7 +776,7 @@ class DynamicPrecisionScheduler:
                 second_moment=adam_second_moment(self.model, self._optimizers) if lead else None, **kwargs,
             )
         finally:
-            self._watch()
+            self.scaler.watch_outputs(armed)
         if lead and not batches and self._searching.candidates is None:
             self._searching.fail(SearchError("no output gradients were captured in the window's last steps; call scheduler.backward(loss) inside the loop"))
 

@@ -741,6 +741,24 @@ def test_scaler_names_first_nonfinite_output_when_the_loss_is_nonfinite():
     assert scaler.get_scale() == 2048.0
 
 
+def test_watch_outputs_arms_and_disarms_the_output_checks_keeping_the_layer_names():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler().watch(model, layers=["0", "2", "4"])
+    with torch.no_grad():
+        model[2].weight[0, 0] = NAN
+    scaled_step(scaler, model, opt, 0)
+    assert scaler.first_nonfinite_output is None and not scaler.watching_outputs  # not armed: not checked
+    scaler.watch_outputs(True)
+    scaled_step(scaler, model, opt, 1)
+    assert scaler.first_nonfinite_output == "2"
+    assert scaler.last_nonfinite_layers == ("0", "2", "4")  # named per watched layer, as before arming
+    scaler.watch_outputs(False)
+    assert not scaler.watching_outputs and all(not m._forward_hooks for m in model)  # its hooks are gone
+    scaled_step(scaler, model, opt, 2)
+    assert scaler.first_nonfinite_output is None
+
+
 def test_grad_scaler_internals_loss_scaler_overrides_keep_their_shape():
     """`LossScaler` overrides GradScaler internals whose shape could change between releases;
     CI runs this on every supported torch (2.11 and 2.13). ``step`` returns what
