@@ -73,6 +73,7 @@ from .scaling import LossScaler, LossScaling
 from .scheduler_config import SchedulerConfig, Thresholds
 from .search.training import TrainingSearch
 from .sensitivity import adam_second_moment
+from .sensitivity.capture import GradientCapture, LinearisedLoss
 
 __all__ = ["DynamicPrecisionScheduler", "SchedulerConfig", "LossScaling", "Thresholds", "PrecisionChange"]
 
@@ -149,20 +150,6 @@ def _needs_loss_scaling(plan: "Plan | None") -> bool:
     return plan is not None and any(lp.grad_format is Format.FP16 for lp in plan.layers.values())
 
 
-class _LinearisedLoss:
-    """``loss_fn(model, batch)`` for the sensitivity estimate: per-row terms of ``y · dL/dy``
-    at the model's prediction (`calls.prediction_of`: its first floating output that is not a
-    ``loss`` field), times the row count, whose mean is the real loss's linearisation (so its
-    gradients, and the Fisher built from them, are the real loss's)."""
-
-    def __call__(self, model: nn.Module, batch) -> torch.Tensor:
-        call, grad = batch
-        out = prediction_of(call(model))
-        rows = out.reshape(-1, out.shape[-1]) if out.dim() > 1 else out.reshape(1, -1)
-        terms = (rows.float() * grad.reshape(rows.shape).float()).sum(-1)
-        return terms * terms.numel()
-
-
 class DynamicPrecisionScheduler:
     """Profiles, searches, applies and keeps re-planning per-layer precision for a training loop.
 
@@ -208,8 +195,7 @@ class DynamicPrecisionScheduler:
         self._loss_sum: Optional[torch.Tensor] = None
         self._loss_count = 0
         self._last_loss: Optional[torch.Tensor] = None
-        self._captured: list[list] = []  # [ModelCall, dL/d prediction or None] of the window's last steps
-        self._capture_handle = None
+        self._capture = GradientCapture(keep=_CAPTURED_STEPS)  # the sensitivity estimate's batches
         self._meter_bytes: Optional[int] = None
         self._meter_next = False
         self._window_skipped = 0  # optimizer steps skipped in this window: such a window is never quiet
@@ -467,8 +453,8 @@ class DynamicPrecisionScheduler:
                     "that forward ran at FP32 and unprofiled; the scheduler's precision applies from the next forward on", type(model).__name__)
         self._enter_step(self._context_stack)
         self._check_output(module, args, kwargs, output)
-        if self._capture_handle is not None:  # this call is one of the window's captured steps
-            self._capture(module, args, kwargs, output)
+        if self._capture.armed:  # this call is one of the window's captured steps
+            self._capture.observe(module, args, kwargs, output)
 
     def _unbound_exit(self) -> str:
         if self.model is not None:
@@ -546,8 +532,8 @@ class DynamicPrecisionScheduler:
             stack.callback(lambda: setattr(self, "_meter_bytes", meter.total_bytes))
             self._meter_next = False
         if self.phase == "profiling" and self.config.dynamic and self.step_count >= self.window_start + self.config.monitor_window - _CAPTURED_STEPS:
-            self._capture_handle = self.model.register_forward_hook(self._capture, with_kwargs=True)
-            stack.callback(self._stop_capture)
+            self._capture.arm(self.model)
+            stack.callback(self._capture.disarm)
 
     def _check_output(self, module, args, kwargs, output) -> None:
         """`ModelCallError` when a dynamic scheduler's model returns no floating-point tensor
@@ -565,22 +551,6 @@ class DynamicPrecisionScheduler:
                 "the scheduler estimates each layer's sensitivity at the model's prediction: return the output (a tensor, or a tuple, dict "
                 "or ModelOutput holding one), or run a fixed plan (DynamicPrecisionScheduler.from_plan)"
             ) from None
-
-    def _capture(self, module, args, kwargs, output) -> None:
-        try:
-            prediction = prediction_of(output)
-        except ModelCallError:
-            return  # nothing to linearise at: the search says no gradients were captured
-        if not prediction.requires_grad:
-            return
-        entry: list = [ModelCall.capture(args, kwargs), None]
-        self._captured = (self._captured + [entry])[-_CAPTURED_STEPS:]
-        prediction.register_hook(lambda g: entry.__setitem__(1, g.detach().clone()))
-
-    def _stop_capture(self) -> None:
-        if self._capture_handle is not None:
-            self._capture_handle.remove()
-            self._capture_handle = None
 
     # -- plans ----------------------------------------------------------------------------------
 
@@ -741,7 +711,8 @@ class DynamicPrecisionScheduler:
         self.last_search_error = None  # back to "profiling"
         self.window_start = self.step_count
         self._window_nonfinite, self._window_skipped = {}, 0
-        self._loss_sum, self._loss_count, self._captured = None, 0, []
+        self._loss_sum, self._loss_count = None, 0
+        self._capture.clear()
         self._start_profiler(self.config.monitor_window)
 
     def _maybe_start_monitor(self) -> None:
@@ -765,13 +736,13 @@ class DynamicPrecisionScheduler:
         self._advance_search()  # its first slice in this step
 
     def _new_search(self, profile, baseline_loss: Optional[float], restore: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> None:
-        batches = [(call, grad) for call, grad in self._captured if grad is not None]
+        batches = self._capture.batches()
         lead = self._dist is None or self._dist.rank == 0
         armed = self.scaler.watching_outputs
         self.scaler.watch_outputs(False)  # its hooks must not be copied into the search's snapshot
         try:
             self._searching = TrainingSearch(
-                self.model, self._example, batches, _LinearisedLoss(), profile, config=self.config, baseline_loss=baseline_loss,
+                self.model, self._example, batches, LinearisedLoss(), profile, config=self.config, baseline_loss=baseline_loss,
                 fingerprint=self._fingerprint, step=self.step_count, known=self._known_times, lead=lead, restore=restore,
                 second_moment=adam_second_moment(self.model, self._optimizers) if lead else None, **kwargs,
             )
@@ -856,7 +827,7 @@ class DynamicPrecisionScheduler:
             self._decide_on_every_rank(decide)
         finally:
             search.close()
-            self._captured = []
+            self._capture.clear()
         logger.info("autoprec: step %d: %s", self.step_count, search.summary())
         if self._writer is not None:
             self._writer.log_search(self.step_count, search.timeline, longest_step_ratio=search.longest_step / search.median_step if search.median_step else None)
@@ -916,7 +887,7 @@ class DynamicPrecisionScheduler:
         self.last_search_error = decision["last_search_error"]
         self._search_failures, self._retry_at = decision["search_failures"], decision["retry_at"]  # every rank retries at one step
         self.searched_plan = None if decision["searched_plan"] is None else Plan.from_dict(decision["searched_plan"])
-        self._captured = []  # rank 0's search consumed its own; these are spent too
+        self._capture.clear()  # rank 0's search consumed its own; these are spent too
         plan = None if decision["plan"] is None else Plan.from_dict(decision["plan"])
         if plan is not None and plan != self.plan:
             self._set_plan(plan, "decided on rank 0", searched=False)
@@ -942,7 +913,7 @@ class DynamicPrecisionScheduler:
             "retry_at": self._retry_at,
             "loss_sum": self._loss_sum,
             "loss_count": self._loss_count,
-            "captured": [(call.to_state(), grad) for call, grad in self._captured],
+            "captured": self._capture.state_dict(),
             "meter_next": self._meter_next,
             "scaler": self.scaler.state_dict(),
             "scaler_enabled": self.scaler.enabled,
@@ -987,7 +958,7 @@ class DynamicPrecisionScheduler:
         self._window_skipped, self._search_failures, self._retry_at, search, known = (state.get(k, d) for k, d in _LATER_STATE.items())
         self._known_times = dict(known)
         self._loss_sum, self._loss_count = state["loss_sum"], state["loss_count"]
-        self._captured = [[ModelCall.from_state(call), grad] for call, grad in state["captured"]]
+        self._capture.load_state_dict(state["captured"])
         self._meter_next = state["meter_next"]
         plan = None if state["plan"] is None else Plan.from_dict(state["plan"])
         self._drop_runtime()
@@ -1039,7 +1010,7 @@ class DynamicPrecisionScheduler:
         self._drop_runtime()
         if self._profiler is not None:
             self._profiler.detach()
-        self._stop_capture()
+        self._capture.disarm()
         self.scaler.unwatch()
         if self._writer is not None:
             self._writer.close()

@@ -586,3 +586,32 @@ def test_base_estimator_says_what_to_implement():
 def test_result_rejects_parts_over_different_pairs():
     with pytest.raises(SensitivityError):
         Sensitivity({"forward": {("a", "bf16"): 1.0}, "grad": {("b", "bf16"): 0.0}}, total_of=("forward", "grad"), method="x", batches=1)
+
+
+# -- what a training loop hands the estimate -------------------------------------------------------
+
+
+def test_captured_steps_give_the_real_losss_gradients_through_the_linearised_loss():
+    from autoprec.sensitivity.capture import GradientCapture, LinearisedLoss
+
+    model, data = _toy()
+    capture = GradientCapture(keep=2)
+    capture.arm(model)
+    for batch in data:  # three steps, the last two kept
+        per_sample_ce(model, batch).mean().backward()
+    capture.disarm()
+    model(data[0][0]).sum().backward()  # disarmed: not kept
+    kept = capture.batches()
+    assert len(kept) == 2
+    for (call, _), batch in zip(kept, data[1:]):
+        torch.testing.assert_close(call.args[0], batch[0])
+        model.zero_grad()
+        LinearisedLoss()(model, (call, _)).mean().backward()
+        linearised = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        per_sample_ce(model, batch).mean().backward()  # the real loss: the same parameter gradients
+        for a, b in zip(linearised, (p.grad for p in model.parameters())):
+            torch.testing.assert_close(a, b)
+    restored = GradientCapture(keep=2)
+    restored.load_state_dict(capture.state_dict())
+    assert [torch.equal(a[1], b[1]) for a, b in zip(restored.batches(), kept)] == [True, True]
