@@ -8,7 +8,7 @@
         scheduler.step(optimizer)         # unscale, attribute, clip, step or skip, update
         optimizer.zero_grad()
 
-Lifecycle (each step of it uses the part that owns it; nothing is re-implemented here):
+Lifecycle (phases and windows: `lifecycle.WindowClock`; each step uses the part that owns it):
 
 1. **Bind** (`_binding`): the model is the outermost module with a matrix parameter called inside
    the first `precision_context`, however it is called (positionally, by keyword, ``**batch``);
@@ -71,6 +71,7 @@ from .policy import PolicyState, PrecisionChange, demotions, promotions, window_
 from .runtime import EmulationWarning, apply_plan
 from .scaling import LossScaler, LossScaling
 from .scheduler_config import SchedulerConfig, Thresholds
+from .lifecycle import CAPTURED_STEPS, WindowClock
 from .search.training import TrainingSearch
 from .sensitivity import adam_second_moment
 from .sensitivity.capture import GradientCapture, LinearisedLoss
@@ -80,7 +81,6 @@ __all__ = ["DynamicPrecisionScheduler", "SchedulerConfig", "LossScaling", "Thres
 logger = logging.getLogger(__name__)
 
 _STATE_VERSION = 2  # 2: the example and captured inputs are ModelCall states (args and kwargs)
-_CAPTURED_STEPS = 2  # steps whose inputs and output gradients feed the sensitivity estimate
 # Steps skipped in a row before a warning (then again at each doubling): a few skips are loss
 # scaling doing its job, ten in a row mean the model diverges at this precision.
 _SKIPS_BEFORE_WARNING = 10
@@ -179,7 +179,8 @@ class DynamicPrecisionScheduler:
         self.layers: tuple[str, ...] = ()
         self._fingerprint: Mapping[str, LayerInfo] = {}  # the bound model's layers, saved in state_dict
         self.step_count = 0
-        self.window_start = 0
+        # The phase and the window (`lifecycle`): changed only through its transitions.
+        self._clock = WindowClock(config.monitor_window, config.profiled_steps, phase="profiling" if plan is None else "planned")
         self.plan: Optional[Plan] = None
         self.searched_plan: Optional[Plan] = plan
         self.changes: list[PrecisionChange] = []
@@ -195,12 +196,10 @@ class DynamicPrecisionScheduler:
         self._loss_sum: Optional[torch.Tensor] = None
         self._loss_count = 0
         self._last_loss: Optional[torch.Tensor] = None
-        self._capture = GradientCapture(keep=_CAPTURED_STEPS)  # the sensitivity estimate's batches
+        self._capture = GradientCapture(keep=CAPTURED_STEPS)  # the sensitivity estimate's batches
         self._meter_bytes: Optional[int] = None
         self._meter_next = False
         self._window_skipped = 0  # optimizer steps skipped in this window: such a window is never quiet
-        self._search_failures = 0  # failed searches in a row: the next retry waits 2**(n-1) windows
-        self._retry_at: Optional[int] = None  # the step at which a failed search profiles again
         self._optimizers_seen: set[int] = set()  # ids of optimizers whose parameters step() checked
         self._optimizers: tuple = ()  # the last step()'s
         self._output_checked = False  # the first forward's output holds a prediction (dynamic only)
@@ -243,11 +242,12 @@ class DynamicPrecisionScheduler:
         failed, see `last_search_error`: training stays at the safe precision)."""
         if self._example is None:
             return "unbound"
-        if self._searching is not None:
-            return "searching"
-        if self.plan is None:
-            return "safe" if self.last_search_error is not None else "profiling"
-        return "planned"
+        return self._clock.phase
+
+    @property
+    def window_start(self) -> int:
+        """The step the current window started at (`lifecycle.WindowClock`)."""
+        return self._clock.window_start
 
     @property
     def distributed(self) -> Optional[RankAgreement]:
@@ -531,7 +531,7 @@ class DynamicPrecisionScheduler:
             meter = stack.enter_context(SavedTensorMeter(list(self.model.parameters())))
             stack.callback(lambda: setattr(self, "_meter_bytes", meter.total_bytes))
             self._meter_next = False
-        if self.phase == "profiling" and self.config.dynamic and self.step_count >= self.window_start + self.config.monitor_window - _CAPTURED_STEPS:
+        if self.config.dynamic and self._clock.captures(self.step_count):
             self._capture.arm(self.model)
             stack.callback(self._capture.disarm)
 
@@ -655,15 +655,15 @@ class DynamicPrecisionScheduler:
         self._profiler.attach()
 
     def _advance(self) -> None:
-        if not self.config.dynamic or self._searching is not None:
+        if not self.config.dynamic:
             return
-        if self.phase == "safe":
-            self._maybe_retry()
+        self._clock, tick = self._clock.after_step(self.step_count)
+        if tick.retry:
+            self._retry()
             return
-        end = self.window_start + self.config.monitor_window
-        if self.step_count == end - 1:
+        if tick.meter_next:
             self._meter_next = True  # measure the saved bytes of the window's last step
-        if self.step_count < end:
+        if not tick.window_end:
             self._maybe_start_monitor()
             return
         if self._writer is not None:  # once per window: one sync for all layers' histograms
@@ -690,7 +690,7 @@ class DynamicPrecisionScheduler:
         self._next_window()
 
     def _next_window(self) -> None:
-        self.window_start = self.step_count
+        self._clock = self._clock.next_window(self.step_count)
         self._window_nonfinite = {}
         self._window_skipped = 0
         if not self._nonfinite_losses:
@@ -698,18 +698,12 @@ class DynamicPrecisionScheduler:
         self._nonfinite_losses = 0
         self._maybe_start_monitor()
 
-    def _maybe_retry(self) -> None:
-        """A failed search (other than budgets no plan meets) is retried: one NaN batch at the end of the first window
-        must not pin the safe precision for the rest of training. After the n-th failure in a
-        row the scheduler stays safe for 2**(n-1) windows (hysteresis: a search that keeps failing,
-        say on a budget no plan meets, costs ever less), then profiles one fresh window and
-        searches again; `last_search_error` keeps the last reason until a search succeeds."""
-        if self._retry_at is None or self.step_count < self._retry_at:
-            return
-        logger.info("autoprec: step %d: profiling again after a failed search (%d in a row): %s", self.step_count, self._search_failures, self.last_search_error)
-        self._retry_at = None
-        self.last_search_error = None  # back to "profiling"
-        self.window_start = self.step_count
+    def _retry(self) -> None:
+        """A failed search (other than budgets no plan meets) is retried: one NaN batch at the end
+        of the first window must not pin the safe precision for the rest of training. The clock
+        waited (`WindowClock.failed`); this profiles one fresh window, whose end searches again."""
+        logger.info("autoprec: step %d: profiling again after a failed search (%d in a row): %s", self.step_count, self._clock.failures, self.last_search_error)
+        self.last_search_error = None
         self._window_nonfinite, self._window_skipped = {}, 0
         self._loss_sum, self._loss_count = None, 0
         self._capture.clear()
@@ -717,7 +711,7 @@ class DynamicPrecisionScheduler:
 
     def _maybe_start_monitor(self) -> None:
         """Profile the last ``monitor_steps`` steps of each planned window."""
-        if self.config.dynamic and self.plan is not None and self._profiler is None and self.step_count >= self.window_start + self.config.monitor_window - self.config.profiled_steps:
+        if self.config.dynamic and self._profiler is None and self._clock.monitors(self.step_count):
             self._start_profiler(self.config.profiled_steps)
 
     def _start_search(self, profile) -> None:
@@ -748,6 +742,7 @@ class DynamicPrecisionScheduler:
             )
         finally:
             self.scaler.watch_outputs(armed)
+        self._clock = self._clock.searching()
         if lead and not batches and self._searching.candidates is None:
             self._searching.fail(SearchError("no output gradients were captured in the window's last steps; call scheduler.backward(loss) inside the loop"))
 
@@ -818,7 +813,7 @@ class DynamicPrecisionScheduler:
             if search.error is not None:
                 self._search_failed(search.error)
             else:
-                self._search_failures = 0
+                self._clock = self._clock.planned(self.step_count)
                 self._set_plan(search.result, f"searched after {search.started} steps, tried on {search.steps} training steps", runtime=search.take_runtime())
                 if self._writer is not None:
                     self._writer.log_memory(self.step_count, predicted_bytes=search.result.predicted.get("bytes"), measured_bytes=search.result.measured.get("saved_bytes"))
@@ -836,14 +831,13 @@ class DynamicPrecisionScheduler:
     def _search_failed(self, exc: AutoprecError) -> None:
         """Keep the safe precision; retry later unless no plan meets the budgets (module doc)."""
         self.last_search_error = str(exc)
-        if isinstance(exc, InfeasibleBudgetError):  # the budgets do not change with the data: final
+        final = isinstance(exc, InfeasibleBudgetError)  # the budgets do not change with the data
+        self._clock = self._clock.failed(self.step_count, final=final)
+        if final:
             logger.warning("autoprec: step %d: search failed, training stays at the safe precision: %s", self.step_count, exc)
             return
-        self._search_failures += 1
-        wait = 2 ** (self._search_failures - 1)
-        self._retry_at = self.step_count + wait * self.config.monitor_window
         logger.warning("autoprec: step %d: search failed, training stays at the safe precision and searches again after %d window(s) (step %d): %s",
-                       self.step_count, wait, self._retry_at, exc)
+                       self.step_count, 2 ** (self._clock.failures - 1), self._clock.retry_at, exc)
 
     def _review_window(self, profile) -> None:
         """Re-calibrate, promote on thresholds, demote after quiet windows (hysteresis)."""
@@ -877,7 +871,7 @@ class DynamicPrecisionScheduler:
             "plan": None if self.plan is None else self.plan.to_dict(),
             "searched_plan": None if self.searched_plan is None else self.searched_plan.to_dict(),
             "changes": [c.to_dict() for c in self.changes], "policy": self._policy.to_dict(), "last_search_error": self.last_search_error,
-            "search_failures": self._search_failures, "retry_at": self._retry_at,
+            "clock": dataclasses.asdict(self._clock),
         }
 
     def _adopt(self, decision: Mapping[str, Any]) -> None:
@@ -885,7 +879,7 @@ class DynamicPrecisionScheduler:
         self.changes = [PrecisionChange.from_dict(c) for c in decision["changes"]]
         self._policy = PolicyState.from_dict(decision["policy"])
         self.last_search_error = decision["last_search_error"]
-        self._search_failures, self._retry_at = decision["search_failures"], decision["retry_at"]  # every rank retries at one step
+        self._clock = WindowClock(**decision["clock"])  # every rank retries, and starts windows, at one step
         self.searched_plan = None if decision["searched_plan"] is None else Plan.from_dict(decision["searched_plan"])
         self._capture.clear()  # rank 0's search consumed its own; these are spent too
         plan = None if decision["plan"] is None else Plan.from_dict(decision["plan"])
@@ -900,7 +894,7 @@ class DynamicPrecisionScheduler:
             "version": _STATE_VERSION,
             "fingerprint": {fqn: info.to_dict() for fqn, info in self._fingerprint.items()},
             "step": self.step_count,
-            "window_start": self.window_start,
+            "window_start": self._clock.window_start,
             "example": None if self._example is None else self._example.to_state(),
             "plan": None if self.plan is None else self.plan.to_dict(),
             "searched_plan": None if self.searched_plan is None else self.searched_plan.to_dict(),
@@ -909,8 +903,8 @@ class DynamicPrecisionScheduler:
             **self._policy.to_dict(),
             "window_nonfinite": dict(self._window_nonfinite),
             "window_skipped": self._window_skipped,
-            "search_failures": self._search_failures,
-            "retry_at": self._retry_at,
+            "search_failures": self._clock.failures,
+            "retry_at": self._clock.retry_at,
             "loss_sum": self._loss_sum,
             "loss_count": self._loss_count,
             "captured": self._capture.state_dict(),
@@ -949,13 +943,13 @@ class DynamicPrecisionScheduler:
         self._check_state_fits(state)
         if self._example is None:
             self._attach(self.model, ModelCall.from_state(state["example"]))  # plan, scaler and profiler come from the state below
-        self.step_count, self.window_start = state["step"], state["window_start"]
+        self.step_count = state["step"]
         self.searched_plan = None if state["searched_plan"] is None else Plan.from_dict(state["searched_plan"])
         self.last_search_error = state["last_search_error"]
         self.changes = [PrecisionChange.from_dict(c) for c in state["changes"]]
         self._policy = PolicyState.from_dict(state)
         self._window_nonfinite = dict(state["window_nonfinite"])
-        self._window_skipped, self._search_failures, self._retry_at, search, known = (state.get(k, d) for k, d in _LATER_STATE.items())
+        self._window_skipped, failures, retry_at, search, known = (state.get(k, d) for k, d in _LATER_STATE.items())
         self._known_times = dict(known)
         self._loss_sum, self._loss_count = state["loss_sum"], state["loss_count"]
         self._capture.load_state_dict(state["captured"])
@@ -976,6 +970,8 @@ class DynamicPrecisionScheduler:
             self._start_profiler(state["profiler"]["window"])
             self._profiler.load_state_dict(state["profiler"]["state"])
         self._close_search()
+        phase = "planned" if plan is not None else "searching" if search is not None else "safe" if self.last_search_error is not None else "profiling"
+        self._clock = WindowClock(self.config.monitor_window, self.config.profiled_steps, phase, state["window_start"], failures, retry_at)
         if search is not None:
             self._resume_search(search)
 
