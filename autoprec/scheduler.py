@@ -8,37 +8,19 @@
         scheduler.step(optimizer)         # unscale, attribute, clip, step or skip, update
         optimizer.zero_grad()
 
-Lifecycle (phases and windows: `lifecycle.WindowClock`; each step uses the part that owns it):
-
-1. **Bind** (`_binding`): the model is the outermost module with a matrix parameter called inside
-   the first `precision_context`, however it is called (positionally, by keyword, ``**batch``);
-   without ``model=`` that first forward runs at FP32, unprofiled. A second model in one context,
-   another model later, or a context that called none is refused in one line.
-2. **Profile** the first ``monitor_window`` optimizer steps at a safe precision (FP32, or BF16
-   when ``max_precision`` is 16) with a `LayerProfiler`, recording the training loss.
-3. **Search** over the following training steps ("searching"; `search.training.TrainingSearch`:
-   probe steps timed in place, off-path work on a snapshot in slices of ``search_slice`` median
-   steps, the exact optimum of `search.pipeline.propose_from`, the two best plans tried on
-   training steps). Budgets no plan meets are final ("safe"); any other failure is retried after
-   2**(n-1) windows, reusing the probe times.
-4. **Watch** every window (a `LayerProfiler` over its last ``monitor_steps`` steps, the scaler's
-   per-layer non-finite counts): a layer is **promoted** (FP8/INT8/FP16 → BF16 → FP32) when a
-   `Thresholds` value is crossed (non-finite gradients at once) and **demoted** one step after
-   ``stable_windows`` quiet windows, a wait that doubles each time a demotion is undone
-   (`policy`); a window with a skipped step is never quiet. INT8 scales are re-calibrated every
-   window; every change is kept in `changes` with its step and reason.
-
-Loss scaling (`autoprec.scaling.LossScaler`) is on only while some layer has FP16 gradients; a
-non-finite gradient skips the step either way and the scaler names the layers whose gradients
-were (a non-finite loss arms an `OutputWatch` that names the first layer whose output went
-inf/NaN). `state_dict` covers everything: a resumed run continues exactly as the uninterrupted
-one. Under ``torch.distributed`` (DDP or FSDP2) the ranks agree through `autoprec.distributed`.
+Binding (`_binding`): the model is the outermost module with a matrix parameter called inside
+the first `precision_context`, however it is called; without ``model=`` that first forward runs
+at FP32, unprofiled. The phases (`lifecycle.WindowClock`): **profiling** the first window at a
+safe precision (FP32, or BF16 when ``max_precision`` is 16); **searching** over the next training
+steps (`search.training.TrainingSearch`); **planned**, where each window's profile and the
+scaler's per-layer non-finite counts promote or demote layers (`policy`, kept in `changes`) and
+INT8 scales are re-calibrated; or **safe** after a failed search (retried, unless no plan meets
+the budgets). Loss scaling (`scaling.LossScaler`) is on only while some layer has FP16
+gradients. `state_dict` covers everything (a resumed run continues exactly); under
+``torch.distributed`` the ranks agree through `distributed`.
 
 Costs per step: the runtime's, the scaler's one host sync per optimizer, and in monitored steps
-the profiler's (`autoprec.bench.measure_overhead`). A search costs a copy of the weights while it
-runs, the per-layer timer's hooks in probe steps, and off-path work of about one forward per
-layer role plus a forward and weight-gradient product per (layer, format), spread over steps; its
-timeline (log line and ``search/*`` TensorBoard scalars) says where.
+the profiler's (`autoprec.bench.measure_overhead`); a search's are in `search.training`.
 """
 
 from __future__ import annotations

@@ -16,17 +16,10 @@ How one step is attributed (`StepTimer`):
   gradient accumulation of the parameters it owns, each node timed by a pre-hook and a hook;
 - **rest**: the step's time outside every layer (embeddings, norms, the loss, the optimizer).
 
-Each plan runs on one copy of the model under ``apply_plan``, the plans interleaved round by
-round (one step of each per round, the first rotated) so that the machine's drift spreads over
-all of them; medians over the timed rounds are kept. A plan whose first step runs past
-``slow_factor`` times the first plan's (a format with only a reference kernel here: FP8
-``torch._scaled_mm`` on a CPU can be a thousand times slower than FP32) is stopped at the next
-layer it enters and never timed further: each of its layers costs the first plan's time of that
-layer times the median slowdown of the layers whose forward finished (a host-clock deadline, so
-on CUDA, where the host runs ahead of the device, it rarely fires); the slowdowns are taken
-against the first plan's median forward times, not its cold first step. Costs per step: two Python calls per layer
-forward and per autograd node of a layer, one walk of the autograd graph, and on CUDA two events
-per timed span and one host sync (elapsed times are read after it).
+`measure_in_place` runs each plan on one copy of the model, the plans interleaved round by round
+(medians over the timed rounds; a plan far slower than the first is stopped and extrapolated).
+Costs per step: two Python calls per layer forward and per autograd node of a layer, one walk
+of the autograd graph, and on CUDA two events per timed span and one host sync.
 """
 
 from __future__ import annotations
@@ -78,7 +71,7 @@ class _TooSlow(Exception):
 
 
 class StepTimer:
-    """Attributes one training step's time to layers (see the module docstring).
+    """Attributes one training step's time to layers (the module docstring says how).
 
     Install once with `__enter__` (forward hooks), call `before_backward(loss)` between the
     forward and the backward (registers node hooks), and `finish()` after the backward: it
@@ -248,9 +241,14 @@ def measure_in_place(
     ``layers``: the fqns timed (the plans' layers). ``blocks``: recompute blocks whose whole
     forward is timed too (`InPlaceTimes.block_seconds`), in the plans' own steps: two more host
     marks (CUDA events) per block forward. ``loss_fn(model, batch)``: the loss (default:
-    the mean of the floating outputs). A plan whose first step raises is left out with a warning;
-    one slower than ``slow_factor`` times the first plan is extrapolated (module docstring).
-    Cost: ``len(plans) × (1 + warmup + steps)`` training steps plus the hooks' overhead (module
+    the mean of the floating outputs). A plan whose first step raises is left out with a warning.
+    The plans run interleaved round by round (one step of each per round, the first rotated) so
+    the machine's drift spreads over all of them; medians over the timed rounds are kept. A plan
+    whose first step runs past ``slow_factor`` times the first plan's (a format with only a
+    reference kernel here: FP8 ``torch._scaled_mm`` on a CPU can be a thousand times slower than
+    FP32) is stopped at the next layer it enters: each of its layers costs the first plan's median
+    time of that layer times the median slowdown of the layers whose forward finished (a
+    host-clock deadline, so on CUDA, where the host runs ahead, it rarely fires). Cost: ``len(plans) × (1 + warmup + steps)`` training steps plus the hooks' overhead (module
     docstring), a stopped plan one partial step; the RNG is left as it was.
     """
     clone = copy.deepcopy(model)

@@ -2,37 +2,23 @@
 
 Built from one traced forward (`trace.trace_model`), the memory arithmetic (`memory`) and
 per-layer times. A plan's predicted step time is the sum of its layers' times plus a
-format-independent *rest of the step* (everything outside the layers: embeddings, norms, the
-loss, the optimizer).
+format-independent *rest of the step* (embeddings, norms, the loss, the optimizer).
 
-Times are measured **in place** by default (`inplace.measure_in_place`): real training steps of
-the model under each format's uniform plan, each layer's forward and backward timed where it
-runs, and the rest taken as the FP32 step minus its layers in the same steps. This was chosen
-over calibrating the per-call replays (`timing.MeasuredTimeModel`) against one real step
-because one scale factor cannot fix the replays' error, which is a per-call fixed cost that
-weighs differently on every layer size and format; in place, the prediction for every uniform
-plan is its measured step by construction, and a mixed plan's is the sum of the same layers'
-in-place times. The replays remain for a format asked for after building (or one whose uniform
-plan cannot run), and as an explicit ``time_model``. Its predicted bytes are the sum of its
-layers' bytes plus what ops outside the layers save for backward, measured once with an FP32
-region and once with a low-precision one (activations between layers are then 2 bytes wide),
-plus, for each layer kept FP32 inside a low-precision region, the measured extra that costs (its
-FP32 output widens what the ops after it save; its half inputs are upcast copies).
+**Times** are measured **in place** by default (`inplace.measure_in_place`): real training steps
+under each format's uniform plan, each layer's forward and backward timed where it runs, the rest
+being the FP32 step minus its layers. So every uniform plan's prediction is its measured step,
+and a mixed plan's the sum of the same layers' in-place times (calibrating per-call replays
+against one step cannot: their error is a per-call fixed cost that weighs differently on every
+layer size and format). Replays (`timing.MeasuredTimeModel`) remain for a format asked for
+later, or one whose uniform plan cannot run.
 
-**Recompute blocks** (`autoprec.blocks`, `BlockCost`): built with ``blocks=``, the model also
-costs recomputing each block (its forward run again in the backward instead of its activations
-kept). Bytes: the saved bytes of one forward of a uniform plan minus those of the same plan with
-the block recomputed, measured with the saved-tensor meter in the FP32 region and in the lowered
-one (the checkpoint keeps the block's inputs, and the meter counts them, so this is what the
-block holds beyond its input). A mixed plan frees its layers' modelled saved bytes in their own
-formats plus the block's measured remainder (what ops between its layers save, less its input)
-of the plan's region: the remainder is the one figure not re-measured per format. Seconds: one
-more forward of the block, its layers' forwards in their formats plus its own ops' forward, all
-measured in place in the uniform plans' steps (the block's forward timed whole, its layers
-alone); a format not timed in place takes the layer's replayed time times the share of its FP32
-step time that the FP32 forward took (or a third, by the 2:4 forward-to-backward FLOP count of
-Kaplan et al. 2020, sec. 2.1, when nothing was timed in place). The extra bytes of an FP32 layer
-inside a lowered region (below) are never counted as freed: predictions err toward more memory.
+**Bytes**: the layers' own plus what ops outside layers save, measured with an FP32 region and a
+low-precision one (`region_bytes_steps`), plus for each FP32 layer inside a low region the
+measured extra that costs. Predictions err toward more memory.
+
+**Recompute blocks** (`autoprec.blocks`, built with ``blocks=``): what recomputing each block
+frees and costs, `BlockCost` (measured per region, `block_bytes_steps`; its seconds one more
+forward of the block, timed in place).
 
 `autoprec.bench.check_uniform_ranking` checks the model against reality: predicted and measured
 step times of the uniform plans on a workload, ranked.
@@ -133,8 +119,19 @@ class PlanCost:
 
 @dataclasses.dataclass(frozen=True)
 class BlockCost:
-    """What recomputing one block costs and frees (module docstring), per region: index 0 an
-    all-FP32 plan, 1 a plan with any layer lowered.
+    """What recomputing one block costs and frees, per region: index 0 an all-FP32 plan, 1 a
+    plan with any layer lowered.
+
+    Bytes are measured with the saved-tensor meter: the uniform plan's saved bytes less those of
+    the same plan with the block recomputed (the checkpoint keeps the block's inputs and the
+    meter counts them, so this is what the block holds beyond its input). A mixed plan frees its
+    layers' modelled saved bytes in their own formats plus the block's measured remainder in the
+    plan's region (the one figure not re-measured per format). Seconds: one more forward of the
+    block, its layers' forwards in their formats plus its own ops', measured in place in the
+    uniform plans' steps; a format not timed in place takes the layer's replayed time times the
+    share of its FP32 step time the FP32 forward took (a third, by the 2:4 forward-to-backward
+    FLOP count of Kaplan et al. 2020, sec. 2.1, when nothing was timed in place). The extra bytes
+    of an FP32 layer inside a lowered region are never counted as freed.
 
     ``freed_bytes``: measured, the uniform plan's saved bytes less those with this block
     recomputed. ``other_bytes``: that less its layers' modelled saved bytes in the region's
@@ -181,7 +178,7 @@ class CostModel:
         self.rest_saved_bytes = tuple(rest_saved_bytes) if rest_saved_bytes is not None else (trace.rest_saved_bytes, trace.rest_saved_bytes)
         # fqn -> extra bytes saved when that layer stays FP32 inside a lowered region (see build).
         self.fp32_in_region_bytes = dict(fp32_in_region_bytes or {})
-        # block fqn -> what recomputing it frees and costs (module docstring); empty: none costed.
+        # block fqn -> what recomputing it frees and costs (`BlockCost`); empty: none costed.
         self.blocks: dict[str, BlockCost] = dict(blocks or {})
         self._times: dict[tuple[str, Format], TimeEstimate] = {}
         self.formats = tuple(Format.parse(f) for f in formats)
@@ -219,7 +216,7 @@ class CostModel:
         layers, formats and device, and written to (atomically) when measured — so a resumed job
         predicts exactly what the interrupted one did.
         ``blocks``: fqns of recompute units (`autoprec.blocks.find_blocks`) to cost
-        (`BlockCost`, module docstring); their forwards are timed in the same steps and kept
+        (`BlockCost`); their forwards are timed in the same steps and kept
         in ``times_file`` with the layers' times.
 
         Cost: one FP32 forward (trace), one low-precision forward per layer + 1 (bytes saved
@@ -320,7 +317,7 @@ class CostModel:
     def block_bytes_steps(self, model: nn.Module, example_inputs: Any, loss_fn: Optional[Callable],
                           blocks: Mapping[str, Sequence[str]]) -> Iterator[str]:
         """Measure what recomputing each of ``blocks`` (fqn -> its traced layers) frees, into
-        `blocks` (`BlockCost`; module docstring): per region (the FP32 plan, the uniform plan in
+        `blocks` (`BlockCost`): per region (the FP32 plan, the uniform plan in
         `region_format`) one forward as it is and one per block recomputed, autograd on and no
         backward. A generator yielding each block's fqn once costed; the in-place times (when
         measured) must be set before, since the block's own forward seconds are taken from them."""
@@ -353,7 +350,7 @@ class CostModel:
 
     def layer_forward_seconds(self, fqn: str, fmt: "Format | str") -> float:
         """Seconds of one forward of layer ``fqn`` in ``fmt`` (its share of one more forward of a
-        recomputed block): timed in place when ``fmt`` was, else derived (module docstring)."""
+        recomputed block): timed in place when ``fmt`` was, else derived (`BlockCost`)."""
         fmt = Format.parse(fmt)
         times = self.in_place.get(fmt)
         if times is not None and fqn in times.forward_seconds:

@@ -1,45 +1,26 @@
 """Per-layer statistics over a monitor window: `LayerProfiler` gathers them, `Profile` keeps them.
 
-Modules: `stats` (histograms, format fractions, per-tensor and gradient statistics), `artifact`
-(the `Profile` and its JSON), `profiler` (`LayerProfiler`, the hooks), `drivers` (profiling the
-built-in workload's training steps). TensorBoard writing is `autoprec.monitoring.profile`, the
-overhead benchmark `autoprec.bench.measure_overhead`.
+Modules: `stats` (histograms, format fractions, per-tensor and gradient statistics; the binning
+and the under/overflow rule per format), `artifact` (the `Profile` and its JSON), `profiler`
+(`LayerProfiler`, the hooks; its docstring gives the costs and the subsampling's error bounds),
+`drivers` (profiling the built-in workload's training steps).
 
-The profiler watches every covered layer (the runtime's rule: `autoprec.coverage.find_layers`)
-for ``window`` optimizer steps and records, per layer:
-
-- **gradient mean, variance and noise-to-signal ratio** of the layer's own parameters, streamed
-  over every step with Welford's algorithm per element (``mean``/``M2`` on the device):
-  ``var`` is the mean over elements of the unbiased variance across steps, and
-  ``nsr = E‖g − ḡ‖² / ‖ḡ‖²``. Times the batch size it estimates the "simple noise scale"
-  ``tr(Σ)/|G|²`` of McCandlish et al. 2018 (arXiv:1812.06162), whose Σ is per example;
-- for three **tensor kinds** — ``weight`` (the layer's own parameters of two or more dimensions,
-  the operands its matrix product reads), ``activation`` (the layer's input: the first floating
-  tensor among its arguments) and ``grad`` (the gradient of the layer's output, what an FP8
-  layer quantizes to E5M2 in backward): the per-step amax history, histograms of ``|x|``, the
-  fractions of values that would underflow / overflow each candidate format after that format's
-  scaling, the mean and variance of the values, and non-finite counts.
-
-No host-device sync per step: every accumulator is a device tensor updated in place, and
-`LayerProfiler.profile` syncs once at the end. The costs and the subsampling (with its error
-bounds) are in `LayerProfiler`'s docstring; the histogram binning and the under/overflow rules
-per format in `autoprec.profiling.stats`.
-
-Usage::
+Per covered layer (`coverage.find_layers`) over ``window`` optimizer steps: the **gradient mean,
+variance and noise-to-signal ratio** ``E‖g − ḡ‖² / ‖ḡ‖²`` of its own parameters (Welford per
+element; times the batch size, McCandlish et al.'s simple noise scale, arXiv:1812.06162), and
+for the ``weight``, ``activation`` (its input) and ``grad`` (dL/d its output) tensors: the amax
+history, histograms of ``|x|``, the fractions under/overflowing each candidate format after its
+scaling, mean, variance and non-finite counts. No host sync per step (device accumulators;
+`LayerProfiler.profile` syncs once); forwards under ``torch.no_grad`` are ignored; the hooks
+never change numerics. Profile without loss scaling (or divide by the scale yourself).
 
     profiler = LayerProfiler(model, example_inputs=x, window=500)
     with profiler:                            # attach hooks; exit removes them
         for x, y in loader:
-            loss = loss_fn(model(x), y)
-            loss.backward()
+            model(x).loss.backward()
             profiler.step()                   # after backward, before clipping / optimizer.step
             optimizer.step(); optimizer.zero_grad()
-    profile = profiler.profile()              # one sync
-    profile.save("profile.json")
-
-Statistics are gathered from forwards run with gradients enabled (training steps); forwards under
-``torch.no_grad`` (evaluation) are ignored. Gradients are seen as autograd produces them: profile
-without loss scaling (or divide by the scale yourself). The hooks never change numerics.
+    profiler.profile().save("profile.json")   # one sync
 """
 
 

@@ -1,34 +1,25 @@
 """The scheduler's search, spread over training steps: `TrainingSearch`.
 
-Run at once at a window's end, a search holds training for the whole of its work (per-layer
-timing of every format, the region bytes, the sensitivity estimate): hundreds of steps' worth on
-a small GPT. Here it never holds one step for long, and most of it costs no extra compute:
+Run at once at a window's end, a search would hold training for all of its work. Here no step
+is held for long, and most of the work trains the model:
 
-- **Probe steps** (training steps, nothing extra): the steps after the window run *probe plans*
-  in which up to three layers of each role (`LayerInfo.role`: the same projection in every
-  block) cycle through the formats they may take, staggered so each step holds a mix.
-  Each probe step is timed in place (`costs.inplace.StepTimer`); a (role, format)'s seconds are
-  the median over its layers and steps, and serve every layer of that role. Times already known
-  on this device (an earlier search) are not probed again.
-- **Off-path units** on a snapshot of the model (a copy of its weights, held until the search
-  ends): the trace, the region bytes (one forward per role), the sensitivity estimate
-  (`sensitivity_steps` on the last captured batch, each layer's output error and the gradient
-  term of its own parameters: ``FisherEstimator(upstream=False, site="layer")``, preconditioned
-  by the training optimizer's Adam state when it has one), then the
-  exact solve. They run after
-  training steps in slices (`work(seconds)`: a unit starts when it fits); a unit is at most
-  one forward + backward.
+- **Probe steps** (training steps): up to three layers of each role (`LayerInfo.role`: the same
+  projection in every block) cycle through their formats, staggered so each step mixes them,
+  timed in place (`costs.inplace.StepTimer`); a (role, format)'s median serves every layer of
+  the role, and later searches on this device (`known`).
+- **Off-path units** on a snapshot of the weights, in slices after training steps (`work`: a
+  unit, at most one forward + backward, starts when it fits): the trace, the region bytes (one
+  forward per role), the sensitivity estimate on the last captured batch
+  (``FisherEstimator(upstream=False, site="layer")``, Adam's v from the training optimizer when
+  it has one), then the exact solve.
 - **Trial steps** (training steps): the ``CANDIDATES`` best plans each run until their INT8
-  scales froze, then ``TIMED_TRIAL_STEPS`` timed steps; the first is metered for saved bytes.
-  A candidate with a skipped (non-finite) step is dropped at once, one whose measured bytes
-  break the memory budget when choosing (its steps train as any other); the fastest kept one
-  is the result, adopted with its runtime.
+  scales froze, then ``TIMED_TRIAL_STEPS`` timed steps (the first metered for bytes); one with a
+  skipped step or over the memory budget is dropped; the fastest kept one is adopted with its
+  runtime.
 
-Every step is the user's real training step: none is lost or repeated, and probe and trial
-steps differ from safe-precision steps only by their formats' rounding (loss scaling stays as
-it is during the search: FP16 gradients run unscaled in those few steps). The `timeline`
-records each stage's seconds (off-path work, and what probe and trial steps took beyond the
-median safe step) for the log and TensorBoard.
+No step is lost or repeated: probe and trial steps differ from safe ones only by their formats'
+rounding (FP16 gradients run unscaled in those few steps). `timeline` holds each stage's seconds
+(off-path work, and what probe and trial steps took beyond the median safe step).
 """
 
 from __future__ import annotations
