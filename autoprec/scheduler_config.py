@@ -15,7 +15,7 @@ from .blocks import check_block_patterns
 from .errors import SearchError, SettingsError
 from .formats import Format
 from .scaling import LossScaling
-from .search.space import DEFAULT_CANDIDATES, Budgets, LayerRules, formats_for_precision, memory_budget, MEMORY_SPELLINGS
+from .search.space import DEFAULT_CANDIDATES, Budgets, LayerRules, Planning, formats_for_precision, memory_budget, MEMORY_SPELLINGS
 
 __all__ = ["SchedulerConfig", "Thresholds", "GRAD_COMM"]
 
@@ -182,6 +182,12 @@ class SchedulerConfig:
     @property
     def budgets(self) -> Budgets:
         return Budgets(self.memory_budget, self.accuracy_budget, self.accuracy_relative)
+
+    @property
+    def planning(self) -> Planning:
+        """The search's settings as one `Planning` (one plan: the optimum)."""
+        return Planning(self.candidates, self.rules, self.budgets, self.min_precision, self.max_precision, self.lr,
+                        k=1, time_limit=self.search_timeout_s, measure=self.measure_costs)
 
     @property
     def profiled_steps(self) -> int:

@@ -129,3 +129,17 @@ def test_non_finite_or_unbounded_values_are_refused(tmp_path, old, new, expected
 def test_a_huge_number_of_held_out_batches_is_refused(tmp_path):
     message = error_of(write(tmp_path, GOOD + "\n[measure]\nval_batches = 100000000\n"))
     assert "[measure].val_batches: expected an integer from 2 to 1024" in message
+
+
+def test_the_job_and_the_scheduler_hand_the_pipeline_one_planning_of_their_settings(tmp_path):
+    from autoprec.scheduler_config import SchedulerConfig
+    from autoprec.search.space import Budgets, LayerRules, Planning
+
+    job = load_job(write(tmp_path, GOOD.replace("seed = 3", "seed = 3\ntimeout_s = 7.5")))
+    assert job.planning(3e-4) == Planning(
+        (Format.FP32, Format.BF16, Format.FP8_E4M3, Format.INT8), job.rules, Budgets(0.5, 0.01), 8, 32, 3e-4, k=5, time_limit=7.5)
+    rules = LayerRules(pin={"lm_head": Format.BF16})
+    config = SchedulerConfig(max_precision=16, memory_budget="6GiB", accuracy_budget=0.02, accuracy_relative=False, rules=rules,
+                             search_timeout_s=5.0, lr=2e-4, measure_costs=False)
+    assert config.planning == Planning((Format.BF16, Format.FP16, Format.FP8_E4M3, Format.INT8), rules,
+                                       Budgets(6 * 2**30, 0.02, False), 8, 16, 2e-4, k=1, time_limit=5.0, measure=False)

@@ -35,7 +35,7 @@ from .. import workload
 from ..errors import FormatError, SearchError
 from ..formats import Format
 from .study import JOURNAL_SCHEME, JOURNAL_SUFFIXES
-from .space import DEFAULT_CANDIDATES, MEMORY_SPELLINGS, Budgets, LayerRules, formats_for_precision, memory_budget
+from .space import DEFAULT_CANDIDATES, MEMORY_SPELLINGS, Budgets, LayerRules, Planning, formats_for_precision, memory_budget
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -75,6 +75,12 @@ class JobConfig:
     # gaps between the best plans, so that at 7.5 % even measuring every plan once kept one over
     # 3 % slower in half the replays; 10 steps halve that noise (README, regret).
     measure_steps: int = 10
+
+    def planning(self, lr: float) -> Planning:
+        """The search's settings as one `Planning`: ``measure_top`` plans, the integer programs
+        bounded by ``timeout_s``; ``lr``: the workload's learning rate (the sensitivity's)."""
+        return Planning(self.formats, self.rules, self.budgets, self.min_precision, self.max_precision, lr,
+                        k=self.measure_top, time_limit=self.timeout_s)
 
     @property
     def storage_url(self) -> str:

@@ -373,10 +373,8 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
     # The in-place times are kept in the out folder: a re-run predicts exactly what this run did,
     # so the same candidates come out and the measured study gets no new trial.
     proposal = propose_plans(
-        model, example_inputs, train[: config.sensitivity_batches], workload.loss, profile,
-        budgets=config.budgets, baseline_loss=stage.baseline_loss, k=config.measure_top,
-        formats=config.formats, rules=config.rules, min_precision=config.min_precision, max_precision=config.max_precision,
-        lr=lr, metadata=meta, fingerprint=fingerprint, time_limit=config.timeout_s, source=f"{config.source}: ",
+        model, example_inputs, train[: config.sensitivity_batches], workload.loss, profile, config.planning(lr),
+        baseline_loss=stage.baseline_loss, metadata=meta, fingerprint=fingerprint, source=f"{config.source}: ",
         cost_inputs=train[0], cost_loss_fn=workload.loss, times_file=config.out / "costs.json", progress=progress, blocks=blocks,
     )
     found, optimum = proposal.found, proposal.optimum

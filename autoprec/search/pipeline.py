@@ -29,9 +29,9 @@ from ..formats import Format
 from ..runtime import EmulationWarning
 from .exact import Solution, k_best
 from .planner import build_space, in_budget_terms, layer_reasons, plan_from_solution
-from .space import Budgets, LayerRules, SearchSpace
+from .space import Budgets, Planning, SearchSpace
 
-__all__ = ["Space", "Optimum", "Proposal", "measure_space", "solve_in_budgets", "propose_plans", "propose_from"]
+__all__ = ["Planning", "Space", "Optimum", "Proposal", "measure_space", "space_of", "solve_in_budgets", "propose_plans", "propose_from"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,15 +94,10 @@ def measure_space(
     batches: Sequence[Any],
     loss_fn: Callable[[nn.Module, Any], Any],
     profile: Any,
+    planning: Planning,
     *,
-    formats: Sequence[Format],
-    rules: LayerRules,
-    min_precision: int,
-    max_precision: int,
-    lr: float,
     cost_inputs: Any = None,
     cost_loss_fn: Optional[Callable] = None,
-    measure: bool = True,
     times_file: Any = None,
     progress: Optional[Callable[[int, int, str], None]] = None,
     blocks: Sequence[str] = (),
@@ -111,7 +106,7 @@ def measure_space(
 
     ``batches`` / ``loss_fn``: what the sensitivity estimate differentiates; ``cost_inputs`` /
     ``cost_loss_fn``: the training step the cost model times (default: ``example_inputs``, a
-    forward alone); ``measure=False``: roofline times instead of measured ones; ``times_file``:
+    forward alone); ``times_file``:
     keep the measured times there and reuse them; ``blocks``: recompute units the search may
     recompute (`autoprec.blocks.find_blocks`; none: formats only). Cost: the cost model's
     in-place timing (one pass per uniform plan unless cached), two forwards per block and region
@@ -126,16 +121,22 @@ def measure_space(
         warnings.simplefilter("ignore", EmulationWarning)  # the plan names its emulated layers itself
         costs = CostModel.build(
             model, cost_inputs if cost_inputs is not None else example_inputs, loss_fn=cost_loss_fn,
-            formats=formats, measure=measure, times_file=times_file, blocks=list(blocks),
+            formats=planning.formats, measure=planning.measure, times_file=times_file, blocks=list(blocks),
         )
         if progress is not None:
             progress(0, 1, "estimating sensitivity")
         sensitivity = estimate_sensitivity(
-            model, batches, loss_fn, [f for f in formats if f is not Format.FP32],
-            layers=list(costs.layers), example_inputs=example_inputs, estimator=FisherEstimator(lr=lr),
+            model, batches, loss_fn, [f for f in planning.formats if f is not Format.FP32],
+            layers=list(costs.layers), example_inputs=example_inputs, estimator=FisherEstimator(lr=planning.lr),
         )
-    space, ruled_out = build_space(costs, sensitivity, profile, formats=formats, rules=rules,
-                                   min_precision=min_precision, max_precision=max_precision)
+    return space_of(costs, sensitivity, profile, planning)
+
+
+def space_of(costs: Any, sensitivity: Any, profile: Any, planning: Planning) -> Space:
+    """The search space of measured ``costs`` and ``sensitivity`` (`planner.build_space`), less
+    the formats ``profile`` saw overflow."""
+    space, ruled_out = build_space(costs, sensitivity, profile, formats=planning.formats, rules=planning.rules,
+                                   min_precision=planning.min_precision, max_precision=planning.max_precision)
     return Space(costs, sensitivity, space, ruled_out)
 
 
@@ -161,52 +162,42 @@ def propose_plans(
     batches: Sequence[Any],
     loss_fn: Callable[[nn.Module, Any], Any],
     profile: Any,
+    planning: Planning,
     *,
-    budgets: Budgets,
     baseline_loss: Optional[float],
-    k: int = 1,
-    formats: Sequence[Format],
-    rules: LayerRules,
-    min_precision: int,
-    max_precision: int,
-    lr: float,
     metadata: Optional[Mapping[str, Any]] = None,
     fingerprint: Any = None,
-    time_limit: Optional[float] = None,
     source: str = "",
     **measure_kwargs: Any,
 ) -> Proposal:
-    """The whole planning pipeline (see the module docstring): `measure_space`, then the ``k``
-    best plans under ``budgets`` (`solve_in_budgets`), each made a `Plan` with a reason per layer,
-    its predicted figures, the budgets (with ``baseline_loss``), ``metadata`` plus its rank and
-    predicted step time against the optimum's, and ``fingerprint`` (`find_layers` of the model).
+    """The whole planning pipeline (see the module docstring): `measure_space`, then the
+    ``planning.k`` best plans under its budgets (`solve_in_budgets`), each made a `Plan` with a
+    reason per layer, its predicted figures, the budgets (with ``baseline_loss``), ``metadata``
+    plus its rank and predicted step time against the optimum's, and ``fingerprint``
+    (`find_layers` of the model).
 
-    ``measure_kwargs``: `measure_space`'s ``cost_inputs``, ``cost_loss_fn``, ``measure``,
-    ``times_file``, ``progress`` and ``blocks``. ``time_limit``: seconds for the integer programs (the costs
-    and sensitivity are not bounded by it). Raises `InfeasibleBudgetError` (prefixed with
-    ``source``) when no plan meets the budgets on the predictions.
+    ``measure_kwargs``: `measure_space`'s ``cost_inputs``, ``cost_loss_fn``, ``times_file``,
+    ``progress`` and ``blocks``. ``planning.time_limit`` bounds the integer programs (not the
+    costs and sensitivity). Raises `InfeasibleBudgetError` (prefixed with ``source``) when no
+    plan meets the budgets on the predictions.
     """
-    found = measure_space(model, example_inputs, batches, loss_fn, profile, formats=formats, rules=rules,
-                          min_precision=min_precision, max_precision=max_precision, lr=lr, **measure_kwargs)
-    return propose_from(found, budgets=budgets, baseline_loss=baseline_loss, k=k, rules=rules, metadata=metadata,
-                        fingerprint=fingerprint, time_limit=time_limit, source=source)
+    found = measure_space(model, example_inputs, batches, loss_fn, profile, planning, **measure_kwargs)
+    return propose_from(found, planning, baseline_loss=baseline_loss, metadata=metadata, fingerprint=fingerprint, source=source)
 
 
 def propose_from(
     found: Space,
+    planning: Planning,
     *,
-    budgets: Budgets,
     baseline_loss: Optional[float],
-    k: int = 1,
-    rules: LayerRules,
     metadata: Optional[Mapping[str, Any]] = None,
     fingerprint: Any = None,
-    time_limit: Optional[float] = None,
     source: str = "",
 ) -> Proposal:
-    """`propose_plans` from a space already measured: the ``k`` best plans under ``budgets``
-    (`solve_in_budgets`), each a `Plan` with its reasons, predicted figures and metadata."""
-    optimum = solve_in_budgets(found, budgets, baseline_loss, source, k, time_limit)
+    """`propose_plans` from a space already measured: the ``planning.k`` best plans under its
+    budgets (`solve_in_budgets`), each a `Plan` with its reasons, predicted figures and metadata."""
+    budgets, rules = planning.budgets, planning.rules
+    optimum = solve_in_budgets(found, budgets, baseline_loss, source, planning.k, planning.time_limit)
     budgets_meta = {
         "memory": budgets.memory, "memory_bytes": optimum.memory, "accuracy": budgets.accuracy,
         "accuracy_relative": budgets.accuracy_relative, "loss_increase": optimum.loss_budget, "baseline_loss": baseline_loss,

@@ -26,7 +26,7 @@ from ..device import format_support
 from ..errors import SearchError
 from ..formats import Format
 
-__all__ = ["Choice", "Budgets", "LayerRules", "Unit", "Block", "SearchSpace", "formats_for_precision", "DEFAULT_CANDIDATES"]
+__all__ = ["Choice", "Budgets", "LayerRules", "Planning", "Unit", "Block", "SearchSpace", "formats_for_precision", "DEFAULT_CANDIDATES"]
 
 # Forward formats searched by default. FP8 E5M2 as a *forward* format loses a mantissa bit for
 # range activations rarely need; FP8 layers already compute gradients in E5M2.
@@ -161,6 +161,28 @@ class LayerRules:
     def __post_init__(self):
         if self.recompute is not None:
             object.__setattr__(self, "recompute", check_block_patterns(self.recompute, "LayerRules(recompute=...)"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Planning:
+    """What a search plans under, one object from its caller's settings (`SchedulerConfig.planning`,
+    `JobConfig.planning`) to every stage of the pipeline.
+
+    ``formats``: the candidates, of which those within ``min_precision`` / ``max_precision``
+    (bits) are searched; ``rules``: pins and forbids; ``budgets``;
+    ``lr``: the learning rate the sensitivity's gradient term assumes; ``k``: plans wanted, the
+    optimum first; ``time_limit``: seconds for the integer programs (None: unbounded);
+    ``measure``: time layers in place (False: roofline times)."""
+
+    formats: tuple[Format, ...]
+    rules: LayerRules = LayerRules()
+    budgets: Budgets = Budgets()
+    min_precision: int = 8
+    max_precision: int = 32
+    lr: float = 1e-3
+    k: int = 1
+    time_limit: "float | None" = None
+    measure: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,8 +42,8 @@ from ..formats import Format
 from ..plan import Calibration, LayerPrecision, Plan
 from ..runtime import EmulationWarning, apply_plan
 from ..sensitivity import FisherEstimator, sensitivity_steps
-from .pipeline import Space, propose_from
-from .planner import build_space, overflow_reason
+from .pipeline import propose_from, space_of
+from .planner import overflow_reason
 from .space import LayerRules
 
 __all__ = ["TrainingSearch", "probe_formats"]
@@ -355,11 +355,9 @@ class TrainingSearch:
             yield "waiting"  # the probe steps are still running
         start = time.perf_counter()
         costs = self._cost_model(costs, trace)
-        space, ruled_out = build_space(costs, sensitivity, self.profile, formats=self.formats, rules=c.rules,
-                                       min_precision=c.min_precision, max_precision=c.max_precision)
-        proposal = propose_from(Space(costs, sensitivity, space, ruled_out), budgets=c.budgets, baseline_loss=self.baseline_loss,
-                                k=CANDIDATES if self.measuring else 1, rules=c.rules, fingerprint=self.fingerprint, time_limit=c.search_timeout_s,
-                                metadata={"step": self.started, "source": "DynamicPrecisionScheduler"})
+        planning = dataclasses.replace(c.planning, k=CANDIDATES if self.measuring else 1)
+        proposal = propose_from(space_of(costs, sensitivity, self.profile, planning), planning, baseline_loss=self.baseline_loss,
+                                fingerprint=self.fingerprint, metadata={"step": self.started, "source": "DynamicPrecisionScheduler"})
         fp32 = costs.plan_cost(costs.uniform_plan(Format.FP32))
         self.grad_bytes = fp32.bytes - fp32.saved_bytes
         if self.safe_bytes is not None:
