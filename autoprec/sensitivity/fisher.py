@@ -428,10 +428,13 @@ def adam_second_moment(model: nn.Module, optimizers: Iterable[torch.optim.Optimi
     size in FP32, as the estimate from the batches holds), no host sync."""
     state: dict[int, tuple[Any, float]] = {}
     for optimizer in optimizers:
-        for group in optimizer.param_groups:
+        held, groups = getattr(optimizer, "state", None), getattr(optimizer, "param_groups", None)
+        if not isinstance(held, Mapping) or groups is None:
+            return None  # a wrapper that does not expose its optimizer's state
+        for group in groups:
             betas = group.get("betas")
             for p in group["params"]:
-                s = optimizer.state.get(p, {})
+                s = held.get(p, {})
                 if betas is not None and "exp_avg_sq" in s and "step" in s:
                     state[id(p)] = (s, betas[1])
     moments = {}
