@@ -301,3 +301,23 @@ def test_ddp_ranks_probe_try_and_adopt_one_plan_at_one_step(tmp_path):
     assert r0["phases"] == r1["phases"] and r0["plan"] == r1["plan"]
     assert r0["phases"].count("searching") > 1  # spread over steps, the same ones on both ranks
     assert r0["plan"]["measured"]["source"] == "training steps"
+
+
+def test_the_search_preconditions_with_the_training_optimizers_adam_state(monkeypatch):
+    import autoprec.search.training as training
+    from autoprec.sensitivity import adam_second_moment
+
+    wl, model, _ = setup()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    given = []
+    real = training.sensitivity_steps
+    monkeypatch.setattr(training, "sensitivity_steps", lambda *a, **k: (given.append(k["second_moment"]), real(*a, **k))[1])
+    sch = make()
+    sampler = wl.train_batches(0)
+    train(wl, model, opt, sch, WINDOW, sampler)
+    expected = adam_second_moment(model, [opt])  # the window's last step's state: no step since
+    until_planned(wl, model, opt, sch, sampler)
+    (moments,) = given
+    assert set(moments) == {name for name, _ in model.named_parameters()}
+    for name, v in expected.items():
+        torch.testing.assert_close(moments[name], v)
