@@ -27,7 +27,7 @@ from .errors import (  # noqa: E402
     UserCodeError,
     WorkloadError,
 )
-from .formats import AmaxHistory, Format, Granularity  # noqa: E402
+from .formats import Format, Granularity  # noqa: E402
 from .plan import Calibration, CalibrationMethod, LayerPrecision, Plan, Scaling, ScalingMode  # noqa: E402
 from .blocks import find_blocks  # noqa: E402
 from .runtime import EmulationWarning, PlanRuntime, apply_plan  # noqa: E402
@@ -67,7 +67,6 @@ __all__ = [
     # formats
     "Format",
     "Granularity",
-    "AmaxHistory",
     # plan
     "Plan",
     "LayerPrecision",

@@ -1,16 +1,21 @@
-"""Number formats and the arithmetic of scaled quantization.
+"""Number formats and the one arithmetic of scaled quantization.
 
 A `Format` carries its own numbers (bits, largest finite value, smallest normal and subnormal,
 bytes per element), so code reads `fmt.max` instead of branching on names.
 
-Conventions (the same as Transformer Engine's): a *scale* multiplies a high-precision tensor
-into the format's range, ``q = cast(x * scale)``, and dequantizing divides, ``x ≈ q / scale``.
-``torch._scaled_mm`` takes the inverse (``1 / scale``) as its ``scale_a`` / ``scale_b``.
+Convention (the kernels'): a tensor's *inverse scale* ``s = amax / (fmt.max / 2**margin)`` maps
+the format's range back onto the tensor's, ``q = saturate(x / s)`` and ``x ≈ q * s``; it is what
+``torch._scaled_mm`` takes as ``scale_a`` / ``scale_b`` (Transformer Engine's ``scale_inv``).
+`inverse_scale` is the only place an amax becomes a scale, with one rule: an amax of zero is
+floored at 1e-12 (a zero tensor quantizes to zeros), and a non-finite amax gives a non-finite
+scale, so a tensor holding inf or NaN quantizes to NaN everywhere and the loss scaler skips the
+step instead of training on silently clamped values.
 
-`quantize` saturates both FP8 formats to ±max (it clamps before the cast rather than trusting the
-cast to); FP16 and BF16 overflow to ±inf; rounding is to nearest even everywhere. INT8 is
-symmetric, [-127, 127], round half to even. `round_to_format` reproduces those casts with plain
-FP32 arithmetic, bit for bit, for devices or dtypes without a native cast.
+`quantize` never trusts a cast to saturate: FP8 is clamped to ±max in the same expression (eager
+CUDA casts do not saturate before torch 2.12, E5M2 overflows to inf everywhere); INT8 is symmetric,
+[-127, 127], round half to even. Each function is a few elementwise ops and at most one reduction,
+with no host sync and no branching on tensor values, so ``torch.compile`` fuses them. The objects
+that own scaling per operand role (input, weight, output gradient) are `autoprec.runtime.quantizers`.
 """
 
 from __future__ import annotations
@@ -28,13 +33,12 @@ __all__ = [
     "Format",
     "FormatSpec",
     "Granularity",
-    "AmaxHistory",
     "amax",
-    "scale_from_amax",
+    "block_amax",
+    "inverse_scale",
     "quantize",
     "dequantize",
-    "fake_quantize",
-    "round_to_format",
+    "expand_blocks",
     "sqnr",
     "ACTIVATION_BLOCK",
     "WEIGHT_BLOCK",
@@ -183,6 +187,11 @@ class Granularity(str, enum.Enum):
         return self.value
 
 
+# Smallest amax a scale is taken from (torchao uses the same floor): keeps fmt.max / amax finite
+# for an all-zero tensor while leaving every real tensor's scale exact.
+_AMAX_FLOOR = 1e-12
+
+
 def _check_block(x: torch.Tensor, block: Sequence[int]) -> tuple[int, int]:
     if x.dim() != 2:
         raise FormatError(f"block scaling needs a 2-D tensor, got shape {tuple(x.shape)}; reshape to (rows, cols) first")
@@ -191,148 +200,67 @@ def _check_block(x: torch.Tensor, block: Sequence[int]) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
-def _pad_to_blocks(x: torch.Tensor, bm: int, bk: int) -> torch.Tensor:
+def amax(x: torch.Tensor, dim: "int | None" = None) -> torch.Tensor:
+    """Largest magnitude in FP32: over the whole tensor (``()``; 0 for an empty one), or along
+    ``dim`` (kept as size 1). One reduction kernel (``linalg.vector_norm`` with ord=inf), no
+    temporary of x's size, no host sync; NaN and inf propagate."""
+    if dim is None:
+        if x.numel() == 0:  # the inf norm has no identity: torch refuses an empty tensor
+            return x.new_zeros((), dtype=torch.float32)
+        return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
+    return torch.linalg.vector_norm(x, float("inf"), dim=dim, keepdim=True, dtype=torch.float32)
+
+
+def block_amax(x: torch.Tensor, block: Sequence[int]) -> torch.Tensor:
+    """Largest magnitude per ``block`` tile of 2-D ``x``, FP32 ``(ceil(rows/bm), ceil(cols/bk))``;
+    partial tiles at the edges count their own elements. A pad (when x is not a multiple of the
+    tile) and one reduction."""
+    bm, bk = _check_block(x, block)
     rows, cols = x.shape
     pad_r, pad_c = -rows % bm, -cols % bk
     if pad_r or pad_c:
-        # Zero padding never raises a block's amax.
+        # Zero padding never raises a tile's amax.
         x = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r))
-    return x
+    r, c = x.shape
+    return torch.linalg.vector_norm(x.reshape(r // bm, bm, c // bk, bk), float("inf"), dim=(1, 3), dtype=torch.float32)
 
 
-def amax(x: torch.Tensor, granularity: Granularity = Granularity.TENSOR, block: Sequence[int] = ACTIVATION_BLOCK) -> torch.Tensor:
-    """Largest magnitude per scaling group, as FP32 on x's device (no host sync).
+def expand_blocks(inv_scale: torch.Tensor, shape: Sequence[int], block: Sequence[int]) -> torch.Tensor:
+    """Per-tile scales ``(ceil(rows/bm), ceil(cols/bk))`` repeated over their tiles to ``shape``
+    (rows, cols): one scale per element, a temporary of x's size."""
+    bm, bk = int(block[0]), int(block[1])
+    rows, cols = shape
+    return inv_scale.repeat_interleave(bm, dim=0)[:rows].repeat_interleave(bk, dim=1)[:, :cols]
 
-    Shapes: TENSOR → ``()``, ROW → ``x.shape[:-1] + (1,)``, BLOCK → ``(ceil(rows/bm), ceil(cols/bk))``.
-    NaN propagates (``amax`` of a tensor holding NaN is NaN), so callers can detect it.
+
+def inverse_scale(amax: torch.Tensor, fmt: Format, margin: int = 0) -> torch.Tensor:
+    """``amax / (fmt.max / 2**margin)`` in FP32, amax's shape: the factor that maps the format's
+    range back onto x's. Zero amax gives a tiny finite factor (the 1e-12 floor), inf or NaN gives
+    inf / NaN (the step is poisoned, as it should be). Two scalar ops per element of amax.
     """
-    granularity = Granularity(granularity)
-    ax = x.detach().abs().float()
-    if granularity is Granularity.TENSOR:
-        return ax.amax() if ax.numel() else ax.new_zeros(())
-    if granularity is Granularity.ROW:
-        return ax.amax(dim=-1, keepdim=True)
-    bm, bk = _check_block(x, block)
-    padded = _pad_to_blocks(ax, bm, bk)
-    r, c = padded.shape
-    return padded.reshape(r // bm, bm, c // bk, bk).amax(dim=(1, 3))
+    # A multiply by a constant, not a divide: torch.compile rewrites division by a constant into
+    # this multiply, and eager must round the scale identically for compiled and eager runs to
+    # quantize to the same bits.
+    return amax.clamp_min(_AMAX_FLOOR) * (2.0**margin / fmt.max)
 
 
-def scale_from_amax(amax: torch.Tensor, fmt: Format, margin: int = 0) -> torch.Tensor:
-    """Scale that maps ``amax`` onto ``fmt.max / 2**margin``.
+def quantize(x: torch.Tensor, inv_scale: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """``saturate(x / inv_scale)`` in ``fmt.dtype`` for FP8 and INT8: one fused pass under compile.
 
-    Where amax is zero or not finite the scale is 1: an all-zero tensor needs none, and a
-    non-finite amax means the step overflowed (the loss scaler skips it), so no scale derived from
-    it may leak into later steps. Formats without a scale (FP32, BF16, FP16) always get 1.
+    ``inv_scale`` broadcasts against x (``()``, ``(M, 1)``, ...). FP8 clamps to ±``fmt.max`` then
+    casts (round to nearest even; NaN stays NaN); INT8 rounds half to even and clamps to
+    [-127, 127]. The division runs in x's dtype when x is half and the scale 0-d (type promotion):
+    pass ``x.float()`` for FP32 arithmetic.
     """
-    fmt = Format.parse(fmt)
-    amax = amax.float()
-    if not fmt.needs_scale:
-        return torch.ones_like(amax)
-    target = fmt.max / 2.0**margin
-    ok = torch.isfinite(amax) & (amax > 0)
-    scale = torch.where(ok, target / torch.where(ok, amax, torch.ones_like(amax)), torch.ones_like(amax))
-    # An amax so small that the scale overflows FP32 would turn x * scale into inf.
-    return torch.clamp(scale, max=torch.finfo(torch.float32).max)
-
-
-def _expand(scale: torch.Tensor, x: torch.Tensor, granularity: Granularity, block: Sequence[int]) -> torch.Tensor:
-    """Broadcastable scale for x (BLOCK scales are repeated over their tiles)."""
-    if Granularity(granularity) is not Granularity.BLOCK or scale.dim() == 0:
-        return scale
-    bm, bk = _check_block(x, block)
-    rows, cols = x.shape
-    return scale.repeat_interleave(bm, dim=0)[:rows].repeat_interleave(bk, dim=1)[:, :cols]
-
-
-def quantize(
-    x: torch.Tensor,
-    fmt: Format,
-    scale: "torch.Tensor | float" = 1.0,
-    granularity: Granularity = Granularity.TENSOR,
-    block: Sequence[int] = ACTIVATION_BLOCK,
-) -> torch.Tensor:
-    """``saturate(x * scale)`` in ``fmt.dtype``; one elementwise pass, no host sync.
-
-    FP8 clamps to ±``fmt.max`` then casts (round to nearest even; NaN stays NaN, ±inf becomes
-    ±max); INT8 rounds half to even and clamps to the symmetric range [-127, 127]. FP16 / BF16
-    cast as torch does (overflow to inf).
-    """
-    fmt = Format.parse(fmt)
-    if not torch.is_tensor(scale):
-        scale = torch.tensor(float(scale), device=x.device)
-    y = x.float() * _expand(scale, x, granularity, block)
     if fmt is Format.INT8:
-        return torch.round(y).clamp_(-fmt.max, fmt.max).to(torch.int8)
-    if fmt.is_fp8:
-        # Never trust the cast to saturate (eager CUDA casts do not before torch 2.12; E5M2
-        # overflows to inf everywhere): clamp in the same expression.
-        y = y.clamp(-fmt.max, fmt.max)
-    return y.to(fmt.dtype)
+        return torch.round(x / inv_scale).clamp(-fmt.max, fmt.max).to(torch.int8)
+    return (x / inv_scale).clamp(-fmt.max, fmt.max).to(fmt.dtype)
 
 
-def dequantize(
-    q: torch.Tensor,
-    scale: "torch.Tensor | float" = 1.0,
-    granularity: Granularity = Granularity.TENSOR,
-    block: Sequence[int] = ACTIVATION_BLOCK,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """``q / scale`` in ``dtype``: the inverse of `quantize` up to the format's rounding."""
-    if not torch.is_tensor(scale):
-        scale = torch.tensor(float(scale), device=q.device)
-    return (q.float() / _expand(scale, q, granularity, block)).to(dtype)
-
-
-def fake_quantize(
-    x: torch.Tensor,
-    fmt: Format,
-    scale: "torch.Tensor | None" = None,
-    granularity: Granularity = Granularity.TENSOR,
-    block: Sequence[int] = ACTIVATION_BLOCK,
-    margin: int = 0,
-) -> torch.Tensor:
-    """x rounded through ``fmt`` and back (quantize-dequantize), in x's dtype.
-
-    With no scale given, the scale comes from x's own amax (current scaling). Used to measure the
-    error a format adds; not differentiable on purpose (callers decide the gradient rule).
-    """
-    fmt = Format.parse(fmt)
-    if fmt is Format.FP32:
-        return x.clone()
-    if scale is None:
-        scale = scale_from_amax(amax(x, granularity, block), fmt, margin)
-    return dequantize(quantize(x, fmt, scale, granularity, block), scale, granularity, block, dtype=x.dtype)
-
-
-def round_to_format(x: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """Round FP32 values to the nearest value of ``fmt`` with plain FP32 arithmetic.
-
-    Bit-identical to ``x.to(fmt.dtype).float()`` for every float format (round to nearest even,
-    subnormals, E4M3 saturation, overflow to inf elsewhere) and to `quantize` for INT8 with scale 1.
-    It needs no native dtype, so it also serves devices and builds that lack one.
-    """
-    fmt = Format.parse(fmt)
-    x = x.float()
-    spec = fmt.spec
-    if fmt is Format.INT8:
-        return torch.round(x).clamp(-spec.max, spec.max)
-    if fmt is Format.FP32:
-        return x.clone()
-    # For |x| in [2^e, 2^(e+1)) the spacing of representable values is 2^(e - mantissa_bits);
-    # below the smallest normal the spacing stays that of the smallest normal (subnormals).
-    min_exp = round(math.log2(spec.min_normal))
-    _, exp = torch.frexp(x)  # x = m * 2^exp with 0.5 <= |m| < 1, so floor(log2|x|) = exp - 1
-    e = torch.clamp(exp - 1, min=min_exp)
-    quantum = torch.ldexp(torch.ones_like(x), (e - spec.mantissa_bits).to(torch.int32))
-    # Dividing by a power of two is exact, and torch.round rounds half to even.
-    y = torch.round(x / quantum) * quantum
-    too_big = y.abs() > spec.max
-    if spec.saturates:
-        y = torch.where(too_big | torch.isinf(x), torch.copysign(torch.full_like(x, spec.max), x), y)
-    else:
-        y = torch.where(too_big, torch.copysign(torch.full_like(x, math.inf), x), y)
-    return torch.where(torch.isnan(x), x, y)
+def dequantize(q: torch.Tensor, inv_scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q * inv_scale`` in ``dtype``: the inverse of `quantize` up to the format's rounding."""
+    x = q.float() * inv_scale
+    return x if dtype == torch.float32 else x.to(dtype)
 
 
 def sqnr(reference: torch.Tensor, approximation: torch.Tensor) -> float:
@@ -345,64 +273,3 @@ def sqnr(reference: torch.Tensor, approximation: torch.Tensor) -> float:
     if noise == 0:
         return math.inf
     return float(20 * torch.log10(ref.norm() / noise))
-
-
-class AmaxHistory:
-    """A rolling window of per-tensor amax values for delayed scaling (state stays on device).
-
-    Delayed scaling (Transformer Engine's default recipe): step t quantizes with a scale derived
-    from the amaxes of steps before t, then records its own amax. No host sync per step.
-    `reduction` is "max" (the window's largest amax; safe against spikes) or "most_recent".
-    """
-
-    REDUCTIONS = ("max", "most_recent")
-
-    def __init__(self, length: int = 16, reduction: str = "max", device: "torch.device | str | None" = None):
-        if length < 1:
-            raise FormatError(f"amax history length must be >= 1, got {length}")
-        if reduction not in self.REDUCTIONS:
-            raise FormatError(f"amax reduction must be one of {self.REDUCTIONS}, got {reduction!r}")
-        self.length = length
-        self.reduction = reduction
-        self.history = torch.zeros(length, device=device)
-        self.recorded = 0  # number of amaxes recorded so far (host int: no sync to read it)
-
-    def __repr__(self) -> str:
-        return f"AmaxHistory(length={self.length}, reduction={self.reduction!r}, recorded={self.recorded})"
-
-    def record(self, value: torch.Tensor) -> None:
-        if self.history.device != value.device:
-            self.history = self.history.to(value.device)
-        value = value.detach().float().reshape(())
-        # A non-finite amax belongs to an overflowed step that the loss scaler skips; recording it
-        # would poison every later scale, so it counts as zero (ignored by the max reduction).
-        self.history[self.recorded % self.length] = torch.where(torch.isfinite(value), value, torch.zeros_like(value))
-        self.recorded += 1
-
-    def reduced(self) -> torch.Tensor:
-        """The amax the next scale comes from (zero while the history is empty)."""
-        if self.recorded == 0:
-            return self.history.new_zeros(())
-        if self.reduction == "most_recent":
-            return self.history[(self.recorded - 1) % self.length]
-        return self.history[: min(self.recorded, self.length)].amax()
-
-    def next_scale(self, current_amax: torch.Tensor, fmt: Format, margin: int = 0) -> torch.Tensor:
-        """Scale for this step from the history, then record this step's amax.
-
-        The first step has no history and uses its own amax (current scaling).
-        """
-        basis = current_amax if self.recorded == 0 else self.reduced()
-        scale = scale_from_amax(basis, fmt, margin)
-        self.record(current_amax)
-        return scale
-
-    def state_dict(self) -> dict:
-        return {"length": self.length, "reduction": self.reduction, "history": self.history.clone(), "recorded": self.recorded}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state["length"] != self.length:
-            raise FormatError(f"amax history length {state['length']} in the state does not match {self.length}")
-        self.reduction = state["reduction"]
-        self.history = state["history"].clone().to(self.history.device)
-        self.recorded = int(state["recorded"])

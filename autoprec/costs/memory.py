@@ -45,7 +45,7 @@ __all__ = ["MemoryCost", "call_path", "layer_memory"]
 # torch 2.13: mv, addmv and bilinear return float32 under autocast, einsum and tensordot bfloat16).
 _AUTOCAST_KEEPS_FP32 = {"cpu": frozenset({"mv", "addmv", "bilinear"}), "cuda": frozenset({"bilinear", "tensordot"})}
 
-# Bytes of one FP32 scale value (scales are FP32 tensors: formats.scale_from_amax).
+# Bytes of one FP32 scale value (scales are FP32 tensors: formats.inverse_scale).
 _SCALE_BYTES = 4
 
 

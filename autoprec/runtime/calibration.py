@@ -25,9 +25,8 @@ import struct
 
 import torch
 
-from ..formats import Format
+from ..formats import Format, amax, dequantize, inverse_scale, quantize
 from ..plan import Calibration, CalibrationMethod
-from .quantize import amax, inverse_scale, to_int8
 
 __all__ = ["Int8Calibrator", "outlier_slots"]
 
@@ -46,7 +45,7 @@ def outlier_slots(channels: int) -> int:
 
 
 def _fake_int8(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-    return to_int8(x, inv).float() * inv
+    return dequantize(quantize(x, inv, Format.INT8), inv)
 
 
 def _fp32(x: float) -> float:

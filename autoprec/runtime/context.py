@@ -32,6 +32,7 @@ re-entries; ``state_dict()`` / ``load_state_dict()`` save and restore it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -50,14 +51,12 @@ from .._tracing import is_weight
 from ..coverage import MATMUL_OPS
 from ..device import KERNEL_OPS, _device_key, format_support, scaled_mm_form
 from ..errors import RuntimeStateError
-from ..formats import ACTIVATION_BLOCK, WEIGHT_BLOCK, Format, Granularity, amax, scale_from_amax
-from ..plan import LayerPrecision, Plan
+from ..formats import Format, Granularity
+from ..plan import LayerPrecision, Plan, ScalingMode
 from .calibration import Int8Calibrator
 from .emulation import StoredInFormat
-from .gemm import FP8_ALIGN, INT8_ALIGN, Fp8Linear, Fp8Spec, Int8Linear, Int8Spec
-from .quantize import inverse_scale, pad_to_multiple
-from .quantize import amax as amax_fp32
-from .quantizers import InputQuantizer, WeightQuantizer
+from .gemm import FP8_ALIGN, INT8_ALIGN, Fp8Linear, Fp8Spec, Int8Linear, Int8Spec, pad_to_multiple
+from .quantizers import GradQuantizer, InputQuantizer, WeightQuantizer
 from .recompute import block_wrapper, recorded_scale
 
 __all__ = ["PlanRuntime", "apply_plan", "removing", "EmulationWarning", "kernel_reason", "as_gemm"]
@@ -200,6 +199,13 @@ class _Layer:
         self.inputs: dict[str, InputQuantizer] = {}
         self.calibrators: dict[str, Int8Calibrator] = {}
         self.weights: dict[tuple, WeightQuantizer] = {}
+        # The output gradient's quantizer (stateless, shared by every product of the layer); None
+        # where the backward stays in high precision (FP32 gradients, INT8 layers).
+        grad_fmt = precision.grad_format
+        self.grad: "GradQuantizer | None" = None
+        if self.format.is_fp8 and grad_fmt.is_fp8:
+            self.grad = GradQuantizer.for_layer(self.format, grad_fmt)
+        self._emulation: "tuple[InputQuantizer, WeightQuantizer] | None" = None
         self.ops: dict[str, str] = {}  # op -> how it ran ("kernel ...", "emulated (...)", "autocast ...")
 
     def input_quantizer(self, key: str) -> InputQuantizer:
@@ -232,8 +238,18 @@ class _Layer:
             # Per-tensor scales in row-wise shape only on CPU and only where the installed torch
             # takes that form (2.13 does, 2.11 refuses it): see gemm.Fp8Spec.expand_scales.
             row_scales = self.device.type == "cpu" and self.format is Format.FP8_E4M3 and torch.bfloat16 in self.row_scale_outs
-            quantizer = self.weights[key] = WeightQuantizer(fmt, rowwise, INT8_ALIGN if fmt is Format.INT8 else FP8_ALIGN, row_scales)
+            granularity = Granularity.ROW if rowwise else Granularity.TENSOR
+            quantizer = self.weights[key] = WeightQuantizer(fmt, granularity, INT8_ALIGN if fmt is Format.INT8 else FP8_ALIGN, row_scales)
         return quantizer
+
+    def emulation_quantizers(self) -> "tuple[InputQuantizer, WeightQuantizer]":
+        """The input and weight quantizers of emulated products: the layer's format and
+        granularity (BLOCK included), current scaling (no state, so no history to share with the
+        kernels' quantizers); the gradient's is `grad`. Made once."""
+        if self._emulation is None:
+            scaling = dataclasses.replace(self.precision.scaling, mode=ScalingMode.CURRENT)
+            self._emulation = (InputQuantizer(self.format, scaling), WeightQuantizer(self.format, scaling.granularity))
+        return self._emulation
 
     def note(self, op: str, how: str) -> None:
         if torch.compiler.is_compiling() or self.ops.get(op) == how:
@@ -566,7 +582,7 @@ class PlanRuntime:
                 # A recomputed block's backward reads back the scale its forward chose: asking the
                 # quantizer again would record this batch's amax into its history twice.
                 x_inv = recorded_scale(layer.fqn, key, lambda: layer.input_quantizer(key).inverse_scale(x2, record=record))
-            spec = Fp8Spec(layer.format, layer.precision.grad_format, rowwise, kernel_dtype, expand, k, n)
+            spec = Fp8Spec(layer.format, layer.grad, rowwise, kernel_dtype, expand, k, n)
             out = Fp8Linear.apply(
                 x2, weight, bias if fused else None, kernel_bias, x_inv,
                 wq.data, wq.inv_scale, wq.transposed, wq.backward_inv_scale, spec,
@@ -581,7 +597,7 @@ class PlanRuntime:
         keep = index = valid = None
         if layer.precision.scaling.granularity is Granularity.ROW:
             with torch.no_grad():
-                x_inv = inverse_scale(amax_fp32(x2, dim=1), Format.INT8)
+                x_inv = layer.input_quantizer(key).inverse_scale(x2)
         else:
             def calibrated():
                 calibrator = layer.calibrator(key, k)
@@ -621,9 +637,8 @@ class PlanRuntime:
     def _emulate(self, layer: _Layer, op: str, func, args, kwargs, reason: "str | None" = None):
         """Run the op in FP32 on inputs rounded to the layer's format, saving them in that format."""
         reason = reason or layer.kernel_reason
-        fmt, grad_fmt = layer.format, layer.precision.grad_format
         granularity = layer.precision.scaling.granularity
-        layer.note(op, f"emulated ({reason}): {fmt.value} storage, FP32 compute, current {granularity.value} scaling")
+        layer.note(op, f"emulated ({reason}): {layer.format.value} storage, FP32 compute, current {granularity.value} scaling")
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensor_at = [i for i, v in enumerate(leaves) if torch.is_tensor(v)]
         tensors = [leaves[i] for i in tensor_at]
@@ -637,20 +652,11 @@ class PlanRuntime:
             call_args, call_kwargs = pytree.tree_unflatten(filled, spec)
             return func(*call_args, **call_kwargs)
 
-        def scaler(i, x):
-            """Weights: per output channel (dim 0) for INT8 and ROW, 128x128 tiles for BLOCK;
-            activations: 1x128 tiles for BLOCK, per row for ROW; else one current scale."""
-            if granularity is Granularity.BLOCK and x.dim() >= 2:
-                block = WEIGHT_BLOCK if weights[i] else ACTIVATION_BLOCK
-                flat = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-                return scale_from_amax(amax(flat, Granularity.BLOCK, block), fmt), Granularity.BLOCK, block
-            if x.dim() >= 2 and (granularity is Granularity.ROW or (fmt is Format.INT8 and weights[i])):
-                rows = x.reshape(x.shape[0], -1) if weights[i] else x
-                per_row = scale_from_amax(amax(rows, Granularity.ROW), fmt)
-                return (per_row.reshape(-1, *([1] * (x.dim() - 1))) if weights[i] else per_row), Granularity.TENSOR, ACTIVATION_BLOCK
-            return scale_from_amax(amax(x), fmt), Granularity.TENSOR, ACTIVATION_BLOCK
-
-        out = StoredInFormat.apply(fn, fmt, grad_fmt, scaler, weights, *tensors)
+        # Weights: per output channel (dim 0) for INT8 and ROW, 128x128 tiles for BLOCK;
+        # activations: 1x128 tiles for BLOCK, per row for ROW; else one scale (see the quantizers).
+        inputs, weight = layer.emulation_quantizers()
+        quantizers = tuple(weight if w else inputs for w in weights)
+        out = StoredInFormat.apply(fn, quantizers, layer.grad, weights, *tensors)
         return out.to(out_dtype) if torch.is_tensor(out) and out.is_floating_point() else out
 
     # -- state and report ---------------------------------------------------------------------

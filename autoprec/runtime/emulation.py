@@ -11,18 +11,14 @@ master copy, which costs one elementwise pass instead of a weight-sized buffer.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ..formats import Format, Granularity, amax, dequantize, quantize, scale_from_amax
+if TYPE_CHECKING:
+    from .quantizers import GradQuantizer
 
 __all__ = ["StoredInFormat"]
-
-
-def _flat(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
-    """Block scaling tiles 2-D matrices; other ranks are viewed as (rows, last dim)."""
-    return x.reshape(-1, x.shape[-1]) if granularity is Granularity.BLOCK and x.dim() != 2 else x
 
 
 def _autocast_off(device_type: str):
@@ -31,40 +27,41 @@ def _autocast_off(device_type: str):
 
 
 class StoredInFormat(torch.autograd.Function):
-    """Run ``fn(*inputs)`` in FP32 on inputs rounded to ``fmt``, saving them in ``fmt``.
+    """Run ``fn(*inputs)`` in FP32 on inputs rounded through their quantizers, saving them quantized.
 
-    ``is_weight[i]`` marks inputs derived from parameters (rounded for the forward but re-derived
-    from the FP32 master in backward, not saved). ``scaler(i, x)`` returns ``(scale, granularity,
-    block)`` for input i. Backward rounds the incoming gradient to ``grad_fmt`` and recomputes
+    ``quantizers[i]``: the `InputQuantizer` or `WeightQuantizer` of input i (None for inputs that
+    are not rounded); ``is_weight[i]`` marks inputs derived from parameters (rounded for the
+    forward but re-derived from the FP32 master in backward, not saved). Backward rounds the
+    incoming gradient through ``grad`` (a `GradQuantizer`; None keeps it FP32) and recomputes
     ``fn`` under autograd from the saved inputs, with the forward's RNG state restored (dropout
     inside attention draws the same mask twice, as activation checkpointing does). ``fn`` must be
-    pure (no in-place on its inputs).
+    pure (no in-place on its inputs). A non-finite input gives a non-finite scale, so its rounded
+    copy is NaN throughout and the overflow stays visible to the loss scaler.
     """
 
     @staticmethod
-    def forward(ctx, fn: Callable, fmt: Format, grad_fmt: Format, scaler: Callable, is_weight: tuple, *inputs):
+    def forward(ctx, fn: Callable, quantizers: tuple, grad: "GradQuantizer | None", is_weight: tuple, *inputs):
         device_type = next(x.device.type for x in inputs if torch.is_tensor(x))
         saved: list = []
         codecs: list = []
         rounded: list = []
         for i, x in enumerate(inputs):
-            if not torch.is_tensor(x) or not x.is_floating_point():
+            quantizer = quantizers[i]
+            if quantizer is None or not torch.is_tensor(x) or not x.is_floating_point():
                 saved.append(x)
                 codecs.append(None)
                 rounded.append(x)
                 continue
-            scale, granularity, block = scaler(i, x)
-            q = quantize(_flat(x, granularity), fmt, scale, granularity, block)
-            # + (x - x): a saturating round would turn inf into a finite max; the overflow must
-            # stay visible to the loss scaler (x - x is 0 where x is finite, NaN elsewhere).
-            rounded.append(dequantize(q, scale, granularity, block).reshape(x.shape) + (x - x))
+            inv = quantizer.inverse_scale(x)
+            q = quantizer.quantize(x, inv)
+            rounded.append(quantizer.dequantize(q, inv, x.shape))
             saved.append(x if is_weight[i] else q)
-            codecs.append((scale, granularity, block, x.shape))
+            codecs.append((quantizer, inv, x.shape))
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state() if device_type == "cuda" else None
         with torch.no_grad(), _autocast_off(device_type):
             out = fn(*rounded)
-        ctx.fn, ctx.fmt, ctx.grad_fmt, ctx.is_weight, ctx.codecs, ctx.device_type = fn, fmt, grad_fmt, is_weight, codecs, device_type
+        ctx.fn, ctx.grad, ctx.is_weight, ctx.codecs, ctx.device_type = fn, grad, is_weight, codecs, device_type
         ctx.tensor_index = [i for i, x in enumerate(saved) if torch.is_tensor(x)]
         ctx.others = [None if torch.is_tensor(x) else x for x in saved]
         ctx.save_for_backward(*[saved[i] for i in ctx.tensor_index])
@@ -79,15 +76,15 @@ class StoredInFormat(torch.autograd.Function):
         for i, x in enumerate(values):
             codec = ctx.codecs[i]
             if codec is not None:
-                scale, granularity, block, shape = codec
-                q = quantize(_flat(x, granularity), ctx.fmt, scale, granularity, block) if ctx.is_weight[i] else x
-                x = dequantize(q, scale, granularity, block).reshape(shape).requires_grad_(ctx.needs_input_grad[5 + i])
+                quantizer, inv, shape = codec
+                q = quantizer.quantize(x, inv) if ctx.is_weight[i] else x
+                x = quantizer.dequantize(q, inv, shape).requires_grad_(ctx.needs_input_grad[4 + i])
             values[i] = x
             leaves.append(x)
         grad_out = grad_out.float()
-        if ctx.grad_fmt is not Format.FP32:
-            g_scale = scale_from_amax(amax(grad_out), ctx.grad_fmt)
-            grad_out = dequantize(quantize(grad_out, ctx.grad_fmt, g_scale), g_scale) + (grad_out - grad_out)
+        if ctx.grad is not None:
+            g_inv = ctx.grad.inverse_scale(grad_out)
+            grad_out = ctx.grad.dequantize(ctx.grad.quantize(grad_out, g_inv), g_inv, grad_out.shape)
         devices = [torch.cuda.current_device()] if ctx.cuda_rng is not None else []
         with torch.random.fork_rng(devices=devices), torch.enable_grad(), _autocast_off(ctx.device_type):
             torch.set_rng_state(ctx.cpu_rng)
@@ -97,4 +94,4 @@ class StoredInFormat(torch.autograd.Function):
         wanted = [x for x in leaves if torch.is_tensor(x) and x.requires_grad]
         grads = iter(torch.autograd.grad(out, wanted, grad_out.to(out.dtype), allow_unused=True)) if wanted else iter(())
         result = [next(grads) if torch.is_tensor(x) and x.requires_grad else None for x in leaves]
-        return (None, None, None, None, None, *result)
+        return (None, None, None, None, *result)

@@ -21,25 +21,44 @@ K, N multiples of 8, so rows and columns are padded the same way.
 INT8 layers differentiate in high precision (INT8 has no useful gradient format): in BF16 on
 CUDA, in FP32 on CPU, from the INT8-saved input and the FP32 master weight.
 
-What is saved for backward: the input in its low-precision format (1 byte per element), the
-weight's low-precision transpose made in the same forward (shared with a copy kept under
-`PlanRuntime.reusing_weights`, so no extra memory there), and scalars. The master weight itself is never copied.
+Scales come from `quantizers`: the input's and the weight's arrive as arguments, the output
+gradient's `GradQuantizer` rides in `Fp8Spec`. Saved for backward: the input in its low-precision
+format (1 byte per element), the weight's low-precision transpose made in the same forward (shared
+with a copy kept under `PlanRuntime.reusing_weights`), and scalars; never the master weight.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..formats import Format
-from .quantize import amax, inverse_scale, pad_to_multiple, to_fp8, to_int8
+import torch.nn.functional as F
 
-__all__ = ["Fp8Spec", "Int8Spec", "Fp8Linear", "Int8Linear", "FP8_ALIGN", "INT8_ALIGN", "INT8_MIN_ROWS"]
+from ..formats import Format, amax, inverse_scale, quantize
+
+if TYPE_CHECKING:
+    from .quantizers import GradQuantizer
+
+__all__ = ["Fp8Spec", "Int8Spec", "Fp8Linear", "Int8Linear", "FP8_ALIGN", "INT8_ALIGN", "INT8_MIN_ROWS", "pad_to_multiple"]
 
 FP8_ALIGN = 16  # _scaled_mm: K and N multiples of 16
 INT8_ALIGN = 8  # _int_mm: K and N multiples of 8
 INT8_MIN_ROWS = 17  # _int_mm: M > 16
+
+
+def pad_to_multiple(x: torch.Tensor, rows: int = 1, cols: int = 1, value: float = 0.0) -> torch.Tensor:
+    """x (2-D) with rows / columns of ``value`` appended up to the given multiples; x itself when
+    already aligned (no copy, no op).
+
+    Zero rows and columns add nothing to a matrix product, so padding a GEMM's operands to the
+    kernel's alignment changes no result and no gradient. (Scales are padded with ones.)
+    """
+    pad_rows, pad_cols = -x.shape[0] % rows, -x.shape[1] % cols
+    if pad_rows == 0 and pad_cols == 0:
+        return x
+    return F.pad(x, (0, pad_cols, 0, pad_rows), value=value)
 
 
 def _pad_rows_fp8(q: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -55,7 +74,7 @@ class Fp8Spec:
     """What one FP8 linear computes: formats, row-wise forward, output dtype and true sizes."""
 
     input_format: Format  # E4M3 or E5M2
-    grad_format: Format  # E4M3, E5M2, or FP32 (a high-precision backward)
+    grad: "GradQuantizer | None"  # the output gradient's quantizer; None: a high-precision backward
     rowwise: bool
     out_dtype: torch.dtype  # the region's half dtype
     # Per-tensor scales passed in row-wise shape: torch 2.13's CPU kernel runs E4M3 x E4M3
@@ -82,7 +101,7 @@ class Fp8Linear(torch.autograd.Function):
         xp = pad_to_multiple(x, 1, FP8_ALIGN)
         # contiguous(): an elementwise cast keeps a transposed input's layout, and the first
         # operand must be row-major.
-        xq = to_fp8(xp, x_inv, fmt).contiguous()
+        xq = quantize(xp, x_inv, fmt).contiguous()
         if spec.rowwise:
             scale_a, scale_b = x_inv, w_inv.t()
         elif spec.expand_scales:
@@ -99,7 +118,7 @@ class Fp8Linear(torch.autograd.Function):
             # Backward GEMMs contract over the rows the forward scales ran along: they take a
             # per-tensor quantization of the same input, made now from the high-precision x.
             x_inv = inverse_scale(amax(xp), fmt)
-            xq = to_fp8(xp, x_inv, fmt).contiguous()
+            xq = quantize(xp, x_inv, fmt).contiguous()
         ctx.spec = spec
         ctx.x_dtype = x.dtype
         ctx.has_bias = bias is not None
@@ -114,7 +133,7 @@ class Fp8Linear(torch.autograd.Function):
         spec: Fp8Spec = ctx.spec
         g = pad_to_multiple(grad_out, 1, FP8_ALIGN)
         grad_x = grad_w = grad_bias = None
-        if spec.grad_format is Format.FP32:
+        if spec.grad is None:
             # A high-precision backward from the low-precision saved operands (dequantized).
             compute = grad_out.dtype
             if ctx.needs_input_grad[0]:
@@ -122,24 +141,14 @@ class Fp8Linear(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 grad_w = (g.t() @ (xq.to(compute) * x_inv.to(compute))).float()
         else:
-            g_amax = amax(g)
-            quantized: dict = {}
-
-            def g_in(fmt):
-                """The output gradient in ``fmt`` with its inverse scale; each format made once."""
-                if fmt not in quantized:
-                    inv = inverse_scale(g_amax, fmt)
-                    quantized[fmt] = to_fp8(g, inv, fmt).contiguous(), inv
-                return quantized[fmt]
-
-            if ctx.needs_input_grad[0]:
-                gq, g_inv = g_in(spec.grad_format)
+            for_input, for_weight = spec.grad.quantize_for_gemms(g, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+            if for_input is not None:
+                gq, g_inv = for_input
                 out_dtype = ctx.x_dtype if ctx.x_dtype in (torch.float32, torch.bfloat16, torch.float16) else spec.out_dtype
                 grad_x = torch._scaled_mm(gq, w_t.t(), scale_a=g_inv, scale_b=w_t_inv, out_dtype=out_dtype)
-            if ctx.needs_input_grad[1]:
-                # E5M2 x E5M2 is refused: an E5M2 input meets an E4M3 copy of the gradient.
-                e5m2_pair = spec.input_format is Format.FP8_E5M2 and spec.grad_format is Format.FP8_E5M2
-                gq, g_inv = g_in(Format.FP8_E4M3 if e5m2_pair else spec.grad_format)
+            if for_weight is not None:
+                # An E5M2 input meets the gradient's E4M3 copy (E5M2 x E5M2 is refused).
+                gq, g_inv = for_weight
                 g_rows = _pad_rows_fp8(gq, FP8_ALIGN).t().contiguous()
                 x_cols = _pad_rows_fp8(xq, FP8_ALIGN).t().contiguous().t()
                 grad_w = torch._scaled_mm(g_rows, x_cols, scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32)
@@ -178,7 +187,7 @@ class Int8Linear(torch.autograd.Function):
         main = x if keep is None else x * keep
         rows = INT8_MIN_ROWS if m < INT8_MIN_ROWS else 1
         padded_inv = x_inv if x_inv.dim() == 0 else pad_to_multiple(x_inv, rows, 1, value=1.0)
-        xq = to_int8(pad_to_multiple(main, rows, INT8_ALIGN), padded_inv).contiguous()
+        xq = quantize(pad_to_multiple(main, rows, INT8_ALIGN), padded_inv, Format.INT8).contiguous()
         acc = torch._int_mm(xq, w_data.t())
         if acc.shape != (m, spec.out_features):
             acc = acc[:m, : spec.out_features]

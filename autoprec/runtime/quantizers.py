@@ -1,65 +1,96 @@
-"""Scaling state per operand role: one quantizer for a layer's input, one for its weight.
+"""One quantizer per operand role (input, weight, output gradient), for kernels and emulation.
 
-A layer's FP8 / INT8 matrix product has three operands: the input (activation), the weight, and in
-backward the gradient of the output. State is kept per *role*, never per call order (an index of
-"the i-th product of this forward" breaks under data-dependent control flow):
+A layer's FP8 / INT8 matrix product has three operands. Scaling state is kept per *role*, never
+per call order (an index of "the i-th product of this forward" breaks under data-dependent
+control flow), as Transformer Engine's ``Float8Quantizer`` / ``Float8CurrentScalingQuantizer``:
 
-- `InputQuantizer` owns how the input is scaled: current (this tensor's amax) or delayed (an amax
-  history of earlier steps), per tensor or per row. INT8 inputs use the `Int8Calibrator` instead.
-- `WeightQuantizer` quantizes the weight on every forward (as torchao does): a weight can change
-  without any sign a cache could key on (``p.data -= lr * p.grad``, an EMA update, FSDP2's
-  all-gather into re-allocated storage under ``_unsafe_preserve_version_counter``), so a copy
-  is reused only where the caller vouches that the weights did not change: inside
-  `PlanRuntime.reusing_weights` (the micro-batches of one optimizer step; Transformer Engine's
-  ``is_first_microbatch`` made a scope). The forward's copy and its transpose are saved for
-  that forward's backward either way. Under ``torch.compile`` the quantization is traced into
-  the graph, where it fuses.
-- The output gradient is scaled per tensor from its own amax on every backward (gradients drift too
-  fast for a history); that is a pure function in `gemm`, with no state.
+- `InputQuantizer`: current scaling (this tensor's amax) per tensor, row or 1x128 tile, or
+  delayed scaling (the one amax history). INT8 kernel inputs per tensor use `Int8Calibrator`.
+- `WeightQuantizer`: per tensor, output channel or 128x128 tile, on every forward: a weight can
+  change without a sign a cache could key on (``.data`` writes, FSDP2's copy-in), so a copy is
+  reused only inside `PlanRuntime.reusing_weights`, where the caller vouches for it.
+- `GradQuantizer`: the output gradient, per tensor from its own amax on every backward
+  (gradients drift too fast for a history); no state.
 
-All state lives on the data's device: it moves there on first use and after ``load_state_dict``
-with any ``map_location``.
+Every scale comes from `formats.inverse_scale` and every cast is `formats.quantize` (the
+kernels' inverse-scale convention). The kernel path (`gemm`) takes the scales and casts;
+emulation (`emulation.StoredInFormat`) rounds any-rank tensors through `quantize` / `dequantize`
+of the same objects. State lives on the data's device (moved on first use, any map_location).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from ..formats import Format, Granularity
+from ..formats import ACTIVATION_BLOCK, WEIGHT_BLOCK, Format, Granularity, amax, block_amax, dequantize, expand_blocks, inverse_scale, quantize
 from ..plan import Scaling, ScalingMode
-from .quantize import amax, inverse_scale, pad_to_multiple, to_fp8, to_int8
+from .gemm import pad_to_multiple
 
-__all__ = ["InputQuantizer", "WeightQuantizer", "QuantizedWeight"]
+__all__ = ["InputQuantizer", "WeightQuantizer", "GradQuantizer", "QuantizedWeight"]
 
 
-class InputQuantizer:
-    """How one layer's input is scaled into an FP8 format.
+def _as_2d(x: torch.Tensor) -> torch.Tensor:
+    """Tiles cover 2-D matrices; other ranks are viewed as (rows, last dim)."""
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
 
-    Costs per call: one amax reduction (current, row and delayed scaling alike: delayed scaling
-    records it) plus a few scalar ops; delayed scaling adds the history update. No host sync.
+
+class _RoundTrip:
+    """``quantize`` / ``dequantize`` of any-rank tensors with this quantizer's scales (emulation's
+    round trip): one elementwise pass each, plus one scale per element for tiles."""
+
+    fmt: Format
+    block: "tuple[int, int] | None" = None  # the tile of per-tile scales, else None
+
+    def quantize(self, x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+        """x in the format, from FP32 (x's layout; 2-D (rows, last dim) with per-tile scales)."""
+        if self.block is not None and inv.dim() == 2 and x.dim() >= 2:
+            x = _as_2d(x)
+            inv = expand_blocks(inv, x.shape, self.block)
+        return quantize(x.float(), inv, self.fmt)
+
+    def dequantize(self, q: torch.Tensor, inv: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """FP32 values of ``q`` in ``shape``."""
+        if self.block is not None and inv.dim() == 2 and q.dim() == 2:
+            inv = expand_blocks(inv, q.shape, self.block)
+        return dequantize(q, inv).reshape(shape)
+
+
+class InputQuantizer(_RoundTrip):
+    """How one layer's input (activation) is scaled into ``fmt``.
+
+    Costs per call: one amax reduction (delayed scaling too: it records it) plus a few scalar
+    ops; delayed scaling adds the history update. No host sync. ``margin`` applies to FP8 only
+    (INT8 inputs always took the full range).
     """
 
     def __init__(self, fmt: Format, scaling: Scaling):
         self.fmt = fmt
-        self.margin = scaling.margin
+        self.margin = scaling.margin if fmt.is_fp8 else 0
         self.rowwise = scaling.granularity is Granularity.ROW
-        self.delayed = scaling.mode is ScalingMode.DELAYED and not self.rowwise
+        self.block = ACTIVATION_BLOCK if scaling.granularity is Granularity.BLOCK else None
+        delayed = scaling.mode is ScalingMode.DELAYED and scaling.granularity is Granularity.TENSOR
         self.most_recent = scaling.reduction == "most_recent"
-        # history[0] is the newest amax; zeros are "not seen yet" (an amax is never negative).
-        self.history = torch.zeros(scaling.history_len) if self.delayed else None
+        # The delayed-scaling history, a shift register: history[0] is the newest amax; zeros are
+        # "not seen yet" (an amax is never negative).
+        self.history = torch.zeros(scaling.history_len) if delayed else None
 
-    def inverse_scale(self, x: torch.Tensor, record: bool) -> torch.Tensor:
-        """The inverse scale for 2-D ``x``: ``()`` per tensor, ``(M, 1)`` per row.
+    def inverse_scale(self, x: torch.Tensor, record: bool = False) -> torch.Tensor:
+        """The inverse scale for ``x`` (..., K): ``()`` per tensor, x's shape with K → 1 per row,
+        ``(ceil(rows/1), ceil(K/128))`` per tile of x viewed as (rows, K).
 
         ``record``: append this step's amax to the delayed history (training forwards only).
         Call it under ``torch.no_grad()``: a scale carries no gradient.
         """
-        if self.rowwise:
-            return inverse_scale(amax(x, dim=1), self.fmt, self.margin)
+        if x.dim() >= 2 and self.block is not None:
+            return inverse_scale(block_amax(_as_2d(x), self.block), self.fmt, self.margin)
+        if x.dim() >= 2 and self.rowwise:
+            return inverse_scale(amax(x, dim=-1), self.fmt, self.margin)
         current = amax(x)
-        if not self.delayed:
-            return inverse_scale(current, self.fmt, self.margin)
         history = self.history
+        if history is None:  # current scaling
+            return inverse_scale(current, self.fmt, self.margin)
         if history.device != x.device:
             history = self.history = history.to(x.device)
         past = history[0] if self.most_recent else history.amax()
@@ -82,8 +113,8 @@ class InputQuantizer:
         return {"history": None if self.history is None else self.history.clone()}
 
     def load_state_dict(self, state: dict) -> None:
-        saved = state.get("history")
-        if (saved is None) != (self.history is None) or (saved is not None and saved.shape != self.history.shape):
+        saved, history = state.get("history"), self.history
+        if (saved is None) != (history is None) or (saved is not None and history is not None and saved.shape != history.shape):
             raise ValueError("input quantizer state does not match this layer's scaling (mode or history_len changed)")
         if saved is not None:
             self.history = saved.clone()
@@ -95,9 +126,9 @@ class QuantizedWeight:
     ``data``: (N', K') row-major, the forward GEMM's second operand as ``data.t()`` (column-major);
     ``transposed``: (K', N') row-major, the input-gradient GEMM's second operand as
     ``transposed.t()``; None when no backward needs it. ``inv_scale``: ``()`` per tensor, ``(N', 1)``
-    per output channel for FP8, the row ``(1, N)`` for INT8 (as its kernel epilogue uses it). ``backward_inv_scale``: the per-tensor inverse scale of
-    ``transposed`` when it differs from ``inv_scale`` (row-wise forward scales cannot be used
-    across the contracted dimension), else None.
+    per output channel for FP8, the row ``(1, N)`` for INT8 (as its kernel epilogue uses it).
+    ``backward_inv_scale``: the per-tensor inverse scale of ``transposed`` when it differs from
+    ``inv_scale`` (row-wise forward scales cannot be used across the contracted dimension), else None.
     """
 
     __slots__ = ("data", "inv_scale", "transposed", "backward_inv_scale")
@@ -109,27 +140,41 @@ class QuantizedWeight:
         self.backward_inv_scale = backward_inv_scale
 
 
-class WeightQuantizer:
+class WeightQuantizer(_RoundTrip):
     """Quantizes one weight; keeps the result only while the caller vouches it is unchanged.
 
-    ``fmt``: FP8 E4M3 (FP8 layers: E4M3 weights are legal against E4M3 and E5M2 activations and
-    gradients, E5M2 x E5M2 is not) or INT8 (one scale per output channel). ``rowwise``: one scale
-    per output channel for FP8. ``align``: K and N are padded to multiples of it.
+    ``fmt``: for the kernels FP8 E4M3 (legal against E4M3 and E5M2 activations and gradients,
+    E5M2 x E5M2 is not) or INT8 (always one scale per output channel). ``granularity``: ROW is
+    one scale per output channel (dim 0), BLOCK one per 128x128 tile (emulation only).
+    ``align``: K and N padded to multiples of it (kernels).
 
-    Cost per call: one amax and one cast over the weight, plus one transposed copy when a backward
+    Cost per `get`: one amax and one cast over the weight, plus one transposed copy when a backward
     needs it; nothing on a reuse hit. A kept copy holds one byte per weight element (two with
     the transpose) until `clear`.
     """
 
-    def __init__(self, fmt: Format, rowwise: bool, align: int, row_scales: bool = False):
+    def __init__(self, fmt: Format, granularity: Granularity = Granularity.TENSOR, align: int = 1, row_scales: bool = False):
         self.fmt = fmt
-        self.rowwise = rowwise or fmt is Format.INT8
+        self.rowwise = granularity is Granularity.ROW or fmt is Format.INT8
+        self.block = WEIGHT_BLOCK if granularity is Granularity.BLOCK else None
         self.align = align
         # Per-tensor FP8 scales handed to the forward kernel in row-wise shape (1, N'): see
         # gemm.Fp8Spec.expand_scales. The backward keeps the per-tensor scale.
         self.row_scales = row_scales and not self.rowwise and fmt is not Format.INT8
         self._key: "tuple | None" = None
         self._kept: "QuantizedWeight | None" = None
+
+    def inverse_scale(self, w: torch.Tensor) -> torch.Tensor:
+        """The inverse scale of ``w`` (out, ...): ``()`` per tensor, ``(out, 1, ...)`` per output
+        channel, per 128x128 tile of w viewed as (rows, last dim). One amax, two scalar ops."""
+        if w.dim() >= 2 and self.block is not None:
+            return inverse_scale(block_amax(_as_2d(w), self.block), self.fmt)
+        if w.dim() >= 2 and self.rowwise:
+            if w.dim() == 2:
+                return inverse_scale(amax(w, dim=1), self.fmt)
+            per_channel = inverse_scale(amax(w.reshape(w.shape[0], -1), dim=1), self.fmt)
+            return per_channel.reshape(-1, *([1] * (w.dim() - 1)))
+        return inverse_scale(amax(w), self.fmt)
 
     def get(self, weight: torch.Tensor, need_transposed: bool, reuse: bool = False) -> QuantizedWeight:
         """The quantized ``weight`` (N, K), made now unless ``reuse`` and a copy of the same
@@ -152,14 +197,13 @@ class WeightQuantizer:
         return result
 
     def _quantize(self, w: torch.Tensor, need_transposed: bool, weight_rows: int) -> QuantizedWeight:
+        inv = self.inverse_scale(w)
         if self.fmt is Format.INT8:
-            inv = inverse_scale(amax(w, dim=1), Format.INT8)
             # The kernel's epilogue wants the scales as a row (1, N) of the true N.
-            return QuantizedWeight(to_int8(w, inv).contiguous(), inv[: weight_rows].t().contiguous())
-        inv = inverse_scale(amax(w, dim=1) if self.rowwise else amax(w), self.fmt)
+            return QuantizedWeight(quantize(w, inv, Format.INT8).contiguous(), inv[:weight_rows].t().contiguous())
         # contiguous(): a weight stored (in, out) arrives as a transposed view, and the cast keeps
         # its layout; the kernels need (N, K) row-major.
-        data = to_fp8(w, inv, self.fmt).contiguous()
+        data = quantize(w, inv, self.fmt).contiguous()
         if not need_transposed:
             return QuantizedWeight(data, inv.expand(1, w.shape[0]).contiguous() if self.row_scales else inv)
         if not self.rowwise:
@@ -167,8 +211,47 @@ class WeightQuantizer:
                 return QuantizedWeight(data, inv.expand(1, w.shape[0]).contiguous(), data.t().contiguous(), inv)
             return QuantizedWeight(data, inv, data.t().contiguous())
         backward_inv = inverse_scale(amax(w), self.fmt)
-        return QuantizedWeight(data, inv, to_fp8(w.t(), backward_inv, self.fmt).contiguous(), backward_inv)
+        return QuantizedWeight(data, inv, quantize(w.t(), backward_inv, self.fmt).contiguous(), backward_inv)
 
     def clear(self) -> None:
         """Drop the kept copy (its memory is freed once no backward holds it)."""
         self._key, self._kept = None, None
+
+
+@dataclasses.dataclass(frozen=True)
+class GradQuantizer(_RoundTrip):
+    """The gradient of a layer's output: per tensor, from its own amax, on every backward.
+
+    ``fmt``: the gradient's format (E5M2 or E4M3). ``weight_grad_fmt``: the format of the copy
+    the weight-gradient GEMM takes; E4M3 where the layer's input is E5M2 and ``fmt`` is too
+    (cuBLASLt refuses E5M2 x E5M2), else ``fmt``. Frozen (no state): it travels in `gemm.Fp8Spec`.
+    """
+
+    fmt: Format
+    weight_grad_fmt: Format
+
+    @classmethod
+    def for_layer(cls, input_fmt: Format, grad_fmt: Format) -> "GradQuantizer":
+        e5m2_pair = input_fmt is Format.FP8_E5M2 and grad_fmt is Format.FP8_E5M2
+        return cls(grad_fmt, Format.FP8_E4M3 if e5m2_pair else grad_fmt)
+
+    def inverse_scale(self, g: torch.Tensor) -> torch.Tensor:
+        """``()``: one amax over g, two scalar ops."""
+        return inverse_scale(amax(g), self.fmt)
+
+    def quantize_for_gemms(self, g: torch.Tensor, input_grad: bool, weight_grad: bool):
+        """``((gq, inv) or None, (gq, inv) or None)``: 2-D ``g`` row-major in ``fmt`` for the
+        input-gradient GEMM and in ``weight_grad_fmt`` for the weight-gradient GEMM, each only
+        when asked. One amax, then one cast per distinct format (shared when they agree)."""
+        g_amax = amax(g)
+        for_input = for_weight = None
+        if input_grad:
+            inv = inverse_scale(g_amax, self.fmt)
+            for_input = quantize(g, inv, self.fmt).contiguous(), inv
+        if weight_grad:
+            if for_input is not None and self.weight_grad_fmt is self.fmt:
+                for_weight = for_input
+            else:
+                inv = inverse_scale(g_amax, self.weight_grad_fmt)
+                for_weight = quantize(g, inv, self.weight_grad_fmt).contiguous(), inv
+        return for_input, for_weight
