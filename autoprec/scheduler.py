@@ -503,7 +503,7 @@ class DynamicPrecisionScheduler:
             warnings.simplefilter("ignore", EmulationWarning)  # the adopted plan names its emulated layers
             stack.enter_context(entry[1])
             if self._step_kind == "probe":
-                self._step_timer = StepTimer(self.model, self.layers).__enter__()
+                self._step_timer = StepTimer(self.model, self.layers, tuple(self._searching.blocks)).__enter__()
             if self._searching.wants_bytes():
                 meter = stack.enter_context(SavedTensorMeter(list(self.model.parameters())))
                 stack.callback(lambda: setattr(self, "_step_bytes", meter.total_bytes))
@@ -753,12 +753,13 @@ class DynamicPrecisionScheduler:
             if seconds is not None and self.plan is None:
                 self._recent_steps.append(seconds)
             return
-        layer_seconds = None
+        timed: dict = {}
         if self._step_timer is not None:
-            layer_seconds = self._step_timer.finish()[0]
+            layer_seconds, forward_seconds = self._step_timer.finish()
+            timed = {"layer_seconds": layer_seconds, "forward_seconds": forward_seconds, "block_seconds": self._step_timer.block_forward}
             self._step_timer.__exit__(None, None, None)
             self._step_timer = None
-        search.record(self._step_kind, seconds if seconds is not None else 0.0, layer_seconds=layer_seconds, saved_bytes=self._step_bytes, skipped=skipped)
+        search.record(self._step_kind, seconds if seconds is not None else 0.0, saved_bytes=self._step_bytes, skipped=skipped, **timed)
         self._step_kind, self._step_bytes = None, None
         if search.median_step is None and seconds is not None:
             search.median_step = seconds

@@ -76,9 +76,10 @@ class SchedulerConfig:
     predicted seconds, and a plan without a memory budget, can differ between runs).
     ``dynamic=False`` runs a fixed plan and never re-plans.
     ``recompute``: fnmatch patterns of the recompute units (blocks, `autoprec.blocks.find_blocks`,
-    e.g. ``["blocks.*"]``), checked against the model when the scheduler binds; None: the blocks
-    found automatically. The search does not choose recompute flags yet: a plan given with
-    ``plan=`` runs its recomputed blocks (`autoprec.Plan.with_recompute`).
+    e.g. ``["blocks.*"]``), checked against the model when the scheduler binds: the search then
+    chooses which to recompute together with the formats (costing two forwards per block and
+    region on its snapshot, and timing the blocks' forwards in probe steps). None: formats only.
+    A plan given with ``plan=`` runs its recomputed blocks either way (`Plan.with_recompute`).
 
     Under ``torch.distributed`` (see `autoprec.distributed`): ``process_group`` is the group the
     ranks agree in (None: the default group, once initialised); ``grad_comm`` the precision DDP

@@ -321,3 +321,33 @@ def test_the_search_preconditions_with_the_training_optimizers_adam_state(monkey
     assert set(moments) == {name for name, _ in model.named_parameters()}
     for name, v in expected.items():
         torch.testing.assert_close(moments[name], v)
+
+
+def test_recompute_blocks_reach_a_memory_budget_no_plan_of_formats_alone_meets():
+    """16-bit formats alone hold at least 0.77 of the FP32 bytes on the tiny LM (the search's
+    error says so); with ``recompute=`` the search recomputes blocks to reach 0.6, and training
+    runs the plan: a recomputed block's forward runs again in each backward."""
+    outcome = {}
+    for recompute in (None, ("blocks.*",)):
+        wl, model, opt = setup()
+        sch = make(formats=("fp32", "bf16"), memory_budget=0.6, recompute=recompute)
+        sampler = wl.train_batches(0)
+        phases = train(wl, model, opt, sch, WINDOW, sampler)
+        while phases[-1] == "searching" or len(phases) == WINDOW:
+            phases += train(wl, model, opt, sch, 1, sampler)
+        outcome[recompute] = (wl, model, opt, sch, sampler)
+    sch = outcome[None][3]
+    assert sch.phase == "safe" and "smallest reachable" in sch.last_search_error
+    wl, model, opt, sch, sampler = outcome[("blocks.*",)]
+    assert sch.phase == "planned" and sch.plan.recompute
+    assert "block bytes" in sch.plan.measured["search_timeline"]
+    assert sch.plan.predicted["bytes"] <= sch.plan.budgets["memory_bytes"]
+    modules = dict(model.named_modules())
+    # Counted as each block's MLP starts (the recomputation stops after the last tensor it must
+    # save again, so hooks at a module's end need not run; the block's own call is not re-entered).
+    calls = {fqn: 0 for fqn in ("blocks.0", "blocks.1")}
+    hooks = [modules[f"{fqn}.mlp"].register_forward_pre_hook(lambda m, a, fqn=fqn: calls.__setitem__(fqn, calls[fqn] + 1)) for fqn in calls]
+    train(wl, model, opt, sch, 1, sampler)
+    for h in hooks:
+        h.remove()
+    assert calls == {fqn: 2 if fqn in sch.plan.recompute else 1 for fqn in calls}

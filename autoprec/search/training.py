@@ -35,6 +35,7 @@ from typing import Any, Callable, Generator, Mapping, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from ..blocks import find_blocks
 from ..costs import CostModel, InPlaceTimes, RooflineTimeModel, trace_model
 from ..device import format_support
 from ..errors import AutoprecError, RuntimeStateError, SearchError
@@ -130,6 +131,10 @@ class TrainingSearch:
         self.known = known
         self.layers = list(fingerprint)
         self.roles = {fqn: info.role(fqn) for fqn, info in fingerprint.items()}
+        # Recompute units the search may recompute (``recompute=`` patterns; none: formats only),
+        # each with its layers: their bytes are measured off-path, their forwards in probe steps.
+        names = find_blocks(model, self.layers, config.recompute) if config.recompute else ()
+        self.blocks = {b: tuple(fqn for fqn in self.layers if fqn.startswith(b + ".")) for b in names}
         device = next(model.parameters()).device
         self.formats = list(config.candidates)
         # measure_costs=False: roofline seconds, no probe and no trial steps (the optimum is adopted).
@@ -203,7 +208,9 @@ class TrainingSearch:
         A role probes at most `PROBED_PER_ROLE` of its layers, evenly spread; the others run
         their widest allowed format. INT8 calibrates on one batch (the warm-up cycle's). Empty
         when every (role, format) is known already."""
-        if "rest" in self.known and all(f"{self.roles[fqn]}|{f.value}" in self.known for fqn, fmts in allowed.items() for f in fmts):
+        known = "rest" in self.known and all(f"block|{b}" in self.known for b in self.blocks)
+        if known and all(f"{self.roles[fqn]}|{f.value}" in self.known and (not self.blocks or f"forward|{self.roles[fqn]}|{f.value}" in self.known)
+                         for fqn, fmts in allowed.items() for f in fmts):
             return []
         members: dict[str, list[str]] = {}
         for fqn in self.layers:
@@ -256,10 +263,13 @@ class TrainingSearch:
         return trial is not None and trial.steps == 0
 
     def record(self, kind: Optional[str], seconds: float, *, layer_seconds: Optional[Mapping[str, float]] = None,
+               forward_seconds: Optional[Mapping[str, float]] = None, block_seconds: Optional[Mapping[str, float]] = None,
                saved_bytes: Optional[int] = None, skipped: bool = False) -> None:
         """Report the step just run: its kind from `step_runtime` (None: safe precision), its
-        seconds (forward to the end of the optimizer step), a probe step's per-layer seconds, a
-        metered step's saved bytes, and whether the optimizer step was skipped."""
+        seconds (forward to the end of the optimizer step), a probe step's per-layer seconds
+        (forward + backward; and, with `blocks`, each layer's forward and each block's whole
+        forward: `costs.inplace.StepTimer`), a metered step's saved bytes, and whether the
+        optimizer step was skipped."""
         extra = max(0.0, seconds - self.median_step) if self.median_step is not None else 0.0
         self.longest_step = max(self.longest_step, seconds)
         if kind == "probe":
@@ -269,6 +279,15 @@ class TrainingSearch:
                 for fqn, s in layer_seconds.items():
                     self._samples.setdefault(f"{self.roles[fqn]}|{plan.layers[fqn].format.value}", []).append(s)
                 self._rest.append(seconds - sum(layer_seconds.values()))
+                if self.blocks and forward_seconds is not None and block_seconds is not None:
+                    for fqn, s in forward_seconds.items():
+                        self._samples.setdefault(f"forward|{self.roles[fqn]}|{plan.layers[fqn].format.value}", []).append(s)
+                    # A block's own ops (norms, residuals, attention glue): its forward less its
+                    # layers', the same in every format of the layers.
+                    for b, layers in self.blocks.items():
+                        if b in block_seconds:
+                            own = block_seconds[b] - sum(forward_seconds.get(fqn, 0.0) for fqn in layers)
+                            self._samples.setdefault(f"block|{b}", []).append(max(0.0, own))
             self.steps += 1
             if self.steps == self.probe_steps:
                 self._settle_probes()
@@ -347,6 +366,7 @@ class TrainingSearch:
         yield "trace"
         costs = CostModel(trace, RooflineTimeModel(), formats=[Format.FP32])
         yield from ("region bytes" for _ in costs.region_bytes_steps(snapshot, self.example, None, roles=self.roles))
+        yield from ("block bytes" for _ in costs.block_bytes_steps(snapshot, self.example, None, self.blocks))
         lowered = [f for f in self.formats if f is not Format.FP32]
         sensitivity = yield from self._sensitivity(snapshot, lowered)
         del snapshot
@@ -390,7 +410,9 @@ class TrainingSearch:
         seconds per (role, format) (roofline seconds without probes, ``measure_costs=False``).
         A (role, format) no probe ran (ruled out for every layer of the role, or not runnable)
         takes the role's FP32 seconds times that format's median ratio to FP32 over the roles
-        that ran it."""
+        that ran it. Recompute blocks keep ``region``'s measured bytes; one more forward of a
+        block costs its own ops' probe-measured seconds plus its layers' forwards (a layer's
+        forward no probe timed: a third of its step, the 2:4 forward-to-backward FLOP count)."""
         in_place = {}
         rest = self.known.get("rest", 0.0) if self.measuring else 0.0
         for fmt in self.formats if self.measuring else ():
@@ -402,8 +424,11 @@ class TrainingSearch:
                 role = self.roles[fqn]
                 seconds = self.known.get(f"{role}|{fmt.value}")
                 layer_seconds[fqn] = seconds if seconds is not None else self.known.get(f"{role}|fp32", 0.0) * ratio
-            in_place[fmt] = InPlaceTimes(rest + sum(layer_seconds.values()), layer_seconds)
-        return CostModel(trace, RooflineTimeModel(), formats=self.formats, rest_seconds=rest, in_place=in_place,
+            forward = {fqn: self.known.get(f"forward|{self.roles[fqn]}|{fmt.value}", layer_seconds[fqn] / 3) for fqn in self.layers} if self.blocks else {}
+            in_place[fmt] = InPlaceTimes(rest + sum(layer_seconds.values()), layer_seconds, forward_seconds=forward)
+        blocks = {b: dataclasses.replace(cost, other_seconds=(self.known[f"block|{b}"],) * 2) if f"block|{b}" in self.known else cost
+                  for b, cost in region.blocks.items()}
+        return CostModel(trace, RooflineTimeModel(), formats=self.formats, rest_seconds=rest, in_place=in_place, blocks=blocks,
                          rest_saved_bytes=(region.rest_saved_bytes[0], region.rest_saved_bytes[1]), fp32_in_region_bytes=region.fp32_in_region_bytes)
 
     # -- candidates and the result --------------------------------------------------------------
