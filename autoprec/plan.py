@@ -336,6 +336,11 @@ class Plan:
     """
 
     __slots__ = ("_layers", "_fingerprint", "_blocks", "budgets", "predicted", "measured", "metadata")
+    # Set once in __init__ (read-only views of JSON data).
+    budgets: Mapping[str, Any]
+    predicted: Mapping[str, Any]
+    measured: Mapping[str, Any]
+    metadata: Mapping[str, Any]
 
     def __init__(
         self,

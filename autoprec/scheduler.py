@@ -33,7 +33,7 @@ import math
 import statistics
 import time
 import warnings
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -57,6 +57,10 @@ from .lifecycle import CAPTURED_STEPS, WindowClock
 from .search.training import TrainingSearch
 from .sensitivity import adam_second_moment
 from .sensitivity.capture import GradientCapture, LinearisedLoss
+
+if TYPE_CHECKING:
+    from .monitoring import TrainingWriter
+    from .profiling import LayerProfiler
 
 __all__ = ["DynamicPrecisionScheduler", "SchedulerConfig", "LossScaling", "Thresholds", "PrecisionChange"]
 
@@ -172,7 +176,7 @@ class DynamicPrecisionScheduler:
         self._pending_state: Optional[Mapping[str, Any]] = None  # loaded before binding: applied on bind
         self._runtime = None
         self._reusing_weights = False  # inside reusing_weights(): step() is refused
-        self._profiler = None
+        self._profiler: "Optional[LayerProfiler]" = None
         self._policy = PolicyState()
         self._window_nonfinite: dict[str, int] = {}
         self._loss_sum: Optional[torch.Tensor] = None
@@ -205,7 +209,7 @@ class DynamicPrecisionScheduler:
         # search (a retry) does not probe again.
         self._known_times: dict[str, float] = {}
         self.scaler = self._new_scaler(enabled=False)
-        self._writer = None
+        self._writer: "Optional[TrainingWriter]" = None
 
     @classmethod
     def from_plan(cls, model: nn.Module, plan: "Plan | str", *, dynamic: bool = False, **kwargs) -> "DynamicPrecisionScheduler":
@@ -230,6 +234,34 @@ class DynamicPrecisionScheduler:
     def window_start(self) -> int:
         """The step the current window started at (`lifecycle.WindowClock`)."""
         return self._clock.window_start
+
+    @property
+    def _bound(self) -> nn.Module:
+        """The bound model: what every step after the first forward runs."""
+        if self.model is None:
+            raise RuntimeStateError("the scheduler is not bound to a model yet: run the model inside precision_context() first")
+        return self.model
+
+    @property
+    def _planned(self) -> Plan:
+        """The plan in force (the planned phase's window reviews and promotions)."""
+        if self.plan is None:
+            raise RuntimeStateError(f"no plan is in force (phase {self.phase!r})")
+        return self.plan
+
+    @property
+    def _search(self) -> TrainingSearch:
+        """The search in progress (the searching phase's steps)."""
+        if self._searching is None:
+            raise RuntimeStateError(f"no search is in progress (phase {self.phase!r})")
+        return self._searching
+
+    @property
+    def _stack(self) -> contextlib.ExitStack:
+        """The running precision_context's exit stack (binding happens inside it)."""
+        if self._context_stack is None:
+            raise RuntimeStateError("precision_context() is not active")
+        return self._context_stack
 
     @property
     def distributed(self) -> Optional[RankAgreement]:
@@ -343,7 +375,7 @@ class DynamicPrecisionScheduler:
             nonfinite, first_bad_output = verdict.layers, verdict.first_output if verdict.loss_ranks else None
             if skipped:
                 # Without loss scaling an inf is never the scale's doing: warn.
-                logger.log(logging.INFO if self.scaler.enabled else logging.WARNING, "autoprec: step %d skipped on all %d ranks: %s", self.step_count, self._dist.world, verdict.describe())
+                logger.log(logging.INFO if self.scaler.enabled else logging.WARNING, "autoprec: step %d skipped on all %d ranks: %s", self.step_count, self._dist.world if self._dist is not None else 1, verdict.describe())
         loss_nonfinite = bool(verdict.loss_ranks) if verdict is not None else self.scaler.last_loss_finite is False
         self.step_count += 1
         self._window_skipped += int(skipped)
@@ -368,7 +400,7 @@ class DynamicPrecisionScheduler:
             raise RuntimeStateError(f"step({type(optimizer).__name__}): expected a torch.optim.Optimizer over the model's parameters")
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if id(optimizer) not in self._optimizers_seen:
-            own = {id(p) for p in self.model.parameters()}
+            own = {id(p) for p in self._bound.parameters()}
             if not any(id(p) in own for p in params):
                 raise RuntimeStateError(
                     f"{where}: the optimizer holds none of {type(self.model).__name__}'s parameters (the model the scheduler is bound to); "
@@ -415,25 +447,27 @@ class DynamicPrecisionScheduler:
         return ModelWatch(at_end=self._bind_at_end)
 
     def _bind_at_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self._bind(self.model, ModelCall.capture(args, kwargs))
-        self._enter_step(self._context_stack)
+        self._bind(self._bound, ModelCall.capture(args, kwargs))
+        self._enter_step(self._stack)
 
     def _bind_resumed(self, module: nn.Module, args: tuple, kwargs: None) -> None:
         state, self._pending_state = self._pending_state, None
+        if state is None:
+            raise RuntimeStateError("no saved state to bind with")  # installed only while one is pending
         self.model, self._ddp = unwrap_ddp(module)
         try:
             self.load_state_dict(state)
         except BaseException:  # a state for another model: stay unbound, as before the call
             self.model, self._ddp, self._pending_state = None, None, state
             raise
-        self._enter_step(self._context_stack)
+        self._enter_step(self._stack)
 
     def _bind_at_end(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         model, self._ddp = unwrap_ddp(module)
-        self._bind(model, ModelCall.capture(args, kwargs))
+        self._bind(model if model is not None else module, ModelCall.capture(args, kwargs))
         logger.info("autoprec: bound to %s at the end of its first call (a model's keyword inputs are seen only then): "
                     "that forward ran at FP32 and unprofiled; the scheduler's precision applies from the next forward on", type(model).__name__)
-        self._enter_step(self._context_stack)
+        self._enter_step(self._stack)
         self._check_output(module, args, kwargs, output)
         if self._capture.armed:  # this call is one of the window's captured steps
             self._capture.observe(module, args, kwargs, output)
@@ -493,7 +527,7 @@ class DynamicPrecisionScheduler:
 
     def _enter_step(self, stack: contextlib.ExitStack) -> None:
         if not self._output_checked:  # once: the first forward under the scheduler
-            handle = self.model.register_forward_hook(self._check_output, with_kwargs=True)
+            handle = self._bound.register_forward_hook(self._check_output, with_kwargs=True)
             stack.callback(handle.remove)
         self._step_started = time.perf_counter()
         entry = self._searching.step_runtime() if self._searching is not None else None
@@ -503,18 +537,18 @@ class DynamicPrecisionScheduler:
             warnings.simplefilter("ignore", EmulationWarning)  # the adopted plan names its emulated layers
             stack.enter_context(entry[1])
             if self._step_kind == "probe":
-                self._step_timer = StepTimer(self.model, self.layers, tuple(self._searching.blocks)).__enter__()
-            if self._searching.wants_bytes():
-                meter = stack.enter_context(SavedTensorMeter(list(self.model.parameters())))
+                self._step_timer = StepTimer(self._bound, self.layers, tuple(self._search.blocks)).__enter__()
+            if self._search.wants_bytes():
+                meter = stack.enter_context(SavedTensorMeter(list(self._bound.parameters())))
                 stack.callback(lambda: setattr(self, "_step_bytes", meter.total_bytes))
         elif self._runtime is not None:
             stack.enter_context(self._runtime)
         if self._meter_next:
-            meter = stack.enter_context(SavedTensorMeter(list(self.model.parameters())))
-            stack.callback(lambda: setattr(self, "_meter_bytes", meter.total_bytes))
+            metered = stack.enter_context(SavedTensorMeter(list(self._bound.parameters())))
+            stack.callback(lambda: setattr(self, "_meter_bytes", metered.total_bytes))
             self._meter_next = False
         if self.config.dynamic and self._clock.captures(self.step_count):
-            self._capture.arm(self.model)
+            self._capture.arm(self._bound)
             stack.callback(self._capture.disarm)
 
     def _check_output(self, module, args, kwargs, output) -> None:
@@ -541,7 +575,7 @@ class DynamicPrecisionScheduler:
 
     def _watch(self, outputs: bool = False) -> None:
         """Attribute non-finite gradients to the layers (and check their outputs with ``outputs``)."""
-        self.scaler.watch(self.model, list(self.layers), outputs=outputs)
+        self.scaler.watch(self._bound, list(self.layers), outputs=outputs)
 
     def _replace_scaler(self, enabled: bool, state: Mapping[str, Any]) -> None:
         """A scaler with ``enabled`` and ``state``, watching the layers in place of the current one."""
@@ -564,7 +598,7 @@ class DynamicPrecisionScheduler:
         if old is not None:
             old.remove()  # its layer wrappers off the model before the new plan's go on
         if runtime is None:
-            runtime = apply_plan(self.model, plan, validate=False)
+            runtime = apply_plan(self._bound, plan, validate=False)
             if old is not None:
                 kept = {fqn: s for fqn, s in old.state_dict()["layers"].items() if fqn in plan.layers and old.plan.layers.get(fqn) == plan.layers[fqn]}
                 runtime.load_state_dict({"layers": kept})
@@ -583,7 +617,7 @@ class DynamicPrecisionScheduler:
         logger.info("autoprec: step %d: plan %s (%s)", self.step_count, plan.format_counts(), why)
 
     def _change(self, fqn: str, new: Format, reason: str) -> None:
-        old = self.plan.layers[fqn].format
+        old = self._planned.layers[fqn].format
         self.changes.append(PrecisionChange(self.step_count, fqn, old, new, reason))
         logger.info("autoprec: step %d: %s %s -> %s (%s)", self.step_count, fqn, old.value, new.value, reason)
         if self._writer is not None:
@@ -599,10 +633,10 @@ class DynamicPrecisionScheduler:
         return [f for f in (Format.BF16, Format.FP32) if f.bits <= self.config.max_precision and format_support(f, self._device()).runnable]
 
     def _device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return next(self._bound.parameters()).device
 
     def _promote(self, fqns: Sequence[str], reasons: Mapping[str, str]) -> None:
-        changes, self._policy = promotions(self.plan, {f: reasons[f] for f in fqns}, self._policy, self.step_count, self._ladder())
+        changes, self._policy = promotions(self._planned, {f: reasons[f] for f in fqns}, self._policy, self.step_count, self._ladder())
         self._apply(changes, "promoted", "promotion")
 
     def _apply(self, changes: Sequence[PrecisionChange], verb: str, why: str) -> None:
@@ -610,16 +644,17 @@ class DynamicPrecisionScheduler:
         for change in changes:
             self._change(change.fqn, change.new, change.reason)
         if changes:
-            self._set_plan(self.plan.with_layers({c.fqn: LayerPrecision(c.new, reason=f"{verb} at step {self.step_count}: {c.reason}") for c in changes}), why)
+            self._set_plan(self._planned.with_layers({c.fqn: LayerPrecision(c.new, reason=f"{verb} at step {self.step_count}: {c.reason}") for c in changes}), why)
 
     def _on_nonfinite(self, layers: Sequence[str], first_bad_output: Optional[str]) -> None:
         """Count non-finite gradients per layer this window; promote at the threshold at once."""
+        plan = self._planned
         for fqn in layers:
-            if fqn in self.plan.layers:
+            if fqn in plan.layers:
                 self._window_nonfinite[fqn] = self._window_nonfinite.get(fqn, 0) + 1
-        if first_bad_output is not None and first_bad_output in self.plan.layers:
+        if first_bad_output is not None and first_bad_output in plan.layers:
             self._window_nonfinite[first_bad_output] = self._window_nonfinite.get(first_bad_output, 0) + 1
-        due = [f for f, n in self._window_nonfinite.items() if n >= self.config.thresholds.nonfinite_steps and self.plan.layers[f].format is not Format.FP32]
+        due = [f for f, n in self._window_nonfinite.items() if n >= self.config.thresholds.nonfinite_steps and plan.layers[f].format is not Format.FP32]
         if due:
             self._promote(due, {f: f"non-finite gradients or outputs in {self._window_nonfinite[f]} steps of this window" for f in due})
             for f in due:
@@ -631,10 +666,11 @@ class DynamicPrecisionScheduler:
         from .profiling import LayerProfiler, with_grad_formats
 
         formats = with_grad_formats(self.config.candidates)
-        self._profiler = LayerProfiler(self.model, self._example, formats=formats, window=window)
-        if set(self._profiler.layers) != set(self.layers):
-            self._profiler = LayerProfiler(self.model, self._example, formats=formats, window=window, module_filter=lambda m, fqn: fqn in self.layers)
-        self._profiler.attach()
+        profiler = LayerProfiler(self._bound, self._example, formats=formats, window=window)
+        if set(profiler.layers) != set(self.layers):
+            profiler = LayerProfiler(self._bound, self._example, formats=formats, window=window, module_filter=lambda m, fqn: fqn in self.layers)
+        profiler.attach()
+        self._profiler = profiler
 
     def _advance(self) -> None:
         if not self.config.dynamic:
@@ -649,7 +685,7 @@ class DynamicPrecisionScheduler:
             self._maybe_start_monitor()
             return
         if self._writer is not None:  # once per window: one sync for all layers' histograms
-            modules = dict(self.model.named_modules())
+            modules = dict(self._bound.named_modules())
             grads = {fqn: p.grad for fqn in self.layers for p in modules[fqn].parameters(recurse=False) if p.dim() >= 2 and p.grad is not None}
             self._writer.log_grad_histograms(self.step_count, grads)
         if self._dist is not None:  # every rank's statistics before rank 0 decides
@@ -700,7 +736,7 @@ class DynamicPrecisionScheduler:
         """The first window's search (see the module doc), spread over the next training steps
         (`search.training.TrainingSearch`); rank 0 does its off-path work."""
         loss = None
-        if self._loss_count:
+        if self._loss_count and self._loss_sum is not None:
             total, finite = (float(v) for v in self._loss_sum)  # one host sync per search
             if finite < self._loss_count:
                 logger.warning("autoprec: step %d: %d of the window's %d losses were NaN / inf; the baseline loss is the mean of the other %d",
@@ -708,7 +744,7 @@ class DynamicPrecisionScheduler:
             loss = total / finite if finite else None
         self._new_search(profile, loss, median_step=statistics.median(self._recent_steps) if self._recent_steps else None,
                          safe_bytes=None if self._meter_bytes is None else (self._safe_format(), self._meter_bytes))
-        logger.info("autoprec: step %d: searching over the next training steps (%d probe steps, then the candidates)", self.step_count, self._searching.probe_steps)
+        logger.info("autoprec: step %d: searching over the next training steps (%d probe steps, then the candidates)", self.step_count, self._search.probe_steps)
         self._advance_search()  # its first slice in this step
 
     def _new_search(self, profile, baseline_loss: Optional[float], restore: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> None:
@@ -718,9 +754,9 @@ class DynamicPrecisionScheduler:
         self.scaler.watch_outputs(False)  # its hooks must not be copied into the search's snapshot
         try:
             self._searching = TrainingSearch(
-                self.model, self._example, batches, LinearisedLoss(), profile, config=self.config, baseline_loss=baseline_loss,
+                self._bound, self._example, batches, LinearisedLoss(), profile, config=self.config, baseline_loss=baseline_loss,
                 fingerprint=self._fingerprint, step=self.step_count, known=self._known_times, lead=lead, restore=restore,
-                second_moment=adam_second_moment(self.model, self._optimizers) if lead else None, **kwargs,
+                second_moment=adam_second_moment(self._bound, self._optimizers) if lead else None, **kwargs,
             )
         finally:
             self.scaler.watch_outputs(armed)
@@ -768,7 +804,7 @@ class DynamicPrecisionScheduler:
     def _advance_search(self) -> None:
         """The search's slice of off-path work after a step; rank 0's candidates to the others;
         the result in force once the search is done."""
-        search = self._searching
+        search = self._search
         slice_ = self.config.search_slice
         if slice_ is None or search.median_step is None:
             search.work(math.inf)
@@ -790,7 +826,7 @@ class DynamicPrecisionScheduler:
     def _finish_search(self) -> None:
         """Adopt the search's result (on rank 0; the others adopt rank 0's decision), or keep the
         safe precision on failure; log its timeline."""
-        search, self._searching = self._searching, None
+        search, self._searching = self._search, None
 
         def decide():
             if search.error is not None:
@@ -825,14 +861,15 @@ class DynamicPrecisionScheduler:
     def _review_window(self, profile) -> None:
         """Re-calibrate, promote on thresholds, demote after quiet windows (hysteresis)."""
         t = self.config.thresholds
-        triggers, counts, self._policy = window_triggers(self.plan, self.layers, profile, self._window_nonfinite, self._policy, t)
+        plan = self._planned
+        triggers, counts, self._policy = window_triggers(plan, self.layers, profile, self._window_nonfinite, self._policy, t)
         if self._writer is not None:
             self._writer.log_layer_counts(self.step_count, counts)
             if self._meter_bytes is not None:
-                self._writer.log_memory(self.step_count, predicted_bytes=self.plan.predicted.get("bytes"), measured_bytes=self._meter_bytes)
-        promote = [fqn for fqn in triggers if self.plan.layers[fqn].format is not Format.FP32]
+                self._writer.log_memory(self.step_count, predicted_bytes=plan.predicted.get("bytes"), measured_bytes=self._meter_bytes)
+        promote = [fqn for fqn in triggers if plan.layers[fqn].format is not Format.FP32]
         self._promote(promote, triggers)
-        current = {fqn: lp.format for fqn, lp in self.plan.layers.items()}
+        current = {fqn: lp.format for fqn, lp in self._planned.layers.items()}
         changes, self._policy = demotions(triggers, self._policy, self.step_count, t.stable_windows, current, self._window_skipped)
         self._apply(changes, "demoted", "demotion")
 
@@ -951,7 +988,8 @@ class DynamicPrecisionScheduler:
             self._profiler = None
         if state["profiler"] is not None:
             self._start_profiler(state["profiler"]["window"])
-            self._profiler.load_state_dict(state["profiler"]["state"])
+            if self._profiler is not None:
+                self._profiler.load_state_dict(state["profiler"]["state"])
         self._close_search()
         phase = "planned" if plan is not None else "searching" if search is not None else "safe" if self.last_search_error is not None else "profiling"
         self._clock = WindowClock(self.config.monitor_window, self.config.profiled_steps, phase, state["window_start"], failures, retry_at)
@@ -961,7 +999,7 @@ class DynamicPrecisionScheduler:
     def _check_state_fits(self, state: Mapping[str, Any]) -> None:
         """`RuntimeStateError` when ``state`` was saved for another model (layer names or
         parameter shapes, compared without a forward) or its plan breaks this scheduler's formats."""
-        modules = dict(self.model.named_modules())
+        modules = dict(self._bound.named_modules())
         for fqn, raw in state["fingerprint"].items():
             saved = LayerInfo.from_dict(raw)
             if fqn not in modules:
