@@ -73,7 +73,7 @@ from .planner import layer_reasons, measured_reasons, plan_from_solution
 from .refine import CorrectingSampler
 from .space import SearchSpace
 from .study import open_storage, quiet_interrupts
-from .workers import adopt_candidates, check_workers, run_workers
+from .workers import WorkerPayload, adopt_candidates, check_workers, run_workers
 
 __all__ = ["JobResult", "run_job"]
 
@@ -405,12 +405,11 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
                                     measured_memory, loss_budget, fp32_cost.step_seconds, config.measured_trials, recompute=sorted(exact.recompute))
         measured_study.sampler = sampler
     if workers > 1:
-        payload = {
-            "config": config, "device": device, "state_dict": {k: v.cpu() for k, v in model.state_dict().items()},
-            "train": [to_device(b, "cpu") for b in train], "val": [to_device(b, "cpu") for b in val], "layers": list(fingerprint),
-            "candidates": candidates, "memory": measured_memory, "loss_budget": loss_budget,
-            "study_name": _measured_name(config), "storage": config.storage_url, "sampler": sampler,
-        }
+        payload = WorkerPayload(
+            config, device, {k: v.cpu() for k, v in model.state_dict().items()}, [to_device(b, "cpu") for b in train],
+            [to_device(b, "cpu") for b in val], list(fingerprint), candidates, measured_memory, loss_budget,
+            _measured_name(config), config.storage_url, sampler,
+        )
         run_workers(config, payload, candidates, measured_study, workers, progress)
     # With workers, this collects what they measured (and measures what a dead one left).
     with quiet_interrupts():

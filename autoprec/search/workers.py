@@ -27,11 +27,12 @@ retried elsewhere.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import optuna
 import torch
@@ -42,7 +43,29 @@ from ..plan import Plan
 from .measured import BudgetPruner, Candidate, enqueue
 from .study import storage_kind
 
-__all__ = ["check_workers", "threads_per_worker", "worker_devices", "adopt_candidates", "run_workers"]
+__all__ = ["WorkerPayload", "check_workers", "threads_per_worker", "worker_devices", "adopt_candidates", "run_workers"]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerPayload:
+    """What a worker process needs to rebuild the measured stage, written once by the job with
+    `torch.save`: the job's ``config`` and ``device``, the trained model's ``state_dict`` (on the
+    CPU), the ``train`` and ``val`` batches (CPU), the planned ``layers``, the ``candidates``, the
+    budgets (``memory`` bytes, ``loss_budget``), the study (``study_name`` in ``storage``) and
+    its ``sampler`` (None: Optuna's default; the job's learning sampler otherwise)."""
+
+    config: Any  # JobConfig
+    device: torch.device
+    state_dict: dict
+    train: list
+    val: list
+    layers: list
+    candidates: Sequence[Candidate]
+    memory: float
+    loss_budget: float
+    study_name: str
+    storage: str
+    sampler: Optional[optuna.samplers.BaseSampler] = None
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +119,7 @@ def _finished(study: optuna.Study, ids: set) -> int:
 
 def run_workers(
     job,
-    payload: dict,
+    payload: WorkerPayload,
     candidates: Sequence[Candidate],
     study: optuna.Study,
     workers: int,
@@ -106,8 +129,7 @@ def run_workers(
     """Queue every candidate not yet finished or held, run ``workers`` processes measuring them
     on ``study`` until none is left, and return their exit codes (negative: killed by that signal).
 
-    ``payload``: what a worker needs to rebuild the measured stage (the job config, the trained
-    model's weights, the batches, the budgets), written once to ``[job].out`` with `torch.save`.
+    ``payload``: what a worker needs to rebuild the measured stage, written once to ``[job].out``.
     Costs: one process start per worker (a Python and torch import, the workload built, the
     baseline held-out losses), then the measuring itself; the parent polls the study every
     ``poll_s`` seconds (one storage read) to report progress and reap dead workers, so that a
@@ -120,7 +142,7 @@ def run_workers(
     enqueue(study, [c for c in candidates if c.id not in done])  # fastest predicted first, as one process would
     path = job.out / "workers.pt"
     torch.save(payload, path)
-    devices = worker_devices(payload["device"], payload["config"].device, workers)
+    devices = worker_devices(payload.device, payload.config.device, workers)
     threads = threads_per_worker(workers)
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch or database state
     processes = [context.Process(target=_worker_main, args=(str(path), devices[i], threads, optuna.logging.get_verbosity()), name=f"autoprec-worker-{i}") for i in range(workers)]
@@ -162,20 +184,20 @@ def _worker_main(path: str, device: str, threads: int, verbosity: int) -> None:
 
     torch.set_num_threads(threads)
     optuna.logging.set_verbosity(verbosity)
-    payload = torch.load(path, weights_only=False)  # written by this job's parent, not a foreign file
-    config = payload["config"]
+    payload: WorkerPayload = torch.load(path, weights_only=False)  # written by this job's parent, not a foreign file
+    config = payload.config
     workload = _workload(config)
     model = workload.build_model(config.seed)
-    model.load_state_dict(payload["state_dict"])
+    model.load_state_dict(payload.state_dict)
     model.to(device)
     stage = MeasuredStage(
-        model, workload.loss, [to_device(b, device) for b in payload["train"]], [to_device(b, device) for b in payload["val"]],
-        payload["layers"], train_step=lambda m: TrainStep.for_workload(workload, m), steps=config.measure_steps,
+        model, workload.loss, [to_device(b, device) for b in payload.train], [to_device(b, device) for b in payload.val],
+        payload.layers, train_step=lambda m: TrainStep.for_workload(workload, m), steps=config.measure_steps,
     )
-    study = optuna.load_study(study_name=payload["study_name"], storage=open_storage(payload["storage"]), pruner=BudgetPruner(payload["loss_budget"]),
-                              sampler=payload.get("sampler"))
+    study = optuna.load_study(study_name=payload.study_name, storage=open_storage(payload.storage), pruner=BudgetPruner(payload.loss_budget),
+                              sampler=payload.sampler)
     try:
         with quiet_interrupts():
-            stage.run(payload["candidates"], study, payload["memory"], payload["loss_budget"])
+            stage.run(payload.candidates, study, payload.memory, payload.loss_budget)
     except KeyboardInterrupt:
         raise SystemExit(130) from None  # the parent reports the interrupt in one line
