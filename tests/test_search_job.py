@@ -133,10 +133,27 @@ def test_plan_gives_every_layer_a_reason_and_predicted_figures(searched):
 
 
 @pytest.mark.slow
-def test_predicted_bytes_err_on_the_safe_side_within_five_percent(searched):
+def test_predicted_bytes_of_every_measured_plan_err_on_the_safe_side(searched):
+    """Every candidate measured through the runtime, not only the one that happened to run
+    fastest: its measured bytes never exceed the prediction. Within 5 % where the plan's layers
+    share one region (all FP32, or none FP32); a mixed plan charges each FP32 layer the extra it
+    costs between half-precision neighbours, the most it can be, so within 15 % (a plan of ten
+    FP32 layers and one BF16 measured 11 % under its prediction here)."""
+    from autoprec.search.workers import adopt_candidates
+
     folder, _, _ = searched
-    plan = Plan.load(folder / "out" / "plan.json")
-    assert plan.measured["bytes"] <= plan.predicted["bytes"] <= 1.05 * plan.measured["bytes"]
+    study = optuna.load_study(study_name="tiny:measured", storage=f"sqlite:///{folder / 'out' / 'study.db'}")
+    candidates = {c.id: c for c in adopt_candidates(study, [])}
+    checked = 0
+    for trial in measured_trials(folder):
+        candidate = candidates.get(trial.user_attrs.get("candidate"))
+        if candidate is None or candidate.autocast:
+            continue
+        predicted, measured = candidate.plan.predicted["bytes"], trial.user_attrs["bytes"]
+        fp32 = {lp.format is Format.FP32 for lp in candidate.plan.layers.values()}
+        assert measured <= predicted <= (1.05 if len(fp32) == 1 else 1.15) * measured, (candidate.name, predicted, measured)
+        checked += 1
+    assert checked >= 3  # the exact plans and the uniform references
 
 
 @pytest.mark.slow
