@@ -52,8 +52,8 @@ __all__ = ["TrainingSearch", "probe_formats"]
 # Probe cycles: the first warms up (first calls of each kernel, INT8 calibration of one batch)
 # and is not sampled; the other gives each probed (layer, format) one sample. Of a role's layers
 # (a transformer's blocks) at most PROBED_PER_ROLE, spread over the model, cycle through the
-# formats; the others run their widest allowed format. A probe step's
-# extra time is what its slower formats cost, so it falls with the layers probed.
+# formats; the others run their widest allowed format. A probe step's extra time is what its
+# slower formats cost, so it falls with the layers probed.
 PROBE_ROUNDS = 2
 PROBED_PER_ROLE = 3
 TIMED_TRIAL_STEPS = 2  # a candidate's steps timed once its INT8 scales froze (median of these)
