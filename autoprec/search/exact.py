@@ -214,17 +214,18 @@ def k_best(space: SearchSpace, memory_bytes: float = float("inf"), loss_budget: 
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise SearchError(f"k must be an integer >= 1, got {k!r}")
     deadline = None if time_limit is None else time.monotonic() + time_limit
-    left = lambda: None if deadline is None else deadline - time.monotonic()  # noqa: E731
+    left = lambda: None if deadline is None else deadline - time.monotonic()  # noqa: E731  (seconds left, None: no limit)
+    spent = lambda: deadline is not None and time.monotonic() >= deadline  # noqa: E731
     if not space.units:
         raise SearchError("the search space has no layers")
     exclude = list(exclude)
     first = _solve(space, "seconds", memory_bytes, loss_budget, cuts=exclude, time_limit=left())
-    if first is None and deadline is not None and left() <= 0:
+    if first is None and spent():
         raise SearchError(f"the integer program found no plan within {time_limit:.3g} s; allow the search more time")
     if first is None:
         raise _infeasible(space, memory_bytes, loss_budget)
     found = [first]
-    while len(found) < k and (deadline is None or left() > 0):
+    while len(found) < k and not spent():
         # Only a proven optimum keeps the order; one cut short by the time limit ends the list.
         nxt = _solve(space, "seconds", memory_bytes, loss_budget, cuts=exclude + found, time_limit=left(), proven=True)
         if nxt is None:

@@ -117,14 +117,16 @@ class JobResult:
         rows = [("variant", "formats", "step ms", "x fp32", "MiB", "x fp32", "loss +", "predicted ms / MiB / loss +", "budgets")]
 
         def row(name, formats, m: Measurement, predicted, verdict):
+            # A figure not measured (None: only a hand-made Measurement lacks one) shows as "-".
+            ratio = m.seconds / fp32.seconds if m.seconds is not None and fp32.seconds is not None else None
             rows.append((
-                name, formats, f"{m.seconds * 1e3:.1f}", f"{m.seconds / fp32.seconds:.2f}",
-                f"{m.bytes / 2**20:.2f}", f"{m.bytes / fp32.bytes:.3f}", f"{m.loss_increase:+.4f}", predicted, verdict,
+                name, formats, _shown(m.seconds, ".1f", 1e3), _shown(ratio, ".2f"),
+                f"{m.bytes / 2**20:.2f}", f"{m.bytes / fp32.bytes:.3f}", _shown(m.loss_increase, "+.4f"), predicted, verdict,
             ))
 
-        for name, m in self.references.items():
+        for name, ref in self.references.items():
             predicted = f"{self.predicted_fp32['seconds'] * 1e3:.1f} / {self.predicted_fp32['bytes'] / 2**20:.2f} / 0" if name == "fp32" else "-"
-            row(name, "-", m, predicted, "reference")
+            row(name, "-", ref, predicted, "reference")
         chosen = self.chosen.id if self.chosen is not None else None
         for candidate, m in self.candidates:
             counts = ",".join(f"{n} {f}" for f, n in candidate.plan.format_counts().items())
@@ -136,7 +138,7 @@ class JobResult:
             if isinstance(m, str):
                 rows.append((candidate.name, counts, "-", "-", "-", "-", "-", predicted, f"pruned: {m}"))
                 continue
-            ok = m.bytes <= self.memory_budget and m.loss_increase <= self.loss_budget
+            ok = m.bytes <= self.memory_budget and m.loss_increase is not None and m.loss_increase <= self.loss_budget
             row(candidate.name + (" *" if candidate.id == chosen else ""), counts, m, predicted, "met" if ok else "missed")
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -148,14 +150,19 @@ class JobResult:
 
     def _comparison(self) -> list[str]:
         """The returned plan against the fastest budget-meeting reference, and its predicted step."""
-        if self.plan is None:
+        if self.plan is None or self.chosen is None:  # a plan always comes from a chosen candidate
             return []
         m = self.plan.measured
         refs = fastest_meeting([p for p in self.candidates if p[0].is_reference], self.memory_budget, self.loss_budget)
         lines = [f"returned {self.chosen.name}: {m['seconds'] * 1e3:.1f} ms measured, {self.plan.predicted['seconds'] * 1e3:.1f} ms predicted"]
-        if refs is not None:
-            lines.append(f"  = {m['seconds'] / refs[1].seconds:.2f}x the fastest budget-meeting reference ({refs[0].name}, {refs[1].seconds * 1e3:.1f} ms)")
+        if refs is not None and refs[1].seconds is not None:  # fastest_meeting picks only timed ones
+            ref, seconds = refs[0], refs[1].seconds
+            lines.append(f"  = {m['seconds'] / seconds:.2f}x the fastest budget-meeting reference ({ref.name}, {seconds * 1e3:.1f} ms)")
         return lines
+
+
+def _shown(value: "float | None", spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
 
 
 def _workload(config: JobConfig):
@@ -212,9 +219,12 @@ def _storage_failures(config: JobConfig, workers: int):
     except Exception as exc:
         storage_error = next((e for e in _chain(exc) if isinstance(e, optuna.exceptions.StorageInternalError)), None)
         full = _disk_full(exc)
-        if storage_error is None and not full:
+        if full:
+            what = "the disk is full"
+        elif storage_error is not None:
+            what = f"the study's storage failed ({_one_line(storage_error)})"
+        else:
             raise
-        what = "the disk is full" if full else f"the study's storage failed ({_one_line(storage_error)})"
         fix = "free some space" if full else "fix the storage"
         again = f"autoprec search {config.source}" + (f" --workers {workers}" if workers > 1 else "")
         raise SearchError(

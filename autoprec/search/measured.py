@@ -47,7 +47,7 @@ import math
 import statistics
 import time
 import warnings
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, cast
 
 import optuna
 import torch
@@ -63,6 +63,9 @@ from ..runtime import EmulationWarning, apply_plan, removing
 from ..timing import rotated, timed
 from ..workload import TrainStep
 from .study import mark_worker, recover_interrupted_trials
+
+if TYPE_CHECKING:  # refine imports this module; the stage only duck-types its sampler
+    from .refine import CorrectingSampler
 
 __all__ = ["Measurement", "Candidate", "AutocastCheckpoint", "BudgetPruner", "MeasuredStage", "candidate_id", "formats_id", "enqueue", "fastest_meeting"]
 
@@ -363,18 +366,20 @@ class MeasuredStage:
         initial = set(by_id)
         # The learning sampler (`search.refine`), when the study has one: it proposes plans after
         # the initial design (duck-typed: refine imports this module).
-        refine = study.sampler if hasattr(study.sampler, "next_plan") else None
+        refine = cast("CorrectingSampler", study.sampler) if hasattr(study.sampler, "next_plan") else None
         recover_interrupted_trials(study)
 
         def fastest_predicted() -> float:
             """Predicted seconds of the fastest budget-meeting candidate measured so far."""
             done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            met = [t for t in done if t.user_attrs["bytes"] <= memory_bytes and t.user_attrs["loss_increase"] <= loss_budget]
-            return min(met, key=lambda t: t.value).user_attrs.get("predicted", math.inf) if met else math.inf
+            met = [(t.value, t) for t in done
+                   if t.value is not None and t.user_attrs["bytes"] <= memory_bytes and t.user_attrs["loss_increase"] <= loss_budget]
+            return min(met, key=lambda p: p[0])[1].user_attrs.get("predicted", math.inf) if met else math.inf
 
         def finished() -> dict[str, optuna.trial.FrozenTrial]:
+            # `objective` names every trial's candidate or marks it skipped before it can finish.
             trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
-            return {t.user_attrs.get("candidate"): t for t in trials if "skipped" not in t.user_attrs}
+            return {cid: t for t in trials if "skipped" not in t.user_attrs and (cid := t.user_attrs.get("candidate")) is not None}
 
         def objective(trial: optuna.Trial) -> float:
             mark_worker(trial)
@@ -508,8 +513,10 @@ def enqueue(study: optuna.Study, candidates: Sequence[Candidate]) -> None:
 def fastest_meeting(pairs: Sequence[tuple[Candidate, "Measurement | str"]], memory_bytes: float, loss_budget: float) -> "tuple[Candidate, Measurement] | None":
     """The candidate with the fastest measured step among those that met both budgets as
     measured (references included), or None."""
-    met = [(c, m) for c, m in pairs if isinstance(m, Measurement) and m.bytes <= memory_bytes and m.loss_increase <= loss_budget]
-    return min(met, key=lambda p: p[1].seconds, default=None)
+    met = [(c, m, m.seconds) for c, m in pairs if isinstance(m, Measurement) and m.seconds is not None
+           and m.bytes <= memory_bytes and m.loss_increase is not None and m.loss_increase <= loss_budget]
+    fastest = min(met, key=lambda p: p[2], default=None)
+    return fastest[:2] if fastest is not None else None
 
 
 def _plan_context(plan: "Plan | None") -> Callable[[nn.Module], Any]:

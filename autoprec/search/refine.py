@@ -155,7 +155,7 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
         self.min_gain = float(min_gain)
         self.formats = tuple(dict.fromkeys(f for u in space.units if len(u.choices) > 1 for f in u.choices))
         self._pairs = [(u.name, f) for u in space.units if len(u.choices) > 1 for f in u.choices]
-        self._design = {}
+        self._design: dict[str, dict[str, Format]] = {}  # formats_id -> unit assignment
         for plan in design:
             assignment = self.assignment_of(plan)
             if assignment is not None:
@@ -171,7 +171,7 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
         out = {}
         for unit in self.space.units:
             fmt = plan.layers[unit.layers[0]].format if unit.layers[0] in plan.layers else None
-            if fmt not in unit.choices or any(plan.layers.get(fqn, LayerPrecision(fmt)).format is not fmt for fqn in unit.layers):
+            if fmt is None or fmt not in unit.choices or any(plan.layers.get(fqn, LayerPrecision(fmt)).format is not fmt for fqn in unit.layers):
                 return None
             out[unit.name] = fmt
         return out
@@ -189,7 +189,8 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
         params = trial.params or trial.user_attrs.get(REFINED_ATTR, {}).get(REFINED_ASSIGNMENT)
         if params:
             return {name: Format.parse(value) for name, value in params.items()}
-        return self._design.get(trial.user_attrs.get("candidate"))
+        cid = trial.user_attrs.get("candidate")
+        return self._design.get(cid) if cid is not None else None
 
     def _id(self, assignment: Mapping[str, Format]) -> str:
         return formats_id(self.space.layer_formats(assignment), self.recompute)
@@ -212,8 +213,8 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
 
     def correction(self, trials: Sequence[optuna.trial.FrozenTrial]) -> Correction:
         """Factors fitted to the measured figures of ``trials`` (finished ones of this space)."""
-        rows = {f: [] for f in _FIELDS}
-        targets = {f: [] for f in _FIELDS}
+        rows: dict[str, list[list[float]]] = {f: [] for f in _FIELDS}
+        targets: dict[str, list[float]] = {f: [] for f in _FIELDS}
         used = 0
         for t in trials:
             a = t.user_attrs
@@ -231,7 +232,7 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
         prior = np.array([self.prior] * n + [self.unit_prior] * len(self._pairs))
         center = np.array([1.0] * n + [0.0] * len(self._pairs))
         fitted = {f: fit_factors(np.array(rows[f]).reshape(-1, n + len(self._pairs)), np.array(targets[f]), prior, center) for f in _FIELDS}
-        factor = lambda i: Choice(*(fitted[f][i] for f in ("bytes", "seconds", "loss")))  # noqa: E731  (Choice's field order)
+        factor = lambda i: Choice(*(float(fitted[f][i]) for f in ("bytes", "seconds", "loss")))  # noqa: E731  (Choice's field order)
         return Correction({fmt: factor(1 + i) for i, fmt in enumerate(self.formats)}, factor(0), used,
                           {pair: factor(n + i) for i, pair in enumerate(self._pairs)})
 
@@ -263,7 +264,7 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
 
     def _fastest_meeting(self, finished: Sequence[optuna.trial.FrozenTrial]) -> "float | None":
         """Measured seconds (on the proxy's FP32 scale) of the fastest trial meeting the budgets."""
-        met = [self._seconds(t) for t in finished if self._seconds(t) is not None
+        met = [s for t in finished if (s := self._seconds(t)) is not None
                and t.user_attrs["bytes"] <= self.memory_bytes and t.user_attrs.get("loss_increase", np.inf) <= self.loss_budget]
         return min(met, default=None)
 
