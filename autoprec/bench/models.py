@@ -18,15 +18,8 @@ backward, the workload's clipping and optimizer step)
 and the bytes autograd saves for backward in one forward (`SavedTensorMeter`, parameters
 excluded), each also as a ratio to ``fp32`` on the same target.
 
-Fairness on a small, noisy machine: every variant's model is built from the same seed and sees
-the same batches; after ``warmup`` untimed rounds, variants are interleaved round-robin, one step
-of every (target, variant) per round, with the starting variant rotated each round so no variant
-always runs right after the same neighbour; medians are taken over rounds.
-
-Cost: ``(warmup + steps)`` rounds, each one training step of every variant on every target. On a
-CPU without BF16/FP16 matrix units the BF16 / FP16 variants dominate (that is the hardware, and
-the numbers show it). Other processes on the machine inflate every time; the result records how
-many cores they kept busy.
+Variants are interleaved round-robin so that a noisy machine treats them alike (`run_bench`).
+Cost: ``(warmup + steps)`` rounds, each one training step of every variant on every target.
 """
 
 from __future__ import annotations
@@ -357,7 +350,15 @@ def run_bench(
     progress: Optional[Callable[[int, int, str], None]] = None,
 ) -> BenchResult:
     """Run the benchmark described by ``config`` on ``targets`` (name -> `Workload`); see the
-    module docstring for the method.
+    module docstring for the variants and what is measured.
+
+    Fairness on a small, noisy machine: every variant's model is built from the same seed and
+    sees the same batches; after ``warmup`` untimed rounds, variants are interleaved round-robin,
+    one step of every (target, variant) per round, with the starting variant rotated each round
+    so no variant always runs right after the same neighbour; medians are taken over rounds.
+    On a CPU without BF16/FP16 matrix units the BF16 / FP16 variants dominate (that is the
+    hardware, and the numbers show it). Other processes on the machine inflate every time; the
+    result records how many cores they kept busy.
 
     ``progress(round, total_rounds, phase)`` is called after every round (``phase`` is
     ``"warmup"`` or ``"timed"``). Costs ``warmup + steps`` rounds of one training step per
