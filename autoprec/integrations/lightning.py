@@ -110,14 +110,15 @@ class AutoprecPrecision(Precision):
         with self.scheduler.precision_context():
             yield
 
-    def pre_backward(self, tensor: torch.Tensor, module: LightningModule) -> torch.Tensor:
+    # Lightning's own Precision narrows fabric's hooks the same way (and ignores the same finding).
+    def pre_backward(self, tensor: torch.Tensor, module: LightningModule) -> torch.Tensor:  # type: ignore[override]
         """The loss times the loss scale (records the loss for the scheduler's baseline). No sync.
         A ``training_step`` that called no model was refused when its `precision_context` ended."""
         return super().pre_backward(self.scheduler.scale(tensor), module)
 
     # -- the optimizer step ---------------------------------------------------------------------
 
-    def optimizer_step(self, optimizer: Any, model: LightningModule, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    def optimizer_step(self, optimizer: Any, model: LightningModule, closure: Callable[[], Any], **kwargs: Any) -> Any:  # type: ignore[override]  # as Lightning's Precision
         """The closure (training_step and backward), then the scaler's ``unscale_``, then
         Lightning's ``on_before_optimizer_step`` hooks and gradient clipping, then
         `DynamicPrecisionScheduler.step` (skip on non-finite gradients, scale update, the window clock).

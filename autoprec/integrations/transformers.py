@@ -158,7 +158,11 @@ class AutoprecTrainer(Trainer):
 
     def _torch_optimizer(self) -> torch.optim.Optimizer:
         # accelerate's AcceleratedOptimizer steps (and the scaler keys its state by) the inner one.
-        return getattr(self.optimizer, "optimizer", self.optimizer)
+        # Called from the Trainer's clipping and grad-norm hooks, after it created its optimizer.
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        if optimizer is None:
+            raise IntegrationError("AutoprecTrainer: no optimizer yet; the Trainer creates it in train()")
+        return optimizer
 
     def _clip_grad_norm(self, model):
         """Unscale, then clip to ``args.max_grad_norm`` (`LossScaler.clip_grad_norm_`, which
