@@ -33,7 +33,7 @@ import math
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -173,6 +173,8 @@ class CausalSelfAttention(nn.Module):
     whatever dtype the inputs have, so a precision runtime (or autocast) controls them.
     """
 
+    causal_mask: torch.Tensor  # a registered buffer
+
     def __init__(self, config: LMConfig) -> None:
         super().__init__()
         self.n_heads = config.n_heads
@@ -263,7 +265,7 @@ class ByteLM(nn.Module):
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
         resid_std = _INIT_STD / math.sqrt(2 * self.config.n_layers)
-        for block in self.blocks:
+        for block in cast("Iterable[TransformerBlock]", self.blocks):  # ModuleList iterates as plain Modules
             nn.init.normal_(block.attn.proj.weight, mean=0.0, std=resid_std)
             nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=resid_std)
 

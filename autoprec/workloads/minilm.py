@@ -27,10 +27,14 @@ from __future__ import annotations
 import functools
 import random
 import re
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:  # transformers is optional (autoprec[minilm]) and imported where used
+    from transformers import PreTrainedModel
 
 __all__ = [
     "MNRL_SCALE",
@@ -87,7 +91,7 @@ class SentencePairScorer(nn.Module):
     a matrix product, so a precision runtime neither intercepts them nor counts them as a layer.
     """
 
-    def __init__(self, bert: nn.Module, scale: float = MNRL_SCALE):
+    def __init__(self, bert: "PreTrainedModel", scale: float = MNRL_SCALE):
         super().__init__()
         self.bert = bert
         self.scale = scale
