@@ -24,11 +24,11 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
 
 from ..errors import MonitoringError
 from ..plan import Plan
-from .plans import PlanDiff, PrecisionMap, diff_plans, format_plan_line, plan_hparams, plan_layers_markdown, plan_scalars, plan_summary_markdown, render_precision_map
+from .plans import PlanDiff, diff_plans, format_plan_line, plan_hparams, plan_layers_markdown, plan_scalars, plan_summary_markdown, render_precision_map
 
 if TYPE_CHECKING:  # imported lazily where used: it loads TensorBoard's protobufs
     from torch.utils.tensorboard import SummaryWriter
@@ -63,7 +63,16 @@ def _writable_dir(path: Path, logdir: Path) -> None:
         raise MonitoringError(f"cannot write to logdir {str(logdir)!r}: {reason}; choose a writable --logdir") from None
 
 
-def _add_png(writer, tag: str, picture: PrecisionMap, step: int) -> None:
+class _Picture(Protocol):
+    """What `_add_png` writes: a `PrecisionMap`, or the search's `ParetoFigure`."""
+
+    @property
+    def size(self) -> tuple[int, int]: ...
+
+    def to_png(self) -> bytes: ...
+
+
+def _add_png(writer, tag: str, picture: _Picture, step: int) -> None:
     """An image summary from our own PNG: what ``SummaryWriter.add_image`` writes, without its
     RGB float round trip and default-level PNG encoding (10x the time for these images)."""
     from tensorboard.compat.proto.summary_pb2 import Summary
