@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 
 import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from .errors import RuntimeStateError
 
@@ -65,7 +66,7 @@ class ModelWatch:
         self._bound_before = bound_before  # the model was bound in an earlier context
         self._at_start, self._at_end = at_start, at_end
         self._thread = threading.get_ident()
-        self._guard = None
+        self._guard: Optional[RemovableHandle] = None  # the global pre-hook, while it watches
         self._outer: Optional[nn.Module] = None  # the model's call under way (the guard paused)
         self._deaf = False
         self._active = False
@@ -121,7 +122,8 @@ class ModelWatch:
         """The model (or a part or wrapper of it) starts: pause the guard until this call returns."""
         self.called = True
         self._outer = module
-        self._guard.remove()
+        if self._guard is not None:  # the guard's own hook calls this, so it is registered
+            self._guard.remove()
         self._guard = None
         if id(module) not in self._hooked:
             self._hooked.add(id(module))

@@ -51,6 +51,7 @@ def isolated(value: Any, copy_tensor: Callable[[torch.Tensor], torch.Tensor], me
     key = id(value)
     if key in memo:
         return memo[key]
+    out: Any
     if torch.is_tensor(value):
         out = copy_tensor(value)
     elif isinstance(value, _SHARED):

@@ -6,50 +6,19 @@ it makes a `RankAgreement` when it binds. Every communication is torch's (``dist
 ``broadcast_object_list``, ``all_gather_object``, DDP's ``register_comm_hook`` with torch's
 ``default_hooks``); nothing here moves bytes itself.
 
-Decisions and why:
-
-- **Rank 0 decides, the others adopt.** The search times layers on the device
-  (``measure_costs``) under a wall-clock limit (``search_timeout_s``), so ranks that "solve
-  identically" could still return different plans; one rank solving and one broadcast of the
-  plan's JSON cannot disagree. The window review (promotions, demotions) is broadcast the same
-  way, so changes happen at the same step everywhere. Then every rank hashes the plan it runs and
-  the hashes are gathered: a mismatch raises `DistributedError` on every rank, naming the ranks.
-- **Statistics are reduced before rank 0 decides**: the profiler's accumulators (histograms and
-  counts summed, per-step amax maxed, moments summed) and the loss baseline (sum, count), so the
-  plan sees every rank's data. Per-parameter gradient statistics (Welford) are not reduced: under
-  DDP the gradients are already identical; under FSDP2 rank 0 sees its own shard (a sample).
-- **One skip decision**: per step one all-reduce (SUM) of one int64 vector: per optimizer the
-  scaler's found-inf, the loss's non-finite flag, per layer a non-finite-gradient flag and a
-  first-non-finite-output flag, each entry ``1 << rank`` when set, so the sum names the ranks (up to
-  rank 62; above, entries count ranks). The reduced found-inf replaces the scaler's, so GradScaler
-  skips (and backs off) on every rank or on none. Under DDP the layer flags come from the
-  communication hook, before the all-reduce spreads an inf to every rank, so they name the rank
-  where it arose; elsewhere (FSDP2, a user's own hook) from the local gradients after it.
-- **Amax histories and INT8 calibration agree without a reduction**: under DDP the weights and
-  every rank's state start equal, but activations differ per rank. autoprec's FP8 inputs default
-  to current scaling (the tensor's own amax, no history) and output gradients always use it, so
-  they need no agreement at all; what is kept per rank (delayed input histories, INT8 calibration
-  samples) only scales that rank's own local products, like torchao's current scaling, which
-  needs no ``sync_float8_amax_and_scale_history``. A reduction of every history per step would be
-  one more collective per layer. The plan (formats, scaling modes) is what must agree, and does.
+- `RankAgreement`: rank 0 decides (the search, the window review) and broadcasts, then every
+  rank's plan is verified by hash (`decide`); the profiler's statistics and the loss baseline
+  are reduced first (`reduce_window`); each step's skip decision is one all-reduce of flags
+  naming the ranks where a non-finite value arose (`agree_on_step`, `StepVerdict`).
+- `GradCommHook`: DDP's communication hook; the all-reduce precision (`grad_comm_format`) and
+  the non-finite local gradients seen before the all-reduce.
+- `SchedulerCheckpoint`: the scheduler as a ``torch.distributed.checkpoint`` ``Stateful``.
 
 Costs: per optimizer step one all-reduce of ``8 * (optimizers + 1 + 2 * layers)`` bytes, one
-inf-norm over every gradient (a read of the gradients; in the DDP hook instead of after it), and
-one host transfer of that vector. Per window end: three all-reduces of the profiler's
-accumulators (about 48 KiB of histogram per layer and tensor kind), one ``broadcast_object_list``
-of the decision (the plan's JSON, a few KiB) and one ``all_gather_object`` of plan hashes. While
-the first search runs (`search.training`): every rank runs the same probe and trial steps (their
-plans follow from the step and the reduced profile), rank 0 alone the off-path work, and one
-``broadcast_object_list`` per step (None until rank 0's candidates exist, then their JSON) keeps
-the ranks on one schedule. At bind: one ``all_gather_object`` of the settings' and given plan's hashes.
-
-FSDP2 (``fully_shard``): parameters are DTensors; the runtime runs inside FSDP2's all-gathered
-forward, the scaler and flags read the local shards (``to_local``). FSDP2's
-``MixedPrecisionPolicy(param_dtype=...)`` would cast every parameter to one dtype before
-autoprec's per-layer formats see them, so any ``param_dtype`` other than None / float32 is refused;
-``reduce_dtype`` (the gradient reduce-scatter precision) is FSDP2's and allowed. The search runs
-forwards on rank 0 alone, which FSDP2's all-gathers would deadlock: under FSDP2 the scheduler needs
-``plan=`` (``from_plan``; with ``dynamic=True`` it still promotes and demotes).
+inf-norm over every gradient and one host transfer; per window end three all-reduces of the
+profiler's accumulators, one broadcast of the decision and one gather of plan hashes (the
+details, and why amax histories need no reduction, in `RankAgreement`). Under FSDP2
+(``fully_shard``) the scheduler needs a given plan (`RankAgreement.check_bind`).
 """
 
 from __future__ import annotations
@@ -105,7 +74,11 @@ def _is_fsdp2(model: nn.Module) -> bool:
 
 
 def _check_fsdp2_policy(model: nn.Module) -> None:
-    """Refuse an FSDP2 ``param_dtype`` that would override the per-layer formats."""
+    """Refuse an FSDP2 ``param_dtype`` that would override the per-layer formats.
+
+    ``MixedPrecisionPolicy(param_dtype=...)`` would cast every parameter to one dtype before
+    autoprec's per-layer formats see them, so any ``param_dtype`` other than None / float32 is
+    refused; ``reduce_dtype`` (the gradient reduce-scatter precision) is FSDP2's and allowed."""
     from torch.distributed.fsdp import FSDPModule
 
     for fqn, module in model.named_modules():
@@ -125,7 +98,7 @@ class StepVerdict:
     ``layers``: layers with non-finite gradients on some rank (model order); ``ranks``: layer ->
     ranks that reported it; ``first_output``: the first layer (model order) whose forward output
     went non-finite on some rank, with ``output_ranks``; ``loss_ranks``: ranks whose loss was
-    non-finite. Rank lists are exact up to rank 62 (see the module doc)."""
+    non-finite. Rank lists are exact up to rank 62 (`RankAgreement.agree_on_step`)."""
 
     skipped: tuple[bool, ...]
     layers: tuple[str, ...] = ()
@@ -194,10 +167,31 @@ class GradCommHook:
 
 
 class RankAgreement:
-    """What the ranks of ``group`` agree on for one scheduler (see the module doc for costs).
+    """What the ranks of ``group`` agree on for one scheduler.
 
     ``sent``: collective -> calls and bytes the scheduler itself issued (``all_reduce`` bytes are
-    the tensors'; object collectives count their pickled payload), for measuring its overhead."""
+    the tensors'; object collectives count their pickled payload), for measuring its overhead.
+
+    Costs: per optimizer step one all-reduce of ``8 * (optimizers + 1 + 2 * layers)`` bytes, one
+    inf-norm over every gradient (a read of the gradients; in the DDP hook instead of after it),
+    and one host transfer of that vector. Per window end: three all-reduces of the profiler's
+    accumulators (about 48 KiB of histogram per layer and tensor kind), one
+    ``broadcast_object_list`` of the decision (the plan's JSON, a few KiB) and one
+    ``all_gather_object`` of plan hashes. While the first search runs (`search.training`): every
+    rank runs the same probe and trial steps (their plans follow from the step and the reduced
+    profile), rank 0 alone the off-path work, and one ``broadcast_object_list`` per step (None
+    until rank 0's candidates exist, then their JSON) keeps the ranks on one schedule
+    (`share`). At bind: one ``all_gather_object`` of the settings' and given plan's hashes.
+
+    Amax histories and INT8 calibration agree without a reduction: under DDP the weights and
+    every rank's state start equal, but activations differ per rank. autoprec's FP8 inputs
+    default to current scaling (the tensor's own amax, no history) and output gradients always
+    use it, so they need no agreement at all; what is kept per rank (delayed input histories,
+    INT8 calibration samples) only scales that rank's own local products, like torchao's current
+    scaling, which needs no ``sync_float8_amax_and_scale_history``. A reduction of every history
+    per step would be one more collective per layer. The plan (formats, scaling modes) is what
+    must agree, and does.
+    """
 
     def __init__(self, group, model: nn.Module, layers: Sequence[str], ddp: Any = None):
         self.group = group
@@ -262,7 +256,13 @@ class RankAgreement:
             raise DistributedError(f"rank {', '.join(map(str, bad))} holds another {what} than rank 0 ({values[bad[0]][:12]} vs {values[0][:12]}); start every rank with the same settings, plan and model")
 
     def check_bind(self, config, plan: "Optional[Plan]") -> None:
-        """At bind: every rank has the same settings (but the group object) and given plan."""
+        """At bind: every rank has the same settings (but the group object) and given plan.
+
+        Under FSDP2 (``fully_shard``) parameters are DTensors: the runtime runs inside FSDP2's
+        all-gathered forward, the scaler and flags read the local shards (``to_local``). The
+        search runs forwards on rank 0 alone, which FSDP2's all-gathers would deadlock, so under
+        FSDP2 a dynamic scheduler needs ``plan=`` (``from_plan``; with ``dynamic=True`` it still
+        promotes and demotes)."""
         settings = repr(dataclasses.replace(config, process_group=None, log_dir=None))
         self.verify("scheduler settings or plan=", hashlib.sha256((settings + plan_hash(plan)).encode()).hexdigest())
         if self.fsdp2 and config.dynamic and plan is None:
@@ -271,7 +271,13 @@ class RankAgreement:
     def decide(self, decide: Callable[[], Any], adopt: Callable[[Any], None], plan: Callable[[], "Optional[Plan]"]) -> None:
         """Rank 0 runs ``decide`` (the search or the window review), which returns its outcome as
         plain data; the outcome is broadcast and the other ranks ``adopt`` it; then every rank's
-        ``plan()`` is verified to hash alike."""
+        ``plan()`` is verified to hash alike (a mismatch raises `DistributedError` on every rank,
+        naming the ranks).
+
+        Why one rank decides: the search times layers on the device (``measure_costs``) under a
+        wall-clock limit (``search_timeout_s``), so ranks that "solve identically" could still
+        return different plans; one rank solving and one broadcast cannot disagree. The window
+        review goes the same way, so promotions and demotions happen at the same step everywhere."""
         outcome = decide() if self.rank == 0 else None
         outcome = self._broadcast(outcome)
         if self.rank != 0:
@@ -285,7 +291,12 @@ class RankAgreement:
 
     def reduce_window(self, profiler, loss_sum: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Combine the profiler's window statistics and the loss sum across ranks, in place
-        (`LayerProfiler.reduce_`: three all-reduces); returns the reduced loss sum."""
+        (`LayerProfiler.reduce_`: three all-reduces); returns the reduced loss sum.
+
+        Before rank 0 decides, so the plan sees every rank's data: histograms, counts and moments
+        summed, per-step amax maxed, the loss baseline's sum and count summed. Per-parameter
+        gradient statistics (Welford) are not reduced: under DDP the gradients are already
+        identical; under FSDP2 rank 0 sees its own shard (a sample)."""
         if profiler is None:
             if loss_sum is None:
                 return None
@@ -314,8 +325,16 @@ class RankAgreement:
         return flags
 
     def agree_on_step(self, scaler, optimizers: Sequence[torch.optim.Optimizer], loss: Optional[torch.Tensor]) -> StepVerdict:
-        """Unscale, then one all-reduce of the step's flags (see the module doc); the scaler's
-        found-inf of each optimizer becomes the reduced one. One host transfer."""
+        """Unscale, then one all-reduce (SUM) of the step's flags; the scaler's found-inf of each
+        optimizer becomes the reduced one, so GradScaler skips (and backs off) on every rank or on
+        none. One host transfer.
+
+        The flags are one int64 vector: per optimizer the scaler's found-inf, the loss's
+        non-finite flag, per layer a non-finite-gradient flag and a first-non-finite-output
+        flag, each entry ``1 << rank`` when set, so the sum names the ranks (up to rank 62;
+        above, entries count ranks). Under DDP the layer flags come from the communication hook
+        (`GradCommHook`), before the all-reduce spreads an inf to every rank, so they name the
+        rank where it arose; elsewhere (FSDP2, a user's own hook) from the local gradients after it."""
         found = [scaler.found_inf(opt) for opt in optimizers]
         device = found[0].device
         grads = self.comm_hook.take() if self.comm_hook is not None else None

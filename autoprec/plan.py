@@ -28,7 +28,7 @@ import os
 import types
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, TypeVar
 
 import torch.nn as nn
 
@@ -114,23 +114,34 @@ class Calibration:
 _DEFAULT_GRAD_FORMAT = {Format.FP8_E4M3: Format.FP8_E5M2, Format.FP8_E5M2: Format.FP8_E5M2, Format.INT8: Format.FP32}
 
 
-@dataclasses.dataclass(frozen=True)
+# init=False: the constructor takes format names and ``grad_format=None`` (the format's default),
+# while the fields hold the parsed `Format`s, never None.
+@dataclasses.dataclass(frozen=True, init=False)
 class LayerPrecision:
     """One layer's format. FP8 layers compute gradients in ``grad_format`` (E5M2 by default:
     the "hybrid" recipe, E4M3 forward and E5M2 backward); INT8 layers' is FP32."""
 
     format: Format
-    grad_format: "Format | None" = None
+    grad_format: Format
     scaling: Scaling = Scaling()
     calibration: Calibration = Calibration()
     reason: str = ""
 
-    def __post_init__(self):
-        object.__setattr__(self, "format", Format.parse(self.format))
-        grad = self.grad_format
-        if grad is None:
-            grad = _DEFAULT_GRAD_FORMAT.get(self.format, self.format)
-        object.__setattr__(self, "grad_format", Format.parse(grad))
+    def __init__(
+        self,
+        format: "Format | str",
+        grad_format: "Format | str | None" = None,
+        scaling: Scaling = Scaling(),
+        calibration: Calibration = Calibration(),
+        reason: str = "",
+    ):
+        fmt = Format.parse(format)
+        _set = object.__setattr__
+        _set(self, "format", fmt)
+        _set(self, "grad_format", Format.parse(_DEFAULT_GRAD_FORMAT.get(fmt, fmt) if grad_format is None else grad_format))
+        _set(self, "scaling", scaling)
+        _set(self, "calibration", calibration)
+        _set(self, "reason", reason)
 
     def to_dict(self) -> dict:
         def plain(obj):
@@ -146,7 +157,7 @@ class LayerPrecision:
 
 
 # The type each JSON field must have, to name the field and the fix when it has another.
-_FIELD_TYPES = {
+_FIELD_TYPES: dict[str, dict[str, "type | tuple[type, ...]"]] = {
     "scaling": {"granularity": str, "mode": str, "history_len": int, "reduction": str, "margin": int},
     "calibration": {"method": str, "percentile": (int, float), "batches": int, "outlier_ratio": (int, float, type(None))},
 }
@@ -160,7 +171,10 @@ _FIELD_CHOICES = {
 }
 
 
-def _parse_section(where: str, cls, data: Any, problems: list[str]):
+_Section = TypeVar("_Section", Scaling, Calibration)
+
+
+def _parse_section(where: str, cls: type[_Section], data: Any, problems: list[str]) -> "_Section | None":
     if data is None:
         return cls()
     if not isinstance(data, Mapping):
@@ -336,7 +350,10 @@ class Plan:
     """
 
     __slots__ = ("_layers", "_fingerprint", "_blocks", "budgets", "predicted", "measured", "metadata")
-    # Set once in __init__ (read-only views of JSON data).
+    # Set once in __init__ (object.__setattr__, as the class refuses assignment); read-only views.
+    _layers: Mapping[str, LayerPrecision]
+    _fingerprint: Mapping[str, LayerInfo]
+    _blocks: Mapping[str, bool]
     budgets: Mapping[str, Any]
     predicted: Mapping[str, Any]
     measured: Mapping[str, Any]
@@ -366,8 +383,8 @@ class Plan:
         _set(self, "_layers", types.MappingProxyType(parsed))
         _set(self, "_fingerprint", types.MappingProxyType(dict(fingerprint or {})))
         _set(self, "_blocks", types.MappingProxyType(flags))
-        for name, value in (("budgets", budgets), ("predicted", predicted), ("measured", measured), ("metadata", metadata)):
-            _set(self, name, types.MappingProxyType(json.loads(json.dumps(dict(value or {})))))
+        for name, figures in (("budgets", budgets), ("predicted", predicted), ("measured", measured), ("metadata", metadata)):
+            _set(self, name, types.MappingProxyType(json.loads(json.dumps(dict(figures or {})))))
 
     def __setattr__(self, name, value):
         raise AttributeError("Plan is immutable; derive a new one with plan.replace(...) or plan.with_layers(...)")
@@ -438,7 +455,7 @@ class Plan:
         unknown = sorted(set(changes) - set(self._layers))
         if unknown:
             raise PlanError([f"{fqn!r}: not a layer of this plan" for fqn in unknown], "Use names from plan.layers.")
-        layers = dict(self._layers)
+        layers: dict[str, "LayerPrecision | Format | str"] = dict(self._layers)
         # A format name goes through the constructor, so a bad one is a PlanError naming the layer.
         layers.update(changes)
         return self.replace(layers=layers)
@@ -597,6 +614,7 @@ class Plan:
         layers = data.get("layers")
         if not isinstance(layers, Mapping) or not layers:
             problems.append(f"{source}: 'layers' must be a non-empty object mapping module names to precisions")
+            layers = {}
         fingerprint = {}
         raw_fingerprint = data.get("fingerprint") or {}
         if not isinstance(raw_fingerprint, Mapping):

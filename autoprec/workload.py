@@ -224,7 +224,7 @@ def load_workload(spec: str, kwargs: Optional[Mapping[str, Any]] = None) -> Any:
     return check_workload(workload, spec)
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
+def to_device(batch: Any, device: "torch.device | str") -> Any:
     """``batch`` with every tensor in it (tuples, lists and dicts, nested) moved to ``device``."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device)

@@ -44,7 +44,7 @@ def _json_safe(value: Any) -> Any:
 
 def device_info(device: torch.device) -> dict:
     """Name, capability and software versions of ``device`` (no kernel runs; no sync)."""
-    info = {"type": device.type, "torch": torch.__version__, "python": platform.python_version()}
+    info: dict[str, Any] = {"type": device.type, "torch": torch.__version__, "python": platform.python_version()}
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(index)

@@ -18,15 +18,8 @@ backward, the workload's clipping and optimizer step)
 and the bytes autograd saves for backward in one forward (`SavedTensorMeter`, parameters
 excluded), each also as a ratio to ``fp32`` on the same target.
 
-Fairness on a small, noisy machine: every variant's model is built from the same seed and sees
-the same batches; after ``warmup`` untimed rounds, variants are interleaved round-robin, one step
-of every (target, variant) per round, with the starting variant rotated each round so no variant
-always runs right after the same neighbour; medians are taken over rounds.
-
-Cost: ``(warmup + steps)`` rounds, each one training step of every variant on every target. On a
-CPU without BF16/FP16 matrix units the BF16 / FP16 variants dominate (that is the hardware, and
-the numbers show it). Other processes on the machine inflate every time; the result records how
-many cores they kept busy.
+Variants are interleaved round-robin so that a noisy machine treats them alike (`run_bench`).
+Cost: ``(warmup + steps)`` rounds, each one training step of every variant on every target.
 """
 
 from __future__ import annotations
@@ -43,7 +36,7 @@ import statistics
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, cast
 
 import torch
 import torch.nn as nn
@@ -314,14 +307,16 @@ class BenchResult:
 class _Runner:
     """One (target, variant): its model, training step, precision context and measurements."""
 
-    def __init__(self, target: str, variant: _Variant, workload: Any, model: nn.Module, example: ModelCall, device: torch.device):
+    def __init__(self, target: str, variant: _Variant, workload: Any, model: nn.Module, example: "ModelCall | None", device: torch.device):
+        # ``example``: the model's first call (None: `Plan.uniform` finds layers in the module tree).
         self.target = target
         self.variant = variant
         self.model = model
         self.runtime: Optional[PlanRuntime] = None
+        context: Callable[[], contextlib.AbstractContextManager]
         if variant.kind == "plan":
-            self.runtime = apply_plan(model, Plan.uniform(model, variant.format, example))
-            context = lambda: self.runtime  # noqa: E731  (one of three interchangeable context factories)
+            runtime = self.runtime = apply_plan(model, Plan.uniform(model, variant.format, example))
+            context = lambda: runtime  # noqa: E731  (one of three interchangeable context factories)
         elif variant.kind == "autocast":
             context = lambda: torch.autocast(device.type, dtype=variant.format.dtype)  # noqa: E731
         else:
@@ -329,7 +324,8 @@ class _Runner:
         self.context = context
         self.train_step = TrainStep.for_workload(workload, model, context)
         # The precision context is entered around the compiled call, as around autocast.
-        self.forward_model = torch.compile(model) if variant.compiled else model
+        # torch.compile of a module returns an OptimizedModule (an nn.Module); its stubs say a callable.
+        self.forward_model = cast(nn.Module, torch.compile(model)) if variant.compiled else model
         self.times: list[float] = []
         self.losses: list[float] = []
         self.saved_bytes = 0
@@ -357,7 +353,15 @@ def run_bench(
     progress: Optional[Callable[[int, int, str], None]] = None,
 ) -> BenchResult:
     """Run the benchmark described by ``config`` on ``targets`` (name -> `Workload`); see the
-    module docstring for the method.
+    module docstring for the variants and what is measured.
+
+    Fairness on a small, noisy machine: every variant's model is built from the same seed and
+    sees the same batches; after ``warmup`` untimed rounds, variants are interleaved round-robin,
+    one step of every (target, variant) per round, with the starting variant rotated each round
+    so no variant always runs right after the same neighbour; medians are taken over rounds.
+    On a CPU without BF16/FP16 matrix units the BF16 / FP16 variants dominate (that is the
+    hardware, and the numbers show it). Other processes on the machine inflate every time; the
+    result records how many cores they kept busy.
 
     ``progress(round, total_rounds, phase)`` is called after every round (``phase`` is
     ``"warmup"`` or ``"timed"``). Costs ``warmup + steps`` rounds of one training step per
@@ -430,13 +434,13 @@ def run_bench(
         if non_finite:
             logger.warning("%s %s: %d of %d timed steps had a non-finite loss", run.target, run.variant.name, non_finite, len(run.losses))
 
-    plan_runs = [run for run in runners if run.runtime is not None]
-    emulated = {target: {run.variant.name: run.runtime.emulated_layers() for run in plan_runs if run.target == target} for target in targets}
+    plan_runs = [(run, run.runtime) for run in runners if run.runtime is not None]
+    emulated = {target: {run.variant.name: runtime.emulated_layers() for run, runtime in plan_runs if run.target == target} for target in targets}
     emulated = {target: per for target, per in emulated.items() if per}
-    reports = {target: {run.variant.name: run.runtime.report() for run in plan_runs if run.target == target} for target in targets}
+    reports = {target: {run.variant.name: runtime.report() for run, runtime in plan_runs if run.target == target} for target in targets}
     reports = {target: per for target, per in reports.items() if per}
-    int8 = next((run for run in plan_runs if run.variant.format is Format.INT8), None)  # the first target's
-    calibration = _calibration_summary(int8) if int8 is not None else None
+    int8 = next((pair for pair in plan_runs if pair[0].variant.format is Format.INT8), None)  # the first target's
+    calibration = _calibration_summary(*int8) if int8 is not None else None
 
     info = device_info(device)
     info["other_processes_cores"] = contention.other_cores()
@@ -456,11 +460,11 @@ def run_bench(
     return result
 
 
-def _calibration_summary(run: _Runner) -> dict:
+def _calibration_summary(run: _Runner, runtime: PlanRuntime) -> dict:
     """Mean over layers (each layer: mean over its GEMMs) of the INT8 relative quantization error
     ‖x − q(x)‖/‖x‖ on the activations seen during calibration: naive max scaling vs calibrated."""
     per_layer = {}
-    for fqn, entry in run.runtime.report().items():
+    for fqn, entry in runtime.report().items():
         slots = entry.get("calibration")
         if not slots:
             continue

@@ -147,10 +147,10 @@ class OpsBenchResult:
         body = [(r.variant, r.step, str(r.ops), str(r.syncs), ", ".join(f"{k} x{v}" for k, v in sorted(r.sync_ops.items()))) for r in self.rows]
         lines += _aligned(("variant", "step", "aten ops", "host syncs", "sync ops"), body, left={0, 1, 4})
         lines += ["", f"  {_OPS_MLP_INFO}; torch.compile backend {self.config.compile_backend!r}"]
-        body = []
+        compiled = []
         for r in self.compile_rows:
-            body.append((r.variant, str(r.graphs), str(r.breaks), f"{r.loss_max_abs_diff:.3g}", f"{r.grad_max_abs_diff:.3g}", (r.reasons[0][:100] if r.reasons else "")))
-        lines += _aligned(("variant", "graphs", "breaks", "loss |diff|", "grad |diff|", "first break reason"), body, left={0, 5})
+            compiled.append((r.variant, str(r.graphs), str(r.breaks), f"{r.loss_max_abs_diff:.3g}", f"{r.grad_max_abs_diff:.3g}", (r.reasons[0][:100] if r.reasons else "")))
+        lines += _aligned(("variant", "graphs", "breaks", "loss |diff|", "grad |diff|", "first break reason"), compiled, left={0, 5})
         return "\n".join(lines)
 
 

@@ -44,10 +44,11 @@ def measure_overhead(
     names = ("plain", "window", "after")
     steps_by_name = {name: TrainStep.for_workload(workload, workload.build_model(seed).to(dev)) for name in names}
     example = ModelCall.first(steps_by_name["plain"].model, lambda: workload.loss(steps_by_name["plain"].model, to_device(workload.val_batches(1)[0], dev)))
+    after = LayerProfiler(steps_by_name["after"].model, example, window=1, sample=sample, every=every).attach()
     profilers = {
         "plain": None,
         "window": LayerProfiler(steps_by_name["window"].model, example, window=warmup + steps + 1, sample=sample, every=every).attach(),
-        "after": LayerProfiler(steps_by_name["after"].model, example, window=1, sample=sample, every=every).attach(),
+        "after": after,
     }
     batches = iter(workload.train_batches(seed))
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -71,5 +72,5 @@ def measure_overhead(
         "overhead_window": med["window"] / med["plain"] - 1.0,
         "overhead_after": med["after"] / med["plain"] - 1.0,
         "overhead_window_mean": mean["window"] / mean["plain"] - 1.0,
-        "after_hooks_removed": not profilers["after"].collecting,
+        "after_hooks_removed": not after.collecting,
     }

@@ -46,8 +46,8 @@ class RankingCheck:
     info: Mapping[str, Any]
 
     def table(self) -> str:
-        order_p = sorted(self.predicted, key=self.predicted.get)
-        order_m = sorted(self.measured, key=self.measured.get)
+        order_p = sorted(self.predicted, key=self.predicted.__getitem__)
+        order_m = sorted(self.measured, key=self.measured.__getitem__)
         lines = [f"{'plan':<10} {'predicted ms':>13} {'measured ms':>12} {'IQR':>7} {'pred/meas':>9} {'rank p':>6} {'rank m':>6}"]
         for f in self.formats:
             p, m = self.predicted[f.value], self.measured[f.value]
@@ -79,7 +79,7 @@ def _compare(predicted: Mapping[str, float], measured: Mapping[str, float], tie:
                     discordant.append((a, b))
     pairs = len(names) * (len(names) - 1) // 2
     tau = (concordant - discordant_count) / pairs if pairs else 1.0
-    exact = sorted(names, key=predicted.get) == sorted(names, key=measured.get)
+    exact = sorted(names, key=predicted.__getitem__) == sorted(names, key=measured.__getitem__)
     return tau, exact, not discordant, tuple(discordant)
 
 

@@ -24,7 +24,7 @@ import subprocess
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -216,7 +216,7 @@ def _targets(config: GpuBenchConfig, layers: Sequence[Row], e2e: Sequence[Row], 
 
     speedup = best.detail.get("ratio_to_baseline") if best is not None else None
     vs_ao = best.detail["ms"] / best_ao.detail["ms"] if best is not None and best_ao is not None else None
-    tokens = {r.name.split("/", 1)[1]: r.detail.get("tokens_per_s") for r in e2e if r.ok}
+    tokens = {r.name.split("/", 1)[1]: t for r in e2e if r.ok and (t := r.detail.get("tokens_per_s")) is not None}
     searched = tokens["searched"] / tokens["bf16_autocast"] if {"searched", "bf16_autocast"} <= set(tokens) else None
     return [
         target(f"fp8 per layer vs compiled bf16 autocast at {where}", speedup, FP8_SPEEDUP_TARGET, True,
@@ -267,7 +267,7 @@ def run_gpu_bench(
         elapsed["probe"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        timing = dict(
+        timing: dict[str, Any] = dict(
             warmup=config.warmup, repeats=config.repeats, backend=config.compile_backend,
             recompile_limit=config.recompile_limit, seed=config.seed,
         )
@@ -279,7 +279,7 @@ def run_gpu_bench(
         t0 = time.perf_counter()
         ms = _choice_timings(layers)
         if loaded is not None:
-            searched_info = {"source": "file", "path": str(plan_path)}
+            searched_info: dict[str, Any] = {"source": "file", "path": str(plan_path)}
             plan_for = lambda model, example: loaded  # noqa: E731
         else:
             searched_info = {

@@ -18,6 +18,7 @@ Plans:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Callable, Mapping, Optional
@@ -146,6 +147,7 @@ def train_plan(name: str, config: E2EConfig, device: torch.device, plan_for: Opt
                 model = BenchLM(config.lm_config())
         batches = _batches(config, device, seed)
         detail: dict = {}
+        context: contextlib.AbstractContextManager
         if plan_for is None:
             context = torch.autocast(device.type, dtype=torch.bfloat16)
         else:
@@ -167,6 +169,8 @@ def train_plan(name: str, config: E2EConfig, device: torch.device, plan_for: Opt
             loss.backward()
             optimizer.step()
             losses.append(loss.detach())
+        if stop is None:
+            raise ValueError(f"E2EConfig(steps={config.steps}, warmup={config.warmup}) times no step; steps must exceed warmup")
         seconds = stop()
         losses = [float(v) for v in losses]
         timed_steps = config.steps - config.warmup

@@ -18,6 +18,7 @@ of the output against the input and the parameters (so nothing accumulates betwe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import logging
 import time
@@ -190,7 +191,7 @@ def measure_layers(
             elif variant.compiled and deadline is not None and time.monotonic() > deadline:
                 row = Row(name, None, {"skipped": "the per-layer time budget was spent (compilation); raise GpuBenchConfig.layers_budget_s"})
             else:
-                row = guarded(name, device, lambda v=variant: _measure(v, shape, device, warmup, repeats, backend, recompile_limit, seed))
+                row = guarded(name, device, functools.partial(_measure, variant, shape, device, warmup, repeats, backend, recompile_limit, seed))
             row.detail.update(shape=list(shape), variant=variant.name, compiled=variant.compiled)
             shape_rows.append(row)
         baseline = next((r for r in shape_rows if r.ok and r.detail["variant"] == BASELINE.name and r.detail["compiled"]), None)

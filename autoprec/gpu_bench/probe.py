@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
@@ -56,7 +57,7 @@ def _inputs(tokens: Sequence[int], features: int, device: torch.device, generato
     return named
 
 
-def _train_once(layer: nn.Module, runtime, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _train_once(layer: nn.Linear, runtime, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Output, input gradient and weight gradient of one forward + backward under ``runtime``."""
     x = x.detach().requires_grad_(True)
     with runtime:
@@ -71,7 +72,7 @@ def _compare(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], fmt: For
     finite = all(bool(torch.isfinite(g).all()) for g in got)
     ok = finite and values[0] >= floor_out and min(values[1:]) >= floor_grad
     # JSON has no infinity; an exact match (inf dB) is written as the string "inf".
-    detail = {f"sqnr_{n}_db": v if math.isfinite(v) else "inf" for n, v in zip(("out", "grad_input", "grad_weight"), values)}
+    detail: dict[str, Any] = {f"sqnr_{n}_db": v if math.isfinite(v) else "inf" for n, v in zip(("out", "grad_input", "grad_weight"), values)}
     detail.update(finite=finite, floors_db=[floor_out, floor_grad])
     return ok, detail
 
@@ -92,7 +93,7 @@ def _probe_config(
     kernel_expected = kernel_reason(next(iter(plan.layers.values())), device) is None
     rows = []
 
-    def check(x: torch.Tensor, run_layer: nn.Module, run_runtime) -> tuple[bool, dict]:
+    def check(x: torch.Tensor, run_layer: nn.Linear, run_runtime) -> tuple[bool, dict]:
         grad = torch.randn(*x.shape[:-1], features[1], device=device, generator=generator)
         got = _train_once(run_layer, run_runtime, x, grad)
         want = _train_once(reference, contextlib.nullcontext(), x, grad)
@@ -105,7 +106,7 @@ def _probe_config(
         return ok, detail
 
     for input_name, x in inputs.items():
-        rows.append(guarded(f"probe/{name}/{input_name}", device, lambda x=x: check(x, layer, runtime)))
+        rows.append(guarded(f"probe/{name}/{input_name}", device, functools.partial(check, x, layer, runtime)))
 
     def reload() -> tuple[bool, dict]:
         buffer = io.BytesIO()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Literal, Union, overload
 
 import torch
 
@@ -14,7 +14,13 @@ __all__ = ["PHASES", "scheduler_metrics"]
 PHASES = ("unbound", "profiling", "planned", "safe")
 
 
-def scheduler_metrics(scheduler: DynamicPrecisionScheduler, prefix: str = "autoprec/", sync: bool = True) -> dict[str, Union[float, torch.Tensor]]:
+@overload
+def scheduler_metrics(scheduler: DynamicPrecisionScheduler, prefix: str = ..., sync: Literal[True] = ...) -> dict[str, float]: ...
+@overload
+def scheduler_metrics(scheduler: DynamicPrecisionScheduler, prefix: str = ..., sync: bool = ...) -> dict[str, Union[float, torch.Tensor]]: ...
+
+
+def scheduler_metrics(scheduler: DynamicPrecisionScheduler, prefix: str = "autoprec/", sync: bool = True) -> dict[str, Any]:  # as the overloads say
     """``{prefix + name: value}``: ``loss_scale``, ``skipped_steps`` (optimizer steps skipped for
     non-finite gradients since the start), ``plan_changes`` (promotions and demotions so far),
     ``phase`` (the index of `scheduler.phase` in `PHASES`: 2 is "planned"), ``step`` (the

@@ -2,36 +2,13 @@
 
     trainer = lightning.Trainer(plugins=[AutoprecPrecision(memory_budget=0.6, accuracy_budget=0.01, monitor_window=200)])
 
-What the plugin does at each of Lightning's precision hooks (`lightning.pytorch.plugins.precision.Precision`):
-
-- ``forward_context`` (training, validation, test and predict steps): the scheduler's
-  `precision_context`. The scheduler is made without ``model=``, so it binds to the outermost
-  model ``training_step`` calls, however it calls it: the LightningModule (``self(x)``) or the
-  model it holds (``self.model(**batch)``, as Hugging Face models are called); its first
-  forward runs at FP32 (`autoprec.scheduler`, step 1). An evaluation step before the first
-  training forward runs as plain FP32 so that the scheduler binds to a training call, not to the
-  sanity-check batch.
-- ``pre_backward``: the loss times the scheduler's loss scale (`DynamicPrecisionScheduler.scale`).
-- ``optimizer_step``: the closure (training_step and backward), then the scaler's ``unscale_``,
-  then Lightning's ``on_before_optimizer_step`` hooks and gradient clipping, then
-  `DynamicPrecisionScheduler.step` (skip on non-finite gradients, scale update, the window clock).
-- ``state_dict`` / ``load_state_dict``: the scheduler's state, in and out of Lightning
-  checkpoints; a state loaded before the first training forward is applied when it binds.
-
-Gradient clipping: Lightning's own ``gradient_clip_val`` / ``gradient_clip_algorithm`` (and a
-module's ``configure_gradient_clipping`` override) run as usual, on gradients the plugin has just
-unscaled, as Lightning's ``MixedPrecision`` does with its GradScaler. Unscaling first, rather than
-translating the Trainer's setting into the scheduler's ``max_grad_norm``, keeps every clipping
-path Lightning offers (value or norm, a module's own rule) and lets ``on_before_optimizer_step``
-callbacks (gradient-norm logging) see true gradients; the scaler's non-finite check has already
-run inside ``unscale_``, so clipping cannot hide an overflow from the skip. Norm clipping goes
-through `LossScaler.clip_grad_norm_`, which leaves non-finite gradients as they are instead of
-spreading NaN to every layer (the step is skipped either way, and the attribution stays exact).
-
-Metrics, logged with the module's ``log`` on the optimizer steps the Trainer writes logs at (every
-``log_every_n_steps``, so every logger it has receives them): ``autoprec/loss_scale``, ``autoprec/skipped_steps``,
-``autoprec/plan_changes``, ``autoprec/phase``, ``autoprec/step`` and ``autoprec/layers_<format>``
-(`scheduler_metrics`).
+What the plugin does at Lightning's precision hooks (`lightning.pytorch.plugins.precision.Precision`):
+``forward_context`` runs each step under the scheduler's `precision_context` (the scheduler binds
+to the model ``training_step`` calls); ``pre_backward`` multiplies the loss by the loss scale;
+``optimizer_step`` runs the closure, unscales, lets Lightning's hooks and gradient clipping see
+true gradients, then `DynamicPrecisionScheduler.step` (skip on non-finite gradients, scale
+update, the window clock) and logs ``autoprec/*`` metrics; ``state_dict`` / ``load_state_dict``
+carry the scheduler's state in Lightning checkpoints. Each method's docstring says the details.
 
 Supported: one device (Lightning's single-device strategies), automatic optimization, optimizers
 that step without a closure re-evaluation (not LBFGS). Anything else is refused with an
@@ -59,7 +36,7 @@ __all__ = ["AutoprecPrecision"]
 
 
 class AutoprecPrecision(Precision):
-    """Lightning precision plugin running a `DynamicPrecisionScheduler` (see the module doc).
+    """Lightning precision plugin running a `DynamicPrecisionScheduler`.
 
     ``config`` or the `SchedulerConfig` fields by keyword (``memory_budget=0.6,
     monitor_window=200, ...``), and ``plan`` (start from it; with ``dynamic=False`` run it fixed),
@@ -119,23 +96,46 @@ class AutoprecPrecision(Precision):
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
         """The scheduler's `precision_context` (training, validation, test and predict steps).
-        Without autograd before the scheduler is bound (the sanity check), plain FP32: the
-        scheduler must take its example call, and start its window, from a training step."""
+
+        The scheduler is made without ``model=``, so it binds to the outermost model
+        ``training_step`` calls, however it calls it: the LightningModule (``self(x)``) or the
+        model it holds (``self.model(**batch)``, as Hugging Face models are called); its first
+        forward runs at FP32 (`autoprec.scheduler`, step 1). Without autograd before the
+        scheduler is bound (the sanity check, an evaluation step before the first training
+        forward), plain FP32: the scheduler must take its example call, and start its window,
+        from a training step, not from the sanity-check batch."""
         if not torch.is_grad_enabled() and self.scheduler.phase == "unbound":
             yield
             return
         with self.scheduler.precision_context():
             yield
 
-    def pre_backward(self, tensor: torch.Tensor, module: LightningModule) -> torch.Tensor:
+    # Lightning's own Precision narrows fabric's hooks the same way (and ignores the same finding).
+    def pre_backward(self, tensor: torch.Tensor, module: LightningModule) -> torch.Tensor:  # type: ignore[override]
         """The loss times the loss scale (records the loss for the scheduler's baseline). No sync.
         A ``training_step`` that called no model was refused when its `precision_context` ended."""
         return super().pre_backward(self.scheduler.scale(tensor), module)
 
     # -- the optimizer step ---------------------------------------------------------------------
 
-    def optimizer_step(self, optimizer: Any, model: LightningModule, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        """Closure, unscale, hooks and clipping, then the scheduler's step (see the module doc).
+    def optimizer_step(self, optimizer: Any, model: LightningModule, closure: Callable[[], Any], **kwargs: Any) -> Any:  # type: ignore[override]  # as Lightning's Precision
+        """The closure (training_step and backward), then the scaler's ``unscale_``, then
+        Lightning's ``on_before_optimizer_step`` hooks and gradient clipping, then
+        `DynamicPrecisionScheduler.step` (skip on non-finite gradients, scale update, the window clock).
+
+        Gradient clipping: Lightning's own ``gradient_clip_val`` / ``gradient_clip_algorithm``
+        (and a module's ``configure_gradient_clipping`` override) run as usual, on gradients just
+        unscaled, as Lightning's ``MixedPrecision`` does with its GradScaler. Unscaling first,
+        rather than translating the Trainer's setting into the scheduler's ``max_grad_norm``,
+        keeps every clipping path Lightning offers (value or norm, a module's own rule) and lets
+        ``on_before_optimizer_step`` callbacks (gradient-norm logging) see true gradients; the
+        scaler's non-finite check has already run inside ``unscale_``, so clipping cannot hide an
+        overflow from the skip.
+
+        Metrics, logged with the module's ``log`` on the optimizer steps the Trainer writes logs at
+        (every ``log_every_n_steps``, so every logger it has receives them):
+        ``autoprec/loss_scale``, ``autoprec/skipped_steps``, ``autoprec/plan_changes``,
+        ``autoprec/phase``, ``autoprec/step`` and ``autoprec/layers_<format>`` (`scheduler_metrics`).
 
         Returns the closure's result (the loss, as ``optimizer.step(closure)`` would) when the
         optimizer stepped, None when the scheduler skipped the step for non-finite gradients (as
@@ -162,7 +162,9 @@ class AutoprecPrecision(Precision):
 
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         """Lightning's norm clipping on the unscaled gradients, leaving non-finite ones untouched
-        (`LossScaler.clip_grad_norm_`): one norm pass and one multiply per gradient, no sync."""
+        (`LossScaler.clip_grad_norm_`) instead of spreading NaN to every layer (the step is
+        skipped either way, and the attribution stays exact): one norm pass and one multiply per
+        gradient, no sync."""
         self.scheduler.scaler.clip_grad_norm_(optimizer, float(clip_val))
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -175,8 +177,9 @@ class AutoprecPrecision(Precision):
         return {"scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the scheduler: at once when it is bound, else when the first training forward
-        binds it, where the state is checked against the model (layer names and shapes)."""
+        """Restore the scheduler (from a Lightning checkpoint): at once when it is bound, else
+        when the first training forward binds it, where the state is checked against the model
+        (layer names and shapes)."""
         if "scheduler" not in state_dict:
             raise IntegrationError(
                 f"AutoprecPrecision.load_state_dict(): the checkpoint's precision state has {sorted(state_dict)}, not 'scheduler'; "

@@ -4,31 +4,12 @@
     trainer = AutoprecTrainer(model=model, args=TrainingArguments(...), train_dataset=ds, scheduler=scheduler)
     trainer.train()                       # or trainer.train(resume_from_checkpoint=True)
 
-Where each part of the step goes (the Trainer's loop itself is untouched):
-
-- **Forward**: ``compute_loss`` runs inside the scheduler's `precision_context`. The scheduler is
-  bound to the Trainer's model (as with ``model=``), so that its first training forward already
-  runs the scheduler's precision (a scheduler binding itself runs that one at FP32) and a
-  ``compute_loss`` override calling another model is refused (`autoprec._binding`). Evaluation
-  before the first training step runs as plain FP32, so that the scheduler takes its example
-  call from a training batch.
-- **Backward and optimizer step**: through accelerate's own loss-scaler slot. ``accelerator.scaler``
-  is a `_SchedulerScaling`, so ``accelerator.backward`` scales each micro-batch's loss with the
-  scheduler (`DynamicPrecisionScheduler.scale`), and the ``AcceleratedOptimizer`` hands its step
-  to `DynamicPrecisionScheduler.step`, once per optimizer step (accelerate steps only when the
-  gradient-accumulation window closes). accelerate reports a step the scheduler skipped (its
-  optimizer's ``step`` was never called) as ``optimizer_step_was_skipped``, so the Trainer does
-  not advance the learning-rate schedule on a skipped step, as with its own fp16 GradScaler.
-- **max_grad_norm**: the Trainer's ``_clip_grad_norm`` is replaced by the scaler's
-  ``unscale_`` + `LossScaler.clip_grad_norm_`, so ``args.max_grad_norm`` clips the unscaled
-  gradients (non-finite ones left as they are; the step is skipped either way) and the logged
-  ``grad_norm`` is the true one.
-- **Checkpoints**: ``autoprec_scheduler.pt`` (the scheduler's `state_dict`) in each
-  ``checkpoint-N`` folder; ``train(resume_from_checkpoint=...)`` restores it before training.
-- **Logs**: every training log (``logging_steps``) carries ``autoprec/loss_scale``,
-  ``autoprec/skipped_steps``, ``autoprec/plan_changes``, ``autoprec/phase``, ``autoprec/step``
-  and ``autoprec/layers_<format>`` (`scheduler_metrics`); a step that changes the plan, the phase
-  or skips is logged at once. They go wherever the Trainer reports (``report_to="tensorboard"``).
+Where each part of the step goes (the Trainer's loop itself is untouched; each method's
+docstring says the details): the forward (``compute_loss``) runs inside the scheduler's
+`precision_context`; backward and optimizer step go through accelerate's own loss-scaler slot
+(`_SchedulerScaling`, so the scheduler scales each loss and takes each optimizer step);
+``max_grad_norm`` clips the unscaled gradients (``_clip_grad_norm``); checkpoints carry
+``autoprec_scheduler.pt``; every training log carries ``autoprec/*`` metrics (``log``).
 
 Refused with an `IntegrationError`: ``fp16=True`` / ``bf16=True`` (two precision managers would
 fight over the same step), and a scheduler bound to another model. Costs: the scheduler's (see
@@ -55,7 +36,14 @@ SCHEDULER_NAME = "autoprec_scheduler.pt"  # beside the Trainer's optimizer.pt / 
 
 class _SchedulerScaling:
     """What accelerate asks of its GradScaler (``accelerator.scaler``), answered by the scheduler:
-    `scale` in ``accelerator.backward``, `step` + `update` in ``AcceleratedOptimizer.step``."""
+    `scale` in ``accelerator.backward``, `step` + `update` in ``AcceleratedOptimizer.step``.
+
+    So ``accelerator.backward`` scales each micro-batch's loss with the scheduler
+    (`DynamicPrecisionScheduler.scale`), and the ``AcceleratedOptimizer`` hands its step to
+    `DynamicPrecisionScheduler.step`, once per optimizer step (accelerate steps only when the
+    gradient-accumulation window closes). accelerate reports a step the scheduler skipped (its
+    optimizer's ``step`` was never called) as ``optimizer_step_was_skipped``, so the Trainer does
+    not advance the learning-rate schedule on a skipped step, as with its own fp16 GradScaler."""
 
     def __init__(self, scheduler: DynamicPrecisionScheduler, accelerator: Any):
         self.scheduler = scheduler
@@ -121,7 +109,12 @@ class _LogOnEvents(TrainerCallback):
 
 class AutoprecTrainer(Trainer):
     """``transformers.Trainer`` with ``scheduler=DynamicPrecisionScheduler(...)`` managing
-    precision (see the module doc); every other argument is the Trainer's."""
+    precision (see the module doc); every other argument is the Trainer's.
+
+    The scheduler is bound to the Trainer's model (as with ``model=``), so that its first
+    training forward already runs the scheduler's precision (a scheduler binding itself runs
+    that one at FP32) and a ``compute_loss`` override calling another model is refused
+    (`autoprec._binding`)."""
 
     def __init__(self, model: Any = None, args: Any = None, *rest: Any, scheduler: Optional[DynamicPrecisionScheduler] = None, **kwargs: Any):
         if not isinstance(scheduler, DynamicPrecisionScheduler):
@@ -154,7 +147,8 @@ class AutoprecTrainer(Trainer):
 
     def compute_loss(self, model, inputs, *args: Any, **kwargs: Any):
         """The Trainer's ``compute_loss`` inside the scheduler's `precision_context` (plain FP32
-        for evaluation before the scheduler is bound)."""
+        for evaluation before the first training step, so that the scheduler takes its example
+        call from a training batch)."""
         if not torch.is_grad_enabled() and self.scheduler.phase == "unbound":
             return super().compute_loss(model, inputs, *args, **kwargs)
         with self.scheduler.precision_context():
@@ -164,11 +158,17 @@ class AutoprecTrainer(Trainer):
 
     def _torch_optimizer(self) -> torch.optim.Optimizer:
         # accelerate's AcceleratedOptimizer steps (and the scaler keys its state by) the inner one.
-        return getattr(self.optimizer, "optimizer", self.optimizer)
+        # Called from the Trainer's clipping and grad-norm hooks, after it created its optimizer.
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        if optimizer is None:
+            raise IntegrationError("AutoprecTrainer: no optimizer yet; the Trainer creates it in train()")
+        return optimizer
 
     def _clip_grad_norm(self, model):
-        """Unscale, then clip to ``args.max_grad_norm`` (`LossScaler.clip_grad_norm_`); returns the
-        total norm of the unscaled gradients (a 0-d device tensor). One norm pass, no sync."""
+        """Unscale, then clip to ``args.max_grad_norm`` (`LossScaler.clip_grad_norm_`, which
+        leaves non-finite gradients as they are; the step is skipped either way); returns the
+        total norm of the unscaled gradients (a 0-d device tensor), so the logged ``grad_norm`` is
+        the true one. Replaces the Trainer's own. One norm pass, no sync."""
         return self.scheduler.scaler.clip_grad_norm_(self._torch_optimizer(), self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
@@ -183,7 +183,11 @@ class AutoprecTrainer(Trainer):
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """The Trainer's ``log``, with the scheduler's metrics added to training logs (those with a
-        ``loss``). One host sync for the loss scale when scaling is on."""
+        ``loss``, every ``logging_steps``): ``autoprec/loss_scale``, ``autoprec/skipped_steps``,
+        ``autoprec/plan_changes``, ``autoprec/phase``, ``autoprec/step`` and
+        ``autoprec/layers_<format>`` (`scheduler_metrics`); a step that changes the plan, the
+        phase or skips is logged at once (`_LogOnEvents`). They go wherever the Trainer reports
+        (``report_to="tensorboard"``). One host sync for the loss scale when scaling is on."""
         if "loss" in logs:
             logs = {**logs, **scheduler_metrics(self.scheduler, sync=True)}
         super().log(logs, *args, **kwargs)

@@ -171,7 +171,7 @@ class BudgetCheck:
 
     def verdict(self, figures: Figures) -> str:
         value = figures.total(self.figure) if self.figure else None
-        if value is None:
+        if value is None or not self.figure:
             return MISSING
         shown = _show(self.figure, value)
         if self.bound is None:
@@ -214,14 +214,14 @@ def budget_checks(plan: Plan) -> list[BudgetCheck]:
 def plan_scalars(plan: Plan) -> dict[str, float]:
     """The totals as scalars (``plan/predicted_bytes``, ``plan/measured_seconds_vs_fp32``, ...);
     only those the plan has. These are the metrics of the HParams view."""
-    scalars = {}
+    scalars: dict[str, float] = {}
     for source, figures in plan_figures(plan).items():
         for key in _TOTAL_KEYS:
-            if figures.total(key) is not None:
-                scalars[f"plan/{source}_{key}"] = figures.total(key)
+            if (total := figures.total(key)) is not None:
+                scalars[f"plan/{source}_{key}"] = total
         for key in ("bytes", "seconds"):
-            if figures.vs_fp32(key) is not None:
-                scalars[f"plan/{source}_{key}_vs_fp32"] = figures.vs_fp32(key)
+            if (ratio := figures.vs_fp32(key)) is not None:
+                scalars[f"plan/{source}_{key}_vs_fp32"] = ratio
     return scalars
 
 
@@ -427,7 +427,8 @@ def _render_grid(
     width = max(grid_left + column_w * len(columns) + _PAD, char_w * len(title) + 2 * _PAD, 240)
 
     # The legend wraps to the image width.
-    legend_lines, x = [[]], _PAD
+    legend_lines: list[list[tuple[int, RGB, str]]] = [[]]
+    x = _PAD
     for colour, label in legend:
         item_w = ROW_HEIGHT + 3 + char_w * len(label) + 3 * _PAD
         if x + item_w > width - _PAD and legend_lines[-1]:
@@ -463,10 +464,10 @@ def _render_grid(
             draw.rectangle([0, y, width - 1, y + ROW_HEIGHT - 1], fill=_STRIPE)
         draw.text((_PAD + 4 + index_w - char_w * len(str(i)), y + 1), str(i), fill=_INK, font=font)
         draw.text((_PAD + 4 + index_w + _PAD, y + 1), _latin1(_clip(name, _NAME_CHARS)), fill=_INK, font=font)
-        for j, colour in enumerate(cells[i]):
-            if colour is not None:
+        for j, cell in enumerate(cells[i]):
+            if cell is not None:
                 x = grid_left + j * column_w
-                draw.rectangle([x + 1, y, x + column_w - 2, y + ROW_HEIGHT - 2], fill=colour)
+                draw.rectangle([x + 1, y, x + column_w - 2, y + ROW_HEIGHT - 2], fill=cell)
     for j in range(len(columns) + 1):
         x = grid_left + j * column_w - (1 if j else 0)
         draw.line([x, header_top, x, height - _PAD], fill=_GRID)
@@ -644,8 +645,9 @@ def diff_plans(a: Plan, b: Plan, names: tuple[str, str] = ("a", "b")) -> PlanDif
             va, vb = fa.layer(fqn, key), fb.layer(fqn, key)
             return vb - va if va is not None and vb is not None else None
 
+        either = lb or la  # the fqn comes from one of the plans
         diffs.append(LayerDiff(
             fqn, la.format if la else None, lb.format if lb else None, changes,
-            (lb or la).reason, delta("bytes"), delta("seconds"), delta("loss"),
+            either.reason if either is not None else "", delta("bytes"), delta("seconds"), delta("loss"),
         ))
     return PlanDiff(names[0], a, names[1], b, tuple(diffs))

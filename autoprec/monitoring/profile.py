@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import numpy as np
 
@@ -25,7 +25,7 @@ def write_tensorboard(profile: Profile, logdir: "str | os.PathLike | Any", step:
     from torch.utils.tensorboard import SummaryWriter
 
     own = not hasattr(logdir, "add_histogram_raw")
-    writer = SummaryWriter(log_dir=str(logdir)) if own else logdir
+    writer = SummaryWriter(log_dir=str(logdir)) if own else cast(SummaryWriter, logdir)  # duck-typed: a writer of the caller's
     global_step = profile.steps if step is None else step
     try:
         for fqn, lp in profile.layers.items():

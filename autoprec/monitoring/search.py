@@ -132,13 +132,13 @@ def search_points(study: "optuna.Study") -> list[TrialPoint]:
     points = []
     for trial in sorted(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)), key=lambda t: t.number):
         attrs = trial.user_attrs
-        values = [_number(attrs.get(key)) for key in ("bytes", "seconds", "loss_increase")]
-        if any(v is None for v in values):
+        bytes_, seconds, loss = (_number(attrs.get(key)) for key in ("bytes", "seconds", "loss_increase"))
+        if bytes_ is None or seconds is None or loss is None:
             raise MonitoringError(
                 f"trial {trial.number} of study {study.study_name!r} has no finite user attributes "
                 f"bytes/seconds/loss_increase; write_search reads the search job's measured study"
             )
-        points.append(TrialPoint(trial.number, *values, feasible(trial), str(attrs.get("name", ""))))
+        points.append(TrialPoint(trial.number, bytes_, seconds, loss, feasible(trial), str(attrs.get("name", ""))))
     return points
 
 
@@ -215,7 +215,7 @@ def pareto_front(points: Sequence[TrialPoint]) -> list[TrialPoint]:
     """
     import optuna
 
-    good = {}
+    good: dict[tuple[float, float, float], TrialPoint] = {}
     for p in sorted((p for p in points if p.feasible), key=lambda p: p.number):
         good.setdefault((p.seconds, p.bytes, p.loss_increase), p)  # equal totals: the first
     if not good:
@@ -553,14 +553,14 @@ def budget_scalars(plan: Plan) -> dict[str, float]:
     ``plan/{predicted,measured}_within_{bytes,loss_increase}`` for each budget that has a limit
     and a figure to check, and ``plan/<source>_within_budgets`` over those (all met)."""
     scalars: dict[str, float] = {}
-    checks = [c for c in budget_checks(plan) if c.bound is not None and c.figure is not None]
+    checks = [(c.figure, c.bound) for c in budget_checks(plan) if c.bound is not None and c.figure is not None]
     for source, figures in plan_figures(plan).items():
         verdicts = []
-        for check in checks:
-            value = figures.total(check.figure)
+        for figure, bound in checks:
+            value = figures.total(figure)
             if value is not None:
-                verdicts.append(value <= check.bound)
-                scalars[f"plan/{source}_within_{check.figure}"] = float(verdicts[-1])
+                verdicts.append(value <= bound)
+                scalars[f"plan/{source}_within_{figure}"] = float(verdicts[-1])
         if verdicts:
             scalars[f"plan/{source}_within_budgets"] = float(all(verdicts))
     return scalars

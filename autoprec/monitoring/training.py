@@ -31,7 +31,7 @@ import os
 import time
 import types
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -42,6 +42,9 @@ from ..policy import PrecisionChange
 from .plans import _md_table, plan_layers_markdown, plan_summary_markdown, render_precision_map
 from .search import _add_scalars
 from .writer import _add_png, _add_text, _writable_dir, run_name
+
+if TYPE_CHECKING:  # imported lazily where used: it loads TensorBoard's protobufs
+    from torch.utils.tensorboard import SummaryWriter
 
 __all__ = ["FORMAT_INDEX", "PrecisionChange", "TrainingWriter", "TRAIN_RUN"]
 
@@ -128,7 +131,7 @@ class TrainingWriter:
         self._timeline_step: Optional[int] = None  # a step whose timeline text is not written yet
         self._legend_written = False
         self._closed = False
-        self._writer = None
+        self._writer: Optional[SummaryWriter] = None  # None when disabled
         if enabled:
             from torch.utils.tensorboard import SummaryWriter  # lazy: loads TensorBoard's protobufs
 
@@ -154,6 +157,13 @@ class TrainingWriter:
             raise MonitoringError(f"this TrainingWriter for {str(self.path)!r} is closed; open a new one to write more")
         return self.enabled
 
+    @property
+    def _events(self) -> "SummaryWriter":
+        """The event writer, for code that `_live` let through (an enabled writer has one)."""
+        if self._writer is None:
+            raise MonitoringError(f"this TrainingWriter for {str(self.path)!r} was made with enabled=False and writes nothing")
+        return self._writer
+
     # -- deferred scalars ---------------------------------------------------------------------
 
     def _defer(self, step: int, values: Sequence[tuple[str, "float | torch.Tensor"]]) -> None:
@@ -166,7 +176,7 @@ class TrainingWriter:
         self._buffer.extend((step, wall, tag, value) for tag, value in values)
         if self.flush_every is not None and self._buffered_steps >= self.flush_every:
             self._drain()
-            self._writer.flush()
+            self._events.flush()
 
     def log_step(
         self,
@@ -209,7 +219,7 @@ class TrainingWriter:
         if not self._live():
             return
         step = _step(step)
-        values = []
+        values: list[tuple[str, "float | torch.Tensor"]] = []
         for fqn, kinds in counts.items():
             if not isinstance(kinds, Mapping):
                 raise MonitoringError(f"counts[{fqn!r}] must map a count name to a number, e.g. {{'overflow': 3}}; got {type(kinds).__name__}")
@@ -233,14 +243,14 @@ class TrainingWriter:
         if not buffer:
             return
         values: list[float] = [v if isinstance(v, float) else math.nan for _, _, _, v in buffer]
-        by_device: dict[torch.device, list[int]] = {}
+        by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for i, (_, _, _, v) in enumerate(buffer):
             if isinstance(v, torch.Tensor):
-                by_device.setdefault(v.device, []).append(i)
-        for indices in by_device.values():
+                by_device.setdefault(v.device, []).append((i, v))
+        for entries in by_device.values():
             # stack promotes mixed dtypes (bool found-inf, int counts, bf16 losses) to one.
-            host = torch.stack([buffer[i][3].reshape(()) for i in indices]).cpu().double().tolist()
-            for i, value in zip(indices, host):
+            host = torch.stack([v.reshape(()) for _, v in entries]).cpu().double().tolist()
+            for (i, _), value in zip(entries, host):
                 values[i] = value
         # One event per step holding all its values: the event writer's cost is per event (~0.1 ms).
         steps: dict[int, tuple[float, dict[str, float]]] = {}
@@ -256,7 +266,7 @@ class TrainingWriter:
             predicted, measured = figures.get("memory/predicted_bytes"), figures.get("memory/measured_bytes")
             if predicted and measured is not None:
                 figures["memory/measured_vs_predicted"] = measured / predicted
-            _add_scalars(self._writer, figures, step, wall)
+            _add_scalars(self._events, figures, step, wall)
 
     # -- gradients ----------------------------------------------------------------------------
 
@@ -293,7 +303,7 @@ class TrainingWriter:
                     limits[-1] = hi
                 else:  # one value: one bucket
                     limits, counts = [hi], [count]
-                self._writer.add_histogram_raw(
+                self._events.add_histogram_raw(
                     f"grad/{fqn}", lo, hi, count, total, squares, limits, counts, global_step=step, walltime=wall
                 )
 
@@ -302,9 +312,9 @@ class TrainingWriter:
     def _format_scalars(self, formats: Mapping[str, Format], step: int) -> None:
         if not self._legend_written:
             rows = [[str(i), f.value, str(f.bits), str(f.spec.exponent_bits)] for f, i in sorted(FORMAT_INDEX.items(), key=lambda kv: kv[1])]
-            _add_text(self._writer, "format/legend", "The value of each `format/<layer>` scalar:\n\n" + _md_table(["value", "format", "bits", "exponent bits"], rows), step)
+            _add_text(self._events, "format/legend", "The value of each `format/<layer>` scalar:\n\n" + _md_table(["value", "format", "bits", "exponent bits"], rows), step)
             self._legend_written = True
-        _add_scalars(self._writer, {f"format/{fqn}": FORMAT_INDEX[fmt] for fqn, fmt in formats.items()}, step)
+        _add_scalars(self._events, {f"format/{fqn}": FORMAT_INDEX[fmt] for fqn, fmt in formats.items()}, step)
 
     def log_formats(self, step: int, formats: "Plan | Mapping[str, Format | str | LayerPrecision]") -> None:
         """Write every layer's ``format/<fqn>`` scalar (the start of each layer's line; call it,
@@ -340,10 +350,10 @@ class TrainingWriter:
         text = f"{len(self._changes)} precision changes"
         if len(shown) < len(self._changes):
             text += f" (the last {len(shown)} shown)"
-        _add_text(self._writer, "precision/timeline", text + "\n\n" + _md_table(["step", "layer", "from", "to", "change", "reason"], rows), step)
+        _add_text(self._events, "precision/timeline", text + "\n\n" + _md_table(["step", "layer", "from", "to", "change", "reason"], rows), step)
         counts = {"precision/changes": len(self._changes)}
         counts.update({f"precision/{d}s": sum(c.direction == d for c in self._changes) for d in ("promotion", "demotion")})
-        _add_scalars(self._writer, counts, step)
+        _add_scalars(self._events, counts, step)
 
     def log_plan(self, step: int, plan: Plan, name: str = "plan") -> None:
         """Write the plan in force from ``step`` into this run: ``plan/precision_map`` (image),
@@ -353,9 +363,9 @@ class TrainingWriter:
         if not self._live():
             return
         step = _step(step)
-        _add_png(self._writer, "plan/precision_map", render_precision_map(plan, name), step)
-        _add_text(self._writer, "plan/summary", plan_summary_markdown(plan, name), step)
-        _add_text(self._writer, "plan/layers", plan_layers_markdown(plan), step)
+        _add_png(self._events, "plan/precision_map", render_precision_map(plan, name), step)
+        _add_text(self._events, "plan/summary", plan_summary_markdown(plan, name), step)
+        _add_text(self._events, "plan/layers", plan_layers_markdown(plan), step)
         self.log_formats(step, plan)
 
     # -- lifetime -----------------------------------------------------------------------------
@@ -367,7 +377,7 @@ class TrainingWriter:
             return
         self._drain()
         self._write_timeline()
-        self._writer.flush()
+        self._events.flush()
 
     def close(self) -> None:
         """`flush`, then close the event file. Closing again does nothing."""

@@ -24,11 +24,14 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
 
 from ..errors import MonitoringError
 from ..plan import Plan
-from .plans import PlanDiff, PrecisionMap, diff_plans, format_plan_line, plan_hparams, plan_layers_markdown, plan_scalars, plan_summary_markdown, render_precision_map
+from .plans import PlanDiff, diff_plans, format_plan_line, plan_hparams, plan_layers_markdown, plan_scalars, plan_summary_markdown, render_precision_map
+
+if TYPE_CHECKING:  # imported lazily where used: it loads TensorBoard's protobufs
+    from torch.utils.tensorboard import SummaryWriter
 
 __all__ = ["PLANS_DIR", "DIFFS_DIR", "PlanWriter", "ReviewResult", "write_plan", "write_review", "load_plans", "run_name"]
 
@@ -60,7 +63,16 @@ def _writable_dir(path: Path, logdir: Path) -> None:
         raise MonitoringError(f"cannot write to logdir {str(logdir)!r}: {reason}; choose a writable --logdir") from None
 
 
-def _add_png(writer, tag: str, picture: PrecisionMap, step: int) -> None:
+class _Picture(Protocol):
+    """What `_add_png` writes: a `PrecisionMap`, or the search's `ParetoFigure`."""
+
+    @property
+    def size(self) -> tuple[int, int]: ...
+
+    def to_png(self) -> bytes: ...
+
+
+def _add_png(writer, tag: str, picture: _Picture, step: int) -> None:
     """An image summary from our own PNG: what ``SummaryWriter.add_image`` writes, without its
     RGB float round trip and default-level PNG encoding (10x the time for these images)."""
     from tensorboard.compat.proto.summary_pb2 import Summary
@@ -91,10 +103,10 @@ class PlanWriter:
     def __init__(self, logdir: "str | os.PathLike", *, replace: bool = False):
         self.logdir = Path(logdir)
         self.replace = replace
-        self._writers: dict[str, object] = {}
+        self._writers: dict[str, SummaryWriter] = {}
         _writable_dir(self.logdir, self.logdir)
 
-    def _writer(self, run: str):
+    def _writer(self, run: str) -> SummaryWriter:
         writer = self._writers.get(run)
         if writer is None:
             # Lazy: importing torch.utils.tensorboard loads TensorBoard's protobufs.
@@ -124,8 +136,11 @@ class PlanWriter:
         # HParams columns from all sessions and the metrics from the scalars in each session's run
         # (tensorboard/plugins/hparams/backend_context.py), so plans of separate reviews mix.
         _experiment, session_start, session_end = hparams(plan_hparams(plan, name), {})
-        writer.file_writer.add_summary(session_start, step)
-        writer.file_writer.add_summary(session_end, step)
+        events = writer.file_writer
+        if events is None:  # only a closed SummaryWriter has none, and `close` drops those
+            raise MonitoringError(f"{run}: its TensorBoard writer is closed")
+        events.add_summary(session_start, step)
+        events.add_summary(session_end, step)
         writer.flush()
         return self.logdir / run
 

@@ -1,41 +1,23 @@
 """The offline search job behind ``autoprec search searches/<job>.toml``.
 
-One run, in order (each step's figures end up in the plan's ``predicted`` / ``measured`` /
-``metadata`` and in the summary table):
-
-1. **Train and profile**: ``[profile].steps`` training steps of the workload's model (the model
-   the plan is for), the `LayerProfiler` attached for that window, unless ``[profile].path``
-   names a saved profile (then it is loaded and checked against the model). A format whose
-   weights, activations or gradients the profile saw overflow (beyond `planner.OVERFLOW_LIMIT`, with
-   that format's scaling) is taken out of the layer's choices, with that reason.
-2. **Costs and sensitivity**: a `CostModel` (bytes from the traced shapes, seconds measured on
-   this device and cached) and the Fisher sensitivity estimate (predicted loss increase) per
-   (layer, format), at the workload's learning rate; per recompute block (`find_blocks`, or
-   ``[rules].recompute``; ``[]`` for none) the bytes recomputing it frees and its extra forward.
-3. **The k best plans** (`pipeline.propose_plans`): the additive table as a `SearchSpace`, and
-   its ``[search].measure_top`` fastest predicted plans that meet the budgets, distinct in
-   formats or recomputed blocks (chosen together), from the integer program (`exact.k_best`: the exact optimum, then the next best
-   under no-good cuts; an infeasible budget stops here with the smallest reachable;
-   ``[search].timeout_s`` bounds the solves).
-4. **Measured stage**: those plans run for real (`MeasuredStage`, an Optuna study in the job's
-   storage, resumed on a re-run), and beside them the references: every uniform plan that fits the
-   budgets as predicted, and plain ``torch.autocast`` in BF16 (and FP16) where the device runs
-   it and the rules allow that format, and with blocks every block recomputed in FP32 and under
-   plain BF16 autocast (``--workers N``: N processes measure them, `search.workers`;
-   this process then collects the study). The plan returned is the fastest of all of them that
-   meets both budgets *as measured* (with ``[search].measured_trials``, after those the
-   learning sampler's plans too, `search.refine`); when plain autocast wins, that is the uniform half plan,
-   its metadata saying it runs as plain autocast. Plain FP32 is measured as the baseline.
-5. **Artifacts** under ``[job].out``: ``plan.json`` (only when a plan met the budgets),
-   ``profile.json``, the measured study (``<study_name>:measured`` in ``study.db`` unless
-   ``[search].storage`` says otherwise) and TensorBoard logs in ``logs/``: the measured plans
-   and their Pareto front (time, memory, loss increase), each candidate, the chosen plan.
+`run_job` takes a `JobConfig` (the TOML file, `search.config`) and returns a `JobResult`. One
+run trains the workload's model for a window with the `LayerProfiler` attached; builds a
+`CostModel` and the Fisher sensitivity per (layer, format); proposes the k best plans of that
+additive proxy (`pipeline.propose_plans`, `exact.k_best`); measures them for real beside the
+references (uniform plans, plain ``torch.autocast``, FP32) in an Optuna study
+(`MeasuredStage`, optionally with `search.workers` and the learning sampler `search.refine`);
+and writes ``plan.json`` (the fastest plan that meets the budgets *as measured*), the profile,
+the study and TensorBoard logs under ``[job].out``. `run_job`'s docstring says each step.
 
 Workload factories (``[workload].factory``) return an `autoprec.workload.Workload`; profiled and
 measured steps both train with its own optimizer, schedule and clipping (`TrainStep.for_workload`).
 Batches are whatever its ``loss`` takes (tuples, dicts of keyword inputs): the model's inputs are
 captured from the loss's own call of the model. `autoprec.workloads.default_workload` and
 `autoprec.workloads.finetune.minilm_finetune_workload` are two.
+
+Costs: the profiled training window, the cost model's timings on this device (cached), one
+integer program per proposed plan, and per measured plan ``2 × (warmup + steps)`` interleaved
+training steps and its held-out losses (`MeasuredStage`).
 """
 
 from __future__ import annotations
@@ -117,14 +99,16 @@ class JobResult:
         rows = [("variant", "formats", "step ms", "x fp32", "MiB", "x fp32", "loss +", "predicted ms / MiB / loss +", "budgets")]
 
         def row(name, formats, m: Measurement, predicted, verdict):
+            # A figure not measured (None: only a hand-made Measurement lacks one) shows as "-".
+            ratio = m.seconds / fp32.seconds if m.seconds is not None and fp32.seconds is not None else None
             rows.append((
-                name, formats, f"{m.seconds * 1e3:.1f}", f"{m.seconds / fp32.seconds:.2f}",
-                f"{m.bytes / 2**20:.2f}", f"{m.bytes / fp32.bytes:.3f}", f"{m.loss_increase:+.4f}", predicted, verdict,
+                name, formats, _shown(m.seconds, ".1f", 1e3), _shown(ratio, ".2f"),
+                f"{m.bytes / 2**20:.2f}", f"{m.bytes / fp32.bytes:.3f}", _shown(m.loss_increase, "+.4f"), predicted, verdict,
             ))
 
-        for name, m in self.references.items():
+        for name, ref in self.references.items():
             predicted = f"{self.predicted_fp32['seconds'] * 1e3:.1f} / {self.predicted_fp32['bytes'] / 2**20:.2f} / 0" if name == "fp32" else "-"
-            row(name, "-", m, predicted, "reference")
+            row(name, "-", ref, predicted, "reference")
         chosen = self.chosen.id if self.chosen is not None else None
         for candidate, m in self.candidates:
             counts = ",".join(f"{n} {f}" for f, n in candidate.plan.format_counts().items())
@@ -136,7 +120,7 @@ class JobResult:
             if isinstance(m, str):
                 rows.append((candidate.name, counts, "-", "-", "-", "-", "-", predicted, f"pruned: {m}"))
                 continue
-            ok = m.bytes <= self.memory_budget and m.loss_increase <= self.loss_budget
+            ok = m.bytes <= self.memory_budget and m.loss_increase is not None and m.loss_increase <= self.loss_budget
             row(candidate.name + (" *" if candidate.id == chosen else ""), counts, m, predicted, "met" if ok else "missed")
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -148,14 +132,19 @@ class JobResult:
 
     def _comparison(self) -> list[str]:
         """The returned plan against the fastest budget-meeting reference, and its predicted step."""
-        if self.plan is None:
+        if self.plan is None or self.chosen is None:  # a plan always comes from a chosen candidate
             return []
         m = self.plan.measured
         refs = fastest_meeting([p for p in self.candidates if p[0].is_reference], self.memory_budget, self.loss_budget)
         lines = [f"returned {self.chosen.name}: {m['seconds'] * 1e3:.1f} ms measured, {self.plan.predicted['seconds'] * 1e3:.1f} ms predicted"]
-        if refs is not None:
-            lines.append(f"  = {m['seconds'] / refs[1].seconds:.2f}x the fastest budget-meeting reference ({refs[0].name}, {refs[1].seconds * 1e3:.1f} ms)")
+        if refs is not None and refs[1].seconds is not None:  # fastest_meeting picks only timed ones
+            ref, seconds = refs[0], refs[1].seconds
+            lines.append(f"  = {m['seconds'] / seconds:.2f}x the fastest budget-meeting reference ({ref.name}, {seconds * 1e3:.1f} ms)")
         return lines
+
+
+def _shown(value: "float | None", spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
 
 
 def _workload(config: JobConfig):
@@ -212,9 +201,12 @@ def _storage_failures(config: JobConfig, workers: int):
     except Exception as exc:
         storage_error = next((e for e in _chain(exc) if isinstance(e, optuna.exceptions.StorageInternalError)), None)
         full = _disk_full(exc)
-        if storage_error is None and not full:
+        if full:
+            what = "the disk is full"
+        elif storage_error is not None:
+            what = f"the study's storage failed ({_one_line(storage_error)})"
+        else:
             raise
-        what = "the disk is full" if full else f"the study's storage failed ({_one_line(storage_error)})"
         fix = "free some space" if full else "fix the storage"
         again = f"autoprec search {config.source}" + (f" --workers {workers}" if workers > 1 else "")
         raise SearchError(
@@ -319,7 +311,38 @@ def _with_references(proposed, space, costs, config, ruled_out, memory, loss_bud
 
 
 def run_job(config: JobConfig, progress: "Progress | None" = None, workers: int = 1) -> JobResult:
-    """Run the search job ``config`` (see the module docstring); returns what it found.
+    """Run the search job ``config``; returns what it found.
+
+    One run, in order (each step's figures end up in the plan's ``predicted`` / ``measured`` /
+    ``metadata`` and in the summary table):
+
+    1. **Train and profile**: ``[profile].steps`` training steps of the workload's model (the model
+       the plan is for), the `LayerProfiler` attached for that window, unless ``[profile].path``
+       names a saved profile (then it is loaded and checked against the model). A format whose
+       weights, activations or gradients the profile saw overflow (beyond `planner.OVERFLOW_LIMIT`, with
+       that format's scaling) is taken out of the layer's choices, with that reason.
+    2. **Costs and sensitivity**: a `CostModel` (bytes from the traced shapes, seconds measured on
+       this device and cached) and the Fisher sensitivity estimate (predicted loss increase) per
+       (layer, format), at the workload's learning rate; per recompute block (`find_blocks`, or
+       ``[rules].recompute``; ``[]`` for none) the bytes recomputing it frees and its extra forward.
+    3. **The k best plans** (`pipeline.propose_plans`): the additive table as a `SearchSpace`, and
+       its ``[search].measure_top`` fastest predicted plans that meet the budgets, distinct in
+       formats or recomputed blocks (chosen together), from the integer program (`exact.k_best`: the exact optimum, then the next best
+       under no-good cuts; an infeasible budget stops here with the smallest reachable;
+       ``[search].timeout_s`` bounds the solves).
+    4. **Measured stage**: those plans run for real (`MeasuredStage`, an Optuna study in the job's
+       storage, resumed on a re-run), and beside them the references: every uniform plan that fits the
+       budgets as predicted, and plain ``torch.autocast`` in BF16 (and FP16) where the device runs
+       it and the rules allow that format, and with blocks every block recomputed in FP32 and under
+       plain BF16 autocast (``--workers N``: N processes measure them, `search.workers`;
+       this process then collects the study). The plan returned is the fastest of all of them that
+       meets both budgets *as measured* (with ``[search].measured_trials``, after those the
+       learning sampler's plans too, `search.refine`); when plain autocast wins, that is the uniform half plan,
+       its metadata saying it runs as plain autocast. Plain FP32 is measured as the baseline.
+    5. **Artifacts** under ``[job].out``: ``plan.json`` (only when a plan met the budgets),
+       ``profile.json``, the measured study (``<study_name>:measured`` in ``study.db`` unless
+       ``[search].storage`` says otherwise) and TensorBoard logs in ``logs/``: the measured plans
+       and their Pareto front (time, memory, loss increase), each candidate, the chosen plan.
 
     ``workers`` > 1 measures the candidates in that many processes on the job's storage (a
     journal file or a server database, `search.workers`); everything before the measured stage

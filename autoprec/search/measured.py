@@ -12,26 +12,12 @@ device the way training will run it (`apply_plan`), and three figures are measur
   interleaved one for one with FP32 steps of another copy, so the machine's drift cancels: the
   candidate's figure is its median ratio to FP32 times the FP32 median of the whole stage.
 
-A candidate is an autoprec plan, or a **reference** that is not one: plain
-``torch.autocast`` in the half format of a uniform plan (`Candidate.autocast`), measured in
-exactly the same way, so that the search can never return a plan slower than what a user gets
-without autoprec. A plan that recomputes blocks is measured like any other (the runtime
-checkpoints them); an autocast reference whose plan recomputes blocks runs them under plain
-non-reentrant ``torch.utils.checkpoint`` inside ``torch.autocast`` (torchtitan's "full"
-activation checkpointing when every block is named).
-
-Each candidate is a trial of an Optuna study in the job's storage, keyed by `candidate_id` (the
-hash of its layers' formats) in the user attribute ``candidate``: a crashed or interrupted job
-resumes with the candidates already measured kept, fails and re-queues the trials it left
-running, and never measures a candidate twice. Measuring stops early: a proposed plan whose
-predicted step time is over ``slow_prune`` times the predicted time of the fastest budget-meeting
-candidate measured so far is pruned before it runs (measure candidates fastest-predicted first;
-predicted is compared with predicted, so a cost model off by a constant factor prunes nothing
-wrongly); references are always run, since the returned plan must be no slower *as measured*
-than any of them that meets the budgets. Any candidate over the memory budget is pruned after one
-step, and `BudgetPruner` prunes one whose running loss
-increase is already
-clearly over the loss budget, before its step time is measured.
+A `Candidate` is an autoprec plan, or a **reference** that is not one: plain ``torch.autocast``
+in the half format of a uniform plan, measured in exactly the same way, so that the search can
+never return a plan slower than what a user gets without autoprec. `MeasuredStage.run` measures
+candidates as trials of an Optuna study (resumable, shared by workers, each candidate measured
+once), pruning early what cannot win (`BudgetPruner`, ``slow_prune``); `fastest_meeting` picks
+the winner. Costs per candidate: see `MeasuredStage`.
 """
 
 from __future__ import annotations
@@ -47,7 +33,7 @@ import math
 import statistics
 import time
 import warnings
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, cast
 
 import optuna
 import torch
@@ -63,6 +49,9 @@ from ..runtime import EmulationWarning, apply_plan, removing
 from ..timing import rotated, timed
 from ..workload import TrainStep
 from .study import mark_worker, recover_interrupted_trials
+
+if TYPE_CHECKING:  # refine imports this module; the stage only duck-types its sampler
+    from .refine import CorrectingSampler
 
 __all__ = ["Measurement", "Candidate", "AutocastCheckpoint", "BudgetPruner", "MeasuredStage", "candidate_id", "formats_id", "enqueue", "fastest_meeting"]
 
@@ -88,8 +77,11 @@ class Candidate:
     """A plan to measure, with its identity in the measured study.
 
     ``autocast``: run as plain ``torch.autocast`` in the plan's format (a uniform BF16 or FP16
-    plan) instead of through `apply_plan`: the reference a user has without autoprec; the plan's
-    recomputed blocks, if any, under plain ``torch.utils.checkpoint`` (`AutocastCheckpoint`).
+    plan) instead of through `apply_plan`: the reference a user has without autoprec. A plan that
+    recomputes blocks is measured like any other (the runtime checkpoints them); an autocast
+    reference whose plan recomputes blocks runs them under plain non-reentrant
+    ``torch.utils.checkpoint`` inside ``torch.autocast`` (`AutocastCheckpoint`; torchtitan's
+    "full" activation checkpointing when every block is named).
     """
 
     name: str
@@ -209,7 +201,8 @@ class _Variant:
 
 
 class MeasuredStage:
-    """Measures plans of one model on fixed batches (see the module docstring).
+    """Measures plans of one model on fixed batches: bytes, loss increase and step seconds as
+    the module docstring defines them.
 
     ``model``: the trained model the plans are for (left unchanged); ``loss_fn(model, batch)``
     the training loss (or the model's output with a ``loss`` field, `calls.loss_of`); ``train_batches`` drive calibration and the timed steps;
@@ -348,6 +341,16 @@ class MeasuredStage:
         ``plan.predicted["seconds"]`` is over this times that of the fastest budget-meeting
         candidate measured so far is pruned unrun.
 
+        Each candidate is a trial keyed by `candidate_id` (the hash of its layers' formats) in
+        the user attribute ``candidate``: a crashed or interrupted job resumes with the
+        candidates already measured kept, and never measures a candidate twice. Measuring stops
+        early: ``slow_prune`` above (measure candidates fastest-predicted first; predicted is
+        compared with predicted, so a cost model off by a constant factor prunes nothing
+        wrongly); references are always run, since the returned plan must be no slower *as
+        measured* than any of them that meets the budgets. Any candidate over the memory budget
+        is pruned after one step, and `BudgetPruner` prunes one whose running loss increase is
+        already clearly over the loss budget, before its step time is measured.
+
         Trials an interrupted run left RUNNING are failed and queued again first; a queued
         trial whose candidate is already measured, or is not one of ``candidates``, is pruned
         at once with the user attribute ``skipped`` saying why (no measurement).
@@ -363,18 +366,20 @@ class MeasuredStage:
         initial = set(by_id)
         # The learning sampler (`search.refine`), when the study has one: it proposes plans after
         # the initial design (duck-typed: refine imports this module).
-        refine = study.sampler if hasattr(study.sampler, "next_plan") else None
+        refine = cast("CorrectingSampler", study.sampler) if hasattr(study.sampler, "next_plan") else None
         recover_interrupted_trials(study)
 
         def fastest_predicted() -> float:
             """Predicted seconds of the fastest budget-meeting candidate measured so far."""
             done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            met = [t for t in done if t.user_attrs["bytes"] <= memory_bytes and t.user_attrs["loss_increase"] <= loss_budget]
-            return min(met, key=lambda t: t.value).user_attrs.get("predicted", math.inf) if met else math.inf
+            met = [(t.value, t) for t in done
+                   if t.value is not None and t.user_attrs["bytes"] <= memory_bytes and t.user_attrs["loss_increase"] <= loss_budget]
+            return min(met, key=lambda p: p[0])[1].user_attrs.get("predicted", math.inf) if met else math.inf
 
         def finished() -> dict[str, optuna.trial.FrozenTrial]:
+            # `objective` names every trial's candidate or marks it skipped before it can finish.
             trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
-            return {t.user_attrs.get("candidate"): t for t in trials if "skipped" not in t.user_attrs}
+            return {cid: t for t in trials if "skipped" not in t.user_attrs and (cid := t.user_attrs.get("candidate")) is not None}
 
         def objective(trial: optuna.Trial) -> float:
             mark_worker(trial)
@@ -508,8 +513,10 @@ def enqueue(study: optuna.Study, candidates: Sequence[Candidate]) -> None:
 def fastest_meeting(pairs: Sequence[tuple[Candidate, "Measurement | str"]], memory_bytes: float, loss_budget: float) -> "tuple[Candidate, Measurement] | None":
     """The candidate with the fastest measured step among those that met both budgets as
     measured (references included), or None."""
-    met = [(c, m) for c, m in pairs if isinstance(m, Measurement) and m.bytes <= memory_bytes and m.loss_increase <= loss_budget]
-    return min(met, key=lambda p: p[1].seconds, default=None)
+    met = [(c, m, m.seconds) for c, m in pairs if isinstance(m, Measurement) and m.seconds is not None
+           and m.bytes <= memory_bytes and m.loss_increase is not None and m.loss_increase <= loss_budget]
+    fastest = min(met, key=lambda p: p[2], default=None)
+    return fastest[:2] if fastest is not None else None
 
 
 def _plan_context(plan: "Plan | None") -> Callable[[nn.Module], Any]:

@@ -1,50 +1,23 @@
 """Measured refinement: an Optuna sampler that corrects the proxy with what was measured.
 
 The k best plans of the additive proxy and the references are the measured study's initial
-design (enqueued by the job). `CorrectingSampler` decides the trials after them:
+design (enqueued by the job). `CorrectingSampler` decides the trials after them, each in three
+steps:
 
-1. **Fit.** For each measured figure — step time, bytes, loss increase — one multiplicative
-   factor per format, one deviation from it per (free unit, format), and one factor for the
-   fixed cost (the rest of the step and the pinned units, which every plan has), so that for
-   every measured plan ``measured ≈ c_fixed · fixed + Σ_u (c_f + d_{u,f}) · predicted[u, f]``
-   (f the unit's format). Ridge least squares over every measured trial of the study: the
-   factors pulled toward 1 (the proxy as it is) with the weight of ``prior`` (0.1) trials each,
-   the deviations toward 0 with ``unit_prior`` (0.3): a format no measured plan uses keeps its
-   prediction, one noisy trial moves a factor only part way, and a layer is singled out only
-   when the trials say so. (Per-format factors alone could not follow the tiny LM, where the
-   proxy's error differs by layer; the priors were chosen on `benchmarks/refine_regret.py`.)
-   Step time is fitted as the trial's ratio to interleaved FP32 steps times the proxy's FP32
-   step, one scale across workers. A trial pruned for memory still gives its bytes; one pruned
-   for loss its bytes and loss.
-2. **Re-solve.** The corrected table (`Correction.apply`) goes to the exact solver
+1. **Fit** (`CorrectingSampler.correction`, `fit_factors`): per measured figure (step time,
+   bytes, loss increase) one factor per format, a deviation per (free unit, format) and one
+   factor for the fixed cost, ridge least squares over every measured trial of the study,
+   pulled toward the proxy as it is. The result is a `Correction`.
+2. **Re-solve**: the corrected table (`Correction.apply`) goes to the exact solver
    (`exact.k_best`) under the *measured* budgets (the factors map predictions to measurements).
-3. **Propose** the best plan of the corrected problem that no trial has measured or holds
-   (no-good cuts of all of them, `exact.k_best`'s ``exclude``): the corrected optimum first,
-   and once that is measured the next-best corrected plan, so a proxy still wrong after the fit
-   is explored further instead of trusted.
-
-It stops (proposes nothing) when ``max_trials`` plans are measured or held (initial design
-included); when every plan the corrected problem allows is measured or held; or when the best
-plan left is predicted slower than the fastest measured plan that meets the budgets by more
-than the fit's own error (``max(min_gain, 2 × the corrected step times' root mean square
-relative error on the measured trials)``): then no plan left is likely to win. (Stopping as
-soon as the corrected optimum was measured ended searches after 3-4 trials, far from the
-measured optimum: `benchmarks/refine_regret.py`.) Every decision is a function of the study's
-trials read from the storage, so a resumed job and N workers on one study need nothing more:
-two workers racing for one plan are settled by `MeasuredStage.run` (the earlier trial measures
-it, the other is skipped and asks again). Costs per proposal: one storage read, three small
-least-squares fits and one integer program with a cut per measured plan (milliseconds for tens
-of layers and trials).
+3. **Propose** (`CorrectingSampler.next_plan`, a `Next`) the best corrected plan that no trial
+   has measured or holds, or stop: trials spent, nothing left, or nothing likely to win.
 
 The corrections are additive per layer: they cannot see effects between neighbouring layers
-(casts at format boundaries, fusion) beyond what a layer's own factor absorbs on average.
-
-**Recomputation**: the sampler proposes formats only, around one fixed recompute set — the
-recompute set of the proxy's exact optimum, which the job passes as ``recompute`` with the space
-folded around it (`SearchSpace.fixing_recompute`). Its plans all recompute exactly those blocks,
-and only measured plans with that recompute set are fitted (another set changes bytes and time
-in ways the per-format factors do not model). Choosing recompute flags again on the corrected
-proxy is left out: the fit has no term for a block, so it could only repeat the proxy's choice.
+(casts at format boundaries, fusion) beyond what a layer's own factor absorbs on average. The
+sampler proposes formats only, around one fixed recompute set (`CorrectingSampler`). Costs per
+proposal: one storage read, three small least-squares fits and one integer program with a cut
+per measured plan (milliseconds for tens of layers and trials).
 """
 
 from __future__ import annotations
@@ -130,15 +103,26 @@ def fit_factors(rows: np.ndarray, targets: np.ndarray, prior: "float | np.ndarra
 
 class CorrectingSampler(optuna.samplers.BaseSampler):
     """Proposes, after the initial design, the exact optimum of the proxy corrected by the
-    measured trials (see the module docstring).
+    measured trials (`correction`, then `next_plan`).
 
     ``space``: the proxy (the job's `SearchSpace`); ``design``: the initial design's plans, so
     their trials (keyed by candidate id, no params) can be fitted; ``memory_bytes`` /
     ``loss_budget``: the measured budgets (absolute, inf when open); ``fp32_seconds``: the proxy's
     all-FP32 step (what a trial's measured FP32 ratio is scaled by); ``max_trials``: plans
     measured in all. Params of a proposed trial are unit name -> format value. ``recompute``:
-    the blocks every plan it proposes recomputes (module docstring); ``space`` must then already
-    hold their costs (`SearchSpace.fixing_recompute`).
+    the blocks every plan it proposes recomputes; ``space`` must then already hold their costs
+    (`SearchSpace.fixing_recompute`).
+
+    Every decision is a function of the study's trials read from the storage, so a resumed job
+    and N workers on one study need nothing more: two workers racing for one plan are settled by
+    `MeasuredStage.run` (the earlier trial measures it, the other is skipped and asks again).
+
+    **Recomputation**: the sampler proposes formats only, around one fixed recompute set — the
+    recompute set of the proxy's exact optimum, which the job passes as ``recompute`` with the
+    space folded around it. Its plans all recompute exactly those blocks, and only measured plans
+    with that recompute set are fitted (another set changes bytes and time in ways the
+    per-format factors do not model). Choosing recompute flags again on the corrected proxy is
+    left out: the fit has no term for a block, so it could only repeat the proxy's choice.
     """
 
     def __init__(self, space: SearchSpace, design: Sequence[Plan], memory_bytes: float, loss_budget: float,
@@ -155,7 +139,7 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
         self.min_gain = float(min_gain)
         self.formats = tuple(dict.fromkeys(f for u in space.units if len(u.choices) > 1 for f in u.choices))
         self._pairs = [(u.name, f) for u in space.units if len(u.choices) > 1 for f in u.choices]
-        self._design = {}
+        self._design: dict[str, dict[str, Format]] = {}  # formats_id -> unit assignment
         for plan in design:
             assignment = self.assignment_of(plan)
             if assignment is not None:
@@ -171,7 +155,7 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
         out = {}
         for unit in self.space.units:
             fmt = plan.layers[unit.layers[0]].format if unit.layers[0] in plan.layers else None
-            if fmt not in unit.choices or any(plan.layers.get(fqn, LayerPrecision(fmt)).format is not fmt for fqn in unit.layers):
+            if fmt is None or fmt not in unit.choices or any(plan.layers.get(fqn, LayerPrecision(fmt)).format is not fmt for fqn in unit.layers):
                 return None
             out[unit.name] = fmt
         return out
@@ -189,7 +173,8 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
         params = trial.params or trial.user_attrs.get(REFINED_ATTR, {}).get(REFINED_ASSIGNMENT)
         if params:
             return {name: Format.parse(value) for name, value in params.items()}
-        return self._design.get(trial.user_attrs.get("candidate"))
+        cid = trial.user_attrs.get("candidate")
+        return self._design.get(cid) if cid is not None else None
 
     def _id(self, assignment: Mapping[str, Format]) -> str:
         return formats_id(self.space.layer_formats(assignment), self.recompute)
@@ -211,9 +196,24 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
         return row
 
     def correction(self, trials: Sequence[optuna.trial.FrozenTrial]) -> Correction:
-        """Factors fitted to the measured figures of ``trials`` (finished ones of this space)."""
-        rows = {f: [] for f in _FIELDS}
-        targets = {f: [] for f in _FIELDS}
+        """Factors fitted to the measured figures of ``trials`` (finished ones of this space).
+
+        For each measured figure — step time, bytes, loss increase — one multiplicative factor
+        per format, one deviation from it per (free unit, format), and one factor for the fixed
+        cost (the rest of the step and the pinned units, which every plan has), so that for every
+        measured plan ``measured ≈ c_fixed · fixed + Σ_u (c_f + d_{u,f}) · predicted[u, f]`` (f
+        the unit's format). Ridge least squares (`fit_factors`) over every measured trial: the
+        factors pulled toward 1 (the proxy as it is) with the weight of ``prior`` (0.1) trials
+        each, the deviations toward 0 with ``unit_prior`` (0.3): a format no measured plan uses
+        keeps its prediction, one noisy trial moves a factor only part way, and a layer is
+        singled out only when the trials say so. (Per-format factors alone could not follow the
+        tiny LM, where the proxy's error differs by layer; the priors were chosen on
+        `benchmarks/refine_regret.py`.) Step time is fitted as the trial's ratio to interleaved
+        FP32 steps times the proxy's FP32 step, one scale across workers. A trial pruned for
+        memory still gives its bytes; one pruned for loss its bytes and loss.
+        """
+        rows: dict[str, list[list[float]]] = {f: [] for f in _FIELDS}
+        targets: dict[str, list[float]] = {f: [] for f in _FIELDS}
         used = 0
         for t in trials:
             a = t.user_attrs
@@ -231,13 +231,27 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
         prior = np.array([self.prior] * n + [self.unit_prior] * len(self._pairs))
         center = np.array([1.0] * n + [0.0] * len(self._pairs))
         fitted = {f: fit_factors(np.array(rows[f]).reshape(-1, n + len(self._pairs)), np.array(targets[f]), prior, center) for f in _FIELDS}
-        factor = lambda i: Choice(*(fitted[f][i] for f in ("bytes", "seconds", "loss")))  # noqa: E731  (Choice's field order)
+        factor = lambda i: Choice(*(float(fitted[f][i]) for f in ("bytes", "seconds", "loss")))  # noqa: E731  (Choice's field order)
         return Correction({fmt: factor(1 + i) for i, fmt in enumerate(self.formats)}, factor(0), used,
                           {pair: factor(n + i) for i, pair in enumerate(self._pairs)})
 
     def next_plan(self, study: optuna.Study, for_trial: "int | None" = None) -> Next:
         """What to measure next, from every trial of ``study`` (one storage read) but trial
-        number ``for_trial`` (the one asking)."""
+        number ``for_trial`` (the one asking).
+
+        The best plan of the corrected problem that no trial has measured or holds (no-good cuts
+        of all of them, `exact.k_best`'s ``exclude``): the corrected optimum first, and once that
+        is measured the next-best corrected plan, so a proxy still wrong after the fit is
+        explored further instead of trusted.
+
+        Stops (``assignment`` None) when ``max_trials`` plans are measured or held (initial
+        design included); when every plan the corrected problem allows is measured or held; or
+        when the best plan left is predicted slower than the fastest measured plan that meets the
+        budgets by more than the fit's own error (``max(min_gain, 2 × the corrected step times'
+        root mean square relative error on the measured trials)``): then no plan left is likely
+        to win. (Stopping as soon as the corrected optimum was measured ended searches after 3-4
+        trials, far from the measured optimum: `benchmarks/refine_regret.py`.)
+        """
         trials = [t for t in study.get_trials(deepcopy=False) if t.number != for_trial]
         finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED) and "skipped" not in t.user_attrs]
         live = [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING) and "skipped" not in t.user_attrs]
@@ -263,7 +277,7 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
 
     def _fastest_meeting(self, finished: Sequence[optuna.trial.FrozenTrial]) -> "float | None":
         """Measured seconds (on the proxy's FP32 scale) of the fastest trial meeting the budgets."""
-        met = [self._seconds(t) for t in finished if self._seconds(t) is not None
+        met = [s for t in finished if (s := self._seconds(t)) is not None
                and t.user_attrs["bytes"] <= self.memory_bytes and t.user_attrs.get("loss_increase", np.inf) <= self.loss_budget]
         return min(met, default=None)
 

@@ -125,9 +125,10 @@ def run_workers(
     workers: int,
     progress: "Callable[[int, int, str], None] | None" = None,
     poll_s: float = 1.0,
-) -> list[int]:
+) -> "list[int | None]":
     """Queue every candidate not yet finished or held, run ``workers`` processes measuring them
-    on ``study`` until none is left, and return their exit codes (negative: killed by that signal).
+    on ``study`` until none is left, and return their exit codes (negative: killed by that signal;
+    None only for a process that has not ended, which the loop's end rules out).
 
     ``payload``: what a worker needs to rebuild the measured stage, written once to ``[job].out``.
     Costs: one process start per worker (a Python and torch import, the workload built, the
@@ -159,7 +160,7 @@ def run_workers(
             time.sleep(poll_s)
     except BaseException:  # Ctrl-C: the workers fail their trials (Optuna marks them FAIL) and stop
         for p in processes:
-            if p.is_alive():
+            if p.is_alive() and p.pid is not None:  # a started process has a pid
                 os.kill(p.pid, signal.SIGINT)
         for p in processes:
             p.join(30)

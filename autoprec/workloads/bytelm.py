@@ -4,16 +4,11 @@ autoprec needs a real training run to decide precision on -- one whose loss visi
 few hundred steps, so that a precision choice that hurts convergence shows up as a worse loss.
 This module provides one that needs no download and no GPU:
 
-* **Data.** The text of ``pydoc_data.topics`` (the pages behind ``help("if")`` and friends),
-  which ships with every CPython. It is ~466 KB of English and code samples across 79 topics
-  (CPython 3.x; the exact size varies a little between Python versions). Modelled as raw bytes,
-  so the vocabulary is fixed at 256 and no tokenizer is needed.
-* **Model.** A small pre-LayerNorm transformer in the style of nanoGPT
-  (https://github.com/karpathy/nanoGPT, ``model.py``): token + learned position embeddings,
-  ``n_layers`` blocks of causal self-attention and a GELU MLP, a final LayerNorm and an untied
-  ``lm_head``. Attention is written as explicit matmuls (not
-  ``F.scaled_dot_product_attention``) so that a precision runtime that intercepts a module's own
-  matmuls sees the ``q @ k^T`` and ``att @ v`` products.
+* **Data** (`load_corpus`). The text of ``pydoc_data.topics`` (the pages behind ``help("if")``
+  and friends), which ships with every CPython, as raw bytes: a vocabulary of 256, no tokenizer.
+* **Model** (`ByteLM`). A small pre-LayerNorm transformer in the style of nanoGPT
+  (https://github.com/karpathy/nanoGPT, ``model.py``), its attention products written as
+  explicit matmuls (`CausalSelfAttention`) so that a precision runtime sees them.
 * **Training.** AdamW with warmup and clipping (`ByteLMWorkload.make_optimizer`,
   ``max_grad_norm``), run by the core's `autoprec.workload.TrainStep`; :func:`train` loops it
   with an optional context manager around forward + loss, e.g.
@@ -38,7 +33,7 @@ import math
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -133,7 +128,8 @@ _PRESETS: dict[str, LMConfig] = {
 def load_corpus() -> bytes:
     """The training text: every ``pydoc_data.topics`` page, sorted by key, joined, UTF-8 encoded.
 
-    Deterministic for a given Python version (~466 KB on CPython 3.x). Cached after the first
+    Deterministic for a given Python version: ~466 KB of English and code samples across 79
+    topics on CPython 3.x (the exact size varies a little between versions). Cached after the first
     call (bytes are immutable, so sharing is safe); the first call costs ~10 ms.
     """
     try:
@@ -170,10 +166,14 @@ def split_corpus(data: bytes, val_fraction: float = 0.1) -> tuple[torch.Tensor, 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with the attention products as explicit matmuls.
 
+    Written as matmuls, not ``F.scaled_dot_product_attention``, so that a precision runtime that
+    intercepts a module's own matmuls sees the ``q @ k^T`` and ``att @ v`` products.
     ``att = (q @ k^T) * scale``, causal mask, softmax in float32, ``y = att @ v``. The softmax is
     upcast because exp() over bf16/fp16 logits loses most of its mantissa; the matmuls run in
     whatever dtype the inputs have, so a precision runtime (or autocast) controls them.
     """
+
+    causal_mask: torch.Tensor  # a registered buffer
 
     def __init__(self, config: LMConfig) -> None:
         super().__init__()
@@ -239,7 +239,8 @@ class TransformerBlock(nn.Module):
 
 
 class ByteLM(nn.Module):
-    """Byte-level GPT: embeddings, ``n_layers`` :class:`TransformerBlock`, LayerNorm, lm_head.
+    """Byte-level GPT: token + learned position embeddings, ``n_layers`` :class:`TransformerBlock`
+    (causal self-attention and a GELU MLP, pre-LayerNorm), a final LayerNorm and an untied ``lm_head``.
 
     Parameters use the GPT-2 initialisation (see ``_INIT_STD``). Construction draws from the
     global torch RNG like any ``nn.Module``; use :meth:`ByteLMWorkload.build_model` for a seeded model
@@ -264,7 +265,7 @@ class ByteLM(nn.Module):
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
         resid_std = _INIT_STD / math.sqrt(2 * self.config.n_layers)
-        for block in self.blocks:
+        for block in cast("Iterable[TransformerBlock]", self.blocks):  # ModuleList iterates as plain Modules
             nn.init.normal_(block.attn.proj.weight, mean=0.0, std=resid_std)
             nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=resid_std)
 

@@ -30,7 +30,7 @@ import functools
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,9 @@ from torch import nn
 
 from .bytelm import GRAD_CLIP, adamw_with_warmup
 from .minilm import load_minilm, load_tokenizer, minilm_available
+
+if TYPE_CHECKING:  # transformers is optional (autoprec[minilm]) and imported where used
+    from transformers import PreTrainedModel
 
 __all__ = [
     "BBC_SECTIONS",
@@ -96,7 +99,10 @@ def _require() -> Path:
     ok, reason = finetune_available()
     if not ok:
         raise ImportError(reason)
-    return _data_dir()
+    root = _data_dir()
+    if root is None:  # finetune_available found it; only a package removed since then lacks it
+        raise ImportError(reason)
+    return root
 
 
 def _read(path: Path) -> str:
@@ -180,7 +186,7 @@ class SentenceClassifier(nn.Module):
     float32 and cast back to the encoder's output dtype before the head.
     """
 
-    def __init__(self, bert: nn.Module, num_classes: int):
+    def __init__(self, bert: "PreTrainedModel", num_classes: int):
         super().__init__()
         self.bert = bert
         self.pad_token_id = int(bert.config.pad_token_id or 0)
@@ -196,7 +202,7 @@ class SentenceClassifier(nn.Module):
 
 
 @functools.lru_cache(maxsize=1)
-def _pristine_bert() -> nn.Module:
+def _pristine_bert() -> "PreTrainedModel":
     # Loaded once and only ever copied: a deep copy costs ~0.2 s where a load costs ~3 s.
     return load_minilm().bert
 
@@ -349,7 +355,7 @@ class FinetuneWorkload:
                 count = labels.numel() + (count or 0)
         finally:
             model.train(was_training)
-        if not count:
+        if not count or loss_sum is None or correct is None:  # one goes with the others
             raise ValueError("FinetuneWorkload.metrics: got no batches; pass e.g. workload.val_batches()")
         return {"loss": float(loss_sum) / count, "accuracy": float(correct) / count}
 

