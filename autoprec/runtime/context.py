@@ -20,13 +20,10 @@ How a plan runs (``with runtime:``), cheapest first:
   convolutions, attention) run under a `TorchFunctionMode` entered only inside their own forward,
   which routes their matrix products to the same kernels or, where none exists, to emulation.
 
-Backward needs no context: the autograd functions hold what they need, so ``loss.backward()`` may
-run after the ``with`` block, as with ``torch.autocast``.
-
-Costs per training step of an FP8 / INT8 linear layer: the ops of `gemm` and `quantizers` (one
-amax and one cast per input, weight and output gradient, three GEMMs; under `reusing_weights`
-the weight once per scope), no host sync. Runtime state (amax histories, INT8 calibration) survives exits and
-re-entries; ``state_dict()`` / ``load_state_dict()`` save and restore it.
+Backward needs no context (``loss.backward()`` may run after the ``with`` block). Costs per step
+of an FP8 / INT8 linear layer: one amax and one cast per input, weight and output gradient, three
+GEMMs (`gemm`, `quantizers`), no host sync. Runtime state (amax histories, INT8 calibration)
+survives exits and re-entries; ``state_dict()`` / ``load_state_dict()`` save and restore it.
 """
 
 from __future__ import annotations

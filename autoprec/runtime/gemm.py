@@ -18,13 +18,10 @@ copy of the output gradient); per-tensor scales as 0-d FP32 tensors, row-wise as
 cuBLAS >= 12.9, where row-wise runs in cuBLASLt; the runtime probes which, `device.scaled_mm_form`). ``_int_mm`` (``_int_mm_out_cuda``): M > 16 and
 K, N multiples of 8, so rows and columns are padded the same way.
 
-INT8 layers differentiate in high precision (INT8 has no useful gradient format): in BF16 on
-CUDA, in FP32 on CPU, from the INT8-saved input and the FP32 master weight.
-
-Scales come from `quantizers`: the input's and the weight's arrive as arguments, the output
-gradient's `GradQuantizer` rides in `Fp8Spec`. Saved for backward: the input in its low-precision
-format (1 byte per element), the weight's low-precision transpose made in the same forward (shared
-with a copy kept under `PlanRuntime.reusing_weights`), and scalars; never the master weight.
+INT8 layers differentiate in high precision (BF16 on CUDA, FP32 on CPU) from the INT8-saved input
+and the FP32 master weight. Scales come from `quantizers` (the output gradient's `GradQuantizer`
+rides in `Fp8Spec`). Saved for backward: the input in its 1-byte format, the weight's low-precision
+transpose made in the same forward (shared under `PlanRuntime.reusing_weights`), and scalars.
 """
 
 from __future__ import annotations

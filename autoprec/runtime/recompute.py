@@ -21,10 +21,8 @@ What the recomputation must reproduce, and how (eager):
   history or calibration observes the batch twice and the recomputed activations are bit for bit
   the forward's. Forward hooks of autoprec's profiler and output watch skip while `recomputing`.
 
-Under ``torch.compile`` the block is the same checkpoint, traced as Dynamo's checkpoint operator:
-the recomputation is part of the compiled backward graph, which replays the forward's values
-(functionally: a history written in the forward is written once, and read as the forward read
-it), so no context is needed there (and Dynamo accepts none but dispatch modes).
+Under ``torch.compile`` the block is Dynamo's checkpoint operator, its recomputation part of the
+compiled backward graph; no context is needed there (`compile_refusal` says what cannot run).
 """
 
 from __future__ import annotations
