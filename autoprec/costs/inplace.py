@@ -30,7 +30,7 @@ import logging
 import statistics
 import time
 import warnings
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 
 import torch
 import torch.nn as nn
@@ -109,7 +109,10 @@ class StepTimer:
 
     def _sequence_nr(self) -> int:
         with torch.enable_grad():
-            return self._probe.view(1).grad_fn._sequence_nr()
+            node = self._probe.view(1).grad_fn
+        if node is None:  # the probe requires grad: a view of it always has a node
+            raise CostModelError("StepTimer: autograd recorded no node for its probe; is grad mode forced off?")
+        return node._sequence_nr()
 
     def __enter__(self) -> "StepTimer":
         def pre(fqn):
@@ -214,7 +217,10 @@ def _default_loss(output: Any) -> torch.Tensor:
     tensors = [t for t in pytree.tree_leaves(output) if torch.is_tensor(t) and t.is_floating_point() and t.requires_grad]
     if not tensors:
         raise CostModelError("the model's output has no floating tensor that needs a gradient; pass loss_fn=(model, inputs) -> loss")
-    return sum(t.float().mean() for t in tensors)
+    total = tensors[0].float().mean()
+    for t in tensors[1:]:
+        total = total + t.float().mean()
+    return total
 
 
 def _step_loss(model: nn.Module, batch: Any, loss_fn: Optional[Callable]) -> torch.Tensor:
@@ -222,10 +228,13 @@ def _step_loss(model: nn.Module, batch: Any, loss_fn: Optional[Callable]) -> tor
     return output if loss_fn is not None else _default_loss(output)
 
 
+_Key = TypeVar("_Key")
+
+
 def measure_in_place(
     model: nn.Module,
     batches: Sequence[Any],
-    plans: Mapping[str, Plan],
+    plans: Mapping[_Key, Plan],
     layers: Sequence[str],
     loss_fn: Optional[Callable[[nn.Module, Any], torch.Tensor]] = None,
     *,
@@ -233,8 +242,8 @@ def measure_in_place(
     steps: int = 8,
     slow_factor: float = 20.0,
     blocks: Sequence[str] = (),
-) -> dict[str, InPlaceTimes]:
-    """Median step and per-layer seconds of each of ``plans`` (name -> plan) over real training
+) -> dict[_Key, InPlaceTimes]:
+    """Median step and per-layer seconds of each of ``plans`` (key -> plan, e.g. a name or format) over real training
     steps (zero_grad, forward + loss under ``apply_plan``, backward, AdamW step) of one copy of
     ``model`` (the caller's weights stay untouched), ``batches`` taken in turn.
 
@@ -256,7 +265,10 @@ def measure_in_place(
     optimizer = torch.optim.AdamW(clone.parameters(), lr=1e-3)  # the value does not change the cost
     device = next(clone.parameters()).device
     timer = StepTimer(clone, layers, blocks)
-    runtimes, results, first_steps, stopped = {}, {}, {}, {}
+    runtimes: dict = {}
+    results: dict = {}
+    first_steps: dict = {}
+    stopped: dict = {}
 
     def step(runtime, batch) -> tuple[float, tuple[dict[str, float], dict[str, float], dict[str, float]]]:
         optimizer.zero_grad(set_to_none=True)
@@ -289,7 +301,7 @@ def measure_in_place(
             finally:
                 timer.deadline = None
             runtimes[name] = runtime
-        times: dict[str, list] = {name: [] for name in runtimes}
+        times: dict[_Key, list] = {name: [] for name in runtimes}
         order = list(runtimes)
         for r in range(warmup + steps):
             for name in rotated(order, r):

@@ -121,7 +121,7 @@ def _call_bytes(call: MatmulCall, precision: LayerPrecision, device) -> tuple[in
         return weights, activations
     if not any(s.requires_grad for s in call.tensors):
         return 0, 0  # no autograd node, nothing saved
-    if path == "emulated":
+    if path == "emulated" or gemm is None:  # call_path gives every kernel call its shape
         return 0, sum(s.numel * fmt.bytes for s in call.tensors if s.dtype.is_floating_point and not s.weight)
     m, k, n = gemm
     has_weight = any(s.operand and s.weight for s in call.tensors)

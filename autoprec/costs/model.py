@@ -224,19 +224,21 @@ class CostModel:
         two more forwards per block and two per run (the bytes it frees, per region). The
         model is left unchanged.
         """
-        formats = tuple(Format.parse(f) for f in formats)
+        formats = parsed = tuple(Format.parse(f) for f in formats)
         if not formats:
             raise CostModelError("CostModel.build(formats=()): give at least one format, e.g. DEFAULT_FORMATS")
         trace = trace_model(model, example_inputs, loss_fn)
         block_layers = _block_layers(model, trace, blocks or ())
         in_place: dict[Format, InPlaceTimes] = {}
         if measure:
-            timed = formats if time_model is None else (Format.FP32,)
-            timed = (Format.FP32,) + tuple(f for f in timed if f is not Format.FP32)
+            wanted = parsed if time_model is None else (Format.FP32,)
+            timed = (Format.FP32,) + tuple(f for f in wanted if f is not Format.FP32)
             layers = list(trace.layers)
             plans = {f: Plan({fqn: LayerPrecision(f) for fqn in layers}) for f in timed}
-            in_place = _load_times(times_file, layers, timed, trace.device, list(block_layers))
-            if in_place is None:
+            loaded = _load_times(times_file, layers, timed, trace.device, list(block_layers))
+            if loaded is not None:
+                in_place = loaded
+            else:
                 in_place = measure_in_place(model, [example_inputs], plans, layers, loss_fn, warmup=timing_warmup, steps=timing_steps,
                                             blocks=list(block_layers))
                 _save_times(times_file, layers, in_place, trace.device, list(block_layers))

@@ -457,7 +457,7 @@ class MeasuredTimeModel(TimeModel):
         if cache_dir is False:
             self.cache_dir = None
         else:
-            self.cache_dir = Path(cache_dir) if cache_dir not in (None, True) else default_cache_dir()
+            self.cache_dir = default_cache_dir() if cache_dir is None or cache_dir is True else Path(cache_dir)
             if self.cache_dir.exists() and not self.cache_dir.is_dir():
                 raise CostModelError(f"MeasuredTimeModel(cache_dir={str(self.cache_dir)!r}): exists and is not a folder; pass a folder")
         self.warmup = warmup

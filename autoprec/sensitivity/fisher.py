@@ -258,7 +258,7 @@ class FisherEstimator(SensitivityEstimator):
                                     out, local = self._local_grads(module, call, grad_rt[key], own[site])
                                 else:
                                     out = self._rerun(module, call, fwd_rt[key])
-                                    local = self._local_grads(module, call, grad_rt[key], own[site])[1] if with_grad else None
+                                    local = self._local_grads(module, call, grad_rt[key], own[site])[1] if with_grad else ([], [])
                                 forward[key] += n / 2 * self._output_error(call, out, n)
                                 if with_grad:
                                     grad[key] += self._grad_error(call, local, references[(site, i)], own[site], params, weight)
@@ -317,7 +317,7 @@ class FisherEstimator(SensitivityEstimator):
                 total += float(products.square().sum(dtype=torch.float64))
         return total
 
-    def _local_grads(self, module, call: _Call, runtime, own: list) -> tuple[Any, tuple[list, list]]:
+    def _local_grads(self, module, call: _Call, runtime, own: list) -> "tuple[Any, tuple[list, list]]":
         """The module re-run alone under ``runtime`` (None: plain FP32), with grad: its output,
         and the gradients of its inputs (only with ``upstream``, which needs them) and of its
         parameters ``own`` (`_own_parameters`) against the recorded dL/dy; backward after the
@@ -336,8 +336,8 @@ class FisherEstimator(SensitivityEstimator):
         if not pairs or not (inputs or own):
             return out, ([None] * len(inputs), [None] * len(own))
         scale = self.loss_scale
-        grads = torch.autograd.grad([y for y, _ in pairs], inputs + own, [(g * scale).to(y.dtype) for y, g in pairs], allow_unused=True)
-        grads = [None if g is None else g.float() / scale for g in grads]
+        raw = torch.autograd.grad([y for y, _ in pairs], inputs + own, [(g * scale).to(y.dtype) for y, g in pairs], allow_unused=True)
+        grads = [None if g is None else g.float() / scale for g in raw]
         return out, (grads[: len(inputs)], grads[len(inputs) :])
 
     def _grad_error(self, call: _Call, local, reference, own, params, weight) -> float:

@@ -58,7 +58,8 @@ def measure_sensitivity(
     problem = _resolve(model, batches, loss_fn, formats, layers, example_inputs, None, None if calibration is None else len(calibration))
     calibration = calibration if calibration is not None else problem.batches
     start = time.perf_counter()
-    increase, first = {}, {}
+    increase: dict[tuple[str, Format], float] = {}
+    first: dict[tuple[str, Format], float] = {}
     with _eval_mode(model):
         reference = []  # per batch: (loss, model outputs, dL/d outputs)
         for batch in problem.batches:
