@@ -171,6 +171,8 @@ class TrainingSearch:
                 p.grad = None
             self._add("snapshot", time.perf_counter() - start)
         self._offpath = self._offpath_units() if lead and self.candidates is None else None
+        if self._offpath is None:  # no estimate will run (resumed past it): do not hold Adam's copy
+            self._second_moment = None
 
     # -- checkpoints ------------------------------------------------------------------------
 
