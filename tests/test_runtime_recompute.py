@@ -235,16 +235,21 @@ def test_the_loss_scalers_output_watch_records_each_forward_once():
 
 # -- torch.compile ----------------------------------------------------------------------------
 
-# Layers from the module tree (every one an nn.Linear): inside a compiled recomputed block a layer
-# must not need a scope of its own (see the refusal below).
+# Layers from the module tree (every one an nn.Linear): inside a compiled recomputed block no layer
+# may need the runtime's mode for its own matrix products (see the refusal below).
 COMPILE_PLANS = {
     "fp32": lambda m: ap.Plan.uniform(m, "fp32"),
     "bf16": lambda m: ap.Plan.uniform(m, "bf16", _EXAMPLE),  # attention traced too: a uniform BF16 plan wraps nothing
     "fp8-current": lambda m: ap.Plan.uniform(m, "fp8_e4m3"),
+    # The forward updates the amax history in place; the recomputation must scale as the forward did.
+    "fp8-delayed": lambda m: ap.Plan.uniform(m, "fp8_e4m3", scaling=ap.Scaling(mode="delayed")),
+    "fp8-delayed-most-recent": lambda m: ap.Plan.uniform(m, "fp8_e4m3", scaling=ap.Scaling(mode="delayed", reduction="most_recent")),
     "int8": lambda m: ap.Plan.uniform(m, "int8", calibration=ap.Calibration(batches=1)),
-    "mixed": lambda m: ap.Plan.uniform(m, "fp8_e4m3").with_layers(
-        {"blocks.1.mlp.fc": "bf16", "blocks.0.attn.proj": ap.LayerPrecision("int8", calibration=ap.Calibration(batches=1))}
-    ),
+    # FP32, BF16 and FP16 layers run under their own autocast scope among FP8 and INT8 ones.
+    "mixed": lambda m: ap.Plan.uniform(m, "fp8_e4m3").with_layers({
+        "blocks.1.mlp.fc": "bf16", "blocks.0.mlp.proj": "fp32", "blocks.1.attn.qkv": "fp16",
+        "blocks.0.attn.proj": ap.LayerPrecision("int8", calibration=ap.Calibration(batches=1)),
+    }),
 }
 
 
@@ -284,26 +289,31 @@ def test_a_compiled_step_with_recomputed_blocks_has_no_graph_break(name):
 def test_compiled_gradients_with_recomputation_equal_compiled_ones_without(name):
     """The compiled backward recomputes the blocks from the forward's values (dropout's RNG
     included): the same bits as the compiled step that keeps the activations."""
-    with_rc, *_ = _compiled_run(name, BLOCKS)
-    without, *_ = _compiled_run(name, ())
+    with_rc, runtime_rc, _ = _compiled_run(name, BLOCKS)
+    without, runtime, _ = _compiled_run(name, ())
     _assert_bitwise(with_rc, without)
+    # Each compiled forward recorded its amax once: the histories match the run without recomputation.
+    histories = [_histories(r) for r in (runtime_rc, runtime)]
+    assert histories[0].keys() == histories[1].keys()
+    for key, history in histories[0].items():
+        assert torch.equal(history, histories[1][key]), key
+    if name.startswith("fp8-delayed"):
+        assert histories[0] and all(int((h > 0).sum()) == 1 + STEPS for h in histories[0].values())
 
 
-@pytest.mark.parametrize(
-    "name, message",
-    [
-        # A compiled recomputation would read the amax history after the forward updated it.
-        ("fp8-delayed", "layer 'blocks.0.attn.qkv' uses delayed scaling"),
-        # The attention's own matmuls run under its scope, which keeps thread state Dynamo refuses to change there.
-        ("mixed", r"layer 'blocks.0.attn' \(fp32\) runs under its own scope"),
-    ],
-)
-def test_what_a_compiled_recomputed_block_cannot_trace_is_refused_naming_the_layer(name, message):
-    """With fullgraph=True the refusal is the error; without, Dynamo runs the step eagerly, where
-    the recomputation replays the plan."""
+def _histories(runtime):
+    layers = runtime.state_dict()["layers"]
+    return {(fqn, k): q["history"] for fqn, layer in layers.items() for k, q in layer["inputs"].items() if q["history"] is not None}
+
+
+def test_a_layer_whose_own_products_need_the_mode_is_refused_in_a_compiled_recomputed_block():
+    """The FP32 attention's own matmuls (q @ k^T, att @ v) are routed by the runtime's mode, which
+    reads the running layer from thread state Dynamo cannot change inside a checkpointed body.
+    With fullgraph=True the refusal is the error; without, Dynamo runs the step eagerly, where the
+    recomputation replays the plan."""
     model = _lm()
-    plan = PLANS[name](model) if name == "mixed" else ap.Plan.uniform(model, "fp8_e4m3", scaling=ap.Scaling(mode="delayed"))
-    runtime = ap.apply_plan(model, plan.with_recompute(["blocks.0"]))
+    runtime = ap.apply_plan(model, PLANS["mixed"](model).with_recompute(["blocks.0"]))
+    message = r"layer 'blocks.0.attn' \(fp32\) routes its own matrix products through the runtime's mode"
 
     def step(idx, tgt):
         with runtime.region():

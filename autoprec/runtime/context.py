@@ -193,6 +193,7 @@ class _Layer:
             self.row_scale_outs = frozenset(
                 d for d in (torch.bfloat16, torch.float16) if _row_scale_form(self.format, d, device)[0]
             )
+        self.keeps_thread_state = False  # set by its wrapper (PlanRuntime._wrapper), when it has one
         self.inputs: dict[str, InputQuantizer] = {}
         self.calibrators: dict[str, Int8Calibrator] = {}
         self.weights: dict[tuple, WeightQuantizer] = {}
@@ -351,10 +352,13 @@ class PlanRuntime:
             return [f for f in fqns if f != fqn and (fqn == "" or f.startswith(fqn + "."))]
 
         wrappers: dict[str, Any] = {}
+        with_mode: set[str] = set()
         for fqn in sorted(fqns, key=lambda f: (f.count(".") if f else -1)):  # parents first
             layer = self._layers[fqn]
             below = any(self._layers[d].format is not Format.FP32 for d in descendants(fqn))
             mode = self._needs_mode(layer, below)
+            if mode:
+                with_mode.add(fqn)
             own_scope = (
                 mode
                 or layer.format is Format.FP32
@@ -363,18 +367,23 @@ class PlanRuntime:
                 or any(a in wrappers for a in ancestors(fqn))
             )
             if own_scope:
-                wrappers[fqn] = self._wrapper(layer, mode)
+                # The layer stack is read only by the mode: a layer under no mode need not push itself.
+                wrappers[fqn] = self._wrapper(layer, mode, stacked=mode or any(a in with_mode for a in ancestors(fqn)))
         return wrappers
 
-    def _wrapper(self, layer: _Layer, mode: bool):
+    def _wrapper(self, layer: _Layer, mode: bool, stacked: bool):
         """The forward installed on ``layer.module``: the plan's in a thread that entered this
-        runtime, the module's own everywhere else (other threads, outside the context, a copy)."""
+        runtime, the module's own everywhere else (other threads, outside the context, a copy).
+        ``stacked``: the layer runs under the mode (its own or an ancestor's), which reads the
+        running layer from the thread's stack; otherwise its forward changes no thread state."""
         module, fmt, device_type, threads = layer.module, layer.format, self.device_type, self._threads
         had_own, previous = "forward" in module.__dict__, module.__dict__.get("forward")
         if had_own and getattr(getattr(previous, "__func__", None), _OWNER, None) is not None:
             had_own, previous = previous.__func__._autoprec_previous  # another runtime's wrapper: keep the user's
         direct_linear = layer.low_precision and not mode
-        layer.wrapped_direct = direct_linear  # a direct wrapper keeps no thread state (see recompute.compile_refusal)
+        # Whether its forward changes thread state, which Dynamo cannot trace inside a recomputed
+        # block (see recompute.compile_refusal).
+        layer.keeps_thread_state = stacked and not direct_linear
         if direct_linear:
             layer.ops = {"linear": self._kernel_name(layer)}
         elif fmt in (Format.BF16, Format.FP16):
@@ -404,6 +413,9 @@ class PlanRuntime:
                 scope = torch.autocast(device_type, dtype=fmt.dtype)
             else:
                 scope = contextlib.nullcontext()
+            if not stacked:
+                with scope:
+                    return own_forward(module, args, kwargs)
             enter_mode = mode and not state.mode_active
             outer = state.stack
             state.stack = outer + (layer,)

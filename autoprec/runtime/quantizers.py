@@ -93,7 +93,9 @@ class InputQuantizer(_RoundTrip):
             return inverse_scale(current, self.fmt, self.margin)
         if history.device != x.device:
             history = self.history = history.to(x.device)
-        past = history[0] if self.most_recent else history.amax()
+        # Read by a reduction either way: a compiled recomputed block keeps every amax output
+        # instead of reading the history again after this forward updated it (runtime.recompute).
+        past = history[:1].amax() if self.most_recent else history.amax()
         # The first step has no history and scales from its own amax. Adding current * 0 keeps a
         # non-finite input non-finite after the saturating cast (the loss scaler must see it).
         basis = torch.where(past > 0, past, current)

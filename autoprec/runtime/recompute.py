@@ -22,11 +22,13 @@ What the recomputation must reproduce, and how (eager):
   the forward's. Forward hooks of autoprec's profiler and output watch skip while `recomputing`.
 
 Under ``torch.compile`` the block is Dynamo's checkpoint operator, its recomputation part of the
-compiled backward graph; no context is needed there (`compile_refusal` says what cannot run).
+compiled backward graph; a block with delayed scaling keeps its history reads (a selective
+checkpoint policy) instead of re-reading the updated history; `compile_refusal` says what cannot run.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import types
 from typing import TYPE_CHECKING, Any, Callable
@@ -34,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..errors import RuntimeStateError
 from ..formats import Granularity
@@ -160,31 +162,28 @@ class _Replaying:
             thread.active, thread.stack, thread.mode_active, _state.record, _state.replay = self.saved.pop()
 
 
+def _layers_in(runtime: "PlanRuntime", block: str) -> list:
+    return [(fqn, layer) for fqn, layer in runtime._layers.items() if block == "" or fqn.startswith(block + ".")]
+
+
 def compile_refusal(runtime: "PlanRuntime", block: str) -> "str | None":
     """Why ``block`` cannot run recomputed inside a compiled step now, or None.
 
-    A compiled recomputation re-reads state from the tensors the forward read, after the forward
-    wrote them: an amax history updated in place gives the recomputation another scale than the
-    forward (gradients off by a rounding step). And Dynamo refuses state created or changed in
-    Python inside a checkpointed body: INT8 calibration, and the first forward of a layer, which
-    makes its quantizers.
+    Dynamo refuses state created or changed in Python inside a checkpointed body: the runtime's
+    layer stack (a layer whose own matrix products the mode routes), INT8 calibration, and the
+    first forward of a layer, which makes its quantizers. (Delayed scaling runs: its history
+    reads are kept for the recomputation, `_keep_history_reads`.)
     """
-    for fqn, layer in runtime._layers.items():
-        if not (fqn.startswith(block + ".") or block == ""):
-            continue
-        if fqn in runtime._wrappers and not getattr(layer, "wrapped_direct", False):
-            # Its wrapper records the running layer in the thread's state, which Dynamo refuses to
-            # change inside a checkpointed body (that state is seen outside it too).
-            return (f"recomputed block {block!r} under torch.compile: layer {fqn!r} ({layer.format.value}) runs under its own "
-                    "scope inside the block, which Dynamo cannot trace in a recomputed block; run the step eagerly, stop recomputing "
-                    "the block, or plan its layers so that none needs one (nn.Linear layers in FP8 / INT8, or the region's half format)")
+    for fqn, layer in _layers_in(runtime, block):
+        if fqn in runtime._wrappers and layer.keeps_thread_state:
+            # Its wrapper records the running layer in the thread's state for the runtime's mode,
+            # which Dynamo refuses to change inside a checkpointed body (that state is seen outside it too).
+            return (f"recomputed block {block!r} under torch.compile: layer {fqn!r} ({layer.format.value}) routes its own matrix "
+                    "products through the runtime's mode inside the block, which Dynamo cannot trace in a recomputed block; run "
+                    "the step eagerly, stop recomputing the block, or plan it so that no layer needs the mode there (its matrix "
+                    "products in nn.Linear layers, the module in the region's half format)")
         if not layer.low_precision:
             continue
-        scaling = layer.precision.scaling
-        if layer.format.is_fp8 and scaling.mode is ScalingMode.DELAYED and scaling.granularity is Granularity.TENSOR:
-            return (f"recomputed block {block!r} under torch.compile: layer {fqn!r} uses delayed scaling, whose amax history "
-                    "a compiled recomputation would read after the forward updated it; give the block's layers current "
-                    "scaling (the default), stop recomputing the block, or run the step eagerly")
         ran = layer.weights or any(how.startswith("emulated") for how in layer.ops.values())
         if layer.kernel_reason is None and not ran:
             return (f"recomputed block {block!r} under torch.compile: layer {fqn!r} has not run yet, and Dynamo cannot create "
@@ -193,6 +192,25 @@ def compile_refusal(runtime: "PlanRuntime", block: str) -> "str | None":
             return (f"recomputed block {block!r} under torch.compile: layer {fqn!r} is still calibrating INT8, which Dynamo cannot "
                     f"trace inside a recomputed block; run the first {layer.precision.calibration.batches} steps eagerly, then compile")
     return None
+
+
+def _delayed(layer) -> bool:
+    scaling = layer.precision.scaling
+    return layer.format.is_fp8 and scaling.mode is ScalingMode.DELAYED and scaling.granularity is Granularity.TENSOR
+
+
+def _keep_history_reads(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective-checkpoint policy of a compiled recomputed block with delayed scaling: every
+    ``amax`` output saved (the history reads: `InputQuantizer.inverse_scale` reads the history by
+    reductions only), the rest recomputed. The forward updates the history in place, so a
+    recomputation reading it again would scale by the next step's amax; the saved reads give it
+    the forward's scale, as `ScaleRecord` does eagerly. Costs the saved reductions' bytes (a
+    scalar per layer and operand) and one torch warning per compile about in-place ops (the
+    history update, applied once by the forward)."""
+    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.amax.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_HISTORY_READS_KEPT = functools.partial(create_selective_checkpoint_contexts, _keep_history_reads)
 
 
 def traced(run: Callable, block: str) -> Callable:
@@ -247,6 +265,8 @@ def block_wrapper(runtime: "PlanRuntime", fqn: str, module: nn.Module, owner: st
             refusal = compile_refusal(runtime, fqn)
             if refusal is not None:
                 raise RuntimeStateError(refusal)
+            if any(_delayed(layer) for _, layer in _layers_in(runtime, fqn)):
+                return checkpoint(traced(run, fqn), *tensors, use_reentrant=False, context_fn=_HISTORY_READS_KEPT)
             return checkpoint(traced(run, fqn), *tensors, use_reentrant=False)
         record = ScaleRecord(fqn)
         stack, mode_active = thread.stack, thread.mode_active
