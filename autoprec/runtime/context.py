@@ -65,13 +65,29 @@ logger = logging.getLogger(__name__)
 _AUTOCAST_UNCAST = {"cpu": frozenset({"mv", "addmv", "bilinear"})}
 
 
-# Attribute of an installed wrapper's function naming the runtime that installed it.
+# Attributes of an installed wrapper's function (a layer's or a recomputed block's): the runtime
+# that installed it, and what it displaced, ``(the module had its own forward, that forward)``, so
+# that a runtime installing over another's wrapper keeps the user's forward. Plain function
+# attributes, set with setattr; recompute.block_wrapper sets and reads the same two.
 _OWNER = "_autoprec_runtime"
+_PREVIOUS = "_autoprec_previous"
 # Set in a planned module's __dict__ while a runtime is active on it (eager entries), so a second
 # runtime on the same layers is refused: two plans on one layer would fight over its dtypes. A weak
 # reference, so that a deep copy of the model made meanwhile copies no runtime, and its stale
 # mark counts only while that runtime stays active.
 _ACTIVE_MARK = "_autoprec_active_runtime"
+
+
+def _displaced(module: nn.Module) -> tuple[bool, Any]:
+    """``(had its own forward, that forward)`` of ``module`` as its user left it: an autoprec
+    wrapper installed there (another runtime's) is looked through to the forward it displaced."""
+    if "forward" not in module.__dict__:
+        return False, None
+    previous = module.__dict__["forward"]
+    function = getattr(previous, "__func__", None)
+    if getattr(function, _OWNER, None) is not None:
+        return getattr(function, _PREVIOUS)
+    return True, previous
 
 
 def _active_runtime(module: nn.Module) -> "PlanRuntime | None":
@@ -204,6 +220,9 @@ class _Layer:
             self.grad = GradQuantizer.for_layer(self.format, grad_fmt)
         self._emulation: "tuple[InputQuantizer, WeightQuantizer] | None" = None
         self.ops: dict[str, str] = {}  # op -> how it ran ("kernel ...", "emulated (...)", "autocast ...")
+        # Set by PlanRuntime._wrapper: the installed wrapper calls the kernels directly and keeps
+        # no thread state (see recompute.compile_refusal).
+        self.wrapped_direct = False
 
     def input_quantizer(self, key: str) -> InputQuantizer:
         quantizer = self.inputs.get(key)
@@ -319,7 +338,7 @@ class PlanRuntime:
         self.backward_dtype = torch.bfloat16 if self.device_type == "cuda" else torch.float32
         self._threads = _PerThread()
         self._active = False  # entered by some thread (a runtime is not re-entrant)
-        self._entered = None  # the region() that ``with runtime:`` entered
+        self._entered: "contextlib.AbstractContextManager[PlanRuntime] | None" = None  # the region() ``with runtime:`` entered
         self._reuse_weights = False
         self._wrappers = self._build_wrappers() if self.low_precision else {}
         # Recomputed blocks: checkpointed while the plan is on (see `recompute`); installed after
@@ -370,11 +389,9 @@ class PlanRuntime:
         """The forward installed on ``layer.module``: the plan's in a thread that entered this
         runtime, the module's own everywhere else (other threads, outside the context, a copy)."""
         module, fmt, device_type, threads = layer.module, layer.format, self.device_type, self._threads
-        had_own, previous = "forward" in module.__dict__, module.__dict__.get("forward")
-        if had_own and getattr(getattr(previous, "__func__", None), _OWNER, None) is not None:
-            had_own, previous = previous.__func__._autoprec_previous  # another runtime's wrapper: keep the user's
+        had_own, previous = _displaced(module)
         direct_linear = layer.low_precision and not mode
-        layer.wrapped_direct = direct_linear  # a direct wrapper keeps no thread state (see recompute.compile_refusal)
+        layer.wrapped_direct = direct_linear
         if direct_linear:
             layer.ops = {"linear": self._kernel_name(layer)}
         elif fmt in (Format.BF16, Format.FP16):
@@ -414,7 +431,7 @@ class PlanRuntime:
                 state.stack = outer
 
         setattr(forward, _OWNER, self)
-        forward._autoprec_previous = (had_own, previous)
+        setattr(forward, _PREVIOUS, (had_own, previous))
         # Bound, so that copy.deepcopy(model) re-binds it to the copy (see the check above).
         return types.MethodType(forward, module)
 
@@ -456,7 +473,7 @@ class PlanRuntime:
         for module, forward in self._installed_wrappers():
             if module.__dict__.get("forward") is not forward:
                 continue  # displaced by another runtime, which restores on its own removal
-            had_own, previous = forward.__func__._autoprec_previous
+            had_own, previous = getattr(forward.__func__, _PREVIOUS)
             if had_own:
                 module.forward = previous
             else:
@@ -665,7 +682,7 @@ class PlanRuntime:
         """
         out = {}
         for fqn, layer in self._layers.items():
-            entry = {"format": layer.format.value, "ops": dict(layer.ops)}
+            entry: dict[str, Any] = {"format": layer.format.value, "ops": dict(layer.ops)}
             calibration = [c.report for c in layer.calibrators.values() if c.report]
             if calibration:
                 entry["calibration"] = calibration
@@ -686,10 +703,10 @@ class PlanRuntime:
             layer = self._layers[fqn]
             for calibrator in layer.calibrators.values():
                 calibrator.recalibrate()
-            for quantizer in layer.inputs.values():
-                quantizer.reset()
-            for quantizer in layer.weights.values():
-                quantizer.clear()
+            for input_quantizer in layer.inputs.values():
+                input_quantizer.reset()
+            for weight_quantizer in layer.weights.values():
+                weight_quantizer.clear()
 
     def state_dict(self) -> dict:
         """Per layer, the input quantizers' histories and INT8 calibrations, keyed by weight name."""
@@ -719,10 +736,20 @@ class PlanRuntime:
                 for key, q_state in saved["inputs"].items():
                     layer.input_quantizer(key).load_state_dict(q_state)
                 for key, c_state in saved["calibrators"].items():
-                    channels = c_state["channel_amax"].numel() if c_state["channel_amax"] is not None else layer.module.weight.shape[-1]
+                    saved_amax = c_state["channel_amax"]
+                    channels = saved_amax.numel() if saved_amax is not None else _input_channels(layer.module)
                     layer.calibrator(key, channels).load_state_dict(c_state)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise RuntimeStateError(f"runtime state for layer {fqn!r} does not match this plan: {exc}") from None
+
+
+def _input_channels(module: nn.Module) -> int:
+    """The input channels of ``module``'s weight (its last dimension): what an INT8 calibrator of
+    the layer counts. `AttributeError` / `TypeError` where the module has no weight tensor."""
+    weight = module.weight
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{type(module).__name__} has no weight tensor to count its input channels")
+    return weight.shape[-1]
 
 
 def _check_arguments(model: Any, plan: Any) -> None:
