@@ -1,6 +1,7 @@
 """The cost model: bytes per (layer, format) against what autograd really saves, measured times
 and their disk cache, the roofline fallback, plan totals, errors, and (slow) the ranking check."""
 
+import dataclasses
 import json
 import math
 import statistics
@@ -19,6 +20,7 @@ from autoprec.costs import (
     RooflineTimeModel,
     TimeEstimate,
     TimeModel,
+    TimingSettings,
     layer_memory,
     saved_bytes_by_layer,
     trace_model,
@@ -74,6 +76,13 @@ class ConstantTime(TimeModel):
 
     def estimate(self, calls, formats, device):
         return {(c.key, Format.parse(f)): TimeEstimate(1e-3, "constant") for c in calls for f in formats}
+
+
+# The tests' timing settings: in place as cheap as it runs (no warmup, one timed step); nothing
+# timed (roofline estimates); nothing timed, with the constant time model.
+QUICK = TimingSettings(warmup_steps=0, timed_steps=1)
+ROOFLINE = TimingSettings(in_place=False)
+CONSTANT = TimingSettings(in_place=False, time_model=ConstantTime())
 
 
 @pytest.fixture
@@ -181,7 +190,7 @@ def _meter(wl, model, batch, plan) -> int:
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp8_e4m3", "int8"])
 def test_uniform_plan_saved_bytes_match_the_whole_model(lm, fmt):
     wl, model, batch, _ = lm
-    costs = CostModel.build(model, batch, loss_fn=wl.loss, formats=[fmt], time_model=ConstantTime(), measure=False)
+    costs = CostModel.build(model, batch, loss_fn=wl.loss, formats=[fmt], timing=CONSTANT)
     plan = costs.uniform_plan(fmt)
     measured = _meter(wl, model, batch, plan)
     assert abs(costs.plan_cost(plan).saved_bytes - measured) <= 0.05 * measured
@@ -189,7 +198,7 @@ def test_uniform_plan_saved_bytes_match_the_whole_model(lm, fmt):
 
 def test_fp32_bytes_is_the_all_fp32_plan_and_low_precision_plans_hold_less(lm):
     wl, model, batch, _ = lm
-    costs = CostModel.build(model, batch, loss_fn=wl.loss, time_model=ConstantTime(), measure=False)
+    costs = CostModel.build(model, batch, loss_fn=wl.loss, timing=CONSTANT)
     fp32 = costs.fp32_bytes()
     assert fp32 == costs.plan_cost(costs.uniform_plan("fp32")).bytes
     grads = sum(p.numel() * 4 for fqn in costs.layers for p in dict(model.named_modules())[fqn].parameters(recurse=False))
@@ -245,10 +254,10 @@ def test_measured_times_round_trip_through_the_disk_cache(tmp_path, monkeypatch,
 def test_a_warm_cache_builds_a_cost_model_without_measuring(tmp_path, monkeypatch, one_thread):
     counted = _counting(monkeypatch)
     model, x = _tiny_model()
-    kwargs = dict(formats=["fp32", "fp8_e4m3"], timing_warmup=0, timing_steps=1)
-    cold = CostModel.build(model, x, time_model=MeasuredTimeModel(tmp_path, warmup=0, repeats=1), **kwargs)
+    formats = ["fp32", "fp8_e4m3"]
+    cold = CostModel.build(model, x, formats=formats, timing=dataclasses.replace(QUICK, time_model=MeasuredTimeModel(tmp_path, warmup=0, repeats=1)))
     assert len(counted) == 2
-    warm = CostModel.build(model, x, time_model=MeasuredTimeModel(tmp_path, warmup=0, repeats=1), **kwargs)
+    warm = CostModel.build(model, x, formats=formats, timing=dataclasses.replace(QUICK, time_model=MeasuredTimeModel(tmp_path, warmup=0, repeats=1)))
     assert len(counted) == 2
     assert warm.layer_cost("2", "fp8_e4m3").seconds == cold.layer_cost("2", "fp8_e4m3").seconds
     assert warm.layer_cost("2", "fp8_e4m3").time_source == "cache"
@@ -308,7 +317,7 @@ def test_measured_times_are_the_medians_of_the_replays_timed_here(tmp_path, monk
     monkeypatch.setattr(timing, "_time_replays", recording)
     model = nn.Linear(64, 64)
     x = torch.randn(64, 64, requires_grad=True)
-    costs = CostModel.build(model, x, formats=["fp32", "bf16"], time_model=MeasuredTimeModel(tmp_path, warmup=1, repeats=5), timing_warmup=0, timing_steps=1)
+    costs = CostModel.build(model, x, formats=["fp32", "bf16"], timing=dataclasses.replace(QUICK, time_model=MeasuredTimeModel(tmp_path, warmup=1, repeats=5)))
     seconds = {fmt: costs.layer_cost("", fmt).seconds for fmt in (Format.FP32, Format.BF16)}
     assert {fmt: len(times) for fmt, times in recorded.items()} == {Format.FP32: 5, Format.BF16: 5}
     assert seconds == {fmt: statistics.median(recorded[fmt]) for fmt in seconds}
@@ -348,7 +357,7 @@ def test_in_place_predictions_track_measured_fp32_and_bf16_steps(one_thread):
     wl = default_workload("tiny", batch_size=16)
     model = wl.build_model(0)
     batch = wl.train_batches(0).next()
-    costs = CostModel.build(model, batch, loss_fn=wl.loss, formats=["fp32", "bf16"], cache_dir=False)
+    costs = CostModel.build(model, batch, loss_fn=wl.loss, formats=["fp32", "bf16"], timing=TimingSettings(cache_dir=False))
     plans = {f: costs.uniform_plan(f) for f in ("fp32", "bf16")}
     measured = _plain_step_seconds(wl, model, batch, plans)
     predicted = {name: costs.plan_cost(plan).step_seconds for name, plan in plans.items()}
@@ -363,7 +372,7 @@ def test_in_place_layer_times_cover_forward_and_backward_of_every_layer(one_thre
     # (forward + backward of each Linear on its recorded input): each layer costs something,
     # and the layers plus the rest add up to the measured step.
     model, x = _tiny_model()
-    costs = CostModel.build(model, x, formats=["fp32"], cache_dir=False, timing_warmup=1, timing_steps=5)
+    costs = CostModel.build(model, x, formats=["fp32"], timing=TimingSettings(warmup_steps=1, timed_steps=5, cache_dir=False))
     times = costs.in_place[Format.FP32]
     assert set(times.layer_seconds) == {"0", "2"}
     assert all(s > 0 for s in times.layer_seconds.values())
@@ -463,7 +472,7 @@ def test_extrapolation_is_against_the_first_plans_timed_steps_not_its_cold_first
 
 def test_roofline_gives_positive_finite_times_for_every_layer_and_format(lm):
     wl, model, batch, _ = lm
-    costs = CostModel.build(model, batch, loss_fn=wl.loss, formats=ALL, measure=False)
+    costs = CostModel.build(model, batch, loss_fn=wl.loss, formats=ALL, timing=ROOFLINE)
     assert costs.rest_seconds == 0.0
     for per_format in costs.table().values():
         for cost in per_format.values():
@@ -494,7 +503,7 @@ def test_roofline_on_an_h100_orders_a_large_gemm_fp8_bf16_fp32_and_slows_small_f
 @pytest.fixture(scope="module")
 def tiny_costs():
     model, x = _tiny_model()
-    return CostModel.build(model, x, time_model=ConstantTime(), measure=False)
+    return CostModel.build(model, x, timing=CONSTANT)
 
 
 def test_unknown_layer_is_an_error_naming_the_layers(tiny_costs):
@@ -526,6 +535,27 @@ def test_bad_measurement_settings_are_errors(kwargs):
         MeasuredTimeModel(False, **kwargs)
 
 
+@pytest.mark.parametrize("field, value, fix", [
+    ("in_place", "no", r"True \(time the layers in place\) or False"),
+    ("warmup_steps", -1, "an int >= 0"),
+    ("timed_steps", 0, "an int >= 1"),
+    ("timed_steps", 2.5, "an int >= 1"),
+    ("time_model", "roofline", "expected a TimeModel"),
+    ("cache_dir", 3, "expected a folder path"),
+    ("times_file", 3, "expected the path of a JSON file"),
+])
+def test_bad_timing_settings_are_one_line_errors_naming_the_field(field, value, fix):
+    with pytest.raises(CostModelError, match=rf"^TimingSettings\({field}=.*\): .*{fix}") as info:
+        TimingSettings(**{field: value})
+    assert "\n" not in str(info.value)
+
+
+def test_build_refuses_timing_that_is_not_timing_settings():
+    model, x = _tiny_model()
+    with pytest.raises(CostModelError, match=r"CostModel.build\(timing=dict\): expected a TimingSettings"):
+        CostModel.build(model, x, timing={"in_place": False})
+
+
 def test_a_cache_dir_that_is_a_file_is_an_error(tmp_path):
     path = tmp_path / "file"
     path.write_text("")
@@ -555,10 +585,10 @@ def test_in_place_times_saved_to_a_file_are_reused_and_predict_the_same(tmp_path
 
     model, x = _tiny_model()
     path = tmp_path / "costs.json"
-    first = CostModel.build(model, x, formats=("fp32", "bf16"), times_file=path, timing_warmup=0, timing_steps=1)
+    first = CostModel.build(model, x, formats=("fp32", "bf16"), timing=dataclasses.replace(QUICK, times_file=path))
     measured = []
     monkeypatch.setattr(cost_model, "measure_in_place", lambda *a, **k: measured.append(1))
-    again = CostModel.build(model, x, formats=("fp32", "bf16"), times_file=path, timing_warmup=0, timing_steps=1)
+    again = CostModel.build(model, x, formats=("fp32", "bf16"), timing=dataclasses.replace(QUICK, times_file=path))
     assert measured == []  # read back, not measured again
     plan = first.uniform_plan(Format.BF16)
     assert again.plan_cost(plan).step_seconds == first.plan_cost(plan).step_seconds
@@ -600,7 +630,7 @@ BLOCK_PLANS = {
 def block_costs(lm):
     wl, model, batch, _ = lm
     return CostModel.build(model, batch, loss_fn=wl.loss, formats=["fp32", "bf16", "fp8_e4m3", "int8"],
-                           time_model=ConstantTime(), measure=False, blocks=BLOCKS)
+                           timing=CONSTANT, blocks=BLOCKS)
 
 
 @pytest.mark.parametrize("recompute", [("blocks.0",), BLOCKS], ids=["one", "both"])
@@ -650,7 +680,7 @@ def test_recomputation_adds_one_forward_of_the_block_timed_in_place(tmp_path, mo
     model = wl.build_model()
     batch = wl.val_batches(1)[0]
     path = tmp_path / "costs.json"
-    kwargs = dict(loss_fn=wl.loss, formats=("fp32", "bf16"), times_file=path, timing_warmup=0, timing_steps=1, blocks=BLOCKS)
+    kwargs = dict(loss_fn=wl.loss, formats=("fp32", "bf16"), timing=dataclasses.replace(QUICK, times_file=path), blocks=BLOCKS)
     first = CostModel.build(model, batch, **kwargs)
     fp32 = first.in_place[Format.FP32]
     assert set(fp32.block_seconds) == set(BLOCKS) and all(s > 0 for s in fp32.block_seconds.values())
@@ -676,7 +706,7 @@ def test_a_times_file_without_the_blocks_is_measured_again(tmp_path, monkeypatch
     wl = default_workload("tiny", batch_size=2)
     model, batch = wl.build_model(), wl.val_batches(1)[0]
     path = tmp_path / "costs.json"
-    kwargs = dict(loss_fn=wl.loss, formats=("fp32",), times_file=path, timing_warmup=0, timing_steps=1)
+    kwargs = dict(loss_fn=wl.loss, formats=("fp32",), timing=dataclasses.replace(QUICK, times_file=path))
     CostModel.build(model, batch, **kwargs)
     assert "blocks" not in json.loads(path.read_text())  # no blocks: the file is as before issue 24
     real, measured = cost_model.measure_in_place, []
@@ -690,8 +720,8 @@ def test_a_times_file_without_the_blocks_is_measured_again(tmp_path, monkeypatch
 def test_block_errors_name_the_block_and_the_fix(lm, block_costs):
     wl, model, batch, _ = lm
     with pytest.raises(CostModelError, match=r"'blocks\.9' is not a module.*find_blocks"):
-        CostModel.build(model, batch, loss_fn=wl.loss, formats=["fp32"], time_model=ConstantTime(), measure=False, blocks=["blocks.9"])
+        CostModel.build(model, batch, loss_fn=wl.loss, formats=["fp32"], timing=CONSTANT, blocks=["blocks.9"])
     plan = block_costs.uniform_plan("fp32").with_recompute(["blocks.0"])
-    plain = CostModel.build(model, batch, loss_fn=wl.loss, formats=["fp32"], time_model=ConstantTime(), measure=False)
+    plain = CostModel.build(model, batch, loss_fn=wl.loss, formats=["fp32"], timing=CONSTANT)
     with pytest.raises(CostModelError, match=r"recomputes 'blocks\.0', a block this cost model did not cost"):
         plain.plan_cost(plan)

@@ -4,7 +4,7 @@ tensor is its own bytes, not the dataset's, in the meter and in the cost model a
 import torch
 import torch.nn as nn
 
-from autoprec.costs import CostModel
+from autoprec.costs import CostModel, TimingSettings
 from autoprec.measure import SavedTensorMeter
 
 
@@ -30,14 +30,14 @@ def test_a_sliced_batch_counts_its_own_bytes_not_the_dataset():
 
 def test_a_sliced_batch_costs_what_a_copy_of_it_costs():
     model = mlp()
-    sliced = CostModel.build(model, BATCH, formats=("fp32",), measure=False).fp32_bytes()
-    copied = CostModel.build(model, BATCH.clone(), formats=("fp32",), measure=False).fp32_bytes()
+    sliced = CostModel.build(model, BATCH, formats=("fp32",), timing=TimingSettings(in_place=False)).fp32_bytes()
+    copied = CostModel.build(model, BATCH.clone(), formats=("fp32",), timing=TimingSettings(in_place=False)).fp32_bytes()
     assert sliced == copied
 
 
 def test_the_cost_model_predicts_the_metered_bytes_of_a_sliced_batch():
     model = mlp()
-    costs = CostModel.build(model, BATCH, formats=("fp32",), measure=False)
+    costs = CostModel.build(model, BATCH, formats=("fp32",), timing=TimingSettings(in_place=False))
     assert costs.plan_cost(costs.uniform_plan("fp32")).saved_bytes == metered(model, BATCH)
 
 

@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import autoprec as ap
 from autoprec.formats import Format, sqnr
 from autoprec.measure import SavedTensorMeter
+from autoprec.runtime.wrapping import owner_of
 from autoprec.workloads import LMConfig, TransformerBlock, default_workload
 from models import TransposedProjection
 from tests.torch_versions import CPU_SCALED_MM_ROW_SCALES
@@ -406,7 +407,7 @@ def test_a_second_runtime_displaces_an_inactive_one_and_each_runs_its_own_plan()
             with runtime:
                 layer(x)
             assert kernel in runtime.report()[""]["ops"]["linear"]
-            assert layer.forward.__func__._autoprec_runtime is runtime
+            assert owner_of(layer.forward) is runtime
 
 
 def test_re_entering_an_active_runtime_raises():

@@ -259,7 +259,7 @@ def test_measured_bytes_match_the_saved_tensor_meter_for_fp32():
 
 @pytest.mark.slow
 def test_k_best_plans_of_a_120_layer_model_are_distinct_feasible_and_ordered():
-    from autoprec.costs import CostModel
+    from autoprec.costs import CostModel, TimingSettings
     from autoprec.search import k_best, solve_exact
     from autoprec.search.planner import build_space
     from autoprec.sensitivity import estimate_sensitivity
@@ -273,7 +273,7 @@ def test_k_best_plans_of_a_120_layer_model_are_distinct_feasible_and_ordered():
         return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
 
     formats = (Format.FP32, Format.BF16, Format.FP8_E4M3)
-    costs = CostModel.build(model, (x, y), loss_fn=loss, formats=formats, measure=False)
+    costs = CostModel.build(model, (x, y), loss_fn=loss, formats=formats, timing=TimingSettings(in_place=False))
     sensitivity = estimate_sensitivity(model, [(x, y)], loss, formats[1:], layers=list(costs.layers))
     space, _ = build_space(costs, sensitivity, None, formats=formats)
     assert len(space) == 120

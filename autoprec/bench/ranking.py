@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from ..calls import ModelCall
-from ..costs.model import DEFAULT_FORMATS, CostModel
+from ..costs.model import DEFAULT_FORMATS, CostModel, TimingSettings
 from ..errors import CostModelError
 from ..formats import Format
 from ..runtime import EmulationWarning
@@ -133,7 +133,8 @@ def _check_uniform_ranking(workload, formats, steps, warmup, tie, cache_dir, mea
     sampler = iter(wl.train_batches(seed))
     batches = [to_device(next(sampler), dev) for _ in range(warmup + steps)]
     start = time.perf_counter()
-    costs = CostModel.build(wl.build_model(seed).to(dev), batches[0], loss_fn=wl.loss, formats=formats, measure=measure, cache_dir=cache_dir)
+    timing = TimingSettings(in_place=measure, cache_dir=cache_dir)
+    costs = CostModel.build(wl.build_model(seed).to(dev), batches[0], loss_fn=wl.loss, formats=formats, timing=timing)
     predicted = {f.value: costs.plan_cost(costs.uniform_plan(f)).step_seconds for f in formats}
     model_seconds = time.perf_counter() - start
 

@@ -23,7 +23,7 @@ Typical use::
 
 from .inplace import InPlaceTimes, measure_in_place
 from .memory import MemoryCost, call_path, layer_memory
-from .model import DEFAULT_FORMATS, BlockCost, CostModel, LayerCost, PlanCost
+from .model import DEFAULT_FORMATS, BlockCost, CostModel, LayerCost, PlanCost, TimingSettings
 from .timing import (
     PEAKS,
     DevicePeaks,
@@ -40,6 +40,7 @@ from .trace import LayerTrace, MatmulCall, ModelTrace, TensorSpec, saved_bytes_b
 __all__ = [
     # cost model
     "CostModel",
+    "TimingSettings",
     "LayerCost",
     "PlanCost",
     "BlockCost",

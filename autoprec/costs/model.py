@@ -48,13 +48,58 @@ from .memory import layer_memory
 from .timing import MeasuredTimeModel, RooflineTimeModel, TimeEstimate, TimeModel
 from .trace import ModelTrace, saved_bytes_by_layer, trace_model
 
-__all__ = ["DEFAULT_FORMATS", "LayerCost", "PlanCost", "BlockCost", "CostModel"]
+__all__ = ["DEFAULT_FORMATS", "TimingSettings", "LayerCost", "PlanCost", "BlockCost", "CostModel"]
 
 logger = logging.getLogger(__name__)
 
 # The formats a search chooses from by default (search.space.DEFAULT_CANDIDATES): FP8 E5M2 is
 # a gradient format; cost it by passing formats=.
 DEFAULT_FORMATS = (Format.FP32, Format.BF16, Format.FP16, Format.FP8_E4M3, Format.INT8)
+
+
+@dataclasses.dataclass(frozen=True)
+class TimingSettings:
+    """How `CostModel.build` gets its seconds; the default times every layer in place.
+
+    ``in_place``: time every layer where it runs (module docstring), over ``warmup_steps``
+    untimed and then ``timed_steps`` timed training steps per format (plus one first step), on
+    a copy of the model: ``(1 + warmup_steps + timed_steps)`` training steps per format. Formats
+    asked for later, or whose uniform plan cannot run, are replayed per call with
+    `MeasuredTimeModel`, cached under ``cache_dir`` (None: ``~/.cache/autoprec``; False: no
+    cache). ``False``: no step runs; per-call `RooflineTimeModel` estimates and a rest of the
+    step of 0 s, so predicted step times cover the layers only.
+
+    ``time_model``: per-call times from this model instead; with ``in_place`` only the FP32 step
+    is timed, for the rest of the step. ``times_file``: a JSON file the in-place times are read
+    from when it holds them for these layers, formats and device, and written to (atomically)
+    when measured, so a resumed job predicts exactly what the interrupted one did.
+    """
+
+    in_place: bool = True
+    warmup_steps: int = 3
+    timed_steps: int = 8
+    time_model: Optional[TimeModel] = None
+    cache_dir: "str | os.PathLike | bool | None" = None
+    times_file: "str | os.PathLike | None" = None
+
+    def __post_init__(self):
+        def bad(field: str, fix: str) -> CostModelError:
+            value = getattr(self, field)
+            shown = repr(value) if value is None or isinstance(value, (bool, int, float, str, os.PathLike)) else type(value).__name__
+            return CostModelError(f"TimingSettings({field}={shown}): {fix}")
+
+        if not isinstance(self.in_place, bool):
+            raise bad("in_place", "must be True (time the layers in place) or False (roofline estimates)")
+        for field, least in (("warmup_steps", 0), ("timed_steps", 1)):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise bad(field, f"must be an int >= {least} (training steps per format)")
+        if self.time_model is not None and not isinstance(self.time_model, TimeModel):
+            raise bad("time_model", "expected a TimeModel (MeasuredTimeModel, RooflineTimeModel or a subclass) or None")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (bool, str, os.PathLike)):
+            raise bad("cache_dir", "expected a folder path, None (~/.cache/autoprec) or False (no cache)")
+        if self.times_file is not None and not isinstance(self.times_file, (str, os.PathLike)):
+            raise bad("times_file", "expected the path of a JSON file, or None")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,36 +239,27 @@ class CostModel:
         *,
         loss_fn: Optional[Callable[[nn.Module, Any], torch.Tensor]] = None,
         formats: Iterable["Format | str"] = DEFAULT_FORMATS,
-        measure: bool = True,
-        cache_dir: Any = None,
-        time_model: Optional[TimeModel] = None,
-        timing_warmup: int = 3,
-        timing_steps: int = 8,
-        times_file: "str | os.PathLike | None" = None,
         blocks: "Sequence[str] | None" = None,
+        timing: TimingSettings = TimingSettings(),
     ) -> "CostModel":
         """Trace ``model`` on ``example_inputs`` and cost every layer in ``formats``.
 
         ``loss_fn(model, example_inputs) -> loss``: the step's loss (default: the mean of the
-        floating outputs). ``measure``: time every layer in place (module docstring) over
-        ``timing_warmup + timing_steps`` rounds of one training step per format, on a copy of
-        the model; formats asked for later, or whose uniform plan cannot run, are replayed with
-        `MeasuredTimeModel` (cached under ``cache_dir``, default ``~/.cache/autoprec``).
-        ``False`` uses `RooflineTimeModel` and sets the rest of the step to 0 s, so predicted
-        step times then cover the layers only. ``time_model``: per-call times from that model
-        instead, the rest of the step (with ``measure``) from the FP32 steps in place.
-        ``times_file``: a JSON file the in-place times are read from when it holds them for these
-        layers, formats and device, and written to (atomically) when measured — so a resumed job
-        predicts exactly what the interrupted one did.
-        ``blocks``: fqns of recompute units (`autoprec.blocks.find_blocks`) to cost
-        (`BlockCost`); their forwards are timed in the same steps and kept
-        in ``times_file`` with the layers' times.
+        floating outputs). ``blocks``: fqns of recompute units (`autoprec.blocks.find_blocks`)
+        to cost (`BlockCost`); their forwards are timed in the same steps and kept in the
+        ``times_file`` with the layers' times. ``timing``: how the seconds are got
+        (`TimingSettings`; default: every layer timed in place).
 
         Cost: one FP32 forward (trace), one low-precision forward per layer + 1 (bytes saved
         between layers), and the timed steps (FP32 only with a ``time_model``); with ``blocks``,
         two more forwards per block and two per run (the bytes it frees, per region). The
         model is left unchanged.
         """
+        if not isinstance(timing, TimingSettings):
+            raise CostModelError(
+                f"CostModel.build(timing={type(timing).__name__}): expected a TimingSettings, e.g. TimingSettings(in_place=False)"
+            )
+        measure, time_model, times_file = timing.in_place, timing.time_model, timing.times_file
         formats = parsed = tuple(Format.parse(f) for f in formats)
         if not formats:
             raise CostModelError("CostModel.build(formats=()): give at least one format, e.g. DEFAULT_FORMATS")
@@ -239,13 +275,13 @@ class CostModel:
             if loaded is not None:
                 in_place = loaded
             else:
-                in_place = measure_in_place(model, [example_inputs], plans, layers, loss_fn, warmup=timing_warmup, steps=timing_steps,
-                                            blocks=list(block_layers))
+                in_place = measure_in_place(model, [example_inputs], plans, layers, loss_fn, warmup=timing.warmup_steps,
+                                            steps=timing.timed_steps, blocks=list(block_layers))
                 _save_times(times_file, layers, in_place, trace.device, list(block_layers))
             if Format.FP32 not in in_place:
                 raise CostModelError("CostModel.build: the FP32 training step failed in place; check loss_fn and example_inputs")
         if time_model is None:
-            time_model = MeasuredTimeModel(cache_dir) if measure else RooflineTimeModel()
+            time_model = MeasuredTimeModel(timing.cache_dir) if measure else RooflineTimeModel()
             costs = cls(trace, time_model, formats=formats, in_place=in_place)
         else:
             costs = cls(trace, time_model, formats=formats)

@@ -80,7 +80,7 @@ class Profile:
         # Through JSON text: NaN amaxes compare equal to themselves there.
         return isinstance(other, Profile) and json.dumps(self.to_dict(), sort_keys=True) == json.dumps(other.to_dict(), sort_keys=True)
 
-    __hash__ = None
+    # Unhashable: defining __eq__ sets __hash__ to None (and eq=False keeps dataclasses from adding one).
 
     def __repr__(self) -> str:
         return f"Profile({len(self.layers)} layers, {self.steps} steps, formats={','.join(f.value for f in self.formats)})"
@@ -219,7 +219,7 @@ class _Reader:
     def bad(self, where: str, message: str) -> None:
         self.problems.append(f"{self.source}: {where}: {message}")
 
-    def obj(self, data: Any, where: str) -> Mapping:
+    def obj(self, data: Any, where: str) -> Optional[Mapping]:
         if not isinstance(data, Mapping):
             self.bad(where, f"expected an object, got {type(data).__name__}")
             return None
@@ -281,8 +281,11 @@ class _Reader:
                 if ref not in values["histograms"]:
                     self.bad(f"{where}.histograms", f"missing the {ref!r} histogram")
                 else:
-                    hists[ref] = self.histogram(values["histograms"][ref], f"{where}.histograms.{ref}")
-        fractions = {}
+                    # None only with a problem noted, which makes this tensor None below.
+                    hist = self.histogram(values["histograms"][ref], f"{where}.histograms.{ref}")
+                    if hist is not None:
+                        hists[ref] = hist
+        fractions: dict[str, dict[str, FormatFractions]] = {}
         if values["fractions"] is not None:
             for fmt in formats:
                 table = values["fractions"].get(fmt.value)
@@ -329,7 +332,11 @@ class _Reader:
         for k in ("var", "signal", "nsr"):
             if values[k] < 0:
                 self.bad(f"{where}.{k}", f"must be >= 0 (a variance or a ratio of them), got {values[k]}")
-        return GradStats(**{k: (v if isinstance(v, int) and not isinstance(v, bool) and k in ("steps", "numel", "sampled") else self.num(v)) for k, v in got.items()})
+        # steps, numel and sampled passed the "int" check above, the rest are numbers.
+        return GradStats(
+            steps=got["steps"], numel=got["numel"], sampled=got["sampled"],
+            mean=values["mean"], var=values["var"], signal=values["signal"], nsr=values["nsr"],
+        )
 
     def profile(self, data: Any) -> Profile:
         if not isinstance(data, Mapping):
@@ -384,10 +391,12 @@ class _Reader:
                 if kind not in KINDS:
                     self.bad(f"{where}.tensors.{kind}", f"unknown tensor kind; expected one of {', '.join(KINDS)}")
                     continue
-                tensors[kind] = self.tensor(tdata, f"{where}.tensors.{kind}", formats)
-            nonfinite = any(ts is not None and ts.nonfinite_steps for ts in tensors.values())
+                stats = self.tensor(tdata, f"{where}.tensors.{kind}", formats)
+                if stats is not None:  # else a problem is noted and no profile is made
+                    tensors[kind] = stats
+            nonfinite = any(ts.nonfinite_steps for ts in tensors.values())
             nan = [k for k in ("mean", "var", "signal") if grad is not None and grad.steps >= 2 and math.isnan(getattr(grad, k))]
-            if nan and not nonfinite:
+            if grad is not None and nan and not nonfinite:
                 # The profiler writes a NaN gradient statistic over 2+ steps only when a step was
                 # non-finite, which it counts in the tensors' nonfinite_steps.
                 self.bad(f"{where}.param_grad.{nan[0]}", f"NaN over {grad.steps} steps although no tensor of the layer had a non-finite step; the file was edited or damaged")

@@ -60,6 +60,16 @@ class _Welford:
         self.m2: Optional[torch.Tensor] = None
         self.n = 0
 
+    def moments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The running (mean, M2), both set by the first gradient: a `ProfileError` where only
+        one is (a profiler state edited or from elsewhere)."""
+        if self.mean is None or self.m2 is None:
+            raise ProfileError(
+                f"profiler state: the gradient mean and M2 of a {tuple(self.param.shape)} parameter are not both set "
+                f"after {self.n} step(s); restore a state_dict this profiler wrote"
+            )
+        return self.mean, self.m2
+
 
 class _LayerState:
     __slots__ = ("fqn", "module", "weights", "welford", "tensors", "steps", "last_step", "phase")
@@ -342,10 +352,11 @@ class LayerProfiler:
                     g = (g[:: wf.stride] if wf.stride > 1 else g).float()
                     if wf.mean is None:
                         wf.mean, wf.m2 = torch.zeros_like(g), torch.zeros_like(g)
+                    mean, m2 = wf.moments()
                     wf.n += 1
                     grads.append(g)
-                    means.append(wf.mean)
-                    m2s.append(wf.m2)
+                    means.append(mean)
+                    m2s.append(m2)
                     inv_n.append(1.0 / wf.n)
             if grads:
                 # Welford (1962): mean += (g - mean) / n; M2 += (g - mean_old) * (g - mean_new).
@@ -474,8 +485,9 @@ class LayerProfiler:
         sum_mean = sum_var = sum_sq = 0.0
         steps = min(wf.n for wf in tracked)
         for wf in tracked:
-            mean = wf.mean.double().cpu()
-            m2 = wf.m2.double().cpu()
+            running_mean, running_m2 = wf.moments()
+            mean = running_mean.double().cpu()
+            m2 = running_m2.double().cpu()
             scale = wf.param.numel() / mean.numel()
             numel += wf.param.numel()
             sampled += mean.numel()

@@ -79,6 +79,10 @@ class Int8Calibrator:
         self.calibration = calibration
         self.channels = channels
         self.slots = outlier_slots(channels) if calibration.outlier_ratio is not None and channels > 1 else 0
+        self._start()
+
+    def _start(self) -> None:
+        """Nothing observed, nothing frozen: the state of a new calibrator."""
         self.observed = 0
         self.channel_amax: "torch.Tensor | None" = None
         self.samples: list[torch.Tensor] = []
@@ -117,31 +121,33 @@ class Int8Calibrator:
         Calibrating: one per-channel amax, a strided row sample, and on the last batch the freeze
         (a few reductions over the sample). Frozen: nothing (the frozen scale is returned).
         """
-        if not self.calibrating:
+        if self.frozen_inv is not None:  # frozen (no longer `calibrating`)
             return self.frozen_inv
         a = a.detach()
         channel = amax(a, dim=0).reshape(-1)
-        self.channel_amax = channel if self.channel_amax is None else torch.maximum(self.channel_amax, channel)
+        running = channel if self.channel_amax is None else torch.maximum(self.channel_amax, channel)
+        self.channel_amax = running
         step = max(1, a.shape[0] // _ROWS_PER_BATCH)
         self.samples.append(a[::step][:_ROWS_PER_BATCH].float())
         self.observed += 1
         current = inverse_scale(channel.amax(), Format.INT8)
         if self.observed >= self.calibration.batches:
-            self._freeze()
+            self._freeze(running)
         return current
 
     def recalibrate(self) -> None:
         """Forget the frozen scale and observe the next ``batches`` passes again."""
-        self.__init__(self.calibration, self.channels)
+        self._start()
 
-    def _freeze(self) -> None:
+    def _freeze(self, channel_amax: torch.Tensor) -> None:
+        """Freeze the scale from the observed samples and ``channel_amax``, the running per-channel amax."""
         cal = self.calibration
         samples = torch.cat(self.samples)
-        channel_amax = self.channel_amax
         keep = torch.ones_like(channel_amax)
-        if self.slots:
+        ratio = cal.outlier_ratio
+        if self.slots and ratio is not None:  # slots > 0 only where a ratio is set (see __init__)
             top, index = torch.topk(channel_amax, self.slots)
-            valid = (top > cal.outlier_ratio * channel_amax.median()).float()
+            valid = (top > ratio * channel_amax.median()).float()
             keep = keep.scatter(0, index, 1.0 - valid)
             self.outlier_index, self.outlier_valid = index, valid
         main = samples * keep

@@ -55,6 +55,7 @@ from .emulation import StoredInFormat
 from .gemm import FP8_ALIGN, INT8_ALIGN, Fp8Linear, Fp8Spec, Int8Linear, Int8Spec, pad_to_multiple
 from .quantizers import GradQuantizer, InputQuantizer, WeightQuantizer
 from .recompute import block_wrapper, recorded_scale
+from .wrapping import displaced, mark, previous_of
 
 __all__ = ["PlanRuntime", "apply_plan", "removing", "EmulationWarning", "kernel_reason", "as_gemm"]
 
@@ -65,8 +66,6 @@ logger = logging.getLogger(__name__)
 _AUTOCAST_UNCAST = {"cpu": frozenset({"mv", "addmv", "bilinear"})}
 
 
-# Attribute of an installed wrapper's function naming the runtime that installed it.
-_OWNER = "_autoprec_runtime"
 # Set in a planned module's __dict__ while a runtime is active on it (eager entries), so a second
 # runtime on the same layers is refused: two plans on one layer would fight over its dtypes. A weak
 # reference, so that a deep copy of the model made meanwhile copies no runtime, and its stale
@@ -320,12 +319,12 @@ class PlanRuntime:
         self.backward_dtype = torch.bfloat16 if self.device_type == "cuda" else torch.float32
         self._threads = _PerThread()
         self._active = False  # entered by some thread (a runtime is not re-entrant)
-        self._entered = None  # the region() that ``with runtime:`` entered
+        self._entered: "contextlib.AbstractContextManager[PlanRuntime] | None" = None  # the region() ``with runtime:`` entered
         self._reuse_weights = False
         self._wrappers = self._build_wrappers() if self.low_precision else {}
         # Recomputed blocks: checkpointed while the plan is on (see `recompute`); installed after
         # the layers' wrappers, taken off with them.
-        self._block_wrappers = {fqn: (modules[fqn], block_wrapper(self, fqn, modules[fqn], _OWNER)) for fqn in plan.recompute}
+        self._block_wrappers = {fqn: (modules[fqn], block_wrapper(self, fqn, modules[fqn])) for fqn in plan.recompute}
         if not any(_active_runtime(layer.module) is not None for layer in self._layers.values()):
             self._install()  # else on entry, once the active runtime has left
 
@@ -377,9 +376,7 @@ class PlanRuntime:
         ``stacked``: the layer runs under the mode (its own or an ancestor's), which reads the
         running layer from the thread's stack; otherwise its forward changes no thread state."""
         module, fmt, device_type, threads = layer.module, layer.format, self.device_type, self._threads
-        had_own, previous = "forward" in module.__dict__, module.__dict__.get("forward")
-        if had_own and getattr(getattr(previous, "__func__", None), _OWNER, None) is not None:
-            had_own, previous = previous.__func__._autoprec_previous  # another runtime's wrapper: keep the user's
+        had_own, previous = displaced(module)
         direct_linear = layer.low_precision and not mode
         # Whether its forward changes thread state, which Dynamo cannot trace inside a recomputed
         # block (see recompute.compile_refusal).
@@ -425,8 +422,7 @@ class PlanRuntime:
             finally:
                 state.stack = outer
 
-        setattr(forward, _OWNER, self)
-        forward._autoprec_previous = (had_own, previous)
+        mark(forward, self, had_own, previous)
         # Bound, so that copy.deepcopy(model) re-binds it to the copy (see the check above).
         return types.MethodType(forward, module)
 
@@ -468,7 +464,7 @@ class PlanRuntime:
         for module, forward in self._installed_wrappers():
             if module.__dict__.get("forward") is not forward:
                 continue  # displaced by another runtime, which restores on its own removal
-            had_own, previous = forward.__func__._autoprec_previous
+            had_own, previous = previous_of(forward)
             if had_own:
                 module.forward = previous
             else:
@@ -677,7 +673,7 @@ class PlanRuntime:
         """
         out = {}
         for fqn, layer in self._layers.items():
-            entry = {"format": layer.format.value, "ops": dict(layer.ops)}
+            entry: dict[str, Any] = {"format": layer.format.value, "ops": dict(layer.ops)}
             calibration = [c.report for c in layer.calibrators.values() if c.report]
             if calibration:
                 entry["calibration"] = calibration
@@ -698,10 +694,10 @@ class PlanRuntime:
             layer = self._layers[fqn]
             for calibrator in layer.calibrators.values():
                 calibrator.recalibrate()
-            for quantizer in layer.inputs.values():
-                quantizer.reset()
-            for quantizer in layer.weights.values():
-                quantizer.clear()
+            for input_quantizer in layer.inputs.values():
+                input_quantizer.reset()
+            for weight_quantizer in layer.weights.values():
+                weight_quantizer.clear()
 
     def state_dict(self) -> dict:
         """Per layer, the input quantizers' histories and INT8 calibrations, keyed by weight name."""
@@ -731,10 +727,20 @@ class PlanRuntime:
                 for key, q_state in saved["inputs"].items():
                     layer.input_quantizer(key).load_state_dict(q_state)
                 for key, c_state in saved["calibrators"].items():
-                    channels = c_state["channel_amax"].numel() if c_state["channel_amax"] is not None else layer.module.weight.shape[-1]
+                    saved_amax = c_state["channel_amax"]
+                    channels = saved_amax.numel() if saved_amax is not None else _input_channels(layer.module)
                     layer.calibrator(key, channels).load_state_dict(c_state)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise RuntimeStateError(f"runtime state for layer {fqn!r} does not match this plan: {exc}") from None
+
+
+def _input_channels(module: nn.Module) -> int:
+    """The input channels of ``module``'s weight (its last dimension): what an INT8 calibrator of
+    the layer counts. `AttributeError` / `TypeError` where the module has no weight tensor."""
+    weight = module.weight
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{type(module).__name__} has no weight tensor to count its input channels")
+    return weight.shape[-1]
 
 
 def _check_arguments(model: Any, plan: Any) -> None:

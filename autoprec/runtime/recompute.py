@@ -41,6 +41,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from ..errors import RuntimeStateError
 from ..formats import Granularity
 from ..plan import ScalingMode
+from .wrapping import displaced, mark
 
 if TYPE_CHECKING:
     from .context import PlanRuntime
@@ -229,15 +230,13 @@ def traced(run: Callable, block: str) -> Callable:
     return body
 
 
-def block_wrapper(runtime: "PlanRuntime", fqn: str, module: nn.Module, owner: str):
+def block_wrapper(runtime: "PlanRuntime", fqn: str, module: nn.Module):
     """The ``forward`` installed on a recomputed block: checkpointed in a thread that entered
     ``runtime`` with gradients on, the module's own forward everywhere else (other threads,
-    outside the context, ``torch.no_grad``, a deep copy). ``owner``: the attribute naming the
-    runtime on the function (as the layer wrappers carry it)."""
+    outside the context, ``torch.no_grad``, a deep copy); marked as the layer wrappers are
+    (`wrapping`)."""
     threads = runtime._threads
-    had_own, previous = "forward" in module.__dict__, module.__dict__.get("forward")
-    if had_own and getattr(getattr(previous, "__func__", None), owner, None) is not None:
-        had_own, previous = previous.__func__._autoprec_previous  # another runtime's wrapper: keep the user's
+    had_own, previous = displaced(module)
 
     def own_forward(m, args, kwargs):
         if had_own and m is module:
@@ -276,7 +275,6 @@ def block_wrapper(runtime: "PlanRuntime", fqn: str, module: nn.Module, owner: st
 
         return checkpoint(run, *tensors, use_reentrant=False, context_fn=contexts)
 
-    setattr(forward, owner, runtime)
-    forward._autoprec_previous = (had_own, previous)
+    mark(forward, runtime, had_own, previous)
     # Bound, so that copy.deepcopy(model) re-binds it to the copy (which then runs its own forward).
     return types.MethodType(forward, module)

@@ -106,13 +106,13 @@ def measure_space(
 
     ``batches`` / ``loss_fn``: what the sensitivity estimate differentiates; ``cost_inputs`` /
     ``cost_loss_fn``: the training step the cost model times (default: ``example_inputs``, a
-    forward alone); ``times_file``:
-    keep the measured times there and reuse them; ``blocks``: recompute units the search may
+    forward alone), in place unless ``planning.measure`` is False; ``times_file``: keep the
+    measured times there and reuse them (`TimingSettings`); ``blocks``: recompute units the search may
     recompute (`autoprec.blocks.find_blocks`; none: formats only). Cost: the cost model's
     in-place timing (one pass per uniform plan unless cached), two forwards per block and region
     (`CostModel.build`) and one sensitivity pass per batch and format.
     """
-    from ..costs import CostModel
+    from ..costs import CostModel, TimingSettings
     from ..sensitivity import FisherEstimator, estimate_sensitivity
 
     if progress is not None:
@@ -121,7 +121,7 @@ def measure_space(
         warnings.simplefilter("ignore", EmulationWarning)  # the plan names its emulated layers itself
         costs = CostModel.build(
             model, cost_inputs if cost_inputs is not None else example_inputs, loss_fn=cost_loss_fn,
-            formats=planning.formats, measure=planning.measure, times_file=times_file, blocks=list(blocks),
+            formats=planning.formats, blocks=list(blocks), timing=TimingSettings(in_place=planning.measure, times_file=times_file),
         )
         if progress is not None:
             progress(0, 1, "estimating sensitivity")
