@@ -253,11 +253,18 @@ COMPILE_PLANS = {
 }
 
 
+# FP32 attention modules (traced: their own q @ k^T and att @ v are layers, routed by the runtime's
+# mode) holding FP8 projections, in a BF16 region.
+MODE_PLAN = {"mode": lambda m: ap.Plan.uniform(m, "bf16", _EXAMPLE).with_layers(
+    {"blocks.0.attn": "fp32", "blocks.0.attn.qkv": "fp8_e4m3", "blocks.0.attn.proj": "fp8_e4m3", "blocks.1.attn": "fp32"}
+)}
+
+
 def _compiled_run(name, blocks):
     """One eager step (quantizers made, INT8 calibration frozen at batches=1), then STEPS compiled
     steps with the region inside the compiled function; their gradients."""
     model = _lm()
-    plan = COMPILE_PLANS[name](model)
+    plan = {**COMPILE_PLANS, **MODE_PLAN}[name](model)
     runtime = ap.apply_plan(model, plan.with_recompute(blocks))
 
     def step(idx, tgt):
@@ -312,8 +319,8 @@ def test_a_layer_whose_own_products_need_the_mode_is_refused_in_a_compiled_recom
     With fullgraph=True the refusal is the error; without, Dynamo runs the step eagerly, where the
     recomputation replays the plan."""
     model = _lm()
-    runtime = ap.apply_plan(model, PLANS["mixed"](model).with_recompute(["blocks.0"]))
-    message = r"layer 'blocks.0.attn' \(fp32\) routes its own matrix products through the runtime's mode"
+    runtime = ap.apply_plan(model, MODE_PLAN["mode"](model).with_recompute(["blocks.0"]))
+    message = r"layer 'blocks.0.attn' \(fp32\) routes its own matrix products through the runtime's mode.*skip_fwd_side_effects_in_bwd_under_checkpoint = True"
 
     def step(idx, tgt):
         with runtime.region():
@@ -324,6 +331,18 @@ def test_a_layer_whose_own_products_need_the_mode_is_refused_in_a_compiled_recom
     with pytest.raises(torch._dynamo.exc.Unsupported, match=r"recomputed block 'blocks.0' under torch.compile: " + message):
         torch.compile(step, backend="aot_eager", fullgraph=True)(*_batches()[0])
     torch._dynamo.reset()
+
+
+def test_a_layer_under_the_mode_compiles_in_a_recomputed_block_once_dynamo_skips_replaying_side_effects():
+    """What the refusal above proposes: the layer stack's changes are undone within each layer's
+    call, so with Dynamo told not to replay them in the recomputation the step compiles whole and
+    the gradients are those of the compiled step without recomputation, bit for bit."""
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        with_rc, _, step = _compiled_run("mode", BLOCKS)
+        without, *_ = _compiled_run("mode", ())
+        breaks = graph_breaks(step, *_batches()[0])
+    assert (breaks.graphs, breaks.breaks) == (1, 0), "\n".join(breaks.reasons)
+    _assert_bitwise(with_rc, without)
 
 
 # -- the context and its restoration ----------------------------------------------------------

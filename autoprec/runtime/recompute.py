@@ -171,18 +171,21 @@ def compile_refusal(runtime: "PlanRuntime", block: str) -> "str | None":
     """Why ``block`` cannot run recomputed inside a compiled step now, or None.
 
     Dynamo refuses state created or changed in Python inside a checkpointed body: the runtime's
-    layer stack (a layer whose own matrix products the mode routes), INT8 calibration, and the
-    first forward of a layer, which makes its quantizers. (Delayed scaling runs: its history
+    layer stack (a layer whose own matrix products the mode routes; allowed with Dynamo's
+    ``skip_fwd_side_effects_in_bwd_under_checkpoint``), INT8 calibration, and the first forward of
+    a layer, which makes its quantizers. (Delayed scaling runs: its history
     reads are kept for the recomputation, `_keep_history_reads`.)
     """
     for fqn, layer in _layers_in(runtime, block):
-        if fqn in runtime._wrappers and layer.keeps_thread_state:
-            # Its wrapper records the running layer in the thread's state for the runtime's mode,
-            # which Dynamo refuses to change inside a checkpointed body (that state is seen outside it too).
+        if fqn in runtime._wrappers and layer.keeps_thread_state and not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint:
+            # Its wrapper pushes the running layer on the thread's stack for the runtime's mode and
+            # enters the mode: Python state Dynamo refuses to change inside a checkpointed body unless
+            # told that the recomputation need not replay it. Ours is balanced (pushed and popped,
+            # entered and left within the layer's call), so skipping its replay changes nothing.
             return (f"recomputed block {block!r} under torch.compile: layer {fqn!r} ({layer.format.value}) routes its own matrix "
-                    "products through the runtime's mode inside the block, which Dynamo cannot trace in a recomputed block; run "
-                    "the step eagerly, stop recomputing the block, or plan it so that no layer needs the mode there (its matrix "
-                    "products in nn.Linear layers, the module in the region's half format)")
+                    "products through the runtime's mode, whose layer stack Dynamo refuses to change inside a recomputed block; "
+                    "set torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True (autoprec's changes there are "
+                    "undone within the layer's call), run the step eagerly, or stop recomputing the block")
         if not layer.low_precision:
             continue
         ran = layer.weights or any(how.startswith("emulated") for how in layer.ops.values())
