@@ -54,7 +54,7 @@ from .calibration import Int8Calibrator
 from .emulation import StoredInFormat
 from .gemm import FP8_ALIGN, INT8_ALIGN, Fp8Linear, Fp8Spec, Int8Linear, Int8Spec, pad_to_multiple
 from .quantizers import GradQuantizer, InputQuantizer, WeightQuantizer
-from .recompute import block_wrapper, recorded_scale
+from .recompute import BlockHost, block_wrapper, recorded_scale
 from .wrapping import displaced, mark, previous_of
 
 __all__ = ["PlanRuntime", "apply_plan", "removing", "EmulationWarning", "kernel_reason", "as_gemm"]
@@ -324,7 +324,8 @@ class PlanRuntime:
         self._wrappers = self._build_wrappers() if self.low_precision else {}
         # Recomputed blocks: checkpointed while the plan is on (see `recompute`); installed after
         # the layers' wrappers, taken off with them.
-        self._block_wrappers = {fqn: (modules[fqn], block_wrapper(self, fqn, modules[fqn])) for fqn in plan.recompute}
+        host = BlockHost(self, self._threads, self._installed, self._layer_mode, self._layers, self._wrappers)
+        self._block_wrappers = {fqn: (modules[fqn], block_wrapper(host, fqn, modules[fqn])) for fqn in plan.recompute}
         if not any(_active_runtime(layer.module) is not None for layer in self._layers.values()):
             self._install()  # else on entry, once the active runtime has left
 

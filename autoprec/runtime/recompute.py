@@ -28,10 +28,11 @@ checkpoint policy) instead of re-reading the updated history; `compile_refusal` 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import types
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Container, Mapping
 
 import torch
 import torch.nn as nn
@@ -43,10 +44,7 @@ from ..formats import Granularity
 from ..plan import ScalingMode
 from .wrapping import displaced, mark
 
-if TYPE_CHECKING:
-    from .context import PlanRuntime
-
-__all__ = ["recomputing", "recorded_scale", "ScaleRecord", "block_wrapper"]
+__all__ = ["recomputing", "recorded_scale", "ScaleRecord", "BlockHost", "block_wrapper"]
 
 
 class _RecomputeState(threading.local):
@@ -129,28 +127,44 @@ class _Recording:
         _state.record = self.previous
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockHost:
+    """What a recomputed block's wrapper needs from the `PlanRuntime` installing it, handed over
+    at installation (this module reads none of the runtime's attributes)."""
+
+    runtime: Any  # the wrapper is marked as this runtime's (`wrapping.mark`)
+    threads: Any  # per-thread state: ``threads.state`` has ``active``, ``stack``, ``mode_active``
+    installed: Callable[[], bool]  # the runtime's wrappers are on the model
+    layer_mode: Callable[[Any], Any]  # the mode routing a layer's own products, for a thread state
+    layers: Mapping[str, Any]  # fqn -> the runtime's layer
+    wrapped: Container[str]  # fqns of the layers with a wrapper of their own
+
+    def layers_in(self, block: str) -> list:
+        return [(fqn, layer) for fqn, layer in self.layers.items() if block == "" or fqn.startswith(block + ".")]
+
+
 class _Replaying:
     """The recompute context of one checkpoint call, entered once per backward that recomputes
     (``retain_graph=True`` backwards recompute again): the runtime active for this thread as the
     forward saw it, and ``record`` read back from its start."""
 
-    def __init__(self, runtime: "PlanRuntime", record: ScaleRecord, stack: tuple, mode_active: bool):
-        self.runtime, self.record, self.stack, self.mode_active = runtime, record, stack, mode_active
+    def __init__(self, host: BlockHost, record: ScaleRecord, stack: tuple, mode_active: bool):
+        self.host, self.record, self.stack, self.mode_active = host, record, stack, mode_active
         self.saved: list = []
 
     def __enter__(self):
-        runtime = self.runtime
-        if not runtime._installed():
+        host = self.host
+        if not host.installed():
             raise RuntimeStateError(
                 f"backward through recomputed block {self.record.block!r} after its plan runtime was removed or displaced; "
                 "run loss.backward() before runtime.remove() or applying another plan to the model"
             )
-        thread = runtime._threads.state
+        thread = host.threads.state
         self.saved.append((thread.active, thread.stack, thread.mode_active, _state.record, _state.replay))
         self.record.taken = {}
         thread.active, thread.stack = True, self.stack
         _state.record, _state.replay = None, self.record
-        self.mode = runtime._layer_mode(thread) if self.mode_active and not thread.mode_active else None
+        self.mode = host.layer_mode(thread) if self.mode_active and not thread.mode_active else None
         if self.mode is not None:
             self.mode.__enter__()
 
@@ -159,15 +173,11 @@ class _Replaying:
             if self.mode is not None:
                 self.mode.__exit__(*exc)
         finally:
-            thread = self.runtime._threads.state
+            thread = self.host.threads.state
             thread.active, thread.stack, thread.mode_active, _state.record, _state.replay = self.saved.pop()
 
 
-def _layers_in(runtime: "PlanRuntime", block: str) -> list:
-    return [(fqn, layer) for fqn, layer in runtime._layers.items() if block == "" or fqn.startswith(block + ".")]
-
-
-def compile_refusal(runtime: "PlanRuntime", block: str) -> "str | None":
+def compile_refusal(host: BlockHost, block: str) -> "str | None":
     """Why ``block`` cannot run recomputed inside a compiled step now, or None.
 
     Dynamo refuses state created or changed in Python inside a checkpointed body: the runtime's
@@ -176,8 +186,8 @@ def compile_refusal(runtime: "PlanRuntime", block: str) -> "str | None":
     a layer, which makes its quantizers. (Delayed scaling runs: its history
     reads are kept for the recomputation, `_keep_history_reads`.)
     """
-    for fqn, layer in _layers_in(runtime, block):
-        if fqn in runtime._wrappers and layer.keeps_thread_state and not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint:
+    for fqn, layer in host.layers_in(block):
+        if fqn in host.wrapped and layer.keeps_thread_state and not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint:
             # Its wrapper pushes the running layer on the thread's stack for the runtime's mode and
             # enters the mode: Python state Dynamo refuses to change inside a checkpointed body unless
             # told that the recomputation need not replay it. Ours is balanced (pushed and popped,
@@ -233,12 +243,12 @@ def traced(run: Callable, block: str) -> Callable:
     return body
 
 
-def block_wrapper(runtime: "PlanRuntime", fqn: str, module: nn.Module):
+def block_wrapper(host: BlockHost, fqn: str, module: nn.Module):
     """The ``forward`` installed on a recomputed block: checkpointed in a thread that entered
-    ``runtime`` with gradients on, the module's own forward everywhere else (other threads,
+    ``host``'s runtime with gradients on, the module's own forward everywhere else (other threads,
     outside the context, ``torch.no_grad``, a deep copy); marked as the layer wrappers are
     (`wrapping`)."""
-    threads = runtime._threads
+    threads = host.threads
     had_own, previous = displaced(module)
 
     def own_forward(m, args, kwargs):
@@ -264,20 +274,20 @@ def block_wrapper(runtime: "PlanRuntime", fqn: str, module: nn.Module):
 
         tensors = [leaves[i] for i in at]
         if torch.compiler.is_compiling():
-            refusal = compile_refusal(runtime, fqn)
+            refusal = compile_refusal(host, fqn)
             if refusal is not None:
                 raise RuntimeStateError(refusal)
-            if any(_delayed(layer) for _, layer in _layers_in(runtime, fqn)):
+            if any(_delayed(layer) for _, layer in host.layers_in(fqn)):
                 return checkpoint(traced(run, fqn), *tensors, use_reentrant=False, context_fn=_HISTORY_READS_KEPT)
             return checkpoint(traced(run, fqn), *tensors, use_reentrant=False)
         record = ScaleRecord(fqn)
         stack, mode_active = thread.stack, thread.mode_active
 
         def contexts():
-            return _Recording(record), _Replaying(runtime, record, stack, mode_active)
+            return _Recording(record), _Replaying(host, record, stack, mode_active)
 
         return checkpoint(run, *tensors, use_reentrant=False, context_fn=contexts)
 
-    mark(forward, runtime, had_own, previous)
+    mark(forward, host.runtime, had_own, previous)
     # Bound, so that copy.deepcopy(model) re-binds it to the copy (which then runs its own forward).
     return types.MethodType(forward, module)
