@@ -33,7 +33,9 @@ class Support:
         return self.runnable
 
 
-def _device_key(device: "torch.device | str | None") -> str:
+def canonical_device(device: "torch.device | str | None") -> str:
+    """``device`` (default CPU) as one string per device, which the kernel support checks take:
+    ``"cuda:<index>"`` (the current device where none is given) or the type (``"cpu"``, ``"mps"``)."""
     device = torch.device(device if device is not None else "cpu")
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -134,7 +136,7 @@ def has_int_mm(device: str) -> tuple[bool, str]:
 def format_support(fmt: Format, device: "torch.device | str | None" = None) -> Support:
     """Whether ``fmt`` runs on ``device`` (default CPU), and how."""
     fmt = Format.parse(fmt)
-    key = _device_key(device)
+    key = canonical_device(device)
     if fmt is Format.FP32:
         return Support(True, True, "FP32 runs everywhere")
     if fmt in (Format.BF16, Format.FP16):

@@ -66,7 +66,7 @@ from autoprec.formats import Format
 from autoprec.search.config import JobConfig, load_job
 from autoprec.search.exact import k_best
 from autoprec.search.job import run_job
-from autoprec.search.measured import MeasuredStage, _Variant, formats_id
+from autoprec.search.measured import MeasuredStage, StepVariant, formats_id
 from autoprec.runtime import EmulationWarning
 from autoprec.search.refine import CorrectingSampler
 from autoprec.search.space import Choice, SearchSpace
@@ -119,7 +119,7 @@ class _KeptStage(MeasuredStage):
 def time_rounds(stage: MeasuredStage, contexts: dict, rounds: int, seed: int, warmup: int = 2) -> dict[str, list[float]]:
     """Seconds of ``rounds`` training steps of each context (id -> model -> context manager),
     one step of every copy per round in a fresh random order."""
-    variants = {key: _Variant(stage.model, stage.train_step, context) for key, context in contexts.items()}
+    variants = {key: StepVariant(stage.model, stage.train_step, context) for key, context in contexts.items()}
     for v in variants.values():
         for i in range(warmup):
             v.step(stage.train_batches[i % len(stage.train_batches)])

@@ -19,7 +19,7 @@ from autoprec.coverage import find_layers  # noqa: E402
 from autoprec.runtime import EmulationWarning  # noqa: E402
 from autoprec.scheduler import DynamicPrecisionScheduler  # noqa: E402
 from autoprec.sensitivity import estimate_sensitivity  # noqa: E402
-from autoprec.sensitivity.problem import _Recorder  # noqa: E402
+from autoprec.sensitivity.problem import CallRecorder  # noqa: E402
 
 transformers.logging.set_verbosity_error()  # tiny vocabularies make the configs warn about token ids
 DynamicCache = transformers.DynamicCache
@@ -61,7 +61,7 @@ def test_a_recorded_layer_call_with_a_cache_reruns_as_the_layer_ran_and_leaves_t
         cache.update(torch.randn(2, past, 8), torch.randn(2, past, 8), i)
     x = torch.randn(2, 5, 8, requires_grad=True)
     fqns = ["layers.0", "layers.1"]
-    recorder = _Recorder(model, fqns)
+    recorder = CallRecorder(model, fqns)
     with recorder:
         loss = model(x, cache=cache).square().mean()
     recorder.take_grads(loss, keep_graph=False)  # the forward's graph is freed, as in the estimate

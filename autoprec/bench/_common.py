@@ -16,11 +16,12 @@ import torch.nn as nn
 from ..errors import BenchConfigError
 
 
-def _positive_int(value: Any) -> bool:
+def is_positive_int(value: Any) -> bool:
+    """An int (not a bool) above 0."""
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _check_device_and_seed(device: str, seed: Any) -> None:
+def check_device_and_seed(device: str, seed: Any) -> None:
     """Raises `BenchConfigError` for a device name torch does not parse or a non-integer seed
     (whether the device exists is checked when the run starts)."""
     if device != "auto":
@@ -32,13 +33,14 @@ def _check_device_and_seed(device: str, seed: Any) -> None:
         raise BenchConfigError(f"seed must be an integer, got {seed!r}")
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (in dicts, lists, tuples) as None, and keys as strings."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -58,7 +60,7 @@ def device_info(device: torch.device) -> dict:
     return info
 
 
-class _CpuContention:
+class CpuContention:
     """CPU time other processes used during a run, in cores (Linux ``/proc/stat`` minus this
     process's own CPU time); None where ``/proc/stat`` is missing. Two reads of a small file."""
 
@@ -85,19 +87,22 @@ class _CpuContention:
         return max(0.0, other / (end[0] - self.start[0]))
 
 
-def _median_iqr(values: list[float]) -> tuple[float, float]:
+def median_iqr(values: list[float]) -> tuple[float, float]:
+    """Median and interquartile range of ``values`` (IQR 0 for a single value)."""
     if len(values) < 2:
         return values[0], 0.0
     q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
     return statistics.median(values), q3 - q1
 
 
-def _ratio(value: float, reference: float) -> float:
+def ratio_or_nan(value: float, reference: float) -> float:
+    """``value / reference``; NaN where ``reference`` is not positive."""
     return value / reference if reference > 0 else float("nan")
 
 
 
-def _seeded(seed: int, build: Callable[[], nn.Module]) -> nn.Module:
+def build_seeded(seed: int, build: Callable[[], nn.Module]) -> nn.Module:
+    """``build()`` under ``torch.manual_seed(seed)``, the global CPU RNG restored afterwards."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return build()

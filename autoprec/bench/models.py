@@ -53,7 +53,7 @@ from ..runtime import EmulationWarning, PlanRuntime, apply_plan
 from ..timing import rotated, timed
 from ..workload import TrainStep, check_workload, to_device
 from ._common import (
-    BenchConfigError, _check_device_and_seed, _CpuContention, _json_safe, _median_iqr, _positive_int, _ratio, device_info,
+    BenchConfigError, CpuContention, check_device_and_seed, device_info, is_positive_int, json_safe, median_iqr, ratio_or_nan,
 )
 
 __all__ = ["DEFAULT_VARIANTS", "BenchConfig", "BenchRow", "TargetCheck", "BenchResult", "run_bench"]
@@ -78,14 +78,16 @@ _AUTOCAST_FORMATS = (Format.BF16, Format.FP16)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Variant:
+class BenchVariant:
+    """One precision variant of the suite, as parsed from its name (``"compiled:plan:bf16"``)."""
+
     name: str
     kind: str  # "plain" | "plan" | "autocast"
     format: Format
     compiled: bool = False  # the model under torch.compile (default inductor backend)
 
 
-def _parse_variant(name: str) -> _Variant:
+def _parse_variant(name: str) -> BenchVariant:
     """``"fp32"``, ``"plan:<format>"`` or ``"autocast:<bf16|fp16>"``, each optionally prefixed
     ``"compiled:"``."""
     if name.startswith(_COMPILED):
@@ -94,7 +96,7 @@ def _parse_variant(name: str) -> _Variant:
             raise BenchConfigError(f"unknown variant {name!r}: 'compiled:' is given once")
         return dataclasses.replace(inner, name=_COMPILED + inner.name, compiled=True)
     if name == REFERENCE:
-        return _Variant(name, "plain", Format.FP32)
+        return BenchVariant(name, "plain", Format.FP32)
     kind, _, fmt_name = name.partition(":")
     if kind not in ("plan", "autocast") or not fmt_name:
         raise BenchConfigError(
@@ -107,7 +109,7 @@ def _parse_variant(name: str) -> _Variant:
         raise BenchConfigError(f"variant {name!r}: {exc}") from None
     if kind == "autocast" and fmt not in _AUTOCAST_FORMATS:
         raise BenchConfigError(f"variant {name!r}: torch.autocast runs bf16 or fp16 only")
-    return _Variant(f"{kind}:{fmt.value}", kind, fmt)
+    return BenchVariant(f"{kind}:{fmt.value}", kind, fmt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +130,7 @@ class BenchConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "warmup"):
             value = getattr(self, name)
-            if not _positive_int(value):
+            if not is_positive_int(value):
                 hint = " (saved bytes are measured in the last warmup step)" if name == "warmup" else ""
                 raise BenchConfigError(f"{name} must be a positive integer, got {value!r}{hint}")
         if isinstance(self.variants, str):
@@ -140,7 +142,7 @@ class BenchConfig:
         if duplicates:
             raise BenchConfigError(f"variants repeat {', '.join(duplicates)}")
         object.__setattr__(self, "variants", names)
-        _check_device_and_seed(self.device, self.seed)
+        check_device_and_seed(self.device, self.seed)
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "BenchConfig":
@@ -239,7 +241,7 @@ class BenchResult:
             "reports": self.reports,
             "wall_s": self.wall_s,
         }
-        return _json_safe(data)
+        return json_safe(data)
 
     def save(self, path: "str | os.PathLike") -> Path:
         """Write `to_dict` as JSON atomically (a temporary file renamed over ``path``)."""
@@ -304,10 +306,10 @@ class BenchResult:
         return "\n".join(lines)
 
 
-class _Runner:
+class VariantRunner:
     """One (target, variant): its model, training step, precision context and measurements."""
 
-    def __init__(self, target: str, variant: _Variant, workload: Any, model: nn.Module, example: "ModelCall | None", device: torch.device):
+    def __init__(self, target: str, variant: BenchVariant, workload: Any, model: nn.Module, example: "ModelCall | None", device: torch.device):
         # ``example``: the model's first call (None: `Plan.uniform` finds layers in the module tree).
         self.target = target
         self.variant = variant
@@ -373,7 +375,7 @@ def run_bench(
         raise BenchConfigError("run_bench needs at least one target workload")
     targets = {name: check_workload(workload, f"target {name!r}") for name, workload in targets.items()}
     start = time.perf_counter()
-    contention = _CpuContention()
+    contention = CpuContention()
     device = resolve_device(config.device, BenchConfigError, "the bench")
     variants = [_parse_variant(v) for v in config.variants]
     rounds = config.warmup + config.steps
@@ -393,7 +395,7 @@ def run_bench(
             for variant in variants:
                 model = workload.build_model(config.seed).to(device)  # same seed: same weights in every variant
                 example = ModelCall.first(model, lambda: workload.loss(model, inputs[name][0]))
-                runners.append(_Runner(name, variant, workload, model, example, device))
+                runners.append(VariantRunner(name, variant, workload, model, example, device))
 
         gc.collect()
         for r in range(rounds):
@@ -415,17 +417,17 @@ def run_bench(
 
     rows = []
     reference = {run.target: run for run in runners if run.variant.name == REFERENCE}
-    ref_ms = {target: _median_iqr(run.times)[0] * 1e3 for target, run in reference.items()}
+    ref_ms = {target: median_iqr(run.times)[0] * 1e3 for target, run in reference.items()}
     for run in runners:
-        median, iqr = _median_iqr(run.times)
+        median, iqr = median_iqr(run.times)
         non_finite = sum(not math.isfinite(v) for v in run.losses)
         rows.append(BenchRow(
             target=run.target,
             variant=run.variant.name,
             step_ms=median * 1e3,
-            step_ratio=_ratio(median * 1e3, ref_ms[run.target]),
+            step_ratio=ratio_or_nan(median * 1e3, ref_ms[run.target]),
             saved_bytes=run.saved_bytes,
-            saved_ratio=_ratio(run.saved_bytes, reference[run.target].saved_bytes),
+            saved_ratio=ratio_or_nan(run.saved_bytes, reference[run.target].saved_bytes),
             final_loss=run.losses[-1],
             step_ms_iqr=iqr * 1e3,
             non_finite_steps=non_finite,
@@ -460,7 +462,7 @@ def run_bench(
     return result
 
 
-def _calibration_summary(run: _Runner, runtime: PlanRuntime) -> dict:
+def _calibration_summary(run: VariantRunner, runtime: PlanRuntime) -> dict:
     """Mean over layers (each layer: mean over its GEMMs) of the INT8 relative quantization error
     ‖x − q(x)‖/‖x‖ on the activations seen during calibration: naive max scaling vs calibrated."""
     per_layer = {}
@@ -504,7 +506,7 @@ def _check_targets(rows: list[BenchRow]) -> list[TargetCheck]:
         a, b = by_key.get((target, measured)), by_key.get((target, reference))
         if a is None or b is None:
             continue
-        value = _ratio(getattr(a, field), getattr(b, field))
+        value = ratio_or_nan(getattr(a, field), getattr(b, field))
         checks.append(TargetCheck(name, value, limit, bool(value <= limit)))
     return checks
 

@@ -28,7 +28,7 @@ from ..formats import Format, Granularity
 from ..opcount import OpCounts, count_training_step, graph_breaks, max_abs_diff, training_step
 from ..plan import Calibration, Plan, Scaling, ScalingMode
 from ..runtime import EmulationWarning, apply_plan
-from ._common import BenchConfigError, _check_device_and_seed, _json_safe, _positive_int, _seeded, device_info
+from ._common import BenchConfigError, build_seeded, check_device_and_seed, device_info, is_positive_int, json_safe
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +68,13 @@ class OpsBenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not _positive_int(self.warmup):
+        if not is_positive_int(self.warmup):
             raise BenchConfigError(f"warmup must be a positive integer, got {self.warmup!r}")
-        if not _positive_int(self.calibration_batches) or self.calibration_batches < 2:
+        if not is_positive_int(self.calibration_batches) or self.calibration_batches < 2:
             raise BenchConfigError(f"calibration_batches must be an integer >= 2 (the freeze step is forward N), got {self.calibration_batches!r}")
         if self.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
             raise BenchConfigError(f"compile_backend {self.compile_backend!r} is not a torch.compile backend; use 'inductor' or 'aot_eager'")
-        _check_device_and_seed(self.device, self.seed)
+        check_device_and_seed(self.device, self.seed)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -124,7 +124,7 @@ class OpsBenchResult:
 
     def to_dict(self) -> dict:
         """A JSON-ready dict (non-finite floats become null)."""
-        return _json_safe({
+        return json_safe({
             "schema": "autoprec.bench.ops/1",
             "autoprec_version": __version__,
             "config": self.config.to_dict(),
@@ -210,7 +210,7 @@ def _compile_row(variant: str, device: torch.device, x: torch.Tensor, config: Op
     """Graph breaks of the MLP's forward + loss, and compiled vs eager after ``warmup + 1`` steps
     on two identically seeded copies (each with its own runtime, so their states match)."""
     def build() -> tuple[nn.Module, Callable[[], Any]]:
-        mlp = _seeded(config.seed, lambda: nn.Sequential(nn.Linear(OPS_INPUT[1], OPS_MLP_HIDDEN), nn.GELU(), nn.Linear(OPS_MLP_HIDDEN, OPS_INPUT[1]))).to(device)
+        mlp = build_seeded(config.seed, lambda: nn.Sequential(nn.Linear(OPS_INPUT[1], OPS_MLP_HIDDEN), nn.GELU(), nn.Linear(OPS_MLP_HIDDEN, OPS_INPUT[1]))).to(device)
         return mlp, _ops_context(variant, mlp, device, config)
 
     mlp, context = build()
@@ -254,7 +254,7 @@ def run_ops_bench(config: OpsBenchConfig = OpsBenchConfig(), progress: Optional[
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EmulationWarning)
         for variant in OPS_STEP_VARIANTS:
-            layer = _seeded(config.seed, lambda: nn.Linear(*OPS_LAYER)).to(device)
+            layer = build_seeded(config.seed, lambda: nn.Linear(*OPS_LAYER)).to(device)
             step = training_step(layer, functools.partial(_sum_loss(layer), x), _ops_context(variant, layer, device, config))
             rows += _ops_rows(variant, step, config)
             if progress is not None:

@@ -19,8 +19,8 @@ from ..formats import Format
 from ..runtime import EmulationWarning
 from ..timing import rotated, timed
 from ..workload import check_workload, to_device
-from ._common import _median_iqr
-from .models import _Runner, _Variant
+from ._common import median_iqr
+from .models import BenchVariant, VariantRunner
 
 __all__ = ["RankingCheck", "check_uniform_ranking"]
 
@@ -144,7 +144,7 @@ def _check_uniform_ranking(workload, formats, steps, warmup, tie, cache_dir, mea
         for f in formats:
             model = wl.build_model(seed).to(dev)
             example = ModelCall.first(model, lambda: wl.loss(model, batches[0]))
-            runners.append(_Runner("workload", _Variant(f"plan:{f.value}", "plan", f), wl, model, example, dev))
+            runners.append(VariantRunner("workload", BenchVariant(f"plan:{f.value}", "plan", f), wl, model, example, dev))
         for r, batch in enumerate(batches):
             for runner in rotated(runners, r):
                 _, seconds = timed(functools.partial(runner.step, batch), dev)
@@ -152,7 +152,7 @@ def _check_uniform_ranking(workload, formats, steps, warmup, tie, cache_dir, mea
                     runner.times.append(seconds)
     measured, iqr = {}, {}
     for f, runner in zip(formats, runners):
-        measured[f.value], iqr[f.value] = _median_iqr(runner.times)
+        measured[f.value], iqr[f.value] = median_iqr(runner.times)
     tau, exact, agree, discordant = _compare(predicted, measured, tie)
     info = {
         "workload": getattr(workload, "name", type(workload).__name__), "steps": steps, "warmup": warmup, "device": str(dev),

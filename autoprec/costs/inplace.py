@@ -40,7 +40,7 @@ from ..errors import CostModelError
 from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan
 from ..timing import Clock, rotated
-from .trace import _forward
+from .trace import forward_or_loss
 
 __all__ = ["InPlaceTimes", "StepTimer", "measure_in_place"]
 
@@ -224,7 +224,7 @@ def _default_loss(output: Any) -> torch.Tensor:
 
 
 def _step_loss(model: nn.Module, batch: Any, loss_fn: Optional[Callable]) -> torch.Tensor:
-    output = _forward(model, batch, loss_fn)
+    output = forward_or_loss(model, batch, loss_fn)
     return output if loss_fn is not None else _default_loss(output)
 
 

@@ -39,7 +39,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from .._io import atomic_write_text
-from ..device import _device_key, format_support, scaled_mm_form
+from ..device import canonical_device, format_support, scaled_mm_form
 from ..errors import CostModelError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
@@ -194,7 +194,7 @@ def _calibrated(key: str, device_str: str) -> DevicePeaks:
             a8, b8 = a.to(fmt.dtype), b.t().contiguous().t().to(Format.FP8_E4M3.dtype)
             rows = (
                 device.type == "cpu" and fmt is Format.FP8_E4M3
-                and scaled_mm_form(_device_key(device), fmt.dtype, fmt.dtype, torch.bfloat16, row_scales=True, bias=True)[0]
+                and scaled_mm_form(canonical_device(device), fmt.dtype, fmt.dtype, torch.bfloat16, row_scales=True, bias=True)[0]
             )
             scale_a = torch.ones(n, 1, device=device) if rows else one
             scale_b = torch.ones(1, n, device=device) if rows else one

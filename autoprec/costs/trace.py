@@ -267,7 +267,8 @@ class _CallRecorder(TorchFunctionMode):
             self.meter.current = None
 
 
-def _forward(model: nn.Module, example_inputs: Any, loss_fn: Optional[Callable]) -> Any:
+def forward_or_loss(model: nn.Module, example_inputs: Any, loss_fn: Optional[Callable]) -> Any:
+    """``loss_fn(model, example_inputs)`` when given, else the model called on ``example_inputs`` (`ModelCall.of`)."""
     return loss_fn(model, example_inputs) if loss_fn is not None else ModelCall.of(example_inputs)(model)
 
 
@@ -282,7 +283,7 @@ def trace_model(model: nn.Module, example_inputs: Any, loss_fn: Optional[Callabl
     meter = _Attribution(model)
     recorder = _CallRecorder(meter)
     with side_effect_free(model), torch.enable_grad(), meter, recorder:
-        output = _forward(model, example_inputs, loss_fn)
+        output = forward_or_loss(model, example_inputs, loss_fn)
     del output
     if not recorder.calls:
         raise CostModelError(
@@ -330,7 +331,7 @@ def saved_bytes_by_layer(
         raise CostModelError(f"saved_bytes_by_layer: {unknown} are not modules of {type(model).__name__}")
     with side_effect_free(model), torch.enable_grad():
         with meter, (context() if context is not None else contextlib.nullcontext()):
-            output = _forward(model, example_inputs, loss_fn)
+            output = forward_or_loss(model, example_inputs, loss_fn)
         per, rest = meter.split(layers)
         del output
     return per, rest

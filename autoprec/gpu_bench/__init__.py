@@ -30,7 +30,7 @@ import torch
 
 from .. import __version__
 from .._io import atomic_write_text
-from ..bench._common import _json_safe, device_info
+from ..bench._common import device_info, json_safe
 from ..device import resolve_device
 from ..errors import GpuBenchError
 from ..formats import Format
@@ -142,7 +142,7 @@ class GpuBenchResult:
 
     def to_dict(self) -> dict:
         """JSON-ready (non-finite floats become null)."""
-        return _json_safe({
+        return json_safe({
             "schema": "autoprec.gpu_bench/1",
             "autoprec_version": __version__,
             "config": self.config.to_dict(),

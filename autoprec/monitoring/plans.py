@@ -75,7 +75,7 @@ _TOTAL_KEYS = ("bytes", "seconds", "loss_increase", "fp32_bytes", "fp32_seconds"
 _SOURCES = ("predicted", "measured")
 
 
-def _number(value: Any) -> Optional[float]:
+def finite_number(value: Any) -> Optional[float]:
     """A finite int/float as float; anything else (absent, bool, text, NaN) is None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
@@ -86,7 +86,8 @@ def _sign(x: float, signed: bool) -> str:
     return "-" if x < 0 else ("+" if signed and x > 0 else "")
 
 
-def _bytes(n: float, signed: bool = False) -> str:
+def format_bytes(n: float, signed: bool = False) -> str:
+    """``n`` bytes in B / KiB / MiB / GiB (``signed``: a ``+`` on positive values, for differences)."""
     value, unit = abs(n), "B"
     for larger in ("KiB", "MiB", "GiB"):
         if value < 1024:
@@ -95,7 +96,8 @@ def _bytes(n: float, signed: bool = False) -> str:
     return _sign(n, signed) + (f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}")
 
 
-def _seconds(s: float, signed: bool = False) -> str:
+def format_seconds(s: float, signed: bool = False) -> str:
+    """``s`` seconds in s / ms / µs / ns, 3 significant digits (``signed`` as `format_bytes`)."""
     value = abs(s)
     for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "µs"), (1e-9, "ns")):
         if value >= scale:
@@ -103,14 +105,15 @@ def _seconds(s: float, signed: bool = False) -> str:
     return _sign(s, signed) + (f"{value / scale:.3g} {unit}" if value else "0 s")
 
 
-def _plain(x: float, signed: bool = False) -> str:
+def format_number(x: float, signed: bool = False) -> str:
+    """``x`` with 3 significant digits, no unit (``signed`` as `format_bytes`)."""
     return f"{x:+.3g}" if signed and x else f"{x:.3g}"
 
 
 # How each figure is written, keyed by the figure's name (per-layer "loss" is a loss increase).
 _UNITS: Mapping[str, Callable[..., str]] = {
-    "bytes": _bytes, "fp32_bytes": _bytes, "seconds": _seconds, "fp32_seconds": _seconds,
-    "loss_increase": _plain, "loss": _plain,
+    "bytes": format_bytes, "fp32_bytes": format_bytes, "seconds": format_seconds, "fp32_seconds": format_seconds,
+    "loss_increase": format_number, "loss": format_number,
 }
 
 
@@ -139,8 +142,8 @@ class Figures:
         if isinstance(raw_layers, Mapping):
             for fqn, values in raw_layers.items():
                 if isinstance(values, Mapping):
-                    layers[fqn] = {k: v for k, v in ((k, _number(v)) for k, v in values.items()) if v is not None}
-        return cls(**{key: _number(data.get(key)) for key in _TOTAL_KEYS}, layers=layers)
+                    layers[fqn] = {k: v for k, v in ((k, finite_number(v)) for k, v in values.items()) if v is not None}
+        return cls(**{key: finite_number(data.get(key)) for key in _TOTAL_KEYS}, layers=layers)
 
     def total(self, key: str) -> Optional[float]:
         return getattr(self, key)
@@ -190,7 +193,7 @@ def budget_checks(plan: Plan) -> list[BudgetCheck]:
     budgets = dict(plan.budgets)
     figures = plan_figures(plan)
     checks = []
-    memory, memory_bytes = _number(budgets.pop("memory", None)), _number(budgets.pop("memory_bytes", None))
+    memory, memory_bytes = finite_number(budgets.pop("memory", None)), finite_number(budgets.pop("memory_bytes", None))
     if memory is not None or memory_bytes is not None:
         fp32 = figures["predicted"].fp32_bytes or figures["measured"].fp32_bytes
         bound = memory_bytes
@@ -200,11 +203,11 @@ def budget_checks(plan: Plan) -> list[BudgetCheck]:
         if memory is not None and memory <= 1:
             parts.append(f"{100 * memory:.3g} % of FP32")
         if bound is not None:
-            parts.append(_bytes(bound))
+            parts.append(format_bytes(bound))
         checks.append(BudgetCheck("memory", " = ".join(parts), bound, "bytes"))
-    accuracy, loss = _number(budgets.pop("accuracy", None)), _number(budgets.pop("loss_increase", None))
+    accuracy, loss = finite_number(budgets.pop("accuracy", None)), finite_number(budgets.pop("loss_increase", None))
     if accuracy is not None or loss is not None:
-        parts = ([f"{100 * accuracy:.3g} % of the FP32 loss"] if accuracy is not None else []) + ([_plain(loss)] if loss is not None else [])
+        parts = ([f"{100 * accuracy:.3g} % of the FP32 loss"] if accuracy is not None else []) + ([format_number(loss)] if loss is not None else [])
         checks.append(BudgetCheck("loss increase", " = ".join(parts), loss, "loss_increase"))
     for key, value in sorted(budgets.items()):
         checks.append(BudgetCheck(key, str(value), None, None))
@@ -231,7 +234,7 @@ def plan_hparams(plan: Plan, name: str) -> dict[str, "float | str"]:
     counts = plan.format_counts()
     hparams: dict[str, "float | str"] = {"plan": name, "layers": len(plan)}
     hparams.update({f"count/{fmt.value}": counts.get(fmt.value, 0) for fmt in Format})
-    hparams.update({f"budget/{k}": v for k, v in ((k, _number(v)) for k, v in plan.budgets.items()) if v is not None})
+    hparams.update({f"budget/{k}": v for k, v in ((k, finite_number(v)) for k, v in plan.budgets.items()) if v is not None})
     source = plan.metadata.get("source")
     if isinstance(source, str):
         hparams["source"] = source
@@ -275,7 +278,8 @@ def _md_cell(text: str) -> str:
     return str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ") or MISSING
 
 
-def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown table; row cells are escaped (``|``, ``\\``, newlines) and an empty one shows `MISSING`."""
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
@@ -295,7 +299,7 @@ def plan_layers_markdown(plan: Plan) -> str:
          _pair("bytes", figures, fqn), _pair("seconds", figures, fqn), _pair("loss", figures, fqn), lp.reason or MISSING]
         for i, (fqn, lp) in enumerate(plan.layers.items())
     ]
-    return _md_table(header, rows)
+    return markdown_table(header, rows)
 
 
 def plan_summary_markdown(plan: Plan, name: str) -> str:
@@ -311,17 +315,17 @@ def plan_summary_markdown(plan: Plan, name: str) -> str:
         row.append(_pair(f"fp32_{key}", figures, None))
         rows.append(row)
     rows.append(["loss increase", *(_show("loss_increase", f.loss_increase) for f in figures.values()), MISSING])
-    parts.append(_md_table(["total", "predicted", "measured", "FP32 (pred / meas)"], rows))
+    parts.append(markdown_table(["total", "predicted", "measured", "FP32 (pred / meas)"], rows))
     checks = budget_checks(plan)
     if checks:
-        parts.append(_md_table(["budget", "limit", "predicted", "measured"], [[c.name, c.limit, *(c.verdict(f) for f in figures.values())] for c in checks]))
+        parts.append(markdown_table(["budget", "limit", "predicted", "measured"], [[c.name, c.limit, *(c.verdict(f) for f in figures.values())] for c in checks]))
     else:
         parts.append("budgets: " + MISSING)
     if plan.blocks:
         parts.append(f"recomputed blocks: {len(plan.recompute)} of {len(plan.blocks)} (forward run again in the backward)")
         parts.append(recompute_markdown(plan))
     if plan.metadata:
-        parts.append(_md_table(["metadata", "value"], [[k, str(v)] for k, v in plan.metadata.items()]))
+        parts.append(markdown_table(["metadata", "value"], [[k, str(v)] for k, v in plan.metadata.items()]))
     return "\n\n".join(parts)
 
 
@@ -337,7 +341,7 @@ def format_plan_line(plan: Plan, name: str) -> str:
                 ratio = f.vs_fp32(key)
                 shown.append(_show(key, f.total(key)) + (f" ({100 * ratio:.0f} % of FP32)" if ratio is not None else ""))
         if f.loss_increase is not None:
-            shown.append(f"loss Δ {_plain(f.loss_increase)}")
+            shown.append(f"loss Δ {format_number(f.loss_increase)}")
         if shown:
             text += f"; {source} " + ", ".join(shown)
     return text
@@ -390,7 +394,8 @@ class PrecisionMap:
                 self.grid_top + row * ROW_HEIGHT + ROW_HEIGHT // 2)
 
 
-def _font():
+def bitmap_font():
+    """PIL's built-in bitmap font, which the rendered figures write with."""
     from PIL import ImageFont
 
     # The bitmap font: fixed 6 x 11 px glyphs, no FreeType needed, crisp at 12 px rows.
@@ -398,8 +403,8 @@ def _font():
     return loader()
 
 
-def _latin1(text: str) -> str:
-    # The bitmap font has Latin-1 glyphs only.
+def to_latin1(text: str) -> str:
+    """``text`` with every character outside Latin-1 as ``?``: the bitmap font has Latin-1 glyphs only."""
     return text.encode("latin-1", "replace").decode("latin-1")
 
 
@@ -417,7 +422,7 @@ def _render_grid(
 ) -> PrecisionMap:
     from PIL import Image, ImageDraw
 
-    font = _font()
+    font = bitmap_font()
     char_w = font.getbbox("M")[2]
     line = ROW_HEIGHT + 2
     index_w = char_w * len(str(max(len(layers) - 1, 0))) + _PAD
@@ -443,16 +448,16 @@ def _render_grid(
     # Palette mode: ImageDraw adds each RGB fill to the palette on first use.
     img = Image.new("P", (width, height), _BACKGROUND)
     draw = ImageDraw.Draw(img)
-    draw.text((_PAD, _PAD), _latin1(title), fill=_INK, font=font)
+    draw.text((_PAD, _PAD), to_latin1(title), fill=_INK, font=font)
     for n, items in enumerate(legend_lines):
         y = _PAD + line * (n + 1)
         for x, colour, label in items:
             draw.rectangle([x, y, x + ROW_HEIGHT - 2, y + ROW_HEIGHT - 2], fill=colour)
-            draw.text((x + ROW_HEIGHT + 3, y), _latin1(label), fill=_INK, font=font)
+            draw.text((x + ROW_HEIGHT + 3, y), to_latin1(label), fill=_INK, font=font)
     draw.text((_PAD + 4, header_top), "#", fill=_INK, font=font)
     draw.text((_PAD + 4 + index_w + _PAD, header_top), "layer", fill=_INK, font=font)
     for j, label in enumerate(columns):
-        text = _latin1(_clip(label, _COLUMN_CHARS))
+        text = to_latin1(_clip(label, _COLUMN_CHARS))
         draw.text((grid_left + j * column_w + (column_w - char_w * len(text)) // 2, header_top), text, fill=_INK, font=font)
 
     for i, name in enumerate(layers):
@@ -463,7 +468,7 @@ def _render_grid(
         elif i % 2:
             draw.rectangle([0, y, width - 1, y + ROW_HEIGHT - 1], fill=_STRIPE)
         draw.text((_PAD + 4 + index_w - char_w * len(str(i)), y + 1), str(i), fill=_INK, font=font)
-        draw.text((_PAD + 4 + index_w + _PAD, y + 1), _latin1(_clip(name, _NAME_CHARS)), fill=_INK, font=font)
+        draw.text((_PAD + 4 + index_w + _PAD, y + 1), to_latin1(_clip(name, _NAME_CHARS)), fill=_INK, font=font)
         for j, cell in enumerate(cells[i]):
             if cell is not None:
                 x = grid_left + j * column_w
@@ -517,8 +522,8 @@ def recompute_markdown(plan: Plan) -> str:
     rows = [[f"`{fqn}`", "yes" if on else "no", str(sum(1 for b in inside.values() if b == fqn)) if on else MISSING] for fqn, on in plan.blocks.items()]
     reasons = plan.metadata.get("recompute_reasons")
     if isinstance(reasons, dict) and reasons:  # a searched plan: why each block is recomputed or kept
-        return _md_table(["block", "recomputed", "layers recomputed", "why"], [row + [str(reasons.get(fqn, MISSING))] for row, fqn in zip(rows, plan.blocks)])
-    return _md_table(["block", "recomputed", "layers recomputed"], rows)
+        return markdown_table(["block", "recomputed", "layers recomputed", "why"], [row + [str(reasons.get(fqn, MISSING))] for row, fqn in zip(rows, plan.blocks)])
+    return markdown_table(["block", "recomputed", "layers recomputed"], rows)
 
 
 # -- differences -------------------------------------------------------------------------------
@@ -610,7 +615,7 @@ class PlanDiff:
         if not self.layers:
             return _md_cell(self.summary())
         rows = [[f"`{r[0]}`", f"`{r[1]}`", f"`{r[2]}`", *r[3:]] for r in self._rows()]
-        return _md_cell(self.summary()) + "\n\n" + _md_table(self._header(), rows)
+        return _md_cell(self.summary()) + "\n\n" + markdown_table(self._header(), rows)
 
     def render(self) -> PrecisionMap:
         """Every layer (rows) × the two plans (columns), each cell in its format's colour;

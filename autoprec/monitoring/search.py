@@ -42,21 +42,21 @@ from ..plan import Plan
 from .plans import (
     MISSING,
     RGB,
-    _bytes,
-    _font,
-    _latin1,
-    _md_table,
-    _number,
-    _plain,
-    _seconds,
+    bitmap_font,
     budget_checks,
+    finite_number,
+    format_bytes,
+    format_number,
+    format_seconds,
+    markdown_table,
     plan_figures,
     plan_hparams,
     plan_scalars,
     plan_summary_markdown,
     render_precision_map,
+    to_latin1,
 )
-from .writer import _EVENT_FILE_PREFIX, _add_png, _add_text, _writable_dir, run_name
+from .writer import EVENT_FILE_PREFIX, add_png, add_scalars, add_text, ensure_writable_dir, run_name
 
 if TYPE_CHECKING:  # optuna is imported lazily: `autoprec.monitoring` loads without it
     import optuna
@@ -132,7 +132,7 @@ def search_points(study: "optuna.Study") -> list[TrialPoint]:
     points = []
     for trial in sorted(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)), key=lambda t: t.number):
         attrs = trial.user_attrs
-        bytes_, seconds, loss = (_number(attrs.get(key)) for key in ("bytes", "seconds", "loss_increase"))
+        bytes_, seconds, loss = (finite_number(attrs.get(key)) for key in ("bytes", "seconds", "loss_increase"))
         if bytes_ is None or seconds is None or loss is None:
             raise MonitoringError(
                 f"trial {trial.number} of study {study.study_name!r} has no finite user attributes "
@@ -170,10 +170,10 @@ def refine_points(study: "optuna.Study") -> list[RefinePoint]:
         refined = attrs.get(REFINED_ATTR)
         if not isinstance(refined, Mapping) or "skipped" in attrs:
             continue
-        ratio, scale = _number(attrs.get("fp32_ratio")), _number(refined.get("fp32_seconds"))
+        ratio, scale = finite_number(attrs.get("fp32_ratio")), finite_number(refined.get("fp32_seconds"))
         points.append(RefinePoint(
-            trial.number, _number(attrs.get("predicted")), float(refined["predicted"]["seconds"]),
-            _number(attrs.get("seconds")) if trial.state is TrialState.COMPLETE else None,
+            trial.number, finite_number(attrs.get("predicted")), float(refined["predicted"]["seconds"]),
+            finite_number(attrs.get("seconds")) if trial.state is TrialState.COMPLETE else None,
             ratio * scale if ratio is not None and scale is not None else None, refined.get("correction", {}),
         ))
     return points
@@ -197,9 +197,9 @@ def refine_scalars(point: RefinePoint) -> dict[str, float]:
         scalars["refine/fitted_trials"] = correction.pop("trials")
     units = correction.pop("units", {}) or {}
     for name, factors in correction.items():
-        scalars.update({f"refine/factor/{name}/{field}": value for field, value in factors.items() if _number(value) is not None})
+        scalars.update({f"refine/factor/{name}/{field}": value for field, value in factors.items() if finite_number(value) is not None})
     for field in ("seconds", "bytes", "loss"):
-        values = [d[field] for d in units.values() if _number(d.get(field)) is not None]
+        values = [d[field] for d in units.values() if finite_number(d.get(field)) is not None]
         if values:
             scalars[f"refine/unit_deviation_rms/{field}"] = math.sqrt(sum(v * v for v in values) / len(values))
     return scalars
@@ -250,7 +250,7 @@ def _fp32_reference(fp32: Optional[Mapping[str, Any]]) -> dict[str, float]:
         raise MonitoringError(f"fp32 must be a mapping like {{'bytes': ..., 'seconds': ...}}, got {type(fp32).__name__}")
     reference = {}
     for key in ("bytes", "seconds"):
-        value = _number(fp32.get(key))
+        value = finite_number(fp32.get(key))
         if fp32.get(key) is not None and (value is None or value <= 0):
             raise MonitoringError(f"fp32[{key!r}] must be a positive number, got {fp32.get(key)!r}")
         if value is not None:
@@ -264,7 +264,7 @@ def search_summary_markdown(points: Sequence[TrialPoint], fp32: Optional[Mapping
     reference = _fp32_reference(fp32)
 
     def shown(key: str, value: float) -> str:
-        text = _bytes(value) if key == "bytes" else _seconds(value)
+        text = format_bytes(value) if key == "bytes" else format_seconds(value)
         return text + (f" ({100 * value / reference[key]:.1f} % of FP32)" if key in reference else "")
 
     feasible = [p for p in points if p.feasible]
@@ -273,10 +273,10 @@ def search_summary_markdown(points: Sequence[TrialPoint], fp32: Optional[Mapping
         best = min(feasible, key=lambda p: (p.seconds, p.number))
         parts.append(
             f"best feasible: trial {best.number}: {best.name + ', ' if best.name else ''}step time {shown('seconds', best.seconds)}, "
-            f"memory {shown('bytes', best.bytes)}, loss increase {_plain(best.loss_increase)}"
+            f"memory {shown('bytes', best.bytes)}, loss increase {format_number(best.loss_increase)}"
         )
-        rows = [[str(p.number), p.name or MISSING, shown("bytes", p.bytes), shown("seconds", p.seconds), _plain(p.loss_increase)] for p in pareto_front(points)]
-        parts.append("Pareto front (step time, memory, loss increase):\n\n" + _md_table(["trial", "plan", "memory", "step time", "loss increase"], rows))
+        rows = [[str(p.number), p.name or MISSING, shown("bytes", p.bytes), shown("seconds", p.seconds), format_number(p.loss_increase)] for p in pareto_front(points)]
+        parts.append("Pareto front (step time, memory, loss increase):\n\n" + markdown_table(["trial", "plan", "memory", "step time", "loss increase"], rows))
     else:
         parts.append("best feasible: " + MISSING + " (no trial met both budgets)")
     return "\n\n".join(parts)
@@ -368,7 +368,7 @@ def render_pareto(
     from PIL import Image, ImageDraw
 
     width, height = size
-    font = _font()
+    font = bitmap_font()
     char_w = font.getbbox("M")[2]
     feasible = [p for p in points if p.feasible]
     front = pareto_front(points)
@@ -389,7 +389,7 @@ def render_pareto(
     draw = ImageDraw.Draw(img)
     figure = ParetoFigure(img, tuple(points), tuple(p.number for p in front), plot, x_range, y_range)
 
-    draw.text((_PAD, _PAD), _latin1(f"{title}: {len(points)} trials, {len(feasible)} feasible, {len(front)} on the front"), fill=_INK, font=font)
+    draw.text((_PAD, _PAD), to_latin1(f"{title}: {len(points)} trials, {len(feasible)} feasible, {len(front)} on the front"), fill=_INK, font=font)
     # The legend: the loss ramp, then grey, red and (when drawn) orange.
     x, y = _PAD, _PAD + _LINE
     if feasible:
@@ -398,7 +398,7 @@ def render_pareto(
             draw.rectangle([x, y + 1, x + 6, y + 9], fill=colour)
             x += 7
         label = f" feasible: loss increase {lo:.3g} .. {hi:.3g}"
-        draw.text((x, y), _latin1(label), fill=_INK, font=font)
+        draw.text((x, y), to_latin1(label), fill=_INK, font=font)
         x += char_w * len(label) + 3 * _PAD
     else:
         lo = hi = 0.0
@@ -417,7 +417,7 @@ def render_pareto(
         _, py = figure.xy(x_range[0], fy)
         draw.line([px, top, px, bottom], fill=_GRID)
         draw.line([left, py, right, py], fill=_GRID)
-        xlabel, ylabel = _latin1(_bytes(fx)), _latin1(_seconds(fy))
+        xlabel, ylabel = to_latin1(format_bytes(fx)), to_latin1(format_seconds(fy))
         draw.text((px - char_w * len(xlabel) // 2, bottom + 3), xlabel, fill=_INK, font=font)
         draw.text((left - 3 - char_w * len(ylabel), py - 6), ylabel, fill=_INK, font=font)
     draw.rectangle([left, top, right, bottom], outline=_AXIS)
@@ -462,20 +462,11 @@ def render_pareto(
         if pred is not None:
             draw.line([figure.xy(*pred), (mx, my)], fill=MEASURED_COLOUR, width=1)
         draw.rectangle([mx - 4, my - 4, mx + 4, my + 4], fill=MEASURED_COLOUR)
-        draw.text((min(mx + 7, right - char_w * min(len(name), 16) - 2), my + 3), _latin1(name[:16]), fill=_INK, font=font)
+        draw.text((min(mx + 7, right - char_w * min(len(name), 16) - 2), my + 3), to_latin1(name[:16]), fill=_INK, font=font)
     return figure
 
 
 # -- event files ---------------------------------------------------------------------------------
-
-
-def _add_scalars(writer, values: Mapping[str, float], step: int, walltime: Optional[float] = None) -> None:
-    """Scalars as one event, as ``SummaryWriter.add_scalar`` writes each: the event writer's cost
-    is per event (a protobuf encode and a write), so a step's values share one."""
-    from tensorboard.compat.proto.summary_pb2 import Summary
-
-    summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(value)) for tag, value in values.items()])
-    writer.file_writer.add_summary(summary, step, walltime)
 
 
 def _open(logdir: Path, run: str, replace: bool):
@@ -483,9 +474,9 @@ def _open(logdir: Path, run: str, replace: bool):
     from torch.utils.tensorboard import SummaryWriter  # lazy: loads TensorBoard's protobufs
 
     path = logdir / run
-    _writable_dir(path, logdir)
+    ensure_writable_dir(path, logdir)
     if replace:
-        for old in path.glob(_EVENT_FILE_PREFIX + "*"):
+        for old in path.glob(EVENT_FILE_PREFIX + "*"):
             old.unlink()
     return SummaryWriter(log_dir=str(path))
 
@@ -536,11 +527,11 @@ def write_search(
                     scalars["search/best_feasible_seconds_vs_fp32"] = best / reference["seconds"]
             events[p.number] = {**scalars, **events.get(p.number, {})}
         for number in sorted(events):
-            _add_scalars(writer, events[number], number)
+            add_scalars(writer, events[number], number)
         step = points[-1].number if points else 0
         name = getattr(getattr(study, "study", study), "study_name", run)
-        _add_png(writer, "search/pareto", render_pareto(points, title=name, memory_bytes=memory_bytes, measured=measured), step)
-        _add_text(writer, "search/summary", search_summary_markdown(points, fp32), step)
+        add_png(writer, "search/pareto", render_pareto(points, title=name, memory_bytes=memory_bytes, measured=measured), step)
+        add_text(writer, "search/summary", search_summary_markdown(points, fp32), step)
         writer.flush()
     finally:
         writer.close()
@@ -601,9 +592,9 @@ def write_candidates(
     for rank, ((name, plan), run) in enumerate(zip(plans, runs)):
         writer = _open(logdir, run, replace)
         try:
-            _add_png(writer, "plan/precision_map", render_precision_map(plan, name), step)
-            _add_text(writer, "plan/summary", plan_summary_markdown(plan, name), step)
-            _add_scalars(writer, {**plan_scalars(plan), **budget_scalars(plan)}, step)
+            add_png(writer, "plan/precision_map", render_precision_map(plan, name), step)
+            add_text(writer, "plan/summary", plan_summary_markdown(plan, name), step)
+            add_scalars(writer, {**plan_scalars(plan), **budget_scalars(plan)}, step)
             # Session start and end only; see PlanWriter.write_plan for why not the experiment.
             _experiment, session_start, session_end = hparams({**plan_hparams(plan, name), "rank": rank}, {})
             writer.file_writer.add_summary(session_start, step)

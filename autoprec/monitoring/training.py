@@ -39,9 +39,8 @@ from ..errors import MonitoringError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
 from ..policy import PrecisionChange
-from .plans import _md_table, plan_layers_markdown, plan_summary_markdown, render_precision_map
-from .search import _add_scalars
-from .writer import _add_png, _add_text, _writable_dir, run_name
+from .plans import markdown_table, plan_layers_markdown, plan_summary_markdown, render_precision_map
+from .writer import add_png, add_scalars, add_text, ensure_writable_dir, run_name
 
 if TYPE_CHECKING:  # imported lazily where used: it loads TensorBoard's protobufs
     from torch.utils.tensorboard import SummaryWriter
@@ -135,7 +134,7 @@ class TrainingWriter:
         if enabled:
             from torch.utils.tensorboard import SummaryWriter  # lazy: loads TensorBoard's protobufs
 
-            _writable_dir(self.path, self.logdir)
+            ensure_writable_dir(self.path, self.logdir)
             # A deep queue: the writer thread drains it, so a batch of events rarely waits on it
             # (at the default of 10 each event past the tenth waits ~0.1 ms for the thread).
             self._writer = SummaryWriter(log_dir=str(self.path), max_queue=1024)
@@ -266,7 +265,7 @@ class TrainingWriter:
             predicted, measured = figures.get("memory/predicted_bytes"), figures.get("memory/measured_bytes")
             if predicted and measured is not None:
                 figures["memory/measured_vs_predicted"] = measured / predicted
-            _add_scalars(self._events, figures, step, wall)
+            add_scalars(self._events, figures, step, wall)
 
     # -- gradients ----------------------------------------------------------------------------
 
@@ -312,9 +311,9 @@ class TrainingWriter:
     def _format_scalars(self, formats: Mapping[str, Format], step: int) -> None:
         if not self._legend_written:
             rows = [[str(i), f.value, str(f.bits), str(f.spec.exponent_bits)] for f, i in sorted(FORMAT_INDEX.items(), key=lambda kv: kv[1])]
-            _add_text(self._events, "format/legend", "The value of each `format/<layer>` scalar:\n\n" + _md_table(["value", "format", "bits", "exponent bits"], rows), step)
+            add_text(self._events, "format/legend", "The value of each `format/<layer>` scalar:\n\n" + markdown_table(["value", "format", "bits", "exponent bits"], rows), step)
             self._legend_written = True
-        _add_scalars(self._events, {f"format/{fqn}": FORMAT_INDEX[fmt] for fqn, fmt in formats.items()}, step)
+        add_scalars(self._events, {f"format/{fqn}": FORMAT_INDEX[fmt] for fqn, fmt in formats.items()}, step)
 
     def log_formats(self, step: int, formats: "Plan | Mapping[str, Format | str | LayerPrecision]") -> None:
         """Write every layer's ``format/<fqn>`` scalar (the start of each layer's line; call it,
@@ -350,10 +349,10 @@ class TrainingWriter:
         text = f"{len(self._changes)} precision changes"
         if len(shown) < len(self._changes):
             text += f" (the last {len(shown)} shown)"
-        _add_text(self._events, "precision/timeline", text + "\n\n" + _md_table(["step", "layer", "from", "to", "change", "reason"], rows), step)
+        add_text(self._events, "precision/timeline", text + "\n\n" + markdown_table(["step", "layer", "from", "to", "change", "reason"], rows), step)
         counts = {"precision/changes": len(self._changes)}
         counts.update({f"precision/{d}s": sum(c.direction == d for c in self._changes) for d in ("promotion", "demotion")})
-        _add_scalars(self._events, counts, step)
+        add_scalars(self._events, counts, step)
 
     def log_plan(self, step: int, plan: Plan, name: str = "plan") -> None:
         """Write the plan in force from ``step`` into this run: ``plan/precision_map`` (image),
@@ -363,9 +362,9 @@ class TrainingWriter:
         if not self._live():
             return
         step = _step(step)
-        _add_png(self._events, "plan/precision_map", render_precision_map(plan, name), step)
-        _add_text(self._events, "plan/summary", plan_summary_markdown(plan, name), step)
-        _add_text(self._events, "plan/layers", plan_layers_markdown(plan), step)
+        add_png(self._events, "plan/precision_map", render_precision_map(plan, name), step)
+        add_text(self._events, "plan/summary", plan_summary_markdown(plan, name), step)
+        add_text(self._events, "plan/layers", plan_layers_markdown(plan), step)
         self.log_formats(step, plan)
 
     # -- lifetime -----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence
 
 from ..errors import MonitoringError
 from ..plan import Plan
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 PLANS_DIR = "plans"
 DIFFS_DIR = "diffs"
-_EVENT_FILE_PREFIX = "events.out.tfevents."
+EVENT_FILE_PREFIX = "events.out.tfevents."
 
 
 def run_name(name: str) -> str:
@@ -51,7 +51,7 @@ def run_name(name: str) -> str:
     return safe
 
 
-def _writable_dir(path: Path, logdir: Path) -> None:
+def ensure_writable_dir(path: Path, logdir: Path) -> None:
     """Create ``path`` and prove a file can be written there, or raise a one-line MonitoringError."""
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -64,7 +64,7 @@ def _writable_dir(path: Path, logdir: Path) -> None:
 
 
 class _Picture(Protocol):
-    """What `_add_png` writes: a `PrecisionMap`, or the search's `ParetoFigure`."""
+    """What `add_png` writes: a `PrecisionMap`, or the search's `ParetoFigure`."""
 
     @property
     def size(self) -> tuple[int, int]: ...
@@ -72,7 +72,7 @@ class _Picture(Protocol):
     def to_png(self) -> bytes: ...
 
 
-def _add_png(writer, tag: str, picture: _Picture, step: int) -> None:
+def add_png(writer, tag: str, picture: _Picture, step: int) -> None:
     """An image summary from our own PNG: what ``SummaryWriter.add_image`` writes, without its
     RGB float round trip and default-level PNG encoding (10x the time for these images)."""
     from tensorboard.compat.proto.summary_pb2 import Summary
@@ -82,11 +82,20 @@ def _add_png(writer, tag: str, picture: _Picture, step: int) -> None:
     writer.file_writer.add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
 
 
-def _add_text(writer, tag: str, markdown: str, step: int) -> None:
+def add_text(writer, tag: str, markdown: str, step: int) -> None:
     """A text summary under ``tag`` itself (``SummaryWriter.add_text`` appends "/text_summary")."""
     from tensorboard.plugins.text.summary_v2 import text_pb
 
     writer.file_writer.add_summary(text_pb(tag, markdown), step)
+
+
+def add_scalars(writer, values: Mapping[str, float], step: int, walltime: Optional[float] = None) -> None:
+    """Scalars as one event, as ``SummaryWriter.add_scalar`` writes each: the event writer's cost
+    is per event (a protobuf encode and a write), so a step's values share one."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(value)) for tag, value in values.items()])
+    writer.file_writer.add_summary(summary, step, walltime)
 
 
 class PlanWriter:
@@ -104,7 +113,7 @@ class PlanWriter:
         self.logdir = Path(logdir)
         self.replace = replace
         self._writers: dict[str, SummaryWriter] = {}
-        _writable_dir(self.logdir, self.logdir)
+        ensure_writable_dir(self.logdir, self.logdir)
 
     def _writer(self, run: str) -> SummaryWriter:
         writer = self._writers.get(run)
@@ -113,9 +122,9 @@ class PlanWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             path = self.logdir / run
-            _writable_dir(path, self.logdir)
+            ensure_writable_dir(path, self.logdir)
             if self.replace:
-                for old in path.glob(_EVENT_FILE_PREFIX + "*"):
+                for old in path.glob(EVENT_FILE_PREFIX + "*"):
                     old.unlink()
             writer = self._writers[run] = SummaryWriter(log_dir=str(path))
         return writer
@@ -127,9 +136,9 @@ class PlanWriter:
 
         run = f"{PLANS_DIR}/{run_name(name)}"
         writer = self._writer(run)
-        _add_png(writer, "plan/precision_map", render_precision_map(plan, name), step)
-        _add_text(writer, "plan/summary", plan_summary_markdown(plan, name), step)
-        _add_text(writer, "plan/layers", plan_layers_markdown(plan), step)
+        add_png(writer, "plan/precision_map", render_precision_map(plan, name), step)
+        add_text(writer, "plan/summary", plan_summary_markdown(plan, name), step)
+        add_text(writer, "plan/layers", plan_layers_markdown(plan), step)
         for tag, value in plan_scalars(plan).items():
             writer.add_scalar(tag, value, step)
         # The session start and end only, not the experiment: without one TensorBoard derives the
@@ -148,8 +157,8 @@ class PlanWriter:
         """Write ``diff`` as the run ``diffs/<a>-vs-<b>``; returns the run's folder."""
         run = f"{DIFFS_DIR}/{run_name(diff.name_a)}-vs-{run_name(diff.name_b)}"
         writer = self._writer(run)
-        _add_png(writer, "diff/precision_map", diff.render(), step)
-        _add_text(writer, "diff/layers", diff.markdown(), step)
+        add_png(writer, "diff/precision_map", diff.render(), step)
+        add_text(writer, "diff/layers", diff.markdown(), step)
         writer.add_scalar("diff/changed_layers", len(diff), step)
         writer.flush()
         return self.logdir / run

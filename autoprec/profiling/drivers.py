@@ -17,7 +17,7 @@ from ..formats import Format
 from ..workload import TrainStep, check_workload, to_device
 from .artifact import Profile
 from .profiler import LayerProfiler
-from .stats import _enc
+from .stats import json_float
 
 
 def train_window(
@@ -94,6 +94,6 @@ def profile_workload(
     seconds = time.perf_counter() - start
     meta = {
         **(metadata or {}), "seed": seed, "lr": step.lr, "device": str(dev),
-        "loss_first": _enc(first), "loss_last": _enc(last), "seconds": round(seconds, 3), "torch": torch.__version__,
+        "loss_first": json_float(first), "loss_last": json_float(last), "seconds": round(seconds, 3), "torch": torch.__version__,
     }
     return profiler.profile(meta)

@@ -18,7 +18,7 @@ from ..measure import local_shard as _local  # FSDP2: per-shard statistics, redu
 from ..plan import Scaling
 from ..runtime.recompute import recomputing
 from .artifact import LayerProfile, Profile
-from .stats import _BIN_MASK, _SHIFT, KINDS, NUM_BINS, REFERENCES, GradStats, Histogram, TensorStats, _fractions
+from .stats import BIN_MASK, BIN_SHIFT, KINDS, NUM_BINS, REFERENCES, GradStats, Histogram, TensorStats, format_fractions
 
 logger = logging.getLogger(__name__)
 
@@ -322,7 +322,7 @@ class LayerProfiler:
         scales = torch.stack((one, amax, ref)).reciprocal_().nan_to_num_(0.0, 0.0, 0.0).mul_(factor)
         scaled = sub.float() * scales.unsqueeze(1)  # (3, m): x, x/amax, x/ref
         # The mask keeps the exponent and the leading mantissa bits and drops the sign: |x|'s bin.
-        index = (scaled.view(torch.int32) >> _SHIFT).bitwise_and_(_BIN_MASK).add_(offsets)
+        index = (scaled.view(torch.int32) >> BIN_SHIFT).bitwise_and_(BIN_MASK).add_(offsets)
         ts.hist.index_add_(0, index.view(-1), ones[: index.numel()])
         values = scaled[0]
         ts.moments.add_(torch.stack((values.sum(), torch.dot(values, values))))
@@ -468,7 +468,7 @@ class LayerProfiler:
         n = ts.sampled
         mean = s1 / n if n else math.nan
         var = (s2 - n * mean * mean) / (n - 1) if n > 1 else math.nan
-        fractions = {f.value: _fractions(hists, n, f) for f in self.formats}
+        fractions = {f.value: format_fractions(hists, n, f) for f in self.formats}
         return TensorStats(
             calls=ts.calls, numel=ts.numel, sampled=n, amax=tuple(amax),
             nonfinite_steps=sum(1 for v in amax if not math.isfinite(v)),

@@ -43,10 +43,10 @@ REFERENCES = ("absolute", "current", "delayed")
 # Bins: the float32 bit pattern of |x| shifted right by 23 - SUB_BITS keeps the 8 exponent bits
 # and SUB_BITS leading mantissa bits; 3 bits give 8 bins per octave (12.5 % relative width).
 SUB_BITS = 3
-_SHIFT = 23 - SUB_BITS
+BIN_SHIFT = 23 - SUB_BITS
 NUM_BINS = 1 << (8 + SUB_BITS)
 _FIRST_NONFINITE = 255 << SUB_BITS  # biased exponent 255: inf and NaN
-_BIN_MASK = NUM_BINS - 1  # drops the sign bit of a NaN whose sign is set (inf * 0 on x86)
+BIN_MASK = NUM_BINS - 1  # drops the sign bit of a NaN whose sign is set (inf * 0 on x86)
 
 
 def _edges() -> np.ndarray:
@@ -161,7 +161,9 @@ def scalings_for(fmt: Format) -> tuple[str, ...]:
     return ("current", "delayed") if Format.parse(fmt).needs_scale else ("none",)
 
 
-def _fractions(hists: Mapping[str, Histogram], sampled: int, fmt: Format) -> dict[str, FormatFractions]:
+def format_fractions(hists: Mapping[str, Histogram], sampled: int, fmt: Format) -> dict[str, FormatFractions]:
+    """Under/overflow fractions of ``sampled`` values in ``fmt``, per scaling of ``fmt`` (`scalings_for`),
+    read from one tensor's three histograms (keyed by `REFERENCES`); all 0 when nothing was sampled."""
     if sampled <= 0:
         zero = FormatFractions(0.0, 0.0, (0.0, 0.0), (0.0, 0.0))
         return {s: zero for s in scalings_for(fmt)}
@@ -238,12 +240,12 @@ class TensorStats:
             "calls": self.calls,
             "numel": self.numel,
             "sampled": self.sampled,
-            "amax": [_enc(v) for v in self.amax],
+            "amax": [json_float(v) for v in self.amax],
             "nonfinite_steps": self.nonfinite_steps,
             "nonfinite": self.nonfinite,
             "zeros": self.zeros,
-            "mean": _enc(self.mean),
-            "var": _enc(self.var),
+            "mean": json_float(self.mean),
+            "var": json_float(self.var),
             "histograms": {ref: h.to_dict() for ref, h in self.histograms.items()},
             "fractions": {f: {s: ff.to_dict() for s, ff in t.items()} for f, t in self.fractions.items()},
         }
@@ -269,9 +271,9 @@ class GradStats:
     nsr: float
 
     def to_dict(self) -> dict:
-        return {k: _enc(v) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
+        return {k: json_float(v) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
 
-def _enc(x: float):
+def json_float(x: float):
     """JSON has no NaN / inf: they are written as the strings "nan", "inf", "-inf"."""
     x = float(x)
     if math.isfinite(x):

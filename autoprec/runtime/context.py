@@ -46,7 +46,7 @@ from torch.utils import _pytree as pytree
 
 from .._tracing import is_weight
 from ..coverage import MATMUL_OPS
-from ..device import KERNEL_OPS, _device_key, format_support, scaled_mm_form
+from ..device import KERNEL_OPS, canonical_device, format_support, scaled_mm_form
 from ..errors import RuntimeStateError
 from ..formats import Format, Granularity
 from ..plan import LayerPrecision, Plan, ScalingMode
@@ -131,7 +131,7 @@ def kernel_reason(precision: LayerPrecision, device: "torch.device | str") -> "s
 def _row_scale_form(fmt: Format, out_dtype: torch.dtype, device: "torch.device | str") -> tuple[bool, str]:
     """Whether the installed torch runs an FP8 forward with row-wise-shaped scales on ``device``:
     ``fmt`` input x E4M3 weight, fused bias, ``out_dtype`` out (probed once, cached)."""
-    return scaled_mm_form(_device_key(device), fmt.dtype, Format.FP8_E4M3.dtype, out_dtype, row_scales=True, bias=True)
+    return scaled_mm_form(canonical_device(device), fmt.dtype, Format.FP8_E4M3.dtype, out_dtype, row_scales=True, bias=True)
 
 
 def _to_fp32(value: Any) -> Any:

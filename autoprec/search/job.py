@@ -147,7 +147,8 @@ def _shown(value: "float | None", spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
 
-def _workload(config: JobConfig):
+def load_job_workload(config: JobConfig):
+    """The job's workload (``[workload]``), a `WorkloadError` restated as a `SearchError` naming the job file and key."""
     try:
         return load_workload(config.factory, config.factory_kwargs)
     except WorkloadError as exc:
@@ -364,7 +365,7 @@ def run_job(config: JobConfig, progress: "Progress | None" = None, workers: int 
 
 
 def _search(config: JobConfig, progress, workers: int, device, storage, start: float) -> JobResult:
-    workload = _workload(config)
+    workload = load_job_workload(config)
     model = workload.build_model(config.seed).to(device)
     step = TrainStep.for_workload(workload, model)
     lr = step.lr

@@ -187,7 +187,7 @@ class BudgetPruner(optuna.pruners.BasePruner):
         return value > self.loss_budget * (1 + self.slack) + 2 * stderr
 
 
-class _Variant:
+class StepVariant:
     """One way to run a training step: a copy of the model, its `TrainStep`, and a context."""
 
     def __init__(self, model: nn.Module, train_step: Callable[[nn.Module], TrainStep], context: Callable[[nn.Module], Any]):
@@ -240,7 +240,7 @@ class MeasuredStage:
         self.device = first.device
         self.baseline_losses = self._val_losses()
         self.baseline_loss = statistics.fmean(self.baseline_losses)
-        self._fp32 = _Variant(model, self.train_step, lambda m: contextlib.nullcontext())
+        self._fp32 = StepVariant(model, self.train_step, lambda m: contextlib.nullcontext())
         self._fp32_times: list[float] = []
         self.refined: list[Candidate] = []  # what the learning sampler proposed, after `run`
 
@@ -248,7 +248,7 @@ class MeasuredStage:
 
     def memory(self, plan: "Plan | None", context: "Callable[[nn.Module], Any] | None" = None) -> int:
         """Bytes saved for backward in one training step plus the layers' gradient bytes."""
-        variant = _Variant(self.model, self.train_step, context or _plan_context(plan))
+        variant = StepVariant(self.model, self.train_step, context or _plan_context(plan))
         params = list(variant.model.parameters())
         variant.train_step.optimizer.zero_grad(set_to_none=True)
         with SavedTensorMeter(params) as meter, variant.context:
@@ -285,7 +285,7 @@ class MeasuredStage:
     def step_ratio(self, context: Callable[[nn.Module], Any]) -> float:
         """Median ratio of a variant's training-step time to FP32's, steps interleaved one for
         one (``2 × (warmup + steps)`` training steps); the FP32 times join `fp32_seconds`."""
-        variant = _Variant(self.model, self.train_step, context)
+        variant = StepVariant(self.model, self.train_step, context)
         ratios = []
         for i in range(self.warmup + self.steps):
             batch = self.train_batches[i % len(self.train_batches)]

@@ -179,7 +179,7 @@ def _worker_main(path: str, device: str, threads: int, verbosity: int) -> None:
     """One worker process: rebuild the measured stage from the parent's payload and measure
     candidates on the study until none is left."""
     from ..workload import TrainStep, to_device
-    from .job import _workload
+    from .job import load_job_workload
     from .measured import MeasuredStage
     from .study import open_storage, quiet_interrupts
 
@@ -187,7 +187,7 @@ def _worker_main(path: str, device: str, threads: int, verbosity: int) -> None:
     optuna.logging.set_verbosity(verbosity)
     payload: WorkerPayload = torch.load(path, weights_only=False)  # written by this job's parent, not a foreign file
     config = payload.config
-    workload = _workload(config)
+    workload = load_job_workload(config)
     model = workload.build_model(config.seed)
     model.load_state_dict(payload.state_dict)
     model.to(device)

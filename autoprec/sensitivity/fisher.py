@@ -23,8 +23,8 @@ from ..plan import LayerPrecision, ScalingMode
 from ..runtime import apply_plan, removing
 from ..scaling import DEFAULT_INIT_SCALE
 from .problem import (
-    LossFn, Sensitivity, SensitivityEstimator, SensitivityProblem, _calibrating, _Call, _callers, _eval_mode, _float_leaves,
-    _Recorder, _resolve, _runtime_errors,
+    CallRecorder, LossFn, RecordedCall, Sensitivity, SensitivityEstimator, SensitivityProblem, calibration_steps, eval_mode, float_leaves,
+    layer_callers, naming_runtime_errors, resolve_problem,
 )
 
 __all__ = ["FisherEstimator", "adam_second_moment", "estimate_sensitivity", "sensitivity_steps"]
@@ -166,7 +166,7 @@ class FisherEstimator(SensitivityEstimator):
         """
         if self.site == "layer":
             return {fqn: fqn for fqn in problem.layers}
-        callers = _callers(problem.model, problem.loss_fn, problem.batches[0], problem.layers)
+        callers = layer_callers(problem.model, problem.loss_fn, problem.batches[0], problem.layers)
         return {fqn: callers.get(fqn) or fqn for fqn in problem.layers}
 
     def estimate(self, problem: SensitivityProblem) -> Sensitivity:
@@ -211,7 +211,7 @@ class FisherEstimator(SensitivityEstimator):
         # Nothing here holds a grad-mode or autocast context across a yield (they are the
         # thread's, and the caller trains between units); eval mode and the runtimes are the model's.
         # removing() iterates at the block's end, so it takes off the runtimes made by then.
-        with _eval_mode(model), removing(rt for made in (fwd_rt, grad_rt) for rt in made.values()):
+        with eval_mode(model), removing(rt for made in (fwd_rt, grad_rt) for rt in made.values()):
             for fqn in problem.layers:  # one unit per layer: hundreds of runtimes on a large model
                 for f in lowered:
                     fwd_rt[(fqn, f)] = apply_plan(model, problem.plan_for(fqn, f), validate=False)
@@ -221,7 +221,7 @@ class FisherEstimator(SensitivityEstimator):
             sites = self.sites(problem)
             own = {site: self._own_parameters(problem, site) for site in set(sites.values())}
             yield "sites"
-            yield from _calibrating(problem, fwd_rt, problem.batches)
+            yield from calibration_steps(problem, fwd_rt, problem.batches)
             for key, rt in grad_rt.items():
                 rt.load_state_dict(fwd_rt[key].state_dict())
             for key, rt in fwd_rt.items():
@@ -232,7 +232,7 @@ class FisherEstimator(SensitivityEstimator):
                 weight = self._preconditioner(problem, named)
                 yield "second moment"
             for batch in problem.batches:
-                recorder = _Recorder(model, list(dict.fromkeys(sites.values())))
+                recorder = CallRecorder(model, list(dict.fromkeys(sites.values())))
                 with recorder:
                     loss, n = problem.loss(batch)
                 recorder.take_grads(loss, keep_graph=grad_term and self.upstream)
@@ -253,7 +253,7 @@ class FisherEstimator(SensitivityEstimator):
                             references[(site, i)] = self._local_grads(module, call, None, own[site])[1]
                         for fmt in lowered:
                             key = (fqn, fmt)
-                            with _runtime_errors(fqn, fmt):
+                            with naming_runtime_errors(fqn, fmt):
                                 if with_grad and fmt in shared:
                                     out, local = self._local_grads(module, call, grad_rt[key], own[site])
                                 else:
@@ -301,23 +301,23 @@ class FisherEstimator(SensitivityEstimator):
         return [1.0 / ((acc / b).sqrt() + self.eps) for acc in v]
 
     @staticmethod
-    def _rerun(module, call: _Call, runtime) -> Any:
+    def _rerun(module, call: RecordedCall, runtime) -> Any:
         """The module's output re-run under ``runtime``, without grad."""
         args, kwargs = call.inputs()
         with torch.no_grad(), runtime:
             return module(*args, **kwargs)
 
-    def _output_error(self, call: _Call, out, n: int) -> float:
+    def _output_error(self, call: RecordedCall, out, n: int) -> float:
         """``Σ_blocks (dL/dy_B · (y_q − y)_B)²`` for one call (see `_fisher_blocks`), y_q its
         output ``out`` re-run under a runtime."""
         total = 0.0
-        for y, y_q, g in zip(call.outputs, _float_leaves(out), call.grads):
+        for y, y_q, g in zip(call.outputs, float_leaves(out), call.grads):
             if g is not None:
                 products = _fisher_blocks(g * (y_q.detach().float() - y), n, self.fisher)
                 total += float(products.square().sum(dtype=torch.float64))
         return total
 
-    def _local_grads(self, module, call: _Call, runtime, own: list) -> "tuple[Any, tuple[list, list]]":
+    def _local_grads(self, module, call: RecordedCall, runtime, own: list) -> "tuple[Any, tuple[list, list]]":
         """The module re-run alone under ``runtime`` (None: plain FP32), with grad: its output,
         and the gradients of its inputs (only with ``upstream``, which needs them) and of its
         parameters ``own`` (`_own_parameters`) against the recorded dL/dy; backward after the
@@ -332,7 +332,7 @@ class FisherEstimator(SensitivityEstimator):
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         with torch.enable_grad(), (runtime if runtime is not None else contextlib.nullcontext()):
             out = module(*args, **kwargs)
-        pairs = [(y, g) for y, g in zip(_float_leaves(out), call.grads) if g is not None and y.requires_grad]
+        pairs = [(y, g) for y, g in zip(float_leaves(out), call.grads) if g is not None and y.requires_grad]
         if not pairs or not (inputs or own):
             return out, ([None] * len(inputs), [None] * len(own))
         scale = self.loss_scale
@@ -340,7 +340,7 @@ class FisherEstimator(SensitivityEstimator):
         grads = [None if g is None else g.float() / scale for g in raw]
         return out, (grads[: len(inputs)], grads[len(inputs) :])
 
-    def _grad_error(self, call: _Call, local, reference, own, params, weight) -> float:
+    def _grad_error(self, call: RecordedCall, local, reference, own, params, weight) -> float:
         """Σ_i P_i e_i² over all parameters for one call: own parameters from the local backward
         (``local``, the runtime's; ``reference``, FP32's), upstream ones through one
         vector-Jacobian product of the FP32 graph."""
@@ -393,7 +393,7 @@ def estimate_sensitivity(
     ``estimator`` defaults to `FisherEstimator()`. The model is left as it was (training flag,
     ``.grad``, hooks); batches are kept in memory for the passes over them.
     """
-    return _estimator(estimator).estimate(_resolve(model, batches, loss_fn, formats, layers, example_inputs, loss_terms))
+    return _estimator(estimator).estimate(resolve_problem(model, batches, loss_fn, formats, layers, example_inputs, loss_terms))
 
 
 def sensitivity_steps(
@@ -415,7 +415,7 @@ def sensitivity_steps(
     traced forward); ``second_moment``: Adam's, per parameter name (`adam_second_moment`;
     saves a forward + backward per batch)."""
     estimator = _estimator(estimator)
-    problem = _resolve(model, batches, loss_fn, formats, layers, example_inputs, None, traced=traced, second_moment=second_moment)
+    problem = resolve_problem(model, batches, loss_fn, formats, layers, example_inputs, None, traced=traced, second_moment=second_moment)
     yield "layers"
     return (yield from estimator.estimate_steps(problem))
 

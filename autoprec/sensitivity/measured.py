@@ -19,7 +19,7 @@ from ..errors import SensitivityError
 from ..formats import Format
 from ..plan import LayerPrecision
 from ..runtime import apply_plan, removing
-from .problem import LossFn, Sensitivity, _calibrate, _eval_mode, _float_leaves, _resolve, _runtime_errors
+from .problem import LossFn, Sensitivity, calibrate_runtimes, eval_mode, float_leaves, naming_runtime_errors, resolve_problem
 
 __all__ = ["measure_sensitivity", "spearman", "rank_agreement"]
 
@@ -41,7 +41,7 @@ def measure_sensitivity(
     Runs ``apply_plan(model, <all FP32, that layer in fmt>)`` in eval mode under
     ``torch.no_grad``: the measured path is the runtime's own. INT8 layers are calibrated first,
     until their scale freezes, on ``calibration_batches`` (default: ``batches``; see
-    `_calibrate`). An FP32 candidate is exactly 0 (the runtime installs nothing). Costs one
+    `calibrate_runtimes`). An FP32 candidate is exactly 0 (the runtime installs nothing). Costs one
     forward per (layer, format, batch), one FP32 forward per batch with a backward through the
     loss only, and ``Calibration.batches`` forwards for INT8 calibration.
 
@@ -55,12 +55,12 @@ def measure_sensitivity(
     with targets drawn from the model), and what the Fisher forward term predicts.
     """
     calibration = tuple(calibration_batches) if calibration_batches is not None else None
-    problem = _resolve(model, batches, loss_fn, formats, layers, example_inputs, None, None if calibration is None else len(calibration))
+    problem = resolve_problem(model, batches, loss_fn, formats, layers, example_inputs, None, None if calibration is None else len(calibration))
     calibration = calibration if calibration is not None else problem.batches
     start = time.perf_counter()
     increase: dict[tuple[str, Format], float] = {}
     first: dict[tuple[str, Format], float] = {}
-    with _eval_mode(model):
+    with eval_mode(model):
         reference = []  # per batch: (loss, model outputs, dL/d outputs)
         for batch in problem.batches:
             with _OutputTap(model, grad=True) as tap:
@@ -69,7 +69,7 @@ def measure_sensitivity(
             grads = torch.autograd.grad(loss, wanted, allow_unused=True) if wanted and loss.requires_grad else [None] * len(wanted)
             reference.append((float(loss.detach()), [z.detach() for z in tap.outputs], dict(zip(map(id, wanted), grads)), [id(z) for z in tap.outputs]))
         runtimes = {(fqn, fmt): apply_plan(model, problem.plan_for(fqn, fmt), validate=False) for fqn in problem.layers for fmt in problem.candidates if fmt is not Format.FP32}
-        _calibrate(problem, runtimes, calibration)
+        calibrate_runtimes(problem, runtimes, calibration)
         with torch.no_grad(), removing(runtimes.values()):
             for fqn in problem.layers:
                 for fmt in problem.candidates:
@@ -79,7 +79,7 @@ def measure_sensitivity(
                     runtime = runtimes[(fqn, fmt)]
                     inc = fo = 0.0
                     for batch, (base, z, g_of, ids) in zip(problem.batches, reference):
-                        with _OutputTap(model, grad=False) as tap, _runtime_errors(fqn, fmt), runtime:
+                        with _OutputTap(model, grad=False) as tap, naming_runtime_errors(fqn, fmt), runtime:
                             loss_q, _ = problem.loss(batch)
                         inc += float(loss_q) - base
                         for z_ref, z_q, i in zip(z, tap.outputs, ids):
@@ -115,7 +115,7 @@ class _OutputTap:
 
         def post(module, args, output):
             if not self.grad:
-                self.outputs.extend(_float_leaves(output))
+                self.outputs.extend(float_leaves(output))
                 return None
             torch.set_grad_enabled(self._modes.pop())
 

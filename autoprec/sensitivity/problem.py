@@ -207,7 +207,7 @@ def _loss(loss_fn: LossFn, model: nn.Module, batch, loss_terms) -> tuple[torch.T
 
 
 @contextlib.contextmanager
-def _eval_mode(model: nn.Module):
+def eval_mode(model: nn.Module):
     """Eval mode (no dropout: deterministic, as a measurement must be); restores every flag."""
     flags = {m: m.training for m in model.modules()}
     model.eval()
@@ -249,7 +249,7 @@ def _example_from(model: nn.Module, loss_fn: LossFn, batch) -> ModelCall:
     return call
 
 
-def _resolve(model, batches, loss_fn, formats, layers, example_inputs, loss_terms, calibration_batches: "int | None" = None,
+def resolve_problem(model, batches, loss_fn, formats, layers, example_inputs, loss_terms, calibration_batches: "int | None" = None,
              traced: "Mapping[str, LayerInfo] | None" = None, second_moment: "Mapping[str, torch.Tensor] | None" = None) -> SensitivityProblem:
     """The checked problem; INT8 candidates calibrate on at most ``calibration_batches``
     (default: the batches given). ``traced``: the model's layers as `find_layers` gave them for
@@ -267,7 +267,7 @@ def _resolve(model, batches, loss_fn, formats, layers, example_inputs, loss_term
     limit = len(batches) if calibration_batches is None else calibration_batches
     candidates = {f: _at_most(lp, max(1, limit)) for f, lp in _candidates(formats).items()}
     if example_inputs is None:
-        with _eval_mode(model):
+        with eval_mode(model):
             example_inputs = _example_from(model, loss_fn, batches[0])
     found = dict(traced) if traced is not None else find_layers(model, example_inputs)
     if not found:
@@ -293,15 +293,16 @@ def _resolve(model, batches, loss_fn, formats, layers, example_inputs, loss_term
     return problem
 
 
-def _float_leaves(value) -> list[torch.Tensor]:
+def float_leaves(value) -> list[torch.Tensor]:
+    """The floating-point tensors among the leaves of ``value`` (pytree order)."""
     return [t for t in pytree.tree_leaves(value) if torch.is_tensor(t) and t.is_floating_point()]
 
 
 @dataclasses.dataclass
-class _Call:
+class RecordedCall:
     """One call of a layer's module in the recorded FP32 forward."""
 
-    args: tuple  # as the call began, isolated from the forward (`_Recorder`)
+    args: tuple  # as the call began, isolated from the forward (`CallRecorder`)
     kwargs: dict
     grad_mask: list  # per floating input leaf (pytree order): did it require grad
     graph_inputs: list  # the floating inputs that require grad, as they sit in the autograd graph
@@ -315,7 +316,7 @@ class _Call:
         return fresh((self.args, self.kwargs))
 
 
-class _Recorder:
+class CallRecorder:
     """Forward hooks that record, per layer, each call's inputs and outputs (``with`` scope).
 
     The inputs are taken as the call begins (a forward pre-hook) and isolated from the forward
@@ -327,12 +328,12 @@ class _Recorder:
     copy is of the cache as the layer saw it, so a re-run computes what the layer computed,
     also with a cache the user filled. Recording copies no tensor data (the detached tensors
     share the forward's storage, and keep that storage alive with the recorder); each re-run
-    clones the cache's tensors (`_Call.inputs`)."""
+    clones the cache's tensors (`RecordedCall.inputs`)."""
 
     def __init__(self, model: nn.Module, fqns: Sequence[str]):
         modules = dict(model.named_modules())
         self.modules = {fqn: modules[fqn] for fqn in fqns}
-        self.calls: dict[str, list[_Call]] = {fqn: [] for fqn in fqns}
+        self.calls: dict[str, list[RecordedCall]] = {fqn: [] for fqn in fqns}
         self._handles: list = []
         self._entered: dict[str, list] = {fqn: [] for fqn in fqns}  # a stack per module: calls may nest
 
@@ -351,7 +352,7 @@ class _Recorder:
 
     def _pre_hook(self, fqn):
         def pre_hook(module, args, kwargs):
-            inputs = _float_leaves((args, kwargs))
+            inputs = float_leaves((args, kwargs))
             args, kwargs = isolated((args, kwargs), torch.Tensor.detach)
             self._entered[fqn].append((args, kwargs, [t.requires_grad for t in inputs], [t for t in inputs if t.requires_grad]))
 
@@ -360,8 +361,8 @@ class _Recorder:
     def _hook(self, fqn):
         def hook(module, args, kwargs, output):
             args, kwargs, grad_mask, graph_inputs = self._entered[fqn].pop()
-            outs = _float_leaves(output)
-            self.calls[fqn].append(_Call(
+            outs = float_leaves(output)
+            self.calls[fqn].append(RecordedCall(
                 args=args,
                 kwargs=kwargs,
                 grad_mask=grad_mask,
@@ -386,7 +387,7 @@ class _Recorder:
                 call.out_tensors = []
 
 
-def _callers(model: nn.Module, loss_fn: LossFn, batch, layers: Sequence[str]) -> dict[str, str]:
+def layer_callers(model: nn.Module, loss_fn: LossFn, batch, layers: Sequence[str]) -> dict[str, str]:
     """``layer -> fqn of the module running when the layer is first called`` (not the root);
     one forward under ``torch.no_grad``."""
     wanted = set(layers)
@@ -405,13 +406,13 @@ def _calibrates(lp: LayerPrecision) -> bool:
     return lp.format is Format.INT8 and lp.scaling.granularity is Granularity.TENSOR
 
 
-def _calibrate(problem: "SensitivityProblem", runtimes: Mapping, batches: Sequence) -> None:
-    """`_calibrating` run to its end."""
-    for _ in _calibrating(problem, runtimes, batches):
+def calibrate_runtimes(problem: "SensitivityProblem", runtimes: Mapping, batches: Sequence) -> None:
+    """`calibration_steps` run to its end."""
+    for _ in calibration_steps(problem, runtimes, batches):
         pass
 
 
-def _calibrating(problem: "SensitivityProblem", runtimes: Mapping, batches: Sequence) -> Iterator[str]:
+def calibration_steps(problem: "SensitivityProblem", runtimes: Mapping, batches: Sequence) -> Iterator[str]:
     """Calibrate every INT8 single-layer runtime until its scale freezes, as in steady training;
     yields after each round's recorded forward and after each layer's re-run.
 
@@ -419,7 +420,7 @@ def _calibrating(problem: "SensitivityProblem", runtimes: Mapping, batches: Sequ
     only that layer lowered, everything before it is FP32, so these are exactly the inputs it
     sees in the measured run, at the cost of one model forward per batch for all layers together.
     ``batches`` are cycled until each layer has observed ``calibration.batches`` of them (more
-    than there are only when the caller set it so: `_resolve` caps it at the batches).
+    than there are only when the caller set it so: `resolve_problem` caps it at the batches).
     """
     keys = [key for key in runtimes if _calibrates(problem.candidates[key[1]])]
     if not keys or not batches:
@@ -429,7 +430,7 @@ def _calibrating(problem: "SensitivityProblem", runtimes: Mapping, batches: Sequ
     for i in range(rounds):
         # No grad-mode context is held across a yield: grad mode is the caller's between units.
         with torch.no_grad():
-            recorder = _Recorder(problem.model, fqns)
+            recorder = CallRecorder(problem.model, fqns)
             with recorder:
                 problem.loss(batches[i % len(batches)])
         yield "calibration"
@@ -438,13 +439,13 @@ def _calibrating(problem: "SensitivityProblem", runtimes: Mapping, batches: Sequ
                 with torch.no_grad():
                     for call in recorder.calls[fqn]:
                         args, kwargs = call.inputs()
-                        with _runtime_errors(fqn, fmt), runtimes[(fqn, fmt)]:
+                        with naming_runtime_errors(fqn, fmt), runtimes[(fqn, fmt)]:
                             recorder.modules[fqn](*args, **kwargs)
                 yield "calibration"
 
 
 @contextlib.contextmanager
-def _runtime_errors(fqn: str, fmt: Format):
+def naming_runtime_errors(fqn: str, fmt: Format):
     """Name the (layer, format) when the runtime cannot run a single-layer plan."""
     try:
         yield
