@@ -53,6 +53,7 @@ from .policy import PolicyState, PrecisionChange, demotions, promotions, window_
 from .runtime import EmulationWarning, apply_plan
 from .scaling import LossScaler, LossScaling
 from .scheduler_config import SchedulerConfig, Thresholds
+from .scheduler_state import LATER_STATE, STATE_VERSION, check_state, check_state_fits
 from .lifecycle import CAPTURED_STEPS, WindowClock
 from .search.training import TrainingSearch
 from .sensitivity import adam_second_moment
@@ -66,66 +67,9 @@ __all__ = ["DynamicPrecisionScheduler", "SchedulerConfig", "LossScaling", "Thres
 
 logger = logging.getLogger(__name__)
 
-_STATE_VERSION = 2  # 2: the example and captured inputs are ModelCall states (args and kwargs)
 # Steps skipped in a row before a warning (then again at each doubling): a few skips are loss
 # scaling doing its job, ten in a row mean the model diverges at this precision.
 _SKIPS_BEFORE_WARNING = 10
-
-
-_STATE_FIX = "pass the whole dict that DynamicPrecisionScheduler.state_dict() returned"
-
-
-def _count(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def _optional_dict(v: Any) -> bool:
-    return v is None or isinstance(v, Mapping)
-
-
-# The scheduler state's fields, each with its check and what it expects: a hand-edited or
-# damaged checkpoint is refused naming the field before anything is restored.
-_STATE_FIELDS: dict[str, tuple[Any, str]] = {
-    "step": (_count, "a step count, an integer >= 0"),
-    "window_start": (_count, "a step count, an integer >= 0"),
-    "loss_count": (_count, "a count, an integer >= 0"),
-    "window_skipped": (_count, "a count, an integer >= 0"),
-    "search_failures": (_count, "a count, an integer >= 0"),
-    "retry_at": (lambda v: v is None or _count(v), "None or a step, an integer >= 0"),
-    "loss_sum": (lambda v: v is None or (isinstance(v, torch.Tensor) and v.shape == (2,)), "None or a tensor of (loss sum, finite count)"),
-    "meter_next": (lambda v: isinstance(v, bool), "True or False"),
-    "scaler_enabled": (lambda v: isinstance(v, bool), "True or False"),
-    "fingerprint": (lambda v: isinstance(v, Mapping), "a dict of layers"),
-    "window_nonfinite": (lambda v: isinstance(v, Mapping) and all(_count(n) for n in v.values()), "a dict of layer -> count >= 0"),
-    "changes": (lambda v: isinstance(v, (list, tuple)), "a list of changes"),
-    "captured": (lambda v: isinstance(v, (list, tuple)), "a list of captured calls"),
-    "plan": (_optional_dict, "None or a plan as a dict"),
-    "searched_plan": (_optional_dict, "None or a plan as a dict"),
-    "runtime": (_optional_dict, "None or PlanRuntime.state_dict()"),
-    "scaler": (lambda v: isinstance(v, Mapping), "LossScaler.state_dict()"),
-    "profiler": (lambda v: v is None or (isinstance(v, Mapping) and _count(v.get("window")) and "state" in v), "None or a dict with 'window' (>= 1) and 'state'"),
-    "history": (lambda v: isinstance(v, Mapping), "a dict of layer -> formats"),
-    "stable": (lambda v: isinstance(v, Mapping) and all(_count(n) for n in v.values()), "a dict of layer -> count >= 0"),
-    "wait": (lambda v: isinstance(v, Mapping) and all(_count(n) for n in v.values()), "a dict of layer -> count >= 0"),
-    "previous_amax": (lambda v: isinstance(v, Mapping), "a dict of layer -> amax"),
-    "search": (_optional_dict, "None or the search in progress (TrainingSearch.state_dict())"),
-    "known_times": (lambda v: isinstance(v, Mapping) and all(isinstance(t, (int, float)) for t in v.values()), "a dict of 'role|format' -> seconds"),
-}
-
-
-# Fields added within state version 2, with the value a state saved without them means.
-_LATER_STATE: dict[str, Any] = {"window_skipped": 0, "search_failures": 0, "retry_at": None, "search": None, "known_times": {}}
-
-
-def _check_state_fields(state: Mapping[str, Any]) -> None:
-    """`RuntimeStateError` naming the first field of ``state`` of the wrong type or sign."""
-    for field, (ok, expects) in _STATE_FIELDS.items():
-        if field in _LATER_STATE and field not in state:
-            continue
-        if not ok(state[field]):
-            raise RuntimeStateError(f"load_state_dict(): state[{field!r}] = {state[field]!r:.60} is not {expects}; {_STATE_FIX}")
-    if state["window_start"] > state["step"]:
-        raise RuntimeStateError(f"load_state_dict(): state['window_start'] = {state['window_start']} is after state['step'] = {state['step']}; {_STATE_FIX}")
 
 
 def _needs_loss_scaling(plan: "Plan | None") -> bool:
@@ -911,7 +855,7 @@ class DynamicPrecisionScheduler:
     def state_dict(self) -> dict:
         """Everything a resumed run needs to continue exactly (tensors are cloned, on device)."""
         return {
-            "version": _STATE_VERSION,
+            "version": STATE_VERSION,
             "fingerprint": {fqn: info.to_dict() for fqn, info in self._fingerprint.items()},
             "step": self.step_count,
             "window_start": self._clock.window_start,
@@ -945,22 +889,11 @@ class DynamicPrecisionScheduler:
         Refused with one `RuntimeStateError` line, before anything changes: a state of another
         version, one missing keys, one saved for a model whose layers have other names or
         shapes, or one whose plan runs a format this scheduler's settings exclude."""
-        if not isinstance(state, Mapping):
-            raise RuntimeStateError(f"load_state_dict({type(state).__name__}): expected a dict; {_STATE_FIX} (torch.load a saved one first)")
-        if not state:
-            raise RuntimeStateError(f"load_state_dict(): the state is empty; {_STATE_FIX}")
-        if state.get("version") != _STATE_VERSION:
-            raise RuntimeStateError(f"scheduler state version {state.get('version')!r} is not {_STATE_VERSION}; it was saved by another autoprec")
-        missing = sorted(set(self.state_dict()) - set(state) - set(_LATER_STATE))
-        if missing:
-            raise RuntimeStateError(f"load_state_dict(): the state lacks {', '.join(map(repr, missing))}; {_STATE_FIX}")
-        _check_state_fields(state)
-        if state["example"] is None:
-            raise RuntimeStateError("load_state_dict(): the state was saved before the scheduler was bound; there is nothing to restore")
+        check_state(state, set(self.state_dict()))
         if self.model is None:
             self._pending_state = state
             return
-        self._check_state_fits(state)
+        check_state_fits(state, self._bound, self.config, self._fixed_plan)
         if self._example is None:
             self._attach(self.model, ModelCall.from_state(state["example"]))  # plan, scaler and profiler come from the state below
         self.step_count = state["step"]
@@ -969,7 +902,7 @@ class DynamicPrecisionScheduler:
         self.changes = [PrecisionChange.from_dict(c) for c in state["changes"]]
         self._policy = PolicyState.from_dict(state)
         self._window_nonfinite = dict(state["window_nonfinite"])
-        self._window_skipped, failures, retry_at, search, known = (state.get(k, d) for k, d in _LATER_STATE.items())
+        self._window_skipped, failures, retry_at, search, known = (state.get(k, d) for k, d in LATER_STATE.items())
         self._known_times = dict(known)
         self._loss_sum, self._loss_count = state["loss_sum"], state["loss_count"]
         self._capture.load_state_dict(state["captured"])
@@ -995,31 +928,6 @@ class DynamicPrecisionScheduler:
         self._clock = WindowClock(self.config.monitor_window, self.config.profiled_steps, phase, state["window_start"], failures, retry_at)
         if search is not None:
             self._resume_search(search)
-
-    def _check_state_fits(self, state: Mapping[str, Any]) -> None:
-        """`RuntimeStateError` when ``state`` was saved for another model (layer names or
-        parameter shapes, compared without a forward) or its plan breaks this scheduler's formats."""
-        modules = dict(self._bound.named_modules())
-        for fqn, raw in state["fingerprint"].items():
-            saved = LayerInfo.from_dict(raw)
-            if fqn not in modules:
-                raise RuntimeStateError(f"load_state_dict(): the state was saved for a model with a layer {fqn!r} this {type(self.model).__name__} lacks; load it into the model it was saved from")
-            actual = dict(LayerInfo.of(modules[fqn], saved.ops).params)
-            if actual != dict(saved.params):
-                raise RuntimeStateError(
-                    f"load_state_dict(): layer {fqn!r} has parameter shapes {actual} here but {dict(saved.params)} in the state; "
-                    "load it into the model it was saved from"
-                )
-        if state["plan"] is None or self._fixed_plan is not None:
-            return
-        allowed = set(self.config.candidates)
-        for fqn, lp in Plan.from_dict(state["plan"], "the saved plan").layers.items():
-            if lp.format not in allowed:
-                raise RuntimeStateError(
-                    f"load_state_dict(): the saved plan runs {fqn!r} in {lp.format.value}, which this scheduler's settings "
-                    f"(min_precision={self.config.min_precision}, max_precision={self.config.max_precision}, formats {', '.join(f.value for f in self.config.candidates)}) "
-                    "exclude; create the scheduler with the settings the state was saved with"
-                )
 
     def close(self) -> None:
         """Remove hooks and the plan's layer wrappers, and flush the TensorBoard writer."""
