@@ -17,23 +17,32 @@ keep torch's hook-free fast path):
   model, refused with one `RuntimeStateError` line before it runs, since it would run unplanned
   under the plan's autocast.
 
-Costs: per context two hook registrations; per call of a module outside the model one Python
-call (loss modules), plus a walk of the module trees when that module holds parameters. Inside
-the model: nothing.
+Binding itself checks what it binds (`check_materialised`, `check_layers`, `check_prediction`). Costs: per context
+two hook registrations; per call of a module outside the model one Python call (loss modules),
+plus a walk of the module trees when that module holds parameters. Inside the model: nothing.
+At bind: one traced forward to find the layers.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Optional
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from .errors import RuntimeStateError
+from .blocks import find_blocks
+from .calls import ModelCall, prediction_of
+from .coverage import LayerInfo, find_layers
+from .errors import AutoprecError, ModelCallError, RuntimeStateError, SearchError, SettingsError
+from .runtime import EmulationWarning
 
-__all__ = ["ModelWatch", "holds_matrix"]
+if TYPE_CHECKING:
+    from .scheduler_config import SchedulerConfig
+
+__all__ = ["ModelWatch", "bindable_layers", "check_layers", "check_materialised", "check_prediction", "holds_matrix", "unbound_exit"]
 
 # Tables looked up, not multiplied: a model of embeddings alone has no layer (coverage does the same).
 _LOOKUP_CLASSES = (nn.Embedding, nn.EmbeddingBag)
@@ -158,3 +167,56 @@ class ModelWatch:
                     f"a scheduler plans one model for the whole run: call {a} here, or make a new DynamicPrecisionScheduler for {b}")
         return (f"precision_context(): this context called {b}, but the scheduler was made with model={a}; "
                 f"call {a} inside the context, or make the scheduler for {b}")
+
+
+# -- what binding checks ----------------------------------------------------------------------------
+
+
+def check_materialised(model: nn.Module) -> None:
+    """`RuntimeStateError` for a model on the meta device."""
+    if any(p.is_meta for p in model.parameters()):
+        raise RuntimeStateError(
+            f"{type(model).__name__} ran on the meta device inside precision_context(); materialise it first "
+            "(model.to_empty(device=...) and initialise the weights), then train it under the scheduler"
+        )
+
+
+def bindable_layers(model: nn.Module, example: ModelCall) -> dict[str, LayerInfo]:
+    """The layers of ``model`` (`coverage.find_layers` on its ``example`` call)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EmulationWarning)
+        return find_layers(model, example)
+
+
+def check_layers(model: nn.Module, layers: Sequence[str], config: "SchedulerConfig") -> None:
+    """`AutoprecError` for a model with no layer; `SettingsError` when ``config.recompute``
+    names no block of ``model``."""
+    if not layers:
+        raise AutoprecError(f"{type(model).__name__} runs no matrix product: autoprec has no layer to manage")
+    if config.recompute is not None:
+        try:
+            find_blocks(model, layers, config.recompute)
+        except SearchError as exc:
+            raise SettingsError(f"DynamicPrecisionScheduler(recompute={list(config.recompute)!r}): {exc}") from None
+
+
+def check_prediction(module: nn.Module, output: Any) -> None:
+    """`ModelCallError` when a dynamic scheduler's model returns no floating-point tensor
+    (None, say): the search linearises the loss at the model's prediction, so it needs one."""
+    try:
+        prediction_of(output)
+    except ModelCallError:
+        raise ModelCallError(
+            f"DynamicPrecisionScheduler: {type(module).__name__}'s forward returned {type(output).__name__} with no floating-point tensor; "
+            "the scheduler estimates each layer's sensitivity at the model's prediction: return the output (a tensor, or a tuple, dict "
+            "or ModelOutput holding one), or run a fixed plan (DynamicPrecisionScheduler.from_plan)"
+        ) from None
+
+
+def unbound_exit(model: Optional[nn.Module]) -> str:
+    """Why a first `precision_context` bound nothing (``model``: the scheduler's ``model=``)."""
+    if model is not None:
+        return (f"precision_context(): the scheduler's model ({type(model).__name__}, model=) was not called inside it; "
+                "call it inside the context as model(...), not model.forward(...)")
+    return ("precision_context(): no model was called inside it, so the scheduler has nothing to bind to; call the model "
+            "inside the context as model(...), not model.forward(...) or a function of its weights, or pass DynamicPrecisionScheduler(model=...)")
