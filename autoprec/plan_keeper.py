@@ -2,12 +2,15 @@
 
 It owns the plan (and the first searched one), the `PlanRuntime` that runs it, the record of
 promotions and demotions (`changes`) with the policy's memory between windows, this window's
-per-layer non-finite counts, and the `LossScaler`, which is on only while some layer has FP16
-gradients (each install switches it). It changes them only through its verbs: `install` a plan,
-`on_nonfinite` after a step, `review_window` at a window's end (`policy`'s pure rules), `adopt`
-another rank's `decision`, and `state_dict` / `load_state_dict`.
+per-layer non-finite counts and skipped steps, and the `LossScaler`, which is on only while some
+layer has FP16 gradients (each install switches it) and checks each layer's output only after a
+loss went non-finite (disarmed after a window without one: clean training does not pay it). It
+changes them only through its verbs: `install` a plan, `step` the optimizers, `on_nonfinite`
+after a step, `review_window` at a window's end (`policy`'s pure rules), `adopt` another rank's
+`decision`, and `state_dict` / `load_state_dict`.
 
-Costs: an install removes the old runtime's layer wrappers and applies the new plan's (keeping the
+Costs: a step's are the scaler's (one host sync per optimizer) and, under ``torch.distributed``,
+`RankAgreement.agree_on_step`'s; an install removes the old runtime's layer wrappers and applies the new plan's (keeping the
 amax histories and calibration of unchanged layers), and replaces the scaler when its enablement
 changes; `on_nonfinite` and `review_window` are Python over the layers, no device work.
 """
@@ -17,8 +20,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
+import torch
 import torch.nn as nn
 
 from .device import format_support
@@ -30,11 +34,12 @@ from .runtime import apply_plan
 from .scaling import LossScaler
 
 if TYPE_CHECKING:
+    from .distributed import RankAgreement
     from .monitoring import TrainingWriter
     from .runtime import PlanRuntime
     from .scheduler_config import SchedulerConfig
 
-__all__ = ["PlanKeeper", "needs_loss_scaling"]
+__all__ = ["PlanKeeper", "StepOutcome", "needs_loss_scaling"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +51,17 @@ def needs_loss_scaling(plan: "Plan | None") -> bool:
     # examples/measure_loss_scaling.py trains identically with the dynamic scale and with 1.
     # BF16 has FP32's range; INT8 layers run their backward in FP32.
     return plan is not None and any(lp.grad_format is Format.FP16 for lp in plan.layers.values())
+
+
+class StepOutcome(NamedTuple):
+    """One optimizer step: ``skipped`` (non-finite gradients), the layers with non-finite
+    gradients, the first layer whose output went non-finite (when the loss did), whether the loss
+    was non-finite; under torch.distributed, every rank's, agreed."""
+
+    skipped: bool
+    nonfinite: Sequence[str]
+    first_bad_output: Optional[str]
+    loss_nonfinite: bool
 
 
 class PlanKeeper:
@@ -65,6 +81,8 @@ class PlanKeeper:
         self._runtime: "Optional[PlanRuntime]" = None
         self._policy = PolicyState()
         self._window_nonfinite: dict[str, int] = {}
+        self._window_skipped = 0  # optimizer steps skipped in this window: such a window is never quiet
+        self._nonfinite_losses = 0  # this window's: the output checks stay armed while there are some
         self._model: Optional[nn.Module] = None
         self._layers: list[str] = []
         self._writer: "Optional[TrainingWriter]" = None
@@ -168,11 +186,47 @@ class PlanKeeper:
         self.scaler.load_state_dict(state)
         self.scaler.watch(self._bound(), list(self._layers), outputs=armed)
 
+    def step(self, optimizers: Sequence[torch.optim.Optimizer], *, loss: Optional[torch.Tensor], agreement: "Optional[RankAgreement]",
+             max_grad_norm: Optional[float], step: int) -> StepOutcome:
+        """Unscale, clip to ``max_grad_norm``, step each optimizer unless its gradients are
+        non-finite, update the scale: optimizer step ``step``. Under torch.distributed
+        (``agreement``) the ranks agree first. A non-finite ``loss`` arms the per-layer output
+        checks, so the next one names the layer whose output went first."""
+        scaler = self.scaler
+        verdict = agreement.agree_on_step(scaler, optimizers, loss) if agreement is not None else None
+        for optimizer in optimizers:
+            if max_grad_norm is not None:
+                scaler.clip_grad_norm_(optimizer, max_grad_norm)
+            scaler.step(optimizer)
+        scaler.update()  # fills the attribution below, on an overflowing iteration only
+        skipped = scaler.last_overflowed
+        nonfinite: Sequence[str] = scaler.last_nonfinite_layers
+        first_bad_output = scaler.first_nonfinite_output if scaler.last_loss_finite is False else None
+        if verdict is not None and agreement is not None:  # every rank's flags, reduced: the same on all ranks
+            nonfinite, first_bad_output = verdict.layers, verdict.first_output if verdict.loss_ranks else None
+            if skipped:
+                # Without loss scaling an inf is never the scale's doing: warn.
+                logger.log(logging.INFO if scaler.enabled else logging.WARNING, "autoprec: step %d skipped on all %d ranks: %s", step, agreement.world, verdict.describe())
+        loss_nonfinite = bool(verdict.loss_ranks) if verdict is not None else scaler.last_loss_finite is False
+        self._window_skipped += int(skipped)
+        if loss_nonfinite:  # on every rank alike: they arm and disarm the watch at the same steps
+            self._nonfinite_losses += 1
+            scaler.watch_outputs(True)
+        return StepOutcome(skipped, nonfinite, first_bad_output, loss_nonfinite)
+
     # -- promotions and demotions ---------------------------------------------------------------
 
-    def new_window(self) -> None:
-        """A window starts: its non-finite counts from zero."""
+    def new_window(self, *, retry: bool = False) -> None:
+        """A window starts: its non-finite counts and skipped steps from zero; the output checks
+        disarmed after a window without a non-finite loss (``retry``: a fresh profiling window
+        after a failed search, which leaves them as they are)."""
         self._window_nonfinite = {}
+        self._window_skipped = 0
+        if retry:
+            return
+        if not self._nonfinite_losses:
+            self.scaler.watch_outputs(False)
+        self._nonfinite_losses = 0
 
     def on_nonfinite(self, layers: Sequence[str], first_bad_output: Optional[str], step: int) -> None:
         """Count non-finite gradients per layer this window; promote at the threshold at once."""
@@ -188,10 +242,10 @@ class PlanKeeper:
             for f in due:
                 self._window_nonfinite[f] = 0
 
-    def review_window(self, profile: Any, step: int, skipped: int, measured_bytes: Optional[int]) -> None:
-        """Re-calibrate, promote on thresholds, demote after quiet windows (hysteresis).
-        ``skipped``: optimizer steps skipped this window (such a window is never quiet);
-        ``measured_bytes``: the saved bytes metered on its last step, for the writer."""
+    def review_window(self, profile: Any, step: int, measured_bytes: Optional[int]) -> None:
+        """Promote on thresholds, demote after quiet windows (hysteresis; a window with a skipped
+        step is never quiet). ``measured_bytes``: the saved bytes metered on its last step, for
+        the writer."""
         t = self.config.thresholds
         plan = self._planned()
         triggers, counts, self._policy = window_triggers(plan, self._layers, profile, self._window_nonfinite, self._policy, t)
@@ -202,7 +256,7 @@ class PlanKeeper:
         promote = [fqn for fqn in triggers if plan.layers[fqn].format is not Format.FP32]
         self._promote(promote, triggers, step)
         current = {fqn: lp.format for fqn, lp in self._planned().layers.items()}
-        changes, self._policy = demotions(triggers, self._policy, step, t.stable_windows, current, skipped)
+        changes, self._policy = demotions(triggers, self._policy, step, t.stable_windows, current, self._window_skipped)
         self._apply(changes, "demoted", "demotion", step)
 
     def _ladder(self) -> list[Format]:
@@ -254,6 +308,7 @@ class PlanKeeper:
             "changes": [c.to_dict() for c in self.changes],
             **self._policy.to_dict(),
             "window_nonfinite": dict(self._window_nonfinite),
+            "window_skipped": self._window_skipped,
             "scaler": self.scaler.state_dict(),
             "scaler_enabled": self.scaler.enabled,
             "runtime": None if self._runtime is None else self._runtime.state_dict(),
@@ -265,6 +320,7 @@ class PlanKeeper:
         self.changes = [PrecisionChange.from_dict(c) for c in state["changes"]]
         self._policy = PolicyState.from_dict(state)
         self._window_nonfinite = dict(state["window_nonfinite"])
+        self._window_skipped = state.get("window_skipped", 0)  # absent from states saved before it was added
         plan = None if state["plan"] is None else Plan.from_dict(state["plan"])
         self.drop_runtime()
         if plan is not None:

@@ -39,8 +39,7 @@ from .calls import ModelCall, loss_of
 from .coverage import LayerInfo
 from .distributed import RankAgreement, grad_comm_format, unwrap_ddp
 from .errors import AutoprecError, InfeasibleBudgetError, RuntimeStateError, SettingsError
-from .lifecycle import CAPTURED_STEPS, WindowClock
-from .measure import SavedTensorMeter
+from .lifecycle import WindowClock
 from .plan import Plan
 from .plan_keeper import PlanKeeper
 from .policy import PrecisionChange
@@ -50,12 +49,12 @@ from .scheduler_state import LATER_STATE, STATE_VERSION, check_state, check_stat
 from .search.steps import SearchSteps
 from .search.training import TrainingSearch
 from .sensitivity import adam_second_moment
-from .sensitivity.capture import GradientCapture, LinearisedLoss
+from .sensitivity.capture import LinearisedLoss
 from .step_checks import StepChecks
+from .window_measures import WindowMeasures
 
 if TYPE_CHECKING:
     from .monitoring import TrainingWriter
-    from .profiling import LayerProfiler
 
 __all__ = ["DynamicPrecisionScheduler", "SchedulerConfig", "LossScaling", "Thresholds", "PrecisionChange"]
 
@@ -93,22 +92,12 @@ class DynamicPrecisionScheduler:
         self._example: Optional[ModelCall] = None
         self._pending_state: Optional[Mapping[str, Any]] = None  # loaded before binding: applied on bind
         self._reusing_weights = False  # inside reusing_weights(): step() is refused
-        self._profiler: "Optional[LayerProfiler]" = None
-        self._loss_sum: Optional[torch.Tensor] = None
-        self._loss_count = 0
+        self._measures = WindowMeasures(config)  # the profiler, the loss baseline, metered bytes, captured steps
         self._last_loss: Optional[torch.Tensor] = None
-        self._capture = GradientCapture(keep=CAPTURED_STEPS)  # the sensitivity estimate's batches
-        self._meter_bytes: Optional[int] = None
-        self._meter_next = False
-        self._window_skipped = 0  # optimizer steps skipped in this window: such a window is never quiet
         self._optimizers: tuple = ()  # the last step()'s
         self._output_checked = False  # the first forward's output holds a prediction (dynamic only)
         self._context_stack: Optional[contextlib.ExitStack] = None
         self._backward_due = False  # a forward with autograd ran since the last backward
-        # Per-layer output checks (`LossScaler.watch_outputs`: one reduction per layer call) are
-        # armed only after a loss went non-finite, and disarmed after a window without one: clean
-        # training does not pay them.
-        self._nonfinite_losses = 0  # this window's
         self._writer: "Optional[TrainingWriter]" = None
 
     @classmethod
@@ -218,12 +207,7 @@ class DynamicPrecisionScheduler:
         self._backward_due = False
         self._searches.before_backward(loss)  # a probe step: hook the autograd nodes of each layer
         if self.phase == "profiling":
-            # (sum of the finite losses, how many were finite): a NaN batch must not make the
-            # baseline NaN (it would switch the accuracy budget off). No host sync.
-            finite = torch.isfinite(detached)
-            entry = torch.stack([torch.where(finite, detached, torch.zeros_like(detached)), finite.float()])
-            self._loss_sum = entry if self._loss_sum is None else self._loss_sum + entry
-            self._loss_count += 1
+            self._measures.record_loss(detached)
         return self.scaler.scale(loss)
 
     @contextlib.contextmanager
@@ -264,34 +248,15 @@ class DynamicPrecisionScheduler:
         for i, optimizer in enumerate(optimizers):
             self._checks.check_optimizer(i, optimizer, self._bound)
         self._optimizers = optimizers  # a search starting this step reads their Adam state
-        if self._profiler is not None and self._profiler.collecting:
-            self._profiler.step()
-        scaler = self.scaler
-        verdict = self._dist.agree_on_step(scaler, optimizers, self._last_loss) if self._dist is not None else None
-        for optimizer in optimizers:
-            if self.config.max_grad_norm is not None:
-                scaler.clip_grad_norm_(optimizer, self.config.max_grad_norm)
-            scaler.step(optimizer)
-        scaler.update()  # fills the attribution below, on an overflowing iteration only
-        skipped = scaler.last_overflowed
-        nonfinite = scaler.last_nonfinite_layers
-        first_bad_output = scaler.first_nonfinite_output if scaler.last_loss_finite is False else None
-        if verdict is not None:  # every rank's flags, reduced: the same on all ranks
-            nonfinite, first_bad_output = verdict.layers, verdict.first_output if verdict.loss_ranks else None
-            if skipped:
-                # Without loss scaling an inf is never the scale's doing: warn.
-                logger.log(logging.INFO if scaler.enabled else logging.WARNING, "autoprec: step %d skipped on all %d ranks: %s", self.step_count, self._dist.world if self._dist is not None else 1, verdict.describe())
-        loss_nonfinite = bool(verdict.loss_ranks) if verdict is not None else scaler.last_loss_finite is False
+        self._measures.step()
+        outcome = self._plans.step(optimizers, loss=self._last_loss, agreement=self._dist, max_grad_norm=self.config.max_grad_norm, step=self.step_count)
+        skipped = outcome.skipped
         self.step_count += 1
-        self._window_skipped += int(skipped)
-        self._checks.count_skips(skipped, nonfinite, self.step_count, self.plan, scaler, self.config.loss_scaling.min_scale)
-        if loss_nonfinite:  # on every rank alike: they arm and disarm the watch at the same steps
-            self._nonfinite_losses += 1
-            scaler.watch_outputs(True)  # the next non-finite loss names the layer whose output went first
+        self._checks.count_skips(skipped, outcome.nonfinite, self.step_count, self.plan, self.scaler, self.config.loss_scaling.min_scale)
         if self._writer is not None:
-            self._writer.log_step(self.step_count, loss=self._last_loss, loss_scale=scaler.scale_tensor, skipped=skipped)
+            self._writer.log_step(self.step_count, loss=self._last_loss, loss_scale=self.scaler.scale_tensor, skipped=skipped)
         if self.config.dynamic and self.plan is not None:
-            self._plans.on_nonfinite(nonfinite, first_bad_output, self.step_count)
+            self._plans.on_nonfinite(outcome.nonfinite, outcome.first_bad_output, self.step_count)
         if self._searches.end_step(skipped, safe=self.plan is None, agreement=self._dist):
             self._finish_search()
         self._advance()
@@ -332,8 +297,7 @@ class DynamicPrecisionScheduler:
                     "that forward ran at FP32 and unprofiled; the scheduler's precision applies from the next forward on", type(model).__name__)
         self._enter_step(self._stack)
         self._check_output(module, args, kwargs, output)
-        if self._capture.armed:  # this call is one of the window's captured steps
-            self._capture.observe(module, args, kwargs, output)
+        self._measures.observe(module, args, kwargs, output)  # when it is one of the window's captured steps
 
     def _attach(self, model: nn.Module, example: ModelCall) -> None:
         """Take ``model`` and its example call: find the layers, join the other ranks, open the
@@ -351,6 +315,7 @@ class DynamicPrecisionScheduler:
             from .monitoring import TrainingWriter
 
             self._writer = TrainingWriter(self.config.log_dir, flush_every=min(100, self.config.monitor_window))
+        self._measures.bind(model, example, self.layers)
         config = self.config
         self._plans.bind(model, self.layers, writer=self._writer,
                          on_plan=None if dist is None else lambda plan: dist.set_grad_comm(grad_comm_format(config, plan)))
@@ -365,7 +330,7 @@ class DynamicPrecisionScheduler:
         else:
             self._plans.install_safe(self.step_count)  # the profiling window's precision; the plan stays None
         if self.config.dynamic and self._fixed_plan is None:
-            self._start_profiler(self.config.monitor_window)
+            self._measures.start_profiler(self.config.monitor_window)
         self._maybe_start_monitor()
         logger.info("autoprec: bound to %s with %d layers", type(model).__name__, len(self.layers))
 
@@ -377,13 +342,7 @@ class DynamicPrecisionScheduler:
         runtime = self._plans.runtime
         if not self._searches.enter_step(stack, self._bound, self.layers) and runtime is not None:
             stack.enter_context(runtime)
-        if self._meter_next:
-            metered = stack.enter_context(SavedTensorMeter(list(self._bound.parameters())))
-            stack.callback(lambda: setattr(self, "_meter_bytes", metered.total_bytes))
-            self._meter_next = False
-        if self.config.dynamic and self._clock.captures(self.step_count):
-            self._capture.arm(self._bound)
-            stack.callback(self._capture.disarm)
+        self._measures.enter_step(stack, capture=self.config.dynamic and self._clock.captures(self.step_count))
 
     def _check_output(self, module, args, kwargs, output) -> None:
         """The first forward's output holds a prediction (`_binding.check_prediction`), for a
@@ -396,16 +355,6 @@ class DynamicPrecisionScheduler:
 
     # -- windows --------------------------------------------------------------------------------
 
-    def _start_profiler(self, window: int) -> None:
-        from .profiling import LayerProfiler, with_grad_formats
-
-        formats = with_grad_formats(self.config.candidates)
-        profiler = LayerProfiler(self._bound, self._example, formats=formats, window=window)
-        if set(profiler.layers) != set(self.layers):
-            profiler = LayerProfiler(self._bound, self._example, formats=formats, window=window, module_filter=lambda m, fqn: fqn in self.layers)
-        profiler.attach()
-        self._profiler = profiler
-
     def _advance(self) -> None:
         if not self.config.dynamic:
             return
@@ -414,7 +363,7 @@ class DynamicPrecisionScheduler:
             self._retry()
             return
         if tick.meter_next:
-            self._meter_next = True  # measure the saved bytes of the window's last step
+            self._measures.meter_next_step()  # measure the saved bytes of the window's last step
         if not tick.window_end:
             self._maybe_start_monitor()
             return
@@ -422,29 +371,18 @@ class DynamicPrecisionScheduler:
             modules = dict(self._bound.named_modules())
             grads = {fqn: p.grad for fqn in self.layers for p in modules[fqn].parameters(recurse=False) if p.dim() >= 2 and p.grad is not None}
             self._writer.log_grad_histograms(self.step_count, grads)
-        if self._dist is not None:  # every rank's statistics before rank 0 decides
-            reduced = self._dist.reduce_window(self._profiler, self._loss_sum if self.plan is None else None)
-            if self.plan is None and reduced is not None:
-                self._loss_sum, self._loss_count = reduced, self._loss_count * self._dist.world
-        profiler, self._profiler = self._profiler, None
-        if profiler is not None:
-            profiler.detach()
-        # On every rank: the accumulators were reduced, so every rank's profile is the same.
-        profile = profiler.profile() if profiler is not None and profiler.steps else None
+        # Every rank's statistics before rank 0 decides: every rank's profile is the same.
+        profile = self._measures.end_window(self._dist, with_loss=self.plan is None)
         if self.plan is None:
             self._start_search(profile)
             return
         self._plans.recalibrate_int8()  # on every rank, before the review
-        self._decide_on_every_rank(lambda: self._plans.review_window(profile, self.step_count, self._window_skipped, self._meter_bytes))
+        self._decide_on_every_rank(lambda: self._plans.review_window(profile, self.step_count, self._measures.measured_bytes))
         self._next_window()
 
     def _next_window(self) -> None:
         self._clock = self._clock.next_window(self.step_count)
         self._plans.new_window()
-        self._window_skipped = 0
-        if not self._nonfinite_losses:
-            self.scaler.watch_outputs(False)
-        self._nonfinite_losses = 0
         self._maybe_start_monitor()
 
     def _retry(self) -> None:
@@ -453,31 +391,22 @@ class DynamicPrecisionScheduler:
         waited (`WindowClock.failed`); this profiles one fresh window, whose end searches again."""
         logger.info("autoprec: step %d: profiling again after a failed search (%d in a row): %s", self.step_count, self._clock.failures, self.last_search_error)
         self.last_search_error = None
-        self._plans.new_window()
-        self._window_skipped = 0
-        self._loss_sum, self._loss_count = None, 0
-        self._capture.clear()
-        self._start_profiler(self.config.monitor_window)
+        self._plans.new_window(retry=True)
+        self._measures.restart(self.config.monitor_window)
 
     def _maybe_start_monitor(self) -> None:
         """Profile the last ``monitor_steps`` steps of each planned window."""
-        if self.config.dynamic and self._profiler is None and self._clock.monitors(self.step_count):
-            self._start_profiler(self.config.profiled_steps)
+        if self.config.dynamic and not self._measures.profiling and self._clock.monitors(self.step_count):
+            self._measures.start_profiler(self.config.profiled_steps)
 
     # -- the search -----------------------------------------------------------------------------
 
     def _start_search(self, profile) -> None:
         """The first window's search (see the module doc), spread over the next training steps
         (`search.steps`); rank 0 does its off-path work."""
-        loss = None
-        if self._loss_count and self._loss_sum is not None:
-            total, finite = (float(v) for v in self._loss_sum)  # one host sync per search
-            if finite < self._loss_count:
-                logger.warning("autoprec: step %d: %d of the window's %d losses were NaN / inf; the baseline loss is the mean of the other %d",
-                               self.step_count, self._loss_count - int(finite), self._loss_count, int(finite))
-            loss = total / finite if finite else None
-        search = self._new_search(profile, loss, median_step=self._searches.median_safe_step,
-                                  safe_bytes=None if self._meter_bytes is None else (self._plans.safe_format, self._meter_bytes))
+        measured = self._measures.measured_bytes
+        search = self._new_search(profile, self._measures.baseline_loss(self.step_count), median_step=self._searches.median_safe_step,
+                                  safe_bytes=None if measured is None else (self._plans.safe_format, measured))
         logger.info("autoprec: step %d: searching over the next training steps (%d probe steps, then the candidates)", self.step_count, search.probe_steps)
         if self._searches.advance(self._dist):  # its first slice in this step
             self._finish_search()
@@ -488,7 +417,7 @@ class DynamicPrecisionScheduler:
         armed = self.scaler.watching_outputs
         self.scaler.watch_outputs(False)  # its hooks must not be copied into the search's snapshot
         try:
-            search = self._searches.start(self._bound, self._example, self._capture.batches(), LinearisedLoss(), profile, baseline_loss,
+            search = self._searches.start(self._bound, self._example, self._measures.captured(), LinearisedLoss(), profile, baseline_loss,
                                           fingerprint=self._fingerprint, step=self.step_count, lead=lead, restore=restore,
                                           second_moment=adam_second_moment(self._bound, self._optimizers) if lead else None, **kwargs)
         finally:
@@ -514,7 +443,7 @@ class DynamicPrecisionScheduler:
             self._decide_on_every_rank(decide)
         finally:
             search.close()
-            self._capture.clear()
+            self._measures.clear_captured()
         logger.info("autoprec: step %d: %s", self.step_count, search.summary())
         if self._writer is not None:
             self._writer.log_search(self.step_count, search.timeline, longest_step_ratio=search.longest_step / search.median_step if search.median_step else None)
@@ -548,7 +477,7 @@ class DynamicPrecisionScheduler:
         """Take rank 0's decision as this rank's own."""
         self.last_search_error = decision["last_search_error"]
         self._clock = WindowClock(**decision["clock"])  # every rank retries, and starts windows, at one step
-        self._capture.clear()  # rank 0's search consumed its own; these are spent too
+        self._measures.clear_captured()  # rank 0's search consumed its own; these are spent too
         self._plans.adopt(decision, self.step_count)
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -563,14 +492,9 @@ class DynamicPrecisionScheduler:
             "example": None if self._example is None else self._example.to_state(),
             **self._plans.state_dict(),  # the plans, changes, policy, window counts, scaler, runtime
             "last_search_error": self.last_search_error,
-            "window_skipped": self._window_skipped,
             "search_failures": self._clock.failures,
             "retry_at": self._clock.retry_at,
-            "loss_sum": self._loss_sum,
-            "loss_count": self._loss_count,
-            "captured": self._capture.state_dict(),
-            "meter_next": self._meter_next,
-            "profiler": None if self._profiler is None else {"window": self._profiler.window, "state": self._profiler.state_dict()},
+            **self._measures.state_dict(),  # the loss baseline, captured steps, metering, profiler
             **self._searches.state_dict(),  # the search in progress, the known times
         }
 
@@ -591,19 +515,10 @@ class DynamicPrecisionScheduler:
             self._attach(self.model, ModelCall.from_state(state["example"]))  # plan, scaler and profiler come from the state below
         self.step_count = state["step"]
         self.last_search_error = state["last_search_error"]
-        self._window_skipped, failures, retry_at, search, known = (state.get(k, d) for k, d in LATER_STATE.items())
+        _, failures, retry_at, search, known = (state.get(k, d) for k, d in LATER_STATE.items())
         self._searches.load_known_times(known)
-        self._loss_sum, self._loss_count = state["loss_sum"], state["loss_count"]
-        self._capture.load_state_dict(state["captured"])
-        self._meter_next = state["meter_next"]
         self._plans.load_state_dict(state, self.step_count)
-        if self._profiler is not None:
-            self._profiler.detach()
-            self._profiler = None
-        if state["profiler"] is not None:
-            self._start_profiler(state["profiler"]["window"])
-            if self._profiler is not None:
-                self._profiler.load_state_dict(state["profiler"]["state"])
+        self._measures.load_state_dict(state)  # after the plan's runtime, as at bind
         self._searches.close()
         phase = "planned" if self.plan is not None else "searching" if search is not None else "safe" if self.last_search_error is not None else "profiling"
         self._clock = WindowClock(self.config.monitor_window, self.config.profiled_steps, phase, state["window_start"], failures, retry_at)
@@ -616,9 +531,7 @@ class DynamicPrecisionScheduler:
         """Remove hooks and the plan's layer wrappers, and flush the TensorBoard writer."""
         self._searches.close()
         self._plans.close()
-        if self._profiler is not None:
-            self._profiler.detach()
-        self._capture.disarm()
+        self._measures.close()
         if self._writer is not None:
             self._writer.close()
             self._writer = None
