@@ -81,6 +81,7 @@ class PlanKeeper:
         self._runtime: "Optional[PlanRuntime]" = None
         self._policy = PolicyState()
         self._window_nonfinite: dict[str, int] = {}
+        self._reusing = False  # inside reusing_weights(): the weights must not change
         self._window_skipped = 0  # optimizer steps skipped in this window: such a window is never quiet
         self._nonfinite_losses = 0  # this window's: the output checks stay armed while there are some
         self._model: Optional[nn.Module] = None
@@ -156,9 +157,22 @@ class PlanKeeper:
             self._runtime.remove()
             self._runtime = None
 
-    def reusing_weights(self) -> contextlib.AbstractContextManager:
-        """`PlanRuntime.reusing_weights` of the runtime in force (a pass-through without one)."""
-        return self._runtime.reusing_weights() if self._runtime is not None else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def reusing_weights(self):
+        """`PlanRuntime.reusing_weights` of the runtime in force (a pass-through without one);
+        `reusing` inside."""
+        runtime = self._runtime
+        self._reusing = True
+        try:
+            with runtime.reusing_weights() if runtime is not None else contextlib.nullcontext():
+                yield
+        finally:
+            self._reusing = False
+
+    @property
+    def reusing(self) -> bool:
+        """Inside `reusing_weights`: nothing may write the weights (no optimizer step)."""
+        return self._reusing
 
     def recalibrate_int8(self) -> None:
         """Re-calibrate the INT8 layers' scales (at a planned window's end)."""

@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from ._binding import ModelWatch, bindable_layers, check_layers, check_materialised, check_prediction, unbound_exit
+from ._binding import Binding, bindable_layers, check_layers, check_materialised, unbound_exit
 from .calls import ModelCall, loss_of
 from .coverage import LayerInfo
-from .distributed import RankAgreement, grad_comm_format, unwrap_ddp
-from .errors import AutoprecError, InfeasibleBudgetError, RuntimeStateError, SettingsError
+from .distributed import RankAgreement, grad_comm_format
+from .errors import InfeasibleBudgetError, RuntimeStateError, SettingsError
 from .lifecycle import WindowClock
 from .plan import Plan
 from .plan_keeper import PlanKeeper
@@ -48,8 +48,6 @@ from .scheduler_config import SchedulerConfig, Thresholds, config_of
 from .scheduler_state import LATER_STATE, STATE_VERSION, check_state, check_state_fits
 from .search.steps import SearchSteps
 from .search.training import TrainingSearch
-from .sensitivity import adam_second_moment
-from .sensitivity.capture import LinearisedLoss
 from .step_checks import StepChecks
 from .window_measures import WindowMeasures
 
@@ -76,8 +74,8 @@ class DynamicPrecisionScheduler:
             raise SettingsError("DynamicPrecisionScheduler(dynamic=False) needs plan=...; use DynamicPrecisionScheduler.from_plan(model, path)")
         if model is not None and not isinstance(model, nn.Module):
             raise SettingsError(f"DynamicPrecisionScheduler(model={model!r}): expected the torch.nn.Module being trained, or None to bind to the model run in the first precision_context()")
-        # Under DDP the plan is the inner module's (its fqns); the wrapper carries the comm hook.
-        self.model, self._ddp = unwrap_ddp(model)
+        # The model, its DDP wrapper (the plan is the inner module's), its first call.
+        self._binding = Binding(model, check_output=config.dynamic and plan is None)
         self._dist: Optional[RankAgreement] = None  # set on bind inside a process group
         self.layers: tuple[str, ...] = ()
         self._fingerprint: Mapping[str, LayerInfo] = {}  # the bound model's layers, saved in state_dict
@@ -89,13 +87,9 @@ class DynamicPrecisionScheduler:
         self._checks = StepChecks()
         self.last_search_error: Optional[str] = None
         self._fixed_plan = plan
-        self._example: Optional[ModelCall] = None
-        self._pending_state: Optional[Mapping[str, Any]] = None  # loaded before binding: applied on bind
-        self._reusing_weights = False  # inside reusing_weights(): step() is refused
         self._measures = WindowMeasures(config)  # the profiler, the loss baseline, metered bytes, captured steps
         self._last_loss: Optional[torch.Tensor] = None
         self._optimizers: tuple = ()  # the last step()'s
-        self._output_checked = False  # the first forward's output holds a prediction (dynamic only)
         self._context_stack: Optional[contextlib.ExitStack] = None
         self._backward_due = False  # a forward with autograd ran since the last backward
         self._writer: "Optional[TrainingWriter]" = None
@@ -115,7 +109,7 @@ class DynamicPrecisionScheduler:
         """"unbound" (before the first forward), "profiling" (the first window), "searching" (the
         steps after it, while the search runs: `search.training`), "planned", or "safe" (the search
         failed, see `last_search_error`: training stays at the safe precision)."""
-        if self._example is None:
+        if self._binding.example is None:
             return "unbound"
         return self._clock.phase
 
@@ -123,6 +117,16 @@ class DynamicPrecisionScheduler:
     def window_start(self) -> int:
         """The step the current window started at (`lifecycle.WindowClock`)."""
         return self._clock.window_start
+
+    @property
+    def model(self) -> Optional[nn.Module]:
+        """The model trained (None until bound, unless given as ``model=``); an integration may
+        set it before binding."""
+        return self._binding.model
+
+    @model.setter
+    def model(self, model: Optional[nn.Module]) -> None:
+        self._binding.use_model(model)
 
     @property
     def plan(self) -> Optional[Plan]:
@@ -148,13 +152,6 @@ class DynamicPrecisionScheduler:
     def distributed(self) -> Optional[RankAgreement]:
         """The `RankAgreement` with the other ranks (None outside a process group or before bind)."""
         return self._dist
-
-    @property
-    def _bound(self) -> nn.Module:
-        """The bound model: what every step after the first forward runs."""
-        if self.model is None:
-            raise RuntimeStateError("the scheduler is not bound to a model yet: run the model inside precision_context() first")
-        return self.model
 
     @property
     def _stack(self) -> contextlib.ExitStack:
@@ -183,12 +180,13 @@ class DynamicPrecisionScheduler:
         stack = contextlib.ExitStack()
         self._context_stack = stack
         try:
-            if self._example is not None:
+            if self._binding.example is not None:
                 self._enter_step(stack)
-            stack.enter_context(self._model_watch())
+            stack.enter_context(self._binding.watch(bind=self._bind, resume=self.load_state_dict, enter=lambda: self._enter_step(self._stack),
+                                                    observe=self._measures.observe))  # a captured step's call, when bound at its end
             self._backward_due = torch.is_grad_enabled()
             yield self
-            if self._example is None:
+            if self._binding.example is None:
                 raise RuntimeStateError(unbound_exit(self.model))
         finally:
             self._context_stack = None
@@ -199,7 +197,7 @@ class DynamicPrecisionScheduler:
         ``scheduler.scale(loss).backward()``. Records the loss (the first window's mean anchors a
         relative accuracy budget). ``loss`` may be the model's output with a ``loss`` field
         (`calls.loss_of`). No host sync."""
-        if self._example is None:
+        if self._binding.example is None:
             raise RuntimeStateError("backward() or scale() before any forward ran inside precision_context()")
         loss = loss_of(loss)
         detached = loss.detach().float()
@@ -221,12 +219,8 @@ class DynamicPrecisionScheduler:
         ``with scheduler.reusing_weights(): for micro in micro_batches: ...forward, backward``
         then ``scheduler.step(optimizer)`` after the block.
         """
-        self._reusing_weights = True
-        try:
-            with self._plans.reusing_weights():
-                yield
-        finally:
-            self._reusing_weights = False
+        with self._plans.reusing_weights():
+            yield
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``loss.backward()`` on the scaled loss (call once per micro-batch). No host sync."""
@@ -239,14 +233,14 @@ class DynamicPrecisionScheduler:
         of ``8 * (optimizers + 1 + 2 * layers)`` bytes and one host transfer (`autoprec.distributed`)."""
         if not optimizers:
             raise RuntimeStateError("step() needs the optimizer(s): scheduler.step(optimizer)")
-        if self._reusing_weights:
+        if self._plans.reusing:
             raise RuntimeStateError("step() inside reusing_weights(): the optimizer writes the weights; end that block before scheduler.step(optimizer)")
-        if self._example is None:
+        if self._binding.example is None:
             raise RuntimeStateError("step() before any forward ran inside precision_context()")
         if self._backward_due:
             raise RuntimeStateError("step() after a forward but before its backward: call scheduler.backward(loss) (or scheduler.scale(loss).backward()) before scheduler.step(optimizer)")
         for i, optimizer in enumerate(optimizers):
-            self._checks.check_optimizer(i, optimizer, self._bound)
+            self._checks.check_optimizer(i, optimizer, self._binding.bound)
         self._optimizers = optimizers  # a search starting this step reads their Adam state
         self._measures.step()
         outcome = self._plans.step(optimizers, loss=self._last_loss, agreement=self._dist, max_grad_norm=self.config.max_grad_norm, step=self.step_count)
@@ -264,50 +258,14 @@ class DynamicPrecisionScheduler:
 
     # -- binding --------------------------------------------------------------------------------
 
-    def _model_watch(self) -> ModelWatch:
-        """This context's `ModelWatch`, with the binding for the case at hand (module doc, step 1)."""
-        if self._example is not None:
-            return ModelWatch(self._ddp if self._ddp is not None else self.model, bound_before=True)
-        if self.model is not None:  # model=: its own pre-hook sees the keyword inputs before it runs
-            return ModelWatch(self._ddp if self._ddp is not None else self.model, at_start=self._bind_at_start)
-        if self._pending_state is not None:  # the saved example call: bind before the first forward
-            return ModelWatch(at_start=self._bind_resumed)
-        return ModelWatch(at_end=self._bind_at_end)
-
-    def _bind_at_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self._bind(self._bound, ModelCall.capture(args, kwargs))
-        self._enter_step(self._stack)
-
-    def _bind_resumed(self, module: nn.Module, args: tuple, kwargs: None) -> None:
-        state, self._pending_state = self._pending_state, None
-        if state is None:
-            raise RuntimeStateError("no saved state to bind with")  # installed only while one is pending
-        self.model, self._ddp = unwrap_ddp(module)
-        try:
-            self.load_state_dict(state)
-        except BaseException:  # a state for another model: stay unbound, as before the call
-            self.model, self._ddp, self._pending_state = None, None, state
-            raise
-        self._enter_step(self._stack)
-
-    def _bind_at_end(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        model, self._ddp = unwrap_ddp(module)
-        self._bind(model if model is not None else module, ModelCall.capture(args, kwargs))
-        logger.info("autoprec: bound to %s at the end of its first call (a model's keyword inputs are seen only then): "
-                    "that forward ran at FP32 and unprofiled; the scheduler's precision applies from the next forward on", type(model).__name__)
-        self._enter_step(self._stack)
-        self._check_output(module, args, kwargs, output)
-        self._measures.observe(module, args, kwargs, output)  # when it is one of the window's captured steps
-
     def _attach(self, model: nn.Module, example: ModelCall) -> None:
         """Take ``model`` and its example call: find the layers, join the other ranks, open the
         TensorBoard writer, give the plan keeper the model."""
-        self.model = model
-        self._example = example
+        self._binding.attach(model, example)
         self._fingerprint = bindable_layers(model, example)
         self.layers = tuple(self._fingerprint)
         check_layers(model, self.layers, self.config)
-        self._dist = dist = RankAgreement.join(self.config, model, self.layers, self._ddp)
+        self._dist = dist = RankAgreement.join(self.config, model, self.layers, self._binding.ddp)
         if dist is not None:
             dist.check_bind(self.config, self._fixed_plan)
             dist.set_grad_comm(grad_comm_format(self.config, None))
@@ -320,7 +278,8 @@ class DynamicPrecisionScheduler:
         self._plans.bind(model, self.layers, writer=self._writer,
                          on_plan=None if dist is None else lambda plan: dist.set_grad_comm(grad_comm_format(config, plan)))
 
-    def _bind(self, model: nn.Module, example: ModelCall) -> None:
+    def _bind(self, model: nn.Module, example: ModelCall, at_end: bool) -> None:
+        """Bind afresh to ``model`` by its call ``example`` (``at_end``: that call ran unplanned)."""
         check_materialised(model)
         if self._fixed_plan is not None:
             self._fixed_plan.validate(model, example)  # a plan for another model: PlanError naming each layer
@@ -333,25 +292,17 @@ class DynamicPrecisionScheduler:
             self._measures.start_profiler(self.config.monitor_window)
         self._maybe_start_monitor()
         logger.info("autoprec: bound to %s with %d layers", type(model).__name__, len(self.layers))
+        if at_end:
+            logger.info("autoprec: bound to %s at the end of its first call (a model's keyword inputs are seen only then): "
+                        "that forward ran at FP32 and unprofiled; the scheduler's precision applies from the next forward on", type(model).__name__)
 
     def _enter_step(self, stack: contextlib.ExitStack) -> None:
-        if not self._output_checked:  # once: the first forward under the scheduler
-            handle = self._bound.register_forward_hook(self._check_output, with_kwargs=True)
-            stack.callback(handle.remove)
+        self._binding.check_first_output(stack)  # once: the first forward under the scheduler holds a prediction
         # A probe or trial step of the search runs its runtime instead of the plan's.
         runtime = self._plans.runtime
-        if not self._searches.enter_step(stack, self._bound, self.layers) and runtime is not None:
+        if not self._searches.enter_step(stack, self._binding.bound, self.layers) and runtime is not None:
             stack.enter_context(runtime)
         self._measures.enter_step(stack, capture=self.config.dynamic and self._clock.captures(self.step_count))
-
-    def _check_output(self, module, args, kwargs, output) -> None:
-        """The first forward's output holds a prediction (`_binding.check_prediction`), for a
-        dynamic scheduler."""
-        if self._output_checked:
-            return
-        self._output_checked = True
-        if self.config.dynamic and self._fixed_plan is None:
-            check_prediction(module, output)
 
     # -- windows --------------------------------------------------------------------------------
 
@@ -367,12 +318,8 @@ class DynamicPrecisionScheduler:
         if not tick.window_end:
             self._maybe_start_monitor()
             return
-        if self._writer is not None:  # once per window: one sync for all layers' histograms
-            modules = dict(self._bound.named_modules())
-            grads = {fqn: p.grad for fqn in self.layers for p in modules[fqn].parameters(recurse=False) if p.dim() >= 2 and p.grad is not None}
-            self._writer.log_grad_histograms(self.step_count, grads)
         # Every rank's statistics before rank 0 decides: every rank's profile is the same.
-        profile = self._measures.end_window(self._dist, with_loss=self.plan is None)
+        profile = self._measures.end_window(self._dist, with_loss=self.plan is None, writer=self._writer, step=self.step_count)
         if self.plan is None:
             self._start_search(profile)
             return
@@ -401,56 +348,41 @@ class DynamicPrecisionScheduler:
 
     # -- the search -----------------------------------------------------------------------------
 
-    def _start_search(self, profile) -> None:
-        """The first window's search (see the module doc), spread over the next training steps
-        (`search.steps`); rank 0 does its off-path work."""
-        measured = self._measures.measured_bytes
-        search = self._new_search(profile, self._measures.baseline_loss(self.step_count), median_step=self._searches.median_safe_step,
-                                  safe_bytes=None if measured is None else (self._plans.safe_format, measured))
-        logger.info("autoprec: step %d: searching over the next training steps (%d probe steps, then the candidates)", self.step_count, search.probe_steps)
-        if self._searches.advance(self._dist):  # its first slice in this step
-            self._finish_search()
-
-    def _new_search(self, profile, baseline_loss: Optional[float], restore: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> TrainingSearch:
-        """A search (``restore``: a checkpoint's, continued) on the captured batches."""
-        lead = self._dist is None or self._dist.rank == 0
-        armed = self.scaler.watching_outputs
-        self.scaler.watch_outputs(False)  # its hooks must not be copied into the search's snapshot
-        try:
-            search = self._searches.start(self._bound, self._example, self._measures.captured(), LinearisedLoss(), profile, baseline_loss,
-                                          fingerprint=self._fingerprint, step=self.step_count, lead=lead, restore=restore,
-                                          second_moment=adam_second_moment(self._bound, self._optimizers) if lead else None, **kwargs)
-        finally:
-            self.scaler.watch_outputs(armed)
+    def _start_search(self, profile, restore: Optional[Mapping[str, Any]] = None) -> None:
+        """The first window's search (see the module doc; ``restore``: a checkpoint's, continued),
+        spread over the next training steps (`search.steps`); rank 0 does its off-path work."""
+        measured, lead = self._measures.measured_bytes, self._dist is None or self._dist.rank == 0
+        kwargs = {} if restore is not None else {"median_step": self._searches.median_safe_step,
+                                                 "safe_bytes": None if measured is None else (self._plans.safe_format, measured)}
+        self._searches.start(self._binding.bound, self._binding.example, self._measures.captured(), profile,
+                             restore["baseline_loss"] if restore is not None else self._measures.baseline_loss(self.step_count),
+                             fingerprint=self._fingerprint, step=self.step_count, lead=lead, scaler=self.scaler, optimizers=self._optimizers, restore=restore, **kwargs)
         self._clock = self._clock.searching()
-        return search
+        if restore is None and self._searches.advance(self._dist):  # its first slice in this step
+            self._finish_search()
 
     def _finish_search(self) -> None:
         """Adopt the search's result (on rank 0; the others adopt rank 0's decision), or keep the
         safe precision on failure; log its timeline."""
         search = self._searches.take()
-
-        def decide():
-            if search.error is not None:
-                self._search_failed(search.error)
-            else:
-                self._clock = self._clock.planned(self.step_count)
-                self._plans.install(search.result, f"searched after {search.started} steps, tried on {search.steps} training steps", self.step_count, runtime=search.take_runtime())
-                if self._writer is not None:
-                    self._writer.log_memory(self.step_count, predicted_bytes=search.result.predicted.get("bytes"), measured_bytes=search.result.measured.get("saved_bytes"))
-
         try:
-            self._decide_on_every_rank(decide)
+            self._decide_on_every_rank(lambda: self._adopt_search(search))
         finally:
             search.close()
             self._measures.clear_captured()
-        logger.info("autoprec: step %d: %s", self.step_count, search.summary())
-        if self._writer is not None:
-            self._writer.log_search(self.step_count, search.timeline, longest_step_ratio=search.longest_step / search.median_step if search.median_step else None)
+        self._searches.report(search, self.step_count, self._writer)
         self._next_window()
 
-    def _search_failed(self, exc: AutoprecError) -> None:
-        """Keep the safe precision; retry later unless no plan meets the budgets (module doc)."""
+    def _adopt_search(self, search: TrainingSearch) -> None:
+        """Its plan in force; or on failure the safe precision, retried later unless no plan meets
+        the budgets (module doc)."""
+        if search.error is None and search.result is not None:
+            self._clock = self._clock.planned(self.step_count)
+            self._plans.install(search.result, f"searched after {search.started} steps, tried on {search.steps} training steps", self.step_count, runtime=search.take_runtime())
+            if self._writer is not None:
+                self._writer.log_memory(self.step_count, predicted_bytes=search.result.predicted.get("bytes"), measured_bytes=search.result.measured.get("saved_bytes"))
+            return
+        exc = search.error
         self.last_search_error = str(exc)
         final = isinstance(exc, InfeasibleBudgetError)  # the budgets do not change with the data
         self._clock = self._clock.failed(self.step_count, final=final)
@@ -489,7 +421,7 @@ class DynamicPrecisionScheduler:
             "fingerprint": {fqn: info.to_dict() for fqn, info in self._fingerprint.items()},
             "step": self.step_count,
             "window_start": self._clock.window_start,
-            "example": None if self._example is None else self._example.to_state(),
+            "example": None if self._binding.example is None else self._binding.example.to_state(),
             **self._plans.state_dict(),  # the plans, changes, policy, window counts, scaler, runtime
             "last_search_error": self.last_search_error,
             "search_failures": self._clock.failures,
@@ -508,11 +440,11 @@ class DynamicPrecisionScheduler:
         shapes, or one whose plan runs a format this scheduler's settings exclude."""
         check_state(state, set(self.state_dict()))
         if self.model is None:
-            self._pending_state = state
+            self._binding.hold(state)
             return
-        check_state_fits(state, self._bound, self.config, self._fixed_plan)
-        if self._example is None:
-            self._attach(self.model, ModelCall.from_state(state["example"]))  # plan, scaler and profiler come from the state below
+        check_state_fits(state, self._binding.bound, self.config, self._fixed_plan)
+        if self._binding.example is None:
+            self._attach(self._binding.bound, ModelCall.from_state(state["example"]))  # plan, scaler and profiler come from the state below
         self.step_count = state["step"]
         self.last_search_error = state["last_search_error"]
         _, failures, retry_at, search, known = (state.get(k, d) for k, d in LATER_STATE.items())
@@ -525,7 +457,7 @@ class DynamicPrecisionScheduler:
         if search is not None:
             from .profiling import Profile
 
-            self._new_search(None if search["profile"] is None else Profile.from_dict(search["profile"]), search["baseline_loss"], restore=search)
+            self._start_search(None if search["profile"] is None else Profile.from_dict(search["profile"]), restore=search)
 
     def close(self) -> None:
         """Remove hooks and the plan's layer wrappers, and flush the TensorBoard writer."""

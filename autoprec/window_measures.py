@@ -29,6 +29,7 @@ from .sensitivity.capture import GradientCapture
 
 if TYPE_CHECKING:
     from .distributed import RankAgreement
+    from .monitoring import TrainingWriter
     from .profiling import LayerProfiler, Profile
     from .scheduler_config import SchedulerConfig
 
@@ -85,10 +86,15 @@ class WindowMeasures:
         if self._profiler is not None and self._profiler.collecting:
             self._profiler.step()
 
-    def end_window(self, agreement: "Optional[RankAgreement]", with_loss: bool) -> "Optional[Profile]":
+    def end_window(self, agreement: "Optional[RankAgreement]", *, with_loss: bool, writer: "Optional[TrainingWriter]", step: int) -> "Optional[Profile]":
         """The window's profile (None when nothing was profiled), the profiler detached. Under
         torch.distributed (``agreement``) every rank's statistics, and with ``with_loss`` the
-        loss sums, are reduced first, so every rank's profile is the same."""
+        loss sums, are reduced first, so every rank's profile is the same. With a ``writer``:
+        the layers' gradient histograms at ``step``."""
+        if writer is not None:  # once per window: one sync for all layers' histograms
+            modules = dict(self._bound().named_modules())
+            grads = {fqn: p.grad for fqn in self._layers for p in modules[fqn].parameters(recurse=False) if p.dim() >= 2 and p.grad is not None}
+            writer.log_grad_histograms(step, grads)
         if agreement is not None:
             reduced = agreement.reduce_window(self._profiler, self._loss_sum if with_loss else None)
             if with_loss and reduced is not None:

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import math
 import statistics
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -31,13 +32,19 @@ from ..errors import RuntimeStateError, SearchError
 from ..measure import SavedTensorMeter
 from ..plan import Plan
 from ..runtime import EmulationWarning
+from ..sensitivity import adam_second_moment
+from ..sensitivity.capture import LinearisedLoss
 from .training import TrainingSearch
 
 if TYPE_CHECKING:
     from ..distributed import RankAgreement
+    from ..monitoring import TrainingWriter
+    from ..scaling import LossScaler
     from ..scheduler_config import SchedulerConfig
 
 __all__ = ["SearchSteps"]
+
+logger = logging.getLogger(__name__)
 
 
 class SearchSteps:
@@ -79,16 +86,27 @@ class SearchSteps:
             raise RuntimeStateError("no search is in progress")
         return self._search
 
-    def start(self, model: nn.Module, example: Any, batches: Sequence[Any], loss_fn: Callable, profile: Any, baseline_loss: Optional[float], *,
-              fingerprint: Mapping[str, Any], step: int, lead: bool, restore: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> TrainingSearch:
-        """A new `TrainingSearch` (``restore``: one resumed from its `state_dict`) using and
-        adding to `known_times`; ``lead``: this rank runs the off-path work (it fails at once
-        without captured ``batches`` to estimate on). Other keywords go to `TrainingSearch`."""
-        search = TrainingSearch(model, example, batches, loss_fn, profile, config=self.config, baseline_loss=baseline_loss,
-                                fingerprint=fingerprint, step=step, known=self._known_times, lead=lead, restore=restore, **kwargs)
+    def start(self, model: nn.Module, example: Any, batches: Sequence[Any], profile: Any, baseline_loss: Optional[float], *,
+              fingerprint: Mapping[str, Any], step: int, lead: bool, scaler: "LossScaler", optimizers: Sequence[torch.optim.Optimizer],
+              restore: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> TrainingSearch:
+        """A new `TrainingSearch` at ``step`` (``restore``: one resumed from its `state_dict`)
+        using and adding to `known_times`, on the captured ``batches``; ``lead``: this rank runs
+        the off-path work (it fails at once without ``batches`` to estimate on), with Adam's second
+        moment from ``optimizers``. ``scaler``'s output checks are paused while the lead copies
+        the model. Other keywords go to `TrainingSearch`."""
+        armed = scaler.watching_outputs
+        scaler.watch_outputs(False)  # its hooks must not be copied into the search's snapshot
+        try:
+            search = TrainingSearch(model, example, batches, LinearisedLoss(), profile, config=self.config, baseline_loss=baseline_loss,
+                                    fingerprint=fingerprint, step=step, known=self._known_times, lead=lead, restore=restore,
+                                    second_moment=adam_second_moment(model, optimizers) if lead else None, **kwargs)
+        finally:
+            scaler.watch_outputs(armed)
         self._search = search
         if lead and not batches and search.candidates is None:
             search.fail(SearchError("no output gradients were captured in the window's last steps; call scheduler.backward(loss) inside the loop"))
+        if restore is None:
+            logger.info("autoprec: step %d: searching over the next training steps (%d probe steps, then the candidates)", step, search.probe_steps)
         return search
 
     def enter_step(self, stack: contextlib.ExitStack, model: nn.Module, layers: Sequence[str]) -> bool:
@@ -163,6 +181,13 @@ class SearchSteps:
         """The search, done: the caller adopts its result (or error) and closes it."""
         search, self._search = self._running(), None
         return search
+
+    @staticmethod
+    def report(search: TrainingSearch, step: int, writer: "Optional[TrainingWriter]") -> None:
+        """Log a finished search's timeline (and to TensorBoard with ``writer``)."""
+        logger.info("autoprec: step %d: %s", step, search.summary())
+        if writer is not None:
+            writer.log_search(step, search.timeline, longest_step_ratio=search.longest_step / search.median_step if search.median_step else None)
 
     def close(self) -> None:
         """Drop a search in progress (its runtimes off the model, the step's timer removed)."""
