@@ -183,6 +183,8 @@ class Binding:
     """
 
     def __init__(self, model: Optional[nn.Module], *, check_output: bool):
+        if model is not None and not isinstance(model, nn.Module):
+            raise SettingsError(f"DynamicPrecisionScheduler(model={model!r}): expected the torch.nn.Module being trained, or None to bind to the model run in the first precision_context()")
         self.model, self.ddp = unwrap_ddp(model)
         self.example: Optional[ModelCall] = None
         self._pending: Optional[Mapping[str, Any]] = None  # loaded before binding: applied on bind

@@ -117,11 +117,12 @@ class PlanKeeper:
 
     # -- installing plans -------------------------------------------------------------------------
 
-    def install(self, plan: Plan, why: str, step: int, *, searched: bool = True, runtime: "Optional[PlanRuntime]" = None) -> None:
+    def install(self, plan: Plan, why: str, step: int, *, searched: bool = True, runtime: "Optional[PlanRuntime]" = None, log_memory: bool = False) -> None:
         """Put ``plan`` in force at ``step``: a new runtime (or ``runtime``, one already installed
         for it: a trial's) keeping the amax histories and calibration of layers whose precision did
         not change; the scaler switched on or off as the plan needs. ``searched``: the first such
-        plan is kept as `searched_plan`."""
+        plan is kept as `searched_plan`. ``log_memory``: its predicted and measured bytes to the
+        writer."""
         old = self._runtime
         if old is not None:
             old.remove()  # its layer wrappers off the model before the new plan's go on
@@ -143,6 +144,8 @@ class PlanKeeper:
         if self._writer is not None:
             self._writer.log_plan(step, plan, name="plan")
         logger.info("autoprec: step %d: plan %s (%s)", step, plan.format_counts(), why)
+        if log_memory and self._writer is not None:
+            self._writer.log_memory(step, predicted_bytes=plan.predicted.get("bytes"), measured_bytes=plan.measured.get("saved_bytes"))
 
     def install_safe(self, step: int) -> None:
         """The profiling window's precision: its runtime on the model, while `plan` stays None
@@ -150,6 +153,11 @@ class PlanKeeper:
         if self.safe_format is not Format.FP32:
             self.install(Plan({fqn: LayerPrecision(self.safe_format, reason="safe precision while profiling") for fqn in self._layers}), "profiling", step, searched=False)
             self.plan = None
+
+    def enter_runtime(self, stack: contextlib.ExitStack) -> None:
+        """Run the plan in force in ``stack``'s context (nothing to enter without a runtime)."""
+        if self._runtime is not None:
+            stack.enter_context(self._runtime)
 
     def drop_runtime(self) -> None:
         """Take the runtime's layer wrappers off the model."""

@@ -13,12 +13,12 @@ the first `precision_context`, however it is called; without ``model=`` that fir
 at FP32, unprofiled. The phases (`lifecycle.WindowClock`): **profiling** the first window at a
 safe precision (FP32, or BF16 when ``max_precision`` is 16); **searching** over the next training
 steps (`search.steps.SearchSteps` driving `search.training.TrainingSearch`); **planned**, where
-each window's profile and the scaler's per-layer non-finite counts promote or demote layers
-(`plan_keeper.PlanKeeper`: the plan in force, its runtime, `changes`, the `LossScaler`, on only
-while some layer has FP16 gradients); or **safe** after a failed search (retried, unless no plan
-meets the budgets). This class keeps the clock and composes those parts; `step_checks` refuses
-bad steps. `state_dict` covers everything (`scheduler_state`: its schema); under
-``torch.distributed`` the ranks agree through `distributed`.
+each window's profile (`window_measures`) and the scaler's per-layer non-finite counts promote or
+demote layers (`plan_keeper.PlanKeeper`: the plan in force, its runtime, `changes`, the
+`LossScaler`, on only while some layer has FP16 gradients); or **safe** after a failed search
+(retried, unless no plan meets the budgets). This class keeps the clock and composes those parts
+(`step_checks` refuses bad steps). `state_dict` covers everything (`scheduler_state`: its
+schema); under ``torch.distributed`` the ranks agree through `distributed`.
 
 Costs per step: the runtime's, the scaler's one host sync per optimizer, and in monitored steps
 the profiler's (`autoprec.bench.measure_overhead`); a search's are in `search.training`.
@@ -72,8 +72,6 @@ class DynamicPrecisionScheduler:
         self.config = config = config_of(config, settings)
         if not config.dynamic and plan is None:
             raise SettingsError("DynamicPrecisionScheduler(dynamic=False) needs plan=...; use DynamicPrecisionScheduler.from_plan(model, path)")
-        if model is not None and not isinstance(model, nn.Module):
-            raise SettingsError(f"DynamicPrecisionScheduler(model={model!r}): expected the torch.nn.Module being trained, or None to bind to the model run in the first precision_context()")
         # The model, its DDP wrapper (the plan is the inner module's), its first call.
         self._binding = Binding(model, check_output=config.dynamic and plan is None)
         self._dist: Optional[RankAgreement] = None  # set on bind inside a process group
@@ -120,8 +118,7 @@ class DynamicPrecisionScheduler:
 
     @property
     def model(self) -> Optional[nn.Module]:
-        """The model trained (None until bound, unless given as ``model=``); an integration may
-        set it before binding."""
+        """The model trained (None until bound unless given as ``model=``; settable before binding)."""
         return self._binding.model
 
     @model.setter
@@ -153,13 +150,6 @@ class DynamicPrecisionScheduler:
         """The `RankAgreement` with the other ranks (None outside a process group or before bind)."""
         return self._dist
 
-    @property
-    def _stack(self) -> contextlib.ExitStack:
-        """The running precision_context's exit stack (binding happens inside it)."""
-        if self._context_stack is None:
-            raise RuntimeStateError("precision_context() is not active")
-        return self._context_stack
-
     def __repr__(self) -> str:
         counts = self.plan.format_counts() if self.plan is not None else {}
         return f"DynamicPrecisionScheduler(phase={self.phase!r}, step={self.step_count}, plan={counts}, scale={self.scaler.get_scale():g})"
@@ -182,7 +172,7 @@ class DynamicPrecisionScheduler:
         try:
             if self._binding.example is not None:
                 self._enter_step(stack)
-            stack.enter_context(self._binding.watch(bind=self._bind, resume=self.load_state_dict, enter=lambda: self._enter_step(self._stack),
+            stack.enter_context(self._binding.watch(bind=self._bind, resume=self.load_state_dict, enter=lambda: self._enter_step(stack),
                                                     observe=self._measures.observe))  # a captured step's call, when bound at its end
             self._backward_due = torch.is_grad_enabled()
             yield self
@@ -274,9 +264,8 @@ class DynamicPrecisionScheduler:
 
             self._writer = TrainingWriter(self.config.log_dir, flush_every=min(100, self.config.monitor_window))
         self._measures.bind(model, example, self.layers)
-        config = self.config
         self._plans.bind(model, self.layers, writer=self._writer,
-                         on_plan=None if dist is None else lambda plan: dist.set_grad_comm(grad_comm_format(config, plan)))
+                         on_plan=None if dist is None else lambda plan: dist.set_grad_comm(grad_comm_format(self.config, plan)))
 
     def _bind(self, model: nn.Module, example: ModelCall, at_end: bool) -> None:
         """Bind afresh to ``model`` by its call ``example`` (``at_end``: that call ran unplanned)."""
@@ -286,9 +275,8 @@ class DynamicPrecisionScheduler:
         self._attach(model, example)
         if self._fixed_plan is not None:
             self._plans.install(self._fixed_plan, "the given plan", self.step_count)
-        else:
-            self._plans.install_safe(self.step_count)  # the profiling window's precision; the plan stays None
-        if self.config.dynamic and self._fixed_plan is None:
+        else:  # the profiling window (a scheduler without a plan is dynamic): its precision, the plan None
+            self._plans.install_safe(self.step_count)
             self._measures.start_profiler(self.config.monitor_window)
         self._maybe_start_monitor()
         logger.info("autoprec: bound to %s with %d layers", type(model).__name__, len(self.layers))
@@ -298,10 +286,8 @@ class DynamicPrecisionScheduler:
 
     def _enter_step(self, stack: contextlib.ExitStack) -> None:
         self._binding.check_first_output(stack)  # once: the first forward under the scheduler holds a prediction
-        # A probe or trial step of the search runs its runtime instead of the plan's.
-        runtime = self._plans.runtime
-        if not self._searches.enter_step(stack, self._binding.bound, self.layers) and runtime is not None:
-            stack.enter_context(runtime)
+        if not self._searches.enter_step(stack, self._binding.bound, self.layers):  # a probe or trial step runs its own runtime
+            self._plans.enter_runtime(stack)
         self._measures.enter_step(stack, capture=self.config.dynamic and self._clock.captures(self.step_count))
 
     # -- windows --------------------------------------------------------------------------------
@@ -352,11 +338,10 @@ class DynamicPrecisionScheduler:
         """The first window's search (see the module doc; ``restore``: a checkpoint's, continued),
         spread over the next training steps (`search.steps`); rank 0 does its off-path work."""
         measured, lead = self._measures.measured_bytes, self._dist is None or self._dist.rank == 0
-        kwargs = {} if restore is not None else {"median_step": self._searches.median_safe_step,
-                                                 "safe_bytes": None if measured is None else (self._plans.safe_format, measured)}
         self._searches.start(self._binding.bound, self._binding.example, self._measures.captured(), profile,
-                             restore["baseline_loss"] if restore is not None else self._measures.baseline_loss(self.step_count),
-                             fingerprint=self._fingerprint, step=self.step_count, lead=lead, scaler=self.scaler, optimizers=self._optimizers, restore=restore, **kwargs)
+                             None if restore is not None else self._measures.baseline_loss(self.step_count), fingerprint=self._fingerprint,
+                             step=self.step_count, lead=lead, scaler=self.scaler, optimizers=self._optimizers, restore=restore,
+                             safe_bytes=None if measured is None else (self._plans.safe_format, measured))
         self._clock = self._clock.searching()
         if restore is None and self._searches.advance(self._dist):  # its first slice in this step
             self._finish_search()
@@ -378,19 +363,15 @@ class DynamicPrecisionScheduler:
         the budgets (module doc)."""
         if search.error is None and search.result is not None:
             self._clock = self._clock.planned(self.step_count)
-            self._plans.install(search.result, f"searched after {search.started} steps, tried on {search.steps} training steps", self.step_count, runtime=search.take_runtime())
-            if self._writer is not None:
-                self._writer.log_memory(self.step_count, predicted_bytes=search.result.predicted.get("bytes"), measured_bytes=search.result.measured.get("saved_bytes"))
+            self._plans.install(search.result, f"searched after {search.started} steps, tried on {search.steps} training steps", self.step_count,
+                                runtime=search.take_runtime(), log_memory=True)
             return
         exc = search.error
         self.last_search_error = str(exc)
         final = isinstance(exc, InfeasibleBudgetError)  # the budgets do not change with the data
-        self._clock = self._clock.failed(self.step_count, final=final)
-        if final:
-            logger.warning("autoprec: step %d: search failed, training stays at the safe precision: %s", self.step_count, exc)
-            return
-        logger.warning("autoprec: step %d: search failed, training stays at the safe precision and searches again after %d window(s) (step %d): %s",
-                       self.step_count, 2 ** (self._clock.failures - 1), self._clock.retry_at, exc)
+        self._clock = clock = self._clock.failed(self.step_count, final=final)
+        again = "" if final else f" and searches again after {2 ** (clock.failures - 1)} window(s) (step {clock.retry_at})"
+        logger.warning("autoprec: step %d: search failed, training stays at the safe precision%s: %s", self.step_count, again, exc)
 
     def _decide_on_every_rank(self, decide: Callable[[], None]) -> None:
         """``decide()`` here; under torch.distributed on rank 0, the others adopting its outcome
@@ -455,9 +436,7 @@ class DynamicPrecisionScheduler:
         phase = "planned" if self.plan is not None else "searching" if search is not None else "safe" if self.last_search_error is not None else "profiling"
         self._clock = WindowClock(self.config.monitor_window, self.config.profiled_steps, phase, state["window_start"], failures, retry_at)
         if search is not None:
-            from .profiling import Profile
-
-            self._start_search(None if search["profile"] is None else Profile.from_dict(search["profile"]), restore=search)
+            self._start_search(None, restore=search)
 
     def close(self) -> None:
         """Remove hooks and the plan's layer wrappers, and flush the TensorBoard writer."""

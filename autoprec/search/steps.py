@@ -30,6 +30,7 @@ import torch.nn as nn
 from ..costs.inplace import StepTimer
 from ..errors import RuntimeStateError, SearchError
 from ..measure import SavedTensorMeter
+from ..formats import Format
 from ..plan import Plan
 from ..runtime import EmulationWarning
 from ..sensitivity import adam_second_moment
@@ -88,18 +89,25 @@ class SearchSteps:
 
     def start(self, model: nn.Module, example: Any, batches: Sequence[Any], profile: Any, baseline_loss: Optional[float], *,
               fingerprint: Mapping[str, Any], step: int, lead: bool, scaler: "LossScaler", optimizers: Sequence[torch.optim.Optimizer],
-              restore: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> TrainingSearch:
-        """A new `TrainingSearch` at ``step`` (``restore``: one resumed from its `state_dict`)
-        using and adding to `known_times`, on the captured ``batches``; ``lead``: this rank runs
-        the off-path work (it fails at once without ``batches`` to estimate on), with Adam's second
-        moment from ``optimizers``. ``scaler``'s output checks are paused while the lead copies
-        the model. Other keywords go to `TrainingSearch`."""
+              restore: Optional[Mapping[str, Any]] = None, safe_bytes: "tuple[Format, int] | None" = None) -> TrainingSearch:
+        """A new `TrainingSearch` at ``step`` of the window's ``profile`` and ``baseline_loss``
+        (``restore``: one resumed from its `state_dict`, which holds both), using and adding to
+        `known_times`, on the captured ``batches``; ``lead``: this rank runs the off-path work (it
+        fails at once without ``batches`` to estimate on), with Adam's second moment from
+        ``optimizers``. ``scaler``'s output checks are paused while the lead copies the model.
+        ``safe_bytes``: `TrainingSearch`'s."""
+        if restore is not None:
+            from ..profiling import Profile
+
+            profile = None if restore["profile"] is None else Profile.from_dict(restore["profile"])
+            baseline_loss = restore["baseline_loss"]
         armed = scaler.watching_outputs
         scaler.watch_outputs(False)  # its hooks must not be copied into the search's snapshot
         try:
             search = TrainingSearch(model, example, batches, LinearisedLoss(), profile, config=self.config, baseline_loss=baseline_loss,
                                     fingerprint=fingerprint, step=step, known=self._known_times, lead=lead, restore=restore,
-                                    second_moment=adam_second_moment(model, optimizers) if lead else None, **kwargs)
+                                    second_moment=adam_second_moment(model, optimizers) if lead else None,
+                                    median_step=self.median_safe_step, safe_bytes=safe_bytes)
         finally:
             scaler.watch_outputs(armed)
         self._search = search
