@@ -17,23 +17,35 @@ keep torch's hook-free fast path):
   model, refused with one `RuntimeStateError` line before it runs, since it would run unplanned
   under the plan's autocast.
 
-Costs: per context two hook registrations; per call of a module outside the model one Python
-call (loss modules), plus a walk of the module trees when that module holds parameters. Inside
-the model: nothing.
+`Binding` holds what a scheduler is bound to (the model, its DDP wrapper, its first call) and
+builds each context's watch; binding checks what it binds (`check_materialised`, `check_layers`,
+`check_prediction`). Costs: per context two hook registrations; per call of a module outside the model one Python call (loss modules),
+plus a walk of the module trees when that module holds parameters. Inside the model: nothing.
+At bind: one traced forward to find the layers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Callable, Optional
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from .errors import RuntimeStateError
+from .blocks import find_blocks
+from .calls import ModelCall, prediction_of
+from .coverage import LayerInfo, find_layers
+from .distributed import unwrap_ddp
+from .errors import AutoprecError, ModelCallError, RuntimeStateError, SearchError, SettingsError
+from .runtime import EmulationWarning
 
-__all__ = ["ModelWatch", "holds_matrix"]
+if TYPE_CHECKING:
+    from .scheduler_config import SchedulerConfig
+
+__all__ = ["Binding", "ModelWatch", "bindable_layers", "check_layers", "check_materialised", "check_prediction", "holds_matrix", "unbound_exit"]
 
 # Tables looked up, not multiplied: a model of embeddings alone has no layer (coverage does the same).
 _LOOKUP_CLASSES = (nn.Embedding, nn.EmbeddingBag)
@@ -158,3 +170,146 @@ class ModelWatch:
                     f"a scheduler plans one model for the whole run: call {a} here, or make a new DynamicPrecisionScheduler for {b}")
         return (f"precision_context(): this context called {b}, but the scheduler was made with model={a}; "
                 f"call {a} inside the context, or make the scheduler for {b}")
+
+
+class Binding:
+    """What a scheduler is bound to, and how it gets bound (module docstring).
+
+    ``model``: the scheduler's ``model=`` (a DDP wrapper is unwrapped: the plan is the inner
+    module's, the wrapper kept as `ddp`), None to bind to the first model called. `example` is
+    the binding call (None until bound). A state loaded before binding is `hold`-ed and restored
+    when the first forward binds. ``check_output``: the first forward's output must hold a
+    prediction (`check_prediction`; a dynamic scheduler's search needs one).
+    """
+
+    def __init__(self, model: Optional[nn.Module], *, check_output: bool):
+        if model is not None and not isinstance(model, nn.Module):
+            raise SettingsError(f"DynamicPrecisionScheduler(model={model!r}): expected the torch.nn.Module being trained, or None to bind to the model run in the first precision_context()")
+        self.model, self.ddp = unwrap_ddp(model)
+        self.example: Optional[ModelCall] = None
+        self._pending: Optional[Mapping[str, Any]] = None  # loaded before binding: applied on bind
+        self._check_output = check_output
+        self._output_checked = False
+
+    @property
+    def bound(self) -> nn.Module:
+        """The bound model (or the one given): what every step after the first forward runs."""
+        if self.model is None:
+            raise RuntimeStateError("the scheduler is not bound to a model yet: run the model inside precision_context() first")
+        return self.model
+
+    def use_model(self, model: Optional[nn.Module]) -> None:
+        """Take ``model`` as the model before binding, as if given as ``model=``."""
+        self.model = model
+
+    def attach(self, model: nn.Module, example: ModelCall) -> None:
+        """Bound: to ``model``, by its call ``example``."""
+        self.model, self.example = model, example
+
+    def hold(self, state: Mapping[str, Any]) -> None:
+        """Keep a state loaded before binding, for the first forward to restore."""
+        self._pending = state
+
+    def watch(self, *, bind: Callable[[nn.Module, ModelCall, bool], None], resume: Callable[[Mapping[str, Any]], None],
+              enter: Callable[[], None], observe: Callable[..., None]) -> ModelWatch:
+        """This context's `ModelWatch`, binding as the case needs: ``bind(model, example,
+        at_end)`` binds afresh (``at_end``: at the end of its first call, which ran unplanned);
+        ``resume(state)`` restores the held state (the model set); then ``enter()`` enters the
+        step's precision; ``observe(module, args, kwargs, output)`` sees a call bound at its end."""
+        if self.example is not None:
+            return ModelWatch(self.ddp if self.ddp is not None else self.model, bound_before=True)
+        if self.model is not None:  # model=: its own pre-hook sees the keyword inputs before it runs
+            def at_start(module: nn.Module, args: tuple, kwargs: dict) -> None:
+                bind(self.bound, ModelCall.capture(args, kwargs), False)
+                enter()
+
+            return ModelWatch(self.ddp if self.ddp is not None else self.model, at_start=at_start)
+        if self._pending is not None:  # the saved example call: bind before the first forward
+            def resumed(module: nn.Module, args: tuple, kwargs: None) -> None:
+                state, self._pending = self._pending, None
+                if state is None:
+                    raise RuntimeStateError("no saved state to bind with")  # installed only while one is pending
+                self.model, self.ddp = unwrap_ddp(module)
+                try:
+                    resume(state)
+                except BaseException:  # a state for another model: stay unbound, as before the call
+                    self.model, self.ddp, self._pending = None, None, state
+                    raise
+                enter()
+
+            return ModelWatch(at_start=resumed)
+
+        def at_end(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            model, self.ddp = unwrap_ddp(module)
+            bind(model if model is not None else module, ModelCall.capture(args, kwargs), True)
+            enter()
+            self._first_output(module, args, kwargs, output)
+            observe(module, args, kwargs, output)
+
+        return ModelWatch(at_end=at_end)
+
+    def check_first_output(self, stack: contextlib.ExitStack) -> None:
+        """Until it ran: check the bound model's next output (its hook removed with ``stack``)."""
+        if not self._output_checked:
+            handle = self.bound.register_forward_hook(self._first_output, with_kwargs=True)
+            stack.callback(handle.remove)
+
+    def _first_output(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self._output_checked:
+            return
+        self._output_checked = True
+        if self._check_output:
+            check_prediction(module, output)
+
+
+# -- what binding checks ----------------------------------------------------------------------------
+
+
+def check_materialised(model: nn.Module) -> None:
+    """`RuntimeStateError` for a model on the meta device."""
+    if any(p.is_meta for p in model.parameters()):
+        raise RuntimeStateError(
+            f"{type(model).__name__} ran on the meta device inside precision_context(); materialise it first "
+            "(model.to_empty(device=...) and initialise the weights), then train it under the scheduler"
+        )
+
+
+def bindable_layers(model: nn.Module, example: ModelCall) -> dict[str, LayerInfo]:
+    """The layers of ``model`` (`coverage.find_layers` on its ``example`` call)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EmulationWarning)
+        return find_layers(model, example)
+
+
+def check_layers(model: nn.Module, layers: Sequence[str], config: "SchedulerConfig") -> None:
+    """`AutoprecError` for a model with no layer; `SettingsError` when ``config.recompute``
+    names no block of ``model``."""
+    if not layers:
+        raise AutoprecError(f"{type(model).__name__} runs no matrix product: autoprec has no layer to manage")
+    if config.recompute is not None:
+        try:
+            find_blocks(model, layers, config.recompute)
+        except SearchError as exc:
+            raise SettingsError(f"DynamicPrecisionScheduler(recompute={list(config.recompute)!r}): {exc}") from None
+
+
+def check_prediction(module: nn.Module, output: Any) -> None:
+    """`ModelCallError` when a dynamic scheduler's model returns no floating-point tensor
+    (None, say): the search linearises the loss at the model's prediction, so it needs one."""
+    try:
+        prediction_of(output)
+    except ModelCallError:
+        raise ModelCallError(
+            f"DynamicPrecisionScheduler: {type(module).__name__}'s forward returned {type(output).__name__} with no floating-point tensor; "
+            "the scheduler estimates each layer's sensitivity at the model's prediction: return the output (a tensor, or a tuple, dict "
+            "or ModelOutput holding one), or run a fixed plan (DynamicPrecisionScheduler.from_plan)"
+        ) from None
+
+
+def unbound_exit(model: Optional[nn.Module]) -> str:
+    """Why a first `precision_context` bound nothing (``model``: the scheduler's ``model=``)."""
+    if model is not None:
+        return (f"precision_context(): the scheduler's model ({type(model).__name__}, model=) was not called inside it; "
+                "call it inside the context as model(...), not model.forward(...)")
+    return ("precision_context(): no model was called inside it, so the scheduler has nothing to bind to; call the model "
+            "inside the context as model(...), not model.forward(...) or a function of its weights, or pass DynamicPrecisionScheduler(model=...)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from .blocks import check_block_patterns
 from .errors import SearchError, SettingsError
@@ -17,7 +17,7 @@ from .formats import Format
 from .scaling import LossScaling
 from .search.space import DEFAULT_CANDIDATES, Budgets, LayerRules, Planning, formats_for_precision, memory_budget, MEMORY_SPELLINGS
 
-__all__ = ["SchedulerConfig", "Thresholds", "GRAD_COMM"]
+__all__ = ["SchedulerConfig", "Thresholds", "GRAD_COMM", "config_of"]
 
 GRAD_COMM = ("fp32", "bf16", "fp16", "auto")  # gradient all-reduce precisions (`grad_comm`)
 
@@ -194,3 +194,17 @@ class SchedulerConfig:
     def profiled_steps(self) -> int:
         """Steps profiled at the end of each window (at most the window)."""
         return min(self.monitor_steps, self.monitor_window)
+
+
+def config_of(config: Optional[SchedulerConfig], settings: Mapping[str, Any]) -> SchedulerConfig:
+    """A scheduler's settings: ``config``, or a `SchedulerConfig` of ``settings`` (its fields, given
+    to `DynamicPrecisionScheduler` by keyword). `SettingsError` for both at once, or for a removed
+    or unknown setting."""
+    if config is not None and settings:
+        raise SettingsError(f"DynamicPrecisionScheduler(config=..., {', '.join(sorted(settings))}=...): give the settings in the config or as keywords, not both (dataclasses.replace(config, ...) derives one)")
+    if "search_trials" in settings:  # the scheduler's search has no trials since it is exact
+        raise SettingsError("DynamicPrecisionScheduler(search_trials=...): removed: the search is the exact optimum of the integer program, bounded by search_timeout_s; delete the argument")
+    unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(SchedulerConfig)})
+    if unknown:
+        raise SettingsError(f"DynamicPrecisionScheduler({unknown[0]}=...): unknown setting; expected one of SchedulerConfig's fields: {', '.join(f.name for f in dataclasses.fields(SchedulerConfig))}")
+    return config if config is not None else SchedulerConfig(**settings)

@@ -301,7 +301,7 @@ def test_micro_batches_reusing_weights_give_the_same_gradients_and_step_is_refus
                 with sch.precision_context():
                     loss = wl.loss(trained, batch) / len(batches)
                 sch.backward(loss)
-            kept = [q._kept for layer in sch._runtime._layers.values() for q in layer.weights.values()]
+            kept = [q._kept for layer in sch._plans.runtime._layers.values() for q in layer.weights.values()]
             assert bool(kept) and all(k is not None for k in kept) == reuse
             if reuse:
                 with pytest.raises(RuntimeStateError, match="inside reusing_weights"):

@@ -181,9 +181,10 @@ def test_the_search_timeline_reaches_tensorboard(tmp_path):
 def test_probe_measurements_are_kept_for_the_next_search(searched):
     _, _, _, sch, _ = searched
     roles = {info.role(fqn) for fqn, info in sch._fingerprint.items()}
-    assert "rest" in sch._known_times
-    assert all(f"{role}|{f}" in sch._known_times for role in roles for f in ("fp32", "bf16"))
-    assert sch.state_dict()["known_times"] == sch._known_times
+    known = sch._searches.known_times
+    assert "rest" in known
+    assert all(f"{role}|{f}" in known for role in roles for f in ("fp32", "bf16"))
+    assert sch.state_dict()["known_times"] == known
 
 
 def test_every_search_step_trains_the_model_none_lost_or_repeated(searched):
@@ -220,7 +221,7 @@ def test_the_whole_search_runs_in_one_step_without_a_slice_and_over_many_with_a_
     sch = make(measure_costs=False, search_slice=1e-9)  # no unit fits: one runs every third step
     phases = train(wl, model, opt, sch, WINDOW, sampler)
     assert phases[-1] == "searching"
-    search = sch._searching
+    search = sch._searches.search
     steps = 0
     while sch.phase == "searching" and steps < 600:
         train(wl, model, opt, sch, 1, sampler)
@@ -266,7 +267,7 @@ def test_a_checkpoint_taken_mid_search_resumes_and_finishes(searched):
     resumed = make(model=model2)
     resumed.load_state_dict(state)
     assert resumed.phase == "searching" and resumed.step_count == sch.step_count
-    assert resumed._searching.steps == 5 and resumed._searching._samples == sch._searching._samples
+    assert resumed._searches.search.steps == 5 and resumed._searches.search.state_dict()["samples"] == sch._searches.search.state_dict()["samples"]
     sampler2 = copy.deepcopy(sampler)
     until_planned(wl, model2, opt2, resumed, sampler2)
     assert resumed.plan.measured["source"] == "training steps"

@@ -1,0 +1,354 @@
+"""The plan in force for a scheduler's model: `PlanKeeper`.
+
+It owns the plan (and the first searched one), the `PlanRuntime` that runs it, the record of
+promotions and demotions (`changes`) with the policy's memory between windows, this window's
+per-layer non-finite counts and skipped steps, and the `LossScaler`, which is on only while some
+layer has FP16 gradients (each install switches it) and checks each layer's output only after a
+loss went non-finite (disarmed after a window without one: clean training does not pay it). It
+changes them only through its verbs: `install` a plan, `step` the optimizers, `on_nonfinite`
+after a step, `review_window` at a window's end (`policy`'s pure rules), `adopt` another rank's
+`decision`, and `state_dict` / `load_state_dict`.
+
+Costs: a step's are the scaler's (one host sync per optimizer) and, under ``torch.distributed``,
+`RankAgreement.agree_on_step`'s; an install removes the old runtime's layer wrappers and applies the new plan's (keeping the
+amax histories and calibration of unchanged layers), and replaces the scaler when its enablement
+changes; `on_nonfinite` and `review_window` are Python over the layers, no device work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from .device import format_support
+from .errors import RuntimeStateError
+from .formats import Format
+from .plan import LayerPrecision, Plan
+from .policy import PolicyState, PrecisionChange, demotions, promotions, window_triggers
+from .runtime import apply_plan
+from .scaling import LossScaler
+
+if TYPE_CHECKING:
+    from .distributed import RankAgreement
+    from .monitoring import TrainingWriter
+    from .runtime import PlanRuntime
+    from .scheduler_config import SchedulerConfig
+
+__all__ = ["PlanKeeper", "StepOutcome", "needs_loss_scaling"]
+
+logger = logging.getLogger(__name__)
+
+
+def needs_loss_scaling(plan: "Plan | None") -> bool:
+    """Whether ``plan`` needs a loss scale: some layer has FP16 gradients."""
+    # Only FP16 gradients underflow without a scale. FP8 gradients are quantized with their own
+    # per-tensor current scale (amax -> scale), which divides a power-of-two loss scale out exactly:
+    # examples/measure_loss_scaling.py trains identically with the dynamic scale and with 1.
+    # BF16 has FP32's range; INT8 layers run their backward in FP32.
+    return plan is not None and any(lp.grad_format is Format.FP16 for lp in plan.layers.values())
+
+
+class StepOutcome(NamedTuple):
+    """One optimizer step: ``skipped`` (non-finite gradients), the layers with non-finite
+    gradients, the first layer whose output went non-finite (when the loss did), whether the loss
+    was non-finite; under torch.distributed, every rank's, agreed."""
+
+    skipped: bool
+    nonfinite: Sequence[str]
+    first_bad_output: Optional[str]
+    loss_nonfinite: bool
+
+
+class PlanKeeper:
+    """The plan in force, its runtime, its changes and the loss scaler (module docstring).
+
+    ``searched_plan``: a plan given to the scheduler (kept as the searched one). Until `bind`
+    names the model, its layers, the TensorBoard ``writer`` and ``on_plan`` (called with each
+    plan installed: the ranks' gradient communication format), only the scaler is of use.
+    """
+
+    def __init__(self, config: "SchedulerConfig", searched_plan: Optional[Plan] = None):
+        self.config = config
+        self.plan: Optional[Plan] = None
+        self.searched_plan = searched_plan
+        self.changes: list[PrecisionChange] = []
+        self.scaler = self._new_scaler(enabled=False)
+        self._runtime: "Optional[PlanRuntime]" = None
+        self._policy = PolicyState()
+        self._window_nonfinite: dict[str, int] = {}
+        self._reusing = False  # inside reusing_weights(): the weights must not change
+        self._window_skipped = 0  # optimizer steps skipped in this window: such a window is never quiet
+        self._nonfinite_losses = 0  # this window's: the output checks stay armed while there are some
+        self._model: Optional[nn.Module] = None
+        self._layers: list[str] = []
+        self._writer: "Optional[TrainingWriter]" = None
+        self._on_plan: Optional[Callable[[Plan], None]] = None
+
+    def bind(self, model: nn.Module, layers: Sequence[str], *, writer: "Optional[TrainingWriter]" = None,
+             on_plan: Optional[Callable[[Plan], None]] = None) -> None:
+        """The model the plans run on, its layers; the scaler watches them from now on."""
+        self._model, self._layers, self._writer, self._on_plan = model, list(layers), writer, on_plan
+        self.scaler.watch(model, list(self._layers))
+
+    @property
+    def runtime(self) -> "Optional[PlanRuntime]":
+        """The runtime of the plan in force (None while none is, or when it is all FP32)."""
+        return self._runtime
+
+    @property
+    def safe_format(self) -> Format:
+        """The precision of the profiling window and of a failed search."""
+        return Format.FP32 if self.config.max_precision == 32 else Format.BF16
+
+    def _bound(self) -> nn.Module:
+        if self._model is None:
+            raise RuntimeStateError("the scheduler is not bound to a model yet: run the model inside precision_context() first")
+        return self._model
+
+    def _planned(self) -> Plan:
+        if self.plan is None:
+            raise RuntimeStateError("no plan is in force")
+        return self.plan
+
+    # -- installing plans -------------------------------------------------------------------------
+
+    def install(self, plan: Plan, why: str, step: int, *, searched: bool = True, runtime: "Optional[PlanRuntime]" = None, log_memory: bool = False) -> None:
+        """Put ``plan`` in force at ``step``: a new runtime (or ``runtime``, one already installed
+        for it: a trial's) keeping the amax histories and calibration of layers whose precision did
+        not change; the scaler switched on or off as the plan needs. ``searched``: the first such
+        plan is kept as `searched_plan`. ``log_memory``: its predicted and measured bytes to the
+        writer."""
+        old = self._runtime
+        if old is not None:
+            old.remove()  # its layer wrappers off the model before the new plan's go on
+        if runtime is None:
+            runtime = apply_plan(self._bound(), plan, validate=False)
+            if old is not None:
+                kept = {fqn: s for fqn, s in old.state_dict()["layers"].items() if fqn in plan.layers and old.plan.layers.get(fqn) == plan.layers[fqn]}
+                runtime.load_state_dict({"layers": kept})
+        self._runtime = runtime if any(lp.format is not Format.FP32 for lp in plan.layers.values()) else None
+        if self._runtime is None:
+            runtime.remove()  # an all-FP32 plan runs the model as it is
+        self.plan = plan
+        if searched and self.searched_plan is None:
+            self.searched_plan = plan
+        if self._on_plan is not None:
+            self._on_plan(plan)
+        if needs_loss_scaling(plan) != self.scaler.enabled:
+            self._replace_scaler(needs_loss_scaling(plan), self.scaler.state_dict())
+        if self._writer is not None:
+            self._writer.log_plan(step, plan, name="plan")
+        logger.info("autoprec: step %d: plan %s (%s)", step, plan.format_counts(), why)
+        if log_memory and self._writer is not None:
+            self._writer.log_memory(step, predicted_bytes=plan.predicted.get("bytes"), measured_bytes=plan.measured.get("saved_bytes"))
+
+    def install_safe(self, step: int) -> None:
+        """The profiling window's precision: its runtime on the model, while `plan` stays None
+        (no plan has been searched). A pass-through when the safe format is FP32."""
+        if self.safe_format is not Format.FP32:
+            self.install(Plan({fqn: LayerPrecision(self.safe_format, reason="safe precision while profiling") for fqn in self._layers}), "profiling", step, searched=False)
+            self.plan = None
+
+    def enter_runtime(self, stack: contextlib.ExitStack) -> None:
+        """Run the plan in force in ``stack``'s context (nothing to enter without a runtime)."""
+        if self._runtime is not None:
+            stack.enter_context(self._runtime)
+
+    def drop_runtime(self) -> None:
+        """Take the runtime's layer wrappers off the model."""
+        if self._runtime is not None:
+            self._runtime.remove()
+            self._runtime = None
+
+    @contextlib.contextmanager
+    def reusing_weights(self):
+        """`PlanRuntime.reusing_weights` of the runtime in force (a pass-through without one);
+        `reusing` inside."""
+        runtime = self._runtime
+        self._reusing = True
+        try:
+            with runtime.reusing_weights() if runtime is not None else contextlib.nullcontext():
+                yield
+        finally:
+            self._reusing = False
+
+    @property
+    def reusing(self) -> bool:
+        """Inside `reusing_weights`: nothing may write the weights (no optimizer step)."""
+        return self._reusing
+
+    def recalibrate_int8(self) -> None:
+        """Re-calibrate the INT8 layers' scales (at a planned window's end)."""
+        if self._runtime is not None and self.plan is not None:
+            int8 = [fqn for fqn, lp in self.plan.layers.items() if lp.format is Format.INT8]
+            if int8:
+                self._runtime.recalibrate(int8)
+
+    def close(self) -> None:
+        """The runtime off the model, the scaler's hooks removed, the writer no longer used."""
+        self.drop_runtime()
+        self.scaler.unwatch()
+        self._writer = None
+
+    # -- the scaler -------------------------------------------------------------------------------
+
+    def _new_scaler(self, enabled: bool) -> LossScaler:
+        return LossScaler(**dataclasses.asdict(self.config.loss_scaling), enabled=enabled)
+
+    def _replace_scaler(self, enabled: bool, state: Mapping[str, Any]) -> None:
+        """A scaler with ``enabled`` and ``state``, watching the layers in place of the current one."""
+        armed = self.scaler.watching_outputs
+        self.scaler.unwatch()  # its hooks would keep recording into a scaler nobody updates
+        self.scaler = self._new_scaler(enabled=enabled)
+        self.scaler.load_state_dict(state)
+        self.scaler.watch(self._bound(), list(self._layers), outputs=armed)
+
+    def step(self, optimizers: Sequence[torch.optim.Optimizer], *, loss: Optional[torch.Tensor], agreement: "Optional[RankAgreement]",
+             max_grad_norm: Optional[float], step: int) -> StepOutcome:
+        """Unscale, clip to ``max_grad_norm``, step each optimizer unless its gradients are
+        non-finite, update the scale: optimizer step ``step``. Under torch.distributed
+        (``agreement``) the ranks agree first. A non-finite ``loss`` arms the per-layer output
+        checks, so the next one names the layer whose output went first."""
+        scaler = self.scaler
+        verdict = agreement.agree_on_step(scaler, optimizers, loss) if agreement is not None else None
+        for optimizer in optimizers:
+            if max_grad_norm is not None:
+                scaler.clip_grad_norm_(optimizer, max_grad_norm)
+            scaler.step(optimizer)
+        scaler.update()  # fills the attribution below, on an overflowing iteration only
+        skipped = scaler.last_overflowed
+        nonfinite: Sequence[str] = scaler.last_nonfinite_layers
+        first_bad_output = scaler.first_nonfinite_output if scaler.last_loss_finite is False else None
+        if verdict is not None and agreement is not None:  # every rank's flags, reduced: the same on all ranks
+            nonfinite, first_bad_output = verdict.layers, verdict.first_output if verdict.loss_ranks else None
+            if skipped:
+                # Without loss scaling an inf is never the scale's doing: warn.
+                logger.log(logging.INFO if scaler.enabled else logging.WARNING, "autoprec: step %d skipped on all %d ranks: %s", step, agreement.world, verdict.describe())
+        loss_nonfinite = bool(verdict.loss_ranks) if verdict is not None else scaler.last_loss_finite is False
+        self._window_skipped += int(skipped)
+        if loss_nonfinite:  # on every rank alike: they arm and disarm the watch at the same steps
+            self._nonfinite_losses += 1
+            scaler.watch_outputs(True)
+        return StepOutcome(skipped, nonfinite, first_bad_output, loss_nonfinite)
+
+    # -- promotions and demotions ---------------------------------------------------------------
+
+    def new_window(self, *, retry: bool = False) -> None:
+        """A window starts: its non-finite counts and skipped steps from zero; the output checks
+        disarmed after a window without a non-finite loss (``retry``: a fresh profiling window
+        after a failed search, which leaves them as they are)."""
+        self._window_nonfinite = {}
+        self._window_skipped = 0
+        if retry:
+            return
+        if not self._nonfinite_losses:
+            self.scaler.watch_outputs(False)
+        self._nonfinite_losses = 0
+
+    def on_nonfinite(self, layers: Sequence[str], first_bad_output: Optional[str], step: int) -> None:
+        """Count non-finite gradients per layer this window; promote at the threshold at once."""
+        plan = self._planned()
+        for fqn in layers:
+            if fqn in plan.layers:
+                self._window_nonfinite[fqn] = self._window_nonfinite.get(fqn, 0) + 1
+        if first_bad_output is not None and first_bad_output in plan.layers:
+            self._window_nonfinite[first_bad_output] = self._window_nonfinite.get(first_bad_output, 0) + 1
+        due = [f for f, n in self._window_nonfinite.items() if n >= self.config.thresholds.nonfinite_steps and plan.layers[f].format is not Format.FP32]
+        if due:
+            self._promote(due, {f: f"non-finite gradients or outputs in {self._window_nonfinite[f]} steps of this window" for f in due}, step)
+            for f in due:
+                self._window_nonfinite[f] = 0
+
+    def review_window(self, profile: Any, step: int, measured_bytes: Optional[int]) -> None:
+        """Promote on thresholds, demote after quiet windows (hysteresis; a window with a skipped
+        step is never quiet). ``measured_bytes``: the saved bytes metered on its last step, for
+        the writer."""
+        t = self.config.thresholds
+        plan = self._planned()
+        triggers, counts, self._policy = window_triggers(plan, self._layers, profile, self._window_nonfinite, self._policy, t)
+        if self._writer is not None:
+            self._writer.log_layer_counts(step, counts)
+            if measured_bytes is not None:
+                self._writer.log_memory(step, predicted_bytes=plan.predicted.get("bytes"), measured_bytes=measured_bytes)
+        promote = [fqn for fqn in triggers if plan.layers[fqn].format is not Format.FP32]
+        self._promote(promote, triggers, step)
+        current = {fqn: lp.format for fqn, lp in self._planned().layers.items()}
+        changes, self._policy = demotions(triggers, self._policy, step, t.stable_windows, current, self._window_skipped)
+        self._apply(changes, "demoted", "demotion", step)
+
+    def _ladder(self) -> list[Format]:
+        """The formats a promotion may go to, narrowest first: BF16 and FP32 within the bounds,
+        runnable on the model's device."""
+        device = next(self._bound().parameters()).device
+        return [f for f in (Format.BF16, Format.FP32) if f.bits <= self.config.max_precision and format_support(f, device).runnable]
+
+    def _promote(self, fqns: Sequence[str], reasons: Mapping[str, str], step: int) -> None:
+        changes, self._policy = promotions(self._planned(), {f: reasons[f] for f in fqns}, self._policy, step, self._ladder())
+        self._apply(changes, "promoted", "promotion", step)
+
+    def _apply(self, changes: Sequence[PrecisionChange], verb: str, why: str, step: int) -> None:
+        """Record ``changes`` and put them in force as one new plan."""
+        for change in changes:
+            old = self._planned().layers[change.fqn].format
+            self.changes.append(PrecisionChange(step, change.fqn, old, change.new, change.reason))
+            logger.info("autoprec: step %d: %s %s -> %s (%s)", step, change.fqn, old.value, change.new.value, change.reason)
+            if self._writer is not None:
+                self._writer.log_change(step, change.fqn, old, change.new, change.reason)
+        if changes:
+            self.install(self._planned().with_layers({c.fqn: LayerPrecision(c.new, reason=f"{verb} at step {step}: {c.reason}") for c in changes}), why, step)
+
+    # -- agreement and checkpoints ----------------------------------------------------------------
+
+    def decision(self) -> dict:
+        """What this rank decided at a window end, for the others (`RankAgreement.decide`)."""
+        return {
+            "plan": None if self.plan is None else self.plan.to_dict(),
+            "searched_plan": None if self.searched_plan is None else self.searched_plan.to_dict(),
+            "changes": [c.to_dict() for c in self.changes], "policy": self._policy.to_dict(),
+        }
+
+    def adopt(self, decision: Mapping[str, Any], step: int) -> None:
+        """Take rank 0's `decision` as this rank's own."""
+        self.changes = [PrecisionChange.from_dict(c) for c in decision["changes"]]
+        self._policy = PolicyState.from_dict(decision["policy"])
+        self.searched_plan = None if decision["searched_plan"] is None else Plan.from_dict(decision["searched_plan"])
+        plan = None if decision["plan"] is None else Plan.from_dict(decision["plan"])
+        if plan is not None and plan != self.plan:
+            self.install(plan, "decided on rank 0", step, searched=False)
+
+    def state_dict(self) -> dict:
+        """The plans, changes, policy, window counts, scaler and runtime state (the scheduler's
+        `state_dict` fields of these names)."""
+        return {
+            "plan": None if self.plan is None else self.plan.to_dict(),
+            "searched_plan": None if self.searched_plan is None else self.searched_plan.to_dict(),
+            "changes": [c.to_dict() for c in self.changes],
+            **self._policy.to_dict(),
+            "window_nonfinite": dict(self._window_nonfinite),
+            "window_skipped": self._window_skipped,
+            "scaler": self.scaler.state_dict(),
+            "scaler_enabled": self.scaler.enabled,
+            "runtime": None if self._runtime is None else self._runtime.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], step: int) -> None:
+        """Restore `state_dict`'s fields (checked by `scheduler_state.check_state`) at ``step``."""
+        self.searched_plan = None if state["searched_plan"] is None else Plan.from_dict(state["searched_plan"])
+        self.changes = [PrecisionChange.from_dict(c) for c in state["changes"]]
+        self._policy = PolicyState.from_dict(state)
+        self._window_nonfinite = dict(state["window_nonfinite"])
+        self._window_skipped = state.get("window_skipped", 0)  # absent from states saved before it was added
+        plan = None if state["plan"] is None else Plan.from_dict(state["plan"])
+        self.drop_runtime()
+        if plan is not None:
+            self.install(plan, "restored", step, searched=False)
+            if self._runtime is not None and state["runtime"] is not None:
+                self._runtime.load_state_dict(state["runtime"])
+        else:
+            self.plan = None
+        self._replace_scaler(state["scaler_enabled"], state["scaler"])

@@ -1,0 +1,211 @@
+"""A `TrainingSearch` driven over a scheduler's training steps: `SearchSteps`.
+
+It owns the search in progress and what each step runs for it: the step's kind (probe, trial
+or safe), its start time, a probe step's per-layer timer (`costs.inplace.StepTimer`) and a trial
+step's metered saved bytes; the seconds of recent safe steps (a search's median step); and the
+``"role|format" -> seconds`` measured by probe steps on this device, kept for a later search (a
+retry does not probe again). The scheduler calls `enter_step` inside each step's context,
+`before_backward`, and `end_step` after the optimizer; `end_step` and `advance` give the search
+its slice of off-path work and report when it is `done`, and the scheduler then `take`s it.
+
+Costs: a ``time.perf_counter`` per step; a probe step's autograd hooks per layer and a trial
+step's saved-tensor meter; under ``torch.distributed`` one broadcast per step until rank 0's
+candidates reach every rank (`RankAgreement.share`). The search's own are in `search.training`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import math
+import statistics
+import time
+import warnings
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..costs.inplace import StepTimer
+from ..errors import RuntimeStateError, SearchError
+from ..measure import SavedTensorMeter
+from ..formats import Format
+from ..plan import Plan
+from ..runtime import EmulationWarning
+from ..sensitivity import adam_second_moment
+from ..sensitivity.capture import LinearisedLoss
+from .training import TrainingSearch
+
+if TYPE_CHECKING:
+    from ..distributed import RankAgreement
+    from ..monitoring import TrainingWriter
+    from ..scaling import LossScaler
+    from ..scheduler_config import SchedulerConfig
+
+__all__ = ["SearchSteps"]
+
+logger = logging.getLogger(__name__)
+
+
+class SearchSteps:
+    """The search over training steps of one scheduler (module docstring), made with its
+    settings; it runs nothing until `start` (or a resume through it)."""
+
+    def __init__(self, config: "SchedulerConfig"):
+        self.config = config
+        self._search: Optional[TrainingSearch] = None
+        self._known_times: dict[str, float] = {}
+        self._recent_steps: collections.deque = collections.deque(maxlen=64)  # seconds of safe-precision steps
+        self._kind: Optional[str] = None
+        self._started: Optional[float] = None
+        self._timer: Optional[StepTimer] = None
+        self._bytes: Optional[int] = None
+        self._last_seconds: Optional[float] = None
+
+    @property
+    def search(self) -> Optional[TrainingSearch]:
+        """The search in progress (None when none is)."""
+        return self._search
+
+    @property
+    def known_times(self) -> Mapping[str, float]:
+        """``"role|format" -> seconds`` and ``"rest"``, measured by probe steps on this device."""
+        return self._known_times
+
+    def load_known_times(self, times: Mapping[str, float]) -> None:
+        """Take ``times`` (a checkpoint's) as `known_times`."""
+        self._known_times = dict(times)
+
+    @property
+    def median_safe_step(self) -> Optional[float]:
+        """The median seconds of the recent steps run without a plan (None before any)."""
+        return statistics.median(self._recent_steps) if self._recent_steps else None
+
+    def _running(self) -> TrainingSearch:
+        if self._search is None:
+            raise RuntimeStateError("no search is in progress")
+        return self._search
+
+    def start(self, model: nn.Module, example: Any, batches: Sequence[Any], profile: Any, baseline_loss: Optional[float], *,
+              fingerprint: Mapping[str, Any], step: int, lead: bool, scaler: "LossScaler", optimizers: Sequence[torch.optim.Optimizer],
+              restore: Optional[Mapping[str, Any]] = None, safe_bytes: "tuple[Format, int] | None" = None) -> TrainingSearch:
+        """A new `TrainingSearch` at ``step`` of the window's ``profile`` and ``baseline_loss``
+        (``restore``: one resumed from its `state_dict`, which holds both), using and adding to
+        `known_times`, on the captured ``batches``; ``lead``: this rank runs the off-path work (it
+        fails at once without ``batches`` to estimate on), with Adam's second moment from
+        ``optimizers``. ``scaler``'s output checks are paused while the lead copies the model.
+        ``safe_bytes``: `TrainingSearch`'s."""
+        if restore is not None:
+            from ..profiling import Profile
+
+            profile = None if restore["profile"] is None else Profile.from_dict(restore["profile"])
+            baseline_loss = restore["baseline_loss"]
+        armed = scaler.watching_outputs
+        scaler.watch_outputs(False)  # its hooks must not be copied into the search's snapshot
+        try:
+            search = TrainingSearch(model, example, batches, LinearisedLoss(), profile, config=self.config, baseline_loss=baseline_loss,
+                                    fingerprint=fingerprint, step=step, known=self._known_times, lead=lead, restore=restore,
+                                    second_moment=adam_second_moment(model, optimizers) if lead else None,
+                                    median_step=self.median_safe_step, safe_bytes=safe_bytes)
+        finally:
+            scaler.watch_outputs(armed)
+        self._search = search
+        if lead and not batches and search.candidates is None:
+            search.fail(SearchError("no output gradients were captured in the window's last steps; call scheduler.backward(loss) inside the loop"))
+        if restore is None:
+            logger.info("autoprec: step %d: searching over the next training steps (%d probe steps, then the candidates)", step, search.probe_steps)
+        return search
+
+    def enter_step(self, stack: contextlib.ExitStack, model: nn.Module, layers: Sequence[str]) -> bool:
+        """Start timing the step run in ``stack``'s context; while the search wants the step (a
+        probe or trial), enter its runtime there and return True (else the plan in force runs)."""
+        self._started = time.perf_counter()
+        entry = self._search.step_runtime() if self._search is not None else None
+        self._kind = entry[0] if entry is not None else None
+        if entry is None:
+            return False
+        search = self._running()
+        stack.enter_context(warnings.catch_warnings())
+        warnings.simplefilter("ignore", EmulationWarning)  # the adopted plan names its emulated layers
+        stack.enter_context(entry[1])
+        if self._kind == "probe":
+            self._timer = StepTimer(model, layers, tuple(search.blocks)).__enter__()
+        if search.wants_bytes():
+            meter = stack.enter_context(SavedTensorMeter(list(model.parameters())))
+            stack.callback(lambda: setattr(self, "_bytes", meter.total_bytes))
+        return True
+
+    def before_backward(self, loss: torch.Tensor) -> None:
+        """A probe step: hook the autograd nodes of each layer for its timer."""
+        if self._timer is not None:
+            self._timer.before_backward(loss)
+
+    def end_step(self, skipped: bool, *, safe: bool, agreement: "Optional[RankAgreement]" = None) -> bool:
+        """Time the step just run (``safe``: it ran no plan, so it counts for the median safe
+        step); while searching, report it and give the search its slice (`advance`). Returns
+        whether the search is done."""
+        seconds = time.perf_counter() - self._started if self._started is not None else None
+        self._started, self._last_seconds = None, seconds
+        search = self._search
+        if search is None:
+            if seconds is not None and safe:
+                self._recent_steps.append(seconds)
+            return False
+        timed: dict = {}
+        if self._timer is not None:
+            layer_seconds, forward_seconds = self._timer.finish()
+            timed = {"layer_seconds": layer_seconds, "forward_seconds": forward_seconds, "block_seconds": self._timer.block_forward}
+            self._timer.__exit__(None, None, None)
+            self._timer = None
+        search.record(self._kind, seconds if seconds is not None else 0.0, saved_bytes=self._bytes, skipped=skipped, **timed)
+        self._kind, self._bytes = None, None
+        if search.median_step is None and seconds is not None:
+            search.median_step = seconds
+        return self.advance(agreement)
+
+    def advance(self, agreement: "Optional[RankAgreement]" = None) -> bool:
+        """The search's slice of off-path work after a step; under torch.distributed
+        (``agreement``) rank 0's candidates to the others. Returns whether the search is done."""
+        search = self._running()
+        slice_ = self.config.search_slice
+        if slice_ is None or search.median_step is None:
+            search.work(math.inf)
+        else:  # the step and its slice together: about (1 + search_slice) median steps
+            search.work((1 + slice_) * search.median_step - (self._last_seconds or 0.0))
+        if agreement is not None and not search.shared:
+            # Rank 0's candidates (or its error) reach every rank at the same step: one broadcast
+            # per step until they exist (every rank calls it: none knows before rank 0 is done).
+            ready = search.candidates is not None or search.error is not None
+            shared = agreement.share(None if not ready else
+                                     {"plans": [p.to_dict() for p in search.candidates or []], "error": None if search.error is None else str(search.error)})
+            if shared is not None:
+                search.shared = True
+                if agreement.rank != 0:
+                    search.fail(SearchError(shared["error"])) if shared["error"] else search.set_candidates([Plan.from_dict(p) for p in shared["plans"]])
+        return search.done
+
+    def take(self) -> TrainingSearch:
+        """The search, done: the caller adopts its result (or error) and closes it."""
+        search, self._search = self._running(), None
+        return search
+
+    @staticmethod
+    def report(search: TrainingSearch, step: int, writer: "Optional[TrainingWriter]") -> None:
+        """Log a finished search's timeline (and to TensorBoard with ``writer``)."""
+        logger.info("autoprec: step %d: %s", step, search.summary())
+        if writer is not None:
+            writer.log_search(step, search.timeline, longest_step_ratio=search.longest_step / search.median_step if search.median_step else None)
+
+    def close(self) -> None:
+        """Drop a search in progress (its runtimes off the model, the step's timer removed)."""
+        if self._timer is not None:
+            self._timer.__exit__(None, None, None)
+            self._timer = None
+        if self._search is not None:
+            self._search.close()
+            self._search = None
+
+    def state_dict(self) -> dict:
+        """The scheduler state's ``search`` (None when none is in progress) and ``known_times``."""
+        return {"search": None if self._search is None else self._search.state_dict(), "known_times": dict(self._known_times)}

@@ -1,0 +1,202 @@
+"""What a scheduler measures over its windows: `WindowMeasures`.
+
+It owns the `LayerProfiler` (attached for the whole profiling window and for the last steps of
+each planned one), the loss baseline (the profiling window's finite losses, summed on the device:
+a relative accuracy budget's anchor), the saved bytes metered on a window's last step, and the
+`GradientCapture` of the profiling window's last steps (the sensitivity estimate's batches). The
+scheduler keeps the clock and says when: `start_profiler`, `enter_step`, `step`, `end_window`.
+
+Costs: the profiler's in profiled steps (`profiling.profiler`); per profiling step two small
+device ops for the loss (no host sync; one when the baseline is read at the window's end); one
+saved-tensor meter on a window's last step; the capture's on captured steps
+(`sensitivity.capture`). Under ``torch.distributed`` the window's end reduces the profiler's
+accumulators and the loss sum across ranks (`RankAgreement.reduce_window`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from .errors import RuntimeStateError
+from .lifecycle import CAPTURED_STEPS
+from .measure import SavedTensorMeter
+from .sensitivity.capture import GradientCapture
+
+if TYPE_CHECKING:
+    from .distributed import RankAgreement
+    from .monitoring import TrainingWriter
+    from .profiling import LayerProfiler, Profile
+    from .scheduler_config import SchedulerConfig
+
+__all__ = ["WindowMeasures"]
+
+logger = logging.getLogger(__name__)
+
+
+class WindowMeasures:
+    """A scheduler's window measurements (module docstring); `bind` gives them the model."""
+
+    def __init__(self, config: "SchedulerConfig"):
+        self.config = config
+        self._model: Optional[nn.Module] = None
+        self._example: Any = None
+        self._layers: tuple[str, ...] = ()
+        self._profiler: "Optional[LayerProfiler]" = None
+        self._loss_sum: Optional[torch.Tensor] = None
+        self._loss_count = 0
+        self._capture = GradientCapture(keep=CAPTURED_STEPS)
+        self._meter_bytes: Optional[int] = None
+        self._meter_next = False
+
+    def bind(self, model: nn.Module, example: Any, layers: Sequence[str]) -> None:
+        """The model profiled, its example call (`calls.ModelCall`) and its layers."""
+        self._model, self._example, self._layers = model, example, tuple(layers)
+
+    def _bound(self) -> nn.Module:
+        if self._model is None:
+            raise RuntimeStateError("the scheduler is not bound to a model yet: run the model inside precision_context() first")
+        return self._model
+
+    # -- the profiler ---------------------------------------------------------------------------
+
+    @property
+    def profiling(self) -> bool:
+        """Whether a profiler is attached."""
+        return self._profiler is not None
+
+    def start_profiler(self, window: int) -> None:
+        """Attach a profiler of the bound model's layers over the next ``window`` steps."""
+        from .profiling import LayerProfiler, with_grad_formats
+
+        model, layers = self._bound(), self._layers
+        formats = with_grad_formats(self.config.candidates)
+        profiler = LayerProfiler(model, self._example, formats=formats, window=window)
+        if set(profiler.layers) != set(layers):
+            profiler = LayerProfiler(model, self._example, formats=formats, window=window, module_filter=lambda m, fqn: fqn in layers)
+        profiler.attach()
+        self._profiler = profiler
+
+    def step(self) -> None:
+        """An optimizer step: the profiler's step, while it collects."""
+        if self._profiler is not None and self._profiler.collecting:
+            self._profiler.step()
+
+    def end_window(self, agreement: "Optional[RankAgreement]", *, with_loss: bool, writer: "Optional[TrainingWriter]", step: int) -> "Optional[Profile]":
+        """The window's profile (None when nothing was profiled), the profiler detached. Under
+        torch.distributed (``agreement``) every rank's statistics, and with ``with_loss`` the
+        loss sums, are reduced first, so every rank's profile is the same. With a ``writer``:
+        the layers' gradient histograms at ``step``."""
+        if writer is not None:  # once per window: one sync for all layers' histograms
+            modules = dict(self._bound().named_modules())
+            grads = {fqn: p.grad for fqn in self._layers for p in modules[fqn].parameters(recurse=False) if p.dim() >= 2 and p.grad is not None}
+            writer.log_grad_histograms(step, grads)
+        if agreement is not None:
+            reduced = agreement.reduce_window(self._profiler, self._loss_sum if with_loss else None)
+            if with_loss and reduced is not None:
+                self._loss_sum, self._loss_count = reduced, self._loss_count * agreement.world
+        profiler, self._profiler = self._profiler, None
+        if profiler is not None:
+            profiler.detach()
+        return profiler.profile() if profiler is not None and profiler.steps else None
+
+    # -- the loss baseline ----------------------------------------------------------------------
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """A profiling step's loss (detached, FP32). No host sync."""
+        # (sum of the finite losses, how many were finite): a NaN batch must not make the
+        # baseline NaN (it would switch the accuracy budget off).
+        finite = torch.isfinite(loss)
+        entry = torch.stack([torch.where(finite, loss, torch.zeros_like(loss)), finite.float()])
+        self._loss_sum = entry if self._loss_sum is None else self._loss_sum + entry
+        self._loss_count += 1
+
+    def baseline_loss(self, step: int) -> Optional[float]:
+        """The mean of the window's finite losses (None without any); warns at ``step`` when some
+        were NaN / inf. One host sync."""
+        if not self._loss_count or self._loss_sum is None:
+            return None
+        total, finite = (float(v) for v in self._loss_sum)
+        if finite < self._loss_count:
+            logger.warning("autoprec: step %d: %d of the window's %d losses were NaN / inf; the baseline loss is the mean of the other %d",
+                           step, self._loss_count - int(finite), self._loss_count, int(finite))
+        return total / finite if finite else None
+
+    def restart(self, window: int) -> None:
+        """A fresh profiling window (a failed search's retry): no losses, no captured steps, a new
+        profiler over ``window`` steps."""
+        self._loss_sum, self._loss_count = None, 0
+        self._capture.clear()
+        self.start_profiler(window)
+
+    # -- saved bytes and captured steps ---------------------------------------------------------
+
+    @property
+    def measured_bytes(self) -> Optional[int]:
+        """The saved bytes metered on the last metered step (a window's last), None before one."""
+        return self._meter_bytes
+
+    def meter_next_step(self) -> None:
+        """Meter the saved bytes of the next step."""
+        self._meter_next = True
+
+    def enter_step(self, stack: contextlib.ExitStack, capture: bool) -> None:
+        """Inside a step's context (``stack``): meter its saved bytes when due; with ``capture``,
+        capture its calls and output gradients."""
+        model = self._bound()
+        if self._meter_next:
+            metered = stack.enter_context(SavedTensorMeter(list(model.parameters())))
+            stack.callback(lambda: setattr(self, "_meter_bytes", metered.total_bytes))
+            self._meter_next = False
+        if capture:
+            self._capture.arm(model)
+            stack.callback(self._capture.disarm)
+
+    def observe(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """A model call that ran before the capture's hooks could see it (the binding call)."""
+        if self._capture.armed:
+            self._capture.observe(module, args, kwargs, output)
+
+    def captured(self) -> list:
+        """The captured steps' batches (`GradientCapture.batches`)."""
+        return self._capture.batches()
+
+    def clear_captured(self) -> None:
+        """Forget the captured steps (a search consumed them)."""
+        self._capture.clear()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The scheduler state's ``loss_sum``, ``loss_count``, ``captured``, ``meter_next`` and
+        ``profiler`` fields."""
+        return {
+            "loss_sum": self._loss_sum,
+            "loss_count": self._loss_count,
+            "captured": self._capture.state_dict(),
+            "meter_next": self._meter_next,
+            "profiler": None if self._profiler is None else {"window": self._profiler.window, "state": self._profiler.state_dict()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict`'s fields (a new profiler for a saved one)."""
+        self._loss_sum, self._loss_count = state["loss_sum"], state["loss_count"]
+        self._capture.load_state_dict(state["captured"])
+        self._meter_next = state["meter_next"]
+        if self._profiler is not None:
+            self._profiler.detach()
+            self._profiler = None
+        if state["profiler"] is not None:
+            self.start_profiler(state["profiler"]["window"])
+            if self._profiler is not None:
+                self._profiler.load_state_dict(state["profiler"]["state"])
+
+    def close(self) -> None:
+        """Detach the profiler and the capture's hooks."""
+        if self._profiler is not None:
+            self._profiler.detach()
+        self._capture.disarm()
