@@ -32,19 +32,8 @@ import torch.nn as nn
 from torch.amp.grad_scaler import OptState
 
 from .errors import RuntimeStateError, ScalingError
-from .scaling_config import (
-    DEFAULT_BACKOFF_FACTOR,
-    DEFAULT_GROWTH_FACTOR,
-    DEFAULT_GROWTH_INTERVAL,
-    DEFAULT_HYSTERESIS,
-    DEFAULT_INIT_SCALE,
-    DEFAULT_MIN_SCALE,
-    FLOAT32_MAX,
-    LossScaling,
-    check_config,
-    is_int,
-    is_number,
-)
+from .scaling_config import (DEFAULT_BACKOFF_FACTOR, DEFAULT_GROWTH_FACTOR, DEFAULT_GROWTH_INTERVAL, DEFAULT_HYSTERESIS,
+                             DEFAULT_INIT_SCALE, DEFAULT_MIN_SCALE, FLOAT32_MAX, LossScaling, check_config, is_int, is_number)
 from .nonfinite import Attribution, Layers, OutputWatch, check_and_unscale, resolve_layers, summed_flags
 from .nonfinite import floating_tensors as _floating_tensors
 from .nonfinite import nonfinite_gradients as _nonfinite_gradients

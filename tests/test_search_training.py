@@ -11,6 +11,7 @@ import torch.nn as nn
 from autoprec.coverage import find_layers
 from autoprec.formats import Format
 from autoprec.scheduler import DynamicPrecisionScheduler
+import autoprec.search.steps as search_steps
 from autoprec.search.training import PROBE_ROUNDS, PROBED_PER_ROLE, TrainingSearch, probe_formats
 from autoprec.workloads import default_workload
 
@@ -210,13 +211,27 @@ def test_every_search_step_trains_the_model_none_lost_or_repeated(searched):
     assert distance < 0.25 * (short - same).norm() and distance < 0.25 * (long - same).norm()
 
 
-def test_the_whole_search_runs_in_one_step_without_a_slice_and_over_many_with_a_tiny_one():
+class _EvenSteps:
+    """A ``time`` whose clock advances one second per read: every training step measures alike,
+    so a slice's budget, ``(1 + slice) * median step - this step``, does not depend on the
+    machine's step-to-step noise (a step faster than the median would leave room for units)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        self.now += 1.0
+        return self.now
+
+
+def test_the_whole_search_runs_in_one_step_without_a_slice_and_over_many_with_a_tiny_one(monkeypatch):
     wl, model, opt = setup()
     sampler = wl.train_batches(0)
     sch = make(measure_costs=False, search_slice=None)
     train(wl, model, opt, sch, WINDOW, sampler)
     assert sch.phase == "planned"  # None: the whole search in the window's last step
 
+    monkeypatch.setattr(search_steps, "time", _EvenSteps())
     wl, model, opt = setup()
     sch = make(measure_costs=False, search_slice=1e-9)  # no unit fits: one runs every third step
     phases = train(wl, model, opt, sch, WINDOW, sampler)
