@@ -21,9 +21,8 @@ What the recomputation must reproduce, and how (eager):
   history or calibration observes the batch twice and the recomputed activations are bit for bit
   the forward's. Forward hooks of autoprec's profiler and output watch skip while `recomputing`.
 
-Under ``torch.compile`` the block is Dynamo's checkpoint operator, its recomputation part of the
-compiled backward graph; a block with delayed scaling keeps its history reads (a selective
-checkpoint policy) instead of re-reading the updated history; `compile_refusal` says what cannot run.
+Under ``torch.compile``: Dynamo's checkpoint operator; delayed scaling keeps its history reads (a
+selective checkpoint policy); `compile_refusal` says what cannot run.
 """
 
 from __future__ import annotations
