@@ -10,9 +10,9 @@ after a step, `review_window` at a window's end (`policy`'s pure rules), `adopt`
 `decision`, and `state_dict` / `load_state_dict`.
 
 Costs: a step's are the scaler's (one host sync per optimizer) and, under ``torch.distributed``,
-`RankAgreement.agree_on_step`'s; an install removes the old runtime's layer wrappers and applies the new plan's (keeping the
-amax histories and calibration of unchanged layers), and replaces the scaler when its enablement
-changes; `on_nonfinite` and `review_window` are Python over the layers, no device work.
+`RankAgreement.agree_on_step`'s; an install swaps the layer wrappers (keeping the amax histories
+and calibration of unchanged layers) and replaces the scaler when its enablement changes;
+`on_nonfinite` and `review_window` are Python over the layers, no device work.
 """
 
 from __future__ import annotations
