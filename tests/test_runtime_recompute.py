@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 import autoprec as ap
 from autoprec.errors import RuntimeStateError
@@ -35,9 +36,9 @@ def _lm():
     return ByteLM(CONFIG)
 
 
-def _batches():
+def _batches(steps=STEPS):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, 256, (4, 16), generator=g), torch.randint(0, 256, (4, 16), generator=g)) for _ in range(STEPS)]
+    return [(torch.randint(0, 256, (4, 16), generator=g), torch.randint(0, 256, (4, 16), generator=g)) for _ in range(steps)]
 
 
 # Traced with an example input, so the attention modules (their own q @ k^T and att @ v) are
@@ -258,25 +259,32 @@ COMPILE_PLANS = {
 MODE_PLAN = {"mode": lambda m: ap.Plan.uniform(m, "bf16", _EXAMPLE).with_layers(
     {"blocks.0.attn": "fp32", "blocks.0.attn.qkv": "fp8_e4m3", "blocks.0.attn.proj": "fp8_e4m3", "blocks.1.attn": "fp32"}
 )}
+# Compiled from the first step: quantizers made and INT8 calibrated (2 batches, frozen in the 3rd)
+# inside the compiled recomputed blocks.
+FIRST_STEPS_PLANS = {
+    "first-fp8-delayed": lambda m: ap.Plan.uniform(m, "fp8_e4m3", scaling=ap.Scaling(mode="delayed")),
+    "first-int8": lambda m: ap.Plan.uniform(m, "int8", calibration=ap.Calibration(batches=2)),
+}
 
 
-def _compiled_run(name, blocks):
-    """One eager step (quantizers made, INT8 calibration frozen at batches=1), then STEPS compiled
-    steps with the region inside the compiled function; their gradients."""
+def _compiled_run(name, blocks, eager_first=True, steps=STEPS):
+    """``eager_first``: one eager step (quantizers made, INT8 calibration frozen at batches=1),
+    then ``steps`` compiled steps with the region inside the compiled function; their gradients."""
     model = _lm()
-    plan = {**COMPILE_PLANS, **MODE_PLAN}[name](model)
+    plan = {**COMPILE_PLANS, **MODE_PLAN, **FIRST_STEPS_PLANS}[name](model)
     runtime = ap.apply_plan(model, plan.with_recompute(blocks))
 
     def step(idx, tgt):
         with runtime.region():
             return model(idx, tgt)[1]
 
-    step(*_batches()[0]).backward()
+    if eager_first:
+        step(*_batches()[0]).backward()
     torch._dynamo.reset()
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)  # fullgraph: raises on any graph break
     torch.manual_seed(2)
     grads = []
-    for idx, tgt in _batches():
+    for idx, tgt in _batches(steps):
         for p in model.parameters():
             p.grad = None
         compiled(idx, tgt).backward()
@@ -313,36 +321,54 @@ def _histories(runtime):
     return {(fqn, k): q["history"] for fqn, layer in layers.items() for k, q in layer["inputs"].items() if q["history"] is not None}
 
 
-def test_a_layer_whose_own_products_need_the_mode_is_refused_in_a_compiled_recomputed_block():
-    """The FP32 attention's own matmuls (q @ k^T, att @ v) are routed by the runtime's mode, which
-    reads the running layer from thread state Dynamo cannot change inside a checkpointed body.
-    With fullgraph=True the refusal is the error; without, Dynamo runs the step eagerly, where the
-    recomputation replays the plan."""
+@pytest.mark.parametrize(
+    "name, eager_first, message",
+    [
+        # The FP32 attention's own matmuls (q @ k^T, att @ v) are routed by the runtime's mode, which
+        # reads the running layer from a stack in thread state.
+        ("mode", True, r"layer 'blocks.0.attn' \(fp32\) routes its own matrix products through the runtime's mode"),
+        ("first-fp8-delayed", False, r"layer 'blocks.0.attn.qkv' has not run yet"),
+        ("first-int8", True, r"layer 'blocks.0.attn.qkv' is still calibrating INT8"),  # one eager batch of two
+    ],
+)
+def test_python_state_a_compiled_recomputed_block_would_change_is_refused_naming_the_layer_and_the_fix(name, eager_first, message):
+    """Dynamo refuses Python state changed inside a checkpointed body unless told not to replay it
+    in the recomputation. With fullgraph=True the refusal is the error; without, Dynamo runs the
+    block eagerly, where the recomputation replays the plan."""
     model = _lm()
-    runtime = ap.apply_plan(model, MODE_PLAN["mode"](model).with_recompute(["blocks.0"]))
-    message = r"layer 'blocks.0.attn' \(fp32\) routes its own matrix products through the runtime's mode.*skip_fwd_side_effects_in_bwd_under_checkpoint = True"
+    runtime = ap.apply_plan(model, {**MODE_PLAN, **FIRST_STEPS_PLANS}[name](model).with_recompute(["blocks.0"]))
 
     def step(idx, tgt):
         with runtime.region():
             return model(idx, tgt)[1]
 
-    step(*_batches()[0]).backward()
+    if eager_first:
+        step(*_batches()[0]).backward()
     torch._dynamo.reset()
-    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"recomputed block 'blocks.0' under torch.compile: " + message):
+    fix = r".*set torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True"
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"recomputed block 'blocks.0' under torch.compile: " + message + fix):
         torch.compile(step, backend="aot_eager", fullgraph=True)(*_batches()[0])
     torch._dynamo.reset()
 
 
-def test_a_layer_under_the_mode_compiles_in_a_recomputed_block_once_dynamo_skips_replaying_side_effects():
-    """What the refusal above proposes: the layer stack's changes are undone within each layer's
-    call, so with Dynamo told not to replay them in the recomputation the step compiles whole and
-    the gradients are those of the compiled step without recomputation, bit for bit."""
+@pytest.mark.parametrize("name, eager_first", [("mode", True), ("first-fp8-delayed", False), ("first-int8", False)])
+def test_with_dynamo_not_replaying_side_effects_every_plan_compiles_in_recomputed_blocks_from_the_first_step(name, eager_first):
+    """What the refusals above propose: the layer stack's changes are undone within each layer's
+    call, and quantizers made or INT8 observations taken in a compiled forward are not needed
+    again by its recomputation (it recomputes from the forward's values). The step compiles
+    whole, and the gradients and the runtime's state (amax histories, calibration) are those of
+    the compiled step without recomputation, bit for bit."""
+    steps = 4  # first-int8: two calibrating steps, the freeze, one calibrated step
     with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
-        with_rc, _, step = _compiled_run("mode", BLOCKS)
-        without, *_ = _compiled_run("mode", ())
-        breaks = graph_breaks(step, *_batches()[0])
+        with_rc, runtime_rc, step = _compiled_run(name, BLOCKS, eager_first, steps)
+        without, runtime, _ = _compiled_run(name, (), eager_first, steps)
+        states = [pytree.tree_leaves(r.state_dict()) for r in (runtime_rc, runtime)]
+        breaks = graph_breaks(step, *_batches()[0])  # (another forward: after the states are taken)
     assert (breaks.graphs, breaks.breaks) == (1, 0), "\n".join(breaks.reasons)
     _assert_bitwise(with_rc, without)
+    assert len(states[0]) == len(states[1]) > (0 if name == "mode" else 8)
+    for a, b in zip(*states):
+        assert torch.equal(a, b) if torch.is_tensor(a) else a == b
 
 
 # -- the context and its restoration ----------------------------------------------------------

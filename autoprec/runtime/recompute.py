@@ -179,31 +179,32 @@ class _Replaying:
 def compile_refusal(host: BlockHost, block: str) -> "str | None":
     """Why ``block`` cannot run recomputed inside a compiled step now, or None.
 
-    Dynamo refuses state created or changed in Python inside a checkpointed body: the runtime's
-    layer stack (a layer whose own matrix products the mode routes; allowed with Dynamo's
-    ``skip_fwd_side_effects_in_bwd_under_checkpoint``), INT8 calibration, and the first forward of
-    a layer, which makes its quantizers. (Delayed scaling runs: its history
-    reads are kept for the recomputation, `_keep_history_reads`.)
+    Dynamo refuses Python state changed inside a checkpointed body unless told not to replay it
+    in the recomputation (``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint``).
+    autoprec changes such state in three cases: a layer whose own products the runtime's mode
+    routes (the layer stack, pushed and popped within its call), a layer's first forward (its
+    quantizers made) and INT8 calibration (observed once). The compiled recomputation needs none
+    of it replayed: it recomputes from the forward's values (delayed scaling's history reads kept,
+    `_keep_history_reads`), so with that flag nothing is refused
+    (``tests/test_runtime_recompute.py``: gradients and runtime state bit for bit).
     """
+    if torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint:
+        return None
     for fqn, layer in host.layers_in(block):
-        if fqn in host.wrapped and layer.keeps_thread_state and not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint:
-            # Its wrapper pushes the running layer on the thread's stack for the runtime's mode and
-            # enters the mode: Python state Dynamo refuses to change inside a checkpointed body unless
-            # told that the recomputation need not replay it. Ours is balanced (pushed and popped,
-            # entered and left within the layer's call), so skipping its replay changes nothing.
-            return (f"recomputed block {block!r} under torch.compile: layer {fqn!r} ({layer.format.value}) routes its own matrix "
-                    "products through the runtime's mode, whose layer stack Dynamo refuses to change inside a recomputed block; "
-                    "set torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True (autoprec's changes there are "
-                    "undone within the layer's call), run the step eagerly, or stop recomputing the block")
-        if not layer.low_precision:
+        if fqn in host.wrapped and layer.keeps_thread_state:
+            what, eager = f"({layer.format.value}) routes its own matrix products through the runtime's mode (its layer stack)", "the step"
+        elif not layer.low_precision:
             continue
-        ran = layer.weights or any(how.startswith("emulated") for how in layer.ops.values())
-        if layer.kernel_reason is None and not ran:
-            return (f"recomputed block {block!r} under torch.compile: layer {fqn!r} has not run yet, and Dynamo cannot create "
-                    "its quantizers inside a recomputed block; run one training step eagerly before the compiled one")
-        if any(c.calibrating for c in layer.calibrators.values()):
-            return (f"recomputed block {block!r} under torch.compile: layer {fqn!r} is still calibrating INT8, which Dynamo cannot "
-                    f"trace inside a recomputed block; run the first {layer.precision.calibration.batches} steps eagerly, then compile")
+        elif layer.kernel_reason is None and not (layer.weights or any(how.startswith("emulated") for how in layer.ops.values())):
+            what, eager = "has not run yet (its first forward makes its quantizers)", "one training step"
+        elif any(c.calibrating for c in layer.calibrators.values()):
+            what, eager = "is still calibrating INT8", f"the first {layer.precision.calibration.batches} steps"
+        else:
+            continue
+        return (f"recomputed block {block!r} under torch.compile: layer {fqn!r} {what}, Python state Dynamo refuses to change "
+                "inside a recomputed block; set torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True (the "
+                f"compiled recomputation reuses the forward's values, so gradients are unchanged), run {eager} eagerly, "
+                "or stop recomputing the block")
     return None
 
 
