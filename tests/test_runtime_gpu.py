@@ -259,3 +259,46 @@ def test_recomputed_blocks_match_stored_ones_and_sync_nothing_on_cuda(name):
         grads[recompute] = [p.grad.clone() for p in model.parameters()]
     for kept, recomputed in zip(grads[False], grads[True]):
         assert torch.equal(kept, recomputed)
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3-delayed", "mixed"])
+def test_inductor_compiles_recomputed_blocks_on_cuda_like_the_stored_ones(name):
+    """Inductor on the GPU, two checkpointed MLP blocks with dropout, one eager step then two
+    compiled ones: no graph break; the delayed histories equal those of the same steps without
+    recomputation (no forward recorded twice, no history read after its update), and the
+    gradients are theirs up to Inductor fusing the two graphs differently (a misread scale would
+    put them at FP8's own noise, ~30 dB). ``mixed``: BF16 and FP32 layers among FP8 ones. Dropout
+    draws eager's masks (``fallback_random``), so both runs draw the same."""
+    _needs("fp8")
+    from autoprec.opcount import graph_breaks
+
+    x = torch.randn(1000, 768, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    grads, histories = {}, {}
+    for recompute in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(_MLPBlock(), _MLPBlock()).cuda()
+        plan = _plan_of(model, "fp8_e4m3-delayed")
+        if name == "mixed":
+            plan = plan.with_layers({"0.fc2": "bf16", "1.fc1": "fp32"})
+        runtime = ap.apply_plan(model, plan.with_recompute(["0", "1"] if recompute else []))
+        compiled = torch.compile(model)
+        torch.manual_seed(1)  # the same dropout masks in both runs
+        with torch._inductor.config.patch(fallback_random=True):
+            for forward in (model, compiled, compiled):  # eager first: the quantizers are made there
+                model.zero_grad(set_to_none=True)
+                with runtime:
+                    loss = forward(x).float().square().mean()
+                loss.backward()
+        grads[recompute] = [p.grad.clone() for p in model.parameters()]
+        histories[recompute] = [q["history"] for layer in runtime.state_dict()["layers"].values() for q in layer["inputs"].values()]
+        if recompute:
+            with runtime:
+                breaks = graph_breaks(lambda inp: model(inp).float().sum(), x)
+            assert breaks.breaks == 0, "\n".join(breaks.reasons)
+    torch._dynamo.reset()
+    assert histories[True] and len(histories[True]) == len(histories[False])
+    for with_rc, without in zip(histories[True], histories[False]):
+        torch.testing.assert_close(with_rc, without, rtol=1e-2, atol=0)
+    for kept, recomputed in zip(grads[False], grads[True]):
+        assert sqnr(kept, recomputed) >= 40.0, f"{sqnr(kept, recomputed):.1f} dB"
