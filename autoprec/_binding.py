@@ -45,7 +45,7 @@ from .runtime import EmulationWarning
 if TYPE_CHECKING:
     from .scheduler_config import SchedulerConfig
 
-__all__ = ["Binding", "ModelWatch", "bindable_layers", "check_layers", "check_materialised", "check_prediction", "holds_matrix", "unbound_exit"]
+__all__ = ["Binding", "ModelWatch", "bindable_layers", "check_layers", "check_materialised", "check_prediction", "holds_matrix", "require_bound", "unbound_exit"]
 
 # Tables looked up, not multiplied: a model of embeddings alone has no layer (coverage does the same).
 _LOOKUP_CLASSES = (nn.Embedding, nn.EmbeddingBag)
@@ -172,6 +172,13 @@ class ModelWatch:
                 f"call {a} inside the context, or make the scheduler for {b}")
 
 
+def require_bound(model: Optional[nn.Module]) -> nn.Module:
+    """``model``, or the `RuntimeStateError` a scheduler's part raises before binding gave it one."""
+    if model is None:
+        raise RuntimeStateError("the scheduler is not bound to a model yet: run the model inside precision_context() first")
+    return model
+
+
 class Binding:
     """What a scheduler is bound to, and how it gets bound (module docstring).
 
@@ -194,9 +201,7 @@ class Binding:
     @property
     def bound(self) -> nn.Module:
         """The bound model (or the one given): what every step after the first forward runs."""
-        if self.model is None:
-            raise RuntimeStateError("the scheduler is not bound to a model yet: run the model inside precision_context() first")
-        return self.model
+        return require_bound(self.model)
 
     def use_model(self, model: Optional[nn.Module]) -> None:
         """Take ``model`` as the model before binding, as if given as ``model=``."""

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from .device import format_support
+from ._binding import require_bound
 from .errors import RuntimeStateError
 from .formats import Format
 from .plan import LayerPrecision, Plan
@@ -106,9 +107,7 @@ class PlanKeeper:
         return Format.FP32 if self.config.max_precision == 32 else Format.BF16
 
     def _bound(self) -> nn.Module:
-        if self._model is None:
-            raise RuntimeStateError("the scheduler is not bound to a model yet: run the model inside precision_context() first")
-        return self._model
+        return require_bound(self._model)
 
     def _planned(self) -> Plan:
         if self.plan is None:

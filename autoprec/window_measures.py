@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from .errors import RuntimeStateError
+from ._binding import require_bound
 from .lifecycle import CAPTURED_STEPS
 from .measure import SavedTensorMeter
 from .sensitivity.capture import GradientCapture
@@ -58,9 +58,7 @@ class WindowMeasures:
         self._model, self._example, self._layers = model, example, tuple(layers)
 
     def _bound(self) -> nn.Module:
-        if self._model is None:
-            raise RuntimeStateError("the scheduler is not bound to a model yet: run the model inside precision_context() first")
-        return self._model
+        return require_bound(self._model)
 
     # -- the profiler ---------------------------------------------------------------------------
 
