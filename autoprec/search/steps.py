@@ -156,8 +156,7 @@ class SearchSteps:
         if self._timer is not None:
             layer_seconds, forward_seconds = self._timer.finish()
             timed = {"layer_seconds": layer_seconds, "forward_seconds": forward_seconds, "block_seconds": self._timer.block_forward}
-            self._timer.__exit__(None, None, None)
-            self._timer = None
+            self._drop_timer()
         search.record(self._kind, seconds if seconds is not None else 0.0, saved_bytes=self._bytes, skipped=skipped, **timed)
         self._kind, self._bytes = None, None
         if search.median_step is None and seconds is not None:
@@ -185,6 +184,12 @@ class SearchSteps:
                     search.fail(SearchError(shared["error"])) if shared["error"] else search.set_candidates([Plan.from_dict(p) for p in shared["plans"]])
         return search.done
 
+    def _drop_timer(self) -> None:
+        """A probe step's timer off the model (its autograd and forward hooks removed)."""
+        if self._timer is not None:
+            self._timer.__exit__(None, None, None)
+            self._timer = None
+
     def take(self) -> TrainingSearch:
         """The search, done: the caller adopts its result (or error) and closes it."""
         search, self._search = self._running(), None
@@ -199,9 +204,7 @@ class SearchSteps:
 
     def close(self) -> None:
         """Drop a search in progress (its runtimes off the model, the step's timer removed)."""
-        if self._timer is not None:
-            self._timer.__exit__(None, None, None)
-            self._timer = None
+        self._drop_timer()
         if self._search is not None:
             self._search.close()
             self._search = None
