@@ -20,7 +20,16 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["SavedTensor", "SavedTensorMeter", "HeldBytes", "held_span"]
+__all__ = ["SavedTensor", "SavedTensorMeter", "HeldBytes", "held_span", "keep_for_backward"]
+
+
+def keep_for_backward(t: torch.Tensor) -> torch.Tensor:
+    """What a measuring pack hook hands autograd to keep: ``t`` detached (same storage and version
+    counter; unpacking re-attaches the node, as without hooks). Returning ``t`` itself would make the
+    graph hold the tensor that holds the graph when ``t`` is the node's own output (``exp`` saves its
+    result): a cycle through autograd that Python's collector cannot see, so a measured forward
+    whose backward never runs would stay alive for good."""
+    return t.detach()
 
 
 def held_span(shape, stride, offset: int, storage_nbytes: int, itemsize: int, requires_grad: bool) -> tuple[int, int]:
@@ -98,7 +107,7 @@ class SavedTensorMeter:
         nbytes = self._held.add(t)
         if nbytes:
             self.saved.append(SavedTensor(tuple(t.shape), t.dtype, nbytes))
-        return t
+        return keep_for_backward(t)
 
     def __enter__(self) -> "SavedTensorMeter":
         self._hooks.__enter__()

@@ -13,6 +13,7 @@ import torch.nn as nn
 import autoprec as ap
 from autoprec.distributed import SchedulerCheckpoint, grad_comm_format, plan_hash
 from autoprec.scheduler import DynamicPrecisionScheduler, Thresholds
+from graphs import graph_tensors
 
 WINDOW = 4
 WORLD = 2
@@ -122,11 +123,14 @@ def ddp_scenario(rank, world, tmp):
 
     counts = []
     steps = train(ddp, sch, opt, 14, rank, world, fault=fault, counts=counts)
-    return {
+    planned_graphs = graph_tensors()  # between planned steps, after a search and a promotion
+    result = {
         "steps": steps, "counts": counts, "plan": sch.searched_plan.to_dict(), "hash": plan_hash(sch.plan),
         "changes": [c.to_dict() for c in sch.changes],
         "layers": sch.layers, "params": {k: v.detach() for k, v in model.named_parameters()},
     }
+    sch.close()
+    return {**result, "graph_tensors": (planned_graphs, graph_tensors())}
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +164,11 @@ def test_promotions_happen_at_the_same_step_on_every_rank(ddp_run):
     assert r0["changes"] == r1["changes"]
     for name, value in r0["params"].items():
         assert torch.equal(value, r1["params"][name]), name
+
+
+@pytest.mark.slow
+def test_no_rank_keeps_an_autograd_graph_after_the_search_or_close(ddp_run):
+    assert [result["graph_tensors"] for result in ddp_run] == [(0, 0)] * WORLD
 
 
 @pytest.mark.slow

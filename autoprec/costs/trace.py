@@ -32,7 +32,7 @@ from .._tracing import is_weight, module_stack, side_effect_free
 from ..calls import ModelCall
 from ..coverage import MATMUL_OPS
 from ..errors import CostModelError
-from ..measure import HeldBytes, held_span
+from ..measure import HeldBytes, held_span, keep_for_backward
 
 __all__ = ["TensorSpec", "MatmulCall", "LayerTrace", "ModelTrace", "trace_model", "saved_bytes_by_layer"]
 
@@ -203,7 +203,7 @@ class _Attribution:
                 key = t.untyped_storage().data_ptr()
                 ptrs = self.current["ptrs"]
                 self.current["saved"].append((ptrs.index(key) if key in ptrs else -1, nbytes))
-        return t
+        return keep_for_backward(t)
 
     def __enter__(self) -> "_Attribution":
         try:
