@@ -290,8 +290,9 @@ class RankAgreement:
         return self._broadcast(value)
 
     def reduce_window(self, profiler, loss_sum: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Combine the profiler's window statistics and the loss sum across ranks, in place
-        (`LayerProfiler.reduce_`: three all-reduces); returns the reduced loss sum.
+        """Combine the profiler's (or a planned window's `PlanWatch`'s) window statistics and the
+        loss sum across ranks, in place (`LayerProfiler.reduce_`: three all-reduces;
+        `PlanWatch.reduce_`: two); returns the reduced loss sum.
 
         Before rank 0 decides, so the plan sees every rank's data: histograms, counts and moments
         summed, per-step amax maxed, the loss baseline's sum and count summed. Per-parameter

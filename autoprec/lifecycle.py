@@ -91,6 +91,11 @@ class WindowClock:
         """Whether the step after ``step`` done steps is captured for the sensitivity estimate."""
         return self.phase == "profiling" and step >= self.window_start + self.window - CAPTURED_STEPS
 
+    def samples(self, step: int, every: int) -> bool:
+        """Whether the step after ``step`` done steps is a profiling window's sampled one: every
+        ``every``-th from the window's first."""
+        return self.phase == "profiling" and (step - self.window_start) % every == 0
+
     def monitors(self, step: int) -> bool:
         """Whether a planned window profiles from ``step`` on (its last ``profiled`` steps)."""
         return self.phase == "planned" and step >= self.window_start + self.window - self.profiled

@@ -143,6 +143,15 @@ class LayerPrecision:
         _set(self, "calibration", calibration)
         _set(self, "reason", reason)
 
+    def cast_of(self, kind: str) -> tuple[Format, str]:
+        """The format this layer casts a tensor ``kind`` ("weight", "activation", "grad") to, and
+        the scaling that casts it, as a profile names it: gradients use current scaling, weights
+        and activations the plan's mode; unscaled formats "none"."""
+        fmt = self.grad_format if kind == "grad" else self.format
+        if not fmt.needs_scale:
+            return fmt, "none"
+        return fmt, "current" if kind == "grad" else self.scaling.mode.value
+
     def to_dict(self) -> dict:
         def plain(obj):
             return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in dataclasses.asdict(obj).items()}

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from .runtime import PlanRuntime
     from .scheduler_config import SchedulerConfig
 
-__all__ = ["PlanKeeper", "StepOutcome", "needs_loss_scaling"]
+__all__ = ["PlanKeeper", "StepOutcome", "needs_loss_scaling", "window_format_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,19 @@ def needs_loss_scaling(plan: "Plan | None") -> bool:
     # examples/measure_loss_scaling.py trains identically with the dynamic scale and with 1.
     # BF16 has FP32's range; INT8 layers run their backward in FP32.
     return plan is not None and any(lp.grad_format is Format.FP16 for lp in plan.layers.values())
+
+
+def window_format_for(config: "SchedulerConfig", *, native_bf16: bool) -> Format:
+    """The precision a profiling window (and training after a failed search) runs in: the
+    configured ``window_format``; else BF16 where FP32 is out of bounds, or where the device
+    computes BF16 natively (``native_bf16``: CUDA, compute capability 8.0 or newer) and BF16 is
+    a candidate; else FP32. No statistic the window gathers needs FP32 (the README says why), and
+    on such a device an FP32 step costs several BF16 ones."""
+    if isinstance(config.window_format, Format):
+        return config.window_format
+    if config.max_precision < 32 or (native_bf16 and Format.BF16 in config.candidates):
+        return Format.BF16
+    return Format.FP32
 
 
 class StepOutcome(NamedTuple):
@@ -103,8 +116,10 @@ class PlanKeeper:
 
     @property
     def safe_format(self) -> Format:
-        """The precision of the profiling window and of a failed search."""
-        return Format.FP32 if self.config.max_precision == 32 else Format.BF16
+        """The precision of the profiling window and of a failed search (`window_format_for`)."""
+        device = next(self._model.parameters()).device if self._model is not None else None
+        native = device is not None and device.type == "cuda" and format_support(Format.BF16, device).runnable
+        return window_format_for(self.config, native_bf16=native)
 
     def _bound(self) -> nn.Module:
         return require_bound(self._model)

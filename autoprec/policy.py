@@ -109,45 +109,38 @@ def promotions(
 
 
 def window_triggers(
-    plan: Plan, layers: Sequence[str], profile: Any, nonfinite: Mapping[str, int], state: PolicyState, thresholds: "Thresholds"
+    plan: Plan, layers: Sequence[str], report: Any, nonfinite: Mapping[str, int], state: PolicyState, thresholds: "Thresholds"
 ) -> tuple[dict[str, str], dict[str, dict[str, float]], PolicyState]:
     """Judge one window's statistics: ``(triggers, counts, state)``.
 
-    ``triggers``: fqn -> why it must be promoted, for layers whose tensors (in the plan's format,
-    with the runtime's scaling: `search.planner.cast_of`) overflowed beyond
-    ``thresholds.overflow`` or underflowed beyond ``thresholds.underflow``, or whose activation
-    amax moved by more than ``thresholds.amax_drift`` times since the last window (FP32 layers
-    are never triggered by drift). ``counts``: per layer the fractions and non-finite steps
-    judged (for the training log). ``profile``: the window's `Profile` (None: nothing profiled).
+    ``report``: the window's `profiling.watch.WatchReport` (None: nothing watched): per layer
+    and tensor kind, the fractions that overflowed / underflowed the format the plan casts it
+    to (with the runtime's scaling) and the amax per sampled step. ``triggers``: fqn -> why it
+    must be promoted, for layers beyond ``thresholds.overflow`` or ``thresholds.underflow``, or
+    whose activation amax moved by more than ``thresholds.amax_drift`` times since the last
+    window (FP32 layers are never watched, so never triggered). ``counts``: per layer the
+    fractions and non-finite steps judged (for the training log).
     """
-    from .search.planner import cast_of
-
     triggers: dict[str, str] = {}
     counts: dict[str, dict[str, float]] = {}
     previous_amax = dict(state.previous_amax)
     for fqn in layers:
-        lp = plan.layers[fqn]
-        stats = profile.layers.get(fqn) if profile is not None else None
         row = {"nonfinite": float(nonfinite.get(fqn, 0))}
-        if stats is not None:
-            for kind, ts in stats.tensors.items():
-                fmt, scaling = cast_of(lp, kind)
-                if fmt is Format.FP32 or fmt.value not in ts.fractions:
-                    continue
-                over, under = ts.overflow(fmt, scaling), ts.underflow(fmt, scaling)
-                row[f"overflow_{kind}"], row[f"underflow_{kind}"] = over, under
-                if over > thresholds.overflow:
-                    triggers.setdefault(fqn, f"{over:.2%} of {kind} values overflow {fmt.value}")
-                elif under > thresholds.underflow:
-                    triggers.setdefault(fqn, f"{under:.2%} of {kind} values underflow {fmt.value}")
-            act = stats.tensors.get("activation")
-            finite = [a for a in (act.amax if act is not None else ()) if math.isfinite(a) and a > 0]
-            if finite:
-                amax = max(finite)
-                before = previous_amax.get(fqn)
-                previous_amax[fqn] = amax
-                if before and lp.format is not Format.FP32 and max(amax / before, before / amax) > thresholds.amax_drift:
-                    triggers.setdefault(fqn, f"activation amax drifted {before:.3g} -> {amax:.3g}")
+        watched = report.layers.get(fqn, {}) if report is not None else {}
+        for kind, tw in watched.items():
+            row[f"overflow_{kind}"], row[f"underflow_{kind}"] = tw.overflow, tw.underflow
+            if tw.overflow > thresholds.overflow:
+                triggers.setdefault(fqn, f"{tw.overflow:.2%} of {kind} values overflow {tw.fmt.value}")
+            elif tw.underflow > thresholds.underflow:
+                triggers.setdefault(fqn, f"{tw.underflow:.2%} of {kind} values underflow {tw.fmt.value}")
+        act = watched.get("activation")
+        finite = [a for a in (act.amax if act is not None else ()) if math.isfinite(a) and a > 0]
+        if finite:
+            amax = max(finite)
+            before = previous_amax.get(fqn)
+            previous_amax[fqn] = amax
+            if before and plan.layers[fqn].format is not Format.FP32 and max(amax / before, before / amax) > thresholds.amax_drift:
+                triggers.setdefault(fqn, f"activation amax drifted {before:.3g} -> {amax:.3g}")
         counts[fqn] = row
     return triggers, counts, dataclasses.replace(state, previous_amax=previous_amax)
 

@@ -288,7 +288,8 @@ class DynamicPrecisionScheduler:
         self._binding.check_first_output(stack)  # once: the first forward under the scheduler holds a prediction
         if not self._searches.enter_step(stack, self._binding.bound, self.layers):  # a probe or trial step runs its own runtime
             self._plans.enter_runtime(stack)
-        self._measures.enter_step(stack, capture=self.config.dynamic and self._clock.captures(self.step_count))
+        self._measures.enter_step(stack, capture=self.config.dynamic and self._clock.captures(self.step_count),
+                                  sample=self._clock.samples(self.step_count, self.config.sample_every))
 
     # -- windows --------------------------------------------------------------------------------
 
@@ -328,9 +329,9 @@ class DynamicPrecisionScheduler:
         self._measures.restart(self.config.monitor_window)
 
     def _maybe_start_monitor(self) -> None:
-        """Profile the last ``monitor_steps`` steps of each planned window."""
-        if self.config.dynamic and not self._measures.profiling and self._clock.monitors(self.step_count):
-            self._measures.start_profiler(self.config.profiled_steps)
+        """Watch the last ``monitor_steps`` steps of each planned window."""
+        if self.config.dynamic and self.plan is not None and not self._measures.profiling and self._clock.monitors(self.step_count):
+            self._measures.start_watch(self.plan, self.config.profiled_steps)
 
     # -- the search -----------------------------------------------------------------------------
 
@@ -428,10 +429,10 @@ class DynamicPrecisionScheduler:
             self._attach(self._binding.bound, ModelCall.from_state(state["example"]))  # plan, scaler and profiler come from the state below
         self.step_count = state["step"]
         self.last_search_error = state["last_search_error"]
-        _, failures, retry_at, search, known = (state.get(k, d) for k, d in LATER_STATE.items())
+        _, failures, retry_at, search, known, _ = (state.get(k, d) for k, d in LATER_STATE.items())
         self._searches.load_known_times(known)
         self._plans.load_state_dict(state, self.step_count)
-        self._measures.load_state_dict(state)  # after the plan's runtime, as at bind
+        self._measures.load_state_dict(state, self.plan)  # after the plan's runtime, as at bind
         self._searches.close()
         phase = "planned" if self.plan is not None else "searching" if search is not None else "safe" if self.last_search_error is not None else "profiling"
         self._clock = WindowClock(self.config.monitor_window, self.config.profiled_steps, phase, state["window_start"], failures, retry_at)

@@ -80,6 +80,12 @@ class SchedulerConfig:
     chooses which to recompute together with the formats (costing two forwards per block and
     region on its snapshot, and timing the blocks' forwards in probe steps). None: formats only.
     A plan given with ``plan=`` runs its recomputed blocks either way (`Plan.with_recompute`).
+    ``sample_every``: the profiling window's statistics and the planned windows' watch are taken
+    on every ``sample_every``-th step (hooks on the model only then; other steps run no Python
+    per layer); a non-finite gradient is still caught on every step, by the loss scaler.
+    ``window_format``: the precision the profiling window (and training after a failed search)
+    runs in; None: BF16 where the device computes it natively (CUDA, compute capability 8.0 or
+    newer) and BF16 is a candidate, else FP32 (no statistic needs FP32: see the README).
 
     Under ``torch.distributed`` (see `autoprec.distributed`): ``process_group`` is the group the
     ranks agree in (None: the default group, once initialised); ``grad_comm`` the precision DDP
@@ -110,10 +116,12 @@ class SchedulerConfig:
     process_group: Any = None
     grad_comm: str = "fp32"
     recompute: Optional[tuple[str, ...]] = None
+    sample_every: int = 4
+    window_format: "Format | str | None" = None
 
     def __post_init__(self):
         self._check_types()
-        for name in ("monitor_window", "monitor_steps"):
+        for name in ("monitor_window", "monitor_steps", "sample_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise SettingsError(f"DynamicPrecisionScheduler({name}={value!r}): expected a positive integer")
@@ -137,6 +145,15 @@ class SchedulerConfig:
         if self.grad_comm not in GRAD_COMM:
             raise SettingsError(f"DynamicPrecisionScheduler(grad_comm={self.grad_comm!r}): expected one of {', '.join(map(repr, GRAD_COMM))}")
         object.__setattr__(self, "formats", tuple(Format.parse(f) for f in self.formats))
+        if self.window_format is not None:
+            try:
+                window_format = Format.parse(self.window_format)
+            except ValueError:
+                window_format = None
+            if window_format not in (Format.FP32, Format.BF16, Format.FP16) or window_format.bits > self.max_precision:
+                raise SettingsError(f"DynamicPrecisionScheduler(window_format={self.window_format!r}): expected None, 'fp32', 'bf16' or 'fp16', "
+                                    f"no wider than max_precision={self.max_precision}")
+            object.__setattr__(self, "window_format", window_format)
         try:
             allowed = formats_for_precision(self.min_precision, self.max_precision, self.formats)  # refuses bad bounds now
         except SearchError as exc:

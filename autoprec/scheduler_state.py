@@ -57,6 +57,7 @@ STATE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "runtime": (_optional_dict, "None or PlanRuntime.state_dict()"),
     "scaler": (lambda v: isinstance(v, Mapping), "LossScaler.state_dict()"),
     "profiler": (lambda v: v is None or (isinstance(v, Mapping) and _count(v.get("window")) and "state" in v), "None or a dict with 'window' (>= 1) and 'state'"),
+    "watch": (lambda v: v is None or (isinstance(v, Mapping) and _count(v.get("window")) and "state" in v), "None or a dict with 'window' (>= 1) and 'state'"),
     "history": (lambda v: isinstance(v, Mapping), "a dict of layer -> formats"),
     "stable": (lambda v: isinstance(v, Mapping) and all(_count(n) for n in v.values()), "a dict of layer -> count >= 0"),
     "wait": (lambda v: isinstance(v, Mapping) and all(_count(n) for n in v.values()), "a dict of layer -> count >= 0"),
@@ -67,7 +68,7 @@ STATE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 
 # Fields added within state version 2, with the value a state saved without them means.
-LATER_STATE: dict[str, Any] = {"window_skipped": 0, "search_failures": 0, "retry_at": None, "search": None, "known_times": {}}
+LATER_STATE: dict[str, Any] = {"window_skipped": 0, "search_failures": 0, "retry_at": None, "search": None, "known_times": {}, "watch": None}
 
 
 def check_state(state: Any, expected_keys: Collection[str]) -> None:

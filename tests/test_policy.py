@@ -1,9 +1,8 @@
 """The precision policy's rules as pure functions: no model, no training run."""
 
-import types
-
 from autoprec.formats import Format
 from autoprec.plan import Plan
+from autoprec.profiling import TensorWatch, WatchReport
 from autoprec.policy import PolicyState, PrecisionChange, demotions, promotions, wider_format, window_triggers
 from autoprec.scheduler_config import Thresholds
 
@@ -12,14 +11,12 @@ T = Thresholds(overflow=1e-3, underflow=0.25, amax_drift=16.0, stable_windows=2)
 
 
 def stats(overflow=0.0, underflow=0.0, amax=(1.0,), fmt="int8"):
-    """One tensor's window statistics as the policy reads them (fractions keyed by format)."""
-    return types.SimpleNamespace(
-        fractions={fmt: None}, overflow=lambda f, scaling: overflow, underflow=lambda f, scaling: underflow, amax=list(amax)
-    )
+    """One tensor's window statistics as the watch reports them."""
+    return TensorWatch(Format.parse(fmt), "current", 1000, overflow, underflow, tuple(amax), 0)
 
 
-def profile(**layers):
-    return types.SimpleNamespace(layers={fqn: types.SimpleNamespace(tensors={"activation": s}) for fqn, s in layers.items()})
+def report(**layers):
+    return WatchReport(1, {fqn: {"activation": s} for fqn, s in layers.items()})
 
 
 def test_the_ladder_goes_through_bf16_to_fp32_within_the_bounds():
@@ -39,7 +36,7 @@ def test_a_promotion_remembers_where_the_layer_came_from():
 
 def test_overflow_and_underflow_beyond_the_thresholds_trigger_with_their_reason():
     plan = Plan({"over": "int8", "under": "int8", "fine": "int8"})
-    window = profile(over=stats(overflow=0.01), under=stats(underflow=0.5), fine=stats(overflow=1e-4, underflow=0.1))
+    window = report(over=stats(overflow=0.01), under=stats(underflow=0.5), fine=stats(overflow=1e-4, underflow=0.1))
     triggers, counts, _ = window_triggers(plan, ["over", "under", "fine"], window, {"fine": 2}, PolicyState(), T)
     assert triggers == {"over": "1.00% of activation values overflow int8", "under": "50.00% of activation values underflow int8"}
     assert counts["fine"] == {"nonfinite": 2.0, "overflow_activation": 1e-4, "underflow_activation": 0.1}
@@ -47,14 +44,14 @@ def test_overflow_and_underflow_beyond_the_thresholds_trigger_with_their_reason(
 
 def test_an_amax_drift_beyond_the_factor_triggers_from_the_second_window_and_never_for_fp32():
     plan = Plan({"a": "int8", "b": "fp32", "c": "int8"})
-    first, _, state = window_triggers(plan, ["a", "b", "c"], profile(a=stats(amax=(1.0,)), b=stats(amax=(1.0,), fmt="fp32"), c=stats(amax=(1.0,))), {}, PolicyState(), T)
+    first, _, state = window_triggers(plan, ["a", "b", "c"], report(a=stats(amax=(1.0,)), b=stats(amax=(1.0,), fmt="fp32"), c=stats(amax=(1.0,))), {}, PolicyState(), T)
     assert first == {} and state.previous_amax == {"a": 1.0, "b": 1.0, "c": 1.0}
-    second, _, state = window_triggers(plan, ["a", "b", "c"], profile(a=stats(amax=(20.0,)), b=stats(amax=(20.0,), fmt="fp32"), c=stats(amax=(15.0,))), {}, state, T)
+    second, _, state = window_triggers(plan, ["a", "b", "c"], report(a=stats(amax=(20.0,)), b=stats(amax=(20.0,), fmt="fp32"), c=stats(amax=(15.0,))), {}, state, T)
     assert second == {"a": "activation amax drifted 1 -> 20"}  # c moved 15x < 16x; b is FP32
     assert state.previous_amax == {"a": 20.0, "b": 20.0, "c": 15.0}
 
 
-def test_no_profile_means_no_trigger_and_counts_keep_the_nonfinite_steps():
+def test_no_report_means_no_trigger_and_counts_keep_the_nonfinite_steps():
     plan = Plan({"a": "int8"})
     triggers, counts, state = window_triggers(plan, ["a"], None, {"a": 1}, PolicyState(), T)
     assert triggers == {} and counts == {"a": {"nonfinite": 1.0}} and state == PolicyState()

@@ -126,6 +126,37 @@ def test_planned_steps_run_the_plan(planned):
         assert torch.equal(wl.loss(model, batch), wl.loss(plain, batch))  # outside: the plain model
 
 
+def test_the_window_runs_in_bf16_where_the_device_computes_it_natively():
+    from autoprec.plan_keeper import window_format_for
+    from autoprec.scheduler_config import SchedulerConfig
+
+    assert window_format_for(SchedulerConfig(), native_bf16=True) is Format.BF16  # an Ampere-or-newer GPU
+    assert window_format_for(SchedulerConfig(), native_bf16=False) is Format.FP32  # a CPU
+    assert window_format_for(SchedulerConfig(max_precision=16), native_bf16=False) is Format.BF16  # FP32 out of bounds
+    assert window_format_for(SchedulerConfig(formats=("fp32", "fp16", "int8")), native_bf16=True) is Format.FP32  # no BF16 candidate
+    assert window_format_for(SchedulerConfig(window_format="fp32"), native_bf16=True) is Format.FP32  # as configured
+    with pytest.raises(SettingsError, match=r"window_format='int8'"):
+        SchedulerConfig(window_format="int8")
+
+
+def test_a_bf16_window_is_profiled_sampled_and_searched():
+    """The window's layers run BF16; its profiler's hooks are on the model only in every
+    ``sample_every``-th step; the search that follows finds a plan."""
+    wl, model, opt = setup()
+    sch = scheduler(window_format="bf16", sample_every=3)
+    module = model.blocks[0].mlp.fc
+    seen = {}  # step -> (output dtype, hooks on the layer) of its training forward (binding traces come first)
+    module.register_forward_hook(lambda m, args, out: seen.__setitem__(sch.step_count, (out.dtype, len(m._forward_hooks))))
+    sampler = wl.train_batches(0)
+    train(wl, model, opt, sch, WINDOW, sampler)
+    assert {seen[step][0] for step in range(1, WINDOW)} == {torch.bfloat16}  # step 0 binds, at FP32
+    hooks = [seen[step][1] for step in range(1, WINDOW)]
+    assert [step for step, n in enumerate(hooks, 1) if n > min(hooks)] == [3, 6, 9]  # of the window that started at step 0
+    while sch.phase == "searching":
+        train(wl, model, opt, sch, 1, sampler)
+    assert sch.phase == "planned" and sch.plan is not None
+
+
 def poison(layer, steps):
     def fault(step, model):
         if step in steps:

@@ -3,7 +3,8 @@
 Modules: `stats` (histograms, format fractions, per-tensor and gradient statistics; the binning
 and the under/overflow rule per format), `artifact` (the `Profile` and its JSON), `profiler`
 (`LayerProfiler`, the hooks; its docstring gives the costs and the subsampling's error bounds),
-`drivers` (profiling the built-in workload's training steps).
+`drivers` (profiling the built-in workload's training steps), `watch` (`PlanWatch`: the lean
+check of a plan in force that a scheduler's planned windows run).
 
 Per covered layer (`coverage.find_layers`) over ``window`` optimizer steps: the **gradient mean,
 variance and noise-to-signal ratio** ``E‖g − ḡ‖² / ‖ḡ‖²`` of its own parameters (Welford per
@@ -27,6 +28,7 @@ never change numerics. Profile without loss scaling (or divide by the scale your
 from .artifact import LayerProfile, Profile
 from .drivers import profile_workload, train_window, with_grad_formats
 from .profiler import LayerProfiler
+from .watch import PlanWatch, TensorWatch, WatchReport
 from .stats import KINDS, NUM_BINS, REFERENCES, SCHEMA_VERSION, FormatFractions, GradStats, Histogram, TensorStats
 
 __all__ = [
@@ -41,6 +43,9 @@ __all__ = [
     "LayerProfile",
     "Profile",
     "LayerProfiler",
+    "PlanWatch",
+    "TensorWatch",
+    "WatchReport",
     "train_window",
     "with_grad_formats",
     "profile_workload",

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=4096)
-def _stride(numel: int, last: int, sample: int) -> int:
+def sample_stride(numel: int, last: int, sample: int) -> int:
     """Smallest stride ``≥ numel / sample`` coprime with the last dimension (see module doc)."""
     stride = -(-numel // sample)
     if stride <= 1:
@@ -55,7 +55,7 @@ class _Welford:
     def __init__(self, param: nn.Parameter, grad_sample: int):
         self.param = param
         last = param.shape[-1] if param.dim() else 1
-        self.stride = _stride(param.numel(), last, grad_sample)
+        self.stride = sample_stride(param.numel(), last, grad_sample)
         self.mean: Optional[torch.Tensor] = None
         self.m2: Optional[torch.Tensor] = None
         self.n = 0
@@ -86,7 +86,7 @@ class _LayerState:
         self.last_step = -1
 
 
-def _first_float(obj: Any) -> Optional[torch.Tensor]:
+def first_float(obj: Any) -> Optional[torch.Tensor]:
     if torch.is_tensor(obj):
         return obj if obj.is_floating_point() else None
     if isinstance(obj, (tuple, list)):
@@ -96,7 +96,7 @@ def _first_float(obj: Any) -> Optional[torch.Tensor]:
     else:
         return None
     for item in items:
-        found = _first_float(item)
+        found = first_float(item)
         if found is not None:
             return found
     return None
@@ -252,10 +252,10 @@ class LayerProfiler:
         if state.last_step != self._steps:
             state.last_step = self._steps
             state.steps += 1
-        x = _first_float((args, kwargs))
+        x = first_float((args, kwargs))
         if x is not None:
             self._record(state, "activation", x)
-        out = _first_float(output)
+        out = first_float(output)
         if out is not None and out.requires_grad:
             out.register_hook(functools.partial(self._grad_hook, state))
 
@@ -303,7 +303,7 @@ class LayerProfiler:
         if (step + layer.phase) % self.every:
             return
         ones, offsets, one, factor = self._device_buffers(x.device)
-        stride = _stride(numel, x.shape[-1] if x.dim() else 1, self.sample)
+        stride = sample_stride(numel, x.shape[-1] if x.dim() else 1, self.sample)
         flat = x.reshape(-1)
         sub = flat[::stride] if stride > 1 else flat
         # Current scaling uses this call's amax; delayed scaling the largest finite amax of the

@@ -19,7 +19,7 @@ from ..plan import LayerPrecision, Plan
 from .exact import Solution
 from .space import Block, Choice, LayerRules, SearchSpace
 
-__all__ = ["OVERFLOW_LIMIT", "cast_of", "overflow_reason", "build_space", "layer_reasons", "block_reasons", "measured_reasons",
+__all__ = ["OVERFLOW_LIMIT", "overflow_reason", "build_space", "layer_reasons", "block_reasons", "measured_reasons",
            "plan_from_solution", "in_budget_terms"]
 
 # A format is ruled out for a layer when the profile saw more than this fraction of a tensor
@@ -30,23 +30,13 @@ __all__ = ["OVERFLOW_LIMIT", "cast_of", "overflow_reason", "build_space", "layer
 OVERFLOW_LIMIT = {False: 1e-4, True: 1e-2}  # keyed by Format.spec.saturates
 
 
-def cast_of(lp: LayerPrecision, kind: str) -> tuple[Format, str]:
-    """The format a layer in ``lp`` casts a tensor ``kind`` ("weight", "activation", "grad")
-    to, and the profile's scaling that matches the runtime's: gradients use current scaling,
-    weights and activations the plan's mode; unscaled formats "none"."""
-    fmt = lp.grad_format if kind == "grad" else lp.format
-    if not fmt.needs_scale:
-        return fmt, "none"
-    return fmt, "current" if kind == "grad" else lp.scaling.mode.value
-
-
 def overflow_reason(profile, fqn: str, fmt: Format) -> "str | None":
     """Why the profile rules ``fmt`` out for layer ``fqn``, or None."""
     if fqn not in profile.layers:
         return None
     lp = LayerPrecision(fmt)
     for kind, ts in profile.layers[fqn].tensors.items():
-        kind_fmt, scaling = cast_of(lp, kind)
+        kind_fmt, scaling = lp.cast_of(kind)
         if kind_fmt.value not in ts.fractions:
             continue
         fraction = ts.overflow(kind_fmt, scaling)
