@@ -7,21 +7,27 @@ process on 127.0.0.1 (shared by the HTTP tests, always stopped) serves the same 
 import gc
 import io
 import json
+import pathlib
 import socket
+import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
 
+import matplotlib.image
+import numpy as np
 import pytest
 import torch.nn as nn
-from PIL import Image
-from tb_events import accumulator, text_of
+from drawn_text import drawn_texts, outside, overlaps
+from tb_events import accumulator, image_of, text_of
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 
 from autoprec import Format, LayerPrecision, Plan, PlanError, Scaling
 from autoprec.errors import MonitoringError
 from autoprec.monitoring import PlanWriter, diff_plans, load_plans, render_precision_map, start_tensorboard, write_review
 from autoprec.monitoring.plans import (
+    CHANGED_COLUMN,
     FORMAT_COLOURS,
     ROW_HEIGHT,
     budget_checks,
@@ -72,8 +78,10 @@ def other():
 
 
 
-def colour_at(picture: Image.Image, xy) -> tuple:
-    return picture.convert("RGB").getpixel(xy)
+def colour_at(pixels: np.ndarray, xy) -> tuple:
+    """The RGB colour at ``(x, y)`` of a ``(height, width, 3)`` image."""
+    x, y = xy
+    return tuple(int(v) for v in pixels[y, x])
 
 
 # --- rendering --------------------------------------------------------------------------------
@@ -109,10 +117,24 @@ def test_map_leaves_the_other_formats_of_a_row_empty(plan):
     assert not colours & set(FORMAT_COLOURS.values())
 
 
-def test_map_has_one_small_row_per_layer_for_hundreds_of_layers():
-    plan = Plan({f"layers.{i}.proj": list(Format)[i % 6] for i in range(500)})
+def test_map_names_every_layer_of_a_small_plan_in_rows_of_a_line_each(plan):
     picture = render_precision_map(plan)
-    assert picture.size[1] - picture.grid_top >= 500 * ROW_HEIGHT and picture.size[1] < 500 * ROW_HEIGHT + 200
+    rows = [picture.cell_center(fqn, "fp32")[1] for fqn in LAYERS]
+    assert picture.named == tuple(LAYERS) and all(b - a == pytest.approx(ROW_HEIGHT, abs=1) for a, b in zip(rows, rows[1:]))
+
+
+def test_map_of_hundreds_of_layers_stays_readable_and_names_every_kth():
+    # 500 layers in a bounded image: each row its own pixels (its cell still in its colour),
+    # a regular subset of the names written without two touching, the rest left to the table.
+    plan = Plan({f"model.layers.{i}.attention.proj": list(Format)[i % 6] for i in range(500)})
+    picture = render_precision_map(plan)
+    pixels = picture.to_array()
+    stride = list(plan.layers).index(picture.named[1])
+    assert picture.size[1] < 1500 and 1 < stride and picture.named == tuple(list(plan.layers)[::stride])
+    assert all(colour_at(pixels, picture.cell_center(fqn, lp.format.value)) == FORMAT_COLOURS[lp.format] for fqn, lp in plan.layers.items())
+    drawn = drawn_texts(picture)
+    assert overlaps(drawn) == [] and outside(drawn, picture) == []
+    assert sum(f"  {fqn}" in text for fqn in plan.layers for text, _ in drawn) == len(picture.named)
 
 
 def test_layer_table_has_every_layer_format_and_reason(plan):
@@ -218,10 +240,16 @@ def test_plan_run_has_image_text_and_scalar_tags(review):
 
 def test_plan_image_decodes_to_the_map(review, plan):
     event = accumulator(review.runs["plans/a"]).Images("plan/precision_map")[0]
-    picture = Image.open(io.BytesIO(event.encoded_image_string))
+    pixels = image_of(event)
     expected = render_precision_map(plan, "a")
-    assert picture.size == expected.size == (event.width, event.height)
-    assert colour_at(picture, expected.cell_center("lm_head", "fp8_e5m2")) == FORMAT_COLOURS[Format.FP8_E5M2]
+    assert pixels.shape[1::-1] == expected.size == (event.width, event.height)
+    assert colour_at(pixels, expected.cell_center("lm_head", "fp8_e5m2")) == FORMAT_COLOURS[Format.FP8_E5M2]
+
+
+def test_map_texts_neither_overlap_nor_leave_the_image(plan):
+    picture = render_precision_map(plan.with_recompute({"blocks.0": True}), "a plan with a long name to fit")
+    drawn = drawn_texts(picture)
+    assert overlaps(drawn) == [] and outside(drawn, picture) == [] and any("a plan with a long name to fit" in t for t, _ in drawn)
 
 
 def test_plan_text_names_every_layer_and_format(review):
@@ -247,10 +275,12 @@ def test_diff_run_lists_the_changed_layers(review):
 
 def test_diff_image_marks_both_formats_of_a_changed_layer(review, plan, other):
     event = accumulator(review.runs["diffs/a-vs-b"]).Images("diff/precision_map")[0]
-    picture = Image.open(io.BytesIO(event.encoded_image_string))
+    pixels = image_of(event)
     expected = diff_plans(plan, other, ("a", "b")).render()
-    cells = [colour_at(picture, expected.cell_center("blocks.0.attn.qkv", name)) for name in ("a", "b")]
-    assert cells == [FORMAT_COLOURS[Format.BF16], FORMAT_COLOURS[Format.FP8_E4M3]]
+    assert pixels.shape[1::-1] == expected.size == (event.width, event.height)
+    cells = [colour_at(pixels, expected.cell_center("blocks.0.attn.qkv", name)) for name in ("a", "b", CHANGED_COLUMN)]
+    unchanged = colour_at(pixels, expected.cell_center("lm_head", CHANGED_COLUMN))
+    assert cells == [FORMAT_COLOURS[Format.BF16], FORMAT_COLOURS[Format.FP8_E4M3], (0, 0, 0)] and unchanged != (0, 0, 0)
 
 
 def test_reviewing_again_replaces_the_runs(tmp_path, plan, other):
@@ -270,6 +300,22 @@ def test_writer_adds_later_steps_to_a_run(tmp_path, plan, other):
 def test_review_table_has_a_line_per_plan_and_the_diff(review):
     lines = review.format_table().splitlines()
     assert lines[0].startswith("a: 6 layers") and lines[1].startswith("b: 6 layers") and "a → b: 2 of 6 layers differ" in lines[3]
+
+
+def test_writing_figures_leaves_the_users_matplotlib_as_it_was(tmp_path, plan, other):
+    # The figures draw on their own Agg canvas: no pyplot figure is opened, no backend switched.
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    backend = matplotlib.get_backend()
+    write_review([("a", plan), ("b", other)], tmp_path)
+    assert (matplotlib.get_backend(), plt.get_fignums()) == (backend, [])
+
+
+def test_importing_autoprec_and_its_monitoring_loads_no_matplotlib():
+    code = "import sys, autoprec, autoprec.monitoring; print('matplotlib' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=pathlib.Path(__file__).parents[1])
+    assert out.stdout.strip() == "False"
 
 
 # --- bad input --------------------------------------------------------------------------------
@@ -350,8 +396,9 @@ def test_server_lists_the_review_runs(server):
 
 def test_server_serves_the_plan_image(server, plan):
     (entry,) = fetch(server, "data/plugin/images/images", run="plans/a", tag="plan/precision_map")
-    picture = Image.open(io.BytesIO(fetch(server, "data/plugin/images/individualImage?" + entry["query"])))
-    assert colour_at(picture, render_precision_map(plan, "a").cell_center("embed", "fp32")) == FORMAT_COLOURS[Format.FP32]
+    png = fetch(server, "data/plugin/images/individualImage?" + entry["query"])
+    pixels = np.round(matplotlib.image.imread(io.BytesIO(png), format="png")[..., :3] * 255).astype(np.uint8)
+    assert colour_at(pixels, render_precision_map(plan, "a").cell_center("embed", "fp32")) == FORMAT_COLOURS[Format.FP32]
 
 
 def test_server_serves_the_layer_table_as_html(server):

@@ -2,21 +2,22 @@
 leaves them) and candidate plans, written as TensorBoard runs and read back with TensorBoard's own
 `EventAccumulator`."""
 
-import collections
-import io
-
 import numpy as np
 import optuna
 import pytest
-from PIL import Image, ImageDraw
-from tb_events import accumulator, text_of
+from drawn_text import drawn_texts, outside, overlaps
+from tb_events import accumulator, image_of, text_of
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 
 from autoprec import Format, Plan
 from autoprec.errors import MonitoringError
+from autoprec.monitoring.figures import mpl_colour
+from autoprec.monitoring.plans import render_precision_map
 from autoprec.monitoring.search import (
+    BUDGET_COLOUR,
+    CHOSEN_COLOUR,
+    FEASIBLE_COLOUR,
     INFEASIBLE_COLOUR,
-    LOSS_COLOURS,
     MEASURED_COLOUR,
     PARETO_COLOUR,
     TrialPoint,
@@ -24,7 +25,10 @@ from autoprec.monitoring.search import (
     budget_scalars,
     pareto_front,
     render_pareto,
+    render_progress,
     search_points,
+    search_summary_markdown,
+    study_budgets,
     write_candidates,
     write_search,
 )
@@ -54,8 +58,31 @@ def tradeoff_table(layers, seed):
 
 
 
-def colours(picture: Image.Image) -> set:
-    return {c for _, c in picture.convert("RGB").getcolors(maxcolors=1 << 16)}
+def colour_at(pixels: np.ndarray, xy) -> tuple:
+    x, y = xy
+    return tuple(int(v) for v in pixels[y, x])
+
+
+def colours(pixels: np.ndarray) -> set:
+    return {tuple(int(v) for v in c) for c in np.unique(pixels.reshape(-1, 3), axis=0)}
+
+
+def plot_area(figure, pixels: np.ndarray) -> np.ndarray:
+    """The pixels inside the memory panel's axes."""
+    box = figure.axes.get_window_extent()
+    height = pixels.shape[0]
+    return pixels[int(height - box.y1) + 2:int(height - box.y0) - 2, int(box.x0) + 2:int(box.x1) - 2]
+
+
+def crowded_points(n=300, seed=0):
+    """``n`` trials packed into a small corner, one in 37 far slower than the rest (a step-time
+    axis spanning two decades), half of them over a budget."""
+    rng = np.random.default_rng(seed)
+    points = []
+    for i in range(n):
+        b, t, loss = float(rng.uniform(2e6, 8e6)), float(rng.uniform(1e-3, 3e-3)), float(rng.uniform(0, 0.05))
+        points.append(TrialPoint(i, b, t * (60 if i % 37 == 0 else 1), loss, b < 6e6 and loss < 0.04, f"plan-{i}"))
+    return points
 
 
 @pytest.fixture(scope="module")
@@ -164,63 +191,137 @@ def test_front_runs_from_least_memory_and_a_point_beaten_on_memory_and_time_is_l
                 assert p.loss_increase < q.loss_increase
 
 
-def test_pareto_image_decodes_at_its_rendered_size(acc):
-    (event,) = acc.Images("search/pareto")
-    picture = Image.open(io.BytesIO(event.encoded_image_string))
-    assert picture.size == (event.width, event.height) == (640, 480)
+def test_search_run_has_its_figures_with_their_tags_and_sizes(acc):
+    assert sorted(acc.Tags()["images"]) == ["search/pareto", "search/progress"]
+    for tag, size in (("search/pareto", (880, 480)), ("search/progress", (720, 400))):
+        (event,) = acc.Images(tag)
+        assert (event.width, event.height) == size and image_of(event).shape == (size[1], size[0], 3)
 
 
-def test_pareto_image_rings_the_front_in_the_highlight_colour(acc, result, budgets):
-    picture = Image.open(io.BytesIO(acc.Images("search/pareto")[0].encoded_image_string)).convert("RGB")
-    figure = render_pareto(search_points(result), memory_bytes=budgets["memory"])
-    x, y = figure.point_xy(figure.front[0])
-    assert picture.getpixel((x + 5, y)) == PARETO_COLOUR and picture.getpixel((x, y)) in LOSS_COLOURS
+def test_pareto_image_draws_the_front_and_each_kind_of_dot_in_its_colour(acc, result, budgets):
+    pixels = image_of(acc.Images("search/pareto")[0])
+    figure = render_pareto(search_points(result), title=result.study_name, memory_bytes=budgets["memory"], loss_increase=budgets["loss"])  # as write_search drew it
+    # The front point farthest from the other marked points: nothing else is drawn over its dot.
+    front = [p for p in search_points(result) if p.number in figure.front]
+    alone = max(front, key=lambda p: min(np.hypot(*np.subtract(figure.point_xy(p.number), figure.point_xy(q.number))) for q in front if q is not p))
+    assert colour_at(pixels, figure.point_xy(alone.number)) == FEASIBLE_COLOUR
+    rings = [c for c in figure.axes.collections if len(c.get_facecolors()) == 0]
+    assert len(rings) == 1 and tuple(rings[0].get_edgecolors()[0][:3]) == pytest.approx(mpl_colour(PARETO_COLOUR))
+    ringed = np.array(sorted(map(tuple, rings[0].get_offsets())))
+    assert ringed == pytest.approx(np.array(sorted((p.bytes / figure.x_unit.factor, p.seconds / figure.y_unit.factor) for p in front)))
 
 
-def test_dots_are_grey_when_infeasible_and_coloured_by_loss_when_feasible():
+def test_dots_are_grey_when_infeasible_and_blue_when_feasible():
     points = [TrialPoint(0, 1e6, 3e-3, 0.01, True), TrialPoint(1, 3e6, 1e-3, 0.02, True),
               TrialPoint(2, 3.5e6, 3.5e-3, 0.05, True), TrialPoint(3, 4e6, 4e-3, 0.0, False)]
     figure = render_pareto(points)
-    image = figure.to_array()
-    centre = {p.number: tuple(image[figure.point_xy(p.number)[::-1]]) for p in points}
-    assert centre == {0: LOSS_COLOURS[0], 1: LOSS_COLOURS[2], 2: LOSS_COLOURS[-1], 3: INFEASIBLE_COLOUR} and figure.front == (0, 1)
+    pixels = figure.to_array()
+    centre = {p.number: colour_at(pixels, figure.point_xy(p.number)) for p in points}
+    assert centre == {0: FEASIBLE_COLOUR, 1: FEASIBLE_COLOUR, 2: FEASIBLE_COLOUR, 3: INFEASIBLE_COLOUR} and figure.front == (0, 1)
 
 
 def test_study_without_feasible_trials_has_no_front():
     figure = render_pareto([TrialPoint(i, 1e6 * (i + 1), 1e-3 / (i + 1), 0.1, False) for i in range(5)])
-    assert figure.front == () and PARETO_COLOUR not in colours(figure.image.crop(figure.plot))
+    assert figure.front == () and PARETO_COLOUR not in colours(plot_area(figure, figure.to_array()))
 
 
 def test_measured_plan_is_an_orange_square_at_its_measured_totals(result):
     plan = Plan({"a": "bf16"}, predicted={"bytes": 2e6, "seconds": 1e-3}, measured={"bytes": 2.5e6, "seconds": 1.2e-3})
     figure = render_pareto(search_points(result), measured=[("best", plan)])
-    assert tuple(figure.to_array()[figure.xy(2.5e6, 1.2e-3)[::-1]]) == MEASURED_COLOUR
+    assert colour_at(figure.to_array(), figure.xy(2.5e6, 1.2e-3)) == MEASURED_COLOUR
 
 
-def test_rendering_draws_one_dot_per_trial_and_a_frame_that_does_not_grow(monkeypatch):
-    # The drawing calls PIL receives, counted, instead of a wall-clock bound: the work grows by one
-    # dot per trial (and a ring per trial on the front), the axes and legend stay fixed.
-    counts = collections.Counter()
-    for name in ("ellipse", "line", "rectangle", "text"):
-        def counted(self, *args, _real=getattr(ImageDraw.ImageDraw, name), _name=name, **kwargs):
-            counts[_name] += 1
-            return _real(self, *args, **kwargs)
-        monkeypatch.setattr(ImageDraw.ImageDraw, name, counted)
+def test_returned_plan_is_a_black_star_and_labelled_first(result):
+    points = search_points(result)
+    returned = next(p for p in points if p.feasible and p.number not in pareto_front(points))
+    figure = render_pareto(points, chosen=returned.name)
+    assert figure.chosen == returned.number and colour_at(figure.to_array(), figure.point_xy(returned.number)) == CHOSEN_COLOUR
+    assert figure.labels[0] == f"returned: {returned.name}"
+
+
+def test_budgets_are_read_back_from_the_trials_constraints_and_drawn(result, budgets):
+    read = study_budgets(result)
+    assert read == pytest.approx({"memory_bytes": budgets["memory"], "loss_increase": budgets["loss"]}, rel=1e-9)
+    figure = render_pareto(search_points(result), memory_bytes=read["memory_bytes"], loss_increase=read["loss_increase"])
+    lines = {ax: [line.get_xdata()[0] for line in ax.lines if tuple(line.get_color()) == pytest.approx(mpl_colour(BUDGET_COLOUR))] for ax in (figure.axes, figure.loss_axes)}
+    assert lines[figure.axes] == pytest.approx([budgets["memory"] / figure.x_unit.factor]) and lines[figure.loss_axes] == pytest.approx([budgets["loss"]])
+    assert {"memory budget", "loss budget"} <= set(figure.labels)
+
+
+def test_unlimited_budget_is_not_drawn():
+    study = measured_study([(f"p{i}", 1e6 * (i + 1), 1e-3, 0.01) for i in range(4)], memory=float("inf"))
+    assert "memory_bytes" not in study_budgets(study)
+
+
+def test_step_time_axis_is_logarithmic_only_past_a_decade(result):
+    points = search_points(result)
+    assert max(p.seconds for p in points) < 10 * min(p.seconds for p in points)
+    assert render_pareto(points).axes.get_yscale() == "linear"
+    assert render_pareto(crowded_points()).axes.get_yscale() == "log"
+
+
+def test_no_two_labels_overlap_in_a_crowded_search():
+    # 300 trials in a corner, a far slower outlier, budgets, a returned plan and a measured one:
+    # every text the image shows (labels, ticks, legend, titles) is clear of every other and
+    # inside the image; the labels that found no room are trials the summary's table lists.
+    points = crowded_points()
+    plan = Plan({"a": "bf16"}, predicted={"bytes": 3e6, "seconds": 1.5e-3, "loss_increase": 0.01}, measured={"bytes": 3.3e6, "seconds": 1.8e-3, "loss_increase": 0.012})
+    figure = render_pareto(points, title="crowded", memory_bytes=6e6, loss_increase=0.04, chosen="plan-5", measured=[("exact", plan)])
+    drawn = drawn_texts(figure)
+    assert overlaps(drawn) == [] and outside(drawn, figure) == []
+    assert {"returned: plan-5", "memory budget", "loss budget", "exact"} <= {t for t, _ in drawn}
+    table = search_summary_markdown(points).split("Pareto front")[1]
+    assert figure.left_out and all(f"| {name} |" in table for name in figure.left_out)
+
+
+def test_a_users_latex_setting_and_dollars_in_names_change_no_text():
+    import matplotlib
+    import matplotlib.text
+
+    points = [TrialPoint(0, 1e6, 1e-3, 0.0, True, "cost $5"), TrialPoint(1, 2e6, 5e-4, 0.01, True, "a_b $x$")]
+    with matplotlib.rc_context({"text.usetex": True}):
+        figure = render_pareto(points, chosen="cost $5", memory_bytes=3e6)
+        drawn = drawn_texts(figure)
+    texts = figure.figure.findobj(matplotlib.text.Text)
+    assert not any(t.get_usetex() for t in texts) and {"returned: cost $5", "a_b $x$"} <= {t for t, _ in drawn}
+
+
+def test_progress_texts_do_not_overlap_and_mark_the_best_so_far():
+    points = crowded_points()
+    figure = render_progress(points, fp32_seconds=4e-3, chosen="plan-5")
+    drawn = drawn_texts(figure)
+    assert overlaps(drawn) == [] and outside(drawn, figure) == []
+    (ax,) = figure.figure.axes
+    best = next(line for line in ax.lines if tuple(line.get_color()) == pytest.approx(mpl_colour(PARETO_COLOUR)))
+    expected = best_so_far(points)
+    assert list(best.get_xdata()[:len(expected)]) == [n for n, _ in expected]
+    assert list(best.get_ydata()[:len(expected)]) == pytest.approx([v * 1e3 for _, v in expected])
+    assert ax.get_yscale() == "log"
+
+
+def test_drawing_keeps_one_artist_per_kind_of_point_whatever_the_trials():
+    # The work grows with the points inside one scatter per kind, not with artists per trial.
     rng = np.random.default_rng(0)
     drawn = {}
     for n in (100, 400):
-        points = [TrialPoint(i, float(b), float(s), float(loss), bool(f)) for i, (b, s, loss, f) in enumerate(zip(rng.uniform(1e6, 1e7, n), rng.uniform(1e-3, 1e-2, n), rng.uniform(0, 0.1, n), rng.random(n) < 0.5))]
-        counts.clear()
+        points = [TrialPoint(i, float(b), float(s), float(loss), bool(f)) for i, (b, s, loss, f) in
+                  enumerate(zip(rng.uniform(1e6, 1e7, n), rng.uniform(1e-3, 1e-2, n), rng.uniform(0, 0.1, n), rng.random(n) < 0.5))]
         figure = render_pareto(points)
-        figure.to_png()
-        drawn[n] = (counts["ellipse"], sum(counts.values()) - counts["ellipse"], len(figure.front))
-    assert all(front > 1 and dots == n + front for n, (dots, _, front) in drawn.items()), drawn
-    assert drawn[100][1] == drawn[400][1], drawn
+        drawn[n] = [(len(ax.collections), len(ax.lines), len(ax.patches)) for ax in (figure.axes, figure.loss_axes)]
+    assert drawn[100] == drawn[400], drawn
 
 
 def test_summary_names_the_best_trial(acc, result):
     best = min((p for p in search_points(result) if p.feasible), key=lambda p: p.seconds)
     assert f"best feasible: trial {best.number}:" in text_of(acc, "search/summary")
+
+
+def test_summary_names_the_returned_plan_on_the_front(result):
+    points = search_points(result)
+    name = pareto_front(points)[0].name
+    summary = search_summary_markdown(points, chosen=name)
+    row = next(line for line in summary.splitlines() if f"| {name} |" in line)
+    assert f"returned plan: `{name}`" in summary and row.endswith("| yes |") and summary.count("| yes |") == 1
 
 
 def test_multi_objective_study_is_written_too(tmp_path, space, budgets):
@@ -333,6 +434,12 @@ def session(path):
 
 def test_one_run_per_candidate(runs):
     assert list(runs) == ["candidates/fastest", "candidates/second", "candidates/over-memory"]
+
+
+def test_each_candidate_has_its_precision_map_at_its_size(runs, candidates):
+    for (name, plan), path in zip(candidates, runs.values()):
+        (event,) = accumulator(path).Images("plan/precision_map")
+        assert (event.width, event.height) == render_precision_map(plan, name).size == image_of(event).shape[1::-1]
 
 
 def test_each_candidate_is_a_session_with_its_counts_and_rank(runs, candidates):

@@ -1,19 +1,19 @@
 """`autoprec.monitoring.training`: a training run's precision events, buffered without syncs and
 read back with TensorBoard's own `EventAccumulator`."""
 
-import io
+import math
 import re
 
 import pytest
 import torch
-from PIL import Image
-from tb_events import accumulator
+from drawn_text import drawn_texts, outside, overlaps
+from tb_events import accumulator, image_of
 
 from autoprec import Format, Plan
 from autoprec.errors import FormatError, MonitoringError
 from autoprec.monitoring import render_precision_map
 from autoprec.monitoring.plans import FORMAT_COLOURS
-from autoprec.monitoring.training import FORMAT_INDEX, PrecisionChange, TrainingWriter
+from autoprec.monitoring.training import FORMAT_INDEX, PrecisionChange, TrainingWriter, render_timeline
 
 
 
@@ -260,11 +260,61 @@ def test_plan_is_written_into_the_run_with_its_formats(writer):
     writer.flush()
     acc = accumulator(writer.path)
     (event,) = acc.Images("plan/precision_map")
-    picture = Image.open(io.BytesIO(event.encoded_image_string)).convert("RGB")
-    assert picture.getpixel(render_precision_map(plan, "start").cell_center("head", "int8")) == FORMAT_COLOURS[Format.INT8]
+    expected = render_precision_map(plan, "start")
+    x, y = expected.cell_center("head", "int8")
+    assert (event.width, event.height) == expected.size == image_of(event).shape[1::-1]
+    assert tuple(int(v) for v in image_of(event)[y, x]) == FORMAT_COLOURS[Format.INT8]
     assert (event.step, formats_read_back(writer.path, "embed"), sorted(acc.Tags()["tensors"])) == (
         50, [(50, "fp32")], ["format/legend", "plan/layers", "plan/summary"],
     )
+    assert acc.Tags()["images"] == ["plan/precision_map"]  # no loss scale, skip or change: no timeline figure
+
+
+# --- the timeline figure ----------------------------------------------------------------------------
+
+
+def run_with_changes(writer):
+    """2000 steps: the loss scale halving on each skipped step (150, 151, 900) and doubling every
+    500 clean ones; two layers swapped at steps 500 and 1000, one sideways at 1500."""
+    scale = 4096.0
+    for step in range(2000):
+        skipped = step in (150, 151, 900)
+        writer.log_step(step, loss=torch.tensor(1.0), loss_scale=torch.tensor(scale), skipped=torch.tensor(skipped))
+        scale = scale / 2 if skipped else (scale * 2 if step % 500 == 499 else scale)
+        if step in (500, 1000):
+            writer.log_change(step, "fc1", "fp8_e4m3", "bf16", "overflow")
+            writer.log_change(step, "fc2", "bf16", "fp8_e4m3", "quiet")
+        if step == 1500:
+            writer.log_change(step, "fc3", "fp8_e4m3", "fp8_e5m2", "range")
+
+
+def test_timeline_figure_is_written_with_each_change_and_at_close(tmp_path):
+    with TrainingWriter(tmp_path, flush_every=100) as w:
+        run_with_changes(w)
+    events = accumulator(w.path).Images("train/timeline")
+    # Each change step's table brings a figure (at the latest step written then); closing adds the whole run.
+    assert [e.step for e in events] == [999, 1499, 1999]
+    assert all((e.width, e.height) == (800, 480) and image_of(e).shape == (480, 800, 3) for e in events)
+
+
+def test_timeline_draws_the_loss_scale_the_skips_on_it_and_the_changes_by_direction():
+    changes = [PrecisionChange(500, "a", Format.FP8_E4M3, Format.BF16), PrecisionChange(900, "b", Format.BF16, Format.INT8),
+               PrecisionChange(900, "c", Format.INT8, Format.FP16), PrecisionChange(1200, "d", Format.FP8_E4M3, Format.FP8_E5M2)]
+    scale = [(0, 65536.0), (100, 32768.0), (101, 16384.0), (700, 512.0)]
+    drawing = render_timeline(scale, [100, 101, 700], changes, end=1500)
+    top, bottom = drawing.figure.axes
+    assert top.get_yscale() == "log"  # 512 to 65536: more than a decade
+    (skips,) = top.collections
+    assert [tuple(p) for p in skips.get_offsets()] == [(100, 32768.0), (101, 16384.0), (700, 512.0)]  # the scale logged at that step
+    marks = {c.get_label(): [tuple(p) for p in c.get_offsets()] for c in bottom.collections}
+    assert marks == {"promotions": [(500, 1), (900, 2)], "demotions": [(900, -1)], "lateral changes": [(1200, 0)]}
+    drawn = drawn_texts(drawing)
+    assert overlaps(drawn) == [] and outside(drawn, drawing) == [] and any("2 promotions, 1 demotions" in t for t, _ in drawn)
+
+
+def test_constant_loss_scale_is_a_linear_axis():
+    drawing = render_timeline([(0, 4096.0)], [], [], end=100)
+    assert drawing.figure.axes[0].get_yscale() == "linear" and math.isclose(drawing.figure.axes[0].lines[0].get_ydata()[-1], 4096.0)
 
 
 # --- lifetime ---------------------------------------------------------------------------------------

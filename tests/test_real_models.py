@@ -77,7 +77,7 @@ def trained(request):
             sch.step(opt)
             opt.zero_grad(set_to_none=True)
             losses.append(out.loss.item())
-    emulated = {m.group(1) for w in caught if (m := re.search(r"layer '([^']+)' runs \S+ in \S+ emulated", str(w.message)))}
+    emulated = {m.group(1) for w in caught if (m := re.search(r"layer '([^']+)' runs .+? in \S+ emulated", str(w.message)))}
     yield model, sch, losses, (log, emulated)
     sch.close()
 

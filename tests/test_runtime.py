@@ -460,6 +460,45 @@ def test_emulated_layer_is_named_in_a_warning_and_the_report():
     assert model[0].weight.grad is not None
 
 
+class _TwoProducts(nn.Module):
+    """One layer whose forward runs two products with no FP8 kernel (a bmm and an einsum)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        y = torch.bmm(x, self.w.expand(x.shape[0], 8, 8))
+        return torch.einsum("bij,jk->bik", y, self.w)
+
+
+def test_emulated_layer_warns_once_naming_every_op_and_logs_nothing(caplog):
+    torch.manual_seed(0)
+    model = nn.Sequential(_TwoProducts())
+    x = torch.randn(2, 4, 8)
+    runtime = ap.apply_plan(model, ap.Plan.uniform(model, "fp8_e4m3", x))
+    with caplog.at_level("DEBUG", logger="autoprec"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # Python's own once-per-location filter off: the runtime's count alone
+        for _ in range(3):
+            with runtime:
+                model(x).float().sum().backward()
+    said = [str(w.message) for w in caught if issubclass(w.category, ap.EmulationWarning)]
+    assert len(said) == 1 and "layer '0' runs bmm, einsum in fp8_e4m3 emulated" in said[0]
+    assert runtime.emulated_layers() == {"0": ["bmm", "einsum"]}
+    assert [r.getMessage() for r in caplog.records if "emulated" in r.getMessage()] == []
+
+
+def test_emulation_warning_can_be_filtered_away_entirely(caplog):
+    model = nn.Sequential(_TwoProducts())
+    x = torch.randn(2, 4, 8)
+    with caplog.at_level("DEBUG", logger="autoprec"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.simplefilter("ignore", ap.EmulationWarning)
+        with ap.apply_plan(model, ap.Plan.uniform(model, "fp8_e4m3", x)):
+            model(x)
+    assert caught == [] and [r for r in caplog.records if "emulated" in r.getMessage()] == []
+
+
 def test_emulated_conv_gradients_track_the_reference():
     torch.manual_seed(0)
     conv = nn.Conv2d(3, 8, 3)

@@ -291,6 +291,7 @@ def test_training_run_is_logged_for_tensorboard(tmp_path):
     assert "memory/measured_bytes" in acc.Tags()["scalars"]
     assert f"grad/{target}" in acc.Tags()["histograms"]
     assert any(tag.startswith("nonfinite/") for tag in acc.Tags()["scalars"])
+    assert acc.Images("train/timeline")[-1].step == acc.Scalars("train/loss_scale")[-1].step  # the figure of the whole run
 
 
 def test_infeasible_budget_keeps_the_safe_precision_and_says_the_smallest(caplog):

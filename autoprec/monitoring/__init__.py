@@ -2,13 +2,16 @@
 
 Two concerns, one module each, over the pure rendering in `plans`:
 
-- `plans`: what a plan shows (precision map image, per-layer and totals tables, budgets) and the
+- `figures`: what every figure shares (a matplotlib figure on the Agg canvas, colours, scales,
+  labels that never overlap); matplotlib is imported only when a figure is drawn;
+- `plans`: what a plan shows (precision map figure, per-layer and totals tables, budgets) and the
   layer-by-layer differences between two plans; no I/O;
 - `writer`: those as TensorBoard event files under one logdir (`PlanWriter`, `write_review`);
 - `server`: a local TensorBoard process on that logdir (`start_tensorboard`);
-- `search`: a search's trials, Pareto front and compared candidate plans (`write_search`,
-  `write_candidates`);
-- `training`: a training run under the scheduler, buffered off the hot path (`TrainingWriter`).
+- `search`: a search's trials, Pareto front, progress and compared candidate plans
+  (`write_search`, `write_candidates`);
+- `training`: a training run under the scheduler, buffered off the hot path (`TrainingWriter`),
+  and its timeline figure.
 
 What ``autoprec review PLAN.json... --logdir DIR [--open]`` runs::
 

@@ -1,5 +1,5 @@
-"""What a plan shows a person: the precision map image, the per-layer table, totals against FP32
-and the budgets, and the layer-by-layer differences between two plans.
+"""What a plan shows a person: the precision map (a matplotlib figure), the per-layer table,
+totals against FP32 and the budgets, and the layer-by-layer differences between two plans.
 
 Pure functions of `Plan` objects (no files, no TensorBoard); `autoprec.monitoring.writer` writes
 their output as event files.
@@ -16,7 +16,6 @@ Figures a plan may carry (every key optional; a missing one is shown as "–")::
 from __future__ import annotations
 
 import dataclasses
-import io
 import math
 import types
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
@@ -25,6 +24,7 @@ import numpy as np
 
 from ..formats import Format
 from ..plan import CalibrationMethod, LayerPrecision, Plan, ScalingMode
+from .figures import FONT, OKABE_ITO, RGB, Drawing, mpl_colour, new_figure, pixel, settle
 
 __all__ = [
     "FORMAT_COLOURS",
@@ -49,26 +49,27 @@ __all__ = [
 
 MISSING = "–"
 
-RGB = tuple[int, int, int]
-
-# Okabe & Ito's colour-blind-safe palette (https://jfly.uni-koeln.de/color/): the wide formats in
-# blues and green, the 8-bit ones in warm colours, so "how much is 8-bit" reads at a glance.
+# Okabe & Ito's colour-blind-safe palette (`figures.OKABE_ITO`): the wide formats in blues and
+# green, the 8-bit ones in warm colours, so "how much is 8-bit" reads at a glance.
 FORMAT_COLOURS: Mapping[Format, RGB] = types.MappingProxyType({
-    Format.FP32: (0, 114, 178),
-    Format.BF16: (86, 180, 233),
-    Format.FP16: (0, 158, 115),
-    Format.FP8_E4M3: (230, 159, 0),
-    Format.FP8_E5M2: (213, 94, 0),
-    Format.INT8: (204, 121, 167),
+    Format.FP32: OKABE_ITO["blue"],
+    Format.BF16: OKABE_ITO["sky blue"],
+    Format.FP16: OKABE_ITO["bluish green"],
+    Format.FP8_E4M3: OKABE_ITO["orange"],
+    Format.FP8_E5M2: OKABE_ITO["vermillion"],
+    Format.INT8: OKABE_ITO["reddish purple"],
 })
-_CHANGED = (200, 30, 30)  # the mark of a changed row in a diff map
+_CHANGED = OKABE_ITO["black"]  # a changed row's cell in a diff map's "changed" column
 _RECOMPUTED = (120, 120, 120)  # a layer inside a block the plan recomputes
 RECOMPUTE_COLUMN = "recompute"
-_INK, _GRID, _STRIPE, _BACKGROUND, _CHANGED_ROW = (40, 40, 40), (200, 200, 200), (243, 243, 243), (255, 255, 255), (255, 236, 200)
+CHANGED_COLUMN = "changed"
+_STRIPE, _BACKGROUND, _CHANGED_ROW = (243, 243, 243), (255, 255, 255), (255, 236, 200)
 
-ROW_HEIGHT = 12  # px per layer: PIL's bitmap font is 11 px tall, so 500 layers make a 6000 px tall image
-_PAD = 4
-_NAME_CHARS = 64  # longer layer names keep their tail (the informative part) behind ".."
+ROW_HEIGHT = 14  # px per layer while the grid fits in _GRID_PX; thinner rows (down to 1 px) past that
+_GRID_PX = 1200  # the grid's height for more than _GRID_PX / ROW_HEIGHT layers
+_LABEL_PX = 13  # px a layer name needs: every k-th layer is named when rows are thinner
+_COLUMN_PX = 64
+_NAME_CHARS = 48  # longer layer names keep their tail (the informative part) behind ".."
 _COLUMN_CHARS = 16
 
 _TOTAL_KEYS = ("bytes", "seconds", "loss_increase", "fp32_bytes", "fp32_seconds")
@@ -360,52 +361,21 @@ def _aligned(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class PrecisionMap:
-    """A rendered map: one `ROW_HEIGHT` px row per layer in model order under a legend and a
-    header; ``columns`` are the column labels. ``image`` is a PIL palette image: a handful of
-    colours, so PNG encoding is ~10x faster than for RGB (18 ms for 500 layers)."""
+class PrecisionMap(Drawing):
+    """A drawn map: the ``figure``'s ``axes`` hold one row per layer in model order (``layers``)
+    and one column per label in ``columns``; ``named`` are the layers whose names are written at
+    the left (every one while rows are tall enough, else every k-th)."""
 
-    image: Any  # PIL.Image.Image, mode "P"
+    axes: Any
     layers: tuple[str, ...]
     columns: tuple[str, ...]
-    grid_left: int
-    grid_top: int
-    column_width: int
-
-    @property
-    def size(self) -> tuple[int, int]:
-        """``(width, height)`` in pixels."""
-        return self.image.size
-
-    def to_array(self) -> np.ndarray:
-        """``(height, width, 3)`` uint8 RGB (HWC)."""
-        return np.asarray(self.image.convert("RGB"), dtype=np.uint8)
-
-    def to_png(self) -> bytes:
-        buffer = io.BytesIO()
-        # zlib level 1: a third of the default's time; these images are flat colour either way.
-        self.image.save(buffer, format="PNG", compress_level=1)
-        return buffer.getvalue()
+    named: tuple[str, ...]
 
     def cell_center(self, layer: str, column: str) -> tuple[int, int]:
-        """``(x, y)`` pixel at the centre of a layer's cell in a column."""
-        row, col = self.layers.index(layer), self.columns.index(column)
-        return (self.grid_left + col * self.column_width + self.column_width // 2,
-                self.grid_top + row * ROW_HEIGHT + ROW_HEIGHT // 2)
-
-
-def bitmap_font():
-    """PIL's built-in bitmap font, which the rendered figures write with."""
-    from PIL import ImageFont
-
-    # The bitmap font: fixed 6 x 11 px glyphs, no FreeType needed, crisp at 12 px rows.
-    loader = getattr(ImageFont, "load_default_imagefont", ImageFont.load_default)
-    return loader()
-
-
-def to_latin1(text: str) -> str:
-    """``text`` with every character outside Latin-1 as ``?``: the bitmap font has Latin-1 glyphs only."""
-    return text.encode("latin-1", "replace").decode("latin-1")
+        """``(x, y)`` pixel at the centre of a layer's cell in a column (the first call draws
+        the figure once, to lay it out)."""
+        settle(self.figure)
+        return pixel(self.figure, self.axes, self.columns.index(column), self.layers.index(layer))
 
 
 def _clip(text: str, chars: int) -> str:
@@ -420,71 +390,65 @@ def _render_grid(
     legend: Sequence[tuple[RGB, str]],
     marked: Optional[Sequence[bool]] = None,
 ) -> PrecisionMap:
-    from PIL import Image, ImageDraw
+    """Layers (rows) x ``columns``, each cell filled in its colour or left blank (striped rows;
+    ``marked`` rows tinted), the legend above. One image of the cells (``imshow``), so the cost
+    does not grow with artists per layer; the names are tick labels, every k-th when rows are
+    thinner than a line of text (the per-layer table beside the map names them all). Nothing is
+    drawn here: the figure is laid out by its first draw (the one that writes it)."""
+    from matplotlib.patches import Patch
 
-    font = bitmap_font()
-    char_w = font.getbbox("M")[2]
-    line = ROW_HEIGHT + 2
-    index_w = char_w * len(str(max(len(layers) - 1, 0))) + _PAD
-    name_w = char_w * max([len(_clip(n, _NAME_CHARS)) for n in layers] + [8]) + _PAD
-    column_w = char_w * max([len(_clip(c, _COLUMN_CHARS)) for c in columns] + [6]) + 2 * _PAD
-    grid_left = _PAD + 4 + index_w + _PAD + name_w  # 4 px for the changed-row mark
-    width = max(grid_left + column_w * len(columns) + _PAD, char_w * len(title) + 2 * _PAD, 240)
+    n, c = len(layers), len(columns)
+    row_px = ROW_HEIGHT if n * ROW_HEIGHT <= _GRID_PX else max(_GRID_PX / n, 1.0)
+    stride = max(1, math.ceil(_LABEL_PX / row_px))
+    named = list(range(0, n, stride))
+    names = [f"{i}  {_clip(layers[i], _NAME_CHARS)}" for i in named]
+    # Wide enough for the names, the column labels (~6 px a character at FONT - 1) and the title:
+    # nothing is cut at the edge and no two labels meet, so the map needs no draw to check it.
+    column_px = max([_COLUMN_PX] + [6 * len(_clip(col, _COLUMN_CHARS)) + 16 for col in columns])
+    width = max(480, 6 * max((len(t) for t in names), default=8) + 24 + column_px * c + 24, 7 * len(title) + 40)
+    legend_cols = max(1, (width - 20) // 140)
+    legend_rows = math.ceil(len(legend) / legend_cols)
+    height = round(34 + 20 * legend_rows + 22 + row_px * max(n, 1) + (28 if stride > 1 else 8))
 
-    # The legend wraps to the image width.
-    legend_lines: list[list[tuple[int, RGB, str]]] = [[]]
-    x = _PAD
-    for colour, label in legend:
-        item_w = ROW_HEIGHT + 3 + char_w * len(label) + 3 * _PAD
-        if x + item_w > width - _PAD and legend_lines[-1]:
-            legend_lines.append([])
-            x = _PAD
-        legend_lines[-1].append((x, colour, label))
-        x += item_w
-    header_top = _PAD + line * (1 + len(legend_lines))
-    grid_top = header_top + line
-    height = grid_top + ROW_HEIGHT * len(layers) + _PAD
-
-    # Palette mode: ImageDraw adds each RGB fill to the palette on first use.
-    img = Image.new("P", (width, height), _BACKGROUND)
-    draw = ImageDraw.Draw(img)
-    draw.text((_PAD, _PAD), to_latin1(title), fill=_INK, font=font)
-    for n, items in enumerate(legend_lines):
-        y = _PAD + line * (n + 1)
-        for x, colour, label in items:
-            draw.rectangle([x, y, x + ROW_HEIGHT - 2, y + ROW_HEIGHT - 2], fill=colour)
-            draw.text((x + ROW_HEIGHT + 3, y), to_latin1(label), fill=_INK, font=font)
-    draw.text((_PAD + 4, header_top), "#", fill=_INK, font=font)
-    draw.text((_PAD + 4 + index_w + _PAD, header_top), "layer", fill=_INK, font=font)
-    for j, label in enumerate(columns):
-        text = to_latin1(_clip(label, _COLUMN_CHARS))
-        draw.text((grid_left + j * column_w + (column_w - char_w * len(text)) // 2, header_top), text, fill=_INK, font=font)
-
-    for i, name in enumerate(layers):
-        y = grid_top + i * ROW_HEIGHT
-        if marked is not None and marked[i]:
-            draw.rectangle([0, y, width - 1, y + ROW_HEIGHT - 1], fill=_CHANGED_ROW)
-            draw.rectangle([_PAD, y, _PAD + 2, y + ROW_HEIGHT - 1], fill=_CHANGED)
-        elif i % 2:
-            draw.rectangle([0, y, width - 1, y + ROW_HEIGHT - 1], fill=_STRIPE)
-        draw.text((_PAD + 4 + index_w - char_w * len(str(i)), y + 1), str(i), fill=_INK, font=font)
-        draw.text((_PAD + 4 + index_w + _PAD, y + 1), to_latin1(_clip(name, _NAME_CHARS)), fill=_INK, font=font)
-        for j, cell in enumerate(cells[i]):
+    image = np.empty((max(n, 1), c, 3), dtype=np.uint8)
+    for i in range(max(n, 1)):
+        # Stripes guide the eye along rows tall enough to read; on thinner rows they would be noise.
+        striped = i % 2 and row_px >= 6
+        image[i] = _CHANGED_ROW if marked is not None and i < n and marked[i] else (_STRIPE if striped else _BACKGROUND)
+        for j, cell in enumerate(cells[i] if i < n else ()):
             if cell is not None:
-                x = grid_left + j * column_w
-                draw.rectangle([x + 1, y, x + column_w - 2, y + ROW_HEIGHT - 2], fill=cell)
-    for j in range(len(columns) + 1):
-        x = grid_left + j * column_w - (1 if j else 0)
-        draw.line([x, header_top, x, height - _PAD], fill=_GRID)
-    return PrecisionMap(img, tuple(layers), tuple(columns), grid_left, grid_top, column_w)
+                image[i, j] = cell
+
+    def build(figure):
+        ax = figure.add_subplot()
+        ax.imshow(image, aspect="auto", interpolation="nearest")
+        ax.set_xticks(range(c), [_clip(col, _COLUMN_CHARS) for col in columns])
+        ax.xaxis.tick_top()
+        ax.set_yticks(named, names)
+        ax.tick_params(length=0)
+        for j in range(1, c):
+            ax.axvline(j - 0.5, color="white", linewidth=2)
+        for spine in ax.spines.values():  # the cells are the frame; a spine would half-cover the edge rows
+            spine.set_visible(False)
+        if stride > 1:  # under the whole figure: the grid alone may be narrower than the note
+            figure.supxlabel(f"every {stride}th of {n} layers named (all in the layers table)", fontsize=FONT - 1)
+        # The title heads the legend: one block above the grid, which constrained layout keeps clear.
+        handles = [Patch(facecolor=mpl_colour(colour), edgecolor="none", label=label) for colour, label in legend]
+        figure.legend(handles=handles, title=title, loc="outside upper center", ncols=legend_cols, frameon=False, handlelength=1.2)
+        return ax
+
+    figure, ax = new_figure(width, height, build)
+    return PrecisionMap(figure, ax, tuple(layers), tuple(columns), tuple(layers[i] for i in named))
 
 
 def render_precision_map(plan: Plan, name: str = "plan") -> PrecisionMap:
     """Layers in model order (rows) × formats (columns), the chosen format's cell filled in its
     colour (`FORMAT_COLOURS`), layer names at the left, a legend with the count per format.
 
-    Host-only: one PIL row per layer; the image is ~500 px wide (more
-    for long layer names) and `ROW_HEIGHT` px per layer tall.
+    Host-only, one matplotlib figure: `ROW_HEIGHT` px per layer up to ~85 layers, then a grid
+    1200 px tall with every k-th layer named; ~500 px wide (more for long layer names). Drawing
+    it (when written) costs ~0.1 s for a few layers to ~0.5 s from ~90 layers on, most of it the
+    names' text (one slow shared core).
     """
     formats = list(Format)
     counts = plan.format_counts()
@@ -618,14 +582,14 @@ class PlanDiff:
         return _md_cell(self.summary()) + "\n\n" + markdown_table(self._header(), rows)
 
     def render(self) -> PrecisionMap:
-        """Every layer (rows) × the two plans (columns), each cell in its format's colour;
-        rows that differ are tinted and marked at the left."""
+        """Every layer (rows) × the two plans (columns), each cell in its format's colour; rows
+        that differ are tinted and filled in a third column, ``changed``."""
         changed = {d.layer for d in self.layers}
         order = self.order
-        cells = [[FORMAT_COLOURS[p.layers[fqn].format] if fqn in p.layers else None for p in (self.a, self.b)] for fqn in order]
+        cells = [[*(FORMAT_COLOURS[p.layers[fqn].format] if fqn in p.layers else None for p in (self.a, self.b)), _CHANGED if fqn in changed else None] for fqn in order]
         legend = [(FORMAT_COLOURS[f], f.value) for f in Format] + [(_CHANGED, f"changed {len(changed)}")]
-        title = f"{self.name_a} -> {self.name_b}: {len(changed)} of {len(order)} layers differ"
-        return _render_grid(title, order, [self.name_a, self.name_b], cells, legend, [fqn in changed for fqn in order])
+        title = f"{self.name_a} → {self.name_b}: {len(changed)} of {len(order)} layers differ"
+        return _render_grid(title, order, [self.name_a, self.name_b, CHANGED_COLUMN], cells, legend, [fqn in changed for fqn in order])
 
 
 def diff_plans(a: Plan, b: Plan, names: tuple[str, str] = ("a", "b")) -> PlanDiff:

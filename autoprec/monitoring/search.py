@@ -8,8 +8,11 @@ Layout (one TensorBoard run per folder)::
                                     scalar  search/best_feasible_seconds   best feasible so far
                                     scalars refine/{predicted,corrected,measured}_seconds, ...
                                             per trial of the learning sampler (`refine_points`)
-                                    image   search/pareto    memory (x) vs step time (y), all trials,
-                                                             the (time, memory, loss) front ringed
+                                    image   search/pareto    step time (y) against memory and against
+                                                             loss increase, all trials, the (time,
+                                                             memory, loss) front ringed, the budgets
+                                                             dashed, the returned plan starred
+                                    image   search/progress  step time by trial, best feasible so far
                                     text    search/summary   counts, best trial, the front's table
     LOGDIR/candidates/<name>/       image   plan/precision_map, text plan/summary
                                     scalars plan/predicted_bytes, plan/measured_seconds, ...,
@@ -22,13 +25,12 @@ search job's measured study (`autoprec.search.measured.MeasuredStage`: one trial
 for real, user attributes ``bytes``, ``seconds``, ``loss_increase`` and ``name``); a trial is
 feasible when its constraints ``memory`` and ``loss`` are all <= 0. The Pareto front is Optuna's
 multi-objective view of those trials (`pareto_front`).
-Writing is host-only work (no device): one TensorBoard event per trial and one image.
+Writing is host-only work (no device): one TensorBoard event per trial and two matplotlib figures.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import math
 import os
@@ -39,10 +41,24 @@ import numpy as np
 
 from ..errors import MonitoringError
 from ..plan import Plan
+from .figures import (
+    OKABE_ITO,
+    RGB,
+    Drawing,
+    Label,
+    Unit,
+    bytes_unit,
+    declutter_ticks,
+    mpl_colour,
+    new_figure,
+    pixel,
+    place_labels,
+    seconds_unit,
+    settle,
+    use_scale,
+)
 from .plans import (
     MISSING,
-    RGB,
-    bitmap_font,
     budget_checks,
     finite_number,
     format_bytes,
@@ -54,9 +70,8 @@ from .plans import (
     plan_scalars,
     plan_summary_markdown,
     render_precision_map,
-    to_latin1,
 )
-from .writer import EVENT_FILE_PREFIX, add_png, add_scalars, add_text, ensure_writable_dir, run_name
+from .writer import EVENT_FILE_PREFIX, add_figure, add_scalars, add_text, ensure_writable_dir, run_name
 
 if TYPE_CHECKING:  # optuna is imported lazily: `autoprec.monitoring` loads without it
     import optuna
@@ -65,19 +80,23 @@ __all__ = [
     "SEARCH_RUN",
     "CANDIDATES_DIR",
     "PARETO_COLOUR",
+    "FEASIBLE_COLOUR",
     "INFEASIBLE_COLOUR",
     "MEASURED_COLOUR",
-    "LOSS_COLOURS",
+    "CHOSEN_COLOUR",
+    "BUDGET_COLOUR",
     "TrialPoint",
     "RefinePoint",
     "ParetoFigure",
     "search_points",
+    "study_budgets",
     "refine_points",
     "refine_scalars",
     "pareto_front",
     "best_so_far",
     "search_summary_markdown",
     "render_pareto",
+    "render_progress",
     "budget_scalars",
     "write_search",
     "write_candidates",
@@ -88,18 +107,13 @@ logger = logging.getLogger(__name__)
 SEARCH_RUN = "search"
 CANDIDATES_DIR = "candidates"
 
-# Feasible trials take one of eight steps of viridis (matplotlib's `_cm_listed._viridis_data`,
-# sampled at 0, 1/7, ..., 1) by their loss increase, low (purple) to high (yellow). Eight, not a
-# continuous ramp: the image is a palette image (fast PNG) and the steps read as a legend.
-LOSS_COLOURS: tuple[RGB, ...] = (
-    (68, 1, 84), (70, 50, 126), (54, 92, 141), (39, 127, 142),
-    (31, 161, 135), (74, 193, 109), (160, 218, 57), (253, 231, 37),
-)
-PARETO_COLOUR: RGB = (200, 30, 30)  # the front's line and rings: no viridis step is red
+# Colour-blind-safe (Okabe & Ito), and each kind of point has a shape of its own as well.
+FEASIBLE_COLOUR: RGB = OKABE_ITO["blue"]
 INFEASIBLE_COLOUR: RGB = (175, 175, 175)
-MEASURED_COLOUR: RGB = (230, 159, 0)  # Okabe & Ito orange
-_INK, _AXIS, _GRID, _BACKGROUND = (40, 40, 40), (90, 90, 90), (228, 228, 228), (255, 255, 255)
-_PAD, _LINE, _RADIUS = 4, 14, 3
+PARETO_COLOUR: RGB = OKABE_ITO["vermillion"]  # the front's rings and the best-so-far line
+MEASURED_COLOUR: RGB = OKABE_ITO["orange"]
+CHOSEN_COLOUR: RGB = OKABE_ITO["black"]  # the returned plan's star
+BUDGET_COLOUR: RGB = OKABE_ITO["reddish purple"]  # the budgets' dashed lines
 
 
 # -- trials --------------------------------------------------------------------------------------
@@ -258,9 +272,10 @@ def _fp32_reference(fp32: Optional[Mapping[str, Any]]) -> dict[str, float]:
     return reference
 
 
-def search_summary_markdown(points: Sequence[TrialPoint], fp32: Optional[Mapping[str, Any]] = None) -> str:
-    """How many trials, how many feasible, the best feasible one and the Pareto front's table
-    (with each total as a fraction of FP32 where ``fp32`` has it)."""
+def search_summary_markdown(points: Sequence[TrialPoint], fp32: Optional[Mapping[str, Any]] = None, chosen: Optional[str] = None) -> str:
+    """How many trials, how many feasible, the best feasible one, the returned plan (``chosen``)
+    and the Pareto front's table (with each total as a fraction of FP32 where ``fp32`` has it):
+    every point the Pareto figure may leave unlabelled."""
     reference = _fp32_reference(fp32)
 
     def shown(key: str, value: float) -> str:
@@ -269,75 +284,78 @@ def search_summary_markdown(points: Sequence[TrialPoint], fp32: Optional[Mapping
 
     feasible = [p for p in points if p.feasible]
     parts = [f"**search**: {len(points)} complete trials, {len(feasible)} feasible"]
+    if chosen is not None:
+        parts.append(f"returned plan: `{chosen}`")
     if feasible:
         best = min(feasible, key=lambda p: (p.seconds, p.number))
         parts.append(
             f"best feasible: trial {best.number}: {best.name + ', ' if best.name else ''}step time {shown('seconds', best.seconds)}, "
             f"memory {shown('bytes', best.bytes)}, loss increase {format_number(best.loss_increase)}"
         )
-        rows = [[str(p.number), p.name or MISSING, shown("bytes", p.bytes), shown("seconds", p.seconds), format_number(p.loss_increase)] for p in pareto_front(points)]
-        parts.append("Pareto front (step time, memory, loss increase):\n\n" + markdown_table(["trial", "plan", "memory", "step time", "loss increase"], rows))
+        header = ["trial", "plan", "memory", "step time", "loss increase"] + (["returned"] if chosen is not None else [])
+        rows = [[str(p.number), p.name or MISSING, shown("bytes", p.bytes), shown("seconds", p.seconds), format_number(p.loss_increase)]
+                + (["yes" if p.name == chosen else MISSING] if chosen is not None else []) for p in pareto_front(points)]
+        parts.append("Pareto front (step time, memory, loss increase):\n\n" + markdown_table(header, rows))
     else:
         parts.append("best feasible: " + MISSING + " (no trial met both budgets)")
     return "\n\n".join(parts)
 
 
-# -- the Pareto image ----------------------------------------------------------------------------
+# -- the figures -------------------------------------------------------------------------------
+
+
+def study_budgets(study: "optuna.Study | Any") -> dict[str, float]:
+    """The budgets a measured study's trials were held to, read back from their constraints
+    (``memory`` = bytes - budget, ``loss`` = loss increase - budget): ``{"memory_bytes": ...,
+    "loss_increase": ...}`` for each that every constrained trial agrees on (an unlimited
+    budget, stored as -1, agrees on none)."""
+    from optuna.trial import TrialState
+
+    found: dict[str, list[float]] = {"memory_bytes": [], "loss_increase": []}
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        for name, attr, key in (("memory", "bytes", "memory_bytes"), ("loss", "loss_increase", "loss_increase")):
+            value, constraint = finite_number(trial.user_attrs.get(attr)), finite_number(trial.constraints.get(name))
+            if value is not None and constraint is not None:
+                found[key].append(value - constraint)
+    return {key: float(np.median(v)) for key, v in found.items() if v and max(v) - min(v) <= 1e-9 * max(1.0, abs(max(v)))}
 
 
 @dataclasses.dataclass(frozen=True)
-class ParetoFigure:
-    """A rendered search: ``image`` is a PIL palette image; ``plot`` the plot area's
-    ``(left, top, right, bottom)`` pixels, ``x_range`` bytes and ``y_range`` seconds at its edges."""
+class ParetoFigure(Drawing):
+    """A drawn search: ``axes`` memory (x) against step time (y), ``loss_axes`` loss increase
+    against the same step time; values are plotted in ``x_unit`` / ``y_unit``. ``labels`` are
+    the texts written at points, ``left_out`` those that found no free place."""
 
-    image: Any  # PIL.Image.Image, mode "P"
+    axes: Any
+    loss_axes: Any
     points: tuple[TrialPoint, ...]
     front: tuple[int, ...]  # trial numbers on the front, by ascending memory
-    plot: tuple[int, int, int, int]
-    x_range: tuple[float, float]
-    y_range: tuple[float, float]
-
-    @property
-    def size(self) -> tuple[int, int]:
-        return self.image.size
+    chosen: Optional[int]  # the returned plan's trial number, when it is a trial
+    x_unit: Unit
+    y_unit: Unit
+    labels: tuple[str, ...]
+    left_out: tuple[str, ...]
 
     def xy(self, bytes_: float, seconds: float) -> tuple[int, int]:
-        """The pixel of a (memory, step time) point."""
-        left, top, right, bottom = self.plot
-        (x0, x1), (y0, y1) = self.x_range, self.y_range
-        return (round(left + (bytes_ - x0) / (x1 - x0) * (right - left)), round(bottom - (seconds - y0) / (y1 - y0) * (bottom - top)))
+        """The pixel of a (memory, step time) point in the memory panel."""
+        return pixel(self.figure, self.axes, bytes_ / self.x_unit.factor, seconds / self.y_unit.factor)
 
     def point_xy(self, number: int) -> tuple[int, int]:
-        """The pixel at the centre of trial ``number``'s dot."""
+        """The pixel at the centre of trial ``number``'s dot in the memory panel."""
         point = next(p for p in self.points if p.number == number)
         return self.xy(point.bytes, point.seconds)
 
-    def to_array(self) -> np.ndarray:
-        """``(height, width, 3)`` uint8 RGB (HWC)."""
-        return np.asarray(self.image.convert("RGB"), dtype=np.uint8)
 
-    def to_png(self) -> bytes:
-        buffer = io.BytesIO()
-        self.image.save(buffer, format="PNG", compress_level=1)  # level 1: see PrecisionMap.to_png
-        return buffer.getvalue()
+@dataclasses.dataclass(frozen=True)
+class _Measured:
+    name: str
+    predicted: Optional[tuple[float, float, Optional[float]]]  # bytes, seconds, loss increase
+    measured: tuple[float, float, Optional[float]]
 
 
-def _padded(values: Sequence[float]) -> tuple[float, float]:
-    lo, hi = min(values), max(values)
-    pad = (hi - lo) * 0.05 or (abs(hi) * 0.05 or 1.0)
-    return lo - pad, hi + pad
-
-
-def _loss_colour(loss: float, lo: float, hi: float) -> RGB:
-    if hi <= lo:
-        return LOSS_COLOURS[0]
-    step = int((loss - lo) / (hi - lo) * len(LOSS_COLOURS))
-    return LOSS_COLOURS[min(max(step, 0), len(LOSS_COLOURS) - 1)]
-
-
-def _measured_points(measured: Sequence[tuple[str, Plan]]) -> list[tuple[str, Optional[tuple[float, float]], tuple[float, float]]]:
-    """``(name, predicted (bytes, seconds) or None, measured (bytes, seconds))`` for each plan
-    whose measured totals have both figures."""
+def _measured_points(measured: Sequence[tuple[str, Plan]]) -> list[_Measured]:
+    """Each plan whose measured totals have bytes and seconds, with its predicted totals where
+    the plan has both."""
     out = []
     for name, plan in measured:
         figures = plan_figures(plan)
@@ -345,8 +363,25 @@ def _measured_points(measured: Sequence[tuple[str, Plan]]) -> list[tuple[str, Op
         if m.bytes is None or m.seconds is None:
             logger.debug("plan %r has no measured bytes and seconds; not drawn", name)
             continue
-        out.append((str(name), (p.bytes, p.seconds) if p.bytes is not None and p.seconds is not None else None, (m.bytes, m.seconds)))
+        predicted = (p.bytes, p.seconds, p.loss_increase) if p.bytes is not None and p.seconds is not None else None
+        out.append(_Measured(str(name), predicted, (m.bytes, m.seconds, m.loss_increase)))
     return out
+
+
+def _marker_box(ax, x: float, y: float, px: float = 6.0):
+    """The display box a marker of about ``px`` radius covers, which labels keep clear of."""
+    from matplotlib.transforms import Bbox
+
+    cx, cy = ax.transData.transform((x, y))
+    return Bbox.from_extents(cx - px, cy - px, cx + px, cy + px)
+
+
+def _point_label(p: TrialPoint) -> str:
+    return _clip_name(p.name) if p.name else f"#{p.number}"
+
+
+def _clip_name(name: str) -> str:
+    return name if len(name) <= 18 else name[:16] + ".."
 
 
 def render_pareto(
@@ -354,116 +389,178 @@ def render_pareto(
     *,
     title: str = "search",
     memory_bytes: Optional[float] = None,
+    loss_increase: Optional[float] = None,
+    chosen: Optional[str] = None,
     measured: Sequence[tuple[str, Plan]] = (),
-    size: tuple[int, int] = (640, 480),
+    size: tuple[int, int] = (880, 480),
 ) -> ParetoFigure:
-    """Every complete trial as a dot at (memory, step time): feasible ones coloured by their loss
-    increase (`LOSS_COLOURS`, low to high), infeasible ones grey; the Pareto front
-    (`pareto_front`: time, memory and loss) joined by a line and ringed in `PARETO_COLOUR`. A dashed
-    vertical line marks ``memory_bytes`` (the memory budget) when given; each ``measured`` plan
-    with measured totals is an orange square joined to its predicted point.
+    """Every complete trial in two panels sharing the step-time axis: memory (left) and loss
+    increase (right). Feasible trials are blue dots, infeasible ones grey; the Pareto front
+    (`pareto_front`: time, memory and loss) is ringed in `PARETO_COLOUR` and named; the budgets
+    (``memory_bytes``, ``loss_increase``) are dashed lines; the returned plan (``chosen``, a
+    trial's or a ``measured`` plan's name) is a black star; each ``measured`` plan with measured
+    totals is an orange square joined to its predicted point. An axis spanning more than a decade
+    is logarithmic. Labels that find no free place are left out (`search_summary_markdown`'s
+    table lists the whole front).
 
-    Host-only: one PIL marker per trial plus the axes and legend, drawn once per call.
+    Host-only: one scatter per kind of point, so the drawing grows with the trials only in the
+    points it plots; a label costs a text extent per place tried.
     """
-    from PIL import Image, ImageDraw
-
     width, height = size
-    font = bitmap_font()
-    char_w = font.getbbox("M")[2]
+    if width < 400 or height < 300:
+        raise MonitoringError(f"a Pareto figure of {width}x{height} px leaves no room to plot; use at least 400x300")
     feasible = [p for p in points if p.feasible]
     front = pareto_front(points)
     on_front = {p.number for p in front}
     extra = _measured_points(measured)
+    chosen_point = next((p for p in points if chosen is not None and p.name == chosen), None)
+    chosen_measured = next((m for m in extra if chosen is not None and m.name == chosen), None) if chosen_point is None else None
+    memory_budget = memory_bytes if memory_bytes is not None and math.isfinite(memory_bytes) else None
+    loss_budget = loss_increase if loss_increase is not None and math.isfinite(loss_increase) else None
 
-    xs = [p.bytes for p in points] + [b for _, pred, meas in extra for b in ([meas[0]] + ([pred[0]] if pred else []))]
-    ys = [p.seconds for p in points] + [s for _, pred, meas in extra for s in ([meas[1]] + ([pred[1]] if pred else []))]
-    if memory_bytes is not None and math.isfinite(memory_bytes) and xs:
-        xs.append(memory_bytes)
-    x_range, y_range = (_padded(xs), _padded(ys)) if xs else ((0.0, 1.0), (0.0, 1.0))
-    plot = (_PAD + 11 * char_w, _PAD + 4 * _LINE, width - 2 * _PAD - 4 * char_w, height - _PAD - 2 * _LINE - 4)
-    left, top, right, bottom = plot
-    if right - left < 50 or bottom - top < 50:
-        raise MonitoringError(f"a Pareto image of {width}x{height} px leaves no room to plot; use at least 240x200")
+    xs = [p.bytes for p in points] + [v for m in extra for v in (m.measured[0], *(m.predicted[:1] if m.predicted else ()))]
+    ys = [p.seconds for p in points] + [v for m in extra for v in (m.measured[1], *(m.predicted[1:2] if m.predicted else ()))]
+    losses = [p.loss_increase for p in points] + [v for m in extra for v in (m.measured[2], m.predicted[2] if m.predicted else None) if v is not None]
+    x_unit, y_unit = bytes_unit(xs + ([memory_budget] if memory_budget is not None else [])), seconds_unit(ys)
 
-    img = Image.new("P", (width, height), _BACKGROUND)
-    draw = ImageDraw.Draw(img)
-    figure = ParetoFigure(img, tuple(points), tuple(p.number for p in front), plot, x_range, y_range)
+    def build(figure):
+        ax = figure.add_subplot(1, 2, 1)
+        loss_ax = figure.add_subplot(1, 2, 2, sharey=ax)
+        use_scale(ax, "x", [v / x_unit.factor for v in xs + ([memory_budget] if memory_budget is not None else [])])
+        use_scale(ax, "y", [v / y_unit.factor for v in ys])
+        use_scale(loss_ax, "x", losses + ([loss_budget] if loss_budget is not None else []))
+        ax.set_xlabel(f"memory per step ({x_unit.name})")
+        ax.set_ylabel(f"step time ({y_unit.name})")
+        loss_ax.set_xlabel("loss increase")
+        loss_ax.tick_params(labelleft=False)
+        for a in (ax, loss_ax):
+            a.grid(True, color="#e4e4e4", linewidth=0.8)
+            a.set_axisbelow(True)
+        panels = ((ax, lambda p: p.bytes / x_unit.factor), (loss_ax, lambda p: p.loss_increase))
+        for a, x_of in panels:
+            groups = (([p for p in points if not p.feasible], INFEASIBLE_COLOUR, 14, 1), ([p for p in feasible if p.number not in on_front], FEASIBLE_COLOUR, 18, 2), (front, FEASIBLE_COLOUR, 22, 3))
+            for group, colour, area, z in groups:
+                if group:
+                    a.scatter([x_of(p) for p in group], [p.seconds / y_unit.factor for p in group], s=area, color=mpl_colour(colour), linewidths=0, zorder=z)
+            if front:
+                a.scatter([x_of(p) for p in front], [p.seconds / y_unit.factor for p in front], s=90, facecolors="none",
+                          edgecolors=mpl_colour(PARETO_COLOUR), linewidths=1.6, zorder=4)
+            if chosen_point is not None:
+                a.scatter([x_of(chosen_point)], [chosen_point.seconds / y_unit.factor], s=170, marker="*", color=mpl_colour(CHOSEN_COLOUR), zorder=6)
+        for m in extra:
+            mx, my, ml = m.measured[0] / x_unit.factor, m.measured[1] / y_unit.factor, m.measured[2]
+            for a, x, px in ((ax, mx, m.predicted[0] / x_unit.factor if m.predicted else None), (loss_ax, ml, m.predicted[2] if m.predicted else None)):
+                if x is None:
+                    continue
+                if px is not None and m.predicted is not None:
+                    a.plot([px, x], [m.predicted[1] / y_unit.factor, my], color=mpl_colour(MEASURED_COLOUR), linewidth=1, linestyle=":", zorder=4)
+                a.scatter([x], [my], s=40, marker="s", color=mpl_colour(MEASURED_COLOUR), zorder=5)
+                if m is chosen_measured:
+                    a.scatter([x], [my], s=170, marker="*", color=mpl_colour(CHOSEN_COLOUR), zorder=6)
+        for a, budget in ((ax, memory_budget / x_unit.factor if memory_budget is not None else None), (loss_ax, loss_budget)):
+            if budget is not None and points:
+                a.axvline(budget, color=mpl_colour(BUDGET_COLOUR), linestyle="--", linewidth=1.2, zorder=1)
+        if not points:
+            ax.text(0.5, 0.5, "no complete trials yet", transform=ax.transAxes, ha="center", va="center")
+        figure.suptitle(f"{title}: {len(points)} trials, {len(feasible)} feasible, {len(front)} on the front")
+        figure.legend(handles=_legend(bool(front), chosen_point is not None or chosen_measured is not None, bool(extra), memory_budget is not None or loss_budget is not None),
+                      loc="outside lower center", ncols=6, frameon=False)
+        return ax, loss_ax
 
-    draw.text((_PAD, _PAD), to_latin1(f"{title}: {len(points)} trials, {len(feasible)} feasible, {len(front)} on the front"), fill=_INK, font=font)
-    # The legend: the loss ramp, then grey, red and (when drawn) orange.
-    x, y = _PAD, _PAD + _LINE
-    if feasible:
-        lo, hi = min(p.loss_increase for p in feasible), max(p.loss_increase for p in feasible)
-        for colour in LOSS_COLOURS:
-            draw.rectangle([x, y + 1, x + 6, y + 9], fill=colour)
-            x += 7
-        label = f" feasible: loss increase {lo:.3g} .. {hi:.3g}"
-        draw.text((x, y), to_latin1(label), fill=_INK, font=font)
-        x += char_w * len(label) + 3 * _PAD
-    else:
-        lo = hi = 0.0
-    for colour, label in ((INFEASIBLE_COLOUR, "infeasible"), (PARETO_COLOUR, "Pareto front"), *([(MEASURED_COLOUR, "measured")] if extra else [])):
-        if x + 12 + char_w * len(label) > width:
-            x, y = _PAD, y + _LINE
-        draw.rectangle([x, y + 1, x + 8, y + 9], fill=colour)
-        draw.text((x + 12, y), label, fill=_INK, font=font)
-        x += 12 + char_w * len(label) + 3 * _PAD
+    figure, (ax, loss_ax) = new_figure(width, height, build)
+    renderer = settle(figure)
+    declutter_ticks(figure, renderer)
+    # Labels clear of the marked points (front, returned plan, measured squares) and of each other.
+    taken = [_marker_box(ax, p.bytes / x_unit.factor, p.seconds / y_unit.factor) for p in front]
+    taken += [_marker_box(ax, m.measured[0] / x_unit.factor, m.measured[1] / y_unit.factor) for m in extra]
+    loss_taken = [_marker_box(loss_ax, p.loss_increase, p.seconds / y_unit.factor) for p in front]
+    labels: list[Label] = []
+    loss_labels: list[Label] = []
+    if chosen_point is not None or chosen_measured is not None:
+        where = (chosen_point.bytes, chosen_point.seconds) if chosen_point is not None else chosen_measured.measured[:2]  # type: ignore[union-attr]
+        labels.append(Label(where[0] / x_unit.factor, where[1] / y_unit.factor, f"returned: {_clip_name(str(chosen))}", CHOSEN_COLOUR, bold=True))
+    top = ax.get_ylim()[1]
+    if memory_budget is not None and points:
+        labels.append(Label(memory_budget / x_unit.factor, top, "memory budget", BUDGET_COLOUR))
+    if loss_budget is not None and points:
+        loss_labels.append(Label(loss_budget, top, "loss budget", BUDGET_COLOUR))
+    labels += [Label(m.measured[0] / x_unit.factor, m.measured[1] / y_unit.factor, _clip_name(m.name), MEASURED_COLOUR) for m in extra if m is not chosen_measured]
+    labels += [Label(p.bytes / x_unit.factor, p.seconds / y_unit.factor, _point_label(p), PARETO_COLOUR)
+               for p in sorted(front, key=lambda p: (p.seconds, p.number)) if p is not chosen_point]
+    placed, left_out = place_labels(ax, renderer, labels, taken)
+    loss_placed, loss_left_out = place_labels(loss_ax, renderer, loss_labels, loss_taken)
+    return ParetoFigure(
+        figure, ax, loss_ax, tuple(points), tuple(p.number for p in front), chosen_point.number if chosen_point is not None else None,
+        x_unit, y_unit, tuple(label.text for label in placed + loss_placed), tuple(label.text for label in left_out + loss_left_out),
+    )
 
-    # Axes: five evenly spaced ticks with grid lines, labelled in the figures' own units.
-    for i in range(5):
-        fx = x_range[0] + (x_range[1] - x_range[0]) * (i + 0.5) / 5
-        fy = y_range[0] + (y_range[1] - y_range[0]) * (i + 0.5) / 5
-        px, _ = figure.xy(fx, y_range[0])
-        _, py = figure.xy(x_range[0], fy)
-        draw.line([px, top, px, bottom], fill=_GRID)
-        draw.line([left, py, right, py], fill=_GRID)
-        xlabel, ylabel = to_latin1(format_bytes(fx)), to_latin1(format_seconds(fy))
-        draw.text((px - char_w * len(xlabel) // 2, bottom + 3), xlabel, fill=_INK, font=font)
-        draw.text((left - 3 - char_w * len(ylabel), py - 6), ylabel, fill=_INK, font=font)
-    draw.rectangle([left, top, right, bottom], outline=_AXIS)
-    xaxis = "memory per step (bytes)"
-    draw.text(((left + right - char_w * len(xaxis)) // 2, height - _PAD - _LINE + 2), xaxis, fill=_INK, font=font)
-    draw.text((_PAD, top - _LINE), "step time (s)", fill=_INK, font=font)
-    if not points:
-        message = "no complete trials yet"
-        draw.text(((left + right - char_w * len(message)) // 2, (top + bottom) // 2), message, fill=_INK, font=font)
 
-    if memory_bytes is not None and math.isfinite(memory_bytes) and points:
-        bx, _ = figure.xy(memory_bytes, y_range[0])
-        for y0 in range(top + 1, bottom, 8):
-            draw.line([bx, y0, bx, min(y0 + 4, bottom - 1)], fill=PARETO_COLOUR)
-        draw.text((bx + 3, top + 2), "memory budget", fill=PARETO_COLOUR, font=font)
+def _legend(front: bool, chosen: bool, measured: bool, budgets: bool) -> list:
+    from matplotlib.lines import Line2D
 
-    r = _RADIUS
-    for p in points:  # infeasible first, so the feasible dots lie on top
-        if not p.feasible:
-            cx, cy = figure.xy(p.bytes, p.seconds)
-            draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=INFEASIBLE_COLOUR)
-    for p in feasible:
-        if p.number not in on_front:
-            cx, cy = figure.xy(p.bytes, p.seconds)
-            draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=_loss_colour(p.loss_increase, lo, hi))
-    if len(front) > 1:
-        draw.line([figure.xy(p.bytes, p.seconds) for p in front], fill=PARETO_COLOUR, width=2)
-    for p in front:  # every ring first, so no ring covers a neighbour's dot
-        cx, cy = figure.xy(p.bytes, p.seconds)
-        draw.ellipse([cx - r - 3, cy - r - 3, cx + r + 3, cy + r + 3], fill=PARETO_COLOUR)
-    for p in front:
-        cx, cy = figure.xy(p.bytes, p.seconds)
-        draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=_loss_colour(p.loss_increase, lo, hi))
+    def dot(colour, label, marker="o", size=6, hollow=False):
+        face = "none" if hollow else mpl_colour(colour)
+        return Line2D([], [], linestyle="none", marker=marker, markersize=size, markerfacecolor=face, markeredgecolor=mpl_colour(colour), label=label)
+
+    handles = [dot(FEASIBLE_COLOUR, "feasible"), dot(INFEASIBLE_COLOUR, "infeasible")]
     if front:
-        best = min(front, key=lambda p: p.seconds)
-        cx, cy = figure.xy(best.bytes, best.seconds)
-        label = f"best #{best.number}"
-        draw.text((min(cx + 8, right - char_w * len(label) - 2), max(cy - 14, top + 1)), label, fill=PARETO_COLOUR, font=font)
+        handles.append(dot(PARETO_COLOUR, "Pareto front", size=9, hollow=True))
+    if chosen:
+        handles.append(dot(CHOSEN_COLOUR, "returned plan", marker="*", size=11))
+    if measured:
+        handles.append(dot(MEASURED_COLOUR, "measured plan", marker="s"))
+    if budgets:
+        handles.append(Line2D([], [], color=mpl_colour(BUDGET_COLOUR), linestyle="--", label="budget"))
+    return handles
 
-    for name, pred, meas in extra:
-        mx, my = figure.xy(*meas)
-        if pred is not None:
-            draw.line([figure.xy(*pred), (mx, my)], fill=MEASURED_COLOUR, width=1)
-        draw.rectangle([mx - 4, my - 4, mx + 4, my + 4], fill=MEASURED_COLOUR)
-        draw.text((min(mx + 7, right - char_w * min(len(name), 16) - 2), my + 3), to_latin1(name[:16]), fill=_INK, font=font)
-    return figure
+
+def render_progress(
+    points: Sequence[TrialPoint],
+    *,
+    title: str = "search",
+    fp32_seconds: Optional[float] = None,
+    chosen: Optional[str] = None,
+    size: tuple[int, int] = (720, 400),
+) -> Drawing:
+    """The search as it went: each complete trial's step time by trial number (feasible blue,
+    infeasible grey), the best feasible step time so far as a vermillion step line, the all-FP32
+    step time dashed, the returned plan (``chosen``) a black star. Logarithmic step time when the
+    trials span more than a decade. Host-only, one scatter per kind of point."""
+    best = best_so_far(points)
+    feasible = [p for p in points if p.feasible]
+    reference = fp32_seconds if fp32_seconds is not None and math.isfinite(fp32_seconds) and fp32_seconds > 0 else None
+    unit = seconds_unit([p.seconds for p in points] + ([reference] if reference else []))
+    chosen_point = next((p for p in points if chosen is not None and p.name == chosen), None)
+
+    def build(figure):
+        ax = figure.add_subplot()
+        use_scale(ax, "y", [p.seconds / unit.factor for p in points] + ([reference / unit.factor] if reference else []))
+        ax.grid(True, color="#e4e4e4", linewidth=0.8)
+        ax.set_axisbelow(True)
+        for group, colour, label in (([p for p in points if not p.feasible], INFEASIBLE_COLOUR, "infeasible"), (feasible, FEASIBLE_COLOUR, "feasible")):
+            if group:
+                ax.scatter([p.number for p in group], [p.seconds / unit.factor for p in group], s=16, color=mpl_colour(colour), linewidths=0, label=label, zorder=2)
+        if best:
+            steps = [n for n, _ in best] + ([points[-1].number] if points[-1].number > best[-1][0] else [])
+            values = [v / unit.factor for _, v in best] + ([best[-1][1] / unit.factor] if len(steps) > len(best) else [])
+            ax.step(steps, values, where="post", color=mpl_colour(PARETO_COLOUR), linewidth=1.6, label="best feasible so far", zorder=3)
+        if reference is not None and points:
+            ax.axhline(reference / unit.factor, color=mpl_colour(BUDGET_COLOUR), linestyle="--", linewidth=1.2, label="all FP32", zorder=1)
+        if chosen_point is not None:
+            ax.scatter([chosen_point.number], [chosen_point.seconds / unit.factor], s=170, marker="*", color=mpl_colour(CHOSEN_COLOUR), label="returned plan", zorder=4)
+        if not points:
+            ax.text(0.5, 0.5, "no complete trials yet", transform=ax.transAxes, ha="center", va="center")
+        ax.set_xlabel("trial")
+        ax.set_ylabel(f"step time ({unit.name})")
+        headline = f"best feasible {format_seconds(best[-1][1])}" if best else "no feasible trial yet"
+        figure.suptitle(f"{title}: {len(points)} trials, {headline}")
+        if ax.get_legend_handles_labels()[0]:
+            figure.legend(loc="outside lower center", ncols=5, frameon=False)
+        return ax
+
+    figure, _ax = new_figure(*size, build)
+    declutter_ticks(figure, settle(figure))
+    return Drawing(figure)
 
 
 # -- event files ---------------------------------------------------------------------------------
@@ -488,6 +585,8 @@ def write_search(
     *,
     fp32: Optional[Mapping[str, Any]] = None,
     memory_bytes: Optional[float] = None,
+    loss_increase: Optional[float] = None,
+    chosen: Optional[str] = None,
     measured: Sequence[tuple[str, Plan]] = (),
     replace: bool = True,
 ) -> Path:
@@ -498,9 +597,11 @@ def write_search(
     mapping with ``bytes`` and/or ``seconds`` of the all-FP32 plan) has them; from the first
     feasible trial on, ``search/best_feasible_seconds``. Per trial the learning sampler proposed
     (complete or pruned), in the same event: the `refine_scalars` (predicted, corrected and
-    measured step seconds, the correction's factors then). At the last trial's step: the Pareto image
-    ``search/pareto`` (`render_pareto`, with ``memory_bytes`` as the budget line and the
-    ``measured`` plans' measured totals) and the text ``search/summary``.
+    measured step seconds, the correction's factors then). At the last trial's step: the figures
+    ``search/pareto`` (`render_pareto`: the budgets ``memory_bytes`` and ``loss_increase``,
+    read from the trials' constraints where not given (`study_budgets`), the returned plan
+    ``chosen`` by name, the ``measured`` plans' measured totals) and ``search/progress``
+    (`render_progress`), and the text ``search/summary``.
 
     ``replace`` (default) removes the run's earlier event files, so writing a study again (say
     from an Optuna callback as it runs) shows it once. Returns the run's folder. Raises
@@ -510,6 +611,9 @@ def write_search(
     """
     reference = _fp32_reference(fp32)
     points = search_points(study)
+    budgets = study_budgets(getattr(study, "study", study))
+    memory_bytes = budgets.get("memory_bytes") if memory_bytes is None else memory_bytes
+    loss_increase = budgets.get("loss_increase") if loss_increase is None else loss_increase
     logdir = Path(logdir)
     run = "/".join(run_name(part) for part in str(run).split("/"))
     best_seconds = dict(best_so_far(points))
@@ -530,8 +634,10 @@ def write_search(
             add_scalars(writer, events[number], number)
         step = points[-1].number if points else 0
         name = getattr(getattr(study, "study", study), "study_name", run)
-        add_png(writer, "search/pareto", render_pareto(points, title=name, memory_bytes=memory_bytes, measured=measured), step)
-        add_text(writer, "search/summary", search_summary_markdown(points, fp32), step)
+        pareto = render_pareto(points, title=name, memory_bytes=memory_bytes, loss_increase=loss_increase, chosen=chosen, measured=measured)
+        add_figure(writer, "search/pareto", pareto, step)
+        add_figure(writer, "search/progress", render_progress(points, title=name, fp32_seconds=reference.get("seconds"), chosen=chosen), step)
+        add_text(writer, "search/summary", search_summary_markdown(points, fp32, chosen=chosen), step)
         writer.flush()
     finally:
         writer.close()
@@ -592,7 +698,7 @@ def write_candidates(
     for rank, ((name, plan), run) in enumerate(zip(plans, runs)):
         writer = _open(logdir, run, replace)
         try:
-            add_png(writer, "plan/precision_map", render_precision_map(plan, name), step)
+            add_figure(writer, "plan/precision_map", render_precision_map(plan, name), step)
             add_text(writer, "plan/summary", plan_summary_markdown(plan, name), step)
             add_scalars(writer, {**plan_scalars(plan), **budget_scalars(plan)}, step)
             # Session start and end only; see PlanWriter.write_plan for why not the experiment.

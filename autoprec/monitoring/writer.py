@@ -2,19 +2,20 @@
 
 Layout (one TensorBoard run per folder)::
 
-    LOGDIR/plans/<name>/       image  plan/precision_map   layers × formats, colour per format
+    LOGDIR/plans/<name>/       image  plan/precision_map   layers × formats, colour per format (matplotlib)
                                text   plan/summary         counts, totals vs FP32, budgets
                                text   plan/layers          per-layer table with the reasons
                                scalars plan/predicted_bytes, plan/measured_seconds_vs_fp32, ...
                                hparams session: counts per format, budgets (metrics: the scalars)
-    LOGDIR/diffs/<a>-vs-<b>/   image  diff/precision_map   both plans side by side, changes marked
+    LOGDIR/diffs/<a>-vs-<b>/   image  diff/precision_map   both plans side by side, changes marked (matplotlib)
                                text   diff/layers          the layers that differ
                                scalar diff/changed_layers
 
 The HParams view is computed by TensorBoard from the sessions (no experiment summary is
 written), so plans written by separate reviews into one logdir sort and filter together.
 Events go through `torch.utils.tensorboard.SummaryWriter` (a background thread writes them); the
-caller pays rendering (linear in the layers), PNG encoding and a flush.
+caller pays drawing (`figures`: one image of the cells, names for at most ~90 layers), PNG
+encoding and a flush.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from ..errors import MonitoringError
 from ..plan import Plan
+from .figures import Drawing
 from .plans import PlanDiff, diff_plans, format_plan_line, plan_hparams, plan_layers_markdown, plan_scalars, plan_summary_markdown, render_precision_map
 
 if TYPE_CHECKING:  # imported lazily where used: it loads TensorBoard's protobufs
@@ -63,23 +65,10 @@ def ensure_writable_dir(path: Path, logdir: Path) -> None:
         raise MonitoringError(f"cannot write to logdir {str(logdir)!r}: {reason}; choose a writable --logdir") from None
 
 
-class _Picture(Protocol):
-    """What `add_png` writes: a `PrecisionMap`, or the search's `ParetoFigure`."""
-
-    @property
-    def size(self) -> tuple[int, int]: ...
-
-    def to_png(self) -> bytes: ...
-
-
-def add_png(writer, tag: str, picture: _Picture, step: int) -> None:
-    """An image summary from our own PNG: what ``SummaryWriter.add_image`` writes, without its
-    RGB float round trip and default-level PNG encoding (10x the time for these images)."""
-    from tensorboard.compat.proto.summary_pb2 import Summary
-
-    width, height = picture.size
-    image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=picture.to_png())
-    writer.file_writer.add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
+def add_figure(writer, tag: str, drawing: Drawing, step: int) -> None:
+    """``drawing``'s figure as the image ``tag`` at ``step``, through ``SummaryWriter.add_figure``
+    (one Agg draw and a PNG encode; the figure stays open, as it is no pyplot figure)."""
+    writer.add_figure(tag, drawing.figure, step, close=False)
 
 
 def add_text(writer, tag: str, markdown: str, step: int) -> None:
@@ -136,7 +125,7 @@ class PlanWriter:
 
         run = f"{PLANS_DIR}/{run_name(name)}"
         writer = self._writer(run)
-        add_png(writer, "plan/precision_map", render_precision_map(plan, name), step)
+        add_figure(writer, "plan/precision_map", render_precision_map(plan, name), step)
         add_text(writer, "plan/summary", plan_summary_markdown(plan, name), step)
         add_text(writer, "plan/layers", plan_layers_markdown(plan), step)
         for tag, value in plan_scalars(plan).items():
@@ -157,7 +146,7 @@ class PlanWriter:
         """Write ``diff`` as the run ``diffs/<a>-vs-<b>``; returns the run's folder."""
         run = f"{DIFFS_DIR}/{run_name(diff.name_a)}-vs-{run_name(diff.name_b)}"
         writer = self._writer(run)
-        add_png(writer, "diff/precision_map", diff.render(), step)
+        add_figure(writer, "diff/precision_map", diff.render(), step)
         add_text(writer, "diff/layers", diff.markdown(), step)
         writer.add_scalar("diff/changed_layers", len(diff), step)
         writer.flush()

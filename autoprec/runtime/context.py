@@ -204,6 +204,7 @@ class _Layer:
             self.grad = GradQuantizer.for_layer(self.format, grad_fmt)
         self._emulation: "tuple[InputQuantizer, WeightQuantizer] | None" = None
         self.ops: dict[str, str] = {}  # op -> how it ran ("kernel ...", "emulated (...)", "autocast ...")
+        self.unwarned: list[str] = []  # ops emulated since the layer's last EmulationWarning
 
     def input_quantizer(self, key: str) -> InputQuantizer:
         quantizer = self.inputs.get(key)
@@ -252,10 +253,20 @@ class _Layer:
         if torch.compiler.is_compiling() or self.ops.get(op) == how:
             return
         if how.startswith("emulated") and not self.ops.get(op, "").startswith("emulated"):
-            message = f"autoprec: layer {self.fqn!r} runs {op} in {self.format.value} {how}"
-            warnings.warn(message, EmulationWarning, stacklevel=4)
-            logger.info(message)
+            self.unwarned.append(op)  # said once the layer's forward ends (`warn_emulated`), with its other ops
         self.ops[op] = how
+
+    def warn_emulated(self) -> None:
+        """One `EmulationWarning` naming every op this layer emulated since its last one (all of
+        them, the first time its forward ends), grouped by why. The only channel: nothing is
+        logged, so a user filtering the warning sees it nowhere."""
+        ops, self.unwarned = self.unwarned, []
+        by_how: dict[str, list[str]] = {}
+        for op in ops:
+            by_how.setdefault(self.ops[op], []).append(op)
+        ways = "; ".join(f"{', '.join(names)} in {self.format.value} {how}" for how, names in by_how.items())
+        # stacklevel 5: the line that called the layer (past its forward and Module.__call__'s two frames).
+        warnings.warn(f"autoprec: layer {self.fqn!r} runs {ways}", EmulationWarning, stacklevel=5)
 
 
 class _LayerMode(TorchFunctionMode):
@@ -419,9 +430,14 @@ class PlanRuntime:
             state.stack = outer + (layer,)
             try:
                 with scope, (runtime._layer_mode(state) if enter_mode else contextlib.nullcontext()):
-                    return own_forward(module, args, kwargs)
+                    out = own_forward(module, args, kwargs)
             finally:
                 state.stack = outer
+            # Once its forward has run every product: one warning for all the ops it emulated.
+            # is_compiling first: Dynamo folds it, so a compiled forward reads no list (note records nothing there).
+            if not torch.compiler.is_compiling() and layer.unwarned:
+                layer.warn_emulated()
+            return out
 
         mark(forward, self, had_own, previous)
         # Bound, so that copy.deepcopy(model) re-binds it to the copy (see the check above).

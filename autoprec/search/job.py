@@ -528,8 +528,8 @@ def _emulated(model, plan: Plan, example_inputs) -> dict[str, list[str]]:
 
 def _write_logs(config: JobConfig, result: JobResult, study: optuna.Study) -> None:
     """Under ``out/logs``: the measured study (one point per plan run for real, the Pareto front
-    in step time, memory and loss increase, against measured FP32 and the measured memory
-    budget), every candidate as an HParams session, and the chosen plan as its own run."""
+    in step time, memory and loss increase, against measured FP32 and the measured budgets, the
+    returned plan starred), every candidate as an HParams session, and the chosen plan as its own run."""
     from ..monitoring import PlanWriter, write_candidates, write_search
 
     logdir = config.out / "logs"
@@ -539,6 +539,7 @@ def _write_logs(config: JobConfig, result: JobResult, study: optuna.Study) -> No
         extra = m.to_dict() if isinstance(m, Measurement) else {"pruned": m}
         measured.append((candidate.name, candidate.plan.replace(measured={**extra, "fp32_bytes": fp32.bytes, "fp32_seconds": fp32.seconds})))
     write_search(study, logdir, fp32={"bytes": fp32.bytes, "seconds": fp32.seconds}, memory_bytes=result.memory_budget,
+                 loss_increase=result.loss_budget, chosen=result.chosen.name if result.chosen is not None else None,
                  measured=[(n, p) for n, p in measured if "bytes" in p.measured])
     write_candidates(measured, logdir)
     if result.plan is not None:
