@@ -116,7 +116,7 @@ class SchedulerConfig:
     process_group: Any = None
     grad_comm: str = "fp32"
     recompute: Optional[tuple[str, ...]] = None
-    sample_every: int = 4
+    sample_every: int = 8
     window_format: "Format | str | None" = None
 
     def __post_init__(self):

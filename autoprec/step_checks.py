@@ -46,16 +46,15 @@ class StepChecks:
         where = f"step({type(optimizer).__name__}, optimizer #{i + 1})"
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise RuntimeStateError(f"step({type(optimizer).__name__}): expected a torch.optim.Optimizer over the model's parameters")
-        params = [p for group in optimizer.param_groups for p in group["params"]]
         if id(optimizer) not in self._optimizers_seen:
             own = {id(p) for p in model.parameters()}
-            if not any(id(p) in own for p in params):
+            if not any(id(p) in own for group in optimizer.param_groups for p in group["params"]):
                 raise RuntimeStateError(
                     f"{where}: the optimizer holds none of {type(model).__name__}'s parameters (the model the scheduler is bound to); "
                     "pass the optimizer made from this model's parameters"
                 )
             self._optimizers_seen.add(id(optimizer))
-        if not any(p.grad is not None for p in params):
+        if not any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
             raise RuntimeStateError(
                 f"{where}: no parameter has a gradient; call scheduler.backward(loss) on a loss computed from the model's output "
                 "before step() (a loss detached from the model, or zero_grad(set_to_none=True) after backward, leaves none)"

@@ -13,7 +13,8 @@ How it stays cheap:
   are on the model only during sampled steps, so other steps run no Python per layer.
 - **One kernel per tensor on a sampled step**: a strided subsample of at most ``sample``
   elements, copied (the stride coprime with the last dimension, as the profiler's, so the
-  samples cycle through every channel).
+  samples cycle through every channel). Activations and output gradients on every sampled
+  step; weights, which move slowly, on the window's last one.
 - **One fused reduction per sampled step** (`step`): every subsample concatenated, each element
   judged against its tensor's thresholds, the counts added per (layer, kind) and the amaxes
   written into the window's history, whatever the number of layers (about 30 kernels).
@@ -121,7 +122,8 @@ class PlanWatch:
         self._sampled = [0] * len(self._rows)  # elements judged per row (host ints)
         self._amax: Optional[torch.Tensor] = None  # (rows, slots) float32, on the device of the first tensor met
         self._counts: Optional[torch.Tensor] = None  # (rows, 2): underflowing, overflowing elements
-        self._patterns: dict[tuple, dict[str, torch.Tensor]] = {}
+        self._consts: Optional[dict[str, torch.Tensor]] = None
+        self._patterns: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def rows(self) -> int:
@@ -193,8 +195,9 @@ class PlanWatch:
             return False
         if self._step % self.every == 0:
             with torch.no_grad():
-                for row, weight in self._weights:
-                    self._take(row, weight)
+                if self._step // self.every == self.slots - 1:  # weights move slowly: once, nearest the review
+                    for row, weight in self._weights:
+                        self._take(row, weight)
                 if self._pending:
                     self._reduce_step(self._step // self.every)
         self._pending = []
@@ -202,57 +205,57 @@ class PlanWatch:
         self.detach()
         return self.collecting
 
-    def _accumulators(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The amax history and the counts, made on ``device`` when first needed."""
-        if self._amax is None or self._counts is None:
-            self._amax = torch.zeros(len(self._rows), self.slots, dtype=torch.float32, device=device)
-            self._counts = torch.zeros(len(self._rows), 2, dtype=torch.float32, device=device)
-        return self._amax, self._counts
+    def _accumulators(self, device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Per row: the constants of its thresholds; the amax history and the counts. Made on
+        ``device`` when first needed."""
+        if self._consts is None or self._amax is None or self._counts is None:
+            rows = self._rows
+            self._consts = {
+                "unscaled": torch.tensor([not r.fmt.needs_scale for r in rows], device=device),
+                "current": torch.tensor([r.scaling == "current" for r in rows], device=device),
+                # Unscaled: the format's own bounds; scaled: the ratio that maps the reference onto fmt.max.
+                "low": torch.tensor([r.fmt.min_subnormal / (r.fmt.max if r.fmt.needs_scale else 1.0) for r in rows], device=device),
+                "high": torch.tensor([r.fmt.max for r in rows], device=device),
+            }
+            self._amax = torch.zeros(len(rows), self.slots, dtype=torch.float32, device=device)
+            self._counts = torch.zeros(len(rows), 2, dtype=torch.float32, device=device)
+        return self._consts, self._amax, self._counts
 
-    def _pattern(self, rows: Sequence[int], lengths: Sequence[int], device: torch.device) -> dict[str, torch.Tensor]:
-        """The device tensors of one pattern of pending tensors, made once (a training step calls
-        the same layers the same way): each tensor's row, each element's tensor and row, and each
-        tensor's thresholds (`_reduce_step`)."""
+    def _pattern(self, rows: Sequence[int], lengths: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each pending tensor's row and length as device tensors, made once per pattern (a training
+        step calls the same layers the same way): a few bytes per tensor."""
         key = (tuple(rows), tuple(lengths))
         found = self._patterns.get(key)
         if found is None:
-            picked = [self._rows[row] for row in rows]
-            index = torch.tensor(rows, dtype=torch.int64, device=device)
-            segment = torch.repeat_interleave(torch.arange(len(rows), device=device), torch.tensor(lengths, device=device))
-            found = self._patterns[key] = {
-                "index": index, "segment": segment, "element_row": index.index_select(0, segment),
-                "unscaled": torch.tensor([not r.fmt.needs_scale for r in picked], device=device),
-                "current": torch.tensor([r.scaling == "current" for r in picked], device=device),
-                # Unscaled: the format's own bounds; scaled: the ratio that maps the reference onto fmt.max.
-                "low": torch.tensor([r.fmt.min_subnormal / (r.fmt.max if r.fmt.needs_scale else 1.0) for r in picked], device=device),
-                "high": torch.tensor([r.fmt.max for r in picked], device=device),
-            }
+            found = self._patterns[key] = (torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(lengths, dtype=torch.int64, device=device))
         return found
 
     def _reduce_step(self, slot: int) -> None:
-        """The sampled step's one fused pass over every pending subsample (about 30 kernels)."""
+        """The sampled step's one fused pass over every pending subsample (about 30 kernels, no
+        host sync; its per-element temporaries are freed when it returns)."""
         rows = [row for row, _ in self._pending]
         subs = [sub for _, sub in self._pending]
+        total = sum(sub.numel() for sub in subs)
         device = subs[0].device
-        history, counts = self._accumulators(device)
-        p = self._pattern(rows, [sub.numel() for sub in subs], device)
+        consts, history, counts = self._accumulators(device)
+        index, lengths = self._pattern(rows, [sub.numel() for sub in subs], device)
+        element_row = torch.repeat_interleave(index, lengths, output_size=total)
         # |x|, NaN as inf: MAX keeps it on every backend (a NaN may not survive scatter_reduce).
         values = torch.cat(subs).abs_().nan_to_num_(nan=_INF)
-        amax = torch.zeros(len(rows), dtype=torch.float32, device=device).scatter_reduce_(0, p["segment"], values, "amax")
-        step_amax = torch.zeros(len(self._rows), dtype=torch.float32, device=device).scatter_reduce_(0, p["index"], amax, "amax")
-        history[:, slot] = step_amax
-        ref = step_amax  # the delayed reference; on a row's first step, its own amax
+        amax = torch.zeros(len(self._rows), dtype=torch.float32, device=device).scatter_reduce_(0, element_row, values, "amax")
+        history[:, slot] = amax
+        ref = amax  # the delayed reference; on a row's first step, its own amax
         if slot and any(r.scaling == "delayed" for r in self._rows):
             past = history[:, max(0, slot - self._history):slot]
             past = past.masked_fill(~past.isfinite(), 0.0).amax(1)
-            ref = torch.where(past > 0, past, step_amax)
-        ref = ref.index_select(0, p["index"])
-        # A non-finite reference judges nothing: its tensor counts as non-finite instead.
-        low = torch.where(p["unscaled"], p["low"], torch.where(p["current"], amax, ref) * p["low"]).nan_to_num_(nan=0.0, posinf=0.0)
-        high = torch.where(p["unscaled"], p["high"], torch.where(p["current"], _INF, ref))
-        under = (values > 0) & (values < low.index_select(0, p["segment"]))
-        over = (values > high.index_select(0, p["segment"])) & (values < _INF)
-        counts.index_add_(0, p["element_row"], torch.stack((under, over), 1).float())
+            ref = torch.where(past > 0, past, amax)
+        # Per row, then per element: a non-finite reference judges nothing (its tensor counts as non-finite instead).
+        low = torch.where(consts["unscaled"], consts["low"], torch.where(consts["current"], amax, ref) * consts["low"]).nan_to_num_(nan=0.0, posinf=0.0)
+        high = torch.where(consts["unscaled"], consts["high"], torch.where(consts["current"], _INF, ref))
+        low, high = (torch.repeat_interleave(t.index_select(0, index), lengths, output_size=total) for t in (low, high))
+        under = (values > 0) & (values < low)
+        over = (values > high) & (values < _INF)
+        counts.index_add_(0, element_row, torch.stack((under, over), 1).float())
         for row, sub in zip(rows, subs):
             self._sampled[row] += sub.numel()
 
@@ -304,6 +307,6 @@ class PlanWatch:
         self.detach()
         self._step, self._sampled = int(state["step"]), [int(v) for v in state["sampled"]]
         if state["amax"] is not None:
-            history, counts = self._accumulators(state["amax"].device)
+            _, history, counts = self._accumulators(state["amax"].device)
             history.copy_(state["amax"])
             counts.copy_(state["counts"])
