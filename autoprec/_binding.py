@@ -27,6 +27,7 @@ At bind: one traced forward to find the layers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
@@ -116,6 +117,8 @@ class ModelWatch:
         """The global pre-hook: a module call outside the model."""
         if not self._mine():
             return
+        if hasattr(module, "_orig_mod"):
+            _quiet_compiled_hook_warning()
         if self.model is None:
             if not holds_matrix(module):
                 return
@@ -170,6 +173,15 @@ class ModelWatch:
                     f"a scheduler plans one model for the whole run: call {a} here, or make a new DynamicPrecisionScheduler for {b}")
         return (f"precision_context(): this context called {b}, but the scheduler was made with model={a}; "
                 f"call {a} inside the context, or make the scheduler for {b}")
+
+
+@functools.lru_cache(maxsize=None)
+def _quiet_compiled_hook_warning() -> None:
+    """torch warns at each call of a ``torch.compile``-d module while a global module hook exists
+    ("hooks fire an extra time for the OptimizedModule"): the context's guard is one, and it takes
+    the wrapper's call for the model's own. Ignored by its message from the first compiled model
+    the scheduler meets on (the call that meets it has warned already), once per process."""
+    warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks", category=UserWarning)
 
 
 def require_bound(model: Optional[nn.Module]) -> nn.Module:

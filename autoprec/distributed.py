@@ -52,12 +52,25 @@ _MAX_NAMED_RANK = 62  # 1 << 62 still fits an int64 sum of distinct bits
 
 
 def unwrap_ddp(model: Optional[nn.Module]) -> tuple[Optional[nn.Module], Any]:
-    """``(the module to plan, the DDP wrapper or None)``: the plan's fqns are the inner model's."""
+    """``(the module to plan, the DDP wrapper or None)``: the plan's fqns are the inner model's.
+    A ``torch.compile`` wrapper (outside DDP or inside it) is peeled too: the scheduler plans and
+    measures the module it compiles, and the user keeps calling the compiled one."""
     from torch.nn.parallel import DistributedDataParallel
 
+    model = uncompiled(model)
     if isinstance(model, DistributedDataParallel):
-        return model.module, model
+        return uncompiled(model.module), model
     return model, None
+
+
+def uncompiled(model: Optional[nn.Module]) -> Optional[nn.Module]:
+    """The module a ``torch.compile(module)`` wrapper (``OptimizedModule``) compiles, else ``model``."""
+    if model is not None and hasattr(model, "_orig_mod"):
+        from torch._dynamo.eval_frame import OptimizedModule
+
+        if isinstance(model, OptimizedModule):
+            return model._orig_mod
+    return model
 
 
 def plan_hash(plan: "Optional[Plan]") -> str:

@@ -20,8 +20,13 @@ demote layers (`plan_keeper.PlanKeeper`: the plan in force, its runtime, `change
 (`step_checks` refuses bad steps). `state_dict` covers everything (`scheduler_state`: its
 schema); under ``torch.distributed`` the ranks agree through `distributed`.
 
-Costs per step: the runtime's, the scaler's one host sync per optimizer, and in monitored steps
-the profiler's (`autoprec.bench.measure_overhead`); a search's are in `search.training`.
+A ``torch.compile``-d model is called as usual: the scheduler plans the module it compiles, and the
+steps whose forward it hooks run eagerly through the wrapper (`_runs_eager`); other planned steps
+run the compiled code.
+
+Costs per step: the runtime's, the scaler's fused non-finite check (one host sync per optimizer,
+none for fused optimizers), and in the sampled steps of a window's monitored tail the watch's
+(`profiling.watch`); a search's are in `search.training`.
 """
 
 from __future__ import annotations
@@ -170,6 +175,8 @@ class DynamicPrecisionScheduler:
         stack = contextlib.ExitStack()
         self._context_stack = stack
         try:
+            if self._runs_eager():
+                stack.enter_context(torch.compiler.set_stance("force_eager"))
             if self._binding.example is not None:
                 self._enter_step(stack)
             stack.enter_context(self._binding.watch(bind=self._bind, resume=self.load_state_dict, enter=lambda: self._enter_step(stack),
@@ -283,6 +290,15 @@ class DynamicPrecisionScheduler:
         if at_end:
             logger.info("autoprec: bound to %s at the end of its first call (a model's keyword inputs are seen only then): "
                         "that forward ran at FP32 and unprofiled; the scheduler's precision applies from the next forward on", type(model).__name__)
+
+    def _runs_eager(self) -> bool:
+        """Whether this step's forward hooks the model (binding, profiling, the search's probe and
+        trial steps, a sampled or metered step of the watch, the scaler's output checks): a
+        ``torch.compile``-d model then runs eagerly (`torch.compiler.set_stance`), since compiled
+        code calls no hook added after it was compiled. Other planned steps run compiled."""
+        if self._binding.example is None or self.phase != "planned" or self.scaler.watching_outputs:
+            return True
+        return self._measures.hooks_model(capture=False, sample=False)
 
     def _enter_step(self, stack: contextlib.ExitStack) -> None:
         self._binding.check_first_output(stack)  # once: the first forward under the scheduler holds a prediction

@@ -165,6 +165,13 @@ class WindowMeasures:
         """Meter the saved bytes of the next step."""
         self._meter_next = True
 
+    def hooks_model(self, capture: bool, sample: bool) -> bool:
+        """Whether the next step (``capture``: a captured one; ``sample``: a profiling window's
+        sampled one) puts hooks on the model: a compiled model must then run it eagerly (the
+        compiled code calls no hook added after it was compiled)."""
+        return (capture or self._meter_next or (sample and self._profiler is not None and self._profiler.steps < self._profiler.window)
+                or (self._watch is not None and self._watch.sampling))
+
     def enter_step(self, stack: contextlib.ExitStack, capture: bool, sample: bool) -> None:
         """Inside a step's context (``stack``): meter its saved bytes when due; with ``capture``,
         capture its calls and output gradients; with ``sample``, a sampled step of the profiling

@@ -138,7 +138,9 @@ class PlanWatch:
     def collecting(self) -> bool:
         return self._step < self.window
 
-    def _sampled_step(self) -> bool:
+    @property
+    def sampling(self) -> bool:
+        """Whether the step under way (the next `step`) is a sampled one: its hooks go on."""
         return self._step < self.window and self._step % self.every == 0
 
     # -- hooks ------------------------------------------------------------------------------------
@@ -146,7 +148,7 @@ class PlanWatch:
     def attach(self) -> "PlanWatch":
         """Hooks on, if this step is sampled (a no-op otherwise, and when on already): call it
         before each step's forward; `step` takes them off."""
-        if self._sampled_step() and not self._attached:
+        if self.sampling and not self._attached:
             for fqn, module in self._modules:
                 self._handles.append(module.register_forward_hook(functools.partial(self._forward_hook, fqn), with_kwargs=True))
             self._attached = True
