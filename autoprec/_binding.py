@@ -73,8 +73,9 @@ class ModelWatch:
     """
 
     def __init__(self, model: Optional[nn.Module] = None, *, at_start: Optional[Callable[..., None]] = None,
-                 at_end: Optional[Callable[..., None]] = None, bound_before: bool = False):
+                 at_end: Optional[Callable[..., None]] = None, bound_before: bool = False, on_compiled: Optional[Callable[[], None]] = None):
         self.model = model
+        self._on_compiled = on_compiled  # called when the model is called through a torch.compile wrapper
         self.called = False  # the model (or a part of it) ran in this context
         self._bound_before = bound_before  # the model was bound in an earlier context
         self._at_start, self._at_end = at_start, at_end
@@ -119,6 +120,8 @@ class ModelWatch:
             return
         if hasattr(module, "_orig_mod"):
             _quiet_compiled_hook_warning()
+            if self._on_compiled is not None:
+                self._on_compiled()
         if self.model is None:
             if not holds_matrix(module):
                 return
@@ -209,6 +212,10 @@ class Binding:
         self._pending: Optional[Mapping[str, Any]] = None  # loaded before binding: applied on bind
         self._check_output = check_output
         self._output_checked = False
+        self.compiled = False  # the model was called through a torch.compile wrapper
+
+    def _saw_compiled(self) -> None:
+        self.compiled = True
 
     @property
     def bound(self) -> nn.Module:
@@ -234,13 +241,13 @@ class Binding:
         ``resume(state)`` restores the held state (the model set); then ``enter()`` enters the
         step's precision; ``observe(module, args, kwargs, output)`` sees a call bound at its end."""
         if self.example is not None:
-            return ModelWatch(self.ddp if self.ddp is not None else self.model, bound_before=True)
+            return ModelWatch(self.ddp if self.ddp is not None else self.model, bound_before=True, on_compiled=self._saw_compiled)
         if self.model is not None:  # model=: its own pre-hook sees the keyword inputs before it runs
             def at_start(module: nn.Module, args: tuple, kwargs: dict) -> None:
                 bind(self.bound, ModelCall.capture(args, kwargs), False)
                 enter()
 
-            return ModelWatch(self.ddp if self.ddp is not None else self.model, at_start=at_start)
+            return ModelWatch(self.ddp if self.ddp is not None else self.model, at_start=at_start, on_compiled=self._saw_compiled)
         if self._pending is not None:  # the saved example call: bind before the first forward
             def resumed(module: nn.Module, args: tuple, kwargs: None) -> None:
                 state, self._pending = self._pending, None
@@ -254,7 +261,7 @@ class Binding:
                     raise
                 enter()
 
-            return ModelWatch(at_start=resumed)
+            return ModelWatch(at_start=resumed, on_compiled=self._saw_compiled)
 
         def at_end(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             model, self.ddp = unwrap_ddp(module)
@@ -263,7 +270,7 @@ class Binding:
             self._first_output(module, args, kwargs, output)
             observe(module, args, kwargs, output)
 
-        return ModelWatch(at_end=at_end)
+        return ModelWatch(at_end=at_end, on_compiled=self._saw_compiled)
 
     def check_first_output(self, stack: contextlib.ExitStack) -> None:
         """Until it ran: check the bound model's next output (its hook removed with ``stack``)."""

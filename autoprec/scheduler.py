@@ -292,13 +292,16 @@ class DynamicPrecisionScheduler:
                         "that forward ran at FP32 and unprofiled; the scheduler's precision applies from the next forward on", type(model).__name__)
 
     def _runs_eager(self) -> bool:
-        """Whether this step's forward hooks the model (binding, profiling, the search's probe and
-        trial steps, a sampled or metered step of the watch, the scaler's output checks): a
-        ``torch.compile``-d model then runs eagerly (`torch.compiler.set_stance`), since compiled
-        code calls no hook added after it was compiled. Other planned steps run compiled."""
-        if self._binding.example is None or self.phase != "planned" or self.scaler.watching_outputs:
+        """Whether this step's forward hooks the model (binding, profiling, the search's probe
+        steps and a candidate's metered and calibrating ones, a sampled or metered step of the
+        watch, the scaler's output checks): a ``torch.compile``-d model then runs eagerly
+        (`torch.compiler.set_stance`), since compiled code calls no hook added after it was
+        compiled. Other steps (planned ones, a candidate's timed ones) run compiled."""
+        if self._binding.example is None or self.scaler.watching_outputs:
             return True
-        return self._measures.hooks_model(capture=False, sample=False)
+        if self.phase == "searching":
+            return self._searches.runs_eager()  # a compiled model's candidates are timed compiled
+        return self.phase != "planned" or self._measures.hooks_model(capture=False, sample=False)
 
     def _enter_step(self, stack: contextlib.ExitStack) -> None:
         self._binding.check_first_output(stack)  # once: the first forward under the scheduler holds a prediction
@@ -358,7 +361,7 @@ class DynamicPrecisionScheduler:
         self._searches.start(self._binding.bound, self._binding.example, self._measures.captured(), profile,
                              None if restore is not None else self._measures.baseline_loss(self.step_count), fingerprint=self._fingerprint,
                              step=self.step_count, lead=lead, scaler=self.scaler, optimizers=self._optimizers, restore=restore,
-                             safe_bytes=None if measured is None else (self._plans.safe_format, measured))
+                             safe_bytes=None if measured is None else (self._plans.safe_format, measured), compiled=self._binding.compiled)
         self._clock = self._clock.searching()
         if restore is None and self._searches.advance(self._dist):  # its first slice in this step
             self._finish_search()

@@ -100,3 +100,19 @@ def test_a_given_plan_around_a_compiled_model_trains_as_eager(dynamic):
     after_first = [runs for _, _, runs in compiled[2:]]
     assert sum(1 for runs in after_first if runs > 0) >= len(after_first) // 2
     assert backend.compiles <= 4  # no recompiling step after step
+
+
+def test_the_searchs_candidates_are_timed_compiled_around_a_compiled_model():
+    """Probe steps and a candidate's metered and calibrating steps run eagerly; its timed steps
+    (after one that compiles it) run the compiled code."""
+    wl = default_workload("tiny", batch_size=8)
+    model = wl.build_model(0)
+    backend = Counting()
+    sch = DynamicPrecisionScheduler(monitor_window=WINDOW, monitor_steps=WINDOW, sample_every=3, memory_budget=0.85, search_slice=None,
+                                    accuracy_budget=0.05, formats=("fp32", "bf16", "int8"))
+    steps = train(model, torch.compile(model, backend=backend), sch, 80, wl.train_batches(0), wl, backend)
+    assert sch.phase == "planned" and sch.plan.measured["compiled"] is True
+    searching = [runs for i, (_, phase, runs) in enumerate(steps) if phase == "searching" or (i and steps[i - 1][1] == "searching")]
+    tried = len(sch.plan.measured["candidates"])
+    assert sum(1 for runs in searching if runs > 0) >= 2 * tried  # every candidate's timed steps
+    assert sum(1 for runs in searching if runs == 0) > tried  # probes and first steps: eager

@@ -153,7 +153,9 @@ def test_the_search_runs_on_the_steps_after_the_window_and_tries_its_candidates(
     assert phases[WINDOW - 1 : WINDOW - 1 + searching] == ["searching"] * searching and phases[-1] == "planned"
     measured = sch.plan.measured
     assert measured["source"] == "training steps"
-    assert 1 <= len(measured["candidates"]) <= 2 and measured["saved_bytes"] > 0
+    assert 1 <= len(measured["candidates"]) <= 3 and measured["saved_bytes"] > 0  # the 2 best, and all-BF16 when it meets the budgets
+    assert [c["reference"] for c in measured["candidates"]][:2] == [None] * min(2, len(measured["candidates"]))
+    assert all(c["reference"] in (None, "every layer bf16") for c in measured["candidates"]) and measured["compiled"] is False
     kept = [c["step_seconds"] for c in measured["candidates"] if c["dropped"] is None]
     assert measured["step_seconds"] == min(kept)  # the fastest kept candidate won
     assert searching >= PROBE_ROUNDS * 3  # three formats: at least one probe cycle each round

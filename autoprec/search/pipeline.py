@@ -31,7 +31,8 @@ from .exact import Solution, k_best
 from .planner import build_space, in_budget_terms, layer_reasons, plan_from_solution
 from .space import Budgets, Planning, SearchSpace
 
-__all__ = ["Planning", "Space", "Optimum", "Proposal", "measure_space", "space_of", "solve_in_budgets", "propose_plans", "propose_from"]
+__all__ = ["Planning", "Space", "Optimum", "Proposal", "measure_space", "space_of", "solve_in_budgets", "propose_plans", "propose_from",
+           "uniform_reference"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,3 +214,22 @@ def propose_from(
         for rank, solution in enumerate(optimum.best)
     )
     return Proposal(found, optimum, plans, budgets_meta)
+
+
+def uniform_reference(proposal: Proposal, fmt: Format, rules: Any, fingerprint: Any = None) -> Optional[Any]:
+    """The plan running every layer in ``fmt`` (no block recomputed), as a reference to measure
+    beside ``proposal``'s plans: None when some layer may not take ``fmt``, when it does not meet
+    the budgets as predicted, or when it is one of the proposed plans already."""
+    found, optimum = proposal.found, proposal.optimum
+    assignment = found.space.uniform(fmt)
+    if assignment is None:
+        return None
+    total = found.space.totals(assignment)
+    if total.bytes > optimum.memory or total.loss > optimum.loss_budget:
+        return None
+    plan = plan_from_solution(found.space, found.costs, Solution(assignment, total), layer_reasons(found.space, assignment, rules, found.ruled_out),
+                              proposal.budgets, {"reference": f"every layer {fmt.value}"}, fingerprint)
+    formats = {fqn: lp.format for fqn, lp in plan.layers.items()}
+    if any({fqn: lp.format for fqn, lp in p.layers.items()} == formats and not p.recompute for p in proposal.plans):
+        return None
+    return plan

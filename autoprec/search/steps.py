@@ -89,7 +89,7 @@ class SearchSteps:
 
     def start(self, model: nn.Module, example: Any, batches: Sequence[Any], profile: Any, baseline_loss: Optional[float], *,
               fingerprint: Mapping[str, Any], step: int, lead: bool, scaler: "LossScaler", optimizers: Sequence[torch.optim.Optimizer],
-              restore: Optional[Mapping[str, Any]] = None, safe_bytes: "tuple[Format, int] | None" = None) -> TrainingSearch:
+              restore: Optional[Mapping[str, Any]] = None, safe_bytes: "tuple[Format, int] | None" = None, compiled: bool = False) -> TrainingSearch:
         """A new `TrainingSearch` at ``step`` of the window's ``profile`` and ``baseline_loss``
         (``restore``: one resumed from its `state_dict`, which holds both), using and adding to
         `known_times`, on the captured ``batches``; ``lead``: this rank runs the off-path work (it
@@ -107,7 +107,7 @@ class SearchSteps:
             search = TrainingSearch(model, example, batches, LinearisedLoss(), profile, config=self.config, baseline_loss=baseline_loss,
                                     fingerprint=fingerprint, step=step, known=self._known_times, lead=lead, restore=restore,
                                     second_moment=adam_second_moment(model, optimizers) if lead else None,
-                                    median_step=self.median_safe_step, safe_bytes=safe_bytes)
+                                    median_step=self.median_safe_step, safe_bytes=safe_bytes, compiled=compiled)
         finally:
             scaler.watch_outputs(armed)
         self._search = search
@@ -135,6 +135,10 @@ class SearchSteps:
             meter = stack.enter_context(SavedTensorMeter(list(model.parameters())))
             stack.callback(lambda: setattr(self, "_bytes", meter.total_bytes))
         return True
+
+    def runs_eager(self) -> bool:
+        """Whether the next step must run eagerly (`TrainingSearch.runs_eager`; True without a search)."""
+        return self._search is None or self._search.runs_eager()
 
     def before_backward(self, loss: torch.Tensor) -> None:
         """A probe step: hook the autograd nodes of each layer for its timer."""

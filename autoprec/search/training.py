@@ -12,10 +12,11 @@ is held for long, and most of the work trains the model:
   forward per role), the sensitivity estimate on the last captured batch
   (``FisherEstimator(upstream=False, site="layer")``, Adam's v from the training optimizer when
   it has one), then the exact solve.
-- **Trial steps** (training steps): the ``CANDIDATES`` best plans each run until their INT8
-  scales froze, then ``TIMED_TRIAL_STEPS`` timed steps (the first metered for bytes); one with a
-  skipped step or over the memory budget is dropped; the fastest kept one is adopted with its
-  runtime.
+- **Trial steps** (training steps): the ``CANDIDATES`` best plans, and all-BF16 when it meets
+  the budgets, each run until their INT8 scales froze, then ``TIMED_TRIAL_STEPS`` timed steps
+  (the first metered for bytes); around a compiled model the timed steps run compiled, after one
+  that compiles the candidate. One with a skipped step or over the memory budget is dropped; the
+  fastest kept one is adopted with its runtime.
 
 No step is lost or repeated: probe and trial steps differ from safe ones only by their formats'
 rounding (FP16 gradients run unscaled in those few steps). `timeline` holds each stage's seconds
@@ -43,7 +44,7 @@ from ..formats import Format
 from ..plan import Calibration, LayerPrecision, Plan
 from ..runtime import EmulationWarning, apply_plan
 from ..sensitivity import FisherEstimator, sensitivity_steps
-from .pipeline import propose_from, space_of
+from .pipeline import propose_from, space_of, uniform_reference
 from .planner import overflow_reason
 from .space import LayerRules
 
@@ -79,9 +80,11 @@ def probe_formats(layers: Sequence[str], formats: Sequence[Format], profile: Any
 @dataclasses.dataclass
 class _Trial:
     """A candidate on the training steps: it runs until its INT8 scales froze (calibration's
-    ``batches`` steps; the first is metered for bytes), then ``TIMED_TRIAL_STEPS`` timed ones."""
+    ``batches`` steps; the first is metered for bytes), then, for a compiled model, one step that
+    compiles it, then ``TIMED_TRIAL_STEPS`` timed ones."""
 
     plan: Plan
+    compiled: bool = False
     runtime: Any = None
     steps: int = 0
     seconds: list = dataclasses.field(default_factory=list)
@@ -89,8 +92,13 @@ class _Trial:
     dropped: Optional[str] = None
 
     @property
-    def warmup(self) -> int:
+    def calibration(self) -> int:
+        """Its first steps, run eagerly: metered (the first) and calibrating INT8 scales."""
         return max([1] + [lp.calibration.batches for lp in self.plan.layers.values() if lp.format is Format.INT8])
+
+    @property
+    def warmup(self) -> int:
+        return self.calibration + int(self.compiled)
 
     @property
     def over(self) -> bool:
@@ -118,8 +126,9 @@ class TrainingSearch:
                  config: Any, baseline_loss: Optional[float], fingerprint: Mapping[str, Any], step: int,
                  known: dict, lead: bool = True, median_step: Optional[float] = None,
                  safe_bytes: "tuple[Format, int] | None" = None, restore: Optional[Mapping[str, Any]] = None,
-                 second_moment: "Mapping[str, torch.Tensor] | None" = None):
+                 second_moment: "Mapping[str, torch.Tensor] | None" = None, compiled: bool = False):
         self.model = model
+        self.compiled = compiled  # the model runs compiled: its candidates are timed compiled
         self.example = example
         self.batches = list(batches)
         self.loss_fn = loss_fn
@@ -256,6 +265,13 @@ class TrainingSearch:
             return "trial", trial.runtime
         return None
 
+    def runs_eager(self) -> bool:
+        """Whether the next training step must run eagerly: all but a compiled candidate's steps
+        after its calibration (probe steps are timed per layer by hooks; a candidate's first is
+        metered; steps waiting on off-path work run the safe precision)."""
+        trial = self._trial() if not self.done and self.steps >= self.probe_steps else None
+        return trial is None or not trial.compiled or trial.steps < trial.calibration
+
     def _trial(self) -> "Optional[_Trial]":
         return next((t for t in self._trials if not t.over), None)
 
@@ -388,7 +404,10 @@ class TrainingSearch:
             safe, measured = self.safe_bytes
             self._outside_bytes = measured - costs.plan_cost(costs.uniform_plan(safe)).saved_bytes
         self._add("solve", time.perf_counter() - start)
-        self.set_candidates(list(proposal.plans))
+        # All-BF16 measured beside them when it meets the budgets: the plan adopted is never
+        # slower than it, as measured on these steps and in the mode they run in.
+        reference = uniform_reference(proposal, Format.BF16, planning.rules, self.fingerprint) if self.measuring and Format.BF16 in self.formats else None
+        self.set_candidates(list(proposal.plans) + ([reference] if reference is not None else []))
 
     def _sensitivity(self, snapshot: nn.Module, lowered: Sequence[Format]) -> Generator[str, None, Any]:
         if not lowered:
@@ -441,7 +460,7 @@ class TrainingSearch:
         if not self.measuring:  # nothing to try: the predicted optimum is the result
             self.result = self.candidates[0]
             return
-        self._trials = [_Trial(p) for p in plans]
+        self._trials = [_Trial(p, self.compiled) for p in plans]
 
     def fail(self, error: AutoprecError) -> None:
         self.error = error
@@ -465,7 +484,8 @@ class TrainingSearch:
             "source": "training steps", "step_seconds": statistics.median(best.seconds), "saved_bytes": best.saved_bytes,
             "search_timeline": dict(self.timeline), "search_steps": self.steps,
             "candidates": [{"rank": i, "step_seconds": statistics.median(t.seconds) if t.seconds else None, "saved_bytes": t.saved_bytes,
-                            "dropped": t.dropped} for i, t in enumerate(self._trials)],
+                            "dropped": t.dropped, "reference": t.plan.metadata.get("reference")} for i, t in enumerate(self._trials)],
+            "compiled": self.compiled,
         })
 
     def take_runtime(self) -> Any:
