@@ -208,6 +208,22 @@ def test_amax_drift_promotes_the_layer():
     assert reasons and "drifted" in reasons[0]
 
 
+def test_an_underflow_that_starts_on_an_unsampled_step_is_caught_by_the_next_sampled_one():
+    wl, model, opt = setup()
+    example = wl.train_batches(1).next()[0]
+    plan = Plan.uniform(model, "bf16", example).with_layers({"blocks.0.mlp.fc": "fp16"})
+    # Planned from step 0: the watch covers steps 5..9 of each window and samples 5 and 9.
+    sch = DynamicPrecisionScheduler.from_plan(model, plan, dynamic=True, monitor_window=WINDOW, monitor_steps=5, sample_every=4)
+    module = model.blocks[0].mlp.fc
+    module.register_forward_pre_hook(lambda m, args: (args[0] * 1e-12,) if sch.step_count >= 6 else None)  # under FP16's subnormals from step 6
+    sampler = wl.train_batches(0)
+    train(wl, model, opt, sch, 9, sampler)
+    assert sch.changes == []  # steps 6, 7, 8 underflow unseen
+    train(wl, model, opt, sch, 1, sampler)  # step 9, sampled; the window's end reviews it
+    change = next(c for c in sch.changes if c.fqn == "blocks.0.mlp.fc")
+    assert change.step == WINDOW and change.old is Format.FP16 and "activation values underflow fp16" in change.reason
+
+
 def run_with_checkpoint(stop, total):
     """Losses of a run of ``total`` steps, saved and resumed into fresh objects after ``stop``."""
     wl, model, opt = setup()
