@@ -384,6 +384,35 @@ def test_fused_fp8_layer_forward_backward_equals_pytorch_ops_bit_for_bit(fused_p
             assert torch.equal(r, g)
 
 
+def _stand_in_scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None, **_):
+    """``_scaled_mm`` for any scale shape, computed from the FP8 operands (deterministic)."""
+    out = (a.float() * scale_a) @ (b.float() * scale_b)
+    return (out if bias is None else out + bias.float()).to(out_dtype or torch.float32)
+
+
+@needs_kernels
+@pytest.mark.skipif(DEVICE == "cuda", reason="on CUDA the real row-wise GEMM runs: tests/test_runtime_gpu.py's e4m3-row case")
+@pytest.mark.parametrize("in_dtype", DTYPES, ids=str)
+def test_row_wise_fused_layer_equals_pytorch_ops_through_a_stand_in_gemm(fused_path, monkeypatch, in_dtype):
+    """torch 2.11's CPU ``_scaled_mm`` refuses row-wise scales: a stand-in GEMM takes them, so the
+    row-wise plumbing (row scales forward, the per-tensor transposed copy for the backward) runs."""
+    monkeypatch.setattr("autoprec.runtime.context._row_scale_form", lambda fmt, out_dtype, device: (True, "stand-in"))
+    monkeypatch.setattr(torch, "_scaled_mm", _stand_in_scaled_mm)
+    torch.manual_seed(0)
+    base = nn.Linear(131, 67)
+    x, grad = torch.randn(37, 131).to(in_dtype), torch.randn(37, 67)
+    results = []
+    for fused in (False, True):
+        layer = copy.deepcopy(base)
+        runtime = ap.apply_plan(layer, ap.Plan.uniform(layer, "fp8_e4m3", scaling=Scaling(granularity="row")))
+        runtime.use_fused_casts(fused)
+        results.append(_layer_steps(runtime, layer, x, grad))
+        assert runtime.report()[""] == {"format": "fp8_e4m3", "ops": {"linear": "kernel torch._scaled_mm"}, "casts": FUSED if fused else PYTORCH}
+    for ref_step, got_step in zip(*results):
+        for r, g in zip(ref_step, got_step):
+            assert torch.equal(r, g)
+
+
 @needs_kernels
 def test_use_fused_casts_false_runs_pytorch_ops_and_says_so(fused_path, tc):
     layer = nn.Linear(32, 16).to(DEVICE)

@@ -367,9 +367,16 @@ def _finalize_iters(parts: int) -> int:
 
 
 def _launch(kernel, grid: int, *args, **meta) -> None:
+    """``kernel`` over ``grid`` programs on the device of ``args[0]`` (Triton launches on the
+    current CUDA device and stream: a tensor on another device is launched under its own)."""
     if grid == 0:  # an empty operand: nothing to read or write (its outputs are empty too)
         return
     launches.count += 1
+    device = args[0].device
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            kernel[(grid,)](*args, **meta)
+        return
     kernel[(grid,)](*args, **meta)
 
 
