@@ -23,8 +23,9 @@ How a plan runs (``with runtime:``), cheapest first:
 Backward needs no context (``loss.backward()`` may run after the ``with`` block). Costs per step
 of an FP8 / INT8 linear layer: one amax and one cast per input, weight and output gradient, three
 GEMMs (`gemm`, `quantizers`), no host sync; eager FP8 on CUDA with Triton runs the casts as fused
-kernels, three launches per operand (`casts`, `triton_cast`). Runtime state (amax histories, INT8 calibration)
-survives exits and re-entries; ``state_dict()`` / ``load_state_dict()`` save and restore it.
+kernels, three launches per operand (`casts`, `triton_cast`). Runtime state (amax histories,
+INT8 calibration) survives exits and re-entries; ``state_dict()`` / ``load_state_dict()`` save
+and restore it.
 """
 
 from __future__ import annotations

@@ -13,10 +13,11 @@ control flow), as Transformer Engine's ``Float8Quantizer`` / ``Float8CurrentScal
   (gradients drift too fast for a history); no state.
 
 Every scale comes from `formats.inverse_scale` and every cast is `formats.quantize` (the
-kernels' inverse-scale convention), or, where a caller passes ``casts`` (`casts.fused_casts`: CUDA
-with Triton, eager), the fused kernels of `triton_cast` that give the same bytes in fewer passes. The kernel path (`gemm`) takes the scales and casts;
-emulation (`emulation.StoredInFormat`) rounds any-rank tensors through `quantize` / `dequantize`
-of the same objects. State lives on the data's device (moved on first use, any map_location).
+kernels' inverse-scale convention), or, where a caller passes ``casts`` (`casts.fused_casts`:
+CUDA with Triton, eager), the fused kernels of `triton_cast`, which give the same bytes in fewer
+passes. The kernel path (`gemm`) takes the scales and casts; emulation
+(`emulation.StoredInFormat`) rounds any-rank tensors through `quantize` / `dequantize` of the
+same objects. State lives on the data's device (moved on first use, any map_location).
 """
 
 from __future__ import annotations
