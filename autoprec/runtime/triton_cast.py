@@ -10,11 +10,12 @@ writes the whole tensor. These kernels do the same arithmetic in fewer passes ov
 - `cast`: one read of a 2-D FP32 / BF16 operand (any strides) writing its FP8 copy (row-major,
   padded to the GEMM's alignment) and/or the transposed FP8 copy (row-major of the transpose, the
   layout the backward's ``_scaled_mm`` takes), each with its own per-tensor scale and format.
-- Delayed scaling (`cast_delayed`): the same pass takes its scale from the amax history and
-  writes the tile amaxes of this tensor; `finalize_scales` then records the amax in the history
-  slot. Exactness where the history cannot give the scale (the first step, a non-finite tensor):
-  a second `cast` launch gated by a device flag re-casts with the reference scale; when the flag
-  is off its programs touch no memory (masked). Three launches, one read of the operand.
+- Delayed scaling (`cast_delayed`): the cast pass takes its scale from the amax history and
+  writes the tile amaxes of this tensor; the one-program finalize then writes the scale and
+  records the amax in the history slot. Exactness where the history cannot give the scale (the
+  first step, a non-finite tensor): a second cast launch gated by a device flag re-casts with the
+  reference scale; when the flag is off its programs touch no memory (masked). Three launches,
+  one read of the operand.
 - `cast_rows` (row-wise scaling): a block of rows per program; a first loop over the row takes its
   amax, a second casts (the row is re-read from cache), scales and row amaxes written alongside.
 
@@ -37,6 +38,10 @@ its float conversions round ties up, so there the FP8 and BF16 roundings run as 
 arithmetic (`_fp8_bits_soft`, `_bf16_soft`) that reproduces torch's conversion; on CUDA they are
 the hardware's round-to-nearest-even conversions (``cvt.rn.satfinite``; the operand is clamped
 first, so saturation never decides a value).
+
+Per operand and step: three launches (current scaling: amax tiles, finalize, cast; delayed:
+cast, finalize, gated cast; row-wise: the row kernel, then for a backward copy finalize and cast),
+two passes over the operand (delayed: one), no host sync. The one sync is the probe, once per device.
 
 Importing this module imports Triton; `autoprec.runtime.casts` decides whether to (the package
 imports and runs without Triton).
@@ -73,8 +78,6 @@ _TILE_WARPS = 8
 _ROWS_BLOCK = 8  # rows per program of the row-wise kernel
 _ROWS_CHUNK = 512  # columns per iteration of its loops
 _FINALIZE_BLOCK = 1024
-_AMAX_FLOOR = 1e-12  # formats._AMAX_FLOOR: the same FP32 constant
-_FP8 = (Format.FP8_E4M3, Format.FP8_E5M2)
 _INPUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -112,7 +115,8 @@ def _nan_amax_rows(x, mask):
 
 @triton.jit
 def _scale(amax, c):
-    """``formats.inverse_scale``: ``amax.clamp_min(1e-12) * c`` (NaN stays NaN)."""
+    """``formats.inverse_scale``: ``amax.clamp_min(1e-12) * c`` (NaN stays NaN; 1e-12 is
+    ``formats._AMAX_FLOOR``, rounded to FP32 by both)."""
     return tl.where(amax < 1e-12, 1e-12, amax) * c
 
 
