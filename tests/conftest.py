@@ -1,7 +1,15 @@
 """Test-wide settings."""
 
+import os
+
 import pytest
 import torch
+
+# Without CUDA, Triton kernels run only under its interpreter, and only when TRITON_INTERPRET is
+# set before triton is first imported (its own library functions are decorated then): the fused
+# casts' tests (test_triton_cast.py) run that way on CPU. With CUDA it stays unset: compiled kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.cuda_rules import CudaRules
 

@@ -125,14 +125,14 @@ def test_every_end_to_end_plan_trains_and_its_loss_falls(smoke):
 
 @pytest.mark.slow
 def test_targets_are_not_judged_in_smoke(smoke):
-    assert [t["passed"] for t in smoke[1]["targets"]] == [None, None, None]
+    assert [t["passed"] for t in smoke[1]["targets"]] == [None, None, None, None]
 
 
 @pytest.mark.slow
 def test_table_is_printed_last_with_the_targets(smoke):
     done, _ = smoke
     lines = done.stdout.rstrip().splitlines()
-    assert "correctness: 30/30 ok" in lines and lines[-4] == "targets:"
+    assert "correctness: 30/30 ok" in lines and lines[-5] == "targets:"
 
 
 def test_full_suite_on_cpu_exits_2_naming_smoke(capsys):
@@ -188,3 +188,40 @@ def test_compiled_variants_do_not_start_after_the_deadline():
     rows = measure_layers([(8, 16, 16)], variants, torch.device("cpu"), warmup=1, repeats=1, backend="eager",
                           recompile_limit=1, deadline=time.monotonic() - 1)
     assert [(r.detail["compiled"], r.ok) for r in rows] == [(False, True), (True, None)]
+
+
+def test_eager_target_compares_the_best_eager_fp8_variant_with_eager_bf16():
+    from autoprec.gpu_bench import FP8_EAGER_SPEEDUP_TARGET, _targets
+    from autoprec.gpu_bench.rows import Row
+
+    config = GpuBenchConfig(layer_shapes=((64, 32, 32),))
+    shape = [64, 32, 32]
+
+    def row(variant, compiled, ms, **extra):
+        return Row(f"layer/64x32x32/{variant}{'+compile' if compiled else ''}", True,
+                   {"ms": ms, "shape": shape, "variant": variant, "compiled": compiled, "ops": extra})
+
+    rows = [row("bf16_autocast", False, 2.0), row("bf16_autocast", True, 1.0),
+            row("autoprec_fp8_tensor", False, 1.6, casts="fused Triton cast"), row("autoprec_fp8_tensor", True, 0.5),
+            row("autoprec_fp8_tensor_unfused", False, 4.0, casts="PyTorch ops")]
+    for r in rows:  # as measure_layers sets them
+        r.detail["ratio_to_baseline"] = 1.0 / r.detail["ms"]
+        if not r.detail["compiled"]:
+            r.detail["ratio_to_eager_baseline"] = 2.0 / r.detail["ms"]
+    eager = next(t for t in _targets(config, rows, [], judged=True) if "eager" in t.name)
+    assert eager.value == pytest.approx(2.0 / 1.6) and eager.threshold == FP8_EAGER_SPEEDUP_TARGET and eager.passed
+    assert "autoprec_fp8_tensor " in eager.detail and "fused Triton cast" in eager.detail
+
+
+def test_unfused_variant_runs_the_tensorwise_plan_with_pytorch_ops():
+    from autoprec.gpu_bench.layers import UNFUSED
+
+    unfused = next(v for v in VARIANTS if v.name == "autoprec_fp8_tensor_unfused")
+    fused = next(v for v in VARIANTS if v.name == "autoprec_fp8_tensor" and not v.compiled)
+    assert unfused is UNFUSED and not unfused.compiled and not unfused.fused_casts
+    assert (unfused.format, unfused.scaling) == (fused.format, fused.scaling) and fused.fused_casts
+    rows = measure_layers([(8, 16, 16)], [v for v in VARIANTS if not v.compiled and v.kind != "torchao"], torch.device("cpu"),
+                          warmup=1, repeats=1, backend="eager", recompile_limit=1)
+    by_variant = {r.detail["variant"]: r for r in rows}
+    assert by_variant["autoprec_fp8_tensor_unfused"].detail["ops"]["casts"] == "PyTorch ops"
+    assert all(r.ok and r.detail["ratio_to_eager_baseline"] > 0 for r in rows)

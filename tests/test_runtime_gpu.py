@@ -3,6 +3,7 @@
 Skipped with the capability reason where no CUDA device (or no FP8 / INT8 kernel) exists.
 """
 
+import copy
 import warnings
 
 import pytest
@@ -183,6 +184,55 @@ def test_delayed_scaling_spike_saturates_instead_of_overflowing_on_cuda():
         out = layer(spike)
     out.backward(grad.to(out.dtype))
     assert torch.isfinite(out).all() and torch.isfinite(spike.grad).all() and torch.isfinite(layer.weight.grad).all()
+
+
+# (format, scaling, input dtype) of the fused casts' check: every kernel variant the runtime
+# launches (current, delayed, row-wise; one format and the E5M2 pair with its E4M3 copy).
+FUSED_CASES = {
+    "e4m3-current-bf16": ("fp8_e4m3", ap.Scaling(mode="current"), torch.bfloat16),
+    "e4m3-delayed-bf16": ("fp8_e4m3", ap.Scaling(mode="delayed"), torch.bfloat16),
+    "e4m3-delayed-fp32": ("fp8_e4m3", ap.Scaling(mode="delayed", reduction="most_recent", margin=1), torch.float32),
+    "e4m3-row-bf16": ("fp8_e4m3", ap.Scaling(granularity="row", mode="current"), torch.bfloat16),
+    "e5m2-current-bf16": ("fp8_e5m2", ap.Scaling(mode="current"), torch.bfloat16),
+    "e5m2-delayed-fp32": ("fp8_e5m2", ap.Scaling(mode="delayed"), torch.float32),
+}
+
+
+@pytest.mark.skipif(not FP8_OK, reason=FP8_REASON)
+@pytest.mark.parametrize("name", FUSED_CASES)
+def test_fused_triton_casts_equal_pytorch_ops_bit_for_bit_on_cuda(name):
+    """The fused Triton casts against the PyTorch ops, forward and backward of an unaligned
+    layer over steps whose weights change in between: outputs and every gradient equal bit for
+    bit (the delayed scale's first step and the history included)."""
+    from autoprec.runtime.casts import FUSED, PYTORCH, cast_path
+
+    path, reason = cast_path("cuda:0")
+    if path != FUSED:
+        pytest.skip(reason)
+    fmt, scaling, dtype = FUSED_CASES[name]
+    layer, _, _ = _linear(d_in=1000, d_out=600)
+    gen = torch.Generator("cuda").manual_seed(2)
+    batches = [(torch.randn(4104, 1000, device="cuda", generator=gen).to(dtype), torch.randn(4104, 600, device="cuda", generator=gen)) for _ in range(3)]
+    results = []
+    for fused in (True, False):
+        model = copy.deepcopy(layer)
+        runtime = ap.apply_plan(model, ap.Plan.uniform(model, fmt, scaling=scaling))
+        runtime.use_fused_casts(fused)
+        steps = []
+        for x, grad in batches:
+            model.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(True)
+            with runtime:
+                out = model(xi)
+            out.backward(grad.to(out.dtype))
+            steps.append((out.detach(), xi.grad, model.weight.grad, model.bias.grad))
+            with torch.no_grad():
+                model.weight.mul_(0.75)
+        assert runtime.report()[""]["casts"] == (FUSED if fused else PYTORCH)
+        results.append(steps)
+    for step, (fused_step, plain_step) in enumerate(zip(*results)):
+        for what, a, b in zip(("out", "x.grad", "weight.grad", "bias.grad"), fused_step, plain_step):
+            assert torch.equal(a, b), (step, what, (a.float() - b.float()).abs().max())
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3-current", "fp8_e4m3-row", "int8"])

@@ -5,7 +5,10 @@ mixed-precision network does):
 
 - ``bf16_autocast``: ``torch.autocast(bf16)``, the baseline every ratio is taken against (compiled);
 - ``autoprec_fp8_tensor`` / ``autoprec_fp8_row`` / ``autoprec_int8``: ``autoprec.apply_plan`` with
-  a uniform plan (FP8 E4M3 tensorwise delayed, rowwise current; INT8 calibrated);
+  a uniform plan (FP8 E4M3 tensorwise delayed, rowwise current; INT8 calibrated); eager on CUDA
+  they quantize with the fused Triton casts (`autoprec.runtime.casts`);
+- ``autoprec_fp8_tensor_unfused`` (eager only): the tensorwise plan with the fused casts turned
+  off (``PlanRuntime.use_fused_casts(False)``: PyTorch ops), what the fused kernels save;
 - ``torchao_fp8_tensorwise`` / ``torchao_fp8_rowwise``: ``torchao.float8.convert_to_float8_training``
   with the recipe of that name, when ``import torchao`` works (compiled only: torchao's float8
   training is meant to run under ``torch.compile``).
@@ -34,7 +37,7 @@ from ..runtime.context import kernel_reason
 from .rows import Row, error_text, guarded
 from .timing import median_ms, rotation_count, tflops, warm_up
 
-__all__ = ["BASELINE", "VARIANTS", "TORCHAO_RECIPES", "LayerVariant", "torchao_status", "measure_layers"]
+__all__ = ["BASELINE", "EAGER_BASELINE", "UNFUSED", "VARIANTS", "TORCHAO_RECIPES", "LayerVariant", "torchao_status", "measure_layers"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ class LayerVariant:
     format: Format = Format.BF16
     scaling: Scaling = Scaling()
     recipe: str = ""
+    fused_casts: bool = True  # autoprec: the fused Triton casts where the device has them
 
     @property
     def label(self) -> str:
@@ -64,10 +68,13 @@ _AUTOPREC = (
     ("autoprec_int8", Format.INT8, Scaling()),
 )
 BASELINE = LayerVariant("bf16_autocast", "autocast", compiled=True)
+EAGER_BASELINE = LayerVariant("bf16_autocast", "autocast", compiled=False)
+UNFUSED = LayerVariant("autoprec_fp8_tensor_unfused", "autoprec", False, *_AUTOPREC[0][1:], fused_casts=False)
 VARIANTS: tuple[LayerVariant, ...] = (
-    LayerVariant("bf16_autocast", "autocast", compiled=False),
+    EAGER_BASELINE,
     BASELINE,
     *(LayerVariant(name, "autoprec", compiled, fmt, scaling) for name, fmt, scaling in _AUTOPREC for compiled in (False, True)),
+    UNFUSED,
     *(LayerVariant(f"torchao_fp8_{recipe}", "torchao", True, recipe=recipe) for recipe in TORCHAO_RECIPES),
 )
 
@@ -96,7 +103,13 @@ def _prepare(variant: LayerVariant, layer: nn.Module, example: torch.Tensor, dev
     if variant.kind == "autoprec":
         # The plan traces one plain forward to find the layer: FP32 in, as the weights are.
         runtime = apply_plan(layer, Plan.uniform(layer, variant.format, example.float(), scaling=variant.scaling))
-        return layer, lambda: runtime, lambda: runtime.report().get("", {}).get("ops", {})
+        runtime.use_fused_casts(variant.fused_casts)
+
+        def report() -> dict:
+            entry = runtime.report().get("", {})
+            return {**entry.get("ops", {}), **({"casts": entry["casts"]} if "casts" in entry else {})}
+
+        return layer, lambda: runtime, report
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     wrapped = convert_to_float8_training(nn.Sequential(layer), config=Float8LinearConfig.from_recipe_name(variant.recipe))
@@ -164,7 +177,8 @@ def measure_layers(
     progress: Optional[Callable[[str], None]] = None,
 ) -> list[Row]:
     """One row per (shape, variant) with ms, TFLOP/s and, per shape, ``ratio_to_baseline``:
-    compiled BF16 autocast's time over this variant's (above 1 is faster than the baseline).
+    compiled BF16 autocast's time over this variant's (above 1 is faster than the baseline), and
+    for eager rows ``ratio_to_eager_baseline``, eager BF16 autocast's over this one's.
 
     ``shapes`` are ``(M, K, N)``: M tokens through ``Linear(K, N)``. torchao variants become rows
     that did not run (``ok`` None) with the reason when torchao does not import. Each compiled
@@ -195,8 +209,11 @@ def measure_layers(
             row.detail.update(shape=list(shape), variant=variant.name, compiled=variant.compiled)
             shape_rows.append(row)
         baseline = next((r for r in shape_rows if r.ok and r.detail["variant"] == BASELINE.name and r.detail["compiled"]), None)
+        eager = next((r for r in shape_rows if r.ok and r.detail["variant"] == EAGER_BASELINE.name and not r.detail["compiled"]), None)
         for row in shape_rows:
             if row.ok and baseline is not None:
                 row.detail["ratio_to_baseline"] = baseline.detail["ms"] / row.detail["ms"]
+            if row.ok and eager is not None and not row.detail["compiled"]:
+                row.detail["ratio_to_eager_baseline"] = eager.detail["ms"] / row.detail["ms"]
         rows.extend(shape_rows)
     return rows

@@ -22,8 +22,10 @@ How a plan runs (``with runtime:``), cheapest first:
 
 Backward needs no context (``loss.backward()`` may run after the ``with`` block). Costs per step
 of an FP8 / INT8 linear layer: one amax and one cast per input, weight and output gradient, three
-GEMMs (`gemm`, `quantizers`), no host sync. Runtime state (amax histories, INT8 calibration)
-survives exits and re-entries; ``state_dict()`` / ``load_state_dict()`` save and restore it.
+GEMMs (`gemm`, `quantizers`), no host sync; eager FP8 on CUDA with Triton runs the casts as fused
+kernels, three launches per operand (`casts`, `triton_cast`). Runtime state (amax histories,
+INT8 calibration) survives exits and re-entries; ``state_dict()`` / ``load_state_dict()`` save
+and restore it.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from ..errors import RuntimeStateError
 from ..formats import Format, Granularity
 from ..plan import LayerPrecision, Plan, ScalingMode
 from .calibration import Int8Calibrator
+from .casts import FUSED, PYTORCH, call_casts, describe, fused_casts
 from .emulation import StoredInFormat
 from .gemm import FP8_ALIGN, INT8_ALIGN, Fp8Linear, Fp8Spec, Int8Linear, Int8Spec, pad_to_multiple
 from .quantizers import GradQuantizer, InputQuantizer, WeightQuantizer
@@ -192,6 +195,10 @@ class _Layer:
             self.row_scale_outs = frozenset(
                 d for d in (torch.bfloat16, torch.float16) if _row_scale_form(self.format, d, device)[0]
             )
+        # How its FP8 kernel calls quantize: the device's fused Triton casts (chosen once per
+        # device, `casts.cast_path`) or None for PyTorch ops; `casts_ran`: what its last eager call used.
+        self.casts = fused_casts(device) if self.format.is_fp8 and self.kernel_reason is None else None
+        self.casts_ran = FUSED if self.casts is not None else PYTORCH
         self.keeps_thread_state = False  # set by its wrapper (PlanRuntime._wrapper), when it has one
         self.inputs: dict[str, InputQuantizer] = {}
         self.calibrators: dict[str, Int8Calibrator] = {}
@@ -583,7 +590,10 @@ class PlanRuntime:
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         key = weight_key or self._param_names.get(id(weight), "weight")
         quantizer = layer.weight_quantizer((key, weight.stride()))
-        wq = quantizer.get(weight, need_transposed=grad, reuse=is_param and self._reuse_weights)
+        # The fused casts per operand whose dtype they take (never while compiling: Inductor fuses).
+        casts = None if torch.compiler.is_compiling() else layer.casts
+        w_casts = call_casts(casts, weight.dtype)
+        wq = quantizer.get(weight, need_transposed=grad, reuse=is_param and self._reuse_weights, casts=w_casts)
         if layer.format is Format.INT8:
             out = self._int8(layer, key, x2, weight, bias, wq, out_dtype, k, n)
         else:
@@ -600,20 +610,43 @@ class PlanRuntime:
             fused = bias is not None and kernel_dtype != torch.float32
             kernel_bias = layer.kernel_bias(bias, kernel_dtype) if fused else None
             record = torch.is_grad_enabled()
+            x_casts, g_casts = call_casts(casts, x2.dtype), call_casts(casts, kernel_dtype)
             with torch.no_grad():
                 # A recomputed block's backward reads back the scale its forward chose: asking the
                 # quantizer again would record this batch's amax into its history twice.
-                x_inv = recorded_scale(layer.fqn, key, lambda: layer.input_quantizer(key).inverse_scale(x2, record=record))
-            spec = Fp8Spec(layer.format, layer.grad, rowwise, kernel_dtype, expand, k, n)
+                x_inv, x_cast = self._input_scale(layer, key, x2, record, x_casts, grad)
+            if casts is not None:
+                layer.casts_ran = describe(weight=w_casts is not None, input=x_casts is not None, gradient=g_casts is not None)
+            spec = Fp8Spec(layer.format, layer.grad, rowwise, kernel_dtype, expand, k, n, g_casts)
             out = Fp8Linear.apply(
                 x2, weight, bias if fused else None, kernel_bias, x_inv,
-                wq.data, wq.inv_scale, wq.transposed, wq.backward_inv_scale, spec,
+                wq.data, wq.inv_scale, wq.transposed, wq.backward_inv_scale, spec, x_cast,
             )
             if out.dtype != out_dtype:
                 out = out.to(out_dtype)
             if bias is not None and not fused:
                 out = out + bias
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
+
+    @staticmethod
+    def _input_scale(layer: _Layer, key: str, x2: torch.Tensor, record: bool, casts, transposed: bool):
+        """``(x_inv, x_cast)``: the input's scale (recorded for, or replayed by, a recomputed
+        block) and, with ``casts``, the input already cast by the fused kernels (in the same pass
+        as the scale where they can: `InputQuantizer.fused_cast`), else None."""
+        quantizer = layer.input_quantizer(key)
+        if casts is None:
+            return recorded_scale(layer.fqn, key, lambda: quantizer.inverse_scale(x2, record=record)), None
+        made = []
+
+        def scale():
+            inv, cast = quantizer.fused_cast(x2, casts, FP8_ALIGN, record=record, transposed=transposed)
+            made.append(cast)
+            return inv
+
+        x_inv = recorded_scale(layer.fqn, key, scale)
+        if not made:  # a recomputation replayed the forward's scale: cast with it
+            made.append(quantizer.fused_cast(x2, casts, FP8_ALIGN, transposed=transposed, inv=x_inv)[1])
+        return x_inv, made[0]
 
     def _int8(self, layer, key, x2, weight, bias, wq, out_dtype, k, n):
         keep = index = valid = None
@@ -684,18 +717,32 @@ class PlanRuntime:
     # -- state and report ---------------------------------------------------------------------
 
     def report(self) -> dict[str, dict]:
-        """Per layer: planned format, how each op ran (kernel / emulated and why), calibration.
+        """Per layer: planned format, how each op ran (kernel / emulated and why), calibration;
+        for FP8 kernel layers ``"casts"``: what their last eager call quantized with, "fused
+        Triton cast", "PyTorch ops" or which operands took which (`casts.describe`; compiled calls
+        run PyTorch ops, which Inductor fuses).
 
         Reading INT8 calibration figures syncs once per calibrated input.
         """
         out = {}
         for fqn, layer in self._layers.items():
             entry: dict[str, Any] = {"format": layer.format.value, "ops": dict(layer.ops)}
+            if layer.format.is_fp8 and layer.kernel_reason is None:
+                entry["casts"] = layer.casts_ran
             calibration = [c.report for c in layer.calibrators.values() if c.report]
             if calibration:
                 entry["calibration"] = calibration
             out[fqn] = entry
         return out
+
+    def use_fused_casts(self, enabled: bool = True) -> None:
+        """Whether FP8 kernel layers quantize with the fused Triton kernels where the device has
+        them (the default) or with PyTorch ops (``False``: the same bytes, more kernels; for
+        comparisons and debugging). Takes effect from the next forward."""
+        for layer in self._layers.values():
+            if layer.format.is_fp8 and layer.kernel_reason is None:
+                layer.casts = fused_casts(layer.device) if enabled else None
+                layer.casts_ran = FUSED if layer.casts is not None else PYTORCH
 
     def emulated_layers(self) -> dict[str, list[str]]:
         """``fqn -> [op, ...]`` for every layer that ran an op without a real kernel."""

@@ -37,6 +37,7 @@ from ..formats import Format, amax, inverse_scale, quantize
 
 if TYPE_CHECKING:
     from .quantizers import GradQuantizer
+    from .triton_cast import FusedCasts
 
 __all__ = ["Fp8Spec", "Int8Spec", "Fp8Linear", "Int8Linear", "FP8_ALIGN", "INT8_ALIGN", "INT8_MIN_ROWS", "pad_to_multiple"]
 
@@ -81,6 +82,8 @@ class Fp8Spec:
     expand_scales: bool
     in_features: int
     out_features: int
+    # The output gradient's casts by the fused kernels (`casts.fused_casts`), or None: PyTorch ops.
+    casts: "FusedCasts | None" = None
 
 
 class Fp8Linear(torch.autograd.Function):
@@ -90,15 +93,21 @@ class Fp8Linear(torch.autograd.Function):
     returned), ``bias`` (N,) or None (for autograd: its gradient is returned), ``kernel_bias`` the
     same bias as the kernel takes it (padded to N', in ``spec.out_dtype``) or None, ``x_inv`` the input's inverse scale, then the `QuantizedWeight` tensors (``w_data``,
     ``w_inv``, ``w_t``, ``w_t_inv`` — None when it is ``w_inv``). Returns (M, N) in ``spec.out_dtype``.
+    ``x_cast``: None, or the input already cast by the fused kernels
+    (`quantizers.InputQuantizer.fused_cast`): ``(xq (M, K') row-major, x_t (K', M') row-major or
+    None, x_t's per-tensor inverse scale)``; the backward then keeps ``x_t`` (no transpose copy).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, kernel_bias, x_inv, w_data, w_inv, w_t, w_t_inv, spec: Fp8Spec):
+    def forward(ctx, x, weight, bias, kernel_bias, x_inv, w_data, w_inv, w_t, w_t_inv, spec: Fp8Spec, x_cast=None):
         fmt = spec.input_format
-        xp = pad_to_multiple(x, 1, FP8_ALIGN)
-        # contiguous(): an elementwise cast keeps a transposed input's layout, and the first
-        # operand must be row-major.
-        xq = quantize(xp, x_inv, fmt).contiguous()
+        if x_cast is None:
+            xp = pad_to_multiple(x, 1, FP8_ALIGN)
+            # contiguous(): an elementwise cast keeps a transposed input's layout, and the first
+            # operand must be row-major.
+            xq = quantize(xp, x_inv, fmt).contiguous()
+        else:
+            xq = x_cast[0]
         if spec.rowwise:
             scale_a, scale_b = x_inv, w_inv.t()
         elif spec.expand_scales:
@@ -111,7 +120,9 @@ class Fp8Linear(torch.autograd.Function):
         )
         if out.shape[1] != spec.out_features:
             out = out[:, : spec.out_features]
-        if spec.rowwise:
+        if x_cast is not None:
+            xq, x_inv = x_cast[1], x_cast[2]  # the transposed copy (K', M') and its scale
+        elif spec.rowwise:
             # Backward GEMMs contract over the rows the forward scales ran along: they take a
             # per-tensor quantization of the same input, made now from the high-precision x.
             x_inv = inverse_scale(amax(xp), fmt)
@@ -119,6 +130,7 @@ class Fp8Linear(torch.autograd.Function):
         ctx.spec = spec
         ctx.x_dtype = x.dtype
         ctx.has_bias = bias is not None
+        ctx.x_transposed = x_cast is not None
         # Per-tensor weights use one scale both ways (passed once: autograd functions take no
         # tensor twice under torch.compile).
         ctx.save_for_backward(xq, x_inv, w_t, w_t_inv if w_t_inv is not None else w_inv)
@@ -128,7 +140,8 @@ class Fp8Linear(torch.autograd.Function):
     def backward(ctx, grad_out):
         xq, x_inv, w_t, w_t_inv = ctx.saved_tensors
         spec: Fp8Spec = ctx.spec
-        g = pad_to_multiple(grad_out, 1, FP8_ALIGN)
+        fused = spec.casts is not None and spec.grad is not None  # the kernels pad g themselves
+        g = grad_out if fused else pad_to_multiple(grad_out, 1, FP8_ALIGN)
         grad_x = grad_w = grad_bias = None
         if spec.grad is None:
             # A high-precision backward from the low-precision saved operands (dequantized).
@@ -136,9 +149,12 @@ class Fp8Linear(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 grad_x = g @ (w_t.t().to(compute) * w_t_inv.to(compute))
             if ctx.needs_input_grad[1]:
-                grad_w = (g.t() @ (xq.to(compute) * x_inv.to(compute))).float()
+                x_rows = xq.t()[: g.shape[0]] if ctx.x_transposed else xq
+                grad_w = (g.t() @ (x_rows.to(compute) * x_inv.to(compute))).float()
         else:
-            for_input, for_weight = spec.grad.quantize_for_gemms(g, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+            for_input, for_weight = spec.grad.quantize_for_gemms(
+                g, ctx.needs_input_grad[0], ctx.needs_input_grad[1], spec.casts if fused else None, FP8_ALIGN,
+            )
             if for_input is not None:
                 gq, g_inv = for_input
                 out_dtype = ctx.x_dtype if ctx.x_dtype in (torch.float32, torch.bfloat16, torch.float16) else spec.out_dtype
@@ -146,8 +162,9 @@ class Fp8Linear(torch.autograd.Function):
             if for_weight is not None:
                 # An E5M2 input meets the gradient's E4M3 copy (E5M2 x E5M2 is refused).
                 gq, g_inv = for_weight
-                g_rows = _pad_rows_fp8(gq, FP8_ALIGN).t().contiguous()
-                x_cols = _pad_rows_fp8(xq, FP8_ALIGN).t().contiguous().t()
+                # The fused casts made both transposed copies already ((N', M') and (K', M')).
+                g_rows = gq if fused else _pad_rows_fp8(gq, FP8_ALIGN).t().contiguous()
+                x_cols = xq.t() if ctx.x_transposed else _pad_rows_fp8(xq, FP8_ALIGN).t().contiguous().t()
                 grad_w = torch._scaled_mm(g_rows, x_cols, scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32)
         if grad_x is not None and grad_x.shape[1] != spec.in_features:
             grad_x = grad_x[:, : spec.in_features]
@@ -155,7 +172,7 @@ class Fp8Linear(torch.autograd.Function):
             grad_w = grad_w[: spec.out_features, : spec.in_features]
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_out.sum(0, dtype=torch.float32)
-        return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None, None
 
 
 @dataclasses.dataclass(frozen=True)

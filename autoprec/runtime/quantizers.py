@@ -13,20 +13,26 @@ control flow), as Transformer Engine's ``Float8Quantizer`` / ``Float8CurrentScal
   (gradients drift too fast for a history); no state.
 
 Every scale comes from `formats.inverse_scale` and every cast is `formats.quantize` (the
-kernels' inverse-scale convention). The kernel path (`gemm`) takes the scales and casts;
-emulation (`emulation.StoredInFormat`) rounds any-rank tensors through `quantize` / `dequantize`
-of the same objects. State lives on the data's device (moved on first use, any map_location).
+kernels' inverse-scale convention), or, where a caller passes ``casts`` (`casts.fused_casts`:
+CUDA with Triton, eager), the fused kernels of `triton_cast`, which give the same bytes in fewer
+passes. The kernel path (`gemm`) takes the scales and casts; emulation
+(`emulation.StoredInFormat`) rounds any-rank tensors through `quantize` / `dequantize` of the
+same objects. State lives on the data's device (moved on first use, any map_location).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..formats import ACTIVATION_BLOCK, WEIGHT_BLOCK, Format, Granularity, amax, block_amax, dequantize, expand_blocks, inverse_scale, quantize
 from ..plan import Scaling, ScalingMode
 from .gemm import pad_to_multiple
+
+if TYPE_CHECKING:
+    from .triton_cast import FusedCasts
 
 __all__ = ["InputQuantizer", "WeightQuantizer", "GradQuantizer", "QuantizedWeight"]
 
@@ -107,6 +113,45 @@ class InputQuantizer(_RoundTrip):
             history.copy_(torch.cat((newest.reshape(1), history[:-1])))
         return result
 
+    def fused_cast(self, x: torch.Tensor, casts: "FusedCasts", align: int, record: bool = False,
+                   transposed: bool = False, inv: "torch.Tensor | None" = None):
+        """`inverse_scale` of 2-D ``x`` and its casts for a GEMM, by the fused kernels:
+        ``(inv, (xq, x_t, x_t_inv))``. ``xq`` (M, K') row-major scaled by ``inv`` (per tensor or
+        per row), K padded to ``align``; with ``transposed`` ``x_t`` (K', M') row-major, M padded to
+        ``align`` with zero bytes, in one per-tensor scale ``x_t_inv`` (``inv`` itself unless
+        row-wise), else None. ``inv`` given (a recomputation replaying its forward): cast with it,
+        record nothing. Bit for bit `inverse_scale` then `formats.quantize`.
+
+        Costs (kernels, each one pass over x unless said): per tensor, current scaling: amax tiles,
+        the one-program finalize, the cast (both copies in one pass); delayed: the cast writing the
+        amax tiles, the finalize updating the history, a gated re-cast that moves no data unless the
+        history could not give the scale; row-wise: one kernel (two reads of each row from cache)
+        plus, with ``transposed``, the finalize and a cast. No host sync."""
+        if self.rowwise:
+            if inv is None:
+                xq, inv, row_amax = casts.cast_rows(x, self.fmt, self.margin, pad_cols=align)
+            else:
+                xq, _, _ = casts.cast_rows(x, self.fmt, self.margin, pad_cols=align, inv=inv)
+                row_amax = None
+            if not transposed:
+                return inv, (xq, None, None)
+            # The backward contracts over the rows the forward scaled along: one scale (no margin).
+            t_inv = casts.scale_from(row_amax, self.fmt) if row_amax is not None else casts.tensor_scale(x, self.fmt)
+            _, x_t = casts.cast(x, t_inv, None, pad_cols=align, t_fmt=self.fmt, t_rows=align)
+            return inv, (xq, x_t, t_inv)
+        t_fmt = self.fmt if transposed else None
+        if inv is None and self.history is not None:
+            history = self.history
+            if history.device != x.device:
+                history = self.history = history.to(x.device)
+            inv, xq, x_t = casts.cast_delayed(x, history, self.fmt, self.margin, self.most_recent, record,
+                                              pad_cols=align, transposed=transposed, t_rows=align)
+            return inv, (xq, x_t, inv)
+        if inv is None:
+            inv = casts.tensor_scale(x, self.fmt, self.margin)
+        xq, x_t = casts.cast(x, inv, self.fmt, pad_cols=align, t_fmt=t_fmt, t_rows=align)
+        return inv, (xq, x_t, inv)
+
     def reset(self) -> None:
         if self.history is not None:
             self.history.zero_()
@@ -178,12 +223,15 @@ class WeightQuantizer(_RoundTrip):
             return per_channel.reshape(-1, *([1] * (w.dim() - 1)))
         return inverse_scale(amax(w), self.fmt)
 
-    def get(self, weight: torch.Tensor, need_transposed: bool, reuse: bool = False) -> QuantizedWeight:
+    def get(self, weight: torch.Tensor, need_transposed: bool, reuse: bool = False, casts: "FusedCasts | None" = None) -> QuantizedWeight:
         """The quantized ``weight`` (N, K), made now unless ``reuse`` and a copy of the same
         storage, layout and version was kept by an earlier call that also passed ``reuse``.
 
         ``reuse`` is the caller's promise that nothing wrote the weight since that call: the
         version counter alone cannot tell (``.data`` writes and FSDP2's copy-in keep it).
+        ``casts``: made by the fused kernels (FP8 only; the same bytes), the padding included:
+        per tensor amax tiles, finalize and one cast writing both copies; row-wise the row kernel,
+        then for the transposed copy the finalize and a cast.
         """
         keep = reuse and not torch.compiler.is_compiling()
         if keep:
@@ -192,8 +240,11 @@ class WeightQuantizer(_RoundTrip):
             if key == self._key and hit is not None and (hit.transposed is not None or not need_transposed or self.fmt is Format.INT8):
                 return hit
         with torch.no_grad():  # no detach needed (one op less): nothing here records a graph
-            w = pad_to_multiple(weight, self.align, self.align)
-            result = self._quantize(w, need_transposed and self.fmt is not Format.INT8, weight.shape[0])
+            if casts is not None and self.fmt.is_fp8 and self.block is None:
+                result = self._fused(weight, need_transposed, casts)
+            else:
+                w = pad_to_multiple(weight, self.align, self.align)
+                result = self._quantize(w, need_transposed and self.fmt is not Format.INT8, weight.shape[0])
         if keep:
             self._key, self._kept = key, result
         return result
@@ -214,6 +265,22 @@ class WeightQuantizer(_RoundTrip):
             return QuantizedWeight(data, inv, data.t().contiguous())
         backward_inv = inverse_scale(amax(w), self.fmt)
         return QuantizedWeight(data, inv, quantize(w.t(), backward_inv, self.fmt).contiguous(), backward_inv)
+
+    def _fused(self, weight: torch.Tensor, need_transposed: bool, casts: "FusedCasts") -> QuantizedWeight:
+        """`_quantize` of the padded weight by the fused kernels (the same tensors)."""
+        a = self.align
+        if self.rowwise:
+            data, inv, row_amax = casts.cast_rows(weight, self.fmt, pad_rows=a, pad_cols=a)
+            if not need_transposed:
+                return QuantizedWeight(data, inv)
+            backward_inv = casts.scale_from(row_amax, self.fmt)
+            _, transposed = casts.cast(weight, backward_inv, None, pad_rows=a, pad_cols=a, t_fmt=self.fmt)
+            return QuantizedWeight(data, inv, transposed, backward_inv)
+        inv = casts.tensor_scale(weight, self.fmt)
+        data, transposed = casts.cast(weight, inv, self.fmt, pad_rows=a, pad_cols=a, t_fmt=self.fmt if need_transposed else None)
+        if self.row_scales:
+            return QuantizedWeight(data, inv.expand(1, data.shape[0]).contiguous(), transposed, inv if transposed is not None else None)
+        return QuantizedWeight(data, inv, transposed)
 
     def clear(self) -> None:
         """Drop the kept copy (its memory is freed once no backward holds it)."""
@@ -241,10 +308,17 @@ class GradQuantizer(_RoundTrip):
         """``()``: one amax over g, two scalar ops."""
         return inverse_scale(amax(g), self.fmt)
 
-    def quantize_for_gemms(self, g: torch.Tensor, input_grad: bool, weight_grad: bool):
+    def quantize_for_gemms(self, g: torch.Tensor, input_grad: bool, weight_grad: bool, casts: "FusedCasts | None" = None, align: int = 1):
         """``((gq, inv) or None, (gq, inv) or None)``: 2-D ``g`` row-major in ``fmt`` for the
         input-gradient GEMM and in ``weight_grad_fmt`` for the weight-gradient GEMM, each only
-        when asked. One amax, then one cast per distinct format (shared when they agree)."""
+        when asked. One amax, then one cast per distinct format (shared when they agree).
+
+        ``casts`` (the fused kernels): ``g`` unpadded; the input-gradient copy (M, N') has N
+        padded to ``align``, the weight-gradient copy comes transposed, (N', M') row-major with M
+        padded to ``align`` by zero bytes (the layout that GEMM takes). Three kernels: amax tiles,
+        the finalize (both scales), one cast writing both copies."""
+        if casts is not None:
+            return self._fused(g, input_grad, weight_grad, casts, align)
         g_amax = amax(g)
         for_input = for_weight = None
         if input_grad:
@@ -257,3 +331,17 @@ class GradQuantizer(_RoundTrip):
                 inv = inverse_scale(g_amax, self.weight_grad_fmt)
                 for_weight = quantize(g, inv, self.weight_grad_fmt).contiguous(), inv
         return for_input, for_weight
+
+    def _fused(self, g: torch.Tensor, input_grad: bool, weight_grad: bool, casts: "FusedCasts", align: int):
+        row_fmt = self.fmt if input_grad else None
+        t_fmt = self.weight_grad_fmt if weight_grad else None
+        if row_fmt is not None:
+            first, second = row_fmt, (t_fmt if t_fmt is not None and t_fmt is not row_fmt else None)
+        elif t_fmt is not None:
+            first, second = t_fmt, None
+        else:
+            return None, None
+        scales = casts.tensor_scale(g, first, 0, second)
+        inv, t_inv = scales if second is not None else (scales, scales)
+        gq, g_t = casts.cast(g, inv, row_fmt, pad_cols=align, t_fmt=t_fmt, t_inv=t_inv, t_rows=align)
+        return (None if gq is None else (gq, inv)), (None if g_t is None else (g_t, t_inv))
