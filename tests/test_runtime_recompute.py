@@ -90,7 +90,7 @@ def _saved_bytes(model, plan, blocks):
         nonlocal total
         if t.untyped_storage().data_ptr() not in params:
             total += t.numel() * t.element_size()
-        return t
+        return t.detach()  # as autoprec.measure.keep_for_backward: the tensor itself would cycle through autograd
 
     idx, tgt = _batches()[0]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), runtime:
@@ -419,7 +419,7 @@ def test_recomputation_runs_only_in_the_thread_that_entered_the_plan():
     def pack(t):
         nonlocal kept
         kept += t.numel() * t.element_size()
-        return t
+        return t.detach()  # this forward is never backpropagated: the tensor itself would keep its graph for good
 
     idx, tgt = _batches()[0]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
