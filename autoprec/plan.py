@@ -576,12 +576,17 @@ class Plan:
                 continue
             if allow_emulation or lp.format in (Format.FP32, Format.BF16, Format.FP16):
                 continue
-            info = covered.get(fqn) or self._fingerprint.get(fqn)
+            info, saved = covered.get(fqn) or self._fingerprint.get(fqn), self._fingerprint.get(fqn)
             ops = set(info.ops) if info else set()
+            # Batched operands: a trace (example_inputs) is the truth; without one, the plan's trace.
+            batched = (info.batched if info else ()) or (saved.batched if saved and example_inputs is None else ())
             if not support.kernel:
                 problems.append(f"{fqn!r}: {lp.format.value} has no kernel on {device} ({support.reason})")
             elif ops - KERNEL_OPS:
                 problems.append(f"{fqn!r}: {lp.format.value} has no kernel for {', '.join(sorted(ops - KERNEL_OPS))}; it would be emulated")
+            elif batched:
+                problems.append(f"{fqn!r}: {lp.format.value} has no kernel for {', '.join(batched)} on batched operands "
+                                "(as in an attention product); it would be emulated: plan the layer in bf16, fp16 or fp32")
             elif lp.scaling.granularity is Granularity.BLOCK:
                 problems.append(f"{fqn!r}: block scaling has no kernel; it would be emulated")
         if problems:
