@@ -134,6 +134,10 @@ class LayerInfo:
         for name, shape in data["params"].items():
             if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
                 raise ValueError(f".params[{name!r}]: expected a shape, a list of non-negative integers, got {shape!r}")
+        weight = data["params"].get("weight")
+        if data["module"] == "Linear" and weight is not None and len(weight) != 2:
+            # nn.Linear's weight is (out_features, in_features); export and the cost model read it so.
+            raise ValueError(f".params['weight']: a Linear's weight is a matrix [out_features, in_features], got {list(weight)!r}; fix the shape in the file")
         batched = data.get("batched", [])
         if not isinstance(batched, (list, tuple)) or not all(isinstance(op, str) and op in data["ops"] for op in batched):
             raise ValueError(f".batched: expected a list of names from .ops, got {batched!r}")

@@ -66,6 +66,7 @@ PLAN_EDITS = {
     "fingerprint of the wrong rank": (put(["fingerprint", "0", "params", "weight"], [[8, 8]]), "fingerprint['0'].params['weight']: expected a shape"),
     "negative fingerprint dimension": (put(["fingerprint", "0", "params", "weight"], [-8, 8]), "fingerprint['0'].params['weight']"),
     "fingerprint params not an object": (put(["fingerprint", "0", "params"], 5), "fingerprint['0'].params: expected an object"),
+    "1-D Linear weight": (put(["fingerprint", "0", "params", "weight"], [8]), "fingerprint['0'].params['weight']: a Linear's weight is a matrix [out_features, in_features], got [8]"),
     "fingerprint ops not names": (put(["fingerprint", "0", "ops"], [1, 2]), "fingerprint['0'].ops: expected a list of op names"),
 }
 
@@ -137,6 +138,16 @@ def test_the_cli_refuses_a_hand_edited_plan_in_one_line(tmp_path, plan_dict, cap
     assert main([args[0], str(path), *args[1:]]) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "predicted.bytes: NaN" in err and str(path) in err
+
+
+def test_export_refuses_a_plan_with_a_1d_linear_weight_in_one_line(tmp_path, capsys):
+    fp8 = json.loads(json.dumps(Plan.uniform(model(), "fp8_e4m3").to_dict()))  # export reads an FP8 Linear's shape
+    path = edited(tmp_path, fp8, put(["fingerprint", "0", "params", "weight"], [8]), "plan.json")
+    out = tmp_path / "plan_torchao.py"
+    assert main(["export", str(path), "--to", "torchao", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err and not out.exists()
+    assert str(path) in err and "fingerprint['0'].params['weight']: a Linear's weight is a matrix" in err
 
 
 # -- paths and sizes -------------------------------------------------------------------------------
