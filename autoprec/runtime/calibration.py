@@ -170,19 +170,28 @@ class Int8Calibrator:
         self._errors = {k: v.to(device) for k, v in self._errors.items()}
 
     def observe(self, a: torch.Tensor) -> torch.Tensor:
-        """Record a (M, K) input while calibrating and return its inverse scale for this pass.
+        """Record a (M, K) input while calibrating and return its inverse scale for this pass:
+        NaN when ``a`` holds a NaN or an inf, so that the layer's output is NaN and the loss
+        scaler skips the step (INT8 codes cannot carry NaN), as FP8's do.
 
         Calibrating: one per-channel amax, a strided row sample, and on the last batch the freeze
-        (a few reductions over the sample). Frozen: nothing (the frozen scale is returned).
+        (a few reductions over the sample). Frozen: one amax of ``a`` and one scalar add (the
+        frozen scale, NaN for a non-finite input); no host sync either way.
         """
         if self.frozen_inv is not None:  # frozen (no longer `calibrating`)
-            return self.frozen_inv
+            # inf * 0 and NaN * 0 are NaN, a finite amax adds 0: the frozen scale, or NaN. Under
+            # no_grad, not detach(): one aten op fewer, and the scale keeps no graph either way.
+            with torch.no_grad():
+                return self.frozen_inv.add(amax(a), alpha=0)
         a = a.detach()
         channel = amax(a, dim=0).reshape(-1)
-        running = channel if self.channel_amax is None else torch.maximum(self.channel_amax, channel)
+        # A non-finite batch belongs to a step the loss scaler skips (its own scale below is NaN):
+        # it must not poison the frozen scale, so its non-finite values count as "not seen".
+        finite = torch.nan_to_num(channel, nan=0.0, posinf=0.0, neginf=0.0)
+        running = finite if self.channel_amax is None else torch.maximum(self.channel_amax, finite)
         self.channel_amax = running
         step = max(1, a.shape[0] // _ROWS_PER_BATCH)
-        self.samples.append(a[::step][:_ROWS_PER_BATCH].float())
+        self.samples.append(torch.nan_to_num(a[::step][:_ROWS_PER_BATCH].float(), nan=0.0, posinf=0.0, neginf=0.0))
         self.observed += 1
         current = inverse_scale(channel.amax(), Format.INT8)
         if self.observed >= self.calibration.batches:
