@@ -37,6 +37,7 @@ __all__ = [
     "trace_layers",
     "find_layers",
     "ModuleFilter",
+    "layer_name",
 ]
 
 # Function object -> the op name recorded for it. Tensor methods and torch functions are distinct
@@ -91,6 +92,17 @@ logger = logging.getLogger(__name__)
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 """``(module, fqn) -> bool``: False keeps a layer out of low precision (torchao's module_filter_fn)."""
+
+
+def layer_name(fqn: str, root: "nn.Module | str") -> str:
+    """A layer as people read it (logs, errors, review): its fqn, except the model's root (fqn
+    ``""``, a model that is itself one layer such as a bare ``nn.Linear``), named by its class,
+    e.g. ``"Linear"``. ``root``: the model (for the root, the layer's own module), or its class
+    name (a fingerprint's ``module``). Data (plans, state dicts, reports) keep the fqn ``""``,
+    the name ``named_modules()`` and torchao's ``module_filter_fn`` give the root."""
+    if fqn:
+        return fqn
+    return root if isinstance(root, str) else type(root).__name__
 
 
 @dataclasses.dataclass(frozen=True)

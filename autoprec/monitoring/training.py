@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import torch
 
+from ..coverage import layer_name
 from ..errors import MonitoringError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
@@ -129,6 +130,7 @@ class TrainingWriter:
         self._changes: list[PrecisionChange] = []
         self._timeline_step: Optional[int] = None  # a step whose timeline text is not written yet
         self._legend_written = False
+        self._root = "model"  # the tag name of a layer '' (a one-layer model's root): its class, from the last plan logged
         self._closed = False
         self._writer: Optional[SummaryWriter] = None  # None when disabled
         if enabled:
@@ -222,7 +224,7 @@ class TrainingWriter:
         for fqn, kinds in counts.items():
             if not isinstance(kinds, Mapping):
                 raise MonitoringError(f"counts[{fqn!r}] must map a count name to a number, e.g. {{'overflow': 3}}; got {type(kinds).__name__}")
-            values.extend((f"{_name(kind)}/{fqn}", _value(f"counts[{fqn!r}][{kind!r}]", n)) for kind, n in kinds.items())
+            values.extend((f"{_name(kind)}/{layer_name(fqn, self._root)}", _value(f"counts[{fqn!r}][{kind!r}]", n)) for kind, n in kinds.items())
         self._defer(step, values)
 
     def log_memory(self, step: int, predicted_bytes: Any = None, measured_bytes: Any = None) -> None:
@@ -303,7 +305,7 @@ class TrainingWriter:
                 else:  # one value: one bucket
                     limits, counts = [hi], [count]
                 self._events.add_histogram_raw(
-                    f"grad/{fqn}", lo, hi, count, total, squares, limits, counts, global_step=step, walltime=wall
+                    f"grad/{layer_name(fqn, self._root)}", lo, hi, count, total, squares, limits, counts, global_step=step, walltime=wall
                 )
 
     # -- precision changes --------------------------------------------------------------------
@@ -313,7 +315,7 @@ class TrainingWriter:
             rows = [[str(i), f.value, str(f.bits), str(f.spec.exponent_bits)] for f, i in sorted(FORMAT_INDEX.items(), key=lambda kv: kv[1])]
             add_text(self._events, "format/legend", "The value of each `format/<layer>` scalar:\n\n" + markdown_table(["value", "format", "bits", "exponent bits"], rows), step)
             self._legend_written = True
-        add_scalars(self._events, {f"format/{fqn}": FORMAT_INDEX[fmt] for fqn, fmt in formats.items()}, step)
+        add_scalars(self._events, {f"format/{layer_name(fqn, self._root)}": FORMAT_INDEX[fmt] for fqn, fmt in formats.items()}, step)
 
     def log_formats(self, step: int, formats: "Plan | Mapping[str, Format | str | LayerPrecision]") -> None:
         """Write every layer's ``format/<fqn>`` scalar (the start of each layer's line; call it,
@@ -321,6 +323,8 @@ class TrainingWriter:
         if not self._live():
             return
         step = _step(step)
+        if isinstance(formats, Plan) and "" in formats.fingerprint:
+            self._root = formats.fingerprint[""].module
         items = formats.layers.items() if isinstance(formats, Plan) else formats.items()
         self._format_scalars({fqn: value.format if isinstance(value, LayerPrecision) else Format.parse(value) for fqn, value in items}, step)
 
@@ -345,7 +349,7 @@ class TrainingWriter:
         if step is None:
             return
         shown = self._changes[-self.timeline_rows:]
-        rows = [[str(c.step), f"`{c.fqn}`", f"`{c.old.value}`", f"`{c.new.value}`", c.direction, c.reason or "–"] for c in shown]
+        rows = [[str(c.step), f"`{layer_name(c.fqn, self._root)}`", f"`{c.old.value}`", f"`{c.new.value}`", c.direction, c.reason or "–"] for c in shown]
         text = f"{len(self._changes)} precision changes"
         if len(shown) < len(self._changes):
             text += f" (the last {len(shown)} shown)"

@@ -45,7 +45,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from .._tracing import is_weight
-from ..coverage import MATMUL_OPS
+from ..coverage import MATMUL_OPS, layer_name
 from ..device import KERNEL_OPS, canonical_device, format_support, scaled_mm_form
 from ..errors import RuntimeStateError
 from ..formats import Format, Granularity
@@ -252,7 +252,7 @@ class _Layer:
         if torch.compiler.is_compiling() or self.ops.get(op) == how:
             return
         if how.startswith("emulated") and not self.ops.get(op, "").startswith("emulated"):
-            message = f"autoprec: layer {self.fqn!r} runs {op} in {self.format.value} {how}"
+            message = f"autoprec: layer {layer_name(self.fqn, self.module)!r} runs {op} in {self.format.value} {how}"
             warnings.warn(message, EmulationWarning, stacklevel=4)
             logger.info(message)
         self.ops[op] = how
@@ -499,7 +499,7 @@ class PlanRuntime:
         if not torch.compiler.is_compiling():
             for fqn, layer in self._layers.items():
                 if _active_runtime(layer.module) is not None:
-                    raise RuntimeStateError(f"layer {fqn!r} already runs under another active autoprec plan; exit that one first")
+                    raise RuntimeStateError(f"layer {layer_name(fqn, layer.module)!r} already runs under another active autoprec plan; exit that one first")
             mark = weakref.ref(self)
             for layer in self._layers.values():
                 layer.module.__dict__[_ACTIVE_MARK] = mark
@@ -732,10 +732,10 @@ class PlanRuntime:
             layer = self._layers[fqn]
             for key, q_state in saved["inputs"].items():
                 quantizer = layer.inputs.get(key) or InputQuantizer(layer.format, layer.precision.scaling)
-                self._refuse_state(fqn, "inputs", key, quantizer.state_problem(q_state))
+                self._refuse_state(layer, "inputs", key, quantizer.state_problem(q_state))
             for key, c_state in saved["calibrators"].items():
                 allowed = self._calibrator_channels(layer, key, params)
-                self._refuse_state(fqn, "calibrators", key, Int8Calibrator.state_problem(c_state, layer.precision.calibration, allowed))
+                self._refuse_state(layer, "calibrators", key, Int8Calibrator.state_problem(c_state, layer.precision.calibration, allowed))
                 shown = [c_state[n] for n in ("channel_amax", "keep") if c_state[n] is not None] + list(c_state["samples"])
                 if shown or key in layer.calibrators:  # else nothing observed: the next forward makes it
                     channels[fqn, key] = shown[0].shape[-1] if shown else layer.calibrators[key].channels
@@ -764,10 +764,12 @@ class PlanRuntime:
         return tuple(sorted(allowed)) or None
 
     @staticmethod
-    def _refuse_state(fqn: str, field: str, key: str, problem: "str | None") -> None:
+    def _refuse_state(layer: _Layer, field: str, key: str, problem: "str | None") -> None:
         if problem is not None:
+            fqn = layer.fqn
             raise RuntimeStateError(
-                f"PlanRuntime.load_state_dict(): layer {fqn!r} does not match this plan: state['layers'][{fqn!r}][{field!r}][{key!r}]{problem}; "
+                f"PlanRuntime.load_state_dict(): layer {layer_name(fqn, layer.module)!r} does not match this plan: "
+                f"state['layers'][{fqn!r}][{field!r}][{key!r}]{problem}; "
                 f"{_STATE_FIX} for this plan and model"
             )
 
