@@ -397,7 +397,9 @@ class DynamicPrecisionScheduler:
     # -- checkpoints ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Everything a resumed run needs to continue exactly (tensors are cloned, on device)."""
+        """Everything a resumed run needs to continue exactly (tensors are cloned, on device;
+        while a search runs its off-path work, also its snapshot of the weights, not cloned:
+        see `TrainingSearch.state_dict`)."""
         return {
             "version": STATE_VERSION,
             "fingerprint": {fqn: info.to_dict() for fqn, info in self._fingerprint.items()},

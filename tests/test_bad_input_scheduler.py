@@ -167,3 +167,107 @@ def test_a_one_layer_models_profile_table_names_the_layer_by_its_class():
             profiler.step()
     profile = profiler.profile({})
     assert list(profile.layers) == [""] and profile.format_table().splitlines()[2].startswith("Linear ")
+
+
+# -- a search whose work follows the clock (issue 40) ----------------------------------------------
+
+
+class FakeTime:
+    """A ``time`` module whose clock advances ``rate`` seconds per read: deterministic, and as
+    slow as asked (a loaded machine)."""
+
+    def __init__(self, rate):
+        self.now, self.rate = 0.0, rate
+
+    def perf_counter(self):
+        self.now += self.rate
+        return self.now
+
+
+def set_clocks(monkeypatch, measured, offpath):
+    """``measured``: the clock probe and trial steps are timed with (their times choose the
+    plan); ``offpath``: the one the search's off-path work would see itself run by."""
+    import autoprec.costs.inplace
+    import autoprec.search.steps
+    import autoprec.search.training
+    import autoprec.timing
+
+    for module in (autoprec.timing, autoprec.search.steps, autoprec.costs.inplace):
+        monkeypatch.setattr(module, "time", measured)
+    monkeypatch.setattr(autoprec.search.training, "time", offpath)
+
+
+SEARCH_WINDOW = 6
+SEARCH_STEPS = 30  # the window, 6 probe steps, the off-path work, 2 candidates' trial steps, planned steps
+
+
+def formats(plan):
+    return {fqn: lp.format for fqn, lp in plan.layers.items()}
+
+
+def lm_run():
+    from autoprec.workloads import default_workload
+
+    wl = default_workload("tiny", batch_size=8)
+    model = wl.build_model(0)
+    return wl, model, torch.optim.SGD(model.parameters(), lr=0.05), wl.train_batches(0)
+
+
+def searching_scheduler(model=None):
+    return ap.DynamicPrecisionScheduler(model, monitor_window=SEARCH_WINDOW, monitor_steps=3, memory_budget=0.85, accuracy_budget=0.05,
+                                        formats=("fp32", "bf16", "int8"))
+
+
+def lm_steps(wl, model, opt, scheduler, sampler, steps):
+    for _ in range(steps):
+        batch = sampler.next()
+        with scheduler.precision_context():
+            loss = wl.loss(model, batch)
+        scheduler.backward(loss)
+        scheduler.step(opt)
+        opt.zero_grad(set_to_none=True)
+
+
+def straight_run(monkeypatch, offpath_rate):
+    set_clocks(monkeypatch, FakeTime(1e-3), FakeTime(offpath_rate))
+    wl, model, opt, sampler = lm_run()
+    scheduler = searching_scheduler()
+    lm_steps(wl, model, opt, scheduler, sampler, SEARCH_STEPS)
+    assert scheduler.phase == "planned" and scheduler.plan.measured["source"] == "training steps"
+    return [p.detach().clone() for p in model.parameters()], scheduler.plan
+
+
+def test_the_search_trains_alike_however_slowly_its_off_path_work_runs(monkeypatch):
+    fast, fast_plan = straight_run(monkeypatch, 1e-9)  # every unit of work looks instant
+    slow, slow_plan = straight_run(monkeypatch, 10.0)  # every unit looks longer than a step
+    assert formats(fast_plan) == formats(slow_plan)
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow))
+
+
+# Where the checkpoint falls: in the probes' warm-up cycle while the off-path work runs, in their
+# timed cycle, and in a candidate's trial steps. A slower clock for every timing after the resume
+# where the checkpoint splits no set of timed steps; where it splits the probes' timed cycle, a
+# slower clock for the off-path work alone (probes timed slower on a slower machine may choose
+# another plan: a measurement, not the slices).
+@pytest.mark.parametrize("stop, every_clock", [(SEARCH_WINDOW + 1, True), (SEARCH_WINDOW + 4, False), (SEARCH_WINDOW + 9, True)],
+                         ids=["probing-and-off-path-work", "second-probe-cycle", "trying-candidates"])
+def test_a_checkpoint_mid_search_resumed_on_a_slow_clock_trains_bit_identically(monkeypatch, tmp_path, stop, every_clock):
+    reference, plan = straight_run(monkeypatch, 1e-3)
+    set_clocks(monkeypatch, FakeTime(1e-3), FakeTime(1e-3))
+    wl, model, opt, sampler = lm_run()
+    scheduler = searching_scheduler()
+    lm_steps(wl, model, opt, scheduler, sampler, stop)
+    assert scheduler.phase == "searching"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "scheduler": scheduler.state_dict()}, tmp_path / "ckpt.pt")
+    scheduler.close()
+
+    set_clocks(monkeypatch, FakeTime(7e-3 if every_clock else 1e-3), FakeTime(7e-3))  # after the resume, 7x slower
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    _, model, opt, _ = lm_run()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    scheduler = searching_scheduler(model)
+    scheduler.load_state_dict(saved["scheduler"])
+    lm_steps(wl, model, opt, scheduler, sampler, SEARCH_STEPS - stop)
+    assert formats(scheduler.plan) == formats(plan)  # the reasons quote the measured milliseconds, 7x as many
+    assert all(torch.equal(a, b) for a, b in zip(reference, (p.detach() for p in model.parameters())))
