@@ -37,6 +37,7 @@ __all__ = [
     "trace_layers",
     "find_layers",
     "ModuleFilter",
+    "layer_name",
 ]
 
 # Function object -> the op name recorded for it. Tensor methods and torch functions are distinct
@@ -93,16 +94,34 @@ ModuleFilter = Callable[[nn.Module, str], bool]
 """``(module, fqn) -> bool``: False keeps a layer out of low precision (torchao's module_filter_fn)."""
 
 
+def layer_name(fqn: str, root: "nn.Module | str") -> str:
+    """A layer as people read it (logs, errors, review): its fqn, except the model's root (fqn
+    ``""``, a model that is itself one layer such as a bare ``nn.Linear``), named by its class,
+    e.g. ``"Linear"``. ``root``: the model (for the root, the layer's own module), or its class
+    name (a fingerprint's ``module``). Data (plans, state dicts, reports) keep the fqn ``""``,
+    the name ``named_modules()`` and torchao's ``module_filter_fn`` give the root."""
+    if fqn:
+        return fqn
+    return root if isinstance(root, str) else type(root).__name__
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerInfo:
-    """What a plan fingerprints about a layer: its class, the ops it runs, its own parameter shapes."""
+    """What a plan fingerprints about a layer: its class, the ops it runs, its own parameter
+    shapes, and ``batched``: those of its ops a trace saw run on batched operands (a second
+    operand that is not one matrix, as attention's ``q @ k.transpose(-2, -1)``), which no FP8 /
+    INT8 kernel takes (`runtime.context.as_gemm`), so a low-precision plan emulates them."""
 
     module: str
     ops: tuple[str, ...]
     params: Mapping[str, tuple[int, ...]]
+    batched: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
-        return {"module": self.module, "ops": list(self.ops), "params": {k: list(v) for k, v in self.params.items()}}
+        out = {"module": self.module, "ops": list(self.ops), "params": {k: list(v) for k, v in self.params.items()}}
+        if self.batched:  # absent when empty: the fingerprints of other layers read as before
+            out["batched"] = list(self.batched)
+        return out
 
     def role(self, fqn: str) -> str:
         """What layers of one role share: the fqn with its numeric parts (block indices) as
@@ -127,16 +146,24 @@ class LayerInfo:
         for name, shape in data["params"].items():
             if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
                 raise ValueError(f".params[{name!r}]: expected a shape, a list of non-negative integers, got {shape!r}")
+        weight = data["params"].get("weight")
+        if data["module"] == "Linear" and weight is not None and len(weight) != 2:
+            # nn.Linear's weight is (out_features, in_features); export and the cost model read it so.
+            raise ValueError(f".params['weight']: a Linear's weight is a matrix [out_features, in_features], got {list(weight)!r}; fix the shape in the file")
+        batched = data.get("batched", [])
+        if not isinstance(batched, (list, tuple)) or not all(isinstance(op, str) and op in data["ops"] for op in batched):
+            raise ValueError(f".batched: expected a list of names from .ops, got {batched!r}")
         return cls(
             module=data["module"],
             ops=tuple(data["ops"]),
             params={k: tuple(v) for k, v in data["params"].items()},
+            batched=tuple(batched),
         )
 
     @classmethod
-    def of(cls, module: nn.Module, ops: Iterable[str]) -> "LayerInfo":
+    def of(cls, module: nn.Module, ops: Iterable[str], batched: Iterable[str] = ()) -> "LayerInfo":
         params = {name: tuple(p.shape) for name, p in module.named_parameters(recurse=False)}
-        return cls(module=type(module).__name__, ops=tuple(sorted(set(ops))), params=params)
+        return cls(module=type(module).__name__, ops=tuple(sorted(set(ops))), params=params, batched=tuple(sorted(set(batched))))
 
 
 # Modules with a matrix parameter that is a table, not a matrix-product operand.
@@ -189,18 +216,32 @@ def static_layers(model: nn.Module) -> dict[str, LayerInfo]:
     return layers
 
 
-class _MatmulRecorder(TorchFunctionMode):
-    """Records which module (innermost on the stack) runs which matrix-product op."""
+def _batched(op: str, func: Callable, args: tuple) -> bool:
+    """Whether a ``matmul`` call multiplies batched operands: its second operand is not one
+    matrix or its first not at least one (as in `runtime.context.as_gemm`, which then finds no
+    2-D GEMM). The other kernel ops (linear, mm, addmm) take matrices by definition."""
+    if op != "matmul" or len(args) < 2:
+        return False
+    x, b = (args[1], args[0]) if func is torch.Tensor.__rmatmul__ else (args[0], args[1])
+    return not (torch.is_tensor(x) and torch.is_tensor(b) and x.dim() >= 2 and b.dim() == 2)
 
-    def __init__(self, stack: list[str], seen: dict[str, set[str]]):
+
+class _MatmulRecorder(TorchFunctionMode):
+    """Records which module (innermost on the stack) runs which matrix-product op, and which
+    ops it runs on batched operands (`_batched`)."""
+
+    def __init__(self, stack: list[str], seen: dict[str, set[str]], batched: dict[str, set[str]]):
         super().__init__()
         self.stack = stack
         self.seen = seen
+        self.batched = batched
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         op = MATMUL_OPS.get(func)
         if op is not None and self.stack:
             self.seen.setdefault(self.stack[-1], set()).add(op)
+            if _batched(op, func, args):
+                self.batched.setdefault(self.stack[-1], set()).add(op)
         return func(*args, **(kwargs or {}))
 
 
@@ -214,11 +255,12 @@ def trace_layers(model: nn.Module, example_inputs: Any) -> dict[str, LayerInfo]:
     """
     call = ModelCall.of(example_inputs)
     seen: dict[str, set[str]] = {}
+    batched: dict[str, set[str]] = {}
     # Tracing must not consume random numbers (dropout) that the real run would draw.
-    with side_effect_free(model), module_stack(model) as stack, torch.no_grad(), _MatmulRecorder(stack, seen):
+    with side_effect_free(model), module_stack(model) as stack, torch.no_grad(), _MatmulRecorder(stack, seen, batched):
         call(model)
     modules = dict(model.named_modules())
-    return {fqn: LayerInfo.of(module, seen[fqn]) for fqn, module in modules.items() if fqn in seen}
+    return {fqn: LayerInfo.of(module, seen[fqn], batched.get(fqn, ())) for fqn, module in modules.items() if fqn in seen}
 
 
 def find_layers(model: nn.Module, example_inputs: Any = None) -> dict[str, LayerInfo]:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from .coverage import ModuleFilter
+from .coverage import ModuleFilter, layer_name
 from .errors import RuntimeStateError, ScalingError
 from .measure import local_shard
 from .runtime.recompute import recomputing
@@ -38,8 +38,9 @@ Layers = Union[Sequence[str], ModuleFilter, None]
 
 def resolve_layers(model: nn.Module, layers: Layers, where: str) -> list[str]:
     """Layer fqns in model order: those named, those the filter accepts, or by default every
-    module that directly owns parameters. The root module is never a layer: parameters it owns
-    directly are reported under their own fqn."""
+    module that directly owns parameters. The root module is a layer only when named (a model
+    that is itself one layer); otherwise parameters it owns directly are reported under their own
+    fqn."""
     modules = dict(model.named_modules())
     if layers is None:
         return [fqn for fqn, m in modules.items() if fqn and next(m.parameters(recurse=False), None) is not None]
@@ -48,12 +49,13 @@ def resolve_layers(model: nn.Module, layers: Layers, where: str) -> list[str]:
     if isinstance(layers, str):
         raise ScalingError(f"{where}(layers={layers!r}): layers must be a sequence of module fqns such as ['0', 'head'], not one string")
     wanted = list(layers)
-    unknown = [f for f in wanted if not isinstance(f, str) or f not in modules or not f]
+    # The root '' only when named: a model that is itself one layer (a bare nn.Linear).
+    unknown = [f for f in wanted if not isinstance(f, str) or f not in modules]
     if unknown:
         sample = ", ".join(repr(f) for f in list(modules)[1:6])
         raise ScalingError(
             f"{where}(layers=...): unknown layer fqn(s) {', '.join(repr(f) for f in unknown)}; "
-            f"use names from model.named_modules() (the root '' is not a layer), e.g. {sample}"
+            f"use names from model.named_modules(), e.g. {sample}"
         )
     chosen = set(wanted)
     return [fqn for fqn in modules if fqn in chosen]
@@ -322,7 +324,7 @@ class LayerNames:
         watched = set(fqns)
         for pname, param in model.named_parameters():
             owner, parts = pname, pname.split(".")
-            for cut in range(len(parts) - 1, 0, -1):
+            for cut in range(len(parts) - 1, -1, -1):  # down to the root '', watched in a one-layer model
                 prefix = ".".join(parts[:cut])
                 if prefix in watched:
                     owner = prefix
@@ -400,6 +402,11 @@ class Attribution:
         self.watch_outputs(False)
         self._watched = None
         self.names.clear()
+
+    def _shown(self, names: Sequence[str]) -> list[str]:
+        """``names`` as logged: the watched root '' by its class (`coverage.layer_name`)."""
+        root = self._watched[0] if self._watched is not None else "the model"
+        return [layer_name(n, root) for n in names]
 
     def _outputs(self) -> tuple[list[str], list[torch.Tensor]]:
         return self.output_watch.records() if self.output_watch is not None else ([], [])
@@ -497,8 +504,8 @@ class Attribution:
         self.events.append((iteration, layers))
         _log.info(
             "iteration %d: non-finite gradients in %s; optimizer step skipped; loss scale now %g%s",
-            iteration, ", ".join(layers) or "(no watched gradient)", scale,
-            f"; first non-finite output: {first_output}" if first_output else "",
+            iteration, ", ".join(self._shown(layers)) or "(no watched gradient)", scale,
+            f"; first non-finite output: {self._shown([first_output])[0]}" if first_output is not None else "",
         )
         at_floor = floor is not None and scale <= floor
         if at_floor and not self._warned_at_floor:

@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from . import __version__
 from ._io import atomic_write_text, check_schema_version
-from .coverage import LayerInfo, ModuleFilter, changed_shapes, covered_layers, find_layers
+from .coverage import LayerInfo, ModuleFilter, changed_shapes, covered_layers, find_layers, layer_name
 from .device import KERNEL_OPS, format_support
 from .errors import FormatError, PlanError
 from .formats import Format, Granularity
@@ -519,6 +519,12 @@ class Plan:
     def format_counts(self) -> dict[str, int]:
         return dict(Counter(lp.format.value for lp in self._layers.values()))
 
+    def layer_name(self, fqn: str) -> str:
+        """``fqn`` as shown (review, logs): a one-layer model's root '' by its class from the
+        fingerprint, e.g. "Linear" (`coverage.layer_name`); the plan's key stays ''."""
+        info = self._fingerprint.get(fqn)
+        return layer_name(fqn, info.module if info is not None else "the model")
+
     def _key(self):
         return (
             dict(self._layers),
@@ -556,16 +562,16 @@ class Plan:
         problems = []
         for fqn in self._layers:
             if fqn not in modules:
-                problems.append(f"{fqn!r}: the plan names a layer the model lacks; remove it or check the model")
+                problems.append(f"{layer_name(fqn, model)!r}: the plan names a layer the model lacks; remove it or check the model")
         covered = covered_layers(model, example_inputs, self._fingerprint)
         for fqn in covered:
             if fqn not in self._layers:
-                problems.append(f"{fqn!r}: a covered layer ({covered[fqn].module}) the plan lacks; add it (fp32 keeps it as is)")
+                problems.append(f"{layer_name(fqn, model)!r}: a covered layer ({covered[fqn].module}) the plan lacks; add it (fp32 keeps it as is)")
         if example_inputs is not None:
             # Only a trace proves a module runs no matrix product; the module tree alone cannot.
             for fqn in self._layers:
                 if fqn in modules and fqn not in covered:
-                    problems.append(f"{fqn!r}: {type(modules[fqn]).__name__} runs no matrix product in its own forward, so it is not a layer; remove it")
+                    problems.append(f"{layer_name(fqn, model)!r}: {type(modules[fqn]).__name__} runs no matrix product in its own forward, so it is not a layer; remove it")
         for fqn in self._blocks:
             if fqn not in modules:
                 problems.append(f"blocks[{fqn!r}]: the plan names a block the model lacks; remove it or check the model")
@@ -574,25 +580,30 @@ class Plan:
             elif not any(_inside(layer, fqn) for layer in self._layers):
                 problems.append(f"blocks[{fqn!r}]: {type(modules[fqn]).__name__} holds no layer of the plan, so recomputing it saves nothing; remove it")
         for fqn, actual, planned in changed_shapes(model, self._fingerprint, self._layers):
-            problems.append(f"{fqn!r}: parameter shapes {actual} differ from the plan's {planned}; the plan was made for another model")
+            problems.append(f"{layer_name(fqn, model)!r}: parameter shapes {actual} differ from the plan's {planned}; the plan was made for another model")
         if device is None:
             first = next(model.parameters(), None)
             device = first.device if first is not None else "cpu"
         for fqn, lp in self._layers.items():
             support = format_support(lp.format, device)
             if not support.runnable:
-                problems.append(f"{fqn!r}: {lp.format.value} cannot run on {device}: {support.reason}; choose another format")
+                problems.append(f"{layer_name(fqn, model)!r}: {lp.format.value} cannot run on {device}: {support.reason}; choose another format")
                 continue
             if allow_emulation or lp.format in (Format.FP32, Format.BF16, Format.FP16):
                 continue
-            info = covered.get(fqn) or self._fingerprint.get(fqn)
+            info, saved = covered.get(fqn) or self._fingerprint.get(fqn), self._fingerprint.get(fqn)
             ops = set(info.ops) if info else set()
+            # Batched operands: a trace (example_inputs) is the truth; without one, the plan's trace.
+            batched = (info.batched if info else ()) or (saved.batched if saved and example_inputs is None else ())
             if not support.kernel:
-                problems.append(f"{fqn!r}: {lp.format.value} has no kernel on {device} ({support.reason})")
+                problems.append(f"{layer_name(fqn, model)!r}: {lp.format.value} has no kernel on {device} ({support.reason})")
             elif ops - KERNEL_OPS:
-                problems.append(f"{fqn!r}: {lp.format.value} has no kernel for {', '.join(sorted(ops - KERNEL_OPS))}; it would be emulated")
+                problems.append(f"{layer_name(fqn, model)!r}: {lp.format.value} has no kernel for {', '.join(sorted(ops - KERNEL_OPS))}; it would be emulated")
+            elif batched:
+                problems.append(f"{layer_name(fqn, model)!r}: {lp.format.value} has no kernel for {', '.join(batched)} on batched operands "
+                                "(as in an attention product); it would be emulated: plan the layer in bf16, fp16 or fp32")
             elif lp.scaling.granularity is Granularity.BLOCK:
-                problems.append(f"{fqn!r}: block scaling has no kernel; it would be emulated")
+                problems.append(f"{layer_name(fqn, model)!r}: block scaling has no kernel; it would be emulated")
         if problems:
             raise PlanError(problems, f"The plan does not fit {type(model).__name__}.")
 

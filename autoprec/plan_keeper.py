@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from .device import format_support
 from ._binding import require_bound
+from .coverage import layer_name
 from .errors import RuntimeStateError
 from .formats import Format
 from .plan import LayerPrecision, Plan
@@ -310,7 +311,7 @@ class PlanKeeper:
         for change in changes:
             old = self._planned().layers[change.fqn].format
             self.changes.append(PrecisionChange(step, change.fqn, old, change.new, change.reason))
-            logger.info("autoprec: step %d: %s %s -> %s (%s)", step, change.fqn, old.value, change.new.value, change.reason)
+            logger.info("autoprec: step %d: %s %s -> %s (%s)", step, layer_name(change.fqn, self._bound()), old.value, change.new.value, change.reason)
             if self._writer is not None:
                 self._writer.log_change(step, change.fqn, old, change.new, change.reason)
         if changes:

@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from ._binding import Binding, bindable_layers, check_layers, check_materialised, unbound_exit
 from .calls import ModelCall, loss_of
-from .coverage import LayerInfo
+from .coverage import LayerInfo, layer_name
 from .distributed import RankAgreement, grad_comm_format
 from .errors import InfeasibleBudgetError, RuntimeStateError, SettingsError
 from .lifecycle import WindowClock
@@ -243,7 +243,8 @@ class DynamicPrecisionScheduler:
         outcome = self._plans.step(optimizers, loss=self._last_loss, agreement=self._dist, max_grad_norm=self.config.max_grad_norm, step=self.step_count)
         skipped = outcome.skipped
         self.step_count += 1
-        self._checks.count_skips(skipped, outcome.nonfinite, self.step_count, self.plan, self.scaler, self.config.loss_scaling.min_scale)
+        shown = [layer_name(f, self._binding.bound) for f in outcome.nonfinite]  # a one-layer model's root by its class
+        self._checks.count_skips(skipped, shown, self.step_count, self.plan, self.scaler, self.config.loss_scaling.min_scale)
         if self._writer is not None:
             self._writer.log_step(self.step_count, loss=self._last_loss, loss_scale=self.scaler.scale_tensor, skipped=skipped)
         if self.config.dynamic and self.plan is not None:
@@ -416,7 +417,9 @@ class DynamicPrecisionScheduler:
     # -- checkpoints ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Everything a resumed run needs to continue exactly (tensors are cloned, on device)."""
+        """Everything a resumed run needs to continue exactly (tensors are cloned, on device;
+        while a search runs its off-path work, also its snapshot of the weights, not cloned:
+        see `TrainingSearch.state_dict`)."""
         return {
             "version": STATE_VERSION,
             "fingerprint": {fqn: info.to_dict() for fqn, info in self._fingerprint.items()},

@@ -63,9 +63,11 @@ class SchedulerConfig:
     window's mean training loss (or absolute with ``accuracy_relative=False``); None leaves a
     budget open. ``formats``, ``rules``: the search's candidates and layer rules;
     ``search_timeout_s`` bounds the integer program that finds the plan; ``search_slice``: the
-    search's work after each training step while it runs, in median steps (a step and its work
-    then take at most about ``1 + search_slice`` times the median; a unit of work longer than
-    that runs alone, in every third step at most; see `search.training`), or None: all of it in the window's last step (one long step; with
+    search's work after each training step while it runs, in training steps of work (a step and
+    its work then take about ``1 + search_slice`` steps' FLOPs), counted in model passes, not
+    timed, so the same work follows the same steps however loaded the machine is (a unit of work
+    heavier than that runs alone, in every third step at most; see `search.training`), or None:
+    all of it in the window's last step (one long step; with
     ``measure_costs=False`` the plan is then in force from the next step); ``lr``: the learning
     rate the sensitivity's gradient term assumes. ``loss_scaling``, ``max_grad_norm`` (clip the unscaled
     gradients; None: no clipping), ``thresholds`` (when layers are promoted and demoted),

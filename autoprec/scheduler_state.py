@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from .coverage import LayerInfo
+from .coverage import LayerInfo, layer_name
 from .errors import RuntimeStateError
 from .plan import Plan
 
@@ -107,7 +107,7 @@ def check_state_fits(state: Mapping[str, Any], model: nn.Module, config: "Schedu
         actual = dict(LayerInfo.of(modules[fqn], saved.ops).params)
         if actual != dict(saved.params):
             raise RuntimeStateError(
-                f"load_state_dict(): layer {fqn!r} has parameter shapes {actual} here but {dict(saved.params)} in the state; "
+                f"load_state_dict(): layer {layer_name(fqn, model)!r} has parameter shapes {actual} here but {dict(saved.params)} in the state; "
                 "load it into the model it was saved from"
             )
     if state["plan"] is None or fixed_plan is not None:
@@ -116,7 +116,7 @@ def check_state_fits(state: Mapping[str, Any], model: nn.Module, config: "Schedu
     for fqn, lp in Plan.from_dict(state["plan"], "the saved plan").layers.items():
         if lp.format not in allowed:
             raise RuntimeStateError(
-                f"load_state_dict(): the saved plan runs {fqn!r} in {lp.format.value}, which this scheduler's settings "
+                f"load_state_dict(): the saved plan runs {layer_name(fqn, model)!r} in {lp.format.value}, which this scheduler's settings "
                 f"(min_precision={config.min_precision}, max_precision={config.max_precision}, formats {', '.join(f.value for f in config.candidates)}) "
                 "exclude; create the scheduler with the settings the state was saved with"
             )

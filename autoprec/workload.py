@@ -25,6 +25,7 @@ never imports them.
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence, runtime_checkable
@@ -36,6 +37,8 @@ from .calls import loss_of
 from .errors import AutoprecError, UserCodeError, WorkloadError
 
 __all__ = ["Workload", "WorkloadError", "TrainStep", "load_workload", "resolve_factory", "learning_rate", "to_device"]
+
+logger = logging.getLogger(__name__)
 
 _DEFAULT_LR = 1e-3
 _REQUIRED = ("build_model", "train_batches", "val_batches", "loss")
@@ -92,9 +95,10 @@ class CheckedWorkload:
     def __init__(self, workload: Any):
         object.__setattr__(self, "_workload", workload)
         object.__setattr__(self, "_name", type(workload).__name__)
+        object.__setattr__(self, "_warned", set())  # warnings given once per workload (`_check_held`)
 
     def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__") or attr in ("_workload", "_name"):
+        if attr.startswith("__") or attr in ("_workload", "_name", "_warned"):
             raise AttributeError(attr)  # copy / pickle probes: not the workload's
         return getattr(self._workload, attr)
 
@@ -251,7 +255,36 @@ def _optimizer_and_schedule(workload: Any, model: nn.Module):
     bad = [g["lr"] for g in optimizer.param_groups if not isinstance(g.get("lr"), torch.Tensor) and not 0 <= float(g.get("lr", 0.0)) < math.inf]
     if bad:
         raise WorkloadError(f"{type(getattr(workload, '_workload', workload)).__name__}.make_optimizer: the optimizer's learning rate is {bad[0]!r}; give a finite, non-negative lr")
+    _check_held(workload, optimizer, model)
     return optimizer, schedule
+
+
+def _check_held(workload: Any, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """`WorkloadError` when ``optimizer`` holds none of ``model``'s trainable parameters (the
+    model would never train, yet be profiled and searched as if it did: typically
+    ``make_optimizer`` built it from another copy of the model than the one passed in); one
+    warning per workload with the count when it holds only some (legitimate, e.g. a part left
+    out on purpose, but those parameters keep their values). Parameters with
+    ``requires_grad=False`` are not counted. Costs a set of parameter ids, no host sync."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        return
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = sum(id(p) not in held for p in trainable)
+    name = type(getattr(workload, "_workload", workload)).__name__
+    if missing == len(trainable):
+        raise WorkloadError(
+            f"{name}.make_optimizer(model): the optimizer holds none of {type(model).__name__}'s {len(trainable)} trainable parameters, "
+            "so the model would never train; build it from the model passed in (model.parameters()), not from another copy"
+        )
+    warned = getattr(workload, "_warned", None) if isinstance(workload, CheckedWorkload) else None
+    if missing and (warned is None or "optimizer" not in warned):
+        if warned is not None:
+            warned.add("optimizer")
+        logger.warning(
+            "autoprec: %s.make_optimizer(model): the optimizer does not hold %d of %s's %d trainable parameters; they keep their values "
+            "while the rest trains (set requires_grad=False on them if that is meant)", name, missing, type(model).__name__, len(trainable),
+        )
 
 
 def learning_rate(optimizer: torch.optim.Optimizer) -> float:

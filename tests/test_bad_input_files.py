@@ -66,6 +66,7 @@ PLAN_EDITS = {
     "fingerprint of the wrong rank": (put(["fingerprint", "0", "params", "weight"], [[8, 8]]), "fingerprint['0'].params['weight']: expected a shape"),
     "negative fingerprint dimension": (put(["fingerprint", "0", "params", "weight"], [-8, 8]), "fingerprint['0'].params['weight']"),
     "fingerprint params not an object": (put(["fingerprint", "0", "params"], 5), "fingerprint['0'].params: expected an object"),
+    "1-D Linear weight": (put(["fingerprint", "0", "params", "weight"], [8]), "fingerprint['0'].params['weight']: a Linear's weight is a matrix [out_features, in_features], got [8]"),
     "fingerprint ops not names": (put(["fingerprint", "0", "ops"], [1, 2]), "fingerprint['0'].ops: expected a list of op names"),
 }
 
@@ -139,6 +140,16 @@ def test_the_cli_refuses_a_hand_edited_plan_in_one_line(tmp_path, plan_dict, cap
     assert "\n" not in err and "predicted.bytes: NaN" in err and str(path) in err
 
 
+def test_export_refuses_a_plan_with_a_1d_linear_weight_in_one_line(tmp_path, capsys):
+    fp8 = json.loads(json.dumps(Plan.uniform(model(), "fp8_e4m3").to_dict()))  # export reads an FP8 Linear's shape
+    path = edited(tmp_path, fp8, put(["fingerprint", "0", "params", "weight"], [8]), "plan.json")
+    out = tmp_path / "plan_torchao.py"
+    assert main(["export", str(path), "--to", "torchao", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err and not out.exists()
+    assert str(path) in err and "fingerprint['0'].params['weight']: a Linear's weight is a matrix" in err
+
+
 # -- paths and sizes -------------------------------------------------------------------------------
 
 
@@ -159,3 +170,69 @@ def test_a_damaged_timing_cache_is_ignored_with_a_warning(tmp_path, caplog, text
     with caplog.at_level("WARNING", logger="autoprec.costs.model"):
         assert _load_times(path, ["0", "2"], ["bf16"], "cpu") is None
     assert "ignoring the damaged timing cache" in caplog.text and "costs.json" in caplog.text
+
+
+# -- a hand-edited format no kernel serves -----------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Two heads; the score and value products are batched matmuls of activations."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, 2, d // 2).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))
+        att = (q @ k.transpose(-2, -1)).softmax(-1)
+        return self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class Weighted(nn.Module):
+    """A hand-written projection: one 2-D matmul of the input by its own matrix (a kernel serves it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        return x @ self.w
+
+
+def attention_model():
+    torch.manual_seed(0)
+    return nn.Sequential(Attention(), Weighted())
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["from-the-file", "with-example-inputs"])
+def test_a_hand_edited_int8_attention_product_is_refused_without_emulation_naming_layer_and_op(tmp_path, traced):
+    net, x = attention_model(), torch.randn(2, 4, 8)
+    plan = Plan.uniform(net, "bf16", (x,)).with_layers({"0": "int8", "1": "int8", "0.qkv": "int8"})
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = Plan.load(path)
+    with pytest.raises(PlanError) as info:
+        loaded.validate(net, (x,) if traced else None, allow_emulation=False)
+    message = str(info.value)
+    assert "'0': int8 has no kernel for matmul on batched operands" in message
+    assert "'1'" not in message and "'0.qkv'" not in message  # a 2-D product of a matrix and a linear are served
+    loaded.validate(net, (x,) if traced else None)  # emulation allowed: it runs
+
+
+def test_the_batched_product_the_plan_refuses_is_the_one_the_runtime_emulates():
+    import autoprec as ap
+
+    net, x = attention_model(), torch.randn(2, 4, 8)
+    plan = Plan.uniform(net, "int8", (x,))
+    with pytest.warns(ap.EmulationWarning, match="'0' runs matmul in int8 emulated"), ap.apply_plan(net, plan, validate=False) as runtime, torch.no_grad():
+        net(x)
+    batched = {fqn for fqn, info in plan.fingerprint.items() if info.batched}
+    assert batched == {"0"} and set(runtime.emulated_layers()) == batched
+
+
+def test_a_fingerprints_batched_ops_must_be_among_its_ops(tmp_path, plan_dict):
+    path = edited(tmp_path, plan_dict, put(["fingerprint", "0", "batched"], ["bmm"]), "plan.json")
+    with pytest.raises(PlanError, match=r"fingerprint\['0'\]\.batched: expected a list of names from \.ops"):
+        Plan.load(path)

@@ -1,9 +1,11 @@
 """Numerics the scheduler must not misread (issue 25): a window with skipped steps is never
 quiet, `LossScaling(min_scale=...)` holds or the log says why scaling is off, and a failed first
-search (one NaN batch) is retried at a later window with a doubling wait."""
+search (one NaN batch) is retried at a later window with a doubling wait. A NaN input batch
+skips its step under a plan of every format, INT8 included (issue 40)."""
 
 import logging
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -95,3 +97,53 @@ def test_a_state_saved_without_the_retry_fields_still_loads():
     resumed = ap.DynamicPrecisionScheduler(model(), monitor_window=4)
     resumed.load_state_dict(state)
     assert resumed.step_count == 2
+
+
+# -- a NaN input under every format's plan (issue 40) ----------------------------------------------
+
+
+def wide_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def steps_under(fmt, nan_at, steps=8, **plan_kwargs):
+    """(stepped?, layers named, weights unchanged?) per step of a fixed ``fmt`` plan, a NaN in the
+    input batch at ``nan_at``."""
+    net = wide_model()
+    scheduler = ap.DynamicPrecisionScheduler.from_plan(net, ap.Plan.uniform(net, fmt, **plan_kwargs))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    out = []
+    for i in range(steps):
+        x = torch.randn(4, 8)
+        if i == nan_at:
+            x[1, 3] = float("nan")
+        before = [p.detach().clone() for p in net.parameters()]
+        with scheduler.precision_context():
+            loss = net(x).square().mean()
+        scheduler.backward(loss)
+        stepped = scheduler.step(optimizer)
+        optimizer.zero_grad()
+        unchanged = all(torch.equal(p, b) for p, b in zip(net.parameters(), before))
+        out.append((stepped, scheduler.scaler.last_nonfinite_layers, unchanged))
+    return out
+
+
+# INT8 calibrates on its first 4 forwards (Calibration.batches), then runs on a frozen scale: the
+# NaN at step 6 meets the frozen scale, whose INT8 codes cannot hold it.
+@pytest.mark.parametrize("fmt, plan_kwargs", [
+    ("int8", {}), ("int8", {"scaling": ap.Scaling(granularity="row")}), ("fp8_e4m3", {}), ("fp8_e5m2", {}), ("fp16", {}), ("bf16", {}),
+], ids=["int8", "int8-row", "fp8_e4m3", "fp8_e5m2", "fp16", "bf16"])
+def test_a_nan_input_under_a_plan_skips_the_step_names_the_layers_and_leaves_the_weights(fmt, plan_kwargs):
+    runs = steps_under(fmt, nan_at=6, **plan_kwargs)
+    stepped, layers, unchanged = runs[6]
+    assert not stepped and unchanged and layers == ("0", "2")
+    assert all(s for i, (s, _, _) in enumerate(runs) if i != 6)
+
+
+def test_a_nan_input_while_int8_calibrates_skips_that_step_only():
+    runs = steps_under("int8", nan_at=1, steps=10)
+    stepped, layers, unchanged = runs[1]
+    assert not stepped and unchanged and layers == ("0", "2")
+    # The calibration frozen at step 3 counted the NaN batch as not seen: later steps train.
+    assert all(s for i, (s, _, _) in enumerate(runs) if i != 1)

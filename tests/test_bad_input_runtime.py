@@ -158,3 +158,93 @@ def test_the_scheduler_refuses_a_model_run_on_the_meta_device():
     with pytest.raises(ap.RuntimeStateError, match="meta device inside precision_context"):
         with sch.precision_context():
             model(torch.randn(4, 32, device="meta"))
+
+
+# -- restored tensors of the wrong shape (issue 40) ----------------------------------------------------
+
+
+def wide_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))  # input channels 8, then 16
+
+
+def int8_runtime(model, forwards):
+    runtime = ap.apply_plan(model, ap.Plan.uniform(model, "int8"))
+    with runtime, torch.no_grad():
+        for _ in range(forwards):
+            model(torch.randn(32, 8))
+    return runtime
+
+
+def tensors(state):
+    return {(fqn, field, key, name): value.clone() for fqn, layer in state["layers"].items() for field, entries in layer.items()
+            for key, entry in entries.items() for name, value in entry.items() if torch.is_tensor(value)}
+
+
+@pytest.mark.parametrize("forwards", [2, 4], ids=["calibrating", "frozen"])
+def test_an_int8_calibration_of_another_layers_width_is_refused_naming_both_shapes(forwards):
+    state = int8_runtime(wide_model(), forwards).state_dict()
+    state["layers"]["2"]["calibrators"]["2.weight"] = state["layers"]["0"]["calibrators"]["0.weight"]  # 8 channels, not 16
+    fresh = int8_runtime(wide_model(), 0)
+    with pytest.raises(RuntimeStateError, match=(
+        r"^PlanRuntime.load_state_dict\(\): layer '2' does not match this plan: "
+        r"state\['layers'\]\['2'\]\['calibrators'\]\['2.weight'\]\['channel_amax'\] has shape \(8,\), expected \(16,\)"
+    )) as info:
+        fresh.load_state_dict(state)
+    one_line(info)
+    assert fresh.state_dict() == {"layers": {}}  # layer '0', which fitted, was not restored either
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("keep", torch.ones(4), r"\['keep'\] has shape \(4,\), expected \(16,\)"),
+    ("frozen_inv", torch.ones(2), r"\['frozen_inv'\] has shape \(2,\), expected \(\)"),
+    ("outlier_index", torch.zeros(3, dtype=torch.long), r"\['outlier_index'\] has shape \(3,\), expected \(1,\)"),
+    ("channel_amax", torch.ones(16, 1), r"\['channel_amax'\] has shape \(16, 1\), expected \(16,\)"),
+], ids=["keep", "frozen_inv", "outlier_index", "channel_amax-2d"])
+def test_a_frozen_int8_calibration_tensor_of_the_wrong_shape_is_refused(field, value, says):
+    runtime = int8_runtime(wide_model(), 4)
+    state = runtime.state_dict()
+    before = tensors(state)
+    state["layers"]["2"]["calibrators"]["2.weight"] = {**state["layers"]["2"]["calibrators"]["2.weight"], field: value}
+    with pytest.raises(RuntimeStateError, match=r"layer '2' does not match this plan: .*" + says) as info:
+        runtime.load_state_dict(state)
+    one_line(info)
+    after = tensors(runtime.state_dict())
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_a_calibration_sample_of_the_wrong_width_is_refused():
+    runtime = int8_runtime(wide_model(), 2)
+    state = runtime.state_dict()
+    entry = state["layers"]["2"]["calibrators"]["2.weight"]
+    state["layers"]["2"]["calibrators"]["2.weight"] = {**entry, "samples": [entry["samples"][0], torch.zeros(32, 8)]}
+    with pytest.raises(RuntimeStateError, match=r"\['samples'\]\[1\] has shape \(32, 8\), expected \(32, 16\)"):
+        runtime.load_state_dict(state)
+
+
+def test_a_history_of_the_wrong_length_in_a_later_layer_restores_no_earlier_layer(runtime):
+    state = runtime.state_dict()
+    before = tensors(state)
+    for layer in state["layers"].values():
+        for key in layer["inputs"]:
+            layer["inputs"][key] = {"history": layer["inputs"][key]["history"] + 1.0}  # fits: would change the state
+    last = list(state["layers"])[-1]
+    key = next(iter(state["layers"][last]["inputs"]))
+    state["layers"][last]["inputs"][key] = {"history": torch.zeros(3)}
+    with pytest.raises(RuntimeStateError, match=rf"layer '{last}' does not match this plan: .*\['history'\] has shape \(3,\), expected \(16,\)"):
+        runtime.load_state_dict(state)
+    after = tensors(runtime.state_dict())
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_a_fitting_int8_calibration_still_restores_and_runs_as_saved():
+    saved = int8_runtime(wide_model(), 4)
+    restored = int8_runtime(wide_model(), 0)
+    restored.load_state_dict(saved.state_dict())
+    x = torch.randn(32, 8)
+    with torch.no_grad():
+        with saved:
+            expected = saved.model(x)
+        with restored:
+            got = restored.model(x)
+    assert torch.equal(got, expected)

@@ -1,6 +1,9 @@
 """Bad input, scheduler misuse (issue 25): a forward that returns None, step() with another
 model's optimizer or without any gradient, and precision bounds that leave no format are each
-refused with one line naming the call and what the scheduler needs."""
+refused with one line naming the call and what the scheduler needs. A model that is itself one
+layer (a bare nn.Linear) trains like any other, its layer named by its class (issue 40)."""
+
+import logging
 
 import pytest
 import torch
@@ -84,3 +87,187 @@ def test_step_with_an_optimizer_over_part_of_the_model_steps():
 def test_bounds_that_leave_no_format_blame_the_bounds():
     with pytest.raises(SettingsError, match=r"^DynamicPrecisionScheduler\(min_precision=16, max_precision=32\): no format in formats \(fp8_e4m3, fp8_e5m2\)"):
         ap.DynamicPrecisionScheduler(model(), min_precision=16, formats=["fp8_e4m3", "fp8_e5m2"])
+
+
+# -- a model that is itself one layer (issue 40) ---------------------------------------------------
+
+
+def train_steps(scheduler, net, steps, nan_at=()):
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    torch.manual_seed(1)
+    for i in range(steps):
+        x = torch.randn(4, 8)
+        if i in nan_at:
+            x[0, 0] = float("nan")
+        with scheduler.precision_context():
+            loss = net(x).square().mean()
+        scheduler.backward(loss)
+        scheduler.step(optimizer)
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("bound", [True, False], ids=["model=", "bound-at-first-call"])
+def test_a_one_layer_model_is_profiled_searched_and_planned(bound):
+    torch.manual_seed(0)
+    net = nn.Linear(8, 4)
+    before = net.weight.detach().clone()
+    scheduler = ap.DynamicPrecisionScheduler(net if bound else None, monitor_window=4)
+    train_steps(scheduler, net, 4)
+    steps = 0
+    while scheduler.phase == "searching" and steps < 100:
+        train_steps(scheduler, net, 1)
+        steps += 1
+    assert scheduler.phase == "planned" and scheduler.last_search_error is None
+    assert list(scheduler.plan.layers) == [""] and scheduler.plan.layer_name("") == "Linear"  # the plan keys the root by its fqn
+    assert torch.isfinite(net.weight).all() and not torch.equal(net.weight, before)
+
+
+def test_a_one_layer_model_under_a_fixed_plan_trains_as_the_same_layer_inside_a_container():
+    torch.manual_seed(0)
+    bare = nn.Linear(8, 4)
+    wrapped = nn.Sequential(nn.Linear(8, 4))
+    wrapped.load_state_dict({f"0.{k}": v for k, v in bare.state_dict().items()})
+    for net in (bare, wrapped):
+        train_steps(ap.DynamicPrecisionScheduler.from_plan(net, ap.Plan.uniform(net, "bf16")), net, 5)
+    assert torch.equal(bare.weight, wrapped[0].weight) and torch.equal(bare.bias, wrapped[0].bias)
+
+
+def test_a_one_layer_models_skipped_steps_name_the_layer_by_its_class(caplog):
+    torch.manual_seed(0)
+    net = nn.Linear(8, 4)
+    scheduler = ap.DynamicPrecisionScheduler.from_plan(net, ap.Plan.uniform(net, "bf16"))
+    with caplog.at_level(logging.INFO):
+        train_steps(scheduler, net, 10, nan_at=range(10))
+    assert scheduler.scaler.last_nonfinite_layers == ("",)  # data: the fqn, as plan.layers keys it
+    assert "non-finite gradients in Linear" in caplog.text  # shown: by the class
+    assert "in ;" not in caplog.text and "in  " not in caplog.text
+
+
+def test_a_one_layer_model_is_named_by_its_class_in_errors_warnings_and_review():
+    from autoprec.monitoring.plans import plan_layers_markdown
+    from autoprec.runtime import EmulationWarning
+
+    net = nn.Linear(8, 4)
+    plan = ap.Plan.uniform(net, "fp8_e4m3", scaling=ap.Scaling(granularity="block"))
+    with pytest.raises(ap.PlanError, match="'Linear': block scaling has no kernel"):
+        plan.validate(net, allow_emulation=False)
+    with pytest.warns(EmulationWarning, match="layer 'Linear' runs linear in fp8_e4m3 emulated"), ap.apply_plan(net, plan), torch.no_grad():
+        net(torch.randn(2, 8))
+    assert "| `Linear` |" in plan_layers_markdown(plan)
+
+
+def test_a_one_layer_models_profile_table_names_the_layer_by_its_class():
+    from autoprec.profiling import LayerProfiler
+
+    net = nn.Linear(8, 4)
+    profiler = LayerProfiler(net, (torch.randn(4, 8),), window=2)
+    with profiler:
+        for _ in range(2):
+            net(torch.randn(4, 8)).sum().backward()
+            profiler.step()
+    profile = profiler.profile({})
+    assert list(profile.layers) == [""] and profile.format_table().splitlines()[2].startswith("Linear ")
+
+
+# -- a search whose work follows the clock (issue 40) ----------------------------------------------
+
+
+class FakeTime:
+    """A ``time`` module whose clock advances ``rate`` seconds per read: deterministic, and as
+    slow as asked (a loaded machine)."""
+
+    def __init__(self, rate):
+        self.now, self.rate = 0.0, rate
+
+    def perf_counter(self):
+        self.now += self.rate
+        return self.now
+
+
+def set_clocks(monkeypatch, measured, offpath):
+    """``measured``: the clock probe and trial steps are timed with (their times choose the
+    plan); ``offpath``: the one the search's off-path work would see itself run by."""
+    import autoprec.costs.inplace
+    import autoprec.search.steps
+    import autoprec.search.training
+    import autoprec.timing
+
+    for module in (autoprec.timing, autoprec.search.steps, autoprec.costs.inplace):
+        monkeypatch.setattr(module, "time", measured)
+    monkeypatch.setattr(autoprec.search.training, "time", offpath)
+
+
+SEARCH_WINDOW = 6
+SEARCH_STEPS = 30  # the window, 6 probe steps, the off-path work, 2 candidates' trial steps, planned steps
+
+
+def formats(plan):
+    return {fqn: lp.format for fqn, lp in plan.layers.items()}
+
+
+def lm_run():
+    from autoprec.workloads import default_workload
+
+    wl = default_workload("tiny", batch_size=8)
+    model = wl.build_model(0)
+    return wl, model, torch.optim.SGD(model.parameters(), lr=0.05), wl.train_batches(0)
+
+
+def searching_scheduler(model=None):
+    return ap.DynamicPrecisionScheduler(model, monitor_window=SEARCH_WINDOW, monitor_steps=3, memory_budget=0.85, accuracy_budget=0.05,
+                                        formats=("fp32", "bf16", "int8"))
+
+
+def lm_steps(wl, model, opt, scheduler, sampler, steps):
+    for _ in range(steps):
+        batch = sampler.next()
+        with scheduler.precision_context():
+            loss = wl.loss(model, batch)
+        scheduler.backward(loss)
+        scheduler.step(opt)
+        opt.zero_grad(set_to_none=True)
+
+
+def straight_run(monkeypatch, offpath_rate):
+    set_clocks(monkeypatch, FakeTime(1e-3), FakeTime(offpath_rate))
+    wl, model, opt, sampler = lm_run()
+    scheduler = searching_scheduler()
+    lm_steps(wl, model, opt, scheduler, sampler, SEARCH_STEPS)
+    assert scheduler.phase == "planned" and scheduler.plan.measured["source"] == "training steps"
+    return [p.detach().clone() for p in model.parameters()], scheduler.plan
+
+
+def test_the_search_trains_alike_however_slowly_its_off_path_work_runs(monkeypatch):
+    fast, fast_plan = straight_run(monkeypatch, 1e-9)  # every unit of work looks instant
+    slow, slow_plan = straight_run(monkeypatch, 10.0)  # every unit looks longer than a step
+    assert formats(fast_plan) == formats(slow_plan)
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow))
+
+
+# Where the checkpoint falls: in the probes' warm-up cycle while the off-path work runs, in their
+# timed cycle, and in a candidate's trial steps. A slower clock for every timing after the resume
+# where the checkpoint splits no set of timed steps; where it splits the probes' timed cycle, a
+# slower clock for the off-path work alone (probes timed slower on a slower machine may choose
+# another plan: a measurement, not the slices).
+@pytest.mark.parametrize("stop, every_clock", [(SEARCH_WINDOW + 1, True), (SEARCH_WINDOW + 4, False), (SEARCH_WINDOW + 9, True)],
+                         ids=["probing-and-off-path-work", "second-probe-cycle", "trying-candidates"])
+def test_a_checkpoint_mid_search_resumed_on_a_slow_clock_trains_bit_identically(monkeypatch, tmp_path, stop, every_clock):
+    reference, plan = straight_run(monkeypatch, 1e-3)
+    set_clocks(monkeypatch, FakeTime(1e-3), FakeTime(1e-3))
+    wl, model, opt, sampler = lm_run()
+    scheduler = searching_scheduler()
+    lm_steps(wl, model, opt, scheduler, sampler, stop)
+    assert scheduler.phase == "searching"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "scheduler": scheduler.state_dict()}, tmp_path / "ckpt.pt")
+    scheduler.close()
+
+    set_clocks(monkeypatch, FakeTime(7e-3 if every_clock else 1e-3), FakeTime(7e-3))  # after the resume, 7x slower
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    _, model, opt, _ = lm_run()
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    scheduler = searching_scheduler(model)
+    scheduler.load_state_dict(saved["scheduler"])
+    lm_steps(wl, model, opt, scheduler, sampler, SEARCH_STEPS - stop)
+    assert formats(scheduler.plan) == formats(plan)  # the reasons quote the measured milliseconds, 7x as many
+    assert all(torch.equal(a, b) for a, b in zip(reference, (p.detach() for p in model.parameters())))

@@ -42,7 +42,10 @@ class Hostile:
         if self.fail == "build_none":
             return None
         torch.manual_seed(seed)
-        return Net(8 if self.fail == "shape" else 16)
+        model = Net(8 if self.fail == "shape" else 16)
+        if self.fail == "optimizer_frozen":
+            model.out.requires_grad_(False)
+        return model
 
     def train_batches(self, seed):
         if self.fail == "train_raises":
@@ -93,6 +96,10 @@ class Hostile:
             raise TypeError("bad betas")
         if self.fail == "optimizer_nan":
             return torch.optim.SGD(model.parameters(), lr=math.nan)
+        if self.fail == "optimizer_other_model":  # a copy built once, not the model passed in
+            return torch.optim.SGD(Net(16).parameters(), lr=0.01)
+        if self.fail in ("optimizer_part", "optimizer_frozen"):  # the output layer left out
+            return torch.optim.SGD(model.fc.parameters(), lr=0.01)
         return torch.optim.SGD(model.parameters(), lr=0.01)
 
 
@@ -176,6 +183,33 @@ def test_a_hook_that_returns_what_it_must_not_is_named_with_the_fix(hostile, cap
     assert "Traceback" not in err
 
 
+def test_an_optimizer_holding_none_of_the_models_parameters_is_refused_naming_the_hook(hostile, capsys):
+    status, err, out = profile(hostile, capsys, fail="optimizer_other_model")
+    assert status == 1 and not out.exists()
+    assert "Hostile.make_optimizer(model): the optimizer holds none of Net's 4 trainable parameters" in first_line(err)
+    assert "Traceback" not in err
+
+
+def test_an_optimizer_holding_part_of_the_model_warns_once_with_the_count(hostile, caplog):
+    import hostile_wl
+
+    workload = check_workload(hostile_wl.Hostile("optimizer_part"), "test")
+    with caplog.at_level("WARNING", logger="autoprec.workload"):
+        profile_workload(workload, 2, device="cpu")
+        profile_workload(workload, 2, device="cpu")  # a second model of the same workload: no second warning
+    warnings = [r.getMessage() for r in caplog.records if "make_optimizer" in r.getMessage()]
+    assert len(warnings) == 1 and "does not hold 2 of Net's 4 trainable parameters" in warnings[0]
+
+
+def test_a_frozen_layer_left_out_of_the_optimizer_is_not_counted(hostile, caplog):
+    import hostile_wl
+
+    workload = check_workload(hostile_wl.Hostile("optimizer_frozen"), "test")
+    with caplog.at_level("WARNING", logger="autoprec.workload"):
+        profile_workload(workload, 2, device="cpu")
+    assert "make_optimizer" not in caplog.text
+
+
 @pytest.mark.parametrize("lr", ["nan", "inf", "zero", "str"])
 def test_a_workload_lr_that_is_not_a_positive_finite_number_is_refused(hostile, lr):
     with pytest.raises(WorkloadError, match="lr must be a positive finite number"):
@@ -228,16 +262,16 @@ def test_a_nan_training_batch_while_profiling_stops_naming_the_step_and_writes_n
     assert "Traceback" not in err
 
 
-def test_a_nan_training_batch_in_the_search_job_stops_before_writing_a_profile(hostile, capsys):
-    job = hostile / "job.toml"
-    job.write_text(textwrap.dedent('''
+def search_job(tmp_path, fail):
+    job = tmp_path / "job.toml"
+    job.write_text(textwrap.dedent(f'''
         [job]
         name = "nan"
         out = "out"
         device = "cpu"
         [workload]
         factory = "hostile_wl:make"
-        kwargs = { fail = "train_nan" }
+        kwargs = {{ fail = "{fail}" }}
         [budgets]
         memory = 0.9
         accuracy = 0.05
@@ -251,7 +285,19 @@ def test_a_nan_training_batch_in_the_search_job_stops_before_writing_a_profile(h
         val_batches = 2
         steps = 2
     '''), encoding="utf-8")
+    return job
+
+
+def test_a_nan_training_batch_in_the_search_job_stops_before_writing_a_profile(hostile, capsys):
+    job = search_job(hostile, "train_nan")
     assert main(["search", str(job)]) == 1
     err = capsys.readouterr().err
     assert "training step 2 of 3 (training batch 1) gave a non-finite loss" in first_line(err)
     assert (hostile / "out").is_dir() and not (hostile / "out" / "profile.json").exists()
+
+
+def test_the_search_job_refuses_an_optimizer_holding_none_of_the_models_parameters(hostile, capsys):
+    assert main(["search", str(search_job(hostile, "optimizer_other_model"))]) == 1
+    err = capsys.readouterr().err
+    assert "Hostile.make_optimizer(model): the optimizer holds none of Net's 4 trainable parameters" in first_line(err)
+    assert "Traceback" not in err and not (hostile / "out" / "profile.json").exists()

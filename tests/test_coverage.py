@@ -161,7 +161,8 @@ def test_traced_layers_of_bytelm_add_each_attention_module_in_model_order():
 
 def test_traced_bytelm_attention_runs_matmul_and_owns_no_parameters():
     info = trace_layers(bytelm(), byte_input())["blocks.0.attn"]
-    assert info == LayerInfo(module="CausalSelfAttention", ops=("matmul",), params={})
+    # Batched: q @ k^T and att @ v multiply (batch, head, ...) activations, which no 2-D kernel takes.
+    assert info == LayerInfo(module="CausalSelfAttention", ops=("matmul",), params={}, batched=("matmul",))
 
 
 def test_traced_bytelm_linear_records_linear_op_and_shapes():

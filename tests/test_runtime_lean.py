@@ -30,7 +30,9 @@ from autoprec.opcount import count_training_step, graph_breaks, training_step
 # measured on training steps that cache saved nothing (39 ops before and after, issue 20).
 OP_LIMIT = 40
 # Under `PlanRuntime.reusing_weights` a micro-batch after the first skips the weight's quantization.
-REUSED_OP_LIMIT = 30
+# INT8 one more (issue 40): two ops (an amax of the input and a scalar add) carry a NaN input
+# through the frozen calibrated scale, where INT8 codes would hide it from the loss scaler.
+REUSED_OP_LIMIT = {"fp8_e4m3": 30, "int8": 31}
 CALIBRATION = ap.Calibration(batches=4)
 WARMUP = CALIBRATION.batches + 1  # steady state: delayed-scaling histories filled, INT8 frozen
 
@@ -130,7 +132,7 @@ def test_a_micro_batch_reusing_weights_skips_their_quantization(name, x):
     fresh = count_training_step(step, warmup=WARMUP)
     with runtime.reusing_weights():
         reused = count_training_step(step, warmup=1)  # the warm-up micro-batch quantizes and keeps
-    assert reused.total <= REUSED_OP_LIMIT < fresh.total, f"reused {reused.ops} vs fresh {fresh.ops}"
+    assert reused.total <= REUSED_OP_LIMIT[name] < fresh.total, f"reused {reused.ops} vs fresh {fresh.ops}"
     assert reused.ops.get("aten.linalg_vector_norm.default", 0) < fresh.ops["aten.linalg_vector_norm.default"]
 
 

@@ -253,21 +253,25 @@ def test_a_slice_runs_units_while_they_fit_and_one_after_two_empty_slices():
     search = search_for(model, wl.train_batches(0).next()[0], measure_costs=False)
     ran = []
 
-    def units(n):
+    def units(n, weight):
         for i in range(n):
             ran.append(i)
-            yield "sensitivity"
+            yield "sensitivity", weight
 
-    search._offpath, search._unit_seconds = units(3), {}
-    search.work(1.0)  # units of no known length: all of them run
+    search._offpath, search._unit_cost = units(3, 0.25), {}
+    search.work(1.0)  # units of no known weight, then of a quarter pass each: all of them run
     assert ran == [0, 1, 2] and search._offpath is None
     ran.clear()
-    search._offpath, search._unit_seconds, search._next_stage = units(2), {"sensitivity": 10.0}, "sensitivity"
+    search._offpath, search._unit_cost, search._next_stage = units(3, 0.6), {}, ""
+    search.work(1.0)  # the first runs (no known weight), then 0.6 of 0.4 left does not fit
+    assert ran == [0]
+    ran.clear()
+    search._offpath, search._unit_cost, search._next_stage = units(2, 0.1), {"sensitivity": 10.0}, "sensitivity"
     search.work(1.0)
     search.work(1.0)
-    assert ran == []  # a 10 s unit fits in no 1 s slice
-    search.work(1.0)  # the third slice in a row runs one anyway (then, at its measured length, the next fits)
-    assert ran[:1] == [0]
+    assert ran == []  # a 10-pass unit fits in no 1-pass slice
+    search.work(1.0)  # the third slice in a row runs one anyway (then, at its own weight, the next fits)
+    assert ran == [0, 1]
 
 
 def test_a_checkpoint_taken_mid_search_resumes_and_finishes(searched):

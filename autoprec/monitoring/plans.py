@@ -296,7 +296,7 @@ def plan_layers_markdown(plan: Plan) -> str:
     figures = plan_figures(plan)
     header = ["#", "layer", "format", "scaling", "bytes (pred / meas)", "time (pred / meas)", "sensitivity: loss Δ (pred / meas)", "reason"]
     rows = [
-        [str(i), f"`{fqn}`", f"`{_format_cell(lp)}`", describe_scaling(lp),
+        [str(i), f"`{plan.layer_name(fqn)}`", f"`{_format_cell(lp)}`", describe_scaling(lp),
          _pair("bytes", figures, fqn), _pair("seconds", figures, fqn), _pair("loss", figures, fqn), lp.reason or MISSING]
         for i, (fqn, lp) in enumerate(plan.layers.items())
     ]
@@ -464,7 +464,7 @@ def render_precision_map(plan: Plan, name: str = "plan") -> PrecisionMap:
         columns.append(RECOMPUTE_COLUMN)
         legend.append((_RECOMPUTED, f"recomputed: {len(plan.recompute)} of {len(plan.blocks)} blocks"))
         title += f", {len(plan.recompute)} blocks recomputed"
-    return _render_grid(title, list(plan.layers), columns, cells, legend)
+    return _render_grid(title, [plan.layer_name(fqn) for fqn in plan.layers], columns, cells, legend)
 
 
 def recomputed_layers(plan: Plan) -> dict[str, str]:
@@ -558,9 +558,12 @@ class PlanDiff:
         counts = f"{_counts_text(self.a.format_counts(), ', ')} → {_counts_text(self.b.format_counts(), ', ')}"
         return f"{self.name_a} → {self.name_b}: {len(self.layers)} of {len(self.order)} layers differ ({counts})"
 
+    def _name(self, fqn: str) -> str:
+        return (self.b if fqn in self.b.layers else self.a).layer_name(fqn)
+
     def _rows(self) -> list[list[str]]:
         return [
-            [d.layer, d.before.value if d.before else "(absent)", d.after.value if d.after else "(absent)",
+            [self._name(d.layer), d.before.value if d.before else "(absent)", d.after.value if d.after else "(absent)",
              "; ".join(d.changes) or MISSING, _show("bytes", d.bytes_delta, True), _show("seconds", d.seconds_delta, True),
              _show("loss", d.loss_delta, True), d.reason or MISSING]
             for d in self.layers
@@ -589,7 +592,7 @@ class PlanDiff:
         cells = [[*(FORMAT_COLOURS[p.layers[fqn].format] if fqn in p.layers else None for p in (self.a, self.b)), _CHANGED if fqn in changed else None] for fqn in order]
         legend = [(FORMAT_COLOURS[f], f.value) for f in Format] + [(_CHANGED, f"changed {len(changed)}")]
         title = f"{self.name_a} → {self.name_b}: {len(changed)} of {len(order)} layers differ"
-        return _render_grid(title, order, [self.name_a, self.name_b, CHANGED_COLUMN], cells, legend, [fqn in changed for fqn in order])
+        return _render_grid(title, [self._name(fqn) for fqn in order], [self.name_a, self.name_b, CHANGED_COLUMN], cells, legend, [fqn in changed for fqn in order])
 
 
 def diff_plans(a: Plan, b: Plan, names: tuple[str, str] = ("a", "b")) -> PlanDiff:

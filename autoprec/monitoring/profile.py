@@ -29,6 +29,7 @@ def write_tensorboard(profile: Profile, logdir: "str | os.PathLike | Any", step:
     global_step = profile.steps if step is None else step
     try:
         for fqn, lp in profile.layers.items():
+            fqn = profile.layer_name(fqn)  # tags name a one-layer model's root by its class
             for kind, ts in lp.tensors.items():
                 for ref, name in (("absolute", "log2_abs"), ("current", "log2_abs_over_amax")):
                     buckets = ts.histograms[ref].log2_buckets()

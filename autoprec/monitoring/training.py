@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import torch
 
+from ..coverage import layer_name
 from ..errors import MonitoringError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
@@ -143,6 +144,7 @@ class TrainingWriter:
         self._skipped_steps: deque[int] = deque(maxlen=_HISTORY)
         self._last_step: Optional[int] = None  # the latest step written to the timeline
         self._timeline_drawn = True  # nothing new since the timeline figure was last drawn
+        self._root = "model"  # the tag name of a layer '' (a one-layer model's root): its class, from the last plan logged
         self._closed = False
         self._writer: Optional[SummaryWriter] = None  # None when disabled
         if enabled:
@@ -236,7 +238,7 @@ class TrainingWriter:
         for fqn, kinds in counts.items():
             if not isinstance(kinds, Mapping):
                 raise MonitoringError(f"counts[{fqn!r}] must map a count name to a number, e.g. {{'overflow': 3}}; got {type(kinds).__name__}")
-            values.extend((f"{_name(kind)}/{fqn}", _value(f"counts[{fqn!r}][{kind!r}]", n)) for kind, n in kinds.items())
+            values.extend((f"{_name(kind)}/{layer_name(fqn, self._root)}", _value(f"counts[{fqn!r}][{kind!r}]", n)) for kind, n in kinds.items())
         self._defer(step, values)
 
     def log_memory(self, step: int, predicted_bytes: Any = None, measured_bytes: Any = None) -> None:
@@ -336,7 +338,7 @@ class TrainingWriter:
                 else:  # one value: one bucket
                     limits, counts = [hi], [count]
                 self._events.add_histogram_raw(
-                    f"grad/{fqn}", lo, hi, count, total, squares, limits, counts, global_step=step, walltime=wall
+                    f"grad/{layer_name(fqn, self._root)}", lo, hi, count, total, squares, limits, counts, global_step=step, walltime=wall
                 )
 
     # -- precision changes --------------------------------------------------------------------
@@ -346,7 +348,7 @@ class TrainingWriter:
             rows = [[str(i), f.value, str(f.bits), str(f.spec.exponent_bits)] for f, i in sorted(FORMAT_INDEX.items(), key=lambda kv: kv[1])]
             add_text(self._events, "format/legend", "The value of each `format/<layer>` scalar:\n\n" + markdown_table(["value", "format", "bits", "exponent bits"], rows), step)
             self._legend_written = True
-        add_scalars(self._events, {f"format/{fqn}": FORMAT_INDEX[fmt] for fqn, fmt in formats.items()}, step)
+        add_scalars(self._events, {f"format/{layer_name(fqn, self._root)}": FORMAT_INDEX[fmt] for fqn, fmt in formats.items()}, step)
 
     def log_formats(self, step: int, formats: "Plan | Mapping[str, Format | str | LayerPrecision]") -> None:
         """Write every layer's ``format/<fqn>`` scalar (the start of each layer's line; call it,
@@ -354,6 +356,8 @@ class TrainingWriter:
         if not self._live():
             return
         step = _step(step)
+        if isinstance(formats, Plan) and "" in formats.fingerprint:
+            self._root = formats.fingerprint[""].module
         items = formats.layers.items() if isinstance(formats, Plan) else formats.items()
         self._format_scalars({fqn: value.format if isinstance(value, LayerPrecision) else Format.parse(value) for fqn, value in items}, step)
 
@@ -379,7 +383,7 @@ class TrainingWriter:
         if step is None:
             return
         shown = self._changes[-self.timeline_rows:]
-        rows = [[str(c.step), f"`{c.fqn}`", f"`{c.old.value}`", f"`{c.new.value}`", c.direction, c.reason or "–"] for c in shown]
+        rows = [[str(c.step), f"`{layer_name(c.fqn, self._root)}`", f"`{c.old.value}`", f"`{c.new.value}`", c.direction, c.reason or "–"] for c in shown]
         text = f"{len(self._changes)} precision changes"
         if len(shown) < len(self._changes):
             text += f" (the last {len(shown)} shown)"

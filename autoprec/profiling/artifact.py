@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from .. import __version__
 from .._io import atomic_write_text, check_schema_version
-from ..coverage import LayerInfo, changed_shapes, covered_layers
+from ..coverage import LayerInfo, changed_shapes, covered_layers, layer_name
 from ..errors import ProfileError
 from ..formats import Format
 from .stats import KINDS, NUM_BINS, REFERENCES, SCHEMA_VERSION, SUB_BITS, FormatFractions, GradStats, Histogram, TensorStats, scalings_for
@@ -102,9 +102,9 @@ class Profile:
                 problems.append(f"{fqn!r}: profiled layer missing from the model")
         for fqn, info in covered.items():
             if fqn not in self.fingerprint:
-                problems.append(f"{fqn!r}: a covered layer ({info.module}) the profile lacks")
+                problems.append(f"{layer_name(fqn, model)!r}: a covered layer ({info.module}) the profile lacks")
         for fqn, actual, profiled in changed_shapes(model, self.fingerprint):
-            problems.append(f"{fqn!r}: parameter shapes {_shapes(actual)} differ from the profiled {_shapes(profiled)}")
+            problems.append(f"{layer_name(fqn, model)!r}: parameter shapes {_shapes(actual)} differ from the profiled {_shapes(profiled)}")
         if problems:
             raise ProfileError(problems, f"The profile was made for another model than this {type(model).__name__}; profile this model again (autoprec profile / LayerProfiler).")
 
@@ -175,6 +175,11 @@ class Profile:
 
     # -- reading --------------------------------------------------------------------------------
 
+    def layer_name(self, fqn: str) -> str:
+        """``fqn`` as shown: the root '' of a one-layer model by its class (`coverage.layer_name`)."""
+        info = self.fingerprint.get(fqn)
+        return layer_name(fqn, info.module if info is not None else "the model")
+
     def format_table(self) -> str:
         """One line per layer: grad NSR, last amaxes, non-finite steps, FP8 underflow (delayed)."""
         header = f"{'layer':<24} {'steps':>5} {'grad nsr':>9} {'act amax':>9} {'grad amax':>9} {'nonfin':>6} {'act<e4m3':>9} {'grad<e5m2':>9}"
@@ -189,11 +194,12 @@ class Profile:
             return f"{ts.underflow(fmt):.2%}"
 
         for fqn, lp in self.layers.items():
+            name = self.layer_name(fqn)
             act, grad = lp.tensors.get("activation"), lp.tensors.get("grad")
             nsr = f"{lp.param_grad.nsr:.3g}" if lp.param_grad is not None else "-"
             nonfinite = sum(ts.nonfinite_steps for ts in lp.tensors.values())
             lines.append(
-                f"{fqn[-24:]:<24} {lp.steps:>5} {nsr:>9} {last(act):>9} {last(grad):>9} {nonfinite:>6} "
+                f"{name[-24:]:<24} {lp.steps:>5} {nsr:>9} {last(act):>9} {last(grad):>9} {nonfinite:>6} "
                 f"{under(act, Format.FP8_E4M3):>9} {under(grad, Format.FP8_E5M2):>9}"
             )
         return "\n".join(lines)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import Any, Collection, Mapping
 
 import torch
 
@@ -78,8 +79,61 @@ class Int8Calibrator:
     def __init__(self, calibration: Calibration, channels: int):
         self.calibration = calibration
         self.channels = channels
-        self.slots = outlier_slots(channels) if calibration.outlier_ratio is not None and channels > 1 else 0
+        self.slots = self._slots(calibration, channels)
         self._start()
+
+    @staticmethod
+    def _slots(calibration: Calibration, channels: int) -> int:
+        return outlier_slots(channels) if calibration.outlier_ratio is not None and channels > 1 else 0
+
+    @classmethod
+    def state_problem(cls, state: "Mapping[str, Any]", calibration: Calibration, channels: "Collection[int] | None") -> "str | None":
+        """What in ``state`` (a `state_dict`) does not fit a calibrator under ``calibration`` with
+        one of ``channels`` input channels (None: any count, read from the state), e.g.
+        ``"['keep'] has shape (4,), expected (8,)"``; None when it fits. Every tensor's shape is
+        checked against the one channel count and outlier slots. Reads shapes only: no host sync."""
+        observed = state.get("observed")
+        if isinstance(observed, bool) or not isinstance(observed, int) or observed < 0:
+            return f"['observed'] = {observed!r:.40} is not a count of batches"
+        fields = ("channel_amax", "keep", "frozen_inv", "outlier_index", "outlier_valid")
+        for name in fields:
+            if name not in state or not (state[name] is None or isinstance(state[name], torch.Tensor)):
+                return f"[{name!r}] is a {type(state.get(name)).__name__}, expected a tensor or None"
+        samples = state.get("samples")
+        if not isinstance(samples, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in samples):
+            return f"['samples'] is a {type(samples).__name__}, expected a list of tensors"
+        if not isinstance(state.get("errors"), Mapping):
+            return f"['errors'] is a {type(state.get('errors')).__name__}, expected a dict"
+        # The channel count: the layer's when known, else the first the state shows.
+        shown = [state[n].shape[-1] for n in ("channel_amax", "keep") if state[n] is not None and state[n].dim() >= 1]
+        shown += [t.shape[-1] for t in samples if t.dim() >= 1]
+        allowed = sorted(set(channels)) if channels is not None else shown[:1]
+        if not allowed:
+            return None if not samples else "['samples'] holds tensors without a channel dimension"
+        k = allowed[0] if len(allowed) == 1 else next((c for c in shown if c in allowed), allowed[0])
+
+        def expected(shape: tuple) -> str:
+            if len(allowed) == 1 or len(shape) == 0:
+                return str(shape)
+            return " or ".join(str(shape[:-1] + (c,)) for c in allowed)
+
+        slots = cls._slots(calibration, k)
+        want: dict[str, "tuple | None"] = {
+            "channel_amax": (k,), "keep": (k,), "frozen_inv": (),
+            "outlier_index": (slots,) if slots else None, "outlier_valid": (slots,) if slots else None,
+        }
+        for name in fields:
+            value, shape = state[name], want[name]
+            if value is None:
+                continue
+            if shape is None:
+                return f"[{name!r}] has shape {tuple(value.shape)}, expected none (this layer's calibration keeps no outlier channels)"
+            if tuple(value.shape) != shape:
+                return f"[{name!r}] has shape {tuple(value.shape)}, expected {expected(shape)}"
+        for i, t in enumerate(samples):
+            if t.dim() != 2 or t.shape[1] != k:
+                return f"['samples'][{i}] has shape {tuple(t.shape)}, expected {expected((t.shape[0] if t.dim() else 0, k))}"
+        return None
 
     def _start(self) -> None:
         """Nothing observed, nothing frozen: the state of a new calibrator."""
@@ -116,19 +170,28 @@ class Int8Calibrator:
         self._errors = {k: v.to(device) for k, v in self._errors.items()}
 
     def observe(self, a: torch.Tensor) -> torch.Tensor:
-        """Record a (M, K) input while calibrating and return its inverse scale for this pass.
+        """Record a (M, K) input while calibrating and return its inverse scale for this pass:
+        NaN when ``a`` holds a NaN or an inf, so that the layer's output is NaN and the loss
+        scaler skips the step (INT8 codes cannot carry NaN), as FP8's do.
 
         Calibrating: one per-channel amax, a strided row sample, and on the last batch the freeze
-        (a few reductions over the sample). Frozen: nothing (the frozen scale is returned).
+        (a few reductions over the sample). Frozen: one amax of ``a`` and one scalar add (the
+        frozen scale, NaN for a non-finite input); no host sync either way.
         """
         if self.frozen_inv is not None:  # frozen (no longer `calibrating`)
-            return self.frozen_inv
+            # inf * 0 and NaN * 0 are NaN, a finite amax adds 0: the frozen scale, or NaN. Under
+            # no_grad, not detach(): one aten op fewer, and the scale keeps no graph either way.
+            with torch.no_grad():
+                return self.frozen_inv.add(amax(a), alpha=0)
         a = a.detach()
         channel = amax(a, dim=0).reshape(-1)
-        running = channel if self.channel_amax is None else torch.maximum(self.channel_amax, channel)
+        # A non-finite batch belongs to a step the loss scaler skips (its own scale below is NaN):
+        # it must not poison the frozen scale, so its non-finite values count as "not seen".
+        finite = torch.nan_to_num(channel, nan=0.0, posinf=0.0, neginf=0.0)
+        running = finite if self.channel_amax is None else torch.maximum(self.channel_amax, finite)
         self.channel_amax = running
         step = max(1, a.shape[0] // _ROWS_PER_BATCH)
-        self.samples.append(a[::step][:_ROWS_PER_BATCH].float())
+        self.samples.append(torch.nan_to_num(a[::step][:_ROWS_PER_BATCH].float(), nan=0.0, posinf=0.0, neginf=0.0))
         self.observed += 1
         current = inverse_scale(channel.amax(), Format.INT8)
         if self.observed >= self.calibration.batches:

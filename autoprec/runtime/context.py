@@ -47,7 +47,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from .._tracing import is_weight
-from ..coverage import MATMUL_OPS
+from ..coverage import MATMUL_OPS, layer_name
 from ..device import KERNEL_OPS, canonical_device, format_support, scaled_mm_form
 from ..errors import RuntimeStateError
 from ..formats import Format, Granularity
@@ -273,7 +273,7 @@ class _Layer:
             by_how.setdefault(self.ops[op], []).append(op)
         ways = "; ".join(f"{', '.join(names)} in {self.format.value} {how}" for how, names in by_how.items())
         # stacklevel 5: the line that called the layer (past its forward and Module.__call__'s two frames).
-        warnings.warn(f"autoprec: layer {self.fqn!r} runs {ways}", EmulationWarning, stacklevel=5)
+        warnings.warn(f"autoprec: layer {layer_name(self.fqn, self.module)!r} runs {ways}", EmulationWarning, stacklevel=5)
 
 
 class _LayerMode(TorchFunctionMode):
@@ -522,7 +522,7 @@ class PlanRuntime:
         if not torch.compiler.is_compiling():
             for fqn, layer in self._layers.items():
                 if _active_runtime(layer.module) is not None:
-                    raise RuntimeStateError(f"layer {fqn!r} already runs under another active autoprec plan; exit that one first")
+                    raise RuntimeStateError(f"layer {layer_name(fqn, layer.module)!r} already runs under another active autoprec plan; exit that one first")
             mark = weakref.ref(self)
             for layer in self._layers.values():
                 layer.module.__dict__[_ACTIVE_MARK] = mark
@@ -779,32 +779,62 @@ class PlanRuntime:
 
         Refused with one `RuntimeStateError` line naming the field: before anything changes, a
         state that is not the dict `state_dict` returned (empty, a path, ``layers`` not a dict of
-        layers each with ``inputs`` and ``calibrators`` dicts) or one naming a layer this plan
-        lacks; then a layer whose saved history or calibration does not fit its scaling."""
+        layers each with ``inputs`` and ``calibrators`` dicts), one naming a layer this plan
+        lacks, or one holding a tensor whose shape does not fit its layer (an amax history of
+        another ``history_len``, an INT8 calibration of another input-channel count or outlier
+        slots), named with the saved and the expected shape. Reads shapes only: no host sync."""
         _check_runtime_state(state)
         unknown = sorted(set(state["layers"]) - set(self._layers))
         if unknown:
             raise RuntimeStateError(f"runtime state names layers this plan lacks: {unknown}")
+        # Every tensor checked against its layer before anything is restored: a refused state
+        # leaves the runtime as it was.
+        params = dict(self.model.named_parameters())
+        channels: dict[tuple[str, str], int] = {}
         for fqn, saved in state["layers"].items():
             layer = self._layers[fqn]
-            try:
-                for key, q_state in saved["inputs"].items():
-                    layer.input_quantizer(key).load_state_dict(q_state)
-                for key, c_state in saved["calibrators"].items():
-                    saved_amax = c_state["channel_amax"]
-                    channels = saved_amax.numel() if saved_amax is not None else _input_channels(layer.module)
-                    layer.calibrator(key, channels).load_state_dict(c_state)
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise RuntimeStateError(f"runtime state for layer {fqn!r} does not match this plan: {exc}") from None
+            for key, q_state in saved["inputs"].items():
+                quantizer = layer.inputs.get(key) or InputQuantizer(layer.format, layer.precision.scaling)
+                self._refuse_state(layer, "inputs", key, quantizer.state_problem(q_state))
+            for key, c_state in saved["calibrators"].items():
+                allowed = self._calibrator_channels(layer, key, params)
+                self._refuse_state(layer, "calibrators", key, Int8Calibrator.state_problem(c_state, layer.precision.calibration, allowed))
+                shown = [c_state[n] for n in ("channel_amax", "keep") if c_state[n] is not None] + list(c_state["samples"])
+                if shown or key in layer.calibrators:  # else nothing observed: the next forward makes it
+                    channels[fqn, key] = shown[0].shape[-1] if shown else layer.calibrators[key].channels
+        for fqn, saved in state["layers"].items():
+            layer = self._layers[fqn]
+            for key, q_state in saved["inputs"].items():
+                layer.input_quantizer(key).load_state_dict(q_state)
+            for key, c_state in saved["calibrators"].items():
+                if (fqn, key) in channels:
+                    layer.calibrator(key, channels[fqn, key]).load_state_dict(c_state)
 
+    def _calibrator_channels(self, layer: _Layer, key: str, params: Mapping[str, torch.Tensor]) -> "tuple[int, ...] | None":
+        """The input channels (K) an INT8 calibrator ``key`` of ``layer`` may count: its own when it
+        exists; for a parameter's product (``key`` names it) the parameter's K, by the op the layer
+        runs it with (F.linear takes (N, K), matmul / mm / addmm (K, N)); None for an activation's
+        product before a forward showed its K."""
+        existing = layer.calibrators.get(key)
+        if existing is not None:
+            return (existing.channels,)
+        param = params.get(key)
+        if param is None or param.dim() != 2:
+            return None
+        info = self.plan.fingerprint.get(layer.fqn)
+        ops = set(info.ops) if info is not None else ({"linear"} if isinstance(layer.module, nn.Linear) else {"linear", "matmul"})
+        allowed = ({param.shape[1]} if "linear" in ops else set()) | ({param.shape[0]} if ops & {"matmul", "mm", "addmm"} else set())
+        return tuple(sorted(allowed)) or None
 
-def _input_channels(module: nn.Module) -> int:
-    """The input channels of ``module``'s weight (its last dimension): what an INT8 calibrator of
-    the layer counts. `AttributeError` / `TypeError` where the module has no weight tensor."""
-    weight = module.weight
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"{type(module).__name__} has no weight tensor to count its input channels")
-    return weight.shape[-1]
+    @staticmethod
+    def _refuse_state(layer: _Layer, field: str, key: str, problem: "str | None") -> None:
+        if problem is not None:
+            fqn = layer.fqn
+            raise RuntimeStateError(
+                f"PlanRuntime.load_state_dict(): layer {layer_name(fqn, layer.module)!r} does not match this plan: "
+                f"state['layers'][{fqn!r}][{field!r}][{key!r}]{problem}; "
+                f"{_STATE_FIX} for this plan and model"
+            )
 
 
 def _check_arguments(model: Any, plan: Any) -> None:

@@ -159,10 +159,22 @@ class InputQuantizer(_RoundTrip):
     def state_dict(self) -> dict:
         return {"history": None if self.history is None else self.history.clone()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def state_problem(self, state: dict) -> "str | None":
+        """What in ``state`` (a `state_dict`) does not fit this quantizer's scaling, e.g.
+        ``"['history'] has shape (3,), expected (16,)"``; None when it fits. Shapes only: no sync."""
         saved, history = state.get("history"), self.history
+        if saved is not None and not isinstance(saved, torch.Tensor):
+            return f"['history'] is a {type(saved).__name__}, expected a tensor or None"
         if (saved is None) != (history is None) or (saved is not None and history is not None and saved.shape != history.shape):
-            raise ValueError("input quantizer state does not match this layer's scaling (mode or history_len changed)")
+            shape = lambda t: "none" if t is None else tuple(t.shape)  # noqa: E731
+            return f"['history'] has shape {shape(saved)}, expected {shape(history)} (scaling mode or history_len changed)"
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        problem = self.state_problem(state)
+        if problem is not None:
+            raise ValueError(f"input quantizer state {problem}")
+        saved = state.get("history")
         if saved is not None:
             self.history = saved.clone()
 

@@ -40,7 +40,7 @@ import torch
 
 from ..calls import ModelCall
 from ..blocks import find_blocks
-from ..coverage import find_layers
+from ..coverage import find_layers, layer_name
 from ..device import format_support, resolve_device
 from ..errors import SearchError
 from ..formats import Format
@@ -474,7 +474,7 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
         plan = candidate.plan.replace(measured=measured, metadata=metadata)
         plan_path = plan.save(config.out / "plan.json")
         if emulated:
-            logger.warning("%d layer(s) of the plan run emulated (no kernel on %s): %s", len(emulated), device, ", ".join(emulated))
+            logger.warning("%d layer(s) of the plan run emulated (no kernel on %s): %s", len(emulated), device, ", ".join(layer_name(f, model) for f in emulated))
     result = JobResult(
         config=config, plan=plan, plan_path=plan_path, references=references, candidates=pairs,
         proposal=proposal, memory_budget=measured_memory, loss_budget=loss_budget, predicted_memory_budget=memory,

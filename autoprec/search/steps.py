@@ -6,7 +6,8 @@ step's metered saved bytes; the seconds of recent safe steps (a search's median 
 ``"role|format" -> seconds`` measured by probe steps on this device, kept for a later search (a
 retry does not probe again). The scheduler calls `enter_step` inside each step's context,
 `before_backward`, and `end_step` after the optimizer; `end_step` and `advance` give the search
-its slice of off-path work and report when it is `done`, and the scheduler then `take`s it.
+its slice of off-path work (``search_slice`` steps of it, counted in model passes: never timed)
+and report when it is `done`, and the scheduler then `take`s it.
 
 Costs: a ``time.perf_counter`` per step; a probe step's autograd hooks per layer and a trial
 step's saved-tensor meter; under ``torch.distributed`` one broadcast per step until rank 0's
@@ -35,7 +36,7 @@ from ..plan import Plan
 from ..runtime import EmulationWarning
 from ..sensitivity import adam_second_moment
 from ..sensitivity.capture import LinearisedLoss
-from .training import TrainingSearch
+from .training import PASSES_PER_STEP, TrainingSearch
 
 if TYPE_CHECKING:
     from ..distributed import RankAgreement
@@ -61,7 +62,6 @@ class SearchSteps:
         self._started: Optional[float] = None
         self._timer: Optional[StepTimer] = None
         self._bytes: Optional[int] = None
-        self._last_seconds: Optional[float] = None
 
     @property
     def search(self) -> Optional[TrainingSearch]:
@@ -150,7 +150,7 @@ class SearchSteps:
         step); while searching, report it and give the search its slice (`advance`). Returns
         whether the search is done."""
         seconds = time.perf_counter() - self._started if self._started is not None else None
-        self._started, self._last_seconds = None, seconds
+        self._started = None
         search = self._search
         if search is None:
             if seconds is not None and safe:
@@ -172,10 +172,9 @@ class SearchSteps:
         (``agreement``) rank 0's candidates to the others. Returns whether the search is done."""
         search = self._running()
         slice_ = self.config.search_slice
-        if slice_ is None or search.median_step is None:
-            search.work(math.inf)
-        else:  # the step and its slice together: about (1 + search_slice) median steps
-            search.work((1 + slice_) * search.median_step - (self._last_seconds or 0.0))
+        # Counted in model passes, not timed: the same units follow the same steps on a loaded
+        # machine and in a resumed run, so training does not depend on the clock.
+        search.work(math.inf if slice_ is None else slice_ * PASSES_PER_STEP)
         if agreement is not None and not search.shared:
             # Rank 0's candidates (or its error) reach every rank at the same step: one broadcast
             # per step until they exist (every rank calls it: none knows before rank 0 is done).

@@ -8,10 +8,12 @@ is held for long, and most of the work trains the model:
   timed in place (`costs.inplace.StepTimer`); a (role, format)'s median serves every layer of
   the role, and later searches on this device (`known`).
 - **Off-path units** on a snapshot of the weights, in slices after training steps (`work`: a
-  unit, at most one forward + backward, starts when it fits): the trace, the region bytes (one
-  forward per role), the sensitivity estimate on the last captured batch
+  unit, at most one forward + backward, starts when its weight fits): the trace, the region
+  bytes (one forward per role), the sensitivity estimate on the last captured batch
   (``FisherEstimator(upstream=False, site="layer")``, Adam's v from the training optimizer when
-  it has one), then the exact solve.
+  it has one), then the exact solve. A slice is counted, not timed: each unit weighs the model
+  passes it runs (`unit_weight`), so the steps each unit runs in, and so every step's formats,
+  are the same however loaded the machine is, and in a run resumed from a checkpoint.
 - **Trial steps** (training steps): the ``CANDIDATES`` best plans, and all-BF16 when it meets
   the budgets, each run until their INT8 scales froze, then ``TIMED_TRIAL_STEPS`` timed steps
   (the first metered for bytes); around a compiled model the timed steps run compiled, after one
@@ -20,7 +22,8 @@ is held for long, and most of the work trains the model:
 
 No step is lost or repeated: probe and trial steps differ from safe ones only by their formats'
 rounding (FP16 gradients run unscaled in those few steps). `timeline` holds each stage's seconds
-(off-path work, and what probe and trial steps took beyond the median safe step).
+(off-path work, and what probe and trial steps took beyond the median safe step); those, the
+probes' and the trials' step times are measured, and are the only timings the result depends on.
 """
 
 from __future__ import annotations
@@ -59,6 +62,38 @@ PROBE_ROUNDS = 2
 PROBED_PER_ROLE = 3
 TIMED_TRIAL_STEPS = 2  # a candidate's steps timed once its INT8 scales froze (median of these)
 CANDIDATES = 2  # plans tried on training steps: the exact optimum and the next best
+# A training step in model passes: its forward and backward take about three forwards' FLOPs
+# (2N and 4N per token for N parameters, Kaplan et al. 2020, arXiv:2001.08361, section 2.1).
+PASSES_PER_STEP = 3
+# What an off-path unit weighs (`unit_weight`), in model passes. A look at the whole model or a
+# forward and backward of one batch: its passes. A unit of one layer: a fixed part (its calls,
+# quantization and hooks outweigh its FLOPs in all but large layers) plus its FLOPs as its share
+# of the model's pass (1 / layers): making its runtimes (host work only); calibration (the
+# model's forward or the layer's re-run, both under that label); a (layer, format) estimate (its
+# forward and local backward, as a step's 1 + 2). The fixed parts are what these units took on
+# the 31-layer GPT of benchmarks/search_stall.py (2 CPU cores, torch 2.13: 0.06, 0.1 and 0.35
+# of a pass beyond their FLOPs). Planning weighs nothing.
+_WHOLE_MODEL_UNITS = {"trace": 1.0, "region bytes": 1.0, "block bytes": 2.0, "recorded batch": 3.0}
+_LAYER_UNITS = {"runtimes": (0.06, 0.0), "calibration": (0.1, 1.0)}  # (fixed passes, layer passes)
+_LAYER_ESTIMATE = (0.35, 3.0)
+_HOST_UNITS = frozenset({"layers", "sites", "second moment", "solve"})
+
+
+def unit_weight(label: str, layers: int) -> float:
+    """An off-path unit's weight in model passes, from the label it yields (the inner one for
+    the sensitivity's units, whose (layer, format) estimates yield the layer's name) and the
+    model's number of ``layers``. A count, never a timing, so `work` decides alike on every run
+    and machine load; it follows the time as far as the table above fits the model and device
+    (on that GPT, in CPU time against a safe step's: the 124 (layer, format) estimates weigh
+    18.5 steps and took 19.7, the 7 region-bytes units 2.3 and 2.4, the whole off-path work 24.2
+    and 24.7; on larger layers the fixed parts overstate the time, and the search takes more,
+    shorter slices)."""
+    if label in _WHOLE_MODEL_UNITS:
+        return _WHOLE_MODEL_UNITS[label]
+    if label in _HOST_UNITS:
+        return 0.0
+    fixed, passes = _LAYER_UNITS.get(label, _LAYER_ESTIMATE)
+    return fixed + passes / max(1, layers)
 
 
 def probe_formats(layers: Sequence[str], formats: Sequence[Format], profile: Any, device: torch.device,
@@ -161,9 +196,10 @@ class TrainingSearch:
         self.error: Optional[AutoprecError] = None
         self.steps = 0  # training steps since the search started
         self.longest_step = 0.0
-        self._unit_seconds: dict[str, float] = {}  # the last unit's seconds, per stage
+        self._unit_cost: dict[str, float] = {}  # the last unit's weight, per stage (`unit_weight`)
         self._next_stage = ""
         self._starved = 0  # slices in a row that ran no unit
+        self._units = 0  # off-path units run so far (a resumed search runs as many again, at once)
         self.shared = False  # under torch.distributed: the candidates (or error) reached every rank
         self._winner: Optional[_Trial] = None
         self.grad_bytes: Optional[int] = None  # the FP32 gradient buffers' bytes (lead only)
@@ -178,18 +214,28 @@ class TrainingSearch:
             self._snapshot = copy.deepcopy(model)
             for p in self._snapshot.parameters():
                 p.grad = None
+            if restore is not None and restore.get("snapshot") is not None:
+                self._snapshot.load_state_dict(restore["snapshot"])  # the saved search's, not the resumed weights
             self._add("snapshot", time.perf_counter() - start)
         self._offpath = self._offpath_units() if lead and self.candidates is None else None
         if self._offpath is None:  # no estimate will run (resumed past it): do not hold Adam's copy
             self._second_moment = None
+        elif restore is not None and restore.get("snapshot") is not None:
+            self._replay(restore.get("units", 0))
+        if restore is not None:
+            self._remake_runtimes(restore)  # after the snapshot: the saved one held none of them
 
     # -- checkpoints ------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         """The search's progress as plain data: its inputs (profile, baseline, budgets' anchors),
-        the probe plans and samples so far, the candidates once solved. Resumed (``restore=``),
-        probes continue where they were; off-path work not finished restarts on a new snapshot
-        (of the weights at resume); trials restart from the first candidate."""
+        the probe plans and samples so far, the candidates once solved, the probe and trial
+        runtimes' states, and, until the candidates exist, the snapshot the off-path work runs
+        on (its tensors, not copies: nothing writes them; a model's worth of bytes) with Adam's
+        second moment and the count of units run. Resumed (``restore=``), the search goes on
+        exactly as if never stopped: probes and trials where they were, with their runtimes'
+        calibration, and the off-path units run so far run again at once on that snapshot
+        (one long first step), so the later ones follow the same steps."""
         return {
             "started": self.started, "steps": self.steps, "median_step": self.median_step, "longest_step": self.longest_step,
             "profile": None if self.profile is None else self.profile.to_dict(), "baseline_loss": self.baseline_loss,
@@ -197,6 +243,14 @@ class TrainingSearch:
             "probes": [p.to_dict() for p in self._probes], "samples": {k: list(v) for k, v in self._samples.items()}, "rest": list(self._rest),
             "timeline": dict(self.timeline), "candidates": None if self.candidates is None else [p.to_dict() for p in self.candidates],
             "grad_bytes": self.grad_bytes, "outside_bytes": self._outside_bytes,
+            # Where the counted slices stand, and what the off-path work ran on (the snapshot's
+            # tensors themselves: nothing writes them while the search holds them).
+            "units": self._units, "starved": self._starved, "next_stage": self._next_stage, "unit_cost": dict(self._unit_cost),
+            "snapshot": None if self._snapshot is None else self._snapshot.state_dict(),
+            "second_moment": None if self._second_moment is None else dict(self._second_moment),
+            "probe_runtimes": {i: rt.state_dict() for i, rt in self._probe_runtimes.items()},
+            "trials": [{"steps": t.steps, "seconds": list(t.seconds), "saved_bytes": t.saved_bytes, "dropped": t.dropped,
+                        "runtime": None if t.runtime is None else t.runtime.state_dict()} for t in self._trials],
         }
 
     def _restore(self, state: Mapping[str, Any]) -> None:
@@ -207,9 +261,29 @@ class TrainingSearch:
         self._rest = list(state["rest"])
         self.timeline = dict(state["timeline"])
         self.grad_bytes, self._outside_bytes = state["grad_bytes"], state["outside_bytes"]
+        # Saved since issue 40 (absent from older checkpoints, whose resumed searches restart
+        # the off-path work on the weights at resume, their probes' calibration and their trials).
+        self._units, self._starved = state.get("units", 0), state.get("starved", 0)
+        self._next_stage, self._unit_cost = state.get("next_stage", ""), dict(state.get("unit_cost", {}))
+        if state.get("second_moment") is not None:
+            self._second_moment = dict(state["second_moment"])
         if state["candidates"] is not None:
             self.set_candidates([Plan.from_dict(p) for p in state["candidates"]])
             self.shared = True
+            for trial, saved in zip(self._trials, state.get("trials", ())):
+                trial.steps, trial.seconds, trial.saved_bytes, trial.dropped = saved["steps"], list(saved["seconds"]), saved["saved_bytes"], saved["dropped"]
+
+    def _remake_runtimes(self, state: Mapping[str, Any]) -> None:
+        """The probe and trial runtimes the saved search had made, made again in the same order
+        with their states (INT8 calibration, amax histories): runtimes installed on one model
+        together run a layer alike only when the same ones are installed."""
+        for i, saved in sorted((int(i), s) for i, s in state.get("probe_runtimes", {}).items()):
+            self._probe_runtimes[i] = apply_plan(self.model, self._probes[i], validate=False)
+            self._probe_runtimes[i].load_state_dict(saved)
+        for trial, saved in zip(self._trials, state.get("trials", ())):
+            if saved["runtime"] is not None:
+                trial.runtime = apply_plan(self.model, trial.plan, validate=False)
+                trial.runtime.load_state_dict(saved["runtime"])
 
     # -- on the training path -----------------------------------------------------------------
 
@@ -339,58 +413,80 @@ class TrainingSearch:
 
     # -- off the training path ------------------------------------------------------------------
 
-    def work(self, seconds: float) -> None:
-        """Run off-path units within ``seconds``: a unit starts only when its expected length (the
-        last unit of its stage) fits in what is left; after two slices that ran nothing, one runs
-        whatever its length (a unit longer than every slice must not stall the search)."""
+    def work(self, passes: float) -> None:
+        """Run off-path units within ``passes`` model passes (`unit_weight`; a training step is
+        `PASSES_PER_STEP`): a unit starts only when its expected weight (the last unit's of its
+        stage) fits in what is left; after two slices that ran nothing, one runs whatever its
+        weight (a unit heavier than every slice must not stall the search). Weights are counts,
+        never timings: which units run after which step does not depend on the machine's load."""
         if self._offpath is None or self.done:
             return
-        deadline = time.perf_counter() + seconds
+        left = passes
         ran = 0
         while True:
-            left = deadline - time.perf_counter()
-            expected = self._unit_seconds.get(self._next_stage, 0.0)
+            expected = self._unit_cost.get(self._next_stage, 0.0)
             if (expected > left or left <= 0) and not (ran == 0 and self._starved >= 2):
                 self._starved = self._starved + 1 if ran == 0 else 0
                 return
             start = time.perf_counter()
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", EmulationWarning)  # the plan names its emulated layers itself
-                    stage = next(self._offpath)
-            except StopIteration:
-                self._offpath = None
+            unit = self._next_unit()
+            if unit is None or unit[0] == "waiting":
                 return
-            except AutoprecError as exc:
-                self.error, self._offpath = exc, None
-                return
-            if stage == "waiting":
-                return
-            took = time.perf_counter() - start
-            self._add(stage, took)
+            stage, weight = unit
+            self._add(stage, time.perf_counter() - start)  # the timeline's seconds: reported, never decided on
             # Units of a stage are alike (a layer's forward, a (layer, format) of the sensitivity);
-            # the next one is expected to last as long as this one.
-            self._unit_seconds[stage] = took
+            # the next one is expected to weigh what this one did.
+            self._unit_cost[stage] = weight
             self._next_stage = stage
+            left -= weight
             ran += 1
+            self._units += 1
             self._starved = 0
 
-    def _offpath_units(self) -> Generator[str, None, None]:
+    def _next_unit(self) -> "tuple[str, float] | None":
+        """The next off-path unit run: (its stage, its weight), ``("waiting", 0)`` while the
+        probes run; None when the work ended (its candidates set) or failed (`error` set)."""
+        if self._offpath is None:
+            return None
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", EmulationWarning)  # the plan names its emulated layers itself
+                return next(self._offpath)
+        except StopIteration:
+            self._offpath = None
+        except AutoprecError as exc:
+            self.error, self._offpath = exc, None
+        return None
+
+    def _replay(self, units: int) -> None:
+        """A resumed search: run the ``units`` off-path units the saved one had run, at once and on
+        its snapshot, so the next ones run after the same steps as in the run never stopped. The
+        restored slice state and timeline are kept (the saved run's)."""
+        kept = dict(self.timeline)
+        for _ in range(units):
+            unit = self._next_unit()
+            if unit is None or unit[0] == "waiting":
+                break
+        self.timeline = kept
+
+    def _offpath_units(self) -> Generator[tuple[str, float], None, None]:
         c = self.config
         snapshot = self._snapshot
         if snapshot is None:
             raise RuntimeStateError("TrainingSearch: off-path work without a snapshot (made with lead=False)")
+        n = len(self.layers)
         trace = trace_model(snapshot, self.example, None)
-        yield "trace"
+        yield "trace", unit_weight("trace", n)
         costs = CostModel(trace, RooflineTimeModel(), formats=[Format.FP32])
-        yield from ("region bytes" for _ in costs.region_bytes_steps(snapshot, self.example, None, roles=self.roles))
-        yield from ("block bytes" for _ in costs.block_bytes_steps(snapshot, self.example, None, self.blocks))
+        yield from (("region bytes", unit_weight("region bytes", n)) for _ in costs.region_bytes_steps(snapshot, self.example, None, roles=self.roles))
+        yield from (("block bytes", unit_weight("block bytes", n)) for _ in costs.block_bytes_steps(snapshot, self.example, None, self.blocks))
         lowered = [f for f in self.formats if f is not Format.FP32]
         sensitivity = yield from self._sensitivity(snapshot, lowered)
-        del snapshot
-        self._snapshot = None
+        for p in snapshot.parameters():
+            p.grad = None
+        del snapshot  # self._snapshot keeps it until the candidates exist: a checkpoint saves it
         while self.steps < self.probe_steps:
-            yield "waiting"  # the probe steps are still running
+            yield "waiting", 0.0  # the probe steps are still running
         start = time.perf_counter()
         costs = self._cost_model(costs, trace)
         planning = dataclasses.replace(c.planning, k=CANDIDATES if self.measuring else 1)
@@ -409,7 +505,7 @@ class TrainingSearch:
         reference = uniform_reference(proposal, Format.BF16, planning.rules, self.fingerprint) if self.measuring and Format.BF16 in self.formats else None
         self.set_candidates(list(proposal.plans) + ([reference] if reference is not None else []))
 
-    def _sensitivity(self, snapshot: nn.Module, lowered: Sequence[Format]) -> Generator[str, None, Any]:
+    def _sensitivity(self, snapshot: nn.Module, lowered: Sequence[Format]) -> Generator[tuple[str, float], None, Any]:
         if not lowered:
             from ..sensitivity import Sensitivity
 
@@ -423,8 +519,7 @@ class TrainingSearch:
         steps = sensitivity_steps(snapshot, self.batches[-1:], self.loss_fn, lowered, layers=self.layers, example_inputs=self.example,
                                   estimator=FisherEstimator(lr=self.config.lr, upstream=False, site="layer"),
                                   traced=self.fingerprint, second_moment=self._second_moment)
-        self._second_moment = None  # the estimate holds what it needs
-        return (yield from _labelled(steps, "sensitivity"))
+        return (yield from _weighted(steps, "sensitivity", len(self.layers)))
 
     def _cost_model(self, region: CostModel, trace) -> CostModel:
         """The cost model of every format: ``region``'s measured bytes, and the probe-measured
@@ -457,6 +552,7 @@ class TrainingSearch:
     def set_candidates(self, plans: Sequence[Plan]) -> None:
         """The plans to try on training steps (rank 0's, on the other ranks)."""
         self.candidates = list(plans)
+        self._snapshot, self._second_moment = None, None  # a checkpoint no longer needs what the work ran on
         if not self.measuring:  # nothing to try: the predicted optimum is the result
             self.result = self.candidates[0]
             return
@@ -502,7 +598,7 @@ class TrainingSearch:
         if self._offpath is not None:
             self._offpath.close()
             self._offpath = None
-        self._snapshot = None
+        self._snapshot, self._second_moment = None, None
         for runtime in [*self._probe_runtimes.values(), *(t.runtime for t in self._trials)]:
             if runtime is not None:
                 runtime.remove()
@@ -521,11 +617,12 @@ class TrainingSearch:
         return f"search over {self.steps} training steps: {parts}{ratio}"
 
 
-def _labelled(steps: Generator[Any, None, Any], label: str) -> Generator[str, None, Any]:
-    """Relabel a generator's yields as ``label``; its return value."""
+def _weighted(steps: Generator[str, None, Any], stage: str, layers: int) -> Generator[tuple[str, float], None, Any]:
+    """A generator's yields as ``(stage, weight of the unit its label names)`` (`unit_weight`);
+    its return value."""
     while True:
         try:
-            next(steps)
+            label = next(steps)
         except StopIteration as done:
             return done.value
-        yield label
+        yield stage, unit_weight(label, layers)
