@@ -284,7 +284,9 @@ def test_k_best_plans_of_a_120_layer_model_are_distinct_feasible_and_ordered():
     assert len({tuple(s.assignment[u.name] for u in space.units) for s in found}) == 5
     assert all(s.total.bytes <= memory and s.total.loss <= loss_budget for s in found)
     seconds = [s.total.seconds for s in found]
-    assert seconds == sorted(seconds) and seconds[0] == pytest.approx(exact.total.seconds, rel=1e-9)
+    # Non-decreasing up to the last bits: plans of equal predicted time sum their layers in other orders.
+    assert all(later >= earlier * (1 - 1e-12) for earlier, later in zip(seconds, seconds[1:]))
+    assert seconds[0] == pytest.approx(exact.total.seconds, rel=1e-9)
 
 
 # -- references and the winner ----------------------------------------------------------------
