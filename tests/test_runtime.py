@@ -671,3 +671,24 @@ def test_calibration_percentile_equals_torch_quantile_bitwise(n, ties):
     values = torch.randint(0, 7, (n,), generator=g).float() if ties else torch.randn(n, generator=g).abs()
     for q in (0.0, 0.001, 0.25, 0.5, 0.75, 0.999, 0.9999, 1.0):
         assert torch.equal(_quantile(values, q), torch.quantile(values, q)), q
+
+
+def test_an_int8_attention_routes_only_its_own_products_not_its_int8_projections_kernel_ops():
+    """The attention layer's mode (its own q @ k products, emulated in INT8) runs around its INT8
+    projections, whose kernels call torch ops of their own (the outlier channels' addmm, the
+    output's addcmul): those pass through it. Routed as the attention's, a projection's output was
+    quantized a second time."""
+    wl = default_workload("tiny", batch_size=8)
+    model = wl.build_model(0)
+    x, y = wl.train_batches(0).next()
+    plan = ap.Plan.uniform(model, "int8", x, calibration=ap.Calibration(batches=1, outlier_ratio=2.0))
+    runtime = ap.apply_plan(model, plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ap.EmulationWarning)
+        for _ in range(2):
+            with runtime:
+                wl.loss(model, (x, y)).backward()
+    report = runtime.report()
+    assert set(report["blocks.0.attn"]["ops"]) == {"matmul"}  # q @ k and attention @ v, nothing of its projections
+    assert any(c["outlier_channels"] > 0 for fqn in ("blocks.0.attn.qkv", "blocks.0.attn.proj") for c in report[fqn]["calibration"])
+    runtime.remove()

@@ -200,6 +200,7 @@ class _Layer:
         self.casts = fused_casts(device) if self.format.is_fp8 and self.kernel_reason is None else None
         self.casts_ran = FUSED if self.casts is not None else PYTORCH
         self.keeps_thread_state = False  # set by its wrapper (PlanRuntime._wrapper), when it has one
+        self.direct = False  # its product is one kernel call, routed by its wrapper (set there)
         self.inputs: dict[str, InputQuantizer] = {}
         self.calibrators: dict[str, Int8Calibrator] = {}
         self.weights: dict[tuple, WeightQuantizer] = {}
@@ -295,6 +296,8 @@ class _LayerMode(TorchFunctionMode):
         if op is None or not stack:
             return func(*args, **kwargs)
         layer = stack[-1]
+        if layer.direct:  # a layer whose product is a kernel call: its own ops are the runtime's
+            return func(*args, **kwargs)
         if layer.format is Format.FP32:
             # A lowered child hands this FP32 layer half tensors; its own products stay FP32.
             return func(*pytree.tree_map(_to_fp32, args), **pytree.tree_map(_to_fp32, kwargs))
@@ -399,7 +402,8 @@ class PlanRuntime:
         direct_linear = layer.low_precision and not mode
         # Whether its forward changes thread state, which Dynamo cannot trace inside a recomputed
         # block (see recompute.compile_refusal).
-        layer.keeps_thread_state = stacked and not direct_linear
+        layer.keeps_thread_state = stacked
+        layer.direct = direct_linear
         if direct_linear:
             layer.ops = {"linear": self._kernel_name(layer)}
         elif fmt in (Format.BF16, Format.FP16):
@@ -421,7 +425,17 @@ class PlanRuntime:
                 # copy's own forward, never this module's weights.
                 return own_forward(self_module, args, kwargs)
             if direct_linear:
-                return runtime._linear(layer, args[0] if args else kwargs["input"], module.weight, module.bias)
+                x = args[0] if args else kwargs["input"]
+                if not state.mode_active:
+                    return runtime._linear(layer, x, module.weight, module.bias)
+                # An ancestor's mode runs: on the stack, this layer's own kernel ops (an INT8
+                # layer's outlier addmm) pass through it rather than being routed as the ancestor's.
+                outer = state.stack
+                state.stack = outer + (layer,)
+                try:
+                    return runtime._linear(layer, x, module.weight, module.bias)
+                finally:
+                    state.stack = outer
             if fmt is Format.FP32:
                 args, kwargs = pytree.tree_map(_to_fp32, (args, kwargs))
                 scope = torch.autocast(device_type, enabled=False)
