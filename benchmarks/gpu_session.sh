@@ -89,11 +89,15 @@ search)
     ;;
 all)
     # Issue 37's session, sized from the first H100 run's durations (README.md: estimates per part).
-    # Every part runs under its own timeout, capped by a deadline for the whole phase, so the call
-    # ends inside it whatever happens; the parts least needed come last (compiled all-FP8 first to
-    # go). Each writes its JSON into $OUT as it finishes and appends its output to session.log.
-    deadline=$((SECONDS + ${AUTOPREC_SESSION_S:-510}))
-    cap() { local left=$((deadline - SECONDS)); [ "$left" -lt "$1" ] && echo $((left > 10 ? left : 10)) || echo "$1"; }
+    # Every part runs under its own timeout, capped by a deadline for the whole phase (530 s, or
+    # $AUTOPREC_SESSION_S), so the call ends inside it whatever happens; the part least needed
+    # comes last (compiled all-FP8, the first to go). Each writes its JSON into $OUT (the
+    # benchmarks as they go: a part stopped by its timeout leaves what it measured, marked
+    # "partial") and appends its output to session.log.
+    deadline=$((SECONDS + ${AUTOPREC_SESSION_S:-530}))
+    # A part's timeout: its own, or what is left before the deadline (1 s once under 10 s are left:
+    # the part then stops at once and is named in the FAILED line with 124).
+    cap() { local left=$((deadline - SECONDS)); [ "$left" -lt "$1" ] && echo $((left > 10 ? left : 1)) || echo "$1"; }
     part() { echo "=== $1 ($(date -u +%T), ${SECONDS}s into the phase)" | tee -a "$log"; }
     work=/tmp/autoprec-gpu-session
     rm -rf "$work" && mkdir -p "$work"
@@ -146,7 +150,7 @@ all)
         part "scheduler costs, $mode"
         compile=()
         limit=75
-        [ "$mode" = compiled ] && compile=(--compile --backend "$backend") limit=160
+        [ "$mode" = compiled ] && compile=(--compile --backend "$backend") limit=150
         timeout "$(cap $limit)" "$py" benchmarks/scheduler_costs.py --device "$device" $(size_args "${sched[@]}") --window "$window" \
             --accuracy-budget 0.02 --rounds "$rounds" "${compile[@]}" --out "$out/scheduler_costs_$mode.json" >>"$log" 2>&1
         ran $? "scheduler_costs_$mode"

@@ -66,15 +66,17 @@ def summary(folder: Path) -> list[str]:
         sc = load(f"scheduler_costs_{mode}.json")
         if sc is None:
             continue
-        over = sc["tokens_per_s_over_autocast"]
-        peaks = sc["peak_bytes"]
-        lines.append(f"scheduler costs, {mode} ({sc['device']}, {sc['model']['layers']}x d{sc['model']['d_model']}, {sc['elapsed_s']} s): plan {sc['plan']}, window {sc['window_format']}")
-        lines.append(f"  planned step / by hand {_f(sc['planned_over_by_hand'], '.3f')} (<= 1.03); tokens/s over autocast: scheduler {_f(over['scheduler'])}, "
-                     f"by hand {_f(over['hand'])}; profiling step / plain {_f(sc['profiling_over_plain'])} (<= 1.5)")
-        lines.append(f"  search: {sc['search_steps']} steps, extra {_f(sc['search_extra_in_planned_steps'], '.1f')} planned steps (<= 10), "
-                     f"slowest {_f(sc['search_slowest_over_planned'], '.1f')}x (<= 3)")
-        lines.append(f"  bytes scheduler / by hand {_f(sc['scheduler_over_hand_bytes'], '.3f')} (<= 1.02), left after close {sc['bytes_left_after_close']}, "
-                     f"graph tensors {sc['graph_tensors']}; peak GiB: window {_gb(peaks.get('profiling'))}, search {_gb(peaks.get('search'))}, "
+        g = sc.get
+        over, peaks = g("tokens_per_s_over_autocast") or {}, g("peak_bytes") or {}
+        cut = f", CUT after: {sc['partial']}" if "partial" in sc else ""
+        lines.append(f"scheduler costs, {mode} ({g('device')}, {sc['model']['layers']}x d{sc['model']['d_model']}, {g('elapsed_s')} s{cut}): "
+                     f"plan {g('plan')}, window {g('window_format')}")
+        lines.append(f"  planned step / by hand {_f(g('planned_over_by_hand'), '.3f')} (<= 1.03); tokens/s over autocast: scheduler {_f(over.get('scheduler'))}, "
+                     f"by hand {_f(over.get('hand'))}; profiling step / plain {_f(g('profiling_over_plain'))} (<= 1.5)")
+        lines.append(f"  search: {g('search_steps')} steps, extra {_f(g('search_extra_in_planned_steps'), '.1f')} planned steps (<= 10), "
+                     f"slowest {_f(g('search_slowest_over_planned'), '.1f')}x (<= 3); Dynamo graphs {g('dynamo_graphs')}")
+        lines.append(f"  bytes scheduler / by hand {_f(g('scheduler_over_hand_bytes'), '.3f')} (<= 1.02), left after close {g('bytes_left_after_close')}, "
+                     f"graph tensors {g('graph_tensors')}; peak GiB: window {_gb(peaks.get('profiling'))}, search {_gb(peaks.get('search'))}, "
                      f"scheduler {_gb(peaks.get('scheduler'))}, by hand {_gb(peaks.get('hand'))}, autocast {_gb(peaks.get('autocast'))}")
     plan = load("search_plan.json")
     if plan is not None:
@@ -91,9 +93,13 @@ def summary(folder: Path) -> list[str]:
         pt = load(name)
         if pt is None:
             continue
+        if "partial" in pt:
+            lines.append(f"{name[:-5]} ({pt['compile'] or 'eager'}, {pt['elapsed_s']} s): CUT after: {pt['partial']}; first steps (s) {pt.get('first_steps_s')}")
+            continue
         over, peak, held = pt["tokens_per_s_over_autocast"], pt.get("peak_over_autocast") or {}, pt["held_out_loss_increase_over_autocast"]
         lines.append(f"{name[:-5]} ({pt['compile'] or 'eager'}, {pt['elapsed_s']} s): " + "; ".join(
             f"{k} {_f(over[k])}x tok/s, {_f(peak.get(k))}x peak, held-out {_f(100 * held[k], '+.2f')} %" for k in over))
+        lines.append(f"  plan {pt['plan']}; first steps (s, compile included) {pt['first_steps_s']}; Dynamo graphs {pt['dynamo_graphs']}")
     return lines
 
 

@@ -31,9 +31,9 @@ JSON gives their seconds and the graphs Dynamo compiled per phase. Dynamo's reco
 raised (every candidate plan is a graph of its own).
 
 ``--plan PLAN.json`` (no scheduler): the plan of a search job trained by hand beside the all-FP8
-plan (every linear FP8 E4M3, attention products BF16: `fp8_linears`) and BF16
-autocast, eager or ``--compile``-d, interleaved: tokens/s and their ratios to autocast, memory
-between steps, peak, the training loss of the last round and the held-out loss.
+plan (every linear FP8 E4M3, attention products BF16: `fp8_linears`) and BF16 autocast (or the
+``--variants`` named), eager or ``--compile``-d, interleaved: tokens/s and their ratios to
+autocast, memory between steps, peak, the training loss of the last round and the held-out loss.
 
 Memory per variant (CUDA): its bytes between steps (the increase of ``memory_allocated`` when it
 was added, after its first steps) and its peak as if it ran alone (those bytes plus the largest
@@ -236,7 +236,7 @@ def environment(device: torch.device) -> dict:
             "threads": torch.get_num_threads()}
 
 
-def run_scheduler(args, device: torch.device, batch, build, backend: "str | None") -> dict:
+def run_scheduler(args, device: torch.device, batch, build, backend: "str | None", save) -> dict:
     """The README loop (profiling window, search, planned steps) beside the same plan by hand and
     plain autocast; see the module docstring."""
     fused = device.type == "cuda"
@@ -276,6 +276,9 @@ def run_scheduler(args, device: torch.device, batch, build, backend: "str | None
     plan = scheduler.plan
     profiling = [s for s, p in zip(seconds, phases) if p == "profiling"][1:]  # the first binds (unprofiled)
     search = [s for s, p in zip(seconds, phases) if p == "searching"]
+    save({"window_format": window.value, "plan": plan.format_counts(), "profiling_steps": len(profiling), "search_steps": len(search),
+          "peak_bytes": window_peaks, "search_step_s": [round(s, 4) for s in search], "dynamo_graphs": compiled,
+          "median_step_s": {"profiling": statistics.median(profiling), "plain_window_precision": statistics.median(plain_seconds)}}, "searched")
 
     # 2. Memory between planned steps: the scheduler's, then the plan by hand's beside it.
     mark = dynamo_graphs()
@@ -345,7 +348,7 @@ def fp8_linears(model, example) -> "ap.Plan":
     return plan.with_layers({fqn: ap.Format.BF16 for fqn, info in plan.fingerprint.items() if set(info.ops) != {"linear"}})
 
 
-def run_plan(args, device: torch.device, batch, build, backend: "str | None", workload: ByteLMWorkload) -> dict:
+def run_plan(args, device: torch.device, batch, build, backend: "str | None", workload: ByteLMWorkload, save) -> dict:
     """A search job's plan by hand beside the all-FP8 plan and BF16 autocast; see the module docstring."""
     fused = device.type == "cuda"
     plan = ap.Plan.load(args.plan)
@@ -353,8 +356,13 @@ def run_plan(args, device: torch.device, batch, build, backend: "str | None", wo
     compiled: dict[str, int] = {}
     first: dict[str, list[float]] = {}
     resident: dict[str, int] = {}
-    trainers, plans = [], {"plan": plan}
-    for name, make in (("plan", lambda model: plan), ("fp8_all", lambda model: fp8_linears(model, example)), ("autocast", None)):
+    trainers, plans = [], {}
+    makers = {"plan": lambda model: plan, "fp8_all": lambda model: fp8_linears(model, example), "autocast": None}
+    wanted = args.variants.split(",")
+    if "autocast" not in wanted or set(wanted) - set(makers):
+        raise SystemExit(f"--variants {args.variants}: expected names from {', '.join(makers)}, autocast among them (the ratios' reference)")
+    for name in wanted:
+        make = makers[name]
         mark, base = dynamo_graphs(), live_bytes(device)
         model = build()
         if make is not None:
@@ -364,6 +372,8 @@ def run_plan(args, device: torch.device, batch, build, backend: "str | None", wo
         compiled[name] = dynamo_graphs() - mark
         resident[name] = live_bytes(device) - base
         trainers.append(trainer)
+        save({"variants": wanted, "plan": plan.format_counts(), "bytes_between_steps": resident, "first_steps_s": first, "dynamo_graphs": compiled},
+             f"{name} warmed up")
     rounds = Rounds(trainers)
     mark = dynamo_graphs()
     rounds.run(args.rounds, batch)
@@ -377,7 +387,8 @@ def run_plan(args, device: torch.device, batch, build, backend: "str | None", wo
     tokens = args.batch * args.context
     peaks = rounds.peaks(resident)
     return {
-        "plan_file": str(args.plan), "plan": plan.format_counts(), "fp8_all": plans["fp8_all"].format_counts(),
+        "plan_file": str(args.plan), "variants": wanted, "plan": plan.format_counts(),
+        "fp8_all": plans["fp8_all"].format_counts() if "fp8_all" in plans else None,
         "plan_layers": {fqn: lp.format.value for fqn, lp in plan.layers.items()}, "plan_recompute": list(plan.recompute),
         "plan_predicted": dict(plan.predicted), "plan_measured_by_the_search": dict(plan.measured),
         "tokens_per_s": {name: tokens / m for name, m in median.items()},
@@ -414,6 +425,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="every variant calls torch.compile(model)")
     parser.add_argument("--backend", default="inductor", help="torch.compile's backend with --compile (default inductor)")
     parser.add_argument("--plan", type=Path, default=None, help="train this plan beside all-FP8 and BF16 autocast (no scheduler)")
+    parser.add_argument("--variants", default="plan,fp8_all,autocast", help="with --plan: which to train, in this order (autocast among them)")
     parser.add_argument("--val-batches", type=int, default=4, help="held-out batches with --plan")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path)
@@ -439,19 +451,26 @@ def main() -> None:
         return copy.deepcopy(initial).to(device)
 
     started = time.perf_counter()
-    if args.plan is not None:
-        measured = run_plan(args, device, batch, build, backend, workload)
-    else:
-        measured = run_scheduler(args, device, batch, build, backend)
-    result = {
+    head = {
         "benchmark": "scheduler_costs" if args.plan is None else "plan_training", **environment(device),
         "model": {"d_model": args.d_model, "layers": args.layers, "heads": args.heads, "context": args.context, "batch": args.batch},
-        "compile": backend, "rounds": args.rounds, **measured, "elapsed_s": round(time.perf_counter() - started, 1),
+        "compile": backend, "rounds": args.rounds,
     }
-    print(json.dumps(result, indent=1))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+    def save(measured: dict, partial: "str | None" = None) -> dict:
+        """Write what is measured so far (``partial``: the stage reached; a run stopped by a
+        timeout leaves that file behind) or, without ``partial``, the result."""
+        result = {**head, **({"partial": partial} if partial else {}), **measured, "elapsed_s": round(time.perf_counter() - started, 1)}
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+        return result
+
+    if args.plan is not None:
+        measured = run_plan(args, device, batch, build, backend, workload, save)
+    else:
+        measured = run_scheduler(args, device, batch, build, backend, save)
+    print(json.dumps(save(measured), indent=1))
 
 
 if __name__ == "__main__":
