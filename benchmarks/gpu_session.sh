@@ -5,6 +5,11 @@
 #   check   the GPU tests, then the GPU suite's smoke sizes on CUDA (minutes)
 #   bench   the full GPU suite
 #   search  `autoprec search` on the built-in job (needs the carried Optuna)
+#   all     issue 37's whole session in one call of at most 8.5 minutes (a deadline) on an H100
+#           (needs the carried Optuna and torchao): the GPU tests beside the search of
+#           searches/gpt_gpu.toml, the GPU suite at two shapes, benchmarks/scheduler_costs.py
+#           eager and compiled, the searched plan against BF16 autocast and all-FP8, eager and
+#           compiled
 # Each phase installs the carried wheels first (the machine's own torch is used) and leaves at
 # most 8 files, none over 16 MiB, directly in $OUT (the device tool's return limits).
 #
@@ -12,7 +17,7 @@
 # python3; give it torch 2.11 to match the machines), --device cpu and the smoke sizes, into a
 # temporary $OUT that is then checked against the return limits.
 set -uo pipefail
-phase=${1:?usage: gpu_session.sh wheels|check|bench|search [--dry-run]}
+phase=${1:?usage: gpu_session.sh wheels|check|bench|search|all [--dry-run]}
 dry=${2:-}
 py=${PYTHON:-python3}
 # Pinned to the versions CI tests; Optuna's own needs beside those the machines have (numpy,
@@ -45,11 +50,15 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "${extra[@]}" .whl/*.whl \
         && export PYTHONPATH=$target:$PWD
 fi
+# The all phase keeps one log of everything (the 8 files' budget goes to the JSONs).
+log=$out/environment.txt
+[ "$phase" = all ] && log=$out/session.log
 { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
   "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
   "$py" -c "import torchao; print('torchao', torchao.__version__)" 2>&1 | tail -1
   "$py" -c "import optuna; print('optuna', optuna.__version__)" 2>&1 | tail -1
-} | tee "$out/environment.txt"
+  echo "commit $(git rev-parse --short HEAD 2>/dev/null)$(git status --porcelain --untracked-files=no 2>/dev/null | grep -q . && echo ' (dirty)')"
+} | tee "$log"
 failed=()  # the commands that exited non-zero (or timed out: 124), named in the last line
 ran() { local rc=$1; shift; echo "$* rc $rc"; [ "$rc" -eq 0 ] || failed+=("$*=$rc"); }
 case $phase in
@@ -79,8 +88,103 @@ search)
     ran $? search; tail -30 "$out/search.log"
     cp /tmp/autoprec-search/plan.json "$out/plan.json" 2>/dev/null
     ;;
+all)
+    # Issue 37's session, sized from the first H100 run's durations (README.md: estimates per part).
+    # Every part runs under its own timeout, capped by a deadline for the whole phase (510 s, or
+    # $AUTOPREC_SESSION_S), so the call ends inside it whatever happens. The parts run in this
+    # order; what is left when the deadline nears is what gets cut, so the order is by need once
+    # (a)-(c) eager have run: (d) the searched plan eager and compiled (issue 36's targets), then
+    # (c) the scheduler's costs compiled, last the compiled all-FP8 reference. Each writes its JSON
+    # into $OUT (the benchmarks as they go: a part stopped by its timeout leaves what it measured,
+    # marked "partial") and appends its output to session.log. $AUTOPREC_PARTS picks parts (default
+    # "a b c1 d1 d2 c2 d3"): a call right after, on the still-warm machine, can run a part that
+    # was cut (the search's plan stays in /tmp/autoprec-gpu-session until the machine goes back).
+    deadline=$((SECONDS + ${AUTOPREC_SESSION_S:-510}))
+    # A part's timeout: its own, or what is left before the deadline (1 s once under 10 s are left:
+    # the part then stops at once and is named in the FAILED line with 124).
+    cap() { local left=$((deadline - SECONDS)); [ "$left" -lt "$1" ] && echo $((left > 10 ? left : 1)) || echo "$1"; }
+    part() { echo "=== $1 ($(date -u +%T), ${SECONDS}s into the phase)" | tee -a "$log"; }
+    parts=" ${AUTOPREC_PARTS:-a b c1 d1 d2 c2 d3} "
+    want() { [[ "$parts" == *" $1 "* ]]; }
+    work=/tmp/autoprec-gpu-session
+    plan=$work/search/plan.json
+    # The GPT of searches/gpt_gpu.toml (12 layers, d_model 2048, 16 heads, seq 1024, batch 8) and the
+    # scheduler benchmark's (8 layers, d_model 1536, 12 heads); the job copy takes its sizes from
+    # here, so its plan always fits the model it is trained on. The dry run shrinks the widths.
+    gpt=(12 2048 16 1024 8) sched=(8 1536 12 1024 8) window=40 backend=inductor rounds=30 plan_rounds=10
+    if [ "$dry" = --dry-run ]; then
+        # aot_eager: Dynamo and AOTAutograd as there, without Inductor's C++ builds (minutes here).
+        # One thread a process: two processes spinning two OpenMP threads each on 2 cores crawl.
+        gpt=(12 32 2 32 4) sched=(2 32 2 16 2) window=8 backend=aot_eager rounds=4 plan_rounds=3
+        export OMP_NUM_THREADS=1
+    fi
+    size_args() { echo "--layers $1 --d-model $2 --heads $3 --context $4 --batch $5"; }
+
+    # (a) The GPU tests, and beside them (a GPU has room for both; issue 37) the search of
+    # gpt_gpu.toml: its measured trials share the device with the tests' small kernels, and its
+    # plan is judged alone in (d). pytest-xdist, where the machine has it, runs two test workers.
+    if want a; then
+        part "(a) search searches/gpt_gpu.toml (background) and the GPU tests"
+        rm -rf "$work" && mkdir -p "$work"
+        job=$work/gpt_gpu.toml
+        sed -e "s|^out = .*|out = \"$work/search\"|" -e "s|^device = .*|device = \"$device\"|" \
+            -e "s|^kwargs = .*|kwargs = { name = \"small\", batch_size = ${gpt[4]}, n_layers = ${gpt[0]}, d_model = ${gpt[1]}, n_heads = ${gpt[2]}, d_ff = $((4 * gpt[1])), context = ${gpt[3]} }|" \
+            searches/gpt_gpu.toml >"$job"
+        [ "$dry" = --dry-run ] && sed -i -e 's|^steps = 20 |steps = 6 |' "$job"
+        grep -v '^#' "$job" | grep . >>"$log"
+        timeout "$(cap 170)" "$py" -m autoprec search "$job" >"$work/search.log" 2>&1 &
+        search_pid=$!
+        xdist=()
+        "$py" -c "import xdist" 2>/dev/null && xdist=(-n 2)
+        timeout "$(cap 170)" "$py" -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" tests/test_runtime_gpu.py tests/test_triton_cast.py \
+            tests/test_profiling.py::test_steps_do_not_sync_on_cuda >>"$log" 2>&1
+        ran $? tests; tail -3 "$log"
+        wait "$search_pid"
+        ran $? search
+        part "(a) search log"
+        cat "$work/search.log" >>"$log"; tail -16 "$work/search.log"
+        [ -f "$plan" ] && "$py" benchmarks/gpu_session_report.py stamp "$plan" "$out/search_plan.json"
+    fi
+
+    # (b) The GPU suite: two per-layer shapes, eager and compiled, torchao; 20 end-to-end steps.
+    if want b; then
+        part "(b) GPU suite"
+        suite_size=()
+        [ "$dry" = --dry-run ] && suite_size=(--smoke)
+        timeout "$(cap 100)" "$py" benchmarks/gpu_suite.py --device "$device" "${suite_size[@]}" --json "$out/gpu_suite.json" >>"$log" 2>&1
+        ran $? suite
+    fi
+
+    # (c) The README loop under the scheduler, the plan by hand, BF16 autocast (c1 eager, c2
+    # compiled); (d) the searched plan by hand against all-FP8 linears and BF16 autocast (d1 eager,
+    # d2 compiled, d3 compiled all-FP8, whose autocast graph comes from Inductor's cache).
+    # shellcheck disable=SC2046
+    for run in "c1 eager 75" "d1 eager 60 plan_training plan,fp8_all,autocast" "d2 compiled 130 plan_training plan,autocast" \
+               "c2 compiled 150" "d3 compiled 120 fp8_training fp8_all,autocast"; do
+        read -r id mode limit name variants <<<"$run"
+        want "$id" || continue
+        compile=()
+        [ "$mode" = compiled ] && compile=(--compile --backend "$backend")
+        if [ -z "$name" ]; then
+            part "($id) scheduler costs, $mode"
+            timeout "$(cap "$limit")" "$py" benchmarks/scheduler_costs.py --device "$device" $(size_args "${sched[@]}") --window "$window" \
+                --accuracy-budget 0.02 --rounds "$rounds" "${compile[@]}" --out "$out/scheduler_costs_$mode.json" >>"$log" 2>&1
+            ran $? "scheduler_costs_$mode"
+        elif [ -f "$plan" ]; then
+            part "($id) $name, $mode ($variants)"
+            timeout "$(cap "$limit")" "$py" benchmarks/scheduler_costs.py --plan "$plan" --variants "$variants" --device "$device" \
+                $(size_args "${gpt[@]}") --rounds "$plan_rounds" --warmup 3 --val-batches 2 "${compile[@]}" \
+                --out "$out/${name}_$mode.json" >>"$log" 2>&1
+            ran $? "${name}_$mode"
+        else
+            echo "($id) no plan from the search ($plan): $name, $mode left out" | tee -a "$log"; failed+=("${name}_$mode=no-plan")
+        fi
+    done
+    part "summary"
+    "$py" benchmarks/gpu_session_report.py summary "$out" | tee -a "$log"
+    ;;
 *)
-    echo "unknown phase $phase (wheels|check|bench|search)"; exit 2
+    echo "unknown phase $phase (wheels|check|bench|search|all)"; exit 2
     ;;
 esac
 if [ "$dry" = --dry-run ]; then

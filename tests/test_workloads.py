@@ -76,6 +76,25 @@ def test_unknown_preset_names_the_choices():
         LMConfig.from_name("huge")
 
 
+def test_default_workload_takes_sizes_over_its_preset_as_the_gpu_search_job_does():
+    """``searches/gpt_gpu.toml`` configures the built-in LM as a 12-layer d2048 GPT through the
+    factory's keyword arguments; a name LMConfig has not, or sizes it refuses, are the job's
+    one-line ``[workload].kwargs`` errors."""
+    from pathlib import Path
+
+    from autoprec.errors import WorkloadError
+    from autoprec.search.config import load_job
+    from autoprec.workload import load_workload
+
+    job = load_job(Path(__file__).resolve().parents[1] / "searches" / "gpt_gpu.toml")
+    workload = load_workload(job.factory, job.factory_kwargs)
+    assert workload.batch_size == 8
+    assert workload.config == LMConfig(context=1024, d_model=2048, n_heads=16, n_layers=12, d_ff=8192)
+    for bad, why in (({"depth": 3}, "depth"), ({"d_model": 100, "n_heads": 3}, "divisible")):
+        with pytest.raises(WorkloadError, match=why):
+            load_workload("autoprec.workloads:default_workload", {"name": "tiny", **bad})
+
+
 def test_config_rejects_indivisible_heads():
     with pytest.raises(ValueError, match="divisible"):
         LMConfig(d_model=100, n_heads=3)

@@ -491,9 +491,13 @@ def batch_inputs(batch: Sequence[torch.Tensor]) -> tuple:
     return tuple(batch[:-1])
 
 
-def default_workload(name: str = "small", batch_size: int = 16) -> ByteLMWorkload:
-    """The built-in workload: preset ``name`` on the pydoc corpus, 90/10 train/val split."""
-    config = LMConfig.from_name(name)
+def default_workload(name: str = "small", batch_size: int = 16, **sizes: int) -> ByteLMWorkload:
+    """The built-in workload: preset ``name`` on the pydoc corpus, 90/10 train/val split.
+
+    ``sizes``: `LMConfig` fields that replace the preset's (``n_layers=12, d_model=2048,
+    n_heads=16, d_ff=8192, context=1024``: a GPT whose GEMMs fill a GPU, as in
+    ``searches/gpt_gpu.toml``); an unknown name raises TypeError, a bad value ValueError."""
+    config = dataclasses.replace(LMConfig.from_name(name), **sizes)
     train_split, val_split = split_corpus(load_corpus())
     return ByteLMWorkload(name, config, train_split, val_split, batch_size)
 
