@@ -102,17 +102,47 @@ def test_a_given_plan_around_a_compiled_model_trains_as_eager(dynamic):
     assert backend.compiles <= 4  # no recompiling step after step
 
 
-def test_the_searchs_candidates_are_timed_compiled_around_a_compiled_model():
+@pytest.mark.parametrize("settings", [dict(memory_budget=0.85, formats=("fp32", "bf16", "int8"), sample_every=3, search_slice=None),
+                                      dict(memory_budget=0.8)], ids=["int8", "every-format"])
+def test_the_searchs_candidates_are_timed_compiled_around_a_compiled_model(settings):
     """Probe steps and a candidate's metered and calibrating steps run eagerly; its timed steps
     (after one that compiles it) run the compiled code."""
     wl = default_workload("tiny", batch_size=8)
     model = wl.build_model(0)
     backend = Counting()
-    sch = DynamicPrecisionScheduler(monitor_window=WINDOW, monitor_steps=WINDOW, sample_every=3, memory_budget=0.85, search_slice=None,
-                                    accuracy_budget=0.05, formats=("fp32", "bf16", "int8"))
+    sch = DynamicPrecisionScheduler(monitor_window=WINDOW, monitor_steps=WINDOW, accuracy_budget=0.05, **settings)
     steps = train(model, torch.compile(model, backend=backend), sch, 80, wl.train_batches(0), wl, backend)
     assert sch.phase == "planned" and sch.plan.measured["compiled"] is True
     searching = [runs for i, (_, phase, runs) in enumerate(steps) if phase == "searching" or (i and steps[i - 1][1] == "searching")]
     tried = len(sch.plan.measured["candidates"])
     assert sum(1 for runs in searching if runs > 0) >= 2 * tried  # every candidate's timed steps
     assert sum(1 for runs in searching if runs == 0) > tried  # probes and first steps: eager
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_a_product_of_a_weight_view_compiles_whole(fmt):
+    """A layer computing ``x @ self.weight.t()`` runs its product through the runtime's mode, which
+    names the weight by identity among the layer's parameters: an id() of the view's base has no
+    source for Dynamo (a graph break; after it torch 2.11 stopped with an AssertionError when the
+    search timed such a candidate compiled)."""
+    import autoprec as ap
+
+    class ViewProjection(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(32, 16) / 4)
+
+        def forward(self, x):
+            return x @ self.weight.t()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(ViewProjection(), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    x = torch.randn(16, 16)
+    runtime = ap.apply_plan(model, ap.Plan.uniform(model, fmt, x))
+    with runtime:
+        for _ in range(3):  # eagerly past INT8 calibration: the report names how the product ran
+            model(x).sum().backward()
+    assert runtime.report()["0"]["ops"] == {"matmul": f"kernel torch.{'_int_mm' if fmt == 'int8' else '_scaled_mm'}"}
+    step = torch.compile(lambda inp: model(inp).sum(), backend="eager", fullgraph=True)  # fullgraph: a graph break raises
+    with runtime:
+        step(x).backward()

@@ -693,7 +693,13 @@ class PlanRuntime:
         is_param = is_weight(b)
         if is_param:
             base = b if isinstance(b, nn.Parameter) else b._base
-            weight_key = self._param_names.get(id(base))
+            # The layer's own parameters by identity first: Dynamo cannot take the id() of a view's
+            # base (it has no source), and torch 2.11 then fails after the graph break.
+            own = next((name for name, p in layer.module.named_parameters(recurse=False) if p is base), None)
+            if own is not None:
+                weight_key = f"{layer.fqn}.{own}" if layer.fqn else own
+            else:  # another module's parameter (a tied weight)
+                weight_key = self._param_names.get(id(base))
         else:
             weight_key = f"activation:{op}"  # its scaling state only: an activation is never kept
         out = self._linear(layer, a, b.t(), bias if beta == 1 else None, weight_key=weight_key, is_param=is_param)
