@@ -342,7 +342,7 @@ def _add_bench(subparsers, common: argparse.ArgumentParser) -> None:
 
 
 def _cmd_bench_gpu(args: argparse.Namespace) -> int:
-    from .gpu_bench import GpuBenchConfig, GpuBenchError, run_gpu_bench
+    from .bench.gpu import GpuBenchConfig, GpuBenchError, run_gpu_bench
 
     progress = _Progress("bench gpu")
     try:
@@ -555,8 +555,8 @@ def _add_search(subparsers, common: argparse.ArgumentParser) -> None:
 def _cmd_search(args: argparse.Namespace) -> int:
     import optuna
 
-    from .search.config import load_job
-    from .search.job import run_job
+    from .job.config import load_job
+    from .job.run import run_job
 
     config = load_job(args.config)
     optuna.logging.set_verbosity(optuna.logging.INFO if args.verbose else optuna.logging.WARNING)
@@ -633,7 +633,7 @@ def _add_export(subparsers, common: argparse.ArgumentParser) -> None:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from .export import write_torchao
+    from .integrations.export import write_torchao
 
     try:
         out, export = write_torchao(args.plan, args.out)

@@ -110,7 +110,7 @@ class LayerInfo:
     """What a plan fingerprints about a layer: its class, the ops it runs, its own parameter
     shapes, and ``batched``: those of its ops a trace saw run on batched operands (a second
     operand that is not one matrix, as attention's ``q @ k.transpose(-2, -1)``), which no FP8 /
-    INT8 kernel takes (`runtime.context.as_gemm`), so a low-precision plan emulates them."""
+    INT8 kernel takes (`runtime.layers.as_gemm`), so a low-precision plan emulates them."""
 
     module: str
     ops: tuple[str, ...]
@@ -218,7 +218,7 @@ def static_layers(model: nn.Module) -> dict[str, LayerInfo]:
 
 def _batched(op: str, func: Callable, args: tuple) -> bool:
     """Whether a ``matmul`` call multiplies batched operands: its second operand is not one
-    matrix or its first not at least one (as in `runtime.context.as_gemm`, which then finds no
+    matrix or its first not at least one (as in `runtime.layers.as_gemm`, which then finds no
     2-D GEMM). The other kernel ops (linear, mm, addmm) take matrices by definition."""
     if op != "matmul" or len(args) < 2:
         return False

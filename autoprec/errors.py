@@ -136,7 +136,7 @@ class OpCountError(AutoprecError, ValueError):
 
 
 class GpuBenchError(AutoprecError, ValueError):
-    """The GPU suite (`autoprec.gpu_bench`) cannot run as asked (no CUDA device without
+    """The GPU suite (`autoprec.bench.gpu`) cannot run as asked (no CUDA device without
     ``smoke``, a bad device name)."""
 
 

@@ -1,7 +1,7 @@
 """The GPU suite (`autoprec bench --suite gpu`) at the GPU session's sizes: its first two per-layer
 shapes (8192x4096x4096 and 8192x768x3072; the third, 4104x768x768, is launch-bound and was
 measured in the first run) and a short end-to-end part, to fit one device call beside the rest of
-`gpu_session.sh all`. Everything else is the full preset (`autoprec.gpu_bench.GpuBenchConfig`):
+`gpu_session.sh all`. Everything else is the full preset (`autoprec.bench.gpu.GpuBenchConfig`):
 the probe, every variant eager and compiled, torchao when it imports, the end-to-end model's own
 shapes, the JSON (device, torch, CUDA, commit) and the table.
 
@@ -18,7 +18,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from autoprec.gpu_bench import GpuBenchConfig, run_gpu_bench
+from autoprec.bench.gpu import GpuBenchConfig, run_gpu_bench
 
 
 def main() -> int:

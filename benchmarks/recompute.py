@@ -14,7 +14,7 @@ construction no plan without recomputation meets the tight budget (not even on t
 which err toward more memory). The *loose* budget is ``--loose`` (0.9 of the FP32 bytes), which
 plans without recomputation meet.
 
-**Runs per model.** Search jobs (`autoprec.search.job.run_job`, CPU): (1) without blocks at an
+**Runs per model.** Search jobs (`autoprec.job.run_job`, CPU): (1) without blocks at an
 unreachable budget: the floor above; (2) with blocks at the tight budget: the returned plan; (3)
 without blocks at the tight budget: its error (no plan, the smallest reachable named); (4) with
 blocks and (5) without blocks at the loose budget: the returned plan and (a), the best plan without
@@ -62,8 +62,8 @@ from autoprec.errors import InfeasibleBudgetError
 from autoprec.formats import Format
 from autoprec.plan import Plan
 from autoprec.runtime import EmulationWarning
-from autoprec.search.config import JobConfig, load_job
-from autoprec.search.job import run_job
+from autoprec.job.config import JobConfig, load_job
+from autoprec.job.run import run_job
 from autoprec.search.measured import Candidate, MeasuredStage, Measurement
 from autoprec.workload import TrainStep, load_workload
 from autoprec.workloads import default_workload

@@ -61,11 +61,11 @@ import optuna
 import torch
 from optuna.distributions import CategoricalDistribution
 
-import autoprec.search.job as job_module
+import autoprec.job.run as job_module
 from autoprec.formats import Format
-from autoprec.search.config import JobConfig, load_job
+from autoprec.job.config import JobConfig, load_job
 from autoprec.search.exact import k_best
-from autoprec.search.job import run_job
+from autoprec.job.run import run_job
 from autoprec.search.measured import MeasuredStage, StepVariant, formats_id
 from autoprec.runtime import EmulationWarning
 from autoprec.search.refine import CorrectingSampler

@@ -130,7 +130,7 @@ def dynamo_graphs() -> int:
 def window_format(scheduler: "ap.DynamicPrecisionScheduler", device: torch.device) -> "ap.Format":
     """The precision the scheduler's profiling window trains in (BF16 on CUDA by default)."""
     try:
-        from autoprec.plan_keeper import window_format_for
+        from autoprec.scheduler.plan_keeper import window_format_for
     except ImportError:  # an autoprec before window_format: FP32 unless FP32 is out of bounds
         return ap.Format.FP32 if scheduler.config.max_precision == 32 else ap.Format.BF16
     native = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)

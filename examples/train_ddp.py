@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import autoprec as ap
-from autoprec.scheduler_config import GRAD_COMM
+from autoprec.scheduler.config import GRAD_COMM
 from autoprec.workloads import default_workload
 
 

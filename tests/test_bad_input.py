@@ -26,7 +26,7 @@ from autoprec.errors import RuntimeStateError, SearchError, SettingsError
 from autoprec.formats import Format
 from autoprec.plan import Plan
 from autoprec.scheduler import DynamicPrecisionScheduler, Thresholds
-from autoprec.search.job import _check_study
+from autoprec.job.run import _check_study
 from autoprec.search.measured import Candidate, MeasuredStage
 from autoprec.search.study import open_storage, recover_interrupted_trials
 from autoprec.workloads import default_workload
@@ -438,7 +438,7 @@ def test_ctrl_c_swallowed_by_a_finalizer_still_stops_the_command_at_the_next_tic
 def test_ctrl_c_that_a_library_turns_into_another_error_still_ends_as_an_interrupt(tmp_path, monkeypatch, capsys):
     """Ctrl-C landing inside Optuna's trial bookkeeping once surfaced as its UnboundLocalError,
     with a traceback and exit status 1, instead of the one-line interrupt."""
-    import autoprec.search.job as job_module
+    import autoprec.job.run as job_module
 
     def run_job(*args, **kwargs):
         try:
@@ -508,7 +508,7 @@ def test_the_removed_search_trials_setting_says_why_and_the_fix():
 
 
 def test_settings_given_both_as_config_and_keywords_are_refused():
-    from autoprec.scheduler_config import SchedulerConfig
+    from autoprec.scheduler.config import SchedulerConfig
 
     with pytest.raises(SettingsError, match=r"config or as keywords, not both"):
         DynamicPrecisionScheduler(config=SchedulerConfig(), lr=1.0)
@@ -517,7 +517,7 @@ def test_settings_given_both_as_config_and_keywords_are_refused():
 def test_a_config_runs_as_its_keywords_do():
     import dataclasses
 
-    from autoprec.scheduler_config import SchedulerConfig
+    from autoprec.scheduler.config import SchedulerConfig
 
     config = SchedulerConfig(monitor_window=6, monitor_steps=3, memory_budget=0.9, accuracy_budget=0.05, measure_costs=False, search_slice=None)
     losses = {}

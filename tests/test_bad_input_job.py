@@ -4,7 +4,7 @@ sizes are bounded with a message, and every refusal is one line naming the key."
 import pytest
 
 from autoprec.errors import SearchError
-from autoprec.search.config import MAX_MEASURE_TOP, load_job
+from autoprec.job.config import MAX_MEASURE_TOP, load_job
 
 JOB = """
 [job]

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import autoprec as ap
 from autoprec.formats import Format
-from autoprec.policy import PolicyState, demotions
+from autoprec.scheduler.policy import PolicyState, demotions
 
 
 def test_a_window_with_skipped_steps_demotes_nothing_and_restarts_the_quiet_count():

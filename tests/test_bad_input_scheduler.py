@@ -188,11 +188,11 @@ def set_clocks(monkeypatch, measured, offpath):
     """``measured``: the clock probe and trial steps are timed with (their times choose the
     plan); ``offpath``: the one the search's off-path work would see itself run by."""
     import autoprec.costs.inplace
-    import autoprec.search.steps
+    import autoprec.scheduler.search_steps
     import autoprec.search.training
     import autoprec.timing
 
-    for module in (autoprec.timing, autoprec.search.steps, autoprec.costs.inplace):
+    for module in (autoprec.timing, autoprec.scheduler.search_steps, autoprec.costs.inplace):
         monkeypatch.setattr(module, "time", measured)
     monkeypatch.setattr(autoprec.search.training, "time", offpath)
 

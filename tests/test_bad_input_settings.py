@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from autoprec.errors import SettingsError
 from autoprec.scheduler import DynamicPrecisionScheduler
-from autoprec.scheduler_config import SchedulerConfig
+from autoprec.scheduler.config import SchedulerConfig
 
 
 @pytest.mark.parametrize("kwargs, expects", [

@@ -12,7 +12,7 @@ import torch.nn as nn
 import autoprec as ap
 from autoprec.errors import PlanError, SearchError, SettingsError
 from autoprec.plan import SCHEMA_VERSION
-from autoprec.search.config import load_job
+from autoprec.job.config import load_job
 from autoprec.search.space import LayerRules
 from autoprec.workloads.bytelm import ByteLM, LMConfig
 

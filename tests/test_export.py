@@ -10,7 +10,7 @@ from torch import nn
 from autoprec import Format, LayerPrecision, Plan, Scaling, ScalingMode, apply_plan
 from autoprec.cli import main
 from autoprec.coverage import LayerInfo
-from autoprec.export import torchao_export
+from autoprec.integrations.export import torchao_export
 from autoprec.formats import Granularity
 
 

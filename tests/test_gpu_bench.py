@@ -19,10 +19,10 @@ from autoprec.cli import main
 from autoprec.device import has_scaled_mm, scaled_mm_form
 from tests import torch_versions
 from autoprec.formats import Format
-from autoprec.gpu_bench import GpuBenchConfig
-from autoprec.gpu_bench.e2e import BenchLM, E2EConfig, choose_formats, fp8_plan, linear_shapes
-from autoprec.gpu_bench.layers import VARIANTS, measure_layers
-from autoprec.gpu_bench.probe import PROBE_CONFIGS, run_probe
+from autoprec.bench.gpu import GpuBenchConfig
+from autoprec.bench.gpu.e2e import BenchLM, E2EConfig, choose_formats, fp8_plan, linear_shapes
+from autoprec.bench.gpu.layers import VARIANTS, measure_layers
+from autoprec.bench.gpu.probe import PROBE_CONFIGS, run_probe
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = GpuBenchConfig.from_preset("smoke")
@@ -191,8 +191,8 @@ def test_compiled_variants_do_not_start_after_the_deadline():
 
 
 def test_eager_target_compares_the_best_eager_fp8_variant_with_eager_bf16():
-    from autoprec.gpu_bench import FP8_EAGER_SPEEDUP_TARGET, _targets
-    from autoprec.gpu_bench.rows import Row
+    from autoprec.bench.gpu import FP8_EAGER_SPEEDUP_TARGET, _targets
+    from autoprec.bench.gpu.rows import Row
 
     config = GpuBenchConfig(layer_shapes=((64, 32, 32),))
     shape = [64, 32, 32]
@@ -214,7 +214,7 @@ def test_eager_target_compares_the_best_eager_fp8_variant_with_eager_bf16():
 
 
 def test_unfused_variant_runs_the_tensorwise_plan_with_pytorch_ops():
-    from autoprec.gpu_bench.layers import UNFUSED
+    from autoprec.bench.gpu.layers import UNFUSED
 
     unfused = next(v for v in VARIANTS if v.name == "autoprec_fp8_tensor_unfused")
     fused = next(v for v in VARIANTS if v.name == "autoprec_fp8_tensor" and not v.compiled)

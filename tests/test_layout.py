@@ -1,7 +1,9 @@
-"""What the package layout promises: artifacts saved before the layout changed still load and
+"""What the package layout promises: imports point down the pipeline, never back up; no module
+grows past what one concern holds; artifacts saved before the layout changed still load and
 resume (the files in tests/data/before_layout were written by the code of before; see
 tests/data/before_layout/README.md)."""
 
+import ast
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,88 @@ import autoprec as ap
 from autoprec.workloads import default_workload
 
 BEFORE = Path(__file__).parent / "data" / "before_layout"
+PACKAGE = Path(ap.__file__).parent
+
+# The parts, bottom first (the README's "Layout" section): a module may import its own part and
+# the parts of its layer or below, never one above. Imports under ``if TYPE_CHECKING:`` are
+# annotations only and do not count.
+LAYERS = (
+    {"errors", "formats", "device", "_io", "_tracing", "calls", "coverage", "blocks", "plan", "changes", "measure", "timing", "opcount",
+     "workload"},
+    {"runtime"},
+    {"profiling", "scaling"},
+    {"sensitivity", "costs"},
+    {"search"},
+    {"monitoring"},
+    {"distributed"},
+    {"scheduler"},
+    {"job", "integrations", "bench", "workloads", "cli", "__main__", "autoprec"},
+)
+LAYER_OF = {part: i for i, parts in enumerate(LAYERS) for part in parts}
+MAX_LINES = 700
+
+
+def part_of(module: str) -> str:
+    """``autoprec.search.pipeline`` -> ``search``; the package itself -> ``autoprec``."""
+    names = module.split(".")
+    return names[1] if len(names) > 1 else "autoprec"
+
+
+def modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE.parent).with_suffix("")
+        names = list(relative.parts)
+        is_package = names[-1] == "__init__"
+        if is_package:
+            names = names[:-1]
+        yield path, ".".join(names), is_package
+
+
+def imports(path: Path, module: str, is_package: bool):
+    """(line, imported module) of each runtime import of an autoprec module in ``path``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    type_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
+                 for n in ast.walk(node)}
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+                if target == "autoprec" and [a.name for a in node.names] == ["__version__"]:
+                    continue  # the version string, set first in the package
+                yield node.lineno, target
+            elif node.module and node.module.split(".")[0] == "autoprec":
+                yield node.lineno, node.module
+        elif isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "autoprec")
+
+
+def test_every_part_has_a_layer_and_imports_only_its_layer_and_below():
+    wrong = []
+    for path, module, is_package in modules():
+        part = part_of(module)
+        assert part in LAYER_OF, f"{module}: part {part!r} has no layer; place it in LAYERS (and the README's layout)"
+        for line, target in imports(path, module, is_package):
+            above = part_of(target)
+            if LAYER_OF.get(above, -1) > LAYER_OF[part]:
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {part} imports {target} ({above} is above it)")
+    assert not wrong, "imports pointing up the pipeline:\n" + "\n".join(wrong)
+
+
+def test_the_import_check_sees_an_import_up_the_pipeline(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from ..scheduler import DynamicPrecisionScheduler\nif TYPE_CHECKING:\n    from ..job import run_job\n", encoding="utf-8")
+    found = list(imports(bad, "autoprec.runtime.bad", False))
+    assert found == [(1, "autoprec.scheduler")]  # the TYPE_CHECKING one is left out
+    assert LAYER_OF[part_of(found[0][1])] > LAYER_OF["runtime"]
+
+
+def test_no_module_is_longer_than_one_concern_needs():
+    long = {str(path.relative_to(PACKAGE.parent)): n for path, _, _ in modules() if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}; split them by concern"
 SETTINGS = dict(monitor_window=6, monitor_steps=6, sample_every=2, memory_budget=0.85, accuracy_budget=0.05,
                 formats=("fp32", "bf16", "int8"), measure_costs=False)
 

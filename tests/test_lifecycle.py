@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from autoprec.lifecycle import CAPTURED_STEPS, Tick, WindowClock
+from autoprec.scheduler.lifecycle import CAPTURED_STEPS, Tick, WindowClock
 
 
 def test_a_profiling_window_meters_its_last_step_and_ends_after_window_steps():

@@ -3,8 +3,8 @@
 from autoprec.formats import Format
 from autoprec.plan import Plan
 from autoprec.profiling import TensorWatch, WatchReport
-from autoprec.policy import PolicyState, PrecisionChange, demotions, promotions, wider_format, window_triggers
-from autoprec.scheduler_config import Thresholds
+from autoprec.scheduler.policy import PolicyState, PrecisionChange, demotions, promotions, wider_format, window_triggers
+from autoprec.scheduler.config import Thresholds
 
 LADDER = [Format.BF16, Format.FP32]
 T = Thresholds(overflow=1e-3, underflow=0.25, amax_drift=16.0, stable_windows=2)

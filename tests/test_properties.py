@@ -14,7 +14,7 @@ from autoprec.formats import Format, Granularity
 from autoprec.plan import MAX_HISTORY_LEN, Calibration, CalibrationMethod, LayerPrecision, Plan, Scaling, ScalingMode
 from autoprec.profiling.artifact import LayerProfile, Profile
 from autoprec.profiling.stats import NUM_BINS, REFERENCES, FormatFractions, GradStats, Histogram, TensorStats, scalings_for
-from autoprec.search.config import load_job
+from autoprec.job.config import load_job
 
 FAST = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 

@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 
 import autoprec as ap
 from autoprec.errors import RuntimeStateError
-from autoprec.nonfinite import OutputWatch
+from autoprec.scaling.nonfinite import OutputWatch
 from autoprec.opcount import graph_breaks
 from autoprec.workloads.bytelm import ByteLM, LMConfig
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.amp.grad_scaler import OptState
 
-import autoprec.scaling as scaling
+import autoprec.scaling.scaler as scaling
 from autoprec.opcount import OpCounter as OpCounts
 from autoprec.errors import AutoprecError, RuntimeStateError
 from autoprec.scaling import LossScaler, OutputWatch, ScalingError

@@ -127,8 +127,8 @@ def test_planned_steps_run_the_plan(planned):
 
 
 def test_the_window_runs_in_bf16_where_the_device_computes_it_natively():
-    from autoprec.plan_keeper import window_format_for
-    from autoprec.scheduler_config import SchedulerConfig
+    from autoprec.scheduler.plan_keeper import window_format_for
+    from autoprec.scheduler.config import SchedulerConfig
 
     assert window_format_for(SchedulerConfig(), native_bf16=True) is Format.BF16  # an Ampere-or-newer GPU
     assert window_format_for(SchedulerConfig(), native_bf16=False) is Format.FP32  # a CPU

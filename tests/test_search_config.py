@@ -6,7 +6,7 @@ import pytest
 
 from autoprec.errors import SearchError
 from autoprec.formats import Format
-from autoprec.search.config import load_job
+from autoprec.job.config import load_job
 
 GOOD = """
 [job]
@@ -132,7 +132,7 @@ def test_a_huge_number_of_held_out_batches_is_refused(tmp_path):
 
 
 def test_the_job_and_the_scheduler_hand_the_pipeline_one_planning_of_their_settings(tmp_path):
-    from autoprec.scheduler_config import SchedulerConfig
+    from autoprec.scheduler.config import SchedulerConfig
     from autoprec.search.space import Budgets, LayerRules, Planning
 
     job = load_job(write(tmp_path, GOOD.replace("seed = 3", "seed = 3\ntimeout_s = 7.5")))

@@ -13,8 +13,8 @@ from autoprec.errors import InfeasibleBudgetError, SearchError
 from autoprec.measure import SavedTensorMeter
 from autoprec.formats import Format
 from autoprec.plan import Plan
-from autoprec.search.config import load_job
-from autoprec.search.job import run_job
+from autoprec.job.config import load_job
+from autoprec.job.run import run_job
 from autoprec.search.measured import AutocastCheckpoint, BudgetPruner, Candidate, MeasuredStage, Measurement, fastest_meeting
 from autoprec.workloads import default_workload
 
@@ -139,7 +139,7 @@ def test_predicted_bytes_of_every_measured_plan_err_on_the_safe_side(searched):
     share one region (all FP32, or none FP32); a mixed plan charges each FP32 layer the extra it
     costs between half-precision neighbours, the most it can be, so within 15 % (a plan of ten
     FP32 layers and one BF16 measured 11 % under its prediction here)."""
-    from autoprec.search.workers import adopt_candidates
+    from autoprec.job.workers import adopt_candidates
 
     folder, _, _ = searched
     study = optuna.load_study(study_name="tiny:measured", storage=f"sqlite:///{folder / 'out' / 'study.db'}")

@@ -249,7 +249,7 @@ def test_a_layer_a_measurement_decided_says_so_and_one_the_proxy_decided_does_no
 
 
 def test_the_evidence_compares_the_trial_with_the_proxys_optimum_as_measured():
-    from autoprec.search.job import _evidence
+    from autoprec.job.run import _evidence
     from autoprec.search.measured import Measurement
 
     text = _evidence(7, Measurement(100, 0.088), 0.105, (0, Measurement(100, 0.1), 0.1))

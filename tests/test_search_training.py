@@ -11,7 +11,7 @@ import torch.nn as nn
 from autoprec.coverage import find_layers
 from autoprec.formats import Format
 from autoprec.scheduler import DynamicPrecisionScheduler
-import autoprec.search.steps as search_steps
+import autoprec.scheduler.search_steps as search_steps
 from autoprec.search.training import PROBE_ROUNDS, PROBED_PER_ROLE, TrainingSearch, probe_formats
 from autoprec.workloads import default_workload
 
@@ -65,7 +65,7 @@ def test_layers_of_one_role_share_a_role_and_others_do_not():
 
 
 def search_for(model, example, known=None, profile=None, **settings):
-    from autoprec.scheduler_config import SchedulerConfig
+    from autoprec.scheduler.config import SchedulerConfig
 
     config = SchedulerConfig(**{"formats": ("fp32", "bf16", "fp16", "int8"), **settings})
     fingerprint = find_layers(model, example)

@@ -62,12 +62,12 @@ def _candidate_ids(study):
 
 @contextlib.contextmanager
 def worker_log():
-    """The records of autoprec.search.workers, caught on that logger itself (the CLI stops
+    """The records of autoprec.job.workers, caught on that logger itself (the CLI stops
     autoprec's records from reaching the root logger, where caplog listens)."""
     records = []
     handler = logging.Handler(logging.INFO)
     handler.emit = records.append
-    logger = logging.getLogger("autoprec.search.workers")
+    logger = logging.getLogger("autoprec.job.workers")
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)

@@ -8,7 +8,7 @@ import torch
 
 from autoprec import timing
 from autoprec.costs.inplace import StepTimer
-from autoprec.gpu_bench import timing as gpu_timing
+from autoprec.bench.gpu import timing as gpu_timing
 
 CUDA = torch.device("cuda")
 

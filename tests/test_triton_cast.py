@@ -338,7 +338,7 @@ def fused_path(tc, monkeypatch):
     monkeypatch.setattr(tc, "_launch", outside_modes)
     if DEVICE == "cpu":
         made = tc.FusedCasts("cpu")
-        monkeypatch.setattr("autoprec.runtime.context.fused_casts", lambda device: made)
+        monkeypatch.setattr("autoprec.runtime.layers.fused_casts", lambda device: made)
         return made
     return fused_casts(DEVICE)
 
@@ -396,7 +396,7 @@ def _stand_in_scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None, **_):
 def test_row_wise_fused_layer_equals_pytorch_ops_through_a_stand_in_gemm(fused_path, monkeypatch, in_dtype):
     """torch 2.11's CPU ``_scaled_mm`` refuses row-wise scales: a stand-in GEMM takes them, so the
     row-wise plumbing (row scales forward, the per-tensor transposed copy for the backward) runs."""
-    monkeypatch.setattr("autoprec.runtime.context._row_scale_form", lambda fmt, out_dtype, device: (True, "stand-in"))
+    monkeypatch.setattr("autoprec.runtime.layers.row_scale_form", lambda fmt, out_dtype, device: (True, "stand-in"))
     monkeypatch.setattr(torch, "_scaled_mm", _stand_in_scaled_mm)
     torch.manual_seed(0)
     base = nn.Linear(131, 67)

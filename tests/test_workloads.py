@@ -83,7 +83,7 @@ def test_default_workload_takes_sizes_over_its_preset_as_the_gpu_search_job_does
     from pathlib import Path
 
     from autoprec.errors import WorkloadError
-    from autoprec.search.config import load_job
+    from autoprec.job.config import load_job
     from autoprec.workload import load_workload
 
     job = load_job(Path(__file__).resolve().parents[1] / "searches" / "gpt_gpu.toml")

@@ -6,7 +6,7 @@
 - `overhead`: the profiler's cost per step (`measure_overhead`);
 - `ranking`: the cost model's predicted ranking of uniform plans against measured step times.
 
-The GPU suite is `autoprec.gpu_bench`. Targets are `autoprec.workload.Workload` objects: the CLI
+The GPU suite is `autoprec.bench.gpu`. Targets are `autoprec.workload.Workload` objects: the CLI
 passes the built-in ones or ``--workload module:function``; this package imports no workload.
 """
 

@@ -34,7 +34,7 @@ import torch
 
 from ..formats import Format, Granularity
 from ..plan import LayerPrecision
-from ..runtime.context import as_gemm, kernel_reason
+from ..runtime.layers import as_gemm, kernel_reason
 from ..runtime.gemm import FP8_ALIGN, INT8_ALIGN, INT8_MIN_ROWS
 from .trace import LayerTrace, MatmulCall, TensorSpec
 
@@ -78,7 +78,7 @@ def call_path(call: MatmulCall, precision: LayerPrecision, device: "torch.device
 
     ``"fp32"`` (also for ops autocast keeps in FP32), ``"autocast"``, ``"kernel"`` (``torch._scaled_mm`` / ``torch._int_mm``) or
     ``"emulated"``; the shape is given for kernel calls only. Mirrors
-    `PlanRuntime._run_low_precision` (it asks the runtime's own GEMM matcher and kernel rule).
+    `runtime.products.Products.run_low_precision` (it asks the runtime's own GEMM matcher and kernel rule).
     """
     fmt = precision.format
     device = torch.device(device)

@@ -28,7 +28,7 @@ from lightning.pytorch.plugins.precision import Precision
 
 from ..plan import Plan
 from ..scheduler import DynamicPrecisionScheduler
-from ..scheduler_config import SchedulerConfig
+from ..scheduler.config import SchedulerConfig
 from ..errors import IntegrationError
 from ._metrics import scheduler_metrics
 

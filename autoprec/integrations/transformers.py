@@ -114,7 +114,7 @@ class AutoprecTrainer(Trainer):
     The scheduler is bound to the Trainer's model (as with ``model=``), so that its first
     training forward already runs the scheduler's precision (a scheduler binding itself runs
     that one at FP32) and a ``compute_loss`` override calling another model is refused
-    (`autoprec._binding`)."""
+    (`autoprec.scheduler.binding`)."""
 
     def __init__(self, model: Any = None, args: Any = None, *rest: Any, scheduler: Optional[DynamicPrecisionScheduler] = None, **kwargs: Any):
         if not isinstance(scheduler, DynamicPrecisionScheduler):

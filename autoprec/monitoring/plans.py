@@ -27,6 +27,7 @@ from ..plan import CalibrationMethod, LayerPrecision, Plan, ScalingMode
 from .figures import FONT, OKABE_ITO, RGB, Drawing, mpl_colour, new_figure, pixel, settle
 
 __all__ = [
+    "budget_scalars",
     "FORMAT_COLOURS",
     "Figures",
     "BudgetCheck",
@@ -623,3 +624,21 @@ def diff_plans(a: Plan, b: Plan, names: tuple[str, str] = ("a", "b")) -> PlanDif
             either.reason if either is not None else "", delta("bytes"), delta("seconds"), delta("loss"),
         ))
     return PlanDiff(names[0], a, names[1], b, tuple(diffs))
+
+
+def budget_scalars(plan: Plan) -> dict[str, float]:
+    """Whether the plan's figures meet its budgets, as 1.0 / 0.0 per source and budget:
+    ``plan/{predicted,measured}_within_{bytes,loss_increase}`` for each budget that has a limit
+    and a figure to check, and ``plan/<source>_within_budgets`` over those (all met)."""
+    scalars: dict[str, float] = {}
+    checks = [(c.figure, c.bound) for c in budget_checks(plan) if c.bound is not None and c.figure is not None]
+    for source, figures in plan_figures(plan).items():
+        verdicts = []
+        for figure, bound in checks:
+            value = figures.total(figure)
+            if value is not None:
+                verdicts.append(value <= bound)
+                scalars[f"plan/{source}_within_{figure}"] = float(verdicts[-1])
+        if verdicts:
+            scalars[f"plan/{source}_within_budgets"] = float(all(verdicts))
+    return scalars

@@ -59,7 +59,7 @@ from .figures import (
 )
 from .plans import (
     MISSING,
-    budget_checks,
+    budget_scalars,
     finite_number,
     format_bytes,
     format_number,
@@ -643,24 +643,6 @@ def write_search(
         writer.close()
     logger.info("wrote %d trials to %s", len(points), logdir / run)
     return logdir / run
-
-
-def budget_scalars(plan: Plan) -> dict[str, float]:
-    """Whether the plan's figures meet its budgets, as 1.0 / 0.0 per source and budget:
-    ``plan/{predicted,measured}_within_{bytes,loss_increase}`` for each budget that has a limit
-    and a figure to check, and ``plan/<source>_within_budgets`` over those (all met)."""
-    scalars: dict[str, float] = {}
-    checks = [(c.figure, c.bound) for c in budget_checks(plan) if c.bound is not None and c.figure is not None]
-    for source, figures in plan_figures(plan).items():
-        verdicts = []
-        for figure, bound in checks:
-            value = figures.total(figure)
-            if value is not None:
-                verdicts.append(value <= bound)
-                scalars[f"plan/{source}_within_{figure}"] = float(verdicts[-1])
-        if verdicts:
-            scalars[f"plan/{source}_within_budgets"] = float(all(verdicts))
-    return scalars
 
 
 def write_candidates(

@@ -46,7 +46,7 @@ from ..coverage import layer_name
 from ..errors import MonitoringError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
-from ..policy import PrecisionChange
+from ..changes import PrecisionChange
 from .figures import OKABE_ITO, Drawing, declutter_ticks, mpl_colour, new_figure, settle
 from .plans import markdown_table, plan_layers_markdown, plan_summary_markdown, render_precision_map
 from .writer import add_figure, add_scalars, add_text, ensure_writable_dir, run_name

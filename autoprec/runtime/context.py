@@ -1,4 +1,4 @@
-"""`PlanRuntime`: makes a `Plan` real in forward and backward, and holds the runtime state.
+"""`PlanRuntime`: makes a `Plan` real in forward and backward, holds the runtime state, reports.
 
 How a plan runs (``with runtime:``), cheapest first:
 
@@ -7,18 +7,11 @@ How a plan runs (``with runtime:``), cheapest first:
   between layers behaves exactly as under plain autocast (same ops, same FP32 policy). A uniform
   BF16 plan of ordinary layers is exactly ``torch.autocast(dtype=torch.bfloat16)``: no per-layer
   machinery at all.
-- A layer gets a forward wrapper only where the region's autocast is not already what it needs:
-  FP32 layers (autocast off, FP32 inputs), half layers in the other half dtype, FP8 / INT8 layers,
-  and every planned layer below a wrapped one (so the innermost planned layer always decides).
-  Wrappers are built and installed once per runtime (one ``forward`` attribute per layer) and
-  stay until `PlanRuntime.remove`; entering the context only flips a flag of the calling
-  thread, so a compiled step can enter it (`PlanRuntime.region`) with no graph break. Outside
-  the context, in any other thread and in a deep copy of the model, a wrapper calls the
-  module's own forward: the plain model's ops exactly.
-- FP8 / INT8 ``nn.Linear`` layers call the kernels directly (`gemm.Fp8Linear` / `gemm.Int8Linear`).
-  Other FP8 / INT8 layers (a projection calling ``addmm`` on a transposed weight, ``x @ w.t()``,
-  convolutions, attention) run under a `TorchFunctionMode` entered only inside their own forward,
-  which routes their matrix products to the same kernels or, where none exists, to emulation.
+- Layers that need more get a forward wrapper (`wrappers`), installed once per runtime; entering
+  the context only flips a flag of the calling thread, so a compiled step can enter it
+  (`PlanRuntime.region`) with no graph break.
+- FP8 / INT8 products run through the kernels or, where none exists, emulation (`products`); a
+  planned layer's state is `layers.RuntimeLayer`.
 
 Backward needs no context (``loss.backward()`` may run after the ``with`` block). Costs per step
 of an FP8 / INT8 linear layer: one amax and one cast per input, weight and output gradient, three
@@ -31,42 +24,25 @@ and restore it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import logging
 import os
-import threading
-import types
-import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 
-from .._tracing import is_weight
-from ..coverage import MATMUL_OPS, layer_name
-from ..device import KERNEL_OPS, canonical_device, format_support, scaled_mm_form
+from ..coverage import layer_name
 from ..errors import RuntimeStateError
-from ..formats import Format, Granularity
-from ..plan import LayerPrecision, Plan, ScalingMode
+from ..formats import Format
+from ..plan import Plan
 from .calibration import Int8Calibrator
-from .casts import FUSED, PYTORCH, call_casts, describe, fused_casts
-from .emulation import StoredInFormat
-from .gemm import FP8_ALIGN, INT8_ALIGN, Fp8Linear, Fp8Spec, Int8Linear, Int8Spec, pad_to_multiple
-from .quantizers import GradQuantizer, InputQuantizer, WeightQuantizer
-from .recompute import BlockHost, block_wrapper, recorded_scale
-from .wrapping import displaced, mark, previous_of
+from .layers import EmulationWarning, RuntimeLayer, as_gemm, kernel_reason
+from .products import PerThread, Products
+from .quantizers import InputQuantizer
+from .wrappers import LayerWrappers
 
 __all__ = ["PlanRuntime", "apply_plan", "removing", "EmulationWarning", "kernel_reason", "as_gemm"]
-
-logger = logging.getLogger(__name__)
-
-# Ops CPU autocast leaves uncast: they fail on mixed dtypes inside a half layer, so a layer that
-# runs one gets the layer mode, which gives them the layer's dtype.
-_AUTOCAST_UNCAST = {"cpu": frozenset({"mv", "addmv", "bilinear"})}
 
 
 # Set in a planned module's __dict__ while a runtime is active on it (eager entries), so a second
@@ -80,231 +56,6 @@ def _active_runtime(module: nn.Module) -> "PlanRuntime | None":
     mark = module.__dict__.get(_ACTIVE_MARK)
     runtime = mark() if mark is not None else None
     return runtime if runtime is not None and runtime._active else None
-
-
-class _ThreadState:
-    """What one thread has entered. Plain attributes, not a ``threading.local``'s own: Dynamo
-    replays mutations of an ordinary object inside a compiled region, while a write to a
-    ``threading.local`` inside one is not seen by later reads of the same trace (torch 2.13)."""
-
-    __slots__ = ("active", "stack", "mode_active")
-
-    def __init__(self):
-        self.active = False
-        # The planned layers whose forward is running, innermost last. A tuple replaced on entry and
-        # restored on exit, never mutated: Dynamo refuses a list mutation inside a checkpointed
-        # (recomputed) block's traced body, an attribute set and reset it accepts.
-        self.stack: tuple = ()
-        self.mode_active = False
-
-
-class _PerThread(threading.local):
-    """One `_ThreadState` per thread, made on the thread's first read (like autocast's state)."""
-
-    def __init__(self):
-        self.state = _ThreadState()
-
-
-class EmulationWarning(UserWarning):
-    """A layer runs its planned format without a real kernel (low-precision storage, FP32 compute)."""
-
-
-def kernel_reason(precision: LayerPrecision, device: "torch.device | str") -> "str | None":
-    """Why the 2-D products of a layer in ``precision`` cannot use a real kernel on ``device``;
-    None when they can. The one place that decides kernel or emulation (the cost model asks it too).
-
-    Shapes never force emulation: operands are padded to the kernels' alignment.
-    """
-    fmt = precision.format
-    support = format_support(fmt, device)
-    if not support.kernel:
-        return support.reason
-    granularity = precision.scaling.granularity
-    if granularity is Granularity.BLOCK:
-        return "block scaling has no kernel"
-    if granularity is Granularity.ROW and fmt.is_fp8:
-        # Row-wise scales are a form of their own (torch 2.11's CPU kernel refuses them): the
-        # forward's exact call, BF16 out (the form every torch with row-wise scaling takes).
-        ok, reason = _row_scale_form(fmt, torch.bfloat16, device)
-        if not ok:
-            return reason
-    return None
-
-
-def _row_scale_form(fmt: Format, out_dtype: torch.dtype, device: "torch.device | str") -> tuple[bool, str]:
-    """Whether the installed torch runs an FP8 forward with row-wise-shaped scales on ``device``:
-    ``fmt`` input x E4M3 weight, fused bias, ``out_dtype`` out (probed once, cached)."""
-    return scaled_mm_form(canonical_device(device), fmt.dtype, Format.FP8_E4M3.dtype, out_dtype, row_scales=True, bias=True)
-
-
-def _to_fp32(value: Any) -> Any:
-    if torch.is_tensor(value) and value.is_floating_point() and value.dtype != torch.float32:
-        return value.float()
-    return value
-
-
-def _unify_dtypes(tree: Any, dtype: torch.dtype) -> Any:
-    """Floating tensors of ``tree`` cast to ``dtype`` when they do not already share one dtype."""
-    floats = {t.dtype for t in pytree.tree_leaves(tree) if torch.is_tensor(t) and t.is_floating_point()}
-    if len(floats) <= 1:
-        return tree
-    return pytree.tree_map(lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t, tree)
-
-
-def as_gemm(op: str, func, args, kwargs):
-    """``(a (M,K), b (K,N), bias, beta, alpha, out_shape)`` when the op is one 2-D GEMM, else None."""
-    if op not in KERNEL_OPS:
-        return None
-    beta, alpha, bias = 1, 1, None
-    if op == "linear":
-        x, w = args[0], args[1]
-        bias = args[2] if len(args) > 2 else kwargs.get("bias")
-        b = w.t()
-    elif op == "addmm":
-        bias, x, b = args[0], args[1], args[2]
-        beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
-        if bias.dim() > 1:
-            return None
-    else:  # matmul / mm, incl. Tensor.__rmatmul__(self, other) == other @ self
-        x, b = (args[1], args[0]) if func is torch.Tensor.__rmatmul__ else (args[0], args[1])
-        if kwargs:
-            return None
-    if not (torch.is_tensor(x) and torch.is_tensor(b)) or x.dim() < 2 or b.dim() != 2:
-        return None
-    if not (x.is_floating_point() and b.is_floating_point()):
-        return None
-    return x.reshape(-1, x.shape[-1]), b, bias, beta, alpha, (*x.shape[:-1], b.shape[1])
-
-
-class _Layer:
-    """One planned layer while the runtime lives: its precision, quantizers and run report."""
-
-    def __init__(self, fqn: str, module: nn.Module, precision: LayerPrecision, device: torch.device):
-        self.fqn = fqn
-        self.module = module
-        self.precision = precision
-        self.format = precision.format
-        self.low_precision = self.format in (Format.FP8_E4M3, Format.FP8_E5M2, Format.INT8)
-        self.device = device
-        self.kernel_reason = kernel_reason(precision, device) if self.low_precision else None
-        # The half dtypes the installed torch's _scaled_mm writes with row-wise-shaped scales for
-        # this layer's forward (empty where it refuses them, e.g. torch 2.11 on CPU): probed here
-        # once, never in a forward (which may be traced by torch.compile).
-        self.row_scale_outs: frozenset = frozenset()
-        if self.format.is_fp8 and self.kernel_reason is None:
-            self.row_scale_outs = frozenset(
-                d for d in (torch.bfloat16, torch.float16) if _row_scale_form(self.format, d, device)[0]
-            )
-        # How its FP8 kernel calls quantize: the device's fused Triton casts (chosen once per
-        # device, `casts.cast_path`) or None for PyTorch ops; `casts_ran`: what its last eager call used.
-        self.casts = fused_casts(device) if self.format.is_fp8 and self.kernel_reason is None else None
-        self.casts_ran = FUSED if self.casts is not None else PYTORCH
-        self.keeps_thread_state = False  # set by its wrapper (PlanRuntime._wrapper), when it has one
-        self.direct = False  # its product is one kernel call, routed by its wrapper (set there)
-        self.inputs: dict[str, InputQuantizer] = {}
-        self.calibrators: dict[str, Int8Calibrator] = {}
-        self.weights: dict[tuple, WeightQuantizer] = {}
-        # The output gradient's quantizer (stateless, shared by every product of the layer); None
-        # where the backward stays in high precision (FP32 gradients, INT8 layers).
-        grad_fmt = precision.grad_format
-        self.grad: "GradQuantizer | None" = None
-        if self.format.is_fp8 and grad_fmt.is_fp8:
-            self.grad = GradQuantizer.for_layer(self.format, grad_fmt)
-        self._emulation: "tuple[InputQuantizer, WeightQuantizer] | None" = None
-        self.ops: dict[str, str] = {}  # op -> how it ran ("kernel ...", "emulated (...)", "autocast ...")
-        self.unwarned: list[str] = []  # ops emulated since the layer's last EmulationWarning
-
-    def input_quantizer(self, key: str) -> InputQuantizer:
-        quantizer = self.inputs.get(key)
-        if quantizer is None:
-            quantizer = self.inputs[key] = InputQuantizer(self.format, self.precision.scaling)
-        return quantizer
-
-    def calibrator(self, key: str, channels: int) -> Int8Calibrator:
-        calibrator = self.calibrators.get(key)
-        if calibrator is None:
-            calibrator = self.calibrators[key] = Int8Calibrator(self.precision.calibration, channels)
-        return calibrator
-
-    @staticmethod
-    def kernel_bias(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``bias`` in ``dtype``, padded to the FP8 kernel's N: one cast (and a pad) of N
-        elements per call, never kept (a kept copy would go stale as the weights do)."""
-        with torch.no_grad():
-            padded = bias.to(dtype)
-            if bias.shape[0] % FP8_ALIGN:
-                padded = pad_to_multiple(padded.unsqueeze(0), 1, FP8_ALIGN).squeeze(0)
-        return padded
-
-    def weight_quantizer(self, key: tuple) -> WeightQuantizer:
-        quantizer = self.weights.get(key)
-        if quantizer is None:
-            rowwise = self.precision.scaling.granularity is Granularity.ROW
-            fmt = Format.INT8 if self.format is Format.INT8 else Format.FP8_E4M3
-            # Per-tensor scales in row-wise shape only on CPU and only where the installed torch
-            # takes that form (2.13 does, 2.11 refuses it): see gemm.Fp8Spec.expand_scales.
-            row_scales = self.device.type == "cpu" and self.format is Format.FP8_E4M3 and torch.bfloat16 in self.row_scale_outs
-            granularity = Granularity.ROW if rowwise else Granularity.TENSOR
-            quantizer = self.weights[key] = WeightQuantizer(fmt, granularity, INT8_ALIGN if fmt is Format.INT8 else FP8_ALIGN, row_scales)
-        return quantizer
-
-    def emulation_quantizers(self) -> "tuple[InputQuantizer, WeightQuantizer]":
-        """The input and weight quantizers of emulated products: the layer's format and
-        granularity (BLOCK included), current scaling (no state, so no history to share with the
-        kernels' quantizers); the gradient's is `grad`. Made once."""
-        if self._emulation is None:
-            scaling = dataclasses.replace(self.precision.scaling, mode=ScalingMode.CURRENT)
-            self._emulation = (InputQuantizer(self.format, scaling), WeightQuantizer(self.format, scaling.granularity))
-        return self._emulation
-
-    def note(self, op: str, how: str) -> None:
-        if torch.compiler.is_compiling() or self.ops.get(op) == how:
-            return
-        if how.startswith("emulated") and not self.ops.get(op, "").startswith("emulated"):
-            self.unwarned.append(op)  # said once the layer's forward ends (`warn_emulated`), with its other ops
-        self.ops[op] = how
-
-    def warn_emulated(self) -> None:
-        """One `EmulationWarning` naming every op this layer emulated since its last one (all of
-        them, the first time its forward ends), grouped by why. The only channel: nothing is
-        logged, so a user filtering the warning sees it nowhere."""
-        ops, self.unwarned = self.unwarned, []
-        by_how: dict[str, list[str]] = {}
-        for op in ops:
-            by_how.setdefault(self.ops[op], []).append(op)
-        ways = "; ".join(f"{', '.join(names)} in {self.format.value} {how}" for how, names in by_how.items())
-        # stacklevel 5: the line that called the layer (past its forward and Module.__call__'s two frames).
-        warnings.warn(f"autoprec: layer {layer_name(self.fqn, self.module)!r} runs {ways}", EmulationWarning, stacklevel=5)
-
-
-class _LayerMode(TorchFunctionMode):
-    """Routes the matrix products of the innermost running planned layer by its format.
-
-    Entered only inside the forward of layers that need it (not for the whole region): FP8 / INT8
-    layers that are not plain ``nn.Linear``, FP32 layers holding lowered layers, and half layers
-    that run products CPU autocast leaves uncast.
-    """
-
-    def __init__(self, runtime: "PlanRuntime"):
-        super().__init__()
-        self.runtime = runtime
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        op = MATMUL_OPS.get(func)
-        stack = self.runtime._threads.state.stack
-        if op is None or not stack:
-            return func(*args, **kwargs)
-        layer = stack[-1]
-        if layer.direct:  # a layer whose product is a kernel call: its own ops are the runtime's
-            return func(*args, **kwargs)
-        if layer.format is Format.FP32:
-            # A lowered child hands this FP32 layer half tensors; its own products stay FP32.
-            return func(*pytree.tree_map(_to_fp32, args), **pytree.tree_map(_to_fp32, kwargs))
-        if not layer.low_precision:
-            args, kwargs = _unify_dtypes((args, kwargs), layer.format.dtype)
-            return func(*args, **kwargs)
-        return self.runtime._run_low_precision(layer, op, func, args, kwargs)
 
 
 class PlanRuntime:
@@ -328,8 +79,7 @@ class PlanRuntime:
         self.device = first.device if first is not None else torch.device("cpu")
         self.device_type = self.device.type
         modules = dict(model.named_modules())
-        self._layers = {fqn: _Layer(fqn, modules[fqn], lp, self.device) for fqn, lp in plan.layers.items()}
-        self._param_names = {id(p): name for name, p in model.named_parameters()}
+        self._layers = {fqn: RuntimeLayer(fqn, modules[fqn], lp, self.device) for fqn, lp in plan.layers.items()}
         formats = {lp.format for lp in plan.layers.values()}
         self.low_precision = formats != {Format.FP32}
         # Between layers, tensors carry autocast's half dtype: FP16 only for a plan whose half
@@ -338,160 +88,16 @@ class PlanRuntime:
         # INT8 (and FP8 FP32-gradient) backward runs in BF16 on CUDA and FP32 on CPU, where BF16
         # matrix units are not a given.
         self.backward_dtype = torch.bfloat16 if self.device_type == "cuda" else torch.float32
-        self._threads = _PerThread()
+        self._threads = PerThread()
         self._active = False  # entered by some thread (a runtime is not re-entrant)
         self._entered: "contextlib.AbstractContextManager[PlanRuntime] | None" = None  # the region() ``with runtime:`` entered
-        self._reuse_weights = False
-        self._wrappers = self._build_wrappers() if self.low_precision else {}
-        # Recomputed blocks: checkpointed while the plan is on (see `recompute`); installed after
-        # the layers' wrappers, taken off with them.
-        host = BlockHost(self, self._threads, self._installed, self._layer_mode, self._layers, self._wrappers)
-        self._block_wrappers = {fqn: (modules[fqn], block_wrapper(host, fqn, modules[fqn])) for fqn in plan.recompute}
+        # How its layers' products run, and the forwards that route them (installed once).
+        self._products = Products(self.device_type, self.backward_dtype, {id(p): name for name, p in model.named_parameters()})
+        self._wrappers = LayerWrappers(self, model, plan, self._layers, self._threads, self._products, self.region_dtype, self.low_precision)
         if not any(_active_runtime(layer.module) is not None for layer in self._layers.values()):
-            self._install()  # else on entry, once the active runtime has left
-
-    # -- installation (once per runtime) ------------------------------------------------------
-
-    def _needs_mode(self, layer: _Layer, planned_below: bool) -> bool:
-        if layer.format is Format.FP32:
-            return planned_below
-        if layer.low_precision:
-            # Only an unpatched nn.Linear forward is known to be exactly F.linear(x, weight, bias).
-            plain_linear = type(layer.module).forward is nn.Linear.forward and "forward" not in layer.module.__dict__
-            return not plain_linear or layer.kernel_reason is not None
-        ops = set(self.plan.fingerprint[layer.fqn].ops) if layer.fqn in self.plan.fingerprint else set()
-        return bool(ops & _AUTOCAST_UNCAST.get(self.device_type, frozenset())) or not ops
-
-    def _build_wrappers(self) -> dict[str, Any]:
-        """fqn -> the forward to install for every layer that needs one (see the module docstring)."""
-        fqns = list(self._layers)
-
-        def ancestors(fqn):
-            return [f for f in fqns if f != fqn and (f == "" or fqn.startswith(f + "."))]
-
-        def descendants(fqn):
-            return [f for f in fqns if f != fqn and (fqn == "" or f.startswith(fqn + "."))]
-
-        wrappers: dict[str, Any] = {}
-        with_mode: set[str] = set()
-        for fqn in sorted(fqns, key=lambda f: (f.count(".") if f else -1)):  # parents first
-            layer = self._layers[fqn]
-            below = any(self._layers[d].format is not Format.FP32 for d in descendants(fqn))
-            mode = self._needs_mode(layer, below)
-            if mode:
-                with_mode.add(fqn)
-            own_scope = (
-                mode
-                or layer.format is Format.FP32
-                or layer.low_precision
-                or layer.format.dtype != self.region_dtype
-                or any(a in wrappers for a in ancestors(fqn))
-            )
-            if own_scope:
-                # The layer stack is read only by the mode: a layer under no mode need not push itself.
-                wrappers[fqn] = self._wrapper(layer, mode, stacked=mode or any(a in with_mode for a in ancestors(fqn)))
-        return wrappers
-
-    def _wrapper(self, layer: _Layer, mode: bool, stacked: bool):
-        """The forward installed on ``layer.module``: the plan's in a thread that entered this
-        runtime, the module's own everywhere else (other threads, outside the context, a copy).
-        ``stacked``: the layer runs under the mode (its own or an ancestor's), which reads the
-        running layer from the thread's stack; otherwise its forward changes no thread state."""
-        module, fmt, device_type, threads = layer.module, layer.format, self.device_type, self._threads
-        had_own, previous = displaced(module)
-        direct_linear = layer.low_precision and not mode
-        # Whether its forward changes thread state, which Dynamo cannot trace inside a recomputed
-        # block (see recompute.compile_refusal).
-        layer.keeps_thread_state = stacked
-        layer.direct = direct_linear
-        if direct_linear:
-            layer.ops = {"linear": self._kernel_name(layer)}
-        elif fmt in (Format.BF16, Format.FP16):
-            layer.ops = {"*": f"torch.autocast({device_type!r}, {fmt.dtype})"}
-        runtime = self
-
-        def own_forward(m, args, kwargs):
-            """``m``'s forward without the plan: the user's instance forward, if this module had
-            one, else its class's. ``type(m).forward(m, ...)``, not a method bound with
-            ``__get__``: torch 2.11's Dynamo cannot trace ``function.__get__`` (a graph break)."""
-            if had_own and m is module:
-                return previous(*args, **kwargs)
-            return type(m).forward(m, *args, **kwargs)
-
-        def forward(self_module, *args, **kwargs):
-            state = threads.state
-            if not state.active or self_module is not module:
-                # A deep copy of the model carries this method re-bound to the copy: it runs the
-                # copy's own forward, never this module's weights.
-                return own_forward(self_module, args, kwargs)
-            if direct_linear:
-                x = args[0] if args else kwargs["input"]
-                if not state.mode_active:
-                    return runtime._linear(layer, x, module.weight, module.bias)
-                # An ancestor's mode runs: on the stack, this layer's own kernel ops (an INT8
-                # layer's outlier addmm) pass through it rather than being routed as the ancestor's.
-                outer = state.stack
-                state.stack = outer + (layer,)
-                try:
-                    return runtime._linear(layer, x, module.weight, module.bias)
-                finally:
-                    state.stack = outer
-            if fmt is Format.FP32:
-                args, kwargs = pytree.tree_map(_to_fp32, (args, kwargs))
-                scope = torch.autocast(device_type, enabled=False)
-            elif fmt in (Format.BF16, Format.FP16):
-                scope = torch.autocast(device_type, dtype=fmt.dtype)
-            else:
-                scope = contextlib.nullcontext()
-            if not stacked:
-                with scope:
-                    return own_forward(module, args, kwargs)
-            enter_mode = mode and not state.mode_active
-            outer = state.stack
-            state.stack = outer + (layer,)
-            try:
-                with scope, (runtime._layer_mode(state) if enter_mode else contextlib.nullcontext()):
-                    out = own_forward(module, args, kwargs)
-            finally:
-                state.stack = outer
-            # Once its forward has run every product: one warning for all the ops it emulated.
-            # is_compiling first: Dynamo folds it, so a compiled forward reads no list (note records nothing there).
-            if not torch.compiler.is_compiling() and layer.unwarned:
-                layer.warn_emulated()
-            return out
-
-        mark(forward, self, had_own, previous)
-        # Bound, so that copy.deepcopy(model) re-binds it to the copy (see the check above).
-        return types.MethodType(forward, module)
-
-    @contextlib.contextmanager
-    def _layer_mode(self, state: _ThreadState):
-        state.mode_active = True
-        try:
-            with _LayerMode(self):
-                yield
-        finally:
-            state.mode_active = False
-
-    @staticmethod
-    def _kernel_name(layer: _Layer) -> str:
-        return "kernel torch._int_mm" if layer.format is Format.INT8 else "kernel torch._scaled_mm"
+            self._wrappers.install()  # else on entry, once the active runtime has left
 
     # -- installation and context -------------------------------------------------------------
-
-    def _installed_wrappers(self) -> list:
-        """(module, forward) of every wrapper this runtime installs: layers, then recomputed blocks."""
-        return [(self._layers[fqn].module, forward) for fqn, forward in self._wrappers.items()] + list(self._block_wrappers.values())
-
-    def _installed(self) -> bool:
-        return all(module.__dict__.get("forward") is forward for module, forward in self._installed_wrappers())
-
-    def _install(self) -> None:
-        """Put this runtime's wrappers on its layers and recomputed blocks, displacing an inactive
-        runtime's; they stay until `remove` (wrap once, flip on enter: entering then costs no
-        module surgery, and a compiled step can enter the context without a graph break)."""
-        for module, forward in self._installed_wrappers():
-            module.forward = forward
 
     def remove(self) -> None:
         """Take this runtime's wrappers off the model, restoring each module's ``__dict__`` as it
@@ -499,14 +105,7 @@ class PlanRuntime:
         model (``torch.save(model)``); entering the runtime again re-installs them."""
         if self._active:
             raise RuntimeStateError("exit this plan runtime before removing it")
-        for module, forward in self._installed_wrappers():
-            if module.__dict__.get("forward") is not forward:
-                continue  # displaced by another runtime, which restores on its own removal
-            had_own, previous = previous_of(forward)
-            if had_own:
-                module.forward = previous
-            else:
-                del module.__dict__["forward"]
+        self._wrappers.remove()
 
     def __enter__(self) -> "PlanRuntime":
         """Turns the plan on for the calling thread only (like ``torch.autocast``): the same model
@@ -540,8 +139,8 @@ class PlanRuntime:
             mark = weakref.ref(self)
             for layer in self._layers.values():
                 layer.module.__dict__[_ACTIVE_MARK] = mark
-        if not self._installed():
-            self._install()  # another runtime displaced this one's wrappers since
+        if not self._wrappers.installed():
+            self._wrappers.install()  # another runtime displaced this one's wrappers since
         state = self._threads.state
         state.active = True
         self._active = True
@@ -574,165 +173,16 @@ class PlanRuntime:
         scope drops the copies. Saves, per micro-batch after the first, one amax, one cast and
         one transposed copy per FP8 / INT8 weight; holds one to two bytes per weight element.
         """
-        if self._reuse_weights:
+        if self._products.reuse_weights:
             raise RuntimeStateError("reusing_weights() is already open on this runtime; it does not nest")
-        self._reuse_weights = True
+        self._products.reuse_weights = True
         try:
             yield self
         finally:
-            self._reuse_weights = False
+            self._products.reuse_weights = False
             for layer in self._layers.values():
                 for quantizer in layer.weights.values():
                     quantizer.clear()
-
-    # -- low-precision matrix products --------------------------------------------------------
-
-    def _out_dtype(self, reference: torch.Tensor) -> torch.dtype:
-        if torch.is_autocast_enabled(self.device_type):
-            return torch.get_autocast_dtype(self.device_type)
-        return reference.dtype if reference.dtype in (torch.float16, torch.bfloat16) else torch.float32
-
-    def _linear(self, layer: _Layer, x: torch.Tensor, weight: torch.Tensor, bias, weight_key: "str | None" = None, is_param: bool = True):
-        """``x @ weight.T + bias`` in the layer's format; ``weight`` is (N, K), x is (..., K).
-        ``is_param``: ``weight`` is a parameter (or a view of one), not an activation; only a
-        parameter's quantized copy may be reused, inside `reusing_weights`."""
-        if layer.kernel_reason is not None:
-            return self._emulate(layer, "linear", torch.nn.functional.linear, (x, weight, bias), {})
-        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        n, k = weight.shape
-        out_dtype = self._out_dtype(x)
-        grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        key = weight_key or self._param_names.get(id(weight), "weight")
-        quantizer = layer.weight_quantizer((key, weight.stride()))
-        # The fused casts per operand whose dtype they take (never while compiling: Inductor fuses).
-        casts = None if torch.compiler.is_compiling() else layer.casts
-        w_casts = call_casts(casts, weight.dtype)
-        wq = quantizer.get(weight, need_transposed=grad, reuse=is_param and self._reuse_weights, casts=w_casts)
-        if layer.format is Format.INT8:
-            out = self._int8(layer, key, x2, weight, bias, wq, out_dtype, k, n)
-        else:
-            rowwise = layer.precision.scaling.granularity is Granularity.ROW
-            expand = quantizer.row_scales
-            # Row-wise scales: the kernel writes the region's half dtype where the installed torch
-            # takes it (torch 2.11 on sm_90 with cuBLAS >= 12.9 runs FP16 in cuBLASLt), else BF16,
-            # cast after the kernel (one more kernel, BF16 rounding); FP32 out is never row-wise.
-            if rowwise or expand:
-                kernel_dtype = out_dtype if out_dtype in layer.row_scale_outs else torch.bfloat16
-            else:
-                kernel_dtype = out_dtype
-            # _scaled_mm fuses no bias into an FP32 output: there it is added after the kernel.
-            fused = bias is not None and kernel_dtype != torch.float32
-            kernel_bias = layer.kernel_bias(bias, kernel_dtype) if fused else None
-            record = torch.is_grad_enabled()
-            x_casts, g_casts = call_casts(casts, x2.dtype), call_casts(casts, kernel_dtype)
-            with torch.no_grad():
-                # A recomputed block's backward reads back the scale its forward chose: asking the
-                # quantizer again would record this batch's amax into its history twice.
-                x_inv, x_cast = self._input_scale(layer, key, x2, record, x_casts, grad)
-            if casts is not None:
-                layer.casts_ran = describe(weight=w_casts is not None, input=x_casts is not None, gradient=g_casts is not None)
-            spec = Fp8Spec(layer.format, layer.grad, rowwise, kernel_dtype, expand, k, n, g_casts)
-            out = Fp8Linear.apply(
-                x2, weight, bias if fused else None, kernel_bias, x_inv,
-                wq.data, wq.inv_scale, wq.transposed, wq.backward_inv_scale, spec, x_cast,
-            )
-            if out.dtype != out_dtype:
-                out = out.to(out_dtype)
-            if bias is not None and not fused:
-                out = out + bias
-        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
-
-    @staticmethod
-    def _input_scale(layer: _Layer, key: str, x2: torch.Tensor, record: bool, casts, transposed: bool):
-        """``(x_inv, x_cast)``: the input's scale (recorded for, or replayed by, a recomputed
-        block) and, with ``casts``, the input already cast by the fused kernels (in the same pass
-        as the scale where they can: `InputQuantizer.fused_cast`), else None."""
-        quantizer = layer.input_quantizer(key)
-        if casts is None:
-            return recorded_scale(layer.fqn, key, lambda: quantizer.inverse_scale(x2, record=record)), None
-        made = []
-
-        def scale():
-            inv, cast = quantizer.fused_cast(x2, casts, FP8_ALIGN, record=record, transposed=transposed)
-            made.append(cast)
-            return inv
-
-        x_inv = recorded_scale(layer.fqn, key, scale)
-        if not made:  # a recomputation replayed the forward's scale: cast with it
-            made.append(quantizer.fused_cast(x2, casts, FP8_ALIGN, transposed=transposed, inv=x_inv)[1])
-        return x_inv, made[0]
-
-    def _int8(self, layer, key, x2, weight, bias, wq, out_dtype, k, n):
-        keep = index = valid = None
-        if layer.precision.scaling.granularity is Granularity.ROW:
-            with torch.no_grad():
-                x_inv = layer.input_quantizer(key).inverse_scale(x2)
-        else:
-            def calibrated():
-                calibrator = layer.calibrator(key, k)
-                calibrator.to(x2.device)
-                inv = calibrator.observe(x2)
-                if calibrator.has_outliers:
-                    return inv, calibrator.keep, calibrator.outlier_index, calibrator.outlier_valid
-                return inv, None, None, None
-
-            # A recomputed block's backward reads back what its forward used: observing again would
-            # count the batch twice towards calibration (and could freeze it in between).
-            x_inv, keep, index, valid = recorded_scale(layer.fqn, key, calibrated)
-        spec = Int8Spec(out_dtype, self.backward_dtype, k, n)
-        return Int8Linear.apply(x2, weight, bias, x_inv, wq.data, wq.inv_scale, keep, index, valid, spec)
-
-    def _run_low_precision(self, layer: _Layer, op: str, func, args, kwargs):
-        gemm = as_gemm(op, func, args, kwargs)
-        if gemm is None:
-            return self._emulate(layer, op, func, args, kwargs, "no FP8/INT8 kernel for this op")
-        if layer.kernel_reason is not None:
-            return self._emulate(layer, op, func, args, kwargs)
-        a, b, bias, beta, alpha, out_shape = gemm
-        layer.note(op, self._kernel_name(layer))
-        is_param = is_weight(b)
-        if is_param:
-            base = b if isinstance(b, nn.Parameter) else b._base
-            # The layer's own parameters by identity first: Dynamo cannot take the id() of a view's
-            # base (it has no source), and torch 2.11 then fails after the graph break.
-            own = next((name for name, p in layer.module.named_parameters(recurse=False) if p is base), None)
-            if own is not None:
-                weight_key = f"{layer.fqn}.{own}" if layer.fqn else own
-            else:  # another module's parameter (a tied weight)
-                weight_key = self._param_names.get(id(base))
-        else:
-            weight_key = f"activation:{op}"  # its scaling state only: an activation is never kept
-        out = self._linear(layer, a, b.t(), bias if beta == 1 else None, weight_key=weight_key, is_param=is_param)
-        if alpha != 1:
-            out = out * alpha
-        if bias is not None and beta != 1:
-            out = out + beta * bias
-        return out.reshape(out_shape)
-
-    def _emulate(self, layer: _Layer, op: str, func, args, kwargs, reason: "str | None" = None):
-        """Run the op in FP32 on inputs rounded to the layer's format, saving them in that format."""
-        reason = reason or layer.kernel_reason
-        granularity = layer.precision.scaling.granularity
-        layer.note(op, f"emulated ({reason}): {layer.format.value} storage, FP32 compute, current {granularity.value} scaling")
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        tensor_at = [i for i, v in enumerate(leaves) if torch.is_tensor(v)]
-        tensors = [leaves[i] for i in tensor_at]
-        weights = tuple(is_weight(t) for t in tensors)
-        out_dtype = self._out_dtype(next((t for t in tensors if t.is_floating_point()), tensors[0]))
-
-        def fn(*values):
-            filled = list(leaves)
-            for i, v in zip(tensor_at, values):
-                filled[i] = v
-            call_args, call_kwargs = pytree.tree_unflatten(filled, spec)
-            return func(*call_args, **call_kwargs)
-
-        # Weights: per output channel (dim 0) for INT8 and ROW, 128x128 tiles for BLOCK;
-        # activations: 1x128 tiles for BLOCK, per row for ROW; else one scale (see the quantizers).
-        inputs, weight = layer.emulation_quantizers()
-        quantizers = tuple(weight if w else inputs for w in weights)
-        out = StoredInFormat.apply(fn, quantizers, layer.grad, weights, *tensors)
-        return out.to(out_dtype) if torch.is_tensor(out) and out.is_floating_point() else out
 
     # -- state and report ---------------------------------------------------------------------
 
@@ -760,9 +210,7 @@ class PlanRuntime:
         them (the default) or with PyTorch ops (``False``: the same bytes, more kernels; for
         comparisons and debugging). Takes effect from the next forward."""
         for layer in self._layers.values():
-            if layer.format.is_fp8 and layer.kernel_reason is None:
-                layer.casts = fused_casts(layer.device) if enabled else None
-                layer.casts_ran = FUSED if layer.casts is not None else PYTORCH
+            layer.use_fused_casts(enabled)
 
     def emulated_layers(self) -> dict[str, list[str]]:
         """``fqn -> [op, ...]`` for every layer that ran an op without a real kernel."""
@@ -830,7 +278,7 @@ class PlanRuntime:
                 if (fqn, key) in channels:
                     layer.calibrator(key, channels[fqn, key]).load_state_dict(c_state)
 
-    def _calibrator_channels(self, layer: _Layer, key: str, params: Mapping[str, torch.Tensor]) -> "tuple[int, ...] | None":
+    def _calibrator_channels(self, layer: RuntimeLayer, key: str, params: Mapping[str, torch.Tensor]) -> "tuple[int, ...] | None":
         """The input channels (K) an INT8 calibrator ``key`` of ``layer`` may count: its own when it
         exists; for a parameter's product (``key`` names it) the parameter's K, by the op the layer
         runs it with (F.linear takes (N, K), matmul / mm / addmm (K, N)); None for an activation's
@@ -847,7 +295,7 @@ class PlanRuntime:
         return tuple(sorted(allowed)) or None
 
     @staticmethod
-    def _refuse_state(layer: _Layer, field: str, key: str, problem: "str | None") -> None:
+    def _refuse_state(layer: RuntimeLayer, field: str, key: str, problem: "str | None") -> None:
         if problem is not None:
             fqn = layer.fqn
             raise RuntimeStateError(

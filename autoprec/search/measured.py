@@ -355,7 +355,7 @@ class MeasuredStage:
         trial whose candidate is already measured, or is not one of ``candidates``, is pruned
         at once with the user attribute ``skipped`` saying why (no measurement).
 
-        Many processes may run this on one study at once (`search.workers`): each takes the next
+        Many processes may run this on one study at once (`job.workers`): each takes the next
         candidate that no trial holds, a trial whose candidate an earlier-numbered live trial
         holds is skipped (so no candidate is measured twice, whatever the race), and a process
         with nothing left to take polls every ``poll_s`` seconds until the trials the others run

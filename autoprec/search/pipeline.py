@@ -7,7 +7,7 @@ next fastest predicted, distinct in formats or recompute set; with recompute blo
 chooses which to recompute together with the formats) -> `Plan` objects with a reason per layer
 and per block and their predicted figures.
 
-The offline job (`search.job`) asks for ``[search].measure_top`` plans and hands them to the
+The offline job (`job.run`) asks for ``[search].measure_top`` plans and hands them to the
 measured stage (an Optuna study in the job's storage: resumable, pruned), which runs them for
 real beside the references; the training-time scheduler asks for one, in-process, the solve
 bounded by ``search_timeout_s``. No Optuna sampler searches the additive table: the integer

@@ -1,6 +1,6 @@
 """From costs, sensitivity and a profile to a search space, and from a solution to a `Plan`.
 
-The pieces the offline job (`search.job`) and the training-time scheduler share: the additive
+The pieces the offline job (`job.run`) and the training-time scheduler share: the additive
 table of (bytes, seconds, predicted loss) per (layer, format), less the formats a profile saw
 overflow; and a plan whose every layer carries the reason for its format, in the figures the
 search compared. With recompute blocks costed (`CostModel.blocks`) the space holds them

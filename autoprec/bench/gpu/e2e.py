@@ -27,11 +27,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..device import KERNEL_OPS
-from ..formats import Format
-from ..plan import LayerPrecision, Plan
-from ..runtime import apply_plan
-from ..workloads import ByteLM, CausalSelfAttention, LMConfig
+from ...device import KERNEL_OPS
+from ...formats import Format
+from ...plan import LayerPrecision, Plan
+from ...runtime import apply_plan
+from ...workloads import ByteLM, CausalSelfAttention, LMConfig
 from .rows import Row, guarded
 from .timing import start_clock
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .errors import ScalingError
+from ..errors import ScalingError
 
 # The defaults asked for in DESIGN.md ("Numbers worth knowing"); torch's GradScaler starts at 65536
 # with the same factors and interval. Stated here once: `LossScaling` and `LossScaler` use them.

@@ -28,13 +28,13 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .. import __version__
-from .._io import atomic_write_text
-from ..bench._common import device_info, json_safe
-from ..device import resolve_device
-from ..errors import GpuBenchError
-from ..formats import Format
-from ..plan import Plan
+from ... import __version__
+from ..._io import atomic_write_text
+from .._common import device_info, json_safe
+from ...device import resolve_device
+from ...errors import GpuBenchError
+from ...formats import Format
+from ...plan import Plan
 from .e2e import E2EConfig, fp8_plan, linear_shapes, searched_plan, train_plan
 from .layers import VARIANTS, measure_layers, torchao_status
 from .probe import PROBE_CONFIGS, run_probe

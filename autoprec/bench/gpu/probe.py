@@ -22,10 +22,10 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-from ..formats import Format, Granularity, sqnr
-from ..plan import Plan, Scaling, ScalingMode
-from ..runtime import apply_plan
-from ..runtime.context import kernel_reason
+from ...formats import Format, Granularity, sqnr
+from ...plan import Plan, Scaling, ScalingMode
+from ...runtime import apply_plan
+from ...runtime.layers import kernel_reason
 from .rows import Row, error_text, guarded
 
 __all__ = ["PROBE_CONFIGS", "run_probe"]

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from .coverage import LayerInfo, layer_name
-from .errors import RuntimeStateError
-from .plan import Plan
+from ..coverage import LayerInfo, layer_name
+from ..errors import RuntimeStateError
+from ..plan import Plan
 
 if TYPE_CHECKING:
-    from .scheduler_config import SchedulerConfig
+    from .config import SchedulerConfig
 
 __all__ = ["LATER_STATE", "STATE_FIX", "STATE_VERSION", "check_state", "check_state_fits"]
 

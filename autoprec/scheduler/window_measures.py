@@ -25,17 +25,17 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ._binding import require_bound
+from .binding import require_bound
 from .lifecycle import CAPTURED_STEPS
-from .measure import SavedTensorMeter
-from .plan import Plan, Scaling
-from .sensitivity.capture import GradientCapture
+from ..measure import SavedTensorMeter
+from ..plan import Plan, Scaling
+from ..sensitivity.capture import GradientCapture
 
 if TYPE_CHECKING:
-    from .distributed import RankAgreement
-    from .monitoring import TrainingWriter
-    from .profiling import LayerProfiler, PlanWatch, Profile, WatchReport
-    from .scheduler_config import SchedulerConfig
+    from ..distributed import RankAgreement
+    from ..monitoring import TrainingWriter
+    from ..profiling import LayerProfiler, PlanWatch, Profile, WatchReport
+    from .config import SchedulerConfig
 
 __all__ = ["WindowMeasures"]
 
@@ -76,7 +76,7 @@ class WindowMeasures:
     def start_profiler(self, window: int) -> None:
         """Profile the bound model's layers over the next ``window`` steps: every
         ``sample_every``-th of them (the window's first included; `enter_step` says which)."""
-        from .profiling import LayerProfiler, with_grad_formats
+        from ..profiling import LayerProfiler, with_grad_formats
 
         model, layers, every = self._bound(), self._layers, self.config.sample_every
         # In sampled steps: the delayed-scaling reference spans the training steps the runtime's does.
@@ -88,7 +88,7 @@ class WindowMeasures:
 
     def start_watch(self, plan: Plan, steps: int) -> None:
         """Watch ``plan``'s layers over the next ``steps`` steps (`profiling.watch.PlanWatch`)."""
-        from .profiling import PlanWatch
+        from ..profiling import PlanWatch
 
         self._watch = PlanWatch(self._bound(), {fqn: plan.layers[fqn] for fqn in self._layers}, window=steps, every=self.config.sample_every)
 

@@ -31,10 +31,10 @@ import hashlib
 from pathlib import Path
 from typing import Mapping
 
-from ._io import atomic_write_text
-from .errors import PlanError
-from .formats import Format, Granularity
-from .plan import Plan, ScalingMode
+from .._io import atomic_write_text
+from ..errors import PlanError
+from ..formats import Format, Granularity
+from ..plan import Plan, ScalingMode
 
 __all__ = ["TorchaoExport", "torchao_export", "write_torchao"]
 
@@ -175,7 +175,7 @@ def write_torchao(plan_path: "str | Path", out: "str | Path | None" = None) -> t
     out = Path(out) if out is not None else plan_path.with_name(f"{plan_path.stem}_torchao.py")
     if out.suffix != ".py" or not out.stem.isidentifier():
         raise PlanError(f"--out {str(out)!r}: the export is a Python module; give a path like plan_torchao.py (a valid module name)")
-    from . import __version__
+    from .. import __version__
 
     autocast_usage = (
         f"    with torch.autocast(device_type, dtype=torch.{export.autocast}):   # as autoprec runs the plan\n        loss = loss_fn(model(x), y)\n"

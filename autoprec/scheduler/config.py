@@ -11,11 +11,11 @@ import dataclasses
 import math
 from typing import Any, Mapping, Optional
 
-from .blocks import check_block_patterns
-from .errors import SearchError, SettingsError
-from .formats import Format
-from .scaling import LossScaling
-from .search.space import DEFAULT_CANDIDATES, Budgets, LayerRules, Planning, formats_for_precision, memory_budget, MEMORY_SPELLINGS
+from ..blocks import check_block_patterns
+from ..errors import SearchError, SettingsError
+from ..formats import Format
+from ..scaling import LossScaling
+from ..search.space import DEFAULT_CANDIDATES, Budgets, LayerRules, Planning, formats_for_precision, memory_budget, MEMORY_SPELLINGS
 
 __all__ = ["SchedulerConfig", "Thresholds", "GRAD_COMM", "config_of"]
 

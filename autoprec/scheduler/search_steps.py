@@ -36,13 +36,13 @@ from ..plan import Plan
 from ..runtime import EmulationWarning
 from ..sensitivity import adam_second_moment
 from ..sensitivity.capture import LinearisedLoss
-from .training import PASSES_PER_STEP, TrainingSearch
+from ..search.training import PASSES_PER_STEP, TrainingSearch
 
 if TYPE_CHECKING:
     from ..distributed import RankAgreement
     from ..monitoring import TrainingWriter
     from ..scaling import LossScaler
-    from ..scheduler_config import SchedulerConfig
+    from .config import SchedulerConfig
 
 __all__ = ["SearchSteps"]
 

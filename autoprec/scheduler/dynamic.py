@@ -8,16 +8,16 @@
         scheduler.step(optimizer)         # unscale, attribute, clip, step or skip, update
         optimizer.zero_grad()
 
-Binding (`_binding`): the model is the outermost module with a matrix parameter called inside
+Binding (`binding`): the model is the outermost module with a matrix parameter called inside
 the first `precision_context`, however it is called; without ``model=`` that first forward runs
 at FP32, unprofiled. The phases (`lifecycle.WindowClock`): **profiling** the first window at a
 safe precision (FP32, or BF16 when ``max_precision`` is 16); **searching** over the next training
-steps (`search.steps.SearchSteps` driving `search.training.TrainingSearch`); **planned**, where
+steps (`scheduler.search_steps.SearchSteps` driving `search.training.TrainingSearch`); **planned**, where
 each window's profile (`window_measures`) and the scaler's per-layer non-finite counts promote or
 demote layers (`plan_keeper.PlanKeeper`: the plan in force, its runtime, `changes`, the
 `LossScaler`, on only while some layer has FP16 gradients); or **safe** after a failed search
 (retried, unless no plan meets the budgets). This class keeps the clock and composes those parts
-(`step_checks` refuses bad steps). `state_dict` covers everything (`scheduler_state`: its
+(`step_checks` refuses bad steps). `state_dict` covers everything (`scheduler.state`: its
 schema); under ``torch.distributed`` the ranks agree through `distributed`.
 
 A ``torch.compile``-d model is called as usual: the scheduler plans the module it compiles, and the
@@ -39,25 +39,25 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from ._binding import Binding, bindable_layers, check_layers, check_materialised, unbound_exit
-from .calls import ModelCall, loss_of
-from .coverage import LayerInfo, layer_name
-from .distributed import RankAgreement, grad_comm_format
-from .errors import InfeasibleBudgetError, RuntimeStateError, SettingsError
+from .binding import Binding, bindable_layers, check_layers, check_materialised, unbound_exit
+from ..calls import ModelCall, loss_of
+from ..coverage import LayerInfo, layer_name
+from ..distributed import RankAgreement, grad_comm_format
+from ..errors import InfeasibleBudgetError, RuntimeStateError, SettingsError
 from .lifecycle import WindowClock
-from .plan import Plan
+from ..plan import Plan
 from .plan_keeper import PlanKeeper
 from .policy import PrecisionChange
-from .scaling import LossScaler, LossScaling
-from .scheduler_config import SchedulerConfig, Thresholds, config_of
-from .scheduler_state import LATER_STATE, STATE_VERSION, check_state, check_state_fits
-from .search.steps import SearchSteps
-from .search.training import TrainingSearch
+from ..scaling import LossScaler, LossScaling
+from .config import SchedulerConfig, Thresholds, config_of
+from .state import LATER_STATE, STATE_VERSION, check_state, check_state_fits
+from .search_steps import SearchSteps
+from ..search.training import TrainingSearch
 from .step_checks import StepChecks
 from .window_measures import WindowMeasures
 
 if TYPE_CHECKING:
-    from .monitoring import TrainingWriter
+    from ..monitoring import TrainingWriter
 
 __all__ = ["DynamicPrecisionScheduler", "SchedulerConfig", "LossScaling", "Thresholds", "PrecisionChange"]
 
@@ -167,7 +167,7 @@ class DynamicPrecisionScheduler:
 
         Not re-entrant. The first one binds the scheduler to its model (see the module doc). Each
         one refuses, with a `RuntimeStateError` before it runs, a call of a model other than the
-        scheduler's (`_binding`); the first one, ending without any model called (nothing to bind
+        scheduler's (`binding`); the first one, ending without any model called (nothing to bind
         to), refuses that on exit.
         """
         if self._context_stack is not None:
@@ -268,7 +268,7 @@ class DynamicPrecisionScheduler:
             dist.check_bind(self.config, self._fixed_plan)
             dist.set_grad_comm(grad_comm_format(self.config, None))
         if self.config.log_dir is not None and self._writer is None and (dist is None or dist.rank == 0):
-            from .monitoring import TrainingWriter
+            from ..monitoring import TrainingWriter
 
             self._writer = TrainingWriter(self.config.log_dir, flush_every=min(100, self.config.monitor_window))
         self._measures.bind(model, example, self.layers)
@@ -357,7 +357,7 @@ class DynamicPrecisionScheduler:
 
     def _start_search(self, profile, restore: Optional[Mapping[str, Any]] = None) -> None:
         """The first window's search (see the module doc; ``restore``: a checkpoint's, continued),
-        spread over the next training steps (`search.steps`); rank 0 does its off-path work."""
+        spread over the next training steps (`scheduler.search_steps`); rank 0 does its off-path work."""
         measured, lead = self._measures.measured_bytes, self._dist is None or self._dist.rank == 0
         self._searches.start(self._binding.bound, self._binding.example, self._measures.captured(), profile,
                              None if restore is not None else self._measures.baseline_loss(self.step_count), fingerprint=self._fingerprint,

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from .errors import RuntimeStateError
+from ..errors import RuntimeStateError
 
 if TYPE_CHECKING:
-    from .plan import Plan
-    from .scaling import LossScaler
+    from ..plan import Plan
+    from ..scaling import LossScaler
 
 __all__ = ["SKIPS_BEFORE_WARNING", "StepChecks"]
 

@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..timing import median_ms, start_clock, timed
+from ...timing import median_ms, start_clock, timed
 
 __all__ = ["warm_up", "median_ms", "rotation_count", "tflops", "start_clock"]
 

@@ -30,10 +30,10 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ..formats import Format, Granularity
-from ..plan import LayerPrecision, Plan, Scaling, ScalingMode
-from ..runtime import apply_plan
-from ..runtime.context import kernel_reason
+from ...formats import Format, Granularity
+from ...plan import LayerPrecision, Plan, Scaling, ScalingMode
+from ...runtime import apply_plan
+from ...runtime.layers import kernel_reason
 from .rows import Row, error_text, guarded
 from .timing import median_ms, rotation_count, tflops, warm_up
 

@@ -22,10 +22,10 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from .coverage import ModuleFilter, layer_name
-from .errors import RuntimeStateError, ScalingError
-from .measure import local_shard
-from .runtime.recompute import recomputing
+from ..coverage import ModuleFilter, layer_name
+from ..errors import RuntimeStateError, ScalingError
+from ..measure import local_shard
+from ..runtime.recompute import recomputing
 
 __all__ = ["OutputWatch", "LayerNames", "Attribution", "Layers", "check_and_unscale", "nonfinite_gradients", "summed_flags"]
 

@@ -40,8 +40,8 @@ from optuna.trial import TrialState
 
 from ..errors import SearchError
 from ..plan import Plan
-from .measured import BudgetPruner, Candidate, enqueue
-from .study import storage_kind
+from ..search.measured import BudgetPruner, Candidate, enqueue
+from ..search.study import storage_kind
 
 __all__ = ["WorkerPayload", "check_workers", "threads_per_worker", "worker_devices", "adopt_candidates", "run_workers"]
 
@@ -179,9 +179,9 @@ def _worker_main(path: str, device: str, threads: int, verbosity: int) -> None:
     """One worker process: rebuild the measured stage from the parent's payload and measure
     candidates on the study until none is left."""
     from ..workload import TrainStep, to_device
-    from .job import load_job_workload
-    from .measured import MeasuredStage
-    from .study import open_storage, quiet_interrupts
+    from .run import load_job_workload
+    from ..search.measured import MeasuredStage
+    from ..search.study import open_storage, quiet_interrupts
 
     torch.set_num_threads(threads)
     optuna.logging.set_verbosity(verbosity)

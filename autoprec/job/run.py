@@ -1,11 +1,11 @@
 """The offline search job behind ``autoprec search searches/<job>.toml``.
 
-`run_job` takes a `JobConfig` (the TOML file, `search.config`) and returns a `JobResult`. One
+`run_job` takes a `JobConfig` (the TOML file, `job.config`) and returns a `JobResult`. One
 run trains the workload's model for a window with the `LayerProfiler` attached; builds a
 `CostModel` and the Fisher sensitivity per (layer, format); proposes the k best plans of that
 additive proxy (`pipeline.propose_plans`, `exact.k_best`); measures them for real beside the
 references (uniform plans, plain ``torch.autocast``, FP32) in an Optuna study
-(`MeasuredStage`, optionally with `search.workers` and the learning sampler `search.refine`);
+(`MeasuredStage`, optionally with `job.workers` and the learning sampler `search.refine`);
 and writes ``plan.json`` (the fastest plan that meets the budgets *as measured*), the profile,
 the study and TensorBoard logs under ``[job].out``. `run_job`'s docstring says each step.
 
@@ -48,13 +48,13 @@ from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan, removing
 from ..workload import TrainStep, WorkloadError, load_workload, to_device
 from .config import JobConfig
-from .exact import Solution
-from .measured import BudgetPruner, Candidate, MeasuredStage, Measurement, candidate_id, fastest_meeting
-from .pipeline import Proposal, propose_plans
-from .planner import layer_reasons, measured_reasons, plan_from_solution
-from .refine import CorrectingSampler
-from .space import SearchSpace
-from .study import open_storage, quiet_interrupts
+from ..search.exact import Solution
+from ..search.measured import BudgetPruner, Candidate, MeasuredStage, Measurement, candidate_id, fastest_meeting
+from ..search.pipeline import Proposal, propose_plans
+from ..search.planner import layer_reasons, measured_reasons, plan_from_solution
+from ..search.refine import CorrectingSampler
+from ..search.space import SearchSpace
+from ..search.study import open_storage, quiet_interrupts
 from .workers import WorkerPayload, adopt_candidates, check_workers, run_workers
 
 __all__ = ["JobResult", "run_job"]
@@ -335,7 +335,7 @@ def run_job(config: JobConfig, progress: "Progress | None" = None, workers: int 
        storage, resumed on a re-run), and beside them the references: every uniform plan that fits the
        budgets as predicted, and plain ``torch.autocast`` in BF16 (and FP16) where the device runs
        it and the rules allow that format, and with blocks every block recomputed in FP32 and under
-       plain BF16 autocast (``--workers N``: N processes measure them, `search.workers`;
+       plain BF16 autocast (``--workers N``: N processes measure them, `job.workers`;
        this process then collects the study). The plan returned is the fastest of all of them that
        meets both budgets *as measured* (with ``[search].measured_trials``, after those the
        learning sampler's plans too, `search.refine`); when plain autocast wins, that is the uniform half plan,
@@ -346,7 +346,7 @@ def run_job(config: JobConfig, progress: "Progress | None" = None, workers: int 
        and their Pareto front (time, memory, loss increase), each candidate, the chosen plan.
 
     ``workers`` > 1 measures the candidates in that many processes on the job's storage (a
-    journal file or a server database, `search.workers`); everything before the measured stage
+    journal file or a server database, `job.workers`); everything before the measured stage
     runs once, here. Raises `SearchError` for a bad workload, a study of another search or a
     storage that cannot take several workers, and
     `InfeasibleBudgetError` (stating the smallest memory and loss increase reachable) when no

@@ -4,7 +4,7 @@
 torch's two fused ops, overriding none of GradScaler's private ones (they change between releases):
 ``torch._amp_foreach_non_finite_check_and_unscale_`` (one pass per device and dtype) and
 ``torch._amp_update_scale_``. Fused / capturable optimizers get ``optimizer.grad_scale`` /
-``optimizer.found_inf``, as GradScaler hands them. Which layers overflowed is `autoprec.nonfinite`'s.
+``optimizer.found_inf``, as GradScaler hands them. Which layers overflowed is `scaling.nonfinite`'s.
 Usage::
 
     scaler = LossScaler().watch(model)        # defaults: 4096, x2.0 after 2000 clean steps, x0.5
@@ -31,8 +31,8 @@ import torch
 import torch.nn as nn
 from torch.amp.grad_scaler import OptState
 
-from .errors import RuntimeStateError, ScalingError
-from .scaling_config import (DEFAULT_BACKOFF_FACTOR, DEFAULT_GROWTH_FACTOR, DEFAULT_GROWTH_INTERVAL, DEFAULT_HYSTERESIS,
+from ..errors import RuntimeStateError, ScalingError
+from .config import (DEFAULT_BACKOFF_FACTOR, DEFAULT_GROWTH_FACTOR, DEFAULT_GROWTH_INTERVAL, DEFAULT_HYSTERESIS,
                              DEFAULT_INIT_SCALE, DEFAULT_MIN_SCALE, FLOAT32_MAX, LossScaling, check_config, is_int, is_number)
 from .nonfinite import Attribution, Layers, OutputWatch, check_and_unscale, resolve_layers, summed_flags
 from .nonfinite import floating_tensors as _floating_tensors

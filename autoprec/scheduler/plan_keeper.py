@@ -25,21 +25,21 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional, 
 import torch
 import torch.nn as nn
 
-from .device import format_support
-from ._binding import require_bound
-from .coverage import layer_name
-from .errors import RuntimeStateError
-from .formats import Format
-from .plan import LayerPrecision, Plan
+from ..device import format_support
+from .binding import require_bound
+from ..coverage import layer_name
+from ..errors import RuntimeStateError
+from ..formats import Format
+from ..plan import LayerPrecision, Plan
 from .policy import PolicyState, PrecisionChange, demotions, promotions, window_triggers
-from .runtime import apply_plan
-from .scaling import LossScaler
+from ..runtime import apply_plan
+from ..scaling import LossScaler
 
 if TYPE_CHECKING:
-    from .distributed import RankAgreement
-    from .monitoring import TrainingWriter
-    from .runtime import PlanRuntime
-    from .scheduler_config import SchedulerConfig
+    from ..distributed import RankAgreement
+    from ..monitoring import TrainingWriter
+    from ..runtime import PlanRuntime
+    from .config import SchedulerConfig
 
 __all__ = ["PlanKeeper", "StepOutcome", "needs_loss_scaling", "window_format_for"]
 
@@ -352,7 +352,7 @@ class PlanKeeper:
         }
 
     def load_state_dict(self, state: Mapping[str, Any], step: int) -> None:
-        """Restore `state_dict`'s fields (checked by `scheduler_state.check_state`) at ``step``."""
+        """Restore `state_dict`'s fields (checked by `scheduler.state.check_state`) at ``step``."""
         self.searched_plan = None if state["searched_plan"] is None else Plan.from_dict(state["searched_plan"])
         self.changes = [PrecisionChange.from_dict(c) for c in state["changes"]]
         self._policy = PolicyState.from_dict(state)

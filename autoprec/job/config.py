@@ -34,8 +34,8 @@ from typing import Any, Callable, Mapping
 from .. import workload
 from ..errors import FormatError, SearchError
 from ..formats import Format
-from .study import JOURNAL_SCHEME, JOURNAL_SUFFIXES
-from .space import DEFAULT_CANDIDATES, MEMORY_SPELLINGS, Budgets, LayerRules, Planning, formats_for_precision, memory_budget
+from ..search.study import JOURNAL_SCHEME, JOURNAL_SUFFIXES
+from ..search.space import DEFAULT_CANDIDATES, MEMORY_SPELLINGS, Budgets, LayerRules, Planning, formats_for_precision, memory_budget
 
 if sys.version_info >= (3, 11):
     import tomllib

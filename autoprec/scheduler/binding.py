@@ -36,15 +36,15 @@ import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from .blocks import find_blocks
-from .calls import ModelCall, prediction_of
-from .coverage import LayerInfo, find_layers
-from .distributed import unwrap_ddp
-from .errors import AutoprecError, ModelCallError, RuntimeStateError, SearchError, SettingsError
-from .runtime import EmulationWarning
+from ..blocks import find_blocks
+from ..calls import ModelCall, prediction_of
+from ..coverage import LayerInfo, find_layers
+from ..distributed import unwrap_ddp
+from ..errors import AutoprecError, ModelCallError, RuntimeStateError, SearchError, SettingsError
+from ..runtime import EmulationWarning
 
 if TYPE_CHECKING:
-    from .scheduler_config import SchedulerConfig
+    from .config import SchedulerConfig
 
 __all__ = ["Binding", "ModelWatch", "bindable_layers", "check_layers", "check_materialised", "check_prediction", "holds_matrix", "require_bound", "unbound_exit"]
 

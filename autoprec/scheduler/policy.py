@@ -17,39 +17,14 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
 
-from .formats import Format
-from .plan import Plan
+from ..formats import Format
+from ..changes import PrecisionChange
+from ..plan import Plan
 
 if TYPE_CHECKING:
-    from .scheduler_config import Thresholds
+    from .config import Thresholds
 
 __all__ = ["PrecisionChange", "PolicyState", "wider_format", "promotions", "window_triggers", "demotions"]
-
-
-@dataclasses.dataclass(frozen=True)
-class PrecisionChange:
-    """Layer ``fqn`` moved from format ``old`` to ``new`` at optimizer step ``step``, and why."""
-
-    step: int
-    fqn: str
-    old: Format
-    new: Format
-    reason: str = ""
-
-    @property
-    def direction(self) -> str:
-        """``"promotion"`` to more bits, ``"demotion"`` to fewer, ``"lateral"`` for the same
-        width (fp8_e4m3 → fp8_e5m2, fp16 → bf16)."""
-        if self.new.bits == self.old.bits:
-            return "lateral"
-        return "promotion" if self.new.bits > self.old.bits else "demotion"
-
-    def to_dict(self) -> dict:
-        return {"step": self.step, "fqn": self.fqn, "old": self.old.value, "new": self.new.value, "reason": self.reason}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "PrecisionChange":
-        return cls(data["step"], data["fqn"], Format.parse(data["old"]), Format.parse(data["new"]), data["reason"])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,212 @@
+"""One planned layer while a runtime lives (`RuntimeLayer`: its precision, quantizers and run
+report), and the rules the runtime decides by: whether a layer's products have a kernel on the
+device (`kernel_reason`, the one place that decides kernel or emulation; the cost model asks it
+too) and which ops are one 2-D GEMM (`as_gemm`).
+
+Costs: made once per layer and runtime; `kernel_reason` probes each ``_scaled_mm`` form once per
+process (`device.scaled_mm_form`), never in a forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from ..coverage import layer_name
+from ..device import KERNEL_OPS, canonical_device, format_support, scaled_mm_form
+from ..formats import Format, Granularity
+from ..plan import LayerPrecision, ScalingMode
+from .calibration import Int8Calibrator
+from .casts import FUSED, PYTORCH, fused_casts
+from .gemm import FP8_ALIGN, INT8_ALIGN, pad_to_multiple
+from .quantizers import GradQuantizer, InputQuantizer, WeightQuantizer
+
+if TYPE_CHECKING:
+    from .triton_cast import FusedCasts
+
+__all__ = ["EmulationWarning", "RuntimeLayer", "as_gemm", "kernel_reason", "row_scale_form", "to_fp32", "unify_dtypes"]
+
+
+class EmulationWarning(UserWarning):
+    """A layer runs its planned format without a real kernel (low-precision storage, FP32 compute)."""
+
+
+def kernel_reason(precision: LayerPrecision, device: "torch.device | str") -> "str | None":
+    """Why the 2-D products of a layer in ``precision`` cannot use a real kernel on ``device``;
+    None when they can. The one place that decides kernel or emulation (the cost model asks it too).
+
+    Shapes never force emulation: operands are padded to the kernels' alignment.
+    """
+    fmt = precision.format
+    support = format_support(fmt, device)
+    if not support.kernel:
+        return support.reason
+    granularity = precision.scaling.granularity
+    if granularity is Granularity.BLOCK:
+        return "block scaling has no kernel"
+    if granularity is Granularity.ROW and fmt.is_fp8:
+        # Row-wise scales are a form of their own (torch 2.11's CPU kernel refuses them): the
+        # forward's exact call, BF16 out (the form every torch with row-wise scaling takes).
+        ok, reason = row_scale_form(fmt, torch.bfloat16, device)
+        if not ok:
+            return reason
+    return None
+
+
+def row_scale_form(fmt: Format, out_dtype: torch.dtype, device: "torch.device | str") -> tuple[bool, str]:
+    """Whether the installed torch runs an FP8 forward with row-wise-shaped scales on ``device``:
+    ``fmt`` input x E4M3 weight, fused bias, ``out_dtype`` out (probed once, cached)."""
+    return scaled_mm_form(canonical_device(device), fmt.dtype, Format.FP8_E4M3.dtype, out_dtype, row_scales=True, bias=True)
+
+
+def to_fp32(value: Any) -> Any:
+    if torch.is_tensor(value) and value.is_floating_point() and value.dtype != torch.float32:
+        return value.float()
+    return value
+
+
+def unify_dtypes(tree: Any, dtype: torch.dtype) -> Any:
+    """Floating tensors of ``tree`` cast to ``dtype`` when they do not already share one dtype."""
+    floats = {t.dtype for t in pytree.tree_leaves(tree) if torch.is_tensor(t) and t.is_floating_point()}
+    if len(floats) <= 1:
+        return tree
+    return pytree.tree_map(lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t, tree)
+
+
+def as_gemm(op: str, func, args, kwargs):
+    """``(a (M,K), b (K,N), bias, beta, alpha, out_shape)`` when the op is one 2-D GEMM, else None."""
+    if op not in KERNEL_OPS:
+        return None
+    beta, alpha, bias = 1, 1, None
+    if op == "linear":
+        x, w = args[0], args[1]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        b = w.t()
+    elif op == "addmm":
+        bias, x, b = args[0], args[1], args[2]
+        beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+        if bias.dim() > 1:
+            return None
+    else:  # matmul / mm, incl. Tensor.__rmatmul__(self, other) == other @ self
+        x, b = (args[1], args[0]) if func is torch.Tensor.__rmatmul__ else (args[0], args[1])
+        if kwargs:
+            return None
+    if not (torch.is_tensor(x) and torch.is_tensor(b)) or x.dim() < 2 or b.dim() != 2:
+        return None
+    if not (x.is_floating_point() and b.is_floating_point()):
+        return None
+    return x.reshape(-1, x.shape[-1]), b, bias, beta, alpha, (*x.shape[:-1], b.shape[1])
+
+
+class RuntimeLayer:
+    """One planned layer while the runtime lives: its precision, quantizers and run report."""
+
+    def __init__(self, fqn: str, module: nn.Module, precision: LayerPrecision, device: torch.device):
+        self.fqn = fqn
+        self.module = module
+        self.precision = precision
+        self.format = precision.format
+        self.low_precision = self.format in (Format.FP8_E4M3, Format.FP8_E5M2, Format.INT8)
+        self.device = device
+        self.kernel_reason = kernel_reason(precision, device) if self.low_precision else None
+        # The half dtypes the installed torch's _scaled_mm writes with row-wise-shaped scales for
+        # this layer's forward (empty where it refuses them, e.g. torch 2.11 on CPU): probed here
+        # once, never in a forward (which may be traced by torch.compile).
+        self.row_scale_outs: frozenset = frozenset()
+        if self.format.is_fp8 and self.kernel_reason is None:
+            self.row_scale_outs = frozenset(
+                d for d in (torch.bfloat16, torch.float16) if row_scale_form(self.format, d, device)[0]
+            )
+        # How its FP8 kernel calls quantize: the device's fused Triton casts (chosen once per
+        # device, `casts.cast_path`) or None for PyTorch ops; `casts_ran`: what its last eager call used.
+        self.casts: "FusedCasts | None" = None
+        self.casts_ran = PYTORCH
+        self.use_fused_casts(True)
+        self.keeps_thread_state = False  # set by its wrapper (`wrappers.LayerWrappers`), when it has one
+        self.direct = False  # its product is one kernel call, routed by its wrapper (set there)
+        self.inputs: dict[str, InputQuantizer] = {}
+        self.calibrators: dict[str, Int8Calibrator] = {}
+        self.weights: dict[tuple, WeightQuantizer] = {}
+        # The output gradient's quantizer (stateless, shared by every product of the layer); None
+        # where the backward stays in high precision (FP32 gradients, INT8 layers).
+        grad_fmt = precision.grad_format
+        self.grad: "GradQuantizer | None" = None
+        if self.format.is_fp8 and grad_fmt.is_fp8:
+            self.grad = GradQuantizer.for_layer(self.format, grad_fmt)
+        self._emulation: "tuple[InputQuantizer, WeightQuantizer] | None" = None
+        self.ops: dict[str, str] = {}  # op -> how it ran ("kernel ...", "emulated (...)", "autocast ...")
+        self.unwarned: list[str] = []  # ops emulated since the layer's last EmulationWarning
+
+    def use_fused_casts(self, enabled: bool) -> None:
+        """An FP8 kernel layer's casts: the device's fused Triton kernels where it has them
+        (``enabled``), else PyTorch ops; other layers have none."""
+        kernels = self.format.is_fp8 and self.kernel_reason is None
+        self.casts = fused_casts(self.device) if enabled and kernels else None
+        self.casts_ran = FUSED if self.casts is not None else PYTORCH
+
+    def input_quantizer(self, key: str) -> InputQuantizer:
+        quantizer = self.inputs.get(key)
+        if quantizer is None:
+            quantizer = self.inputs[key] = InputQuantizer(self.format, self.precision.scaling)
+        return quantizer
+
+    def calibrator(self, key: str, channels: int) -> Int8Calibrator:
+        calibrator = self.calibrators.get(key)
+        if calibrator is None:
+            calibrator = self.calibrators[key] = Int8Calibrator(self.precision.calibration, channels)
+        return calibrator
+
+    @staticmethod
+    def kernel_bias(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``bias`` in ``dtype``, padded to the FP8 kernel's N: one cast (and a pad) of N
+        elements per call, never kept (a kept copy would go stale as the weights do)."""
+        with torch.no_grad():
+            padded = bias.to(dtype)
+            if bias.shape[0] % FP8_ALIGN:
+                padded = pad_to_multiple(padded.unsqueeze(0), 1, FP8_ALIGN).squeeze(0)
+        return padded
+
+    def weight_quantizer(self, key: tuple) -> WeightQuantizer:
+        quantizer = self.weights.get(key)
+        if quantizer is None:
+            rowwise = self.precision.scaling.granularity is Granularity.ROW
+            fmt = Format.INT8 if self.format is Format.INT8 else Format.FP8_E4M3
+            # Per-tensor scales in row-wise shape only on CPU and only where the installed torch
+            # takes that form (2.13 does, 2.11 refuses it): see gemm.Fp8Spec.expand_scales.
+            row_scales = self.device.type == "cpu" and self.format is Format.FP8_E4M3 and torch.bfloat16 in self.row_scale_outs
+            granularity = Granularity.ROW if rowwise else Granularity.TENSOR
+            quantizer = self.weights[key] = WeightQuantizer(fmt, granularity, INT8_ALIGN if fmt is Format.INT8 else FP8_ALIGN, row_scales)
+        return quantizer
+
+    def emulation_quantizers(self) -> "tuple[InputQuantizer, WeightQuantizer]":
+        """The input and weight quantizers of emulated products: the layer's format and
+        granularity (BLOCK included), current scaling (no state, so no history to share with the
+        kernels' quantizers); the gradient's is `grad`. Made once."""
+        if self._emulation is None:
+            scaling = dataclasses.replace(self.precision.scaling, mode=ScalingMode.CURRENT)
+            self._emulation = (InputQuantizer(self.format, scaling), WeightQuantizer(self.format, scaling.granularity))
+        return self._emulation
+
+    def note(self, op: str, how: str) -> None:
+        if torch.compiler.is_compiling() or self.ops.get(op) == how:
+            return
+        if how.startswith("emulated") and not self.ops.get(op, "").startswith("emulated"):
+            self.unwarned.append(op)  # said once the layer's forward ends (`warn_emulated`), with its other ops
+        self.ops[op] = how
+
+    def warn_emulated(self) -> None:
+        """One `EmulationWarning` naming every op this layer emulated since its last one (all of
+        them, the first time its forward ends), grouped by why. The only channel: nothing is
+        logged, so a user filtering the warning sees it nowhere."""
+        ops, self.unwarned = self.unwarned, []
+        by_how: dict[str, list[str]] = {}
+        for op in ops:
+            by_how.setdefault(self.ops[op], []).append(op)
+        ways = "; ".join(f"{', '.join(names)} in {self.format.value} {how}" for how, names in by_how.items())
+        # stacklevel 5: the line that called the layer (past its forward and Module.__call__'s two frames).
+        warnings.warn(f"autoprec: layer {layer_name(self.fqn, self.module)!r} runs {ways}", EmulationWarning, stacklevel=5)

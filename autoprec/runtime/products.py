@@ -1,0 +1,249 @@
+"""The matrix-product mode: how a planned layer's products run in its format.
+
+`ThreadState` is what one thread has entered (the running planned layers, innermost last);
+`LayerMode`, a ``TorchFunctionMode`` entered only inside the forward of layers that need it,
+routes the products of the innermost running planned layer by its format; `Products` runs them:
+FP8 / INT8 linear products through the kernels (`gemm.Fp8Linear` / `gemm.Int8Linear`, the
+quantizers of `quantizers`, eager FP8 on CUDA with fused Triton casts: `casts`), and products no
+kernel takes through emulation (`emulation.StoredInFormat`). Costs per FP8 / INT8 product: one
+amax and one cast per input, weight and output gradient, three GEMMs, no host sync.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Mapping, Optional
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from .._tracing import is_weight
+from ..coverage import MATMUL_OPS
+from ..formats import Format, Granularity
+from .casts import call_casts, describe
+from .emulation import StoredInFormat
+from .gemm import FP8_ALIGN, Fp8Linear, Fp8Spec, Int8Linear, Int8Spec
+from .layers import RuntimeLayer, as_gemm, to_fp32, unify_dtypes
+from .recompute import recorded_scale
+
+__all__ = ["ThreadState", "PerThread", "LayerMode", "Products"]
+
+
+class ThreadState:
+    """What one thread has entered. Plain attributes, not a ``threading.local``'s own: Dynamo
+    replays mutations of an ordinary object inside a compiled region, while a write to a
+    ``threading.local`` inside one is not seen by later reads of the same trace (torch 2.13)."""
+
+    __slots__ = ("active", "stack", "mode_active")
+
+    def __init__(self):
+        self.active = False
+        # The planned layers whose forward is running, innermost last. A tuple replaced on entry and
+        # restored on exit, never mutated: Dynamo refuses a list mutation inside a checkpointed
+        # (recomputed) block's traced body, an attribute set and reset it accepts.
+        self.stack: tuple = ()
+        self.mode_active = False
+
+
+class PerThread(threading.local):
+    """One `ThreadState` per thread, made on the thread's first read (like autocast's state)."""
+
+    def __init__(self):
+        self.state = ThreadState()
+
+
+class LayerMode(TorchFunctionMode):
+    """Routes the matrix products of the innermost running planned layer by its format.
+
+    Entered only inside the forward of layers that need it (not for the whole region): FP8 / INT8
+    layers that are not plain ``nn.Linear``, FP32 layers holding lowered layers, and half layers
+    that run products CPU autocast leaves uncast.
+    """
+
+    def __init__(self, threads: PerThread, products: "Products"):
+        super().__init__()
+        self.threads, self.products = threads, products
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        op = MATMUL_OPS.get(func)
+        stack = self.threads.state.stack
+        if op is None or not stack:
+            return func(*args, **kwargs)
+        layer = stack[-1]
+        if layer.direct:  # a layer whose product is a kernel call: its own ops are the runtime's
+            return func(*args, **kwargs)
+        if layer.format is Format.FP32:
+            # A lowered child hands this FP32 layer half tensors; its own products stay FP32.
+            return func(*pytree.tree_map(to_fp32, args), **pytree.tree_map(to_fp32, kwargs))
+        if not layer.low_precision:
+            args, kwargs = unify_dtypes((args, kwargs), layer.format.dtype)
+            return func(*args, **kwargs)
+        return self.products.run_low_precision(layer, op, func, args, kwargs)
+
+
+class Products:
+    """Runs a planned layer's products in its format (module docstring), for one runtime on one
+    device. ``param_names``: the model's parameters by ``id``, which name their quantizers.
+    ``reuse_weights``: inside `PlanRuntime.reusing_weights`, a parameter's quantized copy is
+    reused (the runtime sets it)."""
+
+    def __init__(self, device_type: str, backward_dtype: torch.dtype, param_names: Mapping[int, str]):
+        self.device_type = device_type
+        self.backward_dtype = backward_dtype
+        self.param_names = param_names
+        self.reuse_weights = False
+
+    @staticmethod
+    def kernel_name(layer: RuntimeLayer) -> str:
+        return "kernel torch._int_mm" if layer.format is Format.INT8 else "kernel torch._scaled_mm"
+
+    def out_dtype(self, reference: torch.Tensor) -> torch.dtype:
+        if torch.is_autocast_enabled(self.device_type):
+            return torch.get_autocast_dtype(self.device_type)
+        return reference.dtype if reference.dtype in (torch.float16, torch.bfloat16) else torch.float32
+
+    def linear(self, layer: RuntimeLayer, x: torch.Tensor, weight: torch.Tensor, bias, weight_key: "str | None" = None, is_param: bool = True):
+        """``x @ weight.T + bias`` in the layer's format; ``weight`` is (N, K), x is (..., K).
+        ``is_param``: ``weight`` is a parameter (or a view of one), not an activation; only a
+        parameter's quantized copy may be reused, inside `reusing_weights`."""
+        if layer.kernel_reason is not None:
+            return self.emulate(layer, "linear", torch.nn.functional.linear, (x, weight, bias), {})
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        n, k = weight.shape
+        out_dtype = self.out_dtype(x)
+        grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        key = weight_key or self.param_names.get(id(weight), "weight")
+        quantizer = layer.weight_quantizer((key, weight.stride()))
+        # The fused casts per operand whose dtype they take (never while compiling: Inductor fuses).
+        casts = None if torch.compiler.is_compiling() else layer.casts
+        w_casts = call_casts(casts, weight.dtype)
+        wq = quantizer.get(weight, need_transposed=grad, reuse=is_param and self.reuse_weights, casts=w_casts)
+        if layer.format is Format.INT8:
+            out = self.int8(layer, key, x2, weight, bias, wq, out_dtype, k, n)
+        else:
+            rowwise = layer.precision.scaling.granularity is Granularity.ROW
+            expand = quantizer.row_scales
+            # Row-wise scales: the kernel writes the region's half dtype where the installed torch
+            # takes it (torch 2.11 on sm_90 with cuBLAS >= 12.9 runs FP16 in cuBLASLt), else BF16,
+            # cast after the kernel (one more kernel, BF16 rounding); FP32 out is never row-wise.
+            if rowwise or expand:
+                kernel_dtype = out_dtype if out_dtype in layer.row_scale_outs else torch.bfloat16
+            else:
+                kernel_dtype = out_dtype
+            # _scaled_mm fuses no bias into an FP32 output: there it is added after the kernel.
+            fused = bias is not None and kernel_dtype != torch.float32
+            kernel_bias = layer.kernel_bias(bias, kernel_dtype) if fused else None
+            record = torch.is_grad_enabled()
+            x_casts, g_casts = call_casts(casts, x2.dtype), call_casts(casts, kernel_dtype)
+            with torch.no_grad():
+                # A recomputed block's backward reads back the scale its forward chose: asking the
+                # quantizer again would record this batch's amax into its history twice.
+                x_inv, x_cast = self.input_scale(layer, key, x2, record, x_casts, grad)
+            if casts is not None:
+                layer.casts_ran = describe(weight=w_casts is not None, input=x_casts is not None, gradient=g_casts is not None)
+            spec = Fp8Spec(layer.format, layer.grad, rowwise, kernel_dtype, expand, k, n, g_casts)
+            out = Fp8Linear.apply(
+                x2, weight, bias if fused else None, kernel_bias, x_inv,
+                wq.data, wq.inv_scale, wq.transposed, wq.backward_inv_scale, spec, x_cast,
+            )
+            if out.dtype != out_dtype:
+                out = out.to(out_dtype)
+            if bias is not None and not fused:
+                out = out + bias
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
+
+    @staticmethod
+    def input_scale(layer: RuntimeLayer, key: str, x2: torch.Tensor, record: bool, casts, transposed: bool):
+        """``(x_inv, x_cast)``: the input's scale (recorded for, or replayed by, a recomputed
+        block) and, with ``casts``, the input already cast by the fused kernels (in the same pass
+        as the scale where they can: `InputQuantizer.fused_cast`), else None."""
+        quantizer = layer.input_quantizer(key)
+        if casts is None:
+            return recorded_scale(layer.fqn, key, lambda: quantizer.inverse_scale(x2, record=record)), None
+        made = []
+
+        def scale():
+            inv, cast = quantizer.fused_cast(x2, casts, FP8_ALIGN, record=record, transposed=transposed)
+            made.append(cast)
+            return inv
+
+        x_inv = recorded_scale(layer.fqn, key, scale)
+        if not made:  # a recomputation replayed the forward's scale: cast with it
+            made.append(quantizer.fused_cast(x2, casts, FP8_ALIGN, transposed=transposed, inv=x_inv)[1])
+        return x_inv, made[0]
+
+    def int8(self, layer, key, x2, weight, bias, wq, out_dtype, k, n):
+        keep = index = valid = None
+        if layer.precision.scaling.granularity is Granularity.ROW:
+            with torch.no_grad():
+                x_inv = layer.input_quantizer(key).inverse_scale(x2)
+        else:
+            def calibrated():
+                calibrator = layer.calibrator(key, k)
+                calibrator.to(x2.device)
+                inv = calibrator.observe(x2)
+                if calibrator.has_outliers:
+                    return inv, calibrator.keep, calibrator.outlier_index, calibrator.outlier_valid
+                return inv, None, None, None
+
+            # A recomputed block's backward reads back what its forward used: observing again would
+            # count the batch twice towards calibration (and could freeze it in between).
+            x_inv, keep, index, valid = recorded_scale(layer.fqn, key, calibrated)
+        spec = Int8Spec(out_dtype, self.backward_dtype, k, n)
+        return Int8Linear.apply(x2, weight, bias, x_inv, wq.data, wq.inv_scale, keep, index, valid, spec)
+
+    def run_low_precision(self, layer: RuntimeLayer, op: str, func, args, kwargs):
+        gemm = as_gemm(op, func, args, kwargs)
+        if gemm is None:
+            return self.emulate(layer, op, func, args, kwargs, "no FP8/INT8 kernel for this op")
+        if layer.kernel_reason is not None:
+            return self.emulate(layer, op, func, args, kwargs)
+        a, b, bias, beta, alpha, out_shape = gemm
+        layer.note(op, self.kernel_name(layer))
+        is_param = is_weight(b)
+        weight_key: Optional[str]
+        if is_param:
+            base = b if isinstance(b, nn.Parameter) else b._base
+            # The layer's own parameters by identity first: Dynamo cannot take the id() of a view's
+            # base (it has no source), and torch 2.11 then fails after the graph break.
+            own = next((name for name, p in layer.module.named_parameters(recurse=False) if p is base), None)
+            if own is not None:
+                weight_key = f"{layer.fqn}.{own}" if layer.fqn else own
+            else:  # another module's parameter (a tied weight)
+                weight_key = self.param_names.get(id(base))
+        else:
+            weight_key = f"activation:{op}"  # its scaling state only: an activation is never kept
+        out = self.linear(layer, a, b.t(), bias if beta == 1 else None, weight_key=weight_key, is_param=is_param)
+        if alpha != 1:
+            out = out * alpha
+        if bias is not None and beta != 1:
+            out = out + beta * bias
+        return out.reshape(out_shape)
+
+    def emulate(self, layer: RuntimeLayer, op: str, func, args, kwargs, reason: "str | None" = None):
+        """Run the op in FP32 on inputs rounded to the layer's format, saving them in that format."""
+        reason = reason or layer.kernel_reason
+        granularity = layer.precision.scaling.granularity
+        layer.note(op, f"emulated ({reason}): {layer.format.value} storage, FP32 compute, current {granularity.value} scaling")
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        tensor_at = [i for i, v in enumerate(leaves) if torch.is_tensor(v)]
+        tensors = [leaves[i] for i in tensor_at]
+        weights = tuple(is_weight(t) for t in tensors)
+        out_dtype = self.out_dtype(next((t for t in tensors if t.is_floating_point()), tensors[0]))
+
+        def fn(*values):
+            filled = list(leaves)
+            for i, v in zip(tensor_at, values):
+                filled[i] = v
+            call_args, call_kwargs = pytree.tree_unflatten(filled, spec)
+            return func(*call_args, **call_kwargs)
+
+        # Weights: per output channel (dim 0) for INT8 and ROW, 128x128 tiles for BLOCK;
+        # activations: 1x128 tiles for BLOCK, per row for ROW; else one scale (see the quantizers).
+        inputs, weight = layer.emulation_quantizers()
+        quantizers = tuple(weight if w else inputs for w in weights)
+        out = StoredInFormat.apply(fn, quantizers, layer.grad, weights, *tensors)
+        return out.to(out_dtype) if torch.is_tensor(out) and out.is_floating_point() else out
