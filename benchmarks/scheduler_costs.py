@@ -229,8 +229,8 @@ class Rounds:
 
 
 def environment(device: torch.device) -> dict:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(ap.__file__).parent).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=Path(ap.__file__).parent).stdout.strip()
     return {"commit": commit, "dirty": bool(dirty), "torch": torch.__version__, "cuda": torch.version.cuda,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine()),
             "threads": torch.get_num_threads()}

@@ -92,7 +92,7 @@ def main() -> None:
     search = tried["seconds"][args.window - 1:first_planned + 1]
     planned = tried["seconds"][first_planned + 1:]
     median_planned = statistics.median(planned)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(ap.__file__).parent).stdout.strip()
     result = {
         "benchmark": "search_stall", "commit": commit, "torch": torch.__version__, "device": "cpu", "cpu": platform.processor() or platform.machine(),
         "threads": args.threads, "steps": args.steps, "window": args.window, "memory_budget": args.memory_budget, "accuracy_budget": args.accuracy_budget,
