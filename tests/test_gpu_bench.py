@@ -47,7 +47,7 @@ def smoke(tmp_path_factory):
 
 
 def test_suite_imports_without_optuna_scipy_tensorboard():
-    done = _python("import autoprec.gpu_bench, autoprec.cli\nautoprec.cli._build_parser()\nprint('imported')")
+    done = _python("import autoprec.bench.gpu, autoprec.cli\nautoprec.cli._build_parser()\nprint('imported')")
     assert done.returncode == 0 and "imported" in done.stdout, done.stderr[-2000:]
 
 
