@@ -12,7 +12,7 @@ from tensorboard.plugins.hparams import metadata as hparams_metadata
 from autoprec import Format, Plan
 from autoprec.errors import MonitoringError
 from autoprec.monitoring.figures import mpl_colour
-from autoprec.monitoring.plans import render_precision_map
+from autoprec.monitoring.plans import budget_scalars, render_precision_map
 from autoprec.monitoring.search import (
     BUDGET_COLOUR,
     CHOSEN_COLOUR,
@@ -22,7 +22,6 @@ from autoprec.monitoring.search import (
     PARETO_COLOUR,
     TrialPoint,
     best_so_far,
-    budget_scalars,
     pareto_front,
     render_pareto,
     render_progress,

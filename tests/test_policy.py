@@ -3,7 +3,8 @@
 from autoprec.formats import Format
 from autoprec.plan import Plan
 from autoprec.profiling import TensorWatch, WatchReport
-from autoprec.scheduler.policy import PolicyState, PrecisionChange, demotions, promotions, wider_format, window_triggers
+from autoprec.changes import PrecisionChange
+from autoprec.scheduler.policy import PolicyState, demotions, promotions, wider_format, window_triggers
 from autoprec.scheduler.config import Thresholds
 
 LADDER = [Format.BF16, Format.FP32]

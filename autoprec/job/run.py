@@ -47,7 +47,6 @@ from ..formats import Format
 from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan, removing
 from ..workload import TrainStep, WorkloadError, load_workload, to_device
-from .config import JobConfig
 from ..search.exact import Solution
 from ..search.measured import BudgetPruner, Candidate, MeasuredStage, Measurement, candidate_id, fastest_meeting
 from ..search.pipeline import Proposal, propose_plans
@@ -55,6 +54,7 @@ from ..search.planner import layer_reasons, measured_reasons, plan_from_solution
 from ..search.refine import CorrectingSampler
 from ..search.space import SearchSpace
 from ..search.study import open_storage, quiet_interrupts
+from .config import JobConfig
 from .workers import WorkerPayload, adopt_candidates, check_workers, run_workers
 
 __all__ = ["JobResult", "run_job"]

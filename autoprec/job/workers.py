@@ -178,10 +178,10 @@ def run_workers(
 def _worker_main(path: str, device: str, threads: int, verbosity: int) -> None:
     """One worker process: rebuild the measured stage from the parent's payload and measure
     candidates on the study until none is left."""
-    from ..workload import TrainStep, to_device
-    from .run import load_job_workload
     from ..search.measured import MeasuredStage
     from ..search.study import open_storage, quiet_interrupts
+    from ..workload import TrainStep, to_device
+    from .run import load_job_workload
 
     torch.set_num_threads(threads)
     optuna.logging.set_verbosity(verbosity)

@@ -97,7 +97,6 @@ __all__ = [
     "search_summary_markdown",
     "render_pareto",
     "render_progress",
-    "budget_scalars",
     "write_search",
     "write_candidates",
 ]

@@ -39,27 +39,27 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from .binding import Binding, bindable_layers, check_layers, check_materialised, unbound_exit
 from ..calls import ModelCall, loss_of
+from ..changes import PrecisionChange
 from ..coverage import LayerInfo, layer_name
 from ..distributed import RankAgreement, grad_comm_format
 from ..errors import InfeasibleBudgetError, RuntimeStateError, SettingsError
-from .lifecycle import WindowClock
 from ..plan import Plan
-from .plan_keeper import PlanKeeper
-from .policy import PrecisionChange
-from ..scaling import LossScaler, LossScaling
-from .config import SchedulerConfig, Thresholds, config_of
-from .state import LATER_STATE, STATE_VERSION, check_state, check_state_fits
-from .search_steps import SearchSteps
+from ..scaling import LossScaler
 from ..search.training import TrainingSearch
+from .binding import Binding, bindable_layers, check_layers, check_materialised, unbound_exit
+from .config import SchedulerConfig, config_of
+from .lifecycle import WindowClock
+from .plan_keeper import PlanKeeper
+from .search_steps import SearchSteps
+from .state import LATER_STATE, STATE_VERSION, check_state, check_state_fits
 from .step_checks import StepChecks
 from .window_measures import WindowMeasures
 
 if TYPE_CHECKING:
     from ..monitoring import TrainingWriter
 
-__all__ = ["DynamicPrecisionScheduler", "SchedulerConfig", "LossScaling", "Thresholds", "PrecisionChange"]
+__all__ = ["DynamicPrecisionScheduler"]
 
 logger = logging.getLogger(__name__)
 

@@ -25,15 +25,16 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional, 
 import torch
 import torch.nn as nn
 
-from ..device import format_support
-from .binding import require_bound
+from ..changes import PrecisionChange
 from ..coverage import layer_name
+from ..device import format_support
 from ..errors import RuntimeStateError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
-from .policy import PolicyState, PrecisionChange, demotions, promotions, window_triggers
 from ..runtime import apply_plan
 from ..scaling import LossScaler
+from .binding import require_bound
+from .policy import PolicyState, demotions, promotions, window_triggers
 
 if TYPE_CHECKING:
     from ..distributed import RankAgreement

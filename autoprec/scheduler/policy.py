@@ -17,14 +17,14 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
 
-from ..formats import Format
 from ..changes import PrecisionChange
+from ..formats import Format
 from ..plan import Plan
 
 if TYPE_CHECKING:
     from .config import Thresholds
 
-__all__ = ["PrecisionChange", "PolicyState", "wider_format", "promotions", "window_triggers", "demotions"]
+__all__ = ["PolicyState", "wider_format", "promotions", "window_triggers", "demotions"]
 
 
 @dataclasses.dataclass(frozen=True)

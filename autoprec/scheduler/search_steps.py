@@ -30,13 +30,13 @@ import torch.nn as nn
 
 from ..costs.inplace import StepTimer
 from ..errors import RuntimeStateError, SearchError
-from ..measure import SavedTensorMeter
 from ..formats import Format
+from ..measure import SavedTensorMeter
 from ..plan import Plan
 from ..runtime import EmulationWarning
+from ..search.training import PASSES_PER_STEP, TrainingSearch
 from ..sensitivity import adam_second_moment
 from ..sensitivity.capture import LinearisedLoss
-from ..search.training import PASSES_PER_STEP, TrainingSearch
 
 if TYPE_CHECKING:
     from ..distributed import RankAgreement

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from .binding import require_bound
-from .lifecycle import CAPTURED_STEPS
 from ..measure import SavedTensorMeter
 from ..plan import Plan, Scaling
 from ..sensitivity.capture import GradientCapture
+from .binding import require_bound
+from .lifecycle import CAPTURED_STEPS
 
 if TYPE_CHECKING:
     from ..distributed import RankAgreement
