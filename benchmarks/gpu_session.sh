@@ -64,7 +64,7 @@ ran() { local rc=$1; shift; echo "$* rc $rc"; [ "$rc" -eq 0 ] || failed+=("$*=$r
 case $phase in
 check)
     # --check: a failing correctness row fails the command (the smoke sizes judge no speed target).
-    timeout 300 "$py" -m pytest -q -rs -p no:cacheprovider tests/test_runtime_gpu.py tests/test_profiling.py::test_steps_do_not_sync_on_cuda \
+    timeout 300 "$py" -m pytest -q -rs -p no:cacheprovider tests/test_runtime_gpu.py tests/test_step_profile.py tests/test_profiling.py::test_steps_do_not_sync_on_cuda \
         2>&1 | tee "$out/gpu_tests.log" | tail -40
     ran "${PIPESTATUS[0]}" tests
     timeout 200 "$py" -m autoprec bench --suite gpu --smoke --check --device "$device" --json "$out/gpu_smoke.json" >"$out/gpu_smoke.log" 2>&1
@@ -137,7 +137,7 @@ all)
         xdist=()
         "$py" -c "import xdist" 2>/dev/null && xdist=(-n 2)
         timeout "$(cap 170)" "$py" -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" tests/test_runtime_gpu.py tests/test_triton_cast.py \
-            tests/test_profiling.py::test_steps_do_not_sync_on_cuda >>"$log" 2>&1
+            tests/test_step_profile.py tests/test_profiling.py::test_steps_do_not_sync_on_cuda >>"$log" 2>&1
         ran $? tests; tail -3 "$log"
         wait "$search_pid"
         ran $? search
@@ -157,7 +157,9 @@ all)
 
     # (c) The README loop under the scheduler, the plan by hand, BF16 autocast (c1 eager, c2
     # compiled); (d) the searched plan by hand against all-FP8 linears and BF16 autocast (d1 eager,
-    # d2 compiled, d3 compiled all-FP8, whose autocast graph comes from Inductor's cache).
+    # d2 compiled, d3 compiled all-FP8, whose autocast graph comes from Inductor's cache). After its
+    # timed rounds each runs a few steps of every variant under torch.profiler (--profile-steps:
+    # kernels, launches, syncs, host and device time per step; 8 steps hold one sampled watch step).
     # shellcheck disable=SC2046
     for run in "c1 eager 75" "d1 eager 60 plan_training plan,fp8_all,autocast" "d2 compiled 130 plan_training plan,autocast" \
                "c2 compiled 150" "d3 compiled 120 fp8_training fp8_all,autocast"; do
@@ -168,12 +170,12 @@ all)
         if [ -z "$name" ]; then
             part "($id) scheduler costs, $mode"
             timeout "$(cap "$limit")" "$py" benchmarks/scheduler_costs.py --device "$device" $(size_args "${sched[@]}") --window "$window" \
-                --accuracy-budget 0.02 --rounds "$rounds" "${compile[@]}" --out "$out/scheduler_costs_$mode.json" >>"$log" 2>&1
+                --accuracy-budget 0.02 --rounds "$rounds" --profile-steps 8 "${compile[@]}" --out "$out/scheduler_costs_$mode.json" >>"$log" 2>&1
             ran $? "scheduler_costs_$mode"
         elif [ -f "$plan" ]; then
             part "($id) $name, $mode ($variants)"
             timeout "$(cap "$limit")" "$py" benchmarks/scheduler_costs.py --plan "$plan" --variants "$variants" --device "$device" \
-                $(size_args "${gpt[@]}") --rounds "$plan_rounds" --warmup 3 --val-batches 2 "${compile[@]}" \
+                $(size_args "${gpt[@]}") --rounds "$plan_rounds" --warmup 3 --val-batches 2 --profile-steps 4 "${compile[@]}" \
                 --out "$out/${name}_$mode.json" >>"$log" 2>&1
             ran $? "${name}_$mode"
         else

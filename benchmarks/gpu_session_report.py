@@ -39,6 +39,20 @@ def _gb(value) -> str:
     return "-" if value is None else f"{value / 2**30:.2f}"
 
 
+def _profile_lines(profiles: dict) -> list[str]:
+    """One line per variant of a benchmark's ``profile`` (`autoprec.bench.step_profile`), per step."""
+    lines = []
+    for name, p in (profiles or {}).items():
+        if "kernels" in p:
+            counts = (f"{p['kernels']:.0f} kernels ({p['launches']:.0f} launches, {p['syncs']:.0f} syncs, {p['memcpy']:.0f} memcpy), "
+                      f"kernel time {p['kernel_ms']:.2f} ms")
+        else:
+            counts = f"{p.get('aten_ops', 0):.0f} aten ops"
+        top = ", ".join(f"{t['name'][:48]} {t['calls']:.0f}x {t['ms']:.2f} ms" for t in p["top"][:4])
+        lines.append(f"  profile {name}: host {p['host_ms']:.2f} / wall {p['wall_ms']:.2f} ms a step, {counts}; top: {top}")
+    return lines
+
+
 def summary(folder: Path) -> list[str]:
     lines = []
 
@@ -59,6 +73,10 @@ def summary(folder: Path) -> list[str]:
                      f"{sum(1 for r in rows if r['ok'] is None)} not run; {_f(suite['elapsed_s'].get('total'), '.0f')} s")
         for t in suite["targets"]:
             lines.append(f"  {'ok ' if t['passed'] else 'MISS' if t['passed'] is False else 'n/a '} {t['name']}: {_f(t['value'], '.3f')} (threshold {t['threshold']})")
+        first = suite["layers"][0]["detail"].get("shape") if suite["layers"] else None
+        for r in suite["layers"]:  # the first shape's: where each variant's time goes
+            if r["ok"] and r["detail"].get("shape") == first and "profile" in r["detail"]:
+                lines.extend(_profile_lines({r["name"]: r["detail"]["profile"]}))
         for r in suite["e2e"]:
             d = r.get("detail") or {}
             lines.append(f"  {r['name']}: {_f(d.get('tokens_per_s'), '.0f')} tok/s, peak {_gb(d.get('peak_memory_bytes'))} GiB, loss {_f(d.get('loss_last'), '.3f')}")
@@ -78,6 +96,11 @@ def summary(folder: Path) -> list[str]:
         lines.append(f"  bytes scheduler / by hand {_f(g('scheduler_over_hand_bytes'), '.3f')} (<= 1.02), left after close {g('bytes_left_after_close')}, "
                      f"graph tensors {g('graph_tensors')}; peak GiB: window {_gb(peaks.get('profiling'))}, search {_gb(peaks.get('search'))}, "
                      f"scheduler {_gb(peaks.get('scheduler'))}, by hand {_gb(peaks.get('hand'))}, autocast {_gb(peaks.get('autocast'))}")
+        host = g("median_host_s") or {}
+        if host:
+            lines.append("  host time to issue a step / the step (median): " + ", ".join(
+                f"{k} {_f(1e3 * v)} / {_f(1e3 * (g('median_step_s') or {}).get(k, float('nan')))} ms" for k, v in host.items()))
+        lines.extend(_profile_lines(g("profile")))
     plan = load("search_plan.json")
     if plan is not None:
         p = plan["plan"]
@@ -100,6 +123,11 @@ def summary(folder: Path) -> list[str]:
         lines.append(f"{name[:-5]} ({pt['compile'] or 'eager'}, {pt['elapsed_s']} s): " + "; ".join(
             f"{k} {_f(over[k])}x tok/s, {_f(peak.get(k))}x peak, held-out {_f(100 * held[k], '+.2f')} %" for k in over))
         lines.append(f"  plan {pt['plan']}; first steps (s, compile included) {pt['first_steps_s']}; Dynamo graphs {pt['dynamo_graphs']}")
+        host = pt.get("median_host_s") or {}
+        if host:
+            lines.append("  host time to issue a step / the step (median): " + ", ".join(
+                f"{k} {_f(1e3 * v)} / {_f(1e3 * pt['median_step_s'][k])} ms" for k, v in host.items()))
+        lines.extend(_profile_lines(pt.get("profile")))
     return lines
 
 

@@ -22,6 +22,11 @@ Reported, as in-run ratios (medians of interleaved steps, order rotated every ro
   CUDA peaks per phase;
 - tensors with a ``grad_fn`` alive between planned steps and after close (should be 0: a graph
   kept alive is the leak this benchmark was written for).
+- the host's time to issue a step (median, before the sync): near the step's time, the step is
+  bound by Python and launches, not by the device;
+- ``--profile-steps N``: after the timed rounds, N steps of each variant under ``torch.profiler``
+  (`autoprec.bench.step_profile`): kernels, launches, syncs, memcpys per step, device and host
+  time per step, the costliest kernels (on a CPU, aten ops) - the profile a missed target needs.
 
 ``--compile``: every variant calls ``torch.compile(model)`` (Inductor, or ``--backend``): the
 scheduler around the compiled model (its hooked steps run eagerly, its planned steps and its
@@ -67,6 +72,11 @@ import torch
 
 import autoprec as ap
 from autoprec.workloads.bytelm import ByteLMWorkload, LMConfig, evaluate, load_corpus, split_corpus
+
+try:
+    from autoprec.bench.step_profile import profile_steps
+except ImportError:  # an older autoprec: --profile-steps is refused
+    profile_steps = None
 
 
 def sync(device: torch.device) -> None:
@@ -186,8 +196,9 @@ class Trainer:
         return self.last_loss
 
 
-def timed_step(trainer: Trainer, batch) -> tuple[float, "int | None", "int | None"]:
-    """One step: its seconds, and on CUDA the bytes allocated before it and its peak."""
+def timed_step(trainer: Trainer, batch) -> tuple[float, "int | None", "int | None", float]:
+    """One step: its seconds, on CUDA the bytes allocated before it and its peak, and the host's
+    seconds to issue it (until ``step`` returns, before the sync)."""
     device = trainer.device
     sync(device)
     before = None
@@ -196,18 +207,21 @@ def timed_step(trainer: Trainer, batch) -> tuple[float, "int | None", "int | Non
         before = torch.cuda.memory_allocated(device)
     start = time.perf_counter()
     trainer.step(batch)
+    host = time.perf_counter() - start
     sync(device)
     seconds = time.perf_counter() - start
-    return seconds, before, torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return seconds, before, torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None, host
 
 
 class Rounds:
     """Timed steps of several trainers interleaved, order rotated every round: per trainer its
-    seconds and its largest rise of the peak over the bytes allocated before a step."""
+    seconds, the host's seconds to issue each step, and its largest rise of the peak over the bytes
+    allocated before a step."""
 
     def __init__(self, trainers: list[Trainer]):
         self.trainers = trainers
         self.times: dict[str, list[float]] = {t.name: [] for t in trainers}
+        self.host: dict[str, list[float]] = {t.name: [] for t in trainers}
         self.rise: dict[str, int] = {}
 
     def run(self, rounds: int, batch) -> None:
@@ -215,13 +229,25 @@ class Rounds:
         for round_ in range(rounds):
             b = batch()
             for trainer in self.trainers[round_ % n:] + self.trainers[:round_ % n]:
-                seconds, before, top = timed_step(trainer, b)
+                seconds, before, top, host = timed_step(trainer, b)
                 self.times[trainer.name].append(seconds)
+                self.host[trainer.name].append(host)
                 if before is not None and top is not None:
                     self.rise[trainer.name] = max(self.rise.get(trainer.name, 0), top - before)
 
     def medians(self) -> dict[str, float]:
         return {name: statistics.median(ts) for name, ts in self.times.items()}
+
+    def host_medians(self) -> dict[str, float]:
+        return {name: statistics.median(ts) for name, ts in self.host.items()}
+
+    def profiles(self, steps: int, batch) -> dict[str, dict]:
+        """Each trainer's next ``steps`` steps under the profiler (`profile_steps`): kernels,
+        launches, syncs, host and device time per step, the costliest kernels (or CPU ops)."""
+        if steps == 0:
+            return {}
+        b = batch()
+        return {t.name: profile_steps(lambda t=t: t.step(b), steps, t.device) for t in self.trainers}
 
     def peaks(self, resident: dict[str, int]) -> dict[str, "int | None"]:
         """Each trainer's peak as if it ran alone: its bytes between steps plus its largest rise."""
@@ -257,7 +283,7 @@ def run_scheduler(args, device: torch.device, batch, build, backend: "str | None
     for step in range(args.window + args.max_search_steps):
         b = batch()
         phase = scheduler.phase
-        spent, _, top = timed_step(sched, b)
+        spent, _, top, _ = timed_step(sched, b)
         seconds.append(spent)
         phases.append(phase)
         if phase in tops and top is not None:
@@ -307,6 +333,8 @@ def run_scheduler(args, device: torch.device, batch, build, backend: "str | None
     rounds_times = {name: list(times) for name, times in rounds.times.items()}
     losses = {t.name: {"loss": float(t.last_loss), "steps_trained": t.steps} for t in rounds.trainers}
     peaks = rounds.peaks(resident)
+    host = rounds.host_medians()
+    profiles = rounds.profiles(args.profile_steps, batch)
 
     # 4. After close() and del: what the scheduler leaves behind.
     del hand, autocast, rounds
@@ -340,6 +368,8 @@ def run_scheduler(args, device: torch.device, batch, build, backend: "str | None
         "first_steps_s": {**first, "plain": round(plain_first, 4)},
         "dynamo_graphs": compiled,
         "median_step_s": {**median, "profiling": statistics.median(profiling), "plain_window_precision": statistics.median(plain_seconds)},
+        "median_host_s": host,
+        "profile": profiles,
     }
 
 
@@ -382,6 +412,7 @@ def run_plan(args, device: torch.device, batch, build, backend: "str | None", wo
     rounds.run(args.rounds, batch)
     compiled["rounds"] = dynamo_graphs() - mark
     median = rounds.medians()
+    profiles = rounds.profiles(args.profile_steps, batch)
     val = workload.val_batches(args.val_batches)
     held_out = {}
     for trainer in trainers:  # the eager model under its precision: no compilation for eval mode
@@ -405,6 +436,8 @@ def run_plan(args, device: torch.device, batch, build, backend: "str | None", wo
         "first_steps_s": first,
         "dynamo_graphs": compiled,
         "median_step_s": median,
+        "median_host_s": rounds.host_medians(),
+        "profile": profiles,
     }
 
 
@@ -430,9 +463,14 @@ def main() -> None:
     parser.add_argument("--plan", type=Path, default=None, help="train this plan beside all-FP8 and BF16 autocast (no scheduler)")
     parser.add_argument("--variants", default="plan,fp8_all,autocast", help="with --plan: which to train, in this order (autocast among them)")
     parser.add_argument("--val-batches", type=int, default=4, help="held-out batches with --plan")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after the timed rounds, this many steps of each variant under torch.profiler: kernels, launches, syncs, "
+                             "host and device time per step, the costliest kernels (JSON 'profile'; default 0: none)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.profile_steps < 0 or (args.profile_steps and profile_steps is None):
+        parser.error(f"--profile-steps {args.profile_steps}: give a count >= 0; the autoprec imported needs autoprec.bench.step_profile for > 0")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)

@@ -104,6 +104,17 @@ def test_layer_rows_time_every_variant_that_can_run(smoke):
 
 
 @pytest.mark.slow
+def test_layer_rows_say_where_their_time_goes(smoke):
+    rows = {r["name"].rsplit("/", 1)[1]: r["detail"] for r in smoke[1]["layers"] if r["ok"] and r["detail"]["shape"] == list(SMOKE.layer_shapes[0])}
+    for label, detail in rows.items():
+        profile = detail["profile"]
+        assert profile["steps"] == 2 and profile["aten_ops"] > 0 and profile["top"], label
+        assert all(entry["name"].startswith("aten::") for entry in profile["top"]), label
+    # An FP8 layer's quantization (amax, scale, cast, transpose) is ops that BF16 autocast does not run.
+    assert rows["autoprec_fp8_tensor_unfused"]["profile"]["aten_ops"] > rows["bf16_autocast"]["profile"]["aten_ops"]
+
+
+@pytest.mark.slow
 def test_torchao_rows_ran_or_say_why_not(smoke):
     rows = [r for r in smoke[1]["layers"] if r["name"].split("/")[-1].startswith("torchao")]
     assert rows and all(r["ok"] or (r["ok"] is None and "torchao" in r["detail"]["skipped"]) for r in rows)

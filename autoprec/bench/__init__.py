@@ -4,7 +4,9 @@
   under every variant (plain FP32, uniform plans, plain autocast, compiled), as ratios to FP32;
 - `ops`: aten ops, host syncs and graph breaks per training step, counted rather than timed;
 - `overhead`: the profiler's cost per step (`measure_overhead`);
-- `ranking`: the cost model's predicted ranking of uniform plans against measured step times.
+- `ranking`: the cost model's predicted ranking of uniform plans against measured step times;
+- `step_profile`: where a step's time goes (kernels, launches, syncs, the costliest kernels or ops),
+  recorded by the GPU suite and `benchmarks/scheduler_costs.py` beside their figures.
 
 The GPU suite is `autoprec.bench.gpu`. Targets are `autoprec.workload.Workload` objects: the CLI
 passes the built-in ones or ``--workload module:function``; this package imports no workload.

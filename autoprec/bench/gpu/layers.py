@@ -15,7 +15,9 @@ mixed-precision network does):
 
 Each variant runs eager and ``torch.compile``d. A step is forward, then ``torch.autograd.grad``
 of the output against the input and the parameters (so nothing accumulates between repeats): six
-``M*K*N`` multiply-adds, counted as ``6*M*K*N`` FLOPs.
+``M*K*N`` multiply-adds, counted as ``6*M*K*N`` FLOPs. After its timed calls, each variant's
+``profile`` (`autoprec.bench.step_profile`, two steps): its kernels, launches and the costliest
+kernels, so a ratio that misses its target says what it spends.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ...formats import Format, Granularity
 from ...plan import LayerPrecision, Plan, Scaling, ScalingMode
 from ...runtime import apply_plan
 from ...runtime.layers import kernel_reason
+from ..step_profile import profile_steps
 from .rows import Row, error_text, guarded
 from .timing import median_ms, rotation_count, tflops, warm_up
 
@@ -77,6 +80,9 @@ VARIANTS: tuple[LayerVariant, ...] = (
     UNFUSED,
     *(LayerVariant(f"torchao_fp8_{recipe}", "torchao", True, recipe=recipe) for recipe in TORCHAO_RECIPES),
 )
+
+
+PROFILED_STEPS = 2  # per variant, after its timed calls (`autoprec.bench.step_profile`)
 
 
 def torchao_status() -> tuple[bool, str]:
@@ -156,7 +162,10 @@ def _measure(
 
         warmup_s = warm_up(step, inputs, warmup, device)
         ms = median_ms(step, inputs[warmup % len(inputs):] + inputs[:warmup % len(inputs)], repeats, device)
-    detail = {"ms": ms, "tflops": tflops(6 * m * k * n, ms), "warmup_s": warmup_s, "inputs_rotated": len(inputs), "ops": report()}
+        # Where the time goes (kernels, launches, the costliest kernels): what a missed ratio needs.
+        profile = profile_steps(lambda: step(*inputs[0]), PROFILED_STEPS, device, top=6)
+    detail = {"ms": ms, "tflops": tflops(6 * m * k * n, ms), "warmup_s": warmup_s, "inputs_rotated": len(inputs), "ops": report(),
+              "profile": profile}
     if variant.compiled:
         after = _dynamo_counts()
         detail.update({key: after[key] - before[key] for key in after})
