@@ -28,17 +28,14 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from ..timing import sync
+
 __all__ = ["profile_steps"]
 
 # CUDA runtime and driver calls: the host issuing a kernel, and the host waiting on the device.
 _LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchCooperativeKernel"})
 _SYNC_CALLS = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy"})
 _NAME_WIDTH = 100  # kernel names (templated C++) are cut to this many characters
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def profile_steps(step: Callable[[], object], steps: int, device: torch.device, *, top: int = 8) -> dict:
@@ -49,13 +46,13 @@ def profile_steps(step: Callable[[], object], steps: int, device: torch.device, 
         raise ValueError(f"profile_steps(steps={steps!r}): profile at least one step")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     host, wall = [], []
-    _sync(device)
+    sync(device)
     with profile(activities=activities, acc_events=True) as prof:  # one cycle; acc_events only spares torch 2.11 a warning
         for _ in range(steps):
             start = time.perf_counter()
             step()
             host.append(time.perf_counter() - start)
-            _sync(device)
+            sync(device)
             wall.append(time.perf_counter() - start)
     summary: dict = {"steps": steps, "host_ms": 1e3 * sum(host) / steps, "wall_ms": 1e3 * sum(wall) / steps}
     per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # name -> [calls, microseconds]
