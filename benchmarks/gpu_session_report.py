@@ -53,6 +53,15 @@ def _profile_lines(profiles: dict) -> list[str]:
     return lines
 
 
+def _where_time_goes(result: dict) -> list[str]:
+    """A scheduler_costs.py result's host time per step against its step time (medians), then its
+    profile lines."""
+    host, step = result.get("median_host_s") or {}, result.get("median_step_s") or {}
+    lines = ["  host time to issue a step / the step (median): " + ", ".join(
+        f"{k} {_f(1e3 * v)} / {_f(1e3 * step[k] if k in step else None)} ms" for k, v in host.items())] if host else []
+    return lines + _profile_lines(result.get("profile"))
+
+
 def summary(folder: Path) -> list[str]:
     lines = []
 
@@ -74,9 +83,8 @@ def summary(folder: Path) -> list[str]:
         for t in suite["targets"]:
             lines.append(f"  {'ok ' if t['passed'] else 'MISS' if t['passed'] is False else 'n/a '} {t['name']}: {_f(t['value'], '.3f')} (threshold {t['threshold']})")
         first = suite["layers"][0]["detail"].get("shape") if suite["layers"] else None
-        for r in suite["layers"]:  # the first shape's: where each variant's time goes
-            if r["ok"] and r["detail"].get("shape") == first and "profile" in r["detail"]:
-                lines.extend(_profile_lines({r["name"]: r["detail"]["profile"]}))
+        lines.extend(_profile_lines({r["name"]: r["detail"]["profile"] for r in suite["layers"]  # the first shape's variants
+                                     if r["ok"] and r["detail"].get("shape") == first and "profile" in r["detail"]}))
         for r in suite["e2e"]:
             d = r.get("detail") or {}
             lines.append(f"  {r['name']}: {_f(d.get('tokens_per_s'), '.0f')} tok/s, peak {_gb(d.get('peak_memory_bytes'))} GiB, loss {_f(d.get('loss_last'), '.3f')}")
@@ -96,11 +104,7 @@ def summary(folder: Path) -> list[str]:
         lines.append(f"  bytes scheduler / by hand {_f(g('scheduler_over_hand_bytes'), '.3f')} (<= 1.02), left after close {g('bytes_left_after_close')}, "
                      f"graph tensors {g('graph_tensors')}; peak GiB: window {_gb(peaks.get('profiling'))}, search {_gb(peaks.get('search'))}, "
                      f"scheduler {_gb(peaks.get('scheduler'))}, by hand {_gb(peaks.get('hand'))}, autocast {_gb(peaks.get('autocast'))}")
-        host = g("median_host_s") or {}
-        if host:
-            lines.append("  host time to issue a step / the step (median): " + ", ".join(
-                f"{k} {_f(1e3 * v)} / {_f(1e3 * (g('median_step_s') or {}).get(k, float('nan')))} ms" for k, v in host.items()))
-        lines.extend(_profile_lines(g("profile")))
+        lines.extend(_where_time_goes(sc))
     plan = load("search_plan.json")
     if plan is not None:
         p = plan["plan"]
@@ -123,11 +127,7 @@ def summary(folder: Path) -> list[str]:
         lines.append(f"{name[:-5]} ({pt['compile'] or 'eager'}, {pt['elapsed_s']} s): " + "; ".join(
             f"{k} {_f(over[k])}x tok/s, {_f(peak.get(k))}x peak, held-out {_f(100 * held[k], '+.2f')} %" for k in over))
         lines.append(f"  plan {pt['plan']}; first steps (s, compile included) {pt['first_steps_s']}; Dynamo graphs {pt['dynamo_graphs']}")
-        host = pt.get("median_host_s") or {}
-        if host:
-            lines.append("  host time to issue a step / the step (median): " + ", ".join(
-                f"{k} {_f(1e3 * v)} / {_f(1e3 * pt['median_step_s'][k])} ms" for k, v in host.items()))
-        lines.extend(_profile_lines(pt.get("profile")))
+        lines.extend(_where_time_goes(pt))
     return lines
 
 
