@@ -31,11 +31,17 @@ from torch.utils import _pytree as pytree
 
 from .errors import ModelCallError
 
-__all__ = ["ModelCall", "loss_of", "prediction_of", "isolated", "fresh"]
+__all__ = ["ModelCall", "loss_of", "prediction_of", "isolated", "fresh", "changeable"]
 
 
 _SHARED = (nn.Module, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, enum.Enum,
            str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
+
+
+def changeable(value: Any) -> bool:
+    """Whether a call may change ``value`` in place: an object that `isolated` copies (a KV
+    cache, a list, a dict), not a tensor nor one of the values it keeps as they are."""
+    return not torch.is_tensor(value) and not isinstance(value, _SHARED)
 
 
 def isolated(value: Any, copy_tensor: Callable[[torch.Tensor], torch.Tensor], memo: "dict | None" = None) -> Any:

@@ -175,6 +175,29 @@ def test_a_hugging_face_llama_built_from_its_config_gets_the_same_gradients(name
     _assert_bitwise(*results)
 
 
+@pytest.mark.parametrize("name", ["fp32", "bf16"])
+def test_an_encoder_decoder_whose_blocks_change_its_kv_cache_gets_the_same_gradients(name):
+    """T5 with its defaults: the decoder's self-attention appends to the KV cache, its
+    cross-attention fills the cache once and marks it filled. The recomputation runs on the cache
+    as the block's forward found it; run on the changed one, the cross-attention skipped its key
+    and value projections ("A different number of tensors was saved", torch 2.11 and 2.13)."""
+    import hf_models
+
+    torch.manual_seed(0)
+    model, batch = hf_models.t5()
+    blocks = ap.find_blocks(model, ap.Plan.uniform(model, "fp32").layers)
+    assert blocks == ("encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1")
+    results = []
+    for recompute in (blocks, ()):
+        m = copy.deepcopy(model)
+        runtime = ap.apply_plan(m, ap.Plan.uniform(m, name).with_recompute(recompute))
+        with runtime:
+            loss = m(**batch).loss
+        loss.backward()
+        results.append([[p.grad.clone() for p in m.parameters()]])
+    _assert_bitwise(*results)
+
+
 # -- state updated once -----------------------------------------------------------------------
 
 

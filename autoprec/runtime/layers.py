@@ -29,7 +29,7 @@ from .quantizers import GradQuantizer, InputQuantizer, WeightQuantizer
 if TYPE_CHECKING:
     from .triton_cast import FusedCasts
 
-__all__ = ["EmulationWarning", "RuntimeLayer", "as_gemm", "kernel_reason", "row_scale_form", "to_fp32", "unify_dtypes"]
+__all__ = ["EmulationWarning", "RuntimeLayer", "as_gemm", "kernel_reason", "row_scale_form", "to_fp32", "to_half", "unify_dtypes"]
 
 
 class EmulationWarning(UserWarning):
@@ -68,6 +68,20 @@ def to_fp32(value: Any) -> Any:
     if torch.is_tensor(value) and value.is_floating_point() and value.dtype != torch.float32:
         return value.float()
     return value
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def to_half(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with its floating tensors of the other half dtype cast to ``dtype`` (FP16 or
+    BF16); FP32 and everything else untouched. One cast kernel per such tensor."""
+    def cast(value: Any) -> Any:
+        if torch.is_tensor(value) and value.dtype in _HALF and value.dtype != dtype:
+            return value.to(dtype)
+        return value
+
+    return pytree.tree_map(cast, tree)
 
 
 def unify_dtypes(tree: Any, dtype: torch.dtype) -> Any:

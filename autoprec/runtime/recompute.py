@@ -38,6 +38,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from ..calls import changeable, isolated
 from ..errors import RuntimeStateError
 from ..formats import Granularity
 from ..plan import ScalingMode
@@ -264,9 +265,19 @@ def block_wrapper(host: BlockHost, fqn: str, module: nn.Module):
         # device whose RNG it preserves from its positional arguments only.
         leaves, spec = pytree.tree_flatten((args, kwargs))
         at = [i for i, v in enumerate(leaves) if torch.is_tensor(v)]
+        # Objects the block changes (a KV cache: its attention appends keys, a cross-attention
+        # marks its keys computed) as the forward found them, for the recomputation: run on the
+        # changed object it would take other paths (T5's decoder skips its cross-attention
+        # projections) or attend to its own keys twice. Their tensors detached, not copied
+        # (caches replace their tensors rather than write them); cloned per recomputation.
+        objects = {i: isolated(v, torch.Tensor.detach) for i, v in enumerate(leaves) if changeable(v)}
 
         def run(*tensors):
             filled = list(leaves)
+            if objects and recomputing():
+                memo: dict = {}
+                for i, v in objects.items():
+                    filled[i] = isolated(v, torch.Tensor.clone, memo)
             for i, t in zip(at, tensors):
                 filled[i] = t
             call_args, call_kwargs = pytree.tree_unflatten(filled, spec)

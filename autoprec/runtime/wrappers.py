@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 
 from ..formats import Format
 from ..plan import Plan
-from .layers import RuntimeLayer, to_fp32
+from .layers import RuntimeLayer, to_fp32, to_half
 from .products import LayerMode, PerThread, Products, ThreadState
 from .recompute import BlockHost, block_wrapper
 from .wrapping import displaced, mark, previous_of
@@ -141,16 +141,28 @@ class LayerWrappers:
                     return products.linear(layer, x, module.weight, module.bias)
                 finally:
                     state.stack = outer
+            caller_dtype = None  # a half layer called under the other half dtype's autocast: that dtype
             if fmt is Format.FP32:
                 args, kwargs = pytree.tree_map(to_fp32, (args, kwargs))
                 scope = torch.autocast(device_type, enabled=False)
             elif fmt in (Format.BF16, Format.FP16):
                 scope = torch.autocast(device_type, dtype=fmt.dtype)
+                # Boundary casts (a plan mixing FP16 and BF16 layers): autocast's promoting ops
+                # (cat, stack, index_put, addcmul, ...) refuse a half dtype that is not the
+                # region's, as a KV cache's cat would inside this layer. Inputs in the other half
+                # dtype enter in this one; outputs leave in the caller's (under an FP32 layer,
+                # autocast is off and mixed dtypes simply promote: outputs stay as they are).
+                autocast_on = torch.is_autocast_enabled(device_type)
+                if autocast_on and torch.get_autocast_dtype(device_type) != fmt.dtype:
+                    caller_dtype = torch.get_autocast_dtype(device_type)
+                if caller_dtype is not None or not autocast_on:
+                    args, kwargs = to_half((args, kwargs), fmt.dtype)
             else:
                 scope = contextlib.nullcontext()
             if not stacked:
                 with scope:
-                    return own_forward(module, args, kwargs)
+                    out = own_forward(module, args, kwargs)
+                return out if caller_dtype is None else to_half(out, caller_dtype)
             enter_mode = mode and not state.mode_active
             outer = state.stack
             state.stack = outer + (layer,)
@@ -163,7 +175,7 @@ class LayerWrappers:
             # is_compiling first: Dynamo folds it, so a compiled forward reads no list (note records nothing there).
             if not torch.compiler.is_compiling() and layer.unwarned:
                 layer.warn_emulated()
-            return out
+            return out if caller_dtype is None else to_half(out, caller_dtype)
 
         mark(forward, self.owner, had_own, previous)
         # Bound, so that copy.deepcopy(model) re-binds it to the copy (see the check above).
