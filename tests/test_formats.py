@@ -26,7 +26,7 @@ from autoprec.formats import (
     quantize,
     sqnr,
 )
-from tests.torch_versions import saturating_cast
+from torch_versions import saturating_cast
 
 FLOAT_FORMATS = [Format.FP32, Format.BF16, Format.FP16, Format.FP8_E4M3, Format.FP8_E5M2]
 FP8_FORMATS = [Format.FP8_E4M3, Format.FP8_E5M2]

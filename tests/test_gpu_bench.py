@@ -17,12 +17,12 @@ import torch
 
 from autoprec.cli import main
 from autoprec.device import has_scaled_mm, scaled_mm_form
-from tests import torch_versions
 from autoprec.formats import Format
 from autoprec.bench.gpu import GpuBenchConfig
 from autoprec.bench.gpu.e2e import BenchLM, E2EConfig, choose_formats, fp8_plan, linear_shapes
 from autoprec.bench.gpu.layers import VARIANTS, measure_layers
 from autoprec.bench.gpu.probe import PROBE_CONFIGS, run_probe
+import torch_versions
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = GpuBenchConfig.from_preset("smoke")

@@ -16,7 +16,7 @@ import torch
 from autoprec.formats import ACTIVATION_BLOCK, WEIGHT_BLOCK, Format, Granularity, sqnr
 from autoprec.plan import Scaling
 from autoprec.runtime.quantizers import GradQuantizer, InputQuantizer, WeightQuantizer
-from tests.torch_versions import saturating_cast
+from torch_versions import saturating_cast
 
 SCALED_FORMATS = [Format.FP8_E4M3, Format.FP8_E5M2, Format.INT8]
 

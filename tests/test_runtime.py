@@ -14,7 +14,7 @@ from autoprec.measure import SavedTensorMeter
 from autoprec.runtime.wrapping import owner_of
 from autoprec.workloads import LMConfig, TransformerBlock, default_workload
 from models import TransposedProjection
-from tests.torch_versions import CPU_SCALED_MM_ROW_SCALES
+from torch_versions import CPU_SCALED_MM_ROW_SCALES
 
 LOW = ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8"]
 

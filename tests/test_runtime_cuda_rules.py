@@ -12,10 +12,10 @@ import torch
 import torch.nn as nn
 
 import autoprec as ap
-from tests.cuda_rules import CudaRules
-from tests.models import TransposedProjection
-from tests.test_costs import ViewWeight  # x @ self.weight.t(), weight stored (out, in)
-from tests.torch_versions import CPU_SCALED_MM_ROW_SCALES
+from cuda_rules import CudaRules
+from models import TransposedProjection
+from test_costs import ViewWeight  # x @ self.weight.t(), weight stored (out, in)
+from torch_versions import CPU_SCALED_MM_ROW_SCALES
 
 D_IN, D_OUT = 64, 48
 

@@ -17,8 +17,8 @@ from optuna.trial import TrialState
 from autoprec.cli import main
 from autoprec.plan import Plan
 from autoprec.search.study import open_storage
-from tests.postgres import find_binaries, throwaway_postgres
-from tests.test_search_job import write_job
+from postgres import find_binaries, throwaway_postgres
+from test_search_job import write_job
 
 POSTGRES, NO_POSTGRES = find_binaries()
 # .ci/run installs the server and sets this, so there the test cannot quietly skip.

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autoprec.device import scaled_mm_form
-from tests import torch_versions as tv
+import torch_versions as tv
 
 E4M3 = torch.float8_e4m3fn
 tested = pytest.mark.skipif(tv.TORCH not in tv.TESTED, reason=f"torch {torch.__version__} is not a tested version (2.11, 2.13)")

@@ -29,7 +29,7 @@ from autoprec.plan import Scaling
 from autoprec.runtime import casts as casts_module
 from autoprec.runtime.casts import FUSED, PYTORCH, call_casts, cast_path, choose, fused_casts
 from autoprec.runtime.quantizers import InputQuantizer
-from tests.cuda_rules import CudaRules
+from cuda_rules import CudaRules
 
 ROOT = Path(__file__).resolve().parents[1]
 # The interpreter computes with NumPy, which warns where IEEE arithmetic gives inf or NaN (tested).
