@@ -68,12 +68,25 @@ class SearchError(AutoprecError, ValueError):
 
 
 class InfeasibleBudgetError(SearchError):
-    """No plan meets the budgets; the message states the smallest memory and loss increase reachable."""
+    """No plan meets the budgets; the message states the smallest memory and loss increase
+    reachable. ``formats_floor``: the least bytes of any plan recomputing no block;
+    ``recompute_floor``: the least with recomputation (None when the search had no block to
+    recompute); both None when the memory budget was not the one missed. ``fp32_bytes``: the
+    FP32 plan's bytes, once the message states the budgets as fractions of them."""
 
-    def __init__(self, message: str, min_bytes: float, min_loss: float):
+    def __init__(self, message: str, min_bytes: float, min_loss: float, *, formats_floor: "float | None" = None,
+                 recompute_floor: "float | None" = None, fp32_bytes: "float | None" = None):
         super().__init__(message)
         self.min_bytes = min_bytes
         self.min_loss = min_loss
+        self.formats_floor = formats_floor
+        self.recompute_floor = recompute_floor
+        self.fp32_bytes = fp32_bytes
+
+    def with_hint(self, hint: str) -> "InfeasibleBudgetError":
+        """This error with ``hint`` (the settings that would reach a floor) appended."""
+        return InfeasibleBudgetError(f"{self}; {hint}" if hint else str(self), self.min_bytes, self.min_loss, formats_floor=self.formats_floor,
+                                     recompute_floor=self.recompute_floor, fp32_bytes=self.fp32_bytes)
 
 
 class SensitivityError(AutoprecError, ValueError):

@@ -198,7 +198,7 @@ def set_clocks(monkeypatch, measured, offpath):
 
 
 SEARCH_WINDOW = 6
-SEARCH_STEPS = 30  # the window, 6 probe steps, the off-path work, 2 candidates' trial steps, planned steps
+SEARCH_STEPS = 40  # the window, 6 probe steps, the off-path work (blocks' bytes too), 2 candidates' trial steps, planned steps
 
 
 def formats(plan):

@@ -409,10 +409,13 @@ def test_the_references_include_every_block_recomputed_in_fp32_and_under_bf16_au
 def test_the_same_budget_without_blocks_is_infeasible_naming_the_smallest_reachable(tmp_path):
     path = write_job(tmp_path, memory=TIGHT)
     path.write_text(path.read_text().replace("[rules]\n", "[rules]\nrecompute = []\n"), encoding="utf-8")
-    with pytest.raises(InfeasibleBudgetError, match=r"smallest reachable at all, [\d,]+ bytes") as info:
+    with pytest.raises(InfeasibleBudgetError, match=r"smallest reachable with formats alone, [\d,]+ bytes \(no block to recompute\)") as info:
         run_job(load_job(path))
-    fraction = float(re.search(r"as budgets: memory (\d\.\d+) of the FP32 bytes", str(info.value)).group(1))
+    fraction = float(re.search(r"as budgets: memory (\d\.\d+) of the FP32 bytes with formats alone", str(info.value)).group(1))
     assert fraction > TIGHT
+    # The settings that reach the floor, and the one that turned recomputation off.
+    assert f"[budgets].memory >= {fraction:.3f} is met by formats alone" in str(info.value)
+    assert "[rules].recompute = [] turned recomputation off" in str(info.value)
 
 
 def test_autocast_with_checkpointed_blocks_gives_plain_autocasts_loss_and_gradients_and_holds_less():

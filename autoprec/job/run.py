@@ -42,7 +42,7 @@ from ..calls import ModelCall
 from ..blocks import find_blocks
 from ..coverage import find_layers, layer_name
 from ..device import format_support, resolve_device
-from ..errors import SearchError
+from ..errors import InfeasibleBudgetError, SearchError
 from ..formats import Format
 from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan, removing
@@ -50,7 +50,7 @@ from ..workload import TrainStep, WorkloadError, load_workload, to_device
 from ..search.exact import Solution
 from ..search.measured import BudgetPruner, Candidate, MeasuredStage, Measurement, candidate_id, fastest_meeting
 from ..search.pipeline import Proposal, propose_plans
-from ..search.planner import layer_reasons, measured_reasons, plan_from_solution
+from ..search.planner import floor_settings, layer_reasons, measured_reasons, plan_from_solution
 from ..search.refine import CorrectingSampler
 from ..search.space import SearchSpace
 from ..search.study import open_storage, quiet_interrupts
@@ -396,11 +396,15 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
     }
     # The in-place times are kept in the out folder: a re-run predicts exactly what this run did,
     # so the same candidates come out and the measured study gets no new trial.
-    proposal = propose_plans(
-        model, example_inputs, train[: config.sensitivity_batches], workload.loss, profile, config.planning(lr),
-        baseline_loss=stage.baseline_loss, metadata=meta, fingerprint=fingerprint, source=f"{config.source}: ",
-        cost_inputs=train[0], cost_loss_fn=workload.loss, times_file=config.out / "costs.json", progress=progress, blocks=blocks,
-    )
+    try:
+        proposal = propose_plans(
+            model, example_inputs, train[: config.sensitivity_batches], workload.loss, profile, config.planning(lr),
+            baseline_loss=stage.baseline_loss, metadata=meta, fingerprint=fingerprint, source=f"{config.source}: ",
+            cost_inputs=train[0], cost_loss_fn=workload.loss, times_file=config.out / "costs.json", progress=progress, blocks=blocks,
+        )
+    except InfeasibleBudgetError as exc:
+        raise exc.with_hint(floor_settings(exc, memory="[budgets].memory", recompute="[rules].recompute = []",
+                                           recompute_off=config.rules.recompute == ())) from None
     found, optimum = proposal.found, proposal.optimum
     costs, space, ruled_out = found.costs, found.space, found.ruled_out
     memory, loss_budget, exact = optimum.memory, optimum.loss_budget, optimum.exact

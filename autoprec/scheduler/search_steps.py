@@ -89,13 +89,14 @@ class SearchSteps:
 
     def start(self, model: nn.Module, example: Any, batches: Sequence[Any], profile: Any, baseline_loss: Optional[float], *,
               fingerprint: Mapping[str, Any], step: int, lead: bool, scaler: "LossScaler", optimizers: Sequence[torch.optim.Optimizer],
-              restore: Optional[Mapping[str, Any]] = None, safe_bytes: "tuple[Format, int] | None" = None, compiled: bool = False) -> TrainingSearch:
+              restore: Optional[Mapping[str, Any]] = None, safe_bytes: "tuple[Format, int] | None" = None, compiled: bool = False,
+              alone: bool = True) -> TrainingSearch:
         """A new `TrainingSearch` at ``step`` of the window's ``profile`` and ``baseline_loss``
         (``restore``: one resumed from its `state_dict`, which holds both), using and adding to
         `known_times`, on the captured ``batches``; ``lead``: this rank runs the off-path work (it
         fails at once without ``batches`` to estimate on), with Adam's second moment from
         ``optimizers``. ``scaler``'s output checks are paused while the lead copies the model.
-        ``safe_bytes``: `TrainingSearch`'s."""
+        ``safe_bytes``, ``alone`` (no other rank takes part): `TrainingSearch`'s."""
         if restore is not None:
             from ..profiling import Profile
 
@@ -107,7 +108,7 @@ class SearchSteps:
             search = TrainingSearch(model, example, batches, LinearisedLoss(), profile, config=self.config, baseline_loss=baseline_loss,
                                     fingerprint=fingerprint, step=step, known=self._known_times, lead=lead, restore=restore,
                                     second_moment=adam_second_moment(model, optimizers) if lead else None,
-                                    median_step=self.median_safe_step, safe_bytes=safe_bytes, compiled=compiled)
+                                    median_step=self.median_safe_step, safe_bytes=safe_bytes, compiled=compiled, alone=alone)
         finally:
             scaler.watch_outputs(armed)
         self._search = search

@@ -187,11 +187,20 @@ def solve_exact(space: SearchSpace, memory_bytes: float = float("inf"), loss_bud
 
 def _infeasible(space: SearchSpace, memory_bytes: float, loss_budget: float) -> InfeasibleBudgetError:
     min_bytes, min_loss = smallest_reachable(space, memory_bytes, loss_budget)
-    # Without blocks each unit's least bytes add up; with them, recomputation can go lower still.
-    floor_bytes = space.totals(space.extreme("bytes")).bytes if not space.blocks else _solve(space, "bytes", float("inf"), float("inf")).total.bytes
+    # Formats alone: each unit's least bytes add up; recomputing blocks can go lower still.
+    formats_floor = space.totals(space.extreme("bytes")).bytes
+    recompute_floor = _solve(space, "bytes", float("inf"), float("inf")).total.bytes if space.blocks else None
+    floor_bytes = formats_floor if recompute_floor is None else recompute_floor
     floor_loss = space.totals(space.extreme("loss")).loss
+    floors: dict = {}
     if memory_bytes < floor_bytes:
-        detail = f"the memory budget {memory_bytes:,.0f} bytes is below the smallest reachable at all, {floor_bytes:,.0f} bytes"
+        floors = {"formats_floor": formats_floor, "recompute_floor": recompute_floor}
+        if recompute_floor is None:
+            detail = (f"the memory budget {memory_bytes:,.0f} bytes is below the smallest reachable with formats alone, "
+                      f"{formats_floor:,.0f} bytes (no block to recompute)")
+        else:
+            detail = (f"the memory budget {memory_bytes:,.0f} bytes is below the smallest reachable: {formats_floor:,.0f} bytes "
+                      f"with formats alone, {recompute_floor:,.0f} bytes with blocks recomputed as well")
     elif loss_budget < floor_loss:
         detail = f"the loss budget {loss_budget:.4g} is below the smallest loss increase reachable at all, {floor_loss:.4g}"
     else:
@@ -204,6 +213,7 @@ def _infeasible(space: SearchSpace, memory_bytes: float, loss_budget: float) -> 
         "raise a budget to at least that",
         min_bytes,
         min_loss,
+        **floors,
     )
 
 

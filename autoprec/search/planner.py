@@ -196,6 +196,26 @@ def in_budget_terms(exc: InfeasibleBudgetError, fp32_bytes: float, baseline_loss
     """``exc`` restated in the units budgets are given in: a fraction of the FP32 bytes and,
     with a baseline loss, a relative loss increase."""
     loss_note = f", a relative loss increase of {exc.min_loss / abs(baseline_loss):.4g}" if baseline_loss else ""
-    return InfeasibleBudgetError(
-        f"{where}{exc} (as budgets: memory {exc.min_bytes / fp32_bytes:.3f} of the FP32 bytes{loss_note})", exc.min_bytes, exc.min_loss,
-    )
+    memory = f"memory {exc.min_bytes / fp32_bytes:.3f} of the FP32 bytes"
+    if exc.formats_floor is not None and exc.recompute_floor is not None:
+        memory = f"memory {exc.formats_floor / fp32_bytes:.3f} of the FP32 bytes with formats alone, {exc.recompute_floor / fp32_bytes:.3f} with blocks recomputed"
+    elif exc.formats_floor is not None:
+        memory = f"memory {exc.formats_floor / fp32_bytes:.3f} of the FP32 bytes with formats alone"
+    return InfeasibleBudgetError(f"{where}{exc} (as budgets: {memory}{loss_note})", exc.min_bytes, exc.min_loss,
+                                 formats_floor=exc.formats_floor, recompute_floor=exc.recompute_floor, fp32_bytes=fp32_bytes)
+
+
+def floor_settings(exc: InfeasibleBudgetError, *, memory: str, recompute: str, recompute_off: bool) -> str:
+    """The settings that reach each memory floor of ``exc`` (stated in budget terms:
+    `in_budget_terms`), in the caller's names (``memory``: the budget's setting; ``recompute``:
+    the one that turns recomputation off; ``recompute_off``: the caller turned it off). Empty
+    when the memory budget was not the one missed."""
+    fp32_bytes = exc.fp32_bytes
+    if exc.formats_floor is None or not fp32_bytes:
+        return ""
+    alone = f"{memory} >= {exc.formats_floor / fp32_bytes:.3f} is met by formats alone"
+    if exc.recompute_floor is not None:
+        return f"{alone}, {memory} >= {exc.recompute_floor / fp32_bytes:.3f} by recomputing blocks as well"
+    if recompute_off:
+        return f"{alone}; {recompute} turned recomputation off: drop it to let the search recompute blocks and go lower"
+    return f"{alone}; the model has no repeated blocks to recompute ({recompute} names them by pattern)"

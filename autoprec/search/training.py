@@ -18,7 +18,13 @@ is held for long, and most of the work trains the model:
   the budgets, each run until their INT8 scales froze, then ``TIMED_TRIAL_STEPS`` timed steps
   (the first metered for bytes); around a compiled model the timed steps run compiled, after one
   that compiles the candidate. One with a skipped step or over the memory budget is dropped; the
-  fastest kept one is adopted with its runtime.
+  fastest kept one is adopted with its runtime. When every candidate measured over the memory
+  budget (the bytes predicted at the budget's edge, measured a little over), the next round's
+  are proposed under the budget divided by the ratio of measured to predicted bytes: at most
+  `MEMORY_ROUNDS` rounds, so a plan is in force at most ``MEMORY_ROUNDS * (CANDIDATES + 1) *
+  (INT8 calibration batches + TIMED_TRIAL_STEPS (+ 1 compiled))`` trial steps after the probes
+  and the off-path work (54 at the defaults: 3 rounds of 3 candidates of 4 + 2 steps), or the
+  search fails, naming the budget the measured margin would need.
 
 No step is lost or repeated: probe and trial steps differ from safe ones only by their formats'
 rounding (FP16 gradients run unscaled in those few steps). `timeline` holds each stage's seconds
@@ -42,13 +48,13 @@ import torch.nn as nn
 from ..blocks import find_blocks
 from ..costs import CostModel, InPlaceTimes, RooflineTimeModel, trace_model
 from ..device import format_support
-from ..errors import AutoprecError, RuntimeStateError, SearchError
+from ..errors import AutoprecError, InfeasibleBudgetError, RuntimeStateError, SearchError
 from ..formats import Format
 from ..plan import Calibration, LayerPrecision, Plan
 from ..runtime import EmulationWarning, apply_plan
 from ..sensitivity import FisherEstimator, sensitivity_steps
 from .pipeline import propose_from, space_of, uniform_reference
-from .planner import overflow_reason
+from .planner import floor_settings, overflow_reason
 from .space import LayerRules
 
 __all__ = ["TrainingSearch", "probe_formats"]
@@ -62,6 +68,10 @@ PROBE_ROUNDS = 2
 PROBED_PER_ROLE = 3
 TIMED_TRIAL_STEPS = 2  # a candidate's steps timed once its INT8 scales froze (median of these)
 CANDIDATES = 2  # plans tried on training steps: the exact optimum and the next best
+# Rounds of candidates: when every candidate of a round measures over the memory budget, the next
+# round's are proposed under the budget divided by the largest measured-to-predicted bytes ratio
+# seen (a margin learned from the measurement); after the last, the search fails for good.
+MEMORY_ROUNDS = 3
 # A training step in model passes: its forward and backward take about three forwards' FLOPs
 # (2N and 4N per token for N parameters, Kaplan et al. 2020, arXiv:2001.08361, section 2.1).
 PASSES_PER_STEP = 3
@@ -125,6 +135,7 @@ class _Trial:
     seconds: list = dataclasses.field(default_factory=list)
     saved_bytes: Optional[int] = None
     dropped: Optional[str] = None
+    total_bytes: Optional[int] = None  # measured saved bytes plus the gradient buffers, once judged
 
     @property
     def calibration(self) -> int:
@@ -154,14 +165,15 @@ class TrainingSearch:
     the measured bytes of the trials to the cost model's (module docstring).
     ``second_moment``: Adam's, per parameter name, at the window's end (`adam_second_moment`),
     for the sensitivity's gradient term (None: estimated on the snapshot, one more forward +
-    backward).
+    backward). ``alone``: no other rank takes part (under torch.distributed the ranks agree on
+    one round of candidates only).
     """
 
     def __init__(self, model: nn.Module, example: Any, batches: Sequence[Any], loss_fn: Callable, profile: Any, *,
                  config: Any, baseline_loss: Optional[float], fingerprint: Mapping[str, Any], step: int,
                  known: dict, lead: bool = True, median_step: Optional[float] = None,
                  safe_bytes: "tuple[Format, int] | None" = None, restore: Optional[Mapping[str, Any]] = None,
-                 second_moment: "Mapping[str, torch.Tensor] | None" = None, compiled: bool = False):
+                 second_moment: "Mapping[str, torch.Tensor] | None" = None, compiled: bool = False, alone: bool = True):
         self.model = model
         self.compiled = compiled  # the model runs compiled: its candidates are timed compiled
         self.example = example
@@ -175,9 +187,10 @@ class TrainingSearch:
         self.known = known
         self.layers = list(fingerprint)
         self.roles = {fqn: info.role(fqn) for fqn, info in fingerprint.items()}
-        # Recompute units the search may recompute (``recompute=`` patterns; none: formats only),
-        # each with its layers: their bytes are measured off-path, their forwards in probe steps.
-        names = find_blocks(model, self.layers, config.recompute) if config.recompute else ()
+        # Recompute units the search may recompute (``recompute=``: None finds the blocks, patterns
+        # name them, [] none), each with its layers: their bytes are measured off-path, their
+        # forwards in probe steps.
+        names = find_blocks(model, self.layers, config.recompute)
         self.blocks = {b: tuple(fqn for fqn in self.layers if fqn.startswith(b + ".")) for b in names}
         device = next(model.parameters()).device
         self.formats = list(config.candidates)
@@ -206,6 +219,14 @@ class TrainingSearch:
         self.safe_bytes = safe_bytes
         self._second_moment = second_moment
         self._outside_bytes = 0  # saved bytes the meter sees beyond the cost model's forward
+        # The measured stage's rounds (`MEMORY_ROUNDS`): the space the lead proposes from (not
+        # checkpointed: a search resumed mid-trials proposes no further round), the round, the
+        # margin it proposed under, and the earlier rounds' trials (for the result's record).
+        self.alone = alone  # no other rank takes part (only then is a further round proposed)
+        self._found: Any = None
+        self._round = 0
+        self._margin = 1.0
+        self._earlier: list[dict] = []
         if restore is not None:
             self._restore(restore)
         self._snapshot: Optional[nn.Module] = None
@@ -251,6 +272,7 @@ class TrainingSearch:
             "probe_runtimes": {i: rt.state_dict() for i, rt in self._probe_runtimes.items()},
             "trials": [{"steps": t.steps, "seconds": list(t.seconds), "saved_bytes": t.saved_bytes, "dropped": t.dropped,
                         "runtime": None if t.runtime is None else t.runtime.state_dict()} for t in self._trials],
+            "round": self._round, "margin": self._margin, "earlier": list(self._earlier),
         }
 
     def _restore(self, state: Mapping[str, Any]) -> None:
@@ -267,6 +289,7 @@ class TrainingSearch:
         self._next_stage, self._unit_cost = state.get("next_stage", ""), dict(state.get("unit_cost", {}))
         if state.get("second_moment") is not None:
             self._second_moment = dict(state["second_moment"])
+        self._round, self._margin, self._earlier = state.get("round", 0), state.get("margin", 1.0), list(state.get("earlier", ()))
         if state["candidates"] is not None:
             self.set_candidates([Plan.from_dict(p) for p in state["candidates"]])
             self.shared = True
@@ -490,8 +513,8 @@ class TrainingSearch:
         start = time.perf_counter()
         costs = self._cost_model(costs, trace)
         planning = dataclasses.replace(c.planning, k=CANDIDATES if self.measuring else 1)
-        proposal = propose_from(space_of(costs, sensitivity, self.profile, planning), planning, baseline_loss=self.baseline_loss,
-                                fingerprint=self.fingerprint, metadata={"step": self.started, "source": "DynamicPrecisionScheduler"})
+        self._found, self._planning = space_of(costs, sensitivity, self.profile, planning), planning
+        proposal = self._propose()
         fp32 = costs.plan_cost(costs.uniform_plan(Format.FP32))
         self.grad_bytes = fp32.bytes - fp32.saved_bytes
         if self.safe_bytes is not None:
@@ -500,10 +523,42 @@ class TrainingSearch:
             safe, measured = self.safe_bytes
             self._outside_bytes = measured - costs.plan_cost(costs.uniform_plan(safe)).saved_bytes
         self._add("solve", time.perf_counter() - start)
-        # All-BF16 measured beside them when it meets the budgets: the plan adopted is never
-        # slower than it, as measured on these steps and in the mode they run in.
-        reference = uniform_reference(proposal, Format.BF16, planning.rules, self.fingerprint) if self.measuring and Format.BF16 in self.formats else None
-        self.set_candidates(list(proposal.plans) + ([reference] if reference is not None else []))
+        self.set_candidates(self._candidates(proposal))
+
+    def _candidates(self, proposal: Any) -> list[Plan]:
+        """A proposal's plans and, when it meets the budgets, all-BF16 beside them: the plan
+        adopted is never slower than it, as measured on these steps and in the mode they run in."""
+        reference = uniform_reference(proposal, Format.BF16, self._planning.rules, self.fingerprint) if self.measuring and Format.BF16 in self.formats else None
+        return list(proposal.plans) + ([reference] if reference is not None else [])
+
+    def _propose(self, margin: float = 1.0) -> Any:
+        """The best plans of the space found off-path, under the memory budget divided by
+        ``margin`` (the plans record the budget as given, and the margin); an infeasible budget
+        names both floors and the settings that reach them. Costs the integer programs."""
+        planning = self._planning
+        budgets = planning.budgets
+        if margin != 1.0:
+            fp32_bytes = self._found.costs.fp32_bytes()
+            planning = dataclasses.replace(planning, budgets=dataclasses.replace(budgets, memory=int(budgets.memory_bytes(fp32_bytes) / margin)))
+        try:
+            proposal = propose_from(self._found, planning, baseline_loss=self.baseline_loss, fingerprint=self.fingerprint,
+                                    metadata={"step": self.started, "source": "DynamicPrecisionScheduler"})
+        except InfeasibleBudgetError as exc:
+            if margin != 1.0 and exc.fp32_bytes:
+                # Stated as measured: the least bytes any plan reaches, times the margin learned.
+                need = exc.min_bytes * margin / exc.fp32_bytes
+                raise InfeasibleBudgetError(
+                    f"no plan meets the memory budget as measured: every candidate measured over it, by up to {margin - 1:.1%} more "
+                    f"bytes than predicted (the margin learned on the training steps, {self._round} rounds), and with that margin the "
+                    f"smallest plan within the loss budget takes {need:.3f} of the FP32 bytes; raise memory_budget to at least {need:.3f}",
+                    exc.min_bytes * margin, exc.min_loss) from None
+            raise exc.with_hint(floor_settings(exc, memory="memory_budget", recompute="recompute=[]", recompute_off=self.config.recompute == ())) from None
+        if margin == 1.0:
+            return proposal
+        fp32_bytes = self._found.costs.fp32_bytes()
+        given = {**proposal.budgets, "memory": budgets.memory, "memory_bytes": budgets.memory_bytes(fp32_bytes)}
+        plans = tuple(p.replace(budgets=given, metadata={**p.metadata, "memory_margin": margin}) for p in proposal.plans)
+        return dataclasses.replace(proposal, plans=plans, budgets=given)
 
     def _sensitivity(self, snapshot: nn.Module, lowered: Sequence[Format]) -> Generator[tuple[str, float], None, Any]:
         if not lowered:
@@ -562,27 +617,66 @@ class TrainingSearch:
         self.error = error
 
     def _choose(self) -> None:
+        """The fastest candidate of the round that kept to the budgets as measured; when every
+        one measured over the memory budget, the next round (`MEMORY_ROUNDS`), else `error`."""
         limit = self._trials[0].plan.budgets.get("memory_bytes") if self._trials else None  # type: ignore[attr-defined]
         for t in self._trials:
             # Measured saved bytes plus the FP32 gradient buffers (the same in every plan).
             if t.dropped is None and limit is not None and t.saved_bytes is not None and self.grad_bytes is not None:
-                total = t.saved_bytes - self._outside_bytes + self.grad_bytes
+                t.total_bytes = total = t.saved_bytes - self._outside_bytes + self.grad_bytes
                 if total > limit:
                     t.dropped = f"measured {total:,} bytes, over the memory budget of {int(limit):,}"
         kept = [t for t in self._trials if t.dropped is None and t.seconds]
         if not kept:
-            why = "; ".join(f"candidate {i + 1}: {t.dropped}" for i, t in enumerate(self._trials))
+            if self._next_round():
+                return
+            why = "; ".join(f"candidate {i + 1}: {t['dropped']}" for i, t in enumerate(self._records()))
             self.error = SearchError(f"every candidate plan failed on the training steps ({why}); training stays at the safe precision")
             return
         best = min(kept, key=lambda t: statistics.median(t.seconds))
         self._winner = best
         self.result = best.plan.replace(measured={
             "source": "training steps", "step_seconds": statistics.median(best.seconds), "saved_bytes": best.saved_bytes,
-            "search_timeline": dict(self.timeline), "search_steps": self.steps,
-            "candidates": [{"rank": i, "step_seconds": statistics.median(t.seconds) if t.seconds else None, "saved_bytes": t.saved_bytes,
-                            "dropped": t.dropped, "reference": t.plan.metadata.get("reference")} for i, t in enumerate(self._trials)],
-            "compiled": self.compiled,
+            "search_timeline": dict(self.timeline), "search_steps": self.steps, "rounds": self._round + 1,
+            "candidates": self._records(), "compiled": self.compiled,
         })
+
+    def _records(self) -> list[dict]:
+        """Every candidate tried so far, earlier rounds first: its round, measured figures and why it was dropped."""
+        current = [{"round": self._round, "rank": i, "step_seconds": statistics.median(t.seconds) if t.seconds else None,
+                    "saved_bytes": t.saved_bytes, "dropped": t.dropped, "reference": t.plan.metadata.get("reference")}
+                   for i, t in enumerate(self._trials)]
+        return self._earlier + current
+
+    def _next_round(self) -> bool:
+        """Propose the next round when every candidate of this one measured over the memory
+        budget: under the budget divided by the largest ratio of measured to predicted bytes seen
+        so far (compounded over the rounds). False (the search then fails) after `MEMORY_ROUNDS`,
+        when a candidate failed otherwise, without the space (a resumed search, another rank's)
+        or under torch.distributed (the ranks agree on one round of candidates: a further one
+        would need them to agree again). An infeasible margin sets `error`, final."""
+        over = [t for t in self._trials if t.total_bytes is not None and t.dropped is not None and t.dropped.startswith("measured")]
+        if (self._round + 1 >= MEMORY_ROUNDS or self._found is None or not self.alone or len(over) != len(self._trials)
+                or not all(t.plan.predicted.get("bytes") for t in over)):
+            return False
+        ratio = max(t.total_bytes / t.plan.predicted["bytes"] for t in over)  # type: ignore[operator]
+        margin = self._margin * ratio
+        self._earlier = self._records()
+        for t in self._trials:
+            if t.runtime is not None:
+                t.runtime.remove()
+        self._round += 1
+        self._margin = margin
+        start = time.perf_counter()
+        try:
+            proposal = self._propose(margin)
+        except InfeasibleBudgetError as exc:
+            self.error = exc
+            return True
+        finally:
+            self._add("solve", time.perf_counter() - start)
+        self.set_candidates(self._candidates(proposal))
+        return True
 
     def take_runtime(self) -> Any:
         """The result's runtime (its INT8 scales calibrated on the trial steps; None when no
