@@ -1,9 +1,12 @@
 """`AutoprecPrecision` in a real `lightning.Trainer` on CPU: a plan is reached and training
-converges, metrics reach the logger, checkpoints resume the scheduler, gradient clipping sees
-unscaled gradients, a non-finite gradient skips the step, unsupported settings are refused."""
+converges, metrics reach the logger, every step is logged through the spread search, the plan and
+a promotion with a validation loop running throughout, checkpoints resume the scheduler, gradient
+clipping sees unscaled gradients, a non-finite gradient skips the step, unsupported settings are
+refused."""
 
 import csv
 import glob
+import math
 import os
 
 import pytest
@@ -19,6 +22,9 @@ from autoprec.errors import RuntimeStateError  # noqa: E402
 from autoprec.formats import Format  # noqa: E402
 from autoprec.integrations import AutoprecPrecision, IntegrationError  # noqa: E402
 from autoprec.plan import Plan  # noqa: E402
+from autoprec.scheduler import DynamicPrecisionScheduler, Thresholds  # noqa: E402
+
+PHASES = DynamicPrecisionScheduler.PHASES  # what the logged autoprec/phase numbers index
 
 WINDOW = 10
 STEPS = 40
@@ -76,6 +82,11 @@ def logged_rows(tmp_path):
         return list(csv.DictReader(f))
 
 
+def phase_of(row):
+    """The phase a logged ``autoprec/phase`` number names."""
+    return PHASES[int(float(row["autoprec/phase"]))]
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """One fit of STEPS steps with validation, CSV logs and a checkpoint every 20 steps."""
@@ -106,9 +117,9 @@ def test_metrics_reach_the_trainers_logger(run):
     rows = logged_rows(tmp)
     steps = [row for row in rows if row.get("autoprec/step")]
     assert len(steps) == STEPS  # log_every_n_steps=1: one row per optimizer step
-    phases = [float(row["autoprec/phase"]) for row in steps]
-    assert phases[0] == 1.0 and phases[-1] == 2.0  # profiling, then planned
-    assert phases.index(2.0) == WINDOW - 1  # the plan is in force from the window's last step on
+    phases = [phase_of(row) for row in steps]
+    assert phases[0] == "profiling" and phases[-1] == "planned"
+    assert phases.index("planned") == WINDOW - 1  # the plan is in force from the window's last step on
     assert float(steps[-1]["autoprec/loss_scale"]) == plugin.scheduler.scaler.get_scale()
     counts = {key[len("autoprec/layers_"):]: float(value) for key, value in steps[-1].items() if key.startswith("autoprec/layers_") and value}
     assert counts == {fmt: float(n) for fmt, n in plugin.scheduler.plan.format_counts().items()}
@@ -125,6 +136,80 @@ def test_metrics_are_logged_only_on_the_steps_the_trainer_writes(tmp_path):
     assert calls == [5.0, 10.0]  # not every step: each `log` is host work Lightning would discard
     logged = [float(row["autoprec/step"]) for row in logged_rows(tmp_path) if row.get("autoprec/step")]
     assert logged == [5.0, 10.0]  # and what the logger writes is the same
+
+
+# The default spread search (search_slice=1.0, measured costs): probe and trial steps over tens of
+# training steps, logged one by one. A non-finite gradient in one step promotes its layer at once.
+SPREAD_WINDOW = 6
+SPREAD_STEPS = 80  # the search's trial steps are bounded (54 at most; search.training): a plan with steps to spare
+SPREAD = dict(monitor_window=SPREAD_WINDOW, monitor_steps=2, memory_budget=0.9, accuracy_budget=0.05, search_timeout_s=10,
+              thresholds=Thresholds(nonfinite_steps=1))
+
+
+class PoisonOnce(Callback):
+    """NaN in one lowered layer's gradient in one optimizer step (each of its micro-batches): the
+    second step the plan is in force. ``step``: the scheduler's steps before it."""
+
+    def __init__(self):
+        self.layer, self.step = None, None
+
+    def on_after_backward(self, trainer, pl_module):
+        sch = trainer.precision_plugin.scheduler
+        if self.layer is None and sch.phase == "planned" and sch.step_count > sch.window_start:
+            lowered = [fqn for fqn, lp in sch.plan.layers.items() if lp.format is not Format.FP32]
+            assert lowered, f"the plan lowers no layer: {sch.plan.format_counts()}"
+            self.layer, self.step = lowered[0], sch.step_count
+        if sch.step_count == self.step:
+            pl_module.get_submodule(self.layer).weight.grad[0, 0] = float("nan")
+
+
+@pytest.fixture(scope="module")
+def spread(tmp_path_factory):
+    """One fit logging every step, 4 batches a step, validated after every step (so also between
+    the profiling window's metered last step and the one before it)."""
+    tmp = tmp_path_factory.mktemp("spread")
+    plugin, poison = AutoprecPrecision(**SPREAD), PoisonOnce()
+    t = trainer(tmp, plugin, SPREAD_STEPS, callbacks=[poison], accumulate_grad_batches=4, limit_val_batches=2, num_sanity_val_steps=2,
+                val_check_interval=4, check_val_every_n_epoch=None)
+    t.fit(Classifier(), loader(), loader(shuffle=False))  # validation labelled as training is
+    sch = plugin.scheduler
+    assert poison.layer is not None, f"no plan was in force with a step to spare in {SPREAD_STEPS} steps: {sch!r}, {sch.last_search_error}"
+    return logged_rows(tmp), sch, poison
+
+
+def test_every_step_is_logged_through_profiling_the_spread_search_and_the_plan(spread):
+    rows, sch, _ = spread
+    steps = [row for row in rows if row.get("autoprec/step")]
+    assert [float(row["autoprec/step"]) for row in steps] == list(range(1, SPREAD_STEPS + 1))  # log_every_n_steps=1 under accumulation
+    phases = [phase_of(row) for row in steps]
+    assert [p for i, p in enumerate(phases) if i == 0 or p != phases[i - 1]] == ["profiling", "searching", "planned"]
+    assert phases.count("searching") > 1  # the search ran over several logged steps
+    assert sch.phase == "planned" and sch.step_count == SPREAD_STEPS
+
+
+def test_a_promotion_shows_in_the_logged_plan_changes(spread):
+    rows, sch, poison = spread
+    logs = {int(float(row["autoprec/step"])): row for row in rows if row.get("autoprec/step")}
+    poisoned = poison.step + 1  # the row of the optimizer step the NaN was in
+    for name in ("autoprec/plan_changes", "autoprec/skipped_steps"):  # counts since the start
+        before, after = (float(logs[s][name]) for s in (poisoned - 1, poisoned))
+        assert after > before, name
+    (promotion,) = [c for c in sch.changes if (c.step, c.fqn) == (poisoned, poison.layer)]
+    assert "non-finite" in promotion.reason
+    # To a format with at least the range and the bits (FP16 -> BF16 keeps 16 bits, widens the range).
+    assert promotion.new is not promotion.old and promotion.new.max >= promotion.old.max and promotion.new.bits >= promotion.old.bits
+    layers = lambda row: {k: v for k, v in row.items() if k.startswith("autoprec/layers_") and v}  # noqa: E731
+    assert layers(logs[poisoned]) != layers(logs[poisoned - 1])  # the plan in force changed
+
+
+def test_validation_runs_under_the_plan_and_during_the_search(spread):
+    rows, _, _ = spread
+    # Lightning's step column: a validation row's is that of the optimizer step it followed.
+    phase_at = {row["step"]: phase_of(row) for row in rows if row.get("autoprec/step")}
+    validations = [(phase_at[row["step"]], float(row["val_loss"])) for row in rows if row.get("val_loss")]
+    assert all(math.isfinite(loss) for _, loss in validations)
+    # Validations during the search did not disturb it (the run reached its plan), and ran under it.
+    assert {phase for phase, _ in validations} == {"profiling", "searching", "planned"}
 
 
 def test_checkpoint_resumes_the_scheduler(run, tmp_path):

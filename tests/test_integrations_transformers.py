@@ -1,9 +1,11 @@
 """`AutoprecTrainer` in a real ``transformers.Trainer.train()`` on CPU, on a small BERT classifier
 built from a config (nothing downloaded): a plan is reached with gradient accumulation and the
-loss falls, logs and TensorBoard carry the scheduler's metrics, checkpoints resume the scheduler,
-``max_grad_norm`` clips unscaled gradients, a non-finite gradient skips the step (and the
-learning-rate schedule), and a second precision manager is refused."""
+loss falls, logs and TensorBoard carry the scheduler's metrics, every step is logged through the
+spread search, the plan and a promotion with an evaluation loop running throughout, checkpoints
+resume the scheduler, ``max_grad_norm`` clips unscaled gradients, a non-finite gradient skips the
+step (and the learning-rate schedule), and a second precision manager is refused."""
 
+import math
 import os
 
 import pytest
@@ -17,8 +19,10 @@ from autoprec.formats import Format  # noqa: E402
 from autoprec.integrations import AutoprecTrainer, IntegrationError  # noqa: E402
 from autoprec.integrations.transformers import SCHEDULER_NAME  # noqa: E402
 from autoprec.plan import Plan  # noqa: E402
-from autoprec.scheduler import DynamicPrecisionScheduler  # noqa: E402
+from autoprec.scheduler import DynamicPrecisionScheduler, Thresholds  # noqa: E402
 from tb_events import accumulator  # noqa: E402
+
+PHASES = DynamicPrecisionScheduler.PHASES  # what the logged autoprec/phase numbers index
 
 WINDOW = 10
 STEPS = 40
@@ -61,6 +65,11 @@ def training_logs(trainer):
     return [entry for entry in trainer.state.log_history if "loss" in entry]
 
 
+def phase_of(entry):
+    """The phase a logged ``autoprec/phase`` number names."""
+    return PHASES[int(entry["autoprec/phase"])]
+
+
 def test_a_plan_is_reached_with_gradient_accumulation_and_the_loss_falls(run):
     _, trainer, sch = run
     assert sch.phase == "planned" and sch.model is trainer.model
@@ -78,17 +87,95 @@ def test_logs_and_tensorboard_carry_the_scheduler_metrics(run):
     out, trainer, sch = run
     logs = training_logs(trainer)
     assert all("autoprec/loss_scale" in entry and "autoprec/skipped_steps" in entry for entry in logs)
-    assert logs[0]["step"] == 1 and logs[0]["autoprec/phase"] == 1.0  # the phase change is logged at once
-    planned = [entry["step"] for entry in logs if entry["autoprec/phase"] == 2.0]
+    assert logs[0]["step"] == 1 and phase_of(logs[0]) == "profiling"  # the phase change is logged at once
+    planned = [entry["step"] for entry in logs if phase_of(entry) == "planned"]
     assert planned[0] == WINDOW and planned[-1] == STEPS
     assert {k[len("autoprec/layers_"):]: v for k, v in logs[-1].items() if k.startswith("autoprec/layers_")} == sch.plan.format_counts()
     (run_dir,) = {os.path.dirname(p) for p in _event_files(out)}
     scalars = accumulator(run_dir).Scalars("train/autoprec/phase")
-    assert [e.value for e in scalars][-1] == 2.0 and len(scalars) == len(logs)
+    assert PHASES[int([e.value for e in scalars][-1])] == "planned" and len(scalars) == len(logs)
 
 
 def _event_files(root):
     return [os.path.join(d, f) for d, _, files in os.walk(root) for f in files if "tfevents" in f]
+
+
+# The default spread search (search_slice=1.0, measured costs): probe and trial steps over tens of
+# training steps, logged one by one. A non-finite gradient in one step promotes its layer at once.
+SPREAD_WINDOW = 6
+SPREAD_STEPS = 80  # the search's trial steps are bounded (54 at most; search.training): a plan with steps to spare
+SPREAD = dict(monitor_window=SPREAD_WINDOW, monitor_steps=2, memory_budget=0.9, accuracy_budget=0.05, search_timeout_s=10,
+              thresholds=Thresholds(nonfinite_steps=1))
+
+
+class PoisonOnce(TrainerCallback):
+    """NaN gradients for one lowered layer with a weight (not an attention product) in one
+    optimizer step (each of its micro-batches): the second step the plan is in force. ``step``:
+    the scheduler's steps before it."""
+
+    def __init__(self, scheduler):
+        self.scheduler, self.layer, self.step, self.hook = scheduler, None, None, None
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        sch = self.scheduler
+        if self.layer is None and sch.phase == "planned" and sch.step_count > sch.window_start:
+            lowered = [fqn for fqn, lp in sch.plan.layers.items() if lp.format is not Format.FP32 and hasattr(model.get_submodule(fqn), "weight")]
+            assert lowered, f"the plan lowers no layer with a weight: {sch.plan.format_counts()}"
+            self.layer, self.step = lowered[0], sch.step_count
+            self.hook = model.get_submodule(self.layer).weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+
+
+@pytest.fixture(scope="module")
+def spread(tmp_path_factory):
+    """One train() logging every step, 4 micro-batches a step, evaluated after every step (so also
+    between the profiling window's metered last step and the one before it)."""
+    sch = DynamicPrecisionScheduler(**SPREAD)
+    poison = PoisonOnce(sch)
+    args = arguments(tmp_path_factory.mktemp("spread"), max_steps=SPREAD_STEPS, gradient_accumulation_steps=4, per_device_train_batch_size=8,
+                     logging_steps=1, save_steps=1000, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=32)
+    trainer = AutoprecTrainer(model=bert(), args=args, train_dataset=dataset(), eval_dataset=dataset(64), scheduler=sch, callbacks=[poison])
+    trainer.train()
+    assert poison.layer is not None, f"no plan was in force with a step to spare in {SPREAD_STEPS} steps: {sch!r}, {sch.last_search_error}"
+    return trainer, sch, poison
+
+
+def test_every_step_is_logged_through_profiling_the_spread_search_and_the_plan(spread):
+    trainer, sch, _ = spread
+    logs = training_logs(trainer)
+    assert [entry["step"] for entry in logs] == list(range(1, SPREAD_STEPS + 1))  # logging_steps=1 under accumulation
+    phases = [phase_of(entry) for entry in logs]
+    assert [p for i, p in enumerate(phases) if i == 0 or p != phases[i - 1]] == ["profiling", "searching", "planned"]
+    assert phases.count("searching") > 1  # the search ran over several logged steps
+    assert sch.phase == "planned" and sch.step_count == SPREAD_STEPS
+
+
+def test_a_promotion_shows_in_the_logged_plan_changes(spread):
+    trainer, sch, poison = spread
+    logs = {entry["step"]: entry for entry in training_logs(trainer)}
+    poisoned = poison.step + 1  # the log of the optimizer step the NaN gradients were in
+    for name in ("autoprec/plan_changes", "autoprec/skipped_steps"):  # counts since the start
+        before, after = (logs[s][name] for s in (poisoned - 1, poisoned))
+        assert after > before, name
+    (promotion,) = [c for c in sch.changes if (c.step, c.fqn) == (poisoned, poison.layer)]
+    assert "non-finite" in promotion.reason
+    # To a format with at least the range and the bits (FP16 -> BF16 keeps 16 bits, widens the range).
+    assert promotion.new is not promotion.old and promotion.new.max >= promotion.old.max and promotion.new.bits >= promotion.old.bits
+    layers = lambda entry: {k: v for k, v in entry.items() if k.startswith("autoprec/layers_")}  # noqa: E731
+    assert layers(logs[poisoned]) != layers(logs[poisoned - 1])  # the plan in force changed
+
+
+def test_evaluation_runs_under_the_plan_and_during_the_search(spread):
+    trainer, _, _ = spread
+    phase_at = {entry["step"]: phase_of(entry) for entry in training_logs(trainer)}
+    evaluations = [(phase_at[entry["step"]], entry["eval_loss"]) for entry in trainer.state.log_history if "eval_loss" in entry]
+    assert all(math.isfinite(loss) for _, loss in evaluations)
+    # Evaluations during the search did not disturb it (the run reached its plan), and ran under it.
+    assert {phase for phase, _ in evaluations} == {"profiling", "searching", "planned"}
 
 
 def test_a_checkpoint_resumes_the_scheduler(run, tmp_path):

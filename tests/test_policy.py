@@ -4,7 +4,7 @@ from autoprec.formats import Format
 from autoprec.plan import Plan
 from autoprec.profiling import TensorWatch, WatchReport
 from autoprec.changes import PrecisionChange
-from autoprec.scheduler.policy import PolicyState, demotions, promotions, wider_format, window_triggers
+from autoprec.scheduler.policy import PolicyState, accuracy_promotions, demotions, promotions, saturation_actions, wider_format, window_triggers
 from autoprec.scheduler.config import Thresholds
 
 LADDER = [Format.BF16, Format.FP32]
@@ -87,3 +87,33 @@ def test_a_triggered_window_does_not_count_as_quiet():
 def test_policy_state_round_trips_through_its_checkpoint_form():
     _, state = promotions(Plan({"a": "int8"}), {"a": "x"}, PolicyState(previous_amax={"a": 3.0}), 0, LADDER)
     assert PolicyState.from_dict(state.to_dict()) == state
+
+
+def predicted_plan(losses):
+    """A plan whose layers carry the search's predicted loss increase (fqn -> (format, loss))."""
+    return Plan({fqn: fmt for fqn, (fmt, _) in losses.items()},
+                predicted={"layers": {fqn: {"loss": loss} for fqn, (_, loss) in losses.items()}})
+
+
+def test_a_measured_increase_over_the_budget_promotes_the_largest_predicted_losses_carrying_the_excess():
+    plan = predicted_plan({"a": ("int8", 0.004), "b": ("fp8_e4m3", 0.001), "c": ("bf16", 0.0005), "d": ("fp32", 0.0), "e": ("int8", 0.002)})
+    assert accuracy_promotions(plan, increase=0.01, allowed=0.02) == {}  # within the budget
+    # Over by 10 %: the excess's share of the predicted total (0.0075) is carried by "a" alone.
+    assert list(accuracy_promotions(plan, increase=0.022, allowed=0.02)) == ["a"]
+    # Over fourfold: 75 % of the predicted total, "a" then "e"; FP32 never.
+    promoted = accuracy_promotions(plan, increase=0.08, allowed=0.02)
+    assert list(promoted) == ["a", "e"] and promoted["a"].startswith("measured loss increase 8.00% over the allowed 2.00%")
+
+
+def test_without_predictions_the_narrowest_layer_is_promoted_first():
+    plan = Plan({"a": "bf16", "b": "int8", "c": "fp32"})
+    assert list(accuracy_promotions(plan, increase=0.5, allowed=0.1)) == ["b"]
+
+
+def test_saturation_recalibrates_first_and_promotes_a_layer_saturating_again():
+    saturation = {"a": 100.0, "b": 3.9, "c": float("inf"), "d": 6.0}
+    recalibrate, promote = saturation_actions(saturation, 4.0, recalibrated=())
+    assert set(recalibrate) == {"a", "d"} and not promote  # an inf input is the loss scaler's, 3.9x is within
+    assert recalibrate["a"] == "input amax 100x the range its scale covers"
+    recalibrate, promote = saturation_actions(saturation, 4.0, recalibrated={"a"})
+    assert set(recalibrate) == {"d"} and set(promote) == {"a"}

@@ -357,3 +357,44 @@ def test_micro_batches_reusing_weights_give_the_same_gradients_and_step_is_refus
         grads[reuse] = [p.grad.clone() for p in trained.parameters()]
         assert sch.step(opt)
     assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
+
+
+def test_an_evaluation_between_steps_leaves_the_window_and_the_search_alone():
+    """A no-grad forward under `precision_context` after every step (a validation loop) is not a
+    training step: the window's metered bytes and the spread search (measured candidates, whose
+    memory check the metered bytes anchor) come out as without it."""
+    runs = {}
+    for evaluating in (False, True):
+        wl, model, opt = setup()
+        sch = scheduler(monitor_window=4, monitor_steps=2, measure_costs=True, search_slice=1.0)
+        sampler, held = wl.train_batches(0), wl.val_batches(1)[0]
+        phases = []
+        while sch.phase in ("unbound", "profiling", "searching") and sch.step_count < 100:
+            train(wl, model, opt, sch, 1, sampler)
+            phases.append(sch.phase)
+            if evaluating:
+                with torch.no_grad(), sch.precision_context():
+                    wl.loss(model, held)
+        runs[evaluating] = (sch.phase, sch.last_search_error, sch._measures.measured_bytes, phases.count("searching") > 1)
+    # The search ran over several steps, each followed by an evaluation; the number of its trial
+    # steps follows measured times, so it is not compared.
+    assert runs[True] == runs[False] == ("planned", None, runs[False][2], True)
+
+
+def test_an_all_fp32_plan_recomputing_blocks_runs_them_recomputed():
+    """A plan of FP32 layers whose blocks are recomputed (what the search returns when
+    recomputation alone meets the memory budget) needs its runtime: it used to be dropped as
+    "all FP32", and the blocks kept every activation."""
+    wl, model, opt = setup()
+    plan = Plan.uniform(model, Format.FP32, wl.train_batches(0).next()[0]).with_recompute(["blocks.0"])
+    sch = DynamicPrecisionScheduler.from_plan(model, plan)
+    sampler = wl.train_batches(0)
+    train(wl, model, opt, sch, 1, sampler)  # binds: its forward runs at FP32, traced
+    calls = {"blocks.0": 0, "blocks.1": 0}
+    modules = dict(model.named_modules())
+    hooks = [modules[f"{fqn}.mlp"].register_forward_pre_hook(lambda m, a, fqn=fqn: calls.__setitem__(fqn, calls[fqn] + 1)) for fqn in calls]
+    train(wl, model, opt, sch, 1, sampler)
+    for h in hooks:
+        h.remove()
+    sch.close()
+    assert calls == {"blocks.0": 2, "blocks.1": 1}  # the recomputed block's forward ran again in the backward

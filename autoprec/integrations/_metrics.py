@@ -8,10 +8,7 @@ import torch
 
 from ..scheduler import DynamicPrecisionScheduler
 
-__all__ = ["PHASES", "scheduler_metrics"]
-
-# `DynamicPrecisionScheduler.phase`, numbered so that a scalar logger can plot it.
-PHASES = ("unbound", "profiling", "planned", "safe")
+__all__ = ["scheduler_metrics"]
 
 
 @overload
@@ -23,8 +20,10 @@ def scheduler_metrics(scheduler: DynamicPrecisionScheduler, prefix: str = ..., s
 def scheduler_metrics(scheduler: DynamicPrecisionScheduler, prefix: str = "autoprec/", sync: bool = True) -> dict[str, Any]:  # as the overloads say
     """``{prefix + name: value}``: ``loss_scale``, ``skipped_steps`` (optimizer steps skipped for
     non-finite gradients since the start), ``plan_changes`` (promotions and demotions so far),
-    ``phase`` (the index of `scheduler.phase` in `PHASES`: 2 is "planned"), ``step`` (the
-    scheduler's optimizer steps) and, once a plan is in force, ``layers_<format>`` (layers per format).
+    ``phase`` (the index of `scheduler.phase` in `DynamicPrecisionScheduler.PHASES`, so that a
+    scalar logger can plot it: 0 "unbound", 1 "profiling", 2 "searching", 3 "planned", 4 "safe"),
+    ``step`` (the scheduler's optimizer steps) and, once a plan is in force, ``layers_<format>``
+    (layers per format).
 
     ``sync=False`` gives the loss scale as the scaler's 0-d device tensor (no host sync; the
     logger reads it when it writes); ``sync=True`` as a float (one host sync when scaling is on).
@@ -35,7 +34,9 @@ def scheduler_metrics(scheduler: DynamicPrecisionScheduler, prefix: str = "autop
         "loss_scale": scale,
         "skipped_steps": float(scaler.skipped_steps),
         "plan_changes": float(len(scheduler.changes)),
-        "phase": float(PHASES.index(scheduler.phase)),
+        # The scheduler's own list, not a copy: a copy here once lacked "searching", and every
+        # log that fell inside a search raised ValueError.
+        "phase": float(scheduler.PHASES.index(scheduler.phase)),
         "step": float(scheduler.step_count),
     }
     if scheduler.plan is not None:

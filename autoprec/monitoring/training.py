@@ -251,6 +251,17 @@ class TrainingWriter:
         values = [(f"memory/{name}", _value(name, v)) for name, v in (("predicted_bytes", predicted_bytes), ("measured_bytes", measured_bytes)) if v is not None]
         self._defer(step, values)
 
+    def log_accuracy(self, step: int, measured: float, allowed: Optional[float] = None) -> None:
+        """Buffer a planned check's ``accuracy/measured_loss_increase`` (the plan's loss against
+        the window's precision on the same batches, `scheduler.plan_checks`) and
+        ``accuracy/allowed_loss_increase``. No sync."""
+        if not self._live():
+            return
+        values = [("accuracy/measured_loss_increase", float(measured))]
+        if allowed is not None:
+            values.append(("accuracy/allowed_loss_increase", float(allowed)))
+        self._defer(_step(step), values)
+
     def _drain(self) -> None:
         """Move the buffered values to the host (one transfer per device: the sync) and write them."""
         buffer, self._buffer = self._buffer, []

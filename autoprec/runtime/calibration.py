@@ -28,6 +28,7 @@ import torch
 
 from ..formats import Format, amax, dequantize, inverse_scale, quantize
 from ..plan import Calibration, CalibrationMethod
+from .quantizers import Saturation
 
 __all__ = ["Int8Calibrator", "outlier_slots"]
 
@@ -147,6 +148,10 @@ class Int8Calibrator:
         self.outlier_valid: "torch.Tensor | None" = None
         self.keep: "torch.Tensor | None" = None
         self._errors: dict[str, torch.Tensor] = {}
+        # Once frozen: 1 / the largest amax calibrated (outlier channels included), and the
+        # largest input amax past it since the scheduler's guard last read it.
+        self.covered: "torch.Tensor | None" = None
+        self.saturation = Saturation()
 
     @property
     def calibrating(self) -> bool:
@@ -162,7 +167,7 @@ class Int8Calibrator:
         probe = self.frozen_inv if self.frozen_inv is not None else self.channel_amax
         if probe is None or probe.device == device:
             return
-        for name in ("frozen_inv", "outlier_index", "outlier_valid", "keep", "channel_amax"):
+        for name in ("frozen_inv", "outlier_index", "outlier_valid", "keep", "channel_amax", "covered"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.to(device))
@@ -175,14 +180,18 @@ class Int8Calibrator:
         scaler skips the step (INT8 codes cannot carry NaN), as FP8's do.
 
         Calibrating: one per-channel amax, a strided row sample, and on the last batch the freeze
-        (a few reductions over the sample). Frozen: one amax of ``a`` and one scalar add (the
-        frozen scale, NaN for a non-finite input); no host sync either way.
+        (a few reductions over the sample). Frozen: one amax of ``a``, one scalar add (the frozen
+        scale, NaN for a non-finite input) and `saturation`'s note (the amax over the calibrated
+        range: three scalar kernels); no host sync either way.
         """
         if self.frozen_inv is not None:  # frozen (no longer `calibrating`)
             # inf * 0 and NaN * 0 are NaN, a finite amax adds 0: the frozen scale, or NaN. Under
             # no_grad, not detach(): one aten op fewer, and the scale keeps no graph either way.
             with torch.no_grad():
-                return self.frozen_inv.add(amax(a), alpha=0)
+                current = amax(a)
+                if self.covered is not None:  # how far past the calibrated range: the guard's drift
+                    self.saturation.note(current * self.covered)
+                return self.frozen_inv.add(current, alpha=0)
         a = a.detach()
         channel = amax(a, dim=0).reshape(-1)
         # A non-finite batch belongs to a step the loss scaler skips (its own scale below is NaN):
@@ -218,6 +227,7 @@ class Int8Calibrator:
         clip = self._clip(main.abs().flatten(), full_max, cal)
         self.frozen_inv = inverse_scale(clip, Format.INT8)
         self.keep = keep
+        self._cover(channel_amax)
         norm = samples.norm().clamp_min(1e-30)
         calibrated = _fake_int8(main, self.frozen_inv) + samples * (1.0 - keep)
         self._errors = {
@@ -228,6 +238,10 @@ class Int8Calibrator:
             "amax": channel_amax.amax(),
         }
         self.samples = []
+
+    def _cover(self, channel_amax: torch.Tensor) -> None:
+        """The inverse of the range the frozen calibration saw (all channels), for `saturation`."""
+        self.covered = 1.0 / channel_amax.amax().clamp_min(torch.finfo(torch.float32).tiny)
 
     @staticmethod
     def _clip(values: torch.Tensor, full_max: torch.Tensor, cal: Calibration) -> torch.Tensor:
@@ -274,3 +288,6 @@ class Int8Calibrator:
         self.outlier_valid = state["outlier_valid"]
         self.keep = state["keep"]
         self._errors = dict(state["errors"])
+        self.covered = None
+        if self.frozen_inv is not None and self.channel_amax is not None:
+            self._cover(self.channel_amax)

@@ -220,6 +220,21 @@ class PlanRuntime:
             if any(how.startswith("emulated") for how in layer.ops.values())
         }
 
+    def saturation(self) -> dict[str, torch.Tensor]:
+        """Per layer whose inputs are scaled from the past (frozen INT8 calibration, delayed FP8
+        scaling), how far past that scale's range its input went since the last call: the largest
+        ratio of an input's amax to the amax the scale covers (a 0-d tensor; 0 when the layer did
+        not run, inf / NaN after a non-finite input), and the count starts again. Layers scaled
+        from the current tensor never saturate and are absent. No host sync; one zero fill per
+        operand."""
+        out = {}
+        for fqn, layer in self._layers.items():
+            peaks = [c.saturation.take() for c in layer.calibrators.values() if not c.calibrating]
+            peaks += [q.saturation.take() for q in layer.inputs.values() if q.saturation is not None]
+            if peaks:
+                out[fqn] = torch.stack(peaks).amax() if len(peaks) > 1 else peaks[0]
+        return out
+
     def recalibrate(self, fqns=None) -> None:
         """Forget INT8 calibration, amax histories and kept weight copies of the named layers (default: all)."""
         for fqn in fqns if fqns is not None else self._layers:

@@ -31,21 +31,27 @@ class Thresholds:
     """When a layer is promoted: more than ``overflow`` / ``underflow`` of a tensor's values out
     of its format's range (with the layer's scaling) in the monitored steps, an amax that moved
     by more than ``amax_drift`` times (either way) since the last window, or ``nonfinite_steps``
-    steps with non-finite gradients in one window. Demoted after ``stable_windows`` quiet ones."""
+    steps with non-finite gradients in one window. Demoted after ``stable_windows`` quiet ones.
+    ``saturation``: an input scaled from the past (frozen INT8 calibration, delayed FP8) whose
+    amax went more than this many times past the range its scale covers is recalibrated at the
+    next check step, and promoted when it does so again in the window (`scheduler.plan_checks`)."""
 
     overflow: float = 1e-3
     underflow: float = 0.25
     amax_drift: float = 16.0
     nonfinite_steps: int = 3
     stable_windows: int = 2
+    saturation: float = 4.0
 
     def __post_init__(self):
         for name in ("overflow", "underflow"):
             value = getattr(self, name)
             if not (_finite(value) and 0 <= value <= 1):
                 raise SettingsError(f"Thresholds({name}={value!r}): expected a fraction from 0 to 1")
-        if not (_finite(self.amax_drift) and self.amax_drift > 1):
-            raise SettingsError(f"Thresholds(amax_drift={self.amax_drift!r}): expected a finite factor > 1")
+        for name in ("amax_drift", "saturation"):
+            value = getattr(self, name)
+            if not (_finite(value) and value > 1):
+                raise SettingsError(f"Thresholds({name}={value!r}): expected a finite factor > 1")
         for name in ("nonfinite_steps", "stable_windows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -77,10 +83,13 @@ class SchedulerConfig:
     a CPU included, its peaks are calibrated once per process by one GEMM per format, so the
     predicted seconds, and a plan without a memory budget, can differ between runs).
     ``dynamic=False`` runs a fixed plan and never re-plans.
-    ``recompute``: fnmatch patterns of the recompute units (blocks, `autoprec.blocks.find_blocks`,
-    e.g. ``["blocks.*"]``), checked against the model when the scheduler binds: the search then
-    chooses which to recompute together with the formats (costing two forwards per block and
-    region on its snapshot, and timing the blocks' forwards in probe steps). None: formats only.
+    ``recompute``: which blocks the search may recompute (activation checkpointing, chosen
+    together with the formats where it meets a memory budget faster than narrower formats do):
+    None (the default) finds them as the offline search does (`autoprec.blocks.find_blocks`: the
+    repeated children of a ``ModuleList`` / ``Sequential``, the transformer blocks), fnmatch
+    patterns name them (e.g. ``["blocks.*"]``, checked against the model when the scheduler
+    binds), ``[]`` turns recomputation off (formats only). Costs the search two forwards per
+    block on its snapshot, and the blocks' forwards timed in probe steps.
     A plan given with ``plan=`` runs its recomputed blocks either way (`Plan.with_recompute`).
     ``sample_every``: the profiling window's statistics and the planned windows' watch are taken
     on every ``sample_every``-th step (hooks on the model only then; other steps run no Python

@@ -15,7 +15,9 @@ safe precision (FP32, or BF16 when ``max_precision`` is 16); **searching** over 
 steps (`scheduler.search_steps.SearchSteps` driving `search.training.TrainingSearch`); **planned**, where
 each window's profile (`window_measures`) and the scaler's per-layer non-finite counts promote or
 demote layers (`plan_keeper.PlanKeeper`: the plan in force, its runtime, `changes`, the
-`LossScaler`, on only while some layer has FP16 gradients); or **safe** after a failed search
+`LossScaler`, on only while some layer has FP16 gradients), and every ``sample_every``-th
+planned step checks the plan at once (`plan_checks`: an input grossly past its scale's range, the
+accuracy budget measured against the window's precision); or **safe** after a failed search
 (retried, unless no plan meets the budgets). This class keeps the clock and composes those parts
 (`step_checks` refuses bad steps). `state_dict` covers everything (`scheduler.state`: its
 schema); under ``torch.distributed`` the ranks agree through `distributed`.
@@ -47,10 +49,13 @@ from ..errors import InfeasibleBudgetError, RuntimeStateError, SettingsError
 from ..plan import Plan
 from ..scaling import LossScaler
 from ..search.training import TrainingSearch
+from . import lifecycle
 from .binding import Binding, bindable_layers, check_layers, check_materialised, unbound_exit
 from .config import SchedulerConfig, config_of
 from .lifecycle import WindowClock
+from .plan_checks import CheckFigures, PlanChecks
 from .plan_keeper import PlanKeeper
+from .policy import accuracy_promotions, saturation_actions
 from .search_steps import SearchSteps
 from .state import LATER_STATE, STATE_VERSION, check_state, check_state_fits
 from .step_checks import StepChecks
@@ -73,6 +78,10 @@ class DynamicPrecisionScheduler:
     fixed; `from_plan` loads one from a file).
     """
 
+    # Every value `phase` takes, in lifecycle order: the one list that loggers number the phase
+    # by (`integrations.scheduler_metrics`), so a phase added to the clock reaches them too.
+    PHASES: tuple[str, ...] = ("unbound",) + lifecycle.PHASES
+
     def __init__(self, model: Optional[nn.Module] = None, *, config: "SchedulerConfig | None" = None, plan: "Plan | None" = None, **settings: Any):
         self.config = config = config_of(config, settings)
         if not config.dynamic and plan is None:
@@ -91,6 +100,8 @@ class DynamicPrecisionScheduler:
         self.last_search_error: Optional[str] = None
         self._fixed_plan = plan
         self._measures = WindowMeasures(config)  # the profiler, the loss baseline, metered bytes, captured steps
+        self._plan_checks = PlanChecks(config)  # a planned step's checks: saturation, the accuracy budget measured
+        self._check_due = False  # this step is a check step (set as its forward starts)
         self._last_loss: Optional[torch.Tensor] = None
         self._optimizers: tuple = ()  # the last step()'s
         self._context_stack: Optional[contextlib.ExitStack] = None
@@ -109,9 +120,10 @@ class DynamicPrecisionScheduler:
 
     @property
     def phase(self) -> str:
-        """"unbound" (before the first forward), "profiling" (the first window), "searching" (the
-        steps after it, while the search runs: `search.training`), "planned", or "safe" (the search
-        failed, see `last_search_error`: training stays at the safe precision)."""
+        """One of `PHASES`, in order: "unbound" (before the first forward), "profiling" (the first
+        window), "searching" (the steps after it, while the search runs: `search.training`),
+        "planned", or "safe" (the search failed, see `last_search_error`: training stays at the
+        safe precision). Loggers number it by its index in `PHASES` (`integrations.scheduler_metrics`)."""
         if self._binding.example is None:
             return "unbound"
         return self._clock.phase
@@ -151,6 +163,13 @@ class DynamicPrecisionScheduler:
         return self._plans.scaler
 
     @property
+    def last_check(self) -> "Optional[CheckFigures]":
+        """The figures of the last planned check step (`plan_checks`): the saturation per layer
+        and the measured loss increase (mean since the plan last changed) against the allowed
+        one; None before the first."""
+        return self._plan_checks.last
+
+    @property
     def distributed(self) -> Optional[RankAgreement]:
         """The `RankAgreement` with the other ranks (None outside a process group or before bind)."""
         return self._dist
@@ -164,6 +183,10 @@ class DynamicPrecisionScheduler:
     @contextlib.contextmanager
     def precision_context(self):
         """Forward passes inside run the plan in force (or the safe precision while profiling).
+
+        One without autograd (``torch.no_grad``, ``inference_mode``: an evaluation between
+        steps) runs that precision and nothing more: no training step's profiling, metering,
+        capture or search trial happens in it.
 
         Not re-entrant. The first one binds the scheduler to its model (see the module doc). Each
         one refuses, with a `RuntimeStateError` before it runs, a call of a model other than the
@@ -201,6 +224,7 @@ class DynamicPrecisionScheduler:
         self._last_loss = detached
         self._backward_due = False
         self._searches.before_backward(loss)  # a probe step: hook the autograd nodes of each layer
+        self._plan_checks.note_loss(detached)  # a check step: the loss its captured prediction's gradient is of
         if self.phase == "profiling":
             self._measures.record_loss(detached)
         return self.scaler.scale(loss)
@@ -240,6 +264,8 @@ class DynamicPrecisionScheduler:
             self._checks.check_optimizer(i, optimizer, self._binding.bound)
         self._optimizers = optimizers  # a search starting this step reads their Adam state
         self._measures.step()
+        if self._check_due:  # the reference forward, on the weights the planned forward ran with
+            self._plan_checks.measure(self._plans.safe_format, self.scaler.scale_tensor if self.scaler.enabled else None)
         outcome = self._plans.step(optimizers, loss=self._last_loss, agreement=self._dist, max_grad_norm=self.config.max_grad_norm, step=self.step_count)
         skipped = outcome.skipped
         self.step_count += 1
@@ -249,6 +275,9 @@ class DynamicPrecisionScheduler:
             self._writer.log_step(self.step_count, loss=self._last_loss, loss_scale=self.scaler.scale_tensor, skipped=skipped)
         if self.config.dynamic and self.plan is not None:
             self._plans.on_nonfinite(outcome.nonfinite, outcome.first_bad_output, self.step_count)
+        if self._check_due:
+            self._check_due = False
+            self._act_on_checks()
         if self._searches.end_step(skipped, safe=self.plan is None, agreement=self._dist):
             self._finish_search()
         self._advance()
@@ -272,6 +301,7 @@ class DynamicPrecisionScheduler:
 
             self._writer = TrainingWriter(self.config.log_dir, flush_every=min(100, self.config.monitor_window))
         self._measures.bind(model, example, self.layers)
+        self._plan_checks.bind(model)
         self._plans.bind(model, self.layers, writer=self._writer,
                          on_plan=None if dist is None else lambda plan: dist.set_grad_comm(grad_comm_format(self.config, plan)))
 
@@ -302,14 +332,52 @@ class DynamicPrecisionScheduler:
             return True
         if self.phase == "searching":
             return self._searches.runs_eager()  # a compiled model's candidates are timed compiled
-        return self.phase != "planned" or self._measures.hooks_model(capture=False, sample=False)
+        return (self.phase != "planned" or self._measures.hooks_model(capture=False, sample=False)
+                or (self._checks_due() and self._measures_accuracy()))  # the check's hooks capture the call
 
     def _enter_step(self, stack: contextlib.ExitStack) -> None:
         self._binding.check_first_output(stack)  # once: the first forward under the scheduler holds a prediction
+        if not torch.is_grad_enabled():
+            # An evaluation forward between steps (a validation loop): the precision in force, and
+            # nothing of a training step's. Metered, it gave the window's saved bytes as 0, and
+            # every candidate of the search that followed failed its memory check.
+            self._plans.enter_runtime(stack)
+            return
         if not self._searches.enter_step(stack, self._binding.bound, self.layers):  # a probe or trial step runs its own runtime
             self._plans.enter_runtime(stack)
+        self._check_due = self._checks_due()
+        if self._check_due:
+            self._plan_checks.enter_step(stack, accuracy=self._measures_accuracy())
         self._measures.enter_step(stack, capture=self.config.dynamic and self._clock.captures(self.step_count),
                                   sample=self._clock.samples(self.step_count, self.config.sample_every))
+
+    # -- planned checks -------------------------------------------------------------------------
+
+    def _checks_due(self) -> bool:
+        """Whether this step checks the plan in force (`plan_checks`): a dynamic scheduler's
+        planned step, every ``sample_every``-th of the window."""
+        return self.phase == "planned" and self.plan is not None and self._plan_checks.due(self.step_count, self.window_start)
+
+    def _measures_accuracy(self) -> bool:
+        """Whether a check step measures the loss increase: an accuracy budget is set."""
+        return self.plan is not None and self._plan_checks.wants_accuracy(self.plan)
+
+    def _act_on_checks(self) -> None:
+        """Read a check step's figures (one host read) and act on them at once: recalibrate or
+        promote saturating layers, promote while the measured loss increase is over the budget."""
+        plan = self.plan
+        if plan is None:
+            return
+        figures = self._plan_checks.read(self._plans.runtime, plan, self._dist)
+        recalibrate, promote = saturation_actions(figures.saturation, self.config.thresholds.saturation, self._plan_checks.recalibrated)
+        self._plan_checks.recalibrated |= set(recalibrate)
+        if figures.over_budget and figures.increase is not None and figures.allowed is not None:
+            promote = {**accuracy_promotions(plan, figures.increase, figures.allowed), **promote}
+            logger.warning("autoprec: step %d: measured loss increase %.2f%% (mean of %d checks against the window's precision) is over the allowed %.2f%%",
+                           self.step_count, 100 * figures.increase, figures.checks, 100 * figures.allowed)
+        if self._writer is not None and figures.increase is not None:
+            self._writer.log_accuracy(self.step_count, figures.increase, figures.allowed)
+        self._plans.act_on_checks(recalibrate, promote, self.step_count)
 
     # -- windows --------------------------------------------------------------------------------
 
@@ -337,6 +405,7 @@ class DynamicPrecisionScheduler:
     def _next_window(self) -> None:
         self._clock = self._clock.next_window(self.step_count)
         self._plans.new_window()
+        self._plan_checks.new_window()
         self._maybe_start_monitor()
 
     def _retry(self) -> None:
@@ -362,7 +431,8 @@ class DynamicPrecisionScheduler:
         self._searches.start(self._binding.bound, self._binding.example, self._measures.captured(), profile,
                              None if restore is not None else self._measures.baseline_loss(self.step_count), fingerprint=self._fingerprint,
                              step=self.step_count, lead=lead, scaler=self.scaler, optimizers=self._optimizers, restore=restore,
-                             safe_bytes=None if measured is None else (self._plans.safe_format, measured), compiled=self._binding.compiled)
+                             safe_bytes=None if measured is None else (self._plans.safe_format, measured), compiled=self._binding.compiled,
+                             alone=self._dist is None)
         self._clock = self._clock.searching()
         if restore is None and self._searches.advance(self._dist):  # its first slice in this step
             self._finish_search()
@@ -432,6 +502,7 @@ class DynamicPrecisionScheduler:
             "retry_at": self._clock.retry_at,
             **self._measures.state_dict(),  # the loss baseline, captured steps, metering, profiler
             **self._searches.state_dict(),  # the search in progress, the known times
+            "checks": self._plan_checks.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -451,10 +522,11 @@ class DynamicPrecisionScheduler:
             self._attach(self._binding.bound, ModelCall.from_state(state["example"]))  # plan, scaler and profiler come from the state below
         self.step_count = state["step"]
         self.last_search_error = state["last_search_error"]
-        _, failures, retry_at, search, known, _ = (state.get(k, d) for k, d in LATER_STATE.items())
+        _, failures, retry_at, search, known, _, checks = (state.get(k, d) for k, d in LATER_STATE.items())
         self._searches.load_known_times(known)
         self._plans.load_state_dict(state, self.step_count)
         self._measures.load_state_dict(state, self.plan)  # after the plan's runtime, as at bind
+        self._plan_checks.load_state_dict(checks, self.plan)
         self._searches.close()
         phase = "planned" if self.plan is not None else "searching" if search is not None else "safe" if self.last_search_error is not None else "profiling"
         self._clock = WindowClock(self.config.monitor_window, self.config.profiled_steps, phase, state["window_start"], failures, retry_at)

@@ -113,7 +113,8 @@ class PlanKeeper:
 
     @property
     def runtime(self) -> "Optional[PlanRuntime]":
-        """The runtime of the plan in force (None while none is, or when it is all FP32)."""
+        """The runtime of the plan in force (None while none is, or when it is all FP32 and
+        recomputes no block)."""
         return self._runtime
 
     @property
@@ -147,9 +148,11 @@ class PlanKeeper:
             if old is not None:
                 kept = {fqn: s for fqn, s in old.state_dict()["layers"].items() if fqn in plan.layers and old.plan.layers.get(fqn) == plan.layers[fqn]}
                 runtime.load_state_dict({"layers": kept})
-        self._runtime = runtime if any(lp.format is not Format.FP32 for lp in plan.layers.values()) else None
+        # An all-FP32 plan recomputing no block runs the model as it is; one recomputing blocks
+        # needs its runtime (their checkpointed forwards), FP32 layers or not.
+        self._runtime = runtime if plan.recompute or any(lp.format is not Format.FP32 for lp in plan.layers.values()) else None
         if self._runtime is None:
-            runtime.remove()  # an all-FP32 plan runs the model as it is
+            runtime.remove()
         self.plan = plan
         if searched and self.searched_plan is None:
             self.searched_plan = plan
@@ -296,6 +299,20 @@ class PlanKeeper:
         current = {fqn: lp.format for fqn, lp in self._planned().layers.items()}
         changes, self._policy = demotions(triggers, self._policy, step, t.stable_windows, current, self._window_skipped)
         self._apply(changes, "demoted", "demotion", step)
+
+    def act_on_checks(self, recalibrate: Mapping[str, str], promote: Mapping[str, str], step: int) -> None:
+        """A planned check step's actions (`plan_checks`), fqn -> why, one log line per layer:
+        for ``recalibrate`` (inputs grossly past their scales' range), every layer's INT8
+        calibration and amax history start again from the next forward (a drift that saturates
+        one layer reaches the layers after it, which its clamped outputs hid); ``promote`` at once."""
+        if recalibrate and self._runtime is not None:
+            for fqn, why in recalibrate.items():
+                logger.warning("autoprec: step %d: layer %r (%s): %s; recalibrating every layer's scales", step, layer_name(fqn, self._bound()),
+                               self._planned().layers[fqn].format.value, why)
+            self._runtime.recalibrate()
+        due = [fqn for fqn in promote if self._planned().layers[fqn].format is not Format.FP32]
+        if due:
+            self._promote(due, promote, step)
 
     def _ladder(self) -> list[Format]:
         """The formats a promotion may go to, narrowest first: BF16 and FP32 within the bounds,

@@ -8,7 +8,9 @@ they return; the TensorBoard training writer shows the same records.
 - `window_triggers`: overflow / underflow beyond the thresholds in the plan's format (with the
   runtime's scaling), or an activation amax drift;
 - `promotions`: one step up the ladder (8-bit and FP16 -> BF16 -> FP32);
-- `demotions`: back down after quiet windows, the wait doubling each time (hysteresis).
+- `demotions`: back down after quiet windows, the wait doubling each time (hysteresis);
+- `accuracy_promotions`, `saturation_actions`: what a planned step's check (`plan_checks`) acts
+  on at once: a measured loss increase over the budget, an input grossly past its scale's range.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ..plan import Plan
 if TYPE_CHECKING:
     from .config import Thresholds
 
-__all__ = ["PolicyState", "wider_format", "promotions", "window_triggers", "demotions"]
+__all__ = ["PolicyState", "wider_format", "promotions", "window_triggers", "demotions", "accuracy_promotions", "saturation_actions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,3 +152,48 @@ def demotions(triggered: Iterable[str], state: PolicyState, step: int, stable_wi
             wait[fqn] = waited * 2
             changes.append(PrecisionChange(step, fqn, current[fqn], back, f"stable for {waited} windows"))
     return changes, dataclasses.replace(state, history=history, stable=stable, wait=wait)
+
+
+def accuracy_promotions(plan: Plan, increase: float, allowed: float) -> dict[str, str]:
+    """The layers to promote when the measured loss ``increase`` exceeds the ``allowed`` one
+    (both relative, as `plan_checks` measures them):
+    the lowered layers (any format but FP32) by their predicted loss (`Plan.predicted`'s per
+    layer, else the narrowest formats first), as many as carry the excess's share of their
+    predicted total, ``(increase - allowed) / increase``, at least one. fqn -> why; empty when
+    nothing is over or every layer is FP32."""
+    if not increase > allowed:
+        return {}
+    lowered = [fqn for fqn, lp in plan.layers.items() if lp.format is not Format.FP32]
+    predicted = plan.predicted.get("layers", {}) if plan.predicted else {}
+
+    def loss(fqn: str) -> float:
+        value = predicted.get(fqn, {}).get("loss") if isinstance(predicted.get(fqn), Mapping) else None
+        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0.0
+
+    ranked = sorted(lowered, key=lambda f: (-loss(f), plan.layers[f].format.bits, lowered.index(f)))
+    total = sum(loss(f) for f in ranked)
+    share = (increase - allowed) / increase
+    why = f"measured loss increase {increase:.2%} over the allowed {allowed:.2%}"
+    chosen: dict[str, str] = {}
+    carried = 0.0
+    for fqn in ranked:
+        chosen[fqn] = why
+        carried += loss(fqn)
+        if total <= 0 or carried >= share * total:
+            break
+    return chosen
+
+
+def saturation_actions(saturation: Mapping[str, float], threshold: float, recalibrated: Iterable[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """``(recalibrate, promote)``, fqn -> why, for the layers whose input went more than
+    ``threshold`` times past its scale's range (``saturation``: the ratios a check read; a
+    non-finite one is a non-finite input, the loss scaler's): recalibrated the first time, promoted
+    when already ``recalibrated`` (in this window) and past it again."""
+    again = set(recalibrated)
+    recalibrate: dict[str, str] = {}
+    promote: dict[str, str] = {}
+    for fqn, ratio in saturation.items():
+        if math.isfinite(ratio) and ratio > threshold:
+            why = f"input amax {ratio:.3g}x the range its scale covers"
+            (promote if fqn in again else recalibrate)[fqn] = why
+    return recalibrate, promote
