@@ -78,15 +78,15 @@ def test_a_delayed_fp8_scale_far_past_its_amax_is_named_at_the_next_check_step(c
     assert sch.last_check is not None and all(r < 4 for r in sch.last_check.saturation.values())  # read and reset
 
 
-def memorized_vit():
-    """The tiny HF ViT trained in FP32 on its one batch until it is confident: a plan's
-    rounding then moves its (small) loss by a measurable fraction."""
+def trained_vit():
+    """The tiny HF ViT trained in FP32 on its one batch for a few steps: a plan's rounding then
+    moves its loss by a measurable fraction (E5M2 layers: +1.2 % on torch 2.11, +3.7 % on 2.13)."""
     import hf_models
 
     torch.manual_seed(0)
     model, batch = hf_models.vit()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(60):
+    for _ in range(20):
         model(**batch).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -95,11 +95,11 @@ def memorized_vit():
 
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory):
-    """A plan of 8-bit layers, attention products included (emulated: no kernel on CPU), under a
-    tight accuracy budget and a loose one."""
-    model0, batch = memorized_vit()
+    """A plan of 8-bit layers (E5M2: two mantissa bits), attention products included (emulated:
+    no kernel on CPU), under a tight accuracy budget and a loose one."""
+    model0, batch = trained_vit()
     base = Plan.uniform(model0, Format.FP32, batch)
-    plan = base.with_layers({f: "fp8_e4m3" for f in base.layers})
+    plan = base.with_layers({f: "fp8_e5m2" for f in base.layers})
     runs = {}
     for budget, steps in ((2e-3, 60), (10.0, 30)):
         model = copy.deepcopy(model0)
@@ -133,7 +133,7 @@ def test_a_measured_loss_increase_over_the_budget_promotes_layers_until_within_i
 
 def test_a_plan_within_the_budget_is_left_as_it_is_and_the_figure_is_logged(checked):
     sch, figures, logs = checked[10.0]
-    assert not sch.changes and sch.plan.format_counts() == {"fp8_e4m3": len(sch.plan)}
+    assert not sch.changes and sch.plan.format_counts() == {"fp8_e5m2": len(sch.plan)}
     assert all(f is None or not f.over_budget for f in figures) and sch.last_check.checks >= 2
     measured = accumulator(logs / "train").Scalars("accuracy/measured_loss_increase")
     assert len(measured) >= 10 and all(math.isfinite(e.value) for e in measured)

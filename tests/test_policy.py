@@ -105,9 +105,10 @@ def test_a_measured_increase_over_the_budget_promotes_the_largest_predicted_loss
     assert list(promoted) == ["a", "e"] and promoted["a"].startswith("measured loss increase 8.00% over the allowed 2.00%")
 
 
-def test_without_predictions_the_narrowest_layer_is_promoted_first():
-    plan = Plan({"a": "bf16", "b": "int8", "c": "fp32"})
-    assert list(accuracy_promotions(plan, increase=0.5, allowed=0.1)) == ["b"]
+def test_without_predictions_the_excess_share_of_the_layers_is_promoted_narrowest_first():
+    plan = Plan({"a": "bf16", "b": "int8", "c": "fp32", "d": "fp16", "e": "int8"})
+    assert list(accuracy_promotions(plan, increase=0.11, allowed=0.1)) == ["b"]  # 9 % over: one of four
+    assert list(accuracy_promotions(plan, increase=0.4, allowed=0.1)) == ["b", "e", "a"]  # 75 % over: three
 
 
 def test_saturation_recalibrates_first_and_promotes_a_layer_saturating_again():

@@ -28,7 +28,6 @@ import torch
 
 from ..formats import Format, amax, dequantize, inverse_scale, quantize
 from ..plan import Calibration, CalibrationMethod
-from .quantizers import Saturation
 
 __all__ = ["Int8Calibrator", "outlier_slots"]
 
@@ -148,10 +147,10 @@ class Int8Calibrator:
         self.outlier_valid: "torch.Tensor | None" = None
         self.keep: "torch.Tensor | None" = None
         self._errors: dict[str, torch.Tensor] = {}
-        # Once frozen: 1 / the largest amax calibrated (outlier channels included), and the
-        # largest input amax past it since the scheduler's guard last read it.
+        # Once frozen: 1 / the largest amax calibrated (outlier channels included), and the amax of
+        # the last input quantized with the frozen scale.
         self.covered: "torch.Tensor | None" = None
-        self.saturation = Saturation()
+        self.last_amax: "torch.Tensor | None" = None
 
     @property
     def calibrating(self) -> bool:
@@ -180,17 +179,16 @@ class Int8Calibrator:
         scaler skips the step (INT8 codes cannot carry NaN), as FP8's do.
 
         Calibrating: one per-channel amax, a strided row sample, and on the last batch the freeze
-        (a few reductions over the sample). Frozen: one amax of ``a``, one scalar add (the frozen
-        scale, NaN for a non-finite input) and `saturation`'s note (the amax over the calibrated
-        range: three scalar kernels); no host sync either way.
+        (a few reductions over the sample). Frozen: one amax of ``a`` (kept for `saturation`) and
+        one scalar add (the frozen scale, NaN for a non-finite input); no host sync either way.
         """
         if self.frozen_inv is not None:  # frozen (no longer `calibrating`)
             # inf * 0 and NaN * 0 are NaN, a finite amax adds 0: the frozen scale, or NaN. Under
             # no_grad, not detach(): one aten op fewer, and the scale keeps no graph either way.
             with torch.no_grad():
                 current = amax(a)
-                if self.covered is not None:  # how far past the calibrated range: the guard's drift
-                    self.saturation.note(current * self.covered)
+                if not torch.compiler.is_compiling():  # a Python side effect Dynamo refuses in a checkpoint
+                    self.last_amax = current  # kept, not computed on: the scheduler's check reads it (`saturation`)
                 return self.frozen_inv.add(current, alpha=0)
         a = a.detach()
         channel = amax(a, dim=0).reshape(-1)
@@ -238,6 +236,14 @@ class Int8Calibrator:
             "amax": channel_amax.amax(),
         }
         self.samples = []
+
+    def saturation(self) -> "torch.Tensor | None":
+        """Once frozen, how far past the calibrated range the last eager input went (compiled
+        code keeps no amax): its amax over the largest amax calibration saw (all channels); None
+        before a frozen eager forward. One scalar kernel, no sync."""
+        if self.covered is None or self.last_amax is None:
+            return None
+        return self.last_amax * self.covered
 
     def _cover(self, channel_amax: torch.Tensor) -> None:
         """The inverse of the range the frozen calibration saw (all channels), for `saturation`."""
@@ -288,6 +294,6 @@ class Int8Calibrator:
         self.outlier_valid = state["outlier_valid"]
         self.keep = state["keep"]
         self._errors = dict(state["errors"])
-        self.covered = None
+        self.covered = self.last_amax = None
         if self.frozen_inv is not None and self.channel_amax is not None:
             self._cover(self.channel_amax)

@@ -220,19 +220,20 @@ class PlanRuntime:
             if any(how.startswith("emulated") for how in layer.ops.values())
         }
 
-    def saturation(self) -> dict[str, torch.Tensor]:
-        """Per layer whose inputs are scaled from the past (frozen INT8 calibration, delayed FP8
-        scaling), how far past that scale's range its input went since the last call: the largest
-        ratio of an input's amax to the amax the scale covers (a 0-d tensor; 0 when the layer did
-        not run, inf / NaN after a non-finite input), and the count starts again. Layers scaled
-        from the current tensor never saturate and are absent. No host sync; one zero fill per
-        operand."""
+    def saturation(self, steps: int = 1) -> dict[str, torch.Tensor]:
+        """Per layer whose inputs are scaled from the past, how far past that scale's range they
+        went: the ratio of an input's amax to the amax its scale covers (a 0-d tensor; inf / NaN
+        after a non-finite input): a frozen INT8 calibration's last input, delayed FP8 scaling's
+        largest over the last ``steps`` recorded forwards (its history holds them). Layers scaled
+        from the current tensor never saturate and are absent, as are those not run yet.
+        Costs nothing in the forwards (the amaxes are the quantizers' own); here a few small
+        kernels per layer, no host sync."""
         out = {}
         for fqn, layer in self._layers.items():
-            peaks = [c.saturation.take() for c in layer.calibrators.values() if not c.calibrating]
-            peaks += [q.saturation.take() for q in layer.inputs.values() if q.saturation is not None]
-            if peaks:
-                out[fqn] = torch.stack(peaks).amax() if len(peaks) > 1 else peaks[0]
+            ratios = [r for r in (*(c.saturation() for c in layer.calibrators.values()), *(q.saturation(steps) for q in layer.inputs.values()))
+                      if r is not None]
+            if ratios:
+                out[fqn] = torch.stack(ratios).amax() if len(ratios) > 1 else ratios[0]
         return out
 
     def recalibrate(self, fqns=None) -> None:

@@ -34,7 +34,7 @@ from .gemm import pad_to_multiple
 if TYPE_CHECKING:
     from .triton_cast import FusedCasts
 
-__all__ = ["InputQuantizer", "WeightQuantizer", "GradQuantizer", "QuantizedWeight", "Saturation"]
+__all__ = ["InputQuantizer", "WeightQuantizer", "GradQuantizer", "QuantizedWeight"]
 
 
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
@@ -63,36 +63,6 @@ class _RoundTrip:
         return dequantize(q, inv).reshape(shape)
 
 
-class Saturation:
-    """How far past its scale's range an operand scaled from the past went: the largest ratio of
-    its amax to the amax the scale covers (a frozen INT8 calibration, a delayed FP8 history),
-    since `take` last read it; 0 when none was noted. What the scheduler's guard reads to act on
-    a gross drift at once (`scheduler.plan_checks`). A non-finite ratio is kept (an inf or NaN
-    input): the reader skips it, the loss scaler's business.
-
-    Costs per `note`: two scalar kernels (the max and its copy; one under torch.compile), no host
-    sync; `take`: a zero fill. The state lives on the data's device."""
-
-    __slots__ = ("peak",)
-
-    def __init__(self):
-        self.peak = torch.zeros(())
-
-    def note(self, ratio: torch.Tensor) -> None:
-        peak = self.peak
-        if peak.device != ratio.device:
-            peak = self.peak = peak.to(ratio.device)
-        with torch.no_grad():
-            # In place, as the delayed history: a compiled step updates it too.
-            peak.copy_(torch.maximum(peak, ratio.float()))
-
-    def take(self) -> torch.Tensor:
-        """The peak since the last call (a 0-d tensor, a copy), and start again from 0."""
-        peak = self.peak.clone()
-        self.peak.zero_()
-        return peak
-
-
 class InputQuantizer(_RoundTrip):
     """How one layer's input (activation) is scaled into ``fmt``.
 
@@ -111,7 +81,6 @@ class InputQuantizer(_RoundTrip):
         # The delayed-scaling history, a shift register: history[0] is the newest amax; zeros are
         # "not seen yet" (an amax is never negative).
         self.history = torch.zeros(scaling.history_len) if delayed else None
-        self.saturation = Saturation() if delayed else None  # this step's amax over the history's
 
     def inverse_scale(self, x: torch.Tensor, record: bool = False) -> torch.Tensor:
         """The inverse scale for ``x`` (..., K): ``()`` per tensor, x's shape with K → 1 per row,
@@ -137,8 +106,6 @@ class InputQuantizer(_RoundTrip):
         # non-finite input non-finite after the saturating cast (the loss scaler must see it).
         basis = torch.where(past > 0, past, current)
         result = inverse_scale(basis, self.fmt, self.margin) + current * 0
-        if record and self.saturation is not None:
-            self.saturation.note(current / basis)
         if record:
             # A non-finite amax belongs to a step the loss scaler skips: it must not poison later
             # scales, so it is recorded as "not seen".
@@ -179,21 +146,30 @@ class InputQuantizer(_RoundTrip):
                 history = self.history = history.to(x.device)
             inv, xq, x_t = casts.cast_delayed(x, history, self.fmt, self.margin, self.most_recent, record,
                                               pad_cols=align, transposed=transposed, t_rows=align)
-            if record and self.saturation is not None:
-                # The kernels recorded this step's amax as history[0]; the scale came from the rest.
-                past = history[1:2].amax() if self.most_recent else history[1:].amax()
-                self.saturation.note(history[0] / torch.where(past > 0, past, history[0]))
             return inv, (xq, x_t, inv)
         if inv is None:
             inv = casts.tensor_scale(x, self.fmt, self.margin)
         xq, x_t = casts.cast(x, inv, self.fmt, pad_cols=align, t_fmt=t_fmt, t_rows=align)
         return inv, (xq, x_t, inv)
 
+    def saturation(self, steps: int = 1) -> "torch.Tensor | None":
+        """Delayed scaling: how far past its scale's range an input of the last ``steps``
+        recorded forwards went: the largest ratio of a forward's amax to the amax its scale came
+        from (the older history; a forward with none scaled from itself); None for current
+        scaling, which never saturates. Read off the history (a few small kernels), no sync."""
+        history = self.history
+        if history is None:
+            return None
+        if self.most_recent:
+            basis = history[1:steps + 1]
+        else:  # each entry's scale: the largest amax recorded before it (a suffix maximum)
+            basis = history.flip(0).cummax(0).values.flip(0)[1:steps + 1]
+        newest = history[:basis.numel()]
+        return (newest / torch.where(basis > 0, basis, newest).clamp_min(torch.finfo(torch.float32).tiny)).amax()
+
     def reset(self) -> None:
         if self.history is not None:
             self.history.zero_()
-        if self.saturation is not None:
-            self.saturation.take()
 
     def state_dict(self) -> dict:
         return {"history": None if self.history is None else self.history.clone()}

@@ -333,7 +333,7 @@ class DynamicPrecisionScheduler:
         if self.phase == "searching":
             return self._searches.runs_eager()  # a compiled model's candidates are timed compiled
         return (self.phase != "planned" or self._measures.hooks_model(capture=False, sample=False)
-                or (self._checks_due() and self._measures_accuracy()))  # the check's hooks capture the call
+                or (self._checks_due() and self.plan is not None and self._plan_checks.eager(self.plan)))  # the check's hooks and INT8 amaxes
 
     def _enter_step(self, stack: contextlib.ExitStack) -> None:
         self._binding.check_first_output(stack)  # once: the first forward under the scheduler holds a prediction
@@ -347,7 +347,7 @@ class DynamicPrecisionScheduler:
             self._plans.enter_runtime(stack)
         self._check_due = self._checks_due()
         if self._check_due:
-            self._plan_checks.enter_step(stack, accuracy=self._measures_accuracy())
+            self._plan_checks.enter_step(stack, accuracy=self.plan is not None and self._plan_checks.wants_accuracy(self.plan))
         self._measures.enter_step(stack, capture=self.config.dynamic and self._clock.captures(self.step_count),
                                   sample=self._clock.samples(self.step_count, self.config.sample_every))
 
@@ -357,10 +357,6 @@ class DynamicPrecisionScheduler:
         """Whether this step checks the plan in force (`plan_checks`): a dynamic scheduler's
         planned step, every ``sample_every``-th of the window."""
         return self.phase == "planned" and self.plan is not None and self._plan_checks.due(self.step_count, self.window_start)
-
-    def _measures_accuracy(self) -> bool:
-        """Whether a check step measures the loss increase: an accuracy budget is set."""
-        return self.plan is not None and self._plan_checks.wants_accuracy(self.plan)
 
     def _act_on_checks(self) -> None:
         """Read a check step's figures (one host read) and act on them at once: recalibrate or

@@ -6,13 +6,15 @@ last steps; two things cannot wait for it. Both are checked on every ``sample_ev
 step of a dynamic scheduler (counted from the window's start, the first included), and acted on
 after that step's optimizer step:
 
-- **Saturation** (a gross drift): a layer whose inputs are scaled from the past (a frozen INT8
-  calibration, delayed FP8 scaling) notes, on every forward and with no host sync, how far past
-  its scale's range the input went (`runtime.PlanRuntime.saturation`). A check reads the largest
-  ratio since the last one; past ``thresholds.saturation`` the layer is recalibrated at once, and
-  promoted if it saturates again in the same window (`policy.saturation_actions`). A drift
-  starting at any step is acted on at most ``sample_every`` steps later: that many steps at most
-  run damaged (8 by default).
+- **Saturation** (a gross drift): a layer whose inputs are scaled from the past reads how far past
+  its scale's range its input went (`runtime.PlanRuntime.saturation`, off the amaxes the
+  quantizers take anyway: nothing added to a forward): a frozen INT8 calibration's on the check
+  step's forward, delayed FP8 scaling's on any forward since the last check (its history holds
+  them; it heals in a step by itself, so a jump there is named rather than a lasting harm).
+  Past ``thresholds.saturation`` every layer is recalibrated at once, and a layer is promoted if
+  it saturates again in the same window (`policy.saturation_actions`). A drift that lasts,
+  starting at any step, is acted on at the next check step: at most ``sample_every`` steps (8 by
+  default) run damaged.
 - **The accuracy budget, measured**: on a check step the model's first call (a micro-batch's)
   is captured (its inputs, isolated, and the RNG state, so dropout draws the same masks), and
   after its backward the same call runs once more without gradients in the window's precision
@@ -110,6 +112,12 @@ class PlanChecks:
         """Whether a check step measures the loss increase: ``plan`` or the settings set an
         accuracy budget."""
         return self.config.accuracy_budget is not None or isinstance((plan.budgets or {}).get("accuracy"), (int, float))
+
+    def eager(self, plan: "Plan") -> bool:
+        """Whether a check step's forward must run eagerly around a compiled model: it captures
+        the call (an accuracy budget), or reads a frozen INT8 calibration's last input amax, which
+        compiled code does not keep."""
+        return self.wants_accuracy(plan) or any(lp.format is Format.INT8 for lp in plan.layers.values())
 
     def allowed(self, plan: "Plan") -> Optional[float]:
         """The relative loss increase ``plan`` allows: its budget as the search set it (relative,
@@ -212,7 +220,7 @@ class PlanChecks:
         this step's measured increase, one host read (reduced across ranks first: peaks maxed,
         increases averaged); the running mean updated. The figures are `last` too."""
         pending, self._pending = self._pending, None
-        peaks = runtime.saturation() if runtime is not None else {}
+        peaks = runtime.saturation(self.config.sample_every) if runtime is not None else {}
         names = sorted(peaks)
         device = next(iter(peaks.values())).device if peaks else (pending.device if pending is not None else torch.device("cpu"))
         ratios = torch.stack([peaks[n].float() for n in names]) if names else torch.zeros(0, device=device)

@@ -158,8 +158,9 @@ def accuracy_promotions(plan: Plan, increase: float, allowed: float) -> dict[str
     """The layers to promote when the measured loss ``increase`` exceeds the ``allowed`` one
     (both relative, as `plan_checks` measures them):
     the lowered layers (any format but FP32) by their predicted loss (`Plan.predicted`'s per
-    layer, else the narrowest formats first), as many as carry the excess's share of their
-    predicted total, ``(increase - allowed) / increase``, at least one. fqn -> why; empty when
+    layer), as many as carry the excess's share of their predicted total, ``(increase - allowed)
+    / increase``, at least one; without predictions (a plan made by hand) that share of the
+    lowered layers, the narrowest formats first. fqn -> why; empty when
     nothing is over or every layer is FP32."""
     if not increase > allowed:
         return {}
@@ -174,12 +175,14 @@ def accuracy_promotions(plan: Plan, increase: float, allowed: float) -> dict[str
     total = sum(loss(f) for f in ranked)
     share = (increase - allowed) / increase
     why = f"measured loss increase {increase:.2%} over the allowed {allowed:.2%}"
+    if total <= 0:  # no prediction to weigh them by: that share of the layers, the narrowest first
+        return {fqn: why for fqn in ranked[:max(1, math.ceil(share * len(ranked) - 1e-9))]}  # (an exact product rounded up by a bit)
     chosen: dict[str, str] = {}
     carried = 0.0
     for fqn in ranked:
         chosen[fqn] = why
         carried += loss(fqn)
-        if total <= 0 or carried >= share * total:
+        if carried >= share * total:
             break
     return chosen
 
