@@ -379,7 +379,9 @@ def test_recompute_blocks_reach_a_memory_budget_no_plan_of_formats_alone_meets()
     # Counted as each block's MLP starts (the recomputation stops after the last tensor it must
     # save again, so hooks at a module's end need not run; the block's own call is not re-entered).
     calls = {fqn: 0 for fqn in ("blocks.0", "blocks.1")}
-    hooks = [modules[f"{fqn}.mlp"].register_forward_pre_hook(lambda m, a, fqn=fqn: calls.__setitem__(fqn, calls[fqn] + 1)) for fqn in calls]
+    # Forwards with autograd only: a planned check step also runs the model once without it.
+    hooks = [modules[f"{fqn}.mlp"].register_forward_pre_hook(lambda m, a, fqn=fqn: calls.__setitem__(fqn, calls[fqn] + torch.is_grad_enabled()))
+             for fqn in calls]
     train(wl, model, opt, sch, 1, sampler)
     for h in hooks:
         h.remove()
@@ -397,8 +399,8 @@ class MeterOver(search_steps.SavedTensorMeter):
         return int(super().total_bytes * self.factor)
 
 
-@pytest.mark.parametrize("factor, rounds", [(1.3, 2), (1e3, None)])
-def test_candidates_measured_over_the_memory_budget_are_followed_by_a_round_under_the_learned_margin(monkeypatch, factor, rounds):
+@pytest.mark.parametrize("factor, adopted", [(1.3, True), (1e3, False)])
+def test_candidates_measured_over_the_memory_budget_are_followed_by_a_round_under_the_learned_margin(monkeypatch, factor, adopted):
     """Every first-round candidate measures over the budget: the next round is proposed under the
     budget divided by the measured-to-predicted ratio and adopted, within the bounded trial
     steps (`MEMORY_ROUNDS` rounds), instead of the search failing. A meter no margin can satisfy
@@ -415,16 +417,37 @@ def test_candidates_measured_over_the_memory_budget_are_followed_by_a_round_unde
     searching = phases.count("searching")
     bound = PROBE_ROUNDS * 3 + MEMORY_ROUNDS * 3 * (1 + TIMED_TRIAL_STEPS)  # probes of 3 formats at most; 3 candidates a round, no INT8
     assert searching <= bound
-    if rounds is None:
+    if not adopted:
         assert sch.phase == "safe" and sch.last_search_error.startswith("no plan meets the memory budget as measured")
         need = float(re.search(r"raise memory_budget to at least (\d+\.\d+)", sch.last_search_error).group(1))
         assert need > 1.0  # a thousandfold meter: no budget a fraction can state
         assert sch.state_dict()["retry_at"] is None  # final: the budget does not change with the data
         return
     measured = sch.plan.measured
-    assert sch.phase == "planned" and measured["rounds"] == rounds
-    first = [c for c in measured["candidates"] if c["round"] == 0]
-    assert first and all(c["dropped"].startswith("measured") for c in first)
+    # The next round's plans differ from the first's (by the measured times too): their bytes may
+    # be off by another ratio, so a third round may be the one adopted.
+    assert sch.phase == "planned" and 2 <= measured["rounds"] <= MEMORY_ROUNDS
+    earlier = [c for c in measured["candidates"] if c["round"] < measured["rounds"] - 1]
+    assert earlier and all(c["dropped"].startswith("measured") for c in earlier)
     margin = sch.plan.metadata["memory_margin"]
     assert 1.05 < margin < 1.3  # the meter's 1.3 on the saved bytes, diluted by the gradient buffers it does not meter
     assert sch.plan.budgets["memory"] == 0.7 and sch.plan.predicted["bytes"] * margin <= sch.plan.budgets["memory_bytes"]
+
+
+def test_a_search_over_accumulated_micro_batches_times_whole_steps_and_leaves_no_hook():
+    """Gradient accumulation (the HF Trainer's and Lightning's ``accumulate``): every micro-batch
+    enters a context. A probe step's layer timer used to be installed again at each one, the
+    earlier timers' hooks left on the model for good; now one timer spans the step."""
+    wl, model, opt = setup()
+    sch = make(formats=("fp32", "bf16"), search_slice=None)
+    sampler = wl.train_batches(0)
+    while sch.phase != "planned" and sch.step_count < 100:
+        for _ in range(3):  # micro-batches
+            with sch.precision_context():
+                loss = wl.loss(model, sampler.next())
+            sch.backward(loss)
+        sch.step(opt)
+        opt.zero_grad(set_to_none=True)
+    assert sch.phase == "planned"
+    hooked = {fqn for fqn, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks}
+    assert not hooked, hooked

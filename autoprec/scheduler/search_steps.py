@@ -120,19 +120,26 @@ class SearchSteps:
 
     def enter_step(self, stack: contextlib.ExitStack, model: nn.Module, layers: Sequence[str]) -> bool:
         """Start timing the step run in ``stack``'s context; while the search wants the step (a
-        probe or trial), enter its runtime there and return True (else the plan in force runs)."""
-        self._started = time.perf_counter()
+        probe or trial), enter its runtime there and return True (else the plan in force runs).
+
+        Under gradient accumulation each micro-batch enters a context: the step is timed from the
+        first one's start to the optimizer step, a probe step's timer (installed at the first)
+        attributes every micro-batch's forward and backward, and only the first is metered."""
+        first = self._started is None
+        if first:
+            self._started = time.perf_counter()
         entry = self._search.step_runtime() if self._search is not None else None
-        self._kind = entry[0] if entry is not None else None
+        if first:
+            self._kind = entry[0] if entry is not None else None
         if entry is None:
             return False
         search = self._running()
         stack.enter_context(warnings.catch_warnings())
         warnings.simplefilter("ignore", EmulationWarning)  # the adopted plan names its emulated layers
         stack.enter_context(entry[1])
-        if self._kind == "probe":
+        if self._kind == "probe" and self._timer is None:
             self._timer = StepTimer(model, layers, tuple(search.blocks)).__enter__()
-        if search.wants_bytes():
+        if first and search.wants_bytes():
             meter = stack.enter_context(SavedTensorMeter(list(model.parameters())))
             stack.callback(lambda: setattr(self, "_bytes", meter.total_bytes))
         return True

@@ -56,8 +56,9 @@ from ..sensitivity import FisherEstimator, sensitivity_steps
 from .pipeline import propose_from, space_of, uniform_reference
 from .planner import floor_settings, overflow_reason
 from .space import LayerRules
+from .units import PASSES_PER_STEP, unit_weight, weighted
 
-__all__ = ["TrainingSearch", "probe_formats"]
+__all__ = ["TrainingSearch", "probe_formats", "PASSES_PER_STEP", "unit_weight"]
 
 # Probe cycles: the first warms up (first calls of each kernel, INT8 calibration of one batch)
 # and is not sampled; the other gives each probed (layer, format) one sample. Of a role's layers
@@ -72,40 +73,6 @@ CANDIDATES = 2  # plans tried on training steps: the exact optimum and the next 
 # round's are proposed under the budget divided by the largest measured-to-predicted bytes ratio
 # seen (a margin learned from the measurement); after the last, the search fails for good.
 MEMORY_ROUNDS = 3
-# A training step in model passes: its forward and backward take about three forwards' FLOPs
-# (2N and 4N per token for N parameters, Kaplan et al. 2020, arXiv:2001.08361, section 2.1).
-PASSES_PER_STEP = 3
-# What an off-path unit weighs (`unit_weight`), in model passes. A look at the whole model or a
-# forward and backward of one batch: its passes. A unit of one layer: a fixed part (its calls,
-# quantization and hooks outweigh its FLOPs in all but large layers) plus its FLOPs as its share
-# of the model's pass (1 / layers): making its runtimes (host work only); calibration (the
-# model's forward or the layer's re-run, both under that label); a (layer, format) estimate (its
-# forward and local backward, as a step's 1 + 2). The fixed parts are what these units took on
-# the 31-layer GPT of benchmarks/search_stall.py (2 CPU cores, torch 2.13: 0.06, 0.1 and 0.35
-# of a pass beyond their FLOPs). Planning weighs nothing.
-_WHOLE_MODEL_UNITS = {"trace": 1.0, "region bytes": 1.0, "block bytes": 2.0, "recorded batch": 3.0}
-_LAYER_UNITS = {"runtimes": (0.06, 0.0), "calibration": (0.1, 1.0)}  # (fixed passes, layer passes)
-_LAYER_ESTIMATE = (0.35, 3.0)
-_HOST_UNITS = frozenset({"layers", "sites", "second moment", "solve"})
-
-
-def unit_weight(label: str, layers: int) -> float:
-    """An off-path unit's weight in model passes, from the label it yields (the inner one for
-    the sensitivity's units, whose (layer, format) estimates yield the layer's name) and the
-    model's number of ``layers``. A count, never a timing, so `work` decides alike on every run
-    and machine load; it follows the time as far as the table above fits the model and device
-    (on that GPT, in CPU time against a safe step's: the 124 (layer, format) estimates weigh
-    18.5 steps and took 19.7, the 7 region-bytes units 2.3 and 2.4, the whole off-path work 24.2
-    and 24.7; on larger layers the fixed parts overstate the time, and the search takes more,
-    shorter slices)."""
-    if label in _WHOLE_MODEL_UNITS:
-        return _WHOLE_MODEL_UNITS[label]
-    if label in _HOST_UNITS:
-        return 0.0
-    fixed, passes = _LAYER_UNITS.get(label, _LAYER_ESTIMATE)
-    return fixed + passes / max(1, layers)
-
-
 def probe_formats(layers: Sequence[str], formats: Sequence[Format], profile: Any, device: torch.device,
                   rules: LayerRules = LayerRules()) -> dict[str, list[Format]]:
     """Per layer, the formats a probe step may run it in: runnable on ``device``, allowed by the
@@ -574,7 +541,7 @@ class TrainingSearch:
         steps = sensitivity_steps(snapshot, self.batches[-1:], self.loss_fn, lowered, layers=self.layers, example_inputs=self.example,
                                   estimator=FisherEstimator(lr=self.config.lr, upstream=False, site="layer"),
                                   traced=self.fingerprint, second_moment=self._second_moment)
-        return (yield from _weighted(steps, "sensitivity", len(self.layers)))
+        return (yield from weighted(steps, "sensitivity", len(self.layers)))
 
     def _cost_model(self, region: CostModel, trace) -> CostModel:
         """The cost model of every format: ``region``'s measured bytes, and the probe-measured
@@ -709,14 +676,3 @@ class TrainingSearch:
         parts = ", ".join(f"{stage} {seconds:.2f} s" for stage, seconds in self.timeline.items())
         ratio = f"; longest step {self.longest_step / self.median_step:.1f}x the median safe step" if self.median_step else ""
         return f"search over {self.steps} training steps: {parts}{ratio}"
-
-
-def _weighted(steps: Generator[str, None, Any], stage: str, layers: int) -> Generator[tuple[str, float], None, Any]:
-    """A generator's yields as ``(stage, weight of the unit its label names)`` (`unit_weight`);
-    its return value."""
-    while True:
-        try:
-            label = next(steps)
-        except StopIteration as done:
-            return done.value
-        yield stage, unit_weight(label, layers)
