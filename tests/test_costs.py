@@ -490,7 +490,9 @@ def test_a_plan_far_slower_than_the_first_is_stopped_and_extrapolated():
     plans = {f: Plan({"0": f, "1": f}) for f in ("fp32", "bf16")}
     out = measure_in_place(model, [torch.randn(4, 8)], plans, ["0", "1"], warmup=0, steps=2, slow_factor=2.0)
     assert not out["fp32"].extrapolated and out["bf16"].extrapolated
-    assert slow_runs == [0]  # stopped before its second layer, and never run again
+    # Stopped before its second layer (before its first, when the machine is busy enough that the
+    # step's start already took twice the FP32 step), and never run again.
+    assert slow_runs in ([0], [])
     assert out["bf16"].step_seconds > 2.0 * out["fp32"].step_seconds
 
 
