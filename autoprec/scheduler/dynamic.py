@@ -395,6 +395,10 @@ class DynamicPrecisionScheduler:
             self._start_search(profile)
             return
         self._plans.recalibrate_int8()  # on every rank, before the review
+        checked = self._plan_checks.last
+        if checked is not None and checked.increase is not None and checked.allowed is not None:
+            logger.info("autoprec: step %d: the plan's measured loss increase is %.2f%% (mean of %d checks against the window's precision), allowed %.2f%%",
+                        self.step_count, 100 * checked.increase, checked.checks, 100 * checked.allowed)
         self._decide_on_every_rank(lambda: self._plans.review_window(profile, self.step_count, self._measures.measured_bytes))
         self._next_window()
 
