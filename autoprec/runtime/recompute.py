@@ -269,8 +269,9 @@ def block_wrapper(host: BlockHost, fqn: str, module: nn.Module):
         # marks its keys computed) as the forward found them, for the recomputation: run on the
         # changed object it would take other paths (T5's decoder skips its cross-attention
         # projections) or attend to its own keys twice. Their tensors detached, not copied
-        # (caches replace their tensors rather than write them); cloned per recomputation.
-        objects = {i: isolated(v, torch.Tensor.detach) for i, v in enumerate(leaves) if changeable(v)}
+        # (caches replace their tensors rather than write them); cloned per recomputation. Not
+        # while compiling: the compiled recomputation replays no Python, it reuses the forward's.
+        objects = {} if torch.compiler.is_compiling() else {i: isolated(v, torch.Tensor.detach) for i, v in enumerate(leaves) if changeable(v)}
 
         def run(*tensors):
             filled = list(leaves)

@@ -29,15 +29,14 @@ after that step's optimizer step:
 
 Costs, on a check step only: a forward pre-hook on the model; one forward without gradients
 (about a third of a step) when an accuracy budget is set; one host read of the losses and the
-saturation peaks (after the scaler's own sync, so nothing waits longer). Under
-``torch.distributed`` the figures are reduced across ranks first (one all-reduce), so every rank
-acts alike.
+saturation ratios (after the scaler's own sync, so nothing waits longer). Under
+``torch.distributed`` the figures are reduced across ranks first (two all-reduces of a few
+floats), so every rank acts alike.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -55,8 +54,6 @@ if TYPE_CHECKING:
     from .config import SchedulerConfig
 
 __all__ = ["CheckFigures", "PlanChecks"]
-
-logger = logging.getLogger(__name__)
 
 MIN_CHECKS = 2  # accuracy checks averaged before the measured increase can promote a layer
 
@@ -216,9 +213,10 @@ class PlanChecks:
         self._pending = torch.stack([(increase / ref_loss.abs()).reshape(()), ref_loss.reshape(())])
 
     def read(self, runtime: "Optional[PlanRuntime]", plan: "Plan", agreement: "Optional[RankAgreement]") -> CheckFigures:
-        """After the optimizer step of a check step: the saturation peaks since the last check and
-        this step's measured increase, one host read (reduced across ranks first: peaks maxed,
-        increases averaged); the running mean updated. The figures are `last` too."""
+        """After the optimizer step of a check step: the saturation ratios (`PlanRuntime.saturation`)
+        and this step's measured increase, one host read (reduced across ranks first: ratios
+        maxed, increases averaged); the running mean updated, afresh for a new ``plan``. The
+        figures are `last` too."""
         pending, self._pending = self._pending, None
         peaks = runtime.saturation(self.config.sample_every) if runtime is not None else {}
         names = sorted(peaks)
@@ -230,8 +228,9 @@ class PlanChecks:
         values = torch.cat([ratios, measured]).tolist()
         saturation = dict(zip(names, values[: len(names)]))
         increase, reference = values[len(names):]
-        if plan is not self._plan:
-            self.plan_changed()
+        if plan is not self._plan:  # a promotion, a demotion, a new search: its own mean
+            self._sum = self._reference = 0.0
+            self._count = 0
             self._plan = plan
         if math.isfinite(increase) and math.isfinite(reference):
             self._sum += increase
@@ -240,11 +239,6 @@ class PlanChecks:
         mean = self._sum / self._count if self._count else None
         self.last = CheckFigures(saturation, mean, self._count, self.allowed(plan))
         return self.last
-
-    def plan_changed(self) -> None:
-        """The plan changed: its measured increase is averaged afresh."""
-        self._sum = self._reference = 0.0
-        self._count = 0
 
     def new_window(self) -> None:
         """A window starts: no layer recalibrated in it yet."""

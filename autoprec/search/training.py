@@ -618,16 +618,16 @@ class TrainingSearch:
     def _next_round(self) -> bool:
         """Propose the next round when every candidate of this one measured over the memory
         budget: under the budget divided by the largest ratio of measured to predicted bytes seen
-        so far (compounded over the rounds). False (the search then fails) after `MEMORY_ROUNDS`,
+        so far (a round proposed under one margin and still over measured a larger ratio, so the
+        margin grows each round). False (the search then fails) after `MEMORY_ROUNDS`,
         when a candidate failed otherwise, without the space (a resumed search, another rank's)
         or under torch.distributed (the ranks agree on one round of candidates: a further one
         would need them to agree again). An infeasible margin sets `error`, final."""
-        over = [t for t in self._trials if t.total_bytes is not None and t.dropped is not None and t.dropped.startswith("measured")]
-        if (self._round + 1 >= MEMORY_ROUNDS or self._found is None or not self.alone or len(over) != len(self._trials)
-                or not all(t.plan.predicted.get("bytes") for t in over)):
+        ratios = [t.total_bytes / t.plan.predicted["bytes"] for t in self._trials
+                  if t.total_bytes is not None and t.dropped is not None and t.dropped.startswith("measured") and t.plan.predicted.get("bytes")]
+        if self._round + 1 >= MEMORY_ROUNDS or self._found is None or not self.alone or len(ratios) != len(self._trials):
             return False
-        ratio = max(t.total_bytes / t.plan.predicted["bytes"] for t in over)  # type: ignore[operator]
-        margin = self._margin * ratio
+        margin = max(self._margin, *ratios)
         self._earlier = self._records()
         for t in self._trials:
             if t.runtime is not None:
