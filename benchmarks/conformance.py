@@ -11,8 +11,9 @@ autocast, as ratios measured in one run: after training, rounds of one step each
 (the order rotated every round), medians. The
 planned steps include the scheduler's own work (its checks every 8th step, at the default pace).
 
-    python benchmarks/conformance.py                  # ~3 min on 2 CPU cores
+    python benchmarks/conformance.py                  # ~6 min on 2 CPU cores
     python benchmarks/conformance.py --models gpt2,t5 --steps 60 --rounds 30
+    python benchmarks/conformance.py --device cuda --models gpt2,llama --budgets 0.5   # the GPU session's cases
 
 Writes benchmarks/results/conformance_<device>_torch<version>.json and prints the README's table.
 """
@@ -26,7 +27,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -36,19 +36,20 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # the matrix's models and runs
 
 import autoprec as ap  # noqa: E402
+from autoprec.timing import rotated, timed  # noqa: E402
 import conformance  # noqa: E402
 import hf_models  # noqa: E402
 from autoprec._io import atomic_write_text  # noqa: E402
 from autoprec.runtime import EmulationWarning  # noqa: E402
 
 
-def plain_losses(model, rows, steps, autocast):
+def plain_losses(model, rows, steps, autocast, device):
     """The README loop without a scheduler: ``steps`` steps of AdamW in FP32 or BF16 autocast."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=conformance.LR)
     losses = []
     for step in range(steps):
-        batch = hf_models.stack(rows[step * conformance.MICRO_BATCH:(step + 1) * conformance.MICRO_BATCH])
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        batch = hf_models.stack(rows[step * conformance.MICRO_BATCH:(step + 1) * conformance.MICRO_BATCH], device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = model(**batch).loss
         loss.backward()
         optimizer.step()
@@ -65,29 +66,32 @@ def held_out_loss(model, batch, context):
     return loss
 
 
-def step_times(variants, batch, rounds):
+def step_times(variants, batch, rounds, device):
     """Median seconds of one training step of each variant (name -> (model, context factory,
-    backward, step)), timed in rounds of one step each, the order rotated every round."""
+    backward, step)), timed in rounds of one step each, the order rotated every round
+    (`autoprec.timing`: wall time from a synced device to the step's work done)."""
     seconds = {name: [] for name in variants}
-    names = list(variants)
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in rotated(list(variants), r):
             model, context, backward, step = variants[name]
-            start = time.perf_counter()
-            with context():
-                loss = model(**batch).loss
-            backward(loss)
-            step()
-            seconds[name].append(time.perf_counter() - start)
+
+            def one():
+                with context():
+                    loss = model(**batch).loss
+                backward(loss)
+                step()
+
+            seconds[name].append(timed(one, device)[1])
     return {name: statistics.median(values[2:]) for name, values in seconds.items()}  # the first rounds warm up
 
 
-def one(name, memory, accuracy, steps, rounds):
+def one(name, memory, accuracy, steps, rounds, device):
     torch.manual_seed(0)
     model, _ = hf_models.MODELS[name](0)
+    model.to(device)
     start_weights = copy.deepcopy(model.state_dict())
     rows = hf_models.data(name, steps * conformance.MICRO_BATCH, 0)
-    held_out = hf_models.stack(hf_models.data(name, 2 * conformance.MICRO_BATCH, 1))
+    held_out = hf_models.stack(hf_models.data(name, 2 * conformance.MICRO_BATCH, 1), device)
     # The matrix's settings, but the planned checks at their default pace (every 8th step, not 2nd).
     settings = {**conformance.settings(memory, accuracy), "sample_every": 8}
     sch, losses, _ = conformance.run_loop(model, settings, rows, hf_models.data(name, 8, 1), steps)
@@ -95,12 +99,12 @@ def one(name, memory, accuracy, steps, rounds):
     for label, autocast in (("fp32", False), ("bf16_autocast", True)):
         torch.manual_seed(0)
         m, _ = hf_models.MODELS[name](0)
-        m.load_state_dict(start_weights)
-        plain = plain_losses(m, rows, steps, autocast)
-        ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
+        m.to(device).load_state_dict(start_weights)
+        plain = plain_losses(m, rows, steps, autocast, device)
+        ctx = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
         reference[label] = (m, plain, held_out_loss(m, held_out, ctx()), ctx)
     quarter = max(1, steps // 4)
-    batch = hf_models.stack(rows[:conformance.MICRO_BATCH])
+    batch = hf_models.stack(rows[:conformance.MICRO_BATCH], device)
     planned_bytes = conformance.saved_bytes(model, batch, sch)
     fp32_bytes = conformance.saved_bytes(reference["fp32"][0], batch, None)
     held_planned = held_out_loss(model, held_out, sch.precision_context())
@@ -126,7 +130,7 @@ def one(name, memory, accuracy, steps, rounds):
         "by_hand": (by_hand, runtime.region, lambda loss: loss.backward(), plain_step(optimizers["by_hand"])),
         **{label: (m, ctx, lambda loss: loss.backward(), plain_step(optimizers[label])) for label, (m, _, _, ctx) in reference.items()},
     }
-    times = step_times(variants, batch, rounds)
+    times = step_times(variants, batch, rounds, device)
     runtime.remove()
     row = {
         "model": name, "memory_budget": memory, "accuracy_budget": accuracy, "steps": steps, "phase": sch.phase, "error": sch.last_search_error,
@@ -160,20 +164,24 @@ def main(argv=None):
     parser.add_argument("--accuracy", type=float, default=0.05)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # as the tests: small models, a shared machine
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as the tests: small models, a shared machine
     rows = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EmulationWarning)
         for name in args.models.split(","):
             for memory in (float(b) for b in args.budgets.split(",")):
-                rows.append(one(name, memory, args.accuracy, args.steps, args.rounds))
+                rows.append(one(name, memory, args.accuracy, args.steps, args.rounds, device))
                 print(json.dumps({k: rows[-1][k] for k in ("model", "memory_budget", "phase", "formats", "saved_vs_fp32", "step_vs_fp32")}), flush=True)
-    device = "cpu"
-    out = Path(args.out) if args.out else HERE / "results" / f"conformance_{device}_torch{torch.__version__.split('+')[0]}.json"
+    out = Path(args.out) if args.out else HERE / "results" / f"conformance_{device.type}_torch{torch.__version__.split('+')[0]}.json"
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
-    atomic_write_text(out, json.dumps({"device": device, "torch": torch.__version__, "commit": commit, "threads": 1, "args": vars(args), "rows": rows}, indent=1))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    atomic_write_text(out, json.dumps({"device": name, "torch": torch.__version__, "cuda": torch.version.cuda, "commit": commit,
+                                       "threads": torch.get_num_threads(), "args": vars(args), "rows": rows}, indent=1))
     print(table(rows))
     print(f"wrote {out}")
 

@@ -182,6 +182,16 @@ all)
             echo "($id) no plan from the search ($plan): $name, $mode left out" | tee -a "$log"; failed+=("${name}_$mode=no-plan")
         fi
     done
+    # (e) Not in the default parts (the 8 files are spent): issue 44's conformance cases on CUDA, a
+    # GPT-2 and a Llama through the README loop at memory budget 0.5, against FP32, the plan by
+    # hand and BF16 autocast (transformers is in the machines' image). AUTOPREC_PARTS=e on the warm
+    # machine after the session, or first in a session of its own.
+    if want e; then
+        part "(e) conformance cases, README loop"
+        timeout "$(cap 120)" "$py" benchmarks/conformance.py --device "$device" --models gpt2,llama --budgets 0.5 --steps 48 --rounds 20 \
+            --out "$out/conformance_$device.json" >>"$log" 2>&1
+        ran $? conformance
+    fi
     part "summary"
     "$py" benchmarks/gpu_session_report.py summary "$out" | tee -a "$log"
     ;;

@@ -87,7 +87,7 @@ def saved_bytes(model: torch.nn.Module, batch: dict, scheduler: Optional[Dynamic
 
 
 def run(name: str, entry: str, memory: float, accuracy: float, steps: int, tmp: Any, seed: int = 0) -> Outcome:
-    """Train model ``name`` for ``steps`` optimizer steps through ``entry`` (`ENTRIES`)."""
+    """Train model ``name`` for ``steps`` optimizer steps through ``entry`` (`ENTRIES`), on the CPU."""
     torch.manual_seed(seed)
     model, _ = hf_models.MODELS[name](seed)
     rows = hf_models.data(name, steps * ACCUMULATE * MICRO_BATCH, seed)
@@ -110,12 +110,13 @@ def run(name: str, entry: str, memory: float, accuracy: float, steps: int, tmp: 
 
 
 def run_loop(model, config, rows, held_out, steps, tmp=None):
-    """The README loop, one micro-batch a step; an evaluation every 4 steps."""
+    """The README loop, one micro-batch a step, on the model's device; an evaluation every 4 steps."""
     sch = DynamicPrecisionScheduler(**config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    device = next(model.parameters()).device
     losses, evals = [], []
     for step in range(steps):
-        batch = hf_models.stack(rows[step * MICRO_BATCH:(step + 1) * MICRO_BATCH])
+        batch = hf_models.stack(rows[step * MICRO_BATCH:(step + 1) * MICRO_BATCH], device)
         with sch.precision_context():
             outputs = model(**batch)
         sch.backward(outputs.loss)
@@ -125,7 +126,7 @@ def run_loop(model, config, rows, held_out, steps, tmp=None):
         if step % 4 == 3:
             model.eval()
             with torch.no_grad(), sch.precision_context():
-                evals.append((sch.phase, model(**hf_models.stack(held_out)).loss.item()))
+                evals.append((sch.phase, model(**hf_models.stack(held_out, device)).loss.item()))
             model.train()
     return sch, losses, evals
 

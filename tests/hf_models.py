@@ -114,6 +114,6 @@ def data(name: str, rows: int, seed: int = 0) -> list[dict]:
     return [{k: v[i] for k, v in batch.items()} for i in range(rows)]
 
 
-def stack(rows: list[dict]) -> dict:
-    """A batch of `data`'s rows."""
-    return {k: torch.stack([row[k] for row in rows]) for k in rows[0]}
+def stack(rows: list[dict], device: "torch.device | str | None" = None) -> dict:
+    """A batch of `data`'s rows (on ``device``, default where they are)."""
+    return {k: torch.stack([row[k] for row in rows]).to(device) for k in rows[0]}
