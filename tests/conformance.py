@@ -27,11 +27,12 @@ from typing import Any, Optional
 import torch
 
 import hf_models
+from readme_loop import readme_step
 from autoprec.measure import SavedTensorMeter
 from autoprec.runtime import EmulationWarning
 from autoprec.scheduler import DynamicPrecisionScheduler
 
-__all__ = ["ENTRIES", "Outcome", "run", "saved_bytes"]
+__all__ = ["ENTRIES", "Outcome", "run", "run_loop", "saved_bytes"]
 
 ENTRIES = ("loop", "trainer", "lightning")
 WINDOW = 6
@@ -116,13 +117,7 @@ def run_loop(model, config, rows, held_out, steps, tmp=None):
     device = next(model.parameters()).device
     losses, evals = [], []
     for step in range(steps):
-        batch = hf_models.stack(rows[step * MICRO_BATCH:(step + 1) * MICRO_BATCH], device)
-        with sch.precision_context():
-            outputs = model(**batch)
-        sch.backward(outputs.loss)
-        sch.step(optimizer)
-        optimizer.zero_grad()
-        losses.append(outputs.loss.item())
+        losses.append(readme_step(model, hf_models.stack(rows[step * MICRO_BATCH:(step + 1) * MICRO_BATCH], device), sch, optimizer))
         if step % 4 == 3:
             model.eval()
             with torch.no_grad(), sch.precision_context():

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import hf_models  # noqa: E402
+from readme_loop import readme_step  # noqa: E402
 from autoprec.blocks import find_blocks  # noqa: E402
 from autoprec.formats import Format, Granularity  # noqa: E402
 from autoprec.plan import Calibration, LayerPrecision, Plan, Scaling, ScalingMode  # noqa: E402
@@ -60,18 +61,10 @@ def run_steps(model: torch.nn.Module, batch: dict, plan: Plan, steps: int = 2) -
     """``steps`` steps of the README loop under ``plan`` (fixed); the losses."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     scheduler = DynamicPrecisionScheduler.from_plan(model, plan)
-    losses = []
     try:
-        for _ in range(steps):
-            with scheduler.precision_context():
-                outputs = model(**batch)
-            scheduler.backward(outputs.loss)
-            scheduler.step(optimizer)
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(outputs.loss.item())
+        return [readme_step(model, batch, scheduler, optimizer) for _ in range(steps)]
     finally:
         scheduler.close()
-    return losses
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama", "bert", "vit", "t5"])

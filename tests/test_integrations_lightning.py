@@ -22,9 +22,10 @@ from autoprec.errors import RuntimeStateError  # noqa: E402
 from autoprec.formats import Format  # noqa: E402
 from autoprec.integrations import AutoprecPrecision, IntegrationError  # noqa: E402
 from autoprec.plan import Plan  # noqa: E402
-from autoprec.scheduler import DynamicPrecisionScheduler, Thresholds  # noqa: E402
+from autoprec.scheduler import Thresholds  # noqa: E402
 
-PHASES = DynamicPrecisionScheduler.PHASES  # what the logged autoprec/phase numbers index
+from phase_logs import assert_logged_through_the_search, phase_of  # noqa: E402
+
 
 WINDOW = 10
 STEPS = 40
@@ -80,11 +81,6 @@ def logged_rows(tmp_path):
     (path,) = glob.glob(os.path.join(str(tmp_path), "logs", "version_*", "metrics.csv"))
     with open(path) as f:
         return list(csv.DictReader(f))
-
-
-def phase_of(row):
-    """The phase a logged ``autoprec/phase`` number names."""
-    return PHASES[int(float(row["autoprec/phase"]))]
 
 
 @pytest.fixture(scope="module")
@@ -182,9 +178,7 @@ def test_every_step_is_logged_through_profiling_the_spread_search_and_the_plan(s
     steps = [row for row in rows if row.get("autoprec/step")]
     assert [float(row["autoprec/step"]) for row in steps] == list(range(1, SPREAD_STEPS + 1))  # log_every_n_steps=1 under accumulation
     phases = [phase_of(row) for row in steps]
-    assert [p for i, p in enumerate(phases) if i == 0 or p != phases[i - 1]] == ["profiling", "searching", "planned"]
-    assert phases.count("searching") > 1  # the search ran over several logged steps
-    assert sch.phase == "planned" and sch.step_count == SPREAD_STEPS
+    assert_logged_through_the_search(phases, sch, SPREAD_STEPS)
 
 
 def test_a_promotion_shows_in_the_logged_plan_changes(spread):

@@ -20,6 +20,7 @@ from autoprec.integrations import AutoprecTrainer, IntegrationError  # noqa: E40
 from autoprec.integrations.transformers import SCHEDULER_NAME  # noqa: E402
 from autoprec.plan import Plan  # noqa: E402
 from autoprec.scheduler import DynamicPrecisionScheduler, Thresholds  # noqa: E402
+from phase_logs import assert_logged_through_the_search, phase_of  # noqa: E402
 from tb_events import accumulator  # noqa: E402
 
 PHASES = DynamicPrecisionScheduler.PHASES  # what the logged autoprec/phase numbers index
@@ -63,11 +64,6 @@ def run(tmp_path_factory):
 
 def training_logs(trainer):
     return [entry for entry in trainer.state.log_history if "loss" in entry]
-
-
-def phase_of(entry):
-    """The phase a logged ``autoprec/phase`` number names."""
-    return PHASES[int(entry["autoprec/phase"])]
 
 
 def test_a_plan_is_reached_with_gradient_accumulation_and_the_loss_falls(run):
@@ -149,9 +145,7 @@ def test_every_step_is_logged_through_profiling_the_spread_search_and_the_plan(s
     logs = training_logs(trainer)
     assert [entry["step"] for entry in logs] == list(range(1, SPREAD_STEPS + 1))  # logging_steps=1 under accumulation
     phases = [phase_of(entry) for entry in logs]
-    assert [p for i, p in enumerate(phases) if i == 0 or p != phases[i - 1]] == ["profiling", "searching", "planned"]
-    assert phases.count("searching") > 1  # the search ran over several logged steps
-    assert sch.phase == "planned" and sch.step_count == SPREAD_STEPS
+    assert_logged_through_the_search(phases, sch, SPREAD_STEPS)
 
 
 def test_a_promotion_shows_in_the_logged_plan_changes(spread):

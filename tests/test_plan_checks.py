@@ -17,6 +17,7 @@ from autoprec.formats import Format
 from autoprec.plan import LayerPrecision, Plan, Scaling, ScalingMode
 from autoprec.runtime import EmulationWarning
 from autoprec.scheduler import DynamicPrecisionScheduler
+from readme_loop import readme_step
 from tb_events import accumulator
 
 DRIFT_AT = 12  # the step from which the inputs are 100x what the calibration saw
@@ -110,11 +111,7 @@ def checked(tmp_path_factory):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", EmulationWarning)
             for _ in range(steps):
-                with sch.precision_context():
-                    outputs = model(**batch)
-                sch.backward(outputs.loss)
-                sch.step(opt)
-                opt.zero_grad(set_to_none=True)
+                readme_step(model, batch, sch, opt)
                 figures.append(sch.last_check)
         sch.close()
         runs[budget] = (sch, figures, logs)

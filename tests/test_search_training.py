@@ -48,6 +48,14 @@ def train(wl, model, opt, sch, steps, sampler):
     return phases
 
 
+def through_search(wl, model, opt, sch, sampler):
+    """The window, then steps until its search has ended (planned or safe); the phases."""
+    phases = train(wl, model, opt, sch, WINDOW, sampler)
+    while phases[-1] == "searching" or len(phases) == WINDOW:
+        phases += train(wl, model, opt, sch, 1, sampler)
+    return phases
+
+
 def until_planned(wl, model, opt, sch, sampler, limit=200):
     phases = []
     while sch.phase != "planned" and len(phases) < limit:
@@ -361,9 +369,7 @@ def test_recompute_blocks_reach_a_memory_budget_no_plan_of_formats_alone_meets()
         wl, model, opt = setup()
         sch = make(formats=("fp32", "bf16"), memory_budget=0.6, recompute=recompute)
         sampler = wl.train_batches(0)
-        phases = train(wl, model, opt, sch, WINDOW, sampler)
-        while phases[-1] == "searching" or len(phases) == WINDOW:
-            phases += train(wl, model, opt, sch, 1, sampler)
+        through_search(wl, model, opt, sch, sampler)
         outcome[recompute] = (wl, model, opt, sch, sampler)
     sch = outcome[()][3]
     assert sch.phase == "safe"
@@ -411,9 +417,7 @@ def test_candidates_measured_over_the_memory_budget_are_followed_by_a_round_unde
     wl, model, opt = setup()
     sch = make(formats=("fp32", "bf16"), memory_budget=0.7, search_slice=None)
     sampler = wl.train_batches(0)
-    phases = train(wl, model, opt, sch, WINDOW, sampler)
-    while phases[-1] == "searching" or len(phases) == WINDOW:
-        phases += train(wl, model, opt, sch, 1, sampler)
+    phases = through_search(wl, model, opt, sch, sampler)
     searching = phases.count("searching")
     bound = PROBE_ROUNDS * 3 + MEMORY_ROUNDS * 3 * (1 + TIMED_TRIAL_STEPS)  # probes of 3 formats at most; 3 candidates a round, no INT8
     assert searching <= bound

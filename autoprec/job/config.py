@@ -42,7 +42,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["JobConfig", "load_job", "resolve_factory"]
+__all__ = ["JobConfig", "load_job", "load_job_workload", "resolve_factory"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,3 +318,12 @@ def resolve_factory(config: JobConfig) -> Callable:
         return workload.resolve_factory(config.factory)
     except workload.WorkloadError as exc:
         raise SearchError(f"{config.source}: [workload].factory: {exc}") from None
+
+
+def load_job_workload(config: JobConfig):
+    """The job's workload (``[workload]``), a `WorkloadError` restated as a `SearchError` naming the job file and key."""
+    try:
+        return workload.load_workload(config.factory, config.factory_kwargs)
+    except workload.WorkloadError as exc:
+        key = "[workload].kwargs" if "rejected" in str(exc) else "[workload].factory"
+        raise SearchError(f"{config.source}: {key}: {exc}") from None

@@ -46,7 +46,7 @@ from ..errors import InfeasibleBudgetError, SearchError
 from ..formats import Format
 from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan, removing
-from ..workload import TrainStep, WorkloadError, load_workload, to_device
+from ..workload import TrainStep, to_device
 from ..search.exact import Solution
 from ..search.measured import BudgetPruner, Candidate, MeasuredStage, Measurement, candidate_id, fastest_meeting
 from ..search.pipeline import Proposal, propose_plans
@@ -54,7 +54,7 @@ from ..search.planner import floor_settings, layer_reasons, measured_reasons, pl
 from ..search.refine import CorrectingSampler
 from ..search.space import SearchSpace
 from ..search.study import open_storage, quiet_interrupts
-from .config import JobConfig
+from .config import JobConfig, load_job_workload
 from .workers import WorkerPayload, adopt_candidates, check_workers, run_workers
 
 __all__ = ["JobResult", "run_job"]
@@ -145,15 +145,6 @@ class JobResult:
 
 def _shown(value: "float | None", spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
-
-
-def load_job_workload(config: JobConfig):
-    """The job's workload (``[workload]``), a `WorkloadError` restated as a `SearchError` naming the job file and key."""
-    try:
-        return load_workload(config.factory, config.factory_kwargs)
-    except WorkloadError as exc:
-        key = "[workload].kwargs" if "rejected" in str(exc) else "[workload].factory"
-        raise SearchError(f"{config.source}: {key}: {exc}") from None
 
 
 @contextlib.contextmanager

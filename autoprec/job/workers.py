@@ -181,7 +181,7 @@ def _worker_main(path: str, device: str, threads: int, verbosity: int) -> None:
     from ..search.measured import MeasuredStage
     from ..search.study import open_storage, quiet_interrupts
     from ..workload import TrainStep, to_device
-    from .run import load_job_workload
+    from .config import load_job_workload
 
     torch.set_num_threads(threads)
     optuna.logging.set_verbosity(verbosity)

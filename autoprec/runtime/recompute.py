@@ -38,7 +38,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ..calls import changeable, isolated
+from ..calls import changeable, fresh, isolated
 from ..errors import RuntimeStateError
 from ..formats import Granularity
 from ..plan import ScalingMode
@@ -276,9 +276,8 @@ def block_wrapper(host: BlockHost, fqn: str, module: nn.Module):
         def run(*tensors):
             filled = list(leaves)
             if objects and recomputing():
-                memo: dict = {}
-                for i, v in objects.items():
-                    filled[i] = isolated(v, torch.Tensor.clone, memo)
+                for i, v in fresh(objects).items():
+                    filled[i] = v
             for i, t in zip(at, tensors):
                 filled[i] = t
             call_args, call_kwargs = pytree.tree_unflatten(filled, spec)

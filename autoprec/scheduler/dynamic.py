@@ -366,7 +366,7 @@ class DynamicPrecisionScheduler:
             return
         figures = self._plan_checks.read(self._plans.runtime, plan, self._dist)
         recalibrate, promote = saturation_actions(figures.saturation, self.config.thresholds.saturation, self._plan_checks.recalibrated)
-        self._plan_checks.recalibrated |= set(recalibrate)
+        self._plan_checks.note_recalibrated(recalibrate)
         if figures.over_budget and figures.increase is not None and figures.allowed is not None:
             promote = {**accuracy_promotions(plan, figures.increase, figures.allowed), **promote}
             logger.warning("autoprec: step %d: measured loss increase %.2f%% (mean of %d checks against the window's precision) is over the allowed %.2f%%",

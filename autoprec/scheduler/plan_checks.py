@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 import torch.nn as nn
 
-from ..calls import fresh, isolated, loss_of, prediction_of
+from ..calls import ModelCall, fresh, loss_of, prediction_of
 from ..errors import ModelCallError
 from ..formats import Format
 
@@ -81,8 +81,8 @@ class PlanChecks:
     def __init__(self, config: "SchedulerConfig"):
         self.config = config
         self._model: Optional[nn.Module] = None
-        # This check step's first model call (its micro-batch's): (args, kwargs, cpu rng, device
-        # rng), the loss it returned (the exact check) or its prediction and that prediction's
+        # This check step's first model call (its micro-batch's): (the call, cpu rng, device rng),
+        # the loss it returned (the exact check) or its prediction and that prediction's
         # gradient (the linearised check) with the loss backpropagated through it.
         self._call: Optional[tuple] = None
         self._planned: Optional[torch.Tensor] = None
@@ -146,8 +146,8 @@ class PlanChecks:
             return  # an evaluation forward, or a second call of the model in this step
         device = next(module.parameters()).device
         cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        # Objects the forward changes (a KV cache) as they were; tensors detached, not copied.
-        self._call = (*isolated((args, kwargs), torch.Tensor.detach), torch.get_rng_state(), cuda_rng)
+        # Objects the forward changes (a KV cache) as they were, their tensors detached (`ModelCall.first`).
+        self._call = (ModelCall(*fresh((args, kwargs), torch.Tensor.detach)), torch.get_rng_state(), cuda_rng)
 
     def _observe_output(self, module: nn.Module, args: tuple, output: Any) -> None:
         """The captured call's output: its loss when the model returns one (the exact check), else
@@ -190,8 +190,7 @@ class PlanChecks:
         self._call = self._planned = self._output = self._grad = self._user_loss = None
         if call is None or self._model is None or (planned is None and (grad is None or user_loss is None)):
             return  # nothing captured, or a prediction that took no gradient
-        args, kwargs, cpu_rng, cuda_rng = call
-        args, kwargs = fresh((args, kwargs))
+        model_call, cpu_rng, cuda_rng = call
         device = next(self._model.parameters()).device
         autocast = (torch.autocast(device.type, dtype=window_format.dtype) if window_format in (Format.BF16, Format.FP16)
                     else contextlib.nullcontext())
@@ -199,7 +198,7 @@ class PlanChecks:
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state(cuda_rng, device)
-            reference = self._model(*args, **kwargs)
+            reference = model_call(self._model)
         if planned is not None:
             ref_loss = loss_of(reference).detach().float()
             increase = planned - ref_loss
@@ -239,6 +238,10 @@ class PlanChecks:
         mean = self._sum / self._count if self._count else None
         self.last = CheckFigures(saturation, mean, self._count, self.allowed(plan))
         return self.last
+
+    def note_recalibrated(self, fqns: "Iterable[str]") -> None:
+        """``fqns`` were recalibrated for saturation: saturating again in this window promotes them."""
+        self.recalibrated |= set(fqns)
 
     def new_window(self) -> None:
         """A window starts: no layer recalibrated in it yet."""

@@ -34,7 +34,8 @@ from ..formats import Format
 from ..measure import SavedTensorMeter
 from ..plan import Plan
 from ..runtime import EmulationWarning
-from ..search.training import PASSES_PER_STEP, TrainingSearch
+from ..search.training import TrainingSearch
+from ..search.units import PASSES_PER_STEP
 from ..sensitivity import adam_second_moment
 from ..sensitivity.capture import LinearisedLoss
 

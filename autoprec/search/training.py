@@ -56,9 +56,9 @@ from ..sensitivity import FisherEstimator, sensitivity_steps
 from .pipeline import propose_from, space_of, uniform_reference
 from .planner import floor_settings, overflow_reason
 from .space import LayerRules
-from .units import PASSES_PER_STEP, unit_weight, weighted
+from .units import unit_weight, weighted
 
-__all__ = ["TrainingSearch", "probe_formats", "PASSES_PER_STEP", "unit_weight"]
+__all__ = ["TrainingSearch", "probe_formats"]
 
 # Probe cycles: the first warms up (first calls of each kernel, INT8 calibration of one batch)
 # and is not sampled; the other gives each probed (layer, format) one sample. Of a role's layers
@@ -405,7 +405,7 @@ class TrainingSearch:
 
     def work(self, passes: float) -> None:
         """Run off-path units within ``passes`` model passes (`unit_weight`; a training step is
-        `PASSES_PER_STEP`): a unit starts only when its expected weight (the last unit's of its
+        `units.PASSES_PER_STEP`): a unit starts only when its expected weight (the last unit's of its
         stage) fits in what is left; after two slices that ran nothing, one runs whatever its
         weight (a unit heavier than every slice must not stall the search). Weights are counts,
         never timings: which units run after which step does not depend on the machine's load."""
@@ -504,8 +504,8 @@ class TrainingSearch:
         names both floors and the settings that reach them. Costs the integer programs."""
         planning = self._planning
         budgets = planning.budgets
+        fp32_bytes = self._found.costs.fp32_bytes()
         if margin != 1.0:
-            fp32_bytes = self._found.costs.fp32_bytes()
             planning = dataclasses.replace(planning, budgets=dataclasses.replace(budgets, memory=int(budgets.memory_bytes(fp32_bytes) / margin)))
         try:
             proposal = propose_from(self._found, planning, baseline_loss=self.baseline_loss, fingerprint=self.fingerprint,
@@ -522,7 +522,6 @@ class TrainingSearch:
             raise exc.with_hint(floor_settings(exc, memory="memory_budget", recompute="recompute=[]", recompute_off=self.config.recompute == ())) from None
         if margin == 1.0:
             return proposal
-        fp32_bytes = self._found.costs.fp32_bytes()
         given = {**proposal.budgets, "memory": budgets.memory, "memory_bytes": budgets.memory_bytes(fp32_bytes)}
         plans = tuple(p.replace(budgets=given, metadata={**p.metadata, "memory_margin": margin}) for p in proposal.plans)
         return dataclasses.replace(proposal, plans=plans, budgets=given)
