@@ -43,14 +43,14 @@ def canonical_device(device: "torch.device | str | None") -> str:
     return device.type
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     return (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
 # What a kernel raises for a form it refuses: RuntimeError (TORCH_CHECK, or an INTERNAL ASSERT as
 # torch 2.11's CPU kernel for row-shaped scales), ValueError (TORCH_CHECK_VALUE in newer torch),
 # NotImplementedError (no kernel for the device), TypeError (an argument the build lacks).
-_REFUSALS = (RuntimeError, NotImplementedError, ValueError, TypeError)
+KERNEL_REFUSALS = (RuntimeError, NotImplementedError, ValueError, TypeError)
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,8 +87,8 @@ def scaled_mm_form(
         expected = k + (1 if bias else 0)
         if out.dtype != out_dtype or not bool((out.float() == expected).all()):
             return False, f"torch._scaled_mm on {device} ({form}) returned a wrong result"
-    except _REFUSALS as exc:
-        return False, f"torch {torch.__version__} _scaled_mm does not run on {device} ({form}): {_first_line(exc)}"
+    except KERNEL_REFUSALS as exc:
+        return False, f"torch {torch.__version__} _scaled_mm does not run on {device} ({form}): {first_line(exc)}"
     return True, f"torch._scaled_mm runs on {device} ({form})"
 
 
@@ -128,8 +128,8 @@ def has_int_mm(device: str) -> tuple[bool, str]:
     try:
         a = torch.zeros(32, 32, dtype=torch.int8, device=device)
         torch._int_mm(a, a.t())  # the runtime's layout: the weight (N, K) row-major, transposed
-    except _REFUSALS as exc:
-        return False, f"torch._int_mm does not run on {device}: {_first_line(exc)}"
+    except KERNEL_REFUSALS as exc:
+        return False, f"torch._int_mm does not run on {device}: {first_line(exc)}"
     return True, f"torch._int_mm runs on {device}"
 
 

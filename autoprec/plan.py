@@ -114,12 +114,19 @@ class Calibration:
 _DEFAULT_GRAD_FORMAT = {Format.FP8_E4M3: Format.FP8_E5M2, Format.FP8_E5M2: Format.FP8_E5M2, Format.INT8: Format.FP32}
 
 
+def _block_reason(lp: "LayerPrecision", device) -> "str | None":
+    from .runtime.layers import block_reason  # the runtime imports this module
+
+    return block_reason(lp, device)
+
+
 # init=False: the constructor takes format names and ``grad_format=None`` (the format's default),
 # while the fields hold the parsed `Format`s, never None.
 @dataclasses.dataclass(frozen=True, init=False)
 class LayerPrecision:
     """One layer's format. FP8 layers compute gradients in ``grad_format`` (E5M2 by default:
-    the "hybrid" recipe, E4M3 forward and E5M2 backward); INT8 layers' is FP32."""
+    the "hybrid" recipe, E4M3 forward and E5M2 backward; E4M3 under block scaling, DeepSeek-V3's
+    recipe); INT8 layers' is FP32."""
 
     format: Format
     grad_format: Format
@@ -136,9 +143,13 @@ class LayerPrecision:
         reason: str = "",
     ):
         fmt = Format.parse(format)
+        if grad_format is None:
+            # Block scaling is DeepSeek-V3's recipe: E4M3 gradients, made safe by 1x128 tile scales.
+            blocks = fmt is Format.FP8_E4M3 and scaling.granularity is Granularity.BLOCK
+            grad_format = Format.FP8_E4M3 if blocks else _DEFAULT_GRAD_FORMAT.get(fmt, fmt)
         _set = object.__setattr__
         _set(self, "format", fmt)
-        _set(self, "grad_format", Format.parse(_DEFAULT_GRAD_FORMAT.get(fmt, fmt) if grad_format is None else grad_format))
+        _set(self, "grad_format", Format.parse(grad_format))
         _set(self, "scaling", scaling)
         _set(self, "calibration", calibration)
         _set(self, "reason", reason)
@@ -602,8 +613,8 @@ class Plan:
             elif batched:
                 problems.append(f"{layer_name(fqn, model)!r}: {lp.format.value} has no kernel for {', '.join(batched)} on batched operands "
                                 "(as in an attention product); it would be emulated: plan the layer in bf16, fp16 or fp32")
-            elif lp.scaling.granularity is Granularity.BLOCK:
-                problems.append(f"{layer_name(fqn, model)!r}: block scaling has no kernel; it would be emulated")
+            elif lp.scaling.granularity is Granularity.BLOCK and lp.format.is_fp8 and (why := _block_reason(lp, device)) is not None:
+                problems.append(f"{layer_name(fqn, model)!r}: block scaling has no kernel here ({why}); it would be emulated")
         if problems:
             raise PlanError(problems, f"The plan does not fit {type(model).__name__}.")
 

@@ -7,7 +7,9 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from block_kernel import reference_block_kernel
 from cuda_rules import CudaRules
 from torch_versions import CPU_SCALED_MM_ROW_SCALES, CPU_SCALED_MM_V2
 
@@ -329,12 +331,75 @@ def test_body_error_propagates_unchanged_without_violations():
         body()
 
 
-def test_unchecked_scaled_mm_v2_is_reported():
+def test_a_tensorwise_scaled_mm_v2_is_reported_as_not_the_runtimes_form():
     a, b = fp8(24, 32), weight_t(32, 48)
     call = lambda: torch.ops.aten._scaled_mm_v2.default(a, b, [ONE], [0], [], [ONE], [0], [], None, torch.float32)  # noqa: E731
     # torch 2.13 has a CPU kernel for it, 2.11 none.
     rule = only_rule(cpu_refusal_per_version(call, CPU_SCALED_MM_V2, NotImplementedError, "_scaled_mm_v2"))
     assert "torch._scaled_mm" in rule
+
+
+# -- block scales (aten::_scaled_mm_v2; no CPU kernel: tests/block_kernel.py runs the reference) --
+
+TILE, BLOCKS = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
+
+
+def tile_scales(rows, k):
+    """1x128 scales of a (rows, K) operand, outer-dim-major: (rows, K/128) with strides (1, rows)."""
+    return torch.rand(-(-k // 128), rows).add(0.5).t()
+
+
+def block_scales(k, n, pad_to=4):
+    """128x128 scales of a (K, N) operand: (round_up(K/128, pad_to), N/128), strides (1, that)."""
+    kb = -(-k // 128)
+    return torch.rand(-(-n // 128), -(-kb // pad_to) * pad_to).add(0.5).t()
+
+
+def block_call(a, b, scale_a, scale_b, recipe_b=BLOCKS, **kwargs):
+    def call():
+        with reference_block_kernel():
+            return F.scaled_mm(a, b, scale_a, TILE, scale_b, recipe_b, **kwargs)
+
+    return call
+
+
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_block_scaled_forms_of_the_three_products_are_legal(out):
+    m, k, n = 130, 256, 384
+    bias = torch.randn(n, dtype=out) if out != torch.float32 else None
+    assert violations(block_call(fp8(m, k), weight_t(k, n), tile_scales(m, k), block_scales(k, n), bias=bias, output_dtype=out)) == []
+    # The weight gradient: both operands in 1x128 tiles along the (padded) tokens.
+    assert violations(block_call(fp8(n, k), weight_t(k, m + 126), tile_scales(n, k), tile_scales(m + 126, k), TILE, output_dtype=torch.float32)) == []
+
+
+def test_block_scales_in_row_major_layout_are_caught():
+    m, k, n = 64, 256, 128
+    rule = only_rule(block_call(fp8(m, k), weight_t(k, n), tile_scales(m, k).contiguous(), block_scales(k, n), output_dtype=torch.bfloat16))
+    assert "scale_a (1x128)" in rule and "strides (1, 64)" in rule
+
+
+def test_weight_block_scales_without_the_k_padding_to_4_are_caught():
+    m, k, n = 64, 256, 128
+    rule = only_rule(block_call(fp8(m, k), weight_t(k, n), tile_scales(m, k), block_scales(k, n, pad_to=1), output_dtype=torch.bfloat16))
+    assert "K blocks padded to 4" in rule
+
+
+def test_a_partial_block_tile_is_caught():
+    m, k, n = 64, 208, 128  # K=208: legal for CUDA's kernel, refused by torch 2.11's meta under compile
+    rule = only_rule(block_call(fp8(m, k), weight_t(k, n), tile_scales(m, k), block_scales(k, n), output_dtype=torch.bfloat16))
+    assert "multiples of 128" in rule
+
+
+def test_an_e5m2_operand_with_block_scales_is_caught():
+    m, k, n = 64, 256, 128
+    rule = only_rule(block_call(fp8(m, k, E5M2), weight_t(k, n), tile_scales(m, k), block_scales(k, n), output_dtype=torch.bfloat16))
+    assert "float8_e4m3fn operands only" in rule
+
+
+def test_fast_accumulation_with_block_scales_is_caught():
+    m, k, n = 64, 256, 128
+    rule = only_rule(block_call(fp8(m, k), weight_t(k, n), tile_scales(m, k), block_scales(k, n), output_dtype=torch.bfloat16, use_fast_accum=True))
+    assert "use_fast_accum" in rule
 
 
 # -- the conftest fixture ----------------------------------------------------------------------

@@ -66,6 +66,14 @@ def test_each_layer_is_converted_or_listed_with_its_reason():
     assert torchao_export(_plan(model, x, {})).autocast is None
 
 
+def test_a_block_scaled_layer_exports_as_torchaos_closest_recipe_and_says_so():
+    model, x = Net(), torch.randn(4, 32)
+    plan = _plan(model, x, {"fc1": Format.FP8_E4M3}, fc1=Scaling(granularity=Granularity.BLOCK))
+    export = torchao_export(plan)
+    assert dict(export.recipes) == {"rowwise": ("fc1",)}
+    assert export.notes == ("fc1: block scaling (1x128 / 128x128) in the plan; torchao's float8 training has no block recipe, its closest is rowwise",)
+
+
 def test_a_module_running_its_own_matmul_and_half_layers_are_not_converted():
     model, x = WithGram(), torch.randn(2, 5, 32)
     plan = _plan(model, x, {"fc": Format.BF16, "gram": Format.FP8_E4M3})

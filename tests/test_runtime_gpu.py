@@ -17,12 +17,14 @@ import autoprec as ap
 from autoprec.device import has_int_mm, has_scaled_mm
 from autoprec.formats import sqnr
 from autoprec.measure import SavedTensorMeter
+from autoprec.runtime.block_gemm import block_scaled_form
 from autoprec.workloads import LMConfig, TransformerBlock, default_workload
 from graphs import graph_tensors
 
 CUDA = torch.cuda.is_available()
 NO_CUDA = "no CUDA device: GPU kernels cannot be checked on this machine"
 FP8_OK, FP8_REASON = has_scaled_mm("cuda:0") if CUDA else (False, NO_CUDA)
+BLOCK_OK, BLOCK_REASON = block_scaled_form("cuda:0") if CUDA else (False, NO_CUDA)
 INT8_OK, INT8_REASON = has_int_mm("cuda:0") if CUDA else (False, NO_CUDA)
 
 pytestmark = pytest.mark.gpu
@@ -120,12 +122,35 @@ def test_fp8_block_saves_at_most_three_quarters_of_autocast_on_gpu():
     assert fp8 <= 0.75 * autocast
 
 
+@pytest.mark.skipif(not BLOCK_OK, reason=BLOCK_REASON)
+@pytest.mark.parametrize("tokens", [1, 130, 4104])
+def test_block_scaled_fp8_runs_the_kernel_and_is_the_recipe_by_hand_on_gpu(tokens):
+    """torch's block-scaled GEMM (sm_90, cuBLASLt >= 12.9) for all three products of an
+    unaligned layer, against DeepSeek-V3's recipe computed by hand (tests/test_block_fp8.py):
+    equal up to the FP32 accumulation order; one token and a partial tile included."""
+    from test_block_fp8 import _by_hand
+
+    torch.manual_seed(0)
+    layer = nn.Linear(200, 72).cuda()
+    x, g = torch.randn(tokens, 200, device="cuda"), torch.randn(tokens, 72, device="cuda")
+    runtime = ap.apply_plan(layer, ap.Plan.uniform(layer, "fp8_e4m3", x, scaling=ap.Scaling(granularity="block")))
+    xi = x.clone().requires_grad_()
+    with runtime:
+        out = layer(xi)
+    out.backward(g.to(out.dtype))
+    assert "scaled_mm (1x128 tiles" in runtime.report()[""]["ops"]["linear"]
+    want = _by_hand(x, layer.weight.detach(), layer.bias.detach(), g.to(out.dtype).float())
+    for got, expected in zip((out.float(), xi.grad, layer.weight.grad), want):
+        assert sqnr(expected, got.float()) > 45  # BF16 output rounding (~50 dB) and summation order
+
+
 # -- the lean runtime on a real CUDA device (issue 10 §1-2) -----------------------------------
 
 STEADY_PLANS = {
     "fp8_e4m3-current": ("fp8_e4m3", ap.Scaling(mode="current")),
     "fp8_e4m3-delayed": ("fp8_e4m3", ap.Scaling(mode="delayed")),
     "fp8_e4m3-row": ("fp8_e4m3", ap.Scaling(granularity="row", mode="current")),
+    "fp8_e4m3-block": ("fp8_e4m3", ap.Scaling(granularity="block")),
     "fp8_e5m2-current": ("fp8_e5m2", ap.Scaling(mode="current")),
     "int8": ("int8", ap.Scaling()),
 }
@@ -138,7 +163,7 @@ def _plan_of(model, name):
 
 
 def _needs(name):
-    ok, reason = (INT8_OK, INT8_REASON) if name == "int8" else (FP8_OK, FP8_REASON)
+    ok, reason = (INT8_OK, INT8_REASON) if name == "int8" else (BLOCK_OK, BLOCK_REASON) if "block" in name else (FP8_OK, FP8_REASON)
     if not ok:
         pytest.skip(reason)
 
@@ -197,6 +222,8 @@ FUSED_CASES = {
     "e4m3-delayed-bf16": ("fp8_e4m3", ap.Scaling(mode="delayed"), torch.bfloat16),
     "e4m3-delayed-fp32": ("fp8_e4m3", ap.Scaling(mode="delayed", reduction="most_recent", margin=1), torch.float32),
     "e4m3-row-bf16": ("fp8_e4m3", ap.Scaling(granularity="row", mode="current"), torch.bfloat16),
+    "e4m3-block-bf16": ("fp8_e4m3", ap.Scaling(granularity="block"), torch.bfloat16),
+    "e4m3-block-fp32": ("fp8_e4m3", ap.Scaling(granularity="block"), torch.float32),
     "e5m2-current-bf16": ("fp8_e5m2", ap.Scaling(mode="current"), torch.bfloat16),
     "e5m2-delayed-fp32": ("fp8_e5m2", ap.Scaling(mode="delayed"), torch.float32),
 }
@@ -214,6 +241,8 @@ def test_fused_triton_casts_equal_pytorch_ops_bit_for_bit_on_cuda(name):
     if path != FUSED:
         pytest.skip(reason)
     fmt, scaling, dtype = FUSED_CASES[name]
+    if "block" in name and not BLOCK_OK:
+        pytest.skip(BLOCK_REASON)
     layer, _, _ = _linear(d_in=1000, d_out=600)
     gen = torch.Generator("cuda").manual_seed(2)
     batches = [(torch.randn(4104, 1000, device="cuda", generator=gen).to(dtype), torch.randn(4104, 600, device="cuda", generator=gen)) for _ in range(3)]

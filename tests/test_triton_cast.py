@@ -524,13 +524,14 @@ def test_compiled_step_keeps_pytorch_ops_with_one_graph_and_no_break(fused_path,
 @needs_kernels
 def test_hardware_branch_compiles_for_hopper():
     """Every kernel variant the runtime launches compiles for sm_90 (Triton needs no GPU for it),
-    with IEEE division and the hardware's round-to-nearest-even FP8 and BF16 conversions."""
+    with IEEE division and the hardware's round-to-nearest-even FP8 and BF16 conversions, the
+    block casts' (`triton_block_cast`) included."""
     done = subprocess.run(
         [sys.executable, "-c", _COMPILE_CHECK], capture_output=True, text=True, cwd=ROOT, timeout=300,
         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)},
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["ok"] * 6, done.stdout
+    assert done.stdout.split() == ["ok"] * 8, done.stdout
 
 
 _COMPILE_CHECK = r"""
@@ -558,6 +559,17 @@ text = ptx(tc._cast_kernel, cast, {**two, "SAME": True, "GATED": True})
 print("ok" if "div.rn.f32" in text else "gated")
 ptx(tc._amax_kernel, dict(x_ptr="*bf16", M="i32", K="i32", sxm="i32", sxk="i32", part_ptr="*fp32"), dict(BM=tc._TILE, BK=tc._TILE))
 print("ok")
+
+from autoprec.runtime import triton_block_cast as tb
+block_need = ("div.rn.f32", "cvt.rn.satfinite.e4m3x2.f32")
+tile = dict(x_ptr="*bf16", R="i32", C="i32", sxr="i32", sxc="i32", CQ="i32", CT="i32", RT="i32", NC="i32",
+            q_ptr="*u8", inv_ptr="*fp32", qt_ptr="*u8", inv_t_ptr="*fp32", c="fp32")
+text = ptx(tb._tile_kernel, tile, dict(ROW=True, TRANS=True, MAXV=448.0, SOFT=False, B=tb.TILE))
+print("ok" if all(n in text for n in block_need) and "div.full" not in text else "tile")
+block = dict(w_ptr="*fp32", N="i32", K="i32", swn="i32", swk="i32", NQ="i32", KQ="i32", q_ptr="*u8",
+             grid_ptr="*fp32", qt_ptr="*u8", c="fp32")
+text = ptx(tb._block_kernel, block, dict(TRANS=True, MAXV=448.0, SOFT=False, B=tb.TILE))
+print("ok" if all(n in text for n in block_need) and "div.full" not in text else "block")
 fin = dict(part_ptr="*fp32", n="i32", inv_ptr="*fp32", c="fp32", inv2_ptr="*fp32", c2="fp32", hist_ptr="*fp32", H="i32", flag_ptr="*i32")
 text = ptx(tc._finalize_kernel, fin, dict(TWO=False, DELAYED=True, MOST_RECENT=False, RECORD=True, HP=16, BLOCK=1024, ITERS=2))
 print("ok" if "bar.sync" in text else "no barrier before the history shift")

@@ -76,8 +76,10 @@ def torchao_export(plan: Plan) -> TorchaoExport:
             if in_features % _FP8_MULTIPLE or out_features % _FP8_MULTIPLE:
                 skipped[fqn] = f"fp8_e4m3 in the plan, but Linear({in_features}, {out_features}) has a dimension not divisible by {_FP8_MULTIPLE} (float8 kernels need it); it stays in high precision"
                 continue
-            row = lp.scaling.granularity is Granularity.ROW
+            row = lp.scaling.granularity in (Granularity.ROW, Granularity.BLOCK)
             recipes["rowwise" if row else "tensorwise"].append(fqn)
+            if lp.scaling.granularity is Granularity.BLOCK:
+                notes.append(f"{fqn}: block scaling (1x128 / 128x128) in the plan; torchao's float8 training has no block recipe, its closest is rowwise")
             if lp.scaling.mode is ScalingMode.DELAYED:
                 notes.append(f"{fqn}: delayed scaling in the plan; torchao scales currently (per {'row' if row else 'tensor'})")
         elif lp.format is Format.FP8_E5M2:

@@ -525,7 +525,7 @@ def _settings(lp: LayerPrecision) -> dict[str, Any]:
     for key, value in lp.to_dict().items():
         if isinstance(value, Mapping):
             flat.update({f"{key}.{k}": v for k, v in value.items()})
-        elif key == "grad_format" and lp.grad_format is not LayerPrecision(lp.format).grad_format:
+        elif key == "grad_format" and lp.grad_format is not LayerPrecision(lp.format, scaling=lp.scaling).grad_format:
             flat[key] = value
     return flat
 

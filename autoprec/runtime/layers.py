@@ -21,6 +21,7 @@ from ..coverage import layer_name
 from ..device import KERNEL_OPS, canonical_device, format_support, scaled_mm_form
 from ..formats import Format, Granularity
 from ..plan import LayerPrecision, ScalingMode
+from .block_gemm import BLOCK, block_scaled_form
 from .calibration import Int8Calibrator
 from .casts import FUSED, PYTORCH, fused_casts
 from .gemm import FP8_ALIGN, INT8_ALIGN, pad_to_multiple
@@ -29,7 +30,7 @@ from .quantizers import GradQuantizer, InputQuantizer, WeightQuantizer
 if TYPE_CHECKING:
     from .triton_cast import FusedCasts
 
-__all__ = ["EmulationWarning", "RuntimeLayer", "as_gemm", "kernel_reason", "row_scale_form", "to_fp32", "to_half", "unify_dtypes"]
+__all__ = ["EmulationWarning", "RuntimeLayer", "as_gemm", "block_reason", "kernel_reason", "row_scale_form", "to_fp32", "to_half", "unify_dtypes"]
 
 
 class EmulationWarning(UserWarning):
@@ -48,7 +49,7 @@ def kernel_reason(precision: LayerPrecision, device: "torch.device | str") -> "s
         return support.reason
     granularity = precision.scaling.granularity
     if granularity is Granularity.BLOCK:
-        return "block scaling has no kernel"
+        return block_reason(precision, device)
     if granularity is Granularity.ROW and fmt.is_fp8:
         # Row-wise scales are a form of their own (torch 2.11's CPU kernel refuses them): the
         # forward's exact call, BF16 out (the form every torch with row-wise scaling takes).
@@ -56,6 +57,17 @@ def kernel_reason(precision: LayerPrecision, device: "torch.device | str") -> "s
         if not ok:
             return reason
     return None
+
+
+def block_reason(precision: LayerPrecision, device: "torch.device | str") -> "str | None":
+    """Why a block-scaled FP8 layer (`block_gemm`) cannot run its kernels on ``device``, or None.
+    Torch's block-scaled GEMM takes E4M3 operands only (DeepSeek-V3's recipe: E4M3 gradients,
+    which the fine scales make safe), on sm_90 with cuBLASLt >= 12.9 (probed once)."""
+    off = [f"{kind} {fmt.value}" for kind, fmt in (("format", precision.format), ("grad_format", precision.grad_format)) if fmt is not Format.FP8_E4M3]
+    if off:
+        return f"block-scaled GEMMs take E4M3 operands only ({', '.join(off)}; set them to fp8_e4m3)"
+    ok, why = block_scaled_form(canonical_device(device))
+    return None if ok else why
 
 
 def row_scale_form(fmt: Format, out_dtype: torch.dtype, device: "torch.device | str") -> tuple[bool, str]:
@@ -132,7 +144,8 @@ class RuntimeLayer:
         # this layer's forward (empty where it refuses them, e.g. torch 2.11 on CPU): probed here
         # once, never in a forward (which may be traced by torch.compile).
         self.row_scale_outs: frozenset = frozenset()
-        if self.format.is_fp8 and self.kernel_reason is None:
+        self.blocks = precision.scaling.granularity is Granularity.BLOCK and self.format.is_fp8
+        if self.format.is_fp8 and self.kernel_reason is None and not self.blocks:
             self.row_scale_outs = frozenset(
                 d for d in (torch.bfloat16, torch.float16) if row_scale_form(self.format, d, device)[0]
             )
@@ -151,7 +164,7 @@ class RuntimeLayer:
         grad_fmt = precision.grad_format
         self.grad: "GradQuantizer | None" = None
         if self.format.is_fp8 and grad_fmt.is_fp8:
-            self.grad = GradQuantizer.for_layer(self.format, grad_fmt)
+            self.grad = GradQuantizer.for_layer(self.format, grad_fmt, self.blocks)
         self._emulation: "tuple[InputQuantizer, WeightQuantizer] | None" = None
         self.ops: dict[str, str] = {}  # op -> how it ran ("kernel ...", "emulated (...)", "autocast ...")
         self.unwarned: list[str] = []  # ops emulated since the layer's last EmulationWarning
@@ -176,18 +189,21 @@ class RuntimeLayer:
         return calibrator
 
     @staticmethod
-    def kernel_bias(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``bias`` in ``dtype``, padded to the FP8 kernel's N: one cast (and a pad) of N
-        elements per call, never kept (a kept copy would go stale as the weights do)."""
+    def kernel_bias(bias: torch.Tensor, dtype: torch.dtype, align: int = FP8_ALIGN) -> torch.Tensor:
+        """``bias`` in ``dtype``, padded to the FP8 kernel's N (a multiple of ``align``): one cast
+        (and a pad) of N elements per call, never kept (a kept copy would go stale as the weights do)."""
         with torch.no_grad():
             padded = bias.to(dtype)
-            if bias.shape[0] % FP8_ALIGN:
-                padded = pad_to_multiple(padded.unsqueeze(0), 1, FP8_ALIGN).squeeze(0)
+            if bias.shape[0] % align:
+                padded = pad_to_multiple(padded.unsqueeze(0), 1, align).squeeze(0)
         return padded
 
     def weight_quantizer(self, key: tuple) -> WeightQuantizer:
         quantizer = self.weights.get(key)
         if quantizer is None:
+            if self.blocks:  # 128x128 blocks in the block-scaled kernels' layout (block_gemm)
+                quantizer = self.weights[key] = WeightQuantizer(Format.FP8_E4M3, Granularity.BLOCK, BLOCK)
+                return quantizer
             rowwise = self.precision.scaling.granularity is Granularity.ROW
             fmt = Format.INT8 if self.format is Format.INT8 else Format.FP8_E4M3
             # Per-tensor scales in row-wise shape only on CPU and only where the installed torch

@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from .._tracing import is_weight
 from ..coverage import MATMUL_OPS
 from ..formats import Format, Granularity
+from .block_gemm import BLOCK, Fp8BlockLinear, Fp8BlockSpec
 from .casts import call_casts, describe
 from .emulation import StoredInFormat
 from .gemm import FP8_ALIGN, Fp8Linear, Fp8Spec, Int8Linear, Int8Spec
@@ -98,6 +99,8 @@ class Products:
 
     @staticmethod
     def kernel_name(layer: RuntimeLayer) -> str:
+        if layer.blocks:
+            return "kernel torch.nn.functional.scaled_mm (1x128 tiles, 128x128 weight blocks)"
         return "kernel torch._int_mm" if layer.format is Format.INT8 else "kernel torch._scaled_mm"
 
     def out_dtype(self, reference: torch.Tensor) -> torch.dtype:
@@ -123,6 +126,13 @@ class Products:
         wq = quantizer.get(weight, need_transposed=grad, reuse=is_param and self.reuse_weights, casts=w_casts)
         if layer.format is Format.INT8:
             out = self.int8(layer, key, x2, weight, bias, wq, out_dtype, k, n)
+        elif layer.blocks:
+            # _scaled_mm fuses no bias into an FP32 output: there it is added after the kernel.
+            kernel_bias = layer.kernel_bias(bias, out_dtype, BLOCK) if bias is not None and out_dtype != torch.float32 else None
+            block_spec = Fp8BlockSpec(out_dtype, layer.precision.scaling.margin, k, n, casts)
+            if casts is not None:
+                layer.casts_ran = describe(weight=w_casts is not None, input=casts.takes(x2.dtype), gradient=casts.takes(out_dtype))
+            out = Fp8BlockLinear.apply(x2, weight, bias, kernel_bias, wq.data, wq.inv_scale, wq.transposed, block_spec)
         else:
             rowwise = layer.precision.scaling.granularity is Granularity.ROW
             expand = quantizer.row_scales

@@ -29,6 +29,7 @@ import torch
 
 from ..formats import ACTIVATION_BLOCK, WEIGHT_BLOCK, Format, Granularity, amax, block_amax, dequantize, expand_blocks, inverse_scale, quantize
 from ..plan import Scaling, ScalingMode
+from .block_gemm import block_cast
 from .gemm import pad_to_multiple
 
 if TYPE_CHECKING:
@@ -219,7 +220,8 @@ class WeightQuantizer(_RoundTrip):
 
     ``fmt``: for the kernels FP8 E4M3 (legal against E4M3 and E5M2 activations and gradients,
     E5M2 x E5M2 is not) or INT8 (always one scale per output channel). ``granularity``: ROW is
-    one scale per output channel (dim 0), BLOCK one per 128x128 tile (emulation only).
+    one scale per output channel (dim 0), BLOCK one per 128x128 tile (`get`: in the block-scaled
+    kernels' layout, `block_gemm.block_cast`).
     ``align``: K and N padded to multiples of it (kernels).
 
     Cost per `get`: one amax and one cast over the weight, plus one transposed copy when a backward
@@ -267,7 +269,10 @@ class WeightQuantizer(_RoundTrip):
             if key == self._key and hit is not None and (hit.transposed is not None or not need_transposed or self.fmt is Format.INT8):
                 return hit
         with torch.no_grad():  # no detach needed (one op less): nothing here records a graph
-            if casts is not None and self.fmt.is_fp8 and self.block is None:
+            if casts is not None and self.block is not None:  # one launch: blocks, grid, transposed copy
+                data, grid, transposed = casts.block_casts(weight, need_transposed)
+                result = QuantizedWeight(data, grid, transposed)
+            elif casts is not None and self.fmt.is_fp8:
                 result = self._fused(weight, need_transposed, casts)
             else:
                 w = pad_to_multiple(weight, self.align, self.align)
@@ -277,6 +282,11 @@ class WeightQuantizer(_RoundTrip):
         return result
 
     def _quantize(self, w: torch.Tensor, need_transposed: bool, weight_rows: int) -> QuantizedWeight:
+        if self.block is not None:
+            # The block-scaled kernels' layout: (N', K') and its block grid; the transposed copy
+            # holds the same bytes (a 128x128 block scales the same either way).
+            data, grid = block_cast(w)
+            return QuantizedWeight(data, grid, data.t().contiguous() if need_transposed else None)
         inv = self.inverse_scale(w)
         if self.fmt is Format.INT8:
             # The kernel's epilogue wants the scales as a row (1, N) of the true N.
@@ -316,7 +326,8 @@ class WeightQuantizer(_RoundTrip):
 
 @dataclasses.dataclass(frozen=True)
 class GradQuantizer(_RoundTrip):
-    """The gradient of a layer's output: per tensor, from its own amax, on every backward.
+    """The gradient of a layer's output: per tensor (per 1x128 tile under block scaling), from
+    its own amax, on every backward.
 
     ``fmt``: the gradient's format (E5M2 or E4M3). ``weight_grad_fmt``: the format of the copy
     the weight-gradient GEMM takes; E4M3 where the layer's input is E5M2 and ``fmt`` is too
@@ -325,14 +336,19 @@ class GradQuantizer(_RoundTrip):
 
     fmt: Format
     weight_grad_fmt: Format
+    # 1x128 tiles of g viewed as (rows, last dim) under block scaling (emulation's round trip;
+    # the block-scaled kernels tile g themselves, `block_gemm`), else None: one scale.
+    block: "tuple[int, int] | None" = None
 
     @classmethod
-    def for_layer(cls, input_fmt: Format, grad_fmt: Format) -> "GradQuantizer":
+    def for_layer(cls, input_fmt: Format, grad_fmt: Format, blocks: bool = False) -> "GradQuantizer":
         e5m2_pair = input_fmt is Format.FP8_E5M2 and grad_fmt is Format.FP8_E5M2
-        return cls(grad_fmt, Format.FP8_E4M3 if e5m2_pair else grad_fmt)
+        return cls(grad_fmt, Format.FP8_E4M3 if e5m2_pair else grad_fmt, ACTIVATION_BLOCK if blocks else None)
 
     def inverse_scale(self, g: torch.Tensor) -> torch.Tensor:
-        """``()``: one amax over g, two scalar ops."""
+        """``()``: one amax over g, two scalar ops; per 1x128 tile under block scaling."""
+        if self.block is not None and g.dim() >= 2:
+            return inverse_scale(block_amax(_as_2d(g), self.block), self.fmt)
         return inverse_scale(amax(g), self.fmt)
 
     def quantize_for_gemms(self, g: torch.Tensor, input_grad: bool, weight_grad: bool, casts: "FusedCasts | None" = None, align: int = 1):

@@ -18,6 +18,7 @@ writes the whole tensor. These kernels do the same arithmetic in fewer passes ov
   one read of the operand.
 - `cast_rows` (row-wise scaling): a block of rows per program; a first loop over the row takes its
   amax, a second casts (the row is re-read from cache), scales and row amaxes written alongside.
+- `FusedCasts.tile_casts` / `FusedCasts.block_casts`: DeepSeek-V3's 1x128-tile / 128x128-block E4M3 casts, one launch and one read each (`triton_block_cast`).
 
 Every result is bit for bit what `autoprec.formats` computes on the same device (``quantize`` with
 the scale ``inverse_scale`` gives, then ``.contiguous()`` / ``.t().contiguous()``, zero padding as
@@ -580,3 +581,15 @@ class FusedCasts:
 
     def cast_rows(self, x, fmt, margin=0, **layout):
         return cast_rows(x, fmt, margin, **layout)
+
+    def tile_casts(self, x, margin=0, row=True, transposed=True, t_rows_to=1):
+        """`triton_block_cast.tile_casts` (BF16 exact on every device: its scales are not 0-d)."""
+        from . import triton_block_cast  # it imports this module
+
+        return triton_block_cast.tile_casts(x, margin, row=row, transposed=transposed, t_rows_to=t_rows_to)
+
+    def block_casts(self, w, transposed=True):
+        """`triton_block_cast.block_casts`."""
+        from . import triton_block_cast
+
+        return triton_block_cast.block_casts(w, transposed=transposed)

@@ -4,9 +4,10 @@ Variants (all start from FP32 master weights and take BF16 activations, as a lay
 mixed-precision network does):
 
 - ``bf16_autocast``: ``torch.autocast(bf16)``, the baseline every ratio is taken against (compiled);
-- ``autoprec_fp8_tensor`` / ``autoprec_fp8_row`` / ``autoprec_int8``: ``autoprec.apply_plan`` with
-  a uniform plan (FP8 E4M3 tensorwise delayed, rowwise current; INT8 calibrated); eager on CUDA
-  they quantize with the fused Triton casts (`autoprec.runtime.casts`);
+- ``autoprec_fp8_tensor`` / ``autoprec_fp8_row`` / ``autoprec_fp8_block`` / ``autoprec_int8``:
+  ``autoprec.apply_plan`` with a uniform plan (FP8 E4M3 tensorwise delayed, rowwise current,
+  DeepSeek-V3's 1x128 / 128x128 blocks with E4M3 gradients; INT8 calibrated); eager on CUDA they
+  quantize with the fused Triton casts (`autoprec.runtime.casts`);
 - ``autoprec_fp8_tensor_unfused`` (eager only): the tensorwise plan with the fused casts turned
   off (``PlanRuntime.use_fused_casts(False)``: PyTorch ops), what the fused kernels save;
 - ``torchao_fp8_tensorwise`` / ``torchao_fp8_rowwise``: ``torchao.float8.convert_to_float8_training``
@@ -68,6 +69,8 @@ _ROWWISE = LayerPrecision(Format.FP8_E4M3, scaling=Scaling(Granularity.ROW, Scal
 _AUTOPREC = (
     ("autoprec_fp8_tensor", Format.FP8_E4M3, Scaling(Granularity.TENSOR, ScalingMode.DELAYED)),
     ("autoprec_fp8_row", Format.FP8_E4M3, Scaling(Granularity.ROW, ScalingMode.CURRENT)),
+    # DeepSeek-V3's fine-grained recipe: 1x128 / 128x128 tiles, E4M3 gradients (runtime.block_gemm).
+    ("autoprec_fp8_block", Format.FP8_E4M3, Scaling(Granularity.BLOCK, ScalingMode.CURRENT)),
     ("autoprec_int8", Format.INT8, Scaling()),
 )
 BASELINE = LayerVariant("bf16_autocast", "autocast", compiled=True)

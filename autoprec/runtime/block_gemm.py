@@ -1,0 +1,237 @@
+"""DeepSeek-V3's fine-grained FP8 products (arXiv:2412.19437, 3.3.2) through torch's block-scaled GEMM.
+
+Every operand is E4M3 (the fine scales are what make E4M3 safe for gradients), activations and
+output gradients carry one scale per 1x128 tile of a row, weights one per 128x128 block, and the
+kernel accumulates in FP32 without fast accumulation. ``y = x @ W.T (+ bias)``, x (M, K), W (N, K):
+
+- forward ``y = x @ W.T``: ``scaled_mm(xq (M, K') 1x128 tiles along K, Wq.T (K', N') 128x128)``;
+- input gradient ``dx = g @ W``: ``scaled_mm(gq (M, N') tiles along N, W (N', K') 128x128)`` — the
+  same weight blocks read transposed, so the weight is quantized once (its transposed copy holds
+  the same bytes);
+- weight gradient ``dW = g.T @ x``: ``scaled_mm(g.T (N, M') tiles along M, x (M', K') tiles along
+  M)``: both operands re-tiled along the token dimension, the input's made in the forward.
+
+The calls (``torch.nn.functional.scaled_mm``, ``aten::_scaled_mm_v2``; pytorch/pytorch
+``aten/src/ATen/native/cuda/ScaledBlas.cpp``, ``_scaled_block1x128_block128x128`` and
+``_scaled_block1x128_block1x128``) take FP32 scales "outer-dim-major": a 1x128 operand's (rows,
+K/128) with strides (1, rows); a 128x128 operand's (round_up(K/128, 4), N/128) with strides
+(1, round_up(K/128, 4)), the K-block count padded to 4 (16-byte rows). Both operands E4M3; first
+row-major, second column-major; sm_90 with cuBLASLt >= 12.9 (`block_scaled_form` probes it; on CPU
+``aten::_scaled_mm_v2`` has no block-scaled kernel). K and N are padded to whole tiles of 128, and
+so are the tokens of the weight-gradient GEMM (torch 2.11's meta function counts K // 128 tiles
+where the CUDA kernel counts ceil(K / 128); whole tiles keep every check in agreement); zero rows
+and columns change no product.
+
+Costs per training step: one amax over each 1x128 tile of x (twice: along K and along M), of g
+(twice) and of each 128x128 block of W (once, or not at all on a `reusing_weights` hit), one cast
+per copy, three GEMMs, no host sync. Saved for backward: x's re-tiled E4M3 copy (1 byte per
+element) and its scales, the weight's transposed E4M3 copy and its block scales.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..device import KERNEL_REFUSALS, first_line
+from ..formats import Format, block_amax, inverse_scale, quantize
+from .casts import call_casts
+from .gemm import pad_to_multiple
+
+if TYPE_CHECKING:
+    from .triton_cast import FusedCasts
+
+__all__ = [
+    "BLOCK",
+    "Fp8BlockLinear",
+    "Fp8BlockSpec",
+    "block_cast",
+    "block_scaled_form",
+    "block_scaled_mm",
+    "kernel_weight_scales",
+    "outer_major",
+    "tile_cast",
+]
+
+BLOCK = 128  # the tile edge: 1x128 tiles, 128x128 blocks; also the padding of K, N and the wgrad's tokens
+_E4M3 = Format.FP8_E4M3
+
+
+def tile_cast(x: torch.Tensor, margin: int = 0, rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """2-D ``x`` (any float dtype, any strides) in E4M3 with one scale per 1x128 tile of a row:
+    ``(q, inv)``, ``q`` (R', C') row-major with zero rows up to a multiple of ``rows_to`` and
+    zero columns up to a multiple of 128, ``inv`` (R', C'/128) FP32 outer-dim-major (strides
+    (1, R')), the layout the block-scaled GEMM takes. One pad, one amax per tile, one cast."""
+    xp = pad_to_multiple(x, rows_to, BLOCK)
+    rows, cols = xp.shape
+    inv = inverse_scale(block_amax(xp, (1, BLOCK)), _E4M3, margin)
+    q = quantize(xp.reshape(rows, cols // BLOCK, BLOCK), inv.unsqueeze(-1), _E4M3).reshape(rows, cols)
+    return q.contiguous(), outer_major(inv)
+
+
+def outer_major(scales: torch.Tensor) -> torch.Tensor:
+    """``scales`` (rows, tiles) copied into strides (1, rows), whatever its sizes: the kernel checks
+    ``stride(0) == 1`` even for one row, where ``.t().contiguous().t()`` would keep (tiles, 1)."""
+    rows, tiles = scales.shape
+    return torch.empty((tiles, rows), dtype=scales.dtype, device=scales.device).t().copy_(scales)
+
+
+def block_cast(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """2-D ``w`` (N, K) in E4M3 with one scale per 128x128 block: ``(q, grid)``, ``q`` (N', K')
+    row-major padded with zeros to multiples of 128, ``grid`` (N'/128, K'/128) FP32 contiguous
+    (`kernel_weight_scales` lays it out for a call). One pad, one amax per block, one cast."""
+    wp = pad_to_multiple(w, BLOCK, BLOCK)
+    n, k = wp.shape
+    grid = inverse_scale(block_amax(wp, (BLOCK, BLOCK)), _E4M3)
+    blocks = wp.reshape(n // BLOCK, BLOCK, k // BLOCK, BLOCK)
+    q = quantize(blocks, grid[:, None, :, None], _E4M3).reshape(n, k)
+    return q.contiguous(), grid
+
+
+def kernel_weight_scales(grid: torch.Tensor) -> torch.Tensor:
+    """A 128x128 operand's scales as the GEMM takes them, from its block grid (N/128, K/128) where
+    K is the contracted dimension: (round_up(K/128, 4), N/128), strides (1, round_up(K/128, 4));
+    the padding scales are ones. One small copy (a weight has few blocks)."""
+    return F.pad(grid, (0, -grid.shape[1] % 4), value=1.0).t()
+
+
+@torch.library.custom_op("autoprec::block_scaled_mm", mutates_args=())
+def block_scaled_mm(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, blocks_b: bool,
+    out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``a @ b`` in FP32 accumulation: ``a`` (M, K) row-major E4M3 in 1x128 tiles, ``b`` (K, N)
+    column-major E4M3 in 128x128 blocks (``blocks_b``) or in 1x128 tiles along K. No fast
+    accumulation (cuBLASLt's block-scaled kernels keep FP32 partial sums; DeepSeek-V3 promotes them
+    every 128 elements for this reason).
+
+    An opaque op to ``torch.compile`` (this one call, no graph break): torch 2.13's Inductor
+    lowers ``aten::_scaled_mm_v2`` to ``torch._scaled_mm``, whose checks lay a 1x128 second
+    operand's scales out transposed from the v2 op's, so a compiled block-scaled call would be
+    refused where the eager one runs; kept opaque, compiled and eager make the same call."""
+    recipe_b = F.ScalingType.BlockWise128x128 if blocks_b else F.ScalingType.BlockWise1x128
+    return F.scaled_mm(
+        a, b, scale_a, F.ScalingType.BlockWise1x128, scale_b, recipe_b,
+        bias=bias, output_dtype=out_dtype, use_fast_accum=False,
+    )
+
+
+@block_scaled_mm.register_fake
+def _block_scaled_mm_shape(a, b, scale_a, scale_b, blocks_b, out_dtype, bias=None):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+# The forms the three products take: forward and input gradient (1x128 x 128x128) into the
+# region's dtype, the forward with a fused bias in a half dtype; weight gradient (1x128 x 1x128)
+# into FP32.
+_FORMS = (
+    (True, torch.bfloat16, True),
+    (True, torch.float16, True),
+    (True, torch.float32, False),
+    (False, torch.float32, False),
+)
+
+
+@functools.lru_cache(maxsize=None)
+def block_scaled_form(device: str) -> tuple[bool, str]:
+    """Whether the installed torch runs every block-scaled GEMM form the runtime issues on
+    ``device`` (``"cpu"``, ``"cuda:0"``): ``(ok, why)``. One tiny call per form with known scales,
+    the result checked, cached per device (run once, never in a forward)."""
+    if not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType"):
+        return False, f"torch {torch.__version__} has no torch.nn.functional.scaled_mm (block-scaled FP8 GEMMs)"
+    m, k, n = 16, 2 * BLOCK, BLOCK
+    for blocks_b, out_dtype, with_bias in _FORMS:
+        name = f"{'1x128 x 128x128' if blocks_b else '1x128 x 1x128'} -> {str(out_dtype).removeprefix('torch.')}{' with bias' if with_bias else ''}"
+        try:
+            a = torch.ones(m, k, device=device).to(_E4M3.dtype)
+            b = torch.ones(n, k, device=device).to(_E4M3.dtype).t()
+            # Scales 1/2 and 1/4: each entry K/8 (+ 1), exact in every output dtype.
+            scale_a = torch.full((k // BLOCK, m), 0.5, device=device).t()
+            if blocks_b:
+                scale_b = kernel_weight_scales(torch.full((n // BLOCK, k // BLOCK), 0.25, device=device))
+            else:
+                scale_b = torch.full((k // BLOCK, n), 0.25, device=device).t()
+            bias = torch.ones(n, device=device, dtype=out_dtype) if with_bias else None
+            out = block_scaled_mm(a, b, scale_a, scale_b, blocks_b, out_dtype, bias)
+            expected = k / 8 + (1.0 if with_bias else 0.0)
+            if out.dtype != out_dtype or not bool((out.float() == expected).all()):
+                return False, f"block-scaled FP8 GEMM ({name}) on {device} returned a wrong result"
+        except KERNEL_REFUSALS as exc:
+            return False, f"torch {torch.__version__} has no block-scaled FP8 GEMM on {device} ({name}): {first_line(exc)[:200]}"
+    return True, f"torch.nn.functional.scaled_mm runs block-scaled FP8 on {device}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8BlockSpec:
+    """What one block-scaled linear computes: output dtype, the scales' margin and true sizes."""
+
+    out_dtype: torch.dtype  # the region's dtype (a half dtype under autocast)
+    margin: int  # the input's (`Scaling.margin`); weights and gradients take the full range, as elsewhere
+    in_features: int
+    out_features: int
+    # The fused Triton casts (`triton_block_cast` through `FusedCasts`) for inputs and output
+    # gradients of a dtype they take: one launch writes an operand's both tilings. None: PyTorch ops.
+    casts: "FusedCasts | None" = None
+
+
+class Fp8BlockLinear(torch.autograd.Function):
+    """``x @ W.T + bias`` through three block-scaled GEMMs (module docstring).
+
+    Inputs: ``x`` (M, K) any float dtype, ``weight`` (N, K) and ``bias`` (N,) or None (for
+    autograd: their gradients are returned), ``kernel_bias`` the bias as the forward kernel takes
+    it (N', ``spec.out_dtype``) or None (an FP32 output gets the bias added after), then the
+    weight's `block_cast` (``w_data`` (N', K'), ``w_grid``) and its transposed copy ``w_t``
+    (K', N') or None when no input gradient is needed. Returns (M, N) in ``spec.out_dtype``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, kernel_bias, w_data, w_grid, w_t, spec: Fp8BlockSpec):
+        casts = call_casts(spec.casts, x.dtype)
+        if casts is not None:
+            # One read of x writes both tilings (the re-tiled one only for a weight gradient).
+            xq, x_inv, x_t, x_t_inv = casts.tile_casts(x, spec.margin, transposed=ctx.needs_input_grad[1], t_rows_to=BLOCK)
+        else:
+            xq, x_inv = tile_cast(x, spec.margin)
+            x_t = x_t_inv = None
+            if ctx.needs_input_grad[1]:
+                # The weight gradient contracts over tokens: x re-tiled along M, rows padded like K'.
+                x_t, x_t_inv = tile_cast(x.t(), spec.margin, rows_to=BLOCK)
+        out = block_scaled_mm(xq, w_data.t(), x_inv, kernel_weight_scales(w_grid), True, spec.out_dtype, kernel_bias)
+        if out.shape[1] != spec.out_features:
+            out = out[:, : spec.out_features]
+        if bias is not None and kernel_bias is None:
+            out = out + bias.to(out.dtype)
+        ctx.spec = spec
+        ctx.x_dtype = x.dtype
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x_t, x_t_inv, w_t, w_grid)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_t, x_t_inv, w_t, w_grid = ctx.saved_tensors
+        spec: Fp8BlockSpec = ctx.spec
+        grad_x = grad_w = grad_bias = None
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        casts = call_casts(spec.casts, grad_out.dtype)
+        if casts is not None:  # one launch: g tiled along N and along M
+            gq, g_inv, g_t, g_t_inv = casts.tile_casts(grad_out, row=need_x, transposed=need_w)
+        else:
+            gq, g_inv = tile_cast(grad_out) if need_x else (None, None)
+            g_t, g_t_inv = tile_cast(grad_out.t()) if need_w else (None, None)
+        if need_x:
+            out_dtype = ctx.x_dtype if ctx.x_dtype in (torch.float32, torch.bfloat16, torch.float16) else spec.out_dtype
+            grad_x = block_scaled_mm(gq, w_t.t(), g_inv, kernel_weight_scales(w_grid.t()), True, out_dtype)
+            if grad_x.shape[1] != spec.in_features:
+                grad_x = grad_x[:, : spec.in_features]
+        if need_w:
+            grad_w = block_scaled_mm(g_t, x_t.t(), g_t_inv, x_t_inv, False, torch.float32)
+            if grad_w.shape[1] != spec.in_features:
+                grad_w = grad_w[:, : spec.in_features]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_out.sum(0, dtype=torch.float32)
+        return grad_x, grad_w, grad_bias, None, None, None, None, None
