@@ -41,7 +41,7 @@ from .._io import atomic_write_text
 from ..device import format_support
 from ..errors import CostModelError
 from ..formats import Format
-from ..plan import LayerPrecision, Plan
+from ..plan import LayerPrecision, Plan, Scaling
 from ..runtime import EmulationWarning, apply_plan, removing
 from .inplace import InPlaceTimes, measure_in_place
 from .memory import layer_memory
@@ -212,8 +212,11 @@ class CostModel:
         rest_saved_bytes: "tuple[int, int] | None" = None,
         fp32_in_region_bytes: "Mapping[str, int] | None" = None,
         blocks: "Mapping[str, BlockCost] | None" = None,
+        precisions: "Mapping[Format, LayerPrecision] | None" = None,
     ):
         self.trace = trace
+        # format -> the precision a layer in it is costed and planned in (default: the format's own).
+        self.precisions: dict[Format, LayerPrecision] = {Format.parse(f): lp for f, lp in (precisions or {}).items()}
         self.time_model = time_model
         self.device = trace.device
         self.rest_seconds = float(rest_seconds)
@@ -241,6 +244,7 @@ class CostModel:
         formats: Iterable["Format | str"] = DEFAULT_FORMATS,
         blocks: "Sequence[str] | None" = None,
         timing: TimingSettings = TimingSettings(),
+        precisions: "Mapping[Format, LayerPrecision] | None" = None,
     ) -> "CostModel":
         """Trace ``model`` on ``example_inputs`` and cost every layer in ``formats``.
 
@@ -248,7 +252,9 @@ class CostModel:
         floating outputs). ``blocks``: fqns of recompute units (`autoprec.blocks.find_blocks`)
         to cost (`BlockCost`); their forwards are timed in the same steps and kept in the
         ``times_file`` with the layers' times. ``timing``: how the seconds are got
-        (`TimingSettings`; default: every layer timed in place).
+        (`TimingSettings`; default: every layer timed in place). ``precisions``: format -> the
+        `LayerPrecision` a layer in it is timed, costed and planned in (a scaling other than the
+        default, e.g. block-scaled FP8; the times file keys on it); default each format's own.
 
         Cost: one FP32 forward (trace), one low-precision forward per layer + 1 (bytes saved
         between layers), and the timed steps (FP32 only with a ``time_model``); with ``blocks``,
@@ -270,21 +276,23 @@ class CostModel:
             wanted = parsed if time_model is None else (Format.FP32,)
             timed = (Format.FP32,) + tuple(f for f in wanted if f is not Format.FP32)
             layers = list(trace.layers)
-            plans = {f: Plan({fqn: LayerPrecision(f) for fqn in layers}) for f in timed}
-            loaded = _load_times(times_file, layers, timed, trace.device, list(block_layers))
+            chosen = {f: (precisions or {}).get(f, LayerPrecision(f)) for f in timed}
+            plans = {f: Plan({fqn: chosen[f] for fqn in layers}) for f in timed}
+            scaling = _scaling_key(chosen)
+            loaded = _load_times(times_file, layers, timed, trace.device, list(block_layers), scaling)
             if loaded is not None:
                 in_place = loaded
             else:
                 in_place = measure_in_place(model, [example_inputs], plans, layers, loss_fn, warmup=timing.warmup_steps,
                                             steps=timing.timed_steps, blocks=list(block_layers))
-                _save_times(times_file, layers, in_place, trace.device, list(block_layers))
+                _save_times(times_file, layers, in_place, trace.device, list(block_layers), scaling)
             if Format.FP32 not in in_place:
                 raise CostModelError("CostModel.build: the FP32 training step failed in place; check loss_fn and example_inputs")
         if time_model is None:
             time_model = MeasuredTimeModel(timing.cache_dir) if measure else RooflineTimeModel()
-            costs = cls(trace, time_model, formats=formats, in_place=in_place)
+            costs = cls(trace, time_model, formats=formats, in_place=in_place, precisions=precisions)
         else:
-            costs = cls(trace, time_model, formats=formats)
+            costs = cls(trace, time_model, formats=formats, precisions=precisions)
         costs._measure_region_bytes(model, example_inputs, loss_fn)
         for _ in costs.block_bytes_steps(model, example_inputs, loss_fn, block_layers):
             pass
@@ -407,10 +415,16 @@ class CostModel:
         """Layer fqns in model order."""
         return tuple(self.trace.layers)
 
+    def precision(self, fmt: "Format | str", reason: str = "") -> LayerPrecision:
+        """``fmt`` as this model costs it (its ``precisions``, else the format's default)."""
+        fmt = Format.parse(fmt)
+        lp = self.precisions.get(fmt)
+        return LayerPrecision(fmt, reason=reason) if lp is None else dataclasses.replace(lp, reason=reason)
+
     def uniform_plan(self, fmt: "Format | str") -> Plan:
         """Every traced layer in ``fmt`` (the traced layers are exactly the plan's layers)."""
         fmt = Format.parse(fmt)
-        return Plan({fqn: LayerPrecision(fmt, reason=f"uniform {fmt.value} plan") for fqn in self.trace.layers})
+        return Plan({fqn: self.precision(fmt, f"uniform {fmt.value} plan") for fqn in self.trace.layers})
 
     def _ensure_times(self, formats: Sequence[Format]) -> None:
         calls = [call for layer in self.trace.layers.values() for call in layer.calls]
@@ -426,11 +440,12 @@ class CostModel:
             raise CostModelError(f"layer_cost({fqn!r}): not a layer of the traced model; layers are {known}{', ...' if len(self.trace.layers) > 6 else ''}") from None
 
     def layer_cost(self, fqn: str, precision: "LayerPrecision | Format | str") -> LayerCost:
-        """`LayerCost` of layer ``fqn`` in ``precision`` (a format, or a `LayerPrecision` whose
-        scaling changes the bytes of saved scales; times are those of the default scaling)."""
+        """`LayerCost` of layer ``fqn`` in ``precision`` (a format, costed as `precision` gives it,
+        or a `LayerPrecision` whose scaling changes the bytes of saved scales; times are those of
+        the format as the model was built: in place in its ``precisions``)."""
         layer = self._layer(fqn)
         if not isinstance(precision, LayerPrecision):
-            precision = LayerPrecision(Format.parse(precision))
+            precision = self.precision(precision)
         fmt = precision.format
         self._ensure_times([fmt])
         memory = layer_memory(layer, precision, self.device)
@@ -525,21 +540,29 @@ def _block_layers(model: nn.Module, trace: ModelTrace, blocks: Sequence[str]) ->
     return out
 
 
-def _times_key(layers: Sequence[str], device: Any, blocks: Sequence[str] = ()) -> dict:
-    # The blocks join the key only when there are some, so caches written without any stay valid.
-    return {"layers": list(layers), "device": str(device), **({"blocks": list(blocks)} if blocks else {})}
+def _times_key(layers: Sequence[str], device: Any, blocks: Sequence[str] = (), scaling: "Mapping[str, Any] | None" = None) -> dict:
+    # Blocks and non-default scalings join the key only when there are some, so caches written
+    # without any stay valid.
+    return {"layers": list(layers), "device": str(device), **({"blocks": list(blocks)} if blocks else {}),
+            **({"scaling": dict(scaling)} if scaling else {})}
+
+
+def _scaling_key(precisions: "Mapping[Format, LayerPrecision]") -> dict:
+    """The formats timed in a non-default scaling, as the times file records them."""
+    default = Scaling()
+    return {f.value: lp.to_dict()["scaling"] for f, lp in precisions.items() if lp.scaling != default}
 
 
 def _load_times(path, layers: Sequence[str], formats: Sequence[Format], device: Any,
-                blocks: Sequence[str] = ()) -> "dict[Format, InPlaceTimes] | None":
+                blocks: Sequence[str] = (), scaling: "Mapping[str, Any] | None" = None) -> "dict[Format, InPlaceTimes] | None":
     """In-place times saved by `_save_times` for exactly these layers and device, covering every
     format in ``formats``; None when there are none (or the file is another model's)."""
     if path is None or not Path(path).is_file():
         return None
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-        key = _times_key(layers, device, blocks)
-        if {k: data.get(k) for k in ("layers", "device", "blocks")} != {"blocks": None, **key}:
+        key = _times_key(layers, device, blocks, scaling)
+        if {k: data.get(k) for k in ("layers", "device", "blocks", "scaling")} != {"blocks": None, "scaling": None, **key}:
             return None
         times = {Format.parse(f): InPlaceTimes(t["step_seconds"], t["layer_seconds"], t["extrapolated"],
                                                dict(t.get("forward_seconds", {})), dict(t.get("block_seconds", {})))
@@ -551,8 +574,9 @@ def _load_times(path, layers: Sequence[str], formats: Sequence[Format], device: 
     return times if all(f in times for f in formats) else None
 
 
-def _save_times(path, layers: Sequence[str], times: "dict[Format, InPlaceTimes]", device: Any, blocks: Sequence[str] = ()) -> None:
+def _save_times(path, layers: Sequence[str], times: "dict[Format, InPlaceTimes]", device: Any, blocks: Sequence[str] = (),
+                scaling: "Mapping[str, Any] | None" = None) -> None:
     if path is None:
         return
-    data = {**_times_key(layers, device, blocks), "times": {f.value: dataclasses.asdict(t) for f, t in times.items()}}
+    data = {**_times_key(layers, device, blocks, scaling), "times": {f.value: dataclasses.asdict(t) for f, t in times.items()}}
     atomic_write_text(Path(path), json.dumps(data, indent=1))

@@ -11,7 +11,7 @@ Layout::
     [job]        name, out, device               # out: folder for plan, study, profile, logs
     [workload]   factory = "module:function", kwargs = {...}
     [budgets]    memory, accuracy, accuracy_relative
-    [search]     min_precision, max_precision, formats, storage, study_name, seed,
+    [search]     min_precision, max_precision, formats, scaling, storage, study_name, seed,
                  measure_top (the k best plans measured), timeout_s (for finding them),
                  measured_trials (the most plans measured in all; above the k best and the
                  references, the learning sampler proposes the rest: `search.refine`; 0 = off)
@@ -58,6 +58,7 @@ class JobConfig:
     min_precision: int = 8
     max_precision: int = 32
     formats: tuple[Format, ...] = DEFAULT_CANDIDATES
+    scaling: Mapping[Format, Any] = dataclasses.field(default_factory=dict)  # `Planning.scaling`
     storage: str = "study.db"
     study_name: str = ""
     seed: int = 0
@@ -80,7 +81,7 @@ class JobConfig:
         """The search's settings as one `Planning`: ``measure_top`` plans, the integer programs
         bounded by ``timeout_s``; ``lr``: the workload's learning rate (the sensitivity's)."""
         return Planning(self.formats, self.rules, self.budgets, self.min_precision, self.max_precision, lr,
-                        k=self.measure_top, time_limit=self.timeout_s)
+                        k=self.measure_top, time_limit=self.timeout_s, scaling=self.scaling)
 
     @property
     def storage_url(self) -> str:
@@ -173,6 +174,15 @@ def _format_list(v):
     return tuple(Format.parse(x) for x in v)
 
 
+def _scaling(v):
+    """format = "tensor" | "row" | "block": checked as `Planning` checks it."""
+    table = {_str(k): _str(g) for k, g in _table(v).items()}
+    try:
+        return Planning((), scaling=table).scaling
+    except SearchError:
+        raise ValueError from None
+
+
 def _pin(v):
     return {_str(k): Format.parse(f) for k, f in _table(v).items()}
 
@@ -206,6 +216,7 @@ _SCHEMA: dict[str, dict[str, tuple[Callable, str]]] = {
         "min_precision": (_int(8), "8, 16 or 32"),
         "max_precision": (_int(8), "8, 16 or 32"),
         "formats": (_format_list, f"a non-empty list of formats ({FORMATS})"),
+        "scaling": (_scaling, 'a table of scaled format = "tensor", "row" or "block", e.g. {fp8_e4m3 = "block"}'),
         "storage": (_str, "a file path (.journal / .log: a journal file, else SQLite) or an Optuna storage URL"),
         "study_name": (_str, "a non-empty string"),
         "seed": (_int(0), "an integer >= 0"),
@@ -294,6 +305,7 @@ def load_job(path: "str | Path") -> JobConfig:
         min_precision=min_p,
         max_precision=max_p,
         formats=get("search", "formats", DEFAULT_CANDIDATES),
+        scaling=get("search", "scaling", {}),
         storage=get("search", "storage", "study.db"),
         study_name=get("search", "study_name", name),
         seed=get("search", "seed", 0),

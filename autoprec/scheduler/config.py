@@ -113,6 +113,9 @@ class SchedulerConfig:
     accuracy_relative: bool = True
     formats: tuple[Format, ...] = DEFAULT_CANDIDATES
     rules: LayerRules = LayerRules()
+    # format -> how its tensors are scaled in the search and the plan (`Planning.scaling`), e.g.
+    # {"fp8_e4m3": "block"} for DeepSeek-V3's fine-grained FP8; empty: current per-tensor.
+    scaling: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     search_timeout_s: float = 60.0
     search_slice: Optional[float] = 1.0
     lr: float = 1e-3
@@ -196,6 +199,10 @@ class SchedulerConfig:
             refuse("seed", "an integer")
         if isinstance(self.formats, (str, Format)) or not isinstance(self.formats, (tuple, list)):
             refuse("formats", "a list of format names, e.g. ['bf16', 'fp8_e4m3']")
+        try:
+            Planning((), scaling=self.scaling)
+        except SearchError as exc:
+            raise SettingsError(str(exc).replace("Planning(", "DynamicPrecisionScheduler(", 1)) from None
         if self.recompute is not None:
             try:
                 patterns = check_block_patterns(self.recompute, f"DynamicPrecisionScheduler(recompute={self.recompute!r})")
@@ -216,7 +223,7 @@ class SchedulerConfig:
     def planning(self) -> Planning:
         """The search's settings as one `Planning` (one plan: the optimum)."""
         return Planning(self.candidates, self.rules, self.budgets, self.min_precision, self.max_precision, self.lr,
-                        k=1, time_limit=self.search_timeout_s, measure=self.measure_costs)
+                        k=1, time_limit=self.search_timeout_s, measure=self.measure_costs, scaling=self.scaling)
 
     @property
     def profiled_steps(self) -> int:

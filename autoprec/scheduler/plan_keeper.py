@@ -333,7 +333,11 @@ class PlanKeeper:
             if self._writer is not None:
                 self._writer.log_change(step, change.fqn, old, change.new, change.reason)
         if changes:
-            self.install(self._planned().with_layers({c.fqn: LayerPrecision(c.new, reason=f"{verb} at step {step}: {c.reason}") for c in changes}), why, step)
+            # A layer lowered again runs its format as the search plans it (`SchedulerConfig.scaling`).
+            precisions = self.config.planning.precisions()
+            self.install(self._planned().with_layers({
+                c.fqn: dataclasses.replace(precisions.get(c.new, LayerPrecision(c.new)), reason=f"{verb} at step {step}: {c.reason}") for c in changes
+            }), why, step)
 
     # -- agreement and checkpoints ----------------------------------------------------------------
 

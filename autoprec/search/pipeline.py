@@ -123,11 +123,12 @@ def measure_space(
         costs = CostModel.build(
             model, cost_inputs if cost_inputs is not None else example_inputs, loss_fn=cost_loss_fn,
             formats=planning.formats, blocks=list(blocks), timing=TimingSettings(in_place=planning.measure, times_file=times_file),
+            precisions=planning.precisions(),
         )
         if progress is not None:
             progress(0, 1, "estimating sensitivity")
         sensitivity = estimate_sensitivity(
-            model, batches, loss_fn, [f for f in planning.formats if f is not Format.FP32],
+            model, batches, loss_fn, [lp for f, lp in planning.precisions().items() if f is not Format.FP32],
             layers=list(costs.layers), example_inputs=example_inputs, estimator=FisherEstimator(lr=planning.lr),
         )
     return space_of(costs, sensitivity, profile, planning)

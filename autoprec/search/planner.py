@@ -166,7 +166,7 @@ def plan_from_solution(
     """The plan of ``solution`` with its reasons and predicted totals and per-layer figures;
     ``fingerprint`` (`find_layers` of the model) lets `Plan.validate` refuse another model."""
     formats = space.layer_formats(solution.assignment)
-    layers = {fqn: LayerPrecision(formats[fqn], reason=reasons[fqn]) for fqn in costs.layers}
+    layers = {fqn: costs.precision(formats[fqn], reasons[fqn]) for fqn in costs.layers}
     # Every block of the space is named, recomputed or not, so the review lists the choice for each.
     blocks = {b.name: b.name in solution.recompute for b in space.blocks}
     plan = Plan(layers, blocks=blocks)

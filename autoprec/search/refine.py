@@ -140,6 +140,8 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
         self.formats = tuple(dict.fromkeys(f for u in space.units if len(u.choices) > 1 for f in u.choices))
         self._pairs = [(u.name, f) for u in space.units if len(u.choices) > 1 for f in u.choices]
         self._design: dict[str, dict[str, Format]] = {}  # formats_id -> unit assignment
+        # Each format as the design's plans run it (the search's scaling and calibration).
+        self._precisions = {lp.format: dataclasses.replace(lp, reason="") for plan in design for lp in plan.layers.values()}
         for plan in design:
             assignment = self.assignment_of(plan)
             if assignment is not None:
@@ -161,10 +163,10 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
         return out
 
     def candidate(self, assignment: Mapping[str, Format], name: str = "refined") -> Candidate:
-        """The plan to measure for ``assignment``: its layers' formats (default scaling and
-        calibration, as the k-best plans have) and the proxy's predicted figures."""
+        """The plan to measure for ``assignment``: its layers' formats (in the scaling and
+        calibration the k-best plans have) and the proxy's predicted figures."""
         total = self.space.totals(assignment)
-        layers = {fqn: LayerPrecision(fmt) for fqn, fmt in self.space.layer_formats(assignment).items()}
+        layers = {fqn: self._precisions.get(fmt, LayerPrecision(fmt)) for fqn, fmt in self.space.layer_formats(assignment).items()}
         predicted = {"seconds": total.seconds, "bytes": total.bytes, "loss_increase": total.loss}
         return Candidate(name, Plan(layers, predicted=predicted, blocks=dict.fromkeys(self.recompute, True)))
 

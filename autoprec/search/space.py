@@ -19,12 +19,13 @@ import fnmatch
 import math
 import numbers
 import re
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from ..blocks import check_block_patterns
 from ..device import format_support
-from ..errors import SearchError
+from ..errors import FormatError, SearchError
 from ..formats import Format
+from ..plan import LayerPrecision, Scaling
 
 __all__ = ["Choice", "Budgets", "LayerRules", "Planning", "Unit", "Block", "SearchSpace", "formats_for_precision", "DEFAULT_CANDIDATES"]
 
@@ -172,7 +173,11 @@ class Planning:
     (bits) are searched; ``rules``: pins and forbids; ``budgets``;
     ``lr``: the learning rate the sensitivity's gradient term assumes; ``k``: plans wanted, the
     optimum first; ``time_limit``: seconds for the integer programs (None: unbounded);
-    ``measure``: time layers in place (False: roofline times)."""
+    ``measure``: time layers in place (False: roofline times). ``scaling``: how each scaled
+    format's tensors are scaled (format -> `Scaling`; a format not named takes the default,
+    current per-tensor): the costs are timed, the sensitivity estimated and the plans made in it,
+    e.g. ``{Format.FP8_E4M3: Scaling(granularity="block")}`` for DeepSeek-V3's fine-grained FP8
+    (1x128 / 128x128 tiles, E4M3 gradients)."""
 
     formats: tuple[Format, ...]
     rules: LayerRules = LayerRules()
@@ -183,6 +188,29 @@ class Planning:
     k: int = 1
     time_limit: "float | None" = None
     measure: bool = True
+    # Given as format (or name) -> Scaling (or a granularity name); held as Format -> Scaling.
+    scaling: Mapping[Any, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.scaling, Mapping):
+            raise SearchError(f"Planning(scaling={self.scaling!r}): expected a table of format = scaling, e.g. {{'fp8_e4m3': 'block'}}")
+        scaling = {}
+        for name, value in self.scaling.items():
+            try:
+                fmt = Format.parse(name)
+                # A granularity name is short for current scaling at that granularity.
+                scaling[fmt] = Scaling(granularity=value) if isinstance(value, str) else value
+            except (FormatError, ValueError):
+                raise SearchError(f"Planning(scaling={{{name!r}: {value!r}}}): expected a format name and 'tensor', 'row', 'block' or a Scaling") from None
+            if not isinstance(scaling[fmt], Scaling):
+                raise SearchError(f"Planning(scaling={{{fmt.value!r}: ...}}): expected 'tensor', 'row', 'block' or a Scaling, got {type(value).__name__}")
+            if not fmt.needs_scale:
+                raise SearchError(f"Planning(scaling={{{fmt.value!r}: ...}}): {fmt.value} takes no scale; name fp8_e4m3, fp8_e5m2 or int8")
+        object.__setattr__(self, "scaling", scaling)
+
+    def precisions(self) -> dict[Format, LayerPrecision]:
+        """Each candidate format as the search costs, estimates and plans it."""
+        return {f: LayerPrecision(f, scaling=self.scaling.get(f, Scaling())) for f in self.formats}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -296,13 +296,15 @@ class TrainingSearch:
             for j, fqn in enumerate(fqns[::stride]):
                 position[fqn] = j
         one_batch = Calibration(batches=1)
+        precisions = self.config.planning.precisions()
         plans = []
         for p in range(max(len(fmts) for fmts in allowed.values())):
             layers = {}
             for fqn in self.layers:
                 fmts = allowed[fqn]
                 fmt = fmts[(position[fqn] + p) % len(fmts)] if fqn in position else max(fmts, key=lambda f: f.bits)
-                layers[fqn] = LayerPrecision(fmt, calibration=one_batch, reason="probe step of the search")
+                chosen = precisions.get(fmt, LayerPrecision(fmt))  # timed as the search would plan it
+                layers[fqn] = dataclasses.replace(chosen, calibration=one_batch, reason="probe step of the search")
             plans.append(Plan(layers, metadata={"source": "DynamicPrecisionScheduler probe"}))
         return plans
 
@@ -537,7 +539,9 @@ class TrainingSearch:
         # and one weight-gradient product of that layer. On the 6-block GPT of
         # benchmarks/search_stall.py it gives the plan of the caller-output estimate, layer for
         # layer, which gave those of the full estimate at two budgets (the issues' notes).
-        steps = sensitivity_steps(snapshot, self.batches[-1:], self.loss_fn, lowered, layers=self.layers, example_inputs=self.example,
+        precisions = self.config.planning.precisions()
+        candidates = [precisions.get(f, LayerPrecision(f)) for f in lowered]
+        steps = sensitivity_steps(snapshot, self.batches[-1:], self.loss_fn, candidates, layers=self.layers, example_inputs=self.example,
                                   estimator=FisherEstimator(lr=self.config.lr, upstream=False, site="layer"),
                                   traced=self.fingerprint, second_moment=self._second_moment)
         return (yield from weighted(steps, "sensitivity", len(self.layers)))
@@ -566,6 +570,7 @@ class TrainingSearch:
         blocks = {b: dataclasses.replace(cost, other_seconds=(self.known[f"block|{b}"],) * 2) if f"block|{b}" in self.known else cost
                   for b, cost in region.blocks.items()}
         return CostModel(trace, RooflineTimeModel(), formats=self.formats, rest_seconds=rest, in_place=in_place, blocks=blocks,
+                         precisions=self.config.planning.precisions(),
                          rest_saved_bytes=(region.rest_saved_bytes[0], region.rest_saved_bytes[1]), fp32_in_region_bytes=region.fp32_in_region_bytes)
 
     # -- candidates and the result --------------------------------------------------------------

@@ -1,0 +1,207 @@
+"""Fine-grained (block) FP8 against row-wise and per-tensor scaling on a model with outlier channels.
+
+Trained LLMs carry a few activation channels about 100x the rest (LLM.int8(), arXiv:2208.07339);
+one scale per tensor then spends E4M3's range on those channels and rounds the rest coarsely,
+which 1x128 tiles (DeepSeek-V3) do not. The model here is a residual MLP stack whose hidden
+features pass through a fixed per-channel gain with ``--outliers`` channels at ``--gain`` (the
+shape a LayerNorm with a few large gammas gives); the task regresses a random teacher.
+
+Reported (one JSON, ``--out``, and a table on stdout):
+
+1. **SQNR per operand** (dB, higher is better) of E4M3 with per-tensor, row-wise and block
+   scaling, for every layer's input, weight and output gradient, captured from one FP32 step:
+   per tensor one scale, row-wise one per row (activations and gradients; weights per output
+   channel), block 1x128 tiles (activations, gradients) and 128x128 blocks (weights).
+2. **The search under one accuracy budget**, with FP8 E4M3 in its default per-tensor scaling and
+   in block scaling (`Planning.scaling`), candidates BF16 and FP8 E4M3, the budget
+   ``--accuracy`` relative to the FP32 loss, at the least memory that budget allows (FP8
+   wherever the predicted loss lets it go): how many layers it puts in FP8, that memory, the
+   predicted loss increase, and the loss after ``--steps`` training steps of the plan (on CPU
+   every FP8 product is emulated: the same roundings, FP32 arithmetic), beside BF16 autocast
+   and FP32 trained the same way.
+
+Run: ``PYTHONPATH=. python benchmarks/block_fp8.py --out benchmarks/results/block_fp8_cpu.json``.
+CPU seconds are not reported: on a CPU block-scaled products are emulated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoprec as ap
+from autoprec._io import atomic_write_text
+from autoprec.formats import Format, block_amax, dequantize, expand_blocks, inverse_scale, quantize, sqnr
+from autoprec.errors import InfeasibleBudgetError
+from autoprec.search.pipeline import Planning, measure_space, propose_from
+from autoprec.search.space import Budgets
+
+E4M3 = Format.FP8_E4M3
+
+
+class OutlierMLP(nn.Module):
+    """``depth`` residual blocks ``x + W2·gelu(W1·(g ⊙ x))`` with a fixed gain ``g``: ``outliers``
+    channels at ``gain``, the rest at 1."""
+
+    def __init__(self, width: int, hidden: int, depth: int, outliers: int, gain: float, seed: int):
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        g = torch.ones(width)
+        g[torch.randperm(width, generator=generator)[:outliers]] = gain
+        self.register_buffer("gain", g)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width)) for _ in range(depth))
+        for block in self.blocks:
+            nn.init.normal_(block[2].weight, std=0.02 / gain)  # keeps the residual stream's scale
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x * self.gain)
+        return x
+
+
+def _sqnr_tensor(x: torch.Tensor) -> float:
+    inv = inverse_scale(x.abs().amax(), E4M3)
+    return sqnr(x, dequantize(quantize(x, inv, E4M3), inv))
+
+
+def _sqnr_rows(x: torch.Tensor) -> float:
+    inv = inverse_scale(x.abs().amax(dim=1, keepdim=True), E4M3)
+    return sqnr(x, dequantize(quantize(x, inv, E4M3), inv))
+
+
+def _sqnr_blocks(x: torch.Tensor, block: tuple[int, int]) -> float:
+    inv = expand_blocks(inverse_scale(block_amax(x, block), E4M3), x.shape, block)
+    return sqnr(x, dequantize(quantize(x, inv, E4M3), inv))
+
+
+def operand_sqnr(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """Per layer and operand: SQNR (dB) of E4M3 per tensor, per row and per block, captured from
+    one FP32 step (the inputs and output gradients of every Linear)."""
+    captured: dict[str, dict[str, torch.Tensor]] = {}
+    hooks = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            def forward_hook(mod, inputs, out, name=name):
+                captured.setdefault(name, {})["input"] = inputs[0].detach().reshape(-1, inputs[0].shape[-1])
+                captured[name]["weight"] = mod.weight.detach()
+
+            def backward_hook(mod, grad_in, grad_out, name=name):
+                captured[name]["gradient"] = grad_out[0].detach().reshape(-1, grad_out[0].shape[-1])
+
+            hooks += [module.register_forward_hook(forward_hook), module.register_full_backward_hook(backward_hook)]
+    F.mse_loss(model(x), y).backward()  # noqa: one FP32 step
+    for h in hooks:
+        h.remove()
+    model.zero_grad(set_to_none=True)
+    table = {}
+    for name, tensors in captured.items():
+        table[name] = {}
+        for operand, t in tensors.items():
+            block = (128, 128) if operand == "weight" else (1, 128)
+            table[name][operand] = {"tensor": _sqnr_tensor(t), "row": _sqnr_rows(t), "block": _sqnr_blocks(t, block)}
+    return table
+
+
+def train(model: nn.Module, plan: "ap.Plan | None", data, steps: int, lr: float, autocast: bool = False) -> float:
+    """Loss of the last ``steps // 4`` steps (mean) after training ``model`` under ``plan``."""
+    runtime = ap.apply_plan(model, plan) if plan is not None else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    tail = []
+    for step in range(steps):
+        x, y = data[step % len(data)]
+        with (runtime if runtime is not None else torch.autocast("cpu", torch.bfloat16, enabled=autocast)):
+            loss = F.mse_loss(model(x).float(), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step >= steps - steps // 4:
+            tail.append(float(loss.detach()))
+    if runtime is not None:
+        runtime.remove()
+    return sum(tail) / len(tail)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--outliers", type=int, default=4)
+    parser.add_argument("--gain", type=float, default=100.0)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--accuracy", type=float, default=0.02, help="the search's relative accuracy budget")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.manual_seed(args.seed)
+    model = OutlierMLP(args.width, args.hidden, args.depth, args.outliers, args.gain, args.seed)
+    teacher = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(torch.randn_like(p) * p.std().clamp_min(1e-3))
+    data = []
+    for _ in range(8):
+        x = torch.randn(args.tokens, args.width)
+        with torch.no_grad():
+            data.append((x, teacher(x)))
+    x0, y0 = data[0]
+
+    sqnr_table = operand_sqnr(model, x0, y0)
+
+    def loss_fn(m, batch):
+        return F.mse_loss(m(batch[0]).float(), batch[1])
+
+    with torch.no_grad():
+        baseline = float(loss_fn(model, data[0]))
+    searches = {}
+    for label, scaling in (("per-tensor", {}), ("block", {"fp8_e4m3": "block"})):
+        # The least memory the accuracy budget allows (FP8 wherever it may go: a CPU emulates
+        # FP8, so the fastest plan under a loose memory budget would have none), then that plan.
+        planning = Planning((Format.BF16, Format.FP8_E4M3), budgets=Budgets(memory=0.01, accuracy=args.accuracy), scaling=scaling)
+        found = measure_space(copy.deepcopy(model), x0, data[:2], loss_fn, None, planning)
+        try:
+            propose_from(found, planning, baseline_loss=baseline)
+            raise SystemExit("memory budget 0.01 met: the model is too small for this figure")
+        except InfeasibleBudgetError as exc:
+            floor = exc.min_bytes
+        planning = dataclasses.replace(planning, budgets=Budgets(memory=int(floor) + 1, accuracy=args.accuracy))
+        plan = propose_from(found, planning, baseline_loss=baseline).plans[0]
+        fp8 = sorted(fqn for fqn, lp in plan.layers.items() if lp.format is E4M3)
+        loss = train(copy.deepcopy(model), plan, data, args.steps, args.lr)
+        searches[label] = {"fp8_layers": len(fp8), "layers": len(plan.layers), "fp8": fp8, "memory_fraction": floor / found.costs.fp32_bytes(),
+                           "predicted_loss_increase": plan.predicted["loss_increase"], "trained_loss": loss,
+                           "sensitivity": {fqn: found.sensitivity[(fqn, E4M3)] for fqn in plan.layers}}
+    references = {
+        "fp32": train(copy.deepcopy(model), None, data, args.steps, args.lr),
+        "bf16_autocast": train(copy.deepcopy(model), None, data, args.steps, args.lr, autocast=True),
+    }
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+    result = {"device": platform.processor() or platform.machine(), "torch": torch.__version__, "commit": commit, "args": {k: str(v) for k, v in vars(args).items()},
+              "baseline_loss": baseline, "sqnr_db": sqnr_table, "search": searches, "trained_loss": references}
+
+    print(f"SQNR of E4M3 (dB), {args.outliers} outlier channels at {args.gain:g}x; tensor / row / block")
+    for name, ops in sqnr_table.items():
+        cells = "   ".join(f"{op} {v['tensor']:5.1f} / {v['row']:5.1f} / {v['block']:5.1f}" for op, v in ops.items())
+        print(f"  {name:<12} {cells}")
+    print(f"search, candidates bf16 + fp8_e4m3, accuracy budget {args.accuracy:g} relative (FP32 loss {baseline:.4g})")
+    for label, s in searches.items():
+        print(f"  fp8 {label:<10} {s['fp8_layers']}/{s['layers']} layers in FP8 (memory {s['memory_fraction']:.3f} of FP32), "
+              f"predicted +{s['predicted_loss_increase']:.3g}, loss after {args.steps} steps {s['trained_loss']:.4g}")
+    print(f"  references: FP32 {references['fp32']:.4g}, BF16 autocast {references['bf16_autocast']:.4g}")
+    if args.out is not None:
+        atomic_write_text(args.out, json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
