@@ -14,7 +14,7 @@ import torch
 
 from .formats import Format
 
-__all__ = ["Support", "format_support", "has_scaled_mm", "scaled_mm_form", "has_int_mm", "resolve_device", "KERNEL_OPS"]
+__all__ = ["Support", "format_support", "has_scaled_mm", "scaled_mm_form", "block_scaled_form", "block_support", "has_int_mm", "resolve_device", "KERNEL_OPS"]
 
 # Ops that a 2-D FP8 / INT8 GEMM kernel serves; every other matrix product (convolution, batched
 # matmul, attention) in an FP8 or INT8 layer is emulated: stored in the format, computed in FP32.
@@ -43,14 +43,14 @@ def canonical_device(device: "torch.device | str | None") -> str:
     return device.type
 
 
-def first_line(exc: BaseException) -> str:
+def _first_line(exc: BaseException) -> str:
     return (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
 # What a kernel raises for a form it refuses: RuntimeError (TORCH_CHECK, or an INTERNAL ASSERT as
 # torch 2.11's CPU kernel for row-shaped scales), ValueError (TORCH_CHECK_VALUE in newer torch),
 # NotImplementedError (no kernel for the device), TypeError (an argument the build lacks).
-KERNEL_REFUSALS = (RuntimeError, NotImplementedError, ValueError, TypeError)
+_REFUSALS = (RuntimeError, NotImplementedError, ValueError, TypeError)
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,8 +87,8 @@ def scaled_mm_form(
         expected = k + (1 if bias else 0)
         if out.dtype != out_dtype or not bool((out.float() == expected).all()):
             return False, f"torch._scaled_mm on {device} ({form}) returned a wrong result"
-    except KERNEL_REFUSALS as exc:
-        return False, f"torch {torch.__version__} _scaled_mm does not run on {device} ({form}): {first_line(exc)}"
+    except _REFUSALS as exc:
+        return False, f"torch {torch.__version__} _scaled_mm does not run on {device} ({form}): {_first_line(exc)}"
     return True, f"torch._scaled_mm runs on {device} ({form})"
 
 
@@ -120,6 +120,57 @@ def has_scaled_mm(device: str) -> tuple[bool, str]:
     return True, f"torch._scaled_mm runs on {device}"
 
 
+# The block-scaled forms of an FP8 layer's three products (`runtime.block_gemm`): forward and input
+# gradient (1x128 x 128x128) into the region's dtype, the forward with a fused bias in a half
+# dtype; weight gradient (1x128 x 1x128) into FP32.
+_BLOCK_FORMS = ((True, torch.bfloat16, True), (True, torch.float16, True), (True, torch.float32, False), (False, torch.float32, False))
+
+
+@functools.lru_cache(maxsize=None)
+def block_scaled_form(device: str) -> tuple[bool, str]:
+    """Whether the installed torch runs every block-scaled FP8 GEMM form the runtime issues on
+    ``device`` (``torch.nn.functional.scaled_mm`` with 1x128 / 128x128 scales: sm_90 with
+    cuBLASLt >= 12.9; no CPU kernel in any torch): ``(ok, why)``. One tiny call per form with
+    known scales, the result checked, cached per device (never in a forward)."""
+    import torch.nn.functional as F
+
+    if not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType"):
+        return False, f"torch {torch.__version__} has no torch.nn.functional.scaled_mm (block-scaled FP8 GEMMs)"
+    m, k, n = 16, 256, 128
+    for blocks_b, out_dtype, with_bias in _BLOCK_FORMS:
+        name = f"{'1x128 x 128x128' if blocks_b else '1x128 x 1x128'} -> {str(out_dtype).removeprefix('torch.')}{' with bias' if with_bias else ''}"
+        try:
+            a = torch.ones(m, k, device=device).to(_E4M3)
+            b = torch.ones(n, k, device=device).to(_E4M3).t()
+            # Scales 1/2 and 1/4 laid out as the kernel takes them ("outer-dim-major"; a 128x128
+            # operand's K-block count padded to 4): each entry K/8 (+ 1), exact in every dtype.
+            scale_a = torch.full((k // 128, m), 0.5, device=device).t()
+            if blocks_b:
+                scale_b = torch.full((n // 128, 4), 0.25, device=device).t()
+                recipe_b = F.ScalingType.BlockWise128x128
+            else:
+                scale_b = torch.full((k // 128, n), 0.25, device=device).t()
+                recipe_b = F.ScalingType.BlockWise1x128
+            bias = torch.ones(n, device=device, dtype=out_dtype) if with_bias else None
+            out = F.scaled_mm(a, b, scale_a, F.ScalingType.BlockWise1x128, scale_b, recipe_b, bias=bias, output_dtype=out_dtype, use_fast_accum=False)
+            if out.dtype != out_dtype or not bool((out.float() == k / 8 + (1.0 if with_bias else 0.0)).all()):
+                return False, f"block-scaled FP8 GEMM ({name}) on {device} returned a wrong result"
+        except _REFUSALS as exc:
+            return False, f"torch {torch.__version__} has no block-scaled FP8 GEMM on {device} ({name}): {_first_line(exc)[:200]}"
+    return True, f"torch.nn.functional.scaled_mm runs block-scaled FP8 on {device}"
+
+
+def block_support(fmt: Format, grad_fmt: Format, device: "torch.device | str") -> "str | None":
+    """Why a block-scaled layer in ``fmt`` with ``grad_fmt`` gradients cannot run its kernels on
+    ``device``, or None. Torch's block-scaled GEMM takes E4M3 operands only (DeepSeek-V3's
+    recipe: E4M3 gradients, which the fine scales make safe), and `block_scaled_form` must run."""
+    off = [f"{kind} {f.value}" for kind, f in (("format", fmt), ("grad_format", grad_fmt)) if f is not Format.FP8_E4M3]
+    if off:
+        return f"block-scaled GEMMs take E4M3 operands only ({', '.join(off)}; set them to fp8_e4m3)"
+    ok, why = block_scaled_form(canonical_device(device))
+    return None if ok else why
+
+
 @functools.lru_cache(maxsize=None)
 def has_int_mm(device: str) -> tuple[bool, str]:
     """Probe ``torch._int_mm`` (INT8 × INT8 → INT32) with one tiny call."""
@@ -128,8 +179,8 @@ def has_int_mm(device: str) -> tuple[bool, str]:
     try:
         a = torch.zeros(32, 32, dtype=torch.int8, device=device)
         torch._int_mm(a, a.t())  # the runtime's layout: the weight (N, K) row-major, transposed
-    except KERNEL_REFUSALS as exc:
-        return False, f"torch._int_mm does not run on {device}: {first_line(exc)}"
+    except _REFUSALS as exc:
+        return False, f"torch._int_mm does not run on {device}: {_first_line(exc)}"
     return True, f"torch._int_mm runs on {device}"
 
 

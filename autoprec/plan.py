@@ -35,7 +35,7 @@ import torch.nn as nn
 from . import __version__
 from ._io import atomic_write_text, check_schema_version
 from .coverage import LayerInfo, ModuleFilter, changed_shapes, covered_layers, find_layers, layer_name
-from .device import KERNEL_OPS, format_support
+from .device import KERNEL_OPS, block_support, format_support
 from .errors import FormatError, PlanError
 from .formats import Format, Granularity
 
@@ -112,12 +112,6 @@ class Calibration:
 # FP8 layers compute gradients in E5M2 (the "hybrid" recipe); INT8 layers run backward in FP32
 # (INT8 has no useful gradient format); every other format differentiates in itself.
 _DEFAULT_GRAD_FORMAT = {Format.FP8_E4M3: Format.FP8_E5M2, Format.FP8_E5M2: Format.FP8_E5M2, Format.INT8: Format.FP32}
-
-
-def _block_reason(lp: "LayerPrecision", device) -> "str | None":
-    from .runtime.layers import block_reason  # the runtime imports this module
-
-    return block_reason(lp, device)
 
 
 # init=False: the constructor takes format names and ``grad_format=None`` (the format's default),
@@ -613,7 +607,7 @@ class Plan:
             elif batched:
                 problems.append(f"{layer_name(fqn, model)!r}: {lp.format.value} has no kernel for {', '.join(batched)} on batched operands "
                                 "(as in an attention product); it would be emulated: plan the layer in bf16, fp16 or fp32")
-            elif lp.scaling.granularity is Granularity.BLOCK and lp.format.is_fp8 and (why := _block_reason(lp, device)) is not None:
+            elif lp.scaling.granularity is Granularity.BLOCK and lp.format.is_fp8 and (why := block_support(lp.format, lp.grad_format, device)):
                 problems.append(f"{layer_name(fqn, model)!r}: block scaling has no kernel here ({why}); it would be emulated")
         if problems:
             raise PlanError(problems, f"The plan does not fit {type(model).__name__}.")

@@ -19,7 +19,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from autoprec.runtime.block_gemm import block_scaled_form
+from autoprec.device import block_scaled_form
 
 __all__ = ["reference_block_kernel"]
 

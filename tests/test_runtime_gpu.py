@@ -14,10 +14,9 @@ import torch
 import torch.nn as nn
 
 import autoprec as ap
-from autoprec.device import has_int_mm, has_scaled_mm
+from autoprec.device import block_scaled_form, has_int_mm, has_scaled_mm
 from autoprec.formats import sqnr
 from autoprec.measure import SavedTensorMeter
-from autoprec.runtime.block_gemm import block_scaled_form
 from autoprec.workloads import LMConfig, TransformerBlock, default_workload
 from graphs import graph_tensors
 

@@ -237,6 +237,7 @@ def test_a_block_scaled_layer_on_fused_casts_equals_pytorch_ops_bit_for_bit(monk
 
     import autoprec as ap
     from autoprec.runtime.casts import FUSED, PYTORCH
+    from autoprec.device import block_scaled_form
     from block_kernel import reference_block_kernel
     from cuda_rules import CudaRules
     from torch.utils._python_dispatch import _disable_current_modes
@@ -255,7 +256,7 @@ def test_a_block_scaled_layer_on_fused_casts_equals_pytorch_ops_bit_for_bit(monk
     x, grad = torch.randn(130, 200).to(dtype), torch.randn(130, 72)
     results, launched = [], []
     with reference_block_kernel():
-        assert block_gemm.block_scaled_form("cpu")[0]  # probed here, outside the rules' count
+        assert block_scaled_form("cpu")[0]  # probed here, outside the rules' count
         with CudaRules() as rules:
             for fused in (False, True):
                 layer = copy.deepcopy(base)

@@ -16,7 +16,7 @@ The calls (``torch.nn.functional.scaled_mm``, ``aten::_scaled_mm_v2``; pytorch/p
 ``_scaled_block1x128_block1x128``) take FP32 scales "outer-dim-major": a 1x128 operand's (rows,
 K/128) with strides (1, rows); a 128x128 operand's (round_up(K/128, 4), N/128) with strides
 (1, round_up(K/128, 4)), the K-block count padded to 4 (16-byte rows). Both operands E4M3; first
-row-major, second column-major; sm_90 with cuBLASLt >= 12.9 (`block_scaled_form` probes it; on CPU
+row-major, second column-major; sm_90 with cuBLASLt >= 12.9 (`device.block_scaled_form` probes it; on CPU
 ``aten::_scaled_mm_v2`` has no block-scaled kernel). K and N are padded to whole tiles of 128, and
 so are the tokens of the weight-gradient GEMM (torch 2.11's meta function counts K // 128 tiles
 where the CUDA kernel counts ceil(K / 128); whole tiles keep every check in agreement); zero rows
@@ -31,13 +31,11 @@ element) and its scales, the weight's transposed E4M3 copy and its block scales.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 
-from ..device import KERNEL_REFUSALS, first_line
 from ..formats import Format, block_amax, inverse_scale, quantize
 from .casts import call_casts
 from .gemm import pad_to_multiple
@@ -50,7 +48,6 @@ __all__ = [
     "Fp8BlockLinear",
     "Fp8BlockSpec",
     "block_cast",
-    "block_scaled_form",
     "block_scaled_mm",
     "kernel_weight_scales",
     "outer_major",
@@ -123,46 +120,6 @@ def block_scaled_mm(
 @block_scaled_mm.register_fake
 def _block_scaled_mm_shape(a, b, scale_a, scale_b, blocks_b, out_dtype, bias=None):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
-
-
-# The forms the three products take: forward and input gradient (1x128 x 128x128) into the
-# region's dtype, the forward with a fused bias in a half dtype; weight gradient (1x128 x 1x128)
-# into FP32.
-_FORMS = (
-    (True, torch.bfloat16, True),
-    (True, torch.float16, True),
-    (True, torch.float32, False),
-    (False, torch.float32, False),
-)
-
-
-@functools.lru_cache(maxsize=None)
-def block_scaled_form(device: str) -> tuple[bool, str]:
-    """Whether the installed torch runs every block-scaled GEMM form the runtime issues on
-    ``device`` (``"cpu"``, ``"cuda:0"``): ``(ok, why)``. One tiny call per form with known scales,
-    the result checked, cached per device (run once, never in a forward)."""
-    if not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType"):
-        return False, f"torch {torch.__version__} has no torch.nn.functional.scaled_mm (block-scaled FP8 GEMMs)"
-    m, k, n = 16, 2 * BLOCK, BLOCK
-    for blocks_b, out_dtype, with_bias in _FORMS:
-        name = f"{'1x128 x 128x128' if blocks_b else '1x128 x 1x128'} -> {str(out_dtype).removeprefix('torch.')}{' with bias' if with_bias else ''}"
-        try:
-            a = torch.ones(m, k, device=device).to(_E4M3.dtype)
-            b = torch.ones(n, k, device=device).to(_E4M3.dtype).t()
-            # Scales 1/2 and 1/4: each entry K/8 (+ 1), exact in every output dtype.
-            scale_a = torch.full((k // BLOCK, m), 0.5, device=device).t()
-            if blocks_b:
-                scale_b = kernel_weight_scales(torch.full((n // BLOCK, k // BLOCK), 0.25, device=device))
-            else:
-                scale_b = torch.full((k // BLOCK, n), 0.25, device=device).t()
-            bias = torch.ones(n, device=device, dtype=out_dtype) if with_bias else None
-            out = block_scaled_mm(a, b, scale_a, scale_b, blocks_b, out_dtype, bias)
-            expected = k / 8 + (1.0 if with_bias else 0.0)
-            if out.dtype != out_dtype or not bool((out.float() == expected).all()):
-                return False, f"block-scaled FP8 GEMM ({name}) on {device} returned a wrong result"
-        except KERNEL_REFUSALS as exc:
-            return False, f"torch {torch.__version__} has no block-scaled FP8 GEMM on {device} ({name}): {first_line(exc)[:200]}"
-    return True, f"torch.nn.functional.scaled_mm runs block-scaled FP8 on {device}"
 
 
 @dataclasses.dataclass(frozen=True)

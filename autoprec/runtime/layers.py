@@ -18,10 +18,10 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from ..coverage import layer_name
-from ..device import KERNEL_OPS, canonical_device, format_support, scaled_mm_form
+from ..device import KERNEL_OPS, block_support, canonical_device, format_support, scaled_mm_form
 from ..formats import Format, Granularity
 from ..plan import LayerPrecision, ScalingMode
-from .block_gemm import BLOCK, block_scaled_form
+from .block_gemm import BLOCK
 from .calibration import Int8Calibrator
 from .casts import FUSED, PYTORCH, fused_casts
 from .gemm import FP8_ALIGN, INT8_ALIGN, pad_to_multiple
@@ -30,7 +30,7 @@ from .quantizers import GradQuantizer, InputQuantizer, WeightQuantizer
 if TYPE_CHECKING:
     from .triton_cast import FusedCasts
 
-__all__ = ["EmulationWarning", "RuntimeLayer", "as_gemm", "block_reason", "kernel_reason", "row_scale_form", "to_fp32", "to_half", "unify_dtypes"]
+__all__ = ["EmulationWarning", "RuntimeLayer", "as_gemm", "kernel_reason", "row_scale_form", "to_fp32", "to_half", "unify_dtypes"]
 
 
 class EmulationWarning(UserWarning):
@@ -49,7 +49,7 @@ def kernel_reason(precision: LayerPrecision, device: "torch.device | str") -> "s
         return support.reason
     granularity = precision.scaling.granularity
     if granularity is Granularity.BLOCK:
-        return block_reason(precision, device)
+        return block_support(fmt, precision.grad_format, device)
     if granularity is Granularity.ROW and fmt.is_fp8:
         # Row-wise scales are a form of their own (torch 2.11's CPU kernel refuses them): the
         # forward's exact call, BF16 out (the form every torch with row-wise scaling takes).
@@ -57,17 +57,6 @@ def kernel_reason(precision: LayerPrecision, device: "torch.device | str") -> "s
         if not ok:
             return reason
     return None
-
-
-def block_reason(precision: LayerPrecision, device: "torch.device | str") -> "str | None":
-    """Why a block-scaled FP8 layer (`block_gemm`) cannot run its kernels on ``device``, or None.
-    Torch's block-scaled GEMM takes E4M3 operands only (DeepSeek-V3's recipe: E4M3 gradients,
-    which the fine scales make safe), on sm_90 with cuBLASLt >= 12.9 (probed once)."""
-    off = [f"{kind} {fmt.value}" for kind, fmt in (("format", precision.format), ("grad_format", precision.grad_format)) if fmt is not Format.FP8_E4M3]
-    if off:
-        return f"block-scaled GEMMs take E4M3 operands only ({', '.join(off)}; set them to fp8_e4m3)"
-    ok, why = block_scaled_form(canonical_device(device))
-    return None if ok else why
 
 
 def row_scale_form(fmt: Format, out_dtype: torch.dtype, device: "torch.device | str") -> tuple[bool, str]:
