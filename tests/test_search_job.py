@@ -166,6 +166,16 @@ def test_summary_table_lists_references_and_candidates(searched, capsys):
     gap = result.proposal.solutions[-1].total.seconds / result.exact.total.seconds - 1
     assert f"k-best exact: 2 distinct plans, the 2nd {gap:.2%} slower than the optimum (predicted)" in table
     assert "exact-2" in table  # measure_top = 2: the optimum and the next best plan
+    # On a CPU the job measures with the threads the machine gives, and says so (issue 49).
+    load = result.measurement
+    assert load is not None and 1 <= load["threads"] <= load["cores"]
+    assert f"measured with {load['threads']} intra-op thread(s) of {load['cores']} cores" in table
+    assert result.plan.metadata["measurement"]["cores"] == load["cores"]
+    # The fastest candidates that met the budgets were timed again in interleaved rounds beside
+    # the control pair (uniform BF16 plan, plain BF16 autocast), and the plan says what decided.
+    settled = result.plan.measured["settled"]
+    assert settled["choice"] == result.chosen.name and settled["control"] is not None
+    assert f"settled in {settled['rounds']} interleaved rounds: control pair" in table
 
 
 @pytest.mark.slow

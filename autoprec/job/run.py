@@ -33,7 +33,7 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import optuna
 import torch
@@ -41,6 +41,7 @@ import torch
 from ..calls import ModelCall
 from ..blocks import find_blocks
 from ..coverage import find_layers, layer_name
+from ..cpu_load import CpuLoad, measuring_threads, sample_load
 from ..device import format_support, resolve_device
 from ..errors import InfeasibleBudgetError, SearchError
 from ..formats import Format
@@ -49,6 +50,7 @@ from ..runtime import EmulationWarning, apply_plan, removing
 from ..workload import TrainStep, to_device
 from ..search.exact import Solution
 from ..search.measured import BudgetPruner, Candidate, MeasuredStage, Measurement, candidate_id, fastest_meeting
+from ..search.noise import Verdict
 from ..search.pipeline import Proposal, propose_plans
 from ..search.planner import floor_settings, layer_reasons, measured_reasons, plan_from_solution
 from ..search.refine import CorrectingSampler
@@ -83,6 +85,9 @@ class JobResult:
     predicted_fp32: Mapping[str, float]  # the all-FP32 plan's predicted bytes and seconds
     seconds: float
     chosen: "Candidate | None" = None  # the candidate the plan came from (a reference, maybe)
+    # On a CPU: the intra-op threads measured with and the load by other processes (`cpu_load`).
+    measurement: "Mapping[str, Any] | None" = None
+    verdict: "Verdict | None" = None  # the fastest candidates' interleaved rounds (`MeasuredStage.settle`)
 
     @property
     def met_budgets(self) -> bool:
@@ -128,7 +133,11 @@ class JobResult:
         budget = f"budgets: memory <= {self.memory_budget / 2**20:.2f} MiB, loss increase <= {self.loss_budget:.4g}"
         gap = self.proposal.summary()
         verdict = f"plan: {self.plan_path}" if self.plan_path else "no candidate met the budgets as measured"
-        return "\n".join(lines + [budget, gap] + self._comparison() + [verdict])
+        load = self.measurement
+        threads = ([f"measured with {load['threads']} intra-op thread(s) of {load['cores']} cores ({load['busy_elsewhere']:.1f} cores busy "
+                    f"with other processes, {load['source']})"] if load else [])
+        settled = [f"settled in {self.verdict.summary()}"] if self.verdict is not None else []
+        return "\n".join(lines + [budget, gap] + self._comparison() + settled + threads + [verdict])
 
     def _comparison(self) -> list[str]:
         """The returned plan against the fastest budget-meeting reference, and its predicted step."""
@@ -351,11 +360,30 @@ def run_job(config: JobConfig, progress: "Progress | None" = None, workers: int 
     _make_out(config)
     with _naming(config, "[search].storage", "; fix the path or URL"):
         storage = open_storage(config.storage_url)  # an unreachable storage fails before any work
-    with _storage_failures(config, workers):
-        return _search(config, progress, workers, device, storage, start)
+    with _storage_failures(config, workers), _measuring_threads(device) as load:
+        return _search(config, progress, workers, device, storage, start, load)
 
 
-def _search(config: JobConfig, progress, workers: int, device, storage, start: float) -> JobResult:
+@contextlib.contextmanager
+def _measuring_threads(device):
+    """On a CPU, the job (training, timing, the measured stage) runs with the intra-op threads
+    the machine can give (`cpu_load`: the cores other processes leave free), restored after;
+    yields the `CpuLoad` sampled (None on another device)."""
+    if device.type != "cpu":
+        yield None
+        return
+    load = sample_load()
+    before = torch.get_num_threads()
+    threads = measuring_threads(load, before)
+    logger.info("autoprec: measuring with %s", load.describe(threads))
+    torch.set_num_threads(threads)
+    try:
+        yield load
+    finally:
+        torch.set_num_threads(before)
+
+
+def _search(config: JobConfig, progress, workers: int, device, storage, start: float, load: "CpuLoad | None") -> JobResult:
     workload = load_job_workload(config)
     model = workload.build_model(config.seed).to(device)
     step = TrainStep.for_workload(workload, model)
@@ -380,8 +408,10 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
     fingerprint = find_layers(model, example_inputs)  # the plan refuses another model of the same layer names
     # The measured steps train as the profiled ones did: the workload's optimizer and clipping.
     stage = MeasuredStage(model, workload.loss, train, val, list(fingerprint), train_step=lambda m: TrainStep.for_workload(workload, m), steps=config.measure_steps)
+    measurement = load.to_dict(torch.get_num_threads()) if load is not None else None
     meta = {
         "job": config.name, "source": str(config.source), "device": str(device), "torch": torch.__version__,
+        **({"measurement": measurement} if measurement is not None else {}),
         "study": _measured_name(config), "storage": config.storage_url, "lr": lr,
         "train_loss_first": loss_first, "train_loss_last": loss_last, "profile_steps": config.profile_steps, "sensitivity": "fisher",
     }
@@ -429,7 +459,8 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
             [to_device(b, "cpu") for b in val], list(fingerprint), candidates, measured_memory, loss_budget,
             _measured_name(config), config.storage_url, sampler,
         )
-        run_workers(config, payload, candidates, measured_study, workers, progress)
+        threads = measuring_threads(load, None, workers) if load is not None else torch.get_num_threads()
+        run_workers(config, payload, candidates, measured_study, workers, progress, threads)
     # With workers, this collects what they measured (and measures what a dead one left).
     with quiet_interrupts():
         results = stage.run(candidates, measured_study, measured_memory, loss_budget, progress)
@@ -447,6 +478,11 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
 
     pairs = [(c, results.get(c.id, "not measured")) for c in candidates]
     winner = fastest_meeting(pairs, measured_memory, loss_budget)
+    verdict = _settle(stage, pairs, measured_memory, loss_budget) if winner is not None else None
+    if verdict is not None:
+        winner = next((c, m) for c, m in pairs if c.name == verdict.choice and isinstance(m, Measurement))
+        if not verdict.resolved:
+            logger.warning("autoprec: the measurement cannot rank every candidate: %s", verdict.summary())
     plan = plan_path = None
     if winner is not None:
         candidate, m = winner
@@ -454,6 +490,7 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
         fp32 = references["fp32"]
         measured = {
             **m.to_dict(), "baseline_loss": stage.baseline_loss, "fp32_bytes": fp32.bytes, "fp32_seconds": fp32.seconds,
+            **({"settled": verdict.to_dict()} if verdict is not None else {}),
             "references": {"fp32": fp32.to_dict(), **{c.name: r.to_dict() if isinstance(r, Measurement) else {"pruned": r} for c, r in pairs if c.is_reference}},
         }
         metadata = {
@@ -474,10 +511,28 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
         config=config, plan=plan, plan_path=plan_path, references=references, candidates=pairs,
         proposal=proposal, memory_budget=measured_memory, loss_budget=loss_budget, predicted_memory_budget=memory,
         predicted_fp32={"bytes": fp32_cost.bytes, "seconds": fp32_cost.step_seconds}, seconds=time.perf_counter() - start,
-        chosen=winner[0] if winner is not None else None,
+        chosen=winner[0] if winner is not None else None, measurement=measurement, verdict=verdict,
     )
     _write_logs(config, result, measured_study)
     return result
+
+
+SETTLED = 3  # the fastest candidates that met the budgets, timed again in interleaved rounds
+
+
+def _settle(stage: MeasuredStage, pairs, memory: float, loss_budget: float) -> "Verdict | None":
+    """The `SETTLED` fastest candidates that met the budgets as measured, timed again in
+    interleaved rounds beside a control pair (`MeasuredStage.settle`): the uniform BF16 plan and
+    plain BF16 autocast when both were candidates (they run the same ops), else the fastest
+    twice. None when only one candidate met the budgets."""
+    met = sorted((p for p in pairs if isinstance(p[1], Measurement) and p[1].seconds is not None
+                  and p[1].bytes <= memory and p[1].loss_increase is not None and p[1].loss_increase <= loss_budget),
+                 key=lambda p: p[1].seconds)[:SETTLED]
+    if len(met) < 2:
+        return None
+    by_name = {c.name: c for c, _ in pairs}
+    control = (by_name["uniform-bf16"], by_name["autocast-bf16"]) if {"uniform-bf16", "autocast-bf16"} <= set(by_name) else None
+    return stage.settle([c for c, _ in met], control)
 
 
 def _refined(candidate: Candidate, sampler, space, costs, config, ruled_out, proposal, meta, fingerprint, evidence: str) -> Candidate:

@@ -11,8 +11,9 @@ worker left), and picks the plan exactly as the single-process job does.
 
 Placement: with several CUDA devices (``[job].device`` "auto" or "cuda"), worker *i* runs on
 device *i mod count*; otherwise every worker runs on the job's device. Each worker sets
-``torch.set_num_threads(max(1, cores // N))``: N workers with ``cores`` intra-op threads each
-would oversubscribe the cores, and idle OpenMP threads spin-wait on each other's cores; the
+``torch.set_num_threads`` to its share of the cores other processes leave free
+(`cpu_load.measuring_threads`): N workers with ``cores`` intra-op threads each would
+oversubscribe the cores, and idle OpenMP threads spin-wait on each other's cores; the
 step times are ratios to interleaved FP32 steps of the same worker, so each worker's thread
 count cancels out of the comparison.
 
@@ -43,7 +44,7 @@ from ..plan import Plan
 from ..search.measured import BudgetPruner, Candidate, enqueue
 from ..search.study import storage_kind
 
-__all__ = ["WorkerPayload", "check_workers", "threads_per_worker", "worker_devices", "adopt_candidates", "run_workers"]
+__all__ = ["WorkerPayload", "check_workers", "worker_devices", "adopt_candidates", "run_workers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,13 +86,6 @@ def check_workers(source, storage_url: str, workers: int) -> None:
         )
 
 
-def threads_per_worker(workers: int, cores: "int | None" = None) -> int:
-    """Intra-op threads for each of ``workers`` processes sharing ``cores`` (default: the cores
-    this process may run on)."""
-    cores = cores if cores is not None else len(os.sched_getaffinity(0))
-    return max(1, cores // workers)
-
-
 def worker_devices(device: torch.device, requested: str, workers: int) -> list[str]:
     """The device of each worker: one per CUDA device, round robin, when ``requested`` names no
     index and there are several; else ``device`` for all."""
@@ -124,11 +118,13 @@ def run_workers(
     study: optuna.Study,
     workers: int,
     progress: "Callable[[int, int, str], None] | None" = None,
+    threads: int = 1,
     poll_s: float = 1.0,
 ) -> "list[int | None]":
     """Queue every candidate not yet finished or held, run ``workers`` processes measuring them
     on ``study`` until none is left, and return their exit codes (negative: killed by that signal;
-    None only for a process that has not ended, which the loop's end rules out).
+    None only for a process that has not ended, which the loop's end rules out). Each worker
+    runs ``threads`` intra-op threads.
 
     ``payload``: what a worker needs to rebuild the measured stage, written once to ``[job].out``.
     Costs: one process start per worker (a Python and torch import, the workload built, the
@@ -144,7 +140,6 @@ def run_workers(
     path = job.out / "workers.pt"
     torch.save(payload, path)
     devices = worker_devices(payload.device, payload.config.device, workers)
-    threads = threads_per_worker(workers)
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch or database state
     processes = [context.Process(target=_worker_main, args=(str(path), devices[i], threads, optuna.logging.get_verbosity()), name=f"autoprec-worker-{i}") for i in range(workers)]
     for p in processes:

@@ -48,6 +48,7 @@ from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan, removing
 from ..timing import rotated, timed
 from ..workload import TrainStep
+from .noise import Verdict, separate
 from .study import mark_worker, recover_interrupted_trials
 
 if TYPE_CHECKING:  # refine imports this module; the stage only duck-types its sampler
@@ -295,6 +296,35 @@ class MeasuredStage:
                 self._fp32_times.append(t[id(self._fp32)])
                 ratios.append(t[id(variant)] / t[id(self._fp32)])
         return statistics.median(ratios)
+
+    def settle(self, contenders: Sequence[Candidate], control: "tuple[Candidate, Candidate] | None" = None,
+               max_rounds: "int | None" = None) -> Verdict:
+        """Which of ``contenders`` (already measured, each fastest against FP32 on its own) to take,
+        from interleaved rounds that know their noise (`noise.separate`): each round runs every
+        contender and the ``control`` pair (default: the first contender twice) once, the first
+        rotated; after the warmup, ``steps`` rounds, then ``steps`` more while the control pair is
+        off 1.0 or the fastest is not separated, up to ``max_rounds`` (default ``3 * steps``).
+        Costs: one model copy per variant, ``len(variants) × (warmup + rounds)`` training steps."""
+        control = control or (contenders[0], contenders[0])
+        variants = {c.name: StepVariant(self.model, self.train_step, c.context(self.device)) for c in contenders}
+        pair = [StepVariant(self.model, self.train_step, c.context(self.device)) for c in control]
+        everyone = [*variants.values(), *pair]
+        times: dict[int, list[float]] = {id(v): [] for v in everyone}
+        predicted = {c.name: c.plan.predicted.get("seconds", math.inf) for c in contenders}
+        limit = max_rounds if max_rounds is not None else 3 * self.steps
+        ran, warmup = 0, self.warmup
+        while True:
+            for i in range(ran, ran + warmup + self.steps):
+                batch = self.train_batches[i % len(self.train_batches)]
+                t = {id(v): timed(functools.partial(v.step, batch), self.device)[1] for v in rotated(everyone, i)}
+                if i >= self.warmup:
+                    for key, seconds in t.items():
+                        times[key].append(seconds)
+            ran, warmup = ran + warmup + self.steps, 0
+            verdict = separate({name: times[id(v)] for name, v in variants.items()}, predicted,
+                               (times[id(pair[0])], times[id(pair[1])]))
+            if verdict.resolved or verdict.rounds + self.steps > limit:
+                return verdict
 
     @property
     def fp32_seconds(self) -> float:

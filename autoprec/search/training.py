@@ -18,7 +18,8 @@ is held for long, and most of the work trains the model:
   the budgets, each run until their INT8 scales froze, then ``TIMED_TRIAL_STEPS`` timed steps
   (the first metered for bytes); around a compiled model the timed steps run compiled, after one
   that compiles the candidate. One with a skipped step or over the memory budget is dropped; the
-  fastest kept one is adopted with its runtime. When every candidate measured over the memory
+  fastest kept one is adopted with its runtime, unless it beats the predicted fastest kept one by
+  less than their own steps' spread (`noise.unseparated`: then that one stays). When every candidate measured over the memory
   budget (the bytes predicted at the budget's edge, measured a little over), the next round's
   are proposed under the budget divided by the ratio of measured to predicted bytes: at most
   `MEMORY_ROUNDS` rounds, so a plan is in force at most ``MEMORY_ROUNDS * (CANDIDATES + 1) *
@@ -53,6 +54,7 @@ from ..formats import Format
 from ..plan import Calibration, LayerPrecision, Plan
 from ..runtime import EmulationWarning, apply_plan
 from ..sensitivity import FisherEstimator, sensitivity_steps
+from .noise import unseparated
 from .pipeline import propose_from, space_of, uniform_reference
 from .planner import floor_settings, overflow_reason
 from .space import LayerRules
@@ -605,11 +607,16 @@ class TrainingSearch:
             self.error = SearchError(f"every candidate plan failed on the training steps ({why}); training stays at the safe precision")
             return
         best = min(kept, key=lambda t: statistics.median(t.seconds))
+        # The trials come in the search's predicted order: a measured win smaller than the two
+        # candidates' own step spread is noise, and the predicted fastest kept one stays.
+        tied = best is not kept[0] and unseparated(kept[0].seconds, best.seconds)
+        if tied:
+            best = kept[0]
         self._winner = best
         self.result = best.plan.replace(measured={
             "source": "training steps", "step_seconds": statistics.median(best.seconds), "saved_bytes": best.saved_bytes,
             "search_timeline": dict(self.timeline), "search_steps": self.steps, "rounds": self._round + 1,
-            "candidates": self._records(), "compiled": self.compiled,
+            "candidates": self._records(), "compiled": self.compiled, "within_noise": tied,
         })
 
     def _records(self) -> list[dict]:

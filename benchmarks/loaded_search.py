@@ -1,0 +1,78 @@
+"""The README's main job quiet and under a synthetic load: does the search still decide the same?
+
+Runs ``searches/bytelm.toml`` (each run in a fresh output folder, so nothing is resumed) first on
+a quiet machine, then with ``--spinners`` processes spinning on a core each (``while True:
+pass``), started before the job and killed after it (also when interrupted). Per run: the
+returned plan's format counts, its measured step against the fastest reference, the control pair
+(``uniform-bf16``, which is exactly plain autocast, over ``autocast-bf16``: 1.0 when the
+measurement is sound), the job's wall time and the intra-op threads it measured with (the
+``measurement`` the plan records, `autoprec.cpu_load`).
+
+Run: ``PYTHONPATH=. python benchmarks/loaded_search.py --out benchmarks/results/loaded_search_cpu.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from autoprec._io import atomic_write_text
+from autoprec.job.config import load_job
+from autoprec.job.run import run_job
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def one_run(spinners: int) -> dict:
+    """The job once, with ``spinners`` busy processes beside it."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(spinners)]
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            config = load_job(ROOT / "searches" / "bytelm.toml")
+            config = dataclasses.replace(config, out=Path(out))
+            start = time.perf_counter()
+            result = run_job(config)
+            wall = time.perf_counter() - start
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    ms = {c.name: m.seconds * 1e3 for c, m in result.candidates if not isinstance(m, str) and m.seconds is not None}
+    refs = {name: v for name, v in ms.items() if name.startswith(("autocast", "uniform"))}
+    plan = result.plan
+    return {
+        "spinners": spinners, "wall_s": round(wall, 1), "threads": result.measurement,
+        "plan": dict(plan.format_counts()) if plan is not None else None, "candidate": result.chosen.name if result.chosen else None,
+        "plan_ms": plan.measured["seconds"] * 1e3 if plan is not None else None,
+        "fastest_reference_ms": min(refs.values()) if refs else None,
+        "control_ratio": ms["uniform-bf16"] / ms["autocast-bf16"] if "uniform-bf16" in ms and "autocast-bf16" in ms else None,
+        "measured_ms": ms,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spinners", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    runs = [one_run(0), one_run(args.spinners)]
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    result = {"device": platform.processor() or platform.machine(), "torch": torch.__version__, "commit": commit, "runs": runs}
+    for r in runs:
+        print(f"{r['spinners']} spinner(s): {r['wall_s']:.0f} s, plan {r['plan']} ({r['candidate']}), {r['plan_ms']:.1f} ms vs fastest "
+              f"reference {r['fastest_reference_ms']:.1f} ms, control pair {r['control_ratio']:.2f}, threads {r['threads']}")
+    if args.out is not None:
+        atomic_write_text(args.out, json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""`autoprec.cpu_load`: the cores other processes keep busy, and the threads a measurement takes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from autoprec.cpu_load import CpuLoad, measuring_threads, sample_load
+
+
+def _snapshots(*values):
+    it = iter(values)
+    return lambda: next(it)
+
+
+def test_this_process_own_time_is_not_counted_as_another_process_load():
+    # Over the window: 1.5 cores busy in all, 0.5 of them this process: 1.0 core elsewhere.
+    per_core = 100.0
+    cores = os.cpu_count()
+    reader = _snapshots((0.0, 0.0, 0.0), (1.5 * per_core, per_core * cores, 0.5 * per_core))
+    load = sample_load(0.0, reader=reader, sleep=lambda s: None)
+    assert load.busy_elsewhere == pytest.approx(min(1.0, load.cores))
+    assert load.free_cores == max(1, load.cores - 1)
+
+
+def test_without_proc_the_load_average_stands_in():
+    load = sample_load(0.0, reader=lambda: None, sleep=lambda s: None)
+    assert "load average" in load.source or "no load figure" in load.source
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads Linux's /proc/stat")
+def test_a_process_spinning_on_a_core_is_seen_and_its_core_left_out():
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        load = sample_load(0.5)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert load.busy_elsewhere >= 0.7  # the spinner's core (other tests may add more)
+    assert load.free_cores <= max(1, load.cores - 1)
+    assert measuring_threads(load, current=load.cores) == load.free_cores
+
+
+def test_threads_are_shared_among_workers_and_never_raised():
+    load = CpuLoad(cores=8, busy_elsewhere=2.0, source="test")
+    assert load.free_cores == 6
+    assert measuring_threads(load, current=8) == 6
+    assert measuring_threads(load, current=4) == 4  # never more than torch would use now
+    assert measuring_threads(load, workers=4) == 1
+    assert measuring_threads(CpuLoad(2, 2.0, "test"), current=2) == 1  # always one
+    assert "1 intra-op thread of 2 cores (2.0 cores busy with other processes, test)" == CpuLoad(2, 2.0, "test").describe(1)
