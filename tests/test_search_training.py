@@ -171,7 +171,10 @@ def test_the_search_runs_on_the_steps_after_the_window_and_tries_its_candidates(
     assert [c["reference"] for c in measured["candidates"]][:2] == [None] * min(2, len(measured["candidates"]))
     assert all(c["reference"] in (None, "every layer bf16") for c in measured["candidates"]) and measured["compiled"] is False
     kept = [c["step_seconds"] for c in measured["candidates"] if c["dropped"] is None]
-    assert measured["step_seconds"] == min(kept)  # the fastest kept candidate won
+    # The fastest kept candidate won, unless its win was inside the candidates' own step spread:
+    # then the predicted fastest kept one (the first) stays (issue 49).
+    assert measured["step_seconds"] == (kept[0] if measured["within_noise"] else min(kept))
+    assert not measured["within_noise"] or kept[0] > min(kept)
     assert searching >= PROBE_ROUNDS * 3  # three formats: at least one probe cycle each round
     # The timeline the log and TensorBoard show, kept with the plan: every stage, none negative.
     timeline = measured["search_timeline"]
