@@ -136,7 +136,7 @@ all)
         search_pid=$!
         xdist=()
         "$py" -c "import xdist" 2>/dev/null && xdist=(-n 2)
-        timeout "$(cap 170)" "$py" -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" tests/test_runtime_gpu.py tests/test_triton_cast.py \
+        timeout "$(cap 170)" "$py" -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" tests/test_runtime_gpu.py tests/test_triton_cast.py tests/test_triton_block_cast.py \
             tests/test_step_profile.py tests/test_profiling.py::test_steps_do_not_sync_on_cuda >>"$log" 2>&1
         ran $? tests; tail -3 "$log"
         wait "$search_pid"
