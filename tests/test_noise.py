@@ -52,7 +52,17 @@ def test_an_unsound_control_pair_is_said_in_the_summary():
     assert "control pair 1.40x" in verdict.summary() and "off 1.0" in verdict.summary()
 
 
-def test_settle_times_contenders_and_the_control_pair_in_the_same_rounds():
+def test_settle_times_contenders_and_the_control_pair_in_the_same_rounds(monkeypatch):
+    import autoprec.search.measured as measured
+
+    made = []
+
+    class Counted(measured.StepVariant):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(measured, "StepVariant", Counted)
     wl = default_workload("tiny", batch_size=4)
     model = wl.build_model(0)
     sampler = wl.train_batches(0)
@@ -62,10 +72,13 @@ def test_settle_times_contenders_and_the_control_pair_in_the_same_rounds():
     stage = MeasuredStage(model, wl.loss, train, wl.val_batches(2), list(fp32.layers), steps=3, warmup=1)
     contenders = [Candidate("uniform-fp32", fp32), Candidate("autocast-bf16", bf16, autocast=True)]
     control = (Candidate("uniform-bf16", bf16), Candidate("autocast-bf16", bf16, autocast=True))
+    before = len(made)  # the stage's own FP32 copy
     verdict = stage.settle(contenders, control, max_rounds=6)
     assert verdict.rounds in (3, 6)  # 3 rounds, 3 more when unresolved, never past 6
     assert set(verdict.ratios) == {"uniform-fp32", "autocast-bf16"} and verdict.control is not None
     assert verdict.choice in verdict.tied
+    assert len(made) - before == 3  # the control's autocast-bf16 is the contender's own copy
+    assert stage.spare_copies() >= 2  # a tiny model: room for several copies
     with pytest.raises(ValueError):
         separate({}, {})
 

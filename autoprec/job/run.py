@@ -524,11 +524,15 @@ def _settle(stage: MeasuredStage, pairs, memory: float, loss_budget: float) -> "
     """The `SETTLED` fastest candidates that met the budgets as measured, timed again in
     interleaved rounds beside a control pair (`MeasuredStage.settle`): the uniform BF16 plan and
     plain BF16 autocast when both were candidates (they run the same ops), else the fastest
-    twice. None when only one candidate met the budgets."""
+    twice. None when only one candidate met the budgets, or fewer than two contenders and the
+    control pair's copies fit in the device's free memory (`MeasuredStage.spare_copies`)."""
+    room = stage.spare_copies() - 2  # the control pair's copies, at most
     met = sorted((p for p in pairs if isinstance(p[1], Measurement) and p[1].seconds is not None
                   and p[1].bytes <= memory and p[1].loss_increase is not None and p[1].loss_increase <= loss_budget),
-                 key=lambda p: p[1].seconds)[:SETTLED]
+                 key=lambda p: p[1].seconds)[:min(SETTLED, room)]
     if len(met) < 2:
+        if room < 2:
+            logger.info("autoprec: no room for the final interleaved rounds (%d model copies fit); the fastest as measured is returned", room + 2)
         return None
     by_name = {c.name: c for c, _ in pairs}
     control = (by_name["uniform-bf16"], by_name["autocast-bf16"]) if {"uniform-bf16", "autocast-bf16"} <= set(by_name) else None

@@ -30,6 +30,7 @@ import functools
 import hashlib
 import logging
 import math
+import os
 import statistics
 import time
 import warnings
@@ -304,11 +305,15 @@ class MeasuredStage:
         contender and the ``control`` pair (default: the first contender twice) once, the first
         rotated; after the warmup, ``steps`` rounds, then ``steps`` more while the control pair is
         off 1.0 or the fastest is not separated, up to ``max_rounds`` (default ``3 * steps``).
-        Costs: one model copy per variant, ``len(variants) × (warmup + rounds)`` training steps."""
+        Costs: one model copy per contender and per control member that is not one (`spare_copies`
+        says how many fit), ``len(variants) × (warmup + rounds)`` training steps."""
         control = control or (contenders[0], contenders[0])
         variants = {c.name: StepVariant(self.model, self.train_step, c.context(self.device)) for c in contenders}
-        pair = [StepVariant(self.model, self.train_step, c.context(self.device)) for c in control]
-        everyone = [*variants.values(), *pair]
+        pair: list[StepVariant] = []
+        for c in control:  # a contender's own copy where it can serve (not twice)
+            own = variants.get(c.name)
+            pair.append(own if own is not None and own not in pair else StepVariant(self.model, self.train_step, c.context(self.device)))
+        everyone = list(dict.fromkeys([*variants.values(), *pair]))
         times: dict[int, list[float]] = {id(v): [] for v in everyone}
         predicted = {c.name: c.plan.predicted.get("seconds", math.inf) for c in contenders}
         limit = max_rounds if max_rounds is not None else 3 * self.steps
@@ -325,6 +330,19 @@ class MeasuredStage:
                                (times[id(pair[0])], times[id(pair[1])]))
             if verdict.resolved or verdict.rounds + self.steps > limit:
                 return verdict
+
+    def spare_copies(self) -> int:
+        """How many more training copies of the model (parameters, gradients, two optimizer moments:
+        four times its parameter bytes) fit in 80 % of the device's free memory now."""
+        per_copy = max(1, 4 * sum(p.numel() * p.element_size() for p in self.model.parameters()))
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            try:
+                free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            except (ValueError, OSError, AttributeError):  # no figure on this system: assume room
+                return 1 << 20
+        return int(0.8 * free) // per_copy
 
     @property
     def fp32_seconds(self) -> float:
