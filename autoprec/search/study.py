@@ -196,10 +196,22 @@ def quiet_interrupts():
     optimize_logger = logging.getLogger("optuna.study._optimize")  # where Optuna logs failed trials
     quiet = _InterruptFilter()
     optimize_logger.addFilter(quiet)
+    # SQLAlchemy logs "Exception during reset or similar" with a traceback when the Ctrl-C lands
+    # while a pooled connection is being reset (its finalizer); the connection is discarded anyway.
+    # (A logger's filter sees only its own records: each pool class logs on its own logger.)
+    pool_loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.startswith("sqlalchemy.pool")]
+    for pool_logger in pool_loggers:
+        pool_logger.addFilter(_not_an_interrupt)
     try:
         yield
     finally:
         optimize_logger.removeFilter(quiet)
+        for pool_logger in pool_loggers:
+            pool_logger.removeFilter(_not_an_interrupt)
+
+
+def _not_an_interrupt(record: logging.LogRecord) -> bool:
+    return not (record.exc_info and record.exc_info[0] is not None and issubclass(record.exc_info[0], KeyboardInterrupt))
 
 
 def feasible(trial: optuna.trial.FrozenTrial) -> bool:
