@@ -49,7 +49,7 @@ from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan, removing
 from ..workload import TrainStep, to_device
 from ..search.exact import Solution
-from ..search.measured import BudgetPruner, Candidate, MeasuredStage, Measurement, candidate_id, fastest_meeting
+from ..search.measured import BudgetPruner, Candidate, MeasuredStage, Measurement, candidate_id, fastest_meeting, meeting_by_speed, meets_budgets
 from ..search.noise import Verdict
 from ..search.pipeline import Proposal, propose_plans
 from ..search.planner import floor_settings, layer_reasons, measured_reasons, plan_from_solution
@@ -125,7 +125,7 @@ class JobResult:
             if isinstance(m, str):
                 rows.append((candidate.name, counts, "-", "-", "-", "-", "-", predicted, f"pruned: {m}"))
                 continue
-            ok = m.bytes <= self.memory_budget and m.loss_increase is not None and m.loss_increase <= self.loss_budget
+            ok = meets_budgets(m, self.memory_budget, self.loss_budget)
             row(candidate.name + (" *" if candidate.id == chosen else ""), counts, m, predicted, "met" if ok else "missed")
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -527,9 +527,7 @@ def _settle(stage: MeasuredStage, pairs, memory: float, loss_budget: float) -> "
     twice. None when only one candidate met the budgets, or fewer than two contenders and the
     control pair's copies fit in the device's free memory (`MeasuredStage.spare_copies`)."""
     room = stage.spare_copies() - 2  # the control pair's copies, at most
-    met = sorted((p for p in pairs if isinstance(p[1], Measurement) and p[1].seconds is not None
-                  and p[1].bytes <= memory and p[1].loss_increase is not None and p[1].loss_increase <= loss_budget),
-                 key=lambda p: p[1].seconds)[:min(SETTLED, room)]
+    met = meeting_by_speed(pairs, memory, loss_budget)[:min(SETTLED, room)]
     if len(met) < 2:
         if room < 2:
             logger.info("autoprec: no room for the final interleaved rounds (%d model copies fit); the fastest as measured is returned", room + 2)

@@ -55,7 +55,7 @@ from .study import mark_worker, recover_interrupted_trials
 if TYPE_CHECKING:  # refine imports this module; the stage only duck-types its sampler
     from .refine import CorrectingSampler
 
-__all__ = ["Measurement", "Candidate", "AutocastCheckpoint", "BudgetPruner", "MeasuredStage", "candidate_id", "formats_id", "enqueue", "fastest_meeting"]
+__all__ = ["Measurement", "Candidate", "AutocastCheckpoint", "BudgetPruner", "MeasuredStage", "candidate_id", "formats_id", "enqueue", "fastest_meeting", "meeting_by_speed", "meets_budgets"]
 
 logger = logging.getLogger(__name__)
 
@@ -558,13 +558,23 @@ def enqueue(study: optuna.Study, candidates: Sequence[Candidate]) -> None:
         study.enqueue_trial({}, user_attrs={"candidate": c.id, "name": c.name})
 
 
+def meets_budgets(m: "Measurement | str", memory_bytes: float, loss_budget: float) -> bool:
+    """``m`` is a measurement (not a pruning reason) within both budgets as measured."""
+    return isinstance(m, Measurement) and m.bytes <= memory_bytes and m.loss_increase is not None and m.loss_increase <= loss_budget
+
+
+def meeting_by_speed(pairs: Sequence[tuple[Candidate, "Measurement | str"]], memory_bytes: float,
+                     loss_budget: float) -> "list[tuple[Candidate, Measurement]]":
+    """The timed candidates that met both budgets as measured (references included), fastest first."""
+    met = [(c, m) for c, m in pairs if isinstance(m, Measurement) and m.seconds is not None and meets_budgets(m, memory_bytes, loss_budget)]
+    return sorted(met, key=lambda p: cast(float, p[1].seconds))
+
+
 def fastest_meeting(pairs: Sequence[tuple[Candidate, "Measurement | str"]], memory_bytes: float, loss_budget: float) -> "tuple[Candidate, Measurement] | None":
     """The candidate with the fastest measured step among those that met both budgets as
     measured (references included), or None."""
-    met = [(c, m, m.seconds) for c, m in pairs if isinstance(m, Measurement) and m.seconds is not None
-           and m.bytes <= memory_bytes and m.loss_increase is not None and m.loss_increase <= loss_budget]
-    fastest = min(met, key=lambda p: p[2], default=None)
-    return fastest[:2] if fastest is not None else None
+    met = meeting_by_speed(pairs, memory_bytes, loss_budget)
+    return met[0] if met else None
 
 
 def _plan_context(plan: "Plan | None") -> Callable[[nn.Module], Any]:
