@@ -30,36 +30,25 @@ from autoprec.runtime import casts as casts_module
 from autoprec.runtime.casts import FUSED, PYTORCH, call_casts, cast_path, choose, fused_casts
 from autoprec.runtime.quantizers import InputQuantizer
 from cuda_rules import CudaRules
+from triton_env import DEVICE, NO_KERNELS, NUMPY_WARNINGS, force_fused_casts, needs_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
-# The interpreter computes with NumPy, which warns where IEEE arithmetic gives inf or NaN (tested).
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
-    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
-]
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-try:
+pytestmark = NUMPY_WARNINGS
+if NO_KERNELS is None:
     import triton
     import triton.language as tl
-except ImportError as exc:
-    NO_KERNELS: "str | None" = f"triton does not import ({exc}): the fused casts need it (torch's CUDA wheels ship it)"
-else:
-    NO_KERNELS = None
-    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        NO_KERNELS = "no CUDA and TRITON_INTERPRET is not 1: Triton kernels cannot run here"
-needs_kernels = pytest.mark.skipif(NO_KERNELS is not None, reason=NO_KERNELS or "")
-if NO_KERNELS is None:
-    from autoprec.runtime import triton_cast
+
+    from autoprec.runtime import triton_arith, triton_cast
 
     @triton.jit
     def _roundings(x_ptr, out_ptr, n, WHICH: tl.constexpr, BLOCK: tl.constexpr):
-        """The integer roundings of `triton_cast` on FP32 values: BF16 (0), E4M3 (1), E5M2 (2)."""
+        """The integer roundings of `triton_arith` on FP32 values: BF16 (0), E4M3 (1), E5M2 (2)."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         y = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
         if WHICH == 0:
-            out = triton_cast._bf16_soft(y).to(tl.uint32, bitcast=True)
+            out = triton_arith._bf16_soft(y).to(tl.uint32, bitcast=True)
         else:
-            out = triton_cast._fp8_bits_soft(y, WHICH == 2).to(tl.uint32)
+            out = triton_arith._fp8_bits_soft(y, WHICH == 2).to(tl.uint32)
         tl.store(out_ptr + offs, out, mask=offs < n)
 
 FP8 = [Format.FP8_E4M3, Format.FP8_E5M2]
@@ -324,23 +313,8 @@ def test_integer_roundings_match_torchs_conversions(tc):
 
 @pytest.fixture
 def fused_path(tc, monkeypatch):
-    """Runtimes made inside take the fused casts: CUDA's own choice; on CPU forced (interpreted).
-    Launches run outside dispatch modes: the interpreter's own host copies are not the step's ops
-    (a compiled launch dispatches none)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    launch = tc._launch
-
-    def outside_modes(*args, **kwargs):
-        with _disable_current_modes():
-            launch(*args, **kwargs)
-
-    monkeypatch.setattr(tc, "_launch", outside_modes)
-    if DEVICE == "cpu":
-        made = tc.FusedCasts("cpu")
-        monkeypatch.setattr("autoprec.runtime.layers.fused_casts", lambda device: made)
-        return made
-    return fused_casts(DEVICE)
+    """Runtimes made inside take the fused casts (`triton_env.force_fused_casts`)."""
+    return force_fused_casts(monkeypatch)
 
 
 def _layer_steps(runtime, layer, x, grad, steps=2):

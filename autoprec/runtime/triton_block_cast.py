@@ -21,7 +21,7 @@ outputs too: programs over the padding load nothing (masked) and write its zero 
 the transposed copy's padding rows, the scale of an all-zero tile (the 1e-12 amax floor times the
 format constant), as the reference's zero padding gives.
 
-Exactness: the arithmetic is `triton_cast`'s (``_nan_amax_rows`` / ``_nan_amax``, ``_scale``,
+Exactness: the arithmetic is `triton_arith`'s (`triton_cast`'s too) (``_nan_amax_rows`` / ``_nan_amax``, ``_scale``,
 ``_quantize``, ``_fp8_bits``): the amax in FP32 with NaN propagating (as ``vector_norm(ord=inf)``
 does; inf gives an inf scale, so finite values become zeros and the inf NaN), the IEEE-rounded
 division, the clamp to +-448 that keeps NaN, the cast rounding to nearest even. The reference's
@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from ..formats import Format
-from .triton_cast import _check, _launch, _nan_amax, _nan_amax_rows, _quantize, _scale, _soft, scale_constant
+from .triton_arith import _check, _launch, _nan_amax, _nan_amax_rows, _quantize, _scale, _soft, scale_constant
 
 __all__ = ["TILE", "block_casts", "tile_casts"]
 
@@ -143,15 +143,16 @@ def tile_casts(
     if transposed:
         q_t = torch.empty((ct, rt), device=x.device, dtype=_E4M3.dtype)
         inv_t = _outer_major(ct, rt // TILE, x.device)
-    if q is None and q_t is None:
-        return q, inv, q_t, inv_t
     nc = triton.cdiv(max(cq if row else 0, ct if transposed else 0), TILE)
-    dummy = q if q is not None else q_t
-    assert dummy is not None
+    # A copy not asked for gets the other's buffers as unused arguments (the kernel never writes them).
+    either = q if q is not None else q_t
+    if either is None:  # neither copy asked for: nothing to write
+        return q, inv, q_t, inv_t
+    q_bytes = (q if q is not None else either).view(torch.uint8)
+    qt_bytes = (q_t if q_t is not None else either).view(torch.uint8)
     _launch(
         _tile_kernel, triton.cdiv(r, TILE) * nc, x, r, c, x.stride(0), x.stride(1), cq, ct, rt, nc,
-        q.view(torch.uint8) if q is not None else dummy.view(torch.uint8), inv if inv is not None else inv_t,
-        q_t.view(torch.uint8) if q_t is not None else dummy.view(torch.uint8), inv_t if inv_t is not None else inv,
+        q_bytes, inv if inv is not None else inv_t, qt_bytes, inv_t if inv_t is not None else inv,
         scale_constant(_E4M3, margin),
         ROW=row, TRANS=transposed, MAXV=_E4M3.max, SOFT=_soft(x.device), B=TILE, num_warps=_WARPS,
     )

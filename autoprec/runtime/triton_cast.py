@@ -36,7 +36,7 @@ scalar arguments are 1-element arrays, which NumPy 2 no longer converts to an in
 
 On CPU tensors these kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``, tests):
 its float conversions round ties up, so there the FP8 and BF16 roundings run as integer
-arithmetic (`_fp8_bits_soft`, `_bf16_soft`) that reproduces torch's conversion; on CUDA they are
+arithmetic (`triton_arith._fp8_bits_soft`, `_bf16_soft`) that reproduces torch's conversion; on CUDA they are
 the hardware's round-to-nearest-even conversions (``cvt.rn.satfinite``; the operand is clamped
 first, so saturation never decides a value).
 
@@ -59,6 +59,8 @@ import triton
 import triton.language as tl
 
 from ..formats import Format
+from .triton_arith import _check, _launch, _nan_amax, _nan_amax_rows, _quantize, _scale, _soft, _to_bf16, launches, scale_constant
+from .triton_block_cast import block_casts, tile_casts
 
 __all__ = [
     "FusedCasts",
@@ -79,106 +81,10 @@ _TILE_WARPS = 8
 _ROWS_BLOCK = 8  # rows per program of the row-wise kernel
 _ROWS_CHUNK = 512  # columns per iteration of its loops
 _FINALIZE_BLOCK = 1024
-_INPUT_DTYPES = (torch.float32, torch.bfloat16)
-
-
-class _Launches:
-    """How many kernels this module launched (tests count them per step; an int add per launch)."""
-
-    count = 0
-
-
-launches = _Launches()
 
 
 # ---------------------------------------------------------------------------------------------
-# Arithmetic shared by the kernels (each a few element-wise instructions).
-
-
-@triton.jit
-def _nan_amax(x, mask):
-    """Largest |x| over the masked tile in FP32, NaN when any masked element is NaN (torch's
-    ``amax`` propagates NaN; Triton's ``max`` drops it, so NaN is counted apart)."""
-    a = tl.where(mask, tl.abs(x), 0.0)
-    isnan = a != a
-    largest = tl.max(tl.where(isnan, 0.0, a))
-    return tl.where(tl.max(isnan.to(tl.int32)) > 0, float("nan"), largest)
-
-
-@triton.jit
-def _nan_amax_rows(x, mask):
-    """`_nan_amax` per row of a (rows, cols) tile: (rows,)."""
-    a = tl.where(mask, tl.abs(x), 0.0)
-    isnan = a != a
-    largest = tl.max(tl.where(isnan, 0.0, a), axis=1)
-    return tl.where(tl.max(isnan.to(tl.int32), axis=1) > 0, float("nan"), largest)
-
-
-@triton.jit
-def _scale(amax, c):
-    """``formats.inverse_scale``: ``amax.clamp_min(1e-12) * c`` (NaN stays NaN; 1e-12 is
-    ``formats._AMAX_FLOOR``, rounded to FP32 by both)."""
-    return tl.where(amax < 1e-12, 1e-12, amax) * c
-
-
-@triton.jit
-def _bf16_soft(y):
-    """FP32 ``y`` rounded to the nearest BF16, ties to even, kept in FP32 (c10's
-    ``round_to_nearest_even``); NaN stays NaN."""
-    u = y.to(tl.uint32, bitcast=True)
-    r = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return tl.where(y != y, y, r.to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _to_bf16(y, SOFT: tl.constexpr):
-    if SOFT:
-        return _bf16_soft(y)
-    return y.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
-
-
-@triton.jit
-def _fp8_bits_soft(y, E5M2: tl.constexpr):
-    """The FP8 byte of FP32 ``y`` (|y| <= the format's max, or NaN) as c10's conversion makes it:
-    round to nearest even, subnormals through one FP32 add that rounds onto their grid, NaN
-    0x7F with y's sign."""
-    u = y.to(tl.uint32, bitcast=True)
-    sign = u & 0x80000000
-    a = u ^ sign
-    magnitude = a.to(tl.float32, bitcast=True)
-    if E5M2:
-        # Subnormals below 2**-14 (exponent 113), on a grid of 2**-16: adding 2**7 rounds onto it.
-        sub = (magnitude + 128.0).to(tl.uint32, bitcast=True) - (134 << 23)
-        normal = (a - (112 << 23) + 0xFFFFF + ((a >> 21) & 1)) >> 21
-        code = tl.where(a < (113 << 23), sub, normal)
-    else:
-        # Subnormals below 2**-6 (exponent 121), on a grid of 2**-9: adding 2**14 rounds onto it.
-        sub = (magnitude + 16384.0).to(tl.uint32, bitcast=True) - (141 << 23)
-        normal = (a - (120 << 23) + 0x7FFFF + ((a >> 20) & 1)) >> 20
-        code = tl.where(a < (121 << 23), sub, normal)
-    code = tl.where(y != y, 0x7F, code)
-    return (code | (sign >> 24)).to(tl.uint8)
-
-
-@triton.jit
-def _fp8_bits(y, E5M2: tl.constexpr, SOFT: tl.constexpr):
-    if SOFT:
-        return _fp8_bits_soft(y, E5M2)
-    if E5M2:
-        return y.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
-    return y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
-
-
-@triton.jit
-def _quantize(x, s, MAXV: tl.constexpr, E5M2: tl.constexpr, HALF: tl.constexpr, SOFT: tl.constexpr):
-    """``formats.quantize(x, s, fmt)`` of an FP32 tile (``x`` exact from the operand's dtype):
-    the IEEE quotient (rounded to BF16 for a BF16 operand, as its 0-d-scale division is), the
-    clamp to +-max that keeps NaN, the FP8 byte."""
-    y = tl.math.div_rn(x, tl.broadcast_to(s, x.shape))
-    if HALF:
-        y = _to_bf16(y, SOFT)
-    y = tl.where(y > MAXV, MAXV, tl.where(y < -MAXV, -MAXV, y))
-    return _fp8_bits(y, E5M2, SOFT)
+# Arithmetic of this module's kernels (the shared part: `triton_arith`).
 
 
 @triton.jit
@@ -349,40 +255,10 @@ def _rows_kernel(
 # Launchers (Python: shapes, buffers, grids; no host sync).
 
 
-def _soft(device: torch.device) -> bool:
-    # CPU tensors run only under the interpreter, whose float conversions are not torch's.
-    return device.type != "cuda"
-
-
-def scale_constant(fmt: Format, margin: int = 0) -> float:
-    """``2**margin / fmt.max``: the factor `formats.inverse_scale` multiplies by (an FP32 constant
-    in both: torch rounds the Python scalar to FP32, Triton passes the argument as FP32)."""
-    return 2.0**margin / fmt.max
-
-
-def _check(x: torch.Tensor) -> None:
-    if x.dim() != 2 or x.dtype not in _INPUT_DTYPES:
-        raise ValueError(f"fused casts take a 2-D FP32 or BF16 tensor, got {x.dtype} of shape {tuple(x.shape)}")
-
-
 def _finalize_iters(parts: int) -> int:
     """Loop count of the finalize over ``parts`` partials, rounded up to a power of two (the
     tail is masked): a compile-time count, so a few compiled variants serve every token count."""
     return triton.next_power_of_2(max(1, triton.cdiv(parts, _FINALIZE_BLOCK)))
-
-
-def _launch(kernel, grid: int, *args, **meta) -> None:
-    """``kernel`` over ``grid`` programs on the device of ``args[0]`` (Triton launches on the
-    current CUDA device and stream: a tensor on another device is launched under its own)."""
-    if grid == 0:  # an empty operand: nothing to read or write (its outputs are empty too)
-        return
-    launches.count += 1
-    device = args[0].device
-    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):
-            kernel[(grid,)](*args, **meta)
-        return
-    kernel[(grid,)](*args, **meta)
 
 
 def amax_partials(x: torch.Tensor) -> torch.Tensor:
@@ -584,12 +460,8 @@ class FusedCasts:
 
     def tile_casts(self, x, margin=0, row=True, transposed=True, t_rows_to=1):
         """`triton_block_cast.tile_casts` (BF16 exact on every device: its scales are not 0-d)."""
-        from . import triton_block_cast  # it imports this module
-
-        return triton_block_cast.tile_casts(x, margin, row=row, transposed=transposed, t_rows_to=t_rows_to)
+        return tile_casts(x, margin, row=row, transposed=transposed, t_rows_to=t_rows_to)
 
     def block_casts(self, w, transposed=True):
         """`triton_block_cast.block_casts`."""
-        from . import triton_block_cast
-
-        return triton_block_cast.block_casts(w, transposed=transposed)
+        return block_casts(w, transposed=transposed)
