@@ -10,31 +10,14 @@ Shapes stay small: the interpreter runs NumPy per program.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from autoprec.runtime import block_gemm
+from triton_env import DEVICE, NO_KERNELS, NUMPY_WARNINGS, force_fused_casts, needs_kernels
 
-ROOT = Path(__file__).resolve().parents[1]
-# The interpreter computes with NumPy, which warns where IEEE arithmetic gives inf or NaN (tested).
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
-    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
-    pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
-]
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-try:
-    import triton  # noqa: F401
-except ImportError as exc:
-    NO_KERNELS: "str | None" = f"triton does not import ({exc}): the fused casts need it (torch's CUDA wheels ship it)"
-else:
-    NO_KERNELS = None
-    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        NO_KERNELS = "no CUDA and TRITON_INTERPRET is not 1: Triton kernels cannot run here"
-needs_kernels = pytest.mark.skipif(NO_KERNELS is not None, reason=NO_KERNELS or "")
+pytestmark = [*NUMPY_WARNINGS, pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")]
 if NO_KERNELS is None:
     from autoprec.runtime import triton_block_cast, triton_cast
 
@@ -236,21 +219,12 @@ def test_a_block_scaled_layer_on_fused_casts_equals_pytorch_ops_bit_for_bit(monk
     import torch.nn as nn
 
     import autoprec as ap
-    from autoprec.runtime.casts import FUSED, PYTORCH
     from autoprec.device import block_scaled_form
+    from autoprec.runtime.casts import FUSED, PYTORCH
     from block_kernel import reference_block_kernel
     from cuda_rules import CudaRules
-    from torch.utils._python_dispatch import _disable_current_modes
 
-    launch = triton_cast._launch
-
-    def outside_modes(*args, **kwargs):  # the interpreter's host copies are not the step's ops
-        with _disable_current_modes():
-            launch(*args, **kwargs)
-
-    monkeypatch.setattr(triton_cast, "_launch", outside_modes)
-    made = triton_cast.FusedCasts("cpu")
-    monkeypatch.setattr("autoprec.runtime.layers.fused_casts", lambda device: made)
+    force_fused_casts(monkeypatch)
     torch.manual_seed(0)
     base = nn.Linear(200, 72)
     x, grad = torch.randn(130, 200).to(dtype), torch.randn(130, 72)
