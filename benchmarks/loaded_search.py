@@ -2,11 +2,13 @@
 
 Runs ``searches/bytelm.toml`` (each run in a fresh output folder, so nothing is resumed) first on
 a quiet machine, then with ``--spinners`` processes spinning on a core each (``while True:
-pass``), started before the job and killed after it (also when interrupted). Per run: the
-returned plan's format counts, its measured step against the fastest reference, the control pair
-(``uniform-bf16``, which is exactly plain autocast, over ``autocast-bf16``: 1.0 when the
-measurement is sound), the job's wall time and the intra-op threads it measured with (the
-``measurement`` the plan records, `autoprec.cpu_load`).
+pass``), started before the job and killed after it (also when interrupted), then with the
+spinners started ``--late`` seconds into the job (once it has chosen its threads on a quiet
+machine). Per run: the returned plan's format counts, its measured step against the fastest
+reference, the control pair (``uniform-bf16``, which is exactly plain autocast, over
+``autocast-bf16``: 1.0 when the measurement is sound), the job's wall time, the intra-op threads
+it measured with and the load by other processes at its start and while it measured (the
+``measurement`` the plan records, `autoprec.cpu_load`), and what the job said about it.
 
 Run: ``PYTHONPATH=. python benchmarks/loaded_search.py --out benchmarks/results/loaded_search_cpu.json``.
 """
@@ -20,6 +22,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -32,9 +35,18 @@ from autoprec.job.run import run_job
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def one_run(spinners: int) -> dict:
-    """The job once, with ``spinners`` busy processes beside it."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(spinners)]
+def one_run(spinners: int, late_s: float = 0.0) -> dict:
+    """The job once, with ``spinners`` busy processes beside it from ``late_s`` seconds in."""
+    procs: list[subprocess.Popen] = []
+
+    def spin() -> None:
+        procs.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(spinners))
+
+    timer = threading.Timer(late_s, spin)
+    if late_s > 0:
+        timer.start()
+    else:
+        spin()
     try:
         with tempfile.TemporaryDirectory() as out:
             config = load_job(ROOT / "searches" / "bytelm.toml")
@@ -43,6 +55,9 @@ def one_run(spinners: int) -> dict:
             result = run_job(config)
             wall = time.perf_counter() - start
     finally:
+        if late_s > 0:
+            timer.cancel()
+            timer.join()
         for p in procs:
             p.kill()
             p.wait()
@@ -50,7 +65,7 @@ def one_run(spinners: int) -> dict:
     refs = {name: v for name, v in ms.items() if name.startswith(("autocast", "uniform"))}
     plan = result.plan
     return {
-        "spinners": spinners, "wall_s": round(wall, 1), "threads": result.measurement,
+        "spinners": spinners, "from_s": late_s, "wall_s": round(wall, 1), "threads": result.measurement,
         "plan": dict(plan.format_counts()) if plan is not None else None, "candidate": result.chosen.name if result.chosen else None,
         "plan_ms": plan.measured["seconds"] * 1e3 if plan is not None else None,
         "fastest_reference_ms": min(refs.values()) if refs else None,
@@ -62,13 +77,14 @@ def one_run(spinners: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spinners", type=int, default=1)
+    parser.add_argument("--late", type=float, default=45.0, help="seconds into the third run its spinners start (0: no third run)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    runs = [one_run(0), one_run(args.spinners)]
+    runs = [one_run(0), one_run(args.spinners)] + ([one_run(args.spinners, args.late)] if args.late > 0 else [])
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     result = {"device": platform.processor() or platform.machine(), "torch": torch.__version__, "commit": commit, "runs": runs}
     for r in runs:
-        print(f"{r['spinners']} spinner(s): {r['wall_s']:.0f} s, plan {r['plan']} ({r['candidate']}), {r['plan_ms']:.1f} ms vs fastest "
+        print(f"{r['spinners']} spinner(s) from {r['from_s']:.0f} s: {r['wall_s']:.0f} s, plan {r['plan']} ({r['candidate']}), {r['plan_ms']:.1f} ms vs fastest "
               f"reference {r['fastest_reference_ms']:.1f} ms, control pair {r['control_ratio']:.2f}, threads {r['threads']}")
     if args.out is not None:
         atomic_write_text(args.out, json.dumps(result, indent=1))

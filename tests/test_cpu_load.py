@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from autoprec.cpu_load import CpuLoad, measuring_threads, sample_load
+from autoprec.cpu_load import CpuLoad, LoadMeter, measuring_threads, sample_load
 
 
 def _snapshots(*values):
@@ -52,3 +53,35 @@ def test_threads_are_shared_among_workers_and_never_raised():
     assert measuring_threads(load, workers=4) == 1
     assert measuring_threads(CpuLoad(2, 2.0, "test"), current=2) == 1  # always one
     assert "1 intra-op thread of 2 cores (2.0 cores busy with other processes, test)" == CpuLoad(2, 2.0, "test").describe(1)
+
+
+def test_the_load_meter_measures_the_other_processes_over_its_block():
+    cores = os.cpu_count()
+    per_core = 100.0
+    # Over the block: 1.2 cores busy in all, 0.2 of them this process (and its reaped workers).
+    reader = _snapshots((0.0, 0.0, 0.0), (1.2 * per_core, per_core * cores, 0.2 * per_core))
+    clock = iter([10.0, 52.0])
+    with LoadMeter(reader, clock=lambda: next(clock)) as meter:
+        assert meter.load is None  # known at the end of the block
+    assert meter.load.busy_elsewhere == pytest.approx(min(1.0, meter.load.cores))
+    assert meter.load.source == "/proc/stat over 42 s of measurement"
+    with LoadMeter(lambda: None) as meter:
+        pass
+    assert meter.load is None  # no /proc: no figure rather than a guess
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads Linux's /proc/stat")
+def test_the_load_meter_sees_a_process_that_starts_during_the_block_and_not_its_own_work():
+    spinner = None
+    try:
+        with LoadMeter() as meter:
+            spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            deadline = time.monotonic() + 0.6
+            while time.monotonic() < deadline:  # this process busy too: its own time is left out
+                pass
+    finally:  # reaped after the block: a child reaped inside it counts as this job's own (its workers)
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
+    assert 0.5 <= meter.load.busy_elsewhere  # the spinner's core for most of the block
+    assert meter.load.busy_elsewhere < meter.load.cores - 0.3 or meter.load.cores == 1

@@ -1,6 +1,7 @@
 """The offline search job end to end on the built-in LM ("tiny"), through `autoprec search`."""
 
 import json
+import os
 import re
 import textwrap
 
@@ -14,7 +15,8 @@ from autoprec.measure import SavedTensorMeter
 from autoprec.formats import Format
 from autoprec.plan import Plan
 from autoprec.job.config import load_job
-from autoprec.job.run import run_job
+from autoprec.cpu_load import CpuLoad, ThreadGovernor
+from autoprec.job.run import _load_during, _settle, run_job
 from autoprec.search.measured import AutocastCheckpoint, BudgetPruner, Candidate, MeasuredStage, Measurement, fastest_meeting
 from autoprec.workloads import default_workload
 
@@ -60,7 +62,10 @@ def write_job(folder, memory=0.85, profile="", name="job.toml"):
 def searched(tmp_path_factory):
     folder = tmp_path_factory.mktemp("job")
     path = write_job(folder)
-    return folder, path, main(["search", str(path)])
+    status = main(["search", str(path)])
+    if status == 0:  # the first run's plan, before a test's re-run (a resume) replaces it
+        (folder / "first_plan.json").write_bytes((folder / "out" / "plan.json").read_bytes())
+    return folder, path, status
 
 
 @pytest.mark.slow
@@ -70,6 +75,10 @@ def test_search_exits_zero_and_writes_the_artifacts(searched):
     for name in ("plan.json", "profile.json", "study.db"):
         assert (folder / "out" / name).is_file()
     assert any((folder / "out" / "logs").rglob("events.out.tfevents.*"))
+    # The load by other processes over each trial and the final rounds, not only at the start (issue 49).
+    measurement = json.loads((folder / "first_plan.json").read_text())["metadata"]["measurement"]
+    assert set(measurement["during"]) == {"trials", "settling"}
+    assert all(0.0 <= v <= measurement["cores"] for v in measurement["during"].values())
 
 
 def measured_trials(folder):
@@ -171,6 +180,14 @@ def test_summary_table_lists_references_and_candidates(searched, capsys):
     assert load is not None and 1 <= load["threads"] <= load["cores"]
     assert f"measured with {load['threads']} intra-op thread(s) of {load['cores']} cores" in table
     assert result.plan.metadata["measurement"]["cores"] == load["cores"]
+    # ... and the load by other processes while it measured (resumed: no trial ran, the final rounds did).
+    during = result.plan.metadata["measurement"]["during"]
+    assert set(during) == {"settling"} and 0.0 <= during["settling"] <= load["cores"]
+    assert f"{during['settling']:.1f} during the settling" in table
+    # Every measured step knows its spread: the trials' 90 % interval holds their median.
+    low, high = result.plan.measured["seconds_interval"]
+    assert low <= result.plan.measured["seconds"] <= high
+    assert "90% ms" in table
     # The fastest candidates that met the budgets were timed again in interleaved rounds beside
     # the control pair (uniform BF16 plan, plain BF16 autocast), and the plan says what decided.
     settled = result.plan.measured["settled"]
@@ -342,8 +359,64 @@ def test_a_reference_predicted_far_slower_is_measured_all_the_same():
     assert isinstance(results[slow.id], Measurement) and results[slow.id].seconds > 0
 
 
-def _measured(seconds, bytes_=100, loss_increase=0.0):
-    return Measurement(bytes_, seconds, 1.0 + loss_increase, loss_increase)
+def _measured(seconds, bytes_=100, loss_increase=0.0, spread=None):
+    interval = None if spread is None else (seconds * (1 - spread), seconds * (1 + spread))
+    return Measurement(bytes_, seconds, 1.0 + loss_increase, loss_increase, interval)
+
+
+class _SettlingStage:
+    """What `_settle` asks of a `MeasuredStage`: the copies that fit, and the rounds (recorded)."""
+
+    def __init__(self, copies=10):
+        self.copies, self.settled = copies, None
+
+    def spare_copies(self):
+        return self.copies
+
+    def settle(self, contenders, control=None):
+        self.settled = ([c.name for c in contenders], control and tuple(c.name for c in control))
+        return "verdict"
+
+
+def test_only_candidates_the_trials_could_not_separate_from_the_fastest_are_timed_again():
+    names = ["a", "b", "c", "d", "uniform-bf16", "autocast-bf16"]
+    cands = {n: Candidate(n, Plan({"x": "bf16" if "bf16" in n else "fp32"}), autocast=n.startswith("autocast")) for n in names}
+    # a: 10 ms ± 5 %; b overlaps a, c does not (its low end 11.4 ms > a's high end 10.5 ms).
+    pairs = [(cands["a"], _measured(0.010, spread=0.05)), (cands["b"], _measured(0.0102, spread=0.05)),
+             (cands["c"], _measured(0.012, spread=0.05)), (cands["uniform-bf16"], _measured(0.02, spread=0.01)),
+             (cands["autocast-bf16"], _measured(0.02, spread=0.01)), (cands["d"], "pruned: memory")]
+    stage = _SettlingStage()
+    assert _settle(stage, pairs, 150, 0.01) == "verdict"
+    assert stage.settled == (["a", "b"], ("uniform-bf16", "autocast-bf16"))
+    # Separated from all: the runner-up still runs beside the control pair.
+    apart = [(cands["a"], _measured(0.010, spread=0.01)), (cands["c"], _measured(0.012, spread=0.01)), (cands["b"], _measured(0.03, spread=0.01))]
+    _settle(stage, apart, 150, 0.01)
+    assert stage.settled == (["a", "c"], None)
+    # No room for two more copies beside the control pair's: no rounds.
+    assert _settle(_SettlingStage(copies=3), pairs, 150, 0.01) is None
+
+
+def test_a_load_that_rose_while_measuring_is_said_and_the_next_trials_take_the_cores_left():
+    per_core, machine = 100.0, os.cpu_count()
+    cores = len(os.sched_getaffinity(0))  # what this process may run on (`cpu_load`)
+    # Three trials: quiet, then other processes keep every core busy (from the second on), then the final rounds.
+    busy = iter([0.0, 0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0])
+    ticks = iter(range(100))
+    reader = lambda: (next(busy) * per_core * machine, next(ticks) * per_core * machine, 0.0)  # noqa: E731
+    threads = []
+    governor = ThreadGovernor(2, threads.append, reader=reader, clock=lambda: 0.0)
+    for name in ("trials", "trials", "trials", "settling"):
+        with governor.span(name):
+            pass
+    assert [t for _, _, t in governor.spans] == [2, 2, 1, 1] and threads == [1]  # one contended span, then one thread
+    out = _load_during(CpuLoad(cores, 0.0, "test"), governor)
+    assert out["during"] == {"trials": pytest.approx(cores), "settling": pytest.approx(cores)}
+    assert out["threads_by_span"] == [["trials", 2], ["trials", 2], ["trials", 1], ["settling", 1]]
+    assert out["changed"].startswith(f"the load rose while measuring: up to {cores:.1f} cores busy elsewhere (0.0 at the start) in 1 of 3 trials span(s)")
+    quiet = ThreadGovernor(2, threads.append, reader=lambda: (0.0, next(ticks) * per_core * cores, 0.0), clock=lambda: 0.0)
+    with quiet.span("trials"):
+        pass
+    assert _load_during(CpuLoad(cores, 0.0, "test"), quiet) == {"during": {"trials": 0.0}}
 
 
 def test_the_fastest_budget_meeting_candidate_wins_references_included():

@@ -41,7 +41,7 @@ import torch
 from ..calls import ModelCall
 from ..blocks import find_blocks
 from ..coverage import find_layers, layer_name
-from ..cpu_load import CpuLoad, measuring_threads, sample_load
+from ..cpu_load import CpuLoad, ThreadGovernor, measuring_threads, sample_load
 from ..device import format_support, resolve_device
 from ..errors import InfeasibleBudgetError, SearchError
 from ..formats import Format
@@ -101,13 +101,14 @@ class JobResult:
     def format_table(self) -> str:
         """Measured step ms, bytes and loss increase of the references and every candidate."""
         fp32 = self.references["fp32"]
-        rows = [("variant", "formats", "step ms", "x fp32", "MiB", "x fp32", "loss +", "predicted ms / MiB / loss +", "budgets")]
+        rows = [("variant", "formats", "step ms", "90% ms", "x fp32", "MiB", "x fp32", "loss +", "predicted ms / MiB / loss +", "budgets")]
 
         def row(name, formats, m: Measurement, predicted, verdict):
             # A figure not measured (None: only a hand-made Measurement lacks one) shows as "-".
             ratio = m.seconds / fp32.seconds if m.seconds is not None and fp32.seconds is not None else None
+            interval = "-" if m.seconds_interval is None else "-".join(format(v * 1e3, ".1f") for v in m.seconds_interval)
             rows.append((
-                name, formats, _shown(m.seconds, ".1f", 1e3), _shown(ratio, ".2f"),
+                name, formats, _shown(m.seconds, ".1f", 1e3), interval, _shown(ratio, ".2f"),
                 f"{m.bytes / 2**20:.2f}", f"{m.bytes / fp32.bytes:.3f}", _shown(m.loss_increase, "+.4f"), predicted, verdict,
             ))
 
@@ -123,7 +124,7 @@ class JobResult:
             p = candidate.plan.predicted
             predicted = f"{p['seconds'] * 1e3:.1f} / {p['bytes'] / 2**20:.2f} / {p['loss_increase']:+.4f}"
             if isinstance(m, str):
-                rows.append((candidate.name, counts, "-", "-", "-", "-", "-", predicted, f"pruned: {m}"))
+                rows.append((candidate.name, counts, "-", "-", "-", "-", "-", "-", predicted, f"pruned: {m}"))
                 continue
             ok = meets_budgets(m, self.memory_budget, self.loss_budget)
             row(candidate.name + (" *" if candidate.id == chosen else ""), counts, m, predicted, "met" if ok else "missed")
@@ -134,8 +135,11 @@ class JobResult:
         gap = self.proposal.summary()
         verdict = f"plan: {self.plan_path}" if self.plan_path else "no candidate met the budgets as measured"
         load = self.measurement
-        threads = ([f"measured with {load['threads']} intra-op thread(s) of {load['cores']} cores ({load['busy_elsewhere']:.1f} cores busy "
-                    f"with other processes, {load['source']})"] if load else [])
+        during = "".join(f", {busy:.1f} during the {span}" for span, busy in load.get("during", {}).items()) if load else ""
+        threads = ([f"measured with {load['threads']} intra-op thread(s) of {load['cores']} cores; cores busy with other processes: "
+                    f"{load['busy_elsewhere']:.1f} at the start ({load['source']}){during}"
+                    + (f"; threads by span: {_runs(load['threads_by_span'])}" if "threads_by_span" in load else ""),
+                    *([load["changed"]] if "changed" in load else [])] if load else [])
         settled = [f"settled in {self.verdict.summary()}"] if self.verdict is not None else []
         return "\n".join(lines + [budget, gap] + self._comparison() + settled + threads + [verdict])
 
@@ -144,12 +148,24 @@ class JobResult:
         if self.plan is None or self.chosen is None:  # a plan always comes from a chosen candidate
             return []
         m = self.plan.measured
-        refs = fastest_meeting([p for p in self.candidates if p[0].is_reference], self.memory_budget, self.loss_budget)
+        # The chosen candidate may be a reference itself (a uniform plan): compared with the others.
+        refs = fastest_meeting([p for p in self.candidates if p[0].is_reference and p[0] is not self.chosen], self.memory_budget, self.loss_budget)
         lines = [f"returned {self.chosen.name}: {m['seconds'] * 1e3:.1f} ms measured, {self.plan.predicted['seconds'] * 1e3:.1f} ms predicted"]
         if refs is not None and refs[1].seconds is not None:  # fastest_meeting picks only timed ones
             ref, seconds = refs[0], refs[1].seconds
-            lines.append(f"  = {m['seconds'] / seconds:.2f}x the fastest budget-meeting reference ({ref.name}, {seconds * 1e3:.1f} ms)")
+            lines.append(f"  = {m['seconds'] / seconds:.2f}x the fastest {'other ' if self.chosen.is_reference else ''}budget-meeting reference ({ref.name}, {seconds * 1e3:.1f} ms)")
         return lines
+
+
+def _runs(spans: Sequence[Sequence[Any]]) -> str:
+    """``[[name, threads], ...]`` as runs: "2 trials at 2, 9 trials at 1, settling at 1"."""
+    runs: list[list[Any]] = []
+    for name, threads in spans:
+        if runs and runs[-1][0] == name and runs[-1][2] == threads:
+            runs[-1][1] += 1
+        else:
+            runs.append([name, 1, threads])
+    return ", ".join(f"{count} {name} at {threads}" for name, count, threads in runs)
 
 
 def _shown(value: "float | None", spec: str, scale: float = 1.0) -> str:
@@ -453,6 +469,10 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
         sampler = CorrectingSampler(space.fixing_recompute(sorted(exact.recompute)), [c.plan for c in candidates if not c.autocast],
                                     measured_memory, loss_budget, fp32_cost.step_seconds, config.measured_trials, recompute=sorted(exact.recompute))
         measured_study.sampler = sampler
+    # On a CPU: each trial's load sets the next one's threads (the workers are reaped inside a
+    # span: their time is this job's own).
+    governor = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads) if load is not None else None
+    span = governor.span if governor is not None else (lambda name: contextlib.nullcontext())
     if workers > 1:
         payload = WorkerPayload(
             config, device, {k: v.cpu() for k, v in model.state_dict().items()}, [to_device(b, "cpu") for b in train],
@@ -460,10 +480,11 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
             _measured_name(config), config.storage_url, sampler,
         )
         threads = measuring_threads(load, None, workers) if load is not None else torch.get_num_threads()
-        run_workers(config, payload, candidates, measured_study, workers, progress, threads)
+        with span("trials"):
+            run_workers(config, payload, candidates, measured_study, workers, progress, threads)
     # With workers, this collects what they measured (and measures what a dead one left).
     with quiet_interrupts():
-        results = stage.run(candidates, measured_study, measured_memory, loss_budget, progress)
+        results = stage.run(candidates, measured_study, measured_memory, loss_budget, progress, span=span)
     references = {"fp32": stage.fp32()}
     if stage.refined:  # the learning sampler's plans, made whole: reasons and predicted figures
         numbers = {t.user_attrs.get("candidate"): t.number for t in measured_study.get_trials(deepcopy=False, states=_FINISHED)
@@ -478,7 +499,10 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
 
     pairs = [(c, results.get(c.id, "not measured")) for c in candidates]
     winner = fastest_meeting(pairs, measured_memory, loss_budget)
-    verdict = _settle(stage, pairs, measured_memory, loss_budget) if winner is not None else None
+    with span("settling"):
+        verdict = _settle(stage, pairs, measured_memory, loss_budget) if winner is not None else None
+    if measurement is not None and governor is not None and load is not None:
+        measurement = {**measurement, **_load_during(load, governor)}
     if verdict is not None:
         winner = next((c, m) for c, m in pairs if c.name == verdict.choice and isinstance(m, Measurement))
         if not verdict.resolved:
@@ -497,6 +521,7 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
             **candidate.plan.metadata, "candidate": candidate.name,
             "k_best": {"plans": len(proposal.plans), "kth_vs_optimum": proposal.kth_gap},
             "emulated_layers": emulated, "seconds": round(time.perf_counter() - start, 1),
+            **({"measurement": measurement} if measurement is not None else {}),
         }
         if candidate.autocast:
             half = Format.parse(next(iter(candidate.plan.format_counts())))
@@ -517,24 +542,55 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
     return result
 
 
-SETTLED = 3  # the fastest candidates that met the budgets, timed again in interleaved rounds
+def _load_during(start: CpuLoad, governor: ThreadGovernor) -> dict:
+    """What the other processes' load did while the job measured (`ThreadGovernor`): per kind of
+    span the most cores they kept busy (``during``), the threads each span after the first
+    change ran with (``threads_by_span``), and ``changed``: a line when some spans contended
+    with another process (their load left fewer free cores than their threads), logged too."""
+    out: dict = {"during": {}}
+    for name, load, _ in governor.spans:
+        out["during"][name] = round(max(out["during"].get(name, 0.0), load.busy_elsewhere), 3)
+    if any(threads != governor.ceiling for _, _, threads in governor.spans) or governor.threads != governor.ceiling:
+        out["threads_by_span"] = [[name, threads] for name, _, threads in governor.spans]
+    contended = governor.contended()
+    if contended:
+        worst = max(load.busy_elsewhere for _, load, _ in contended)
+        kinds = sorted({name for name, _, _ in contended})
+        counts = ", ".join(f"{sum(n == k for n, _, _ in contended)} of {sum(n == k for n, _, _ in governor.spans)} {k} span(s)" for k in kinds)
+        out["changed"] = (f"the load rose while measuring: up to {worst:.1f} cores busy elsewhere ({start.busy_elsewhere:.1f} at the start) in {counts}, "
+                          "which ran with more threads than cores left free; the next spans took fewer threads, but those figures may be slower than on a quiet machine")
+        logger.warning("autoprec: %s", out["changed"])
+    return out
+
+
+SETTLED = 3  # at most this many candidates that met the budgets are timed again in interleaved rounds
 
 
 def _settle(stage: MeasuredStage, pairs, memory: float, loss_budget: float) -> "Verdict | None":
-    """The `SETTLED` fastest candidates that met the budgets as measured, timed again in
-    interleaved rounds beside a control pair (`MeasuredStage.settle`): the uniform BF16 plan and
-    plain BF16 autocast when both were candidates (they run the same ops), else the fastest
-    twice. None when only one candidate met the budgets, or fewer than two contenders and the
-    control pair's copies fit in the device's free memory (`MeasuredStage.spare_copies`)."""
+    """The fastest candidates that met the budgets as measured, timed again in interleaved rounds
+    beside a control pair (`MeasuredStage.settle`): the uniform BF16 plan and plain BF16 autocast
+    when both were candidates (they run the same ops), else the fastest twice.
+
+    Contenders: the fastest and those its trials could not tell from it (a trial's interval
+    reaching below the fastest's upper bound, `Measurement.seconds_interval`), or the runner-up
+    when the trials separated all, so the control pair is always measured beside a comparison; at
+    most `SETTLED`, and no more than the model copies the device's free memory holds
+    (`MeasuredStage.spare_copies`). None when only one candidate met the budgets or no two copies fit."""
     room = stage.spare_copies() - 2  # the control pair's copies, at most
-    met = meeting_by_speed(pairs, memory, loss_budget)[:min(SETTLED, room)]
-    if len(met) < 2:
-        if room < 2:
+    met = meeting_by_speed(pairs, memory, loss_budget)
+    if len(met) < 2 or room < 2:
+        if len(met) >= 2:
             logger.info("autoprec: no room for the final interleaved rounds (%d model copies fit); the fastest as measured is returned", room + 2)
         return None
+    fastest = met[0][1]
+    high = fastest.seconds_interval[1] if fastest.seconds_interval is not None else math.inf
+    close = [p for p in met[1:] if p[1].seconds_interval is None or p[1].seconds_interval[0] <= high]
+    contenders = [met[0], *(close or met[1:2])]
+    if len(contenders) > min(SETTLED, room):
+        logger.info("autoprec: %d candidates measured within the fastest's interval; the %d fastest of them are timed again", len(contenders), min(SETTLED, room))
     by_name = {c.name: c for c, _ in pairs}
     control = (by_name["uniform-bf16"], by_name["autocast-bf16"]) if {"uniform-bf16", "autocast-bf16"} <= set(by_name) else None
-    return stage.settle([c for c, _ in met], control)
+    return stage.settle([c for c, _ in contenders[:min(SETTLED, room)]], control)
 
 
 def _refined(candidate: Candidate, sampler, space, costs, config, ruled_out, proposal, meta, fingerprint, evidence: str) -> Candidate:

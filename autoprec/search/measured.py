@@ -34,7 +34,7 @@ import os
 import statistics
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Optional, Sequence, cast
 
 import optuna
 import torch
@@ -49,7 +49,7 @@ from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan, removing
 from ..timing import rotated, timed
 from ..workload import TrainStep
-from .noise import Verdict, separate
+from .noise import Verdict, median_interval, separate
 from .study import mark_worker, recover_interrupted_trials
 
 if TYPE_CHECKING:  # refine imports this module; the stage only duck-types its sampler
@@ -63,12 +63,16 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class Measurement:
     """Measured figures of one variant: bytes (saved for backward + layer gradients), training
-    step seconds, held-out loss and its increase over FP32 (None when not measured)."""
+    step seconds, held-out loss and its increase over FP32 (None when not measured).
+    ``seconds_interval``: (low, high) of the 90 % confidence interval of ``seconds`` from the
+    variant's rounds (`noise.median_interval`: of its per-round ratio to FP32, scaled like
+    ``seconds``); how far apart two variants must measure before the rounds tell them apart."""
 
     bytes: int
     seconds: "float | None" = None
     loss: "float | None" = None
     loss_increase: "float | None" = None
+    seconds_interval: "tuple[float, float] | None" = None
 
     def to_dict(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
@@ -285,8 +289,13 @@ class MeasuredStage:
         return self.step_ratio(context) * self.fp32_seconds
 
     def step_ratio(self, context: Callable[[nn.Module], Any]) -> float:
-        """Median ratio of a variant's training-step time to FP32's, steps interleaved one for
-        one (``2 × (warmup + steps)`` training steps); the FP32 times join `fp32_seconds`."""
+        """Median ratio of a variant's training-step time to FP32's (`step_ratio_interval`)."""
+        return self.step_ratio_interval(context)[1]
+
+    def step_ratio_interval(self, context: Callable[[nn.Module], Any]) -> tuple[float, float, float]:
+        """(low, median, high) of a variant's per-round ratio of training-step time to FP32's
+        (`noise.median_interval`), steps interleaved one for one (``2 × (warmup + steps)``
+        training steps); the FP32 times join `fp32_seconds`."""
         variant = StepVariant(self.model, self.train_step, context)
         ratios = []
         for i in range(self.warmup + self.steps):
@@ -296,7 +305,7 @@ class MeasuredStage:
             if i >= self.warmup:
                 self._fp32_times.append(t[id(self._fp32)])
                 ratios.append(t[id(variant)] / t[id(self._fp32)])
-        return statistics.median(ratios)
+        return median_interval(ratios)
 
     def settle(self, contenders: Sequence[Candidate], control: "tuple[Candidate, Candidate] | None" = None,
                max_rounds: "int | None" = None) -> Verdict:
@@ -355,7 +364,9 @@ class MeasuredStage:
 
     def fp32(self) -> Measurement:
         """Plain FP32 (no plan, no autocast): the baseline every ratio is taken against."""
-        return Measurement(self.memory(None), self.fp32_seconds, self.baseline_loss, 0.0)
+        seconds = self.fp32_seconds  # times FP32 steps if none ran yet
+        low, _, high = median_interval(self._fp32_times)
+        return Measurement(self.memory(None), seconds, self.baseline_loss, 0.0, (low, high))
 
     def _val_losses(self) -> list[float]:
         was_training = self.model.training
@@ -381,6 +392,7 @@ class MeasuredStage:
         progress: "Callable[[int, int, str], None] | None" = None,
         slow_prune: float = 2.0,
         poll_s: float = 1.0,
+        span: "Callable[[str], ContextManager[Any]] | None" = None,
     ) -> dict[str, "Measurement | str"]:
         """Measure every candidate not yet measured in ``study`` (trials keyed by the user
         attribute ``candidate``), in the order given; returns candidate id -> `Measurement`, or
@@ -409,7 +421,8 @@ class MeasuredStage:
         with nothing left to take polls every ``poll_s`` seconds until the trials the others run
         finish, or fail and come back queued. The step seconds returned are each trial's
         ``fp32_ratio`` times this stage's FP32 median, so trials of several workers (each with
-        its own FP32 timings) compare on one scale."""
+        its own FP32 timings) compare on one scale. ``span("trials")`` wraps each trial (the
+        job's `cpu_load.ThreadGovernor`: the load over one sets the threads of the next)."""
         by_id = {c.id: c for c in candidates}
         initial = set(by_id)
         # The learning sampler (`search.refine`), when the study has one: it proposes plans after
@@ -479,12 +492,14 @@ class MeasuredStage:
                         raise optuna.TrialPruned(trial.user_attrs["pruned"])
                 trial.set_user_attr("loss_increase", increase)
                 trial.set_constraint("loss", increase - loss_budget if math.isfinite(loss_budget) else -1.0)
-                ratio = self.step_ratio(context)
+                low, ratio, high = self.step_ratio_interval(context)
                 seconds = ratio * self.fp32_seconds
             trial.set_user_attr("fp32_ratio", ratio)
+            trial.set_user_attr("fp32_ratio_interval", [low, high])
             trial.set_user_attr("seconds", seconds)
             return seconds
 
+        trial_span = span or (lambda name: contextlib.nullcontext())
         total = max(len(candidates), refine.max_trials if refine is not None else 0)
         while True:
             done = finished()
@@ -494,7 +509,8 @@ class MeasuredStage:
             if not todo:
                 if refine is None or refine.next_plan(study).assignment is None:
                     break
-                study.optimize(objective, n_trials=1, catch=(), gc_after_trial=False)
+                with trial_span("trials"):
+                    study.optimize(objective, n_trials=1, catch=(), gc_after_trial=False)
                 continue
             held, waiting = _held(study)
             free = [c for c in todo if c.id not in held]
@@ -506,7 +522,8 @@ class MeasuredStage:
                 time.sleep(poll_s)
                 recover_interrupted_trials(study)
                 continue
-            study.optimize(objective, n_trials=1, catch=(), gc_after_trial=False)
+            with trial_span("trials"):
+                study.optimize(objective, n_trials=1, catch=(), gc_after_trial=False)
         results: dict[str, Measurement | str] = {}
         self.refined = []
         for cid, trial in finished().items():
@@ -522,7 +539,11 @@ class MeasuredStage:
             else:
                 a = trial.user_attrs
                 seconds = float(a["fp32_ratio"]) * self.fp32_seconds if "fp32_ratio" in a else float(a["seconds"])
-                results[cid] = Measurement(int(a["bytes"]), seconds, self.baseline_loss + float(a["loss_increase"]), float(a["loss_increase"]))
+                # A trial's interval is on its own FP32 scale, like its ratio (a study of an older
+                # autoprec has none).
+                interval = tuple(float(r) * self.fp32_seconds for r in a["fp32_ratio_interval"]) if "fp32_ratio_interval" in a else None
+                results[cid] = Measurement(int(a["bytes"]), seconds, self.baseline_loss + float(a["loss_increase"]), float(a["loss_increase"]),
+                                           cast("tuple[float, float] | None", interval))
         return results
 
 
