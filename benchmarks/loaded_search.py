@@ -70,6 +70,9 @@ def one_run(spinners: int, late_s: float = 0.0) -> dict:
         "plan_ms": plan.measured["seconds"] * 1e3 if plan is not None else None,
         "fastest_reference_ms": min(refs.values()) if refs else None,
         "control_ratio": ms["uniform-bf16"] / ms["autocast-bf16"] if "uniform-bf16" in ms and "autocast-bf16" in ms else None,
+        # The final interleaved rounds' control pair (low, median, high) and noise: what decided.
+        "settled_control": list(result.verdict.control) if result.verdict is not None and result.verdict.control is not None else None,
+        "settled_noise": result.verdict.noise if result.verdict is not None else None,
         "measured_ms": ms,
     }
 
@@ -85,7 +88,8 @@ def main() -> None:
     result = {"device": platform.processor() or platform.machine(), "torch": torch.__version__, "commit": commit, "runs": runs}
     for r in runs:
         print(f"{r['spinners']} spinner(s) from {r['from_s']:.0f} s: {r['wall_s']:.0f} s, plan {r['plan']} ({r['candidate']}), {r['plan_ms']:.1f} ms vs fastest "
-              f"reference {r['fastest_reference_ms']:.1f} ms, control pair {r['control_ratio']:.2f}, threads {r['threads']}")
+              f"reference {r['fastest_reference_ms']:.1f} ms, control pair {r['control_ratio']:.2f} in the trials, "
+              f"{r['settled_control']} in the final rounds, threads {r['threads']}")
     if args.out is not None:
         atomic_write_text(args.out, json.dumps(result, indent=1))
 
