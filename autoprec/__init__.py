@@ -52,6 +52,7 @@ _LAZY = {
     "Thresholds": "scheduler",
     "LossScaler": "scaling",
     "OutputWatch": "scaling",
+    "CommSettings": "comm",
 }
 
 
@@ -98,6 +99,7 @@ __all__ = [
     "Thresholds",
     "LossScaler",
     "OutputWatch",
+    "CommSettings",
     # workloads
     "Workload",
     "TrainStep",

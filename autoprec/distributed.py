@@ -3,18 +3,20 @@
 `DynamicPrecisionScheduler` needs no new call under ``torch.distributed``: when a process group
 is initialised (the default one, or ``SchedulerConfig.process_group``) and has more than one rank,
 it makes a `RankAgreement` when it binds. Every communication is torch's (``dist.all_reduce``,
-``broadcast_object_list``, ``all_gather_object``, DDP's ``register_comm_hook`` with torch's
-``default_hooks``); nothing here moves bytes itself.
+``broadcast_object_list``, ``all_gather_object``, DDP's ``register_comm_hook``); the gradient
+buckets travel by `comm.BucketCommunicator`.
 
 - `RankAgreement`: rank 0 decides (the search, the window review) and broadcasts, then every
   rank's plan is verified by hash (`decide`); the profiler's statistics and the loss baseline
   are reduced first (`reduce_window`); each step's skip decision is one all-reduce of flags
   naming the ranks where a non-finite value arose (`agree_on_step`, `StepVerdict`).
-- `GradCommHook`: DDP's communication hook; the all-reduce precision (`grad_comm_format`) and
-  the non-finite local gradients seen before the all-reduce.
+- `GradCommHook`: DDP's communication hook; how the gradients travel (`grad_comm_method`:
+  FP32, BF16, FP16, PowerSGD, INT8 or top-k, `comm`) and the non-finite local gradients seen
+  before they are communicated; a lossy method's error feedback is committed only when the
+  ranks agree the step was taken.
 - `SchedulerCheckpoint`: the scheduler as a ``torch.distributed.checkpoint`` ``Stateful``.
 
-Costs: per optimizer step one all-reduce of ``8 * (optimizers + 1 + 2 * layers)`` bytes, one
+Costs: per optimizer step one all-reduce of ``8 * (optimizers + 2 + 2 * layers)`` bytes, one
 inf-norm over every gradient and one host transfer; per window end three all-reduces of the
 profiler's accumulators, one broadcast of the decision and one gather of plan hashes (the
 details, and why amax histories need no reduction, in `RankAgreement`). Under FSDP2
@@ -36,15 +38,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .comm import LOSSY_COMM, BucketCommunicator, CommMethod, CommSettings
 from .errors import DistributedError, RuntimeStateError
-from .formats import Format
 from .measure import local_shard
 
 if TYPE_CHECKING:
     from .plan import Plan
     from .scheduler import DynamicPrecisionScheduler
 
-__all__ = ["RankAgreement", "StepVerdict", "SchedulerCheckpoint", "GradCommHook", "unwrap_ddp", "plan_hash", "grad_comm_format"]
+__all__ = ["RankAgreement", "StepVerdict", "SchedulerCheckpoint", "GradCommHook", "unwrap_ddp", "plan_hash", "grad_comm_method"]
 
 logger = logging.getLogger(__name__)
 
@@ -147,18 +149,19 @@ def _count_nonfinite(flags: torch.Tensor, grads: Sequence[tuple[int, torch.Tenso
 
 
 class GradCommHook:
-    """The state DDP's ``register_comm_hook`` holds: which of torch's hooks all-reduces the
-    gradients (``default_hooks.allreduce_hook``, ``bf16_compress_hook``, ``fp16_compress_hook``:
-    switched by `format`, since DDP takes one registration for its life), and, per step, which
-    layers' local gradients were non-finite before the all-reduce (one inf-norm per bucket
-    gradient, no sync)."""
+    """The state DDP's ``register_comm_hook`` holds: how each bucket's gradients travel
+    (`comm.BucketCommunicator`: torch's FP32/BF16/FP16 hooks and PowerSGD, INT8 and top-k with
+    error feedback; switched by `method`, since DDP takes one registration for its life), and,
+    per step, which layers' local gradients were non-finite before they were communicated (one
+    inf-norm per bucket gradient, no sync): seen before any compression."""
 
-    def __init__(self, group, layer_of: dict[int, int], layers: int):
-        self.process_group = group
-        self.format = Format.FP32
+    def __init__(self, group, layer_of: dict[int, int], layers: int, names: dict[int, str], settings: CommSettings = CommSettings(),
+                 loss_scale: Callable[[], Optional[torch.Tensor]] = lambda: None):
+        self.method = CommMethod.FP32
+        self.communicator = BucketCommunicator(group, names, settings, scale=loss_scale)
         self._layer_of = layer_of  # id(parameter) -> layer index
         self._layers = layers
-        self.flags: Optional[torch.Tensor] = None  # int64 (layers,), since the last take()
+        self.flags: Optional[torch.Tensor] = None  # int64 (layers + 1,), since the last take()
 
     def take(self) -> Optional[torch.Tensor]:
         flags, self.flags = self.flags, None
@@ -166,17 +169,13 @@ class GradCommHook:
 
     @staticmethod
     def hook(state, bucket):  # no annotations: DDP compares them to real types, and this module's are strings
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
         grads, params = bucket.gradients(), bucket.parameters()
-        kept = [(state._layer_of[id(p)], g) for p, g in zip(params, grads) if id(p) in state._layer_of]
-        if kept:
-            if state.flags is None:
-                state.flags = torch.zeros(state._layers, dtype=torch.int64, device=grads[0].device)
-            _count_nonfinite(state.flags, kept)
-        hook = {Format.FP32: default_hooks.allreduce_hook, Format.BF16: default_hooks.bf16_compress_hook,
-                Format.FP16: default_hooks.fp16_compress_hook}[state.format]
-        return hook(state.process_group, bucket)
+        # Per layer, and in the last entry any parameter's (a lossy method may round an inf away).
+        kept = [(state._layer_of.get(id(p), state._layers), g) for p, g in zip(params, grads)]
+        if state.flags is None:
+            state.flags = torch.zeros(state._layers + 1, dtype=torch.int64, device=grads[0].device)
+        _count_nonfinite(state.flags, kept)
+        return state.communicator.allreduce(state.method, bucket)
 
 
 class RankAgreement:
@@ -185,7 +184,7 @@ class RankAgreement:
     ``sent``: collective -> calls and bytes the scheduler itself issued (``all_reduce`` bytes are
     the tensors'; object collectives count their pickled payload), for measuring its overhead.
 
-    Costs: per optimizer step one all-reduce of ``8 * (optimizers + 1 + 2 * layers)`` bytes, one
+    Costs: per optimizer step one all-reduce of ``8 * (optimizers + 2 + 2 * layers)`` bytes, one
     inf-norm over every gradient (a read of the gradients; in the DDP hook instead of after it),
     and one host transfer of that vector. Per window end: three all-reduces of the profiler's
     accumulators (about 48 KiB of histogram per layer and tensor kind), one
@@ -206,7 +205,8 @@ class RankAgreement:
     must agree, and does.
     """
 
-    def __init__(self, group, model: nn.Module, layers: Sequence[str], ddp: Any = None):
+    def __init__(self, group, model: nn.Module, layers: Sequence[str], ddp: Any = None,
+                 loss_scale: Callable[[], Optional[torch.Tensor]] = lambda: None, settings: CommSettings = CommSettings()):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -221,7 +221,8 @@ class RankAgreement:
         self._params = [(i, p) for i, fqn in enumerate(self.layers) for p in modules[fqn].parameters(recurse=False)]
         self.comm_hook: Optional[GradCommHook] = None
         if ddp is not None:
-            state = GradCommHook(group, {id(p): i for i, p in self._params}, len(self.layers))
+            names = {id(p): name for name, p in model.named_parameters()}
+            state = GradCommHook(group, {id(p): i for i, p in self._params}, len(self.layers), names, settings, loss_scale)
             try:
                 ddp.register_comm_hook(state, GradCommHook.hook)
                 self.comm_hook = state
@@ -229,16 +230,18 @@ class RankAgreement:
                 logger.info("autoprec: DDP keeps its own communication hook (%s); non-finite gradients are named after the all-reduce", exc)
 
     @classmethod
-    def join(cls, config, model: nn.Module, layers: Sequence[str], ddp: Any = None) -> "Optional[RankAgreement]":
+    def join(cls, config, model: nn.Module, layers: Sequence[str], ddp: Any = None,
+             loss_scale: Callable[[], Optional[torch.Tensor]] = lambda: None) -> "Optional[RankAgreement]":
         """The agreement for ``config.process_group`` (None: the default group), or None when not
-        distributed (no initialised group, or one rank)."""
+        distributed (no initialised group, or one rank). ``loss_scale``: the scale the gradients
+        DDP communicates carry (error feedback keeps its residuals unscaled, `comm`)."""
         if not (dist.is_available() and dist.is_initialized()):
             if config.process_group is not None:
                 raise DistributedError("SchedulerConfig(process_group=...) given but torch.distributed is not initialised; call dist.init_process_group first")
             return None
         if dist.get_world_size(config.process_group) == 1:
             return None
-        return cls(config.process_group, model, layers, ddp)
+        return cls(config.process_group, model, layers, ddp, loss_scale, config.comm)
 
     # -- counted collectives --------------------------------------------------------------------
 
@@ -354,25 +357,30 @@ class RankAgreement:
 
         The flags are one int64 vector: per optimizer the scaler's found-inf, the loss's
         non-finite flag, per layer a non-finite-gradient flag and a first-non-finite-output
-        flag, each entry ``1 << rank`` when set, so the sum names the ranks (up to rank 62;
+        flag, and whether a lossy communication method saw a non-finite gradient, each entry ``1 << rank`` when set, so the sum names the ranks (up to rank 62;
         above, entries count ranks). Under DDP the layer flags come from the communication hook
         (`GradCommHook`), before the all-reduce spreads an inf to every rank, so they name the
         rank where it arose; elsewhere (FSDP2, a user's own hook) from the local gradients after it."""
         found = [scaler.found_inf(opt) for opt in optimizers]
         device = found[0].device
-        grads = self.comm_hook.take() if self.comm_hook is not None else None
-        if grads is None:
-            grads = self._local_grad_flags(device)
+        hooked = self.comm_hook.take() if self.comm_hook is not None else None
+        grads = hooked[:-1] if hooked is not None else self._local_grad_flags(device)
+        # A lossy method (INT8, top-k, PowerSGD) may round a rank's inf away before any scaler sees
+        # it: any non-finite gradient seen before communication then skips every optimizer.
+        lossy = self.comm_hook is not None and hooked is not None and self.comm_hook.method in LOSSY_COMM
+        seen = (hooked.sum() > 0).reshape(1) if lossy and hooked is not None else torch.zeros(1, dtype=torch.bool, device=device)
         loss_bad = (~torch.isfinite(loss)).reshape(1) if loss is not None else torch.zeros(1, dtype=torch.bool, device=device)
-        flags = torch.cat([torch.stack(found).reshape(-1) > 0, loss_bad.to(device), grads.to(device) > 0, self._output_flags(scaler, device) > 0])
+        flags = torch.cat([torch.stack(found).reshape(-1) > 0, loss_bad.to(device), grads.to(device) > 0, self._output_flags(scaler, device) > 0, seen.to(device)])
         vector = flags.long() * self._bit
         self._all_reduce(vector, dist.ReduceOp.SUM)
         host = vector.tolist()
         k, n = len(optimizers), len(self.layers)
-        skipped = tuple(bool(v) for v in host[:k])
+        skipped = tuple(bool(v) or bool(host[-1]) for v in host[:k])
         for opt, skip in zip(optimizers, skipped):
             scaler.set_found_inf(opt, skip)
-        grad_bits, out_bits = host[k + 1 : k + 1 + n], host[k + 1 + n :]
+        if self.comm_hook is not None:  # error feedback keeps this step's residuals only if it is taken
+            self.comm_hook.communicator.commit(not any(skipped))
+        grad_bits, out_bits = host[k + 1 : k + 1 + n], host[k + 1 + n : k + 1 + 2 * n]
         layers = tuple(fqn for fqn, v in zip(self.layers, grad_bits) if v)
         first = next((i for i, v in enumerate(out_bits) if v), None)
         verdict = StepVerdict(
@@ -383,11 +391,19 @@ class RankAgreement:
         self.last_verdict = verdict
         return verdict
 
-    def set_grad_comm(self, fmt: Format) -> None:
-        """Switch the DDP gradient all-reduce precision (no-op without the hook)."""
-        if self.comm_hook is not None and self.comm_hook.format is not fmt:
-            self.comm_hook.format = fmt
-            logger.info("autoprec: DDP gradients now all-reduced in %s", fmt.value)
+    def set_grad_comm(self, method: CommMethod) -> None:
+        """Switch how DDP communicates the gradients (no-op without the hook)."""
+        if self.comm_hook is not None and self.comm_hook.method is not method:
+            self.comm_hook.method = method
+            logger.info("autoprec: DDP gradients now communicated in %s", method.value)
+
+    def comm_state_dict(self) -> Optional[dict]:
+        """The gradient communication's error feedback (this rank's), or None without the hook."""
+        return self.comm_hook.communicator.state_dict() if self.comm_hook is not None else None
+
+    def load_comm_state_dict(self, state: Optional[dict], device: torch.device) -> None:
+        if self.comm_hook is not None and state is not None:
+            self.comm_hook.communicator.load_state_dict(state, device)
 
 
 class SchedulerCheckpoint:
@@ -424,14 +440,14 @@ class SchedulerCheckpoint:
         self.scheduler.load_state_dict(torch.load(io.BytesIO(blob), weights_only=False))
 
 
-def grad_comm_format(config, plan: "Optional[Plan]") -> Format:
-    """The DDP gradient all-reduce precision ``config.grad_comm`` asks for under ``plan``.
+def grad_comm_method(config, plan: "Optional[Plan]") -> CommMethod:
+    """How DDP communicates the gradients, as ``config.grad_comm`` asks under ``plan``.
 
     ``"auto"``: BF16 once a plan computes every layer's gradients in 16 bits or fewer and an
     accuracy budget is set (those gradients already carry BF16-or-coarser rounding, so rounding
     their average once more to BF16 adds error of the same order, which the search's budget
     already allowed for each layer), else FP32."""
     if config.grad_comm != "auto":
-        return Format.parse(config.grad_comm)
+        return CommMethod.parse(config.grad_comm)
     narrow = plan is not None and all((lp.grad_format or lp.format).bits <= 16 for lp in plan.layers.values())
-    return Format.BF16 if narrow and config.accuracy_budget is not None else Format.FP32
+    return CommMethod.BF16 if narrow and config.accuracy_budget is not None else CommMethod.FP32

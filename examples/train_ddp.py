@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--window", type=int, default=20, help="monitor_window: steps per profiling / re-planning window")
     parser.add_argument("--global-batch", type=int, default=16, help="sequences per step over all ranks")
-    parser.add_argument("--grad-comm", default="fp32", choices=GRAD_COMM, help="gradient all-reduce precision")
+    parser.add_argument("--grad-comm", default="fp32", choices=GRAD_COMM, help="how DDP communicates gradients (autoprec.comm)")
     parser.add_argument("--json", help="write the figures (losses, bytes) to this file (rank 0)")
     args = parser.parse_args()
     dist.init_process_group("gloo")  # torchrun's environment: RANK, WORLD_SIZE, MASTER_ADDR/PORT

@@ -26,7 +26,7 @@ LAYERS = (
     {"sensitivity", "costs"},
     {"search"},
     {"monitoring"},
-    {"distributed"},
+    {"distributed", "comm"},
     {"scheduler"},
     {"job", "integrations", "bench", "workloads", "cli", "__main__", "autoprec"},
 )

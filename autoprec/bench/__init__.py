@@ -6,7 +6,9 @@
 - `overhead`: the profiler's cost per step (`measure_overhead`);
 - `ranking`: the cost model's predicted ranking of uniform plans against measured step times;
 - `step_profile`: where a step's time goes (kernels, launches, syncs, the costliest kernels or ops),
-  recorded by the GPU suite and `benchmarks/scheduler_costs.py` beside their figures.
+  recorded by the GPU suite and `benchmarks/scheduler_costs.py` beside their figures;
+- `link` / `comm_link`: two network namespaces joined by a rate-limited veth pair, and DDP trained
+  across it per gradient communication method (`benchmarks/comm_link.py`; root).
 
 The GPU suite is `autoprec.bench.gpu`. Targets are `autoprec.workload.Workload` objects: the CLI
 passes the built-in ones or ``--workload module:function``; this package imports no workload.

@@ -12,6 +12,7 @@ import math
 from typing import Any, Mapping, Optional
 
 from ..blocks import check_block_patterns
+from ..comm import CommSettings
 from ..errors import SearchError, SettingsError
 from ..formats import Format
 from ..scaling import LossScaling
@@ -19,7 +20,7 @@ from ..search.space import DEFAULT_CANDIDATES, Budgets, LayerRules, Planning, fo
 
 __all__ = ["SchedulerConfig", "Thresholds", "GRAD_COMM", "config_of"]
 
-GRAD_COMM = ("fp32", "bf16", "fp16", "auto")  # gradient all-reduce precisions (`grad_comm`)
+GRAD_COMM = ("fp32", "bf16", "fp16", "powersgd", "int8", "topk", "auto")  # how DDP communicates gradients (`grad_comm`, `autoprec.comm`)
 
 
 def _finite(value: Any) -> bool:
@@ -99,10 +100,13 @@ class SchedulerConfig:
     newer) and BF16 is a candidate, else FP32 (no statistic needs FP32: see the README).
 
     Under ``torch.distributed`` (see `autoprec.distributed`): ``process_group`` is the group the
-    ranks agree in (None: the default group, once initialised); ``grad_comm`` the precision DDP
-    all-reduces gradients in, through torch's own communication hooks: ``"fp32"``, ``"bf16"``,
-    ``"fp16"``, or ``"auto"`` (BF16 once the plan computes every layer's gradients in 16 bits or
-    fewer and an accuracy budget is set, else FP32; halves the bytes on the wire).
+    ranks agree in (None: the default group, once initialised); ``grad_comm`` how DDP communicates
+    gradients (`autoprec.comm`): ``"fp32"``, ``"bf16"``, ``"fp16"`` (torch's own hooks),
+    ``"powersgd"`` (torch's PowerSGD hook, rank 2), ``"int8"`` (per-chunk scaled, error feedback),
+    ``"topk"`` (1 % of each bucket, error feedback; ``comm=CommSettings(...)`` sets the INT8
+    chunk, the top-k fraction and PowerSGD's rank), or ``"auto"`` (BF16 once the plan computes
+    every layer's gradients in 16 bits or fewer and an accuracy budget is set, else FP32; halves
+    the bytes on the wire).
     """
 
     min_precision: int = 8
@@ -129,6 +133,7 @@ class SchedulerConfig:
     seed: int = 0
     process_group: Any = None
     grad_comm: str = "fp32"
+    comm: CommSettings = CommSettings()
     recompute: Optional[tuple[str, ...]] = None
     sample_every: int = 8
     window_format: "Format | str | None" = None
@@ -190,7 +195,7 @@ class SchedulerConfig:
         for name in ("accuracy_relative", "measure_costs", "dynamic"):
             if not isinstance(getattr(self, name), bool):
                 refuse(name, "True or False")
-        for name, cls in (("thresholds", Thresholds), ("rules", LayerRules), ("loss_scaling", LossScaling)):
+        for name, cls in (("thresholds", Thresholds), ("rules", LayerRules), ("loss_scaling", LossScaling), ("comm", CommSettings)):
             if not isinstance(getattr(self, name), cls):
                 refuse(name, f"an autoprec.{cls.__name__}(...); leave it out for the defaults")
         if self.log_dir is not None and not isinstance(self.log_dir, (str, os.PathLike)):

@@ -44,7 +44,7 @@ import torch.nn as nn
 from ..calls import ModelCall, loss_of
 from ..changes import PrecisionChange
 from ..coverage import LayerInfo, layer_name
-from ..distributed import RankAgreement, grad_comm_format
+from ..distributed import RankAgreement, grad_comm_method
 from ..errors import InfeasibleBudgetError, RuntimeStateError, SettingsError
 from ..plan import Plan
 from ..scaling import LossScaler
@@ -292,10 +292,10 @@ class DynamicPrecisionScheduler:
         self._fingerprint = bindable_layers(model, example)
         self.layers = tuple(self._fingerprint)
         check_layers(model, self.layers, self.config)
-        self._dist = dist = RankAgreement.join(self.config, model, self.layers, self._binding.ddp)
+        self._dist = dist = RankAgreement.join(self.config, model, self.layers, self._binding.ddp, loss_scale=lambda: self._plans.scaler.scale_tensor)
         if dist is not None:
             dist.check_bind(self.config, self._fixed_plan)
-            dist.set_grad_comm(grad_comm_format(self.config, None))
+            dist.set_grad_comm(grad_comm_method(self.config, None))
         if self.config.log_dir is not None and self._writer is None and (dist is None or dist.rank == 0):
             from ..monitoring import TrainingWriter
 
@@ -303,7 +303,7 @@ class DynamicPrecisionScheduler:
         self._measures.bind(model, example, self.layers)
         self._plan_checks.bind(model)
         self._plans.bind(model, self.layers, writer=self._writer,
-                         on_plan=None if dist is None else lambda plan: dist.set_grad_comm(grad_comm_format(self.config, plan)))
+                         on_plan=None if dist is None else lambda plan: dist.set_grad_comm(grad_comm_method(self.config, plan)))
 
     def _bind(self, model: nn.Module, example: ModelCall, at_end: bool) -> None:
         """Bind afresh to ``model`` by its call ``example`` (``at_end``: that call ran unplanned)."""
@@ -503,6 +503,7 @@ class DynamicPrecisionScheduler:
             **self._measures.state_dict(),  # the loss baseline, captured steps, metering, profiler
             **self._searches.state_dict(),  # the search in progress, the known times
             "checks": self._plan_checks.state_dict(),
+            "comm": self._dist.comm_state_dict() if self._dist is not None else None,  # error feedback, under DDP
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -522,7 +523,9 @@ class DynamicPrecisionScheduler:
             self._attach(self._binding.bound, ModelCall.from_state(state["example"]))  # plan, scaler and profiler come from the state below
         self.step_count = state["step"]
         self.last_search_error = state["last_search_error"]
-        _, failures, retry_at, search, known, _, checks = (state.get(k, d) for k, d in LATER_STATE.items())
+        _, failures, retry_at, search, known, _, checks, comm = (state.get(k, d) for k, d in LATER_STATE.items())
+        if self._dist is not None:
+            self._dist.load_comm_state_dict(comm, next(self._binding.bound.parameters()).device)
         self._searches.load_known_times(known)
         self._plans.load_state_dict(state, self.step_count)
         self._measures.load_state_dict(state, self.plan)  # after the plan's runtime, as at bind
