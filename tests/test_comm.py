@@ -12,9 +12,8 @@ import torch.nn as nn
 
 import autoprec as ap
 from autoprec.comm import BucketCommunicator, CommMethod, CommSettings, ErrorFeedback, bytes_sent, dequantize_chunks, quantize_chunks
-from autoprec.distributed import SchedulerCheckpoint
 from autoprec.scheduler import DynamicPrecisionScheduler
-from test_distributed import SETTINGS, batch, make_model, run, train
+from test_distributed import SETTINGS, batch, dcp_load, dcp_save, make_model, run, train
 
 SHAPES = [torch.Size([64, 48]), torch.Size([64]), torch.Size([10, 64])]
 
@@ -210,9 +209,6 @@ LOSSY = ("int8", "topk", "powersgd")
 
 
 def ddp_comm_scenario(rank, world, tmp):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     def fresh(comm):
         model = make_model()
         # Buckets of a few KB: 4 of them, so the hooks of several buckets are in flight at once.
@@ -262,13 +258,9 @@ def ddp_comm_scenario(rank, world, tmp):
     reference = [p.detach().clone() for p in model.parameters()]
     model, ddp, opt, sch = fresh("int8")
     first = train(ddp, sch, opt, 6, rank, world)
-    msd, osd = get_state_dict(ddp, opt)
-    dcp.save({"model": msd, "optim": osd, "autoprec": SchedulerCheckpoint(sch)}, checkpoint_id=f"{tmp}/ckpt")
+    dcp_save(ddp, opt, sch, f"{tmp}/ckpt")
     model, ddp, opt, sch = fresh("int8")
-    msd, osd = get_state_dict(ddp, opt)
-    state = {"model": msd, "optim": osd, "autoprec": SchedulerCheckpoint(sch)}
-    dcp.load(state, checkpoint_id=f"{tmp}/ckpt")
-    set_state_dict(ddp, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    dcp_load(ddp, opt, sch, f"{tmp}/ckpt")
     second = train(ddp, sch, opt, 6, rank, world, start=6)
     out["resume"] = {"straight": [s[0] for s in straight], "resumed": [s[0] for s in first + second],
                      "same": all(torch.equal(a, b) for a, b in zip(reference, model.parameters()))}

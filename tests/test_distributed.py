@@ -235,10 +235,27 @@ def test_two_ranks_track_one_rank_within_the_accuracy_budget(tmp_path):
 # -- DCP checkpoints -------------------------------------------------------------------------------
 
 
-def resume_scenario(rank, world, tmp):
+def dcp_save(ddp, opt, sch, path):
+    """Model, optimizer and scheduler into one DCP checkpoint, as the README shows."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(ddp, opt)
+    dcp.save({"model": msd, "optim": osd, "autoprec": SchedulerCheckpoint(sch)}, checkpoint_id=path)
+
+
+def dcp_load(ddp, opt, sch, path):
+    """`dcp_save`'s checkpoint back into a fresh model, optimizer and scheduler."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    msd, osd = get_state_dict(ddp, opt)
+    state = {"model": msd, "optim": osd, "autoprec": SchedulerCheckpoint(sch)}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(ddp, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def resume_scenario(rank, world, tmp):
     def fresh():
         model = make_model()
         ddp = nn.parallel.DistributedDataParallel(model)
@@ -250,14 +267,9 @@ def resume_scenario(rank, world, tmp):
 
     model, ddp, opt, sch = fresh()
     first = train(ddp, sch, opt, 6, rank, world)
-    msd, osd = get_state_dict(ddp, opt)
-    dcp.save({"model": msd, "optim": osd, "autoprec": SchedulerCheckpoint(sch)}, checkpoint_id=f"{tmp}/ckpt")
-
+    dcp_save(ddp, opt, sch, f"{tmp}/ckpt")
     model, ddp, opt, sch = fresh()
-    msd, osd = get_state_dict(ddp, opt)
-    state = {"model": msd, "optim": osd, "autoprec": SchedulerCheckpoint(sch)}
-    dcp.load(state, checkpoint_id=f"{tmp}/ckpt")
-    set_state_dict(ddp, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    dcp_load(ddp, opt, sch, f"{tmp}/ckpt")
     second = train(ddp, sch, opt, 6, rank, world, start=6)
     resumed = {k: v.detach().clone() for k, v in model.named_parameters()}
     return {"straight": straight, "resumed": first + second, "reference": reference, "params": resumed, "plan": sch.plan.to_dict()}

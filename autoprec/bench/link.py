@@ -134,10 +134,6 @@ class Link:
             signal.signal(signal.SIGTERM, self._old_term)
             self._old_term = None
 
-    def exists(self) -> bool:
-        listed = _ip("netns", "list", check=False).stdout
-        return any(ns in listed for ns in self.namespaces.values())
-
     def popen(self, side: str, argv: Sequence[str], **kwargs) -> subprocess.Popen:
         """Start ``argv`` inside side ``"a"`` or ``"b"``'s namespace."""
         return subprocess.Popen(["ip", "netns", "exec", self.namespaces[side], *argv], **kwargs)
