@@ -10,7 +10,7 @@ buckets travel by `comm.BucketCommunicator`.
   rank's plan is verified by hash (`decide`); the profiler's statistics and the loss baseline
   are reduced first (`reduce_window`); each step's skip decision is one all-reduce of flags
   naming the ranks where a non-finite value arose (`agree_on_step`, `StepVerdict`).
-- `GradCommHook`: DDP's communication hook; how the gradients travel (`grad_comm_method`:
+- `GradCommHook`: DDP's communication hook; how the gradients travel (`grad_comm_methods`:
   FP32, BF16, FP16, PowerSGD, INT8 or top-k, `comm`) and the non-finite local gradients seen
   before they are communicated; a lossy method's error feedback is committed only when the
   ranks agree the step was taken.
@@ -32,13 +32,13 @@ import io
 import json
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .comm import LOSSY_COMM, BucketCommunicator, CommMethod, CommSettings
+from .comm import BucketCommunicator, CommMethod, CommSettings
 from .errors import DistributedError, RuntimeStateError
 from .measure import local_shard
 
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from .plan import Plan
     from .scheduler import DynamicPrecisionScheduler
 
-__all__ = ["RankAgreement", "StepVerdict", "SchedulerCheckpoint", "GradCommHook", "unwrap_ddp", "plan_hash", "grad_comm_method"]
+__all__ = ["RankAgreement", "StepVerdict", "SchedulerCheckpoint", "GradCommHook", "unwrap_ddp", "plan_hash", "grad_comm_methods"]
 
 logger = logging.getLogger(__name__)
 
@@ -151,17 +151,35 @@ def _count_nonfinite(flags: torch.Tensor, grads: Sequence[tuple[int, torch.Tenso
 class GradCommHook:
     """The state DDP's ``register_comm_hook`` holds: how each bucket's gradients travel
     (`comm.BucketCommunicator`: torch's FP32/BF16/FP16 hooks and PowerSGD, INT8 and top-k with
-    error feedback; switched by `method`, since DDP takes one registration for its life), and,
+    error feedback; each parameter by `method_of`, switched by `set_methods`, since DDP takes
+    one registration for its life), and,
     per step, which layers' local gradients were non-finite before they were communicated (one
     inf-norm per bucket gradient, no sync): seen before any compression."""
 
     def __init__(self, group, layer_of: dict[int, int], layers: int, names: dict[int, str], settings: CommSettings = CommSettings(),
                  loss_scale: Callable[[], Optional[torch.Tensor]] = lambda: None):
-        self.method = CommMethod.FP32
+        self.default = CommMethod.FP32  # a parameter's method unless `per_layer` names its layer
+        self.per_layer: dict[int, CommMethod] = {}  # layer index -> method
         self.communicator = BucketCommunicator(group, names, settings, scale=loss_scale)
         self._layer_of = layer_of  # id(parameter) -> layer index
         self._layers = layers
         self.flags: Optional[torch.Tensor] = None  # int64 (layers + 1,), since the last take()
+
+    def set_methods(self, default: CommMethod, per_layer: Mapping[int, CommMethod]) -> bool:
+        """Whether that changed how any gradient travels."""
+        per_layer = {i: m for i, m in per_layer.items() if m is not default}
+        changed = (default, per_layer) != (self.default, self.per_layer)
+        self.default, self.per_layer = default, per_layer
+        return changed
+
+    def method_of(self, param: torch.Tensor) -> CommMethod:
+        layer = self._layer_of.get(id(param))
+        return self.per_layer.get(layer, self.default) if layer is not None else self.default
+
+    @property
+    def lossy(self) -> bool:
+        """Whether some gradient travels by a method that may round an inf away."""
+        return self.default.lossy or any(m.lossy for m in self.per_layer.values())
 
     def take(self) -> Optional[torch.Tensor]:
         flags, self.flags = self.flags, None
@@ -175,7 +193,7 @@ class GradCommHook:
         if state.flags is None:
             state.flags = torch.zeros(state._layers + 1, dtype=torch.int64, device=grads[0].device)
         _count_nonfinite(state.flags, kept)
-        return state.communicator.allreduce(state.method, bucket)
+        return state.communicator.allreduce(bucket, state.method_of)
 
 
 class RankAgreement:
@@ -367,7 +385,7 @@ class RankAgreement:
         grads = hooked[:-1] if hooked is not None else self._local_grad_flags(device)
         # A lossy method (INT8, top-k, PowerSGD) may round a rank's inf away before any scaler sees
         # it: any non-finite gradient seen before communication then skips every optimizer.
-        lossy = self.comm_hook is not None and hooked is not None and self.comm_hook.method in LOSSY_COMM
+        lossy = self.comm_hook is not None and hooked is not None and self.comm_hook.lossy
         seen = (hooked.sum() > 0).reshape(1) if lossy and hooked is not None else torch.zeros(1, dtype=torch.bool, device=device)
         loss_bad = (~torch.isfinite(loss)).reshape(1) if loss is not None else torch.zeros(1, dtype=torch.bool, device=device)
         flags = torch.cat([torch.stack(found).reshape(-1) > 0, loss_bad.to(device), grads.to(device) > 0, self._output_flags(scaler, device) > 0, seen.to(device)])
@@ -391,11 +409,16 @@ class RankAgreement:
         self.last_verdict = verdict
         return verdict
 
-    def set_grad_comm(self, method: CommMethod) -> None:
-        """Switch how DDP communicates the gradients (no-op without the hook)."""
-        if self.comm_hook is not None and self.comm_hook.method is not method:
-            self.comm_hook.method = method
-            logger.info("autoprec: DDP gradients now communicated in %s", method.value)
+    def set_grad_comm(self, default: CommMethod, per_layer: "Mapping[str, CommMethod]" = {}) -> None:
+        """How DDP communicates the gradients from now on: ``default``, and ``per_layer`` (layer
+        fqn -> method) for the layers a plan names (no-op without the hook)."""
+        if self.comm_hook is None:
+            return
+        index = {fqn: i for i, fqn in enumerate(self.layers)}
+        if self.comm_hook.set_methods(default, {index[fqn]: m for fqn, m in per_layer.items() if fqn in index}):
+            named = collections.Counter(m.value for m in per_layer.values() if m is not default)
+            logger.info("autoprec: DDP gradients now communicated in %s%s", default.value,
+                        "".join(f", {n} layer(s) in {m}" for m, n in sorted(named.items())))
 
     def comm_state_dict(self) -> Optional[dict]:
         """The gradient communication's error feedback (this rank's), or None without the hook."""
@@ -440,14 +463,12 @@ class SchedulerCheckpoint:
         self.scheduler.load_state_dict(torch.load(io.BytesIO(blob), weights_only=False))
 
 
-def grad_comm_method(config, plan: "Optional[Plan]") -> CommMethod:
-    """How DDP communicates the gradients, as ``config.grad_comm`` asks under ``plan``.
-
-    ``"auto"``: BF16 once a plan computes every layer's gradients in 16 bits or fewer and an
-    accuracy budget is set (those gradients already carry BF16-or-coarser rounding, so rounding
-    their average once more to BF16 adds error of the same order, which the search's budget
-    already allowed for each layer), else FP32."""
+def grad_comm_methods(config, plan: "Optional[Plan]") -> "tuple[CommMethod, dict[str, CommMethod]]":
+    """How DDP communicates the gradients, as ``config.grad_comm`` asks under ``plan``: (the
+    default method, layer fqn -> method). A named method applies to every layer; ``"auto"``
+    takes the plan's own choice (`Plan.comm`, made by `comm.choice` from the link's measured
+    cost under the accuracy budget), FP32 for the layers it does not name and while no plan is
+    in force."""
     if config.grad_comm != "auto":
-        return CommMethod.parse(config.grad_comm)
-    narrow = plan is not None and all((lp.grad_format or lp.format).bits <= 16 for lp in plan.layers.values())
-    return CommMethod.BF16 if narrow and config.accuracy_budget is not None else CommMethod.FP32
+        return CommMethod.parse(config.grad_comm), {}
+    return CommMethod.FP32, dict(plan.comm) if plan is not None else {}

@@ -30,6 +30,8 @@ import torch
 from .errors import FormatError
 
 __all__ = [
+    "CommMethod",
+    "PER_LAYER_COMM",
     "Format",
     "FormatSpec",
     "Granularity",
@@ -185,6 +187,40 @@ class Granularity(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+class CommMethod(str, enum.Enum):
+    """How a gradient travels between ranks (`autoprec.comm` runs each): an all-reduce in FP32,
+    BF16 or FP16; INT8 with a scale per chunk; top-k sparsification; torch's PowerSGD."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    INT8 = "int8"
+    POWERSGD = "powersgd"
+    TOPK = "topk"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: "str | CommMethod", where: str = "grad_comm") -> "CommMethod":
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            raise FormatError(f"{where}={value!r}: expected one of {', '.join(repr(m.value) for m in cls)}") from None
+
+    @property
+    def lossy(self) -> bool:
+        """Whether it may not carry an inf through (a rank's inf can round to a finite value)."""
+        return self in (CommMethod.INT8, CommMethod.TOPK, CommMethod.POWERSGD)
+
+
+# The methods a plan may give one layer: PowerSGD factors whole bucket matrices (torch's hook
+# keeps its state per bucket), so it is a run's choice (``grad_comm="powersgd"``), not a layer's.
+PER_LAYER_COMM = (CommMethod.FP32, CommMethod.BF16, CommMethod.FP16, CommMethod.INT8, CommMethod.TOPK)
 
 
 # Smallest amax a scale is taken from (torchao uses the same floor): keeps fmt.max / amax finite

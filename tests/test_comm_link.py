@@ -72,3 +72,14 @@ def test_int8_gradients_cross_the_link_in_a_quarter_of_fp32s_bytes_and_train_ali
     assert fp32.step_s >= 0.8 * fp32.wire_bytes_per_step * 8 / (rate * 1e6)
     assert int8.step_s < fp32.step_s
     assert abs(int8.final_loss - fp32.final_loss) <= 0.01 * fp32.final_loss
+
+
+def test_the_plans_own_choice_compresses_over_a_slow_link_and_trains_alike():
+    """grad_comm="auto": the scheduler measures the 20 Mbit/s link at bind and, after the first
+    step, sends the large layers' gradients compressed within the accuracy budget."""
+    fp32, auto = run_comm_link([20], ["fp32", "auto"], width=256, layers=3, steps=10, warmup=3, accuracy_budget=0.01, timeout_s=180,
+                               progress=lambda line: None)
+    assert auto.chosen is not None and sum(n for m, n in auto.chosen.items() if m != "fp32") >= 3, auto.chosen
+    assert auto.wire_bytes_per_step < 0.6 * fp32.wire_bytes_per_step
+    assert auto.step_s < fp32.step_s
+    assert abs(auto.final_loss - fp32.final_loss) <= 0.01 * fp32.final_loss

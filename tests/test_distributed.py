@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import autoprec as ap
 from autoprec.comm import CommMethod
-from autoprec.distributed import SchedulerCheckpoint, grad_comm_method, plan_hash
+from autoprec.distributed import SchedulerCheckpoint, grad_comm_methods, plan_hash
 from autoprec.scheduler import DynamicPrecisionScheduler, Thresholds
 from graphs import graph_tensors
 
@@ -92,15 +92,14 @@ def train(model, sch, opt, steps, rank, world, start=0, fault=None, counts=None)
 # -- gradient communication precision (no process group needed) ---------------------------------
 
 
-def test_grad_comm_auto_goes_bf16_only_for_a_16_bit_gradient_plan_with_a_budget():
+def test_grad_comm_auto_takes_the_plans_own_choice_and_a_named_method_every_layer():
     config = ap.SchedulerConfig(grad_comm="auto", accuracy_budget=0.05)
     half = ap.Plan.uniform(make_model(), ap.Format.BF16)
-    mixed = half.with_layers({"2": ap.Format.FP32})
-    assert grad_comm_method(config, half) is CommMethod.BF16
-    assert grad_comm_method(config, mixed) is CommMethod.FP32
-    assert grad_comm_method(config, None) is CommMethod.FP32  # profiling: no plan yet
-    assert grad_comm_method(ap.SchedulerConfig(grad_comm="auto"), half) is CommMethod.FP32  # no budget to spend
-    assert grad_comm_method(ap.SchedulerConfig(grad_comm="fp16"), mixed) is CommMethod.FP16
+    chosen = half.with_comm({"0": "int8", "2": "bf16"})
+    assert grad_comm_methods(config, half) == (CommMethod.FP32, {})  # not chosen yet: FP32
+    assert grad_comm_methods(config, chosen) == (CommMethod.FP32, {"0": CommMethod.INT8, "2": CommMethod.BF16})
+    assert grad_comm_methods(config, None) == (CommMethod.FP32, {})  # profiling: no plan yet
+    assert grad_comm_methods(ap.SchedulerConfig(grad_comm="fp16"), chosen) == (CommMethod.FP16, {})  # the run's named method wins
 
 
 def test_an_unknown_grad_comm_is_refused_naming_the_setting():

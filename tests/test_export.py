@@ -182,3 +182,13 @@ def test_the_export_lists_the_recomputed_modules_beside_the_filter(tmp_path):
     assert exported.RECOMPUTE == ["layers.0", "layers.2"]
     assert "layers.0.fc1" in exported.RECIPES["tensorwise"]  # the filter beside it still names layers
     assert torchao_export(Plan.uniform(Net(), Format.FP8_E4M3)).recompute == ()
+
+
+def test_the_export_names_the_layers_whose_gradients_travel_compressed(tmp_path):
+    """GRAD_COMM: the plan's per-layer gradient communication where it is not FP32."""
+    plan = Plan.uniform(Net(), Format.FP8_E4M3)
+    first, second = list(plan.layers)[:2]
+    path = plan.with_comm({first: "int8", second: "fp32"}).save(tmp_path / "plan.json")
+    assert main(["export", str(path), "--to", "torchao"]) == 0
+    assert _load(tmp_path / "plan_torchao.py").GRAD_COMM == {first: "int8"}
+    assert torchao_export(plan).grad_comm == {}

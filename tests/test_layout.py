@@ -20,7 +20,7 @@ PACKAGE = Path(ap.__file__).parent
 # annotations only and do not count.
 LAYERS = (
     {"errors", "formats", "device", "_io", "_tracing", "calls", "coverage", "blocks", "plan", "changes", "measure", "timing", "opcount",
-     "workload", "cpu_load"},
+     "workload", "cpu_load", "layer_precision"},
     {"runtime"},
     {"profiling", "scaling"},
     {"sensitivity", "costs"},

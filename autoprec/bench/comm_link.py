@@ -3,7 +3,9 @@
 `run_comm_link` builds a `link.Link` per rate (two network namespaces, a veth pair, a token
 bucket at the rate), starts one rank in each namespace (``python -m autoprec.bench.comm_link
 --worker``: gloo over TCP between the two addresses), and trains the same model the same number of
-steps with the scheduler's ``grad_comm`` set to each method. Per (rate, method): the median wall
+steps with the scheduler's ``grad_comm`` set to each method, or to ``"auto"``: the plan's own
+choice per layer, from the link it measures at bind and an ``accuracy_budget`` (`comm.choice`).
+Per (rate, method): the median wall
 time of a training step after the warmup, the bytes rank 0 sent per step as the kernel counted
 them on its interface and as `comm.bytes_sent` counts the payload, and the final loss (mean of
 the last steps) against FP32's. The model is an MLP of ``layers`` square ``width`` layers on a
@@ -16,6 +18,7 @@ steps; one thread per rank.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -34,7 +37,8 @@ class LinkRun:
     """One training over one link: ``rate_mbit`` (None: unlimited), ``method``, median step
     seconds after the warmup, bytes rank 0 sent per step (``wire``: the interface counter over
     the timed steps, headers and the scheduler's own small all-reduces included; ``payload``:
-    `comm.bytes_sent`), the final loss and every step's loss."""
+    `comm.bytes_sent`), the final loss and every step's loss; ``chosen``: under ``"auto"``, how
+    many layers the plan sends by each method."""
 
     rate_mbit: Optional[float]
     method: str
@@ -43,6 +47,7 @@ class LinkRun:
     payload_bytes_per_step: float
     final_loss: float
     losses: tuple[float, ...]
+    chosen: Optional[dict] = None
 
 
 def _model(width: int, layers: int, classes: int):
@@ -80,7 +85,7 @@ def worker(args: argparse.Namespace) -> None:
         ddp = nn.parallel.DistributedDataParallel(model)
         plan = ap.Plan.uniform(_model(args.width, args.layers, args.classes), ap.Format.FP32)
         sch = DynamicPrecisionScheduler.from_plan(ddp, plan, grad_comm=args.method, comm=ap.CommSettings(topk_ratio=args.topk_ratio),
-                                                  monitor_window=10**6, measure_costs=False)
+                                                  monitor_window=10**6, measure_costs=False, accuracy_budget=args.accuracy_budget)
         opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
         device = f"/sys/class/net/{args.device}/statistics/tx_bytes"
         seconds, losses, wire = [], [], []
@@ -101,8 +106,9 @@ def worker(args: argparse.Namespace) -> None:
         timed = slice(args.warmup, None)
         if args.rank == 0:
             with open(args.out, "w", encoding="utf-8") as f:
+                chosen = collections.Counter(m.value for m in sch.plan.comm.values()) if args.method == "auto" and sch.plan is not None else None
                 json.dump({"step_s": statistics.median(seconds[timed]), "wire": statistics.fmean(wire[timed]), "payload": payload,
-                           "losses": losses}, f)
+                           "losses": losses, "chosen": chosen}, f)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -110,8 +116,9 @@ def worker(args: argparse.Namespace) -> None:
 
 def run_comm_link(rates: Sequence[Optional[float]], methods: Sequence[str], *, width: int = 1024, layers: int = 4, classes: int = 16,
                   steps: int = 30, warmup: int = 5, global_batch: int = 64, lr: float = 1e-3, topk_ratio: float = 0.01,
-                  timeout_s: float = 600.0, progress=print) -> list[LinkRun]:
-    """Train once per (rate, method) over a `link.Link` of that rate (module docstring)."""
+                  accuracy_budget: float = 0.01, timeout_s: float = 600.0, progress=print) -> list[LinkRun]:
+    """Train once per (rate, method) over a `link.Link` of that rate (module docstring);
+    ``accuracy_budget`` (relative to the loss) is what ``"auto"`` may spend."""
     from .link import Link
 
     runs = []
@@ -127,7 +134,8 @@ def run_comm_link(rates: Sequence[Optional[float]], methods: Sequence[str], *, w
                                                "--addr", link.addresses["a"], "--port", str(port), "--method", method,
                                                "--device", link.devices[side], "--out", out, "--width", str(width), "--layers", str(layers),
                                                "--classes", str(classes), "--steps", str(steps), "--warmup", str(warmup),
-                                               "--global-batch", str(global_batch), "--lr", str(lr), "--topk-ratio", str(topk_ratio)],
+                                               "--global-batch", str(global_batch), "--lr", str(lr), "--topk-ratio", str(topk_ratio),
+                                               "--accuracy-budget", str(accuracy_budget)],
                                          stdout=subprocess.DEVNULL, stderr=logs[rank], env={**os.environ, "GLOO_SOCKET_IFNAME": link.devices[side]})
                              for rank, side in enumerate(("a", "b"))]
                     deadline = time.monotonic() + timeout_s
@@ -150,9 +158,14 @@ def run_comm_link(rates: Sequence[Optional[float]], methods: Sequence[str], *, w
                     with open(out, encoding="utf-8") as f:
                         r = json.load(f)
                     losses = tuple(r["losses"])
-                    runs.append(LinkRun(rate, method, r["step_s"], r["wire"], r["payload"], statistics.fmean(losses[-5:]), losses))
-                    progress(f"{_rate(rate)}, {method}: {r['step_s'] * 1e3:.0f} ms/step, {r['wire'] / 2**20:.2f} MiB sent/step, loss {runs[-1].final_loss:.4f}")
+                    runs.append(LinkRun(rate, method, r["step_s"], r["wire"], r["payload"], statistics.fmean(losses[-5:]), losses, r["chosen"]))
+                    chose = f" (chose {_chosen(r['chosen'])})" if r["chosen"] else ""
+                    progress(f"{_rate(rate)}, {method}{chose}: {r['step_s'] * 1e3:.0f} ms/step, {r['wire'] / 2**20:.2f} MiB sent/step, loss {runs[-1].final_loss:.4f}")
     return runs
+
+
+def _chosen(chosen: Optional[dict]) -> str:
+    return ", ".join(f"{n} {m}" for m, n in sorted(chosen.items())) if chosen else ""
 
 
 def _rate(rate: Optional[float]) -> str:
@@ -167,7 +180,8 @@ def format_link_table(runs: Sequence[LinkRun]) -> str:
         ref = fp32.get(r.rate_mbit)
         ratio = f"{r.step_s / ref.step_s:.2f}" if ref is not None else "-"
         base = f" ({ref.final_loss:.4f})" if ref is not None and r is not ref else ""
-        lines.append(f"| {_rate(r.rate_mbit)} | {r.method} | {r.step_s * 1e3:.0f} | {ratio} | {r.wire_bytes_per_step / 2**20:.2f} | {r.final_loss:.4f}{base} |")
+        method = f"auto: {_chosen(r.chosen)}" if r.chosen else r.method
+        lines.append(f"| {_rate(r.rate_mbit)} | {method} | {r.step_s * 1e3:.0f} | {ratio} | {r.wire_bytes_per_step / 2**20:.2f} | {r.final_loss:.4f}{base} |")
     return "\n".join(lines)
 
 
@@ -181,7 +195,7 @@ def _parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--device", required=True)
     parser.add_argument("--out", required=True)
     for name, kind in (("width", int), ("layers", int), ("classes", int), ("steps", int), ("warmup", int), ("global-batch", int),
-                       ("lr", float), ("topk-ratio", float)):
+                       ("lr", float), ("topk-ratio", float), ("accuracy-budget", float)):
         parser.add_argument(f"--{name}", type=kind, required=True)
     return parser.parse_args(argv)
 

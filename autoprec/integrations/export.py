@@ -21,7 +21,9 @@ The output is one self-contained Python file (no autoprec import) with the layer
 fingerprint, so no model is needed to export. Beside the filter, ``RECOMPUTE`` lists the modules
 the plan recomputes (its blocks with ``recompute: true``): the modules to wrap in non-reentrant
 activation checkpointing (``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, e.g.
-torch's ``checkpoint_wrapper``), as autoprec's runtime runs them.
+torch's ``checkpoint_wrapper``), as autoprec's runtime runs them. ``GRAD_COMM`` names the layers
+whose gradients the plan sends between DDP ranks by another method than FP32 (`Plan.comm`):
+torchao has no counterpart, so the file says how to run them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Mapping
 
 from .._io import atomic_write_text
 from ..errors import PlanError
-from ..formats import Format, Granularity
+from ..formats import CommMethod, Format, Granularity
 from ..plan import Plan, ScalingMode
 
 __all__ = ["TorchaoExport", "torchao_export", "write_torchao"]
@@ -50,6 +52,7 @@ class TorchaoExport:
     notes: tuple[str, ...]  # plan settings torchao runs differently (delayed -> current scaling)
     autocast: str | None  # the autocast dtype autoprec runs the plan under ("bfloat16", "float16"; None: all FP32)
     recompute: tuple[str, ...] = ()  # fqns of the modules the plan recomputes (to wrap in activation checkpointing)
+    grad_comm: Mapping[str, str] = dataclasses.field(default_factory=dict)  # fqn -> how its gradients travel, where not FP32
 
     @property
     def converted(self) -> tuple[str, ...]:
@@ -95,7 +98,8 @@ def torchao_export(plan: Plan) -> TorchaoExport:
     # layers run in half precision too: BF16 unless every half layer is FP16 (`runtime.context`).
     lowered = any(lp.format is not Format.FP32 for lp in plan.layers.values())
     autocast = None if not lowered else ("float16" if halves == {Format.FP16} else "bfloat16")
-    return TorchaoExport({k: tuple(v) for k, v in recipes.items() if v}, skipped, tuple(notes), autocast, plan.recompute)
+    grad_comm = {fqn: m.value for fqn, m in plan.comm.items() if m is not CommMethod.FP32}
+    return TorchaoExport({k: tuple(v) for k, v in recipes.items() if v}, skipped, tuple(notes), autocast, plan.recompute, grad_comm)
 
 
 _TEMPLATE = '''"""torchao float8 training of the autoprec plan {source} (sha1 {digest}), exported by autoprec {version}.
@@ -129,6 +133,12 @@ AUTOCAST_DTYPE = {autocast}
 # checkpointing (torch.utils.checkpoint.checkpoint(..., use_reentrant=False)); its forward runs
 # again in the backward instead of its activations being kept
 RECOMPUTE = {recompute}
+
+# how the plan sends these layers' gradients between DDP ranks (every other layer's: FP32), chosen
+# from the link it measured under the accuracy budget. torchao has no counterpart: run the plan
+# with autoprec's DDP hook (DynamicPrecisionScheduler.from_plan(ddp, plan, grad_comm="auto")),
+# or, where they are all "bf16", torch's own default_hooks.bf16_compress_hook
+GRAD_COMM = {grad_comm}
 
 
 def module_filter_fn(recipe):
@@ -188,7 +198,7 @@ def write_torchao(plan_path: "str | Path", out: "str | Path | None" = None) -> t
         module=out.stem, autocast_usage=autocast_usage, n_converted=len(export.converted), n_skipped=len(export.not_converted),
         recipes=_literal({k: list(v) for k, v in export.recipes.items()}), not_converted=_literal(dict(export.not_converted)),
         notes=_literal(list(export.notes)), autocast=f"torch.{export.autocast}" if export.autocast else "None",
-        n_recompute=len(export.recompute), recompute=_literal(list(export.recompute)),
+        n_recompute=len(export.recompute), recompute=_literal(list(export.recompute)), grad_comm=_literal(dict(export.grad_comm)),
     )
     atomic_write_text(out, text)
     return out, export

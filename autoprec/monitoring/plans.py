@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
+from collections import Counter
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
@@ -43,6 +44,7 @@ __all__ = [
     "format_plan_line",
     "recomputed_layers",
     "recompute_markdown",
+    "comm_markdown",
     "describe_scaling",
     "render_precision_map",
     "diff_plans",
@@ -301,7 +303,34 @@ def plan_layers_markdown(plan: Plan) -> str:
          _pair("bytes", figures, fqn), _pair("seconds", figures, fqn), _pair("loss", figures, fqn), lp.reason or MISSING]
         for i, (fqn, lp) in enumerate(plan.layers.items())
     ]
+    if plan.comm:  # how each layer's gradients travel between ranks
+        header.insert(4, "gradients sent")
+        for row, fqn in zip(rows, plan.layers):
+            row.insert(4, plan.comm[fqn].value if fqn in plan.comm else MISSING)
     return markdown_table(header, rows)
+
+
+def comm_markdown(plan: Plan) -> str:
+    """The plan's gradient communication (`Plan.comm`): per layer its method, the seconds per
+    step FP32 and it were predicted to take on the link measured, the loss it adds, and the link;
+    "" for a plan that chose none."""
+    if not plan.comm:
+        return ""
+    figures: Mapping[str, Any] = plan.metadata["comm"] if isinstance(plan.metadata.get("comm"), Mapping) else {}
+    layers: Mapping[str, Any] = figures["layers"] if isinstance(figures.get("layers"), Mapping) else {}
+    rows = []
+    for fqn, method in plan.comm.items():
+        row = layers.get(fqn, {})
+        seconds, loss = row.get("seconds", {}), row.get("loss_increase", {})
+        rows.append([f"`{plan.layer_name(fqn)}`", method.value, _show("seconds", finite_number(seconds.get("fp32"))),
+                     _show("seconds", finite_number(seconds.get(method.value))), format_number(loss.get(method.value, 0.0))])
+    parts = [f"gradients sent: {_counts_text(dict(Counter(m.value for m in plan.comm.values())))}"]
+    link: Optional[Mapping[str, Any]] = figures["link"] if isinstance(figures.get("link"), Mapping) else None
+    if link is not None:
+        parts[0] += (f"; link measured at {format_number(8 * link.get('bytes_per_s', 0.0) / 1e6)} Mbit/s, "
+                     f"loss increase allowed {format_number(figures.get('allowed_loss_increase', float('nan')))}")
+    parts.append(markdown_table(["layer", "method", "send, FP32 (pred)", "send, method (pred)", "loss Δ (pred)"], rows))
+    return "\n\n".join(parts)
 
 
 def plan_summary_markdown(plan: Plan, name: str) -> str:
@@ -326,8 +355,11 @@ def plan_summary_markdown(plan: Plan, name: str) -> str:
     if plan.blocks:
         parts.append(f"recomputed blocks: {len(plan.recompute)} of {len(plan.blocks)} (forward run again in the backward)")
         parts.append(recompute_markdown(plan))
-    if plan.metadata:
-        parts.append(markdown_table(["metadata", "value"], [[k, str(v)] for k, v in plan.metadata.items()]))
+    if plan.comm:
+        parts.append(comm_markdown(plan))
+    shown = {k: v for k, v in plan.metadata.items() if not (k == "comm" and plan.comm)}  # the comm figures: their own table
+    if shown:
+        parts.append(markdown_table(["metadata", "value"], [[k, str(v)] for k, v in shown.items()]))
     return "\n\n".join(parts)
 
 
@@ -336,6 +368,9 @@ def format_plan_line(plan: Plan, name: str) -> str:
     text = f"{name}: {len(plan)} layers ({_counts_text(plan.format_counts(), ', ')})"
     if plan.recompute:
         text += f", {len(plan.recompute)} blocks recomputed"
+    sent = Counter(m.value for m in plan.comm.values() if m.value != "fp32")
+    if sent:
+        text += f", gradients sent in {_counts_text(dict(sent), ', ')}"
     for source, f in plan_figures(plan).items():
         shown = []
         for key in ("bytes", "seconds"):

@@ -104,9 +104,10 @@ class SchedulerConfig:
     gradients (`autoprec.comm`): ``"fp32"``, ``"bf16"``, ``"fp16"`` (torch's own hooks),
     ``"powersgd"`` (torch's PowerSGD hook, rank 2), ``"int8"`` (per-chunk scaled, error feedback),
     ``"topk"`` (1 % of each bucket, error feedback; ``comm=CommSettings(...)`` sets the INT8
-    chunk, the top-k fraction and PowerSGD's rank), or ``"auto"`` (BF16 once the plan computes
-    every layer's gradients in 16 bits or fewer and an accuracy budget is set, else FP32; halves
-    the bytes on the wire).
+    chunk, the top-k fraction and PowerSGD's rank), or ``"auto"``: the plan chooses per layer
+    (`Plan.comm`) among FP32, BF16, INT8 and top-k, from the link measured at bind and the loss
+    each compression is predicted to add within the accuracy budget (`scheduler.grad_comm`,
+    `comm.choice`); FP32 until a plan is in force.
     """
 
     min_precision: int = 8

@@ -44,7 +44,7 @@ import torch.nn as nn
 from ..calls import ModelCall, loss_of
 from ..changes import PrecisionChange
 from ..coverage import LayerInfo, layer_name
-from ..distributed import RankAgreement, grad_comm_method
+from ..distributed import RankAgreement, grad_comm_methods
 from ..errors import InfeasibleBudgetError, RuntimeStateError, SettingsError
 from ..plan import Plan
 from ..scaling import LossScaler
@@ -52,6 +52,7 @@ from ..search.training import TrainingSearch
 from . import lifecycle
 from .binding import Binding, bindable_layers, check_layers, check_materialised, unbound_exit
 from .config import SchedulerConfig, config_of
+from .grad_comm import CommChoice
 from .lifecycle import WindowClock
 from .plan_checks import CheckFigures, PlanChecks
 from .plan_keeper import PlanKeeper
@@ -89,6 +90,7 @@ class DynamicPrecisionScheduler:
         # The model, its DDP wrapper (the plan is the inner module's), its first call.
         self._binding = Binding(model, check_output=config.dynamic and plan is None)
         self._dist: Optional[RankAgreement] = None  # set on bind inside a process group
+        self._comm: Optional[CommChoice] = None  # set on bind when the plan chooses the gradient communication
         self.layers: tuple[str, ...] = ()
         self._fingerprint: Mapping[str, LayerInfo] = {}  # the bound model's layers, saved in state_dict
         self.step_count = 0
@@ -281,6 +283,8 @@ class DynamicPrecisionScheduler:
         if self._searches.end_step(skipped, safe=self.plan is None, agreement=self._dist):
             self._finish_search()
         self._advance()
+        if self._comm is not None and not skipped and self.plan is not None and self._comm.due(self.plan, self.step_count):
+            self._plans.set_comm(self._comm.choose(self.plan, self._binding.bound, optimizers, self._last_loss), self.step_count)
         return not skipped
 
     # -- binding --------------------------------------------------------------------------------
@@ -295,7 +299,8 @@ class DynamicPrecisionScheduler:
         self._dist = dist = RankAgreement.join(self.config, model, self.layers, self._binding.ddp, loss_scale=lambda: self._plans.scaler.scale_tensor)
         if dist is not None:
             dist.check_bind(self.config, self._fixed_plan)
-            dist.set_grad_comm(grad_comm_method(self.config, None))
+            dist.set_grad_comm(*grad_comm_methods(self.config, None))
+        self._comm = CommChoice.join(self.config, dist, next(model.parameters()).device)
         if self.config.log_dir is not None and self._writer is None and (dist is None or dist.rank == 0):
             from ..monitoring import TrainingWriter
 
@@ -303,7 +308,7 @@ class DynamicPrecisionScheduler:
         self._measures.bind(model, example, self.layers)
         self._plan_checks.bind(model)
         self._plans.bind(model, self.layers, writer=self._writer,
-                         on_plan=None if dist is None else lambda plan: dist.set_grad_comm(grad_comm_method(self.config, plan)))
+                         on_plan=None if dist is None else lambda plan: dist.set_grad_comm(*grad_comm_methods(self.config, plan)))
 
     def _bind(self, model: nn.Module, example: ModelCall, at_end: bool) -> None:
         """Bind afresh to ``model`` by its call ``example`` (``at_end``: that call ran unplanned)."""

@@ -166,6 +166,18 @@ class PlanKeeper:
         if log_memory and self._writer is not None:
             self._writer.log_memory(step, predicted_bytes=plan.predicted.get("bytes"), measured_bytes=plan.measured.get("saved_bytes"))
 
+    def set_comm(self, plan: Plan, step: int) -> None:
+        """Put ``plan`` in force where it differs from the plan in force only in ``comm`` (how
+        its gradients travel): the runtime stays as it is, the ranks' communication follows."""
+        if self.plan is None or plan.with_comm({}) != self.plan.with_comm({}).replace(metadata=plan.metadata):
+            raise RuntimeStateError("set_comm takes the plan in force with another gradient communication; install() any other")
+        self.plan = plan
+        if self._on_plan is not None:
+            self._on_plan(plan)
+        if self._writer is not None:
+            self._writer.log_plan(step, plan, name="plan")
+        logger.info("autoprec: step %d: plan %s (its gradient communication chosen)", step, plan)
+
     def install_safe(self, step: int) -> None:
         """The profiling window's precision: its runtime on the model, while `plan` stays None
         (no plan has been searched). A pass-through when the safe format is FP32."""

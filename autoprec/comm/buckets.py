@@ -1,7 +1,8 @@
 """What a DDP gradient bucket sends, and the error it leaves behind (error feedback).
 
-On a cluster the gradient all-reduce, not the GEMM, is often what a step waits for. Each DDP
-bucket is communicated by one `CommMethod`:
+On a cluster the gradient all-reduce, not the GEMM, is often what a step waits for. Each
+parameter of a DDP bucket travels by one `CommMethod` (a plan gives each layer its own,
+`Plan.comm`; a bucket mixing methods sends one group per method):
 
 - ``fp32``, ``bf16``, ``fp16``: torch's ``default_hooks`` (``allreduce_hook``,
   ``bf16_compress_hook``, ``fp16_compress_hook``): an all-reduce in that precision, no memory.
@@ -44,7 +45,6 @@ state by bucket index instead; a resumed run keeps its step count and restarts i
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 import zlib
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -52,33 +52,10 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .errors import SettingsError
+from ..errors import SettingsError
+from ..formats import PER_LAYER_COMM, CommMethod
 
-__all__ = ["LOSSY_COMM", "CommMethod", "CommSettings", "ErrorFeedback", "BucketCommunicator", "bytes_sent", "quantize_chunks", "dequantize_chunks"]
-
-
-class CommMethod(enum.Enum):
-    """How one bucket's gradients travel (module docstring)."""
-
-    FP32 = "fp32"
-    BF16 = "bf16"
-    FP16 = "fp16"
-    INT8 = "int8"
-    POWERSGD = "powersgd"
-    TOPK = "topk"
-
-    @classmethod
-    def parse(cls, value: "str | CommMethod", where: str = "grad_comm") -> "CommMethod":
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            raise SettingsError(f"{where}={value!r}: expected one of {', '.join(repr(m.value) for m in cls)}") from None
-
-
-# The methods that may not carry an inf through (a rank's inf can round to a finite value).
-LOSSY_COMM = frozenset({CommMethod.INT8, CommMethod.TOPK, CommMethod.POWERSGD})
+__all__ = ["CommSettings", "ErrorFeedback", "BucketCommunicator", "bytes_sent", "quantize_chunks", "dequantize_chunks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,54 +168,90 @@ class BucketCommunicator:
         self._scale = scale
         self._powersgd: Any = None
 
-    def allreduce(self, method: CommMethod, bucket) -> torch.futures.Future:
+    def allreduce(self, bucket, method_of: "CommMethod | Callable[[torch.Tensor], CommMethod]") -> torch.futures.Future:
+        """Send ``bucket`` (a DDP ``GradBucket``), each parameter by ``method_of(parameter)`` (or
+        all by one method);
+        the future DDP waits for, holding the bucket averaged over the ranks. A bucket of one
+        dense method (or PowerSGD) goes through torch's own hook; otherwise each method's
+        parameters are sent as one group, in `PER_LAYER_COMM` order (the same on every rank: DDP
+        buckets the same parameters everywhere), one or two collectives per group."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        # PowerSGD all-reduces uncompressed (FP32) until its start step; counted as it travels.
-        travels = CommMethod.FP32 if method is CommMethod.POWERSGD and self._powersgd_state().iter < self.settings.powersgd_start else method
-        self.sent[travels.value] = self.sent.get(travels.value, 0) + bytes_sent(
-            travels, [g.shape for g in bucket.gradients()], self.world, self.settings)
-        if method is CommMethod.FP32:
-            return default_hooks.allreduce_hook(self.group, bucket)
-        if method is CommMethod.BF16:
-            return default_hooks.bf16_compress_hook(self.group, bucket)
-        if method is CommMethod.FP16:
-            return default_hooks.fp16_compress_hook(self.group, bucket)
-        if method is CommMethod.POWERSGD:
+        grads, params = bucket.gradients(), bucket.parameters()
+        methods = [method_of if isinstance(method_of, CommMethod) else method_of(p) for p in params]
+        only = methods[0] if len(set(methods)) == 1 else None
+        if only is CommMethod.POWERSGD:
+            # PowerSGD all-reduces uncompressed (FP32) until its start step; counted as it travels.
+            travels = CommMethod.FP32 if self._powersgd_state().iter < self.settings.powersgd_start else only
+            self._count(travels, grads)
             return self._powersgd_hook(bucket)
-        # The bucket in a canonical order (its parameters by name): DDP lays a bucket out in one
+        hooks = {CommMethod.FP32: default_hooks.allreduce_hook, CommMethod.BF16: default_hooks.bf16_compress_hook,
+                 CommMethod.FP16: default_hooks.fp16_compress_hook}
+        if only in hooks:
+            self._count(only, grads)
+            return hooks[only](self.group, bucket)
+        # Each group in a canonical order (its parameters by name): DDP lays a bucket out in one
         # order for its first step and rebuilds it in another, and a resumed run starts again
         # from the first; chunks, shards and residuals must not depend on it.
-        grads, params = bucket.gradients(), bucket.parameters()
+        if CommMethod.POWERSGD in methods:
+            raise ValueError("PowerSGD compresses whole buckets; it cannot share one with other methods")
         names = [self._names.get(id(p), f"#{i}") for i, p in enumerate(params)]
-        order = sorted(range(len(params)), key=lambda i: names[i])
+        futures = []
+        for method in PER_LAYER_COMM:
+            members = sorted((i for i, m in enumerate(methods) if m is method), key=lambda i: names[i])
+            if members:
+                group = [grads[i] for i in members]
+                self._count(method, group)
+                futures.append(self._send(method, group, [names[i] for i in members]))
+        return torch.futures.collect_all(futures).then(lambda _: bucket.buffer())
+
+    def _count(self, method: CommMethod, grads: Sequence[torch.Tensor]) -> None:
+        self.sent[method.value] = self.sent.get(method.value, 0) + bytes_sent(method, [g.shape for g in grads], self.world, self.settings)
+
+    def _send(self, method: CommMethod, grads: Sequence[torch.Tensor], names: Sequence[str]) -> torch.futures.Future:
+        """One group of a bucket's gradients (views of its buffer, canonical order), averaged
+        into place over the ranks when the future completes."""
+        if method in (CommMethod.FP32, CommMethod.BF16, CommMethod.FP16):
+            return self._dense(method, grads)
         scale = self._scale()
-        residuals = [self.feedback.residual(names[i], grads[i]) for i in order]
+        residuals = [self.feedback.residual(name, g) for name, g in zip(names, grads)]
         if method is CommMethod.INT8:
-            layout = _ChunkLayout([(names[i], grads[i].numel()) for i in order], self.settings.chunk, self.world)
-            return self._int8(layout, [grads[i] for i in order], residuals, scale, bucket)
-        x = torch.cat([grads[i].detach().reshape(-1).float() for i in order])
+            layout = _ChunkLayout([(name, g.numel()) for name, g in zip(names, grads)], self.settings.chunk, self.world)
+            return self._int8(layout, grads, residuals, scale)
+        x = torch.cat([g.detach().reshape(-1).float() for g in grads])
         if any(r is not None for r in residuals):
-            residual = torch.cat([(r if r is not None else torch.zeros_like(grads[i], dtype=torch.float32)).reshape(-1) for r, i in zip(residuals, order)])
+            residual = torch.cat([(r if r is not None else torch.zeros_like(g, dtype=torch.float32)).reshape(-1) for r, g in zip(residuals, grads)])
             x = x + (residual * scale if scale is not None else residual)
-        sizes = [grads[i].numel() for i in order]
+        sizes = [g.numel() for g in grads]
 
         def keep(residual: torch.Tensor) -> None:  # in unscaled units, per parameter
             residual = residual / scale if scale is not None else residual
-            for i, piece in zip(order, residual.split(sizes)):
-                self.feedback.keep(names[i], piece.view_as(grads[i]))
+            for name, g, piece in zip(names, grads, residual.split(sizes)):
+                self.feedback.keep(name, piece.view_as(g))
 
-        def give_back(average: torch.Tensor) -> torch.Tensor:
-            for i, piece in zip(order, average.split(sizes)):
-                grads[i].copy_(piece.view_as(grads[i]))  # views of the bucket's buffer
-            return bucket.buffer()
+        def give_back(average: torch.Tensor) -> None:
+            for g, piece in zip(grads, average.split(sizes)):
+                g.copy_(piece.view_as(g))
 
         return self._topk(x, sizes, keep, give_back)
+
+    def _dense(self, method: CommMethod, grads: Sequence[torch.Tensor]) -> torch.futures.Future:
+        """An all-reduce of the group in ``method``'s dtype (as torch's hooks: the sum divided by
+        the world size, rounded once more into the dtype), written back into ``grads``."""
+        dtype = {CommMethod.FP32: torch.float32, CommMethod.BF16: torch.bfloat16, CommMethod.FP16: torch.float16}[method]
+        flat = torch.cat([g.detach().reshape(-1) for g in grads]).to(dtype).div_(self.world)
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+
+        def give_back(_) -> None:
+            for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(piece.view_as(g))
+
+        return work.get_future().then(give_back)
 
     # -- the lossy methods ----------------------------------------------------------------------
 
     def _int8(self, layout: "_ChunkLayout", grads: Sequence[torch.Tensor], residuals: Sequence[Optional[torch.Tensor]],
-              scale: Optional[torch.Tensor], bucket) -> torch.futures.Future:
+              scale: Optional[torch.Tensor]) -> torch.futures.Future:
         """Two phases (module docstring), on the bucket's chunks laid out by owner
         (`_ChunkLayout`): no chunk straddles two parameters, and a chunk's owner follows from its
         parameter's name and its place in it, so no figure depends on which bucket a parameter
@@ -278,12 +291,11 @@ class BucketCommunicator:
             rows = torch.cat([parts[r, :counts[r]] for r in range(world)])
             got_q, got_s = _unpack(rows, chunk)
             layout.scatter_into(got_q.float().mul_(got_s), grads)
-            return bucket.buffer()
 
         return work.get_future().then(dequantize)
 
     def _topk(self, x: torch.Tensor, sizes: Sequence[int], keep: Callable[[torch.Tensor], None],
-              give_back: Callable[[torch.Tensor], torch.Tensor]) -> torch.futures.Future:
+              give_back: Callable[[torch.Tensor], None]) -> torch.futures.Future:
         """Each parameter's ``topk_ratio`` largest magnitudes (so nothing depends on the bucket a
         parameter travels in), all-gathered as (int32 index, FP32 value) pairs."""
         n, world = x.numel(), self.world
@@ -307,7 +319,7 @@ class BucketCommunicator:
             indices = pairs[:, : 4 * k].contiguous().view(torch.int32).reshape(-1).long()
             vals = pairs[:, 4 * k :].contiguous().view(torch.float32).reshape(-1)
             total = torch.zeros(n, dtype=torch.float32, device=x.device).index_add_(0, indices, vals)
-            return give_back(total / world)
+            give_back(total / world)
 
         return work.get_future().then(scatter)
 

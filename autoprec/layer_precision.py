@@ -1,0 +1,299 @@
+"""One layer's precision in a `Plan` (`LayerPrecision`: format, gradient format, `Scaling`,
+`Calibration`, reason), how a plan file's layer entry is parsed into one, and the consistency
+rules it must meet, independent of any model (`check_layer`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+from typing import Any, Mapping, TypeVar
+
+from .errors import FormatError
+from .formats import Format, Granularity
+
+__all__ = ["ScalingMode", "CalibrationMethod", "Scaling", "Calibration", "LayerPrecision", "MAX_HISTORY_LEN", "parse_layer", "check_layer", "figure_problems"]
+
+
+class ScalingMode(str, enum.Enum):
+    """DELAYED: scale from an amax history of earlier steps (no extra pass over the tensor before
+    the cast). CURRENT: scale from this tensor's own amax (one extra reduction, always in range)."""
+
+    DELAYED = "delayed"
+    CURRENT = "current"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class CalibrationMethod(str, enum.Enum):
+    """How an INT8 activation range is chosen from observed values."""
+
+    MAX = "max"  # the largest magnitude seen: no clipping, coarsest resolution
+    PERCENTILE = "percentile"  # clip at a percentile of |x|
+    MSE = "mse"  # clip where the quantization mean squared error is smallest
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaling:
+    """How FP8 / INT8 tensors of a layer are scaled.
+
+    ``granularity`` applies to activations and weights of FP8 layers and to activations of INT8
+    layers (INT8 weights always get one scale per output channel). Delayed scaling keeps one
+    amax per tensor, so it needs TENSOR granularity; ROW and BLOCK scale from the current tensor.
+    Gradients always use current per-tensor scaling computed on the fly.
+    """
+
+    granularity: Granularity = Granularity.TENSOR
+    # Current scaling by default, as torchao's float8 recipes: it is always in range (a spike
+    # cannot saturate), keeps no state, and costs one amax pass that torch.compile fuses into the
+    # cast. Delayed scaling saves that pass only inside a fused kernel and needs a history.
+    mode: ScalingMode = ScalingMode.CURRENT
+    history_len: int = 16  # Transformer Engine's default window is 1024; 16 reacts faster to drift
+    reduction: str = "max"
+    margin: int = 0  # scale targets fmt.max / 2**margin
+
+    def __post_init__(self):
+        object.__setattr__(self, "granularity", Granularity(self.granularity))
+        object.__setattr__(self, "mode", ScalingMode(self.mode))
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """How INT8 activation scales are calibrated from the first ``batches`` forward passes.
+
+    During calibration the layer quantizes with the current batch's own range; afterwards the
+    calibrated scale is frozen until the runtime is asked to re-calibrate. Input channels whose
+    range exceeds ``outlier_ratio`` times the median channel range are kept apart and computed in
+    FP32 (LLM.int8()'s decomposition, arXiv:2208.07339); ``None`` turns that off.
+    """
+
+    method: CalibrationMethod = CalibrationMethod.PERCENTILE
+    percentile: float = 99.99
+    batches: int = 4
+    outlier_ratio: "float | None" = 8.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "method", CalibrationMethod(self.method))
+
+
+# FP8 layers compute gradients in E5M2 (the "hybrid" recipe); INT8 layers run backward in FP32
+# (INT8 has no useful gradient format); every other format differentiates in itself.
+_DEFAULT_GRAD_FORMAT = {Format.FP8_E4M3: Format.FP8_E5M2, Format.FP8_E5M2: Format.FP8_E5M2, Format.INT8: Format.FP32}
+
+
+# init=False: the constructor takes format names and ``grad_format=None`` (the format's default),
+# while the fields hold the parsed `Format`s, never None.
+@dataclasses.dataclass(frozen=True, init=False)
+class LayerPrecision:
+    """One layer's format. FP8 layers compute gradients in ``grad_format`` (E5M2 by default:
+    the "hybrid" recipe, E4M3 forward and E5M2 backward; E4M3 under block scaling, DeepSeek-V3's
+    recipe); INT8 layers' is FP32."""
+
+    format: Format
+    grad_format: Format
+    scaling: Scaling = Scaling()
+    calibration: Calibration = Calibration()
+    reason: str = ""
+
+    def __init__(
+        self,
+        format: "Format | str",
+        grad_format: "Format | str | None" = None,
+        scaling: Scaling = Scaling(),
+        calibration: Calibration = Calibration(),
+        reason: str = "",
+    ):
+        fmt = Format.parse(format)
+        if grad_format is None:
+            # Block scaling is DeepSeek-V3's recipe: E4M3 gradients, made safe by 1x128 tile scales.
+            blocks = fmt is Format.FP8_E4M3 and scaling.granularity is Granularity.BLOCK
+            grad_format = Format.FP8_E4M3 if blocks else _DEFAULT_GRAD_FORMAT.get(fmt, fmt)
+        _set = object.__setattr__
+        _set(self, "format", fmt)
+        _set(self, "grad_format", Format.parse(grad_format))
+        _set(self, "scaling", scaling)
+        _set(self, "calibration", calibration)
+        _set(self, "reason", reason)
+
+    def cast_of(self, kind: str) -> tuple[Format, str]:
+        """The format this layer casts a tensor ``kind`` ("weight", "activation", "grad") to, and
+        the scaling that casts it, as a profile names it: gradients use current scaling, weights
+        and activations the plan's mode; unscaled formats "none"."""
+        fmt = self.grad_format if kind == "grad" else self.format
+        if not fmt.needs_scale:
+            return fmt, "none"
+        return fmt, "current" if kind == "grad" else self.scaling.mode.value
+
+    def to_dict(self) -> dict:
+        def plain(obj):
+            return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in dataclasses.asdict(obj).items()}
+
+        return {
+            "format": self.format.value,
+            "grad_format": self.grad_format.value,
+            "scaling": plain(self.scaling),
+            "calibration": plain(self.calibration),
+            "reason": self.reason,
+        }
+
+
+# The type each JSON field must have, to name the field and the fix when it has another.
+_FIELD_TYPES: dict[str, dict[str, "type | tuple[type, ...]"]] = {
+    "scaling": {"granularity": str, "mode": str, "history_len": int, "reduction": str, "margin": int},
+    "calibration": {"method": str, "percentile": (int, float), "batches": int, "outlier_ratio": (int, float, type(None))},
+}
+
+
+_FIELD_CHOICES = {
+    "granularity": tuple(g.value for g in Granularity),
+    "mode": tuple(m.value for m in ScalingMode),
+    "method": tuple(m.value for m in CalibrationMethod),
+    "reduction": ("max", "most_recent"),
+}
+
+
+_Section = TypeVar("_Section", Scaling, Calibration)
+
+
+def _parse_section(where: str, cls: type[_Section], data: Any, problems: list[str]) -> "_Section | None":
+    if data is None:
+        return cls()
+    if not isinstance(data, Mapping):
+        problems.append(f"{where}: expected an object like {json.dumps(dataclasses.asdict(cls()), default=str)}, got {type(data).__name__}")
+        return None
+    expected = _FIELD_TYPES[where.rsplit(".", 1)[-1]]
+    ok = True
+    for key, value in data.items():
+        if key not in expected:
+            problems.append(f"{where}.{key}: unknown key; expected one of {', '.join(expected)}")
+            ok = False
+        elif isinstance(value, bool) or not isinstance(value, expected[key]):
+            problems.append(f"{where}.{key}: expected {_type_name(expected[key])}, got {value!r}")
+            ok = False
+        elif key in _FIELD_CHOICES and value not in _FIELD_CHOICES[key]:
+            problems.append(f"{where}.{key}: {value!r} is not one of {', '.join(_FIELD_CHOICES[key])}")
+            ok = False
+    if not ok:
+        return None
+    try:
+        return cls(**data)
+    except ValueError as exc:
+        problems.append(f"{where}: {exc}")
+        return None
+
+
+def _type_name(t) -> str:
+    names = [x.__name__ for x in (t if isinstance(t, tuple) else (t,))]
+    return " or ".join("null" if n == "NoneType" else n for n in names)
+
+
+def parse_layer(fqn: str, data: Any, problems: list[str]) -> "LayerPrecision | None":
+    where = f"layers[{fqn!r}]"
+    if isinstance(data, str):
+        data = {"format": data}
+    if not isinstance(data, Mapping):
+        problems.append(f"{where}: expected an object with a 'format', got {type(data).__name__}")
+        return None
+    allowed = {"format", "grad_format", "scaling", "calibration", "reason"}
+    unknown = sorted(set(data) - allowed)
+    for key in unknown:
+        problems.append(f"{where}.{key}: unknown key; expected one of {', '.join(sorted(allowed))}")
+    formats = {}
+    for key in ("format", "grad_format"):
+        if key not in data or (key == "grad_format" and data[key] is None):
+            if key == "format":
+                problems.append(f"{where}.format: missing; set one of {', '.join(f.value for f in Format)}")
+            continue
+        try:
+            formats[key] = Format.parse(data[key])
+        except FormatError as exc:
+            problems.append(f"{where}.{key}: {exc}")
+    scaling = _parse_section(f"{where}.scaling", Scaling, data.get("scaling"), problems)
+    calibration = _parse_section(f"{where}.calibration", Calibration, data.get("calibration"), problems)
+    reason = data.get("reason", "")
+    if not isinstance(reason, str):
+        problems.append(f"{where}.reason: expected a string, got {reason!r}")
+    if unknown or "format" not in formats or scaling is None or calibration is None or not isinstance(reason, str):
+        return None
+    return LayerPrecision(formats["format"], formats.get("grad_format"), scaling, calibration, reason)
+
+
+# An amax history is one float32 tensor of this length per scaled operand, kept on the device;
+# 4096 steps is four times Transformer Engine's default window (1024) and 16 KiB per tensor.
+MAX_HISTORY_LEN = 4096
+
+
+def figure_problems(key: str, figures: Mapping[str, Any]) -> list[str]:
+    """A loaded plan's ``budgets`` / ``predicted`` / ``measured`` numbers (and the per-layer ones
+    under ``predicted.layers``): none NaN, byte counts and times not negative, and only budgets
+    open (inf). The search writes no other; a hand edit that breaks this is named here."""
+    problems = []
+
+    def check(where: str, name: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if value is not None and (name.endswith(("bytes", "seconds")) or name in ("loss", "loss_increase")):
+                problems.append(f"{where}: expected a number, got {value!r}")
+            return
+        if math.isnan(value):
+            problems.append(f"{where}: NaN; give a number or remove the field")
+        elif name.endswith(("bytes", "seconds")) or key == "budgets":
+            if value < 0:
+                problems.append(f"{where}: must be >= 0, got {value}")
+            elif math.isinf(value) and key != "budgets":
+                problems.append(f"{where}: must be finite, got {value}")
+
+    for name, value in figures.items():
+        check(f"{key}.{name}", name, value)
+    layers = figures.get("layers") if key == "predicted" else None
+    for fqn, row in (layers.items() if isinstance(layers, Mapping) else ()):
+        for name, value in (row.items() if isinstance(row, Mapping) else ()):
+            check(f"{key}.layers[{fqn!r}].{name}", name, value)
+    return problems
+
+
+def _max_margin(fmt: Format) -> int:
+    """The largest margin that still maps an amax onto a value >= 1 of ``fmt`` (``fmt.max /
+    2**margin >= 1``): INT8 6, FP8 E4M3 8, E5M2 15. Beyond it every value rounds to a few levels."""
+    return math.floor(math.log2(fmt.max))
+
+
+def check_layer(fqn: str, lp: LayerPrecision) -> list[str]:
+    """Consistency rules a `LayerPrecision` must meet (independent of any model)."""
+    problems = []
+    s, c = lp.scaling, lp.calibration
+    if s.mode is ScalingMode.DELAYED and s.granularity is not Granularity.TENSOR and lp.format.is_fp8:
+        problems.append(
+            f"layers[{fqn!r}].scaling: delayed scaling keeps one amax per tensor, so it needs "
+            f"granularity 'tensor', got {s.granularity.value!r}; set mode 'current' or granularity 'tensor'"
+        )
+    if not 1 <= s.history_len <= MAX_HISTORY_LEN:
+        problems.append(f"layers[{fqn!r}].scaling.history_len: must be from 1 to {MAX_HISTORY_LEN} steps, got {s.history_len}")
+    scaled = [f for f in (lp.format, lp.grad_format) if f.needs_scale]
+    max_margin = min((_max_margin(f) for f in scaled), default=max(_max_margin(f) for f in Format if f.needs_scale))
+    if not 0 <= s.margin <= max_margin:
+        problems.append(
+            f"layers[{fqn!r}].scaling.margin: must be from 0 to {max_margin} for {lp.format.value} "
+            f"(the scaled amax must stay >= 1 so values keep their levels), got {s.margin}"
+        )
+    if s.reduction not in ("max", "most_recent"):
+        problems.append(f"layers[{fqn!r}].scaling.reduction: must be 'max' or 'most_recent', got {s.reduction!r}")
+    if not 0 < c.percentile <= 100:
+        problems.append(f"layers[{fqn!r}].calibration.percentile: must be in (0, 100], got {c.percentile}")
+    if c.batches < 1:
+        problems.append(f"layers[{fqn!r}].calibration.batches: must be >= 1, got {c.batches}")
+    if c.outlier_ratio is not None and not c.outlier_ratio > 1:  # `not >`: NaN is refused too
+        problems.append(f"layers[{fqn!r}].calibration.outlier_ratio: must be > 1 or null, got {c.outlier_ratio}")
+    if lp.format.is_fp8 and not lp.grad_format.is_fp8 and lp.grad_format is not Format.FP32:
+        problems.append(f"layers[{fqn!r}].grad_format: an FP8 layer's gradients are fp8_e5m2, fp8_e4m3 or fp32, got {lp.grad_format.value!r}")
+    default_grad = _DEFAULT_GRAD_FORMAT.get(lp.format, lp.format)
+    if not lp.format.is_fp8 and lp.grad_format is not default_grad:
+        problems.append(
+            f"layers[{fqn!r}].grad_format: only FP8 layers choose a separate gradient format; "
+            f"remove it or set it to {default_grad.value!r}"
+        )
+    return problems
