@@ -151,6 +151,19 @@ def test_the_allowance_goes_to_the_layers_that_save_most_per_loss():
     assert spent <= 2e-5
 
 
+def test_a_method_whose_layers_save_less_than_its_collectives_cost_is_struck_out():
+    link = LinkCost(2e-3, 100e6 / 8, {"bf16": 0.0, "int8": 0.0, "topk": 0.0}, 2)
+    big = layer_figures(link, [torch.Size([1024, 1024])], {CommMethod.BF16: 1e-6, CommMethod.INT8: 1e-5, CommMethod.TOPK: 1.0})
+    head = layer_figures(link, [torch.Size([16, 16])], {CommMethod.BF16: 1e-9, CommMethod.INT8: 1e-8, CommMethod.TOPK: 1e-7})
+    figures = {"big": big, "head": head}
+    free = choose(figures, 1e-3)
+    assert free == {"big": CommMethod.INT8, "head": CommMethod.TOPK}  # no collective costs counted
+    fixed = {m: n * link.latency_s for m, n in ((CommMethod.BF16, 1), (CommMethod.INT8, 2), (CommMethod.TOPK, 1))}
+    # The head's top-k saves 0.08 ms: less than the 2 ms its own all-gather costs; INT8 pays for its two.
+    assert head.seconds[CommMethod.FP32] - head.seconds[CommMethod.TOPK] < fixed[CommMethod.TOPK]
+    assert choose(figures, 1e-3, fixed) == {"big": CommMethod.INT8, "head": CommMethod.INT8}
+
+
 # -- two ranks ---------------------------------------------------------------------------------------
 
 

@@ -28,7 +28,11 @@ scored in two terms, with the optimizer's own learning rate η and preconditione
 **Choice** (`choose`): greedy by time saved per loss added, each layer once (a layer may move
 to a method that saves more when the budget left allows the difference): a knapsack whose items
 are few (three methods per layer) and whose figures are estimates, where the format search's
-exact solver would add nothing the estimates can carry. FP16 is not among the choices (scaled
+exact solver would add nothing the estimates can carry. Then each method must pay for its own
+collectives: a method whose layers together save less than the latency of the collectives it
+adds to each bucket (``fixed``: INT8 two, the others one, per DDP bucket) is struck out and the
+choice made again without it (on a 100 Mbit/s link a 16-output head layer sent by top-k saved
+well under a millisecond and cost one collective more per step). FP16 is not among the choices (scaled
 gradients may overflow it; ask for ``grad_comm="fp16"`` by name), nor PowerSGD (whole buckets).
 """
 
@@ -46,7 +50,7 @@ from ..formats import CommMethod
 from ..timing import start_clock, sync
 from .buckets import CommSettings, _quantize_rows, _topk_count, bytes_sent
 
-__all__ = ["CHOSEN", "LinkCost", "LayerComm", "compressed", "comm_loss_increase", "choose"]
+__all__ = ["CHOSEN", "COLLECTIVES", "LinkCost", "LayerComm", "compressed", "comm_loss_increase", "choose"]
 
 # The methods the choice considers, besides FP32 (module docstring).
 CHOSEN = (CommMethod.BF16, CommMethod.INT8, CommMethod.TOPK)
@@ -168,15 +172,33 @@ class LayerComm:
     loss: Mapping[CommMethod, float]
 
 
-def choose(layers: Mapping[str, LayerComm], allowance: float) -> dict[str, CommMethod]:
+# Collectives a method issues per bucket (module docstring: what it must pay for).
+COLLECTIVES = {CommMethod.FP32: 1, CommMethod.BF16: 1, CommMethod.FP16: 1, CommMethod.INT8: 2, CommMethod.TOPK: 1}
+
+
+def choose(layers: Mapping[str, LayerComm], allowance: float, fixed: Optional[Mapping[CommMethod, float]] = None) -> dict[str, CommMethod]:
     """Every layer's method: FP32 unless another saves time and fits in ``allowance`` (loss
-    units; inf: open) with the others chosen (module docstring: greedy by time saved per loss)."""
+    units; inf: open) with the others chosen, and its layers together save more than ``fixed``
+    (method -> seconds per step its collectives add; module docstring)."""
+    struck: set[CommMethod] = set()
+    while True:
+        chosen = _greedy(layers, allowance, struck)
+        saved: dict[CommMethod, float] = {}
+        for fqn, method in chosen.items():
+            saved[method] = saved.get(method, 0.0) + layers[fqn].seconds[CommMethod.FP32] - layers[fqn].seconds[method]
+        unpaid = {m for m, s in saved.items() if m is not CommMethod.FP32 and s <= (fixed or {}).get(m, 0.0)}
+        if not unpaid:
+            return chosen
+        struck |= unpaid
+
+
+def _greedy(layers: Mapping[str, LayerComm], allowance: float, struck: "set[CommMethod]") -> dict[str, CommMethod]:
     options = []
     for fqn, layer in layers.items():
         base = layer.seconds[CommMethod.FP32]
         for method, seconds in layer.seconds.items():
             saved, loss = base - seconds, layer.loss.get(method, math.inf)
-            if method is not CommMethod.FP32 and saved > 0 and math.isfinite(loss):
+            if method is not CommMethod.FP32 and method not in struck and saved > 0 and math.isfinite(loss):
                 options.append((saved / loss if loss > 0 else math.inf, saved, fqn, method, loss))
     chosen: dict[str, tuple[CommMethod, float, float]] = {}
     left = allowance

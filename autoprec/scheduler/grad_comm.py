@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ..comm.choice import CHOSEN, LayerComm, LinkCost, choose, comm_loss_increase
+from ..comm.choice import CHOSEN, COLLECTIVES, LayerComm, LinkCost, choose, comm_loss_increase
 from ..formats import CommMethod
 from ..plan import Plan
 from ..sensitivity import adam_second_moment
@@ -72,6 +72,7 @@ class CommChoice:
         scoring = _scoring(model, optimizers)
         modules = dict(model.named_modules())
         layers: dict[str, LayerComm] = {}
+        shapes_of: dict[str, list] = {}
         for fqn in plan.layers:
             params = [p for p in modules[fqn].parameters(recurse=False) if p.grad is not None and p.requires_grad]
             if not params or scoring is None:
@@ -79,11 +80,15 @@ class CommChoice:
             lr, preconditioners = scoring(params)
             grads = [p.grad for p in params]
             shapes = [g.shape for g in grads]
+            shapes_of[fqn] = shapes
             layers[fqn] = LayerComm(
                 {m: self.link.seconds(m, shapes, settings) for m in (CommMethod.FP32, *CHOSEN)},
                 {m: 0.0 if m is CommMethod.FP32 else comm_loss_increase(m, grads, preconditioners, lr, settings) for m in (CommMethod.FP32, *CHOSEN)},
             )
-        chosen = choose(layers, allowance)
+        # DDP's buckets: its default cap, 25 MiB of FP32 gradients each.
+        buckets = max(1, math.ceil(sum(4 * sum(math.prod(s) for s in shapes) for shapes in shapes_of.values()) / (25 * 2**20)))
+        fixed = {m: COLLECTIVES[m] * buckets * self.link.latency_s for m in CHOSEN}
+        chosen = choose(layers, allowance, fixed)
         methods = {fqn: chosen.get(fqn, CommMethod.FP32).value for fqn in plan.layers}
         figures = {
             "link": self.link.to_dict(),
