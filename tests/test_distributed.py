@@ -282,6 +282,38 @@ def test_dcp_resume_continues_bit_identically(tmp_path):
             assert torch.equal(result["params"][name], value), name
 
 
+class SeenSaturation:
+    """A runtime's `saturation` as a rank saw it: some layers only on some ranks."""
+
+    def __init__(self, peaks):
+        self.peaks = peaks
+
+    def saturation(self, steps):
+        return {fqn: torch.tensor(v) for fqn, v in self.peaks.items()}
+
+
+def checks_scenario(rank, world, tmp):
+    from autoprec.distributed import RankAgreement
+    from autoprec.scheduler.plan_checks import PlanChecks
+
+    model = make_model()
+    plan = ap.Plan.uniform(model, ap.Format.BF16)
+    config = ap.SchedulerConfig(**SETTINGS)
+    agreement = RankAgreement.join(config, model, list(plan.layers))
+    # Rank 0 has a frozen INT8 calibration's ratio for layer 0, rank 1 none yet (its layer not
+    # run): before, rank 0 issued one all-reduce more than rank 1, and they paired up wrongly.
+    seen = SeenSaturation({"0": 1.5, "2": 0.5} if rank == 0 else {"2": 0.75})
+    first = PlanChecks(config).read(seen, plan, agreement).saturation
+    dist.barrier()
+    return first
+
+
+@pytest.mark.slow
+def test_ranks_that_saw_different_layers_saturate_reduce_the_checks_alike(tmp_path):
+    r0, r1 = run(checks_scenario, tmp_path)
+    assert r0 == r1 == {"0": 1.5, "2": 0.75}
+
+
 # -- FSDP2 -----------------------------------------------------------------------------------------
 
 FSDP_PLAN = {"0": ap.Format.BF16, "2": ap.Format.FP32, "4": ap.Format.BF16}

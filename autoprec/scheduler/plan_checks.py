@@ -218,14 +218,18 @@ class PlanChecks:
         figures are `last` too."""
         pending, self._pending = self._pending, None
         peaks = runtime.saturation(self.config.sample_every) if runtime is not None else {}
-        names = sorted(peaks)
+        # One ratio per layer of the plan, -1 where this rank has none (a layer not run yet, a
+        # calibration not frozen yet): the ranks' vectors must have one length whatever each saw,
+        # or their all-reduces would pair up wrongly. A ratio is >= 0.
+        names = sorted(plan.layers)
         device = next(iter(peaks.values())).device if peaks else (pending.device if pending is not None else torch.device("cpu"))
-        ratios = torch.stack([peaks[n].float() for n in names]) if names else torch.zeros(0, device=device)
+        absent = torch.full((), -1.0, device=device)
+        ratios = torch.stack([peaks[n].float() if n in peaks else absent for n in names]) if names else torch.zeros(0, device=device)
         measured = pending.to(device) if pending is not None else torch.full((2,), math.nan, device=device)
         if agreement is not None:
             ratios, measured = agreement.reduce_checks(ratios, measured)
         values = torch.cat([ratios, measured]).tolist()
-        saturation = dict(zip(names, values[: len(names)]))
+        saturation = {n: v for n, v in zip(names, values[: len(names)]) if not v < 0}  # NaN (a non-finite input) stays
         increase, reference = values[len(names):]
         if plan is not self._plan:  # a promotion, a demotion, a new search: its own mean
             self._sum = self._reference = 0.0
