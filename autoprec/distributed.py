@@ -20,7 +20,7 @@ Costs: per optimizer step one all-reduce of ``8 * (optimizers + 2 + 2 * layers)`
 inf-norm over every gradient and one host transfer; per window end three all-reduces of the
 profiler's accumulators, one broadcast of the decision and one gather of plan hashes (the
 details, and why amax histories need no reduction, in `RankAgreement`). Under FSDP2
-(``fully_shard``) the scheduler needs a given plan (`RankAgreement.check_bind`).
+(``fully_shard``) the search's off-path work runs on a gathered plain copy (`RankAgreement.check_bind`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ import torch.nn as nn
 
 from .comm import BucketCommunicator, CommMethod, CommSettings
 from .errors import DistributedError, RuntimeStateError
+from .formats import Granularity
 from .measure import local_shard
+from .runtime.fsdp_fp8 import Fp8AllGather
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -238,6 +240,8 @@ class RankAgreement:
         modules = dict(model.named_modules())
         self._params = [(i, p) for i, fqn in enumerate(self.layers) for p in modules[fqn].parameters(recurse=False)]
         self.comm_hook: Optional[GradCommHook] = None
+        self._model = model
+        self.fp8_gather = Fp8AllGather() if self.fsdp2 else None  # FSDP2: FP8 layers' weights all-gathered in FP8
         if ddp is not None:
             names = {id(p): name for name, p in model.named_parameters()}
             state = GradCommHook(group, {id(p): i for i, p in self._params}, len(self.layers), names, settings, loss_scale)
@@ -294,13 +298,12 @@ class RankAgreement:
 
         Under FSDP2 (``fully_shard``) parameters are DTensors: the runtime runs inside FSDP2's
         all-gathered forward, the scaler and flags read the local shards (``to_local``). The
-        search runs forwards on rank 0 alone, which FSDP2's all-gathers would deadlock, so under
-        FSDP2 a dynamic scheduler needs ``plan=`` (``from_plan``; with ``dynamic=True`` it still
-        promotes and demotes)."""
+        in-run search's training steps (probes, trials) run on every rank alike; its off-path
+        forwards run on rank 0 alone on a plain copy of the model whose parameters every rank
+        gathered whole when the search started (`replica.plain_copy`), so no rank waits on an
+        all-gather the others never issue."""
         settings = repr(dataclasses.replace(config, process_group=None, log_dir=None))
         self.verify("scheduler settings or plan=", hashlib.sha256((settings + plan_hash(plan)).encode()).hexdigest())
-        if self.fsdp2 and config.dynamic and plan is None:
-            raise DistributedError("DynamicPrecisionScheduler under fully_shard needs plan=... (DynamicPrecisionScheduler.from_plan): its in-run search runs forwards on rank 0 alone, which FSDP2's all-gathers would deadlock; search with DDP or offline (autoprec search)")
 
     def decide(self, decide: Callable[[], Any], adopt: Callable[[Any], None], plan: Callable[[], "Optional[Plan]"]) -> None:
         """Rank 0 runs ``decide`` (the search or the window review), which returns its outcome as
@@ -419,6 +422,18 @@ class RankAgreement:
             named = collections.Counter(m.value for m in per_layer.values() if m is not default)
             logger.info("autoprec: DDP gradients now communicated in %s%s", default.value,
                         "".join(f", {n} layer(s) in {m}" for m, n in sorted(named.items())))
+
+    def gather_fp8(self, plan: "Optional[Plan]") -> None:
+        """Under FSDP2: all-gather in FP8 the weights of ``plan``'s FP8 E4M3, per-tensor scaled
+        layers from the next step (`runtime.fsdp_fp8`); every other weight as FSDP2 does (all of
+        them while ``plan`` is None). Call between steps, on every rank alike."""
+        if self.fp8_gather is None:
+            return
+        layers = {} if plan is None else {fqn: (lp.format, lp.scaling.granularity is Granularity.TENSOR) for fqn, lp in plan.layers.items()}
+        before = self.fp8_gather.enabled
+        self.fp8_gather.set(Fp8AllGather.eligible(self._model, layers))
+        if self.fp8_gather.enabled != before:
+            logger.info("autoprec: FSDP2 all-gathers %d weight(s) in FP8", self.fp8_gather.enabled)
 
     def comm_state_dict(self) -> Optional[dict]:
         """The gradient communication's error feedback (this rank's), or None without the hook."""

@@ -37,6 +37,17 @@ def batch(step, rank, world):
     return x[rank::world], y[rank::world]
 
 
+def wrapped(model, kind):
+    """``model`` under DDP, or under FSDP2 with each linear its own unit and the root another."""
+    if kind == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+
+    for fqn in ("0", "2", "4"):
+        fully_shard(model.get_submodule(fqn))
+    return fully_shard(model)
+
+
 def run(scenario, tmp_path, world=WORLD):
     """Spawn ``world`` ranks running ``scenario(rank, world, tmp_path)``; return each rank's result."""
     os.makedirs(tmp_path, exist_ok=True)
@@ -254,29 +265,46 @@ def dcp_load(ddp, opt, sch, path):
     set_state_dict(ddp, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def resume_scenario(rank, world, tmp):
+def resume_scenario(rank, world, tmp, kind="ddp", settings=SETTINGS):
     def fresh():
         model = make_model()
-        ddp = nn.parallel.DistributedDataParallel(model)
-        return model, ddp, torch.optim.AdamW(ddp.parameters(), lr=3e-3), DynamicPrecisionScheduler(**SETTINGS)
+        ddp = wrapped(model, kind)
+        return model, ddp, torch.optim.AdamW(ddp.parameters(), lr=3e-3), DynamicPrecisionScheduler(**settings)
+
+    def whole(model):
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.named_parameters()}
 
     model, ddp, opt, sch = fresh()
     straight = train(ddp, sch, opt, 12, rank, world)
-    reference = {k: v.detach().clone() for k, v in model.named_parameters()}
+    reference = whole(model)
 
     model, ddp, opt, sch = fresh()
     first = train(ddp, sch, opt, 6, rank, world)
+    phase = sch.phase
     dcp_save(ddp, opt, sch, f"{tmp}/ckpt")
     model, ddp, opt, sch = fresh()
     dcp_load(ddp, opt, sch, f"{tmp}/ckpt")
     second = train(ddp, sch, opt, 6, rank, world, start=6)
-    resumed = {k: v.detach().clone() for k, v in model.named_parameters()}
-    return {"straight": straight, "resumed": first + second, "reference": reference, "params": resumed, "plan": sch.plan.to_dict()}
+    return {"straight": straight, "resumed": first + second, "reference": reference, "params": whole(model), "plan": sch.plan and sch.plan.to_dict(),
+            "saved_in": phase}
+
+
+def fsdp_resume_scenario(rank, world, tmp):
+    return resume_scenario(rank, world, tmp, "fsdp2")
+
+
+def fsdp_mid_search_resume_scenario(rank, world, tmp):
+    """Saved while the search spreads its work over training steps: every rank gathers the snapshot again."""
+    return resume_scenario(rank, world, tmp, "fsdp2", {**SETTINGS, "search_slice": 0.25})
 
 
 @pytest.mark.slow
-def test_dcp_resume_continues_bit_identically(tmp_path):
-    for result in run(resume_scenario, tmp_path):
+@pytest.mark.parametrize("scenario", [resume_scenario, fsdp_resume_scenario, fsdp_mid_search_resume_scenario], ids=["ddp", "fsdp2", "fsdp2-mid-search"])
+def test_dcp_resume_continues_bit_identically(tmp_path, scenario):
+    results = run(scenario, tmp_path)
+    if scenario is fsdp_mid_search_resume_scenario:
+        assert results[0]["saved_in"] == "searching"
+    for result in results:
         assert [s[0] for s in result["resumed"]] == [s[0] for s in result["straight"]]
         for name, value in result["reference"].items():
             assert torch.equal(result["params"][name], value), name
@@ -324,23 +352,30 @@ FSDP_LOW_PLAN = {"0": ap.Format.FP8_E4M3, "2": ap.Format.INT8, "4": ap.Format.BF
 
 
 def fsdp_scenario(rank, world, tmp, formats=FSDP_PLAN):
-    from torch.distributed.fsdp import fully_shard
-
     results = {}
     for kind in ("fsdp2", "ddp"):
         model = make_model()
         plan = ap.Plan({fqn: ap.LayerPrecision(fmt) for fqn, fmt in formats.items()})
-        if kind == "fsdp2":
-            for fqn in ("0", "2", "4"):
-                fully_shard(model.get_submodule(fqn))
-            net = fully_shard(model)
-        else:
-            net = nn.parallel.DistributedDataParallel(model)
+        net = wrapped(model, kind)
         opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
         sch = DynamicPrecisionScheduler.from_plan(net, plan, **SETTINGS)
-        steps = train(net, sch, opt, 6, rank, world)
+        gathered = []  # bytes of every all-gather FSDP2 issues (torch 2.13: all_gather_single, 2.11: all_gather_into_tensor)
+        name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        real = getattr(dist, name)
+        setattr(dist, name, lambda out, inp, *a, **k: (gathered.append(inp.numel() * inp.element_size()), real(out, inp, *a, **k))[1])
+        try:
+            steps = train(net, sch, opt, 1, rank, world)
+            gathered.clear()  # the plan is bound during the first forward: its FP8 gathers start after that step
+            steps += train(net, sch, opt, 5, rank, world, start=1)
+        finally:
+            setattr(dist, name, real)
         full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.named_parameters()}
-        results[kind] = {"steps": steps, "params": full, "hash": plan_hash(sch.plan)}
+        fp8 = sch.distributed.fp8_gather
+        results[kind] = {"steps": steps, "params": full, "hash": plan_hash(sch.plan), "gathered": sorted(set(gathered)),
+                         "fp8": None if fp8 is None else (fp8.enabled, dict(fp8.sent))}
+        sch.close()
+        if fp8 is not None:
+            results[kind]["after_close"] = fp8.enabled
     return results
 
 
@@ -351,21 +386,31 @@ def fsdp_low_scenario(rank, world, tmp):
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", [fsdp_scenario, fsdp_low_scenario], ids=["bf16-fp32", "fp8-int8"])
 def test_fsdp2_trains_a_plan_like_ddp(tmp_path, scenario):
+    """Under the FP8 plan the FP8 layer's weight is all-gathered in FP8 (one scale agreed over
+    the ranks, so the same E4M3 values as DDP's layer quantizing its whole weight): the same
+    training, a quarter of that weight's bytes on the wire."""
     for result in run(scenario, tmp_path):
         fsdp, ddp = result["fsdp2"], result["ddp"]
         assert all(s[1] for s in fsdp["steps"])
         assert fsdp["steps"][-1][0] < fsdp["steps"][0][0]
         for name, value in ddp["params"].items():
             torch.testing.assert_close(fsdp["params"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+        enabled, sent = fsdp["fp8"]
+        assert fsdp["after_close"] == 0  # close() gives FSDP2 back its own gathers
+        # make_model's units: 32->64, 64->64, 64->8 linears, each gathered as its weight and
+        # bias (FP32, 4 bytes a value; FP8, 1), this rank sending its half.
+        fp32_units = [(32 * 64 + 64) * 4 // 2, (64 * 64 + 64) * 4 // 2, (64 * 8 + 8) * 4 // 2]
+        if scenario is fsdp_low_scenario:
+            assert enabled == 1 and sent["fp8_values"] > 0 and sent["all_reduce"] == sent["fp8_values"] // (32 * 64 // 2)
+            assert fsdp["gathered"] == sorted([(32 * 64 * 1 + 64 * 4) // 2, *fp32_units[1:]])  # a quarter of layer 0's weight bytes
+        else:
+            assert enabled == 0 and not sent
+            assert fsdp["gathered"] == sorted(fp32_units)
 
 
 def fsdp_dynamic_scenario(rank, world, tmp):
-    from torch.distributed.fsdp import fully_shard
-
     model = make_model()
-    for fqn in ("0", "2", "4"):
-        fully_shard(model.get_submodule(fqn))
-    net = fully_shard(model)
+    net = wrapped(model, "fsdp2")
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
     plan = ap.Plan({fqn: ap.LayerPrecision(fmt) for fqn, fmt in FSDP_PLAN.items()})
     sch = DynamicPrecisionScheduler.from_plan(net, plan, dynamic=True, **SETTINGS)
@@ -384,6 +429,45 @@ def test_fsdp2_skips_on_every_rank_and_promotes_at_one_step(tmp_path):
         assert result["steps"][5][2] and "non-finite loss on rank 1" in result["steps"][5][3]
     assert r0["changes"] and r0["changes"] == r1["changes"]
     assert {c["step"] for c in r0["changes"]} == {6}
+
+
+def fsdp_search_scenario(rank, world, tmp):
+    """The seed's loop under fully_shard: a scheduler with no plan, an inf loss on rank 1 after the search."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    # The last layer stays in the root's unit, as GPT-2's embeddings and head do: FSDP2 registers
+    # its unsharded parameters during the forward, so a profiler that kept the ones it saw at
+    # bind read freed storage at the first step.
+    for fqn in ("0", "2"):
+        fully_shard(model.get_submodule(fqn))
+    net = fully_shard(model)
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
+    sch = DynamicPrecisionScheduler(**SETTINGS)
+
+    def fault(step, loss):
+        return loss * float("inf") if step == INF_STEP and rank == 1 else loss
+
+    steps = train(net, sch, opt, 14, rank, world, fault=fault)
+    full = {k: v.full_tensor().detach().clone() for k, v in model.named_parameters()}
+    return {"steps": steps, "plan": sch.searched_plan.to_dict() if sch.searched_plan is not None else None, "hash": plan_hash(sch.plan),
+            "phase": sch.phase, "params": full, "error": sch.last_search_error}
+
+
+@pytest.mark.slow
+def test_fsdp2_searches_one_plan_in_the_run_on_every_rank_and_skips_everywhere(tmp_path, ddp_run):
+    r0, r1 = run(fsdp_search_scenario, tmp_path)
+    assert r0["error"] is None and r0["phase"] == "planned", r0["error"]
+    assert r0["plan"] == r1["plan"] and r0["hash"] == r1["hash"]
+    assert any(layer["format"] != "fp32" for layer in r0["plan"]["layers"].values())
+    # Which plan wins is the trial steps' timing (as under DDP): not compared with DDP's here.
+    assert set(r0["plan"]["layers"]) == set(ddp_run[0]["plan"]["layers"])
+    for result in (r0, r1):
+        assert [s[1] for s in result["steps"]] == [i != INF_STEP for i in range(14)]
+        assert result["steps"][INF_STEP][2] and "non-finite loss on rank 1" in result["steps"][INF_STEP][3]
+        assert sum(s[0] for s in result["steps"][-3:]) < sum(s[0] for s in result["steps"][:3])
+    for name, value in r0["params"].items():
+        assert torch.equal(value, r1["params"][name]), name
 
 
 def first_forward_error(model, plan, rank, world):

@@ -20,7 +20,7 @@ PACKAGE = Path(ap.__file__).parent
 # annotations only and do not count.
 LAYERS = (
     {"errors", "formats", "device", "_io", "_tracing", "calls", "coverage", "blocks", "plan", "changes", "measure", "timing", "opcount",
-     "workload", "cpu_load", "layer_precision"},
+     "workload", "cpu_load", "layer_precision", "replica"},
     {"runtime"},
     {"profiling", "scaling"},
     {"sensitivity", "costs"},

@@ -48,17 +48,24 @@ class _TensorState:
 
 
 class _Welford:
-    """Per-element running mean / M2 of one parameter's (strided) gradient."""
+    """Per-element running mean / M2 of one parameter's (strided) gradient. The parameter is
+    looked up on its module when read: FSDP2 registers the unsharded parameter during forward
+    and backward and the sharded one (which holds the gradient) after, so one kept from an
+    earlier moment may have lost its storage or never see a gradient."""
 
-    __slots__ = ("param", "stride", "mean", "m2", "n")
+    __slots__ = ("module", "name", "stride", "mean", "m2", "n")
 
-    def __init__(self, param: nn.Parameter, grad_sample: int):
-        self.param = param
+    def __init__(self, module: nn.Module, name: str, grad_sample: int, param: nn.Parameter):
+        self.module, self.name = module, name
         last = param.shape[-1] if param.dim() else 1
         self.stride = sample_stride(param.numel(), last, grad_sample)
         self.mean: Optional[torch.Tensor] = None
         self.m2: Optional[torch.Tensor] = None
         self.n = 0
+
+    @property
+    def param(self) -> nn.Parameter:
+        return getattr(self.module, self.name)
 
     def moments(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The running (mean, M2), both set by the first gradient: a `ProfileError` where only
@@ -72,18 +79,21 @@ class _Welford:
 
 
 class _LayerState:
-    __slots__ = ("fqn", "module", "weights", "welford", "tensors", "steps", "last_step", "phase")
+    __slots__ = ("fqn", "module", "welford", "tensors", "steps", "last_step", "phase")
 
     def __init__(self, fqn: str, module: nn.Module, grad_sample: int, phase: int):
         self.fqn = fqn
         self.phase = phase
         self.module = module
-        own = [p for _, p in module.named_parameters(recurse=False)]
-        self.weights = [p for p in own if p.dim() >= 2]
-        self.welford = [_Welford(p, grad_sample) for p in own if p.requires_grad]
+        self.welford = [_Welford(module, name, grad_sample, p) for name, p in module.named_parameters(recurse=False) if p.requires_grad]
         self.tensors: dict[str, _TensorState] = {}
         self.steps = 0
         self.last_step = -1
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        """The layer's matrix parameters as registered now (`_Welford` says why not kept)."""
+        return [p for p in self.module.parameters(recurse=False) if p.dim() >= 2]
 
 
 def first_float(obj: Any) -> Optional[torch.Tensor]:

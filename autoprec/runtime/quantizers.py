@@ -30,6 +30,7 @@ import torch
 from ..formats import ACTIVATION_BLOCK, WEIGHT_BLOCK, Format, Granularity, amax, block_amax, dequantize, expand_blocks, inverse_scale, quantize
 from ..plan import Scaling, ScalingMode
 from .block_gemm import block_cast
+from .fsdp_fp8 import GatheredFp8
 from .gemm import pad_to_multiple
 
 if TYPE_CHECKING:
@@ -262,6 +263,8 @@ class WeightQuantizer(_RoundTrip):
         per tensor amax tiles, finalize and one cast writing both copies; row-wise the row kernel,
         then for the transposed copy the finalize and a cast.
         """
+        if isinstance(weight, GatheredFp8) and self.fmt is Format.FP8_E4M3 and not self.rowwise and self.block is None:
+            return self._gathered(weight, need_transposed)
         keep = reuse and not torch.compiler.is_compiling()
         if keep:
             key = (weight.data_ptr(), weight.stride(), weight._version, weight.device)
@@ -280,6 +283,19 @@ class WeightQuantizer(_RoundTrip):
         if keep:
             self._key, self._kept = key, result
         return result
+
+    def _gathered(self, weight: "GatheredFp8", need_transposed: bool) -> QuantizedWeight:
+        """A weight FSDP2 all-gathered in FP8 (`fsdp_fp8`): its bytes and agreed scale as they
+        arrived, padded to the alignment; no amax, no cast. One copy (two with the transpose)."""
+        rows, cols = weight.shape
+        a = self.align
+        data = torch.zeros(-(-rows // a) * a, -(-cols // a) * a, dtype=weight.fp8.dtype, device=weight.fp8.device)
+        data[:rows, :cols].copy_(weight.fp8)
+        inv = weight.inv_scale
+        transposed = data.t().contiguous() if need_transposed else None
+        if self.row_scales:
+            return QuantizedWeight(data, inv.expand(1, data.shape[0]).contiguous(), transposed, inv if transposed is not None else None)
+        return QuantizedWeight(data, inv, transposed)
 
     def _quantize(self, w: torch.Tensor, need_transposed: bool, weight_rows: int) -> QuantizedWeight:
         if self.block is not None:

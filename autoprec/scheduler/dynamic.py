@@ -91,6 +91,7 @@ class DynamicPrecisionScheduler:
         self._binding = Binding(model, check_output=config.dynamic and plan is None)
         self._dist: Optional[RankAgreement] = None  # set on bind inside a process group
         self._comm: Optional[CommChoice] = None  # set on bind when the plan chooses the gradient communication
+        self._fp8_gather_due: Optional[Plan] = None  # a plan whose FSDP2 FP8 gathers start after this step's backward
         self.layers: tuple[str, ...] = ()
         self._fingerprint: Mapping[str, LayerInfo] = {}  # the bound model's layers, saved in state_dict
         self.step_count = 0
@@ -265,6 +266,9 @@ class DynamicPrecisionScheduler:
         for i, optimizer in enumerate(optimizers):
             self._checks.check_optimizer(i, optimizer, self._binding.bound)
         self._optimizers = optimizers  # a search starting this step reads their Adam state
+        if self._fp8_gather_due is not None and self._dist is not None:
+            self._dist.gather_fp8(self._fp8_gather_due)
+            self._fp8_gather_due = None
         self._measures.step()
         if self._check_due:  # the reference forward, on the weights the planned forward ran with
             self._plan_checks.measure(self._plans.safe_format, self.scaler.scale_tensor if self.scaler.enabled else None)
@@ -307,8 +311,19 @@ class DynamicPrecisionScheduler:
             self._writer = TrainingWriter(self.config.log_dir, flush_every=min(100, self.config.monitor_window))
         self._measures.bind(model, example, self.layers)
         self._plan_checks.bind(model)
-        self._plans.bind(model, self.layers, writer=self._writer,
-                         on_plan=None if dist is None else lambda plan: dist.set_grad_comm(*grad_comm_methods(self.config, plan)))
+        self._plans.bind(model, self.layers, writer=self._writer, on_plan=None if dist is None else self._on_plan)
+
+    def _on_plan(self, plan: Plan) -> None:
+        """Each plan put in force, under torch.distributed: how DDP sends the gradients, which
+        weights FSDP2 all-gathers in FP8."""
+        assert self._dist is not None
+        self._dist.set_grad_comm(*grad_comm_methods(self.config, plan))
+        if self._context_stack is not None or self._backward_due:
+            # A forward ran (or runs) whose backward has not: FSDP2 re-gathers weights there
+            # into the buffers autograd saved, so the gather format changes after that backward.
+            self._fp8_gather_due = plan
+        else:
+            self._dist.gather_fp8(plan)
 
     def _bind(self, model: nn.Module, example: ModelCall, at_end: bool) -> None:
         """Bind afresh to ``model`` by its call ``example`` (``at_end``: that call ran unplanned)."""
@@ -546,6 +561,8 @@ class DynamicPrecisionScheduler:
         self._searches.close()
         self._plans.close()
         self._measures.close()
+        if self._dist is not None:
+            self._dist.gather_fp8(None)  # FSDP2 gathers every weight as it did before
         if self._writer is not None:
             self._writer.close()
             self._writer = None

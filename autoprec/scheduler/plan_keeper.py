@@ -181,9 +181,12 @@ class PlanKeeper:
     def install_safe(self, step: int) -> None:
         """The profiling window's precision: its runtime on the model, while `plan` stays None
         (no plan has been searched). A pass-through when the safe format is FP32."""
+        safe = Plan({fqn: LayerPrecision(self.safe_format, reason="safe precision while profiling") for fqn in self._layers})
         if self.safe_format is not Format.FP32:
-            self.install(Plan({fqn: LayerPrecision(self.safe_format, reason="safe precision while profiling") for fqn in self._layers}), "profiling", step, searched=False)
+            self.install(safe, "profiling", step, searched=False)
             self.plan = None
+        elif self._on_plan is not None:  # the ranks communicate as for FP32 layers
+            self._on_plan(safe)
 
     def enter_runtime(self, stack: contextlib.ExitStack) -> None:
         """Run the plan in force in ``stack``'s context (nothing to enter without a runtime)."""

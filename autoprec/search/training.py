@@ -35,7 +35,6 @@ probes' and the trials' step times are measured, and are the only timings the re
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import fnmatch
 import statistics
@@ -52,6 +51,7 @@ from ..device import format_support
 from ..errors import AutoprecError, InfeasibleBudgetError, RuntimeStateError, SearchError
 from ..formats import Format
 from ..plan import Calibration, LayerPrecision, Plan
+from ..replica import is_sharded, plain_copy
 from ..runtime import EmulationWarning, apply_plan
 from ..sensitivity import FisherEstimator, sensitivity_steps
 from .noise import unseparated
@@ -199,11 +199,13 @@ class TrainingSearch:
         if restore is not None:
             self._restore(restore)
         self._snapshot: Optional[nn.Module] = None
-        if lead and self.candidates is None:  # the weights as of the window's end: the off-path work's, while training goes on
-            start = time.perf_counter()
-            self._snapshot = copy.deepcopy(model)
-            for p in self._snapshot.parameters():
-                p.grad = None
+        # Under FSDP2 every rank takes part in gathering the snapshot's parameters (`plain_copy`),
+        # whether or not its copy is kept: the ranks need not agree on whether the work is done.
+        sharded = not alone and is_sharded(model)
+        start = time.perf_counter()
+        if (lead and self.candidates is None) or sharded:  # the weights as of the window's end: the off-path work's, while training goes on
+            self._snapshot = plain_copy(model, keep=lead and self.candidates is None)
+        if self._snapshot is not None:
             if restore is not None and restore.get("snapshot") is not None:
                 self._snapshot.load_state_dict(restore["snapshot"])  # the saved search's, not the resumed weights
             self._add("snapshot", time.perf_counter() - start)

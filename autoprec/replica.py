@@ -1,0 +1,103 @@
+"""A plain copy of a model: `plain_copy`, what the search's off-path work runs on.
+
+A model sharded by FSDP2 (``fully_shard``) holds each parameter as a DTensor shard and runs
+collectives in its forward (all-gathers) and backward (reduce-scatters), so a forward on one rank
+alone waits forever for the others; and FSDP2 refuses ``copy.deepcopy``. `plain_copy` gathers
+each sharded parameter whole (``DTensor.full_tensor``: an all-gather every rank of its mesh must
+call, in the same order: parameters in ``named_parameters`` order) and, on the rank that keeps
+it, builds the same module tree with FSDP2's wrapping removed: each module of its own class again
+(FSDP2 swaps in a subclass), without FSDP2's state and hooks (nor autoprec's: the scheduler's
+own must not run on its copy), holding the whole parameters. A
+model with no DTensor parameter is deep-copied as it is (no collective).
+
+Costs: the model's FP32 parameters once more on the keeping rank (on its device), and per sharded
+parameter one all-gather of it on every rank.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+__all__ = ["plain_copy", "is_sharded"]
+
+# What FSDP2 adds to a module's __dict__ (besides its class and hooks): its state and flags.
+_FSDP_KEYS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
+_STATE_PREFIX = "__composable_api_state_key"
+
+
+def _is_dtensor(t: Any) -> bool:
+    return hasattr(t, "full_tensor") and hasattr(t, "placements")
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether some parameter of ``model`` is a DTensor (FSDP2, tensor parallelism)."""
+    return any(_is_dtensor(p) for p in model.parameters())
+
+
+def plain_copy(model: nn.Module, keep: bool = True) -> Optional[nn.Module]:
+    """A copy of ``model`` with every parameter whole and FSDP2's wrapping removed (module
+    docstring), or None where ``keep`` is False (a rank that only takes part in the gathers).
+    Gradients are not copied; ``requires_grad`` and the training mode are."""
+    if not is_sharded(model):
+        if not keep:
+            return None
+        replica = copy.deepcopy(model)
+        for p in replica.parameters():
+            p.grad = None
+        return replica
+    whole = {}
+    with torch.no_grad():
+        for _, p in model.named_parameters():  # the same order on every rank
+            if id(p) not in whole:
+                whole[id(p)] = p.full_tensor() if _is_dtensor(p) else p.detach()  # type: ignore[attr-defined]
+    if not keep:
+        return None
+    memo: dict[int, Any] = {}
+    for _, p in model.named_parameters():
+        if id(p) not in memo:
+            memo[id(p)] = nn.Parameter(whole[id(p)].clone(), requires_grad=p.requires_grad)
+    return _copy_module(model, memo)
+
+
+def _plain_class(cls: type) -> type:
+    """The module class FSDP2 subclassed (``FSDPLinear`` -> ``Linear``), or ``cls``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if issubclass(cls, FSDPModule):
+        return next(base for base in cls.__mro__[1:] if issubclass(base, nn.Module) and not issubclass(base, FSDPModule))
+    return cls
+
+
+def _dropped_hook(hook: Any) -> bool:
+    """FSDP2's hooks (its state's methods), and autoprec's own (the scheduler's binding and
+    watches): neither may run on the copy."""
+    owner = getattr(hook, "__self__", None)
+    module = type(owner).__module__ if owner is not None else getattr(hook, "__module__", "") or ""
+    return module.startswith(("torch.distributed.fsdp", "autoprec."))
+
+
+def _copy_module(module: nn.Module, memo: dict) -> nn.Module:
+    if id(module) in memo:  # a module reached twice (shared submodules) stays shared
+        return memo[id(module)]
+    cls = _plain_class(type(module))
+    new: nn.Module = object.__new__(cls)
+    memo[id(module)] = new
+    for key, value in module.__dict__.items():
+        if key.startswith(_STATE_PREFIX) or key in _FSDP_KEYS:
+            continue
+        if key == "_parameters":
+            new.__dict__[key] = {name: None if p is None else memo[id(p)] for name, p in value.items()}
+        elif key == "_modules":
+            new.__dict__[key] = {name: None if m is None else _copy_module(m, memo) for name, m in value.items()}
+        elif key.endswith("_hooks") and isinstance(value, dict):
+            # Other hooks (the user's) are kept as they are, not copied: a hook is code, and a
+            # copy of the object it is bound to would be a second one of something the user owns.
+            new.__dict__[key] = collections.OrderedDict((k, h) for k, h in value.items() if not _dropped_hook(h))
+        else:
+            new.__dict__[key] = copy.deepcopy(value, memo)
+    return new

@@ -1,0 +1,173 @@
+"""FP8 all-gather under FSDP2: a layer the plan runs in FP8 E4M3 (per-tensor scaling) has its
+weight shard quantized before FSDP2 all-gathers it, and the gathered FP8 bytes feed the layer's
+GEMM as they arrive (`WeightQuantizer.get` takes them: no second amax or cast).
+
+FSDP2's extension points are the engine: a sharded parameter whose local tensor has
+``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` sends what the first returns and builds the
+unsharded parameter from the second. `Fp8AllGather.enable` sets them on the local tensor of each
+chosen weight (a plain tensor: the methods are attributes of that tensor, so the optimizer, the
+checkpoint and everything else keep seeing the FP32 shard) and resets that parameter's gather
+buffers; `disable` takes them off. FSDP2 reads them at each all-gather, but keeps its buffers
+and its unsharded parameter across steps and sets up extension data once, so both go through
+`FSDPParam`'s private state (`_extensions_data`, ``all_gather_outputs``, ``_unsharded_param``):
+torch 2.11 and 2.13 lay it out alike, and the tests run on both.
+
+- **pre-all-gather**: the shard's amax, all-reduced (MAX) over the FSDP mesh so every rank
+  quantizes with one inverse scale ``amax / 448``; the padded shard cast to E4M3.
+- **post-all-gather**: a `GatheredFp8` over the gathered bytes: it has the FP32 weight's dtype
+  and shape (autograd, FSDP2's ``as_strided`` and ``nn.Parameter`` see a weight), holds the E4M3
+  data and the agreed inverse scale, and any other op runs on its dequantized value.
+- **gradients** reduce-scatter as before (FP32, or FSDP2's ``reduce_dtype``).
+
+Costs per FP8 weight and all-gather (forward, and backward when FSDP2 re-gathers there): one amax
+over the shard, one all-reduce of 4 bytes, one cast of the shard; the all-gather sends 1 byte per
+value instead of 4 (FP32). The scale follows the weight every step (current scaling), so a layer
+whose plan says delayed scaling or row/block granularity is gathered as before. Eager only: the
+subclass has no ``__tensor_flatten__`` for ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from ..formats import Format, inverse_scale, quantize
+
+__all__ = ["GatheredFp8", "Fp8AllGather"]
+
+_aten = torch.ops.aten
+# The ops FSDP2 applies to the unsharded parameter it builds: they act on the FP8 data.
+_KEEP = {_aten.as_strided.default, _aten.view.default, _aten.detach.default, _aten.alias.default, _aten._unsafe_view.default}
+
+
+class GatheredFp8(torch.Tensor):
+    """A weight all-gathered in FP8 (module docstring): ``fp8`` the E4M3 data in the weight's
+    shape, ``inv_scale`` its 0-d FP32 inverse scale; its dtype and shape are the weight's."""
+
+    fp8: torch.Tensor
+    inv_scale: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, fp8: torch.Tensor, inv_scale: torch.Tensor, dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, fp8.shape, strides=fp8.stride(), storage_offset=fp8.storage_offset(),
+                                                   dtype=dtype, device=fp8.device, requires_grad=False)
+
+    def __init__(self, fp8: torch.Tensor, inv_scale: torch.Tensor, dtype: torch.dtype):
+        self.fp8 = fp8
+        self.inv_scale = inv_scale
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    def dequantized(self) -> torch.Tensor:
+        return self.fp8.to(self.dtype) * self.inv_scale.to(self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _KEEP and isinstance(args[0], GatheredFp8):
+            own = args[0]
+            return GatheredFp8(func(own.fp8, *args[1:], **kwargs), own.inv_scale, own.dtype)
+        args, kwargs = pytree.tree_map_only(GatheredFp8, lambda t: t.dequantized(), (args, kwargs))
+        return func(*args, **kwargs)
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]
+        return f"GatheredFp8(shape={tuple(self.shape)}, dtype={self.dtype}, inv_scale={self.inv_scale})"
+
+
+class Fp8AllGather:
+    """Which FSDP2 weights are all-gathered in FP8 (module docstring), and what was sent:
+    ``sent`` counts ``all_reduce`` (the amax agreements) and ``fp8_values`` (weight values
+    all-gathered in FP8 by this rank) since built."""
+
+    def __init__(self) -> None:
+        self._enabled: dict[int, Any] = {}  # id(FSDPParam) -> FSDPParam
+        self.sent: collections.Counter = collections.Counter()
+
+    @staticmethod
+    def eligible(model: nn.Module, layers: "dict[str, tuple[Format, bool]]") -> "list[Any]":
+        """The FSDPParams of the weights that can be gathered in FP8, among ``layers`` (fqn ->
+        (format, per-tensor scaled)): an FP8 E4M3, per-tensor scaled layer's ``weight`` that
+        FSDP2 shards on dim 0. None of them without FSDP2."""
+        from torch.distributed.fsdp import FSDPModule
+
+        modules = dict(model.named_modules())
+        wanted = {id(modules[fqn]) for fqn, (fmt, tensor) in layers.items() if fmt is Format.FP8_E4M3 and tensor and fqn in modules}
+        found = []
+        for unit in model.modules():
+            group = unit._get_fsdp_state()._fsdp_param_group if isinstance(unit, FSDPModule) else None
+            for p in group.fsdp_params if group is not None else ():
+                info = p._module_info
+                if id(info.module) in wanted and info.param_name == "weight" and p.fsdp_placement.dim == 0:
+                    found.append(p)
+        return found
+
+    @property
+    def enabled(self) -> int:
+        return len(self._enabled)
+
+    def set(self, params: Sequence[Any]) -> None:
+        """Gather exactly ``params`` (FSDPParams) in FP8 from the next all-gather on. Call it
+        while the model is sharded (between steps)."""
+        wanted = {id(p): p for p in params}
+        for key, p in list(self._enabled.items()):
+            if key not in wanted:
+                self._off(p)
+        for key, p in wanted.items():
+            if key not in self._enabled:
+                self._on(p)
+
+    def disable(self) -> None:
+        self.set([])
+
+    def _on(self, fsdp_param: Any) -> None:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import ExtensionsData
+
+        local = fsdp_param._sharded_local_tensor
+        group = fsdp_param.shard_mesh_from_root.get_group() if hasattr(fsdp_param, "shard_mesh_from_root") else fsdp_param.mesh_info.shard_process_group
+        sent = self.sent
+
+        def fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy):
+            padded = fsdp_param._sharded_param_data.view(fsdp_param.padded_sharded_param_size)
+            with torch.no_grad():
+                amax = padded.abs().amax().float().reshape(1)
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group() if mesh is not None else group)
+                inv = inverse_scale(amax[0], Format.FP8_E4M3)
+                data = quantize(padded, inv, Format.FP8_E4M3)
+            sent["all_reduce"] += 1
+            sent["fp8_values"] += data.numel()
+            return (data,), (inv,)
+
+        def fsdp_post_all_gather(outputs, metadata, param_dtype, *, out: Optional[torch.Tensor] = None):
+            (data,), (inv,) = outputs, metadata
+            if out is not None:  # FSDP2 re-gathered into the same storage: only the scale is new
+                out.inv_scale = inv  # type: ignore[attr-defined]  # out: the GatheredFp8 parameter built at the first gather
+                return None
+            return GatheredFp8(data, inv, param_dtype), (data,)
+
+        local.fsdp_pre_all_gather = fsdp_pre_all_gather
+        local.fsdp_post_all_gather = fsdp_post_all_gather
+        fsdp_param._extensions_data = ExtensionsData()
+        _reset(fsdp_param)
+        self._enabled[id(fsdp_param)] = fsdp_param
+
+    def _off(self, fsdp_param: Any) -> None:
+        local = fsdp_param._sharded_local_tensor
+        for name in ("fsdp_pre_all_gather", "fsdp_post_all_gather"):
+            if name in local.__dict__:
+                delattr(local, name)
+        _reset(fsdp_param)
+        self._enabled.pop(id(fsdp_param), None)
+
+
+def _reset(fsdp_param: Any) -> None:
+    """Drop the gather buffers and unsharded parameter FSDP2 keeps across steps: the next
+    all-gather makes them again in the new format."""
+    fsdp_param.all_gather_outputs = []
+    fsdp_param._unsharded_inner_tensors = []
+    if hasattr(fsdp_param, "_unsharded_param"):
+        del fsdp_param._unsharded_param
