@@ -164,6 +164,30 @@ def test_a_method_whose_layers_save_less_than_its_collectives_cost_is_struck_out
     assert choose(figures, 1e-3, fixed) == {"big": CommMethod.INT8, "head": CommMethod.INT8}
 
 
+class OneRank:
+    """The part of a `RankAgreement` the choice uses, for rank 0 of one."""
+
+    rank = 0
+
+    @staticmethod
+    def share(value):
+        return value
+
+
+def test_a_choice_that_fails_on_rank_0_still_answers_the_other_ranks_with_fp32(plan, monkeypatch):
+    from autoprec.scheduler.grad_comm import CommChoice
+
+    choice = CommChoice(ap.SchedulerConfig(grad_comm="auto"), OneRank(), LinkCost(1e-3, 12.5e6, ARITHMETIC, 2))
+
+    def broken(*args):
+        raise RuntimeError("an optimizer state it could not read")
+
+    monkeypatch.setattr(choice, "_decide", broken)
+    chosen = choice.choose(plan, make_model(), [], None)
+    assert chosen.comm == {fqn: CommMethod.FP32 for fqn in plan.layers}
+    assert chosen.metadata["comm"] == {"error": "RuntimeError: an optimizer state it could not read"}
+
+
 # -- two ranks ---------------------------------------------------------------------------------------
 
 

@@ -61,8 +61,17 @@ class CommChoice:
     def choose(self, plan: Plan, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], loss: Optional[torch.Tensor]) -> Plan:
         """``plan`` with every layer's method and the figures it was chosen by (``metadata["comm"]``):
         rank 0's choice, the same on every rank."""
-        decided = self._dist.share(self._decide(plan, model, optimizers, loss) if self._dist.rank == 0 else None)
+        decided = self._dist.share(self._decided(plan, model, optimizers, loss) if self._dist.rank == 0 else None)
         return plan.with_comm(decided["methods"]).replace(metadata={**plan.metadata, "comm": decided["figures"]})
+
+    def _decided(self, plan: Plan, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], loss: Optional[torch.Tensor]) -> dict:
+        """`_decide`, or every layer FP32 with the reason when it fails: the other ranks wait in
+        the broadcast for an answer, and FP32 is what they would send without one."""
+        try:
+            return self._decide(plan, model, optimizers, loss)
+        except Exception as exc:  # noqa: BLE001 - any failure here must still reach the other ranks
+            logger.warning("autoprec: gradient communication not chosen (%s: %s); every layer's travels in FP32", type(exc).__name__, exc)
+            return {"methods": {fqn: CommMethod.FP32.value for fqn in plan.layers}, "figures": {"error": f"{type(exc).__name__}: {exc}"}}
 
     # -- rank 0 ---------------------------------------------------------------------------------
 
