@@ -213,7 +213,10 @@ class RankAgreement:
     rank runs the same probe and trial steps (their plans follow from the step and the reduced
     profile), rank 0 alone the off-path work, and one ``broadcast_object_list`` per step (None
     until rank 0's candidates exist, then their JSON) keeps the ranks on one schedule
-    (`share`). At bind: one ``all_gather_object`` of the settings' and given plan's hashes.
+    (`share`); under FSDP2, when it starts or resumes, one all-gather of each parameter on every
+    rank (`replica.plain_copy`: the off-path work's whole copy). At bind: one
+    ``all_gather_object`` of the settings' and given plan's hashes. Under FSDP2 with FP8 layers,
+    per FP8 weight and all-gather one all-reduce of 4 bytes (`runtime.fsdp_fp8`).
 
     Amax histories and INT8 calibration agree without a reduction: under DDP the weights and
     every rank's state start equal, but activations differ per rank. autoprec's FP8 inputs
