@@ -128,14 +128,13 @@ class Fp8AllGather:
         from torch.distributed.fsdp._fully_shard._fsdp_param import ExtensionsData
 
         local = fsdp_param._sharded_local_tensor
-        group = fsdp_param.shard_mesh_from_root.get_group() if hasattr(fsdp_param, "shard_mesh_from_root") else fsdp_param.mesh_info.shard_process_group
         sent = self.sent
 
         def fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy):
             padded = fsdp_param._sharded_param_data.view(fsdp_param.padded_sharded_param_size)
             with torch.no_grad():
                 amax = padded.abs().amax().float().reshape(1)
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group() if mesh is not None else group)
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())  # the mesh FSDP2 shards this weight over
                 inv = inverse_scale(amax[0], Format.FP8_E4M3)
                 data = quantize(padded, inv, Format.FP8_E4M3)
             sent["all_reduce"] += 1

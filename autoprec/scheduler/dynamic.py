@@ -311,19 +311,18 @@ class DynamicPrecisionScheduler:
             self._writer = TrainingWriter(self.config.log_dir, flush_every=min(100, self.config.monitor_window))
         self._measures.bind(model, example, self.layers)
         self._plan_checks.bind(model)
-        self._plans.bind(model, self.layers, writer=self._writer, on_plan=None if dist is None else self._on_plan)
+        self._plans.bind(model, self.layers, writer=self._writer, on_plan=None if dist is None else lambda plan: self._on_plan(dist, plan))
 
-    def _on_plan(self, plan: Plan) -> None:
+    def _on_plan(self, dist: RankAgreement, plan: Plan) -> None:
         """Each plan put in force, under torch.distributed: how DDP sends the gradients, which
         weights FSDP2 all-gathers in FP8."""
-        assert self._dist is not None
-        self._dist.set_grad_comm(*grad_comm_methods(self.config, plan))
+        dist.set_grad_comm(*grad_comm_methods(self.config, plan))
         if self._context_stack is not None or self._backward_due:
             # A forward ran (or runs) whose backward has not: FSDP2 re-gathers weights there
             # into the buffers autograd saved, so the gather format changes after that backward.
             self._fp8_gather_due = plan
         else:
-            self._dist.gather_fp8(plan)
+            dist.gather_fp8(plan)
 
     def _bind(self, model: nn.Module, example: ModelCall, at_end: bool) -> None:
         """Bind afresh to ``model`` by its call ``example`` (``at_end``: that call ran unplanned)."""
