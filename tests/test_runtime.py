@@ -692,3 +692,21 @@ def test_an_int8_attention_routes_only_its_own_products_not_its_int8_projections
     assert set(report["blocks.0.attn"]["ops"]) == {"matmul"}  # q @ k and attention @ v, nothing of its projections
     assert any(c["outlier_channels"] > 0 for fqn in ("blocks.0.attn.qkv", "blocks.0.attn.proj") for c in report[fqn]["calibration"])
     runtime.remove()
+
+
+def test_an_fp8_layer_runs_a_one_row_input_as_the_first_row_of_a_batch():
+    """A one-token decoding step (HF generate with the KV cache): the expanded per-tensor input
+    scale of one row was a (1, 1) view with stride 0, which _scaled_mm refused."""
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 32)
+    plan = ap.Plan.uniform(layer, "fp8_e4m3")
+    x = torch.randn(4, 64)
+    runtime = ap.apply_plan(layer, plan)
+    try:
+        with torch.no_grad(), runtime:
+            one = layer(x[:1])
+            reference = layer(x[:1].expand(4, 64).contiguous())  # the same row four times: the same scale
+    finally:
+        runtime.remove()
+    assert one.shape == (1, 32) and torch.isfinite(one).all()
+    torch.testing.assert_close(one, reference[:1])

@@ -112,7 +112,9 @@ class Fp8Linear(torch.autograd.Function):
             scale_a, scale_b = x_inv, w_inv.t()
         elif spec.expand_scales:
             # w_inv arrives already as the (1, N') row (made with the quantized weight).
-            scale_a, scale_b = x_inv.expand(xq.shape[0], 1).contiguous(), w_inv
+            # clone, not contiguous(): a (1, 1) expanded view counts as contiguous with stride 0,
+            # which _scaled_mm refuses (a one-token decoding step).
+            scale_a, scale_b = x_inv.expand(xq.shape[0], 1).clone(memory_format=torch.contiguous_format), w_inv
         else:
             scale_a, scale_b = x_inv, w_inv
         out = torch._scaled_mm(
