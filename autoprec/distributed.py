@@ -40,9 +40,7 @@ import torch.nn as nn
 
 from .comm import BucketCommunicator, CommMethod, CommSettings
 from .errors import DistributedError, RuntimeStateError
-from .formats import Granularity
 from .measure import local_shard
-from .runtime.fsdp_fp8 import Fp8AllGather
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -82,30 +80,6 @@ def plan_hash(plan: "Optional[Plan]") -> str:
     if plan is None:
         return "none"
     return hashlib.sha256(json.dumps(plan.to_dict(), sort_keys=True).encode()).hexdigest()
-
-
-def _is_fsdp2(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
-def _check_fsdp2_policy(model: nn.Module) -> None:
-    """Refuse an FSDP2 ``param_dtype`` that would override the per-layer formats.
-
-    ``MixedPrecisionPolicy(param_dtype=...)`` would cast every parameter to one dtype before
-    autoprec's per-layer formats see them, so any ``param_dtype`` other than None / float32 is
-    refused; ``reduce_dtype`` (the gradient reduce-scatter precision) is FSDP2's and allowed."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for fqn, module in model.named_modules():
-        if isinstance(module, FSDPModule):
-            dtype = module._get_fsdp_state()._mp_policy.param_dtype
-            if dtype not in (None, torch.float32):
-                raise DistributedError(
-                    f"fully_shard({fqn or type(model).__name__}, mp_policy=MixedPrecisionPolicy(param_dtype={dtype})) casts every parameter, "
-                    "overriding autoprec's per-layer formats; use MixedPrecisionPolicy(param_dtype=None) and let the plan choose"
-                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,9 +207,6 @@ class RankAgreement:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.fsdp2 = _is_fsdp2(model)
-        if self.fsdp2:
-            _check_fsdp2_policy(model)
         self.layers = tuple(layers)
         self.sent: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.last_verdict: Optional[StepVerdict] = None
@@ -244,7 +215,6 @@ class RankAgreement:
         self._params = [(i, p) for i, fqn in enumerate(self.layers) for p in modules[fqn].parameters(recurse=False)]
         self.comm_hook: Optional[GradCommHook] = None
         self._model = model
-        self.fp8_gather = Fp8AllGather() if self.fsdp2 else None  # FSDP2: FP8 layers' weights all-gathered in FP8
         if ddp is not None:
             names = {id(p): name for name, p in model.named_parameters()}
             state = GradCommHook(group, {id(p): i for i, p in self._params}, len(self.layers), names, settings, loss_scale)
@@ -425,18 +395,6 @@ class RankAgreement:
             named = collections.Counter(m.value for m in per_layer.values() if m is not default)
             logger.info("autoprec: DDP gradients now communicated in %s%s", default.value,
                         "".join(f", {n} layer(s) in {m}" for m, n in sorted(named.items())))
-
-    def gather_fp8(self, plan: "Optional[Plan]") -> None:
-        """Under FSDP2: all-gather in FP8 the weights of ``plan``'s FP8 E4M3, per-tensor scaled
-        layers from the next step (`runtime.fsdp_fp8`); every other weight as FSDP2 does (all of
-        them while ``plan`` is None). Call between steps, on every rank alike."""
-        if self.fp8_gather is None:
-            return
-        layers = {} if plan is None else {fqn: (lp.format, lp.scaling.granularity is Granularity.TENSOR) for fqn, lp in plan.layers.items()}
-        before = self.fp8_gather.enabled
-        self.fp8_gather.set(Fp8AllGather.eligible(self._model, layers))
-        if self.fp8_gather.enabled != before:
-            logger.info("autoprec: FSDP2 all-gathers %d weight(s) in FP8", self.fp8_gather.enabled)
 
     def comm_state_dict(self) -> Optional[dict]:
         """The gradient communication's error feedback (this rank's), or None without the hook."""

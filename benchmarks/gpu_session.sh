@@ -9,7 +9,7 @@
 #           (needs the carried Optuna and torchao): the GPU tests beside the search of
 #           searches/gpt_gpu.toml, the GPU suite at two shapes, benchmarks/scheduler_costs.py
 #           eager and compiled, the searched plan against BF16 autocast and all-FP8, eager and
-#           compiled
+#           compiled; AUTOPREC_PARTS="e f" in a second call: the conformance cases and FSDP2
 # Each phase installs the carried wheels first (the machine's own torch is used) and leaves at
 # most 8 files, none over 16 MiB, directly in $OUT (the device tool's return limits).
 #
@@ -191,6 +191,16 @@ all)
         timeout "$(cap 120)" "$py" benchmarks/conformance.py --device "$device" --models gpt2,llama --budgets 0.5 --steps 48 --rounds 20 \
             --out "$out/conformance_$device.json" >>"$log" 2>&1
         ran $? conformance
+    fi
+    # (f) Not in the default parts either: issue 47's FSDP2 case on one GPU over NCCL, fully_shard
+    # per block and root: the seed's loop searching under FSDP2 and under DDP, an all-FP8 plan
+    # (its weights kept unsharded in FP8) against all-BF16, peak CUDA memory and step time each.
+    if want f; then
+        part "(f) FSDP2 and DDP, one rank, NCCL"
+        fsize=(--size gpu --steps 80)
+        [ "$dry" = --dry-run ] && fsize=(--size cpu --steps 24)
+        timeout "$(cap 150)" "$py" benchmarks/fsdp2_vs_ddp.py --world 1 --device "$device" "${fsize[@]}" --out "$out/fsdp2_one_rank_$device.json" >>"$log" 2>&1
+        ran $? fsdp2_one_rank
     fi
     part "summary"
     "$py" benchmarks/gpu_session_report.py summary "$out" | tee -a "$log"

@@ -128,6 +128,13 @@ def summary(folder: Path) -> list[str]:
             f"{k} {_f(over[k])}x tok/s, {_f(peak.get(k))}x peak, held-out {_f(100 * held[k], '+.2f')} %" for k in over))
         lines.append(f"  plan {pt['plan']}; first steps (s, compile included) {pt['first_steps_s']}; Dynamo graphs {pt['dynamo_graphs']}")
         lines.extend(_where_time_goes(pt))
+    for path in sorted(folder.glob("fsdp2_one_rank_*.json")):  # part (f), when asked for
+        fs = json.loads(path.read_text())
+        lines.append(f"{path.stem} ({fs['device']}, torch {fs['torch']}, {fs['world']} rank(s), size {fs['size']}):")
+        lines.extend(f"  {r['kind']} {r['how']}: plan {r['plan']}, planned from step {r['first_planned_step']}, step {_f(1e3 * r['planned_step_s'] if r['planned_step_s'] else None, '.1f')} ms, "
+                     f"search extra {_f(r['search_extra_planned_steps'], '.1f')} planned steps / slowest {_f(r['slowest_search_step_x_planned'], '.1f')}x, "
+                     f"peak CUDA {_f(r['peak_cuda_mib'], '.0f')} MiB, FP8-gathered weights {r['fp8_gathered_weights']}, final loss {_f(r['final_loss'], '.4f')}"
+                     for r in fs["runs"])
     return lines
 
 

@@ -370,7 +370,7 @@ def fsdp_scenario(rank, world, tmp, formats=FSDP_PLAN):
         finally:
             setattr(dist, name, real)
         full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.named_parameters()}
-        fp8 = sch.distributed.fp8_gather
+        fp8 = sch.fp8_all_gather
         results[kind] = {"steps": steps, "params": full, "hash": plan_hash(sch.plan), "gathered": sorted(set(gathered)),
                          "fp8": None if fp8 is None else (fp8.enabled, dict(fp8.sent))}
         sch.close()
@@ -384,12 +384,13 @@ def fsdp_low_scenario(rank, world, tmp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", [fsdp_scenario, fsdp_low_scenario], ids=["bf16-fp32", "fp8-int8"])
-def test_fsdp2_trains_a_plan_like_ddp(tmp_path, scenario):
+@pytest.mark.parametrize("scenario, world", [(fsdp_scenario, 2), (fsdp_low_scenario, 2), (fsdp_low_scenario, 1)], ids=["bf16-fp32", "fp8-int8", "fp8-int8-one-rank"])
+def test_fsdp2_trains_a_plan_like_ddp(tmp_path, scenario, world):
     """Under the FP8 plan the FP8 layer's weight is all-gathered in FP8 (one scale agreed over
     the ranks, so the same E4M3 values as DDP's layer quantizing its whole weight): the same
-    training, a quarter of that weight's bytes on the wire."""
-    for result in run(scenario, tmp_path):
+    training, a quarter of that weight's bytes on the wire. One rank under ``fully_shard`` (the
+    GPU session's case: one GPU, NCCL) gathers in FP8 too, with no amax all-reduce."""
+    for result in run(scenario, tmp_path, world=world):
         fsdp, ddp = result["fsdp2"], result["ddp"]
         assert all(s[1] for s in fsdp["steps"])
         assert fsdp["steps"][-1][0] < fsdp["steps"][0][0]
@@ -398,11 +399,13 @@ def test_fsdp2_trains_a_plan_like_ddp(tmp_path, scenario):
         enabled, sent = fsdp["fp8"]
         assert fsdp["after_close"] == 0  # close() gives FSDP2 back its own gathers
         # make_model's units: 32->64, 64->64, 64->8 linears, each gathered as its weight and
-        # bias (FP32, 4 bytes a value; FP8, 1), this rank sending its half.
-        fp32_units = [(32 * 64 + 64) * 4 // 2, (64 * 64 + 64) * 4 // 2, (64 * 8 + 8) * 4 // 2]
+        # bias (FP32, 4 bytes a value; FP8, 1), this rank sending its share.
+        fp32_units = [(32 * 64 + 64) * 4 // world, (64 * 64 + 64) * 4 // world, (64 * 8 + 8) * 4 // world]
         if scenario is fsdp_low_scenario:
-            assert enabled == 1 and sent["fp8_values"] > 0 and sent["all_reduce"] == sent["fp8_values"] // (32 * 64 // 2)
-            assert fsdp["gathered"] == sorted([(32 * 64 * 1 + 64 * 4) // 2, *fp32_units[1:]])  # a quarter of layer 0's weight bytes
+            agreements = sent["fp8_values"] // (32 * 64 // world) if world > 1 else 0  # one per gather of the FP8 weight
+            assert enabled == 1 and sent["fp8_values"] > 0 and sent.get("all_reduce", 0) == agreements
+            # a quarter of layer 0's weight bytes; one rank copies its shard in, sending nothing
+            assert fsdp["gathered"] == (sorted([(32 * 64 * 1 + 64 * 4) // world, *fp32_units[1:]]) if world > 1 else [])
         else:
             assert enabled == 0 and not sent
             assert fsdp["gathered"] == sorted(fp32_units)

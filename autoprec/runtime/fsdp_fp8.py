@@ -13,7 +13,8 @@ and its unsharded parameter across steps and sets up extension data once, so bot
 torch 2.11 and 2.13 lay it out alike, and the tests run on both.
 
 - **pre-all-gather**: the shard's amax, all-reduced (MAX) over the FSDP mesh so every rank
-  quantizes with one inverse scale ``amax / 448``; the padded shard cast to E4M3.
+  quantizes with one inverse scale ``amax / 448`` (no all-reduce on a mesh of one rank); the
+  padded shard cast to E4M3.
 - **post-all-gather**: a `GatheredFp8` over the gathered bytes: it has the FP32 weight's dtype
   and shape (autograd, FSDP2's ``as_strided`` and ``nn.Parameter`` see a weight), holds the E4M3
   data and the agreed inverse scale, and any other op runs on its dequantized value.
@@ -24,21 +25,31 @@ over the shard, one all-reduce of 4 bytes, one cast of the shard; the all-gather
 value instead of 4 (FP32). The scale follows the weight every step (current scaling), so a layer
 whose plan says delayed scaling or row/block granularity is gathered as before. Eager only: the
 subclass has no ``__tensor_flatten__`` for ``torch.compile``.
+
+The scheduler owns one `Fp8AllGather` whenever its model holds an FSDP2 unit, at any world size:
+one rank under ``fully_shard`` (a mesh of one) still all-gathers, and gathers in FP8 alike.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Any, Optional, Sequence
+import logging
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from ..formats import Format, inverse_scale, quantize
+from ..errors import DistributedError
+from ..formats import Format, Granularity, inverse_scale, quantize
 
-__all__ = ["GatheredFp8", "Fp8AllGather"]
+if TYPE_CHECKING:
+    from ..plan import Plan
+
+__all__ = ["GatheredFp8", "Fp8AllGather", "is_fsdp2"]
+
+logger = logging.getLogger("autoprec")
 
 _aten = torch.ops.aten
 # The ops FSDP2 applies to the unsharded parameter it builds: they act on the FP8 data.
@@ -79,14 +90,59 @@ class GatheredFp8(torch.Tensor):
         return f"GatheredFp8(shape={tuple(self.shape)}, dtype={self.dtype}, inv_scale={self.inv_scale})"
 
 
-class Fp8AllGather:
-    """Which FSDP2 weights are all-gathered in FP8 (module docstring), and what was sent:
-    ``sent`` counts ``all_reduce`` (the amax agreements) and ``fp8_values`` (weight values
-    all-gathered in FP8 by this rank) since built."""
+def is_fsdp2(model: nn.Module) -> bool:
+    """Whether ``model`` holds a ``fully_shard`` unit."""
+    from torch.distributed.fsdp import FSDPModule
 
-    def __init__(self) -> None:
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _check_policy(model: nn.Module) -> None:
+    """Refuse an FSDP2 ``param_dtype`` that would override the per-layer formats.
+
+    ``MixedPrecisionPolicy(param_dtype=...)`` would cast every parameter to one dtype before
+    autoprec's per-layer formats see them, so any ``param_dtype`` other than None / float32 is
+    refused; ``reduce_dtype`` (the gradient reduce-scatter precision) is FSDP2's and allowed."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for fqn, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            dtype = module._get_fsdp_state()._mp_policy.param_dtype
+            if dtype not in (None, torch.float32):
+                raise DistributedError(
+                    f"fully_shard({fqn or type(model).__name__}, mp_policy=MixedPrecisionPolicy(param_dtype={dtype})) casts every parameter, "
+                    "overriding autoprec's per-layer formats; use MixedPrecisionPolicy(param_dtype=None) and let the plan choose"
+                )
+
+
+class Fp8AllGather:
+    """Which of ``model``'s FSDP2 weights are all-gathered in FP8 (module docstring), and what
+    was sent: ``sent`` counts ``all_reduce`` (the amax agreements) and ``fp8_values`` (weight
+    values all-gathered in FP8 by this rank) since built."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
         self._enabled: dict[int, Any] = {}  # id(FSDPParam) -> FSDPParam
         self.sent: collections.Counter = collections.Counter()
+
+    @classmethod
+    def join(cls, model: nn.Module) -> "Optional[Fp8AllGather]":
+        """The gathers of ``model`` if it holds an FSDP2 unit (its ``param_dtype`` checked:
+        `DistributedError` in one line when it would override the plan), else None."""
+        if not (dist.is_available() and is_fsdp2(model)):
+            return None
+        _check_policy(model)
+        return cls(model)
+
+    def apply(self, plan: "Optional[Plan]") -> None:
+        """All-gather in FP8 the weights of ``plan``'s FP8 E4M3, per-tensor scaled layers from
+        the next all-gather; every other weight as FSDP2 does (all of them while ``plan`` is
+        None). Call between steps, on every rank alike."""
+        layers = {} if plan is None else {fqn: (lp.format, lp.scaling.granularity is Granularity.TENSOR) for fqn, lp in plan.layers.items()}
+        before = self.enabled
+        self.set(self.eligible(self._model, layers))
+        if self.enabled != before:
+            logger.info("autoprec: FSDP2 all-gathers %d weight(s) in FP8", self.enabled)
 
     @staticmethod
     def eligible(model: nn.Module, layers: "dict[str, tuple[Format, bool]]") -> "list[Any]":
@@ -134,10 +190,11 @@ class Fp8AllGather:
             padded = fsdp_param._sharded_param_data.view(fsdp_param.padded_sharded_param_size)
             with torch.no_grad():
                 amax = padded.abs().amax().float().reshape(1)
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())  # the mesh FSDP2 shards this weight over
+                if mesh.size() > 1:
+                    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())  # the mesh FSDP2 shards this weight over
+                    sent["all_reduce"] += 1
                 inv = inverse_scale(amax[0], Format.FP8_E4M3)
                 data = quantize(padded, inv, Format.FP8_E4M3)
-            sent["all_reduce"] += 1
             sent["fp8_values"] += data.numel()
             return (data,), (inv,)
 

@@ -47,6 +47,7 @@ from ..coverage import LayerInfo, layer_name
 from ..distributed import RankAgreement, grad_comm_methods
 from ..errors import InfeasibleBudgetError, RuntimeStateError, SettingsError
 from ..plan import Plan
+from ..runtime.fsdp_fp8 import Fp8AllGather
 from ..scaling import LossScaler
 from ..search.training import TrainingSearch
 from . import lifecycle
@@ -91,6 +92,7 @@ class DynamicPrecisionScheduler:
         self._binding = Binding(model, check_output=config.dynamic and plan is None)
         self._dist: Optional[RankAgreement] = None  # set on bind inside a process group
         self._comm: Optional[CommChoice] = None  # set on bind when the plan chooses the gradient communication
+        self._fp8_gather: Optional[Fp8AllGather] = None  # set on bind when the model holds an FSDP2 unit
         self._fp8_gather_due: Optional[Plan] = None  # a plan whose FSDP2 FP8 gathers start after this step's backward
         self.layers: tuple[str, ...] = ()
         self._fingerprint: Mapping[str, LayerInfo] = {}  # the bound model's layers, saved in state_dict
@@ -176,6 +178,11 @@ class DynamicPrecisionScheduler:
     def distributed(self) -> Optional[RankAgreement]:
         """The `RankAgreement` with the other ranks (None outside a process group or before bind)."""
         return self._dist
+
+    @property
+    def fp8_all_gather(self) -> Optional[Fp8AllGather]:
+        """Which weights FSDP2 all-gathers in FP8, and the bytes sent (None without FSDP2 or before bind)."""
+        return self._fp8_gather
 
     def __repr__(self) -> str:
         counts = self.plan.format_counts() if self.plan is not None else {}
@@ -266,8 +273,8 @@ class DynamicPrecisionScheduler:
         for i, optimizer in enumerate(optimizers):
             self._checks.check_optimizer(i, optimizer, self._binding.bound)
         self._optimizers = optimizers  # a search starting this step reads their Adam state
-        if self._fp8_gather_due is not None and self._dist is not None:
-            self._dist.gather_fp8(self._fp8_gather_due)
+        if self._fp8_gather_due is not None and self._fp8_gather is not None:
+            self._fp8_gather.apply(self._fp8_gather_due)
             self._fp8_gather_due = None
         self._measures.step()
         if self._check_due:  # the reference forward, on the weights the planned forward ran with
@@ -304,6 +311,7 @@ class DynamicPrecisionScheduler:
         if dist is not None:
             dist.check_bind(self.config, self._fixed_plan)
             dist.set_grad_comm(*grad_comm_methods(self.config, None))
+        self._fp8_gather = Fp8AllGather.join(model)
         self._comm = CommChoice.join(self.config, dist, next(model.parameters()).device)
         if self.config.log_dir is not None and self._writer is None and (dist is None or dist.rank == 0):
             from ..monitoring import TrainingWriter
@@ -311,18 +319,21 @@ class DynamicPrecisionScheduler:
             self._writer = TrainingWriter(self.config.log_dir, flush_every=min(100, self.config.monitor_window))
         self._measures.bind(model, example, self.layers)
         self._plan_checks.bind(model)
-        self._plans.bind(model, self.layers, writer=self._writer, on_plan=None if dist is None else lambda plan: self._on_plan(dist, plan))
+        self._plans.bind(model, self.layers, writer=self._writer, on_plan=None if dist is None and self._fp8_gather is None else self._on_plan)
 
-    def _on_plan(self, dist: RankAgreement, plan: Plan) -> None:
+    def _on_plan(self, plan: Plan) -> None:
         """Each plan put in force, under torch.distributed: how DDP sends the gradients, which
         weights FSDP2 all-gathers in FP8."""
-        dist.set_grad_comm(*grad_comm_methods(self.config, plan))
+        if self._dist is not None:
+            self._dist.set_grad_comm(*grad_comm_methods(self.config, plan))
+        if self._fp8_gather is None:
+            return
         if self._context_stack is not None or self._backward_due:
             # A forward ran (or runs) whose backward has not: FSDP2 re-gathers weights there
             # into the buffers autograd saved, so the gather format changes after that backward.
             self._fp8_gather_due = plan
         else:
-            dist.gather_fp8(plan)
+            self._fp8_gather.apply(plan)
 
     def _bind(self, model: nn.Module, example: ModelCall, at_end: bool) -> None:
         """Bind afresh to ``model`` by its call ``example`` (``at_end``: that call ran unplanned)."""
@@ -560,8 +571,8 @@ class DynamicPrecisionScheduler:
         self._searches.close()
         self._plans.close()
         self._measures.close()
-        if self._dist is not None:
-            self._dist.gather_fp8(None)  # FSDP2 gathers every weight as it did before
+        if self._fp8_gather is not None:
+            self._fp8_gather.apply(None)  # FSDP2 gathers every weight as it did before
         if self._writer is not None:
             self._writer.close()
             self._writer = None
