@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import ModelCallError
 
-__all__ = ["ModelCall", "loss_of", "prediction_of", "isolated", "fresh", "changeable"]
+__all__ = ["ModelCall", "loss_of", "prediction_of", "predictions_of", "isolated", "fresh", "changeable"]
 
 
 _SHARED = (nn.Module, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, enum.Enum,
@@ -221,9 +221,9 @@ def loss_of(output: Any) -> torch.Tensor:
     return loss
 
 
-def prediction_of(output: Any) -> torch.Tensor:
-    """The first floating tensor of a model's output that is not its loss: the logits of a
-    ``ModelOutput`` / dict with a ``loss`` field, or of a tuple whose first element is a scalar loss."""
+def predictions_of(output: Any) -> list[torch.Tensor]:
+    """Every floating tensor of a model's output but its loss, in output order: the fields of a
+    ``ModelOutput`` / dict but ``loss``, or a tuple's tensors after a leading scalar loss."""
     if isinstance(output, Mapping):
         output = {k: v for k, v in output.items() if k != "loss"}
     leaves = [t for t in pytree.tree_leaves(output) if torch.is_tensor(t) and t.is_floating_point()]
@@ -231,4 +231,9 @@ def prediction_of(output: Any) -> torch.Tensor:
         leaves = leaves[1:]  # (loss, logits, ...): the loss is a scalar before the prediction
     if not leaves:
         raise ModelCallError(f"the model returned {type(output).__name__} with no floating-point tensor; autoprec needs the model's prediction")
-    return leaves[0]
+    return leaves
+
+
+def prediction_of(output: Any) -> torch.Tensor:
+    """The first of `predictions_of`: the logits of a model that returns its loss beside them."""
+    return predictions_of(output)[0]

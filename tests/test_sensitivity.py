@@ -614,4 +614,47 @@ def test_captured_steps_give_the_real_losss_gradients_through_the_linearised_los
             torch.testing.assert_close(a, b)
     restored = GradientCapture(keep=2)
     restored.load_state_dict(capture.state_dict())
-    assert [torch.equal(a[1], b[1]) for a, b in zip(restored.batches(), kept)] == [True, True]
+    assert [[(i, torch.equal(g, h)) for (i, g), (_, h) in zip(a[1], b[1])] for a, b in zip(restored.batches(), kept)] == [[(0, True)]] * 2
+    older = GradientCapture(keep=2)  # a state saved when one gradient, the first output's, was kept per call
+    older.load_state_dict([(call.to_state(), targets[0][1]) for call, targets in kept])
+    assert [[i for i, _ in targets] for _, targets in older.batches()] == [[0], [0]]
+
+
+class TwoTowers(nn.Module):
+    """CLIP's outputs in miniature: first a transpose of the logits that the loss never reads,
+    then the logits, then the embeddings they are made of."""
+
+    def __init__(self):
+        super().__init__()
+        self.image, self.text = nn.Linear(8, 6), nn.Linear(5, 6)
+
+    def forward(self, pixels, tokens):
+        image, text = self.image(pixels), self.text(tokens)
+        per_text = text @ image.t()
+        return {"per_image": per_text.t(), "per_text": per_text, "image_embeds": image, "text_embeds": text}
+
+
+def contrastive(per_text):  # transformers' clip_loss: both directions from logits_per_text
+    target = torch.arange(per_text.shape[0])
+    return (F.cross_entropy(per_text, target) + F.cross_entropy(per_text.t(), target)) / 2
+
+
+def test_a_loss_read_from_a_later_output_is_linearised_at_that_output():
+    """The gradient is taken at the outputs the loss was computed from (here the second, the
+    logits; not the first, which gets none, nor the embeddings upstream of the logits, which
+    would count it twice), and the linearised loss gives the real loss's parameter gradients."""
+    from autoprec.sensitivity.capture import GradientCapture, LinearisedLoss
+
+    torch.manual_seed(0)
+    model, pixels, tokens = TwoTowers(), torch.randn(4, 8), torch.randn(4, 5)
+    capture = GradientCapture(keep=1)
+    capture.arm(model)
+    contrastive(model(pixels, tokens)["per_text"]).backward()
+    capture.disarm()
+    ((call, targets),) = capture.batches()
+    assert [i for i, _ in targets] == [1]
+    real = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    LinearisedLoss()(model, (call, targets)).mean().backward()
+    for a, b in zip((p.grad for p in model.parameters()), real):
+        torch.testing.assert_close(a, b)
