@@ -74,6 +74,10 @@ MATMUL_OPS: dict[Callable, str] = {
     F.scaled_dot_product_attention: "scaled_dot_product_attention",
     F.multi_head_attention_forward: "multi_head_attention",
 }
+# Grouped GEMMs: one product per group of rows, each with its own weight (a mixture of experts'
+# (experts, in, out) weights, as transformers' default experts implementation runs them). Torch
+# 2.11 and 2.13 have both names; neither is autocast-enabled.
+MATMUL_OPS.update({fn: "grouped_mm" for fn in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if fn is not None})
 
 # Classes known to run matrix products in their own forward, with the op they run.
 _KNOWN_CLASSES: tuple[tuple[type, str], ...] = (
@@ -219,7 +223,10 @@ def static_layers(model: nn.Module) -> dict[str, LayerInfo]:
 def _batched(op: str, func: Callable, args: tuple) -> bool:
     """Whether a ``matmul`` call multiplies batched operands: its second operand is not one
     matrix or its first not at least one (as in `runtime.layers.as_gemm`, which then finds no
-    2-D GEMM). The other kernel ops (linear, mm, addmm) take matrices by definition."""
+    2-D GEMM); a grouped GEMM always. The other kernel ops (linear, mm, addmm) take matrices by
+    definition."""
+    if op == "grouped_mm":
+        return True  # one weight per group: no single 2-D GEMM
     if op != "matmul" or len(args) < 2:
         return False
     x, b = (args[1], args[0]) if func is torch.Tensor.__rmatmul__ else (args[0], args[1])

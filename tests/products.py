@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _OPERANDS = {
     "mm": (0, 1), "bmm": (0, 1), "mv": (0, 1), "_int_mm": (0, 1), "_scaled_mm": (0, 1),
     "addmm": (1, 2), "baddbmm": (1, 2), "addbmm": (1, 2), "addmv": (1, 2), "convolution": (0, 1),
+    "_grouped_mm": (0, 1),  # a mixture of experts' grouped GEMM
 }
 _ATTENTION_PREFIX = "_scaled_dot_product_"  # _scaled_dot_product_flash_attention_for_cpu, ...
 _DTYPES = {"fp32": {torch.float32}, "bf16": {torch.bfloat16}, "fp16": {torch.float16}}

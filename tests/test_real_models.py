@@ -2,7 +2,9 @@
 users call them (keyword arguments, a ``ModelOutput`` with a ``loss``), trained under
 `DynamicPrecisionScheduler` until it plans: a decoder LM whose projections are GPT-2's
 ``Conv1D`` (``torch.addmm`` on an (in, out) weight), an encoder classifier with a padding
-attention mask, and a vision transformer with a convolutional patch embedding."""
+attention mask, a vision transformer with a convolutional patch embedding, and a mixture of
+experts (Mixtral: the experts' (experts, out, in) weights in one module, run by
+transformers' default grouped GEMM, which no autocast casts)."""
 
 import contextlib
 import re
@@ -13,6 +15,7 @@ import torch
 import torch.nn as nn
 
 transformers = pytest.importorskip("transformers")
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts  # noqa: E402
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 from autoprec.runtime import EmulationWarning  # noqa: E402
@@ -25,7 +28,7 @@ WINDOW = 4
 STEPS = 3 * WINDOW
 # The modules a user of these models knows run a matrix product with a weight; the attention
 # modules (matmul / scaled_dot_product_attention without a weight) come on top.
-WEIGHT_LAYERS = (nn.Linear, nn.Conv2d, Conv1D)
+WEIGHT_LAYERS = (nn.Linear, nn.Conv2d, Conv1D, MixtralExperts)
 
 
 def gpt2():
@@ -55,7 +58,15 @@ def vit():
     return transformers.ViTForImageClassification(cfg), {"pixel_values": pixels, "labels": torch.randint(0, 3, (8,), generator=gen)}
 
 
-@pytest.fixture(scope="module", params=[gpt2, bert, vit], ids=lambda f: f.__name__)
+def mixtral():
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+                                     bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(1))
+    return transformers.MixtralForCausalLM(cfg), {"input_ids": ids, "labels": ids}
+
+
+@pytest.fixture(scope="module", params=[gpt2, bert, vit, mixtral], ids=lambda f: f.__name__)
 def trained(request):
     """``STEPS`` steps on one batch (the loss can only fall by learning it) with a memory budget
     that FP32 misses, so the plan must lower layers."""

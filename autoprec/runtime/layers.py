@@ -85,12 +85,22 @@ def to_half(tree: Any, dtype: torch.dtype) -> Any:
     return pytree.tree_map(cast, tree)
 
 
+# Products no autocast casts, on any device (torch 2.11, 2.13): a half layer casts their operands
+# itself, or they would run in the FP32 weights' dtype.
+NEVER_AUTOCAST = frozenset({"grouped_mm"})
+
+
+def to_dtype(tree: Any, dtype: torch.dtype) -> Any:
+    """Floating tensors of ``tree`` cast to ``dtype``."""
+    return pytree.tree_map(lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t, tree)
+
+
 def unify_dtypes(tree: Any, dtype: torch.dtype) -> Any:
     """Floating tensors of ``tree`` cast to ``dtype`` when they do not already share one dtype."""
     floats = {t.dtype for t in pytree.tree_leaves(tree) if torch.is_tensor(t) and t.is_floating_point()}
     if len(floats) <= 1:
         return tree
-    return pytree.tree_map(lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t, tree)
+    return to_dtype(tree, dtype)
 
 
 def as_gemm(op: str, func, args, kwargs):

@@ -26,7 +26,7 @@ from .block_gemm import BLOCK, Fp8BlockLinear, Fp8BlockSpec
 from .casts import call_casts, describe
 from .emulation import StoredInFormat
 from .gemm import FP8_ALIGN, Fp8Linear, Fp8Spec, Int8Linear, Int8Spec
-from .layers import RuntimeLayer, as_gemm, to_fp32, unify_dtypes
+from .layers import NEVER_AUTOCAST, RuntimeLayer, as_gemm, to_dtype, to_fp32, unify_dtypes
 from .recompute import recorded_scale
 
 __all__ = ["ThreadState", "PerThread", "LayerMode", "Products"]
@@ -80,7 +80,7 @@ class LayerMode(TorchFunctionMode):
             # A lowered child hands this FP32 layer half tensors; its own products stay FP32.
             return func(*pytree.tree_map(to_fp32, args), **pytree.tree_map(to_fp32, kwargs))
         if not layer.low_precision:
-            args, kwargs = unify_dtypes((args, kwargs), layer.format.dtype)
+            args, kwargs = (to_dtype if op in NEVER_AUTOCAST else unify_dtypes)((args, kwargs), layer.format.dtype)
             return func(*args, **kwargs)
         return self.products.run_low_precision(layer, op, func, args, kwargs)
 

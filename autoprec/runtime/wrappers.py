@@ -27,15 +27,16 @@ from torch.utils import _pytree as pytree
 
 from ..formats import Format
 from ..plan import Plan
-from .layers import RuntimeLayer, to_fp32, to_half
+from .layers import NEVER_AUTOCAST, RuntimeLayer, to_fp32, to_half
 from .products import LayerMode, PerThread, Products, ThreadState
 from .recompute import BlockHost, block_wrapper
 from .wrapping import displaced, mark, previous_of
 
 __all__ = ["LayerWrappers"]
 
-# Ops CPU autocast leaves uncast: they fail on mixed dtypes inside a half layer, so a layer that
-# runs one gets the layer mode, which gives them the layer's dtype.
+# Ops autocast leaves uncast: they fail on mixed dtypes inside a half layer (CPU's), or run in the
+# FP32 weights' dtype (`layers.NEVER_AUTOCAST`), so a layer that runs one gets the layer mode,
+# which gives them the layer's dtype.
 _AUTOCAST_UNCAST = {"cpu": frozenset({"mv", "addmv", "bilinear"})}
 
 
@@ -65,7 +66,7 @@ class LayerWrappers:
             plain_linear = type(layer.module).forward is nn.Linear.forward and "forward" not in layer.module.__dict__
             return not plain_linear or layer.kernel_reason is not None
         ops = set(self.plan.fingerprint[layer.fqn].ops) if layer.fqn in self.plan.fingerprint else set()
-        return bool(ops & _AUTOCAST_UNCAST.get(self.device_type, frozenset())) or not ops
+        return bool(ops & (_AUTOCAST_UNCAST.get(self.device_type, frozenset()) | NEVER_AUTOCAST)) or not ops
 
     def _build(self) -> dict[str, Any]:
         """fqn -> the forward to install for every layer that needs one (see the module docstring)."""
