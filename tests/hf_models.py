@@ -1,7 +1,8 @@
 """Tiny Hugging Face models, built from their configs (nothing downloaded), with their defaults
 (the KV cache on), and their batches as their users feed them: the decoders GPT-2 (``Conv1D``
-projections, ``torch.addmm`` on an (in, out) weight) and Llama (grouped-query attention, rotary
-positions), the encoder BERT (a padding mask that matters), the vision transformer ViT (a
+projections, ``torch.addmm`` on an (in, out) weight), Llama (grouped-query attention, rotary
+positions) and Mixtral (a mixture of experts: its experts' 3-D weights run by transformers'
+default grouped GEMM), the encoder BERT (a padding mask that matters), the vision transformer ViT (a
 convolutional patch embedding), the encoder-decoder T5 (relative position bias, a cross-attention
 cache) and the convolutional network ResNet (convolutions and batch norm only).
 
@@ -18,7 +19,7 @@ import transformers
 
 transformers.logging.set_verbosity_error()  # tiny vocabularies make the configs warn about token ids
 
-__all__ = ["MODELS", "data", "stack", "gpt2", "llama", "bert", "vit", "t5", "resnet"]
+__all__ = ["MODELS", "data", "stack", "gpt2", "llama", "mixtral", "bert", "vit", "t5", "resnet"]
 
 VOCAB = 64
 
@@ -78,6 +79,15 @@ def llama(seed: int = 1, batch: int = 4):
     return transformers.LlamaForCausalLM(cfg), _decoder_batch(batch, seed)
 
 
+def mixtral(seed: int = 1, batch: int = 4):
+    # Experts as wide as the model: wider, at this toy size their FP32 gradient buffers (which no
+    # plan lowers) would take more than the 0.5 budget leaves (0.531 of the FP32 bytes at best).
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+                                     bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.MixtralForCausalLM(cfg), _decoder_batch(batch, seed)
+
+
 def bert(seed: int = 1, batch: int = 4):
     cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                                   max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -103,8 +113,8 @@ def resnet(seed: int = 1, batch: int = 4):
     return transformers.ResNetForImageClassification(cfg), _large_image_batch(batch, seed)
 
 
-MODELS = {f.__name__: f for f in (gpt2, llama, bert, vit, t5, resnet)}
-_BATCHES = {"gpt2": _decoder_batch, "llama": _decoder_batch, "bert": _classifier_batch, "vit": _image_batch, "t5": _seq2seq_batch,
+MODELS = {f.__name__: f for f in (gpt2, llama, mixtral, bert, vit, t5, resnet)}
+_BATCHES = {"gpt2": _decoder_batch, "llama": _decoder_batch, "mixtral": _decoder_batch, "bert": _classifier_batch, "vit": _image_batch, "t5": _seq2seq_batch,
             "resnet": _large_image_batch}
 
 

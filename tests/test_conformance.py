@@ -1,4 +1,5 @@
-"""The conformance matrix: every model people train (Hugging Face decoders GPT-2 and Llama, the
+"""The conformance matrix: every model people train (Hugging Face decoders GPT-2, Llama and the
+mixture of experts Mixtral, the
 encoder BERT, the vision transformer ViT, the encoder-decoder T5, the convolutional ResNet),
 through every entry point they train with (the README loop, `AutoprecTrainer`, the Lightning
 plugin: 4 micro-batches a step, logging every step, an evaluation loop), at memory budgets of

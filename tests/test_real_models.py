@@ -2,9 +2,10 @@
 users call them (keyword arguments, a ``ModelOutput`` with a ``loss``), trained under
 `DynamicPrecisionScheduler` until it plans: a decoder LM whose projections are GPT-2's
 ``Conv1D`` (``torch.addmm`` on an (in, out) weight), an encoder classifier with a padding
-attention mask, a vision transformer with a convolutional patch embedding, and a mixture of
+attention mask, a vision transformer with a convolutional patch embedding, a mixture of
 experts (Mixtral: the experts' (experts, out, in) weights in one module, run by
-transformers' default grouped GEMM, which no autocast casts)."""
+transformers' default grouped GEMM, which no autocast casts), and CLIP's two towers (a
+contrastive loss read from its second output, ``logits_per_text``)."""
 
 import contextlib
 import re
@@ -66,7 +67,17 @@ def mixtral():
     return transformers.MixtralForCausalLM(cfg), {"input_ids": ids, "labels": ids}
 
 
-@pytest.fixture(scope="module", params=[gpt2, bert, vit, mixtral], ids=lambda f: f.__name__)
+def clip():
+    cfg = transformers.CLIPConfig(text_config={"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                               "num_attention_heads": 2, "max_position_embeddings": 16},
+                                  vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                                 "image_size": 16, "patch_size": 4}, projection_dim=16)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (8, 12), generator=gen)
+    return transformers.CLIPModel(cfg), {"input_ids": ids, "pixel_values": torch.randn(8, 3, 16, 16, generator=gen), "return_loss": True}
+
+
+@pytest.fixture(scope="module", params=[gpt2, bert, vit, mixtral, clip], ids=lambda f: f.__name__)
 def trained(request):
     """``STEPS`` steps on one batch (the loss can only fall by learning it) with a memory budget
     that FP32 misses, so the plan must lower layers."""
