@@ -21,6 +21,8 @@ Three parts, following how the runtime runs each format (README, "How each forma
 - **gradient buffers**: the FP32 master gradients of the layer's own parameters, the same in
   every format.
 
+A call under the user's own checkpointing saves nothing in any format (``MatmulCall.saved_elsewhere``).
+
 Not predicted: INT8 outlier channels kept apart in FP32 (data-dependent, none on typical
 activations), and storage shared between layers (counted where it is first saved).
 """
@@ -106,6 +108,8 @@ def _saved_operands(call: MatmulCall) -> list[tuple[int, TensorSpec]]:
 def _call_bytes(call: MatmulCall, precision: LayerPrecision, device) -> tuple[int, int]:
     """(weight copy bytes, activation bytes) one call saves in ``precision``."""
     fmt = precision.format
+    if call.saved_elsewhere:  # the user's checkpoint keeps it (`trace.MatmulCall`), in every format
+        return 0, 0
     path, gemm = call_path(call, precision, device)
     if path == "fp32" and fmt is Format.FP32:
         return 0, call.saved_bytes

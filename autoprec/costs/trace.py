@@ -120,6 +120,9 @@ class MatmulCall:
     is), or -1 for a tensor the op made itself (the contiguous copy ``matmul`` makes of a
     strided batch operand). ``already_saved[i]``: tensor i's storage had been saved before this
     call ran. ``alias[i]``: the first tensor argument sharing tensor i's storage.
+    ``saved_elsewhere``: the call ran under another saved-tensor hook than the trace's (the
+    user's gradient checkpointing, ``torch.utils.checkpoint``; ``save_on_cpu``), which keeps what
+    it saves off the step's activations in every format.
     """
 
     op: str
@@ -131,6 +134,7 @@ class MatmulCall:
     saved: tuple[tuple[int, int], ...]
     already_saved: tuple[bool, ...]
     alias: tuple[int, ...]
+    saved_elsewhere: bool = False
 
     @property
     def saved_bytes(self) -> int:
@@ -193,9 +197,24 @@ class _Attribution:
         self.stack: list[str] = []
         self.packs: list[tuple[tuple[str, ...], int, Any]] = []  # (stack, nbytes, call record or None)
         self.current: Any = None
+        self._probing = self._probed = False
         self._exit = contextlib.ExitStack()
 
+    def hooks_on_top(self) -> bool:
+        """Whether a tensor saved now reaches this meter's pack hook (no other saved-tensor hook
+        entered inside it, as a checkpoint's). Costs one scalar multiplication."""
+        self._probing, self._probed = True, False
+        try:
+            probe = torch.zeros((), requires_grad=True)
+            _ = probe * probe  # saves its operands, through the innermost pack hook
+        finally:
+            self._probing = False
+        return self._probed
+
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self._probing:
+            self._probed = True
+            return t
         nbytes = self.seen.add(t)
         if nbytes:
             self.packs.append((tuple(self.stack), nbytes, self.current))
@@ -258,6 +277,7 @@ class _CallRecorder(TorchFunctionMode):
             "leaves": tuple(None if i in tensor_at else leaf for i, leaf in enumerate(leaves)),
             "spec": spec, "already_saved": tuple(p in self.meter.seen for p in ptrs),
             "alias": tuple(ptrs.index(p) for p in ptrs), "saved": [], "ptrs": ptrs,
+            "saved_elsewhere": torch.is_grad_enabled() and not self.meter.hooks_on_top(),
         }
         self.calls.append((self.meter.stack[-1], record))
         self.meter.current = record

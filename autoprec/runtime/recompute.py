@@ -23,6 +23,14 @@ What the recomputation must reproduce, and how (eager):
 
 Under ``torch.compile``: Dynamo's checkpoint operator; delayed scaling keeps its history reads (a
 selective checkpoint policy); `compile_refusal` says what cannot run.
+
+**The user's own checkpointing** (Hugging Face's ``gradient_checkpointing_enable()``: each
+decoder layer calls its ``_gradient_checkpointing_func``, ``torch.utils.checkpoint`` by default)
+recomputes in the backward too, where the runtime is off: the recomputed layers would run in
+FP32 against a forward that ran in the plan's formats, and checkpoint refuses the different
+dtypes ("Recomputed values ... have different metadata"). So while a runtime is installed, such a
+module's function is `user_checkpoint`: the user's own, called non-reentrant with the same
+record-and-replay contexts as a planned block (user settings such as HF's CPU offload kept).
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from ..formats import Granularity
 from ..plan import ScalingMode
 from .wrapping import displaced, mark
 
-__all__ = ["recomputing", "recorded_scale", "ScaleRecord", "BlockHost", "block_wrapper"]
+__all__ = ["recomputing", "recorded_scale", "ScaleRecord", "BlockHost", "block_wrapper", "user_checkpoint"]
 
 
 class _RecomputeState(threading.local):
@@ -302,3 +310,29 @@ def block_wrapper(host: BlockHost, fqn: str, module: nn.Module):
     mark(forward, host.runtime, had_own, previous)
     # Bound, so that copy.deepcopy(model) re-binds it to the copy (which then runs its own forward).
     return types.MethodType(forward, module)
+
+
+def user_checkpoint(host: BlockHost, fqn: str, user_function: Callable[[], Callable]) -> Callable:
+    """The ``_gradient_checkpointing_func`` put on a Hugging Face module while ``host``'s runtime
+    is installed (module docstring): in a thread that entered the runtime, ``user_function()``
+    (the user's checkpoint function, read at each call) with ``use_reentrant=False`` and a
+    ``context_fn`` whose recomputation runs under the plan as the forward did; as the user's
+    everywhere else (outside the context, under ``torch.compile``, whose recomputation replays no
+    Python). Reentrant checkpointing takes no contexts: it is run non-reentrant, torch's own
+    recommendation."""
+    threads = host.threads
+
+    def checkpointed(function, *args, **kwargs):
+        thread = threads.state
+        if not thread.active or torch.compiler.is_compiling():
+            return user_function()(function, *args, **kwargs)
+        record = ScaleRecord(fqn)
+        stack, mode_active = thread.stack, thread.mode_active
+
+        def contexts():
+            return _Recording(record), _Replaying(host, record, stack, mode_active)
+
+        return user_function()(function, *args, **{**kwargs, "use_reentrant": False, "context_fn": contexts})
+
+    checkpointed.autoprec_user = user_function  # another runtime installing over this one calls the user's, not this
+    return checkpointed

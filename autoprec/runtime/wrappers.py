@@ -18,6 +18,7 @@ itself on the thread's stack (a tuple replaced, never mutated).
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from typing import Any, Mapping
 
@@ -29,7 +30,7 @@ from ..formats import Format
 from ..plan import Plan
 from .layers import NEVER_AUTOCAST, RuntimeLayer, to_fp32, to_half
 from .products import LayerMode, PerThread, Products, ThreadState
-from .recompute import BlockHost, block_wrapper
+from .recompute import BlockHost, block_wrapper, user_checkpoint
 from .wrapping import displaced, mark, previous_of
 
 __all__ = ["LayerWrappers"]
@@ -38,6 +39,8 @@ __all__ = ["LayerWrappers"]
 # FP32 weights' dtype (`layers.NEVER_AUTOCAST`), so a layer that runs one gets the layer mode,
 # which gives them the layer's dtype.
 _AUTOCAST_UNCAST = {"cpu": frozenset({"mv", "addmv", "bilinear"})}
+# The attribute through which a Hugging Face module checkpoints itself (`recompute.user_checkpoint`).
+_HF_CHECKPOINT = "_gradient_checkpointing_func"
 
 
 class LayerWrappers:
@@ -57,6 +60,14 @@ class LayerWrappers:
         modules = dict(model.named_modules())
         host = BlockHost(owner, threads, self.installed, self.layer_mode, layers, self.forwards)
         self.blocks = {fqn: (modules[fqn], block_wrapper(host, fqn, modules[fqn])) for fqn in plan.recompute}
+        # The user's own checkpointed modules (Hugging Face's gradient checkpointing): their
+        # recomputation must run under the plan too (`recompute.user_checkpoint`). fqn -> (module,
+        # the function installed); the user's own function is kept in `_user_checkpoints`.
+        self._user_checkpoints: dict[str, Any] = {}
+        self.checkpoints = {
+            fqn: (m, user_checkpoint(host, fqn, functools.partial(self._user_checkpoints.get, fqn)))
+            for fqn, m in modules.items() if low_precision and callable(m.__dict__.get(_HF_CHECKPOINT))
+        }
 
     def _needs_mode(self, layer: RuntimeLayer, planned_below: bool) -> bool:
         if layer.format is Format.FP32:
@@ -202,14 +213,24 @@ class LayerWrappers:
 
     def install(self) -> None:
         """Put this runtime's wrappers on its layers and recomputed blocks, displacing an inactive
-        runtime's; they stay until `remove` (wrap once, flip on enter: entering then costs no
-        module surgery, and a compiled step can enter the context without a graph break)."""
+        runtime's, and its checkpoint function on the user's checkpointed modules; they stay
+        until `remove` (wrap once, flip on enter: entering then costs no module surgery, and a
+        compiled step can enter the context without a graph break)."""
         for module, forward in self._all():
             module.forward = forward
+        for fqn, (module, function) in self.checkpoints.items():
+            current = module.__dict__.get(_HF_CHECKPOINT)
+            if current is not function:
+                # The user's, or an inactive runtime's: then the user's behind it.
+                self._user_checkpoints[fqn] = current.autoprec_user() if hasattr(current, "autoprec_user") else current
+                setattr(module, _HF_CHECKPOINT, function)
 
     def remove(self) -> None:
         """Take the wrappers off the model, restoring each module's ``__dict__`` as it was (a
-        forward the user had set on an instance included)."""
+        forward the user had set on an instance included, and the user's checkpoint function)."""
+        for fqn, (module, function) in self.checkpoints.items():
+            if module.__dict__.get(_HF_CHECKPOINT) is function:
+                setattr(module, _HF_CHECKPOINT, self._user_checkpoints[fqn])
         for module, forward in self._all():
             if module.__dict__.get("forward") is not forward:
                 continue  # displaced by another runtime, which restores on its own removal
