@@ -5,7 +5,8 @@ per layer out of every format (FP16 and BF16 mixed, FP8 per tensor / row / block
 or delayed scaling and E4M3 or E5M2 gradients, calibrated INT8 with and without outlier
 channels) and a set of recomputed blocks, and runs two steps of the README loop under
 `DynamicPrecisionScheduler.from_plan` (the second after INT8 calibration froze): no error, a
-finite loss, finite weights that moved. Before the boundary casts of `runtime.wrappers`, a plan
+finite loss, finite weights that moved; also for a Llama whose weights are stored in BF16 and a
+mixture of experts (Mixtral). Before the boundary casts of `runtime.wrappers`, a plan
 mixing FP16 and BF16 crashed GPT-2's KV cache (``Unexpected floating ScalarType in
 at::autocast::prioritize``, torch 2.11 and 2.13 alike)."""
 
@@ -67,10 +68,15 @@ def run_steps(model: torch.nn.Module, batch: dict, plan: Plan, steps: int = 2) -
         scheduler.close()
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama", "bert", "vit", "t5"])
+@pytest.fixture(scope="module", params=["gpt2", "llama", "llama-bf16", "mixtral", "bert", "vit", "t5"])
 def subject(request):
+    """A model and its batch; ``-bf16``: its weights stored in BF16, as loaded with
+    ``torch_dtype=torch.bfloat16`` (FP32 layers compute in FP32 and hand BF16 on)."""
     torch.manual_seed(0)
-    model, batch = hf_models.MODELS[request.param]()
+    name, _, stored = request.param.partition("-")
+    model, batch = hf_models.MODELS[name]()
+    if stored:
+        model = model.to(getattr(torch, {"bf16": "bfloat16"}[stored]))
     base = Plan.uniform(model, Format.FP32, batch)
     return model, batch, base, find_blocks(model, base.layers)
 

@@ -8,6 +8,7 @@ transformers' default grouped GEMM, which no autocast casts), and CLIP's two tow
 contrastive loss read from its second output, ``logits_per_text``)."""
 
 import contextlib
+import copy
 import re
 import warnings
 
@@ -19,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts  # noqa: E402
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
+import autoprec as ap  # noqa: E402
 from autoprec.runtime import EmulationWarning  # noqa: E402
 from autoprec.scheduler import DynamicPrecisionScheduler  # noqa: E402
 from products import ProductLog  # noqa: E402
@@ -133,3 +135,29 @@ def test_no_matrix_product_runs_outside_the_plan(trained):
     _, sch, _, (log, emulated) = trained
     assert log.products
     assert log.outside_plan({fqn: lp.format.value for fqn, lp in sch.plan.layers.items()}, emulated) == []
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp8_e4m3", "int8"])
+def test_weights_stored_in_bf16_run_every_format(fmt):
+    """A model loaded in BF16 (``torch_dtype=torch.bfloat16``, or a LoRA's frozen BF16 base):
+    FP32 layers compute in FP32 with the BF16 weight cast up (before, ``F.linear`` refused the
+    mixed dtypes), the others as planned; the loss is the FP32-upcast model's within the format's
+    rounding, and the products ran in the plan's formats."""
+    torch.manual_seed(0)
+    model, batch = gpt2()
+    model = model.to(torch.bfloat16)
+    reference = copy.deepcopy(model).float()(**batch).loss.item()
+    plan = ap.Plan.uniform(model, fmt, batch)
+    sch = DynamicPrecisionScheduler.from_plan(model, plan)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", EmulationWarning)
+        with sch.precision_context():  # the first forward binds the plan (a trace runs the model as it is)
+            model(**batch)
+        with sch.precision_context(), ProductLog(model) as log:
+            loss = model(**batch).loss
+    sch.backward(loss)
+    emulated = {m.group(1) for w in caught if (m := re.search(r"layer '([^']+)' runs .+? in \S+ emulated", str(w.message)))}
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+    assert loss.item() == pytest.approx(reference, rel={"fp32": 1e-4, "bf16": 2e-2}.get(fmt, 5e-2))
+    assert log.outside_plan({fqn: lp.format.value for fqn, lp in plan.layers.items()}, emulated) == []
+    sch.close()

@@ -43,6 +43,23 @@ _AUTOCAST_UNCAST = {"cpu": frozenset({"mv", "addmv", "bilinear"})}
 _HF_CHECKPOINT = "_gradient_checkpointing_func"
 
 
+def _half_stored(module: nn.Module) -> "torch.dtype | None":
+    """The half dtype a module's own weights are stored in (a model loaded in BF16), or None."""
+    return next((p.dtype for p in module.parameters(recurse=False) if p.dtype in (torch.float16, torch.bfloat16)), None)
+
+
+def _leaving(out: Any, caller_dtype: "torch.dtype | None", stored_dtype: "torch.dtype | None") -> Any:
+    """A layer's outputs as its caller expects them: in the caller's half dtype (a half layer under
+    the other half's autocast), or, for an FP32 layer of a model stored in BF16 / FP16, in the half
+    dtype around it (the enclosing autocast's, else the weights': the next norm holds weights of
+    that dtype)."""
+    if caller_dtype is not None:
+        return to_half(out, caller_dtype)
+    if stored_dtype is not None:
+        return pytree.tree_map(lambda t: t.to(stored_dtype) if torch.is_tensor(t) and t.dtype == torch.float32 else t, out)
+    return out
+
+
 class LayerWrappers:
     """The forwards ``owner`` (a `PlanRuntime`) installs on its layers and recomputed blocks of
     ``model``: built once here, put on by `install`, taken off by `remove`. ``region_dtype``: the
@@ -71,7 +88,9 @@ class LayerWrappers:
 
     def _needs_mode(self, layer: RuntimeLayer, planned_below: bool) -> bool:
         if layer.format is Format.FP32:
-            return planned_below
+            # Weights stored in a half dtype (a model loaded in BF16, a LoRA's frozen base): the
+            # mode casts every operand of its products to FP32, the weight included.
+            return planned_below or _half_stored(layer.module) is not None
         if layer.low_precision:
             # Only an unpatched nn.Linear forward is known to be exactly F.linear(x, weight, bias).
             plain_linear = type(layer.module).forward is nn.Linear.forward and "forward" not in layer.module.__dict__
@@ -93,7 +112,8 @@ class LayerWrappers:
         with_mode: set[str] = set()
         for fqn in sorted(fqns, key=lambda f: (f.count(".") if f else -1)):  # parents first
             layer = self.layers[fqn]
-            below = any(self.layers[d].format is not Format.FP32 for d in descendants(fqn))
+            # Layers below that hand this one other dtypes: lowered ones, or FP32 ones on half-stored weights.
+            below = any(self.layers[d].format is not Format.FP32 or _half_stored(self.layers[d].module) is not None for d in descendants(fqn))
             mode = self._needs_mode(layer, below)
             if mode:
                 with_mode.add(fqn)
@@ -117,6 +137,8 @@ class LayerWrappers:
         module, fmt, device_type, threads, products = layer.module, layer.format, self.device_type, self.threads, self.products
         had_own, previous = displaced(module)
         direct_linear = layer.low_precision and not mode
+        # A model stored in a half dtype (loaded in BF16): what the rest of it expects between layers.
+        half_stored = _half_stored(module)
         # Whether its forward changes thread state, which Dynamo cannot trace inside a recomputed
         # block (see recompute.compile_refusal).
         layer.keeps_thread_state = stacked
@@ -154,7 +176,10 @@ class LayerWrappers:
                 finally:
                     state.stack = outer
             caller_dtype = None  # a half layer called under the other half dtype's autocast: that dtype
+            stored_dtype = None  # an FP32 layer on half-stored weights: its outputs leave in their dtype
             if fmt is Format.FP32:
+                if half_stored is not None:  # under a half region's autocast: its dtype, as its other layers return
+                    stored_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else half_stored
                 args, kwargs = pytree.tree_map(to_fp32, (args, kwargs))
                 scope = torch.autocast(device_type, enabled=False)
             elif fmt in (Format.BF16, Format.FP16):
@@ -174,7 +199,7 @@ class LayerWrappers:
             if not stacked:
                 with scope:
                     out = own_forward(module, args, kwargs)
-                return out if caller_dtype is None else to_half(out, caller_dtype)
+                return _leaving(out, caller_dtype, stored_dtype)
             enter_mode = mode and not state.mode_active
             outer = state.stack
             state.stack = outer + (layer,)
@@ -187,7 +212,7 @@ class LayerWrappers:
             # is_compiling first: Dynamo folds it, so a compiled forward reads no list (note records nothing there).
             if not torch.compiler.is_compiling() and layer.unwarned:
                 layer.warn_emulated()
-            return out if caller_dtype is None else to_half(out, caller_dtype)
+            return _leaving(out, caller_dtype, stored_dtype)
 
         mark(forward, self.owner, had_own, previous)
         # Bound, so that copy.deepcopy(model) re-binds it to the copy (see the check above).

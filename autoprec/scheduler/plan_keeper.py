@@ -148,9 +148,10 @@ class PlanKeeper:
             if old is not None:
                 kept = {fqn: s for fqn, s in old.state_dict()["layers"].items() if fqn in plan.layers and old.plan.layers.get(fqn) == plan.layers[fqn]}
                 runtime.load_state_dict({"layers": kept})
-        # An all-FP32 plan recomputing no block runs the model as it is; one recomputing blocks
-        # needs its runtime (their checkpointed forwards), FP32 layers or not.
-        self._runtime = runtime if plan.recompute or any(lp.format is not Format.FP32 for lp in plan.layers.values()) else None
+        # An all-FP32 plan recomputing no block, on FP32 weights, runs the model as it is; one
+        # recomputing blocks needs its runtime (their checkpointed forwards), FP32 layers or not,
+        # as do FP32 layers on half-stored weights (`PlanRuntime.low_precision`).
+        self._runtime = runtime if plan.recompute or runtime.low_precision else None
         if self._runtime is None:
             runtime.remove()
         self.plan = plan
