@@ -312,7 +312,7 @@ def block_wrapper(host: BlockHost, fqn: str, module: nn.Module):
     return types.MethodType(forward, module)
 
 
-def user_checkpoint(host: BlockHost, fqn: str, user_function: Callable[[], Callable]) -> Callable:
+def user_checkpoint(host: BlockHost, fqn: str, user_function: Callable[[], Any]) -> Callable:
     """The ``_gradient_checkpointing_func`` put on a Hugging Face module while ``host``'s runtime
     is installed (module docstring): in a thread that entered the runtime, ``user_function()``
     (the user's checkpoint function, read at each call) with ``use_reentrant=False`` and a
@@ -334,5 +334,5 @@ def user_checkpoint(host: BlockHost, fqn: str, user_function: Callable[[], Calla
 
         return user_function()(function, *args, **{**kwargs, "use_reentrant": False, "context_fn": contexts})
 
-    checkpointed.autoprec_user = user_function  # another runtime installing over this one calls the user's, not this
+    checkpointed.autoprec_user = user_function  # type: ignore[attr-defined]  # another runtime installing over this one calls the user's, not this
     return checkpointed

@@ -71,10 +71,10 @@ def _feeds(outputs: Sequence[torch.Tensor]) -> set:
     position: dict = {}
     for a, y in enumerate(outputs):
         position.setdefault(y.grad_fn, []).append(a)
-    pairs = set()
+    pairs: set = set()
     for b, y in enumerate(outputs):
         seen: set = set()
-        stack = [n for n, _ in y.grad_fn.next_functions if n is not None]
+        stack = [n for n, _ in y.grad_fn.next_functions if n is not None] if y.grad_fn is not None else []
         while stack:
             node = stack.pop()
             if node in seen:
