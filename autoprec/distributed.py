@@ -214,7 +214,6 @@ class RankAgreement:
         modules = dict(model.named_modules())
         self._params = [(i, p) for i, fqn in enumerate(self.layers) for p in modules[fqn].parameters(recurse=False)]
         self.comm_hook: Optional[GradCommHook] = None
-        self._model = model
         if ddp is not None:
             names = {id(p): name for name, p in model.named_parameters()}
             state = GradCommHook(group, {id(p): i for i, p in self._params}, len(self.layers), names, settings, loss_scale)

@@ -83,9 +83,7 @@ class PlanRuntime:
         formats = {lp.format for lp in plan.layers.values()}
         # Whether the plan needs the runtime's forwards: a format other than FP32, or FP32 layers
         # whose weights are stored in a half dtype (they compute in FP32, the weight cast up).
-        half_weights = any(p.is_floating_point() and p.dtype != torch.float32 for layer in self._layers.values()
-                           for p in layer.module.parameters(recurse=False))
-        self.low_precision = formats != {Format.FP32} or half_weights
+        self.low_precision = formats != {Format.FP32} or any(layer.stored_dtype is not None for layer in self._layers.values())
         # Between layers, tensors carry autocast's half dtype: FP16 only for a plan whose half
         # layers are all FP16 (mixing FP16 activations into BF16 layers would lose range).
         self.region_dtype = torch.float16 if (Format.FP16 in formats and Format.BF16 not in formats) else torch.bfloat16

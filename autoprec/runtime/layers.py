@@ -139,6 +139,9 @@ class RuntimeLayer:
         self.low_precision = self.format in (Format.FP8_E4M3, Format.FP8_E5M2, Format.INT8)
         self.device = device
         self.kernel_reason = kernel_reason(precision, device) if self.low_precision else None
+        # The half dtype its own weights are stored in (a model loaded in BF16, a LoRA's frozen
+        # base), or None: an FP32 layer then casts them up and hands that dtype on.
+        self.stored_dtype = next((p.dtype for p in module.parameters(recurse=False) if p.dtype in _HALF), None)
         # The half dtypes the installed torch's _scaled_mm writes with row-wise-shaped scales for
         # this layer's forward (empty where it refuses them, e.g. torch 2.11 on CPU): probed here
         # once, never in a forward (which may be traced by torch.compile).

@@ -43,11 +43,6 @@ _AUTOCAST_UNCAST = {"cpu": frozenset({"mv", "addmv", "bilinear"})}
 _HF_CHECKPOINT = "_gradient_checkpointing_func"
 
 
-def _half_stored(module: nn.Module) -> "torch.dtype | None":
-    """The half dtype a module's own weights are stored in (a model loaded in BF16), or None."""
-    return next((p.dtype for p in module.parameters(recurse=False) if p.dtype in (torch.float16, torch.bfloat16)), None)
-
-
 def _leaving(out: Any, caller_dtype: "torch.dtype | None", stored_dtype: "torch.dtype | None") -> Any:
     """A layer's outputs as its caller expects them: in the caller's half dtype (a half layer under
     the other half's autocast), or, for an FP32 layer of a model stored in BF16 / FP16, in the half
@@ -90,7 +85,7 @@ class LayerWrappers:
         if layer.format is Format.FP32:
             # Weights stored in a half dtype (a model loaded in BF16, a LoRA's frozen base): the
             # mode casts every operand of its products to FP32, the weight included.
-            return planned_below or _half_stored(layer.module) is not None
+            return planned_below or layer.stored_dtype is not None
         if layer.low_precision:
             # Only an unpatched nn.Linear forward is known to be exactly F.linear(x, weight, bias).
             plain_linear = type(layer.module).forward is nn.Linear.forward and "forward" not in layer.module.__dict__
@@ -113,7 +108,7 @@ class LayerWrappers:
         for fqn in sorted(fqns, key=lambda f: (f.count(".") if f else -1)):  # parents first
             layer = self.layers[fqn]
             # Layers below that hand this one other dtypes: lowered ones, or FP32 ones on half-stored weights.
-            below = any(self.layers[d].format is not Format.FP32 or _half_stored(self.layers[d].module) is not None for d in descendants(fqn))
+            below = any(self.layers[d].format is not Format.FP32 or self.layers[d].stored_dtype is not None for d in descendants(fqn))
             mode = self._needs_mode(layer, below)
             if mode:
                 with_mode.add(fqn)
@@ -137,8 +132,7 @@ class LayerWrappers:
         module, fmt, device_type, threads, products = layer.module, layer.format, self.device_type, self.threads, self.products
         had_own, previous = displaced(module)
         direct_linear = layer.low_precision and not mode
-        # A model stored in a half dtype (loaded in BF16): what the rest of it expects between layers.
-        half_stored = _half_stored(module)
+        half_stored = layer.stored_dtype  # what the rest of a model loaded in BF16 expects between layers
         # Whether its forward changes thread state, which Dynamo cannot trace inside a recomputed
         # block (see recompute.compile_refusal).
         layer.keeps_thread_state = stacked
