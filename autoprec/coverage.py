@@ -279,16 +279,28 @@ def find_layers(model: nn.Module, example_inputs: Any = None) -> dict[str, Layer
 
 
 def covered_layers(model: nn.Module, example_inputs: Any, fingerprint: Mapping[str, LayerInfo]) -> dict[str, LayerInfo]:
-    """The layers an artifact (plan, profile) made for ``model`` must cover: `find_layers`, plus,
-    without an example input, the layers ``fingerprint`` remembers that only a trace finds
-    (hand-written matmul modules)."""
+    """The layers an artifact (plan, profile) made for ``model`` must cover: `find_layers`, and,
+    without an example input, reconciled with the trace ``fingerprint`` remembers (one definition
+    of a layer for the trace, this check and the plan): the layers only a trace finds (hand-written
+    matmul modules) are added, and a module-tree layer the fingerprint lacks below one it holds is
+    dropped: the trace saw the parent run the products on that child's weights (Mamba's mixer
+    reads ``conv1d.weight`` and ``dt_proj.weight`` itself), so the child never runs as a layer.
+    Costs `find_layers` plus each layer's nesting depth."""
     covered = find_layers(model, example_inputs)
-    if example_inputs is None:
+    if example_inputs is None and fingerprint:
+        for fqn in [f for f in covered if f not in fingerprint and _held_by(f, fingerprint)]:
+            del covered[fqn]
         modules = dict(model.named_modules())
         for fqn, info in fingerprint.items():
             if fqn in modules:
                 covered.setdefault(fqn, info)
     return covered
+
+
+def _held_by(fqn: str, layers: Mapping[str, Any]) -> bool:
+    """Whether a module above ``fqn`` (the root included) is one of ``layers``."""
+    parts = fqn.split(".") if fqn else []
+    return any(".".join(parts[:end]) in layers for end in range(len(parts)))
 
 
 def changed_shapes(model: nn.Module, fingerprint: Mapping[str, LayerInfo], layers: "Iterable[str] | None" = None):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
-from typing import Any, Mapping
+from typing import Any, Container, Mapping
 
 import torch
 import torch.nn as nn
@@ -43,16 +43,28 @@ _AUTOCAST_UNCAST = {"cpu": frozenset({"mv", "addmv", "bilinear"})}
 _HF_CHECKPOINT = "_gradient_checkpointing_func"
 
 
-def _leaving(out: Any, caller_dtype: "torch.dtype | None", stored_dtype: "torch.dtype | None") -> Any:
-    """A layer's outputs as its caller expects them: in the caller's half dtype (a half layer under
-    the other half's autocast), or, for an FP32 layer of a model stored in BF16 / FP16, in the half
-    dtype around it (the enclosing autocast's, else the weights': the next norm holds weights of
-    that dtype)."""
-    if caller_dtype is not None:
-        return to_half(out, caller_dtype)
-    if stored_dtype is not None:
-        return pytree.tree_map(lambda t: t.to(stored_dtype) if torch.is_tensor(t) and t.dtype == torch.float32 else t, out)
-    return out
+_HALVES = frozenset({torch.float16, torch.bfloat16})
+
+
+def _leaving(out: Any, to: "torch.dtype | None", sources: frozenset) -> Any:
+    """A layer's outputs as its caller computes with them: its floating tensors of a dtype in
+    ``sources`` cast to ``to`` (nothing when ``to`` is None). One cast kernel per such tensor."""
+    if to is None or not sources:
+        return out
+    return pytree.tree_map(lambda t: t.to(to) if torch.is_tensor(t) and t.dtype in sources and t.dtype != to else t, out)
+
+
+def planned_parent(fqn: str, layers: Container[str]) -> "str | None":
+    """The innermost planned layer holding layer ``fqn`` (the root ``""`` too), or None. Walks
+    ``fqn``'s dotted prefixes: costs its depth, not the number of layers."""
+    if not fqn:
+        return None
+    parts = fqn.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:end])
+        if prefix in layers:
+            return prefix
+    return "" if "" in layers else None
 
 
 class LayerWrappers:
@@ -66,6 +78,13 @@ class LayerWrappers:
         self.owner, self.plan, self.layers, self.threads, self.products = owner, plan, layers, threads, products
         self.device_type = products.device_type
         self.region_dtype = region_dtype
+        # Whether the plan hands on two half dtypes (FP16 and BF16 layers, or half-stored weights of
+        # the other half dtype than the region's): only then must outputs be cast on leaving.
+        handed_on = {layer.format.dtype for layer in layers.values() if layer.format in (Format.BF16, Format.FP16)}
+        handed_on |= {layer.stored_dtype for layer in layers.values() if layer.stored_dtype is not None}
+        if low_precision:
+            handed_on.add(region_dtype)
+        self.mixed_halves = len(handed_on) > 1
         self.forwards = self._build() if low_precision else {}
         # Recomputed blocks: checkpointed while the plan is on (see `recompute`); installed after
         # the layers' wrappers, taken off with them.
@@ -94,45 +113,64 @@ class LayerWrappers:
         return bool(ops & (_AUTOCAST_UNCAST.get(self.device_type, frozenset()) | NEVER_AUTOCAST)) or not ops
 
     def _build(self) -> dict[str, Any]:
-        """fqn -> the forward to install for every layer that needs one (see the module docstring)."""
-        fqns = list(self.layers)
+        """fqn -> the forward to install for every layer that needs one (see the module docstring).
 
-        def ancestors(fqn):
-            return [f for f in fqns if f != fqn and (f == "" or fqn.startswith(f + "."))]
-
-        def descendants(fqn):
-            return [f for f in fqns if f != fqn and (fqn == "" or f.startswith(fqn + "."))]
-
+        Linear in the number of layers (times their nesting depth): each layer's planned parent
+        is found by its dotted prefixes, and what lies below or above it is carried along that
+        parent chain, never by scanning every other layer."""
+        layers = self.layers
+        parent = {fqn: planned_parent(fqn, layers) for fqn in layers}
+        # Layers with a planned layer below that hands them other dtypes: a lowered one, or an FP32
+        # one on half-stored weights. Marked up each such layer's parent chain, once per layer.
+        lowered_below: set[str] = set()
+        for fqn, layer in layers.items():
+            if layer.format is not Format.FP32 or layer.stored_dtype is not None:
+                up = parent[fqn]
+                while up is not None and up not in lowered_below:
+                    lowered_below.add(up)
+                    up = parent[up]
         wrappers: dict[str, Any] = {}
+        wrapped_above: dict[str, bool] = {}  # a planned ancestor has a wrapper
+        mode_above: dict[str, bool] = {}  # a planned ancestor runs under the mode
         with_mode: set[str] = set()
-        for fqn in sorted(fqns, key=lambda f: (f.count(".") if f else -1)):  # parents first
-            layer = self.layers[fqn]
-            # Layers below that hand this one other dtypes: lowered ones, or FP32 ones on half-stored weights.
-            below = any(self.layers[d].format is not Format.FP32 or self.layers[d].stored_dtype is not None for d in descendants(fqn))
-            mode = self._needs_mode(layer, below)
+        for fqn in sorted(layers, key=lambda f: (f.count(".") if f else -1)):  # parents first
+            layer, up = layers[fqn], parent[fqn]
+            wrapped_above[fqn] = up is not None and (up in wrappers or wrapped_above[up])
+            mode_above[fqn] = up is not None and (up in with_mode or mode_above[up])
+            mode = self._needs_mode(layer, fqn in lowered_below)
             if mode:
                 with_mode.add(fqn)
-            own_scope = (
-                mode
-                or layer.format is Format.FP32
-                or layer.low_precision
-                or layer.format.dtype != self.region_dtype
-                or any(a in wrappers for a in ancestors(fqn))
-            )
+            own_scope = mode or layer.format is Format.FP32 or layer.low_precision or layer.format.dtype != self.region_dtype or wrapped_above[fqn]
             if own_scope:
                 # The layer stack is read only by the mode: a layer under no mode need not push itself.
-                wrappers[fqn] = self._wrapper(layer, mode, stacked=mode or any(a in with_mode for a in ancestors(fqn)))
+                parent_format = layers[up].format if up is not None else None
+                wrappers[fqn] = self._wrapper(layer, mode, stacked=mode or mode_above[fqn], parent_format=parent_format)
         return wrappers
 
-    def _wrapper(self, layer: RuntimeLayer, mode: bool, stacked: bool):
+    def _wrapper(self, layer: RuntimeLayer, mode: bool, stacked: bool, parent_format: "Format | None"):
         """The forward installed on ``layer.module``: the plan's in a thread that entered this
         runtime, the module's own everywhere else (other threads, outside the context, a copy).
         ``stacked``: the layer runs under the mode (its own or an ancestor's), which reads the
-        running layer from the thread's stack; otherwise its forward changes no thread state."""
+        running layer from the thread's stack; otherwise its forward changes no thread state.
+        ``parent_format``: the format of the planned layer holding this one (None: the region).
+
+        Outputs leave in the dtype their caller computes in (one rule for every format): under a
+        half autocast (the region's or a half parent's), a tensor of the other half dtype is cast
+        to it (autocast's promoting ops, ``cat``, ``roll``, ``index_put``, ..., refuse to mix the
+        two); an FP32 layer's outputs are cast to it too when its parent is a lowered layer
+        (that parent computes in the half dtype, and code reading ``finfo(q.dtype)`` to fill its
+        half scores must read that dtype) or its weights are stored in a half dtype (the layers
+        around it hand on that dtype). An FP32 layer in the region keeps its FP32 outputs: the
+        ops between layers (norms, residual adds, the loss) take FP32 under autocast."""
         module, fmt, device_type, threads, products = layer.module, layer.format, self.device_type, self.threads, self.products
         had_own, previous = displaced(module)
         direct_linear = layer.low_precision and not mode
         half_stored = layer.stored_dtype  # what the rest of a model loaded in BF16 expects between layers
+        # Dtypes cast to the caller's half autocast dtype on leaving (see above); none to cast
+        # where the plan hands on one half dtype only and the layer's FP32 outputs stay.
+        others = _HALVES if self.mixed_halves else frozenset()
+        fp32_joins = fmt is Format.FP32 and (half_stored is not None or (parent_format is not None and parent_format is not Format.FP32))
+        to_caller = others | ({torch.float32} if fp32_joins else frozenset())
         # Whether its forward changes thread state, which Dynamo cannot trace inside a recomputed
         # block (see recompute.compile_refusal).
         layer.keeps_thread_state = stacked
@@ -157,43 +195,42 @@ class LayerWrappers:
                 # A deep copy of the model carries this method re-bound to the copy: it runs the
                 # copy's own forward, never this module's weights.
                 return own_forward(self_module, args, kwargs)
+            caller = torch.get_autocast_dtype(device_type) if to_caller and torch.is_autocast_enabled(device_type) else None
             if direct_linear:
                 x = args[0] if args else kwargs["input"]
                 if not state.mode_active:
-                    return products.linear(layer, x, module.weight, module.bias)
+                    return _leaving(products.linear(layer, x, module.weight, module.bias), caller, to_caller)
                 # An ancestor's mode runs: on the stack, this layer's own kernel ops (an INT8
                 # layer's outlier addmm) pass through it rather than being routed as the ancestor's.
                 outer = state.stack
                 state.stack = outer + (layer,)
                 try:
-                    return products.linear(layer, x, module.weight, module.bias)
+                    return _leaving(products.linear(layer, x, module.weight, module.bias), caller, to_caller)
                 finally:
                     state.stack = outer
-            caller_dtype = None  # a half layer called under the other half dtype's autocast: that dtype
-            stored_dtype = None  # an FP32 layer on half-stored weights: its outputs leave in their dtype
+            leave_to, leaving = caller, to_caller
             if fmt is Format.FP32:
-                if half_stored is not None:  # under a half region's autocast: its dtype, as its other layers return
-                    stored_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else half_stored
+                if half_stored is not None and caller is None:
+                    leave_to = half_stored  # autocast off around it: the dtype the layers around it hand on
                 args, kwargs = pytree.tree_map(to_fp32, (args, kwargs))
                 scope = torch.autocast(device_type, enabled=False)
             elif fmt in (Format.BF16, Format.FP16):
                 scope = torch.autocast(device_type, dtype=fmt.dtype)
-                # Boundary casts (a plan mixing FP16 and BF16 layers): autocast's promoting ops
-                # (cat, stack, index_put, addcmul, ...) refuse a half dtype that is not the
-                # region's, as a KV cache's cat would inside this layer. Inputs in the other half
-                # dtype enter in this one; outputs leave in the caller's (under an FP32 layer,
-                # autocast is off and mixed dtypes simply promote: outputs stay as they are).
+                # Under the other half dtype's autocast its inputs enter in this one, and its
+                # outputs leave in the caller's; under no autocast (an FP32 parent), inputs enter
+                # in this dtype and mixed dtypes simply promote there: outputs stay as they are.
                 autocast_on = torch.is_autocast_enabled(device_type)
-                if autocast_on and torch.get_autocast_dtype(device_type) != fmt.dtype:
-                    caller_dtype = torch.get_autocast_dtype(device_type)
-                if caller_dtype is not None or not autocast_on:
+                outer_dtype = torch.get_autocast_dtype(device_type) if autocast_on else None
+                if outer_dtype is not None and outer_dtype != fmt.dtype:
+                    leave_to, leaving = outer_dtype, _HALVES
+                if leave_to is not None or not autocast_on:
                     args, kwargs = to_half((args, kwargs), fmt.dtype)
             else:
                 scope = contextlib.nullcontext()
             if not stacked:
                 with scope:
                     out = own_forward(module, args, kwargs)
-                return _leaving(out, caller_dtype, stored_dtype)
+                return _leaving(out, leave_to, leaving)
             enter_mode = mode and not state.mode_active
             outer = state.stack
             state.stack = outer + (layer,)
@@ -206,7 +243,7 @@ class LayerWrappers:
             # is_compiling first: Dynamo folds it, so a compiled forward reads no list (note records nothing there).
             if not torch.compiler.is_compiling() and layer.unwarned:
                 layer.warn_emulated()
-            return _leaving(out, caller_dtype, stored_dtype)
+            return _leaving(out, leave_to, leaving)
 
         mark(forward, self.owner, had_own, previous)
         # Bound, so that copy.deepcopy(model) re-binds it to the copy (see the check above).
