@@ -345,7 +345,7 @@ class Plan:
         for fqn in self._blocks:
             if fqn not in modules:
                 problems.append(f"blocks[{fqn!r}]: the plan names a block the model lacks; remove it or check the model")
-            elif fqn in self._layers:
+            elif not any(_inside(layer, fqn) for layer in self._layers) and fqn in self._layers:
                 problems.append(f"blocks[{fqn!r}]: a layer, not a block; recomputing one layer saves nothing (it keeps only its input): name a module holding several layers")
             elif not any(_inside(layer, fqn) for layer in self._layers):
                 problems.append(f"blocks[{fqn!r}]: {type(modules[fqn]).__name__} holds no layer of the plan, so recomputing it saves nothing; remove it")

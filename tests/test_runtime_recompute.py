@@ -485,3 +485,31 @@ def test_a_recomputed_block_called_by_keyword_keeps_its_dropout_masks():
         out.pow(2).sum().backward()
         grads.append([[p.grad.clone() for p in m.parameters()]])
     _assert_bitwise(*grads)
+
+
+# -- a block that is a layer too ----------------------------------------------------------------
+
+# Each attention module is a layer (its own q @ k^T and att @ v) holding layers (its projections):
+# a block and a layer at once, as diffusers' Attention is (sdpa in its own forward, to_q / to_k /
+# to_v / to_out children) in a UNet whose attentions the search recomputes.
+LAYER_BLOCKS = ("blocks.0.attn", "blocks.1.attn")
+
+
+@pytest.mark.parametrize("name", ["fp8-current", "int8", "mixed"])
+def test_a_block_that_is_a_layer_too_recomputes_under_its_own_format(name):
+    """Both wrappers on one module: the block's checkpoint runs the layer's planned forward, and
+    the backward finds its runtime installed (it took the layer's wrapper under the block's for a
+    displacement and refused every backward)."""
+    model = _lm()
+    plan = PLANS[name](model)
+    plan.with_recompute(LAYER_BLOCKS).validate(model, _EXAMPLE)  # a layer holding layers is a block
+    with_rc, runtime = _train(model, plan, LAYER_BLOCKS)
+    without, _ = _train(_lm(), PLANS[name](_lm()), ())
+    _assert_bitwise(with_rc, without)
+    assert runtime.report()["blocks.0.attn"]["ops"] == _train(_lm(), PLANS[name](_lm()), ())[1].report()["blocks.0.attn"]["ops"]
+
+
+def test_a_leaf_layer_named_as_a_block_is_still_refused():
+    model = _lm()
+    with pytest.raises(ap.PlanError, match="a layer, not a block"):
+        PLANS["bf16"](model).with_recompute(("blocks.0.attn.qkv",)).validate(model, _EXAMPLE)

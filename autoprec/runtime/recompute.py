@@ -39,7 +39,7 @@ import dataclasses
 import functools
 import threading
 import types
-from typing import Any, Callable, Container, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -145,7 +145,7 @@ class BlockHost:
     installed: Callable[[], bool]  # the runtime's wrappers are on the model
     layer_mode: Callable[[Any], Any]  # the mode routing a layer's own products, for a thread state
     layers: Mapping[str, Any]  # fqn -> the runtime's layer
-    wrapped: Container[str]  # fqns of the layers with a wrapper of their own
+    wrapped: Mapping[str, Any]  # fqn -> the forward of each layer with a wrapper of its own
 
     def layers_in(self, block: str) -> list:
         return [(fqn, layer) for fqn, layer in self.layers.items() if block == "" or fqn.startswith(block + ".")]
@@ -259,8 +259,14 @@ def block_wrapper(host: BlockHost, fqn: str, module: nn.Module):
     (`wrapping`)."""
     threads = host.threads
     had_own, previous = displaced(module)
+    # A block that is a layer too (a diffusers Attention: its own forward runs the attention product
+    # and its projections are children): the block's wrapper is the one on the module, and it runs
+    # the layer's wrapper inside, so that one forward is both checkpointed and planned.
+    as_layer = host.wrapped.get(fqn)
 
     def own_forward(m, args, kwargs):
+        if m is module and as_layer is not None:
+            return as_layer(*args, **kwargs)
         if had_own and m is module:
             return previous(*args, **kwargs)
         return type(m).forward(m, *args, **kwargs)

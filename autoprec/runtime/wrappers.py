@@ -260,8 +260,9 @@ class LayerWrappers:
             state.mode_active = False
 
     def _all(self) -> list:
-        """(module, forward) of every wrapper: layers, then recomputed blocks."""
-        return [(self.layers[fqn].module, forward) for fqn, forward in self.forwards.items()] + list(self.blocks.values())
+        """(module, forward) of every wrapper on the model: layers, then recomputed blocks (a block
+        that is a layer too holds its block wrapper, which runs the layer's: `recompute.block_wrapper`)."""
+        return [(self.layers[fqn].module, forward) for fqn, forward in self.forwards.items() if fqn not in self.blocks] + list(self.blocks.values())
 
     def installed(self) -> bool:
         """Whether every wrapper is on its module (another runtime may have displaced them)."""
