@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import ModelCallError
 
-__all__ = ["ModelCall", "loss_of", "prediction_of", "predictions_of", "isolated", "fresh", "changeable"]
+__all__ = ["ModelCall", "loss_field", "loss_of", "prediction_of", "predictions_of", "isolated", "fresh", "changeable"]
 
 
 _SHARED = (nn.Module, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, enum.Enum,
@@ -198,7 +198,8 @@ class ModelCall:
         return cls(tuple(state["args"]), state["kwargs"])
 
 
-def _loss_field(output: Any) -> Any:
+def loss_field(output: Any) -> Any:
+    """A model output's ``loss`` field (a dict's or a ``ModelOutput``'s), or None."""
     if isinstance(output, Mapping):
         return output.get("loss")
     return getattr(output, "loss", None)
@@ -210,7 +211,7 @@ def loss_of(output: Any) -> torch.Tensor:
     ``transformers`` returns with ``return_dict=False``)."""
     if torch.is_tensor(output):
         return output
-    loss = _loss_field(output)
+    loss = loss_field(output)
     if loss is None and isinstance(output, (tuple, list)) and output:
         loss = output[0]
     if not torch.is_tensor(loss):

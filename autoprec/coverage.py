@@ -281,16 +281,19 @@ def find_layers(model: nn.Module, example_inputs: Any = None) -> dict[str, Layer
 def covered_layers(model: nn.Module, example_inputs: Any, fingerprint: Mapping[str, LayerInfo]) -> dict[str, LayerInfo]:
     """The layers an artifact (plan, profile) made for ``model`` must cover: `find_layers`, and,
     without an example input, reconciled with the trace ``fingerprint`` remembers (one definition
-    of a layer for the trace, this check and the plan): the layers only a trace finds (hand-written
-    matmul modules) are added, and a module-tree layer the fingerprint lacks below one it holds is
-    dropped: the trace saw the parent run the products on that child's weights (Mamba's mixer
-    reads ``conv1d.weight`` and ``dt_proj.weight`` itself), so the child never runs as a layer.
-    Costs `find_layers` plus each layer's nesting depth."""
+    of a layer for the trace, this check and the plan). The layers only a trace finds (hand-written
+    matmul modules, attention products) are added. A module-tree layer the fingerprint lacks is
+    not demanded when the fingerprint is a trace's, which saw it not run as a layer: when one of
+    the fingerprint's layers holds it (Mamba's mixer multiplies its ``conv1d`` and ``dt_proj``
+    weights itself), or when the fingerprint holds layers the module tree cannot show, so a trace
+    made it (a decoder-only model's cross-attention projections never run). Costs `find_layers`
+    plus each layer's nesting depth."""
     covered = find_layers(model, example_inputs)
     if example_inputs is None and fingerprint:
-        for fqn in [f for f in covered if f not in fingerprint and _held_by(f, fingerprint)]:
-            del covered[fqn]
         modules = dict(model.named_modules())
+        traced = any(fqn in modules and fqn not in covered for fqn in fingerprint)
+        for fqn in [f for f in covered if f not in fingerprint and (traced or _held_by(f, fingerprint))]:
+            del covered[fqn]
         for fqn, info in fingerprint.items():
             if fqn in modules:
                 covered.setdefault(fqn, info)

@@ -154,3 +154,31 @@ def test_a_traced_plan_validates_without_an_example_when_a_parent_reads_its_chil
     plan.validate(model, x)
     with apply_plan(model, plan):
         model(x).sum().backward()
+
+
+class _CrossAttentionDecoder(nn.Module):
+    """A decoder-only use of an encoder-decoder layer: its cross-attention projections never run
+    without encoder states (PLBart's, ProphetNet's causal-LM heads)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = _Attention()
+        self.cross_q = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, 4)
+
+    def forward(self, x, encoder_states=None):
+        x = x + self.attn(x)
+        if encoder_states is not None:
+            x = x + self.cross_q(encoder_states)
+        return self.head(x)
+
+
+def test_a_traced_plan_validates_without_an_example_when_a_module_never_runs():
+    torch.manual_seed(0)
+    model, x = _CrossAttentionDecoder(), torch.randn(2, 5, WIDTH)
+    plan = Plan.uniform(model, "bf16", x)
+    assert "cross_q" not in plan.layers and "attn" in plan.layers  # the trace: an attention product, no cross-attention
+    plan.validate(model)
+    static = Plan.uniform(model, "bf16")  # the module tree alone: every Linear, the cross-attention's too
+    assert "cross_q" in static.layers
+    static.validate(model)

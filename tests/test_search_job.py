@@ -537,3 +537,25 @@ def test_a_recompute_set_is_part_of_a_candidates_identity():
     assert len(ids) == 4
     # A plan recomputing nothing keeps the id it had before blocks existed (resumed studies find their trials).
     assert Candidate("e", plan.with_recompute({"blocks.0": False})).id == Candidate("a", plan).id
+
+
+def test_a_format_whose_predicted_loss_increase_is_not_finite_is_ruled_out_for_that_layer_only():
+    """A CTC head's loss overflowed FP16 in the estimate (HuBERT): the search failed whole with 'a
+    cost must be finite'; now that (layer, format) is out, with the reason, and the rest stands."""
+    from autoprec.costs import CostModel, TimingSettings
+    from autoprec.search.planner import build_space
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+
+    def loss(model, batch):
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    formats = (Format.FP32, Format.BF16, Format.FP16)
+    costs = CostModel.build(model, (x, y), loss_fn=loss, formats=formats, timing=TimingSettings(in_place=False))
+    sensitivity = {("0", Format.BF16): 1e-3, ("0", Format.FP16): 1e-4, ("2", Format.BF16): 1e-3, ("2", Format.FP16): float("inf")}
+    space, ruled_out = build_space(costs, sensitivity, None, formats=formats)
+    rows = {unit.name: set(unit.choices) for unit in space.units}
+    assert rows == {"0": set(formats), "2": {Format.FP32, Format.BF16}}
+    assert ruled_out == {"2": ["fp16 ruled out: its predicted loss increase is not finite (inf)"]}

@@ -658,3 +658,38 @@ def test_a_loss_read_from_a_later_output_is_linearised_at_that_output():
     LinearisedLoss()(model, (call, targets)).mean().backward()
     for a, b in zip((p.grad for p in model.parameters()), real):
         torch.testing.assert_close(a, b)
+
+
+class SplitStreams(nn.Module):
+    """ProphetNet's outputs in miniature: the loss is computed from the whole prediction, the
+    returned fields are slices of it taken apart from the loss, so none receives a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 6)
+
+    def forward(self, x, labels):
+        streams = self.proj(x).view(x.shape[0], 2, 3)
+        loss = F.cross_entropy(streams.reshape(-1, 3), labels.reshape(-1))
+        return {"loss": loss, "logits": streams[:, 0].detach().clone().requires_grad_(), "logits_ngram": streams[:, 1:] * 1.0}
+
+
+def test_a_loss_computed_from_no_returned_field_is_linearised_at_the_loss_itself():
+    from autoprec.sensitivity.capture import LOSS, GradientCapture, LinearisedLoss
+
+    torch.manual_seed(0)
+    model = SplitStreams()
+    x, labels = torch.randn(4, 8), torch.randint(0, 3, (4, 2))
+    capture = GradientCapture(keep=1)
+    capture.arm(model)
+    model(x, labels)["loss"].backward()
+    capture.disarm()
+    (call, targets), = capture.batches()  # before: no target, and the search failed "no output gradients were captured"
+    assert [i for i, _ in targets] == [LOSS]
+    model.zero_grad()
+    LinearisedLoss()(model, (call, targets)).mean().backward()
+    linearised = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x, labels)["loss"].backward()
+    for a, b in zip(linearised, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(a, b)

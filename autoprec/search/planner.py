@@ -10,6 +10,7 @@ search compared. With recompute blocks costed (`CostModel.blocks`) the space hol
 from __future__ import annotations
 
 import fnmatch
+import math
 from typing import Iterable, Mapping
 
 from ..coverage import LayerInfo
@@ -74,6 +75,11 @@ def build_space(
                 continue
             lc = costs.layer_cost(fqn, fmt)
             loss = 0.0 if fmt is Format.FP32 else max(0.0, float(sensitivity[(fqn, fmt)]))
+            if not math.isfinite(loss) and not pinned:
+                # The estimate's loss overflowed in this format (a CTC loss of an FP16 head, say):
+                # the format is out for this layer, not the whole search.
+                ruled_out.setdefault(fqn, []).append(f"{fmt.value} ruled out: its predicted loss increase is not finite ({loss})")
+                continue
             # An FP32 layer among lowered ones costs its neighbours' FP32 saves too (CostModel).
             extra = costs.fp32_in_region_bytes.get(fqn, 0) if fmt is Format.FP32 else 0
             row[fmt] = Choice(lc.bytes + extra, lc.seconds, loss)

@@ -11,7 +11,9 @@ Which outputs: those the loss was computed from. A model may return several floa
 the embeddings both logits are made of. So every output that requires grad is hooked, and after
 the backward the outputs kept are those that received a gradient and feed no other output that
 did (a gradient at an upstream output already holds the downstream one's: keeping both would
-count it twice). Cost per captured step: one forward hook; with more than one output requiring
+count it twice). A model that computes its loss from a tensor it does not return (ProphetNet's
+n-gram streams: the loss reads the logits before they are split into the returned fields) gives
+none of its predictions a gradient; then its returned loss is the target (`LOSS`), one term. Cost per captured step: one forward hook; with more than one output requiring
 grad, one walk of the autograd graph per output (at the forward); one copy of the inputs and of
 each receiving output's gradient (held until the search).
 """
@@ -24,10 +26,12 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ..calls import ModelCall, predictions_of
+from ..calls import ModelCall, loss_field, predictions_of
 from ..errors import ModelCallError
 
-__all__ = ["GradientCapture", "LinearisedLoss"]
+__all__ = ["GradientCapture", "LinearisedLoss", "LOSS"]
+
+LOSS = -1  # a target's index meaning the output's own loss field, not one of its predictions
 
 
 class LinearisedLoss:
@@ -38,10 +42,11 @@ class LinearisedLoss:
 
     def __call__(self, model: nn.Module, batch) -> torch.Tensor:
         call, targets = batch
-        outputs = predictions_of(call(model))
+        result = call(model)
+        outputs = predictions_of(result)
         terms = []
         for index, grad in targets:
-            out = outputs[index]
+            out = loss_field(result) if index == LOSS else outputs[index]
             rows = out.reshape(-1, out.shape[-1]) if out.dim() > 1 else out.reshape(1, -1)
             terms.append((rows.float() * grad.reshape(rows.shape).float()).sum(-1))
         joined = torch.cat(terms)
@@ -58,12 +63,14 @@ class _Captured:
     outputs: list
     feeds: set
     grads: dict = dataclasses.field(default_factory=dict)
+    loss_grad: Optional[torch.Tensor] = None  # dL/d(the output's loss field), when it has one
 
     def targets(self) -> list:
         """(output index, gradient) of the outputs the loss was computed from: those that received
-        a gradient and feed no other that did (module docstring)."""
+        a gradient and feed no other that did; else the loss field's (module docstring)."""
         got = set(self.grads)
-        return [(self.outputs[k], self.grads[k]) for k in sorted(got) if not any((k, j) in self.feeds for j in got if j != k)]
+        found = [(self.outputs[k], self.grads[k]) for k in sorted(got) if not any((k, j) in self.feeds for j in got if j != k)]
+        return found or ([(LOSS, self.loss_grad)] if self.loss_grad is not None else [])
 
 
 def _feeds(outputs: Sequence[torch.Tensor]) -> set:
@@ -122,6 +129,9 @@ class GradientCapture:
         self._entries = (self._entries + [entry])[-self.keep:]
         for k, i in enumerate(live):
             outputs[i].register_hook(lambda g, k=k: entry.grads.__setitem__(k, g.detach().clone()))
+        loss = loss_field(output) if not torch.is_tensor(output) else None
+        if torch.is_tensor(loss) and loss.requires_grad and loss.grad_fn is not None:
+            loss.register_hook(lambda g: setattr(entry, "loss_grad", g.detach().clone()))
 
     def batches(self) -> list[tuple[ModelCall, list]]:
         """The kept calls whose backward ran, oldest first, each with its targets
