@@ -94,6 +94,10 @@ _KNOWN_CLASSES: tuple[tuple[type, str], ...] = (
 
 logger = logging.getLogger(__name__)
 
+# Training calls a trace makes at most when layers come and go between draws (LayerDrop, p <= 0.1:
+# a layer missed by 6 draws: 1e-6).
+TRACE_DRAWS = 6
+
 ModuleFilter = Callable[[nn.Module, str], bool]
 """``(module, fqn) -> bool``: False keeps a layer out of low precision (torchao's module_filter_fn)."""
 
@@ -257,8 +261,10 @@ def trace_layers(model: nn.Module, example_inputs: Any) -> dict[str, LayerInfo]:
 
     ``example_inputs`` is one input, a tuple of positional inputs, a dict of keyword inputs or a
     `calls.ModelCall` (positional and keyword inputs together).
-    The model's modules, hooks, buffers (BatchNorm statistics) and the global RNG state are
-    exactly as before when this returns, also if it raises.
+    A model in training mode is traced twice under two draws of the RNG; when the second sees
+    other layers (LayerDrop skips layers at random in a training call), up to `TRACE_DRAWS`
+    times, a layer being what runs in any. The model's modules, hooks, buffers (BatchNorm
+    statistics) and the global RNG state are exactly as before when this returns, also if it raises.
     """
     call = ModelCall.of(example_inputs)
     seen: dict[str, set[str]] = {}
@@ -266,6 +272,17 @@ def trace_layers(model: nn.Module, example_inputs: Any) -> dict[str, LayerInfo]:
     # Tracing must not consume random numbers (dropout) that the real run would draw.
     with side_effect_free(model), module_stack(model) as stack, torch.no_grad(), _MatmulRecorder(stack, seen, batched):
         call(model)
+        # Stochastic depth (LayerDrop: HF's speech and translation models skip a layer at random
+        # while training) hides layers from one training call: a second draw (seeded, so every run
+        # traces alike) that sees other layers shows it, and the calls go on to `TRACE_DRAWS`, a
+        # layer being what runs in any of them. Not eval mode: a mode switch may itself write the
+        # weights (RWKV rescales them).
+        for draw in range(1, TRACE_DRAWS if model.training else 1):
+            before = {fqn: set(ops) for fqn, ops in seen.items()}
+            torch.manual_seed(draw)
+            call(model)
+            if draw == 1 and seen == before:
+                break  # the same layers under another draw: none is skipped at random
     modules = dict(model.named_modules())
     return {fqn: LayerInfo.of(module, seen[fqn], batched.get(fqn, ())) for fqn, module in modules.items() if fqn in seen}
 

@@ -11,6 +11,7 @@ mixing FP16 and BF16 crashed GPT-2's KV cache (``Unexpected floating ScalarType 
 at::autocast::prioritize``, torch 2.11 and 2.13 alike)."""
 
 import copy
+import functools
 import math
 import warnings
 
@@ -111,3 +112,54 @@ def test_a_half_layer_inside_another_half_type_keeps_its_own_and_returns_the_cal
     mixed = base.with_layers(projections)
     reference = run_steps(copy.deepcopy(model), batch, base, steps=1)[0]
     assert run_steps(copy.deepcopy(model), batch, mixed, steps=1)[0] == pytest.approx(reference, rel=2e-2)
+
+
+# -- architectures drawn from the sweep -----------------------------------------------------------
+
+# Model types from everything transformers and diffusers ship (tests/arch_sweep.py), drawn by the
+# sweep's rotating seed: the property test draws the architecture as well as the plan.
+import arch_sweep  # noqa: E402
+
+SWEPT = 6  # architectures drawn, by the sweep's rotating seed (+1: others than its CI sample's)
+_built: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def swept() -> tuple:
+    return tuple(arch_sweep.buildable(SWEPT, arch_sweep.rotating_seed() + 1))
+
+
+def _swept(index: int):
+    """The ``index``-th swept model (built once per module), its batch, loss, FP32 base plan and blocks."""
+    if index not in _built:
+        model, make, loss = arch_sweep.build(swept()[index])
+        batch = make(0)
+        base = Plan.uniform(model, Format.FP32, batch)
+        _built[index] = (model, batch, loss, base, find_blocks(model, base.layers))
+    return _built[index]
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_valid_plan_trains_an_architecture_drawn_from_the_sweep(data):
+    index = data.draw(st.integers(0, SWEPT - 1), label=f"architecture of {[c.model_type for c in swept()]}")
+    model, batch, loss_fn, base, blocks = _swept(index)
+    plan = data.draw(plans(base, blocks), label="plan")
+    trained = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(trained.parameters(), lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EmulationWarning)
+        scheduler = DynamicPrecisionScheduler.from_plan(trained, plan)
+        try:
+            losses = []
+            for _ in range(2):
+                with scheduler.precision_context():
+                    loss = loss_fn(trained, batch)
+                scheduler.backward(loss)
+                scheduler.step(optimizer)
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(float(loss.detach()))
+        finally:
+            scheduler.close()
+    assert all(math.isfinite(x) for x in losses), (swept()[index].model_type, losses)
+    assert all(torch.isfinite(p).all() for p in trained.parameters()), swept()[index].model_type

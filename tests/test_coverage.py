@@ -383,3 +383,44 @@ def test_matmul_after_a_child_raised_is_attributed_to_the_caller():
     # The module stack must pop a module whose forward raised, or later products go to it.
     found = trace_layers(CatchesChildError(), torch.randn(3, 4))
     assert (found["child.fc"].ops, found[""].ops) == (("linear",), ("matmul",))
+
+
+class _LayerDrop(nn.Module):
+    """HF's LayerDrop: in training each layer is skipped with probability ``p`` (a fresh draw per call)."""
+
+    def __init__(self, p: float, n: int = 6):
+        super().__init__()
+        self.p = p
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(n)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training and torch.rand([]) < self.p:
+                continue
+            x = x + layer(x)
+        return x
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_trace_in_training_mode_sees_every_layer_layerdrop_skips(seed):
+    """The binding trace made the plan's layers: a layer LayerDrop skipped there was missing from
+    the plan, and the search's cost model then failed on it (M2M-100, NLLB-MoE, HuBERT)."""
+    torch.manual_seed(seed)
+    model = _LayerDrop(p=0.1).train()  # as HF's LayerDrop defaults (0.05 to 0.1)
+    traced = trace_layers(model, torch.randn(2, 8))
+    assert list(traced) == [f"layers.{i}" for i in range(6)]
+    assert model.training and all(m.training for m in model.modules())  # the modes restored
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_cost_trace_draws_again_until_it_sees_the_layers_it_must(seed):
+    from autoprec.costs.trace import trace_model
+
+    torch.manual_seed(seed)
+    model = _LayerDrop(p=0.1, n=4).train()  # as HF's LayerDrop defaults (0.05 to 0.1)
+    wanted = [f"layers.{i}" for i in range(4)]
+    x = torch.randn(2, 8)
+    state = torch.get_rng_state()
+    trace = trace_model(model, x, layers=wanted)
+    assert list(trace.layers) == wanted
+    assert torch.equal(torch.get_rng_state(), state)  # the real run draws as it would have

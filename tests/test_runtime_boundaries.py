@@ -182,3 +182,36 @@ def test_a_traced_plan_validates_without_an_example_when_a_module_never_runs():
     static = Plan.uniform(model, "bf16")  # the module tree alone: every Linear, the cross-attention's too
     assert "cross_q" in static.layers
     static.validate(model)
+
+
+class _KeywordProducts(nn.Module):
+    """Products called with keyword operands: I-BERT's ``F.linear(x, weight=w, bias=b)``, and
+    ``torch.matmul(input=..., other=...)`` / ``torch.addmm(input=, mat1=, mat2=)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH**0.5)
+        self.bias = nn.Parameter(torch.randn(WIDTH) / 10)
+        self.other = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH**0.5)
+
+    def forward(self, x):
+        y = F.linear(x, weight=self.weight, bias=self.bias)
+        y = torch.matmul(input=y, other=self.other)
+        return torch.addmm(input=self.bias, mat1=y.reshape(-1, WIDTH), mat2=self.other).reshape(y.shape)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8"])
+def test_products_called_with_keyword_operands_run_in_the_layers_format(fmt):
+    torch.manual_seed(0)
+    model, x = _KeywordProducts(), torch.randn(2, 6, WIDTH)
+    reference = model(x)
+    plan = Plan.uniform(model, fmt, x)
+    runtime = apply_plan(model, plan)
+    with runtime:
+        out = model(x)
+    out.sum().backward()
+    ops = runtime.report()[""]["ops"]
+    assert set(ops) == {"linear", "matmul", "addmm"}
+    assert not any(how.startswith("emulated") for how in ops.values())  # the kernels, not emulation
+    error = (out.float() - reference).norm() / reference.norm()
+    assert error < 0.1, error

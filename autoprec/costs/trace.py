@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Collection, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -292,19 +292,31 @@ def forward_or_loss(model: nn.Module, example_inputs: Any, loss_fn: Optional[Cal
     return loss_fn(model, example_inputs) if loss_fn is not None else ModelCall.of(example_inputs)(model)
 
 
-def trace_model(model: nn.Module, example_inputs: Any, loss_fn: Optional[Callable] = None) -> ModelTrace:
+TRACE_RETRIES = 4
+
+
+def trace_model(model: nn.Module, example_inputs: Any, loss_fn: Optional[Callable] = None, layers: Optional[Collection[str]] = None) -> ModelTrace:
     """Record the layers of ``model`` from one FP32 forward with autograd on (no backward).
 
     ``example_inputs``: one input, a tuple of positional inputs, a dict of keyword inputs or a
     `calls.ModelCall` (as `coverage.trace_layers`). ``loss_fn(model, example_inputs) -> loss``, when given, is run
-    instead of the bare forward, so what the loss saves counts too. Costs one forward pass and
-    its saved activations (freed on return). The model, its buffers and the RNG are unchanged.
+    instead of the bare forward, so what the loss saves counts too. ``layers``: those the trace
+    must see; a training-mode forward that skipped one (LayerDrop: HF's speech and translation
+    models skip a layer at random while training) is traced again under another draw of the RNG
+    (seeded 1, 2, ...: the same trace every run), at most `TRACE_RETRIES` times. Costs one forward
+    pass (rarely a few) and its saved activations (freed on return). The model, its buffers and
+    the RNG are unchanged.
     """
-    meter = _Attribution(model)
-    recorder = _CallRecorder(meter)
-    with side_effect_free(model), torch.enable_grad(), meter, recorder:
-        output = forward_or_loss(model, example_inputs, loss_fn)
-    del output
+    for attempt in range(TRACE_RETRIES + 1):
+        meter = _Attribution(model)
+        recorder = _CallRecorder(meter)
+        with side_effect_free(model), torch.enable_grad(), meter, recorder:
+            if attempt:
+                torch.manual_seed(attempt)
+            output = forward_or_loss(model, example_inputs, loss_fn)
+        del output
+        if layers is None or {fqn for fqn, _ in recorder.calls}.issuperset(layers):
+            break
     if not recorder.calls:
         raise CostModelError(
             f"{type(model).__name__} ran no matrix product in its forward on the example input, so it has "

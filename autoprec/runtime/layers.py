@@ -103,24 +103,37 @@ def unify_dtypes(tree: Any, dtype: torch.dtype) -> Any:
     return to_dtype(tree, dtype)
 
 
+# The operands of each kernel op in their positional order (torch's parameter names).
+_OPERANDS = {"linear": ("input", "weight", "bias"), "addmm": ("input", "mat1", "mat2"), "matmul": ("input", "other"), "mm": ("input", "mat2")}
+
+
 def as_gemm(op: str, func, args, kwargs):
     """``(a (M,K), b (K,N), bias, beta, alpha, out_shape)`` when the op is one 2-D GEMM, else None."""
     if op not in KERNEL_OPS:
         return None
     beta, alpha, bias = 1, 1, None
+    # Operands by position, whichever way the caller passed them (I-BERT calls
+    # F.linear(x, weight=w, bias=b); torch.matmul(input=a, other=b) is legal too).
+    operands = _OPERANDS[op]
+    args = (*args, *(kwargs[name] for name in operands[len(args):] if name in kwargs))
+    rest = {k: v for k, v in kwargs.items() if k not in operands}
     if op == "linear":
+        if len(args) < 2:
+            return None
         x, w = args[0], args[1]
-        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        bias = args[2] if len(args) > 2 else None
         b = w.t()
     elif op == "addmm":
+        if len(args) < 3:
+            return None
         bias, x, b = args[0], args[1], args[2]
-        beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+        beta, alpha = rest.get("beta", 1), rest.get("alpha", 1)
         if bias.dim() > 1:
             return None
     else:  # matmul / mm, incl. Tensor.__rmatmul__(self, other) == other @ self
-        x, b = (args[1], args[0]) if func is torch.Tensor.__rmatmul__ else (args[0], args[1])
-        if kwargs:
+        if len(args) < 2 or rest:
             return None
+        x, b = (args[1], args[0]) if func is torch.Tensor.__rmatmul__ else (args[0], args[1])
     if not (torch.is_tensor(x) and torch.is_tensor(b)) or x.dim() < 2 or b.dim() != 2:
         return None
     if not (x.is_floating_point() and b.is_floating_point()):

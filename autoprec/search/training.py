@@ -471,7 +471,7 @@ class TrainingSearch:
         if snapshot is None:
             raise RuntimeStateError("TrainingSearch: off-path work without a snapshot (made with lead=False)")
         n = len(self.layers)
-        trace = trace_model(snapshot, self.example, None)
+        trace = trace_model(snapshot, self.example, None, layers=self.layers)
         yield "trace", unit_weight("trace", n)
         costs = CostModel(trace, RooflineTimeModel(), formats=[Format.FP32])
         yield from (("region bytes", unit_weight("region bytes", n)) for _ in costs.region_bytes_steps(snapshot, self.example, None, roles=self.roles))

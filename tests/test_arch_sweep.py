@@ -1,0 +1,62 @@
+"""A CI-sized sample of the architecture sweep (`arch_sweep`): model types drawn from everything
+transformers and diffusers ship, built from generated tiny configs, trained through the README loop
+at a memory budget of 0.6 and a 5 % accuracy budget. Each must train to a plan within both budgets
+(metered bytes, the plan's measured loss increase) or be refused with the reason.
+
+The sample rotates: ``AUTOPREC_SWEEP_SEED`` picks it (default: the day of the year, so CI runs
+see different types over time); `SAMPLE` types that build, drawn in that seed's order (a type whose
+generated config does not build is passed over, not counted). The failures the whole sweep still
+shows are `KNOWN_FAILURES`, each with what it would take. ``python benchmarks/arch_sweep.py --sample 20 --seed N`` runs the same sample
+outside pytest.
+"""
+
+import functools
+
+import pytest
+
+pytest.importorskip("transformers")
+import arch_sweep  # noqa: E402
+
+SAMPLE = 20
+SEED = arch_sweep.rotating_seed()
+# model type -> why it fails today, and what it would take (the sweep's remaining failure classes,
+# docs/architecture_sweep.md). Strict: a drawn one must still fail, so a fix is noticed; the
+# search outcomes that hang on measured step times are not strict.
+KNOWN_FAILURES: dict[str, tuple[str, bool]] = {
+    "deberta": ("its attention fills BF16 scores with finfo(float32).min (q + q_bias is FP32), so plain torch.autocast fails too: "
+                "run each probe plan once off-path and keep a layer whose code fails in a format out of that format", True),
+    "rwkv": ("the backward of a window's last step finds a [4, 32] tensor modified in place (RWKV's time-mix state): "
+             "find which of the scheduler's calls at a window's end writes it", True),
+    "longt5": ("every candidate's first step overflows FP16 gradients and is dropped: retry the step under the backed-off "
+               "loss scale, or demote the layers the overflow is attributed to", False),
+    "inkling_text": ("every candidate's first step overflows: as longt5", False),
+    # The FP32 reference of a memory budget counts the layers' gradient buffers, not those of the
+    # parameters outside every layer; a metered step holds them all (LayoutLM's six 2-D position
+    # tables: a plan predicted within 0.6 metered 0.785). Counting them in the cost model, the
+    # measured stage (its ``layers`` argument) and the job's workers' payload is issue 59's "one
+    # definition of the FP32 bytes".
+    "layoutlm": ("the FP32 reference leaves out the gradient buffers outside the layers (issue 59)", True),
+    "doge": ("the FP32 reference leaves out the gradient buffers outside the layers (issue 59): metered 0.609 at 0.6", False),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def sampled() -> tuple:
+    """The sample, drawn on first use (not at collection, which every test worker runs)."""
+    return tuple(arch_sweep.buildable(SAMPLE, SEED))
+
+
+@pytest.mark.parametrize("index", range(SAMPLE))
+def test_a_generated_model_trains_to_a_plan_within_its_budgets_or_is_refused_with_the_reason(index, request):
+    case = sampled()[index]
+    if case.model_type in KNOWN_FAILURES:
+        why, strict = KNOWN_FAILURES[case.model_type]
+        request.applymarker(pytest.mark.xfail(reason=why, strict=strict))
+    row = arch_sweep.run(case)
+    assert row.outcome in ("planned", "refused"), (case.model_type, SEED, row.outcome, row.reason)
+    if row.outcome == "refused":
+        assert row.reason and "\n" not in row.reason  # one line naming why
+    else:
+        assert row.memory_ratio is not None and row.memory_ratio <= 0.6, (case.model_type, row.memory_ratio)
+        assert row.measured_increase is not None and row.measured_increase <= 0.05, (case.model_type, row.measured_increase)
+        assert row.layers > 0 and row.planned_at is not None
