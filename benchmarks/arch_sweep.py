@@ -120,12 +120,17 @@ def main() -> None:
     parser.add_argument("--merge", action="store_true", help="join the shards' results files into one and print the table")
     parser.add_argument("--out", type=Path, default=HERE / "results" / f"arch_sweep_cpu_torch{torch.__version__.split('+')[0]}.json")
     args = parser.parse_args()
-    if args.merge:
+    if args.merge:  # the shards' rows into one file (or, without shards, that file's again), and the docs page
         shards = sorted(args.out.parent.glob(args.out.stem + ".shard*.json"))
-        rows = sorted((r for f in shards for r in json.loads(f.read_text())["rows"]), key=lambda r: (r["model_type"].startswith("diffusers"), r["model_type"]))
-        summary = _write(args.out, rows)
-        for f in shards:
-            f.unlink()
+        if shards:
+            rows = sorted((r for f in shards for r in json.loads(f.read_text())["rows"]), key=lambda r: (r["model_type"].startswith("diffusers"), r["model_type"]))
+            summary = _write(args.out, rows)
+            for f in shards:
+                f.unlink()
+        else:
+            merged = json.loads(args.out.read_text())
+            rows, summary = merged["rows"], merged["summary"]
+        DOCS.parent.mkdir(parents=True, exist_ok=True)
         DOCS.write_text(_docs(rows, summary))
         print(table(rows))
         return
