@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Container, Iterable, Mapping
 
 import torch
 import torch.nn as nn
@@ -38,6 +38,7 @@ __all__ = [
     "find_layers",
     "ModuleFilter",
     "layer_name",
+    "enclosing_layer",
 ]
 
 # Function object -> the op name recorded for it. Tensor methods and torch functions are distinct
@@ -277,11 +278,11 @@ def trace_layers(model: nn.Module, example_inputs: Any) -> dict[str, LayerInfo]:
         # traces alike) that sees other layers shows it, and the calls go on to `TRACE_DRAWS`, a
         # layer being what runs in any of them. Not eval mode: a mode switch may itself write the
         # weights (RWKV rescales them).
+        first = {fqn: set(ops) for fqn, ops in seen.items()} if model.training else None
         for draw in range(1, TRACE_DRAWS if model.training else 1):
-            before = {fqn: set(ops) for fqn, ops in seen.items()}
             torch.manual_seed(draw)
             call(model)
-            if draw == 1 and seen == before:
+            if draw == 1 and seen == first:
                 break  # the same layers under another draw: none is skipped at random
     modules = dict(model.named_modules())
     return {fqn: LayerInfo.of(module, seen[fqn], batched.get(fqn, ())) for fqn, module in modules.items() if fqn in seen}
@@ -309,7 +310,7 @@ def covered_layers(model: nn.Module, example_inputs: Any, fingerprint: Mapping[s
     if example_inputs is None and fingerprint:
         modules = dict(model.named_modules())
         traced = any(fqn in modules and fqn not in covered for fqn in fingerprint)
-        for fqn in [f for f in covered if f not in fingerprint and (traced or _held_by(f, fingerprint))]:
+        for fqn in [f for f in covered if f not in fingerprint and (traced or enclosing_layer(f, fingerprint) is not None)]:
             del covered[fqn]
         for fqn, info in fingerprint.items():
             if fqn in modules:
@@ -317,10 +318,17 @@ def covered_layers(model: nn.Module, example_inputs: Any, fingerprint: Mapping[s
     return covered
 
 
-def _held_by(fqn: str, layers: Mapping[str, Any]) -> bool:
-    """Whether a module above ``fqn`` (the root included) is one of ``layers``."""
-    parts = fqn.split(".") if fqn else []
-    return any(".".join(parts[:end]) in layers for end in range(len(parts)))
+def enclosing_layer(fqn: str, layers: Container[str]) -> "str | None":
+    """The innermost of ``layers`` holding module ``fqn`` (the root ``""`` too), or None. Walks
+    ``fqn``'s dotted prefixes: costs its depth, not the number of layers."""
+    if not fqn:
+        return None
+    parts = fqn.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:end])
+        if prefix in layers:
+            return prefix
+    return "" if "" in layers else None
 
 
 def changed_shapes(model: nn.Module, fingerprint: Mapping[str, LayerInfo], layers: "Iterable[str] | None" = None):

@@ -343,11 +343,12 @@ class Plan:
                 if fqn in modules and fqn not in covered:
                     problems.append(f"{layer_name(fqn, model)!r}: {type(modules[fqn]).__name__} runs no matrix product in its own forward, so it is not a layer; remove it")
         for fqn in self._blocks:
+            holds_layer = any(_inside(layer, fqn) for layer in self._layers)
             if fqn not in modules:
                 problems.append(f"blocks[{fqn!r}]: the plan names a block the model lacks; remove it or check the model")
-            elif not any(_inside(layer, fqn) for layer in self._layers) and fqn in self._layers:
+            elif not holds_layer and fqn in self._layers:
                 problems.append(f"blocks[{fqn!r}]: a layer, not a block; recomputing one layer saves nothing (it keeps only its input): name a module holding several layers")
-            elif not any(_inside(layer, fqn) for layer in self._layers):
+            elif not holds_layer:
                 problems.append(f"blocks[{fqn!r}]: {type(modules[fqn]).__name__} holds no layer of the plan, so recomputing it saves nothing; remove it")
         for fqn, actual, planned in changed_shapes(model, self._fingerprint, self._layers):
             problems.append(f"{layer_name(fqn, model)!r}: parameter shapes {actual} differ from the plan's {planned}; the plan was made for another model")

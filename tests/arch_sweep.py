@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from conformance import saved_bytes
 from autoprec.errors import AutoprecError
 from autoprec.runtime import EmulationWarning
 from autoprec.scheduler import DynamicPrecisionScheduler
@@ -336,21 +337,6 @@ def _step(model, loss_fn, batch, scheduler: "DynamicPrecisionScheduler | None", 
     return float(loss.detach())
 
 
-def _metered_bytes(model, loss_fn, batch, scheduler) -> int:
-    """Bytes one step saves for backward (under ``scheduler``'s precision, or plain FP32) plus the
-    FP32 gradient buffers; gradients dropped, weights untouched."""
-    from autoprec.measure import SavedTensorMeter
-
-    params = list(model.parameters())
-    grads = sum(p.numel() * 4 for p in params if p.requires_grad)
-    context = scheduler.precision_context() if scheduler is not None else contextlib.nullcontext()
-    with context, SavedTensorMeter(params) as meter:
-        loss = loss_fn(model, batch)
-    (scheduler.scale(loss) if scheduler is not None else loss).backward()
-    model.zero_grad(set_to_none=True)
-    return meter.total_bytes + grads
-
-
 def _one_line(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".strip().splitlines()
     return text[0][:300] if text else type(exc).__name__
@@ -407,7 +393,7 @@ def run(case: Case, *, steps: int = 48, window: int = 6, memory: float = 0.6, ac
             plan = scheduler.plan
             if plan is not None:
                 row.layers, row.formats, row.recompute = len(plan), plan.format_counts(), len(plan.recompute)
-                row.memory_ratio = _metered_bytes(model, loss_fn, batches[-1], scheduler) / _metered_bytes(reference, loss_fn, batches[-1], None)
+                row.memory_ratio = saved_bytes(model, batches[-1], scheduler, loss_fn) / saved_bytes(reference, batches[-1], None, loss_fn)
             check = scheduler.last_check
             row.measured_increase = check.increase if check is not None else None
             row.outcome, row.reason = _classify(row, scheduler, losses, memory, accuracy)

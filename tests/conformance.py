@@ -71,17 +71,18 @@ def settings(memory: float, accuracy: float) -> dict:
                 accuracy_budget=accuracy, search_slice=None)
 
 
-def saved_bytes(model: torch.nn.Module, batch: dict, scheduler: Optional[DynamicPrecisionScheduler]) -> int:
+def saved_bytes(model: torch.nn.Module, batch: Any, scheduler: Optional[DynamicPrecisionScheduler], loss_fn: Any = None) -> int:
     """Bytes one training step of ``batch`` saves for backward (metered over its forward, under
     ``scheduler``'s precision, or plain FP32), plus the FP32 gradient buffers; no weight changes
-    (the gradients are dropped, no optimizer step)."""
+    (the gradients are dropped, no optimizer step). ``loss_fn(model, batch)``: the step's loss
+    (default ``model(**batch).loss``)."""
     params = list(model.parameters())
     grads = sum(p.numel() * 4 for p in params if p.requires_grad)
     context = scheduler.precision_context() if scheduler is not None else contextlib.nullcontext()
     # Inside the context: a step the scheduler meters itself (a window's last) enters its own meter
     # there, and saved-tensor hooks do not nest (the innermost sees every tensor).
     with context, SavedTensorMeter(params) as meter:
-        loss = model(**batch).loss
+        loss = loss_fn(model, batch) if loss_fn is not None else model(**batch).loss
     (scheduler.scale(loss) if scheduler is not None else loss).backward()
     model.zero_grad(set_to_none=True)
     return meter.total_bytes + grads

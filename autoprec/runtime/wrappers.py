@@ -20,12 +20,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
-from typing import Any, Container, Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from ..coverage import enclosing_layer
 from ..formats import Format
 from ..plan import Plan
 from .layers import NEVER_AUTOCAST, RuntimeLayer, to_fp32, to_half
@@ -52,19 +53,6 @@ def _leaving(out: Any, to: "torch.dtype | None", sources: frozenset) -> Any:
     if to is None or not sources:
         return out
     return pytree.tree_map(lambda t: t.to(to) if torch.is_tensor(t) and t.dtype in sources and t.dtype != to else t, out)
-
-
-def planned_parent(fqn: str, layers: Container[str]) -> "str | None":
-    """The innermost planned layer holding layer ``fqn`` (the root ``""`` too), or None. Walks
-    ``fqn``'s dotted prefixes: costs its depth, not the number of layers."""
-    if not fqn:
-        return None
-    parts = fqn.split(".")
-    for end in range(len(parts) - 1, 0, -1):
-        prefix = ".".join(parts[:end])
-        if prefix in layers:
-            return prefix
-    return "" if "" in layers else None
 
 
 class LayerWrappers:
@@ -119,7 +107,7 @@ class LayerWrappers:
         is found by its dotted prefixes, and what lies below or above it is carried along that
         parent chain, never by scanning every other layer."""
         layers = self.layers
-        parent = {fqn: planned_parent(fqn, layers) for fqn in layers}
+        parent = {fqn: enclosing_layer(fqn, layers) for fqn in layers}
         # Layers with a planned layer below that hands them other dtypes: a lowered one, or an FP32
         # one on half-stored weights. Marked up each such layer's parent chain, once per layer.
         lowered_below: set[str] = set()
