@@ -206,8 +206,7 @@ def head_to_head(model_name: str, args, plans: dict[str, "Plan | None"]) -> dict
     batches = iter(workload.train_batches(1))
     train = [next(batches) for _ in range(4)]
     example = ModelCall.first(model, lambda: workload.loss(model, val[0]))
-    layers = list(Plan.uniform(model, Format.BF16, example).layers)
-    stage = MeasuredStage(model, workload.loss, train, val, layers, train_step=lambda m: TrainStep.for_workload(workload, m),
+    stage = MeasuredStage(model, workload.loss, train, val, train_step=lambda m: TrainStep.for_workload(workload, m),
                           steps=args.steps, warmup=2)
     uniform = Plan.uniform(model, Format.BF16, example)
     blocks = next((p.blocks for p in plans.values() if p is not None and p.blocks), {})

@@ -30,14 +30,6 @@ KNOWN_FAILURES: dict[str, tuple[str, bool]] = {
     "longt5": ("every candidate's first step overflows FP16 gradients and is dropped: retry the step under the backed-off "
                "loss scale, or demote the layers the overflow is attributed to", False),
     "inkling_text": ("every candidate's first step overflows: as longt5", False),
-    # The FP32 reference of a memory budget counts the layers' gradient buffers, not those of the
-    # parameters outside every layer; a metered step holds them all (LayoutLM's six 2-D position
-    # tables: a plan predicted within 0.6 metered 0.785). Counting them in the cost model, the
-    # measured stage (its ``layers`` argument) and the job's workers' payload is issue 59's "one
-    # definition of the FP32 bytes".
-    "layoutlm": ("the FP32 reference leaves out the gradient buffers outside the layers (issue 59)", True),
-    "doge": ("the FP32 reference leaves out the gradient buffers outside the layers (issue 59): metered 0.609 at 0.6", False),
-    "ultravbert": ("the FP32 reference leaves out the gradient buffers outside the layers (issue 59): metered 0.645 at 0.6", False),
     "wavlm": ("its attention's emulated FP8 product has two outputs, and StoredInFormat.backward takes one gradient: "
               "give the emulation's backward every output's gradient (the sensitivity estimate refused the layer, then the search)", True),
     "yoso": ("its custom autograd Function's backward multiplies the FP32 incoming gradient by a saved BF16 value "
@@ -45,7 +37,6 @@ KNOWN_FAILURES: dict[str, tuple[str, bool]] = {
              "layer out of half formats", True),
     "t5gemma": ("its run was killed (SIGKILL, most likely the out-of-memory killer, two sweeps sharing the machine's "
                 "24 GiB): find what the search holds for it", False),
-    "bitnet": ("the FP32 reference leaves out the gradient buffers outside the layers (issue 59): metered 0.607 at 0.6", False),
 }
 
 

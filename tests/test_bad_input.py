@@ -195,7 +195,7 @@ def stage():
     sampler = wl.train_batches(0)
     train = [sampler.next()]
     candidates = [Candidate(f.value, Plan.uniform(model, f, train[0][0])) for f in (Format.BF16, Format.FP32)]
-    return MeasuredStage(model, wl.loss, train, wl.val_batches(2), list(candidates[0].plan.layers), steps=1, warmup=0), candidates
+    return MeasuredStage(model, wl.loss, train, wl.val_batches(2), steps=1, warmup=0), candidates
 
 
 def measured(study, candidate) -> int:

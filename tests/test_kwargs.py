@@ -103,7 +103,7 @@ def test_the_measured_stage_takes_a_loss_fn_that_returns_the_model_output():
     torch.manual_seed(0)
     model = KeywordOnly()
     batches = [{"x": torch.randn(8, 8), "targets": torch.randint(0, 4, (8,))} for _ in range(2)]
-    stage = MeasuredStage(model, lambda m, batch: m(**batch), batches[:1], batches[1:], ["fc1", "fc2"])
+    stage = MeasuredStage(model, lambda m, batch: m(**batch), batches[:1], batches[1:])
     reference = F.cross_entropy(model(x=batches[1]["x"])["logits"], batches[1]["targets"]).item()
     assert stage.baseline_loss == pytest.approx(reference)
 

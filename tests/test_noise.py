@@ -69,7 +69,7 @@ def test_settle_times_contenders_and_the_control_pair_in_the_same_rounds(monkeyp
     train = [sampler.next() for _ in range(2)]
     fp32 = Plan.uniform(model, Format.FP32, train[0][0])
     bf16 = Plan.uniform(model, Format.BF16, train[0][0])
-    stage = MeasuredStage(model, wl.loss, train, wl.val_batches(2), list(fp32.layers), steps=3, warmup=1)
+    stage = MeasuredStage(model, wl.loss, train, wl.val_batches(2), steps=3, warmup=1)
     contenders = [Candidate("uniform-fp32", fp32), Candidate("autocast-bf16", bf16, autocast=True)]
     control = (Candidate("uniform-bf16", bf16), Candidate("autocast-bf16", bf16, autocast=True))
     before = len(made)  # the stage's own FP32 copy

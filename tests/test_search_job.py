@@ -256,7 +256,7 @@ def test_candidate_over_the_memory_budget_is_pruned_after_one_step():
     sampler = wl.train_batches(0)
     train = [sampler.next() for _ in range(2)]
     plan = Plan.uniform(model, Format.BF16, train[0][0])
-    stage = MeasuredStage(model, wl.loss, train, wl.val_batches(2), list(plan.layers))
+    stage = MeasuredStage(model, wl.loss, train, wl.val_batches(2))
     study = optuna.create_study()
     results = stage.run([Candidate("bf16", plan)], study, memory_bytes=1.0, loss_budget=1.0)
     (reason,) = results.values()
@@ -270,9 +270,8 @@ def test_measured_bytes_match_the_saved_tensor_meter_for_fp32():
     model = wl.build_model(0)
     sampler = wl.train_batches(0)
     train = [sampler.next()]
-    layers = list(Plan.uniform(model, Format.FP32, train[0][0]).layers)
-    stage = MeasuredStage(model, wl.loss, train, wl.val_batches(2), layers)
-    grads = sum(p.numel() * 4 for fqn, m in model.named_modules() if fqn in layers for p in m.parameters(recurse=False))
+    stage = MeasuredStage(model, wl.loss, train, wl.val_batches(2))
+    grads = sum(p.numel() * 4 for p in model.parameters())  # every gradient buffer, the embeddings' and norms' too
     from autoprec.measure import SavedTensorMeter
 
     with SavedTensorMeter(list(model.parameters())) as meter:
@@ -325,7 +324,7 @@ def _stage(steps=1):
     sampler = wl.train_batches(0)
     train = [sampler.next() for _ in range(2)]
     plan = Plan.uniform(model, Format.BF16, train[0][0])
-    return wl, model, plan, MeasuredStage(model, wl.loss, train, wl.val_batches(2), list(plan.layers), steps=steps, warmup=0)
+    return wl, model, plan, MeasuredStage(model, wl.loss, train, wl.val_batches(2), steps=steps, warmup=0)
 
 
 def test_autocast_reference_loss_is_that_of_plain_torch_autocast():

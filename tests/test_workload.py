@@ -156,7 +156,7 @@ def test_the_measured_stage_times_the_workloads_own_step():
     before = copy.deepcopy(model.state_dict())
     batches = wl.train_batches()
     train = [next(batches) for _ in range(2)]
-    stage = MeasuredStage(model, wl.loss, train, wl.val_batches(), [""], train_step=lambda m: TrainStep.for_workload(wl, m), steps=1, warmup=0)
+    stage = MeasuredStage(model, wl.loss, train, wl.val_batches(), train_step=lambda m: TrainStep.for_workload(wl, m), steps=1, warmup=0)
     assert stage.fp32_seconds > 0
     # Two copies (the stage's FP32 reference and the variant timed against it), the model untouched.
     assert len(made) == 2 and all(m is not model for m in made)

@@ -136,6 +136,7 @@ class PlanCost:
     rest_seconds: float
     recompute_freed_bytes: int = 0  # what the plan's recomputed blocks do not keep (`BlockCost`)
     recompute_seconds: float = 0.0  # their forwards run once more
+    rest_grad_bytes: int = 0  # gradient buffers of the parameters no layer owns (`ModelTrace`)
 
     @property
     def saved_bytes(self) -> int:
@@ -143,8 +144,8 @@ class PlanCost:
 
     @property
     def bytes(self) -> int:
-        """Saved bytes (layers and rest) plus the layers' gradient buffers."""
-        return self.saved_bytes + sum(c.grad_bytes for c in self.layers.values())
+        """Saved bytes (layers and rest) plus every trainable parameter's gradient buffer."""
+        return self.saved_bytes + sum(c.grad_bytes for c in self.layers.values()) + self.rest_grad_bytes
 
     @property
     def layer_seconds(self) -> float:
@@ -496,9 +497,9 @@ class CostModel:
             freed += block.other_bytes[lowered] + sum(layers[layer].saved_bytes for layer in block.layers)
             seconds += block.other_seconds[lowered] + sum(self.layer_forward_seconds(layer, layers[layer].format) for layer in block.layers)
         if not lowered:
-            return PlanCost(layers, self.rest_saved_bytes[0], self.rest_seconds, freed, seconds)
+            return PlanCost(layers, self.rest_saved_bytes[0], self.rest_seconds, freed, seconds, self.trace.rest_grad_bytes)
         extra = sum(self.fp32_in_region_bytes.get(fqn, 0) for fqn, lp in plan.layers.items() if lp.format is Format.FP32)
-        return PlanCost(layers, self.rest_saved_bytes[1] + extra, self.rest_seconds, freed, seconds)
+        return PlanCost(layers, self.rest_saved_bytes[1] + extra, self.rest_seconds, freed, seconds, self.trace.rest_grad_bytes)
 
     def fp32_bytes(self) -> int:
         """Predicted bytes of the all-FP32 plan: the denominator of a fractional memory budget."""

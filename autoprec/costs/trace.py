@@ -175,11 +175,14 @@ class LayerTrace:
 
 @dataclasses.dataclass(frozen=True)
 class ModelTrace:
-    """Layers in model order, and the bytes saved outside every layer in the FP32 trace."""
+    """Layers in model order, the bytes saved outside every layer in the FP32 trace, and the
+    gradient buffers of the trainable parameters no layer owns (``rest_grad_bytes``: embeddings,
+    norms, positional tables; the same in every plan)."""
 
     layers: Mapping[str, LayerTrace]
     rest_saved_bytes: int
     device: torch.device
+    rest_grad_bytes: int = 0
 
 
 class _Attribution:
@@ -340,8 +343,10 @@ def trace_model(model: nn.Module, example_inputs: Any, loss_fn: Optional[Callabl
         )
         for fqn in order
     }
+    owned = {id(p) for fqn in layers for p in modules[fqn].parameters(recurse=False)}
+    rest_grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and id(p) not in owned)
     first = next(model.parameters(), None)
-    return ModelTrace(layers, rest, first.device if first is not None else torch.device("cpu"))
+    return ModelTrace(layers, rest, first.device if first is not None else torch.device("cpu"), rest_grads)
 
 
 def saved_bytes_by_layer(

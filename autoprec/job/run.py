@@ -423,7 +423,7 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
 
     fingerprint = find_layers(model, example_inputs)  # the plan refuses another model of the same layer names
     # The measured steps train as the profiled ones did: the workload's optimizer and clipping.
-    stage = MeasuredStage(model, workload.loss, train, val, list(fingerprint), train_step=lambda m: TrainStep.for_workload(workload, m), steps=config.measure_steps)
+    stage = MeasuredStage(model, workload.loss, train, val, train_step=lambda m: TrainStep.for_workload(workload, m), steps=config.measure_steps)
     measurement = load.to_dict(torch.get_num_threads()) if load is not None else None
     meta = {
         "job": config.name, "source": str(config.source), "device": str(device), "torch": torch.__version__,
@@ -476,7 +476,7 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
     if workers > 1:
         payload = WorkerPayload(
             config, device, {k: v.cpu() for k, v in model.state_dict().items()}, [to_device(b, "cpu") for b in train],
-            [to_device(b, "cpu") for b in val], list(fingerprint), candidates, measured_memory, loss_budget,
+            [to_device(b, "cpu") for b in val], candidates, measured_memory, loss_budget,
             _measured_name(config), config.storage_url, sampler,
         )
         threads = measuring_threads(load, None, workers) if load is not None else torch.get_num_threads()

@@ -51,7 +51,7 @@ __all__ = ["WorkerPayload", "check_workers", "worker_devices", "adopt_candidates
 class WorkerPayload:
     """What a worker process needs to rebuild the measured stage, written once by the job with
     `torch.save`: the job's ``config`` and ``device``, the trained model's ``state_dict`` (on the
-    CPU), the ``train`` and ``val`` batches (CPU), the planned ``layers``, the ``candidates``, the
+    CPU), the ``train`` and ``val`` batches (CPU), the ``candidates``, the
     budgets (``memory`` bytes, ``loss_budget``), the study (``study_name`` in ``storage``) and
     its ``sampler`` (None: Optuna's default; the job's learning sampler otherwise)."""
 
@@ -60,7 +60,6 @@ class WorkerPayload:
     state_dict: dict
     train: list
     val: list
-    layers: list
     candidates: Sequence[Candidate]
     memory: float
     loss_budget: float
@@ -188,7 +187,7 @@ def _worker_main(path: str, device: str, threads: int, verbosity: int) -> None:
     model.to(device)
     stage = MeasuredStage(
         model, workload.loss, [to_device(b, device) for b in payload.train], [to_device(b, device) for b in payload.val],
-        payload.layers, train_step=lambda m: TrainStep.for_workload(workload, m), steps=config.measure_steps,
+        train_step=lambda m: TrainStep.for_workload(workload, m), steps=config.measure_steps,
     )
     study = optuna.load_study(study_name=payload.study_name, storage=open_storage(payload.storage), pruner=BudgetPruner(payload.loss_budget),
                               sampler=payload.sampler)

@@ -4,7 +4,7 @@ The proxy stage ranks plans on additive per-layer predictions. Here each candida
 device the way training will run it (`apply_plan`), and three figures are measured:
 
 - **bytes**: what autograd saves for backward in one training step (`SavedTensorMeter`, every
-  op, not only the layers) plus the layers' gradient buffers: the quantity the cost model
+  op, not only the layers) plus every trainable parameter's gradient buffer: the quantity the cost model
   predicts (`CostModel.plan_cost(...).bytes`);
 - **loss increase**: the mean held-out loss under the plan minus the FP32 model's on the same
   batches (INT8 layers calibrated first on training batches, as in training);
@@ -214,8 +214,7 @@ class MeasuredStage:
     the training loss (or the model's output with a ``loss`` field, `calls.loss_of`); ``train_batches`` drive calibration and the timed steps;
     ``train_step(model_copy)`` makes the timed `TrainStep` (the workload's optimizer and
     clipping, `TrainStep.for_workload`; default plain AdamW at lr 1e-3);
-    ``val_batches`` give the held-out loss. ``layers``: the fqns whose parameters' gradient
-    buffers count as the layers' bytes (the plans' layers, as the cost model counts them).
+    ``val_batches`` give the held-out loss.
     Costs per candidate: one metered step, up to ``len(val_batches)`` forwards (fewer when
     pruned) plus INT8 calibration forwards, and ``2 × (warmup + steps)`` training steps.
     """
@@ -226,7 +225,6 @@ class MeasuredStage:
         loss_fn: Callable[[nn.Module, Any], torch.Tensor],
         train_batches: Sequence[Any],
         val_batches: Sequence[Any],
-        layers: Sequence[str],
         *,
         train_step: Optional[Callable[[nn.Module], TrainStep]] = None,
         steps: int = 5,
@@ -235,7 +233,6 @@ class MeasuredStage:
         if not train_batches or not val_batches:
             raise ValueError("MeasuredStage needs at least one training and one held-out batch")
         self.model = model
-        self.layers = tuple(layers)
         self.loss_fn = loss_fn
         self.train_batches = list(train_batches)
         self.val_batches = list(val_batches)
@@ -253,16 +250,14 @@ class MeasuredStage:
     # -- the three figures ------------------------------------------------------------------
 
     def memory(self, plan: "Plan | None", context: "Callable[[nn.Module], Any] | None" = None) -> int:
-        """Bytes saved for backward in one training step plus the layers' gradient bytes."""
+        """Bytes saved for backward in one training step plus the gradient buffers' bytes."""
         variant = StepVariant(self.model, self.train_step, context or _plan_context(plan))
         params = list(variant.model.parameters())
         variant.train_step.optimizer.zero_grad(set_to_none=True)
         with SavedTensorMeter(params) as meter, variant.context:
             loss = loss_of(self.loss_fn(variant.model, self.train_batches[0]))
         loss.backward()
-        modules = dict(variant.model.named_modules())
-        grads = sum(p.grad.nbytes for fqn in self.layers for p in modules[fqn].parameters(recurse=False) if p.grad is not None)
-        return meter.total_bytes + grads
+        return meter.total_bytes + sum(p.grad.nbytes for p in params if p.grad is not None)
 
     def loss_increases(self, candidate: Candidate):
         """Yields (running mean increase, its standard error) after each held-out batch."""

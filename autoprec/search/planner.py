@@ -86,8 +86,9 @@ def build_space(
         table[fqn] = row
     # What ops outside the layers save depends on whether any layer is lowered (activations
     # between layers are then 2 bytes wide); the fixed cost takes the lowered figure, exact for
-    # every plan but all-FP32 (whose totals `CostModel.plan_cost` reports exactly).
-    fixed = {"rest of the step": Choice(costs.rest_saved_bytes[1], costs.rest_seconds, 0.0)}
+    # every plan but all-FP32 (whose totals `CostModel.plan_cost` reports exactly). The gradient
+    # buffers of parameters outside every layer are the same in every plan.
+    fixed = {"rest of the step": Choice(costs.rest_saved_bytes[1] + costs.trace.rest_grad_bytes, costs.rest_seconds, 0.0)}
     blocks = []
     for fqn, block in getattr(costs, "blocks", {}).items():
         freed = {layer: {f: float(costs.layer_cost(layer, f).saved_bytes) for f in table[layer]} for layer in block.layers}
