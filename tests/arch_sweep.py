@@ -121,6 +121,7 @@ class Row:
     measured_increase: Optional[float] = None  # the last planned check's
     loss_ratio: Optional[float] = None  # mean loss of the last quarter of steps / the same model trained in FP32
     planned_at: Optional[int] = None  # the step from which a plan was in force
+    skipped_search_steps: int = 0  # steps of the search whose loss was non-finite (skipped: the weights untouched)
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
@@ -388,7 +389,9 @@ def run(case: Case, *, steps: int = 48, window: int = 6, memory: float = 0.6, ac
             ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
             ref_losses = [_step(reference, loss_fn, batch, None, ref_optimizer) for batch in batches]
             quarter = max(1, steps // 4)
-            if all(math.isfinite(x) for x in losses + ref_losses) and sum(ref_losses[-quarter:]) > 0:
+            searched = losses[:row.planned_at if row.planned_at is not None else len(losses)]
+            row.skipped_search_steps = sum(not math.isfinite(x) for x in searched)
+            if all(math.isfinite(x) for x in losses[-quarter:] + ref_losses) and sum(ref_losses[-quarter:]) > 0:
                 row.loss_ratio = sum(losses[-quarter:]) / sum(ref_losses[-quarter:])
             plan = scheduler.plan
             if plan is not None:
@@ -396,7 +399,7 @@ def run(case: Case, *, steps: int = 48, window: int = 6, memory: float = 0.6, ac
                 row.memory_ratio = saved_bytes(model, batches[-1], scheduler, loss_fn) / saved_bytes(reference, batches[-1], None, loss_fn)
             check = scheduler.last_check
             row.measured_increase = check.increase if check is not None else None
-            row.outcome, row.reason = _classify(row, scheduler, losses, memory, accuracy)
+            row.outcome, row.reason = _classify(row, scheduler, losses[row.planned_at or 0:], memory, accuracy)
     except AutoprecError as exc:  # the scheduler refused the model or a setting, with its reason
         row.outcome, row.reason = "refused", _one_line(exc)
     except Exception as exc:
@@ -409,14 +412,17 @@ def run(case: Case, *, steps: int = 48, window: int = 6, memory: float = 0.6, ac
     return row
 
 
-def _classify(row: Row, scheduler: DynamicPrecisionScheduler, losses: list, memory: float, accuracy: float) -> tuple[str, Optional[str]]:
+def _classify(row: Row, scheduler: DynamicPrecisionScheduler, planned_losses: list, memory: float, accuracy: float) -> tuple[str, Optional[str]]:
+    """``planned_losses``: the training losses from the step the plan came into force (a search
+    step whose candidate's forward overflowed was skipped, the weights untouched, as a loss
+    scaler skips a step: the row counts those)."""
     error = scheduler.last_search_error
     if scheduler.plan is None or scheduler.phase != "planned":
         if error is not None and _refusal(error):
             return "refused", error.splitlines()[0][:300]
         return "failed", f"no plan in force at the end (phase {scheduler.phase}): {error or 'no search error'}"[:300]
-    if not all(math.isfinite(x) for x in losses):
-        return "failed", "a non-finite training loss"
+    if not all(math.isfinite(x) for x in planned_losses):
+        return "failed", "a non-finite training loss with the plan in force"
     if row.memory_ratio is not None and row.memory_ratio > memory:
         return "failed", f"a planned step's metered bytes are {row.memory_ratio:.3f} of FP32's, over the {memory} budget"
     if row.measured_increase is not None and row.measured_increase > accuracy:

@@ -27,9 +27,12 @@ KNOWN_FAILURES: dict[str, tuple[str, bool]] = {
                 "run each probe plan once off-path and keep a layer whose code fails in a format out of that format", True),
     "rwkv": ("the backward of a window's last step finds a [4, 32] tensor modified in place (RWKV's time-mix state): "
              "find which of the scheduler's calls at a window's end writes it", True),
-    "longt5": ("every candidate's first step overflows FP16 gradients and is dropped: retry the step under the backed-off "
-               "loss scale, or demote the layers the overflow is attributed to", False),
-    "inkling_text": ("every candidate's first step overflows: as longt5", False),
+    "longt5": ("every lowered candidate's gradients go NaN in the first encoder block's local attention with a finite loss, "
+               "in steps run without loss scaling (the scaler is off while searching); retrying (SKIPPED_TRIAL_STEPS) and "
+               "promoting the last layer with NaN gradients (TRIAL_PROMOTIONS) do not reach it: the NaN starts in an op "
+               "outside the layers; find it with the backward's anomaly mode and keep its region out of half formats", False),
+    "inkling_text": ("its candidates' forwards overflow: with the layers the scaler named promoted to FP32 one plans on some "
+                     "runs (the candidates hang on measured times), on others three promotions are not enough: as longt5", False),
     "wavlm": ("its attention's emulated FP8 product has two outputs, and StoredInFormat.backward takes one gradient: "
               "give the emulation's backward every output's gradient (the sensitivity estimate refused the layer, then the search)", True),
     "yoso": ("its custom autograd Function's backward multiplies the FP32 incoming gradient by a saved BF16 value "

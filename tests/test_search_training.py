@@ -12,9 +12,10 @@ import torch.nn as nn
 
 from autoprec.coverage import find_layers
 from autoprec.formats import Format
+from autoprec.plan import Plan
 from autoprec.scheduler import DynamicPrecisionScheduler
 import autoprec.scheduler.search_steps as search_steps
-from autoprec.search.training import MEMORY_ROUNDS, PROBE_ROUNDS, PROBED_PER_ROLE, TIMED_TRIAL_STEPS, TrainingSearch, probe_formats
+from autoprec.search.training import MEMORY_ROUNDS, PROBE_ROUNDS, PROBED_PER_ROLE, SKIPPED_TRIAL_STEPS, TIMED_TRIAL_STEPS, TrainingSearch, probe_formats
 from autoprec.workloads import default_workload
 
 WINDOW = 6
@@ -454,6 +455,43 @@ def test_candidates_measured_over_the_memory_budget_are_followed_by_a_round_unde
     assert 1.05 < margin < 1.3  # the meter's 1.3 on the saved bytes, diluted by the gradient buffers it does not meter
     assert sch.plan.budgets["memory"] == MARGIN_BUDGET and sch.plan.predicted["bytes"] * margin <= sch.plan.budgets["memory_bytes"]
 
+
+@pytest.mark.parametrize("skips, named", [(SKIPPED_TRIAL_STEPS, None), (SKIPPED_TRIAL_STEPS + 1, None), (SKIPPED_TRIAL_STEPS + 1, "lm_head")])
+def test_a_candidates_skipped_steps_do_not_count_until_it_has_skipped_too_many(skips, named):
+    """A candidate's first FP16 steps under a fresh loss scale overflow and are skipped (the scale
+    backs off): those steps are not its timed ones, and it runs as many more. Past
+    `SKIPPED_TRIAL_STEPS` it overflows where no scale helps: the layer the scaler named first goes
+    to FP32 and the candidate starts again; with none named it is dropped (LongT5's candidates
+    were all dropped on their first skipped step)."""
+    wl, model, _ = setup()
+    x = wl.train_batches(0).next()[0]
+    unknown = search_for(model, x, formats=("fp32", "fp16"), recompute=[])
+    known = {"rest": 1e-3, **{f"{unknown.roles[fqn]}|{f.value}": 1e-3 for fqn in unknown.layers for f in unknown.formats}}
+    search = search_for(model, x, known=known, formats=("fp32", "fp16"), recompute=[])
+    assert search.probe_steps == 0  # the trial steps alone
+    plans = [Plan.uniform(model, "fp16", x), Plan.uniform(model, "fp32", x)]
+    search.set_candidates(plans)
+    first = search._trials[0]
+    for _ in range(skips):
+        assert search.step_runtime()[0] == "trial" and search._trial() is first
+        search.record("trial", 0.5, saved_bytes=1000, skipped=True, first_bad_output=named)  # a skipped step is fast: no optimizer step
+    if named is not None:  # started again with the layer in FP32: a new runtime, metered again
+        assert first.promoted == (named,) and first.plan.layers[named].format is Format.FP32 and first.runtime is None
+        assert first.plan.metadata["promoted_for_overflow"] == [named] and first.saved_bytes is None
+        assert search.wants_bytes() and search.step_runtime()[1].plan.layers[named].format is Format.FP32
+    steps = 0
+    while search._trial() is first:
+        search.record("trial", 1.0, saved_bytes=1000 if steps == 0 else None)
+        steps += 1
+    for _ in range(first.warmup + TIMED_TRIAL_STEPS):
+        search.record("trial", 2.0)
+    assert search.done
+    if skips <= SKIPPED_TRIAL_STEPS or named is not None:
+        assert steps == first.warmup + TIMED_TRIAL_STEPS and first.seconds == [1.0] * TIMED_TRIAL_STEPS and first.dropped is None
+        assert search.result.layers == first.plan.layers and first.saved_bytes == 1000  # the faster kept candidate
+    else:
+        assert steps == 0 and first.dropped.startswith(f"non-finite gradients skipped {skips} of its steps")
+        assert search.result.layers == plans[1].layers
 
 def test_a_search_over_accumulated_micro_batches_times_whole_steps_and_leaves_no_hook():
     """Gradient accumulation (the HF Trainer's and Lightning's ``accumulate``): every micro-batch

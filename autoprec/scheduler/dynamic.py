@@ -291,7 +291,8 @@ class DynamicPrecisionScheduler:
         if self._check_due:
             self._check_due = False
             self._act_on_checks()
-        if self._searches.end_step(skipped, safe=self.plan is None, agreement=self._dist):
+        if self._searches.end_step(skipped, safe=self.plan is None, agreement=self._dist, first_bad_output=outcome.first_bad_output,
+                                   nonfinite=outcome.nonfinite):
             self._finish_search()
         self._advance()
         if self._comm is not None and not skipped and self.plan is not None and self._comm.due(self.plan, self.step_count):

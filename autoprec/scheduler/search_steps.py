@@ -154,10 +154,13 @@ class SearchSteps:
         if self._timer is not None:
             self._timer.before_backward(loss)
 
-    def end_step(self, skipped: bool, *, safe: bool, agreement: "Optional[RankAgreement]" = None) -> bool:
+    def end_step(self, skipped: bool, *, safe: bool, agreement: "Optional[RankAgreement]" = None, first_bad_output: Optional[str] = None,
+                 nonfinite: Sequence[str] = ()) -> bool:
         """Time the step just run (``safe``: it ran no plan, so it counts for the median safe
-        step); while searching, report it and give the search its slice (`advance`). Returns
-        whether the search is done."""
+        step; ``first_bad_output``: the layer whose output went non-finite first, when named;
+        ``nonfinite``: the layers whose gradients were);
+        while searching, report it and give the search its slice (`advance`). Returns whether
+        the search is done."""
         seconds = time.perf_counter() - self._started if self._started is not None else None
         self._started = None
         search = self._search
@@ -170,7 +173,7 @@ class SearchSteps:
             layer_seconds, forward_seconds = self._timer.finish()
             timed = {"layer_seconds": layer_seconds, "forward_seconds": forward_seconds, "block_seconds": self._timer.block_forward}
             self._drop_timer()
-        search.record(self._kind, seconds if seconds is not None else 0.0, saved_bytes=self._bytes, skipped=skipped, **timed)
+        search.record(self._kind, seconds if seconds is not None else 0.0, saved_bytes=self._bytes, skipped=skipped, first_bad_output=first_bad_output, nonfinite=nonfinite, **timed)
         self._kind, self._bytes = None, None
         if search.median_step is None and seconds is not None:
             search.median_step = seconds

@@ -17,7 +17,12 @@ is held for long, and most of the work trains the model:
 - **Trial steps** (training steps): the ``CANDIDATES`` best plans, and all-BF16 when it meets
   the budgets, each run until their INT8 scales froze, then ``TIMED_TRIAL_STEPS`` timed steps
   (the first metered for bytes); around a compiled model the timed steps run compiled, after one
-  that compiles the candidate. One with a skipped step or over the memory budget is dropped; the
+  that compiles the candidate. A step whose non-finite gradients were skipped does not count (the
+  loss scale backed off: a candidate's first FP16 steps under a fresh scale often overflow), and
+  the candidate runs one more. One skipped more than `SKIPPED_TRIAL_STEPS` times overflows where
+  no scale helps: when the scaler named the layer whose output went non-finite first, that layer
+  goes to FP32 and the candidate starts again (at most `TRIAL_PROMOTIONS` times), else it is
+  dropped, as is one over the memory budget; the
   fastest kept one is adopted with its runtime, unless it beats the predicted fastest kept one by
   less than their own steps' spread (`noise.unseparated`: then that one stays). When every candidate measured over the memory
   budget (the bytes predicted at the budget's edge, measured a little over), the next round's
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import logging
 import statistics
 import time
 import warnings
@@ -60,6 +66,8 @@ from .planner import floor_settings, overflow_reason
 from .space import LayerRules
 from .units import unit_weight, weighted
 
+logger = logging.getLogger("autoprec")
+
 __all__ = ["TrainingSearch", "probe_formats"]
 
 # Probe cycles: the first warms up (first calls of each kernel, INT8 calibration of one batch)
@@ -70,6 +78,13 @@ __all__ = ["TrainingSearch", "probe_formats"]
 PROBE_ROUNDS = 2
 PROBED_PER_ROLE = 3
 TIMED_TRIAL_STEPS = 2  # a candidate's steps timed once its INT8 scales froze (median of these)
+# Skipped steps a candidate may take before it is dropped: each backs the loss scale off by its
+# factor (1/2), so three reach a scale 8x lower; a candidate still overflowing then overflows in
+# its forward, where no scale helps.
+SKIPPED_TRIAL_STEPS = 3
+# Times a candidate that keeps overflowing has the layer named first promoted to FP32 and starts
+# again, before it is dropped: each costs at most SKIPPED_TRIAL_STEPS + 1 skipped steps.
+TRIAL_PROMOTIONS = 3
 CANDIDATES = 2  # plans tried on training steps: the exact optimum and the next best
 # Rounds of candidates: when every candidate of a round measures over the memory budget, the next
 # round's are proposed under the budget divided by the largest measured-to-predicted bytes ratio
@@ -100,8 +115,11 @@ class _Trial:
     plan: Plan
     compiled: bool = False
     runtime: Any = None
-    steps: int = 0
+    steps: int = 0  # steps counted: skipped ones are not
+    skipped: int = 0
     seconds: list = dataclasses.field(default_factory=list)
+    blamed: Optional[str] = None  # the layer whose output the scaler saw go non-finite first, on a skipped step
+    promoted: tuple = ()  # layers promoted to FP32 for overflowing, in order
     saved_bytes: Optional[int] = None
     dropped: Optional[str] = None
     total_bytes: Optional[int] = None  # measured saved bytes plus the gradient buffers, once judged
@@ -118,6 +136,18 @@ class _Trial:
     @property
     def over(self) -> bool:
         return self.dropped is not None or self.steps >= self.warmup + TIMED_TRIAL_STEPS
+
+
+def _first_to_overflow(plan: Plan, first_bad_output: Optional[str], nonfinite: Sequence[str]) -> Optional[str]:
+    """The lowered layer of ``plan`` a skipped step's overflow starts at: the one whose output went
+    non-finite first, else (a finite loss, gradients overflowing in the backward) the last in model
+    order whose gradients were non-finite, where the backward met them first. None when neither
+    is a lowered layer of the plan (an overflow outside every layer)."""
+    lowered = [fqn for fqn, lp in plan.layers.items() if lp.format is not Format.FP32]
+    if first_bad_output in lowered:
+        return first_bad_output
+    bad = set(nonfinite)
+    return next((fqn for fqn in reversed(lowered) if fqn in bad), None)
 
 
 class TrainingSearch:
@@ -241,7 +271,8 @@ class TrainingSearch:
             "snapshot": None if self._snapshot is None else self._snapshot.state_dict(),
             "second_moment": None if self._second_moment is None else dict(self._second_moment),
             "probe_runtimes": {i: rt.state_dict() for i, rt in self._probe_runtimes.items()},
-            "trials": [{"steps": t.steps, "seconds": list(t.seconds), "saved_bytes": t.saved_bytes, "dropped": t.dropped,
+            "trials": [{"steps": t.steps, "skipped": t.skipped, "seconds": list(t.seconds), "saved_bytes": t.saved_bytes, "dropped": t.dropped,
+                        "blamed": t.blamed, "promoted": list(t.promoted), "plan": t.plan.to_dict() if t.promoted else None,
                         "runtime": None if t.runtime is None else t.runtime.state_dict()} for t in self._trials],
             "round": self._round, "margin": self._margin, "earlier": list(self._earlier),
         }
@@ -266,6 +297,10 @@ class TrainingSearch:
             self.shared = True
             for trial, saved in zip(self._trials, state.get("trials", ())):
                 trial.steps, trial.seconds, trial.saved_bytes, trial.dropped = saved["steps"], list(saved["seconds"]), saved["saved_bytes"], saved["dropped"]
+                # Absent in a checkpoint of an earlier version: no skips counted, nothing promoted.
+                trial.skipped, trial.blamed, trial.promoted = saved.get("skipped", 0), saved.get("blamed"), tuple(saved.get("promoted", ()))
+                if saved.get("plan") is not None:
+                    trial.plan = Plan.from_dict(saved["plan"])
 
     def _remake_runtimes(self, state: Mapping[str, Any]) -> None:
         """The probe and trial runtimes the saved search had made, made again in the same order
@@ -345,6 +380,23 @@ class TrainingSearch:
     def _trial(self) -> "Optional[_Trial]":
         return next((t for t in self._trials if not t.over), None)
 
+    def _overflowed(self, trial: "_Trial") -> None:
+        """A candidate skipped more steps than a backed-off scale explains: the layer named
+        first goes to FP32 and it starts again (runtime, bytes and skips anew), else it is dropped."""
+        if trial.blamed is None or len(trial.promoted) >= TRIAL_PROMOTIONS:
+            promoted = f" ({', '.join(trial.promoted)} promoted to FP32 before)" if trial.promoted else ""
+            trial.dropped = f"non-finite gradients skipped {trial.skipped} of its steps{promoted}"
+            return
+        fqn = trial.blamed
+        logger.info("autoprec: candidate plan: layer %r (%s) overflowed on %d steps; it runs in FP32 and the candidate starts again",
+                    fqn, trial.plan.layers[fqn].format.value, trial.skipped)
+        if trial.runtime is not None:
+            trial.runtime.remove()
+        trial.plan = trial.plan.with_layers({fqn: Format.FP32}).replace(
+            metadata={**trial.plan.metadata, "promoted_for_overflow": [*trial.promoted, fqn]})
+        trial.promoted += (fqn,)
+        trial.runtime, trial.steps, trial.skipped, trial.blamed, trial.saved_bytes = None, 0, 0, None, None
+
     def wants_bytes(self) -> bool:
         """Whether the next step is a candidate's first (meter its saved bytes)."""
         trial = self._trial() if self.steps >= self.probe_steps else None
@@ -352,12 +404,15 @@ class TrainingSearch:
 
     def record(self, kind: Optional[str], seconds: float, *, layer_seconds: Optional[Mapping[str, float]] = None,
                forward_seconds: Optional[Mapping[str, float]] = None, block_seconds: Optional[Mapping[str, float]] = None,
-               saved_bytes: Optional[int] = None, skipped: bool = False) -> None:
+               saved_bytes: Optional[int] = None, skipped: bool = False, first_bad_output: Optional[str] = None,
+               nonfinite: Sequence[str] = ()) -> None:
         """Report the step just run: its kind from `step_runtime` (None: safe precision), its
         seconds (forward to the end of the optimizer step), a probe step's per-layer seconds
         (forward + backward; and, with `blocks`, each layer's forward and each block's whole
-        forward: `costs.inplace.StepTimer`), a metered step's saved bytes, and whether the
-        optimizer step was skipped."""
+        forward: `costs.inplace.StepTimer`), a metered step's saved bytes, whether the
+        optimizer step was skipped, the layer whose output went non-finite first (the scaler
+        names it once a non-finite loss armed its output checks) and the layers (or parameters)
+        whose gradients were non-finite."""
         extra = max(0.0, seconds - self.median_step) if self.median_step is not None else 0.0
         self.longest_step = max(self.longest_step, seconds)
         if kind == "probe":
@@ -387,11 +442,21 @@ class TrainingSearch:
         trial = self._trial()
         if trial is None:
             raise RuntimeStateError("TrainingSearch.record('trial', ...): no candidate is being tried; report the kind step_runtime() gave")
-        trial.steps += 1
-        if skipped:
-            trial.dropped = "a non-finite gradient skipped its step"
-        elif saved_bytes is not None:
+        if saved_bytes is not None:
             trial.saved_bytes = saved_bytes  # checked against the budget when choosing (rank 0 decides)
+        if skipped:
+            # Every rank skips the same steps and names the same layer (the scaler agrees), so the
+            # ranks still agree on the trial.
+            trial.skipped += 1
+            blamed = _first_to_overflow(trial.plan, first_bad_output, nonfinite)
+            if blamed is not None:
+                trial.blamed = blamed
+            if trial.skipped > SKIPPED_TRIAL_STEPS:
+                self._overflowed(trial)
+            if self._trial() is None:
+                self._choose()
+            return
+        trial.steps += 1
         if trial.steps > trial.warmup and trial.dropped is None:
             trial.seconds.append(seconds)
         if self._trial() is None:
