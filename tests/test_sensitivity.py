@@ -693,3 +693,40 @@ def test_a_loss_computed_from_no_returned_field_is_linearised_at_the_loss_itself
     model(x, labels)["loss"].backward()
     for a, b in zip(linearised, (p.grad for p in model.parameters())):
         torch.testing.assert_close(a, b)
+
+
+def test_a_layers_runtime_holds_only_what_runs_inside_its_site_and_scores_alike(monkeypatch):
+    """Per-layer work costs the layer (issue 57): each (layer, format) runtime of the Fisher
+    estimate holds the layers that run inside the layer's site, not the model's, and the estimate
+    is the same to the bit as with whole-model plans. A Llama's decoder layers are handed the
+    model's rotary embedding, which the module tree does not hold under them."""
+    transformers = pytest.importorskip("transformers")
+    from autoprec.sensitivity import problem as problem_module
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+                                      num_hidden_layers=3, vocab_size=64, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(config)
+    data = [{"input_ids": torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(i))} for i in range(2)]
+
+    def loss(m, batch):
+        return m(**batch, labels=batch["input_ids"]).loss
+
+    scoped = []  # plan sizes of the (layer, format) runtimes (the problem's one whole-plan check aside)
+    real = problem_module.SensitivityProblem.plan_for
+
+    def counted(self, fqn, fmt, within=None):
+        plan = real(self, fqn, fmt, within)
+        if within is not None:
+            scoped.append(len(plan.layers))
+        return plan
+
+    monkeypatch.setattr(problem_module.SensitivityProblem, "plan_for", counted)
+    estimator = FisherEstimator()
+    local = estimate_sensitivity(model, data, loss, ["bf16", "fp8_e4m3"], estimator=estimator)
+    layers = len(find_layers(model, data[0]))
+    # One runtime per (layer, lowered format), each holding a decoder layer's attention or MLP at most.
+    assert len(scoped) == 2 * layers and max(scoped) <= 8 < layers
+    monkeypatch.setattr(problem_module.SensitivityProblem, "plan_for", lambda self, fqn, fmt, within=None: real(self, fqn, fmt, None))
+    whole = estimate_sensitivity(model, data, loss, ["bf16", "fp8_e4m3"], estimator=estimator)
+    assert local.to_dict()["layers"] == whole.to_dict()["layers"]

@@ -196,6 +196,8 @@ def plan_from_solution(
     if space.blocks:
         predicted.update(recompute_freed_bytes=predicted_cost.recompute_freed_bytes, recompute_seconds=predicted_cost.recompute_seconds)
         metadata = {**metadata, "recompute_reasons": block_reasons(space, solution)}
+    if solution.gap:
+        metadata = {**metadata, "optimality_gap": solution.gap}  # proven by the solver: within this fraction of the optimum
     return Plan(layers, fingerprint=fingerprint, budgets=budgets, predicted=predicted, metadata=metadata, blocks=blocks)
 
 

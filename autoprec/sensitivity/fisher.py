@@ -24,7 +24,7 @@ from ..runtime import apply_plan, removing
 from ..scaling import DEFAULT_INIT_SCALE
 from .problem import (
     CallRecorder, LossFn, RecordedCall, Sensitivity, SensitivityEstimator, SensitivityProblem, calibration_steps, eval_mode, float_leaves,
-    layer_callers, naming_runtime_errors, resolve_problem,
+    layer_callers, layers_run_within, naming_runtime_errors, resolve_problem,
 )
 
 __all__ = ["FisherEstimator", "adam_second_moment", "estimate_sensitivity", "sensitivity_steps"]
@@ -212,15 +212,21 @@ class FisherEstimator(SensitivityEstimator):
         # thread's, and the caller trains between units); eval mode and the runtimes are the model's.
         # removing() iterates at the block's end, so it takes off the runtimes made by then.
         with eval_mode(model), removing(rt for made in (fwd_rt, grad_rt) for rt in made.values()):
-            for fqn in problem.layers:  # one unit per layer: hundreds of runtimes on a large model
-                for f in lowered:
-                    fwd_rt[(fqn, f)] = apply_plan(model, problem.plan_for(fqn, f), validate=False)
-                    if grad_term and f not in shared:
-                        grad_rt[(fqn, f)] = apply_plan(model, problem.plan_for(fqn, f), validate=False)
-                yield "runtimes"
             sites = self.sites(problem)
             own = {site: self._own_parameters(problem, site) for site in set(sites.values())}
             yield "sites"
+            # A layer's runtimes hold only the layers that run inside its site (where it is re-run,
+            # and calibrated, alone): each costs those, not the model's layers.
+            within = layers_run_within(model, problem.loss_fn, problem.batches[0], list(problem.base_plan.layers), set(sites.values()))
+            yield "scopes"
+            for fqn in problem.layers:  # one unit per layer
+                # Not seen inside its site (its site did not run it on that batch): the whole plan.
+                scope = within[sites[fqn]] if fqn in within[sites[fqn]] else None
+                for f in lowered:
+                    fwd_rt[(fqn, f)] = apply_plan(model, problem.plan_for(fqn, f, scope), validate=False)
+                    if grad_term and f not in shared:
+                        grad_rt[(fqn, f)] = apply_plan(model, problem.plan_for(fqn, f, scope), validate=False)
+                yield "runtimes"
             yield from calibration_steps(problem, fwd_rt, problem.batches)
             for key, rt in grad_rt.items():
                 rt.load_state_dict(fwd_rt[key].state_dict())

@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import Any, Callable, Generator, Iterator, Sequence
+from typing import Any, Callable, Generator, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -151,8 +151,16 @@ class SensitivityProblem:
         """``(mean loss, N)`` for one batch; raises `SensitivityError` on a bad loss."""
         return _loss(self.loss_fn, self.model, batch, self.loss_terms)
 
-    def plan_for(self, fqn: str, fmt: Format) -> Plan:
-        return self.base_plan.with_layers({fqn: self.candidates[fmt]})
+    def plan_for(self, fqn: str, fmt: Format, within: "Sequence[str] | None" = None) -> Plan:
+        """The base plan with ``fqn`` lowered to ``fmt``. ``within``: only these layers (those that
+        run inside the module a layer is re-run in, `layers_run_within`), so the plan, and a
+        runtime of it, costs O(those layers) instead of O(the model's), and that module runs alike."""
+        if within is None:
+            return self.base_plan.with_layers({fqn: self.candidates[fmt]})
+        base, fingerprint = self.base_plan.layers, self.base_plan.fingerprint
+        return Plan({name: self.candidates[fmt] if name == fqn else base[name] for name in within},
+                    fingerprint={name: fingerprint[name] for name in within if name in fingerprint})
+
 
 
 class SensitivityEstimator:
@@ -400,6 +408,24 @@ def layer_callers(model: nn.Module, loss_fn: LossFn, batch, layers: Sequence[str
     with module_stack(model, on_enter=record), torch.no_grad():
         loss_fn(model, batch)
     return callers
+
+
+def layers_run_within(model: nn.Module, loss_fn: LossFn, batch, layers: Sequence[str], modules: Iterable[str]) -> dict[str, list[str]]:
+    """``module fqn -> the layers that ran while it ran`` (itself first when a layer), whether or
+    not the module tree holds them (a shared rotary embedding a block is handed); one forward
+    under ``torch.no_grad``, O(layer calls x module nesting depth)."""
+    wanted = set(layers)
+    scopes: dict[str, dict[str, None]] = {m: {} for m in modules}
+
+    def record(fqn: str, stack: list) -> None:
+        if fqn in wanted:
+            for m in (fqn, *stack):
+                if m in scopes:
+                    scopes[m][fqn] = None
+
+    with module_stack(model, on_enter=record), torch.no_grad():
+        loss_fn(model, batch)
+    return {m: list(found) for m, found in scopes.items()}
 
 
 def _calibrates(lp: LayerPrecision) -> bool:
