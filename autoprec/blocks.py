@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from .errors import SearchError
 
-__all__ = ["find_blocks", "check_block_patterns"]
+__all__ = ["find_blocks", "check_block_patterns", "layers_of_blocks"]
 
 
 def _inside(fqn: str, block: str) -> bool:
@@ -84,3 +84,16 @@ def find_blocks(model: nn.Module, layers: Iterable[str], patterns: "Sequence[str
         for fqn in hits:
             matched.setdefault(fqn, pattern)
     return tuple(fqn for fqn in matched if not any(_inside(fqn, other) for other in matched))
+
+
+def layers_of_blocks(blocks: Iterable[str], layers: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """``block fqn -> the layers strictly inside it``, in the order of ``layers`` (every layer
+    for the root block ``""``): each layer's dotted prefixes looked up once, O(layers x nesting
+    depth), not a scan of every layer per block."""
+    out: dict[str, list[str]] = {b: [] for b in blocks}
+    for fqn in layers:
+        parts = fqn.split(".")
+        for prefix in ["", *(".".join(parts[:i]) for i in range(1, len(parts)))]:
+            if prefix in out and fqn != prefix:
+                out[prefix].append(fqn)
+    return {b: tuple(inside) for b, inside in out.items()}

@@ -785,3 +785,29 @@ def test_block_errors_name_the_block_and_the_fix(lm, block_costs):
     plain = CostModel.build(model, batch, loss_fn=wl.loss, formats=["fp32"], timing=CONSTANT)
     with pytest.raises(CostModelError, match=r"recomputes 'blocks\.0', a block this cost model did not cost"):
         plain.plan_cost(plan)
+
+
+def test_blocks_of_one_kind_are_measured_once_and_take_the_same_figures():
+    """Depth (issue 57): what recomputing a block frees is measured once per kind of block (its
+    class and its layers' roles), not per block, so the stage's forwards do not grow with depth;
+    the figures every block then takes are those measured block by block."""
+    from autoprec.blocks import find_blocks, layers_of_blocks
+    from autoprec.coverage import find_layers
+
+    torch.manual_seed(0)
+    wl = default_workload("tiny", batch_size=4)
+    model = wl.build_model()
+    batch = wl.val_batches(1)[0]
+    fingerprint = find_layers(model, batch[0])
+    blocks = layers_of_blocks(find_blocks(model, list(fingerprint)), fingerprint)
+    assert len(blocks) >= 2 and all(blocks.values())
+    roles = {fqn: info.role(fqn) for fqn, info in fingerprint.items()}
+    runs = {}
+    for key, given in (("per block", None), ("per kind", roles)):
+        costs = CostModel(trace_model(model, batch, wl.loss), RooflineTimeModel(), formats=["fp32"])
+        labels = list(costs.block_bytes_steps(model, batch, wl.loss, blocks, roles=given))
+        runs[key] = (labels.count("block forward"), {fqn: (b.freed_bytes, b.other_bytes) for fqn, b in costs.blocks.items()})
+    regions = 1 + (costs.region_format is not None)
+    assert runs["per block"][0] == regions * (1 + len(blocks))
+    assert runs["per kind"][0] == regions * 2  # one kind: its base and one block recomputed, per region
+    assert runs["per kind"][1] == runs["per block"][1]

@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 
 from .._io import atomic_write_text
+from ..blocks import layers_of_blocks
 from ..device import format_support
 from ..errors import CostModelError
 from ..formats import Format
@@ -362,23 +363,36 @@ class CostModel:
         return sum(per.values()) + rest
 
     def block_bytes_steps(self, model: nn.Module, example_inputs: Any, loss_fn: Optional[Callable],
-                          blocks: Mapping[str, Sequence[str]]) -> Iterator[str]:
+                          blocks: Mapping[str, Sequence[str]], roles: "Mapping[str, str] | None" = None) -> Iterator[str]:
         """Measure what recomputing each of ``blocks`` (fqn -> its traced layers) frees, into
         `blocks` (`BlockCost`): per region (the FP32 plan, the uniform plan in
         `region_format`) one forward as it is and one per block recomputed, autograd on and no
-        backward. A generator yielding each block's fqn once costed; the in-place times (when
-        measured) must be set before, since the block's own forward seconds are taken from them."""
+        backward; with ``roles`` (fqn -> `LayerInfo.role`) one per kind of block instead: blocks
+        of one class whose layers have the same roles (a decoder's identical layers) save the
+        same tensors, so the first of a kind is measured and the others take its figures:
+        O(kinds) forwards of O(layers) each, where one per block made the stage quadratic in
+        depth. A generator yielding ``"block forward"`` after each forward and each block's fqn
+        once costed; the in-place times (when measured) must be set before, since the block's
+        own forward seconds are taken from them."""
         if not blocks:
             return
         regions = [Format.FP32] + ([self.region_format] if self.region_format is not None else [])
-        freed: dict[str, list[int]] = {fqn: [] for fqn in blocks}
-        for fmt in regions:
-            plan = self.uniform_plan(fmt)
-            base = self._uniform_saved(model, example_inputs, loss_fn, plan)
-            for fqn in blocks:
-                freed[fqn].append(base - self._uniform_saved(model, example_inputs, loss_fn, plan.with_recompute([fqn])))
+        modules = dict(model.named_modules())
+        bases: dict[Format, int] = {}
+        by_kind: dict[Any, tuple[int, int]] = {}
         for fqn, layers in blocks.items():
-            pair = (freed[fqn][0], freed[fqn][-1])  # a device without a half format: the FP32 figure for both
+            kind = (type(modules[fqn]).__name__, tuple(roles.get(layer) for layer in layers)) if roles is not None else fqn
+            if kind not in by_kind:
+                freed = []
+                for fmt in regions:
+                    plan = self.uniform_plan(fmt)
+                    if fmt not in bases:
+                        bases[fmt] = self._uniform_saved(model, example_inputs, loss_fn, plan)
+                        yield "block forward"
+                    freed.append(bases[fmt] - self._uniform_saved(model, example_inputs, loss_fn, plan.with_recompute([fqn])))
+                    yield "block forward"
+                by_kind[kind] = (freed[0], freed[-1])  # a device without a half format: the FP32 figure for both
+            pair = by_kind[kind]
             # The layers' part from the memory model (no time estimate needed for the region's format).
             other = tuple(pair[i] - sum(_saved(layer_memory(self._layer(layer), LayerPrecision(regions[min(i, len(regions) - 1)]), self.device))
                                         for layer in layers) for i in (0, 1))
@@ -531,10 +545,11 @@ def _block_layers(model: nn.Module, trace: ModelTrace, blocks: Sequence[str]) ->
     a name that is no module, or a module holding no traced layer."""
     modules = dict(model.named_modules())
     out = {}
+    within = layers_of_blocks(blocks, trace.layers)
     for fqn in blocks:
         if fqn not in modules:
             raise CostModelError(f"CostModel.build(blocks=...): {fqn!r} is not a module of the model; pass find_blocks(model, layers)")
-        inside = tuple(layer for layer in trace.layers if layer.startswith(fqn + ".") or fqn == "")
+        inside = within[fqn]
         if not inside:
             raise CostModelError(f"CostModel.build(blocks=...): {fqn!r} holds no traced layer, so recomputing it frees nothing; drop it")
         out[fqn] = inside

@@ -51,7 +51,7 @@ from typing import Any, Callable, Generator, Mapping, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ..blocks import find_blocks
+from ..blocks import find_blocks, layers_of_blocks
 from ..costs import CostModel, InPlaceTimes, RooflineTimeModel, trace_model
 from ..device import format_support
 from ..errors import AutoprecError, InfeasibleBudgetError, RuntimeStateError, SearchError
@@ -190,7 +190,7 @@ class TrainingSearch:
         # name them, [] none), each with its layers: their bytes are measured off-path, their
         # forwards in probe steps.
         names = find_blocks(model, self.layers, config.recompute)
-        self.blocks = {b: tuple(fqn for fqn in self.layers if fqn.startswith(b + ".")) for b in names}
+        self.blocks = layers_of_blocks(names, self.layers)
         device = next(model.parameters()).device
         self.formats = list(config.candidates)
         # measure_costs=False: roofline seconds, no probe and no trial steps (the optimum is adopted).
@@ -540,7 +540,8 @@ class TrainingSearch:
         yield "trace", unit_weight("trace", n)
         costs = CostModel(trace, RooflineTimeModel(), formats=[Format.FP32])
         yield from (("region bytes", unit_weight("region bytes", n)) for _ in costs.region_bytes_steps(snapshot, self.example, None, roles=self.roles))
-        yield from (("block bytes", unit_weight("block bytes", n)) for _ in costs.block_bytes_steps(snapshot, self.example, None, self.blocks))
+        yield from (("block bytes", unit_weight(label if label == "block forward" else "block", n))
+                    for label in costs.block_bytes_steps(snapshot, self.example, None, self.blocks, roles=self.roles))
         lowered = [f for f in self.formats if f is not Format.FP32]
         sensitivity = yield from self._sensitivity(snapshot, lowered)
         for p in snapshot.parameters():

@@ -20,10 +20,10 @@ PASSES_PER_STEP = 3
 # forward and local backward, as a step's 1 + 2). The fixed parts are what these units took on
 # the 31-layer GPT of benchmarks/search_stall.py (2 CPU cores, torch 2.13: 0.06, 0.1 and 0.35
 # of a pass beyond their FLOPs). Planning weighs nothing.
-_WHOLE_MODEL_UNITS = {"trace": 1.0, "region bytes": 1.0, "block bytes": 2.0, "recorded batch": 3.0}
+_WHOLE_MODEL_UNITS = {"trace": 1.0, "region bytes": 1.0, "block forward": 1.0, "scopes": 1.0, "recorded batch": 3.0}
 _LAYER_UNITS = {"runtimes": (0.06, 0.0), "calibration": (0.1, 1.0)}  # (fixed passes, layer passes)
 _LAYER_ESTIMATE = (0.35, 3.0)
-_HOST_UNITS = frozenset({"layers", "sites", "second moment", "solve"})
+_HOST_UNITS = frozenset({"layers", "sites", "second moment", "solve", "block"})
 
 
 def unit_weight(label: str, layers: int) -> float:
