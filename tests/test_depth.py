@@ -1,0 +1,99 @@
+"""The scheduler's search at depth (issue 57), counted, not timed: what its off-path work does
+(whole-model forwards, the layers of the runtimes it builds, the wrappers those install, the
+integer program's variables) on a deep, narrow model at two depths. Each must grow at most as
+the number of layers does (whole-model forwards not at all): before, every (layer, format)
+sensitivity runtime was a whole-model plan (layers^2 runtime layers and wrappers) and each block
+was measured by its own two whole-model forwards (forwards grew with the blocks)."""
+
+import torch
+
+from autoprec.runtime import context as runtime_context
+from autoprec.runtime import wrappers as runtime_wrappers
+from autoprec.scheduler import DynamicPrecisionScheduler
+from autoprec.search import exact
+from autoprec.search import training as search_training
+from autoprec.workloads import default_workload
+from autoprec.workloads.bytelm import ByteLM
+
+SHALLOW, DEEP = 4, 16  # blocks of width 8
+
+
+def counts(blocks: int, patching) -> dict:
+    """Train through the README loop until a plan is in force; count inside the search's
+    off-path work only (`TrainingSearch.work`)."""
+    seen = {"forwards": 0, "runtime layers": 0, "wrappers": 0, "solver variables": 0}
+    inside = [False]
+
+    real_work = search_training.TrainingSearch.work
+
+    def work(self, passes):
+        inside[0] = True
+        try:
+            return real_work(self, passes)
+        finally:
+            inside[0] = False
+
+    real_init = runtime_context.PlanRuntime.__init__
+
+    def init(self, model, plan, **kwargs):
+        if inside[0]:
+            seen["runtime layers"] += len(plan.layers)
+        return real_init(self, model, plan, **kwargs)
+
+    real_wrapper = runtime_wrappers.LayerWrappers._wrapper
+
+    def wrapper(self, *args, **kwargs):
+        if inside[0]:
+            seen["wrappers"] += 1
+        return real_wrapper(self, *args, **kwargs)
+
+    real_program = exact._program
+
+    def program(space):
+        made = real_program(space)
+        seen["solver variables"] = max(seen["solver variables"], made.size)
+        return made
+
+    def forward_hook(module, args):
+        if inside[0] and isinstance(module, ByteLM):
+            seen["forwards"] += 1
+
+    patching.setattr(search_training.TrainingSearch, "work", work)
+    patching.setattr(runtime_context.PlanRuntime, "__init__", init)
+    patching.setattr(runtime_wrappers.LayerWrappers, "_wrapper", wrapper)
+    patching.setattr(exact, "_program", program)
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(forward_hook)
+    try:
+        wl = default_workload("tiny", batch_size=2, n_layers=blocks, d_model=8, n_heads=2, d_ff=16, context=8)
+        model = wl.build_model(0)
+        sch = DynamicPrecisionScheduler(monitor_window=4, formats=("fp32", "bf16"), memory_budget=0.9, accuracy_budget=0.05,
+                                        search_slice=None, sample_every=1000)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        sampler = wl.train_batches(0)
+        for _ in range(200):
+            with sch.precision_context():
+                loss = wl.loss(model, sampler.next())
+            sch.backward(loss)
+            sch.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            if sch.phase == "planned":
+                break
+        assert sch.phase == "planned", sch.last_search_error
+        seen["layers"] = len(sch.plan.layers)
+        sch.close()
+    finally:
+        handle.remove()
+    return seen
+
+
+def test_the_searchs_work_grows_linearly_with_depth(monkeypatch):
+    runs = {}
+    for blocks in (SHALLOW, DEEP):
+        with monkeypatch.context() as patching:  # each run's counters on the real functions
+            runs[blocks] = counts(blocks, patching)
+    shallow, deep = runs[SHALLOW], runs[DEEP]
+    growth = deep["layers"] / shallow["layers"]
+    assert growth > 3
+    assert deep["forwards"] <= shallow["forwards"] + 2, (shallow, deep)
+    for name in ("runtime layers", "wrappers", "solver variables"):
+        assert deep[name] <= 1.15 * growth * shallow[name], (name, shallow, deep)
