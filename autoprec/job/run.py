@@ -78,7 +78,7 @@ class JobResult:
     plan_path: "Path | None"
     references: Mapping[str, Measurement]
     candidates: Sequence[tuple[Candidate, "Measurement | str"]]
-    proposal: Proposal  # the k best plans on the predictions (the first is the exact optimum)
+    proposal: Proposal  # the k best plans on the predictions (the first is the optimum, to exact.MIP_GAP)
     memory_budget: float  # measured bytes allowed
     loss_budget: float  # absolute loss increase allowed
     predicted_memory_budget: float  # predicted bytes allowed (the integer program's budget)
@@ -95,7 +95,7 @@ class JobResult:
 
     @property
     def exact(self) -> Solution:
-        """The exact optimum of the predictions."""
+        """The optimum of the predictions (to exact.MIP_GAP)."""
         return self.proposal.optimum.exact
 
     def format_table(self) -> str:
@@ -344,7 +344,7 @@ def run_job(config: JobConfig, progress: "Progress | None" = None, workers: int 
        ``[rules].recompute``; ``[]`` for none) the bytes recomputing it frees and its extra forward.
     3. **The k best plans** (`pipeline.propose_plans`): the additive table as a `SearchSpace`, and
        its ``[search].measure_top`` fastest predicted plans that meet the budgets, distinct in
-       formats or recomputed blocks (chosen together), from the integer program (`exact.k_best`: the exact optimum, then the next best
+       formats or recomputed blocks (chosen together), from the integer program (`exact.k_best`: the optimum to `exact.MIP_GAP`, then the next best
        under no-good cuts; an infeasible budget stops here with the smallest reachable;
        ``[search].timeout_s`` bounds the solves).
     4. **Measured stage**: those plans run for real (`MeasuredStage`, an Optuna study in the job's

@@ -1,4 +1,4 @@
-"""The exact optimum of the additive proxy, as an integer program.
+"""The optimum of the additive proxy, as an integer program solved to a proven gap (`MIP_GAP`).
 
     minimise   Σ_u Σ_f seconds[u,f] · x[u,f]
     subject to Σ_f x[u,f] = 1                      (one format per unit)

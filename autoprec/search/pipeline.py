@@ -2,7 +2,7 @@
 
 costs (`CostModel`, measured in place) -> sensitivity (Fisher estimate) -> the search space (less
 the formats the profile saw overflow, `planner.build_space`) -> budgets in bytes and loss ->
-the ``k`` best plans of the additive proxy (`exact.k_best`: the exact optimum first, then the
+the ``k`` best plans of the additive proxy (`exact.k_best`: the optimum to `exact.MIP_GAP` first, then the
 next fastest predicted, distinct in formats or recompute set; with recompute blocks, the program
 chooses which to recompute together with the formats) -> `Plan` objects with a reason per layer
 and per block and their predicted figures.
@@ -11,7 +11,7 @@ The offline job (`job.run`) asks for ``[search].measure_top`` plans and hands th
 measured stage (an Optuna study in the job's storage: resumable, pruned), which runs them for
 real beside the references; the training-time scheduler asks for one, in-process, the solve
 bounded by ``search_timeout_s``. No Optuna sampler searches the additive table: the integer
-program solves it exactly, and a sampler's best would only be a worse plan of the same table.
+program solves it to a proven 0.1 % gap, and a sampler's best would only be a worse plan of the same table.
 The job's learning sampler (`search.refine`) searches what the table cannot see instead: it
 corrects the table with the measured plans and solves the corrected one with the same program.
 """
@@ -48,7 +48,7 @@ class Space:
 
 @dataclasses.dataclass(frozen=True)
 class Optimum:
-    """The budgets in absolute terms (bytes; loss increase), the exact optimum under them and
+    """The budgets in absolute terms (bytes; loss increase), the optimum (to `exact.MIP_GAP`) under them and
     the next best plans (``best[0]`` is ``exact``), fastest predicted first."""
 
     fp32_bytes: int

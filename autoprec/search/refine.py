@@ -102,7 +102,7 @@ def fit_factors(rows: np.ndarray, targets: np.ndarray, prior: "float | np.ndarra
 
 
 class CorrectingSampler(optuna.samplers.BaseSampler):
-    """Proposes, after the initial design, the exact optimum of the proxy corrected by the
+    """Proposes, after the initial design, the optimum (to exact.MIP_GAP) of the proxy corrected by the
     measured trials (`correction`, then `next_plan`).
 
     ``space``: the proxy (the job's `SearchSpace`); ``design``: the initial design's plans, so
@@ -118,7 +118,7 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
     `MeasuredStage.run` (the earlier trial measures it, the other is skipped and asks again).
 
     **Recomputation**: the sampler proposes formats only, around one fixed recompute set — the
-    recompute set of the proxy's exact optimum, which the job passes as ``recompute`` with the
+    recompute set of the proxy's optimum, which the job passes as ``recompute`` with the
     space folded around it. Its plans all recompute exactly those blocks, and only measured plans
     with that recompute set are fitted (another set changes bytes and time in ways the
     per-format factors do not model). Choosing recompute flags again on the corrected proxy is

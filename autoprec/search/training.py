@@ -85,7 +85,7 @@ SKIPPED_TRIAL_STEPS = 3
 # Times a candidate that keeps overflowing has the layer named first promoted to FP32 and starts
 # again, before it is dropped: each costs at most SKIPPED_TRIAL_STEPS + 1 skipped steps.
 TRIAL_PROMOTIONS = 3
-CANDIDATES = 2  # plans tried on training steps: the exact optimum and the next best
+CANDIDATES = 2  # plans tried on training steps: the optimum (to exact.MIP_GAP) and the next best
 # Rounds of candidates: when every candidate of a round measures over the memory budget, the next
 # round's are proposed under the budget divided by the largest measured-to-predicted bytes ratio
 # seen (a margin learned from the measurement); after the last, the search fails for good.

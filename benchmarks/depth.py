@@ -1,0 +1,154 @@
+"""The scheduler's search at depth (issue 57): a narrow Llama at several depths through the
+README loop, beside the same model's plain FP32 steps in the same process.
+
+The model is issue 57's: ``transformers.LlamaForCausalLM`` of hidden 32, intermediate 64, 2 heads,
+vocabulary 256, context 32, batch 4, ``--blocks`` decoder layers (8 planned layers each, plus
+the head); the scheduler ``min_precision=8, max_precision=32, monitor_window=12,
+memory_budget=0.6, accuracy_budget=0.05``, defaults otherwise (measured costs, recomputation).
+One thread. Per depth:
+
+- the step at which a plan is in force (or none within ``--max-steps``) and its error if any;
+- the slowest search step over the median plain step, and the search's extra CPU seconds (its
+  steps less as many plain steps);
+- the integer program's seconds (`search.exact.k_best`, all its solves);
+- the process's RSS growth from the window's end to the last step.
+
+Ratios are in-run (the plain step is timed in the same process); seconds are this machine's.
+
+    python benchmarks/depth.py --blocks 4,16,32 --out benchmarks/results/depth_cpu_torch2.13.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+
+def rss_mib() -> float:
+    """Current resident set size in MiB (Linux /proc), else the peak."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def one_depth(blocks: int, max_steps: int) -> dict:
+    import transformers
+
+    from autoprec.scheduler import DynamicPrecisionScheduler
+    from autoprec.search import exact
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+                                      num_hidden_layers=blocks, vocab_size=256, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config)
+    plain = transformers.LlamaForCausalLM(config)
+    plain.load_state_dict(model.state_dict())
+    sch = DynamicPrecisionScheduler(min_precision=8, max_precision=32, monitor_window=12, memory_budget=0.6, accuracy_budget=0.05)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    solver_seconds = [0.0]
+    real_k_best = exact.k_best
+
+    def timed_k_best(*args, **kwargs):
+        start = time.process_time()
+        try:
+            return real_k_best(*args, **kwargs)
+        finally:
+            solver_seconds[0] += time.process_time() - start
+
+    exact.k_best = timed_k_best
+    import autoprec.search.pipeline as pipeline
+
+    pipeline.k_best = timed_k_best
+    plain_steps, search_steps = [], []
+    planned_at, rss_start = None, None
+    try:
+        for step in range(max_steps):
+            g = torch.Generator().manual_seed(step)
+            ids = torch.randint(0, 256, (4, 32), generator=g)
+            start = time.process_time()
+            out = plain(input_ids=ids, labels=ids)
+            out.loss.backward()
+            plain_optimizer.step()
+            plain_optimizer.zero_grad(set_to_none=True)
+            plain_steps.append(time.process_time() - start)
+            phase = sch.phase
+            start = time.process_time()
+            with sch.precision_context():
+                out = model(input_ids=ids, labels=ids)
+            sch.backward(out.loss)
+            sch.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            seconds = time.process_time() - start
+            if phase == "searching" or sch.phase == "searching":
+                search_steps.append(seconds)
+                if rss_start is None:
+                    rss_start = rss_mib()
+            if sch.phase == "planned":
+                planned_at = step + 1
+                break
+    finally:
+        exact.k_best = pipeline.k_best = real_k_best
+    median_plain = statistics.median(plain_steps)
+    row = {
+        "blocks": blocks, "planned_layers": len(sch.plan.layers) if sch.plan is not None else None, "plan_in_force_at_step": planned_at,
+        "search_steps": len(search_steps), "median_plain_step_s": median_plain,
+        "slowest_search_step_over_plain": max(search_steps) / median_plain if search_steps else None,
+        "search_extra_cpu_s": sum(search_steps) - median_plain * len(search_steps),
+        "solver_cpu_s": solver_seconds[0], "rss_growth_mib": rss_mib() - rss_start if rss_start is not None else None,
+        "error": sch.last_search_error,
+    }
+    if sch.plan is not None:
+        row["optimality_gap"] = sch.plan.metadata.get("optimality_gap")
+        row["search_timeline"] = sch.plan.measured.get("search_timeline")
+    sch.close()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", default="4,16,32", help="comma-separated depths (decoder layers)")
+    parser.add_argument("--max-steps", type=int, default=400)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    rows = []
+    for blocks in map(int, args.blocks.split(",")):
+        row = one_depth(blocks, args.max_steps)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "search_timeline"}), flush=True)
+    print("| blocks | planned layers | plan in force at step | slowest search step / plain step | search's extra CPU s | solver CPU s | RSS growth MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        slow = f"{r['slowest_search_step_over_plain']:.0f}x" if r["slowest_search_step_over_plain"] else "-"
+        rss = f"{r['rss_growth_mib']:.0f}" if r["rss_growth_mib"] is not None else "-"
+        print(f"| {r['blocks']} | {r['planned_layers']} | {r['plan_in_force_at_step'] or 'none'} | {slow} | {r['search_extra_cpu_s']:.1f} | "
+              f"{r['solver_cpu_s']:.1f} | {rss} |")
+    if args.out is not None:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+        import transformers
+
+        meta = {"device": "cpu", "cpu": platform.processor() or platform.machine(), "threads": 1, "torch": torch.__version__,
+                "transformers": transformers.__version__, "python": sys.version.split()[0], "commit": commit}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**meta, "rows": rows}, indent=1))
+        tmp.replace(args.out)
+
+
+if __name__ == "__main__":
+    main()
