@@ -553,7 +553,6 @@ class TrainingSearch:
         costs = self._cost_model(costs, trace)
         planning = dataclasses.replace(c.planning, k=CANDIDATES if self.measuring else 1)
         self._found, self._planning = space_of(costs, sensitivity, self.profile, planning), planning
-        proposal = self._propose()
         fp32 = costs.plan_cost(costs.uniform_plan(Format.FP32))
         self.grad_bytes = fp32.bytes - fp32.saved_bytes
         if self.safe_bytes is not None:
@@ -561,6 +560,7 @@ class TrainingSearch:
             # the same in every plan: measured once, on the window's last (safe) step.
             safe, measured = self.safe_bytes
             self._outside_bytes = measured - costs.plan_cost(costs.uniform_plan(safe)).saved_bytes
+        proposal = self._propose()
         self._add("solve", time.perf_counter() - start)
         self.set_candidates(self._candidates(proposal))
 
@@ -577,8 +577,9 @@ class TrainingSearch:
         planning = self._planning
         budgets = planning.budgets
         fp32_bytes = self._found.costs.fp32_bytes()
-        if margin != 1.0:
-            planning = dataclasses.replace(planning, budgets=dataclasses.replace(budgets, memory=int(budgets.memory_bytes(fp32_bytes) / margin)))
+        limit = self._predicted_limit(fp32_bytes)
+        if limit is not None and (margin != 1.0 or self._outside_bytes):
+            planning = dataclasses.replace(planning, budgets=dataclasses.replace(budgets, memory=int(limit / margin)))
         try:
             proposal = propose_from(self._found, planning, baseline_loss=self.baseline_loss, fingerprint=self.fingerprint,
                                     metadata={"step": self.started, "source": "DynamicPrecisionScheduler"})
@@ -592,11 +593,26 @@ class TrainingSearch:
                     f"smallest plan within the loss budget takes {need:.3f} of the FP32 bytes; raise memory_budget to at least {need:.3f}",
                     exc.min_bytes * margin, exc.min_loss) from None
             raise exc.with_hint(floor_settings(exc, memory="memory_budget", recompute="recompute=[]", recompute_off=self.config.recompute == ())) from None
-        if margin == 1.0:
+        if planning is self._planning:
             return proposal
-        given = {**proposal.budgets, "memory": budgets.memory, "memory_bytes": budgets.memory_bytes(fp32_bytes)}
-        plans = tuple(p.replace(budgets=given, metadata={**p.metadata, "memory_margin": margin}) for p in proposal.plans)
+        # The plans record the budget as given, and the limit their predicted bytes keep to.
+        given = {**proposal.budgets, "memory": budgets.memory, "memory_bytes": limit}
+        extra = {"memory_margin": margin} if margin != 1.0 else {}
+        plans = tuple(p.replace(budgets=given, metadata={**p.metadata, **extra}) for p in proposal.plans)
         return dataclasses.replace(proposal, plans=plans, budgets=given)
+
+    def _predicted_limit(self, fp32_bytes: float) -> "float | None":
+        """The memory budget in the cost model's terms (`PlanCost.bytes`), None without one. The
+        meter also sees what the cost model's forward does not (the loss's saved tensors,
+        `_outside_bytes` o, the same in every plan), in the plan's step and in the FP32 step a
+        fraction b is of: predicted bytes P meet it when P + o <= b (F + o), F the FP32 plan's
+        predicted bytes, so the limit is b (F + o) - o (an absolute budget M: M - o). Without o
+        a plan at the budget's edge metered over it (Qwen2 and GTE at 0.607 of 0.6)."""
+        budgets = self._planning.budgets
+        if budgets.memory is None:
+            return None
+        o = self._outside_bytes
+        return budgets.memory_bytes(fp32_bytes + o) - o
 
     def _sensitivity(self, snapshot: nn.Module, lowered: Sequence[Format]) -> Generator[tuple[str, float], None, Any]:
         if not lowered:
