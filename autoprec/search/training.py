@@ -17,10 +17,10 @@ is held for long, and most of the work trains the model:
 - **Trial steps** (training steps): the ``CANDIDATES`` best plans, and all-BF16 when it meets
   the budgets, each run until their INT8 scales froze, then ``TIMED_TRIAL_STEPS`` timed steps
   (the first metered for bytes); around a compiled model the timed steps run compiled, after one
-  that compiles the candidate. A step whose non-finite gradients were skipped does not count (the
-  loss scale backed off: a candidate's first FP16 steps under a fresh scale often overflow), and
-  the candidate runs one more. One skipped more than `SKIPPED_TRIAL_STEPS` times overflows where
-  no scale helps: when the scaler named the layer whose output went non-finite first, that layer
+  that compiles the candidate. A step whose non-finite gradients were skipped does not count (one
+  batch's outlier, or a loss scale still backing off, is not the candidate's formats' doing), and
+  the candidate runs one more. One skipped more than `SKIPPED_TRIAL_STEPS` times overflows on
+  every batch: when the scaler named the layer whose output went non-finite first, that layer
   goes to FP32 and the candidate starts again (at most `TRIAL_PROMOTIONS` times), else it is
   dropped, as is one over the memory budget; the
   fastest kept one is adopted with its runtime, unless it beats the predicted fastest kept one by
@@ -78,9 +78,9 @@ __all__ = ["TrainingSearch", "probe_formats"]
 PROBE_ROUNDS = 2
 PROBED_PER_ROLE = 3
 TIMED_TRIAL_STEPS = 2  # a candidate's steps timed once its INT8 scales froze (median of these)
-# Skipped steps a candidate may take before it is dropped: each backs the loss scale off by its
-# factor (1/2), so three reach a scale 8x lower; a candidate still overflowing then overflows in
-# its forward, where no scale helps.
+# Skipped steps a candidate may take before its formats are blamed: an outlier batch, or a loss
+# scale backing off (by 1/2 a skip when a scaler runs: three reach a scale 8x lower), explains
+# fewer; a candidate still overflowing then does so on every batch.
 SKIPPED_TRIAL_STEPS = 3
 # Times a candidate that keeps overflowing has the layer named first promoted to FP32 and starts
 # again, before it is dropped: each costs at most SKIPPED_TRIAL_STEPS + 1 skipped steps.
