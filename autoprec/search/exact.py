@@ -68,7 +68,7 @@ class _Program:
     columns: list  # (unit name, format, Choice) per x
     blocks: tuple[str, ...]  # per r
     links: list  # (x index, r index, freed bytes, forward seconds) per z
-    one_hot: np.ndarray
+    one_hot: sparse.csr_array  # units x variables
     bytes: np.ndarray
     loss: np.ndarray
     seconds: np.ndarray
@@ -102,11 +102,9 @@ def _program(space: SearchSpace) -> _Program:
              for r, name in enumerate(blocks) for unit, per in space.links[name] for f, (freed, forward) in per.items()]
     nx, nb, nl = len(columns), len(blocks), len(links)
     n = nx + nb + nl
-    one_hot = np.zeros((len(space.units), n))
-    start = 0
-    for row, unit in enumerate(space.units):
-        one_hot[row, start : start + len(unit.choices)] = 1
-        start += len(unit.choices)
+    # Unit u's row has a 1 on each of its x columns (contiguous, in unit order): sparse.
+    widths = [len(unit.choices) for unit in space.units]
+    one_hot = sparse.csr_array((np.ones(nx), (np.repeat(np.arange(len(widths)), widths), np.arange(nx))), shape=(len(widths), n))
     bytes_, loss, seconds = np.zeros(n), np.zeros(n), np.zeros(n)
     bytes_[:nx] = [c.bytes for _, _, c in columns]
     loss[:nx] = [c.loss for _, _, c in columns]
@@ -143,7 +141,7 @@ def _solve(space: SearchSpace, objective: str, memory: float, loss_budget: float
     fixed_bytes, fixed_loss = space.fixed_total.bytes, space.fixed_total.loss
     # Sparse rows: a unit's one-hot row and a link's rows name 2-6 variables each, so the
     # matrices hold O(variables) entries (dense, 1,025 layers would be ~10^7 per matrix).
-    constraints = [LinearConstraint(sparse.csr_array(program.one_hot), 1, 1)]
+    constraints = [LinearConstraint(program.one_hot, 1, 1)]
     if nl:
         # z = x · r exactly (`_program`): z <= x per link, and per (unit, block) the unit's z sum to r.
         rows, cols, vals = [], [], []
