@@ -503,7 +503,7 @@ def test_an_unknown_scheduler_setting_is_named_with_the_known_ones():
 
 
 def test_the_removed_search_trials_setting_says_why_and_the_fix():
-    with pytest.raises(SettingsError, match=r"search_trials=\.\.\.\): removed: the search is the exact optimum .* bounded by search_timeout_s; delete the argument"):
+    with pytest.raises(SettingsError, match=r"search_trials=\.\.\.\): removed: the search is the optimum of the integer program .* bounded by search_timeout_s; delete the argument"):
         DynamicPrecisionScheduler(search_trials=10)
 
 

@@ -15,7 +15,8 @@ from autoprec.formats import Format
 from autoprec.plan import Plan
 from autoprec.scheduler import DynamicPrecisionScheduler
 import autoprec.scheduler.search_steps as search_steps
-from autoprec.search.training import MEMORY_ROUNDS, PROBE_ROUNDS, PROBED_PER_ROLE, SKIPPED_TRIAL_STEPS, TIMED_TRIAL_STEPS, TrainingSearch, probe_formats
+from autoprec.search.training import MEMORY_ROUNDS, PROBE_ROUNDS, PROBED_PER_ROLE, TrainingSearch, probe_formats
+from autoprec.search.trials import SKIPPED_TRIAL_STEPS, TIMED_TRIAL_STEPS
 from autoprec.workloads import default_workload
 
 WINDOW = 6

@@ -17,13 +17,9 @@ is held for long, and most of the work trains the model:
 - **Trial steps** (training steps): the ``CANDIDATES`` best plans, and all-BF16 when it meets
   the budgets, each run until their INT8 scales froze, then ``TIMED_TRIAL_STEPS`` timed steps
   (the first metered for bytes); around a compiled model the timed steps run compiled, after one
-  that compiles the candidate. A step whose non-finite gradients were skipped does not count (one
-  batch's outlier, or a loss scale still backing off, is not the candidate's formats' doing), and
-  the candidate runs one more. One skipped more than `SKIPPED_TRIAL_STEPS` times overflows on
-  every batch: when the scaler named the layer whose output went non-finite first, that layer
-  goes to FP32 and the candidate starts again (at most `TRIAL_PROMOTIONS` times), else it is
-  dropped, as is one over the memory budget; the
-  fastest kept one is adopted with its runtime, unless it beats the predicted fastest kept one by
+  that compiles the candidate. A skipped step does not count; one that keeps skipping has the
+  layer its overflow starts at promoted, or is dropped (`trials.Trial.skip`), as is one over the
+  memory budget; the fastest kept one is adopted with its runtime, unless it beats the predicted fastest kept one by
   less than their own steps' spread (`noise.unseparated`: then that one stays). When every candidate measured over the memory
   budget (the bytes predicted at the budget's edge, measured a little over), the next round's
   are proposed under the budget divided by the ratio of measured to predicted bytes: at most
@@ -42,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import logging
 import statistics
 import time
 import warnings
@@ -64,9 +59,8 @@ from .noise import unseparated
 from .pipeline import propose_from, space_of, uniform_reference
 from .planner import floor_settings, overflow_reason
 from .space import LayerRules
+from .trials import Trial
 from .units import unit_weight, weighted
-
-logger = logging.getLogger("autoprec")
 
 __all__ = ["TrainingSearch", "probe_formats"]
 
@@ -77,14 +71,6 @@ __all__ = ["TrainingSearch", "probe_formats"]
 # slower formats cost, so it falls with the layers probed.
 PROBE_ROUNDS = 2
 PROBED_PER_ROLE = 3
-TIMED_TRIAL_STEPS = 2  # a candidate's steps timed once its INT8 scales froze (median of these)
-# Skipped steps a candidate may take before its formats are blamed: an outlier batch, or a loss
-# scale backing off (by 1/2 a skip when a scaler runs: three reach a scale 8x lower), explains
-# fewer; a candidate still overflowing then does so on every batch.
-SKIPPED_TRIAL_STEPS = 3
-# Times a candidate that keeps overflowing has the layer named first promoted to FP32 and starts
-# again, before it is dropped: each costs at most SKIPPED_TRIAL_STEPS + 1 skipped steps.
-TRIAL_PROMOTIONS = 3
 CANDIDATES = 2  # plans tried on training steps: the optimum (to exact.MIP_GAP) and the next best
 # Rounds of candidates: when every candidate of a round measures over the memory budget, the next
 # round's are proposed under the budget divided by the largest measured-to-predicted bytes ratio
@@ -104,50 +90,6 @@ def probe_formats(layers: Sequence[str], formats: Sequence[Format], profile: Any
         fmts = [f for f in fmts if f is Format.FP32 or profile is None or overflow_reason(profile, fqn, f) is None]
         allowed[fqn] = fmts or [pinned[0] if pinned else Format.FP32]
     return allowed
-
-
-@dataclasses.dataclass
-class _Trial:
-    """A candidate on the training steps: it runs until its INT8 scales froze (calibration's
-    ``batches`` steps; the first is metered for bytes), then, for a compiled model, one step that
-    compiles it, then ``TIMED_TRIAL_STEPS`` timed ones."""
-
-    plan: Plan
-    compiled: bool = False
-    runtime: Any = None
-    steps: int = 0  # steps counted: skipped ones are not
-    skipped: int = 0
-    seconds: list = dataclasses.field(default_factory=list)
-    blamed: Optional[str] = None  # the layer whose output the scaler saw go non-finite first, on a skipped step
-    promoted: tuple = ()  # layers promoted to FP32 for overflowing, in order
-    saved_bytes: Optional[int] = None
-    dropped: Optional[str] = None
-    total_bytes: Optional[int] = None  # measured saved bytes plus the gradient buffers, once judged
-
-    @property
-    def calibration(self) -> int:
-        """Its first steps, run eagerly: metered (the first) and calibrating INT8 scales."""
-        return max([1] + [lp.calibration.batches for lp in self.plan.layers.values() if lp.format is Format.INT8])
-
-    @property
-    def warmup(self) -> int:
-        return self.calibration + int(self.compiled)
-
-    @property
-    def over(self) -> bool:
-        return self.dropped is not None or self.steps >= self.warmup + TIMED_TRIAL_STEPS
-
-
-def _first_to_overflow(plan: Plan, first_bad_output: Optional[str], nonfinite: Sequence[str]) -> Optional[str]:
-    """The lowered layer of ``plan`` a skipped step's overflow starts at: the one whose output went
-    non-finite first, else (a finite loss, gradients overflowing in the backward) the last in model
-    order whose gradients were non-finite, where the backward met them first. None when neither
-    is a lowered layer of the plan (an overflow outside every layer)."""
-    lowered = [fqn for fqn, lp in plan.layers.items() if lp.format is not Format.FP32]
-    if first_bad_output in lowered:
-        return first_bad_output
-    bad = set(nonfinite)
-    return next((fqn for fqn in reversed(lowered) if fqn in bad), None)
 
 
 class TrainingSearch:
@@ -203,7 +145,7 @@ class TrainingSearch:
         self.median_step = median_step  # seconds of a safe step, for the timeline's "extra"
         self.timeline: dict[str, float] = {}
         self.candidates: Optional[list[Plan]] = None
-        self._trials: list[_Trial] = []
+        self._trials: list[Trial] = []
         self.result: Optional[Plan] = None
         self.error: Optional[AutoprecError] = None
         self.steps = 0  # training steps since the search started
@@ -213,7 +155,7 @@ class TrainingSearch:
         self._starved = 0  # slices in a row that ran no unit
         self._units = 0  # off-path units run so far (a resumed search runs as many again, at once)
         self.shared = False  # under torch.distributed: the candidates (or error) reached every rank
-        self._winner: Optional[_Trial] = None
+        self._winner: Optional[Trial] = None
         self.grad_bytes: Optional[int] = None  # the FP32 gradient buffers' bytes (lead only)
         self.safe_bytes = safe_bytes
         self._second_moment = second_moment
@@ -377,25 +319,8 @@ class TrainingSearch:
         trial = self._trial() if not self.done and self.steps >= self.probe_steps else None
         return trial is None or not trial.compiled or trial.steps < trial.calibration
 
-    def _trial(self) -> "Optional[_Trial]":
+    def _trial(self) -> "Optional[Trial]":
         return next((t for t in self._trials if not t.over), None)
-
-    def _overflowed(self, trial: "_Trial") -> None:
-        """A candidate skipped more steps than a backed-off scale explains: the layer named
-        first goes to FP32 and it starts again (runtime, bytes and skips anew), else it is dropped."""
-        if trial.blamed is None or len(trial.promoted) >= TRIAL_PROMOTIONS:
-            promoted = f" ({', '.join(trial.promoted)} promoted to FP32 before)" if trial.promoted else ""
-            trial.dropped = f"non-finite gradients skipped {trial.skipped} of its steps{promoted}"
-            return
-        fqn = trial.blamed
-        logger.info("autoprec: candidate plan: layer %r (%s) overflowed on %d steps; it runs in FP32 and the candidate starts again",
-                    fqn, trial.plan.layers[fqn].format.value, trial.skipped)
-        if trial.runtime is not None:
-            trial.runtime.remove()
-        trial.plan = trial.plan.with_layers({fqn: Format.FP32}).replace(
-            metadata={**trial.plan.metadata, "promoted_for_overflow": [*trial.promoted, fqn]})
-        trial.promoted += (fqn,)
-        trial.runtime, trial.steps, trial.skipped, trial.blamed, trial.saved_bytes = None, 0, 0, None, None
 
     def wants_bytes(self) -> bool:
         """Whether the next step is a candidate's first (meter its saved bytes)."""
@@ -447,12 +372,7 @@ class TrainingSearch:
         if skipped:
             # Every rank skips the same steps and names the same layer (the scaler agrees), so the
             # ranks still agree on the trial.
-            trial.skipped += 1
-            blamed = _first_to_overflow(trial.plan, first_bad_output, nonfinite)
-            if blamed is not None:
-                trial.blamed = blamed
-            if trial.skipped > SKIPPED_TRIAL_STEPS:
-                self._overflowed(trial)
+            trial.skip(first_bad_output, nonfinite)
             if self._trial() is None:
                 self._choose()
             return
@@ -607,11 +527,13 @@ class TrainingSearch:
         `_outside_bytes` o, the same in every plan), in the plan's step and in the FP32 step a
         fraction b is of: predicted bytes P meet it when P + o <= b (F + o), F the FP32 plan's
         predicted bytes, so the limit is b (F + o) - o (an absolute budget M: M - o). Without o
-        a plan at the budget's edge metered over it (Qwen2 and GTE at 0.607 of 0.6)."""
+        a plan at the budget's edge metered over it (Qwen2 and GTE at 0.607 of 0.6). A sharded
+        model's o is left out: there the meter also counts the gathered weights autograd saves,
+        which FSDP2 frees after the forward (storage resized to nothing), memory no step holds."""
         budgets = self._planning.budgets
         if budgets.memory is None:
             return None
-        o = self._outside_bytes
+        o = 0 if is_sharded(self.model) else self._outside_bytes
         return budgets.memory_bytes(fp32_bytes + o) - o
 
     def _sensitivity(self, snapshot: nn.Module, lowered: Sequence[Format]) -> Generator[tuple[str, float], None, Any]:
@@ -668,7 +590,7 @@ class TrainingSearch:
         if not self.measuring:  # nothing to try: the predicted optimum is the result
             self.result = self.candidates[0]
             return
-        self._trials = [_Trial(p, self.compiled) for p in plans]
+        self._trials = [Trial(p, self.compiled) for p in plans]
 
     def fail(self, error: AutoprecError) -> None:
         self.error = error
