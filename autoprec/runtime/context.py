@@ -38,6 +38,7 @@ from ..formats import Format
 from ..plan import Plan
 from .calibration import Int8Calibrator
 from .layers import EmulationWarning, RuntimeLayer, as_gemm, kernel_reason
+from .model_index import ModelIndex
 from .products import PerThread, Products
 from .quantizers import InputQuantizer
 from .wrappers import LayerWrappers
@@ -69,17 +70,17 @@ class PlanRuntime:
     ``torch.save(model)`` (a wrapper does not pickle; ``copy.deepcopy`` works).
     """
 
-    def __init__(self, model: nn.Module, plan: Plan, *, validate: bool = True, example_inputs: Any = None):
+    def __init__(self, model: nn.Module, plan: Plan, *, validate: bool = True, example_inputs: Any = None, index: "ModelIndex | None" = None):
         _check_arguments(model, plan)
+        index = index if index is not None else ModelIndex.of(model)
+        _check_materialised(model, index)
         if validate:
             plan.validate(model, example_inputs)
         self.model = model
         self.plan = plan
-        first = next(model.parameters(), None)
-        self.device = first.device if first is not None else torch.device("cpu")
+        self.device = index.device
         self.device_type = self.device.type
-        modules = dict(model.named_modules())
-        self._layers = {fqn: RuntimeLayer(fqn, modules[fqn], lp, self.device) for fqn, lp in plan.layers.items()}
+        self._layers = {fqn: RuntimeLayer(fqn, index.modules[fqn], lp, self.device) for fqn, lp in plan.layers.items()}
         formats = {lp.format for lp in plan.layers.values()}
         # Whether the plan needs the runtime's forwards: a format other than FP32, or FP32 layers
         # whose weights are stored in a half dtype (they compute in FP32, the weight cast up).
@@ -94,8 +95,8 @@ class PlanRuntime:
         self._active = False  # entered by some thread (a runtime is not re-entrant)
         self._entered: "contextlib.AbstractContextManager[PlanRuntime] | None" = None  # the region() ``with runtime:`` entered
         # How its layers' products run, and the forwards that route them (installed once).
-        self._products = Products(self.device_type, self.backward_dtype, {id(p): name for name, p in model.named_parameters()})
-        self._wrappers = LayerWrappers(self, model, plan, self._layers, self._threads, self._products, self.region_dtype, self.low_precision)
+        self._products = Products(self.device_type, self.backward_dtype, index.param_names)
+        self._wrappers = LayerWrappers(self, index, plan, self._layers, self._threads, self._products, self.region_dtype, self.low_precision)
         if not any(_active_runtime(layer.module) is not None for layer in self._layers.values()):
             self._wrappers.install()  # else on entry, once the active runtime has left
 
@@ -338,7 +339,10 @@ def _check_arguments(model: Any, plan: Any) -> None:
         else:
             fix = "make one with Plan.uniform(model, 'bf16'), Plan.load(path) or autoprec.search"
         raise RuntimeStateError(f"apply_plan(plan={type(plan).__name__}): expected an autoprec.Plan; {fix}")
-    if any(p.is_meta for p in model.parameters()):
+
+
+def _check_materialised(model: nn.Module, index: ModelIndex) -> None:
+    if index.on_meta:
         # The runtime's device (autocast, kernels, state) is the parameters': meta has none.
         raise RuntimeStateError(
             f"apply_plan(model={type(model).__name__}): its parameters are on the meta device; materialise it first "
@@ -378,12 +382,14 @@ def removing(runtimes):
                 runtime.remove()
 
 
-def apply_plan(model: nn.Module, plan: Plan, *, validate: bool = True, example_inputs: Any = None) -> PlanRuntime:
+def apply_plan(model: nn.Module, plan: Plan, *, validate: bool = True, example_inputs: Any = None, index: "ModelIndex | None" = None) -> PlanRuntime:
     """A `PlanRuntime` for ``model``: ``with apply_plan(model, plan): ...``.
 
     Keep the returned runtime and re-enter it every step so amax histories and INT8 calibration
     carry over; a fresh ``apply_plan`` starts them anew (and displaces this one's layer wrappers
     until this one is entered again; `PlanRuntime.remove` takes them off). Validation
     (``plan.validate``) runs once here and raises `PlanError` naming every problem.
+    ``index``: the model's `ModelIndex`, for many runtimes on one unchanged model (each then
+    costs O(its plan's layers), not a walk over the model); made here when None.
     """
-    return PlanRuntime(model, plan, validate=validate, example_inputs=example_inputs)
+    return PlanRuntime(model, plan, validate=validate, example_inputs=example_inputs, index=index)

@@ -30,6 +30,8 @@ from ..coverage import enclosing_layer
 from ..formats import Format
 from ..plan import Plan
 from .layers import NEVER_AUTOCAST, RuntimeLayer, to_fp32, to_half
+from .model_index import HF_CHECKPOINT as _HF_CHECKPOINT
+from .model_index import ModelIndex
 from .products import LayerMode, PerThread, Products, ThreadState
 from .recompute import BlockHost, block_wrapper, user_checkpoint
 from .wrapping import displaced, mark, previous_of
@@ -40,8 +42,6 @@ __all__ = ["LayerWrappers"]
 # FP32 weights' dtype (`layers.NEVER_AUTOCAST`), so a layer that runs one gets the layer mode,
 # which gives them the layer's dtype.
 _AUTOCAST_UNCAST = {"cpu": frozenset({"mv", "addmv", "bilinear"})}
-# The attribute through which a Hugging Face module checkpoints itself (`recompute.user_checkpoint`).
-_HF_CHECKPOINT = "_gradient_checkpointing_func"
 
 
 _HALVES = frozenset({torch.float16, torch.bfloat16})
@@ -56,12 +56,12 @@ def _leaving(out: Any, to: "torch.dtype | None", sources: frozenset) -> Any:
 
 
 class LayerWrappers:
-    """The forwards ``owner`` (a `PlanRuntime`) installs on its layers and recomputed blocks of
-    ``model``: built once here, put on by `install`, taken off by `remove`. ``region_dtype``: the
+    """The forwards ``owner`` (a `PlanRuntime`) installs on its layers and recomputed blocks of the
+    model ``index`` describes: built once here, put on by `install`, taken off by `remove`. ``region_dtype``: the
     half dtype the region's autocast runs in; ``low_precision``: whether any layer is not FP32
     (an all-FP32 plan installs nothing)."""
 
-    def __init__(self, owner: Any, model: nn.Module, plan: Plan, layers: Mapping[str, RuntimeLayer], threads: PerThread,
+    def __init__(self, owner: Any, index: ModelIndex, plan: Plan, layers: Mapping[str, RuntimeLayer], threads: PerThread,
                  products: Products, region_dtype: torch.dtype, low_precision: bool):
         self.owner, self.plan, self.layers, self.threads, self.products = owner, plan, layers, threads, products
         self.device_type = products.device_type
@@ -76,7 +76,7 @@ class LayerWrappers:
         self.forwards = self._build() if low_precision else {}
         # Recomputed blocks: checkpointed while the plan is on (see `recompute`); installed after
         # the layers' wrappers, taken off with them.
-        modules = dict(model.named_modules())
+        modules = index.modules
         host = BlockHost(owner, threads, self.installed, self.layer_mode, layers, self.forwards)
         self.blocks = {fqn: (modules[fqn], block_wrapper(host, fqn, modules[fqn])) for fqn in plan.recompute}
         # The user's own checkpointed modules (Hugging Face's gradient checkpointing): their
@@ -84,8 +84,8 @@ class LayerWrappers:
         # the function installed); the user's own function is kept in `_user_checkpoints`.
         self._user_checkpoints: dict[str, Any] = {}
         self.checkpoints = {
-            fqn: (m, user_checkpoint(host, fqn, functools.partial(self._user_checkpoints.get, fqn)))
-            for fqn, m in modules.items() if low_precision and callable(m.__dict__.get(_HF_CHECKPOINT))
+            fqn: (modules[fqn], user_checkpoint(host, fqn, functools.partial(self._user_checkpoints.get, fqn)))
+            for fqn in index.checkpointed if low_precision
         }
 
     def _needs_mode(self, layer: RuntimeLayer, planned_below: bool) -> bool:
@@ -267,7 +267,8 @@ class LayerWrappers:
             current = module.__dict__.get(_HF_CHECKPOINT)
             if current is not function:
                 # The user's, or an inactive runtime's: then the user's behind it.
-                self._user_checkpoints[fqn] = current.autoprec_user() if hasattr(current, "autoprec_user") else current
+                user = getattr(current, "autoprec_user", None)
+                self._user_checkpoints[fqn] = user() if user is not None else current
                 setattr(module, _HF_CHECKPOINT, function)
 
     def remove(self) -> None:

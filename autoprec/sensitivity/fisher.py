@@ -21,6 +21,7 @@ from ..errors import SensitivityError
 from ..formats import Format
 from ..plan import LayerPrecision, ScalingMode
 from ..runtime import apply_plan, removing
+from ..runtime.model_index import ModelIndex
 from ..scaling import DEFAULT_INIT_SCALE
 from .problem import (
     CallRecorder, LossFn, RecordedCall, Sensitivity, SensitivityEstimator, SensitivityProblem, calibration_steps, eval_mode, float_leaves,
@@ -212,8 +213,11 @@ class FisherEstimator(SensitivityEstimator):
         # thread's, and the caller trains between units); eval mode and the runtimes are the model's.
         # removing() iterates at the block's end, so it takes off the runtimes made by then.
         with eval_mode(model), removing(rt for made in (fwd_rt, grad_rt) for rt in made.values()):
+            # One walk over the model for every runtime and site below (each then costs its
+            # own layers): the model's modules do not change while this runs.
+            index = ModelIndex.of(model)
             sites = self.sites(problem)
-            own = {site: self._own_parameters(problem, site) for site in set(sites.values())}
+            own = {site: self._own_parameters(problem, index, site) for site in set(sites.values())}
             yield "sites"
             # A layer's runtimes hold only the layers that run inside its site (where it is re-run,
             # and calibrated, alone): each costs those, not the model's layers.
@@ -223,9 +227,9 @@ class FisherEstimator(SensitivityEstimator):
                 # Not seen inside its site (its site did not run it on that batch): the whole plan.
                 scope = within[sites[fqn]] if fqn in within[sites[fqn]] else None
                 for f in lowered:
-                    fwd_rt[(fqn, f)] = apply_plan(model, problem.plan_for(fqn, f, scope), validate=False)
+                    fwd_rt[(fqn, f)] = apply_plan(model, problem.plan_for(fqn, f, scope), validate=False, index=index)
                     if grad_term and f not in shared:
-                        grad_rt[(fqn, f)] = apply_plan(model, problem.plan_for(fqn, f, scope), validate=False)
+                        grad_rt[(fqn, f)] = apply_plan(model, problem.plan_for(fqn, f, scope), validate=False, index=index)
                 yield "runtimes"
             yield from calibration_steps(problem, fwd_rt, problem.batches)
             for key, rt in grad_rt.items():
@@ -233,9 +237,9 @@ class FisherEstimator(SensitivityEstimator):
             for key, rt in fwd_rt.items():
                 if key[1] in shared and grad_term:
                     grad_rt[key] = rt
-            weight = None
+            weight: dict[int, torch.Tensor] = {}  # id(parameter) -> its preconditioner, made once (not per call)
             if grad_term and self.optimizer == "adam":
-                weight = self._preconditioner(problem, named)
+                weight = {id(p): w for p, w in zip(params, self._preconditioner(problem, named))}
                 yield "second moment"
             for batch in problem.batches:
                 recorder = CallRecorder(model, list(dict.fromkeys(sites.values())))
@@ -275,13 +279,13 @@ class FisherEstimator(SensitivityEstimator):
         grad = {k: self.lr / 4 * v / b for k, v in grad.items()}
         return forward, grad, b
 
-    def _own_parameters(self, problem: SensitivityProblem, site: str) -> list[torch.nn.Parameter]:
+    def _own_parameters(self, problem: SensitivityProblem, index: ModelIndex, site: str) -> list[torch.nn.Parameter]:
         """The parameters whose gradient error a site's local backward scores: all of the site's
         (recursively) with ``upstream`` or ``site="parent"`` (a caller holds the layer it
         lowers); with ``site="layer"`` and no ``upstream``, only those no other layer inside the
         site owns (the attention products' module scores none of its projections' weights:
         they are upstream or downstream of its matrix products, as any other layer's are)."""
-        module = dict(problem.model.named_modules())[site]
+        module = index.modules[site]
         params = [p for p in module.parameters() if p.requires_grad]
         if self.upstream or self.site != "layer":
             return params
@@ -346,18 +350,17 @@ class FisherEstimator(SensitivityEstimator):
         grads = [None if g is None else g.float() / scale for g in raw]
         return out, (grads[: len(inputs)], grads[len(inputs) :])
 
-    def _grad_error(self, call: RecordedCall, local, reference, own, params, weight) -> float:
+    def _grad_error(self, call: RecordedCall, local, reference, own, params, weight: Mapping[int, torch.Tensor]) -> float:
         """Σ_i P_i e_i² over all parameters for one call: own parameters from the local backward
         (``local``, the runtime's; ``reference``, FP32's), upstream ones through one
         vector-Jacobian product of the FP32 graph."""
         dx_q, dw_q = local
         dx, dw = reference
-        w_of = {id(p): w for p, w in zip(params, weight)} if weight is not None else {}
 
         def weighted(p, e) -> float:
             e2 = e.float().square()
-            if w_of:
-                e2 = e2 * w_of[id(p)]
+            if weight:
+                e2 = e2 * weight[id(p)]
             return float(e2.sum(dtype=torch.float64))
 
         total = 0.0
