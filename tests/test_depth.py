@@ -1,9 +1,10 @@
 """The scheduler's search at depth (issue 57), counted, not timed: what its off-path work does
 (whole-model forwards, the layers of the runtimes it builds, the wrappers those install, the
-integer program's variables) on a deep, narrow model at two depths. Each must grow at most as
+integer program's variables, the modules walked from the model's root) on a deep, narrow model at two depths. Each must grow at most as
 the number of layers does (whole-model forwards not at all): before, every (layer, format)
 sensitivity runtime was a whole-model plan (layers^2 runtime layers and wrappers) and each block
-was measured by its own two whole-model forwards (forwards grew with the blocks)."""
+was measured by its own two whole-model forwards (forwards grew with the blocks), and each
+runtime walked the whole model (modules walked grew with layers^2)."""
 
 import torch
 
@@ -21,7 +22,7 @@ SHALLOW, DEEP = 4, 16  # blocks of width 8
 def counts(blocks: int, patching) -> dict:
     """Train through the README loop until a plan is in force; count inside the search's
     off-path work only (`TrainingSearch.work`)."""
-    seen = {"forwards": 0, "runtime layers": 0, "wrappers": 0, "solver variables": 0}
+    seen = {"forwards": 0, "runtime layers": 0, "wrappers": 0, "solver variables": 0, "modules walked": 0}
     inside = [False]
 
     real_work = search_training.TrainingSearch.work
@@ -54,6 +55,15 @@ def counts(blocks: int, patching) -> dict:
         seen["solver variables"] = max(seen["solver variables"], made.size)
         return made
 
+    real_named_modules = torch.nn.Module.named_modules
+
+    def named_modules(self, *args, **kwargs):
+        # A walk from the model's root (named_modules, and parameters() through it): its modules.
+        for item in real_named_modules(self, *args, **kwargs):
+            if inside[0] and isinstance(self, ByteLM):
+                seen["modules walked"] += 1
+            yield item
+
     def forward_hook(module, args):
         if inside[0] and isinstance(module, ByteLM):
             seen["forwards"] += 1
@@ -62,6 +72,7 @@ def counts(blocks: int, patching) -> dict:
     patching.setattr(runtime_context.PlanRuntime, "__init__", init)
     patching.setattr(runtime_wrappers.LayerWrappers, "_wrapper", wrapper)
     patching.setattr(exact, "_program", program)
+    patching.setattr(torch.nn.Module, "named_modules", named_modules)
     handle = torch.nn.modules.module.register_module_forward_pre_hook(forward_hook)
     try:
         wl = default_workload("tiny", batch_size=2, n_layers=blocks, d_model=8, n_heads=2, d_ff=16, context=8)
@@ -95,5 +106,5 @@ def test_the_searchs_work_grows_linearly_with_depth(monkeypatch):
     growth = deep["layers"] / shallow["layers"]
     assert growth > 3
     assert deep["forwards"] <= shallow["forwards"] + 2, (shallow, deep)
-    for name in ("runtime layers", "wrappers", "solver variables"):
+    for name in ("runtime layers", "wrappers", "solver variables", "modules walked"):
         assert deep[name] <= 1.15 * growth * shallow[name], (name, shallow, deep)
