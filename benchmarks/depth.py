@@ -73,7 +73,7 @@ def one_depth(blocks: int, max_steps: int) -> dict:
     import autoprec.search.pipeline as pipeline
 
     pipeline.k_best = timed_k_best
-    plain_steps, search_steps = [], []
+    plain_steps, search_steps, step_stages = [], [], []
     planned_at, rss_start = None, None
     try:
         for step in range(max_steps):
@@ -86,6 +86,8 @@ def one_depth(blocks: int, max_steps: int) -> dict:
             plain_optimizer.zero_grad(set_to_none=True)
             plain_steps.append(time.process_time() - start)
             phase = sch.phase
+            search = sch._searches.search  # read only: which stages the step ran (its timeline's growth)
+            before = dict(search.timeline) if search is not None else {}
             start = time.process_time()
             with sch.precision_context():
                 out = model(input_ids=ids, labels=ids)
@@ -95,6 +97,9 @@ def one_depth(blocks: int, max_steps: int) -> dict:
             seconds = time.process_time() - start
             if phase == "searching" or sch.phase == "searching":
                 search_steps.append(seconds)
+                after = search.timeline if search is not None else {}
+                ran = {k: round(v - before.get(k, 0.0), 3) for k, v in after.items() if v - before.get(k, 0.0) > 1e-4}
+                step_stages.append((seconds, step, ran))
                 if rss_start is None:
                     rss_start = rss_mib()
             if sch.phase == "planned":
@@ -110,10 +115,16 @@ def one_depth(blocks: int, max_steps: int) -> dict:
         "search_extra_cpu_s": sum(search_steps) - median_plain * len(search_steps),
         "solver_cpu_s": solver_seconds[0], "rss_growth_mib": rss_mib() - rss_start if rss_start is not None else None,
         "error": sch.last_search_error,
+        # The three slowest search steps: (step, over a plain step, the stages' seconds in it).
+        "slowest_steps": [(step, round(sec / median_plain, 1), ran) for sec, step, ran in sorted(step_stages, key=lambda t: -t[0])[:3]],
     }
     if sch.plan is not None:
         row["optimality_gap"] = sch.plan.metadata.get("optimality_gap")
         row["search_timeline"] = sch.plan.measured.get("search_timeline")
+        # How far the cost model's step time is from the adopted plan's measured one (the
+        # integer program's gap is only worth closing below this).
+        predicted, measured = sch.plan.predicted.get("seconds"), sch.plan.measured.get("step_seconds")
+        row["predicted_over_measured_step"] = predicted / measured if predicted and measured else None
     sch.close()
     return row
 

@@ -193,7 +193,7 @@ def test_jointly_infeasible_budgets_name_both_minima():
 @pytest.fixture
 def exact_solves(monkeypatch):
     """Solves with no optimality gap allowed: what the formulation gives, to compare with an
-    enumeration exactly (the default `MIP_GAP` lets a solve stop within half a percent)."""
+    enumeration exactly (the default `MIP_GAP` lets a solve stop within one percent)."""
     monkeypatch.setattr(exact, "MIP_GAP", 0.0)
 
 
