@@ -47,7 +47,7 @@ from ..runtime import EmulationWarning, apply_plan, removing
 from .inplace import InPlaceTimes, measure_in_place
 from .memory import layer_memory
 from .timing import MeasuredTimeModel, RooflineTimeModel, TimeEstimate, TimeModel
-from .trace import ModelTrace, saved_bytes_by_layer, trace_model
+from .trace import ModelTrace, saved_bytes_by_layer, trace_model, trace_roles
 
 __all__ = ["DEFAULT_FORMATS", "TimingSettings", "LayerCost", "PlanCost", "BlockCost", "CostModel"]
 
@@ -258,10 +258,10 @@ class CostModel:
         `LayerPrecision` a layer in it is timed, costed and planned in (a scaling other than the
         default, e.g. block-scaled FP8; the times file keys on it); default each format's own.
 
-        Cost: one FP32 forward (trace), one low-precision forward per layer + 1 (bytes saved
-        between layers), and the timed steps (FP32 only with a ``time_model``); with ``blocks``,
-        two more forwards per block and two per run (the bytes it frees, per region). The
-        model is left unchanged.
+        Cost: one FP32 forward (trace), one low-precision forward per role of layer + 1 (bytes
+        saved between layers; `trace_roles`), and the timed steps (FP32 only with a
+        ``time_model``); with ``blocks``, two more forwards per kind of block and two per run
+        (the bytes it frees, per region). The model is left unchanged.
         """
         if not isinstance(timing, TimingSettings):
             raise CostModelError(
@@ -295,18 +295,16 @@ class CostModel:
             costs = cls(trace, time_model, formats=formats, in_place=in_place, precisions=precisions)
         else:
             costs = cls(trace, time_model, formats=formats, precisions=precisions)
-        costs._measure_region_bytes(model, example_inputs, loss_fn)
-        for _ in costs.block_bytes_steps(model, example_inputs, loss_fn, block_layers):
+        roles = trace_roles(trace)
+        for _ in costs.region_bytes_steps(model, example_inputs, loss_fn, roles=roles):
+            pass
+        for _ in costs.block_bytes_steps(model, example_inputs, loss_fn, block_layers, roles=roles):
             pass
         if measure:
             fp32 = in_place[Format.FP32]
             layers_seconds = costs.plan_cost(costs.uniform_plan(Format.FP32)).layer_seconds
             costs.rest_seconds = max(0.0, fp32.step_seconds - layers_seconds)
         return costs
-
-    def _measure_region_bytes(self, model, example_inputs, loss_fn) -> None:
-        for _ in self.region_bytes_steps(model, example_inputs, loss_fn):
-            pass
 
     def region_bytes_steps(self, model: nn.Module, example_inputs: Any, loss_fn: Optional[Callable] = None,
                            roles: "Mapping[str, str] | None" = None) -> Iterator[str]:

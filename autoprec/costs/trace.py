@@ -34,7 +34,7 @@ from ..coverage import MATMUL_OPS
 from ..errors import CostModelError
 from ..measure import HeldBytes, held_span, keep_for_backward
 
-__all__ = ["TensorSpec", "MatmulCall", "LayerTrace", "ModelTrace", "trace_model", "saved_bytes_by_layer"]
+__all__ = ["TensorSpec", "MatmulCall", "LayerTrace", "ModelTrace", "trace_model", "trace_roles", "saved_bytes_by_layer"]
 
 # Positions of the bias / added input among the positional tensor arguments of each op: it is not
 # a matrix operand (never saved for backward, not quantized by a GEMM kernel).
@@ -296,6 +296,20 @@ def forward_or_loss(model: nn.Module, example_inputs: Any, loss_fn: Optional[Cal
 
 
 TRACE_RETRIES = 4
+
+
+def trace_roles(trace: ModelTrace) -> dict[str, str]:
+    """fqn -> its role in ``trace``: the fqn with its numeric parts (block indices) as ``*``, the
+    class, each call's work (`MatmulCall.key`) and bytes saved, and the layer's own saved and
+    parameter bytes. Layers of one role (the same projection in every block, on the same shapes)
+    save the same bytes, so one measurement serves them all (`CostModel.build`'s bytes per role,
+    as `LayerInfo.role` does for the scheduler's search). O(layers)."""
+    roles = {}
+    for fqn, layer in trace.layers.items():
+        pattern = ".".join("*" if part.isdigit() else part for part in fqn.split("."))
+        calls = ";".join(f"{call.key}/{call.saved_bytes}" for call in layer.calls)
+        roles[fqn] = f"{pattern}|{layer.module}|{calls}|{layer.other_saved_bytes}|{layer.param_bytes}"
+    return roles
 
 
 def trace_model(model: nn.Module, example_inputs: Any, loss_fn: Optional[Callable] = None, layers: Optional[Collection[str]] = None) -> ModelTrace:

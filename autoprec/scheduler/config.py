@@ -244,7 +244,7 @@ def config_of(config: Optional[SchedulerConfig], settings: Mapping[str, Any]) ->
     if config is not None and settings:
         raise SettingsError(f"DynamicPrecisionScheduler(config=..., {', '.join(sorted(settings))}=...): give the settings in the config or as keywords, not both (dataclasses.replace(config, ...) derives one)")
     if "search_trials" in settings:  # the scheduler's search has no trials since it is exact
-        raise SettingsError("DynamicPrecisionScheduler(search_trials=...): removed: the search is the optimum of the integer program (to a proven 0.1 % gap), bounded by search_timeout_s; delete the argument")
+        raise SettingsError("DynamicPrecisionScheduler(search_trials=...): removed: the search is the optimum of the integer program (to a proven gap), bounded by search_timeout_s; delete the argument")
     unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(SchedulerConfig)})
     if unknown:
         raise SettingsError(f"DynamicPrecisionScheduler({unknown[0]}=...): unknown setting; expected one of SchedulerConfig's fields: {', '.join(f.name for f in dataclasses.fields(SchedulerConfig))}")

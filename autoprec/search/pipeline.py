@@ -11,7 +11,7 @@ The offline job (`job.run`) asks for ``[search].measure_top`` plans and hands th
 measured stage (an Optuna study in the job's storage: resumable, pruned), which runs them for
 real beside the references; the training-time scheduler asks for one, in-process, the solve
 bounded by ``search_timeout_s``. No Optuna sampler searches the additive table: the integer
-program solves it to a proven 0.1 % gap, and a sampler's best would only be a worse plan of the same table.
+program solves it to a proven gap (`exact.MIP_GAP`), and a sampler's best would only be a worse plan of the same table.
 The job's learning sampler (`search.refine`) searches what the table cannot see instead: it
 corrects the table with the measured plans and solves the corrected one with the same program.
 """
@@ -31,7 +31,7 @@ from .exact import Solution, k_best
 from .planner import build_space, in_budget_terms, layer_reasons, plan_from_solution
 from .space import Budgets, Planning, SearchSpace
 
-__all__ = ["Planning", "Space", "Optimum", "Proposal", "measure_space", "space_of", "solve_in_budgets", "propose_plans", "propose_from",
+__all__ = ["Planning", "Space", "Optimum", "Proposal", "measure_space", "search_estimator", "space_of", "solve_in_budgets", "propose_plans", "propose_from",
            "uniform_reference"]
 
 
@@ -110,11 +110,12 @@ def measure_space(
     forward alone), in place unless ``planning.measure`` is False; ``times_file``: keep the
     measured times there and reuse them (`TimingSettings`); ``blocks``: recompute units the search may
     recompute (`autoprec.blocks.find_blocks`; none: formats only). Cost: the cost model's
-    in-place timing (one pass per uniform plan unless cached), two forwards per block and region
-    (`CostModel.build`) and one sensitivity pass per batch and format.
+    in-place timing (one pass per uniform plan unless cached), the bytes' forwards per role and
+    kind of block (`CostModel.build`), and `search_estimator`'s per (layer, format): linear in
+    the layers.
     """
     from ..costs import CostModel, TimingSettings
-    from ..sensitivity import FisherEstimator, estimate_sensitivity
+    from ..sensitivity import estimate_sensitivity
 
     if progress is not None:
         progress(0, 1, "costing layers")
@@ -129,9 +130,23 @@ def measure_space(
             progress(0, 1, "estimating sensitivity")
         sensitivity = estimate_sensitivity(
             model, batches, loss_fn, [lp for f, lp in planning.precisions().items() if f is not Format.FP32],
-            layers=list(costs.layers), example_inputs=example_inputs, estimator=FisherEstimator(lr=planning.lr),
+            layers=list(costs.layers), example_inputs=example_inputs, estimator=search_estimator(planning.lr),
         )
     return space_of(costs, sensitivity, profile, planning)
+
+
+def search_estimator(lr: float) -> Any:
+    """The sensitivity estimate every search plans on (the job's and the scheduler's): each
+    layer's own output error (``site="layer"``: the layer alone re-run, not its caller) and the
+    gradient term of its own parameters only (no backward through the rest of the model per
+    layer and format), so per (layer, format) one forward and one weight-gradient product of
+    that layer: linear in the layers, where the full estimate's upstream term costs a partial
+    backward of the model each (quadratic). On the 6-block GPT of benchmarks/search_stall.py it
+    gives the plan of the caller-output estimate, layer for layer, which gave those of the full
+    estimate at two budgets."""
+    from ..sensitivity import FisherEstimator
+
+    return FisherEstimator(lr=lr, upstream=False, site="layer")
 
 
 def space_of(costs: Any, sensitivity: Any, profile: Any, planning: Planning) -> Space:

@@ -10,7 +10,7 @@ is held for long, and most of the work trains the model:
 - **Off-path units** on a snapshot of the weights, in slices after training steps (`work`: a
   unit, at most one forward + backward, starts when its weight fits): the trace, the region
   bytes (one forward per role), the sensitivity estimate on the last captured batch
-  (``FisherEstimator(upstream=False, site="layer")``, Adam's v from the training optimizer when
+  (`pipeline.search_estimator`, Adam's v from the training optimizer when
   it has one), then the exact solve. A slice is counted, not timed: each unit weighs the model
   passes it runs (`unit_weight`), so the steps each unit runs in, and so every step's formats,
   are the same however loaded the machine is, and in a run resumed from a checkpoint.
@@ -54,9 +54,9 @@ from ..formats import Format
 from ..plan import Calibration, LayerPrecision, Plan
 from ..replica import is_sharded, plain_copy
 from ..runtime import EmulationWarning, apply_plan
-from ..sensitivity import FisherEstimator, sensitivity_steps
+from ..sensitivity import sensitivity_steps
 from .noise import unseparated
-from .pipeline import propose_from, space_of, uniform_reference
+from .pipeline import propose_from, search_estimator, space_of, uniform_reference
 from .planner import floor_settings, overflow_reason
 from .space import LayerRules
 from .trials import Trial
@@ -541,16 +541,11 @@ class TrainingSearch:
             from ..sensitivity import Sensitivity
 
             return Sensitivity({"forward": {}, "grad": {}}, total_of=("forward", "grad"), method="none", batches=0)
-        # The last captured batch, each layer's own output error (site="layer": the layer alone
-        # re-run, not its caller) and the gradient term of its own parameters only (no backward
-        # through the rest of the model per layer and format): per (layer, format) one forward
-        # and one weight-gradient product of that layer. On the 6-block GPT of
-        # benchmarks/search_stall.py it gives the plan of the caller-output estimate, layer for
-        # layer, which gave those of the full estimate at two budgets (the issues' notes).
+        # The last captured batch, and the estimate every search plans on (`search_estimator`).
         precisions = self.config.planning.precisions()
         candidates = [precisions.get(f, LayerPrecision(f)) for f in lowered]
         steps = sensitivity_steps(snapshot, self.batches[-1:], self.loss_fn, candidates, layers=self.layers, example_inputs=self.example,
-                                  estimator=FisherEstimator(lr=self.config.lr, upstream=False, site="layer"),
+                                  estimator=search_estimator(self.config.lr),
                                   traced=self.fingerprint, second_moment=self._second_moment)
         return (yield from weighted(steps, "sensitivity", len(self.layers)))
 
