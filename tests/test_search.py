@@ -145,7 +145,7 @@ def test_relative_accuracy_without_baseline_says_what_is_missing():
 
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("fractions", [(0.6, 0.5), (0.45, 0.3), (0.9, 0.1)])
-def test_exact_solver_matches_brute_force(seed, fractions):
+def test_exact_solver_matches_brute_force(seed, fractions, exact_solves):
     space = SearchSpace(random_table(7, seed))
     memory, loss = budgets_for(space, *fractions)
     best = brute_force(space, memory, loss)

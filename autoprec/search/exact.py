@@ -239,9 +239,13 @@ def _solve(space: SearchSpace, objective: str, memory: float, loss_budget: float
     if relaxed.x is None:  # infeasible (so is the integer program), or out of time
         return None
     component = _components(space, program)
+    # Around the LP's choice; with cuts, first around the last plan found: the next best plan
+    # is most often a change of a few components of it, where the LP's choice is one of the
+    # plans the cuts rule out.
+    centres = ([_variables(program, cuts[-1])] if cuts else []) + [np.round(relaxed.x)]
     x, gap = None, np.inf
-    for neighbours in FREED_NEIGHBOURS:
-        x, gap = _restricted(vector, rows, integrality, relaxed, component, neighbours, deadline)
+    for centre, neighbours in ((c, n) for c in centres for n in FREED_NEIGHBOURS):
+        x, gap = _restricted(vector, rows, integrality, relaxed, component, centre, neighbours, deadline)
         if x is not None:
             break
     if x is None:
@@ -268,12 +272,24 @@ def _limited(options: dict, deadline: "float | None") -> dict:
 FREED_NEIGHBOURS = (4, 16)
 
 
+def _variables(program: _Program, found: "Solution | Mapping[str, Format]") -> np.ndarray:
+    """The program's variables (x, r, z) of plan ``found`` (a `Solution`, or an assignment
+    recomputing nothing)."""
+    assignment, recompute = (found.assignment, found.recompute) if isinstance(found, Solution) else (found, frozenset())
+    nx, nb = len(program.columns), len(program.blocks)
+    x = np.zeros(program.size)
+    x[:nx] = [float(assignment[name] is fmt) for name, fmt, _ in program.columns]
+    x[nx : nx + nb] = [float(name in recompute) for name in program.blocks]
+    x[nx + nb :] = [x[i] * x[nx + r] for i, r, _, _ in program.links]
+    return x
+
+
 def _restricted(vector: np.ndarray, rows: _Rows, integrality: np.ndarray, relaxed: Any, component: np.ndarray,
-                neighbours: int, deadline: "float | None") -> "tuple[np.ndarray | None, float]":
-    """The integer program with the components the LP ``relaxed`` left integral fixed at its
-    values, but for the ``neighbours`` nearest to changing: its solution and its gap to the LP bound
-    (proven: no plan beats the LP), or (None, inf) when it is infeasible or that gap is over
-    `MIP_GAP`."""
+                centre: np.ndarray, neighbours: int, deadline: "float | None") -> "tuple[np.ndarray | None, float]":
+    """The integer program with every component fixed at its value in ``centre`` (integral)
+    but for those the LP ``relaxed`` left fractional and the ``neighbours`` it was nearest to
+    changing: its solution and its gap to the LP bound (proven: no plan beats the LP), or
+    (None, inf) when it is infeasible or that gap is over `MIP_GAP`."""
     x = relaxed.x
     free = set(component[np.abs(x - np.round(x)) > 1e-6].tolist())
     # HiGHS's reduced costs: what raising a variable from zero would cost per unit; a
@@ -286,7 +302,7 @@ def _restricted(vector: np.ndarray, rows: _Rows, integrality: np.ndarray, relaxe
     free.update(sorted(nearest, key=nearest.__getitem__)[:neighbours])
     fixed = ~np.isin(component, list(free))
     lower, upper = np.zeros_like(x), np.ones_like(x)
-    lower[fixed] = upper[fixed] = np.round(x[fixed])
+    lower[fixed] = upper[fixed] = centre[fixed]
     result = milp(vector, constraints=rows.constraints(), integrality=integrality, bounds=Bounds(lower, upper),
                   options=_limited({"mip_rel_gap": MIP_GAP}, deadline))
     if result.x is None:
