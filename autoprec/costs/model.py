@@ -231,6 +231,7 @@ class CostModel:
         # block fqn -> what recomputing it frees and costs (`BlockCost`); empty: none costed.
         self.blocks: dict[str, BlockCost] = dict(blocks or {})
         self._times: dict[tuple[str, Format], TimeEstimate] = {}
+        self._timed: set[Format] = set()  # formats every call has a time in (`_ensure_times`)
         self.formats = tuple(Format.parse(f) for f in formats)
         self._ensure_times(self.formats)
 
@@ -440,10 +441,15 @@ class CostModel:
         return Plan({fqn: self.precision(fmt, f"uniform {fmt.value} plan") for fqn in self.trace.layers})
 
     def _ensure_times(self, formats: Sequence[Format]) -> None:
+        """Estimate every call's time in ``formats`` once per format (each `layer_cost` asks:
+        a check over every call each time made costing the model quadratic in its layers)."""
+        if all(f in self._timed for f in formats):
+            return
         calls = [call for layer in self.trace.layers.values() for call in layer.calls]
         missing = [f for f in formats if f not in self.in_place and any((call.key, f) not in self._times for call in calls)]
         if missing:
             self._times.update(self.time_model.estimate(calls, missing, self.device))
+        self._timed.update(formats)
 
     def _layer(self, fqn: str):
         try:
