@@ -13,20 +13,22 @@ __all__ = ["PASSES_PER_STEP", "unit_weight", "weighted"]
 # (2N and 4N per token for N parameters, Kaplan et al. 2020, arXiv:2001.08361, section 2.1).
 PASSES_PER_STEP = 3
 # What an off-path unit weighs (`unit_weight`), in model passes. A look at the whole model or a
-# forward and backward of one batch: its passes, hooks included (on issue 57's narrow Llama at
-# 16 and 32 blocks, 2 CPU cores, torch 2.13: the recorded batch took 5.5-6.1 passes, the scopes'
-# traced forward 1.6). A unit of one layer: a fixed part (its calls, quantization and hooks),
-# which takes the same time however deep the model, so it is counted in *layer shares* (a
-# pass's time over its layers: the same at every depth of one architecture; counted in passes,
-# it overstated a deep model's units by its depth, 5x at 64 blocks), plus its FLOPs as its
-# share of the pass (1 / layers): making its runtimes (host work only); calibration (the
-# model's forward or the layer's re-run, both under that label); a (layer, format) estimate
-# (its forward and local backward, as a step's 1 + 2). The fixed parts are the most these units
-# took on that Llama (runtimes 14-22, calibration 21-25, an estimate 15-18 layer shares) and on
-# the 31-layer GPT of benchmarks/search_stall.py (2, 3 and 11). Planning weighs nothing.
-_WHOLE_MODEL_UNITS = {"trace": 1.0, "region bytes": 1.0, "block forward": 1.0, "scopes": 2.0, "recorded batch": 6.0}
-_LAYER_UNITS = {"runtimes": (22.0, 0.0), "calibration": (25.0, 1.0)}  # (fixed layer shares, layer passes)
-_LAYER_ESTIMATE = (18.0, 3.0)
+# forward and backward of one batch: its passes. A unit of one layer: a fixed part (its calls,
+# quantization and hooks) plus its FLOPs as its share of the model's pass (1 / layers): making
+# its runtimes (host work only); calibration (the model's forward or the layer's re-run, both
+# under that label); a (layer, format) estimate (its forward and local backward, as a step's
+# 1 + 2). The fixed part takes the same time however deep the model, while a pass grows with
+# the layers: it is the lesser of a part of a pass (what these units took on the 31-layer GPT
+# of benchmarks/search_stall.py, 2 CPU cores, torch 2.13: 0.06, 0.1 and 0.35 of a pass) and a
+# number of *layer shares* (a pass's time over its layers; the most they took on issue 57's
+# narrow Llama at 16 and 32 blocks: 22, 25 and 18, the same at both depths). In passes alone,
+# the fixed part overstated a deep model's units by its depth (5x at 64 blocks: the search ran
+# ~250 steps where ~50 were its share); in layer shares alone, a shallow model's (a 3-layer
+# model's estimate weighed 7 passes). Planning weighs nothing.
+_WHOLE_MODEL_UNITS = {"trace": 1.0, "region bytes": 1.0, "block forward": 1.0, "scopes": 1.0, "recorded batch": 3.0}
+# (fixed passes, fixed layer shares, layer passes)
+_LAYER_UNITS = {"runtimes": (0.06, 22.0, 0.0), "calibration": (0.1, 25.0, 1.0)}
+_LAYER_ESTIMATE = (0.35, 18.0, 3.0)
 _HOST_UNITS = frozenset({"layers", "sites", "second moment", "solve", "block"})
 
 
@@ -41,8 +43,9 @@ def unit_weight(label: str, layers: int) -> float:
         return _WHOLE_MODEL_UNITS[label]
     if label in _HOST_UNITS:
         return 0.0
-    fixed, passes = _LAYER_UNITS.get(label, _LAYER_ESTIMATE)
-    return (fixed + passes) / max(1, layers)
+    fixed_passes, fixed_shares, passes = _LAYER_UNITS.get(label, _LAYER_ESTIMATE)
+    layers = max(1, layers)
+    return min(fixed_passes, fixed_shares / layers) + passes / layers
 
 
 def weighted(steps: Generator[str, None, Any], stage: str, layers: int) -> Generator[tuple[str, float], None, Any]:
