@@ -26,6 +26,7 @@ exact lower and upper bounds (the bin wholly excluded or included).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Mapping, Optional, Sequence
 
@@ -81,7 +82,7 @@ class Histogram:
         if nonzero.size == 0:
             return cls(0, ())
         lo, hi = int(nonzero[0]), int(nonzero[-1]) + 1
-        return cls(lo, tuple(int(c) for c in counts[lo:hi]))
+        return cls(lo, tuple(counts[lo:hi].tolist()))
 
     def full(self) -> np.ndarray:
         out = np.zeros(NUM_BINS, dtype=np.int64)
@@ -100,13 +101,22 @@ class Histogram:
     def nonfinite(self) -> int:
         return int(self.full()[_FIRST_NONFINITE:].sum())
 
+    @functools.cached_property
     def _finite_bins(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        counts = self.full()[1:_FIRST_NONFINITE].astype(np.float64)
-        return counts, _EDGES[1:_FIRST_NONFINITE], _EDGES[2 : _FIRST_NONFINITE + 1]
+        """(counts, lower edges, upper edges) of the finite nonzero bins from the first occupied
+        to the last: the bins outside hold nothing, and a tensor's values span a few octaves, so
+        this is tens of bins where the whole range is 2,039. Made once per histogram: the
+        profile's summary reads them per tensor, format and scaling (it was most of the
+        window's last step at depth)."""
+        start, stop = max(self.first, 1), min(self.first + len(self.counts), _FIRST_NONFINITE)
+        if stop <= start:
+            return np.zeros(0), np.zeros(0), np.zeros(0)
+        counts = np.asarray(self.counts[start - self.first : stop - self.first], dtype=np.float64)
+        return counts, _EDGES[start:stop], _EDGES[start + 1 : stop + 1]
 
     def count_below(self, threshold: float) -> tuple[float, int, int]:
         """Nonzero finite magnitudes below ``threshold``: (log-uniform estimate, lower, upper bound)."""
-        counts, lo, hi = self._finite_bins()
+        counts, lo, hi = self._finite_bins
         whole = counts[hi <= threshold].sum()
         cut = (lo < threshold) & (threshold < hi)
         part = counts[cut]
@@ -115,7 +125,7 @@ class Histogram:
 
     def count_above(self, threshold: float) -> tuple[float, int, int]:
         """Finite magnitudes above ``threshold``: (log-uniform estimate, lower, upper bound)."""
-        counts, lo, hi = self._finite_bins()
+        counts, lo, hi = self._finite_bins
         whole = counts[lo >= threshold].sum()
         cut = (lo < threshold) & (threshold < hi)
         part = counts[cut]
