@@ -11,7 +11,8 @@ One thread. Per depth:
 - the slowest search step over the median plain step, and the search's extra CPU seconds (its
   steps less as many plain steps);
 - the integer program's seconds (`search.exact.k_best`, all its solves);
-- the process's RSS growth from the window's end to the last step.
+- the process's RSS growth from the window's end to the step the plan is in force, and with
+  ``--after-steps N`` over N planned steps after it.
 
 Ratios are in-run (the plain step is timed in the same process); seconds are this machine's.
 
@@ -43,7 +44,7 @@ def rss_mib() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def one_depth(blocks: int, max_steps: int) -> dict:
+def one_depth(blocks: int, max_steps: int, after_steps: int = 0) -> dict:
     import transformers
 
     from autoprec.scheduler import DynamicPrecisionScheduler
@@ -74,7 +75,7 @@ def one_depth(blocks: int, max_steps: int) -> dict:
 
     pipeline.k_best = timed_k_best
     plain_steps, search_steps, step_stages = [], [], []
-    planned_at, rss_start = None, None
+    planned_at, rss_start, rss_planned, planned_steps = None, None, None, []
     try:
         for step in range(max_steps):
             g = torch.Generator().manual_seed(step)
@@ -102,8 +103,11 @@ def one_depth(blocks: int, max_steps: int) -> dict:
                 step_stages.append((seconds, step, ran))
                 if rss_start is None:
                     rss_start = rss_mib()
-            if sch.phase == "planned":
-                planned_at = step + 1
+            if planned_at is not None:
+                planned_steps.append(seconds)
+            if sch.phase == "planned" and planned_at is None:
+                planned_at, rss_planned = step + 1, rss_mib()
+            if planned_at is not None and step + 1 >= planned_at + after_steps:
                 break
     finally:
         exact.k_best = pipeline.k_best = real_k_best
@@ -113,7 +117,13 @@ def one_depth(blocks: int, max_steps: int) -> dict:
         "search_steps": len(search_steps), "median_plain_step_s": median_plain,
         "slowest_search_step_over_plain": max(search_steps) / median_plain if search_steps else None,
         "search_extra_cpu_s": sum(search_steps) - median_plain * len(search_steps),
-        "solver_cpu_s": solver_seconds[0], "rss_growth_mib": rss_mib() - rss_start if rss_start is not None else None,
+        "solver_cpu_s": solver_seconds[0],
+        "rss_growth_mib": (rss_planned if rss_planned is not None else rss_mib()) - rss_start if rss_start is not None else None,
+        # Once the plan is in force: the RSS growth over ``after_steps`` planned steps, and their
+        # median over the plain step's.
+        "rss_growth_after_plan_mib": rss_mib() - rss_planned if rss_planned is not None and planned_steps else None,
+        "planned_steps": len(planned_steps),
+        "median_planned_step_over_plain": statistics.median(planned_steps) / statistics.median(plain_steps) if planned_steps else None,
         "error": sch.last_search_error,
         # The three slowest search steps: (step, over a plain step, the stages' seconds in it).
         "slowest_steps": [(step, round(sec / median_plain, 1), ran) for sec, step, ran in sorted(step_stages, key=lambda t: -t[0])[:3]],
@@ -133,13 +143,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", default="4,16,32", help="comma-separated depths (decoder layers)")
     parser.add_argument("--max-steps", type=int, default=400)
+    parser.add_argument("--after-steps", type=int, default=0, help="planned steps to run once a plan is in force (RSS after the plan)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     rows = []
     for blocks in map(int, args.blocks.split(",")):
-        row = one_depth(blocks, args.max_steps)
+        row = one_depth(blocks, args.max_steps, args.after_steps)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "search_timeline"}), flush=True)
     print("| blocks | planned layers | plan in force at step | slowest search step / plain step | search's extra CPU s | solver CPU s | RSS growth MiB |")
