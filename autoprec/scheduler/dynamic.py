@@ -465,7 +465,10 @@ class DynamicPrecisionScheduler:
                              safe_bytes=None if measured is None else (self._plans.safe_format, measured), compiled=self._binding.compiled,
                              alone=self._dist is None)
         self._clock = self._clock.searching()
-        if restore is None and self._searches.advance(self._dist):  # its first slice in this step
+        # This step already summed up the window and made the search (both linear in the
+        # layers): its first slice of off-path work runs after the next step, unless it all
+        # runs at once (search_slice=None: here).
+        if restore is None and self.config.search_slice is None and self._searches.advance(self._dist):
             self._finish_search()
 
     def _finish_search(self) -> None:
