@@ -38,6 +38,7 @@ __all__ = [
     "find_layers",
     "ModuleFilter",
     "layer_name",
+    "fqn_pattern",
     "enclosing_layer",
 ]
 
@@ -103,6 +104,12 @@ ModuleFilter = Callable[[nn.Module, str], bool]
 """``(module, fqn) -> bool``: False keeps a layer out of low precision (torchao's module_filter_fn)."""
 
 
+def fqn_pattern(fqn: str) -> str:
+    """``fqn`` with its numeric parts (block indices) as ``*``: what the same layer of every
+    block shares, e.g. ``"blocks.*.mlp.fc"``."""
+    return ".".join("*" if part.isdigit() else part for part in fqn.split("."))
+
+
 def layer_name(fqn: str, root: "nn.Module | str") -> str:
     """A layer as people read it (logs, errors, review): its fqn, except the model's root (fqn
     ``""``, a model that is itself one layer such as a bare ``nn.Linear``), named by its class,
@@ -137,7 +144,7 @@ class LayerInfo:
         ``*``, the class, the ops and the parameter shapes. The layers of one role (the same
         projection in every block of a transformer) cost the same seconds and bytes, so one
         measurement serves them all (the scheduler's search)."""
-        pattern = ".".join("*" if part.isdigit() else part for part in fqn.split("."))
+        pattern = fqn_pattern(fqn)
         shapes = ",".join(f"{k}{list(v)}" for k, v in sorted(self.params.items()))
         return f"{pattern}|{self.module}|{','.join(self.ops)}|{shapes}"
 

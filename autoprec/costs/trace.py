@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 
 from .._tracing import is_weight, module_stack, side_effect_free
 from ..calls import ModelCall
-from ..coverage import MATMUL_OPS
+from ..coverage import MATMUL_OPS, fqn_pattern
 from ..errors import CostModelError
 from ..measure import HeldBytes, held_span, keep_for_backward
 
@@ -299,16 +299,14 @@ TRACE_RETRIES = 4
 
 
 def trace_roles(trace: ModelTrace) -> dict[str, str]:
-    """fqn -> its role in ``trace``: the fqn with its numeric parts (block indices) as ``*``, the
-    class, each call's work (`MatmulCall.key`) and bytes saved, and the layer's own saved and
-    parameter bytes. Layers of one role (the same projection in every block, on the same shapes)
+    """fqn -> its role in ``trace``: its `coverage.fqn_pattern`, the class, each call's work
+    (`MatmulCall.key`) and bytes saved, and the layer's own saved and parameter bytes. Layers of one role (the same projection in every block, on the same shapes)
     save the same bytes, so one measurement serves them all (`CostModel.build`'s bytes per role,
     as `LayerInfo.role` does for the scheduler's search). O(layers)."""
     roles = {}
     for fqn, layer in trace.layers.items():
-        pattern = ".".join("*" if part.isdigit() else part for part in fqn.split("."))
         calls = ";".join(f"{call.key}/{call.saved_bytes}" for call in layer.calls)
-        roles[fqn] = f"{pattern}|{layer.module}|{calls}|{layer.other_saved_bytes}|{layer.param_bytes}"
+        roles[fqn] = f"{fqn_pattern(fqn)}|{layer.module}|{calls}|{layer.other_saved_bytes}|{layer.param_bytes}"
     return roles
 
 

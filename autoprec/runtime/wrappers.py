@@ -30,8 +30,7 @@ from ..coverage import enclosing_layer
 from ..formats import Format
 from ..plan import Plan
 from .layers import NEVER_AUTOCAST, RuntimeLayer, to_fp32, to_half
-from .model_index import HF_CHECKPOINT as _HF_CHECKPOINT
-from .model_index import ModelIndex
+from .model_index import HF_CHECKPOINT, ModelIndex
 from .products import LayerMode, PerThread, Products, ThreadState
 from .recompute import BlockHost, block_wrapper, user_checkpoint
 from .wrapping import displaced, mark, previous_of
@@ -264,19 +263,19 @@ class LayerWrappers:
         for module, forward in self._all():
             module.forward = forward
         for fqn, (module, function) in self.checkpoints.items():
-            current = module.__dict__.get(_HF_CHECKPOINT)
+            current = module.__dict__.get(HF_CHECKPOINT)
             if current is not function:
                 # The user's, or an inactive runtime's: then the user's behind it.
                 user = getattr(current, "autoprec_user", None)
                 self._user_checkpoints[fqn] = user() if user is not None else current
-                setattr(module, _HF_CHECKPOINT, function)
+                setattr(module, HF_CHECKPOINT, function)
 
     def remove(self) -> None:
         """Take the wrappers off the model, restoring each module's ``__dict__`` as it was (a
         forward the user had set on an instance included, and the user's checkpoint function)."""
         for fqn, (module, function) in self.checkpoints.items():
-            if module.__dict__.get(_HF_CHECKPOINT) is function:
-                setattr(module, _HF_CHECKPOINT, self._user_checkpoints[fqn])
+            if module.__dict__.get(HF_CHECKPOINT) is function:
+                setattr(module, HF_CHECKPOINT, self._user_checkpoints[fqn])
         for module, forward in self._all():
             if module.__dict__.get("forward") is not forward:
                 continue  # displaced by another runtime, which restores on its own removal
