@@ -27,7 +27,7 @@ from .casts import call_casts, describe
 from .emulation import StoredInFormat
 from .gemm import FP8_ALIGN, Fp8Linear, Fp8Spec, Int8Linear, Int8Spec
 from .layers import NEVER_AUTOCAST, RuntimeLayer, as_gemm, to_dtype, to_fp32, unify_dtypes
-from .recompute import recorded_scale
+from .recompute import recorded_scale, training_forward
 
 __all__ = ["ThreadState", "PerThread", "LayerMode", "Products"]
 
@@ -112,6 +112,8 @@ class Products:
         """``x @ weight.T + bias`` in the layer's format; ``weight`` is (N, K), x is (..., K).
         ``is_param``: ``weight`` is a parameter (or a view of one), not an activation; only a
         parameter's quantized copy may be reused, inside `reusing_weights`."""
+        if x.numel() == 0 or weight.numel() == 0:
+            return self.empty(torch.nn.functional.linear, (x, weight, bias), {}, self.out_dtype(x))
         if layer.kernel_reason is not None:
             return self.emulate(layer, "linear", torch.nn.functional.linear, (x, weight, bias), {})
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -146,7 +148,7 @@ class Products:
             # _scaled_mm fuses no bias into an FP32 output: there it is added after the kernel.
             fused = bias is not None and kernel_dtype != torch.float32
             kernel_bias = layer.kernel_bias(bias, kernel_dtype) if fused else None
-            record = torch.is_grad_enabled()
+            record = training_forward()
             x_casts, g_casts = call_casts(casts, x2.dtype), call_casts(casts, kernel_dtype)
             with torch.no_grad():
                 # A recomputed block's backward reads back the scale its forward chose: asking the
@@ -233,6 +235,16 @@ class Products:
             out = out + beta * bias
         return out.reshape(out_shape)
 
+    def empty(self, func, args, kwargs, out_dtype: torch.dtype):
+        """A product with an empty operand (an expert routed no tokens, a (B, 0, K) input): plain
+        PyTorch's result (its shape; zeros, or the bias; zero gradients) in ``out_dtype``, the
+        dtype the format gives a non-empty input. No quantizer runs, so an empty batch changes no
+        calibration, amax history or scale (a delayed history would take its amax, 0, as a step),
+        and no kernel is called (``_scaled_mm`` refuses row-wise scales of 0 rows)."""
+        with torch.autocast(self.device_type, enabled=False):
+            out = func(*pytree.tree_map(to_fp32, args), **pytree.tree_map(to_fp32, kwargs))
+        return out.to(out_dtype) if torch.is_tensor(out) and out.is_floating_point() else out
+
     def emulate(self, layer: RuntimeLayer, op: str, func, args, kwargs, reason: "str | None" = None):
         """Run the op in FP32 on inputs rounded to the layer's format, saving them in that format."""
         reason = reason or layer.kernel_reason
@@ -243,6 +255,8 @@ class Products:
         tensors = [leaves[i] for i in tensor_at]
         weights = tuple(is_weight(t) for t in tensors)
         out_dtype = self.out_dtype(next((t for t in tensors if t.is_floating_point()), tensors[0]))
+        if any(t.numel() == 0 for t in tensors):
+            return self.empty(func, args, kwargs, out_dtype)
 
         def fn(*values):
             filled = list(leaves)
