@@ -85,9 +85,7 @@ class PlanRuntime:
         # Whether the plan needs the runtime's forwards: a format other than FP32, or FP32 layers
         # whose weights are stored in a half dtype (they compute in FP32, the weight cast up).
         self.low_precision = formats != {Format.FP32} or any(layer.stored_dtype is not None for layer in self._layers.values())
-        # Between layers, tensors carry autocast's half dtype: FP16 only for a plan whose half
-        # layers are all FP16 (mixing FP16 activations into BF16 layers would lose range).
-        self.region_dtype = torch.float16 if (Format.FP16 in formats and Format.BF16 not in formats) else torch.bfloat16
+        self.region_dtype = _region_dtype(formats, {layer.stored_dtype for layer in self._layers.values()} - {None})
         # INT8 (and FP8 FP32-gradient) backward runs in BF16 on CUDA and FP32 on CPU, where BF16
         # matrix units are not a given.
         self.backward_dtype = torch.bfloat16 if self.device_type == "cuda" else torch.float32
@@ -322,6 +320,21 @@ class PlanRuntime:
                 f"state['layers'][{fqn!r}][{field!r}][{key!r}]{problem}; "
                 f"{_STATE_FIX} for this plan and model"
             )
+
+
+def _region_dtype(formats: set, stored: set) -> torch.dtype:
+    """The half dtype tensors carry between layers (the region's autocast), from the plan's
+    formats and the half dtypes its layers' weights are stored in (``stored``).
+
+    Weights stored in one half dtype (``model.half()``, a model loaded with
+    ``torch_dtype=torch.bfloat16``) set it, whatever the plan's formats: the model's own ops
+    between planned layers (a norm whose weight is FP16 refuses a BF16 input on CPU) and its
+    outputs keep that dtype, as the plain model's do; a half layer of the other dtype computes
+    in its own and hands the region's on (`wrappers`). Otherwise FP16 only for a plan whose half
+    layers are all FP16 (mixing FP16 activations into BF16 layers would lose range), else BF16."""
+    if len(stored) == 1:
+        return next(iter(stored))
+    return torch.float16 if (Format.FP16 in formats and Format.BF16 not in formats) else torch.bfloat16
 
 
 def _check_arguments(model: Any, plan: Any) -> None:
