@@ -58,7 +58,9 @@ def test_each_layer_is_converted_or_listed_with_its_reason():
         fc1=Scaling(mode=ScalingMode.DELAYED),
     )
     export = torchao_export(plan)
-    assert dict(export.recipes) == {"tensorwise": ("fc1",), "rowwise": ("fc2",)}
+    # Row-wise forward, per-tensor backward, E5M2 gradients: as the runtime runs fc2 (torchao's
+    # "rowwise" would take E4M3 gradients per row).
+    assert dict(export.recipes) == {"tensorwise": ("fc1",), "rowwise_forward_e5m2_gradients": ("fc2",)}
     assert "Linear(32, 24) has a dimension not divisible by 16" in export.not_converted["odd"]
     assert "no INT8 path" in export.not_converted["head"]
     assert export.notes == ("fc1: delayed scaling in the plan; torchao scales currently (per tensor)",)
@@ -72,6 +74,87 @@ def test_a_block_scaled_layer_exports_as_torchaos_closest_recipe_and_says_so():
     export = torchao_export(plan)
     assert dict(export.recipes) == {"rowwise": ("fc1",)}
     assert export.notes == ("fc1: block scaling (1x128 / 128x128) in the plan; torchao's float8 training has no block recipe, its closest is rowwise",)
+
+
+def _grad_plan(model, x, layers):
+    """``layers``: fqn -> (granularity, grad_format) of an FP8 E4M3 layer; the rest FP32."""
+    base = Plan.uniform(model, Format.FP32, x)
+    lowered = {fqn: LayerPrecision(Format.FP8_E4M3, grad, Scaling(granularity)) for fqn, (granularity, grad) in layers.items()}
+    return Plan({**base.layers, **lowered}, fingerprint=base.fingerprint)
+
+
+def _written(tmp_path, plan):
+    path = plan.save(tmp_path / "plan.json")
+    assert main(["export", str(path), "--to", "torchao"]) == 0
+    return _load(tmp_path / "plan_torchao.py")
+
+
+def _recipe_of(module, fqn):
+    return next(recipe for recipe, fqns in module.RECIPES.items() if fqn in fqns)
+
+
+@pytest.mark.parametrize("granularity, grad, forward", [
+    (Granularity.TENSOR, Format.FP8_E5M2, "TENSORWISE"),
+    (Granularity.TENSOR, Format.FP8_E4M3, "TENSORWISE"),
+    (Granularity.ROW, Format.FP8_E5M2, "AXISWISE"),
+    (Granularity.ROW, Format.FP8_E4M3, "AXISWISE"),
+])
+def test_a_layers_gradient_format_and_scaling_are_kept_by_the_exported_config(tmp_path, granularity, grad, forward):
+    """Issue 59: torchao's "tensorwise" gave an E4M3-gradient layer E5M2 gradients, its "rowwise"
+    an E5M2-gradient layer E4M3 ones, per row; neither was said."""
+    pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install -e '.[test]')")
+    model, x = Net(), torch.randn(4, 32)
+    exported = _written(tmp_path, _grad_plan(model, x, {"fc1": (granularity, grad)}))
+    config = exported.make_config(_recipe_of(exported, "fc1"))
+    assert config.cast_config_grad_output.target_dtype == grad.dtype
+    assert config.cast_config_grad_output_for_grad_weight.target_dtype == grad.dtype
+    assert config.cast_config_input.scaling_granularity.name == config.cast_config_weight.scaling_granularity.name == forward
+    # The backward's operands per tensor, as the runtime quantizes them; no power-of-2 scales.
+    backward = (config.cast_config_grad_output, config.cast_config_input_for_grad_weight, config.cast_config_weight_for_grad_input)
+    assert {c.scaling_granularity.name for c in backward} == {"TENSORWISE"}
+    assert not config.round_scales_to_power_of_2
+    assert exported.NOTES == []
+
+
+def _fake_fp8(t, dtype, dim=None):
+    """``t`` rounded to ``dtype`` with one scale (``dim`` None) or one per slice along ``dim``."""
+    top = torch.finfo(dtype).max
+    amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+    scale = top / amax
+    return (t * scale).clamp(-top, top).to(dtype).float() / scale
+
+
+def test_a_row_scaled_layer_runs_in_torchao_as_the_runtime_runs_it(tmp_path):
+    """The exported config, run by torchao (emulated on CPU), is the runtime's row-wise recipe
+    computed by hand: row-wise E4M3 forward, per-tensor E4M3 operands and E5M2 gradients in the
+    backward."""
+    pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install -e '.[test]')")
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(64, 32)
+    converted = _written(tmp_path, _grad_plan(model, x, {"fc1": (Granularity.ROW, Format.FP8_E5M2)})).convert(model, emulate=True)
+    h, g = torch.randn(64, 32, requires_grad=True), torch.randn(64, 64)
+    out = converted.fc1(h)
+    out.backward(g)
+    w, e4m3, e5m2 = converted.fc1.weight.detach(), torch.float8_e4m3fn, torch.float8_e5m2
+    x_hat = h.detach()
+    expected_out = _fake_fp8(x_hat, e4m3, -1) @ _fake_fp8(w, e4m3, -1).t() + converted.fc1.bias.detach()
+    expected_dx = _fake_fp8(g, e5m2) @ _fake_fp8(w, e4m3)
+    expected_dw = _fake_fp8(g, e5m2).t() @ _fake_fp8(x_hat, e4m3)
+    torch.testing.assert_close(out.detach(), expected_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h.grad, expected_dx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(converted.fc1.weight.grad, expected_dw, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("granularity, grad, says", [
+    (Granularity.TENSOR, Format.FP32, "FP32 gradients in the plan; torchao's high-precision gradient path fails under autocast"),
+    (Granularity.ROW, Format.FP32, "FP32 gradients in the plan"),
+    (Granularity.BLOCK, Format.FP8_E5M2, "e5m2 gradients in the plan; torchao's rowwise recipe casts them to e4m3"),
+])
+def test_an_export_that_changes_a_layers_gradients_names_the_layer_in_the_files_notes(tmp_path, granularity, grad, says):
+    model, x = Net(), torch.randn(4, 32)
+    exported = _written(tmp_path, _grad_plan(model, x, {"fc1": (granularity, grad), "fc2": (Granularity.TENSOR, Format.FP8_E5M2)}))
+    assert any(note.startswith(f"fc1: {says}") for note in exported.NOTES), exported.NOTES
+    assert not any(note.startswith("fc2:") for note in exported.NOTES)
 
 
 def test_a_module_running_its_own_matmul_and_half_layers_are_not_converted():

@@ -5,19 +5,24 @@ torchao converts ``nn.Linear`` modules to ``Float8Linear`` with one ``Float8Line
 conversion call, choosing modules with a ``module_filter_fn(module, fqn)``. The export maps each
 layer of the plan:
 
-- **converted**: FP8 E4M3 layers (E5M2 gradients, as torchao's recipes) that are exactly
-  ``nn.Linear`` with both dimensions divisible by 16 (the float8 kernels' requirement, which
-  torchao checks too), grouped by recipe: per-tensor scaling → ``"tensorwise"``, row-wise →
-  ``"rowwise"``. Delayed scaling has no torchao counterpart any more; those layers use
-  ``"tensorwise"`` (current scaling) and the file says so.
+- **converted**: FP8 E4M3 layers that are exactly ``nn.Linear`` with both dimensions divisible by
+  16 (the float8 kernels' requirement, which torchao checks too), grouped by the
+  ``Float8LinearConfig`` that keeps their numbers where torchao can express them: per-tensor
+  scaling with E5M2 gradients is torchao's ``"tensorwise"``; other gradient formats and row-wise
+  scaling (row-wise forward, per-tensor backward, as the runtime runs it) get a config of their
+  own, one ``CastConfig`` per GEMM operand (torchao's ``"rowwise"`` would cast the gradients to
+  E4M3, row-wise, with power-of-2 scales). Where torchao cannot keep a layer's numbers, the
+  layer's entry in ``NOTES`` says what changes: delayed scaling (torchao scales currently), block
+  scaling (torchao's closest is ``"rowwise"``, E4M3 gradients), FP32 gradients (torchao's
+  high-precision gradient path fails under autocast, so they stay float8), a scaling margin.
 - **not converted**, each with the reason: FP8 layers that are not ``nn.Linear`` (a module's own
   matmuls, e.g. attention products), whose dimensions are not multiples of 16, or in E5M2
   forward (no torchao recipe); INT8 layers (torchao's float8 training has no INT8 path); BF16 /
   FP16 layers (run them under ``torch.autocast``, as autoprec does); FP32 layers.
 
 The output is one self-contained Python file (no autoprec import) with the layer sets, a
-``module_filter_fn`` per recipe and ``convert(model, emulate=False)``, which calls
-``convert_to_float8_training`` once per recipe. Module types and shapes come from the plan's
+``module_filter_fn`` per recipe, ``CONFIGS`` (each recipe's casts) and ``convert(model,
+emulate=False)``, which calls ``convert_to_float8_training`` once per recipe. Module types and shapes come from the plan's
 fingerprint, so no model is needed to export. Beside the filter, ``RECOMPUTE`` lists the modules
 the plan recomputes (its blocks with ``recompute: true``): the modules to wrap in non-reentrant
 activation checkpointing (``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, e.g.
@@ -49,10 +54,12 @@ class TorchaoExport:
 
     recipes: Mapping[str, tuple[str, ...]]  # recipe name -> fqns converted with it
     not_converted: Mapping[str, str]  # fqn -> why torchao does not run it in FP8
-    notes: tuple[str, ...]  # plan settings torchao runs differently (delayed -> current scaling)
+    notes: tuple[str, ...]  # "fqn: ..." per converted layer whose numbers torchao changes, and how
     autocast: str | None  # the autocast dtype autoprec runs the plan under ("bfloat16", "float16"; None: all FP32)
     recompute: tuple[str, ...] = ()  # fqns of the modules the plan recomputes (to wrap in activation checkpointing)
     grad_comm: Mapping[str, str] = dataclasses.field(default_factory=dict)  # fqn -> how its gradients travel, where not FP32
+    # recipe -> None (torchao's own recipe of that name) or {Float8LinearConfig cast field: (granularity, float8 dtype)}
+    configs: Mapping[str, "Mapping[str, tuple[str, str]] | None"] = dataclasses.field(default_factory=dict)
 
     @property
     def converted(self) -> tuple[str, ...]:
@@ -63,7 +70,7 @@ def torchao_export(plan: Plan) -> TorchaoExport:
     """Map ``plan`` onto torchao's float8 training (pure; see the module docstring)."""
     if not plan.fingerprint:
         raise PlanError("the plan has no fingerprint (module types and shapes) to export from; re-save it with autoprec >= 0.1")
-    recipes: dict[str, list[str]] = {"tensorwise": [], "rowwise": []}
+    recipes: dict[str, list[str]] = {}
     skipped: dict[str, str] = {}
     notes: list[str] = []
     halves = set()
@@ -79,12 +86,9 @@ def torchao_export(plan: Plan) -> TorchaoExport:
             if in_features % _FP8_MULTIPLE or out_features % _FP8_MULTIPLE:
                 skipped[fqn] = f"fp8_e4m3 in the plan, but Linear({in_features}, {out_features}) has a dimension not divisible by {_FP8_MULTIPLE} (float8 kernels need it); it stays in high precision"
                 continue
-            row = lp.scaling.granularity in (Granularity.ROW, Granularity.BLOCK)
-            recipes["rowwise" if row else "tensorwise"].append(fqn)
-            if lp.scaling.granularity is Granularity.BLOCK:
-                notes.append(f"{fqn}: block scaling (1x128 / 128x128) in the plan; torchao's float8 training has no block recipe, its closest is rowwise")
-            if lp.scaling.mode is ScalingMode.DELAYED:
-                notes.append(f"{fqn}: delayed scaling in the plan; torchao scales currently (per {'row' if row else 'tensor'})")
+            recipe, changes = _recipe(lp)
+            recipes.setdefault(recipe, []).append(fqn)
+            notes.extend(f"{fqn}: {change}" for change in changes)
         elif lp.format is Format.FP8_E5M2:
             skipped[fqn] = "fp8_e5m2 forward in the plan: torchao's recipes run e4m3 forward; it stays in high precision"
         elif lp.format is Format.INT8:
@@ -99,7 +103,65 @@ def torchao_export(plan: Plan) -> TorchaoExport:
     lowered = any(lp.format is not Format.FP32 for lp in plan.layers.values())
     autocast = None if not lowered else ("float16" if halves == {Format.FP16} else "bfloat16")
     grad_comm = {fqn: m.value for fqn, m in plan.comm.items() if m is not CommMethod.FP32}
-    return TorchaoExport({k: tuple(v) for k, v in recipes.items() if v}, skipped, tuple(notes), autocast, plan.recompute, grad_comm)
+    configs = {recipe: _CONFIGS.get(recipe) for recipe in recipes}
+    return TorchaoExport({k: tuple(v) for k, v in recipes.items()}, skipped, tuple(notes), autocast, plan.recompute, grad_comm, configs)
+
+
+# torchao's Float8LinearConfig cast fields, one per GEMM operand, as `_casts` fills them.
+_FORWARD = ("cast_config_input", "cast_config_weight")
+_BACKWARD = ("cast_config_input_for_grad_weight", "cast_config_weight_for_grad_input")
+_GRADIENT = ("cast_config_grad_output", "cast_config_grad_output_for_grad_weight")
+
+
+def _casts(forward: str, grad: str) -> dict[str, tuple[str, str]]:
+    """The casts of the runtime's FP8 E4M3 linear (`runtime.gemm.Fp8Linear`): input and weight
+    E4M3 scaled per ``forward`` ("tensorwise" or "axiswise", torchao's name for row-wise); the
+    backward GEMMs take per-tensor E4M3 copies of both and a per-tensor ``grad`` copy of the
+    output gradient (`runtime.quantizers`)."""
+    return {**{f: (forward, "e4m3") for f in _FORWARD}, **{f: ("tensorwise", "e4m3") for f in _BACKWARD}, **{f: ("tensorwise", grad) for f in _GRADIENT}}
+
+
+# Recipes the export writes: None is torchao's own recipe of that name (torchao 0.18's
+# "tensorwise" is exactly _casts("tensorwise", "e5m2"), no power-of-2 scales); the others are
+# written out cast by cast.
+_CONFIGS: dict[str, "dict[str, tuple[str, str]] | None"] = {
+    "tensorwise": None,
+    "rowwise": None,
+    "tensorwise_e4m3_gradients": _casts("tensorwise", "e4m3"),
+    "rowwise_forward_e5m2_gradients": _casts("axiswise", "e5m2"),
+    "rowwise_forward_e4m3_gradients": _casts("axiswise", "e4m3"),
+}
+
+
+def _recipe(lp) -> tuple[str, list[str]]:
+    """The recipe of a convertible FP8 E4M3 layer and what torchao runs differently from the
+    plan (empty when it keeps the layer's numbers)."""
+    granularity, grad = lp.scaling.granularity, lp.grad_format
+    changes = []
+    if grad is Format.FP32:
+        # torchao 0.18's high-precision gradient path (ScalingType.DISABLED) multiplies the
+        # autocast-dtype gradient by the FP32 weight in its backward, which torch refuses.
+        cast = "e4m3 per row (torchao's rowwise recipe)" if granularity is Granularity.BLOCK else "e5m2 per tensor"
+        changes.append(f"FP32 gradients in the plan; torchao's high-precision gradient path fails under autocast, so its output "
+                       f"gradient is cast to float8 {cast} and its gradients change")
+    if granularity is Granularity.BLOCK:
+        recipe = "rowwise"
+        changes.append("block scaling (1x128 / 128x128) in the plan; torchao's float8 training has no block recipe, its closest is rowwise")
+        if grad is Format.FP8_E5M2:
+            changes.append("e5m2 gradients in the plan; torchao's rowwise recipe casts them to e4m3")
+    else:
+        row = granularity is Granularity.ROW
+        kept = grad if grad.is_fp8 else Format.FP8_E5M2
+        if row:
+            recipe = f"rowwise_forward_{kept.value.removeprefix('fp8_')}_gradients"
+        else:
+            recipe = "tensorwise" if kept is Format.FP8_E5M2 else "tensorwise_e4m3_gradients"
+    if lp.scaling.mode is ScalingMode.DELAYED:
+        row = granularity is not Granularity.TENSOR
+        changes.append(f"delayed scaling in the plan; torchao scales currently (per {'row' if row else 'tensor'})")
+    if lp.scaling.margin:
+        changes.append(f"scaling margin {lp.scaling.margin} in the plan (2**-{lp.scaling.margin} of the range); torchao scales to the full range")
+    return recipe, changes
 
 
 _TEMPLATE = '''"""torchao float8 training of the autoprec plan {source} (sha1 {digest}), exported by autoprec {version}.
@@ -115,18 +177,25 @@ after convert(model), as autoprec runs them.
 import dataclasses
 
 import torch
-from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+from torchao.float8 import CastConfig, Float8LinearConfig, ScalingGranularity, convert_to_float8_training
+from torchao.float8.config import e4m3_dtype, e5m2_dtype
 
 # recipe -> fully-qualified names of the nn.Linear layers converted with it
 RECIPES = {recipes}
 
+# recipe -> how it casts: None for torchao's own recipe of that name, else each GEMM operand's
+# Float8LinearConfig field -> [scaling granularity, float8 dtype], as autoprec runs the layers
+# (no power-of-2 scales)
+CONFIGS = {configs}
+
 # layers torchao does not run in float8, and why
 NOT_CONVERTED = {not_converted}
 
-# plan settings torchao runs differently
+# "layer: what changes", for each converted layer whose numbers torchao cannot keep
 NOTES = {notes}
 
-# autoprec runs this plan under torch.autocast in this dtype (None: every layer FP32)
+# autoprec runs this plan under torch.autocast in this dtype (None: every layer FP32); on a model
+# whose weights are stored in one half dtype, in that dtype
 AUTOCAST_DTYPE = {autocast}
 
 # fully-qualified names of the modules the plan recomputes: wrap each in non-reentrant activation
@@ -147,11 +216,23 @@ def module_filter_fn(recipe):
     return lambda module, fqn: fqn in wanted
 
 
+def make_config(recipe):
+    """The ``Float8LinearConfig`` of one recipe (see CONFIGS)."""
+    casts = CONFIGS[recipe]
+    if casts is None:
+        return Float8LinearConfig.from_recipe_name(recipe)
+    dtypes = {{"e4m3": e4m3_dtype, "e5m2": e5m2_dtype}}
+    return Float8LinearConfig(**{{
+        field: CastConfig(scaling_granularity=ScalingGranularity(granularity), target_dtype=dtypes[dtype])
+        for field, (granularity, dtype) in casts.items()
+    }})
+
+
 def convert(model, emulate=False):
     """Convert ``model`` in place, one ``convert_to_float8_training`` call per recipe; returns it.
     ``emulate=True`` runs torchao's emulated float8 (CPU, or a GPU without float8 tensor cores)."""
     for recipe in RECIPES:
-        config = Float8LinearConfig.from_recipe_name(recipe)
+        config = make_config(recipe)
         if emulate:
             config = dataclasses.replace(config, emulate=True)
         convert_to_float8_training(model, module_filter_fn=module_filter_fn(recipe), config=config)
@@ -160,7 +241,7 @@ def convert(model, emulate=False):
 
 
 def _literal(value) -> str:
-    """A Python literal for ``value`` (a dict or list of strings and lists of strings), one entry
+    """A Python literal for ``value`` (dicts and lists of strings, lists and None), one entry
     per line for readable diffs. Built from `repr`, which writes any string as valid Python:
     rewriting JSON's null / true / false renamed layers holding those words (``null_proj``)."""
     if isinstance(value, dict):
@@ -197,6 +278,7 @@ def write_torchao(plan_path: "str | Path", out: "str | Path | None" = None) -> t
         source=_docstring_text(plan_path.name), digest=hashlib.sha1(plan_path.read_bytes()).hexdigest()[:12], version=__version__,
         module=out.stem, autocast_usage=autocast_usage, n_converted=len(export.converted), n_skipped=len(export.not_converted),
         recipes=_literal({k: list(v) for k, v in export.recipes.items()}), not_converted=_literal(dict(export.not_converted)),
+        configs=_literal({k: None if v is None else {f: list(c) for f, c in v.items()} for k, v in export.configs.items()}),
         notes=_literal(list(export.notes)), autocast=f"torch.{export.autocast}" if export.autocast else "None",
         n_recompute=len(export.recompute), recompute=_literal(list(export.recompute)), grad_comm=_literal(dict(export.grad_comm)),
     )
