@@ -49,8 +49,9 @@ def find_blocks(model: nn.Module, layers: Iterable[str], patterns: "Sequence[str
     ``nn.Linear`` in a ``Sequential``) are not blocks: recomputing one layer saves nothing.
 
     With ``patterns`` (``fnmatch`` on fqns, e.g. ``["blocks.*"]``): the outermost modules that match
-    and hold a layer (a pattern's matches inside another match are dropped: ``"blocks.*"`` also
-    matches ``blocks.0.attn``). Each pattern must match such a module: a one-line `SearchError` names the
+    and hold a layer strictly inside (a pattern's matches inside another match are dropped:
+    ``"blocks.*"`` also matches ``blocks.0.attn``; a layer itself is no block, ``"blocks.*.fc"``
+    names none). Each pattern must match such a module: a one-line `SearchError` names the
     pattern and the fix otherwise. Costs one walk of the module tree.
     """
     layers = [fqn for fqn in layers]
@@ -75,12 +76,19 @@ def find_blocks(model: nn.Module, layers: Iterable[str], patterns: "Sequence[str
     patterns = check_block_patterns(patterns, "recompute patterns")
     matched: dict[str, str] = {}  # fqn -> the first pattern matching it
     for pattern in patterns:
-        hits = [fqn for fqn in modules if fnmatch.fnmatchcase(fqn, pattern) and holds_layer(fqn, strictly=False)]
+        # A block holds a layer strictly inside: a layer alone is no block, as `Plan.validate` says.
+        hits = [fqn for fqn in modules if fnmatch.fnmatchcase(fqn, pattern) and holds_layer(fqn, strictly=True)]
         if not hits:
             some = [fqn for fqn in modules if fnmatch.fnmatchcase(fqn, pattern)]
-            why = f"it matches only modules without a layer ({', '.join(map(repr, some[:3]))})" if some else "it matches no module"
-            example = next((fqn for fqn in modules if holds_layer(fqn, strictly=True) and fqn), "")
-            raise SearchError(f"recompute pattern {pattern!r}: {why}; give fnmatch patterns of module names that hold layers, e.g. {example!r}")
+            named = ", ".join(map(repr, some[:3]))
+            if some and not set(some).isdisjoint(layers):
+                why = f"it matches layers ({named}), not blocks: recomputing one layer saves nothing (it keeps only its input)"
+            else:
+                why = f"it matches only modules without a layer ({named})" if some else "it matches no module"
+            automatic = find_blocks(model, layers)  # the blocks found without patterns make the best example
+            example = automatic[0] if automatic else next((fqn for fqn in modules if holds_layer(fqn, strictly=True) and fqn), None)
+            hint = f"e.g. {example!r}" if example is not None else "here only the whole model, ''"
+            raise SearchError(f"recompute pattern {pattern!r}: {why}; give fnmatch patterns of module names that hold layers, {hint}")
         for fqn in hits:
             matched.setdefault(fqn, pattern)
     return tuple(fqn for fqn in matched if not any(_inside(fqn, other) for other in matched))

@@ -27,6 +27,8 @@ import os
 import time
 from typing import Callable, Iterator, Optional
 
+from ._checks import check_fields, check_value, integer, number, optional
+
 __all__ = ["CpuLoad", "LoadMeter", "ThreadGovernor", "sample_load", "measuring_threads"]
 
 
@@ -39,6 +41,10 @@ class CpuLoad:
     cores: int
     busy_elsewhere: float
     source: str
+
+    def __post_init__(self):
+        check_fields(self, "CpuLoad", {"cores": (integer(1), "an integer >= 1")})
+        check_fields(self, "CpuLoad", {"busy_elsewhere": (number(0, self.cores), f"a finite number of cores from 0 to cores={self.cores}")})
 
     @property
     def free_cores(self) -> int:
@@ -94,6 +100,7 @@ def _between(first, second, cores: int, source: str) -> "CpuLoad | None":
 def sample_load(window_s: float = 0.5, reader: Callable[[], "tuple[float, float, float] | None"] = _proc_times,
                 sleep: Callable[[float], None] = time.sleep) -> CpuLoad:
     """The machine's load by other processes over ``window_s`` seconds (module docstring)."""
+    window_s = check_value("sample_load", "window_s", window_s, number(0), "a finite number of seconds >= 0")
     cores = _cores()
     first = reader()
     if first is not None:
@@ -132,6 +139,8 @@ class LoadMeter:
 def measuring_threads(load: CpuLoad, current: Optional[int] = None, workers: int = 1) -> int:
     """The intra-op threads one of ``workers`` measuring processes should use: the free cores
     shared among them, never more than ``current`` (the threads torch would use now)."""
+    current = check_value("measuring_threads", "current", current, optional(integer(1)), "an integer >= 1 or None")
+    workers = check_value("measuring_threads", "workers", workers, integer(1), "an integer >= 1")
     share = max(1, load.free_cores // max(1, workers))
     return share if current is None else max(1, min(current, share))
 

@@ -13,17 +13,18 @@ class ProblemsError(AutoprecError, ValueError):
     """An error that lists every problem found (``.problems``), one per line, and what to do.
 
     ``artifact`` names what was invalid ("plan", "profile"). A single problem with no hint is
-    the message itself when ``single_line`` is set.
+    the message itself when ``single_line`` is set (on the class, or for one error).
     """
 
     artifact = "input"
     single_line = False
 
-    def __init__(self, problems, hint: str = ""):
+    def __init__(self, problems, hint: str = "", *, single_line: "bool | None" = None):
         if isinstance(problems, str):
             problems = [problems]
         self.problems = list(problems)
-        if self.single_line and len(self.problems) == 1 and not hint:
+        single_line = self.single_line if single_line is None else single_line
+        if single_line and len(self.problems) == 1 and not hint:
             message = self.problems[0]
         else:
             lines = "\n".join(f"  - {p}" for p in self.problems)

@@ -10,7 +10,8 @@ import json
 import math
 from typing import Any, Mapping, TypeVar
 
-from .errors import FormatError
+from ._checks import check_fields, choice, choices, integer, number, optional
+from .errors import FormatError, PlanError
 from .formats import Format, Granularity
 
 __all__ = ["ScalingMode", "CalibrationMethod", "Scaling", "Calibration", "LayerPrecision", "MAX_HISTORY_LEN", "parse_layer", "check_layer", "figure_problems"]
@@ -38,6 +39,22 @@ class CalibrationMethod(str, enum.Enum):
         return self.value
 
 
+# An amax history is one float32 tensor of this length per scaled operand, kept on the device;
+# 4096 steps is four times Transformer Engine's default window (1024) and 16 KiB per tensor.
+MAX_HISTORY_LEN = 4096
+
+
+def _max_margin(fmt: Format) -> int:
+    """The largest margin that still maps an amax onto a value >= 1 of ``fmt`` (``fmt.max /
+    2**margin >= 1``): INT8 6, FP8 E4M3 8, E5M2 15. Beyond it every value rounds to a few levels."""
+    return math.floor(math.log2(fmt.max))
+
+
+_REDUCTIONS = ("max", "most_recent")
+# The largest margin of any scaled format; a layer's own format may allow less (`check_layer`).
+_ANY_MARGIN = max(_max_margin(f) for f in Format if f.needs_scale)
+
+
 @dataclasses.dataclass(frozen=True)
 class Scaling:
     """How FP8 / INT8 tensors of a layer are scaled.
@@ -58,8 +75,7 @@ class Scaling:
     margin: int = 0  # scale targets fmt.max / 2**margin
 
     def __post_init__(self):
-        object.__setattr__(self, "granularity", Granularity(self.granularity))
-        object.__setattr__(self, "mode", ScalingMode(self.mode))
+        check_fields(self, "Scaling", _RULES[Scaling])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +94,26 @@ class Calibration:
     outlier_ratio: "float | None" = 8.0
 
     def __post_init__(self):
-        object.__setattr__(self, "method", CalibrationMethod(self.method))
+        check_fields(self, "Calibration", _RULES[Calibration])
+
+
+# Each field's check and what it expects (`autoprec._checks`): at construction, and for a file's
+# entry field by field (`parse_layer`), so that both accept the same values.
+_RULES: dict[type, dict[str, tuple[Any, str]]] = {
+    Scaling: {
+        "granularity": (choice(Granularity), choices(Granularity)),
+        "mode": (choice(ScalingMode), choices(ScalingMode)),
+        "history_len": (integer(1, MAX_HISTORY_LEN), f"an integer from 1 to {MAX_HISTORY_LEN} (steps of amax history)"),
+        "reduction": (choice(_REDUCTIONS), choices(_REDUCTIONS)),
+        "margin": (integer(0, _ANY_MARGIN), f"an integer from 0 to {_ANY_MARGIN} (the scale targets the format's max / 2**margin)"),
+    },
+    Calibration: {
+        "method": (choice(CalibrationMethod), choices(CalibrationMethod)),
+        "percentile": (number(above=0, high=100), "a percentile in (0, 100]"),
+        "batches": (integer(1), "an integer >= 1 (forward passes calibrated)"),
+        "outlier_ratio": (optional(number(above=1)), "a finite ratio > 1, or null (no outlier channels)"),
+    },
+}
 
 
 # FP8 layers compute gradients in E5M2 (the "hybrid" recipe); INT8 layers run backward in FP32
@@ -108,7 +143,18 @@ class LayerPrecision:
         calibration: Calibration = Calibration(),
         reason: str = "",
     ):
+        problems = self._fill(format, grad_format, scaling, calibration, reason)
+        problems = problems or check_layer(f"LayerPrecision({self.format.value!r})", self)
+        if problems:
+            raise PlanError(problems, single_line=True)
+
+    def _fill(self, format, grad_format, scaling, calibration, reason) -> list[str]:
+        """Set the fields; the problems of a field of the wrong type (then the rest unchecked)."""
         fmt = Format.parse(format)
+        where = f"LayerPrecision({fmt.value!r})"
+        for name, value, cls in (("scaling", scaling, Scaling), ("calibration", calibration, Calibration), ("reason", reason, str)):
+            if not isinstance(value, cls):
+                return [f"{where}: {name}={value!r}: expected {'a string' if cls is str else f'an autoprec.{cls.__name__}(...)'}"]
         if grad_format is None:
             # Block scaling is DeepSeek-V3's recipe: E4M3 gradients, made safe by 1x128 tile scales.
             blocks = fmt is Format.FP8_E4M3 and scaling.granularity is Granularity.BLOCK
@@ -119,6 +165,17 @@ class LayerPrecision:
         _set(self, "scaling", scaling)
         _set(self, "calibration", calibration)
         _set(self, "reason", reason)
+        return []
+
+    @classmethod
+    def _parsed(cls, where: str, fmt: Format, grad_format: "Format | None", scaling: Scaling, calibration: Calibration,
+                reason: str, problems: list[str]) -> "LayerPrecision | None":
+        """A plan entry's precision, its problems (named from ``where``: ``layers['fc']``) added
+        to ``problems`` instead of raised, so that a plan names every bad entry at once."""
+        lp = cls.__new__(cls)
+        found = lp._fill(fmt, grad_format, scaling, calibration, reason) or check_layer(where, lp)
+        problems.extend(found)
+        return None if found else lp
 
     def cast_of(self, kind: str) -> tuple[Format, str]:
         """The format this layer casts a tensor ``kind`` ("weight", "activation", "grad") to, and
@@ -178,13 +235,14 @@ def _parse_section(where: str, cls: type[_Section], data: Any, problems: list[st
         elif key in _FIELD_CHOICES and value not in _FIELD_CHOICES[key]:
             problems.append(f"{where}.{key}: {value!r} is not one of {', '.join(_FIELD_CHOICES[key])}")
             ok = False
-    if not ok:
-        return None
-    try:
-        return cls(**data)
-    except ValueError as exc:
-        problems.append(f"{where}: {exc}")
-        return None
+        else:
+            check, expected_value = _RULES[cls][key]
+            try:
+                check(value)
+            except ValueError:
+                problems.append(f"{where}.{key}: expected {expected_value}, got {value!r}")
+                ok = False
+    return cls(**data) if ok else None
 
 
 def _type_name(t) -> str:
@@ -220,12 +278,7 @@ def parse_layer(fqn: str, data: Any, problems: list[str]) -> "LayerPrecision | N
         problems.append(f"{where}.reason: expected a string, got {reason!r}")
     if unknown or "format" not in formats or scaling is None or calibration is None or not isinstance(reason, str):
         return None
-    return LayerPrecision(formats["format"], formats.get("grad_format"), scaling, calibration, reason)
-
-
-# An amax history is one float32 tensor of this length per scaled operand, kept on the device;
-# 4096 steps is four times Transformer Engine's default window (1024) and 16 KiB per tensor.
-MAX_HISTORY_LEN = 4096
+    return LayerPrecision._parsed(where, formats["format"], formats.get("grad_format"), scaling, calibration, reason, problems)
 
 
 def figure_problems(key: str, figures: Mapping[str, Any]) -> list[str]:
@@ -256,44 +309,33 @@ def figure_problems(key: str, figures: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-def _max_margin(fmt: Format) -> int:
-    """The largest margin that still maps an amax onto a value >= 1 of ``fmt`` (``fmt.max /
-    2**margin >= 1``): INT8 6, FP8 E4M3 8, E5M2 15. Beyond it every value rounds to a few levels."""
-    return math.floor(math.log2(fmt.max))
-
-
-def check_layer(fqn: str, lp: LayerPrecision) -> list[str]:
-    """Consistency rules a `LayerPrecision` must meet (independent of any model)."""
+def check_layer(where: str, lp: LayerPrecision) -> list[str]:
+    """The rules between a `LayerPrecision`'s fields (its fields' own ranges are `Scaling`'s and
+    `Calibration`'s), independent of any model; each problem names ``where`` (``layers['fc']``,
+    ``LayerPrecision('int8')``) and the field."""
     problems = []
-    s, c = lp.scaling, lp.calibration
+    s = lp.scaling
+    scaled = [f for f in (lp.format, lp.grad_format) if f.needs_scale]
+    if not scaled and s != Scaling():
+        problems.append(f"{where}.scaling: {lp.format.value} takes no scale, so its scaling has no effect; leave it out "
+                        "(fp8_e4m3, fp8_e5m2 and int8 layers are scaled)")
     if s.mode is ScalingMode.DELAYED and s.granularity is not Granularity.TENSOR and lp.format.is_fp8:
         problems.append(
-            f"layers[{fqn!r}].scaling: delayed scaling keeps one amax per tensor, so it needs "
+            f"{where}.scaling: delayed scaling keeps one amax per tensor, so it needs "
             f"granularity 'tensor', got {s.granularity.value!r}; set mode 'current' or granularity 'tensor'"
         )
-    if not 1 <= s.history_len <= MAX_HISTORY_LEN:
-        problems.append(f"layers[{fqn!r}].scaling.history_len: must be from 1 to {MAX_HISTORY_LEN} steps, got {s.history_len}")
-    scaled = [f for f in (lp.format, lp.grad_format) if f.needs_scale]
-    max_margin = min((_max_margin(f) for f in scaled), default=max(_max_margin(f) for f in Format if f.needs_scale))
-    if not 0 <= s.margin <= max_margin:
+    max_margin = min((_max_margin(f) for f in scaled), default=_ANY_MARGIN)
+    if s.margin > max_margin:
         problems.append(
-            f"layers[{fqn!r}].scaling.margin: must be from 0 to {max_margin} for {lp.format.value} "
+            f"{where}.scaling.margin: must be from 0 to {max_margin} for {lp.format.value} "
             f"(the scaled amax must stay >= 1 so values keep their levels), got {s.margin}"
         )
-    if s.reduction not in ("max", "most_recent"):
-        problems.append(f"layers[{fqn!r}].scaling.reduction: must be 'max' or 'most_recent', got {s.reduction!r}")
-    if not 0 < c.percentile <= 100:
-        problems.append(f"layers[{fqn!r}].calibration.percentile: must be in (0, 100], got {c.percentile}")
-    if c.batches < 1:
-        problems.append(f"layers[{fqn!r}].calibration.batches: must be >= 1, got {c.batches}")
-    if c.outlier_ratio is not None and not c.outlier_ratio > 1:  # `not >`: NaN is refused too
-        problems.append(f"layers[{fqn!r}].calibration.outlier_ratio: must be > 1 or null, got {c.outlier_ratio}")
     if lp.format.is_fp8 and not lp.grad_format.is_fp8 and lp.grad_format is not Format.FP32:
-        problems.append(f"layers[{fqn!r}].grad_format: an FP8 layer's gradients are fp8_e5m2, fp8_e4m3 or fp32, got {lp.grad_format.value!r}")
+        problems.append(f"{where}.grad_format: an FP8 layer's gradients are fp8_e5m2, fp8_e4m3 or fp32, got {lp.grad_format.value!r}")
     default_grad = _DEFAULT_GRAD_FORMAT.get(lp.format, lp.format)
     if not lp.format.is_fp8 and lp.grad_format is not default_grad:
         problems.append(
-            f"layers[{fqn!r}].grad_format: only FP8 layers choose a separate gradient format; "
+            f"{where}.grad_format: only FP8 layers choose a separate gradient format; "
             f"remove it or set it to {default_grad.value!r}"
         )
     return problems

@@ -42,7 +42,7 @@ from .device import KERNEL_OPS, block_support, format_support
 from .errors import PlanError
 from .formats import PER_LAYER_COMM, CommMethod, Format, Granularity
 from .layer_precision import (
-    MAX_HISTORY_LEN, Calibration, CalibrationMethod, LayerPrecision, Scaling, ScalingMode, check_layer, figure_problems, parse_layer,
+    MAX_HISTORY_LEN, Calibration, CalibrationMethod, LayerPrecision, Scaling, ScalingMode, figure_problems, parse_layer,
 )
 
 __all__ = ["SCHEMA_VERSION", "ScalingMode", "CalibrationMethod", "Scaling", "Calibration", "LayerPrecision", "MAX_HISTORY_LEN", "Plan"]
@@ -134,9 +134,9 @@ class Plan:
         problems: list[str] = []
         parsed = {}
         for fqn, value in layers.items():
+            # A LayerPrecision checked itself when it was made; a format name or a file's entry here.
             lp = value if isinstance(value, LayerPrecision) else parse_layer(fqn, value, problems)
             if lp is not None:
-                problems.extend(check_layer(fqn, lp))
                 parsed[fqn] = lp
         flags = _parse_blocks(blocks, problems)
         methods = _parse_comm(comm, layers, problems)
@@ -189,12 +189,12 @@ class Plan:
             how = "" if example_inputs is not None else "; if its matrix products run in modules without a matrix parameter, pass example_inputs to find them by tracing"
             raise PlanError(f"Plan.uniform: {type(model).__name__} has no layer that runs a matrix product (linear, matmul, convolution), so there is nothing to plan{how}")
         modules = dict(model.named_modules())
-        layers = {}
-        for fqn in found:
-            if module_filter is not None and not module_filter(modules[fqn], fqn):
-                layers[fqn] = LayerPrecision(Format.FP32, reason="kept FP32 by module_filter")
-            else:
-                layers[fqn] = LayerPrecision(fmt, scaling=scaling, calibration=calibration, reason=f"uniform {fmt.value} plan")
+        try:  # made once: a scaling the format cannot take is named once, as the argument it is
+            chosen = LayerPrecision(fmt, scaling=scaling, calibration=calibration, reason=f"uniform {fmt.value} plan")
+        except PlanError as exc:
+            raise PlanError(f"Plan.uniform({fmt.value!r}, ...): {'; '.join(exc.problems)}", single_line=True) from None
+        kept = LayerPrecision(Format.FP32, reason="kept FP32 by module_filter")
+        layers = {fqn: kept if module_filter is not None and not module_filter(modules[fqn], fqn) else chosen for fqn in found}
         return cls(layers, fingerprint=found, metadata={"source": f"Plan.uniform({fmt.value})"})
 
     def replace(self, **changes) -> "Plan":

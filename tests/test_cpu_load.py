@@ -10,6 +10,7 @@ import time
 import pytest
 
 from autoprec.cpu_load import CpuLoad, LoadMeter, measuring_threads, sample_load
+from autoprec.errors import SettingsError
 
 
 def _snapshots(*values):
@@ -85,3 +86,17 @@ def test_the_load_meter_sees_a_process_that_starts_during_the_block_and_not_its_
             spinner.wait()
     assert 0.5 <= meter.load.busy_elsewhere  # the spinner's core for most of the block
     assert meter.load.busy_elsewhere < meter.load.cores - 0.3 or meter.load.cores == 1
+
+
+@pytest.mark.parametrize("busy", [-3.0, float("nan"), 2.5, "1.0"])
+def test_a_load_outside_the_cores_is_refused_naming_it(busy):
+    # Before: -3.0 gave 5 free cores of 2, NaN a ValueError about converting NaN to an integer.
+    with pytest.raises(SettingsError, match=r"^CpuLoad\(busy_elsewhere=.*\): expected a finite number of cores from 0 to cores=2$"):
+        CpuLoad(2, busy, "test")
+
+
+@pytest.mark.parametrize("window", [-1, float("nan"), "0.5"])
+def test_a_sampling_window_that_is_no_duration_is_refused_before_sampling(window):
+    # Before: -1 failed inside time.sleep ("sleep length must be non-negative").
+    with pytest.raises(SettingsError, match=r"^sample_load\(window_s=.*\): expected a finite number of seconds >= 0$"):
+        sample_load(window, reader=lambda: (0.0, 1.0, 0.0), sleep=lambda s: None)

@@ -5,11 +5,12 @@ one `SearchError` line, never a traceback type."""
 import json
 import math
 
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autoprec.coverage import LayerInfo
-from autoprec.errors import SearchError
+from autoprec.errors import PlanError, SearchError, SettingsError
 from autoprec.formats import Format, Granularity
 from autoprec.plan import MAX_HISTORY_LEN, Calibration, CalibrationMethod, LayerPrecision, Plan, Scaling, ScalingMode
 from autoprec.profiling.artifact import LayerProfile, Profile
@@ -44,6 +45,8 @@ def layer_precisions(draw):
     mode = draw(st.sampled_from(list(ScalingMode)))
     granularity = Granularity.TENSOR if mode is ScalingMode.DELAYED and fmt.is_fp8 else draw(st.sampled_from(list(Granularity)))
     scaling = Scaling(granularity, mode, draw(st.integers(1, MAX_HISTORY_LEN)), draw(st.sampled_from(["max", "most_recent"])), draw(st.integers(0, max_margin)))
+    if not (fmt.needs_scale or (grad is not None and grad.needs_scale)):
+        scaling = Scaling()  # a format that takes no scale holds none (`check_layer`)
     calibration = Calibration(
         draw(st.sampled_from(list(CalibrationMethod))),
         draw(st.floats(0, 100, exclude_min=True)),
@@ -75,6 +78,46 @@ def test_any_plan_saves_and_loads_to_an_equal_plan(tmp_path, plan):
     loaded = Plan.load(plan.save(tmp_path / "plan.json"))
     assert loaded == plan
     assert list(loaded.layers) == list(plan.layers)
+
+
+# Any value a user might pass for a field, of any type (issue 59): counts as ints, numpy integers,
+# integral and other floats, bools and strings; numbers as numpy floats, NaN and infinities.
+any_value = st.one_of(
+    st.integers(-3, 5000), st.integers(-3, 5000).map(np.int64), st.integers(0, 20).map(np.int32), st.integers(0, 20).map(float),
+    st.floats(-1, 200), st.floats(-1, 200).map(np.float32), st.floats(-1, 200).map(np.float64),
+    st.sampled_from([math.nan, math.inf, True, False, None, "8", "0.5", "max", "most_recent", "tensor", "block", "delayed", "mse"]),
+)
+ANY_FIELDS = {Scaling: ("granularity", "mode", "history_len", "reduction", "margin"), Calibration: ("method", "percentile", "batches", "outlier_ratio")}
+
+
+@st.composite
+def accepted_precisions(draw):
+    """A `LayerPrecision` of fields drawn from `any_value`, or None when a constructor refused them."""
+    made = {}
+    for cls, fields in ANY_FIELDS.items():
+        kwargs = draw(st.dictionaries(st.sampled_from(fields), any_value, max_size=len(fields)))
+        try:
+            made[cls] = cls(**kwargs)
+        except SettingsError as exc:
+            assert str(exc).startswith(f"{cls.__name__}(") and "\n" not in str(exc)  # one line naming the field
+            return None
+    try:
+        return LayerPrecision(draw(st.sampled_from(list(Format))), None, made[Scaling], made[Calibration])
+    except PlanError as exc:
+        assert str(exc).startswith("LayerPrecision(")
+        return None
+
+
+@settings(FAST, max_examples=300)
+@given(lp=accepted_precisions())
+def test_whatever_the_constructors_accept_saves_and_loads_to_an_equal_plan(tmp_path, lp):
+    if lp is None:
+        return
+    plan = Plan({"fc": lp})
+    assert Plan.load(plan.save(tmp_path / "plan.json")) == plan
+    # Counts are held as ints (a numpy integer converted), numbers as floats.
+    assert {type(lp.scaling.history_len), type(lp.scaling.margin), type(lp.calibration.batches)} == {int}
+    assert type(lp.calibration.percentile) is float
 
 
 # -- profiles -----------------------------------------------------------------------------------

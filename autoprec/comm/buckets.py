@@ -52,7 +52,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import SettingsError
+from .._checks import check_fields, integer, number
 from ..formats import PER_LAYER_COMM, CommMethod
 
 __all__ = ["CommSettings", "ErrorFeedback", "BucketCommunicator", "bytes_sent", "quantize_chunks", "dequantize_chunks"]
@@ -71,12 +71,12 @@ class CommSettings:
     powersgd_start: int = 2
 
     def __post_init__(self):
-        if self.chunk < 1:
-            raise SettingsError(f"CommSettings(chunk={self.chunk}): expected a positive number of values per scale")
-        if not 0.0 < self.topk_ratio <= 1.0:
-            raise SettingsError(f"CommSettings(topk_ratio={self.topk_ratio}): expected a fraction in (0, 1]")
-        if self.powersgd_rank < 1 or self.powersgd_start < 2:
-            raise SettingsError(f"CommSettings(powersgd_rank={self.powersgd_rank}, powersgd_start={self.powersgd_start}): expected a rank >= 1 and a start >= 2")
+        check_fields(self, "CommSettings", {
+            "chunk": (integer(1), "an integer >= 1 (INT8 values per scale)"),
+            "topk_ratio": (number(above=0, high=1), "a fraction in (0, 1] (of each bucket's values sent)"),
+            "powersgd_rank": (integer(1), "an integer >= 1 (PowerSGD's approximation rank)"),
+            "powersgd_start": (integer(2), "an integer >= 2 (steps all-reduced in FP32 before compressing)"),
+        })
 
 
 def quantize_chunks(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .. import workload
+from .._checks import integer, number
 from ..errors import FormatError, SearchError
 from ..formats import Format
 from ..search.study import JOURNAL_SCHEME, JOURNAL_SUFFIXES
@@ -113,34 +113,16 @@ _RETIRED = {
 
 
 # key -> (checker, what is expected) per table; checkers return the converted value or raise.
-def _int(minimum: int, maximum: "int | None" = None):
-    def check(v):
-        if isinstance(v, bool) or not isinstance(v, int) or v < minimum or (maximum is not None and v > maximum):
-            raise ValueError
-        return v
-    return check
-
-
-def _number(v) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ValueError
-    return v
+# Counts and numbers are checked as every setting is (`autoprec._checks`).
+_int = integer
 
 
 def _memory(v):
     return memory_budget(v)  # its ValueError becomes the key's one-line error
 
 
-def _positive(v):
-    if not _number(v) > 0:
-        raise ValueError
-    return v
-
-
-def _non_negative(v):
-    if _number(v) < 0:
-        raise ValueError
-    return v
+_positive = number(above=0)
+_non_negative = number(0)
 
 
 def _name(v):

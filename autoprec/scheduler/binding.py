@@ -310,7 +310,15 @@ def check_layers(model: nn.Module, layers: Sequence[str], config: "SchedulerConf
     names no block of ``model``."""
     if not layers:
         raise AutoprecError(f"{type(model).__name__} runs no matrix product: autoprec has no layer to manage")
-    if config.recompute is not None:
+    check_recompute(model, layers, config)
+
+
+def check_recompute(model: nn.Module, layers: Sequence[str], config: "SchedulerConfig") -> None:
+    """`SettingsError` when ``config.recompute`` names no block of ``model`` holding ``layers``
+    (a layer alone is no block). Run where the model is given to the constructor, with the
+    layers of its module tree, and again at bind, with the traced ones. Costs one walk of the
+    module tree."""
+    if config.recompute is not None and layers:
         try:
             find_blocks(model, layers, config.recompute)
         except SearchError as exc:

@@ -8,9 +8,9 @@ as `LossScaler`'s). Derive variants with ``dataclasses.replace``; invalid values
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Mapping, Optional
 
+from .._checks import check_fields, integer, number, optional
 from ..blocks import check_block_patterns
 from ..comm import CommSettings
 from ..errors import SearchError, SettingsError
@@ -21,10 +21,6 @@ from ..search.space import DEFAULT_CANDIDATES, Budgets, LayerRules, Planning, fo
 __all__ = ["SchedulerConfig", "Thresholds", "GRAD_COMM", "config_of"]
 
 GRAD_COMM = ("fp32", "bf16", "fp16", "powersgd", "int8", "topk", "auto")  # how DDP communicates gradients (`grad_comm`, `autoprec.comm`)
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,19 +41,14 @@ class Thresholds:
     saturation: float = 4.0
 
     def __post_init__(self):
-        for name in ("overflow", "underflow"):
-            value = getattr(self, name)
-            if not (_finite(value) and 0 <= value <= 1):
-                raise SettingsError(f"Thresholds({name}={value!r}): expected a fraction from 0 to 1")
-        for name in ("amax_drift", "saturation"):
-            value = getattr(self, name)
-            if not (_finite(value) and value > 1):
-                raise SettingsError(f"Thresholds({name}={value!r}): expected a finite factor > 1")
-        for name in ("nonfinite_steps", "stable_windows"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise SettingsError(f"Thresholds({name}={value!r}): expected an integer >= 1")
-
+        check_fields(self, "Thresholds", {
+            "overflow": (number(0, 1), "a fraction from 0 to 1"),
+            "underflow": (number(0, 1), "a fraction from 0 to 1"),
+            "amax_drift": (number(above=1), "a finite factor > 1"),
+            "saturation": (number(above=1), "a finite factor > 1"),
+            "nonfinite_steps": (integer(1), "an integer >= 1"),
+            "stable_windows": (integer(1), "an integer >= 1"),
+        })
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,23 +132,18 @@ class SchedulerConfig:
 
     def __post_init__(self):
         self._check_types()
-        for name in ("monitor_window", "monitor_steps", "sample_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise SettingsError(f"DynamicPrecisionScheduler({name}={value!r}): expected a positive integer")
-        # name, whether None is allowed, whether 0 is allowed, what is expected
-        for name, optional, zero_ok, expected in (
-            ("max_grad_norm", True, False, "a finite number > 0 or None"),
-            ("accuracy_budget", True, True, "a finite loss increase >= 0, or None"),
-            ("lr", False, False, "the finite learning rate > 0"),
-            ("search_timeout_s", False, False, "a finite number of seconds > 0"),
-            ("search_slice", True, False, "a finite number of median steps > 0 (1.0: a step about twice the median), or None (all at once)"),
-        ):
-            value = getattr(self, name)
-            if value is None and optional:
-                continue
-            if not _finite(value) or value < 0 or (value == 0 and not zero_ok):
-                raise SettingsError(f"DynamicPrecisionScheduler({name}={value!r}): expected {expected}")
+        check_fields(self, "DynamicPrecisionScheduler", {
+            "monitor_window": (integer(1), "a positive integer"),
+            "monitor_steps": (integer(1), "a positive integer"),
+            "sample_every": (integer(1), "a positive integer"),
+            "min_precision": (integer(), "8, 16 or 32 (bits)"),
+            "max_precision": (integer(), "8, 16 or 32 (bits)"),
+            "max_grad_norm": (optional(number(above=0)), "a finite number > 0 or None"),
+            "accuracy_budget": (optional(number(0)), "a finite loss increase >= 0, or None"),
+            "lr": (number(above=0), "the finite learning rate > 0"),
+            "search_timeout_s": (number(above=0), "a finite number of seconds > 0"),
+            "search_slice": (optional(number(above=0)), "a finite number of median steps > 0 (1.0: a step about twice the median), or None (all at once)"),
+        })
         try:
             object.__setattr__(self, "memory_budget", memory_budget(self.memory_budget))
         except ValueError as exc:
@@ -201,8 +187,7 @@ class SchedulerConfig:
                 refuse(name, f"an autoprec.{cls.__name__}(...); leave it out for the defaults")
         if self.log_dir is not None and not isinstance(self.log_dir, (str, os.PathLike)):
             refuse("log_dir", "a folder path (str or pathlib.Path) or None")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            refuse("seed", "an integer")
+        check_fields(self, "DynamicPrecisionScheduler", {"seed": (integer(), "an integer")})
         if isinstance(self.formats, (str, Format)) or not isinstance(self.formats, (tuple, list)):
             refuse("formats", "a list of format names, e.g. ['bf16', 'fp8_e4m3']")
         try:

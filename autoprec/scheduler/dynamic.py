@@ -43,7 +43,7 @@ import torch.nn as nn
 
 from ..calls import ModelCall, loss_of
 from ..changes import PrecisionChange
-from ..coverage import LayerInfo, layer_name
+from ..coverage import LayerInfo, layer_name, static_layers
 from ..distributed import RankAgreement, grad_comm_methods
 from ..errors import InfeasibleBudgetError, RuntimeStateError, SettingsError
 from ..plan import Plan
@@ -51,7 +51,7 @@ from ..runtime.fsdp_fp8 import Fp8AllGather
 from ..scaling import LossScaler
 from ..search.training import TrainingSearch
 from . import lifecycle
-from .binding import Binding, bindable_layers, check_layers, check_materialised, unbound_exit
+from .binding import Binding, bindable_layers, check_layers, check_recompute, check_materialised, unbound_exit
 from .config import SchedulerConfig, config_of
 from .grad_comm import CommChoice
 from .lifecycle import WindowClock
@@ -90,6 +90,8 @@ class DynamicPrecisionScheduler:
             raise SettingsError("DynamicPrecisionScheduler(dynamic=False) needs plan=...; use DynamicPrecisionScheduler.from_plan(model, path)")
         # The model, its DDP wrapper (the plan is the inner module's), its first call.
         self._binding = Binding(model, check_output=config.dynamic and plan is None)
+        if self._binding.model is not None:  # recompute= checked now against the module tree, not a window later
+            check_recompute(self._binding.model, tuple(static_layers(self._binding.model)), config)
         self._dist: Optional[RankAgreement] = None  # set on bind inside a process group
         self._comm: Optional[CommChoice] = None  # set on bind when the plan chooses the gradient communication
         self._fp8_gather: Optional[Fp8AllGather] = None  # set on bind when the model holds an FSDP2 unit

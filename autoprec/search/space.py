@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ..blocks import check_block_patterns
 from ..device import format_support
-from ..errors import FormatError, SearchError
+from ..errors import FormatError, PlanError, SearchError
 from ..formats import Format
 from ..plan import LayerPrecision, Scaling
 
@@ -206,6 +206,10 @@ class Planning:
                 raise SearchError(f"Planning(scaling={{{fmt.value!r}: ...}}): expected 'tensor', 'row', 'block' or a Scaling, got {type(value).__name__}")
             if not fmt.needs_scale:
                 raise SearchError(f"Planning(scaling={{{fmt.value!r}: ...}}): {fmt.value} takes no scale; name fp8_e4m3, fp8_e5m2 or int8")
+            try:  # the rules between a format and its scaling, as a plan holding it checks them
+                LayerPrecision(fmt, scaling=scaling[fmt])
+            except PlanError as exc:
+                raise SearchError(f"Planning(scaling={{{fmt.value!r}: {value!r}}}): {exc}") from None
         object.__setattr__(self, "scaling", scaling)
 
     def precisions(self) -> dict[Format, LayerPrecision]:
