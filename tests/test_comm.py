@@ -100,6 +100,20 @@ def test_bad_settings_name_the_field():
         ap.SchedulerConfig(comm=0.1)
 
 
+@pytest.mark.parametrize("grad_comm", ["topk", "auto"])
+def test_a_gradient_communication_on_one_process_says_once_that_it_has_no_effect(grad_comm):
+    # Before: ignored without a word (issue 59).
+    model = nn.Linear(4, 2)
+    sch = DynamicPrecisionScheduler(model, grad_comm=grad_comm, monitor_window=50)
+    with pytest.warns(UserWarning, match=rf"^DynamicPrecisionScheduler\(grad_comm='{grad_comm}'\) has no effect in this run: no process group") as record:
+        for _ in range(3):
+            with sch.precision_context():
+                loss = model(torch.randn(3, 4)).square().mean()
+            sch.backward(loss)
+            sch.step(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert sum("has no effect" in str(w.message) for w in record) == 1
+
+
 # -- each method against the exact average, 2 ranks -------------------------------------------------
 
 

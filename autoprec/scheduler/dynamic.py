@@ -53,7 +53,7 @@ from ..search.training import TrainingSearch
 from . import lifecycle
 from .binding import Binding, bindable_layers, check_layers, check_recompute, check_materialised, unbound_exit
 from .config import SchedulerConfig, config_of
-from .grad_comm import CommChoice
+from .grad_comm import CommChoice, warn_without_effect
 from .lifecycle import WindowClock
 from .plan_checks import CheckFigures, PlanChecks
 from .plan_keeper import PlanKeeper
@@ -315,6 +315,7 @@ class DynamicPrecisionScheduler:
             dist.check_bind(self.config, self._fixed_plan)
             dist.set_grad_comm(*grad_comm_methods(self.config, None))
         self._fp8_gather = Fp8AllGather.join(model)
+        warn_without_effect(self.config, dist)
         self._comm = CommChoice.join(self.config, dist, next(model.parameters()).device)
         if self.config.log_dir is not None and self._writer is None and (dist is None or dist.rank == 0):
             from ..monitoring import TrainingWriter

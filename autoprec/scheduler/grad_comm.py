@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import torch
@@ -28,9 +29,21 @@ if TYPE_CHECKING:
     from ..distributed import RankAgreement
     from .config import SchedulerConfig
 
-__all__ = ["CommChoice"]
+__all__ = ["CommChoice", "warn_without_effect"]
 
 logger = logging.getLogger(__name__)
+
+
+def warn_without_effect(config: "SchedulerConfig", agreement: "Optional[RankAgreement]") -> None:
+    """Say once, at bind, that ``grad_comm`` has no effect in this run: DDP's communication hook
+    is what applies it, and there is none on one process, without a process group, or where the
+    model is not wrapped in ``DistributedDataParallel`` (or DDP keeps the user's own hook)."""
+    if config.grad_comm == "fp32" or (agreement is not None and agreement.comm_hook is not None):
+        return
+    why = ("no process group of several ranks is initialised" if agreement is None
+           else "the model is not wrapped in DistributedDataParallel, or DDP keeps a communication hook of its own")
+    warnings.warn(f"DynamicPrecisionScheduler(grad_comm={config.grad_comm!r}) has no effect in this run: {why}, so no gradient "
+                  "travels between ranks through autoprec; leave grad_comm out here", UserWarning, stacklevel=2)
 
 
 class CommChoice:
