@@ -16,8 +16,9 @@ from autoprec.formats import Format
 from autoprec.plan import Plan
 from autoprec.job.config import load_job
 from autoprec.cpu_load import CpuLoad, ThreadGovernor
-from autoprec.job.run import _load_during, _settle, run_job
+from autoprec.job.run import JobResult, _load_during, _settle, run_job
 from autoprec.search.measured import AutocastCheckpoint, BudgetPruner, Candidate, MeasuredStage, Measurement, fastest_meeting
+from autoprec.search.noise import separate
 from autoprec.workloads import default_workload
 
 JOB = """
@@ -393,6 +394,43 @@ def test_only_candidates_the_trials_could_not_separate_from_the_fastest_are_time
     assert stage.settled == (["a", "c"], None)
     # No room for two more copies beside the control pair's: no rounds.
     assert _settle(_SettlingStage(copies=3), pairs, 150, 0.01) is None
+
+
+def _returned(candidates, chosen, verdict):
+    """A job's result as far as its summary's comparison reads it."""
+    plan = chosen.plan.replace(measured={"seconds": dict((c.name, m.seconds) for c, m in candidates)[chosen.name]}, predicted={"seconds": 0.080})
+    return JobResult(config=None, plan=plan, plan_path=None, references={}, candidates=candidates, proposal=None, memory_budget=150,
+                     loss_budget=0.01, predicted_memory_budget=150, predicted_fp32={}, seconds=0.0, chosen=chosen, verdict=verdict)
+
+
+def _busy_machine():
+    """Issue 59's run: the trials measured exact 133.0 ms and exact-2 81.3 ms (1.64x); the
+    settling rounds could not separate them and took exact, the fastest predicted."""
+    exact, other = Candidate("exact", Plan({"a": "bf16"})), Candidate("exact-2", Plan({"a": "fp16"}))
+    rounds = {"exact": [0.082, 0.090, 0.079, 0.085, 0.081, 0.088, 0.084], "exact-2": [0.080, 0.083, 0.084, 0.079, 0.086, 0.080, 0.081]}
+    control = ([0.080, 0.090, 0.081, 0.088, 0.083, 0.079, 0.085], [0.084, 0.080, 0.089, 0.081, 0.080, 0.086, 0.082])
+    verdict = separate(rounds, {"exact": 0.080, "exact-2": 0.085}, control)
+    return [(exact, _measured(0.133)), (other, _measured(0.0813))], exact, verdict, rounds
+
+
+def test_the_summarys_ratio_reads_the_settling_rounds_the_decision_read():
+    candidates, exact, verdict, rounds = _busy_machine()
+    assert verdict.fastest == "exact-2" and verdict.choice == "exact" and "cannot separate" in verdict.summary()
+    returned, ratio, trials = _returned(candidates, exact, verdict)._comparison()
+    low, median, high = verdict.ratios["exact"]  # the decision's own figure: exact's per-round ratio to the fastest
+    assert ratio.startswith(f"  = {median:.2f}x ({low:.2f}-{high:.2f}) the fastest other budget-meeting reference (exact-2, ")
+    assert f"{sorted(rounds['exact-2'])[3] * 1e3:.1f} ms in the same rounds" in ratio
+    assert returned.startswith(f"returned exact: {sorted(rounds['exact'])[3] * 1e3:.1f} ms in the 7 settling rounds")
+    # The trials' figures are said once, as noisier; their 1.64x is not reported.
+    assert "133.0 and 81.3 ms" in trials and "noisier" in trials
+    assert "1.64x" not in returned + ratio + trials
+
+
+def test_without_settling_rounds_the_summary_compares_the_trials():
+    candidates, exact, _, _ = _busy_machine()
+    returned, ratio = _returned(candidates, exact, None)._comparison()
+    assert returned == "returned exact: 133.0 ms measured, 80.0 ms predicted"
+    assert ratio == "  = 1.64x the fastest other budget-meeting reference (exact-2, 81.3 ms)"
 
 
 def test_a_load_that_rose_while_measuring_is_said_and_the_next_trials_take_the_cores_left():

@@ -144,16 +144,32 @@ class JobResult:
         return "\n".join(lines + [budget, gap] + self._comparison() + settled + threads + [verdict])
 
     def _comparison(self) -> list[str]:
-        """The returned plan against the fastest budget-meeting reference, and its predicted step."""
+        """The returned plan against the fastest budget-meeting reference, and its predicted step:
+        in the settling rounds' figures when both were timed there (the figures the decision
+        used, paired round by round), else in their trials'."""
         if self.plan is None or self.chosen is None:  # a plan always comes from a chosen candidate
             return []
-        m = self.plan.measured
+        m, chosen, verdict = self.plan.measured, self.chosen, self.verdict
+        predicted = f"{self.plan.predicted['seconds'] * 1e3:.1f} ms predicted"
+        other = "other " if chosen.is_reference else ""
         # The chosen candidate may be a reference itself (a uniform plan): compared with the others.
-        refs = fastest_meeting([p for p in self.candidates if p[0].is_reference and p[0] is not self.chosen], self.memory_budget, self.loss_budget)
-        lines = [f"returned {self.chosen.name}: {m['seconds'] * 1e3:.1f} ms measured, {self.plan.predicted['seconds'] * 1e3:.1f} ms predicted"]
-        if refs is not None and refs[1].seconds is not None:  # fastest_meeting picks only timed ones
-            ref, seconds = refs[0], refs[1].seconds
-            lines.append(f"  = {m['seconds'] / seconds:.2f}x the fastest {'other ' if self.chosen.is_reference else ''}budget-meeting reference ({ref.name}, {seconds * 1e3:.1f} ms)")
+        refs = meeting_by_speed([p for p in self.candidates if p[0].is_reference and p[0] is not chosen], self.memory_budget, self.loss_budget)
+        rounds = {name: verdict.seconds(name) for name in verdict.times} if verdict is not None else {}
+        settled = [p for p in refs if rounds.get(p[0].name) is not None]
+        if verdict is not None and rounds.get(chosen.name) is not None and settled:
+            ref, trial = min(settled, key=lambda p: rounds[p[0].name] or math.inf)
+            low, median, high = verdict.ratio(chosen.name, ref.name) or (math.nan,) * 3
+            return [
+                f"returned {chosen.name}: {(rounds[chosen.name] or math.nan) * 1e3:.1f} ms in the {verdict.rounds} settling rounds, {predicted}",
+                f"  = {median:.2f}x ({low:.2f}-{high:.2f}) the fastest {other}budget-meeting reference ({ref.name}, "
+                f"{(rounds[ref.name] or math.nan) * 1e3:.1f} ms in the same rounds)",
+                f"  (their trials measured {m['seconds'] * 1e3:.1f} and {(trial.seconds or math.nan) * 1e3:.1f} ms, timed apart and noisier "
+                "than the rounds' paired figures, which the decision used)",
+            ]
+        lines = [f"returned {chosen.name}: {m['seconds'] * 1e3:.1f} ms measured, {predicted}"]
+        if refs:  # meeting_by_speed keeps only timed ones
+            ref, seconds = refs[0][0], refs[0][1].seconds or math.nan
+            lines.append(f"  = {m['seconds'] / seconds:.2f}x the fastest {other}budget-meeting reference ({ref.name}, {seconds * 1e3:.1f} ms)")
         return lines
 
 

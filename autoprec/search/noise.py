@@ -64,7 +64,9 @@ class Verdict:
     median time was lowest; ``tied``: the contenders that could not be told apart from it
     (``fastest`` included); ``ratios``: per contender, (low, median, high) of its per-round ratio
     to ``fastest``; ``control``: (low, median, high) of the control pair's ratio (None without
-    one); ``noise``: the relative difference below which nothing is separated; ``rounds``."""
+    one); ``noise``: the relative difference below which nothing is separated; ``rounds``;
+    ``times``: per contender, its seconds in each round (what the decision read), and ``level``
+    the confidence level of the intervals."""
 
     choice: str
     fastest: str
@@ -73,6 +75,19 @@ class Verdict:
     control: Optional[tuple[float, float, float]]
     noise: float
     rounds: int
+    times: Mapping[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    level: float = 0.9
+
+    def seconds(self, name: str) -> "float | None":
+        """``name``'s median seconds over these rounds; None when it was not timed in them."""
+        return statistics.median(self.times[name]) if self.times.get(name) else None
+
+    def ratio(self, name: str, other: str) -> "tuple[float, float, float] | None":
+        """(low, median, high) of ``name``'s per-round ratio to ``other`` in these rounds, paired
+        as the decision pairs them; None when either was not timed in them."""
+        if not (self.times.get(name) and self.times.get(other)):
+            return None
+        return median_interval(paired_ratios(self.times[name], self.times[other]), self.level)
 
     @property
     def control_sound(self) -> bool:
@@ -100,7 +115,7 @@ class Verdict:
     def to_dict(self) -> dict:
         return {"choice": self.choice, "fastest": self.fastest, "tied": list(self.tied), "rounds": self.rounds, "noise": self.noise,
                 "ratios": {k: list(v) for k, v in self.ratios.items()}, "control": list(self.control) if self.control else None,
-                "control_sound": self.control_sound}
+                "control_sound": self.control_sound, "seconds": {k: self.seconds(k) for k in self.times}}
 
 
 def separate(times: Mapping[str, Sequence[float]], predicted: Mapping[str, float],
@@ -124,7 +139,7 @@ def separate(times: Mapping[str, Sequence[float]], predicted: Mapping[str, float
     ratios = {name: median_interval(paired_ratios(t, times[fastest]), level) for name, t in times.items()}
     tied = tuple(name for name, (low, median, _) in ratios.items() if name == fastest or low <= 1.0 or median <= 1.0 + noise)
     choice = min(tied, key=lambda k: (predicted.get(k, math.inf), statistics.median(times[k])))
-    return Verdict(choice, fastest, tied, ratios, control_interval, noise, rounds)
+    return Verdict(choice, fastest, tied, ratios, control_interval, noise, rounds, {k: tuple(v) for k, v in times.items()}, level)
 
 
 def unseparated(first: Sequence[float], faster: Sequence[float]) -> bool:
