@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 
 import autoprec as ap
+from autoprec.runtime.layers import kernel_reason
+from triton_env import DEVICE, NUMPY_WARNINGS, force_fused_casts, needs_kernels
 
 WIDTH = 32
 
@@ -74,10 +76,10 @@ class Experts(nn.Module):
 EMPTY = (1, 2)  # the experts the empty batches route no token to: one kernel, one emulated product
 
 
-def batch(tokens=40, empty=EMPTY):
+def batch(tokens=40, empty=EMPTY, device="cpu"):
     torch.manual_seed(1)
     experts = [i for i in range(4) if i not in empty]
-    return torch.randn(tokens, WIDTH), torch.tensor(experts * (tokens // len(experts)))
+    return torch.randn(tokens, WIDTH, device=device), torch.tensor(experts * (tokens // len(experts)), device=device)
 
 
 def step(model, x, choice, runtime=None):
@@ -92,9 +94,9 @@ def step(model, x, choice, runtime=None):
     return out
 
 
-def planned(fmt):
+def planned(fmt, device="cpu"):
     name, kwargs = FORMATS[fmt]
-    model = Experts()
+    model = Experts().to(device)
     return model, ap.apply_plan(model, ap.Plan.uniform(model, name, **kwargs))
 
 
@@ -169,3 +171,29 @@ def test_an_empty_batch_changes_no_calibration_amax_history_or_scale(fmt):
         with torch.no_grad(), r:
             m(*batch(empty=()))
     assert all(torch.equal(model.outputs[i], unseen.outputs[i]) for i in EMPTY)
+
+
+FP8 = [name for name in FORMATS if name.startswith("fp8")]
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.filterwarnings(*(m.args[0] for m in NUMPY_WARNINGS))
+def test_an_expert_routed_no_tokens_runs_and_keeps_its_state_under_the_fused_casts(fmt, monkeypatch):
+    force_fused_casts(monkeypatch)  # without CUDA on CPU tensors, in Triton's interpreter
+    model, runtime = planned(fmt, DEVICE)
+    plain = copy.deepcopy(model)
+    step(model, *batch(empty=(), device=DEVICE), runtime)
+    fused = runtime.report()["experts.0"].get("casts")
+    before = copy.deepcopy(runtime.state_dict())
+    x, choice = batch(device=DEVICE)
+    step(plain, x, choice)
+    step(model, x, choice, runtime)
+    for i in EMPTY:
+        assert model.outputs[i].shape == plain.outputs[i].shape
+        assert torch.equal(model.experts[i].weight.grad, plain.experts[i].weight.grad)
+    fqns = {f"experts.{i}" for i in EMPTY}
+    after = runtime.state_dict()
+    assert _same_state({k: v for k, v in before["layers"].items() if k in fqns}, {k: v for k, v in after["layers"].items() if k in fqns})
+    # Where the layer has a kernel on this device, its batches with tokens took the fused casts.
+    assert fused == (None if kernel_reason(runtime.plan.layers["experts.0"], DEVICE) else "fused Triton cast")
