@@ -271,3 +271,45 @@ def test_a_checkpoint_mid_search_resumed_on_a_slow_clock_trains_bit_identically(
     lm_steps(wl, model, opt, scheduler, sampler, SEARCH_STEPS - stop)
     assert formats(scheduler.plan) == formats(plan)  # the reasons quote the measured milliseconds, 7x as many
     assert all(torch.equal(a, b) for a, b in zip(reference, (p.detach() for p in model.parameters())))
+
+
+# -- the memory reference: an all-FP32 plan is 1.0 of "the FP32 bytes" (issue 59) ------------------
+
+
+class _Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16)) for _ in range(2))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _search(**settings):
+    torch.manual_seed(0)
+    net = _Residual()
+    opt = torch.optim.SGD(net.parameters(), lr=1e-2)
+    sch = ap.DynamicPrecisionScheduler(net, monitor_window=4, monitor_steps=2, measure_costs=False, search_slice=None, **settings)
+    for _ in range(6):
+        with sch.precision_context():
+            loss = (net(torch.randn(8, 16)) - 1).square().mean()
+        sch.backward(loss)
+        sch.step(opt)
+        opt.zero_grad()
+    return sch
+
+
+def test_a_memory_budget_of_one_meets_the_all_fp32_plan():
+    # Before: "no plan meets the budgets ... memory_budget >= 1.293", a budget the settings refuse:
+    # the search's all-FP32 plan counted more bytes than the FP32 bytes a fraction is of.
+    sch = _search(memory_budget=1.0, min_precision=32)
+    assert sch.last_search_error is None and sch.plan is not None
+    assert sch.plan.predicted["bytes"] == sch.plan.predicted["fp32_bytes"]
+
+
+def test_an_all_fp32_floor_is_advised_as_a_budget_of_one():
+    sch = _search(memory_budget=0.9, min_precision=32, recompute=[])
+    assert "memory_budget >= 1.000 is met by formats alone" in sch.last_search_error

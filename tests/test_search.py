@@ -476,3 +476,35 @@ def test_bad_blocks_are_refused_naming_the_block():
     too_much = {names[0]: {f: table[names[0]][f].bytes * 2 for f in FORMATS}}
     with pytest.raises(SearchError, match=r"would free .* more than its"):
         SearchSpace(table, blocks=[Block("a", too_much, {names[0]: {f: 0.0 for f in FORMATS}})])
+
+
+# -- the all-FP32 plan at the memory reference (issue 59) ------------------------------------------
+
+
+def _fp32_overstated_space():
+    """Two layers whose all-FP32 plan the additive table overstates (an FP32 layer charged its
+    lowered neighbour's FP32 saves): 100 + 100 + 40 fixed = 240, exactly 200."""
+    table = {name: {Format.FP32: Choice(100.0, 1.0, 0.0), Format.BF16: Choice(70.0, 0.6, 0.01)} for name in ("a", "b")}
+    return SearchSpace(table, fixed={"rest": Choice(40.0, 0.1, 0.0)}, fp32_bytes=200.0)
+
+
+def test_the_all_fp32_plan_meets_a_budget_of_its_own_exact_bytes():
+    # Before: the all-FP32 plan counted 240 bytes against the reference 200, so memory_budget=1.0
+    # with min_precision=32 was refused, advising a budget of 1.2 the settings refuse.
+    space = _fp32_overstated_space()
+    (best,) = k_best(space, memory_bytes=200.0, loss_budget=0.0)
+    assert dict(best.assignment) == {"a": Format.FP32, "b": Format.FP32} and best.total.bytes == 200.0
+    assert space.totals({"a": Format.FP32, "b": Format.FP32}).bytes == 200.0
+
+
+def test_an_infeasible_budget_states_the_all_fp32_floor_exactly():
+    with pytest.raises(InfeasibleBudgetError) as info:
+        k_best(SearchSpace({"a": {Format.FP32: Choice(100.0, 1.0, 0.0)}}, fixed={"rest": Choice(40.0, 0.1, 0.0)}, fp32_bytes=120.0), 100.0, 0.0)
+    assert info.value.formats_floor == 120.0 and info.value.min_bytes == 120.0
+
+
+def test_the_all_fp32_plan_ranks_among_the_k_best_by_its_time():
+    # Under 230 bytes the program alone sees three plans (all-BF16 180, the mixed two 210); the
+    # all-FP32 plan (additive 240, exactly 200) is the fourth and slowest.
+    plans = k_best(_fp32_overstated_space(), memory_bytes=230.0, loss_budget=1.0, k=4)
+    assert [(p.total.bytes, round(p.total.seconds, 6)) for p in plans] == [(180.0, 1.3), (210.0, 1.7), (210.0, 1.7), (200.0, 2.1)]

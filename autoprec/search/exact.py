@@ -331,11 +331,33 @@ def solve_exact(space: SearchSpace, memory_bytes: float = float("inf"), loss_bud
     return k_best(space, memory_bytes, loss_budget, 1)[0]
 
 
+def _all_fp32(space: SearchSpace) -> "Solution | None":
+    """The all-FP32 plan recomputing nothing at its exact totals, where the space knows them
+    (`SearchSpace.fp32_bytes`: the program's additive bytes overstate this one plan), else None."""
+    assignment = space.uniform(Format.FP32)
+    if space.fp32_bytes is None or assignment is None:
+        return None
+    return Solution(assignment, space.totals(assignment))
+
+
+def _is_all_fp32(found: "Solution | Mapping[str, Format]") -> bool:
+    assignment = found.assignment if isinstance(found, Solution) else found
+    return not (isinstance(found, Solution) and found.recompute) and all(Format.parse(f) is Format.FP32 for f in assignment.values())
+
+
 def _infeasible(space: SearchSpace, memory_bytes: float, loss_budget: float) -> InfeasibleBudgetError:
     min_bytes, min_loss = smallest_reachable(space, memory_bytes, loss_budget)
     # Formats alone: each unit's least bytes add up; recomputing blocks can go lower still.
     formats_floor = space.totals(space.extreme("bytes")).bytes
     recompute_floor = _solve(space, "bytes", float("inf"), float("inf")).total.bytes if space.blocks else None
+    fp32 = _all_fp32(space)
+    if fp32 is not None:  # the one plan the program overstates, at its exact bytes
+        formats_floor = min(formats_floor, fp32.total.bytes)
+        recompute_floor = None if recompute_floor is None else min(recompute_floor, fp32.total.bytes)
+        if fp32.total.loss <= loss_budget:
+            min_bytes = min(min_bytes, fp32.total.bytes)
+        if fp32.total.bytes <= memory_bytes:
+            min_loss = min(min_loss, fp32.total.loss)
     floor_bytes = formats_floor if recompute_floor is None else recompute_floor
     floor_loss = space.totals(space.extreme("loss")).loss
     floors: dict = {}
@@ -383,7 +405,14 @@ def k_best(space: SearchSpace, memory_bytes: float = float("inf"), loss_budget: 
     if not space.units:
         raise SearchError("the search space has no layers")
     exclude = list(exclude)
+    # The all-FP32 plan at its exact bytes (`SearchSpace.fp32_bytes`): a candidate of its own
+    # when it meets the budgets, whether or not the program's overstated figure does.
+    fp32 = _all_fp32(space)
+    if fp32 is not None and (fp32.total.bytes > memory_bytes or fp32.total.loss > loss_budget or any(_is_all_fp32(e) for e in exclude)):
+        fp32 = None
     first = _solve(space, "seconds", memory_bytes, loss_budget, cuts=exclude, time_limit=left())
+    if first is None and fp32 is not None:
+        return [fp32]
     if first is None and spent():
         raise SearchError(f"the integer program found no plan within {time_limit:.3g} s; allow the search more time")
     if first is None:
@@ -395,6 +424,8 @@ def k_best(space: SearchSpace, memory_bytes: float = float("inf"), loss_budget: 
         if nxt is None:
             break
         found.append(nxt)
+    if fp32 is not None:
+        found = [s for s in found if not _is_all_fp32(s)] + [fp32]
     # Each is the best unlike those before it to the gap, so a later one may be a little faster:
     # sorted, the i-th is still within the gap of the i-th best plan.
-    return sorted(found, key=lambda s: s.total.seconds)
+    return sorted(found, key=lambda s: s.total.seconds)[:k]

@@ -95,7 +95,8 @@ def build_space(
         forward = {layer: {f: costs.layer_forward_seconds(layer, f) for f in table[layer]} for layer in block.layers}
         blocks.append(Block(fqn, freed, forward, other_bytes=float(block.other_bytes[1]), other_seconds=float(block.other_seconds[1])))
     device = costs.device
-    space = SearchSpace(table, min_precision=min_precision, max_precision=max_precision, rules=rules, device=device, fixed=fixed, blocks=blocks)
+    space = SearchSpace(table, min_precision=min_precision, max_precision=max_precision, rules=rules, device=device, fixed=fixed, blocks=blocks,
+                        fp32_bytes=costs.fp32_bytes() if hasattr(costs, "fp32_bytes") else None)
     return space, ruled_out
 
 

@@ -270,6 +270,11 @@ class SearchSpace:
     ``device``, and permitted by ``rules``. A layer left with no format is an error naming it.
     ``blocks``: recompute units the search may recompute (`Block`; none: formats only, exactly
     as before blocks existed); each names layers of the table, no layer in two blocks.
+    ``fp32_bytes``: the all-FP32 plan's bytes (recomputing nothing), the memory reference a
+    fractional budget is a fraction of (`CostModel.fp32_bytes`). The additive table charges an FP32
+    layer its lowered neighbours' FP32 saves and the rest of the step its lowered figure, exact
+    for every plan but all-FP32, which it overstates; with ``fp32_bytes`` that plan totals exactly
+    it (`totals`, `exact.k_best`), so an all-FP32 plan is 1.0 of the reference a budget names.
     """
 
     def __init__(
@@ -282,7 +287,9 @@ class SearchSpace:
         device=None,
         fixed: "Mapping[str, Choice] | None" = None,
         blocks: Sequence[Block] = (),
+        fp32_bytes: "float | None" = None,
     ):
+        self.fp32_bytes = None if fp32_bytes is None else float(fp32_bytes)
         allowed_bits = set(formats_for_precision(min_precision, max_precision, Format))
         runnable = {f for f in Format if format_support(f, device).runnable}
         # Costs outside any layer (the rest of the step: norms, optimizer, ...), in every plan.
@@ -406,6 +413,8 @@ class SearchSpace:
         for unit in self.units:
             total = total + unit.choices[Format.parse(assignment[unit.name])]
         recompute = tuple(recompute)
+        if not recompute and self.fp32_bytes is not None and all(Format.parse(assignment[u.name]) is Format.FP32 for u in self.units):
+            return dataclasses.replace(total, bytes=self.fp32_bytes)  # the reference, exactly (class docstring)
         return total + self.recompute_effect(assignment, recompute) if recompute else total
 
     def fixing_recompute(self, recompute: Iterable[str]) -> "SearchSpace":
@@ -423,6 +432,7 @@ class SearchSpace:
                 for f, (b, s) in per.items():
                     extra[unit_name][f] = extra[unit_name][f] + Choice(-b, s, 0.0)
         out = copy.copy(self)
+        out.fp32_bytes = self.fp32_bytes if not recompute else None  # the exact figure recomputes nothing
         out.units = tuple(dataclasses.replace(u, choices={f: c + extra[u.name][f] for f, c in u.choices.items()}) for u in self.units)
         out.fixed_total = fixed
         out.blocks, out.links = (), {}
@@ -460,6 +470,11 @@ class SearchSpace:
                             for u, per in links] for name, links in self.links.items()}
         out.blocks = tuple(dataclasses.replace(b, other_bytes=b.other_bytes * fixed.bytes, other_seconds=b.other_seconds * fixed.seconds)
                            for b in self.blocks)
+        fp32 = self.uniform(Format.FP32)
+        if self.fp32_bytes is not None and fp32 is not None:
+            # The all-FP32 plan's exact bytes corrected as its additive total is.
+            additive = lambda space: sum(u.choices[Format.FP32].bytes for u in space.units) + space.fixed_total.bytes  # noqa: E731
+            out.fp32_bytes = self.fp32_bytes * additive(out) / additive(self) if additive(self) else self.fp32_bytes
         return out
 
     def __len__(self) -> int:
