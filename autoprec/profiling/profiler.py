@@ -16,7 +16,7 @@ from ..errors import ProfileError
 from ..formats import Format
 from ..measure import local_shard as _local  # FSDP2: per-shard statistics, reduced at the window's end (autoprec.distributed)
 from ..plan import Scaling
-from ..runtime.recompute import recomputing
+from ..runtime.recompute import recomputing, training_forward
 from .artifact import LayerProfile, Profile
 from .stats import BIN_MASK, BIN_SHIFT, KINDS, NUM_BINS, REFERENCES, GradStats, Histogram, TensorStats, format_fractions
 
@@ -79,7 +79,7 @@ class _Welford:
 
 
 class _LayerState:
-    __slots__ = ("fqn", "module", "welford", "tensors", "steps", "last_step", "phase")
+    __slots__ = ("fqn", "module", "welford", "tensors", "steps", "last_step", "phase", "grads_pending")
 
     def __init__(self, fqn: str, module: nn.Module, grad_sample: int, phase: int):
         self.fqn = fqn
@@ -89,6 +89,9 @@ class _LayerState:
         self.tensors: dict[str, _TensorState] = {}
         self.steps = 0
         self.last_step = -1
+        # Forwards of a reentrant checkpoint (no gradients there) whose output gradient arrives
+        # through the recomputation's output: its hook goes there.
+        self.grads_pending = 0
 
     @property
     def weights(self) -> list[torch.Tensor]:
@@ -256,8 +259,17 @@ class LayerProfiler:
     # -- hooks ----------------------------------------------------------------------------------
 
     def _forward_hook(self, state: _LayerState, module, args, kwargs, output) -> None:
-        # A recomputed block's forward running again in the backward: this call was counted.
-        if not self._attached or not torch.is_grad_enabled() or recomputing():
+        if not self._attached:
+            return
+        if recomputing():
+            # A recomputed forward running again in the backward: this call was counted, but a
+            # reentrant checkpoint's gradient flows through the recomputed output only.
+            out = first_float(output) if state.grads_pending else None
+            if out is not None and out.requires_grad:
+                state.grads_pending -= 1
+                out.register_hook(functools.partial(self._grad_hook, state))
+            return
+        if not training_forward():
             return
         if state.last_step != self._steps:
             state.last_step = self._steps
@@ -268,6 +280,8 @@ class LayerProfiler:
         out = first_float(output)
         if out is not None and out.requires_grad:
             out.register_hook(functools.partial(self._grad_hook, state))
+        elif out is not None and not torch.is_grad_enabled():
+            state.grads_pending += 1
 
     def _grad_hook(self, state: _LayerState, grad: torch.Tensor) -> None:
         # A backward that runs after detach() or after the window (graph built before) records nothing.

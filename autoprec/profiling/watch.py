@@ -46,7 +46,7 @@ from ..errors import ProfileError
 from ..formats import Format
 from ..measure import local_shard
 from ..plan import LayerPrecision
-from ..runtime.recompute import recomputing
+from ..runtime.recompute import recomputing, training_forward
 from .profiler import first_float, sample_stride
 
 __all__ = ["PlanWatch", "TensorWatch", "WatchReport", "WATCHED_KINDS"]
@@ -161,7 +161,7 @@ class PlanWatch:
         self._attached = False
 
     def _forward_hook(self, fqn: str, module, args, kwargs, output) -> None:
-        if not self._attached or not torch.is_grad_enabled() or recomputing():
+        if not self._attached or not training_forward() or recomputing():
             return  # a recomputed block's second forward was seen the first time
         row = self._row_of.get((fqn, "activation"))
         if row is not None:

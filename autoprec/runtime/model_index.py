@@ -1,7 +1,7 @@
 """What a plan runtime reads of its model, walked once: `ModelIndex`.
 
-A `PlanRuntime` looks modules up by name, names the parameters its quantizers keep state for,
-and finds the modules that checkpoint themselves. Walking the model for that costs O(modules)
+A `PlanRuntime` looks modules up by name and names the parameters its quantizers keep state
+for. Walking the model for that costs O(modules)
 per runtime; the sensitivity estimate makes a few runtimes per layer on one model, so there the
 walks alone grew with the square of the depth. Made once (`ModelIndex.of`) and passed to each
 runtime (`apply_plan(..., index=)`), a runtime costs O(its plan's layers) instead.
@@ -18,24 +18,19 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 
-__all__ = ["ModelIndex", "HF_CHECKPOINT"]
-
-# The attribute through which a Hugging Face module checkpoints itself (`recompute.user_checkpoint`).
-HF_CHECKPOINT = "_gradient_checkpointing_func"
+__all__ = ["ModelIndex"]
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelIndex:
     """``modules``: fqn -> module; ``param_names``: id(parameter) -> its fqn (the first name of a
     tied one); ``device``: the first parameter's (CPU without parameters); ``on_meta``: whether
-    any parameter is on the meta device; ``checkpointed``: the fqns of modules that checkpoint
-    themselves through `HF_CHECKPOINT`."""
+    any parameter is on the meta device."""
 
     modules: Mapping[str, nn.Module]
     param_names: Mapping[int, str]
     device: torch.device
     on_meta: bool
-    checkpointed: tuple[str, ...]
 
     @classmethod
     def of(cls, model: nn.Module) -> "ModelIndex":
@@ -46,5 +41,4 @@ class ModelIndex:
         for name, p in named:
             param_names.setdefault(id(p), name)
         device = named[0][1].device if named else torch.device("cpu")
-        return cls(modules, param_names, device, any(p.is_meta for _, p in named),
-                   tuple(fqn for fqn, m in modules.items() if callable(m.__dict__.get(HF_CHECKPOINT))))
+        return cls(modules, param_names, device, any(p.is_meta for _, p in named))

@@ -27,7 +27,7 @@ from .casts import call_casts, describe
 from .emulation import StoredInFormat
 from .gemm import FP8_ALIGN, Fp8Linear, Fp8Spec, Int8Linear, Int8Spec
 from .layers import NEVER_AUTOCAST, RuntimeLayer, as_gemm, to_dtype, to_fp32, unify_dtypes
-from .recompute import recorded_scale
+from .recompute import recorded_scale, training_forward
 
 __all__ = ["ThreadState", "PerThread", "LayerMode", "Products"]
 
@@ -148,7 +148,7 @@ class Products:
             # _scaled_mm fuses no bias into an FP32 output: there it is added after the kernel.
             fused = bias is not None and kernel_dtype != torch.float32
             kernel_bias = layer.kernel_bias(bias, kernel_dtype) if fused else None
-            record = torch.is_grad_enabled()
+            record = training_forward()
             x_casts, g_casts = call_casts(casts, x2.dtype), call_casts(casts, kernel_dtype)
             with torch.no_grad():
                 # A recomputed block's backward reads back the scale its forward chose: asking the

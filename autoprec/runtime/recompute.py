@@ -24,19 +24,25 @@ What the recomputation must reproduce, and how (eager):
 Under ``torch.compile``: Dynamo's checkpoint operator; delayed scaling keeps its history reads (a
 selective checkpoint policy); `compile_refusal` says what cannot run.
 
-**The user's own checkpointing** (Hugging Face's ``gradient_checkpointing_enable()``: each
-decoder layer calls its ``_gradient_checkpointing_func``, ``torch.utils.checkpoint`` by default)
-recomputes in the backward too, where the runtime is off: the recomputed layers would run in
-FP32 against a forward that ran in the plan's formats, and checkpoint refuses the different
-dtypes ("Recomputed values ... have different metadata"). So while a runtime is installed, such a
-module's function is `user_checkpoint`: the user's own, called non-reentrant with the same
-record-and-replay contexts as a planned block (user settings such as HF's CPU offload kept).
+**The user's own checkpointing** (``torch.utils.checkpoint.checkpoint`` called by the model's own
+forward, reentrant or not, directly, through torch's ``checkpoint_wrapper`` as torchtitan does, or
+through Hugging Face's ``gradient_checkpointing_enable()``) recomputes in the backward too, where the
+runtime is off: the recomputed layers would run in FP32 against a forward that ran in the plan's
+formats (non-reentrant checkpoint refuses the different saved tensors, reentrant checkpoint silently
+takes the gradients of another model). So the first planned layer that runs inside such a call's
+forward (`users_record`) finds the call (`_users_checkpoint`), gives it a `ScaleRecord` and wraps
+the function the call will recompute with (`_CheckpointFrame.recompute_fn`, or the reentrant
+context's ``run_function``) in the same replay context as a planned block's: the recomputation runs
+under the plan with the forward's scales, and the gradients equal those of the same plan without
+checkpointing. A planned block inside (or around) the user's checkpoint is not checkpointed a
+second time: one recomputation serves both.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import threading
 import types
 from typing import Any, Callable, Mapping
@@ -44,7 +50,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointFunction, CheckpointPolicy, _CheckpointFrame, checkpoint, create_selective_checkpoint_contexts
 
 from ..calls import changeable, fresh, isolated
 from ..errors import RuntimeStateError
@@ -52,7 +58,7 @@ from ..formats import Granularity
 from ..plan import ScalingMode
 from .wrapping import displaced, mark
 
-__all__ = ["recomputing", "recorded_scale", "ScaleRecord", "BlockHost", "block_wrapper", "user_checkpoint"]
+__all__ = ["recomputing", "recorded_scale", "ScaleRecord", "BlockHost", "block_wrapper", "users_record", "Recording", "training_forward"]
 
 
 class _RecomputeState(threading.local):
@@ -77,15 +83,28 @@ def recomputing() -> bool:
     return _state.replay is not None
 
 
+def training_forward() -> bool:
+    """Whether the running forward is one of training, whose state (a delayed scaling's amax
+    history) it updates: gradients on, or the forward of a reentrant checkpoint, which runs under
+    ``torch.no_grad`` while its recomputation gives the gradients. Costs a flag read with
+    gradients on; under ``torch.no_grad``, `_users_checkpoint`'s walk up the stack."""
+    if torch.is_grad_enabled():
+        return True
+    if torch.compiler.is_compiling():
+        return False
+    return _state.record is not None or _users_checkpoint() is not None
+
+
 class ScaleRecord:
-    """The scales one checkpointed forward of a block chose, per ``(layer fqn, operand)`` in
-    call order, for its recomputation to read back. Holds references to small tensors (one
-    scalar, or an INT8 operand's scale and outlier masks), no activations."""
+    """The scales one checkpointed forward chose, per ``(layer fqn, operand)`` in call order, for
+    its recomputation to read back; ``what``: the checkpointed code, for messages ("block
+    'blocks.0'"). Holds references to small tensors (one scalar, or an INT8 operand's scale and
+    outlier masks), no activations."""
 
-    __slots__ = ("block", "values", "taken")
+    __slots__ = ("what", "values", "taken")
 
-    def __init__(self, block: str):
-        self.block = block
+    def __init__(self, what: str):
+        self.what = what
         self.values: dict[tuple, list] = {}
         self.taken: dict[tuple, int] = {}
 
@@ -97,7 +116,7 @@ class ScaleRecord:
         values = self.values.get(key, ())
         if index >= len(values):
             raise RuntimeStateError(
-                f"recomputing block {self.block!r}: layer {key[0]!r} asked for a scale its forward did not "
+                f"recomputing {self.what}: layer {key[0]!r} asked for a scale its forward did not "
                 f"use ({key[1]!r}, call {index + 1}); the block's forward must call its layers the same way "
                 "when it runs again (no data-dependent branches on values that differ in the backward)"
             )
@@ -121,7 +140,7 @@ def recorded_scale(layer: str, operand: str, compute: Callable[[], Any]) -> Any:
     return value
 
 
-class _Recording:
+class Recording:
     """The forward context of one checkpoint call: scales go into ``record``."""
 
     def __init__(self, record: ScaleRecord):
@@ -164,7 +183,7 @@ class _Replaying:
         host = self.host
         if not host.installed():
             raise RuntimeStateError(
-                f"backward through recomputed block {self.record.block!r} after its plan runtime was removed or displaced; "
+                f"backward through recomputed {self.record.what} after its plan runtime was removed or displaced; "
                 "run loss.backward() before runtime.remove() or applying another plan to the model"
             )
         thread = host.threads.state
@@ -273,7 +292,17 @@ def block_wrapper(host: BlockHost, fqn: str, module: nn.Module):
 
     def forward(self_module, *args, **kwargs):
         thread = threads.state
-        if not thread.active or self_module is not module or not torch.is_grad_enabled():
+        if not thread.active or self_module is not module:
+            return own_forward(self_module, args, kwargs)
+        if _state.record is not None or _state.replay is not None:
+            # Inside a checkpoint already recording or recomputing (the user's, around this
+            # block): its recomputation recomputes this block too.
+            return own_forward(self_module, args, kwargs)
+        users = users_record(host, fqn)
+        if users is not None:
+            with Recording(users):
+                return own_forward(self_module, args, kwargs)
+        if not torch.is_grad_enabled():
             return own_forward(self_module, args, kwargs)
         # Every tensor goes to checkpoint positionally, keyword ones included: checkpoint finds the
         # device whose RNG it preserves from its positional arguments only.
@@ -305,11 +334,11 @@ def block_wrapper(host: BlockHost, fqn: str, module: nn.Module):
             if any(_delayed(layer) for _, layer in host.layers_in(fqn)):
                 return checkpoint(traced(run, fqn), *tensors, use_reentrant=False, context_fn=_HISTORY_READS_KEPT)
             return checkpoint(traced(run, fqn), *tensors, use_reentrant=False)
-        record = ScaleRecord(fqn)
+        record = ScaleRecord(f"block {fqn!r}")
         stack, mode_active = thread.stack, thread.mode_active
 
         def contexts():
-            return _Recording(record), _Replaying(host, record, stack, mode_active)
+            return Recording(record), _Replaying(host, record, stack, mode_active)
 
         return checkpoint(run, *tensors, use_reentrant=False, context_fn=contexts)
 
@@ -318,27 +347,68 @@ def block_wrapper(host: BlockHost, fqn: str, module: nn.Module):
     return types.MethodType(forward, module)
 
 
-def user_checkpoint(host: BlockHost, fqn: str, user_function: Callable[[], Any]) -> Callable:
-    """The ``_gradient_checkpointing_func`` put on a Hugging Face module while ``host``'s runtime
-    is installed (module docstring): in a thread that entered the runtime, ``user_function()``
-    (the user's checkpoint function, read at each call) with ``use_reentrant=False`` and a
-    ``context_fn`` whose recomputation runs under the plan as the forward did; as the user's
-    everywhere else (outside the context, under ``torch.compile``, whose recomputation replays no
-    Python). Reentrant checkpointing takes no contexts: it is run non-reentrant, torch's own
-    recommendation."""
-    threads = host.threads
+def _users_checkpoint() -> Any:
+    """The ``torch.utils.checkpoint`` call whose forward the calling code runs in, as the object
+    holding the function its recomputation calls: a non-reentrant call's `_CheckpointFrame` (its
+    forward runs under the saved-tensor hooks the call pushes, whose pack function holds the
+    frame), a reentrant call's autograd context (its forward runs under ``torch.no_grad`` inside
+    ``CheckpointFunction.forward``, found on the Python stack); None elsewhere.
 
-    def checkpointed(function, *args, **kwargs):
-        thread = threads.state
-        if not thread.active or torch.compiler.is_compiling():
-            return user_function()(function, *args, **kwargs)
-        record = ScaleRecord(fqn)
-        stack, mode_active = thread.stack, thread.mode_active
+    Reads torch internals, the same in 2.11 and 2.13 (`tests/test_user_checkpointing.py` runs
+    both kinds on both). Costs one C call; under ``torch.no_grad`` also a walk up the Python stack
+    (tens of frames)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if hooks is not None:
+        for cell in getattr(hooks[0], "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(value, _CheckpointFrame):
+                return value
+        return None
+    if torch.is_grad_enabled():
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _REENTRANT_FORWARD:
+            return frame.f_locals.get("ctx")
+        frame = frame.f_back
+    return None
 
-        def contexts():
-            return _Recording(record), _Replaying(host, record, stack, mode_active)
 
-        return user_function()(function, *args, **{**kwargs, "use_reentrant": False, "context_fn": contexts})
+_REENTRANT_FORWARD = CheckpointFunction.forward.__code__
+_RECORD = "autoprec_record"  # the attribute holding a user's checkpoint call's ScaleRecord
 
-    checkpointed.autoprec_user = user_function  # type: ignore[attr-defined]  # another runtime installing over this one calls the user's, not this
-    return checkpointed
+
+def users_record(host: BlockHost, fqn: str) -> "ScaleRecord | None":
+    """The `ScaleRecord` of the user's checkpoint call whose forward the planned layer or block
+    ``fqn`` of ``host``'s runtime runs in (module docstring), or None: outside one, inside a
+    checkpoint already recording or replaying, and under ``torch.compile`` (whose recomputation
+    replays no Python: it reuses the forward's values). The first call inside a checkpoint call
+    makes the record and wraps the call's recomputation function to replay it under the plan, as
+    the forward's thread ran it (the runtime active, its layer stack). Costs two thread-local
+    reads and `_users_checkpoint`."""
+    if torch.compiler.is_compiling() or _state.record is not None or _state.replay is not None:
+        return None
+    call = _users_checkpoint()
+    if call is None:
+        return None
+    record = getattr(call, _RECORD, None)
+    if record is None:
+        record = ScaleRecord(f"the checkpoint holding layer {fqn!r}")
+        thread = host.threads.state
+        replaying = _Replaying(host, record, thread.stack, thread.mode_active)
+        # A non-reentrant call recomputes with its frame's recompute_fn; a reentrant one with its
+        # context's run_function.
+        attribute = "recompute_fn" if isinstance(call, _CheckpointFrame) else "run_function"
+        recompute = getattr(call, attribute)
+
+        @functools.wraps(recompute)
+        def replayed(*args, **kwargs):
+            with replaying:
+                return recompute(*args, **kwargs)
+
+        setattr(call, attribute, replayed)
+        setattr(call, _RECORD, record)
+    return record

@@ -18,7 +18,6 @@ itself on the thread's stack (a tuple replaced, never mutated).
 from __future__ import annotations
 
 import contextlib
-import functools
 import types
 from typing import Any, Mapping
 
@@ -30,9 +29,9 @@ from ..coverage import enclosing_layer
 from ..formats import Format
 from ..plan import Plan
 from .layers import NEVER_AUTOCAST, RuntimeLayer, to_fp32, to_half
-from .model_index import HF_CHECKPOINT, ModelIndex
+from .model_index import ModelIndex
 from .products import LayerMode, PerThread, Products, ThreadState
-from .recompute import BlockHost, block_wrapper, user_checkpoint
+from .recompute import BlockHost, Recording, block_wrapper, users_record
 from .wrapping import displaced, mark, previous_of
 
 __all__ = ["LayerWrappers"]
@@ -72,20 +71,16 @@ class LayerWrappers:
         if low_precision:
             handed_on.add(region_dtype)
         self.mixed_halves = len(handed_on) > 1
-        self.forwards = self._build() if low_precision else {}
-        # Recomputed blocks: checkpointed while the plan is on (see `recompute`); installed after
-        # the layers' wrappers, taken off with them.
-        modules = index.modules
+        # What recomputation needs of this runtime: its planned blocks and the user's own
+        # checkpoints (`recompute`) recompute under the plan.
+        self.forwards: dict[str, Any] = {}
         host = BlockHost(owner, threads, self.installed, self.layer_mode, layers, self.forwards)
+        if low_precision:
+            self.forwards.update(self._build(host))
+        # Recomputed blocks: checkpointed while the plan is on; installed after the layers'
+        # wrappers, taken off with them.
+        modules = index.modules
         self.blocks = {fqn: (modules[fqn], block_wrapper(host, fqn, modules[fqn])) for fqn in plan.recompute}
-        # The user's own checkpointed modules (Hugging Face's gradient checkpointing): their
-        # recomputation must run under the plan too (`recompute.user_checkpoint`). fqn -> (module,
-        # the function installed); the user's own function is kept in `_user_checkpoints`.
-        self._user_checkpoints: dict[str, Any] = {}
-        self.checkpoints = {
-            fqn: (modules[fqn], user_checkpoint(host, fqn, functools.partial(self._user_checkpoints.get, fqn)))
-            for fqn in index.checkpointed if low_precision
-        }
 
     def _needs_mode(self, layer: RuntimeLayer, planned_below: bool) -> bool:
         if layer.format is Format.FP32:
@@ -99,7 +94,7 @@ class LayerWrappers:
         ops = set(self.plan.fingerprint[layer.fqn].ops) if layer.fqn in self.plan.fingerprint else set()
         return bool(ops & (_AUTOCAST_UNCAST.get(self.device_type, frozenset()) | NEVER_AUTOCAST)) or not ops
 
-    def _build(self) -> dict[str, Any]:
+    def _build(self, host: BlockHost) -> dict[str, Any]:
         """fqn -> the forward to install for every layer that needs one (see the module docstring).
 
         Linear in the number of layers (times their nesting depth): each layer's planned parent
@@ -131,10 +126,10 @@ class LayerWrappers:
             if own_scope:
                 # The layer stack is read only by the mode: a layer under no mode need not push itself.
                 parent_format = layers[up].format if up is not None else None
-                wrappers[fqn] = self._wrapper(layer, mode, stacked=mode or mode_above[fqn], parent_format=parent_format)
+                wrappers[fqn] = self._wrapper(host, layer, mode, stacked=mode or mode_above[fqn], parent_format=parent_format)
         return wrappers
 
-    def _wrapper(self, layer: RuntimeLayer, mode: bool, stacked: bool, parent_format: "Format | None"):
+    def _wrapper(self, host: BlockHost, layer: RuntimeLayer, mode: bool, stacked: bool, parent_format: "Format | None"):
         """The forward installed on ``layer.module``: the plan's in a thread that entered this
         runtime, the module's own everywhere else (other threads, outside the context, a copy).
         ``stacked``: the layer runs under the mode (its own or an ancestor's), which reads the
@@ -149,7 +144,7 @@ class LayerWrappers:
         half scores must read that dtype) or its weights are stored in a half dtype (the layers
         around it hand on that dtype). An FP32 layer in the region keeps its FP32 outputs: the
         ops between layers (norms, residual adds, the loss) take FP32 under autocast."""
-        module, fmt, device_type, threads, products = layer.module, layer.format, self.device_type, self.threads, self.products
+        module, fmt, device_type, threads, products, fqn = layer.module, layer.format, self.device_type, self.threads, self.products, layer.fqn
         had_own, previous = displaced(module)
         direct_linear = layer.low_precision and not mode
         half_stored = layer.stored_dtype  # what the rest of a model loaded in BF16 expects between layers
@@ -182,6 +177,12 @@ class LayerWrappers:
                 # A deep copy of the model carries this method re-bound to the copy: it runs the
                 # copy's own forward, never this module's weights.
                 return own_forward(self_module, args, kwargs)
+            users = users_record(host, fqn)
+            if users is not None:
+                # Inside the user's own torch.utils.checkpoint: record the scales for its
+                # recomputation (which then finds a record set, and comes back here no more).
+                with Recording(users):
+                    return forward(self_module, *args, **kwargs)
             caller = torch.get_autocast_dtype(device_type) if to_caller and torch.is_autocast_enabled(device_type) else None
             if direct_linear:
                 x = args[0] if args else kwargs["input"]
@@ -257,25 +258,14 @@ class LayerWrappers:
 
     def install(self) -> None:
         """Put this runtime's wrappers on its layers and recomputed blocks, displacing an inactive
-        runtime's, and its checkpoint function on the user's checkpointed modules; they stay
-        until `remove` (wrap once, flip on enter: entering then costs no module surgery, and a
-        compiled step can enter the context without a graph break)."""
+        runtime's; they stay until `remove` (wrap once, flip on enter: entering then costs no
+        module surgery, and a compiled step can enter the context without a graph break)."""
         for module, forward in self._all():
             module.forward = forward
-        for fqn, (module, function) in self.checkpoints.items():
-            current = module.__dict__.get(HF_CHECKPOINT)
-            if current is not function:
-                # The user's, or an inactive runtime's: then the user's behind it.
-                user = getattr(current, "autoprec_user", None)
-                self._user_checkpoints[fqn] = user() if user is not None else current
-                setattr(module, HF_CHECKPOINT, function)
 
     def remove(self) -> None:
         """Take the wrappers off the model, restoring each module's ``__dict__`` as it was (a
-        forward the user had set on an instance included, and the user's checkpoint function)."""
-        for fqn, (module, function) in self.checkpoints.items():
-            if module.__dict__.get(HF_CHECKPOINT) is function:
-                setattr(module, HF_CHECKPOINT, self._user_checkpoints[fqn])
+        forward the user had set on an instance included)."""
         for module, forward in self._all():
             if module.__dict__.get("forward") is not forward:
                 continue  # displaced by another runtime, which restores on its own removal

@@ -25,7 +25,7 @@ import torch.nn as nn
 from ..coverage import ModuleFilter, layer_name
 from ..errors import RuntimeStateError, ScalingError
 from ..measure import local_shard
-from ..runtime.recompute import recomputing
+from ..runtime.recompute import recomputing, training_forward
 
 __all__ = ["OutputWatch", "LayerNames", "Attribution", "Layers", "check_and_unscale", "nonfinite_gradients", "summed_flags"]
 
@@ -177,7 +177,7 @@ class OutputWatch:
 
     def _hook_for(self, fqn: str):
         def hook(module, args, output):
-            if not self._include_no_grad and not torch.is_grad_enabled():
+            if not self._include_no_grad and not training_forward():
                 return
             if recomputing():
                 return  # a recomputed block's forward again in the backward: this call was recorded
