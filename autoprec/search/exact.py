@@ -395,7 +395,9 @@ def k_best(space: SearchSpace, memory_bytes: float = float("inf"), loss_budget: 
     solve on): `Solution` objects, or assignments (which then recompute no block). ``time_limit``: seconds for all the solves together; once spent, the solutions found so far
     are returned (at least the first, which HiGHS may then return short of proven optimal).
     Raises `InfeasibleBudgetError` like `solve_exact` when no plan meets the budgets. Costs one
-    integer program per solution, each a little larger than the last (one row per cut).
+    integer program per solution, each a little larger than the last (one row per cut). The
+    all-FP32 plan, where the space knows its exact bytes (`SearchSpace.fp32_bytes`), is judged at
+    them and ranked by its time among the others, outside the program.
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise SearchError(f"k must be an integer >= 1, got {k!r}")
