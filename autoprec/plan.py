@@ -27,6 +27,7 @@ from the link it measured and the accuracy budget (``grad_comm="auto"``). Empty:
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import types
 from collections import Counter
@@ -100,6 +101,19 @@ def _parse_comm(comm: "Mapping[str, CommMethod | str] | None", layers: Mapping[s
     return methods
 
 
+def _plain(name: str, figures: "Mapping[str, Any] | None") -> dict:
+    """``figures`` as the JSON a plan saves (numpy scalars as the Python numbers they hold), so a
+    saved plan loads equal; a `PlanError` names what JSON cannot hold."""
+    def number(value: Any) -> Any:
+        if isinstance(value, numbers.Integral):
+            return int(value)
+        if isinstance(value, numbers.Real):
+            return float(value)
+        raise PlanError(f"Plan({name}=...): {value!r} ({type(value).__name__}) cannot be saved as JSON; give numbers, strings, lists and mappings")
+
+    return json.loads(json.dumps(dict(figures or {}), default=number))
+
+
 class Plan:
     """An immutable map ``fqn -> LayerPrecision`` with the context it was made in.
 
@@ -148,7 +162,7 @@ class Plan:
         _set(self, "_blocks", types.MappingProxyType(flags))
         _set(self, "_comm", types.MappingProxyType(methods))
         for name, figures in (("budgets", budgets), ("predicted", predicted), ("measured", measured), ("metadata", metadata)):
-            _set(self, name, types.MappingProxyType(json.loads(json.dumps(dict(figures or {})))))
+            _set(self, name, types.MappingProxyType(_plain(name, figures)))
 
     def __setattr__(self, name, value):
         raise AttributeError("Plan is immutable; derive a new one with plan.replace(...) or plan.with_layers(...)")

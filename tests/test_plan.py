@@ -902,3 +902,13 @@ def test_a_margin_beyond_the_formats_range_is_refused_naming_the_format():
 def test_the_largest_useful_margin_is_accepted():
     plan = Plan({"fc": LayerPrecision(Format.FP8_E4M3, scaling=Scaling(margin=8))})  # 448 / 2**8 = 1.75
     assert plan["fc"].scaling.margin == 8
+
+
+def test_numpy_figures_are_held_as_numbers_and_round_trip(tmp_path):
+    import numpy as np
+
+    # Before: a bare TypeError (int64 is not JSON serializable) from the constructor.
+    plan = Plan({"fc": "bf16"}, predicted={"bytes": np.int64(5), "seconds": np.float32(0.5)})
+    assert dict(plan.predicted) == {"bytes": 5, "seconds": 0.5} and Plan.load(plan.save(tmp_path / "p.json")) == plan
+    with pytest.raises(PlanError, match=r"Plan\(metadata=\.\.\.\): .* cannot be saved as JSON"):
+        Plan({"fc": "bf16"}, metadata={"x": object()})
