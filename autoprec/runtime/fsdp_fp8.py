@@ -22,8 +22,10 @@ torch 2.11 and 2.13 lay it out alike, and the tests run on both.
 
 Costs per FP8 weight and all-gather (forward, and backward when FSDP2 re-gathers there): one amax
 over the shard, one all-reduce of 4 bytes, one cast of the shard; the all-gather sends 1 byte per
-value instead of 4 (FP32). The scale follows the weight every step (current scaling), so a layer
-whose plan says delayed scaling or row/block granularity is gathered as before. Eager only: the
+value instead of 4 (FP32). The scale follows the weight every step (current scaling: a weight is
+always scaled from its own amax, whatever the plan's mode, which applies to the layer's inputs), so
+a delayed-scaled E4M3 layer gathers in FP8 too and trains as it does without FSDP2; a layer whose
+plan says row or block granularity, E5M2 or INT8 is gathered as before (FP32). Eager only: the
 subclass has no ``__tensor_flatten__`` for ``torch.compile``.
 
 The scheduler owns one `Fp8AllGather` whenever its model holds an FSDP2 unit, at any world size:
