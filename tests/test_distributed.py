@@ -15,6 +15,7 @@ from autoprec.comm import CommMethod
 from autoprec.distributed import SchedulerCheckpoint, grad_comm_methods, plan_hash
 from autoprec.scheduler import DynamicPrecisionScheduler, Thresholds
 from graphs import graph_tensors
+from titan_llama import titan_llama, token_batch
 
 WINDOW = 4
 WORLD = 2
@@ -593,3 +594,51 @@ def test_recomputed_blocks_train_bit_for_bit_like_stored_ones_under_ddp_and_fsdp
             assert [s[0] for s in recomputed["steps"]] == [s[0] for s in kept["steps"]], kind
             for name, value in kept["params"].items():
                 assert torch.equal(recomputed["params"][name], value), (kind, name)
+
+
+# -- the seed's loop under FSDP2 with blocks and recomputation, 2 and 4 ranks (issue 58) ----------
+
+
+def fsdp_blocks_search_scenario(rank, world, tmp):
+    """The seed's loop as a new FSDP2 user writes it around a Llama laid out like torchtitan's
+    (`titan_llama`): each block and the root under ``fully_shard`` with
+    ``MixedPrecisionPolicy(param_dtype=None)``, recomputation on (the default), costs measured
+    (the search's probe and trial steps run its candidates), until the plan has been in force for
+    3 steps."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = titan_llama()
+    policy = MixedPrecisionPolicy(param_dtype=None)
+    for block in model.layers.values():
+        fully_shard(block, mp_policy=policy)
+    net = fully_shard(model, mp_policy=policy)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    sch = DynamicPrecisionScheduler(monitor_window=WINDOW, monitor_steps=2, memory_budget=0.8, accuracy_budget=0.05, search_timeout_s=30.0)
+    steps, planned = [], 0
+    for step in range(80):
+        x, y = token_batch(step, rank, world)
+        with sch.precision_context():
+            loss = nn.functional.cross_entropy(net(x).flatten(0, 1).float(), y.flatten())
+        sch.backward(loss)
+        steps.append((loss.item(), sch.step(opt)))
+        opt.zero_grad(set_to_none=True)
+        planned += sch.phase == "planned"
+        if planned == 3 or sch.last_search_error is not None:
+            break
+    full = {k: v.full_tensor().detach().clone() for k, v in model.named_parameters()}
+    return {"steps": steps, "plan": sch.plan.to_dict() if sch.plan is not None else None, "phase": sch.phase, "params": full,
+            "error": sch.last_search_error, "planned": planned}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_blocks_with_recomputation_reach_one_plan_on_every_rank(tmp_path, world):
+    results = run(fsdp_blocks_search_scenario, tmp_path, world=world)
+    first = results[0]
+    assert first["error"] is None and first["planned"] == 3, first["error"]
+    assert any(layer["format"] != "fp32" for layer in first["plan"]["layers"].values())
+    for result in results[1:]:
+        assert result["plan"] == first["plan"] and result["phase"] == "planned"
+        assert [s[1] for s in result["steps"]] == [s[1] for s in first["steps"]]  # every skip agreed
+        for name, value in first["params"].items():
+            assert torch.equal(value, result["params"][name]), name

@@ -1,0 +1,106 @@
+"""A tiny Llama laid out as torchtitan lays out its Llama 3 (`torchtitan/models/llama3/model`):
+``tok_embeddings``, ``layers`` (a ModuleDict of ``TransformerBlock``: ``attention`` with ``wq``,
+``wk``, ``wv``, ``wo``, ``feed_forward`` with ``w1``, ``w2``, ``w3``, ``attention_norm``,
+``ffn_norm``), ``norm``, ``output``; rotary embeddings, grouped-query attention through
+``scaled_dot_product_attention``. Written here (not imported) so the tests need no torchtitan."""
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass(frozen=True)
+class TitanArgs:
+    dim: int = 32
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    vocab_size: int = 128
+    hidden_dim: int = 64
+    max_seq_len: int = 32
+
+
+def rope(head_dim: int, seq_len: int) -> torch.Tensor:
+    freqs = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(seq_len).float(), freqs)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)  # (seq, head_dim / 2, 2)
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    cos, sin = freqs[: x.shape[1], None, :, 0], freqs[: x.shape[1], None, :, 1]
+    rotated = torch.stack((pairs[..., 0] * cos - pairs[..., 1] * sin, pairs[..., 0] * sin + pairs[..., 1] * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: TitanArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.dim // args.n_heads
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = apply_rope(self.wq(x).view(b, s, self.n_heads, self.head_dim), freqs)
+        k = apply_rope(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim), freqs)
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
+        repeat = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: TitanArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=False)
+        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: TitanArgs):
+        super().__init__()
+        self.attention, self.feed_forward = Attention(args), FeedForward(args)
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(args.dim, eps=1e-5), nn.RMSNorm(args.dim, eps=1e-5)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: TitanArgs = TitanArgs()):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.register_buffer("freqs_cis", rope(args.dim // args.n_heads, args.max_seq_len), persistent=False)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=1e-5)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        return self.output(self.norm(h))
+
+
+def titan_llama(seed: int = 0, **overrides) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(TitanArgs(**overrides))
+
+
+def token_batch(step: int, rank: int = 0, world: int = 1, batch: int = 8, seq: int = 32, vocab: int = 128):
+    """This rank's rows of global batch ``step``: (inputs, targets shifted by one)."""
+    g = torch.Generator().manual_seed(5000 + step)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    rows = tokens[rank::world]
+    return rows[:, :-1], rows[:, 1:]
