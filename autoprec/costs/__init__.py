@@ -19,6 +19,8 @@ Typical use::
     costs = CostModel.build(model, batch, loss_fn=workload.loss)   # measures once, then cached
     costs.layer_cost("blocks.0.mlp.fc", "int8")                   # LayerCost(bytes..., seconds)
     costs.plan_cost(plan).step_seconds, costs.fp32_bytes()
+
+May import the shared basics and `runtime` (its layers and kernels are what it times).
 """
 
 from .inplace import InPlaceTimes, measure_in_place

@@ -19,6 +19,9 @@ What ``autoprec review PLAN.json... --logdir DIR [--open]`` runs::
     print(result.format_table())
     with start_tensorboard(logdir) as tb:      # --open
         print(tb.url); tb.wait()
+
+May import the shared basics, `runtime`, `profiling`, `scaling`, `costs`, `sensitivity` and
+`search` (it renders what they produce and changes none of it).
 """
 
 from .plans import LayerDiff, PlanDiff, PrecisionMap, diff_plans, render_precision_map

@@ -22,6 +22,8 @@ never change numerics. Profile without loss scaling (or divide by the scale your
             profiler.step()                   # after backward, before clipping / optimizer.step
             optimizer.step(); optimizer.zero_grad()
     profiler.profile().save("profile.json")   # one sync
+
+May import the shared basics and `runtime` (whose recomputation it must not count twice).
 """
 
 

@@ -263,7 +263,7 @@ class DynamicPrecisionScheduler:
         """Unscale, clip (``max_grad_norm``), step each optimizer unless its gradients are
         non-finite, update the scale, and advance the lifecycle. Returns whether every optimizer
         stepped. One host sync per optimizer (the scaler's); in a process group also one all-reduce
-        of ``8 * (optimizers + 1 + 2 * layers)`` bytes and one host transfer (`autoprec.distributed`)."""
+        of ``8 * (optimizers + 2 + 2 * layers)`` bytes and one host transfer (`autoprec.distributed`)."""
         if not optimizers:
             raise RuntimeStateError("step() needs the optimizer(s): scheduler.step(optimizer)")
         if self._plans.reusing:

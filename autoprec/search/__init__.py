@@ -1,5 +1,12 @@
 """Searching per-layer formats: the space, the k best plans of the additive proxy (exact), the
-planning pipeline (`pipeline.propose_plans`), the measured stage (an Optuna study), the job.
+planning pipeline (`pipeline.propose_plans`), the measured stage (an Optuna study).
+
+Owns: `space` (units, choices, budgets), `exact` (the integer program), `planner` / `pipeline`
+(from costs and sensitivity to proposed plans), `units` (off-path work weighed in model passes),
+`training` (the search spread over training steps), `measured` / `trials` / `noise` / `study` /
+`refine` (timing candidates, their noise, the Optuna study, the learning sampler). The job that
+drives it offline is `autoprec.job`. May import the shared basics, `runtime`, `profiling`,
+`scaling`, `costs` and `sensitivity`.
 """
 
 from .exact import Solution, k_best, smallest_reachable, solve_exact

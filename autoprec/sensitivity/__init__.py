@@ -19,6 +19,8 @@ calibration, the half output cast and emulation are the runtime's. Batches are k
 Modules: `problem` (the result type, the problem an estimator solves, recording and calibration
 helpers), `fisher` (`FisherEstimator`, `estimate_sensitivity`, `adam_second_moment`), `measured` (`measure_sensitivity`,
 `spearman`, `rank_agreement`).
+
+May import the shared basics, `runtime` and `scaling`.
 """
 from .fisher import FisherEstimator, adam_second_moment, estimate_sensitivity, sensitivity_steps
 from .measured import measure_sensitivity, rank_agreement, spearman
