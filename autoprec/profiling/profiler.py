@@ -269,7 +269,7 @@ class LayerProfiler:
                 state.grads_pending -= 1
                 out.register_hook(functools.partial(self._grad_hook, state))
             return
-        if not training_forward():
+        if not training_forward(look_up=True):
             return
         if state.last_step != self._steps:
             state.last_step = self._steps

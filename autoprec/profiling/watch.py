@@ -161,7 +161,7 @@ class PlanWatch:
         self._attached = False
 
     def _forward_hook(self, fqn: str, module, args, kwargs, output) -> None:
-        if not self._attached or not training_forward() or recomputing():
+        if not self._attached or not training_forward(look_up=True) or recomputing():
             return  # a recomputed block's second forward was seen the first time
         row = self._row_of.get((fqn, "activation"))
         if row is not None:

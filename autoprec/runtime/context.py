@@ -143,7 +143,7 @@ class PlanRuntime:
         if not self._wrappers.installed():
             self._wrappers.install()  # another runtime displaced this one's wrappers since
         state = self._threads.state
-        state.active = True
+        state.active, state.training = True, torch.is_grad_enabled()
         self._active = True
         try:
             if self.low_precision:
@@ -152,7 +152,7 @@ class PlanRuntime:
             else:
                 yield self
         finally:
-            state.active = False
+            state.active = state.training = False
             state.stack = ()
             self._active = False
             if not torch.compiler.is_compiling():

@@ -37,10 +37,13 @@ class ThreadState:
     replays mutations of an ordinary object inside a compiled region, while a write to a
     ``threading.local`` inside one is not seen by later reads of the same trace (torch 2.13)."""
 
-    __slots__ = ("active", "stack", "mode_active")
+    __slots__ = ("active", "stack", "mode_active", "training")
 
     def __init__(self):
         self.active = False
+        # Whether gradients were on when the thread entered the runtime: a training forward, in
+        # which a forward under torch.no_grad is a reentrant checkpoint's (`recompute.users_record`).
+        self.training = False
         # The planned layers whose forward is running, innermost last. A tuple replaced on entry and
         # restored on exit, never mutated: Dynamo refuses a list mutation inside a checkpointed
         # (recomputed) block's traced body, an attribute set and reset it accepts.

@@ -83,16 +83,19 @@ def recomputing() -> bool:
     return _state.replay is not None
 
 
-def training_forward() -> bool:
+def training_forward(look_up: bool = False) -> bool:
     """Whether the running forward is one of training, whose state (a delayed scaling's amax
-    history) it updates: gradients on, or the forward of a reentrant checkpoint, which runs under
-    ``torch.no_grad`` while its recomputation gives the gradients. Costs a flag read with
-    gradients on; under ``torch.no_grad``, `_users_checkpoint`'s walk up the stack."""
+    history, the profiler's statistics) it updates: gradients on, or the forward of a reentrant
+    checkpoint, which runs under ``torch.no_grad`` while its recomputation gives the gradients.
+    Inside a planned layer a reentrant checkpoint's forward has its record set (`users_record`);
+    ``look_up``: also look for one on the stack (forward hooks, which run after the layer's
+    wrapper returned). Costs a flag read with gradients on; with ``look_up`` under
+    ``torch.no_grad``, `_users_checkpoint`'s walk up the stack."""
     if torch.is_grad_enabled():
         return True
     if torch.compiler.is_compiling():
         return False
-    return _state.record is not None or _users_checkpoint() is not None
+    return _state.record is not None or (look_up and _users_checkpoint(reentrant=True) is not None)
 
 
 class ScaleRecord:
@@ -347,17 +350,18 @@ def block_wrapper(host: BlockHost, fqn: str, module: nn.Module):
     return types.MethodType(forward, module)
 
 
-def _users_checkpoint() -> Any:
+def _users_checkpoint(reentrant: bool) -> Any:
     """The ``torch.utils.checkpoint`` call whose forward the calling code runs in, as the object
     holding the function its recomputation calls: a non-reentrant call's `_CheckpointFrame` (its
     forward runs under the saved-tensor hooks the call pushes, whose pack function holds the
-    frame), a reentrant call's autograd context (its forward runs under ``torch.no_grad`` inside
-    ``CheckpointFunction.forward``, found on the Python stack); None elsewhere.
+    frame), with ``reentrant`` a reentrant call's autograd context (its forward runs under
+    ``torch.no_grad`` inside ``CheckpointFunction.forward``, found on the Python stack); None
+    elsewhere.
 
     Reads torch internals, the same in 2.11 and 2.13 (`tests/test_user_checkpointing.py` runs
-    both kinds on both). Costs one C call; under ``torch.no_grad`` also a walk up the Python stack
-    (tens of frames)."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    both kinds on both). Costs one C call; with ``reentrant`` under ``torch.no_grad`` also a walk
+    up the Python stack (about 0.15 us a frame in CPython 3.11, tens of frames)."""
+    hooks = _top_saved_tensors_hooks(True)
     if hooks is not None:
         for cell in getattr(hooks[0], "__closure__", None) or ():
             try:
@@ -367,7 +371,7 @@ def _users_checkpoint() -> Any:
             if isinstance(value, _CheckpointFrame):
                 return value
         return None
-    if torch.is_grad_enabled():
+    if not reentrant or torch.is_grad_enabled():
         return None
     frame = sys._getframe(1)
     while frame is not None:
@@ -378,6 +382,7 @@ def _users_checkpoint() -> Any:
 
 
 _REENTRANT_FORWARD = CheckpointFunction.forward.__code__
+_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _RECORD = "autoprec_record"  # the attribute holding a user's checkpoint call's ScaleRecord
 
 
@@ -387,17 +392,18 @@ def users_record(host: BlockHost, fqn: str) -> "ScaleRecord | None":
     checkpoint already recording or replaying, and under ``torch.compile`` (whose recomputation
     replays no Python: it reuses the forward's values). The first call inside a checkpoint call
     makes the record and wraps the call's recomputation function to replay it under the plan, as
-    the forward's thread ran it (the runtime active, its layer stack). Costs two thread-local
-    reads and `_users_checkpoint`."""
+    the forward's thread ran it (the runtime active, its layer stack). Costs a few thread-local
+    reads and `_users_checkpoint`, which walks the stack only for a forward under
+    ``torch.no_grad`` in a runtime entered with gradients on (evaluation pays nothing)."""
     if torch.compiler.is_compiling() or _state.record is not None or _state.replay is not None:
         return None
-    call = _users_checkpoint()
+    thread = host.threads.state
+    call = _users_checkpoint(reentrant=thread.training)
     if call is None:
         return None
     record = getattr(call, _RECORD, None)
     if record is None:
         record = ScaleRecord(f"the checkpoint holding layer {fqn!r}")
-        thread = host.threads.state
         replaying = _Replaying(host, record, thread.stack, thread.mode_active)
         # A non-reentrant call recomputes with its frame's recompute_fn; a reentrant one with its
         # context's run_function.

@@ -177,7 +177,7 @@ class OutputWatch:
 
     def _hook_for(self, fqn: str):
         def hook(module, args, output):
-            if not self._include_no_grad and not training_forward():
+            if not self._include_no_grad and not training_forward(look_up=True):
                 return
             if recomputing():
                 return  # a recomputed block's forward again in the backward: this call was recorded
