@@ -38,7 +38,7 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, args: TitanArgs):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.dim // args.n_heads
+        self.head_dim = args.dim // args.n_heads
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
@@ -46,10 +46,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q = apply_rope(self.wq(x).view(b, s, self.n_heads, self.head_dim), freqs)
-        k = apply_rope(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim), freqs)
-        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
-        repeat = self.n_heads // self.n_kv_heads
+        # Heads as -1, as torchtitan writes it: under tensor parallelism a rank holds its share.
+        q = apply_rope(self.wq(x).view(b, s, -1, self.head_dim), freqs)
+        k = apply_rope(self.wk(x).view(b, s, -1, self.head_dim), freqs)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        repeat = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
@@ -104,3 +105,43 @@ def token_batch(step: int, rank: int = 0, world: int = 1, batch: int = 8, seq: i
     tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
     rows = tokens[rank::world]
     return rows[:, :-1], rows[:, 1:]
+
+
+def tensor_parallel_plan(sequence_parallel: bool = False) -> dict:
+    """torchtitan's Llama tensor-parallel plan for one block (fqn within the block -> style), with
+    sequence parallel the norms sharded along the sequence as torchtitan does."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        "attention": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
+        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=seq),
+        "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+    }
+    if sequence_parallel:
+        plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
+    return plan
+
+
+def parallelize(model: "Transformer", mesh, sequence_parallel: bool = False) -> "Transformer":
+    """``model`` under tensor parallelism on the 1-D ``mesh``, as torchtitan's ``apply_tp``:
+    the blocks by `tensor_parallel_plan`, the embeddings row-wise, the head column-wise with a
+    replicated output (the loss sees the whole vocabulary)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    seq = Shard(1) if sequence_parallel else Replicate()
+    top = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+    }
+    if sequence_parallel:
+        top["norm"] = SequenceParallel()
+    parallelize_module(model, mesh, top)
+    for block in model.layers.values():
+        parallelize_module(block, mesh, tensor_parallel_plan(sequence_parallel))
+    return model

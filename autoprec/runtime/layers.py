@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from ..coverage import layer_name
+from ..errors import RuntimeStateError
 from ..device import KERNEL_OPS, block_support, canonical_device, format_support, scaled_mm_form
 from ..formats import Format, Granularity
 from ..plan import LayerPrecision, ScalingMode
@@ -181,6 +182,9 @@ class RuntimeLayer:
         if self.format.is_fp8 and grad_fmt.is_fp8:
             self.grad = GradQuantizer.for_layer(self.format, grad_fmt, self.blocks)
         self._emulation: "tuple[InputQuantizer, WeightQuantizer] | None" = None
+        # Under tensor parallelism (a DTensor weight, `tensor_parallel`) the ranks its per-tensor
+        # amaxes are reduced over; None otherwise.
+        self.shard_group: Any = None
         self.ops: dict[str, str] = {}  # op -> how it ran ("kernel ...", "emulated (...)", "autocast ...")
         self.unwarned: list[str] = []  # ops emulated since the layer's last EmulationWarning
 
@@ -191,10 +195,34 @@ class RuntimeLayer:
         self.casts = fused_casts(self.device) if enabled and kernels else None
         self.casts_ran = FUSED if self.casts is not None else PYTORCH
 
+    def shard_over(self, group: Any) -> None:
+        """Run as a tensor-parallel layer over ``group`` (`tensor_parallel`): every per-tensor
+        amax it takes from now on (input, weight, output gradient) is max-reduced over the group,
+        and its casts are PyTorch ops (the fused kernels reduce no amax across ranks). Refuses,
+        in one line, what it cannot run sharded yet. Idempotent."""
+        if self.shard_group is group:
+            return
+        if self.format is Format.INT8 or self.precision.scaling.granularity is not Granularity.TENSOR or self.kernel_reason is not None:
+            what = (self.format.value if self.format is Format.INT8 else f"{self.precision.scaling.granularity.value}-scaled FP8"
+                    if self.kernel_reason is None else f"{self.format.value} emulated ({self.kernel_reason})")
+            raise RuntimeStateError(
+                f"layer {self.fqn!r}: {what} on a tensor-parallel (DTensor) weight is not supported yet; plan it in FP8 with "
+                "per-tensor scaling, BF16, FP16 or FP32 (e.g. Plan.with_layers({...: 'bf16'}))"
+            )
+        self.shard_group = group
+        self.casts, self.casts_ran = None, PYTORCH
+        for input_quantizer in self.inputs.values():
+            input_quantizer.group = group
+        for weight_quantizer in self.weights.values():
+            weight_quantizer.group = group
+        if self.grad is not None:
+            self.grad = dataclasses.replace(self.grad, group=group)
+
     def input_quantizer(self, key: str) -> InputQuantizer:
         quantizer = self.inputs.get(key)
         if quantizer is None:
             quantizer = self.inputs[key] = InputQuantizer(self.format, self.precision.scaling)
+            quantizer.group = self.shard_group
         return quantizer
 
     def calibrator(self, key: str, channels: int) -> Int8Calibrator:
@@ -226,6 +254,7 @@ class RuntimeLayer:
             row_scales = self.device.type == "cpu" and self.format is Format.FP8_E4M3 and torch.bfloat16 in self.row_scale_outs
             granularity = Granularity.ROW if rowwise else Granularity.TENSOR
             quantizer = self.weights[key] = WeightQuantizer(fmt, granularity, INT8_ALIGN if fmt is Format.INT8 else FP8_ALIGN, row_scales)
+            quantizer.group = self.shard_group
         return quantizer
 
     def emulation_quantizers(self) -> "tuple[InputQuantizer, WeightQuantizer]":

@@ -28,6 +28,7 @@ from .emulation import StoredInFormat
 from .gemm import FP8_ALIGN, Fp8Linear, Fp8Spec, Int8Linear, Int8Spec
 from .layers import NEVER_AUTOCAST, RuntimeLayer, as_gemm, to_dtype, to_fp32, unify_dtypes
 from .recompute import recorded_scale, training_forward
+from .tensor_parallel import is_sharded, sharded_linear
 
 __all__ = ["ThreadState", "PerThread", "LayerMode", "Products"]
 
@@ -115,6 +116,9 @@ class Products:
         """``x @ weight.T + bias`` in the layer's format; ``weight`` is (N, K), x is (..., K).
         ``is_param``: ``weight`` is a parameter (or a view of one), not an activation; only a
         parameter's quantized copy may be reused, inside `reusing_weights`."""
+        if is_sharded(weight):
+            key = weight_key or self.param_names.get(id(weight), "weight")
+            return sharded_linear(layer, lambda xl, wl, bl: self.linear(layer, xl, wl, bl, key, is_param), x, weight, bias)
         if x.numel() == 0 or weight.numel() == 0:
             return self.empty(torch.nn.functional.linear, (x, weight, bias), {}, self.out_dtype(x))
         if layer.kernel_reason is not None:

@@ -23,9 +23,10 @@ same objects. State lives on the data's device (moved on first use, any map_loca
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from ..formats import ACTIVATION_BLOCK, WEIGHT_BLOCK, Format, Granularity, amax, block_amax, dequantize, expand_blocks, inverse_scale, quantize
 from ..plan import Scaling, ScalingMode
@@ -37,6 +38,14 @@ if TYPE_CHECKING:
     from .triton_cast import FusedCasts
 
 __all__ = ["InputQuantizer", "WeightQuantizer", "GradQuantizer", "QuantizedWeight"]
+
+
+def _across(value: torch.Tensor, group: Any) -> torch.Tensor:
+    """``value`` (an amax) max-reduced over ``group``, a tensor-parallel layer's ranks
+    (`tensor_parallel`): one scale for the whole logical tensor. Unchanged for None."""
+    if group is not None:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return value
 
 
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
@@ -83,6 +92,7 @@ class InputQuantizer(_RoundTrip):
         # The delayed-scaling history, a shift register: history[0] is the newest amax; zeros are
         # "not seen yet" (an amax is never negative).
         self.history = torch.zeros(scaling.history_len) if delayed else None
+        self.group: Any = None  # a tensor-parallel layer's ranks: its per-tensor amax is theirs (`_across`)
 
     def inverse_scale(self, x: torch.Tensor, record: bool = False) -> torch.Tensor:
         """The inverse scale for ``x`` (..., K): ``()`` per tensor, x's shape with K → 1 per row,
@@ -95,7 +105,7 @@ class InputQuantizer(_RoundTrip):
             return inverse_scale(block_amax(_as_2d(x), self.block), self.fmt, self.margin)
         if x.dim() >= 2 and self.rowwise:
             return inverse_scale(amax(x, dim=-1), self.fmt, self.margin)
-        current = amax(x)
+        current = _across(amax(x), self.group)
         history = self.history
         if history is None:  # current scaling
             return inverse_scale(current, self.fmt, self.margin)
@@ -240,6 +250,7 @@ class WeightQuantizer(_RoundTrip):
         self.row_scales = row_scales and not self.rowwise and fmt is not Format.INT8
         self._key: "tuple | None" = None
         self._kept: "QuantizedWeight | None" = None
+        self.group: Any = None  # a tensor-parallel layer's ranks: its per-tensor amax is theirs (`_across`)
 
     def inverse_scale(self, w: torch.Tensor) -> torch.Tensor:
         """The inverse scale of ``w`` (out, ...): ``()`` per tensor, ``(out, 1, ...)`` per output
@@ -251,7 +262,7 @@ class WeightQuantizer(_RoundTrip):
                 return inverse_scale(amax(w, dim=1), self.fmt)
             per_channel = inverse_scale(amax(w.reshape(w.shape[0], -1), dim=1), self.fmt)
             return per_channel.reshape(-1, *([1] * (w.dim() - 1)))
-        return inverse_scale(amax(w), self.fmt)
+        return inverse_scale(_across(amax(w), self.group), self.fmt)
 
     def get(self, weight: torch.Tensor, need_transposed: bool, reuse: bool = False, casts: "FusedCasts | None" = None) -> QuantizedWeight:
         """The quantized ``weight`` (N, K), made now unless ``reuse`` and a copy of the same
@@ -355,6 +366,8 @@ class GradQuantizer(_RoundTrip):
     # 1x128 tiles of g viewed as (rows, last dim) under block scaling (emulation's round trip;
     # the block-scaled kernels tile g themselves, `block_gemm`), else None: one scale.
     block: "tuple[int, int] | None" = None
+    # A tensor-parallel layer's ranks: the gradient's per-tensor amax is theirs (`_across`).
+    group: Any = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def for_layer(cls, input_fmt: Format, grad_fmt: Format, blocks: bool = False) -> "GradQuantizer":
@@ -365,7 +378,7 @@ class GradQuantizer(_RoundTrip):
         """``()``: one amax over g, two scalar ops; per 1x128 tile under block scaling."""
         if self.block is not None and g.dim() >= 2:
             return inverse_scale(block_amax(_as_2d(g), self.block), self.fmt)
-        return inverse_scale(amax(g), self.fmt)
+        return inverse_scale(_across(amax(g), self.group), self.fmt)
 
     def quantize_for_gemms(self, g: torch.Tensor, input_grad: bool, weight_grad: bool, casts: "FusedCasts | None" = None, align: int = 1):
         """``((gq, inv) or None, (gq, inv) or None)``: 2-D ``g`` row-major in ``fmt`` for the
@@ -378,7 +391,7 @@ class GradQuantizer(_RoundTrip):
         the finalize (both scales), one cast writing both copies."""
         if casts is not None:
             return self._fused(g, input_grad, weight_grad, casts, align)
-        g_amax = amax(g)
+        g_amax = _across(amax(g), self.group)
         for_input = for_weight = None
         if input_grad:
             inv = inverse_scale(g_amax, self.fmt)

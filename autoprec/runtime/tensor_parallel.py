@@ -1,0 +1,65 @@
+"""Tensor-parallel layers: a planned linear product whose weight is a DTensor sharded over a 1-D
+mesh, as torch's ``ColwiseParallel`` / ``RowwiseParallel`` leave it (torchtitan's plan, sequence
+parallel included: its all-gather runs in the layer's input hook, before the product).
+
+DTensor has no sharding rule for ``_int_mm`` and gathers a ``_scaled_mm`` operand whose scale it
+cannot shard, so the product runs on each rank's local shards with the plan's own kernels, and
+comes back as the DTensor the plain layer would return:
+
+- **column-wise** (weight ``Shard(0)``, input ``Replicate``): ``x @ w_local.T + b_local`` is the
+  output's ``Shard(-1)``; the input's gradient from each rank is a partial sum (``to_local`` with
+  a ``Partial`` gradient placement, summed by DTensor in the backward);
+- **row-wise** (weight ``Shard(1)``, input ``Shard(-1)``): ``x_local @ w_local.T`` is a
+  ``Partial`` sum, the bias (replicated) added once by DTensor after the reduction the layer's
+  output hook asks for.
+
+A per-tensor scale is one value for the whole logical tensor: the layer's input, weight and
+output-gradient amaxes are max-reduced over the mesh's group (`RuntimeLayer.shard_over`), so
+every rank quantizes with the scale the unsharded layer would use. Cost per layer and step: three
+all-reduces of 4 bytes (two in the forward, one in the backward), beside the layer's own
+collectives. What cannot run sharded yet (INT8, row- or block-scaled FP8, emulated products) is
+refused at the first forward in one line. Eager only (`torch.compile` of a TP layer under a plan
+is not covered).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from ..errors import RuntimeStateError
+
+__all__ = ["is_sharded", "sharded_linear"]
+
+
+def is_sharded(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a DTensor (a tensor-parallel layer's, or FSDP2 x TP's gathered one)."""
+    return isinstance(weight, DTensor)
+
+
+def sharded_linear(layer: Any, run: Callable, x: torch.Tensor, weight: torch.Tensor, bias: "torch.Tensor | None") -> torch.Tensor:
+    """``x @ weight.T + bias`` of tensor-parallel ``layer`` (module docstring): ``run(x_local,
+    w_local, b_local)`` the planned product on local tensors; ``weight`` a DTensor (`is_sharded`);
+    returns the DTensor the plain layer returns. Costs, beside ``run``: the amax all-reduces (`RuntimeLayer.shard_over`)."""
+    assert isinstance(weight, DTensor)
+    mesh = weight.device_mesh
+    if mesh.ndim != 1:
+        raise RuntimeStateError(f"layer {layer.fqn!r}: a weight sharded over a {mesh.ndim}-D mesh; tensor parallelism is supported on one mesh dimension")
+    layer.shard_over(mesh.get_group())
+    placement = weight.placements[0]
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    if placement == Shard(0) and x.placements[0].is_replicate():
+        local_bias = bias.to_local() if isinstance(bias, DTensor) else bias
+        out = run(x.to_local(grad_placements=[Partial()]), weight.to_local(), local_bias)
+        return DTensor.from_local(out, mesh, [Shard(out.dim() - 1)], run_check=False)
+    if placement == Shard(1) and x.placements[0] == Shard(x.dim() - 1):
+        out = DTensor.from_local(run(x.to_local(), weight.to_local(), None), mesh, [Partial()], run_check=False)
+        # In the output's dtype, as the unsharded kernel adds it (autocast leaves a sum uncast).
+        return out if bias is None else out + bias.to(out.dtype)
+    raise RuntimeStateError(
+        f"layer {layer.fqn!r}: weight placed {placement} with input placed {x.placements[0]}; a planned tensor-parallel layer "
+        "is column-wise (weight Shard(0), input Replicate) or row-wise (weight Shard(1), input Shard(-1))"
+    )
