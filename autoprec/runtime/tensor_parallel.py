@@ -43,7 +43,8 @@ def sharded_linear(layer: Any, run: Callable, x: torch.Tensor, weight: torch.Ten
     """``x @ weight.T + bias`` of tensor-parallel ``layer`` (module docstring): ``run(x_local,
     w_local, b_local)`` the planned product on local tensors; ``weight`` a DTensor (`is_sharded`);
     returns the DTensor the plain layer returns. Costs, beside ``run``: the amax all-reduces (`RuntimeLayer.shard_over`)."""
-    assert isinstance(weight, DTensor)
+    if not isinstance(weight, DTensor):
+        raise RuntimeStateError(f"layer {layer.fqn!r}: sharded_linear takes a DTensor weight (see is_sharded), not {type(weight).__name__}")
     mesh = weight.device_mesh
     if mesh.ndim != 1:
         raise RuntimeStateError(f"layer {layer.fqn!r}: a weight sharded over a {mesh.ndim}-D mesh; tensor parallelism is supported on one mesh dimension")
