@@ -472,6 +472,44 @@ def test_in_place_layer_times_hold_their_forward_and_backward_and_the_rest_holds
     assert times.layer_seconds["0"] >= 0.08 and times.rest_seconds >= 0.1, times
 
 
+def test_layers_of_one_role_pool_their_samples_over_few_steps():
+    # Two roles of four layers: the sleepy ones (0.02 s a forward) and quick ones. Each layer takes
+    # its role's median; with roles repeated, timing stops after MIN_TIMED_ROUNDS steps, not 8.
+    from autoprec.costs.inplace import MIN_TIMED_ROUNDS, measure_in_place
+
+    class Sleepy(nn.Linear):
+        def forward(self, x):
+            time.sleep(0.02)
+            return super().forward(x)
+
+    calls = []
+    model = nn.Sequential(*[Sleepy(8, 8) if i % 2 else nn.Linear(8, 8) for i in range(8)])
+    model[0].register_forward_pre_hook(lambda module, args: calls.append(1))
+    layers = [str(i) for i in range(8)]
+    roles = {fqn: "sleepy" if int(fqn) % 2 else "quick" for fqn in layers}
+    out = measure_in_place(model, [torch.randn(4, 8)], {"fp32": Plan(dict.fromkeys(layers, "fp32"))}, layers, warmup=2, steps=8, roles=roles)
+    seconds = out["fp32"].layer_seconds
+    assert len({seconds[fqn] for fqn in layers if roles[fqn] == "sleepy"}) == 1
+    assert len({seconds[fqn] for fqn in layers if roles[fqn] == "quick"}) == 1
+    assert seconds["1"] >= 0.02 > seconds["0"], seconds
+    assert len(calls) == 1 + MIN_TIMED_ROUNDS  # the first step and the timed ones; no warmup: nothing calibrates
+
+
+def test_warmup_steps_run_only_while_a_plan_calibrates():
+    from autoprec.costs.inplace import measure_in_place
+    from autoprec.layer_precision import Calibration, LayerPrecision
+
+    calls = []
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    model[0].register_forward_pre_hook(lambda module, args: calls.append(1))
+    int8 = LayerPrecision("int8", calibration=Calibration(batches=3))
+    plans = {"fp32": Plan({"0": "fp32", "1": "fp32"}), "int8": Plan({"0": int8, "1": int8})}
+    measure_in_place(model, [torch.randn(4, 8)], plans, ["0", "1"], warmup=5, steps=2)
+    # Each plan: its first step and 2 timed ones. The INT8 plan calibrates over its first 3
+    # forwards, so 2 of the 5 warmup steps run, its own; the FP32 plan is warm after its first.
+    assert len(calls) == 2 * (1 + 2) + 2
+
+
 def test_a_plan_far_slower_than_the_first_is_stopped_and_extrapolated():
     from autoprec.costs.inplace import measure_in_place
 

@@ -27,10 +27,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 import statistics
 import time
 import warnings
-from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Collection, Mapping, Optional, Sequence, TypeVar
 
 import torch
 import torch.nn as nn
@@ -42,7 +43,7 @@ from ..runtime import EmulationWarning, apply_plan
 from ..timing import Clock, rotated
 from .trace import forward_or_loss
 
-__all__ = ["InPlaceTimes", "StepTimer", "measure_in_place"]
+__all__ = ["InPlaceTimes", "MIN_TIMED_ROUNDS", "StepTimer", "measure_in_place", "timed_rounds"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,9 @@ class StepTimer:
 
     Install once with `__enter__` (forward hooks), call `before_backward(loss)` between the
     forward and the backward (registers node hooks), and `finish()` after the backward: it
-    removes the node hooks and returns the step's seconds per layer.
+    removes the node hooks and returns the step's seconds per layer. `time_only` narrows the
+    next steps to some layers (the layers nested in them included): the others pay one set
+    lookup per forward and no node hook.
     """
 
     def __init__(self, model: nn.Module, layers: Sequence[str], blocks: Sequence[str] = ()):
@@ -92,12 +95,33 @@ class StepTimer:
             for p in modules[fqn].parameters():
                 self.owner_of_param[id(p)] = fqn
         self._modules = [(fqn, modules[fqn]) for fqn in self.layers]
+        # The layers nested in each layer (its module's descendants that are layers): O(layers x depth).
+        known = set(self.layers)
+        self._nested: dict[str, list[str]] = {fqn: [] for fqn in self.layers}
+        for fqn in self.layers:
+            parts = fqn.split(".") if fqn else []
+            for cut in range(len(parts) - 1, -1, -1):
+                outer = ".".join(parts[:cut])
+                if outer in known:
+                    self._nested[outer].append(fqn)
+        self._timed: "frozenset[str]" = frozenset(self.layers)
         # A leaf whose views read autograd's sequence counter (each new node takes the next number).
         self._probe = torch.zeros(1, requires_grad=True)
         self._handles: list = []
         self._node_handles: list = []
         self.deadline: Optional[float] = None  # host perf_counter() past which a layer's forward raises _TooSlow
         self._reset()
+
+    def time_only(self, fqns: "Collection[str] | None") -> None:
+        """Time only ``fqns`` and the layers nested in them from the next step on (None: every
+        layer). O(layers given x their nested layers)."""
+        if fqns is None:
+            self._timed = frozenset(self.layers)
+            return
+        timed = set(fqns)
+        for fqn in fqns:
+            timed.update(self._nested[fqn])
+        self._timed = frozenset(timed)
 
     def _reset(self) -> None:
         self._stack: list[list] = []  # open spans: [fqn, start mark, first sequence number, children spans]
@@ -120,6 +144,8 @@ class StepTimer:
                 if self.deadline is not None and time.perf_counter() > self.deadline:
                     self._stopped = True
                     raise _TooSlow
+                if fqn not in self._timed:
+                    return
                 self._stack.append([fqn, self.clock.mark(), self._sequence_nr(), []])
             return hook
 
@@ -176,7 +202,7 @@ class StepTimer:
             seen.add(node)
             variable = getattr(node, "variable", None)
             owner = self.owner_of_param.get(id(variable)) if variable is not None else owner_at.get(node._sequence_nr())
-            if owner is not None:
+            if owner is not None and owner in self._timed:
                 marks: list = []
                 self._node_marks.append((owner, marks))
                 self._node_handles.append(node.register_prehook(lambda grads, marks=marks: marks.append(self.clock.mark())))
@@ -184,14 +210,15 @@ class StepTimer:
             todo.extend(next_node for next_node, _ in node.next_functions)
 
     def finish(self) -> tuple[dict[str, float], dict[str, float]]:
-        """Seconds per layer of the step just run: (forward + backward, forward), forwards
-        exclusive of nested layers; the forward only of layers that finished before a stop.
+        """Seconds per timed layer of the step just run (`time_only`): (forward + backward,
+        forward), forwards exclusive of nested layers; the forward only of layers that finished
+        before a stop.
         The blocks' forwards of the step are left in `block_forward` until the next `finish`."""
         for handle in self._node_handles:
             handle.remove()
         self._node_handles.clear()
         self.clock.wait()  # CUDA: the one host sync per step, before the events are read
-        seconds = dict.fromkeys(self.layers, 0.0)
+        seconds = {fqn: 0.0 for fqn in self.layers if fqn in self._timed}
         forward: dict[str, float] = {}
         spans = list(self._spans)
         while spans:
@@ -242,6 +269,7 @@ def measure_in_place(
     steps: int = 8,
     slow_factor: float = 20.0,
     blocks: Sequence[str] = (),
+    roles: Optional[Mapping[str, str]] = None,
 ) -> dict[_Key, InPlaceTimes]:
     """Median step and per-layer seconds of each of ``plans`` (key -> plan, e.g. a name or format) over real training
     steps (zero_grad, forward + loss under ``apply_plan``, backward, AdamW step) of one copy of
@@ -257,8 +285,22 @@ def measure_in_place(
     reference kernel here: FP8 ``torch._scaled_mm`` on a CPU can be a thousand times slower than
     FP32) is stopped at the next layer it enters: each of its layers costs the first plan's median
     time of that layer times the median slowdown of the layers whose forward finished (a
-    host-clock deadline, so on CUDA, where the host runs ahead, it rarely fires). Cost: ``len(plans) × (1 + warmup + steps)`` training steps plus the hooks' overhead (module
-    docstring), a stopped plan one partial step; the RNG is left as it was.
+    host-clock deadline, so on CUDA, where the host runs ahead, it rarely fires).
+
+    ``warmup``: untimed rounds after each plan's first (cold) step, run only by a plan whose
+    runtime is still calibrating (INT8 layers observe their first `Calibration.batches` forwards
+    with each batch's own range, then freeze): the others are warm after their first step.
+    ``roles``: fqn -> role (`trace.trace_roles`: the same projection of every block on the same
+    shapes); layers of one role pool their samples, each getting the median over the role's
+    layers and the timed rounds, and timing stops once every role met more than once has
+    ``steps`` samples, after `MIN_TIMED_ROUNDS` rounds at least (a layer met once, such as the
+    output head, gets those). None: each layer is its own role, ``steps`` rounds.
+
+    Cost: per plan, one first step, up to ``warmup`` more while calibrating and
+    ``min(steps, max(MIN_TIMED_ROUNDS, ceil(steps / c)))`` timed ones (``c``: the fewest layers
+    of a role met more than once), plus the hooks' overhead (module docstring): a deep model of
+    repeated blocks times `MIN_TIMED_ROUNDS` steps per plan, not ``steps``. A stopped plan costs
+    one partial step. The RNG is left as it was.
     """
     clone = copy.deepcopy(model)
     clone.train()
@@ -282,8 +324,13 @@ def measure_in_place(
         per_layer, forward = timer.finish()
         return timer.clock.seconds(start, end), (per_layer, forward, timer.block_forward)
 
+    members = _role_members(layers, roles)
+    rounds = timed_rounds(layers, roles, steps)
+    per_role = math.ceil(steps / rounds)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), warnings.catch_warnings(), timer:
         warnings.simplefilter("ignore", EmulationWarning)
+        # The cold first steps time the first round's sample: what a stopped plan is compared on.
+        timer.time_only(_round_sample(members, 0, per_role))
         for name, plan in plans.items():
             runtime = apply_plan(clone, plan, validate=False)
             if first_steps:
@@ -303,16 +350,19 @@ def measure_in_place(
             runtimes[name] = runtime
         times: dict[_Key, list] = {name: [] for name in runtimes}
         order = list(runtimes)
-        for r in range(warmup + steps):
+        timer.time_only(())  # warmup steps are not timed: no hooks
+        for r in range(warmup):
+            for name in rotated([n for n in order if runtimes[n].calibrating], r):
+                step(runtimes[name], batches[r % len(batches)])
+        for r in range(rounds):
+            timer.time_only(_round_sample(members, r, per_role))
             for name in rotated(order, r):
-                seconds = step(runtimes[name], batches[r % len(batches)])
-                if r >= warmup:
-                    times[name].append(seconds)
+                times[name].append(step(runtimes[name], batches[(warmup + r) % len(batches)]))
     for name, runs in times.items():
         results[name] = InPlaceTimes(
             statistics.median(s for s, _ in runs),
-            {fqn: statistics.median(per[fqn] for _, (per, _, _) in runs) for fqn in layers},
-            forward_seconds={fqn: statistics.median(fwd.get(fqn, 0.0) for _, (_, fwd, _) in runs) for fqn in layers} if blocks else {},
+            _pooled_medians(members, [per for _, (per, _, _) in runs]),
+            forward_seconds=_pooled_medians(members, [per for _, (per, _, _) in runs], [fwd for _, (_, fwd, _) in runs]) if blocks else {},
             block_seconds={fqn: statistics.median(b.get(fqn, 0.0) for _, (_, _, b) in runs) for fqn in blocks},
         )
     if stopped and runtimes:
@@ -320,12 +370,53 @@ def measure_in_place(
         # Against the first plan's median forwards of the timed rounds, not its first step: that
         # one is cold (first calls, allocations), and under load it can be slow enough that a
         # stopped plan's ratio, applied to the median times, comes out far too small.
-        first_forward = {
-            fqn: statistics.median(forward.get(fqn, 0.0) for _, (_, forward, _) in times[first]) for fqn in layers
-        }
+        first_forward = _pooled_medians(members, [per for _, (per, _, _) in times[first]], [fwd for _, (_, fwd, _) in times[first]])
         for name, forward in stopped.items():
             ratios = [forward[fqn] / first_forward[fqn] for fqn in forward if first_forward.get(fqn, 0.0) > 0]
             slowdown = statistics.median(ratios) if ratios else slow_factor  # no layer finished: at least this slow
             layer_seconds = {fqn: slowdown * s for fqn, s in results[first].layer_seconds.items()}
             results[name] = InPlaceTimes(results[first].rest_seconds + sum(layer_seconds.values()), layer_seconds, extrapolated=True)
     return results
+
+
+# Timed rounds a plan runs at least when its layers' roles repeat: a median of three takes one
+# slow step (a collection, a page fault) without moving.
+MIN_TIMED_ROUNDS = 3
+
+
+def _role_members(layers: Sequence[str], roles: Optional[Mapping[str, str]]) -> list[list[str]]:
+    """``layers`` grouped by role, in first-seen order (each its own group without ``roles``)."""
+    if roles is None:
+        return [[fqn] for fqn in layers]
+    groups: dict[str, list[str]] = {}
+    for fqn in layers:
+        groups.setdefault(roles.get(fqn, fqn), []).append(fqn)
+    return list(groups.values())
+
+
+def timed_rounds(layers: Sequence[str], roles: Optional[Mapping[str, str]], steps: int) -> int:
+    """The timed rounds `measure_in_place` runs: enough for ``steps`` samples of every role met
+    more than once, at least `MIN_TIMED_ROUNDS` and at most ``steps``. O(layers)."""
+    repeated = [len(group) for group in _role_members(layers, roles) if len(group) > 1]
+    if not repeated:
+        return steps
+    return min(steps, max(MIN_TIMED_ROUNDS, math.ceil(steps / min(repeated))))
+
+
+def _round_sample(members: Sequence[Sequence[str]], r: int, per_role: int) -> list[str]:
+    """The layers timed in timed round ``r``: ``per_role`` of each role, the next ones each round
+    (all of a role with fewer). O(roles x per_role)."""
+    return [group[(r * per_role + j) % len(group)] for group in members for j in range(min(per_role, len(group)))]
+
+
+def _pooled_medians(members: Sequence[Sequence[str]], timed: Sequence[Mapping[str, float]],
+                    values: Optional[Sequence[Mapping[str, float]]] = None) -> dict[str, float]:
+    """Per layer, the median of its role's samples: each layer of the role that run ``i`` timed
+    (a key of ``timed[i]``), its value in ``values[i]`` (default ``timed[i]``; 0 s where absent:
+    timed but its forward never finished)."""
+    values = timed if values is None else values
+    out = {}
+    for group in members:
+        median = statistics.median(v.get(fqn, 0.0) for t, v in zip(timed, values) for fqn in group if fqn in t)
+        out.update(dict.fromkeys(group, median))
+    return out

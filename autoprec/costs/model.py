@@ -62,9 +62,11 @@ DEFAULT_FORMATS = (Format.FP32, Format.BF16, Format.FP16, Format.FP8_E4M3, Forma
 class TimingSettings:
     """How `CostModel.build` gets its seconds; the default times every layer in place.
 
-    ``in_place``: time every layer where it runs (module docstring), over ``warmup_steps``
-    untimed and then ``timed_steps`` timed training steps per format (plus one first step), on
-    a copy of the model: ``(1 + warmup_steps + timed_steps)`` training steps per format. Formats
+    ``in_place``: time every layer where it runs (module docstring) on a copy of the model:
+    per format one first step, up to ``warmup_steps`` untimed ones while INT8 layers calibrate,
+    and timed ones until each role of layer met more than once (the same projection in every
+    block) has ``timed_steps`` samples, 3 to ``timed_steps`` steps (`inplace.measure_in_place`;
+    a deep model of repeated blocks: 3). Formats
     asked for later, or whose uniform plan cannot run, are replayed per call with
     `MeasuredTimeModel`, cached under ``cache_dir`` (None: ``~/.cache/autoprec``; False: no
     cache). ``False``: no step runs; per-call `RooflineTimeModel` estimates and a rest of the
@@ -273,6 +275,7 @@ class CostModel:
         if not formats:
             raise CostModelError("CostModel.build(formats=()): give at least one format, e.g. DEFAULT_FORMATS")
         trace = trace_model(model, example_inputs, loss_fn)
+        roles = trace_roles(trace)
         block_layers = _block_layers(model, trace, blocks or ())
         in_place: dict[Format, InPlaceTimes] = {}
         if measure:
@@ -280,14 +283,14 @@ class CostModel:
             timed = (Format.FP32,) + tuple(f for f in wanted if f is not Format.FP32)
             layers = list(trace.layers)
             chosen = {f: (precisions or {}).get(f, LayerPrecision(f)) for f in timed}
-            plans = {f: Plan({fqn: chosen[f] for fqn in layers}) for f in timed}
+            plans = {f: Plan({fqn: _steady(chosen[f]) for fqn in layers}) for f in timed}
             scaling = _scaling_key(chosen)
             loaded = _load_times(times_file, layers, timed, trace.device, list(block_layers), scaling)
             if loaded is not None:
                 in_place = loaded
             else:
                 in_place = measure_in_place(model, [example_inputs], plans, layers, loss_fn, warmup=timing.warmup_steps,
-                                            steps=timing.timed_steps, blocks=list(block_layers))
+                                            steps=timing.timed_steps, blocks=list(block_layers), roles=roles)
                 _save_times(times_file, layers, in_place, trace.device, list(block_layers), scaling)
             if Format.FP32 not in in_place:
                 raise CostModelError("CostModel.build: the FP32 training step failed in place; check loss_fn and example_inputs")
@@ -296,7 +299,6 @@ class CostModel:
             costs = cls(trace, time_model, formats=formats, in_place=in_place, precisions=precisions)
         else:
             costs = cls(trace, time_model, formats=formats, precisions=precisions)
-        roles = trace_roles(trace)
         for _ in costs.region_bytes_steps(model, example_inputs, loss_fn, roles=roles):
             pass
         for _ in costs.block_bytes_steps(model, example_inputs, loss_fn, block_layers, roles=roles):
@@ -542,6 +544,15 @@ class CostModel:
                 cells.append(f"{c.seconds * 1e3:8.3f} {c.saved_bytes / 1024:8.1f}")
             lines.append(f"{fqn:<{width}}  " + "  ".join(cells))
         return "\n".join(lines)
+
+
+def _steady(precision: LayerPrecision) -> LayerPrecision:
+    """``precision`` as timed: INT8 calibrated on one batch, so its runtime is steady after the
+    first (untimed) step instead of after `Calibration.batches` warmup steps; a steady step
+    costs the same whatever the calibration's length."""
+    if precision.format is not Format.INT8:
+        return precision
+    return dataclasses.replace(precision, calibration=dataclasses.replace(precision.calibration, batches=1))
 
 
 def _block_layers(model: nn.Module, trace: ModelTrace, blocks: Sequence[str]) -> dict[str, tuple[str, ...]]:

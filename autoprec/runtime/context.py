@@ -163,6 +163,13 @@ class PlanRuntime:
     def active(self) -> bool:
         return self._active
 
+    @property
+    def calibrating(self) -> bool:
+        """Whether an INT8 layer is still calibrating (its first `Calibration.batches` forwards,
+        each quantized with its own range, then frozen); a layer before its first forward has no
+        calibrator yet and does not count. Host state only: no sync."""
+        return any(c.calibrating for layer in self._layers.values() for c in layer.calibrators.values())
+
     @contextlib.contextmanager
     def reusing_weights(self):
         """Inside, each weight is quantized once and its low-precision copy reused by later
