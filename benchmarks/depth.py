@@ -16,7 +16,12 @@ One thread. Per depth:
 
 Ratios are in-run (the plain step is timed in the same process); seconds are this machine's.
 
+With ``--offline``: the offline job's proposal stage instead (`search.pipeline.propose_plans`, as
+``autoprec search`` runs it: in-place costs, sensitivity, the 3 best plans, the default
+candidate formats, memory 0.8, accuracy 0.05), its CPU seconds per stage.
+
     python benchmarks/depth.py --blocks 4,16,32 --out benchmarks/results/depth_cpu_torch2.13.json
+    python benchmarks/depth.py --offline --blocks 16,64,128 --out benchmarks/results/depth_offline_cpu_torch2.13.json
 """
 
 from __future__ import annotations
@@ -44,18 +49,46 @@ def rss_mib() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def llama(blocks: int):
+    """Issue 57's narrow Llama at ``blocks`` decoder layers (seeded)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+                                      num_hidden_layers=blocks, vocab_size=256, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(config)
+
+
+def offline_depth(blocks: int) -> dict:
+    """CPU seconds of `propose_plans` on the Llama at ``blocks``, per stage (its progress marks)."""
+    from autoprec.search.pipeline import propose_plans
+    from autoprec.search.space import DEFAULT_CANDIDATES, Budgets, Planning
+
+    model = llama(blocks)
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(m, batch):
+        return m(input_ids=batch, labels=batch).loss
+
+    marks = {}
+    start = time.process_time()
+    proposal = propose_plans(model, ids, [ids], loss_fn, None, Planning(formats=DEFAULT_CANDIDATES, budgets=Budgets(memory=0.8, accuracy=0.05), k=3),
+                             baseline_loss=5.5, cost_inputs=ids, cost_loss_fn=loss_fn, progress=lambda i, n, what: marks.setdefault(what, time.process_time()))
+    end = time.process_time()
+    return {"blocks": blocks, "planned_layers": len(proposal.plans[0].layers), "plans": len(proposal.plans), "propose_cpu_s": end - start,
+            "costs_cpu_s": marks["estimating sensitivity"] - start, "sensitivity_and_solve_cpu_s": end - marks["estimating sensitivity"],
+            "optimality_gap": proposal.plans[0].metadata.get("optimality_gap")}
+
+
 def one_depth(blocks: int, max_steps: int, after_steps: int = 0) -> dict:
     import transformers
 
     from autoprec.scheduler import DynamicPrecisionScheduler
     from autoprec.search import exact
 
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
-                                      num_hidden_layers=blocks, vocab_size=256, max_position_embeddings=64)
-    model = transformers.LlamaForCausalLM(config)
-    plain = transformers.LlamaForCausalLM(config)
+    model = llama(blocks)
+    plain = transformers.LlamaForCausalLM(model.config)
     plain.load_state_dict(model.state_dict())
     sch = DynamicPrecisionScheduler(min_precision=8, max_precision=32, monitor_window=12, memory_budget=0.6, accuracy_budget=0.05)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -144,11 +177,21 @@ def main() -> None:
     parser.add_argument("--blocks", default="4,16,32", help="comma-separated depths (decoder layers)")
     parser.add_argument("--max-steps", type=int, default=400)
     parser.add_argument("--after-steps", type=int, default=0, help="planned steps to run once a plan is in force (RSS after the plan)")
+    parser.add_argument("--offline", action="store_true", help="time the offline job's proposal stage instead of the README loop")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     rows = []
+    if args.offline:
+        print("| blocks | planned layers | propose_plans CPU s | costs | sensitivity + solve |")
+        print("|---|---|---|---|---|")
+        for blocks in map(int, args.blocks.split(",")):
+            r = offline_depth(blocks)
+            rows.append(r)
+            print(f"| {r['blocks']} | {r['planned_layers']} | {r['propose_cpu_s']:.1f} | {r['costs_cpu_s']:.1f} | {r['sensitivity_and_solve_cpu_s']:.1f} |", flush=True)
+        write(args.out, rows)
+        return
     for blocks in map(int, args.blocks.split(",")):
         row = one_depth(blocks, args.max_steps, args.after_steps)
         rows.append(row)
@@ -160,16 +203,21 @@ def main() -> None:
         rss = f"{r['rss_growth_mib']:.0f}" if r["rss_growth_mib"] is not None else "-"
         print(f"| {r['blocks']} | {r['planned_layers']} | {r['plan_in_force_at_step'] or 'none'} | {slow} | {r['search_extra_cpu_s']:.1f} | "
               f"{r['solver_cpu_s']:.1f} | {rss} |")
-    if args.out is not None:
+    write(args.out, rows)
+
+
+def write(out: "Path | None", rows: list) -> None:
+    """``rows`` with the machine and commit, atomically to ``out`` (nothing when None)."""
+    if out is not None:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
         import transformers
 
         meta = {"device": "cpu", "cpu": platform.processor() or platform.machine(), "threads": 1, "torch": torch.__version__,
                 "transformers": transformers.__version__, "python": sys.version.split()[0], "commit": commit}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_suffix(".tmp")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps({**meta, "rows": rows}, indent=1))
-        tmp.replace(args.out)
+        tmp.replace(out)
 
 
 if __name__ == "__main__":
