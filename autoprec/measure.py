@@ -19,8 +19,9 @@ from collections import Counter
 from typing import Iterable
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["SavedTensor", "SavedTensorMeter", "HeldBytes", "held_span", "keep_for_backward"]
+__all__ = ["SavedTensor", "SavedTensorMeter", "HeldBytes", "held_span", "keep_for_backward", "plain_parts"]
 
 
 def keep_for_backward(t: torch.Tensor) -> torch.Tensor:
@@ -50,6 +51,17 @@ def local_shard(x: torch.Tensor) -> torch.Tensor:
     return x.to_local() if hasattr(x, "to_local") else x
 
 
+def plain_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s data: ``t`` itself, or those a wrapper subclass wraps
+    (``__tensor_flatten__``: a DTensor's local shard, an ``AsyncCollectiveTensor``'s result),
+    unwrapped in turn. No data is read."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = (getattr(t, name) for name in names)
+    return [part for x in inner if isinstance(x, torch.Tensor) for part in plain_parts(x)]  # a DTensor also names its mesh
+
+
 class HeldBytes:
     """The bytes saved tensors hold, each byte of a storage counted once (intervals per storage).
 
@@ -58,7 +70,7 @@ class HeldBytes:
     """
 
     def __init__(self, excluded: Iterable[torch.Tensor] = ()):
-        self._excluded = {local_shard(t).untyped_storage().data_ptr() for t in excluded}
+        self._excluded = {part.untyped_storage().data_ptr() for t in excluded for part in plain_parts(t)}
         self._spans: dict[int, list[tuple[int, int]]] = {}
 
     def __contains__(self, storage_key: int) -> bool:
@@ -66,12 +78,18 @@ class HeldBytes:
         return storage_key in self._spans
 
     def add(self, t: torch.Tensor) -> int:
-        """Count ``t`` as saved; returns the bytes it adds (0: excluded or already counted)."""
+        """Count ``t`` as saved; returns the bytes it adds (0: excluded or already counted). A
+        tensor subclass that wraps others (tensor parallelism saves DTensors, and collectives'
+        ``AsyncCollectiveTensor``; the wrapper has no storage) counts the tensors it wraps, a
+        DTensor this rank's shard: the bytes it holds."""
+        return sum(self._add(part, t.requires_grad) for part in plain_parts(t))
+
+    def _add(self, t: torch.Tensor, requires_grad: bool) -> int:
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if key in self._excluded:
             return 0
-        start, end = held_span(t.shape, t.stride(), int(t.storage_offset()), storage.nbytes(), t.element_size(), t.requires_grad)
+        start, end = held_span(t.shape, t.stride(), int(t.storage_offset()), storage.nbytes(), t.element_size(), requires_grad)
         spans = self._spans.setdefault(key, [])
         new = end - start
         for s, e in spans:

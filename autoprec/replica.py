@@ -10,6 +10,13 @@ it, builds the same module tree with FSDP2's wrapping removed: each module of it
 own must not run on its copy), holding the whole parameters. A
 model with no DTensor parameter is deep-copied as it is (no collective).
 
+A model under tensor parallelism (``parallelize_module``: ``ColwiseParallel``,
+``RowwiseParallel``, ``SequenceParallel``, ``PrepareModuleInput``...) is copied the same way: its
+weights (and any DTensor buffer) gathered whole, and the styles' hooks dropped (they turn inputs
+and outputs into DTensors over the mesh), so the copy is the unsharded model, computing on one
+rank what the ranks compute together. A forward that makes DTensors itself (``from_local`` in
+the user's code) is not undone.
+
 Costs: the model's FP32 parameters once more on the keeping rank (on its device), and per sharded
 parameter one all-gather of it on every rank.
 """
@@ -55,12 +62,15 @@ def plain_copy(model: nn.Module, keep: bool = True) -> Optional[nn.Module]:
         for _, p in model.named_parameters():  # the same order on every rank
             if id(p) not in whole:
                 whole[id(p)] = p.full_tensor() if _is_dtensor(p) else p.detach()  # type: ignore[attr-defined]
+        # A DTensor buffer too (a parallel style may distribute one): whole, in the same order.
+        buffers = {id(b): b.full_tensor() for _, b in model.named_buffers() if _is_dtensor(b)}  # type: ignore[attr-defined]
     if not keep:
         return None
     memo: dict[int, Any] = {}
     for _, p in model.named_parameters():
         if id(p) not in memo:
             memo[id(p)] = nn.Parameter(whole[id(p)].clone(), requires_grad=p.requires_grad)
+    memo.update(buffers)  # copy.deepcopy takes a memo entry as the copy
     return _copy_module(model, memo)
 
 
@@ -74,11 +84,13 @@ def _plain_class(cls: type) -> type:
 
 
 def _dropped_hook(hook: Any) -> bool:
-    """FSDP2's hooks (its state's methods), and autoprec's own (the scheduler's binding and
-    watches): neither may run on the copy."""
+    """FSDP2's hooks (its state's methods), tensor parallelism's (``distribute_module``'s and the
+    parallel styles' lambdas, which turn inputs and outputs into DTensors over the mesh and
+    redistribute them: on whole weights they would mix DTensors with plain tensors), and
+    autoprec's own (the scheduler's binding and watches): none may run on the copy."""
     owner = getattr(hook, "__self__", None)
     module = type(owner).__module__ if owner is not None else getattr(hook, "__module__", "") or ""
-    return module.startswith(("torch.distributed.fsdp", "autoprec."))
+    return module.startswith(("torch.distributed.fsdp", "torch.distributed.tensor", "autoprec."))
 
 
 def _copy_module(module: nn.Module, memo: dict) -> nn.Module:

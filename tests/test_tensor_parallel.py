@@ -138,3 +138,25 @@ def test_int8_on_a_sharded_weight_is_refused_in_one_line_naming_the_layer(tmp_pa
     assert isinstance(message, str) and "\n" not in message
     assert "layer 'layers.0.attention.wq': int8 on a tensor-parallel (DTensor) weight is not supported yet" in message
     assert isinstance(results[0]["ref"], list)
+
+
+def copy_scenario(rank):
+    """The search's copy (`replica.plain_copy`) of torchtitan's Llama under tensor and sequence
+    parallelism, made on every rank (each takes part in gathering the weights), run on one."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoprec.replica import plain_copy
+
+    sharded = parallelize(titan_llama(), init_device_mesh("cpu", (WORLD,)), sequence_parallel=True)
+    copy_ = plain_copy(sharded)
+    x, _ = token_batch(0)
+    with torch.no_grad():
+        return {"copy": copy_(x), "ref": titan_llama()(x), "dtensors": [k for k, v in copy_.state_dict().items() if hasattr(v, "placements")]}
+
+
+def test_the_searchs_copy_of_a_tensor_parallel_model_is_the_unsharded_model(tmp_path):
+    # Before: the copy kept the parallel styles' hooks, which made its inputs DTensors beside its
+    # whole weights ("aten.embedding.default got mixed torch.Tensor and DTensor").
+    for result in run(copy_scenario, tmp_path):
+        assert result["dtensors"] == []
+        assert torch.equal(result["copy"], result["ref"])  # the same weights, the same unsharded ops

@@ -254,7 +254,11 @@ def check_and_unscale(optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
     """Multiply ``optimizer``'s gradients by ``inv_scale`` and flag inf/NaN, in one fused pass per
     (device, dtype) (``torch._amp_foreach_non_finite_check_and_unscale_``, as GradScaler runs it);
     returns the 0-d float32 flags per device (> 0: found). No sync. ``refuse_fp16``: raise
-    `RuntimeStateError` on an FP16 gradient (unscaled in place, small values flush to zero)."""
+    `RuntimeStateError` on an FP16 gradient (unscaled in place, small values flush to zero).
+    A DTensor gradient (FSDP2, tensor parallelism) is unscaled and checked on this rank's shard
+    (its local tensor is its storage): DTensor refuses one fused call mixing DTensors with plain
+    tensors (a tensor-parallel model's unsharded norms), so the flag is this rank's, and the
+    ranks' flags are summed by `distributed.RankAgreement.agree_on_step`."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = collections.defaultdict(list)
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -271,6 +275,7 @@ def check_and_unscale(optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
                 if grad.dtype is torch.float16:
                     param.grad = grad = grad.coalesce()
                 grad = grad._values()
+            grad = local_shard(grad)
             groups[(grad.device, grad.dtype)].append(grad)
     found: dict[torch.device, torch.Tensor] = {}
     inv: dict[torch.device, torch.Tensor] = {}
