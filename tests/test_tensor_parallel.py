@@ -160,3 +160,61 @@ def test_the_searchs_copy_of_a_tensor_parallel_model_is_the_unsharded_model(tmp_
     for result in run(copy_scenario, tmp_path):
         assert result["dtensors"] == []
         assert torch.equal(result["copy"], result["ref"])  # the same weights, the same unsharded ops
+
+# -- the seed's loop under tensor parallelism (issue 58) --------------------------------------------
+
+# What a layer with a tensor-parallel weight can run (README, "Tensor and pipeline parallelism").
+RUNS_SHARDED = {"fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"}
+
+
+def loop_scenario(rank, sequence_parallel):
+    """The README's loop as a new user writes it around torchtitan's tensor-parallel Llama (the
+    scheduler binds at the first context): a profile window, the search over training steps, then
+    the plan in force for 3 steps. Every rank feeds the same batch (one TP group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    model = parallelize(titan_llama(), init_device_mesh("cpu", (WORLD,)), sequence_parallel=sequence_parallel)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # memory_budget holds per rank, against the rank's own FP32 step; the replicated FP32 norms,
+    # residuals and loss are a larger share of a rank's bytes than of the unsharded model's.
+    scheduler = ap.DynamicPrecisionScheduler(monitor_window=4, monitor_steps=2, memory_budget=0.9, accuracy_budget=0.05, search_timeout_s=30.0,
+                                             formats=["fp32", "bf16", "fp8_e4m3", "int8"])
+    losses, planned = [], 0
+    for step in range(60):
+        x, y = token_batch(step)
+        with scheduler.precision_context():
+            loss = nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        scheduler.backward(loss)
+        scheduler.step(opt)
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        planned += scheduler.phase == "planned"
+        if planned == 3 or scheduler.last_search_error is not None:
+            break
+    plan = scheduler.plan.to_dict() if scheduler.plan is not None else None
+    sharded = [fqn for fqn, m in model.named_modules() if isinstance(getattr(m, "weight", None), DTensor) and plan and fqn in plan["layers"]]
+    params = {k: _full(v).detach().clone() for k, v in model.named_parameters()}
+    scheduler.close()
+    return {"plan": plan, "planned": planned, "error": scheduler.last_search_error, "losses": losses, "params": params, "sharded": sharded}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
+def test_the_seeds_loop_reaches_one_plan_under_tensor_parallelism(tmp_path, sequence_parallel):
+    # Before: the first step's unscale failed (a fused call mixing DTensor gradients with the
+    # norms' plain ones), then the window's metering (a DTensor has no storage), the search's copy
+    # (TP's hooks on whole weights), and the probe steps (INT8 on a sharded weight).
+    results = run(loop_scenario, tmp_path, sequence_parallel)
+    first = results[0]
+    assert first["error"] is None and first["planned"] == 3, first["error"]
+    assert len(first["sharded"]) == 4 * 7 + 1  # every block's projections and the head
+    for name, layer in first["plan"]["layers"].items():
+        if name in first["sharded"]:
+            assert layer["format"] in RUNS_SHARDED and layer["scaling"]["granularity"] == "tensor", (name, layer)
+            assert "int8 not searched: int8 on a tensor-parallel (DTensor) weight is not supported yet" in layer["reason"], name
+    for result in results:
+        assert result["plan"] == first["plan"] and result["planned"] == 3
+        assert all(torch.isfinite(torch.tensor(result["losses"])))
+        assert result["losses"] == first["losses"]  # one TP group: every rank computes the same loss
+        for name, value in first["params"].items():
+            assert torch.equal(result["params"][name], value), name

@@ -27,6 +27,7 @@ from .calibration import Int8Calibrator
 from .casts import FUSED, PYTORCH, fused_casts
 from .gemm import FP8_ALIGN, INT8_ALIGN, pad_to_multiple
 from .quantizers import GradQuantizer, InputQuantizer, WeightQuantizer
+from .tensor_parallel import sharded_reason
 
 if TYPE_CHECKING:
     from .triton_cast import FusedCasts
@@ -202,12 +203,10 @@ class RuntimeLayer:
         in one line, what it cannot run sharded yet. Idempotent."""
         if self.shard_group is group:
             return
-        if self.format is Format.INT8 or self.precision.scaling.granularity is not Granularity.TENSOR or self.kernel_reason is not None:
-            what = (self.format.value if self.format is Format.INT8 else f"{self.precision.scaling.granularity.value}-scaled FP8"
-                    if self.kernel_reason is None else f"{self.format.value} emulated ({self.kernel_reason})")
+        reason = sharded_reason(self.precision, self.kernel_reason)
+        if reason is not None:
             raise RuntimeStateError(
-                f"layer {self.fqn!r}: {what} on a tensor-parallel (DTensor) weight is not supported yet; plan it in FP8 with "
-                "per-tensor scaling, BF16, FP16 or FP32 (e.g. Plan.with_layers({...: 'bf16'}))"
+                f"layer {self.fqn!r}: {reason}; plan it in FP8 with per-tensor scaling, BF16, FP16 or FP32 (e.g. Plan.with_layers({{...: 'bf16'}}))"
             )
         self.shard_group = group
         self.casts, self.casts_ran = None, PYTORCH

@@ -30,8 +30,30 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..errors import RuntimeStateError
+from ..formats import Format, Granularity
+from ..layer_precision import LayerPrecision
 
-__all__ = ["is_sharded", "sharded_linear"]
+__all__ = ["is_sharded", "sharded_linear", "sharded_reason"]
+
+
+def sharded_reason(precision: LayerPrecision, kernel: "str | None") -> "str | None":
+    """Why a layer in ``precision`` cannot run on a tensor-parallel (DTensor) weight yet; None
+    when it can: FP32, BF16, FP16, and FP8 with per-tensor scaling (current or delayed) on a real
+    kernel. ``kernel``: `layers.kernel_reason` of the layer on its device (None: a kernel). The
+    one rule behind the runtime's refusal at the first forward (`RuntimeLayer.shard_over`) and
+    the search's candidates for a sharded layer (`search.tensor_parallel`). No device work."""
+    fmt = precision.format
+    if fmt is Format.INT8:
+        what = fmt.value
+    elif not fmt.is_fp8:
+        return None
+    elif kernel is not None:
+        what = f"{fmt.value} emulated ({kernel})"
+    elif precision.scaling.granularity is not Granularity.TENSOR:
+        what = f"{precision.scaling.granularity.value}-scaled FP8"
+    else:
+        return None
+    return f"{what} on a tensor-parallel (DTensor) weight is not supported yet"
 
 
 def is_sharded(weight: torch.Tensor) -> bool:

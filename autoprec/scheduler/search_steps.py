@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import math
 import statistics
@@ -34,6 +35,7 @@ from ..formats import Format
 from ..measure import SavedTensorMeter
 from ..plan import Plan
 from ..runtime import EmulationWarning
+from ..search.tensor_parallel import sharded_rules
 from ..search.training import TrainingSearch
 from ..search.units import PASSES_PER_STEP
 from ..sensitivity import adam_second_moment
@@ -103,16 +105,27 @@ class SearchSteps:
 
             profile = None if restore["profile"] is None else Profile.from_dict(restore["profile"])
             baseline_loss = restore["baseline_loss"]
+        # Under tensor parallelism a sharded layer is searched only in the formats it can run
+        # sharded (`search.tensor_parallel`); every rank derives the same rules from the model.
+        config, refused = self.config, None
+        notes: dict[str, str] = {}
+        try:
+            rules, notes = sharded_rules(model, list(fingerprint), config.planning)
+            config = dataclasses.replace(config, rules=rules) if notes else config
+        except SearchError as exc:
+            refused = exc
         armed = scaler.watching_outputs
         scaler.watch_outputs(False)  # its hooks must not be copied into the search's snapshot
         try:
-            search = TrainingSearch(model, example, batches, LinearisedLoss(), profile, config=self.config, baseline_loss=baseline_loss,
+            search = TrainingSearch(model, example, batches, LinearisedLoss(), profile, config=config, baseline_loss=baseline_loss,
                                     fingerprint=fingerprint, step=step, known=self._known_times, lead=lead, restore=restore,
                                     second_moment=adam_second_moment(model, optimizers) if lead else None,
-                                    median_step=self.median_safe_step, safe_bytes=safe_bytes, compiled=compiled, alone=alone)
+                                    median_step=self.median_safe_step, safe_bytes=safe_bytes, compiled=compiled, alone=alone, notes=notes)
         finally:
             scaler.watch_outputs(armed)
         self._search = search
+        if refused is not None:
+            search.fail(refused)
         if lead and not batches and search.candidates is None:
             search.fail(SearchError("no output gradients were captured in the window's last steps; call scheduler.backward(loss) inside the loop"))
         if restore is None:

@@ -59,6 +59,7 @@ from .noise import unseparated
 from .pipeline import propose_from, search_estimator, space_of, uniform_reference
 from .planner import floor_settings, overflow_reason
 from .space import LayerRules
+from .tensor_parallel import noted, tensor_parallel_layers, unsharded_bytes
 from .trials import Trial
 from .units import unit_weight, weighted
 
@@ -107,15 +108,19 @@ class TrainingSearch:
     ``second_moment``: Adam's, per parameter name, at the window's end (`adam_second_moment`),
     for the sensitivity's gradient term (None: estimated on the snapshot, one more forward +
     backward). ``alone``: no other rank takes part (under torch.distributed the ranks agree on
-    one round of candidates only).
+    one round of candidates only). ``notes``: layer -> the sentence each candidate's reason for
+    it ends with (`tensor_parallel.sharded_rules`: the formats left out of a sharded layer's).
     """
 
     def __init__(self, model: nn.Module, example: Any, batches: Sequence[Any], loss_fn: Callable, profile: Any, *,
                  config: Any, baseline_loss: Optional[float], fingerprint: Mapping[str, Any], step: int,
                  known: dict, lead: bool = True, median_step: Optional[float] = None,
                  safe_bytes: "tuple[Format, int] | None" = None, restore: Optional[Mapping[str, Any]] = None,
-                 second_moment: "Mapping[str, torch.Tensor] | None" = None, compiled: bool = False, alone: bool = True):
+                 second_moment: "Mapping[str, torch.Tensor] | None" = None, compiled: bool = False, alone: bool = True,
+                 notes: Mapping[str, str] = {}):
         self.model = model
+        self.notes = dict(notes)
+        self.tensor_parallel = bool(tensor_parallel_layers(model, list(fingerprint)))  # its trials measure a rank's share
         self.compiled = compiled  # the model runs compiled: its candidates are timed compiled
         self.example = example
         self.batches = list(batches)
@@ -488,7 +493,7 @@ class TrainingSearch:
         """A proposal's plans and, when it meets the budgets, all-BF16 beside them: the plan
         adopted is never slower than it, as measured on these steps and in the mode they run in."""
         reference = uniform_reference(proposal, Format.BF16, self._planning.rules, self.fingerprint) if self.measuring and Format.BF16 in self.formats else None
-        return list(proposal.plans) + ([reference] if reference is not None else [])
+        return [noted(p, self.notes) for p in (*proposal.plans, *([reference] if reference is not None else []))]
 
     def _propose(self, margin: float = 1.0) -> Any:
         """The best plans of the space found off-path, under the memory budget divided by
@@ -529,7 +534,8 @@ class TrainingSearch:
         predicted bytes, so the limit is b (F + o) - o (an absolute budget M: M - o). Without o
         a plan at the budget's edge metered over it (Qwen2 and GTE at 0.607 of 0.6). A sharded
         model's o is left out: there the meter also counts the gathered weights autograd saves,
-        which FSDP2 frees after the forward (storage resized to nothing), memory no step holds."""
+        which FSDP2 frees after the forward (storage resized to nothing), memory no step holds;
+        under tensor parallelism a trial's bytes are a rank's share (`tensor_parallel.unsharded_bytes`)."""
         budgets = self._planning.budgets
         if budgets.memory is None:
             return None
@@ -597,7 +603,8 @@ class TrainingSearch:
         for t in self._trials:
             # Measured saved bytes plus the FP32 gradient buffers (the same in every plan).
             if t.dropped is None and limit is not None and t.saved_bytes is not None and self.grad_bytes is not None:
-                t.total_bytes = total = t.saved_bytes - self._outside_bytes + self.grad_bytes
+                saved = unsharded_bytes(t.saved_bytes, self.safe_bytes, self._outside_bytes) if self.tensor_parallel else t.saved_bytes - self._outside_bytes
+                t.total_bytes = total = saved + self.grad_bytes
                 if total > limit:
                     t.dropped = f"measured {total:,} bytes, over the memory budget of {int(limit):,}"
         kept = [t for t in self._trials if t.dropped is None and t.seconds]
