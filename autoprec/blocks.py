@@ -53,6 +53,17 @@ def find_blocks(model: nn.Module, layers: Iterable[str], patterns: "Sequence[str
     ``"blocks.*"`` also matches ``blocks.0.attn``; a layer itself is no block, ``"blocks.*.fc"``
     names none). Each pattern must match such a module: a one-line `SearchError` names the
     pattern and the fix otherwise. Costs one walk of the module tree.
+
+    Args:
+        model: the model.
+        layers: the fqns of its layers (a plan's ``plan.layers``).
+        patterns: ``fnmatch`` patterns naming the blocks (None: found as above).
+
+    Returns:
+        The blocks' fqns, outermost first in model order.
+
+    Raises:
+        SearchError: a pattern matches no module that holds a layer strictly inside.
     """
     layers = [fqn for fqn in layers]
     modules = dict(model.named_modules())

@@ -195,6 +195,22 @@ class Plan:
         ``Conv1D``), or, with ``example_inputs`` (one input, a tuple, a dict of keyword inputs or
         a `calls.ModelCall`), from tracing one forward pass, which also finds matrix products
         of modules without a matrix parameter (attention scores; costs one forward).
+
+        Args:
+            model: the model whose layers the plan covers.
+            fmt: the format of every covered layer (a `Format` or its name, ``"fp8_e4m3"``).
+            example_inputs: one forward's inputs, to find the layers by tracing (None: from the
+                module tree).
+            module_filter: ``(module, fqn) -> bool``; a layer it rejects stays FP32.
+            scaling: how an FP8 / INT8 layer's tensors are scaled (`Scaling`).
+            calibration: how an INT8 layer's input scale is calibrated (`Calibration`).
+
+        Returns:
+            The plan, its fingerprint the layers found.
+
+        Raises:
+            PlanError: the model has no layer that runs a matrix product, or ``fmt`` cannot take
+                ``scaling`` / ``calibration``.
         """
         fmt = Format.parse(fmt)
         found = find_layers(model, example_inputs)
@@ -230,7 +246,17 @@ class Plan:
         return Plan(**fields)
 
     def with_layers(self, changes: Mapping[str, "LayerPrecision | Format | str"]) -> "Plan":
-        """A copy where the named layers get new precisions (a format name keeps nothing else)."""
+        """A copy where the named layers get new precisions (a format name keeps nothing else).
+
+        Args:
+            changes: layer fqn -> its new `LayerPrecision`, `Format` or format name.
+
+        Returns:
+            A new plan; this one is unchanged.
+
+        Raises:
+            PlanError: a name that is not a layer of this plan, or a format name that is not one.
+        """
         unknown = sorted(set(changes) - set(self._layers))
         if unknown:
             raise PlanError([f"{fqn!r}: not a layer of this plan" for fqn in unknown], "Use names from plan.layers.")
@@ -463,12 +489,29 @@ class Plan:
             raise PlanError([f"{source}: {p}" for p in exc.problems]) from None
 
     def save(self, path: "str | os.PathLike") -> Path:
-        """Write the plan as JSON atomically (a temporary file renamed over the target)."""
+        """Write the plan as JSON atomically (a temporary file renamed over the target).
+
+        Args:
+            path: the file to write.
+
+        Returns:
+            The path written.
+        """
         return atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: "str | os.PathLike") -> "Plan":
-        """Read a plan saved by `save`; a `PlanError` names the file and what is wrong with it."""
+        """Read a plan saved by `save`; a `PlanError` names the file and what is wrong with it.
+
+        Args:
+            path: a JSON file written by `save` (older schema versions load too).
+
+        Returns:
+            The plan.
+
+        Raises:
+            PlanError: the file is missing, unreadable, not a plan, or of a later schema version.
+        """
         path = Path(path)
         try:
             text = path.read_text(encoding="utf-8")

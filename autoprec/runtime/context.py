@@ -411,5 +411,21 @@ def apply_plan(model: nn.Module, plan: Plan, *, validate: bool = True, example_i
     (``plan.validate``) runs once here and raises `PlanError` naming every problem.
     ``index``: the model's `ModelIndex`, for many runtimes on one unchanged model (each then
     costs O(its plan's layers), not a walk over the model); made here when None.
+
+    Args:
+        model: the model to run the plan on (materialised, not on the meta device).
+        plan: the plan; its layers are the model's fully qualified module names.
+        validate: check the plan against the model and its device first (``plan.validate``).
+        example_inputs: one forward's inputs, for the validation to trace (None: checked against
+            the module tree and the plan's fingerprint).
+        index: the model's `ModelIndex` (None: walked here).
+
+    Returns:
+        The runtime; enter it around each forward (``with runtime:``).
+
+    Raises:
+        PlanError: the plan does not fit the model or the device, naming every problem.
+        RuntimeStateError: ``model`` is not a module or is on the meta device, or ``plan`` is
+            not a `Plan` (a path, a dict).
     """
     return PlanRuntime(model, plan, validate=validate, example_inputs=example_inputs, index=index)

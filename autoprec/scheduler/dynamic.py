@@ -78,6 +78,17 @@ class DynamicPrecisionScheduler:
     as ``config=`` or as its fields by keyword (``memory_budget=0.6, monitor_window=200, ...``;
     each is documented there). ``plan``: start from this plan (with ``dynamic=False``: run it
     fixed; `from_plan` loads one from a file).
+
+    Args:
+        model: the model to train; None binds to the model called in the first
+            `precision_context`.
+        config: every setting at once (None: a `SchedulerConfig` of ``settings``).
+        plan: a plan to start from instead of profiling and searching.
+        **settings: fields of `SchedulerConfig` by keyword (``memory_budget=0.6``, ...).
+
+    Raises:
+        SettingsError: a setting that is not a `SchedulerConfig` field or out of its range,
+            ``config`` and keywords both given, or ``dynamic=False`` without ``plan``.
     """
 
     # Every value `phase` takes, in lifecycle order: the one list that loggers number the phase
@@ -116,9 +127,23 @@ class DynamicPrecisionScheduler:
         self._writer: "Optional[TrainingWriter]" = None
 
     @classmethod
-    def from_plan(cls, model: nn.Module, plan: "Plan | str", *, dynamic: bool = False, **kwargs) -> "DynamicPrecisionScheduler":
+    def from_plan(cls, model: nn.Module, plan: "Plan | str", *, dynamic: bool = False, **kwargs: Any) -> "DynamicPrecisionScheduler":
         """Run a fixed plan from an offline search (``dynamic=True``: start from it, and keep
-        watching and promoting / demoting as usual)."""
+        watching and promoting / demoting as usual).
+
+        Args:
+            model: the model the plan was made for.
+            plan: the plan, or the path of a plan file (``runs/bytelm/plan.json``).
+            dynamic: keep watching and re-planning from this plan instead of running it fixed.
+            **kwargs: other `SchedulerConfig` fields by keyword.
+
+        Returns:
+            The scheduler, its plan in force from the first step.
+
+        Raises:
+            PlanError: the plan file is missing or not a plan.
+            SettingsError: a keyword that is not a `SchedulerConfig` field or out of its range.
+        """
         if not isinstance(plan, Plan):
             plan = Plan.load(plan)
         return cls(model, plan=plan, dynamic=dynamic, **kwargs)
@@ -204,6 +229,10 @@ class DynamicPrecisionScheduler:
         one refuses, with a `RuntimeStateError` before it runs, a call of a model other than the
         scheduler's (`binding`); the first one, ending without any model called (nothing to bind
         to), refuses that on exit.
+
+        Raises:
+            RuntimeStateError: entered again while active, another model called inside, or the
+                first one ending with no model called.
         """
         if self._context_stack is not None:
             raise RuntimeStateError("precision_context() is already active; it is not re-entrant")
@@ -228,7 +257,17 @@ class DynamicPrecisionScheduler:
         """The loss times the current loss scale, for a loop that calls ``.backward()`` itself:
         ``scheduler.scale(loss).backward()``. Records the loss (the first window's mean anchors a
         relative accuracy budget). ``loss`` may be the model's output with a ``loss`` field
-        (`calls.loss_of`). No host sync."""
+        (`calls.loss_of`). No host sync.
+
+        Args:
+            loss: the loss tensor, or a model output with a ``loss`` field.
+
+        Returns:
+            The scaled loss, to call ``.backward()`` on.
+
+        Raises:
+            RuntimeStateError: no forward ran inside `precision_context` yet.
+        """
         if self._binding.example is None:
             raise RuntimeStateError("backward() or scale() before any forward ran inside precision_context()")
         loss = loss_of(loss)
@@ -255,15 +294,34 @@ class DynamicPrecisionScheduler:
         with self._plans.reusing_weights():
             yield
 
-    def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        """``loss.backward()`` on the scaled loss (call once per micro-batch). No host sync."""
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()`` on the scaled loss (call once per micro-batch). No host sync.
+
+        Args:
+            loss: the loss tensor, or a model output with a ``loss`` field.
+            **kwargs: passed to ``Tensor.backward`` (``retain_graph=True``, ...).
+
+        Raises:
+            RuntimeStateError: no forward ran inside `precision_context` yet.
+        """
         self.scale(loss).backward(**kwargs)
 
     def step(self, *optimizers: torch.optim.Optimizer) -> bool:
         """Unscale, clip (``max_grad_norm``), step each optimizer unless its gradients are
         non-finite, update the scale, and advance the lifecycle. Returns whether every optimizer
         stepped. One host sync per optimizer (the scaler's); in a process group also one all-reduce
-        of ``8 * (optimizers + 2 + 2 * layers)`` bytes and one host transfer (`autoprec.distributed`)."""
+        of ``8 * (optimizers + 2 + 2 * layers)`` bytes and one host transfer (`autoprec.distributed`).
+
+        Args:
+            *optimizers: every optimizer of the model, in the same order each step.
+
+        Returns:
+            Whether every optimizer stepped (False: the step was skipped on non-finite gradients).
+
+        Raises:
+            RuntimeStateError: no optimizer given, called inside `reusing_weights`, before any
+                forward, or after a forward whose backward has not run.
+        """
         if not optimizers:
             raise RuntimeStateError("step() needs the optimizer(s): scheduler.step(optimizer)")
         if self._plans.reusing:
