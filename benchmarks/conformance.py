@@ -15,7 +15,7 @@ planned steps include the scheduler's own work (its checks every 8th step, at th
     python benchmarks/conformance.py --models gpt2,t5 --steps 60 --rounds 30
     python benchmarks/conformance.py --device cuda --models gpt2,llama --budgets 0.5   # the GPU session's cases
 
-Writes benchmarks/results/conformance_<device>_torch<version>.json and prints the README's table.
+Writes benchmarks/results/conformance_<device>_torch<version>.json and prints the table of docs/results.md.
 """
 
 from __future__ import annotations

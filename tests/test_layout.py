@@ -15,7 +15,7 @@ from autoprec.workloads import default_workload
 BEFORE = Path(__file__).parent / "data" / "before_layout"
 PACKAGE = Path(ap.__file__).parent
 
-# The parts, bottom first (the README's "Layout" section): a module may import its own part and
+# The parts, bottom first (docs/development.md, "Architecture and import rules"): a module may import its own part and
 # the parts of its layer or below, never one above. Imports under ``if TYPE_CHECKING:`` are
 # annotations only and do not count.
 LAYERS = (
@@ -76,7 +76,7 @@ def test_every_part_has_a_layer_and_imports_only_its_layer_and_below():
     wrong = []
     for path, module, is_package in modules():
         part = part_of(module)
-        assert part in LAYER_OF, f"{module}: part {part!r} has no layer; place it in LAYERS (and the README's layout)"
+        assert part in LAYER_OF, f"{module}: part {part!r} has no layer; place it in LAYERS (and docs/development.md's layout)"
         for line, target in imports(path, module, is_package):
             above = part_of(target)
             if LAYER_OF.get(above, -1) > LAYER_OF[part]:

@@ -163,7 +163,7 @@ def test_the_searchs_copy_of_a_tensor_parallel_model_is_the_unsharded_model(tmp_
 
 # -- the seed's loop under tensor parallelism (issue 58) --------------------------------------------
 
-# What a layer with a tensor-parallel weight can run (README, "Tensor and pipeline parallelism").
+# What a layer with a tensor-parallel weight can run (docs/distributed.md, "Tensor and pipeline parallelism").
 RUNS_SHARDED = {"fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"}
 
 

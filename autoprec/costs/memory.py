@@ -1,6 +1,6 @@
 """Bytes a layer holds for one training step in a format, from the shapes of its traced calls.
 
-Three parts, following how the runtime runs each format (README, "How each format runs"):
+Three parts, following how the runtime runs each format (docs/runtime.md, "How each format runs"):
 
 - **weight copies** saved for backward: BF16 / FP16 layers run under ``torch.autocast``, which
   saves a 2-byte copy of each FP32 weight operand whose partner operand needs a gradient.

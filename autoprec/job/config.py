@@ -74,7 +74,7 @@ class JobConfig:
     # A plan's step time is the median of this many steps interleaved with FP32 ones. On a CPU
     # the median of 5 varied by 3.4-7.5 % (benchmarks/refine_regret.py's tables): more than the
     # gaps between the best plans, so that at 7.5 % even measuring every plan once kept one over
-    # 3 % slower in half the replays; 10 steps halve that noise (README, regret).
+    # 3 % slower in half the replays; 10 steps halve that noise (docs/results.md, regret).
     measure_steps: int = 10
 
     def planning(self, lr: float) -> Planning:

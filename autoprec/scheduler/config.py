@@ -88,7 +88,7 @@ class SchedulerConfig:
     per layer); a non-finite gradient is still caught on every step, by the loss scaler.
     ``window_format``: the precision the profiling window (and training after a failed search)
     runs in; None: BF16 where the device computes it natively (CUDA, compute capability 8.0 or
-    newer) and BF16 is a candidate, else FP32 (no statistic needs FP32: see the README).
+    newer) and BF16 is a candidate, else FP32 (no statistic needs FP32: see docs/scheduler.md).
 
     Under ``torch.distributed`` (see `autoprec.distributed`): ``process_group`` is the group the
     ranks agree in (None: the default group, once initialised); ``grad_comm`` how DDP communicates

@@ -60,7 +60,7 @@ def window_format_for(config: "SchedulerConfig", *, native_bf16: bool) -> Format
     """The precision a profiling window (and training after a failed search) runs in: the
     configured ``window_format``; else BF16 where FP32 is out of bounds, or where the device
     computes BF16 natively (``native_bf16``: CUDA, compute capability 8.0 or newer) and BF16 is
-    a candidate; else FP32. No statistic the window gathers needs FP32 (the README says why), and
+    a candidate; else FP32. No statistic the window gathers needs FP32 (docs/scheduler.md says why), and
     on such a device an FP32 step costs several BF16 ones."""
     if isinstance(config.window_format, Format):
         return config.window_format
