@@ -4,6 +4,7 @@
 ``ffn_norm``), ``norm``, ``output``; rotary embeddings, grouped-query attention through
 ``scaled_dot_product_attention``. Written here (not imported) so the tests need no torchtitan."""
 
+import copy
 import dataclasses
 
 import torch
@@ -88,10 +89,31 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+        # The parts a pipeline stage lacks are None (`pipeline_stage`) and skipped, as torchtitan's
+        # forward skips them: a later stage takes the previous stage's hidden states.
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.freqs_cis)
-        return self.output(self.norm(h))
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+
+def pipeline_stage(model: Transformer, stage: int, stages: int) -> Transformer:
+    """Stage ``stage`` of ``model`` split in ``stages`` runs of blocks, as torchtitan's pipeline
+    split makes it (`torchtitan/distributed/pipeline_parallel.py`, `pipeline_module_split`): a deep
+    copy with the other stages' blocks deleted (the kept ones keep their names, so a plan's fqns
+    still apply), ``tok_embeddings`` only on the first stage, ``norm`` and ``output`` only on the
+    last (None elsewhere)."""
+    part = copy.deepcopy(model)
+    per = len(part.layers) // stages
+    kept = {str(i) for i in range(stage * per, (stage + 1) * per)}
+    for name in [name for name in part.layers if name not in kept]:
+        del part.layers[name]
+    if stage != 0:
+        part.tok_embeddings = None
+    if stage != stages - 1:
+        part.norm = part.output = None
+    return part
 
 
 def titan_llama(seed: int = 0, **overrides) -> Transformer:

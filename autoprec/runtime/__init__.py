@@ -6,7 +6,8 @@ state), `quantizers`, `calibration` (INT8), `gemm` / `block_gemm` (the kernels' 
 functions), `casts` / `triton_cast` / `triton_block_cast` / `triton_arith` (the fused casts),
 `emulation` (formats without a kernel, named as such), `recompute` (recomputed blocks and the
 user's own checkpoints), `fsdp_fp8` (FSDP2's FP8 all-gather), `tensor_parallel` (products on
-DTensor shards), `model_index`. May import the
+DTensor shards), `pipelining` (a pipeline stage's metadata inference changes no state),
+`model_index`. May import the
 shared basics (`autoprec/*.py`) only.
 """
 

@@ -205,6 +205,19 @@ class Int8Calibrator:
             self._freeze(running)
         return current
 
+    @staticmethod
+    def peek(calibrator: "Int8Calibrator | None", a: torch.Tensor) -> torch.Tensor:
+        """The inverse scale ``calibrator`` (None: one not made yet) would quantize a (M, K) input
+        ``a`` with, observing nothing: the frozen scale (NaN for a non-finite ``a``) once frozen,
+        else ``a``'s own, as `observe` returns them; no outlier channels (the caller passes none).
+        For a forward that is not training data (a pipeline stage's metadata inference,
+        `pipelining`): one amax, no state changed, no host sync."""
+        with torch.no_grad():
+            current = amax(a)
+            if calibrator is not None and calibrator.frozen_inv is not None:
+                return calibrator.frozen_inv.to(a.device).add(current, alpha=0)
+            return inverse_scale(current, Format.INT8)
+
     def recalibrate(self) -> None:
         """Forget the frozen scale and observe the next ``batches`` passes again."""
         self._start()

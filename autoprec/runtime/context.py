@@ -36,6 +36,7 @@ from ..coverage import layer_name
 from ..errors import RuntimeStateError
 from ..formats import Format
 from ..plan import Plan
+from . import pipelining
 from .calibration import Int8Calibrator
 from .layers import EmulationWarning, RuntimeLayer, as_gemm, kernel_reason
 from .model_index import ModelIndex
@@ -142,6 +143,8 @@ class PlanRuntime:
                 layer.module.__dict__[_ACTIVE_MARK] = mark
         if not self._wrappers.installed():
             self._wrappers.install()  # another runtime displaced this one's wrappers since
+        if not torch.compiler.is_compiling():
+            self._wrappers.watch_stages()  # a pipeline stage's metadata inference changes no state
         state = self._threads.state
         state.active, state.training = True, torch.is_grad_enabled()
         self._active = True
@@ -156,6 +159,7 @@ class PlanRuntime:
             state.stack = ()
             self._active = False
             if not torch.compiler.is_compiling():
+                pipelining.leave()
                 for layer in self._layers.values():
                     layer.module.__dict__.pop(_ACTIVE_MARK, None)
 

@@ -23,10 +23,12 @@ from .._tracing import is_weight
 from ..coverage import MATMUL_OPS
 from ..formats import Format, Granularity
 from .block_gemm import BLOCK, Fp8BlockLinear, Fp8BlockSpec
+from .calibration import Int8Calibrator
 from .casts import call_casts, describe
 from .emulation import StoredInFormat
 from .gemm import FP8_ALIGN, Fp8Linear, Fp8Spec, Int8Linear, Int8Spec
 from .layers import NEVER_AUTOCAST, RuntimeLayer, as_gemm, to_dtype, to_fp32, unify_dtypes
+from .pipelining import inferring
 from .recompute import recorded_scale, training_forward
 from .tensor_parallel import is_sharded, sharded_linear
 
@@ -201,6 +203,8 @@ class Products:
                 x_inv = layer.input_quantizer(key).inverse_scale(x2)
         else:
             def calibrated():
+                if inferring():  # a pipeline stage's metadata inference: the scale, nothing observed
+                    return Int8Calibrator.peek(layer.calibrators.get(key), x2), None, None, None
                 calibrator = layer.calibrator(key, k)
                 calibrator.to(x2.device)
                 inv = calibrator.observe(x2)

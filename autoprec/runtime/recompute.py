@@ -56,6 +56,7 @@ from ..calls import changeable, fresh, isolated
 from ..errors import RuntimeStateError
 from ..formats import Granularity
 from ..plan import ScalingMode
+from .pipelining import inferring
 from .wrapping import displaced, mark
 
 __all__ = ["recomputing", "recorded_scale", "ScaleRecord", "BlockHost", "block_wrapper", "users_record", "Recording", "training_forward"]
@@ -86,14 +87,15 @@ def recomputing() -> bool:
 def training_forward(look_up: bool = False) -> bool:
     """Whether the running forward is one of training, whose state (a delayed scaling's amax
     history, the profiler's statistics) it updates: gradients on, or the forward of a reentrant
-    checkpoint, which runs under ``torch.no_grad`` while its recomputation gives the gradients.
+    checkpoint, which runs under ``torch.no_grad`` while its recomputation gives the gradients;
+    never a pipeline stage's metadata inference (`pipelining.inferring`), gradients on or not.
     Inside a planned layer a reentrant checkpoint's forward has its record set (`users_record`);
     ``look_up``: also look for one on the stack (forward hooks, which run after the layer's
-    wrapper returned). Costs a flag read with gradients on; with ``look_up`` under
+    wrapper returned). Costs two flag reads with gradients on; with ``look_up`` under
     ``torch.no_grad``, `_users_checkpoint`'s walk up the stack."""
     if torch.is_grad_enabled():
-        return True
-    if torch.compiler.is_compiling():
+        return not inferring()
+    if torch.compiler.is_compiling() or inferring():
         return False
     return _state.record is not None or (look_up and _users_checkpoint(reentrant=True) is not None)
 

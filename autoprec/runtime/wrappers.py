@@ -24,10 +24,12 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
+from torch.utils.hooks import RemovableHandle
 
 from ..coverage import enclosing_layer
 from ..formats import Format
 from ..plan import Plan
+from . import pipelining
 from .layers import NEVER_AUTOCAST, RuntimeLayer, to_fp32, to_half
 from .model_index import ModelIndex
 from .products import LayerMode, PerThread, Products, ThreadState
@@ -81,6 +83,10 @@ class LayerWrappers:
         # wrappers, taken off with them.
         modules = index.modules
         self.blocks = {fqn: (modules[fqn], block_wrapper(host, fqn, modules[fqn])) for fqn in plan.recompute}
+        # The model's pre-hook telling a pipelining stage's metadata inference from training
+        # (`pipelining`): registered once torch.distributed.pipelining is imported (`watch_stages`).
+        self.root = modules[""]
+        self.stage_hook: "RemovableHandle | None" = None
 
     def _needs_mode(self, layer: RuntimeLayer, planned_below: bool) -> bool:
         if layer.format is Format.FP32:
@@ -256,6 +262,14 @@ class LayerWrappers:
         """Whether every wrapper is on its module (another runtime may have displaced them)."""
         return all(module.__dict__.get("forward") is forward for module, forward in self._all())
 
+    def watch_stages(self) -> None:
+        """At the runtime's entry: once ``torch.distributed.pipelining`` is imported, the model's
+        forwards look for a stage's metadata inference (`pipelining.watch`); a plan without layer
+        wrappers keeps no state to protect. A dict lookup until then; nothing after."""
+        if self.stage_hook is None and self.forwards and pipelining.loaded():
+            threads = self.threads
+            self.stage_hook = pipelining.watch(self.root, lambda: threads.state.active)
+
     def install(self) -> None:
         """Put this runtime's wrappers on its layers and recomputed blocks, displacing an inactive
         runtime's; they stay until `remove` (wrap once, flip on enter: entering then costs no
@@ -265,7 +279,10 @@ class LayerWrappers:
 
     def remove(self) -> None:
         """Take the wrappers off the model, restoring each module's ``__dict__`` as it was (a
-        forward the user had set on an instance included)."""
+        forward the user had set on an instance included), and the stage watch's hook."""
+        if self.stage_hook is not None:
+            self.stage_hook.remove()
+            self.stage_hook = None
         for module, forward in self._all():
             if module.__dict__.get("forward") is not forward:
                 continue  # displaced by another runtime, which restores on its own removal
