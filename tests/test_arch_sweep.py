@@ -38,8 +38,6 @@ KNOWN_FAILURES: dict[str, tuple[str, bool]] = {
     "yoso": ("its custom autograd Function's backward multiplies the FP32 incoming gradient by a saved BF16 value "
              "(torch.matmul(grad, value.T)), where no autocast runs: give such a Function's backward one dtype, or keep its "
              "layer out of half formats", True),
-    "t5gemma": ("its process is killed (SIGKILL, the out-of-memory killer) in every full sweep, alone on the machine's "
-                "24 GiB too: find what building or training the generated config holds", False),
 }
 
 
