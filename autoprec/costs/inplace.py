@@ -325,7 +325,7 @@ def measure_in_place(
         return timer.clock.seconds(start, end), (per_layer, forward, timer.block_forward)
 
     members = _role_members(layers, roles)
-    rounds = timed_rounds(layers, roles, steps)
+    rounds = timed_rounds(members, steps)
     per_role = math.ceil(steps / rounds)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), warnings.catch_warnings(), timer:
         warnings.simplefilter("ignore", EmulationWarning)
@@ -394,10 +394,11 @@ def _role_members(layers: Sequence[str], roles: Optional[Mapping[str, str]]) -> 
     return list(groups.values())
 
 
-def timed_rounds(layers: Sequence[str], roles: Optional[Mapping[str, str]], steps: int) -> int:
-    """The timed rounds `measure_in_place` runs: enough for ``steps`` samples of every role met
-    more than once, at least `MIN_TIMED_ROUNDS` and at most ``steps``. O(layers)."""
-    repeated = [len(group) for group in _role_members(layers, roles) if len(group) > 1]
+def timed_rounds(members: Sequence[Sequence[str]], steps: int) -> int:
+    """The timed rounds `measure_in_place` runs for layers grouped by role (`_role_members`):
+    enough for ``steps`` samples of every role met more than once, at least `MIN_TIMED_ROUNDS`
+    and at most ``steps``. O(roles)."""
+    repeated = [len(group) for group in members if len(group) > 1]
     if not repeated:
         return steps
     return min(steps, max(MIN_TIMED_ROUNDS, math.ceil(steps / min(repeated))))
