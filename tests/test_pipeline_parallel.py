@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 
 import autoprec as ap
-from test_tensor_parallel import run
+from gloo_ranks import run
+from states import same
 from titan_llama import pipeline_stage, titan_llama, token_batch
 
 WORLD = 2
@@ -115,17 +116,6 @@ def scenario(rank):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     return run(scenario, tmp_path_factory.mktemp("pp"))
-
-
-def same(a, b) -> bool:
-    """``a`` and ``b`` (nested dicts, lists, tensors, numbers) equal, tensors bit for bit."""
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if torch.is_tensor(a):
-        return torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    return a == b
 
 
 SCHEDULES = ["gpipe", "1f1b"]

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 import autoprec as ap
 from autoprec.runtime.layers import kernel_reason
+from states import same
 from triton_env import DEVICE, NUMPY_WARNINGS, force_fused_casts, needs_kernels
 
 WIDTH = 32
@@ -146,16 +147,6 @@ def test_a_three_d_input_with_no_tokens_returns_plain_pytorchs_shape_in_the_form
     assert empty.grad.shape == empty.shape
 
 
-def _same_state(a, b) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same_state(u, v) for u, v in zip(a, b))
-    if torch.is_tensor(a):
-        return torch.is_tensor(b) and torch.equal(a, b)
-    return a == b
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_an_empty_batch_changes_no_calibration_amax_history_or_scale(fmt):
     (model, runtime), (unseen, unseen_runtime) = planned(fmt), planned(fmt)
@@ -165,7 +156,7 @@ def test_an_empty_batch_changes_no_calibration_amax_history_or_scale(fmt):
     step(model, *batch(), runtime)
     fqns = {f"experts.{i}" for i in EMPTY}
     after = runtime.state_dict()
-    assert _same_state({k: v for k, v in before["layers"].items() if k in fqns}, {k: v for k, v in after["layers"].items() if k in fqns})
+    assert same({k: v for k, v in before["layers"].items() if k in fqns}, {k: v for k, v in after["layers"].items() if k in fqns})
     # The next batch with tokens runs as in a runtime that never saw the empty one.
     for m, r in ((model, runtime), (unseen, unseen_runtime)):
         with torch.no_grad(), r:
@@ -194,6 +185,6 @@ def test_an_expert_routed_no_tokens_runs_and_keeps_its_state_under_the_fused_cas
         assert torch.equal(model.experts[i].weight.grad, plain.experts[i].weight.grad)
     fqns = {f"experts.{i}" for i in EMPTY}
     after = runtime.state_dict()
-    assert _same_state({k: v for k, v in before["layers"].items() if k in fqns}, {k: v for k, v in after["layers"].items() if k in fqns})
+    assert same({k: v for k, v in before["layers"].items() if k in fqns}, {k: v for k, v in after["layers"].items() if k in fqns})
     # Where the layer has a kernel on this device, its batches with tokens took the fused casts.
     assert fused == (None if kernel_reason(runtime.plan.layers["experts.0"], DEVICE) else "fused Triton cast")

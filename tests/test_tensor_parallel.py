@@ -5,40 +5,14 @@ RowwiseParallel (DTensor weights, as torchtitan's plan leaves them, sequence par
 sharding rule for ``_int_mm``."""
 
 import copy
-import os
-import sys
-import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 import autoprec as ap
+from gloo_ranks import WORLD, run
 from titan_llama import parallelize, titan_llama, token_batch
-
-WORLD = 2
-
-
-def run(scenario, tmp_path, *args):
-    os.makedirs(tmp_path, exist_ok=True)
-    mp.spawn(_entry, args=(scenario, str(tmp_path), args), nprocs=WORLD, join=True)
-    return [torch.load(os.path.join(tmp_path, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
-
-
-def _entry(rank, scenario, tmp, args):
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
-    try:
-        torch.save(scenario(rank, *args), os.path.join(tmp, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
 
 def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
