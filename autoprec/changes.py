@@ -1,7 +1,7 @@
 """A precision change: one layer moved from one format to another at a step, and why.
 
 Records made by the scheduler's policy (`scheduler.policy`: promotions and demotions) and drawn
-by the review (`monitoring.training`); plain data, saved in checkpoints as dicts.
+by the review (`monitoring.training_writer`); plain data, saved in checkpoints as dicts.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from .comm import BucketCommunicator, CommMethod, CommSettings
 from .errors import DistributedError, RuntimeStateError
-from .measure import local_shard
+from .saved_bytes import local_shard
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -183,7 +183,7 @@ class RankAgreement:
     and one host transfer of that vector. Per window end: three all-reduces of the profiler's
     accumulators (about 48 KiB of histogram per layer and tensor kind), one
     ``broadcast_object_list`` of the decision (the plan's JSON, a few KiB) and one
-    ``all_gather_object`` of plan hashes. While the first search runs (`search.training`): every
+    ``all_gather_object`` of plan hashes. While the first search runs (`search.in_run`): every
     rank runs the same probe and trial steps (their plans follow from the step and the reduced
     profile), rank 0 alone the off-path work, and one ``broadcast_object_list`` per step (None
     until rank 0's candidates exist, then their JSON) keeps the ranks on one schedule

@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # the matrix's models and runs
 
 import autoprec as ap  # noqa: E402
-from autoprec.timing import rotated, timed  # noqa: E402
+from autoprec.device_clock import rotated, timed  # noqa: E402
 import conformance  # noqa: E402
 import hf_models  # noqa: E402
 from autoprec._io import atomic_write_text  # noqa: E402
@@ -69,7 +69,7 @@ def held_out_loss(model, batch, context):
 def step_times(variants, batch, rounds, device):
     """Median seconds of one training step of each variant (name -> (model, context factory,
     backward, step)), timed in rounds of one step each, the order rotated every round
-    (`autoprec.timing`: wall time from a synced device to the step's work done)."""
+    (`autoprec.device_clock`: wall time from a synced device to the step's work done)."""
     seconds = {name: [] for name in variants}
     for r in range(rounds):
         for name in rotated(list(variants), r):

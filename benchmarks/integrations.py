@@ -13,7 +13,7 @@ nothing is downloaded.
 Per variant: the final loss (mean training loss of the last 10 optimizer steps), the mean
 optimizer-step time over the steps after the scheduler's first window (the window's profiling
 and the search at its end are a one-off cost, reported apart as ``first window s``), and the
-bytes saved for backward by one micro-batch's forward (`autoprec.measure.SavedTensorMeter`,
+bytes saved for backward by one micro-batch's forward (`autoprec.saved_bytes.SavedTensorMeter`,
 ``torch.autograd.graph.saved_tensors_hooks``, parameters excluded) on one step of the last window. The
 variants run one after the other in one process: read the ratios of one run, on one machine
 (a CPU without AVX-512 runs BF16 matmuls slowly; that is what the ``bf16`` rows measure here).
@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autoprec.measure import SavedTensorMeter
+from autoprec.saved_bytes import SavedTensorMeter
 
 # Roofline time model instead of timing every layer in place (seconds of measurement per search,
 # noisy on a shared 2-core machine); on a CPU its peaks are calibrated once per process, and the

@@ -64,7 +64,7 @@ from autoprec.plan import Plan
 from autoprec.runtime import EmulationWarning
 from autoprec.job.config import JobConfig, load_job
 from autoprec.job.run import run_job
-from autoprec.search.measured import Candidate, MeasuredStage, Measurement
+from autoprec.search.candidate_runs import Candidate, MeasuredStage, Measurement
 from autoprec.workload import TrainStep, load_workload
 from autoprec.workloads import default_workload
 from autoprec.workloads.bytelm import GRAD_CLIP, adamw_with_warmup

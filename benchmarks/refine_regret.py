@@ -66,11 +66,11 @@ from autoprec.formats import Format
 from autoprec.job.config import JobConfig, load_job
 from autoprec.search.exact import k_best
 from autoprec.job.run import run_job
-from autoprec.search.measured import MeasuredStage, StepVariant, formats_id
+from autoprec.search.candidate_runs import MeasuredStage, StepVariant, formats_id
 from autoprec.runtime import EmulationWarning
 from autoprec.search.refine import CorrectingSampler
 from autoprec.search.space import Choice, SearchSpace
-from autoprec.timing import timed
+from autoprec.device_clock import timed
 
 JOB = """
 [job]

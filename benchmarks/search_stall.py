@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 import autoprec as ap
-from autoprec.measure import SavedTensorMeter
+from autoprec.saved_bytes import SavedTensorMeter
 from autoprec.workloads.bytelm import ByteLMWorkload, LMConfig, evaluate, load_corpus, split_corpus
 
 

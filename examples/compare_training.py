@@ -17,7 +17,7 @@ import time
 import torch
 
 import autoprec as ap
-from autoprec.measure import SavedTensorMeter
+from autoprec.saved_bytes import SavedTensorMeter
 from autoprec.workload import TrainStep
 from autoprec.workloads import default_workload
 

@@ -28,7 +28,7 @@ import torch
 
 import hf_models
 from readme_loop import readme_step
-from autoprec.measure import SavedTensorMeter
+from autoprec.saved_bytes import SavedTensorMeter
 from autoprec.runtime import EmulationWarning
 from autoprec.scheduler import DynamicPrecisionScheduler
 

@@ -27,7 +27,7 @@ from autoprec.formats import Format
 from autoprec.plan import Plan
 from autoprec.scheduler import DynamicPrecisionScheduler, Thresholds
 from autoprec.job.run import _check_study
-from autoprec.search.measured import Candidate, MeasuredStage
+from autoprec.search.candidate_runs import Candidate, MeasuredStage
 from autoprec.search.study import open_storage, recover_interrupted_trials
 from autoprec.workloads import default_workload
 

@@ -189,12 +189,12 @@ def set_clocks(monkeypatch, measured, offpath):
     plan); ``offpath``: the one the search's off-path work would see itself run by."""
     import autoprec.costs.inplace
     import autoprec.scheduler.search_steps
-    import autoprec.search.training
-    import autoprec.timing
+    import autoprec.search.in_run
+    import autoprec.device_clock
 
-    for module in (autoprec.timing, autoprec.scheduler.search_steps, autoprec.costs.inplace):
+    for module in (autoprec.device_clock, autoprec.scheduler.search_steps, autoprec.costs.inplace):
         monkeypatch.setattr(module, "time", measured)
-    monkeypatch.setattr(autoprec.search.training, "time", offpath)
+    monkeypatch.setattr(autoprec.search.in_run, "time", offpath)
 
 
 SEARCH_WINDOW = 6

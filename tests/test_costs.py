@@ -26,10 +26,10 @@ from autoprec.costs import (
     trace_model,
 )
 from autoprec.bench import check_uniform_ranking
-from autoprec.costs import timing
+from autoprec.costs import product_times as timing
 from autoprec.errors import CostModelError, FormatError
 from autoprec.formats import Format, Granularity
-from autoprec.measure import SavedTensorMeter
+from autoprec.saved_bytes import SavedTensorMeter
 from autoprec.plan import LayerPrecision, Plan, Scaling, ScalingMode
 from autoprec.workloads import default_workload
 from models import TransposedProjection
@@ -402,7 +402,7 @@ def test_in_place_predictions_are_each_layers_forward_and_backward_plus_the_rest
     the machine by the ranking benchmark, `autoprec.bench.check_uniform_ranking`: a speed, not a
     test.)"""
     from autoprec.costs import inplace
-    from autoprec import timing as timing_module
+    from autoprec import device_clock as timing_module
 
     clock = _FakeTime()
     monkeypatch.setattr(inplace, "time", clock)

@@ -9,10 +9,10 @@ runtime walked the whole model (modules walked grew with layers^2)."""
 import torch
 
 from autoprec.runtime import context as runtime_context
-from autoprec.runtime import wrappers as runtime_wrappers
+from autoprec.runtime import layer_wrappers as runtime_layer_wrappers
 from autoprec.scheduler import DynamicPrecisionScheduler
 from autoprec.search import exact
-from autoprec.search import training as search_training
+from autoprec.search import in_run as search_in_run
 from autoprec.workloads import default_workload
 from autoprec.workloads.bytelm import ByteLM
 
@@ -25,7 +25,7 @@ def counts(blocks: int, patching) -> dict:
     seen = {"forwards": 0, "runtime layers": 0, "wrappers": 0, "solver variables": 0, "modules walked": 0}
     inside = [False]
 
-    real_work = search_training.TrainingSearch.work
+    real_work = search_in_run.TrainingSearch.work
 
     def work(self, passes):
         inside[0] = True
@@ -41,7 +41,7 @@ def counts(blocks: int, patching) -> dict:
             seen["runtime layers"] += len(plan.layers)
         return real_init(self, model, plan, **kwargs)
 
-    real_wrapper = runtime_wrappers.LayerWrappers._wrapper
+    real_wrapper = runtime_layer_wrappers.LayerWrappers._wrapper
 
     def wrapper(self, *args, **kwargs):
         if inside[0]:
@@ -68,9 +68,9 @@ def counts(blocks: int, patching) -> dict:
         if inside[0] and isinstance(module, ByteLM):
             seen["forwards"] += 1
 
-    patching.setattr(search_training.TrainingSearch, "work", work)
+    patching.setattr(search_in_run.TrainingSearch, "work", work)
     patching.setattr(runtime_context.PlanRuntime, "__init__", init)
-    patching.setattr(runtime_wrappers.LayerWrappers, "_wrapper", wrapper)
+    patching.setattr(runtime_layer_wrappers.LayerWrappers, "_wrapper", wrapper)
     patching.setattr(exact, "_program", program)
     patching.setattr(torch.nn.Module, "named_modules", named_modules)
     handle = torch.nn.modules.module.register_module_forward_pre_hook(forward_hook)

@@ -16,7 +16,7 @@ from autoprec.coverage import static_layers, trace_layers
 from autoprec.errors import ModelCallError
 from autoprec.runtime import EmulationWarning
 from autoprec.scheduler import DynamicPrecisionScheduler
-from autoprec.search.measured import MeasuredStage
+from autoprec.search.candidate_runs import MeasuredStage
 from models import WithProjection
 from products import ProductLog
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from autoprec.costs import CostModel, TimingSettings
-from autoprec.measure import SavedTensorMeter
+from autoprec.saved_bytes import SavedTensorMeter
 
 
 def mlp():

@@ -1,4 +1,4 @@
-"""`autoprec.monitoring.training`: a training run's precision events, buffered without syncs and
+"""`autoprec.monitoring.training_writer`: a training run's precision events, buffered without syncs and
 read back with TensorBoard's own `EventAccumulator`."""
 
 import math
@@ -13,7 +13,7 @@ from autoprec import Format, Plan
 from autoprec.errors import FormatError, MonitoringError
 from autoprec.monitoring import render_precision_map
 from autoprec.monitoring.plans import FORMAT_COLOURS
-from autoprec.monitoring.training import FORMAT_INDEX, PrecisionChange, TrainingWriter, render_timeline
+from autoprec.monitoring.training_writer import FORMAT_INDEX, PrecisionChange, TrainingWriter, render_timeline
 
 
 

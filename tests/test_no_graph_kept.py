@@ -82,7 +82,7 @@ def test_metering_saved_bytes_without_a_backward_keeps_no_graph():
     """The saved-tensor meter's pack hook hands autograd a detached tensor: returning the tensor
     itself made a forward that is never backpropagated (the search's bytes measurements) a
     cycle through autograd."""
-    from autoprec.measure import SavedTensorMeter
+    from autoprec.saved_bytes import SavedTensorMeter
 
     weight = torch.randn(16, 16, requires_grad=True)
     before = graph_tensors()
@@ -123,7 +123,7 @@ steps = 1
 
 def test_a_search_job_keeps_no_graph_between_its_measured_trials(tmp_path, monkeypatch):
     from autoprec.cli import main
-    from autoprec.search.measured import MeasuredStage
+    from autoprec.search.candidate_runs import MeasuredStage
 
     seen = []
     memory = MeasuredStage.memory

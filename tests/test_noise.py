@@ -8,7 +8,7 @@ import pytest
 
 from autoprec.formats import Format
 from autoprec.plan import Plan
-from autoprec.search.measured import Candidate, MeasuredStage
+from autoprec.search.candidate_runs import Candidate, MeasuredStage
 from autoprec.search.noise import median_interval, separate, unseparated
 from autoprec.workloads import default_workload
 
@@ -53,7 +53,7 @@ def test_an_unsound_control_pair_is_said_in_the_summary():
 
 
 def test_settle_times_contenders_and_the_control_pair_in_the_same_rounds(monkeypatch):
-    import autoprec.search.measured as measured
+    import autoprec.search.candidate_runs as measured
 
     made = []
 

@@ -10,8 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoprec as ap
 from autoprec.formats import Format, sqnr
-from autoprec.measure import SavedTensorMeter
-from autoprec.runtime.wrapping import owner_of
+from autoprec.saved_bytes import SavedTensorMeter
+from autoprec.runtime.installed import owner_of
 from autoprec.workloads import LMConfig, TransformerBlock, default_workload
 from models import TransposedProjection
 from torch_versions import CPU_SCALED_MM_ROW_SCALES

@@ -16,7 +16,7 @@ import torch.nn as nn
 import autoprec as ap
 from autoprec.device import block_scaled_form, has_int_mm, has_scaled_mm
 from autoprec.formats import sqnr
-from autoprec.measure import SavedTensorMeter
+from autoprec.saved_bytes import SavedTensorMeter
 from autoprec.workloads import LMConfig, TransformerBlock, default_workload
 from graphs import graph_tensors
 

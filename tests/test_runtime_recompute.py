@@ -90,7 +90,7 @@ def _saved_bytes(model, plan, blocks):
         nonlocal total
         if t.untyped_storage().data_ptr() not in params:
             total += t.numel() * t.element_size()
-        return t.detach()  # as autoprec.measure.keep_for_backward: the tensor itself would cycle through autograd
+        return t.detach()  # as autoprec.saved_bytes.keep_for_backward: the tensor itself would cycle through autograd
 
     idx, tgt = _batches()[0]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), runtime:

@@ -11,13 +11,13 @@ import pytest
 
 from autoprec.cli import main
 from autoprec.errors import InfeasibleBudgetError, SearchError
-from autoprec.measure import SavedTensorMeter
+from autoprec.saved_bytes import SavedTensorMeter
 from autoprec.formats import Format
 from autoprec.plan import Plan
 from autoprec.job.config import load_job
 from autoprec.cpu_load import CpuLoad, ThreadGovernor
 from autoprec.job.run import JobResult, _load_during, _settle, run_job
-from autoprec.search.measured import AutocastCheckpoint, BudgetPruner, Candidate, MeasuredStage, Measurement, fastest_meeting
+from autoprec.search.candidate_runs import AutocastCheckpoint, BudgetPruner, Candidate, MeasuredStage, Measurement, fastest_meeting
 from autoprec.search.noise import separate
 from autoprec.workloads import default_workload
 
@@ -273,7 +273,7 @@ def test_measured_bytes_match_the_saved_tensor_meter_for_fp32():
     train = [sampler.next()]
     stage = MeasuredStage(model, wl.loss, train, wl.val_batches(2))
     grads = sum(p.numel() * 4 for p in model.parameters())  # every gradient buffer, the embeddings' and norms' too
-    from autoprec.measure import SavedTensorMeter
+    from autoprec.saved_bytes import SavedTensorMeter
 
     with SavedTensorMeter(list(model.parameters())) as meter:
         wl.loss(model, train[0])

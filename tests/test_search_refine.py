@@ -11,7 +11,7 @@ from optuna.trial import TrialState
 
 from autoprec.formats import Format
 from autoprec.search.exact import k_best
-from autoprec.search.measured import formats_id
+from autoprec.search.candidate_runs import formats_id
 from autoprec.search.refine import CorrectingSampler, fit_factors
 from autoprec.search.space import Choice, LayerRules, SearchSpace
 
@@ -250,7 +250,7 @@ def test_a_layer_a_measurement_decided_says_so_and_one_the_proxy_decided_does_no
 
 def test_the_evidence_compares_the_trial_with_the_proxys_optimum_as_measured():
     from autoprec.job.run import _evidence
-    from autoprec.search.measured import Measurement
+    from autoprec.search.candidate_runs import Measurement
 
     text = _evidence(7, Measurement(100, 0.088), 0.105, (0, Measurement(100, 0.1), 0.1))
     assert text.startswith("measured: trial 7 ran 12.0% faster than the proxy's optimum (trial 0, 100 ms as measured)")

@@ -1,4 +1,4 @@
-"""The scheduler's search spread over training steps (`autoprec.search.training`): probe steps
+"""The scheduler's search spread over training steps (`autoprec.search.in_run`): probe steps
 time (role, format) in place, off-path units run in bounded slices, candidates are tried on
 training steps, every step trains the model, a mid-search checkpoint resumes, DDP ranks agree."""
 
@@ -15,7 +15,7 @@ from autoprec.formats import Format
 from autoprec.plan import Plan
 from autoprec.scheduler import DynamicPrecisionScheduler
 import autoprec.scheduler.search_steps as search_steps
-from autoprec.search.training import MEMORY_ROUNDS, PROBE_ROUNDS, PROBED_PER_ROLE, TrainingSearch, probe_formats
+from autoprec.search.in_run import MEMORY_ROUNDS, PROBE_ROUNDS, PROBED_PER_ROLE, TrainingSearch, probe_formats
 from autoprec.search.trials import SKIPPED_TRIAL_STEPS, TIMED_TRIAL_STEPS
 from autoprec.workloads import default_workload
 
@@ -345,7 +345,7 @@ def test_ddp_ranks_probe_try_and_adopt_one_plan_at_one_step(tmp_path):
 
 
 def test_the_search_preconditions_with_the_training_optimizers_adam_state(monkeypatch):
-    import autoprec.search.training as training
+    import autoprec.search.in_run as training
     from autoprec.sensitivity import adam_second_moment
 
     wl, model, _ = setup()

@@ -55,7 +55,7 @@ def measured_once(study):
 
 
 def _candidate_ids(study):
-    from autoprec.search.measured import Candidate
+    from autoprec.search.candidate_runs import Candidate
 
     return [Candidate(name, Plan.from_dict(plan), autocast).id for name, plan, autocast in study.user_attrs["autoprec_candidates"]]
 

@@ -1,4 +1,4 @@
-"""`autoprec.timing`: the one clock. CPU paths run for real (sleeps give lower bounds that hold on
+"""`autoprec.device_clock`: the one clock. CPU paths run for real (sleeps give lower bounds that hold on
 a loaded machine); the CUDA paths run against a recording stand-in for ``torch.cuda.Event`` and
 ``torch.cuda.synchronize``, so where the host syncs is checked on a machine without a GPU."""
 
@@ -6,9 +6,9 @@ import time
 
 import torch
 
-from autoprec import timing
+from autoprec import device_clock as timing
 from autoprec.costs.inplace import StepTimer
-from autoprec.bench.gpu import timing as gpu_timing
+from autoprec.bench.gpu import warm_timing as gpu_timing
 
 CUDA = torch.device("cuda")
 

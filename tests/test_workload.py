@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from autoprec.search.measured import MeasuredStage
+from autoprec.search.candidate_runs import MeasuredStage
 from autoprec.workload import TrainStep, Workload, WorkloadError, check_workload, learning_rate, load_workload, to_device
 
 

@@ -47,10 +47,10 @@ from ..calls import ModelCall
 from ..device import resolve_device
 from ..errors import AutoprecError
 from ..formats import Format
-from ..measure import SavedTensorMeter
+from ..saved_bytes import SavedTensorMeter
 from ..plan import Plan
 from ..runtime import EmulationWarning, PlanRuntime, apply_plan
-from ..timing import rotated, timed
+from ..device_clock import rotated, timed
 from ..workload import TrainStep, check_workload, to_device
 from ._common import (
     BenchConfigError, CpuContention, check_device_and_seed, device_info, is_positive_int, json_safe, median_iqr, ratio_or_nan,

@@ -14,7 +14,7 @@ from ..device import resolve_device
 from ..errors import ProfileError
 from ..profiling import LayerProfiler
 from ..workload import TrainStep, check_workload, to_device
-from ..timing import rotated, timed
+from ..device_clock import rotated, timed
 
 __all__ = ["measure_overhead"]
 

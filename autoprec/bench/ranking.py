@@ -17,7 +17,7 @@ from ..costs.model import DEFAULT_FORMATS, CostModel, TimingSettings
 from ..errors import CostModelError
 from ..formats import Format
 from ..runtime import EmulationWarning
-from ..timing import rotated, timed
+from ..device_clock import rotated, timed
 from ..workload import check_workload, to_device
 from ._common import median_iqr
 from .models import BenchVariant, VariantRunner

@@ -28,7 +28,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from ..timing import sync
+from ..device_clock import sync
 
 __all__ = ["profile_steps"]
 

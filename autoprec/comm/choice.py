@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ..formats import CommMethod
-from ..timing import start_clock, sync
+from ..device_clock import start_clock, sync
 from .buckets import CommSettings, _quantize_rows, _topk_count, bytes_sent
 
 __all__ = ["CHOSEN", "COLLECTIVES", "LinkCost", "LayerComm", "compressed", "comm_loss_increase", "choose"]

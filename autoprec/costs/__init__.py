@@ -8,7 +8,7 @@ The concerns, one module each, over one shared trace:
   backward, gradient buffers (checked against ``saved_tensors_hooks`` measurements in the tests);
 - `inplace`: seconds per (layer, format) measured in place, over real training steps under each
   format's uniform plan (what `CostModel.build` uses by default);
-- `timing`: seconds per (call, format), measured on the device by replaying each call under
+- `product_times`: seconds per (call, format), measured on the device by replaying each call under
   ``apply_plan`` (cached on disk), or a roofline estimate from datasheet peaks;
 - `model`: `CostModel` (per-layer costs, plan totals, the FP32 bytes a memory budget is a
   fraction of); `autoprec.bench.ranking.check_uniform_ranking` checks its ranking against
@@ -26,7 +26,7 @@ May import the shared basics and `runtime` (its layers and kernels are what it t
 from .inplace import InPlaceTimes, measure_in_place
 from .memory import MemoryCost, call_path, layer_memory
 from .model import DEFAULT_FORMATS, BlockCost, CostModel, LayerCost, PlanCost, TimingSettings
-from .timing import (
+from .product_times import (
     PEAKS,
     DevicePeaks,
     MeasuredTimeModel,

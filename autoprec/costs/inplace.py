@@ -1,6 +1,6 @@
 """Per-layer seconds measured in place: real training steps, each layer timed where it runs.
 
-Why in place rather than replaying each call alone (`timing.MeasuredTimeModel`): a replay pays
+Why in place rather than replaying each call alone (`product_times.MeasuredTimeModel`): a replay pays
 per call what a real step pays once or overlaps (Python dispatch, entering the runtime, a
 device sync per timed span) and runs in another cache and thread state than the step, so on a
 model of small layers the replays' sum can exceed the whole FP32 step several times over, and
@@ -40,7 +40,7 @@ from torch.utils import _pytree as pytree
 from ..errors import CostModelError
 from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan
-from ..timing import Clock, rotated
+from ..device_clock import Clock, rotated
 from .trace import forward_or_loss
 
 __all__ = ["InPlaceTimes", "MIN_TIMED_ROUNDS", "StepTimer", "measure_in_place", "timed_rounds"]

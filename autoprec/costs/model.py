@@ -9,7 +9,7 @@ under each format's uniform plan, each layer's forward and backward timed where 
 being the FP32 step minus its layers. So every uniform plan's prediction is its measured step,
 and a mixed plan's the sum of the same layers' in-place times (calibrating per-call replays
 against one step cannot: their error is a per-call fixed cost that weighs differently on every
-layer size and format). Replays (`timing.MeasuredTimeModel`) remain for a format asked for
+layer size and format). Replays (`product_times.MeasuredTimeModel`) remain for a format asked for
 later, or one whose uniform plan cannot run.
 
 **Bytes**: the layers' own plus what ops outside layers save, measured with an FP32 region and a
@@ -46,7 +46,7 @@ from ..plan import LayerPrecision, Plan, Scaling
 from ..runtime import EmulationWarning, apply_plan, removing
 from .inplace import InPlaceTimes, measure_in_place
 from .memory import layer_memory
-from .timing import MeasuredTimeModel, RooflineTimeModel, TimeEstimate, TimeModel
+from .product_times import MeasuredTimeModel, RooflineTimeModel, TimeEstimate, TimeModel
 from .trace import ModelTrace, saved_bytes_by_layer, trace_model, trace_roles
 
 __all__ = ["DEFAULT_FORMATS", "TimingSettings", "LayerCost", "PlanCost", "BlockCost", "CostModel"]

@@ -5,7 +5,7 @@ layer (the innermost module running a matrix product, as `coverage.trace_layers`
 
 - every matrix-product call (`coverage.MATMUL_OPS`): the function, the layout of each tensor
   argument (shape, strides, dtype, whether it is a weight, whether it requires grad) and its
-  non-tensor arguments, enough to replay the call on random tensors (`timing`) and to cost it;
+  non-tensor arguments, enough to replay the call on random tensors (`product_times`) and to cost it;
 - the bytes autograd saved inside each call, and the bytes the layer's other ops saved (the
   softmax output of an attention layer), through ``torch.autograd.graph.saved_tensors_hooks``;
 - the bytes saved outside every layer (norms, activations functions, the loss).
@@ -13,8 +13,8 @@ layer (the innermost module running a matrix product, as `coverage.trace_layers`
 `saved_bytes_by_layer` measures the same attribution under any plan: it is the reference the
 memory model is checked against, and how the cost model measures what non-layer ops save in a
 low-precision region. Both count each saved byte once, what a saved tensor holds
-(`measure.held_span`: a view of an input counts its own bytes, not the whole storage), and leave
-parameters out, as `measure.SavedTensorMeter` does.
+(`saved_bytes.held_span`: a view of an input counts its own bytes, not the whole storage), and leave
+parameters out, as `saved_bytes.SavedTensorMeter` does.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from .._tracing import is_weight, module_stack, side_effect_free
 from ..calls import ModelCall
 from ..coverage import MATMUL_OPS, fqn_pattern
 from ..errors import CostModelError
-from ..measure import HeldBytes, held_span, keep_for_backward
+from ..saved_bytes import HeldBytes, held_span, keep_for_backward
 
 __all__ = ["TensorSpec", "MatmulCall", "LayerTrace", "ModelTrace", "trace_model", "trace_roles", "saved_bytes_by_layer"]
 
@@ -84,7 +84,7 @@ class TensorSpec:
 
     @property
     def held_bytes(self) -> int:
-        """Bytes this tensor keeps when saved for backward (`measure.held_span`)."""
+        """Bytes this tensor keeps when saved for backward (`saved_bytes.held_span`)."""
         itemsize = self.dtype.itemsize
         start, end = held_span(self.shape, self.stride, self.offset, self.storage_numel * itemsize, itemsize, self.requires_grad)
         return end - start
@@ -190,7 +190,7 @@ class _Attribution:
 
     Packs are attributed later to the innermost module of the stack that is a layer, so a
     dropout inside an attention layer counts for the layer. Each storage counts once; parameters
-    never count; a saved tensor counts what it holds (`measure.held_span`). Hooks are removed on exit, also when the body raises.
+    never count; a saved tensor counts what it holds (`saved_bytes.held_span`). Hooks are removed on exit, also when the body raises.
     """
 
     def __init__(self, model: nn.Module):

@@ -18,7 +18,7 @@ Layout::
     [rules]      pin = {pattern = format}, forbid = {pattern = [formats]}, groups = [[patterns]],
                  recompute = [patterns]         # recompute units (blocks) the search chooses among; [] = none
     [profile]    path (a saved profile to load instead of profiling), steps, sensitivity_batches
-    [measure]    val_batches, steps               # the measured stage (`search.measured`)
+    [measure]    val_batches, steps               # the measured stage (`search.candidate_runs`)
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from optuna.trial import TrialState
 
 from ..errors import SearchError
 from ..plan import Plan
-from ..search.measured import BudgetPruner, Candidate, enqueue
+from ..search.candidate_runs import BudgetPruner, Candidate, enqueue
 from ..search.study import storage_kind
 
 __all__ = ["WorkerPayload", "check_workers", "worker_devices", "adopt_candidates", "run_workers"]
@@ -172,7 +172,7 @@ def run_workers(
 def _worker_main(path: str, device: str, threads: int, verbosity: int) -> None:
     """One worker process: rebuild the measured stage from the parent's payload and measure
     candidates on the study until none is left."""
-    from ..search.measured import MeasuredStage
+    from ..search.candidate_runs import MeasuredStage
     from ..search.study import open_storage, quiet_interrupts
     from ..workload import TrainStep, to_device
     from .config import load_job_workload

@@ -10,7 +10,7 @@ Two concerns, one module each, over the pure rendering in `plans`:
 - `server`: a local TensorBoard process on that logdir (`start_tensorboard`);
 - `search`: a search's trials, Pareto front, progress and compared candidate plans
   (`write_search`, `write_candidates`);
-- `training`: a training run under the scheduler, buffered off the hot path (`TrainingWriter`),
+- `training_writer`: a training run under the scheduler, buffered off the hot path (`TrainingWriter`),
   and its timeline figure.
 
 What ``autoprec review PLAN.json... --logdir DIR [--open]`` runs::
@@ -27,7 +27,7 @@ May import the shared basics, `runtime`, `profiling`, `scaling`, `costs`, `sensi
 from .plans import LayerDiff, PlanDiff, PrecisionMap, diff_plans, render_precision_map
 from .search import pareto_front, write_candidates, write_search
 from .server import TensorBoardServer, start_tensorboard
-from .training import TrainingWriter
+from .training_writer import TrainingWriter
 from .writer import PlanWriter, ReviewResult, load_plans, write_plan, write_review
 
 # The API: what a user calls to write, read, diff and serve reviews. The rendering helpers,

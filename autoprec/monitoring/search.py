@@ -21,7 +21,7 @@ Layout (one TensorBoard run per folder)::
 
 The candidates' metric tags are `plan_scalars`' (the ones ``autoprec review`` writes), so their
 HParams columns line up with reviewed plans in the same logdir. The trials are read from the
-search job's measured study (`autoprec.search.measured.MeasuredStage`: one trial per plan run
+search job's measured study (`autoprec.search.candidate_runs.MeasuredStage`: one trial per plan run
 for real, user attributes ``bytes``, ``seconds``, ``loss_increase`` and ``name``); a trial is
 feasible when its constraints ``memory`` and ``loss`` are all <= 0. The Pareto front is Optuna's
 multi-objective view of those trials (`pareto_front`).
@@ -175,7 +175,7 @@ def refine_points(study: "optuna.Study") -> list[RefinePoint]:
     by trial number; trials skipped unmeasured (another worker took the plan) are left out."""
     from optuna.trial import TrialState
 
-    from ..search.measured import REFINED_ATTR
+    from ..search.candidate_runs import REFINED_ATTR
 
     points = []
     for trial in sorted(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)), key=lambda t: t.number):

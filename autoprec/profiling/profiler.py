@@ -14,7 +14,7 @@ import torch.nn as nn
 from ..coverage import ModuleFilter, find_layers
 from ..errors import ProfileError
 from ..formats import Format
-from ..measure import local_shard as _local  # FSDP2: per-shard statistics, reduced at the window's end (autoprec.distributed)
+from ..saved_bytes import local_shard as _local  # FSDP2: per-shard statistics, reduced at the window's end (autoprec.distributed)
 from ..plan import Scaling
 from ..runtime.recompute import recomputing, training_forward
 from .artifact import LayerProfile, Profile

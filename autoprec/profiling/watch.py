@@ -44,7 +44,7 @@ import torch.nn as nn
 
 from ..errors import ProfileError
 from ..formats import Format
-from ..measure import local_shard
+from ..saved_bytes import local_shard
 from ..plan import LayerPrecision
 from ..runtime.recompute import recomputing, training_forward
 from .profiler import first_float, sample_stride

@@ -1,6 +1,6 @@
 """Applying a plan: per-layer autocast, FP8 / INT8 kernels, calibration state.
 
-Owns: `context` (`PlanRuntime`, `apply_plan`), `wrappers` / `wrapping` (the forwards installed on
+Owns: `context` (`PlanRuntime`, `apply_plan`), `layer_wrappers` / `installed` (the forwards installed on
 layers), `products` (each matrix product in its layer's format), `layers` (a layer's runtime
 state), `quantizers`, `calibration` (INT8), `gemm` / `block_gemm` (the kernels' autograd
 functions), `casts` / `triton_cast` / `triton_block_cast` / `triton_arith` (the fused casts),

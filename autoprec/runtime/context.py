@@ -7,7 +7,7 @@ How a plan runs (``with runtime:``), cheapest first:
   between layers behaves exactly as under plain autocast (same ops, same FP32 policy). A uniform
   BF16 plan of ordinary layers is exactly ``torch.autocast(dtype=torch.bfloat16)``: no per-layer
   machinery at all.
-- Layers that need more get a forward wrapper (`wrappers`), installed once per runtime; entering
+- Layers that need more get a forward wrapper (`layer_wrappers`), installed once per runtime; entering
   the context only flips a flag of the calling thread, so a compiled step can enter it
   (`PlanRuntime.region`) with no graph break.
 - FP8 / INT8 products run through the kernels or, where none exists, emulation (`products`); a
@@ -42,7 +42,7 @@ from .layers import EmulationWarning, RuntimeLayer, as_gemm, kernel_reason
 from .model_index import ModelIndex
 from .products import PerThread, Products
 from .quantizers import InputQuantizer
-from .wrappers import LayerWrappers
+from .layer_wrappers import LayerWrappers
 
 __all__ = ["PlanRuntime", "apply_plan", "removing", "EmulationWarning", "kernel_reason", "as_gemm"]
 
@@ -341,7 +341,7 @@ def _region_dtype(formats: set, stored: set) -> torch.dtype:
     ``torch_dtype=torch.bfloat16``) set it, whatever the plan's formats: the model's own ops
     between planned layers (a norm whose weight is FP16 refuses a BF16 input on CPU) and its
     outputs keep that dtype, as the plain model's do; a half layer of the other dtype computes
-    in its own and hands the region's on (`wrappers`). Otherwise FP16 only for a plan whose half
+    in its own and hands the region's on (`layer_wrappers`). Otherwise FP16 only for a plan whose half
     layers are all FP16 (mixing FP16 activations into BF16 layers would lose range), else BF16."""
     if len(stored) == 1:
         return next(iter(stored))

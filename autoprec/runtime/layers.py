@@ -171,7 +171,7 @@ class RuntimeLayer:
         self.casts: "FusedCasts | None" = None
         self.casts_ran = PYTORCH
         self.use_fused_casts(True)
-        self.keeps_thread_state = False  # set by its wrapper (`wrappers.LayerWrappers`), when it has one
+        self.keeps_thread_state = False  # set by its wrapper (`layer_wrappers.LayerWrappers`), when it has one
         self.direct = False  # its product is one kernel call, routed by its wrapper (set there)
         self.inputs: dict[str, InputQuantizer] = {}
         self.calibrators: dict[str, Int8Calibrator] = {}

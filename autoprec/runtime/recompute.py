@@ -57,7 +57,7 @@ from ..errors import RuntimeStateError
 from ..formats import Granularity
 from ..plan import ScalingMode
 from .pipelining import inferring
-from .wrapping import displaced, mark
+from .installed import displaced, mark
 
 __all__ = ["recomputing", "recorded_scale", "ScaleRecord", "BlockHost", "block_wrapper", "users_record", "Recording", "training_forward"]
 
@@ -164,7 +164,7 @@ class BlockHost:
     """What a recomputed block's wrapper needs from the `PlanRuntime` installing it, handed over
     at installation (this module reads none of the runtime's attributes)."""
 
-    runtime: Any  # the wrapper is marked as this runtime's (`wrapping.mark`)
+    runtime: Any  # the wrapper is marked as this runtime's (`installed.mark`)
     threads: Any  # per-thread state: ``threads.state`` has ``active``, ``stack``, ``mode_active``
     installed: Callable[[], bool]  # the runtime's wrappers are on the model
     layer_mode: Callable[[Any], Any]  # the mode routing a layer's own products, for a thread state
@@ -280,7 +280,7 @@ def block_wrapper(host: BlockHost, fqn: str, module: nn.Module):
     """The ``forward`` installed on a recomputed block: checkpointed in a thread that entered
     ``host``'s runtime with gradients on, the module's own forward everywhere else (other threads,
     outside the context, ``torch.no_grad``, a deep copy); marked as the layer wrappers are
-    (`wrapping`)."""
+    (`installed`)."""
     threads = host.threads
     had_own, previous = displaced(module)
     # A block that is a layer too (a diffusers Attention: its own forward runs the attention product

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from ..coverage import ModuleFilter, layer_name
 from ..errors import RuntimeStateError, ScalingError
-from ..measure import local_shard
+from ..saved_bytes import local_shard
 from ..runtime.recompute import recomputing, training_forward
 
 __all__ = ["OutputWatch", "LayerNames", "Attribution", "Layers", "check_and_unscale", "nonfinite_gradients", "summed_flags"]

@@ -64,7 +64,7 @@ class SchedulerConfig:
     search's work after each training step while it runs, in training steps of work (a step and
     its work then take about ``1 + search_slice`` steps' FLOPs), counted in model passes, not
     timed, so the same work follows the same steps however loaded the machine is (a unit of work
-    heavier than that runs alone, in every third step at most; see `search.training`), or None:
+    heavier than that runs alone, in every third step at most; see `search.in_run`), or None:
     all of it in the window's last step (one long step; with
     ``measure_costs=False`` the plan is then in force from the next step); ``lr``: the learning
     rate the sensitivity's gradient term assumes. ``loss_scaling``, ``max_grad_norm`` (clip the unscaled

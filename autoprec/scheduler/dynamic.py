@@ -12,7 +12,7 @@ Binding (`binding`): the model is the outermost module with a matrix parameter c
 the first `precision_context`, however it is called; without ``model=`` that first forward runs
 at FP32, unprofiled. The phases (`lifecycle.WindowClock`): **profiling** the first window at a
 safe precision (FP32, or BF16 when ``max_precision`` is 16); **searching** over the next training
-steps (`scheduler.search_steps.SearchSteps` driving `search.training.TrainingSearch`); **planned**, where
+steps (`scheduler.search_steps.SearchSteps` driving `search.in_run.TrainingSearch`); **planned**, where
 each window's profile (`window_measures`) and the scaler's per-layer non-finite counts promote or
 demote layers (`plan_keeper.PlanKeeper`: the plan in force, its runtime, `changes`, the
 `LossScaler`, on only while some layer has FP16 gradients), and every ``sample_every``-th
@@ -28,7 +28,7 @@ run the compiled code.
 
 Costs per step: the runtime's, the scaler's fused non-finite check (one host sync per optimizer,
 none for fused optimizers), and in the sampled steps of a window's monitored tail the watch's
-(`profiling.watch`); a search's are in `search.training`.
+(`profiling.watch`); a search's are in `search.in_run`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from ..errors import InfeasibleBudgetError, RuntimeStateError, SettingsError
 from ..plan import Plan
 from ..runtime.fsdp_fp8 import Fp8AllGather
 from ..scaling import LossScaler
-from ..search.training import TrainingSearch
+from ..search.in_run import TrainingSearch
 from . import lifecycle
 from .binding import Binding, bindable_layers, check_layers, check_recompute, check_materialised, unbound_exit
 from .config import SchedulerConfig, config_of
@@ -153,7 +153,7 @@ class DynamicPrecisionScheduler:
     @property
     def phase(self) -> str:
         """One of `PHASES`, in order: "unbound" (before the first forward), "profiling" (the first
-        window), "searching" (the steps after it, while the search runs: `search.training`),
+        window), "searching" (the steps after it, while the search runs: `search.in_run`),
         "planned", or "safe" (the search failed, see `last_search_error`: training stays at the
         safe precision). Loggers number it by its index in `PHASES` (`integrations.scheduler_metrics`)."""
         if self._binding.example is None:

@@ -4,7 +4,7 @@ A dynamic scheduler's steps fall in windows of ``monitor_window`` steps, and it 
 
 - **profiling**: the first window (or a retry's), at the safe precision, profiled throughout; the
   last `CAPTURED_STEPS` steps are captured for the sensitivity estimate; its end starts a search.
-- **searching**: the steps after it, while the search runs (`search.training`); it ends
+- **searching**: the steps after it, while the search runs (`search.in_run`); it ends
   **planned** (its plan in force, a new window) or **safe**.
 - **planned**: the last ``profiled`` steps of each window are profiled; each window's end reviews
   the plan (promotions, demotions) and starts the next window.

@@ -11,7 +11,7 @@ and report when it is `done`, and the scheduler then `take`s it.
 
 Costs: a ``time.perf_counter`` per step; a probe step's autograd hooks per layer and a trial
 step's saved-tensor meter; under ``torch.distributed`` one broadcast per step until rank 0's
-candidates reach every rank (`RankAgreement.share`). The search's own are in `search.training`.
+candidates reach every rank (`RankAgreement.share`). The search's own are in `search.in_run`.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ import torch.nn as nn
 from ..costs.inplace import StepTimer
 from ..errors import RuntimeStateError, SearchError
 from ..formats import Format
-from ..measure import SavedTensorMeter
+from ..saved_bytes import SavedTensorMeter
 from ..plan import Plan
 from ..runtime import EmulationWarning
 from ..search.tensor_parallel import sharded_rules
-from ..search.training import TrainingSearch
+from ..search.in_run import TrainingSearch
 from ..search.units import PASSES_PER_STEP
 from ..sensitivity import adam_second_moment
 from ..sensitivity.capture import LinearisedLoss

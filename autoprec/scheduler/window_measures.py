@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ..measure import SavedTensorMeter
+from ..saved_bytes import SavedTensorMeter
 from ..plan import Plan, Scaling
 from ..sensitivity.capture import GradientCapture
 from .binding import require_bound

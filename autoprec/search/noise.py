@@ -1,7 +1,7 @@
 """Deciding between measured step times that know their own noise.
 
 A measured step time is only as good as the machine was quiet. Each comparison here is *paired*:
-variants run interleaved in rounds (`timing.rotated`: each round runs every variant once, the
+variants run interleaved in rounds (`device_clock.rotated`: each round runs every variant once, the
 first rotated), and a variant is compared with another through its per-round ratios, so what
 the machine did to a whole round cancels. The noise is read off two things:
 

@@ -34,7 +34,7 @@ from ..errors import InfeasibleBudgetError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
 from .exact import k_best
-from .measured import REFINED_ASSIGNMENT, REFINED_ATTR, Candidate, formats_id
+from .candidate_runs import REFINED_ASSIGNMENT, REFINED_ATTR, Candidate, formats_id
 from .space import Choice, SearchSpace
 
 __all__ = ["Correction", "Next", "CorrectingSampler", "fit_factors"]

@@ -3,7 +3,7 @@
 There is no sampler-driven proxy study: the integer program (`exact.k_best`) solves the additive
 table exactly, which TPE did not (+72 % predicted step time off the optimum after 1,000 trials
 on 120 layers). Optuna runs what it is good at here, the study of measured plans
-(`search.measured`): its storage, resume, heartbeats and pruning.
+(`search.candidate_runs`): its storage, resume, heartbeats and pruning.
 
 Storage is any Optuna storage URL, or a path: an Optuna journal file when it ends in ``.journal``
 or ``.log`` (or is written ``journal:///path``), else a local SQLite file. Trials a crashed

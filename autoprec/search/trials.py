@@ -1,5 +1,5 @@
 """A candidate plan on the training steps (`Trial`): how many steps it runs and which count,
-and what its overflowing steps do (`promote_or_drop`). `search.training.TrainingSearch` keeps
+and what its overflowing steps do (`promote_or_drop`). `search.in_run.TrainingSearch` keeps
 its candidates as trials; nothing here runs a step."""
 
 from __future__ import annotations

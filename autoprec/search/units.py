@@ -1,6 +1,6 @@
 """What the scheduler's off-path search work weighs, counted in model passes (never timed):
 `unit_weight` per unit of work, `weighted` for a generator of such units, and `PASSES_PER_STEP`,
-a training step's worth. `search.training.TrainingSearch.work` spends these counts in slices, so
+a training step's worth. `search.in_run.TrainingSearch.work` spends these counts in slices, so
 the same units follow the same training steps however loaded the machine is."""
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from ...plan import LayerPrecision, Plan
 from ...runtime import apply_plan
 from ...workloads import ByteLM, CausalSelfAttention, LMConfig
 from .rows import Row, guarded
-from .timing import start_clock
+from .warm_timing import start_clock
 
 __all__ = ["E2EConfig", "BenchLM", "linear_shapes", "choose_formats", "fp8_plan", "searched_plan", "train_plan"]
 

@@ -39,7 +39,7 @@ from ...runtime import apply_plan
 from ...runtime.layers import kernel_reason
 from ..step_profile import profile_steps
 from .rows import Row, error_text, guarded
-from .timing import median_ms, rotation_count, tflops, warm_up
+from .warm_timing import median_ms, rotation_count, tflops, warm_up
 
 __all__ = ["BASELINE", "EAGER_BASELINE", "UNFUSED", "VARIANTS", "TORCHAO_RECIPES", "LayerVariant", "torchao_status", "measure_layers"]
 

@@ -34,7 +34,7 @@ from .layers import NEVER_AUTOCAST, RuntimeLayer, to_fp32, to_half
 from .model_index import ModelIndex
 from .products import LayerMode, PerThread, Products, ThreadState
 from .recompute import BlockHost, Recording, block_wrapper, users_record
-from .wrapping import displaced, mark, previous_of
+from .installed import displaced, mark, previous_of
 
 __all__ = ["LayerWrappers"]
 

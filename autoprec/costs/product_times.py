@@ -44,7 +44,7 @@ from ..errors import CostModelError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
 from ..runtime import EmulationWarning, apply_plan
-from ..timing import interleaved, timed
+from ..device_clock import interleaved, timed
 from .memory import call_path
 from .trace import MatmulCall
 
@@ -164,7 +164,7 @@ PEAKS: dict[str, DevicePeaks] = {
 
 
 def _median_time(fn: Callable[[], object], device: torch.device, repeats: int = 5, warmup: int = 2) -> float:
-    """Median wall seconds of ``fn`` over ``repeats`` calls after ``warmup`` (`timing.timed`)."""
+    """Median wall seconds of ``fn`` over ``repeats`` calls after ``warmup`` (`device_clock.timed`)."""
     times = [timed(fn, device)[1] for _ in range(warmup + repeats)]
     return statistics.median(times[warmup:])
 
@@ -430,7 +430,7 @@ class _ReplayStep:
 
 
 def _time_replays(steps: Sequence[Callable[[], float]], warmup: int, repeats: int) -> list[list[float]]:
-    """Run every step ``warmup + repeats`` rounds, interleaved (`timing.interleaved`: one of each
+    """Run every step ``warmup + repeats`` rounds, interleaved (`device_clock.interleaved`: one of each
     per round, the first rotated, as autoprec.bench does); the seconds of the timed rounds.
     Collects garbage once before, so no collection lands in a timed round of one format only."""
     gc.collect()

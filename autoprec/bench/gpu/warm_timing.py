@@ -1,6 +1,6 @@
 """Timing a training step of a layer or a model: device time, warm-up, median over repeats.
 
-The clock itself is `autoprec.timing` (`median_ms`, `start_clock` are its, re-exported here); this
+The clock itself is `autoprec.device_clock` (`median_ms`, `start_clock` are its, re-exported here); this
 module adds what only the GPU suite needs: warm-up, input rotation against the L2 cache, TFLOP/s.
 """
 
@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ...timing import median_ms, start_clock, timed
+from ...device_clock import median_ms, start_clock, timed
 
 __all__ = ["warm_up", "median_ms", "rotation_count", "tflops", "start_clock"]
 

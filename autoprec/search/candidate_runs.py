@@ -44,10 +44,10 @@ from torch.utils.checkpoint import checkpoint
 
 from ..calls import loss_of
 from ..formats import Format
-from ..measure import SavedTensorMeter
+from ..saved_bytes import SavedTensorMeter
 from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan, removing
-from ..timing import rotated, timed
+from ..device_clock import rotated, timed
 from ..workload import TrainStep
 from .noise import Verdict, median_interval, separate
 from .study import mark_worker, recover_interrupted_trials
@@ -295,7 +295,7 @@ class MeasuredStage:
         ratios = []
         for i in range(self.warmup + self.steps):
             batch = self.train_batches[i % len(self.train_batches)]
-            # One of each per round, the first alternating (`timing.rotated`), each synced wall time.
+            # One of each per round, the first alternating (`device_clock.rotated`), each synced wall time.
             t = {id(v): timed(functools.partial(v.step, batch), self.device)[1] for v in rotated((self._fp32, variant), i)}
             if i >= self.warmup:
                 self._fp32_times.append(t[id(self._fp32)])
