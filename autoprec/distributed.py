@@ -444,6 +444,6 @@ def grad_comm_methods(config, plan: "Optional[Plan]") -> "tuple[CommMethod, dict
     takes the plan's own choice (`Plan.comm`, made by `comm.choice` from the link's measured
     cost under the accuracy budget), FP32 for the layers it does not name and while no plan is
     in force."""
-    if config.grad_comm != "auto":
-        return CommMethod.parse(config.grad_comm), {}
+    if isinstance(config.grad_comm, CommMethod):
+        return config.grad_comm, {}
     return CommMethod.FP32, dict(plan.comm) if plan is not None else {}

@@ -42,6 +42,19 @@ def test_settings_of_the_right_type_are_kept():
     assert DynamicPrecisionScheduler(nn.Linear(4, 4)).model is not None
 
 
+def test_choices_given_by_name_are_held_as_enums():
+    """``grad_comm`` and ``scaling`` taken by name (as a config file spells them), held typed:
+    the code downstream compares enums, never strings."""
+    from autoprec.formats import CommMethod, Format, Granularity
+    from autoprec.scheduler.config import AUTO_COMM
+
+    config = SchedulerConfig(grad_comm="bf16", scaling={"fp8_e4m3": "block", Format.INT8: "row"})
+    assert config.grad_comm is CommMethod.BF16
+    assert dict(config.scaling) == {Format.FP8_E4M3: Scaling(granularity=Granularity.BLOCK), Format.INT8: Scaling(granularity=Granularity.ROW)}
+    assert SchedulerConfig(grad_comm=CommMethod.TOPK).grad_comm is CommMethod.TOPK
+    assert SchedulerConfig(grad_comm="auto").grad_comm == AUTO_COMM
+
+
 # --- issue 59: one rule for counts and numbers everywhere (`autoprec._checks`) -------------------
 
 import numpy as np  # noqa: E402

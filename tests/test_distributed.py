@@ -115,7 +115,7 @@ def test_grad_comm_auto_takes_the_plans_own_choice_and_a_named_method_every_laye
 
 
 def test_an_unknown_grad_comm_is_refused_naming_the_setting():
-    with pytest.raises(ap.SettingsError, match=r"grad_comm='int4'.*'fp32', 'bf16', 'fp16', 'powersgd', 'int8', 'topk', 'auto'"):
+    with pytest.raises(ap.SettingsError, match=r"grad_comm='int4'.*'fp32', 'bf16', 'fp16', 'int8', 'powersgd', 'topk', 'auto'"):
         ap.SchedulerConfig(grad_comm="int4")
 
 

@@ -8,19 +8,23 @@ as `LossScaler`'s). Derive variants with ``dataclasses.replace``; invalid values
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional
+from typing import Any, Literal, Mapping, Optional
 
 from .._checks import check_fields, integer, number, optional
 from ..blocks import check_block_patterns
 from ..comm import CommSettings
 from ..errors import SearchError, SettingsError
-from ..formats import Format
+from ..formats import CommMethod, Format
+from ..plan import Scaling
 from ..scaling import LossScaling
 from ..search.space import DEFAULT_CANDIDATES, Budgets, LayerRules, Planning, formats_for_precision, memory_budget, MEMORY_SPELLINGS
 
-__all__ = ["SchedulerConfig", "Thresholds", "GRAD_COMM", "config_of"]
+__all__ = ["SchedulerConfig", "Thresholds", "GRAD_COMM", "AUTO_COMM", "config_of"]
 
-GRAD_COMM = ("fp32", "bf16", "fp16", "powersgd", "int8", "topk", "auto")  # how DDP communicates gradients (`grad_comm`, `autoprec.comm`)
+# ``grad_comm="auto"``: the plan chooses each layer's `CommMethod` (`Plan.comm`).
+AUTO_COMM = "auto"
+# How DDP may communicate gradients (`grad_comm`, `autoprec.comm`), by name.
+GRAD_COMM = tuple(m.value for m in CommMethod) + (AUTO_COMM,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +115,8 @@ class SchedulerConfig:
     rules: LayerRules = LayerRules()
     # format -> how its tensors are scaled in the search and the plan (`Planning.scaling`), e.g.
     # {"fp8_e4m3": "block"} for DeepSeek-V3's fine-grained FP8; empty: current per-tensor.
-    scaling: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # Given by name or enum; held as Format -> Scaling.
+    scaling: "Mapping[Format | str, Scaling | str]" = dataclasses.field(default_factory=dict)
     search_timeout_s: float = 60.0
     search_slice: Optional[float] = 1.0
     lr: float = 1e-3
@@ -124,7 +129,7 @@ class SchedulerConfig:
     dynamic: bool = True
     seed: int = 0
     process_group: Any = None
-    grad_comm: str = "fp32"
+    grad_comm: "CommMethod | Literal['auto']" = CommMethod.FP32  # given by name too; held as a CommMethod or AUTO_COMM
     comm: CommSettings = CommSettings()
     recompute: Optional[tuple[str, ...]] = None
     sample_every: int = 8
@@ -150,6 +155,7 @@ class SchedulerConfig:
             raise SettingsError(f"DynamicPrecisionScheduler(memory_budget={self.memory_budget!r}): expected {MEMORY_SPELLINGS} ({exc})") from None
         if self.grad_comm not in GRAD_COMM:
             raise SettingsError(f"DynamicPrecisionScheduler(grad_comm={self.grad_comm!r}): expected one of {', '.join(map(repr, GRAD_COMM))}")
+        object.__setattr__(self, "grad_comm", AUTO_COMM if self.grad_comm == AUTO_COMM else CommMethod.parse(self.grad_comm))
         object.__setattr__(self, "formats", tuple(Format.parse(f) for f in self.formats))
         if self.window_format is not None:
             try:
@@ -191,7 +197,7 @@ class SchedulerConfig:
         if isinstance(self.formats, (str, Format)) or not isinstance(self.formats, (tuple, list)):
             refuse("formats", "a list of format names, e.g. ['bf16', 'fp8_e4m3']")
         try:
-            Planning((), scaling=self.scaling)
+            object.__setattr__(self, "scaling", Planning((), scaling=self.scaling).scaling)
         except SearchError as exc:
             raise SettingsError(str(exc).replace("Planning(", "DynamicPrecisionScheduler(", 1)) from None
         if self.recompute is not None:

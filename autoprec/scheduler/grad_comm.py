@@ -24,6 +24,7 @@ from ..comm.choice import CHOSEN, COLLECTIVES, LayerComm, LinkCost, choose, comm
 from ..formats import CommMethod
 from ..plan import Plan
 from ..sensitivity import adam_second_moment
+from .config import AUTO_COMM
 
 if TYPE_CHECKING:
     from ..distributed import RankAgreement
@@ -38,11 +39,11 @@ def warn_without_effect(config: "SchedulerConfig", agreement: "Optional[RankAgre
     """Say once, at bind, that ``grad_comm`` has no effect in this run: DDP's communication hook
     is what applies it, and there is none on one process, without a process group, or where the
     model is not wrapped in ``DistributedDataParallel`` (or DDP keeps the user's own hook)."""
-    if config.grad_comm == "fp32" or (agreement is not None and agreement.comm_hook is not None):
+    if config.grad_comm is CommMethod.FP32 or (agreement is not None and agreement.comm_hook is not None):
         return
     why = ("no process group of several ranks is initialised" if agreement is None
            else "the model is not wrapped in DistributedDataParallel, or DDP keeps a communication hook of its own")
-    warnings.warn(f"DynamicPrecisionScheduler(grad_comm={config.grad_comm!r}) has no effect in this run: {why}, so no gradient "
+    warnings.warn(f"DynamicPrecisionScheduler(grad_comm='{config.grad_comm}') has no effect in this run: {why}, so no gradient "
                   "travels between ranks through autoprec; leave grad_comm out here", UserWarning, stacklevel=2)
 
 
@@ -58,7 +59,7 @@ class CommChoice:
     def join(cls, config: "SchedulerConfig", agreement: "Optional[RankAgreement]", device: torch.device) -> "Optional[CommChoice]":
         """The choice for a run whose settings ask for it (``grad_comm="auto"`` with DDP's hook
         on several ranks), with the link measured now (every rank at once); else None."""
-        if config.grad_comm != "auto" or agreement is None or agreement.comm_hook is None:
+        if config.grad_comm != AUTO_COMM or agreement is None or agreement.comm_hook is None:
             return None
         link = LinkCost.measure(agreement.group, device, config.comm)
         logger.info("autoprec: the link sends %.1f MB/s (%.2f ms a collective); gradient communication is chosen per layer once a plan is in force",
