@@ -23,8 +23,8 @@ accuracy budget measured against the window's precision); or **safe** after a fa
 schema); under ``torch.distributed`` the ranks agree through `distributed`.
 
 A ``torch.compile``-d model is called as usual: the scheduler plans the module it compiles, and the
-steps whose forward it hooks run eagerly through the wrapper (`_runs_eager`); other planned steps
-run the compiled code.
+steps whose forward it hooks run eagerly through the wrapper (`stance.CompiledStance`); other
+planned steps run the compiled code.
 
 Costs per step: the runtime's, the scaler's fused non-finite check (one host sync per optimizer,
 none for fused optimizers), and in the sampled steps of a window's monitored tail the watch's
@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -46,6 +46,7 @@ from ..changes import PrecisionChange
 from ..coverage import LayerInfo, layer_name, static_layers
 from ..distributed import RankAgreement, grad_comm_methods
 from ..errors import InfeasibleBudgetError, RuntimeStateError, SettingsError
+from ..monitoring import TrainingWriter
 from ..plan import Plan
 from ..runtime.fsdp_fp8 import Fp8AllGather
 from ..scaling import LossScaler
@@ -53,18 +54,17 @@ from ..search.in_run import TrainingSearch
 from . import lifecycle
 from .binding import Binding, bindable_layers, check_layers, check_recompute, check_materialised, unbound_exit
 from .config import SchedulerConfig, config_of
+from .fp8_gathers import GatherSwitch
 from .grad_comm import CommChoice, warn_without_effect
 from .lifecycle import WindowClock
 from .plan_checks import CheckFigures, PlanChecks
-from .plan_keeper import PlanKeeper
+from .plan_keeper import PlanKeeper, StepOutcome
 from .policy import accuracy_promotions, saturation_actions
 from .search_steps import SearchSteps
+from .stance import CompiledStance
 from .state import LATER_STATE, STATE_VERSION, check_state, check_state_fits
 from .step_checks import StepChecks
 from .window_measures import WindowMeasures
-
-if TYPE_CHECKING:
-    from ..monitoring import TrainingWriter
 
 __all__ = ["DynamicPrecisionScheduler"]
 
@@ -105,8 +105,7 @@ class DynamicPrecisionScheduler:
             check_recompute(self._binding.model, tuple(static_layers(self._binding.model)), config)
         self._dist: Optional[RankAgreement] = None  # set on bind inside a process group
         self._comm: Optional[CommChoice] = None  # set on bind when the plan chooses the gradient communication
-        self._fp8_gather: Optional[Fp8AllGather] = None  # set on bind when the model holds an FSDP2 unit
-        self._fp8_gather_due: Optional[Plan] = None  # a plan whose FSDP2 FP8 gathers start after this step's backward
+        self._gathers: Optional[GatherSwitch] = None  # set on bind when the model holds an FSDP2 unit
         self.layers: tuple[str, ...] = ()
         self._fingerprint: Mapping[str, LayerInfo] = {}  # the bound model's layers, saved in state_dict
         self.step_count = 0
@@ -124,7 +123,8 @@ class DynamicPrecisionScheduler:
         self._optimizers: tuple = ()  # the last step()'s
         self._context_stack: Optional[contextlib.ExitStack] = None
         self._backward_due = False  # a forward with autograd ran since the last backward
-        self._writer: "Optional[TrainingWriter]" = None
+        self._writer: Optional[TrainingWriter] = None  # opened on bind with log_dir, on one rank
+        self._stance = CompiledStance(self._binding, self._plans, self._searches, self._measures, self._plan_checks)
 
     @classmethod
     def from_plan(cls, model: nn.Module, plan: "Plan | str", *, dynamic: bool = False, **kwargs: Any) -> "DynamicPrecisionScheduler":
@@ -209,7 +209,7 @@ class DynamicPrecisionScheduler:
     @property
     def fp8_all_gather(self) -> Optional[Fp8AllGather]:
         """Which weights FSDP2 all-gathers in FP8, and the bytes sent (None without FSDP2 or before bind)."""
-        return self._fp8_gather
+        return None if self._gathers is None else self._gathers.gathers
 
     def __repr__(self) -> str:
         counts = self.plan.format_counts() if self.plan is not None else {}
@@ -239,8 +239,7 @@ class DynamicPrecisionScheduler:
         stack = contextlib.ExitStack()
         self._context_stack = stack
         try:
-            if self._runs_eager():
-                stack.enter_context(torch.compiler.set_stance("force_eager"))
+            self._stance.enter(stack, self.phase, self.plan, self._checks_due())
             if self._binding.example is not None:
                 self._enter_step(stack)
             stack.enter_context(self._binding.watch(bind=self._bind, resume=self.load_state_dict, enter=lambda: self._enter_step(stack),
@@ -322,42 +321,45 @@ class DynamicPrecisionScheduler:
             RuntimeStateError: no optimizer given, called inside `reusing_weights`, before any
                 forward, or after a forward whose backward has not run.
         """
-        if not optimizers:
-            raise RuntimeStateError("step() needs the optimizer(s): scheduler.step(optimizer)")
-        if self._plans.reusing:
-            raise RuntimeStateError("step() inside reusing_weights(): the optimizer writes the weights; end that block before scheduler.step(optimizer)")
-        if self._binding.example is None:
-            raise RuntimeStateError("step() before any forward ran inside precision_context()")
-        if self._backward_due:
-            raise RuntimeStateError("step() after a forward but before its backward: call scheduler.backward(loss) (or scheduler.scale(loss).backward()) before scheduler.step(optimizer)")
-        for i, optimizer in enumerate(optimizers):
-            self._checks.check_optimizer(i, optimizer, self._binding.bound)
+        self._checks.refuse_step(optimizers, self._binding.model, forward_ran=self._binding.example is not None,
+                                 reusing=self._plans.reusing, backward_due=self._backward_due)
         self._optimizers = optimizers  # a search starting this step reads their Adam state
-        if self._fp8_gather_due is not None and self._fp8_gather is not None:
-            self._fp8_gather.apply(self._fp8_gather_due)
-            self._fp8_gather_due = None
-        self._measures.step()
+        if self._gathers is not None:
+            self._gathers.before_step()  # FSDP2: a plan installed mid-step gathers in FP8 from now
+        self._measures.step()  # the profiler's, the watch's and the meter's share of the step
         if self._check_due:  # the reference forward, on the weights the planned forward ran with
             self._plan_checks.measure(self._plans.safe_format, self.scaler.scale_tensor if self.scaler.enabled else None)
         outcome = self._plans.step(optimizers, loss=self._last_loss, agreement=self._dist, max_grad_norm=self.config.max_grad_norm, step=self.step_count)
-        skipped = outcome.skipped
         self.step_count += 1
+        self._report(outcome)
+        self._replan(outcome)
+        self._choose_comm(outcome.skipped)
+        return not outcome.skipped
+
+    def _report(self, outcome: StepOutcome) -> None:
+        """Warn of steps skipped in a row; the step's loss, scale and skip to TensorBoard."""
         shown = [layer_name(f, self._binding.bound) for f in outcome.nonfinite]  # a one-layer model's root by its class
-        self._checks.count_skips(skipped, shown, self.step_count, self.plan, self.scaler, self.config.loss_scaling.min_scale)
+        self._checks.count_skips(outcome.skipped, shown, self.step_count, self.plan, self.scaler, self.config.loss_scaling.min_scale)
         if self._writer is not None:
-            self._writer.log_step(self.step_count, loss=self._last_loss, loss_scale=self.scaler.scale_tensor, skipped=skipped)
+            self._writer.log_step(self.step_count, loss=self._last_loss, loss_scale=self.scaler.scale_tensor, skipped=outcome.skipped)
+
+    def _replan(self, outcome: StepOutcome) -> None:
+        """Act on what the step found: promote layers with non-finite gradients, act on a check
+        step's figures, end the search when its work is done, and advance the window clock."""
         if self.config.dynamic and self.plan is not None:
             self._plans.on_nonfinite(outcome.nonfinite, outcome.first_bad_output, self.step_count)
         if self._check_due:
             self._check_due = False
             self._act_on_checks()
-        if self._searches.end_step(skipped, safe=self.plan is None, agreement=self._dist, first_bad_output=outcome.first_bad_output,
+        if self._searches.end_step(outcome.skipped, safe=self.plan is None, agreement=self._dist, first_bad_output=outcome.first_bad_output,
                                    nonfinite=outcome.nonfinite):
             self._finish_search()
         self._advance()
+
+    def _choose_comm(self, skipped: bool) -> None:
+        """``grad_comm="auto"``: choose each layer's gradient communication when due (`CommChoice`)."""
         if self._comm is not None and not skipped and self.plan is not None and self._comm.due(self.plan, self.step_count):
-            self._plans.set_comm(self._comm.choose(self.plan, self._binding.bound, optimizers, self._last_loss), self.step_count)
-        return not skipped
+            self._plans.set_comm(self._comm.choose(self.plan, self._binding.bound, self._optimizers, self._last_loss), self.step_count)
 
     # -- binding --------------------------------------------------------------------------------
 
@@ -372,30 +374,22 @@ class DynamicPrecisionScheduler:
         if dist is not None:
             dist.check_bind(self.config, self._fixed_plan)
             dist.set_grad_comm(*grad_comm_methods(self.config, None))
-        self._fp8_gather = Fp8AllGather.join(model)
+        self._gathers = GatherSwitch.join(model)
         warn_without_effect(self.config, dist)
         self._comm = CommChoice.join(self.config, dist, next(model.parameters()).device)
-        if self.config.log_dir is not None and self._writer is None and (dist is None or dist.rank == 0):
-            from ..monitoring import TrainingWriter
-
-            self._writer = TrainingWriter(self.config.log_dir, flush_every=min(100, self.config.monitor_window))
+        if self._writer is None and (dist is None or dist.rank == 0):  # one rank writes
+            self._writer = None if self.config.log_dir is None else TrainingWriter(self.config.log_dir, flush_every=min(100, self.config.monitor_window))
         self._measures.bind(model, example, self.layers)
         self._plan_checks.bind(model)
-        self._plans.bind(model, self.layers, writer=self._writer, on_plan=None if dist is None and self._fp8_gather is None else self._on_plan)
+        self._plans.bind(model, self.layers, writer=self._writer, on_plan=None if dist is None and self._gathers is None else self._on_plan)
 
     def _on_plan(self, plan: Plan) -> None:
         """Each plan put in force, under torch.distributed: how DDP sends the gradients, which
         weights FSDP2 all-gathers in FP8."""
         if self._dist is not None:
             self._dist.set_grad_comm(*grad_comm_methods(self.config, plan))
-        if self._fp8_gather is None:
-            return
-        if self._context_stack is not None or self._backward_due:
-            # A forward ran (or runs) whose backward has not: FSDP2 re-gathers weights there
-            # into the buffers autograd saved, so the gather format changes after that backward.
-            self._fp8_gather_due = plan
-        else:
-            self._fp8_gather.apply(plan)
+        if self._gathers is not None:
+            self._gathers.on_plan(plan, mid_step=self._context_stack is not None or self._backward_due)
 
     def _bind(self, model: nn.Module, example: ModelCall, at_end: bool) -> None:
         """Bind afresh to ``model`` by its call ``example`` (``at_end``: that call ran unplanned)."""
@@ -413,19 +407,6 @@ class DynamicPrecisionScheduler:
         if at_end:
             logger.info("autoprec: bound to %s at the end of its first call (a model's keyword inputs are seen only then): "
                         "that forward ran at FP32 and unprofiled; the scheduler's precision applies from the next forward on", type(model).__name__)
-
-    def _runs_eager(self) -> bool:
-        """Whether this step's forward hooks the model (binding, profiling, the search's probe
-        steps and a candidate's metered and calibrating ones, a sampled or metered step of the
-        watch, the scaler's output checks): a ``torch.compile``-d model then runs eagerly
-        (`torch.compiler.set_stance`), since compiled code calls no hook added after it was
-        compiled. Other steps (planned ones, a candidate's timed ones) run compiled."""
-        if self._binding.example is None or self.scaler.watching_outputs:
-            return True
-        if self.phase == "searching":
-            return self._searches.runs_eager()  # a compiled model's candidates are timed compiled
-        return (self.phase != "planned" or self._measures.hooks_model(capture=False, sample=False)
-                or (self._checks_due() and self.plan is not None and self._plan_checks.eager(self.plan)))  # the check's hooks and INT8 amaxes
 
     def _enter_step(self, stack: contextlib.ExitStack) -> None:
         self._binding.check_first_output(stack)  # once: the first forward under the scheduler holds a prediction
@@ -636,8 +617,8 @@ class DynamicPrecisionScheduler:
         self._searches.close()
         self._plans.close()
         self._measures.close()
-        if self._fp8_gather is not None:
-            self._fp8_gather.apply(None)  # FSDP2 gathers every weight as it did before
+        if self._gathers is not None:
+            self._gathers.close()
         if self._writer is not None:
             self._writer.close()
             self._writer = None

@@ -1,7 +1,8 @@
 """What a scheduler's ``step()`` refuses and warns about: `StepChecks`.
 
 It owns the optimizers already checked against the bound model and the count of optimizer steps
-skipped in a row. `check_optimizer` refuses, with one `RuntimeStateError` line, an optimizer
+skipped in a row. `refuse_step` refuses a call out of order (before a forward, before its
+backward, inside ``reusing_weights``); `check_optimizer` refuses, with one `RuntimeStateError` line, an optimizer
 holding none of the model's parameters or none with a gradient; `count_skips` warns when steps
 are skipped many times in a row (training is not progressing), saying how loss scaling stands.
 
@@ -38,6 +39,22 @@ class StepChecks:
     def __init__(self) -> None:
         self._optimizers_seen: set[int] = set()  # ids of optimizers whose parameters were checked
         self._skips_in_row = 0
+
+    def refuse_step(self, optimizers: Sequence[Any], model: Optional[nn.Module], *, forward_ran: bool, reusing: bool, backward_due: bool) -> None:
+        """`RuntimeStateError` for a ``step()`` call that cannot be taken: no optimizer, inside
+        `reusing_weights` (``reusing``), before any forward (not ``forward_ran``), after a forward
+        whose backward has not run (``backward_due``); or an optimizer of ``model`` (the bound
+        model) refused by `check_optimizer`."""
+        if not optimizers:
+            raise RuntimeStateError("step() needs the optimizer(s): scheduler.step(optimizer)")
+        if reusing:
+            raise RuntimeStateError("step() inside reusing_weights(): the optimizer writes the weights; end that block before scheduler.step(optimizer)")
+        if not forward_ran or model is None:
+            raise RuntimeStateError("step() before any forward ran inside precision_context()")
+        if backward_due:
+            raise RuntimeStateError("step() after a forward but before its backward: call scheduler.backward(loss) (or scheduler.scale(loss).backward()) before scheduler.step(optimizer)")
+        for i, optimizer in enumerate(optimizers):
+            self.check_optimizer(i, optimizer, model)
 
     def check_optimizer(self, i: int, optimizer: Any, model: nn.Module) -> None:
         """`RuntimeStateError` for an optimizer (the ``i``-th given) holding none of ``model``'s
