@@ -1,6 +1,6 @@
-"""The conformance matrix's figures: each model of the matrix (tests/hf_models.py: Hugging Face
+"""The conformance matrix's figures: each model of the matrix (tests/support/hf_models.py: Hugging Face
 GPT-2, Llama, BERT, ViT, T5, ResNet, tiny) trained through the README loop under the scheduler at
-memory budgets 0.5 and 0.75 (tests/conformance.py's run), against the same model trained in plain
+memory budgets 0.5 and 0.75 (tests/support/conformance.py's run), against the same model trained in plain
 FP32 and under plain BF16 autocast from the same weights on the same batches.
 
 Per model and budget: the plan (formats, recomputed blocks), the training loss at the end (mean
@@ -37,8 +37,8 @@ sys.path.insert(0, str(HERE.parent / "tests"))  # the matrix's models and runs
 
 import autoprec as ap  # noqa: E402
 from autoprec.device_clock import rotated, timed  # noqa: E402
-import conformance  # noqa: E402
-import hf_models  # noqa: E402
+from support import conformance  # noqa: E402
+from support import hf_models  # noqa: E402
 from autoprec._io import atomic_write_text  # noqa: E402
 from autoprec.runtime import EmulationWarning  # noqa: E402
 

@@ -64,7 +64,7 @@ ran() { local rc=$1; shift; echo "$* rc $rc"; [ "$rc" -eq 0 ] || failed+=("$*=$r
 case $phase in
 check)
     # --check: a failing correctness row fails the command (the smoke sizes judge no speed target).
-    timeout 300 "$py" -m pytest -q -rs -p no:cacheprovider tests/test_runtime_gpu.py tests/test_step_profile.py tests/test_profiling.py::test_steps_do_not_sync_on_cuda \
+    timeout 300 "$py" -m pytest -q -rs -p no:cacheprovider tests/runtime/test_runtime_gpu.py tests/bench/test_step_profile.py tests/profiling/test_profiling.py::test_steps_do_not_sync_on_cuda \
         2>&1 | tee "$out/gpu_tests.log" | tail -40
     ran "${PIPESTATUS[0]}" tests
     timeout 200 "$py" -m autoprec bench --suite gpu --smoke --check --device "$device" --json "$out/gpu_smoke.json" >"$out/gpu_smoke.log" 2>&1
@@ -136,8 +136,8 @@ all)
         search_pid=$!
         xdist=()
         "$py" -c "import xdist" 2>/dev/null && xdist=(-n 2)
-        timeout "$(cap 170)" "$py" -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" tests/test_runtime_gpu.py tests/test_triton_cast.py tests/test_triton_block_cast.py \
-            tests/test_step_profile.py tests/test_profiling.py::test_steps_do_not_sync_on_cuda >>"$log" 2>&1
+        timeout "$(cap 170)" "$py" -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" tests/runtime/test_runtime_gpu.py tests/runtime/test_triton_cast.py tests/runtime/test_triton_block_cast.py \
+            tests/bench/test_step_profile.py tests/profiling/test_profiling.py::test_steps_do_not_sync_on_cuda >>"$log" 2>&1
         ran $? tests; tail -3 "$log"
         wait "$search_pid"
         ran $? search

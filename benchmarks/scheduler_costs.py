@@ -87,7 +87,7 @@ def sync(device: torch.device) -> None:
 def graph_tensors() -> int:
     """Tensors with a ``grad_fn`` that Python's collector still tracks (after a collection); the
     meta and fake tensors ``torch.compile`` leaves after tracing hold no memory and are left out
-    (as in ``tests/graphs.py``)."""
+    (as in ``tests/support/graphs.py``)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     gc.collect()

@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from cuda_rules import CudaRules
+from support.cuda_rules import CudaRules
 
 # The test models are small, so a second intra-op thread buys little, while two OpenMP threads on
 # two cores that another process also uses spin-wait: a 10 s training test was measured at 331 s

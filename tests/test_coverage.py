@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from autoprec.coverage import LayerInfo, find_layers, static_layers, trace_layers
 from autoprec.workloads import ByteLM, LMConfig
-from models import WithProjection
+from support.models import WithProjection
 
 TINY = LMConfig.from_name("tiny")
 

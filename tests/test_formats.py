@@ -26,7 +26,7 @@ from autoprec.formats import (
     quantize,
     sqnr,
 )
-from torch_versions import saturating_cast
+from support.torch_versions import saturating_cast
 
 FLOAT_FORMATS = [Format.FP32, Format.BF16, Format.FP16, Format.FP8_E4M3, Format.FP8_E5M2]
 FP8_FORMATS = [Format.FP8_E4M3, Format.FP8_E5M2]
@@ -195,7 +195,7 @@ def test_format_compares_equal_to_its_string(fmt):
 # 2. the saturating FP8 cast against torch's own casts
 # ---------------------------------------------------------------------------------------------
 # The reference is torch's cast, saturating for E4M3: torch 2.13's CPU cast saturates, 2.11's
-# gives NaN past 448 and is given a clamped input instead (tests/torch_versions.py).
+# gives NaN past 448 and is given a clamped input instead (tests/support/torch_versions.py).
 
 
 @pytest.fixture(scope="module")

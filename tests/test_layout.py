@@ -95,6 +95,25 @@ def test_the_import_check_sees_an_import_up_the_pipeline(tmp_path):
 def test_no_module_is_longer_than_one_concern_needs():
     long = {str(path.relative_to(PACKAGE.parent)): n for path, _, _ in modules() if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}; split them by concern"
+
+
+TESTS = Path(__file__).parent
+
+
+def test_tests_mirror_the_packages_and_reach_shared_helpers_only_through_support():
+    """Each test folder is named for a part of the package (or a cross-cutting suite: bad input,
+    real models), and no test file imports another test file: shared helpers live in `support`."""
+    parts = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+    assert folders - parts <= {"bad_input", "models"}, f"test folders that mirror no package: {sorted(folders - parts - {'bad_input', 'models'})}"
+    offenders = []
+    for path in TESTS.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.relative_to(TESTS)} imports {n}" for n in names if n.split(".")[0].startswith("test_") or n.split(".")[0] == "conftest"]
+    assert not offenders, f"{offenders}: move what they share into tests/support"
+
+
 SETTINGS = dict(monitor_window=6, monitor_steps=6, sample_every=2, memory_budget=0.85, accuracy_budget=0.05,
                 formats=("fp32", "bf16", "int8"), measure_costs=False)
 

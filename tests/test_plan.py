@@ -17,7 +17,7 @@ from autoprec.coverage import LayerInfo
 from autoprec.device import Support
 from autoprec.errors import SettingsError
 from autoprec.plan import SCHEMA_VERSION
-from models import WithProjection
+from support.models import WithProjection
 
 # --- models -----------------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """Is the cost model right where it matters? `check_uniform_ranking`: predicted (`CostModel`) vs
-measured step seconds of the uniform plans on a workload, ranked (tests/test_costs.py holds the
+measured step seconds of the uniform plans on a workload, ranked (tests/costs/test_costs.py holds the
 built-in LM to it)."""
 
 from __future__ import annotations

@@ -150,7 +150,7 @@ class LayerProfiler:
       systematically). Error: a fraction ``p`` estimated from ``n`` sampled values has a standard
       error ``sqrt(p(1-p)/n) ≤ 0.5/sqrt(n)`` for values without structure at the stride's period
       (≤ 0.55 % for one call at ``sample = 8192``; a window pools its steps' samples, ~0.07 % for 62
-      of them). ``tests/test_profiling.py`` checks subsampled fractions against the full tensor
+      of them). ``tests/profiling/test_profiling.py`` checks subsampled fractions against the full tensor
       within 5 standard errors, on a tensor whose channels span 12 octaves.
     - **Non-finite values**: ``nonfinite_steps`` is exact (the full-tensor amax is NaN or inf exactly
       when the tensor holds a non-finite value); ``nonfinite`` counts them in the subsample (exact for

@@ -24,7 +24,7 @@ Costs: nothing unless ``torch.distributed.pipelining`` was imported when the run
 (one dict lookup per entry until then); then one forward pre-hook on the model (registered at
 that entry, removed with the runtime) and, per forward of the model under the runtime, one walk
 up the Python stack (as `recompute`'s look-up for a reentrant checkpoint: tens of frames), never
-per layer. Nothing in the products of a training forward (`tests/test_opcount.py`). Eager
+per layer. Nothing in the products of a training forward (`tests/bench/test_opcount.py`). Eager
 only: under ``torch.compile`` nothing is looked up, and a compiled stage's inference is not
 recognised. A stage whose module is a part of the planned model (not the model the runtime was
 made for) is not recognised either: apply the plan to each stage's module, as a pipeline split

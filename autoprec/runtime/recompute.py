@@ -219,7 +219,7 @@ def compile_refusal(host: BlockHost, block: str) -> "str | None":
     quantizers made) and INT8 calibration (observed once). The compiled recomputation needs none
     of it replayed: it recomputes from the forward's values (delayed scaling's history reads kept,
     `_keep_history_reads`), so with that flag nothing is refused
-    (``tests/test_runtime_recompute.py``: gradients and runtime state bit for bit).
+    (``tests/runtime/test_runtime_recompute.py``: gradients and runtime state bit for bit).
     """
     if torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint:
         return None
@@ -360,7 +360,7 @@ def _users_checkpoint(reentrant: bool) -> Any:
     ``torch.no_grad`` inside ``CheckpointFunction.forward``, found on the Python stack); None
     elsewhere.
 
-    Reads torch internals, the same in 2.11 and 2.13 (`tests/test_user_checkpointing.py` runs
+    Reads torch internals, the same in 2.11 and 2.13 (`tests/runtime/test_user_checkpointing.py` runs
     both kinds on both). Costs one C call; with ``reentrant`` under ``torch.no_grad`` also a walk
     up the Python stack (about 0.15 us a frame in CPython 3.11, tens of frames)."""
     hooks = _top_saved_tensors_hooks(True)

@@ -14,7 +14,7 @@ A dynamic scheduler's steps fall in windows of ``monitor_window`` steps, and it 
 
 Every transition takes a clock and returns a new one (`WindowClock` is frozen); `after_step` also
 returns a `Tick`, what the scheduler must do at that step. Nothing here has side effects, so
-each rule is unit-tested on its own (tests/test_lifecycle.py), as `policy` is.
+each rule is unit-tested on its own (tests/scheduler/test_lifecycle.py), as `policy` is.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ class FisherEstimator(SensitivityEstimator):
     form (``fisher="diagonal"``, ModelOpt's) drops the cross terms within a block, so it misses
     that a quantization error is correlated along a token (the weight's rounding error is shared
     by every token); it under-predicted the measured second-order increase 3-10x and ranked worse
-    on both models (figures in tests/test_sensitivity.py). N comes from the loss: per-term losses
+    on both models (figures in tests/sensitivity/test_sensitivity.py). N comes from the loss: per-term losses
     (``reduction="none"``) give it as their count; a scalar loss takes ``loss_terms`` (an int or
     ``batch -> int``), else N = 1 (magnitudes too small by N).
 

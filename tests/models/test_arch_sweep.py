@@ -1,0 +1,63 @@
+"""A CI-sized sample of the architecture sweep (`arch_sweep`): model types drawn from everything
+transformers and diffusers ship, built from generated tiny configs, trained through the README loop
+at a memory budget of 0.6 and a 5 % accuracy budget. Each must train to a plan within both budgets
+(metered bytes, the plan's measured loss increase) or be refused with the reason.
+
+The sample rotates: ``AUTOPREC_SWEEP_SEED`` picks it (default: the day of the year, so CI runs
+see different types over time); `SAMPLE` types that build, drawn in that seed's order (a type whose
+generated config does not build is passed over, not counted). The failures the whole sweep still
+shows are `KNOWN_FAILURES`, each with what it would take. ``python benchmarks/arch_sweep.py --sample 20 --seed N`` runs the same sample
+outside pytest.
+"""
+
+import functools
+
+import pytest
+
+pytest.importorskip("transformers")
+from support import arch_sweep  # noqa: E402
+
+SAMPLE = 20
+SEED = arch_sweep.rotating_seed()
+# model type -> why it fails today, and what it would take (the sweep's remaining failure classes,
+# docs/architecture_sweep.md). Strict: a drawn one must still fail, so a fix is noticed; the
+# search outcomes that hang on measured step times are not strict.
+KNOWN_FAILURES: dict[str, tuple[str, bool]] = {
+    "deberta": ("its attention fills BF16 scores with finfo(float32).min (q + q_bias is FP32), so plain torch.autocast fails too: "
+                "run each probe plan once off-path and keep a layer whose code fails in a format out of that format", True),
+    "rwkv": ("the backward of a window's last step finds a [4, 32] tensor modified in place (RWKV's time-mix state): "
+             "find which of the scheduler's calls at a window's end writes it", True),
+    "longt5": ("every lowered candidate's gradients go NaN in the first encoder block's local attention with a finite loss, "
+               "in steps run without loss scaling (the scaler is off while searching); retrying (SKIPPED_TRIAL_STEPS) and "
+               "promoting the last layer with NaN gradients (TRIAL_PROMOTIONS) do not reach it: the NaN starts in an op "
+               "outside the layers; find it with the backward's anomaly mode and keep its region out of half formats", False),
+    "inkling_text": ("its candidates' forwards overflow: with the layers the scaler named promoted to FP32 one plans on some "
+                     "runs (the candidates hang on measured times), on others three promotions are not enough: as longt5", False),
+    "wavlm": ("its attention's emulated FP8 product has two outputs, and StoredInFormat.backward takes one gradient: "
+              "give the emulation's backward every output's gradient (the sensitivity estimate refused the layer, then the search)", True),
+    "yoso": ("its custom autograd Function's backward multiplies the FP32 incoming gradient by a saved BF16 value "
+             "(torch.matmul(grad, value.T)), where no autocast runs: give such a Function's backward one dtype, or keep its "
+             "layer out of half formats", True),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def sampled() -> tuple:
+    """The sample, drawn on first use (not at collection, which every test worker runs)."""
+    return tuple(arch_sweep.buildable(SAMPLE, SEED))
+
+
+@pytest.mark.parametrize("index", range(SAMPLE))
+def test_a_generated_model_trains_to_a_plan_within_its_budgets_or_is_refused_with_the_reason(index, request):
+    case = sampled()[index]
+    if case.model_type in KNOWN_FAILURES:
+        why, strict = KNOWN_FAILURES[case.model_type]
+        request.applymarker(pytest.mark.xfail(reason=why, strict=strict))
+    row = arch_sweep.run(case)
+    assert row.outcome in ("planned", "refused"), (case.model_type, SEED, row.outcome, row.reason)
+    if row.outcome == "refused":
+        assert row.reason and "\n" not in row.reason  # one line naming why
+    else:
+        assert row.memory_ratio is not None and row.memory_ratio <= 0.6, (case.model_type, row.memory_ratio)
+        assert row.measured_increase is not None and row.measured_increase <= 0.05, (case.model_type, row.measured_increase)
+        assert row.layers > 0 and row.planned_at is not None
