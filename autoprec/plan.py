@@ -280,8 +280,9 @@ class Plan:
         return self.replace(layers=layers)
 
     def with_comm(self, methods: "Mapping[str, CommMethod | str]") -> "Plan":
-        """A copy where the gradients of exactly the layers in ``methods`` travel as it says;
-        the other layers' follow the run's ``grad_comm``.
+        """A copy where the gradients of exactly the layers in ``methods`` travel as it says,
+        under ``grad_comm="auto"``: the other layers' in FP32 (a named ``grad_comm`` applies to
+        every layer instead; `distributed.grad_comm_methods`).
 
         Args:
             methods: layer fqn -> `CommMethod` or its name, one of fp32, bf16, fp16, int8, topk

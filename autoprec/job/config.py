@@ -232,7 +232,8 @@ def load_job(path: "str | Path") -> JobConfig:
     """Read and check a job file, and import its workload factory (not called yet).
 
     Args:
-        path: the job's TOML file; relative paths in it are relative to its folder.
+        path: the job's TOML file; a relative ``[job].out`` or ``[profile].path`` in it is
+            taken from the file's folder, a relative ``[search].storage`` from ``[job].out``.
 
     Returns:
         The `JobConfig`.
