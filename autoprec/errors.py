@@ -85,7 +85,15 @@ class InfeasibleBudgetError(SearchError):
         self.fp32_bytes = fp32_bytes
 
     def with_hint(self, hint: str) -> "InfeasibleBudgetError":
-        """This error with ``hint`` (the settings that would reach a floor) appended."""
+        """This error with a hint appended to its message; the figures are kept.
+
+        Args:
+            hint: the settings that would reach a floor, appended after ``"; "`` (empty: the
+                message unchanged).
+
+        Returns:
+            A new `InfeasibleBudgetError` (to raise in place of this one).
+        """
         return InfeasibleBudgetError(f"{self}; {hint}" if hint else str(self), self.min_bytes, self.min_loss, formats_floor=self.formats_floor,
                                      recompute_floor=self.recompute_floor, fp32_bytes=self.fp32_bytes)
 

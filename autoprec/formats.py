@@ -102,7 +102,19 @@ class Format(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: "str | Format") -> "Format":
-        """`Format` from a name, case-insensitively; a clear `FormatError` for anything else."""
+        """`Format` from a name, case-insensitively; a clear `FormatError` for anything else.
+
+        Args:
+            value: a `Format` (returned as is) or its name, e.g. ``"fp8_e4m3"``; surrounding
+                whitespace and case are ignored.
+
+        Returns:
+            The named `Format`.
+
+        Raises:
+            FormatError: ``value`` names no format (or is neither a string nor a `Format`); the
+                message lists the valid names.
+        """
         if isinstance(value, Format):
             return value
         if isinstance(value, str):

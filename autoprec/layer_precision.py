@@ -178,9 +178,18 @@ class LayerPrecision:
         return None if found else lp
 
     def cast_of(self, kind: str) -> tuple[Format, str]:
-        """The format this layer casts a tensor ``kind`` ("weight", "activation", "grad") to, and
-        the scaling that casts it, as a profile names it: gradients use current scaling, weights
-        and activations the plan's mode; unscaled formats "none"."""
+        """The format this layer casts a tensor of one kind to, and the scaling that casts it, as
+        a profile names it: gradients use current scaling, weights and activations the layer's
+        ``scaling.mode``; unscaled formats "none".
+
+        Args:
+            kind: ``"grad"`` (cast to ``grad_format``), or ``"weight"`` / ``"activation"`` (cast
+                to ``format``); any value other than ``"grad"`` is taken as the latter, unchecked.
+
+        Returns:
+            ``(format, scaling)``: the `Format`, and ``"none"``, ``"current"`` or another
+            `ScalingMode` value.
+        """
         fmt = self.grad_format if kind == "grad" else self.format
         if not fmt.needs_scale:
             return fmt, "none"

@@ -228,7 +228,21 @@ class Plan:
         return cls(layers, fingerprint=found, metadata={"source": f"Plan.uniform({fmt.value})"})
 
     def replace(self, **changes) -> "Plan":
-        """A copy with some of ``layers``, ``fingerprint``, ``budgets``, ``predicted``, ``measured``, ``metadata``, ``blocks``, ``comm`` replaced."""
+        """A copy with some of its fields replaced; this plan is unchanged.
+
+        Args:
+            **changes (Any): new values for some of ``layers``, ``fingerprint``, ``budgets``,
+                ``predicted``, ``measured``, ``metadata``, ``blocks``, ``comm`` (as the
+                constructor takes them); the others are kept.
+
+        Returns:
+            A new plan.
+
+        Raises:
+            TypeError: a keyword that is not one of these fields.
+            PlanError: a replaced value the constructor refuses (a bad layer entry, nested
+                blocks, a comm method for a layer the plan lacks).
+        """
         fields = {
             "layers": self._layers,
             "blocks": self._blocks,
@@ -266,18 +280,41 @@ class Plan:
         return self.replace(layers=layers)
 
     def with_comm(self, methods: "Mapping[str, CommMethod | str]") -> "Plan":
-        """A copy where the gradients of exactly the layers in ``methods`` travel as it says
-        (``{}``: none chosen); a `PlanError` names a layer the plan lacks or a method no layer
-        may take."""
+        """A copy where the gradients of exactly the layers in ``methods`` travel as it says,
+        under ``grad_comm="auto"``: the other layers' in FP32 (a named ``grad_comm`` applies to
+        every layer instead; `distributed.grad_comm_methods`).
+
+        Args:
+            methods: layer fqn -> `CommMethod` or its name, one of fp32, bf16, fp16, int8, topk
+                (``{}``: none chosen).
+
+        Returns:
+            A new plan; this one is unchanged.
+
+        Raises:
+            PlanError: a layer the plan lacks, or a method no layer may take (PowerSGD compresses
+                whole buckets: it is the run's ``grad_comm``, not a layer's).
+        """
         return self.replace(comm=methods)
 
     def with_recompute(self, blocks: "Mapping[str, bool] | Iterable[str]") -> "Plan":
-        """A copy with recompute flags set: a mapping ``fqn -> bool`` sets those blocks' flags and
-        keeps the others' (what a solver choosing per block calls); an iterable of fqns makes
-        exactly those blocks recomputed and drops every other block (``()`` recomputes none).
+        """A copy with recompute flags set.
 
         A recomputed block keeps no activations of its own for the backward and runs its forward
         once more there: one extra forward of the block per backward, its layers in their formats.
+
+        Args:
+            blocks: a mapping ``block fqn -> bool`` sets those blocks' flags and keeps the others'
+                (what a solver choosing per block calls); an iterable of fqns makes exactly those
+                blocks recomputed and drops every other block (``()`` recomputes none). Whether
+                each names a block of the model is checked by `validate`, not here.
+
+        Returns:
+            A new plan; this one is unchanged.
+
+        Raises:
+            PlanError: ``blocks`` is a single string, a flag is not a bool, or one block lies
+                inside another.
         """
         if isinstance(blocks, str):
             raise PlanError(f"Plan.with_recompute({blocks!r}): expected fqns of blocks or a mapping fqn -> bool; wrap one name in a list: [{blocks!r}]")
@@ -327,8 +364,16 @@ class Plan:
         return dict(Counter(lp.format.value for lp in self._layers.values()))
 
     def layer_name(self, fqn: str) -> str:
-        """``fqn`` as shown (review, logs): a one-layer model's root '' by its class from the
-        fingerprint, e.g. "Linear" (`coverage.layer_name`); the plan's key stays ''."""
+        """A layer's name as shown (review, logs); the plan's key stays as it is.
+
+        Args:
+            fqn: a layer's key in this plan.
+
+        Returns:
+            ``fqn`` itself, except a one-layer model's root ``""``: its class from the
+            fingerprint, e.g. ``"Linear"`` (``"the model"`` when the fingerprint lacks it;
+            `coverage.layer_name`).
+        """
         info = self._fingerprint.get(fqn)
         return layer_name(fqn, info.module if info is not None else "the model")
 
@@ -362,11 +407,27 @@ class Plan:
     def validate(self, model: nn.Module, example_inputs: Any = None, *, device=None, allow_emulation: bool = True) -> None:
         """Raise `PlanError` naming every layer that does not fit ``model`` or ``device``.
 
-        Checks: names the model lacks; with ``example_inputs``, modules that run no matrix product; covered layers the plan lacks (traced with
-        ``example_inputs``, else from the module tree and the plan's fingerprint); parameter
-        shapes that differ from the fingerprint; formats the device cannot run at all; and, with
-        ``allow_emulation=False``, formats a layer would run without a real kernel.
-        ``device`` defaults to the device of the model's first parameter.
+        Checks: names the model lacks; with ``example_inputs``, modules that run no matrix
+        product; covered layers the plan lacks (traced with ``example_inputs``, else from the
+        module tree and the plan's fingerprint); blocks the model lacks or that hold no layer of
+        the plan; parameter shapes that differ from the fingerprint; formats the device cannot
+        run at all; and, with ``allow_emulation=False``, formats a layer would run without a real
+        kernel. With ``example_inputs`` it costs one forward under ``torch.no_grad`` (a few in
+        training mode, `coverage.trace_layers`); without, a walk of the module tree.
+
+        Args:
+            model: the model the plan is to be applied to (its fqns are the plan's keys).
+            example_inputs: one forward's inputs (one input, a tuple, a dict of keyword inputs
+                or a `calls.ModelCall`) to find the layers by tracing; None: from the module tree
+                and the fingerprint.
+            device (torch.device | str | None): the device the plan is to run on; None: that of
+                the model's first parameter (CPU for a model without parameters).
+            allow_emulation: False also refuses a format a layer would run emulated (no kernel on
+                ``device`` for its ops, batched operands or block scaling).
+
+        Raises:
+            PlanError: every problem found, one per line.
+            ModelCallError: ``example_inputs`` is a dict with a key that is not a string.
         """
         modules = dict(model.named_modules())
         problems = []
@@ -436,6 +497,20 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "plan") -> "Plan":
+        """A plan from its JSON form (`to_dict`), every entry checked.
+
+        Args:
+            data: the parsed JSON object, of schema version 1 to `SCHEMA_VERSION` (an older one
+                loads with no block recomputed and no gradient communication chosen).
+            source: where ``data`` came from (a file path), to begin each problem with.
+
+        Returns:
+            The plan.
+
+        Raises:
+            PlanError: every problem found (not an object, a missing or later schema version,
+                an unknown key, a malformed entry), each prefixed with ``source``.
+        """
         if not isinstance(data, Mapping):
             raise PlanError(f"{source}: expected a JSON object at the top level, got {type(data).__name__}")
         version = check_schema_version(data, source, "plan", SCHEMA_VERSION, PlanError, "save plans with Plan.save")

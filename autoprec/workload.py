@@ -46,15 +46,59 @@ _REQUIRED = ("build_model", "train_batches", "val_batches", "loss")
 
 @runtime_checkable
 class Workload(Protocol):
-    """A model, its data and its loss (see the module docstring for the optional members)."""
+    """A model, its data and its loss (see the module docstring for the optional members).
 
-    def build_model(self, seed: int) -> nn.Module: ...
+    autoprec calls a workload through a check (`load_workload`): an exception its own code raises
+    becomes a `UserCodeError` naming the method, a result it must not return a `WorkloadError`.
+    """
 
-    def train_batches(self, seed: int) -> Iterator[Any]: ...
+    def build_model(self, seed: int) -> nn.Module:
+        """A freshly built model to train.
 
-    def val_batches(self, n: int) -> Sequence[Any]: ...
+        Args:
+            seed: the random seed of its initial weights: the same seed gives the same weights.
 
-    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor: ...
+        Returns:
+            The `torch.nn.Module` to train.
+        """
+        ...
+
+    def train_batches(self, seed: int) -> Iterator[Any]:
+        """The training data.
+
+        Args:
+            seed: the seed of the batches' order (the same seed, the same batches).
+
+        Returns:
+            An iterator (or iterable) of training batches, each as `loss` takes it, that never
+            runs out (e.g. ``itertools.cycle`` over an epoch).
+        """
+        ...
+
+    def val_batches(self, n: int) -> Sequence[Any]:
+        """Fixed held-out batches, the same on every call, on which the loss is compared.
+
+        Args:
+            n: how many batches.
+
+        Returns:
+            ``n`` batches (at least one), each as `loss` takes it, their floating tensors finite.
+        """
+        ...
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """The training loss of one batch.
+
+        Args:
+            model: a model `build_model` made, to be called on the batch as ``model(...)``
+                with any signature.
+            batch: one batch of `train_batches` or `val_batches`.
+
+        Returns:
+            The loss, a floating scalar tensor with its graph (or an output holding it: a
+            ``loss`` field, or a tuple whose first element is the loss).
+        """
+        ...
 
 
 def check_workload(obj: Any, where: str) -> Any:
@@ -211,8 +255,19 @@ def resolve_factory(spec: str) -> Callable[..., Any]:
 def load_workload(spec: str, kwargs: Optional[Mapping[str, Any]] = None) -> Any:
     """Import ``"module:function"``, call it with ``kwargs`` and check that the result is a workload.
 
-    Raises `WorkloadError` (one line: what failed and the fix) for a malformed spec, a missing
-    module or function, arguments the function rejects, or a result that is not a workload.
+    Args:
+        spec: ``"module:function"``, the function returning a workload (`Workload`).
+        kwargs: keyword arguments for the function (None: none).
+
+    Returns:
+        The workload, wrapped so that each method's failure is one error naming it (the
+        workload's own attributes stay readable).
+
+    Raises:
+        WorkloadError: one line, what failed and the fix: a malformed spec, a missing module or
+            function, arguments the function rejects (it raised ``TypeError``, ``ValueError`` or
+            ``KeyError``), a result that is not a workload, or a bad ``lr`` / ``max_grad_norm``.
+        UserCodeError: the function raised anything else; the original is ``__cause__``.
     """
     factory = resolve_factory(spec)
     kwargs = dict(kwargs or {})
@@ -324,7 +379,22 @@ class TrainStep:
 
     @classmethod
     def for_workload(cls, workload: Any, model: nn.Module, context: Optional[Callable[[], AbstractContextManager[Any]]] = None) -> "TrainStep":
-        """The workload's own optimizer, schedule and clipping (module docstring) for ``model``."""
+        """The workload's own optimizer, schedule and clipping (module docstring) for ``model``.
+
+        Args:
+            workload: the workload (`load_workload`'s); its ``loss`` is the step's loss.
+            model: the model to train, built by the workload; the optimizer is made for it.
+            context: called every step; the context manager it returns wraps forward + loss
+                (None: none).
+
+        Returns:
+            The `TrainStep` (the model is put in training mode).
+
+        Raises:
+            WorkloadError: ``make_optimizer`` returned no optimizer, one with a negative or
+                non-finite lr, or one holding none of ``model``'s trainable parameters.
+            UserCodeError: ``make_optimizer`` raised.
+        """
         optimizer, schedule = _optimizer_and_schedule(workload, model)
         return cls(model, workload.loss, optimizer, schedule, getattr(workload, "max_grad_norm", None), context)
 

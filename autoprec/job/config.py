@@ -229,7 +229,20 @@ def _key(name: str) -> str:
 
 
 def load_job(path: "str | Path") -> JobConfig:
-    """Read and check a job file; `SearchError` with one line for the first problem found."""
+    """Read and check a job file, and import its workload factory (not called yet).
+
+    Args:
+        path: the job's TOML file; a relative ``[job].out`` or ``[profile].path`` in it is
+            taken from the file's folder, a relative ``[search].storage`` from ``[job].out``.
+
+    Returns:
+        The `JobConfig`.
+
+    Raises:
+        SearchError: one line for the first problem found (a missing or unreadable file,
+            invalid TOML, an unknown table or key, a bad or missing value, a factory that
+            cannot be imported), naming the file and the key.
+    """
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))

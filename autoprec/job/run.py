@@ -377,12 +377,27 @@ def run_job(config: JobConfig, progress: "Progress | None" = None, workers: int 
        ``[search].storage`` says otherwise) and TensorBoard logs in ``logs/``: the measured plans
        and their Pareto front (time, memory, loss increase), each candidate, the chosen plan.
 
-    ``workers`` > 1 measures the candidates in that many processes on the job's storage (a
-    journal file or a server database, `job.workers`); everything before the measured stage
-    runs once, here. Raises `SearchError` for a bad workload, a study of another search or a
-    storage that cannot take several workers, and
-    `InfeasibleBudgetError` (stating the smallest memory and loss increase reachable) when no
-    plan can meet the budgets even on the predictions.
+    Args:
+        config: the job, as `load_job` read it.
+        progress: ``progress(done, total, label)``, called as the stages advance (None: silent).
+        workers: processes measuring the candidates; > 1 on the job's storage (a journal file
+            or a server database, `job.workers`). Everything before the measured stage runs
+            once, here.
+
+    Returns:
+        The `JobResult`: the plan (None when no candidate met the budgets as measured), its
+        path, every candidate's and reference's measurement, and the budgets.
+
+    Raises:
+        SearchError: a bad workload, device, output folder or storage, a study of another
+            search, or a storage that cannot take several workers.
+        InfeasibleBudgetError: no plan can meet the budgets even on the predictions; it states
+            the smallest memory and loss increase reachable and the settings that reach them.
+        ProfileError: ``[profile].path`` names a profile that cannot be read or was made for
+            another model.
+        WorkloadError: a workload method returned what it must not (a non-scalar loss, a
+            training iterator that ran out, ...).
+        UserCodeError: the workload's own code raised.
     """
     start = time.perf_counter()
     check_workers(config.source, config.storage_url, workers)

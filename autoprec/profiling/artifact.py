@@ -92,7 +92,19 @@ class Profile:
 
         Checks: profiled layers the model lacks; covered layers of the model the profile lacks
         (traced with ``example_inputs``, else from the module tree plus the fingerprint's traced
-        layers); parameter shapes that changed. Costs one forward with ``example_inputs``.
+        layers); parameter shapes that changed. With ``example_inputs`` it costs one forward
+        under ``torch.no_grad`` (a few for a model in training mode, `coverage.trace_layers`);
+        without, a walk of the module tree.
+
+        Args:
+            model: the model the profile is to be used for (a search, a plan).
+            example_inputs: one forward's inputs (one input, a tuple, a dict of keyword inputs
+                or a `calls.ModelCall`) to find the layers by tracing; None: from the module tree
+                and the fingerprint.
+
+        Raises:
+            ProfileError: every mismatching layer, one per line.
+            ModelCallError: ``example_inputs`` is a dict with a key that is not a string.
         """
         modules = dict(model.named_modules())
         covered = covered_layers(model, example_inputs, self.fingerprint)
@@ -131,19 +143,48 @@ class Profile:
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "profile") -> "Profile":
-        """Build a profile from `to_dict` output; a `ProfileError` names every bad field."""
+        """Build a profile from `to_dict` output; a `ProfileError` names every bad field.
+
+        Args:
+            data: the parsed JSON object (`to_dict`'s form, a schema version this autoprec reads).
+            source: where ``data`` came from (a file path), to begin each problem with.
+
+        Returns:
+            The profile.
+
+        Raises:
+            ProfileError: every bad field, or a missing or later schema version.
+        """
         return _Reader(source).profile(data)
 
     def save(self, path: "str | os.PathLike") -> Path:
-        """Write the profile as JSON atomically (a temporary file renamed over the target)."""
+        """Write the profile as JSON atomically (a temporary file renamed over the target).
+
+        Args:
+            path: the file to write; missing parent folders are created.
+
+        Returns:
+            The path written.
+        """
         return atomic_write_text(path, json.dumps(self.to_dict(), allow_nan=False) + "\n")
 
     @classmethod
     def load(cls, path: "str | os.PathLike", model: Optional[nn.Module] = None, example_inputs: Any = None) -> "Profile":
         """Read a profile saved by `save`; a `ProfileError` names the file and what is wrong.
 
-        With ``model``, also `check_model` it: a profile made for another model is refused,
-        naming every mismatching layer.
+        Args:
+            path: a JSON file written by `save`.
+            model: when given, the profile is also checked against it (`check_model`): one made
+                for another model is refused, naming every mismatching layer.
+            example_inputs: passed to `check_model` with ``model`` (tracing costs a forward).
+
+        Returns:
+            The profile.
+
+        Raises:
+            ProfileError: the file is missing, unreadable, not a profile, of a later schema
+                version, or (with ``model``) made for another model.
+            ModelCallError: ``example_inputs`` is a dict with a key that is not a string.
         """
         profile = cls._read(Path(path))
         if model is not None:
@@ -176,7 +217,16 @@ class Profile:
     # -- reading --------------------------------------------------------------------------------
 
     def layer_name(self, fqn: str) -> str:
-        """``fqn`` as shown: the root '' of a one-layer model by its class (`coverage.layer_name`)."""
+        """A layer's name as shown (tables, logs); the profile's key stays as it is.
+
+        Args:
+            fqn: a layer's key in this profile.
+
+        Returns:
+            ``fqn`` itself, except a one-layer model's root ``""``: its class from the
+            fingerprint, e.g. ``"Linear"`` (``"the model"`` when the fingerprint lacks it;
+            `coverage.layer_name`).
+        """
         info = self.fingerprint.get(fqn)
         return layer_name(fqn, info.module if info is not None else "the model")
 

@@ -397,11 +397,21 @@ class LayerProfiler:
 
     def reduce_(self, all_reduce: Callable[[torch.Tensor, Any], None], also_sum: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Combine this window's statistics with the other ranks', in place: histograms, counts and
-        moments summed, amax histories maxed. ``all_reduce(tensor, op)`` reduces one tensor in
-        place across the ranks (``op`` a ``torch.distributed.ReduceOp``). ``also_sum``: a float
-        tensor summed in the same collective (the caller's window loss), returned reduced.
-        Three collectives in all, whatever the number of layers; no host sync beyond the counts
-        (three ints per tensor, read back once)."""
+        moments summed, amax histories maxed. At most three collectives, whatever the number of
+        layers; one host read of the summed counts (three ints) per (layer, tensor kind)
+        tracked, all after the first collective, and no other host sync.
+
+        Args:
+            all_reduce: ``all_reduce(tensor, op)`` reduces one tensor in place across the ranks
+                (``op`` a ``torch.distributed.ReduceOp``); every rank must call `reduce_` with
+                the same layers tracked.
+            also_sum: a float tensor summed in the same collective as the moments (the caller's
+                window loss); None: nothing extra.
+
+        Returns:
+            ``also_sum`` summed across the ranks (a new tensor of its dtype and shape), or None
+            when it was None.
+        """
         import torch.distributed as dist
 
         states = [self._layers[fqn].tensors[kind] for fqn in sorted(self._layers) for kind in sorted(self._layers[fqn].tensors)]
@@ -449,7 +459,15 @@ class LayerProfiler:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore `state_dict` into a profiler made for the same model, window and settings."""
+        """Restore `state_dict` into a profiler made for the same model, window and settings
+        (only the layers are checked). Past the window's end, the hooks are removed.
+
+        Args:
+            state: what `state_dict` returned.
+
+        Raises:
+            ProfileError: ``state`` names other layers than this profiler watches.
+        """
         if set(state["layers"]) != set(self._layers):
             raise ProfileError("profiler state names other layers than this profiler watches; make it for the same model")
         self._steps = int(state["steps"])
@@ -470,7 +488,19 @@ class LayerProfiler:
     # -- result ---------------------------------------------------------------------------------
 
     def profile(self, metadata: Optional[Mapping[str, Any]] = None) -> Profile:
-        """The `Profile` of the steps so far. Forces a host-device sync (copies the accumulators)."""
+        """The `Profile` of the steps so far. Forces a host-device sync (copies the accumulators).
+
+        Args:
+            metadata: JSON-serializable entries stored in the profile's ``metadata`` (None:
+                empty).
+
+        Returns:
+            The profile of every watched layer over the steps closed by `step`.
+
+        Raises:
+            ProfileError: no step was profiled (the profiler is disabled, or `step` was never
+                called while attached).
+        """
         if self._steps == 0:
             why = "the profiler is disabled" if not self.enabled else "call step() once per optimizer step while attached"
             raise ProfileError(f"no steps were profiled: {why}")

@@ -219,8 +219,13 @@ class PlanRuntime:
 
     def use_fused_casts(self, enabled: bool = True) -> None:
         """Whether FP8 kernel layers quantize with the fused Triton kernels where the device has
-        them (the default) or with PyTorch ops (``False``: the same bytes, more kernels; for
-        comparisons and debugging). Takes effect from the next forward."""
+        them (the default) or with PyTorch ops. Takes effect from the next forward.
+
+        Args:
+            enabled: True: the fused kernels where the device has them; False: PyTorch ops (the
+                same bytes, more kernels; for comparisons and debugging). Layers that are not
+                FP8 kernel layers have no casts to switch.
+        """
         for layer in self._layers.values():
             layer.use_fused_casts(enabled)
 
@@ -239,7 +244,17 @@ class PlanRuntime:
         largest over the last ``steps`` recorded forwards (its history holds them). Layers scaled
         from the current tensor never saturate and are absent, as are those not run yet.
         Costs nothing in the forwards (the amaxes are the quantizers' own); here a few small
-        kernels per layer, no host sync."""
+        kernels per layer, no host sync.
+
+        Args:
+            steps: how many of the last recorded forwards delayed scaling's ratio covers (at
+                least 1; capped by the amax history's length). INT8 calibration always reports
+                its last input.
+
+        Returns:
+            ``fqn -> ratio``: a 0-d tensor on the layer's device, above 1 when an input went past
+            its scale's range; for a layer with several scaled inputs, the largest.
+        """
         out = {}
         for fqn, layer in self._layers.items():
             ratios = [r for r in (*(c.saturation() for c in layer.calibrators.values()), *(q.saturation(steps) for q in layer.inputs.values()))
@@ -249,7 +264,13 @@ class PlanRuntime:
         return out
 
     def recalibrate(self, fqns=None) -> None:
-        """Forget INT8 calibration, amax histories and kept weight copies of the named layers (default: all)."""
+        """Forget INT8 calibration, amax histories and kept weight copies of the named layers:
+        each calibrates again, and its histories refill, from its next forwards.
+
+        Args:
+            fqns (Iterable[str] | None): layer fqns of this plan (a list, not one bare
+                string); None: every layer. An fqn the plan lacks raises ``KeyError``.
+        """
         for fqn in fqns if fqns is not None else self._layers:
             layer = self._layers[fqn]
             for calibrator in layer.calibrators.values():
@@ -272,13 +293,21 @@ class PlanRuntime:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict`; tensors move to the data's device on first use (any map_location).
+        Reads shapes only: no host sync.
 
-        Refused with one `RuntimeStateError` line naming the field: before anything changes, a
-        state that is not the dict `state_dict` returned (empty, a path, ``layers`` not a dict of
-        layers each with ``inputs`` and ``calibrators`` dicts), one naming a layer this plan
-        lacks, or one holding a tensor whose shape does not fit its layer (an amax history of
-        another ``history_len``, an INT8 calibration of another input-channel count or outlier
-        slots), named with the saved and the expected shape. Reads shapes only: no host sync."""
+        Args:
+            state: what `state_dict` returned (from ``torch.load`` with any ``map_location``),
+                for a runtime of this plan and model.
+
+        Raises:
+            RuntimeStateError: one line naming the field, before anything changes: a state that
+                is not the dict `state_dict` returned (empty, a path, ``layers`` not a dict of
+                layers each with ``inputs`` and ``calibrators`` dicts), one naming a layer this
+                plan lacks, or one holding a tensor whose shape does not fit its layer (an amax
+                history of another ``history_len``, an INT8 calibration of another
+                input-channel count or outlier slots), named with the saved and the expected
+                shape.
+        """
         _check_runtime_state(state)
         unknown = sorted(set(state["layers"]) - set(self._layers))
         if unknown:

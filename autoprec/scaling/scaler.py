@@ -216,13 +216,23 @@ class LossScaler(torch.amp.GradScaler):
     # -- attribution setup ------------------------------------------------------------------------
 
     def watch(self, model: nn.Module, layers: Layers = None, *, outputs: bool = False) -> "LossScaler":
-        """Report gradients per layer of ``model``; returns self.
+        """Report gradients per layer of ``model``. Replaces a previous watch.
 
-        ``layers``: module fqns or a ``(module, fqn) -> bool`` filter; default: every module that
-        directly owns parameters. A parameter belongs to the innermost watched module holding it;
-        others are reported under their parameter fqn. ``outputs=True`` also attaches an
-        `OutputWatch` on the same layers (one reduction per layer call), read on overflowing
-        iterations to fill `first_nonfinite_output`. Replaces a previous watch.
+        Args:
+            model: the model whose optimizers this scaler steps.
+            layers: module fqns (a list, not one string; the root ``""`` only when named) or a
+                ``(module, fqn) -> bool`` filter; None: every module that directly owns
+                parameters. A parameter belongs to the innermost watched module holding it;
+                others are reported under their parameter fqn.
+            outputs: also attach an `OutputWatch` on the same layers (one reduction per layer
+                call), read on overflowing iterations to fill `first_nonfinite_output`.
+
+        Returns:
+            This scaler.
+
+        Raises:
+            ScalingError: ``model`` is not an ``nn.Module``, ``layers`` is one string or names a
+                module the model lacks.
         """
         if not isinstance(model, nn.Module):
             raise ScalingError(f"LossScaler.watch(model={type(model).__name__}): model must be an nn.Module")
@@ -231,9 +241,13 @@ class LossScaler(torch.amp.GradScaler):
         return self
 
     def watch_outputs(self, on: bool) -> None:
-        """Arm (``on``) or disarm the per-layer output checks on the watched model (as
+        """Arm or disarm the per-layer output checks on the watched model (as
         ``watch(..., outputs=on)``, keeping the gradient attribution as it is). Armed, every
-        layer call costs one reduction; nothing before `watch`."""
+        layer call costs one reduction.
+
+        Args:
+            on: True arms the checks (does nothing before `watch`), False removes them.
+        """
         self._record.watch_outputs(on)
 
     @property
@@ -277,9 +291,21 @@ class LossScaler(torch.amp.GradScaler):
         return state
 
     def scale(self, outputs):
-        """``outputs`` (a tensor or a nested list / tuple / iterable of tensors) times the scale,
-        as float32 (GradScaler's); unchanged when disabled. Keeps a reference to the tensors of a
-        tensor, list or tuple, checked only if the iteration overflows. No sync."""
+        """Multiply by the scale, as float32 (GradScaler's); unchanged when disabled. Keeps a
+        reference to the tensors of a tensor, list or tuple, checked only if the iteration
+        overflows. No sync. The first call creates the scale on its first tensor's device.
+
+        Args:
+            outputs (torch.Tensor | Iterable): the loss: a tensor or a nested list / tuple /
+                iterable of tensors.
+
+        Returns:
+            scaled (torch.Tensor | Iterable): ``outputs`` times the scale, in the same structure
+                (``outputs`` itself when disabled).
+
+        Raises:
+            ScalingError: ``outputs`` is neither a tensor nor an iterable.
+        """
         if not isinstance(outputs, (torch.Tensor, Iterable)):
             raise ScalingError(f"LossScaler.scale({type(outputs).__name__}): expected a tensor or an iterable of tensors")
         self._record.release_held()
@@ -295,21 +321,43 @@ class LossScaler(torch.amp.GradScaler):
         return _scaled(outputs, self._scale)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide ``optimizer``'s gradients by the scale in place and check them, in one fused
-        pass (when disabled, the check alone). Optional: `step` does it; call it to clip or
-        inspect the true gradients. Once per optimizer per iteration. No sync."""
+        """Divide an optimizer's gradients by the scale in place and check them, in one fused
+        pass per device and dtype (when disabled, the check alone). Optional: `step` does it;
+        call it to clip or inspect the true gradients. No sync.
+
+        Args:
+            optimizer: an optimizer whose gradients came from a loss passed through `scale`;
+                once per optimizer per iteration, after the last backward.
+
+        Raises:
+            RuntimeStateError: called twice for ``optimizer`` in one iteration or after its
+                `step`, or (enabled) a gradient is FP16.
+        """
         state = self._begin(optimizer, "unscale_")
         inv_scale = self._scale.double().reciprocal().float() if self._scaling else self._unit  # GradScaler's
         state.found = check_and_unscale(optimizer, inv_scale, refuse_fp16=self._scaling)
         state.stage = OptState.UNSCALED
 
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """`unscale_` (unless done) and clip ``optimizer``'s gradients to a total ``norm_type``-norm
-        of ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does; returns the total norm (a
-        device tensor, no sync). Unlike it, a non-finite norm leaves the gradients unchanged: its
-        coefficient would be NaN and spread to every gradient, so attribution would name every
-        layer (the step is skipped either way). Cost: clip_grad_norm_'s passes (one norm, one
-        multiply per gradient) and one 0-d ``where``."""
+        """`unscale_` (unless done) and clip an optimizer's gradients to a total norm, as
+        ``torch.nn.utils.clip_grad_norm_`` does. Unlike it, a non-finite norm leaves the
+        gradients unchanged: its coefficient would be NaN and spread to every gradient, so
+        attribution would name every layer (the step is skipped either way). Cost:
+        clip_grad_norm_'s passes (one norm, one multiply per gradient) and one 0-d ``where``.
+
+        Args:
+            optimizer: the optimizer whose gradients to clip, before its `step`.
+            max_norm: the largest total norm kept, a finite number > 0.
+            norm_type: the p of the p-norm (``inf`` for the max norm).
+
+        Returns:
+            The total norm of the unscaled gradients before clipping: a 0-d device tensor, not
+            read (no sync).
+
+        Raises:
+            ScalingError: ``max_norm`` is not a finite number > 0.
+            RuntimeStateError: as `unscale_`, when it runs here.
+        """
         if not is_number(max_norm) or max_norm <= 0:
             raise ScalingError(f"LossScaler.clip_grad_norm_(max_norm={max_norm!r}): max_norm must be a finite number > 0")
         if self._states[id(optimizer)].stage is OptState.READY:
@@ -321,24 +369,52 @@ class LossScaler(torch.amp.GradScaler):
         return total
 
     def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """`unscale_` (unless done) and return whether ``optimizer``'s gradients held an inf/NaN,
-        as a 0-d float32 device tensor (> 0: found). No sync. For agreeing across ranks
-        (`autoprec.distributed`) before `step` reads it."""
+        """`unscale_` (unless done) and whether an optimizer's gradients held an inf/NaN. No sync.
+        For agreeing across ranks (`autoprec.distributed`) before `step` reads it.
+
+        Args:
+            optimizer: an optimizer holding at least one gradient (with none, ``IndexError``).
+
+        Returns:
+            A 0-d float32 device tensor, > 0 when an inf/NaN was found (a copy).
+
+        Raises:
+            RuntimeStateError: as `unscale_`, when it runs here.
+        """
         if self._states[id(optimizer)].stage is OptState.READY:
             self.unscale_(optimizer)
         flags = list(self._states[id(optimizer)].found.values())
         return summed_flags(flags, flags[0].device, copy=True)
 
     def set_found_inf(self, optimizer: torch.optim.Optimizer, found: bool) -> None:
-        """Overwrite ``optimizer``'s non-finite flag after `found_inf` (a decision reduced across
-        ranks): `step` then skips, and `update` backs off, exactly when ``found``."""
+        """Overwrite an optimizer's non-finite flag after `found_inf`: `step` then skips, and
+        `update` backs off, exactly when ``found``.
+
+        Args:
+            optimizer: an optimizer `found_inf` checked this iteration (otherwise nothing changes).
+            found: the decision, e.g. reduced across ranks.
+        """
         for i, flag in enumerate(self._states[id(optimizer)].found.values()):
             flag.fill_(1.0 if found and i == 0 else 0.0)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """Unscale (unless `unscale_` did) and call ``optimizer.step(*args, **kwargs)`` unless a
-        gradient is inf/NaN; return its value, or None when skipped. One sync (the skip
-        decision), none for fused / capturable optimizers, which unscale and skip on the device."""
+        """Unscale (unless `unscale_` did) and step the optimizer unless a gradient is inf/NaN.
+        One sync per device (the skip decision), none for fused / capturable optimizers, which
+        unscale and skip on the device.
+
+        Args:
+            optimizer: the optimizer to step, once per iteration.
+            *args: passed to ``optimizer.step``.
+            **kwargs: passed to ``optimizer.step`` (not ``closure``).
+
+        Returns:
+            What ``optimizer.step`` returned, or None when skipped (a fused / capturable
+            optimizer's step always runs and skips on the device).
+
+        Raises:
+            RuntimeStateError: a ``closure`` keyword, a second `step` of ``optimizer`` in one
+                iteration, or (enabled) an FP16 gradient.
+        """
         if "closure" in kwargs:
             raise RuntimeStateError(
                 "LossScaler.step(optimizer, closure=...) is not supported: the closure would recompute the "
@@ -372,11 +448,19 @@ class LossScaler(torch.amp.GradScaler):
         return retval
 
     def update(self, new_scale: Optional[float] = None) -> None:  # type: ignore[override]  # a tensor is refused
-        """End the iteration: the scale rule (see the class doc; or set the scale to ``new_scale``,
-        a positive number, ignored when disabled), the counters, and on an overflowing iteration
-        the attribution (see the module docstring for the syncs). Call once per iteration, after
-        every optimizer stepped. With only fused / capturable optimizers no sync: the rule runs on
-        the device and the results are read when first asked for."""
+        """End the iteration: the scale rule (see the class doc), the counters, and on an
+        overflowing iteration the attribution (see the module docstring for the syncs). Call once
+        per iteration, after every optimizer stepped. With only fused / capturable optimizers no
+        sync: the rule runs on the device and the results are read when first asked for.
+
+        Args:
+            new_scale: set the scale to this positive finite number instead of the rule (ignored
+                when disabled); None: the rule.
+
+        Raises:
+            RuntimeStateError: no `step` or `unscale_` since the last update.
+            ScalingError: ``new_scale`` is not a number in (0, float32 max] (a tensor is refused).
+        """
         checked = [state for state in self._states.values() if state.found]
         if not checked:
             raise RuntimeStateError(
@@ -461,8 +545,16 @@ class LossScaler(torch.amp.GradScaler):
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore everything `state_dict` saved, configuration included. Raises `ScalingError`
-        naming missing or invalid entries, `RuntimeStateError` in the middle of an iteration."""
+        """Restore everything `state_dict` saved, configuration included (not ``enabled``).
+
+        Args:
+            state_dict: what `state_dict` returned.
+
+        Raises:
+            ScalingError: naming missing or invalid entries.
+            RuntimeStateError: called in the middle of an iteration (between a `step` or
+                `unscale_` and `update`).
+        """
         if self._states:
             raise RuntimeStateError("LossScaler.load_state_dict() called in the middle of an iteration; call it before the first step or right after update()")
         if not isinstance(state_dict, Mapping):

@@ -587,9 +587,15 @@ class DynamicPrecisionScheduler:
         Before the scheduler is bound to a model (no ``model=``, no forward yet) the state is kept
         and applied when the first forward binds it, so the run continues exactly the same.
 
-        Refused with one `RuntimeStateError` line, before anything changes: a state of another
-        version, one missing keys, one saved for a model whose layers have other names or
-        shapes, or one whose plan runs a format this scheduler's settings exclude."""
+        Args:
+            state: what `state_dict` returned (from ``torch.load`` with any ``map_location``).
+
+        Raises:
+            RuntimeStateError: one line, before anything changes: a state of another version,
+                one missing keys, one saved for a model whose layers have other names or shapes,
+                or one whose plan runs a format this scheduler's settings exclude. Unbound, the
+                checks against the model run at the first forward, which raises it then.
+        """
         check_state(state, set(self.state_dict()))
         if self.model is None:
             self._binding.hold(state)

@@ -95,11 +95,31 @@ class Budgets:
             raise SearchError(f"accuracy budget must be a finite number >= 0 or None, got {self.accuracy!r}")
 
     def memory_bytes(self, fp32_bytes: float) -> float:
+        """The memory budget in bytes.
+
+        Args:
+            fp32_bytes: the all-FP32 plan's bytes, which a fractional budget is a fraction of.
+
+        Returns:
+            Bytes a plan may hold per step; ``inf`` when the budget is open.
+        """
         if self.memory is None:
             return float("inf")
         return float(self.memory) if isinstance(self.memory, int) else float(self.memory) * fp32_bytes  # a str was parsed to bytes
 
     def loss_increase(self, baseline_loss: "float | None") -> float:
+        """The accuracy budget as an absolute loss increase.
+
+        Args:
+            baseline_loss: the FP32 loss a relative budget is a fraction of (its magnitude is
+                used); unused by an absolute or open budget.
+
+        Returns:
+            The loss increase a plan may add, in the loss's units; ``inf`` when the budget is open.
+
+        Raises:
+            SearchError: a relative budget with ``baseline_loss`` None.
+        """
         if self.accuracy is None:
             return float("inf")
         if not self.accuracy_relative:
@@ -393,8 +413,19 @@ class SearchSpace:
         raise SearchError(f"recompute block {name!r} is not one of the search space's blocks ({known})")
 
     def recompute_effect(self, assignment: Mapping[str, Format], recompute: Iterable[str]) -> Choice:
-        """What recomputing the blocks ``recompute`` changes in ``assignment``'s totals: bytes
-        freed (negative), seconds of the extra forwards, no loss."""
+        """What recomputing some blocks changes in an assignment's totals.
+
+        Args:
+            assignment: unit name -> format (a `Format` or its name), for at least the units
+                with layers in the blocks.
+            recompute: names of blocks of this space.
+
+        Returns:
+            A `Choice`: bytes freed (negative), seconds of the extra forwards, loss 0.
+
+        Raises:
+            SearchError: a name that is not a block of this space.
+        """
         freed = seconds = 0.0
         for name in recompute:
             block = self._block(name)
@@ -407,8 +438,19 @@ class SearchSpace:
         return Choice(-freed, seconds, 0.0)
 
     def totals(self, assignment: Mapping[str, Format], recompute: Iterable[str] = ()) -> Choice:
-        """Summed cost of ``assignment`` (unit name -> format), plus the fixed costs, with the
-        blocks named in ``recompute`` recomputed (`recompute_effect`)."""
+        """Summed cost of an assignment, plus the fixed costs, with some blocks recomputed.
+
+        Args:
+            assignment: unit name -> format (a `Format` or its name), for every unit.
+            recompute: names of blocks of this space to recompute (`recompute_effect`).
+
+        Returns:
+            The totals as a `Choice` (bytes, seconds per step, predicted loss increase); an
+            all-FP32 assignment recomputing nothing totals exactly ``fp32_bytes`` when given.
+
+        Raises:
+            SearchError: a name in ``recompute`` that is not a block of this space.
+        """
         total = self.fixed_total
         for unit in self.units:
             total = total + unit.choices[Format.parse(assignment[unit.name])]
@@ -418,10 +460,19 @@ class SearchSpace:
         return total + self.recompute_effect(assignment, recompute) if recompute else total
 
     def fixing_recompute(self, recompute: Iterable[str]) -> "SearchSpace":
-        """This space with the blocks ``recompute`` always recomputed and no block left to
-        choose: each unit's choices and the fixed cost take in what recomputing them frees and
-        costs, so its totals are this space's with ``recompute`` (a formats-only search around
-        one recompute set: `search.refine`)."""
+        """This space with some blocks always recomputed and no block left to choose: each
+        unit's choices and the fixed cost take in what recomputing them frees and costs (a
+        formats-only search around one recompute set: `search.refine`).
+
+        Args:
+            recompute: names of blocks of this space.
+
+        Returns:
+            A new space whose totals are this space's with ``recompute``; this one is unchanged.
+
+        Raises:
+            SearchError: a name that is not a block of this space.
+        """
         recompute = tuple(recompute)
         extra = {u.name: {f: ZERO for f in u.choices} for u in self.units}
         fixed = self.fixed_total
@@ -439,24 +490,58 @@ class SearchSpace:
         return out
 
     def layer_formats(self, assignment: Mapping[str, Format]) -> dict[str, Format]:
-        """fqn -> format for every layer, from a unit assignment."""
+        """Every layer's format, from a unit assignment.
+
+        Args:
+            assignment: unit name -> format (a `Format` or its name), for every unit.
+
+        Returns:
+            fqn -> `Format` for every layer of the space, unit by unit.
+        """
         return {fqn: Format.parse(assignment[unit.name]) for unit in self.units for fqn in unit.layers}
 
     def extreme(self, field: str) -> dict[str, Format]:
-        """The assignment minimising one field (``bytes``, ``seconds`` or ``loss``) unit by unit."""
+        """The assignment minimising one field unit by unit (fixed costs and blocks aside).
+
+        Args:
+            field: ``"bytes"``, ``"seconds"`` or ``"loss"`` (a `Choice` field).
+
+        Returns:
+            Unit name -> the format with the least ``field`` (the first in the unit's order on
+            a tie).
+        """
         return {u.name: min(u.choices, key=lambda f: getattr(u.choices[f], field)) for u in self.units}
 
     def uniform(self, fmt: Format) -> "dict[str, Format] | None":
-        """Every unit in ``fmt``, or None when some unit may not take it."""
+        """The assignment putting every unit in one format.
+
+        Args:
+            fmt: a `Format` or its name.
+
+        Returns:
+            Unit name -> ``fmt``, or None when some unit may not take it.
+
+        Raises:
+            FormatError: an unknown format name.
+        """
         fmt = Format.parse(fmt)
         if all(fmt in u.choices for u in self.units):
             return {u.name: fmt for u in self.units}
         return None
 
     def scaled(self, factors: Mapping[tuple[str, Format], Choice], fixed: Choice = Choice(1.0, 1.0, 1.0)) -> "SearchSpace":
-        """This space with unit u's choice in format f multiplied field by field by
-        ``factors[(u.name, f)]`` (1 where absent) and the fixed costs by ``fixed``: a corrected
-        proxy (`search.refine`). Same units, names and formats."""
+        """This space with its costs multiplied field by field: a corrected proxy
+        (`search.refine`). Same units, names and formats; blocks' freed bytes and seconds scale
+        with their units', their own ops' with the fixed costs.
+
+        Args:
+            factors: ``(unit name, Format) -> Choice`` of factors for that unit's choice (1 in
+                every field where absent).
+            fixed: the factors of the fixed costs.
+
+        Returns:
+            A new space; this one is unchanged.
+        """
         one = Choice(1.0, 1.0, 1.0)
 
         def times(c: Choice, k: Choice) -> Choice:

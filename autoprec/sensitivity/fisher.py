@@ -394,13 +394,34 @@ def estimate_sensitivity(
 ) -> Sensitivity:
     """Predicted loss increase per (layer, format) when only that layer runs in that format.
 
-    ``loss_fn(model, batch)`` returns the mean loss, or per-term losses (then their mean is the
-    loss and their count N scales the Fisher; see the module docstring, or pass ``loss_terms``).
-    ``formats``: candidates as names, `Format` or `LayerPrecision` (to set scaling/calibration).
-    ``layers``: fqns, a ``(module, fqn) -> bool`` filter, or None for every covered layer; layers
-    are traced from the model's inputs in the first batch unless ``example_inputs`` is given.
-    ``estimator`` defaults to `FisherEstimator()`. The model is left as it was (training flag,
-    ``.grad``, hooks); batches are kept in memory for the passes over them.
+    The model is left as it was (training flag, ``.grad``, hooks); batches are kept in memory for
+    the passes over them.
+
+    Args:
+        model: the model to estimate, on the device it trains on.
+        batches: a few batches (an iterable, read once into memory), each as ``loss_fn`` takes it.
+        loss_fn: ``loss_fn(model, batch)`` runs ``model`` on the batch and returns the mean
+            loss, or per-term losses (then their mean is the loss and their count N scales the
+            Fisher; see `FisherEstimator`, or pass ``loss_terms``).
+        formats: candidates as names, `Format` or `LayerPrecision` (to set scaling/calibration),
+            each format once.
+        layers: fqns, a ``(module, fqn) -> bool`` filter, or None for every covered layer.
+        example_inputs: the model's inputs to trace the layers from (None: those ``loss_fn``
+            passes the model on the first batch, one more forward).
+        estimator: the `SensitivityEstimator` (None: `FisherEstimator()`).
+        loss_terms: for a scalar loss, the number of terms N it is the mean over: an int or
+            ``batch -> int`` (None: 1, magnitudes too small by N).
+
+    Returns:
+        The `Sensitivity`: ``(fqn, Format) -> predicted increase of the mean loss`` (the loss's
+        units), the sum of its ``forward`` and ``grad`` parts.
+
+    Raises:
+        SensitivityError: no batches, an unknown or repeated format, no covered layer, an fqn
+            that is not a layer, a filter that keeps none, a loss that is not a finite floating
+            tensor, a ``loss_fn`` that never calls the model, a bad ``loss_terms`` or
+            ``estimator``, or a runtime that cannot run one layer in one format.
+        PlanError: the device cannot run a candidate format at all.
     """
     return _estimator(estimator).estimate(resolve_problem(model, batches, loss_fn, formats, layers, example_inputs, loss_terms))
 

@@ -53,6 +53,30 @@ def measure_sensitivity(
     against increases of 1e-5 to 1e-3). The second-order part is what is left: label-free for a
     cross-entropy on logits, where it is exactly ``KL(p_fp32 ‖ p_q)`` (the expected increase
     with targets drawn from the model), and what the Fisher forward term predicts.
+
+    Args:
+        model: the model to measure, on the device it trains on; left in its training
+            mode when this returns.
+        batches: a few batches (an iterable, read once into memory), each as ``loss_fn`` takes it.
+        loss_fn: ``loss_fn(model, batch)`` runs ``model`` on the batch and returns the mean
+            loss, or per-term losses (their mean is taken).
+        formats: candidates as names, `Format` or `LayerPrecision` (to set scaling/calibration),
+            each format once.
+        layers: fqns, a ``(module, fqn) -> bool`` filter, or None for every covered layer.
+        example_inputs: the model's inputs to trace the layers from (None: those ``loss_fn``
+            passes the model on the first batch, one more forward).
+        calibration_batches: the batches INT8 candidates calibrate on (None: ``batches``).
+
+    Returns:
+        The `Sensitivity`: ``(fqn, Format) -> increase`` of the mean loss (the loss's units),
+        with the parts ``increase``, ``first_order`` and ``second_order``.
+
+    Raises:
+        SensitivityError: no batches, an unknown or repeated format, no covered layer, an fqn
+            that is not a layer, a filter that keeps none, a loss that is not a finite floating
+            tensor, a ``loss_fn`` that never calls the model, or a runtime that cannot run one
+            layer in one format.
+        PlanError: the device cannot run a candidate format at all.
     """
     calibration = tuple(calibration_batches) if calibration_batches is not None else None
     problem = resolve_problem(model, batches, loss_fn, formats, layers, example_inputs, None, None if calibration is None else len(calibration))
