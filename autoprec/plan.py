@@ -4,9 +4,9 @@ A plan maps fully qualified module names to `LayerPrecision` (format, scaling, c
 the reason for the choice). It holds no runtime state: amax histories and calibrated scales live
 in the runtime (`autoprec.runtime`), which can be saved and restored on its own.
 
-JSON layout (``schema_version`` 2)::
+JSON layout (``schema_version`` 3)::
 
-    {"schema_version": 2, "autoprec_version": "...",
+    {"schema_version": 3, "autoprec_version": "...",
      "fingerprint": {fqn: {"module": "Linear", "ops": ["linear"], "params": {"weight": [o, i]}}},
      "budgets": {...}, "predicted": {...}, "measured": {...}, "metadata": {...},
      "layers": {fqn: {"format": "fp8_e4m3", "grad_format": "fp8_e5m2",

@@ -6,6 +6,7 @@ The concerns, one module each, over one shared trace:
   layouts, which arguments are weights) and what autograd saves, per layer;
 - `memory`: bytes per (layer, format) from those shapes: weight copies, activations saved for
   backward, gradient buffers (checked against ``saved_tensors_hooks`` measurements in the tests);
+- `times_cache`: the in-place times cached per model, device and scaling (JSON);
 - `inplace`: seconds per (layer, format) measured in place, over real training steps under each
   format's uniform plan (what `CostModel.build` uses by default);
 - `product_times`: seconds per (call, format), measured on the device by replaying each call under

@@ -27,26 +27,24 @@ step times of the uniform plans on a workload, ranked.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import warnings
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
-from .._io import atomic_write_text
 from ..blocks import layers_of_blocks
 from ..device import format_support
 from ..errors import CostModelError
 from ..formats import Format
-from ..plan import LayerPrecision, Plan, Scaling
+from ..plan import LayerPrecision, Plan
 from ..runtime import EmulationWarning, apply_plan, removing
 from .inplace import InPlaceTimes, measure_in_place
 from .memory import layer_memory
 from .product_times import MeasuredTimeModel, RooflineTimeModel, TimeEstimate, TimeModel
+from .times_cache import load_times, save_times, scaling_key
 from .trace import ModelTrace, saved_bytes_by_layer, trace_model, trace_roles
 
 __all__ = ["DEFAULT_FORMATS", "TimingSettings", "LayerCost", "PlanCost", "BlockCost", "CostModel"]
@@ -253,18 +251,33 @@ class CostModel:
     ) -> "CostModel":
         """Trace ``model`` on ``example_inputs`` and cost every layer in ``formats``.
 
-        ``loss_fn(model, example_inputs) -> loss``: the step's loss (default: the mean of the
-        floating outputs). ``blocks``: fqns of recompute units (`autoprec.blocks.find_blocks`)
-        to cost (`BlockCost`); their forwards are timed in the same steps and kept in the
-        ``times_file`` with the layers' times. ``timing``: how the seconds are got
-        (`TimingSettings`; default: every layer timed in place). ``precisions``: format -> the
-        `LayerPrecision` a layer in it is timed, costed and planned in (a scaling other than the
-        default, e.g. block-scaled FP8; the times file keys on it); default each format's own.
-
         Cost: one FP32 forward (trace), one low-precision forward per role of layer + 1 (bytes
         saved between layers; `trace_roles`), and the timed steps (FP32 only with a
         ``time_model``); with ``blocks``, two more forwards per kind of block and two per run
         (the bytes it frees, per region). The model is left unchanged.
+
+        Args:
+            model: the model to cost, on the device it will train on.
+            example_inputs: one batch's inputs (one input, a tuple, a dict of keyword inputs or
+                a `calls.ModelCall`); its shapes are the ones costed.
+            loss_fn: ``loss_fn(model, example_inputs) -> loss`` (None: the mean of the floating outputs).
+            formats: the formats costed up front; another is estimated when first asked.
+            blocks: fqns of recompute units (`autoprec.blocks.find_blocks`) to cost
+                (`BlockCost`); their forwards are timed in the same steps and kept in the
+                ``times_file`` with the layers' times.
+            timing: how the seconds are got (`TimingSettings`; default: every layer timed in place).
+            precisions: format -> the `LayerPrecision` a layer in it is timed, costed and planned
+                in (a scaling other than the default, e.g. block-scaled FP8; the times file keys
+                on it); default each format's own.
+
+        Returns:
+            The cost model.
+
+        Raises:
+            CostModelError: ``timing`` is not a `TimingSettings`, ``formats`` is empty, the model
+                runs no matrix product, a block is no module or holds no traced layer, or the
+                FP32 step fails in place.
+            FormatError: an unknown format name.
         """
         if not isinstance(timing, TimingSettings):
             raise CostModelError(
@@ -284,14 +297,14 @@ class CostModel:
             layers = list(trace.layers)
             chosen = {f: (precisions or {}).get(f, LayerPrecision(f)) for f in timed}
             plans = {f: Plan({fqn: _steady(chosen[f]) for fqn in layers}) for f in timed}
-            scaling = _scaling_key(chosen)
-            loaded = _load_times(times_file, layers, timed, trace.device, list(block_layers), scaling)
+            scaling = scaling_key(chosen)
+            loaded = load_times(times_file, layers, timed, trace.device, list(block_layers), scaling)
             if loaded is not None:
                 in_place = loaded
             else:
                 in_place = measure_in_place(model, [example_inputs], plans, layers, loss_fn, warmup=timing.warmup_steps,
                                             steps=timing.timed_steps, blocks=list(block_layers), roles=roles)
-                _save_times(times_file, layers, in_place, trace.device, list(block_layers), scaling)
+                save_times(times_file, layers, in_place, trace.device, list(block_layers), scaling)
             if Format.FP32 not in in_place:
                 raise CostModelError("CostModel.build: the FP32 training step failed in place; check loss_fn and example_inputs")
         if time_model is None:
@@ -317,8 +330,19 @@ class CostModel:
         output makes the ops after it save FP32; half inputs are upcast copies). The extra is
         measured against half-precision neighbours, the most it can be, so predictions err on
         the side of more memory. A generator: one forward (autograd on, no backward) per unit,
-        the region first, then one per layer, or per role with ``roles`` (fqn -> `layer_roles`:
-        a layer takes the figure of the first layer of its role).
+        the region first, then one per layer, or per role with ``roles``. Sets
+        ``rest_saved_bytes`` and ``fp32_in_region_bytes``; on a device with no half format it
+        measures nothing.
+
+        Args:
+            model: the model this cost model was built from.
+            example_inputs: the inputs it was built on.
+            loss_fn: the loss it was built with (None: the mean of the floating outputs).
+            roles: fqn -> its role (`trace_roles`): a layer takes the figure of the first layer
+                of its role; None: each layer measured.
+
+        Yields:
+            ``"region"`` after the region's forward, then each layer's fqn once measured.
         """
         fmt = next((f for f in (Format.BF16, Format.FP16) if format_support(f, self.device).runnable), None)
         if fmt is None:
@@ -372,9 +396,19 @@ class CostModel:
         of one class whose layers have the same roles (a decoder's identical layers) save the
         same tensors, so the first of a kind is measured and the others take its figures:
         O(kinds) forwards of O(layers) each, where one per block made the stage quadratic in
-        depth. A generator yielding ``"block forward"`` after each forward and each block's fqn
-        once costed; the in-place times (when measured) must be set before, since the block's
-        own forward seconds are taken from them."""
+        depth. The in-place times (when measured) must be set before, since the block's own
+        forward seconds are taken from them.
+
+        Args:
+            model: the model this cost model was built from.
+            example_inputs: the inputs it was built on.
+            loss_fn: the loss it was built with (None: the mean of the floating outputs).
+            blocks: block fqn -> the traced layers it holds.
+            roles: fqn -> its role (`trace_roles`); None: each block measured.
+
+        Yields:
+            ``"block forward"`` after each forward, and each block's fqn once costed.
+        """
         if not blocks:
             return
         regions = [Format.FP32] + ([self.region_format] if self.region_format is not None else [])
@@ -411,8 +445,20 @@ class CostModel:
         return max(0.0, times.block_seconds[fqn] - sum(times.forward_seconds.get(layer, 0.0) for layer in layers))
 
     def layer_forward_seconds(self, fqn: str, fmt: "Format | str") -> float:
-        """Seconds of one forward of layer ``fqn`` in ``fmt`` (its share of one more forward of a
-        recomputed block): timed in place when ``fmt`` was, else derived (`BlockCost`)."""
+        """Seconds of one forward of a layer (its share of one more forward of a recomputed
+        block): timed in place when the format was, else derived (`BlockCost`).
+
+        Args:
+            fqn: a traced layer.
+            fmt: its format (a `Format` or its name).
+
+        Returns:
+            Seconds of one forward.
+
+        Raises:
+            CostModelError: ``fqn`` is not a traced layer.
+            FormatError: an unknown format name.
+        """
         fmt = Format.parse(fmt)
         times = self.in_place.get(fmt)
         if times is not None and fqn in times.forward_seconds:
@@ -432,13 +478,34 @@ class CostModel:
         return tuple(self.trace.layers)
 
     def precision(self, fmt: "Format | str", reason: str = "") -> LayerPrecision:
-        """``fmt`` as this model costs it (its ``precisions``, else the format's default)."""
+        """A format as this model costs it.
+
+        Args:
+            fmt: a `Format` or its name.
+            reason: the returned precision's ``reason``.
+
+        Returns:
+            Its `LayerPrecision`: the model's ``precisions`` entry, else the format's default.
+
+        Raises:
+            FormatError: an unknown format name.
+        """
         fmt = Format.parse(fmt)
         lp = self.precisions.get(fmt)
         return LayerPrecision(fmt, reason=reason) if lp is None else dataclasses.replace(lp, reason=reason)
 
     def uniform_plan(self, fmt: "Format | str") -> Plan:
-        """Every traced layer in ``fmt`` (the traced layers are exactly the plan's layers)."""
+        """Every traced layer in one format (the traced layers are exactly the plan's layers).
+
+        Args:
+            fmt: a `Format` or its name, costed as `precision` gives it.
+
+        Returns:
+            The plan (without a fingerprint).
+
+        Raises:
+            FormatError: an unknown format name.
+        """
         fmt = Format.parse(fmt)
         return Plan({fqn: self.precision(fmt, f"uniform {fmt.value} plan") for fqn in self.trace.layers})
 
@@ -461,9 +528,22 @@ class CostModel:
             raise CostModelError(f"layer_cost({fqn!r}): not a layer of the traced model; layers are {known}{', ...' if len(self.trace.layers) > 6 else ''}") from None
 
     def layer_cost(self, fqn: str, precision: "LayerPrecision | Format | str") -> LayerCost:
-        """`LayerCost` of layer ``fqn`` in ``precision`` (a format, costed as `precision` gives it,
-        or a `LayerPrecision` whose scaling changes the bytes of saved scales; times are those of
-        the format as the model was built: in place in its ``precisions``)."""
+        """The bytes and seconds of one layer in one precision. A format not costed before is
+        estimated first (per-call replays: `TimingSettings`).
+
+        Args:
+            fqn: a traced layer.
+            precision: a format (a `Format` or its name, costed as `precision` gives it), or a
+                `LayerPrecision` whose scaling changes the bytes of saved scales; times are those
+                of the format as the model was built (in place in its ``precisions``).
+
+        Returns:
+            The `LayerCost` (bytes held per step; seconds per step, forward and backward).
+
+        Raises:
+            CostModelError: ``fqn`` is not a traced layer.
+            FormatError: an unknown format name.
+        """
         layer = self._layer(fqn)
         if not isinstance(precision, LayerPrecision):
             precision = self.precision(precision)
@@ -486,14 +566,20 @@ class CostModel:
             time_source="; ".join(sources),
         )
 
-    def call_seconds(self, fqn: str, fmt: "Format | str") -> list[tuple[str, float, str]]:
-        """``(op, seconds, source)`` for each matrix product of layer ``fqn`` in ``fmt``."""
-        fmt = Format.parse(fmt)
-        self._ensure_times([fmt])
-        return [(call.op, self._times[(call.key, fmt)].seconds, self._times[(call.key, fmt)].source) for call in self._layer(fqn).calls]
-
     def plan_cost(self, plan: Plan) -> PlanCost:
-        """Predicted bytes and step seconds of ``plan``; it must name exactly the traced layers."""
+        """Predicted bytes and step seconds of a plan.
+
+        Args:
+            plan: a plan naming exactly the traced layers (e.g. from `uniform_plan`) and
+                recomputing only blocks this model costed.
+
+        Returns:
+            The `PlanCost` (bytes held per step, seconds per step, recomputation included).
+
+        Raises:
+            CostModelError: the plan's layers differ from the traced ones, or it recomputes a
+                block not costed.
+        """
         unknown = sorted(set(plan.layers) - set(self.trace.layers))
         missing = [fqn for fqn in self.trace.layers if fqn not in plan.layers]
         problems = [f"{fqn!r}: ran no matrix product in the traced forward" for fqn in unknown]
@@ -526,12 +612,34 @@ class CostModel:
         return self.plan_cost(self.uniform_plan(Format.FP32)).bytes
 
     def table(self, formats: Optional[Iterable["Format | str"]] = None) -> dict[str, dict[Format, LayerCost]]:
-        """``fqn -> {format: LayerCost}`` for every layer (default: the model's formats)."""
+        """Every layer's cost in each of some formats.
+
+        Args:
+            formats: the formats (`Format` or names); None: the model's ``formats``.
+
+        Returns:
+            ``fqn -> {format: LayerCost}``, layers in model order.
+
+        Raises:
+            FormatError: an unknown format name.
+        """
         formats = tuple(Format.parse(f) for f in formats) if formats is not None else self.formats
         return {fqn: {f: self.layer_cost(fqn, f) for f in formats} for fqn in self.trace.layers}
 
     def describe(self, fqns: Optional[Sequence[str]] = None, formats: Optional[Iterable["Format | str"]] = None) -> str:
-        """A text table: per layer and format, milliseconds per step and saved kilobytes."""
+        """A text table: per layer and format, milliseconds per step and saved kilobytes.
+
+        Args:
+            fqns: the layers, as rows (None: every traced layer).
+            formats: the formats, as columns (None: the model's ``formats``).
+
+        Returns:
+            The table, one line per layer under two header lines.
+
+        Raises:
+            CostModelError: a name in ``fqns`` is not a traced layer.
+            FormatError: an unknown format name.
+        """
         formats = tuple(Format.parse(f) for f in formats) if formats is not None else self.formats
         fqns = list(fqns) if fqns is not None else list(self.trace.layers)
         width = max(len(f) for f in fqns + ["layer"])
@@ -569,45 +677,3 @@ def _block_layers(model: nn.Module, trace: ModelTrace, blocks: Sequence[str]) ->
             raise CostModelError(f"CostModel.build(blocks=...): {fqn!r} holds no traced layer, so recomputing it frees nothing; drop it")
         out[fqn] = inside
     return out
-
-
-def _times_key(layers: Sequence[str], device: Any, blocks: Sequence[str] = (), scaling: "Mapping[str, Any] | None" = None) -> dict:
-    # Blocks and non-default scalings join the key only when there are some, so caches written
-    # without any stay valid.
-    return {"layers": list(layers), "device": str(device), **({"blocks": list(blocks)} if blocks else {}),
-            **({"scaling": dict(scaling)} if scaling else {})}
-
-
-def _scaling_key(precisions: "Mapping[Format, LayerPrecision]") -> dict:
-    """The formats timed in a non-default scaling, as the times file records them."""
-    default = Scaling()
-    return {f.value: lp.to_dict()["scaling"] for f, lp in precisions.items() if lp.scaling != default}
-
-
-def _load_times(path, layers: Sequence[str], formats: Sequence[Format], device: Any,
-                blocks: Sequence[str] = (), scaling: "Mapping[str, Any] | None" = None) -> "dict[Format, InPlaceTimes] | None":
-    """In-place times saved by `_save_times` for exactly these layers and device, covering every
-    format in ``formats``; None when there are none (or the file is another model's)."""
-    if path is None or not Path(path).is_file():
-        return None
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-        key = _times_key(layers, device, blocks, scaling)
-        if {k: data.get(k) for k in ("layers", "device", "blocks", "scaling")} != {"blocks": None, "scaling": None, **key}:
-            return None
-        times = {Format.parse(f): InPlaceTimes(t["step_seconds"], t["layer_seconds"], t["extrapolated"],
-                                               dict(t.get("forward_seconds", {})), dict(t.get("block_seconds", {})))
-                 for f, t in data["times"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-        # A cache: damaged (a hand edit, a crash of another tool), it is measured again and rewritten.
-        logger.warning("ignoring the damaged timing cache %s (%s: %s); the layers are timed again and it is rewritten", path, type(exc).__name__, exc)
-        return None
-    return times if all(f in times for f in formats) else None
-
-
-def _save_times(path, layers: Sequence[str], times: "dict[Format, InPlaceTimes]", device: Any, blocks: Sequence[str] = (),
-                scaling: "Mapping[str, Any] | None" = None) -> None:
-    if path is None:
-        return
-    data = {**_times_key(layers, device, blocks, scaling), "times": {f.value: dataclasses.asdict(t) for f, t in times.items()}}
-    atomic_write_text(Path(path), json.dumps(data, indent=1))

@@ -163,12 +163,12 @@ def test_a_uniform_plan_of_a_model_without_matrix_products_is_refused_at_creatio
 
 @pytest.mark.parametrize("text", ["{not json", "[]", '{"layers": ["0", "2"], "device": "cpu", "times": {"bf16": 5}}', "[" * 100_000])
 def test_a_damaged_timing_cache_is_ignored_with_a_warning(tmp_path, caplog, text):
-    from autoprec.costs.model import _load_times
+    from autoprec.costs.times_cache import load_times
 
     path = tmp_path / "costs.json"
     path.write_text(text, encoding="utf-8")
     with caplog.at_level("WARNING", logger="autoprec.costs.model"):
-        assert _load_times(path, ["0", "2"], ["bf16"], "cpu") is None
+        assert load_times(path, ["0", "2"], ["bf16"], "cpu") is None
     assert "ignoring the damaged timing cache" in caplog.text and "costs.json" in caplog.text
 
 
