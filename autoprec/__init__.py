@@ -1,10 +1,10 @@
 """autoprec: per-layer training precision for PyTorch, searched and applied for real."""
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
-import importlib  # noqa: E402
+import importlib
 
-from .errors import (  # noqa: E402
+from .errors import (
     AutoprecError,
     BenchConfigError,
     CostModelError,
@@ -27,11 +27,11 @@ from .errors import (  # noqa: E402
     UserCodeError,
     WorkloadError,
 )
-from .formats import Format, Granularity  # noqa: E402
-from .plan import Calibration, CalibrationMethod, LayerPrecision, Plan, Scaling, ScalingMode  # noqa: E402
-from .blocks import find_blocks  # noqa: E402
-from .runtime import EmulationWarning, PlanRuntime, apply_plan  # noqa: E402
-from .workload import TrainStep, Workload, load_workload  # noqa: E402
+from .formats import Format, Granularity
+from .plan import Calibration, CalibrationMethod, LayerPrecision, Plan, Scaling, ScalingMode
+from .blocks import find_blocks
+from .runtime import EmulationWarning, PlanRuntime, apply_plan
+from .workload import TrainStep, Workload, load_workload
 
 # Heavier parts load on first use (Optuna, scipy, TensorBoard, the sensitivity machinery).
 _LAZY = {

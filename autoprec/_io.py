@@ -6,6 +6,8 @@ import os
 import secrets
 from pathlib import Path
 
+from ._version import __version__
+
 __all__ = ["atomic_write_text"]
 
 
@@ -45,8 +47,6 @@ def check_schema_version(data, source: str, artifact: str, current: int, error: 
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise error(f"{source}: schema_version must be a positive integer, got {version!r}")
     if version > current:
-        from . import __version__
-
         raise error(
             f"{source}: schema_version {version} is not supported by autoprec {__version__} "
             f"(it reads 1..{current}); upgrade autoprec to read newer {artifact}s"

@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 
 from tqdm import tqdm
 
-from . import __version__
+from ._version import __version__
 from .errors import AutoprecError, UserCodeError
 
 __all__ = ["main"]

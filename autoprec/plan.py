@@ -36,7 +36,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import torch.nn as nn
 
-from . import __version__
+from ._version import __version__
 from ._io import atomic_write_text, check_schema_version
 from .coverage import LayerInfo, ModuleFilter, changed_shapes, covered_layers, find_layers, layer_name
 from .device import KERNEL_OPS, block_support, format_support

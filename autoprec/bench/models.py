@@ -41,7 +41,7 @@ from typing import Any, Callable, Mapping, Optional, cast
 import torch
 import torch.nn as nn
 
-from .. import __version__
+from .._version import __version__
 from .._io import atomic_write_text
 from ..calls import ModelCall
 from ..device import resolve_device

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
-from .. import __version__
+from .._version import __version__
 from .._io import atomic_write_text
 from ..device import resolve_device
 from ..formats import Format, Granularity

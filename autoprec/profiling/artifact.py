@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch.nn as nn
 
-from .. import __version__
+from .._version import __version__
 from .._io import atomic_write_text, check_schema_version
 from ..coverage import LayerInfo, changed_shapes, covered_layers, layer_name
 from ..errors import ProfileError

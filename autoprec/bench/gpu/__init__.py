@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ... import __version__
+from ..._version import __version__
 from ..._io import atomic_write_text
 from .._common import device_info, json_safe
 from ...device import resolve_device
