@@ -34,6 +34,7 @@ made for) is not recognised either: apply the plan to each stage's module, as a 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
 from types import FrameType, ModuleType
@@ -43,7 +44,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["inferring", "in_metadata_inference", "loaded", "watch", "leave"]
+__all__ = ["inferring", "in_metadata_inference", "in_stage", "loaded", "watch", "leave"]
 
 _STAGE = "torch.distributed.pipelining.stage"
 # The PipelineStage methods that run the stage's module to infer shapes, per torch version:
@@ -84,6 +85,20 @@ def in_metadata_inference(frame: "FrameType | None") -> bool:
     codes = _codes(stage)
     while frame is not None:
         if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def in_stage(frame: "FrameType | None") -> bool:
+    """Whether ``frame`` or a frame above it runs code of ``torch.distributed.pipelining`` (a
+    stage's forward or backward, run by a schedule). One walk up the stack."""
+    stage = sys.modules.get(_STAGE)
+    if stage is None or stage.__file__ is None:
+        return False
+    folder = os.path.dirname(stage.__file__)
+    while frame is not None:
+        if os.path.dirname(frame.f_code.co_filename) == folder:
             return True
         frame = frame.f_back
     return False

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import sys
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -48,6 +49,7 @@ from ..distributed import RankAgreement, grad_comm_methods
 from ..errors import InfeasibleBudgetError, RuntimeStateError, SettingsError
 from ..monitoring import TrainingWriter
 from ..plan import Plan
+from ..runtime import pipelining
 from ..runtime.fsdp_fp8 import Fp8AllGather
 from ..scaling import LossScaler
 from ..search.in_run import TrainingSearch
@@ -123,6 +125,7 @@ class DynamicPrecisionScheduler:
         self._optimizers: tuple = ()  # the last step()'s
         self._context_stack: Optional[contextlib.ExitStack] = None
         self._backward_due = False  # a forward with autograd ran since the last backward
+        self._pipeline_stage = False  # the bound model runs as a torch.distributed.pipelining stage
         self._writer: Optional[TrainingWriter] = None  # opened on bind with log_dir, on one rank
         self._stance = CompiledStance(self._binding, self._plans, self._searches, self._measures, self._plan_checks)
 
@@ -322,7 +325,7 @@ class DynamicPrecisionScheduler:
                 forward, or after a forward whose backward has not run.
         """
         self._checks.refuse_step(optimizers, self._binding.model, forward_ran=self._binding.example is not None,
-                                 reusing=self._plans.reusing, backward_due=self._backward_due)
+                                 reusing=self._plans.reusing, backward_due=self._backward_due, pipeline_stage=self._pipeline_stage)
         self._optimizers = optimizers  # a search starting this step reads their Adam state
         if self._gathers is not None:
             self._gathers.before_step()  # FSDP2: a plan installed mid-step gathers in FP8 from now
@@ -371,7 +374,7 @@ class DynamicPrecisionScheduler:
         self.layers = tuple(self._fingerprint)
         check_layers(model, self.layers, self.config)
         self._dist = dist = RankAgreement.join(self.config, model, self.layers, self._binding.ddp, loss_scale=lambda: self._plans.scaler.scale_tensor)
-        if dist is not None:
+        if dist is not None and not self._pipeline_stage:  # a stage's peers are in the schedule's recv: no collective here
             dist.check_bind(self.config, self._fixed_plan)
             dist.set_grad_comm(*grad_comm_methods(self.config, None))
         self._gathers = GatherSwitch.join(model)
@@ -394,6 +397,7 @@ class DynamicPrecisionScheduler:
     def _bind(self, model: nn.Module, example: ModelCall, at_end: bool) -> None:
         """Bind afresh to ``model`` by its call ``example`` (``at_end``: that call ran unplanned)."""
         check_materialised(model)
+        self._pipeline_stage = pipelining.in_stage(sys._getframe())  # called by a pipeline schedule: refused at step()
         if self._fixed_plan is not None:
             self._fixed_plan.validate(model, example)  # a plan for another model: PlanError naming each layer
         self._attach(model, example)

@@ -24,13 +24,21 @@ if TYPE_CHECKING:
     from ..plan import Plan
     from ..scaling import LossScaler
 
-__all__ = ["SKIPS_BEFORE_WARNING", "StepChecks"]
+__all__ = ["PIPELINE_REFUSAL", "SKIPS_BEFORE_WARNING", "StepChecks"]
 
 logger = logging.getLogger(__name__)
 
 # Steps skipped in a row before a warning (then again at each doubling): a few skips are loss
 # scaling doing its job, ten in a row mean the model diverges at this precision.
 SKIPS_BEFORE_WARNING = 10
+
+
+# A schedule of torch.distributed.pipelining runs each stage's forward and backward itself: the
+# scheduler's loss scaling, skip decision and search need the loss each step, which only the last
+# stage sees. What runs: a plan applied to each stage's module (tested bit for bit).
+PIPELINE_REFUSAL = ("step(): the model runs as a torch.distributed.pipelining stage, where the scheduler does not run yet (its loss scaling, "
+                    "skip decision and search need the loss, which only the last stage sees); apply a plan to each stage instead: "
+                    "runtime = autoprec.apply_plan(stage_module, plan), then `with runtime: schedule.step(...)` (docs/distributed.md)")
 
 
 class StepChecks:
@@ -40,11 +48,16 @@ class StepChecks:
         self._optimizers_seen: set[int] = set()  # ids of optimizers whose parameters were checked
         self._skips_in_row = 0
 
-    def refuse_step(self, optimizers: Sequence[Any], model: Optional[nn.Module], *, forward_ran: bool, reusing: bool, backward_due: bool) -> None:
+    def refuse_step(self, optimizers: Sequence[Any], model: Optional[nn.Module], *, forward_ran: bool, reusing: bool, backward_due: bool,
+                    pipeline_stage: bool = False) -> None:
         """`RuntimeStateError` for a ``step()`` call that cannot be taken: no optimizer, inside
         `reusing_weights` (``reusing``), before any forward (not ``forward_ran``), after a forward
-        whose backward has not run (``backward_due``); or an optimizer of ``model`` (the bound
-        model) refused by `check_optimizer`."""
+        whose backward has not run (``backward_due``), on a model a pipeline schedule runs
+        (``pipeline_stage``: refused on every stage, where each arrives after the schedule's step,
+        so no stage waits on another); or an optimizer of ``model`` (the bound model) refused by
+        `check_optimizer`."""
+        if pipeline_stage:
+            raise RuntimeStateError(PIPELINE_REFUSAL)
         if not optimizers:
             raise RuntimeStateError("step() needs the optimizer(s): scheduler.step(optimizer)")
         if reusing:
