@@ -28,7 +28,7 @@ from .errors import (  # noqa: E402
     WorkloadError,
 )
 from .formats import Format, Granularity  # noqa: E402
-from .plan import Calibration, CalibrationMethod, LayerPrecision, Plan, Scaling, ScalingMode  # noqa: E402
+from .plan import Calibration, CalibrationMethod, LayerPrecision, Plan, Reduction, Scaling, ScalingMode  # noqa: E402
 from .blocks import find_blocks  # noqa: E402
 from .runtime import EmulationWarning, PlanRuntime, apply_plan  # noqa: E402
 from .workload import TrainStep, Workload, load_workload  # noqa: E402
@@ -73,6 +73,7 @@ __all__ = [
     "LayerPrecision",
     "Scaling",
     "ScalingMode",
+    "Reduction",
     "Calibration",
     "CalibrationMethod",
     "find_blocks",
