@@ -28,7 +28,7 @@ from .errors import (
     WorkloadError,
 )
 from .formats import Format, Granularity
-from .plan import Calibration, CalibrationMethod, LayerPrecision, Plan, Scaling, ScalingMode
+from .plan import Calibration, CalibrationMethod, LayerPrecision, Plan, Reduction, Scaling, ScalingMode
 from .blocks import find_blocks
 from .runtime import EmulationWarning, PlanRuntime, apply_plan
 from .workload import TrainStep, Workload, load_workload
@@ -73,6 +73,7 @@ __all__ = [
     "LayerPrecision",
     "Scaling",
     "ScalingMode",
+    "Reduction",
     "Calibration",
     "CalibrationMethod",
     "find_blocks",

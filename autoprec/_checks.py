@@ -82,20 +82,15 @@ def check_fields(obj: Any, where: str, rules: Mapping[str, "tuple[Check, str]"],
 
 
 def choice(options: Any) -> Check:
-    """A check of one of ``options``: an enum class (a member or its value, held as the member)
-    or a tuple of values."""
+    """A check of one of ``options``, an enum class: a member or its value, held as the member."""
 
     def check(value: Any) -> Any:
-        if isinstance(options, tuple):
-            if isinstance(value, str) and value in options:
-                return value
-            raise ValueError(value)
         return options(value)
 
     return check
 
 
 def choices(options: Any) -> str:
-    """``options`` (an enum class or a tuple of values) as an error says them: "'a', 'b' or 'c'"."""
+    """``options`` (an enum class) as an error says them: "'a', 'b' or 'c'"."""
     names = [repr(getattr(o, "value", o)) for o in options]
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"

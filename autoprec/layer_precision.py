@@ -14,7 +14,7 @@ from ._checks import check_fields, choice, choices, integer, number, optional
 from .errors import FormatError, PlanError
 from .formats import Format, Granularity
 
-__all__ = ["ScalingMode", "CalibrationMethod", "Scaling", "Calibration", "LayerPrecision", "MAX_HISTORY_LEN", "parse_layer", "check_layer", "figure_problems"]
+__all__ = ["ScalingMode", "Reduction", "CalibrationMethod", "Scaling", "Calibration", "LayerPrecision", "MAX_HISTORY_LEN", "parse_layer", "check_layer", "figure_problems"]
 
 
 class ScalingMode(str, enum.Enum):
@@ -23,6 +23,18 @@ class ScalingMode(str, enum.Enum):
 
     DELAYED = "delayed"
     CURRENT = "current"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Reduction(str, enum.Enum):
+    """How delayed scaling reads its amax history (Transformer Engine's ``amax_compute_algo``).
+    MAX: the largest amax of the window (a spike keeps its range for ``history_len`` steps).
+    MOST_RECENT: the previous step's amax (follows drift at once, saturates on a rise)."""
+
+    MAX = "max"
+    MOST_RECENT = "most_recent"
 
     def __str__(self) -> str:
         return self.value
@@ -50,7 +62,6 @@ def _max_margin(fmt: Format) -> int:
     return math.floor(math.log2(fmt.max))
 
 
-_REDUCTIONS = ("max", "most_recent")
 # The largest margin of any scaled format; a layer's own format may allow less (`check_layer`).
 _ANY_MARGIN = max(_max_margin(f) for f in Format if f.needs_scale)
 
@@ -71,7 +82,7 @@ class Scaling:
     # cast. Delayed scaling saves that pass only inside a fused kernel and needs a history.
     mode: ScalingMode = ScalingMode.CURRENT
     history_len: int = 16  # Transformer Engine's default window is 1024; 16 reacts faster to drift
-    reduction: str = "max"
+    reduction: Reduction = Reduction.MAX  # a plan file holds its value, "max" or "most_recent"
     margin: int = 0  # scale targets fmt.max / 2**margin
 
     def __post_init__(self):
@@ -104,7 +115,7 @@ _RULES: dict[type, dict[str, tuple[Any, str]]] = {
         "granularity": (choice(Granularity), choices(Granularity)),
         "mode": (choice(ScalingMode), choices(ScalingMode)),
         "history_len": (integer(1, MAX_HISTORY_LEN), f"an integer from 1 to {MAX_HISTORY_LEN} (steps of amax history)"),
-        "reduction": (choice(_REDUCTIONS), choices(_REDUCTIONS)),
+        "reduction": (choice(Reduction), choices(Reduction)),
         "margin": (integer(0, _ANY_MARGIN), f"an integer from 0 to {_ANY_MARGIN} (the scale targets the format's max / 2**margin)"),
     },
     Calibration: {
@@ -219,7 +230,7 @@ _FIELD_CHOICES = {
     "granularity": tuple(g.value for g in Granularity),
     "mode": tuple(m.value for m in ScalingMode),
     "method": tuple(m.value for m in CalibrationMethod),
-    "reduction": ("max", "most_recent"),
+    "reduction": tuple(r.value for r in Reduction),
 }
 
 

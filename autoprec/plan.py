@@ -43,10 +43,10 @@ from .device import KERNEL_OPS, block_support, format_support
 from .errors import PlanError
 from .formats import PER_LAYER_COMM, CommMethod, Format, Granularity
 from .layer_precision import (
-    MAX_HISTORY_LEN, Calibration, CalibrationMethod, LayerPrecision, Scaling, ScalingMode, figure_problems, parse_layer,
+    MAX_HISTORY_LEN, Calibration, CalibrationMethod, LayerPrecision, Reduction, Scaling, ScalingMode, figure_problems, parse_layer,
 )
 
-__all__ = ["SCHEMA_VERSION", "ScalingMode", "CalibrationMethod", "Scaling", "Calibration", "LayerPrecision", "MAX_HISTORY_LEN", "Plan"]
+__all__ = ["SCHEMA_VERSION", "ScalingMode", "Reduction", "CalibrationMethod", "Scaling", "Calibration", "LayerPrecision", "MAX_HISTORY_LEN", "Plan"]
 
 SCHEMA_VERSION = 3  # 2: per-block recompute flags ("blocks"); 3: per-layer gradient communication ("comm")
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import autoprec.plan as plan_module
-from autoprec import Calibration, CalibrationMethod, Format, Granularity, LayerPrecision, Plan, PlanError, Scaling, ScalingMode
+from autoprec import Calibration, CalibrationMethod, Format, Granularity, LayerPrecision, Plan, PlanError, Reduction, Scaling, ScalingMode
 from autoprec.coverage import LayerInfo
 from autoprec.device import Support
 from autoprec.errors import SettingsError
@@ -272,6 +272,17 @@ def test_plan_with_every_field_round_trips_through_a_file(tmp_path):
 def test_round_trip_keeps_non_default_scaling(tmp_path):
     plan = rich_plan()
     assert Plan.load(plan.save(tmp_path / "plan.json"))["fc1"].scaling == plan["fc1"].scaling
+
+
+@pytest.mark.parametrize("reduction", ["max", "most_recent"])
+def test_a_reduction_is_held_as_its_enum_and_saved_as_its_string(tmp_path, reduction):
+    scaling = Scaling(mode="delayed", reduction=reduction)
+    assert scaling.reduction is Reduction(reduction) and scaling == Scaling(mode="delayed", reduction=Reduction(reduction))
+    path = Plan({"fc1": LayerPrecision("fp8_e4m3", scaling=scaling)}).save(tmp_path / "plan.json")
+    saved = json.loads(path.read_text())
+    assert saved["layers"]["fc1"]["scaling"]["reduction"] == reduction  # the plan file's string, as before the enum
+    assert Plan.load(path)["fc1"].scaling.reduction is Reduction(reduction)
+    assert json.loads(Plan.load(path).save(tmp_path / "again.json").read_text()) == saved
 
 
 def test_round_trip_keeps_non_default_calibration(tmp_path):

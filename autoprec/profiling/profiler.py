@@ -331,7 +331,7 @@ class LayerProfiler:
         flat = x.reshape(-1)
         sub = flat[::stride] if stride > 1 else flat
         # Current scaling uses this call's amax; delayed scaling the largest finite amax of the
-        # previous history_len steps, as the runtime's InputQuantizer with reduction "max" (a
+        # previous history_len steps, as the runtime's TensorDelayedQuantizer with reduction "max" (a
         # non-finite amax belongs to a skipped step and counts as zero); the first step has no
         # history and uses its own amax.
         if ts.first_step == step:

@@ -7,7 +7,7 @@ with no clamping; bin 0 holds zeros (and ``|x| < 2**-129``), bins 2040.. hold in
 tensor gets three: of ``|x|`` (``absolute``), of ``|x| / amax`` with the call's own amax
 (``current``) and of ``|x| / ref`` with the delayed-scaling reference ``ref``, the largest finite
 amax of the previous ``history_len`` steps (``delayed``; Transformer Engine's delayed recipe, as
-the runtime's `InputQuantizer` with reduction "max"; the layer's first step uses its own amax).
+the runtime's `TensorDelayedQuantizer` with reduction "max"; the layer's first step uses its own amax).
 
 Underflow / overflow, per candidate format (numbers from `Format`, never hard-coded):
 

@@ -38,9 +38,10 @@ import torch.nn.functional as F
 
 from ..formats import Format, block_amax, inverse_scale, quantize
 from .casts import call_casts
-from .gemm import pad_to_multiple
+from .gemm import kernel_bias, pad_to_multiple
 
 if TYPE_CHECKING:
+    from .quantizers import QuantizedOperand
     from .triton_cast import FusedCasts
 
 __all__ = [
@@ -139,14 +140,15 @@ class Fp8BlockLinear(torch.autograd.Function):
     """``x @ W.T + bias`` through three block-scaled GEMMs (module docstring).
 
     Inputs: ``x`` (M, K) any float dtype, ``weight`` (N, K) and ``bias`` (N,) or None (for
-    autograd: their gradients are returned), ``kernel_bias`` the bias as the forward kernel takes
-    it (N', ``spec.out_dtype``) or None (an FP32 output gets the bias added after), then the
-    weight's `block_cast` (``w_data`` (N', K'), ``w_grid``) and its transposed copy ``w_t``
-    (K', N') or None when no input gradient is needed. Returns (M, N) in ``spec.out_dtype``.
+    autograd: their gradients are returned; the forward kernel takes the bias padded, in
+    ``spec.out_dtype``: `gemm.kernel_bias`; an FP32 output gets it added after), then ``w_q``
+    the weight's `quantizers.QuantizedOperand` in `block_cast`'s layout (``data`` (N', K'),
+    ``inv_scale`` its block grid, ``transposed`` (K', N') or None when no input gradient is
+    needed). Returns (M, N) in ``spec.out_dtype``.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, kernel_bias, w_data, w_grid, w_t, spec: Fp8BlockSpec):
+    def forward(ctx, x, weight, bias, w_q: "QuantizedOperand", spec: Fp8BlockSpec):
         casts = call_casts(spec.casts, x.dtype)
         if casts is not None:
             # One read of x writes both tilings (the re-tiled one only for a weight gradient).
@@ -157,15 +159,18 @@ class Fp8BlockLinear(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 # The weight gradient contracts over tokens: x re-tiled along M, rows padded like K'.
                 x_t, x_t_inv = tile_cast(x.t(), spec.margin, rows_to=BLOCK)
-        out = block_scaled_mm(xq, w_data.t(), x_inv, kernel_weight_scales(w_grid), True, spec.out_dtype, kernel_bias)
+        # _scaled_mm fuses no bias into an FP32 output: there it is added after the kernel.
+        fused_bias = kernel_bias(bias, spec.out_dtype, BLOCK) if bias is not None and spec.out_dtype != torch.float32 else None
+        w_grid = w_q.inv_scale
+        out = block_scaled_mm(xq, w_q.data.t(), x_inv, kernel_weight_scales(w_grid), True, spec.out_dtype, fused_bias)
         if out.shape[1] != spec.out_features:
             out = out[:, : spec.out_features]
-        if bias is not None and kernel_bias is None:
+        if bias is not None and fused_bias is None:
             out = out + bias.to(out.dtype)
         ctx.spec = spec
         ctx.x_dtype = x.dtype
         ctx.has_bias = bias is not None
-        ctx.save_for_backward(x_t, x_t_inv, w_t, w_grid)
+        ctx.save_for_backward(x_t, x_t_inv, w_q.transposed, w_grid)
         return out
 
     @staticmethod
@@ -191,4 +196,4 @@ class Fp8BlockLinear(torch.autograd.Function):
                 grad_w = grad_w[:, : spec.in_features]
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_out.sum(0, dtype=torch.float32)
-        return grad_x, grad_w, grad_bias, None, None, None, None, None
+        return grad_x, grad_w, grad_bias, None, None

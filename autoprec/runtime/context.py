@@ -41,7 +41,7 @@ from .calibration import Int8Calibrator
 from .layers import EmulationWarning, RuntimeLayer, as_gemm, kernel_reason
 from .model_index import ModelIndex
 from .products import PerThread, Products
-from .quantizers import InputQuantizer
+from .quantizers import OperandRole, quantizer
 from .layer_wrappers import LayerWrappers
 
 __all__ = ["PlanRuntime", "apply_plan", "removing", "EmulationWarning", "kernel_reason", "as_gemm"]
@@ -319,8 +319,8 @@ class PlanRuntime:
         for fqn, saved in state["layers"].items():
             layer = self._layers[fqn]
             for key, q_state in saved["inputs"].items():
-                quantizer = layer.inputs.get(key) or InputQuantizer(layer.format, layer.precision.scaling)
-                self._refuse_state(layer, "inputs", key, quantizer.state_problem(q_state))
+                made = layer.inputs.get(key) or quantizer(OperandRole.INPUT, layer.format, layer.precision.scaling)
+                self._refuse_state(layer, "inputs", key, made.state_problem(q_state))
             for key, c_state in saved["calibrators"].items():
                 allowed = self._calibrator_channels(layer, key, params)
                 self._refuse_state(layer, "calibrators", key, Int8Calibrator.state_problem(c_state, layer.precision.calibration, allowed))

@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from .quantizers import OperandRole
+
 if TYPE_CHECKING:
-    from .quantizers import GradQuantizer
+    from .quantizers import Quantizer
 
 __all__ = ["StoredInFormat"]
 
@@ -29,10 +31,10 @@ def _autocast_off(device_type: str):
 class StoredInFormat(torch.autograd.Function):
     """Run ``fn(*inputs)`` in FP32 on inputs rounded through their quantizers, saving them quantized.
 
-    ``quantizers[i]``: the `InputQuantizer` or `WeightQuantizer` of input i (None for inputs that
-    are not rounded); ``is_weight[i]`` marks inputs derived from parameters (rounded for the
-    forward but re-derived from the FP32 master in backward, not saved). Backward rounds the
-    incoming gradient through ``grad`` (a `GradQuantizer`; None keeps it FP32) and recomputes
+    ``quantizers[i]``: the `quantizers.Quantizer` of input i (None for inputs that are not
+    rounded); one of role `OperandRole.WEIGHT` marks an input derived from parameters (rounded for
+    the forward but re-derived from the FP32 master in backward, not saved). Backward rounds the
+    incoming gradient through ``grad`` (the output gradient's; None keeps it FP32) and recomputes
     ``fn`` under autograd from the saved inputs, with the forward's RNG state restored (dropout
     inside attention draws the same mask twice, as activation checkpointing does). ``fn`` must be
     pure (no in-place on its inputs). A non-finite input gives a non-finite scale, so its rounded
@@ -40,7 +42,7 @@ class StoredInFormat(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, fn: Callable, quantizers: tuple, grad: "GradQuantizer | None", is_weight: tuple, *inputs):
+    def forward(ctx, fn: Callable, quantizers: tuple, grad: "Quantizer | None", *inputs):
         device_type = next(x.device.type for x in inputs if torch.is_tensor(x))
         saved: list = []
         codecs: list = []
@@ -55,13 +57,13 @@ class StoredInFormat(torch.autograd.Function):
             inv = quantizer.inverse_scale(x)
             q = quantizer.quantize(x, inv)
             rounded.append(quantizer.dequantize(q, inv, x.shape))
-            saved.append(x if is_weight[i] else q)
+            saved.append(x if quantizer.role is OperandRole.WEIGHT else q)
             codecs.append((quantizer, inv, x.shape))
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state() if device_type == "cuda" else None
         with torch.no_grad(), _autocast_off(device_type):
             out = fn(*rounded)
-        ctx.fn, ctx.grad, ctx.is_weight, ctx.codecs, ctx.device_type = fn, grad, is_weight, codecs, device_type
+        ctx.fn, ctx.grad, ctx.codecs, ctx.device_type = fn, grad, codecs, device_type
         ctx.tensor_index = [i for i, x in enumerate(saved) if torch.is_tensor(x)]
         ctx.others = [None if torch.is_tensor(x) else x for x in saved]
         ctx.save_for_backward(*[saved[i] for i in ctx.tensor_index])
@@ -77,8 +79,8 @@ class StoredInFormat(torch.autograd.Function):
             codec = ctx.codecs[i]
             if codec is not None:
                 quantizer, inv, shape = codec
-                q = quantizer.quantize(x, inv) if ctx.is_weight[i] else x
-                x = quantizer.dequantize(q, inv, shape).requires_grad_(ctx.needs_input_grad[4 + i])
+                q = quantizer.quantize(x, inv) if quantizer.role is OperandRole.WEIGHT else x
+                x = quantizer.dequantize(q, inv, shape).requires_grad_(ctx.needs_input_grad[3 + i])
             values[i] = x
             leaves.append(x)
         grad_out = grad_out.float()
@@ -94,4 +96,4 @@ class StoredInFormat(torch.autograd.Function):
         wanted = [x for x in leaves if torch.is_tensor(x) and x.requires_grad]
         grads = iter(torch.autograd.grad(out, wanted, grad_out.to(out.dtype), allow_unused=True)) if wanted else iter(())
         result = [next(grads) if torch.is_tensor(x) and x.requires_grad else None for x in leaves]
-        return (None, None, None, None, *result)
+        return (None, None, None, *result)

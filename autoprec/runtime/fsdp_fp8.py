@@ -1,6 +1,6 @@
 """FP8 all-gather under FSDP2: a layer the plan runs in FP8 E4M3 (per-tensor scaling) has its
 weight shard quantized before FSDP2 all-gathers it, and the gathered FP8 bytes feed the layer's
-GEMM as they arrive (`WeightQuantizer.get` takes them: no second amax or cast).
+GEMM as they arrive (`TensorCurrentQuantizer.get` takes them: no second amax or cast).
 
 FSDP2's extension points are the engine: a sharded parameter whose local tensor has
 ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` sends what the first returns and builds the

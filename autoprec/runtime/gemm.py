@@ -19,9 +19,10 @@ cuBLAS >= 12.9, where row-wise runs in cuBLASLt; the runtime probes which, `devi
 K, N multiples of 8, so rows and columns are padded the same way.
 
 INT8 layers differentiate in high precision (BF16 on CUDA, FP32 on CPU) from the INT8-saved input
-and the FP32 master weight. Scales come from `quantizers` (the output gradient's `GradQuantizer`
-rides in `Fp8Spec`). Saved for backward: the input in its 1-byte format, the weight's low-precision
-transpose made in the same forward (shared under `PlanRuntime.reusing_weights`), and scalars.
+and the FP32 master weight. Scales and casts come from `quantizers` as `QuantizedOperand`s (the
+output gradient's quantizer rides in `Fp8Spec`). Saved for backward: the input in its 1-byte
+format, the weight's low-precision transpose made in the same forward (shared under
+`PlanRuntime.reusing_weights`), and scalars.
 """
 
 from __future__ import annotations
@@ -36,10 +37,13 @@ import torch.nn.functional as F
 from ..formats import Format, amax, inverse_scale, quantize
 
 if TYPE_CHECKING:
-    from .quantizers import GradQuantizer
+    from .quantizers import QuantizedOperand, Quantizer
     from .triton_cast import FusedCasts
 
-__all__ = ["Fp8Spec", "Int8Spec", "Fp8Linear", "Int8Linear", "FP8_ALIGN", "INT8_ALIGN", "INT8_MIN_ROWS", "pad_to_multiple"]
+__all__ = [
+    "Fp8Spec", "Int8Spec", "Fp8Linear", "Int8Linear", "FP8_ALIGN", "INT8_ALIGN", "INT8_MIN_ROWS", "pad_to_multiple", "kernel_bias",
+    "weight_grad_format",
+]
 
 FP8_ALIGN = 16  # _scaled_mm: K and N multiples of 16
 INT8_ALIGN = 8  # _int_mm: K and N multiples of 8
@@ -59,6 +63,22 @@ def pad_to_multiple(x: torch.Tensor, rows: int = 1, cols: int = 1, value: float 
     return F.pad(x, (0, pad_cols, 0, pad_rows), value=value)
 
 
+def kernel_bias(bias: torch.Tensor, dtype: torch.dtype, align: int = FP8_ALIGN) -> torch.Tensor:
+    """``bias`` in ``dtype``, padded to the FP8 kernel's N (a multiple of ``align``): one cast
+    (and a pad) of N elements per call, never kept (a kept copy would go stale as the weights do)."""
+    with torch.no_grad():
+        padded = bias.to(dtype)
+        if bias.shape[0] % align:
+            padded = pad_to_multiple(padded.unsqueeze(0), 1, align).squeeze(0)
+    return padded
+
+
+def weight_grad_format(input_fmt: Format, grad_fmt: Format) -> Format:
+    """The format of the output gradient's copy the weight-gradient GEMM takes (against the
+    input's): E4M3 where both are E5M2 (cuBLASLt refuses E5M2 x E5M2), else ``grad_fmt``."""
+    return Format.FP8_E4M3 if input_fmt is Format.FP8_E5M2 and grad_fmt is Format.FP8_E5M2 else grad_fmt
+
+
 def _pad_rows_fp8(q: torch.Tensor, multiple: int) -> torch.Tensor:
     """Zero rows appended to an FP8 matrix, through its bytes (0x00 is +0.0 in both FP8 formats;
     padding kernels do not all take float8 dtypes)."""
@@ -72,14 +92,14 @@ class Fp8Spec:
     """What one FP8 linear computes: formats, row-wise forward, output dtype and true sizes."""
 
     input_format: Format  # E4M3 or E5M2
-    grad: "GradQuantizer | None"  # the output gradient's quantizer; None: a high-precision backward
+    # The output gradient's quantizer, per tensor (`TensorCurrentQuantizer.quantize_for_gemms`);
+    # None: a high-precision backward.
+    grad: "Quantizer | None"
     rowwise: bool
-    out_dtype: torch.dtype  # the region's half dtype
-    # Per-tensor scales passed in row-wise shape: torch 2.13's CPU kernel runs E4M3 x E4M3
-    # per-tensor through a reference path hundreds of times slower than its row-wise one (same
-    # result; the row-wise form is as legal on CUDA, but slower there, so CUDA keeps per-tensor).
-    # Only where the installed torch takes row-shaped scales: 2.11's CPU kernel refuses them.
-    expand_scales: bool
+    out_dtype: torch.dtype  # the kernel's: the region's, or BF16 where row-shaped scales cannot write it
+    # The forward kernel takes its scales in row shape ((M, 1), (1, N)): row-wise, or per-tensor
+    # ones passed so (`layers.row_scaled_outs`; the weight's come so from its quantizer).
+    row_scaled: bool
     in_features: int
     out_features: int
     # The output gradient's casts by the fused kernels (`casts.fused_casts`), or None: PyTorch ops.
@@ -89,41 +109,44 @@ class Fp8Spec:
 class Fp8Linear(torch.autograd.Function):
     """``x @ W.T + bias`` through ``torch._scaled_mm`` (three GEMMs, see the module docstring).
 
-    Inputs: ``x`` (M, K) in any float dtype, ``weight`` (N, K) (only for autograd: its gradient is
-    returned), ``bias`` (N,) or None (for autograd: its gradient is returned), ``kernel_bias`` the
-    same bias as the kernel takes it (padded to N', in ``spec.out_dtype``) or None, ``x_inv`` the input's inverse scale, then the `QuantizedWeight` tensors (``w_data``,
-    ``w_inv``, ``w_t``, ``w_t_inv`` — None when it is ``w_inv``). Returns (M, N) in ``spec.out_dtype``.
-    ``x_cast``: None, or the input already cast by the fused kernels
-    (`quantizers.InputQuantizer.fused_cast`): ``(xq (M, K') row-major, x_t (K', M') row-major or
-    None, x_t's per-tensor inverse scale)``; the backward then keeps ``x_t`` (no transpose copy).
+    Inputs: ``x`` (M, K) in any float dtype, ``weight`` (N, K) and ``bias`` (N,) or None (for
+    autograd: their gradients are returned; the bias also goes into the kernel, cast to
+    ``spec.out_dtype`` and padded: `kernel_bias`), then the `quantizers.QuantizedOperand`s:
+    ``x_q`` the input's (``inv_scale``; ``data`` None: cast here from x, else cast already by
+    the fused kernels, (M, K') with its transposed copy (K', M'), which the backward keeps: no
+    transpose copy) and ``w_q`` the weight's (``data`` (N', K'), ``transposed`` (K', N') or None
+    without an input gradient). Returns (M, N) in ``spec.out_dtype``.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, kernel_bias, x_inv, w_data, w_inv, w_t, w_t_inv, spec: Fp8Spec, x_cast=None):
+    def forward(ctx, x, weight, bias, x_q: "QuantizedOperand", w_q: "QuantizedOperand", spec: Fp8Spec):
         fmt = spec.input_format
-        if x_cast is None:
+        x_inv, w_inv = x_q.inv_scale, w_q.inv_scale
+        precast = x_q.data is not None
+        if precast:
+            xq = x_q.data
+        else:
             xp = pad_to_multiple(x, 1, FP8_ALIGN)
             # contiguous(): an elementwise cast keeps a transposed input's layout, and the first
             # operand must be row-major.
             xq = quantize(xp, x_inv, fmt).contiguous()
-        else:
-            xq = x_cast[0]
         if spec.rowwise:
             scale_a, scale_b = x_inv, w_inv.t()
-        elif spec.expand_scales:
+        elif spec.row_scaled:
             # w_inv arrives already as the (1, N') row (made with the quantized weight).
             # clone, not contiguous(): a (1, 1) expanded view counts as contiguous with stride 0,
             # which _scaled_mm refuses (a one-token decoding step).
             scale_a, scale_b = x_inv.expand(xq.shape[0], 1).clone(memory_format=torch.contiguous_format), w_inv
         else:
             scale_a, scale_b = x_inv, w_inv
+        fused_bias = kernel_bias(bias, spec.out_dtype) if bias is not None else None
         out = torch._scaled_mm(
-            xq, w_data.t(), scale_a=scale_a, scale_b=scale_b, bias=kernel_bias, out_dtype=spec.out_dtype, use_fast_accum=True,
+            xq, w_q.data.t(), scale_a=scale_a, scale_b=scale_b, bias=fused_bias, out_dtype=spec.out_dtype, use_fast_accum=True,
         )
         if out.shape[1] != spec.out_features:
             out = out[:, : spec.out_features]
-        if x_cast is not None:
-            xq, x_inv = x_cast[1], x_cast[2]  # the transposed copy (K', M') and its scale
+        if precast:
+            xq, x_inv = x_q.transposed, x_q.transposed_inv_scale  # the transposed copy (K', M') and its scale
         elif spec.rowwise:
             # Backward GEMMs contract over the rows the forward scales ran along: they take a
             # per-tensor quantization of the same input, made now from the high-precision x.
@@ -132,10 +155,8 @@ class Fp8Linear(torch.autograd.Function):
         ctx.spec = spec
         ctx.x_dtype = x.dtype
         ctx.has_bias = bias is not None
-        ctx.x_transposed = x_cast is not None
-        # Per-tensor weights use one scale both ways (passed once: autograd functions take no
-        # tensor twice under torch.compile).
-        ctx.save_for_backward(xq, x_inv, w_t, w_t_inv if w_t_inv is not None else w_inv)
+        ctx.x_transposed = precast
+        ctx.save_for_backward(xq, x_inv, w_q.transposed, w_q.transposed_inv_scale)
         return out
 
     @staticmethod
@@ -154,27 +175,25 @@ class Fp8Linear(torch.autograd.Function):
                 x_rows = xq.t()[: g.shape[0]] if ctx.x_transposed else xq
                 grad_w = (g.t() @ (x_rows.to(compute) * x_inv.to(compute))).float()
         else:
-            for_input, for_weight = spec.grad.quantize_for_gemms(
-                g, ctx.needs_input_grad[0], ctx.needs_input_grad[1], spec.casts if fused else None, FP8_ALIGN,
-            )
+            # An E5M2 input meets the gradient's E4M3 copy (E5M2 x E5M2 is refused).
+            w_fmt = weight_grad_format(spec.input_format, spec.grad.fmt) if ctx.needs_input_grad[1] else None
+            for_input, for_weight = spec.grad.quantize_for_gemms(g, ctx.needs_input_grad[0], w_fmt, spec.casts if fused else None, FP8_ALIGN)
             if for_input is not None:
-                gq, g_inv = for_input
                 out_dtype = ctx.x_dtype if ctx.x_dtype in (torch.float32, torch.bfloat16, torch.float16) else spec.out_dtype
-                grad_x = torch._scaled_mm(gq, w_t.t(), scale_a=g_inv, scale_b=w_t_inv, out_dtype=out_dtype)
+                grad_x = torch._scaled_mm(for_input.data, w_t.t(), scale_a=for_input.inv_scale, scale_b=w_t_inv, out_dtype=out_dtype)
             if for_weight is not None:
-                # An E5M2 input meets the gradient's E4M3 copy (E5M2 x E5M2 is refused).
-                gq, g_inv = for_weight
+                gq = for_weight.data
                 # The fused casts made both transposed copies already ((N', M') and (K', M')).
                 g_rows = gq if fused else _pad_rows_fp8(gq, FP8_ALIGN).t().contiguous()
                 x_cols = xq.t() if ctx.x_transposed else _pad_rows_fp8(xq, FP8_ALIGN).t().contiguous().t()
-                grad_w = torch._scaled_mm(g_rows, x_cols, scale_a=g_inv, scale_b=x_inv, out_dtype=torch.float32)
+                grad_w = torch._scaled_mm(g_rows, x_cols, scale_a=for_weight.inv_scale, scale_b=x_inv, out_dtype=torch.float32)
         if grad_x is not None and grad_x.shape[1] != spec.in_features:
             grad_x = grad_x[:, : spec.in_features]
         if grad_w is not None and grad_w.shape != (spec.out_features, spec.in_features):
             grad_w = grad_w[: spec.out_features, : spec.in_features]
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_out.sum(0, dtype=torch.float32)
-        return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_bias, None, None, None
 
 
 @dataclasses.dataclass(frozen=True)

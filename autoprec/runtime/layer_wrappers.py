@@ -55,6 +55,40 @@ def _leaving(out: Any, to: "torch.dtype | None", sources: frozenset) -> Any:
     return pytree.tree_map(lambda t: t.to(to) if torch.is_tensor(t) and t.dtype in sources and t.dtype != to else t, out)
 
 
+def _own_forward(module: nn.Module, had_own: bool, previous: Any, m: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """``m``'s forward without the plan: the user's instance forward (``previous``), if ``module``
+    had one and ``m`` is it, else its class's. ``type(m).forward(m, ...)``, not a method bound
+    with ``__get__``: torch 2.11's Dynamo cannot trace ``function.__get__`` (a graph break)."""
+    if had_own and m is module:
+        return previous(*args, **kwargs)
+    return type(m).forward(m, *args, **kwargs)
+
+
+def _entering(fmt: Format, device_type: str, half_stored: "torch.dtype | None", caller: "torch.dtype | None", to_caller: frozenset,
+              args: tuple, kwargs: dict) -> tuple:
+    """``(scope, args, kwargs, leave_to, leaving)``: the autocast scope a layer of ``fmt`` (not a
+    direct kernel call) runs its own forward in, its inputs as they enter it, and the dtype and
+    source dtypes `_leaving` casts its outputs with. At most one cast kernel per input tensor."""
+    leave_to, leaving = caller, to_caller
+    if fmt is Format.FP32:
+        if half_stored is not None and caller is None:
+            leave_to = half_stored  # autocast off around it: the dtype the layers around it hand on
+        args, kwargs = pytree.tree_map(to_fp32, (args, kwargs))
+        return torch.autocast(device_type, enabled=False), args, kwargs, leave_to, leaving
+    if fmt in (Format.BF16, Format.FP16):
+        # Under the other half dtype's autocast its inputs enter in this one, and its outputs
+        # leave in the caller's; under no autocast (an FP32 parent), inputs enter in this dtype
+        # and mixed dtypes simply promote there: outputs stay as they are.
+        autocast_on = torch.is_autocast_enabled(device_type)
+        outer_dtype = torch.get_autocast_dtype(device_type) if autocast_on else None
+        if outer_dtype is not None and outer_dtype != fmt.dtype:
+            leave_to, leaving = outer_dtype, _HALVES
+        if leave_to is not None or not autocast_on:
+            args, kwargs = to_half((args, kwargs), fmt.dtype)
+        return torch.autocast(device_type, dtype=fmt.dtype), args, kwargs, leave_to, leaving
+    return contextlib.nullcontext(), args, kwargs, leave_to, leaving
+
+
 class LayerWrappers:
     """The forwards ``owner`` (a `PlanRuntime`) installs on its layers and recomputed blocks of the
     model ``index`` describes: built once here, put on by `install`, taken off by `remove`. ``region_dtype``: the
@@ -141,24 +175,12 @@ class LayerWrappers:
         ``stacked``: the layer runs under the mode (its own or an ancestor's), which reads the
         running layer from the thread's stack; otherwise its forward changes no thread state.
         ``parent_format``: the format of the planned layer holding this one (None: the region).
-
-        Outputs leave in the dtype their caller computes in (one rule for every format): under a
-        half autocast (the region's or a half parent's), a tensor of the other half dtype is cast
-        to it (autocast's promoting ops, ``cat``, ``roll``, ``index_put``, ..., refuse to mix the
-        two); an FP32 layer's outputs are cast to it too when its parent is a lowered layer
-        (that parent computes in the half dtype, and code reading ``finfo(q.dtype)`` to fill its
-        half scores must read that dtype) or its weights are stored in a half dtype (the layers
-        around it hand on that dtype). An FP32 layer in the region keeps its FP32 outputs: the
-        ops between layers (norms, residual adds, the loss) take FP32 under autocast."""
+        Outputs leave in the dtype their caller computes in (`_caller_dtypes`)."""
         module, fmt, device_type, threads, products, fqn = layer.module, layer.format, self.device_type, self.threads, self.products, layer.fqn
         had_own, previous = displaced(module)
         direct_linear = layer.low_precision and not mode
         half_stored = layer.stored_dtype  # what the rest of a model loaded in BF16 expects between layers
-        # Dtypes cast to the caller's half autocast dtype on leaving (see above); none to cast
-        # where the plan hands on one half dtype only and the layer's FP32 outputs stay.
-        others = _HALVES if self.mixed_halves else frozenset()
-        fp32_joins = fmt is Format.FP32 and (half_stored is not None or (parent_format is not None and parent_format is not Format.FP32))
-        to_caller = others | ({torch.float32} if fp32_joins else frozenset())
+        to_caller = self._caller_dtypes(layer, parent_format)
         # Whether its forward changes thread state, which Dynamo cannot trace inside a recomputed
         # block (see recompute.compile_refusal).
         layer.keeps_thread_state = stacked
@@ -169,20 +191,12 @@ class LayerWrappers:
             layer.ops = {"*": f"torch.autocast({device_type!r}, {fmt.dtype})"}
         wrappers = self
 
-        def own_forward(m, args, kwargs):
-            """``m``'s forward without the plan: the user's instance forward, if this module had
-            one, else its class's. ``type(m).forward(m, ...)``, not a method bound with
-            ``__get__``: torch 2.11's Dynamo cannot trace ``function.__get__`` (a graph break)."""
-            if had_own and m is module:
-                return previous(*args, **kwargs)
-            return type(m).forward(m, *args, **kwargs)
-
         def forward(self_module, *args, **kwargs):
             state = threads.state
             if not state.active or self_module is not module:
                 # A deep copy of the model carries this method re-bound to the copy: it runs the
                 # copy's own forward, never this module's weights.
-                return own_forward(self_module, args, kwargs)
+                return _own_forward(module, had_own, previous, self_module, args, kwargs)
             users = users_record(host, fqn)
             if users is not None:
                 # Inside the user's own torch.utils.checkpoint: record the scales for its
@@ -202,35 +216,17 @@ class LayerWrappers:
                     return _leaving(products.linear(layer, x, module.weight, module.bias), caller, to_caller)
                 finally:
                     state.stack = outer
-            leave_to, leaving = caller, to_caller
-            if fmt is Format.FP32:
-                if half_stored is not None and caller is None:
-                    leave_to = half_stored  # autocast off around it: the dtype the layers around it hand on
-                args, kwargs = pytree.tree_map(to_fp32, (args, kwargs))
-                scope = torch.autocast(device_type, enabled=False)
-            elif fmt in (Format.BF16, Format.FP16):
-                scope = torch.autocast(device_type, dtype=fmt.dtype)
-                # Under the other half dtype's autocast its inputs enter in this one, and its
-                # outputs leave in the caller's; under no autocast (an FP32 parent), inputs enter
-                # in this dtype and mixed dtypes simply promote there: outputs stay as they are.
-                autocast_on = torch.is_autocast_enabled(device_type)
-                outer_dtype = torch.get_autocast_dtype(device_type) if autocast_on else None
-                if outer_dtype is not None and outer_dtype != fmt.dtype:
-                    leave_to, leaving = outer_dtype, _HALVES
-                if leave_to is not None or not autocast_on:
-                    args, kwargs = to_half((args, kwargs), fmt.dtype)
-            else:
-                scope = contextlib.nullcontext()
+            scope, args, kwargs, leave_to, leaving = _entering(fmt, device_type, half_stored, caller, to_caller, args, kwargs)
             if not stacked:
                 with scope:
-                    out = own_forward(module, args, kwargs)
+                    out = _own_forward(module, had_own, previous, module, args, kwargs)
                 return _leaving(out, leave_to, leaving)
             enter_mode = mode and not state.mode_active
             outer = state.stack
             state.stack = outer + (layer,)
             try:
                 with scope, (wrappers.layer_mode(state) if enter_mode else contextlib.nullcontext()):
-                    out = own_forward(module, args, kwargs)
+                    out = _own_forward(module, had_own, previous, module, args, kwargs)
             finally:
                 state.stack = outer
             # Once its forward has run every product: one warning for all the ops it emulated.
@@ -242,6 +238,24 @@ class LayerWrappers:
         mark(forward, self.owner, had_own, previous)
         # Bound, so that copy.deepcopy(model) re-binds it to the copy (see the check above).
         return types.MethodType(forward, module)
+
+    def _caller_dtypes(self, layer: RuntimeLayer, parent_format: "Format | None") -> frozenset:
+        """The dtypes of ``layer``'s outputs cast to its caller's half autocast dtype on leaving
+        (one rule for every format); none where the plan hands on one half dtype only and the
+        layer's FP32 outputs stay.
+
+        Under a half autocast (the region's or a half parent's), a tensor of the other half dtype
+        is cast to it (autocast's promoting ops, ``cat``, ``roll``, ``index_put``, ..., refuse to
+        mix the two); an FP32 layer's outputs are cast to it too when its parent is a lowered
+        layer (that parent computes in the half dtype, and code reading ``finfo(q.dtype)`` to fill
+        its half scores must read that dtype) or its weights are stored in a half dtype (the
+        layers around it hand on that dtype). An FP32 layer in the region keeps its FP32 outputs:
+        the ops between layers (norms, residual adds, the loss) take FP32 under autocast."""
+        others = _HALVES if self.mixed_halves else frozenset()
+        fp32_joins = layer.format is Format.FP32 and (
+            layer.stored_dtype is not None or (parent_format is not None and parent_format is not Format.FP32)
+        )
+        return others | ({torch.float32} if fp32_joins else frozenset())
 
     @contextlib.contextmanager
     def layer_mode(self, state: ThreadState):

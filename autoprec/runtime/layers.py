@@ -25,14 +25,14 @@ from ..plan import LayerPrecision, ScalingMode
 from .block_gemm import BLOCK
 from .calibration import Int8Calibrator
 from .casts import FUSED, PYTORCH, fused_casts
-from .gemm import FP8_ALIGN, INT8_ALIGN, pad_to_multiple
-from .quantizers import GradQuantizer, InputQuantizer, WeightQuantizer
+from .gemm import FP8_ALIGN, INT8_ALIGN
+from .quantizers import OperandRole, Quantizer, quantizer
 from .tensor_parallel import sharded_reason
 
 if TYPE_CHECKING:
     from .triton_cast import FusedCasts
 
-__all__ = ["EmulationWarning", "RuntimeLayer", "as_gemm", "kernel_reason", "row_scale_form", "to_fp32", "to_half", "unify_dtypes"]
+__all__ = ["EmulationWarning", "RuntimeLayer", "as_gemm", "kernel_reason", "row_scale_form", "row_scaled_outs", "to_fp32", "to_half", "unify_dtypes"]
 
 
 class EmulationWarning(UserWarning):
@@ -65,6 +65,25 @@ def row_scale_form(fmt: Format, out_dtype: torch.dtype, device: "torch.device | 
     """Whether the installed torch runs an FP8 forward with row-wise-shaped scales on ``device``:
     ``fmt`` input x E4M3 weight, fused bias, ``out_dtype`` out (probed once, cached)."""
     return scaled_mm_form(canonical_device(device), fmt.dtype, Format.FP8_E4M3.dtype, out_dtype, row_scales=True, bias=True)
+
+
+def row_scaled_outs(precision: LayerPrecision, device: torch.device) -> frozenset:
+    """The half dtypes the FP8 forward kernel of a layer in ``precision`` writes on ``device``
+    with its scales in row shape ((M, 1) and (1, N)); empty where it takes 0-d per-tensor scales.
+    The one place that decides the scales' shape (`row_scale_form` probes once per process; never
+    in a forward, which may be traced by torch.compile).
+
+    Row-wise scaling takes that shape always. Per-tensor E4M3 on CPU takes it too where the
+    installed torch does: torch 2.13's CPU kernel runs per-tensor E4M3 x E4M3 through a reference
+    path hundreds of times slower than its row-wise one (the same result); CUDA keeps per-tensor
+    scales (the row-wise form is as legal there, but slower), and torch 2.11's CPU kernel refuses
+    row-shaped ones."""
+    fmt, granularity = precision.format, precision.scaling.granularity
+    rowwise = granularity is Granularity.ROW
+    if not (rowwise or (device.type == "cpu" and fmt is Format.FP8_E4M3 and granularity is Granularity.TENSOR)):
+        return frozenset()
+    outs = frozenset(d for d in (torch.bfloat16, torch.float16) if row_scale_form(fmt, d, device)[0])
+    return outs if rowwise or torch.bfloat16 in outs else frozenset()
 
 
 def to_fp32(value: Any) -> Any:
@@ -157,15 +176,13 @@ class RuntimeLayer:
         # The half dtype its own weights are stored in (a model loaded in BF16, a LoRA's frozen
         # base), or None: an FP32 layer then casts them up and hands that dtype on.
         self.stored_dtype = next((p.dtype for p in module.parameters(recurse=False) if p.dtype in _HALF), None)
-        # The half dtypes the installed torch's _scaled_mm writes with row-wise-shaped scales for
-        # this layer's forward (empty where it refuses them, e.g. torch 2.11 on CPU): probed here
-        # once, never in a forward (which may be traced by torch.compile).
-        self.row_scale_outs: frozenset = frozenset()
         self.blocks = precision.scaling.granularity is Granularity.BLOCK and self.format.is_fp8
-        if self.format.is_fp8 and self.kernel_reason is None and not self.blocks:
-            self.row_scale_outs = frozenset(
-                d for d in (torch.bfloat16, torch.float16) if row_scale_form(self.format, d, device)[0]
-            )
+        # The half dtypes its FP8 forward kernel writes with row-shaped scales, empty where it
+        # takes 0-d ones (`row_scaled_outs`): the one setting its weights' scales and its kernel
+        # calls follow.
+        self.row_scaled_outs: frozenset = frozenset()
+        if self.format.is_fp8 and self.kernel_reason is None:
+            self.row_scaled_outs = row_scaled_outs(precision, device)
         # How its FP8 kernel calls quantize: the device's fused Triton casts (chosen once per
         # device, `casts.cast_path`) or None for PyTorch ops; `casts_ran`: what its last eager call used.
         self.casts: "FusedCasts | None" = None
@@ -173,16 +190,16 @@ class RuntimeLayer:
         self.use_fused_casts(True)
         self.keeps_thread_state = False  # set by its wrapper (`layer_wrappers.LayerWrappers`), when it has one
         self.direct = False  # its product is one kernel call, routed by its wrapper (set there)
-        self.inputs: dict[str, InputQuantizer] = {}
+        self.inputs: dict[str, Quantizer] = {}
         self.calibrators: dict[str, Int8Calibrator] = {}
-        self.weights: dict[tuple, WeightQuantizer] = {}
+        self.weights: dict[tuple, Quantizer] = {}
         # The output gradient's quantizer (stateless, shared by every product of the layer); None
         # where the backward stays in high precision (FP32 gradients, INT8 layers).
         grad_fmt = precision.grad_format
-        self.grad: "GradQuantizer | None" = None
+        self.grad: "Quantizer | None" = None
         if self.format.is_fp8 and grad_fmt.is_fp8:
-            self.grad = GradQuantizer.for_layer(self.format, grad_fmt, self.blocks)
-        self._emulation: "tuple[InputQuantizer, WeightQuantizer] | None" = None
+            self.grad = quantizer(OperandRole.GRAD_OUTPUT, grad_fmt, precision.scaling)
+        self._emulation: "dict[OperandRole, Quantizer] | None" = None
         # Under tensor parallelism (a DTensor weight, `tensor_parallel`) the ranks its per-tensor
         # amaxes are reduced over; None otherwise.
         self.shard_group: Any = None
@@ -215,14 +232,14 @@ class RuntimeLayer:
         for weight_quantizer in self.weights.values():
             weight_quantizer.group = group
         if self.grad is not None:
-            self.grad = dataclasses.replace(self.grad, group=group)
+            self.grad.group = group
 
-    def input_quantizer(self, key: str) -> InputQuantizer:
-        quantizer = self.inputs.get(key)
-        if quantizer is None:
-            quantizer = self.inputs[key] = InputQuantizer(self.format, self.precision.scaling)
-            quantizer.group = self.shard_group
-        return quantizer
+    def input_quantizer(self, key: str) -> Quantizer:
+        made = self.inputs.get(key)
+        if made is None:
+            made = self.inputs[key] = quantizer(OperandRole.INPUT, self.format, self.precision.scaling)
+            made.group = self.shard_group
+        return made
 
     def calibrator(self, key: str, channels: int) -> Int8Calibrator:
         calibrator = self.calibrators.get(key)
@@ -230,39 +247,25 @@ class RuntimeLayer:
             calibrator = self.calibrators[key] = Int8Calibrator(self.precision.calibration, channels)
         return calibrator
 
-    @staticmethod
-    def kernel_bias(bias: torch.Tensor, dtype: torch.dtype, align: int = FP8_ALIGN) -> torch.Tensor:
-        """``bias`` in ``dtype``, padded to the FP8 kernel's N (a multiple of ``align``): one cast
-        (and a pad) of N elements per call, never kept (a kept copy would go stale as the weights do)."""
-        with torch.no_grad():
-            padded = bias.to(dtype)
-            if bias.shape[0] % align:
-                padded = pad_to_multiple(padded.unsqueeze(0), 1, align).squeeze(0)
-        return padded
-
-    def weight_quantizer(self, key: tuple) -> WeightQuantizer:
-        quantizer = self.weights.get(key)
-        if quantizer is None:
-            if self.blocks:  # 128x128 blocks in the block-scaled kernels' layout (block_gemm)
-                quantizer = self.weights[key] = WeightQuantizer(Format.FP8_E4M3, Granularity.BLOCK, BLOCK)
-                return quantizer
-            rowwise = self.precision.scaling.granularity is Granularity.ROW
+    def weight_quantizer(self, key: tuple) -> Quantizer:
+        """The kernels' quantizer of the weight ``key``: E4M3 for FP8 layers (legal against E4M3
+        and E5M2 inputs and gradients; E5M2 x E5M2 is not), padded to the kernel's alignment
+        (128x128 blocks in the block-scaled kernels' layout, `block_gemm`). Made once."""
+        made = self.weights.get(key)
+        if made is None:
             fmt = Format.INT8 if self.format is Format.INT8 else Format.FP8_E4M3
-            # Per-tensor scales in row-wise shape only on CPU and only where the installed torch
-            # takes that form (2.13 does, 2.11 refuses it): see gemm.Fp8Spec.expand_scales.
-            row_scales = self.device.type == "cpu" and self.format is Format.FP8_E4M3 and torch.bfloat16 in self.row_scale_outs
-            granularity = Granularity.ROW if rowwise else Granularity.TENSOR
-            quantizer = self.weights[key] = WeightQuantizer(fmt, granularity, INT8_ALIGN if fmt is Format.INT8 else FP8_ALIGN, row_scales)
-            quantizer.group = self.shard_group
-        return quantizer
+            align = BLOCK if self.blocks else INT8_ALIGN if fmt is Format.INT8 else FP8_ALIGN
+            made = self.weights[key] = quantizer(OperandRole.WEIGHT, fmt, self.precision.scaling, align, bool(self.row_scaled_outs))
+            made.group = self.shard_group
+        return made
 
-    def emulation_quantizers(self) -> "tuple[InputQuantizer, WeightQuantizer]":
-        """The input and weight quantizers of emulated products: the layer's format and
+    def emulation_quantizers(self) -> "dict[OperandRole, Quantizer]":
+        """The input and weight quantizers of emulated products, by role: the layer's format and
         granularity (BLOCK included), current scaling (no state, so no history to share with the
         kernels' quantizers); the gradient's is `grad`. Made once."""
         if self._emulation is None:
             scaling = dataclasses.replace(self.precision.scaling, mode=ScalingMode.CURRENT)
-            self._emulation = (InputQuantizer(self.format, scaling), WeightQuantizer(self.format, scaling.granularity))
+            self._emulation = {role: quantizer(role, self.format, scaling) for role in (OperandRole.INPUT, OperandRole.WEIGHT)}
         return self._emulation
 
     def note(self, op: str, how: str) -> None:

@@ -3,10 +3,11 @@
 `ThreadState` is what one thread has entered (the running planned layers, innermost last);
 `LayerMode`, a ``TorchFunctionMode`` entered only inside the forward of layers that need it,
 routes the products of the innermost running planned layer by its format; `Products` runs them:
-FP8 / INT8 linear products through the kernels (`gemm.Fp8Linear` / `gemm.Int8Linear`, the
-quantizers of `quantizers`, eager FP8 on CUDA with fused Triton casts: `casts`), and products no
-kernel takes through emulation (`emulation.StoredInFormat`). Costs per FP8 / INT8 product: one
-amax and one cast per input, weight and output gradient, three GEMMs, no host sync.
+FP8 / INT8 linear products through the kernels (`gemm.Fp8Linear` / `gemm.Int8Linear`, their
+operands made by the quantizers of `quantizers`, eager FP8 on CUDA with fused Triton casts:
+`casts`), and products no kernel takes through emulation (`emulation.StoredInFormat`). Costs per
+FP8 / INT8 product: one amax and one cast per input, weight and output gradient, three GEMMs, no
+host sync.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from torch.utils import _pytree as pytree
 from .._tracing import is_weight
 from ..coverage import MATMUL_OPS
 from ..formats import Format, Granularity
-from .block_gemm import BLOCK, Fp8BlockLinear, Fp8BlockSpec
+from .block_gemm import Fp8BlockLinear, Fp8BlockSpec
 from .calibration import Int8Calibrator
 from .casts import call_casts, describe
 from .emulation import StoredInFormat
 from .gemm import FP8_ALIGN, Fp8Linear, Fp8Spec, Int8Linear, Int8Spec
 from .layers import NEVER_AUTOCAST, RuntimeLayer, as_gemm, to_dtype, to_fp32, unify_dtypes
 from .pipelining import inferring
+from .quantizers import OperandRole, QuantizedOperand
 from .recompute import recorded_scale, training_forward
 from .tensor_parallel import is_sharded, sharded_linear
 
@@ -138,38 +140,29 @@ class Products:
         if layer.format is Format.INT8:
             out = self.int8(layer, key, x2, weight, bias, wq, out_dtype, k, n)
         elif layer.blocks:
-            # _scaled_mm fuses no bias into an FP32 output: there it is added after the kernel.
-            kernel_bias = layer.kernel_bias(bias, out_dtype, BLOCK) if bias is not None and out_dtype != torch.float32 else None
             block_spec = Fp8BlockSpec(out_dtype, layer.precision.scaling.margin, k, n, casts)
             if casts is not None:
                 layer.casts_ran = describe(weight=w_casts is not None, input=casts.takes(x2.dtype), gradient=casts.takes(out_dtype))
-            out = Fp8BlockLinear.apply(x2, weight, bias, kernel_bias, wq.data, wq.inv_scale, wq.transposed, block_spec)
+            out = Fp8BlockLinear.apply(x2, weight, bias, wq, block_spec)
         else:
             rowwise = layer.precision.scaling.granularity is Granularity.ROW
-            expand = quantizer.row_scales
-            # Row-wise scales: the kernel writes the region's half dtype where the installed torch
+            # Row-shaped scales: the kernel writes the region's half dtype where the installed torch
             # takes it (torch 2.11 on sm_90 with cuBLAS >= 12.9 runs FP16 in cuBLASLt), else BF16,
-            # cast after the kernel (one more kernel, BF16 rounding); FP32 out is never row-wise.
-            if rowwise or expand:
-                kernel_dtype = out_dtype if out_dtype in layer.row_scale_outs else torch.bfloat16
-            else:
-                kernel_dtype = out_dtype
+            # cast after the kernel (one more kernel, BF16 rounding); FP32 out is never row-shaped.
+            row_scaled = layer.row_scaled_outs
+            kernel_dtype = (out_dtype if out_dtype in row_scaled else torch.bfloat16) if row_scaled else out_dtype
             # _scaled_mm fuses no bias into an FP32 output: there it is added after the kernel.
             fused = bias is not None and kernel_dtype != torch.float32
-            kernel_bias = layer.kernel_bias(bias, kernel_dtype) if fused else None
             record = training_forward()
             x_casts, g_casts = call_casts(casts, x2.dtype), call_casts(casts, kernel_dtype)
             with torch.no_grad():
                 # A recomputed block's backward reads back the scale its forward chose: asking the
                 # quantizer again would record this batch's amax into its history twice.
-                x_inv, x_cast = self.input_scale(layer, key, x2, record, x_casts, grad)
+                x_q = self.input_operand(layer, key, x2, record, x_casts, grad)
             if casts is not None:
                 layer.casts_ran = describe(weight=w_casts is not None, input=x_casts is not None, gradient=g_casts is not None)
-            spec = Fp8Spec(layer.format, layer.grad, rowwise, kernel_dtype, expand, k, n, g_casts)
-            out = Fp8Linear.apply(
-                x2, weight, bias if fused else None, kernel_bias, x_inv,
-                wq.data, wq.inv_scale, wq.transposed, wq.backward_inv_scale, spec, x_cast,
-            )
+            spec = Fp8Spec(layer.format, layer.grad, rowwise, kernel_dtype, bool(row_scaled), k, n, g_casts)
+            out = Fp8Linear.apply(x2, weight, bias if fused else None, x_q, wq, spec)
             if out.dtype != out_dtype:
                 out = out.to(out_dtype)
             if bias is not None and not fused:
@@ -177,24 +170,24 @@ class Products:
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
 
     @staticmethod
-    def input_scale(layer: RuntimeLayer, key: str, x2: torch.Tensor, record: bool, casts, transposed: bool):
-        """``(x_inv, x_cast)``: the input's scale (recorded for, or replayed by, a recomputed
-        block) and, with ``casts``, the input already cast by the fused kernels (in the same pass
-        as the scale where they can: `InputQuantizer.fused_cast`), else None."""
+    def input_operand(layer: RuntimeLayer, key: str, x2: torch.Tensor, record: bool, casts, transposed: bool) -> QuantizedOperand:
+        """The input's `QuantizedOperand`: its scale (recorded for, or replayed by, a recomputed
+        block) and, with ``casts``, the input cast by the fused kernels (in the same pass as the
+        scale where they can: `quantizers.Quantizer.fused_cast`), else no data (`gemm.Fp8Linear`
+        casts it)."""
         quantizer = layer.input_quantizer(key)
         if casts is None:
-            return recorded_scale(layer.fqn, key, lambda: quantizer.inverse_scale(x2, record=record)), None
+            return QuantizedOperand(None, recorded_scale(layer.fqn, key, lambda: quantizer.inverse_scale(x2, record=record)))
         made = []
 
         def scale():
-            inv, cast = quantizer.fused_cast(x2, casts, FP8_ALIGN, record=record, transposed=transposed)
-            made.append(cast)
-            return inv
+            made.append(quantizer.fused_cast(x2, casts, transposed, pad_cols=FP8_ALIGN, t_rows=FP8_ALIGN, record=record))
+            return made[0].inv_scale
 
         x_inv = recorded_scale(layer.fqn, key, scale)
         if not made:  # a recomputation replayed the forward's scale: cast with it
-            made.append(quantizer.fused_cast(x2, casts, FP8_ALIGN, transposed=transposed, inv=x_inv)[1])
-        return x_inv, made[0]
+            made.append(quantizer.fused_cast(x2, casts, transposed, pad_cols=FP8_ALIGN, t_rows=FP8_ALIGN, inv=x_inv))
+        return made[0]
 
     def int8(self, layer, key, x2, weight, bias, wq, out_dtype, k, n):
         keep = index = valid = None
@@ -264,7 +257,6 @@ class Products:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensor_at = [i for i, v in enumerate(leaves) if torch.is_tensor(v)]
         tensors = [leaves[i] for i in tensor_at]
-        weights = tuple(is_weight(t) for t in tensors)
         out_dtype = self.out_dtype(next((t for t in tensors if t.is_floating_point()), tensors[0]))
         if any(t.numel() == 0 for t in tensors):
             return self.empty(func, args, kwargs, out_dtype)
@@ -278,7 +270,7 @@ class Products:
 
         # Weights: per output channel (dim 0) for INT8 and ROW, 128x128 tiles for BLOCK;
         # activations: 1x128 tiles for BLOCK, per row for ROW; else one scale (see the quantizers).
-        inputs, weight = layer.emulation_quantizers()
-        quantizers = tuple(weight if w else inputs for w in weights)
-        out = StoredInFormat.apply(fn, quantizers, layer.grad, weights, *tensors)
+        by_role = layer.emulation_quantizers()
+        quantizers = tuple(by_role[OperandRole.WEIGHT if is_weight(t) else OperandRole.INPUT] for t in tensors)
+        out = StoredInFormat.apply(fn, quantizers, layer.grad, *tensors)
         return out.to(out_dtype) if torch.is_tensor(out) and out.is_floating_point() else out

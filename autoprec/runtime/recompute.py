@@ -248,7 +248,7 @@ def _delayed(layer) -> bool:
 
 def _keep_history_reads(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Selective-checkpoint policy of a compiled recomputed block with delayed scaling: every
-    ``amax`` output saved (the history reads: `InputQuantizer.inverse_scale` reads the history by
+    ``amax`` output saved (the history reads: `TensorDelayedQuantizer.inverse_scale` reads the history by
     reductions only), the rest recomputed. The forward updates the history in place, so a
     recomputation reading it again would scale by the next step's amax; the saved reads give it
     the forward's scale, as `ScaleRecord` does eagerly. Costs the saved reductions' bytes (a

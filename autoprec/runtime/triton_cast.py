@@ -133,7 +133,7 @@ def _finalize_kernel(
     """One program: the amax from ``n`` partials, then the inverse scale(s).
 
     Current scaling: ``inv = inverse_scale(amax)`` (and ``inv2`` with a second constant).
-    Delayed (`InputQuantizer`): ``basis = past if past > 0 else amax``; ``inv`` NaN when the amax
+    Delayed (`quantizers.TensorDelayedQuantizer`): ``basis = past if past > 0 else amax``; ``inv`` NaN when the amax
     is not finite (the reference adds ``amax * 0``); ``flag`` 1 when the cast made from the
     history alone is not that (no history yet, or a non-finite amax); with ``RECORD`` the history
     shifts by one and its slot 0 takes the amax (0 when not finite: "not seen")."""
@@ -357,7 +357,7 @@ def cast_delayed(
     x: torch.Tensor, history: torch.Tensor, fmt: Format, margin: int, most_recent: bool, record: bool,
     *, round_scale: bool, pad_cols: int = 1, transposed: bool = False, t_rows: int = 1,
 ):
-    """``(inv, q, qt)`` of delayed scaling (`quantizers.InputQuantizer`), bit for bit its
+    """``(inv, q, qt)`` of delayed scaling (`quantizers.TensorDelayedQuantizer`), bit for bit its
     ``inverse_scale(x, record)`` then `cast`; with ``record`` this step's amax enters ``history``
     in place. Three launches, no host sync: the cast from the history's scale writing tile amaxes,
     the one-program finalize (scale, flag, history), and the same cast gated by the flag, which

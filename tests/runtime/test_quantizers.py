@@ -1,4 +1,4 @@
-"""Tests for autoprec.runtime.quantizers: the three operand roles' scales and round trips.
+"""Tests for autoprec.runtime.quantizers: the strategy classes per operand role, their scales and round trips.
 
 References are plain PyTorch (loops over rows and tiles, torch's own casts) or plain Python (the
 delayed-scaling history), never values copied from autoprec's output. SQNR floors sit a little
@@ -15,7 +15,10 @@ import torch
 
 from autoprec.formats import ACTIVATION_BLOCK, WEIGHT_BLOCK, Format, Granularity, sqnr
 from autoprec.plan import Scaling
-from autoprec.runtime.quantizers import GradQuantizer, InputQuantizer, WeightQuantizer
+from autoprec.runtime.gemm import weight_grad_format
+from autoprec.runtime.quantizers import (
+    BlockQuantizer, OperandRole, RowQuantizer, TensorCurrentQuantizer, TensorDelayedQuantizer, quantizer,
+)
 from support.torch_versions import saturating_cast
 
 SCALED_FORMATS = [Format.FP8_E4M3, Format.FP8_E5M2, Format.INT8]
@@ -47,17 +50,16 @@ def data_outlier_block() -> torch.Tensor:
 
 DATASETS = {"randn": data_randn, "outlier_rows": data_outlier_rows, "outlier_block": data_outlier_block}
 
-# (id, granularity, tile): activations scale per tensor, row or 1x128 tile (InputQuantizer),
-# weights per 128x128 tile (WeightQuantizer).
+# Activations scale per tensor, row or 1x128 tile (the input role), weights per 128x128 tile.
 GRANULARITIES = ["tensor", "row", "block1x128", "block128x128"]
 TILES = {"tensor": None, "row": None, "block1x128": ACTIVATION_BLOCK, "block128x128": WEIGHT_BLOCK}
 
 
 def quantizer_for(fmt: Format, gran: str):
     if gran == "block128x128":
-        return WeightQuantizer(fmt, Granularity.BLOCK)
+        return quantizer(OperandRole.WEIGHT, fmt, Scaling(granularity=Granularity.BLOCK))
     granularity = {"tensor": Granularity.TENSOR, "row": Granularity.ROW, "block1x128": Granularity.BLOCK}[gran]
-    return InputQuantizer(fmt, Scaling(granularity=granularity))
+    return quantizer(OperandRole.INPUT, fmt, Scaling(granularity=granularity))
 
 
 def round_trip(quantizer, x: torch.Tensor) -> torch.Tensor:
@@ -92,6 +94,69 @@ def reference_round_trip(x: torch.Tensor, fmt: Format, gran: str) -> torch.Tenso
     else:
         q = saturating_cast(y.clamp(-fmt.max, fmt.max), fmt.dtype).float()
     return q * inv
+
+
+# ---------------------------------------------------------------------------------------------
+# 0. the factory: one class per scaling strategy, each scaling its role's axis or tile
+# ---------------------------------------------------------------------------------------------
+
+E4M3, E5M2, INT8 = Format.FP8_E4M3, Format.FP8_E5M2, Format.INT8
+ROW, BLOCK = Scaling(granularity=Granularity.ROW, margin=2), Scaling(granularity=Granularity.BLOCK, margin=2)
+TENSOR, DELAYED = Scaling(margin=2), Scaling(mode="delayed", margin=2)
+
+
+def reference_scale(x: torch.Tensor, group: "str | tuple[int, int]", fmt: Format, margin: int) -> torch.Tensor:
+    """amax of each scaling group of 2-D x (the tensor, each row, each tile), by explicit loops,
+    times 2**margin / fmt.max: the inverse scale in its kernel shape ((), (rows, 1), the tile grid)."""
+    if group == "tensor":
+        amaxes = x.abs().max()
+    elif group == "row":
+        amaxes = torch.stack([x[i].abs().max() for i in range(x.shape[0])]).unsqueeze(1)
+    else:
+        bm, bk = group
+        amaxes = torch.tensor([[x[i:i + bm, j:j + bk].abs().max() for j in range(0, x.shape[1], bk)] for i in range(0, x.shape[0], bm)])
+    return amaxes * (2**margin / fmt.max)
+
+
+# (role, format, scaling) -> the class, and the group and margin its scale must come from. The
+# margin (2 in every scaling here) is an FP8 input's only; gradients are per tensor unless tiled.
+STRATEGIES = {
+    "input-e4m3-tensor": (OperandRole.INPUT, E4M3, TENSOR, TensorCurrentQuantizer, "tensor", 2),
+    "input-int8-tensor": (OperandRole.INPUT, INT8, TENSOR, TensorCurrentQuantizer, "tensor", 0),
+    "input-e4m3-delayed": (OperandRole.INPUT, E4M3, DELAYED, TensorDelayedQuantizer, "tensor", 2),
+    "input-e5m2-row": (OperandRole.INPUT, E5M2, ROW, RowQuantizer, "row", 2),
+    "input-e4m3-block": (OperandRole.INPUT, E4M3, BLOCK, BlockQuantizer, (1, 128), 2),
+    "weight-e4m3-tensor": (OperandRole.WEIGHT, E4M3, TENSOR, TensorCurrentQuantizer, "tensor", 0),
+    "weight-e4m3-delayed": (OperandRole.WEIGHT, E4M3, DELAYED, TensorCurrentQuantizer, "tensor", 0),  # a weight follows its own amax
+    "weight-e4m3-row": (OperandRole.WEIGHT, E4M3, ROW, RowQuantizer, "row", 0),
+    "weight-int8-tensor": (OperandRole.WEIGHT, INT8, TENSOR, RowQuantizer, "row", 0),  # INT8 weights: per output channel
+    "weight-e4m3-block": (OperandRole.WEIGHT, E4M3, BLOCK, BlockQuantizer, (128, 128), 0),
+    "grad-e5m2-tensor": (OperandRole.GRAD_OUTPUT, E5M2, TENSOR, TensorCurrentQuantizer, "tensor", 0),
+    "grad-e5m2-row": (OperandRole.GRAD_OUTPUT, E5M2, ROW, TensorCurrentQuantizer, "tensor", 0),
+    "grad-e5m2-delayed": (OperandRole.GRAD_OUTPUT, E5M2, DELAYED, TensorCurrentQuantizer, "tensor", 0),
+    "grad-e4m3-block": (OperandRole.GRAD_OUTPUT, E4M3, BLOCK, BlockQuantizer, (1, 128), 0),
+}
+
+
+@pytest.mark.parametrize("case", list(STRATEGIES))
+def test_the_factory_picks_the_strategy_whose_scale_matches_plain_torch(case):
+    role, fmt, scaling, cls, group, margin = STRATEGIES[case]
+    # Rows of different magnitudes and one 1000x tile, sizes off the tiles: every grouping differs.
+    x = randn(260, 300) * torch.logspace(-2, 2, 260).unsqueeze(1)
+    x[130:140, 128:256] *= 1000.0
+    made = quantizer(role, fmt, scaling)
+    assert type(made) is cls and made.role is role
+    expected = reference_scale(x, group, fmt, margin)
+    torch.testing.assert_close(made.inverse_scale(x), expected, rtol=1e-6, atol=0)
+
+
+def test_delayed_scaling_scales_from_the_largest_recorded_amax_of_an_input():
+    made = quantizer(OperandRole.INPUT, E4M3, DELAYED)
+    steps = [randn(8, 16, seed=s) * (10.0 if s == 1 else 1.0) for s in range(3)]
+    for x in steps[:2]:
+        made.inverse_scale(x, record=True)
+    expected = reference_scale(torch.cat(steps[:2]), "tensor", E4M3, 2)
+    torch.testing.assert_close(made.inverse_scale(steps[2]), expected, rtol=1e-6, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,22 +256,22 @@ def test_tiles_of_a_3d_activation_are_those_of_its_rows():
 def test_weight_scales_per_output_channel_of_a_conv_weight(fmt):
     # A conv weight (out, in, kh, kw): one scale per output channel, over everything else.
     w = randn(6, 3, 3, 3) * torch.logspace(-2, 2, 6).reshape(6, 1, 1, 1)
-    inv = WeightQuantizer(fmt, Granularity.ROW).inverse_scale(w)
+    inv = quantizer(OperandRole.WEIGHT, fmt, Scaling(granularity=Granularity.ROW)).inverse_scale(w)
     expected = torch.stack([w[o].abs().max() for o in range(6)]).reshape(6, 1, 1, 1) * (1 / fmt.max)
     assert inv.shape == (6, 1, 1, 1) and torch.equal(inv, expected)
 
 
 def test_int8_weights_always_scale_per_output_channel():
     w = randn(5, 7) * torch.logspace(-2, 2, 5).unsqueeze(1)
-    inv = WeightQuantizer(Format.INT8).inverse_scale(w)
+    inv = quantizer(OperandRole.WEIGHT, Format.INT8, Scaling()).inverse_scale(w)
     assert torch.equal(inv, w.abs().amax(dim=1, keepdim=True) * (1 / 127))
 
 
 def test_input_margin_applies_to_fp8_and_not_to_int8():
     x = randn(8, 16)
     a = x.abs().max().item()
-    fp8 = InputQuantizer(Format.FP8_E4M3, Scaling(margin=2)).inverse_scale(x)
-    int8 = InputQuantizer(Format.INT8, Scaling(margin=2)).inverse_scale(x)
+    fp8 = quantizer(OperandRole.INPUT, Format.FP8_E4M3, Scaling(margin=2)).inverse_scale(x)
+    int8 = quantizer(OperandRole.INPUT, Format.INT8, Scaling(margin=2)).inverse_scale(x)
     assert fp8.item() == pytest.approx(a * 4 / 448, rel=1e-6)
     assert int8.item() == pytest.approx(a / 127, rel=1e-6)
 
@@ -218,7 +283,7 @@ def test_input_margin_applies_to_fp8_and_not_to_int8():
 
 def test_weight_get_pads_and_casts_like_plain_torch():
     w = randn(20, 24) * 3
-    got = WeightQuantizer(Format.FP8_E4M3, align=16).get(w, need_transposed=True)
+    got = quantizer(OperandRole.WEIGHT, Format.FP8_E4M3, Scaling(), align=16).get(w, need_transposed=True)
     inv = w.abs().max() * (1 / 448)
     padded = torch.zeros(32, 32)
     padded[:20, :24] = w
@@ -230,12 +295,22 @@ def test_weight_get_pads_and_casts_like_plain_torch():
 
 def test_weight_copy_is_reused_only_inside_a_vouched_scope_and_while_unchanged():
     w = randn(16, 16)
-    quantizer = WeightQuantizer(Format.FP8_E4M3, align=16)
-    first = quantizer.get(w, need_transposed=False, reuse=True)
-    assert quantizer.get(w, need_transposed=False, reuse=True) is first
-    assert quantizer.get(w, need_transposed=False, reuse=False) is not first
+    weights = quantizer(OperandRole.WEIGHT, Format.FP8_E4M3, Scaling(), align=16)
+    first = weights.get(w, need_transposed=False, reuse=True)
+    assert weights.get(w, need_transposed=False, reuse=True) is first
+    assert weights.get(w, need_transposed=False, reuse=False) is not first
     w.mul_(2)  # an in-place write bumps the version counter
-    assert quantizer.get(w, need_transposed=False, reuse=True) is not first
+    assert weights.get(w, need_transposed=False, reuse=True) is not first
+
+
+def test_a_row_scaled_per_tensor_weight_gives_the_kernel_its_scale_as_a_row_and_the_backward_one_scale():
+    # Per-tensor scales handed to the forward kernel in row shape (layers.row_scaled_outs): the
+    # same scale in each of the N' slots, the transposed copy keeping the one 0-d scale.
+    w = randn(20, 24) * 3
+    got = quantizer(OperandRole.WEIGHT, Format.FP8_E4M3, Scaling(), align=16, row_scaled=True).get(w, need_transposed=True)
+    one = w.abs().max() * (1 / 448)
+    assert got.inv_scale.shape == (1, 32) and got.inv_scale.is_contiguous() and torch.equal(got.inv_scale, one.expand(1, 32))
+    assert got.transposed_inv_scale.shape == () and torch.equal(got.transposed_inv_scale, one)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,9 +331,9 @@ def _reference_grad(g: torch.Tensor, fmt: Format):
 ], ids=str)
 def test_grad_quantizer_casts_each_gemm_operand_like_plain_torch(input_fmt, grad_fmt, weight_fmt):
     g = randn(24, 48) * 1e-3
-    quantizer = GradQuantizer.for_layer(input_fmt, grad_fmt)
-    (gx, inv_x), (gw, inv_w) = quantizer.quantize_for_gemms(g, True, True)
-    for (q, inv), fmt in (((gx, inv_x), grad_fmt), ((gw, inv_w), weight_fmt)):
+    grads = quantizer(OperandRole.GRAD_OUTPUT, grad_fmt, Scaling())
+    for_x, for_w = grads.quantize_for_gemms(g, True, weight_grad_format(input_fmt, grad_fmt))
+    for (q, inv), fmt in (((for_x.data, for_x.inv_scale), grad_fmt), ((for_w.data, for_w.inv_scale), weight_fmt)):
         expected, expected_inv = _reference_grad(g, fmt)
         assert q.dtype == fmt.dtype and torch.equal(q.view(torch.uint8), expected.view(torch.uint8))
         assert inv.item() == pytest.approx(expected_inv.item(), rel=1e-6)
@@ -266,18 +341,17 @@ def test_grad_quantizer_casts_each_gemm_operand_like_plain_torch(input_fmt, grad
 
 def test_grad_quantizer_makes_only_what_is_asked_and_shares_one_format():
     g = randn(8, 16)
-    quantizer = GradQuantizer.for_layer(Format.FP8_E4M3, Format.FP8_E5M2)
-    assert quantizer.quantize_for_gemms(g, False, True)[0] is None
-    assert quantizer.quantize_for_gemms(g, True, False)[1] is None
-    for_input, for_weight = quantizer.quantize_for_gemms(g, True, True)
+    grads = quantizer(OperandRole.GRAD_OUTPUT, Format.FP8_E5M2, Scaling())
+    assert grads.quantize_for_gemms(g, False, Format.FP8_E5M2)[0] is None
+    assert grads.quantize_for_gemms(g, True, None)[1] is None
+    for_input, for_weight = grads.quantize_for_gemms(g, True, Format.FP8_E5M2)
     assert for_weight is for_input  # one cast when both GEMMs take the same format
 
 
 def test_grad_round_trip_matches_plain_torch():
     g = randn(6, 4, 10)
-    quantizer = GradQuantizer(Format.FP8_E5M2, Format.FP8_E5M2)
     q, inv = _reference_grad(g, Format.FP8_E5M2)
-    assert torch.equal(round_trip(quantizer, g), q.float() * inv)
+    assert torch.equal(round_trip(quantizer(OperandRole.GRAD_OUTPUT, Format.FP8_E5M2, Scaling()), g), q.float() * inv)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,15 +359,17 @@ def test_grad_round_trip_matches_plain_torch():
 # ---------------------------------------------------------------------------------------------
 
 
-def _delayed(length: int, reduction: str = "max", margin: int = 0) -> InputQuantizer:
-    return InputQuantizer(Format.FP8_E4M3, Scaling(mode="delayed", history_len=length, reduction=reduction, margin=margin))
+def _delayed(length: int, reduction: str = "max", margin: int = 0) -> TensorDelayedQuantizer:
+    made = quantizer(OperandRole.INPUT, Format.FP8_E4M3, Scaling(mode="delayed", history_len=length, reduction=reduction, margin=margin))
+    assert isinstance(made, TensorDelayedQuantizer)
+    return made
 
 
 def _with_amax(a: float) -> torch.Tensor:
     return torch.tensor([[a, -0.5 * a if math.isfinite(a) else 1.0]])
 
 
-def _bases(quantizer: InputQuantizer, amaxes, record: bool = True) -> list:
+def _bases(quantizer: TensorDelayedQuantizer, amaxes, record: bool = True) -> list:
     """The amax each step's scale maps onto max (NaN for a non-finite scale)."""
     out = []
     for a in amaxes:

@@ -28,7 +28,7 @@ from autoprec.opcount import OpCounter, graph_breaks
 from autoprec.plan import Scaling
 from autoprec.runtime import casts as casts_module
 from autoprec.runtime.casts import FUSED, PYTORCH, call_casts, cast_path, choose, fused_casts
-from autoprec.runtime.quantizers import InputQuantizer
+from autoprec.runtime.quantizers import OperandRole, TensorDelayedQuantizer, quantizer
 from support.cuda_rules import CudaRules
 from support.triton_env import DEVICE, NO_KERNELS, NUMPY_WARNINGS, force_fused_casts, needs_kernels
 
@@ -235,12 +235,13 @@ def test_row_wise_cast_matches_row_scales_and_quantize(tc, dtype, fmt):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("reduction", ["max", "most_recent"])
 def test_delayed_cast_matches_the_input_quantizer_step_by_step(tc, rounds, dtype, reduction):
-    """Each step: the scale, both copies and the history equal `InputQuantizer.inverse_scale`
+    """Each step: the scale, both copies and the history equal `TensorDelayedQuantizer.inverse_scale`
     then `quantize`; the first step (no history), a zero tensor (recorded as "not seen"), an
     infinite value (NaN scale, recorded as 0), a step that does not record."""
     scaling = Scaling(mode="delayed", history_len=3, reduction=reduction, margin=1)
-    reference = InputQuantizer(Format.FP8_E4M3, scaling)
-    fused = InputQuantizer(Format.FP8_E4M3, scaling)
+    reference = quantizer(OperandRole.INPUT, Format.FP8_E4M3, scaling)
+    fused = quantizer(OperandRole.INPUT, Format.FP8_E4M3, scaling)
+    assert isinstance(reference, TensorDelayedQuantizer) and isinstance(fused, TensorDelayedQuantizer)
     reference.history, fused.history = reference.history.to(DEVICE), fused.history.to(DEVICE)
     steps = [special_values((37, 45), dtype, seed=s) for s in range(3)]
     steps.insert(1, torch.zeros(37, 45, dtype=dtype, device=DEVICE))
