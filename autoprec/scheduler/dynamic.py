@@ -322,7 +322,9 @@ class DynamicPrecisionScheduler:
 
         Raises:
             RuntimeStateError: no optimizer given, called inside `reusing_weights`, before any
-                forward, or after a forward whose backward has not run.
+                forward, after a forward whose backward has not run, or on a model that a
+                ``torch.distributed.pipelining`` schedule runs (not supported yet: apply a plan
+                to each stage with `apply_plan`).
         """
         self._checks.refuse_step(optimizers, self._binding.model, forward_ran=self._binding.example is not None,
                                  reusing=self._plans.reusing, backward_due=self._backward_due, pipeline_stage=self._pipeline_stage)

@@ -342,7 +342,7 @@ class HuggingFaceLM(L.LightningModule):
 
 
 def test_a_hugging_face_model_called_with_a_batch_dict_is_planned(tmp_path):
-    gpt2 = pytest.importorskip("test_real_models").gpt2  # skipped without transformers
+    gpt2 = pytest.importorskip("support.real_models").gpt2  # skipped without transformers
     torch.manual_seed(0)
     model, batch = gpt2()
     module = HuggingFaceLM(model)

@@ -20,7 +20,7 @@ from autoprec.calls import ModelCall, loss_of  # noqa: E402
 from autoprec.formats import Format  # noqa: E402
 from autoprec.runtime import EmulationWarning  # noqa: E402
 from autoprec.scheduler import DynamicPrecisionScheduler  # noqa: E402
-from support.hf_models import WEIGHT_LAYERS, bert, gpt2, vit  # noqa: E402
+from support.real_models import WEIGHT_LAYERS, bert, gpt2, vit  # noqa: E402
 
 transformers.logging.set_verbosity_error()  # tiny vocabularies make the configs warn about token ids
 
