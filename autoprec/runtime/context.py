@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -263,15 +263,22 @@ class PlanRuntime:
                 out[fqn] = torch.stack(ratios).amax() if len(ratios) > 1 else ratios[0]
         return out
 
-    def recalibrate(self, fqns=None) -> None:
+    def recalibrate(self, fqns: "Iterable[str] | str | None" = None) -> None:
         """Forget INT8 calibration, amax histories and kept weight copies of the named layers:
         each calibrates again, and its histories refill, from its next forwards.
 
         Args:
-            fqns (Iterable[str] | None): layer fqns of this plan (a list, not one bare
-                string); None: every layer. An fqn the plan lacks raises ``KeyError``.
+            fqns: layer fqns of this plan, or one fqn; None: every layer.
+
+        Raises:
+            RuntimeStateError: an fqn this plan does not hold (nothing is forgotten then).
         """
-        for fqn in fqns if fqns is not None else self._layers:
+        names = (fqns,) if isinstance(fqns, str) else tuple(self._layers if fqns is None else fqns)
+        unknown = [fqn for fqn in names if fqn not in self._layers]
+        if unknown:
+            raise RuntimeStateError(f"recalibrate({unknown[0]!r}): not a layer of this runtime's plan ({len(self._layers)} layers, "
+                                    f"e.g. {next(iter(self._layers), '')!r}); name layers by their fqn in the plan")
+        for fqn in names:
             layer = self._layers[fqn]
             for calibrator in layer.calibrators.values():
                 calibrator.recalibrate()

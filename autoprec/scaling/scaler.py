@@ -373,7 +373,7 @@ class LossScaler(torch.amp.GradScaler):
         For agreeing across ranks (`autoprec.distributed`) before `step` reads it.
 
         Args:
-            optimizer: an optimizer holding at least one gradient (with none, ``IndexError``).
+            optimizer: the optimizer to check (one holding no gradient found nothing).
 
         Returns:
             A 0-d float32 device tensor, > 0 when an inf/NaN was found (a copy).
@@ -384,6 +384,9 @@ class LossScaler(torch.amp.GradScaler):
         if self._states[id(optimizer)].stage is OptState.READY:
             self.unscale_(optimizer)
         flags = list(self._states[id(optimizer)].found.values())
+        if not flags:  # no gradient: nothing non-finite, on the device its parameters live on
+            device = next((p.device for group in optimizer.param_groups for p in group["params"]), torch.device("cpu"))
+            return torch.zeros((), dtype=torch.float32, device=device)
         return summed_flags(flags, flags[0].device, copy=True)
 
     def set_found_inf(self, optimizer: torch.optim.Optimizer, found: bool) -> None:

@@ -64,6 +64,17 @@ def test_a_runtime_state_of_the_wrong_shape_is_refused_naming_the_field(runtime,
     one_line(info)
 
 
+def test_recalibrate_takes_one_fqn_and_refuses_an_unknown_one_forgetting_nothing(runtime):
+    history = lambda fqn: next(iter(runtime.state_dict()["layers"][fqn]["inputs"].values()))["history"]  # noqa: E731
+    assert history("0").abs().sum() > 0 and history("2").abs().sum() > 0
+    with pytest.raises(RuntimeStateError, match=r"^recalibrate\('nope'\): not a layer of this runtime's plan .*name layers by their fqn") as info:
+        runtime.recalibrate(["2", "nope"])
+    one_line(info)
+    assert history("2").abs().sum() > 0  # a bad list forgets nothing, not even its good names
+    runtime.recalibrate("2")  # one bare fqn: that layer, not its characters
+    assert history("2").abs().sum() == 0 and history("0").abs().sum() > 0
+
+
 def test_a_runtime_state_with_a_history_of_the_wrong_length_is_refused(runtime):
     state = runtime.state_dict()
     history = state["layers"]["0"]["inputs"]

@@ -781,3 +781,11 @@ def test_grad_scaler_internals_loss_scaler_overrides_keep_their_shape():
     assert seen["stage"] is OptState.UNSCALED and set(seen["found_inf_per_device"]) == {torch.device("cpu")}
     assert (scaler._scale.shape, scaler._scale.dtype) == ((), torch.float32)
     assert (scaler._growth_tracker.shape, scaler._growth_tracker.dtype) == ((), torch.int32)
+
+
+def test_found_inf_of_an_optimizer_without_gradients_found_nothing():
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler()
+    found = scaler.found_inf(opt)  # before: IndexError on the empty list of flags
+    assert found.shape == () and found.dtype == torch.float32 and float(found) == 0.0
