@@ -37,8 +37,8 @@ import functools
 import os
 import sys
 import threading
-from types import FrameType, ModuleType
-from typing import Any
+from types import CodeType, FrameType, ModuleType
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -83,11 +83,7 @@ def in_metadata_inference(frame: "FrameType | None") -> bool:
     if stage is None:
         return False
     codes = _codes(stage)
-    while frame is not None:
-        if frame.f_code in codes:
-            return True
-        frame = frame.f_back
-    return False
+    return _any_frame(frame, lambda code: code in codes)
 
 
 def in_stage(frame: "FrameType | None") -> bool:
@@ -97,8 +93,13 @@ def in_stage(frame: "FrameType | None") -> bool:
     if stage is None or stage.__file__ is None:
         return False
     folder = os.path.dirname(stage.__file__)
+    return _any_frame(frame, lambda code: os.path.dirname(code.co_filename) == folder)
+
+
+def _any_frame(frame: "FrameType | None", runs: Callable[[CodeType], bool]) -> bool:
+    """Whether ``runs`` holds for the code of ``frame`` or of a frame above it."""
     while frame is not None:
-        if os.path.dirname(frame.f_code.co_filename) == folder:
+        if runs(frame.f_code):
             return True
         frame = frame.f_back
     return False
