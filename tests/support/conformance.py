@@ -75,13 +75,17 @@ def saved_bytes(model: torch.nn.Module, batch: Any, scheduler: Optional[DynamicP
     """Bytes one training step of ``batch`` saves for backward (metered over its forward, under
     ``scheduler``'s precision, or plain FP32), plus the FP32 gradient buffers; no weight changes
     (the gradients are dropped, no optimizer step). ``loss_fn(model, batch)``: the step's loss
-    (default ``model(**batch).loss``)."""
+    (default ``model(**batch).loss``). The forward draws its random numbers from one fixed seed
+    (the caller's generator state is restored after): a model that drops whole layers at random
+    (HuBERT's LayerDrop) saves a layer's tensors or not by the draw, so two steps compare only
+    under the same draws."""
     params = list(model.parameters())
     grads = sum(p.numel() * 4 for p in params if p.requires_grad)
     context = scheduler.precision_context() if scheduler is not None else contextlib.nullcontext()
     # Inside the context: a step the scheduler meters itself (a window's last) enters its own meter
     # there, and saved-tensor hooks do not nest (the innermost sees every tensor).
-    with context, SavedTensorMeter(params) as meter:
+    with torch.random.fork_rng(), context, SavedTensorMeter(params) as meter:
+        torch.manual_seed(0)
         loss = loss_fn(model, batch) if loss_fn is not None else model(**batch).loss
     (scheduler.scale(loss) if scheduler is not None else loss).backward()
     model.zero_grad(set_to_none=True)
