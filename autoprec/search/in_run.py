@@ -16,7 +16,7 @@ is held for long, and most of the work trains the model:
   are the same however loaded the machine is, and in a run resumed from a checkpoint.
 - **Trial steps** (training steps): the ``CANDIDATES`` best plans, and all-BF16 when it meets
   the budgets, each run until their INT8 scales froze, then ``TIMED_TRIAL_STEPS`` timed steps
-  (the first metered for bytes); around a compiled model the timed steps run compiled, after one
+  (every eager one metered for bytes, the most counting); around a compiled model the timed steps run compiled, after one
   that compiles the candidate. A skipped step does not count; one that keeps skipping has the
   layer its overflow starts at promoted, or is dropped (`trials.Trial.skip`), as is one over the
   memory budget; the fastest kept one is adopted with its runtime, unless it beats the predicted fastest kept one by
@@ -319,7 +319,7 @@ class TrainingSearch:
 
     def runs_eager(self) -> bool:
         """Whether the next training step must run eagerly: all but a compiled candidate's steps
-        after its calibration (probe steps are timed per layer by hooks; a candidate's first is
+        after its calibration (probe steps are timed per layer by hooks; a candidate's calibrating ones are
         metered; steps waiting on off-path work run the safe precision)."""
         trial = self._trial() if not self.done and self.steps >= self.probe_steps else None
         return trial is None or not trial.compiled or trial.steps < trial.calibration
@@ -328,9 +328,10 @@ class TrainingSearch:
         return next((t for t in self._trials if not t.over), None)
 
     def wants_bytes(self) -> bool:
-        """Whether the next step is a candidate's first (meter its saved bytes)."""
-        trial = self._trial() if self.steps >= self.probe_steps else None
-        return trial is not None and trial.steps == 0
+        """Whether the next step is a candidate's step that runs eagerly (meter its saved bytes:
+        every one, the most counts, since a model that drops layers at random, HuBERT's LayerDrop,
+        saves a dropped layer's tensors on some steps only)."""
+        return self.runs_eager() and self._trial() is not None and self.steps >= self.probe_steps
 
     def record(self, kind: Optional[str], seconds: float, *, layer_seconds: Optional[Mapping[str, float]] = None,
                forward_seconds: Optional[Mapping[str, float]] = None, block_seconds: Optional[Mapping[str, float]] = None,
@@ -372,8 +373,8 @@ class TrainingSearch:
         trial = self._trial()
         if trial is None:
             raise RuntimeStateError("TrainingSearch.record('trial', ...): no candidate is being tried; report the kind step_runtime() gave")
-        if saved_bytes is not None:
-            trial.saved_bytes = saved_bytes  # checked against the budget when choosing (rank 0 decides)
+        if saved_bytes is not None:  # the most of its metered steps, checked against the budget when choosing (rank 0 decides)
+            trial.saved_bytes = max(saved_bytes, trial.saved_bytes or 0)
         if skipped:
             # Every rank skips the same steps and names the same layer (the scaler agrees), so the
             # ranks still agree on the trial.

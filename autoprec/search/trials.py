@@ -28,7 +28,7 @@ TRIAL_PROMOTIONS = 3
 @dataclasses.dataclass
 class Trial:
     """A candidate on the training steps: it runs until its INT8 scales froze (calibration's
-    ``batches`` steps; the first is metered for bytes), then, for a compiled model, one step that
+    ``batches`` steps, each metered for bytes), then, for a compiled model, one step that
     compiles it, then ``TIMED_TRIAL_STEPS`` timed ones."""
 
     plan: Plan
@@ -39,13 +39,13 @@ class Trial:
     seconds: list = dataclasses.field(default_factory=list)
     blamed: Optional[str] = None  # the layer whose output the scaler saw go non-finite first, on a skipped step
     promoted: tuple = ()  # layers promoted to FP32 for overflowing, in order
-    saved_bytes: Optional[int] = None
+    saved_bytes: Optional[int] = None  # the most any of its metered (eager) steps saved
     dropped: Optional[str] = None
     total_bytes: Optional[int] = None  # measured saved bytes plus the gradient buffers, once judged
 
     @property
     def calibration(self) -> int:
-        """Its first steps, run eagerly: metered (the first) and calibrating INT8 scales."""
+        """Its first steps, run eagerly: metered and calibrating INT8 scales."""
         return max([1] + [lp.calibration.batches for lp in self.plan.layers.values() if lp.format is Format.INT8])
 
     @property

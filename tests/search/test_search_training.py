@@ -494,6 +494,27 @@ def test_a_candidates_skipped_steps_do_not_count_until_it_has_skipped_too_many(s
         assert steps == 0 and first.dropped.startswith(f"non-finite gradients skipped {skips} of its steps")
         assert search.result.layers == plans[1].layers
 
+def test_a_candidate_meters_every_eager_step_and_counts_the_most_saved():
+    """A model that drops layers at random (HuBERT's LayerDrop) saves a dropped layer's tensors
+    on some steps only: a candidate metered on its first step alone was judged on whatever that
+    step drew, and one adopted within the budget metered 0.74 of FP32's bytes at 0.6. Every step
+    of a candidate that runs eagerly is metered now, and the most it saved is what the budget
+    judges."""
+    wl, model, _ = setup()
+    x = wl.train_batches(0).next()[0]
+    unknown = search_for(model, x, formats=("fp32", "bf16"), recompute=[])
+    known = {"rest": 1e-3, **{f"{unknown.roles[fqn]}|{f.value}": 1e-3 for fqn in unknown.layers for f in unknown.formats}}
+    search = search_for(model, x, known=known, formats=("fp32", "bf16"), recompute=[])
+    search.set_candidates([Plan.uniform(model, "bf16", x)])
+    trial = search._trials[0]
+    drawn = [700, 1000, 600]  # the second step kept the layer the others dropped
+    assert trial.warmup + TIMED_TRIAL_STEPS == len(drawn)
+    for saved in drawn:
+        assert search.wants_bytes()
+        search.record("trial", 1.0, saved_bytes=saved)
+    assert search.done and trial.saved_bytes == max(drawn) and search.result.measured["saved_bytes"] == max(drawn)
+
+
 def test_a_search_over_accumulated_micro_batches_times_whole_steps_and_leaves_no_hook():
     """Gradient accumulation (the HF Trainer's and Lightning's ``accumulate``): every micro-batch
     enters a context. A probe step's layer timer used to be installed again at each one, the
