@@ -307,13 +307,15 @@ def test_search_job_review_shows_each_refined_trial(refined_job):
     proposed = sorted((t for t in study.trials if "refined" in t.user_attrs and "skipped" not in t.user_attrs
                        and t.state in (TrialState.COMPLETE, TrialState.PRUNED)), key=lambda t: t.number)
     refined = [t for t in proposed if t.state is TrialState.COMPLETE]
-    if not refined:
-        pytest.skip("the learning sampler stopped before proposing a plan on this machine's timings")
     acc = accumulator(out / "logs" / "search")
-    measured_ = acc.Scalars("refine/measured_seconds")
+    tags = acc.Tags()["scalars"]
+    if not proposed:  # the sampler stopped at once on this machine's timings (nothing predicted to win): no refine scalars
+        assert not [tag for tag in tags if tag.startswith("refine/")], tags
+        return
+    measured_ = acc.Scalars("refine/measured_seconds") if refined else []
     assert [e.step for e in measured_] == [t.number for t in refined]
     assert [e.value for e in measured_] == pytest.approx([t.user_attrs["seconds"] for t in refined])
-    assert [e.step for e in acc.Scalars("refine/corrected_error")] == [t.number for t in refined]
+    assert [e.step for e in acc.Scalars("refine/corrected_error")] == [t.number for t in refined] if refined else "refine/corrected_error" not in tags
     for tag in ("refine/predicted_seconds", "refine/corrected_seconds", "refine/factor/int8/seconds"):
         assert [e.step for e in acc.Scalars(tag)] == [t.number for t in proposed], tag
 
