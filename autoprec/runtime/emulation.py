@@ -11,6 +11,7 @@ master copy, which costs one elementwise pass instead of a weight-sized buffer.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -35,14 +36,16 @@ class StoredInFormat(torch.autograd.Function):
     rounded); one of role `OperandRole.WEIGHT` marks an input derived from parameters (rounded for
     the forward but re-derived from the FP32 master in backward, not saved). Backward rounds the
     incoming gradient through ``grad`` (the output gradient's; None keeps it FP32) and recomputes
-    ``fn`` under autograd from the saved inputs, with the forward's RNG state restored (dropout
-    inside attention draws the same mask twice, as activation checkpointing does). ``fn`` must be
+    ``fn`` under autograd from the saved inputs; ``draws_random``: ``fn`` may draw random numbers
+    (dropout inside attention), so the forward's RNG state is kept and restored for the
+    recomputation (the same mask twice, as activation checkpointing does). Other ops skip it:
+    reading the RNG state is a graph break under torch.compile. ``fn`` must be
     pure (no in-place on its inputs). A non-finite input gives a non-finite scale, so its rounded
     copy is NaN throughout and the overflow stays visible to the loss scaler.
     """
 
     @staticmethod
-    def forward(ctx, fn: Callable, quantizers: tuple, grad: "Quantizer | None", *inputs):
+    def forward(ctx, fn: Callable, quantizers: tuple, grad: "Quantizer | None", draws_random: bool, *inputs):
         device_type = next(x.device.type for x in inputs if torch.is_tensor(x))
         saved: list = []
         codecs: list = []
@@ -59,8 +62,8 @@ class StoredInFormat(torch.autograd.Function):
             rounded.append(quantizer.dequantize(q, inv, x.shape))
             saved.append(x if quantizer.role is OperandRole.WEIGHT else q)
             codecs.append((quantizer, inv, x.shape))
-        ctx.cpu_rng = torch.get_rng_state()
-        ctx.cuda_rng = torch.cuda.get_rng_state() if device_type == "cuda" else None
+        ctx.cpu_rng = torch.get_rng_state() if draws_random else None
+        ctx.cuda_rng = torch.cuda.get_rng_state() if draws_random and device_type == "cuda" else None
         with torch.no_grad(), _autocast_off(device_type):
             out = fn(*rounded)
         ctx.fn, ctx.grad, ctx.codecs, ctx.device_type = fn, grad, codecs, device_type
@@ -80,7 +83,10 @@ class StoredInFormat(torch.autograd.Function):
             if codec is not None:
                 quantizer, inv, shape = codec
                 q = quantizer.quantize(x, inv) if quantizer.role is OperandRole.WEIGHT else x
-                x = quantizer.dequantize(q, inv, shape).requires_grad_(ctx.needs_input_grad[3 + i])
+                # requires_grad_ is a graph break in a traced backward on torch 2.11 (not 2.13);
+                # torch.func.vjp, which avoids it, refuses the saved-tensor hooks a recomputed
+                # block's backward runs under.
+                x = quantizer.dequantize(q, inv, shape).requires_grad_(ctx.needs_input_grad[4 + i])
             values[i] = x
             leaves.append(x)
         grad_out = grad_out.float()
@@ -88,12 +94,14 @@ class StoredInFormat(torch.autograd.Function):
             g_inv = ctx.grad.inverse_scale(grad_out)
             grad_out = ctx.grad.dequantize(ctx.grad.quantize(grad_out, g_inv), g_inv, grad_out.shape)
         devices = [torch.cuda.current_device()] if ctx.cuda_rng is not None else []
-        with torch.random.fork_rng(devices=devices), torch.enable_grad(), _autocast_off(ctx.device_type):
-            torch.set_rng_state(ctx.cpu_rng)
+        rng = torch.random.fork_rng(devices=devices) if ctx.cpu_rng is not None else contextlib.nullcontext()
+        with rng, torch.enable_grad(), _autocast_off(ctx.device_type):
+            if ctx.cpu_rng is not None:
+                torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng)
             out = ctx.fn(*values)
         wanted = [x for x in leaves if torch.is_tensor(x) and x.requires_grad]
         grads = iter(torch.autograd.grad(out, wanted, grad_out.to(out.dtype), allow_unused=True)) if wanted else iter(())
         result = [next(grads) if torch.is_tensor(x) and x.requires_grad else None for x in leaves]
-        return (None, None, None, *result)
+        return (None, None, None, None, *result)

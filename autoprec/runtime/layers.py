@@ -199,7 +199,12 @@ class RuntimeLayer:
         self.grad: "Quantizer | None" = None
         if self.format.is_fp8 and grad_fmt.is_fp8:
             self.grad = quantizer(OperandRole.GRAD_OUTPUT, grad_fmt, precision.scaling)
-        self._emulation: "dict[OperandRole, Quantizer] | None" = None
+        # Emulated products' quantizers, made here, not at the first product: built there they
+        # were traced by torch.compile (a Scaling's field checks), three graph breaks (torch 2.11).
+        self._emulation: "dict[OperandRole, Quantizer]" = {}
+        if self.low_precision:
+            current = dataclasses.replace(precision.scaling, mode=ScalingMode.CURRENT)
+            self._emulation = {role: quantizer(role, self.format, current) for role in (OperandRole.INPUT, OperandRole.WEIGHT)}
         # Under tensor parallelism (a DTensor weight, `tensor_parallel`) the ranks its per-tensor
         # amaxes are reduced over; None otherwise.
         self.shard_group: Any = None
@@ -262,10 +267,7 @@ class RuntimeLayer:
     def emulation_quantizers(self) -> "dict[OperandRole, Quantizer]":
         """The input and weight quantizers of emulated products, by role: the layer's format and
         granularity (BLOCK included), current scaling (no state, so no history to share with the
-        kernels' quantizers); the gradient's is `grad`. Made once."""
-        if self._emulation is None:
-            scaling = dataclasses.replace(self.precision.scaling, mode=ScalingMode.CURRENT)
-            self._emulation = {role: quantizer(role, self.format, scaling) for role in (OperandRole.INPUT, OperandRole.WEIGHT)}
+        kernels' quantizers); the gradient's is `grad`. Empty for a layer not in FP8 or INT8."""
         return self._emulation
 
     def note(self, op: str, how: str) -> None:

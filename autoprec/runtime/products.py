@@ -272,5 +272,7 @@ class Products:
         # activations: 1x128 tiles for BLOCK, per row for ROW; else one scale (see the quantizers).
         by_role = layer.emulation_quantizers()
         quantizers = tuple(by_role[OperandRole.WEIGHT if is_weight(t) else OperandRole.INPUT] for t in tensors)
-        out = StoredInFormat.apply(fn, quantizers, layer.grad, *tensors)
+        # Attention draws its dropout masks inside the op; the other products draw nothing.
+        draws_random = op in ("scaled_dot_product_attention", "multi_head_attention")
+        out = StoredInFormat.apply(fn, quantizers, layer.grad, draws_random, *tensors)
         return out.to(out_dtype) if torch.is_tensor(out) and out.is_floating_point() else out

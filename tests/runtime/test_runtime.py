@@ -1,5 +1,6 @@
 """The per-layer runtime: numerics against plain PyTorch, memory per format, restoration, reports."""
 
+import contextlib
 import warnings
 
 import pytest
@@ -516,6 +517,33 @@ def test_emulated_conv_gradients_track_the_reference():
     out.backward(grad.to(out.dtype))
     assert sqnr(ref_dx, xq.grad) > 18
     assert sqnr(ref_dw, conv.weight.grad) > 18
+
+
+class _DropoutAttention(nn.Module):
+    """No parameters: its one product, attention with dropout, runs emulated in FP8."""
+
+    def forward(self, x):
+        return F.scaled_dot_product_attention(x, x * 0.5, x * 2.0, dropout_p=0.5)
+
+
+def test_emulated_attention_draws_the_same_dropout_mask_in_its_backward():
+    """An emulated product recomputes in its backward: attention restores the forward's RNG
+    state there, so its dropout mask is the forward's and the gradients track plain FP32 attention
+    drawn from the same seed (a second mask would leave them uncorrelated). Products that draw
+    nothing keep no RNG state (reading it breaks torch.compile's graph)."""
+    attention = _DropoutAttention()
+    x = torch.randn(2, 2, 8, 16)
+    grads = []
+    for plan in (None, ap.Plan.uniform(attention, "fp8_e4m3", x)):
+        xs = x.clone().requires_grad_(True)
+        torch.manual_seed(3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ap.EmulationWarning)
+            with ap.apply_plan(attention, plan) if plan is not None else contextlib.nullcontext():
+                out = attention(xs)
+        out.float().square().sum().backward()
+        grads.append(xs.grad)
+    assert sqnr(grads[0], grads[1]) > 18
 
 
 def test_delayed_scaling_history_persists_across_steps_and_state_dict():

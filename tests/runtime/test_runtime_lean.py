@@ -23,6 +23,7 @@ import torch.nn as nn
 
 import autoprec as ap
 from autoprec.opcount import count_training_step, graph_breaks, training_step
+from support.torch_versions import TORCH
 
 # Aten ops per FP8 / INT8 training step, the weight's quantization included: a training step's
 # weights changed since the previous one (the optimizer stepped), so it is quantized every step.
@@ -170,6 +171,36 @@ def test_forward_and_loss_compile_without_graph_breaks(name, x):
     with runtime:
         breaks = graph_breaks(_sum_loss(mlp), x)
     assert (breaks.graphs, breaks.breaks) == (1, 0), "\n".join(breaks.reasons)
+
+
+# Where Dynamo breaks the graph in an emulated product's backward (traced with its forward): its
+# recomputation under autograd. torch 2.11: at ``requires_grad_`` on the re-rounded inputs;
+# 2.13: at ``torch.autograd.grad`` (``trace_autograd_ops`` off by default).
+EMULATED_BACKWARD_BREAKS = {(2, 11): ("requires_grad_",), (2, 13): ("torch.autograd.grad",)}.get(TORCH, ("requires_grad_", "torch.autograd.grad"))
+
+
+class _ConvHead(nn.Module):
+    """A convolution (no FP8 kernel: emulated) and a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv1d(8, 16, 3, padding=1), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).transpose(1, 2))
+
+
+def test_an_emulated_product_breaks_the_graph_only_at_its_backwards_recomputation():
+    """Traced from its first call (no eager warm-up): the emulated convolution breaks the graph
+    only where its backward recomputes under autograd (`EMULATED_BACKWARD_BREAKS`). Before, its
+    quantizers were built at the first call, inside the trace (a Scaling's field checks: three
+    breaks on torch 2.11), and every emulated product read the RNG state (a break on both
+    versions; only attention, whose dropout draws, needs it)."""
+    model = _seeded(_ConvHead)
+    x = torch.randn(4, 8, 32)
+    with ap.apply_plan(model, ap.Plan.uniform(model, "fp8_e4m3", x)):
+        breaks = graph_breaks(_sum_loss(model), x)
+    assert breaks.breaks > 0 and all(any(why in r for why in EMULATED_BACKWARD_BREAKS) for r in breaks.reasons), "\n".join(breaks.reasons)
 
 
 @pytest.mark.parametrize("name", COMPILE_PLANS)
