@@ -12,16 +12,17 @@ and its unsharded parameter across steps and sets up extension data once, so bot
 `FSDPParam`'s private state (`_extensions_data`, ``all_gather_outputs``, ``_unsharded_param``):
 torch 2.11 and 2.13 lay it out alike, and the tests run on both.
 
-- **pre-all-gather**: the shard's amax, all-reduced (MAX) over the FSDP mesh so every rank
-  quantizes with one inverse scale ``amax / 448`` (no all-reduce on a mesh of one rank); the
-  padded shard cast to E4M3.
+- **pre-all-gather**: the shard's amax, all-reduced (MAX) over the FSDP mesh, and under FSDP2 x
+  TP over the weight's tensor-parallel mesh too, so every rank quantizes with the whole logical
+  weight's inverse scale ``amax / 448`` (no all-reduce on a mesh of one rank); the padded shard
+  cast to E4M3.
 - **post-all-gather**: a `GatheredFp8` over the gathered bytes: it has the FP32 weight's dtype
   and shape (autograd, FSDP2's ``as_strided`` and ``nn.Parameter`` see a weight), holds the E4M3
   data and the agreed inverse scale, and any other op runs on its dequantized value.
 - **gradients** reduce-scatter as before (FP32, or FSDP2's ``reduce_dtype``).
 
 Costs per FP8 weight and all-gather (forward, and backward when FSDP2 re-gathers there): one amax
-over the shard, one all-reduce of 4 bytes, one cast of the shard; the all-gather sends 1 byte per
+over the shard, one all-reduce of 4 bytes (two under FSDP2 x TP), one cast of the shard; the all-gather sends 1 byte per
 value instead of 4 (FP32). The scale follows the weight every step (current scaling: a weight is
 always scaled from its own amax, whatever the plan's mode, which applies to the layer's inputs), so
 a delayed-scaled E4M3 layer gathers in FP8 too and trains as it does without FSDP2; a layer whose
@@ -187,13 +188,16 @@ class Fp8AllGather:
 
         local = fsdp_param._sharded_local_tensor
         sent = self.sent
+        tensor_parallel = _tensor_parallel_groups(fsdp_param)
 
         def fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy):
             padded = fsdp_param._sharded_param_data.view(fsdp_param.padded_sharded_param_size)
             with torch.no_grad():
                 amax = padded.abs().amax().float().reshape(1)
-                if mesh.size() > 1:
-                    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())  # the mesh FSDP2 shards this weight over
+                # Over the mesh FSDP2 shards this weight over, then over its tensor-parallel
+                # mesh (FSDP2 x TP): the scale of the whole logical weight, as unsharded.
+                for group in ([mesh.get_group()] if mesh.size() > 1 else []) + tensor_parallel:
+                    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
                     sent["all_reduce"] += 1
                 inv = inverse_scale(amax[0], Format.FP8_E4M3)
                 data = quantize(padded, inv, Format.FP8_E4M3)
@@ -220,6 +224,18 @@ class Fp8AllGather:
                 delattr(local, name)
         _reset(fsdp_param)
         self._enabled.pop(id(fsdp_param), None)
+
+
+def _tensor_parallel_groups(fsdp_param: Any) -> list:
+    """The process groups of the mesh a weight is tensor-parallel over besides FSDP2's (FSDP2 x
+    TP: the DTensor spec FSDP2 restores after the all-gather; one group per mesh dimension of
+    more than one rank), empty without one. The spec is ``_tp_spec`` on torch 2.11,
+    ``_unsharded_dtensor_spec`` on 2.13 (None there without TP)."""
+    spec = getattr(fsdp_param, "_tp_spec", None) or getattr(fsdp_param, "_unsharded_dtensor_spec", None)
+    if spec is None:
+        return []
+    mesh = spec.mesh
+    return [mesh.get_group(dim) for dim in range(mesh.ndim) if mesh.size(dim) > 1]
 
 
 def _reset(fsdp_param: Any) -> None:

@@ -66,6 +66,55 @@ def test_fp8_layers_sharded_column_and_row_wise_compute_with_the_unsharded_scale
         torch.testing.assert_close(first, ref["grads"][0], rtol=0.1, atol=0.05 * ref["grads"][0].abs().max().item())
 
 
+def fsdp_tp_scenario(rank):
+    """The MLP of `mlp_scenario` on a 2 x 2 mesh as torchtitan composes it: tensor parallel over
+    "tp", each layer and the root under FSDP2 over "dp", its FP8 weights all-gathered in FP8."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from autoprec.runtime.fsdp_fp8 import Fp8AllGather
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    sharded = parallelize_module(copy.deepcopy(ref), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    for module in (sharded[0], sharded[2], sharded):
+        fully_shard(module, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=None))
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    plan = ap.Plan.uniform(ref, "fp8_e4m3", (x,))
+    gathers = Fp8AllGather.join(sharded)
+    gathers.apply(plan)
+    out = {"tp_rank": mesh["tp"].get_local_rank(), "gathered": gathers.enabled}
+    for name, model in (("ref", ref), ("tp", sharded)):
+        runtime = ap.apply_plan(model, plan)
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with runtime:
+                hidden = model[0](x)
+                y = model[2](model[1](hidden))
+            y.float().pow(2).sum().backward()
+        out[name] = {"hidden": (hidden.to_local() if hasattr(hidden, "to_local") else hidden).detach(), "y": _full(y).detach()}
+    out["sent"] = dict(gathers.sent)
+    return out
+
+
+def test_fsdp2_x_tp_gathers_fp8_weights_with_the_whole_logical_weights_scale(tmp_path):
+    """FSDP2 x TP (issue 58 item 4): a weight gathered in FP8 over "dp" is a TP shard; its scale
+    is reduced over "dp" and then "tp", so it is the whole weight's and the column-wise output is
+    the unsharded layer's bit for bit on every rank. Before: reduced over "dp" alone, each TP
+    shard had its own scale and the second TP rank's output columns differed."""
+    for result in run(fsdp_tp_scenario, tmp_path, world=4):
+        ref, tp = result["ref"], result["tp"]
+        assert result["gathered"] == 2 and result["sent"]["fp8_values"] > 0
+        cols = tp["hidden"].shape[-1]
+        start = result["tp_rank"] * cols
+        assert torch.equal(tp["hidden"], ref["hidden"][:, start:start + cols])
+        torch.testing.assert_close(tp["y"], ref["y"], rtol=1e-2, atol=1e-2)
+        # Every FP8 gather agreed its scale over both mesh dimensions: two 4-byte all-reduces.
+        assert result["sent"]["all_reduce"] == 2 * result["sent"]["fp8_values"] // (64 * 32 // 4)
+
+
 def titan_scenario(rank, formats, sequence_parallel):
     from torch.distributed.device_mesh import init_device_mesh
 
