@@ -190,14 +190,25 @@ def test_the_searchs_copy_of_a_tensor_parallel_model_is_the_unsharded_model(tmp_
 RUNS_SHARDED = {"fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"}
 
 
-def loop_scenario(rank, sequence_parallel):
+def loop_scenario(rank, sequence_parallel, data_parallel=False):
     """The README's loop as a new user writes it around torchtitan's tensor-parallel Llama (the
     scheduler binds at the first context): a profile window, the search over training steps, then
-    the plan in force for 3 steps. Every rank feeds the same batch (one TP group)."""
+    the plan in force for 3 steps. Every rank feeds the same batch (one TP group); with
+    ``data_parallel``, a 2 x 2 mesh as torchtitan composes it: TP over "tp", each block and the
+    root under FSDP2 over "dp", each "dp" rank its own rows of the batch."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
-    model = parallelize(titan_llama(), init_device_mesh("cpu", (WORLD,)), sequence_parallel=sequence_parallel)
+    if data_parallel:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = parallelize(titan_llama(), mesh["tp"], sequence_parallel=sequence_parallel)
+        for module in (*model.layers.values(), model):
+            fully_shard(module, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=None))
+        rows = (mesh["dp"].get_local_rank(), 2)
+    else:
+        model = parallelize(titan_llama(), init_device_mesh("cpu", (WORLD,)), sequence_parallel=sequence_parallel)
+        rows = (0, 1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     # memory_budget holds per rank, against the rank's own FP32 step; the replicated FP32 norms,
     # residuals and loss are a larger share of a rank's bytes than of the unsharded model's.
@@ -205,7 +216,7 @@ def loop_scenario(rank, sequence_parallel):
                                              formats=["fp32", "bf16", "fp8_e4m3", "int8"])
     losses, planned = [], 0
     for step in range(60):
-        x, y = token_batch(step)
+        x, y = token_batch(step, *rows)
         with scheduler.precision_context():
             loss = nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
         scheduler.backward(loss)
@@ -216,18 +227,22 @@ def loop_scenario(rank, sequence_parallel):
         if planned == 3 or scheduler.last_search_error is not None:
             break
     plan = scheduler.plan.to_dict() if scheduler.plan is not None else None
-    sharded = [fqn for fqn, m in model.named_modules() if isinstance(getattr(m, "weight", None), DTensor) and plan and fqn in plan["layers"]]
+    # Tensor-parallel weights: under FSDP2 x TP on both mesh dimensions (FSDP2 alone shards the norms over "dp").
+    sharded = [fqn for fqn, m in model.named_modules() if isinstance(getattr(m, "weight", None), DTensor) and plan and fqn in plan["layers"]
+               and m.weight.device_mesh.ndim == (2 if data_parallel else 1)]
     params = {k: _full(v).detach().clone() for k, v in model.named_parameters()}
     scheduler.close()
-    return {"plan": plan, "planned": planned, "error": scheduler.last_search_error, "losses": losses, "params": params, "sharded": sharded}
+    return {"dp_rank": rows[0], "plan": plan, "planned": planned, "error": scheduler.last_search_error, "losses": losses, "params": params, "sharded": sharded}
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
-def test_the_seeds_loop_reaches_one_plan_under_tensor_parallelism(tmp_path, sequence_parallel):
+@pytest.mark.parametrize("sequence_parallel, data_parallel", [(False, False), (True, False), pytest.param(False, True, marks=pytest.mark.slow)],
+                         ids=["tp", "tp-sp", "fsdp2xtp"])
+def test_the_seeds_loop_reaches_one_plan_under_tensor_parallelism(tmp_path, sequence_parallel, data_parallel):
     # Before: the first step's unscale failed (a fused call mixing DTensor gradients with the
     # norms' plain ones), then the window's metering (a DTensor has no storage), the search's copy
-    # (TP's hooks on whole weights), and the probe steps (INT8 on a sharded weight).
-    results = run(loop_scenario, tmp_path, sequence_parallel)
+    # (TP's hooks on whole weights), and the probe steps (INT8 on a sharded weight). FSDP2 x TP:
+    # 4 ranks, the scheduler's agreements over all of them.
+    results = run(loop_scenario, tmp_path, sequence_parallel, data_parallel, world=4 if data_parallel else WORLD)
     first = results[0]
     assert first["error"] is None and first["planned"] == 3, first["error"]
     assert len(first["sharded"]) == 4 * 7 + 1  # every block's projections and the head
@@ -238,6 +253,7 @@ def test_the_seeds_loop_reaches_one_plan_under_tensor_parallelism(tmp_path, sequ
     for result in results:
         assert result["plan"] == first["plan"] and result["planned"] == 3
         assert all(torch.isfinite(torch.tensor(result["losses"])))
-        assert result["losses"] == first["losses"]  # one TP group: every rank computes the same loss
+        # One TP group computes one loss; "dp" ranks see other rows, and end with the same weights.
+        assert result["losses"] == next(r for r in results if r["dp_rank"] == result["dp_rank"])["losses"]
         for name, value in first["params"].items():
             assert torch.equal(result["params"][name], value), name
