@@ -14,7 +14,7 @@ from autoprec.formats import Format, Granularity
 from autoprec.plan import LayerPrecision, Plan, Scaling
 from autoprec.scheduler import DynamicPrecisionScheduler
 from autoprec.workloads import default_workload
-from support.graphs import graph_tensors
+from support.graphs import graph_snapshot, graph_tensors
 
 WINDOW = 6
 
@@ -36,7 +36,7 @@ def run_through(make, *, planned_steps=3, limit=120):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sampler = wl.train_batches(0)
     sch = make(model, wl.train_batches(1).next()[0])
-    before = graph_tensors()  # 0, unless a test run before this one left a graph
+    before = graph_snapshot()  # empty, unless a test run before this one left a graph
     for _ in range(limit):
         train_step(wl, model, opt, sch, sampler.next())
         if sch.phase == "planned":
@@ -45,11 +45,11 @@ def run_through(make, *, planned_steps=3, limit=120):
     between = []
     for _ in range(planned_steps):
         train_step(wl, model, opt, sch, sampler.next())
-        between.append(graph_tensors() - before)
+        between.append(graph_tensors(before))
     sch.close()
-    closed = graph_tensors() - before
+    closed = graph_tensors(before)
     del sch
-    return between, closed, graph_tensors() - before
+    return between, closed, graph_tensors(before)
 
 
 SEARCHES = {
@@ -85,12 +85,12 @@ def test_metering_saved_bytes_without_a_backward_keeps_no_graph():
     from autoprec.saved_bytes import SavedTensorMeter
 
     weight = torch.randn(16, 16, requires_grad=True)
-    before = graph_tensors()
+    before = graph_snapshot()
     with SavedTensorMeter([weight]) as meter:
         out = torch.randn(4, 16).matmul(weight).exp().tanh().sum()
-    assert meter.total_bytes > 0 and graph_tensors() > before
+    assert meter.total_bytes > 0 and graph_tensors(before) > 0
     del out
-    assert graph_tensors() == before
+    assert graph_tensors(before) == 0
 
 
 JOB = """
@@ -127,14 +127,14 @@ def test_a_search_job_keeps_no_graph_between_its_measured_trials(tmp_path, monke
 
     seen = []
     memory = MeasuredStage.memory
-    before = graph_tensors()
+    before = graph_snapshot()
 
     def counting(self, *args, **kwargs):  # each measured candidate's first measurement
-        seen.append(graph_tensors() - before)
+        seen.append(graph_tensors(before))
         return memory(self, *args, **kwargs)
 
     monkeypatch.setattr(MeasuredStage, "memory", counting)
     (tmp_path / "job.toml").write_text(JOB, encoding="utf-8")
     assert main(["search", str(tmp_path / "job.toml")]) == 0
     assert len(seen) >= 3 and set(seen) == {0}
-    assert graph_tensors() == before
+    assert graph_tensors(before) == 0
