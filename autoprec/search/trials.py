@@ -28,8 +28,8 @@ TRIAL_PROMOTIONS = 3
 @dataclasses.dataclass
 class Trial:
     """A candidate on the training steps: it runs until its INT8 scales froze (calibration's
-    ``batches`` steps, each metered for bytes), then, for a compiled model, one step that
-    compiles it, then ``TIMED_TRIAL_STEPS`` timed ones."""
+    ``batches`` steps), then, for a compiled model, one step that compiles it, then
+    ``TIMED_TRIAL_STEPS`` timed ones; every step it runs eagerly is metered for bytes."""
 
     plan: Plan
     compiled: bool = False
