@@ -61,10 +61,6 @@ def plan_of(name: str, model: nn.Module, x: torch.Tensor):
     return plan.with_layers(lowered)
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def _local_bytes(t: torch.Tensor) -> int:
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.numel() * local.element_size()
