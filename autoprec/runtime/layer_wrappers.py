@@ -129,7 +129,11 @@ class LayerWrappers:
             return planned_below or layer.stored_dtype is not None
         if layer.low_precision:
             # Only an unpatched nn.Linear forward is known to be exactly F.linear(x, weight, bias).
-            plain_linear = type(layer.module).forward is nn.Linear.forward and "forward" not in layer.module.__dict__
+            # Another runtime's wrapper is looked through: which runtimes a model holds must not
+            # change how a layer runs (a plan adopted on rank 0 with its trial's runtime, and made
+            # afresh on the others over the trials' wrappers, took two paths, and under FSDP2 x TP
+            # two different collectives: the weight's amax all-reduce on one, none on the other).
+            plain_linear = type(layer.module).forward is nn.Linear.forward and not displaced(layer.module)[0]
             return not plain_linear or layer.kernel_reason is not None
         ops = set(self.plan.fingerprint[layer.fqn].ops) if layer.fqn in self.plan.fingerprint else set()
         return bool(ops & (_AUTOCAST_UNCAST.get(self.device_type, frozenset()) | NEVER_AUTOCAST)) or not ops

@@ -232,3 +232,27 @@ def test_compiled_forward_and_backward_match_eager(name, x):
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=2**-7, atol=0.0)
     for ref, eager, compiled in zip((p.grad for p in reference.parameters()), eager_grads, compiled_grads):
         assert sqnr(ref, compiled) >= sqnr(ref, eager) - 6.0
+
+
+
+def test_an_fp8_linear_runs_its_kernel_directly_whatever_other_runtimes_the_model_holds(monkeypatch):
+    """A runtime made while another runtime's wrapper sits on a layer took that wrapper for the
+    user's own forward and ran the layer through the product mode (``nn.Linear.forward``, then
+    ``F.linear`` routed by the mode). Under FSDP2 x TP that was a second path with its own
+    collectives: rank 0 adopted the searched plan with its trial's runtime, the other ranks made
+    it afresh over the trials' wrappers, and their FP8 weight casts' amax all-reduces no longer
+    matched (gloo aborted on a 2048-vs-4-byte collective)."""
+    calls = []
+    linear = nn.functional.linear
+    monkeypatch.setattr(nn.functional, "linear", lambda *a, **k: calls.append(1) or linear(*a, **k))
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+    x = torch.randn(8, 32)
+    plan = ap.Plan.uniform(model, "fp8_e4m3", x)
+    counts = []
+    for runtime in (ap.apply_plan(model, plan), ap.apply_plan(model, plan)):  # the second made over the first's wrappers
+        calls.clear()
+        with runtime:
+            model(x)
+        counts.append(len(calls))
+        assert runtime.report()["0"]["ops"] == {"linear": "kernel torch._scaled_mm"}
+    assert counts == [0, 0]  # the kernels called directly, F.linear never
