@@ -210,6 +210,10 @@ class SearchSteps:
                 search.shared = True
                 if agreement.rank != 0:
                     search.fail(SearchError(shared["error"])) if shared["error"] else search.set_candidates([Plan.from_dict(p) for p in shared["plans"]])
+        if agreement is not None and search.round_pending:
+            # A round of candidates ended on this step on every rank: rank 0 says whether a next
+            # one begins (every candidate measured over the memory budget), one broadcast.
+            search.settle_round(agreement.share(search.round_outcome() if agreement.rank == 0 else None))
         return search.done
 
     def _drop_timer(self) -> None:

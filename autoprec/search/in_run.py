@@ -22,7 +22,8 @@ is held for long, and most of the work trains the model:
   memory budget; the fastest kept one is adopted with its runtime, unless it beats the predicted fastest kept one by
   less than their own steps' spread (`noise.unseparated`: then that one stays). When every candidate measured over the memory
   budget (the bytes predicted at the budget's edge, measured a little over), the next round's
-  are proposed under the budget divided by the ratio of measured to predicted bytes: at most
+  are proposed under the budget divided by a margin learned from the measurements
+  (`memory_margin`; under torch.distributed rank 0's, every rank beginning it at one step): at most
   `MEMORY_ROUNDS` rounds, so a plan is in force at most ``MEMORY_ROUNDS * (CANDIDATES + 1) *
   (INT8 calibration batches + TIMED_TRIAL_STEPS (+ 1 compiled))`` trial steps after the probes
   and the off-path work (54 at the defaults: 3 rounds of 3 candidates of 4 + 2 steps), or the
@@ -37,7 +38,6 @@ probes' and the trials' step times are measured, and are the only timings the re
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import statistics
 import time
 import warnings
@@ -48,51 +48,24 @@ import torch.nn as nn
 
 from ..blocks import find_blocks, layers_of_blocks
 from ..costs import CostModel, InPlaceTimes, RooflineTimeModel, trace_model
-from ..device import format_support
 from ..errors import AutoprecError, InfeasibleBudgetError, RuntimeStateError, SearchError
 from ..formats import Format
-from ..plan import Calibration, LayerPrecision, Plan
+from ..plan import LayerPrecision, Plan
 from ..replica import is_sharded, plain_copy
 from ..runtime import EmulationWarning, apply_plan
 from ..sensitivity import sensitivity_steps
 from .noise import unseparated
 from .pipeline import propose_from, search_estimator, space_of, uniform_reference
-from .planner import floor_settings, overflow_reason
-from .space import LayerRules
+from .planner import floor_settings
+from .memory_margin import MEMORY_ROUNDS, MemoryMargin
+from .probes import PROBE_ROUNDS, PROBED_PER_ROLE, probe_formats, probe_plans
 from .tensor_parallel import noted, tensor_parallel_layers, unsharded_bytes
 from .trials import Trial
 from .units import unit_weight, weighted
 
-__all__ = ["TrainingSearch", "probe_formats"]
+__all__ = ["TrainingSearch", "probe_formats", "MEMORY_ROUNDS", "PROBE_ROUNDS", "PROBED_PER_ROLE"]
 
-# Probe cycles: the first warms up (first calls of each kernel, INT8 calibration of one batch)
-# and is not sampled; the other gives each probed (layer, format) one sample. Of a role's layers
-# (a transformer's blocks) at most PROBED_PER_ROLE, spread over the model, cycle through the
-# formats; the others run their widest allowed format. A probe step's extra time is what its
-# slower formats cost, so it falls with the layers probed.
-PROBE_ROUNDS = 2
-PROBED_PER_ROLE = 3
 CANDIDATES = 2  # plans tried on training steps: the optimum (to exact.MIP_GAP) and the next best
-# Rounds of candidates: when every candidate of a round measures over the memory budget, the next
-# round's are proposed under the budget divided by the largest measured-to-predicted bytes ratio
-# seen (a margin learned from the measurement); after the last, the search fails for good.
-MEMORY_ROUNDS = 3
-def probe_formats(layers: Sequence[str], formats: Sequence[Format], profile: Any, device: torch.device,
-                  rules: LayerRules = LayerRules()) -> dict[str, list[Format]]:
-    """Per layer, the formats a probe step may run it in: runnable on ``device``, allowed by the
-    ``rules`` (a pinned layer runs its pinned format only, a forbidden format never) and not seen
-    to overflow in ``profile`` (a probe must not skip a step the search could have foreseen)."""
-    runnable = [f for f in formats if format_support(f, device).runnable]
-    allowed = {}
-    for fqn in layers:
-        pinned = [Format.parse(f) for pattern, f in rules.pin.items() if fnmatch.fnmatchcase(fqn, pattern)]
-        forbidden = {Format.parse(f) for pattern, fs in rules.forbid.items() if fnmatch.fnmatchcase(fqn, pattern) for f in fs}
-        fmts = [f for f in runnable if f not in forbidden and (not pinned or f in pinned)]
-        fmts = [f for f in fmts if f is Format.FP32 or profile is None or overflow_reason(profile, fqn, f) is None]
-        allowed[fqn] = fmts or [pinned[0] if pinned else Format.FP32]
-    return allowed
-
-
 class TrainingSearch:
     """One search of the scheduler (module docstring). The scheduler asks `step_runtime` before
     each training step (None: the step runs the safe precision), reports each step with
@@ -107,8 +80,8 @@ class TrainingSearch:
     the measured bytes of the trials to the cost model's (module docstring).
     ``second_moment``: Adam's, per parameter name, at the window's end (`adam_second_moment`),
     for the sensitivity's gradient term (None: estimated on the snapshot, one more forward +
-    backward). ``alone``: no other rank takes part (under torch.distributed the ranks agree on
-    one round of candidates only). ``notes``: layer -> the sentence each candidate's reason for
+    backward). ``alone``: no other rank takes part (under torch.distributed each round's end
+    waits for rank 0's word: `round_outcome`, `settle_round`). ``notes``: layer -> the sentence each candidate's reason for
     it ends with (`tensor_parallel.sharded_rules`: the formats left out of a sharded layer's).
     """
 
@@ -143,7 +116,7 @@ class TrainingSearch:
         # measure_costs=False: roofline seconds, no probe and no trial steps (the optimum is adopted).
         self.measuring = bool(config.measure_costs)
         allowed = probe_formats(self.layers, self.formats, profile, device, config.rules)
-        self._probes = self._probe_plans(allowed) if self.measuring else []
+        self._probes = probe_plans(self.layers, self.roles, self.blocks, allowed, config.planning.precisions(), known) if self.measuring else []
         self._probe_runtimes: dict[int, Any] = {}
         self._samples: dict[str, list[float]] = {}  # "role|format" -> seconds measured in probe steps
         self._rest: list[float] = []
@@ -165,14 +138,22 @@ class TrainingSearch:
         self.safe_bytes = safe_bytes
         self._second_moment = second_moment
         self._outside_bytes = 0  # saved bytes the meter sees beyond the cost model's forward
+        # The safe plan's predicted bytes (lead only): where a trial's measured bytes, in the cost
+        # model's terms, equal the predicted ones by construction (`MemoryMargin.learn`'s anchor).
+        self._safe_total: "float | None" = None
         # The measured stage's rounds (`MEMORY_ROUNDS`): the space the lead proposes from (not
         # checkpointed: a search resumed mid-trials proposes no further round), the round, the
         # margin it proposed under, and the earlier rounds' trials (for the result's record).
-        self.alone = alone  # no other rank takes part (only then is a further round proposed)
+        self.alone = alone  # no other rank takes part: a round ends here, else on rank 0's word (`round_outcome`)
         self._found: Any = None
         self._round = 0
-        self._margin = 1.0
+        self._memory = MemoryMargin()
         self._earlier: list[dict] = []
+        # Under torch.distributed, between a round's end (`_choose`, at the same step on every
+        # rank) and the scheduler sharing rank 0's outcome (`settle_round`): rank 0's next round,
+        # proposed and not yet begun, as (plans, margin).
+        self.round_pending = False
+        self._proposed: "tuple[list[Plan], float] | None" = None
         if restore is not None:
             self._restore(restore)
         self._snapshot: Optional[nn.Module] = None
@@ -221,7 +202,7 @@ class TrainingSearch:
             "trials": [{"steps": t.steps, "skipped": t.skipped, "seconds": list(t.seconds), "saved_bytes": t.saved_bytes, "dropped": t.dropped,
                         "blamed": t.blamed, "promoted": list(t.promoted), "plan": t.plan.to_dict() if t.promoted else None,
                         "runtime": None if t.runtime is None else t.runtime.state_dict()} for t in self._trials],
-            "round": self._round, "margin": self._margin, "earlier": list(self._earlier),
+            "round": self._round, "margin": self._memory.margin, "earlier": list(self._earlier),
         }
 
     def _restore(self, state: Mapping[str, Any]) -> None:
@@ -238,7 +219,7 @@ class TrainingSearch:
         self._next_stage, self._unit_cost = state.get("next_stage", ""), dict(state.get("unit_cost", {}))
         if state.get("second_moment") is not None:
             self._second_moment = dict(state["second_moment"])
-        self._round, self._margin, self._earlier = state.get("round", 0), state.get("margin", 1.0), list(state.get("earlier", ()))
+        self._round, self._memory, self._earlier = state.get("round", 0), MemoryMargin(state.get("margin", 1.0)), list(state.get("earlier", ()))
         if state["candidates"] is not None:
             self.set_candidates([Plan.from_dict(p) for p in state["candidates"]])
             self.shared = True
@@ -262,37 +243,6 @@ class TrainingSearch:
                 trial.runtime.load_state_dict(saved["runtime"])
 
     # -- on the training path -----------------------------------------------------------------
-
-    def _probe_plans(self, allowed: Mapping[str, list[Format]]) -> list[Plan]:
-        """One probe cycle: step p runs the j-th probed layer of a role in its formats[(j + p) %
-        n], so one step mixes formats and a cycle gives each probed (layer, format) one sample.
-        A role probes at most `PROBED_PER_ROLE` of its layers, evenly spread; the others run
-        their widest allowed format. INT8 calibrates on one batch (the warm-up cycle's). Empty
-        when every (role, format) is known already."""
-        known = "rest" in self.known and all(f"block|{b}" in self.known for b in self.blocks)
-        if known and all(f"{self.roles[fqn]}|{f.value}" in self.known and (not self.blocks or f"forward|{self.roles[fqn]}|{f.value}" in self.known)
-                         for fqn, fmts in allowed.items() for f in fmts):
-            return []
-        members: dict[str, list[str]] = {}
-        for fqn in self.layers:
-            members.setdefault(self.roles[fqn], []).append(fqn)
-        position = {}
-        for fqns in members.values():
-            stride = -(-len(fqns) // PROBED_PER_ROLE)  # ceil: 6 blocks probe blocks 0, 2 and 4
-            for j, fqn in enumerate(fqns[::stride]):
-                position[fqn] = j
-        one_batch = Calibration(batches=1)
-        precisions = self.config.planning.precisions()
-        plans = []
-        for p in range(max(len(fmts) for fmts in allowed.values())):
-            layers = {}
-            for fqn in self.layers:
-                fmts = allowed[fqn]
-                fmt = fmts[(position[fqn] + p) % len(fmts)] if fqn in position else max(fmts, key=lambda f: f.bits)
-                chosen = precisions.get(fmt, LayerPrecision(fmt))  # timed as the search would plan it
-                layers[fqn] = dataclasses.replace(chosen, calibration=one_batch, reason="probe step of the search")
-            plans.append(Plan(layers, metadata={"source": "DynamicPrecisionScheduler probe"}))
-        return plans
 
     @property
     def probe_steps(self) -> int:
@@ -485,7 +435,9 @@ class TrainingSearch:
             # What the meter sees beyond the cost model's forward (the loss's saved tensors) is
             # the same in every plan: measured once, on the window's last (safe) step.
             safe, measured = self.safe_bytes
-            self._outside_bytes = measured - costs.plan_cost(costs.uniform_plan(safe)).saved_bytes
+            safe_cost = costs.plan_cost(costs.uniform_plan(safe))
+            self._outside_bytes = measured - safe_cost.saved_bytes
+            self._safe_total = safe_cost.bytes
         proposal = self._propose()
         self._add("solve", time.perf_counter() - start)
         self.set_candidates(self._candidates(proposal))
@@ -505,19 +457,20 @@ class TrainingSearch:
         fp32_bytes = self._found.costs.fp32_bytes()
         limit = self._predicted_limit(fp32_bytes)
         if limit is not None and (margin != 1.0 or self._outside_bytes):
-            planning = dataclasses.replace(planning, budgets=dataclasses.replace(budgets, memory=int(limit / margin)))
+            planning = dataclasses.replace(planning, budgets=dataclasses.replace(budgets, memory=max(1, int(limit / margin))))
         try:
             proposal = propose_from(self._found, planning, baseline_loss=self.baseline_loss, fingerprint=self.fingerprint,
                                     metadata={"step": self.started, "source": "DynamicPrecisionScheduler"})
         except InfeasibleBudgetError as exc:
             if margin != 1.0 and exc.fp32_bytes:
-                # Stated as measured: the least bytes any plan reaches, times the margin learned.
-                need = exc.min_bytes * margin / exc.fp32_bytes
+                # Stated as measured: the least bytes any plan reaches, as the trials measured plans.
+                need_bytes = self._memory.as_measured(exc.min_bytes, margin)
+                need = need_bytes / exc.fp32_bytes
                 raise InfeasibleBudgetError(
-                    f"no plan meets the memory budget as measured: every candidate measured over it, by up to {margin - 1:.1%} more "
-                    f"bytes than predicted (the margin learned on the training steps, {self._round} rounds), and with that margin the "
-                    f"smallest plan within the loss budget takes {need:.3f} of the FP32 bytes; raise memory_budget to at least {need:.3f}",
-                    exc.min_bytes * margin, exc.min_loss) from None
+                    f"no plan meets the memory budget as measured: every candidate measured over it (by up to {self._memory.worst_ratio - 1:.1%} more "
+                    f"bytes than predicted, {self._round} rounds), and as the training steps measure plans the smallest one within the "
+                    f"loss budget takes {need:.3f} of the FP32 bytes; raise memory_budget to at least {need:.3f}",
+                    need_bytes, exc.min_loss) from None
             raise exc.with_hint(floor_settings(exc, memory="memory_budget", recompute="recompute=[]", recompute_off=self.config.recompute == ())) from None
         if planning is self._planning:
             return proposal
@@ -600,6 +553,7 @@ class TrainingSearch:
     def _choose(self) -> None:
         """The fastest candidate of the round that kept to the budgets as measured; when every
         one measured over the memory budget, the next round (`MEMORY_ROUNDS`), else `error`."""
+        self.round_pending = not self.alone
         limit = self._trials[0].plan.budgets.get("memory_bytes") if self._trials else None  # type: ignore[attr-defined]
         for t in self._trials:
             # Measured saved bytes plus the FP32 gradient buffers (the same in every plan).
@@ -637,23 +591,15 @@ class TrainingSearch:
 
     def _next_round(self) -> bool:
         """Propose the next round when every candidate of this one measured over the memory
-        budget: under the budget divided by the largest ratio of measured to predicted bytes seen
-        so far (a round proposed under one margin and still over measured a larger ratio, so the
-        margin grows each round). False (the search then fails) after `MEMORY_ROUNDS`,
-        when a candidate failed otherwise, without the space (a resumed search, another rank's)
-        or under torch.distributed (the ranks agree on one round of candidates: a further one
-        would need them to agree again). An infeasible margin sets `error`, final."""
-        ratios = [t.total_bytes / t.plan.predicted["bytes"] for t in self._trials
-                  if t.total_bytes is not None and t.dropped is not None and t.dropped.startswith("measured") and t.plan.predicted.get("bytes")]
-        if self._round + 1 >= MEMORY_ROUNDS or self._found is None or not self.alone or len(ratios) != len(self._trials):
+        budget: under the budget divided by the margin learned (`memory_margin.MemoryMargin`: the
+        ratios of measured to predicted bytes, and the line through the safe step). False (the search then fails) after `MEMORY_ROUNDS`, when a
+        candidate failed otherwise, or without the space (a resumed search, a rank but the lead).
+        Alone, the round begins here; under torch.distributed it waits for `settle_round`, so
+        every rank begins it at the same step with rank 0's plans. An infeasible margin sets
+        `error`, final."""
+        if self._round + 1 >= MEMORY_ROUNDS or self._found is None or not MemoryMargin.all_over(self._trials):
             return False
-        margin = max(self._margin, *ratios)
-        self._earlier = self._records()
-        for t in self._trials:
-            if t.runtime is not None:
-                t.runtime.remove()
-        self._round += 1
-        self._margin = margin
+        margin = self._memory.learn(self._trials, self._trials[0].plan.budgets.get("memory_bytes"), self._safe_total)  # type: ignore[attr-defined]
         start = time.perf_counter()
         try:
             proposal = self._propose(margin)
@@ -662,8 +608,41 @@ class TrainingSearch:
             return True
         finally:
             self._add("solve", time.perf_counter() - start)
-        self.set_candidates(self._candidates(proposal))
+        plans = self._candidates(proposal)
+        if self.alone:
+            self._begin_round(plans, margin)
+        else:
+            self._proposed = (plans, margin)
         return True
+
+    def _begin_round(self, plans: Sequence[Plan], margin: float) -> None:
+        """The next round's candidates ``plans``, proposed under ``margin``: this round's trials
+        kept as records, their runtimes off the model."""
+        self._earlier = self._records()
+        for t in self._trials:
+            if t.runtime is not None:
+                t.runtime.remove()
+        self._round += 1
+        self._memory.margin = margin
+        self.result, self.error, self._winner = None, None, None
+        self.set_candidates(plans)
+
+    def round_outcome(self) -> dict:
+        """Under torch.distributed, at a round's end (`round_pending`), what rank 0 sends the
+        others (`settle_round`): its next round's plans and margin, or ``{"plans": None}`` when
+        the round was the last (each rank keeps its own result or error; the scheduler adopts
+        rank 0's). Plain data."""
+        if self._proposed is None:
+            return {"plans": None}
+        plans, margin = self._proposed
+        return {"plans": [p.to_dict() for p in plans], "margin": margin}
+
+    def settle_round(self, outcome: Mapping[str, Any]) -> None:
+        """Rank 0's `round_outcome` on every rank, rank 0 included: its next round begins here
+        (every rank's trials restart on the same plans), or the search is done."""
+        self.round_pending, self._proposed = False, None
+        if outcome["plans"] is not None:
+            self._begin_round([Plan.from_dict(p) for p in outcome["plans"]], outcome["margin"])
 
     def take_runtime(self) -> Any:
         """The result's runtime (its INT8 scales calibrated on the trial steps; None when no
@@ -689,7 +668,7 @@ class TrainingSearch:
 
     @property
     def done(self) -> bool:
-        return self.result is not None or self.error is not None
+        return not self.round_pending and (self.result is not None or self.error is not None)
 
     def summary(self) -> str:
         """One line: the timeline's stages in seconds, and the longest step against the median."""
