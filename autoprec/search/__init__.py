@@ -3,8 +3,9 @@ planning pipeline (`pipeline.propose_plans`), the measured stage (an Optuna stud
 
 Owns: `space` (units, choices, budgets), `exact` (the integer program), `planner` / `pipeline`
 (from costs and sensitivity to proposed plans), `units` (off-path work weighed in model passes),
-`in_run` (the search spread over training steps), `tensor_parallel` (what a sharded layer may
-take), `candidate_runs` / `trials` / `noise` / `study` /
+`in_run` (the search spread over training steps) with `probes` (its probe steps' plans) and
+`memory_margin` (the margin its rounds learn from measured bytes), `tensor_parallel` (what a
+sharded layer may take), `candidate_runs` / `trials` / `noise` / `study` /
 `refine` (timing candidates, their noise, the Optuna study, the learning sampler). The job that
 drives it offline is `autoprec.job`. May import the shared basics, `runtime`, `profiling`,
 `scaling`, `costs` and `sensitivity`.
