@@ -4,20 +4,23 @@ at a memory budget of 0.6 and a 5 % accuracy budget. Each must train to a plan w
 (metered bytes, the plan's measured loss increase) or be refused with the reason.
 
 The sample rotates: ``AUTOPREC_SWEEP_SEED`` picks it (default: the day of the year, so CI runs
-see different types over time); `SAMPLE` types that build, drawn in that seed's order (a type whose
+see different types over time); `SAMPLE` types that build (``AUTOPREC_SWEEP_SAMPLE``, default 20), drawn in that seed's order (a type whose
 generated config does not build is passed over, not counted). The failures the whole sweep still
 shows are `KNOWN_FAILURES`, each with what it would take. ``python benchmarks/arch_sweep.py --sample 20 --seed N`` runs the same sample
 outside pytest.
 """
 
 import functools
+import os
 
 import pytest
 
 pytest.importorskip("transformers")
 from support import arch_sweep  # noqa: E402
 
-SAMPLE = 20
+# CI's torch 2.11 leg draws fewer (AUTOPREC_SWEEP_SAMPLE): the same seed's first types, the
+# architectures' own code under the other torch release, at a third of the time.
+SAMPLE = int(os.environ.get("AUTOPREC_SWEEP_SAMPLE", 20))
 SEED = arch_sweep.rotating_seed()
 # model type -> why it fails today, and what it would take (the sweep's remaining failure classes,
 # docs/architecture_sweep.md). Strict: a drawn one must still fail, so a fix is noticed; the
