@@ -10,6 +10,8 @@ import autoprec as ap
 from autoprec.comm import CommMethod
 from autoprec.distributed import grad_comm_methods, plan_hash
 from autoprec.scheduler import DynamicPrecisionScheduler
+import autoprec.scheduler.search_steps as search_steps
+import autoprec.scheduler.window_measures as window_measures
 from support.graphs import graph_tensors
 from support.titan_llama import titan_llama, token_batch
 from support.data_parallel import SETTINGS, WINDOW, WORLD, batch, dcp_load, dcp_save, make_model, run, train, wrapped
@@ -536,3 +538,55 @@ def test_fsdp2_blocks_with_recomputation_reach_one_plan_on_every_rank(tmp_path, 
         assert [s[1] for s in result["steps"]] == [s[1] for s in first["steps"]]  # every skip agreed
         for name, value in first["params"].items():
             assert torch.equal(value, result["params"][name]), name
+
+
+# -- the search's memory rounds under torch.distributed ---------------------------------------------
+
+
+class MeterPartial(search_steps.SavedTensorMeter):
+    """A meter on which only 0.6 of what a plan saves shows, on every step (the safe one too), as
+    on a tensor-parallel rank, whose replicated FP32 parts no plan lowers (docs/distributed.md):
+    the candidates proposed at the budget's edge measure over it."""
+
+    @property
+    def total_bytes(self) -> int:
+        return int(super().total_bytes * 0.6)
+
+
+def rounds_scenario(rank, world, tmp):
+    search_steps.SavedTensorMeter = window_measures.SavedTensorMeter = MeterPartial  # this spawned rank's modules
+    model = make_model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    sch = DynamicPrecisionScheduler(**{**SETTINGS, "measure_costs": True, "memory_budget": 0.6, "formats": ("fp32", "bf16", "fp8_e4m3")})
+    for step in range(60):
+        # 256 rows a rank: activations outweigh the weights, so formats span the budget.
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(256, 32, generator=g), torch.randint(0, 8, (256,), generator=g)
+        with sch.precision_context():
+            loss = nn.functional.cross_entropy(ddp(x).float(), y)
+        sch.backward(loss)
+        sch.step(opt)
+        opt.zero_grad(set_to_none=True)
+        if sch.plan is not None or sch.last_search_error is not None:
+            break
+    plan = sch.plan
+    result = {"plan": None if plan is None else plan.to_dict(), "error": sch.last_search_error, "step": sch.step_count,
+              "params": {k: v.detach() for k, v in model.named_parameters()}}
+    sch.close()
+    return result
+
+
+@pytest.mark.slow
+def test_a_round_of_candidates_all_over_the_memory_budget_is_followed_by_rank_0s_next_round_on_every_rank(tmp_path):
+    # Before: under torch.distributed the search stopped after one round ("every candidate plan
+    # failed on the training steps"); alone it proposed the next round under the learned margin.
+    r0, r1 = run(rounds_scenario, tmp_path)
+    assert r0["error"] is None, r0["error"]
+    measured = r0["plan"]["measured"]
+    assert measured["rounds"] >= 2, measured["candidates"]
+    assert all(c["dropped"].startswith("measured") for c in measured["candidates"] if c["round"] < measured["rounds"] - 1)
+    assert r0["plan"]["metadata"]["memory_margin"] > 1.0
+    assert r1["plan"] == r0["plan"] and r1["step"] == r0["step"]  # one plan, in force at one step on every rank
+    for name, value in r0["params"].items():
+        assert torch.equal(value, r1["params"][name]), name
