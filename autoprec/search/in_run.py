@@ -564,7 +564,7 @@ class TrainingSearch:
                     t.dropped = f"measured {total:,} bytes, over the memory budget of {int(limit):,}"
         kept = [t for t in self._trials if t.dropped is None and t.seconds]
         if not kept:
-            if self._next_round():
+            if self._next_round(limit):
                 return
             why = "; ".join(f"candidate {i + 1}: {t['dropped']}" for i, t in enumerate(self._records()))
             self.error = SearchError(f"every candidate plan failed on the training steps ({why}); training stays at the safe precision")
@@ -589,17 +589,18 @@ class TrainingSearch:
                    for i, t in enumerate(self._trials)]
         return self._earlier + current
 
-    def _next_round(self) -> bool:
+    def _next_round(self, limit: "float | None") -> bool:
         """Propose the next round when every candidate of this one measured over the memory
-        budget: under the budget divided by the margin learned (`memory_margin.MemoryMargin`: the
-        ratios of measured to predicted bytes, and the line through the safe step). False (the search then fails) after `MEMORY_ROUNDS`, when a
+        budget's ``limit`` (bytes): under the budget divided by the margin learned
+        (`memory_margin.MemoryMargin`: the ratios of measured to predicted bytes, and the line
+        through the safe step). False (the search then fails) after `MEMORY_ROUNDS`, when a
         candidate failed otherwise, or without the space (a resumed search, a rank but the lead).
         Alone, the round begins here; under torch.distributed it waits for `settle_round`, so
         every rank begins it at the same step with rank 0's plans. An infeasible margin sets
         `error`, final."""
         if self._round + 1 >= MEMORY_ROUNDS or self._found is None or not MemoryMargin.all_over(self._trials):
             return False
-        margin = self._memory.learn(self._trials, self._trials[0].plan.budgets.get("memory_bytes"), self._safe_total)  # type: ignore[attr-defined]
+        margin = self._memory.learn(self._trials, limit, self._safe_total)
         start = time.perf_counter()
         try:
             proposal = self._propose(margin)

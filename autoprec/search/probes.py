@@ -26,6 +26,7 @@ __all__ = ["PROBE_ROUNDS", "PROBED_PER_ROLE", "probe_formats", "probe_plans"]
 PROBE_ROUNDS = 2
 PROBED_PER_ROLE = 3
 
+
 def probe_formats(layers: Sequence[str], formats: Sequence[Format], profile: Any, device: torch.device,
                   rules: LayerRules = LayerRules()) -> dict[str, list[Format]]:
     """Per layer, the formats a probe step may run it in: runnable on ``device``, allowed by the
