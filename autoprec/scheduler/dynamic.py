@@ -468,6 +468,8 @@ class DynamicPrecisionScheduler:
         if not tick.window_end:
             self._maybe_start_monitor()
             return
+        if self.plan is None:
+            self._searches.hold_heap()  # from the window's summary on (`SearchSteps.hold_heap`)
         # Every rank's statistics before rank 0 decides: every rank's profile is the same.
         profile = self._measures.end_window(self._dist, with_loss=self.plan is None, writer=self._writer, step=self.step_count)
         if self.plan is None:

@@ -9,7 +9,8 @@ retry does not probe again). The scheduler calls `enter_step` inside each step's
 its slice of off-path work (``search_slice`` steps of it, counted in model passes: never timed)
 and report when it is `done`, and the scheduler then `take`s it.
 
-Costs: a ``time.perf_counter`` per step; a probe step's autograd hooks per layer and a trial
+While a search runs, the objects alive at its start are out of CPython's full collections
+(`search.frozen_heap`). Costs: a ``time.perf_counter`` per step; a probe step's autograd hooks per layer and a trial
 step's saved-tensor meter; under ``torch.distributed`` one broadcast per step until rank 0's
 candidates reach every rank (`RankAgreement.share`). The search's own are in `search.in_run`.
 """
@@ -36,6 +37,7 @@ from ..saved_bytes import SavedTensorMeter
 from ..plan import Plan
 from ..runtime import EmulationWarning
 from ..search.tensor_parallel import sharded_rules
+from ..search.frozen_heap import FrozenHeap
 from ..search.in_run import TrainingSearch
 from ..search.units import PASSES_PER_STEP
 from ..sensitivity import adam_second_moment
@@ -65,6 +67,7 @@ class SearchSteps:
         self._started: Optional[float] = None
         self._timer: Optional[StepTimer] = None
         self._bytes: Optional[int] = None
+        self._heap: Optional[FrozenHeap] = None  # while a search runs (`search.frozen_heap`)
 
     @property
     def search(self) -> Optional[TrainingSearch]:
@@ -114,6 +117,7 @@ class SearchSteps:
             config = dataclasses.replace(config, rules=rules) if notes else config
         except SearchError as exc:
             refused = exc
+        self.hold_heap()
         armed = scaler.watching_outputs
         scaler.watch_outputs(False)  # its hooks must not be copied into the search's snapshot
         try:
@@ -225,7 +229,19 @@ class SearchSteps:
     def take(self) -> TrainingSearch:
         """The search, done: the caller adopts its result (or error) and closes it."""
         search, self._search = self._running(), None
+        self._release_heap()
         return search
+
+    def hold_heap(self) -> None:
+        """Freeze the heap (`search.frozen_heap`) until the search ends: its allocations, and those
+        of the window's summary before it, would set off full collections of the whole heap."""
+        if self._heap is None:
+            self._heap = FrozenHeap()
+
+    def _release_heap(self) -> None:
+        if self._heap is not None:
+            self._heap.release()
+            self._heap = None
 
     @staticmethod
     def report(search: TrainingSearch, step: int, writer: "Optional[TrainingWriter]") -> None:
@@ -237,6 +253,7 @@ class SearchSteps:
     def close(self) -> None:
         """Drop a search in progress (its runtimes off the model, the step's timer removed)."""
         self._drop_timer()
+        self._release_heap()
         if self._search is not None:
             self._search.close()
             self._search = None

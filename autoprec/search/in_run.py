@@ -10,10 +10,11 @@ is held for long, and most of the work trains the model:
 - **Off-path units** on a snapshot of the weights, in slices after training steps (`work`: a
   unit, at most one forward + backward, starts when its weight fits): the trace, the region
   bytes (one forward per role), the sensitivity estimate on the last captured batch
-  (`pipeline.search_estimator`, Adam's v from the training optimizer when
-  it has one), then the exact solve. A slice is counted, not timed: each unit weighs the model
-  passes it runs (`unit_weight`), so the steps each unit runs in, and so every step's formats,
-  are the same however loaded the machine is, and in a run resumed from a checkpoint.
+  (`pipeline.search_estimator`, Adam's v from the training optimizer when it has one), then the
+  exact solve (on a thread, beside ``SOLVE_STEPS`` training steps). A slice is counted, not
+  timed: each unit weighs the model passes it runs (`unit_weight`), so the steps each unit runs
+  in, and so every step's formats, are the same however loaded the machine is, and in a run
+  resumed from a checkpoint.
 - **Trial steps** (training steps): the ``CANDIDATES`` best plans, and all-BF16 when it meets
   the budgets, each run until their INT8 scales froze, then ``TIMED_TRIAL_STEPS`` timed steps
   (every eager one metered for bytes, the most counting); around a compiled model the timed steps run compiled, after one
@@ -38,6 +39,7 @@ probes' and the trials' step times are measured, and are the only timings the re
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 import warnings
@@ -54,6 +56,7 @@ from ..plan import LayerPrecision, Plan
 from ..replica import is_sharded, plain_copy
 from ..runtime import EmulationWarning, apply_plan
 from ..sensitivity import sensitivity_steps
+from .background import BackgroundCall
 from .noise import unseparated
 from .pipeline import propose_from, search_estimator, space_of, uniform_reference
 from .planner import floor_settings
@@ -66,6 +69,10 @@ from .units import unit_weight, weighted
 __all__ = ["TrainingSearch", "probe_formats", "MEMORY_ROUNDS", "PROBE_ROUNDS", "PROBED_PER_ROLE"]
 
 CANDIDATES = 2  # plans tried on training steps: the optimum (to exact.MIP_GAP) and the next best
+# Training steps the integer programs run beside before the search takes their plans (waiting
+# only for what is left of them then): on issue 57's narrow Llama they took 0.2-0.9 s, 11x a
+# step at 32 blocks when run inside one.
+SOLVE_STEPS = 8
 class TrainingSearch:
     """One search of the scheduler (module docstring). The scheduler asks `step_runtime` before
     each training step (None: the step runs the safe precision), reports each step with
@@ -131,7 +138,9 @@ class TrainingSearch:
         self._unit_cost: dict[str, float] = {}  # the last unit's weight, per stage (`unit_weight`)
         self._next_stage = ""
         self._starved = 0  # slices in a row that ran no unit
+        self._credit = 0.0  # their passes, which the next slice adds to its own
         self._units = 0  # off-path units run so far (a resumed search runs as many again, at once)
+        self._solve_from: Optional[int] = None  # the step the integer programs started beside
         self.shared = False  # under torch.distributed: the candidates (or error) reached every rank
         self._winner: Optional[Trial] = None
         self.grad_bytes: Optional[int] = None  # the FP32 gradient buffers' bytes (lead only)
@@ -195,7 +204,7 @@ class TrainingSearch:
             "grad_bytes": self.grad_bytes, "outside_bytes": self._outside_bytes,
             # Where the counted slices stand, and what the off-path work ran on (the snapshot's
             # tensors themselves: nothing writes them while the search holds them).
-            "units": self._units, "starved": self._starved, "next_stage": self._next_stage, "unit_cost": dict(self._unit_cost),
+            "units": self._units, "starved": self._starved, "credit": self._credit, "solve_from": self._solve_from, "next_stage": self._next_stage, "unit_cost": dict(self._unit_cost),
             "snapshot": None if self._snapshot is None else self._snapshot.state_dict(),
             "second_moment": None if self._second_moment is None else dict(self._second_moment),
             "probe_runtimes": {i: rt.state_dict() for i, rt in self._probe_runtimes.items()},
@@ -215,7 +224,8 @@ class TrainingSearch:
         self.grad_bytes, self._outside_bytes = state["grad_bytes"], state["outside_bytes"]
         # Saved since issue 40 (absent from older checkpoints, whose resumed searches restart
         # the off-path work on the weights at resume, their probes' calibration and their trials).
-        self._units, self._starved = state.get("units", 0), state.get("starved", 0)
+        self._units, self._starved, self._credit = state.get("units", 0), state.get("starved", 0), state.get("credit", 0.0)
+        self._solve_from = state.get("solve_from")
         self._next_stage, self._unit_cost = state.get("next_stage", ""), dict(state.get("unit_cost", {}))
         if state.get("second_moment") is not None:
             self._second_moment = dict(state["second_moment"])
@@ -353,17 +363,20 @@ class TrainingSearch:
     def work(self, passes: float) -> None:
         """Run off-path units within ``passes`` model passes (`unit_weight`; a training step is
         `units.PASSES_PER_STEP`): a unit starts only when its expected weight (the last unit's of its
-        stage) fits in what is left; after two slices that ran nothing, one runs whatever its
-        weight (a unit heavier than every slice must not stall the search). Weights are counts,
-        never timings: which units run after which step does not depend on the machine's load."""
+        stage) fits in what is left; a slice that ran nothing hands its passes to the next (a unit
+        heavier than one slice runs once two add up to it), and after two slices that ran nothing,
+        one runs whatever its weight (a unit heavier than every slice must not stall the search).
+        Weights are counts, never timings: which units run after which step does not depend on
+        the machine's load."""
         if self._offpath is None or self.done:
             return
-        left = passes
+        left = passes + self._credit
         ran = 0
         while True:
             expected = self._unit_cost.get(self._next_stage, 0.0)
             if (expected > left or left <= 0) and not (ran == 0 and self._starved >= 2):
                 self._starved = self._starved + 1 if ran == 0 else 0
+                self._credit = left if ran == 0 and math.isfinite(left) else 0.0
                 return
             start = time.perf_counter()
             unit = self._next_unit()
@@ -378,7 +391,7 @@ class TrainingSearch:
             left -= weight
             ran += 1
             self._units += 1
-            self._starved = 0
+            self._starved, self._credit = 0, 0.0
 
     def _next_unit(self) -> "tuple[str, float] | None":
         """The next off-path unit run: (its stage, its weight), ``("waiting", 0)`` while the
@@ -438,8 +451,17 @@ class TrainingSearch:
             safe_cost = costs.plan_cost(costs.uniform_plan(safe))
             self._outside_bytes = measured - safe_cost.saved_bytes
             self._safe_total = safe_cost.bytes
-        proposal = self._propose()
+        # The integer programs run beside the next SOLVE_STEPS training steps (`background`) and
+        # are taken then, done or not: the step the candidates arrive at is a count, not the
+        # clock's (a resumed search waits for the same step).
+        solving = BackgroundCall(self._propose, "autoprec-solve")
         self._add("solve", time.perf_counter() - start)
+        if self._solve_from is None:
+            self._solve_from = self.steps
+        while c.search_slice is not None and self.steps < self._solve_from + SOLVE_STEPS:
+            yield "waiting", 0.0
+        proposal = solving.result()
+        self._add("solve", solving.seconds)
         self.set_candidates(self._candidates(proposal))
 
     def _candidates(self, proposal: Any) -> list[Plan]:

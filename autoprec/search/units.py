@@ -25,7 +25,15 @@ PASSES_PER_STEP = 3
 # the fixed part overstated a deep model's units by its depth (5x at 64 blocks: the search ran
 # ~250 steps where ~50 were its share); in layer shares alone, a shallow model's (a 3-layer
 # model's estimate weighed 7 passes). Planning weighs nothing.
-_WHOLE_MODEL_UNITS = {"trace": 1.0, "region bytes": 1.0, "block forward": 1.0, "scopes": 1.0, "recorded batch": 3.0}
+# A whole-model unit: its passes, and the host work of the runtime or meter around them, which
+# grows with the layers as a pass does (so its weight does not depend on depth): the forwards
+# under a runtime and the saved-bytes meter (region and block bytes) took 3.1-4.8 passes on issue
+# 57's narrow Llama at 4, 16 and 64 blocks (2 CPU cores without BF16 arithmetic, torch 2.13; a
+# pass a third of the median safe step), the trace 3.3-4.1, the recorded batch (forward and
+# backward, recording every call) 3.3-3.7. Counted at 1 pass they ran three to a slice: steps
+# 10x a plain one at 64 blocks. Where a device runs BF16 faster or the layers are wider, these
+# units take less than their weight: the search takes more steps, none longer.
+_WHOLE_MODEL_UNITS = {"trace": 4.0, "region bytes": 4.5, "block forward": 4.5, "scopes": 1.5, "recorded batch": 4.0}
 # (fixed passes, fixed layer shares, layer passes)
 _LAYER_UNITS = {"runtimes": (0.06, 22.0, 0.0), "calibration": (0.1, 25.0, 1.0)}
 _LAYER_ESTIMATE = (0.35, 18.0, 3.0)

@@ -198,7 +198,7 @@ def set_clocks(monkeypatch, measured, offpath):
 
 
 SEARCH_WINDOW = 6
-SEARCH_STEPS = 40  # the window, 6 probe steps, the off-path work (blocks' bytes too), 2 candidates' trial steps, planned steps
+SEARCH_STEPS = 64  # the window, 6 probe steps, the off-path work (blocks' bytes too), the solve's 8 steps, 2 candidates' trial steps, planned steps
 
 
 def formats(plan):
@@ -245,19 +245,29 @@ def test_the_search_trains_alike_however_slowly_its_off_path_work_runs(monkeypat
 
 
 # Where the checkpoint falls: in the probes' warm-up cycle while the off-path work runs, in their
-# timed cycle, and in a candidate's trial steps. A slower clock for every timing after the resume
+# timed cycle, while the integer programs run beside the steps (search steps 31-38), and in a
+# candidate's trial steps (39-47). A slower clock for every timing after the resume
 # where the checkpoint splits no set of timed steps; where it splits the probes' timed cycle, a
 # slower clock for the off-path work alone (probes timed slower on a slower machine may choose
 # another plan: a measurement, not the slices).
-@pytest.mark.parametrize("stop, every_clock", [(SEARCH_WINDOW + 1, True), (SEARCH_WINDOW + 4, False), (SEARCH_WINDOW + 9, True)],
-                         ids=["probing-and-off-path-work", "second-probe-cycle", "trying-candidates"])
-def test_a_checkpoint_mid_search_resumed_on_a_slow_clock_trains_bit_identically(monkeypatch, tmp_path, stop, every_clock):
+def stage_of(search):
+    if search.candidates is not None:
+        return "trying"
+    if search._solve_from is not None:
+        return "solving"
+    return "probing" if search.steps <= search.probe_steps else "off-path"
+
+
+@pytest.mark.parametrize("stop, every_clock, stage", [(SEARCH_WINDOW + 1, True, "probing"), (SEARCH_WINDOW + 4, False, "probing"),
+                                                      (SEARCH_WINDOW + 34, True, "solving"), (SEARCH_WINDOW + 41, True, "trying")],
+                         ids=["probing-and-off-path-work", "second-probe-cycle", "solving", "trying-candidates"])
+def test_a_checkpoint_mid_search_resumed_on_a_slow_clock_trains_bit_identically(monkeypatch, tmp_path, stop, every_clock, stage):
     reference, plan = straight_run(monkeypatch, 1e-3)
     set_clocks(monkeypatch, FakeTime(1e-3), FakeTime(1e-3))
     wl, model, opt, sampler = lm_run()
     scheduler = searching_scheduler()
     lm_steps(wl, model, opt, scheduler, sampler, stop)
-    assert scheduler.phase == "searching"
+    assert scheduler.phase == "searching" and stage_of(scheduler._searches.search) == stage
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "scheduler": scheduler.state_dict()}, tmp_path / "ckpt.pt")
     scheduler.close()
 

@@ -268,7 +268,7 @@ def test_the_whole_search_runs_in_one_step_without_a_slice_and_over_many_with_a_
     assert steps >= 3 * len(sch.layers)
 
 
-def test_a_slice_runs_units_while_they_fit_and_one_after_two_empty_slices():
+def test_a_slice_runs_units_while_they_fit_hands_its_passes_on_when_it_runs_none_and_one_after_two_empty_slices():
     wl, model, _ = setup()
     search = search_for(model, wl.train_batches(0).next()[0], measure_costs=False)
     ran = []
@@ -292,6 +292,72 @@ def test_a_slice_runs_units_while_they_fit_and_one_after_two_empty_slices():
     assert ran == []  # a 10-pass unit fits in no 1-pass slice
     search.work(1.0)  # the third slice in a row runs one anyway (then, at its own weight, the next fits)
     assert ran == [0, 1]
+    ran.clear()
+    search._offpath, search._unit_cost, search._next_stage = units(3, 1.5), {"sensitivity": 1.5}, "sensitivity"
+    search.work(1.0)  # 1.5 passes do not fit in 1: the slice's pass goes to the next
+    assert ran == []
+    search.work(1.0)  # 1 + 1 >= 1.5: one runs, and the half pass left is not carried further
+    assert ran == [0]
+    search.work(1.0)
+    assert ran == [0]
+    search.work(1.0)
+    assert ran == [0, 1]
+
+
+def test_the_integer_programs_run_beside_training_steps_and_their_plans_arrive_a_fixed_count_of_steps_later(monkeypatch):
+    import threading
+
+    import autoprec.search.in_run as in_run
+
+    wl, model, opt = setup()
+    sampler = wl.train_batches(0)
+    sch = make(measure_costs=False)
+    real = in_run.propose_from
+    steps_done, seen = threading.Event(), {}
+
+    def proposing(*args, **kwargs):
+        seen["thread"] = threading.current_thread() is not threading.main_thread()
+        # Run inside a training step, this wait could only time out: the step it waits for
+        # comes after it.
+        seen["beside a step"] = steps_done.wait(timeout=60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(in_run, "propose_from", proposing)
+    train(wl, model, opt, sch, WINDOW, sampler)
+    search = sch._searches.search
+    while search._solve_from is None:
+        train(wl, model, opt, sch, 1, sampler)
+    started = search.steps
+    train(wl, model, opt, sch, 1, sampler)
+    steps_done.set()
+    while sch.phase == "searching":
+        train(wl, model, opt, sch, 1, sampler)
+    assert seen == {"thread": True, "beside a step": True}
+    # No trial steps (measure_costs=False): the plan is adopted the step its candidates arrive.
+    assert search.steps == started + in_run.SOLVE_STEPS and sch.phase == "planned"
+
+
+def test_the_heap_is_frozen_while_a_search_runs_and_released_after():
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    wl, model, opt = setup()
+    sampler = wl.train_batches(0)
+    sch = make(measure_costs=False)
+    train(wl, model, opt, sch, WINDOW, sampler)
+    assert sch.phase == "searching" and gc.get_freeze_count() > 0
+    until_planned(wl, model, opt, sch, sampler)
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # a process that froze its heap itself: the next search leaves it so
+    try:
+        frozen = gc.get_freeze_count()
+        wl, model, opt = setup()
+        sch = make(measure_costs=False)
+        train(wl, model, opt, sch, WINDOW, sampler)
+        until_planned(wl, model, opt, sch, sampler)
+        assert gc.get_freeze_count() > frozen // 2  # (objects freed by their count leave it; unfrozen, it would be 0)
+    finally:
+        gc.unfreeze()
 
 
 def test_a_checkpoint_taken_mid_search_resumes_and_finishes(searched):
