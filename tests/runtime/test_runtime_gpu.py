@@ -471,6 +471,9 @@ def readme_loop_memory(device: str) -> dict:
     hand = wl.build_model(0).to(dev)
     hand_opt = torch.optim.AdamW(hand.parameters(), lr=1e-3)
     runtime = ap.apply_plan(hand, plan)
+    step(hand, hand_opt, runtime)
+    while runtime.calibrating:  # an INT8 layer's calibration batches, as the scheduler's trial steps ran them
+        step(hand, hand_opt, runtime)
     for _ in range(3):
         step(hand, hand_opt, runtime)
     with_hand = _allocated(dev)
