@@ -62,6 +62,22 @@ def _edges() -> np.ndarray:
 _EDGES = _edges()
 
 
+@functools.lru_cache(maxsize=256)
+def _threshold_bins(threshold: float) -> tuple[int, int, int, float, float]:
+    """Where ``threshold`` falls among the finite nonzero bins: (the bins below end at, the bins
+    above start at, the bin it splits (-1: none, it is an edge or outside them), the log-uniform
+    part of that bin below it, the part above). The same for every histogram (fixed bins)."""
+    b = int(np.searchsorted(_EDGES, threshold, side="right")) - 1  # edges[b] <= threshold < edges[b + 1]
+    if b < 0:
+        return 0, 1, -1, 0.0, 0.0
+    if 1 <= b < _FIRST_NONFINITE and _EDGES[b] < threshold:
+        lo, hi = _EDGES[b : b + 1], _EDGES[b + 1 : b + 2]
+        below = float((np.log(threshold / lo) / np.log(hi / lo))[0])
+        above = float((np.log(hi / threshold) / np.log(hi / lo))[0])
+        return b, b + 1, b, below, above
+    return b, b if _EDGES[b] == threshold else b + 1, -1, 0.0, 0.0
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,21 +132,24 @@ class Histogram:
 
     def count_below(self, threshold: float) -> tuple[float, int, int]:
         """Nonzero finite magnitudes below ``threshold``: (log-uniform estimate, lower, upper bound)."""
-        counts, lo, hi = self._finite_bins
-        whole = counts[hi <= threshold].sum()
-        cut = (lo < threshold) & (threshold < hi)
-        part = counts[cut]
-        share = np.log(threshold / lo[cut]) / np.log(hi[cut] / lo[cut]) if part.size else np.zeros(0)
-        return float(whole + (part * share).sum()), int(whole), int(whole + part.sum())
+        below_end, _, cut, share, _ = _threshold_bins(float(threshold))
+        return self._count(self._finite_sum(1, below_end), cut, share)
 
     def count_above(self, threshold: float) -> tuple[float, int, int]:
         """Finite magnitudes above ``threshold``: (log-uniform estimate, lower, upper bound)."""
-        counts, lo, hi = self._finite_bins
-        whole = counts[lo >= threshold].sum()
-        cut = (lo < threshold) & (threshold < hi)
-        part = counts[cut]
-        share = np.log(hi[cut] / threshold) / np.log(hi[cut] / lo[cut]) if part.size else np.zeros(0)
-        return float(whole + (part * share).sum()), int(whole), int(whole + part.sum())
+        _, above_start, cut, _, share = _threshold_bins(float(threshold))
+        return self._count(self._finite_sum(above_start, _FIRST_NONFINITE), cut, share)
+
+    # Counted in Python over the occupied bins (tens), the bins a threshold splits found once per
+    # threshold (`_threshold_bins`): the profile's summary asks a few thresholds per tensor and
+    # format, and a handful of numpy calls each were most of the window's last step at depth.
+    def _finite_sum(self, start: int, stop: int) -> int:
+        lo, hi = max(start, self.first, 1), min(stop, self.first + len(self.counts), _FIRST_NONFINITE)
+        return sum(self.counts[lo - self.first : hi - self.first]) if hi > lo else 0
+
+    def _count(self, whole: int, cut: int, share: float) -> tuple[float, int, int]:
+        part = self._finite_sum(cut, cut + 1) if cut >= 0 else 0
+        return float(whole) + float(part) * share if part else float(whole), whole, whole + part
 
     def log2_buckets(self) -> "tuple[list[float], list[float], list[int]] | None":
         """Lower and upper bucket edges in log2 units and counts of the finite nonzero bins, from

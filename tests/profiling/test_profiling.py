@@ -542,3 +542,31 @@ def test_an_amax_the_profiler_did_not_write_is_refused(tmp_path, value):
     path = _edited(profiler.profile(), tmp_path, edit)
     with pytest.raises(ProfileError, match=r"layers\['fc1'\]\.tensors\.activation\.amax"):
         Profile.load(path, model=_model())
+
+
+def test_a_histograms_counts_below_and_above_any_threshold_match_a_sum_over_its_bins():
+    """Each threshold's counts, read from the bins it splits (found once per threshold), against
+    the sum over every finite bin of the part on each side (log-uniform inside the split bin),
+    at bin edges, inside bins and outside the finite range."""
+    import numpy as np
+
+    from autoprec.profiling.stats import NUM_BINS, Histogram, _EDGES, _FIRST_NONFINITE
+
+    rng = np.random.default_rng(0)
+    full = np.zeros(NUM_BINS, dtype=np.int64)
+    full[0], full[-1] = 5, 2  # zeros and non-finite: counted on neither side
+    full[1000:1030] = rng.integers(0, 50, 30)
+    hist = Histogram.from_full(full)
+    lo, hi, counts = _EDGES[1:_FIRST_NONFINITE], _EDGES[2 : _FIRST_NONFINITE + 1], full[1:_FIRST_NONFINITE].astype(float)
+    thresholds = [float(_EDGES[b]) for b in range(995, 1035, 3)] + [float(np.sqrt(_EDGES[b] * _EDGES[b + 1])) for b in range(995, 1035, 4)]
+    for t in thresholds + [0.0, 1e-45, 3e38]:
+        inside = (lo < t) & (t < hi)
+        with np.errstate(divide="ignore", over="ignore"):  # the branches np.where leaves out
+            below_share = np.where(inside, np.log(t / lo) / np.log(hi / lo), (hi <= t).astype(float))
+            above_share = np.where(inside, np.log(hi / t) / np.log(hi / lo), (lo >= t).astype(float))
+        est, low, high = hist.count_below(t)
+        assert est == pytest.approx(float((counts * below_share).sum()), rel=1e-12, abs=1e-9) and low == int(counts[hi <= t].sum())
+        assert high == low + int(counts[inside].sum())
+        est, low, high = hist.count_above(t)
+        assert est == pytest.approx(float((counts * above_share).sum()), rel=1e-12, abs=1e-9) and low == int(counts[lo >= t].sum())
+        assert high == low + int(counts[inside].sum())
