@@ -64,14 +64,20 @@ def probe_plans(layers: Sequence[str], roles: Mapping[str, str], blocks: Mapping
         for j, fqn in enumerate(fqns[::stride]):
             position[fqn] = j
     one_batch = Calibration(batches=1)
+    probed: dict[Format, LayerPrecision] = {}  # one (frozen) precision per format, shared by its layers
+
+    def probing(fmt: Format) -> LayerPrecision:
+        if fmt not in probed:
+            chosen = precisions.get(fmt, LayerPrecision(fmt))  # timed as the search would plan it
+            probed[fmt] = dataclasses.replace(chosen, calibration=one_batch, reason="probe step of the search")
+        return probed[fmt]
+
     plans = []
     for p in range(max(len(fmts) for fmts in allowed.values())):
         chosen_layers = {}
         for fqn in layers:
             fmts = allowed[fqn]
-            fmt = fmts[(position[fqn] + p) % len(fmts)] if fqn in position else max(fmts, key=lambda f: f.bits)
-            chosen = precisions.get(fmt, LayerPrecision(fmt))  # timed as the search would plan it
-            chosen_layers[fqn] = dataclasses.replace(chosen, calibration=one_batch, reason="probe step of the search")
+            chosen_layers[fqn] = probing(fmts[(position[fqn] + p) % len(fmts)] if fqn in position else max(fmts, key=lambda f: f.bits))
         plans.append(Plan(chosen_layers, metadata={"source": "DynamicPrecisionScheduler probe"}))
     return plans
 
