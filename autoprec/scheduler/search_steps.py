@@ -10,9 +10,10 @@ its slice of off-path work (``search_slice`` steps of it, counted in model passe
 and report when it is `done`, and the scheduler then `take`s it.
 
 While a search runs, the objects alive at its start are out of CPython's full collections
-(`search.frozen_heap`). Costs: a ``time.perf_counter`` per step; a probe step's autograd hooks per layer and a trial
-step's saved-tensor meter; under ``torch.distributed`` one broadcast per step until rank 0's
-candidates reach every rank (`RankAgreement.share`). The search's own are in `search.in_run`.
+(`search.frozen_heap`). Costs: a ``time.perf_counter`` per step; a probe step's autograd hooks
+per layer and a trial step's saved-tensor meter; under ``torch.distributed`` one broadcast per
+step until rank 0's candidates reach every rank (`RankAgreement.share`). The search's own are in
+`search.in_run`.
 """
 
 from __future__ import annotations

@@ -266,7 +266,9 @@ def _solve(space: SearchSpace, objective: str, memory: float, loss_budget: float
         if result.x is None or (proven and result.status != 0):  # 0: proven optimal
             return None
         x, bound = result.x, getattr(result, "mip_dual_bound", None)
-        gap = _total_gap(result.fun, result.fun if bound is None or not np.isfinite(bound) else bound, offset)
+        if bound is None or not np.isfinite(bound):  # the bound from HiGHS's own gap
+            bound = result.fun * (1.0 - float(getattr(result, "mip_gap", 0.0) or 0.0))
+        gap = _total_gap(result.fun, bound, offset)
     chosen = {name: fmt for (name, fmt, _), v in zip(program.columns, x[:nx]) if v > 0.5}
     recompute = frozenset(name for name, r in zip(program.blocks, x[nx : nx + nb]) if r > 0.5)
     return Solution(chosen, space.totals(chosen, sorted(recompute, key=program.blocks.index)), recompute, gap)
