@@ -218,14 +218,15 @@ class RuntimeLayer:
         self.casts = fused_casts(self.device) if enabled and kernels else None
         self.casts_ran = FUSED if self.casts is not None else PYTORCH
 
-    def shard_over(self, group: Any) -> None:
-        """Run as a tensor-parallel layer over ``group`` (`tensor_parallel`): every per-tensor
-        amax it takes from now on (input, weight, output gradient) is max-reduced over the group,
-        and its casts are PyTorch ops (the fused kernels reduce no amax across ranks). Refuses,
-        in one line, what it cannot run sharded yet. Idempotent."""
+    def shard_over(self, group: Any, column_wise: bool = False) -> None:
+        """Run as a tensor-parallel layer over ``group`` (`tensor_parallel`; ``column_wise``: its
+        weight split by output channels): every per-tensor amax it takes from now on (input,
+        weight, output gradient) is max-reduced over the group, and its casts are PyTorch ops
+        (the fused kernels reduce no amax across ranks). Refuses, in one line, what it cannot run
+        sharded yet (`tensor_parallel.sharded_reason`). Idempotent."""
         if self.shard_group is group:
             return
-        reason = sharded_reason(self.precision, self.kernel_reason)
+        reason = sharded_reason(self.precision, self.kernel_reason, column_wise)
         if reason is not None:
             raise RuntimeStateError(
                 f"layer {self.fqn!r}: {reason}; plan it in FP8 with per-tensor scaling, BF16, FP16 or FP32 (e.g. Plan.with_layers({{...: 'bf16'}}))"

@@ -393,7 +393,7 @@ class RowQuantizer(Quantizer):
             return QuantizedOperand(data, inv[:rows].t().contiguous())
         if not transposed:
             return QuantizedOperand(data, inv)
-        backward_inv = inverse_scale(amax(w), self.fmt)
+        backward_inv = inverse_scale(_across(amax(w), self.group), self.fmt)  # the whole weight's, under tensor parallelism
         return QuantizedOperand(data, inv, quantize(w.t(), backward_inv, self.fmt).contiguous(), backward_inv)
 
     def fused_cast(self, x, casts, transposed, pad_rows=1, pad_cols=1, t_rows=1, inv=None, record=False) -> QuantizedOperand:

@@ -17,9 +17,11 @@ A per-tensor scale is one value for the whole logical tensor: the layer's input,
 output-gradient amaxes are max-reduced over the mesh's group (`RuntimeLayer.shard_over`), so
 every rank quantizes with the scale the unsharded layer would use. Cost per layer and step: three
 all-reduces of 4 bytes (two in the forward, one in the backward), beside the layer's own
-collectives. What cannot run sharded yet (INT8, row- or block-scaled FP8, emulated products) is
-refused at the first forward in one line. Eager only (`torch.compile` of a TP layer under a plan
-is not covered).
+collectives. Column-wise, a row's and an output channel's scales are whole on each rank, so INT8
+(calibrated per tensor or per row) and row-scaled FP8 run too, with no collective of their own;
+what cannot run sharded yet (those row-wise, block-scaled FP8, emulated products) is refused at
+the first forward in one line (`sharded_reason`). Eager only (`torch.compile` of a TP layer
+under a plan is not covered).
 """
 
 from __future__ import annotations
@@ -36,24 +38,32 @@ from ..layer_precision import LayerPrecision
 __all__ = ["is_sharded", "sharded_linear", "sharded_reason"]
 
 
-def sharded_reason(precision: LayerPrecision, kernel: "str | None") -> "str | None":
+def sharded_reason(precision: LayerPrecision, kernel: "str | None", column_wise: bool = False) -> "str | None":
     """Why a layer in ``precision`` cannot run on a tensor-parallel (DTensor) weight yet; None
     when it can: FP32, BF16, FP16, and FP8 with per-tensor scaling (current or delayed) on a real
-    kernel. ``kernel``: `layers.kernel_reason` of the layer on its device (None: a kernel). The
-    one rule behind the runtime's refusal at the first forward (`RuntimeLayer.shard_over`) and
-    the search's candidates for a sharded layer (`search.tensor_parallel`). No device work."""
+    kernel, on either split; and ``column_wise`` (the weight split by output channels,
+    ``ColwiseParallel``: every rank holds the whole input) also INT8 and row-scaled FP8, whose
+    per-row and per-output-channel scales are then whole on each rank. Row-wise those would need
+    the rows' amaxes reduced over the group (not built); block-scaled FP8 and emulated products
+    are refused on both. ``kernel``: `layers.kernel_reason` of the layer on its device (None: a
+    kernel). The one rule behind the runtime's refusal at the first forward
+    (`RuntimeLayer.shard_over`) and the search's candidates for a sharded layer
+    (`search.tensor_parallel`). No device work."""
     fmt = precision.format
-    if fmt is Format.INT8:
-        what = fmt.value
-    elif not fmt.is_fp8:
+    if fmt is not Format.INT8 and not fmt.is_fp8:
         return None
-    elif kernel is not None:
-        what = f"{fmt.value} emulated ({kernel})"
-    elif precision.scaling.granularity is not Granularity.TENSOR:
-        what = f"{precision.scaling.granularity.value}-scaled FP8"
+    granularity = precision.scaling.granularity
+    if kernel is not None:
+        what, split = f"{fmt.value} emulated ({kernel})", ""
+    elif fmt.is_fp8 and granularity is Granularity.BLOCK:
+        what, split = "block-scaled FP8", ""
+    elif fmt is Format.INT8 or granularity is Granularity.ROW:
+        if column_wise:
+            return None
+        what, split = fmt.value if fmt is Format.INT8 else "row-scaled FP8", "row-wise "
     else:
         return None
-    return f"{what} on a tensor-parallel (DTensor) weight is not supported yet"
+    return f"{what} on a {split}tensor-parallel (DTensor) weight is not supported yet"
 
 
 def is_sharded(weight: torch.Tensor) -> bool:
@@ -70,8 +80,8 @@ def sharded_linear(layer: Any, run: Callable, x: torch.Tensor, weight: torch.Ten
     mesh = weight.device_mesh
     if mesh.ndim != 1:
         raise RuntimeStateError(f"layer {layer.fqn!r}: a weight sharded over a {mesh.ndim}-D mesh; tensor parallelism is supported on one mesh dimension")
-    layer.shard_over(mesh.get_group())
     placement = weight.placements[0]
+    layer.shard_over(mesh.get_group(), column_wise=placement == Shard(0))
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
     if placement == Shard(0) and x.placements[0].is_replicate():

@@ -66,6 +66,62 @@ def test_fp8_layers_sharded_column_and_row_wise_compute_with_the_unsharded_scale
         torch.testing.assert_close(first, ref["grads"][0], rtol=0.1, atol=0.05 * ref["grads"][0].abs().max().item())
 
 
+def column_scenario(rank, fmt, granularity):
+    """The MLP of `mlp_scenario` with its column-wise layer in ``fmt`` scaled per ``granularity``
+    (the row-wise one FP8 per tensor), two steps sharded and unsharded; the INT8 calibration over
+    both steps' batches."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    sharded = parallelize_module(copy.deepcopy(ref), init_device_mesh("cpu", (WORLD,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    x[:, 3] *= 40.0  # an outlier channel, which INT8 calibration keeps apart
+    plan = ap.Plan.uniform(ref, "fp8_e4m3", (x,)).with_layers({"0": ap.LayerPrecision(fmt, scaling=ap.Scaling(granularity=granularity), calibration=ap.Calibration(batches=2))})
+    out = {}
+    for name, model in (("ref", ref), ("tp", sharded)):
+        runtime = ap.apply_plan(model, plan)
+        hiddens = []
+        for step in range(2):
+            model.zero_grad(set_to_none=True)
+            with runtime:
+                hidden = model[0](x * (1 + step))
+                y = model[2](model[1](hidden))
+            y.float().pow(2).sum().backward()
+            hiddens.append(hidden.detach())
+        # A row-scaled FP8 weight's transposed copy (the input gradient's operand) takes one
+        # per-tensor scale: the whole weight's, reduced over the ranks (every rank calls it).
+        weight = model[0].weight
+        local = weight.to_local() if hasattr(weight, "to_local") else weight
+        backward_scales = [q._cast(local.detach(), True, local.shape[0]).transposed_inv_scale for q in runtime._layers["0"].weights.values()]
+        out[name] = {"hiddens": hiddens, "y": _full(y).detach(), "grads": [_full(p.grad) for p in model.parameters()],
+                     "ops": {fqn: dict(layer.ops) for fqn, layer in runtime._layers.items()}, "backward_scales": backward_scales}
+    return out
+
+
+@pytest.mark.parametrize("fmt, granularity", [("int8", "tensor"), ("int8", "row"), ("fp8_e4m3", "row")], ids=["int8-calibrated", "int8-rows", "fp8-rows"])
+def test_int8_and_row_scaled_fp8_run_on_a_column_wise_weight_with_the_unsharded_scales(tmp_path, fmt, granularity):
+    # Before: refused at the first forward (INT8, row-scaled FP8 on a tensor-parallel weight).
+    kernel = "kernel torch._int_mm" if fmt == "int8" else "kernel torch._scaled_mm"
+    for rank, result in enumerate(run(column_scenario, tmp_path, fmt, granularity)):
+        ref, tp = result["ref"], result["tp"]
+        assert tp["ops"] == ref["ops"] and ref["ops"]["0"] == {"linear": kernel}
+        # Every row and output channel is whole on its rank: this rank's output columns bit for
+        # bit, while the INT8 calibration runs and once it froze.
+        cols = tp["hiddens"][0].shape[-1]
+        for sharded_hidden, hidden in zip(tp["hiddens"], ref["hiddens"]):
+            assert torch.equal(sharded_hidden, hidden[:, rank * cols:(rank + 1) * cols])
+        # The row-wise layer's partial sums, added across the ranks, within BF16 rounding.
+        torch.testing.assert_close(tp["y"], ref["y"], rtol=1e-2, atol=1e-2 * ref["y"].abs().max().item())
+        # The column-wise weight's gradient (its rows on this rank) and the input's partial sums,
+        # within the row-wise layer's FP8 backward rounding.
+        for sharded_grad, grad in zip(tp["grads"][:2], ref["grads"][:2]):
+            torch.testing.assert_close(sharded_grad, grad, rtol=0.1, atol=0.05 * grad.abs().max().item())
+        if fmt != "int8":  # (an INT8 weight has no transposed copy: its backward runs in high precision)
+            assert tp["backward_scales"] and all(torch.equal(a, b) for a, b in zip(tp["backward_scales"], ref["backward_scales"]))
+
+
 def fsdp_tp_scenario(rank):
     """The MLP of `mlp_scenario` on a 2 x 2 mesh as torchtitan composes it: tensor parallel over
     "tp", each layer and the root under FSDP2 over "dp", its FP8 weights all-gathered in FP8."""
@@ -155,11 +211,12 @@ def test_a_llama_under_torchtitans_tensor_parallel_plan_trains_a_mixed_plan_as_u
         assert result["tp"] == pytest.approx(ref, rel=2e-3)
 
 
-def test_int8_on_a_sharded_weight_is_refused_in_one_line_naming_the_layer(tmp_path):
+def test_int8_on_a_row_wise_weight_is_refused_in_one_line_naming_the_layer(tmp_path):
+    # The column-wise projections before it (wq, wk, wv) run INT8; the row-wise output one cannot.
     results = run(titan_scenario, tmp_path, ("int8",), False)
     message = results[0]["tp"]
     assert isinstance(message, str) and "\n" not in message
-    assert "layer 'layers.0.attention.wq': int8 on a tensor-parallel (DTensor) weight is not supported yet" in message
+    assert "layer 'layers.0.attention.wo': int8 on a row-wise tensor-parallel (DTensor) weight is not supported yet" in message
     assert isinstance(results[0]["ref"], list)
 
 
@@ -186,7 +243,8 @@ def test_the_searchs_copy_of_a_tensor_parallel_model_is_the_unsharded_model(tmp_
 
 # -- the seed's loop under tensor parallelism (issue 58) --------------------------------------------
 
-# What a layer with a tensor-parallel weight can run (docs/distributed.md, "Tensor and pipeline parallelism").
+# What a layer with a tensor-parallel weight can run on either split (docs/distributed.md, "Tensor and
+# pipeline parallelism"); a column-wise one INT8 too.
 RUNS_SHARDED = {"fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"}
 
 
@@ -198,7 +256,7 @@ def loop_scenario(rank, sequence_parallel, data_parallel=False):
     root under FSDP2 over "dp", each "dp" rank its own rows of the batch."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 
     if data_parallel:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -232,9 +290,11 @@ def loop_scenario(rank, sequence_parallel, data_parallel=False):
     # Tensor-parallel weights: under FSDP2 x TP on both mesh dimensions (FSDP2 alone shards the norms over "dp").
     sharded = [fqn for fqn, m in model.named_modules() if isinstance(getattr(m, "weight", None), DTensor) and plan and fqn in plan["layers"]
                and m.weight.device_mesh.ndim == (2 if data_parallel else 1)]
+    column_wise = [fqn for fqn in sharded if dict(model.named_modules())[fqn].weight.placements[-1] == Shard(0)]
     params = {k: _full(v).detach().clone() for k, v in model.named_parameters()}
     scheduler.close()
-    return {"dp_rank": rows[0], "plan": plan, "planned": planned, "error": scheduler.last_search_error, "losses": losses, "params": params, "sharded": sharded}
+    return {"dp_rank": rows[0], "plan": plan, "planned": planned, "error": scheduler.last_search_error, "losses": losses, "params": params,
+            "sharded": sharded, "column_wise": column_wise}
 
 
 @pytest.mark.parametrize("sequence_parallel, data_parallel", [(False, False), (True, False), pytest.param(False, True, marks=pytest.mark.slow)],
@@ -248,10 +308,14 @@ def test_the_seeds_loop_reaches_one_plan_under_tensor_parallelism(tmp_path, sequ
     first = results[0]
     assert first["error"] is None and first["planned"] == 3, first["error"]
     assert len(first["sharded"]) == 4 * 7 + 1  # every block's projections and the head
+    assert len(first["column_wise"]) == 4 * 5 + 1  # wq, wk, wv, w1, w3 and the head; wo and w2 are row-wise
     for name, layer in first["plan"]["layers"].items():
-        if name in first["sharded"]:
+        if name in first["column_wise"]:
+            assert layer["format"] in RUNS_SHARDED | {"int8"}, (name, layer)
+            assert "not searched" not in layer["reason"], name
+        elif name in first["sharded"]:
             assert layer["format"] in RUNS_SHARDED and layer["scaling"]["granularity"] == "tensor", (name, layer)
-            assert "int8 not searched: int8 on a tensor-parallel (DTensor) weight is not supported yet" in layer["reason"], name
+            assert "int8 not searched: int8 on a row-wise tensor-parallel (DTensor) weight is not supported yet" in layer["reason"], name
     for result in results:
         assert result["plan"] == first["plan"] and result["planned"] == 3
         assert all(torch.isfinite(torch.tensor(result["losses"])))
