@@ -28,13 +28,14 @@ format, the weight's low-precision transpose made in the same forward (shared un
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import torch.nn.functional as F
 
 from ..formats import Format, amax, inverse_scale, quantize
+from .tensor_parallel import amax_over
 
 if TYPE_CHECKING:
     from .quantizers import QuantizedOperand, Quantizer
@@ -104,6 +105,9 @@ class Fp8Spec:
     out_features: int
     # The output gradient's casts by the fused kernels (`casts.fused_casts`), or None: PyTorch ops.
     casts: "FusedCasts | None" = None
+    # The ranks x's rows are split over (a row-wise tensor-parallel layer): the backward's
+    # per-tensor copy of x takes the whole input's amax, reduced over them. None: x is whole.
+    x_group: Any = None
 
 
 class Fp8Linear(torch.autograd.Function):
@@ -150,7 +154,7 @@ class Fp8Linear(torch.autograd.Function):
         elif spec.rowwise:
             # Backward GEMMs contract over the rows the forward scales ran along: they take a
             # per-tensor quantization of the same input, made now from the high-precision x.
-            x_inv = inverse_scale(amax(xp), fmt)
+            x_inv = inverse_scale(amax_over(amax(xp), spec.x_group), fmt)
             xq = quantize(xp, x_inv, fmt).contiguous()
         ctx.spec = spec
         ctx.x_dtype = x.dtype

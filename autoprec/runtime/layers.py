@@ -208,6 +208,7 @@ class RuntimeLayer:
         # Under tensor parallelism (a DTensor weight, `tensor_parallel`) the ranks its per-tensor
         # amaxes are reduced over; None otherwise.
         self.shard_group: Any = None
+        self.rows_split = False  # a row-wise one's: its input rows and weight channels run across the ranks
         self.ops: dict[str, str] = {}  # op -> how it ran ("kernel ...", "emulated (...)", "autocast ...")
         self.unwarned: list[str] = []  # ops emulated since the layer's last EmulationWarning
 
@@ -220,9 +221,10 @@ class RuntimeLayer:
 
     def shard_over(self, group: Any, column_wise: bool = False) -> None:
         """Run as a tensor-parallel layer over ``group`` (`tensor_parallel`; ``column_wise``: its
-        weight split by output channels): every per-tensor amax it takes from now on (input,
-        weight, output gradient) is max-reduced over the group, and its casts are PyTorch ops
-        (the fused kernels reduce no amax across ranks). Refuses, in one line, what it cannot run
+        weight split by output channels, else by input channels): every per-tensor amax it takes
+        from now on (input, weight, output gradient) is max-reduced over the group, row-wise its
+        rows' and channels' amaxes too, and its casts are PyTorch ops (the fused kernels reduce
+        no amax across ranks). Refuses, in one line, what it cannot run
         sharded yet (`tensor_parallel.sharded_reason`). Idempotent."""
         if self.shard_group is group:
             return
@@ -231,12 +233,10 @@ class RuntimeLayer:
             raise RuntimeStateError(
                 f"layer {self.fqn!r}: {reason}; plan it in FP8 with per-tensor scaling, BF16, FP16 or FP32 (e.g. Plan.with_layers({{...: 'bf16'}}))"
             )
-        self.shard_group = group
+        self.shard_group, self.rows_split = group, not column_wise
         self.casts, self.casts_ran = None, PYTORCH
-        for input_quantizer in self.inputs.values():
-            input_quantizer.group = group
-        for weight_quantizer in self.weights.values():
-            weight_quantizer.group = group
+        for made in (*self.inputs.values(), *self.weights.values()):
+            made.group, made.rows_split = group, self.rows_split
         if self.grad is not None:
             self.grad.group = group
 
@@ -244,7 +244,7 @@ class RuntimeLayer:
         made = self.inputs.get(key)
         if made is None:
             made = self.inputs[key] = quantizer(OperandRole.INPUT, self.format, self.precision.scaling)
-            made.group = self.shard_group
+            made.group, made.rows_split = self.shard_group, self.rows_split
         return made
 
     def calibrator(self, key: str, channels: int) -> Int8Calibrator:
@@ -262,7 +262,7 @@ class RuntimeLayer:
             fmt = Format.INT8 if self.format is Format.INT8 else Format.FP8_E4M3
             align = BLOCK if self.blocks else INT8_ALIGN if fmt is Format.INT8 else FP8_ALIGN
             made = self.weights[key] = quantizer(OperandRole.WEIGHT, fmt, self.precision.scaling, align, bool(self.row_scaled_outs))
-            made.group = self.shard_group
+            made.group, made.rows_split = self.shard_group, self.rows_split
         return made
 
     def emulation_quantizers(self) -> "dict[OperandRole, Quantizer]":

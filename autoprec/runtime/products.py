@@ -161,7 +161,7 @@ class Products:
                 x_q = self.input_operand(layer, key, x2, record, x_casts, grad)
             if casts is not None:
                 layer.casts_ran = describe(weight=w_casts is not None, input=x_casts is not None, gradient=g_casts is not None)
-            spec = Fp8Spec(layer.format, layer.grad, rowwise, kernel_dtype, bool(row_scaled), k, n, g_casts)
+            spec = Fp8Spec(layer.format, layer.grad, rowwise, kernel_dtype, bool(row_scaled), k, n, g_casts, layer.shard_group if layer.rows_split else None)
             out = Fp8Linear.apply(x2, weight, bias if fused else None, x_q, wq, spec)
             if out.dtype != out_dtype:
                 out = out.to(out_dtype)

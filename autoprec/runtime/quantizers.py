@@ -34,13 +34,13 @@ import enum
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from ..formats import ACTIVATION_BLOCK, WEIGHT_BLOCK, Format, Granularity, amax, block_amax, dequantize, expand_blocks, inverse_scale, quantize
 from ..plan import Reduction, Scaling, ScalingMode
 from .block_gemm import block_cast
 from .fsdp_fp8 import GatheredFp8
 from .gemm import pad_to_multiple
+from .tensor_parallel import amax_over
 
 if TYPE_CHECKING:
     from .triton_cast import FusedCasts
@@ -84,14 +84,6 @@ class QuantizedOperand:
         self.transposed_inv_scale = inv_scale if transposed_inv_scale is None else transposed_inv_scale
 
 
-def _across(value: torch.Tensor, group: Any) -> torch.Tensor:
-    """``value`` (an amax) max-reduced over ``group``, a tensor-parallel layer's ranks
-    (`tensor_parallel`): one scale for the whole logical tensor. Unchanged for None."""
-    if group is not None:
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return value
-
-
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
     """Tiles cover 2-D matrices; other ranks are viewed as (rows, last dim)."""
     return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -101,7 +93,9 @@ class Quantizer:
     """Scales one operand role of one layer into ``fmt`` (a strategy per subclass; `quantizer`
     makes them). ``margin``: the scale targets ``fmt.max / 2**margin`` (FP8 inputs only).
     ``align``: a weight's kernel copy has its rows and columns padded to multiples of it (`get`).
-    ``group``: a tensor-parallel layer's ranks, over which a per-tensor amax is reduced (`_across`).
+    ``group``: a tensor-parallel layer's ranks, over which a per-tensor amax is reduced
+    (`tensor_parallel.amax_over`); ``rows_split``: the rows (or channels) it scales run across
+    those ranks (a row-wise layer, split along K), so their amaxes are reduced too.
     A tensor of rank < 2 has one scale under every strategy.
 
     Round trips (emulation): `quantize` / `dequantize`, one elementwise pass each, plus one scale
@@ -114,13 +108,14 @@ class Quantizer:
     def __init__(self, role: OperandRole, fmt: Format, margin: int = 0, align: int = 1):
         self.role, self.fmt, self.margin, self.align = role, fmt, margin, align
         self.group: Any = None
+        self.rows_split = False
         self._key: "tuple | None" = None
         self._kept: "QuantizedOperand | None" = None
 
     def inverse_scale(self, x: torch.Tensor, record: bool = False) -> torch.Tensor:
         """The inverse scale of ``x`` by this strategy; per tensor here (rank < 2 too): one amax,
         two scalar ops. ``record``: delayed scaling's. Call it under ``torch.no_grad()``."""
-        return inverse_scale(_across(amax(x), self.group), self.fmt, self.margin)
+        return inverse_scale(amax_over(amax(x), self.group), self.fmt, self.margin)
 
     def quantize(self, x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
         """x in the format, from FP32 (x's layout; 2-D (rows, last dim) with per-tile scales)."""
@@ -271,7 +266,7 @@ class TensorCurrentQuantizer(Quantizer):
         the finalize (both scales), one cast writing both copies."""
         if casts is not None:
             return self._fused_grads(g, input_grad, weight_grad_fmt, casts, align)
-        g_amax = _across(amax(g), self.group)
+        g_amax = amax_over(amax(g), self.group)
         for_input = for_weight = None
         if input_grad:
             inv = inverse_scale(g_amax, self.fmt)
@@ -324,7 +319,7 @@ class TensorDelayedQuantizer(Quantizer):
     def inverse_scale(self, x: torch.Tensor, record: bool = False) -> torch.Tensor:
         """``()`` from the history (the step's own amax while it holds none). ``record``: append
         this step's amax to the history (training forwards only)."""
-        current = _across(amax(x), self.group)
+        current = amax_over(amax(x), self.group)
         history = self._history(x.device)
         # Read by a reduction either way: a compiled recomputed block keeps every amax output
         # instead of reading the history again after this forward updated it (runtime.recompute).
@@ -379,10 +374,11 @@ class RowQuantizer(Quantizer):
     def inverse_scale(self, x: torch.Tensor, record: bool = False) -> torch.Tensor:
         if x.dim() < 2:
             return super().inverse_scale(x)
+        rows_group = self.group if self.rows_split else None
         if self.role is not OperandRole.WEIGHT:
-            return inverse_scale(amax(x, dim=-1), self.fmt, self.margin)
+            return inverse_scale(amax_over(amax(x, dim=-1), rows_group), self.fmt, self.margin)
         if x.dim() == 2:
-            return inverse_scale(amax(x, dim=1), self.fmt)
+            return inverse_scale(amax_over(amax(x, dim=1), rows_group), self.fmt)
         per_channel = inverse_scale(amax(x.reshape(x.shape[0], -1), dim=1), self.fmt)
         return per_channel.reshape(-1, *([1] * (x.dim() - 1)))
 
@@ -393,7 +389,7 @@ class RowQuantizer(Quantizer):
             return QuantizedOperand(data, inv[:rows].t().contiguous())
         if not transposed:
             return QuantizedOperand(data, inv)
-        backward_inv = inverse_scale(_across(amax(w), self.group), self.fmt)  # the whole weight's, under tensor parallelism
+        backward_inv = inverse_scale(amax_over(amax(w), self.group), self.fmt)  # the whole weight's, under tensor parallelism
         return QuantizedOperand(data, inv, quantize(w.t(), backward_inv, self.fmt).contiguous(), backward_inv)
 
     def fused_cast(self, x, casts, transposed, pad_rows=1, pad_cols=1, t_rows=1, inv=None, record=False) -> QuantizedOperand:

@@ -17,10 +17,12 @@ A per-tensor scale is one value for the whole logical tensor: the layer's input,
 output-gradient amaxes are max-reduced over the mesh's group (`RuntimeLayer.shard_over`), so
 every rank quantizes with the scale the unsharded layer would use. Cost per layer and step: three
 all-reduces of 4 bytes (two in the forward, one in the backward), beside the layer's own
-collectives. Column-wise, a row's and an output channel's scales are whole on each rank, so INT8
-(calibrated per tensor or per row) and row-scaled FP8 run too, with no collective of their own;
-what cannot run sharded yet (those row-wise, block-scaled FP8, emulated products) is refused at
-the first forward in one line (`sharded_reason`). Eager only (`torch.compile` of a TP layer
+collectives. Row-scaled FP8 and INT8 per row run on both splits: column-wise a row's and an
+output channel's scales are whole on each rank (no collective of their own); row-wise each row's
+and channel's amax is max-reduced over the group ((M, 1) and (N, 1) values per forward, and the
+backward copies' per-tensor amaxes). INT8 with a calibrated input scale runs column-wise only;
+what cannot run sharded yet (it row-wise, block-scaled FP8, emulated products) is refused at the
+first forward in one line (`sharded_reason`). Eager only (`torch.compile` of a TP layer
 under a plan is not covered).
 """
 
@@ -29,24 +31,25 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.distributed
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..errors import RuntimeStateError
 from ..formats import Format, Granularity
 from ..layer_precision import LayerPrecision
 
-__all__ = ["is_sharded", "sharded_linear", "sharded_reason"]
+__all__ = ["amax_over", "is_sharded", "sharded_linear", "sharded_reason"]
 
 
 def sharded_reason(precision: LayerPrecision, kernel: "str | None", column_wise: bool = False) -> "str | None":
     """Why a layer in ``precision`` cannot run on a tensor-parallel (DTensor) weight yet; None
-    when it can: FP32, BF16, FP16, and FP8 with per-tensor scaling (current or delayed) on a real
-    kernel, on either split; and ``column_wise`` (the weight split by output channels,
-    ``ColwiseParallel``: every rank holds the whole input) also INT8 and row-scaled FP8, whose
-    per-row and per-output-channel scales are then whole on each rank. Row-wise those would need
-    the rows' amaxes reduced over the group (not built); block-scaled FP8 and emulated products
-    are refused on both. ``kernel``: `layers.kernel_reason` of the layer on its device (None: a
-    kernel). The one rule behind the runtime's refusal at the first forward
+    when it can: FP32, BF16, FP16, FP8 with per-tensor or per-row scaling and INT8 per row, on a
+    real kernel, on either split; and ``column_wise`` (the weight split by output channels,
+    ``ColwiseParallel``: every rank holds the whole input) INT8 with a calibrated per-tensor
+    input scale too. Row-wise (the rows split along K) a row's or an output channel's amax is
+    reduced over the group (`RuntimeLayer.shard_over`), but a calibration observes only its
+    rank's slice of the input (not built); block-scaled FP8 and emulated products are refused on
+    both. ``kernel``: `layers.kernel_reason` of the layer on its device (None: a kernel). The one rule behind the runtime's refusal at the first forward
     (`RuntimeLayer.shard_over`) and the search's candidates for a sharded layer
     (`search.tensor_parallel`). No device work."""
     fmt = precision.format
@@ -57,13 +60,20 @@ def sharded_reason(precision: LayerPrecision, kernel: "str | None", column_wise:
         what, split = f"{fmt.value} emulated ({kernel})", ""
     elif fmt.is_fp8 and granularity is Granularity.BLOCK:
         what, split = "block-scaled FP8", ""
-    elif fmt is Format.INT8 or granularity is Granularity.ROW:
-        if column_wise:
-            return None
-        what, split = fmt.value if fmt is Format.INT8 else "row-scaled FP8", "row-wise "
+    elif fmt is Format.INT8 and granularity is not Granularity.ROW and not column_wise:
+        what, split = "int8 with a calibrated per-tensor input scale", "row-wise "
     else:
         return None
     return f"{what} on a {split}tensor-parallel (DTensor) weight is not supported yet"
+
+
+def amax_over(value: torch.Tensor, group: Any) -> torch.Tensor:
+    """``value`` (an amax, or amaxes of rows) max-reduced in place over ``group``, a
+    tensor-parallel layer's ranks: the whole logical tensor's (or rows'). Unchanged for None.
+    One all-reduce of ``value``'s bytes."""
+    if group is not None:
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=group)
+    return value
 
 
 def is_sharded(weight: torch.Tensor) -> bool:

@@ -66,10 +66,11 @@ def test_fp8_layers_sharded_column_and_row_wise_compute_with_the_unsharded_scale
         torch.testing.assert_close(first, ref["grads"][0], rtol=0.1, atol=0.05 * ref["grads"][0].abs().max().item())
 
 
-def column_scenario(rank, fmt, granularity):
-    """The MLP of `mlp_scenario` with its column-wise layer in ``fmt`` scaled per ``granularity``
-    (the row-wise one FP8 per tensor), two steps sharded and unsharded; the INT8 calibration over
-    both steps' batches."""
+def split_scenario(rank, fmt, granularity, column_wise):
+    """The MLP of `mlp_scenario` with its column-wise (or its row-wise) layer in ``fmt`` scaled
+    per ``granularity``, the other FP8 per tensor, two steps sharded and unsharded (an INT8
+    calibration over both steps' batches); then, on the tested layer's last input and weight,
+    its quantizers' scales (every rank calls them: row-wise they reduce over the ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -78,7 +79,9 @@ def column_scenario(rank, fmt, granularity):
     sharded = parallelize_module(copy.deepcopy(ref), init_device_mesh("cpu", (WORLD,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
     x[:, 3] *= 40.0  # an outlier channel, which INT8 calibration keeps apart
-    plan = ap.Plan.uniform(ref, "fp8_e4m3", (x,)).with_layers({"0": ap.LayerPrecision(fmt, scaling=ap.Scaling(granularity=granularity), calibration=ap.Calibration(batches=2))})
+    tested = "0" if column_wise else "2"
+    precision = ap.LayerPrecision(fmt, scaling=ap.Scaling(granularity=granularity), calibration=ap.Calibration(batches=2))
+    plan = ap.Plan.uniform(ref, "fp8_e4m3", (x,)).with_layers({tested: precision})
     out = {}
     for name, model in (("ref", ref), ("tp", sharded)):
         runtime = ap.apply_plan(model, plan)
@@ -90,18 +93,29 @@ def column_scenario(rank, fmt, granularity):
                 y = model[2](model[1](hidden))
             y.float().pow(2).sum().backward()
             hiddens.append(hidden.detach())
-        # A row-scaled FP8 weight's transposed copy (the input gradient's operand) takes one
-        # per-tensor scale: the whole weight's, reduced over the ranks (every rank calls it).
-        weight = model[0].weight
-        local = weight.to_local() if hasattr(weight, "to_local") else weight
-        backward_scales = [q._cast(local.detach(), True, local.shape[0]).transposed_inv_scale for q in runtime._layers["0"].weights.values()]
+        layer = runtime._layers[tested]
+        with torch.no_grad():
+            inputs = (x if column_wise else model[1](model[0](x))).detach()
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+        weight = local(model[int(tested)].weight).detach()
+        scales = {
+            "input rows": [q.inverse_scale(local(inputs)) for q in layer.inputs.values()] if granularity == "row" else [],
+            "weight channels": [q.inverse_scale(weight) for q in layer.weights.values()],
+            # A row-scaled FP8 weight's transposed copy (the input gradient's operand) takes one
+            # per-tensor scale: the whole weight's.
+            "weight transposed": [q._cast(weight, True, weight.shape[0]).transposed_inv_scale for q in layer.weights.values()] if fmt != "int8" else [],
+        }
         out[name] = {"hiddens": hiddens, "y": _full(y).detach(), "grads": [_full(p.grad) for p in model.parameters()],
-                     "ops": {fqn: dict(layer.ops) for fqn, layer in runtime._layers.items()}, "backward_scales": backward_scales}
+                     "ops": {fqn: dict(layer.ops) for fqn, layer in runtime._layers.items()}, "scales": scales}
     return out
 
 
-@pytest.mark.parametrize("fmt, granularity", [("int8", "tensor"), ("int8", "row"), ("fp8_e4m3", "row")], ids=["int8-calibrated", "int8-rows", "fp8-rows"])
-def test_int8_and_row_scaled_fp8_run_on_a_column_wise_weight_with_the_unsharded_scales(tmp_path, fmt, granularity):
+SPLIT_CASES = [("int8", "tensor", True), ("int8", "row", True), ("fp8_e4m3", "row", True), ("int8", "row", False), ("fp8_e4m3", "row", False)]
+
+
+@pytest.mark.parametrize("fmt, granularity, column_wise", SPLIT_CASES,
+                         ids=["col-int8-calibrated", "col-int8-rows", "col-fp8-rows", "row-int8-rows", "row-fp8-rows"])
+def test_int8_and_row_scaled_fp8_run_on_a_sharded_weight_with_the_unsharded_scales(tmp_path, fmt, granularity, column_wise):
     # Before: refused at the first forward (INT8, row-scaled FP8 on a tensor-parallel weight).
     from autoprec.runtime.layers import kernel_reason
 
@@ -109,22 +123,29 @@ def test_int8_and_row_scaled_fp8_run_on_a_column_wise_weight_with_the_unsharded_
     # sharded or not (through DTensor's own ops when sharded); 2.13's takes rows.
     emulated = kernel_reason(ap.LayerPrecision(fmt, scaling=ap.Scaling(granularity=granularity)), "cpu") is not None
     kernel = "kernel torch._int_mm" if fmt == "int8" else "kernel torch._scaled_mm"
-    for rank, result in enumerate(run(column_scenario, tmp_path, fmt, granularity)):
+    tested = "0" if column_wise else "2"
+    for rank, result in enumerate(run(split_scenario, tmp_path, fmt, granularity, column_wise)):
         ref, tp = result["ref"], result["tp"]
-        assert tp["ops"] == ref["ops"] and (ref["ops"]["0"]["linear"].startswith("emulated") if emulated else ref["ops"]["0"] == {"linear": kernel})
-        # Every row and output channel is whole on its rank: this rank's output columns bit for
-        # bit, while the INT8 calibration runs and once it froze.
+        assert tp["ops"] == ref["ops"] and (ref["ops"][tested]["linear"].startswith("emulated") if emulated else ref["ops"][tested] == {"linear": kernel})
+        # Column-wise every row and output channel is whole on its rank: this rank's output
+        # columns bit for bit, while the INT8 calibration runs and once it froze.
         cols = tp["hiddens"][0].shape[-1]
         for sharded_hidden, hidden in zip(tp["hiddens"], ref["hiddens"]):
-            assert torch.equal(sharded_hidden, hidden[:, rank * cols:(rank + 1) * cols])
+            if column_wise:
+                assert torch.equal(sharded_hidden, hidden[:, rank * cols:(rank + 1) * cols])
         # The row-wise layer's partial sums, added across the ranks, within BF16 rounding.
         torch.testing.assert_close(tp["y"], ref["y"], rtol=1e-2, atol=1e-2 * ref["y"].abs().max().item())
-        # The column-wise weight's gradient (its rows on this rank) and the input's partial sums,
-        # within the row-wise layer's FP8 backward rounding.
-        for sharded_grad, grad in zip(tp["grads"][:2], ref["grads"][:2]):
+        # Row-wise, the rows' and channels' amaxes are reduced over the ranks: the unsharded
+        # layer's scales, exactly (column-wise they are whole already, a rank's channels its own).
+        if not emulated:
+            for what, sharded_scales in tp["scales"].items():
+                for a, b in zip(sharded_scales, ref["scales"][what]):
+                    if column_wise and what == "weight channels":
+                        b = b[rank * a.shape[0]:(rank + 1) * a.shape[0]]
+                    assert torch.equal(a, b), what
+        # The weights' gradients (this rank's rows or columns) within the FP8 backward's rounding.
+        for sharded_grad, grad in zip(tp["grads"], ref["grads"]):
             torch.testing.assert_close(sharded_grad, grad, rtol=0.1, atol=0.05 * grad.abs().max().item())
-        if fmt != "int8" and not emulated:  # (an INT8 weight has no transposed copy: its backward runs in high precision)
-            assert tp["backward_scales"] and all(torch.equal(a, b) for a, b in zip(tp["backward_scales"], ref["backward_scales"]))
 
 
 def fsdp_tp_scenario(rank):
@@ -217,11 +238,13 @@ def test_a_llama_under_torchtitans_tensor_parallel_plan_trains_a_mixed_plan_as_u
 
 
 def test_int8_on_a_row_wise_weight_is_refused_in_one_line_naming_the_layer(tmp_path):
-    # The column-wise projections before it (wq, wk, wv) run INT8; the row-wise output one cannot.
+    # The column-wise projections before it (wq, wk, wv) run INT8; the row-wise output one cannot
+    # with a calibrated input scale (each rank would calibrate on its slice of the input).
     results = run(titan_scenario, tmp_path, ("int8",), False)
     message = results[0]["tp"]
     assert isinstance(message, str) and "\n" not in message
-    assert "layer 'layers.0.attention.wo': int8 on a row-wise tensor-parallel (DTensor) weight is not supported yet" in message
+    assert ("layer 'layers.0.attention.wo': int8 with a calibrated per-tensor input scale on a row-wise tensor-parallel (DTensor) weight "
+            "is not supported yet") in message
     assert isinstance(results[0]["ref"], list)
 
 
@@ -320,7 +343,7 @@ def test_the_seeds_loop_reaches_one_plan_under_tensor_parallelism(tmp_path, sequ
             assert "not searched" not in layer["reason"], name
         elif name in first["sharded"]:
             assert layer["format"] in RUNS_SHARDED and layer["scaling"]["granularity"] == "tensor", (name, layer)
-            assert "int8 not searched: int8 on a row-wise tensor-parallel (DTensor) weight is not supported yet" in layer["reason"], name
+            assert "int8 not searched: int8 with a calibrated per-tensor input scale on a row-wise" in layer["reason"], name
     for result in results:
         assert result["plan"] == first["plan"] and result["planned"] == 3
         assert all(torch.isfinite(torch.tensor(result["losses"])))
