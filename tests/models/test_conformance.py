@@ -20,8 +20,11 @@ from support import hf_models  # noqa: E402
 
 ACCURACY = 0.05
 # Optimizer steps per run: the window (6), the search's probe, off-path and trial steps, then
-# planned steps with several checks. T5's 39 layers take the search longer.
-STEPS = {"t5": 64}
+# planned steps with several checks. T5's 39 layers take the search longer (a plan at about step
+# 28), and at 0.75 its candidates sit at the memory budget's edge: in one CI run (under load, other
+# measured times, other candidates) all three rounds measured 0.7-1.6 % over, the search failed at
+# step 52 and searches again a window later (step 58), which then needs about 30 steps to plan.
+STEPS = {"t5": 100}
 CELLS = [(name, entry, memory) for name in hf_models.MODELS for entry in conformance.ENTRIES for memory in (0.5, 0.75)]
 
 
