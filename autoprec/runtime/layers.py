@@ -224,8 +224,8 @@ class RuntimeLayer:
         weight split by output channels, else by input channels): every per-tensor amax it takes
         from now on (input, weight, output gradient) is max-reduced over the group, row-wise its
         rows' and channels' amaxes too, and its casts are PyTorch ops (the fused kernels reduce
-        no amax across ranks). Refuses, in one line, what it cannot run
-        sharded yet (`tensor_parallel.sharded_reason`). Idempotent."""
+        no amax across ranks). Refuses, in one line, what it cannot run sharded yet
+        (`tensor_parallel.sharded_reason`). Idempotent."""
         if self.shard_group is group:
             return
         reason = sharded_reason(self.precision, self.kernel_reason, column_wise)
