@@ -23,7 +23,7 @@ torch.set_num_threads(1)
 # varies twofold between processes, and the plans a test searches with it changed with it (a
 # seed-API test then missed its accuracy budget in some runs). Tests plan with this machine's
 # median calibration instead, the same in every run and on every CPU; what a calibration measures
-# is tested on its own (test_costs, through `_calibrated`, uncached).
+# is tested on its own (test_costs, through `_measure`, uncached).
 def _test_peaks(device):
     from autoprec.costs.product_times import DevicePeaks
     from autoprec.formats import Format

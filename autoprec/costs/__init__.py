@@ -35,6 +35,7 @@ from .product_times import (
     TimeEstimate,
     TimeModel,
     calibrate_peaks,
+    calibration_steps,
     default_cache_dir,
     device_key,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "DevicePeaks",
     "PEAKS",
     "calibrate_peaks",
+    "calibration_steps",
     "device_key",
     "default_cache_dir",
     # trace

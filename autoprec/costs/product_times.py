@@ -32,7 +32,7 @@ import re
 import statistics
 import warnings
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Generator, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -56,6 +56,7 @@ __all__ = [
     "DevicePeaks",
     "PEAKS",
     "calibrate_peaks",
+    "calibration_steps",
     "device_key",
     "default_cache_dir",
 ]
@@ -169,8 +170,34 @@ def _median_time(fn: Callable[[], object], device: torch.device, repeats: int = 
     return statistics.median(times[warmup:])
 
 
-@functools.lru_cache(maxsize=None)
+# Per (device key, device): `calibrate_peaks`'s cache, the peaks and the labels of the timings
+# that measured them (`calibration_steps` yields as many whether it measures or not).
+_CALIBRATED: dict[tuple[str, str], tuple[DevicePeaks, tuple[str, ...]]] = {}
+
+
 def _calibrated(key: str, device_str: str) -> DevicePeaks:
+    if (key, device_str) not in _CALIBRATED:
+        for _ in _measured(key, device_str):
+            pass
+    return _CALIBRATED[(key, device_str)][0]
+
+
+def _measured(key: str, device_str: str) -> Iterator[str]:
+    """`_measure`'s steps, its peaks and labels cached at the end."""
+    labels: list[str] = []
+    steps = _measure(key, device_str)
+    while True:
+        try:
+            labels.append(next(steps))
+        except StopIteration as done:
+            _CALIBRATED[(key, device_str)] = (done.value, tuple(labels))
+            return
+        yield labels[-1]
+
+
+def _measure(key: str, device_str: str) -> Generator[str, None, DevicePeaks]:
+    """The calibration's timings, one per yield (each format's GEMM, then the copy; the
+    1-element op before it returns the peaks). Uncached: each call measures."""
     device = torch.device(device_str)
     # 256^3 on a CPU keeps the slowest format (BF16 without matrix units, ~1 GFLOP/s) near 30 ms;
     # 2048^3 fills a GPU.
@@ -208,8 +235,10 @@ def _calibrated(key: str, device_str: str) -> DevicePeaks:
         runs[Format.INT8] = functools.partial(torch._int_mm, ai, bi)
     for fmt, fn in runs.items():
         flops[fmt] = 2 * n**3 / _median_time(fn, device)
+        yield fmt.value
     big = torch.empty(1 << 22, device=device)  # 16 MB: past the L2 of most CPUs
     bandwidth = 2 * big.numel() * 4 / _median_time(big.clone, device)
+    yield "bandwidth"
     tiny = torch.ones(1, device=device)
     overhead = _median_time(lambda: tiny + tiny, device, repeats=50)
     return DevicePeaks(key, flops, bandwidth, overhead, f"calibrated on {key}: one {n}^3 GEMM per format, a 16 MB copy, a 1-element add")
@@ -221,6 +250,22 @@ def calibrate_peaks(device: "torch.device | str") -> DevicePeaks:
     CPU; cached per process."""
     device = torch.device(device)
     return _calibrated(device_key(device), str(device))
+
+
+def calibration_steps(device: "torch.device | str") -> Iterator[str]:
+    """`calibrate_peaks`'s timings on ``device`` as steps (one GEMM per format, the copy: about
+    0.02 s each on a CPU), filling its cache, for a caller that spreads them (the scheduler's
+    search between training steps). As many steps when the cache holds them already (each then
+    instant), so the caller's steps do not depend on what ran before in the process; none where
+    `peaks_for` would not calibrate (a datasheet GPU)."""
+    device = torch.device(device)
+    if device.type == "cuda" and any(key in torch.cuda.get_device_name(device) for key in PEAKS):
+        return
+    key = (device_key(device), str(device))
+    if key in _CALIBRATED:
+        yield from _CALIBRATED[key][1]
+    else:
+        yield from _measured(*key)
 
 
 def peaks_for(device: "torch.device | str") -> DevicePeaks:

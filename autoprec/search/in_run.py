@@ -49,7 +49,7 @@ import torch
 import torch.nn as nn
 
 from ..blocks import find_blocks, layers_of_blocks
-from ..costs import CostModel, InPlaceTimes, RooflineTimeModel, trace_model
+from ..costs import CostModel, InPlaceTimes, RooflineTimeModel, calibration_steps, trace_model
 from ..errors import AutoprecError, InfeasibleBudgetError, RuntimeStateError, SearchError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
@@ -69,9 +69,8 @@ from .units import unit_weight, weighted
 __all__ = ["TrainingSearch", "probe_formats", "MEMORY_ROUNDS", "PROBE_ROUNDS", "PROBED_PER_ROLE"]
 
 CANDIDATES = 2  # plans tried on training steps: the optimum (to exact.MIP_GAP) and the next best
-# Training steps the integer programs run beside before the search takes their plans (waiting
-# only for what is left of them then): on issue 57's narrow Llama they took 0.2-0.9 s, 11x a
-# step at 32 blocks when run inside one.
+# Training steps the integer programs run beside before the search takes their plans (waiting for
+# what is left of them then): inside one step they took 11x it on issue 57's 32-block Llama.
 SOLVE_STEPS = 8
 class TrainingSearch:
     """One search of the scheduler (module docstring). The scheduler asks `step_runtime` before
@@ -427,6 +426,7 @@ class TrainingSearch:
         n = len(self.layers)
         trace = trace_model(snapshot, self.example, None, layers=self.layers)
         yield "trace", unit_weight("trace", n)
+        yield from (("device peaks", unit_weight("peak", n)) for _ in calibration_steps(next(snapshot.parameters()).device))  # a CPU's, once
         costs = CostModel(trace, RooflineTimeModel(), formats=[Format.FP32])
         yield from (("region bytes", unit_weight("region bytes", n)) for _ in costs.region_bytes_steps(snapshot, self.example, None, roles=self.roles))
         yield from (("block bytes", unit_weight(label if label == "block forward" else "block", n))

@@ -697,7 +697,7 @@ def test_calibration_times_int_mm_in_the_runtimes_layout():
             return func(*args, **(kwargs or {}))
 
     with Record():
-        timing._calibrated.__wrapped__("test", "cpu")  # uncached: this call measures
+        list(timing._measure("test", "cpu"))  # uncached: this call measures
     assert second_operands
     assert all(b.stride(0) == 1 and b.stride(1) == b.shape[0] for b in second_operands)  # column-major
 
@@ -839,3 +839,19 @@ def test_blocks_of_one_kind_are_measured_once_and_take_the_same_figures():
     assert runs["per block"][0] == regions * (1 + len(blocks))
     assert runs["per kind"][0] == regions * 2  # one kind: its base and one block recomputed, per region
     assert runs["per kind"][1] == runs["per block"][1]
+
+
+def test_the_peak_calibration_spread_over_steps_takes_as_many_steps_cached_or_not(monkeypatch):
+    """`calibration_steps` (the in-run search's units): one step per timing the first time, the
+    same steps, instant, once cached, so a search's steps do not depend on what ran before it in
+    the process; `calibrate_peaks`'s cache then holds what they measured."""
+    from autoprec.costs import product_times as timing
+
+    monkeypatch.setattr(timing, "_CALIBRATED", {})
+    first = list(timing.calibration_steps("cpu"))
+    assert first[0] == "fp32" and first[-1] == "bandwidth" and len(first) >= 3
+    key = (timing.device_key(torch.device("cpu")), "cpu")
+    peaks = timing._CALIBRATED[key][0]
+    measured = []
+    monkeypatch.setattr(timing, "_measure", lambda *args: measured.append(args))  # a second measurement would call it
+    assert list(timing.calibration_steps("cpu")) == first and timing._calibrated(*key) is peaks and not measured
