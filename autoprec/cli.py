@@ -169,7 +169,12 @@ class _CtrlC:
     def caused(self, exc: Optional[BaseException]) -> bool:
         """Whether ``exc`` is this command's Ctrl-C: the KeyboardInterrupt itself, or an error a
         library raised while the interrupt unwound through it (Optuna's trial bookkeeping raised
-        UnboundLocalError when Ctrl-C landed inside it), found in the ``__context__`` chain."""
+        UnboundLocalError when Ctrl-C landed inside it), found in the ``__context__`` chain; or
+        any error once Ctrl-C was latched (a storage commit it cut short failed on the next
+        write, its KeyboardInterrupt dropped by SQLAlchemy: "the study's storage failed" and exit
+        1 where the user pressed Ctrl-C)."""
+        if self.seen:
+            return True
         seen: set[int] = set()
         while exc is not None and id(exc) not in seen:
             if isinstance(exc, KeyboardInterrupt):
