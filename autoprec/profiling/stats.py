@@ -117,19 +117,6 @@ class Histogram:
     def nonfinite(self) -> int:
         return int(self.full()[_FIRST_NONFINITE:].sum())
 
-    @functools.cached_property
-    def _finite_bins(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(counts, lower edges, upper edges) of the finite nonzero bins from the first occupied
-        to the last: the bins outside hold nothing, and a tensor's values span a few octaves, so
-        this is tens of bins where the whole range is 2,039. Made once per histogram: the
-        profile's summary reads them per tensor, format and scaling (it was most of the
-        window's last step at depth)."""
-        start, stop = max(self.first, 1), min(self.first + len(self.counts), _FIRST_NONFINITE)
-        if stop <= start:
-            return np.zeros(0), np.zeros(0), np.zeros(0)
-        counts = np.asarray(self.counts[start - self.first : stop - self.first], dtype=np.float64)
-        return counts, _EDGES[start:stop], _EDGES[start + 1 : stop + 1]
-
     def count_below(self, threshold: float) -> tuple[float, int, int]:
         """Nonzero finite magnitudes below ``threshold``: (log-uniform estimate, lower, upper bound)."""
         below_end, _, cut, share, _ = _threshold_bins(float(threshold))

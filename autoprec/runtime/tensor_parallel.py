@@ -49,9 +49,9 @@ def sharded_reason(precision: LayerPrecision, kernel: "str | None", column_wise:
     input scale too. Row-wise (the rows split along K) a row's or an output channel's amax is
     reduced over the group (`RuntimeLayer.shard_over`), but a calibration observes only its
     rank's slice of the input (not built); block-scaled FP8 and emulated products are refused on
-    both. ``kernel``: `layers.kernel_reason` of the layer on its device (None: a kernel). The one rule behind the runtime's refusal at the first forward
-    (`RuntimeLayer.shard_over`) and the search's candidates for a sharded layer
-    (`search.tensor_parallel`). No device work."""
+    both. ``kernel``: `layers.kernel_reason` of the layer on its device (None: a kernel). The one
+    rule behind the runtime's refusal at the first forward (`RuntimeLayer.shard_over`) and the
+    search's candidates for a sharded layer (`search.tensor_parallel`). No device work."""
     fmt = precision.format
     if fmt is not Format.INT8 and not fmt.is_fp8:
         return None

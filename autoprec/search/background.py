@@ -13,6 +13,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from ..errors import RuntimeStateError
+
 __all__ = ["BackgroundCall"]
 
 
@@ -38,7 +40,8 @@ class BackgroundCall:
     def result(self) -> Any:
         """The call's value, waiting for it if it still runs; its exception raised here."""
         self._thread.join()
-        assert self._outcome is not None
+        if self._outcome is None:  # _run sets it before its thread ends, whatever fn did
+            raise RuntimeStateError("BackgroundCall: its thread ended without an outcome")
         ok, value = self._outcome
         if not ok:
             raise value
