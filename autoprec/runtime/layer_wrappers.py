@@ -36,6 +36,9 @@ from .products import LayerMode, PerThread, Products, ThreadState
 from .recompute import BlockHost, Recording, block_wrapper, users_record
 from .installed import displaced, mark, previous_of
 
+# How many times any runtime installed or removed wrappers in this process (`installed`).
+_wrapper_changes = [0]
+
 __all__ = ["LayerWrappers"]
 
 # Ops autocast leaves uncast: they fail on mixed dtypes inside a half layer (CPU's), or run in the
@@ -121,6 +124,7 @@ class LayerWrappers:
         # (`pipelining`): registered once torch.distributed.pipelining is imported (`watch_stages`).
         self.root = modules[""]
         self.stage_hook: "RemovableHandle | None" = None
+        self._checked_at = -1  # the `_wrapper_changes` count when `installed` last found every wrapper on
 
     def _needs_mode(self, layer: RuntimeLayer, planned_below: bool) -> bool:
         if layer.format is Format.FP32:
@@ -277,8 +281,16 @@ class LayerWrappers:
         return [(self.layers[fqn].module, forward) for fqn, forward in self.forwards.items() if fqn not in self.blocks] + list(self.blocks.values())
 
     def installed(self) -> bool:
-        """Whether every wrapper is on its module (another runtime may have displaced them)."""
-        return all(module.__dict__.get("forward") is forward for module, forward in self._all())
+        """Whether every wrapper is on its module (another runtime may have displaced them).
+        Checked once per wrapper after any runtime installed or removed wrappers, then one
+        comparison until the next such change: each recomputed block asks again in the backward,
+        and walking every wrapper there made a step's cost grow with the square of the depth."""
+        if self._checked_at == _wrapper_changes[0]:
+            return True
+        on = all(module.__dict__.get("forward") is forward for module, forward in self._all())
+        if on:
+            self._checked_at = _wrapper_changes[0]
+        return on
 
     def watch_stages(self) -> None:
         """At the runtime's entry: once ``torch.distributed.pipelining`` is imported, the model's
@@ -294,6 +306,8 @@ class LayerWrappers:
         module surgery, and a compiled step can enter the context without a graph break)."""
         for module, forward in self._all():
             module.forward = forward
+        _wrapper_changes[0] += 1
+        self._checked_at = _wrapper_changes[0]
 
     def remove(self) -> None:
         """Take the wrappers off the model, restoring each module's ``__dict__`` as it was (a
@@ -301,6 +315,7 @@ class LayerWrappers:
         if self.stage_hook is not None:
             self.stage_hook.remove()
             self.stage_hook = None
+        _wrapper_changes[0] += 1
         for module, forward in self._all():
             if module.__dict__.get("forward") is not forward:
                 continue  # displaced by another runtime, which restores on its own removal

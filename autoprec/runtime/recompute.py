@@ -52,7 +52,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointFunction, CheckpointPolicy, _CheckpointFrame, checkpoint, create_selective_checkpoint_contexts
 
-from ..calls import changeable, fresh, isolated
+from ..calls import changeable, isolated
 from ..errors import RuntimeStateError
 from ..formats import Granularity
 from ..plan import ScalingMode
@@ -276,6 +276,63 @@ def traced(run: Callable, block: str) -> Callable:
     return body
 
 
+class _ObjectsAsFound(dict):
+    """A recomputed block's changeable arguments (`calls.changeable`: a KV cache) as its forward
+    found them: position in the call's leaves -> a copy of the object's structure (`isolated`)
+    sharing its tensors, and each tensor's version counter then.
+
+    A recomputation runs on a copy of that copy, so that a second one (``retain_graph``) finds
+    it unchanged. A tensor is cloned into that copy only if something wrote it in place since
+    the forward found it (its version moved: a static cache's ``index_copy_``), since the
+    recomputation would write it again; a cache that replaces its tensors (``DynamicCache``'s
+    concatenation) is not copied at all, where cloning every layer's keys and values at every
+    block made a step's copies grow with the square of the depth.
+
+    Cost: two Python walks of the objects per block and step (the forward's and the
+    recomputation's; a KV cache of L layers: about 5 L visits each) and a version read per
+    tensor, no tensor copy unless written in place.
+
+    The clone is of the tensor as the forward left it: a block that reads a tensor it then
+    changes in place from its own old value (a running count) recomputes from the changed value,
+    as it did before and as ``torch.utils.checkpoint`` does for an input changed in place. Only a
+    copy taken before each block's forward would serve it, which for a cache that every block
+    extends is a copy of every layer's keys and values held per block until the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.versions: "dict[int, int | None]" = {}  # id(tensor) -> its version when the forward found it
+
+    @classmethod
+    def of(cls, leaves: list) -> "_ObjectsAsFound":
+        found = cls()
+        for i, v in enumerate(leaves):
+            if changeable(v):
+                found[i] = isolated(v, found._versioned)
+        return found
+
+    def _versioned(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.versions[id(tensor)] = _version(tensor)
+        return tensor
+
+    def for_recomputation(self) -> dict:
+        versions = self.versions
+
+        def unwritten_or_cloned(tensor: torch.Tensor) -> torch.Tensor:
+            version = _version(tensor)
+            return tensor if version is not None and versions.get(id(tensor)) == version else tensor.detach().clone()
+
+        memo: dict = {}
+        return {i: isolated(v, unwritten_or_cloned, memo) for i, v in self.items()}
+
+
+def _version(tensor: torch.Tensor) -> "int | None":
+    """The tensor's version counter, or None where it has none (an inference-mode tensor)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
+
+
 def block_wrapper(host: BlockHost, fqn: str, module: nn.Module):
     """The ``forward`` installed on a recomputed block: checkpointed in a thread that entered
     ``host``'s runtime with gradients on, the module's own forward everywhere else (other threads,
@@ -316,15 +373,14 @@ def block_wrapper(host: BlockHost, fqn: str, module: nn.Module):
         # Objects the block changes (a KV cache: its attention appends keys, a cross-attention
         # marks its keys computed) as the forward found them, for the recomputation: run on the
         # changed object it would take other paths (T5's decoder skips its cross-attention
-        # projections) or attend to its own keys twice. Their tensors detached, not copied
-        # (caches replace their tensors rather than write them); cloned per recomputation. Not
-        # while compiling: the compiled recomputation replays no Python, it reuses the forward's.
-        objects = {} if torch.compiler.is_compiling() else {i: isolated(v, torch.Tensor.detach) for i, v in enumerate(leaves) if changeable(v)}
+        # projections) or attend to its own keys twice. Not while compiling: the compiled
+        # recomputation replays no Python, it reuses the forward's.
+        objects = {} if torch.compiler.is_compiling() else _ObjectsAsFound.of(leaves)
 
         def run(*tensors):
             filled = list(leaves)
             if objects and recomputing():
-                for i, v in fresh(objects).items():
+                for i, v in objects.for_recomputation().items():
                     filled[i] = v
             for i, t in zip(at, tensors):
                 filled[i] = t

@@ -3,6 +3,7 @@ to and whose tensors sit in the forward's graph: the sensitivity estimate's re-r
 a recorded model call replayed by tracing, and GPT-2 / Llama trained through the scheduler with
 their default ``use_cache=True``."""
 
+import collections
 import copy
 import inspect
 import warnings
@@ -10,9 +11,11 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
+import autoprec as ap  # noqa: E402
 from autoprec.calls import ModelCall  # noqa: E402
 from autoprec.costs.trace import trace_model  # noqa: E402
 from autoprec.coverage import find_layers  # noqa: E402
@@ -176,3 +179,92 @@ def test_a_causal_lm_with_its_default_cache_trains_through_the_scheduler_to_a_pl
     assert scheduler.last_search_error is None
     assert scheduler.phase == "planned" and scheduler.plan.layers
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+# -- recomputed blocks ---------------------------------------------------------------------------
+
+
+class _StateCache:
+    """A cache that writes its tensors in place, as Mamba's does: each layer copies the state it
+    computed into its slot and reads it back, and counts its calls."""
+
+    def __init__(self, layers: int):
+        self.states = [torch.zeros(8) for _ in range(layers)]
+        self.calls = [torch.zeros(()) for _ in range(layers)]
+
+
+class _StateBlock(nn.Module):
+    def __init__(self, index: int):
+        super().__init__()
+        self.index = index
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, cache):
+        h = self.fc(x)
+        cache.calls[self.index].add_(1.0)
+        state = cache.states[self.index]
+        state.copy_(h.detach().mean(0))
+        return x + h * state
+
+
+class _StateNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_StateBlock(i) for i in range(3)])
+
+    def forward(self, x, cache):
+        for layer in self.layers:
+            x = layer(x, cache=cache)
+        return x
+
+
+def test_a_recomputed_block_that_writes_its_cache_in_place_recomputes_on_a_copy():
+    """The recomputation runs the block on a copy of the tensors it writes in place, so the
+    user's cache holds what the forward wrote (each layer called once) and the gradients are
+    those of the same model without recomputation."""
+    torch.manual_seed(0)
+    model = _StateNet()
+    x = torch.randn(4, 8)
+    grads, states = [], []
+    for recompute in (("layers.0", "layers.1", "layers.2"), ()):
+        m = copy.deepcopy(model)
+        cache = _StateCache(3)
+        with ap.apply_plan(m, ap.Plan.uniform(m, "fp32").with_recompute(recompute)):
+            loss = m(x, cache=cache).square().sum()
+        loss.backward()
+        assert [c.item() for c in cache.calls] == [1.0, 1.0, 1.0]
+        grads.append([p.grad for p in m.parameters()])
+        states.append(cache.states)
+    for a, b in zip(grads[0] + states[0], grads[1] + states[1], strict=True):
+        assert torch.equal(a, b)
+
+
+def _clones_in_backward(blocks: int) -> int:
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=blocks, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = transformers.LlamaForCausalLM(cfg)
+    plan = ap.Plan.uniform(model, "fp32")
+    with ap.apply_plan(model, plan.with_recompute(ap.find_blocks(model, plan.layers))):
+        loss = model(input_ids=_ids(12), labels=_ids(12)).loss
+    counter = _OpCounter()
+    with counter:
+        loss.backward()
+    return counter.counts["aten.clone.default"]
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_recomputed_blocks_share_a_cache_that_replaces_its_tensors_so_copies_grow_with_the_blocks():
+    """``DynamicCache`` concatenates: it never writes a tensor it holds, so the recomputation of
+    block i shares the keys and values of blocks 0..i-1 instead of cloning them (which made a
+    step's copies grow with the square of the depth). Whatever the step still clones, it clones
+    per block: twice the blocks, twice the clones."""
+    assert _clones_in_backward(4) == 2 * _clones_in_backward(2)
