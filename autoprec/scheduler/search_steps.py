@@ -205,6 +205,8 @@ class SearchSteps:
         # Counted in model passes, not timed: the same units follow the same steps on a loaded
         # machine and in a resumed run, so training does not depend on the clock.
         search.work(math.inf if slice_ is None else slice_ * PASSES_PER_STEP)
+        if self._heap is not None:
+            self._heap.refreeze()  # what the search keeps, out of the next full collections
         if agreement is not None and not search.shared:
             # Rank 0's candidates (or its error) reach every rank at the same step: one broadcast
             # per step until they exist (every rank calls it: none knows before rank 0 is done).

@@ -346,6 +346,10 @@ def test_the_heap_is_frozen_while_a_search_runs_and_released_after():
     sch = make(measure_costs=False)
     train(wl, model, opt, sch, WINDOW, sampler)
     assert sch.phase == "searching" and gc.get_freeze_count() > 0
+    snapshot = sch._searches.search._snapshot  # made after the first freeze
+    assert any(o is snapshot for o in gc.get_objects())  # the generations list every object but the frozen ones
+    train(wl, model, opt, sch, 1, sampler)
+    assert sch.phase == "searching" and not any(o is snapshot for o in gc.get_objects())  # frozen after the step
     until_planned(wl, model, opt, sch, sampler)
     assert gc.get_freeze_count() == 0
     gc.freeze()  # a process that froze its heap itself: the next search leaves it so
