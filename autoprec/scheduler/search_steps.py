@@ -129,6 +129,8 @@ class SearchSteps:
         finally:
             scaler.watch_outputs(armed)
         self._search = search
+        if self._heap is not None:
+            self._heap.refreeze()  # the window's summary and the search's snapshot, kept until its end
         if refused is not None:
             search.fail(refused)
         if lead and not batches and search.candidates is None:
