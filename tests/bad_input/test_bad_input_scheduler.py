@@ -198,7 +198,7 @@ def set_clocks(monkeypatch, measured, offpath):
 
 
 SEARCH_WINDOW = 6
-SEARCH_STEPS = 72  # the window, 6 probe steps, the off-path work (device peaks, blocks' bytes too), the solve's 8 steps, 2 candidates' trial steps, planned steps
+SEARCH_STEPS = 80  # the window, 6 probe steps, then the off-path work (device peaks, blocks' bytes too), the solve's 8 steps, 2 candidates' trial steps, planned steps
 
 
 def formats(plan):
@@ -244,9 +244,9 @@ def test_the_search_trains_alike_however_slowly_its_off_path_work_runs(monkeypat
     assert all(torch.equal(a, b) for a, b in zip(fast, slow))
 
 
-# Where the checkpoint falls: in the probes' warm-up cycle while the off-path work runs, in their
-# timed cycle, while the integer programs run beside the steps (search steps 37-44), and in a
-# candidate's trial steps (45 on). A slower clock for every timing after the resume
+# Where the checkpoint falls: in the probes' warm-up cycle (the off-path work waits for them), in their
+# timed cycle, while the integer programs run beside the steps (search steps 43-50), and in a
+# candidate's trial steps (51 on). A slower clock for every timing after the resume
 # where the checkpoint splits no set of timed steps; where it splits the probes' timed cycle, a
 # slower clock for the off-path work alone (probes timed slower on a slower machine may choose
 # another plan: a measurement, not the slices).
@@ -259,8 +259,8 @@ def stage_of(search):
 
 
 @pytest.mark.parametrize("stop, every_clock, stage", [(SEARCH_WINDOW + 1, True, "probing"), (SEARCH_WINDOW + 4, False, "probing"),
-                                                      (SEARCH_WINDOW + 40, True, "solving"), (SEARCH_WINDOW + 48, True, "trying")],
-                         ids=["probing-and-off-path-work", "second-probe-cycle", "solving", "trying-candidates"])
+                                                      (SEARCH_WINDOW + 45, True, "solving"), (SEARCH_WINDOW + 53, True, "trying")],
+                         ids=["probes-warm-up", "second-probe-cycle", "solving", "trying-candidates"])
 def test_a_checkpoint_mid_search_resumed_on_a_slow_clock_trains_bit_identically(monkeypatch, tmp_path, stop, every_clock, stage):
     reference, plan = straight_run(monkeypatch, 1e-3)
     set_clocks(monkeypatch, FakeTime(1e-3), FakeTime(1e-3))

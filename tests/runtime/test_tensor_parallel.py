@@ -302,9 +302,12 @@ def loop_scenario(rank, sequence_parallel, data_parallel=False):
     # runs, not all (docs/distributed.md), so the test holds 0.9.
     scheduler = ap.DynamicPrecisionScheduler(monitor_window=4, monitor_steps=2, memory_budget=0.9, accuracy_budget=0.05, search_timeout_s=30.0,
                                              formats=["fp32", "bf16", "fp8_e4m3", "int8"])
-    losses, planned = [], 0
+    losses, planned, before_last = [], 0, None
     for step in range(100):  # the window, probes and off-path work, then up to 3 rounds of candidates
         x, y = token_batch(step, *rows)
+        if planned == 2:  # the weights and the runtime's state the last planned step starts from
+            before_last = {"step": step, "params": {k: _full(v).detach().clone() for k, v in model.named_parameters()},
+                           "runtime": scheduler._plans.runtime.state_dict() if scheduler._plans.runtime is not None else None}
         with scheduler.precision_context():
             loss = nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
         scheduler.backward(loss)
@@ -322,7 +325,7 @@ def loop_scenario(rank, sequence_parallel, data_parallel=False):
     params = {k: _full(v).detach().clone() for k, v in model.named_parameters()}
     scheduler.close()
     return {"dp_rank": rows[0], "plan": plan, "planned": planned, "error": scheduler.last_search_error, "losses": losses, "params": params,
-            "sharded": sharded, "column_wise": column_wise}
+            "sharded": sharded, "column_wise": column_wise, "before_last": before_last}
 
 
 @pytest.mark.parametrize("sequence_parallel, data_parallel", [(False, False), (True, False), pytest.param(False, True, marks=pytest.mark.slow)],
@@ -351,3 +354,16 @@ def test_the_seeds_loop_reaches_one_plan_under_tensor_parallelism(tmp_path, sequ
         assert result["losses"] == next(r for r in results if r["dp_rank"] == result["dp_rank"])["losses"]
         for name, value in first["params"].items():
             assert torch.equal(result["params"][name], value), name
+    if not data_parallel:
+        # The last planned step's loss is the unsharded model's under the same plan, from the same
+        # weights and runtime state (INT8 scales), within the plan's own rounding of the sharded sums.
+        before = first["before_last"]
+        model = titan_llama()
+        model.load_state_dict(before["params"])
+        runtime = ap.apply_plan(model, ap.Plan.from_dict(first["plan"]))
+        if before["runtime"] is not None:
+            runtime.load_state_dict(before["runtime"])
+        x, y = token_batch(before["step"])
+        with torch.no_grad(), runtime:
+            loss = nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).item()
+        assert first["losses"][before["step"]] == pytest.approx(loss, rel=2e-3)

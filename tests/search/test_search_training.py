@@ -304,6 +304,26 @@ def test_a_slice_runs_units_while_they_fit_hands_its_passes_on_when_it_runs_none
     assert ran == [0, 1]
 
 
+def test_no_off_path_unit_runs_after_a_probe_step():
+    """A probe step runs a probe plan, which where its formats are slower (an emulating CPU's)
+    takes a step's time of its own: the units wait for the steps after the probes."""
+    wl, model, _ = setup()
+    search = search_for(model, wl.train_batches(0).next()[0])
+    assert search.probe_steps > 0
+    ran = []
+
+    def units():
+        while True:
+            ran.append(search.steps)
+            yield "sensitivity", 0.5
+
+    search._offpath, search._unit_cost = units(), {}
+    for steps in range(1, search.probe_steps + 3):  # the step count once each step is recorded
+        search.steps = steps
+        search.work(3.0)
+    assert sorted(set(ran)) == [search.probe_steps + 1, search.probe_steps + 2]
+
+
 def test_the_integer_programs_run_beside_training_steps_and_their_plans_arrive_a_fixed_count_of_steps_later(monkeypatch):
     import threading
 
@@ -346,10 +366,14 @@ def test_the_heap_is_frozen_while_a_search_runs_and_released_after():
     sch = make(measure_costs=False)
     train(wl, model, opt, sch, WINDOW, sampler)
     assert sch.phase == "searching" and gc.get_freeze_count() > 0
-    snapshot = sch._searches.search._snapshot  # made after the first freeze
-    assert any(o is snapshot for o in gc.get_objects())  # the generations list every object but the frozen ones
+    # The generations list every object but the frozen ones: the search's snapshot is frozen as
+    # the search starts, and what is alive after each search step with it.
+    snapshot = sch._searches.search._snapshot
+    assert not any(o is snapshot for o in gc.get_objects())
+    made = [[]]
+    assert any(o is made for o in gc.get_objects())
     train(wl, model, opt, sch, 1, sampler)
-    assert sch.phase == "searching" and not any(o is snapshot for o in gc.get_objects())  # frozen after the step
+    assert sch.phase == "searching" and not any(o is made for o in gc.get_objects())
     until_planned(wl, model, opt, sch, sampler)
     assert gc.get_freeze_count() == 0
     gc.freeze()  # a process that froze its heap itself: the next search leaves it so
