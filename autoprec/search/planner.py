@@ -10,6 +10,7 @@ search compared. With recompute blocks costed (`CostModel.blocks`) the space hol
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 from typing import Iterable, Mapping
 
@@ -31,11 +32,18 @@ __all__ = ["OVERFLOW_LIMIT", "overflow_reason", "build_space", "layer_reasons", 
 OVERFLOW_LIMIT = {False: 1e-4, True: 1e-2}  # keyed by Format.spec.saturates
 
 
+@functools.lru_cache(maxsize=None)
+def _default_precision(fmt: Format) -> LayerPrecision:
+    """``LayerPrecision(fmt)``, made (and validated) once per format: it is immutable, and the
+    window's end asks it of every (layer, format)."""
+    return LayerPrecision(fmt)
+
+
 def overflow_reason(profile, fqn: str, fmt: Format) -> "str | None":
     """Why the profile rules ``fmt`` out for layer ``fqn``, or None."""
     if fqn not in profile.layers:
         return None
-    lp = LayerPrecision(fmt)
+    lp = _default_precision(fmt)
     for kind, ts in profile.layers[fqn].tensors.items():
         kind_fmt, scaling = lp.cast_of(kind)
         if kind_fmt.value not in ts.fractions:
