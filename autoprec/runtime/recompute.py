@@ -279,7 +279,8 @@ def traced(run: Callable, block: str) -> Callable:
 class _ObjectsAsFound(dict):
     """A recomputed block's changeable arguments (`calls.changeable`: a KV cache) as its forward
     found them: position in the call's leaves -> a copy of the object's structure (`isolated`)
-    sharing its tensors, and each tensor's version counter then.
+    sharing its tensors, and each tensor's version counter then. The recomputation's copy holds
+    them detached, as before.
 
     A recomputation runs on a copy of that copy, so that a second one (``retain_graph``) finds
     it unchanged. A tensor is cloned into that copy only if something wrote it in place since
@@ -289,8 +290,8 @@ class _ObjectsAsFound(dict):
     block made a step's copies grow with the square of the depth.
 
     Cost: two Python walks of the objects per block and step (the forward's and the
-    recomputation's; a KV cache of L layers: about 5 L visits each) and a version read per
-    tensor, no tensor copy unless written in place.
+    recomputation's; a KV cache of L layers: about 5 L visits each), a version read and a
+    ``detach`` per tensor, no tensor copy unless written in place.
 
     The clone is of the tensor as the forward left it: a block that reads a tensor it then
     changes in place from its own old value (a running count) recomputes from the changed value,
@@ -319,7 +320,8 @@ class _ObjectsAsFound(dict):
 
         def unwritten_or_cloned(tensor: torch.Tensor) -> torch.Tensor:
             version = _version(tensor)
-            return tensor if version is not None and versions.get(id(tensor)) == version else tensor.detach().clone()
+            # Detached either way: the recomputation must not reach into the forward's graph.
+            return tensor.detach() if version is not None and versions.get(id(tensor)) == version else tensor.detach().clone()
 
         memo: dict = {}
         return {i: isolated(v, unwritten_or_cloned, memo) for i, v in self.items()}
