@@ -259,7 +259,7 @@ def calibration_steps(device: "torch.device | str") -> Iterator[str]:
     instant), so the caller's steps do not depend on what ran before in the process; none where
     `peaks_for` would not calibrate (a datasheet GPU)."""
     device = torch.device(device)
-    if device.type == "cuda" and any(key in torch.cuda.get_device_name(device) for key in PEAKS):
+    if _datasheet_peaks(device) is not None:
         return
     key = (device_key(device), str(device))
     if key in _CALIBRATED:
@@ -268,15 +268,19 @@ def calibration_steps(device: "torch.device | str") -> Iterator[str]:
         yield from _measured(*key)
 
 
+def _datasheet_peaks(device: torch.device) -> Optional[DevicePeaks]:
+    """The datasheet entry whose key appears in a CUDA device's name, or None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peaks for key, peaks in PEAKS.items() if key in name), None)
+
+
 def peaks_for(device: "torch.device | str") -> DevicePeaks:
     """The datasheet entry whose key appears in the device name, else a calibration."""
     device = torch.device(device)
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, peaks in PEAKS.items():
-            if key in name:
-                return peaks
-    return calibrate_peaks(device)
+    peaks = _datasheet_peaks(device)
+    return peaks if peaks is not None else calibrate_peaks(device)
 
 
 def _einsum_flops(equation: str, shapes: Sequence[tuple[int, ...]]) -> Optional[float]:

@@ -52,7 +52,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointFunction, CheckpointPolicy, _CheckpointFrame, checkpoint, create_selective_checkpoint_contexts
 
-from ..calls import changeable, isolated
+from ..calls import changeable, fresh, isolated
 from ..errors import RuntimeStateError
 from ..formats import Granularity
 from ..plan import ScalingMode
@@ -323,8 +323,7 @@ class _ObjectsAsFound(dict):
             # Detached either way: the recomputation must not reach into the forward's graph.
             return tensor.detach() if version is not None and versions.get(id(tensor)) == version else tensor.detach().clone()
 
-        memo: dict = {}
-        return {i: isolated(v, unwritten_or_cloned, memo) for i, v in self.items()}
+        return fresh(dict(self), unwritten_or_cloned)
 
 
 def _version(tensor: torch.Tensor) -> "int | None":

@@ -7,11 +7,11 @@ is held for long, and most of the work trains the model:
   projection in every block) cycle through their formats, staggered so each step mixes them,
   timed in place (`costs.inplace.StepTimer`); a (role, format)'s median serves every layer of
   the role, and later searches on this device (`known`).
-- **Off-path units** on a snapshot of the weights, in slices after the training steps that are
-  not probe steps (`work`: a unit, at most one forward + backward, starts when its weight fits): the trace, the region
-  bytes (one forward per role), the sensitivity estimate on the last captured batch
-  (`pipeline.search_estimator`, Adam's v from the training optimizer when it has one), then the
-  exact solve (on a thread, beside ``SOLVE_STEPS`` training steps). A slice is counted, not
+- **Off-path units** on a snapshot of the weights, in slices after the training steps but the
+  probe steps (`work`: a unit, at most one forward + backward, starts when its weight fits): the
+  trace, the region bytes (one forward per role), the sensitivity estimate on the last captured
+  batch (`pipeline.search_estimator`, Adam's v from the training optimizer when it has one), then
+  the exact solve (on a thread, beside ``SOLVE_STEPS`` training steps). A slice is counted, not
   timed: each unit weighs the model passes it runs (`unit_weight`), so the steps each unit runs
   in, and so every step's formats, are the same however loaded the machine is, and in a run
   resumed from a checkpoint.
@@ -365,8 +365,8 @@ class TrainingSearch:
         stage) fits in what is left; a slice that ran nothing hands its passes to the next (a unit
         heavier than one slice runs once two add up to it), and after two slices that ran nothing,
         one runs whatever its weight (a unit heavier than every slice must not stall the search).
-        A probe step runs none (where its formats are slower, an emulating CPU's, it is 2-3x a step
-        itself). Weights are counts, never timings: the same units follow the same steps however loaded the machine is."""
+        None runs after a probe step (with slower formats, an emulating CPU's, it is 2-3x a step
+        itself). Weights are counts, never timings: machine load does not move units between steps."""
         if self._offpath is None or self.done or (0 < self.steps <= self.probe_steps and math.isfinite(passes)):
             return
         left = passes + self._credit
