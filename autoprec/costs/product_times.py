@@ -195,66 +195,93 @@ def _measured(key: str, device_str: str) -> Iterator[str]:
         yield labels[-1]
 
 
+# On a CPU each format's GEMM is timed at 256^3 unless a 128^3 call of it predicts a 256^3 one
+# over this many seconds: then at 128^3, whose rate is the same where the format is slow for its
+# arithmetic (FP16 without FP16 units: 2.9 and 2.7 GFLOP/s), and whose calls stay short (12 ms at
+# 256^3, a step of issue 57's 4-block Llama, where a 256^3 timing held its step 8x).
+_CPU_CALL_LIMIT_S = 2e-3
+
+
 def _measure(key: str, device_str: str) -> Generator[str, None, DevicePeaks]:
     """The calibration's timings, one per yield (each format's GEMM, then the copy; the
     1-element op before it returns the peaks). Uncached: each call measures."""
     device = torch.device(device_str)
-    # 256^3 on a CPU keeps the slowest format (BF16 without matrix units, ~1 GFLOP/s) near 30 ms;
-    # 2048^3 fills a GPU.
+    # 2048^3 fills a GPU; on a CPU, 256^3 or 128^3 (`_CPU_CALL_LIMIT_S`).
     n = 2048 if device.type == "cuda" else 256
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=gen).to(device)
     b = torch.randn(n, n, generator=gen).to(device)
     flops = {}
-    runs: dict[Format, Callable[[], object]] = {Format.FP32: lambda: a @ b}
+    runs: dict[Format, Callable[[torch.Tensor, torch.Tensor], Callable[[], object]]] = {Format.FP32: functools.partial(_cast_mm, dtype=torch.float32)}
     for fmt in (Format.BF16, Format.FP16):
         if format_support(fmt, device).runnable:
-            ah, bh = a.to(fmt.dtype), b.to(fmt.dtype)
-            runs[fmt] = functools.partial(torch.mm, ah, bh)
-    one = torch.ones((), device=device)
+            runs[fmt] = functools.partial(_cast_mm, dtype=fmt.dtype)
     for fmt in (Format.FP8_E4M3, Format.FP8_E5M2):
         if format_support(fmt, device).kernel:
-            # The runtime's forward call (runtime.gemm): an E4M3 weight, column-major (E5M2 x E5M2
-            # is refused on CUDA), BF16 out, and on CPU per-tensor scales in row shape where the
-            # installed torch takes them, as the runtime does (2.13's CPU per-tensor E4M3 x E4M3
-            # kernel is a slow reference path the runtime never takes there; 2.11 refuses rows).
-            a8, b8 = a.to(fmt.dtype), b.t().contiguous().t().to(Format.FP8_E4M3.dtype)
-            rows = (
-                device.type == "cpu" and fmt is Format.FP8_E4M3
-                and scaled_mm_form(canonical_device(device), fmt.dtype, fmt.dtype, torch.bfloat16, row_scales=True, bias=True)[0]
-            )
-            scale_a = torch.ones(n, 1, device=device) if rows else one
-            scale_b = torch.ones(1, n, device=device) if rows else one
-            runs[fmt] = functools.partial(torch._scaled_mm, a8, b8, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+            runs[fmt] = functools.partial(_scaled_mm_call, fmt)
     if format_support(Format.INT8, device).kernel:
-        # The runtime's call (runtime.gemm.Int8Linear): the weight (N, K) row-major passed as its
-        # transpose, a column-major second operand (the TN layout cuBLASLt's INT8 path is built
-        # for); a row-major one times another, slower kernel and under-rates INT8.
-        ai = a.clamp(-127, 127).to(torch.int8)
-        bi = b.clamp(-127, 127).to(torch.int8).t().contiguous().t()
-        runs[Format.INT8] = functools.partial(torch._int_mm, ai, bi)
-    for fmt, fn in runs.items():
-        flops[fmt] = 2 * n**3 / _median_time(fn, device)
+        runs[Format.INT8] = _int_mm_call
+    for fmt, prepare in runs.items():
+        size = n
+        if device.type == "cpu":
+            small = prepare(a[:128, :128].contiguous(), b[:128, :128].contiguous())
+            small()  # a first call's setup is not the rate
+            if timed(small, device)[1] * 8 > _CPU_CALL_LIMIT_S:
+                size = 128
+        fn = prepare(a[:size, :size].contiguous(), b[:size, :size].contiguous())
+        flops[fmt] = 2 * size**3 / _median_time(fn, device)
         yield fmt.value
     big = torch.empty(1 << 22, device=device)  # 16 MB: past the L2 of most CPUs
     bandwidth = 2 * big.numel() * 4 / _median_time(big.clone, device)
     yield "bandwidth"
     tiny = torch.ones(1, device=device)
     overhead = _median_time(lambda: tiny + tiny, device, repeats=50)
-    return DevicePeaks(key, flops, bandwidth, overhead, f"calibrated on {key}: one {n}^3 GEMM per format, a 16 MB copy, a 1-element add")
+    return DevicePeaks(key, flops, bandwidth, overhead, f"calibrated on {key}: one GEMM per format ({n}^3, or 128^3 where that is slow), a 16 MB copy, a 1-element add")
+
+
+def _cast_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> Callable[[], object]:
+    """A plain GEMM of ``a`` and ``b`` cast to ``dtype`` (FP32: as they are)."""
+    return functools.partial(torch.mm, a.to(dtype), b.to(dtype))
+
+
+def _scaled_mm_call(fmt: Format, a: torch.Tensor, b: torch.Tensor) -> Callable[[], object]:
+    """The runtime's forward call (runtime.gemm): an E4M3 weight, column-major (E5M2 x E5M2 is
+    refused on CUDA), BF16 out, and on CPU per-tensor scales in row shape where the installed
+    torch takes them, as the runtime does (2.13's CPU per-tensor E4M3 x E4M3 kernel is a slow
+    reference path the runtime never takes there; 2.11 refuses rows)."""
+    device, n = a.device, a.shape[0]
+    a8, b8 = a.to(fmt.dtype), b.t().contiguous().t().to(Format.FP8_E4M3.dtype)
+    rows = (
+        device.type == "cpu" and fmt is Format.FP8_E4M3
+        and scaled_mm_form(canonical_device(device), fmt.dtype, fmt.dtype, torch.bfloat16, row_scales=True, bias=True)[0]
+    )
+    one = torch.ones((), device=device)
+    scale_a = torch.ones(n, 1, device=device) if rows else one
+    scale_b = torch.ones(1, n, device=device) if rows else one
+    return functools.partial(torch._scaled_mm, a8, b8, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+
+
+def _int_mm_call(a: torch.Tensor, b: torch.Tensor) -> Callable[[], object]:
+    """The runtime's call (runtime.gemm.Int8Linear): the weight (N, K) row-major passed as its
+    transpose, a column-major second operand (the TN layout cuBLASLt's INT8 path is built for);
+    a row-major one times another, slower kernel and under-rates INT8."""
+    ai = a.clamp(-127, 127).to(torch.int8)
+    bi = b.clamp(-127, 127).to(torch.int8).t().contiguous().t()
+    return functools.partial(torch._int_mm, ai, bi)
 
 
 def calibrate_peaks(device: "torch.device | str") -> DevicePeaks:
     """Peaks measured on ``device``: one GEMM per format (kernels it lacks run at the FP32
-    rate), a copy for bandwidth and a 1-element op for the per-kernel cost. Takes ~0.5 s on a
-    CPU; cached per process."""
+    rate), a copy for bandwidth and a 1-element op for the per-kernel cost. On a CPU each
+    format's calls are sized to stay near `_CPU_CALL_LIMIT_S` or under (9 calls a format);
+    cached per process."""
     device = torch.device(device)
     return _calibrated(device_key(device), str(device))
 
 
 def calibration_steps(device: "torch.device | str") -> Iterator[str]:
-    """`calibrate_peaks`'s timings on ``device`` as steps (one GEMM per format, the copy: about
-    0.02 s each on a CPU), filling its cache, for a caller that spreads them (the scheduler's
+    """`calibrate_peaks`'s timings on ``device`` as steps (one GEMM per format, the copy),
+    filling its cache, for a caller that spreads them (the scheduler's
     search between training steps). As many steps when the cache holds them already (each then
     instant), so the caller's steps do not depend on what ran before in the process; none where
     `peaks_for` would not calibrate (a datasheet GPU)."""

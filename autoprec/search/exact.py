@@ -222,7 +222,8 @@ def _solve(space: SearchSpace, objective: str, memory: float, loss_budget: float
     few more (`FREED_NEIGHBOURS`) fixed at the LP's choice, or first, with cuts, at the last
     plan found (`_restricted`): when its optimum is within `MIP_GAP` of the LP bound, that gap
     is proven and it is the answer. Otherwise (a small model, where one block is a large share
-    of the step, or an LP bound too weak to prove the k-th plan), the whole integer program.
+    of the step, or an LP bound too weak to prove the k-th plan), the whole integer program: at
+    once where the restricted one would free every component (a model of a few blocks).
     Costs one LP of O(variables) entries and a few programs of a few components each, where
     HiGHS on the whole program spends seconds past a few hundred layers proving a gap the LP
     bound alone cannot (on a 32-block Llama it still does, for a second plan, in some runs)."""
@@ -252,7 +253,12 @@ def _solve(space: SearchSpace, objective: str, memory: float, loss_budget: float
     centres = ([_variables(program, cuts[-1])] if cuts else []) + [np.round(relaxed.x)]
     x, gap, feasible = None, np.inf, np.inf  # feasible: the least layers' part of a plan found, bounding the optimum's
     for centre, neighbours in ((c, n) for c in centres for n in FREED_NEIGHBOURS):
-        found = _restricted(vector, rows, integrality, relaxed, component, centre, neighbours, deadline)
+        free = _freed(relaxed, component, neighbours)
+        if len(free) == len(np.unique(component)):
+            # Nothing left to fix (a model of a few blocks): this is the whole program, solved
+            # once below to the gap it needs, not again per centre and count.
+            break
+        found = _restricted(vector, rows, integrality, component, free, centre, deadline)
         if found is None:
             continue
         gap = _total_gap(found.fun, relaxed.fun, offset)
@@ -317,24 +323,28 @@ def _variables(program: _Program, found: "Solution | Mapping[str, Format]") -> n
     return x
 
 
-def _restricted(vector: np.ndarray, rows: _Rows, integrality: np.ndarray, relaxed: Any, component: np.ndarray,
-                centre: np.ndarray, neighbours: int, deadline: "float | None") -> Any:
-    """The integer program with every component fixed at its value in ``centre`` (integral)
-    but for those the LP ``relaxed`` left fractional and the ``neighbours`` it was nearest to
-    changing: HiGHS's result (``x``, ``fun``), None when it is infeasible. Its plan is the
-    answer when its gap to the LP bound (proven: no plan beats the LP) is within `MIP_GAP`."""
+def _freed(relaxed: Any, component: np.ndarray, neighbours: int) -> set:
+    """The components the LP ``relaxed`` left fractional and the ``neighbours`` it was nearest
+    to changing (least reduced cost: what raising a variable from zero would cost per unit)."""
     x = relaxed.x
     free = set(component[np.abs(x - np.round(x)) > 1e-6].tolist())
-    # HiGHS's reduced costs: what raising a variable from zero would cost per unit; a
-    # component's least is how near the LP was to changing it.
     reduced = np.where(x < 1e-6, relaxed.lower.marginals, np.inf)
     nearest: dict[int, float] = {}
     for c, cost in zip(component.tolist(), reduced.tolist()):
         if c not in free:
             nearest[c] = min(nearest.get(c, np.inf), cost)
     free.update(sorted(nearest, key=nearest.__getitem__)[:neighbours])
+    return free
+
+
+def _restricted(vector: np.ndarray, rows: _Rows, integrality: np.ndarray, component: np.ndarray, free: set,
+                centre: np.ndarray, deadline: "float | None") -> Any:
+    """The integer program with every component but the ``free`` ones (`_freed`) fixed at its
+    value in ``centre`` (integral): HiGHS's result (``x``, ``fun``), None when it is
+    infeasible. Its plan is the answer when its gap to the LP bound (proven: no plan beats the
+    LP) is within `MIP_GAP`."""
     fixed = ~np.isin(component, list(free))
-    lower, upper = np.zeros_like(x), np.ones_like(x)
+    lower, upper = np.zeros_like(centre), np.ones_like(centre)
     lower[fixed] = upper[fixed] = centre[fixed]
     result = milp(vector, constraints=rows.constraints(), integrality=integrality, bounds=Bounds(lower, upper),
                   options=_limited({"mip_rel_gap": MIP_GAP}, deadline))

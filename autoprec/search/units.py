@@ -33,8 +33,8 @@ PASSES_PER_STEP = 3
 # backward, recording every call) 3.3-3.7. Counted at 1 pass they ran three to a slice: steps
 # 10x a plain one at 64 blocks. Where a device runs BF16 faster or the layers are wider, these
 # units take less than their weight: the search takes more steps, none longer.
-# A device-peak timing (`costs.calibration_steps`: 7 GEMMs of 256^3, about 0.02 s on a CPU,
-# whatever the model) weighs a step: 2-3 steps of the 4-block Llama, run in one they held it 20x.
+# A device-peak timing (`costs.calibration_steps`: 9 GEMM calls of one format, each sized to
+# about 2 ms or less on a CPU, whatever the model) weighs a step: the 4-block Llama's step.
 _WHOLE_MODEL_UNITS = {"trace": 4.0, "region bytes": 4.5, "block forward": 4.5, "scopes": 1.5, "recorded batch": 4.0, "peak": 3.0}
 # (fixed passes, fixed layer shares, layer passes)
 _LAYER_UNITS = {"runtimes": (0.06, 22.0, 0.0), "calibration": (0.1, 25.0, 1.0)}

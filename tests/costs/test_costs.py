@@ -855,3 +855,26 @@ def test_the_peak_calibration_spread_over_steps_takes_as_many_steps_cached_or_no
     measured = []
     monkeypatch.setattr(timing, "_measure", lambda *args: measured.append(args))  # a second measurement would call it
     assert list(timing.calibration_steps("cpu")) == first and timing._calibrated(*key) is peaks and not measured
+
+
+@pytest.mark.parametrize("limit, size", [(0.0, 128), (math.inf, 256)])
+def test_a_cpu_format_whose_small_gemm_predicts_a_long_call_is_timed_small(monkeypatch, limit, size):
+    """Each format is timed at 256^3 unless its 128^3 call, times 8, predicts a call over
+    `_CPU_CALL_LIMIT_S` (FP16 without FP16 units: a 256^3 call held a step of a 4-block model
+    8x): then at 128^3. The rate divides by the size timed."""
+    from autoprec.costs import product_times as timing
+
+    shapes = []
+    real = timing._cast_mm
+    monkeypatch.setattr(timing, "_cast_mm", lambda a, b, dtype: shapes.append((a.shape[0], dtype)) or real(a, b, dtype))
+    monkeypatch.setattr(timing, "_CPU_CALL_LIMIT_S", limit)
+    steps = timing._measure(timing.device_key(torch.device("cpu")), "cpu")
+    labels = []
+    try:
+        while True:
+            labels.append(next(steps))
+    except StopIteration as done:
+        peaks = done.value
+    # Per format: its 128^3 call, then the size it is timed at.
+    assert shapes[:2] == [(128, torch.float32), (size, torch.float32)]
+    assert labels[0] == "fp32" and peaks.flops[Format.FP32] > 0

@@ -390,6 +390,26 @@ def test_exact_solver_with_blocks_matches_brute_force_over_formats_and_recompute
     assert solution.total.bytes <= memory and solution.total.loss <= loss + 1e-12
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_space_of_few_blocks_is_solved_as_one_whole_program_within_the_gap(monkeypatch, seed):
+    # 4 components (3 blocks and the head), no more than `_restricted` frees: each restricted try
+    # would be the whole program again (on issue 57's 4-block Llama, 4 such solves of 0.25 s each
+    # before the whole program itself).
+    space = block_space(seed, layers=7)
+    programs = []
+    real_milp = exact.milp
+    monkeypatch.setattr(exact, "milp", lambda *a, **kw: programs.append(kw["options"]) or real_milp(*a, **kw))
+    for fractions in [(0.6, 0.5), (0.35, 0.4), (0.25, 1.0)]:
+        memory, loss = budgets_for(space, *fractions)
+        feasible = [t[1] for _, _, t in every_plan(space) if t[0] <= memory and t[2] <= loss]
+        programs.clear()
+        if not feasible:
+            continue
+        solution = solve_exact(space, memory, loss)
+        assert len(programs) == 1
+        assert solution.total.seconds <= min(feasible) * (1 + MIP_GAP) and solution.gap <= MIP_GAP
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_a_memory_budget_at_exactly_a_recomputed_plans_bytes_is_met(seed, exact_solves):
     # The linearisation is exact: a plan whose bytes are the budget itself is feasible (y and w
