@@ -232,6 +232,8 @@ class CostModel:
         self.blocks: dict[str, BlockCost] = dict(blocks or {})
         self._times: dict[tuple[str, Format], TimeEstimate] = {}
         self._timed: set[Format] = set()  # formats every call has a time in (`_ensure_times`)
+        # (format, reason) -> its precision (`precision`): made and validated once, not per layer.
+        self._precisions: dict[tuple[Format, str], LayerPrecision] = {}
         self.formats = tuple(Format.parse(f) for f in formats)
         self._ensure_times(self.formats)
 
@@ -491,8 +493,11 @@ class CostModel:
             FormatError: an unknown format name.
         """
         fmt = Format.parse(fmt)
-        lp = self.precisions.get(fmt)
-        return LayerPrecision(fmt, reason=reason) if lp is None else dataclasses.replace(lp, reason=reason)
+        made = self._precisions.get((fmt, reason))
+        if made is None:
+            lp = self.precisions.get(fmt)
+            made = self._precisions[fmt, reason] = LayerPrecision(fmt, reason=reason) if lp is None else dataclasses.replace(lp, reason=reason)
+        return made
 
     def uniform_plan(self, fmt: "Format | str") -> Plan:
         """Every traced layer in one format (the traced layers are exactly the plan's layers).
