@@ -33,13 +33,19 @@ PASSES_PER_STEP = 3
 # backward, recording every call) 3.3-3.7. Counted at 1 pass they ran three to a slice: steps
 # 10x a plain one at 64 blocks. Where a device runs BF16 faster or the layers are wider, these
 # units take less than their weight: the search takes more steps, none longer.
+# The sensitivity's setup (`"layers"`: its candidate plans validated, every layer and format) and
+# its scopes (one traced forward) grow with the layers as a pass does: 1.2 and 2.5 passes, 1.2
+# and 2.2 on issue 57's narrow Llama at 4 and 16 blocks; counted as host work (0) and 1.5 they ran
+# with the next units in one slice, 3x a step at 16 blocks. An INT8 calibration round's recorded
+# forward (every layer's inputs kept): 1.4 and 2.5 passes; counted as one layer's re-run before.
 # A device-peak timing (`costs.calibration_steps`: 9 GEMM calls of one format, each sized to
 # about 2 ms or less on a CPU, whatever the model) weighs a step: the 4-block Llama's step.
-_WHOLE_MODEL_UNITS = {"trace": 4.0, "region bytes": 4.5, "block forward": 4.5, "scopes": 1.5, "recorded batch": 4.0, "peak": 3.0}
+_WHOLE_MODEL_UNITS = {"trace": 4.0, "region bytes": 4.5, "block forward": 4.5, "scopes": 2.5, "recorded batch": 4.0, "peak": 3.0,
+                      "layers": 2.5, "recorded forward": 2.5}
 # (fixed passes, fixed layer shares, layer passes)
 _LAYER_UNITS = {"runtimes": (0.06, 22.0, 0.0), "calibration": (0.1, 25.0, 1.0)}
 _LAYER_ESTIMATE = (0.35, 18.0, 3.0)
-_HOST_UNITS = frozenset({"layers", "sites", "second moment", "solve", "block"})
+_HOST_UNITS = frozenset({"sites", "second moment", "solve", "block"})
 
 
 def unit_weight(label: str, layers: int) -> float:

@@ -440,7 +440,8 @@ def calibrate_runtimes(problem: "SensitivityProblem", runtimes: Mapping, batches
 
 def calibration_steps(problem: "SensitivityProblem", runtimes: Mapping, batches: Sequence) -> Iterator[str]:
     """Calibrate every INT8 single-layer runtime until its scale freezes, as in steady training;
-    yields after each round's recorded forward and after each layer's re-run.
+    yields ``"recorded forward"`` after each round's forward (the whole model, recording every
+    layer's inputs) and ``"calibration"`` after each layer's re-run.
 
     The layer alone is re-run under its runtime on the inputs it had in an FP32 forward: with
     only that layer lowered, everything before it is FP32, so these are exactly the inputs it
@@ -459,7 +460,7 @@ def calibration_steps(problem: "SensitivityProblem", runtimes: Mapping, batches:
             recorder = CallRecorder(problem.model, fqns)
             with recorder:
                 problem.loss(batches[i % len(batches)])
-        yield "calibration"
+        yield "recorded forward"
         for fqn, fmt in keys:
             if i < problem.candidates[fmt].calibration.batches:
                 with torch.no_grad():
