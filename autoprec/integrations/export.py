@@ -65,6 +65,14 @@ class TorchaoExport:
     def converted(self) -> tuple[str, ...]:
         return tuple(sorted(f for fqns in self.recipes.values() for f in fqns))
 
+    def summary(self) -> list[str]:
+        """What `autoprec export` prints: the layers converted per recipe, those not, the recomputed."""
+        lines = [f"{len(self.converted)} layers converted to torchao float8 ({', '.join(f'{k}: {len(v)}' for k, v in self.recipes.items()) or 'none'}), "
+                 f"{len(self.not_converted)} not (see NOT_CONVERTED)"]
+        if self.recompute:
+            lines.append(f"{len(self.recompute)} modules recomputed (see RECOMPUTE: wrap them in activation checkpointing)")
+        return lines
+
 
 def torchao_export(plan: Plan) -> TorchaoExport:
     """Map ``plan`` onto torchao's float8 training (pure; see the module docstring)."""

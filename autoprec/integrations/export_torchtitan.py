@@ -1,0 +1,173 @@
+"""A plan for torchtitan: `autoprec export PLAN.json --to torchtitan` writes the converter section
+of a torchtitan job, for torchtitan 0.3.0 (`TORCHTITAN_RELEASE`), whose jobs are Python
+(``config_registry`` functions) and whose float8 training is torchao's ``Float8Linear``.
+
+torchtitan 0.3.0 converts a model's ``Linear`` configs with ``Float8LinearConverter.Config``:
+``recipe_name`` one of "rowwise" and "rowwise_with_gw_hp" (torchao's recipes: every float8 operand
+E4M3 with row-wise power-of-2 scales; the second keeps the weight-gradient GEMM in high
+precision), and ``filter_fqns``, modules it skips: a module is skipped when any entry is a
+*substring* of its fully-qualified name (``components/quantization/utils.py``,
+``module_filter_fn``). The export:
+
+- takes the layers torchao can convert as `export.torchao_export` decides them (FP8 E4M3
+  ``nn.Linear`` with both dimensions divisible by 16; the others in ``NOT_CONVERTED`` with the
+  reason), grouped by torchtitan recipe: "rowwise_with_gw_hp" where the plan keeps the layer's
+  gradients in FP32, else "rowwise";
+- writes one converter per recipe whose ``filter_fqns`` are every other planned layer, so each
+  converts exactly its group, and checks the substring rule: a filter entry inside a converted
+  layer's name would skip it (listed in ``NOTES``; rename or leave that layer out);
+- says, per converted layer, what torchtitan's recipe runs differently from the plan (per-tensor
+  or block scaling, E5M2 gradients, delayed scaling, a margin, a high-precision input gradient).
+
+What it cannot carry: half and FP32 layers (torchtitan's mixed precision is one dtype for the
+model: ``parallelism.mixed_precision_param``), INT8 and E5M2-forward layers, recomputation per
+module (torchtitan's activation checkpointing is per block: ``RECOMPUTE`` lists the plan's), and
+per-layer gradient communication. Pure: no torchtitan import here or in the written module's
+top (it imports ``torchtitan.components.quantization`` inside ``converters``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+from typing import Mapping
+
+from .._io import atomic_write_text
+from ..errors import PlanError
+from ..formats import Format, Granularity
+from ..plan import Plan, ScalingMode
+from .export import _docstring_text, _literal, torchao_export
+
+__all__ = ["TORCHTITAN_RELEASE", "TorchtitanExport", "torchtitan_export", "write_torchtitan"]
+
+TORCHTITAN_RELEASE = "0.3.0"
+# torchtitan 0.3.0's Float8LinearConverter recipe names (its Config's recipe_name Literal).
+RECIPES = ("rowwise", "rowwise_with_gw_hp")
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchtitanExport:
+    """A plan's layers as torchtitan 0.3.0's float8 converters run them (module docstring)."""
+
+    recipes: Mapping[str, tuple[str, ...]]  # torchtitan recipe -> fqns it converts
+    filter_fqns: Mapping[str, tuple[str, ...]]  # torchtitan recipe -> its converter's filter_fqns
+    not_converted: Mapping[str, str]  # fqn -> why it stays in high precision
+    notes: tuple[str, ...]  # "fqn: ..." per converted layer whose numbers change, and substring clashes
+    recompute: tuple[str, ...] = ()
+
+    def summary(self) -> list[str]:
+        """What `autoprec export` prints: the layers converted per recipe and those not."""
+        converted = {k: len(v) for k, v in self.recipes.items()}
+        return [f"{sum(converted.values())} layers converted by torchtitan's float8 converters "
+                f"({', '.join(f'{k}: {n}' for k, n in converted.items()) or 'none'}), {len(self.not_converted)} not (see NOT_CONVERTED)"]
+
+
+def torchtitan_export(plan: Plan) -> TorchtitanExport:
+    """Map ``plan`` onto torchtitan 0.3.0's float8 converters (pure; module docstring)."""
+    base = torchao_export(plan)
+    recipes: dict[str, list[str]] = {}
+    notes: list[str] = []
+    for fqn in base.converted:
+        lp = plan.layers[fqn]
+        high = lp.grad_format is Format.FP32
+        recipe = "rowwise_with_gw_hp" if high else "rowwise"
+        recipes.setdefault(recipe, []).append(fqn)
+        notes.extend(f"{fqn}: {change}" for change in _changes(lp, high))
+    planned = list(plan.layers)
+    filters = {recipe: tuple(f for f in planned if f not in fqns) for recipe, fqns in recipes.items()}
+    for recipe, fqns in recipes.items():
+        for fqn in fqns:
+            clash = next((f for f in filters[recipe] if f in fqn), None)
+            if clash is not None:
+                notes.append(f"{fqn}: torchtitan skips a module when a filter_fqns entry is a substring of its name, and {clash!r} is: "
+                             f"its {recipe} converter would skip it (rename one of them, or leave it out of the plan)")
+    not_converted = dict(base.not_converted)
+    for fqn, lp in plan.layers.items():
+        if lp.format in (Format.BF16, Format.FP16, Format.FP32):  # torchao's reason says to wrap it in autocast: not how torchtitan runs
+            not_converted[fqn] = (f"{lp.format.value} in the plan: not float8; torchtitan runs every unconverted layer in one dtype "
+                                  "(FSDP2's parallelism.mixed_precision_param), not per layer")
+    return TorchtitanExport({k: tuple(v) for k, v in recipes.items()}, filters, not_converted, tuple(notes), plan.recompute)
+
+
+def _changes(lp, high: bool) -> list[str]:
+    """What torchtitan's recipe runs differently from the plan for one converted layer."""
+    changes = []
+    granularity = lp.scaling.granularity
+    if granularity is not Granularity.ROW:
+        changes.append(f"{granularity.value} scaling in the plan; torchtitan {TORCHTITAN_RELEASE}'s float8 recipes scale per row (power-of-2 scales)")
+    if lp.grad_format is Format.FP8_E5M2:
+        changes.append("e5m2 gradients in the plan; torchtitan's recipes cast gradients to e4m3")
+    if high:
+        changes.append(f"{lp.grad_format.value} gradients in the plan; rowwise_with_gw_hp keeps the weight gradient's GEMM in high precision, "
+                       "but the input gradient's runs in e4m3")
+    if lp.scaling.mode is ScalingMode.DELAYED:
+        changes.append("delayed scaling in the plan; torchtitan scales currently")
+    if lp.scaling.margin:
+        changes.append(f"scaling margin {lp.scaling.margin} in the plan; torchtitan scales to the full range")
+    return changes
+
+
+_TEMPLATE = '''"""torchtitan {release} float8 training of the autoprec plan {source} (sha1 {digest}), exported by autoprec {version}.
+
+torchtitan {release} jobs are Python: in your config_registry function,
+
+    from {module} import converters
+    config.model_spec = model_registry("<flavor>", converters=converters(model_compile_enabled=...))
+
+Converted: {n_converted} layers (FP8_LAYERS, by recipe); not converted: {n_skipped} (NOT_CONVERTED says why);
+NOTES says what torchtitan runs differently from the plan. Recomputed modules (RECOMPUTE): torchtitan's
+activation checkpointing is per block (FullAC / SelectiveAC), not per module.
+"""
+
+TORCHTITAN_RELEASE = {release!r}
+
+# torchtitan recipe -> fully-qualified names of the Linear layers it converts
+FP8_LAYERS = {recipes}
+
+# torchtitan recipe -> its converter's filter_fqns: the other planned layers (torchtitan skips a
+# module when one of these is a substring of its name)
+FILTER_FQNS = {filters}
+
+# layers that stay in high precision, and why
+NOT_CONVERTED = {not_converted}
+
+# "layer: what changes", per converted layer whose numbers torchtitan's recipe cannot keep
+NOTES = {notes}
+
+# modules the plan recomputes in the backward
+RECOMPUTE = {recompute}
+
+
+def converters(model_compile_enabled=False, emulate=False):
+    """torchtitan's converter configs, one Float8LinearConverter per recipe (``emulate=True``:
+    torchao's emulated float8, for a machine without float8 tensor cores, eager only)."""
+    from torchtitan.components.quantization import Float8LinearConverter
+
+    return [
+        Float8LinearConverter.Config(recipe_name=recipe, filter_fqns=list(FILTER_FQNS[recipe]), emulate=emulate,
+                                     model_compile_enabled=model_compile_enabled)
+        for recipe in FP8_LAYERS
+    ]
+'''
+
+
+def write_torchtitan(plan_path: "str | Path", out: "str | Path | None" = None) -> tuple[Path, TorchtitanExport]:
+    """Export the plan at ``plan_path`` for torchtitan (atomically) to ``out`` (default: next to
+    the plan, ``<plan stem>_torchtitan.py``); returns the path written and the mapping."""
+    plan_path = Path(plan_path)
+    plan = Plan.load(plan_path)
+    export = torchtitan_export(plan)
+    out = Path(out) if out is not None else plan_path.with_name(f"{plan_path.stem}_torchtitan.py")
+    if out.suffix != ".py" or not out.stem.isidentifier():
+        raise PlanError(f"--out {str(out)!r}: the export is a Python module; give a path like plan_torchtitan.py (a valid module name)")
+    from .. import __version__
+
+    text = _TEMPLATE.format(
+        release=TORCHTITAN_RELEASE, source=_docstring_text(plan_path.name), digest=hashlib.sha1(plan_path.read_bytes()).hexdigest()[:12],
+        version=__version__, module=out.stem, n_converted=sum(len(v) for v in export.recipes.values()), n_skipped=len(export.not_converted),
+        recipes=_literal({k: list(v) for k, v in export.recipes.items()}), filters=_literal({k: list(v) for k, v in export.filter_fqns.items()}),
+        not_converted=_literal(dict(export.not_converted)), notes=_literal(list(export.notes)), recompute=_literal(list(export.recompute)),
+    )
+    atomic_write_text(out, text)
+    return out, export

@@ -1,0 +1,137 @@
+"""`autoprec export PLAN.json --to torchtitan`: the written module's converters, read by torchtitan
+0.3.0's own code. torchtitan cannot be imported on a CPU machine without its training stack
+(wandb, datasets, spmd_types), so CI installs its wheel without dependencies and these tests read
+its source: the converter Config's fields and recipe names (``ast``), and its ``module_filter_fn``
+run as written on the export's ``filter_fqns``. Elsewhere they skip, unless
+AUTOPREC_TEST_TORCHTITAN=required."""
+
+import ast
+import dataclasses
+import importlib.util
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from autoprec import Format, LayerPrecision, Plan, Scaling, ScalingMode
+from autoprec.cli import main
+from autoprec.formats import Granularity
+from autoprec.integrations.export_torchtitan import TORCHTITAN_RELEASE, torchtitan_export
+
+
+def _torchtitan_source() -> Path:
+    spec = importlib.util.find_spec("torchtitan")  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        if os.environ.get("AUTOPREC_TEST_TORCHTITAN") == "required":
+            pytest.fail(f"torchtitan {TORCHTITAN_RELEASE} is not installed (pip install --no-deps torchtitan=={TORCHTITAN_RELEASE})")
+        pytest.skip(f"torchtitan {TORCHTITAN_RELEASE} not installed")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    from importlib.metadata import version
+
+    assert version("torchtitan") == TORCHTITAN_RELEASE, "the export targets one release; update TORCHTITAN_RELEASE with the names it uses"
+    return root
+
+
+def _converter_config(root: Path) -> tuple[list[str], tuple[str, ...]]:
+    """Float8LinearConverter.Config's own fields and its recipe_name Literal, from torchtitan's source."""
+    tree = ast.parse((root / "components" / "quantization" / "float8.py").read_text())
+    converter = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Float8LinearConverter")
+    config = next(n for n in converter.body if isinstance(n, ast.ClassDef) and n.name == "Config")
+    fields = [n.target.id for n in config.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+    recipe = next(n for n in config.body if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "recipe_name")
+    literal = tuple(e.value for e in ast.walk(recipe.annotation) if isinstance(e, ast.Constant))
+    base = (root / "components" / "quantization" / "__init__.py").read_text()
+    assert "model_compile_enabled" in base  # QuantizationConverter.Config's field, which the converters pass
+    return fields + ["model_compile_enabled"], literal
+
+
+def _module_filter_fn(root: Path):
+    """torchtitan's ``module_filter_fn`` (components/quantization/utils.py), executed as written."""
+    source = (root / "components" / "quantization" / "utils.py").read_text()
+    function = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "module_filter_fn")
+    namespace = {"Linear": types.SimpleNamespace(Config=object)}  # its annotation's name
+    exec(compile(ast.Module([function], type_ignores=[]), "torchtitan/components/quantization/utils.py", "exec"), namespace)
+    return namespace["module_filter_fn"]
+
+
+class Blocks(nn.Module):
+    """Names torchtitan's substring filter could confuse: layers.1 and layers.11, wq and wqk."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): nn.ModuleDict({"wq": nn.Linear(32, 32), "w2": nn.Linear(32, 32)}) for i in (1, 11)})
+        self.odd = nn.Linear(32, 24)
+        self.head = nn.Linear(24, 16)
+
+    def forward(self, x):
+        for i in ("1", "11"):
+            x = self.layers[i]["w2"](torch.relu(self.layers[i]["wq"](x)))
+        return self.head(self.odd(x))
+
+
+def _plan(model, x, layers):
+    base = Plan.uniform(model, Format.FP32, (x,))
+    return Plan({fqn: layers.get(fqn, LayerPrecision(Format.FP32)) for fqn in base.layers}, fingerprint=base.fingerprint)
+
+
+def _written(tmp_path, plan):
+    plan.save(tmp_path / "plan.json")
+    assert main(["export", str(tmp_path / "plan.json"), "--to", "torchtitan", "--out", str(tmp_path / "titan_plan.py")]) == 0
+    spec = importlib.util.spec_from_file_location("titan_plan", tmp_path / "titan_plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_torchtitans_own_filter_converts_exactly_the_plans_fp8_layers_with_their_recipe(tmp_path, monkeypatch):
+    root = _torchtitan_source()
+    fields, recipes = _converter_config(root)
+    module_filter_fn = _module_filter_fn(root)
+    model, x = Blocks(), torch.randn(4, 32)
+    fp8 = LayerPrecision(Format.FP8_E4M3, scaling=Scaling(granularity=Granularity.ROW))
+    plan = _plan(model, x, {
+        "layers.1.wq": fp8, "layers.11.w2": fp8,
+        "layers.11.wq": LayerPrecision(Format.FP8_E4M3, grad_format=Format.FP32, scaling=Scaling(mode=ScalingMode.DELAYED)),
+        "layers.1.w2": LayerPrecision(Format.BF16), "odd": LayerPrecision(Format.FP8_E4M3), "head": LayerPrecision(Format.INT8),
+    })
+    written = _written(tmp_path, plan)
+    # The converters the module builds, with a Config made of torchtitan's own fields (any other
+    # keyword would fail here as it fails in torchtitan).
+    Config = dataclasses.make_dataclass("Config", [(f, object, dataclasses.field(default=None)) for f in fields], kw_only=True)
+    fake = types.ModuleType("torchtitan.components.quantization")
+    fake.Float8LinearConverter = types.SimpleNamespace(Config=Config)
+    monkeypatch.setitem(sys.modules, "torchtitan.components.quantization", fake)
+    converters = written.converters(model_compile_enabled=True)
+    assert [c.recipe_name for c in converters] == ["rowwise", "rowwise_with_gw_hp"] and set(recipes) >= {c.recipe_name for c in converters}
+    # torchtitan's filter, on each Linear's name and shape, per converter in order: a module
+    # converted by an earlier one is no longer a Linear config for the next.
+    converted, linear = {}, {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+    for config in converters:
+        assert config.model_compile_enabled is True and config.emulate is False
+        for fqn, m in linear.items():
+            if fqn not in converted and module_filter_fn(types.SimpleNamespace(in_features=m.in_features, out_features=m.out_features), fqn, config.filter_fqns):
+                converted[fqn] = config.recipe_name
+    assert converted == {"layers.1.wq": "rowwise", "layers.11.w2": "rowwise", "layers.11.wq": "rowwise_with_gw_hp"}
+    assert "not divisible by 16" in written.NOT_CONVERTED["odd"] and "no INT8 path" in written.NOT_CONVERTED["head"]
+    assert "one dtype" in written.NOT_CONVERTED["layers.1.w2"]
+    assert written.TORCHTITAN_RELEASE == TORCHTITAN_RELEASE
+    notes = "\n".join(written.NOTES)
+    assert "layers.11.wq: tensor scaling in the plan" in notes and "layers.11.wq: delayed scaling in the plan" in notes
+    assert "layers.1.wq: e5m2 gradients in the plan; torchtitan's recipes cast gradients to e4m3" in notes
+    assert "layers.11.wq: fp32 gradients in the plan; rowwise_with_gw_hp" in notes
+
+
+def test_a_filter_entry_inside_a_converted_layers_name_is_named_in_the_notes():
+    # torchtitan matches filter_fqns as substrings: skipping "blocks.w" (a BF16 layer) would skip
+    # "blocks.w_out" (FP8) as well; the export cannot express it and says so.
+    model = nn.Sequential()
+    model.add_module("w", nn.Linear(32, 32))
+    model.add_module("w_out", nn.Linear(32, 32))
+    plan = _plan(model, torch.randn(4, 32), {"w": LayerPrecision(Format.BF16), "w_out": LayerPrecision(Format.FP8_E4M3)})
+    export = torchtitan_export(plan)
+    assert dict(export.recipes) == {"rowwise": ("w_out",)} and export.filter_fqns["rowwise"] == ("w",)
+    assert any(n.startswith("w_out: torchtitan skips a module when a filter_fqns entry is a substring of its name, and 'w' is") for n in export.notes)
