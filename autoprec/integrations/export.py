@@ -267,15 +267,21 @@ def _docstring_text(text: str) -> str:
     return text.encode("unicode_escape").decode("ascii").replace('"', '\\"')
 
 
+def export_path(plan_path: Path, out: "str | Path | None", target: str) -> Path:
+    """Where an export of the plan at ``plan_path`` is written: ``out``, else
+    ``<plan stem>_<target>.py`` beside the plan; `PlanError` unless it names a Python module."""
+    path = Path(out) if out is not None else plan_path.with_name(f"{plan_path.stem}_{target}.py")
+    if path.suffix != ".py" or not path.stem.isidentifier():
+        raise PlanError(f"--out {str(path)!r}: the export is a Python module; give a path like plan_{target}.py (a valid module name)")
+    return path
+
+
 def write_torchao(plan_path: "str | Path", out: "str | Path | None" = None) -> tuple[Path, TorchaoExport]:
     """Export the plan at ``plan_path`` for torchao (atomically) to ``out`` (default: next to the
     plan, ``<plan stem>_torchao.py``); returns the path written and the mapping."""
     plan_path = Path(plan_path)
-    plan = Plan.load(plan_path)
-    export = torchao_export(plan)
-    out = Path(out) if out is not None else plan_path.with_name(f"{plan_path.stem}_torchao.py")
-    if out.suffix != ".py" or not out.stem.isidentifier():
-        raise PlanError(f"--out {str(out)!r}: the export is a Python module; give a path like plan_torchao.py (a valid module name)")
+    export = torchao_export(Plan.load(plan_path))
+    out = export_path(plan_path, out, "torchao")
     from .. import __version__
 
     autocast_usage = (

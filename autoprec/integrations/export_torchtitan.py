@@ -34,10 +34,9 @@ from pathlib import Path
 from typing import Mapping
 
 from .._io import atomic_write_text
-from ..errors import PlanError
 from ..formats import Format, Granularity
 from ..plan import Plan, ScalingMode
-from .export import _docstring_text, _literal, torchao_export
+from .export import _docstring_text, _literal, export_path, torchao_export
 
 __all__ = ["TORCHTITAN_RELEASE", "TorchtitanExport", "torchtitan_export", "write_torchtitan"]
 
@@ -156,11 +155,8 @@ def write_torchtitan(plan_path: "str | Path", out: "str | Path | None" = None) -
     """Export the plan at ``plan_path`` for torchtitan (atomically) to ``out`` (default: next to
     the plan, ``<plan stem>_torchtitan.py``); returns the path written and the mapping."""
     plan_path = Path(plan_path)
-    plan = Plan.load(plan_path)
-    export = torchtitan_export(plan)
-    out = Path(out) if out is not None else plan_path.with_name(f"{plan_path.stem}_torchtitan.py")
-    if out.suffix != ".py" or not out.stem.isidentifier():
-        raise PlanError(f"--out {str(out)!r}: the export is a Python module; give a path like plan_torchtitan.py (a valid module name)")
+    export = torchtitan_export(Plan.load(plan_path))
+    out = export_path(plan_path, out, "torchtitan")
     from .. import __version__
 
     text = _TEMPLATE.format(
