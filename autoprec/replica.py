@@ -7,7 +7,8 @@ each sharded parameter whole (``DTensor.full_tensor``: an all-gather every rank 
 call, in the same order: parameters in ``named_parameters`` order) and, on the rank that keeps
 it, builds the same module tree with FSDP2's wrapping removed: each module of its own class again
 (FSDP2 swaps in a subclass), without FSDP2's state and hooks (nor autoprec's: the scheduler's
-own must not run on its copy), holding the whole parameters.
+own must not run on its copy), holding the whole parameters. A
+model with no DTensor parameter is deep-copied as it is (no collective).
 
 A model under tensor parallelism (``parallelize_module``: ``ColwiseParallel``,
 ``RowwiseParallel``, ``SequenceParallel``, ``PrepareModuleInput``...) is copied the same way: its
@@ -15,11 +16,6 @@ weights (and any DTensor buffer) gathered whole, and the styles' hooks dropped (
 and outputs into DTensors over the mesh), so the copy is the unsharded model, computing on one
 rank what the ranks compute together. A forward that makes DTensors itself (``from_local`` in
 the user's code) is not undone.
-
-A model with no DTensor parameter is copied the same way (its parameters cloned, no
-collective), not by ``copy.deepcopy``: the same modules, buffers and attributes, in about half
-the host time (no ``__reduce_ex__`` per module: 23 -> 13 ms for issue 57's 16-block Llama), and
-without autoprec's hooks.
 
 Costs: the model's FP32 parameters once more on the keeping rank (on its device), and per sharded
 parameter one all-gather of it on every rank.
@@ -57,9 +53,10 @@ def plain_copy(model: nn.Module, keep: bool = True) -> Optional[nn.Module]:
     if not is_sharded(model):
         if not keep:
             return None
-        with torch.no_grad():
-            params = {id(p): nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in model.parameters()}
-        return _copy_module(model, params)
+        replica = copy.deepcopy(model)
+        for p in replica.parameters():
+            p.grad = None
+        return replica
     whole = {}
     with torch.no_grad():
         for _, p in model.named_parameters():  # the same order on every rank
