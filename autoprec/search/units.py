@@ -15,8 +15,8 @@ PASSES_PER_STEP = 3
 # What an off-path unit weighs (`unit_weight`), in model passes. A look at the whole model or a
 # forward and backward of one batch: its passes. A unit of one layer: a fixed part (its calls,
 # quantization and hooks) plus its FLOPs as its share of the model's pass (1 / layers): making
-# its runtimes (host work only); calibration (the model's forward or the layer's re-run, both
-# under that label); a (layer, format) estimate (its forward and local backward, as a step's
+# its runtimes (host work only); calibration (the layer's re-run under its INT8 runtime); a
+# (layer, format) estimate (its forward and local backward, as a step's
 # 1 + 2). The fixed part takes the same time however deep the model, while a pass grows with
 # the layers: it is the lesser of a part of a pass (what these units took on the 31-layer GPT
 # of benchmarks/search_stall.py, 2 CPU cores, torch 2.13: 0.06, 0.1 and 0.35 of a pass) and a
@@ -33,11 +33,11 @@ PASSES_PER_STEP = 3
 # backward, recording every call) 3.3-3.7. Counted at 1 pass they ran three to a slice: steps
 # 10x a plain one at 64 blocks. Where a device runs BF16 faster or the layers are wider, these
 # units take less than their weight: the search takes more steps, none longer.
-# The sensitivity's setup (`"layers"`: its candidate plans validated, every layer and format) and
-# its scopes (one traced forward) grow with the layers as a pass does: 1.2 and 2.5 passes, 1.2
-# and 2.2 on issue 57's narrow Llama at 4 and 16 blocks; counted as host work (0) and 1.5 they ran
-# with the next units in one slice, 3x a step at 16 blocks. An INT8 calibration round's recorded
-# forward (every layer's inputs kept): 1.4 and 2.5 passes; counted as one layer's re-run before.
+# The sensitivity's setup (`"layers"`: its candidate plans validated, every layer and format)
+# took 1.2 and 2.5 passes, its scopes (one traced forward) 1.2 and 2.2, and an INT8 calibration
+# round's recorded forward (every layer's inputs kept) 1.4 and 2.5, on issue 57's narrow Llama
+# at 4 and 16 blocks: they grow with the layers as a pass does. Counted as host work (0), 1.5 and
+# one layer's re-run, they ran with the next units in one slice: 3x a step at 16 blocks.
 # A device-peak timing (`costs.calibration_steps`: 9 GEMM calls of one format, each sized to
 # about 2 ms or less on a CPU, whatever the model) weighs a step: the 4-block Llama's step.
 _WHOLE_MODEL_UNITS = {"trace": 4.0, "region bytes": 4.5, "block forward": 4.5, "scopes": 2.5, "recorded batch": 4.0, "peak": 3.0,
