@@ -169,7 +169,13 @@ def test_rerun_resumes_the_study_without_new_trials(searched):
     assert main(["search", str(again)]) == 0
     assert optuna.get_all_study_names(storage) == ["tiny:measured"]  # no proxy study
     assert len(optuna.load_study(study_name="tiny:measured", storage=storage).trials) == measured
-    assert Plan.load(folder / "out" / "plan.json").format_counts() == first.format_counts()
+    rerun = Plan.load(folder / "out" / "plan.json")
+    if rerun.format_counts() != first.format_counts():
+        # The study holds the trials, not the final interleaved rounds, which a rerun times
+        # again: another plan only where those rounds separated it from the first run's choice
+        # (unseparated, both runs take the fastest predicted, from the same trials).
+        settled = rerun.measured["settled"]
+        assert settled["choice"] == settled["fastest"] and first.measured["settled"]["choice"] not in settled["tied"], settled
 
 
 @pytest.mark.slow
