@@ -74,7 +74,10 @@ def torchtitan_export(plan: Plan) -> TorchtitanExport:
         recipes.setdefault(recipe, []).append(fqn)
         notes.extend(f"{fqn}: {change}" for change in _changes(lp, high))
     planned = list(plan.layers)
-    filters = {recipe: tuple(f for f in planned if f not in fqns) for recipe, fqns in recipes.items()}
+    filters: dict[str, tuple[str, ...]] = {}
+    for recipe, fqns in recipes.items():
+        members = set(fqns)  # a set: a plan of a thousand layers, each looked up per recipe
+        filters[recipe] = tuple(f for f in planned if f not in members)
     for recipe, fqns in recipes.items():
         for fqn in fqns:
             clash = next((f for f in filters[recipe] if f in fqn), None)

@@ -252,9 +252,12 @@ def _solve(space: SearchSpace, objective: str, memory: float, loss_budget: float
     # plans the cuts rule out.
     centres = ([_variables(program, cuts[-1])] if cuts else []) + [np.round(relaxed.x)]
     x, gap, feasible = None, np.inf, np.inf  # feasible: the least layers' part of a plan found, bounding the optimum's
+    # The components each try frees depend on the LP alone, not on the centre: found once.
+    freed = {n: _freed(relaxed, component, n) for n in FREED_NEIGHBOURS}
+    components = len(np.unique(component))
     for centre, neighbours in ((c, n) for c in centres for n in FREED_NEIGHBOURS):
-        free = _freed(relaxed, component, neighbours)
-        if len(free) == len(np.unique(component)):
+        free = freed[neighbours]
+        if len(free) == components:
             # Nothing left to fix (a model of a few blocks): this is the whole program, solved
             # once below to the gap it needs, not again per centre and count.
             break
