@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from ..formats import Format, block_amax, inverse_scale, quantize
 from .casts import call_casts
-from .gemm import kernel_bias, pad_to_multiple
+from .gemm import kernel_bias, kernel_region, pad_to_multiple
 
 if TYPE_CHECKING:
     from .quantizers import QuantizedOperand
@@ -112,10 +112,11 @@ def block_scaled_mm(
     operand's scales out transposed from the v2 op's, so a compiled block-scaled call would be
     refused where the eager one runs; kept opaque, compiled and eager make the same call."""
     recipe_b = F.ScalingType.BlockWise128x128 if blocks_b else F.ScalingType.BlockWise1x128
-    return F.scaled_mm(
-        a, b, scale_a, F.ScalingType.BlockWise1x128, scale_b, recipe_b,
-        bias=bias, output_dtype=out_dtype, use_fast_accum=False,
-    )
+    with kernel_region(a):
+        return F.scaled_mm(
+            a, b, scale_a, F.ScalingType.BlockWise1x128, scale_b, recipe_b,
+            bias=bias, output_dtype=out_dtype, use_fast_accum=False,
+        )
 
 
 @block_scaled_mm.register_fake

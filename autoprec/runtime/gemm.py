@@ -27,6 +27,7 @@ format, the weight's low-precision transpose made in the same forward (shared un
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,7 @@ import torch
 
 import torch.nn.functional as F
 
-from ..formats import Format, amax, inverse_scale, quantize
+from ..formats import Format, amax, dequantize, inverse_scale, quantize
 from .tensor_parallel import amax_over
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from .triton_cast import FusedCasts
 
 __all__ = [
-    "Fp8Spec", "Int8Spec", "Fp8Linear", "Int8Linear", "FP8_ALIGN", "INT8_ALIGN", "INT8_MIN_ROWS", "pad_to_multiple", "kernel_bias",
+    "Fp8Spec", "Int8Spec", "Fp8Linear", "Int8Linear", "FP8_ALIGN", "INT8_ALIGN", "INT8_MIN_ROWS", "pad_to_multiple", "kernel_bias", "kernel_region",
     "weight_grad_format",
 ]
 
@@ -72,6 +73,16 @@ def kernel_bias(bias: torch.Tensor, dtype: torch.dtype, align: int = FP8_ALIGN) 
         if bias.shape[0] % align:
             padded = pad_to_multiple(padded.unsqueeze(0), 1, align).squeeze(0)
     return padded
+
+
+def kernel_region(t: torch.Tensor) -> "contextlib.AbstractContextManager":
+    """Where a scaled GEMM on ``t``'s device is called: a CPU autocast region suspended, else
+    nothing. torch 2.11-2.13's CPU ``_scaled_mm`` dequantizes and calls ``mm``, which a CPU
+    autocast region intercepts and runs in BF16 (about 0.3 % off the FP32 accumulation a GPU's
+    kernel keeps, FP32 output or not); CUDA's kernels are not intercepted."""
+    if t.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        return torch.autocast("cpu", enabled=False)
+    return contextlib.nullcontext()
 
 
 def weight_grad_format(input_fmt: Format, grad_fmt: Format) -> Format:
@@ -144,9 +155,10 @@ class Fp8Linear(torch.autograd.Function):
         else:
             scale_a, scale_b = x_inv, w_inv
         fused_bias = kernel_bias(bias, spec.out_dtype) if bias is not None else None
-        out = torch._scaled_mm(
-            xq, w_q.data.t(), scale_a=scale_a, scale_b=scale_b, bias=fused_bias, out_dtype=spec.out_dtype, use_fast_accum=True,
-        )
+        with kernel_region(xq):
+            out = torch._scaled_mm(
+                xq, w_q.data.t(), scale_a=scale_a, scale_b=scale_b, bias=fused_bias, out_dtype=spec.out_dtype, use_fast_accum=True,
+            )
         if out.shape[1] != spec.out_features:
             out = out[:, : spec.out_features]
         if precast:
@@ -171,13 +183,14 @@ class Fp8Linear(torch.autograd.Function):
         g = grad_out if fused else pad_to_multiple(grad_out, 1, FP8_ALIGN)
         grad_x = grad_w = grad_bias = None
         if spec.grad is None:
-            # A high-precision backward from the low-precision saved operands (dequantized).
+            # A high-precision backward from the low-precision saved operands, dequantized in FP32
+            # then cast (a scale cast to a half first would bias every value by its rounding).
             compute = grad_out.dtype
             if ctx.needs_input_grad[0]:
-                grad_x = g @ (w_t.t().to(compute) * w_t_inv.to(compute))
+                grad_x = g @ dequantize(w_t.t(), w_t_inv, compute)
             if ctx.needs_input_grad[1]:
                 x_rows = xq.t()[: g.shape[0]] if ctx.x_transposed else xq
-                grad_w = (g.t() @ (x_rows.to(compute) * x_inv.to(compute))).float()
+                grad_w = (g.t() @ dequantize(x_rows, x_inv, compute)).float()
         else:
             # An E5M2 input meets the gradient's E4M3 copy (E5M2 x E5M2 is refused).
             w_fmt = weight_grad_format(spec.input_format, spec.grad.fmt) if ctx.needs_input_grad[1] else None

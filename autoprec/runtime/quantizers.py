@@ -122,7 +122,7 @@ class Quantizer:
         if self.block is not None and inv.dim() == 2 and x.dim() >= 2:
             x = _as_2d(x)
             inv = expand_blocks(inv, x.shape, self.block)
-        return quantize(x.float(), inv, self.fmt)
+        return quantize(x, inv, self.fmt)
 
     def dequantize(self, q: torch.Tensor, inv: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """FP32 values of ``q`` in ``shape``."""
