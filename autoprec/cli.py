@@ -624,27 +624,30 @@ def _add_export(subparsers, common: argparse.ArgumentParser) -> None:
     p = subparsers.add_parser(
         "export",
         parents=[common],
-        help="write a plan for another library to run (torchao float8 training, torchtitan's float8 converters)",
+        help="write a plan for another library to run (torchao, torchtitan, Transformer Engine)",
         description=(
             "Write PLAN.json as a self-contained Python module: for torchao's float8 training, the "
             "nn.Linear layers to convert per recipe (a module_filter_fn over fully-qualified names, "
             "and convert(model)); for torchtitan 0.3.0, converters() for a job's model_spec (one "
-            "Float8LinearConverter per recipe, its filter_fqns). Every layer that stays in high "
-            "precision is listed with the reason."
+            "Float8LinearConverter per recipe, its filter_fqns); for Transformer Engine 2.20, a "
+            "CustomRecipe whose qfactory gives each te.Linear and tensor role the plan's quantizer. "
+            "Every layer that stays in high precision is listed with the reason."
         ),
     )
     p.add_argument("plan", type=Path, metavar="PLAN.json", help="the plan to export")
-    p.add_argument("--to", required=True, choices=("torchao", "torchtitan"), help="the target library")
+    p.add_argument("--to", required=True, choices=("torchao", "torchtitan", "transformer-engine"), help="the target library")
     p.add_argument("--out", type=_output_path, default=None, metavar="PATH.py", help="where to write (default: <plan>_<target>.py beside the plan)")
     p.set_defaults(handler=_cmd_export)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from .integrations.export import write_torchao
+    from .integrations.export_te import write_transformer_engine
     from .integrations.export_torchtitan import write_torchtitan
 
+    writers: dict[str, Callable] = {"torchao": write_torchao, "torchtitan": write_torchtitan, "transformer-engine": write_transformer_engine}
     try:
-        out, export = (write_torchtitan if args.to == "torchtitan" else write_torchao)(args.plan, args.out)
+        out, export = writers[args.to](args.plan, args.out)
     except OSError as exc:
         return _fail(f"cannot read {args.plan} or write the export: {exc.strerror or exc}", EXIT_FAILED)
     for line in (*export.summary(), f"wrote {out}"):

@@ -81,18 +81,12 @@ def torchao_export(plan: Plan) -> TorchaoExport:
     recipes: dict[str, list[str]] = {}
     skipped: dict[str, str] = {}
     notes: list[str] = []
-    halves = set()
     for fqn, lp in plan.layers.items():
         info = plan.fingerprint.get(fqn)
         if lp.format is Format.FP8_E4M3:
-            weight = dict(info.params).get("weight") if info is not None else None
-            if info is None or info.module != "Linear" or weight is None:
-                kind = info.module if info is not None else "unknown module"
-                skipped[fqn] = f"fp8_e4m3 in the plan, but a {kind} (its own {', '.join(info.ops) if info else 'ops'}), not nn.Linear: torchao converts nn.Linear only; it stays in high precision"
-                continue
-            out_features, in_features = weight
-            if in_features % _FP8_MULTIPLE or out_features % _FP8_MULTIPLE:
-                skipped[fqn] = f"fp8_e4m3 in the plan, but Linear({in_features}, {out_features}) has a dimension not divisible by {_FP8_MULTIPLE} (float8 kernels need it); it stays in high precision"
+            problem = float8_linear_problem(lp, info, "torchao converts nn.Linear only")
+            if problem is not None:
+                skipped[fqn] = problem
                 continue
             recipe, changes = _recipe(lp)
             recipes.setdefault(recipe, []).append(fqn)
@@ -102,17 +96,38 @@ def torchao_export(plan: Plan) -> TorchaoExport:
         elif lp.format is Format.INT8:
             skipped[fqn] = "int8 in the plan: torchao's float8 training has no INT8 path; it stays in high precision"
         elif lp.format in (Format.BF16, Format.FP16):
-            halves.add(lp.format)
             skipped[fqn] = f"{lp.format.value} in the plan: not float8; run it under torch.autocast({lp.format.dtype})"
         else:
             skipped[fqn] = "fp32 in the plan: autoprec runs it outside autocast (torch.autocast(enabled=False) around it matches that)"
-    # autoprec runs a plan with any non-FP32 layer under one autocast region, so the ops between
-    # layers run in half precision too: BF16 unless every half layer is FP16 (`runtime.context`).
-    lowered = any(lp.format is not Format.FP32 for lp in plan.layers.values())
-    autocast = None if not lowered else ("float16" if halves == {Format.FP16} else "bfloat16")
+    autocast = autocast_dtype(plan)
     grad_comm = {fqn: m.value for fqn, m in plan.comm.items() if m is not CommMethod.FP32}
     configs = {recipe: _CONFIGS.get(recipe) for recipe in recipes}
     return TorchaoExport({k: tuple(v) for k, v in recipes.items()}, skipped, tuple(notes), autocast, plan.recompute, grad_comm, configs)
+
+
+def autocast_dtype(plan: Plan) -> "str | None":
+    """The ``torch`` dtype name autoprec runs ``plan`` under autocast in, or None (every layer
+    FP32). A plan with any non-FP32 layer runs in one autocast region, so the ops between layers
+    run in half precision too: BF16 unless every half layer is FP16 (`runtime.context`)."""
+    formats = {lp.format for lp in plan.layers.values()}
+    if formats <= {Format.FP32}:
+        return None
+    return "float16" if formats & {Format.BF16, Format.FP16} == {Format.FP16} else "bfloat16"
+
+
+def float8_linear_problem(lp, info, only: str) -> "str | None":
+    """Why a float8 layer of the plan is not an ``nn.Linear`` a float8 library runs (``only``
+    says which modules it takes), from the plan's fingerprint: another module (a module's own
+    matmuls, e.g. attention products) or a dimension not divisible by 16; None when it is one."""
+    weight = dict(info.params).get("weight") if info is not None else None
+    if info is None or info.module != "Linear" or weight is None:
+        kind = info.module if info is not None else "unknown module"
+        return f"{lp.format.value} in the plan, but a {kind} (its own {', '.join(info.ops) if info else 'ops'}), not nn.Linear: {only}; it stays in high precision"
+    out_features, in_features = weight
+    if in_features % _FP8_MULTIPLE or out_features % _FP8_MULTIPLE:
+        return (f"{lp.format.value} in the plan, but Linear({in_features}, {out_features}) has a dimension not divisible by {_FP8_MULTIPLE} "
+                "(float8 kernels need it); it stays in high precision")
+    return None
 
 
 # torchao's Float8LinearConfig cast fields, one per GEMM operand, as `_casts` fills them.

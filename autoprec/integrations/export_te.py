@@ -1,0 +1,304 @@
+"""A plan for Transformer Engine: `autoprec export PLAN.json --to transformer-engine` writes a
+Python module whose ``CustomRecipe`` gives each ``te.Linear`` and tensor role the quantizer the
+plan runs, for Transformer Engine 2.20 (`TE_RELEASE`).
+
+Transformer Engine 2.20 asks a ``CustomRecipe``'s ``qfactory(role)`` for every quantizer a module
+uses; ``role`` (a ``QuantizerRole``) names the module type (``"linear"``), the tensor
+(``"input"``, ``"weight"``, ``"grad_output"``; other slots get ``None``) and the module's ``name``
+(its constructor's ``name=``; the written ``name_modules(model)`` sets it to each planned layer's
+fully-qualified name). TE's ``Linear`` takes the forward GEMM from the input's and weight's row-wise
+data, the input gradient's from the output gradient's row-wise and the weight's column-wise data,
+the weight gradient's from the column-wise data of the output gradient and the input
+(``module/linear.py``); a ``HybridQuantizer`` gives the two directions different quantizers. The
+export maps each layer of the plan onto those roles, as autoprec's runtime runs it
+(`runtime.gemm.Fp8Linear`):
+
+- FP8, per-tensor current scaling: ``Float8CurrentScalingQuantizer`` per role in the plan's
+  formats (E4M3 or E5M2 input, E4M3 weight, the gradient format); where the input and gradient
+  are both E5M2 the weight gradient takes an E4M3 copy of the output gradient
+  (`gemm.weight_grad_format`; cuBLAS refuses E5M2 x E5M2): a hybrid output-gradient quantizer.
+- FP8 with high-precision gradients: the forward's quantizers row-wise, the backward from the
+  dequantized forward operands (``IdentityQuantizer`` column-wise, ``columnwise_source=
+  "rowwise_dequantized"``) and the output gradient unquantized, as the runtime's high-precision
+  backward does.
+- Block scaling: ``Float8BlockQuantizer`` (1x128 activations and gradients, 128x128 weights, scales
+  not rounded to powers of 2, as the runtime's).
+- Delayed scaling: ``DelayedScalingRequest`` for the input and weight with the plan's history,
+  reduction and margin; the output gradient scaled currently (the runtime's gradients always are).
+- Row-wise scaling: TE 2.20 has no per-row FP8 quantizer; per-tensor current scaling runs (NOTES).
+- INT8 (TE has no INT8 GEMM), BF16, FP16 and FP32 layers, and float8 layers that are not
+  ``nn.Linear`` or whose dimensions are not multiples of 16: unquantized (``IdentityQuantizer``,
+  which keeps the compute dtype), each listed in ``HIGH_PRECISION`` with the reason.
+
+What it cannot carry: a per-tensor margin under current scaling (TE scales to the full range),
+FP32 compute of one layer inside a half-precision model (TE computes in the held dtype: build that
+module with ``params_dtype=torch.float32`` and run it outside ``torch.autocast``), recomputation per
+module (``RECOMPUTE`` lists the plan's: wrap them in activation checkpointing) and per-layer
+gradient communication. Pure: no Transformer Engine import here; the written module imports it
+inside its functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+from typing import Mapping
+
+from .._io import atomic_write_text
+from ..errors import PlanError
+from ..formats import Format, Granularity
+from ..plan import Plan, ScalingMode
+from ..runtime.gemm import weight_grad_format
+from .export import _docstring_text, _literal, autocast_dtype, export_path, float8_linear_problem
+
+__all__ = ["TE_RELEASE", "TransformerEngineExport", "transformer_engine_export", "write_transformer_engine"]
+
+TE_RELEASE = "2.20.2"
+ROLES = ("input", "weight", "grad_output")  # the tensor types of te.Linear's quantizer roles
+IDENTITY = ("identity",)
+_DTYPES = {Format.FP8_E4M3: "e4m3", Format.FP8_E5M2: "e5m2"}
+
+# A quantizer spec, as the written module's ``make_quantizer`` reads it (a tuple here, a list there):
+#   ("identity",)                                  IdentityQuantizer(): unquantized
+#   ("current", dtype)                             Float8CurrentScalingQuantizer, dtype "e4m3" / "e5m2"
+#   ("block", dtype, dims)                         Float8BlockQuantizer, dims 1 (1x128) or 2 (128x128)
+#   ("delayed", fp8_format, margin, history, algo) DelayedScalingRequest
+#   ("hybrid", rowwise spec, columnwise spec, columnwise_source)  HybridQuantizer
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerEngineExport:
+    """A plan's layers as Transformer Engine 2.20's ``CustomRecipe`` runs them (module docstring)."""
+
+    quantizers: Mapping[str, Mapping[str, tuple]]  # fqn -> tensor role -> quantizer spec
+    high_precision: Mapping[str, str]  # fqn -> why TE runs it unquantized
+    notes: tuple[str, ...]  # "fqn: ..." per quantized layer whose numbers TE changes, and how
+    autocast: str | None  # the torch.autocast dtype autoprec runs the plan under (None: all FP32)
+    recompute: tuple[str, ...] = ()
+
+    @property
+    def quantized(self) -> tuple[str, ...]:
+        return tuple(f for f, roles in self.quantizers.items() if any(spec != IDENTITY for spec in roles.values()))
+
+    def summary(self) -> list[str]:
+        """What `autoprec export` prints: the layers quantized, by quantizer, and those not."""
+        kinds: dict[str, int] = {}
+        for fqn in self.quantized:
+            kind = self.quantizers[fqn]["input"][0]
+            kinds[kind] = kinds.get(kind, 0) + 1
+        return [f"{len(self.quantized)} layers quantized by the CustomRecipe ({', '.join(f'{k}: {n}' for k, n in kinds.items()) or 'none'}), "
+                f"{len(self.high_precision)} in high precision (see HIGH_PRECISION)"]
+
+
+def transformer_engine_export(plan: Plan) -> TransformerEngineExport:
+    """Map ``plan`` onto Transformer Engine 2.20's quantizer roles (pure; module docstring)."""
+    if not plan.fingerprint:
+        raise PlanError("the plan has no fingerprint (module types and shapes) to export from; re-save it with autoprec >= 0.1")
+    quantizers: dict[str, dict[str, tuple]] = {}
+    high: dict[str, str] = {}
+    notes: list[str] = []
+    for fqn, lp in plan.layers.items():
+        info = plan.fingerprint.get(fqn)
+        reason = _high_precision_reason(lp, info)
+        if reason is not None:
+            high[fqn] = reason
+            if info is not None and info.module == "Linear":
+                quantizers[fqn] = dict.fromkeys(ROLES, IDENTITY)
+            continue
+        specs, changes = _specs(lp)
+        quantizers[fqn] = specs
+        notes.extend(f"{fqn}: {change}" for change in changes)
+    return TransformerEngineExport(quantizers, high, tuple(notes), autocast_dtype(plan), plan.recompute)
+
+
+def _high_precision_reason(lp, info) -> "str | None":
+    """Why TE runs a planned layer unquantized, or None where it quantizes it."""
+    if lp.format.is_fp8:
+        return float8_linear_problem(lp, info, "Transformer Engine's recipe quantizes te.Linear roles only")
+    if lp.format is Format.INT8:
+        return "int8 in the plan: Transformer Engine has no INT8 GEMM; it stays in high precision"
+    if lp.format is Format.FP32:
+        return ("fp32 in the plan: TE computes it in the held dtype; build it with params_dtype=torch.float32 and run it outside "
+                "torch.autocast to keep FP32")
+    return f"{lp.format.value} in the plan: unquantized, under torch.autocast({lp.format.dtype}) as autoprec runs it"
+
+
+def _specs(lp) -> tuple[dict[str, tuple], list[str]]:
+    """The quantizer spec per tensor role of an FP8 ``nn.Linear`` layer, and what TE runs
+    differently from the plan (empty when it keeps the layer's numbers)."""
+    fwd, grad = lp.format, lp.grad_format
+    granularity, mode, margin = lp.scaling.granularity, lp.scaling.mode, lp.scaling.margin
+    changes = []
+    inp: tuple
+    weight: tuple
+    if granularity is Granularity.ROW:
+        changes.append("row-wise scaling in the plan; Transformer Engine 2.20 has no per-row FP8 quantizer: per-tensor current scaling runs")
+    if granularity is Granularity.BLOCK:
+        # autoprec's blocks: 1x128 activations and gradients, 128x128 weights (DeepSeek-V3's tiles).
+        inp, weight = ("block", _DTYPES[fwd], 1), ("block", "e4m3", 2)
+        grad_spec = ("block", _DTYPES[grad], 1) if grad.is_fp8 else IDENTITY
+    elif mode is ScalingMode.DELAYED and grad.is_fp8:
+        history = (margin, lp.scaling.history_len, lp.scaling.reduction.value)
+        inp = ("delayed", fwd.value.removeprefix("fp8_").upper(), *history)
+        weight = ("delayed", "E4M3", *history)
+        grad_spec = _current_grad(fwd, grad)
+        if fwd is Format.FP8_E5M2:
+            # A module's delayed-scaling requests share one format (TE 2.20's DelayedScalingRequest).
+            weight = ("current", "e4m3")
+            changes.append("e5m2 forward with delayed scaling in the plan; a TE module's delayed-scaling requests share one format, "
+                           "so its e4m3 weight is scaled currently")
+    else:
+        if mode is ScalingMode.DELAYED:
+            changes.append("delayed scaling with high-precision gradients in the plan; TE 2.20's hybrid quantizers take no delayed-scaling "
+                           "request, so the forward scales currently")
+        inp, weight = ("current", _DTYPES[fwd]), ("current", "e4m3")
+        grad_spec = _current_grad(fwd, grad) if grad.is_fp8 else IDENTITY
+    if margin and inp[0] != "delayed":
+        changes.append(f"scaling margin {margin} in the plan (2**-{margin} of the range); TE's current and block scaling use the full range")
+    if not grad.is_fp8:
+        # The runtime's high-precision backward multiplies the dequantized forward operands.
+        inp, weight = (("hybrid", spec, IDENTITY, "rowwise_dequantized") for spec in (inp, weight))
+    return {"input": inp, "weight": weight, "grad_output": grad_spec}, changes
+
+
+def _current_grad(fwd: Format, grad: Format) -> tuple:
+    """The output gradient's per-tensor spec: its row-wise copy (input gradient's GEMM, against
+    the E4M3 weight) in ``grad``, its column-wise copy (weight gradient's GEMM, against the
+    input) in the format the runtime gives that GEMM."""
+    for_weight = weight_grad_format(fwd, grad)
+    if for_weight is grad:
+        return ("current", _DTYPES[grad])
+    return ("hybrid", ("current", _DTYPES[grad]), ("current", _DTYPES[for_weight]), "original")
+
+
+_TEMPLATE = '''"""Transformer Engine {release} training of the autoprec plan {source} (sha1 {digest}), exported by autoprec {version}.
+
+    import transformer_engine.pytorch as te
+    from {module} import name_modules, recipe
+
+    name_modules(model)                      # each te.Linear's role name = its fully-qualified name
+    with te.autocast(recipe=recipe()):       # the CustomRecipe: the plan's quantizer per layer and tensor
+        loss = loss_fn(model(x), y)
+{autocast_usage}
+The model's planned nn.Linear layers must be te.Linear modules at the same names. Quantized:
+{n_quantized} layers; in high precision: {n_high} (HIGH_PRECISION says why). NOTES says what TE runs
+differently from the plan. Modules the plan recomputes: RECOMPUTE.
+"""
+
+TE_RELEASE = {release!r}
+
+# fully-qualified name -> tensor role -> quantizer spec (make_quantizer reads them):
+#   ["identity"]                                    unquantized (IdentityQuantizer)
+#   ["current", dtype]                              Float8CurrentScalingQuantizer
+#   ["block", dtype, dims]                          Float8BlockQuantizer, 1 (1x128) or 2 (128x128) dims
+#   ["delayed", fp8_format, margin, history, algo]  DelayedScalingRequest
+#   ["hybrid", rowwise, columnwise, source]         HybridQuantizer
+QUANTIZERS = {quantizers}
+
+# planned layers TE runs unquantized, and why
+HIGH_PRECISION = {high}
+
+# "layer: what changes", per quantized layer whose numbers TE's quantizers cannot keep
+NOTES = {notes}
+
+# autoprec runs this plan under torch.autocast in this dtype (None: every layer FP32)
+AUTOCAST_DTYPE = {autocast}
+
+# modules the plan recomputes in the backward: wrap each in non-reentrant activation checkpointing
+RECOMPUTE = {recompute}
+
+
+def make_quantizer(spec):
+    """One Transformer Engine quantizer (or delayed-scaling request) from a QUANTIZERS spec."""
+    import torch
+    from transformer_engine.common.recipe import Format
+    from transformer_engine.pytorch.constants import DType
+    from transformer_engine.pytorch.quantization import DelayedScalingRequest
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
+    from transformer_engine.pytorch.tensor.hybrid_tensor import HybridQuantizer
+    from transformer_engine.pytorch.tensor.identity_tensor import IdentityQuantizer
+
+    dtypes = {{"e4m3": DType.kFloat8E4M3, "e5m2": DType.kFloat8E5M2}}
+    kind, *args = spec
+    if kind == "identity":
+        return IdentityQuantizer()
+    if kind == "current":
+        return Float8CurrentScalingQuantizer(fp8_dtype=dtypes[args[0]], device=torch.device("cuda"), force_pow_2_scales=False, amax_epsilon=0.0)
+    if kind == "block":
+        return Float8BlockQuantizer(fp8_dtype=dtypes[args[0]], rowwise=True, columnwise=True, amax_epsilon=0.0, force_pow_2_scales=False,
+                                    block_scaling_dim=args[1])
+    if kind == "delayed":
+        fp8_format, margin, history, algo = args
+        return DelayedScalingRequest(fp8_format=Format[fp8_format], margin=margin, amax_history_len=history, amax_compute_algo=algo)
+    if kind == "hybrid":
+        rowwise, columnwise, source = args
+        return HybridQuantizer(rowwise_quantizer=make_quantizer(rowwise), columnwise_quantizer=make_quantizer(columnwise),
+                               columnwise_source=source)
+    raise ValueError(f"unknown quantizer spec {{spec!r}}")
+
+
+def qfactory(role):
+    """The CustomRecipe's factory: a planned te.Linear's role gets the plan's quantizer; every
+    other slot (other modules, unplanned layers, output and input-gradient slots) stays unquantized."""
+    layer = QUANTIZERS.get(role.name) if role is not None and role.module_type == "linear" else None
+    return make_quantizer(layer.get(role.tensor_type, ["identity"]) if layer is not None else ["identity"])
+
+
+def recipe(**kwargs):
+    """The plan as a ``transformer_engine.common.recipe.CustomRecipe`` (``kwargs``: its other fields)."""
+    from transformer_engine.common.recipe import CustomRecipe
+
+    return CustomRecipe(qfactory=qfactory, **kwargs)
+
+
+def name_modules(model):
+    """Set each planned Transformer Engine module's ``name`` (its quantizer roles' name) to its
+    fully-qualified name in ``model``; returns the planned names found as no TE module."""
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    found = set()
+    for fqn, module in model.named_modules():
+        if fqn in QUANTIZERS and isinstance(module, TransformerEngineBaseModule):
+            module.name = fqn
+            found.add(fqn)
+    return sorted(set(QUANTIZERS) - found)
+'''
+
+
+def write_transformer_engine(plan_path: "str | Path", out: "str | Path | None" = None) -> tuple[Path, TransformerEngineExport]:
+    """Export the plan at ``plan_path`` for Transformer Engine (atomically) to ``out`` (default:
+    next to the plan, ``<plan stem>_transformer_engine.py``); returns the path written and the mapping."""
+    plan_path = Path(plan_path)
+    export = transformer_engine_export(Plan.load(plan_path))
+    out = export_path(plan_path, out, "transformer_engine")
+    from .. import __version__
+
+    autocast_usage = (f"    # autoprec runs the plan under torch.autocast(device_type, dtype=torch.{export.autocast}) around the same region\n"
+                      if export.autocast else "")
+    text = _TEMPLATE.format(
+        release=TE_RELEASE, source=_docstring_text(plan_path.name), digest=hashlib.sha1(plan_path.read_bytes()).hexdigest()[:12],
+        version=__version__, module=out.stem, autocast_usage=autocast_usage, n_quantized=len(export.quantized), n_high=len(export.high_precision),
+        quantizers=_literal({f: {r: _Inline(s) for r, s in roles.items()} for f, roles in export.quantizers.items()}),
+        high=_literal(dict(export.high_precision)), notes=_literal(list(export.notes)),
+        autocast=f"torch.{export.autocast}" if export.autocast else "None", recompute=_literal(list(export.recompute)),
+    )
+    if export.autocast:
+        text = text.replace("\nTE_RELEASE =", "\nimport torch\n\nTE_RELEASE =", 1)
+    atomic_write_text(out, text)
+    return out, export
+
+
+class _Inline:
+    """A spec written on one line, as a nested list literal (`_literal` spreads lists out)."""
+
+    def __init__(self, spec: tuple):
+        self.spec = spec
+
+    def __repr__(self) -> str:
+        return repr(_as_list(self.spec))
+
+
+def _as_list(spec: tuple) -> list:
+    return [_as_list(p) if isinstance(p, tuple) else p for p in spec]
