@@ -143,6 +143,8 @@ def _specs(lp) -> tuple[dict[str, tuple], list[str]]:
         inp = ("delayed", fwd.value.removeprefix("fp8_").upper(), *history)
         weight = ("delayed", "E4M3", *history)
         grad_spec = _current_grad(fwd, grad)
+        changes.append("delayed scaling: TE's starts from scale 1 (an empty history) where autoprec scales the first step from its "
+                       "own amax, so the first step's numbers differ")
         if fwd is Format.FP8_E5M2:
             # A module's delayed-scaling requests share one format (TE 2.20's DelayedScalingRequest).
             weight = ("current", "e4m3")

@@ -284,7 +284,8 @@ def test_the_written_recipe_builds_each_layers_quantizers_with_transformer_engin
         assert type(written.qfactory(role)).__name__ == "IdentityQuantizer"
     assert "not divisible by 16" in written.HIGH_PRECISION["odd"] and "no INT8 GEMM" in written.HIGH_PRECISION["fc.int8"]
     assert any(n.startswith("fc.row: row-wise scaling in the plan") for n in written.NOTES)
-    assert any(n.startswith("fc.delayed: scaling margin") for n in written.NOTES) is False  # delayed requests carry the margin
+    assert not any(n.startswith("fc.delayed: scaling margin") for n in written.NOTES)  # delayed requests carry the margin
+    assert any(n.startswith("fc.delayed: delayed scaling: TE's starts from scale 1") for n in written.NOTES)
     # The recipe: TE's CustomRecipe with the factory.
     recipe = written.recipe()
     assert type(recipe).__name__ == "CustomRecipe" and recipe.kwargs["qfactory"] is written.qfactory
