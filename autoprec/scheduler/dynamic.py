@@ -526,7 +526,7 @@ class DynamicPrecisionScheduler:
         safe precision on failure; log its timeline."""
         search = self._searches.take()
         try:
-            self._decide_on_every_rank(lambda: self._adopt_search(search))
+            self._decide_on_every_rank(lambda: self._adopt_search(search), search)
         finally:
             search.close()
             self._measures.clear_captured()
@@ -548,25 +548,29 @@ class DynamicPrecisionScheduler:
         again = "" if final else f" and searches again after {2 ** (clock.failures - 1)} window(s) (step {clock.retry_at})"
         logger.warning("autoprec: step %d: search failed, training stays at the safe precision%s: %s", self.step_count, again, exc)
 
-    def _decide_on_every_rank(self, decide: Callable[[], None]) -> None:
+    def _decide_on_every_rank(self, decide: Callable[[], None], search: "Optional[TrainingSearch]" = None) -> None:
         """``decide()`` here; under torch.distributed on rank 0, the others adopting its outcome
-        (the plan keeper's `decision`, the search error and the clock)."""
+        (the plan keeper's `decision`, the search error and the clock; after a ``search``, which
+        of its trials won, so each rank installs its own runtime of that trial, as rank 0 does)."""
         if self._dist is None:
             decide()
             return
 
         def decided() -> dict:
             decide()
-            return {**self._plans.decision(), "last_search_error": self.last_search_error, "clock": dataclasses.asdict(self._clock)}
+            return {**self._plans.decision(), "last_search_error": self.last_search_error, "clock": dataclasses.asdict(self._clock),
+                    "trial": search.winner_index if search is not None else None}
 
-        self._dist.decide(decided, self._adopt, lambda: self.plan)
+        self._dist.decide(decided, lambda decision: self._adopt(decision, search), lambda: self.plan)
 
-    def _adopt(self, decision: Mapping[str, Any]) -> None:
+    def _adopt(self, decision: Mapping[str, Any], search: "Optional[TrainingSearch]" = None) -> None:
         """Take rank 0's decision as this rank's own."""
         self.last_search_error = decision["last_search_error"]
         self._clock = WindowClock(**decision["clock"])  # every rank retries, and starts windows, at one step
         self._measures.clear_captured()  # rank 0's search consumed its own; these are spent too
-        self._plans.adopt(decision, self.step_count)
+        trial = decision.get("trial")
+        runtime = search.take_runtime(trial) if search is not None and trial is not None else None
+        self._plans.adopt(decision, self.step_count, runtime)
 
     # -- checkpoints ----------------------------------------------------------------------------
 

@@ -365,14 +365,17 @@ class PlanKeeper:
             "changes": [c.to_dict() for c in self.changes], "policy": self._policy.to_dict(),
         }
 
-    def adopt(self, decision: Mapping[str, Any], step: int) -> None:
-        """Take rank 0's `decision` as this rank's own."""
+    def adopt(self, decision: Mapping[str, Any], step: int, runtime: "Optional[PlanRuntime]" = None) -> None:
+        """Take rank 0's `decision` as this rank's own (``runtime``: this rank's of the trial
+        that won, as rank 0 installs its own)."""
         self.changes = [PrecisionChange.from_dict(c) for c in decision["changes"]]
         self._policy = PolicyState.from_dict(decision["policy"])
         self.searched_plan = None if decision["searched_plan"] is None else Plan.from_dict(decision["searched_plan"])
         plan = None if decision["plan"] is None else Plan.from_dict(decision["plan"])
         if plan is not None and plan != self.plan:
-            self.install(plan, "decided on rank 0", step, searched=False)
+            self.install(plan, "decided on rank 0", step, searched=False, runtime=runtime)
+        elif runtime is not None:
+            runtime.remove()
 
     def state_dict(self) -> dict:
         """The plans, changes, policy, window counts, scaler and runtime state (the scheduler's

@@ -97,19 +97,12 @@ class TrainingSearch:
                  safe_bytes: "tuple[Format, int] | None" = None, restore: Optional[Mapping[str, Any]] = None,
                  second_moment: "Mapping[str, torch.Tensor] | None" = None, compiled: bool = False, alone: bool = True,
                  notes: Mapping[str, str] = {}):
-        self.model = model
-        self.notes = dict(notes)
+        self.model, self.notes = model, dict(notes)
         self.tensor_parallel = bool(tensor_parallel_layers(model, list(fingerprint)))  # its trials measure a rank's share
         self.compiled = compiled  # the model runs compiled: its candidates are timed compiled
-        self.example = example
-        self.batches = list(batches)
-        self.loss_fn = loss_fn
-        self.profile = profile
-        self.config = config
-        self.baseline_loss = baseline_loss
-        self.fingerprint = fingerprint
-        self.started = step
-        self.known = known
+        self.example, self.batches, self.loss_fn, self.profile = example, list(batches), loss_fn, profile
+        self.config, self.baseline_loss, self.fingerprint = config, baseline_loss, fingerprint
+        self.started, self.known = step, known
         self.layers = list(fingerprint)
         self.roles = {fqn: info.role(fqn) for fqn, info in fingerprint.items()}
         # Recompute units the search may recompute (``recompute=``: None finds the blocks, patterns
@@ -667,12 +660,19 @@ class TrainingSearch:
         if outcome["plans"] is not None:
             self._begin_round([Plan.from_dict(p) for p in outcome["plans"]], outcome["margin"])
 
-    def take_runtime(self) -> Any:
-        """The result's runtime (its INT8 scales calibrated on the trial steps; None when no
-        trial ran): the caller's from now on, `close` leaves it installed."""
-        if self._winner is None:
+    @property
+    def winner_index(self) -> "int | None":
+        """The result's place among the trials (None: no trial ran), which rank 0 sends the others."""
+        return next((i for i, t in enumerate(self._trials) if t is self._winner), None)
+
+    def take_runtime(self, trial: "int | None" = None) -> Any:
+        """The runtime of the result (or of rank 0's `winner_index` ``trial``), INT8 scales calibrated
+        on the trial steps (None: no trial ran); `close` leaves it installed. Every rank keeps its
+        own: one made afresh would calibrate again where the others' scales are frozen."""
+        chosen = self._winner if trial is None else self._trials[trial] if trial < len(self._trials) else None
+        if chosen is None:
             return None
-        runtime, self._winner.runtime = self._winner.runtime, None
+        runtime, chosen.runtime = chosen.runtime, None
         return runtime
 
     def close(self) -> None:

@@ -354,6 +354,11 @@ def test_the_seeds_loop_reaches_one_plan_under_tensor_parallelism(tmp_path, sequ
         assert result["losses"] == next(r for r in results if r["dp_rank"] == result["dp_rank"])["losses"]
         for name, value in first["params"].items():
             assert torch.equal(result["params"][name], value), name
+        # Every rank runs its own runtime of the trial that won, as rank 0 does: the INT8 scales
+        # calibrated on the trial steps. Before, the others made it afresh and calibrated again on
+        # later batches (and under a row-wise split their calibration collectives fell out of step).
+        peer = next(r for r in results if r["dp_rank"] == result["dp_rank"])
+        torch.testing.assert_close(result["before_last"]["runtime"], peer["before_last"]["runtime"], rtol=0, atol=0)
     if not data_parallel:
         # The last planned step's loss is the unsharded model's under the same plan, from the same
         # weights and runtime state (INT8 scales), within the plan's own rounding of the sharded sums.
