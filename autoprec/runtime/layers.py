@@ -215,6 +215,7 @@ class RuntimeLayer:
         # amaxes are reduced over; None otherwise.
         self.shard_group: Any = None
         self.rows_split = False  # a row-wise one's: its input rows and weight channels run across the ranks
+        self.in_features = 0  # a row-wise one's whole input channels (its weight's, unsharded)
         self.ops: dict[str, str] = {}  # op -> how it ran ("kernel ...", "emulated (...)", "autocast ...")
         self.unwarned: list[str] = []  # ops emulated since the layer's last EmulationWarning
 
@@ -225,21 +226,26 @@ class RuntimeLayer:
         self.casts = fused_casts(self.device) if enabled and kernels else None
         self.casts_ran = FUSED if self.casts is not None else PYTORCH
 
-    def shard_over(self, group: Any, column_wise: bool = False) -> None:
+    def shard_over(self, group: Any, column_wise: bool = False, in_features: int = 0) -> None:
         """Run as a tensor-parallel layer over ``group`` (`tensor_parallel`; ``column_wise``: its
         weight split by output channels, else by input channels): every per-tensor amax it takes
         from now on (input, weight, output gradient) is max-reduced over the group, row-wise its
         rows' and channels' amaxes too, and its casts are PyTorch ops (the fused kernels reduce
         no amax across ranks). Refuses, in one line, what it cannot run sharded yet
-        (`tensor_parallel.sharded_reason`). Idempotent."""
+        (`tensor_parallel.sharded_reason`). Row-wise, its INT8 calibration sees its rank's
+        slice of the ``in_features`` input channels and freezes the whole input's scale
+        (`Int8Calibrator.split_over`). Idempotent."""
         if self.shard_group is group:
             return
-        reason = sharded_reason(self.precision, self.kernel_reason, column_wise)
+        reason = sharded_reason(self.precision, self.kernel_reason)
         if reason is not None:
             raise RuntimeStateError(
                 f"layer {self.fqn!r}: {reason}; plan it in FP8 with per-tensor scaling, BF16, FP16 or FP32 (e.g. Plan.with_layers({{...: 'bf16'}}))"
             )
-        self.shard_group, self.rows_split = group, not column_wise
+        self.shard_group, self.rows_split, self.in_features = group, not column_wise, in_features
+        if self.rows_split:
+            for calibrator in self.calibrators.values():  # loaded before the first sharded forward
+                calibrator.split_over(group, in_features)
         self.casts, self.casts_ran = None, PYTORCH
         for made in (*self.inputs.values(), *self.weights.values()):
             made.group, made.rows_split = group, self.rows_split
@@ -257,6 +263,8 @@ class RuntimeLayer:
         calibrator = self.calibrators.get(key)
         if calibrator is None:
             calibrator = self.calibrators[key] = Int8Calibrator(self.precision.calibration, channels)
+            if self.rows_split:
+                calibrator.split_over(self.shard_group, self.in_features)
         return calibrator
 
     def weight_quantizer(self, key: tuple) -> Quantizer:

@@ -20,9 +20,12 @@ all-reduces of 4 bytes (two in the forward, one in the backward), beside the lay
 collectives. Row-scaled FP8 and INT8 per row run on both splits: column-wise a row's and an
 output channel's scales are whole on each rank (no collective of their own); row-wise each row's
 and channel's amax is max-reduced over the group ((M, 1) and (N, 1) values per forward, and the
-backward copies' per-tensor amaxes). INT8 with a calibrated input scale runs column-wise only;
-what cannot run sharded yet (it row-wise, block-scaled FP8, emulated products) is refused at the
-first forward in one line (`sharded_reason`). Eager only (`torch.compile` of a TP layer
+backward copies' per-tensor amaxes). INT8 with a calibrated input scale runs on both:
+column-wise every rank calibrates on the whole input, row-wise on its slice, each batch scaled by
+the whole input's amax and the freeze gathering every rank's channel amaxes and samples
+(`calibration.Int8Calibrator.split_over`), so every rank freezes the unsharded layer's scale and
+outlier channels. What cannot run sharded yet (block-scaled FP8, emulated products) is refused
+at the first forward in one line (`sharded_reason`). Eager only (`torch.compile` of a TP layer
 under a plan is not covered).
 """
 
@@ -41,30 +44,25 @@ from ..layer_precision import LayerPrecision
 __all__ = ["amax_over", "is_sharded", "sharded_linear", "sharded_reason"]
 
 
-def sharded_reason(precision: LayerPrecision, kernel: "str | None", column_wise: bool = False) -> "str | None":
+def sharded_reason(precision: LayerPrecision, kernel: "str | None") -> "str | None":
     """Why a layer in ``precision`` cannot run on a tensor-parallel (DTensor) weight yet; None
-    when it can: FP32, BF16, FP16, FP8 with per-tensor or per-row scaling and INT8 per row, on a
-    real kernel, on either split; and ``column_wise`` (the weight split by output channels,
-    ``ColwiseParallel``: every rank holds the whole input) INT8 with a calibrated per-tensor
-    input scale too. Row-wise (the rows split along K) a row's or an output channel's amax is
-    reduced over the group (`RuntimeLayer.shard_over`), but a calibration observes only its
-    rank's slice of the input (not built); block-scaled FP8 and emulated products are refused on
-    both. ``kernel``: `layers.kernel_reason` of the layer on its device (None: a kernel). The one
-    rule behind the runtime's refusal at the first forward (`RuntimeLayer.shard_over`) and the
-    search's candidates for a sharded layer (`search.tensor_parallel`). No device work."""
+    when it can: FP32, BF16, FP16, FP8 with per-tensor or per-row scaling and INT8 (a calibrated
+    input scale or per row), on a real kernel, on either split. Block-scaled FP8 and emulated
+    products are refused. ``kernel``: `layers.kernel_reason` of the layer on its device (None: a
+    kernel). The one rule behind the runtime's refusal at the first forward
+    (`RuntimeLayer.shard_over`) and the search's candidates for a sharded layer
+    (`search.tensor_parallel`). No device work."""
     fmt = precision.format
     if fmt is not Format.INT8 and not fmt.is_fp8:
         return None
     granularity = precision.scaling.granularity
     if kernel is not None:
-        what, split = f"{fmt.value} emulated ({kernel})", ""
+        what = f"{fmt.value} emulated ({kernel})"
     elif fmt.is_fp8 and granularity is Granularity.BLOCK:
-        what, split = "block-scaled FP8", ""
-    elif fmt is Format.INT8 and granularity is not Granularity.ROW and not column_wise:
-        what, split = "int8 with a calibrated per-tensor input scale", "row-wise "
+        what = "block-scaled FP8"
     else:
         return None
-    return f"{what} on a {split}tensor-parallel (DTensor) weight is not supported yet"
+    return f"{what} on a tensor-parallel (DTensor) weight is not supported yet"
 
 
 def amax_over(value: torch.Tensor, group: Any) -> torch.Tensor:
@@ -91,7 +89,7 @@ def sharded_linear(layer: Any, run: Callable, x: torch.Tensor, weight: torch.Ten
     if mesh.ndim != 1:
         raise RuntimeStateError(f"layer {layer.fqn!r}: a weight sharded over a {mesh.ndim}-D mesh; tensor parallelism is supported on one mesh dimension")
     placement = weight.placements[0]
-    layer.shard_over(mesh.get_group(), column_wise=placement == Shard(0))
+    layer.shard_over(mesh.get_group(), column_wise=placement == Shard(0), in_features=weight.shape[1])
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
     if placement == Shard(0) and x.placements[0].is_replicate():

@@ -4,8 +4,8 @@ may take.
 A layer whose weight its forward sees as a DTensor (torch's ``ColwiseParallel`` /
 ``RowwiseParallel``; under FSDP2 x TP the weight FSDP2 gathers over its own mesh dimension and
 leaves sharded over the other) runs its plan on local shards (`runtime.tensor_parallel`): FP32,
-BF16, FP16 and FP8 with per-tensor scaling on a real kernel, and on a column-wise split (the
-weight split by output channels) INT8 and row-scaled FP8 too. What a layer's split cannot run is
+BF16, FP16, FP8 per tensor or per row and INT8 (calibrated or per row) on a real kernel, on
+either split. What a sharded weight cannot run (block-scaled FP8, an emulated product) is
 refused there at the first forward (`runtime.tensor_parallel.sharded_reason`, the one rule), so
 the search must never propose it: `sharded_rules` forbids it on that layer (the probe steps never
 run it, the integer program never picks it) and says why, in a sentence each candidate plan's
@@ -72,57 +72,36 @@ def tensor_parallel_layers(model: nn.Module, layers: Sequence[str]) -> list[str]
     return out
 
 
-def _column_wise(module: nn.Module) -> bool:
-    """Whether ``module``'s weight is split by output channels over its tensor-parallel mesh
-    dimension (the last: torchtitan's meshes end in "tp"), as ``ColwiseParallel`` leaves it."""
-    from torch.distributed.tensor import Shard
-
-    placements: Sequence[Any] = getattr(getattr(module, "weight", None), "placements", None) or ()
-    return bool(placements) and isinstance(placements[-1], Shard) and placements[-1].dim == 0
-
-
 def sharded_rules(model: nn.Module, layers: Sequence[str], planning: Planning) -> tuple[LayerRules, dict[str, str]]:
     """``planning.rules`` with, for each tensor-parallel layer (`tensor_parallel_layers`), the
-    candidate formats its split (column- or row-wise) cannot run forbidden, as ``planning`` would
-    plan them (its ``scaling``) on the model's device; and per such layer the note saying which
-    and why (none for a layer that can run every candidate). `SearchError` in one line when a
-    rule pins such a layer to such a format."""
+    candidate formats a sharded weight cannot run forbidden, as ``planning`` would plan them
+    (its ``scaling``) on the model's device; and per such layer the note saying which and why
+    (none where every candidate runs). `SearchError` in one line when a rule pins such a layer
+    to such a format."""
     sharded = tensor_parallel_layers(model, layers)
     if not sharded:
         return planning.rules, {}
     device = next(model.parameters()).device
-    modules = dict(model.named_modules())
     precisions = planning.precisions()
-    refused_by_split = {
-        column_wise: {f: why for f, p in precisions.items()
-                      if (why := sharded_reason(p, kernel_reason(p, device) if p.format.needs_scale else None, column_wise))}
-        for column_wise in (True, False)
-    }
-    refused_of = {fqn: refused_by_split[_column_wise(modules[fqn])] for fqn in sharded}
-    if not any(refused_of.values()):
+    refused = {f: why for f, p in precisions.items() if (why := sharded_reason(p, kernel_reason(p, device) if p.format.needs_scale else None))}
+    if not refused:
         return planning.rules, {}
     rules = planning.rules
     for pattern, fmt in rules.pin.items():
         fmt = Format.parse(fmt)
-        hit = next((fqn for fqn in sharded if fnmatch.fnmatchcase(fqn, pattern) and fmt in refused_of[fqn]), None)
+        hit = next((fqn for fqn in sharded if fnmatch.fnmatchcase(fqn, pattern) and fmt in refused), None)
         if hit is not None:
-            raise SearchError(f"rules pin {pattern!r} to {fmt.value}, but layer {hit!r}: {refused_of[hit][fmt]}; pin it to "
-                              "fp8_e4m3 (per-tensor), bf16, fp16 or fp32, or leave it to the search")
+            raise SearchError(f"rules pin {pattern!r} to {fmt.value}, but layer {hit!r}: {refused[fmt]}; pin it to "
+                              "fp8_e4m3 (per-tensor), int8, bf16, fp16 or fp32, or leave it to the search")
     forbid: dict[str, list[Format]] = {k: [Format.parse(f) for f in v] for k, v in rules.forbid.items()}
-    notes = {}
+    note = "; ".join(f"{f.value} not searched: {why}" for f, why in refused.items())
     for fqn in sharded:
-        refused = refused_of[fqn]
-        if refused:
-            # The exact name, escaped: a layer's name is a pattern to fnmatch.
-            forbid.setdefault(glob.escape(fqn), []).extend(refused)
-            notes[fqn] = "; ".join(f"{f.value} not searched: {why}" for f, why in refused.items())
-    for column_wise, refused in refused_by_split.items():
-        split = [fqn for fqn in sharded if _column_wise(modules[fqn]) == column_wise]
-        if split:
-            logger.info("autoprec: tensor parallelism: %d of %d layers hold a %s-wise sharded weight; the search plans them in %s only%s",
-                        len(split), len(layers), "column" if column_wise else "row", ", ".join(f.value for f in precisions if f not in refused) or "none",
-                        f" ({'; '.join(f'{f.value}: {why}' for f, why in refused.items())})" if refused else "")
-    return dataclasses.replace(rules, forbid=forbid), notes
+        # The exact name, escaped: a layer's name is a pattern to fnmatch.
+        forbid.setdefault(glob.escape(fqn), []).extend(refused)
+    logger.info("autoprec: tensor parallelism: %d of %d layers hold a sharded weight; the search plans them in %s only (%s)",
+                len(sharded), len(layers), ", ".join(f.value for f in precisions if f not in refused) or "none",
+                "; ".join(f"{f.value}: {why}" for f, why in refused.items()))
+    return dataclasses.replace(rules, forbid=forbid), {fqn: note for fqn in sharded}
 
 
 def noted(plan: Plan, notes: Mapping[str, str]) -> Plan:

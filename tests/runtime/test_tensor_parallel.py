@@ -76,10 +76,14 @@ def split_scenario(rank, fmt, granularity, column_wise):
 
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
-    sharded = parallelize_module(copy.deepcopy(ref), init_device_mesh("cpu", (WORLD,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
     x[:, 3] *= 40.0  # an outlier channel, which INT8 calibration keeps apart
     tested = "0" if column_wise else "2"
+    if not column_wise:
+        with torch.no_grad():  # an outlier channel of the row-wise layer's input, on the second rank's slice
+            ref[0].weight[40] *= 40.0
+            ref[0].bias[40] = 5.0
+    sharded = parallelize_module(copy.deepcopy(ref), init_device_mesh("cpu", (WORLD,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
     precision = ap.LayerPrecision(fmt, scaling=ap.Scaling(granularity=granularity), calibration=ap.Calibration(batches=2))
     plan = ap.Plan.uniform(ref, "fp8_e4m3", (x,)).with_layers({tested: precision})
     out = {}
@@ -104,19 +108,24 @@ def split_scenario(rank, fmt, granularity, column_wise):
             # A row-scaled FP8 weight's transposed copy (the input gradient's operand) takes one
             # per-tensor scale: the whole weight's.
             "weight transposed": [q._cast(weight, True, weight.shape[0]).transposed_inv_scale for q in layer.weights.values()] if fmt != "int8" else [],
+            # A calibrated INT8 input: its frozen scale, the channels it keeps in INT8 and the
+            # outlier channels computed apart (valid ones, by index into the layer's own input).
+            "calibrated": [(c.frozen_inv, c.keep, c.outlier_index[c.outlier_valid > 0]) for c in layer.calibrators.values()],
         }
         out[name] = {"hiddens": hiddens, "y": _full(y).detach(), "grads": [_full(p.grad) for p in model.parameters()],
                      "ops": {fqn: dict(layer.ops) for fqn, layer in runtime._layers.items()}, "scales": scales}
     return out
 
 
-SPLIT_CASES = [("int8", "tensor", True), ("int8", "row", True), ("fp8_e4m3", "row", True), ("int8", "row", False), ("fp8_e4m3", "row", False)]
+SPLIT_CASES = [("int8", "tensor", True), ("int8", "row", True), ("fp8_e4m3", "row", True), ("int8", "tensor", False), ("int8", "row", False),
+               ("fp8_e4m3", "row", False)]
 
 
 @pytest.mark.parametrize("fmt, granularity, column_wise", SPLIT_CASES,
-                         ids=["col-int8-calibrated", "col-int8-rows", "col-fp8-rows", "row-int8-rows", "row-fp8-rows"])
+                         ids=["col-int8-calibrated", "col-int8-rows", "col-fp8-rows", "row-int8-calibrated", "row-int8-rows", "row-fp8-rows"])
 def test_int8_and_row_scaled_fp8_run_on_a_sharded_weight_with_the_unsharded_scales(tmp_path, fmt, granularity, column_wise):
-    # Before: refused at the first forward (INT8, row-scaled FP8 on a tensor-parallel weight).
+    # Before: refused at the first forward (INT8, row-scaled FP8 on a tensor-parallel weight; a
+    # calibrated INT8 input on a row-wise one, where each rank sees a slice of the input).
     from autoprec.runtime.layers import kernel_reason
 
     # torch 2.11's CPU _scaled_mm takes per-tensor scales only: there row-scaled FP8 is emulated,
@@ -139,7 +148,18 @@ def test_int8_and_row_scaled_fp8_run_on_a_sharded_weight_with_the_unsharded_scal
         # layer's scales, exactly (column-wise they are whole already, a rank's channels its own).
         if not emulated:
             for what, sharded_scales in tp["scales"].items():
+                assert len(sharded_scales) == len(ref["scales"][what]), what
                 for a, b in zip(sharded_scales, ref["scales"][what]):
+                    if what == "calibrated":
+                        # The unsharded scale; row-wise this rank's slice of the channels kept in
+                        # INT8, and the outlier channel (the input's 40th) by its local index on
+                        # the rank holding it, none on the other.
+                        (inv, keep, outliers), (ref_inv, ref_keep, ref_outliers) = a, b
+                        width = keep.shape[0]
+                        assert torch.equal(inv, ref_inv) and torch.equal(keep, ref_keep[rank * width:(rank + 1) * width] if not column_wise else ref_keep)
+                        expected = ref_outliers if column_wise else ref_outliers[(ref_outliers >= rank * width) & (ref_outliers < (rank + 1) * width)] - rank * width
+                        assert torch.equal(outliers, expected) and (column_wise or ref_outliers.tolist() == [40])
+                        continue
                     if column_wise and what == "weight channels":
                         b = b[rank * a.shape[0]:(rank + 1) * a.shape[0]]
                     assert torch.equal(a, b), what
@@ -237,15 +257,15 @@ def test_a_llama_under_torchtitans_tensor_parallel_plan_trains_a_mixed_plan_as_u
         assert result["tp"] == pytest.approx(ref, rel=2e-3)
 
 
-def test_int8_on_a_row_wise_weight_is_refused_in_one_line_naming_the_layer(tmp_path):
-    # The column-wise projections before it (wq, wk, wv) run INT8; the row-wise output one cannot
-    # with a calibrated input scale (each rank would calibrate on its slice of the input).
+def test_a_llama_under_tensor_parallelism_trains_calibrated_int8_on_every_projection_as_unsharded(tmp_path):
+    # Before: refused at the row-wise output projections (wo, w2), whose ranks each see a slice
+    # of the input: now each calibrates to the whole input's scale and outlier channels.
     results = run(titan_scenario, tmp_path, ("int8",), False)
-    message = results[0]["tp"]
-    assert isinstance(message, str) and "\n" not in message
-    assert ("layer 'layers.0.attention.wo': int8 with a calibrated per-tensor input scale on a row-wise tensor-parallel (DTensor) weight "
-            "is not supported yet") in message
-    assert isinstance(results[0]["ref"], list)
+    ref = results[0]["ref"]
+    assert isinstance(ref, list), ref
+    for result in results:
+        assert result["tp"] == results[0]["tp"]
+        assert result["tp"] == pytest.approx(ref, rel=2e-3)
 
 
 def copy_scenario(rank):
@@ -341,12 +361,9 @@ def test_the_seeds_loop_reaches_one_plan_under_tensor_parallelism(tmp_path, sequ
     assert len(first["sharded"]) == 4 * 7 + 1  # every block's projections and the head
     assert len(first["column_wise"]) == 4 * 5 + 1  # wq, wk, wv, w1, w3 and the head; wo and w2 are row-wise
     for name, layer in first["plan"]["layers"].items():
-        if name in first["column_wise"]:
+        if name in first["sharded"]:  # either split runs every candidate (INT8 calibrated on a slice of the input row-wise)
             assert layer["format"] in RUNS_SHARDED | {"int8"}, (name, layer)
             assert "not searched" not in layer["reason"], name
-        elif name in first["sharded"]:
-            assert layer["format"] in RUNS_SHARDED and layer["scaling"]["granularity"] == "tensor", (name, layer)
-            assert "int8 not searched: int8 with a calibrated per-tensor input scale on a row-wise" in layer["reason"], name
     for result in results:
         assert result["plan"] == first["plan"] and result["planned"] == 3
         assert all(torch.isfinite(torch.tensor(result["losses"])))
