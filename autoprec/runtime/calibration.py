@@ -137,11 +137,10 @@ class Int8Calibrator:
                 return str(shape)
             return " or ".join(str(shape[:-1] + (c,)) for c in allowed)
 
-        slots = cls._slots(calibration, k)
-        # A row-wise tensor-parallel rank keeps the whole layer's slots (`split_over`): as many or more.
-        index = state["outlier_index"]
-        if slots and index is not None and index.dim() == 1 and index.shape[0] > slots:
-            slots = index.shape[0]
+        # A row-wise tensor-parallel rank keeps the whole layer's slots (`split_over`).
+        whole = state.get("whole_channels", k)
+        whole_ok = not isinstance(whole, bool) and isinstance(whole, int) and whole >= k
+        slots = cls._slots(calibration, whole if whole_ok else k)
         want: dict[str, "tuple | None"] = {
             "channel_amax": (k,), "keep": (k,), "frozen_inv": (),
             "outlier_index": (slots,) if slots else None, "outlier_valid": (slots,) if slots else None,
@@ -157,6 +156,8 @@ class Int8Calibrator:
         for i, t in enumerate(samples):
             if t.dim() != 2 or t.shape[1] != k:
                 return f"['samples'][{i}] has shape {tuple(t.shape)}, expected {expected((t.shape[0] if t.dim() else 0, k))}"
+        if not whole_ok:
+            return f"['whole_channels'] = {whole!r:.40} is not a channel count of at least {k}"
         return None
 
     def _start(self) -> None:
@@ -296,8 +297,8 @@ class Int8Calibrator:
         of ``keep``, the outliers by local index, those on other ranks marked invalid (index 0,
         contributing nothing)."""
         lo, hi = self.offset, self.offset + self.channels
-        assert self.keep is not None
-        self.keep = self.keep[lo:hi].contiguous()
+        if self.keep is not None:
+            self.keep = self.keep[lo:hi].contiguous()
         if self.outlier_index is not None and self.outlier_valid is not None:
             inside = (self.outlier_index >= lo) & (self.outlier_index < hi)
             self.outlier_index = torch.where(inside, self.outlier_index - lo, torch.zeros_like(self.outlier_index))
@@ -349,6 +350,7 @@ class Int8Calibrator:
             "outlier_valid": self.outlier_valid,
             "keep": self.keep,
             "errors": dict(self._errors),
+            "whole_channels": self.whole_channels,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -360,6 +362,8 @@ class Int8Calibrator:
         self.outlier_valid = state["outlier_valid"]
         self.keep = state["keep"]
         self._errors = dict(state["errors"])
+        self.whole_channels = int(state.get("whole_channels", self.channels))  # absent before row-wise tensor parallelism
+        self.slots = self._slots(self.calibration, self.whole_channels)
         self.covered = self.last_amax = None
         if self.frozen_inv is not None and self.channel_amax is not None:
             self._cover(self.channel_amax)

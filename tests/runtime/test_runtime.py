@@ -615,6 +615,28 @@ def test_int8_calibration_freezes_and_reports_error_on_real_activations():
     assert calibrated < naive
 
 
+def test_a_row_wise_tensor_parallel_calibration_state_keeps_the_whole_layers_outlier_slots():
+    # A rank of a row-wise layer (`Int8Calibrator.split_over`) keeps the whole layer's outlier
+    # slots: its saved state says the whole width, so it loads back; without it, as many slots
+    # are another layer's and refused.
+    from autoprec.runtime.calibration import Int8Calibrator, outlier_slots
+
+    cal = ap.Calibration(batches=1)
+    rank = Int8Calibrator(cal, 256)
+    rank.observe(torch.randn(64, 256, generator=torch.Generator().manual_seed(0)))  # frozen: 2 slots of its own
+    whole = 1024  # a quarter of the layer's input channels: the whole layer's 8 slots
+    state = {**rank.state_dict(), "whole_channels": whole, "outlier_index": torch.zeros(outlier_slots(whole), dtype=torch.long),
+             "outlier_valid": torch.zeros(outlier_slots(whole))}
+    assert Int8Calibrator.state_problem(state, cal, [256]) is None
+    loaded = Int8Calibrator(cal, 256)
+    loaded.load_state_dict(state)
+    assert (loaded.slots, loaded.whole_channels) == (8, whole) and torch.equal(loaded.frozen_inv, rank.frozen_inv)
+    assert Int8Calibrator.state_problem({**state, "whole_channels": 256}, cal, [256]) == "['outlier_index'] has shape (8,), expected (2,)"
+    narrower = {**rank.state_dict(), "whole_channels": 100}
+    assert Int8Calibrator.state_problem(narrower, cal, [256]) == "['whole_channels'] = 100 is not a channel count of at least 256"
+    assert Int8Calibrator.state_problem(rank.state_dict(), cal, [256]) is None
+
+
 def test_recalibrate_unfreezes_int8_scales():
     layer, x, _ = _linear_case()
     runtime = ap.apply_plan(layer, ap.Plan.uniform(layer, "int8", calibration=ap.Calibration(batches=1)))
