@@ -57,22 +57,6 @@ def _scale(amax, c):
 
 
 @triton.jit
-def _bf16_soft(y):
-    """FP32 ``y`` rounded to the nearest BF16, ties to even, kept in FP32 (c10's
-    ``round_to_nearest_even``); NaN stays NaN."""
-    u = y.to(tl.uint32, bitcast=True)
-    r = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return tl.where(y != y, y, r.to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _to_bf16(y, SOFT: tl.constexpr):
-    if SOFT:
-        return _bf16_soft(y)
-    return y.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
-
-
-@triton.jit
 def _fp8_bits_soft(y, E5M2: tl.constexpr):
     """The FP8 byte of FP32 ``y`` (|y| <= the format's max, or NaN) as c10's conversion makes it:
     round to nearest even, subnormals through one FP32 add that rounds onto their grid, NaN
@@ -105,13 +89,11 @@ def _fp8_bits(y, E5M2: tl.constexpr, SOFT: tl.constexpr):
 
 
 @triton.jit
-def _quantize(x, s, MAXV: tl.constexpr, E5M2: tl.constexpr, HALF: tl.constexpr, SOFT: tl.constexpr):
+def _quantize(x, s, MAXV: tl.constexpr, E5M2: tl.constexpr, SOFT: tl.constexpr):
     """``formats.quantize(x, s, fmt)`` of an FP32 tile (``x`` exact from the operand's dtype):
-    the IEEE quotient (rounded to BF16 for a BF16 operand, as its 0-d-scale division is), the
-    clamp to +-max that keeps NaN, the FP8 byte."""
+    the IEEE quotient in FP32 (a BF16 operand's too, as `formats.quantize` divides), the clamp to
+    +-max that keeps NaN, the FP8 byte."""
     y = tl.math.div_rn(x, tl.broadcast_to(s, x.shape))
-    if HALF:
-        y = _to_bf16(y, SOFT)
     y = tl.where(y > MAXV, MAXV, tl.where(y < -MAXV, -MAXV, y))
     return _fp8_bits(y, E5M2, SOFT)
 

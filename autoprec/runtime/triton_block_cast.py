@@ -24,10 +24,8 @@ format constant), as the reference's zero padding gives.
 Exactness: the arithmetic is `triton_arith`'s (`triton_cast`'s too) (``_nan_amax_rows`` / ``_nan_amax``, ``_scale``,
 ``_quantize``, ``_fp8_bits``): the amax in FP32 with NaN propagating (as ``vector_norm(ord=inf)``
 does; inf gives an inf scale, so finite values become zeros and the inf NaN), the IEEE-rounded
-division, the clamp to +-448 that keeps NaN, the cast rounding to nearest even. The reference's
-scales are not 0-d, so a BF16 operand is promoted and divided in FP32: no BF16 rounding of the
-quotient or of the scale (``HALF`` off), whatever the device's 0-d division does, so BF16 operands
-are bit for bit on every device. The quantization covers the zero-padded tile, so padding in a
+division in FP32 (a BF16 operand's too), the clamp to +-448 that keeps NaN, the cast rounding to
+nearest even, so BF16 operands are bit for bit on every device. The quantization covers the zero-padded tile, so padding in a
 tile whose scale is NaN is NaN, as in the reference. Off CUDA (the interpreter) the FP8 rounding
 runs as `triton_cast`'s integer code.
 """
@@ -82,14 +80,14 @@ def _tile_kernel(
         row_live = (rows < R) & (tj * B < CQ)
         inv = _scale(_nan_amax_rows(x, data), c)
         tl.store(inv_ptr + tj.to(tl.int64) * R + rows, inv, mask=row_live)
-        q = _quantize(x, inv[:, None], MAXV, False, False, SOFT)
+        q = _quantize(x, inv[:, None], MAXV, False, SOFT)
         tl.store(q_ptr + rows[:, None].to(tl.int64) * CQ + cols[None, :], q, mask=row_live[:, None])
     if TRANS:
         col_live = cols < CT
         # The column amaxes as row amaxes of the transposed tile (`triton_cast`'s NaN-keeping reduction).
         inv_t = _scale(_nan_amax_rows(tl.trans(x), tl.trans(data)), c)
         tl.store(inv_t_ptr + ti.to(tl.int64) * CT + cols, inv_t, mask=col_live)
-        qt = _quantize(x, inv_t[None, :], MAXV, False, False, SOFT)
+        qt = _quantize(x, inv_t[None, :], MAXV, False, SOFT)
         # Stored through the transposed tile so each program writes rows of qt contiguously.
         t_ptrs = qt_ptr + cols[:, None].to(tl.int64) * RT + rows[None, :]
         tl.store(t_ptrs, tl.trans(qt), mask=col_live[:, None])
@@ -111,7 +109,7 @@ def _block_kernel(
     x = tl.load(ptrs, mask=data, other=0.0).to(tl.float32)
     s = _scale(_nan_amax(x, data), c)
     tl.store(grid_ptr + pid, s)
-    q = _quantize(x, s, MAXV, False, False, SOFT)
+    q = _quantize(x, s, MAXV, False, SOFT)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * KQ + cols[None, :], q)
     if TRANS:
         tl.store(qt_ptr + cols[:, None].to(tl.int64) * NQ + rows[None, :], tl.trans(q))

@@ -23,26 +23,24 @@ writes the whole tensor. These kernels do the same arithmetic in fewer passes ov
 Every result is bit for bit what `autoprec.formats` computes on the same device (``quantize`` with
 the scale ``inverse_scale`` gives, then ``.contiguous()`` / ``.t().contiguous()``, zero padding as
 ``gemm.pad_to_multiple`` and ``gemm._pad_rows_fp8``): the division is IEEE-rounded (``div_rn``),
-the clamp keeps NaN, the cast rounds to nearest even. Two reference details are reproduced
-exactly: a BF16 operand with a 0-d scale divides in BF16 (type promotion: the quotient is rounded
-to BF16 before the clamp), and whether the scale itself is first rounded to BF16 depends on the
-device (CPU's divide reads the FP32 scalar, CUDA's casts it to BF16), so it is probed once per
-device (`half_division_rounds_scale`) instead of assumed. NaN outputs are NaN; their sign bit
-follows each device's NaN (x86 and CUDA differ), so NaN bytes are compared as NaN.
+the clamp keeps NaN, the cast rounds to nearest even. A BF16 operand divides in FP32 by the FP32
+scale, as ``quantize`` does (eager PyTorch's own BF16-by-0-d division would round the quotient to
+BF16 first, and on CUDA the scale too). NaN outputs are NaN; their sign bit follows each device's
+NaN (x86 and CUDA differ), so NaN bytes are compared as NaN.
 
 Loop counts are compile-time constants (the row-wise kernel's from K, the finalize's rounded to a
 power of two): Triton 3.6's interpreter cannot take a loop bound from a kernel argument (its
 scalar arguments are 1-element arrays, which NumPy 2 no longer converts to an index).
 
 On CPU tensors these kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``, tests):
-its float conversions round ties up, so there the FP8 and BF16 roundings run as integer
-arithmetic (`triton_arith._fp8_bits_soft`, `_bf16_soft`) that reproduces torch's conversion; on CUDA they are
-the hardware's round-to-nearest-even conversions (``cvt.rn.satfinite``; the operand is clamped
+its float conversions round ties up, so there the FP8 rounding runs as integer arithmetic
+(`triton_arith._fp8_bits_soft`) that reproduces torch's conversion; on CUDA it is
+the hardware's round-to-nearest-even conversion (``cvt.rn.satfinite``; the operand is clamped
 first, so saturation never decides a value).
 
 Per operand and step: three launches (current scaling: amax tiles, finalize, cast; delayed:
 cast, finalize, gated cast; row-wise: the row kernel, then for a backward copy finalize and cast),
-two passes over the operand (delayed: one), no host sync. The one sync is the probe, once per device.
+two passes over the operand (delayed: one), no host sync.
 
 Importing this module imports Triton; `autoprec.runtime.casts` decides whether to (the package
 imports and runs without Triton).
@@ -51,7 +49,6 @@ imports and runs without Triton).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional
 
 import torch
@@ -59,7 +56,7 @@ import triton
 import triton.language as tl
 
 from ..formats import Format
-from .triton_arith import _check, _launch, _nan_amax, _nan_amax_rows, _quantize, _scale, _soft, _to_bf16, launches, scale_constant
+from .triton_arith import _check, _launch, _nan_amax, _nan_amax_rows, _quantize, _scale, _soft, launches, scale_constant
 from .triton_block_cast import block_casts, tile_casts
 
 __all__ = [
@@ -69,7 +66,6 @@ __all__ = [
     "cast",
     "cast_delayed",
     "cast_rows",
-    "half_division_rounds_scale",
     "scale_constant",
     "launches",
 ]
@@ -85,14 +81,6 @@ _FINALIZE_BLOCK = 1024
 
 # ---------------------------------------------------------------------------------------------
 # Arithmetic of this module's kernels (the shared part: `triton_arith`).
-
-
-@triton.jit
-def _operand_scale(s, HALF: tl.constexpr, ROUND_SCALE: tl.constexpr, SOFT: tl.constexpr):
-    """The divisor a BF16 operand's division really uses (see `half_division_rounds_scale`)."""
-    if HALF and ROUND_SCALE:
-        return _to_bf16(s, SOFT)
-    return s
 
 
 @triton.jit
@@ -171,7 +159,7 @@ def _cast_kernel(
     hist_ptr, H, c, part_ptr, flag_ptr,
     ROW: tl.constexpr, TRANS: tl.constexpr, SAME: tl.constexpr,
     MAX_R: tl.constexpr, E5M2_R: tl.constexpr, MAX_T: tl.constexpr, E5M2_T: tl.constexpr,
-    HALF: tl.constexpr, ROUND_SCALE: tl.constexpr, SOFT: tl.constexpr,
+    SOFT: tl.constexpr,
     DELAYED: tl.constexpr, MOST_RECENT: tl.constexpr, HP: tl.constexpr, GATED: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):
@@ -198,7 +186,7 @@ def _cast_kernel(
     else:
         s = tl.load(inv_ptr)
     quantized = rows[:, None] < MQ
-    q = _quantize(x, _operand_scale(s, HALF, ROUND_SCALE, SOFT), MAX_R, E5M2_R, HALF, SOFT)
+    q = _quantize(x, s, MAX_R, E5M2_R, SOFT)
     if ROW:
         q_mask = live & quantized & (cols[None, :] < KQ)
         tl.store(q_ptr + rows[:, None].to(tl.int64) * KQ + cols[None, :], q, mask=q_mask)
@@ -206,7 +194,7 @@ def _cast_kernel(
         if SAME:
             qt = q
         else:
-            qt = _quantize(x, _operand_scale(tl.load(inv_t_ptr), HALF, ROUND_SCALE, SOFT), MAX_T, E5M2_T, HALF, SOFT)
+            qt = _quantize(x, tl.load(inv_t_ptr), MAX_T, E5M2_T, SOFT)
         qt = tl.where(quantized, qt, tl.zeros_like(qt))
         t_mask = live & (cols[None, :] < KQ)
         # Stored through the transposed tile so each program writes rows of qt contiguously.
@@ -247,7 +235,7 @@ def _rows_kernel(
         cols = i * BK + offs
         mask = (rows[:, None] < M) & (cols[None, :] < K)
         x = tl.load(base + cols[None, :].to(tl.int64) * sxk, mask=mask, other=0.0).to(tl.float32)
-        q = _quantize(x, inv[:, None], MAXV, E5M2, False, SOFT)
+        q = _quantize(x, inv[:, None], MAXV, E5M2, SOFT)
         tl.store(q_ptr + rows[:, None].to(tl.int64) * KQ + cols[None, :], q, mask=row_live[:, None] & (cols[None, :] < KQ))
 
 
@@ -309,7 +297,7 @@ def _outputs(x: torch.Tensor, layout: _Layout, row_fmt: Optional[Format], t_fmt:
     return q, qt
 
 
-def _cast_launch(x, layout, q, qt, inv, inv_t, row_fmt, t_fmt, round_scale, *, delayed=None, gated=None):
+def _cast_launch(x, layout, q, qt, inv, inv_t, row_fmt, t_fmt, *, delayed=None, gated=None):
     if q is None:
         inv = inv_t  # the kernel's one scale is the transposed copy's
     fmt_r = row_fmt or t_fmt
@@ -328,7 +316,7 @@ def _cast_launch(x, layout, q, qt, inv, inv_t, row_fmt, t_fmt, round_scale, *, d
         inv, inv_t if inv_t is not None else inv, hist, h, c, parts, flag,
         ROW=q is not None, TRANS=qt is not None, SAME=same,
         MAX_R=fmt_r.max, E5M2_R=fmt_r is Format.FP8_E5M2, MAX_T=fmt_t.max, E5M2_T=fmt_t is Format.FP8_E5M2,
-        HALF=x.dtype == torch.bfloat16, ROUND_SCALE=round_scale, SOFT=_soft(x.device),
+        SOFT=_soft(x.device),
         DELAYED=delayed is not None, MOST_RECENT=most_recent, HP=hp, GATED=gated is not None,
         BM=_TILE, BK=_TILE, num_warps=_TILE_WARPS,
     )
@@ -336,7 +324,7 @@ def _cast_launch(x, layout, q, qt, inv, inv_t, row_fmt, t_fmt, round_scale, *, d
 
 
 def cast(
-    x: torch.Tensor, inv: torch.Tensor, row_fmt: Optional[Format], *, round_scale: bool,
+    x: torch.Tensor, inv: torch.Tensor, row_fmt: Optional[Format], *,
     pad_rows: int = 1, pad_cols: int = 1, t_fmt: Optional[Format] = None, t_inv: Optional[torch.Tensor] = None, t_rows: int = 1,
 ):
     """``(q, qt)``: ``q = quantize(pad(x), inv, row_fmt)`` row-major (None without ``row_fmt``),
@@ -344,18 +332,17 @@ def cast(
     (``t_fmt`` with ``t_inv``, default the row's) row-major, its columns (the rows of q) padded
     further with zero bytes to a multiple of ``t_rows`` (None without ``t_fmt``).
 
-    One kernel, one read of x, one write of each copy. ``round_scale``: the device's BF16
-    division semantics (`half_division_rounds_scale`)."""
+    One kernel, one read of x, one write of each copy."""
     _check(x)
     layout = _Layout.of(x, pad_rows, pad_cols, t_rows)
     q, qt = _outputs(x, layout, row_fmt, t_fmt)
-    _cast_launch(x, layout, q, qt, inv, t_inv if t_inv is not None else inv, row_fmt, t_fmt, round_scale)
+    _cast_launch(x, layout, q, qt, inv, t_inv if t_inv is not None else inv, row_fmt, t_fmt)
     return q, qt
 
 
 def cast_delayed(
     x: torch.Tensor, history: torch.Tensor, fmt: Format, margin: int, most_recent: bool, record: bool,
-    *, round_scale: bool, pad_cols: int = 1, transposed: bool = False, t_rows: int = 1,
+    *, pad_cols: int = 1, transposed: bool = False, t_rows: int = 1,
 ):
     """``(inv, q, qt)`` of delayed scaling (`quantizers.TensorDelayedQuantizer`), bit for bit its
     ``inverse_scale(x, record)`` then `cast`; with ``record`` this step's amax enters ``history``
@@ -371,14 +358,14 @@ def cast_delayed(
     parts = torch.empty(grid, device=x.device, dtype=torch.float32)
     h = history.numel()
     c = scale_constant(fmt, margin)
-    _cast_launch(x, layout, q, qt, inv, inv, fmt, fmt if transposed else None, round_scale, delayed=(history, h, c, parts, most_recent))
+    _cast_launch(x, layout, q, qt, inv, inv, fmt, fmt if transposed else None, delayed=(history, h, c, parts, most_recent))
     hp = triton.next_power_of_2(max(h, 1))
     _launch(
         _finalize_kernel, 1, parts, grid, inv, c, inv, 0.0, history, h, flag,
         TWO=False, DELAYED=True, MOST_RECENT=most_recent, RECORD=record, HP=hp,
         BLOCK=_FINALIZE_BLOCK, ITERS=_finalize_iters(grid), num_warps=4,
     )
-    _cast_launch(x, layout, q, qt, inv, inv, fmt, fmt if transposed else None, round_scale, gated=flag)
+    _cast_launch(x, layout, q, qt, inv, inv, fmt, fmt if transposed else None, gated=flag)
     return inv, q, qt
 
 
@@ -407,36 +394,16 @@ def cast_rows(
     return q, inv, amax
 
 
-@functools.lru_cache(maxsize=None)
-def half_division_rounds_scale(device: str) -> Optional[bool]:
-    """Whether ``bf16_tensor / fp32_0d_tensor`` on ``device`` rounds the scale to BF16 before
-    dividing (True: CUDA's dynamic cast to the common dtype), divides by the FP32 scale (False:
-    CPU's scalar path), or neither (None: BF16 operands then keep the PyTorch ops). Probed once
-    per device with a few values whose quotients differ between the two; syncs once."""
-    dev = torch.device(device)
-    # Values from a sweep where the two readings give different BF16 quotients for this scale.
-    x = torch.tensor([1.0, 3.0, 5.0, 7.0, 9.0, 11.0, 13.0, 15.0, 17.0, 19.0, 21.0, 23.0], dtype=torch.bfloat16, device=dev)
-    s = torch.tensor(0.37123, dtype=torch.float32, device=dev)
-    seen = (x / s).float()
-    by_fp32 = (x.float() / s).to(torch.bfloat16).float()
-    by_half = (x.float() / s.to(torch.bfloat16).float()).to(torch.bfloat16).float()
-    same_fp32, same_half = bool(torch.equal(seen, by_fp32)), bool(torch.equal(seen, by_half))
-    if same_fp32 == same_half:  # both (the probe did not tell) or neither
-        return None
-    return same_half
-
-
 class FusedCasts:
     """The fused path's entry points for the quantizers, for one device (see the module
-    docstring). ``takes(dtype)``: the operand dtypes it casts (FP32 always; BF16 where the device's
-    division semantics were recognised); anything else keeps the PyTorch ops."""
+    docstring). ``takes(dtype)``: the operand dtypes it casts (FP32 and BF16); anything else
+    keeps the PyTorch ops."""
 
     name = "fused Triton cast"
 
     def __init__(self, device: "torch.device | str"):
         self.device = torch.device(device)
-        self.round_scale = half_division_rounds_scale(str(self.device))
-        self._dtypes = frozenset({torch.float32} | ({torch.bfloat16} if self.round_scale is not None else set()))
+        self._dtypes = frozenset({torch.float32, torch.bfloat16})
 
     def takes(self, dtype: torch.dtype) -> bool:
         return dtype in self._dtypes
@@ -450,10 +417,10 @@ class FusedCasts:
         return finalize_scales(amaxes, fmt, margin)
 
     def cast(self, x, inv, row_fmt, **layout):
-        return cast(x, inv, row_fmt, round_scale=bool(self.round_scale), **layout)
+        return cast(x, inv, row_fmt, **layout)
 
     def cast_delayed(self, x, history, fmt, margin, most_recent, record, **layout):
-        return cast_delayed(x, history, fmt, margin, most_recent, record, round_scale=bool(self.round_scale), **layout)
+        return cast_delayed(x, history, fmt, margin, most_recent, record, **layout)
 
     def cast_rows(self, x, fmt, margin=0, **layout):
         return cast_rows(x, fmt, margin, **layout)

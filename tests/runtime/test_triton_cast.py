@@ -42,13 +42,10 @@ if NO_KERNELS is None:
 
     @triton.jit
     def _roundings(x_ptr, out_ptr, n, WHICH: tl.constexpr, BLOCK: tl.constexpr):
-        """The integer roundings of `triton_arith` on FP32 values: BF16 (0), E4M3 (1), E5M2 (2)."""
+        """The integer roundings of `triton_arith` on FP32 values: E4M3 (1), E5M2 (2)."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         y = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-        if WHICH == 0:
-            out = triton_arith._bf16_soft(y).to(tl.uint32, bitcast=True)
-        else:
-            out = triton_arith._fp8_bits_soft(y, WHICH == 2).to(tl.uint32)
+        out = triton_arith._fp8_bits_soft(y, WHICH == 2).to(tl.uint32)
         tl.store(out_ptr + offs, out, mask=offs < n)
 
 FP8 = [Format.FP8_E4M3, Format.FP8_E5M2]
@@ -102,12 +99,6 @@ def tc():
     return triton_cast
 
 
-@pytest.fixture(scope="module")
-def rounds(tc):
-    """This device's BF16 division reading (CPU: by the FP32 scale)."""
-    return bool(tc.half_division_rounds_scale(DEVICE))
-
-
 def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same shape, same FP8 bytes, NaN where NaN (a NaN's sign bit is each device's own)."""
     if a.shape != b.shape or a.dtype != b.dtype:
@@ -144,12 +135,12 @@ def reference_copies(x, inv, fmt, pad_rows, pad_cols, t_rows, t_fmt=None, t_inv=
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("fmt", FP8, ids=str)
-def test_cast_and_transposed_copy_match_quantize(tc, rounds, shape, dtype, fmt):
+def test_cast_and_transposed_copy_match_quantize(tc, shape, dtype, fmt):
     x = special_values(shape, dtype)
     # A scale from a quarter of the amax: the largest values saturate at +-max.
     inv = inverse_scale(amax(x) / 4, fmt)
     for pad_rows, t_rows in ((1, ALIGN), (ALIGN, 1)):  # an input's layout, then a weight's
-        q, qt = tc.cast(x, inv, fmt, round_scale=rounds, pad_rows=pad_rows, pad_cols=ALIGN, t_fmt=fmt, t_rows=t_rows)
+        q, qt = tc.cast(x, inv, fmt, pad_rows=pad_rows, pad_cols=ALIGN, t_fmt=fmt, t_rows=t_rows)
         ref_q, ref_qt = reference_copies(x, inv, fmt, pad_rows, ALIGN, t_rows)
         assert bytes_equal(q, ref_q) and bytes_equal(qt, ref_qt)
         assert (q.float().abs() == fmt.max).any()  # saturated
@@ -157,15 +148,15 @@ def test_cast_and_transposed_copy_match_quantize(tc, rounds, shape, dtype, fmt):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_two_formats_in_one_pass_and_either_copy_alone(tc, rounds, dtype):
+def test_two_formats_in_one_pass_and_either_copy_alone(tc, dtype):
     """The gradient's pair: E5M2 rows for the input gradient, E4M3 transposed for the weight's."""
     x = special_values((67, 131), dtype, seed=1)
     e5, e4 = inverse_scale(amax(x), Format.FP8_E5M2), inverse_scale(amax(x), Format.FP8_E4M3)
-    q, qt = tc.cast(x, e5, Format.FP8_E5M2, round_scale=rounds, pad_cols=ALIGN, t_fmt=Format.FP8_E4M3, t_inv=e4, t_rows=ALIGN)
+    q, qt = tc.cast(x, e5, Format.FP8_E5M2, pad_cols=ALIGN, t_fmt=Format.FP8_E4M3, t_inv=e4, t_rows=ALIGN)
     ref_q, ref_qt = reference_copies(x, e5, Format.FP8_E5M2, 1, ALIGN, ALIGN, Format.FP8_E4M3, e4)
     assert bytes_equal(q, ref_q) and bytes_equal(qt, ref_qt)
-    only_t = tc.cast(x, e5, None, round_scale=rounds, pad_cols=ALIGN, t_fmt=Format.FP8_E4M3, t_inv=e4, t_rows=ALIGN)
-    only_q = tc.cast(x, e5, Format.FP8_E5M2, round_scale=rounds, pad_cols=ALIGN)
+    only_t = tc.cast(x, e5, None, pad_cols=ALIGN, t_fmt=Format.FP8_E4M3, t_inv=e4, t_rows=ALIGN)
+    only_q = tc.cast(x, e5, Format.FP8_E5M2, pad_cols=ALIGN)
     assert only_t[0] is None and bytes_equal(only_t[1], ref_qt)
     assert only_q[1] is None and bytes_equal(only_q[0], ref_q)
 
@@ -173,7 +164,7 @@ def test_two_formats_in_one_pass_and_either_copy_alone(tc, rounds, dtype):
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("poison", ["nan", "inf"])
-def test_non_finite_values_and_scales_propagate_as_the_reference(tc, rounds, dtype, poison):
+def test_non_finite_values_and_scales_propagate_as_the_reference(tc, dtype, poison):
     x = special_values((37, 45), dtype, seed=2)
     x[5, 7] = float(poison)
     x[30, 0] = -float("inf")
@@ -181,7 +172,7 @@ def test_non_finite_values_and_scales_propagate_as_the_reference(tc, rounds, dty
         poisoned = inverse_scale(amax(x), fmt)  # NaN or inf: the padding quantizes to it too
         assert not torch.isfinite(poisoned)
         for inv in (poisoned, inverse_scale(amax(x[:, 8:20]), fmt)):
-            q, qt = tc.cast(x, inv, fmt, round_scale=rounds, pad_cols=ALIGN, t_fmt=fmt, t_rows=ALIGN)
+            q, qt = tc.cast(x, inv, fmt, pad_cols=ALIGN, t_fmt=fmt, t_rows=ALIGN)
             ref_q, ref_qt = reference_copies(x, inv, fmt, 1, ALIGN, ALIGN)
             assert bytes_equal(q, ref_q) and bytes_equal(qt, ref_qt)
 
@@ -234,7 +225,7 @@ def test_row_wise_cast_matches_row_scales_and_quantize(tc, dtype, fmt):
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("reduction", ["max", "most_recent"])
-def test_delayed_cast_matches_the_input_quantizer_step_by_step(tc, rounds, dtype, reduction):
+def test_delayed_cast_matches_the_input_quantizer_step_by_step(tc, dtype, reduction):
     """Each step: the scale, both copies and the history equal `TensorDelayedQuantizer.inverse_scale`
     then `quantize`; the first step (no history), a zero tensor (recorded as "not seen"), an
     infinite value (NaN scale, recorded as 0), a step that does not record."""
@@ -253,33 +244,22 @@ def test_delayed_cast_matches_the_input_quantizer_step_by_step(tc, rounds, dtype
         ref_inv = reference.inverse_scale(x, record=record)
         ref_q, ref_qt = reference_copies(x, ref_inv, Format.FP8_E4M3, 1, ALIGN, ALIGN)
         inv, q, qt = tc.cast_delayed(x, fused.history, Format.FP8_E4M3, scaling.margin, reduction == "most_recent", record,
-                                     round_scale=rounds, pad_cols=ALIGN, transposed=True, t_rows=ALIGN)
+                                     pad_cols=ALIGN, transposed=True, t_rows=ALIGN)
         assert same_scale(inv, ref_inv), i
         assert bytes_equal(q, ref_q) and bytes_equal(qt, ref_qt), i
         assert torch.equal(fused.history, reference.history), i
 
 
 @needs_kernels
-@pytest.mark.parametrize("round_scale", [False, True], ids=["fp32-scale", "bf16-scale"])
-def test_bf16_division_follows_the_scale_rounding_it_is_given(tc, round_scale):
-    """CPU divides a BF16 tensor by the FP32 scale, CUDA by the scale rounded to BF16 (probed):
-    the kernels do what the probe tells them."""
+def test_a_bf16_operand_is_divided_in_fp32_by_the_fp32_scale(tc):
+    """As `formats.quantize` divides: one rounding, to FP8. Eager PyTorch's own BF16-by-0-d
+    division would round the quotient to BF16 first (and, on CUDA, the scale)."""
     x = special_values((67, 131), torch.bfloat16, seed=5)
     inv = torch.tensor(0.37123, device=DEVICE)
-    q, _ = tc.cast(x, inv, Format.FP8_E4M3, round_scale=round_scale)
-    divisor = inv.to(torch.bfloat16).float() if round_scale else inv
-    expected = (x.float() / divisor).to(torch.bfloat16).clamp(-448, 448).to(torch.float8_e4m3fn)
-    assert bytes_equal(q, expected)
-    assert not bytes_equal(q, (x.float() / (inv if round_scale else inv.to(torch.bfloat16).float())).to(torch.bfloat16).clamp(-448, 448).to(torch.float8_e4m3fn))
-
-
-@needs_kernels
-def test_the_probe_reads_this_devices_bf16_division(tc):
-    x = special_values((64, 64), torch.bfloat16, seed=6)
-    inv = torch.tensor(0.37123, device=DEVICE)
-    rounded = tc.half_division_rounds_scale(DEVICE)
-    divisor = inv.to(torch.bfloat16).float() if rounded else inv
-    assert rounded is not None and torch.equal((x / inv).float(), (x.float() / divisor).to(torch.bfloat16).float())
+    q, _ = tc.cast(x, inv, Format.FP8_E4M3)
+    assert bytes_equal(q, quantize(x, inv, Format.FP8_E4M3))
+    assert bytes_equal(q, (x.float() / inv).clamp(-448, 448).to(torch.float8_e4m3fn))
+    assert not bytes_equal(q, (x / inv).clamp(-448, 448).to(torch.float8_e4m3fn))  # the double rounding differs here
 
 
 def _run_roundings(y: torch.Tensor, which: int) -> torch.Tensor:
@@ -292,14 +272,13 @@ def _run_roundings(y: torch.Tensor, which: int) -> torch.Tensor:
 
 @needs_kernels
 def test_integer_roundings_match_torchs_conversions(tc):
-    """The roundings the interpreter runs (BF16 and both FP8 formats) on every BF16 value, random
-    FP32 bit patterns and exact ties, against torch's casts on this device."""
+    """The roundings the interpreter runs (both FP8 formats) on every BF16 value, random FP32 bit
+    patterns, BF16 ties and the FP8 formats' own ties, against torch's casts on this device."""
     every_bf16 = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
     random_bits = torch.randint(-(1 << 31), (1 << 31) - 1, (1 << 16,), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
     random = random_bits.to(torch.int32).view(torch.float32)
     ties = ((random_bits & ~0xFFFF) | 0x8000).to(torch.int32).view(torch.float32)  # BF16 ties
     y = torch.cat([every_bf16, random, ties]).to(DEVICE)
-    assert torch.equal(_run_roundings(y, 0).view(torch.float32).nan_to_num(), y.to(torch.bfloat16).float().nan_to_num())
     for which, fmt in ((1, Format.FP8_E4M3), (2, Format.FP8_E5M2)):
         codes = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
         grid = codes[codes.isfinite()].unique()
@@ -523,12 +502,12 @@ def ptx(fn, sig, const):
 cast = dict(x_ptr="*bf16", M="i32", K="i32", sxm="i32", sxk="i32", MQ="i32", KQ="i32", MT="i32", q_ptr="*u8",
             qt_ptr="*u8", inv_ptr="*fp32", inv_t_ptr="*fp32", hist_ptr="*fp32", H="i32", c="fp32", part_ptr="*fp32",
             flag_ptr="*i32")
-two = dict(ROW=True, TRANS=True, SAME=False, MAX_R=57344.0, E5M2_R=True, MAX_T=448.0, E5M2_T=False, HALF=True,
-           ROUND_SCALE=True, SOFT=False, DELAYED=False, MOST_RECENT=False, HP=1, GATED=False, BM=tc._TILE, BK=tc._TILE)
+two = dict(ROW=True, TRANS=True, SAME=False, MAX_R=57344.0, E5M2_R=True, MAX_T=448.0, E5M2_T=False, SOFT=False,
+           DELAYED=False, MOST_RECENT=False, HP=1, GATED=False, BM=tc._TILE, BK=tc._TILE)
 text = ptx(tc._cast_kernel, cast, two)
-need = ("div.rn.f32", "cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.satfinite.e5m2x2.f32", "cvt.rn.bf16.f32")
+need = ("div.rn.f32", "cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.satfinite.e5m2x2.f32")
 print("ok" if all(n in text for n in need) and "div.full" not in text else "cast " + str([n for n in need if n not in text]))
-text = ptx(tc._cast_kernel, {**cast, "x_ptr": "*fp32"}, {**two, "SAME": True, "HALF": False, "DELAYED": True, "HP": 16})
+text = ptx(tc._cast_kernel, {**cast, "x_ptr": "*fp32"}, {**two, "SAME": True, "DELAYED": True, "HP": 16})
 print("ok" if "div.rn.f32" in text else "delayed")
 text = ptx(tc._cast_kernel, cast, {**two, "SAME": True, "GATED": True})
 print("ok" if "div.rn.f32" in text else "gated")
