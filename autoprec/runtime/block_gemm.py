@@ -20,7 +20,9 @@ row-major, second column-major; sm_90 with cuBLASLt >= 12.9 (`device.block_scale
 ``aten::_scaled_mm_v2`` has no block-scaled kernel). K and N are padded to whole tiles of 128, and
 so are the tokens of the weight-gradient GEMM (torch 2.11's meta function counts K // 128 tiles
 where the CUDA kernel counts ceil(K / 128); whole tiles keep every check in agreement); zero rows
-and columns change no product.
+and columns change no product. Where no block-scaled kernel runs (every CPU, GPUs before sm_90),
+the same three products run through `emulated_block_mm`: the same tilings and scales, the
+operands dequantized and multiplied in FP32 (the layer's report says emulated).
 
 Costs per training step: one amax over each 1x128 tile of x (twice: along K and along M), of g
 (twice) and of each 128x128 block of W (once, or not at all on a `reusing_weights` hit), one cast
@@ -50,6 +52,7 @@ __all__ = [
     "Fp8BlockSpec",
     "block_cast",
     "block_scaled_mm",
+    "emulated_block_mm",
     "kernel_weight_scales",
     "outer_major",
     "tile_cast",
@@ -119,6 +122,35 @@ def block_scaled_mm(
         )
 
 
+def emulated_block_mm(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, blocks_b: bool,
+    out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """`block_scaled_mm` without its kernel: each operand dequantized with its scales as the kernel
+    lays them out (``a`` (M, K) in 1x128 tiles along K, ``scale_a`` (M, K/128); ``b`` (K, N) in
+    128x128 blocks, ``scale_b`` (round_up(K/128, 4), N/128), or in 1x128 tiles along K, ``scale_b``
+    (N, K/128)), multiplied in FP32, the bias added, cast to ``out_dtype``. Two FP32 copies of the
+    operands and one FP32 GEMM (K and N are whole tiles of 128: the runtime pads them)."""
+    m, k = a.shape
+    n = b.shape[1]
+    a32 = (a.float().reshape(m, k // BLOCK, BLOCK) * scale_a[:, : k // BLOCK, None]).reshape(m, k)
+    if blocks_b:
+        grid = scale_b[: k // BLOCK, : -(-n // BLOCK)]
+        b32 = b.float() * grid.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:k, :n]
+    else:
+        b32 = (b.t().float().reshape(n, k // BLOCK, BLOCK) * scale_b[:, : k // BLOCK, None]).reshape(n, k).t()
+    with torch.autocast(a.device.type, enabled=False):  # an FP32 product, as the kernel accumulates
+        out = a32 @ b32
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def _gemm(spec: "Fp8BlockSpec", *args) -> torch.Tensor:
+    """The block-scaled product of ``args`` (`block_scaled_mm`'s): the kernel, or its emulation."""
+    return (emulated_block_mm if spec.emulated else block_scaled_mm)(*args)
+
+
 @block_scaled_mm.register_fake
 def _block_scaled_mm_shape(a, b, scale_a, scale_b, blocks_b, out_dtype, bias=None):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
@@ -135,6 +167,8 @@ class Fp8BlockSpec:
     # The fused Triton casts (`triton_block_cast` through `FusedCasts`) for inputs and output
     # gradients of a dtype they take: one launch writes an operand's both tilings. None: PyTorch ops.
     casts: "FusedCasts | None" = None
+    # No block-scaled kernel on the device: the products through `emulated_block_mm`.
+    emulated: bool = False
 
 
 class Fp8BlockLinear(torch.autograd.Function):
@@ -163,7 +197,7 @@ class Fp8BlockLinear(torch.autograd.Function):
         # _scaled_mm fuses no bias into an FP32 output: there it is added after the kernel.
         fused_bias = kernel_bias(bias, spec.out_dtype, BLOCK) if bias is not None and spec.out_dtype != torch.float32 else None
         w_grid = w_q.inv_scale
-        out = block_scaled_mm(xq, w_q.data.t(), x_inv, kernel_weight_scales(w_grid), True, spec.out_dtype, fused_bias)
+        out = _gemm(spec, xq, w_q.data.t(), x_inv, kernel_weight_scales(w_grid), True, spec.out_dtype, fused_bias)
         if out.shape[1] != spec.out_features:
             out = out[:, : spec.out_features]
         if bias is not None and fused_bias is None:
@@ -188,11 +222,11 @@ class Fp8BlockLinear(torch.autograd.Function):
             g_t, g_t_inv = tile_cast(grad_out.t()) if need_w else (None, None)
         if need_x:
             out_dtype = ctx.x_dtype if ctx.x_dtype in (torch.float32, torch.bfloat16, torch.float16) else spec.out_dtype
-            grad_x = block_scaled_mm(gq, w_t.t(), g_inv, kernel_weight_scales(w_grid.t()), True, out_dtype)
+            grad_x = _gemm(spec, gq, w_t.t(), g_inv, kernel_weight_scales(w_grid.t()), True, out_dtype)
             if grad_x.shape[1] != spec.in_features:
                 grad_x = grad_x[:, : spec.in_features]
         if need_w:
-            grad_w = block_scaled_mm(g_t, x_t.t(), g_t_inv, x_t_inv, False, torch.float32)
+            grad_w = _gemm(spec, g_t, x_t.t(), g_t_inv, x_t_inv, False, torch.float32)
             if grad_w.shape[1] != spec.in_features:
                 grad_w = grad_w[:, : spec.in_features]
         if ctx.has_bias and ctx.needs_input_grad[2]:

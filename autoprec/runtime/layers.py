@@ -183,6 +183,11 @@ class RuntimeLayer:
         # base), or None: an FP32 layer then casts them up and hands that dtype on.
         self.stored_dtype = next((p.dtype for p in module.parameters(recurse=False) if p.dtype in _HALF), None)
         self.blocks = precision.scaling.granularity is Granularity.BLOCK and self.format.is_fp8
+        # E4M3 block scaling with no block-scaled kernel here: the kernels' products and tilings,
+        # each GEMM emulated (`block_gemm.emulated_block_mm`); other emulated layers round their
+        # inputs once and compute the op in FP32 (`products.emulate`).
+        self.block_gemms_emulated = (self.blocks and self.kernel_reason is not None
+                                     and precision.format is Format.FP8_E4M3 and precision.grad_format is Format.FP8_E4M3)
         # The half dtypes its FP8 forward kernel writes with row-shaped scales, empty where it
         # takes 0-d ones (`row_scaled_outs`): the one setting its weights' scales and its kernel
         # calls follow.

@@ -107,6 +107,8 @@ class Products:
 
     @staticmethod
     def kernel_name(layer: RuntimeLayer) -> str:
+        if layer.block_gemms_emulated:
+            return f"emulated ({layer.kernel_reason}): fp8_e4m3 operands in the block kernels' tilings and scales, FP32 GEMMs"
         if layer.blocks:
             return "kernel torch.nn.functional.scaled_mm (1x128 tiles, 128x128 weight blocks)"
         return "kernel torch._int_mm" if layer.format is Format.INT8 else "kernel torch._scaled_mm"
@@ -125,7 +127,7 @@ class Products:
             return sharded_linear(layer, lambda xl, wl, bl: self.linear(layer, xl, wl, bl, key, is_param), x, weight, bias)
         if x.numel() == 0 or weight.numel() == 0:
             return self.empty(torch.nn.functional.linear, (x, weight, bias), {}, self.out_dtype(x))
-        if layer.kernel_reason is not None:
+        if layer.kernel_reason is not None and not layer.block_gemms_emulated:
             return self.emulate(layer, "linear", torch.nn.functional.linear, (x, weight, bias), {})
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         n, k = weight.shape
@@ -140,7 +142,7 @@ class Products:
         if layer.format is Format.INT8:
             out = self.int8(layer, key, x2, weight, bias, wq, out_dtype, k, n)
         elif layer.blocks:
-            block_spec = Fp8BlockSpec(out_dtype, layer.precision.scaling.margin, k, n, casts)
+            block_spec = Fp8BlockSpec(out_dtype, layer.precision.scaling.margin, k, n, casts, layer.block_gemms_emulated)
             if casts is not None:
                 layer.casts_ran = describe(weight=w_casts is not None, input=casts.takes(x2.dtype), gradient=casts.takes(out_dtype))
             out = Fp8BlockLinear.apply(x2, weight, bias, wq, block_spec)
@@ -215,7 +217,7 @@ class Products:
         gemm = as_gemm(op, func, args, kwargs)
         if gemm is None:
             return self.emulate(layer, op, func, args, kwargs, "no FP8/INT8 kernel for this op")
-        if layer.kernel_reason is not None:
+        if layer.kernel_reason is not None and not layer.block_gemms_emulated:
             return self.emulate(layer, op, func, args, kwargs)
         a, b, bias, beta, alpha, out_shape = gemm
         layer.note(op, self.kernel_name(layer))
