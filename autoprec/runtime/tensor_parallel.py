@@ -47,22 +47,22 @@ __all__ = ["amax_over", "is_sharded", "sharded_linear", "sharded_reason"]
 def sharded_reason(precision: LayerPrecision, kernel: "str | None") -> "str | None":
     """Why a layer in ``precision`` cannot run on a tensor-parallel (DTensor) weight yet; None
     when it can: FP32, BF16, FP16, FP8 with per-tensor or per-row scaling and INT8 (a calibrated
-    input scale or per row), on a real kernel, on either split. Block-scaled FP8 and emulated
-    products are refused. ``kernel``: `layers.kernel_reason` of the layer on its device (None: a
-    kernel). The one rule behind the runtime's refusal at the first forward
-    (`RuntimeLayer.shard_over`) and the search's candidates for a sharded layer
-    (`search.tensor_parallel`). No device work."""
+    input scale or per row), on a real kernel, and E4M3 block scaling (its kernels, or their
+    emulated GEMMs: `block_gemm.emulated_block_mm`), on either split. Other emulated products
+    are refused. ``kernel``: `layers.kernel_reason` of the layer on its device (None: a kernel).
+    The one rule behind the runtime's refusal at the first forward (`RuntimeLayer.shard_over`)
+    and the search's candidates for a sharded layer (`search.tensor_parallel`). No device work.
+
+    Block scaling needs no collective: each rank tiles its own shard (1x128 tiles of its input
+    rows and output gradient, 128x128 blocks of its weight), the unsharded layer's tiles wherever
+    the shards split at multiples of 128 (elsewhere a shard's last tiles end at its edge)."""
     fmt = precision.format
     if fmt is not Format.INT8 and not fmt.is_fp8:
         return None
-    granularity = precision.scaling.granularity
-    if kernel is not None:
-        what = f"{fmt.value} emulated ({kernel})"
-    elif fmt.is_fp8 and granularity is Granularity.BLOCK:
-        what = "block-scaled FP8"
-    else:
+    blocks = precision.scaling.granularity is Granularity.BLOCK
+    if kernel is None or (blocks and fmt is Format.FP8_E4M3 and precision.grad_format is Format.FP8_E4M3):
         return None
-    return f"{what} on a tensor-parallel (DTensor) weight is not supported yet"
+    return f"{fmt.value} emulated ({kernel}) on a tensor-parallel (DTensor) weight is not supported yet"
 
 
 def amax_over(value: torch.Tensor, group: Any) -> torch.Tensor:

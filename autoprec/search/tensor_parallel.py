@@ -4,9 +4,9 @@ may take.
 A layer whose weight its forward sees as a DTensor (torch's ``ColwiseParallel`` /
 ``RowwiseParallel``; under FSDP2 x TP the weight FSDP2 gathers over its own mesh dimension and
 leaves sharded over the other) runs its plan on local shards (`runtime.tensor_parallel`): FP32,
-BF16, FP16, FP8 per tensor or per row and INT8 (calibrated or per row) on a real kernel, on
-either split. What a sharded weight cannot run (block-scaled FP8, an emulated product) is
-refused there at the first forward (`runtime.tensor_parallel.sharded_reason`, the one rule), so
+BF16, FP16, FP8 per tensor or per row and INT8 (calibrated or per row) on a real kernel, and
+E4M3 block scaling (kernel or emulated GEMMs), on either split. What a sharded weight cannot run
+(any other emulated product) is refused there at the first forward (`runtime.tensor_parallel.sharded_reason`, the one rule), so
 the search must never propose it: `sharded_rules` forbids it on that layer (the probe steps never
 run it, the integer program never picks it) and says why, in a sentence each candidate plan's
 reason ends with (`noted`) and in one logged line.
