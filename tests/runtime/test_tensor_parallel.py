@@ -66,6 +66,20 @@ def test_fp8_layers_sharded_column_and_row_wise_compute_with_the_unsharded_scale
         torch.testing.assert_close(first, ref["grads"][0], rtol=0.1, atol=0.05 * ref["grads"][0].abs().max().item())
 
 
+def _two_steps(model, runtime, x):
+    """Two training steps of the MLP (``x``, then ``2 x``) under ``runtime``: the first layer's
+    outputs of each, and the last step's output."""
+    hiddens = []
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        with runtime:
+            hidden = model[0](x * (1 + step))
+            y = model[2](model[1](hidden))
+        y.float().pow(2).sum().backward()
+        hiddens.append(hidden.detach())
+    return hiddens, y
+
+
 def split_scenario(rank, fmt, granularity, column_wise):
     """The MLP of `mlp_scenario` with its column-wise (or its row-wise) layer in ``fmt`` scaled
     per ``granularity``, the other FP8 per tensor, two steps sharded and unsharded (an INT8
@@ -89,14 +103,7 @@ def split_scenario(rank, fmt, granularity, column_wise):
     out = {}
     for name, model in (("ref", ref), ("tp", sharded)):
         runtime = ap.apply_plan(model, plan)
-        hiddens = []
-        for step in range(2):
-            model.zero_grad(set_to_none=True)
-            with runtime:
-                hidden = model[0](x * (1 + step))
-                y = model[2](model[1](hidden))
-            y.float().pow(2).sum().backward()
-            hiddens.append(hidden.detach())
+        hiddens, y = _two_steps(model, runtime, x)
         layer = runtime._layers[tested]
         with torch.no_grad():
             inputs = (x if column_wise else model[1](model[0](x))).detach()
@@ -133,14 +140,7 @@ def block_scenario(rank):
     out = {}
     for name, model in (("ref", ref), ("tp", sharded)):
         runtime = ap.apply_plan(model, plan)
-        hiddens = []
-        for step in range(2):
-            model.zero_grad(set_to_none=True)
-            with runtime:
-                hidden = model[0](x * (1 + step))
-                y = model[2](model[1](hidden))
-            y.float().pow(2).sum().backward()
-            hiddens.append(hidden.detach())  # ColwiseParallel hands on the rank's own columns
+        hiddens, y = _two_steps(model, runtime, x)  # ColwiseParallel hands on the rank's own columns
         out[name] = {"hiddens": hiddens, "y": _full(y).detach(), "grads": [_full(p.grad) for p in model.parameters()],
                      "ops": {fqn: dict(layer.ops) for fqn, layer in runtime._layers.items()}}
     return {**out, "rank": rank}
