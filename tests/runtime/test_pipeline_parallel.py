@@ -1,6 +1,7 @@
-"""Plans under pipeline parallelism (issue 58): torchtitan's Llama split in 2 stages
-(`titan_llama.pipeline_stage`), one per gloo CPU rank, trained by torch.distributed.pipelining's
-GPipe and 1F1B schedules with the plan applied to each stage, against the same plan on the
+"""Plans under pipeline parallelism (issue 58): torchtitan's Llama split in stages
+(`titan_llama.pipeline_stage`) over 2 gloo CPU ranks, trained by torch.distributed.pipelining's
+GPipe and 1F1B schedules (2 stages, one per rank) and interleaved 1F1B (4 stages, two per rank,
+each with its own runtime) with the plan applied to each stage, against the same plan on the
 unsharded model with the same micro-batches accumulated. Before: the stage's metadata inference
 on the first ``schedule.step()`` (torch 2.13: a forward on the first micro-batch or on
 uninitialised tensors, and a backward; 2.11: a forward on zeros) ran inside ``with runtime:`` and
@@ -8,6 +9,7 @@ fed the runtime's state: INT8 calibration observed it, delayed FP8 scaling recor
 (2.13: the first micro-batch's loss 4.899609 against 4.899289, and two runs differed; 2.11: the
 same first step, 5.039855 against 5.040692 at the second)."""
 
+import contextlib
 import copy
 
 import pytest
@@ -50,10 +52,11 @@ def loss_fn(logits, target):
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
-def trained(model, runtime, rank, run_step):
+def trained(models, runtimes, rank, run_step):
     """``STEPS`` SGD steps of ``run_step(x, y)`` (the micro-batches' losses it returns, on the last
-    rank); then the losses, the runtime's state and the parameters."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank) over ``models`` (a rank's stages: their fqns are the whole model's); then the losses, the
+    runtimes' state and the parameters."""
+    opt = torch.optim.SGD([p for model in models for p in model.parameters()], lr=0.1)
     losses = []
     for step in range(STEPS):
         x, y = token_batch(step)
@@ -61,7 +64,8 @@ def trained(model, runtime, rank, run_step):
         losses += run_step(x.contiguous(), y.contiguous())
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return {"losses": losses, "state": runtime.state_dict(), "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {"losses": losses, "state": {"layers": {fqn: s for runtime in runtimes for fqn, s in runtime.state_dict()["layers"].items()}},
+            "params": {n: p.detach().clone() for model in models for n, p in model.named_parameters()}}
 
 
 def unsharded(plan, rank, backward_in_region):
@@ -82,33 +86,47 @@ def unsharded(plan, rank, backward_in_region):
             losses.append(loss.detach())
         return losses
 
-    return trained(model, runtime, rank, accumulated)
+    return trained([model], [runtime], rank, accumulated)
 
 
 def pipelined(plan, rank, schedule_name):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    """The pipeline: one stage per rank (GPipe, 1F1B), or two (interleaved 1F1B: rank r holds
+    stages r and r + WORLD of 2 * WORLD), the plan applied to each stage's module, every stage's
+    runtime entered around ``schedule.step()``."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    model = pipeline_stage(titan_llama(), rank, WORLD)
-    runtime = ap.apply_plan(model, stage_plan(plan, model))
-    schedule_of = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name]
-    schedule = schedule_of(PipelineStage(model, rank, WORLD, torch.device("cpu")), n_microbatches=MICRO, loss_fn=loss_fn)
+    interleaved = schedule_name == "interleaved"
+    total = 2 * WORLD if interleaved else WORLD
+    ids = (rank, rank + WORLD) if interleaved else (rank,)
+    models = [pipeline_stage(titan_llama(), i, total) for i in ids]
+    runtimes = [ap.apply_plan(model, stage_plan(plan, model)) for model in models]
+    stages = [PipelineStage(model, i, total, torch.device("cpu")) for model, i in zip(models, ids)]
+    if interleaved:
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=MICRO, loss_fn=loss_fn)
+    else:
+        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name](stages[0], n_microbatches=MICRO, loss_fn=loss_fn)
 
     def step(x, y):
         losses: list = []
-        with runtime:
+        with contextlib.ExitStack() as active:
+            for runtime in runtimes:
+                active.enter_context(runtime)
             if rank == 0:
                 schedule.step(x)
-            else:
+            else:  # the last stage is on the last rank
                 schedule.step(target=y, losses=losses)
         return [loss.detach() for loss in losses]
 
-    return trained(model, runtime, rank, step)
+    return trained(models, runtimes, rank, step)
+
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved"]
 
 
 def scenario(rank):
     plan = mixed_plan(titan_llama())
     out = {"ref": unsharded(plan, rank, backward_in_region=True), "after": unsharded(plan, rank, backward_in_region=False)}
-    for name in ("gpipe", "1f1b"):
+    for name in SCHEDULES:
         out[name] = [pipelined(plan, rank, name) for _ in range(2)]
     return out
 
@@ -116,9 +134,6 @@ def scenario(rank):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     return run(scenario, tmp_path_factory.mktemp("pp"))
-
-
-SCHEDULES = ["gpipe", "1f1b"]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
