@@ -267,6 +267,7 @@ class TensorCurrentQuantizer(Quantizer):
         if casts is not None:
             return self._fused_grads(g, input_grad, weight_grad_fmt, casts, align)
         g_amax = amax_over(amax(g), self.group)
+        g = g.float()  # once for both copies (`formats.quantize` divides in FP32)
         for_input = for_weight = None
         if input_grad:
             inv = inverse_scale(g_amax, self.fmt)
