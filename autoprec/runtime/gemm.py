@@ -197,13 +197,15 @@ class Fp8Linear(torch.autograd.Function):
             for_input, for_weight = spec.grad.quantize_for_gemms(g, ctx.needs_input_grad[0], w_fmt, spec.casts if fused else None, FP8_ALIGN)
             if for_input is not None:
                 out_dtype = ctx.x_dtype if ctx.x_dtype in (torch.float32, torch.bfloat16, torch.float16) else spec.out_dtype
-                grad_x = torch._scaled_mm(for_input.data, w_t.t(), scale_a=for_input.inv_scale, scale_b=w_t_inv, out_dtype=out_dtype)
+                with kernel_region(g):  # a backward a pipeline schedule runs inside the runtime's region
+                    grad_x = torch._scaled_mm(for_input.data, w_t.t(), scale_a=for_input.inv_scale, scale_b=w_t_inv, out_dtype=out_dtype)
             if for_weight is not None:
                 gq = for_weight.data
                 # The fused casts made both transposed copies already ((N', M') and (K', M')).
                 g_rows = gq if fused else _pad_rows_fp8(gq, FP8_ALIGN).t().contiguous()
                 x_cols = xq.t() if ctx.x_transposed else _pad_rows_fp8(xq, FP8_ALIGN).t().contiguous().t()
-                grad_w = torch._scaled_mm(g_rows, x_cols, scale_a=for_weight.inv_scale, scale_b=x_inv, out_dtype=torch.float32)
+                with kernel_region(g):
+                    grad_w = torch._scaled_mm(g_rows, x_cols, scale_a=for_weight.inv_scale, scale_b=x_inv, out_dtype=torch.float32)
         if grad_x is not None and grad_x.shape[1] != spec.in_features:
             grad_x = grad_x[:, : spec.in_features]
         if grad_w is not None and grad_w.shape != (spec.out_features, spec.in_features):
