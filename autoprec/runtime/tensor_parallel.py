@@ -24,8 +24,9 @@ backward copies' per-tensor amaxes). INT8 with a calibrated input scale runs on 
 column-wise every rank calibrates on the whole input, row-wise on its slice, each batch scaled by
 the whole input's amax and the freeze gathering every rank's channel amaxes and samples
 (`calibration.Int8Calibrator.split_over`), so every rank freezes the unsharded layer's scale and
-outlier channels. What cannot run sharded yet (block-scaled FP8, emulated products) is refused
-at the first forward in one line (`sharded_reason`). Eager only (`torch.compile` of a TP layer
+outlier channels. E4M3 block-scaled FP8 runs on both with no collective of its own (each rank
+tiles its shard). What cannot run sharded yet (other emulated products) is refused at the first
+forward in one line (`sharded_reason`). Eager only (`torch.compile` of a TP layer
 under a plan is not covered).
 """
 
