@@ -76,8 +76,7 @@ class TorchaoExport:
 
 def torchao_export(plan: Plan) -> TorchaoExport:
     """Map ``plan`` onto torchao's float8 training (pure; see the module docstring)."""
-    if not plan.fingerprint:
-        raise PlanError("the plan has no fingerprint (module types and shapes) to export from; re-save it with autoprec >= 0.1")
+    check_fingerprint(plan)
     recipes: dict[str, list[str]] = {}
     skipped: dict[str, str] = {}
     notes: list[str] = []
@@ -103,6 +102,12 @@ def torchao_export(plan: Plan) -> TorchaoExport:
     grad_comm = {fqn: m.value for fqn, m in plan.comm.items() if m is not CommMethod.FP32}
     configs = {recipe: _CONFIGS.get(recipe) for recipe in recipes}
     return TorchaoExport({k: tuple(v) for k, v in recipes.items()}, skipped, tuple(notes), autocast, plan.recompute, grad_comm, configs)
+
+
+def check_fingerprint(plan: Plan) -> None:
+    """`PlanError` unless ``plan`` holds the fingerprint (module types and shapes) an export reads."""
+    if not plan.fingerprint:
+        raise PlanError("the plan has no fingerprint (module types and shapes) to export from; re-save it with autoprec >= 0.1")
 
 
 def autocast_dtype(plan: Plan) -> "str | None":

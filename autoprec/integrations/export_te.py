@@ -46,11 +46,10 @@ from pathlib import Path
 from typing import Mapping
 
 from .._io import atomic_write_text
-from ..errors import PlanError
 from ..formats import Format, Granularity
 from ..plan import Plan, ScalingMode
 from ..runtime.gemm import weight_grad_format
-from .export import _docstring_text, _literal, autocast_dtype, export_path, float8_linear_problem
+from .export import _docstring_text, _literal, autocast_dtype, check_fingerprint, export_path, float8_linear_problem
 
 __all__ = ["TE_RELEASE", "TransformerEngineExport", "transformer_engine_export", "write_transformer_engine"]
 
@@ -93,8 +92,7 @@ class TransformerEngineExport:
 
 def transformer_engine_export(plan: Plan) -> TransformerEngineExport:
     """Map ``plan`` onto Transformer Engine 2.20's quantizer roles (pure; module docstring)."""
-    if not plan.fingerprint:
-        raise PlanError("the plan has no fingerprint (module types and shapes) to export from; re-save it with autoprec >= 0.1")
+    check_fingerprint(plan)
     quantizers: dict[str, dict[str, tuple]] = {}
     high: dict[str, str] = {}
     notes: list[str] = []
