@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 from .._io import atomic_write_text
 from ..errors import PlanError
@@ -296,25 +296,38 @@ def export_path(plan_path: Path, out: "str | Path | None", target: str) -> Path:
     return path
 
 
+def write_export(plan_path: "str | Path", out: "str | Path | None", target: str, mapping: Callable[[Plan], Any],
+                 render: Callable[[Any, Mapping[str, str]], str]) -> tuple[Path, Any]:
+    """Write the export of the plan at ``plan_path`` for ``target`` (atomically) to ``out``
+    (`export_path`): ``mapping(plan)``, then ``render(mapping, head)`` the module's text, ``head``
+    the fields every export's template states (``source``, ``digest``, ``version``, ``module``).
+    Returns the path written and the mapping."""
+    from .. import __version__
+
+    plan_path = Path(plan_path)
+    export = mapping(Plan.load(plan_path))
+    out = export_path(plan_path, out, target)
+    head = {"source": _docstring_text(plan_path.name), "digest": hashlib.sha1(plan_path.read_bytes()).hexdigest()[:12],
+            "version": __version__, "module": out.stem}
+    atomic_write_text(out, render(export, head))
+    return out, export
+
+
 def write_torchao(plan_path: "str | Path", out: "str | Path | None" = None) -> tuple[Path, TorchaoExport]:
     """Export the plan at ``plan_path`` for torchao (atomically) to ``out`` (default: next to the
     plan, ``<plan stem>_torchao.py``); returns the path written and the mapping."""
-    plan_path = Path(plan_path)
-    export = torchao_export(Plan.load(plan_path))
-    out = export_path(plan_path, out, "torchao")
-    from .. import __version__
+    return write_export(plan_path, out, "torchao", torchao_export, _render_torchao)
 
+
+def _render_torchao(export: TorchaoExport, head: Mapping[str, str]) -> str:
     autocast_usage = (
         f"    with torch.autocast(device_type, dtype=torch.{export.autocast}):   # as autoprec runs the plan\n        loss = loss_fn(model(x), y)\n"
         if export.autocast else ""
     )
-    text = _TEMPLATE.format(
-        source=_docstring_text(plan_path.name), digest=hashlib.sha1(plan_path.read_bytes()).hexdigest()[:12], version=__version__,
-        module=out.stem, autocast_usage=autocast_usage, n_converted=len(export.converted), n_skipped=len(export.not_converted),
+    return _TEMPLATE.format(
+        **head, autocast_usage=autocast_usage, n_converted=len(export.converted), n_skipped=len(export.not_converted),
         recipes=_literal({k: list(v) for k, v in export.recipes.items()}), not_converted=_literal(dict(export.not_converted)),
         configs=_literal({k: None if v is None else {f: list(c) for f, c in v.items()} for k, v in export.configs.items()}),
         notes=_literal(list(export.notes)), autocast=f"torch.{export.autocast}" if export.autocast else "None",
         n_recompute=len(export.recompute), recompute=_literal(list(export.recompute)), grad_comm=_literal(dict(export.grad_comm)),
     )
-    atomic_write_text(out, text)
-    return out, export

@@ -41,15 +41,13 @@ inside its functions.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from pathlib import Path
 from typing import Mapping
 
-from .._io import atomic_write_text
 from ..formats import Format, Granularity
 from ..plan import Plan, ScalingMode
 from ..runtime.gemm import weight_grad_format
-from .export import _docstring_text, _literal, autocast_dtype, check_fingerprint, export_path, float8_linear_problem
+from .export import _literal, autocast_dtype, check_fingerprint, float8_linear_problem, write_export
 
 __all__ = ["TE_RELEASE", "TransformerEngineExport", "transformer_engine_export", "write_transformer_engine"]
 
@@ -270,24 +268,19 @@ def name_modules(model):
 def write_transformer_engine(plan_path: "str | Path", out: "str | Path | None" = None) -> tuple[Path, TransformerEngineExport]:
     """Export the plan at ``plan_path`` for Transformer Engine (atomically) to ``out`` (default:
     next to the plan, ``<plan stem>_transformer_engine.py``); returns the path written and the mapping."""
-    plan_path = Path(plan_path)
-    export = transformer_engine_export(Plan.load(plan_path))
-    out = export_path(plan_path, out, "transformer_engine")
-    from .. import __version__
+    return write_export(plan_path, out, "transformer_engine", transformer_engine_export, _render)
 
+
+def _render(export: TransformerEngineExport, head: Mapping[str, str]) -> str:
     autocast_usage = (f"    # autoprec runs the plan under torch.autocast(device_type, dtype=torch.{export.autocast}) around the same region\n"
                       if export.autocast else "")
     text = _TEMPLATE.format(
-        release=TE_RELEASE, source=_docstring_text(plan_path.name), digest=hashlib.sha1(plan_path.read_bytes()).hexdigest()[:12],
-        version=__version__, module=out.stem, autocast_usage=autocast_usage, n_quantized=len(export.quantized), n_high=len(export.high_precision),
+        **head, release=TE_RELEASE, autocast_usage=autocast_usage, n_quantized=len(export.quantized), n_high=len(export.high_precision),
         quantizers=_literal({f: {r: _Inline(s) for r, s in roles.items()} for f, roles in export.quantizers.items()}),
         high=_literal(dict(export.high_precision)), notes=_literal(list(export.notes)),
         autocast=f"torch.{export.autocast}" if export.autocast else "None", recompute=_literal(list(export.recompute)),
     )
-    if export.autocast:
-        text = text.replace("\nTE_RELEASE =", "\nimport torch\n\nTE_RELEASE =", 1)
-    atomic_write_text(out, text)
-    return out, export
+    return text.replace("\nTE_RELEASE =", "\nimport torch\n\nTE_RELEASE =", 1) if export.autocast else text
 
 
 class _Inline:

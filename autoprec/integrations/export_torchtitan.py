@@ -29,14 +29,12 @@ top (it imports ``torchtitan.components.quantization`` inside ``converters``).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from pathlib import Path
 from typing import Mapping
 
-from .._io import atomic_write_text
 from ..formats import Format, Granularity
 from ..plan import Plan, ScalingMode
-from .export import _docstring_text, _literal, export_path, torchao_export
+from .export import _literal, torchao_export, write_export
 
 __all__ = ["TORCHTITAN_RELEASE", "TorchtitanExport", "torchtitan_export", "write_torchtitan"]
 
@@ -157,16 +155,12 @@ def converters(model_compile_enabled=False, emulate=False):
 def write_torchtitan(plan_path: "str | Path", out: "str | Path | None" = None) -> tuple[Path, TorchtitanExport]:
     """Export the plan at ``plan_path`` for torchtitan (atomically) to ``out`` (default: next to
     the plan, ``<plan stem>_torchtitan.py``); returns the path written and the mapping."""
-    plan_path = Path(plan_path)
-    export = torchtitan_export(Plan.load(plan_path))
-    out = export_path(plan_path, out, "torchtitan")
-    from .. import __version__
+    return write_export(plan_path, out, "torchtitan", torchtitan_export, _render)
 
-    text = _TEMPLATE.format(
-        release=TORCHTITAN_RELEASE, source=_docstring_text(plan_path.name), digest=hashlib.sha1(plan_path.read_bytes()).hexdigest()[:12],
-        version=__version__, module=out.stem, n_converted=sum(len(v) for v in export.recipes.values()), n_skipped=len(export.not_converted),
+
+def _render(export: TorchtitanExport, head: Mapping[str, str]) -> str:
+    return _TEMPLATE.format(
+        **head, release=TORCHTITAN_RELEASE, n_converted=sum(len(v) for v in export.recipes.values()), n_skipped=len(export.not_converted),
         recipes=_literal({k: list(v) for k, v in export.recipes.items()}), filters=_literal({k: list(v) for k, v in export.filter_fqns.items()}),
         not_converted=_literal(dict(export.not_converted)), notes=_literal(list(export.notes)), recompute=_literal(list(export.recompute)),
     )
-    atomic_write_text(out, text)
-    return out, export
