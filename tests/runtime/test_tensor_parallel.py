@@ -5,6 +5,7 @@ RowwiseParallel (DTensor weights, as torchtitan's plan leaves them, sequence par
 sharding rule for ``_int_mm``."""
 
 import copy
+import fnmatch
 
 import pytest
 import torch
@@ -340,12 +341,13 @@ def test_the_searchs_copy_of_a_tensor_parallel_model_is_the_unsharded_model(tmp_
 RUNS_SHARDED = {"fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"}
 
 
-def loop_scenario(rank, sequence_parallel, data_parallel=False):
+def loop_scenario(rank, sequence_parallel, data_parallel=False, pin=None):
     """The README's loop as a new user writes it around torchtitan's tensor-parallel Llama (the
     scheduler binds at the first context): a profile window, the search over training steps, then
     the plan in force for 3 steps. Every rank feeds the same batch (one TP group); with
     ``data_parallel``, a 2 x 2 mesh as torchtitan composes it: TP over "tp", each block and the
-    root under FSDP2 over "dp", each "dp" rank its own rows of the batch."""
+    root under FSDP2 over "dp", each "dp" rank its own rows of the batch. ``pin``: layer pattern ->
+    format (`LayerRules.pin`), the search's other layers free."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor, Shard
@@ -365,7 +367,7 @@ def loop_scenario(rank, sequence_parallel, data_parallel=False):
     # plans proposed at 0.8 measure over it: later rounds (on every rank alike) kept to it in most
     # runs, not all (docs/distributed.md), so the test holds 0.9.
     scheduler = ap.DynamicPrecisionScheduler(monitor_window=4, monitor_steps=2, memory_budget=0.9, accuracy_budget=0.05, search_timeout_s=30.0,
-                                             formats=["fp32", "bf16", "fp8_e4m3", "int8"])
+                                             formats=["fp32", "bf16", "fp8_e4m3", "int8"], rules=ap.LayerRules(pin=pin or {}))
     losses, planned, before_last = [], 0, None
     for step in range(100):  # the window, probes and off-path work, then up to 3 rounds of candidates
         x, y = token_batch(step, *rows)
@@ -403,19 +405,55 @@ def _agreed(state):
             for fqn, layer in state["layers"].items()}
 
 
-@pytest.mark.parametrize("sequence_parallel, data_parallel", [(False, False), (True, False), pytest.param(False, True, marks=pytest.mark.slow)],
-                         ids=["tp", "tp-sp", "fsdp2xtp"])
-def test_the_seeds_loop_reaches_one_plan_under_tensor_parallelism(tmp_path, sequence_parallel, data_parallel):
+def _unsharded(states):
+    """The runtime state of the unsharded model from every TP rank's (rank order): a row-wise
+    INT8 calibrator keeps its own slice of the input channels (its running amaxes, samples,
+    mask, and the outlier channels by local index, those on other ranks invalid), so the whole
+    layer's are the slices concatenated and each valid outlier moved by its rank's offset."""
+    whole = copy.deepcopy(states[0])
+    for fqn, layer in whole["layers"].items():
+        for key, c in layer["calibrators"].items():
+            parts = [s["layers"][fqn]["calibrators"][key] for s in states]
+            probe = c["channel_amax"] if c["channel_amax"] is not None else c["keep"]
+            channels = c["whole_channels"]
+            if probe is None or probe.shape[-1] == channels:
+                continue  # column-wise or unsharded: every rank sees the whole input
+            chunk = -(-channels // len(parts))
+            for name in ("channel_amax", "keep"):
+                if c[name] is not None:
+                    c[name] = torch.cat([p[name] for p in parts])[:channels]
+            c["samples"] = [torch.cat(rows, dim=1) for rows in zip(*(p["samples"] for p in parts))]
+            if c["outlier_index"] is not None:
+                index, valid = torch.zeros_like(c["outlier_index"]), torch.zeros_like(c["outlier_valid"])
+                for rank, p in enumerate(parts):
+                    mine = p["outlier_valid"] > 0
+                    index = torch.where(mine, p["outlier_index"] + rank * chunk, index)
+                    valid = torch.where(mine, p["outlier_valid"], valid)
+                c["outlier_index"], c["outlier_valid"] = index, valid
+    return whole
+
+
+# The row-wise projections in calibrated INT8 whatever the search would choose: their ranks each
+# calibrate a slice of the input (CI failed on a run whose search chose it for one).
+ROW_WISE_INT8 = {"*.wo": "int8", "*.w2": "int8"}
+
+
+@pytest.mark.parametrize("sequence_parallel, data_parallel, pin", [(False, False, None), (True, False, None), (False, False, ROW_WISE_INT8),
+                                                                   pytest.param(False, True, None, marks=pytest.mark.slow)],
+                         ids=["tp", "tp-sp", "tp-row-wise-int8", "fsdp2xtp"])
+def test_the_seeds_loop_reaches_one_plan_under_tensor_parallelism(tmp_path, sequence_parallel, data_parallel, pin):
     # Before: the first step's unscale failed (a fused call mixing DTensor gradients with the
     # norms' plain ones), then the window's metering (a DTensor has no storage), the search's copy
     # (TP's hooks on whole weights), and the probe steps (INT8 on a sharded weight). FSDP2 x TP:
     # 4 ranks, the scheduler's agreements over all of them.
-    results = run(loop_scenario, tmp_path, sequence_parallel, data_parallel, world=4 if data_parallel else WORLD)
+    results = run(loop_scenario, tmp_path, sequence_parallel, data_parallel, pin, world=4 if data_parallel else WORLD)
     first = results[0]
     assert first["error"] is None and first["planned"] == 3, first["error"]
     assert len(first["sharded"]) == 4 * 7 + 1  # every block's projections and the head
     assert len(first["column_wise"]) == 4 * 5 + 1  # wq, wk, wv, w1, w3 and the head; wo and w2 are row-wise
     for name, layer in first["plan"]["layers"].items():
+        if pin and any(fnmatch.fnmatchcase(name, p) for p in pin):
+            assert layer["format"] == "int8", (name, layer)
         if name in first["sharded"]:  # either split runs every candidate (INT8 calibrated on a slice of the input row-wise)
             assert layer["format"] in RUNS_SHARDED | {"int8"}, (name, layer)
             assert "not searched" not in layer["reason"], name
@@ -439,7 +477,7 @@ def test_the_seeds_loop_reaches_one_plan_under_tensor_parallelism(tmp_path, sequ
         model.load_state_dict(before["params"])
         runtime = ap.apply_plan(model, ap.Plan.from_dict(first["plan"]))
         if before["runtime"] is not None:
-            runtime.load_state_dict(before["runtime"])
+            runtime.load_state_dict(_unsharded([r["before_last"]["runtime"] for r in results]))
         x, y = token_batch(before["step"])
         with torch.no_grad(), runtime:
             loss = nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).item()
