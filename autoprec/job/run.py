@@ -352,8 +352,9 @@ def run_job(config: JobConfig, progress: "Progress | None" = None, workers: int 
     1. **Train and profile**: ``[profile].steps`` training steps of the workload's model (the model
        the plan is for), the `LayerProfiler` attached for that window, unless ``[profile].path``
        names a saved profile (then it is loaded and checked against the model). A format whose
-       weights, activations or gradients the profile saw overflow (beyond `planner.OVERFLOW_LIMIT`, with
-       that format's scaling) is taken out of the layer's choices, with that reason.
+       weights, activations or gradients the profile saw overflow or underflow past what the
+       scheduler promotes a layer for (`planner.range_reason`, with that format's scaling) is
+       taken out of the layer's choices, with that reason.
     2. **Costs and sensitivity**: a `CostModel` (bytes from the traced shapes, seconds measured on
        this device and cached) and the Fisher sensitivity estimate (predicted loss increase) per
        (layer, format), at the workload's learning rate; per recompute block (`find_blocks`, or

@@ -17,7 +17,7 @@ from ..errors import SearchError, SettingsError
 from ..formats import CommMethod, Format
 from ..plan import Scaling
 from ..scaling import LossScaling
-from ..search.space import DEFAULT_CANDIDATES, Budgets, LayerRules, Planning, formats_for_precision, memory_budget, MEMORY_SPELLINGS
+from ..search.space import DEFAULT_CANDIDATES, Budgets, LayerRules, Planning, RangeLimits, formats_for_precision, memory_budget, MEMORY_SPELLINGS
 
 __all__ = ["SchedulerConfig", "Thresholds", "GRAD_COMM", "AUTO_COMM", "config_of"]
 
@@ -37,8 +37,8 @@ class Thresholds:
     amax went more than this many times past the range its scale covers is recalibrated at the
     next check step, and promoted when it does so again in the window (`scheduler.plan_checks`)."""
 
-    overflow: float = 1e-3
-    underflow: float = 0.25
+    overflow: float = RangeLimits.overflow  # the search rules out what the profile shows past these
+    underflow: float = RangeLimits.underflow
     amax_drift: float = 16.0
     nonfinite_steps: int = 3
     stable_windows: int = 2
@@ -220,7 +220,8 @@ class SchedulerConfig:
     def planning(self) -> Planning:
         """The search's settings as one `Planning` (one plan: the optimum)."""
         return Planning(self.candidates, self.rules, self.budgets, self.min_precision, self.max_precision, self.lr,
-                        k=1, time_limit=self.search_timeout_s, measure=self.measure_costs, scaling=self.scaling)
+                        k=1, time_limit=self.search_timeout_s, measure=self.measure_costs, scaling=self.scaling,
+                        limits=RangeLimits(self.thresholds.overflow, self.thresholds.underflow))
 
     @property
     def profiled_steps(self) -> int:

@@ -114,7 +114,7 @@ class TrainingSearch:
         self.formats = list(config.candidates)
         # measure_costs=False: roofline seconds, no probe and no trial steps (the optimum is adopted).
         self.measuring = bool(config.measure_costs)
-        allowed = probe_formats(self.layers, self.formats, profile, device, config.rules)
+        allowed = probe_formats(self.layers, self.formats, profile, device, config.rules, config.planning.precisions(), config.planning.limits)
         self._probes = probe_plans(self.layers, self.roles, self.blocks, allowed, config.planning.precisions(), known) if self.measuring else []
         self._probe_runtimes: dict[int, Any] = {}
         self._samples: dict[str, list[float]] = {}  # "role|format" -> seconds measured in probe steps

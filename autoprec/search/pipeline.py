@@ -151,9 +151,10 @@ def search_estimator(lr: float) -> Any:
 
 def space_of(costs: Any, sensitivity: Any, profile: Any, planning: Planning) -> Space:
     """The search space of measured ``costs`` and ``sensitivity`` (`planner.build_space`), less
-    the formats ``profile`` saw overflow."""
+    the formats whose range ``profile`` saw too many values leave (`Planning.limits`)."""
     space, ruled_out = build_space(costs, sensitivity, profile, formats=planning.formats, rules=planning.rules,
-                                   min_precision=planning.min_precision, max_precision=planning.max_precision)
+                                   min_precision=planning.min_precision, max_precision=planning.max_precision,
+                                   precisions=planning.precisions(), limits=planning.limits)
     return Space(costs, sensitivity, space, ruled_out)
 
 

@@ -10,7 +10,6 @@ search compared. With recompute blocks costed (`CostModel.blocks`) the space hol
 from __future__ import annotations
 
 import fnmatch
-import functools
 import math
 from typing import Iterable, Mapping
 
@@ -19,38 +18,41 @@ from ..errors import InfeasibleBudgetError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
 from .exact import Solution
-from .space import Block, Choice, LayerRules, SearchSpace
+from .space import Block, Choice, LayerRules, RangeLimits, SearchSpace
 
-__all__ = ["OVERFLOW_LIMIT", "overflow_reason", "build_space", "layer_reasons", "block_reasons", "measured_reasons",
+__all__ = ["OVERFLOW_LIMIT", "range_reason", "build_space", "layer_reasons", "block_reasons", "measured_reasons",
            "plan_from_solution", "in_budget_terms"]
 
 # A format is ruled out for a layer when the profile saw more than this fraction of a tensor
-# overflow it (after the format's scaling). Overflow to inf (FP16, E5M2) poisons a step, so the
-# limit is one value in 10^4; saturating formats (E4M3, INT8) clamp instead, which costs
-# accuracy only in proportion (Micikevicius et al. 2022, "FP8 formats for deep learning",
-# sec. 4: E4M3 saturates rare outliers harmlessly), so they are allowed 1 %.
+# overflow it (after the format's scaling), or more than the scheduler promotes a planned layer
+# for (`RangeLimits.overflow`, 0.1 % by default), whichever is less. Overflow to inf (FP16, E5M2)
+# poisons a step, so the limit is one value in 10^4; saturating formats (E4M3, INT8) clamp
+# instead, which costs accuracy only in proportion (Micikevicius et al. 2022, "FP8 formats for
+# deep learning", sec. 4: E4M3 saturates rare outliers harmlessly): their own limit is 1 %, for
+# a scheduler whose thresholds allow that much.
 OVERFLOW_LIMIT = {False: 1e-4, True: 1e-2}  # keyed by Format.spec.saturates
 
 
-@functools.lru_cache(maxsize=None)
-def _default_precision(fmt: Format) -> LayerPrecision:
-    """``LayerPrecision(fmt)``, made (and validated) once per format: it is immutable, and the
-    window's end asks it of every (layer, format)."""
-    return LayerPrecision(fmt)
-
-
-def overflow_reason(profile, fqn: str, fmt: Format) -> "str | None":
-    """Why the profile rules ``fmt`` out for layer ``fqn``, or None."""
+def range_reason(profile, fqn: str, precision: LayerPrecision, limits: RangeLimits = RangeLimits()) -> "str | None":
+    """Why the profile rules ``precision``'s format out for layer ``fqn``, or None: a tensor kind
+    (weight, activation, gradient), cast as ``precision`` casts it (`LayerPrecision.cast_of`),
+    of which more overflowed than `OVERFLOW_LIMIT` or ``limits.overflow``, or more underflowed
+    than ``limits.underflow``: what the scheduler promotes a planned layer for (`RangeLimits`).
+    Reads the profile's fractions: no tensor work."""
     if fqn not in profile.layers:
         return None
-    lp = _default_precision(fmt)
+    fmt = precision.format
     for kind, ts in profile.layers[fqn].tensors.items():
-        kind_fmt, scaling = lp.cast_of(kind)
-        if kind_fmt.value not in ts.fractions:
+        kind_fmt, scaling = precision.cast_of(kind)
+        if kind_fmt.value not in ts.fractions or scaling not in ts.fractions[kind_fmt.value]:
             continue
         fraction = ts.overflow(kind_fmt, scaling)
-        if fraction > OVERFLOW_LIMIT[kind_fmt.spec.saturates]:
+        if fraction > min(OVERFLOW_LIMIT[kind_fmt.spec.saturates], limits.overflow):
             return f"{fmt.value} ruled out: the profile saw {fraction:.2%} of its {kind} values overflow {kind_fmt.value}"
+        fraction = ts.underflow(kind_fmt, scaling)
+        if fraction > limits.underflow:
+            return (f"{fmt.value} ruled out: the profile saw {fraction:.2%} of its {kind} values underflow {kind_fmt.value} "
+                    f"(a planned layer is promoted past {limits.underflow:.0%})")
     return None
 
 
@@ -63,21 +65,26 @@ def build_space(
     rules: LayerRules = LayerRules(),
     min_precision: int = 8,
     max_precision: int = 32,
+    precisions: "Mapping[Format, LayerPrecision] | None" = None,
+    limits: RangeLimits = RangeLimits(),
 ) -> tuple[SearchSpace, dict[str, list[str]]]:
     """The additive table of ``costs`` (a `CostModel`) and ``sensitivity`` (predicted loss per
-    (layer, format)) over ``formats``, less what ``profile`` (a `Profile` or None) saw overflow,
-    unless a rule pins the layer; each block ``costs`` has costed (`CostModel.blocks`) is a
+    (layer, format)) over ``formats``, less the formats whose range ``profile`` (a `Profile` or
+    None) saw too many values leave (`range_reason`: each format as ``precisions`` plans it, the
+    default `LayerPrecision` where absent; ``limits``), unless a rule pins the layer; each block ``costs`` has costed (`CostModel.blocks`) is a
     recompute `Block` of the space: per layer and format its modelled saved bytes (what
     recomputation frees; its gradients and its FP32-in-region extra stay) and its forward seconds,
     and the block's own ops in the lowered region (as the fixed cost below). Returns the space and,
     per layer, the formats ruled out and why."""
     table: dict[str, dict[Format, Choice]] = {}
     ruled_out: dict[str, list[str]] = {}
+    formats = tuple(formats)
+    planned = {f: (precisions or {}).get(f) or LayerPrecision(f) for f in formats}
     for fqn in costs.layers:
         pinned = any(fnmatch.fnmatchcase(fqn, p) for p in rules.pin)
         row = {}
         for fmt in formats:
-            reason = overflow_reason(profile, fqn, fmt) if fmt is not Format.FP32 and profile is not None else None
+            reason = range_reason(profile, fqn, planned[fmt], limits) if fmt is not Format.FP32 and profile is not None else None
             if reason is not None and not pinned:
                 ruled_out.setdefault(fqn, []).append(reason)
                 continue
@@ -187,12 +194,18 @@ def plan_from_solution(
     blocks = {b.name: b.name in solution.recompute for b in space.blocks}
     plan = Plan(layers, blocks=blocks)
     predicted_cost = costs.plan_cost(plan)
+    freed = {layer: block.freed[layer] for block in space.blocks if block.name in solution.recompute for layer in block.layers}
     per_layer = {}
     for unit in space.units:
         choice = unit.choices[solution.assignment[unit.name]]
         for fqn in unit.layers:
             lc = predicted_cost.layers[fqn]
-            per_layer[fqn] = {"bytes": lc.bytes, "seconds": lc.seconds, "loss": choice.loss / len(unit.layers)}
+            # Every format the search allowed the layer, in the solver's terms (a recomputed
+            # block's layer holds what recomputation does not free): what a promotion is paid
+            # for with (`scheduler.policy.paid_for`).
+            options = {f.value: {"bytes": c.bytes / len(unit.layers) - freed.get(fqn, {}).get(f, 0.0), "loss": c.loss / len(unit.layers)}
+                       for f, c in unit.choices.items()}
+            per_layer[fqn] = {"bytes": lc.bytes, "seconds": lc.seconds, "loss": choice.loss / len(unit.layers), "options": options}
     fp32 = costs.plan_cost(costs.uniform_plan(Format.FP32))
     predicted = {
         "bytes": predicted_cost.bytes,

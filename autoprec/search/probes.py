@@ -13,8 +13,8 @@ import torch
 from ..device import format_support
 from ..formats import Format
 from ..plan import Calibration, LayerPrecision, Plan
-from .planner import overflow_reason
-from .space import LayerRules
+from .planner import range_reason
+from .space import LayerRules, RangeLimits
 
 __all__ = ["PROBE_ROUNDS", "PROBED_PER_ROLE", "probe_formats", "probe_plans"]
 
@@ -28,17 +28,20 @@ PROBED_PER_ROLE = 3
 
 
 def probe_formats(layers: Sequence[str], formats: Sequence[Format], profile: Any, device: torch.device,
-                  rules: LayerRules = LayerRules()) -> dict[str, list[Format]]:
+                  rules: LayerRules = LayerRules(), precisions: "Mapping[Format, LayerPrecision] | None" = None,
+                  limits: RangeLimits = RangeLimits()) -> dict[str, list[Format]]:
     """Per layer, the formats a probe step may run it in: runnable on ``device``, allowed by the
-    ``rules`` (a pinned layer runs its pinned format only, a forbidden format never) and not seen
-    to overflow in ``profile`` (a probe must not skip a step the search could have foreseen)."""
+    ``rules`` (a pinned layer runs its pinned format only, a forbidden format never) and not ruled
+    out by ``profile`` (`planner.range_reason`, each format as ``precisions`` plans it, under
+    ``limits``: a probe must not skip a step the search could have foreseen)."""
     runnable = [f for f in formats if format_support(f, device).runnable]
+    planned = {f: (precisions or {}).get(f) or LayerPrecision(f) for f in runnable}
     allowed = {}
     for fqn in layers:
         pinned = [Format.parse(f) for pattern, f in rules.pin.items() if fnmatch.fnmatchcase(fqn, pattern)]
         forbidden = {Format.parse(f) for pattern, fs in rules.forbid.items() if fnmatch.fnmatchcase(fqn, pattern) for f in fs}
         fmts = [f for f in runnable if f not in forbidden and (not pinned or f in pinned)]
-        fmts = [f for f in fmts if f is Format.FP32 or profile is None or overflow_reason(profile, fqn, f) is None]
+        fmts = [f for f in fmts if f is Format.FP32 or profile is None or range_reason(profile, fqn, planned[f], limits) is None]
         allowed[fqn] = fmts or [pinned[0] if pinned else Format.FP32]
     return allowed
 

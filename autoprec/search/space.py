@@ -27,7 +27,7 @@ from ..errors import FormatError, PlanError, SearchError
 from ..formats import Format
 from ..plan import LayerPrecision, Scaling
 
-__all__ = ["Choice", "Budgets", "LayerRules", "Planning", "Unit", "Block", "SearchSpace", "formats_for_precision", "DEFAULT_CANDIDATES"]
+__all__ = ["Choice", "Budgets", "LayerRules", "RangeLimits", "Planning", "Unit", "Block", "SearchSpace", "formats_for_precision", "DEFAULT_CANDIDATES"]
 
 # Forward formats searched by default. FP8 E5M2 as a *forward* format loses a mantissa bit for
 # range activations rarely need; FP8 layers already compute gradients in E5M2.
@@ -185,6 +185,18 @@ class LayerRules:
 
 
 @dataclasses.dataclass(frozen=True)
+class RangeLimits:
+    """The fractions of a tensor's values out of its format's range (after the layer's scaling)
+    past which the scheduler promotes a planned layer (`SchedulerConfig.thresholds`' ``overflow``
+    and ``underflow``). The search rules a format out for a layer whose profile already shows
+    more (`planner.range_reason`): a plan the next window's statistics would promote at once is
+    not a plan within its budgets (the promotion adds bytes the memory budget did not count)."""
+
+    overflow: float = 1e-3
+    underflow: float = 0.25
+
+
+@dataclasses.dataclass(frozen=True)
 class Planning:
     """What a search plans under, one object from its caller's settings (`SchedulerConfig.planning`,
     `JobConfig.planning`) to every stage of the pipeline.
@@ -193,7 +205,8 @@ class Planning:
     (bits) are searched; ``rules``: pins and forbids; ``budgets``;
     ``lr``: the learning rate the sensitivity's gradient term assumes; ``k``: plans wanted, the
     optimum first; ``time_limit``: seconds for the integer programs (None: unbounded);
-    ``measure``: time layers in place (False: roofline times). ``scaling``: how each scaled
+    ``measure``: time layers in place (False: roofline times); ``limits``: the range fractions a
+    planned layer is promoted past (`RangeLimits`), which the profile's rule out. ``scaling``: how each scaled
     format's tensors are scaled (format -> `Scaling`; a format not named takes the default,
     current per-tensor): the costs are timed, the sensitivity estimated and the plans made in it,
     e.g. ``{Format.FP8_E4M3: Scaling(granularity="block")}`` for DeepSeek-V3's fine-grained FP8
@@ -208,6 +221,7 @@ class Planning:
     k: int = 1
     time_limit: "float | None" = None
     measure: bool = True
+    limits: RangeLimits = RangeLimits()
     # Given as format (or name) -> Scaling (or a granularity name); held as Format -> Scaling.
     scaling: Mapping[Any, Any] = dataclasses.field(default_factory=dict)
 
