@@ -9,7 +9,8 @@ over training steps), `grad_comm` (each layer's gradient communication under DDP
 `step_checks` (what a step refuses and warns of), `stance` (whether a step of a compiled model
 runs eagerly), `fp8_gathers` (FSDP2's FP8 gathers switched with the plan), `plan_checks`,
 `lifecycle` (the window clock's pure transitions) and
-`policy` (the pure promote / demote rules). May import every part below it (the shared basics,
+`policy` (the pure promote / demote rules), `promotion_bytes` (the lowerings that pay for a
+promotion within the memory budget). May import every part below it (the shared basics,
 `runtime`, `profiling`, `scaling`, `sensitivity`, `costs`, `search`, `monitoring`,
 `distributed`); imported only by the entry points (`integrations`, the CLI) and users.
 """

@@ -35,6 +35,7 @@ from ..runtime import apply_plan
 from ..scaling import LossScaler
 from .binding import require_bound
 from .policy import PolicyState, demotions, promotions, window_triggers
+from .promotion_bytes import paid_for, repredicted
 
 if TYPE_CHECKING:
     from ..distributed import RankAgreement
@@ -314,7 +315,7 @@ class PlanKeeper:
         self._promote(promote, triggers, step)
         current = {fqn: lp.format for fqn, lp in self._planned().layers.items()}
         changes, self._policy = demotions(triggers, self._policy, step, t.stable_windows, current, self._window_skipped)
-        self._apply(changes, "demoted", "demotion", step)
+        self._apply([(c, "demoted") for c in changes], "demotion", step)
 
     def act_on_checks(self, recalibrate: Mapping[str, str], promote: Mapping[str, str], step: int) -> None:
         """A planned check step's actions (`plan_checks`), fqn -> why, one log line per layer:
@@ -337,13 +338,24 @@ class PlanKeeper:
         return [f for f in (Format.BF16, Format.FP32) if f.bits <= self.config.max_precision and format_support(f, device).runnable]
 
     def _promote(self, fqns: Sequence[str], reasons: Mapping[str, str], step: int) -> None:
-        changes, self._policy = promotions(self._planned(), {f: reasons[f] for f in fqns}, self._policy, step, self._ladder())
-        self._apply(changes, "promoted", "promotion", step)
+        """Promote ``fqns`` one step up the ladder, and lower other layers to pay for the bytes
+        they add where the plan would go over its memory budget (`promotion_bytes.paid_for`);
+        what cannot be paid for is promoted anyway, with a warning (a layer that overflows must
+        not stay in its format for the budget's sake)."""
+        plan = self._planned()
+        changes, self._policy = promotions(plan, {f: reasons[f] for f in fqns}, self._policy, step, self._ladder())
+        lowered, over = paid_for(plan, {c.fqn: c.new for c in changes}, keep={f for f, stack in self._policy.history.items() if stack}, step=step)
+        if over > 0:
+            logger.warning("autoprec: step %d: the promotions of %s take the plan %s bytes over its memory budget (predicted), with no lowering "
+                           "of other layers within the accuracy budget to pay for them", step, ", ".join(c.fqn for c in changes), f"{over:,.0f}")
+        self._apply([*((c, "promoted") for c in changes), *((c, "lowered") for c in lowered)], "promotion", step)
 
-    def _apply(self, changes: Sequence[PrecisionChange], verb: str, why: str, step: int) -> None:
-        """Record ``changes`` and put them in force as one new plan."""
-        for change in changes:
-            old = self._planned().layers[change.fqn].format
+    def _apply(self, changes: Sequence[tuple[PrecisionChange, str]], why: str, step: int) -> None:
+        """Record ``changes`` (each with its verb for the layer's reason) and put them in force as
+        one new plan, its predicted figures moved with them (`promotion_bytes.repredicted`)."""
+        plan = self._planned()
+        for change, _ in changes:
+            old = plan.layers[change.fqn].format
             self.changes.append(PrecisionChange(step, change.fqn, old, change.new, change.reason))
             logger.info("autoprec: step %d: %s %s -> %s (%s)", step, layer_name(change.fqn, self._bound()), old.value, change.new.value, change.reason)
             if self._writer is not None:
@@ -351,9 +363,10 @@ class PlanKeeper:
         if changes:
             # A layer lowered again runs its format as the search plans it (`SchedulerConfig.scaling`).
             precisions = self.config.planning.precisions()
-            self.install(self._planned().with_layers({
-                c.fqn: dataclasses.replace(precisions.get(c.new, LayerPrecision(c.new)), reason=f"{verb} at step {step}: {c.reason}") for c in changes
-            }), why, step)
+            changed = plan.with_layers({
+                c.fqn: dataclasses.replace(precisions.get(c.new, LayerPrecision(c.new)), reason=f"{verb} at step {step}: {c.reason}") for c, verb in changes
+            })
+            self.install(changed.replace(predicted=repredicted(changed, plan)), why, step)
 
     # -- agreement and checkpoints ----------------------------------------------------------------
 

@@ -96,7 +96,10 @@ def test_plan_gives_every_layer_a_reason_and_predicted_figures(searched):
     plan = Plan.load(folder / "out" / "plan.json")
     for fqn, lp in plan.layers.items():
         assert lp.reason.startswith(lp.format.value + ":")
-        assert set(plan.predicted["layers"][fqn]) == {"bytes", "seconds", "loss"}
+        figures = plan.predicted["layers"][fqn]
+        assert set(figures) == {"bytes", "seconds", "loss", "options"}
+        # Every format the search allowed the layer, its own among them (what a promotion is paid with).
+        assert lp.format.value in figures["options"] and figures["options"][lp.format.value]["loss"] == pytest.approx(figures["loss"])
     assert plan.layers["blocks.0.attn"].format == plan.layers["blocks.0.attn.qkv"].format  # the group rule
     for key in ("bytes", "seconds", "loss_increase"):
         assert key in plan.predicted and key in plan.measured
@@ -566,3 +569,35 @@ def test_a_format_whose_predicted_loss_increase_is_not_finite_is_ruled_out_for_t
     rows = {unit.name: set(unit.choices) for unit in space.units}
     assert rows == {"0": set(formats), "2": {Format.FP32, Format.BF16}}
     assert ruled_out == {"2": ["fp16 ruled out: its predicted loss increase is not finite (inf)"]}
+
+
+def test_a_format_the_profile_saw_underflow_past_the_schedulers_promotion_threshold_is_ruled_out():
+    """Before, the search ruled formats out for overflow only, and the scheduler promoted a planned
+    INT8 layer one window later for its activations' underflow (a tiny Doge: over its memory
+    budget). Now the search rules out what the scheduler would promote for (`RangeLimits`)."""
+    from autoprec.costs import CostModel, TimingSettings
+    from autoprec.plan import LayerPrecision
+    from autoprec.profiling import LayerProfiler
+    from autoprec.search.planner import build_space, range_reason
+    from autoprec.search.space import RangeLimits
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    # Half of the first layer's inputs 1e-4 of the rest: under INT8's step (amax / 127), not BF16's.
+    x = torch.randn(64, 8) * torch.where(torch.rand(64, 8) < 0.5, 1e-4, 1.0)
+    profiler = LayerProfiler(model, window=2, every=1)
+    with profiler:
+        for _ in range(2):
+            model(x).pow(2).mean().backward()
+            profiler.step()
+    profile = profiler.profile()
+    int8, bf16 = LayerPrecision(Format.INT8), LayerPrecision(Format.BF16)
+    reason = range_reason(profile, "0", int8)
+    assert reason is not None and "activation values underflow int8" in reason and "promoted past 25%" in reason
+    assert range_reason(profile, "0", bf16) is None and range_reason(profile, "0", int8, RangeLimits(underflow=0.9)) is None
+    formats = (Format.FP32, Format.BF16, Format.INT8)
+    costs = CostModel.build(model, (x, None), loss_fn=lambda m, b: m(b[0]).pow(2).mean(), formats=formats, timing=TimingSettings(in_place=False))
+    sensitivity = {(fqn, f): 1e-3 for fqn in ("0", "2") for f in formats}
+    space, ruled_out = build_space(costs, sensitivity, profile, formats=formats)
+    assert {unit.name: set(unit.choices) for unit in space.units}["0"] == {Format.FP32, Format.BF16}
+    assert ruled_out["0"] == [reason]
