@@ -29,6 +29,15 @@ def _autocast_off(device_type: str):
     return torch.autocast(device_type, enabled=False)
 
 
+def _rounded(grad: torch.Tensor, quantizer: "Quantizer | None") -> torch.Tensor:
+    """An output gradient in FP32, rounded through ``quantizer`` (None: kept FP32)."""
+    grad = grad.float()
+    if quantizer is None:
+        return grad
+    inv = quantizer.inverse_scale(grad)
+    return quantizer.dequantize(quantizer.quantize(grad, inv), inv, grad.shape)
+
+
 class StoredInFormat(torch.autograd.Function):
     """Run ``fn(*inputs)`` in FP32 on inputs rounded through their quantizers, saving them quantized.
 
@@ -36,7 +45,8 @@ class StoredInFormat(torch.autograd.Function):
     rounded); one of role `OperandRole.WEIGHT` marks an input derived from parameters (rounded for
     the forward but re-derived from the FP32 master in backward, not saved). Backward rounds the
     incoming gradient through ``grad`` (the output gradient's; None keeps it FP32) and recomputes
-    ``fn`` under autograd from the saved inputs; ``draws_random``: ``fn`` may draw random numbers
+    ``fn`` under autograd from the saved inputs (every output's gradient, for an ``fn`` that
+    returns several); ``draws_random``: ``fn`` may draw random numbers
     (dropout inside attention), so the forward's RNG state is kept and restored for the
     recomputation (the same mask twice, as activation checkpointing does). Other ops skip it:
     reading the RNG state is a graph break under torch.compile. ``fn`` must be
@@ -73,7 +83,7 @@ class StoredInFormat(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, *grad_outs):
         values = list(ctx.others)
         for i, t in zip(ctx.tensor_index, ctx.saved_tensors):
             values[i] = t
@@ -89,10 +99,6 @@ class StoredInFormat(torch.autograd.Function):
                 x = quantizer.dequantize(q, inv, shape).requires_grad_(ctx.needs_input_grad[4 + i])
             values[i] = x
             leaves.append(x)
-        grad_out = grad_out.float()
-        if ctx.grad is not None:
-            g_inv = ctx.grad.inverse_scale(grad_out)
-            grad_out = ctx.grad.dequantize(ctx.grad.quantize(grad_out, g_inv), g_inv, grad_out.shape)
         devices = [torch.cuda.current_device()] if ctx.cuda_rng is not None else []
         rng = torch.random.fork_rng(devices=devices) if ctx.cpu_rng is not None else contextlib.nullcontext()
         with rng, torch.enable_grad(), _autocast_off(ctx.device_type):
@@ -101,7 +107,12 @@ class StoredInFormat(torch.autograd.Function):
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng)
             out = ctx.fn(*values)
+        # One gradient per output (multi-head attention returns its weights beside its output),
+        # each rounded through the output gradient's quantizer; an output without one is left out.
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        pairs = [(o, _rounded(g, ctx.grad)) for o, g in zip(outs, grad_outs) if torch.is_tensor(o) and o.requires_grad and g is not None]
         wanted = [x for x in leaves if torch.is_tensor(x) and x.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad_out.to(out.dtype), allow_unused=True)) if wanted else iter(())
+        grads = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g.to(o.dtype) for o, g in pairs], allow_unused=True)) \
+            if wanted and pairs else iter([None] * len(wanted))
         result = [next(grads) if torch.is_tensor(x) and x.requires_grad else None for x in leaves]
         return (None, None, None, None, *result)

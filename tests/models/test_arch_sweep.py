@@ -36,8 +36,6 @@ KNOWN_FAILURES: dict[str, tuple[str, bool]] = {
                "outside the layers; find it with the backward's anomaly mode and keep its region out of half formats", False),
     "inkling_text": ("its candidates' forwards overflow: with the layers the scaler named promoted to FP32 one plans on some "
                      "runs (the candidates hang on measured times), on others three promotions are not enough: as longt5", False),
-    "wavlm": ("its attention's emulated FP8 product has two outputs, and StoredInFormat.backward takes one gradient: "
-              "give the emulation's backward every output's gradient (the sensitivity estimate refused the layer, then the search)", True),
     "yoso": ("its custom autograd Function's backward multiplies the FP32 incoming gradient by a saved BF16 value "
              "(torch.matmul(grad, value.T)), where no autocast runs: give such a Function's backward one dtype, or keep its "
              "layer out of half formats", True),

@@ -519,6 +519,29 @@ def test_emulated_conv_gradients_track_the_reference():
     assert sqnr(ref_dw, conv.weight.grad) > 18
 
 
+@pytest.mark.parametrize("use_weights", [True, False], ids=["output-and-weights", "output-only"])
+def test_an_emulated_product_with_two_outputs_takes_both_gradients(use_weights):
+    # Before: multi-head attention returns its output and its attention weights, and the
+    # emulation's backward took one gradient: "backward() takes 2 positional arguments but 3
+    # were given" (WavLM's attention in FP8, the architecture sweep).
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 6, 16)
+    grads = []
+    for plan in (None, ap.Plan.uniform(attention, "fp8_e4m3", (x, x, x))):
+        attention.zero_grad(set_to_none=True)
+        xs = x.clone().requires_grad_(True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ap.EmulationWarning)
+            with ap.apply_plan(attention, plan) if plan is not None else contextlib.nullcontext():
+                out, weights = attention(xs, xs, xs)
+        loss = out.float().square().sum() + (weights.float().log().sum() if use_weights else 0.0)
+        loss.backward()
+        grads.append((xs.grad, attention.in_proj_weight.grad.clone()))
+    (ref_dx, ref_dw), (dx, dw) = grads
+    assert sqnr(ref_dx, dx) > 18 and sqnr(ref_dw, dw) > 18
+
+
 class _DropoutAttention(nn.Module):
     """No parameters: its one product, attention with dropout, runs emulated in FP8."""
 
