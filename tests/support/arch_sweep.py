@@ -87,6 +87,8 @@ _SIZES = {
     "num_buckets": 8, "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 2, "relative_attention_num_buckets": 8, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
     "dropout": 0.0, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "dropout_rate": 0.0, "resid_pdrop": 0.0,
     "embd_pdrop": 0.0, "attn_pdrop": 0.0, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+    # state-space mixers (Falcon-H1, Mamba-2, Bamba): heads x head size = the inner width, a short scan chunk
+    "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_ssm": 32, "mamba_d_state": 4, "mamba_chunk_size": 16, "chunk_size": 16,
     "use_cache": True,  # the model's default, kept on
 }
 # List-valued stage fields (Swin, ConvNeXt, ResNet): two stages, shrunk.
