@@ -152,7 +152,8 @@ def tensor_parallel_plan(sequence_parallel: bool = False) -> dict:
 def parallelize(model: "Transformer", mesh, sequence_parallel: bool = False) -> "Transformer":
     """``model`` under tensor parallelism on the 1-D ``mesh``, as torchtitan's ``apply_tp``:
     the blocks by `tensor_parallel_plan`, the embeddings row-wise, the head column-wise with a
-    replicated output (the loss sees the whole vocabulary)."""
+    replicated output (the loss sees the whole vocabulary); a pipeline stage's absent parts
+    (`pipeline_stage`) are passed over."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
@@ -163,7 +164,7 @@ def parallelize(model: "Transformer", mesh, sequence_parallel: bool = False) -> 
     }
     if sequence_parallel:
         top["norm"] = SequenceParallel()
-    parallelize_module(model, mesh, top)
+    parallelize_module(model, mesh, {name: style for name, style in top.items() if getattr(model, name) is not None})
     for block in model.layers.values():
         parallelize_module(block, mesh, tensor_parallel_plan(sequence_parallel))
     return model
