@@ -14,12 +14,11 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
 
 import autoprec as ap
 from support.gloo_ranks import run
 from support.states import same
-from support.titan_llama import pipeline_stage, titan_llama, token_batch
+from support.titan_llama import mixed_plan, pipeline_stage, stage_plan, titan_llama, token_batch, token_loss
 
 WORLD = 2
 MICRO = 4  # micro-batches per step (2 rows each)
@@ -34,22 +33,6 @@ KINDS = (
     ap.LayerPrecision("bf16"),
     ap.LayerPrecision("fp32"),
 )
-
-
-def mixed_plan(model):
-    plan = ap.Plan.uniform(model, "bf16", (token_batch(0)[0],))
-    return plan.with_layers({fqn: KINDS[i % len(KINDS)] for i, fqn in enumerate(plan.layers)})
-
-
-def stage_plan(plan, stage):
-    """``plan`` on the layers ``stage`` holds (their fqns are the whole model's)."""
-    names = dict(stage.named_modules())
-    return plan.replace(layers={f: lp for f, lp in plan.layers.items() if f in names},
-                        fingerprint={f: info for f, info in plan.fingerprint.items() if f in names})
-
-
-def loss_fn(logits, target):
-    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
 def trained(models, runtimes, rank, run_step):
@@ -78,7 +61,7 @@ def unsharded(plan, rank, backward_in_region):
         losses = []
         for xm, ym in zip(x.chunk(MICRO), y.chunk(MICRO)):
             with runtime:
-                loss = loss_fn(model(xm), ym)
+                loss = token_loss(model(xm), ym)
                 if backward_in_region:
                     (loss / MICRO).backward()
             if not backward_in_region:
@@ -102,9 +85,9 @@ def pipelined(plan, rank, schedule_name):
     runtimes = [ap.apply_plan(model, stage_plan(plan, model)) for model in models]
     stages = [PipelineStage(model, i, total, torch.device("cpu")) for model, i in zip(models, ids)]
     if interleaved:
-        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=MICRO, loss_fn=loss_fn)
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=MICRO, loss_fn=token_loss)
     else:
-        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name](stages[0], n_microbatches=MICRO, loss_fn=loss_fn)
+        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name](stages[0], n_microbatches=MICRO, loss_fn=token_loss)
 
     def step(x, y):
         losses: list = []
@@ -124,7 +107,7 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved"]
 
 
 def scenario(rank):
-    plan = mixed_plan(titan_llama())
+    plan = mixed_plan(titan_llama(), KINDS)
     out = {"ref": unsharded(plan, rank, backward_in_region=True), "after": unsharded(plan, rank, backward_in_region=False)}
     for name in SCHEDULES:
         out[name] = [pipelined(plan, rank, name) for _ in range(2)]
@@ -183,7 +166,7 @@ def test_the_stage_watch_comes_with_the_runtime_and_leaves_with_it():
     import torch.distributed.pipelining  # noqa: F401  (no stage exists before it is imported)
 
     model = titan_llama(n_layers=2)
-    runtime = ap.apply_plan(model, mixed_plan(model))
+    runtime = ap.apply_plan(model, mixed_plan(model, KINDS))
     x = token_batch(0)[0]
     assert not model._forward_pre_hooks
     with runtime:

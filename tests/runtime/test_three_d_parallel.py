@@ -13,33 +13,16 @@ sharded sums (the plan's own formats round them)."""
 
 import pytest
 import torch
-import torch.nn as nn
 
 import autoprec as ap
 from support.gloo_ranks import run
-from support.titan_llama import parallelize, pipeline_stage, titan_llama, token_batch
+from support.titan_llama import mixed_plan, parallelize, pipeline_stage, stage_plan, titan_llama, token_batch, token_loss
 
 PP, DP, TP = 2, 2, 2
 MICRO = 2  # micro-batches per data-parallel rank and step (2 rows each)
 STEPS = 3
 KINDS = (ap.LayerPrecision("fp8_e4m3"), ap.LayerPrecision("int8", calibration=ap.Calibration(batches=1000)),
          ap.LayerPrecision("bf16"), ap.LayerPrecision("fp32"))
-
-
-def mixed_plan(model):
-    plan = ap.Plan.uniform(model, "bf16", (token_batch(0)[0],))
-    return plan.with_layers({fqn: KINDS[i % len(KINDS)] for i, fqn in enumerate(plan.layers)})
-
-
-def stage_plan(plan, stage):
-    """``plan`` on the layers ``stage`` holds (their fqns are the whole model's)."""
-    names = dict(stage.named_modules())
-    return plan.replace(layers={f: lp for f, lp in plan.layers.items() if f in names},
-                        fingerprint={f: info for f, info in plan.fingerprint.items() if f in names})
-
-
-def loss_fn(logits, target):
-    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
 def _full(t):
@@ -55,13 +38,13 @@ def three_d(rank):
 
     mesh = init_device_mesh("cpu", (PP, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
     pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    plan = mixed_plan(titan_llama())
+    plan = mixed_plan(titan_llama(), KINDS)
     model = parallelize(pipeline_stage(titan_llama(), pp, PP), mesh["tp"])
     for module in (*model.layers.values(), model):
         fully_shard(module, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=None))
     runtime = ap.apply_plan(model, stage_plan(plan, model))
     stage = PipelineStage(model, pp, PP, torch.device("cpu"), group=mesh["pp"].get_group())
-    schedule = Schedule1F1B(stage, n_microbatches=MICRO, loss_fn=loss_fn)
+    schedule = Schedule1F1B(stage, n_microbatches=MICRO, loss_fn=token_loss)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(STEPS):
@@ -95,7 +78,7 @@ def unsharded(plan_dict):
             x, y = token_batch(step, dp, DP)
             for xm, ym in zip(x.chunk(MICRO), y.chunk(MICRO)):
                 with runtime:
-                    loss = loss_fn(model(xm), ym)
+                    loss = token_loss(model(xm), ym)
                     (loss / (MICRO * DP)).backward()
                 losses[dp].append(loss.item())
         opt.step()

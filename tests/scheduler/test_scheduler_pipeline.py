@@ -11,19 +11,14 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 import autoprec as ap
 from autoprec.scheduler.step_checks import PIPELINE_REFUSAL
 from support.gloo_ranks import run
-from support.titan_llama import pipeline_stage, titan_llama, token_batch
+from support.titan_llama import pipeline_stage, titan_llama, token_batch, token_loss
 
 WORLD = 2
 MICRO = 2
-
-
-def loss_fn(logits, target):
-    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
 def refused(rank, kind):
@@ -44,7 +39,7 @@ def refused(rank, kind):
         plan = plan.replace(layers={f: lp for f, lp in plan.layers.items() if f in names},
                             fingerprint={f: info for f, info in plan.fingerprint.items() if f in names})
         scheduler = ap.DynamicPrecisionScheduler.from_plan(model, plan)
-    schedule = ScheduleGPipe(PipelineStage(model, rank, WORLD, torch.device("cpu")), n_microbatches=MICRO, loss_fn=loss_fn)
+    schedule = ScheduleGPipe(PipelineStage(model, rank, WORLD, torch.device("cpu")), n_microbatches=MICRO, loss_fn=token_loss)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = token_batch(0)
     with scheduler.precision_context():

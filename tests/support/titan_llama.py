@@ -168,3 +168,24 @@ def parallelize(model: "Transformer", mesh, sequence_parallel: bool = False) -> 
     for block in model.layers.values():
         parallelize_module(block, mesh, tensor_parallel_plan(sequence_parallel))
     return model
+
+
+def token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The LM loss of ``logits`` (batch, seq, vocab) against ``target`` tokens, in FP32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+def mixed_plan(model: Transformer, kinds: tuple):
+    """A plan of ``model`` cycling ``kinds`` (`LayerPrecision`s) over its layers, so a stage and
+    either split holds every kind."""
+    import autoprec as ap
+
+    plan = ap.Plan.uniform(model, "bf16", (token_batch(0)[0],))
+    return plan.with_layers({fqn: kinds[i % len(kinds)] for i, fqn in enumerate(plan.layers)})
+
+
+def stage_plan(plan, stage: Transformer):
+    """``plan`` on the layers a pipeline ``stage`` holds (their fqns are the whole model's)."""
+    names = dict(stage.named_modules())
+    return plan.replace(layers={f: lp for f, lp in plan.layers.items() if f in names},
+                        fingerprint={f: info for f, info in plan.fingerprint.items() if f in names})
