@@ -28,8 +28,10 @@ SEED = arch_sweep.rotating_seed()
 KNOWN_FAILURES: dict[str, tuple[str, bool]] = {
     "deberta": ("its attention fills BF16 scores with finfo(float32).min (q + q_bias is FP32), so plain torch.autocast fails too: "
                 "run each probe plan once off-path and keep a layer whose code fails in a format out of that format", True),
-    "rwkv": ("the backward of a window's last step finds a [4, 32] tensor modified in place (RWKV's time-mix state): "
-             "find which of the scheduler's calls at a window's end writes it", True),
+    "rwkv": ("the sensitivity estimate's recorded forward runs in eval mode (no dropout), where RWKV turns its cache on "
+             "(use_cache defaults to the config's outside training) and writes its recurrent state in place, so the estimate's "
+             "backward finds a [4, 32] state slice modified: record in train mode with the dropout masks drawn from one seed "
+             "and BatchNorm's running statistics restored after, or keep such a model's recorded call at use_cache=False", True),
     "longt5": ("every lowered candidate's gradients go NaN in the first encoder block's local attention with a finite loss, "
                "in steps run without loss scaling (the scaler is off while searching); retrying (SKIPPED_TRIAL_STEPS) and "
                "promoting the last layer with NaN gradients (TRIAL_PROMOTIONS) do not reach it: the NaN starts in an op "
