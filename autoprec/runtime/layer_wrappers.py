@@ -23,14 +23,13 @@ from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
-from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from ..coverage import enclosing_layer
 from ..formats import Format
 from ..plan import Plan
 from . import pipelining
-from .layers import NEVER_AUTOCAST, RuntimeLayer, to_fp32, to_half
+from .layers import NEVER_AUTOCAST, RuntimeLayer, map_leaves, to_fp32, to_half
 from .model_index import ModelIndex
 from .products import LayerMode, PerThread, Products, ThreadState
 from .recompute import BlockHost, Recording, block_wrapper, users_record
@@ -55,7 +54,7 @@ def _leaving(out: Any, to: "torch.dtype | None", sources: frozenset) -> Any:
     ``sources`` cast to ``to`` (nothing when ``to`` is None). One cast kernel per such tensor."""
     if to is None or not sources:
         return out
-    return pytree.tree_map(lambda t: t.to(to) if torch.is_tensor(t) and t.dtype in sources and t.dtype != to else t, out)
+    return map_leaves(lambda t: t.to(to) if torch.is_tensor(t) and t.dtype in sources and t.dtype != to else t, out)
 
 
 def _own_forward(module: nn.Module, had_own: bool, previous: Any, m: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -76,7 +75,7 @@ def _entering(fmt: Format, device_type: str, half_stored: "torch.dtype | None", 
     if fmt is Format.FP32:
         if half_stored is not None and caller is None:
             leave_to = half_stored  # autocast off around it: the dtype the layers around it hand on
-        args, kwargs = pytree.tree_map(to_fp32, (args, kwargs))
+        args, kwargs = map_leaves(to_fp32, (args, kwargs))
         return torch.autocast(device_type, enabled=False), args, kwargs, leave_to, leaving
     if fmt in (Format.BF16, Format.FP16):
         # Under the other half dtype's autocast its inputs enter in this one, and its outputs

@@ -32,7 +32,8 @@ from .tensor_parallel import sharded_reason
 if TYPE_CHECKING:
     from .triton_cast import FusedCasts
 
-__all__ = ["EmulationWarning", "RuntimeLayer", "as_gemm", "kernel_reason", "row_scale_form", "row_scaled_outs", "to_fp32", "to_half", "unify_dtypes"]
+__all__ = ["EmulationWarning", "RuntimeLayer", "as_gemm", "kernel_reason", "map_leaves", "row_scale_form", "row_scaled_outs", "to_fp32", "to_half",
+           "unify_dtypes"]
 
 
 class EmulationWarning(UserWarning):
@@ -86,6 +87,26 @@ def row_scaled_outs(precision: LayerPrecision, device: torch.device) -> frozense
     return outs if rowwise or torch.bfloat16 in outs else frozenset()
 
 
+def map_leaves(fn: Any, tree: Any) -> Any:
+    """``pytree.tree_map(fn, tree)`` without pytree's flatten and unflatten where ``tree`` is a
+    tensor or plain tuples, lists and dicts of tensors and scalars: a layer's usual arguments and
+    outputs, mapped at every layer call (pytree's walk was about a tenth of a mixed plan's host
+    time per layer). Any other object (a model output class, a KV cache) is pytree's to map."""
+    kind = type(tree)
+    if kind is tuple:
+        return tuple(map_leaves(fn, v) for v in tree)
+    if kind is list:
+        return [map_leaves(fn, v) for v in tree]
+    if kind is dict:
+        return {k: map_leaves(fn, v) for k, v in tree.items()}
+    if isinstance(tree, torch.Tensor) or kind in _SCALARS:
+        return fn(tree)
+    return pytree.tree_map(fn, tree)
+
+
+_SCALARS = frozenset({type(None), bool, int, float, str, torch.dtype, torch.device})
+
+
 def to_fp32(value: Any) -> Any:
     if torch.is_tensor(value) and value.is_floating_point() and value.dtype != torch.float32:
         return value.float()
@@ -103,7 +124,7 @@ def to_half(tree: Any, dtype: torch.dtype) -> Any:
             return value.to(dtype)
         return value
 
-    return pytree.tree_map(cast, tree)
+    return map_leaves(cast, tree)
 
 
 # Products no autocast casts, on any device (torch 2.11, 2.13): a half layer casts their operands
@@ -113,7 +134,7 @@ NEVER_AUTOCAST = frozenset({"grouped_mm"})
 
 def to_dtype(tree: Any, dtype: torch.dtype) -> Any:
     """Floating tensors of ``tree`` cast to ``dtype``."""
-    return pytree.tree_map(lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t, tree)
+    return map_leaves(lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t, tree)
 
 
 def unify_dtypes(tree: Any, dtype: torch.dtype) -> Any:

@@ -28,7 +28,7 @@ from .calibration import Int8Calibrator
 from .casts import call_casts, describe
 from .emulation import StoredInFormat
 from .gemm import FP8_ALIGN, Fp8Linear, Fp8Spec, Int8Linear, Int8Spec
-from .layers import NEVER_AUTOCAST, RuntimeLayer, as_gemm, to_dtype, to_fp32, unify_dtypes
+from .layers import NEVER_AUTOCAST, RuntimeLayer, as_gemm, map_leaves, to_dtype, to_fp32, unify_dtypes
 from .pipelining import inferring
 from .quantizers import OperandRole, QuantizedOperand
 from .recompute import recorded_scale, training_forward
@@ -86,7 +86,7 @@ class LayerMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if layer.format is Format.FP32:
             # A lowered child hands this FP32 layer half tensors; its own products stay FP32.
-            return func(*pytree.tree_map(to_fp32, args), **pytree.tree_map(to_fp32, kwargs))
+            return func(*map_leaves(to_fp32, args), **map_leaves(to_fp32, kwargs))
         if not layer.low_precision:
             args, kwargs = (to_dtype if op in NEVER_AUTOCAST else unify_dtypes)((args, kwargs), layer.format.dtype)
             return func(*args, **kwargs)
@@ -248,7 +248,7 @@ class Products:
         calibration, amax history or scale (a delayed history would take its amax, 0, as a step),
         and no kernel is called (``_scaled_mm`` refuses row-wise scales of 0 rows)."""
         with torch.autocast(self.device_type, enabled=False):
-            out = func(*pytree.tree_map(to_fp32, args), **pytree.tree_map(to_fp32, kwargs))
+            out = func(*map_leaves(to_fp32, args), **map_leaves(to_fp32, kwargs))
         return out.to(out_dtype) if torch.is_tensor(out) and out.is_floating_point() else out
 
     def emulate(self, layer: RuntimeLayer, op: str, func, args, kwargs, reason: "str | None" = None):

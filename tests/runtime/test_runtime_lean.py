@@ -256,3 +256,29 @@ def test_an_fp8_linear_runs_its_kernel_directly_whatever_other_runtimes_the_mode
         counts.append(len(calls))
         assert runtime.report()["0"]["ops"] == {"linear": "kernel torch._scaled_mm"}
     assert counts == [0, 0]  # the kernels called directly, F.linear never
+
+
+def test_map_leaves_maps_as_pytree_does_on_what_layers_take_and_return():
+    # The wrappers' walk over a layer's arguments and outputs skips pytree for plain containers;
+    # anything else (a named tuple, a model output class, a KV cache) is pytree's.
+    import collections
+
+    from torch.utils import _pytree as pytree
+
+    from autoprec.runtime.layers import map_leaves
+
+    transformers = pytest.importorskip("transformers")
+    pair = collections.namedtuple("pair", "a b")
+    t = torch.ones(2, dtype=torch.bfloat16)
+    trees = [t, (t, None, 3), [t, {"x": t, "n": 2.5}], {"mask": None, "states": (t, [t])}, pair(t, (t,)),
+             transformers.modeling_outputs.BaseModelOutput(last_hidden_state=t, hidden_states=(t, t)), ((t,), {"cache": object()})]
+
+    def cast(v):
+        return v.float() if torch.is_tensor(v) else v
+
+    for tree in trees:
+        ours, theirs = map_leaves(cast, tree), pytree.tree_map(cast, tree)
+        assert type(ours) is type(theirs)
+        assert pytree.tree_structure(ours) == pytree.tree_structure(theirs)
+        assert all((a is b) if not torch.is_tensor(a) else (a.dtype == torch.float32 and torch.equal(a, b))
+                   for a, b in zip(pytree.tree_leaves(ours), pytree.tree_leaves(theirs)))
