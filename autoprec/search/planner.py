@@ -71,7 +71,8 @@ def build_space(
     """The additive table of ``costs`` (a `CostModel`) and ``sensitivity`` (predicted loss per
     (layer, format)) over ``formats``, less the formats whose range ``profile`` (a `Profile` or
     None) saw too many values leave (`range_reason`: each format as ``precisions`` plans it, the
-    default `LayerPrecision` where absent; ``limits``), unless a rule pins the layer; each block ``costs`` has costed (`CostModel.blocks`) is a
+    default `LayerPrecision` where absent; ``limits``) and those whose run raised in the
+    sensitivity estimate (its ``metadata["failed"]``), unless a rule pins the layer; each block ``costs`` has costed (`CostModel.blocks`) is a
     recompute `Block` of the space: per layer and format its modelled saved bytes (what
     recomputation frees; its gradients and its FP32-in-region extra stay) and its forward seconds,
     and the block's own ops in the lowered region (as the fixed cost below). Returns the space and,
@@ -80,6 +81,8 @@ def build_space(
     ruled_out: dict[str, list[str]] = {}
     formats = tuple(formats)
     planned = {f: (precisions or {}).get(f) or LayerPrecision(f) for f in formats}
+    # (layer, format) pairs whose run raised in the sensitivity estimate (`failing_formats`).
+    failed = (getattr(sensitivity, "metadata", None) or {}).get("failed", {})
     for fqn in costs.layers:
         pinned = any(fnmatch.fnmatchcase(fqn, p) for p in rules.pin)
         row = {}
@@ -87,6 +90,10 @@ def build_space(
             reason = range_reason(profile, fqn, planned[fmt], limits) if fmt is not Format.FP32 and profile is not None else None
             if reason is not None and not pinned:
                 ruled_out.setdefault(fqn, []).append(reason)
+                continue
+            failure = failed.get(fqn, {}).get(fmt.value)
+            if failure is not None and not pinned:
+                ruled_out.setdefault(fqn, []).append(f"{fmt.value} ruled out: the layer's code fails in it ({failure})")
                 continue
             lc = costs.layer_cost(fqn, fmt)
             loss = 0.0 if fmt is Format.FP32 else max(0.0, float(sensitivity[(fqn, fmt)]))

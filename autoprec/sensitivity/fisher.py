@@ -25,7 +25,7 @@ from ..runtime.model_index import ModelIndex
 from ..scaling import DEFAULT_INIT_SCALE
 from .problem import (
     CallRecorder, LossFn, RecordedCall, Sensitivity, SensitivityEstimator, SensitivityProblem, calibration_steps, eval_mode, float_leaves,
-    layer_callers, layers_run_within, naming_runtime_errors, resolve_problem,
+    layer_callers, layers_run_within, failing_formats, resolve_problem,
 )
 
 __all__ = ["FisherEstimator", "adam_second_moment", "estimate_sensitivity", "sensitivity_steps"]
@@ -186,15 +186,17 @@ class FisherEstimator(SensitivityEstimator):
             try:
                 label = next(units)
             except StopIteration as done:
-                forward, grad, b = done.value
+                forward, grad, b, failed = done.value
                 busy += time.perf_counter() - start
                 break
             busy += time.perf_counter() - start
             yield label
         meta = {"estimator": repr(self), "seconds": round(busy, 3)}
+        if failed:  # layer -> format -> the error its run raised
+            meta["failed"] = {fqn: {f.value: why for (name, f), why in failed.items() if name == fqn} for fqn, _ in failed}
         return Sensitivity({"forward": forward, "grad": grad}, total_of=("forward", "grad"), method=self.name, batches=b, metadata=meta)
 
-    def _units(self, problem: SensitivityProblem) -> Generator[str, None, tuple[dict, dict, int]]:
+    def _units(self, problem: SensitivityProblem) -> Generator[str, None, tuple[dict, dict, int, dict]]:
         model = problem.model
         lowered = {f: lp for f, lp in problem.candidates.items() if f is not Format.FP32}
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -203,6 +205,7 @@ class FisherEstimator(SensitivityEstimator):
         keys = [(fqn, fmt) for fqn in problem.layers for fmt in problem.candidates]
         forward = dict.fromkeys(keys, 0.0)
         grad = dict.fromkeys(keys, 0.0)
+        failed: dict = {}  # (layer, format) -> the first line of what its run raised (`failing_formats`)
         # A delayed-scaling format gets separate runtimes for the no-grad forward (current
         # scaling, as in the measured run) and the gradient pass (which records amax histories,
         # as training does). Any other format runs one forward with grad for both terms.
@@ -231,7 +234,7 @@ class FisherEstimator(SensitivityEstimator):
                     if grad_term and f not in shared:
                         grad_rt[(fqn, f)] = apply_plan(model, problem.plan_for(fqn, f, scope), validate=False, index=index)
                 yield "runtimes"
-            yield from calibration_steps(problem, fwd_rt, problem.batches)
+            yield from calibration_steps(problem, fwd_rt, problem.batches, failed)
             for key, rt in grad_rt.items():
                 rt.load_state_dict(fwd_rt[key].state_dict())
             for key, rt in fwd_rt.items():
@@ -263,7 +266,9 @@ class FisherEstimator(SensitivityEstimator):
                             references[(site, i)] = self._local_grads(module, call, None, own[site])[1]
                         for fmt in lowered:
                             key = (fqn, fmt)
-                            with naming_runtime_errors(fqn, fmt):
+                            if key in failed:
+                                continue
+                            with failing_formats(fqn, fmt, failed):
                                 if with_grad and fmt in shared:
                                     out, local = self._local_grads(module, call, grad_rt[key], own[site])
                                 else:
@@ -275,9 +280,10 @@ class FisherEstimator(SensitivityEstimator):
                             yield fqn
                 del recorder, references
         b = len(problem.batches)
-        forward = {k: v / b for k, v in forward.items()}
-        grad = {k: self.lr / 4 * v / b for k, v in grad.items()}
-        return forward, grad, b
+        # A (layer, format) whose code failed predicts an infinite loss: out of the search for that layer.
+        forward = {k: math.inf if k in failed else v / b for k, v in forward.items()}
+        grad = {k: math.inf if k in failed else self.lr / 4 * v / b for k, v in grad.items()}
+        return forward, grad, b, failed
 
     def _own_parameters(self, problem: SensitivityProblem, index: ModelIndex, site: str) -> list[torch.nn.Parameter]:
         """The parameters whose gradient error a site's local backward scores: all of the site's

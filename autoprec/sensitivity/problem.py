@@ -438,7 +438,8 @@ def calibrate_runtimes(problem: "SensitivityProblem", runtimes: Mapping, batches
         pass
 
 
-def calibration_steps(problem: "SensitivityProblem", runtimes: Mapping, batches: Sequence) -> Iterator[str]:
+def calibration_steps(problem: "SensitivityProblem", runtimes: Mapping, batches: Sequence,
+                      failed: "dict | None" = None) -> Iterator[str]:
     """Calibrate every INT8 single-layer runtime until its scale freezes, as in steady training;
     yields ``"recorded forward"`` after each round's forward (the whole model, recording every
     layer's inputs) and ``"calibration"`` after each layer's re-run.
@@ -448,6 +449,8 @@ def calibration_steps(problem: "SensitivityProblem", runtimes: Mapping, batches:
     sees in the measured run, at the cost of one model forward per batch for all layers together.
     ``batches`` are cycled until each layer has observed ``calibration.batches`` of them (more
     than there are only when the caller set it so: `resolve_problem` caps it at the batches).
+    ``failed``: where a (layer, format) whose code raises is recorded (`failing_formats`) and
+    skipped from then on; None: the error is raised, naming them.
     """
     keys = [key for key in runtimes if _calibrates(problem.candidates[key[1]])]
     if not keys or not batches:
@@ -462,11 +465,11 @@ def calibration_steps(problem: "SensitivityProblem", runtimes: Mapping, batches:
                 problem.loss(batches[i % len(batches)])
         yield "recorded forward"
         for fqn, fmt in keys:
-            if i < problem.candidates[fmt].calibration.batches:
-                with torch.no_grad():
+            if i < problem.candidates[fmt].calibration.batches and (failed is None or (fqn, fmt) not in failed):
+                with torch.no_grad(), failing_formats(fqn, fmt, failed):
                     for call in recorder.calls[fqn]:
                         args, kwargs = call.inputs()
-                        with naming_runtime_errors(fqn, fmt), runtimes[(fqn, fmt)]:
+                        with runtimes[(fqn, fmt)]:
                             recorder.modules[fqn](*args, **kwargs)
                 yield "calibration"
 
@@ -474,10 +477,26 @@ def calibration_steps(problem: "SensitivityProblem", runtimes: Mapping, batches:
 @contextlib.contextmanager
 def naming_runtime_errors(fqn: str, fmt: Format):
     """Name the (layer, format) when the runtime cannot run a single-layer plan."""
+    with failing_formats(fqn, fmt, None):
+        yield
+
+
+@contextlib.contextmanager
+def failing_formats(fqn: str, fmt: Format, failed: "dict | None"):
+    """A single-layer plan's run of layer ``fqn`` in ``fmt``: an error raised in it (the layer's
+    own code failing in that format, as DeBERTa's attention fills its BF16 scores with FP32's
+    minimum, or the runtime refusing it) recorded in ``failed`` as ``(fqn, fmt) -> its first
+    line``, the estimate going on without that pair (the search then rules it out for that
+    layer: `planner.build_space`); with ``failed`` None, raised naming them."""
     try:
         yield
     except (RuntimeError, TypeError) as exc:
+        line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if failed is not None:
+            failed[(fqn, fmt)] = line
+            logger.warning("autoprec: sensitivity: layer %r fails in %s (%s); the search leaves it out of that format", fqn, fmt.value, line)
+            return
         raise SensitivityError(
-            f"the runtime cannot run {fqn!r} in {fmt.value} alone: {str(exc).splitlines()[0]}; "
+            f"the runtime cannot run {fqn!r} in {fmt.value} alone: {line}; "
             "leave this layer or format out (layers=..., formats=...)"
         ) from exc

@@ -1,6 +1,7 @@
 """The offline search job end to end on the built-in LM ("tiny"), through `autoprec search`."""
 
 import json
+import math
 import os
 import re
 
@@ -601,3 +602,57 @@ def test_a_format_the_profile_saw_underflow_past_the_schedulers_promotion_thresh
     space, ruled_out = build_space(costs, sensitivity, profile, formats=formats)
     assert {unit.name: set(unit.choices) for unit in space.units}["0"] == {Format.FP32, Format.BF16}
     assert ruled_out["0"] == [reason]
+
+
+class _SavesItsOutput(torch.autograd.Function):
+    """Identity whose backward multiplies the FP32 incoming gradient by the saved value, as YOSO's
+    own Function does (no autocast runs in a backward): with a half value, the dtypes differ."""
+
+    @staticmethod
+    def forward(ctx, v):
+        ctx.save_for_backward(v)
+        return v.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (v,) = ctx.saved_tensors
+        return grad + 0 * torch.matmul(torch.matmul(grad.float(), v.transpose(-1, -2)), v.float())
+
+
+class _ScoresThroughAFunction(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 8) / 8)
+
+    def forward(self, x):
+        return _SavesItsOutput.apply(torch.matmul(x, self.weight))
+
+
+def test_a_layer_whose_code_fails_in_a_format_is_estimated_and_searched_without_that_format():
+    """Before, the sensitivity estimate raised "the runtime cannot run ... alone" and the whole
+    search failed; now that (layer, format) is out of the search for that layer, with the error."""
+    from autoprec.costs import CostModel, TimingSettings
+    from autoprec.search.planner import build_space
+    from autoprec.sensitivity import estimate_sensitivity
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), _ScoresThroughAFunction(), torch.nn.Linear(8, 4))
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+
+    def loss(model, batch):
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    formats = (Format.FP32, Format.BF16)
+    with pytest.raises(RuntimeError, match="same dtype"):  # what the layer's own backward does in BF16, under plain autocast too
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model[1](x.requires_grad_())
+        out.sum().backward()
+    sensitivity = estimate_sensitivity(model, [(x.detach(), y)], loss, formats)
+    assert sensitivity.metadata["failed"] == {"1": {"bf16": sensitivity.metadata["failed"]["1"]["bf16"]}}
+    assert "same dtype" in sensitivity.metadata["failed"]["1"]["bf16"]
+    assert math.isinf(sensitivity[("1", Format.BF16)]) and math.isfinite(sensitivity[("0", Format.BF16)])
+    costs = CostModel.build(model, (x.detach(), y), loss_fn=loss, formats=formats, timing=TimingSettings(in_place=False))
+    space, ruled_out = build_space(costs, sensitivity, None, formats=formats)
+    choices = {unit.name: set(unit.choices) for unit in space.units}
+    assert choices["1"] == {Format.FP32} and choices["0"] == set(formats)
+    assert ruled_out["1"] == [f"bf16 ruled out: the layer's code fails in it ({sensitivity.metadata['failed']['1']['bf16']})"]

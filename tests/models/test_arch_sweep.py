@@ -38,9 +38,10 @@ KNOWN_FAILURES: dict[str, tuple[str, bool]] = {
                "outside the layers; find it with the backward's anomaly mode and keep its region out of half formats", False),
     "inkling_text": ("its candidates' forwards overflow: with the layers the scaler named promoted to FP32 one plans on some "
                      "runs (the candidates hang on measured times), on others three promotions are not enough: as longt5", False),
-    "yoso": ("its custom autograd Function's backward multiplies the FP32 incoming gradient by a saved BF16 value "
-             "(torch.matmul(grad, value.T)), where no autocast runs: give such a Function's backward one dtype, or keep its "
-             "layer out of half formats", True),
+    "yoso": ("its custom autograd Function's backward multiplies the FP32 incoming gradient by a saved half value "
+             "(torch.matmul(grad, value.T)), where no autocast runs; the sensitivity estimate rules such a (layer, format) out, "
+             "but a probe or trial step runs it on a training step and raises there: check each such plan off-path before its step, "
+             "or fall back to FP32 in a layer whose candidate format raises", True),
 }
 
 
