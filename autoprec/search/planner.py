@@ -79,7 +79,7 @@ def build_space(
     per layer, the formats ruled out and why."""
     table: dict[str, dict[Format, Choice]] = {}
     ruled_out: dict[str, list[str]] = {}
-    formats = tuple(formats)
+    formats = tuple(Format.parse(f) for f in formats)
     planned = {f: (precisions or {}).get(f) or LayerPrecision(f) for f in formats}
     # (layer, format) pairs whose run raised in the sensitivity estimate (`failing_formats`).
     failed = (getattr(sensitivity, "metadata", None) or {}).get("failed", {})
