@@ -191,9 +191,12 @@ class FisherEstimator(SensitivityEstimator):
                 break
             busy += time.perf_counter() - start
             yield label
-        meta = {"estimator": repr(self), "seconds": round(busy, 3)}
+        meta: dict = {"estimator": repr(self), "seconds": round(busy, 3)}
         if failed:  # layer -> format -> the error its run raised
-            meta["failed"] = {fqn: {f.value: why for (name, f), why in failed.items() if name == fqn} for fqn, _ in failed}
+            table: dict = {}
+            for (fqn, f), why in failed.items():
+                table.setdefault(fqn, {})[f.value] = why
+            meta["failed"] = table
         return Sensitivity({"forward": forward, "grad": grad}, total_of=("forward", "grad"), method=self.name, batches=b, metadata=meta)
 
     def _units(self, problem: SensitivityProblem) -> Generator[str, None, tuple[dict, dict, int, dict]]:

@@ -19,7 +19,7 @@ from ..errors import SensitivityError
 from ..formats import Format
 from ..plan import LayerPrecision
 from ..runtime import apply_plan, removing
-from .problem import LossFn, Sensitivity, calibrate_runtimes, eval_mode, float_leaves, naming_runtime_errors, resolve_problem
+from .problem import LossFn, Sensitivity, calibrate_runtimes, eval_mode, failing_formats, float_leaves, resolve_problem
 
 __all__ = ["measure_sensitivity", "spearman", "rank_agreement"]
 
@@ -103,7 +103,7 @@ def measure_sensitivity(
                     runtime = runtimes[(fqn, fmt)]
                     inc = fo = 0.0
                     for batch, (base, z, g_of, ids) in zip(problem.batches, reference):
-                        with _OutputTap(model, grad=False) as tap, naming_runtime_errors(fqn, fmt), runtime:
+                        with _OutputTap(model, grad=False) as tap, failing_formats(fqn, fmt, None), runtime:
                             loss_q, _ = problem.loss(batch)
                         inc += float(loss_q) - base
                         for z_ref, z_q, i in zip(z, tap.outputs, ids):

@@ -475,13 +475,6 @@ def calibration_steps(problem: "SensitivityProblem", runtimes: Mapping, batches:
 
 
 @contextlib.contextmanager
-def naming_runtime_errors(fqn: str, fmt: Format):
-    """Name the (layer, format) when the runtime cannot run a single-layer plan."""
-    with failing_formats(fqn, fmt, None):
-        yield
-
-
-@contextlib.contextmanager
 def failing_formats(fqn: str, fmt: Format, failed: "dict | None"):
     """A single-layer plan's run of layer ``fqn`` in ``fmt``: an error raised in it (the layer's
     own code failing in that format, as DeBERTa's attention fills its BF16 scores with FP32's
