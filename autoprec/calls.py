@@ -155,13 +155,13 @@ def _copied_with(value: Any, items: Any = None, attrs: "dict | None" = None) -> 
     return out
 
 
-def fresh(value: Any, copy_tensor: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.clone) -> Any:
+def fresh(value: Any, copy_tensor: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.clone, memo: "dict | None" = None) -> Any:
     """``value`` for one more run of a recorded call: tensors in tuples, lists and dicts as they
     are, other objects (a KV cache, which the run changes) copied by `isolated` with
     ``copy_tensor`` applied to their tensors (default: cloned, so that no run sees what another
-    wrote, even a cache that writes its tensors in place). Costs one copy of those objects'
-    tensors per run; nothing when the call has only tensors and scalars."""
-    memo: dict = {}
+    wrote, even a cache that writes its tensors in place); ``memo`` as `isolated`'s. Costs one
+    copy of those objects' tensors per run; nothing when the call has only tensors and scalars."""
+    memo = {} if memo is None else memo
     return pytree.tree_map(lambda leaf: leaf if torch.is_tensor(leaf) else isolated(leaf, copy_tensor, memo), value)
 
 

@@ -289,9 +289,16 @@ class _ObjectsAsFound(dict):
     concatenation) is not copied at all, where cloning every layer's keys and values at every
     block made a step's copies grow with the square of the depth.
 
-    Cost: two Python walks of the objects per block and step (the forward's and the
-    recomputation's; a KV cache of L layers: about 5 L visits each), a version read and a
-    ``detach`` per tensor, no tensor copy unless written in place.
+    A ``transformers`` ``Cache`` (and the caches an ``EncoderDecoderCache`` holds) is copied around
+    the layers the block updates only: a decoder layer updates the cache layer of its attention's
+    ``layer_idx`` (`cache_layers_of`), so the copy shares every other layer as it is, where walking
+    all L layers at each of L blocks made a step's walks grow with the square of the depth. Any
+    other object is walked whole.
+
+    Cost: two Python walks per block and step (the forward's and the recomputation's) of the
+    objects the block may change (a ``transformers`` cache: its own attributes and the block's
+    layers, plus a C-level copy of its list of L layer references; another object: all of it), a
+    version read and a ``detach`` per tensor walked, no tensor copy unless written in place.
 
     The clone is of the tensor as the forward left it: a block that reads a tensor it then
     changes in place from its own old value (a running count) recomputes from the changed value,
@@ -299,16 +306,19 @@ class _ObjectsAsFound(dict):
     copy taken before each block's forward would serve it, which for a cache that every block
     extends is a copy of every layer's keys and values held per block until the backward."""
 
-    def __init__(self):
+    def __init__(self, cache_layers: "frozenset[int]"):
         super().__init__()
         self.versions: "dict[int, int | None]" = {}  # id(tensor) -> its version when the forward found it
+        self.cache_layers = cache_layers
 
     @classmethod
-    def of(cls, leaves: list) -> "_ObjectsAsFound":
-        found = cls()
+    def of(cls, leaves: list, cache_layers: "frozenset[int]") -> "_ObjectsAsFound":
+        """``cache_layers``: the indices of a ``transformers`` cache's layers the block updates
+        (`cache_layers_of`); empty: every cache is walked whole."""
+        found = cls(cache_layers)
         for i, v in enumerate(leaves):
             if changeable(v):
-                found[i] = isolated(v, found._versioned)
+                found[i] = isolated(v, found._versioned, _only_cache_layers(v, cache_layers, found._versioned))
         return found
 
     def _versioned(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -323,7 +333,39 @@ class _ObjectsAsFound(dict):
             # Detached either way: the recomputation must not reach into the forward's graph.
             return tensor.detach() if version is not None and versions.get(id(tensor)) == version else tensor.detach().clone()
 
-        return fresh(dict(self), unwritten_or_cloned)
+        memo: dict = {}
+        for v in self.values():
+            memo.update(_only_cache_layers(v, self.cache_layers, unwritten_or_cloned, memo))
+        return fresh(dict(self), unwritten_or_cloned, memo)
+
+
+def cache_layers_of(block: nn.Module) -> "frozenset[int]":
+    """The layers of a ``transformers`` cache that ``block`` updates: the ``layer_idx`` of its
+    modules (a decoder layer's attention updates ``cache.layers[layer_idx]`` and no other). One
+    walk of the block's modules, at installation."""
+    indices = (getattr(m, "layer_idx", None) for m in block.modules())
+    return frozenset(i for i in indices if type(i) is int)
+
+
+def _only_cache_layers(value: Any, indices: "frozenset[int]", copy_tensor: Callable, memo: "dict | None" = None) -> dict:
+    """A memo for `calls.isolated` that copies a ``transformers`` cache ``value`` (or the caches of
+    an ``EncoderDecoderCache``) around its layers at ``indices`` only: each cache's list of layers
+    maps to a new list sharing the other layers (a C-level copy of the references) and holding
+    isolated copies of those (``copy_tensor`` on their tensors). Empty for anything else, or
+    with no indices. ``memo``: the memo the copies join (objects reached twice copied once)."""
+    memo = {} if memo is None else memo
+    cache_type = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
+    if not indices or cache_type is None or not isinstance(value, cache_type):
+        return memo
+    for cache in (value, *(v for v in vars(value).values() if isinstance(v, cache_type))):
+        layers = getattr(cache, "layers", None)
+        if type(layers) is list and id(layers) not in memo:
+            copied = list(layers)
+            memo[id(layers)] = copied
+            for i in indices:
+                if i < len(layers):
+                    copied[i] = isolated(layers[i], copy_tensor, memo)
+    return memo
 
 
 def _version(tensor: torch.Tensor) -> "int | None":
@@ -345,6 +387,7 @@ def block_wrapper(host: BlockHost, fqn: str, module: nn.Module):
     # and its projections are children): the block's wrapper is the one on the module, and it runs
     # the layer's wrapper inside, so that one forward is both checkpointed and planned.
     as_layer = host.wrapped.get(fqn)
+    cache_layers = cache_layers_of(module)
 
     def own_forward(m, args, kwargs):
         if m is module and as_layer is not None:
@@ -376,7 +419,7 @@ def block_wrapper(host: BlockHost, fqn: str, module: nn.Module):
         # changed object it would take other paths (T5's decoder skips its cross-attention
         # projections) or attend to its own keys twice. Not while compiling: the compiled
         # recomputation replays no Python, it reuses the forward's.
-        objects = {} if torch.compiler.is_compiling() else _ObjectsAsFound.of(leaves)
+        objects = {} if torch.compiler.is_compiling() else _ObjectsAsFound.of(leaves, cache_layers)
 
         def run(*tensors):
             filled = list(leaves)

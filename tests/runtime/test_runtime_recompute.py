@@ -147,10 +147,10 @@ def test_recomputed_blocks_keep_only_their_inputs_for_the_backward(name):
     assert freed_both == pytest.approx(2 * freed_one, rel=0.05)
 
 
-def _llama():
+def _llama(use_cache=False):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=32, attention_dropout=0.2, use_cache=False)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=32, attention_dropout=0.2, use_cache=use_cache)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
     model.train()
@@ -158,10 +158,15 @@ def _llama():
 
 
 @pytest.mark.parametrize("name", ["fp32", "bf16"])
-def test_a_hugging_face_llama_built_from_its_config_gets_the_same_gradients(name):
-    model = _llama()
+@pytest.mark.parametrize("use_cache", [False, True], ids=["no_cache", "default_cache"])
+def test_a_hugging_face_llama_built_from_its_config_gets_the_same_gradients(name, use_cache):
+    """With its cache on too (the default in training): each recomputed block runs on a copy of
+    the cache holding its own layer as the forward found it, the other layers shared; the
+    gradients and the keys and values the forward left in the user's cache are those without
+    recomputation."""
+    model = _llama(use_cache)
     blocks = ap.find_blocks(model, ap.Plan.uniform(model, "fp32").layers)
-    assert blocks == ("model.layers.0", "model.layers.1")
+    assert blocks == ("model.layers.0", "model.layers.1", "model.layers.2")
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
     results = []
     for recompute in (blocks, ()):
@@ -169,9 +174,11 @@ def test_a_hugging_face_llama_built_from_its_config_gets_the_same_gradients(name
         runtime = ap.apply_plan(m, ap.Plan.uniform(m, name).with_recompute(recompute))
         torch.manual_seed(4)
         with runtime:
-            loss = m(input_ids=ids, labels=ids).loss
-        loss.backward()
-        results.append([[p.grad.clone() for p in m.parameters()]])
+            out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        cache = [] if not use_cache else [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+        assert len(cache) == (6 if use_cache else 0) and all(t.shape[-2] == 12 for t in cache)
+        results.append([[p.grad.clone() for p in m.parameters()] + [t.detach() for t in cache]])
     _assert_bitwise(*results)
 
 
