@@ -14,7 +14,7 @@ import torch
 
 from .formats import Format
 
-__all__ = ["Support", "format_support", "has_scaled_mm", "scaled_mm_form", "block_scaled_form", "block_support", "has_int_mm", "resolve_device", "KERNEL_OPS"]
+__all__ = ["Support", "format_support", "has_scaled_mm", "scaled_mm_form", "block_scaled_form", "block_support", "has_int_mm", "resolve_device", "KERNEL_OPS", "MX_EMULATED"]
 
 # Ops that a 2-D FP8 / INT8 GEMM kernel serves; every other matrix product (convolution, batched
 # matmul, attention) in an FP8 or INT8 layer is emulated: stored in the format, computed in FP32.
@@ -158,6 +158,10 @@ def block_scaled_form(device: str) -> tuple[bool, str]:
         except _REFUSALS as exc:
             return False, f"torch {torch.__version__} has no block-scaled FP8 GEMM on {device} ({name}): {_first_line(exc)[:200]}"
     return True, f"torch.nn.functional.scaled_mm runs block-scaled FP8 on {device}"
+
+
+# Why MXFP8 products are emulated on every device (`runtime.mx_gemm`).
+MX_EMULATED = "no MXFP8 kernel is built: torch's MX-scaled GEMM runs on sm_100 only, not checked here"
 
 
 def block_support(fmt: Format, grad_fmt: Format, device: "torch.device | str") -> "str | None":

@@ -44,12 +44,17 @@ __all__ = [
     "sqnr",
     "ACTIVATION_BLOCK",
     "WEIGHT_BLOCK",
+    "MX_BLOCK",
+    "mx_inverse_scale",
 ]
 
 # DeepSeek-V3 (arXiv:2412.19437, section 3.3.2): 1x128 tiles for activations, 128x128 blocks for
 # weights.
 ACTIVATION_BLOCK = (1, 128)
 WEIGHT_BLOCK = (128, 128)
+# OCP Microscaling (MX v1.0): 32 consecutive elements along the contracted dimension share one
+# E8M0 (power-of-two) scale, for every operand, weights included.
+MX_BLOCK = (1, 32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,12 +195,15 @@ class Granularity(str, enum.Enum):
 
     TENSOR: one. ROW: one per row, the amax taken over the last dimension (per token for an
     activation ``(tokens, features)``, per output channel for a weight ``(out, in)``). BLOCK: one
-    per tile of a 2-D tensor (`ACTIVATION_BLOCK` / `WEIGHT_BLOCK`).
+    per tile of a 2-D tensor (`ACTIVATION_BLOCK` / `WEIGHT_BLOCK`). MX: MXFP8, one power-of-two
+    scale per 32 consecutive elements along the contracted dimension of every operand
+    (`MX_BLOCK`, `mx_inverse_scale`; E4M3 operands).
     """
 
     TENSOR = "tensor"
     ROW = "row"
     BLOCK = "block"
+    MX = "mx"
 
     def __str__(self) -> str:
         return self.value
@@ -290,6 +298,26 @@ def inverse_scale(amax: torch.Tensor, fmt: Format, margin: int = 0) -> torch.Ten
     # this multiply, and eager must round the scale identically for compiled and eager runs to
     # quantize to the same bits.
     return amax.clamp_min(_AMAX_FLOOR) * (2.0**margin / fmt.max)
+
+
+# E8M0's exponent range: 2**-127 to 2**127 (255 is its NaN).
+_E8M0_EXPONENTS = (-127, 127)
+
+
+def mx_inverse_scale(amax: torch.Tensor, fmt: Format, margin: int = 0) -> torch.Tensor:
+    """The power of two at or above ``amax / (fmt.max / 2**margin)``, in FP32, amax's shape: an
+    E8M0 scale rounded up, so a tile's largest value maps onto at most the format's max and none
+    saturates (Transformer Engine's MXFP8 quantizer rounds up as well; OCP MX v1.0's rule,
+    ``2**(floor(log2 amax) - 8)`` for E4M3, can map a tile's largest values past 448, where they
+    clip). A zero tile gets 2**-127; inf or NaN propagates. ``frexp`` gives the exponent exactly
+    (no ``log2`` rounding); a few elementwise ops per element of amax."""
+    target = amax * (2.0**margin / fmt.max)
+    mantissa, exponent = torch.frexp(target)  # target = mantissa * 2**exponent, mantissa in [0.5, 1)
+    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # an exact power of two is its own scale
+    low, high = _E8M0_EXPONENTS
+    exponent = torch.where(target == 0, low, exponent)  # frexp(0) has exponent 0
+    scale = torch.ldexp(torch.ones_like(target), exponent.clamp(low, high))
+    return torch.where(torch.isfinite(target), scale, target)
 
 
 def quantize(x: torch.Tensor, inv_scale: torch.Tensor, fmt: Format) -> torch.Tensor:

@@ -72,7 +72,8 @@ class Scaling:
 
     ``granularity`` applies to activations and weights of FP8 layers and to activations of INT8
     layers (INT8 weights always get one scale per output channel). Delayed scaling keeps one
-    amax per tensor, so it needs TENSOR granularity; ROW and BLOCK scale from the current tensor.
+    amax per tensor, so it needs TENSOR granularity; ROW, BLOCK and MX scale from the current tensor.
+    MX (MXFP8) is for FP8 E4M3 layers only, their gradients E4M3 (the default) or E5M2.
     Gradients always use current per-tensor scaling computed on the fly.
     """
 
@@ -167,9 +168,10 @@ class LayerPrecision:
             if not isinstance(value, cls):
                 return [f"{where}: {name}={value!r}: expected {'a string' if cls is str else f'an autoprec.{cls.__name__}(...)'}"]
         if grad_format is None:
-            # Block scaling is DeepSeek-V3's recipe: E4M3 gradients, made safe by 1x128 tile scales.
-            blocks = fmt is Format.FP8_E4M3 and scaling.granularity is Granularity.BLOCK
-            grad_format = Format.FP8_E4M3 if blocks else _DEFAULT_GRAD_FORMAT.get(fmt, fmt)
+            # Block scaling is DeepSeek-V3's recipe, MX Transformer Engine's MXFP8 default: E4M3
+            # gradients, made safe by the fine tiles' scales.
+            tiled = fmt is Format.FP8_E4M3 and scaling.granularity in (Granularity.BLOCK, Granularity.MX)
+            grad_format = Format.FP8_E4M3 if tiled else _DEFAULT_GRAD_FORMAT.get(fmt, fmt)
         _set = object.__setattr__
         _set(self, "format", fmt)
         _set(self, "grad_format", Format.parse(grad_format))
@@ -344,6 +346,11 @@ def check_layer(where: str, lp: LayerPrecision) -> list[str]:
             f"{where}.scaling: delayed scaling keeps one amax per tensor, so it needs "
             f"granularity 'tensor', got {s.granularity.value!r}; set mode 'current' or granularity 'tensor'"
         )
+    if s.granularity is Granularity.MX and lp.format.is_fp8 and (lp.format is not Format.FP8_E4M3 or not lp.grad_format.is_fp8):
+        problems.append(f"{where}.scaling.granularity: MXFP8 ('mx') quantizes every operand, E4M3 with E4M3 or E5M2 gradients, got format "
+                        f"{lp.format.value!r} and grad_format {lp.grad_format.value!r}; set format 'fp8_e4m3' and grad_format 'fp8_e4m3'")
+    if s.granularity is Granularity.MX and lp.format is Format.INT8:
+        problems.append(f"{where}.scaling.granularity: 'mx' is MXFP8, for fp8_e4m3 layers; an int8 layer scales per 'tensor' or 'row'")
     max_margin = min((_max_margin(f) for f in scaled), default=_ANY_MARGIN)
     if s.margin > max_margin:
         problems.append(

@@ -39,7 +39,7 @@ import torch.nn as nn
 from ._version import __version__
 from ._io import atomic_write_text, check_schema_version
 from .coverage import LayerInfo, ModuleFilter, changed_shapes, covered_layers, find_layers, layer_name
-from .device import KERNEL_OPS, block_support, format_support
+from .device import KERNEL_OPS, MX_EMULATED, block_support, format_support
 from .errors import PlanError
 from .formats import PER_LAYER_COMM, CommMethod, Format, Granularity
 from .layer_precision import (
@@ -476,6 +476,8 @@ class Plan:
                                 "(as in an attention product); it would be emulated: plan the layer in bf16, fp16 or fp32")
             elif lp.scaling.granularity is Granularity.BLOCK and lp.format.is_fp8 and (why := block_support(lp.format, lp.grad_format, device)):
                 problems.append(f"{layer_name(fqn, model)!r}: block scaling has no kernel here ({why}); it would be emulated")
+            elif lp.scaling.granularity is Granularity.MX and lp.format.is_fp8:
+                problems.append(f"{layer_name(fqn, model)!r}: MXFP8 has no kernel here ({MX_EMULATED}); it would be emulated")
         if problems:
             raise PlanError(problems, f"The plan does not fit {type(model).__name__}.")
 

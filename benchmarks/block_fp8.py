@@ -1,4 +1,4 @@
-"""Fine-grained (block) FP8 against row-wise and per-tensor scaling on a model with outlier channels.
+"""Fine-grained FP8 (block scaling, MXFP8) against row-wise and per-tensor scaling on a model with outlier channels.
 
 Trained LLMs carry a few activation channels about 100x the rest (LLM.int8(), arXiv:2208.07339);
 one scale per tensor then spends E4M3's range on those channels and rounds the rest coarsely,
@@ -8,12 +8,13 @@ shape a LayerNorm with a few large gammas gives); the task regresses a random te
 
 Reported (one JSON, ``--out``, and a table on stdout):
 
-1. **SQNR per operand** (dB, higher is better) of E4M3 with per-tensor, row-wise and block
+1. **SQNR per operand** (dB, higher is better) of E4M3 with per-tensor, row-wise, block and MX
    scaling, for every layer's input, weight and output gradient, captured from one FP32 step:
    per tensor one scale, row-wise one per row (activations and gradients; weights per output
-   channel), block 1x128 tiles (activations, gradients) and 128x128 blocks (weights).
-2. **The search under one accuracy budget**, with FP8 E4M3 in its default per-tensor scaling and
-   in block scaling (`Planning.scaling`), candidates BF16 and FP8 E4M3, the budget
+   channel), block 1x128 tiles (activations, gradients) and 128x128 blocks (weights), MX one
+   power-of-two scale per 32 elements of a row (the forward GEMM's tiling of each operand).
+2. **The search under one accuracy budget**, with FP8 E4M3 in its default per-tensor scaling, in
+   block scaling and in MXFP8 (`Planning.scaling`), candidates BF16 and FP8 E4M3, the budget
    ``--accuracy`` relative to the FP32 loss, at the least memory that budget allows (FP8
    wherever the predicted loss lets it go): how many layers it puts in FP8, that memory, the
    predicted loss increase, and the loss after ``--steps`` training steps of the plan (on CPU
@@ -21,7 +22,7 @@ Reported (one JSON, ``--out``, and a table on stdout):
    and FP32 trained the same way.
 
 Run: ``PYTHONPATH=. python benchmarks/block_fp8.py --out benchmarks/results/block_fp8_cpu.json``.
-CPU seconds are not reported: on a CPU block-scaled products are emulated.
+CPU seconds are not reported: on a CPU block-scaled and MX products are emulated.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 
 import autoprec as ap
 from autoprec._io import atomic_write_text
-from autoprec.formats import Format, block_amax, dequantize, expand_blocks, inverse_scale, quantize, sqnr
+from autoprec.formats import MX_BLOCK, Format, block_amax, dequantize, expand_blocks, inverse_scale, mx_inverse_scale, quantize, sqnr
 from autoprec.errors import InfeasibleBudgetError
 from autoprec.search.pipeline import Planning, measure_space, propose_from
 from autoprec.search.space import Budgets
@@ -83,6 +84,11 @@ def _sqnr_blocks(x: torch.Tensor, block: tuple[int, int]) -> float:
     return sqnr(x, dequantize(quantize(x, inv, E4M3), inv))
 
 
+def _sqnr_mx(x: torch.Tensor) -> float:
+    inv = expand_blocks(mx_inverse_scale(block_amax(x, MX_BLOCK), E4M3), x.shape, MX_BLOCK)
+    return sqnr(x, dequantize(quantize(x, inv, E4M3), inv))
+
+
 def operand_sqnr(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
     """Per layer and operand: SQNR (dB) of E4M3 per tensor, per row and per block, captured from
     one FP32 step (the inputs and output gradients of every Linear)."""
@@ -107,7 +113,7 @@ def operand_sqnr(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
         table[name] = {}
         for operand, t in tensors.items():
             block = (128, 128) if operand == "weight" else (1, 128)
-            table[name][operand] = {"tensor": _sqnr_tensor(t), "row": _sqnr_rows(t), "block": _sqnr_blocks(t, block)}
+            table[name][operand] = {"tensor": _sqnr_tensor(t), "row": _sqnr_rows(t), "block": _sqnr_blocks(t, block), "mx": _sqnr_mx(t)}
     return table
 
 
@@ -165,7 +171,7 @@ def main() -> None:
     with torch.no_grad():
         baseline = float(loss_fn(model, data[0]))
     searches = {}
-    for label, scaling in (("per-tensor", {}), ("block", {"fp8_e4m3": "block"})):
+    for label, scaling in (("per-tensor", {}), ("block", {"fp8_e4m3": "block"}), ("mx", {"fp8_e4m3": "mx"})):
         # The least memory the accuracy budget allows (FP8 wherever it may go: a CPU emulates
         # FP8, so the fastest plan under a loose memory budget would have none), then that plan.
         planning = Planning((Format.BF16, Format.FP8_E4M3), budgets=Budgets(memory=0.01, accuracy=args.accuracy), scaling=scaling)
@@ -190,9 +196,9 @@ def main() -> None:
     result = {"device": platform.processor() or platform.machine(), "torch": torch.__version__, "commit": commit, "args": {k: str(v) for k, v in vars(args).items()},
               "baseline_loss": baseline, "sqnr_db": sqnr_table, "search": searches, "trained_loss": references}
 
-    print(f"SQNR of E4M3 (dB), {args.outliers} outlier channels at {args.gain:g}x; tensor / row / block")
+    print(f"SQNR of E4M3 (dB), {args.outliers} outlier channels at {args.gain:g}x; tensor / row / block / mx")
     for name, ops in sqnr_table.items():
-        cells = "   ".join(f"{op} {v['tensor']:5.1f} / {v['row']:5.1f} / {v['block']:5.1f}" for op, v in ops.items())
+        cells = "   ".join(f"{op} {v['tensor']:5.1f} / {v['row']:5.1f} / {v['block']:5.1f} / {v['mx']:5.1f}" for op, v in ops.items())
         print(f"  {name:<12} {cells}")
     print(f"search, candidates bf16 + fp8_e4m3, accuracy budget {args.accuracy:g} relative (FP32 loss {baseline:.4g})")
     for label, s in searches.items():

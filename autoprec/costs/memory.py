@@ -15,7 +15,11 @@ Three parts, following how the runtime runs each format (docs/runtime.md, "How e
   FP8 / INT8 with a kernel (`Fp8Gemm`, `Int8Gemm`): ``numel * 1`` for each non-weight operand
   plus the FP32 scales they keep (two scalars per FP8 GEMM, M + N values with row scaling; INT8:
   the activation scale and one weight scale per output column). Emulated ops (`StoredInFormat`):
-  ``numel * 1`` for every non-weight floating input, scales kept outside autograd.
+  ``numel * 1`` for every non-weight floating input, scales kept outside autograd. MXFP8
+  (`mx_gemm`): the input tiled along M and the weight tiled along N, one byte per element and one
+  per 32-element tile (the weight's copy counted as a weight copy). E4M3 block scaling
+  (`block_gemm`, kernel or emulated GEMMs alike): the input re-tiled along M and the weight's
+  transposed blocks, every dimension padded to 128, with their FP32 scales.
   Plus ``other``: what the layer's non-matmul ops saved in the FP32 trace (the FP32 softmax
   output of an attention layer, a mask), carried unchanged in every format.
 - **gradient buffers**: the FP32 master gradients of the layer's own parameters, the same in
@@ -38,6 +42,7 @@ from ..formats import Format, Granularity
 from ..plan import LayerPrecision
 from ..runtime.layers import as_gemm, kernel_reason
 from ..runtime.gemm import FP8_ALIGN, INT8_ALIGN, INT8_MIN_ROWS
+from ..runtime.mx_gemm import MX_TILE
 from .trace import LayerTrace, MatmulCall, TensorSpec
 
 __all__ = ["MemoryCost", "call_path", "layer_memory"]
@@ -78,8 +83,9 @@ def _meta_arguments(call: MatmulCall) -> tuple[tuple, dict]:
 def call_path(call: MatmulCall, precision: LayerPrecision, device: "torch.device | str") -> tuple[str, Optional[tuple[int, int, int]]]:
     """How the runtime runs ``call`` in ``precision`` on ``device``, and its GEMM shape (M, K, N).
 
-    ``"fp32"`` (also for ops autocast keeps in FP32), ``"autocast"``, ``"kernel"`` (``torch._scaled_mm`` / ``torch._int_mm``) or
-    ``"emulated"``; the shape is given for kernel calls only. Mirrors
+    ``"fp32"`` (also for ops autocast keeps in FP32), ``"autocast"``, ``"kernel"`` (``torch._scaled_mm`` / ``torch._int_mm``),
+    ``"block"`` / ``"mx"`` (`block_gemm` / `mx_gemm` products, kernel or emulated GEMMs) or ``"emulated"``; the
+    shape is given for all but the emulated and high-precision calls. Mirrors
     `runtime.products.Products.run_low_precision` (it asks the runtime's own GEMM matcher and kernel rule).
     """
     fmt = precision.format
@@ -90,12 +96,25 @@ def call_path(call: MatmulCall, precision: LayerPrecision, device: "torch.device
         return "autocast", None
     args, kwargs = _meta_arguments(call)
     gemm = as_gemm(call.op, call.func, args, kwargs)
-    if gemm is None or kernel_reason(precision, device) is not None:
+    tiled = _tiled(precision)
+    if gemm is None or (tiled is None and kernel_reason(precision, device) is not None):
         return "emulated", None
     a, b = gemm[0], gemm[1]
     m, k = a.shape
     n = b.shape[1]
-    return "kernel", (m, k, n)
+    return tiled or "kernel", (m, k, n)
+
+
+def _tiled(precision: LayerPrecision) -> "str | None":
+    """``"block"`` or ``"mx"`` where a layer's products are tiled ones (`runtime.block_gemm`,
+    `runtime.mx_gemm`), which save their own re-tiled copies whether their GEMMs run on a kernel
+    or emulated; None otherwise (E4M3 block scaling with an E5M2 operand runs `products.emulate`)."""
+    fmt, granularity = precision.format, precision.scaling.granularity
+    if not fmt.is_fp8:
+        return None
+    if granularity is Granularity.MX:
+        return "mx"
+    return None
 
 
 def _saved_operands(call: MatmulCall) -> list[tuple[int, TensorSpec]]:
@@ -129,6 +148,13 @@ def _call_bytes(call: MatmulCall, precision: LayerPrecision, device) -> tuple[in
         return 0, sum(s.numel * fmt.bytes for s in call.tensors if s.dtype.is_floating_point and not s.weight)
     m, k, n = gemm
     has_weight = any(s.operand and s.weight for s in call.tensors)
+    grads = [s.requires_grad for s in call.tensors if s.operand]  # (input, weight) of a linear
+    if path == "mx":
+        # mx_gemm.Fp8MxLinear saves x tiled along M (for the weight's gradient) and the weight
+        # tiled along N (for the input's): K rows each, the tiled dimension padded to 32, one byte
+        # per element and one E8M0 byte per tile.
+        x_t, w_t = (k * _round_up(cols, MX_TILE) * (1 + 1 / MX_TILE) * bool(need) for cols, need in ((m, grads[-1]), (n, grads[0])))
+        return (int(w_t), int(x_t)) if has_weight else (0, int(x_t + w_t))
     if fmt.is_fp8:
         # gemm.Fp8Linear saves the input in FP8 with K padded to the kernel's 16, two scalar
         # scales, and the weight's cached FP8 transpose (K', N') — a fresh one when the operand is

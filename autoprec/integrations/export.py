@@ -13,7 +13,7 @@ layer of the plan:
   own, one ``CastConfig`` per GEMM operand (torchao's ``"rowwise"`` would cast the gradients to
   E4M3, row-wise, with power-of-2 scales). Where torchao cannot keep a layer's numbers, the
   layer's entry in ``NOTES`` says what changes: delayed scaling (torchao scales currently), block
-  scaling (torchao's closest is ``"rowwise"``, E4M3 gradients), FP32 gradients (torchao's
+  and MXFP8 scaling (torchao's float8 closest is ``"rowwise"``, E4M3 gradients), FP32 gradients (torchao's
   high-precision gradient path fails under autocast, so they stay float8), a scaling margin.
 - **not converted**, each with the reason: FP8 layers that are not ``nn.Linear`` (a module's own
   matmuls, e.g. attention products), whose dimensions are not multiples of 16, or in E5M2
@@ -172,9 +172,10 @@ def _recipe(lp) -> tuple[str, list[str]]:
         cast = "e4m3 per row (torchao's rowwise recipe)" if granularity is Granularity.BLOCK else "e5m2 per tensor"
         changes.append(f"FP32 gradients in the plan; torchao's high-precision gradient path fails under autocast, so its output "
                        f"gradient is cast to float8 {cast} and its gradients change")
-    if granularity is Granularity.BLOCK:
+    if granularity in (Granularity.BLOCK, Granularity.MX):
         recipe = "rowwise"
-        changes.append("block scaling (1x128 / 128x128) in the plan; torchao's float8 training has no block recipe, its closest is rowwise")
+        tiles = "block scaling (1x128 / 128x128)" if granularity is Granularity.BLOCK else "MXFP8 (1x32 tiles, power-of-two scales)"
+        changes.append(f"{tiles} in the plan; torchao's float8 training has no such recipe, its closest is rowwise")
         if grad is Format.FP8_E5M2:
             changes.append("e5m2 gradients in the plan; torchao's rowwise recipe casts them to e4m3")
     else:

@@ -23,6 +23,8 @@ export maps each layer of the plan onto those roles, as autoprec's runtime runs 
   backward does.
 - Block scaling: ``Float8BlockQuantizer`` (1x128 activations and gradients, 128x128 weights, scales
   not rounded to powers of 2, as the runtime's).
+- MXFP8 (``mx``): ``MXFP8Quantizer`` for every role, row- and column-wise (each GEMM's operands
+  tiled along its contracted dimension, E8M0 scales rounded up, as `runtime.mx_gemm`).
 - Delayed scaling: ``DelayedScalingRequest`` for the input and weight with the plan's history,
   reduction and margin; the output gradient scaled currently (the runtime's gradients always are).
 - Row-wise scaling: TE 2.20 has no per-row FP8 quantizer; per-tensor current scaling runs (NOTES).
@@ -60,6 +62,7 @@ _DTYPES = {Format.FP8_E4M3: "e4m3", Format.FP8_E5M2: "e5m2"}
 #   ("identity",)                                  IdentityQuantizer(): unquantized
 #   ("current", dtype)                             Float8CurrentScalingQuantizer, dtype "e4m3" / "e5m2"
 #   ("block", dtype, dims)                         Float8BlockQuantizer, dims 1 (1x128) or 2 (128x128)
+#   ("mx", dtype)                                  MXFP8Quantizer: 1x32 tiles, E8M0 scales, both directions
 #   ("delayed", fp8_format, margin, history, algo) DelayedScalingRequest
 #   ("hybrid", rowwise spec, columnwise spec, columnwise_source)  HybridQuantizer
 
@@ -128,12 +131,17 @@ def _specs(lp) -> tuple[dict[str, tuple], list[str]]:
     changes = []
     inp: tuple
     weight: tuple
+    grad_spec: tuple
     if granularity is Granularity.ROW:
         changes.append("row-wise scaling in the plan; Transformer Engine 2.20 has no per-row FP8 quantizer: per-tensor current scaling runs")
     if granularity is Granularity.BLOCK:
         # autoprec's blocks: 1x128 activations and gradients, 128x128 weights (DeepSeek-V3's tiles).
         inp, weight = ("block", _DTYPES[fwd], 1), ("block", "e4m3", 2)
         grad_spec = ("block", _DTYPES[grad], 1) if grad.is_fp8 else IDENTITY
+    elif granularity is Granularity.MX:
+        # MXFP8 both ways: each operand tiled along each GEMM's contracted dimension, power-of-two
+        # scales rounded up, as autoprec's emulation (`runtime.mx_gemm`) computes them.
+        inp, weight, grad_spec = ("mx", _DTYPES[fwd]), ("mx", "e4m3"), ("mx", _DTYPES[grad])
     elif mode is ScalingMode.DELAYED and grad.is_fp8:
         history = (margin, lp.scaling.history_len, lp.scaling.reduction.value)
         inp = ("delayed", fwd.value.removeprefix("fp8_").upper(), *history)
@@ -153,7 +161,7 @@ def _specs(lp) -> tuple[dict[str, tuple], list[str]]:
         inp, weight = ("current", _DTYPES[fwd]), ("current", "e4m3")
         grad_spec = _current_grad(fwd, grad) if grad.is_fp8 else IDENTITY
     if margin and inp[0] != "delayed":
-        changes.append(f"scaling margin {margin} in the plan (2**-{margin} of the range); TE's current and block scaling use the full range")
+        changes.append(f"scaling margin {margin} in the plan (2**-{margin} of the range); TE's current, block and MXFP8 scaling use the full range")
     if not grad.is_fp8:
         # The runtime's high-precision backward multiplies the dequantized forward operands.
         inp, weight = (("hybrid", spec, IDENTITY, "rowwise_dequantized") for spec in (inp, weight))
@@ -190,6 +198,7 @@ TE_RELEASE = {release!r}
 #   ["identity"]                                    unquantized (IdentityQuantizer)
 #   ["current", dtype]                              Float8CurrentScalingQuantizer
 #   ["block", dtype, dims]                          Float8BlockQuantizer, 1 (1x128) or 2 (128x128) dims
+#   ["mx", dtype]                                   MXFP8Quantizer (1x32 tiles, E8M0 scales), row- and column-wise
 #   ["delayed", fp8_format, margin, history, algo]  DelayedScalingRequest
 #   ["hybrid", rowwise, columnwise, source]         HybridQuantizer
 QUANTIZERS = {quantizers}
@@ -217,6 +226,7 @@ def make_quantizer(spec):
     from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
     from transformer_engine.pytorch.tensor.hybrid_tensor import HybridQuantizer
     from transformer_engine.pytorch.tensor.identity_tensor import IdentityQuantizer
+    from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
 
     dtypes = {{"e4m3": DType.kFloat8E4M3, "e5m2": DType.kFloat8E5M2}}
     kind, *args = spec
@@ -227,6 +237,8 @@ def make_quantizer(spec):
     if kind == "block":
         return Float8BlockQuantizer(fp8_dtype=dtypes[args[0]], rowwise=True, columnwise=True, amax_epsilon=0.0, force_pow_2_scales=False,
                                     block_scaling_dim=args[1])
+    if kind == "mx":
+        return MXFP8Quantizer(fp8_dtype=dtypes[args[0]], rowwise=True, columnwise=True)
     if kind == "delayed":
         fp8_format, margin, history, algo = args
         return DelayedScalingRequest(fp8_format=Format[fp8_format], margin=margin, amax_history_len=history, amax_compute_algo=algo)

@@ -12,10 +12,14 @@ precision), and ``filter_fqns``, modules it skips: a module is skipped when any 
 - takes the layers torchao can convert as `export.torchao_export` decides them (FP8 E4M3
   ``nn.Linear`` with both dimensions divisible by 16; the others in ``NOT_CONVERTED`` with the
   reason), grouped by torchtitan recipe: "rowwise_with_gw_hp" where the plan keeps the layer's
-  gradients in FP32, else "rowwise";
-- writes one converter per recipe whose ``filter_fqns`` are every other planned layer, so each
-  converts exactly its group, and checks the substring rule: a filter entry inside a converted
-  layer's name would skip it (listed in ``NOTES``; rename or leave that layer out);
+  gradients in FP32, "mxfp8" for MXFP8 layers (``MXFP8LinearConverter``: torchao's
+  ``MXFP8Linear``, whose scales are rounded up as the runtime's; torchtitan refuses it before
+  sm_100), else "rowwise";
+- writes one float8 converter per recipe whose ``filter_fqns`` are every other planned layer, so
+  each converts exactly its group, and checks the substring rule: a filter entry inside a
+  converted layer's name would skip it (listed in ``NOTES``; rename or leave that layer out); the
+  MXFP8 converter lists the layers it converts (``fqns``, substrings too: an entry inside another
+  layer's name is listed in ``NOTES``);
 - says, per converted layer, what torchtitan's recipe runs differently from the plan (per-tensor
   or block scaling, E5M2 gradients, delayed scaling, a margin, a high-precision input gradient).
 
@@ -41,6 +45,8 @@ __all__ = ["TORCHTITAN_RELEASE", "TorchtitanExport", "torchtitan_export", "write
 TORCHTITAN_RELEASE = "0.3.0"
 # torchtitan 0.3.0's Float8LinearConverter recipe names (its Config's recipe_name Literal).
 RECIPES = ("rowwise", "rowwise_with_gw_hp")
+# MXFP8 layers go to torchtitan's MXFP8LinearConverter (torchao's MXFP8Linear), listed by name.
+MXFP8 = "mxfp8"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,15 +74,29 @@ def torchtitan_export(plan: Plan) -> TorchtitanExport:
     for fqn in base.converted:
         lp = plan.layers[fqn]
         high = lp.grad_format is Format.FP32
-        recipe = "rowwise_with_gw_hp" if high else "rowwise"
+        if lp.scaling.granularity is Granularity.MX:
+            recipe = MXFP8
+            notes.extend(f"{fqn}: {change}" for change in _mx_changes(lp))
+        else:
+            recipe = "rowwise_with_gw_hp" if high else "rowwise"
+            notes.extend(f"{fqn}: {change}" for change in _changes(lp, high))
         recipes.setdefault(recipe, []).append(fqn)
-        notes.extend(f"{fqn}: {change}" for change in _changes(lp, high))
     planned = list(plan.layers)
     filters: dict[str, tuple[str, ...]] = {}
     for recipe, fqns in recipes.items():
         members = set(fqns)  # a set: a plan of a thousand layers, each looked up per recipe
+        if recipe == MXFP8:
+            # A list of what to convert, also by substring: an entry inside another layer's name converts that one too.
+            for fqn in fqns:
+                other = next((f for f in planned if f not in members and fqn in f), None)
+                if other is not None:
+                    notes.append(f"{fqn}: torchtitan's MXFP8 converter converts a module when an fqns entry is a substring of its name, "
+                                 f"so {other!r} would be converted too (rename one of them, or leave it out of the plan)")
+            continue
         filters[recipe] = tuple(f for f in planned if f not in members)
     for recipe, fqns in recipes.items():
+        if recipe == MXFP8:
+            continue
         for fqn in fqns:
             clash = next((f for f in filters[recipe] if f in fqn), None)
             if clash is not None:
@@ -88,6 +108,17 @@ def torchtitan_export(plan: Plan) -> TorchtitanExport:
             not_converted[fqn] = (f"{lp.format.value} in the plan: not float8; torchtitan runs every unconverted layer in one dtype "
                                   "(FSDP2's parallelism.mixed_precision_param), not per layer")
     return TorchtitanExport({k: tuple(v) for k, v in recipes.items()}, filters, not_converted, tuple(notes), plan.recompute)
+
+
+def _mx_changes(lp) -> list[str]:
+    """What torchtitan's MXFP8 converter (torchao's ``MXFP8Linear``: E4M3 operands, 1x32 tiles,
+    scales rounded up, its default ``RCEIL``) runs differently from an MXFP8 layer of the plan."""
+    changes = []
+    if lp.grad_format is Format.FP8_E5M2:
+        changes.append("e5m2 gradients in the plan; torchao's MXFP8Linear casts gradients to e4m3")
+    if lp.scaling.margin:
+        changes.append(f"scaling margin {lp.scaling.margin} in the plan; torchao's MXFP8 scales to the full range")
+    return changes
 
 
 def _changes(lp, high: bool) -> list[str]:
@@ -125,8 +156,8 @@ TORCHTITAN_RELEASE = {release!r}
 # torchtitan recipe -> fully-qualified names of the Linear layers it converts
 FP8_LAYERS = {recipes}
 
-# torchtitan recipe -> its converter's filter_fqns: the other planned layers (torchtitan skips a
-# module when one of these is a substring of its name)
+# float8 recipe -> its converter's filter_fqns: the other planned layers (torchtitan skips a
+# module when one of these is a substring of its name); "mxfp8" lists what it converts instead
 FILTER_FQNS = {filters}
 
 # layers that stay in high precision, and why
@@ -140,15 +171,21 @@ RECOMPUTE = {recompute}
 
 
 def converters(model_compile_enabled=False, emulate=False):
-    """torchtitan's converter configs, one Float8LinearConverter per recipe (``emulate=True``:
-    torchao's emulated float8, for a machine without float8 tensor cores, eager only)."""
+    """torchtitan's converter configs, one Float8LinearConverter per float8 recipe (``emulate=True``:
+    torchao's emulated float8, for a machine without float8 tensor cores, eager only), and one
+    MXFP8LinearConverter for the "mxfp8" layers (torchtitan refuses it before sm_100)."""
     from torchtitan.components.quantization import Float8LinearConverter
 
-    return [
+    made = [
         Float8LinearConverter.Config(recipe_name=recipe, filter_fqns=list(FILTER_FQNS[recipe]), emulate=emulate,
                                      model_compile_enabled=model_compile_enabled)
-        for recipe in FP8_LAYERS
+        for recipe in FP8_LAYERS if recipe != "mxfp8"
     ]
+    if "mxfp8" in FP8_LAYERS:
+        from torchtitan.components.quantization import MXFP8LinearConverter
+
+        made.append(MXFP8LinearConverter.Config(fqns=list(FP8_LAYERS["mxfp8"]), model_compile_enabled=model_compile_enabled))
+    return made
 '''
 
 

@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 
 from ..coverage import layer_name
 from ..errors import RuntimeStateError
-from ..device import KERNEL_OPS, block_support, canonical_device, format_support, scaled_mm_form
+from ..device import KERNEL_OPS, MX_EMULATED, block_support, canonical_device, format_support, scaled_mm_form
 from ..formats import Format, Granularity
 from ..plan import LayerPrecision, ScalingMode
 from .block_gemm import BLOCK
@@ -53,6 +53,8 @@ def kernel_reason(precision: LayerPrecision, device: "torch.device | str") -> "s
     granularity = precision.scaling.granularity
     if granularity is Granularity.BLOCK:
         return block_support(fmt, precision.grad_format, device)
+    if granularity is Granularity.MX:
+        return MX_EMULATED
     if granularity is Granularity.ROW and fmt.is_fp8:
         # Row-wise scales are a form of their own (torch 2.11's CPU kernel refuses them): the
         # forward's exact call, BF16 out (the form every torch with row-wise scaling takes).
@@ -209,6 +211,11 @@ class RuntimeLayer:
         # inputs once and compute the op in FP32 (`products.emulate`).
         self.block_gemms_emulated = (self.blocks and self.kernel_reason is not None
                                      and precision.format is Format.FP8_E4M3 and precision.grad_format is Format.FP8_E4M3)
+        # MXFP8 (`mx_gemm.Fp8MxLinear`): its three products in MX tilings, each GEMM emulated.
+        self.mx = precision.scaling.granularity is Granularity.MX and self.format.is_fp8
+        # Its linear products run the kernels' tilings and scales with emulated GEMMs (block or
+        # MX), not `products.emulate`'s one rounding of the inputs.
+        self.tiled_gemms_emulated = self.block_gemms_emulated or self.mx
         # The half dtypes its FP8 forward kernel writes with row-shaped scales, empty where it
         # takes 0-d ones (`row_scaled_outs`): the one setting its weights' scales and its kernel
         # calls follow.

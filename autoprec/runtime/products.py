@@ -24,6 +24,7 @@ from .._tracing import is_weight
 from ..coverage import MATMUL_OPS
 from ..formats import Format, Granularity
 from .block_gemm import Fp8BlockLinear, Fp8BlockSpec
+from .mx_gemm import Fp8MxLinear, MxSpec
 from .calibration import Int8Calibrator
 from .casts import call_casts, describe
 from .emulation import StoredInFormat
@@ -107,6 +108,8 @@ class Products:
 
     @staticmethod
     def kernel_name(layer: RuntimeLayer) -> str:
+        if layer.mx:
+            return f"emulated ({layer.kernel_reason}): MXFP8 operands (1x32 tiles along K, power-of-two scales), FP32 GEMMs"
         if layer.block_gemms_emulated:
             return f"emulated ({layer.kernel_reason}): fp8_e4m3 operands in the block kernels' tilings and scales, FP32 GEMMs"
         if layer.blocks:
@@ -127,11 +130,14 @@ class Products:
             return sharded_linear(layer, lambda xl, wl, bl: self.linear(layer, xl, wl, bl, key, is_param), x, weight, bias)
         if x.numel() == 0 or weight.numel() == 0:
             return self.empty(torch.nn.functional.linear, (x, weight, bias), {}, self.out_dtype(x))
-        if layer.kernel_reason is not None and not layer.block_gemms_emulated:
+        if layer.kernel_reason is not None and not layer.tiled_gemms_emulated:
             return self.emulate(layer, "linear", torch.nn.functional.linear, (x, weight, bias), {})
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         n, k = weight.shape
         out_dtype = self.out_dtype(x)
+        if layer.mx:  # quantizes its weight itself, along K and along N: no kept copy
+            out = Fp8MxLinear.apply(x2, weight, bias, MxSpec(out_dtype, layer.precision.scaling.margin, layer.precision.grad_format, k, n))
+            return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         key = weight_key or self.param_names.get(id(weight), "weight")
         quantizer = layer.weight_quantizer((key, weight.stride()))
@@ -217,7 +223,7 @@ class Products:
         gemm = as_gemm(op, func, args, kwargs)
         if gemm is None:
             return self.emulate(layer, op, func, args, kwargs, "no FP8/INT8 kernel for this op")
-        if layer.kernel_reason is not None and not layer.block_gemms_emulated:
+        if layer.kernel_reason is not None and not layer.tiled_gemms_emulated:
             return self.emulate(layer, op, func, args, kwargs)
         a, b, bias, beta, alpha, out_shape = gemm
         layer.note(op, self.kernel_name(layer))

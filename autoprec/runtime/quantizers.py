@@ -15,6 +15,8 @@ Transformer Engine's ``Float8CurrentScalingQuantizer`` / ``Float8Quantizer`` /
   always: their kernel's epilogue takes one scale per output channel).
 - `BlockQuantizer`: one scale per 1x128 tile of an input or output gradient, per 128x128 block of
   a weight (DeepSeek-V3; the kernels' layout is `block_gemm`'s).
+- `MxQuantizer`: one power-of-two scale per 32 elements (MXFP8; emulated ops only: a linear
+  layer's MX products are `mx_gemm`'s).
 
 INT8 kernel inputs per tensor use `Int8Calibrator` instead. A weight is quantized on every forward
 (`Quantizer.get`): it can change without a sign a cache could key on (``.data`` writes, FSDP2's
@@ -35,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..formats import ACTIVATION_BLOCK, WEIGHT_BLOCK, Format, Granularity, amax, block_amax, dequantize, expand_blocks, inverse_scale, quantize
+from ..formats import ACTIVATION_BLOCK, MX_BLOCK, WEIGHT_BLOCK, Format, Granularity, amax, block_amax, dequantize, expand_blocks, inverse_scale, mx_inverse_scale, quantize
 from ..plan import Reduction, Scaling, ScalingMode
 from .block_gemm import block_cast
 from .fsdp_fp8 import GatheredFp8
@@ -47,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OperandRole", "QuantizedOperand", "Quantizer", "TensorCurrentQuantizer", "TensorDelayedQuantizer", "RowQuantizer", "BlockQuantizer",
-    "quantizer",
+    "MxQuantizer", "quantizer",
 ]
 
 
@@ -436,6 +438,23 @@ class BlockQuantizer(Quantizer):
         return QuantizedOperand(data, grid, x_t)
 
 
+class MxQuantizer(Quantizer):
+    """One power-of-two scale per 32 consecutive elements of x's last dimension (MXFP8,
+    `formats.mx_inverse_scale`: rounded up), for every role. Emulation only: a linear layer's MX
+    products quantize their operands themselves (`mx_gemm.Fp8MxLinear`, along each GEMM's
+    contracted dimension); another op's operands are rounded along their last dimension. One amax
+    per tile, a few scalar ops per tile."""
+
+    block = MX_BLOCK
+
+    def inverse_scale(self, x: torch.Tensor, record: bool = False) -> torch.Tensor:
+        x2 = _as_2d(x.reshape(1, -1) if x.dim() < 2 else x)
+        return mx_inverse_scale(block_amax(x2, MX_BLOCK), self.fmt, self.margin)
+
+    def quantize(self, x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+        return super().quantize(x.reshape(1, -1) if x.dim() < 2 else x, inv)
+
+
 def quantizer(role: OperandRole, fmt: Format, scaling: Scaling, align: int = 1, row_scaled: bool = False) -> Quantizer:
     """The quantizer of one operand ``role`` in ``fmt`` under a layer's ``scaling``: the class by
     strategy (module docstring), the margin only for FP8 inputs (weights and gradients take the
@@ -456,6 +475,8 @@ def quantizer(role: OperandRole, fmt: Format, scaling: Scaling, align: int = 1, 
     margin = scaling.margin if role is OperandRole.INPUT and fmt.is_fp8 else 0
     if scaling.granularity is Granularity.BLOCK:
         return BlockQuantizer(role, fmt, margin, align)
+    if scaling.granularity is Granularity.MX:
+        return MxQuantizer(role, fmt, margin, align)
     if role is not OperandRole.GRAD_OUTPUT and (scaling.granularity is Granularity.ROW or (role is OperandRole.WEIGHT and fmt is Format.INT8)):
         return RowQuantizer(role, fmt, margin, align)
     if role is OperandRole.INPUT and scaling.mode is ScalingMode.DELAYED:

@@ -38,11 +38,13 @@ from support.models import ViewWeight
 ALL = [f.value for f in Format]
 ROW = Scaling(granularity=Granularity.ROW, mode=ScalingMode.CURRENT)
 # (format, scaling) cases: every format with its default scaling, FP8 / INT8 with row scales too.
-PRECISIONS = [LayerPrecision(f) for f in ALL] + [LayerPrecision("fp8_e4m3", scaling=ROW), LayerPrecision("int8", scaling=ROW)]
+PRECISIONS = [LayerPrecision(f) for f in ALL] + [LayerPrecision("fp8_e4m3", scaling=ROW), LayerPrecision("int8", scaling=ROW),
+                                                  LayerPrecision("fp8_e4m3", scaling=Scaling(granularity="mx"))]
 
 
 def _id(lp):
-    return lp.format.value + ("-row" if lp.scaling.granularity is Granularity.ROW else "")
+    granularity = lp.scaling.granularity
+    return lp.format.value + ("" if granularity is Granularity.TENSOR else f"-{granularity.value}")
 
 
 class Mixer(nn.Module):

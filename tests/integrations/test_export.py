@@ -68,12 +68,14 @@ def test_each_layer_is_converted_or_listed_with_its_reason():
     assert torchao_export(_plan(model, x, {})).autocast is None
 
 
-def test_a_block_scaled_layer_exports_as_torchaos_closest_recipe_and_says_so():
+@pytest.mark.parametrize("granularity, tiles", [(Granularity.BLOCK, "block scaling (1x128 / 128x128)"),
+                                                 (Granularity.MX, "MXFP8 (1x32 tiles, power-of-two scales)")])
+def test_a_block_scaled_or_mxfp8_layer_exports_as_torchaos_closest_recipe_and_says_so(granularity, tiles):
     model, x = Net(), torch.randn(4, 32)
-    plan = _plan(model, x, {"fc1": Format.FP8_E4M3}, fc1=Scaling(granularity=Granularity.BLOCK))
+    plan = _plan(model, x, {"fc1": Format.FP8_E4M3}, fc1=Scaling(granularity=granularity))
     export = torchao_export(plan)
     assert dict(export.recipes) == {"rowwise": ("fc1",)}
-    assert export.notes == ("fc1: block scaling (1x128 / 128x128) in the plan; torchao's float8 training has no block recipe, its closest is rowwise",)
+    assert export.notes == (f"fc1: {tiles} in the plan; torchao's float8 training has no such recipe, its closest is rowwise",)
 
 
 def _grad_plan(model, x, layers):

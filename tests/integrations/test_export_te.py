@@ -47,7 +47,7 @@ class Net(nn.Module):
 
     def __init__(self):
         super().__init__()
-        names = ("tensor", "e4m3_grads", "high_grads", "e5m2_forward", "row", "block", "delayed", "bf16", "int8")
+        names = ("tensor", "e4m3_grads", "high_grads", "e5m2_forward", "row", "block", "mx", "delayed", "bf16", "int8")
         self.fc = nn.ModuleDict({n: nn.Linear(128, 128) for n in names})
         self.odd = nn.Linear(128, 24)
 
@@ -63,6 +63,7 @@ LAYERS = {
     "fc.e5m2_forward": LayerPrecision(Format.FP8_E5M2),
     "fc.row": LayerPrecision(Format.FP8_E4M3, scaling=Scaling(granularity=Granularity.ROW)),
     "fc.block": LayerPrecision(Format.FP8_E4M3, scaling=Scaling(granularity=Granularity.BLOCK)),
+    "fc.mx": LayerPrecision(Format.FP8_E4M3, scaling=Scaling(granularity=Granularity.MX)),
     "fc.delayed": LayerPrecision(Format.FP8_E4M3, scaling=Scaling(mode=ScalingMode.DELAYED, history_len=8, margin=1)),
     "fc.bf16": LayerPrecision(Format.BF16),
     "fc.int8": LayerPrecision(Format.INT8),
@@ -211,7 +212,21 @@ def _operand(q, t, direction, held):
         if kw["block_scaling_dim"] == 2:
             return _tiles(t, dtype, 128, 128)
         return _tiles(t, dtype, 1, 128) if direction == "row" else _tiles(t.t(), dtype, 1, 128).t()
+    if kind == "MXFP8Quantizer":
+        assert kw["rowwise"] and kw["columnwise"]
+        return _mx(t, dtype) if direction == "row" else _mx(t.t(), dtype).t()
     raise AssertionError(f"no emulation of {kind}")
+
+
+def _mx(t, dtype):
+    """MXFP8 of 2-D ``t`` (columns a multiple of 32) along its rows, as TE computes it: one E8M0
+    scale per 32 elements, the power of two at or above amax / max (TE's float_to_e8m0 rounds up),
+    here from the exponent computed in float64."""
+    m, n = t.shape
+    tiles = t.reshape(m, n // 32, 32)
+    amax = tiles.abs().amax(dim=-1, keepdim=True).double()
+    scale = torch.exp2(torch.ceil(torch.log2(amax / torch.finfo(dtype).max))).float()
+    return ((tiles / scale).clamp(-448, 448).to(dtype).float() * scale).reshape(m, n)
 
 
 class _TELinear(torch.autograd.Function):
@@ -270,6 +285,9 @@ def test_the_written_recipe_builds_each_layers_quantizers_with_transformer_engin
     # Block scaling: 1x128 activations and gradients, 128x128 weights.
     block = built["fc.block"]
     assert [block[r].kwargs["block_scaling_dim"] for r in roles] == [1, 2, 1]
+    # MXFP8: every role, both directions, E4M3 (the plan's E4M3 gradients).
+    assert kinds("fc.mx") == dict.fromkeys(roles, "MXFP8Quantizer")
+    assert [built["fc.mx"][r].kwargs["fp8_dtype"].name for r in roles] == ["kFloat8E4M3"] * 3
     # Delayed scaling: the plan's history, reduction and margin; gradients scaled currently.
     delayed, scaling = built["fc.delayed"], LAYERS["fc.delayed"].scaling
     for role in ("input", "weight"):
@@ -316,7 +334,7 @@ def block_kernels() -> bool:
     return block_scaled_form("cpu")[0]
 
 
-CASES = ["fc.tensor", "fc.e4m3_grads", "fc.high_grads", "fc.e5m2_forward", "fc.block"]
+CASES = ["fc.tensor", "fc.e4m3_grads", "fc.high_grads", "fc.e5m2_forward", "fc.block", "fc.mx"]
 
 
 @pytest.mark.parametrize("fqn", CASES)
@@ -350,9 +368,10 @@ def test_transformer_engines_linear_with_the_written_quantizers_reproduces_autop
     assert error(y, yr) < 1e-3, "forward"
     assert error(xa.grad, xr.grad) < 1e-5, "input gradient"
     assert error(layer.weight.grad, wr.grad) < 1e-5, "weight gradient"
-    # A CPU has no block-scaled kernel: the block layer's three GEMMs run emulated, with the kernels' tilings.
+    # A CPU has no block-scaled kernel: the block layer's three GEMMs run emulated, with the kernels'
+    # tilings; MXFP8's are emulated everywhere (no sm_100 kernel is built).
     emulated = runtime.report()["0"]["ops"]["linear"].startswith("emulated")
-    assert emulated == (fqn == "fc.block" and not block_kernels())
+    assert emulated == ((fqn == "fc.block" and not block_kernels()) or fqn == "fc.mx")
     # The comparison can fail: the gradient quantized in the other FP8 format misses by far more.
     if fqn in ("fc.tensor", "fc.e4m3_grads"):
         other = "kFloat8E4M3" if quantizers["grad_output"].kwargs["fp8_dtype"].name == "kFloat8E5M2" else "kFloat8E5M2"

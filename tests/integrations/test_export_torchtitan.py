@@ -135,3 +135,49 @@ def test_a_filter_entry_inside_a_converted_layers_name_is_named_in_the_notes():
     export = torchtitan_export(plan)
     assert dict(export.recipes) == {"rowwise": ("w_out",)} and export.filter_fqns["rowwise"] == ("w",)
     assert any(n.startswith("w_out: torchtitan skips a module when a filter_fqns entry is a substring of its name, and 'w' is") for n in export.notes)
+
+
+def _mx_converter_fields(root: Path) -> list[str]:
+    """MXFP8LinearConverter.Config's own fields, and its conversion rule, from torchtitan's source."""
+    source = (root / "components" / "quantization" / "mx.py").read_text()
+    converter = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == "MXFP8LinearConverter")
+    config = next(n for n in converter.body if isinstance(n, ast.ClassDef) and n.name == "Config")
+    # The rule the test applies below: a Linear config is converted when an fqns entry is a substring of its name.
+    assert "any(target_fqn in fqn for target_fqn in fqns)" in source
+    return [n.target.id for n in config.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)] + ["model_compile_enabled"]
+
+
+def test_mxfp8_layers_go_to_torchtitans_mxfp8_converter_by_name_and_the_float8_ones_skip_them(tmp_path, monkeypatch):
+    root = _torchtitan_source()
+    float8_fields, _ = _converter_config(root)
+    mx_fields = _mx_converter_fields(root)
+    module_filter_fn = _module_filter_fn(root)
+    model, x = Blocks(), torch.randn(4, 32)
+    mx = LayerPrecision(Format.FP8_E4M3, scaling=Scaling(granularity=Granularity.MX))
+    plan = _plan(model, x, {"layers.1.wq": mx, "layers.11.wq": mx, "layers.1.w2": LayerPrecision(Format.FP8_E4M3),
+                            "layers.11.w2": LayerPrecision(Format.BF16)})
+    written = _written(tmp_path, plan)
+    fake = types.ModuleType("torchtitan.components.quantization")
+    for name, fields in (("Float8LinearConverter", float8_fields), ("MXFP8LinearConverter", mx_fields)):
+        config = dataclasses.make_dataclass(f"{name}Config", [(f, object, dataclasses.field(default=None)) for f in fields], kw_only=True)
+        setattr(fake, name, types.SimpleNamespace(Config=config))
+    monkeypatch.setitem(sys.modules, "torchtitan.components.quantization", fake)
+    float8, mxfp8 = written.converters(model_compile_enabled=True)
+    assert type(mxfp8).__name__ == "MXFP8LinearConverterConfig" and mxfp8.model_compile_enabled is True
+    linear = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+    by_mx = {fqn for fqn in linear if any(target in fqn for target in mxfp8.fqns)}
+    by_float8 = {fqn for fqn, m in linear.items()
+                 if module_filter_fn(types.SimpleNamespace(in_features=m.in_features, out_features=m.out_features), fqn, float8.filter_fqns)}
+    assert by_mx == {"layers.1.wq", "layers.11.wq"} and by_float8 == {"layers.1.w2"}
+    assert not any(n.startswith(("layers.1.wq", "layers.11.wq")) for n in written.NOTES)  # torchao's RCEIL scales: the plan's numbers
+
+
+def test_an_mxfp8_entry_inside_another_layers_name_is_named_in_the_notes():
+    model = nn.Sequential()
+    model.add_module("w", nn.Linear(32, 32))
+    model.add_module("w_out", nn.Linear(32, 32))
+    mx = LayerPrecision(Format.FP8_E4M3, scaling=Scaling(granularity=Granularity.MX))
+    export = torchtitan_export(_plan(model, torch.randn(4, 32), {"w": mx, "w_out": LayerPrecision(Format.BF16)}))
+    assert dict(export.recipes) == {"mxfp8": ("w",)}
+    assert any(n.startswith("w: torchtitan's MXFP8 converter converts a module when an fqns entry is a substring of its name, so 'w_out'")
+               for n in export.notes)

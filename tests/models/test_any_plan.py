@@ -39,6 +39,8 @@ def layer_precisions(draw) -> LayerPrecision:
     if fmt.is_fp8:
         granularity = draw(st.sampled_from(list(Granularity)))
         mode = draw(st.sampled_from(list(ScalingMode))) if granularity is Granularity.TENSOR else ScalingMode.CURRENT
+        if granularity is Granularity.MX:  # MXFP8: E4M3, FP8 gradients
+            return LayerPrecision(Format.FP8_E4M3, draw(st.sampled_from([Format.FP8_E5M2, Format.FP8_E4M3])), Scaling(granularity))
         grad = draw(st.sampled_from([Format.FP8_E5M2, Format.FP8_E4M3, Format.FP32]))
         return LayerPrecision(fmt, grad, Scaling(granularity, mode, history_len=4))
     if fmt is Format.INT8:
