@@ -42,6 +42,7 @@ from ..formats import Format, Granularity
 from ..plan import LayerPrecision
 from ..runtime.layers import as_gemm, kernel_reason
 from ..runtime.gemm import FP8_ALIGN, INT8_ALIGN, INT8_MIN_ROWS
+from ..runtime.block_gemm import BLOCK
 from ..runtime.mx_gemm import MX_TILE
 from .trace import LayerTrace, MatmulCall, TensorSpec
 
@@ -114,6 +115,8 @@ def _tiled(precision: LayerPrecision) -> "str | None":
         return None
     if granularity is Granularity.MX:
         return "mx"
+    if granularity is Granularity.BLOCK and fmt is Format.FP8_E4M3 and precision.grad_format is Format.FP8_E4M3:
+        return "block"
     return None
 
 
@@ -155,6 +158,14 @@ def _call_bytes(call: MatmulCall, precision: LayerPrecision, device) -> tuple[in
         # per element and one E8M0 byte per tile.
         x_t, w_t = (k * _round_up(cols, MX_TILE) * (1 + 1 / MX_TILE) * bool(need) for cols, need in ((m, grads[-1]), (n, grads[0])))
         return (int(w_t), int(x_t)) if has_weight else (0, int(x_t + w_t))
+    if path == "block":
+        # block_gemm.Fp8BlockLinear saves x re-tiled along M (for the weight's gradient: (K', M'),
+        # 1x128 tiles, FP32 scales) and the weight's transposed blocks ((K', N'), FP32 block grid)
+        # whenever a gradient is needed; every dimension padded to 128.
+        k_pad, m_pad, n_pad = (_round_up(v, BLOCK) for v in (k, m, n))
+        x_t = (k_pad * m_pad + k_pad * (m_pad // BLOCK) * _SCALE_BYTES) * bool(grads[-1])
+        w_t = k_pad * n_pad + (k_pad // BLOCK) * (n_pad // BLOCK) * _SCALE_BYTES
+        return (w_t, x_t) if has_weight else (0, x_t + w_t)
     if fmt.is_fp8:
         # gemm.Fp8Linear saves the input in FP8 with K padded to the kernel's 16, two scalar
         # scales, and the weight's cached FP8 transpose (K', N') — a fresh one when the operand is

@@ -39,6 +39,7 @@ ALL = [f.value for f in Format]
 ROW = Scaling(granularity=Granularity.ROW, mode=ScalingMode.CURRENT)
 # (format, scaling) cases: every format with its default scaling, FP8 / INT8 with row scales too.
 PRECISIONS = [LayerPrecision(f) for f in ALL] + [LayerPrecision("fp8_e4m3", scaling=ROW), LayerPrecision("int8", scaling=ROW),
+                                                  LayerPrecision("fp8_e4m3", scaling=Scaling(granularity="block")),
                                                   LayerPrecision("fp8_e4m3", scaling=Scaling(granularity="mx"))]
 
 
