@@ -235,9 +235,9 @@ class Planning:
                 # A granularity name is short for current scaling at that granularity.
                 scaling[fmt] = Scaling(granularity=value) if isinstance(value, str) else value
             except (FormatError, ValueError):
-                raise SearchError(f"Planning(scaling={{{name!r}: {value!r}}}): expected a format name and 'tensor', 'row', 'block' or a Scaling") from None
+                raise SearchError(f"Planning(scaling={{{name!r}: {value!r}}}): expected a format name and 'tensor', 'row', 'block', 'mx' or a Scaling") from None
             if not isinstance(scaling[fmt], Scaling):
-                raise SearchError(f"Planning(scaling={{{fmt.value!r}: ...}}): expected 'tensor', 'row', 'block' or a Scaling, got {type(value).__name__}")
+                raise SearchError(f"Planning(scaling={{{fmt.value!r}: ...}}): expected 'tensor', 'row', 'block', 'mx' or a Scaling, got {type(value).__name__}")
             if not fmt.needs_scale:
                 raise SearchError(f"Planning(scaling={{{fmt.value!r}: ...}}): {fmt.value} takes no scale; name fp8_e4m3, fp8_e5m2 or int8")
             try:  # the rules between a format and its scaling, as a plan holding it checks them

@@ -73,7 +73,7 @@ REFUSED = [
     (CommSettings, dict(powersgd_start="2"), "an integer >= 2"),
     (Scaling, dict(history_len=8.0), "an integer from 1 to 4096"),  # an integral float is no count
     (Scaling, dict(margin=True), "an integer from 0 to"),
-    (Scaling, dict(granularity="rows"), "'tensor', 'row' or 'block'"),
+    (Scaling, dict(granularity="rows"), "'tensor', 'row', 'block' or 'mx'"),
     (Scaling, dict(mode="lazy"), "'delayed' or 'current'"),
     (Thresholds, dict(nonfinite_steps=np.float64(3.0)), "an integer >= 1"),
     (Thresholds, dict(overflow="0.1"), "a fraction from 0 to 1"),

@@ -31,7 +31,7 @@ BLOCK = {"fp8_e4m3": "block"}
 def problem():
     torch.manual_seed(0)
     model = OutlierMLP(128, 256, 2, outliers=2, gain=100.0, seed=0)
-    data = [(torch.randn(64, 128), torch.randn(64, 128)) for _ in range(2)]
+    data = [(torch.randn(256, 128), torch.randn(256, 128)) for _ in range(2)]  # activations outweigh the weights' FP8 copies
 
     def loss_fn(m, batch):
         return F.mse_loss(m(batch[0]).float(), batch[1])
@@ -48,9 +48,9 @@ def _search(problem, scaling, memory):
 
 def test_a_block_scaled_search_plans_costs_and_estimates_fp8_in_block_scaling(problem):
     tensor_found, _ = _search(problem, {}, 1.0)
-    found, plan = _search(problem, BLOCK, 0.8)  # 0.8 of the FP32 bytes (the floor is 0.75): FP8 somewhere
+    found, plan = _search(problem, BLOCK, 0.7)  # 0.7 of the FP32 bytes (BF16's floor 0.75, block FP8's 0.61): FP8 somewhere
     fp8 = [lp for lp in plan.layers.values() if lp.format is E4M3]
-    assert fp8, "a memory budget of 0.8 needs FP8 layers"
+    assert fp8, "a memory budget of 0.7 needs FP8 layers"
     assert all(lp.scaling.granularity is Granularity.BLOCK and lp.grad_format is E4M3 for lp in fp8)
     # Its own sensitivity: the same layers in block-scaled FP8 predict another loss increase
     # (tile scales round the non-outlier channels finer; E4M3 gradients instead of E5M2).
@@ -73,7 +73,7 @@ def test_times_measured_in_one_scaling_are_never_reused_for_another(problem, tmp
 
 
 @pytest.mark.parametrize("scaling, words", [
-    ({"fp8_e4m3": "diagonal"}, "'tensor', 'row', 'block' or a Scaling"),
+    ({"fp8_e4m3": "diagonal"}, "'tensor', 'row', 'block', 'mx' or a Scaling"),
     ({"bf16": "block"}, "bf16 takes no scale"),
     ({"fp9": "block"}, "expected a format name"),
     ("block", "a table of format = scaling"),
