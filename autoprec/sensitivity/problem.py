@@ -17,7 +17,8 @@ from torch.utils import _pytree as pytree
 from .._tracing import module_stack
 from ..calls import ModelCall, fresh, isolated
 from ..coverage import LayerInfo, find_layers
-from ..errors import FormatError, SensitivityError
+from ..device import format_support
+from ..errors import FormatError, PlanError, SensitivityError
 from ..formats import Format, Granularity
 from ..plan import LayerPrecision, Plan
 
@@ -295,9 +296,16 @@ def resolve_problem(model, batches, loss_fn, formats, layers, example_inputs, lo
         raise SensitivityError("no layer selected; the layers filter rejected every covered layer")
     base = Plan({fqn: LayerPrecision(Format.FP32) for fqn in found}, fingerprint=found)
     problem = SensitivityProblem(model, batches, loss_fn, candidates, tuple(chosen), base, loss_terms, second_moment)
-    # One validation up front (names the formats the device cannot run); derived plans skip it.
-    for fmt in candidates:
-        problem.plan_for(chosen[0], fmt).validate(model)
+    # One validation up front, derived plans skip it: the layers against the model once (a walk of
+    # the model: once per candidate format, it was the largest unit of a deep model's search), and
+    # each candidate format against the device (naming those it cannot run).
+    base.validate(model)
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
+    unrunnable = [f"{fmt.value} cannot run on {device}: {support.reason}; choose another format"
+                  for fmt in candidates if not (support := format_support(fmt, device)).runnable]
+    if unrunnable:
+        raise PlanError(unrunnable, "The sensitivity's candidate formats do not all run here.")
     return problem
 
 

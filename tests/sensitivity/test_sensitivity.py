@@ -162,6 +162,26 @@ def test_fp32_candidate_is_exactly_zero():
         assert est[fqn, "bf16"] > 0.0
 
 
+def test_the_model_is_validated_once_and_a_format_the_device_cannot_run_is_named(monkeypatch):
+    """One structural validation whatever the number of candidates (it walks the model: once per
+    format, it was a deep model's slowest search unit), and every format the device cannot run
+    named in one error before anything runs."""
+    import autoprec.sensitivity.problem as problem
+    from autoprec.device import Support
+
+    model, data = _toy()
+    validated = []
+    real = ap.Plan.validate
+    monkeypatch.setattr(ap.Plan, "validate", lambda self, *a, **k: validated.append(1) or real(self, *a, **k))
+    estimate_sensitivity(model, data, per_sample_ce, ["bf16", "fp16", "fp8_e4m3", "int8"])
+    assert len(validated) == 1
+    supported = problem.format_support
+    monkeypatch.setattr(problem, "format_support",
+                        lambda fmt, device=None: Support(False, False, "no FP16 here") if Format.parse(fmt) in (Format.FP16, Format.INT8) else supported(fmt, device))
+    with pytest.raises(ap.PlanError, match=r"(?s)fp16 cannot run on cpu: no FP16 here.*int8 cannot run on cpu"):
+        estimate_sensitivity(model, data, per_sample_ce, ["bf16", "fp16", "int8"])
+
+
 def test_grad_term_matches_full_backward_under_the_plan():
     # A network and loss linear after each layer make dL/dy independent of the forward error, so
     # the gradient error of the model run under the plan is exactly what the estimator
