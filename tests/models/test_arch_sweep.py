@@ -26,8 +26,10 @@ SEED = arch_sweep.rotating_seed()
 # docs/architecture_sweep.md). Strict: a drawn one must still fail, so a fix is noticed; the
 # search outcomes that hang on measured step times are not strict.
 KNOWN_FAILURES: dict[str, tuple[str, bool]] = {
-    "deberta": ("its attention fills BF16 scores with finfo(float32).min (q + q_bias is FP32), so plain torch.autocast fails too: "
-                "run each probe plan once off-path and keep a layer whose code fails in a format out of that format", True),
+    "deberta": ("its attention fills BF16 scores with finfo(float32).min (q + q_bias is FP32), so plain torch.autocast fails too; "
+                "the sensitivity estimate rules (attention, bf16) out, but the first probe step (search step 0) runs it before the "
+                "estimate has: rerun a layer that raises on a search runtime's step in FP32 and rule the pair out, or probe a "
+                "format only once the estimate has cleared it", True),
     "rwkv": ("the sensitivity estimate's recorded forward runs in eval mode (no dropout), where RWKV turns its cache on "
              "(use_cache defaults to the config's outside training) and writes its recurrent state in place, so the estimate's "
              "backward finds a [4, 32] state slice modified: record in train mode with the dropout masks drawn from one seed "
@@ -39,9 +41,9 @@ KNOWN_FAILURES: dict[str, tuple[str, bool]] = {
     "inkling_text": ("its candidates' forwards overflow: with the layers the scaler named promoted to FP32 one plans on some "
                      "runs (the candidates hang on measured times), on others three promotions are not enough: as longt5", False),
     "yoso": ("its custom autograd Function's backward multiplies the FP32 incoming gradient by a saved half value "
-             "(torch.matmul(grad, value.T)), where no autocast runs; the sensitivity estimate rules such a (layer, format) out, "
-             "but a probe or trial step runs it on a training step and raises there: check each such plan off-path before its step, "
-             "or fall back to FP32 in a layer whose candidate format raises", True),
+             "(torch.matmul(grad, value.T)), an op outside every layer, so the per-layer estimate never sees it fail; the first "
+             "trial (search step 10) puts the value projection in FP16 and its backward raises: run each candidate once off-path "
+             "(forward and backward on the snapshot) and bisect a failing one to the layer that breaks it", True),
 }
 
 
