@@ -335,7 +335,7 @@ class _ObjectsAsFound(dict):
 
         memo: dict = {}
         for v in self.values():
-            memo.update(_only_cache_layers(v, self.cache_layers, unwritten_or_cloned, memo))
+            _only_cache_layers(v, self.cache_layers, unwritten_or_cloned, memo)
         return fresh(dict(self), unwritten_or_cloned, memo)
 
 
