@@ -362,9 +362,14 @@ def _refusal(error: str) -> bool:
     return "InfeasibleBudgetError" in error or "no plan meets" in error
 
 
-def run(case: Case, *, steps: int = 48, window: int = 6, memory: float = 0.6, accuracy: float = 0.05, seed: int = 0) -> Row:
-    """Train ``case`` for ``steps`` steps of the README loop (and the same model in plain FP32 on
-    the same batches, from the same weights, for the loss ratio) and classify the run (`Row`)."""
+def run(case: Case, *, max_steps: int = 120, after: int = 16, window: int = 6, memory: float = 0.6, accuracy: float = 0.05,
+        seed: int = 0) -> Row:
+    """Train ``case`` through the README loop until its plan has been in force ``after`` steps, or
+    its search failed, or ``max_steps`` (and the same model in plain FP32 on the same batches, from
+    the same weights, for the loss ratio) and classify the run (`Row`). How many steps a search
+    takes depends on what its probes and trials measure (another plan, another round under a
+    loaded CPU: 24 steps alone, 40 beside three busy processes for a tiny Doge), so the run is
+    as long as its search, not a fixed count that a slow machine's search outlasts."""
     import copy
 
     start = time.perf_counter()
@@ -373,7 +378,7 @@ def run(case: Case, *, steps: int = 48, window: int = 6, memory: float = 0.6, ac
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model, make, loss_fn = build(case, seed)
-            batches = [make(seed + i) for i in range(steps)]
+            batches = [make(seed + i) for i in range(max_steps)]
             model.train()
             plain_start = time.perf_counter()
             _step(copy.deepcopy(model), loss_fn, batches[0], None, torch.optim.SGD(model.parameters(), lr=0.0))  # it runs at all
@@ -399,9 +404,12 @@ def run(case: Case, *, steps: int = 48, window: int = 6, memory: float = 0.6, ac
                 losses.append(_step(model, loss_fn, batch, scheduler, optimizer))
                 if scheduler.plan is not None and row.planned_at is None:
                     row.planned_at = i
+                refused = scheduler.last_search_error is not None and _refusal(scheduler.last_search_error)  # final; other failures retry
+                if (row.planned_at is not None and i >= row.planned_at + after) or refused:
+                    break
             ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-            ref_losses = [_step(reference, loss_fn, batch, None, ref_optimizer) for batch in batches]
-            quarter = max(1, steps // 4)
+            ref_losses = [_step(reference, loss_fn, batch, None, ref_optimizer) for batch in batches[:len(losses)]]
+            quarter = max(1, len(losses) // 4)
             searched = losses[:row.planned_at if row.planned_at is not None else len(losses)]
             row.skipped_search_steps = sum(not math.isfinite(x) for x in searched)
             if all(math.isfinite(x) for x in losses[-quarter:] + ref_losses) and sum(ref_losses[-quarter:]) > 0:
@@ -409,7 +417,8 @@ def run(case: Case, *, steps: int = 48, window: int = 6, memory: float = 0.6, ac
             plan = scheduler.plan
             if plan is not None:
                 row.layers, row.formats, row.recompute = len(plan), plan.format_counts(), len(plan.recompute)
-                row.memory_ratio = saved_bytes(model, batches[-1], scheduler, loss_fn) / saved_bytes(reference, batches[-1], None, loss_fn)
+                last = batches[len(losses) - 1]
+                row.memory_ratio = saved_bytes(model, last, scheduler, loss_fn) / saved_bytes(reference, last, None, loss_fn)
             check = scheduler.last_check
             row.measured_increase = check.increase if check is not None else None
             row.outcome, row.reason = _classify(row, scheduler, losses[row.planned_at or 0:], memory, accuracy)
