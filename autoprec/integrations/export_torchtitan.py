@@ -85,23 +85,23 @@ def torchtitan_export(plan: Plan) -> TorchtitanExport:
     filters: dict[str, tuple[str, ...]] = {}
     for recipe, fqns in recipes.items():
         members = set(fqns)  # a set: a plan of a thousand layers, each looked up per recipe
-        if recipe == MXFP8:
-            # A list of what to convert, also by substring: an entry inside another layer's name converts that one too.
-            for fqn in fqns:
-                other = next((f for f in planned if f not in members and fqn in f), None)
+        others = tuple(f for f in planned if f not in members)
+        # torchtitan matches names by substring: a float8 converter skips a module when one of its
+        # filter_fqns (the other layers) is inside the module's name; the MXFP8 converter converts
+        # one when one of its fqns (its layers) is, so an entry inside another layer's name converts that one too.
+        for fqn in fqns:
+            if recipe == MXFP8:
+                other = next((f for f in others if fqn in f), None)
                 if other is not None:
                     notes.append(f"{fqn}: torchtitan's MXFP8 converter converts a module when an fqns entry is a substring of its name, "
                                  f"so {other!r} would be converted too (rename one of them, or leave it out of the plan)")
-            continue
-        filters[recipe] = tuple(f for f in planned if f not in members)
-    for recipe, fqns in recipes.items():
-        if recipe == MXFP8:
-            continue
-        for fqn in fqns:
-            clash = next((f for f in filters[recipe] if f in fqn), None)
+                continue
+            clash = next((f for f in others if f in fqn), None)
             if clash is not None:
                 notes.append(f"{fqn}: torchtitan skips a module when a filter_fqns entry is a substring of its name, and {clash!r} is: "
                              f"its {recipe} converter would skip it (rename one of them, or leave it out of the plan)")
+        if recipe != MXFP8:
+            filters[recipe] = others
     not_converted = dict(base.not_converted)
     for fqn, lp in plan.layers.items():
         if lp.format in (Format.BF16, Format.FP16, Format.FP32):  # torchao's reason says to wrap it in autocast: not how torchtitan runs

@@ -72,14 +72,13 @@ def _dequantized(q: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class MxSpec:
-    """What one MXFP8 linear computes: its output dtype (the region's), the input's margin, the
-    output gradient's format and the true feature counts (the tiles pad K)."""
+    """What one MXFP8 linear computes: its output dtype (the region's), the input's margin and the
+    output gradient's format. (Its products come out unpadded: the tiles pad only the contracted
+    dimension.)"""
 
     out_dtype: torch.dtype
     margin: int
     grad_format: Format
-    in_features: int
-    out_features: int
 
 
 class Fp8MxLinear(torch.autograd.Function):
@@ -113,10 +112,10 @@ class Fp8MxLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             g, g_inv = mx_cast(grad_out, spec.grad_format)  # (M, N') tiled along N
             out_dtype = ctx.x_dtype if ctx.x_dtype in (torch.float32, torch.bfloat16, torch.float16) else spec.out_dtype
-            grad_x = emulated_mx_mm(g, g_inv, w_t, w_t_inv, out_dtype)[:, : spec.in_features]
+            grad_x = emulated_mx_mm(g, g_inv, w_t, w_t_inv, out_dtype)
         if ctx.needs_input_grad[1]:
             g_t, g_t_inv = mx_cast(grad_out.t(), spec.grad_format)  # (N, M') tiled along M, as x_t
-            grad_w = emulated_mx_mm(g_t, g_t_inv, x_t, x_t_inv, torch.float32)[:, : spec.in_features]
+            grad_w = emulated_mx_mm(g_t, g_t_inv, x_t, x_t_inv, torch.float32)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_out.sum(0, dtype=torch.float32)
         return grad_x, grad_w, grad_bias, None

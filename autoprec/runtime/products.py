@@ -136,7 +136,7 @@ class Products:
         n, k = weight.shape
         out_dtype = self.out_dtype(x)
         if layer.mx:  # quantizes its weight itself, along K and along N: no kept copy
-            out = Fp8MxLinear.apply(x2, weight, bias, MxSpec(out_dtype, layer.precision.scaling.margin, layer.precision.grad_format, k, n))
+            out = Fp8MxLinear.apply(x2, weight, bias, MxSpec(out_dtype, layer.precision.scaling.margin, layer.precision.grad_format))
             return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         key = weight_key or self.param_names.get(id(weight), "weight")
