@@ -11,6 +11,7 @@ import types
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+import numpy as np
 import torch.nn as nn
 
 from .._version import __version__
@@ -321,7 +322,7 @@ class _Reader:
         if first + len(counts) > NUM_BINS:
             self.bad(where, f"bins {first}..{first + len(counts) - 1} exceed the {NUM_BINS} bins of a histogram")
             return None
-        return Histogram(first, tuple(counts))
+        return Histogram(first, np.asarray(counts, dtype=np.int64))
 
     def tensor(self, data, where, formats) -> Optional[TensorStats]:
         if self.obj(data, where) is None:

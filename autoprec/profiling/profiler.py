@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -18,9 +18,14 @@ from ..saved_bytes import local_shard as _local  # FSDP2: per-shard statistics, 
 from ..plan import Scaling
 from ..runtime.recompute import recomputing, training_forward
 from .artifact import LayerProfile, Profile
-from .stats import BIN_MASK, BIN_SHIFT, KINDS, NUM_BINS, REFERENCES, GradStats, Histogram, TensorStats, format_fractions
+from .stats import BIN_MASK, BIN_SHIFT, KINDS, NUM_BINS, REFERENCES, BinCounts, GradStats, Histogram, TensorStats, format_fractions
 
 logger = logging.getLogger(__name__)
+
+# Tensors summarized together by `LayerProfiler.profile`: their histograms are copied to the host
+# and counted at once, 3 x 2048 int64 bins each (48 KiB), so a chunk holds 12 MiB on the host at
+# most (about 4x that for the counts' running sums), whatever the depth.
+_SUMMARY_CHUNK = 256
 
 
 @functools.lru_cache(maxsize=4096)
@@ -505,30 +510,43 @@ class LayerProfiler:
             why = "the profiler is disabled" if not self.enabled else "call step() once per optimizer step while attached"
             raise ProfileError(f"no steps were profiled: {why}")
         steps = self._steps
-        layers = {}
-        for fqn, layer in self._layers.items():
-            tensors = {kind: self._tensor_stats(layer.tensors[kind], steps) for kind in KINDS if kind in layer.tensors}
-            layers[fqn] = LayerProfile(layer.steps, self._grad_stats(layer), tensors)
+        watched = [(fqn, kind) for fqn, layer in self._layers.items() for kind in KINDS if kind in layer.tensors]
+        tensors: dict[str, dict[str, TensorStats]] = {fqn: {} for fqn in self._layers}
+        for start in range(0, len(watched), _SUMMARY_CHUNK):
+            chunk = watched[start : start + _SUMMARY_CHUNK]
+            summaries = self._tensor_stats([self._layers[fqn].tensors[kind] for fqn, kind in chunk], steps)
+            for (fqn, kind), summary in zip(chunk, summaries):
+                tensors[fqn][kind] = summary
+        layers = {fqn: LayerProfile(layer.steps, self._grad_stats(layer), tensors[fqn]) for fqn, layer in self._layers.items()}
         return Profile(
             self.fingerprint, layers, steps, self.window, self.sample, self.every, self.grad_sample,
             self.history_len, self.formats, dict(metadata or {}),
         )
 
-    def _tensor_stats(self, ts: _TensorState, steps: int) -> TensorStats:
-        hist = ts.hist.cpu().view(len(REFERENCES), NUM_BINS).numpy()
-        hists = {ref: Histogram.from_full(hist[i]) for i, ref in enumerate(REFERENCES)}
-        amax = ts.amax[:steps].cpu().tolist()
-        s1, s2 = ts.moments.cpu().tolist()
-        n = ts.sampled
-        mean = s1 / n if n else math.nan
-        var = (s2 - n * mean * mean) / (n - 1) if n > 1 else math.nan
-        fractions = {f.value: format_fractions(hists, n, f) for f in self.formats}
-        return TensorStats(
-            calls=ts.calls, numel=ts.numel, sampled=n, amax=tuple(amax),
-            nonfinite_steps=sum(1 for v in amax if not math.isfinite(v)),
-            mean=mean, var=max(var, 0.0) if math.isfinite(var) else var, histograms=hists,
-            fractions=fractions,
-        )
+    def _tensor_stats(self, states: Sequence[_TensorState], steps: int) -> list[TensorStats]:
+        """The summaries of ``states``, their accumulators copied to the host in one copy per kind
+        of accumulator (three host-device syncs) and their fractions computed for all at once
+        (`stats.format_fractions`)."""
+        hist = torch.stack([ts.hist for ts in states]).cpu().view(len(states), len(REFERENCES), NUM_BINS).numpy()
+        amaxes = torch.stack([ts.amax[:steps] for ts in states]).cpu().tolist()
+        moments = torch.stack([ts.moments for ts in states]).cpu().tolist()
+        histograms = Histogram.from_rows(hist.reshape(-1, NUM_BINS))
+        sampled = [ts.sampled for ts in states]
+        counts = {ref: BinCounts(hist[:, i]) for i, ref in enumerate(REFERENCES)}
+        fractions = {f.value: format_fractions(counts, sampled, f) for f in self.formats}
+        out = []
+        for i, (ts, amax, (s1, s2)) in enumerate(zip(states, amaxes, moments)):
+            n = ts.sampled
+            mean = s1 / n if n else math.nan
+            var = (s2 - n * mean * mean) / (n - 1) if n > 1 else math.nan
+            out.append(TensorStats(
+                calls=ts.calls, numel=ts.numel, sampled=n, amax=tuple(amax),
+                nonfinite_steps=sum(1 for v in amax if not math.isfinite(v)),
+                mean=mean, var=max(var, 0.0) if math.isfinite(var) else var,
+                histograms=dict(zip(REFERENCES, histograms[i * len(REFERENCES) : (i + 1) * len(REFERENCES)])),
+                fractions={fmt: per_tensor[i] for fmt, per_tensor in fractions.items()},
+            ))
+        return out
 
     @staticmethod
     def _grad_stats(layer: _LayerState) -> Optional[GradStats]:

@@ -80,25 +80,48 @@ def _threshold_bins(threshold: float) -> tuple[int, int, int, float, float]:
 
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Histogram:
-    """Counts of sampled magnitudes in the `NUM_BINS` fixed bins, stored from bin ``first`` on.
+    """Counts of sampled magnitudes in the `NUM_BINS` fixed bins, stored from bin ``first`` on
+    (``counts``: a read-only int64 array, any sequence of ints given; 8 bytes a bin where a
+    tuple of Python ints took about 36, and no conversion per bin when a profile is summed up).
 
     Bin ``b`` (``1 <= b < 2040``) spans ``[edges[b], edges[b + 1])``, 1/8 of a power of two wide;
     bin 0 holds zeros (and magnitudes below ``2**-129``); bins 2040.. hold inf and NaN.
     """
 
     first: int
-    counts: tuple[int, ...]
+    counts: np.ndarray
+
+    def __post_init__(self) -> None:
+        counts = np.asarray(self.counts, dtype=np.int64).view()
+        counts.flags.writeable = False
+        object.__setattr__(self, "counts", counts)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Histogram):
+            return NotImplemented
+        return self.first == other.first and np.array_equal(self.counts, other.counts)
+
+    def __hash__(self) -> int:
+        return hash((self.first, self.counts.tobytes()))
 
     @classmethod
     def from_full(cls, full: Sequence[int]) -> "Histogram":
-        counts = np.asarray(full, dtype=np.int64)
-        nonzero = np.flatnonzero(counts)
-        if nonzero.size == 0:
-            return cls(0, ())
-        lo, hi = int(nonzero[0]), int(nonzero[-1]) + 1
-        return cls(lo, tuple(counts[lo:hi].tolist()))
+        return cls.from_rows(np.asarray(full, dtype=np.int64)[None])[0]
+
+    @classmethod
+    def from_rows(cls, rows: np.ndarray) -> "list[Histogram]":
+        """One histogram per row of ``rows`` ((n, NUM_BINS) counts), each cut to its occupied
+        bins: the first and last occupied bin of every row found in two numpy calls."""
+        occupied = rows != 0
+        first = occupied.argmax(axis=1)
+        end = np.where(occupied[np.arange(len(rows)), first], rows.shape[1] - occupied[:, ::-1].argmax(axis=1), first)
+        # Every row's occupied bins copied into one array at once, each histogram a view of it.
+        lengths = end - first
+        starts = np.concatenate(([0], np.cumsum(lengths)))
+        flat = rows[np.repeat(np.arange(len(rows)), lengths), np.arange(starts[-1]) - np.repeat(starts[:-1] - first, lengths)]
+        return [cls(lo if b > a else 0, flat[a:b]) for lo, a, b in zip(first.tolist(), starts[:-1].tolist(), starts[1:].tolist())]
 
     def full(self) -> np.ndarray:
         out = np.zeros(NUM_BINS, dtype=np.int64)
@@ -107,7 +130,7 @@ class Histogram:
 
     @property
     def total(self) -> int:
-        return int(sum(self.counts))
+        return int(self.counts.sum())
 
     @property
     def zeros(self) -> int:
@@ -119,24 +142,13 @@ class Histogram:
 
     def count_below(self, threshold: float) -> tuple[float, int, int]:
         """Nonzero finite magnitudes below ``threshold``: (log-uniform estimate, lower, upper bound)."""
-        below_end, _, cut, share, _ = _threshold_bins(float(threshold))
-        return self._count(self._finite_sum(1, below_end), cut, share)
+        estimate, lower, upper = BinCounts(self.full()[None]).below(threshold)
+        return float(estimate[0]), int(lower[0]), int(upper[0])
 
     def count_above(self, threshold: float) -> tuple[float, int, int]:
         """Finite magnitudes above ``threshold``: (log-uniform estimate, lower, upper bound)."""
-        _, above_start, cut, _, share = _threshold_bins(float(threshold))
-        return self._count(self._finite_sum(above_start, _FIRST_NONFINITE), cut, share)
-
-    # Counted in Python over the occupied bins (tens), the bins a threshold splits found once per
-    # threshold (`_threshold_bins`): the profile's summary asks a few thresholds per tensor and
-    # format, and a handful of numpy calls each were most of the window's last step at depth.
-    def _finite_sum(self, start: int, stop: int) -> int:
-        lo, hi = max(start, self.first, 1), min(stop, self.first + len(self.counts), _FIRST_NONFINITE)
-        return sum(self.counts[lo - self.first : hi - self.first]) if hi > lo else 0
-
-    def _count(self, whole: int, cut: int, share: float) -> tuple[float, int, int]:
-        part = self._finite_sum(cut, cut + 1) if cut >= 0 else 0
-        return float(whole) + float(part) * share if part else float(whole), whole, whole + part
+        estimate, lower, upper = BinCounts(self.full()[None]).above(threshold)
+        return float(estimate[0]), int(lower[0]), int(upper[0])
 
     def log2_buckets(self) -> "tuple[list[float], list[float], list[int]] | None":
         """Lower and upper bucket edges in log2 units and counts of the finite nonzero bins, from
@@ -150,7 +162,39 @@ class Histogram:
         return [float(v) for v in logs[:-1]], [float(v) for v in logs[1:]], [int(c) for c in counts[lo:hi]]
 
     def to_dict(self) -> dict:
-        return {"first": self.first, "counts": list(self.counts)}
+        return {"first": self.first, "counts": self.counts.tolist()}
+
+
+class BinCounts:
+    """Many histograms at once ((n, NUM_BINS) counts, kept as given) and the running sums of their
+    bins, so the finite nonzero counts below and above one threshold are read for every row in a
+    few numpy calls (the bins a threshold splits are found once, `_threshold_bins`). Costs one
+    int64 array of the rows' shape."""
+
+    def __init__(self, rows: np.ndarray):
+        self._rows = rows
+        self._sums = np.zeros((rows.shape[0], _FIRST_NONFINITE + 1), dtype=np.int64)  # [:, b]: bins 0..b-1
+        np.cumsum(rows[:, :_FIRST_NONFINITE], axis=1, out=self._sums[:, 1:])
+
+    def below(self, threshold: float) -> "tuple[np.ndarray, np.ndarray, np.ndarray]":
+        """Per row, nonzero finite magnitudes below ``threshold``: (log-uniform estimate, lower,
+        upper bound)."""
+        below_end, _, cut, share, _ = _threshold_bins(float(threshold))
+        return self._count(self._finite(1, below_end), cut, share)
+
+    def above(self, threshold: float) -> "tuple[np.ndarray, np.ndarray, np.ndarray]":
+        """Per row, finite magnitudes above ``threshold``: (log-uniform estimate, lower, upper bound)."""
+        _, above_start, cut, _, share = _threshold_bins(float(threshold))
+        return self._count(self._finite(above_start, _FIRST_NONFINITE), cut, share)
+
+    def _finite(self, start: int, stop: int) -> np.ndarray:
+        """Per row, the counts of the finite nonzero bins in [start, stop)."""
+        start, stop = max(start, 1), min(stop, _FIRST_NONFINITE)  # bin 0 holds zeros
+        return self._sums[:, stop] - self._sums[:, start] if stop > start else np.zeros(self._rows.shape[0], dtype=np.int64)
+
+    def _count(self, whole: np.ndarray, cut: int, share: float) -> "tuple[np.ndarray, np.ndarray, np.ndarray]":
+        part = self._rows[:, cut] if cut >= 0 else np.zeros_like(whole)
+        return whole + part * share, whole, whole + part
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,30 +221,36 @@ def scalings_for(fmt: Format) -> tuple[str, ...]:
     return ("current", "delayed") if Format.parse(fmt).needs_scale else ("none",)
 
 
-def format_fractions(hists: Mapping[str, Histogram], sampled: int, fmt: Format) -> dict[str, FormatFractions]:
-    """Under/overflow fractions of ``sampled`` values in ``fmt``, per scaling of ``fmt`` (`scalings_for`),
-    read from one tensor's three histograms (keyed by `REFERENCES`); all 0 when nothing was sampled."""
-    if sampled <= 0:
-        zero = FormatFractions(0.0, 0.0, (0.0, 0.0), (0.0, 0.0))
-        return {s: zero for s in scalings_for(fmt)}
+def format_fractions(counts: Mapping[str, BinCounts], sampled: Sequence[int], fmt: Format) -> "list[dict[str, FormatFractions]]":
+    """Under/overflow fractions in ``fmt`` of each tensor's ``sampled[i]`` values, per scaling of
+    ``fmt`` (`scalings_for`), read from its histograms (row ``i`` of ``counts``, one `BinCounts`
+    per `REFERENCES` entry); all 0 for a tensor of which nothing was sampled. Vectorized over the
+    tensors: a few numpy calls per threshold; equal fractions share one (frozen) object, so a
+    format most tensors fit costs a dict per tensor."""
+    n = np.asarray(sampled, dtype=np.float64)
+    some = n > 0
+    per_value = np.where(some, n, 1.0)
 
-    def frac(estimate):
-        est, lo, hi = estimate
-        return est / sampled, (lo / sampled, hi / sampled)
+    def frac(ref: str, threshold: float, above: bool = False) -> "list[tuple[float, float, float]]":
+        """Per tensor: (estimate, lower bound, upper bound) as fractions of its sampled values."""
+        found = (counts[ref].above if above else counts[ref].below)(threshold)
+        return list(zip(*(np.where(some, count / per_value, 0.0).tolist() for count in found)))
 
-    out = {}
+    made: dict[tuple, FormatFractions] = {}
+
+    def fractions(under: "tuple[float, float, float]", over: "tuple[float, float, float]") -> FormatFractions:
+        key = under + over
+        if key not in made:
+            made[key] = FormatFractions(under[0], over[0], under[1:], over[1:])
+        return made[key]
+
     if not fmt.needs_scale:
-        (u, ur), (o, orng) = frac(hists["absolute"].count_below(fmt.min_subnormal)), frac(hists["absolute"].count_above(fmt.max))
-        out["none"] = FormatFractions(u, o, ur, orng)
-        return out
+        return [{"none": fractions(u, o)} for u, o in zip(frac("absolute", fmt.min_subnormal), frac("absolute", fmt.max, above=True))]
     ratio = fmt.min_subnormal / fmt.max  # |x| / amax below this underflows once amax maps to fmt.max
-    u, ur = frac(hists["current"].count_below(ratio))
-    out["current"] = FormatFractions(u, 0.0, ur, (0.0, 0.0))
-    u, ur = frac(hists["delayed"].count_below(ratio))
     # |x| / ref > 1: 1.0 is a bin edge, so the count is exact (see LayerProfiler._record).
-    o, orng = frac(hists["delayed"].count_above(1.0))
-    out["delayed"] = FormatFractions(u, o, ur, orng)
-    return out
+    current, delayed, over = frac("current", ratio), frac("delayed", ratio), frac("delayed", 1.0, above=True)
+    nothing = (0.0, 0.0, 0.0)
+    return [{"current": fractions(c, nothing), "delayed": fractions(d, o)} for c, d, o in zip(current, delayed, over)]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

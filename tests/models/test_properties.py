@@ -138,7 +138,7 @@ def fraction_pairs(draw):
 def histograms(draw):
     first = draw(st.integers(0, NUM_BINS - 1))
     counts = draw(st.lists(st.integers(0, 2**40), max_size=min(8, NUM_BINS - first)))
-    return Histogram(first, tuple(counts))
+    return Histogram(first, np.asarray(counts, dtype=np.int64))
 
 
 @st.composite

@@ -177,6 +177,34 @@ def test_underflow_overflow_fractions_match_full_tensor(fmt):
         assert got.underflow == pytest.approx(under, abs=2e-3)
 
 
+def test_a_profile_of_many_layers_summed_up_in_chunks_gives_each_tensor_its_own_fractions(monkeypatch):
+    """The summary counts every tensor's histograms at once, in chunks (`_SUMMARY_CHUNK`): each
+    layer's input fractions and histogram against the plain rule on that layer's own values,
+    with inputs a different range per layer and chunks that split the layers unevenly."""
+    import autoprec.profiling.profiler as profiler_module
+
+    monkeypatch.setattr(profiler_module, "_SUMMARY_CHUNK", 2)
+    inputs = [_wide_values(3000, seed=i).reshape(30, 100) * 2.0 ** (9 * i - 12) for i in range(5)]
+    model = nn.ModuleList(nn.Linear(100, 2) for _ in inputs)
+    profiler = LayerProfiler(model, window=1, every=1, sample=10**6)
+    with profiler:
+        sum(layer(x).sum() for layer, x in zip(model, inputs)).backward()
+        profiler.step()
+    profile = profiler.profile()
+    for i, x in enumerate(inputs):
+        stats = profile.layers[str(i)].tensors["activation"]
+        a = x.abs().double()
+        assert stats.histograms["absolute"].total == x.numel() and stats.zeros == 7  # every value sampled
+        for fmt in (Format.BF16, Format.FP16, Format.FP8_E4M3, Format.INT8):
+            scaling = "current" if fmt.needs_scale else "none"
+            scale = fmt.max / float(a.max()) if fmt.needs_scale else 1.0
+            under = ((a * scale < fmt.min_subnormal) & (a > 0)).double().mean().item()
+            over = (a * scale > fmt.max).double().mean().item()
+            got = stats.fractions[fmt.value][scaling]
+            assert got.underflow_range[0] - 1e-12 <= under <= got.underflow_range[1] + 1e-12, (i, fmt, under, got)
+            assert got.overflow_range[0] - 1e-12 <= over <= got.overflow_range[1] + 1e-12, (i, fmt, over, got)
+
+
 def test_values_beyond_fp16_max_overflow_exactly():
     x = torch.full((10, 100), 0.5)
     x[0, :13] = 1e5  # > 65504
