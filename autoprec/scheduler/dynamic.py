@@ -459,6 +459,10 @@ class DynamicPrecisionScheduler:
     def _advance(self) -> None:
         if not self.config.dynamic:
             return
+        due = self._searches.take_due()
+        if due is not None:
+            self._start_search(*due)
+            return
         self._clock, tick = self._clock.after_step(self.step_count)
         if tick.retry:
             self._retry()
@@ -473,7 +477,15 @@ class DynamicPrecisionScheduler:
         # Every rank's statistics before rank 0 decides: every rank's profile is the same.
         profile = self._measures.end_window(self._dist, with_loss=self.plan is None, writer=self._writer, step=self.step_count)
         if self.plan is None:
-            self._start_search(profile)
+            baseline = self._measures.baseline_loss(self.step_count)
+            if self.config.search_slice is None:  # the whole search at once, here
+                self._start_search(profile, baseline)
+                return
+            # Summing up the window and making the search are each linear in the layers (at 64
+            # decoder layers of a narrow Llama, each took about a step): the search is made at
+            # the next step, its first slice of off-path work runs after the one after.
+            self._searches.defer(profile, baseline)
+            self._clock = self._clock.searching()
             return
         self._plans.recalibrate_int8()  # on every rank, before the review
         checked = self._plan_checks.last
@@ -505,19 +517,19 @@ class DynamicPrecisionScheduler:
 
     # -- the search -----------------------------------------------------------------------------
 
-    def _start_search(self, profile, restore: Optional[Mapping[str, Any]] = None) -> None:
-        """The first window's search (see the module doc; ``restore``: a checkpoint's, continued),
-        spread over the next training steps (`scheduler.search_steps`); rank 0 does its off-path work."""
+    def _start_search(self, profile, baseline_loss: Optional[float], restore: Optional[Mapping[str, Any]] = None) -> None:
+        """The first window's search on its ``profile`` and ``baseline_loss`` (see the module doc;
+        ``restore``: a checkpoint's, continued, which holds both), spread over the next training
+        steps (`scheduler.search_steps`); rank 0 does its off-path work."""
         measured, lead = self._measures.measured_bytes, self._dist is None or self._dist.rank == 0
         self._searches.start(self._binding.bound, self._binding.example, self._measures.captured(), profile,
-                             None if restore is not None else self._measures.baseline_loss(self.step_count), fingerprint=self._fingerprint,
-                             step=self.step_count, lead=lead, scaler=self.scaler, optimizers=self._optimizers, restore=restore,
+                             baseline_loss, fingerprint=self._fingerprint,
+                             step=self.step_count, lead=lead, optimizers=self._optimizers, restore=restore,
                              safe_bytes=None if measured is None else (self._plans.safe_format, measured), compiled=self._binding.compiled,
                              alone=self._dist is None)
         self._clock = self._clock.searching()
-        # This step already summed up the window and made the search (both linear in the
-        # layers): its first slice of off-path work runs after the next step, unless it all
-        # runs at once (search_slice=None: here).
+        # This step made the search: its first slice of off-path work runs after the next step,
+        # unless it all runs at once (search_slice=None: here).
         if restore is None and self.config.search_slice is None and self._searches.advance(self._dist):
             self._finish_search()
 
@@ -617,7 +629,7 @@ class DynamicPrecisionScheduler:
             self._attach(self._binding.bound, ModelCall.from_state(state["example"]))  # plan, scaler and profiler come from the state below
         self.step_count = state["step"]
         self.last_search_error = state["last_search_error"]
-        _, failures, retry_at, search, known, _, checks, comm = (state.get(k, d) for k, d in LATER_STATE.items())
+        _, failures, retry_at, search, known, _, checks, comm, due, _ = (state.get(k, d) for k, d in LATER_STATE.items())
         if self._dist is not None:
             self._dist.load_comm_state_dict(comm, next(self._binding.bound.parameters()).device)
         self._searches.load_known_times(known)
@@ -625,10 +637,14 @@ class DynamicPrecisionScheduler:
         self._measures.load_state_dict(state, self.plan)  # after the plan's runtime, as at bind
         self._plan_checks.load_state_dict(checks, self.plan)
         self._searches.close()
-        phase = "planned" if self.plan is not None else "searching" if search is not None else "safe" if self.last_search_error is not None else "profiling"
+        searching = search is not None or due is not None
+        phase = "planned" if self.plan is not None else "searching" if searching else "safe" if self.last_search_error is not None else "profiling"
         self._clock = WindowClock(self.config.monitor_window, self.config.profiled_steps, phase, state["window_start"], failures, retry_at)
         if search is not None:
-            self._start_search(None, restore=search)
+            self._start_search(None, None, restore=search)
+        elif due is not None:
+            self._searches.hold_heap()
+            self._searches.load_due(due)
 
     def close(self) -> None:
         """Remove hooks and the plan's layer wrappers, and flush the TensorBoard writer."""

@@ -47,7 +47,6 @@ from ..sensitivity.capture import LinearisedLoss
 if TYPE_CHECKING:
     from ..distributed import RankAgreement
     from ..monitoring import TrainingWriter
-    from ..scaling import LossScaler
     from .config import SchedulerConfig
 
 __all__ = ["SearchSteps"]
@@ -69,6 +68,9 @@ class SearchSteps:
         self._timer: Optional[StepTimer] = None
         self._bytes: Optional[int] = None
         self._heap: Optional[FrozenHeap] = None  # while a search runs (`search.frozen_heap`)
+        # A window's (profile, baseline loss), summed up at its last step, whose search starts at
+        # the next (`defer`): each is linear in the layers, and together they made one step 4-5x.
+        self._due: "tuple[Any, Optional[float]] | None" = None
 
     @property
     def search(self) -> Optional[TrainingSearch]:
@@ -89,20 +91,29 @@ class SearchSteps:
         """The median seconds of the recent steps run without a plan (None before any)."""
         return statistics.median(self._recent_steps) if self._recent_steps else None
 
+    def defer(self, profile: Any, baseline_loss: Optional[float]) -> None:
+        """Keep a window's ``profile`` and ``baseline_loss`` for the search `take_due` starts."""
+        self._due = (profile, baseline_loss)
+
+    def take_due(self) -> "tuple[Any, Optional[float]] | None":
+        """The deferred (profile, baseline loss), once (None when none is due)."""
+        due, self._due = self._due, None
+        return due
+
     def _running(self) -> TrainingSearch:
         if self._search is None:
             raise RuntimeStateError("no search is in progress")
         return self._search
 
     def start(self, model: nn.Module, example: Any, batches: Sequence[Any], profile: Any, baseline_loss: Optional[float], *,
-              fingerprint: Mapping[str, Any], step: int, lead: bool, scaler: "LossScaler", optimizers: Sequence[torch.optim.Optimizer],
+              fingerprint: Mapping[str, Any], step: int, lead: bool, optimizers: Sequence[torch.optim.Optimizer],
               restore: Optional[Mapping[str, Any]] = None, safe_bytes: "tuple[Format, int] | None" = None, compiled: bool = False,
               alone: bool = True) -> TrainingSearch:
         """A new `TrainingSearch` at ``step`` of the window's ``profile`` and ``baseline_loss``
         (``restore``: one resumed from its `state_dict`, which holds both), using and adding to
         `known_times`, on the captured ``batches``; ``lead``: this rank runs the off-path work (it
         fails at once without ``batches`` to estimate on), with Adam's second moment from
-        ``optimizers``. ``scaler``'s output checks are paused while the lead copies the model.
+        ``optimizers``.
         ``safe_bytes``, ``alone`` (no other rank takes part): `TrainingSearch`'s."""
         if restore is not None:
             from ..profiling import Profile
@@ -119,15 +130,11 @@ class SearchSteps:
         except SearchError as exc:
             refused = exc
         self.hold_heap()
-        armed = scaler.watching_outputs
-        scaler.watch_outputs(False)  # its hooks must not be copied into the search's snapshot
-        try:
-            search = TrainingSearch(model, example, batches, LinearisedLoss(), profile, config=config, baseline_loss=baseline_loss,
-                                    fingerprint=fingerprint, step=step, known=self._known_times, lead=lead, restore=restore,
-                                    second_moment=adam_second_moment(model, optimizers) if lead else None,
-                                    median_step=self.median_safe_step, safe_bytes=safe_bytes, compiled=compiled, alone=alone, notes=notes)
-        finally:
-            scaler.watch_outputs(armed)
+        # The snapshot drops autoprec's hooks (the scaler's output checks among them, `plain_copy`).
+        search = TrainingSearch(model, example, batches, LinearisedLoss(), profile, config=config, baseline_loss=baseline_loss,
+                                fingerprint=fingerprint, step=step, known=self._known_times, lead=lead, restore=restore,
+                                second_moment=adam_second_moment(model, optimizers) if lead else None,
+                                median_step=self.median_safe_step, safe_bytes=safe_bytes, compiled=compiled, alone=alone, notes=notes)
         self._search = search
         if self._heap is not None:
             self._heap.refreeze()  # the window's summary and the search's snapshot, kept until its end
@@ -256,7 +263,8 @@ class SearchSteps:
             writer.log_search(step, search.timeline, longest_step_ratio=search.longest_step / search.median_step if search.median_step else None)
 
     def close(self) -> None:
-        """Drop a search in progress (its runtimes off the model, the step's timer removed)."""
+        """Drop a search in progress or due (its runtimes off the model, the step's timer removed)."""
+        self._due = None
         self._drop_timer()
         self._release_heap()
         if self._search is not None:
@@ -264,5 +272,13 @@ class SearchSteps:
             self._search = None
 
     def state_dict(self) -> dict:
-        """The scheduler state's ``search`` (None when none is in progress) and ``known_times``."""
-        return {"search": None if self._search is None else self._search.state_dict(), "known_times": dict(self._known_times)}
+        """The scheduler state's ``search`` (None when none is in progress), ``known_times`` and
+        ``due_search`` (a window summed up whose search starts at the next step, else None)."""
+        due = None if self._due is None else {"profile": None if self._due[0] is None else self._due[0].to_dict(), "baseline_loss": self._due[1]}
+        return {"search": None if self._search is None else self._search.state_dict(), "known_times": dict(self._known_times), "due_search": due}
+
+    def load_due(self, due: Optional[Mapping[str, Any]]) -> None:
+        """Take a checkpoint's ``due_search`` (`state_dict`)."""
+        from ..profiling import Profile
+
+        self._due = None if due is None else (None if due["profile"] is None else Profile.from_dict(due["profile"]), due["baseline_loss"])

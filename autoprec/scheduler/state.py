@@ -66,12 +66,15 @@ STATE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "known_times": (lambda v: isinstance(v, Mapping) and all(isinstance(t, (int, float)) for t in v.values()), "a dict of 'role|format' -> seconds"),
     "checks": (lambda v: v is None or (isinstance(v, Mapping) and _count(v.get("count"))), "None or the planned checks' state (sum, reference, count, recalibrated)"),
     "comm": (lambda v: v is None or isinstance(v, Mapping), "None or the gradient communication's error feedback (autoprec.comm)"),
+    "measured_bytes": (lambda v: v is None or _count(v), "None or a count of bytes, an integer >= 0"),
+    "due_search": (lambda v: v is None or (isinstance(v, Mapping) and {"profile", "baseline_loss"} <= set(v)),
+                   "None or a window's search due at the next step ('profile', 'baseline_loss')"),
 }
 
 
 # Fields added within state version 2, with the value a state saved without them means.
 LATER_STATE: dict[str, Any] = {"window_skipped": 0, "search_failures": 0, "retry_at": None, "search": None, "known_times": {}, "watch": None,
-                               "checks": None, "comm": None}
+                               "checks": None, "comm": None, "due_search": None, "measured_bytes": None}
 
 
 def check_state(state: Any, expected_keys: Collection[str]) -> None:

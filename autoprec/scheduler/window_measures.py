@@ -2,7 +2,7 @@
 
 It owns the `LayerProfiler` of the profiling window, the `PlanWatch` of each planned window's
 last steps (both record every ``sample_every``-th step, their hooks on the model only then), the loss baseline (the profiling window's finite losses, summed on the device:
-a relative accuracy budget's anchor), the saved bytes metered on a window's last step, and the
+a relative accuracy budget's anchor), the saved bytes metered on a window's last step but one, and the
 `GradientCapture` of the profiling window's last steps (the sensitivity estimate's batches). The
 scheduler keeps the clock and says when: `start_profiler` / `start_watch`, `enter_step`, `step`,
 `end_window`.
@@ -11,7 +11,7 @@ Costs: the profiler's in its sampled steps (`profiling.profiler`), the watch's i
 steps (`profiling.watch`: two kernels per tensor and one fused reduction); none in other steps
 but a counter; per profiling step two small
 device ops for the loss (no host sync; one when the baseline is read at the window's end); one
-saved-tensor meter on a window's last step; the capture's on captured steps
+saved-tensor meter on a window's last step but one; the capture's on captured steps
 (`sensitivity.capture`). Under ``torch.distributed`` the window's end reduces the profiler's
 (or the watch's) accumulators and the loss sum across ranks (`RankAgreement.reduce_window`).
 """
@@ -158,7 +158,7 @@ class WindowMeasures:
 
     @property
     def measured_bytes(self) -> Optional[int]:
-        """The saved bytes metered on the last metered step (a window's last), None before one."""
+        """The saved bytes metered on the last metered step (a window's last but one), None before one."""
         return self._meter_bytes
 
     def meter_next_step(self) -> None:
@@ -205,13 +205,15 @@ class WindowMeasures:
     # -- checkpoints ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """The scheduler state's ``loss_sum``, ``loss_count``, ``captured``, ``meter_next`` and
-        ``profiler`` fields."""
+        """The scheduler state's ``loss_sum``, ``loss_count``, ``captured``, ``meter_next``,
+        ``measured_bytes`` (the last metered step's, used at the window's end) and ``profiler``
+        fields."""
         return {
             "loss_sum": self._loss_sum,
             "loss_count": self._loss_count,
             "captured": self._capture.state_dict(),
             "meter_next": self._meter_next,
+            "measured_bytes": self._meter_bytes,
             "profiler": None if self._profiler is None else {"window": self._profiled_window, "state": self._profiler.state_dict()},
             "watch": None if self._watch is None else {"window": self._watch.window, "state": self._watch.state_dict()},
         }
@@ -222,6 +224,7 @@ class WindowMeasures:
         self._loss_sum, self._loss_count = state["loss_sum"], state["loss_count"]
         self._capture.load_state_dict(state["captured"])
         self._meter_next = state["meter_next"]
+        self._meter_bytes = state.get("measured_bytes")  # absent from a state saved before it was kept
         self.close()
         if plan is not None and state.get("watch") is not None:
             self.start_watch(plan, state["watch"]["window"])

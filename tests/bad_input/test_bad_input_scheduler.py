@@ -244,13 +244,16 @@ def test_the_search_trains_alike_however_slowly_its_off_path_work_runs(monkeypat
     assert all(torch.equal(a, b) for a, b in zip(fast, slow))
 
 
-# Where the checkpoint falls: in the probes' warm-up cycle (the off-path work waits for them), in their
-# timed cycle, while the integer programs run beside the steps (search steps 43-50), and in a
-# candidate's trial steps (51 on). A slower clock for every timing after the resume
+# Where the checkpoint falls: between the window's summary and the search it makes at the next
+# step, in the probes' warm-up cycle (the off-path work waits for them), in their
+# timed cycle, while the integer programs run beside the steps (search steps 47-54), and in a
+# candidate's trial steps (55 on). A slower clock for every timing after the resume
 # where the checkpoint splits no set of timed steps; where it splits the probes' timed cycle, a
 # slower clock for the off-path work alone (probes timed slower on a slower machine may choose
 # another plan: a measurement, not the slices).
 def stage_of(search):
+    if search is None:
+        return "due"
     if search.candidates is not None:
         return "trying"
     if search._solve_from is not None:
@@ -258,9 +261,10 @@ def stage_of(search):
     return "probing" if search.steps <= search.probe_steps else "off-path"
 
 
-@pytest.mark.parametrize("stop, every_clock, stage", [(SEARCH_WINDOW + 1, True, "probing"), (SEARCH_WINDOW + 4, False, "probing"),
-                                                      (SEARCH_WINDOW + 45, True, "solving"), (SEARCH_WINDOW + 53, True, "trying")],
-                         ids=["probes-warm-up", "second-probe-cycle", "solving", "trying-candidates"])
+@pytest.mark.parametrize("stop, every_clock, stage", [(SEARCH_WINDOW, True, "due"), (SEARCH_WINDOW + 1, True, "probing"),
+                                                      (SEARCH_WINDOW + 4, False, "probing"), (SEARCH_WINDOW + 49, True, "solving"),
+                                                      (SEARCH_WINDOW + 57, True, "trying")],
+                         ids=["search-due", "probes-warm-up", "second-probe-cycle", "solving", "trying-candidates"])
 def test_a_checkpoint_mid_search_resumed_on_a_slow_clock_trains_bit_identically(monkeypatch, tmp_path, stop, every_clock, stage):
     reference, plan = straight_run(monkeypatch, 1e-3)
     set_clocks(monkeypatch, FakeTime(1e-3), FakeTime(1e-3))

@@ -7,14 +7,23 @@ import pytest
 from autoprec.scheduler.lifecycle import CAPTURED_STEPS, Tick, WindowClock
 
 
-def test_a_profiling_window_meters_its_last_step_and_ends_after_window_steps():
+def test_a_profiling_window_meters_its_last_step_but_one_and_ends_after_window_steps():
     clock = WindowClock(window=10, profiled=4)
     ticks = {}
     for step in range(1, 11):
         clock, ticks[step] = clock.after_step(step)
-    assert [s for s, t in ticks.items() if t.meter_next] == [9]  # the next step is the window's last
+    assert [s for s, t in ticks.items() if t.meter_next] == [8]  # the next step is the window's last but one (the last sums it up)
     assert [s for s, t in ticks.items() if t.window_end] == [10]
     assert clock.phase == "profiling" and not any(t.retry for t in ticks.values())
+
+
+@pytest.mark.parametrize("window, metered", [(1, []), (2, [1]), (3, [1])])
+def test_a_short_window_meters_a_step_of_its_own(window, metered):
+    """A window of two steps meters its last (its first ran before any tick), one of a single step none."""
+    clock, ticks = WindowClock(window=window, profiled=1), {}
+    for step in range(1, window + 1):
+        clock, ticks[step] = clock.after_step(step)
+    assert [s for s, t in ticks.items() if t.meter_next] == metered
 
 
 def test_the_last_captured_steps_of_a_profiling_window_are_captured_and_no_planned_one():
@@ -39,7 +48,8 @@ def test_searching_holds_the_clock_until_the_search_ends():
 def test_a_search_that_succeeds_starts_a_planned_window_and_forgets_failures():
     clock = dataclasses.replace(WindowClock(window=10, profiled=4), failures=3).searching().planned(17)
     assert (clock.phase, clock.window_start, clock.failures, clock.retry_at) == ("planned", 17, 0, None)
-    assert clock.after_step(26)[1] == Tick(meter_next=True)
+    assert clock.after_step(25)[1] == Tick(meter_next=True)
+    assert clock.after_step(26)[1] == Tick()
     assert clock.after_step(27)[1] == Tick(window_end=True)
     assert clock.next_window(27).window_start == 27
 

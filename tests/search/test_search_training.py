@@ -182,7 +182,9 @@ def test_the_search_runs_on_the_steps_after_the_window_and_tries_its_candidates(
     # The timeline the log and TensorBoard show, kept with the plan: every stage, none negative.
     timeline = measured["search_timeline"]
     assert {"snapshot", "probe steps", "trace", "region bytes", "sensitivity", "solve", "trial steps"} <= set(timeline)
-    assert all(v >= 0 for v in timeline.values()) and measured["search_steps"] == searching
+    # The first step after the window makes the search (the window's last summed it up): the
+    # search runs on the steps after it.
+    assert all(v >= 0 for v in timeline.values()) and measured["search_steps"] == searching - 1
 
 
 def test_the_search_timeline_reaches_tensorboard(tmp_path):
@@ -256,7 +258,7 @@ def test_the_whole_search_runs_in_one_step_without_a_slice_and_over_many_with_a_
     monkeypatch.setattr(search_steps, "time", _EvenSteps())
     wl, model, opt = setup()
     sch = make(measure_costs=False, search_slice=1e-9)  # no unit fits: one runs every third step
-    phases = train(wl, model, opt, sch, WINDOW, sampler)
+    phases = train(wl, model, opt, sch, WINDOW + 1, sampler)  # the window, then the step that makes the search
     assert phases[-1] == "searching"
     search = sch._searches.search
     steps = 0
@@ -343,7 +345,7 @@ def test_the_integer_programs_run_beside_training_steps_and_their_plans_arrive_a
         return real(*args, **kwargs)
 
     monkeypatch.setattr(in_run, "propose_from", proposing)
-    train(wl, model, opt, sch, WINDOW, sampler)
+    train(wl, model, opt, sch, WINDOW + 1, sampler)
     search = sch._searches.search
     while search._solve_from is None:
         train(wl, model, opt, sch, 1, sampler)
@@ -365,7 +367,8 @@ def test_the_heap_is_frozen_while_a_search_runs_and_released_after():
     sampler = wl.train_batches(0)
     sch = make(measure_costs=False)
     train(wl, model, opt, sch, WINDOW, sampler)
-    assert sch.phase == "searching" and gc.get_freeze_count() > 0
+    assert sch.phase == "searching" and gc.get_freeze_count() > 0  # from the window's summary on
+    train(wl, model, opt, sch, 1, sampler)  # the step that makes the search
     # The generations list every object but the frozen ones: the search's snapshot is frozen as
     # the search starts, and what is alive after each search step with it.
     snapshot = sch._searches.search._snapshot
@@ -392,7 +395,7 @@ def test_a_checkpoint_taken_mid_search_resumes_and_finishes(searched):
     wl, model, opt = setup()
     sampler = wl.train_batches(0)
     sch = make()
-    train(wl, model, opt, sch, WINDOW + 5, sampler)  # inside the probe steps: the second cycle began
+    train(wl, model, opt, sch, WINDOW + 6, sampler)  # the search made at WINDOW + 1; inside the probe steps: the second cycle began
     assert sch.phase == "searching"
     state = copy.deepcopy(sch.state_dict())
     assert state["search"]["steps"] == 5 and state["search"]["samples"]
@@ -407,6 +410,33 @@ def test_a_checkpoint_taken_mid_search_resumes_and_finishes(searched):
     until_planned(wl, model2, opt2, resumed, sampler2)
     assert resumed.plan.measured["source"] == "training steps"
     assert resumed.plan.layers.keys() == set(resumed.layers)
+
+
+def test_a_checkpoint_taken_between_the_windows_summary_and_its_search_resumes_the_same_search():
+    """The window's last step sums it up and the next makes the search: a checkpoint between the
+    two holds the summary (``due_search``), and the resumed run makes the same search at the same
+    step, on the same profile, and finishes it."""
+    wl, model, opt = setup()
+    sampler = wl.train_batches(0)
+    sch = make()
+    train(wl, model, opt, sch, WINDOW, sampler)
+    assert sch.phase == "searching" and sch._searches.search is None
+    state = copy.deepcopy(sch.state_dict())
+    assert state["search"] is None and state["due_search"]["profile"] is not None
+    model2 = copy.deepcopy(model)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=LR)
+    opt2.load_state_dict(opt.state_dict())
+    resumed = make(model=model2)
+    resumed.load_state_dict(state)
+    assert resumed.phase == "searching" and resumed._searches.search is None
+    sampler2 = copy.deepcopy(sampler)
+    train(wl, model, opt, sch, 1, sampler)
+    train(wl, model2, opt2, resumed, 1, sampler2)
+    made, remade = sch._searches.search, resumed._searches.search
+    assert made.started == remade.started == WINDOW + 1 and made.baseline_loss == remade.baseline_loss
+    assert made.profile.to_dict() == remade.profile.to_dict() and [p.to_dict() for p in made._probes] == [p.to_dict() for p in remade._probes]
+    until_planned(wl, model2, opt2, resumed, sampler2)
+    assert resumed.plan.measured["source"] == "training steps"
 
 
 # -- DDP ------------------------------------------------------------------------------------------
@@ -450,8 +480,8 @@ def test_the_search_preconditions_with_the_training_optimizers_adam_state(monkey
     monkeypatch.setattr(training, "sensitivity_steps", lambda *a, **k: (given.append(k["second_moment"]), real(*a, **k))[1])
     sch = make()
     sampler = wl.train_batches(0)
-    train(wl, model, opt, sch, WINDOW, sampler)
-    expected = adam_second_moment(model, [opt])  # the window's last step's state: no step since
+    train(wl, model, opt, sch, WINDOW + 1, sampler)
+    expected = adam_second_moment(model, [opt])  # the state as the search was made: no step since
     until_planned(wl, model, opt, sch, sampler)
     (moments,) = given
     assert set(moments) == {name for name, _ in model.named_parameters()}
