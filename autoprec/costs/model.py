@@ -234,6 +234,9 @@ class CostModel:
         self._timed: set[Format] = set()  # formats every call has a time in (`_ensure_times`)
         # (format, reason) -> its precision (`precision`): made and validated once, not per layer.
         self._precisions: dict[tuple[Format, str], LayerPrecision] = {}
+        # (layer, precision) -> its modelled bytes: the space asks each twice (its table and its
+        # recompute blocks), each candidate plan again.
+        self._memory: dict[tuple[str, LayerPrecision], Any] = {}
         self.formats = tuple(Format.parse(f) for f in formats)
         self._ensure_times(self.formats)
 
@@ -554,7 +557,9 @@ class CostModel:
             precision = self.precision(precision)
         fmt = precision.format
         self._ensure_times([fmt])
-        memory = layer_memory(layer, precision, self.device)
+        memory = self._memory.get((fqn, precision))
+        if memory is None:
+            memory = self._memory[(fqn, precision)] = layer_memory(layer, precision, self.device)
         if fmt in self.in_place:
             estimates = [TimeEstimate(self.in_place[fmt].layer_seconds[fqn], "in place")]
         else:

@@ -58,7 +58,7 @@ from ..runtime import EmulationWarning, apply_plan
 from ..sensitivity import sensitivity_steps
 from .background import BackgroundCall
 from .noise import unseparated
-from .pipeline import propose_from, search_estimator, space_of, uniform_reference
+from .pipeline import propose_from, search_estimator, space_steps, uniform_reference
 from .planner import floor_settings
 from .memory_margin import MEMORY_ROUNDS, MemoryMargin
 from .probes import PROBE_ROUNDS, PROBED_PER_ROLE, probe_formats, probe_plans
@@ -424,22 +424,22 @@ class TrainingSearch:
         yield from (("region bytes", unit_weight("region bytes", n)) for _ in costs.region_bytes_steps(snapshot, self.example, None, roles=self.roles))
         yield from (("block bytes", unit_weight(label if label == "block forward" else "block", n))
                     for label in costs.block_bytes_steps(snapshot, self.example, None, self.blocks, roles=self.roles))
-        lowered = [f for f in self.formats if f is not Format.FP32]
-        sensitivity = yield from self._sensitivity(snapshot, lowered)
+        sensitivity = yield from self._sensitivity(snapshot, [f for f in self.formats if f is not Format.FP32])
         for p in snapshot.parameters():
             p.grad = None
         del snapshot  # self._snapshot keeps it until the candidates exist: a checkpoint saves it
         while self.steps < self.probe_steps:
             yield "waiting", 0.0  # the probe steps are still running
-        start = time.perf_counter()
         costs = self._cost_model(costs, trace)
         planning = dataclasses.replace(c.planning, k=CANDIDATES if self.measuring else 1)
-        self._found, self._planning = space_of(costs, sensitivity, self.profile, planning), planning
+        self._found = yield from weighted(space_steps(costs, sensitivity, self.profile, planning), "solve", n)
+        self._planning = planning
+        start = time.perf_counter()
         fp32 = costs.plan_cost(costs.uniform_plan(Format.FP32))
         self.grad_bytes = fp32.bytes - fp32.saved_bytes
         if self.safe_bytes is not None:
             # What the meter sees beyond the cost model's forward (the loss's saved tensors) is
-            # the same in every plan: measured once, on the window's last (safe) step.
+            # the same in every plan: measured once, on a safe step of the window (its last but one).
             safe, measured = self.safe_bytes
             safe_cost = costs.plan_cost(costs.uniform_plan(safe))
             self._outside_bytes = measured - safe_cost.saved_bytes

@@ -1,7 +1,7 @@
 """The planning pipeline, shared by the search job and the scheduler (`propose_plans`).
 
 costs (`CostModel`, measured in place) -> sensitivity (Fisher estimate) -> the search space (less
-the formats the profile saw overflow, `planner.build_space`) -> budgets in bytes and loss ->
+the formats the profile saw overflow, `planner.space_steps`) -> budgets in bytes and loss ->
 the ``k`` best plans of the additive proxy (`exact.k_best`: the optimum to `exact.MIP_GAP` first, then the
 next fastest predicted, distinct in formats or recompute set; with recompute blocks, the program
 chooses which to recompute together with the formats) -> `Plan` objects with a reason per layer
@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Generator, Mapping, Optional, Sequence
 
 import torch.nn as nn
 
+from .._generators import drain
 from ..errors import InfeasibleBudgetError
 from ..formats import Format
 from ..runtime import EmulationWarning
 from .exact import Solution, k_best
-from .planner import build_space, in_budget_terms, layer_reasons, plan_from_solution
+from .planner import in_budget_terms, layer_reasons, plan_from_solution
+from .planner import space_steps as planner_space_steps
 from .space import Budgets, Planning, SearchSpace
 
 __all__ = ["Planning", "Space", "Optimum", "Proposal", "measure_space", "search_estimator", "space_of", "solve_in_budgets", "propose_plans", "propose_from",
@@ -150,11 +152,17 @@ def search_estimator(lr: float) -> Any:
 
 
 def space_of(costs: Any, sensitivity: Any, profile: Any, planning: Planning) -> Space:
-    """The search space of measured ``costs`` and ``sensitivity`` (`planner.build_space`), less
-    the formats whose range ``profile`` saw too many values leave (`Planning.limits`)."""
-    space, ruled_out = build_space(costs, sensitivity, profile, formats=planning.formats, rules=planning.rules,
-                                   min_precision=planning.min_precision, max_precision=planning.max_precision,
-                                   precisions=planning.precisions(), limits=planning.limits)
+    """`space_steps` run to its end."""
+    return drain(space_steps(costs, sensitivity, profile, planning))
+
+
+def space_steps(costs: Any, sensitivity: Any, profile: Any, planning: Planning) -> Generator[str, None, Space]:
+    """The search space of measured ``costs`` and ``sensitivity`` (`planner.space_steps`: its
+    units, one a layer), less the formats whose range ``profile`` saw too many values leave
+    (`Planning.limits`)."""
+    space, ruled_out = yield from planner_space_steps(costs, sensitivity, profile, formats=planning.formats, rules=planning.rules,
+                                                      min_precision=planning.min_precision, max_precision=planning.max_precision,
+                                                      precisions=planning.precisions(), limits=planning.limits)
     return Space(costs, sensitivity, space, ruled_out)
 
 

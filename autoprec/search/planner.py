@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from typing import Iterable, Mapping
+from typing import Generator, Iterable, Mapping
 
 from ..coverage import LayerInfo
 from ..errors import InfeasibleBudgetError
@@ -20,7 +20,7 @@ from ..plan import LayerPrecision, Plan
 from .exact import Solution
 from .space import Block, Choice, LayerRules, RangeLimits, SearchSpace
 
-__all__ = ["OVERFLOW_LIMIT", "range_reason", "build_space", "layer_reasons", "block_reasons", "measured_reasons",
+__all__ = ["OVERFLOW_LIMIT", "range_reason", "space_steps", "layer_reasons", "block_reasons", "measured_reasons",
            "plan_from_solution", "in_budget_terms"]
 
 # A format is ruled out for a layer when the profile saw more than this fraction of a tensor
@@ -56,7 +56,7 @@ def range_reason(profile, fqn: str, precision: LayerPrecision, limits: RangeLimi
     return None
 
 
-def build_space(
+def space_steps(
     costs,
     sensitivity,
     profile,
@@ -67,7 +67,7 @@ def build_space(
     max_precision: int = 32,
     precisions: "Mapping[Format, LayerPrecision] | None" = None,
     limits: RangeLimits = RangeLimits(),
-) -> tuple[SearchSpace, dict[str, list[str]]]:
+) -> Generator[str, None, tuple[SearchSpace, dict[str, list[str]]]]:
     """The additive table of ``costs`` (a `CostModel`) and ``sensitivity`` (predicted loss per
     (layer, format)) over ``formats``, less the formats whose range ``profile`` (a `Profile` or
     None) saw too many values leave (`range_reason`: each format as ``precisions`` plans it, the
@@ -76,7 +76,10 @@ def build_space(
     recompute `Block` of the space: per layer and format its modelled saved bytes (what
     recomputation frees; its gradients and its FP32-in-region extra stay) and its forward seconds,
     and the block's own ops in the lowered region (as the fixed cost below). Returns the space and,
-    per layer, the formats ruled out and why."""
+    per layer, the formats ruled out and why. A generator: it yields ``"space"`` after each
+    layer's row (host work: its range checks and its costs per format, a few hundred microseconds
+    on a CPU), so a search inside training spreads it over steps (at 64 decoder layers it took
+    about 3 steps at once)."""
     table: dict[str, dict[Format, Choice]] = {}
     ruled_out: dict[str, list[str]] = {}
     formats = tuple(Format.parse(f) for f in formats)
@@ -106,6 +109,7 @@ def build_space(
             extra = costs.fp32_in_region_bytes.get(fqn, 0) if fmt is Format.FP32 else 0
             row[fmt] = Choice(lc.bytes + extra, lc.seconds, loss)
         table[fqn] = row
+        yield "space"
     # What ops outside the layers save depends on whether any layer is lowered (activations
     # between layers are then 2 bytes wide); the fixed cost takes the lowered figure, exact for
     # every plan but all-FP32 (whose totals `CostModel.plan_cost` reports exactly). The gradient
@@ -116,6 +120,10 @@ def build_space(
         freed = {layer: {f: float(costs.layer_cost(layer, f).saved_bytes) for f in table[layer]} for layer in block.layers}
         forward = {layer: {f: costs.layer_forward_seconds(layer, f) for f in table[layer]} for layer in block.layers}
         blocks.append(Block(fqn, freed, forward, other_bytes=float(block.other_bytes[1]), other_seconds=float(block.other_seconds[1])))
+        yield "space"
+    # The space's own indexing (units, blocks) next, a pass's worth at depth: a search inside
+    # training ends the slice here, so it runs at the start of the next.
+    yield "space assembly"
     device = costs.device
     space = SearchSpace(table, min_precision=min_precision, max_precision=max_precision, rules=rules, device=device, fixed=fixed, blocks=blocks,
                         fp32_bytes=costs.fp32_bytes() if hasattr(costs, "fp32_bytes") else None)

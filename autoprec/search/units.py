@@ -38,12 +38,17 @@ PASSES_PER_STEP = 3
 # round's recorded forward (every layer's inputs kept) 1.4 and 2.5, on issue 57's narrow Llama
 # at 4 and 16 blocks: they grow with the layers as a pass does. Counted as host work (0), 1.5 and
 # one layer's re-run, they ran with the next units in one slice: 3x a step at 16 blocks.
+# A row of the search space (`planner.space_steps`: one layer's range checks and modelled costs
+# per format, host work only) took 0.3 ms on issue 57's narrow Llama at 64 blocks, about 5 layer
+# shares, and about a tenth of a pass at 4 blocks; the space's indexing after its rows ("space
+# assembly", labelled on the last row so the slice ends before it) about 2 passes at 64 blocks.
+# Built in one unit, the space took 2-3 steps' time at once at 64 blocks (5x a step with it).
 # A device-peak timing (`costs.calibration_steps`: 9 GEMM calls of one format, each sized to
 # about 2 ms or less on a CPU, whatever the model) weighs a step: the 4-block Llama's step.
 _WHOLE_MODEL_UNITS = {"trace": 4.0, "region bytes": 4.5, "block forward": 4.5, "scopes": 2.5, "recorded batch": 4.0, "peak": 3.0,
-                      "layers": 2.5, "recorded forward": 2.5}
+                      "layers": 2.5, "recorded forward": 2.5, "space assembly": 2.0}
 # (fixed passes, fixed layer shares, layer passes)
-_LAYER_UNITS = {"runtimes": (0.06, 22.0, 0.0), "calibration": (0.1, 25.0, 1.0)}
+_LAYER_UNITS = {"runtimes": (0.06, 22.0, 0.0), "calibration": (0.1, 25.0, 1.0), "space": (0.1, 6.0, 0.0)}
 _LAYER_ESTIMATE = (0.35, 18.0, 3.0)
 _HOST_UNITS = frozenset({"sites", "second moment", "solve", "block"})
 
@@ -73,3 +78,4 @@ def weighted(steps: Generator[str, None, Any], stage: str, layers: int) -> Gener
         except StopIteration as done:
             return done.value
         yield stage, unit_weight(label, layers)
+

@@ -10,12 +10,13 @@ import logging
 import math
 import time
 from collections.abc import Mapping
-from typing import Any, Callable, Generator, Iterable, TypeVar
+from typing import Any, Callable, Generator, Iterable
 
 import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from .._generators import drain
 from ..coverage import LayerInfo, ModuleFilter
 from ..errors import SensitivityError
 from ..formats import Format
@@ -32,18 +33,6 @@ __all__ = ["FisherEstimator", "adam_second_moment", "estimate_sensitivity", "sen
 
 logger = logging.getLogger(__name__)
 
-
-
-_T = TypeVar("_T")
-
-
-def _drain(steps: Generator[Any, None, _T]) -> _T:
-    """Run a generator of units to its end; its return value."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
 
 
 # -- the default estimator ------------------------------------------------------------------------
@@ -171,7 +160,7 @@ class FisherEstimator(SensitivityEstimator):
         return {fqn: callers.get(fqn) or fqn for fqn in problem.layers}
 
     def estimate(self, problem: SensitivityProblem) -> Sensitivity:
-        return _drain(self.estimate_steps(problem))
+        return drain(self.estimate_steps(problem))
 
     def estimate_steps(self, problem: SensitivityProblem) -> Generator[str, None, Sensitivity]:
         """`estimate` in units, each at most one model forward + backward (INT8 calibration

@@ -488,7 +488,7 @@ def failing_formats(fqn: str, fmt: Format, failed: "dict | None"):
     own code failing in that format, as DeBERTa's attention fills its BF16 scores with FP32's
     minimum, or the runtime refusing it) recorded in ``failed`` as ``(fqn, fmt) -> its first
     line``, the estimate going on without that pair (the search then rules it out for that
-    layer: `planner.build_space`); with ``failed`` None, raised naming them."""
+    layer: `planner.space_steps`); with ``failed`` None, raised naming them."""
     try:
         yield
     except (RuntimeError, TypeError) as exc:

@@ -260,7 +260,8 @@ def test_measured_bytes_match_the_saved_tensor_meter_for_fp32():
 def test_k_best_plans_of_a_120_layer_model_are_distinct_feasible_and_ordered():
     from autoprec.costs import CostModel, TimingSettings
     from autoprec.search import k_best, solve_exact
-    from autoprec.search.planner import build_space
+    from autoprec.search.planner import space_steps
+    from autoprec._generators import drain
     from autoprec.sensitivity import estimate_sensitivity
 
     torch.manual_seed(0)
@@ -274,7 +275,7 @@ def test_k_best_plans_of_a_120_layer_model_are_distinct_feasible_and_ordered():
     formats = (Format.FP32, Format.BF16, Format.FP8_E4M3)
     costs = CostModel.build(model, (x, y), loss_fn=loss, formats=formats, timing=TimingSettings(in_place=False))
     sensitivity = estimate_sensitivity(model, [(x, y)], loss, formats[1:], layers=list(costs.layers))
-    space, _ = build_space(costs, sensitivity, None, formats=formats)
+    space, _ = drain(space_steps(costs, sensitivity, None, formats=formats))
     assert len(space) == 120
     # 0.7 of the all-FP32 plan's additive bytes (the program's figure; the plan itself totals its
     # exact bytes, which no lowered plan of this chain undercuts: `SearchSpace.fp32_bytes`).
@@ -554,7 +555,8 @@ def test_a_format_whose_predicted_loss_increase_is_not_finite_is_ruled_out_for_t
     """A CTC head's loss overflowed FP16 in the estimate (HuBERT): the search failed whole with 'a
     cost must be finite'; now that (layer, format) is out, with the reason, and the rest stands."""
     from autoprec.costs import CostModel, TimingSettings
-    from autoprec.search.planner import build_space
+    from autoprec.search.planner import space_steps
+    from autoprec._generators import drain
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
@@ -566,7 +568,7 @@ def test_a_format_whose_predicted_loss_increase_is_not_finite_is_ruled_out_for_t
     formats = (Format.FP32, Format.BF16, Format.FP16)
     costs = CostModel.build(model, (x, y), loss_fn=loss, formats=formats, timing=TimingSettings(in_place=False))
     sensitivity = {("0", Format.BF16): 1e-3, ("0", Format.FP16): 1e-4, ("2", Format.BF16): 1e-3, ("2", Format.FP16): float("inf")}
-    space, ruled_out = build_space(costs, sensitivity, None, formats=formats)
+    space, ruled_out = drain(space_steps(costs, sensitivity, None, formats=formats))
     rows = {unit.name: set(unit.choices) for unit in space.units}
     assert rows == {"0": set(formats), "2": {Format.FP32, Format.BF16}}
     assert ruled_out == {"2": ["fp16 ruled out: its predicted loss increase is not finite (inf)"]}
@@ -579,7 +581,8 @@ def test_a_format_the_profile_saw_underflow_past_the_schedulers_promotion_thresh
     from autoprec.costs import CostModel, TimingSettings
     from autoprec.plan import LayerPrecision
     from autoprec.profiling import LayerProfiler
-    from autoprec.search.planner import build_space, range_reason
+    from autoprec.search.planner import range_reason, space_steps
+    from autoprec._generators import drain
     from autoprec.search.space import RangeLimits
 
     torch.manual_seed(0)
@@ -599,7 +602,7 @@ def test_a_format_the_profile_saw_underflow_past_the_schedulers_promotion_thresh
     formats = (Format.FP32, Format.BF16, Format.INT8)
     costs = CostModel.build(model, (x, None), loss_fn=lambda m, b: m(b[0]).pow(2).mean(), formats=formats, timing=TimingSettings(in_place=False))
     sensitivity = {(fqn, f): 1e-3 for fqn in ("0", "2") for f in formats}
-    space, ruled_out = build_space(costs, sensitivity, profile, formats=formats)
+    space, ruled_out = drain(space_steps(costs, sensitivity, profile, formats=formats))
     assert {unit.name: set(unit.choices) for unit in space.units}["0"] == {Format.FP32, Format.BF16}
     assert ruled_out["0"] == [reason]
 
@@ -632,7 +635,8 @@ def test_a_layer_whose_code_fails_in_a_format_is_estimated_and_searched_without_
     """Before, the sensitivity estimate raised "the runtime cannot run ... alone" and the whole
     search failed; now that (layer, format) is out of the search for that layer, with the error."""
     from autoprec.costs import CostModel, TimingSettings
-    from autoprec.search.planner import build_space
+    from autoprec.search.planner import space_steps
+    from autoprec._generators import drain
     from autoprec.sensitivity import estimate_sensitivity
 
     torch.manual_seed(0)
@@ -652,7 +656,7 @@ def test_a_layer_whose_code_fails_in_a_format_is_estimated_and_searched_without_
     assert "same dtype" in sensitivity.metadata["failed"]["1"]["bf16"]
     assert math.isinf(sensitivity[("1", Format.BF16)]) and math.isfinite(sensitivity[("0", Format.BF16)])
     costs = CostModel.build(model, (x.detach(), y), loss_fn=loss, formats=formats, timing=TimingSettings(in_place=False))
-    space, ruled_out = build_space(costs, sensitivity, None, formats=formats)
+    space, ruled_out = drain(space_steps(costs, sensitivity, None, formats=formats))
     choices = {unit.name: set(unit.choices) for unit in space.units}
     assert choices["1"] == {Format.FP32} and choices["0"] == set(formats)
     assert ruled_out["1"] == [f"bf16 ruled out: the layer's code fails in it ({sensitivity.metadata['failed']['1']['bf16']})"]
