@@ -5,7 +5,8 @@ A promotion (`policy.promotions`: overflow, underflow, non-finite gradients, a m
 over the budget) widens a layer the search had fitted into the memory budget, so the plan in
 force would hold more than the budget allows: an INT8 layer of a tiny Doge promoted to BF16 for
 its activations' underflow took a plan measured at 0.600 of the FP32 bytes to 0.610
-(tests/models/test_arch_sweep.py). The plan carries, per layer, every format the search allowed
+(tests/models/test_arch_sweep.py), and so did one whose prediction fitted while the bytes the
+trials measured beyond it did not. The plan carries, per layer, every format the search allowed
 it with its predicted bytes and loss (`Plan.predicted["layers"][fqn]["options"]`, written by
 `planner.plan_from_solution`); with those the promotion is paid for by lowering other layers
 to formats the search allowed them, the least predicted loss per byte freed first, within the
@@ -55,17 +56,25 @@ def paid_for(plan: Plan, promoted: Mapping[str, Format], keep: Collection[str], 
     still holds over the budget after them (0.0 when within; also when the plan has no budget
     or no per-format figures). ``keep``: layers never lowered (those the policy promoted).
 
-    The budget is the one the plan was searched under, in the cost model's bytes
-    (``budgets["memory_bytes"]`` over the search's learned ``memory_margin``). Each layer moves
+    The plan's bytes are its predicted ones plus what the training steps measured it holding
+    beyond them (``measured["bytes_over_predicted"]``, written when the search adopted it),
+    against the budget it was searched under (``budgets["memory_bytes"]``, which the trials were
+    measured against); without that measure, the predicted bytes against the budget over the
+    search's learned ``memory_margin``. Each layer moves
     at most once, to the format of its options with the least predicted loss per byte freed,
     while the plan's predicted loss stays within ``budgets["loss_increase"]``."""
     predicted, budgets = plan.predicted or {}, plan.budgets or {}
     rows, total, limit = predicted.get("layers") or {}, predicted.get("bytes"), budgets.get("memory_bytes")
     if not promoted or not isinstance(total, (int, float)) or not isinstance(limit, (int, float)):
         return [], 0.0
-    target = float(limit) / float((plan.metadata or {}).get("memory_margin", 1.0))
+    # A tiny Doge was adopted measured at 315,304 bytes, 12,040 over its prediction and 965 under
+    # its limit: a promotion predicted to fit took its planned step to 0.61 of FP32's at 0.6.
+    excess = (plan.measured or {}).get("bytes_over_predicted")
+    if isinstance(excess, (int, float)) and math.isfinite(excess):
+        over = float(total) + max(0.0, float(excess)) - float(limit)
+    else:
+        over = float(total) - float(limit) / float((plan.metadata or {}).get("memory_margin", 1.0))
     loss = float(predicted.get("loss_increase") or 0.0)
-    over = float(total) - target
     for fqn, new in promoted.items():
         row, old = rows.get(fqn) or {}, plan.layers[fqn].format
         before, after = _bytes(row, old, old), _bytes(row, old, new)

@@ -345,8 +345,7 @@ class TrainingSearch:
 
     def _settle_probes(self) -> None:
         """Fold the probe samples into ``known``: medians per (role, format) and of the rest."""
-        for key, values in self._samples.items():
-            self.known[key] = statistics.median(values)
+        self.known.update({key: statistics.median(values) for key, values in self._samples.items()})
         if self._rest:
             self.known["rest"] = max(0.0, statistics.median(self._rest))
 
@@ -593,6 +592,7 @@ class TrainingSearch:
         self._winner = best
         self.result = best.plan.replace(measured={
             "source": "training steps", "step_seconds": statistics.median(best.seconds), "saved_bytes": best.saved_bytes,
+            "bytes_over_predicted": best.bytes_over_predicted,  # a promotion pays from there (`promotion_bytes`)
             "search_timeline": dict(self.timeline), "search_steps": self.steps, "rounds": self._round + 1,
             "candidates": self._records(), "compiled": self.compiled, "within_noise": tied,
         })

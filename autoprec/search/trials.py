@@ -49,6 +49,13 @@ class Trial:
         return max([1] + [lp.calibration.batches for lp in self.plan.layers.values() if lp.format is Format.INT8])
 
     @property
+    def bytes_over_predicted(self) -> Optional[float]:
+        """How many bytes more than its plan predicted it measured holding (negative: fewer), in
+        the cost model's terms (`total_bytes`); None before it was judged or without a prediction."""
+        predicted = self.plan.predicted.get("bytes")
+        return None if self.total_bytes is None or not isinstance(predicted, (int, float)) else self.total_bytes - float(predicted)
+
+    @property
     def warmup(self) -> int:
         return self.calibration + int(self.compiled)
 

@@ -40,10 +40,6 @@ KNOWN_FAILURES: dict[str, tuple[str, bool]] = {
                "outside the layers; find it with the backward's anomaly mode and keep its region out of half formats", False),
     "inkling_text": ("its candidates' forwards overflow: with the layers the scaler named promoted to FP32 one plans on some "
                      "runs (the candidates hang on measured times), on others three promotions are not enough: as longt5", False),
-    "doge": ("plans within its budgets alone, but under load (CI's second worker, busy processes) its probes and trials "
-             "measure other times and another plan is adopted, whose planned step metered 0.610 of FP32's bytes at a 0.6 "
-             "budget in 1 of 8 loaded runs of day 334's sample (a promotion after the plan, paid for only in part, is the "
-             "suspect, as at stop 73): find which change put it over and whether the promotion warned", False),
     "yoso": ("its custom autograd Function's backward multiplies the FP32 incoming gradient by a saved half value "
              "(torch.matmul(grad, value.T)), an op outside every layer, so the per-layer estimate never sees it fail; the first "
              "trial (search step 10) puts the value projection in FP16 and its backward raises: run each candidate once off-path "

@@ -55,6 +55,20 @@ def test_the_budget_is_the_one_searched_under_its_learned_margin_included():
     assert [c.fqn for c in changes] == ["c"]
 
 
+def test_bytes_the_trials_measured_beyond_the_prediction_count_against_the_budget():
+    """A plan adopted measured at more bytes than predicted, within its limit: a promotion its
+    prediction leaves room for takes it over the limit as measured, so the promotion is paid for.
+    Measured at fewer bytes, the prediction alone counts (no room taken from a conservative one)."""
+    p = plan(memory_bytes=1150.0)  # a to bf16: 1100 predicted, within 1150
+    assert paid_for(p, {"a": Format.BF16}, keep={"d"}, step=0) == ([], 0.0)
+    measured = p.replace(measured={"bytes_over_predicted": 120.0})  # adopted at 1120 of 1150 as measured
+    changes, over = paid_for(measured, {"a": Format.BF16}, keep={"d"}, step=0)  # 1220 as measured: 70 to pay
+    assert [(c.fqn, c.new) for c in changes] == [("c", Format.BF16)] and over == 0.0
+    fewer = p.replace(measured={"bytes_over_predicted": -300.0})
+    assert paid_for(fewer, {"a": Format.BF16}, keep={"d"}, step=0) == ([], 0.0)
+    assert paid_for(plan(memory_bytes=1050.0).replace(measured={"bytes_over_predicted": -300.0}), {"a": Format.BF16}, keep={"d"}, step=0)[0]
+
+
 def test_a_plan_without_the_searchs_options_is_left_as_promoted_with_its_excess_estimated():
     # a's bytes scaled by the widths: 100 -> 200, so 1100 of 900.
     assert paid_for(plan(memory_bytes=900.0, options=False), {"a": Format.BF16}, keep=set(), step=0) == ([], 200.0)

@@ -3,6 +3,7 @@ time (role, format) in place, off-path units run in bounded slices, candidates a
 training steps, every step trains the model, a mid-search checkpoint resumes, DDP ranks agree."""
 
 import copy
+import math
 
 import re
 
@@ -171,6 +172,7 @@ def test_the_search_runs_on_the_steps_after_the_window_and_tries_its_candidates(
     measured = sch.plan.measured
     assert measured["source"] == "training steps"
     assert 1 <= len(measured["candidates"]) <= 3 and measured["saved_bytes"] > 0  # the 2 best, and all-BF16 when it meets the budgets
+    assert math.isfinite(measured["bytes_over_predicted"])  # in the cost model's bytes: a promotion pays from there
     assert [c["reference"] for c in measured["candidates"]][:2] == [None] * min(2, len(measured["candidates"]))
     assert all(c["reference"] in (None, "every layer bf16") for c in measured["candidates"]) and measured["compiled"] is False
     kept = [c["step_seconds"] for c in measured["candidates"] if c["dropped"] is None]
