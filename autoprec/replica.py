@@ -10,8 +10,8 @@ it, builds the same module tree with FSDP2's wrapping removed: each module of it
 own must not run on its copy), holding the whole parameters. A
 model with no DTensor parameter is copied the same way, its parameters as they are (no
 collective): module by module, each one's own attributes deep-copied and its hooks kept by
-reference, not through ``copy.deepcopy`` of the whole model, which at 64 decoder layers took 4x
-as long (each module's hook dictionaries and flags rebuilt through its pickling protocol).
+reference, not through ``copy.deepcopy`` of the whole model, which at 64 decoder layers took 2-3x
+as long in a training run (each module's hook dictionaries rebuilt through its pickling protocol).
 
 A model under tensor parallelism (``parallelize_module``: ``ColwiseParallel``,
 ``RowwiseParallel``, ``SequenceParallel``, ``PrepareModuleInput``...) is copied the same way: its
