@@ -629,7 +629,9 @@ class DynamicPrecisionScheduler:
             self._attach(self._binding.bound, ModelCall.from_state(state["example"]))  # plan, scaler and profiler come from the state below
         self.step_count = state["step"]
         self.last_search_error = state["last_search_error"]
-        _, failures, retry_at, search, known, _, checks, comm, due, _ = (state.get(k, d) for k, d in LATER_STATE.items())
+        later = {k: state.get(k, d) for k, d in LATER_STATE.items()}  # fields a state saved before them lacks
+        failures, retry_at, search, known = later["search_failures"], later["retry_at"], later["search"], later["known_times"]
+        checks, comm, due = later["checks"], later["comm"], later["due_search"]
         if self._dist is not None:
             self._dist.load_comm_state_dict(comm, next(self._binding.bound.parameters()).device)
         self._searches.load_known_times(known)
