@@ -120,7 +120,8 @@ class Histogram:
         # Every row's occupied bins copied into one array at once, each histogram a view of it.
         lengths = end - first
         starts = np.concatenate(([0], np.cumsum(lengths)))
-        flat = rows[np.repeat(np.arange(len(rows)), lengths), np.arange(starts[-1]) - np.repeat(starts[:-1] - first, lengths)]
+        owner = np.repeat(np.arange(len(rows)), lengths)  # the row each copied bin comes from
+        flat = rows[owner, np.arange(starts[-1]) - starts[:-1][owner] + first[owner]]  # and its bin there
         return [cls(lo if b > a else 0, flat[a:b]) for lo, a, b in zip(first.tolist(), starts[:-1].tolist(), starts[1:].tolist())]
 
     def full(self) -> np.ndarray:

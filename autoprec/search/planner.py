@@ -77,9 +77,9 @@ def space_steps(
     recomputation frees; its gradients and its FP32-in-region extra stay) and its forward seconds,
     and the block's own ops in the lowered region (as the fixed cost below). Returns the space and,
     per layer, the formats ruled out and why. A generator: it yields ``"space"`` after each
-    layer's row (host work: its range checks and its costs per format, a few hundred microseconds
-    on a CPU), so a search inside training spreads it over steps (at 64 decoder layers it took
-    about 3 steps at once)."""
+    layer's row (host work: its range checks and its costs per format, O(formats)), so a search
+    inside training spreads it over steps (at 64 decoder layers, in one unit, it took about 3
+    steps' time at once)."""
     table: dict[str, dict[Format, Choice]] = {}
     ruled_out: dict[str, list[str]] = {}
     formats = tuple(Format.parse(f) for f in formats)
