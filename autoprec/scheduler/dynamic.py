@@ -468,7 +468,7 @@ class DynamicPrecisionScheduler:
             self._retry()
             return
         if tick.meter_next:
-            self._measures.meter_next_step()  # measure the saved bytes of the window's last step
+            self._measures.meter_next_step()  # measure the saved bytes of the window's last step but one
         if not tick.window_end:
             self._maybe_start_monitor()
             return

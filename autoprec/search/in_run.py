@@ -84,7 +84,7 @@ class TrainingSearch:
     the lead copies ``model`` when made (remove hooks that must not run on the copy first).
     ``safe_bytes``: (the safe format, the saved bytes metered on a safe step), which anchors
     the measured bytes of the trials to the cost model's (module docstring).
-    ``second_moment``: Adam's, per parameter name, at the window's end (`adam_second_moment`),
+    ``second_moment``: Adam's, per parameter name, as the search is made (`adam_second_moment`),
     for the sensitivity's gradient term (None: estimated on the snapshot, one more forward +
     backward). ``alone``: no other rank takes part (under torch.distributed each round's end
     waits for rank 0's word: `round_outcome`, `settle_round`). ``notes``: layer -> the sentence each candidate's reason for
@@ -162,7 +162,7 @@ class TrainingSearch:
         # whether or not its copy is kept: the ranks need not agree on whether the work is done.
         sharded = not alone and is_sharded(model)
         start = time.perf_counter()
-        if (lead and self.candidates is None) or sharded:  # the weights as of the window's end: the off-path work's, while training goes on
+        if (lead and self.candidates is None) or sharded:  # the weights as the search is made: the off-path work's, while training goes on
             self._snapshot = plain_copy(model, keep=lead and self.candidates is None)
         if self._snapshot is not None:
             if restore is not None and restore.get("snapshot") is not None:
