@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 # Tensors summarized together by `LayerProfiler.profile`: their histograms are copied to the host
 # and counted at once, 3 x 2048 int64 bins each (48 KiB), so a chunk holds 12 MiB on the host at
-# most (about 4x that for the counts' running sums), whatever the depth.
+# most (and as much again for the running sums of its three histograms, `stats.BinCounts`), whatever the depth.
 _SUMMARY_CHUNK = 256
 
 
