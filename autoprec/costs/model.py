@@ -382,8 +382,11 @@ class CostModel:
         return next((f for f in (Format.BF16, Format.FP16) if format_support(f, self.device).runnable), None)
 
     def _saved_by_layer(self, model, example_inputs, loss_fn, plan: Plan) -> tuple[dict[str, int], int]:
-        """Bytes one forward under ``plan`` saves, per layer and outside layers (measured)."""
+        """Bytes one forward under ``plan`` saves, per layer and outside layers (measured). A layer
+        whose code raises in its format (DeBERTa's attention in BF16) is measured in FP32: the
+        search rules that format out for it (`PlanRuntime.tolerate_failures`)."""
         runtime = apply_plan(model, plan, validate=False)
+        runtime.tolerate_failures()
         with warnings.catch_warnings(), removing([runtime]):
             warnings.simplefilter("ignore", EmulationWarning)
             return saved_bytes_by_layer(model, example_inputs, list(self.trace.layers), lambda: runtime, loss_fn)

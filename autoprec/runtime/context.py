@@ -109,6 +109,22 @@ class PlanRuntime:
             raise RuntimeStateError("exit this plan runtime before removing it")
         self._wrappers.remove()
 
+    def tolerate_failures(self, on: bool = True) -> None:
+        """Whether a lowered layer whose forward raises runs again in FP32 instead (recorded for
+        `take_failures`), so the step goes on: for a search's probe and trial runtimes, which
+        run formats on a training step before anything showed that the model's code runs in
+        them. Off by default (the error stands); turning it off forgets the records."""
+        self._wrappers.failures = {} if on else None
+
+    def take_failures(self) -> dict[str, str]:
+        """fqn -> the first line of what its forward raised, for each layer run again in FP32
+        since the last call (`tolerate_failures`); empty when none was."""
+        failures = self._wrappers.failures
+        if not failures:
+            return {}
+        self._wrappers.failures = {}
+        return failures
+
     def __enter__(self) -> "PlanRuntime":
         """Turns the plan on for the calling thread only (like ``torch.autocast``): the same model
         run by another thread meanwhile runs unplanned. Costs no module surgery.

@@ -124,6 +124,9 @@ class LayerWrappers:
         self.root = modules[""]
         self.stage_hook: "RemovableHandle | None" = None
         self._checked_at = -1  # the `_wrapper_changes` count when `installed` last found every wrapper on
+        # fqn -> the first line of what its forward raised in its format, once `rerun_in_fp32` ran it
+        # in FP32 instead; None: a raising layer raises (`PlanRuntime.tolerate_failures`).
+        self.failures: "dict[str, str] | None" = None
 
     def _needs_mode(self, layer: RuntimeLayer, planned_below: bool) -> bool:
         if layer.format is Format.FP32:
@@ -223,10 +226,15 @@ class LayerWrappers:
                     return _leaving(products.linear(layer, x, module.weight, module.bias), caller, to_caller)
                 finally:
                     state.stack = outer
+            given = (args, kwargs)
             scope, args, kwargs, leave_to, leaving = _entering(fmt, device_type, half_stored, caller, to_caller, args, kwargs)
             if not stacked:
-                with scope:
-                    out = _own_forward(module, had_own, previous, module, args, kwargs)
+                try:
+                    with scope:
+                        out = _own_forward(module, had_own, previous, module, args, kwargs)
+                except RuntimeError as error:
+                    return wrappers.rerun_in_fp32(error, layer, state, lambda *a, **k: _own_forward(module, had_own, previous, module, a, k),
+                                                  given, caller, parent_format)
                 return _leaving(out, leave_to, leaving)
             enter_mode = mode and not state.mode_active
             outer = state.stack
@@ -234,6 +242,9 @@ class LayerWrappers:
             try:
                 with scope, (wrappers.layer_mode(state) if enter_mode else contextlib.nullcontext()):
                     out = _own_forward(module, had_own, previous, module, args, kwargs)
+            except RuntimeError as error:
+                return wrappers.rerun_in_fp32(error, layer, state, lambda *a, **k: _own_forward(module, had_own, previous, module, a, k),
+                                              given, caller, parent_format)
             finally:
                 state.stack = outer
             # Once its forward has run every product: one warning for all the ops it emulated.
@@ -246,7 +257,30 @@ class LayerWrappers:
         # Bound, so that copy.deepcopy(model) re-binds it to the copy (see the check above).
         return types.MethodType(forward, module)
 
-    def _caller_dtypes(self, layer: RuntimeLayer, parent_format: "Format | None") -> frozenset:
+    def rerun_in_fp32(self, error: RuntimeError, layer: RuntimeLayer, state: ThreadState, own_forward: Any,
+                      given: tuple, caller: "torch.dtype | None", parent_format: "Format | None") -> Any:
+        """A lowered layer's forward raised (code that cannot run in its format: DeBERTa fills
+        BF16 scores with FP32's lowest value): under `failures` (a search's probe and trial
+        runtimes) the layer runs again as the plain model does (FP32, autocast off, the runtime
+        off for the layers inside it) and the failure is recorded for the search to rule the
+        format out; otherwise, or for an FP32 layer, the error stands. Costs nothing until a
+        forward raises; then one more forward of the layer."""
+        if self.failures is None or layer.format is Format.FP32 or torch.compiler.is_compiling():
+            raise error
+        self.failures.setdefault(layer.fqn, f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}")
+        active, stack = state.active, state.stack
+        state.active, state.stack = False, ()
+        try:
+            with torch.autocast(self.device_type, enabled=False):
+                args, kwargs = map_leaves(to_fp32, given)
+                out = own_forward(*args, **kwargs)
+        finally:
+            state.active, state.stack = active, stack
+        to_caller = self._caller_dtypes(layer, parent_format, Format.FP32)
+        _, _, _, leave_to, leaving = _entering(Format.FP32, self.device_type, layer.stored_dtype, caller, to_caller, (), {})
+        return _leaving(out, leave_to, leaving)
+
+    def _caller_dtypes(self, layer: RuntimeLayer, parent_format: "Format | None", fmt: "Format | None" = None) -> frozenset:
         """The dtypes of ``layer``'s outputs cast to its caller's half autocast dtype on leaving
         (one rule for every format); none where the plan hands on one half dtype only and the
         layer's FP32 outputs stay.
@@ -257,9 +291,10 @@ class LayerWrappers:
         layer (that parent computes in the half dtype, and code reading ``finfo(q.dtype)`` to fill
         its half scores must read that dtype) or its weights are stored in a half dtype (the
         layers around it hand on that dtype). An FP32 layer in the region keeps its FP32 outputs:
-        the ops between layers (norms, residual adds, the loss) take FP32 under autocast."""
+        the ops between layers (norms, residual adds, the loss) take FP32 under autocast.
+        ``fmt``: the format it runs in (None: its plan's)."""
         others = _HALVES if self.mixed_halves else frozenset()
-        fp32_joins = layer.format is Format.FP32 and (
+        fp32_joins = (fmt or layer.format) is Format.FP32 and (
             layer.stored_dtype is not None or (parent_format is not None and parent_format is not Format.FP32)
         )
         return others | ({torch.float32} if fp32_joins else frozenset())

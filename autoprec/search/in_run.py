@@ -49,7 +49,7 @@ import torch
 import torch.nn as nn
 
 from ..blocks import find_blocks, layers_of_blocks
-from ..costs import CostModel, InPlaceTimes, RooflineTimeModel, calibration_steps, trace_model
+from ..costs import CostModel, RooflineTimeModel, calibration_steps, trace_model
 from ..errors import AutoprecError, InfeasibleBudgetError, RuntimeStateError, SearchError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
@@ -61,9 +61,11 @@ from .noise import unseparated
 from .pipeline import propose_from, search_estimator, space_steps, uniform_reference
 from .planner import floor_settings
 from .memory_margin import MEMORY_ROUNDS, MemoryMargin
-from .probes import PROBE_ROUNDS, PROBED_PER_ROLE, probe_formats, probe_plans
+from .failing import failing_roles, mark_failed, without_failing
+from .preflight import preflight_each
+from .probes import PROBE_ROUNDS, PROBED_PER_ROLE, add_samples, probe_formats, probe_plans, probed_cost_model
 from .tensor_parallel import noted, tensor_parallel_layers, unsharded_bytes
-from .trials import Trial
+from .trials import Trial, restart
 from .units import unit_weight, weighted
 
 __all__ = ["TrainingSearch", "probe_formats", "MEMORY_ROUNDS", "PROBE_ROUNDS", "PROBED_PER_ROLE"]
@@ -118,6 +120,7 @@ class TrainingSearch:
         self._probes = probe_plans(self.layers, self.roles, self.blocks, allowed, config.planning.precisions(), known) if self.measuring else []
         self._probe_runtimes: dict[int, Any] = {}
         self._samples: dict[str, list[float]] = {}  # "role|format" -> seconds measured in probe steps
+        self._failing: dict[tuple[str, str], str] = {}  # (role, format name) -> what its code raised (`failing`)
         self._rest: list[float] = []
         self.median_step = median_step  # seconds of a safe step, for the timeline's "extra"
         self.timeline: dict[str, float] = {}
@@ -192,6 +195,7 @@ class TrainingSearch:
             "profile": None if self.profile is None else self.profile.to_dict(), "baseline_loss": self.baseline_loss,
             "safe_bytes": None if self.safe_bytes is None else [self.safe_bytes[0].value, self.safe_bytes[1]],
             "probes": [p.to_dict() for p in self._probes], "samples": {k: list(v) for k, v in self._samples.items()}, "rest": list(self._rest),
+            "failing": [[role, fmt, why] for (role, fmt), why in self._failing.items()],
             "timeline": dict(self.timeline), "candidates": None if self.candidates is None else [p.to_dict() for p in self.candidates],
             "grad_bytes": self.grad_bytes, "outside_bytes": self._outside_bytes,
             # Where the counted slices stand, and what the off-path work ran on (the snapshot's
@@ -211,6 +215,7 @@ class TrainingSearch:
         self.safe_bytes = None if state["safe_bytes"] is None else (Format.parse(state["safe_bytes"][0]), state["safe_bytes"][1])
         self._probes = [Plan.from_dict(p) for p in state["probes"]]
         self._samples = {k: list(v) for k, v in state["samples"].items()}
+        self._failing = {(role, fmt): why for role, fmt, why in state.get("failing", ())}
         self._rest = list(state["rest"])
         self.timeline = dict(state["timeline"])
         self.grad_bytes, self._outside_bytes = state["grad_bytes"], state["outside_bytes"]
@@ -237,11 +242,11 @@ class TrainingSearch:
         with their states (INT8 calibration, amax histories): runtimes installed on one model
         together run a layer alike only when the same ones are installed."""
         for i, saved in sorted((int(i), s) for i, s in state.get("probe_runtimes", {}).items()):
-            self._probe_runtimes[i] = apply_plan(self.model, self._probes[i], validate=False)
+            self._probe_runtimes[i] = self._runtime(self._probes[i])
             self._probe_runtimes[i].load_state_dict(saved)
         for trial, saved in zip(self._trials, state.get("trials", ())):
             if saved["runtime"] is not None:
-                trial.runtime = apply_plan(self.model, trial.plan, validate=False)
+                trial.runtime = self._runtime(trial.plan)
                 trial.runtime.load_state_dict(saved["runtime"])
 
     # -- on the training path -----------------------------------------------------------------
@@ -260,14 +265,23 @@ class TrainingSearch:
         if self.steps < self.probe_steps:
             i = self.steps % len(self._probes)
             if i not in self._probe_runtimes:
-                self._probe_runtimes[i] = apply_plan(self.model, self._probes[i], validate=False)
+                self._probe_runtimes[i] = self._runtime(self._probes[i])
             return "probe", self._probe_runtimes[i]
         trial = self._trial()
         if trial is not None:
             if trial.runtime is None:
-                trial.runtime = apply_plan(self.model, trial.plan, validate=False)
+                trial.runtime = self._runtime(trial.plan)
             return "trial", trial.runtime
         return None
+
+    def _runtime(self, plan: Plan) -> Any:
+        """A probe's or candidate's runtime: a layer whose code raises in its format runs in FP32
+        on that step, and `record` rules the format out (`PlanRuntime.tolerate_failures`); not
+        `alone`, the error stands (a rank ruling a format out alone would run another plan)."""
+        runtime = apply_plan(self.model, plan, validate=False)
+        if self.alone:
+            runtime.tolerate_failures()
+        return runtime
 
     def runs_eager(self) -> bool:
         """Whether the next training step must run eagerly: all but a compiled candidate's steps
@@ -300,20 +314,17 @@ class TrainingSearch:
         self.longest_step = max(self.longest_step, seconds)
         if kind == "probe":
             self._add("probe steps", extra)
-            plan = self._probes[self.steps % len(self._probes)]
-            if layer_seconds is not None and not skipped and self.steps >= len(self._probes):  # the first cycle warms up
-                for fqn, s in layer_seconds.items():
-                    self._samples.setdefault(f"{self.roles[fqn]}|{plan.layers[fqn].format.value}", []).append(s)
-                self._rest.append(seconds - sum(layer_seconds.values()))
-                if self.blocks and forward_seconds is not None and block_seconds is not None:
-                    for fqn, s in forward_seconds.items():
-                        self._samples.setdefault(f"forward|{self.roles[fqn]}|{plan.layers[fqn].format.value}", []).append(s)
-                    # A block's own ops (norms, residuals, attention glue): its forward less its
-                    # layers', the same in every format of the layers.
-                    for b, layers in self.blocks.items():
-                        if b in block_seconds:
-                            own = block_seconds[b] - sum(forward_seconds.get(fqn, 0.0) for fqn in layers)
-                            self._samples.setdefault(f"block|{b}", []).append(max(0.0, own))
+            i = self.steps % len(self._probes)
+            plan = self._probes[i]
+            failed = self._probe_runtimes[i].take_failures()
+            if failed:  # those layers ran in FP32 on this step: not sampled, their format out for their role
+                self._failing.update(failing_roles(plan, failed, self.roles))
+                for j, probe in enumerate(self._probes):
+                    self._probes[j] = without_failing(probe, self._failing, self.roles)
+                    if self._probes[j] is not probe and j in self._probe_runtimes:
+                        self._probe_runtimes.pop(j).remove()
+            elif layer_seconds is not None and not skipped and self.steps >= len(self._probes):  # the first cycle warms up
+                add_samples(self._samples, self._rest, plan, self.roles, self.blocks, seconds, layer_seconds, forward_seconds, block_seconds)
             self.steps += 1
             if self.steps == self.probe_steps:
                 self._settle_probes()
@@ -325,6 +336,11 @@ class TrainingSearch:
         trial = self._trial()
         if trial is None:
             raise RuntimeStateError("TrainingSearch.record('trial', ...): no candidate is being tried; report the kind step_runtime() gave")
+        failed = trial.runtime.take_failures() if trial.runtime is not None else {}
+        if failed:  # ran in FP32 on this step, which does not count: those layers stay FP32, the candidate starts again
+            self._failing.update(failing_roles(trial.plan, failed, self.roles))
+            restart(trial, without_failing(trial.plan, self._failing, self.roles))
+            return
         if saved_bytes is not None:  # the most of its metered steps, checked against the budget when choosing (rank 0 decides)
             trial.saved_bytes = max(saved_bytes, trial.saved_bytes or 0)
         if skipped:
@@ -426,10 +442,12 @@ class TrainingSearch:
         sensitivity = yield from self._sensitivity(snapshot, [f for f in self.formats if f is not Format.FP32])
         for p in snapshot.parameters():
             p.grad = None
-        del snapshot  # self._snapshot keeps it until the candidates exist: a checkpoint saves it
         while self.steps < self.probe_steps:
             yield "waiting", 0.0  # the probe steps are still running
-        costs = self._cost_model(costs, trace)
+        if self._failing:
+            mark_failed(sensitivity.metadata.setdefault("failed", {}), self._failing, self.roles)
+        costs = probed_cost_model(costs, trace, self.known if self.measuring else None, self.layers, self.roles, self.formats,
+                                  self.config.planning.precisions(), bool(self.blocks))
         planning = dataclasses.replace(c.planning, k=CANDIDATES if self.measuring else 1)
         self._found = yield from weighted(space_steps(costs, sensitivity, self.profile, planning), "solve", n)
         self._planning = planning
@@ -454,13 +472,15 @@ class TrainingSearch:
             yield "waiting", 0.0
         proposal = solving.result()
         self._add("solve", solving.seconds)
-        self.set_candidates(self._candidates(proposal))
+        # Each candidate runs once on the snapshot before a training step runs it.
+        self.set_candidates((yield from weighted(preflight_each(snapshot, self.batches[-1], self.loss_fn, self._candidates(proposal),
+                                                                self.roles, self._failing), "preflight", n)))
 
     def _candidates(self, proposal: Any) -> list[Plan]:
         """A proposal's plans and, when it meets the budgets, all-BF16 beside them: the plan
         adopted is never slower than it, as measured on these steps and in the mode they run in."""
         reference = uniform_reference(proposal, Format.BF16, self._planning.rules, self.fingerprint) if self.measuring and Format.BF16 in self.formats else None
-        return [noted(p, self.notes) for p in (*proposal.plans, *([reference] if reference is not None else []))]
+        return [noted(without_failing(p, self._failing, self.roles), self.notes) for p in (*proposal.plans, *([reference] if reference is not None else []))]
 
     def _propose(self, margin: float = 1.0) -> Any:
         """The best plans of the space found off-path, under the memory budget divided by
@@ -522,33 +542,6 @@ class TrainingSearch:
                                   estimator=search_estimator(self.config.lr),
                                   traced=self.fingerprint, second_moment=self._second_moment)
         return (yield from weighted(steps, "sensitivity", len(self.layers)))
-
-    def _cost_model(self, region: CostModel, trace) -> CostModel:
-        """The cost model of every format: ``region``'s measured bytes, and the probe-measured
-        seconds per (role, format) (roofline seconds without probes, ``measure_costs=False``).
-        A (role, format) no probe ran (ruled out for every layer of the role, or not runnable)
-        takes the role's FP32 seconds times that format's median ratio to FP32 over the roles
-        that ran it. Recompute blocks keep ``region``'s measured bytes; one more forward of a
-        block costs its own ops' probe-measured seconds plus its layers' forwards (a layer's
-        forward no probe timed: a third of its step, the 2:4 forward-to-backward FLOP count)."""
-        in_place = {}
-        rest = self.known.get("rest", 0.0) if self.measuring else 0.0
-        for fmt in self.formats if self.measuring else ():
-            ratios = [self.known[f"{role}|{fmt.value}"] / self.known[f"{role}|fp32"] for role in set(self.roles.values())
-                      if f"{role}|{fmt.value}" in self.known and self.known.get(f"{role}|fp32", 0) > 0]
-            ratio = statistics.median(ratios) if ratios else 1.0
-            layer_seconds = {}
-            for fqn in self.layers:
-                role = self.roles[fqn]
-                seconds = self.known.get(f"{role}|{fmt.value}")
-                layer_seconds[fqn] = seconds if seconds is not None else self.known.get(f"{role}|fp32", 0.0) * ratio
-            forward = {fqn: self.known.get(f"forward|{self.roles[fqn]}|{fmt.value}", layer_seconds[fqn] / 3) for fqn in self.layers} if self.blocks else {}
-            in_place[fmt] = InPlaceTimes(rest + sum(layer_seconds.values()), layer_seconds, forward_seconds=forward)
-        blocks = {b: dataclasses.replace(cost, other_seconds=(self.known[f"block|{b}"],) * 2) if f"block|{b}" in self.known else cost
-                  for b, cost in region.blocks.items()}
-        return CostModel(trace, RooflineTimeModel(), formats=self.formats, rest_seconds=rest, in_place=in_place, blocks=blocks,
-                         precisions=self.config.planning.precisions(),
-                         rest_saved_bytes=(region.rest_saved_bytes[0], region.rest_saved_bytes[1]), fp32_in_region_bytes=region.fp32_in_region_bytes)
 
     # -- candidates and the result --------------------------------------------------------------
 
@@ -673,6 +666,7 @@ class TrainingSearch:
         if chosen is None:
             return None
         runtime, chosen.runtime = chosen.runtime, None
+        runtime.tolerate_failures(False)  # the plan in force: an error stands
         return runtime
 
     def close(self) -> None:

@@ -1,22 +1,25 @@
 """The search's probe steps: which formats a layer may be probed in (`probe_formats`) and the
-plans of one probe cycle (`probe_plans`). `search.in_run.TrainingSearch` runs them on training
-steps; nothing here runs a step. Both linear in the layers (a few dict lookups each)."""
+plans of one probe cycle (`probe_plans`), a probe step's samples (`add_samples`), and the cost model of what they measured
+(`probed_cost_model`). `search.in_run.TrainingSearch` runs them on training steps; nothing
+here runs a step. Each is linear in the layers (a few dict lookups each, per format)."""
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from typing import Any, Mapping, Sequence
+import statistics
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from ..costs import CostModel, InPlaceTimes, RooflineTimeModel
 from ..device import format_support
 from ..formats import Format
 from ..plan import Calibration, LayerPrecision, Plan
 from .planner import range_reason
 from .space import LayerRules, RangeLimits
 
-__all__ = ["PROBE_ROUNDS", "PROBED_PER_ROLE", "probe_formats", "probe_plans"]
+__all__ = ["PROBE_ROUNDS", "PROBED_PER_ROLE", "add_samples", "probe_formats", "probe_plans", "probed_cost_model"]
 
 # Probe cycles: the first warms up (first calls of each kernel, INT8 calibration of one batch)
 # and is not sampled; the other gives each probed (layer, format) one sample. Of a role's layers
@@ -84,3 +87,54 @@ def probe_plans(layers: Sequence[str], roles: Mapping[str, str], blocks: Mapping
         plans.append(Plan(chosen_layers, metadata={"source": "DynamicPrecisionScheduler probe"}))
     return plans
 
+
+
+def add_samples(samples: dict[str, list[float]], rest: list[float], plan: Plan, roles: Mapping[str, str], blocks: Mapping[str, Sequence[str]],
+                seconds: float, layer_seconds: Mapping[str, float], forward_seconds: "Optional[Mapping[str, float]]",
+                block_seconds: "Optional[Mapping[str, float]]") -> None:
+    """One probe step of ``plan`` (``seconds``, and its per-layer, per-layer forward and per-block
+    forward seconds: `costs.inplace.StepTimer`) into ``samples`` (``"role|format"``,
+    ``"forward|role|format"`` and ``"block|fqn"`` -> seconds, as `probed_cost_model` reads them)
+    and ``rest`` (the step less its layers)."""
+    for fqn, s in layer_seconds.items():
+        samples.setdefault(f"{roles[fqn]}|{plan.layers[fqn].format.value}", []).append(s)
+    rest.append(seconds - sum(layer_seconds.values()))
+    if blocks and forward_seconds is not None and block_seconds is not None:
+        for fqn, s in forward_seconds.items():
+            samples.setdefault(f"forward|{roles[fqn]}|{plan.layers[fqn].format.value}", []).append(s)
+        # A block's own ops (norms, residuals, attention glue): its forward less its layers',
+        # the same in every format of the layers.
+        for b, layers in blocks.items():
+            if b in block_seconds:
+                own = block_seconds[b] - sum(forward_seconds.get(fqn, 0.0) for fqn in layers)
+                samples.setdefault(f"block|{b}", []).append(max(0.0, own))
+
+
+def probed_cost_model(region: CostModel, trace: Any, known: "Optional[Mapping[str, float]]", layers: Sequence[str], roles: Mapping[str, str],
+                      formats: Sequence[Format], precisions: Mapping[Format, LayerPrecision], blocks: bool) -> CostModel:
+    """The cost model of every format: ``region``'s measured bytes, and the seconds per (role,
+    format) the probes measured (``known``, keyed as `TrainingSearch` keeps them; None: roofline
+    seconds, a search with ``measure_costs=False``). A (role, format) no probe ran (ruled out for
+    every layer of the role, or not runnable) takes the role's FP32 seconds times that format's
+    median ratio to FP32 over the roles that ran it. Recompute blocks (``blocks``: the search
+    recomputes some) keep ``region``'s measured bytes; one more forward of a block costs its own
+    ops' probe-measured seconds plus its layers' forwards (a layer's forward no probe timed: a
+    third of its step, the 2:4 forward-to-backward FLOP count). O(layers x formats)."""
+    in_place = {}
+    known = known or {}
+    rest = known.get("rest", 0.0)
+    for fmt in formats if known else ():
+        ratios = [known[f"{role}|{fmt.value}"] / known[f"{role}|fp32"] for role in set(roles.values())
+                  if f"{role}|{fmt.value}" in known and known.get(f"{role}|fp32", 0) > 0]
+        ratio = statistics.median(ratios) if ratios else 1.0
+        layer_seconds = {}
+        for fqn in layers:
+            seconds = known.get(f"{roles[fqn]}|{fmt.value}")
+            layer_seconds[fqn] = seconds if seconds is not None else known.get(f"{roles[fqn]}|fp32", 0.0) * ratio
+        forward = {fqn: known.get(f"forward|{roles[fqn]}|{fmt.value}", layer_seconds[fqn] / 3) for fqn in layers} if blocks else {}
+        in_place[fmt] = InPlaceTimes(rest + sum(layer_seconds.values()), layer_seconds, forward_seconds=forward)
+    measured_blocks = {b: dataclasses.replace(cost, other_seconds=(known[f"block|{b}"],) * 2) if f"block|{b}" in known else cost
+                       for b, cost in region.blocks.items()}
+    return CostModel(trace, RooflineTimeModel(), formats=formats, rest_seconds=rest, in_place=in_place, blocks=measured_blocks,
+                     precisions=precisions, rest_saved_bytes=(region.rest_saved_bytes[0], region.rest_saved_bytes[1]),
+                     fp32_in_region_bytes=region.fp32_in_region_bytes)

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 from ..formats import Format
 from ..plan import Plan
 
-__all__ = ["SKIPPED_TRIAL_STEPS", "TIMED_TRIAL_STEPS", "TRIAL_PROMOTIONS", "Trial", "first_to_overflow", "promote_or_drop"]
+__all__ = ["SKIPPED_TRIAL_STEPS", "TIMED_TRIAL_STEPS", "TRIAL_PROMOTIONS", "Trial", "first_to_overflow", "promote_or_drop", "restart"]
 
 logger = logging.getLogger("autoprec")
 
@@ -93,16 +93,23 @@ def promote_or_drop(trial: Trial) -> None:
     """A candidate skipped more steps than an outlier or a backing-off scale explains: the layer
     blamed (`first_to_overflow`) goes to FP32 and it starts again (runtime, bytes and skips
     anew; at most `TRIAL_PROMOTIONS` times), else it is dropped."""
-    if trial.blamed is None or len(trial.promoted) >= TRIAL_PROMOTIONS:
+    if trial.blamed is None or len(trial.plan.metadata.get("promoted_for_overflow", ())) >= TRIAL_PROMOTIONS:
         promoted = f" ({', '.join(trial.promoted)} promoted to FP32 before)" if trial.promoted else ""
         trial.dropped = f"non-finite gradients skipped {trial.skipped} of its steps{promoted}"
         return
     fqn = trial.blamed
     logger.info("autoprec: candidate plan: layer %r (%s) overflowed on %d steps; it runs in FP32 and the candidate starts again",
                 fqn, trial.plan.layers[fqn].format.value, trial.skipped)
+    plan = trial.plan.with_layers({fqn: Format.FP32})
+    restart(trial, plan.replace(metadata={**plan.metadata, "promoted_for_overflow": [*plan.metadata.get("promoted_for_overflow", ()), fqn]}))
+
+
+def restart(trial: Trial, plan: Plan) -> None:
+    """``trial`` starts again as ``plan`` (layers of its plan promoted to FP32: for overflowing,
+    `promote_or_drop`; for raising in their format, `failing.without_failing`): its runtime,
+    bytes and counts anew."""
     if trial.runtime is not None:
         trial.runtime.remove()
-    trial.plan = trial.plan.with_layers({fqn: Format.FP32}).replace(
-        metadata={**trial.plan.metadata, "promoted_for_overflow": [*trial.promoted, fqn]})
-    trial.promoted += (fqn,)
+    trial.promoted += tuple(fqn for fqn, lp in plan.layers.items() if lp.format is Format.FP32 and trial.plan.layers[fqn].format is not Format.FP32)
+    trial.plan = plan
     trial.runtime, trial.steps, trial.skipped, trial.blamed, trial.saved_bytes = None, 0, 0, None, None

@@ -43,10 +43,12 @@ PASSES_PER_STEP = 3
 # shares, and about a tenth of a pass at 4 blocks; the space's indexing after its rows ("space
 # assembly", labelled on the last row so the slice ends before it) about 2 passes at 64 blocks.
 # Built in one unit, the space took 2-3 steps' time at once at 64 blocks (5x a step with it).
+# A candidate's run off-path (`preflight`: a forward and backward under its runtime on the
+# snapshot) weighs the recorded batch's passes and a region forward's runtime overhead: 4.5.
 # A device-peak timing (`costs.calibration_steps`: 9 GEMM calls of one format, each sized to
 # about 2 ms or less on a CPU, whatever the model) weighs a step: the 4-block Llama's step.
 _WHOLE_MODEL_UNITS = {"trace": 4.0, "region bytes": 4.5, "block forward": 4.5, "scopes": 2.5, "recorded batch": 4.0, "peak": 3.0,
-                      "layers": 2.5, "recorded forward": 2.5, "space assembly": 2.0}
+                      "layers": 2.5, "recorded forward": 2.5, "space assembly": 2.0, "preflight": 4.5}
 # (fixed passes, fixed layer shares, layer passes)
 _LAYER_UNITS = {"runtimes": (0.06, 22.0, 0.0), "calibration": (0.1, 25.0, 1.0), "space": (0.1, 6.0, 0.0)}
 _LAYER_ESTIMATE = (0.35, 18.0, 3.0)

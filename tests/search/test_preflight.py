@@ -1,0 +1,139 @@
+"""A candidate plan runs once off the training path before a training step runs it
+(`search.preflight`): a format that breaks the model's code in the backward, outside every
+layer (YOSO's custom autograd Function), is found by bisection and kept out of the layer's
+role; a candidate that runs is unchanged, and the snapshot's state is left as it was."""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autoprec.errors import SearchError
+from autoprec.formats import Format
+from autoprec.plan import LayerPrecision, Plan
+from autoprec.search.preflight import preflight, preflight_each
+
+
+class Weighted(torch.autograd.Function):
+    """YOSO's shape of backward: the incoming FP32 gradient times the saved value, whatever the
+    value's dtype (``torch.matmul`` refuses mixed dtypes)."""
+
+    @staticmethod
+    def forward(ctx, scores, value):
+        ctx.save_for_backward(value)
+        with torch.autocast(scores.device.type, enabled=False):  # its own FP32 kernel, as YOSO's extension
+            return scores.float() @ value.float()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (value,) = ctx.saved_tensors
+        return torch.matmul(grad, value.transpose(-1, -2)), None
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.query = nn.Linear(d, d)
+        self.value = nn.Linear(d, d)
+        self.out = nn.Linear(d, d)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.out(self.drop(Weighted.apply(self.query(x), self.value(x).transpose(-1, -2))))
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 8, blocks: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(blocks))
+        self.norm = nn.BatchNorm1d(d)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.norm(x.transpose(1, 2)).transpose(1, 2)
+
+
+def loss_fn(model, batch):
+    return model(batch).pow(2).mean()
+
+
+def roles_of(plan: Plan) -> dict:
+    return {fqn: fqn.rsplit(".", 1)[-1] for fqn in plan.layers}
+
+
+def lowered(model: nn.Module, fmt: Format) -> Plan:
+    return Plan({fqn: LayerPrecision(fmt) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)})
+
+
+def drain(gen):
+    runs = 0
+    while True:
+        try:
+            next(gen)
+            runs += 1
+        except StopIteration as done:
+            return done.value, runs
+
+
+def test_a_candidate_whose_backward_raises_outside_every_layer_has_the_layers_role_kept_out_of_the_format():
+    torch.manual_seed(0)
+    model = Net()
+    batch = torch.randn(4, 8, 8)
+    plan = lowered(model, Format.FP16)
+    with pytest.raises(RuntimeError, match="same dtype"):  # the plan as a training step would run it
+        from autoprec.runtime import apply_plan
+
+        runtime = apply_plan(model, plan)
+        with runtime:
+            loss = loss_fn(model, batch)
+        loss.backward()
+    runtime.remove()
+    model.zero_grad(set_to_none=True)
+    buffers = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    failing: dict = {}
+    ran, runs = drain(preflight(model, batch, loss_fn, plan, roles_of(plan), failing))
+    assert set(failing) == {("value", "fp16")} and "same dtype" in failing[("value", "fp16")]
+    assert {fqn for fqn, lp in ran.layers.items() if lp.format is Format.FP32} == {f"blocks.{i}.value" for i in range(3)}
+    assert all(lp.format is Format.FP16 for fqn, lp in ran.layers.items() if not fqn.endswith("value"))
+    assert ran.metadata["promoted_for_failure"] == [f"blocks.{i}.value" for i in range(3)]
+    # One failing run, the bisection over 9 lowered layers, one run that passes.
+    assert runs <= 1 + math.ceil(math.log2(9)) + 1
+    # The snapshot as it was: no gradients, buffers (BatchNorm's statistics) and the RNG unchanged.
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(v, buffers[k]) for k, v in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)
+    # The plan it leaves trains: a forward and backward under it run.
+    with apply_plan(model, ran):
+        loss = loss_fn(model, batch)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_a_candidate_that_runs_is_unchanged_in_one_run_and_the_next_skips_a_known_failing_pair():
+    torch.manual_seed(0)
+    model = Net()
+    batch = torch.randn(4, 8, 8)
+    fine = Plan({**lowered(model, Format.FP16).layers, **{f"blocks.{i}.value": LayerPrecision(Format.FP32) for i in range(3)}})
+    failing: dict = {}
+    ran, runs = drain(preflight(model, batch, loss_fn, fine, roles_of(fine), failing))
+    assert ran is fine and runs == 1 and failing == {}
+    known = {("value", "bf16"): "RuntimeError: earlier"}
+    plans, runs = drain(preflight_each(model, batch, loss_fn, [lowered(model, Format.BF16)], roles_of(fine), known))
+    assert runs == 1 and len(plans) == 1  # the known pair kept out before it runs: no bisection
+    assert all(plans[0].layers[f"blocks.{i}.value"].format is Format.FP32 for i in range(3))
+
+
+def test_no_candidate_that_runs_is_a_search_error_naming_the_pair():
+    torch.manual_seed(0)
+    model = Net(blocks=1)
+    batch = torch.randn(4, 8, 8)
+    broken = Plan({"blocks.0.value": LayerPrecision(Format.FP16)})
+
+    def always(model, batch):
+        raise RuntimeError("the model's own bug\nsecond line")
+
+    with pytest.raises(SearchError, match=r"\(value in fp16: RuntimeError: the model's own bug\); training stays"):
+        drain(preflight_each(model, batch, always, [broken], {"blocks.0.value": "value"}, {}))
