@@ -9,7 +9,7 @@ and the cost trace share one rule for what a weight is.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Collection, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -18,14 +18,17 @@ __all__ = ["module_stack", "side_effect_free", "is_weight"]
 
 
 @contextlib.contextmanager
-def module_stack(model: nn.Module, on_enter: Optional[Callable[[str, list], None]] = None) -> Iterator[list[str]]:
+def module_stack(model: nn.Module, on_enter: Optional[Callable[[str, list], None]] = None,
+                 only: "Optional[Collection[str]]" = None) -> Iterator[list[str]]:
     """Yield the list of fully qualified names of the modules of ``model`` now executing,
     outermost first, kept by a forward pre-hook and a forward hook on every module (removed on
-    exit, also when the body raises). ``on_enter(fqn, stack)`` runs before a module is pushed.
+    exit, also when the body raises), or only on the modules named in ``only``.
+    ``on_enter(fqn, stack)`` runs before a module is pushed.
 
-    Cost: two Python calls per module call; the hooks return None, so outputs stay as they are.
+    Cost: two Python calls per call of a hooked module (and two hooks registered and removed per
+    hooked module); the hooks return None, so outputs stay as they are.
     """
-    fqn_of = {module: fqn for fqn, module in model.named_modules()}
+    fqn_of = {module: fqn for fqn, module in model.named_modules() if only is None or fqn in only}
     stack: list[str] = []
 
     def push(module, *_):

@@ -82,6 +82,8 @@ class HeldBytes:
         tensor subclass that wraps others (tensor parallelism saves DTensors, and collectives'
         ``AsyncCollectiveTensor``; the wrapper has no storage) counts the tensors it wraps, a
         DTensor this rank's shard: the bytes it holds."""
+        if type(t) is torch.Tensor:  # no wrapper to look into: most saved tensors
+            return self._add(t, t.requires_grad)
         return sum(self._add(part, t.requires_grad) for part in plain_parts(t))
 
     def _add(self, t: torch.Tensor, requires_grad: bool) -> int:

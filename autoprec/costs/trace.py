@@ -191,10 +191,12 @@ class _Attribution:
     Packs are attributed later to the innermost module of the stack that is a layer, so a
     dropout inside an attention layer counts for the layer. Each storage counts once; parameters
     never count; a saved tensor counts what it holds (`saved_bytes.held_span`). Hooks are removed on exit, also when the body raises.
+    ``layers``: the only modules the stack keeps, when known beforehand (a layer's saved bytes
+    need no other; the trace's matrix products name the innermost module of any kind).
     """
 
-    def __init__(self, model: nn.Module):
-        self.model = model
+    def __init__(self, model: nn.Module, layers: "Optional[Collection[str]]" = None):
+        self.model, self._stacked = model, layers
         self.layer_names = [fqn for fqn, _ in model.named_modules()]
         self.seen = HeldBytes(model.parameters())
         self.stack: list[str] = []
@@ -229,7 +231,7 @@ class _Attribution:
 
     def __enter__(self) -> "_Attribution":
         try:
-            self.stack = self._exit.enter_context(module_stack(self.model))
+            self.stack = self._exit.enter_context(module_stack(self.model, only=self._stacked))
             self._exit.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
         except BaseException:
             self._exit.close()
@@ -374,7 +376,7 @@ def saved_bytes_by_layer(
     `PlanRuntime`, ``torch.autocast``); ``None`` runs plain. The reference measurement the memory
     model is checked against. Costs one forward with autograd on (no backward).
     """
-    meter = _Attribution(model)
+    meter = _Attribution(model, layers=set(layers))
     unknown = sorted(set(layers) - set(meter.layer_names))
     if unknown:
         raise CostModelError(f"saved_bytes_by_layer: {unknown} are not modules of {type(model).__name__}")
