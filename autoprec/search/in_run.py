@@ -472,9 +472,11 @@ class TrainingSearch:
             yield "waiting", 0.0
         proposal = solving.result()
         self._add("solve", solving.seconds)
-        # Each candidate runs once on the snapshot before a training step runs it.
-        self.set_candidates((yield from weighted(preflight_each(snapshot, self.batches[-1], self.loss_fn, self._candidates(proposal),
-                                                                self.roles, self._failing), "preflight", n)))
+        candidates = self._candidates(proposal)
+        if trace.custom_functions:  # the model's own backward code, which a format may break: each candidate runs once first
+            candidates = yield from weighted(preflight_each(snapshot, self.batches[-1], self.loss_fn, candidates, self.roles, self._failing),
+                                             "preflight", n)
+        self.set_candidates(candidates)
 
     def _candidates(self, proposal: Any) -> list[Plan]:
         """A proposal's plans and, when it meets the budgets, all-BF16 beside them: the plan

@@ -3,8 +3,10 @@
 A format can break a model's code where no per-layer estimate looks: YOSO's custom autograd
 Function multiplies the FP32 incoming gradient by a value it saved in the value projection's
 FP16, an op outside every layer, in its backward. Run first on a training step, such a candidate
-raises inside the user's ``backward`` and ends training. Here each candidate runs one forward and
-backward on the search's snapshot; one that raises has the layer that makes it raise found by
+raises inside the user's ``backward`` and ends training. Built-in ops' backward formulas take the
+dtypes their forward did, so only a model's own autograd Functions can raise in a backward whose
+forward ran: where the trace finds one (`ModelTrace.custom_functions`), the search runs each
+candidate here first, one forward and backward on its snapshot; one that raises has the layer that makes it raise found by
 bisection and that layer's role kept out of the format (every layer of the role runs the same
 code), until it runs. A forward that raises on a training step is caught there instead (the
 layer runs in FP32: `PlanRuntime.tolerate_failures`); a backward cannot be run again.

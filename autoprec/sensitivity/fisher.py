@@ -10,7 +10,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping
-from typing import Any, Callable, Generator, Iterable
+from typing import Any, Callable, Generator, Iterable, TypeVar
 
 import torch
 import torch.nn as nn
@@ -32,6 +32,7 @@ from .problem import (
 __all__ = ["FisherEstimator", "adam_second_moment", "estimate_sensitivity", "sensitivity_steps"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 
@@ -237,11 +238,7 @@ class FisherEstimator(SensitivityEstimator):
                 weight = {id(p): w for p, w in zip(params, self._preconditioner(problem, named))}
                 yield "second moment"
             for batch in problem.batches:
-                recorder = CallRecorder(model, list(dict.fromkeys(sites.values())))
-                with recorder:
-                    loss, n = problem.loss(batch)
-                recorder.take_grads(loss, keep_graph=grad_term and self.upstream)
-                del loss
+                recorder, n = _differentiated(lambda: _record(problem, model, list(dict.fromkeys(sites.values())), batch, grad_term and self.upstream))
                 yield "recorded batch"
                 references = {}
                 for fqn in problem.layers:
@@ -301,8 +298,8 @@ class FisherEstimator(SensitivityEstimator):
         params = [p for _, p in named]
         v = [torch.zeros_like(p, dtype=torch.float32) for p in params]
         for batch in problem.batches:
-            loss, _ = problem.loss(batch)
-            for acc, g in zip(v, torch.autograd.grad(loss, params, allow_unused=True)):
+            grads = _differentiated(lambda: torch.autograd.grad(problem.loss(batch)[0], params, allow_unused=True))
+            for acc, g in zip(v, grads):
                 if g is not None:
                     acc.add_(g.detach().float().square())
         b = len(problem.batches)
@@ -487,3 +484,28 @@ def _estimator(estimator: "SensitivityEstimator | None") -> SensitivityEstimator
         raise SensitivityError(f"estimator must be a SensitivityEstimator, got {type(estimator).__name__}")
     return estimator
 
+
+
+def _differentiated(run: Callable[[], T]) -> T:
+    """``run()``, a forward and backward of the model. A model that writes in place a tensor its
+    forward saved (RWKV's recurrent state, whose cache eval mode turns on) fails the backward's
+    version check: ``run`` again with each saved tensor copied as it is saved (what the backward
+    would see without the write), at one more forward and the saved tensors' bytes again."""
+    try:
+        return run()
+    except RuntimeError as exc:
+        if "modified by an inplace operation" not in str(exc):
+            raise
+    with torch.autograd.graph.saved_tensors_hooks(torch.clone, _unchanged):
+        return run()
+
+def _record(problem: SensitivityProblem, model: nn.Module, sites: list[str], batch: Any, keep_graph: bool) -> tuple[CallRecorder, int]:
+    recorder = CallRecorder(model, sites)
+    with recorder:
+        loss, n = problem.loss(batch)
+    recorder.take_grads(loss, keep_graph=keep_graph)
+    return recorder, n
+
+
+def _unchanged(t: torch.Tensor) -> torch.Tensor:
+    return t

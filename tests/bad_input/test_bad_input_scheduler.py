@@ -198,7 +198,7 @@ def set_clocks(monkeypatch, measured, offpath):
 
 
 SEARCH_WINDOW = 6
-SEARCH_STEPS = 88  # the window, 6 probe steps, the off-path work (device peaks, blocks' bytes too), the solve's 8 steps, the candidates' runs off-path, their trial steps, planned steps
+SEARCH_STEPS = 80  # the window, 6 probe steps, then the off-path work (device peaks, blocks' bytes too), the solve's 8 steps, 2 candidates' trial steps, planned steps
 
 
 def formats(plan):
@@ -246,8 +246,8 @@ def test_the_search_trains_alike_however_slowly_its_off_path_work_runs(monkeypat
 
 # Where the checkpoint falls: between the window's summary and the search it makes at the next
 # step, in the probes' warm-up cycle (the off-path work waits for them), in their
-# timed cycle, while the integer programs run beside the steps (search steps 46-53), while the
-# candidates run once off-path (`preflight`, 54-59), and in a candidate's trial steps (60 on). A slower clock for every timing after the resume
+# timed cycle, while the integer programs run beside the steps (search steps 47-54), and in a
+# candidate's trial steps (55 on). A slower clock for every timing after the resume
 # where the checkpoint splits no set of timed steps; where it splits the probes' timed cycle, a
 # slower clock for the off-path work alone (probes timed slower on a slower machine may choose
 # another plan: a measurement, not the slices).
@@ -257,14 +257,14 @@ def stage_of(search):
     if search.candidates is not None:
         return "trying"
     if search._solve_from is not None:
-        return "preflight" if search._next_stage == "preflight" else "solving"
+        return "solving"
     return "probing" if search.steps <= search.probe_steps else "off-path"
 
 
 @pytest.mark.parametrize("stop, every_clock, stage", [(SEARCH_WINDOW, True, "due"), (SEARCH_WINDOW + 1, True, "probing"),
                                                       (SEARCH_WINDOW + 4, False, "probing"), (SEARCH_WINDOW + 49, True, "solving"),
-                                                      (SEARCH_WINDOW + 58, True, "preflight"), (SEARCH_WINDOW + 63, True, "trying")],
-                         ids=["search-due", "probes-warm-up", "second-probe-cycle", "solving", "preflight", "trying-candidates"])
+                                                      (SEARCH_WINDOW + 57, True, "trying")],
+                         ids=["search-due", "probes-warm-up", "second-probe-cycle", "solving", "trying-candidates"])
 def test_a_checkpoint_mid_search_resumed_on_a_slow_clock_trains_bit_identically(monkeypatch, tmp_path, stop, every_clock, stage):
     reference, plan = straight_run(monkeypatch, 1e-3)
     set_clocks(monkeypatch, FakeTime(1e-3), FakeTime(1e-3))

@@ -137,3 +137,40 @@ def test_no_candidate_that_runs_is_a_search_error_naming_the_pair():
 
     with pytest.raises(SearchError, match=r"\(value in fp16: RuntimeError: the model's own bug\); training stays"):
         drain(preflight_each(model, batch, always, [broken], {"blocks.0.value": "value"}, {}))
+
+
+def test_the_trace_names_the_models_own_autograd_functions_and_no_other():
+    from torch.utils.checkpoint import checkpoint
+
+    from autoprec.costs import trace_model
+    from autoprec.runtime import apply_plan
+
+    torch.manual_seed(0)
+    model = Net(blocks=2)
+    batch = torch.randn(4, 8, 8)
+    assert trace_model(model, batch).custom_functions == (f"{__name__}.Weighted",)
+
+    class Plain(nn.Module):  # torch's own Functions (a reentrant checkpoint) and autoprec's (FP8 products) only
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.b(checkpoint(self.a, x, use_reentrant=True))
+
+    plain = Plain()
+    assert trace_model(plain, batch).custom_functions == ()
+    runtime = apply_plan(plain, Plan({"a": LayerPrecision(Format.FP8_E4M3), "b": LayerPrecision(Format.INT8)}))
+    with runtime:
+        out = plain(batch)
+    from autoprec.costs.trace import custom_functions
+
+    assert custom_functions(out) == ()
+    # ... though the graph holds autoprec's own Functions (its FP8 / INT8 products).
+    stack, modules = [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is not None:
+            modules.add(getattr(getattr(node, "_forward_cls", None), "__module__", "").split(".")[0])
+            stack.extend(n for n, _ in node.next_functions)
+    assert "autoprec" in modules

@@ -750,3 +750,44 @@ def test_a_layers_runtime_holds_only_what_runs_inside_its_site_and_scores_alike(
     monkeypatch.setattr(problem_module.SensitivityProblem, "plan_for", lambda self, fqn, fmt, within=None: real(self, fqn, fmt, None))
     whole = estimate_sensitivity(model, data, loss, ["bf16", "fp8_e4m3"], estimator=estimator)
     assert local.to_dict()["layers"] == whole.to_dict()["layers"]
+
+
+class _StateCache(nn.Module):
+    """A recurrent cache as RWKV keeps one outside training: a tensor the forward saved for
+    backward, then written in place (``writes=False``: the same model without the write)."""
+
+    def __init__(self, writes: bool):
+        super().__init__()
+        self.writes = writes
+        self.lin = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        state = torch.ones_like(h)
+        y = self.out(torch.tanh(h * state))  # the product saves ``state``
+        if self.writes and not self.training:
+            state.mul_(0.5)  # the cache's update, after the save
+        return y
+
+
+def test_a_model_writing_a_saved_tensor_in_place_in_eval_mode_is_estimated_as_without_the_write():
+    from autoprec.sensitivity import estimate_sensitivity
+
+    def loss_fn(model, batch):
+        x, y = batch
+        return nn.functional.cross_entropy(model(x), y)
+
+    torch.manual_seed(0)
+    batches = [(torch.randn(16, 8), torch.randint(0, 4, (16,))) for _ in range(2)]
+    estimates = {}
+    for writes in (False, True):
+        torch.manual_seed(1)
+        model = _StateCache(writes)
+        estimates[writes] = estimate_sensitivity(model, batches, loss_fn, ["bf16", "int8"])
+    assert set(estimates[True]) == set(estimates[False]) and len(estimates[True]) == 4
+    # The write comes after the save: the estimate sees the values the forward used, as the
+    # model without it does (before: the backward's version check raised).
+    for key, value in estimates[False].items():
+        assert math.isfinite(value) and value > 0
+        assert estimates[True][key] == value
