@@ -5,6 +5,13 @@ or `RuntimeError` keep working (Optuna's exceptions do the same).
 """
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its type's name when the message is empty): the
+    one line a log or another error quotes of it."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 class AutoprecError(Exception):
     """Root of autoprec's errors."""
 

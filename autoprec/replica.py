@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 import torch
 import torch.nn as nn
+from torch.nn.utils import parametrize
 
 __all__ = ["plain_copy", "is_sharded"]
 
@@ -104,8 +105,11 @@ def _copy_module(module: nn.Module, memo: dict) -> nn.Module:
     new: nn.Module = object.__new__(cls)
     memo[id(module)] = new
     # The module's state as it pickles (a LightningModule's leaves out its trainer), not its
-    # __dict__ as it is: what copy.deepcopy of the model copied.
-    for key, value in module.__getstate__().items():
+    # __dict__ as it is: what copy.deepcopy of the model copied. A parametrized module (HuBERT's
+    # weight norm) refuses pickling, and copy.deepcopy copies its __dict__ (`parametrize`'s own
+    # __deepcopy__): so here.
+    state = module.__dict__ if parametrize.is_parametrized(module) else module.__getstate__()
+    for key, value in state.items():
         if key.startswith(_STATE_PREFIX) or key in _FSDP_KEYS:
             continue
         if key == "_parameters":

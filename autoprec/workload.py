@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .calls import loss_of
-from .errors import AutoprecError, UserCodeError, WorkloadError
+from .errors import AutoprecError, UserCodeError, WorkloadError, first_line
 
 __all__ = ["Workload", "WorkloadError", "TrainStep", "load_workload", "resolve_factory", "learning_rate", "to_device"]
 
@@ -120,8 +120,7 @@ def check_workload(obj: Any, where: str) -> Any:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+    return f"{type(exc).__name__}: {first_line(exc)}" if str(exc).strip() else type(exc).__name__
 
 
 def _shape(value: Any) -> str:
@@ -274,7 +273,7 @@ def load_workload(spec: str, kwargs: Optional[Mapping[str, Any]] = None) -> Any:
     try:
         workload = factory(**kwargs)
     except (TypeError, ValueError, KeyError) as exc:  # what a factory raises for arguments it cannot use
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = first_line(exc)
         raise WorkloadError(f"{spec} rejected {kwargs}: {reason}; fix the keyword arguments") from None
     except AutoprecError:
         raise

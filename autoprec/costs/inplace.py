@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from ..errors import CostModelError
+from ..errors import CostModelError, first_line
 from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan
 from ..device_clock import Clock, rotated
@@ -343,7 +343,7 @@ def measure_in_place(
                 continue
             except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:
                 timer.finish()
-                logger.warning("cannot time plan %s in place (%s); left to the time model", name, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                logger.warning("cannot time plan %s in place (%s); left to the time model", name, first_line(exc))
                 continue
             finally:
                 timer.deadline = None

@@ -40,7 +40,7 @@ from torch.utils import _pytree as pytree
 
 from .._io import atomic_write_text
 from ..device import canonical_device, format_support, scaled_mm_form
-from ..errors import CostModelError
+from ..errors import CostModelError, first_line
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
 from ..runtime import EmulationWarning, apply_plan
@@ -596,7 +596,7 @@ class MeasuredTimeModel(TimeModel):
                     steps.append(step)
                     timed_formats.append(fmt)
                 except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:
-                    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                    reason = first_line(exc)
                     logger.warning("cannot time %s in %s on %s (%s); using the roofline estimate", call.op, fmt.value, device, reason)
                     estimate = self.fallback.estimate([call], [fmt], device)[(call.key, fmt)]
                     result[(call.key, fmt)] = TimeEstimate(estimate.seconds, f"{estimate.source} ({reason})")

@@ -26,6 +26,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from ..coverage import enclosing_layer
+from ..errors import first_line
 from ..formats import Format
 from ..plan import Plan
 from . import pipelining
@@ -267,7 +268,7 @@ class LayerWrappers:
         forward raises; then one more forward of the layer."""
         if self.failures is None or layer.format is Format.FP32 or torch.compiler.is_compiling():
             raise error
-        self.failures.setdefault(layer.fqn, f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}")
+        self.failures.setdefault(layer.fqn, f"{type(error).__name__}: {first_line(error)}")
         active, stack = state.active, state.stack
         state.active, state.stack = False, ()
         try:

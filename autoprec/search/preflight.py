@@ -19,7 +19,7 @@ from typing import Any, Callable, Generator, Mapping, Optional, Sequence
 import torch.nn as nn
 
 from .._tracing import side_effect_free
-from ..errors import SearchError
+from ..errors import SearchError, first_line
 from ..formats import Format
 from ..plan import Plan
 from ..runtime import apply_plan
@@ -92,16 +92,11 @@ def _run(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any],
                     loss = loss_fn(model, batch)  # a scalar, or per-term losses
                 loss.float().mean().backward()
             except RuntimeError as exc:
-                error = f"{type(exc).__name__}: {_first_line(exc)}"
+                error = f"{type(exc).__name__}: {first_line(exc)}"
     finally:
         runtime.remove()
         for p in model.parameters():
             p.grad = None
     yield "preflight"
     return error
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 

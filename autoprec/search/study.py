@@ -27,7 +27,7 @@ import optuna
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
-from ..errors import SearchError
+from ..errors import SearchError, first_line
 
 __all__ = [
     "open_storage", "storage_kind", "feasible", "HEARTBEAT_SECONDS",
@@ -104,7 +104,7 @@ def open_storage(url_or_path: "str | Path", heartbeat_seconds: int = HEARTBEAT_S
                 heartbeat_stale_trial_callback=RetryWithFreshConstraints(max_retry=3),
             )
     except Exception as exc:  # SQLAlchemy raises many types for an unreachable or bad URL
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = first_line(exc)
         raise SearchError(f"cannot open Optuna storage {text!r}: {reason}") from None
 
 

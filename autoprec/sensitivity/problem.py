@@ -18,7 +18,7 @@ from .._tracing import module_stack
 from ..calls import ModelCall, fresh, isolated
 from ..coverage import LayerInfo, find_layers
 from ..device import format_support
-from ..errors import FormatError, PlanError, SensitivityError
+from ..errors import FormatError, PlanError, SensitivityError, first_line
 from ..formats import Format, Granularity
 from ..plan import LayerPrecision, Plan
 
@@ -492,7 +492,7 @@ def failing_formats(fqn: str, fmt: Format, failed: "dict | None"):
     try:
         yield
     except (RuntimeError, TypeError) as exc:
-        line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        line = first_line(exc)
         if failed is not None:
             failed[(fqn, fmt)] = line
             logger.warning("autoprec: sensitivity: layer %r fails in %s (%s); the search leaves it out of that format", fqn, fmt.value, line)
