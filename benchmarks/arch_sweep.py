@@ -104,7 +104,7 @@ def _docs(rows: list[dict], summary: dict) -> str:
     lines += [f"- {r['model_type']} ({r['head']}): {r['reason'].removeprefix('not built: ')}" for r in skipped]
     failed = [r for r in rows if r["outcome"] == "failed"]
     if failed:
-        from test_arch_sweep import KNOWN_FAILURES
+        from models.test_arch_sweep import KNOWN_FAILURES
 
         lines += ["", f"## Failed ({len(failed)}): what each would take", ""]
         lines += [f"- {r['model_type']}: {KNOWN_FAILURES.get(r['model_type'], (r['reason'], None))[0]}" for r in failed]
