@@ -30,6 +30,10 @@ is held for long, and most of the work trains the model:
   and the off-path work (54 at the defaults: 3 rounds of 3 candidates of 4 + 2 steps), or the
   search fails, naming the budget the measured margin would need.
 
+A format the model's code cannot run is out for the layer's role once seen (`failing`): a layer
+raising on a probe or trial step runs that step in FP32; where the model has an autograd Function
+of its own, each candidate first runs once on the snapshot (`preflight`).
+
 No step is lost or repeated: probe and trial steps differ from safe ones only by their formats'
 rounding (FP16 gradients run unscaled in those few steps). `timeline` holds each stage's seconds
 (off-path work, and what probe and trial steps took beyond the median safe step); those, the
