@@ -12,6 +12,7 @@ import torch.nn as nn
 from autoprec.errors import SearchError
 from autoprec.formats import Format
 from autoprec.plan import LayerPrecision, Plan
+from autoprec.runtime import apply_plan
 from autoprec.search.preflight import preflight, preflight_each
 
 
@@ -82,12 +83,10 @@ def test_a_candidate_whose_backward_raises_outside_every_layer_has_the_layers_ro
     model = Net()
     batch = torch.randn(4, 8, 8)
     plan = lowered(model, Format.FP16)
-    with pytest.raises(RuntimeError, match="same dtype"):  # the plan as a training step would run it
-        from autoprec.runtime import apply_plan
-
-        runtime = apply_plan(model, plan)
-        with runtime:
-            loss = loss_fn(model, batch)
+    runtime = apply_plan(model, plan)  # the plan as a training step would run it
+    with runtime:
+        loss = loss_fn(model, batch)
+    with pytest.raises(RuntimeError, match="same dtype"):
         loss.backward()
     runtime.remove()
     model.zero_grad(set_to_none=True)
@@ -143,7 +142,6 @@ def test_the_trace_names_the_models_own_autograd_functions_and_no_other():
     from torch.utils.checkpoint import checkpoint
 
     from autoprec.costs import trace_model
-    from autoprec.runtime import apply_plan
 
     torch.manual_seed(0)
     model = Net(blocks=2)
