@@ -14,7 +14,7 @@ from typing import Any, Callable, Collection, Iterator, Optional
 import torch
 import torch.nn as nn
 
-__all__ = ["module_stack", "side_effect_free", "is_weight"]
+__all__ = ["module_stack", "side_effect_free", "is_weight", "own_autograd_functions"]
 
 
 @contextlib.contextmanager
@@ -79,3 +79,24 @@ def is_weight(t: Any) -> bool:
     """A Parameter or a view of one (``w.t()``): the runtime caches it per optimizer step and
     re-derives it in backward, and the cost trace counts it as a weight, not as a saved tensor."""
     return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
+
+
+def own_autograd_functions(output: Any) -> tuple[str, ...]:
+    """The autograd Functions in the graph behind ``output``'s tensors that neither torch nor
+    autoprec defines (a model's own, as YOSO's), by qualified name, sorted: their backward is the
+    model's code, which a format can break where its forward ran (built-in ops' backward formulas
+    take the dtypes their forward did). One visit per graph node; no tensor data read."""
+    from torch.utils import _pytree as pytree
+
+    stack: list[Any] = [t.grad_fn for t in pytree.tree_leaves(output) if torch.is_tensor(t) and t.grad_fn is not None]
+    seen, found = set(), set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        cls = getattr(node, "_forward_cls", None)  # set on a Python autograd Function's backward node
+        if cls is not None and cls.__module__.split(".")[0] not in ("torch", "autoprec"):
+            found.add(f"{cls.__module__}.{cls.__qualname__}")
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return tuple(sorted(found))

@@ -175,35 +175,14 @@ class LayerTrace:
 
 @dataclasses.dataclass(frozen=True)
 class ModelTrace:
-    """Layers in model order, the bytes saved outside every layer in the FP32 trace, the
+    """Layers in model order, the bytes saved outside every layer in the FP32 trace, and the
     gradient buffers of the trainable parameters no layer owns (``rest_grad_bytes``: embeddings,
-    norms, positional tables; the same in every plan), and the model's own autograd Functions in
-    the traced forward's graph (``custom_functions``: `custom_functions`)."""
+    norms, positional tables; the same in every plan)."""
 
     layers: Mapping[str, LayerTrace]
     rest_saved_bytes: int
     device: torch.device
     rest_grad_bytes: int = 0
-    custom_functions: tuple[str, ...] = ()
-
-
-def custom_functions(output: Any) -> tuple[str, ...]:
-    """The autograd Functions in the graph behind ``output``'s tensors that neither torch nor
-    autoprec defines (a model's own, as YOSO's), by qualified name, sorted: their backward is code
-    of the model's that a format can break where its forward ran (built-in ops' backward formulas
-    take the dtypes their forward did). One visit per graph node; no tensor data read."""
-    stack: list[Any] = [t.grad_fn for t in pytree.tree_leaves(output) if torch.is_tensor(t) and t.grad_fn is not None]
-    seen, found = set(), set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        cls = getattr(node, "_forward_cls", None)  # set on a Python autograd Function's backward node
-        if cls is not None and cls.__module__.split(".")[0] not in ("torch", "autoprec"):
-            found.add(f"{cls.__module__}.{cls.__qualname__}")
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return tuple(sorted(found))
 
 
 class _Attribution:
@@ -352,7 +331,6 @@ def trace_model(model: nn.Module, example_inputs: Any, loss_fn: Optional[Callabl
             if attempt:
                 torch.manual_seed(attempt)
             output = forward_or_loss(model, example_inputs, loss_fn)
-        functions = custom_functions(output)
         del output
         if layers is None or {fqn for fqn, _ in recorder.calls}.issuperset(layers):
             break
@@ -382,7 +360,7 @@ def trace_model(model: nn.Module, example_inputs: Any, loss_fn: Optional[Callabl
     owned = {id(p) for fqn in layers for p in modules[fqn].parameters(recurse=False)}
     rest_grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and id(p) not in owned)
     first = next(model.parameters(), None)
-    return ModelTrace(layers, rest, first.device if first is not None else torch.device("cpu"), rest_grads, functions)
+    return ModelTrace(layers, rest, first.device if first is not None else torch.device("cpu"), rest_grads)
 
 
 def saved_bytes_by_layer(

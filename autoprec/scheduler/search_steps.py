@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from .._tracing import own_autograd_functions
 from ..costs.inplace import StepTimer
 from ..errors import RuntimeStateError, SearchError
 from ..formats import Format
@@ -71,6 +72,8 @@ class SearchSteps:
         # A window's (profile, baseline loss), summed up at its last step, whose search starts at
         # the next (`defer`): each is linear in the layers, and together they made one step 4-5x.
         self._due: "tuple[Any, Optional[float]] | None" = None
+        # The model's own autograd Functions, found on the first step's graph (`before_backward`).
+        self._own_functions: "tuple[str, ...] | None" = None
 
     @property
     def search(self) -> Optional[TrainingSearch]:
@@ -134,7 +137,8 @@ class SearchSteps:
         search = TrainingSearch(model, example, batches, LinearisedLoss(), profile, config=config, baseline_loss=baseline_loss,
                                 fingerprint=fingerprint, step=step, known=self._known_times, lead=lead, restore=restore,
                                 second_moment=adam_second_moment(model, optimizers) if lead else None,
-                                median_step=self.median_safe_step, safe_bytes=safe_bytes, compiled=compiled, alone=alone, notes=notes)
+                                median_step=self.median_safe_step, safe_bytes=safe_bytes, compiled=compiled, alone=alone, notes=notes,
+                                own_functions=self._own_functions or ())
         self._search = search
         if self._heap is not None:
             self._heap.refreeze()  # the window's summary and the search's snapshot, kept until its end
@@ -177,7 +181,11 @@ class SearchSteps:
         return self._search is None or self._search.runs_eager()
 
     def before_backward(self, loss: torch.Tensor) -> None:
-        """A probe step: hook the autograd nodes of each layer for its timer."""
+        """A probe step: hook the autograd nodes of each layer for its timer. The first step: find
+        the model's own autograd Functions in its graph (`own_autograd_functions`, once a
+        scheduler: the model's code does not change), which its searches check candidates for."""
+        if self._own_functions is None:
+            self._own_functions = own_autograd_functions(loss)
         if self._timer is not None:
             self._timer.before_backward(loss)
 

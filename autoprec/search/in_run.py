@@ -30,9 +30,9 @@ is held for long, and most of the work trains the model:
   and the off-path work (54 at the defaults: 3 rounds of 3 candidates of 4 + 2 steps), or the
   search fails, naming the budget the measured margin would need.
 
-A format the model's code cannot run is out for the layer's role once seen (`failing`): a layer
-raising on a probe or trial step runs that step in FP32; where the model has an autograd Function
-of its own, each candidate first runs once on the snapshot (`preflight`).
+A format the model's code cannot run is out for its role once seen (`failing`): a layer raising
+on a step runs it in FP32; a model with its own autograd Function runs no probe steps and each
+candidate runs once on the snapshot first (`preflight`): a backward that raises cannot be rerun.
 
 No step is lost or repeated: probe and trial steps differ from safe ones only by their formats'
 rounding (FP16 gradients run unscaled in those few steps). `timeline` holds each stage's seconds
@@ -102,8 +102,8 @@ class TrainingSearch:
                  known: dict, lead: bool = True, median_step: Optional[float] = None,
                  safe_bytes: "tuple[Format, int] | None" = None, restore: Optional[Mapping[str, Any]] = None,
                  second_moment: "Mapping[str, torch.Tensor] | None" = None, compiled: bool = False, alone: bool = True,
-                 notes: Mapping[str, str] = {}):
-        self.model, self.notes = model, dict(notes)
+                 notes: Mapping[str, str] = {}, own_functions: Sequence[str] = ()):
+        self.model, self.notes, self.own_functions = model, dict(notes), tuple(own_functions)
         self.tensor_parallel = bool(tensor_parallel_layers(model, list(fingerprint)))  # its trials measure a rank's share
         self.compiled = compiled  # the model runs compiled: its candidates are timed compiled
         self.example, self.batches, self.loss_fn, self.profile = example, list(batches), loss_fn, profile
@@ -121,7 +121,7 @@ class TrainingSearch:
         # measure_costs=False: roofline seconds, no probe and no trial steps (the optimum is adopted).
         self.measuring = bool(config.measure_costs)
         allowed = probe_formats(self.layers, self.formats, profile, device, config.rules, config.planning.precisions(), config.planning.limits)
-        self._probes = probe_plans(self.layers, self.roles, self.blocks, allowed, config.planning.precisions(), known) if self.measuring else []
+        self._probes = probe_plans(self.layers, self.roles, self.blocks, allowed, config.planning.precisions(), known) if self.measuring and not self.own_functions else []
         self._probe_runtimes: dict[int, Any] = {}
         self._samples: dict[str, list[float]] = {}  # "role|format" -> seconds measured in probe steps
         self._failing: dict[tuple[str, str], str] = {}  # (role, format name) -> what its code raised (`failing`)
@@ -199,7 +199,7 @@ class TrainingSearch:
             "profile": None if self.profile is None else self.profile.to_dict(), "baseline_loss": self.baseline_loss,
             "safe_bytes": None if self.safe_bytes is None else [self.safe_bytes[0].value, self.safe_bytes[1]],
             "probes": [p.to_dict() for p in self._probes], "samples": {k: list(v) for k, v in self._samples.items()}, "rest": list(self._rest),
-            "failing": [[role, fmt, why] for (role, fmt), why in self._failing.items()],
+            "failing": [[role, fmt, why] for (role, fmt), why in self._failing.items()], "own_functions": list(self.own_functions),
             "timeline": dict(self.timeline), "candidates": None if self.candidates is None else [p.to_dict() for p in self.candidates],
             "grad_bytes": self.grad_bytes, "outside_bytes": self._outside_bytes,
             # Where the counted slices stand, and what the off-path work ran on (the snapshot's
@@ -220,6 +220,7 @@ class TrainingSearch:
         self._probes = [Plan.from_dict(p) for p in state["probes"]]
         self._samples = {k: list(v) for k, v in state["samples"].items()}
         self._failing = {(role, fmt): why for role, fmt, why in state.get("failing", ())}
+        self.own_functions = tuple(state.get("own_functions", ()))
         self._rest = list(state["rest"])
         self.timeline = dict(state["timeline"])
         self.grad_bytes, self._outside_bytes = state["grad_bytes"], state["outside_bytes"]
@@ -279,9 +280,8 @@ class TrainingSearch:
         return None
 
     def _runtime(self, plan: Plan) -> Any:
-        """A probe's or candidate's runtime: a layer whose code raises in its format runs in FP32
-        on that step, and `record` rules the format out (`PlanRuntime.tolerate_failures`); not
-        `alone`, the error stands (a rank ruling a format out alone would run another plan)."""
+        """A probe's or candidate's runtime: a layer raising in its format runs in FP32 on that step
+        (`PlanRuntime.tolerate_failures`); not `alone`, the error stands (ranks would part plans)."""
         runtime = apply_plan(self.model, plan, validate=False)
         if self.alone:
             runtime.tolerate_failures()
@@ -450,7 +450,7 @@ class TrainingSearch:
             yield "waiting", 0.0  # the probe steps are still running
         if self._failing:
             mark_failed(sensitivity.metadata.setdefault("failed", {}), self._failing, self.roles)
-        costs = probed_cost_model(costs, trace, self.known if self.measuring else None, self.layers, self.roles, self.formats,
+        costs = probed_cost_model(costs, trace, self.known if self.measuring and not self.own_functions else None, self.layers, self.roles, self.formats,
                                   self.config.planning.precisions(), bool(self.blocks))
         planning = dataclasses.replace(c.planning, k=CANDIDATES if self.measuring else 1)
         self._found = yield from weighted(space_steps(costs, sensitivity, self.profile, planning), "solve", n)
@@ -477,7 +477,7 @@ class TrainingSearch:
         proposal = solving.result()
         self._add("solve", solving.seconds)
         candidates = self._candidates(proposal)
-        if trace.custom_functions:  # the model's own backward code, which a format may break: each candidate runs once first
+        if self.own_functions:  # the model's own backward code, which a format may break: each candidate runs once first
             candidates = yield from weighted(preflight_each(snapshot, self.batches[-1], self.loss_fn, candidates, self.roles, self._failing),
                                              "preflight", n)
         self.set_candidates(candidates)

@@ -5,14 +5,17 @@ Function multiplies the FP32 incoming gradient by a value it saved in the value 
 FP16, an op outside every layer, in its backward. Run first on a training step, such a candidate
 raises inside the user's ``backward`` and ends training. Built-in ops' backward formulas take the
 dtypes their forward did, so only a model's own autograd Functions can raise in a backward whose
-forward ran: where the trace finds one (`ModelTrace.custom_functions`), the search runs each
-candidate here first, one forward and backward on its snapshot; one that raises has the layer that makes it raise found by
-bisection and that layer's role kept out of the format (every layer of the role runs the same
-code), until it runs. A forward that raises on a training step is caught there instead (the
+forward ran: where the first step's graph holds one (`_tracing.own_autograd_functions`), the
+search runs no probe steps (a probe plan would run unchecked) and runs each candidate here
+first, one forward and backward on its snapshot; one that raises has the layer that makes it
+raise found by bisection and that layer's role kept out of the format (every layer of the role
+runs the same code), until it runs. A forward that raises on a training step is caught there instead (the
 layer runs in FP32: `PlanRuntime.tolerate_failures`); a backward cannot be run again.
 """
 
 from __future__ import annotations
+
+import logging
 
 from typing import Any, Callable, Generator, Mapping, Optional, Sequence
 
@@ -26,6 +29,8 @@ from ..runtime import apply_plan
 from .failing import without_failing
 
 __all__ = ["PREFLIGHT_ROLES", "preflight", "preflight_each"]
+
+logger = logging.getLogger("autoprec")
 
 # Roles a candidate may have kept out of a format before it is given up: each costs
 # 1 + ceil(log2(lowered layers)) runs of a forward and backward.
@@ -59,7 +64,10 @@ def preflight(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], 
             else:
                 raises = middle
         culprit = lowered[raises - 1]
-        failing[(roles[culprit], plan.layers[culprit].format.value)] = error
+        fmt = plan.layers[culprit].format.value
+        logger.info("autoprec: a candidate plan raised in a forward and backward off the training path with %r in %s (%s); "
+                    "its role is kept out of that format", culprit, fmt, error)
+        failing[(roles[culprit], fmt)] = error
     return None
 
 

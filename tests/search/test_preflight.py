@@ -3,6 +3,7 @@
 layer (YOSO's custom autograd Function), is found by bisection and kept out of the layer's
 role; a candidate that runs is unchanged, and the snapshot's state is left as it was."""
 
+import logging
 import math
 
 import pytest
@@ -41,7 +42,9 @@ class Block(nn.Module):
         self.drop = nn.Dropout(0.1)
 
     def forward(self, x):
-        return x + self.out(self.drop(Weighted.apply(self.query(x), self.value(x).transpose(-1, -2))))
+        q = self.query(x)
+        scores = torch.softmax(q @ q.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+        return x + self.out(self.drop(Weighted.apply(scores, self.value(x))))
 
 
 class Net(nn.Module):
@@ -138,17 +141,17 @@ def test_no_candidate_that_runs_is_a_search_error_naming_the_pair():
         drain(preflight_each(model, batch, always, [broken], {"blocks.0.value": "value"}, {}))
 
 
-def test_the_trace_names_the_models_own_autograd_functions_and_no_other():
+def test_the_graph_walk_names_the_models_own_autograd_functions_and_no_other():
     from torch.utils.checkpoint import checkpoint
 
-    from autoprec.costs import trace_model
+    from autoprec._tracing import own_autograd_functions
 
     torch.manual_seed(0)
     model = Net(blocks=2)
     batch = torch.randn(4, 8, 8)
-    assert trace_model(model, batch).custom_functions == (f"{__name__}.Weighted",)
+    assert own_autograd_functions(loss_fn(model, batch)) == (f"{__name__}.Weighted",)
 
-    class Plain(nn.Module):  # torch's own Functions (a reentrant checkpoint) and autoprec's (FP8 products) only
+    class Plain(nn.Module):  # torch's own Functions (a reentrant checkpoint) and autoprec's (FP8 and INT8 products) only
         def __init__(self):
             super().__init__()
             self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
@@ -157,18 +160,38 @@ def test_the_trace_names_the_models_own_autograd_functions_and_no_other():
             return self.b(checkpoint(self.a, x, use_reentrant=True))
 
     plain = Plain()
-    assert trace_model(plain, batch).custom_functions == ()
-    runtime = apply_plan(plain, Plan({"a": LayerPrecision(Format.FP8_E4M3), "b": LayerPrecision(Format.INT8)}))
-    with runtime:
-        out = plain(batch)
-    from autoprec.costs.trace import custom_functions
-
-    assert custom_functions(out) == ()
-    # ... though the graph holds autoprec's own Functions (its FP8 / INT8 products).
+    with apply_plan(plain, Plan({"a": LayerPrecision(Format.FP8_E4M3), "b": LayerPrecision(Format.INT8)})):
+        out = plain(batch.requires_grad_())  # a reentrant checkpoint records a node only for inputs needing a gradient
+    assert own_autograd_functions(out) == ()
+    # ... though the graph holds autoprec's own Functions and torch's checkpoint.
     stack, modules = [out.grad_fn], set()
     while stack:
         node = stack.pop()
         if node is not None:
             modules.add(getattr(getattr(node, "_forward_cls", None), "__module__", "").split(".")[0])
             stack.extend(n for n, _ in node.next_functions)
-    assert "autoprec" in modules
+    assert {"autoprec", "torch"} <= modules
+
+
+def test_a_model_with_its_own_function_trains_to_a_plan_through_the_readme_loop_without_the_format_it_breaks(caplog):
+    from autoprec.scheduler import DynamicPrecisionScheduler
+
+    torch.manual_seed(0)
+    model = Net(d=16, blocks=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    caplog.set_level(logging.INFO, logger="autoprec")
+    sch = DynamicPrecisionScheduler(monitor_window=4, monitor_steps=2, memory_budget=None, accuracy_budget=0.2, formats=("fp32", "bf16", "fp16"))
+    for step in range(80):  # before: a probe step (value in a half format) raised in the Function's backward
+        batch = torch.randn(8, 12, 16, generator=torch.Generator().manual_seed(step))
+        with sch.precision_context():
+            loss = loss_fn(model, batch)
+        sch.backward(loss)
+        sch.step(opt)
+        opt.zero_grad(set_to_none=True)
+        if sch.plan is not None:
+            break
+    assert sch.plan is not None, sch.last_search_error
+    assert "probe steps" not in sch.plan.measured["search_timeline"]  # no probe plan ran unchecked
+    assert all(sch.plan.layers[f"blocks.{i}.value"].format is Format.FP32 for i in range(3))
+    found = [r.getMessage() for r in caplog.records if "off the training path" in r.getMessage()]
+    assert any("value' in " in line for line in found), found  # the value layers' half formats, found off-path
