@@ -13,6 +13,7 @@ from typing import Any, Callable, Collection, Iterator, Optional
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 __all__ = ["module_stack", "side_effect_free", "is_weight", "own_autograd_functions"]
 
@@ -86,8 +87,6 @@ def own_autograd_functions(output: Any) -> tuple[str, ...]:
     autoprec defines (a model's own, as YOSO's), by qualified name, sorted: their backward is the
     model's code, which a format can break where its forward ran (built-in ops' backward formulas
     take the dtypes their forward did). One visit per graph node; no tensor data read."""
-    from torch.utils import _pytree as pytree
-
     stack: list[Any] = [t.grad_fn for t in pytree.tree_leaves(output) if torch.is_tensor(t) and t.grad_fn is not None]
     seen, found = set(), set()
     while stack:

@@ -189,6 +189,10 @@ class LayerWrappers:
         Outputs leave in the dtype their caller computes in (`_caller_dtypes`)."""
         module, fmt, device_type, threads, products, fqn = layer.module, layer.format, self.device_type, self.threads, self.products, layer.fqn
         had_own, previous = displaced(module)
+
+        def own(*a, **k):  # the module's own forward on this module, as `rerun_in_fp32` runs it
+            return _own_forward(module, had_own, previous, module, a, k)
+
         direct_linear = layer.low_precision and not mode
         half_stored = layer.stored_dtype  # what the rest of a model loaded in BF16 expects between layers
         to_caller = self._caller_dtypes(layer, parent_format)
@@ -234,8 +238,7 @@ class LayerWrappers:
                     with scope:
                         out = _own_forward(module, had_own, previous, module, args, kwargs)
                 except RuntimeError as error:
-                    return wrappers.rerun_in_fp32(error, layer, state, lambda *a, **k: _own_forward(module, had_own, previous, module, a, k),
-                                                  given, caller, parent_format)
+                    return wrappers.rerun_in_fp32(error, layer, state, own, given, caller, parent_format)
                 return _leaving(out, leave_to, leaving)
             enter_mode = mode and not state.mode_active
             outer = state.stack
@@ -244,8 +247,7 @@ class LayerWrappers:
                 with scope, (wrappers.layer_mode(state) if enter_mode else contextlib.nullcontext()):
                     out = _own_forward(module, had_own, previous, module, args, kwargs)
             except RuntimeError as error:
-                return wrappers.rerun_in_fp32(error, layer, state, lambda *a, **k: _own_forward(module, had_own, previous, module, a, k),
-                                              given, caller, parent_format)
+                return wrappers.rerun_in_fp32(error, layer, state, own, given, caller, parent_format)
             finally:
                 state.stack = outer
             # Once its forward has run every product: one warning for all the ops it emulated.

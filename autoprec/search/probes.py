@@ -1,7 +1,8 @@
-"""The search's probe steps: which formats a layer may be probed in (`probe_formats`) and the
-plans of one probe cycle (`probe_plans`), a probe step's samples (`add_samples`), and the cost model of what they measured
-(`probed_cost_model`). `search.in_run.TrainingSearch` runs them on training steps; nothing
-here runs a step. Each is linear in the layers (a few dict lookups each, per format)."""
+"""The search's probe steps: which formats a layer may be probed in (`probe_formats`), the plans
+of one probe cycle (`probe_plans`), a probe step's samples (`add_samples`), and the cost model of
+what they measured (`probed_cost_model`). `search.in_run.TrainingSearch` runs them on training
+steps; nothing here runs a step. Each is linear in the layers (a few dict lookups each, per
+format)."""
 
 from __future__ import annotations
 
@@ -86,7 +87,6 @@ def probe_plans(layers: Sequence[str], roles: Mapping[str, str], blocks: Mapping
             chosen_layers[fqn] = probing(fmts[(position[fqn] + p) % len(fmts)] if fqn in position else max(fmts, key=lambda f: f.bits))
         plans.append(Plan(chosen_layers, metadata={"source": "DynamicPrecisionScheduler probe"}))
     return plans
-
 
 
 def add_samples(samples: dict[str, list[float]], rest: list[float], plan: Plan, roles: Mapping[str, str], blocks: Mapping[str, Sequence[str]],

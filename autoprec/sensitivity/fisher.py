@@ -485,7 +485,6 @@ def _estimator(estimator: "SensitivityEstimator | None") -> SensitivityEstimator
     return estimator
 
 
-
 def _differentiated(run: Callable[[], T]) -> T:
     """``run()``, a forward and backward of the model. A model that writes in place a tensor its
     forward saved (RWKV's recurrent state, whose cache eval mode turns on) fails the backward's
@@ -498,6 +497,7 @@ def _differentiated(run: Callable[[], T]) -> T:
             raise
     with torch.autograd.graph.saved_tensors_hooks(torch.clone, _unchanged):
         return run()
+
 
 def _record(problem: SensitivityProblem, model: nn.Module, sites: list[str], batch: Any, keep_graph: bool) -> tuple[CallRecorder, int]:
     recorder = CallRecorder(model, sites)
