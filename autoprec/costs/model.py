@@ -30,11 +30,12 @@ import dataclasses
 import logging
 import os
 import warnings
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Generator, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
+from .._generators import Pace, at_once
 from ..blocks import layers_of_blocks
 from ..device import format_support
 from ..errors import CostModelError
@@ -328,7 +329,7 @@ class CostModel:
         return costs
 
     def region_bytes_steps(self, model: nn.Module, example_inputs: Any, loss_fn: Optional[Callable] = None,
-                           roles: "Mapping[str, str] | None" = None) -> Iterator[str]:
+                           roles: "Mapping[str, str] | None" = None, pace: "Pace | None" = None) -> Iterator[str]:
         """Bytes that depend on a layer's neighbours, measured: what ops outside layers save in a
         lowered region (activations between layers 2 bytes wide: a uniform BF16, else FP16,
         plan), and per layer the extra that keeping it FP32 inside that region costs (its FP32
@@ -345,6 +346,8 @@ class CostModel:
             loss_fn: the loss it was built with (None: the mean of the floating outputs).
             roles: fqn -> its role (`trace_roles`): a layer takes the figure of the first layer
                 of its role; None: each layer measured.
+            pace: runs each forward, in parts (`search.paced`: its labels yielded between
+                them); None: each at once.
 
         Yields:
             ``"region"`` after the region's forward, then each layer's fqn once measured.
@@ -355,10 +358,10 @@ class CostModel:
         layers = list(self.trace.layers)
         low = Plan({fqn: LayerPrecision(fmt) for fqn in layers})
 
-        def saved(plan: Plan) -> tuple[dict[str, int], int]:
-            return self._saved_by_layer(model, example_inputs, loss_fn, plan)
+        def saved(plan: Plan) -> Generator[str, None, tuple[dict[str, int], int]]:
+            return (pace or at_once)(lambda: self._saved_by_layer(model, example_inputs, loss_fn, plan))
 
-        per_low, rest_low = saved(low)
+        per_low, rest_low = yield from saved(low)
         self.rest_saved_bytes = (self.trace.rest_saved_bytes, rest_low)
         total_low = sum(per_low.values()) + rest_low
         yield "region"
@@ -368,7 +371,7 @@ class CostModel:
             if role is not None and role in by_role:
                 self.fp32_in_region_bytes[fqn] = by_role[role]
                 continue
-            per, rest = saved(low.with_layers({fqn: Format.FP32}))
+            per, rest = yield from saved(low.with_layers({fqn: Format.FP32}))
             modelled = _saved(layer_memory(self._layer(fqn), LayerPrecision(Format.FP32), self.device)) - _saved(
                 layer_memory(self._layer(fqn), LayerPrecision(fmt), self.device))
             self.fp32_in_region_bytes[fqn] = max(0, sum(per.values()) + rest - total_low - modelled)
@@ -391,12 +394,9 @@ class CostModel:
             warnings.simplefilter("ignore", EmulationWarning)
             return saved_bytes_by_layer(model, example_inputs, list(self.trace.layers), lambda: runtime, loss_fn)
 
-    def _uniform_saved(self, model, example_inputs, loss_fn, plan: Plan) -> int:
-        per, rest = self._saved_by_layer(model, example_inputs, loss_fn, plan)
-        return sum(per.values()) + rest
-
     def block_bytes_steps(self, model: nn.Module, example_inputs: Any, loss_fn: Optional[Callable],
-                          blocks: Mapping[str, Sequence[str]], roles: "Mapping[str, str] | None" = None) -> Iterator[str]:
+                          blocks: Mapping[str, Sequence[str]], roles: "Mapping[str, str] | None" = None,
+                          pace: "Pace | None" = None) -> Iterator[str]:
         """Measure what recomputing each of ``blocks`` (fqn -> its traced layers) frees, into
         `blocks` (`BlockCost`): per region (the FP32 plan, the uniform plan in
         `region_format`) one forward as it is and one per block recomputed, autograd on and no
@@ -413,6 +413,7 @@ class CostModel:
             loss_fn: the loss it was built with (None: the mean of the floating outputs).
             blocks: block fqn -> the traced layers it holds.
             roles: fqn -> its role (`trace_roles`); None: each block measured.
+            pace: as `region_bytes_steps`'.
 
         Yields:
             ``"block forward"`` after each forward, and each block's fqn once costed.
@@ -423,6 +424,11 @@ class CostModel:
         modules = dict(model.named_modules())
         bases: dict[Format, int] = {}
         by_kind: dict[Any, tuple[int, int]] = {}
+
+        def saved(plan: Plan) -> Generator[str, None, int]:
+            per, rest = yield from (pace or at_once)(lambda: self._saved_by_layer(model, example_inputs, loss_fn, plan))
+            return sum(per.values()) + rest
+
         for fqn, layers in blocks.items():
             kind = (type(modules[fqn]).__name__, tuple(roles.get(layer) for layer in layers)) if roles is not None else fqn
             if kind not in by_kind:
@@ -430,9 +436,9 @@ class CostModel:
                 for fmt in regions:
                     plan = self.uniform_plan(fmt)
                     if fmt not in bases:
-                        bases[fmt] = self._uniform_saved(model, example_inputs, loss_fn, plan)
+                        bases[fmt] = yield from saved(plan)
                         yield "block forward"
-                    freed.append(bases[fmt] - self._uniform_saved(model, example_inputs, loss_fn, plan.with_recompute([fqn])))
+                    freed.append(bases[fmt] - (yield from saved(plan.with_recompute([fqn]))))
                     yield "block forward"
                 by_kind[kind] = (freed[0], freed[-1])  # a device without a half format: the FP32 figure for both
             pair = by_kind[kind]

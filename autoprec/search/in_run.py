@@ -9,7 +9,7 @@ is held for long, and most of the work trains the model:
   the role, and later searches on this device (`known`).
 - **Off-path units** on a snapshot of the weights, in slices after the training steps but the
   probe steps (`work`: a unit, at most one forward + backward, starts when its weight fits): the
-  trace, the region bytes (one forward per role), the sensitivity estimate on the last captured
+  trace, the region and block bytes (forwards run in parts, `paced`), the sensitivity estimate on the last captured
   batch (`pipeline.search_estimator`, Adam's v from the training optimizer when it has one), then
   the exact solve (on a thread, beside ``SOLVE_STEPS`` training steps). A slice is counted, not
   timed: each unit weighs the model passes it runs (`unit_weight`), so the steps each unit runs
@@ -62,6 +62,7 @@ from ..runtime import EmulationWarning, apply_plan
 from ..sensitivity import sensitivity_steps
 from .background import BackgroundCall
 from .noise import unseparated
+from .paced import Pacer
 from .pipeline import propose_from, search_estimator, space_steps, uniform_reference
 from .planner import floor_settings
 from .memory_margin import MEMORY_ROUNDS, MemoryMargin
@@ -75,9 +76,7 @@ from .units import unit_weight, weighted
 __all__ = ["TrainingSearch", "probe_formats", "MEMORY_ROUNDS", "PROBE_ROUNDS", "PROBED_PER_ROLE"]
 
 CANDIDATES = 2  # plans tried on training steps: the optimum (to exact.MIP_GAP) and the next best
-# Training steps the integer programs run beside before the search takes their plans (waiting for
-# what is left of them then): inside one step they took 11x it on issue 57's 32-block Llama.
-SOLVE_STEPS = 8
+SOLVE_STEPS = 8  # steps the integer programs run beside (inside one, 11x it at 32 blocks), then taken
 class TrainingSearch:
     """One search of the scheduler (module docstring). The scheduler asks `step_runtime` before
     each training step (None: the step runs the safe precision), reports each step with
@@ -436,14 +435,14 @@ class TrainingSearch:
         if snapshot is None:
             raise RuntimeStateError("TrainingSearch: off-path work without a snapshot (made with lead=False)")
         n = len(self.layers)
-        trace = trace_model(snapshot, self.example, None, layers=self.layers)
-        yield "trace", unit_weight("trace", n)
+        pace = Pacer(snapshot, self.layers)  # each whole-model forward in parts, each its share of the forward's weight
+        trace = yield from pace.units(lambda: trace_model(snapshot, self.example, None, layers=self.layers), "trace", unit_weight("trace", n))
         yield from (("device peaks", unit_weight("peak", n)) for _ in calibration_steps(next(snapshot.parameters()).device))  # a CPU's, once
         costs = CostModel(trace, RooflineTimeModel(), formats=[Format.FP32])
-        yield from (("region bytes", unit_weight("region bytes", n)) for _ in costs.region_bytes_steps(snapshot, self.example, None, roles=self.roles))
-        yield from (("block bytes", unit_weight(label if label == "block forward" else "block", n))
-                    for label in costs.block_bytes_steps(snapshot, self.example, None, self.blocks, roles=self.roles))
-        sensitivity = yield from self._sensitivity(snapshot, [f for f in self.formats if f is not Format.FP32])
+        yield from (("region bytes", pace.part * unit_weight("region bytes", n)) for _ in costs.region_bytes_steps(snapshot, self.example, None, roles=self.roles, pace=pace))
+        yield from (("block bytes", pace.part * unit_weight("block forward", n) if label in ("block forward", "part") else 0.0)
+                    for label in costs.block_bytes_steps(snapshot, self.example, None, self.blocks, roles=self.roles, pace=pace))
+        sensitivity = yield from self._sensitivity(snapshot, [f for f in self.formats if f is not Format.FP32], pace)
         for p in snapshot.parameters():
             p.grad = None
         while self.steps < self.probe_steps:
@@ -536,7 +535,7 @@ class TrainingSearch:
         o = 0 if is_sharded(self.model) else self._outside_bytes
         return budgets.memory_bytes(fp32_bytes + o) - o
 
-    def _sensitivity(self, snapshot: nn.Module, lowered: Sequence[Format]) -> Generator[tuple[str, float], None, Any]:
+    def _sensitivity(self, snapshot: nn.Module, lowered: Sequence[Format], pace: Pacer) -> Generator[tuple[str, float], None, Any]:
         if not lowered:
             from ..sensitivity import Sensitivity
 
@@ -546,8 +545,8 @@ class TrainingSearch:
         candidates = [precisions.get(f, LayerPrecision(f)) for f in lowered]
         steps = sensitivity_steps(snapshot, self.batches[-1:], self.loss_fn, candidates, layers=self.layers, example_inputs=self.example,
                                   estimator=search_estimator(self.config.lr),
-                                  traced=self.fingerprint, second_moment=self._second_moment)
-        return (yield from weighted(steps, "sensitivity", len(self.layers)))
+                                  traced=self.fingerprint, second_moment=self._second_moment, pace=pace)
+        return (yield from weighted(steps, "sensitivity", len(self.layers), paced=("recorded batch", pace.part)))
 
     # -- candidates and the result --------------------------------------------------------------
 

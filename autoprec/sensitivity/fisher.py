@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from .._generators import drain
+from .._generators import Pace, at_once, drain
 from ..coverage import LayerInfo, ModuleFilter
 from ..errors import SensitivityError
 from ..formats import Format
@@ -238,7 +238,8 @@ class FisherEstimator(SensitivityEstimator):
                 weight = {id(p): w for p, w in zip(params, self._preconditioner(problem, named))}
                 yield "second moment"
             for batch in problem.batches:
-                recorder, n = _differentiated(lambda: _record(problem, model, list(dict.fromkeys(sites.values())), batch, grad_term and self.upstream))
+                recorder, n = yield from (problem.pace or at_once)(
+                    lambda: _differentiated(lambda: _record(problem, model, list(dict.fromkeys(sites.values())), batch, grad_term and self.upstream)))
                 yield "recorded batch"
                 references = {}
                 for fqn in problem.layers:
@@ -432,15 +433,17 @@ def sensitivity_steps(
     estimator: "SensitivityEstimator | None" = None,
     traced: "Mapping[str, LayerInfo] | None" = None,
     second_moment: "Mapping[str, torch.Tensor] | None" = None,
+    pace: "Pace | None" = None,
 ) -> Generator[str, None, Sensitivity]:
     """`estimate_sensitivity` as a generator of units (`SensitivityEstimator.estimate_steps`):
     it yields a label between units and returns the `Sensitivity`. The model is the
     estimator's until the generator ends (eval mode, single-layer runtimes installed).
     ``traced``: the model's layers as `find_layers` gave them for ``example_inputs`` (saves a
     traced forward); ``second_moment``: Adam's, per parameter name (`adam_second_moment`;
-    saves a forward + backward per batch)."""
+    saves a forward + backward per batch); ``pace``: `SensitivityProblem.pace`."""
     estimator = _estimator(estimator)
     problem = resolve_problem(model, batches, loss_fn, formats, layers, example_inputs, None, traced=traced, second_moment=second_moment)
+    problem = dataclasses.replace(problem, pace=pace)
     yield "layers"
     return (yield from estimator.estimate_steps(problem))
 

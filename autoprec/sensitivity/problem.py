@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from .._generators import Pace
 from .._tracing import module_stack
 from ..calls import ModelCall, fresh, isolated
 from ..coverage import LayerInfo, find_layers
@@ -137,6 +138,8 @@ class SensitivityProblem:
     ``base_plan.with_layers({fqn: precision})``). ``loss_terms``: see the module docstring.
     ``second_moment``: Adam's bias-corrected second moment per parameter name, from the
     optimizer that trains the model (`adam_second_moment`); None: estimated from the batches.
+    ``pace``: how a recorded batch's forward and backward run (`_generators.Pace`: in parts
+    between training steps, the scheduler's search); None: at once.
     """
 
     model: nn.Module
@@ -147,6 +150,7 @@ class SensitivityProblem:
     base_plan: Plan
     loss_terms: "int | Callable[[Any], int] | None" = None
     second_moment: "Mapping[str, torch.Tensor] | None" = None
+    pace: "Pace | None" = None
 
     def loss(self, batch) -> tuple[torch.Tensor, int]:
         """``(mean loss, N)`` for one batch; raises `SensitivityError` on a bad loss."""
