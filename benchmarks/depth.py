@@ -11,7 +11,8 @@ One thread. Per depth:
 - the slowest search step over the median plain step in wall time (the integer programs run on
   a thread beside the steps), the slowest of those that ran a probe or candidate plan (their
   formats' own cost on this device) and of the others (the safe precision and a slice of the
-  search's off-path work), and the search's extra CPU seconds (its steps' process time less
+  search's off-path work), the slowest of the former over the median planned step (the adopted
+  plan runs the same kernels), and the search's extra CPU seconds (its steps' process time less
   as many plain steps', the solving thread's included);
 - the integer program's CPU seconds (`search.exact.k_best`, all its solves, on its thread);
 - the process's RSS growth from the window's end to the step the plan is in force, and with
@@ -116,7 +117,7 @@ def one_depth(blocks: int, max_steps: int, after_steps: int = 0) -> dict:
 
     pipeline.k_best = timed_k_best
     plain_steps, plain_walls, search_steps, search_walls, step_stages = [], [], [], [], []
-    planned_at, rss_start, rss_planned, planned_steps = None, None, None, []
+    planned_at, rss_start, rss_planned, planned_steps, planned_walls = None, None, None, [], []
     try:
         for step in range(max_steps):
             g = torch.Generator().manual_seed(step)
@@ -148,6 +149,7 @@ def one_depth(blocks: int, max_steps: int, after_steps: int = 0) -> dict:
                     rss_start = rss_mib()
             if planned_at is not None:
                 planned_steps.append(seconds)
+                planned_walls.append(wall)
             if sch.phase == "planned" and planned_at is None:
                 planned_at, rss_planned = step + 1, rss_mib()
             if planned_at is not None and step + 1 >= planned_at + after_steps:
@@ -177,6 +179,10 @@ def one_depth(blocks: int, max_steps: int, after_steps: int = 0) -> dict:
         # precision and a slice of off-path work (the search's own cost).
         "slowest_offpath_step_over_plain": max((sec for sec, _, ran in step_stages if not _runs_a_plan(ran)), default=0.0) / median_plain_wall,
         "slowest_plan_step_over_plain": max((sec for sec, _, ran in step_stages if _runs_a_plan(ran)), default=0.0) / median_plain_wall,
+        # The same over the median planned step (wall): what a step running a probe or candidate
+        # plan costs beyond a step of the plan the search adopted, which runs the same kernels.
+        "slowest_plan_step_over_planned": (max((sec for sec, _, ran in step_stages if _runs_a_plan(ran)), default=0.0) / statistics.median(planned_walls)
+                                           if planned_walls else None),
     }
     if sch.plan is not None:
         row["optimality_gap"] = sch.plan.metadata.get("optimality_gap")
@@ -218,6 +224,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         slow = f"{r['slowest_offpath_step_over_plain']:.1f}x, {r['slowest_plan_step_over_plain']:.1f}x" if r["slowest_search_step_over_plain"] else "-"
+        if r.get("slowest_plan_step_over_planned"):
+            slow += f" ({r['slowest_plan_step_over_planned']:.1f}x a planned step)"
         rss = f"{r['rss_growth_mib']:.0f}" if r["rss_growth_mib"] is not None else "-"
         planned = f"{r['median_planned_step_over_plain']:.1f}" if r["median_planned_step_over_plain"] else "-"
         print(f"| {r['blocks']} | {r['planned_layers']} | {r['plan_in_force_at_step'] or 'none'} | {slow} | {r['search_extra_cpu_s']:.1f} | "
