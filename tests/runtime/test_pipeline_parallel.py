@@ -1,7 +1,8 @@
 """Plans under pipeline parallelism (issue 58): torchtitan's Llama split in stages
 (`titan_llama.pipeline_stage`) over 2 gloo CPU ranks, trained by torch.distributed.pipelining's
-GPipe and 1F1B schedules (2 stages, one per rank) and interleaved 1F1B (4 stages, two per rank,
-each with its own runtime) with the plan applied to each stage, against the same plan on the
+GPipe and 1F1B schedules (2 stages, one per rank), interleaved 1F1B and the V schedules ZBV and
+DualPipeV (4 stages, two per rank, each with its own runtime) with the plan applied to each
+stage, against the same plan on the
 unsharded model with the same micro-batches accumulated. Before: the stage's metadata inference
 on the first ``schedule.step()`` (torch 2.13: a forward on the first micro-batch or on
 uninitialised tensors, and a backward; 2.11: a forward on zeros) ran inside ``with runtime:`` and
@@ -11,6 +12,7 @@ same first step, 5.039855 against 5.040692 at the second)."""
 
 import contextlib
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -73,37 +75,46 @@ def unsharded(plan, rank, backward_in_region):
 
 
 def pipelined(plan, rank, schedule_name):
-    """The pipeline: one stage per rank (GPipe, 1F1B), or two (interleaved 1F1B: rank r holds
-    stages r and r + WORLD of 2 * WORLD), the plan applied to each stage's module, every stage's
-    runtime entered around ``schedule.step()``."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    """The pipeline: one stage per rank (GPipe, 1F1B), or two: interleaved 1F1B (rank r holds
+    stages r and r + WORLD of 2 * WORLD) or a V schedule (ZBV, DualPipeV: r and 2 * WORLD - 1 - r,
+    so the first rank holds the first and the last stage; backwards split in an input and a
+    weight pass, each running the stage's products' backward), the plan applied to each stage's
+    module, every stage's runtime entered around ``schedule.step()``."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleDualPipeV, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
 
-    interleaved = schedule_name == "interleaved"
-    total = 2 * WORLD if interleaved else WORLD
-    ids = (rank, rank + WORLD) if interleaved else (rank,)
+    looped = {"interleaved": lambda r: (r, r + WORLD), "zbv": lambda r: (r, 2 * WORLD - 1 - r), "dualpipev": lambda r: (r, 2 * WORLD - 1 - r)}
+    total = 2 * WORLD if schedule_name in looped else WORLD
+    ids = looped[schedule_name](rank) if schedule_name in looped else (rank,)
     models = [pipeline_stage(titan_llama(), i, total) for i in ids]
     runtimes = [ap.apply_plan(model, stage_plan(plan, model)) for model in models]
     stages = [PipelineStage(model, i, total, torch.device("cpu")) for model, i in zip(models, ids)]
-    if interleaved:
-        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=MICRO, loss_fn=token_loss)
+    if schedule_name in looped:
+        schedule = {"interleaved": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}[schedule_name](stages, n_microbatches=MICRO, loss_fn=token_loss)
     else:
         schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name](stages[0], n_microbatches=MICRO, loss_fn=token_loss)
+    first, last = 0 in ids, total - 1 in ids
+    from torch.distributed.pipelining import stage as stage_module
+
+    weight_passes = [0]  # the schedule's separate weight-gradient passes (`stage_backward_weight`)
+    real_weight_pass = stage_module.stage_backward_weight
+
+    def counted_weight_pass(*args, **kwargs):
+        weight_passes[0] += 1
+        return real_weight_pass(*args, **kwargs)
 
     def step(x, y):
         losses: list = []
         with contextlib.ExitStack() as active:
             for runtime in runtimes:
                 active.enter_context(runtime)
-            if rank == 0:
-                schedule.step(x)
-            else:  # the last stage is on the last rank
-                schedule.step(target=y, losses=losses)
+            active.enter_context(mock.patch.object(stage_module, "stage_backward_weight", counted_weight_pass))
+            schedule.step(*([x] if first else []), **({"target": y, "losses": losses} if last else {}))
         return [loss.detach() for loss in losses]
 
-    return trained(models, runtimes, rank, step)
+    return {**trained(models, runtimes, rank, step), "weight_passes": weight_passes[0]}
 
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zbv", "dualpipev"]
 
 
 def scenario(rank):
@@ -119,9 +130,20 @@ def results(tmp_path_factory):
     return run(scenario, tmp_path_factory.mktemp("pp"))
 
 
+def with_loss(results, schedule):
+    """The result of the rank holding the last stage (the last rank; the first under ZBV)."""
+    return results[0] if schedule in ("zbv", "dualpipev") else results[-1]
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_a_planned_pipeline_trains_as_the_unsharded_model_bit_for_bit(results, schedule):
-    last = results[-1]
+    # ZBV computes a stage's weight gradients per micro-batch in a pass of their own, after its
+    # input gradients, so the products' backward runs in both; the first stage, whose input
+    # (token ids) needs no gradient, runs its backward whole: rank 0 holds it and the last stage.
+    # DualPipeV splits fewer of them (one a stage and step here).
+    split = {"zbv": [MICRO * STEPS, 2 * MICRO * STEPS], "dualpipev": [STEPS, 2 * STEPS]}.get(schedule, [0, 0])
+    assert [result[schedule][0]["weight_passes"] for result in results] == split
+    last = with_loss(results, schedule)
     assert len(last[schedule][0]["losses"]) == STEPS * MICRO
     # Each micro-batch's loss, over 3 steps (steps 2 and 3 on the weights the pipeline updated).
     assert same(last[schedule][0]["losses"], last["ref"]["losses"]), (
@@ -137,7 +159,7 @@ def test_a_planned_pipeline_trains_as_the_readmes_loop_within_bf16_backward_roun
     # inside torch.autocast), which casts the backward products that FP32 and INT8 layers compute
     # in FP32 after the block to BF16, and changes FP8 layers' gradients too (a BF16-only plan's
     # are the same): 3.6e-4 relative at most over 3 steps.
-    last = results[-1]
+    last = with_loss(results, schedule)
     assert not same(last["ref"]["losses"], last["after"]["losses"])
     assert [float(v) for v in last[schedule][0]["losses"]] == pytest.approx([float(v) for v in last["after"]["losses"]], rel=1e-3)
 
