@@ -511,7 +511,7 @@ def fsdp_blocks_search_scenario(rank, world, tmp):
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
     sch = DynamicPrecisionScheduler(monitor_window=WINDOW, monitor_steps=2, memory_budget=0.8, accuracy_budget=0.05, search_timeout_s=30.0)
     steps, planned = [], 0
-    for step in range(100):  # the window, 6 probe steps, the off-path work after them, up to 3 rounds of candidates
+    for step in range(160):  # the window, 6 probe steps, the off-path work after them, up to 3 rounds of candidates
         x, y = token_batch(step, rank, world)
         with sch.precision_context():
             loss = nn.functional.cross_entropy(net(x).flatten(0, 1).float(), y.flatten())
