@@ -5,6 +5,8 @@ layer (a bare nn.Linear) trains like any other, its layer named by its class (is
 
 import logging
 
+import threading
+
 import pytest
 import torch
 import torch.nn as nn
@@ -198,7 +200,7 @@ def set_clocks(monkeypatch, measured, offpath):
 
 
 SEARCH_WINDOW = 6
-SEARCH_STEPS = 80  # the window, 6 probe steps, then the off-path work (device peaks, blocks' bytes too), the solve's 8 steps, 2 candidates' trial steps, planned steps
+SEARCH_STEPS = 86  # the window, 6 probe steps, then the off-path work (device peaks, blocks' bytes too), the solve's 8 steps, 2 candidates' trial steps, planned steps
 
 
 def formats(plan):
@@ -246,8 +248,10 @@ def test_the_search_trains_alike_however_slowly_its_off_path_work_runs(monkeypat
 
 # Where the checkpoint falls: between the window's summary and the search it makes at the next
 # step, in the probes' warm-up cycle (the off-path work waits for them), in their
-# timed cycle, while the integer programs run beside the steps (search steps 47-54), and in a
-# candidate's trial steps (55 on). A slower clock for every timing after the resume
+# timed cycle, between two parts of a region-bytes forward (`search.paced`: the resumed search
+# runs the units done again, at once, and the forward's next parts after the same steps), while
+# the integer programs run beside the steps (search steps 52-59), and in a candidate's trial
+# steps (60 on). A slower clock for every timing after the resume
 # where the checkpoint splits no set of timed steps; where it splits the probes' timed cycle, a
 # slower clock for the off-path work alone (probes timed slower on a slower machine may choose
 # another plan: a measurement, not the slices).
@@ -262,9 +266,9 @@ def stage_of(search):
 
 
 @pytest.mark.parametrize("stop, every_clock, stage", [(SEARCH_WINDOW, True, "due"), (SEARCH_WINDOW + 1, True, "probing"),
-                                                      (SEARCH_WINDOW + 4, False, "probing"), (SEARCH_WINDOW + 49, True, "solving"),
-                                                      (SEARCH_WINDOW + 57, True, "trying")],
-                         ids=["search-due", "probes-warm-up", "second-probe-cycle", "solving", "trying-candidates"])
+                                                      (SEARCH_WINDOW + 4, False, "probing"), (SEARCH_WINDOW + 19, True, "off-path"),
+                                                      (SEARCH_WINDOW + 55, True, "solving"), (SEARCH_WINDOW + 63, True, "trying")],
+                         ids=["search-due", "probes-warm-up", "second-probe-cycle", "between-forward-parts", "solving", "trying-candidates"])
 def test_a_checkpoint_mid_search_resumed_on_a_slow_clock_trains_bit_identically(monkeypatch, tmp_path, stop, every_clock, stage):
     reference, plan = straight_run(monkeypatch, 1e-3)
     set_clocks(monkeypatch, FakeTime(1e-3), FakeTime(1e-3))
@@ -272,6 +276,7 @@ def test_a_checkpoint_mid_search_resumed_on_a_slow_clock_trains_bit_identically(
     scheduler = searching_scheduler()
     lm_steps(wl, model, opt, scheduler, sampler, stop)
     assert scheduler.phase == "searching" and stage_of(scheduler._searches.search) == stage
+    assert (stage == "off-path") == any(t.name == "autoprec-paced" for t in threading.enumerate())  # a forward stopped between parts
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "scheduler": scheduler.state_dict()}, tmp_path / "ckpt.pt")
     scheduler.close()
 
