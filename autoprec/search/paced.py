@@ -1,8 +1,9 @@
 """A whole-model call run in parts between training steps: `paced`.
 
-The search's forwards off the training path (the trace, the region and block bytes, each under
-a runtime and the saved-tensor meter) are each one call of the model; no slice of off-path work
-could split one, so on issue 57's narrow Llama such a unit made its step 3.5-5x a plain one. Here
+The search's whole-model calls off the training path (the trace, the region and block bytes
+under a runtime and the saved-tensor meter, the sensitivity's recorded forward and backward) are
+each one unit; no slice of off-path work could split one, so on issue 57's narrow Llama such a
+unit made its step 3.5-5x a plain one. Here
 the call runs on a worker thread that stops at the forward pre-hook of each of a few layers
 until the next part is asked for: the parts follow the training steps like any other units,
 and the call's result is the one it returns run at once.

@@ -20,6 +20,7 @@ import torch
 import autoprec as ap
 from support.gloo_ranks import run
 from support.states import same
+from support.torch_versions import TORCH
 from support.titan_llama import mixed_plan, pipeline_stage, stage_plan, titan_llama, token_batch, token_loss
 
 WORLD = 2
@@ -114,7 +115,10 @@ def pipelined(plan, rank, schedule_name):
     return {**trained(models, runtimes, rank, step), "weight_passes": weight_passes[0]}
 
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved", "zbv", "dualpipev"]
+# Torch 2.11's V schedules fail at their first step under gloo with or without a plan, inside
+# torch's stage initialisation (`_initialize_stages`'s first batch of sends: "Pair is not
+# connected", a plain ZBV of torchtitan's Llama on 2 ranks, torch 2.11.0 CPU); 2.13 runs them.
+SCHEDULES = ["gpipe", "1f1b", "interleaved", *(["zbv", "dualpipev"] if TORCH >= (2, 13) else [])]
 
 
 def scenario(rank):
