@@ -184,3 +184,32 @@ def test_a_forward_rerun_inside_a_backward_does_not_stop_there():
 
     assert parts == len(stops) + 1  # the forward's stops only, not their re-runs
     assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+
+
+def test_the_sensitivity_estimated_with_its_recorded_batch_in_parts_equals_the_estimate_at_once():
+    from autoprec.search.pipeline import search_estimator
+    from autoprec.sensitivity import sensitivity_steps
+
+    torch.manual_seed(0)
+    model = Stack()
+    x, y = torch.randn(6, 16), torch.randint(0, 3, (6,))
+
+    def loss_fn(m, batch):
+        return nn.functional.cross_entropy(m(batch[0]), batch[1])
+
+    estimates, parts = [], []
+    for pace in (None, Pacer(model, layers_of(model))):
+        torch.manual_seed(1)
+        steps = sensitivity_steps(model, [(x, y)], loss_fn, ["bf16", "int8"], layers=layers_of(model), example_inputs=(x,),
+                                  estimator=search_estimator(1e-3), pace=pace)
+        labels = []
+        while True:
+            try:
+                labels.append(next(steps))
+            except StopIteration as done:
+                estimates.append({k: v for k, v in done.value.to_dict().items() if k != "metadata"})  # its seconds differ
+                break
+        parts.append(labels.count("part"))
+    assert parts[0] == 0 and parts[1] == len(Pacer(model, layers_of(model)).stops)
+    assert estimates[0] == estimates[1]
+    assert sum(entry["total"] for by_format in estimates[0]["layers"].values() for entry in by_format.values()) > 0
