@@ -14,7 +14,7 @@ import torch
 
 from .formats import Format
 
-__all__ = ["Support", "format_support", "has_scaled_mm", "scaled_mm_form", "block_scaled_form", "block_support", "has_int_mm", "resolve_device", "KERNEL_OPS", "MX_EMULATED"]
+__all__ = ["Support", "format_support", "has_scaled_mm", "scaled_mm_form", "block_scaled_form", "block_support", "has_int_mm", "resolve_device", "KERNEL_OPS", "MX_EMULATED", "NVFP4_EMULATED"]
 
 # Ops that a 2-D FP8 / INT8 GEMM kernel serves; every other matrix product (convolution, batched
 # matmul, attention) in an FP8 or INT8 layer is emulated: stored in the format, computed in FP32.
@@ -162,6 +162,7 @@ def block_scaled_form(device: str) -> tuple[bool, str]:
 
 # Why MXFP8 products are emulated on every device (`runtime.mx_gemm`).
 MX_EMULATED = "no MXFP8 kernel is built: torch's MX-scaled GEMM runs on sm_100 only, not checked here"
+NVFP4_EMULATED = "no NVFP4 kernel is built: torch's FP4 scaled GEMM runs on sm_100 only, not checked here"
 
 
 def block_support(fmt: Format, grad_fmt: Format, device: "torch.device | str") -> "str | None":
@@ -200,6 +201,8 @@ def format_support(fmt: Format, device: "torch.device | str | None" = None) -> S
         if not torch.amp.is_autocast_available(key.split(":")[0]):
             return Support(False, False, f"torch.autocast does not support device type {key!r}")
         return Support(True, True, f"torch.autocast({key.split(':')[0]!r}, {fmt.dtype})")
+    if fmt is Format.NVFP4:
+        return Support(True, False, NVFP4_EMULATED + "; emulated (NVFP4 storage, FP32 compute)")
     if fmt.is_fp8:
         if not hasattr(torch, "float8_e4m3fn"):
             return Support(False, False, f"torch {torch.__version__} has no float8 dtypes; upgrade to torch>=2.1")

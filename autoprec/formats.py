@@ -72,8 +72,9 @@ class FormatSpec:
     saturates: bool  # True when casting clamps to ±max instead of overflowing to inf
 
     @property
-    def bytes(self) -> int:
-        return self.bits // 8
+    def bytes(self) -> float:
+        """Bytes per element: whole for 8 bits and more, 0.5 for a 4-bit format."""
+        return self.bits // 8 if self.bits % 8 == 0 else self.bits / 8
 
 
 def _float_spec(dtype: torch.dtype, exponent_bits: int, mantissa_bits: int, needs_scale: bool, saturates: bool = False) -> FormatSpec:
@@ -101,6 +102,9 @@ class Format(str, enum.Enum):
     FP8_E4M3 = "fp8_e4m3"
     FP8_E5M2 = "fp8_e5m2"
     INT8 = "int8"
+    # E2M1 values in 16-element blocks with E4M3 block scales and an FP32 tensor scale
+    # (`runtime.nvfp4`): its scaling is part of the format.
+    NVFP4 = "nvfp4"
 
     def __str__(self) -> str:
         return self.value
@@ -143,7 +147,7 @@ class Format(str, enum.Enum):
         return self.spec.bits
 
     @property
-    def bytes(self) -> int:
+    def bytes(self) -> float:
         return self.spec.bytes
 
     @property
@@ -161,6 +165,17 @@ class Format(str, enum.Enum):
     @property
     def needs_scale(self) -> bool:
         return self.spec.needs_scale
+
+    @property
+    def scaled_floor(self) -> float:
+        """The smallest ``|x| / amax`` that stays nonzero once a scale maps a tensor's amax onto
+        the format's max: ``min_subnormal / max``; NVFP4's E4M3 block scales reach further down,
+        to (E4M3's smallest subnormal x 0.5) / (448 x 6), 3.6e-7 (`runtime.nvfp4`). What the
+        profile and the planned windows count as underflow under a current scale."""
+        if self is Format.NVFP4:
+            e4m3 = Format.FP8_E4M3
+            return (e4m3.min_subnormal * self.min_subnormal) / (e4m3.max * self.max)
+        return self.min_subnormal / self.max
 
     @property
     def is_float(self) -> bool:
@@ -186,6 +201,12 @@ _SPECS = {
     Format.INT8: FormatSpec(
         dtype=torch.int8, bits=8, exponent_bits=0, mantissa_bits=0, max=127.0,
         min_normal=1.0, min_subnormal=1.0, needs_scale=True, saturates=True,
+    ),
+    # E2M1 (OCP MX v1.0, section 5.3.3): max 6, smallest normal 1, one subnormal 0.5; stored as
+    # codes two per byte (`runtime.nvfp4`).
+    Format.NVFP4: FormatSpec(
+        dtype=torch.uint8, bits=4, exponent_bits=2, mantissa_bits=1, max=6.0,
+        min_normal=1.0, min_subnormal=0.5, needs_scale=True, saturates=True,
     ),
 }
 

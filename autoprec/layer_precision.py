@@ -131,6 +131,7 @@ _RULES: dict[type, dict[str, tuple[Any, str]]] = {
 # FP8 layers compute gradients in E5M2 (the "hybrid" recipe); INT8 layers run backward in FP32
 # (INT8 has no useful gradient format); every other format differentiates in itself.
 _DEFAULT_GRAD_FORMAT = {Format.FP8_E4M3: Format.FP8_E5M2, Format.FP8_E5M2: Format.FP8_E5M2, Format.INT8: Format.FP32}
+# NVFP4 layers run all three products in NVFP4 (NVIDIA's recipe), the gradients rounded stochastically.
 
 
 # init=False: the constructor takes format names and ``grad_format=None`` (the format's default),
@@ -139,7 +140,7 @@ _DEFAULT_GRAD_FORMAT = {Format.FP8_E4M3: Format.FP8_E5M2, Format.FP8_E5M2: Forma
 class LayerPrecision:
     """One layer's format. FP8 layers compute gradients in ``grad_format`` (E5M2 by default:
     the "hybrid" recipe, E4M3 forward and E5M2 backward; E4M3 under block scaling, DeepSeek-V3's
-    recipe); INT8 layers' is FP32."""
+    recipe); INT8 layers' is FP32; NVFP4 layers' is NVFP4 (stochastically rounded)."""
 
     format: Format
     grad_format: Format
@@ -335,8 +336,10 @@ def check_layer(where: str, lp: LayerPrecision) -> list[str]:
     """The rules between a `LayerPrecision`'s fields (its fields' own ranges are `Scaling`'s and
     `Calibration`'s), independent of any model; each problem names ``where`` (``layers['fc']``,
     ``LayerPrecision('int8')``) and the field."""
-    problems = []
     s = lp.scaling
+    if lp.format is Format.NVFP4 and s != Scaling():  # the one problem: its other scaling checks do not apply
+        return [f"{where}.scaling: nvfp4 scales itself (16-element blocks with E4M3 scales and one FP32 scale per tensor); leave scaling out"]
+    problems = []
     scaled = [f for f in (lp.format, lp.grad_format) if f.needs_scale]
     if not scaled and s != Scaling():
         problems.append(f"{where}.scaling: {lp.format.value} takes no scale, so its scaling has no effect; leave it out "

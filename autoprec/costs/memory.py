@@ -19,7 +19,10 @@ Three parts, following how the runtime runs each format (docs/runtime.md, "How e
   (`mx_gemm`): the input tiled along M and the weight tiled along N, one byte per element and one
   per 32-element tile (the weight's copy counted as a weight copy). E4M3 block scaling
   (`block_gemm`, kernel or emulated GEMMs alike): the input re-tiled along M and the weight's
-  transposed blocks, every dimension padded to 128, with their FP32 scales.
+  transposed blocks, every dimension padded to 128, with their FP32 scales. NVFP4 (`nvfp4`): the
+  input along M (its Hadamard-transformed copy) and the weight's 16x16 blocks, half a byte per
+  element with every blocked dimension padded to 16, one E4M3 byte per block and an FP32 scale
+  each; emulated ops in NVFP4 half a byte per element.
   Plus ``other``: what the layer's non-matmul ops saved in the FP32 trace (the FP32 softmax
   output of an attention layer, a mask), carried unchanged in every format.
 - **gradient buffers**: the FP32 master gradients of the layer's own parameters, the same in
@@ -44,6 +47,7 @@ from ..runtime.layers import as_gemm, kernel_reason
 from ..runtime.gemm import FP8_ALIGN, INT8_ALIGN, INT8_MIN_ROWS
 from ..runtime.block_gemm import BLOCK
 from ..runtime.mx_gemm import MX_TILE
+from ..runtime.nvfp4 import NVFP4_TILE
 from .trace import LayerTrace, MatmulCall, TensorSpec
 
 __all__ = ["MemoryCost", "call_path", "layer_memory"]
@@ -85,7 +89,8 @@ def call_path(call: MatmulCall, precision: LayerPrecision, device: "torch.device
     """How the runtime runs ``call`` in ``precision`` on ``device``, and its GEMM shape (M, K, N).
 
     ``"fp32"`` (also for ops autocast keeps in FP32), ``"autocast"``, ``"kernel"`` (``torch._scaled_mm`` / ``torch._int_mm``),
-    ``"block"`` / ``"mx"`` (`block_gemm` / `mx_gemm` products, kernel or emulated GEMMs) or ``"emulated"``; the
+    ``"block"`` / ``"mx"`` / ``"nvfp4"`` (`block_gemm` / `mx_gemm` / `nvfp4` products, kernel or
+    emulated GEMMs) or ``"emulated"``; the
     shape is given for all but the emulated and high-precision calls. Mirrors
     `runtime.products.Products.run_low_precision` (it asks the runtime's own GEMM matcher and kernel rule).
     """
@@ -107,10 +112,12 @@ def call_path(call: MatmulCall, precision: LayerPrecision, device: "torch.device
 
 
 def _tiled(precision: LayerPrecision) -> "str | None":
-    """``"block"`` or ``"mx"`` where a layer's products are tiled ones (`runtime.block_gemm`,
-    `runtime.mx_gemm`), which save their own re-tiled copies whether their GEMMs run on a kernel
-    or emulated; None otherwise (E4M3 block scaling with an E5M2 operand runs `products.emulate`)."""
+    """``"block"``, ``"mx"`` or ``"nvfp4"`` where a layer's products are tiled ones
+    (`runtime.block_gemm`, `runtime.mx_gemm`, `runtime.nvfp4`), which save their own re-tiled
+    copies whether their GEMMs run on a kernel or emulated; None otherwise (E4M3 block scaling with an E5M2 operand runs `products.emulate`)."""
     fmt, granularity = precision.format, precision.scaling.granularity
+    if fmt is Format.NVFP4:
+        return "nvfp4"
     if not fmt.is_fp8:
         return None
     if granularity is Granularity.MX:
@@ -144,11 +151,14 @@ def _call_bytes(call: MatmulCall, precision: LayerPrecision, device) -> tuple[in
         # half dtype. Saved before this call in FP32 (deduplicated there): a new half copy now.
         activations = sum(nbytes * fmt.bytes // 4 for _, nbytes in call.saved)
         activations += sum(s.numel * fmt.bytes for i, s in _saved_operands(call) if not s.weight and call.already_saved[i])
-        return weights, activations
+        return int(weights), int(activations)
     if not any(s.requires_grad for s in call.tensors):
         return 0, 0  # no autograd node, nothing saved
     if path == "emulated" or gemm is None:  # call_path gives every kernel call its shape
-        return 0, sum(s.numel * fmt.bytes for s in call.tensors if s.dtype.is_floating_point and not s.weight)
+        inputs = [s for s in call.tensors if s.dtype.is_floating_point and not s.weight]
+        if fmt is Format.NVFP4:  # as (rows, last dimension), the last padded to 16, two codes per byte
+            return 0, sum(s.numel // max(s.shape[-1], 1) * _round_up(s.shape[-1], NVFP4_TILE) // 2 if s.shape else NVFP4_TILE // 2 for s in inputs)
+        return 0, int(sum(s.numel * fmt.bytes for s in inputs))
     m, k, n = gemm
     has_weight = any(s.operand and s.weight for s in call.tensors)
     grads = [s.requires_grad for s in call.tensors if s.operand]  # (input, weight) of a linear
@@ -158,6 +168,14 @@ def _call_bytes(call: MatmulCall, precision: LayerPrecision, device) -> tuple[in
         # per element and one E8M0 byte per tile.
         x_t, w_t = (k * _round_up(cols, MX_TILE) * (1 + 1 / MX_TILE) * bool(need) for cols, need in ((m, grads[-1]), (n, grads[0])))
         return (int(w_t), int(x_t)) if has_weight else (0, int(x_t + w_t))
+    if path == "nvfp4":
+        # nvfp4.Nvfp4Linear saves the input along M (K rows, M padded to 16) and the weight in
+        # 16x16 blocks (N and K padded to 16): half a byte per element, an E4M3 byte per block,
+        # one FP32 scale per tensor.
+        k16, m16, n16 = (_round_up(v, NVFP4_TILE) for v in (k, m, n))
+        x_t = (k * m16 // 2 + k * m16 // NVFP4_TILE + _SCALE_BYTES) * bool(grads[-1])
+        w = (n16 * k16 // 2 + (n16 // NVFP4_TILE) * (k16 // NVFP4_TILE) + _SCALE_BYTES) * bool(grads[0])
+        return (w, x_t) if has_weight else (0, x_t + w)
     if path == "block":
         # block_gemm.Fp8BlockLinear saves x re-tiled along M (for the weight's gradient: (K', M'),
         # 1x128 tiles, FP32 scales) and the weight's transposed blocks ((K', N'), FP32 block grid)
@@ -171,8 +189,8 @@ def _call_bytes(call: MatmulCall, precision: LayerPrecision, device) -> tuple[in
         # scales, and the weight's cached FP8 transpose (K', N') — a fresh one when the operand is
         # no weight.
         k_pad, n_pad = _round_up(k, FP8_ALIGN), _round_up(n, FP8_ALIGN)
-        transposed = k_pad * n_pad * fmt.bytes
-        activations = m * k_pad * fmt.bytes + 2 * _SCALE_BYTES
+        transposed = k_pad * n_pad * int(fmt.bytes)
+        activations = m * k_pad * int(fmt.bytes) + 2 * _SCALE_BYTES
         return (transposed, activations) if has_weight else (0, activations + transposed)
     # gemm.Int8Linear saves the INT8 input padded to the kernel's shape (M > 16, K a multiple of 8)
     # and its scale(s); the weight it keeps is the FP32 master itself. Outlier channels, once

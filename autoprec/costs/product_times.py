@@ -359,7 +359,7 @@ def call_flops(call: MatmulCall) -> tuple[float, int]:
 # Kernels the runtime launches per call (forward + backward), counted from runtime/kernels.py:
 # three GEMMs; autocast adds a cast of each operand and of the incoming gradient; Fp8Gemm /
 # Int8Gemm add amaxes, quantizations and rescales; emulation also recomputes the forward.
-_KERNELS = {"fp32": 3, "autocast": 6, "kernel": 13, "emulated": 18}
+_KERNELS = {"fp32": 3, "autocast": 6, "kernel": 13, "emulated": 18, "nvfp4": 24}
 
 
 class RooflineTimeModel(TimeModel):

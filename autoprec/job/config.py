@@ -195,8 +195,8 @@ _SCHEMA: dict[str, dict[str, tuple[Callable, str]]] = {
         "accuracy_relative": (_bool, "true or false"),
     },
     "search": {
-        "min_precision": (_int(8), "8, 16 or 32"),
-        "max_precision": (_int(8), "8, 16 or 32"),
+        "min_precision": (_int(4), "4, 8, 16 or 32"),
+        "max_precision": (_int(4), "4, 8, 16 or 32"),
         "formats": (_format_list, f"a non-empty list of formats ({FORMATS})"),
         "scaling": (_scaling, 'a table of scaled format = "tensor", "row" or "block", e.g. {fp8_e4m3 = "block"}'),
         "storage": (_str, "a file path (.journal / .log: a journal file, else SQLite) or an Optuna storage URL"),

@@ -61,6 +61,7 @@ FORMAT_COLOURS: Mapping[Format, RGB] = types.MappingProxyType({
     Format.FP8_E4M3: OKABE_ITO["orange"],
     Format.FP8_E5M2: OKABE_ITO["vermillion"],
     Format.INT8: OKABE_ITO["reddish purple"],
+    Format.NVFP4: OKABE_ITO["yellow"],
 })
 _CHANGED = OKABE_ITO["black"]  # a changed row's cell in a diff map's "changed" column
 _RECOMPUTED = (120, 120, 120)  # a layer inside a block the plan recomputes

@@ -13,9 +13,9 @@ Underflow / overflow, per candidate format (numbers from `Format`, never hard-co
 
 - unscaled formats (FP32, BF16, FP16; scaling ``"none"``): ``|x| < fmt.min_subnormal`` underflows,
   ``|x| > fmt.max`` overflows (read from the ``absolute`` histogram);
-- scaled formats (FP8, INT8): the scale maps the reference amax onto ``fmt.max`` (margin 0), so
-  ``|x| / amax < fmt.min_subnormal / fmt.max`` underflows (flushed to zero or to the smallest
-  subnormal: no relative precision left). With ``"current"`` scaling nothing overflows by
+- scaled formats (FP8, INT8, NVFP4): the scale maps the reference amax onto ``fmt.max`` (margin
+  0), so ``|x| / amax < fmt.scaled_floor`` (``min_subnormal / max``; NVFP4's block scales reach
+  further) underflows (flushed to zero or to the smallest subnormal: no relative precision left). With ``"current"`` scaling nothing overflows by
   construction; with ``"delayed"`` scaling values above ``ref`` overflow (inf for E5M2, saturated
   for E4M3 / INT8) and are counted exactly in the subsample.
 
@@ -247,7 +247,7 @@ def format_fractions(counts: Mapping[str, BinCounts], sampled: Sequence[int], fm
 
     if not fmt.needs_scale:
         return [{"none": fractions(u, o)} for u, o in zip(frac("absolute", fmt.min_subnormal), frac("absolute", fmt.max, above=True))]
-    ratio = fmt.min_subnormal / fmt.max  # |x| / amax below this underflows once amax maps to fmt.max
+    ratio = fmt.scaled_floor  # |x| / amax below this underflows once amax maps to fmt.max
     # |x| / ref > 1: 1.0 is a bin edge, so the count is exact (see LayerProfiler._record).
     current, delayed, over = frac("current", ratio), frac("delayed", ratio), frac("delayed", 1.0, above=True)
     nothing = (0.0, 0.0, 0.0)

@@ -24,7 +24,7 @@ How it stays cheap:
 The amax is the subsample's (the tensor's own for tensors of at most ``sample`` elements, else a
 lower bound): what drift and the scales are judged by. The thresholds are `profiling.stats`'
 rule: unscaled formats overflow above ``fmt.max`` and underflow (nonzero) below
-``fmt.min_subnormal``; current scaling underflows below ``amax * min_subnormal / max`` and never
+``fmt.min_subnormal``; current scaling underflows below ``amax * fmt.scaled_floor`` and never
 overflows; delayed scaling compares with the largest finite amax of the previous
 ``ceil(history_len / every)`` sampled steps (the training steps the runtime's history spans).
 Non-finite values count as neither; they mark the step (``nonfinite_steps``). A condition that
@@ -216,7 +216,7 @@ class PlanWatch:
                 "unscaled": torch.tensor([not r.fmt.needs_scale for r in rows], device=device),
                 "current": torch.tensor([r.scaling == "current" for r in rows], device=device),
                 # Unscaled: the format's own bounds; scaled: the ratio that maps the reference onto fmt.max.
-                "low": torch.tensor([r.fmt.min_subnormal / (r.fmt.max if r.fmt.needs_scale else 1.0) for r in rows], device=device),
+                "low": torch.tensor([r.fmt.scaled_floor if r.fmt.needs_scale else r.fmt.min_subnormal for r in rows], device=device),
                 "high": torch.tensor([r.fmt.max for r in rows], device=device),
             }
             self._amax = torch.zeros(len(rows), self.slots, dtype=torch.float32, device=device)

@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 
 from ..coverage import layer_name
 from ..errors import RuntimeStateError
-from ..device import KERNEL_OPS, MX_EMULATED, block_support, canonical_device, format_support, scaled_mm_form
+from ..device import KERNEL_OPS, MX_EMULATED, NVFP4_EMULATED, block_support, canonical_device, format_support, scaled_mm_form
 from ..formats import Format, Granularity
 from ..plan import LayerPrecision, ScalingMode
 from .block_gemm import BLOCK
@@ -47,6 +47,8 @@ def kernel_reason(precision: LayerPrecision, device: "torch.device | str") -> "s
     Shapes never force emulation: operands are padded to the kernels' alignment.
     """
     fmt = precision.format
+    if fmt is Format.NVFP4:
+        return NVFP4_EMULATED
     support = format_support(fmt, device)
     if not support.kernel:
         return support.reason
@@ -199,7 +201,7 @@ class RuntimeLayer:
         self.module = module
         self.precision = precision
         self.format = precision.format
-        self.low_precision = self.format in (Format.FP8_E4M3, Format.FP8_E5M2, Format.INT8)
+        self.low_precision = self.format in (Format.FP8_E4M3, Format.FP8_E5M2, Format.INT8, Format.NVFP4)
         self.device = device
         self.kernel_reason = kernel_reason(precision, device) if self.low_precision else None
         # The half dtype its own weights are stored in (a model loaded in BF16, a LoRA's frozen
@@ -213,9 +215,11 @@ class RuntimeLayer:
                                      and precision.format is Format.FP8_E4M3 and precision.grad_format is Format.FP8_E4M3)
         # MXFP8 (`mx_gemm.Fp8MxLinear`): its three products in MX tilings, each GEMM emulated.
         self.mx = precision.scaling.granularity is Granularity.MX and self.format.is_fp8
-        # Its linear products run the kernels' tilings and scales with emulated GEMMs (block or
-        # MX), not `products.emulate`'s one rounding of the inputs.
-        self.tiled_gemms_emulated = self.block_gemms_emulated or self.mx
+        # NVFP4 (`nvfp4.Nvfp4Linear`): its three products in NVFP4's blocks, each GEMM emulated.
+        self.nvfp4 = self.format is Format.NVFP4
+        # Its linear products run the kernels' tilings and scales with emulated GEMMs (block, MX
+        # or NVFP4), not `products.emulate`'s one rounding of the inputs.
+        self.tiled_gemms_emulated = self.block_gemms_emulated or self.mx or self.nvfp4
         # The half dtypes its FP8 forward kernel writes with row-shaped scales, empty where it
         # takes 0-d ones (`row_scaled_outs`): the one setting its weights' scales and its kernel
         # calls follow.
@@ -236,7 +240,7 @@ class RuntimeLayer:
         # where the backward stays in high precision (FP32 gradients, INT8 layers).
         grad_fmt = precision.grad_format
         self.grad: "Quantizer | None" = None
-        if self.format.is_fp8 and grad_fmt.is_fp8:
+        if (self.format.is_fp8 and grad_fmt.is_fp8) or self.nvfp4:
             self.grad = quantizer(OperandRole.GRAD_OUTPUT, grad_fmt, precision.scaling)
         # Emulated products' quantizers, made here, not at the first product: built there they
         # were traced by torch.compile (a Scaling's field checks), three graph breaks (torch 2.11).

@@ -25,6 +25,7 @@ from ..coverage import MATMUL_OPS
 from ..formats import Format, Granularity
 from .block_gemm import Fp8BlockLinear, Fp8BlockSpec
 from .mx_gemm import Fp8MxLinear, MxSpec
+from .nvfp4 import Nvfp4Linear, Nvfp4Spec
 from .calibration import Int8Calibrator
 from .casts import call_casts, describe
 from .emulation import StoredInFormat
@@ -108,6 +109,8 @@ class Products:
 
     @staticmethod
     def kernel_name(layer: RuntimeLayer) -> str:
+        if layer.nvfp4:
+            return f"emulated ({layer.kernel_reason}): NVFP4 operands (1x16 blocks along K, 16x16 weight blocks, E4M3 and FP32 scales), FP32 GEMMs"
         if layer.mx:
             return f"emulated ({layer.kernel_reason}): MXFP8 operands (1x32 tiles along K, power-of-two scales), FP32 GEMMs"
         if layer.block_gemms_emulated:
@@ -135,8 +138,11 @@ class Products:
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         n, k = weight.shape
         out_dtype = self.out_dtype(x)
-        if layer.mx:  # quantizes its weight itself, along K and along N: no kept copy
-            out = Fp8MxLinear.apply(x2, weight, bias, MxSpec(out_dtype, layer.precision.scaling.margin, layer.precision.grad_format))
+        if layer.mx or layer.nvfp4:  # quantize their weights themselves: no kept copy
+            if layer.nvfp4:
+                out = Nvfp4Linear.apply(x2, weight, bias, Nvfp4Spec(out_dtype))
+            else:
+                out = Fp8MxLinear.apply(x2, weight, bias, MxSpec(out_dtype, layer.precision.scaling.margin, layer.precision.grad_format))
             return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         key = weight_key or self.param_names.get(id(weight), "weight")
@@ -260,8 +266,8 @@ class Products:
     def emulate(self, layer: RuntimeLayer, op: str, func, args, kwargs, reason: "str | None" = None):
         """Run the op in FP32 on inputs rounded to the layer's format, saving them in that format."""
         reason = reason or layer.kernel_reason
-        granularity = layer.precision.scaling.granularity
-        layer.note(op, f"emulated ({reason}): {layer.format.value} storage, FP32 compute, current {granularity.value} scaling")
+        scaled = "NVFP4 blocks" if layer.nvfp4 else f"current {layer.precision.scaling.granularity.value} scaling"
+        layer.note(op, f"emulated ({reason}): {layer.format.value} storage, FP32 compute, {scaled}")
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensor_at = [i for i, v in enumerate(leaves) if torch.is_tensor(v)]
         tensors = [leaves[i] for i in tensor_at]

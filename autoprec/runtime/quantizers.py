@@ -17,6 +17,9 @@ Transformer Engine's ``Float8CurrentScalingQuantizer`` / ``Float8Quantizer`` /
   a weight (DeepSeek-V3; the kernels' layout is `block_gemm`'s).
 - `MxQuantizer`: one power-of-two scale per 32 elements (MXFP8; emulated ops only: a linear
   layer's MX products are `mx_gemm`'s).
+- `Nvfp4Quantizer`: NVFP4's E4M3 scale per 16 elements (16x16 for a weight) under one FP32 scale
+  per tensor, gradients rounded stochastically (emulated ops only: a linear layer's NVFP4
+  products are `nvfp4`'s).
 
 INT8 kernel inputs per tensor use `Int8Calibrator` instead. A weight is quantized on every forward
 (`Quantizer.get`): it can change without a sign a cache could key on (``.data`` writes, FSDP2's
@@ -33,6 +36,7 @@ data's device (moved on first use, any map_location).
 from __future__ import annotations
 
 import enum
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,6 +46,7 @@ from ..plan import Reduction, Scaling, ScalingMode
 from .block_gemm import block_cast
 from .fsdp_fp8 import GatheredFp8
 from .gemm import pad_to_multiple
+from .nvfp4 import NVFP4_TILE, block_scales, decode_scales, decoded, encoded, padded
 from .tensor_parallel import amax_over
 
 if TYPE_CHECKING:
@@ -49,7 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OperandRole", "QuantizedOperand", "Quantizer", "TensorCurrentQuantizer", "TensorDelayedQuantizer", "RowQuantizer", "BlockQuantizer",
-    "MxQuantizer", "quantizer",
+    "MxQuantizer", "Nvfp4Quantizer", "quantizer",
 ]
 
 
@@ -455,6 +460,36 @@ class MxQuantizer(Quantizer):
         return super().quantize(x.reshape(1, -1) if x.dim() < 2 else x, inv)
 
 
+class Nvfp4Quantizer(Quantizer):
+    """NVFP4 (`nvfp4`): an E4M3 decode scale per 16 elements of x's last dimension (per 16x16
+    block of a weight) under one FP32 scale per tensor, the values in E2M1, two per byte; an
+    output gradient rounded stochastically (NVIDIA's recipe). Emulation only: a linear layer's
+    NVFP4 products are `nvfp4.Nvfp4Linear`'s. `inverse_scale` gives each 1x16 block's FP32
+    decode scale, which `quantize` and `dequantize` take (the arithmetic of `nvfp4.nvfp4_cast`).
+    One amax per tensor and per block, a few elementwise passes, a pack."""
+
+    block = (1, NVFP4_TILE)
+
+    def inverse_scale(self, x: torch.Tensor, record: bool = False) -> torch.Tensor:
+        xp = padded(_nvfp4_2d(x), self.role is OperandRole.WEIGHT)
+        scales, global_decode = block_scales(xp, self.role is OperandRole.WEIGHT)
+        return decode_scales(scales, global_decode, xp.shape[0])
+
+    def quantize(self, x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+        xp = padded(_nvfp4_2d(x), self.role is OperandRole.WEIGHT)
+        return encoded(xp, inv, stochastic=self.role is OperandRole.GRAD_OUTPUT)
+
+    def dequantize(self, q: torch.Tensor, inv: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        cols = shape[-1] if len(shape) >= 2 else math.prod(shape)
+        rows = math.prod(shape) // cols if cols else 0
+        return decoded(q, inv)[:rows, :cols].reshape(shape)
+
+
+def _nvfp4_2d(x: torch.Tensor) -> torch.Tensor:
+    """x as (rows, last dim); a tensor of rank < 2 as one row."""
+    return _as_2d(x.reshape(1, -1) if x.dim() < 2 else x)
+
+
 def quantizer(role: OperandRole, fmt: Format, scaling: Scaling, align: int = 1, row_scaled: bool = False) -> Quantizer:
     """The quantizer of one operand ``role`` in ``fmt`` under a layer's ``scaling``: the class by
     strategy (module docstring), the margin only for FP8 inputs (weights and gradients take the
@@ -473,6 +508,8 @@ def quantizer(role: OperandRole, fmt: Format, scaling: Scaling, align: int = 1, 
         A new `Quantizer` (its state, if any, empty).
     """
     margin = scaling.margin if role is OperandRole.INPUT and fmt.is_fp8 else 0
+    if fmt is Format.NVFP4:
+        return Nvfp4Quantizer(role, fmt)
     if scaling.granularity is Granularity.BLOCK:
         return BlockQuantizer(role, fmt, margin, align)
     if scaling.granularity is Granularity.MX:

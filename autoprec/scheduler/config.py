@@ -59,7 +59,7 @@ class Thresholds:
 class SchedulerConfig:
     """What a `DynamicPrecisionScheduler` does; its keyword arguments build one.
 
-    ``min_precision`` / ``max_precision``: bits (8, 16, 32) of the formats a layer may take.
+    ``min_precision`` / ``max_precision``: bits (4, 8, 16, 32) of the formats a layer may take.
     ``monitor_window``: optimizer steps per window. ``memory_budget``: a fraction of the FP32
     bytes (a float in (0, 1]) or bytes (an int, or a size string such as ``"6GiB"``); ``accuracy_budget``: the allowed loss increase, relative to the first
     window's mean training loss (or absolute with ``accuracy_relative=False``); None leaves a
@@ -141,8 +141,8 @@ class SchedulerConfig:
             "monitor_window": (integer(1), "a positive integer"),
             "monitor_steps": (integer(1), "a positive integer"),
             "sample_every": (integer(1), "a positive integer"),
-            "min_precision": (integer(), "8, 16 or 32 (bits)"),
-            "max_precision": (integer(), "8, 16 or 32 (bits)"),
+            "min_precision": (integer(), "4, 8, 16 or 32 (bits)"),
+            "max_precision": (integer(), "4, 8, 16 or 32 (bits)"),
             "max_grad_norm": (optional(number(above=0)), "a finite number > 0 or None"),
             "accuracy_budget": (optional(number(0)), "a finite loss increase >= 0, or None"),
             "lr": (number(above=0), "the finite learning rate > 0"),

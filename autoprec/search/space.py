@@ -35,10 +35,10 @@ DEFAULT_CANDIDATES = (Format.FP32, Format.BF16, Format.FP16, Format.FP8_E4M3, Fo
 
 
 def formats_for_precision(min_precision: int, max_precision: int, candidates: Iterable[Format] = DEFAULT_CANDIDATES) -> tuple[Format, ...]:
-    """Candidates whose width in bits lies in ``[min_precision, max_precision]`` (8, 16 or 32)."""
+    """Candidates whose width in bits lies in ``[min_precision, max_precision]`` (4, 8, 16 or 32)."""
     for name, value in (("min_precision", min_precision), ("max_precision", max_precision)):
-        if value not in (8, 16, 32):
-            raise SearchError(f"{name} must be 8, 16 or 32 (bits), got {value!r}")
+        if value not in (4, 8, 16, 32):
+            raise SearchError(f"{name} must be 4, 8, 16 or 32 (bits), got {value!r}")
     if min_precision > max_precision:
         raise SearchError(f"min_precision {min_precision} is above max_precision {max_precision}; swap them")
     return tuple(f for f in candidates if min_precision <= f.bits <= max_precision)

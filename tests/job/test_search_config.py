@@ -78,7 +78,7 @@ def test_good_job_loads_with_paths_resolved_against_the_file(tmp_path):
         ("memory = 0.5", "memory = true", "[budgets].memory: expected"),
         ('"bf16", "fp8_e4m3"', '"bf16", "fp9"', "[search].formats: unknown format 'fp9'"),
         ('"lm_head" = "bf16"', '"lm_head" = "bf17"', "[rules].pin: unknown format 'bf17'"),
-        ("min_precision = 8", "min_precision = 12", "[search]: min_precision must be 8, 16 or 32"),
+        ("min_precision = 8", "min_precision = 12", "[search]: min_precision must be 4, 8, 16 or 32"),
         ("min_precision = 8\nmax_precision = 32", "min_precision = 32\nmax_precision = 16", "swap them"),
         ('factory = "autoprec.workloads:default_workload"', 'factory = "autoprec.workloads:nope"', "has no callable 'nope'"),
         ('factory = "autoprec.workloads:default_workload"', 'factory = "no_such_module_x:f"', "cannot import module 'no_such_module_x'"),

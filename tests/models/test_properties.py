@@ -48,8 +48,8 @@ def layer_precisions(draw):
     granularities = [g for g in Granularity if g is not Granularity.MX or mx]
     granularity = Granularity.TENSOR if mode is ScalingMode.DELAYED and fmt.is_fp8 else draw(st.sampled_from(granularities))
     scaling = Scaling(granularity, mode, draw(st.integers(1, MAX_HISTORY_LEN)), draw(st.sampled_from(["max", "most_recent"])), draw(st.integers(0, max_margin)))
-    if not (fmt.needs_scale or (grad is not None and grad.needs_scale)):
-        scaling = Scaling()  # a format that takes no scale holds none (`check_layer`)
+    if not (fmt.needs_scale or (grad is not None and grad.needs_scale)) or fmt is Format.NVFP4:
+        scaling = Scaling()  # a format that takes no scale holds none, NVFP4 its own (`check_layer`)
     calibration = Calibration(
         draw(st.sampled_from(list(CalibrationMethod))),
         draw(st.floats(0, 100, exclude_min=True)),

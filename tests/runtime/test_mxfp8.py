@@ -16,6 +16,7 @@ from autoprec.costs.trace import saved_bytes_by_layer, trace_model
 from autoprec.formats import Format, Granularity, mx_inverse_scale
 from autoprec.opcount import graph_breaks
 from autoprec.runtime.mx_gemm import mx_cast
+from support.models import tiny_lm_under
 
 MX = ap.LayerPrecision("fp8_e4m3", scaling=ap.Scaling(granularity="mx"))
 E4M3_MAX = 448.0
@@ -190,24 +191,12 @@ def test_a_model_trains_in_mxfp8_close_to_fp32_and_compiles_in_one_graph():
 
 def test_the_scheduler_searches_with_fp8_in_mxfp8_and_trains_under_its_plan():
     from autoprec.scheduler import DynamicPrecisionScheduler
-    from autoprec.workloads.bytelm import ByteLM, LMConfig
 
-    torch.manual_seed(0)
-    model = ByteLM(LMConfig(context=16, d_model=64, n_heads=2, n_layers=2, d_ff=128))
     # FP32 and FP8 only, no recomputation, and a memory budget only FP8 layers meet.
     scheduler = DynamicPrecisionScheduler(min_precision=8, max_precision=32, monitor_window=3, memory_budget=0.8, accuracy_budget=0.5,
                                           formats=["fp32", "fp8_e4m3"], scaling={"fp8_e4m3": "mx"}, recompute=[], measure_costs=False,
                                           search_slice=None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(5):
-        idx = torch.randint(0, 64, (8, 16), generator=g)
-        with scheduler.precision_context():
-            _, loss = model(idx, idx)
-        scheduler.backward(loss)
-        scheduler.step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-    scheduler.close()
+    loss = tiny_lm_under(scheduler, 5)
     assert scheduler.last_search_error is None and scheduler.phase == "planned"
     fp8 = [lp for lp in scheduler.plan.layers.values() if lp.format.is_fp8]
     assert fp8 and all(lp.scaling.granularity is Granularity.MX for lp in fp8)

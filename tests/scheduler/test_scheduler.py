@@ -353,8 +353,8 @@ def test_infeasible_budget_keeps_the_safe_precision_and_says_the_smallest(caplog
 def test_bad_settings_name_the_argument():
     with pytest.raises(SettingsError, match="monitor_window"):
         DynamicPrecisionScheduler(monitor_window=0)
-    with pytest.raises(SettingsError, match="8, 16 or 32"):
-        DynamicPrecisionScheduler(min_precision=4)
+    with pytest.raises(SettingsError, match="4, 8, 16 or 32"):
+        DynamicPrecisionScheduler(min_precision=12)
 
 
 def test_step_before_any_forward_is_refused():

@@ -59,8 +59,8 @@ def test_precision_bounds_select_formats_by_bits():
 
 
 def test_precision_bounds_reject_other_widths():
-    with pytest.raises(SearchError, match="8, 16 or 32"):
-        formats_for_precision(4, 32)
+    with pytest.raises(SearchError, match="4, 8, 16 or 32"):
+        formats_for_precision(12, 32)
 
 
 def test_min_above_max_precision_is_an_error():

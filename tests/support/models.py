@@ -50,3 +50,24 @@ class ViewWeight(nn.Module):
 
     def forward(self, x):
         return x @ self.weight.t()
+
+
+def tiny_lm_under(scheduler, steps: int, seed: int = 0) -> torch.Tensor:
+    """A 2-block ByteLM (context 16, width 64) trained ``steps`` steps on random bytes of a
+    64-symbol alphabet through ``scheduler``'s loop (AdamW, lr 1e-3), the scheduler closed at
+    the end; returns the last loss."""
+    from autoprec.workloads.bytelm import ByteLM, LMConfig
+
+    torch.manual_seed(seed)
+    model = ByteLM(LMConfig(context=16, d_model=64, n_heads=2, n_layers=2, d_ff=128))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        idx = torch.randint(0, 64, (8, 16), generator=g)
+        with scheduler.precision_context():
+            _, loss = model(idx, idx)
+        scheduler.backward(loss)
+        scheduler.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    scheduler.close()
+    return loss
