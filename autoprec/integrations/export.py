@@ -94,6 +94,9 @@ def torchao_export(plan: Plan) -> TorchaoExport:
             skipped[fqn] = "fp8_e5m2 forward in the plan: torchao's recipes run e4m3 forward; it stays in high precision"
         elif lp.format is Format.INT8:
             skipped[fqn] = "int8 in the plan: torchao's float8 training has no INT8 path; it stays in high precision"
+        elif lp.format is Format.NVFP4:
+            skipped[fqn] = ("nvfp4 in the plan: torchao's float8 training has no NVFP4 recipe (torchtitan converts NVFP4 layers: "
+                            "--to torchtitan); it stays in high precision")
         elif lp.format in (Format.BF16, Format.FP16):
             skipped[fqn] = f"{lp.format.value} in the plan: not float8; run it under torch.autocast({lp.format.dtype})"
         else:

@@ -25,6 +25,11 @@ export maps each layer of the plan onto those roles, as autoprec's runtime runs 
   not rounded to powers of 2, as the runtime's).
 - MXFP8 (``mx``): ``MXFP8Quantizer`` for every role, row- and column-wise (each GEMM's operands
   tiled along its contracted dimension, E8M0 scales rounded up, as `runtime.mx_gemm`).
+- NVFP4: ``NVFP4Quantizer`` per role as Transformer Engine's ``NVFP4BlockScaling`` recipe makes
+  them, which is what `runtime.nvfp4` computes: the input with the Hadamard transform on its
+  column-wise copy (the weight gradient's), the weight in 16x16 blocks, the output gradient
+  transformed column-wise and stochastically rounded. TE's transform takes its own fixed signs
+  (NOTES): the weight gradient's rounding differs, its expectation does not.
 - Delayed scaling: ``DelayedScalingRequest`` for the input and weight with the plan's history,
   reduction and margin; the output gradient scaled currently (the runtime's gradients always are).
 - Row-wise scaling: TE 2.20 has no per-row FP8 quantizer; per-tensor current scaling runs (NOTES).
@@ -63,6 +68,7 @@ _DTYPES = {Format.FP8_E4M3: "e4m3", Format.FP8_E5M2: "e5m2"}
 #   ("current", dtype)                             Float8CurrentScalingQuantizer, dtype "e4m3" / "e5m2"
 #   ("block", dtype, dims)                         Float8BlockQuantizer, dims 1 (1x128) or 2 (128x128)
 #   ("mx", dtype)                                  MXFP8Quantizer: 1x32 tiles, E8M0 scales, both directions
+#   ("nvfp4", hadamard, blocks_2d, stochastic)     NVFP4Quantizer: 16-element blocks, E4M3 and FP32 scales
 #   ("delayed", fp8_format, margin, history, algo) DelayedScalingRequest
 #   ("hybrid", rowwise spec, columnwise spec, columnwise_source)  HybridQuantizer
 
@@ -113,7 +119,7 @@ def transformer_engine_export(plan: Plan) -> TransformerEngineExport:
 
 def _high_precision_reason(lp, info) -> "str | None":
     """Why TE runs a planned layer unquantized, or None where it quantizes it."""
-    if lp.format.is_fp8:
+    if lp.format.is_fp8 or lp.format is Format.NVFP4:
         return float8_linear_problem(lp, info, "Transformer Engine's recipe quantizes te.Linear roles only")
     if lp.format is Format.INT8:
         return "int8 in the plan: Transformer Engine has no INT8 GEMM; it stays in high precision"
@@ -124,8 +130,14 @@ def _high_precision_reason(lp, info) -> "str | None":
 
 
 def _specs(lp) -> tuple[dict[str, tuple], list[str]]:
-    """The quantizer spec per tensor role of an FP8 ``nn.Linear`` layer, and what TE runs
+    """The quantizer spec per tensor role of an FP8 or NVFP4 ``nn.Linear`` layer, and what TE runs
     differently from the plan (empty when it keeps the layer's numbers)."""
+    if lp.format is Format.NVFP4:
+        # NVFP4BlockScaling's quantizers (TE 2.20 `quantization.py`): the transform on the
+        # column-wise (weight-gradient) copies of the input and output gradient, 2-D weights.
+        specs = {"input": ("nvfp4", True, False, False), "weight": ("nvfp4", False, True, False), "grad_output": ("nvfp4", True, False, True)}
+        return specs, ["NVFP4: Transformer Engine's Hadamard transform takes its own fixed random signs, autoprec's another fixed draw, "
+                       "so the weight gradient's rounding differs (not its expectation)"]
     fwd, grad = lp.format, lp.grad_format
     granularity, mode, margin = lp.scaling.granularity, lp.scaling.mode, lp.scaling.margin
     changes = []
@@ -199,6 +211,7 @@ TE_RELEASE = {release!r}
 #   ["current", dtype]                              Float8CurrentScalingQuantizer
 #   ["block", dtype, dims]                          Float8BlockQuantizer, 1 (1x128) or 2 (128x128) dims
 #   ["mx", dtype]                                   MXFP8Quantizer (1x32 tiles, E8M0 scales), row- and column-wise
+#   ["nvfp4", hadamard, blocks_2d, stochastic]      NVFP4Quantizer (16-element blocks, E4M3 and FP32 scales)
 #   ["delayed", fp8_format, margin, history, algo]  DelayedScalingRequest
 #   ["hybrid", rowwise, columnwise, source]         HybridQuantizer
 QUANTIZERS = {quantizers}
@@ -227,6 +240,7 @@ def make_quantizer(spec):
     from transformer_engine.pytorch.tensor.hybrid_tensor import HybridQuantizer
     from transformer_engine.pytorch.tensor.identity_tensor import IdentityQuantizer
     from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
+    from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Quantizer
 
     dtypes = {{"e4m3": DType.kFloat8E4M3, "e5m2": DType.kFloat8E5M2}}
     kind, *args = spec
@@ -239,6 +253,10 @@ def make_quantizer(spec):
                                     block_scaling_dim=args[1])
     if kind == "mx":
         return MXFP8Quantizer(fp8_dtype=dtypes[args[0]], rowwise=True, columnwise=True)
+    if kind == "nvfp4":
+        hadamard, blocks_2d, stochastic = args
+        return NVFP4Quantizer(fp4_dtype=DType.kFloat4E2M1, rowwise=True, columnwise=True, with_rht=hadamard, with_post_rht_amax=hadamard,
+                              with_2d_quantization=blocks_2d, stochastic_rounding=stochastic)
     if kind == "delayed":
         fp8_format, margin, history, algo = args
         return DelayedScalingRequest(fp8_format=Format[fp8_format], margin=margin, amax_history_len=history, amax_compute_algo=algo)

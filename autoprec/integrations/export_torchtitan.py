@@ -14,12 +14,14 @@ precision), and ``filter_fqns``, modules it skips: a module is skipped when any 
   reason), grouped by torchtitan recipe: "rowwise_with_gw_hp" where the plan keeps the layer's
   gradients in FP32, "mxfp8" for MXFP8 layers (``MXFP8LinearConverter``: torchao's
   ``MXFP8Linear``, whose scales are rounded up as the runtime's; torchtitan refuses it before
-  sm_100), else "rowwise";
+  sm_100), else "rowwise"; NVFP4 ``nn.Linear`` layers with both dimensions divisible by 128 go
+  to "nvfp4" (``NVFP4LinearConverter``: torchao's NVFP4 training prototype, sm_100 and CUDA only,
+  torchtitan's ``nvfp4.py``), the others to ``NOT_CONVERTED``;
 - writes one float8 converter per recipe whose ``filter_fqns`` are every other planned layer, so
   each converts exactly its group, and checks the substring rule: a filter entry inside a
   converted layer's name would skip it (listed in ``NOTES``; rename or leave that layer out); the
-  MXFP8 converter lists the layers it converts (``fqns``, substrings too: an entry inside another
-  layer's name is listed in ``NOTES``);
+  MXFP8 and NVFP4 converters list the layers they convert (``fqns``, substrings too: an entry
+  inside another layer's name is listed in ``NOTES``);
 - says, per converted layer, what torchtitan's recipe runs differently from the plan (per-tensor
   or block scaling, E5M2 gradients, delayed scaling, a margin, a high-precision input gradient).
 
@@ -45,8 +47,14 @@ __all__ = ["TORCHTITAN_RELEASE", "TorchtitanExport", "torchtitan_export", "write
 TORCHTITAN_RELEASE = "0.3.0"
 # torchtitan 0.3.0's Float8LinearConverter recipe names (its Config's recipe_name Literal).
 RECIPES = ("rowwise", "rowwise_with_gw_hp")
-# MXFP8 layers go to torchtitan's MXFP8LinearConverter (torchao's MXFP8Linear), listed by name.
+# MXFP8 layers go to torchtitan's MXFP8LinearConverter (torchao's MXFP8Linear), NVFP4 layers to
+# its NVFP4LinearConverter; both list the layers they convert by name.
 MXFP8 = "mxfp8"
+NVFP4 = "nvfp4"
+BY_NAME = (MXFP8, NVFP4)
+# torchtitan 0.3.0's NVFP4Linear refuses a dimension not divisible by this (its `_NVFP4_BLOCK`:
+# torchao's NVFP4 kernels' tile).
+NVFP4_MULTIPLE = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +89,17 @@ def torchtitan_export(plan: Plan) -> TorchtitanExport:
             recipe = "rowwise_with_gw_hp" if high else "rowwise"
             notes.extend(f"{fqn}: {change}" for change in _changes(lp, high))
         recipes.setdefault(recipe, []).append(fqn)
+    not_converted = dict(base.not_converted)
+    for fqn, lp in plan.layers.items():
+        if lp.format is Format.NVFP4:
+            problem = _nvfp4_problem(plan.fingerprint.get(fqn))
+            if problem is not None:
+                not_converted[fqn] = problem
+                continue
+            del not_converted[fqn]
+            recipes.setdefault(NVFP4, []).append(fqn)
+            notes.append(f"{fqn}: torchao's NVFP4Linear takes its own fixed Hadamard signs and a per-rank stochastic-rounding seed, so the "
+                         "weight gradient's rounding differs from the plan's (not its expectation)")
     planned = list(plan.layers)
     filters: dict[str, tuple[str, ...]] = {}
     for recipe, fqns in recipes.items():
@@ -90,24 +109,36 @@ def torchtitan_export(plan: Plan) -> TorchtitanExport:
         # filter_fqns (the other layers) is inside the module's name; the MXFP8 converter converts
         # one when one of its fqns (its layers) is, so an entry inside another layer's name converts that one too.
         for fqn in fqns:
-            if recipe == MXFP8:
+            if recipe in BY_NAME:
                 other = next((f for f in others if fqn in f), None)
                 if other is not None:
-                    notes.append(f"{fqn}: torchtitan's MXFP8 converter converts a module when an fqns entry is a substring of its name, "
-                                 f"so {other!r} would be converted too (rename one of them, or leave it out of the plan)")
+                    notes.append(f"{fqn}: torchtitan's {recipe.upper()} converter converts a module when an fqns entry is a substring of its "
+                                 f"name, so {other!r} would be converted too (rename one of them, or leave it out of the plan)")
                 continue
             clash = next((f for f in others if f in fqn), None)
             if clash is not None:
                 notes.append(f"{fqn}: torchtitan skips a module when a filter_fqns entry is a substring of its name, and {clash!r} is: "
                              f"its {recipe} converter would skip it (rename one of them, or leave it out of the plan)")
-        if recipe != MXFP8:
+        if recipe not in BY_NAME:
             filters[recipe] = others
-    not_converted = dict(base.not_converted)
     for fqn, lp in plan.layers.items():
         if lp.format in (Format.BF16, Format.FP16, Format.FP32):  # torchao's reason says to wrap it in autocast: not how torchtitan runs
             not_converted[fqn] = (f"{lp.format.value} in the plan: not float8; torchtitan runs every unconverted layer in one dtype "
                                   "(FSDP2's parallelism.mixed_precision_param), not per layer")
     return TorchtitanExport({k: tuple(v) for k, v in recipes.items()}, filters, not_converted, tuple(notes), plan.recompute)
+
+
+def _nvfp4_problem(info) -> "str | None":
+    """Why torchtitan's NVFP4 converter cannot take an NVFP4 layer of the plan, from its
+    fingerprint, or None when it can."""
+    weight = dict(info.params).get("weight") if info is not None else None
+    if info is None or info.module != "Linear" or weight is None:
+        kind = info.module if info is not None else "unknown module"
+        return f"nvfp4 in the plan, but a {kind}, not nn.Linear: torchtitan's NVFP4 converter swaps Linear layers only; it stays in high precision"
+    if any(dim % NVFP4_MULTIPLE for dim in weight):
+        return (f"nvfp4 in the plan, but Linear({weight[1]}, {weight[0]}) has a dimension not divisible by {NVFP4_MULTIPLE} (torchtitan's "
+                "NVFP4Linear refuses it); it stays in high precision")
+    return None
 
 
 def _mx_changes(lp) -> list[str]:
@@ -157,7 +188,7 @@ TORCHTITAN_RELEASE = {release!r}
 FP8_LAYERS = {recipes}
 
 # float8 recipe -> its converter's filter_fqns: the other planned layers (torchtitan skips a
-# module when one of these is a substring of its name); "mxfp8" lists what it converts instead
+# module when one of these is a substring of its name); "mxfp8" and "nvfp4" list what they convert instead
 FILTER_FQNS = {filters}
 
 # layers that stay in high precision, and why
@@ -172,19 +203,24 @@ RECOMPUTE = {recompute}
 
 def converters(model_compile_enabled=False, emulate=False):
     """torchtitan's converter configs, one Float8LinearConverter per float8 recipe (``emulate=True``:
-    torchao's emulated float8, for a machine without float8 tensor cores, eager only), and one
-    MXFP8LinearConverter for the "mxfp8" layers (torchtitan refuses it before sm_100)."""
+    torchao's emulated float8, for a machine without float8 tensor cores, eager only), one
+    MXFP8LinearConverter for the "mxfp8" layers and one NVFP4LinearConverter for the "nvfp4" ones
+    (torchtitan refuses both before sm_100)."""
     from torchtitan.components.quantization import Float8LinearConverter
 
     made = [
         Float8LinearConverter.Config(recipe_name=recipe, filter_fqns=list(FILTER_FQNS[recipe]), emulate=emulate,
                                      model_compile_enabled=model_compile_enabled)
-        for recipe in FP8_LAYERS if recipe != "mxfp8"
+        for recipe in FP8_LAYERS if recipe not in ("mxfp8", "nvfp4")
     ]
     if "mxfp8" in FP8_LAYERS:
         from torchtitan.components.quantization import MXFP8LinearConverter
 
         made.append(MXFP8LinearConverter.Config(fqns=list(FP8_LAYERS["mxfp8"]), model_compile_enabled=model_compile_enabled))
+    if "nvfp4" in FP8_LAYERS:
+        from torchtitan.components.quantization import NVFP4LinearConverter
+
+        made.append(NVFP4LinearConverter.Config(fqns=list(FP8_LAYERS["nvfp4"]), model_compile_enabled=model_compile_enabled))
     return made
 '''
 

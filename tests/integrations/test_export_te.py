@@ -30,6 +30,7 @@ from autoprec.cli import main
 from autoprec.device import block_scaled_form
 from autoprec.formats import Granularity
 from autoprec.integrations.export_te import TE_RELEASE, transformer_engine_export
+from autoprec.runtime.nvfp4 import hadamard_blocks, nvfp4_cast
 
 
 def _te_source() -> Path:
@@ -49,6 +50,8 @@ class Net(nn.Module):
         super().__init__()
         names = ("tensor", "e4m3_grads", "high_grads", "e5m2_forward", "row", "block", "mx", "delayed", "bf16", "int8")
         self.fc = nn.ModuleDict({n: nn.Linear(128, 128) for n in names})
+        with torch.random.fork_rng():  # drawn apart: the other layers and the tests' inputs draw what they drew before it
+            self.fc["nvfp4"] = nn.Linear(128, 128)
         self.odd = nn.Linear(128, 24)
 
     def forward(self, x):
@@ -64,6 +67,7 @@ LAYERS = {
     "fc.row": LayerPrecision(Format.FP8_E4M3, scaling=Scaling(granularity=Granularity.ROW)),
     "fc.block": LayerPrecision(Format.FP8_E4M3, scaling=Scaling(granularity=Granularity.BLOCK)),
     "fc.mx": LayerPrecision(Format.FP8_E4M3, scaling=Scaling(granularity=Granularity.MX)),
+    "fc.nvfp4": LayerPrecision(Format.NVFP4),
     "fc.delayed": LayerPrecision(Format.FP8_E4M3, scaling=Scaling(mode=ScalingMode.DELAYED, history_len=8, margin=1)),
     "fc.bf16": LayerPrecision(Format.BF16),
     "fc.int8": LayerPrecision(Format.INT8),
@@ -202,6 +206,8 @@ def _operand(q, t, direction, held):
             return _operand(kw["rowwise_quantizer"], t, "row", held)
         source = t if kw["columnwise_source"] == "original" else _operand(kw["rowwise_quantizer"], t, "row", held).to(held)
         return _operand(kw["columnwise_quantizer"], source, "column", held)
+    if kind == "NVFP4Quantizer":
+        return _nvfp4(q, t, direction)
     dtype = _DTYPES[kw["fp8_dtype"].name]
     t = t.float()
     if kind == "Float8CurrentScalingQuantizer":
@@ -216,6 +222,26 @@ def _operand(q, t, direction, held):
         assert kw["rowwise"] and kw["columnwise"]
         return _mx(t, dtype) if direction == "row" else _mx(t.t(), dtype).t()
     raise AssertionError(f"no emulation of {kind}")
+
+
+def _nvfp4(q, t, direction):
+    """TE's NVFP4Quantizer as its parameters configure it: 16x16 blocks (``with_2d_quantization``,
+    the same values both ways) or 1x16 blocks along the direction's rows; the Hadamard transform
+    (``with_rht``) on the column-wise copy only, here with autoprec's signs (TE's are another
+    fixed draw); ``stochastic_rounding`` from the default generator. The cast itself is
+    autoprec's, checked against the published definition in tests/runtime/test_nvfp4.py: what is
+    tested here is the mapping of the plan onto TE's parameters."""
+    kw = q.kwargs
+    assert kw["fp4_dtype"].name == "kFloat4E2M1" and kw["rowwise"] and kw["columnwise"]
+    assert kw["with_post_rht_amax"] == kw["with_rht"]  # the amax of what is cast, as autoprec's
+    t = t.float()
+    if kw["with_2d_quantization"]:
+        return nvfp4_cast(t, square=True, stochastic=kw["stochastic_rounding"]).dequantize()[: t.shape[0], : t.shape[1]]
+    a = t if direction == "row" else t.t()
+    if direction == "column" and kw["with_rht"]:
+        a = (a.reshape(a.shape[0], -1, 16) @ hadamard_blocks(a.device)).reshape(a.shape)
+    values = nvfp4_cast(a, stochastic=kw["stochastic_rounding"]).dequantize()[: a.shape[0], : a.shape[1]]
+    return values if direction == "row" else values.t()
 
 
 def _mx(t, dtype):
@@ -288,6 +314,13 @@ def test_the_written_recipe_builds_each_layers_quantizers_with_transformer_engin
     # MXFP8: every role, both directions, E4M3 (the plan's E4M3 gradients).
     assert kinds("fc.mx") == dict.fromkeys(roles, "MXFP8Quantizer")
     assert [built["fc.mx"][r].kwargs["fp8_dtype"].name for r in roles] == ["kFloat8E4M3"] * 3
+    # NVFP4: TE's NVFP4BlockScaling roles: the transform on the input's and the gradient's
+    # column-wise copies, 16x16 weight blocks, the gradient stochastically rounded.
+    assert kinds("fc.nvfp4") == dict.fromkeys(roles, "NVFP4Quantizer")
+    nv = {r: built["fc.nvfp4"][r].kwargs for r in roles}
+    assert [(nv[r]["with_rht"], nv[r]["with_2d_quantization"], nv[r]["stochastic_rounding"]) for r in roles] == [
+        (True, False, False), (False, True, False), (True, False, True)]
+    assert any(n.startswith("fc.nvfp4: NVFP4: Transformer Engine's Hadamard transform") for n in written.NOTES)
     # Delayed scaling: the plan's history, reduction and margin; gradients scaled currently.
     delayed, scaling = built["fc.delayed"], LAYERS["fc.delayed"].scaling
     for role in ("input", "weight"):
@@ -334,7 +367,7 @@ def block_kernels() -> bool:
     return block_scaled_form("cpu")[0]
 
 
-CASES = ["fc.tensor", "fc.e4m3_grads", "fc.high_grads", "fc.e5m2_forward", "fc.block", "fc.mx"]
+CASES = ["fc.tensor", "fc.e4m3_grads", "fc.high_grads", "fc.e5m2_forward", "fc.block", "fc.mx", "fc.nvfp4"]
 
 
 @pytest.mark.parametrize("fqn", CASES)
@@ -357,9 +390,11 @@ def test_transformer_engines_linear_with_the_written_quantizers_reproduces_autop
     with runtime:
         y = single(xa)
     g = torch.randn(y.shape).to(y.dtype)
+    draws = torch.get_rng_state()  # NVFP4's stochastic rounding: both backwards draw the same numbers
     y.backward(g)
     xr, wr = x.clone().requires_grad_(), layer.weight.detach().clone().requires_grad_()
     yr = _TELinear.apply(xr, wr, quantizers, held)
+    torch.set_rng_state(draws)
     yr.backward(g.to(yr.dtype))
 
     def error(a, b):
@@ -367,11 +402,13 @@ def test_transformer_engines_linear_with_the_written_quantizers_reproduces_autop
 
     assert error(y, yr) < 1e-3, "forward"
     assert error(xa.grad, xr.grad) < 1e-5, "input gradient"
+    # NVFP4's weight gradient: TE's emulated Linear transforms and quantizes the output gradient
+    # after the input gradient's draws, as the runtime does, so the two agree as well.
     assert error(layer.weight.grad, wr.grad) < 1e-5, "weight gradient"
     # A CPU has no block-scaled kernel: the block layer's three GEMMs run emulated, with the kernels'
     # tilings; MXFP8's are emulated everywhere (no sm_100 kernel is built).
     emulated = runtime.report()["0"]["ops"]["linear"].startswith("emulated")
-    assert emulated == ((fqn == "fc.block" and not block_kernels()) or fqn == "fc.mx")
+    assert emulated == ((fqn == "fc.block" and not block_kernels()) or fqn in ("fc.mx", "fc.nvfp4"))
     # The comparison can fail: the gradient quantized in the other FP8 format misses by far more.
     if fqn in ("fc.tensor", "fc.e4m3_grads"):
         other = "kFloat8E4M3" if quantizers["grad_output"].kwargs["fp8_dtype"].name == "kFloat8E5M2" else "kFloat8E5M2"
@@ -386,7 +423,7 @@ def test_transformer_engines_linear_with_the_written_quantizers_reproduces_autop
 def test_export_of_a_plan_without_fingerprint_is_one_line_and_the_summary_counts(tmp_path, capsys):
     model, x = Net(), torch.randn(8, 128)
     export = transformer_engine_export(_plan(model, x, LAYERS))
-    assert set(export.quantized) == {f for f in LAYERS if LAYERS[f].format.is_fp8 and f != "odd"}
+    assert set(export.quantized) == {f for f in LAYERS if (LAYERS[f].format.is_fp8 or LAYERS[f].format is Format.NVFP4) and f != "odd"}
     assert export.autocast == "bfloat16"
     plan = _plan(model, x, LAYERS)
     Plan(dict(plan.layers)).save(tmp_path / "bare.json")

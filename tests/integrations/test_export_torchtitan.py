@@ -137,37 +137,45 @@ def test_a_filter_entry_inside_a_converted_layers_name_is_named_in_the_notes():
     assert any(n.startswith("w_out: torchtitan skips a module when a filter_fqns entry is a substring of its name, and 'w' is") for n in export.notes)
 
 
-def _mx_converter_fields(root: Path) -> list[str]:
-    """MXFP8LinearConverter.Config's own fields, and its conversion rule, from torchtitan's source."""
-    source = (root / "components" / "quantization" / "mx.py").read_text()
-    converter = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == "MXFP8LinearConverter")
+def _mx_converter_fields(root: Path, module: str = "mx", name: str = "MXFP8LinearConverter") -> list[str]:
+    """A by-name converter's (MXFP8's, NVFP4's) Config fields, and its conversion rule, from torchtitan's source."""
+    source = (root / "components" / "quantization" / f"{module}.py").read_text()
+    converter = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == name)
     config = next(n for n in converter.body if isinstance(n, ast.ClassDef) and n.name == "Config")
     # The rule the test applies below: a Linear config is converted when an fqns entry is a substring of its name.
     assert "any(target_fqn in fqn for target_fqn in fqns)" in source
     return [n.target.id for n in config.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)] + ["model_compile_enabled"]
 
 
+def _converted(root: Path, written, model, by_name: str, monkeypatch) -> tuple[set, set, object]:
+    """The written converters built with stand-ins of torchtitan's Config classes (their fields
+    from its source), and what each converts of ``model``'s Linear layers by torchtitan's own
+    rules: (converted by the ``by_name`` converter, by the float8 one, the by-name Config)."""
+    float8_fields, _ = _converter_config(root)
+    module, cls = {"MXFP8LinearConverter": ("mx", by_name), "NVFP4LinearConverter": ("nvfp4", by_name)}[by_name]
+    fake = types.ModuleType("torchtitan.components.quantization")
+    for name, fields in (("Float8LinearConverter", float8_fields), (by_name, _mx_converter_fields(root, module, cls))):
+        config = dataclasses.make_dataclass(f"{name}Config", [(f, object, dataclasses.field(default=None)) for f in fields], kw_only=True)
+        setattr(fake, name, types.SimpleNamespace(Config=config))
+    monkeypatch.setitem(sys.modules, "torchtitan.components.quantization", fake)
+    float8, named = written.converters(model_compile_enabled=True)
+    assert type(named).__name__ == f"{by_name}Config" and named.model_compile_enabled is True
+    module_filter_fn = _module_filter_fn(root)
+    linear = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+    by_named = {fqn for fqn in linear if any(target in fqn for target in named.fqns)}
+    by_float8 = {fqn for fqn, m in linear.items()
+                 if module_filter_fn(types.SimpleNamespace(in_features=m.in_features, out_features=m.out_features), fqn, float8.filter_fqns)}
+    return by_named, by_float8, named
+
+
 def test_mxfp8_layers_go_to_torchtitans_mxfp8_converter_by_name_and_the_float8_ones_skip_them(tmp_path, monkeypatch):
     root = _torchtitan_source()
-    float8_fields, _ = _converter_config(root)
-    mx_fields = _mx_converter_fields(root)
-    module_filter_fn = _module_filter_fn(root)
     model, x = Blocks(), torch.randn(4, 32)
     mx = LayerPrecision(Format.FP8_E4M3, scaling=Scaling(granularity=Granularity.MX))
     plan = _plan(model, x, {"layers.1.wq": mx, "layers.11.wq": mx, "layers.1.w2": LayerPrecision(Format.FP8_E4M3),
                             "layers.11.w2": LayerPrecision(Format.BF16)})
     written = _written(tmp_path, plan)
-    fake = types.ModuleType("torchtitan.components.quantization")
-    for name, fields in (("Float8LinearConverter", float8_fields), ("MXFP8LinearConverter", mx_fields)):
-        config = dataclasses.make_dataclass(f"{name}Config", [(f, object, dataclasses.field(default=None)) for f in fields], kw_only=True)
-        setattr(fake, name, types.SimpleNamespace(Config=config))
-    monkeypatch.setitem(sys.modules, "torchtitan.components.quantization", fake)
-    float8, mxfp8 = written.converters(model_compile_enabled=True)
-    assert type(mxfp8).__name__ == "MXFP8LinearConverterConfig" and mxfp8.model_compile_enabled is True
-    linear = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
-    by_mx = {fqn for fqn in linear if any(target in fqn for target in mxfp8.fqns)}
-    by_float8 = {fqn for fqn, m in linear.items()
-                 if module_filter_fn(types.SimpleNamespace(in_features=m.in_features, out_features=m.out_features), fqn, float8.filter_fqns)}
+    by_mx, by_float8, _ = _converted(root, written, model, "MXFP8LinearConverter", monkeypatch)
     assert by_mx == {"layers.1.wq", "layers.11.wq"} and by_float8 == {"layers.1.w2"}
     assert not any(n.startswith(("layers.1.wq", "layers.11.wq")) for n in written.NOTES)  # torchao's RCEIL scales: the plan's numbers
 
@@ -181,3 +189,33 @@ def test_an_mxfp8_entry_inside_another_layers_name_is_named_in_the_notes():
     assert dict(export.recipes) == {"mxfp8": ("w",)}
     assert any(n.startswith("w: torchtitan's MXFP8 converter converts a module when an fqns entry is a substring of its name, so 'w_out'")
                for n in export.notes)
+
+
+class Wide(nn.Module):
+    """Linear layers NVFP4 can take in torchtitan (dimensions divisible by 128), one it cannot."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): nn.ModuleDict({"wq": nn.Linear(128, 128), "w2": nn.Linear(128, 256)}) for i in (1, 11)})
+        self.head = nn.Linear(256, 24)
+
+    def forward(self, x):
+        for i in ("1", "11"):
+            x = self.layers[i]["w2"](torch.relu(self.layers[i]["wq"](x)))[:, :128]
+        return self.head(torch.cat([x, x], dim=1))
+
+
+def test_nvfp4_layers_go_to_torchtitans_nvfp4_converter_by_name(tmp_path, monkeypatch):
+    """The plan's NVFP4 layers (NVIDIA's "last blocks in BF16" rule, chosen per layer) go to
+    torchtitan's NVFP4LinearConverter, read by its own substring rule; a dimension not divisible
+    by 128 stays in high precision with the reason, and the float8 converter skips them all."""
+    root = _torchtitan_source()
+    assert "_NVFP4_BLOCK = 128" in (root / "components" / "quantization" / "nvfp4.py").read_text()
+    model, x = Wide(), torch.randn(4, 128)
+    nv = LayerPrecision(Format.NVFP4)
+    plan = _plan(model, x, {"layers.1.wq": nv, "layers.1.w2": nv, "layers.11.wq": LayerPrecision(Format.FP8_E4M3), "head": nv})
+    written = _written(tmp_path, plan)
+    by_nv, by_float8, _ = _converted(root, written, model, "NVFP4LinearConverter", monkeypatch)
+    assert by_nv == {"layers.1.wq", "layers.1.w2"} and by_float8 == {"layers.11.wq"}
+    assert "not divisible by 128" in written.NOT_CONVERTED["head"]
+    assert any(n.startswith("layers.1.wq: torchao's NVFP4Linear takes its own fixed Hadamard signs") for n in written.NOTES)
