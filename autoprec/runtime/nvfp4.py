@@ -38,6 +38,7 @@ copies, one uniform draw per gradient element (the default generator: a seeded r
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -59,14 +60,14 @@ def round_e2m1(v: torch.Tensor, noise: "torch.Tensor | None" = None) -> torch.Te
     """FP32 ``v`` on E2M1's grid (±0, 0.5, 1, 1.5, 2, 3, 4, 6), saturated at ±6: to nearest with
     ties to the even code without ``noise``; with ``noise`` (uniform in [0, 1), v's shape), up to
     the next level when ``noise`` is below the distance to the lower one over the gap. The grid's
-    step is 0.5 below 2, then the binade's half (``frexp`` gives it exactly), so both roundings
-    are one exact division and one round or floor. NaN stays NaN. A few elementwise ops."""
+    step is 0.5 below 2, 1 below 4, then 2, so both roundings are one exact division and one
+    round or floor (an even number of steps is an even code). NaN stays NaN. A few elementwise
+    ops."""
     a = v.abs().clamp(max=_E2M1_MAX)
-    _, exponent = torch.frexp(a)  # a = m * 2**e, m in [0.5, 1): the step is 2**(e - 2), 0.5 at least
-    step = torch.ldexp(torch.ones_like(a), (exponent - 2).clamp(min=-1))
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
     units = a / step
     if noise is None:
-        levels = torch.round(units)  # half to even: an even number of steps is an even code
+        levels = torch.round(units)  # half to even
     else:
         low = torch.floor(units)
         levels = low + (noise < units - low).to(low.dtype)
@@ -74,10 +75,11 @@ def round_e2m1(v: torch.Tensor, noise: "torch.Tensor | None" = None) -> torch.Te
 
 
 def _codes(values: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes (uint8, 0-15) of values already on the grid (a NaN takes code 15: it is rebuilt
-    from the scale, which is NaN whenever a value is)."""
-    grid = torch.tensor(_MAGNITUDES, device=values.device)
-    index = torch.bucketize(values.abs(), grid).clamp(max=7).to(torch.uint8)
+    """E2M1 codes (uint8, 0-15) of values already on the grid: the magnitude's index in
+    `_MAGNITUDES` (2q below 2, q + 2 below 4, q / 2 + 4 above), bit 3 the sign (a NaN takes
+    some code: it is rebuilt from the scale, which is NaN whenever a value is)."""
+    q = values.abs()
+    index = torch.where(q < 2, q * 2, torch.where(q < 4, q + 2, q * 0.5 + 4)).nan_to_num(0.0).to(torch.uint8)
     return index | (torch.signbit(values).to(torch.uint8) << 3)
 
 
@@ -88,9 +90,15 @@ def _pack(codes: torch.Tensor) -> torch.Tensor:
 
 def _unpack(packed: torch.Tensor) -> torch.Tensor:
     """FP32 values of (R, C/2) packed codes, (R, C)."""
-    table = torch.tensor(_MAGNITUDES + tuple(-m for m in _MAGNITUDES), device=packed.device)
+    table = _value_table(packed.device)
     codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
     return table[codes.long()]
+
+
+@functools.lru_cache(maxsize=None)
+def _value_table(device: torch.device) -> torch.Tensor:
+    """FP32 value of each code 0-15 on ``device`` (made once per device)."""
+    return torch.tensor(_MAGNITUDES + tuple(-m for m in _MAGNITUDES), device=device)
 
 
 @dataclasses.dataclass
@@ -172,9 +180,10 @@ def decoded(packed: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
 _HADAMARD_SEED = 2509_25149  # the signs are a fixed draw: the same transform in every process
 
 
+@functools.lru_cache(maxsize=None)
 def hadamard_blocks(device: torch.device) -> torch.Tensor:
     """The 16x16 random Hadamard matrix ``diag(signs) @ H16 / 4`` (Sylvester's H16, signs drawn
-    once from a fixed seed): orthogonal, so ``(a T)(b T).T == a b.T`` in exact arithmetic."""
+    once from a fixed seed): orthogonal, so ``(a T)(b T).T == a b.T`` in exact arithmetic. Made once per device."""
     h = torch.ones(1, 1)
     while h.shape[0] < NVFP4_TILE:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
