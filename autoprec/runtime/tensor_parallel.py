@@ -50,7 +50,7 @@ def sharded_reason(precision: LayerPrecision, kernel: "str | None") -> "str | No
     when it can: FP32, BF16, FP16, FP8 with per-tensor or per-row scaling and INT8 (a calibrated
     input scale or per row), on a real kernel, and E4M3 block scaling (its kernels, or their
     emulated GEMMs: `block_gemm.emulated_block_mm`), on either split. Other emulated products
-    are refused. ``kernel``: `layers.kernel_reason` of the layer on its device (None: a kernel).
+    are refused, and NVFP4. ``kernel``: `layers.kernel_reason` of the layer on its device (None: a kernel).
     The one rule behind the runtime's refusal at the first forward (`RuntimeLayer.shard_over`)
     and the search's candidates for a sharded layer (`search.tensor_parallel`). No device work.
 
@@ -58,6 +58,9 @@ def sharded_reason(precision: LayerPrecision, kernel: "str | None") -> "str | No
     rows and output gradient, 128x128 blocks of its weight), the unsharded layer's tiles wherever
     the shards split at multiples of 128 (elsewhere a shard's last tiles end at its edge)."""
     fmt = precision.format
+    if fmt is Format.NVFP4:
+        # Each shard would take its own tensor scale (the unsharded layer's is one over the whole tensor).
+        return "nvfp4 on a tensor-parallel (DTensor) weight is not supported yet"
     if fmt is not Format.INT8 and not fmt.is_fp8:
         return None
     blocks = precision.scaling.granularity is Granularity.BLOCK

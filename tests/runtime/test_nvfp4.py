@@ -300,3 +300,12 @@ def test_the_scheduler_searches_with_nvfp4_and_trains_under_its_plan():
     assert any(lp.format is Format.NVFP4 for lp in scheduler.plan.layers.values())
     assert not [c for c in scheduler.changes if "underflow" in c.reason]
     assert torch.isfinite(loss)
+
+
+def test_a_tensor_parallel_layer_refuses_nvfp4_with_the_reason():
+    """Each shard would scale by its own amax where the unsharded layer has one scale per tensor:
+    refused (at the first sharded forward, and as a candidate of the search's sharded layers)."""
+    from autoprec.runtime.tensor_parallel import sharded_reason
+
+    assert sharded_reason(NV, None) == "nvfp4 on a tensor-parallel (DTensor) weight is not supported yet"
+    assert sharded_reason(ap.LayerPrecision("bf16"), None) is None
