@@ -129,9 +129,9 @@ _RULES: dict[type, dict[str, tuple[Any, str]]] = {
 
 
 # FP8 layers compute gradients in E5M2 (the "hybrid" recipe); INT8 layers run backward in FP32
-# (INT8 has no useful gradient format); every other format differentiates in itself.
+# (INT8 has no useful gradient format); every other format differentiates in itself (NVFP4: all
+# three products in NVFP4, NVIDIA's recipe, the gradients rounded stochastically).
 _DEFAULT_GRAD_FORMAT = {Format.FP8_E4M3: Format.FP8_E5M2, Format.FP8_E5M2: Format.FP8_E5M2, Format.INT8: Format.FP32}
-# NVFP4 layers run all three products in NVFP4 (NVIDIA's recipe), the gradients rounded stochastically.
 
 
 # init=False: the constructor takes format names and ``grad_format=None`` (the format's default),

@@ -37,6 +37,7 @@ activations), and storage shared between layers (counted where it is first saved
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -90,8 +91,8 @@ def call_path(call: MatmulCall, precision: LayerPrecision, device: "torch.device
 
     ``"fp32"`` (also for ops autocast keeps in FP32), ``"autocast"``, ``"kernel"`` (``torch._scaled_mm`` / ``torch._int_mm``),
     ``"block"`` / ``"mx"`` / ``"nvfp4"`` (`block_gemm` / `mx_gemm` / `nvfp4` products, kernel or
-    emulated GEMMs) or ``"emulated"``; the
-    shape is given for all but the emulated and high-precision calls. Mirrors
+    emulated GEMMs) or ``"emulated"``; the shape is given for all but the emulated and
+    high-precision calls. Mirrors
     `runtime.products.Products.run_low_precision` (it asks the runtime's own GEMM matcher and kernel rule).
     """
     fmt = precision.format
@@ -114,7 +115,8 @@ def call_path(call: MatmulCall, precision: LayerPrecision, device: "torch.device
 def _tiled(precision: LayerPrecision) -> "str | None":
     """``"block"``, ``"mx"`` or ``"nvfp4"`` where a layer's products are tiled ones
     (`runtime.block_gemm`, `runtime.mx_gemm`, `runtime.nvfp4`), which save their own re-tiled
-    copies whether their GEMMs run on a kernel or emulated; None otherwise (E4M3 block scaling with an E5M2 operand runs `products.emulate`)."""
+    copies whether their GEMMs run on a kernel or emulated; None otherwise (E4M3 block scaling
+    with an E5M2 operand runs `products.emulate`)."""
     fmt, granularity = precision.format, precision.scaling.granularity
     if fmt is Format.NVFP4:
         return "nvfp4"
@@ -156,8 +158,8 @@ def _call_bytes(call: MatmulCall, precision: LayerPrecision, device) -> tuple[in
         return 0, 0  # no autograd node, nothing saved
     if path == "emulated" or gemm is None:  # call_path gives every kernel call its shape
         inputs = [s for s in call.tensors if s.dtype.is_floating_point and not s.weight]
-        if fmt is Format.NVFP4:  # as (rows, last dimension), the last padded to 16, two codes per byte
-            return 0, sum(s.numel // max(s.shape[-1], 1) * _round_up(s.shape[-1], NVFP4_TILE) // 2 if s.shape else NVFP4_TILE // 2 for s in inputs)
+        if fmt is Format.NVFP4:  # codes of (rows, last dimension), the last padded to 16, two per byte
+            return 0, sum(_nvfp4_codes_bytes(s.shape) for s in inputs)
         return 0, int(sum(s.numel * fmt.bytes for s in inputs))
     m, k, n = gemm
     has_weight = any(s.operand and s.weight for s in call.tensors)
@@ -198,6 +200,14 @@ def _call_bytes(call: MatmulCall, precision: LayerPrecision, device) -> tuple[in
     row = precision.scaling.granularity is Granularity.ROW
     rows = max(m, INT8_MIN_ROWS)
     return 0, rows * _round_up(k, INT8_ALIGN) + (m if row else 1) * _SCALE_BYTES
+
+
+def _nvfp4_codes_bytes(shape) -> int:
+    """Bytes of an NVFP4 round trip's saved codes (`quantizers.Nvfp4Quantizer`): the tensor as
+    (rows, last dimension), a tensor of rank < 2 as one row, the last padded to 16."""
+    cols = shape[-1] if len(shape) >= 2 else math.prod(shape)
+    rows = math.prod(shape) // cols if cols else 0
+    return rows * _round_up(cols, NVFP4_TILE) // 2
 
 
 def _round_up(value: int, multiple: int) -> int:
