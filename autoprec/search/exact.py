@@ -177,7 +177,7 @@ def _rows(space: SearchSpace, program: _Program, memory: float, loss_budget: flo
             vals += [1.0] * len(js) + [-1.0]
         equal.append(sparse.csr_array((vals, (rows, cols)), shape=(len(pairs), program.size)))
         equal_bound.append(np.zeros(len(pairs)))
-    budgets = [(program.bytes, memory - space.fixed_total.bytes), (program.loss, loss_budget - space.fixed_total.loss)]
+    budgets = [_scaled(program.bytes, memory - space.fixed_total.bytes), _scaled(program.loss, loss_budget - space.fixed_total.loss)]
     cut_rows = [_cut(program, found) for found in cuts]  # one no-good cut per plan found: it may not be chosen again
     for coefficients, bound in budgets + cut_rows:
         if np.isfinite(bound):
@@ -186,6 +186,15 @@ def _rows(space: SearchSpace, program: _Program, memory: float, loss_budget: flo
     if not upper:
         upper, upper_bound = [sparse.csr_array((1, program.size))], [np.zeros(1)]
     return _Rows(sparse.vstack(upper, format="csr"), np.concatenate(upper_bound), sparse.vstack(equal, format="csr"), np.concatenate(equal_bound))
+
+
+def _scaled(coefficients: np.ndarray, bound: float) -> tuple[np.ndarray, float]:
+    """A budget row divided by its largest magnitude (its coefficients' or its bound's). HiGHS
+    holds a row to an absolute feasibility tolerance (1e-7): a loss budget of a few 1e-6 (a small
+    model's per-token increases) would be met with plans up to a few percent over it, and the
+    least bytes within it stated too low (found with NVFP4 layers of a byte LM)."""
+    scale = max(float(np.abs(coefficients).max(initial=0.0)), abs(bound) if np.isfinite(bound) else 0.0)
+    return (coefficients / scale, bound / scale) if scale > 0 else (coefficients, bound)
 
 
 def _components(space: SearchSpace, program: _Program) -> np.ndarray:

@@ -532,3 +532,22 @@ def test_the_all_fp32_plan_ranks_among_the_k_best_by_its_time():
     # all-FP32 plan (additive 240, exactly 200) is the fourth and slowest.
     plans = k_best(_fp32_overstated_space(), memory_bytes=230.0, loss_budget=1.0, k=4)
     assert [(p.total.bytes, round(p.total.seconds, 6)) for p in plans] == [(180.0, 1.3), (210.0, 1.7), (210.0, 1.7), (200.0, 2.1)]
+
+
+def test_a_loss_budget_of_a_few_millionths_is_held_exactly():
+    """Per-token loss increases of a small model are 1e-7..1e-6 nats: the solver's budget row is
+    scaled to its own size, so the least bytes within the budget are brute force's (HiGHS holds
+    an unscaled row only to 1e-7, and stated 9 of 40 such floors too low)."""
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        table = {}
+        for i in range(8):
+            size = rng.integers(1, 50) * 1e4
+            s = rng.lognormal(-14, 1.0)
+            table[f"l{i}"] = {Format.BF16: Choice(size * 2, size * 1e-9, s * 0.05), Format.NVFP4: Choice(size * 0.56, size * 2e-9, s)}
+        space = SearchSpace(table, min_precision=4, max_precision=16)
+        budget = space.totals(space.uniform(Format.BF16)).loss * (1 + 1e-6)
+        totals = [space.totals(dict(zip(table, combo))) for combo in itertools.product([Format.BF16, Format.NVFP4], repeat=8)]
+        least = min(t.bytes for t in totals if t.loss <= budget)
+        assert exact.smallest_reachable(space, float("inf"), budget)[0] == pytest.approx(least)
+        assert solve_exact(space, least, budget).total.loss <= budget
