@@ -123,18 +123,19 @@ def autocast_dtype(plan: Plan) -> "str | None":
     return "float16" if formats & {Format.BF16, Format.FP16} == {Format.FP16} else "bfloat16"
 
 
-def float8_linear_problem(lp, info, only: str) -> "str | None":
-    """Why a float8 layer of the plan is not an ``nn.Linear`` a float8 library runs (``only``
+def float8_linear_problem(lp, info, only: str, multiple: int = _FP8_MULTIPLE, kernels: str = "float8 kernels need it") -> "str | None":
+    """Why a low-precision layer of the plan is not an ``nn.Linear`` a library runs (``only``
     says which modules it takes), from the plan's fingerprint: another module (a module's own
-    matmuls, e.g. attention products) or a dimension not divisible by 16; None when it is one."""
+    matmuls, e.g. attention products) or a dimension not divisible by ``multiple`` (16: float8
+    kernels; ``kernels`` says who needs it); None when it is one."""
     weight = dict(info.params).get("weight") if info is not None else None
     if info is None or info.module != "Linear" or weight is None:
         kind = info.module if info is not None else "unknown module"
         return f"{lp.format.value} in the plan, but a {kind} (its own {', '.join(info.ops) if info else 'ops'}), not nn.Linear: {only}; it stays in high precision"
     out_features, in_features = weight
-    if in_features % _FP8_MULTIPLE or out_features % _FP8_MULTIPLE:
-        return (f"{lp.format.value} in the plan, but Linear({in_features}, {out_features}) has a dimension not divisible by {_FP8_MULTIPLE} "
-                "(float8 kernels need it); it stays in high precision")
+    if in_features % multiple or out_features % multiple:
+        return (f"{lp.format.value} in the plan, but Linear({in_features}, {out_features}) has a dimension not divisible by {multiple} "
+                f"({kernels}); it stays in high precision")
     return None
 
 

@@ -40,7 +40,7 @@ from typing import Mapping
 
 from ..formats import Format, Granularity
 from ..plan import Plan, ScalingMode
-from .export import _literal, torchao_export, write_export
+from .export import _literal, float8_linear_problem, torchao_export, write_export
 
 __all__ = ["TORCHTITAN_RELEASE", "TorchtitanExport", "torchtitan_export", "write_torchtitan"]
 
@@ -92,7 +92,8 @@ def torchtitan_export(plan: Plan) -> TorchtitanExport:
     not_converted = dict(base.not_converted)
     for fqn, lp in plan.layers.items():
         if lp.format is Format.NVFP4:
-            problem = _nvfp4_problem(plan.fingerprint.get(fqn))
+            problem = float8_linear_problem(lp, plan.fingerprint.get(fqn), "torchtitan's NVFP4 converter swaps Linear layers only", NVFP4_MULTIPLE,
+                                            "torchtitan's NVFP4Linear refuses it")
             if problem is not None:
                 not_converted[fqn] = problem
                 continue
@@ -126,19 +127,6 @@ def torchtitan_export(plan: Plan) -> TorchtitanExport:
             not_converted[fqn] = (f"{lp.format.value} in the plan: not float8; torchtitan runs every unconverted layer in one dtype "
                                   "(FSDP2's parallelism.mixed_precision_param), not per layer")
     return TorchtitanExport({k: tuple(v) for k, v in recipes.items()}, filters, not_converted, tuple(notes), plan.recompute)
-
-
-def _nvfp4_problem(info) -> "str | None":
-    """Why torchtitan's NVFP4 converter cannot take an NVFP4 layer of the plan, from its
-    fingerprint, or None when it can."""
-    weight = dict(info.params).get("weight") if info is not None else None
-    if info is None or info.module != "Linear" or weight is None:
-        kind = info.module if info is not None else "unknown module"
-        return f"nvfp4 in the plan, but a {kind}, not nn.Linear: torchtitan's NVFP4 converter swaps Linear layers only; it stays in high precision"
-    if any(dim % NVFP4_MULTIPLE for dim in weight):
-        return (f"nvfp4 in the plan, but Linear({weight[1]}, {weight[0]}) has a dimension not divisible by {NVFP4_MULTIPLE} (torchtitan's "
-                "NVFP4Linear refuses it); it stays in high precision")
-    return None
 
 
 def _mx_changes(lp) -> list[str]:
