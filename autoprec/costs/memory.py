@@ -37,7 +37,6 @@ activations), and storage shared between layers (counted where it is first saved
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional
 
 import torch
@@ -48,7 +47,7 @@ from ..runtime.layers import as_gemm, kernel_reason
 from ..runtime.gemm import FP8_ALIGN, INT8_ALIGN, INT8_MIN_ROWS
 from ..runtime.block_gemm import BLOCK
 from ..runtime.mx_gemm import MX_TILE
-from ..runtime.nvfp4 import NVFP4_TILE
+from ..runtime.nvfp4 import NVFP4_TILE, rows_and_columns
 from .trace import LayerTrace, MatmulCall, TensorSpec
 
 __all__ = ["MemoryCost", "call_path", "layer_memory"]
@@ -203,10 +202,9 @@ def _call_bytes(call: MatmulCall, precision: LayerPrecision, device) -> tuple[in
 
 
 def _nvfp4_codes_bytes(shape) -> int:
-    """Bytes of an NVFP4 round trip's saved codes (`quantizers.Nvfp4Quantizer`): the tensor as
-    (rows, last dimension), a tensor of rank < 2 as one row, the last padded to 16."""
-    cols = shape[-1] if len(shape) >= 2 else math.prod(shape)
-    rows = math.prod(shape) // cols if cols else 0
+    """Bytes of an NVFP4 round trip's saved codes (`quantizers.Nvfp4Quantizer`): two per byte,
+    the last dimension of its 2-D view padded to 16."""
+    rows, cols = rows_and_columns(shape)
     return rows * _round_up(cols, NVFP4_TILE) // 2
 
 

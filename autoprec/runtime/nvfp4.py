@@ -39,13 +39,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
 
 from ..formats import Format
 from .gemm import pad_to_multiple
 
-__all__ = ["NVFP4_TILE", "Nvfp4Tensor", "Nvfp4Linear", "Nvfp4Spec", "round_e2m1", "nvfp4_cast", "padded", "block_scales", "decode_scales",
+__all__ = ["NVFP4_TILE", "Nvfp4Tensor", "Nvfp4Linear", "Nvfp4Spec", "round_e2m1", "nvfp4_cast", "rows_and_columns", "padded", "block_scales", "decode_scales",
            "encoded", "decoded", "hadamard_blocks"]
 
 NVFP4_TILE = 16
@@ -105,13 +106,11 @@ def _value_table(device: torch.device) -> torch.Tensor:
 class Nvfp4Tensor:
     """A 2-D tensor in NVFP4: ``packed`` (R', C'/2) uint8, the padded shape's codes two per byte;
     ``scales`` E4M3 decode scales, one per block, (R', C'/16) for 1x16 blocks or (R'/16, C'/16)
-    for 16x16 ones; ``global_decode`` FP32 ``()`` (1 / the global encode scale); ``shape`` the
-    unpadded (R, C)."""
+    for 16x16 ones; ``global_decode`` FP32 ``()`` (1 / the global encode scale)."""
 
     packed: torch.Tensor
     scales: torch.Tensor
     global_decode: torch.Tensor
-    shape: tuple[int, int]
 
     def dequantize(self) -> torch.Tensor:
         """FP32 (R', C') padded values ``e2m1 * (s * global_decode)``; its padding is zeros."""
@@ -127,7 +126,14 @@ def nvfp4_cast(x: torch.Tensor, square: bool = False, stochastic: bool = False) 
     xp = padded(x, square)
     scales, global_decode = block_scales(xp, square)
     packed = encoded(xp, decode_scales(scales, global_decode, xp.shape[0]), stochastic)
-    return Nvfp4Tensor(packed, scales, global_decode, (x.shape[0], x.shape[1]))
+    return Nvfp4Tensor(packed, scales, global_decode)
+
+
+def rows_and_columns(shape) -> tuple[int, int]:
+    """The 2-D view an NVFP4 round trip takes of a tensor of ``shape``: (rows, last dimension);
+    a tensor of rank < 2 is one row."""
+    cols = shape[-1] if len(shape) >= 2 else math.prod(shape)
+    return (math.prod(shape) // cols if cols else 0), cols
 
 
 def padded(x: torch.Tensor, square: bool = False) -> torch.Tensor:
@@ -194,7 +200,7 @@ def hadamard_blocks(device: torch.device) -> torch.Tensor:
 def _transformed(x: torch.Tensor) -> torch.Tensor:
     """(R, C) ``x`` in FP32, C padded to 16, each 16 consecutive elements of a row times
     `hadamard_blocks`: (R, C')."""
-    xp = pad_to_multiple(x.float(), 1, NVFP4_TILE)
+    xp = padded(x)
     r, c = xp.shape
     with torch.autocast(x.device.type, enabled=False):
         return (xp.reshape(r, c // NVFP4_TILE, NVFP4_TILE) @ hadamard_blocks(x.device)).reshape(r, c)
@@ -232,15 +238,15 @@ class Nvfp4Linear(torch.autograd.Function):
         # The weight gradient's input operand: x along M, transformed, from the high-precision values.
         x_t = nvfp4_cast(_transformed(x.t())) if need_w else None
         ctx.spec, ctx.x_dtype, ctx.has_bias, ctx.shapes = spec, x.dtype, bias is not None, (m, k, n)
+        ctx.kept = (need_x, x_t is not None)  # the weight's copy, the input's
         kept = [q for q in (wq if need_x else None, x_t) if q is not None]
-        ctx.kept_shapes = [q.shape if q is not None else None for q in (wq if need_x else None, x_t)]
         ctx.save_for_backward(*(t for q in kept for t in (q.packed, q.scales, q.global_decode)))
         return out.to(spec.out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         saved = iter(ctx.saved_tensors)
-        wq, x_t = (None if shape is None else Nvfp4Tensor(next(saved), next(saved), next(saved), shape) for shape in ctx.kept_shapes)
+        wq, x_t = (Nvfp4Tensor(next(saved), next(saved), next(saved)) if keep else None for keep in ctx.kept)
         m, k, n = ctx.shapes
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:

@@ -36,7 +36,6 @@ data's device (moved on first use, any map_location).
 from __future__ import annotations
 
 import enum
-import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,7 +45,7 @@ from ..plan import Reduction, Scaling, ScalingMode
 from .block_gemm import block_cast
 from .fsdp_fp8 import GatheredFp8
 from .gemm import pad_to_multiple
-from .nvfp4 import NVFP4_TILE, block_scales, decode_scales, decoded, encoded, padded
+from .nvfp4 import NVFP4_TILE, block_scales, decode_scales, decoded, encoded, padded, rows_and_columns
 from .tensor_parallel import amax_over
 
 if TYPE_CHECKING:
@@ -480,14 +479,12 @@ class Nvfp4Quantizer(Quantizer):
         return encoded(xp, inv, stochastic=self.role is OperandRole.GRAD_OUTPUT)
 
     def dequantize(self, q: torch.Tensor, inv: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        cols = shape[-1] if len(shape) >= 2 else math.prod(shape)
-        rows = math.prod(shape) // cols if cols else 0
+        rows, cols = rows_and_columns(shape)
         return decoded(q, inv)[:rows, :cols].reshape(shape)
 
 
 def _nvfp4_2d(x: torch.Tensor) -> torch.Tensor:
-    """x as (rows, last dim); a tensor of rank < 2 as one row."""
-    return _as_2d(x.reshape(1, -1) if x.dim() < 2 else x)
+    return x.reshape(rows_and_columns(x.shape))
 
 
 def quantizer(role: OperandRole, fmt: Format, scaling: Scaling, align: int = 1, row_scaled: bool = False) -> Quantizer:
