@@ -16,7 +16,7 @@ from autoprec.costs.trace import saved_bytes_by_layer, trace_model
 from autoprec.formats import Format, Granularity, mx_inverse_scale
 from autoprec.opcount import graph_breaks
 from autoprec.runtime.mx_gemm import mx_cast
-from support.models import tiny_lm_under
+from support.models import tiny_lm_under, tiny_lms_side_by_side
 
 MX = ap.LayerPrecision("fp8_e4m3", scaling=ap.Scaling(granularity="mx"))
 E4M3_MAX = 448.0
@@ -156,26 +156,7 @@ def test_the_memory_model_predicts_the_bytes_an_mxfp8_layer_saves():
 
 
 def test_a_model_trains_in_mxfp8_close_to_fp32_and_compiles_in_one_graph():
-    torch.manual_seed(0)
-    from autoprec.workloads.bytelm import ByteLM, LMConfig
-
-    config = LMConfig(context=16, d_model=64, n_heads=2, n_layers=2, d_ff=128)
-    models = [ByteLM(config) for _ in range(2)]
-    models[1].load_state_dict(models[0].state_dict())
-    plan = ap.Plan({fqn: MX for fqn in ap.Plan.uniform(models[0], "fp32").layers})
-    runtime = ap.apply_plan(models[0], plan)
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in models]
-    g = torch.Generator().manual_seed(1)
-    losses = [[], []]
-    for _ in range(30):
-        idx = torch.randint(0, 64, (8, 16), generator=g)  # a small alphabet: learnable in a few steps
-        for i, (model, opt) in enumerate(zip(models, optimizers)):
-            with runtime if i == 0 else torch.enable_grad():
-                _, loss = model(idx, idx)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses[i].append(loss.item())
+    models, (runtime, _), losses, g = tiny_lms_side_by_side([MX, None])
     mx, fp32 = (sum(v[-5:]) / 5 for v in losses)
     assert mx < losses[0][0] - 1.0  # it learns
     assert abs(mx - fp32) < 0.05 * fp32  # as FP32 does, within MXFP8's rounding

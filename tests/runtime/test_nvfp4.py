@@ -18,7 +18,7 @@ from autoprec.costs.trace import saved_bytes_by_layer, trace_model
 from autoprec.formats import Format
 from autoprec.runtime.nvfp4 import Nvfp4Linear, Nvfp4Spec, hadamard_blocks, nvfp4_cast, round_e2m1
 from autoprec.runtime.quantizers import OperandRole, quantizer
-from support.models import tiny_lm_under
+from support.models import tiny_lm_under, tiny_lms_side_by_side
 
 NV = ap.LayerPrecision("nvfp4")
 GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # E2M1's magnitudes, in code order
@@ -262,26 +262,7 @@ def test_the_memory_model_predicts_the_bytes_an_nvfp4_layer_saves():
 
 
 def test_a_model_trains_in_nvfp4_near_bf16():
-    torch.manual_seed(0)
-    from autoprec.workloads.bytelm import ByteLM, LMConfig
-
-    config = LMConfig(context=16, d_model=64, n_heads=2, n_layers=2, d_ff=128)
-    models = [ByteLM(config) for _ in range(2)]
-    models[1].load_state_dict(models[0].state_dict())
-    fqns = ap.Plan.uniform(models[0], "fp32").layers
-    runtimes = [ap.apply_plan(m, ap.Plan({fqn: ap.LayerPrecision(fmt) for fqn in fqns})) for m, fmt in zip(models, ("nvfp4", "bf16"))]
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in models]
-    g = torch.Generator().manual_seed(1)
-    losses = [[], []]
-    for _ in range(30):
-        idx = torch.randint(0, 64, (8, 16), generator=g)
-        for i, (model, runtime, opt) in enumerate(zip(models, runtimes, optimizers)):
-            with runtime:
-                _, loss = model(idx, idx)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses[i].append(loss.item())
+    _, _, losses, _ = tiny_lms_side_by_side([NV, ap.LayerPrecision("bf16")])
     nvfp4, bf16 = (sum(v[-5:]) / 5 for v in losses)
     assert nvfp4 < losses[0][0] - 1.0  # it learns
     assert abs(nvfp4 - bf16) < 0.1 * bf16  # near BF16, within FP4's rounding

@@ -71,3 +71,33 @@ def tiny_lm_under(scheduler, steps: int, seed: int = 0) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
     scheduler.close()
     return loss
+
+
+def tiny_lms_side_by_side(precisions, steps: int = 30):
+    """Identical 2-block ByteLMs (context 16, width 64), each with every layer in its entry of
+    ``precisions`` (a `LayerPrecision`, or None: plain FP32, no runtime), trained ``steps`` steps
+    on the same random batches of a 64-symbol alphabet (learnable in a few steps; AdamW, lr 3e-3).
+    Returns (models, runtimes, per-model losses, the batches' generator for more)."""
+    import autoprec as ap
+    from autoprec.workloads.bytelm import ByteLM, LMConfig
+
+    torch.manual_seed(0)
+    config = LMConfig(context=16, d_model=64, n_heads=2, n_layers=2, d_ff=128)
+    models = [ByteLM(config) for _ in precisions]
+    for model in models[1:]:
+        model.load_state_dict(models[0].state_dict())
+    fqns = ap.Plan.uniform(models[0], "fp32").layers
+    runtimes = [None if lp is None else ap.apply_plan(m, ap.Plan({fqn: lp for fqn in fqns})) for m, lp in zip(models, precisions)]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in models]
+    g = torch.Generator().manual_seed(1)
+    losses = [[] for _ in models]
+    for _ in range(steps):
+        idx = torch.randint(0, 64, (8, 16), generator=g)
+        for model, runtime, opt, history in zip(models, runtimes, optimizers, losses):
+            with runtime if runtime is not None else torch.enable_grad():
+                _, loss = model(idx, idx)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            history.append(loss.item())
+    return models, runtimes, losses, g
