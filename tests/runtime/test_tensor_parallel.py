@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import autoprec as ap
+from autoprec.search.memory_margin import MEMORY_ROUNDS
 from support.gloo_ranks import WORLD, run
 from support.titan_llama import parallelize, titan_llama, token_batch
 
@@ -369,7 +370,10 @@ def loop_scenario(rank, sequence_parallel, data_parallel=False, pin=None):
     scheduler = ap.DynamicPrecisionScheduler(monitor_window=4, monitor_steps=2, memory_budget=0.9, accuracy_budget=0.05, search_timeout_s=30.0,
                                              formats=["fp32", "bf16", "fp8_e4m3", "int8"], rules=ap.LayerRules(pin=pin or {}))
     losses, planned, before_last = [], 0, None
-    for step in range(100):  # the window, probes and off-path work, then up to 3 rounds of candidates
+    # The window, probes and off-path work (about 80 steps here, a count), then up to MEMORY_ROUNDS
+    # rounds of candidates (12 steps each): which plans the probes' timings propose, and so how
+    # many rounds keep to the budget, moves with the machine's load (2 rounds in a loaded CI run).
+    for step in range(80 + MEMORY_ROUNDS * 12 + 3 + 10):
         x, y = token_batch(step, *rows)
         if planned == 2:  # the weights and the runtime's state the last planned step starts from
             before_last = {"step": step, "params": {k: _full(v).detach().clone() for k, v in model.named_parameters()},
