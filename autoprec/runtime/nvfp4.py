@@ -184,6 +184,9 @@ def decoded(packed: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
 
 
 _HADAMARD_SEED = 2509_25149  # the signs are a fixed draw: the same transform in every process
+# Drawn at import, not in `hadamard_blocks`: torch.compile traces through its cache into the
+# graph, where making a Generator breaks the graph (once per layer and product).
+_HADAMARD_SIGNS = torch.randint(0, 2, (NVFP4_TILE,), generator=torch.Generator().manual_seed(_HADAMARD_SEED)).float() * 2 - 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -193,8 +196,7 @@ def hadamard_blocks(device: torch.device) -> torch.Tensor:
     h = torch.ones(1, 1)
     while h.shape[0] < NVFP4_TILE:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    signs = torch.randint(0, 2, (NVFP4_TILE,), generator=torch.Generator().manual_seed(_HADAMARD_SEED)).float() * 2 - 1
-    return (signs.unsqueeze(1) * h / NVFP4_TILE**0.5).to(device)
+    return (_HADAMARD_SIGNS.unsqueeze(1) * h / NVFP4_TILE**0.5).to(device)
 
 
 def _transformed(x: torch.Tensor) -> torch.Tensor:
