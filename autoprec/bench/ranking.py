@@ -17,6 +17,7 @@ from ..costs.model import DEFAULT_FORMATS, CostModel, TimingSettings
 from ..errors import CostModelError
 from ..formats import Format
 from ..runtime import EmulationWarning
+from ..search.noise import median_interval, paired_ratios
 from ..device_clock import rotated, timed
 from ..workload import check_workload, to_device
 from ._common import median_iqr
@@ -29,9 +30,10 @@ __all__ = ["RankingCheck", "check_uniform_ranking"]
 class RankingCheck:
     """Predicted vs measured step seconds of uniform plans, and whether their orders agree.
 
-    ``exact``: the same order. ``agree``: no pair is ordered differently unless its measured
-    times lie within ``tie`` (relative) of each other. ``kendall_tau``: rank correlation in
-    [-1, 1] (1: same order).
+    ``exact``: the same order. ``agree``: no pair is ordered differently unless the measurement
+    cannot order it either: its medians within ``tie`` (relative) of each other, or its per-round
+    ratios' 90 % median interval (`search.noise.median_interval`) holding 1. ``kendall_tau``:
+    rank correlation in [-1, 1] (1: same order).
     """
 
     formats: tuple[Format, ...]
@@ -63,7 +65,10 @@ class RankingCheck:
         return "\n".join(lines)
 
 
-def _compare(predicted: Mapping[str, float], measured: Mapping[str, float], tie: float) -> tuple[float, bool, bool, tuple]:
+def _compare(predicted: Mapping[str, float], measured: Mapping[str, float], tie: float,
+             rounds: Mapping[str, Sequence[float]]) -> tuple[float, bool, bool, tuple]:
+    """Kendall's tau, the exact order, agreement and the pairs that disagree (`RankingCheck`);
+    ``rounds``: each plan's step seconds per round, the rounds in step."""
     names = list(predicted)
     concordant = discordant_count = 0
     discordant = []
@@ -75,7 +80,8 @@ def _compare(predicted: Mapping[str, float], measured: Mapping[str, float], tie:
                 concordant += 1
             elif dp * dm < 0:
                 discordant_count += 1
-                if abs(dm) > tie * min(measured[a], measured[b]):
+                low, _, high = median_interval(paired_ratios(rounds[a], rounds[b]))
+                if abs(dm) > tie * min(measured[a], measured[b]) and not low <= 1.0 <= high:
                     discordant.append((a, b))
     pairs = len(names) * (len(names) - 1) // 2
     tau = (concordant - discordant_count) / pairs if pairs else 1.0
@@ -153,7 +159,7 @@ def _check_uniform_ranking(workload, formats, steps, warmup, tie, cache_dir, mea
     measured, iqr = {}, {}
     for f, runner in zip(formats, runners):
         measured[f.value], iqr[f.value] = median_iqr(runner.times)
-    tau, exact, agree, discordant = _compare(predicted, measured, tie)
+    tau, exact, agree, discordant = _compare(predicted, measured, tie, {f.value: r.times for f, r in zip(formats, runners)})
     info = {
         "workload": getattr(workload, "name", type(workload).__name__), "steps": steps, "warmup": warmup, "device": str(dev),
         "threads": torch.get_num_threads(),

@@ -666,6 +666,22 @@ def test_a_ranking_needs_two_formats():
 # -- the check against real step times ---------------------------------------------------------
 
 
+def test_a_pair_ordered_against_the_prediction_disagrees_only_where_its_rounds_separate_it():
+    from autoprec.bench.ranking import _compare
+
+    predicted = {"a": 1.0, "b": 1.1}  # a predicted faster
+    # Measured b faster by 20 % in the medians, beyond the 15 % tie. Rounds in step that put b
+    # below a in every round separate them; rounds whose paired ratios straddle 1 (a loaded
+    # machine slowing one variant in some rounds) do not.
+    separated = {"a": [1.2, 1.25, 1.2, 1.3, 1.2, 1.22, 1.21, 1.2], "b": [1.0, 1.01, 1.0, 1.02, 1.0, 0.99, 1.0, 1.0]}
+    straddling = {"a": [1.2, 0.9, 1.25, 0.95, 1.2, 1.3, 0.9, 1.2], "b": [1.0, 1.3, 1.0, 1.3, 1.0, 0.95, 1.35, 1.0]}
+    for rounds, agree in ((separated, False), (straddling, True)):
+        measured = {k: statistics.median(v) for k, v in rounds.items()}
+        assert abs(measured["a"] - measured["b"]) > 0.15 * min(measured.values())
+        _, exact, agreed, discordant = _compare(predicted, measured, 0.15, rounds)
+        assert not exact and agreed is agree and discordant == (() if agree else (("a", "b"),))
+
+
 @pytest.mark.slow
 def test_predicted_uniform_plan_ranking_matches_measured_step_times(tmp_path):
     # On this CPU (2 cores, AVX2, torch 2.13, one thread) the uniform plans' measured step times
