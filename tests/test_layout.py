@@ -19,7 +19,7 @@ PACKAGE = Path(ap.__file__).parent
 # the parts of its layer or below, never one above. Imports under ``if TYPE_CHECKING:`` are
 # annotations only and do not count.
 LAYERS = (
-    {"_version", "errors", "_checks", "formats", "device", "_io", "_tracing", "_generators", "calls", "coverage", "blocks", "plan", "changes", "saved_bytes", "device_clock", "opcount",
+    {"_version", "errors", "_checks", "formats", "device", "_io", "_tracing", "_generators", "calls", "coverage", "blocks", "plan", "changes", "saved_bytes", "device_clock", "noise", "opcount",
      "workload", "cpu_load", "layer_precision", "replica"},
     {"runtime"},
     {"profiling", "scaling"},

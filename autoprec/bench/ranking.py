@@ -17,7 +17,7 @@ from ..costs.model import DEFAULT_FORMATS, CostModel, TimingSettings
 from ..errors import CostModelError
 from ..formats import Format
 from ..runtime import EmulationWarning
-from ..search.noise import median_interval, paired_ratios
+from ..noise import median_interval, paired_ratios
 from ..device_clock import rotated, timed
 from ..workload import check_workload, to_device
 from ._common import median_iqr
@@ -32,7 +32,7 @@ class RankingCheck:
 
     ``exact``: the same order. ``agree``: no pair is ordered differently unless the measurement
     cannot order it either: its medians within ``tie`` (relative) of each other, or its per-round
-    ratios' 90 % median interval (`search.noise.median_interval`) holding 1. ``kendall_tau``:
+    ratios' 90 % median interval (`noise.median_interval`) holding 1. ``kendall_tau``:
     rank correlation in [-1, 1] (1: same order).
     """
 

@@ -50,7 +50,7 @@ from ..runtime import EmulationWarning, apply_plan, removing
 from ..workload import TrainStep, to_device
 from ..search.exact import Solution
 from ..search.candidate_runs import BudgetPruner, Candidate, MeasuredStage, Measurement, candidate_id, fastest_meeting, meeting_by_speed, meets_budgets
-from ..search.noise import Verdict
+from ..noise import Verdict
 from ..search.pipeline import Proposal, propose_plans
 from ..search.planner import floor_settings, layer_reasons, measured_reasons, plan_from_solution
 from ..search.refine import CorrectingSampler

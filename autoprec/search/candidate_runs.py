@@ -49,7 +49,7 @@ from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan, removing
 from ..device_clock import rotated, timed
 from ..workload import TrainStep
-from .noise import Verdict, median_interval, separate
+from ..noise import Verdict, median_interval, separate
 from .study import mark_worker, recover_interrupted_trials
 
 if TYPE_CHECKING:  # refine imports this module; the stage only duck-types its sampler

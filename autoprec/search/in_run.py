@@ -61,7 +61,7 @@ from ..replica import is_sharded, plain_copy
 from ..runtime import EmulationWarning, apply_plan
 from ..sensitivity import sensitivity_steps
 from .background import BackgroundCall
-from .noise import unseparated
+from ..noise import unseparated
 from .paced import Pacer
 from .pipeline import propose_from, search_estimator, space_steps, uniform_reference
 from .planner import floor_settings

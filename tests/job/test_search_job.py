@@ -18,7 +18,7 @@ from autoprec.job.config import load_job
 from autoprec.cpu_load import CpuLoad, ThreadGovernor
 from autoprec.job.run import JobResult, _load_during, _settle, run_job
 from autoprec.search.candidate_runs import AutocastCheckpoint, BudgetPruner, Candidate, MeasuredStage, Measurement, fastest_meeting
-from autoprec.search.noise import separate
+from autoprec.noise import separate
 from autoprec.workloads import default_workload
 from support.jobs import write_job
 

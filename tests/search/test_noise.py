@@ -1,4 +1,4 @@
-"""Measured comparisons that know their noise (`autoprec.search.noise`, `MeasuredStage.settle`)."""
+"""Measured comparisons that know their noise (`autoprec.noise`, `MeasuredStage.settle`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from autoprec.formats import Format
 from autoprec.plan import Plan
 from autoprec.search.candidate_runs import Candidate, MeasuredStage
-from autoprec.search.noise import median_interval, separate, unseparated
+from autoprec.noise import median_interval, separate, unseparated
 from autoprec.workloads import default_workload
 
 
