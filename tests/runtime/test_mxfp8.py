@@ -14,9 +14,8 @@ import autoprec as ap
 from autoprec.costs.memory import layer_memory
 from autoprec.costs.trace import saved_bytes_by_layer, trace_model
 from autoprec.formats import Format, Granularity, mx_inverse_scale
-from autoprec.opcount import graph_breaks
 from autoprec.runtime.mx_gemm import mx_cast
-from support.models import tiny_lm_under, tiny_lms_side_by_side
+from support.models import first_lm_step_graphs, tiny_lm_under, tiny_lms_side_by_side
 
 MX = ap.LayerPrecision("fp8_e4m3", scaling=ap.Scaling(granularity="mx"))
 E4M3_MAX = 448.0
@@ -156,17 +155,11 @@ def test_the_memory_model_predicts_the_bytes_an_mxfp8_layer_saves():
 
 
 def test_a_model_trains_in_mxfp8_close_to_fp32_and_compiles_in_one_graph():
-    models, (runtime, _), losses, g = tiny_lms_side_by_side([MX, None])
+    models, runtimes, losses, g = tiny_lms_side_by_side([MX, None])
     mx, fp32 = (sum(v[-5:]) / 5 for v in losses)
     assert mx < losses[0][0] - 1.0  # it learns
     assert abs(mx - fp32) < 0.05 * fp32  # as FP32 does, within MXFP8's rounding
-    idx = torch.randint(0, 64, (8, 16), generator=g)
-
-    def step(idx):
-        with runtime:
-            return models[0](idx, idx)[1]
-
-    breaks = graph_breaks(step, idx)
+    _, _, breaks = first_lm_step_graphs(models, runtimes, g)
     assert (breaks.graphs, breaks.breaks) == (1, 0), "\n".join(breaks.reasons)
 
 

@@ -15,11 +15,10 @@ import torch.nn as nn
 import autoprec as ap
 from autoprec.costs.memory import layer_memory
 from autoprec.costs.trace import saved_bytes_by_layer, trace_model
-from autoprec.opcount import graph_breaks
 from autoprec.formats import Format
 from autoprec.runtime.nvfp4 import Nvfp4Linear, Nvfp4Spec, hadamard_blocks, nvfp4_cast, round_e2m1
 from autoprec.runtime.quantizers import OperandRole, quantizer
-from support.models import tiny_lm_under, tiny_lms_side_by_side
+from support.models import first_lm_step_graphs, tiny_lm_under, tiny_lms_side_by_side
 
 NV = ap.LayerPrecision("nvfp4")
 GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # E2M1's magnitudes, in code order
@@ -263,18 +262,12 @@ def test_the_memory_model_predicts_the_bytes_an_nvfp4_layer_saves():
 
 
 def test_a_model_trains_in_nvfp4_near_bf16_and_compiles_in_one_graph():
-    models, (runtime, _), losses, g = tiny_lms_side_by_side([NV, ap.LayerPrecision("bf16")])
+    models, runtimes, losses, g = tiny_lms_side_by_side([NV, ap.LayerPrecision("bf16")])
     nvfp4, bf16 = (sum(v[-5:]) / 5 for v in losses)
     assert nvfp4 < losses[0][0] - 1.0  # it learns
     assert abs(nvfp4 - bf16) < 0.1 * bf16  # near BF16, within FP4's rounding
-    idx = torch.randint(0, 64, (8, 16), generator=g)
-
-    def step(idx):
-        with runtime:
-            return models[0](idx, idx)[1]
-
     # Before: the Hadamard signs' Generator, made inside the traced cast, broke the graph 35 times.
-    breaks = graph_breaks(step, idx)
+    step, idx, breaks = first_lm_step_graphs(models, runtimes, g)
     assert (breaks.graphs, breaks.breaks) == (1, 0), "\n".join(breaks.reasons)
     models[0].eval()
     with torch.no_grad():

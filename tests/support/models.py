@@ -101,3 +101,18 @@ def tiny_lms_side_by_side(precisions, steps: int = 30):
             opt.zero_grad(set_to_none=True)
             history.append(loss.item())
     return models, runtimes, losses, g
+
+
+def first_lm_step_graphs(models, runtimes, g):
+    """The first of `tiny_lms_side_by_side`'s models as a loss function of a batch under its
+    runtime, a next batch from ``g``, and the graphs ``torch.compile`` makes of that step
+    (`opcount.graph_breaks`): (step, batch, breaks)."""
+    from autoprec.opcount import graph_breaks
+
+    idx = torch.randint(0, 64, (8, 16), generator=g)
+
+    def step(idx):
+        with runtimes[0]:
+            return models[0](idx, idx)[1]
+
+    return step, idx, graph_breaks(step, idx)
