@@ -25,7 +25,7 @@ torch.set_num_threads(1)
 # median calibration instead, the same in every run and on every CPU; what a calibration measures
 # is tested on its own (test_costs, through `_measure`, uncached).
 def _test_peaks(device):
-    from autoprec.costs.product_times import DevicePeaks
+    from autoprec.costs import DevicePeaks
     from autoprec.formats import Format
 
     flops = {Format.FP32: 1e11, Format.BF16: 2e11, Format.FP16: 3e9, Format.FP8_E4M3: 4e10, Format.FP8_E5M2: 5e10, Format.INT8: 4e11}

@@ -13,7 +13,8 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from ..calls import ModelCall
-from ..costs.model import DEFAULT_FORMATS, CostModel, TimingSettings
+from ..costs.model import DEFAULT_FORMATS, CostModel
+from ..costs.product_times import TimingSettings
 from ..errors import CostModelError
 from ..formats import Format
 from ..runtime import EmulationWarning

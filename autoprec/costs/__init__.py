@@ -11,6 +11,8 @@ The concerns, one module each, over one shared trace:
   format's uniform plan (what `CostModel.build` uses by default);
 - `product_times`: seconds per (call, format), measured on the device by replaying each call under
   ``apply_plan`` (cached on disk), or a roofline estimate from datasheet peaks;
+- `targets`: the rates of datasheet devices, and a device the plan is priced for that the machine
+  is not (`TargetDevice`: a name or a JSON profile; which products run on a kernel there);
 - `model`: `CostModel` (per-layer costs, plan totals, the FP32 bytes a memory budget is a
   fraction of); `autoprec.bench.ranking.check_uniform_ranking` checks its ranking against
   measured step times.
@@ -26,11 +28,10 @@ May import the shared basics and `runtime` (its layers and kernels are what it t
 
 from .inplace import InPlaceTimes, measure_in_place
 from .memory import MemoryCost, call_path, layer_memory
-from .model import DEFAULT_FORMATS, BlockCost, CostModel, LayerCost, PlanCost, TimingSettings
+from .model import DEFAULT_FORMATS, BlockCost, CostModel, LayerCost, PlanCost
 from .product_times import (
-    PEAKS,
-    DevicePeaks,
     MeasuredTimeModel,
+    TimingSettings,
     RooflineTimeModel,
     TimeEstimate,
     TimeModel,
@@ -39,6 +40,7 @@ from .product_times import (
     default_cache_dir,
     device_key,
 )
+from .targets import PEAKS, TARGETS, DevicePeaks, TargetDevice, load_target
 from .trace import LayerTrace, MatmulCall, ModelTrace, TensorSpec, saved_bytes_by_layer, trace_model
 
 __all__ = [
@@ -62,6 +64,10 @@ __all__ = [
     "RooflineTimeModel",
     "DevicePeaks",
     "PEAKS",
+    # targets
+    "TargetDevice",
+    "TARGETS",
+    "load_target",
     "calibrate_peaks",
     "calibration_steps",
     "device_key",

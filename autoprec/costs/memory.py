@@ -37,7 +37,7 @@ activations), and storage shared between layers (counted where it is first saved
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -49,6 +49,9 @@ from ..runtime.block_gemm import BLOCK
 from ..runtime.mx_gemm import MX_TILE
 from ..runtime.nvfp4 import NVFP4_TILE, rows_and_columns
 from .trace import LayerTrace, MatmulCall, TensorSpec
+
+if TYPE_CHECKING:
+    from .targets import TargetDevice
 
 __all__ = ["MemoryCost", "call_path", "layer_memory"]
 
@@ -85,7 +88,8 @@ def _meta_arguments(call: MatmulCall) -> tuple[tuple, dict]:
     return call.arguments(tensors)
 
 
-def call_path(call: MatmulCall, precision: LayerPrecision, device: "torch.device | str") -> tuple[str, Optional[tuple[int, int, int]]]:
+def call_path(call: MatmulCall, precision: LayerPrecision, device: "torch.device | str",
+              target: "TargetDevice | None" = None) -> tuple[str, Optional[tuple[int, int, int]]]:
     """How the runtime runs ``call`` in ``precision`` on ``device``, and its GEMM shape (M, K, N).
 
     ``"fp32"`` (also for ops autocast keeps in FP32), ``"autocast"``, ``"kernel"`` (``torch._scaled_mm`` / ``torch._int_mm``),
@@ -93,9 +97,11 @@ def call_path(call: MatmulCall, precision: LayerPrecision, device: "torch.device
     emulated GEMMs) or ``"emulated"``; the shape is given for all but the emulated and
     high-precision calls. Mirrors
     `runtime.products.Products.run_low_precision` (it asks the runtime's own GEMM matcher and kernel rule).
+    ``target``: as it would run on that GPU instead (`targets.TargetDevice`: its kernels decide
+    kernel or emulated, CUDA's autocast rules apply).
     """
     fmt = precision.format
-    device = torch.device(device)
+    device = torch.device(device) if target is None else torch.device("cuda")
     if fmt is Format.FP32 or (fmt in (Format.BF16, Format.FP16) and call.op in _AUTOCAST_KEEPS_FP32.get(device.type, ())):
         return "fp32", None
     if fmt in (Format.BF16, Format.FP16):
@@ -103,7 +109,8 @@ def call_path(call: MatmulCall, precision: LayerPrecision, device: "torch.device
     args, kwargs = _meta_arguments(call)
     gemm = as_gemm(call.op, call.func, args, kwargs)
     tiled = _tiled(precision)
-    if gemm is None or (tiled is None and kernel_reason(precision, device) is not None):
+    native = target.runs(precision) if target is not None else kernel_reason(precision, device) is None
+    if gemm is None or (tiled is None and not native):
         return "emulated", None
     a, b = gemm[0], gemm[1]
     m, k = a.shape
@@ -135,12 +142,12 @@ def _saved_operands(call: MatmulCall) -> list[tuple[int, TensorSpec]]:
     return [(i, s) for i, s in operands if any(o.requires_grad for j, o in operands if j != i)]
 
 
-def _call_bytes(call: MatmulCall, precision: LayerPrecision, device) -> tuple[int, int]:
-    """(weight copy bytes, activation bytes) one call saves in ``precision``."""
+def _call_bytes(call: MatmulCall, precision: LayerPrecision, device, target: "TargetDevice | None") -> tuple[int, int]:
+    """(weight copy bytes, activation bytes) one call saves in ``precision`` (on ``target`` when given)."""
     fmt = precision.format
     if call.saved_elsewhere:  # the user's checkpoint keeps it (`trace.MatmulCall`), in every format
         return 0, 0
-    path, gemm = call_path(call, precision, device)
+    path, gemm = call_path(call, precision, device, target)
     if path == "fp32" and fmt is Format.FP32:
         return 0, call.saved_bytes
     if path == "fp32":  # an op autocast keeps in FP32 inside a half layer: its operands as they are
@@ -212,8 +219,10 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def layer_memory(layer: LayerTrace, precision: "LayerPrecision | Format | str", device: "torch.device | str") -> MemoryCost:
-    """`MemoryCost` of ``layer`` in ``precision`` (a `LayerPrecision` or a format) on ``device``.
+def layer_memory(layer: LayerTrace, precision: "LayerPrecision | Format | str", device: "torch.device | str",
+                 target: "TargetDevice | None" = None) -> MemoryCost:
+    """`MemoryCost` of ``layer`` in ``precision`` (a `LayerPrecision` or a format) on ``device``,
+    or as it would run on ``target`` (`call_path`: a kernel's saved operands or an emulation's).
 
     Pure arithmetic on the traced shapes; no kernel runs.
     """
@@ -221,7 +230,7 @@ def layer_memory(layer: LayerTrace, precision: "LayerPrecision | Format | str", 
         precision = LayerPrecision(precision)
     weights = activations = 0
     for call in layer.calls:
-        w, a = _call_bytes(call, precision, device)
+        w, a = _call_bytes(call, precision, device, target)
         weights += w
         activations += a
     return MemoryCost(weights, activations, layer.other_saved_bytes, layer.param_bytes)

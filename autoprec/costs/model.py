@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import warnings
 from typing import Any, Callable, Generator, Iterable, Iterator, Mapping, Optional, Sequence
 
@@ -44,64 +43,18 @@ from ..plan import LayerPrecision, Plan
 from ..runtime import EmulationWarning, apply_plan, removing
 from .inplace import InPlaceTimes, measure_in_place
 from .memory import layer_memory
-from .product_times import MeasuredTimeModel, RooflineTimeModel, TimeEstimate, TimeModel
+from .product_times import MeasuredTimeModel, RooflineTimeModel, TimeEstimate, TimeModel, TimingSettings
+from .targets import TargetDevice
 from .times_cache import load_times, save_times, scaling_key
 from .trace import ModelTrace, saved_bytes_by_layer, trace_model, trace_roles
 
-__all__ = ["DEFAULT_FORMATS", "TimingSettings", "LayerCost", "PlanCost", "BlockCost", "CostModel"]
+__all__ = ["DEFAULT_FORMATS", "LayerCost", "PlanCost", "BlockCost", "CostModel"]
 
 logger = logging.getLogger(__name__)
 
 # The formats a search chooses from by default (search.space.DEFAULT_CANDIDATES): FP8 E5M2 is
 # a gradient format; cost it by passing formats=.
 DEFAULT_FORMATS = (Format.FP32, Format.BF16, Format.FP16, Format.FP8_E4M3, Format.INT8)
-
-
-@dataclasses.dataclass(frozen=True)
-class TimingSettings:
-    """How `CostModel.build` gets its seconds; the default times every layer in place.
-
-    ``in_place``: time every layer where it runs (module docstring) on a copy of the model:
-    per format one first step, up to ``warmup_steps`` untimed ones while INT8 layers calibrate,
-    and timed ones until each role of layer met more than once (the same projection in every
-    block) has ``timed_steps`` samples, 3 to ``timed_steps`` steps (`inplace.measure_in_place`;
-    a deep model of repeated blocks: 3). Formats
-    asked for later, or whose uniform plan cannot run, are replayed per call with
-    `MeasuredTimeModel`, cached under ``cache_dir`` (None: ``~/.cache/autoprec``; False: no
-    cache). ``False``: no step runs; per-call `RooflineTimeModel` estimates and a rest of the
-    step of 0 s, so predicted step times cover the layers only.
-
-    ``time_model``: per-call times from this model instead; with ``in_place`` only the FP32 step
-    is timed, for the rest of the step. ``times_file``: a JSON file the in-place times are read
-    from when it holds them for these layers, formats and device, and written to (atomically)
-    when measured, so a resumed job predicts exactly what the interrupted one did.
-    """
-
-    in_place: bool = True
-    warmup_steps: int = 3
-    timed_steps: int = 8
-    time_model: Optional[TimeModel] = None
-    cache_dir: "str | os.PathLike | bool | None" = None
-    times_file: "str | os.PathLike | None" = None
-
-    def __post_init__(self):
-        def bad(field: str, fix: str) -> CostModelError:
-            value = getattr(self, field)
-            shown = repr(value) if value is None or isinstance(value, (bool, int, float, str, os.PathLike)) else type(value).__name__
-            return CostModelError(f"TimingSettings({field}={shown}): {fix}")
-
-        if not isinstance(self.in_place, bool):
-            raise bad("in_place", "must be True (time the layers in place) or False (roofline estimates)")
-        for field, least in (("warmup_steps", 0), ("timed_steps", 1)):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise bad(field, f"must be an int >= {least} (training steps per format)")
-        if self.time_model is not None and not isinstance(self.time_model, TimeModel):
-            raise bad("time_model", "expected a TimeModel (MeasuredTimeModel, RooflineTimeModel or a subclass) or None")
-        if self.cache_dir is not None and not isinstance(self.cache_dir, (bool, str, os.PathLike)):
-            raise bad("cache_dir", "expected a folder path, None (~/.cache/autoprec) or False (no cache)")
-        if self.times_file is not None and not isinstance(self.times_file, (str, os.PathLike)):
-            raise bad("times_file", "expected the path of a JSON file, or None")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,8 +169,11 @@ class CostModel:
         fp32_in_region_bytes: "Mapping[str, int] | None" = None,
         blocks: "Mapping[str, BlockCost] | None" = None,
         precisions: "Mapping[Format, LayerPrecision] | None" = None,
+        target: "TargetDevice | None" = None,
     ):
         self.trace = trace
+        # The device the layers are priced for when not the one they run on (`build`'s ``target``).
+        self.target = target
         # format -> the precision a layer in it is costed and planned in (default: the format's own).
         self.precisions: dict[Format, LayerPrecision] = {Format.parse(f): lp for f, lp in (precisions or {}).items()}
         self.time_model = time_model
@@ -254,6 +210,7 @@ class CostModel:
         blocks: "Sequence[str] | None" = None,
         timing: TimingSettings = TimingSettings(),
         precisions: "Mapping[Format, LayerPrecision] | None" = None,
+        target: "TargetDevice | None" = None,
     ) -> "CostModel":
         """Trace ``model`` on ``example_inputs`` and cost every layer in ``formats``.
 
@@ -275,6 +232,10 @@ class CostModel:
             precisions: format -> the `LayerPrecision` a layer in it is timed, costed and planned
                 in (a scaling other than the default, e.g. block-scaled FP8; the times file keys
                 on it); default each format's own.
+            target: price the layers for this device instead of the one they run on
+                (`targets.TargetDevice`): `RooflineTimeModel` at its rates on its kernel paths,
+                bytes as its kernels save them, no step timed (``timing`` is then
+                ``TimingSettings(in_place=False)``: the predicted step covers the layers only).
 
         Returns:
             The cost model.
@@ -290,6 +251,8 @@ class CostModel:
                 f"CostModel.build(timing={type(timing).__name__}): expected a TimingSettings, e.g. TimingSettings(in_place=False)"
             )
         measure, time_model, times_file = timing.in_place, timing.time_model, timing.times_file
+        if target is not None:
+            measure, time_model = False, RooflineTimeModel(target=target, precisions=precisions)
         formats = parsed = tuple(Format.parse(f) for f in formats)
         if not formats:
             raise CostModelError("CostModel.build(formats=()): give at least one format, e.g. DEFAULT_FORMATS")
@@ -317,7 +280,7 @@ class CostModel:
             time_model = MeasuredTimeModel(timing.cache_dir) if measure else RooflineTimeModel()
             costs = cls(trace, time_model, formats=formats, in_place=in_place, precisions=precisions)
         else:
-            costs = cls(trace, time_model, formats=formats, precisions=precisions)
+            costs = cls(trace, time_model, formats=formats, precisions=precisions, target=target)
         for _ in costs.region_bytes_steps(model, example_inputs, loss_fn, roles=roles):
             pass
         for _ in costs.block_bytes_steps(model, example_inputs, loss_fn, block_layers, roles=roles):
@@ -568,7 +531,7 @@ class CostModel:
         self._ensure_times([fmt])
         memory = self._memory.get((fqn, precision))
         if memory is None:
-            memory = self._memory[(fqn, precision)] = layer_memory(layer, precision, self.device)
+            memory = self._memory[(fqn, precision)] = layer_memory(layer, precision, self.device, self.target)
         if fmt in self.in_place:
             estimates = [TimeEstimate(self.in_place[fmt].layer_seconds[fqn], "in place")]
         else:

@@ -44,17 +44,18 @@ from ..errors import CostModelError, first_line
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
 from ..runtime import EmulationWarning, apply_plan
+from ..runtime.layers import kernel_reason
 from ..device_clock import interleaved, timed
 from .memory import call_path
+from .targets import PEAKS, DevicePeaks, TargetDevice
 from .trace import MatmulCall
 
 __all__ = [
+    "TimingSettings",
     "TimeEstimate",
     "TimeModel",
     "MeasuredTimeModel",
     "RooflineTimeModel",
-    "DevicePeaks",
-    "PEAKS",
     "calibrate_peaks",
     "calibration_steps",
     "device_key",
@@ -115,53 +116,54 @@ class TimeModel:
         raise NotImplementedError
 
 
-# -- roofline ---------------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
-class DevicePeaks:
-    """Dense GEMM throughput per format (FLOP/s; a format missing runs at the FP32 rate),
-    memory bandwidth (bytes/s) and fixed cost per kernel (s), with where the numbers come from."""
+class TimingSettings:
+    """How `CostModel.build` gets its seconds; the default times every layer in place.
 
-    name: str
-    flops: Mapping[Format, float]
-    bandwidth: float
-    overhead_s: float
-    source: str
+    ``in_place``: time every layer where it runs (module docstring) on a copy of the model:
+    per format one first step, up to ``warmup_steps`` untimed ones while INT8 layers calibrate,
+    and timed ones until each role of layer met more than once (the same projection in every
+    block) has ``timed_steps`` samples, 3 to ``timed_steps`` steps (`inplace.measure_in_place`;
+    a deep model of repeated blocks: 3). Formats
+    asked for later, or whose uniform plan cannot run, are replayed per call with
+    `MeasuredTimeModel`, cached under ``cache_dir`` (None: ``~/.cache/autoprec``; False: no
+    cache). ``False``: no step runs; per-call `RooflineTimeModel` estimates and a rest of the
+    step of 0 s, so predicted step times cover the layers only.
 
-    def peak(self, fmt: Format) -> float:
-        return self.flops.get(fmt, self.flops[Format.FP32])
+    ``time_model``: per-call times from this model instead; with ``in_place`` only the FP32 step
+    is timed, for the rest of the step. ``times_file``: a JSON file the in-place times are read
+    from when it holds them for these layers, formats and device, and written to (atomically)
+    when measured, so a resumed job predicts exactly what the interrupted one did.
+    """
+
+    in_place: bool = True
+    warmup_steps: int = 3
+    timed_steps: int = 8
+    time_model: Optional[TimeModel] = None
+    cache_dir: "str | os.PathLike | bool | None" = None
+    times_file: "str | os.PathLike | None" = None
+
+    def __post_init__(self):
+        def bad(field: str, fix: str) -> CostModelError:
+            value = getattr(self, field)
+            shown = repr(value) if value is None or isinstance(value, (bool, int, float, str, os.PathLike)) else type(value).__name__
+            return CostModelError(f"TimingSettings({field}={shown}): {fix}")
+
+        if not isinstance(self.in_place, bool):
+            raise bad("in_place", "must be True (time the layers in place) or False (roofline estimates)")
+        for field, least in (("warmup_steps", 0), ("timed_steps", 1)):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise bad(field, f"must be an int >= {least} (training steps per format)")
+        if self.time_model is not None and not isinstance(self.time_model, TimeModel):
+            raise bad("time_model", "expected a TimeModel (MeasuredTimeModel, RooflineTimeModel or a subclass) or None")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (bool, str, os.PathLike)):
+            raise bad("cache_dir", "expected a folder path, None (~/.cache/autoprec) or False (no cache)")
+        if self.times_file is not None and not isinstance(self.times_file, (str, os.PathLike)):
+            raise bad("times_file", "expected the path of a JSON file, or None")
 
 
-_T = 1e12
-# Eager PyTorch costs a few microseconds per launched kernel (CUDA launch latency plus dispatch);
-# an order of magnitude, not a datasheet number. Calibrated devices measure it.
-_GPU_KERNEL_OVERHEAD_S = 5e-6
-PEAKS: dict[str, DevicePeaks] = {
-    # NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (https://www.nvidia.com/en-us/data-center/h100/):
-    # dense (half the "with sparsity" figures): BF16/FP16 989, FP8 1979, INT8 1979 TOPS; FP32
-    # without tensor cores 67 (torch keeps FP32 matmuls off TF32 by default,
-    # torch.backends.cuda.matmul.allow_tf32 = False); HBM3 3.35 TB/s.
-    "H100": DevicePeaks(
-        "NVIDIA H100 SXM5",
-        {Format.FP32: 67 * _T, Format.BF16: 989 * _T, Format.FP16: 989 * _T, Format.FP8_E4M3: 1979 * _T, Format.FP8_E5M2: 1979 * _T, Format.INT8: 1979 * _T},
-        3.35e12, _GPU_KERNEL_OVERHEAD_S, "NVIDIA H100 SXM5 datasheet (dense)",
-    ),
-    # NVIDIA H200 datasheet (https://www.nvidia.com/en-us/data-center/h200/): the H100's compute
-    # with HBM3e at 4.8 TB/s.
-    "H200": DevicePeaks(
-        "NVIDIA H200 SXM",
-        {Format.FP32: 67 * _T, Format.BF16: 989 * _T, Format.FP16: 989 * _T, Format.FP8_E4M3: 1979 * _T, Format.FP8_E5M2: 1979 * _T, Format.INT8: 1979 * _T},
-        4.8e12, _GPU_KERNEL_OVERHEAD_S, "NVIDIA H200 SXM datasheet (dense)",
-    ),
-    # NVIDIA A100 datasheet, 80GB SXM column (https://www.nvidia.com/en-us/data-center/a100/):
-    # FP32 19.5, BF16/FP16 312, INT8 624 TOPS dense; no FP8 (emulated at the FP32 rate); 2.039 TB/s.
-    "A100": DevicePeaks(
-        "NVIDIA A100 SXM 80GB",
-        {Format.FP32: 19.5 * _T, Format.BF16: 312 * _T, Format.FP16: 312 * _T, Format.INT8: 624 * _T},
-        2.039e12, _GPU_KERNEL_OVERHEAD_S, "NVIDIA A100 80GB SXM datasheet (dense)",
-    ),
-}
+# -- roofline ---------------------------------------------------------------------------------
 
 
 def _median_time(fn: Callable[[], object], device: torch.device, repeats: int = 5, warmup: int = 2) -> float:
@@ -358,33 +360,50 @@ def call_flops(call: MatmulCall) -> tuple[float, int]:
 
 # Kernels the runtime launches per call (forward + backward), counted from runtime/kernels.py:
 # three GEMMs; autocast adds a cast of each operand and of the incoming gradient; Fp8Gemm /
-# Int8Gemm add amaxes, quantizations and rescales; emulation also recomputes the forward.
-_KERNELS = {"fp32": 3, "autocast": 6, "kernel": 13, "emulated": 18, "nvfp4": 24}
+# Int8Gemm add amaxes, quantizations and rescales; the tiled products (block FP8, MXFP8) tile
+# and scale each operand of each GEMM; emulation also recomputes the forward.
+_KERNELS = {"fp32": 3, "autocast": 6, "kernel": 13, "block": 15, "mx": 15, "emulated": 18, "nvfp4": 24}
+# Bytes per element of a tiled product's operands: FP8 and one scale per 128 (block) or 32 (MX)
+# elements; NVFP4 half a byte and one E4M3 scale per 16.
+_TILED_WIDTH = {"block": 1 + 4 / 128, "mx": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
 
 
 class RooflineTimeModel(TimeModel):
     """Analytic estimate: per GEMM ``max(flops / peak[format], bytes / bandwidth)``, three GEMMs
     per call (forward, gradient of each operand; four when emulation recomputes the forward),
     plus the cast / quantization passes over operands and gradient at memory bandwidth, plus
-    ``overhead_s`` per kernel.
+    ``overhead_s`` per kernel (on a GPU, launched while earlier ones run: the greater of the
+    launches and the work).
 
     ``peaks``: a `DevicePeaks` (e.g. ``PEAKS["H100"]``); ``None`` picks the datasheet entry that
     matches the device name, else calibrates on the device (`calibrate_peaks`, ~0.5 s on a CPU).
-    INT8 backward runs in FP32 (`Int8Gemm`), FP8 backward in FP8 (`Fp8Gemm`).
+    ``target``: price every call as it would run on that device instead (`targets.TargetDevice`:
+    its rates, and a kernel where it has one; the device the calls were traced on is then only
+    where their shapes come from). ``precisions``: format -> the `LayerPrecision` it is priced in
+    (its scaling picks the tiled products: block FP8, MXFP8); default each format's own.
+    INT8 backward runs in FP32 (`Int8Gemm`), FP8 backward in FP8 (`Fp8Gemm`), the tiled products'
+    every GEMM in their format (NVFP4's at the FP4 rate).
     """
 
-    def __init__(self, peaks: Optional[DevicePeaks] = None):
-        self.peaks = peaks
+    def __init__(self, peaks: Optional[DevicePeaks] = None, *, target: "TargetDevice | None" = None,
+                 precisions: "Mapping[Format, LayerPrecision] | None" = None):
+        self.peaks = target.peaks if target is not None else peaks
+        self.target = target
+        self.precisions = dict(precisions or {})
 
     def seconds(self, call: MatmulCall, fmt: Format, device: torch.device) -> float:
         peaks = self.peaks if self.peaks is not None else peaks_for(device)
         fmt = Format.parse(fmt)
-        path, _ = call_path(call, LayerPrecision(fmt), device)
+        precision = self.precisions.get(fmt, LayerPrecision(fmt))
+        path, _ = call_path(call, precision, device, self.target)
+        kernels = _KERNELS[path]
+        if path in _TILED_WIDTH and not (self.target.runs(precision) if self.target is not None else kernel_reason(precision, device) is None):
+            path = "emulated"  # a tiled product without its kernel: FP32 GEMMs on the decoded tiles, as many casts
         flops, out_numel = call_flops(call)
         operand_numel = sum(s.numel for s in call.tensors if s.operand)
-        out_width = 2 if path == "autocast" else 4  # FP8 / INT8 kernels return FP32 here
+        out_width = 2 if path in ("autocast", *_TILED_WIDTH) else 4  # FP8 / INT8 kernels return FP32 here
 
-        def gemm(fmt_used: Format, in_width: int) -> float:
+        def gemm(fmt_used: Format, in_width: float) -> float:
             moved = operand_numel * in_width + out_numel * out_width
             return max(flops / peaks.peak(fmt_used), moved / peaks.bandwidth)
 
@@ -399,15 +418,28 @@ class RooflineTimeModel(TimeModel):
             gemms = gemm(fmt, 1) + 2 * gemm(backward, 1 if backward is fmt else 4)
             # amax (read 4) + quantize (read 4, write 1) of operands in forward and backward, and of the gradient.
             passes = 9.0 * (2 * operand_numel + out_numel)
+        elif path in _TILED_WIDTH:
+            gemms = 3 * gemm(fmt, _TILED_WIDTH[path])
+            # As the kernel path's casts, each tile's amax fused into its cast (read 4, write the
+            # tiled width and scales): the operands in the forward's and the backward's layouts,
+            # the gradient once; NVFP4's weight-gradient operands also pass through the Hadamard
+            # transform (read and write 2).
+            width = _TILED_WIDTH[path]
+            passes = (4 + width) * (2 * operand_numel + out_numel) + (4.0 * (operand_numel + out_numel) if path == "nvfp4" else 0.0)
         else:
             gemms = 4 * gemm(Format.FP32, 4)
             passes = 9.0 * (2 * operand_numel + out_numel)
-        return gemms + passes / peaks.bandwidth + _KERNELS[path] * peaks.overhead_s
+        work, launches = gemms + passes / peaks.bandwidth, kernels * peaks.overhead_s
+        if self.target is not None or device.type == "cuda":
+            # A GPU runs the kernels while the host launches the next ones: the slower of the two.
+            return max(work, launches)
+        return work + launches
 
     def estimate(self, calls, formats, device):
         device = torch.device(device)
+        source = f"roofline, {self.target.name}" if self.target is not None else "roofline"
         return {
-            (call.key, Format.parse(fmt)): TimeEstimate(self.seconds(call, fmt, device), "roofline")
+            (call.key, Format.parse(fmt)): TimeEstimate(self.seconds(call, fmt, device), source)
             for call in _unique(calls) for fmt in formats
         }
 

@@ -14,7 +14,11 @@ Layout::
     [search]     min_precision, max_precision, formats, scaling, storage, study_name, seed,
                  measure_top (the k best plans measured), timeout_s (for finding them),
                  measured_trials (the most plans measured in all; above the k best and the
-                 references, the learning sampler proposes the rest: `search.refine`; 0 = off)
+                 references, the learning sampler proposes the rest: `search.refine`; 0 = off),
+                 target (a GPU the plan is for that this machine is not: a name of
+                 `costs.targets.TARGETS` or a device profile's .json path; the plans are then
+                 priced for it and the fastest *predicted* there that meets the budgets as
+                 measured here is chosen)
     [rules]      pin = {pattern = format}, forbid = {pattern = [formats]}, groups = [[patterns]],
                  recompute = [patterns]         # recompute units (blocks) the search chooses among; [] = none
     [profile]    path (a saved profile to load instead of profiling), steps, sensitivity_batches
@@ -32,7 +36,8 @@ from typing import Any, Callable, Mapping
 
 from .. import workload
 from .._checks import integer, number
-from ..errors import FormatError, SearchError
+from ..costs.targets import TARGETS, TargetDevice, load_target
+from ..errors import CostModelError, FormatError, SearchError
 from ..formats import Format
 from ..search.study import JOURNAL_SCHEME, JOURNAL_SUFFIXES
 from ..search.space import DEFAULT_CANDIDATES, MEMORY_SPELLINGS, Budgets, LayerRules, Planning, formats_for_precision, memory_budget
@@ -65,6 +70,7 @@ class JobConfig:
     measure_top: int = 4
     measured_trials: int = 0
     timeout_s: "float | None" = None
+    target: "TargetDevice | None" = None
     rules: LayerRules = LayerRules()
     profile_path: "Path | None" = None
     profile_steps: int = 50
@@ -81,7 +87,7 @@ class JobConfig:
         """The search's settings as one `Planning`: ``measure_top`` plans, the integer programs
         bounded by ``timeout_s``; ``lr``: the workload's learning rate (the sensitivity's)."""
         return Planning(self.formats, self.rules, self.budgets, self.min_precision, self.max_precision, lr,
-                        k=self.measure_top, time_limit=self.timeout_s, scaling=self.scaling)
+                        k=self.measure_top, time_limit=self.timeout_s, scaling=self.scaling, target=self.target)
 
     @property
     def storage_url(self) -> str:
@@ -205,6 +211,7 @@ _SCHEMA: dict[str, dict[str, tuple[Callable, str]]] = {
         "measure_top": (_int(1, MAX_MEASURE_TOP), f"an integer from 1 to {MAX_MEASURE_TOP} (each plan is trained and timed; more do not finish)"),
         "measured_trials": (_int(0), "an integer >= 0 (0: no learning sampler)"),
         "timeout_s": (_positive, "a number of seconds > 0, finite"),
+        "target": (_str, f"a device's name ({', '.join(TARGETS)}) or the path of a device profile (.json)"),
     },
     "rules": {
         "pin": (_pin, f"a table of layer pattern = format ({FORMATS})"),
@@ -290,6 +297,16 @@ def load_job(path: "str | Path") -> JobConfig:
         budgets = Budgets(get("budgets", "memory"), get("budgets", "accuracy"), get("budgets", "accuracy_relative", True))
     except SearchError as exc:
         raise SearchError(f"{path}: [budgets]: {exc}") from None
+    target = None
+    if get("search", "target") is not None:
+        try:
+            target = load_target(get("search", "target"), base)
+        except CostModelError as exc:
+            raise SearchError(f"{path}: [search].target: {exc}") from None
+        if get("search", "measured_trials", 0):
+            # The learning sampler corrects the predictions with this machine's step times.
+            raise SearchError(f"{path}: [search].measured_trials: the learning sampler learns from this machine's step times, "
+                              "not the target's; with [search].target set, leave it out or set 0")
     config = JobConfig(
         source=path.resolve(),
         name=name,
@@ -307,6 +324,7 @@ def load_job(path: "str | Path") -> JobConfig:
         measure_top=get("search", "measure_top", 4),
         measured_trials=get("search", "measured_trials", 0),
         timeout_s=get("search", "timeout_s"),
+        target=target,
         rules=LayerRules(get("rules", "pin", {}), get("rules", "forbid", {}), get("rules", "groups", ()), get("rules", "recompute")),
         profile_path=(base / profile) if profile and not Path(profile).is_absolute() else (Path(profile) if profile else None),
         profile_steps=get("profile", "steps", 50),

@@ -49,7 +49,8 @@ from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan, removing
 from ..workload import TrainStep, to_device
 from ..search.exact import Solution
-from ..search.candidate_runs import BudgetPruner, Candidate, MeasuredStage, Measurement, candidate_id, fastest_meeting, meeting_by_speed, meets_budgets
+from ..search.candidate_runs import (BudgetPruner, Candidate, MeasuredStage, Measurement, candidate_id, compared_on_target, fastest_meeting,
+                                     fastest_predicted_meeting, meeting_by_speed, meets_budgets)
 from ..noise import Verdict
 from ..search.pipeline import Proposal, propose_plans
 from ..search.planner import floor_settings, layer_reasons, measured_reasons, plan_from_solution
@@ -152,6 +153,8 @@ class JobResult:
         m, chosen, verdict = self.plan.measured, self.chosen, self.verdict
         predicted = f"{self.plan.predicted['seconds'] * 1e3:.1f} ms predicted"
         other = "other " if chosen.is_reference else ""
+        if self.config.target is not None:  # chosen by the prediction there, among those that met the budgets here
+            return compared_on_target(chosen, m["seconds"], self.candidates, self.memory_budget, self.loss_budget, self.config.target.name)
         # The chosen candidate may be a reference itself (a uniform plan): compared with the others.
         refs = meeting_by_speed([p for p in self.candidates if p[0].is_reference and p[0] is not chosen], self.memory_budget, self.loss_budget)
         rounds = {name: verdict.seconds(name) for name in verdict.times} if verdict is not None else {}
@@ -516,7 +519,9 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
             run_workers(config, payload, candidates, measured_study, workers, progress, threads)
     # With workers, this collects what they measured (and measures what a dead one left).
     with quiet_interrupts():
-        results = stage.run(candidates, measured_study, measured_memory, loss_budget, progress, span=span)
+        # Priced for another device: every plan is measured (its loss and bytes), none pruned for its prediction.
+        results = stage.run(candidates, measured_study, measured_memory, loss_budget, progress, span=span,
+                            slow_prune=math.inf if config.target is not None else 2.0)
     references = {"fp32": stage.fp32()}
     if stage.refined:  # the learning sampler's plans, made whole: reasons and predicted figures
         numbers = {t.user_attrs.get("candidate"): t.number for t in measured_study.get_trials(deepcopy=False, states=_FINISHED)
@@ -530,9 +535,14 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
         ]
 
     pairs = [(c, results.get(c.id, "not measured")) for c in candidates]
-    winner = fastest_meeting(pairs, measured_memory, loss_budget)
-    with span("settling"):
-        verdict = _settle(stage, pairs, measured_memory, loss_budget) if winner is not None else None
+    if config.target is not None:
+        # The budgets as measured here (loss and bytes do not depend on the device), the speed as
+        # predicted there: this machine's step times would rank its own kernels.
+        winner, verdict = fastest_predicted_meeting(pairs, measured_memory, loss_budget), None
+    else:
+        winner = fastest_meeting(pairs, measured_memory, loss_budget)
+        with span("settling"):
+            verdict = _settle(stage, pairs, measured_memory, loss_budget) if winner is not None else None
     if measurement is not None and governor is not None and load is not None:
         measurement = {**measurement, **_load_during(load, governor)}
     if verdict is not None:
@@ -559,7 +569,8 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
             half = Format.parse(next(iter(candidate.plan.format_counts())))
             metadata["runs_as"] = f"plain torch.autocast({device.type!r}, dtype={half.dtype})" + (
                 f" with {len(candidate.plan.recompute)} blocks under torch.utils.checkpoint" if candidate.plan.recompute else "")
-            metadata["reason"] = f"plain autocast was the fastest candidate that met the budgets as measured; this uniform plan runs as {metadata['runs_as']}"
+            fastest = f"the fastest predicted on {config.target.name}" if config.target is not None else "the fastest"
+            metadata["reason"] = f"plain autocast was {fastest} candidate that met the budgets as measured; this uniform plan runs as {metadata['runs_as']}"
         plan = candidate.plan.replace(measured=measured, metadata=metadata)
         plan_path = plan.save(config.out / "plan.json")
         if emulated:

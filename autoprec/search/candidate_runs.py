@@ -593,6 +593,32 @@ def fastest_meeting(pairs: Sequence[tuple[Candidate, "Measurement | str"]], memo
     return met[0] if met else None
 
 
+def fastest_predicted_meeting(pairs: Sequence[tuple[Candidate, "Measurement | str"]], memory_bytes: float,
+                              loss_budget: float) -> "tuple[Candidate, Measurement] | None":
+    """The candidate with the fastest *predicted* step among those that met both budgets as
+    measured, or None: for plans priced for a device the machine is not (`Planning.target`),
+    whose measured step times are this machine's."""
+    met = [(c, m) for c, m in pairs if isinstance(m, Measurement) and meets_budgets(m, memory_bytes, loss_budget)]
+    return min(met, key=lambda p: p[0].plan.predicted["seconds"]) if met else None
+
+
+def compared_on_target(chosen: Candidate, measured_seconds: float, pairs: Sequence[tuple[Candidate, "Measurement | str"]], memory_bytes: float,
+                       loss_budget: float, target: str) -> list[str]:
+    """The job's summary of a plan ``chosen`` by `fastest_predicted_meeting` for the device
+    named ``target``: its predicted step there, and against the fastest other budget-meeting
+    reference predicted there (``measured_seconds``: its step on this machine)."""
+    seconds = chosen.plan.predicted["seconds"]
+    lines = [f"returned {chosen.name}: {seconds * 1e3:.3g} ms predicted on {target}, the fastest predicted there of the candidates "
+             f"that met the budgets as measured here ({measured_seconds * 1e3:.1f} ms a step on this machine)"]
+    refs = [c for c, m in pairs if c.is_reference and c is not chosen and meets_budgets(m, memory_bytes, loss_budget)]
+    if refs:
+        ref = min(refs, key=lambda c: c.plan.predicted["seconds"])
+        other = "other " if chosen.is_reference else ""
+        lines.append(f"  = {seconds / ref.plan.predicted['seconds']:.2f}x the fastest {other}budget-meeting reference predicted there "
+                     f"({ref.name}, {ref.plan.predicted['seconds'] * 1e3:.3g} ms)")
+    return lines
+
+
 def _plan_context(plan: "Plan | None") -> Callable[[nn.Module], Any]:
     if plan is None:
         return lambda m: contextlib.nullcontext()

@@ -126,7 +126,7 @@ def measure_space(
         costs = CostModel.build(
             model, cost_inputs if cost_inputs is not None else example_inputs, loss_fn=cost_loss_fn,
             formats=planning.formats, blocks=list(blocks), timing=TimingSettings(in_place=planning.measure, times_file=times_file),
-            precisions=planning.precisions(),
+            precisions=planning.precisions(), target=planning.target,
         )
         if progress is not None:
             progress(0, 1, "estimating sensitivity")

@@ -230,6 +230,12 @@ def plan_from_solution(
         "fp32_seconds": fp32.step_seconds,
         "layers": per_layer,
     }
+    target = getattr(costs, "target", None)
+    if target is not None:
+        # Priced for a device the machine is not: what is measured later (loss, bytes) is this
+        # machine's; the seconds never are.
+        predicted["seconds_for"] = f"{target.name}: roofline at its {target.peaks.source} rates, predicted, not measured (the layers' matrix products only)"
+        metadata = {**metadata, "target": target.to_dict()}
     if space.blocks:
         predicted.update(recompute_freed_bytes=predicted_cost.recompute_freed_bytes, recompute_seconds=predicted_cost.recompute_seconds)
         metadata = {**metadata, "recompute_reasons": block_reasons(space, solution)}

@@ -22,6 +22,7 @@ import re
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..blocks import check_block_patterns
+from ..costs.targets import TargetDevice
 from ..device import format_support
 from ..errors import FormatError, PlanError, SearchError
 from ..formats import Format
@@ -205,7 +206,9 @@ class Planning:
     (bits) are searched; ``rules``: pins and forbids; ``budgets``;
     ``lr``: the learning rate the sensitivity's gradient term assumes; ``k``: plans wanted, the
     optimum first; ``time_limit``: seconds for the integer programs (None: unbounded);
-    ``measure``: time layers in place (False: roofline times); ``limits``: the range fractions a
+    ``measure``: time layers in place (False: roofline times); ``target``: price the layers for
+    that device instead (`costs.targets.TargetDevice`, e.g. ``load_target("B200")``: roofline at
+    its rates on its kernels, nothing timed here); ``limits``: the range fractions a
     planned layer is promoted past (`RangeLimits`), which the profile's rule out. ``scaling``: how each scaled
     format's tensors are scaled (format -> `Scaling`; a format not named takes the default,
     current per-tensor): the costs are timed, the sensitivity estimated and the plans made in it,
@@ -221,11 +224,14 @@ class Planning:
     k: int = 1
     time_limit: "float | None" = None
     measure: bool = True
+    target: "TargetDevice | None" = None
     limits: RangeLimits = RangeLimits()
     # Given as format (or name) -> Scaling (or a granularity name); held as Format -> Scaling.
     scaling: Mapping[Any, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        if self.target is not None and not isinstance(self.target, TargetDevice):
+            raise SearchError(f"Planning(target={self.target!r}): expected a TargetDevice or None; make one with autoprec.costs.load_target('B200') or a profile's path")
         if not isinstance(self.scaling, Mapping):
             raise SearchError(f"Planning(scaling={self.scaling!r}): expected a table of format = scaling, e.g. {{'fp8_e4m3': 'block'}}")
         scaling = {}

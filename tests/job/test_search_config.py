@@ -143,3 +143,17 @@ def test_the_job_and_the_scheduler_hand_the_pipeline_one_planning_of_their_setti
                              search_timeout_s=5.0, lr=2e-4, measure_costs=False)
     assert config.planning == Planning((Format.BF16, Format.FP16, Format.FP8_E4M3, Format.INT8), rules,
                                        Budgets(6 * 2**30, 0.02, False), 8, 16, 2e-4, k=1, time_limit=5.0, measure=False)
+
+
+def test_a_target_is_a_device_name_or_a_profile_beside_the_job_and_refuses_the_learning_sampler(tmp_path):
+    job = load_job(write(tmp_path, GOOD.replace("seed = 3", 'seed = 3\ntarget = "h100"')))
+    assert job.target is not None and job.target.name == "NVIDIA H100 SXM5" and job.planning(1e-3).target is job.target
+    (tmp_path / "gpu.json").write_text('{"name": "G", "tflops": {"fp32": 1}, "bandwidth_tb_s": 1, "kernels": ["int8"]}')
+    assert load_job(write(tmp_path, GOOD.replace("seed = 3", 'seed = 3\ntarget = "gpu.json"'))).target.kernels == {"int8"}
+    assert "[search].target: target 'B300': not a known device (H100, H200, A100, B200)" in error_of(
+        write(tmp_path, GOOD.replace("seed = 3", 'seed = 3\ntarget = "B300"')))
+    assert "[search].target: target 'missing.json': cannot read the profile" in error_of(
+        write(tmp_path, GOOD.replace("seed = 3", 'seed = 3\ntarget = "missing.json"')))
+    message = error_of(write(tmp_path, GOOD.replace("seed = 3", 'seed = 3\ntarget = "B200"\nmeasured_trials = 8')))
+    assert message.endswith("[search].measured_trials: the learning sampler learns from this machine's step times, not the target's; "
+                            "with [search].target set, leave it out or set 0")

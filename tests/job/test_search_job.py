@@ -1,6 +1,7 @@
 """The offline search job end to end on the built-in LM ("tiny"), through `autoprec search`."""
 
 import json
+import types
 import math
 import os
 import re
@@ -374,7 +375,7 @@ def test_only_candidates_the_trials_could_not_separate_from_the_fastest_are_time
 def _returned(candidates, chosen, verdict):
     """A job's result as far as its summary's comparison reads it."""
     plan = chosen.plan.replace(measured={"seconds": dict((c.name, m.seconds) for c, m in candidates)[chosen.name]}, predicted={"seconds": 0.080})
-    return JobResult(config=None, plan=plan, plan_path=None, references={}, candidates=candidates, proposal=None, memory_budget=150,
+    return JobResult(config=types.SimpleNamespace(target=None), plan=plan, plan_path=None, references={}, candidates=candidates, proposal=None, memory_budget=150,
                      loss_budget=0.01, predicted_memory_budget=150, predicted_fp32={}, seconds=0.0, chosen=chosen, verdict=verdict)
 
 
