@@ -47,7 +47,7 @@ from ..runtime import EmulationWarning, apply_plan
 from ..runtime.layers import kernel_reason
 from ..device_clock import interleaved, timed
 from .memory import call_path
-from .targets import PEAKS, DevicePeaks, TargetDevice
+from .targets import DevicePeaks, TargetDevice, datasheet_target
 from .trace import MatmulCall
 
 __all__ = [
@@ -302,10 +302,8 @@ def calibration_steps(device: "torch.device | str") -> Iterator[str]:
 
 def _datasheet_peaks(device: torch.device) -> Optional[DevicePeaks]:
     """The datasheet entry whose key appears in a CUDA device's name, or None."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peaks for key, peaks in PEAKS.items() if key in name), None)
+    target = datasheet_target(device)
+    return target.peaks if target is not None else None
 
 
 def peaks_for(device: "torch.device | str") -> DevicePeaks:

@@ -28,11 +28,13 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
+
 from ..errors import CostModelError
 from ..formats import Format, Granularity
 from ..layer_precision import LayerPrecision
 
-__all__ = ["DevicePeaks", "PEAKS", "TargetDevice", "TARGETS", "KERNEL_ROUTES", "kernel_route", "load_target"]
+__all__ = ["DevicePeaks", "PEAKS", "TargetDevice", "TARGETS", "KERNEL_ROUTES", "kernel_route", "load_target", "datasheet_target"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +140,16 @@ TARGETS: dict[str, TargetDevice] = {
     "A100": TargetDevice(PEAKS["A100"], frozenset({"int8"})),
     "B200": TargetDevice(PEAKS["B200"], frozenset(KERNEL_ROUTES)),
 }
+
+
+def datasheet_target(device: "torch.device | str") -> "TargetDevice | None":
+    """The entry of `TARGETS` whose key appears in a CUDA device's name (``NVIDIA H200`` -> H200),
+    or None (a CPU, or a GPU with no datasheet entry). One device query."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((target for key, target in TARGETS.items() if key in name), None)
 
 
 def load_target(spec: "str | os.PathLike | TargetDevice", base: "Path | None" = None) -> TargetDevice:

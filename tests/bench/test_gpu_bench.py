@@ -224,6 +224,29 @@ def test_eager_target_compares_the_best_eager_fp8_variant_with_eager_bf16():
     assert "autoprec_fp8_tensor " in eager.detail and "fused Triton cast" in eager.detail
 
 
+def test_eager_rows_on_a_datasheet_gpu_carry_the_cost_models_ratio_for_it(monkeypatch):
+    from autoprec.bench.gpu import layers
+    from autoprec.bench.gpu.report import predicted_lines
+    from autoprec.costs import TARGETS
+
+    # At the GPU run's large shape an H100 runs FP8 per tensor and in blocks faster than BF16
+    # (block scaling's amax is fused into its tile cast), INT8 slower (its backward is FP32).
+    ratios = layers.predicted_ratios((8192, 4096, 4096), VARIANTS, TARGETS["H100"])
+    assert set(ratios) == {v.name for v in VARIANTS if v.kind == "autoprec" and not v.compiled}
+    assert 1.0 < ratios["autoprec_fp8_tensor"] < ratios["autoprec_fp8_block"] and ratios["autoprec_int8"] < 1.0
+    # On a GPU named in the datasheet table (here a CPU posing as one), measure_layers adds it to each eager autoprec row.
+    monkeypatch.setattr(layers, "datasheet_target", lambda device: TARGETS["H100"])
+    variants = [v for v in VARIANTS if v.name in ("bf16_autocast", "autoprec_fp8_tensor")]
+    rows = measure_layers([(8, 16, 16)], variants, torch.device("cpu"), warmup=1, repeats=1, backend="eager", recompile_limit=1)
+    marked = {(r.detail["variant"], r.detail["compiled"]): r.detail.get("predicted_ratio_to_eager_baseline") for r in rows}
+    assert marked[("autoprec_fp8_tensor", False)] == pytest.approx(layers.predicted_ratios((8, 16, 16), variants, TARGETS["H100"])["autoprec_fp8_tensor"])
+    assert marked[("bf16_autocast", False)] is None and marked[("autoprec_fp8_tensor", True)] is None
+    (head, line) = predicted_lines(rows)
+    assert head.startswith("eager x eager bf16 autocast, measured / predicted on NVIDIA H100 SXM5")
+    fp8 = next(r for r in rows if r.detail["variant"] == "autoprec_fp8_tensor" and not r.detail["compiled"])
+    assert line == f"  {fp8.name}: {fp8.detail['ratio_to_eager_baseline']:.2f} / {fp8.detail['predicted_ratio_to_eager_baseline']:.2f}"
+
+
 def test_unfused_variant_runs_the_tensorwise_plan_with_pytorch_ops():
     from autoprec.bench.gpu.layers import UNFUSED
 

@@ -14,7 +14,10 @@ mixed-precision network does):
   with the recipe of that name, when ``import torchao`` works (compiled only: torchao's float8
   training is meant to run under ``torch.compile``).
 
-Each variant runs eager and ``torch.compile``d. A step is forward, then ``torch.autograd.grad``
+Each variant runs eager and ``torch.compile``d. On a GPU with a datasheet entry
+(`costs.targets.datasheet_target`), each eager autoprec row also carries the cost model's
+roofline ratio to eager BF16 autocast there (``predicted_ratio_to_eager_baseline``), so a run
+checks the prices a search for that GPU uses (`costs.targets`). A step is forward, then ``torch.autograd.grad``
 of the output against the input and the parameters (so nothing accumulates between repeats): six
 ``M*K*N`` multiply-adds, counted as ``6*M*K*N`` FLOPs. After its timed calls, each variant's
 ``profile`` (`autoprec.bench.step_profile`, two steps): its kernels, launches and the costliest
@@ -33,6 +36,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from ...costs import RooflineTimeModel, trace_model
+from ...costs.targets import TargetDevice, datasheet_target
 from ...formats import Format, Granularity
 from ...plan import LayerPrecision, Plan, Scaling, ScalingMode
 from ...runtime import apply_plan
@@ -41,7 +46,7 @@ from ..step_profile import profile_steps
 from .rows import Row, error_text, guarded
 from .warm_timing import median_ms, rotation_count, tflops, warm_up
 
-__all__ = ["BASELINE", "EAGER_BASELINE", "UNFUSED", "VARIANTS", "TORCHAO_RECIPES", "LayerVariant", "torchao_status", "measure_layers"]
+__all__ = ["BASELINE", "EAGER_BASELINE", "UNFUSED", "VARIANTS", "TORCHAO_RECIPES", "LayerVariant", "torchao_status", "measure_layers", "predicted_ratios"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +130,21 @@ def _prepare(variant: LayerVariant, layer: nn.Module, example: torch.Tensor, dev
     return wrapped, autocast, lambda: {"linear": type(wrapped[0]).__name__}
 
 
+def predicted_ratios(shape: tuple[int, int, int], variants: Sequence[LayerVariant], target: TargetDevice) -> dict[str, float]:
+    """Per eager autoprec variant's name, BF16 autocast's roofline seconds over its own for one
+    ``Linear(K, N)`` step at ``shape`` (M, K, N) on ``target`` (`RooflineTimeModel`: its rates,
+    its kernel paths). Traced on the meta device: arithmetic on shapes, nothing runs."""
+    m, k, n = shape
+    trace = trace_model(nn.Linear(k, n, device="meta"), torch.empty(m, k, device="meta", requires_grad=True))
+    (call,) = next(iter(trace.layers.values())).calls
+
+    def seconds(precision: LayerPrecision) -> float:
+        return RooflineTimeModel(target=target, precisions={precision.format: precision}).seconds(call, precision.format, torch.device("cpu"))
+
+    bf16 = seconds(LayerPrecision(Format.BF16))
+    return {v.name: bf16 / seconds(LayerPrecision(v.format, scaling=v.scaling)) for v in variants if v.kind == "autoprec" and not v.compiled}
+
+
 def _dynamo_counts() -> dict[str, int]:
     """Dynamo's running totals of graph breaks and compiled graphs (private counters; empty when
     they move)."""
@@ -202,6 +222,7 @@ def measure_layers(
     push the run past its time; eager ones always run. Never raises for a failing variant.
     """
     have_torchao, torchao_reason = torchao_status()
+    target = datasheet_target(device)
     rows: list[Row] = []
     for shape in shapes:
         shape_rows = []
@@ -227,5 +248,10 @@ def measure_layers(
                 row.detail["ratio_to_baseline"] = baseline.detail["ms"] / row.detail["ms"]
             if row.ok and eager is not None and not row.detail["compiled"]:
                 row.detail["ratio_to_eager_baseline"] = eager.detail["ms"] / row.detail["ms"]
+        if target is not None:
+            predicted = predicted_ratios(shape, variants, target)
+            for row in shape_rows:
+                if row.detail["variant"] in predicted and not row.detail["compiled"]:
+                    row.detail.update(predicted_ratio_to_eager_baseline=predicted[row.detail["variant"]], predicted_on=target.name)
         rows.extend(shape_rows)
     return rows

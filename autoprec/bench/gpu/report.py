@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from . import GpuBenchResult
 
-__all__ = ["format_table"]
+__all__ = ["format_table", "predicted_lines"]
 
 _VERDICT = {True: "PASS", False: "FAIL", None: "n/a"}
 
@@ -25,6 +25,17 @@ def _layer_cell(row) -> str:
         return _status(row)
     ratio = row.detail.get("ratio_to_baseline")
     return f"{row.detail['ms']:8.3f} {row.detail['tflops']:6.1f}" + (f" {ratio:5.2f}x" if ratio is not None else "       ")
+
+
+def predicted_lines(rows) -> list[str]:
+    """The eager layer rows' measured ratio to eager BF16 autocast beside the cost model's
+    roofline one for the device (`layers.predicted_ratios`): where a search for this GPU
+    planned from a machine that is not it (`costs.targets`) would be wrong."""
+    both = [r for r in rows if r.ok and "predicted_ratio_to_eager_baseline" in r.detail and "ratio_to_eager_baseline" in r.detail]
+    if not both:
+        return []
+    lines = [f"eager x eager bf16 autocast, measured / predicted on {both[0].detail['predicted_on']} (the cost model's roofline):"]
+    return lines + [f"  {r.name}: {r.detail['ratio_to_eager_baseline']:.2f} / {r.detail['predicted_ratio_to_eager_baseline']:.2f}" for r in both]
 
 
 def format_table(result: "GpuBenchResult") -> str:
@@ -54,6 +65,7 @@ def format_table(result: "GpuBenchResult") -> str:
         if r.ok is not True and _why(r):
             lines.append(f"  {r.name}: {_why(r)}")
             break  # one reason is enough here; all are in the JSON
+    lines += predicted_lines(result.layers)
 
     timings = result.searched_plan.get("timings_ms")
     if timings:
