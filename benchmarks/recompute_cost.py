@@ -7,7 +7,8 @@ step by step (median of ``--steps``, the first 3 of each dropped):
 - Hugging Face's own gradient checkpointing (``gradient_checkpointing_enable()``: ``torch.utils.checkpoint``
   per decoder layer), no autoprec.
 
-Ratios to the plain step, in one run. It says how much of a planned or searched step over a plain
+Every variant without a KV cache (``use_cache=False``, as Hugging Face's checkpointing runs in
+training). Ratios to the plain step, in one run. It says how much of a planned or searched step over a plain
 one is recomputation itself, whoever runs it (docs/results.md, "The search at depth").
 
     python benchmarks/recompute_cost.py --blocks 4
@@ -51,7 +52,9 @@ def main() -> None:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             start = time.perf_counter()
             with runtimes.get(variant, contextlib.nullcontext()):
-                loss = model(input_ids=ids, labels=ids).loss
+                # No KV cache in any variant: Hugging Face's checkpointing turns it off in training,
+                # and filling it is a third of this model's plain step.
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
