@@ -53,7 +53,7 @@ from .trace import LayerTrace, MatmulCall, TensorSpec
 if TYPE_CHECKING:
     from .targets import TargetDevice
 
-__all__ = ["MemoryCost", "call_path", "layer_memory"]
+__all__ = ["MemoryCost", "call_path", "layer_memory", "runs_natively"]
 
 # Matrix-product ops that torch.autocast leaves in FP32 (with FP32 inputs), per device type: not
 # in its lower-precision list, or "promote" (aten/src/ATen/autocast_mode.cpp; checked on CPU with
@@ -109,13 +109,18 @@ def call_path(call: MatmulCall, precision: LayerPrecision, device: "torch.device
     args, kwargs = _meta_arguments(call)
     gemm = as_gemm(call.op, call.func, args, kwargs)
     tiled = _tiled(precision)
-    native = target.runs(precision) if target is not None else kernel_reason(precision, device) is None
-    if gemm is None or (tiled is None and not native):
+    if gemm is None or (tiled is None and not runs_natively(precision, device, target)):
         return "emulated", None
     a, b = gemm[0], gemm[1]
     m, k = a.shape
     n = b.shape[1]
     return tiled or "kernel", (m, k, n)
+
+
+def runs_natively(precision: LayerPrecision, device: torch.device, target: "TargetDevice | None" = None) -> bool:
+    """Whether a layer in ``precision`` runs its products on a kernel: on ``target`` when given
+    (its kernels), else on ``device`` (`runtime.layers.kernel_reason`, the runtime's own rule)."""
+    return target.runs(precision) if target is not None else kernel_reason(precision, device) is None
 
 
 def _tiled(precision: LayerPrecision) -> "str | None":

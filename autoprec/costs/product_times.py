@@ -44,9 +44,8 @@ from ..errors import CostModelError, first_line
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
 from ..runtime import EmulationWarning, apply_plan
-from ..runtime.layers import kernel_reason
 from ..device_clock import interleaved, timed
-from .memory import call_path
+from .memory import call_path, runs_natively
 from .targets import DevicePeaks, TargetDevice, datasheet_target
 from .trace import MatmulCall
 
@@ -395,7 +394,7 @@ class RooflineTimeModel(TimeModel):
         precision = self.precisions.get(fmt, LayerPrecision(fmt))
         path, _ = call_path(call, precision, device, self.target)
         kernels = _KERNELS[path]
-        if path in _TILED_WIDTH and not (self.target.runs(precision) if self.target is not None else kernel_reason(precision, device) is None):
+        if path in _TILED_WIDTH and not runs_natively(precision, device, self.target):
             path = "emulated"  # a tiled product without its kernel: FP32 GEMMs on the decoded tiles, as many casts
         flops, out_numel = call_flops(call)
         operand_numel = sum(s.numel for s in call.tensors if s.operand)
