@@ -324,6 +324,43 @@ class Plan:
             flags = {fqn: True for fqn in blocks}
         return self.replace(blocks=flags)
 
+    def for_stage(self, stage: nn.Module) -> "Plan":
+        """This plan on the layers and blocks that ``stage`` holds under the same fqns: a pipeline
+        stage's part of the whole model's plan (torchtitan's pipeline split keeps the whole
+        model's names). What the plan says of the whole model (budgets, predictions, metadata)
+        is kept as it is, and ``metadata["part_of"]`` says how many layers the whole plan has and
+        in which formats: a runtime of the part runs the model's own ops between its layers in
+        the whole plan's autocast region (`whole_formats`), as on the unsharded model.
+
+        Args:
+            stage: a module holding some of the plan's layers by their fqns.
+
+        Returns:
+            A new plan; this one is unchanged.
+
+        Raises:
+            PlanError: ``stage`` holds none of the plan's layers (its names are not the model's:
+                a stage from a tracer that renames the modules).
+        """
+        names = {name for name, _ in stage.named_modules()}
+        layers = {fqn: lp for fqn, lp in self._layers.items() if fqn in names}
+        if not layers:
+            raise PlanError(f"Plan.for_stage({type(stage).__name__}): the stage holds none of the plan's {len(self._layers)} layers by their names "
+                            f"(the plan's first: {next(iter(self._layers), '-')!r}); split the model keeping its module names, as torchtitan's pipeline split does")
+        whole = {"layers": len(self._layers), "formats": sorted(f.value for f in self.whole_formats)}
+        return self.replace(layers=layers, fingerprint={f: info for f, info in self._fingerprint.items() if f in names},
+                            blocks={f: flag for f, flag in self._blocks.items() if f in names},
+                            comm={f: m for f, m in self._comm.items() if f in layers}, metadata={**self.metadata, "part_of": whole})
+
+    @property
+    def whole_formats(self) -> frozenset:
+        """The formats of the whole plan this one is a pipeline stage's part of (`for_stage`), its
+        own among them; a plan that is no part: its own formats."""
+        own = {lp.format for lp in self._layers.values()}
+        part_of = self.metadata.get("part_of")
+        names = part_of.get("formats", ()) if isinstance(part_of, Mapping) else ()
+        return frozenset(own | {Format(n) for n in names if n in Format._value2member_map_})
+
     # -- reading ------------------------------------------------------------------------------
 
     @property

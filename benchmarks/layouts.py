@@ -136,9 +136,7 @@ def worker(rank: int, world: int, store: str, layout: str, steps: int, out: str)
             model, (start, stride), step = build(layout, rank, world)
             inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
             plan = plan_of(plan_name, titan_llama(), token_batch(0)[0])
-            names = dict(inner.named_modules())
-            plan = plan.replace(layers={f: lp for f, lp in plan.layers.items() if f in names},
-                                fingerprint={f: i for f, i in plan.fingerprint.items() if f in names})
+            plan = plan.for_stage(inner) if layout == "pp" else plan  # a stage runs its part of the plan
             runtime = ap.apply_plan(inner, plan)
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             seconds, saved, losses = [], None, []

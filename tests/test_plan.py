@@ -923,3 +923,31 @@ def test_numpy_figures_are_held_as_numbers_and_round_trip(tmp_path):
     assert dict(plan.predicted) == {"bytes": 5, "seconds": 0.5} and Plan.load(plan.save(tmp_path / "p.json")) == plan
     with pytest.raises(PlanError, match=r"Plan\(metadata=\.\.\.\): .* cannot be saved as JSON"):
         Plan({"fc": "bf16"}, metadata={"x": object()})
+
+
+def test_a_stages_part_of_a_plan_keeps_the_whole_plans_formats_through_a_round_trip():
+    """`Plan.for_stage`: the part on a pipeline stage's layers says which formats the whole plan
+    runs, so its runtime runs the model's own ops in the whole plan's autocast region (here an
+    FP32 layer's stage, FP16 elsewhere: an FP16 region, where the part alone would run none), and
+    keeps saying so through JSON."""
+    import autoprec as ap
+
+    class TwoStages(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.second(x if self.first is None else self.first(x).relu())
+
+    model = TwoStages()
+    plan = Plan.uniform(model, "fp32").with_layers({"first": "fp16"})
+    stage = copy.deepcopy(model)
+    stage.first = None  # as torchtitan's pipeline split leaves a stage
+    part = plan.for_stage(stage)
+    assert dict(part.layers) == {"second": plan.layers["second"]} and part.whole_formats == plan.whole_formats == {Format.FP16, Format.FP32}
+    assert Plan.from_dict(json.loads(json.dumps(part.to_dict()))) == part
+    whole_runtime, part_runtime = ap.apply_plan(copy.deepcopy(model), plan), ap.apply_plan(stage, part)
+    assert part_runtime.low_precision and part_runtime.region_dtype == whole_runtime.region_dtype == torch.float16
+    alone = ap.apply_plan(copy.deepcopy(stage), Plan.uniform(stage, "fp32"))
+    assert not alone.low_precision  # a plan of its own: its own formats

@@ -82,7 +82,8 @@ class PlanRuntime:
         self.device = index.device
         self.device_type = self.device.type
         self._layers = {fqn: RuntimeLayer(fqn, index.modules[fqn], lp, self.device) for fqn, lp in plan.layers.items()}
-        formats = {lp.format for lp in plan.layers.values()}
+        # A pipeline stage's part of a plan runs the model's own ops as the whole plan does.
+        formats = set(plan.whole_formats)
         # Whether the plan needs the runtime's forwards: a format other than FP32, or FP32 layers
         # whose weights are stored in a half dtype (they compute in FP32, the weight cast up).
         self.low_precision = formats != {Format.FP32} or any(layer.stored_dtype is not None for layer in self._layers.values())

@@ -21,7 +21,7 @@ import autoprec as ap
 from support.gloo_ranks import run
 from support.states import same
 from support.torch_versions import TORCH
-from support.titan_llama import mixed_plan, pipeline_stage, stage_plan, titan_llama, token_batch, token_loss
+from support.titan_llama import mixed_plan, pipeline_stage, titan_llama, token_batch, token_loss
 
 WORLD = 2
 MICRO = 4  # micro-batches per step (2 rows each)
@@ -87,7 +87,7 @@ def pipelined(plan, rank, schedule_name):
     total = 2 * WORLD if schedule_name in looped else WORLD
     ids = looped[schedule_name](rank) if schedule_name in looped else (rank,)
     models = [pipeline_stage(titan_llama(), i, total) for i in ids]
-    runtimes = [ap.apply_plan(model, stage_plan(plan, model)) for model in models]
+    runtimes = [ap.apply_plan(model, plan.for_stage(model)) for model in models]
     stages = [PipelineStage(model, i, total, torch.device("cpu")) for model, i in zip(models, ids)]
     if schedule_name in looped:
         schedule = {"interleaved": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}[schedule_name](stages, n_microbatches=MICRO, loss_fn=token_loss)

@@ -16,7 +16,7 @@ import torch
 
 import autoprec as ap
 from support.gloo_ranks import run
-from support.titan_llama import mixed_plan, parallelize, pipeline_stage, stage_plan, titan_llama, token_batch, token_loss
+from support.titan_llama import mixed_plan, parallelize, pipeline_stage, titan_llama, token_batch, token_loss
 
 PP, DP, TP = 2, 2, 2
 MICRO = 2  # micro-batches per data-parallel rank and step (2 rows each)
@@ -42,7 +42,7 @@ def three_d(rank):
     model = parallelize(pipeline_stage(titan_llama(), pp, PP), mesh["tp"])
     for module in (*model.layers.values(), model):
         fully_shard(module, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=None))
-    runtime = ap.apply_plan(model, stage_plan(plan, model))
+    runtime = ap.apply_plan(model, plan.for_stage(model))
     stage = PipelineStage(model, pp, PP, torch.device("cpu"), group=mesh["pp"].get_group())
     schedule = Schedule1F1B(stage, n_microbatches=MICRO, loss_fn=token_loss)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -182,10 +182,3 @@ def mixed_plan(model: Transformer, kinds: tuple):
 
     plan = ap.Plan.uniform(model, "bf16", (token_batch(0)[0],))
     return plan.with_layers({fqn: kinds[i % len(kinds)] for i, fqn in enumerate(plan.layers)})
-
-
-def stage_plan(plan, stage: Transformer):
-    """``plan`` on the layers a pipeline ``stage`` holds (their fqns are the whole model's)."""
-    names = dict(stage.named_modules())
-    return plan.replace(layers={f: lp for f, lp in plan.layers.items() if f in names},
-                        fingerprint={f: info for f, info in plan.fingerprint.items() if f in names})
