@@ -66,6 +66,21 @@ def _scaled(value: Any, scale: torch.Tensor) -> Any:
     raise ValueError("outputs must be a Tensor or an iterable of Tensors")
 
 
+class _GradientTimesScale(torch.autograd.Function):
+    """The loss as it is forward, its gradient times the scale backward: the gradient ``loss *
+    scale`` would send, with the loss's own value left for the caller to report."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(scale)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+        (scale,) = ctx.saved_tensors
+        return (grad * scale.to(grad.device)).to(grad.dtype), None
+
+
 def _result(name: str, doc: str, resolve: bool = True) -> property:
     """A read-only view of the `OverflowRecord` entry ``name`` (containers as copies)."""
 
@@ -308,17 +323,45 @@ class LossScaler(torch.amp.GradScaler):
         """
         if not isinstance(outputs, (torch.Tensor, Iterable)):
             raise ScalingError(f"LossScaler.scale({type(outputs).__name__}): expected a tensor or an iterable of tensors")
-        self._record.release_held()
-        tensors = [t.detach() for t in _floating_tensors(outputs)]
-        self._record.losses.extend(tensors)
-        if self._scale is None and tensors:
-            self._lazy_init(tensors[0].device)
+        self._note_losses(outputs)
         if not self._scaling:
             return outputs
         if self._scale is None:  # an iterable with no tensor yet seen: its first tensor's device
             first = next((t for t in _floating_tensors(list(outputs)) if isinstance(t, torch.Tensor)), None)
             self._lazy_init(first.device if first is not None else torch.device("cpu"))
         return _scaled(outputs, self._scale)
+
+    def _note_losses(self, outputs: Any) -> None:
+        """Keep the loss tensors (checked if the iteration overflows); the scale made on the first one's device."""
+        self._record.release_held()
+        tensors = [t.detach() for t in _floating_tensors(outputs)]
+        self._record.losses.extend(tensors)
+        if self._scale is None and tensors:
+            self._lazy_init(tensors[0].device)
+
+    def scale_gradient(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss with its value unchanged and its gradient multiplied by the scale, for a
+        caller that both reports the tensor it gets and backpropagates it (a
+        ``torch.distributed.pipelining`` schedule's ``loss_fn``: its ``losses`` then hold the
+        true losses). Recorded as `scale` records it; the gradients it sends are those of
+        ``scale(loss)``. No sync; one scalar copy forward, one multiply backward.
+
+        Args:
+            loss: a floating-point tensor.
+
+        Returns:
+            ``loss``'s value in a new tensor whose gradient is scaled (``loss`` itself when
+            disabled).
+
+        Raises:
+            ScalingError: ``loss`` is not a floating-point tensor.
+        """
+        if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
+            raise ScalingError(f"LossScaler.scale_gradient({type(loss).__name__}): expected a floating-point loss tensor")
+        self._note_losses(loss)
+        if not self._scaling or self._scale is None:
+            return loss
+        return _GradientTimesScale.apply(loss, self._scale)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide an optimizer's gradients by the scale in place and check them, in one fused

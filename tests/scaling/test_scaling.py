@@ -789,3 +789,25 @@ def test_found_inf_of_an_optimizer_without_gradients_found_nothing():
     scaler = LossScaler()
     found = scaler.found_inf(opt)  # before: IndexError on the empty list of flags
     assert found.shape == () and found.dtype == torch.float32 and float(found) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scale_gradient_sends_the_gradients_of_scale_and_keeps_the_losss_value(dtype):
+    """A pipeline schedule reports the tensor its loss function returns and backpropagates it:
+    `scale_gradient` keeps the value and sends ``scale(loss)``'s gradients."""
+    grads = []
+    for gradient_only in (False, True):
+        torch.manual_seed(1)
+        model = nn.Linear(4, 3).to(dtype)
+        scaler = LossScaler(init_scale=2.0**10)
+        loss = model(torch.randn(5, 4, dtype=dtype)).square().mean()
+        out = scaler.scale_gradient(loss) if gradient_only else scaler.scale(loss)
+        out.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        assert (out.detach() == loss.detach()) if gradient_only else (out.detach() == loss.detach().float() * 2.0**10)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    disabled = LossScaler(enabled=False)
+    loss = torch.ones((), requires_grad=True)
+    assert disabled.scale_gradient(loss) is loss
+    with pytest.raises(ScalingError, match="scale_gradient"):
+        LossScaler().scale_gradient("loss")
