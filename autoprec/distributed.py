@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from .plan import Plan
     from .scheduler import DynamicPrecisionScheduler
 
-__all__ = ["RankAgreement", "StepVerdict", "SchedulerCheckpoint", "GradCommHook", "unwrap_ddp", "plan_hash", "grad_comm_methods"]
+__all__ = ["RankAgreement", "StepVerdict", "SchedulerCheckpoint", "GradCommHook", "unwrap_ddp", "plan_hash", "settings_hash", "grad_comm_methods"]
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +172,12 @@ class GradCommHook:
         return state.communicator.allreduce(bucket, state.method_of)
 
 
+def settings_hash(config, plan: "Optional[Plan]") -> str:
+    """A hash of the scheduler's settings (but the group and the log folder) and ``plan``."""
+    settings = repr(dataclasses.replace(config, process_group=None, log_dir=None))
+    return hashlib.sha256((settings + plan_hash(plan)).encode()).hexdigest()
+
+
 class RankAgreement:
     """What the ranks of ``group`` agree on for one scheduler.
 
@@ -212,7 +218,8 @@ class RankAgreement:
         self.last_verdict: Optional[StepVerdict] = None
         self._bit = 1 << self.rank if self.world <= _MAX_NAMED_RANK + 1 else 1
         modules = dict(model.named_modules())
-        self._params = [(i, p) for i, fqn in enumerate(self.layers) for p in modules[fqn].parameters(recurse=False)]
+        # A pipeline stage agrees over the whole plan's layers and holds only some of them.
+        self._params = [(i, p) for i, fqn in enumerate(self.layers) if fqn in modules for p in modules[fqn].parameters(recurse=False)]
         self.comm_hook: Optional[GradCommHook] = None
         if ddp is not None:
             names = {id(p): name for name, p in model.named_parameters()}
@@ -274,8 +281,12 @@ class RankAgreement:
         forwards run on rank 0 alone on a plain copy of the model whose parameters every rank
         gathered whole when the search started (`replica.plain_copy`), so no rank waits on an
         all-gather the others never issue."""
-        settings = repr(dataclasses.replace(config, process_group=None, log_dir=None))
-        self.verify("scheduler settings or plan=", hashlib.sha256((settings + plan_hash(plan)).encode()).hexdigest())
+        self.verify("scheduler settings or plan=", settings_hash(config, plan))
+
+    def gather(self, value: Any) -> list:
+        """Every rank's ``value`` (JSON-like), in rank order: one ``all_gather_object``. A pipeline
+        stage's first step compares the stages this way (`scheduler.pipeline_stage`)."""
+        return self._gather(value)
 
     def decide(self, decide: Callable[[], Any], adopt: Callable[[Any], None], plan: Callable[[], "Optional[Plan]"]) -> None:
         """Rank 0 runs ``decide`` (the search or the window review), which returns its outcome as

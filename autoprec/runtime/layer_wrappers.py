@@ -18,6 +18,7 @@ itself on the thread's stack (a tuple replaced, never mutated).
 from __future__ import annotations
 
 import contextlib
+import sys
 import types
 from typing import Any, Mapping
 
@@ -336,6 +337,9 @@ class LayerWrappers:
         if self.stage_hook is None and self.forwards and pipelining.loaded():
             threads = self.threads
             self.stage_hook = pipelining.watch(self.root, lambda: threads.state.active)
+            # Entered inside the model's forward (a scheduler binding at its first call, after the
+            # model's pre-hooks ran): that forward's look-up, made here.
+            pipelining.look_up(sys._getframe())
 
     def install(self) -> None:
         """Put this runtime's wrappers on its layers and recomputed blocks, displacing an inactive

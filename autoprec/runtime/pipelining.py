@@ -44,7 +44,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["inferring", "in_metadata_inference", "in_stage", "loaded", "watch", "leave"]
+__all__ = ["inferring", "in_metadata_inference", "in_stage", "loaded", "look_up", "watch", "leave"]
 
 _STAGE = "torch.distributed.pipelining.stage"
 # The PipelineStage methods that run the stage's module to infer shapes, per torch version:
@@ -117,6 +117,12 @@ def watch(model: nn.Module, active: Any) -> RemovableHandle:
         _state.inferring = in_metadata_inference(sys._getframe(1))
 
     return model.register_forward_pre_hook(starts)
+
+
+def look_up(frame: "FrameType | None") -> None:
+    """Say to `inferring` whether ``frame`` runs inside a metadata inference: for a forward that
+    started before its runtime's `watch` was registered. One walk up the stack."""
+    _state.inferring = in_metadata_inference(frame)
 
 
 def leave() -> None:

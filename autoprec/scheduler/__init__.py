@@ -7,7 +7,8 @@ the loss scaler, promotions and demotions), `window_measures` (the profiler of t
 the watch of planned ones, the loss baseline, captured steps), `search_steps` (the search spread
 over training steps), `grad_comm` (each layer's gradient communication under DDP),
 `step_checks` (what a step refuses and warns of), `stance` (whether a step of a compiled model
-runs eagerly), `fp8_gathers` (FSDP2's FP8 gathers switched with the plan), `plan_checks`,
+runs eagerly), `fp8_gathers` (FSDP2's FP8 gathers switched with the plan), `pipeline_stage`
+(a fixed plan on a pipeline stage), `plan_checks`,
 `lifecycle` (the window clock's pure transitions) and
 `policy` (the pure promote / demote rules), `promotion_bytes` (the lowerings that pay for a
 promotion within the memory budget). May import every part below it (the shared basics,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
@@ -41,7 +42,7 @@ from ..calls import ModelCall, prediction_of
 from ..coverage import LayerInfo, find_layers
 from ..distributed import unwrap_ddp
 from ..errors import AutoprecError, ModelCallError, RuntimeStateError, SearchError, SettingsError
-from ..runtime import EmulationWarning
+from ..runtime import EmulationWarning, pipelining
 
 if TYPE_CHECKING:
     from .config import SchedulerConfig
@@ -133,7 +134,9 @@ class ModelWatch:
             return
         if _related(module, self.model):
             self._begin(module)
-        elif holds_matrix(module):
+        elif holds_matrix(module) and not pipelining.in_stage(sys._getframe()):
+            # Another stage a schedule runs on this rank: refused at the first step on every rank
+            # (`pipeline_stage`), not here, inside a forward, while the other ranks wait on this one.
             raise RuntimeStateError(self._refusal(module))
 
     def _begin(self, module: nn.Module) -> None:

@@ -20,7 +20,8 @@ planned step checks the plan at once (`plan_checks`: an input grossly past its s
 accuracy budget measured against the window's precision); or **safe** after a failed search
 (retried, unless no plan meets the budgets). This class keeps the clock and composes those parts
 (`step_checks` refuses bad steps). `state_dict` covers everything (`scheduler.state`: its
-schema); under ``torch.distributed`` the ranks agree through `distributed`.
+schema); under ``torch.distributed`` the ranks agree through `distributed`; on a pipeline stage
+a fixed plan runs (`pipeline_stage`).
 
 A ``torch.compile``-d model is called as usual: the scheduler plans the module it compiles, and the
 steps whose forward it hooks run eagerly through the wrapper (`stance.CompiledStance`); other
@@ -60,6 +61,7 @@ from .fp8_gathers import GatherSwitch
 from .grad_comm import CommChoice, warn_without_effect
 from .lifecycle import WindowClock
 from .plan_checks import CheckFigures, PlanChecks
+from .pipeline_stage import StagePlan
 from .plan_keeper import PlanKeeper, StepOutcome
 from .policy import accuracy_promotions, saturation_actions
 from .search_steps import SearchSteps
@@ -126,6 +128,7 @@ class DynamicPrecisionScheduler:
         self._context_stack: Optional[contextlib.ExitStack] = None
         self._backward_due = False  # a forward with autograd ran since the last backward
         self._pipeline_stage = False  # the bound model runs as a torch.distributed.pipelining stage
+        self._stage: Optional[StagePlan] = None  # on such a stage, a fixed plan's part and first-step check
         self._writer: Optional[TrainingWriter] = None  # opened on bind with log_dir, on one rank
         self._stance = CompiledStance(self._binding, self._plans, self._searches, self._measures, self._plan_checks)
 
@@ -251,6 +254,8 @@ class DynamicPrecisionScheduler:
             yield self
             if self._binding.example is None:
                 raise RuntimeStateError(unbound_exit(self.model))
+            if self._pipeline_stage:  # the schedule ran each micro-batch's backward inside
+                self._backward_due = False
         finally:
             self._context_stack = None
             stack.close()
@@ -270,6 +275,25 @@ class DynamicPrecisionScheduler:
         Raises:
             RuntimeStateError: no forward ran inside `precision_context` yet.
         """
+        return self.scaler.scale(self._note_loss(loss))
+
+    def pipeline_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """``loss_fn`` (``(output, target) -> loss``) for a ``torch.distributed.pipelining``
+        schedule whose stages run a fixed plan (`from_plan`, `pipeline_stage`): each micro-batch's
+        loss recorded as `scale` records it, its gradient times the loss scale every stage
+        unscales by, its value unchanged (the schedule's ``losses`` are the true losses). No sync:
+        ``ScheduleGPipe(stage, n, loss_fn=scheduler.pipeline_loss(loss_fn))``."""
+        def loss_in_schedule(output: Any, target: Any) -> torch.Tensor:
+            loss = self._note_loss(loss_fn(output, target))
+            if self._stage is not None:
+                self._stage.note_loss()
+            return self.scaler.scale_gradient(loss)
+
+        return loss_in_schedule
+
+    def _note_loss(self, loss: Any) -> torch.Tensor:
+        """Record a loss about to be backpropagated (`scale`): the step's loss, its backward due no
+        more, a probe's or a check step's hooks; returns the loss tensor."""
         if self._binding.example is None:
             raise RuntimeStateError("backward() or scale() before any forward ran inside precision_context()")
         loss = loss_of(loss)
@@ -280,7 +304,7 @@ class DynamicPrecisionScheduler:
         self._plan_checks.note_loss(detached)  # a check step: the loss its captured prediction's gradient is of
         if self.phase == "profiling":
             self._measures.record_loss(detached)
-        return self.scaler.scale(loss)
+        return loss
 
     @contextlib.contextmanager
     def reusing_weights(self):
@@ -322,12 +346,17 @@ class DynamicPrecisionScheduler:
 
         Raises:
             RuntimeStateError: no optimizer given, called inside `reusing_weights`, before any
-                forward, after a forward whose backward has not run, or on a model that a
-                ``torch.distributed.pipelining`` schedule runs (not supported yet: apply a plan
-                to each stage with `apply_plan`).
+                forward, after a forward whose backward has not run; on a
+                ``torch.distributed.pipelining`` stage, a searching or dynamic scheduler (run a
+                fixed plan: `from_plan`), or a first step where no stage's loss went through
+                `pipeline_loss`.
+            DistributedError: at a pipeline stage's first step, stages that do not make one
+                pipeline (`pipeline_stage`: other plans, layers, several stages on a rank).
         """
-        self._checks.refuse_step(optimizers, self._binding.model, forward_ran=self._binding.example is not None,
-                                 reusing=self._plans.reusing, backward_due=self._backward_due, pipeline_stage=self._pipeline_stage)
+        self._checks.refuse_step(optimizers, self._binding.model, forward_ran=self._binding.example is not None, reusing=self._plans.reusing,
+                                 backward_due=self._backward_due, pipeline_stage=self._pipeline_stage and (self._stage is None or self.config.dynamic))
+        if self._stage is not None:
+            self._stage.check_first_step(self._dist, self.config)
         self._optimizers = optimizers  # a search starting this step reads their Adam state
         if self._gathers is not None:
             self._gathers.before_step()  # FSDP2: a plan installed mid-step gathers in FP8 from now
@@ -375,7 +404,8 @@ class DynamicPrecisionScheduler:
         self._fingerprint = bindable_layers(model, example)
         self.layers = tuple(self._fingerprint)
         check_layers(model, self.layers, self.config)
-        self._dist = dist = RankAgreement.join(self.config, model, self.layers, self._binding.ddp, loss_scale=lambda: self._plans.scaler.scale_tensor)
+        agreed = tuple(self._stage.whole.layers) if self._stage is not None else self.layers  # every stage's flags, one vector
+        self._dist = dist = RankAgreement.join(self.config, model, agreed, self._binding.ddp, loss_scale=lambda: self._plans.scaler.scale_tensor)
         if dist is not None and not self._pipeline_stage:  # a stage's peers are in the schedule's recv: no collective here
             dist.check_bind(self.config, self._fixed_plan)
             dist.set_grad_comm(*grad_comm_methods(self.config, None))
@@ -399,12 +429,17 @@ class DynamicPrecisionScheduler:
     def _bind(self, model: nn.Module, example: ModelCall, at_end: bool) -> None:
         """Bind afresh to ``model`` by its call ``example`` (``at_end``: that call ran unplanned)."""
         check_materialised(model)
-        self._pipeline_stage = pipelining.in_stage(sys._getframe())  # called by a pipeline schedule: refused at step()
-        if self._fixed_plan is not None:
-            self._fixed_plan.validate(model, example)  # a plan for another model: PlanError naming each layer
+        self._pipeline_stage = pipelining.in_stage(sys._getframe())  # called by a pipeline schedule (`pipeline_stage`)
+        plan = self._fixed_plan
+        self._stage = StagePlan.renew(self._stage, plan, model if self._pipeline_stage else None)
+        if self._stage is not None:
+            plan = self._stage.part
+        if plan is not None:
+            plan.validate(model, example)  # a plan for another model: PlanError naming each layer
         self._attach(model, example)
-        if self._fixed_plan is not None:
-            self._plans.install(self._fixed_plan, "the given plan", self.step_count)
+        if plan is not None:
+            self._plans.install(plan, "the given plan" if self._stage is None else "the given plan's part on this pipeline stage", self.step_count,
+                                loss_scaling=None if self._stage is None else self._stage.loss_scaling)
         else:  # the profiling window (a scheduler without a plan is dynamic): its precision, the plan None
             self._plans.install_safe(self.step_count)
             self._measures.start_profiler(self.config.monitor_window)
@@ -604,6 +639,7 @@ class DynamicPrecisionScheduler:
             **self._searches.state_dict(),  # the search in progress, the known times
             "checks": self._plan_checks.state_dict(),
             "comm": self._dist.comm_state_dict() if self._dist is not None else None,  # error feedback, under DDP
+            "pipeline_stage": self._pipeline_stage,  # resumed outside the schedule, where no forward says so
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -625,6 +661,8 @@ class DynamicPrecisionScheduler:
             self._binding.hold(state)
             return
         check_state_fits(state, self._binding.bound, self.config, self._fixed_plan)
+        self._pipeline_stage = bool(state.get("pipeline_stage", False))
+        self._stage = StagePlan.renew(self._stage, self._fixed_plan, self._binding.bound if self._pipeline_stage else None)
         if self._binding.example is None:
             self._attach(self._binding.bound, ModelCall.from_state(state["example"]))  # plan, scaler and profiler come from the state below
         self.step_count = state["step"]
@@ -653,6 +691,7 @@ class DynamicPrecisionScheduler:
         self._searches.close()
         self._plans.close()
         self._measures.close()
+        self._stage = StagePlan.renew(self._stage, None, None)  # no longer a stage this process runs
         if self._gathers is not None:
             self._gathers.close()
         if self._writer is not None:

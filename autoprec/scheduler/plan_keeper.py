@@ -135,12 +135,14 @@ class PlanKeeper:
 
     # -- installing plans -------------------------------------------------------------------------
 
-    def install(self, plan: Plan, why: str, step: int, *, searched: bool = True, runtime: "Optional[PlanRuntime]" = None, log_memory: bool = False) -> None:
+    def install(self, plan: Plan, why: str, step: int, *, searched: bool = True, runtime: "Optional[PlanRuntime]" = None, log_memory: bool = False,
+                loss_scaling: Optional[bool] = None) -> None:
         """Put ``plan`` in force at ``step``: a new runtime (or ``runtime``, one already installed
         for it: a trial's) keeping the amax histories and calibration of layers whose precision did
-        not change; the scaler switched on or off as the plan needs. ``searched``: the first such
-        plan is kept as `searched_plan`. ``log_memory``: its predicted and measured bytes to the
-        writer."""
+        not change; the scaler switched on or off as the plan needs (``loss_scaling``: as the
+        whole plan of which ``plan`` is a pipeline stage's part needs). ``searched``: the first
+        such plan is kept as `searched_plan`. ``log_memory``: its predicted and measured bytes to
+        the writer."""
         old = self._runtime
         if old is not None:
             old.remove()  # its layer wrappers off the model before the new plan's go on
@@ -160,8 +162,9 @@ class PlanKeeper:
             self.searched_plan = plan
         if self._on_plan is not None:
             self._on_plan(plan)
-        if needs_loss_scaling(plan) != self.scaler.enabled:
-            self._replace_scaler(needs_loss_scaling(plan), self.scaler.state_dict())
+        scaling = needs_loss_scaling(plan) if loss_scaling is None else loss_scaling
+        if scaling != self.scaler.enabled:
+            self._replace_scaler(scaling, self.scaler.state_dict())
         if self._writer is not None:
             self._writer.log_plan(step, plan, name="plan")
         logger.info("autoprec: step %d: plan %s (%s)", step, plan.format_counts(), why)

@@ -48,6 +48,7 @@ STATE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "loss_sum": (lambda v: v is None or (isinstance(v, torch.Tensor) and v.shape == (2,)), "None or a tensor of (loss sum, finite count)"),
     "meter_next": (lambda v: isinstance(v, bool), "True or False"),
     "scaler_enabled": (lambda v: isinstance(v, bool), "True or False"),
+    "pipeline_stage": (lambda v: isinstance(v, bool), "True or False"),
     "fingerprint": (lambda v: isinstance(v, Mapping), "a dict of layers"),
     "window_nonfinite": (lambda v: isinstance(v, Mapping) and all(_count(n) for n in v.values()), "a dict of layer -> count >= 0"),
     "changes": (lambda v: isinstance(v, (list, tuple)), "a list of changes"),
@@ -74,7 +75,7 @@ STATE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 # Fields added within state version 2, with the value a state saved without them means.
 LATER_STATE: dict[str, Any] = {"window_skipped": 0, "search_failures": 0, "retry_at": None, "search": None, "known_times": {}, "watch": None,
-                               "checks": None, "comm": None, "due_search": None, "measured_bytes": None}
+                               "checks": None, "comm": None, "due_search": None, "measured_bytes": None, "pipeline_stage": False}
 
 
 def check_state(state: Any, expected_keys: Collection[str]) -> None:

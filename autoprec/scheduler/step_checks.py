@@ -33,12 +33,13 @@ logger = logging.getLogger(__name__)
 SKIPS_BEFORE_WARNING = 10
 
 
-# A schedule of torch.distributed.pipelining runs each stage's forward and backward itself: the
-# scheduler's loss scaling, skip decision and search need the loss each step, which only the last
-# stage sees. What runs: a plan applied to each stage's module (tested bit for bit).
-PIPELINE_REFUSAL = ("step(): the model runs as a torch.distributed.pipelining stage, where the scheduler does not run yet (its loss scaling, "
-                    "skip decision and search need the loss, which only the last stage sees); apply a plan to each stage instead: "
-                    "runtime = autoprec.apply_plan(stage_module, plan), then `with runtime: schedule.step(...)` (docs/distributed.md)")
+# A schedule of torch.distributed.pipelining runs each stage's forward and backward itself and only
+# the last stage sees the loss: a fixed plan runs there (`pipeline_stage`), the in-run search and
+# re-planning, which need the loss and every layer on one rank, do not yet.
+PIPELINE_REFUSAL = ("step(): the model runs as a torch.distributed.pipelining stage, where the in-run search and re-planning do not run yet "
+                    "(they need the loss and every layer on one rank); run a fixed plan instead: "
+                    "scheduler = DynamicPrecisionScheduler.from_plan(stage_module, plan) with the whole model's plan on every stage, "
+                    "and the schedule's loss_fn=scheduler.pipeline_loss(loss_fn) (docs/distributed.md)")
 
 
 class StepChecks:
@@ -53,8 +54,8 @@ class StepChecks:
         """`RuntimeStateError` for a ``step()`` call that cannot be taken: no optimizer, inside
         `reusing_weights` (``reusing``), before any forward (not ``forward_ran``), after a forward
         whose backward has not run (``backward_due``), on a model a pipeline schedule runs
-        (``pipeline_stage``: refused on every stage, where each arrives after the schedule's step,
-        so no stage waits on another); or an optimizer of ``model`` (the bound model) refused by
+        searching or re-planning (``pipeline_stage``: refused on every stage, where each arrives
+        after the schedule's step, so no stage waits on another); or an optimizer of ``model`` (the bound model) refused by
         `check_optimizer`."""
         if pipeline_stage:
             raise RuntimeStateError(PIPELINE_REFUSAL)
