@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -381,7 +381,8 @@ class LossScaler(torch.amp.GradScaler):
         state.found = check_and_unscale(optimizer, inv_scale, refuse_fp16=self._scaling)
         state.stage = OptState.UNSCALED
 
-    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0,
+                        whole: "Optional[Callable[[torch.Tensor, float], torch.Tensor]]" = None) -> torch.Tensor:
         """`unscale_` (unless done) and clip an optimizer's gradients to a total norm, as
         ``torch.nn.utils.clip_grad_norm_`` does. Unlike it, a non-finite norm leaves the
         gradients unchanged: its coefficient would be NaN and spread to every gradient, so
@@ -392,6 +393,8 @@ class LossScaler(torch.amp.GradScaler):
             optimizer: the optimizer whose gradients to clip, before its `step`.
             max_norm: the largest total norm kept, a finite number > 0.
             norm_type: the p of the p-norm (``inf`` for the max norm).
+            whole: the whole model's norm from these gradients' norm and ``norm_type``, where
+                they are a part of the model's (a pipeline stage's: `RankAgreement.whole_norm`).
 
         Returns:
             The total norm of the unscaled gradients before clipping: a 0-d device tensor, not
@@ -407,6 +410,8 @@ class LossScaler(torch.amp.GradScaler):
             self.unscale_(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+        if whole is not None:
+            total = whole(total, norm_type)
         # A zero norm makes the clip coefficient clamp to 1: the gradients stay as they are.
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.where(total.isfinite(), total, 0.0))
         return total

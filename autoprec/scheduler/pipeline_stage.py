@@ -18,7 +18,10 @@ stage) this way:
   plan's layers each stage holds (every layer on some stage; two ranks hold the same layers or
   none in common, as data-parallel replicas of one stage do: a split that renumbers a
   ``ModuleList`` would run other layers' precisions), and how many stages each rank runs under a
-  scheduler (one: with two, each scheduler would agree with one peer stage only).
+  scheduler (one: with two, each scheduler would agree with one peer stage only);
+- ``max_grad_norm`` clips by the whole model's gradient norm, summed over the stages
+  (`RankAgreement.whole_norm`: one 8-byte all-reduce per optimizer and step), as the unsharded
+  model's clip would.
 
 The in-run search and re-planning need the loss and every layer on one rank: refused on a stage
 (`step_checks.PIPELINE_REFUSAL`). Costs: at the first step one ``all_gather_object`` of a hash, a
@@ -98,6 +101,8 @@ class StagePlan:
         _check_stages(ranks, self.whole)
         if not any(noted for _, noted, _, _ in ranks):
             raise RuntimeStateError(LOSS_REFUSAL)
+        if agreement is not None:  # data-parallel copies of a stage hold its layers alike
+            agreement.set_stages(len(ranks) // len({tuple(names) for *_, names in ranks}))
         self._checked = True
 
 

@@ -255,9 +255,11 @@ class PlanKeeper:
         checks, so the next one names the layer whose output went first."""
         scaler = self.scaler
         verdict = agreement.agree_on_step(scaler, optimizers, loss) if agreement is not None else None
+        # A pipeline stage clips by the whole model's norm, as the unsharded model would.
+        whole = agreement.whole_norm if agreement is not None and agreement.stage_replicas is not None else None
         for optimizer in optimizers:
             if max_grad_norm is not None:
-                scaler.clip_grad_norm_(optimizer, max_grad_norm)
+                scaler.clip_grad_norm_(optimizer, max_grad_norm, whole=whole)
             scaler.step(optimizer)
         scaler.update()  # fills the attribution below, on an overflowing iteration only
         skipped = scaler.last_overflowed

@@ -9,7 +9,8 @@ does: dividing each loss instead rounds FP16 gradients near the bottom of their 
 it, and the first stage unscales its gradients by the same scale), INT8 calibrating, FP8 delayed
 and current, BF16 and FP32. At the second step a gradient on the first stage only is made
 non-finite: every stage must skip that step, its weights untouched, and back off the scale alike.
-A run checkpointed after that step (weights and scheduler state) resumes on fresh stages exactly.
+A run checkpointed after that step (weights and scheduler state) resumes on fresh stages exactly;
+with ``max_grad_norm`` every stage clips by the whole model's norm (before: its own stage's).
 Before: ``step()`` on a stage was refused (the search and the skip decision need the loss, which
 only the last stage sees), and a plan applied with ``apply_plan`` had no loss scaling at all."""
 
@@ -27,6 +28,7 @@ WORLD = 2
 MICRO = 4  # micro-batches per step (2 rows each)
 STEPS = 4
 POISONED = 1  # the step whose first-stage gradient is made non-finite
+CLIP = 0.1  # max_grad_norm, under the gradients' norm at every step
 KINDS = (
     ap.LayerPrecision("fp16"),
     ap.LayerPrecision("int8", calibration=ap.Calibration(batches=6)),
@@ -68,9 +70,9 @@ def trained(model, scheduler, run_step, steps=range(STEPS)):
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def unsharded(plan):
+def unsharded(plan, **settings):
     model = titan_llama()
-    scheduler = ap.DynamicPrecisionScheduler.from_plan(model, plan)
+    scheduler = ap.DynamicPrecisionScheduler.from_plan(model, plan, **settings)
     poison(model, lambda: scheduler.step_count)
 
     def accumulated(x, y):
@@ -87,13 +89,13 @@ def unsharded(plan):
     return trained(model, scheduler, accumulated)
 
 
-def stage_run(rank, plan, schedule_name, saved=None):
-    """This rank's stage under the scheduler and a schedule: (model, scheduler, step function);
-    ``saved``: the (weights, scheduler state) of an earlier run to resume from."""
+def stage_run(rank, plan, schedule_name, saved=None, **settings):
+    """This rank's stage under the scheduler (``settings``) and a schedule: (model, scheduler,
+    step function); ``saved``: the (weights, scheduler state) of an earlier run to resume from."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     model = pipeline_stage(titan_llama(), rank, WORLD)
-    scheduler = ap.DynamicPrecisionScheduler.from_plan(model, plan)
+    scheduler = ap.DynamicPrecisionScheduler.from_plan(model, plan, **settings)
     if saved is not None:
         model.load_state_dict(saved[0])
         scheduler.load_state_dict(saved[1])
@@ -114,8 +116,8 @@ def stage_run(rank, plan, schedule_name, saved=None):
     return model, scheduler, step
 
 
-def pipelined(rank, plan, schedule_name):
-    return trained(*stage_run(rank, plan, schedule_name))
+def pipelined(rank, plan, schedule_name, **settings):
+    return trained(*stage_run(rank, plan, schedule_name, **settings))
 
 
 def resumed(rank, plan, at=POISONED + 1):
@@ -133,7 +135,8 @@ def resumed(rank, plan, at=POISONED + 1):
 def scenario(rank):
     plan, fp16_first = whole_plan(), whole_plan(first_stage_fp16=True)
     return {"ref": unsharded(plan), "gpipe": pipelined(rank, plan, "gpipe"), "1f1b": pipelined(rank, plan, "1f1b"), "resumed": resumed(rank, plan),
-            "fp16 first: ref": unsharded(fp16_first), "fp16 first: gpipe": pipelined(rank, fp16_first, "gpipe")}
+            "fp16 first: ref": unsharded(fp16_first), "fp16 first: gpipe": pipelined(rank, fp16_first, "gpipe"),
+            "clipped: ref": unsharded(plan, max_grad_norm=CLIP), "clipped: gpipe": pipelined(rank, plan, "gpipe", max_grad_norm=CLIP)}
 
 
 @pytest.fixture(scope="module")
@@ -168,3 +171,16 @@ def test_the_plan_at_the_pipeline_stage_is_its_part_of_the_whole_plan():
         assert part.layers and all(f in names and part.layers[f] == plan.layers[f] for f in part.layers)
     with pytest.raises(ap.PlanError, match="holds none of the plan's"):
         plan.for_stage(torch.nn.Linear(2, 2))
+
+
+def test_a_pipeline_stage_clips_by_the_whole_models_gradient_norm(results):
+    """``max_grad_norm`` on a stage: the norm summed over the stages, as the unsharded model's clip
+    takes it (each stage's own norm would scale its gradients by another factor)."""
+    ref, unclipped = results[0]["clipped: ref"], results[0]["ref"]
+    assert ref["stepped"] == results[0]["clipped: gpipe"]["stepped"] == results[1]["clipped: gpipe"]["stepped"]
+    clipped_by = max(float((ref["params"][n] - unclipped["params"][n]).abs().max()) for n in ref["params"])
+    assert clipped_by > 1e-3  # the clip acted
+    for part in (results[0]["clipped: gpipe"], results[1]["clipped: gpipe"]):
+        for name, param in part["params"].items():
+            # The norm summed in another order: rounding, a ten-thousandth of what the clip moved.
+            assert float((param - ref["params"][name]).abs().max()) < clipped_by * 1e-4, name
