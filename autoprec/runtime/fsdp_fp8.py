@@ -207,7 +207,9 @@ class Fp8AllGather:
         def fsdp_post_all_gather(outputs, metadata, param_dtype, *, out: Optional[torch.Tensor] = None):
             (data,), (inv,) = outputs, metadata
             if out is not None:  # FSDP2 re-gathered into the same storage: only the scale is new
-                out.inv_scale = inv  # type: ignore[attr-defined]  # out: the GatheredFp8 parameter built at the first gather
+                # out: the parameter built at the first gather, the GatheredFp8 itself or, under
+                # FSDP2 x TP, a DTensor over it, whose local tensor the layer reads the scale from.
+                getattr(out, "_local_tensor", out).inv_scale = inv  # type: ignore[union-attr]  # a GatheredFp8
                 return None
             return GatheredFp8(data, inv, param_dtype), (data,)
 
