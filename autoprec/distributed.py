@@ -195,7 +195,9 @@ class RankAgreement:
     until rank 0's candidates exist, then their JSON) keeps the ranks on one schedule
     (`share`); under FSDP2, when it starts or resumes, one all-gather of each parameter on every
     rank (`replica.plain_copy`: the off-path work's whole copy). At bind: one
-    ``all_gather_object`` of the settings' and given plan's hashes. Under FSDP2 with FP8 layers,
+    ``all_gather_object`` of the settings' and given plan's hashes (on a pipeline stage at its
+    first step instead, with its layer names: `scheduler.pipeline_stage`; there ``max_grad_norm``
+    adds one 8-byte all-reduce per optimizer and step, `whole_norm`). Under FSDP2 with FP8 layers,
     per FP8 weight and all-gather one all-reduce of 4 bytes (`runtime.fsdp_fp8`).
 
     Amax histories and INT8 calibration agree without a reduction: under DDP the weights and

@@ -102,7 +102,7 @@ class StagePlan:
         if not any(noted for _, noted, _, _ in ranks):
             raise RuntimeStateError(LOSS_REFUSAL)
         if agreement is not None:  # data-parallel copies of a stage hold its layers alike
-            agreement.set_stages(len(ranks) // len({tuple(names) for *_, names in ranks}))
+            agreement.set_stages(len(ranks) // len({frozenset(names) for *_, names in ranks}))
         self._checked = True
 
 
@@ -117,14 +117,16 @@ def _check_stages(ranks: list, whole: Plan) -> None:
     if several:
         raise DistributedError(f"pipeline rank {several[0]} runs {ranks[several[0]][2]} stages under schedulers, whose skip decisions and loss scales "
                                "would each agree with one peer stage only; run one stage per rank (GPipe, 1F1B), or apply_plan to each stage of a looped schedule")
-    held = [set(names) for *_, names in ranks]
-    for r, names in enumerate(held):
-        for q in range(r):
-            if names != held[q] and names & held[q]:
-                fqn = sorted(names & held[q])[0]
+    stages: dict[frozenset, int] = {}  # each distinct stage -> the first rank holding it (pairs over stages, not ranks)
+    for r, (*_, names) in enumerate(ranks):
+        stages.setdefault(frozenset(names), r)
+    for names, r in stages.items():
+        for other_names, q in stages.items():
+            if q < r and names & other_names:
+                fqn = sorted(names & other_names)[0]
                 raise DistributedError(f"pipeline ranks {q} and {r} hold different stages that both name a layer {fqn!r}: the stages' modules are not named as "
                                        "in the whole model (a split that renumbers a ModuleList); keep the whole model's names (an nn.ModuleDict of blocks, as torchtitan's Llama)")
-    missing = sorted(set(whole.layers) - set().union(*held))
+    missing = sorted(set(whole.layers) - set().union(*stages))
     if missing:
         raise DistributedError(f"no pipeline stage holds the plan's layer {missing[0]!r} ({len(missing)} such); give each stage's scheduler its module as the pipeline split made it, "
                                "and every rank of the pipeline the scheduler")

@@ -66,7 +66,8 @@ def trained(model, scheduler, run_step, steps=range(STEPS)):
         stepped.append(scheduler.step(opt))
         scales.append(scheduler.scaler.get_scale())
         opt.zero_grad(set_to_none=True)
-    return {"losses": [float(v) for v in losses], "scales": scales, "stepped": stepped,
+    sent = {kind: dict(counts) for kind, counts in scheduler.distributed.sent.items()} if scheduler.distributed is not None else {}
+    return {"losses": [float(v) for v in losses], "scales": scales, "stepped": stepped, "sent": sent,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
@@ -129,7 +130,8 @@ def resumed(rank, plan, at=POISONED + 1):
     torch.save((model.state_dict(), scheduler.state_dict()), buffer)
     buffer.seek(0)
     after = trained(*stage_run(rank, plan, "gpipe", torch.load(buffer, weights_only=False)), range(at, STEPS))
-    return {**after, **{k: before[k] + after[k] for k in ("losses", "scales", "stepped")}}
+    sent = {kind: {k: before["sent"][kind][k] + after["sent"][kind][k] for k in before["sent"][kind]} for kind in before["sent"]}
+    return {**after, **{k: before[k] + after[k] for k in ("losses", "scales", "stepped")}, "sent": sent}
 
 
 def scenario(rank):
@@ -159,6 +161,11 @@ def test_a_fixed_plan_on_pipeline_stages_trains_as_on_the_unsharded_model_bit_fo
         for name, param in part["params"].items():
             assert torch.equal(param, ref["params"][name]), name
     assert set(first["params"]).isdisjoint(last["params"]) and set(first["params"]) | set(last["params"]) == set(ref["params"])
+    # The scheduler's own collectives: one all-reduce of the step's flags per step, one gather of
+    # the stages at the first (resumed: once more, at the first step after loading).
+    for part in (first, last):
+        assert part["sent"]["all_reduce"]["calls"] == STEPS
+        assert part["sent"]["all_gather_object"]["calls"] == (2 if case == "resumed" else 1)
 
 
 def test_the_plan_at_the_pipeline_stage_is_its_part_of_the_whole_plan():
@@ -181,6 +188,7 @@ def test_a_pipeline_stage_clips_by_the_whole_models_gradient_norm(results):
     clipped_by = max(float((ref["params"][n] - unclipped["params"][n]).abs().max()) for n in ref["params"])
     assert clipped_by > 1e-3  # the clip acted
     for part in (results[0]["clipped: gpipe"], results[1]["clipped: gpipe"]):
+        assert part["sent"]["all_reduce"]["calls"] == 2 * STEPS  # and one for the norm
         for name, param in part["params"].items():
             # The norm summed in another order: rounding, a ten-thousandth of what the clip moved.
             assert float((param - ref["params"][name]).abs().max()) < clipped_by * 1e-4, name
