@@ -359,7 +359,7 @@ class Plan:
         own = {lp.format for lp in self._layers.values()}
         part_of = self.metadata.get("part_of")
         names = part_of.get("formats", ()) if isinstance(part_of, Mapping) else ()
-        return frozenset(own | {Format(n) for n in names if n in Format._value2member_map_})
+        return frozenset(own | {f for f in Format if f.value in names})
 
     # -- reading ------------------------------------------------------------------------------
 
