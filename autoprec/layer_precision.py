@@ -140,7 +140,10 @@ _DEFAULT_GRAD_FORMAT = {Format.FP8_E4M3: Format.FP8_E5M2, Format.FP8_E5M2: Forma
 class LayerPrecision:
     """One layer's format. FP8 layers compute gradients in ``grad_format`` (E5M2 by default:
     the "hybrid" recipe, E4M3 forward and E5M2 backward; E4M3 under block scaling, DeepSeek-V3's
-    recipe); INT8 layers' is FP32; NVFP4 layers' is NVFP4 (stochastically rounded)."""
+    recipe); INT8 layers' is FP32; NVFP4 layers' is NVFP4 (stochastically rounded).
+    ``grad_format="fp32"`` on an FP8, MXFP8 or NVFP4 layer: the forward in the low format, the
+    backward's two products in high precision from the forward's dequantized operands
+    (Transformer Engine's ``backward_override="dequantized"``)."""
 
     format: Format
     grad_format: Format
@@ -349,9 +352,9 @@ def check_layer(where: str, lp: LayerPrecision) -> list[str]:
             f"{where}.scaling: delayed scaling keeps one amax per tensor, so it needs "
             f"granularity 'tensor', got {s.granularity.value!r}; set mode 'current' or granularity 'tensor'"
         )
-    if s.granularity is Granularity.MX and lp.format.is_fp8 and (lp.format is not Format.FP8_E4M3 or not lp.grad_format.is_fp8):
-        problems.append(f"{where}.scaling.granularity: MXFP8 ('mx') quantizes every operand, E4M3 with E4M3 or E5M2 gradients, got format "
-                        f"{lp.format.value!r} and grad_format {lp.grad_format.value!r}; set format 'fp8_e4m3' and grad_format 'fp8_e4m3'")
+    if s.granularity is Granularity.MX and lp.format.is_fp8 and lp.format is not Format.FP8_E4M3:
+        problems.append(f"{where}.scaling.granularity: MXFP8 ('mx') is E4M3 with E4M3, E5M2 or high-precision (fp32) gradients, got format "
+                        f"{lp.format.value!r}; set format 'fp8_e4m3'")
     if s.granularity is Granularity.MX and lp.format is Format.INT8:
         problems.append(f"{where}.scaling.granularity: 'mx' is MXFP8, for fp8_e4m3 layers; an int8 layer scales per 'tensor' or 'row'")
     max_margin = min((_max_margin(f) for f in scaled), default=_ANY_MARGIN)
@@ -362,10 +365,12 @@ def check_layer(where: str, lp: LayerPrecision) -> list[str]:
         )
     if lp.format.is_fp8 and not lp.grad_format.is_fp8 and lp.grad_format is not Format.FP32:
         problems.append(f"{where}.grad_format: an FP8 layer's gradients are fp8_e5m2, fp8_e4m3 or fp32, got {lp.grad_format.value!r}")
+    if lp.format is Format.NVFP4 and lp.grad_format not in (Format.NVFP4, Format.FP32):
+        problems.append(f"{where}.grad_format: an NVFP4 layer's gradients are nvfp4 or fp32 (a high-precision backward), got {lp.grad_format.value!r}")
     default_grad = _DEFAULT_GRAD_FORMAT.get(lp.format, lp.format)
-    if not lp.format.is_fp8 and lp.grad_format is not default_grad:
+    if not lp.format.is_fp8 and lp.format is not Format.NVFP4 and lp.grad_format is not default_grad:
         problems.append(
-            f"{where}.grad_format: only FP8 layers choose a separate gradient format; "
+            f"{where}.grad_format: only FP8 and NVFP4 layers choose a separate gradient format; "
             f"remove it or set it to {default_grad.value!r}"
         )
     return problems

@@ -175,18 +175,23 @@ def _call_bytes(call: MatmulCall, precision: LayerPrecision, device, target: "Ta
     m, k, n = gemm
     has_weight = any(s.operand and s.weight for s in call.tensors)
     grads = [s.requires_grad for s in call.tensors if s.operand]  # (input, weight) of a linear
+    high_backward = precision.grad_format is Format.FP32
     if path == "mx":
         # mx_gemm.Fp8MxLinear saves x tiled along M (for the weight's gradient) and the weight
         # tiled along N (for the input's): K rows each, the tiled dimension padded to 32, one byte
-        # per element and one E8M0 byte per tile.
-        x_t, w_t = (k * _round_up(cols, MX_TILE) * (1 + 1 / MX_TILE) * bool(need) for cols, need in ((m, grads[-1]), (n, grads[0])))
+        # per element and one E8M0 byte per tile. A high-precision backward saves the forward's
+        # copies instead: M and N rows, K padded to 32.
+        k32 = _round_up(k, MX_TILE)
+        x_t, w_t = ((rows * k32 if high_backward else k * _round_up(rows, MX_TILE)) * (1 + 1 / MX_TILE) * bool(need)
+                    for rows, need in ((m, grads[-1]), (n, grads[0])))
         return (int(w_t), int(x_t)) if has_weight else (0, int(x_t + w_t))
     if path == "nvfp4":
-        # nvfp4.Nvfp4Linear saves the input along M (K rows, M padded to 16) and the weight in
-        # 16x16 blocks (N and K padded to 16): half a byte per element, an E4M3 byte per block,
-        # one FP32 scale per tensor.
+        # nvfp4.Nvfp4Linear saves the input along M (K rows, M padded to 16; a high-precision
+        # backward: the forward's copy, M rows, K padded to 16) and the weight in 16x16 blocks
+        # (N and K padded to 16): half a byte per element, an E4M3 byte per block, one FP32 scale per tensor.
         k16, m16, n16 = (_round_up(v, NVFP4_TILE) for v in (k, m, n))
-        x_t = (k * m16 // 2 + k * m16 // NVFP4_TILE + _SCALE_BYTES) * bool(grads[-1])
+        x_elements = m * k16 if high_backward else k * m16
+        x_t = (x_elements // 2 + x_elements // NVFP4_TILE + _SCALE_BYTES) * bool(grads[-1])
         w = (n16 * k16 // 2 + (n16 // NVFP4_TILE) * (k16 // NVFP4_TILE) + _SCALE_BYTES) * bool(grads[0])
         return (w, x_t) if has_weight else (0, x_t + w)
     if path == "block":

@@ -45,7 +45,7 @@ from .inplace import InPlaceTimes, measure_in_place
 from .memory import layer_memory
 from .product_times import MeasuredTimeModel, RooflineTimeModel, TimeEstimate, TimeModel, TimingSettings
 from .targets import TargetDevice
-from .times_cache import load_times, save_times, scaling_key
+from .times_cache import load_times, precision_key, save_times
 from .trace import ModelTrace, saved_bytes_by_layer, trace_model, trace_roles
 
 __all__ = ["DEFAULT_FORMATS", "LayerCost", "PlanCost", "BlockCost", "CostModel"]
@@ -266,7 +266,7 @@ class CostModel:
             layers = list(trace.layers)
             chosen = {f: (precisions or {}).get(f, LayerPrecision(f)) for f in timed}
             plans = {f: Plan({fqn: _steady(chosen[f]) for fqn in layers}) for f in timed}
-            scaling = scaling_key(chosen)
+            scaling = precision_key(chosen)
             loaded = load_times(times_file, layers, timed, trace.device, list(block_layers), scaling)
             if loaded is not None:
                 in_place = loaded
@@ -277,7 +277,7 @@ class CostModel:
             if Format.FP32 not in in_place:
                 raise CostModelError("CostModel.build: the FP32 training step failed in place; check loss_fn and example_inputs")
         if time_model is None:
-            time_model = MeasuredTimeModel(timing.cache_dir) if measure else RooflineTimeModel()
+            time_model = MeasuredTimeModel(timing.cache_dir) if measure else RooflineTimeModel(precisions=precisions)
             costs = cls(trace, time_model, formats=formats, in_place=in_place, precisions=precisions)
         else:
             costs = cls(trace, time_model, formats=formats, precisions=precisions, target=target)

@@ -379,7 +379,8 @@ class RooflineTimeModel(TimeModel):
     where their shapes come from). ``precisions``: format -> the `LayerPrecision` it is priced in
     (its scaling picks the tiled products: block FP8, MXFP8); default each format's own.
     INT8 backward runs in FP32 (`Int8Gemm`), FP8 backward in FP8 (`Fp8Gemm`), the tiled products'
-    every GEMM in their format (NVFP4's at the FP4 rate).
+    every GEMM in their format (NVFP4's at the FP4 rate); a high-precision backward (FP32
+    gradients of an FP8, MXFP8 or NVFP4 layer) at the BF16 rate, the region's usual dtype.
     """
 
     def __init__(self, peaks: Optional[DevicePeaks] = None, *, target: "TargetDevice | None" = None,
@@ -397,6 +398,7 @@ class RooflineTimeModel(TimeModel):
         if path in _TILED_WIDTH and not runs_natively(precision, device, self.target):
             path = "emulated"  # a tiled product without its kernel: FP32 GEMMs on the decoded tiles, as many casts
         flops, out_numel = call_flops(call)
+        high_backward = precision.grad_format is Format.FP32 and (fmt.is_fp8 or fmt is Format.NVFP4)
         operand_numel = sum(s.numel for s in call.tensors if s.operand)
         out_width = 2 if path in ("autocast", *_TILED_WIDTH) else 4  # FP8 / INT8 kernels return FP32 here
 
@@ -411,18 +413,29 @@ class RooflineTimeModel(TimeModel):
             gemms = 3 * gemm(fmt, 2)
             passes = 6.0 * (operand_numel + out_numel)  # read 4 + write 2 bytes per cast element
         elif path == "kernel":
-            backward = Format.FP32 if fmt is Format.INT8 else fmt
-            gemms = gemm(fmt, 1) + 2 * gemm(backward, 1 if backward is fmt else 4)
-            # amax (read 4) + quantize (read 4, write 1) of operands in forward and backward, and of the gradient.
-            passes = 9.0 * (2 * operand_numel + out_numel)
+            if fmt is Format.INT8:
+                backward = gemm(Format.FP32, 4)
+            else:  # a high-precision backward (FP32 gradients) runs in the region's half dtype, BF16 taken
+                backward = gemm(Format.BF16, 2) if high_backward else gemm(fmt, 1)
+            gemms = gemm(fmt, 1) + 2 * backward
+            if high_backward:
+                # amax (read 4) + quantize (read 4, write 1) of the operands in the forward; the
+                # backward dequantizes them (read 1, write 2) and casts no gradient.
+                passes = 12.0 * operand_numel
+            else:
+                # amax (read 4) + quantize (read 4, write 1) of operands in forward and backward, and of the gradient.
+                passes = 9.0 * (2 * operand_numel + out_numel)
         elif path in _TILED_WIDTH:
-            gemms = 3 * gemm(fmt, _TILED_WIDTH[path])
+            gemms = gemm(fmt, _TILED_WIDTH[path]) + 2 * (gemm(Format.BF16, 2) if high_backward else gemm(fmt, _TILED_WIDTH[path]))
             # As the kernel path's casts, each tile's amax fused into its cast (read 4, write the
             # tiled width and scales): the operands in the forward's and the backward's layouts,
             # the gradient once; NVFP4's weight-gradient operands also pass through the Hadamard
             # transform (read and write 2).
             width = _TILED_WIDTH[path]
-            passes = (4 + width) * (2 * operand_numel + out_numel) + (4.0 * (operand_numel + out_numel) if path == "nvfp4" else 0.0)
+            if high_backward:  # the forward's tiles only, dequantized by the backward (read them, write 2); no gradient cast or transform
+                passes = (4 + width) * operand_numel + (width + 2) * operand_numel
+            else:
+                passes = (4 + width) * (2 * operand_numel + out_numel) + (4.0 * (operand_numel + out_numel) if path == "nvfp4" else 0.0)
         else:
             gemms = 4 * gemm(Format.FP32, 4)
             passes = 9.0 * (2 * operand_numel + out_numel)

@@ -18,7 +18,7 @@ from ..formats import Format
 from ..plan import LayerPrecision, Scaling
 from .inplace import InPlaceTimes
 
-__all__ = ["load_times", "save_times", "scaling_key"]
+__all__ = ["load_times", "precision_key", "save_times"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +30,16 @@ def _times_key(layers: Sequence[str], device: Any, blocks: Sequence[str] = (), s
             **({"scaling": dict(scaling)} if scaling else {})}
 
 
-def scaling_key(precisions: "Mapping[Format, LayerPrecision]") -> dict:
-    """The formats timed in a non-default scaling, as the times file records them."""
+def precision_key(precisions: "Mapping[Format, LayerPrecision]") -> dict:
+    """The formats timed in a non-default scaling or gradient format, as the times file records
+    them (each its scaling, and its gradient format where not the default)."""
     default = Scaling()
-    return {f.value: lp.to_dict()["scaling"] for f, lp in precisions.items() if lp.scaling != default}
+    key = {}
+    for f, lp in precisions.items():
+        default_grad = LayerPrecision(f, scaling=lp.scaling).grad_format
+        if lp.scaling != default or lp.grad_format is not default_grad:
+            key[f.value] = {**lp.to_dict()["scaling"], **({"grad_format": lp.grad_format.value} if lp.grad_format is not default_grad else {})}
+    return key
 
 
 def load_times(path, layers: Sequence[str], formats: Sequence[Format], device: Any,

@@ -173,7 +173,7 @@ def _recipe(lp) -> tuple[str, list[str]]:
     if grad is Format.FP32:
         # torchao 0.18's high-precision gradient path (ScalingType.DISABLED) multiplies the
         # autocast-dtype gradient by the FP32 weight in its backward, which torch refuses.
-        cast = "e4m3 per row (torchao's rowwise recipe)" if granularity is Granularity.BLOCK else "e5m2 per tensor"
+        cast = "e4m3 per row (torchao's rowwise recipe)" if granularity in (Granularity.BLOCK, Granularity.MX) else "e5m2 per tensor"
         changes.append(f"FP32 gradients in the plan; torchao's high-precision gradient path fails under autocast, so its output "
                        f"gradient is cast to float8 {cast} and its gradients change")
     if granularity in (Granularity.BLOCK, Granularity.MX):

@@ -17,10 +17,11 @@ export maps each layer of the plan onto those roles, as autoprec's runtime runs 
   formats (E4M3 or E5M2 input, E4M3 weight, the gradient format); where the input and gradient
   are both E5M2 the weight gradient takes an E4M3 copy of the output gradient
   (`gemm.weight_grad_format`; cuBLAS refuses E5M2 x E5M2): a hybrid output-gradient quantizer.
-- FP8 with high-precision gradients: the forward's quantizers row-wise, the backward from the
-  dequantized forward operands (``IdentityQuantizer`` column-wise, ``columnwise_source=
-  "rowwise_dequantized"``) and the output gradient unquantized, as the runtime's high-precision
-  backward does.
+- FP8, MXFP8 and NVFP4 with high-precision gradients (``grad_format="fp32"``): the forward's
+  quantizers row-wise, the backward from the dequantized forward operands (``IdentityQuantizer``
+  column-wise, ``columnwise_source="rowwise_dequantized"``) and the output gradient unquantized,
+  as the runtime's high-precision backward does (TE's ``backward_override="dequantized"``, per
+  layer).
 - Block scaling: ``Float8BlockQuantizer`` (1x128 activations and gradients, 128x128 weights, scales
   not rounded to powers of 2, as the runtime's).
 - MXFP8 (``mx``): ``MXFP8Quantizer`` for every role, row- and column-wise (each GEMM's operands
@@ -132,6 +133,11 @@ def _high_precision_reason(lp, info) -> "str | None":
 def _specs(lp) -> tuple[dict[str, tuple], list[str]]:
     """The quantizer spec per tensor role of an FP8 or NVFP4 ``nn.Linear`` layer, and what TE runs
     differently from the plan (empty when it keeps the layer's numbers)."""
+    if lp.format is Format.NVFP4 and lp.grad_format is Format.FP32:
+        # The forward's NVFP4 row-wise (no transform: TE applies it to column-wise copies only),
+        # the backward from its dequantized values against an unquantized output gradient.
+        return {"input": _dequantized_backward(("nvfp4", False, False, False)), "weight": _dequantized_backward(("nvfp4", False, True, False)),
+                "grad_output": IDENTITY}, []
     if lp.format is Format.NVFP4:
         # NVFP4BlockScaling's quantizers (TE 2.20 `quantization.py`): the transform on the
         # column-wise (weight-gradient) copies of the input and output gradient, 2-D weights.
@@ -153,7 +159,7 @@ def _specs(lp) -> tuple[dict[str, tuple], list[str]]:
     elif granularity is Granularity.MX:
         # MXFP8 both ways: each operand tiled along each GEMM's contracted dimension, power-of-two
         # scales rounded up, as autoprec's emulation (`runtime.mx_gemm`) computes them.
-        inp, weight, grad_spec = ("mx", _DTYPES[fwd]), ("mx", "e4m3"), ("mx", _DTYPES[grad])
+        inp, weight, grad_spec = ("mx", _DTYPES[fwd]), ("mx", "e4m3"), ("mx", _DTYPES[grad]) if grad.is_fp8 else IDENTITY
     elif mode is ScalingMode.DELAYED and grad.is_fp8:
         history = (margin, lp.scaling.history_len, lp.scaling.reduction.value)
         inp = ("delayed", fwd.value.removeprefix("fp8_").upper(), *history)
@@ -175,9 +181,14 @@ def _specs(lp) -> tuple[dict[str, tuple], list[str]]:
     if margin and inp[0] != "delayed":
         changes.append(f"scaling margin {margin} in the plan (2**-{margin} of the range); TE's current, block and MXFP8 scaling use the full range")
     if not grad.is_fp8:
-        # The runtime's high-precision backward multiplies the dequantized forward operands.
-        inp, weight = (("hybrid", spec, IDENTITY, "rowwise_dequantized") for spec in (inp, weight))
+        inp, weight = _dequantized_backward(inp), _dequantized_backward(weight)
     return {"input": inp, "weight": weight, "grad_output": grad_spec}, changes
+
+
+def _dequantized_backward(forward: tuple) -> tuple:
+    """A role's spec under the runtime's high-precision backward, which multiplies the forward's
+    operands dequantized: ``forward`` row-wise, the column-wise copy its dequantized values."""
+    return ("hybrid", forward, IDENTITY, "rowwise_dequantized")
 
 
 def _current_grad(fwd: Format, grad: Format) -> tuple:

@@ -99,8 +99,11 @@ def torchtitan_export(plan: Plan) -> TorchtitanExport:
                 continue
             del not_converted[fqn]
             recipes.setdefault(NVFP4, []).append(fqn)
-            notes.append(f"{fqn}: torchao's NVFP4Linear takes its own fixed Hadamard signs and a per-rank stochastic-rounding seed, so the "
-                         "weight gradient's rounding differs from the plan's (not its expectation)")
+            if lp.grad_format is Format.FP32:
+                notes.append(f"{fqn}: fp32 gradients in the plan (a high-precision backward); torchao's NVFP4Linear runs both backward GEMMs in NVFP4")
+            else:
+                notes.append(f"{fqn}: torchao's NVFP4Linear takes its own fixed Hadamard signs and a per-rank stochastic-rounding seed, so the "
+                             "weight gradient's rounding differs from the plan's (not its expectation)")
     planned = list(plan.layers)
     filters: dict[str, tuple[str, ...]] = {}
     for recipe, fqns in recipes.items():
@@ -135,6 +138,8 @@ def _mx_changes(lp) -> list[str]:
     changes = []
     if lp.grad_format is Format.FP8_E5M2:
         changes.append("e5m2 gradients in the plan; torchao's MXFP8Linear casts gradients to e4m3")
+    if lp.grad_format is Format.FP32:
+        changes.append("fp32 gradients in the plan (a high-precision backward); torchao's MXFP8Linear runs both backward GEMMs in MXFP8 e4m3")
     if lp.scaling.margin:
         changes.append(f"scaling margin {lp.scaling.margin} in the plan; torchao's MXFP8 scales to the full range")
     return changes

@@ -11,7 +11,7 @@ Layout::
     [job]        name, out, device               # out: folder for plan, study, profile, logs
     [workload]   factory = "module:function", kwargs = {...}
     [budgets]    memory, accuracy, accuracy_relative
-    [search]     min_precision, max_precision, formats, scaling, storage, study_name, seed,
+    [search]     min_precision, max_precision, formats, scaling, grad_formats, storage, study_name, seed,
                  measure_top (the k best plans measured), timeout_s (for finding them),
                  measured_trials (the most plans measured in all; above the k best and the
                  references, the learning sampler proposes the rest: `search.refine`; 0 = off),
@@ -64,6 +64,7 @@ class JobConfig:
     max_precision: int = 32
     formats: tuple[Format, ...] = DEFAULT_CANDIDATES
     scaling: Mapping[Format, Any] = dataclasses.field(default_factory=dict)  # `Planning.scaling`
+    grad_formats: Mapping[Format, Format] = dataclasses.field(default_factory=dict)  # `Planning.grad_formats`
     storage: str = "study.db"
     study_name: str = ""
     seed: int = 0
@@ -87,7 +88,7 @@ class JobConfig:
         """The search's settings as one `Planning`: ``measure_top`` plans, the integer programs
         bounded by ``timeout_s``; ``lr``: the workload's learning rate (the sensitivity's)."""
         return Planning(self.formats, self.rules, self.budgets, self.min_precision, self.max_precision, lr,
-                        k=self.measure_top, time_limit=self.timeout_s, scaling=self.scaling, target=self.target)
+                        k=self.measure_top, time_limit=self.timeout_s, scaling=self.scaling, grad_formats=self.grad_formats, target=self.target)
 
     @property
     def storage_url(self) -> str:
@@ -171,6 +172,15 @@ def _scaling(v):
         raise ValueError from None
 
 
+def _grad_formats(v):
+    """format = gradient format: checked as `Planning` checks it."""
+    table = {_str(k): _str(g) for k, g in _table(v).items()}
+    try:
+        return Planning((), grad_formats=table).grad_formats
+    except SearchError:
+        raise ValueError from None
+
+
 def _pin(v):
     return {_str(k): Format.parse(f) for k, f in _table(v).items()}
 
@@ -205,6 +215,7 @@ _SCHEMA: dict[str, dict[str, tuple[Callable, str]]] = {
         "max_precision": (_int(4), "4, 8, 16 or 32"),
         "formats": (_format_list, f"a non-empty list of formats ({FORMATS})"),
         "scaling": (_scaling, 'a table of scaled format = "tensor", "row" or "block", e.g. {fp8_e4m3 = "block"}'),
+        "grad_formats": (_grad_formats, 'a table of format = its gradient format, e.g. {nvfp4 = "fp32"} (nvfp4 forwards, high-precision backwards)'),
         "storage": (_str, "a file path (.journal / .log: a journal file, else SQLite) or an Optuna storage URL"),
         "study_name": (_str, "a non-empty string"),
         "seed": (_int(0), "an integer >= 0"),
@@ -318,6 +329,7 @@ def load_job(path: "str | Path") -> JobConfig:
         max_precision=max_p,
         formats=get("search", "formats", DEFAULT_CANDIDATES),
         scaling=get("search", "scaling", {}),
+        grad_formats=get("search", "grad_formats", {}),
         storage=get("search", "storage", "study.db"),
         study_name=get("search", "study_name", name),
         seed=get("search", "seed", 0),

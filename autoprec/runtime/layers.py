@@ -240,7 +240,7 @@ class RuntimeLayer:
         # where the backward stays in high precision (FP32 gradients, INT8 layers).
         grad_fmt = precision.grad_format
         self.grad: "Quantizer | None" = None
-        if (self.format.is_fp8 and grad_fmt.is_fp8) or self.nvfp4:
+        if (self.format.is_fp8 and grad_fmt.is_fp8) or (self.nvfp4 and grad_fmt is Format.NVFP4):
             self.grad = quantizer(OperandRole.GRAD_OUTPUT, grad_fmt, precision.scaling)
         # Emulated products' quantizers, made here, not at the first product: built there they
         # were traced by torch.compile (a Scaling's field checks), three graph breaks (torch 2.11).

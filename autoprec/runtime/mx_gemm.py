@@ -24,6 +24,12 @@ accumulation order; the time is not MXFP8's.
 Costs per training step: an amax per 32-element tile and a cast for each of x (twice), W (twice)
 and g (twice), three FP32 GEMMs on dequantized copies. Saved for backward: x tiled along M and W
 tiled along N, 1 byte per element each, with one E8M0 byte per tile.
+
+With a **high-precision backward** (``grad_format="fp32"``, Transformer Engine's
+``backward_override="dequantized"``) the forward is the same, and both gradients multiply the
+unrounded output gradient, in its dtype, by the forward's operands (tiled along K) dequantized:
+``dx = g @ Ŵ``, ``dW = g.T @ x̂``. It saves the forward's copies instead of the transposed ones
+and makes no copy of g.
 """
 
 from __future__ import annotations
@@ -73,8 +79,8 @@ def _dequantized(q: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class MxSpec:
     """What one MXFP8 linear computes: its output dtype (the region's), the input's margin and the
-    output gradient's format. (Its products come out unpadded: the tiles pad only the contracted
-    dimension.)"""
+    output gradient's format (FP32: a high-precision backward, module docstring). (Its products
+    come out unpadded: the tiles pad only the contracted dimension.)"""
 
     out_dtype: torch.dtype
     margin: int
@@ -96,11 +102,14 @@ class Fp8MxLinear(torch.autograd.Function):
             out = out + bias.float()
         out = out.to(spec.out_dtype)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        # The backward's copies, tiled along the dimension each of its GEMMs contracts: the
-        # weight along N (for dx), the input along M (for dW), each from the high-precision values.
-        w_t, w_t_inv = mx_cast(weight.t(), e4m3) if need_x else (None, None)
-        x_t, x_t_inv = mx_cast(x.t(), e4m3, spec.margin) if need_w else (None, None)
-        ctx.spec, ctx.x_dtype, ctx.has_bias = spec, x.dtype, bias is not None
+        if spec.grad_format is Format.FP32:  # a high-precision backward takes the forward's copies
+            (w_t, w_t_inv), (x_t, x_t_inv) = ((wq, w_inv) if need_x else (None, None)), ((xq, x_inv) if need_w else (None, None))
+        else:
+            # The backward's copies, tiled along the dimension each of its GEMMs contracts: the
+            # weight along N (for dx), the input along M (for dW), each from the high-precision values.
+            w_t, w_t_inv = mx_cast(weight.t(), e4m3) if need_x else (None, None)
+            x_t, x_t_inv = mx_cast(x.t(), e4m3, spec.margin) if need_w else (None, None)
+        ctx.spec, ctx.x_dtype, ctx.has_bias, ctx.in_features = spec, x.dtype, bias is not None, x.shape[1]
         ctx.save_for_backward(w_t, _stored(w_t_inv), x_t, _stored(x_t_inv))
         return out
 
@@ -109,11 +118,19 @@ class Fp8MxLinear(torch.autograd.Function):
         w_t, w_t_inv, x_t, x_t_inv = ctx.saved_tensors
         spec: MxSpec = ctx.spec
         grad_x = grad_w = grad_bias = None
-        if ctx.needs_input_grad[0]:
+        out_dtype = ctx.x_dtype if ctx.x_dtype in (torch.float32, torch.bfloat16, torch.float16) else spec.out_dtype
+        if spec.grad_format is Format.FP32:
+            # The output gradient unrounded, times the forward's operands (tiled along K)
+            # dequantized in FP32 then cast to its dtype (as `gemm.Fp8Linear`'s high-precision backward).
+            compute, k = grad_out.dtype, ctx.in_features
+            if ctx.needs_input_grad[0]:
+                grad_x = (grad_out @ _dequantized(w_t, w_t_inv)[:, :k].to(compute)).to(out_dtype)
+            if ctx.needs_input_grad[1]:
+                grad_w = (grad_out.t() @ _dequantized(x_t, x_t_inv)[:, :k].to(compute)).float()
+        elif ctx.needs_input_grad[0]:
             g, g_inv = mx_cast(grad_out, spec.grad_format)  # (M, N') tiled along N
-            out_dtype = ctx.x_dtype if ctx.x_dtype in (torch.float32, torch.bfloat16, torch.float16) else spec.out_dtype
             grad_x = emulated_mx_mm(g, g_inv, w_t, w_t_inv, out_dtype)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and spec.grad_format is not Format.FP32:
             g_t, g_t_inv = mx_cast(grad_out.t(), spec.grad_format)  # (N, M') tiled along M, as x_t
             grad_w = emulated_mx_mm(g_t, g_t_inv, x_t, x_t_inv, torch.float32)
         if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -23,6 +23,12 @@ reference would clamp it to a finite tensor.
   the same random Hadamard matrix first (``H16 diag(signs) / 4``, orthogonal, so the product is
   unchanged in exact arithmetic while outliers spread over their block), g stochastically rounded.
 
+With a **high-precision backward** (``grad_format="fp32"``, Transformer Engine's
+``backward_override="dequantized"``) the forward is the same, and both gradients multiply the unrounded output gradient, in its dtype, by
+the forward's operands dequantized: ``dx = g @ Ŵ``, ``dW = g.T @ x̂`` (x̂ the forward's copy, along
+K; no transform, no stochastic rounding). It saves the same bytes (the forward's x copy in place
+of the transformed one).
+
 Operands are padded with zeros to multiples of 16 along their blocked dimensions (zeros change no
 product). **Emulated everywhere**: FP4 GEMMs (``scaled_mm`` with E4M3 block scales on FP4 data)
 run on sm_100 only, which no machine this project checks on has; each product dequantizes its two
@@ -217,9 +223,11 @@ def _mm(a: Nvfp4Tensor, b: Nvfp4Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class Nvfp4Spec:
-    """What one NVFP4 linear computes: its output dtype (the region's)."""
+    """What one NVFP4 linear computes: its output dtype (the region's), and whether its backward
+    runs in high precision (``grad_format="fp32"``: module docstring)."""
 
     out_dtype: torch.dtype
+    high_precision_backward: bool = False
 
 
 class Nvfp4Linear(torch.autograd.Function):
@@ -237,8 +245,9 @@ class Nvfp4Linear(torch.autograd.Function):
         if bias is not None:
             out = out + bias.float()
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        # The weight gradient's input operand: x along M, transformed, from the high-precision values.
-        x_t = nvfp4_cast(_transformed(x.t())) if need_w else None
+        # The weight gradient's input operand: x along M, transformed, from the high-precision
+        # values; a high-precision backward takes the forward's copy (along K) as it is.
+        x_t = (xq if spec.high_precision_backward else nvfp4_cast(_transformed(x.t()))) if need_w else None
         ctx.spec, ctx.x_dtype, ctx.has_bias, ctx.shapes = spec, x.dtype, bias is not None, (m, k, n)
         ctx.kept = (need_x, x_t is not None)  # the weight's copy, the input's
         kept = [q for q in (wq if need_x else None, x_t) if q is not None]
@@ -251,13 +260,21 @@ class Nvfp4Linear(torch.autograd.Function):
         wq, x_t = (Nvfp4Tensor(next(saved), next(saved), next(saved)) if keep else None for keep in ctx.kept)
         m, k, n = ctx.shapes
         grad_x = grad_w = grad_bias = None
-        if ctx.needs_input_grad[0]:
+        out_dtype = ctx.x_dtype if ctx.x_dtype in (torch.float32, torch.bfloat16, torch.float16) else ctx.spec.out_dtype
+        if ctx.spec.high_precision_backward:
+            # The output gradient unrounded, times the forward's operands dequantized in FP32 then
+            # cast to its dtype (as `gemm.Fp8Linear`'s high-precision backward).
+            compute = grad_out.dtype
+            if ctx.needs_input_grad[0]:
+                grad_x = (grad_out @ wq.dequantize()[:n, :k].to(compute)).to(out_dtype)
+            if ctx.needs_input_grad[1]:
+                grad_w = (grad_out.t() @ x_t.dequantize()[:m, :k].to(compute)).float()
+        elif ctx.needs_input_grad[0]:
             g = nvfp4_cast(grad_out, stochastic=True)  # (M, N') along N
             with torch.autocast(grad_out.device.type, enabled=False):
                 dx = g.dequantize() @ wq.dequantize()  # (M, N') @ (N', K')
-            out_dtype = ctx.x_dtype if ctx.x_dtype in (torch.float32, torch.bfloat16, torch.float16) else ctx.spec.out_dtype
             grad_x = dx[:m, :k].to(out_dtype)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and not ctx.spec.high_precision_backward:
             g_t = nvfp4_cast(_transformed(grad_out.t()), stochastic=True)  # (N, M') along M
             grad_w = _mm(g_t, x_t)[:n, :k]
         if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -139,7 +139,7 @@ class Products:
         n, k = weight.shape
         out_dtype = self.out_dtype(x)
         if layer.mx or layer.nvfp4:  # quantize their weights themselves, for each GEMM: no kept copy
-            out = (Nvfp4Linear.apply(x2, weight, bias, Nvfp4Spec(out_dtype)) if layer.nvfp4
+            out = (Nvfp4Linear.apply(x2, weight, bias, Nvfp4Spec(out_dtype, layer.precision.grad_format is Format.FP32)) if layer.nvfp4
                    else Fp8MxLinear.apply(x2, weight, bias, MxSpec(out_dtype, layer.precision.scaling.margin, layer.precision.grad_format)))
             return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)

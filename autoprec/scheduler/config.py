@@ -117,6 +117,9 @@ class SchedulerConfig:
     # {"fp8_e4m3": "block"} for DeepSeek-V3's fine-grained FP8; empty: current per-tensor.
     # Given by name or enum; held as Format -> Scaling.
     scaling: "Mapping[Format | str, Scaling | str]" = dataclasses.field(default_factory=dict)
+    # format -> its layers' gradient format in the search and the plan (`Planning.grad_formats`),
+    # e.g. {"nvfp4": "fp32"}: NVFP4 forwards, high-precision backwards; empty: each format's default.
+    grad_formats: "Mapping[Format | str, Format | str]" = dataclasses.field(default_factory=dict)
     search_timeout_s: float = 60.0
     search_slice: Optional[float] = 1.0
     lr: float = 1e-3
@@ -197,7 +200,9 @@ class SchedulerConfig:
         if isinstance(self.formats, (str, Format)) or not isinstance(self.formats, (tuple, list)):
             refuse("formats", "a list of format names, e.g. ['bf16', 'fp8_e4m3']")
         try:
-            object.__setattr__(self, "scaling", Planning((), scaling=self.scaling).scaling)
+            checked = Planning((), scaling=self.scaling, grad_formats=self.grad_formats)
+            object.__setattr__(self, "scaling", checked.scaling)
+            object.__setattr__(self, "grad_formats", checked.grad_formats)
         except SearchError as exc:
             raise SettingsError(str(exc).replace("Planning(", "DynamicPrecisionScheduler(", 1)) from None
         if self.recompute is not None:
@@ -220,7 +225,7 @@ class SchedulerConfig:
     def planning(self) -> Planning:
         """The search's settings as one `Planning` (one plan: the optimum)."""
         return Planning(self.candidates, self.rules, self.budgets, self.min_precision, self.max_precision, self.lr,
-                        k=1, time_limit=self.search_timeout_s, measure=self.measure_costs, scaling=self.scaling,
+                        k=1, time_limit=self.search_timeout_s, measure=self.measure_costs, scaling=self.scaling, grad_formats=self.grad_formats,
                         limits=RangeLimits(self.thresholds.overflow, self.thresholds.underflow))
 
     @property

@@ -213,7 +213,10 @@ class Planning:
     format's tensors are scaled (format -> `Scaling`; a format not named takes the default,
     current per-tensor): the costs are timed, the sensitivity estimated and the plans made in it,
     e.g. ``{Format.FP8_E4M3: Scaling(granularity="block")}`` for DeepSeek-V3's fine-grained FP8
-    (1x128 / 128x128 tiles, E4M3 gradients)."""
+    (1x128 / 128x128 tiles, E4M3 gradients). ``grad_formats``: the gradient format of each
+    format's layers (format -> format; a format not named takes its default), e.g.
+    ``{Format.NVFP4: Format.FP32}``: NVFP4 forwards with a high-precision backward
+    (`LayerPrecision`), costed, estimated and planned so."""
 
     formats: tuple[Format, ...]
     rules: LayerRules = LayerRules()
@@ -228,6 +231,8 @@ class Planning:
     limits: RangeLimits = RangeLimits()
     # Given as format (or name) -> Scaling (or a granularity name); held as Format -> Scaling.
     scaling: Mapping[Any, Any] = dataclasses.field(default_factory=dict)
+    # Given as format (or name) -> gradient format (or name); held as Format -> Format.
+    grad_formats: Mapping[Any, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.target is not None and not isinstance(self.target, TargetDevice):
@@ -251,10 +256,27 @@ class Planning:
             except PlanError as exc:
                 raise SearchError(f"Planning(scaling={{{fmt.value!r}: {value!r}}}): {exc}") from None
         object.__setattr__(self, "scaling", scaling)
+        object.__setattr__(self, "grad_formats", self._checked_grad_formats())
+
+    def _checked_grad_formats(self) -> dict[Format, Format]:
+        if not isinstance(self.grad_formats, Mapping):
+            raise SearchError(f"Planning(grad_formats={self.grad_formats!r}): expected a table of format = gradient format, e.g. {{'nvfp4': 'fp32'}}")
+        grad_formats = {}
+        for name, value in self.grad_formats.items():
+            try:
+                fmt, grad = Format.parse(name), Format.parse(value)
+            except (FormatError, ValueError):
+                raise SearchError(f"Planning(grad_formats={{{name!r}: {value!r}}}): expected two format names, e.g. {{'nvfp4': 'fp32'}}") from None
+            try:  # the rules between a format and its gradients, as a plan holding it checks them
+                LayerPrecision(fmt, grad_format=grad, scaling=self.scaling.get(fmt, Scaling()))
+            except PlanError as exc:
+                raise SearchError(f"Planning(grad_formats={{{fmt.value!r}: {grad.value!r}}}): {exc}") from None
+            grad_formats[fmt] = grad
+        return grad_formats
 
     def precisions(self) -> dict[Format, LayerPrecision]:
         """Each candidate format as the search costs, estimates and plans it."""
-        return {f: LayerPrecision(f, scaling=self.scaling.get(f, Scaling())) for f in self.formats}
+        return {f: LayerPrecision(f, grad_format=self.grad_formats.get(f), scaling=self.scaling.get(f, Scaling())) for f in self.formats}
 
 
 @dataclasses.dataclass(frozen=True)

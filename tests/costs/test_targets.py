@@ -86,6 +86,18 @@ def test_a_b200_prices_nvfp4_under_mxfp8_under_bf16_and_a_hopper_emulates_what_i
     assert h100["bf16"] / b200["bf16"] == pytest.approx(2250 / 989, rel=0.05)
 
 
+def test_a_high_precision_backward_is_priced_at_the_bf16_rate_on_the_targets_that_run_the_forward_natively(large_gemm):
+    """FP8 (H100), MXFP8 and NVFP4 (B200) layers with ``grad_format="fp32"``: one GEMM in the
+    format and two in BF16, so between the format's own and BF16's at this compute-bound shape."""
+    call = large_gemm.calls[0]
+    for target, fmt, granularity in (("H100", Format.FP8_E4M3, None), ("B200", Format.FP8_E4M3, "mx"), ("B200", Format.NVFP4, None)):
+        low = _precision(fmt, granularity)
+        high = LayerPrecision(fmt, grad_format=Format.FP32, scaling=low.scaling)
+        seconds = {name: RooflineTimeModel(target=TARGETS[target], precisions={fmt: p}).seconds(call, fmt, CPU) for name, p in (("low", low), ("high", high))}
+        bf16 = RooflineTimeModel(target=TARGETS[target]).seconds(call, Format.BF16, CPU)
+        assert seconds["low"] < seconds["high"] < bf16, (target, fmt, granularity, seconds, bf16)
+
+
 def test_a_cost_model_built_for_a_target_times_nothing_here_and_says_where_its_seconds_come_from():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))

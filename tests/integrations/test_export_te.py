@@ -52,6 +52,9 @@ class Net(nn.Module):
         self.fc = nn.ModuleDict({n: nn.Linear(128, 128) for n in names})
         with torch.random.fork_rng():  # drawn apart: the other layers and the tests' inputs draw what they drew before it
             self.fc["nvfp4"] = nn.Linear(128, 128)
+        with torch.random.fork_rng():
+            self.fc["mx_high"] = nn.Linear(128, 128)
+            self.fc["nvfp4_high"] = nn.Linear(128, 128)
         self.odd = nn.Linear(128, 24)
 
     def forward(self, x):
@@ -68,6 +71,9 @@ LAYERS = {
     "fc.block": LayerPrecision(Format.FP8_E4M3, scaling=Scaling(granularity=Granularity.BLOCK)),
     "fc.mx": LayerPrecision(Format.FP8_E4M3, scaling=Scaling(granularity=Granularity.MX)),
     "fc.nvfp4": LayerPrecision(Format.NVFP4),
+    # "Forward low, backward high" (TE's backward_override="dequantized") in the tiled formats.
+    "fc.mx_high": LayerPrecision(Format.FP8_E4M3, grad_format=Format.FP32, scaling=Scaling(granularity=Granularity.MX)),
+    "fc.nvfp4_high": LayerPrecision(Format.NVFP4, grad_format=Format.FP32),
     "fc.delayed": LayerPrecision(Format.FP8_E4M3, scaling=Scaling(mode=ScalingMode.DELAYED, history_len=8, margin=1)),
     "fc.bf16": LayerPrecision(Format.BF16),
     "fc.int8": LayerPrecision(Format.INT8),
@@ -321,6 +327,17 @@ def test_the_written_recipe_builds_each_layers_quantizers_with_transformer_engin
     assert [(nv[r]["with_rht"], nv[r]["with_2d_quantization"], nv[r]["stochastic_rounding"]) for r in roles] == [
         (True, False, False), (False, True, False), (True, False, True)]
     assert any(n.startswith("fc.nvfp4: NVFP4: Transformer Engine's Hadamard transform") for n in written.NOTES)
+    # MXFP8 and NVFP4 with a high-precision backward: the forward's quantizer row-wise (NVFP4's
+    # without the transform), the backward from its dequantized values, the gradient unquantized.
+    for fqn, kind in (("fc.mx_high", "MXFP8Quantizer"), ("fc.nvfp4_high", "NVFP4Quantizer")):
+        assert kinds(fqn) == {"input": "HybridQuantizer", "weight": "HybridQuantizer", "grad_output": "IdentityQuantizer"}, fqn
+        for role in ("input", "weight"):
+            kw = built[fqn][role].kwargs
+            assert type(kw["rowwise_quantizer"]).__name__ == kind and type(kw["columnwise_quantizer"]).__name__ == "IdentityQuantizer"
+            assert kw["columnwise_source"] == "rowwise_dequantized"
+    nv_high = {r: built["fc.nvfp4_high"][r].kwargs["rowwise_quantizer"].kwargs for r in ("input", "weight")}
+    assert [(nv_high[r]["with_rht"], nv_high[r]["with_2d_quantization"], nv_high[r]["stochastic_rounding"]) for r in ("input", "weight")] == [
+        (False, False, False), (False, True, False)]
     # Delayed scaling: the plan's history, reduction and margin; gradients scaled currently.
     delayed, scaling = built["fc.delayed"], LAYERS["fc.delayed"].scaling
     for role in ("input", "weight"):
@@ -367,7 +384,7 @@ def block_kernels() -> bool:
     return block_scaled_form("cpu")[0]
 
 
-CASES = ["fc.tensor", "fc.e4m3_grads", "fc.high_grads", "fc.e5m2_forward", "fc.block", "fc.mx", "fc.nvfp4"]
+CASES = ["fc.tensor", "fc.e4m3_grads", "fc.high_grads", "fc.e5m2_forward", "fc.block", "fc.mx", "fc.nvfp4", "fc.mx_high", "fc.nvfp4_high"]
 
 
 @pytest.mark.parametrize("fqn", CASES)
@@ -408,7 +425,7 @@ def test_transformer_engines_linear_with_the_written_quantizers_reproduces_autop
     # A CPU has no block-scaled kernel: the block layer's three GEMMs run emulated, with the kernels'
     # tilings; MXFP8's are emulated everywhere (no sm_100 kernel is built).
     emulated = runtime.report()["0"]["ops"]["linear"].startswith("emulated")
-    assert emulated == ((fqn == "fc.block" and not block_kernels()) or fqn in ("fc.mx", "fc.nvfp4"))
+    assert emulated == ((fqn == "fc.block" and not block_kernels()) or fqn in ("fc.mx", "fc.nvfp4", "fc.mx_high", "fc.nvfp4_high"))
     # The comparison can fail: the gradient quantized in the other FP8 format misses by far more.
     if fqn in ("fc.tensor", "fc.e4m3_grads"):
         other = "kFloat8E4M3" if quantizers["grad_output"].kwargs["fp8_dtype"].name == "kFloat8E5M2" else "kFloat8E5M2"

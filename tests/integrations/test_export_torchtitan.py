@@ -219,3 +219,17 @@ def test_nvfp4_layers_go_to_torchtitans_nvfp4_converter_by_name(tmp_path, monkey
     assert by_nv == {"layers.1.wq", "layers.1.w2"} and by_float8 == {"layers.11.wq"}
     assert "not divisible by 128" in written.NOT_CONVERTED["head"]
     assert any(n.startswith("layers.1.wq: torchao's NVFP4Linear takes its own fixed Hadamard signs") for n in written.NOTES)
+
+
+def test_a_high_precision_backward_on_mxfp8_and_nvfp4_layers_is_named_where_torchtitan_cannot_keep_it():
+    """torchao's MXFP8Linear and NVFP4Linear run their backward in their own format: layers the
+    plan gives a high-precision backward (``grad_format="fp32"``) are converted, each with a note."""
+    model = Wide()
+    mx_high = LayerPrecision(Format.FP8_E4M3, grad_format=Format.FP32, scaling=Scaling(granularity=Granularity.MX))
+    nv_high = LayerPrecision(Format.NVFP4, grad_format=Format.FP32)
+    export = torchtitan_export(_plan(model, torch.randn(4, 128), {"layers.1.wq": mx_high, "layers.1.w2": nv_high, "layers.11.wq": LayerPrecision(Format.NVFP4)}))
+    assert dict(export.recipes) == {"mxfp8": ("layers.1.wq",), "nvfp4": ("layers.1.w2", "layers.11.wq")}
+    notes = set(export.notes)
+    assert "layers.1.wq: fp32 gradients in the plan (a high-precision backward); torchao's MXFP8Linear runs both backward GEMMs in MXFP8 e4m3" in notes
+    assert "layers.1.w2: fp32 gradients in the plan (a high-precision backward); torchao's NVFP4Linear runs both backward GEMMs in NVFP4" in notes
+    assert not any(n.startswith("layers.11.wq: fp32 gradients") for n in notes)

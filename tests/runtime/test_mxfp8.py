@@ -100,6 +100,36 @@ def test_the_three_products_are_mxfp8_by_hand(grad_format):
     assert not torch.allclose(wrong_dx, x.grad.reshape(13, 40), rtol=1e-5, atol=1e-5)
 
 
+def test_a_high_precision_backward_multiplies_the_unrounded_gradient_by_the_forwards_operands():
+    """``grad_format="fp32"`` (Transformer Engine's ``backward_override="dequantized"``): the same
+    output, and both gradients the output gradient itself times the forward's MXFP8 operands
+    (tiled along K), dequantized; it saves the forward's copies (M and N rows, K padded to 32)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(40, 24)
+    with torch.no_grad():
+        layer.weight.mul_(torch.logspace(-2, 2, 40) * torch.logspace(1, -1, 24)[:, None])
+    high = ap.LayerPrecision("fp8_e4m3", grad_format="fp32", scaling=ap.Scaling(granularity="mx"))
+    x = torch.randn(13, 1, 40, requires_grad=True)
+    model = nn.Sequential(layer)
+    with ap.apply_plan(model, ap.Plan({"0": high})):
+        y = model(x)
+    with torch.no_grad(), ap.apply_plan(model, ap.Plan({"0": MX})):
+        assert torch.equal(y, model(x))  # the forward is MXFP8's either way
+    g = torch.randn(y.shape).to(y.dtype)
+    y.backward(g)
+    g = g.float().reshape(13, 24)
+    # Both GEMMs in the gradient's dtype (the BF16 region's): FP32 accumulation, one rounding to
+    # BF16 (within one BF16 step: CPUs accumulate in their own order).
+    bf16_step = dict(rtol=2**-7, atol=1e-6)
+    torch.testing.assert_close(x.grad.reshape(13, 40), (g @ _reference(layer.weight.detach())).to(torch.bfloat16).float(), **bf16_step)
+    torch.testing.assert_close(layer.weight.grad, (g.t() @ _reference(x.detach().reshape(13, 40))).to(torch.bfloat16).float(), **bf16_step)
+    # The default MXFP8 backward rounds g: the two differ.
+    x.grad = None
+    with ap.apply_plan(model, ap.Plan({"0": MX})):
+        model(x).backward(g.reshape(13, 1, 24).to(torch.bfloat16))
+    assert not torch.allclose(x.grad.reshape(13, 40).float(), (g @ _reference(layer.weight.detach())), rtol=2**-6, atol=1e-3)
+
+
 def test_under_bf16_autocast_the_output_is_bf16_and_the_product_is_in_fp32():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
@@ -115,11 +145,11 @@ def test_under_bf16_autocast_the_output_is_bf16_and_the_product_is_in_fp32():
 
 
 def test_the_plans_rules_name_the_field_and_the_fix():
-    with pytest.raises(ap.PlanError, match=r"scaling.granularity: MXFP8 \('mx'\) quantizes every operand.*format 'fp8_e5m2'") as info:
+    with pytest.raises(ap.PlanError, match=r"scaling.granularity: MXFP8 \('mx'\) is E4M3 with E4M3, E5M2 or high-precision.*format 'fp8_e5m2'; set format 'fp8_e4m3'") as info:
         ap.LayerPrecision("fp8_e5m2", scaling=ap.Scaling(granularity="mx"))
     assert "\n" not in str(info.value)
-    with pytest.raises(ap.PlanError, match="grad_format 'fp32'"):
-        ap.LayerPrecision("fp8_e4m3", grad_format="fp32", scaling=ap.Scaling(granularity="mx"))
+    with pytest.raises(ap.PlanError, match="an FP8 layer's gradients are fp8_e5m2, fp8_e4m3 or fp32, got 'bf16'"):
+        ap.LayerPrecision("fp8_e4m3", grad_format="bf16", scaling=ap.Scaling(granularity="mx"))
     with pytest.raises(ap.PlanError, match="'mx' is MXFP8, for fp8_e4m3 layers"):
         ap.LayerPrecision("int8", scaling=ap.Scaling(granularity="mx"))
     with pytest.raises(ap.PlanError, match="delayed scaling keeps one amax per tensor"):
@@ -137,20 +167,24 @@ def test_a_plan_with_mxfp8_round_trips_and_the_strict_check_says_emulated(tmp_pa
         again.validate(model, (x,), allow_emulation=False)
 
 
-def test_the_memory_model_predicts_the_bytes_an_mxfp8_layer_saves():
-    """The input tiled along M and the weight tiled along N, a byte per element and one per tile;
-    a layer whose input needs no gradient keeps no copy of its weight."""
+@pytest.mark.parametrize("grad_format", ["fp8_e4m3", "fp32"])
+def test_the_memory_model_predicts_the_bytes_an_mxfp8_layer_saves(grad_format):
+    """The input tiled along M and the weight tiled along N, a byte per element and one per tile
+    (a high-precision backward: the forward's copies, tiled along K); a layer whose input needs no
+    gradient keeps no copy of its weight."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(40, 72), nn.GELU(), nn.Linear(72, 24))
     x = torch.randn(8, 5, 40)
-    plan = ap.Plan({"0": MX, "2": MX})
+    precision = ap.LayerPrecision("fp8_e4m3", grad_format=grad_format, scaling=ap.Scaling(granularity="mx"))
+    plan = ap.Plan({"0": precision, "2": precision})
     traced = trace_model(model, x)
     runtime = ap.apply_plan(model, plan)
     measured, _ = saved_bytes_by_layer(model, x, ["0", "2"], lambda: runtime)
     for fqn in ("0", "2"):
-        cost = layer_memory(traced.layers[fqn], MX, "cpu")
+        cost = layer_memory(traced.layers[fqn], precision, "cpu")
         assert cost.weight_copy_bytes + cost.activation_bytes == measured[fqn], fqn
-    # The first layer: its input needs no gradient, so only the input's copy (K rows of M = 40 tokens padded to 64).
+    # The first layer: its input needs no gradient, so only the input's copy: K rows of M = 40
+    # tokens padded to 64, or (high-precision backward) 40 rows of K = 40 padded to 64.
     assert measured["0"] == 40 * 64 + 40 * 2
 
 

@@ -208,13 +208,57 @@ def test_the_gradients_are_unbiased_over_draws():
         assert error < 0.02 and error < (single - exact).norm() / exact.norm() / 4
 
 
+def test_a_high_precision_backward_multiplies_the_unrounded_gradient_by_the_forwards_operands():
+    """``grad_format="fp32"`` (Transformer Engine's ``backward_override="dequantized"``): the
+    forward's output unchanged; the input gradient g @ W and the weight gradient g.T @ x with g
+    itself and W, x the forward's NVFP4 copies (16x16 and 1x16 blocks, by hand); no Hadamard
+    transform and no stochastic rounding (the generator is not drawn from)."""
+    torch.manual_seed(0)
+    x = torch.randn(13, 40, requires_grad=True)
+    w = (torch.randn(24, 40) * torch.logspace(-2, 2, 40)).requires_grad_()
+    b = torch.randn(24, requires_grad=True)
+    y = Nvfp4Linear.apply(x, w, b, Nvfp4Spec(torch.float32, high_precision_backward=True))
+    assert torch.equal(y, Nvfp4Linear.apply(x.detach(), w.detach(), b.detach(), Nvfp4Spec(torch.float32)))
+    g = torch.randn(13, 24)
+    state = torch.get_rng_state()
+    y.backward(g)
+    assert torch.equal(torch.get_rng_state(), state)
+    xq, wq = _reference(x.detach())[0][:, :40], _reference(w.detach(), square=True)[0][:24, :40]
+    torch.testing.assert_close(y, xq @ wq.t() + b.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, g @ wq, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad, g.t() @ xq, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b.grad, g.sum(0))
+
+
+@pytest.mark.parametrize("high_precision_backward", [False, True])
+def test_a_plan_layers_gradients_are_its_products(high_precision_backward):
+    """Through `apply_plan`: an NVFP4 layer (``grad_format`` nvfp4 or fp32) runs the products
+    `Nvfp4Linear` computes with that backward, on the same draws."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 24))
+    x = torch.randn(13, 40, requires_grad=True)
+    precision = ap.LayerPrecision("nvfp4", grad_format="fp32" if high_precision_backward else None)
+    g = torch.randn(13, 24).to(torch.bfloat16)
+    state = torch.get_rng_state()
+    with ap.apply_plan(model, ap.Plan({"0": precision})):
+        y = model(x)
+    assert y.dtype == torch.bfloat16  # the plan's region: the backward's products in BF16 too
+    y.backward(g)
+    w = model[0].weight.detach().clone().requires_grad_()
+    xi = x.detach().clone().requires_grad_()
+    torch.set_rng_state(state)
+    Nvfp4Linear.apply(xi, w, model[0].bias.detach(), Nvfp4Spec(y.dtype, high_precision_backward)).backward(g)
+    assert torch.equal(x.grad, xi.grad) and torch.equal(model[0].weight.grad, w.grad)
+
+
 def test_the_plans_rules_name_the_field_and_the_fix():
     with pytest.raises(ap.PlanError, match=r"scaling: nvfp4 scales itself .*leave scaling out") as info:
         ap.LayerPrecision("nvfp4", scaling=ap.Scaling(granularity="row"))
     assert "\n" not in str(info.value)
-    with pytest.raises(ap.PlanError, match="grad_format: only FP8 layers choose a separate gradient format; remove it or set it to 'nvfp4'"):
+    with pytest.raises(ap.PlanError, match=r"grad_format: an NVFP4 layer's gradients are nvfp4 or fp32 \(a high-precision backward\), got 'bf16'"):
         ap.LayerPrecision("nvfp4", grad_format="bf16")
     assert NV.grad_format is Format.NVFP4
+    assert ap.LayerPrecision("nvfp4", grad_format="fp32").grad_format is Format.FP32
 
 
 def test_a_layer_in_a_plan_runs_the_products_and_says_emulated(tmp_path):
@@ -245,19 +289,22 @@ def test_other_products_in_an_nvfp4_layer_are_rounded_through_its_blocks():
     assert torch.equal(q.dequantize(q.quantize(x, inv), inv, x.shape), nvfp4_cast(x).dequantize()[:6, :40])
 
 
-def test_the_memory_model_predicts_the_bytes_an_nvfp4_layer_saves():
+@pytest.mark.parametrize("grad_format", ["nvfp4", "fp32"])
+def test_the_memory_model_predicts_the_bytes_an_nvfp4_layer_saves(grad_format):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(40, 72), nn.GELU(), nn.Linear(72, 24))
     x = torch.randn(8, 5, 40)
-    plan = ap.Plan({"0": NV, "2": NV})
+    precision = ap.LayerPrecision("nvfp4", grad_format=grad_format)
+    plan = ap.Plan({"0": precision, "2": precision})
     traced = trace_model(model, x)
     runtime = ap.apply_plan(model, plan)
     measured, _ = saved_bytes_by_layer(model, x, ["0", "2"], lambda: runtime)
     for fqn in ("0", "2"):
-        cost = layer_memory(traced.layers[fqn], NV, "cpu")
+        cost = layer_memory(traced.layers[fqn], precision, "cpu")
         assert cost.weight_copy_bytes + cost.activation_bytes == measured[fqn], fqn
     # The first layer's input needs no gradient: only x along M (40 rows of 40 tokens padded to
-    # 48), half a byte each, an E4M3 byte per 16 and one FP32 scale.
+    # 48; a high-precision backward: the forward's copy, 40 tokens of K = 40 padded to 48), half
+    # a byte each, an E4M3 byte per 16 and one FP32 scale.
     assert measured["0"] == 40 * 48 // 2 + 40 * 3 + 4
 
 
@@ -277,17 +324,20 @@ def test_a_model_trains_in_nvfp4_near_bf16_and_compiles_in_one_graph():
     assert abs(compiled - eager) < 0.25 * abs(eager - fp32)
 
 
-def test_the_scheduler_searches_with_nvfp4_and_trains_under_its_plan():
+@pytest.mark.parametrize("grad_formats", [{}, {"nvfp4": "fp32"}], ids=["nvfp4-backward", "high-precision-backward"])
+def test_the_scheduler_searches_with_nvfp4_and_trains_under_its_plan(grad_formats):
     """NVFP4 as a candidate (min_precision=4) under a memory budget BF16 alone cannot meet: the
     search plans NVFP4 layers, and the planned windows do not promote them for "underflow" a
-    per-tensor view would see (NVFP4's block scales keep small values)."""
+    per-tensor view would see (NVFP4's block scales keep small values). With ``grad_formats``
+    the plan's NVFP4 layers take a high-precision backward (it saves the same bytes)."""
     from autoprec.scheduler import DynamicPrecisionScheduler
 
     scheduler = DynamicPrecisionScheduler(min_precision=4, max_precision=16, monitor_window=3, memory_budget=0.765, accuracy_budget=0.5,
-                                          formats=["bf16", "nvfp4"], recompute=[], measure_costs=False, search_slice=None)
+                                          formats=["bf16", "nvfp4"], grad_formats=grad_formats, recompute=[], measure_costs=False, search_slice=None)
     loss = tiny_lm_under(scheduler, 20)
     assert scheduler.last_search_error is None and scheduler.phase == "planned"
-    assert any(lp.format is Format.NVFP4 for lp in scheduler.plan.layers.values())
+    nvfp4 = [lp for lp in scheduler.plan.layers.values() if lp.format is Format.NVFP4]
+    assert nvfp4 and {lp.grad_format for lp in nvfp4} == {Format.FP32 if grad_formats else Format.NVFP4}
     assert not [c for c in scheduler.changes if "underflow" in c.reason]
     assert torch.isfinite(loss)
 

@@ -70,6 +70,10 @@ def test_times_measured_in_one_scaling_are_never_reused_for_another(problem, tmp
     CostModel.build(copy.deepcopy(model), data[0][0], formats=(Format.FP32, E4M3), timing=settings, precisions=block)
     saved = json.loads(times.read_text())
     assert saved["scaling"] == {"fp8_e4m3": block[E4M3].to_dict()["scaling"]}  # timed afresh, keyed on it
+    # A high-precision backward runs other products: timed afresh too, keyed on its gradient format.
+    high = {E4M3: ap.LayerPrecision(E4M3, grad_format="fp32")}
+    CostModel.build(copy.deepcopy(model), data[0][0], formats=(Format.FP32, E4M3), timing=settings, precisions=high)
+    assert json.loads(times.read_text())["scaling"] == {"fp8_e4m3": {**high[E4M3].to_dict()["scaling"], "grad_format": "fp32"}}
 
 
 @pytest.mark.parametrize("scaling, words", [
@@ -97,3 +101,19 @@ def test_a_job_file_takes_the_scaling_and_names_a_wrong_one(tmp_path):
     bad.write_text('[job]\nname = "x"\n[workload]\nfactory = "autoprec.workloads:default_workload"\n[search]\nscaling = {fp8_e4m3 = "diagonal"}\n')
     with pytest.raises(SearchError, match=r"\[search\]\.scaling: expected a table of scaled format"):
         load_job(bad)
+
+
+def test_a_job_file_takes_gradient_formats_and_names_a_wrong_one(tmp_path):
+    """``[search] grad_formats``: NVFP4 forwards with a high-precision backward, as `Planning`
+    checks them; a gradient format the format cannot take names the field."""
+    from autoprec.job.config import load_job
+
+    head = '[job]\nname = "x"\n[workload]\nfactory = "autoprec.workloads:default_workload"\n[search]\n'
+    good = tmp_path / "good.toml"
+    good.write_text(head + 'formats = ["bf16", "nvfp4"]\nmin_precision = 4\ngrad_formats = {nvfp4 = "fp32"}\n')
+    assert load_job(good).planning(1e-3).precisions()[Format.NVFP4].grad_format is Format.FP32
+    bad = tmp_path / "bad.toml"
+    bad.write_text(head + 'grad_formats = {nvfp4 = "bf16"}\n')
+    with pytest.raises(SearchError, match=r"\[search\]\.grad_formats: expected a table of format = its gradient format") as info:
+        load_job(bad)
+    assert "\n" not in str(info.value)
