@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -34,7 +34,7 @@ from ..plan import LayerPrecision, Plan
 from ..runtime import apply_plan
 from ..scaling import LossScaler
 from .binding import require_bound
-from .policy import PolicyState, demotions, promotions, window_triggers
+from .policy import PolicyState, backward_triggers, demotions, promotions, window_triggers
 from .promotion_bytes import paid_for, repredicted
 
 if TYPE_CHECKING:
@@ -317,9 +317,10 @@ class PlanKeeper:
             if measured_bytes is not None:
                 self._writer.log_memory(step, predicted_bytes=plan.predicted.get("bytes"), measured_bytes=measured_bytes)
         promote = [fqn for fqn in triggers if plan.layers[fqn].format is not Format.FP32]
-        self._promote(promote, triggers, step)
-        current = {fqn: lp.format for fqn, lp in self._planned().layers.items()}
-        changes, self._policy = demotions(triggers, self._policy, step, t.stable_windows, current, self._window_skipped)
+        self._promote(promote, triggers, step, backward=backward_triggers(promote, profile, t))
+        layers = self._planned().layers
+        changes, self._policy = demotions(triggers, self._policy, step, t.stable_windows, {fqn: lp.format for fqn, lp in layers.items()},
+                                          self._window_skipped, {fqn: lp.grad_format for fqn, lp in layers.items()})
         self._apply([(c, "demoted") for c in changes], "demotion", step)
 
     def act_on_checks(self, recalibrate: Mapping[str, str], promote: Mapping[str, str], step: int) -> None:
@@ -342,14 +343,17 @@ class PlanKeeper:
         device = next(self._bound().parameters()).device
         return [f for f in (Format.BF16, Format.FP32) if f.bits <= self.config.max_precision and format_support(f, device).runnable]
 
-    def _promote(self, fqns: Sequence[str], reasons: Mapping[str, str], step: int) -> None:
-        """Promote ``fqns`` one step up the ladder, and lower other layers to pay for the bytes
-        they add where the plan would go over its memory budget (`promotion_bytes.paid_for`);
-        what cannot be paid for is promoted anyway, with a warning (a layer that overflows must
-        not stay in its format for the budget's sake)."""
+    def _promote(self, fqns: Sequence[str], reasons: Mapping[str, str], step: int, backward: Collection[str] = ()) -> None:
+        """Promote ``fqns`` one step up the ladder (those in ``backward``, whose gradients alone
+        triggered, to a high-precision backward where they can take one: `policy.promotions`),
+        and lower other layers to pay for the bytes they add where the plan would go over its
+        memory budget (`promotion_bytes.paid_for`; a backward change saves what the format's
+        own backward does, so it adds none); what cannot be paid for is promoted anyway, with a
+        warning (a layer that overflows must not stay in its format for the budget's sake)."""
         plan = self._planned()
-        changes, self._policy = promotions(plan, {f: reasons[f] for f in fqns}, self._policy, step, self._ladder())
-        lowered, over = paid_for(plan, {c.fqn: c.new for c in changes}, keep={f for f, stack in self._policy.history.items() if stack}, step=step)
+        changes, self._policy = promotions(plan, {f: reasons[f] for f in fqns}, self._policy, step, self._ladder(), backward)
+        widened = {c.fqn: c.new for c in changes if not c.backward_only}
+        lowered, over = paid_for(plan, widened, keep={f for f, stack in self._policy.history.items() if stack}, step=step) if widened else ([], 0.0)
         if over > 0:
             logger.warning("autoprec: step %d: the promotions of %s take the plan %s bytes over its memory budget (predicted), with no lowering "
                            "of other layers within the accuracy budget to pay for them", step, ", ".join(c.fqn for c in changes), f"{over:,.0f}")
@@ -360,17 +364,22 @@ class PlanKeeper:
         one new plan, its predicted figures moved with them (`promotion_bytes.repredicted`)."""
         plan = self._planned()
         for change, _ in changes:
-            old = plan.layers[change.fqn].format
-            self.changes.append(PrecisionChange(step, change.fqn, old, change.new, change.reason))
-            logger.info("autoprec: step %d: %s %s -> %s (%s)", step, layer_name(change.fqn, self._bound()), old.value, change.new.value, change.reason)
+            change = dataclasses.replace(change, step=step, old=plan.layers[change.fqn].format)
+            self.changes.append(change)
+            logger.info("autoprec: step %d: %s %s (%s)", step, layer_name(change.fqn, self._bound()), change.describe(), change.reason)
             if self._writer is not None:
-                self._writer.log_change(step, change.fqn, old, change.new, change.reason)
+                self._writer.log_change(step, change.fqn, change.old, change.new, change.reason if not change.backward_only else f"{change.describe()}: {change.reason}")
         if changes:
-            # A layer lowered again runs its format as the search plans it (`SchedulerConfig.scaling`).
+            # A layer lowered again runs its format as the search plans it (`SchedulerConfig.scaling`);
+            # a backward change keeps the layer's precision but its gradient format.
             precisions = self.config.planning.precisions()
-            changed = plan.with_layers({
-                c.fqn: dataclasses.replace(precisions.get(c.new, LayerPrecision(c.new)), reason=f"{verb} at step {step}: {c.reason}") for c, verb in changes
-            })
+
+            def changed_precision(c: PrecisionChange) -> LayerPrecision:
+                if c.new_grad is not None:
+                    return dataclasses.replace(plan.layers[c.fqn], grad_format=c.new_grad)
+                return precisions.get(c.new, LayerPrecision(c.new))
+
+            changed = plan.with_layers({c.fqn: dataclasses.replace(changed_precision(c), reason=f"{verb} at step {step}: {c.reason}") for c, verb in changes})
             self.install(changed.replace(predicted=repredicted(changed, plan)), why, step)
 
     # -- agreement and checkpoints ----------------------------------------------------------------

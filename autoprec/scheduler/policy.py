@@ -7,7 +7,10 @@ they return; the TensorBoard training writer shows the same records.
 
 - `window_triggers`: overflow / underflow beyond the thresholds in the plan's format (with the
   runtime's scaling), or an activation amax drift;
-- `promotions`: one step up the ladder (8-bit and FP16 -> BF16 -> FP32);
+- `promotions`: one step up the ladder (8-bit and FP16 -> BF16 -> FP32); a layer whose gradients
+  alone left their format's range (`backward_triggers`) takes a high-precision backward first
+  (`takes_high_backward`: FP8, MXFP8 and NVFP4 layers keep their forward, ``grad_format`` FP32),
+  as Transformer Engine's ``backward_override`` does for a whole recipe;
 - `demotions`: back down after quiet windows, the wait doubling each time (hysteresis);
 - `accuracy_promotions`, `saturation_actions`: what a planned step's check (`plan_checks`) acts
   on at once: a measured loss increase over the budget, an input grossly past its scale's range.
@@ -20,20 +23,26 @@ import math
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
 
 from ..changes import PrecisionChange
-from ..formats import Format
-from ..plan import Plan
+from ..formats import Format, Granularity
+from ..plan import LayerPrecision, Plan
 
 if TYPE_CHECKING:
     from .config import Thresholds
 
-__all__ = ["PolicyState", "wider_format", "promotions", "window_triggers", "demotions", "accuracy_promotions", "saturation_actions"]
+__all__ = ["PolicyState", "wider_format", "takes_high_backward", "promotions", "window_triggers", "backward_triggers", "demotions", "accuracy_promotions",
+           "saturation_actions"]
+
+# A layer's history entry for a high-precision backward taken: this prefix, then the gradient
+# format it had (a demotion gives that back).
+_BACKWARD = "grad:"
 
 
 @dataclasses.dataclass(frozen=True)
 class PolicyState:
     """What the policy remembers between windows, per layer (saved in scheduler checkpoints).
 
-    ``history``: the formats a layer was promoted from, newest last (a demotion pops one);
+    ``history``: the formats a layer was promoted from, newest last (a demotion pops one; a
+    high-precision backward taken: ``"grad:"`` and the gradient format it had);
     ``stable``: quiet windows since its last change; ``wait``: quiet windows it must see before
     its next demotion (doubles at each demotion: hysteresis); ``previous_amax``: its activation
     amax in the last window that saw one (for the drift rule).
@@ -66,16 +75,34 @@ def wider_format(fmt: Format, ladder: Sequence[Format]) -> Optional[Format]:
     return Format.FP32 if fmt is Format.BF16 and Format.FP32 in ladder else None
 
 
+def takes_high_backward(lp: LayerPrecision) -> bool:
+    """Whether a layer in ``lp`` can keep its forward and run its backward in high precision
+    (``grad_format`` FP32) on the products it runs now: FP8 per tensor or row, MXFP8 and NVFP4
+    with low-precision gradients (block-scaled FP8's kernels take E4M3 gradients only)."""
+    if lp.format is Format.NVFP4:
+        return lp.grad_format is Format.NVFP4
+    return lp.format.is_fp8 and lp.grad_format.is_fp8 and lp.scaling.granularity is not Granularity.BLOCK
+
+
 def promotions(
-    plan: Plan, reasons: Mapping[str, str], state: PolicyState, step: int, ladder: Sequence[Format]
+    plan: Plan, reasons: Mapping[str, str], state: PolicyState, step: int, ladder: Sequence[Format], backward: Iterable[str] = ()
 ) -> tuple[list[PrecisionChange], PolicyState]:
     """Promote each layer of ``reasons`` (fqn -> why) one step up `wider_format`'s ladder;
-    layers already at the top stay. Returns the changes and the state that remembers them."""
+    layers already at the top stay. Those in ``backward`` (their gradients alone triggered,
+    `backward_triggers`) that `takes_high_backward` keep their format and take FP32 gradients
+    instead. Returns the changes and the state that remembers them."""
     history = {k: tuple(v) for k, v in state.history.items()}
     stable = dict(state.stable)
     changes = []
+    backward = set(backward)
     for fqn, reason in reasons.items():
-        current = plan.layers[fqn].format
+        lp = plan.layers[fqn]
+        current = lp.format
+        if fqn in backward and takes_high_backward(lp):
+            history[fqn] = history.get(fqn, ()) + (_BACKWARD + lp.grad_format.value,)
+            stable[fqn] = 0
+            changes.append(PrecisionChange(step, fqn, current, current, reason, lp.grad_format, Format.FP32))
+            continue
         wider = wider_format(current, ladder)
         if wider is None:
             continue
@@ -122,12 +149,27 @@ def window_triggers(
     return triggers, counts, dataclasses.replace(state, previous_amax=previous_amax)
 
 
+def backward_triggers(triggers: Iterable[str], report: Any, thresholds: "Thresholds") -> set[str]:
+    """The layers of ``triggers`` (`window_triggers`) whose gradients alone were beyond the
+    thresholds in ``report``: no activation or weight out of range, no activation drift (a
+    drift triggers on the activation's amax, which no backward change helps)."""
+    out = set()
+    for fqn in triggers:
+        watched = report.layers.get(fqn, {}) if report is not None else {}
+        over = {kind for kind, tw in watched.items() if tw.overflow > thresholds.overflow or tw.underflow > thresholds.underflow}
+        if over == {"grad"}:
+            out.add(fqn)
+    return out
+
+
 def demotions(triggered: Iterable[str], state: PolicyState, step: int, stable_windows: int, current: Mapping[str, Format],
-              skipped_steps: int = 0) -> tuple[list[PrecisionChange], PolicyState]:
+              skipped_steps: int = 0, grads: Mapping[str, Format] = {}) -> tuple[list[PrecisionChange], PolicyState]:
     """After a window: every promoted layer not in ``triggered`` counts one more quiet window;
     one that has waited its ``wait`` (``stable_windows`` the first time) goes back to the format
-    it was promoted from, and its next wait doubles (a layer that keeps flapping waits longer
-    each time). ``current``: fqn -> the format it runs in now.
+    it was promoted from (a high-precision backward: to the gradient format it had), and its
+    next wait doubles (a layer that keeps flapping waits longer each time). ``current``: fqn ->
+    the format it runs in now; ``grads``: fqn -> its gradient format now (a backward given back
+    to the format it has already records no change).
 
     A window with ``skipped_steps`` (optimizer steps skipped for non-finite gradients or loss)
     is never quiet: its statistics come from steps that did not train, and an inf in every
@@ -145,12 +187,17 @@ def demotions(triggered: Iterable[str], state: PolicyState, step: int, stable_wi
             continue
         stable[fqn] = stable.get(fqn, 0) + 1
         if stable[fqn] >= wait.get(fqn, stable_windows):
-            back = Format.parse(stack[-1])
             history[fqn] = tuple(stack[:-1])
             stable[fqn] = 0
             waited = wait.get(fqn, stable_windows)
             wait[fqn] = waited * 2
-            changes.append(PrecisionChange(step, fqn, current[fqn], back, f"stable for {waited} windows"))
+            why = f"stable for {waited} windows"
+            if stack[-1].startswith(_BACKWARD):
+                back, now = Format.parse(stack[-1][len(_BACKWARD):]), grads.get(fqn, Format.FP32)
+                if back is not now:
+                    changes.append(PrecisionChange(step, fqn, current[fqn], current[fqn], why, now, back))
+            else:
+                changes.append(PrecisionChange(step, fqn, current[fqn], Format.parse(stack[-1]), why))
     return changes, dataclasses.replace(state, history=history, stable=stable, wait=wait)
 
 

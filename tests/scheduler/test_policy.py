@@ -118,3 +118,40 @@ def test_saturation_recalibrates_first_and_promotes_a_layer_saturating_again():
     assert recalibrate["a"] == "input amax 100x the range its scale covers"
     recalibrate, promote = saturation_actions(saturation, 4.0, recalibrated={"a"})
     assert set(recalibrate) == {"d"} and set(promote) == {"a"}
+
+
+def test_gradients_alone_out_of_range_take_a_high_precision_backward_where_the_layer_can():
+    """A layer whose gradients alone are beyond a threshold keeps its format with FP32 gradients
+    (FP8 per tensor, MXFP8, NVFP4); block-scaled FP8 (its kernels take E4M3 gradients only), a
+    layer whose forward is out of range too, and one without low-precision gradients go up the ladder."""
+    from autoprec.plan import LayerPrecision, Scaling
+    from autoprec.scheduler.policy import backward_triggers, takes_high_backward
+
+    plan = Plan({"fp8": "fp8_e4m3", "mx": LayerPrecision("fp8_e4m3", scaling=Scaling(granularity="mx")), "nvfp4": "nvfp4",
+                 "block": LayerPrecision("fp8_e4m3", scaling=Scaling(granularity="block")), "both": "fp8_e4m3", "int8": "int8"})
+    grad_only = {"grad": stats(underflow=0.9, fmt="fp8_e5m2")}
+    window = WatchReport(1, {"fp8": grad_only, "mx": grad_only, "nvfp4": grad_only, "block": grad_only, "int8": {"activation": stats(overflow=0.1)},
+                             "both": {"grad": stats(overflow=0.1, fmt="fp8_e5m2"), "activation": stats(overflow=0.1, fmt="fp8_e4m3")}})
+    triggers, _, _ = window_triggers(plan, list(plan.layers), window, {}, PolicyState(), T)
+    assert set(triggers) == set(plan.layers)
+    backward = backward_triggers(triggers, window, T)
+    assert backward == {"fp8", "mx", "nvfp4", "block"}
+    assert [takes_high_backward(plan.layers[f]) for f in ("fp8", "mx", "nvfp4", "block", "int8")] == [True, True, True, False, False]
+    changes, state = promotions(plan, triggers, PolicyState(), step=3, ladder=LADDER, backward=backward)
+    by_layer = {c.fqn: c for c in changes}
+    for fqn in ("fp8", "mx", "nvfp4"):
+        c = by_layer[fqn]
+        assert (c.old, c.new, c.old_grad, c.new_grad, c.direction) == (plan.layers[fqn].format, plan.layers[fqn].format, plan.layers[fqn].grad_format,
+                                                                         Format.FP32, "promotion"), fqn
+        assert state.history[fqn] == (f"grad:{plan.layers[fqn].grad_format.value}",)
+    for fqn in ("block", "both", "int8"):
+        assert (by_layer[fqn].new, by_layer[fqn].new_grad) == (Format.BF16, None), fqn
+    # Quiet, each goes back: the backward to its gradient format, the others to their format.
+    current = {fqn: c.new for fqn, c in by_layer.items()}
+    grads = {fqn: Format.FP32 if c.backward_only else plan.layers[fqn].grad_format for fqn, c in by_layer.items()}
+    back, state = demotions([], state, step=9, stable_windows=1, current=current, grads=grads)
+    by_layer_back = {c.fqn: c for c in back}
+    assert (by_layer_back["fp8"].old_grad, by_layer_back["fp8"].new_grad, by_layer_back["fp8"].direction) == (Format.FP32, Format.FP8_E5M2, "demotion")
+    assert by_layer_back["block"].new is Format.FP8_E4M3 and by_layer_back["block"].new_grad is None
+    assert all(not stack for stack in state.history.values())
+    assert [PrecisionChange.from_dict(c.to_dict()) for c in changes + back] == changes + back

@@ -9,7 +9,8 @@ import torch
 
 from autoprec.errors import RuntimeStateError, SettingsError
 from autoprec.formats import Format
-from autoprec.plan import Plan
+from autoprec.changes import PrecisionChange
+from autoprec.plan import LayerPrecision, Plan
 from autoprec.scheduler import DynamicPrecisionScheduler, Thresholds
 from autoprec.workloads import default_workload, evaluate
 from support.tb_events import accumulator, text_of
@@ -252,6 +253,50 @@ def test_an_underflow_that_starts_on_an_unsampled_step_is_caught_by_the_next_sam
     train(wl, model, opt, sch, 1, sampler)  # step 9, sampled; the window's end reviews it
     change = next(c for c in sch.changes if c.fqn == "blocks.0.mlp.fc")
     assert change.step == WINDOW and change.old is Format.FP16 and "activation values underflow fp16" in change.reason
+
+
+class _GradientsMostlyTiny(torch.autograd.Function):
+    """Identity forward; the backward keeps the first output channel's gradient and scales the
+    rest by 1e-9, so a per-tensor FP8 cast of it underflows almost everywhere."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        scale = torch.full_like(g, 1e-9)
+        scale[..., 0] = 1.0
+        return g * scale
+
+
+def test_gradients_alone_out_of_range_give_the_layer_a_high_precision_backward_then_it_comes_back():
+    """An FP8 layer whose output gradients underflow E4M3 while its inputs and weights do not:
+    the review keeps its FP8 forward and gives it an FP32-gradient backward (no bytes added, no
+    other layer lowered); once quiet it takes its E4M3 gradients back."""
+    wl, model, opt = setup()
+    example = wl.train_batches(1).next()[0]
+    target = "blocks.0.mlp.fc"
+    fp8 = LayerPrecision("fp8_e4m3", grad_format="fp8_e4m3")
+    plan = Plan.uniform(model, "bf16", example).with_layers({target: fp8})
+    sch = DynamicPrecisionScheduler.from_plan(model, plan, dynamic=True, monitor_window=WINDOW, monitor_steps=5,
+                                              thresholds=Thresholds(stable_windows=1))
+    # On the next layer's input: the gradient reaching the target's output (where the watch reads it) is the tiny one.
+    hook = model.blocks[0].mlp.proj.register_forward_pre_hook(lambda m, args: (_GradientsMostlyTiny.apply(args[0]),))
+    sampler = wl.train_batches(0)
+    train(wl, model, opt, sch, WINDOW, sampler)
+    [change] = sch.changes
+    assert (change.fqn, change.old, change.new, change.old_grad, change.new_grad) == (target, Format.FP8_E4M3, Format.FP8_E4M3, Format.FP8_E4M3, Format.FP32)
+    assert change.direction == "promotion" and "grad values underflow fp8_e4m3" in change.reason
+    now = sch.plan.layers[target]
+    assert (now.format, now.grad_format, now.scaling) == (Format.FP8_E4M3, Format.FP32, fp8.scaling)
+    assert {fqn: lp.format for fqn, lp in sch.plan.layers.items()} == {fqn: lp.format for fqn, lp in plan.layers.items()}
+    hook.remove()
+    train(wl, model, opt, sch, 2 * WINDOW, sampler)
+    back = sch.changes[1]
+    assert (back.old_grad, back.new_grad, back.direction) == (Format.FP32, Format.FP8_E4M3, "demotion") and "stable" in back.reason
+    assert sch.plan.layers[target].grad_format is Format.FP8_E4M3
+    assert PrecisionChange.from_dict(change.to_dict()) == change
 
 
 def run_with_checkpoint(stop, total):
