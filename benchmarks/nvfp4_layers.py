@@ -15,17 +15,22 @@ gradients), five ways, every seed from the same start:
   estimate (`sensitivity.FisherEstimator`, what the search ranks by) says lose the most in NVFP4;
 - (e) autoprec under an accuracy budget: the search (`search.pipeline`) at the least memory whose
   predicted loss increase stays within (c)'s measured gap (that seed's), reporting how many block
-  linear layers it leaves in NVFP4.
+  linear layers it leaves in NVFP4;
+- (f) NVFP4 forward, high-precision backward: (b) with every NVFP4 layer's ``grad_format`` FP32
+  (Transformer Engine's ``backward_override="dequantized"``): what the gradients' rounding costs.
 
 The embeddings, the attention products and the LM head stay in BF16 in every run (NVIDIA's recipe
 quantizes linear layers only; torchtitan keeps the head out). Every run starts from the same
 ``--warmup`` BF16 steps (autoprec's profiling window: the sensitivity is estimated on that
-model), then trains ``--steps`` more on the same batches; the figure is the validation loss
+model), then trains ``--steps`` more on the same batches, the default generator seeded alike
+(each run's stochastic rounding draws the same stream); the figure is the validation loss
 (``--eval-batches`` fixed batches of held-out text, under the run's own plan) minus (a)'s, in
 nats, mean and spread over ``--seeds``.
 
 Run: ``PYTHONPATH=. python benchmarks/nvfp4_layers.py --out benchmarks/results/nvfp4_layers_cpu.json``
-(``--seeds 0`` alone for one seed; ``--merge A.json B.json`` joins runs of different seeds).
+(``--seeds 0`` alone for one seed; ``--variants a_bf16 b_nvfp4 f_nvfp4_high_backward`` some of the
+runs ((d) and (e) need the sensitivity, (e) also (a) and (c)); ``--merge A.json B.json`` joins runs
+of different seeds).
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from autoprec.workloads.bytelm import BatchSampler, ByteLM, LMConfig, load_corpu
 
 NVFP4, BF16 = Format.NVFP4, Format.BF16
 LINEARS = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")  # a ByteLM block's linear layers
-VARIANTS = ("a_bf16", "b_nvfp4", "c_hand_rule", "d_autoprec_same_count", "e_autoprec_budget")
+VARIANTS = ("a_bf16", "b_nvfp4", "c_hand_rule", "d_autoprec_same_count", "e_autoprec_budget", "f_nvfp4_high_backward")
 
 
 def _loss(model, batch):
@@ -68,8 +73,8 @@ def _token_losses(model, batch):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[1].reshape(-1), reduction="none")
 
 
-def _plan(base: ap.Plan, nvfp4: "set[str]") -> ap.Plan:
-    return ap.Plan({fqn: ap.LayerPrecision(NVFP4 if fqn in nvfp4 else lp.format) for fqn, lp in base.layers.items()})
+def _plan(base: ap.Plan, nvfp4: "set[str]", grad_format: "Format | None" = None) -> ap.Plan:
+    return ap.Plan({fqn: ap.LayerPrecision(NVFP4, grad_format=grad_format) if fqn in nvfp4 else ap.LayerPrecision(lp.format) for fqn, lp in base.layers.items()})
 
 
 def _train(model, optimizer, plan, sampler, steps):
@@ -104,28 +109,35 @@ def run_seed(args, seed: int) -> dict:
     _train(model, optimizer, base, sampler, args.warmup).remove()
     start = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()), sampler.state_dict())
 
-    # autoprec's sensitivity, on the warmed-up model, of each candidate in NVFP4 and BF16.
-    batches = [sampler.next() for _ in range(args.sensitivity_batches)]
-    sampler.load_state_dict(start[2])
-    pinned = {fqn: BF16 for fqn in base.layers if fqn not in candidates}
-    planning = Planning((BF16, NVFP4), rules=LayerRules(pin=pinned), min_precision=4, max_precision=16, lr=args.lr, measure=False)
-    began = time.process_time()
-    found = measure_space(copy.deepcopy(model), batches[0][0], batches, _token_losses, None, planning)
-    search_cpu = time.process_time() - began
-    cost = {fqn: found.sensitivity[(fqn, NVFP4)] - found.sensitivity[(fqn, BF16)] for fqn in candidates}
-
     tail = math.ceil(args.tail * args.blocks)
     hand = {f for f in candidates if int(f.split(".")[1]) < args.blocks - tail}
     kept = len(candidates) - len(hand)
-    by_autoprec = set(sorted(candidates, key=lambda f: cost[f])[: len(candidates) - kept])
-    chosen = {"a_bf16": set(), "b_nvfp4": set(candidates), "c_hand_rule": hand, "d_autoprec_same_count": by_autoprec}
+    searched = {"d_autoprec_same_count", "e_autoprec_budget"} & set(args.variants)
+    cost: dict = {}
+    search_cpu = 0.0
+    if searched:
+        # autoprec's sensitivity, on the warmed-up model, of each candidate in NVFP4 and BF16.
+        batches = [sampler.next() for _ in range(args.sensitivity_batches)]
+        sampler.load_state_dict(start[2])
+        pinned = {fqn: BF16 for fqn in base.layers if fqn not in candidates}
+        planning = Planning((BF16, NVFP4), rules=LayerRules(pin=pinned), min_precision=4, max_precision=16, lr=args.lr, measure=False)
+        began = time.process_time()
+        found = measure_space(copy.deepcopy(model), batches[0][0], batches, _token_losses, None, planning)
+        search_cpu = time.process_time() - began
+        cost = {fqn: found.sensitivity[(fqn, NVFP4)] - found.sensitivity[(fqn, BF16)] for fqn in candidates}
+    by_autoprec = set(sorted(candidates, key=lambda f: cost[f])[: len(candidates) - kept]) if cost else set()
+    chosen = {"a_bf16": set(), "b_nvfp4": set(candidates), "c_hand_rule": hand, "d_autoprec_same_count": by_autoprec,
+              "f_nvfp4_high_backward": set(candidates)}
     results: dict = {}
 
     def run(name: str, nvfp4: "set[str]") -> None:
         model.load_state_dict(start[0])
         optimizer.load_state_dict(copy.deepcopy(start[1]))  # it adopts the tensors it is given: they would move on
         sampler.load_state_dict(start[2])
-        plan = _plan(base, nvfp4)
+        # Every run draws the same stochastic-rounding noise stream, whichever runs went before it
+        # (the sensitivity estimate and NVFP4 runs draw from the default generator).
+        torch.manual_seed(seed)
+        plan = _plan(base, nvfp4, Format.FP32 if name == "f_nvfp4_high_backward" else None)
         began = time.process_time()
         runtime = _train(model, optimizer, plan, sampler, args.steps)
         results[name] = {"val_loss": _evaluate(model, runtime, val), "nvfp4_layers": len(nvfp4), "bf16_layers": len(candidates) - len(nvfp4),
@@ -134,7 +146,11 @@ def run_seed(args, seed: int) -> dict:
         print(f"seed {seed} {name}: val loss {results[name]['val_loss']:.4f}, {len(nvfp4)} of {len(candidates)} linear layers in NVFP4", flush=True)
 
     for name, nvfp4 in chosen.items():
-        run(name, nvfp4)
+        if name in args.variants:
+            run(name, nvfp4)
+    record = {"seed": seed, "runs": results, "sensitivity_nvfp4_minus_bf16": cost, "search_cpu_s": search_cpu}
+    if "e_autoprec_budget" not in args.variants:
+        return record
     gap_c = results["c_hand_rule"]["val_loss"] - results["a_bf16"]["val_loss"]
     # (e): the least memory whose predicted loss increase over (a)'s, all BF16, is within (c)'s gap
     # (the search's budgets are over FP32: (a)'s own predicted increase is added).
@@ -150,13 +166,12 @@ def run_seed(args, seed: int) -> dict:
     run("e_autoprec_budget", {f for f in candidates if plan_e.layers[f].format is NVFP4})
     results["e_autoprec_budget"]["accuracy_budget_nats"] = accuracy - bf16_increase
     results["e_autoprec_budget"]["predicted_loss_increase"] = plan_e.predicted["loss_increase"] - bf16_increase
-    return {"seed": seed, "runs": results, "sensitivity_nvfp4_minus_bf16": cost, "search_cpu_s": search_cpu,
-            "overlap_d_with_c_bf16": len((set(candidates) - by_autoprec) & (set(candidates) - hand))}
+    return {**record, "overlap_d_with_c_bf16": len((set(candidates) - by_autoprec) & (set(candidates) - hand))}
 
 
 def summarise(seeds: list[dict]) -> dict:
     summary = {}
-    for name in VARIANTS:
+    for name in (v for v in VARIANTS if all(v in s["runs"] for s in seeds)):
         gaps = [s["runs"][name]["val_loss"] - s["runs"]["a_bf16"]["val_loss"] for s in seeds]
         counts = [s["runs"][name]["nvfp4_layers"] for s in seeds]
         summary[name] = {"gap_nats_mean": statistics.fmean(gaps), "gap_nats_spread": (max(gaps) - min(gaps)) if len(gaps) > 1 else 0.0,
@@ -187,9 +202,13 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=32)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="the runs to make (default all; a_bf16 is every gap's reference)")
     parser.add_argument("--merge", nargs="*", help="join the JSON results of earlier runs (their seeds) instead of running")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    wanted = set(args.variants)
+    if "a_bf16" not in wanted or ("e_autoprec_budget" in wanted and "c_hand_rule" not in wanted):
+        parser.error("--variants: a_bf16 is every gap's reference, and e_autoprec_budget needs c_hand_rule's gap; add them")
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore", ap.EmulationWarning)
     if args.merge:
