@@ -372,13 +372,16 @@ class TrainingWriter:
         items = formats.layers.items() if isinstance(formats, Plan) else formats.items()
         self._format_scalars({fqn: value.format if isinstance(value, LayerPrecision) else Format.parse(value) for fqn, value in items}, step)
 
-    def log_change(self, step: int, fqn: str, old_format: "Format | str", new_format: "Format | str", reason: str = "") -> PrecisionChange:
+    def log_change(self, step: int, fqn: str, old_format: "Format | str", new_format: "Format | str", reason: str = "",
+                   old_grad: "Format | str | None" = None, new_grad: "Format | str | None" = None) -> PrecisionChange:
         """Record that layer ``fqn`` moved from ``old_format`` to ``new_format`` at ``step``
-        because of ``reason``: writes ``format/<fqn>`` at once, and the ``precision/timeline``
+        because of ``reason`` (a backward change: its gradient format from ``old_grad`` to
+        ``new_grad``, the format kept): writes ``format/<fqn>`` at once, and the ``precision/timeline``
         table of every change so far with the running ``precision/changes``, ``promotions`` and
         ``demotions`` counts once per step (when a later step's change arrives, or at `flush`).
         Host values only. Returns the change."""
-        change = PrecisionChange(_step(step), str(fqn), Format.parse(old_format), Format.parse(new_format), str(reason))
+        grads = (Format.parse(old_grad), Format.parse(new_grad)) if old_grad is not None and new_grad is not None else (None, None)
+        change = PrecisionChange(_step(step), str(fqn), Format.parse(old_format), Format.parse(new_format), str(reason), *grads)
         if not self._live():
             return change
         if self._timeline_step is not None and self._timeline_step != change.step:
@@ -394,7 +397,7 @@ class TrainingWriter:
         if step is None:
             return
         shown = self._changes[-self.timeline_rows:]
-        rows = [[str(c.step), f"`{layer_name(c.fqn, self._root)}`", f"`{c.old.value}`", f"`{c.new.value}`", c.direction, c.reason or "–"] for c in shown]
+        rows = [[str(c.step), f"`{layer_name(c.fqn, self._root)}`", _side(c.old, c.old_grad), _side(c.new, c.new_grad), c.direction, c.reason or "–"] for c in shown]
         text = f"{len(self._changes)} precision changes"
         if len(shown) < len(self._changes):
             text += f" (the last {len(shown)} shown)"
@@ -450,6 +453,11 @@ class TrainingWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _side(fmt: Format, grad: "Format | None") -> str:
+    """One side of a change in the timeline: the format, and the gradient format a backward change moved."""
+    return f"`{fmt.value}`" if grad is None else f"`{fmt.value}`, gradients `{grad.value}`"
 
 
 # How each kind of change is drawn: colour-blind-safe colours, shapes of their own, and a side of

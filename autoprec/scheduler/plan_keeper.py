@@ -368,7 +368,7 @@ class PlanKeeper:
             self.changes.append(change)
             logger.info("autoprec: step %d: %s %s (%s)", step, layer_name(change.fqn, self._bound()), change.describe(), change.reason)
             if self._writer is not None:
-                self._writer.log_change(step, change.fqn, change.old, change.new, change.reason if not change.backward_only else f"{change.describe()}: {change.reason}")
+                self._writer.log_change(step, change.fqn, change.old, change.new, change.reason, change.old_grad, change.new_grad)
         if changes:
             # A layer lowered again runs its format as the search plans it (`SchedulerConfig.scaling`);
             # a backward change keeps the layer's precision but its gradient format.

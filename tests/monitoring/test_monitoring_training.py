@@ -237,6 +237,18 @@ def test_timeline_counts_promotions_and_demotions(writer):
     ]
 
 
+def test_a_backward_change_shows_its_gradient_formats_and_counts_by_them(writer):
+    """A high-precision backward taken (the format kept, FP8 gradients to FP32) is a promotion
+    in the counts, and its row names the gradient formats; given back, a demotion."""
+    change = writer.log_change(4, "fc1", "fp8_e4m3", "fp8_e4m3", "grad values underflow", "fp8_e5m2", "fp32")
+    assert (change.old_grad, change.new_grad, change.direction) == (Format.FP8_E5M2, Format.FP32, "promotion")
+    writer.log_change(8, "fc1", "fp8_e4m3", "fp8_e4m3", "stable", "fp32", "fp8_e5m2")
+    writer.flush()
+    assert [scalars(writer.path, f"precision/{k}")[-1] for k in ("promotions", "demotions")] == [(8, 1), (8, 1)]
+    last = texts(writer.path, "precision/timeline")[-1][1]
+    assert "| 4 | `fc1` | `fp8_e4m3`, gradients `fp8_e5m2` | `fp8_e4m3`, gradients `fp32` | promotion | grad values underflow |" in last
+
+
 def test_timeline_keeps_the_newest_rows(tmp_path):
     with TrainingWriter(tmp_path, timeline_rows=2) as w:
         for step in range(4):
