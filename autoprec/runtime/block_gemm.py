@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from ..formats import Format, block_amax, inverse_scale, quantize
 from .casts import call_casts
-from .gemm import kernel_bias, kernel_region, pad_to_multiple
+from .gemm import grad_input_dtype, kernel_bias, kernel_region, pad_to_multiple
 
 if TYPE_CHECKING:
     from .quantizers import QuantizedOperand
@@ -221,7 +221,7 @@ class Fp8BlockLinear(torch.autograd.Function):
             gq, g_inv = tile_cast(grad_out) if need_x else (None, None)
             g_t, g_t_inv = tile_cast(grad_out.t()) if need_w else (None, None)
         if need_x:
-            out_dtype = ctx.x_dtype if ctx.x_dtype in (torch.float32, torch.bfloat16, torch.float16) else spec.out_dtype
+            out_dtype = grad_input_dtype(ctx.x_dtype, spec.out_dtype)
             grad_x = _gemm(spec, gq, w_t.t(), g_inv, kernel_weight_scales(w_grid.t()), True, out_dtype)
             if grad_x.shape[1] != spec.in_features:
                 grad_x = grad_x[:, : spec.in_features]

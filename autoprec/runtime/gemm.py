@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Fp8Spec", "Int8Spec", "Fp8Linear", "Int8Linear", "FP8_ALIGN", "INT8_ALIGN", "INT8_MIN_ROWS", "pad_to_multiple", "kernel_bias", "kernel_region",
-    "weight_grad_format",
+    "weight_grad_format", "grad_input_dtype", "high_precision_grads",
 ]
 
 FP8_ALIGN = 16  # _scaled_mm: K and N multiples of 16
@@ -83,6 +83,25 @@ def kernel_region(t: torch.Tensor) -> "contextlib.AbstractContextManager":
     if t.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         return torch.autocast("cpu", enabled=False)
     return contextlib.nullcontext()
+
+
+def grad_input_dtype(x_dtype: torch.dtype, out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a product's input gradient is returned in: the input's own when it is a float
+    one the GEMMs write, else ``out_dtype`` (the product's output dtype)."""
+    return x_dtype if x_dtype in (torch.float32, torch.bfloat16, torch.float16) else out_dtype
+
+
+def high_precision_grads(g: torch.Tensor, weight_hat: "torch.Tensor | None", input_hat: "torch.Tensor | None"
+                         ) -> "tuple[torch.Tensor | None, torch.Tensor | None]":
+    """A high-precision backward (FP32 gradients of a low-precision layer): the output gradient
+    ``g`` (M, N), unrounded, times the forward's operands dequantized in FP32 and cast to g's
+    dtype (a scale cast to a half first would bias every value by its rounding): ``g @ weight_hat``
+    with ``weight_hat`` (N, K), and ``g.T @ input_hat`` in FP32 with ``input_hat`` (M, K); None
+    for an operand not given (its gradient not needed). Two GEMMs in g's dtype."""
+    compute = g.dtype
+    grad_x = g @ weight_hat.to(compute) if weight_hat is not None else None
+    grad_w = (g.t() @ input_hat.to(compute)).float() if input_hat is not None else None
+    return grad_x, grad_w
 
 
 def weight_grad_format(input_fmt: Format, grad_fmt: Format) -> Format:
@@ -182,21 +201,16 @@ class Fp8Linear(torch.autograd.Function):
         fused = spec.casts is not None and spec.grad is not None  # the kernels pad g themselves
         g = grad_out if fused else pad_to_multiple(grad_out, 1, FP8_ALIGN)
         grad_x = grad_w = grad_bias = None
-        if spec.grad is None:
-            # A high-precision backward from the low-precision saved operands, dequantized in FP32
-            # then cast (a scale cast to a half first would bias every value by its rounding).
-            compute = grad_out.dtype
-            if ctx.needs_input_grad[0]:
-                grad_x = g @ dequantize(w_t.t(), w_t_inv, compute)
-            if ctx.needs_input_grad[1]:
-                x_rows = xq.t()[: g.shape[0]] if ctx.x_transposed else xq
-                grad_w = (g.t() @ dequantize(x_rows, x_inv, compute)).float()
+        if spec.grad is None:  # a high-precision backward from the low-precision saved operands
+            x_rows = (xq.t()[: g.shape[0]] if ctx.x_transposed else xq) if ctx.needs_input_grad[1] else None
+            grad_x, grad_w = high_precision_grads(g, dequantize(w_t.t(), w_t_inv) if ctx.needs_input_grad[0] else None,
+                                                  dequantize(x_rows, x_inv) if x_rows is not None else None)
         else:
             # An E5M2 input meets the gradient's E4M3 copy (E5M2 x E5M2 is refused).
             w_fmt = weight_grad_format(spec.input_format, spec.grad.fmt) if ctx.needs_input_grad[1] else None
             for_input, for_weight = spec.grad.quantize_for_gemms(g, ctx.needs_input_grad[0], w_fmt, spec.casts if fused else None, FP8_ALIGN)
             if for_input is not None:
-                out_dtype = ctx.x_dtype if ctx.x_dtype in (torch.float32, torch.bfloat16, torch.float16) else spec.out_dtype
+                out_dtype = grad_input_dtype(ctx.x_dtype, spec.out_dtype)
                 with kernel_region(g):  # a backward a pipeline schedule runs inside the runtime's region
                     grad_x = torch._scaled_mm(for_input.data, w_t.t(), scale_a=for_input.inv_scale, scale_b=w_t_inv, out_dtype=out_dtype)
             if for_weight is not None:

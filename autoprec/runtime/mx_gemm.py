@@ -39,7 +39,7 @@ import dataclasses
 import torch
 
 from ..formats import MX_BLOCK, Format, block_amax, mx_inverse_scale, quantize
-from .gemm import pad_to_multiple
+from .gemm import grad_input_dtype, high_precision_grads, pad_to_multiple
 
 __all__ = ["MX_TILE", "Fp8MxLinear", "MxSpec", "emulated_mx_mm", "mx_cast"]
 
@@ -118,15 +118,12 @@ class Fp8MxLinear(torch.autograd.Function):
         w_t, w_t_inv, x_t, x_t_inv = ctx.saved_tensors
         spec: MxSpec = ctx.spec
         grad_x = grad_w = grad_bias = None
-        out_dtype = ctx.x_dtype if ctx.x_dtype in (torch.float32, torch.bfloat16, torch.float16) else spec.out_dtype
-        if spec.grad_format is Format.FP32:
-            # The output gradient unrounded, times the forward's operands (tiled along K)
-            # dequantized in FP32 then cast to its dtype (as `gemm.Fp8Linear`'s high-precision backward).
-            compute, k = grad_out.dtype, ctx.in_features
-            if ctx.needs_input_grad[0]:
-                grad_x = (grad_out @ _dequantized(w_t, w_t_inv)[:, :k].to(compute)).to(out_dtype)
-            if ctx.needs_input_grad[1]:
-                grad_w = (grad_out.t() @ _dequantized(x_t, x_t_inv)[:, :k].to(compute)).float()
+        out_dtype = grad_input_dtype(ctx.x_dtype, spec.out_dtype)
+        if spec.grad_format is Format.FP32:  # the forward's operands (tiled along K), dequantized
+            k = ctx.in_features
+            grad_x, grad_w = high_precision_grads(grad_out, _dequantized(w_t, w_t_inv)[:, :k] if ctx.needs_input_grad[0] else None,
+                                                  _dequantized(x_t, x_t_inv)[:, :k] if ctx.needs_input_grad[1] else None)
+            grad_x = grad_x.to(out_dtype) if grad_x is not None else None
         elif ctx.needs_input_grad[0]:
             g, g_inv = mx_cast(grad_out, spec.grad_format)  # (M, N') tiled along N
             grad_x = emulated_mx_mm(g, g_inv, w_t, w_t_inv, out_dtype)

@@ -50,7 +50,7 @@ import math
 import torch
 
 from ..formats import Format
-from .gemm import pad_to_multiple
+from .gemm import grad_input_dtype, high_precision_grads, pad_to_multiple
 
 __all__ = ["NVFP4_TILE", "Nvfp4Tensor", "Nvfp4Linear", "Nvfp4Spec", "round_e2m1", "nvfp4_cast", "rows_and_columns", "padded", "block_scales", "decode_scales",
            "encoded", "decoded", "hadamard_blocks"]
@@ -260,15 +260,11 @@ class Nvfp4Linear(torch.autograd.Function):
         wq, x_t = (Nvfp4Tensor(next(saved), next(saved), next(saved)) if keep else None for keep in ctx.kept)
         m, k, n = ctx.shapes
         grad_x = grad_w = grad_bias = None
-        out_dtype = ctx.x_dtype if ctx.x_dtype in (torch.float32, torch.bfloat16, torch.float16) else ctx.spec.out_dtype
-        if ctx.spec.high_precision_backward:
-            # The output gradient unrounded, times the forward's operands dequantized in FP32 then
-            # cast to its dtype (as `gemm.Fp8Linear`'s high-precision backward).
-            compute = grad_out.dtype
-            if ctx.needs_input_grad[0]:
-                grad_x = (grad_out @ wq.dequantize()[:n, :k].to(compute)).to(out_dtype)
-            if ctx.needs_input_grad[1]:
-                grad_w = (grad_out.t() @ x_t.dequantize()[:m, :k].to(compute)).float()
+        out_dtype = grad_input_dtype(ctx.x_dtype, ctx.spec.out_dtype)
+        if ctx.spec.high_precision_backward:  # the forward's operands, dequantized
+            grad_x, grad_w = high_precision_grads(grad_out, wq.dequantize()[:n, :k] if ctx.needs_input_grad[0] else None,
+                                                  x_t.dequantize()[:m, :k] if ctx.needs_input_grad[1] else None)
+            grad_x = grad_x.to(out_dtype) if grad_x is not None else None
         elif ctx.needs_input_grad[0]:
             g = nvfp4_cast(grad_out, stochastic=True)  # (M, N') along N
             with torch.autocast(grad_out.device.type, enabled=False):
