@@ -163,22 +163,16 @@ def _format_list(v):
     return tuple(Format.parse(x) for x in v)
 
 
-def _scaling(v):
-    """format = "tensor" | "row" | "block": checked as `Planning` checks it."""
-    table = {_str(k): _str(g) for k, g in _table(v).items()}
-    try:
-        return Planning((), scaling=table).scaling
-    except SearchError:
-        raise ValueError from None
-
-
-def _grad_formats(v):
-    """format = gradient format: checked as `Planning` checks it."""
-    table = {_str(k): _str(g) for k, g in _table(v).items()}
-    try:
-        return Planning((), grad_formats=table).grad_formats
-    except SearchError:
-        raise ValueError from None
+def _per_format(field: str) -> Callable:
+    """The parser of a table of format = name (`Planning`'s ``scaling``: "tensor" | "row" |
+    "block" | "mx"; ``grad_formats``: a gradient format), checked as `Planning` checks it."""
+    def parse(v):
+        table = {_str(k): _str(g) for k, g in _table(v).items()}
+        try:
+            return getattr(Planning((), **{field: table}), field)
+        except SearchError:
+            raise ValueError from None
+    return parse
 
 
 def _pin(v):
@@ -214,8 +208,8 @@ _SCHEMA: dict[str, dict[str, tuple[Callable, str]]] = {
         "min_precision": (_int(4), "4, 8, 16 or 32"),
         "max_precision": (_int(4), "4, 8, 16 or 32"),
         "formats": (_format_list, f"a non-empty list of formats ({FORMATS})"),
-        "scaling": (_scaling, 'a table of scaled format = "tensor", "row" or "block", e.g. {fp8_e4m3 = "block"}'),
-        "grad_formats": (_grad_formats, 'a table of format = its gradient format, e.g. {nvfp4 = "fp32"} (nvfp4 forwards, high-precision backwards)'),
+        "scaling": (_per_format("scaling"), 'a table of scaled format = "tensor", "row" or "block", e.g. {fp8_e4m3 = "block"}'),
+        "grad_formats": (_per_format("grad_formats"), 'a table of format = its gradient format, e.g. {nvfp4 = "fp32"} (nvfp4 forwards, high-precision backwards)'),
         "storage": (_str, "a file path (.journal / .log: a journal file, else SQLite) or an Optuna storage URL"),
         "study_name": (_str, "a non-empty string"),
         "seed": (_int(0), "an integer >= 0"),
