@@ -215,14 +215,12 @@ class RankAgreement:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.layers = tuple(layers)
         self.sent: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.last_verdict: Optional[StepVerdict] = None
         self.stage_replicas: Optional[int] = None  # under a pipeline, the ranks holding each stage (`set_stages`)
         self._bit = 1 << self.rank if self.world <= _MAX_NAMED_RANK + 1 else 1
-        modules = dict(model.named_modules())
-        # A pipeline stage agrees over the whole plan's layers and holds only some of them.
-        self._params = [(i, p) for i, fqn in enumerate(self.layers) if fqn in modules for p in modules[fqn].parameters(recurse=False)]
+        self._params: list[tuple[int, torch.Tensor]] = []
+        self.hold_layers(model, layers)
         self.comm_hook: Optional[GradCommHook] = None
         if ddp is not None:
             names = {id(p): name for name, p in model.named_parameters()}
@@ -232,6 +230,15 @@ class RankAgreement:
                 self.comm_hook = state
             except RuntimeError as exc:  # the user registered a hook of their own: keep it
                 logger.info("autoprec: DDP keeps its own communication hook (%s); non-finite gradients are named after the all-reduce", exc)
+
+    def hold_layers(self, model: nn.Module, layers: Sequence[str]) -> None:
+        """Agree over ``layers`` (fqns, the same order on every rank), of which ``model`` holds
+        some: a pipeline stage agrees over the whole pipeline's layers and holds only its own
+        (the whole plan's, or every stage's when a stage's plan is searched: known at its
+        first step). Each step's flags have one entry per layer."""
+        self.layers = tuple(layers)
+        modules = dict(model.named_modules())
+        self._params = [(i, p) for i, fqn in enumerate(self.layers) if fqn in modules for p in modules[fqn].parameters(recurse=False)]
 
     @classmethod
     def join(cls, config, model: nn.Module, layers: Sequence[str], ddp: Any = None,

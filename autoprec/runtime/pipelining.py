@@ -44,12 +44,13 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["inferring", "in_metadata_inference", "in_stage", "loaded", "look_up", "watch", "leave"]
+__all__ = ["inferring", "in_metadata_inference", "in_stage", "stage_index", "loaded", "look_up", "watch", "leave"]
 
 _STAGE = "torch.distributed.pipelining.stage"
 # The PipelineStage methods that run the stage's module to infer shapes, per torch version:
-# 2.13 (and the 2.12 line) `_forward_metadata_inference`; 2.11 `_shape_inference`.
-_INFERENCE = ("_forward_metadata_inference", "_shape_inference")
+# 2.13 (and the 2.12 line) `_forward_metadata_inference` and `_backward_metadata_inference` (which
+# calls the schedule's loss function on the inferred output: not a training loss); 2.11 `_shape_inference`.
+_INFERENCE = ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference")
 
 
 class _State(threading.local):
@@ -94,6 +95,20 @@ def in_stage(frame: "FrameType | None") -> bool:
         return False
     folder = os.path.dirname(stage.__file__)
     return _any_frame(frame, lambda code: os.path.dirname(code.co_filename) == folder)
+
+
+def stage_index(frame: "FrameType | None") -> "int | None":
+    """The ``stage_index`` of the ``PipelineStage`` whose method runs in ``frame`` or a frame
+    above it (the stage a schedule runs the module for), None outside one. One walk up the
+    stack, reading each frame's ``self``."""
+    stage = sys.modules.get(_STAGE)
+    base = getattr(stage, "_PipelineStageBase", None)
+    while frame is not None and base is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, base):
+            return int(owner.stage_index)
+        frame = frame.f_back
+    return None
 
 
 def _any_frame(frame: "FrameType | None", runs: Callable[[CodeType], bool]) -> bool:

@@ -20,8 +20,8 @@ planned step checks the plan at once (`plan_checks`: an input grossly past its s
 accuracy budget measured against the window's precision); or **safe** after a failed search
 (retried, unless no plan meets the budgets). This class keeps the clock and composes those parts
 (`step_checks` refuses bad steps). `state_dict` covers everything (`scheduler.state`: its
-schema); under ``torch.distributed`` the ranks agree through `distributed`; on a pipeline stage
-a fixed plan runs (`pipeline_stage`).
+schema); under ``torch.distributed`` the ranks agree through `distributed`; on pipeline stages
+the stages search one plan together, or run a given one (`pipeline_stage`).
 
 A ``torch.compile``-d model is called as usual: the scheduler plans the module it compiles, and the
 steps whose forward it hooks run eagerly through the wrapper (`stance.CompiledStance`); other
@@ -47,7 +47,7 @@ from ..calls import ModelCall, loss_of
 from ..changes import PrecisionChange
 from ..coverage import LayerInfo, layer_name, static_layers
 from ..distributed import RankAgreement, grad_comm_methods
-from ..errors import InfeasibleBudgetError, RuntimeStateError, SettingsError
+from ..errors import AutoprecError, InfeasibleBudgetError, RuntimeStateError, SettingsError
 from ..monitoring import TrainingWriter
 from ..plan import Plan
 from ..runtime import pipelining
@@ -63,7 +63,6 @@ from .lifecycle import WindowClock
 from .plan_checks import CheckFigures, PlanChecks
 from .pipeline_stage import StagePlan
 from .plan_keeper import PlanKeeper, StepOutcome
-from .policy import accuracy_promotions, saturation_actions
 from .search_steps import SearchSteps
 from .stance import CompiledStance
 from .state import LATER_STATE, STATE_VERSION, check_state, check_state_fits
@@ -127,8 +126,7 @@ class DynamicPrecisionScheduler:
         self._optimizers: tuple = ()  # the last step()'s
         self._context_stack: Optional[contextlib.ExitStack] = None
         self._backward_due = False  # a forward with autograd ran since the last backward
-        self._pipeline_stage = False  # the bound model runs as a torch.distributed.pipelining stage
-        self._stage: Optional[StagePlan] = None  # on such a stage, a fixed plan's part and first-step check
+        self._stage: Optional[StagePlan] = None  # the bound model runs as a torch.distributed.pipelining stage: its plan and first-step check
         self._writer: Optional[TrainingWriter] = None  # opened on bind with log_dir, on one rank
         self._stance = CompiledStance(self._binding, self._plans, self._searches, self._measures, self._plan_checks)
 
@@ -187,8 +185,9 @@ class DynamicPrecisionScheduler:
 
     @property
     def searched_plan(self) -> Optional[Plan]:
-        """The first plan searched (or given), before any promotion or demotion."""
-        return self._plans.searched_plan
+        """The first plan searched (or given), before any promotion or demotion; on a pipeline
+        stage the whole pipeline's, searched or given (the stage runs its part: `plan`)."""
+        return self._stage.whole if self._stage is not None and self._stage.whole is not None else self._plans.searched_plan
 
     @property
     def changes(self) -> list[PrecisionChange]:
@@ -254,7 +253,7 @@ class DynamicPrecisionScheduler:
             yield self
             if self._binding.example is None:
                 raise RuntimeStateError(unbound_exit(self.model))
-            if self._pipeline_stage:  # the schedule ran each micro-batch's backward inside
+            if self._stage is not None:  # the schedule ran each micro-batch's backward inside
                 self._backward_due = False
         finally:
             self._context_stack = None
@@ -284,6 +283,8 @@ class DynamicPrecisionScheduler:
         unscales by, its value unchanged (the schedule's ``losses`` are the true losses). No sync:
         ``ScheduleGPipe(stage, n, loss_fn=scheduler.pipeline_loss(loss_fn))``."""
         def loss_in_schedule(output: Any, target: Any) -> torch.Tensor:
+            if pipelining.in_metadata_inference(sys._getframe()):  # torch 2.13's backward inference: no training loss
+                return loss_fn(output, target)
             loss = self._note_loss(loss_fn(output, target))
             if self._stage is not None:
                 self._stage.note_loss()
@@ -346,17 +347,15 @@ class DynamicPrecisionScheduler:
 
         Raises:
             RuntimeStateError: no optimizer given, called inside `reusing_weights`, before any
-                forward, after a forward whose backward has not run; on a
-                ``torch.distributed.pipelining`` stage, a searching or dynamic scheduler (run a
-                fixed plan: `from_plan`), or a first step where no stage's loss went through
-                `pipeline_loss`.
+                forward, after a forward whose backward has not run; on a pipeline stage,
+                ``from_plan(..., dynamic=True)`` or a first step where no stage's loss went through `pipeline_loss`.
             DistributedError: at a pipeline stage's first step, stages that do not make one
                 pipeline (`pipeline_stage`: other plans, layers, several stages on a rank).
         """
         self._checks.refuse_step(optimizers, self._binding.model, forward_ran=self._binding.example is not None, reusing=self._plans.reusing,
-                                 backward_due=self._backward_due, pipeline_stage=self._pipeline_stage and (self._stage is None or self.config.dynamic))
+                                 backward_due=self._backward_due, pipeline_stage=self._stage is not None and self._fixed_plan is not None and self.config.dynamic)
         if self._stage is not None:
-            self._stage.check_first_step(self._dist, self.config)
+            self._stage.check_first_step(self._dist, self.config, self.layers)
         self._optimizers = optimizers  # a search starting this step reads their Adam state
         if self._gathers is not None:
             self._gathers.before_step()  # FSDP2: a plan installed mid-step gathers in FP8 from now
@@ -380,11 +379,11 @@ class DynamicPrecisionScheduler:
     def _replan(self, outcome: StepOutcome) -> None:
         """Act on what the step found: promote layers with non-finite gradients, act on a check
         step's figures, end the search when its work is done, and advance the window clock."""
-        if self.config.dynamic and self.plan is not None:
+        if self.config.dynamic and self.plan is not None and self._stage is None:  # a stage's plan stays fixed (`pipeline_stage`)
             self._plans.on_nonfinite(outcome.nonfinite, outcome.first_bad_output, self.step_count)
-        if self._check_due:
-            self._check_due = False
-            self._act_on_checks()
+        if self._check_due and self.plan is not None:  # a check step's figures, acted on at once
+            self._plans.act_on_checks(*self._plan_checks.actions(self._plans.runtime, self.plan, self._dist, self.step_count, self._writer), self.step_count)
+        self._check_due = False
         if self._searches.end_step(outcome.skipped, safe=self.plan is None, agreement=self._dist, first_bad_output=outcome.first_bad_output,
                                    nonfinite=outcome.nonfinite):
             self._finish_search()
@@ -404,9 +403,9 @@ class DynamicPrecisionScheduler:
         self._fingerprint = bindable_layers(model, example)
         self.layers = tuple(self._fingerprint)
         check_layers(model, self.layers, self.config)
-        agreed = tuple(self._stage.whole.layers) if self._stage is not None else self.layers  # every stage's flags, one vector
+        agreed = self._stage.agreed_layers(self.layers) if self._stage is not None else self.layers  # every stage's flags, one vector
         self._dist = dist = RankAgreement.join(self.config, model, agreed, self._binding.ddp, loss_scale=lambda: self._plans.scaler.scale_tensor)
-        if dist is not None and not self._pipeline_stage:  # a stage's peers are in the schedule's recv: no collective here
+        if dist is not None and self._stage is None:  # a stage's peers are in the schedule's recv: no collective here
             dist.check_bind(self.config, self._fixed_plan)
             dist.set_grad_comm(*grad_comm_methods(self.config, None))
         self._gathers = GatherSwitch.join(model)
@@ -429,11 +428,9 @@ class DynamicPrecisionScheduler:
     def _bind(self, model: nn.Module, example: ModelCall, at_end: bool) -> None:
         """Bind afresh to ``model`` by its call ``example`` (``at_end``: that call ran unplanned)."""
         check_materialised(model)
-        self._pipeline_stage = pipelining.in_stage(sys._getframe())  # called by a pipeline schedule (`pipeline_stage`)
-        plan = self._fixed_plan
-        self._stage = StagePlan.renew(self._stage, plan, model if self._pipeline_stage else None)
-        if self._stage is not None:
-            plan = self._stage.part
+        frame = sys._getframe()  # called by a pipeline schedule: a stage (`pipeline_stage`)
+        self._stage = StagePlan.renew(self._stage, self._fixed_plan, model if pipelining.in_stage(frame) else None, pipelining.stage_index(frame))
+        plan = self._fixed_plan if self._stage is None else self._stage.part
         if plan is not None:
             plan.validate(model, example)  # a plan for another model: PlanError naming each layer
         self._attach(model, example)
@@ -470,29 +467,12 @@ class DynamicPrecisionScheduler:
     def _checks_due(self) -> bool:
         """Whether this step checks the plan in force (`plan_checks`): a dynamic scheduler's
         planned step, every ``sample_every``-th of the window."""
-        return self.phase == "planned" and self.plan is not None and self._plan_checks.due(self.step_count, self.window_start)
-
-    def _act_on_checks(self) -> None:
-        """Read a check step's figures (one host read) and act on them at once: recalibrate or
-        promote saturating layers, promote while the measured loss increase is over the budget."""
-        plan = self.plan
-        if plan is None:
-            return
-        figures = self._plan_checks.read(self._plans.runtime, plan, self._dist)
-        recalibrate, promote = saturation_actions(figures.saturation, self.config.thresholds.saturation, self._plan_checks.recalibrated)
-        self._plan_checks.note_recalibrated(recalibrate)
-        if figures.over_budget and figures.increase is not None and figures.allowed is not None:
-            promote = {**accuracy_promotions(plan, figures.increase, figures.allowed), **promote}
-            logger.warning("autoprec: step %d: measured loss increase %.2f%% (mean of %d checks against the window's precision) is over the allowed %.2f%%",
-                           self.step_count, 100 * figures.increase, figures.checks, 100 * figures.allowed)
-        if self._writer is not None and figures.increase is not None:
-            self._writer.log_accuracy(self.step_count, figures.increase, figures.allowed)
-        self._plans.act_on_checks(recalibrate, promote, self.step_count)
+        return self.phase == "planned" and self.plan is not None and self._stage is None and self._plan_checks.due(self.step_count, self.window_start)
 
     # -- windows --------------------------------------------------------------------------------
 
     def _advance(self) -> None:
-        if not self.config.dynamic:
+        if not self.config.dynamic or (self._stage is not None and not self._stage.searching):
             return
         due = self._searches.take_due()
         if due is not None:
@@ -510,9 +490,12 @@ class DynamicPrecisionScheduler:
         if self.plan is None:
             self._searches.hold_heap()  # from the window's summary on (`SearchSteps.hold_heap`)
         # Every rank's statistics before rank 0 decides: every rank's profile is the same.
-        profile = self._measures.end_window(self._dist, with_loss=self.plan is None, writer=self._writer, step=self.step_count)
+        profile = self._measures.end_window(self._dist if self._stage is None else None, with_loss=self.plan is None, writer=self._writer, step=self.step_count)
         if self.plan is None:
             baseline = self._measures.baseline_loss(self.step_count)
+            if self._stage is not None:  # each stage measures its own layers, its profile its own (`search.stages`)
+                self._search_stages(self._stage, profile, baseline)
+                return
             if self.config.search_slice is None:  # the whole search at once, here
                 self._start_search(profile, baseline)
                 return
@@ -547,7 +530,7 @@ class DynamicPrecisionScheduler:
 
     def _maybe_start_monitor(self) -> None:
         """Watch the last ``monitor_steps`` steps of each planned window."""
-        if self.config.dynamic and self.plan is not None and not self._measures.profiling and self._clock.monitors(self.step_count):
+        if self.config.dynamic and self.plan is not None and self._stage is None and not self._measures.profiling and self._clock.monitors(self.step_count):
             self._measures.start_watch(self.plan, self.config.profiled_steps)
 
     # -- the search -----------------------------------------------------------------------------
@@ -568,6 +551,16 @@ class DynamicPrecisionScheduler:
         if restore is None and self.config.search_slice is None and self._searches.advance(self._dist):
             self._finish_search()
 
+    def _search_stages(self, stage: StagePlan, profile, baseline_loss: Optional[float]) -> None:
+        """The first window's end on a pipeline stage: the stages' joint plan (`StagePlan.search_window`), or a failed search."""
+        try:
+            part = stage.search_window(self._dist, self._binding.bound, self._measures.captured(), profile, baseline_loss, self.config, self._fingerprint, self.step_count)
+            self._put_in_force(part, f"searched on the pipeline's stages after {self.step_count} steps", loss_scaling=stage.loss_scaling)
+        except AutoprecError as exc:
+            self._search_failed(exc)
+        self._measures.clear_captured()
+        self._next_window()
+
     def _finish_search(self) -> None:
         """Adopt the search's result (on rank 0; the others adopt rank 0's decision), or keep the
         safe precision on failure; log its timeline."""
@@ -584,11 +577,17 @@ class DynamicPrecisionScheduler:
         """Its plan in force; or on failure the safe precision, retried later unless no plan meets
         the budgets (module doc)."""
         if search.error is None and search.result is not None:
-            self._clock = self._clock.planned(self.step_count)
-            self._plans.install(search.result, f"searched after {search.started} steps, tried on {search.steps} training steps", self.step_count,
-                                runtime=search.take_runtime(), log_memory=True)
-            return
-        exc = search.error
+            self._put_in_force(search.result, f"searched after {search.started} steps, tried on {search.steps} training steps", runtime=search.take_runtime())
+        else:
+            self._search_failed(search.error)
+
+    def _put_in_force(self, plan: Plan, why: str, **install: Any) -> None:
+        """A searched ``plan`` in force from the next step (`PlanKeeper.install`'s ``install`` arguments)."""
+        self._clock = self._clock.planned(self.step_count)
+        self._plans.install(plan, why, self.step_count, log_memory=True, **install)
+
+    def _search_failed(self, exc: Optional[BaseException]) -> None:
+        """Training stays at the safe precision; searched again later unless no plan meets the budgets."""
         self.last_search_error = str(exc)
         final = isinstance(exc, InfeasibleBudgetError)  # the budgets do not change with the data
         self._clock = clock = self._clock.failed(self.step_count, final=final)
@@ -639,7 +638,8 @@ class DynamicPrecisionScheduler:
             **self._searches.state_dict(),  # the search in progress, the known times
             "checks": self._plan_checks.state_dict(),
             "comm": self._dist.comm_state_dict() if self._dist is not None else None,  # error feedback, under DDP
-            "pipeline_stage": self._pipeline_stage,  # resumed outside the schedule, where no forward says so
+            "pipeline_stage": self._stage is not None,  # resumed outside the schedule, where no forward says so
+            "stage": None if self._stage is None else {"index": self._stage.index, "plan": None if self._fixed_plan is not None or self._stage.whole is None else self._stage.whole.to_dict()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -661,8 +661,9 @@ class DynamicPrecisionScheduler:
             self._binding.hold(state)
             return
         check_state_fits(state, self._binding.bound, self.config, self._fixed_plan)
-        self._pipeline_stage = bool(state.get("pipeline_stage", False))
-        self._stage = StagePlan.renew(self._stage, self._fixed_plan, self._binding.bound if self._pipeline_stage else None)
+        stage = state.get("stage") or {}
+        whole = self._fixed_plan or (Plan.from_dict(stage["plan"]) if stage.get("plan") else None)  # a plan searched on the stages
+        self._stage = StagePlan.renew(self._stage, whole, self._binding.bound if state.get("pipeline_stage") else None, stage.get("index"))
         if self._binding.example is None:
             self._attach(self._binding.bound, ModelCall.from_state(state["example"]))  # plan, scaler and profiler come from the state below
         self.step_count = state["step"]

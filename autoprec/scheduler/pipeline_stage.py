@@ -1,4 +1,4 @@
-"""A fixed plan on a ``torch.distributed.pipelining`` stage: `StagePlan`.
+"""A plan on a ``torch.distributed.pipelining`` stage, given or searched on the stages: `StagePlan`.
 
 A schedule runs each stage's forwards and backwards inside ``schedule.step()``, and only the last
 stage computes the loss. The scheduler runs a given plan there
@@ -23,26 +23,38 @@ stage) this way:
   (`RankAgreement.whole_norm`: one 8-byte all-reduce per optimizer and step), as the unsharded
   model's clip would.
 
-The in-run search and re-planning need the loss and every layer on one rank: refused on a stage
+**The seed's loop on the stages** (``DynamicPrecisionScheduler(stage_module, ...)``, no plan):
+the same first-step check, after which every rank knows every stage's layers in stage order
+(the schedule's ``stage_index``) and the step flags cover them all. The first window profiles
+each stage at the safe precision; at its end every stage measures its own layers and rank 0
+plans for all of them (`search`, `search.stages`): one plan, in force on every stage from the
+next step, then kept fixed (re-planning, promotions and demotions need every layer's statistics
+on one rank: not on a stage yet). The in-run search's probe and trial steps do not run: the plan
+is the integer program's optimum on the stages' measurements, not tried on training steps.
+
+Re-planning from a given plan (``from_plan(..., dynamic=True)``) is refused on a stage
 (`step_checks.PIPELINE_REFUSAL`). Costs: at the first step one ``all_gather_object`` of a hash, a
-flag, a count and the stage's layer names; per step nothing beyond the agreement's all-reduce, one
-entry per layer of the whole plan.
+flag, a count, the stage's index and its layer names; per step nothing beyond the agreement's
+all-reduce, one entry per layer of the whole pipeline; at a searching stage's window end its
+measurement (`search.stages.measure_stage`), one gather of the tables and one broadcast of the
+plan.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import torch.nn as nn
 
 from ..distributed import settings_hash
-from ..errors import DistributedError, RuntimeStateError
+from ..errors import AutoprecError, DistributedError, InfeasibleBudgetError, RuntimeStateError, SearchError
 from ..plan import Plan
 from .plan_keeper import needs_loss_scaling
 
 if TYPE_CHECKING:
     from ..distributed import RankAgreement
+    from ..search.stages import StageTable
     from .config import SchedulerConfig
 
 __all__ = ["LOSS_REFUSAL", "StagePlan"]
@@ -58,24 +70,45 @@ _LIVE: "weakref.WeakSet[StagePlan]" = weakref.WeakSet()
 
 
 class StagePlan:
-    """The whole plan given to a stage's scheduler, the stage's part of it, and the first step's
-    check (module docstring)."""
+    """A stage's scheduler's pipeline: the whole plan (given, or searched on the stages: None
+    until then), the stage's part of it, and the first step's check (module docstring)."""
 
-    def __init__(self, whole: Plan, stage: nn.Module):
-        self.whole = whole
-        self.part = whole.for_stage(stage)
-        self.loss_scaling = needs_loss_scaling(whole)  # by the whole plan: the same on every stage
+    def __init__(self, whole: Optional[Plan], stage: nn.Module, index: Optional[int] = None):
+        self.stage = stage
+        self.index = index  # the schedule's stage_index (None: not seen; the rank orders the stages)
+        self.whole: Optional[Plan] = None
+        self.part: Optional[Plan] = None
+        self.loss_scaling = False
+        self.layers: tuple[str, ...] = ()  # a searching stage's: every stage's layers in stage order, from its first step
+        if whole is not None:
+            self.adopt(whole)
         self._losses = 0  # losses noted through pipeline_loss before the first step
         self._checked = False
         _LIVE.add(self)
 
     @classmethod
-    def renew(cls, previous: "Optional[StagePlan]", whole: Optional[Plan], stage: Optional[nn.Module]) -> "Optional[StagePlan]":
-        """A scheduler's stage afresh: ``previous`` released, and the stage of ``whole`` on
-        ``stage`` (None without a plan or a stage: the scheduler runs no fixed plan on one)."""
+    def renew(cls, previous: "Optional[StagePlan]", whole: Optional[Plan], stage: Optional[nn.Module], index: Optional[int] = None) -> "Optional[StagePlan]":
+        """A scheduler's stage afresh: ``previous`` released, and ``stage`` running ``whole``
+        (None: its plan is searched on the stages), or None when the model is no stage."""
         if previous is not None:
             previous.release()
-        return cls(whole, stage) if whole is not None and stage is not None else None
+        return cls(whole, stage, index) if stage is not None else None
+
+    @property
+    def searching(self) -> bool:
+        """No plan yet: the stages search one together (`search.stages`)."""
+        return self.whole is None
+
+    def adopt(self, whole: Plan) -> None:
+        """Run ``whole`` (the whole pipeline's plan): this stage's part of it, loss scaling on
+        when any stage's part has an FP16 layer, so every stage unscales by the same scale."""
+        self.whole, self.part = whole, whole.for_stage(self.stage)
+        self.loss_scaling = needs_loss_scaling(whole)
+
+    def agreed_layers(self, own: Sequence[str]) -> tuple[str, ...]:
+        """The layers every rank's step flags cover, in one order: the whole plan's; a searching
+        stage's own ``own`` layers until its first step has gathered every stage's."""
+        return tuple(self.whole.layers) if self.whole is not None else self.layers or tuple(own)
 
     def note_loss(self) -> None:
         """A loss went through the scheduler on this stage."""
@@ -85,40 +118,100 @@ class StagePlan:
         """The scheduler closed: this stage no longer counts as one this process runs."""
         _LIVE.discard(self)
 
-    def check_first_step(self, agreement: "Optional[RankAgreement]", config: "SchedulerConfig") -> None:
+    def check_first_step(self, agreement: "Optional[RankAgreement]", config: "SchedulerConfig", own: Sequence[str]) -> None:
         """At the first ``step()``, on every stage, the same answer on every rank (module
         docstring): `DistributedError` naming the ranks for other settings or plans, layers
         held by no stage or by stages that overlap, or a rank running several stages;
-        `RuntimeStateError` (`LOSS_REFUSAL`) when no stage's loss was noted. Nothing after the
-        first step."""
+        `RuntimeStateError` (`LOSS_REFUSAL`) when no stage's loss was noted. A searching stage
+        (``own``: its layers in model order) learns every stage's layers, in stage order, and
+        the agreement's step flags cover them from this step on. Nothing after the first step."""
         if self._checked:
             return
         # Stages before their first step: a looped schedule's stages on this rank all are (the
         # earlier runs' schedulers, stepped, are not, however long the garbage collector keeps them).
         starting = sum(1 for stage in _LIVE if not stage._checked)
-        mine = (settings_hash(config, self.whole), self._losses > 0, starting, sorted(self.part.layers))
+        names = list(self.part.layers) if self.part is not None else list(own)
+        mine = (settings_hash(config, self.whole), self._losses > 0, starting, names, self.index)
         ranks: list[Any] = agreement.gather(mine) if agreement is not None else [mine]
         _check_stages(ranks, self.whole)
-        if not any(noted for _, noted, _, _ in ranks):
+        if not any(noted for _, noted, *_ in ranks):
             raise RuntimeStateError(LOSS_REFUSAL)
+        if self.whole is None:
+            order = sorted(range(len(ranks)), key=lambda r: (r if ranks[r][4] is None else ranks[r][4], r))
+            self.layers = tuple(dict.fromkeys(fqn for r in order for fqn in ranks[r][3]))
+            if agreement is not None:
+                agreement.hold_layers(self.stage, self.layers)
         if agreement is not None:  # data-parallel copies of a stage hold its layers alike
-            agreement.set_stages(len(ranks) // len({frozenset(names) for *_, names in ranks}))
+            agreement.set_stages(len(ranks) // len({frozenset(names) for _, _, _, names, _ in ranks}))
         self._checked = True
 
+    def search_window(self, agreement: "Optional[RankAgreement]", model: nn.Module, captured: list, profile: Any, baseline_loss: Optional[float],
+                      config: "SchedulerConfig", fingerprint: Mapping[str, Any], step: int) -> Plan:
+        """`search` at a searching stage's first window's end: ``model`` (the stage) measured on
+        its last ``captured`` call and output gradient (`measure_stage`, ``profile``: the
+        stage's own window; ``baseline_loss``: its window's mean loss, None on a stage without
+        the loss), the plan made by `joint_plan` under ``config``'s budgets."""
+        from ..search.stages import joint_plan, measure_stage
+        from ..sensitivity.capture import LinearisedLoss
 
-def _check_stages(ranks: list, whole: Plan) -> None:
+        planning = config.planning
+
+        def measure() -> "StageTable":
+            if not captured:
+                raise SearchError("no gradient reached the stage's output in the window's captured steps")
+            return measure_stage(model, captured[-1][0], captured, LinearisedLoss(), profile, planning, index=self.index or 0,
+                                 fingerprint=fingerprint, recompute=config.recompute, loss=baseline_loss)
+
+        def plan_of(tables: "list[StageTable]") -> Plan:
+            return joint_plan(tables, planning, device=next(model.parameters()).device, source="scheduler: ", metadata={"source": "scheduler", "step": step})
+
+        return self.search(agreement, measure, plan_of)
+
+    def search(self, agreement: "Optional[RankAgreement]", measure: "Callable[[], StageTable]", plan_of: "Callable[[list[StageTable]], Plan]") -> Plan:
+        """The stages' joint plan, adopted (`search.stages`): every rank ``measure`` s its stage,
+        the tables are gathered, rank 0 makes the plan of them (``plan_of``) and sends it; every
+        rank raises the same error when a stage's measurement or the plan fails (a
+        `InfeasibleBudgetError` stays one). Returns this stage's part of the plan. One ``all_gather_object`` of the tables (a few KiB
+        per layer) and one ``broadcast_object_list`` of the plan's JSON."""
+        try:
+            mine: "tuple[Optional[StageTable], Optional[str]]" = (measure(), None)
+        except AutoprecError as exc:  # sent, not raised: the other stages wait in the gather
+            mine = (None, f"pipeline stage {self.index}: {exc}")
+        gathered = agreement.gather(mine) if agreement is not None else [mine]
+        failed = [error for _, error in gathered if error is not None]
+        outcome: Any = {"error": failed[0], "floors": None} if failed else None
+        if outcome is None and (agreement is None or agreement.rank == 0):
+            try:
+                outcome = plan_of([table for table, _ in gathered if table is not None]).to_dict()
+            except InfeasibleBudgetError as exc:  # the budgets no plan meets: not searched again
+                outcome = {"error": str(exc), "floors": (exc.min_bytes, exc.min_loss)}
+            except AutoprecError as exc:
+                outcome = {"error": str(exc), "floors": None}
+        if agreement is not None and not failed:
+            outcome = agreement.share(outcome)
+        if "error" in outcome:
+            if outcome["floors"] is not None:
+                raise InfeasibleBudgetError(outcome["error"], *outcome["floors"])
+            raise SearchError(outcome["error"])
+        self.adopt(Plan.from_dict(outcome))
+        assert self.part is not None
+        return self.part
+
+
+def _check_stages(ranks: list, whole: Optional[Plan]) -> None:
     """`DistributedError` for the first thing wrong in ``ranks`` (each rank's hash, loss noted,
-    stages run and layer names), in one line."""
+    stages run, layer names and stage index), in one line; ``whole``: the plan every layer
+    must be held of (None: a searched plan's stages)."""
     other = [r for r, (h, *_) in enumerate(ranks) if h != ranks[0][0]]
     if other:
         raise DistributedError(f"pipeline rank {', '.join(map(str, other))} holds other scheduler settings or another plan than rank 0; "
                                "give every stage the same settings and the whole model's plan (each stage runs its own layers' part)")
-    several = [r for r, (_, _, stages, _) in enumerate(ranks) if stages > 1]
+    several = [r for r, (_, _, stages, *_) in enumerate(ranks) if stages > 1]
     if several:
         raise DistributedError(f"pipeline rank {several[0]} runs {ranks[several[0]][2]} stages under schedulers, whose skip decisions and loss scales "
                                "would each agree with one peer stage only; run one stage per rank (GPipe, 1F1B), or apply_plan to each stage of a looped schedule")
     stages: dict[frozenset, int] = {}  # each distinct stage -> the first rank holding it (pairs over stages, not ranks)
-    for r, (*_, names) in enumerate(ranks):
+    for r, (_, _, _, names, _) in enumerate(ranks):
         stages.setdefault(frozenset(names), r)
     for names, r in stages.items():
         for other_names, q in stages.items():
@@ -126,7 +219,7 @@ def _check_stages(ranks: list, whole: Plan) -> None:
                 fqn = sorted(names & other_names)[0]
                 raise DistributedError(f"pipeline ranks {q} and {r} hold different stages that both name a layer {fqn!r}: the stages' modules are not named as "
                                        "in the whole model (a split that renumbers a ModuleList); keep the whole model's names (an nn.ModuleDict of blocks, as torchtitan's Llama)")
-    missing = sorted(set(whole.layers) - set().union(*stages))
+    missing = sorted(set(whole.layers) - set().union(*stages)) if whole is not None else []
     if missing:
         raise DistributedError(f"no pipeline stage holds the plan's layer {missing[0]!r} ({len(missing)} such); give each stage's scheduler its module as the pipeline split made it, "
                                "and every rank of the pipeline the scheduler")

@@ -37,6 +37,7 @@ floats), so every rank acts alike.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
@@ -46,6 +47,7 @@ import torch.nn as nn
 from ..calls import ModelCall, fresh, loss_of, prediction_of
 from ..errors import ModelCallError
 from ..formats import Format
+from .policy import accuracy_promotions, saturation_actions
 
 if TYPE_CHECKING:
     from ..distributed import RankAgreement
@@ -54,6 +56,8 @@ if TYPE_CHECKING:
     from .config import SchedulerConfig
 
 __all__ = ["CheckFigures", "PlanChecks"]
+
+logger = logging.getLogger(__name__)
 
 MIN_CHECKS = 2  # accuracy checks averaged before the measured increase can promote a layer
 
@@ -242,6 +246,23 @@ class PlanChecks:
         mean = self._sum / self._count if self._count else None
         self.last = CheckFigures(saturation, mean, self._count, self.allowed(plan))
         return self.last
+
+    def actions(self, runtime: "Optional[PlanRuntime]", plan: "Plan", agreement: "Optional[RankAgreement]", step: int,
+                writer: Any = None) -> tuple[dict[str, str], dict[str, str]]:
+        """A check step's figures (`read`: one host read) and what to do at once: the layers to
+        recalibrate, and to promote (fqn -> why) for saturating again (`policy.saturation_actions`)
+        or while the measured loss increase is over the budget (`policy.accuracy_promotions`;
+        logged, and written to TensorBoard through ``writer``, a `TrainingWriter`)."""
+        figures = self.read(runtime, plan, agreement)
+        recalibrate, promote = saturation_actions(figures.saturation, self.config.thresholds.saturation, self.recalibrated)
+        self.note_recalibrated(recalibrate)
+        if figures.over_budget and figures.increase is not None and figures.allowed is not None:
+            promote = {**accuracy_promotions(plan, figures.increase, figures.allowed), **promote}
+            logger.warning("autoprec: step %d: measured loss increase %.2f%% (mean of %d checks against the window's precision) is over the allowed %.2f%%",
+                           step, 100 * figures.increase, figures.checks, 100 * figures.allowed)
+        if writer is not None and figures.increase is not None:
+            writer.log_accuracy(step, figures.increase, figures.allowed)
+        return recalibrate, promote
 
     def note_recalibrated(self, fqns: "Iterable[str]") -> None:
         """``fqns`` were recalibrated for saturation: saturating again in this window promotes them."""

@@ -49,6 +49,7 @@ STATE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "meter_next": (lambda v: isinstance(v, bool), "True or False"),
     "scaler_enabled": (lambda v: isinstance(v, bool), "True or False"),
     "pipeline_stage": (lambda v: isinstance(v, bool), "True or False"),
+    "stage": (lambda v: v is None or (isinstance(v, Mapping) and _optional_dict(v.get("plan"))), "None or a dict with 'index' and 'plan' (None or a plan as a dict)"),
     "fingerprint": (lambda v: isinstance(v, Mapping), "a dict of layers"),
     "window_nonfinite": (lambda v: isinstance(v, Mapping) and all(_count(n) for n in v.values()), "a dict of layer -> count >= 0"),
     "changes": (lambda v: isinstance(v, (list, tuple)), "a list of changes"),
@@ -75,7 +76,8 @@ STATE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 # Fields added within state version 2, with the value a state saved without them means.
 LATER_STATE: dict[str, Any] = {"window_skipped": 0, "search_failures": 0, "retry_at": None, "search": None, "known_times": {}, "watch": None,
-                               "checks": None, "comm": None, "due_search": None, "measured_bytes": None, "pipeline_stage": False}
+                               "checks": None, "comm": None, "due_search": None, "measured_bytes": None, "pipeline_stage": False,
+                               "stage": None}
 
 
 def check_state(state: Any, expected_keys: Collection[str]) -> None:

@@ -36,10 +36,10 @@ SKIPS_BEFORE_WARNING = 10
 # A schedule of torch.distributed.pipelining runs each stage's forward and backward itself and only
 # the last stage sees the loss: a fixed plan runs there (`pipeline_stage`), the in-run search and
 # re-planning, which need the loss and every layer on one rank, do not yet.
-PIPELINE_REFUSAL = ("step(): the model runs as a torch.distributed.pipelining stage, where the in-run search and re-planning do not run yet "
-                    "(they need the loss and every layer on one rank); run a fixed plan instead: "
-                    "scheduler = DynamicPrecisionScheduler.from_plan(stage_module, plan) with the whole model's plan on every stage, "
-                    "and the schedule's loss_fn=scheduler.pipeline_loss(loss_fn) (docs/distributed.md)")
+PIPELINE_REFUSAL = ("step(): re-planning from a given plan (from_plan(..., dynamic=True)) does not run on a torch.distributed.pipelining stage yet "
+                    "(promotions and demotions need every layer's statistics on one rank); run the plan fixed with "
+                    "scheduler = DynamicPrecisionScheduler.from_plan(stage_module, plan) (the whole model's plan on every stage), or let the stages "
+                    "search one (DynamicPrecisionScheduler(stage_module, ...)), with the schedule's loss_fn=scheduler.pipeline_loss(loss_fn) (docs/distributed.md)")
 
 
 class StepChecks:

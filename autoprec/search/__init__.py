@@ -5,7 +5,7 @@ Owns: `space` (units, choices, budgets), `exact` (the integer program), `planner
 (from costs and sensitivity to proposed plans), `units` (off-path work weighed in model passes),
 `in_run` (the search spread over training steps) with `probes` (its probe steps' plans) and
 `memory_margin` (the margin its rounds learn from measured bytes), `tensor_parallel` (what a
-sharded layer may take), `candidate_runs` / `trials` / `study` /
+sharded layer may take), `stages` (one plan for a pipeline's stages, each measured on its rank), `candidate_runs` / `trials` / `study` /
 `refine` (timing candidates, the Optuna study, the learning sampler; their noise is the shared
 `autoprec.noise`). The job that
 drives it offline is `autoprec.job`. May import the shared basics, `runtime`, `profiling`,

@@ -33,7 +33,7 @@ from .planner import in_budget_terms, layer_reasons, plan_from_solution
 from .planner import space_steps as planner_space_steps
 from .space import Budgets, Planning, SearchSpace
 
-__all__ = ["Planning", "Space", "Optimum", "Proposal", "measure_space", "search_estimator", "space_of", "solve_in_budgets", "propose_plans", "propose_from",
+__all__ = ["Planning", "Space", "Optimum", "Proposal", "measure_space", "measure_parts", "search_estimator", "space_of", "solve_in_budgets", "propose_plans", "propose_from",
            "uniform_reference"]
 
 
@@ -98,14 +98,29 @@ def measure_space(
     loss_fn: Callable[[nn.Module, Any], Any],
     profile: Any,
     planning: Planning,
+    **measured: Any,
+) -> Space:
+    """Costs and sensitivity (`measure_parts`, ``measured`` its keyword arguments) and the
+    space they make of ``model`` with ``profile`` (see the module docstring)."""
+    costs, sensitivity = measure_parts(model, example_inputs, batches, loss_fn, planning, **measured)
+    return space_of(costs, sensitivity, profile, planning)
+
+
+def measure_parts(
+    model: nn.Module,
+    example_inputs: Any,
+    batches: Sequence[Any],
+    loss_fn: Callable[[nn.Module, Any], Any],
+    planning: Planning,
     *,
     cost_inputs: Any = None,
     cost_loss_fn: Optional[Callable] = None,
     times_file: Any = None,
     progress: Optional[Callable[[int, int, str], None]] = None,
     blocks: Sequence[str] = (),
-) -> Space:
-    """Costs, sensitivity and the space of ``model`` (see the module docstring).
+) -> tuple[Any, Any]:
+    """The cost model and the sensitivity estimate of ``model``, from which a space is made
+    (`measure_space`; a pipeline stage's table, `search.stages`).
 
     ``batches`` / ``loss_fn``: what the sensitivity estimate differentiates; ``cost_inputs`` /
     ``cost_loss_fn``: the training step the cost model times (default: ``example_inputs``, a
@@ -134,7 +149,7 @@ def measure_space(
             model, batches, loss_fn, [lp for f, lp in planning.precisions().items() if f is not Format.FP32],
             layers=list(costs.layers), example_inputs=example_inputs, estimator=search_estimator(planning.lr),
         )
-    return space_of(costs, sensitivity, profile, planning)
+    return costs, sensitivity
 
 
 def search_estimator(lr: float) -> Any:

@@ -9,6 +9,7 @@ search compared. With recompute blocks costed (`CostModel.blocks`) the space hol
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 from typing import Generator, Iterable, Mapping
@@ -20,7 +21,7 @@ from ..plan import LayerPrecision, Plan
 from .exact import Solution
 from .space import Block, Choice, LayerRules, RangeLimits, SearchSpace
 
-__all__ = ["OVERFLOW_LIMIT", "range_reason", "space_steps", "layer_reasons", "block_reasons", "measured_reasons",
+__all__ = ["OVERFLOW_LIMIT", "range_reason", "LayerTable", "table_steps", "space_steps", "layer_reasons", "block_reasons", "measured_reasons",
            "plan_from_solution", "in_budget_terms"]
 
 # A format is ruled out for a layer when the profile saw more than this fraction of a tensor
@@ -68,15 +69,51 @@ def space_steps(
     precisions: "Mapping[Format, LayerPrecision] | None" = None,
     limits: RangeLimits = RangeLimits(),
 ) -> Generator[str, None, tuple[SearchSpace, dict[str, list[str]]]]:
+    """The search space of `table_steps`'s table, rules and precision bounds applied
+    (`SearchSpace`). Returns the space and, per layer, the formats ruled out and why; yields as
+    `table_steps` does, then ``"space assembly"`` before the space's own indexing (units, blocks:
+    a pass's worth at depth, so a search inside training ends the slice there)."""
+    table = yield from table_steps(costs, sensitivity, profile, formats=formats, rules=rules, precisions=precisions, limits=limits)
+    yield "space assembly"
+    space = SearchSpace(table.rows, min_precision=min_precision, max_precision=max_precision, rules=rules, device=costs.device, fixed=table.fixed,
+                        blocks=table.blocks, fp32_bytes=table.fp32_bytes)
+    return space, dict(table.ruled_out)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTable:
+    """A model's additive table before rules and bounds make it a `SearchSpace`: ``rows`` (fqn ->
+    format -> `Choice`, in model order), ``ruled_out`` (fqn -> why formats are out), ``fixed``
+    (the costs outside the layers, by name), ``blocks`` (the recompute `Block` s costed) and
+    ``fp32_bytes`` (the all-FP32 plan's, None where the cost model has no figure). Plain data: a
+    pipeline stage sends its table to the rank that plans for every stage (`search.stages`)."""
+
+    rows: Mapping[str, Mapping[Format, Choice]]
+    ruled_out: Mapping[str, list[str]]
+    fixed: Mapping[str, Choice]
+    blocks: tuple[Block, ...]
+    fp32_bytes: "float | None"
+
+
+def table_steps(
+    costs,
+    sensitivity,
+    profile,
+    *,
+    formats: Iterable[Format],
+    rules: LayerRules = LayerRules(),
+    precisions: "Mapping[Format, LayerPrecision] | None" = None,
+    limits: RangeLimits = RangeLimits(),
+) -> Generator[str, None, LayerTable]:
     """The additive table of ``costs`` (a `CostModel`) and ``sensitivity`` (predicted loss per
     (layer, format)) over ``formats``, less the formats whose range ``profile`` (a `Profile` or
     None) saw too many values leave (`range_reason`: each format as ``precisions`` plans it, the
     default `LayerPrecision` where absent; ``limits``) and those whose run raised in the
     sensitivity estimate (its ``metadata["failed"]``), unless a rule pins the layer; each block ``costs`` has costed (`CostModel.blocks`) is a
-    recompute `Block` of the space: per layer and format its modelled saved bytes (what
+    recompute `Block` of the table: per layer and format its modelled saved bytes (what
     recomputation frees; its gradients and its FP32-in-region extra stay) and its forward seconds,
-    and the block's own ops in the lowered region (as the fixed cost below). Returns the space and,
-    per layer, the formats ruled out and why. A generator: it yields ``"space"`` after each
+    and the block's own ops in the lowered region (as the fixed cost below). ``rules`` only keep
+    a pinned layer's formats here (`SearchSpace` applies them). A generator: it yields ``"space"`` after each
     layer's row (host work: its range checks and its costs per format, O(formats)), so a search
     inside training spreads it over steps (at 64 decoder layers, in one unit, it took about 3
     steps' time at once)."""
@@ -121,13 +158,7 @@ def space_steps(
         forward = {layer: {f: costs.layer_forward_seconds(layer, f) for f in table[layer]} for layer in block.layers}
         blocks.append(Block(fqn, freed, forward, other_bytes=float(block.other_bytes[1]), other_seconds=float(block.other_seconds[1])))
         yield "space"
-    # The space's own indexing (units, blocks) next, a pass's worth at depth: a search inside
-    # training ends the slice here, so it runs at the start of the next.
-    yield "space assembly"
-    device = costs.device
-    space = SearchSpace(table, min_precision=min_precision, max_precision=max_precision, rules=rules, device=device, fixed=fixed, blocks=blocks,
-                        fp32_bytes=costs.fp32_bytes() if hasattr(costs, "fp32_bytes") else None)
-    return space, ruled_out
+    return LayerTable(table, ruled_out, fixed, tuple(blocks), costs.fp32_bytes() if hasattr(costs, "fp32_bytes") else None)
 
 
 def layer_reasons(space: SearchSpace, assignment: Mapping[str, Format], rules: LayerRules, ruled_out: Mapping[str, list[str]]) -> dict[str, str]:

@@ -4,9 +4,10 @@ scheduler bound inside stage 0's first forward and checked the ranks' settings t
 ``all_gather_object`` over the default group, while stage 1 waited in the schedule's receive for
 stage 0's activations: both waited until the process group's timeout. Now the bind sees the
 schedule on the stack and issues no collective; ``step()``, where every stage arrives after its
-schedule step, refuses what does not run there: the in-run search and re-planning (a fixed plan
-runs: `test_scheduler_pipeline_plan.py`), a schedule whose loss function bypasses the scheduler
-(no loss scale, no loss seen), stages given different plans, stages whose modules are not named
+schedule step, refuses what does not run there: re-planning from a given plan (a fixed plan runs:
+`test_scheduler_pipeline_plan.py`; a plan searched on the stages: `test_scheduler_pipeline_search.py`),
+a schedule whose loss function bypasses the scheduler (no loss scale, no loss seen; given a plan
+or searching one), stages given different plans, stages whose modules are not named
 as in the whole model (a split that renumbers its blocks: each would run another layer's
 precision), two stages on one rank under two schedulers (each would agree with one peer stage
 only), and a stage under no scheduler (its gradients never unscaled)."""
@@ -41,7 +42,7 @@ def refused(rank, kind):
     model = pipeline_stage(titan_llama(), rank, WORLD)
     if kind == "renumbered" and rank == 1:  # as a split rebuilding a ModuleList names its blocks
         model.layers = torch.nn.ModuleDict({str(i): block for i, block in enumerate(model.layers.values())})
-    if kind == "search":
+    if kind == "search, bare loss":
         scheduler = ap.DynamicPrecisionScheduler(model, monitor_window=4, measure_costs=False)
     elif kind == "dynamic":
         scheduler = ap.DynamicPrecisionScheduler.from_plan(model, plan, dynamic=True)
@@ -102,10 +103,10 @@ def looped(rank, plan, schedulers):
     return {"error": errors[0], "second stage's error": errors[-1], "met": float(flag), "untouched": untouched}
 
 
-@pytest.mark.parametrize("kind", ["search", "dynamic", "bare loss", "stage parts", "renumbered", "two stages per rank", "a stage without a scheduler"])
+@pytest.mark.parametrize("kind", ["search, bare loss", "dynamic", "bare loss", "stage parts", "renumbered", "two stages per rank", "a stage without a scheduler"])
 def test_what_does_not_run_on_a_pipeline_stage_is_refused_in_one_line_on_every_stage(tmp_path, kind):
     results = run(refused, tmp_path, kind, timeout=datetime.timedelta(seconds=120))
-    expected = {"search": ("RuntimeStateError", PIPELINE_REFUSAL), "dynamic": ("RuntimeStateError", PIPELINE_REFUSAL),
+    expected = {"search, bare loss": ("RuntimeStateError", LOSS_REFUSAL), "dynamic": ("RuntimeStateError", PIPELINE_REFUSAL),
                 "bare loss": ("RuntimeStateError", LOSS_REFUSAL)}
     for result in results:
         assert result["met"] == WORLD and result["untouched"]

@@ -1,0 +1,114 @@
+"""One plan for the stages of a pipeline, each stage measured where it runs: `StageTable`,
+`measure_stage`, `joint_plan`.
+
+Under ``torch.distributed.pipelining`` no rank holds the whole model, and only the last stage
+sees the loss. Each stage measures its own layers on its own rank: the cost model on the
+stage's captured call (its input, as the schedule gave it), and the sensitivity on that call with
+the gradient the schedule's backward brought to the stage's output (`LinearisedLoss`): its
+gradients at every layer of the stage are the whole loss's (the chain rule from the stage's
+output on), so each layer's estimate is the one a search of the whole model would make on that
+micro-batch. The stages' tables (plain data, a few KiB per layer) are joined in stage order into
+one search space, and one integer program chooses every layer's format and recompute flag
+under one memory budget (the whole pipeline's bytes, summed over the stages) and one accuracy
+budget (relative to the loss the last stage saw): `joint_plan`, run on one rank.
+
+Costs per stage: one `measure_parts` on the stage (its cost model's timed steps when
+``planning.measure``, its traced forwards, and the sensitivity's forward and weight-gradient
+product per (layer, format)); the join and the program are linear in the pipeline's layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional, Sequence
+
+import torch.nn as nn
+
+from .._generators import drain
+from ..blocks import find_blocks
+from ..coverage import LayerInfo
+from ..errors import InfeasibleBudgetError
+from ..formats import Format
+from ..plan import LayerPrecision, Plan
+from .exact import k_best
+from .pipeline import measure_parts
+from .planner import LayerTable, block_reasons, in_budget_terms, layer_reasons, table_steps
+from .space import Planning, SearchSpace
+
+__all__ = ["StageTable", "measure_stage", "joint_plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageTable:
+    """What one stage measured: its ``index`` in the pipeline, its layers' `LayerTable`, its
+    layers as the scheduler bound them (``fingerprint``) and, on a stage that computes the loss,
+    the window's mean ``loss`` (None elsewhere)."""
+
+    index: int
+    table: LayerTable
+    fingerprint: Mapping[str, LayerInfo]
+    loss: Optional[float] = None
+
+
+def measure_stage(stage: nn.Module, call: Any, batches: Sequence[Any], loss_fn: Any, profile: Any, planning: Planning, *, index: int,
+                  fingerprint: Mapping[str, LayerInfo], recompute: "Sequence[str] | None", loss: Optional[float]) -> StageTable:
+    """``stage``'s table (module docstring): ``call`` its captured call, ``batches`` /
+    ``loss_fn`` what its sensitivity differentiates (the last captured call and its output
+    gradient, `LinearisedLoss`), ``profile`` its window's (formats it saw overflow are out),
+    ``recompute`` the scheduler's ``recompute=`` (None: the stage's repeated blocks). The stage's
+    weights and gradients are left as they were."""
+    layers = list(fingerprint)
+    blocks = find_blocks(stage, layers, recompute) if recompute != () else ()
+    costs, sensitivity = measure_parts(stage, call, batches[-1:], loss_fn, planning, cost_loss_fn=lambda m, _: loss_fn(m, batches[-1]).mean(), blocks=blocks)
+    table = drain(table_steps(costs, sensitivity, profile, formats=planning.formats, rules=planning.rules, precisions=planning.precisions(),
+                              limits=planning.limits))
+    return StageTable(index, table, dict(fingerprint), loss)
+
+
+def joint_plan(stages: Sequence[StageTable], planning: Planning, *, device: Any, source: str, metadata: Mapping[str, Any]) -> Plan:
+    """The plan of every stage's layers (module docstring): ``stages`` as each rank sent them
+    (data-parallel copies of a stage send the same index; the first is taken), joined in stage
+    order; the budgets are ``planning.budgets`` over the summed bytes and the mean loss of the
+    stages that saw it. Raises `InfeasibleBudgetError` (prefixed with ``source``) stating the
+    smallest budgets the pipeline reaches."""
+    distinct = {s.index: s for s in reversed(stages)}  # the first rank's copy of each stage
+    ordered = [distinct[i] for i in sorted(distinct)]
+    rows = {fqn: row for s in ordered for fqn, row in s.table.rows.items()}
+    fixed = {f"stage {s.index}: {name}": choice for s in ordered for name, choice in s.table.fixed.items()}
+    fp32_bytes = sum(float(s.table.fp32_bytes or 0.0) for s in ordered)
+    space = SearchSpace(rows, min_precision=planning.min_precision, max_precision=planning.max_precision, rules=planning.rules, device=device,
+                        fixed=fixed, blocks=[b for s in ordered for b in s.table.blocks], fp32_bytes=fp32_bytes)
+    losses = [s.loss for s in ordered if s.loss is not None]
+    baseline = sum(losses) / len(losses) if losses else None
+    budgets = planning.budgets
+    memory, loss_budget = budgets.memory_bytes(fp32_bytes), budgets.loss_increase(baseline)
+    try:
+        solution = k_best(space, memory, loss_budget, 1, time_limit=planning.time_limit)[0]
+    except InfeasibleBudgetError as exc:
+        raise in_budget_terms(exc, fp32_bytes, baseline if budgets.accuracy_relative else None, source) from None
+    ruled_out = {fqn: why for s in ordered for fqn, why in s.table.ruled_out.items()}
+    reasons = layer_reasons(space, solution.assignment, planning.rules, ruled_out)
+    formats = space.layer_formats(solution.assignment)
+    precisions = planning.precisions()
+    layers = {fqn: dataclasses.replace(precisions.get(fmt) or LayerPrecision(fmt), reason=reasons[fqn]) for fqn, fmt in formats.items()}
+    per_layer = {}
+    for unit in space.units:
+        share = len(unit.layers)
+        chosen = unit.choices[solution.assignment[unit.name]]
+        options = {f.value: {"bytes": c.bytes / share, "loss": c.loss / share} for f, c in unit.choices.items()}
+        for fqn in unit.layers:
+            per_layer[fqn] = {"bytes": chosen.bytes / share, "seconds": chosen.seconds / share, "loss": chosen.loss / share, "options": options}
+    uniform = space.uniform(Format.FP32)  # None where a rule forbids FP32 somewhere
+    predicted = {"bytes": solution.total.bytes, "seconds": solution.total.seconds, "loss_increase": solution.total.loss,
+                 "fp32_bytes": fp32_bytes, "fp32_seconds": None if uniform is None else space.totals(uniform).seconds, "layers": per_layer,
+                 "stages": {str(s.index): sorted(s.table.rows) for s in ordered}}
+    budgets_meta = {"memory": budgets.memory, "memory_bytes": memory, "accuracy": budgets.accuracy, "accuracy_relative": budgets.accuracy_relative,
+                    "loss_increase": loss_budget, "baseline_loss": baseline}
+    meta = {**metadata, "pipeline_stages": len(ordered)}
+    if space.blocks:
+        meta["recompute_reasons"] = block_reasons(space, solution)
+    if solution.gap:
+        meta["optimality_gap"] = solution.gap
+    fingerprint = {fqn: info for s in ordered for fqn, info in s.fingerprint.items()}
+    return Plan(layers, fingerprint=fingerprint, budgets=budgets_meta, predicted=predicted, metadata=meta,
+                blocks={b.name: b.name in solution.recompute for b in space.blocks})
