@@ -13,7 +13,7 @@ drives it offline is `autoprec.job`. May import the shared basics, `runtime`, `p
 """
 
 from .exact import Solution, k_best, smallest_reachable, solve_exact
-from .space import DEFAULT_CANDIDATES, Block, Budgets, Choice, LayerRules, SearchSpace, Unit, formats_for_precision
+from .space import DEFAULT_CANDIDATES, Block, Budgets, Choice, LayerRules, MemoryPart, SearchSpace, Unit, formats_for_precision
 from .study import open_storage
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "SearchSpace",
     "Unit",
     "Block",
+    "MemoryPart",
     "DEFAULT_CANDIDATES",
     "formats_for_precision",
     "Solution",

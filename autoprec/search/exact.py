@@ -2,7 +2,8 @@
 
     minimise   Σ_u Σ_f seconds[u,f] · x[u,f]
     subject to Σ_f x[u,f] = 1                      (one format per unit)
-               Σ_u Σ_f bytes[u,f] · x[u,f] <= M    (memory budget)
+               Σ_u Σ_f bytes[u,f] · x[u,f] <= M    (memory budget; or one row per memory part p,
+                                                    over its units, <= M_p: a pipeline stage's device)
                Σ_u Σ_f loss[u,f]  · x[u,f] <= L    (accuracy budget)
                x binary
 
@@ -152,7 +153,7 @@ class _Rows:
         return [LinearConstraint(self.equal, self.equal_bound, self.equal_bound), LinearConstraint(self.upper, -np.inf, self.upper_bound)]
 
 
-def _rows(space: SearchSpace, program: _Program, memory: float, loss_budget: float,
+def _rows(space: SearchSpace, program: _Program, memory: "float | Mapping[str, float]", loss_budget: float,
           cuts: "Sequence[Solution | Mapping[str, Format]]") -> _Rows:
     nx, nb, nl = len(program.columns), len(program.blocks), len(program.links)
     # Sparse rows: a unit's one-hot row and a link's rows name 2-6 variables each, so the
@@ -177,7 +178,7 @@ def _rows(space: SearchSpace, program: _Program, memory: float, loss_budget: flo
             vals += [1.0] * len(js) + [-1.0]
         equal.append(sparse.csr_array((vals, (rows, cols)), shape=(len(pairs), program.size)))
         equal_bound.append(np.zeros(len(pairs)))
-    budgets = [_scaled(program.bytes, memory - space.fixed_total.bytes), _scaled(program.loss, loss_budget - space.fixed_total.loss)]
+    budgets = _memory_rows(space, program, memory) + [_scaled(program.loss, loss_budget - space.fixed_total.loss)]
     cut_rows = [_cut(program, found) for found in cuts]  # one no-good cut per plan found: it may not be chosen again
     for coefficients, bound in budgets + cut_rows:
         if np.isfinite(bound):
@@ -186,6 +187,25 @@ def _rows(space: SearchSpace, program: _Program, memory: float, loss_budget: flo
     if not upper:
         upper, upper_bound = [sparse.csr_array((1, program.size))], [np.zeros(1)]
     return _Rows(sparse.vstack(upper, format="csr"), np.concatenate(upper_bound), sparse.vstack(equal, format="csr"), np.concatenate(equal_bound))
+
+
+def _memory_rows(space: SearchSpace, program: _Program, memory: "float | Mapping[str, float]") -> list[tuple[np.ndarray, float]]:
+    """The memory budget's rows: one over every byte, or, with a budget per memory part
+    (``memory`` by part name, `SearchSpace.parts`: a pipeline stage's device), one per part over
+    its units', blocks' and links' bytes, bounded by its budget less its fixed bytes."""
+    if not isinstance(memory, Mapping):
+        return [_scaled(program.bytes, memory - space.fixed_total.bytes)]
+    owner = np.array([space.part_of[name] for name, _, _ in program.columns] + [space.part_of[name] for name in program.blocks]
+                     + [space.part_of[program.columns[i][0]] for i, _, _, _ in program.links], dtype=object)
+    return [_scaled(np.where(owner == part.name, program.bytes, 0.0), memory.get(part.name, np.inf) - part.fixed_bytes) for part in space.parts]
+
+
+def _over_memory(space: SearchSpace, solution: Solution, memory: "float | Mapping[str, float]") -> bool:
+    """Whether ``solution`` holds more bytes than ``memory`` allows (per part, given by part)."""
+    if isinstance(memory, Mapping):
+        held = space.part_bytes(solution.assignment, solution.recompute)
+        return any(held[name] > memory.get(name, np.inf) for name in held)
+    return solution.total.bytes > memory
 
 
 def _scaled(coefficients: np.ndarray, bound: float) -> tuple[np.ndarray, float]:
@@ -220,7 +240,7 @@ def _components(space: SearchSpace, program: _Program) -> np.ndarray:
     return np.array(of_unit + of_block + of_link, dtype=np.int64)
 
 
-def _solve(space: SearchSpace, objective: str, memory: float, loss_budget: float,
+def _solve(space: SearchSpace, objective: str, memory: "float | Mapping[str, float]", loss_budget: float,
            cuts: "Sequence[Solution | Mapping[str, Format]]" = (), time_limit: "float | None" = None, proven: bool = False):
     """The program's optimum to `MIP_GAP`, None when infeasible (or, with ``proven``, when the
     gap was not proven within ``time_limit``).
@@ -363,7 +383,7 @@ def _restricted(vector: np.ndarray, rows: _Rows, integrality: np.ndarray, compon
     return None if result.x is None else result
 
 
-def smallest_reachable(space: SearchSpace, memory_bytes: float = float("inf"), loss_budget: float = float("inf")) -> tuple[float, float]:
+def smallest_reachable(space: SearchSpace, memory_bytes: "float | Mapping[str, float]" = float("inf"), loss_budget: float = float("inf")) -> tuple[float, float]:
     """(least bytes reachable within the loss budget, least loss reachable within the memory
     budget), recomputation included; a budget that is unreachable even alone is dropped from the
     other's computation."""
@@ -412,7 +432,9 @@ def _is_all_fp32(found: "Solution | Mapping[str, Format]") -> bool:
     return not (isinstance(found, Solution) and found.recompute) and all(Format.parse(f) is Format.FP32 for f in assignment.values())
 
 
-def _infeasible(space: SearchSpace, memory_bytes: float, loss_budget: float) -> InfeasibleBudgetError:
+def _infeasible(space: SearchSpace, memory_bytes: "float | Mapping[str, float]", loss_budget: float) -> InfeasibleBudgetError:
+    if isinstance(memory_bytes, Mapping):
+        return _infeasible_parts(space, memory_bytes, loss_budget)
     min_bytes, min_loss = smallest_reachable(space, memory_bytes, loss_budget)
     # Formats alone: each unit's least bytes add up; recomputing blocks can go lower still.
     formats_floor = space.totals(space.extreme("bytes")).bytes
@@ -452,13 +474,40 @@ def _infeasible(space: SearchSpace, memory_bytes: float, loss_budget: float) -> 
     )
 
 
-def k_best(space: SearchSpace, memory_bytes: float = float("inf"), loss_budget: float = float("inf"), k: int = 1,
+def _infeasible_parts(space: SearchSpace, memory: Mapping[str, float], loss_budget: float) -> InfeasibleBudgetError:
+    """`_infeasible` for a budget per memory part: the part furthest over its budget at its least
+    bytes (formats alone; with blocks recomputed as well), named, with the floors as the
+    largest fraction of a part's FP32 bytes that every part reaches (what a fractional budget,
+    applied to each part, must be); a miss of the loss budget as `_infeasible` states it over
+    the parts' summed budgets."""
+    alone = space.part_bytes(space.extreme("bytes"))
+    uniform = space.uniform(Format.FP32)
+    fp32 = space.part_bytes(uniform) if uniform is not None else None
+    if fp32 is not None:  # the one plan the program overstates, at its exact bytes
+        alone = {name: min(b, fp32[name]) for name, b in alone.items()}
+    least = _solve(space, "bytes", float("inf"), float("inf")) if space.blocks else None
+    floor = alone if least is None else {name: min(b, alone[name]) for name, b in space.part_bytes(least.assignment, least.recompute).items()}
+    over = {name: b - memory.get(name, float("inf")) for name, b in floor.items() if b > memory.get(name, float("inf"))}
+    if not over:
+        return _infeasible(space, sum(memory.get(p.name, float("inf")) for p in space.parts), loss_budget)
+    name = max(over, key=lambda n: over[n])
+    how = "with formats alone (no block to recompute)" if least is None else "with blocks recomputed as well"
+    total_fp32 = sum(fp32.values()) if fp32 is not None else None
+    ratio = (lambda held: max(held[n] / fp32[n] for n in held) * total_fp32) if fp32 is not None and total_fp32 else None  # noqa: E731
+    floors = {"formats_floor": ratio(alone), "recompute_floor": None if least is None else ratio(floor)} if ratio is not None else {}
+    return InfeasibleBudgetError(
+        f"no plan meets the budgets: {name} holds at least {floor[name]:,.0f} bytes {how}, over its memory budget {memory[name]:,.0f} bytes; "
+        "raise its budget to at least that", sum(floor.values()), smallest_reachable(space, memory, loss_budget)[1], **floors)
+
+
+def k_best(space: SearchSpace, memory_bytes: "float | Mapping[str, float]" = float("inf"), loss_budget: float = float("inf"), k: int = 1,
            *, time_limit: "float | None" = None, exclude: "Sequence[Solution | Mapping[str, Format]]" = ()) -> list[Solution]:
     """Up to ``k`` assignments meeting both budgets, distinct in formats, in non-decreasing
     predicted step time: the optimum (as `solve_exact`), then each next-best under no-good cuts
     of those found (see the module docstring). Fewer than ``k`` when fewer plans are feasible.
 
-    ``exclude``: plans none of the solutions may be (a no-good cut each, from the first
+    ``memory_bytes``: the most bytes, or the most per memory part by its name (`SearchSpace.parts`,
+    a pipeline stage's device: one budget row each). ``exclude``: plans none of the solutions may be (a no-good cut each, from the first
     solve on): `Solution` objects, or assignments (which then recompute no block). ``time_limit``: seconds for all the solves together; once spent, the solutions found so far
     are returned (at least the first, which HiGHS may then return short of proven optimal).
     Raises `InfeasibleBudgetError` like `solve_exact` when no plan meets the budgets. Costs one
@@ -477,7 +526,7 @@ def k_best(space: SearchSpace, memory_bytes: float = float("inf"), loss_budget: 
     # The all-FP32 plan at its exact bytes (`SearchSpace.fp32_bytes`): a candidate of its own
     # when it meets the budgets, whether or not the program's overstated figure does.
     fp32 = _all_fp32(space)
-    if fp32 is not None and (fp32.total.bytes > memory_bytes or fp32.total.loss > loss_budget or any(_is_all_fp32(e) for e in exclude)):
+    if fp32 is not None and (_over_memory(space, fp32, memory_bytes) or fp32.total.loss > loss_budget or any(_is_all_fp32(e) for e in exclude)):
         fp32 = None
     first = _solve(space, "seconds", memory_bytes, loss_budget, cuts=exclude, time_limit=left())
     if first is None and fp32 is not None:

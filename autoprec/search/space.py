@@ -28,7 +28,7 @@ from ..errors import FormatError, PlanError, SearchError
 from ..formats import Format
 from ..plan import LayerPrecision, Scaling
 
-__all__ = ["Choice", "Budgets", "LayerRules", "RangeLimits", "Planning", "Unit", "Block", "SearchSpace", "formats_for_precision", "DEFAULT_CANDIDATES"]
+__all__ = ["Choice", "Budgets", "LayerRules", "RangeLimits", "Planning", "Unit", "Block", "MemoryPart", "SearchSpace", "formats_for_precision", "DEFAULT_CANDIDATES"]
 
 # Forward formats searched by default. FP8 E5M2 as a *forward* format loses a mantissa bit for
 # range activations rarely need; FP8 layers already compute gradients in E5M2.
@@ -324,6 +324,19 @@ class Block:
         return tuple(self.freed)
 
 
+@dataclasses.dataclass(frozen=True)
+class MemoryPart:
+    """Layers one device holds (a pipeline stage's): the search keeps their bytes within a budget
+    of their own (`exact.k_best` with ``memory_bytes`` by part name). ``fixed_bytes``: the
+    part's bytes outside its layers (in the space's ``fixed`` too); ``fp32_bytes``: its all-FP32
+    bytes exactly (None: the additive figure)."""
+
+    name: str
+    layers: frozenset
+    fixed_bytes: float = 0.0
+    fp32_bytes: "float | None" = None
+
+
 class SearchSpace:
     """Units (layers or groups) with their allowed formats and additive costs.
 
@@ -337,6 +350,8 @@ class SearchSpace:
     layer its lowered neighbours' FP32 saves and the rest of the step its lowered figure, exact
     for every plan but all-FP32, which it overstates; with ``fp32_bytes`` that plan totals exactly
     it (`totals`, `exact.k_best`), so an all-FP32 plan is 1.0 of the reference a budget names.
+    ``parts``: `MemoryPart` s covering every layer once (none: one device holds them all), each
+    unit and block inside one (`part_bytes`).
     """
 
     def __init__(
@@ -350,6 +365,7 @@ class SearchSpace:
         fixed: "Mapping[str, Choice] | None" = None,
         blocks: Sequence[Block] = (),
         fp32_bytes: "float | None" = None,
+        parts: Sequence[MemoryPart] = (),
     ):
         self.fp32_bytes = None if fp32_bytes is None else float(fp32_bytes)
         allowed_bits = set(formats_for_precision(min_precision, max_precision, Format))
@@ -411,6 +427,41 @@ class SearchSpace:
         self.layers: tuple[str, ...] = tuple(table)
         self.blocks: tuple[Block, ...] = ()
         self._set_blocks(blocks)
+        self._set_parts(parts)
+
+    def _set_parts(self, parts: Sequence[MemoryPart]) -> None:
+        """Check ``parts`` against the layers and index them: ``part_of`` holds each unit's and
+        each block's part (by name)."""
+        self.parts = tuple(parts)
+        self.part_of: dict[str, str] = {}
+        if not self.parts:
+            return
+        holder = {fqn: part.name for part in self.parts for fqn in part.layers}
+        missing = [fqn for fqn in self.layers if fqn not in holder]
+        if missing or len(holder) != sum(len(part.layers) for part in self.parts):
+            raise SearchError(f"memory parts must hold every layer once ({len(missing)} in none, e.g. {missing[:1]}, or one in two)")
+        for name, layers in [(u.name, u.layers) for u in self.units] + [(b.name, b.layers) for b in self.blocks]:
+            held = sorted({holder[fqn] for fqn in layers})
+            if len(held) > 1:
+                raise SearchError(f"{name!r} has layers in memory parts {held}: a rule group or block must keep to one device (pipeline stage)")
+            self.part_of[name] = held[0]
+
+    def part_bytes(self, assignment: Mapping[str, Format], recompute: Iterable[str] = ()) -> dict[str, float]:
+        """Each part's bytes under an assignment with some blocks recomputed, as `totals` sums
+        them (a part all in FP32 recomputing nothing: its ``fp32_bytes`` exactly, when given)."""
+        recompute = set(recompute)
+        out = {part.name: part.fixed_bytes for part in self.parts}
+        for unit in self.units:
+            out[self.part_of[unit.name]] += unit.choices[Format.parse(assignment[unit.name])].bytes
+        for block in self.blocks:
+            if block.name in recompute:
+                out[self.part_of[block.name]] += self.recompute_effect(assignment, [block.name]).bytes
+        for part in self.parts:
+            units = [u for u in self.units if self.part_of[u.name] == part.name]
+            plain = not any(self.part_of[b] == part.name for b in recompute)
+            if part.fp32_bytes is not None and plain and all(Format.parse(assignment[u.name]) is Format.FP32 for u in units):
+                out[part.name] = part.fp32_bytes
+        return out
 
     def _set_blocks(self, blocks: Sequence[Block]) -> None:
         """Check ``blocks`` against the units and index them: ``links`` holds, per block, each
@@ -529,6 +580,8 @@ class SearchSpace:
         out.units = tuple(dataclasses.replace(u, choices={f: c + extra[u.name][f] for f, c in u.choices.items()}) for u in self.units)
         out.fixed_total = fixed
         out.blocks, out.links = (), {}
+        freed = {p.name: sum(self._block(b).other_bytes for b in recompute if self.part_of[b] == p.name) for p in self.parts}
+        out._set_parts([dataclasses.replace(p, fixed_bytes=p.fixed_bytes - freed[p.name], fp32_bytes=None if recompute else p.fp32_bytes) for p in self.parts])
         return out
 
     def layer_formats(self, assignment: Mapping[str, Format]) -> dict[str, Format]:
@@ -597,6 +650,7 @@ class SearchSpace:
                             for u, per in links] for name, links in self.links.items()}
         out.blocks = tuple(dataclasses.replace(b, other_bytes=b.other_bytes * fixed.bytes, other_seconds=b.other_seconds * fixed.seconds)
                            for b in self.blocks)
+        out._set_parts([dataclasses.replace(p, fixed_bytes=p.fixed_bytes * fixed.bytes, fp32_bytes=None) for p in self.parts])  # additive, as corrected
         fp32 = self.uniform(Format.FP32)
         if self.fp32_bytes is not None and fp32 is not None:
             # The all-FP32 plan's exact bytes corrected as its additive total is.

@@ -9,8 +9,9 @@ gradients at every layer of the stage are the whole loss's (the chain rule from 
 output on), so each layer's estimate is the one a search of the whole model would make on that
 micro-batch. The stages' tables (plain data, a few KiB per layer) are joined in stage order into
 one search space, and one integer program chooses every layer's format and recompute flag
-under one memory budget (the whole pipeline's bytes, summed over the stages) and one accuracy
-budget (relative to the loss the last stage saw): `joint_plan`, run on one rank.
+under a memory budget per stage (each stage's device holds its own layers: a fraction of that
+stage's FP32 bytes, or the bytes given, per stage) and one accuracy budget over all of them
+(relative to the loss the last stage saw): `joint_plan`, run on one rank.
 
 Costs per stage: one `measure_parts` on the stage (its cost model's timed steps when
 ``planning.measure``, its traced forwards, and the sensitivity's forward and weight-gradient
@@ -33,7 +34,7 @@ from ..plan import LayerPrecision, Plan
 from .exact import k_best
 from .pipeline import measure_parts
 from .planner import LayerTable, block_reasons, in_budget_terms, layer_reasons, table_steps
-from .space import Planning, SearchSpace
+from .space import MemoryPart, Planning, SearchSpace
 
 __all__ = ["StageTable", "measure_stage", "joint_plan"]
 
@@ -68,20 +69,23 @@ def measure_stage(stage: nn.Module, call: Any, batches: Sequence[Any], loss_fn: 
 def joint_plan(stages: Sequence[StageTable], planning: Planning, *, device: Any, source: str, metadata: Mapping[str, Any]) -> Plan:
     """The plan of every stage's layers (module docstring): ``stages`` as each rank sent them
     (data-parallel copies of a stage send the same index; the first is taken), joined in stage
-    order; the budgets are ``planning.budgets`` over the summed bytes and the mean loss of the
-    stages that saw it. Raises `InfeasibleBudgetError` (prefixed with ``source``) stating the
+    order; the budgets are ``planning.budgets``, its memory budget per stage (`MemoryPart`) and
+    its accuracy budget over the whole pipeline, relative to the mean loss of the stages that saw it. Raises `InfeasibleBudgetError` (prefixed with ``source``) stating the
     smallest budgets the pipeline reaches."""
     distinct = {s.index: s for s in reversed(stages)}  # the first rank's copy of each stage
     ordered = [distinct[i] for i in sorted(distinct)]
     rows = {fqn: row for s in ordered for fqn, row in s.table.rows.items()}
     fixed = {f"stage {s.index}: {name}": choice for s in ordered for name, choice in s.table.fixed.items()}
     fp32_bytes = sum(float(s.table.fp32_bytes or 0.0) for s in ordered)
+    # Each stage's device holds its own layers: one memory budget each (`MemoryPart`).
+    parts = [MemoryPart(f"stage {s.index}", frozenset(s.table.rows), sum(c.bytes for c in s.table.fixed.values()), s.table.fp32_bytes) for s in ordered]
     space = SearchSpace(rows, min_precision=planning.min_precision, max_precision=planning.max_precision, rules=planning.rules, device=device,
-                        fixed=fixed, blocks=[b for s in ordered for b in s.table.blocks], fp32_bytes=fp32_bytes)
+                        fixed=fixed, blocks=[b for s in ordered for b in s.table.blocks], fp32_bytes=fp32_bytes, parts=parts)
     losses = [s.loss for s in ordered if s.loss is not None]
     baseline = sum(losses) / len(losses) if losses else None
     budgets = planning.budgets
-    memory, loss_budget = budgets.memory_bytes(fp32_bytes), budgets.loss_increase(baseline)
+    memory = {part.name: budgets.memory_bytes(float(part.fp32_bytes or 0.0)) for part in parts}
+    loss_budget = budgets.loss_increase(baseline)
     try:
         solution = k_best(space, memory, loss_budget, 1, time_limit=planning.time_limit)[0]
     except InfeasibleBudgetError as exc:
@@ -101,8 +105,8 @@ def joint_plan(stages: Sequence[StageTable], planning: Planning, *, device: Any,
     uniform = space.uniform(Format.FP32)  # None where a rule forbids FP32 somewhere
     predicted = {"bytes": solution.total.bytes, "seconds": solution.total.seconds, "loss_increase": solution.total.loss,
                  "fp32_bytes": fp32_bytes, "fp32_seconds": None if uniform is None else space.totals(uniform).seconds, "layers": per_layer,
-                 "stages": {str(s.index): sorted(s.table.rows) for s in ordered}}
-    budgets_meta = {"memory": budgets.memory, "memory_bytes": memory, "accuracy": budgets.accuracy, "accuracy_relative": budgets.accuracy_relative,
+                 "bytes_per_stage": space.part_bytes(solution.assignment, solution.recompute)}
+    budgets_meta = {"memory": budgets.memory, "memory_bytes": sum(memory.values()), "memory_bytes_per_stage": memory, "accuracy": budgets.accuracy, "accuracy_relative": budgets.accuracy_relative,
                     "loss_increase": loss_budget, "baseline_loss": baseline}
     meta = {**metadata, "pipeline_stages": len(ordered)}
     if space.blocks:

@@ -149,8 +149,13 @@ def test_the_stages_search_one_plan_in_force_on_every_stage_from_the_windows_end
     assert first["part"] == sorted(whole.for_stage(stages[0]).layers) and last["part"] == sorted(whole.for_stage(stages[1]).layers)
     assert set(first["part"]) | set(last["part"]) == set(whole.layers) and not set(first["part"]) & set(last["part"])
     assert set(whole.layers) == set(ap.Plan.uniform(titan_llama(), "fp32", (token_batch(0)[0],)).layers)
-    # Within the memory budget, over the whole pipeline's bytes, and lowered to meet it.
-    assert whole.predicted["bytes"] <= whole.budgets["memory_bytes"] < whole.predicted["fp32_bytes"]
+    # Within the memory budget on each stage's device, 0.75 of that stage's FP32 bytes, and
+    # lowered to meet it.
+    held, allowed = whole.predicted["bytes_per_stage"], whole.budgets["memory_bytes_per_stage"]
+    assert set(held) == set(allowed) == {"stage 0", "stage 1"}
+    for stage in held:
+        assert held[stage] <= allowed[stage]
+    assert sum(held.values()) == pytest.approx(whole.predicted["bytes"]) and sum(allowed.values()) == whole.budgets["memory_bytes"]
     assert whole.budgets["memory_bytes"] == pytest.approx(0.75 * whole.predicted["fp32_bytes"])
     assert len(whole.format_counts()) > 1 and whole.format_counts().get("fp32", 0) < len(whole.layers)
     assert whole.metadata["pipeline_stages"] == WORLD
@@ -200,6 +205,6 @@ def test_the_planned_pipeline_trains_as_the_unsharded_model_under_its_plan(resul
 
 def test_a_budget_no_plan_meets_is_one_error_on_every_stage_which_keep_training_safe(results):
     first, last = results[0]["infeasible"], results[1]["infeasible"]
-    assert first["error"] == last["error"] and "memory budget" in first["error"] and "smallest" in first["error"]
+    assert first["error"] == last["error"] and "no plan meets the budgets: stage " in first["error"] and "over its memory budget" in first["error"]
     assert first["phases"][-1] == last["phases"][-1] == "safe" and first["whole"] is None
     assert all(len(step) == MICRO for step in last["losses"])

@@ -1,0 +1,131 @@
+"""A memory budget per device (`SearchSpace.parts`, `exact.k_best` with ``memory_bytes`` by part):
+a pipeline's stages each hold their own layers, so each stage's bytes must fit its own device.
+Against an enumeration of every plan (formats and recompute sets), the bytes of each part
+summed from the table and the Block specs directly; a budget no plan meets names the part."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from autoprec.errors import InfeasibleBudgetError, SearchError
+from autoprec.formats import Format
+from autoprec.search import Block, Choice, LayerRules, MemoryPart, SearchSpace, exact, k_best
+
+FORMATS = (Format.FP32, Format.BF16, Format.FP8_E4M3)
+STAGES = {"stage 0": ("blocks.0", "blocks.1"), "stage 1": ("blocks.2", "head")}
+FIXED = {"stage 0": 3e4, "stage 1": 7e4}  # each stage's bytes outside its layers
+
+
+def staged_space(seed, parts=True, rules=LayerRules()):
+    """Seven layers in three blocks of two and a head, split in two stages, each stage with fixed
+    bytes of its own: recomputing frees a random share of a layer's bytes."""
+    rng = np.random.default_rng(seed)
+    table, freed, forward = {}, {}, {}
+    for i in range(7):
+        name = f"blocks.{i // 2}.l{i % 2}" if i < 6 else "head"
+        size = rng.integers(1, 50) * 1e4
+        sensitivity = rng.lognormal(-6, 1.5)
+        table[name] = {f: Choice(size * f.bytes, size * 1e-9 * (f.bytes / 4 + rng.uniform(0, 0.3)),
+                                 0.0 if f is Format.FP32 else sensitivity * 8 / f.bits) for f in FORMATS}
+        if name != "head":
+            freed[name] = {f: table[name][f].bytes * rng.uniform(0.3, 0.9) for f in FORMATS}
+            forward[name] = {f: table[name][f].seconds * 0.3 for f in FORMATS}
+    blocks = [Block(b, {n: freed[n] for n in freed if n.startswith(b + ".")}, {n: forward[n] for n in forward if n.startswith(b + ".")},
+                    other_bytes=float(rng.integers(0, 20) * 1e3)) for b in ("blocks.0", "blocks.1", "blocks.2")]
+    members = {stage: frozenset(n for n in table if n.rsplit(".", 1)[0] in prefixes or n in prefixes) for stage, prefixes in STAGES.items()}
+    specs = [MemoryPart(stage, layers, FIXED[stage]) for stage, layers in members.items()] if parts else ()
+    return SearchSpace(table, fixed={f"{stage}: rest": Choice(b, 1e-5, 0.0) for stage, b in FIXED.items()}, blocks=blocks, parts=specs, rules=rules), members
+
+
+def held(space, members, assignment, recompute):
+    """Bytes per stage from the table and the Block specs directly (not `SearchSpace.part_bytes`)."""
+    formats = space.layer_formats(assignment)
+    out = dict(FIXED)
+    for stage, layers in members.items():
+        for fqn in layers:
+            out[stage] += space.units[[u.name for u in space.units].index(fqn)].choices[formats[fqn]].bytes
+        for block in space.blocks:
+            if block.name in recompute and set(block.layers) <= layers:
+                out[stage] -= block.other_bytes + sum(block.freed[n][formats[n]] for n in block.layers)
+    return out
+
+
+def every_plan(space):
+    names, blocks = [u.name for u in space.units], [b.name for b in space.blocks]
+    for combo in itertools.product(*[u.formats for u in space.units]):
+        assignment = dict(zip(names, combo))
+        for flags in itertools.product((False, True), repeat=len(blocks)):
+            yield assignment, frozenset(b for b, on in zip(blocks, flags) if on)
+
+
+@pytest.fixture
+def exact_solves(monkeypatch):
+    monkeypatch.setattr(exact, "MIP_GAP", 0.0)  # no gap: the enumeration's optimum exactly
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("fractions", [(0.12, 0.35), (0.2, 0.15), (0.3, 0.3)])  # the fastest plan (all FP8) holds about 0.25 of each
+def test_each_stage_keeps_within_its_own_budget_at_the_optimum_an_enumeration_finds(seed, fractions, exact_solves):
+    space, members = staged_space(seed)
+    fp32 = held(space, members, space.uniform(Format.FP32), ())
+    caps = {stage: share * fp32[stage] for stage, share in zip(STAGES, fractions)}
+    feasible = []
+    for assignment, recompute in every_plan(space):
+        per = held(space, members, assignment, recompute)
+        assert space.part_bytes(assignment, recompute) == pytest.approx(per, rel=1e-12)
+        if all(per[s] <= caps[s] for s in caps):
+            feasible.append(space.totals(assignment, recompute).seconds)
+    if not feasible:
+        with pytest.raises(InfeasibleBudgetError, match="over its memory budget"):
+            k_best(space, caps)
+        return
+    solution = k_best(space, caps)[0]
+    assert solution.total.seconds == pytest.approx(min(feasible), rel=1e-9)
+    per = held(space, members, solution.assignment, solution.recompute)
+    assert all(per[s] <= caps[s] * (1 + 1e-9) for s in caps)
+
+
+def test_one_budget_over_the_summed_bytes_would_overfill_a_stage(exact_solves):
+    """What the rows per stage change: with the caps summed into one budget, the optimum puts a
+    stage over its own device's (so the per-stage rows are what keeps it in)."""
+    overfilled = 0
+    for seed in range(5):
+        space, members = staged_space(seed)
+        fp32 = held(space, members, space.uniform(Format.FP32), ())
+        caps = {"stage 0": 0.12 * fp32["stage 0"], "stage 1": 0.35 * fp32["stage 1"]}
+        joint = k_best(space, sum(caps.values()))[0]
+        per = held(space, members, joint.assignment, joint.recompute)
+        overfilled += per["stage 0"] > caps["stage 0"] * (1 + 1e-9)
+        try:
+            apart = k_best(space, caps)[0]
+        except InfeasibleBudgetError as exc:  # stage 0 cannot get that low at all
+            assert "stage 0 holds at least" in str(exc)
+            continue
+        per = held(space, members, apart.assignment, apart.recompute)
+        assert all(per[s] <= caps[s] * (1 + 1e-9) for s in caps) and apart.total.seconds >= joint.total.seconds
+    assert overfilled >= 3
+
+
+def test_a_stage_whose_least_bytes_exceed_its_budget_is_named_with_the_fraction_every_stage_reaches():
+    space, members = staged_space(0)
+    fp32 = held(space, members, space.uniform(Format.FP32), ())
+    least = {s: min(held(space, members, a, r)[s] for a, r in every_plan(space)) for s in STAGES}
+    caps = {"stage 0": fp32["stage 0"], "stage 1": 0.5 * least["stage 1"]}
+    with pytest.raises(InfeasibleBudgetError) as info:
+        k_best(space, caps)
+    message = str(info.value)
+    assert message.startswith("no plan meets the budgets: stage 1 holds at least") and f"{least['stage 1']:,.0f} bytes" in message
+    assert "\n" not in message
+    # Restated as a fraction of the FP32 bytes: the largest share of its own FP32 bytes any stage needs.
+    total = sum(fp32.values())
+    assert info.value.recompute_floor / total == pytest.approx(max(least[s] / fp32[s] for s in STAGES), rel=1e-6)
+
+
+def test_parts_must_cover_every_layer_once_and_keep_groups_and_blocks_inside_one():
+    space, members = staged_space(0, parts=False)
+    table = {u.name: u.choices for u in space.units}
+    with pytest.raises(SearchError, match="every layer once"):
+        SearchSpace(table, parts=[MemoryPart("stage 0", members["stage 0"])])
+    with pytest.raises(SearchError, match="keep to one device"):
+        staged_space(0, rules=LayerRules(groups=[["blocks.1.l1", "blocks.2.l0"]]))
