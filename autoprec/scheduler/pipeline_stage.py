@@ -45,11 +45,13 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
+import torch
 import torch.nn as nn
 
 from ..distributed import settings_hash
 from ..errors import AutoprecError, DistributedError, InfeasibleBudgetError, RuntimeStateError, SearchError
 from ..plan import Plan
+from ..replica import is_sharded, plain_copy
 from .plan_keeper import needs_loss_scaling
 
 if TYPE_CHECKING:
@@ -80,6 +82,10 @@ class StagePlan:
         self.part: Optional[Plan] = None
         self.loss_scaling = False
         self.layers: tuple[str, ...] = ()  # a searching stage's: every stage's layers in stage order, from its first step
+        self.measures = True  # a searching stage's: this rank is the first holding its stage (the others' tables would repeat it)
+        # A searching stage's outputs' dtypes, as the window sent them (`_keep_wire`).
+        self._wire: tuple = ()
+        self._wire_hook: Any = None if whole is not None else stage.register_forward_hook(self._note_wire)
         if whole is not None:
             self.adopt(whole)
         self._losses = 0  # losses noted through pipeline_loss before the first step
@@ -101,9 +107,30 @@ class StagePlan:
 
     def adopt(self, whole: Plan) -> None:
         """Run ``whole`` (the whole pipeline's plan): this stage's part of it, loss scaling on
-        when any stage's part has an FP16 layer, so every stage unscales by the same scale."""
+        when any stage's part has an FP16 layer, so every stage unscales by the same scale. A
+        plan searched after the window keeps the stage's outputs in the dtypes the window sent
+        (`_keep_wire`)."""
         self.whole, self.part = whole, whole.for_stage(self.stage)
         self.loss_scaling = needs_loss_scaling(whole)
+        if self._wire_hook is not None:
+            self._wire_hook.remove()
+            self._wire_hook = self.stage.register_forward_hook(self._keep_wire) if self._wire else None
+
+    def _note_wire(self, module: nn.Module, args: Any, output: Any) -> None:
+        """While the stages search: the dtypes of the stage's floating outputs (one forward hook)."""
+        self._wire = tuple(t.dtype if torch.is_tensor(t) and t.is_floating_point() else None for t in _outputs(output))
+
+    def _keep_wire(self, module: nn.Module, args: Any, output: Any) -> Any:
+        """Once a searched plan runs: each floating output cast back to the dtype the window sent
+        (a plan may end a stage in BF16 where the window ended it in FP32). The pipeline took its
+        buffers' dtypes from the window's first step (shape inference): torch 2.11 refuses the
+        other dtype ("dtype mismatch"), and the next stage receives into those buffers. A cast
+        kernel per output that differs, per forward; nothing where the dtypes agree."""
+        outputs = _outputs(output)
+        if len(outputs) != len(self._wire) or all(t is None or not torch.is_tensor(t) or t.dtype == d for t, d in zip(outputs, self._wire)):
+            return None
+        cast = [t.to(d) if d is not None and torch.is_tensor(t) and t.dtype != d else t for t, d in zip(outputs, self._wire)]
+        return cast[0] if torch.is_tensor(output) else type(output)(cast)
 
     def agreed_layers(self, own: Sequence[str]) -> tuple[str, ...]:
         """The layers every rank's step flags cover, in one order: the whole plan's; a searching
@@ -115,8 +142,11 @@ class StagePlan:
         self._losses += 1
 
     def release(self) -> None:
-        """The scheduler closed: this stage no longer counts as one this process runs."""
+        """The scheduler closed: this stage no longer counts as one this process runs, its hooks removed."""
         _LIVE.discard(self)
+        if self._wire_hook is not None:
+            self._wire_hook.remove()
+            self._wire_hook = None
 
     def check_first_step(self, agreement: "Optional[RankAgreement]", config: "SchedulerConfig", own: Sequence[str]) -> None:
         """At the first ``step()``, on every stage, the same answer on every rank (module
@@ -141,6 +171,7 @@ class StagePlan:
             self.layers = tuple(dict.fromkeys(fqn for r in order for fqn in ranks[r][3]))
             if agreement is not None:
                 agreement.hold_layers(self.stage, self.layers)
+                self.measures = agreement.rank == min(r for r in range(len(ranks)) if set(ranks[r][3]) == set(names))
         if agreement is not None:  # data-parallel copies of a stage hold its layers alike
             agreement.set_stages(len(ranks) // len({frozenset(names) for _, _, _, names, _ in ranks}))
         self._checked = True
@@ -156,33 +187,43 @@ class StagePlan:
 
         planning = config.planning
 
-        def measure() -> "StageTable":
+        def measure() -> "Optional[StageTable]":
+            # A sharded stage (FSDP2, tensor parallel) is measured whole, on a copy every rank
+            # holding it gathers, by the first of them; its data-parallel copies measure nothing.
+            whole = plain_copy(model, keep=self.measures) if is_sharded(model) else model if self.measures else None
+            if whole is None:
+                return None
             if not captured:
                 raise SearchError("no gradient reached the stage's output in the window's captured steps")
-            return measure_stage(model, captured[-1][0], captured, LinearisedLoss(), profile, planning, index=self.index or 0,
-                                 fingerprint=fingerprint, recompute=config.recompute, loss=baseline_loss)
+            return measure_stage(whole, captured[-1][0], captured, LinearisedLoss(), profile, planning, index=self.index or 0,
+                                 fingerprint=fingerprint, recompute=config.recompute)
 
-        def plan_of(tables: "list[StageTable]") -> Plan:
-            return joint_plan(tables, planning, device=next(model.parameters()).device, source="scheduler: ", metadata={"source": "scheduler", "step": step})
+        def plan_of(tables: "list[StageTable]", baseline: Optional[float]) -> Plan:
+            return joint_plan(tables, planning, baseline_loss=baseline, device=next(model.parameters()).device, source="scheduler: ",
+                              metadata={"source": "scheduler", "step": step})
 
-        return self.search(agreement, measure, plan_of)
+        return self.search(agreement, measure, baseline_loss, plan_of)
 
-    def search(self, agreement: "Optional[RankAgreement]", measure: "Callable[[], StageTable]", plan_of: "Callable[[list[StageTable]], Plan]") -> Plan:
-        """The stages' joint plan, adopted (`search.stages`): every rank ``measure`` s its stage,
-        the tables are gathered, rank 0 makes the plan of them (``plan_of``) and sends it; every
-        rank raises the same error when a stage's measurement or the plan fails (a
-        `InfeasibleBudgetError` stays one). Returns this stage's part of the plan. One ``all_gather_object`` of the tables (a few KiB
-        per layer) and one ``broadcast_object_list`` of the plan's JSON."""
+    def search(self, agreement: "Optional[RankAgreement]", measure: "Callable[[], Optional[StageTable]]", loss: Optional[float],
+               plan_of: "Callable[[list[StageTable], Optional[float]], Plan]") -> Plan:
+        """The stages' joint plan, adopted (`search.stages`): every rank ``measure`` s its stage
+        (None: a rank whose stage another rank measures), the tables are gathered with each
+        rank's window ``loss`` (None on a stage without it), rank 0 makes the plan of them and
+        the losses' mean (``plan_of``) and sends it; every rank raises the same error when a
+        stage's measurement or the plan fails (an `InfeasibleBudgetError` stays one). Returns
+        this stage's part of the plan. One ``all_gather_object`` of the tables (a few KiB per
+        layer) and one ``broadcast_object_list`` of the plan's JSON."""
         try:
-            mine: "tuple[Optional[StageTable], Optional[str]]" = (measure(), None)
+            mine: "tuple[Optional[StageTable], Optional[str], Optional[float]]" = (measure(), None, loss)
         except AutoprecError as exc:  # sent, not raised: the other stages wait in the gather
-            mine = (None, f"pipeline stage {self.index}: {exc}")
+            mine = (None, f"pipeline stage {self.index}: {exc}", loss)
         gathered = agreement.gather(mine) if agreement is not None else [mine]
-        failed = [error for _, error in gathered if error is not None]
+        failed = [error for _, error, _ in gathered if error is not None]
+        losses = [value for _, _, value in gathered if value is not None]
         outcome: Any = {"error": failed[0], "floors": None} if failed else None
         if outcome is None and (agreement is None or agreement.rank == 0):
             try:
-                outcome = plan_of([table for table, _ in gathered if table is not None]).to_dict()
+                outcome = plan_of([table for table, _, _ in gathered if table is not None], sum(losses) / len(losses) if losses else None).to_dict()
             except InfeasibleBudgetError as exc:  # the budgets no plan meets: not searched again
                 outcome = {"error": str(exc), "floors": (exc.min_bytes, exc.min_loss)}
             except AutoprecError as exc:
@@ -196,6 +237,11 @@ class StagePlan:
         self.adopt(Plan.from_dict(outcome))
         assert self.part is not None
         return self.part
+
+
+def _outputs(output: Any) -> tuple:
+    """A stage's outputs as the pipeline sends them: a tensor alone, or a tuple or list of them."""
+    return (output,) if torch.is_tensor(output) else tuple(output) if isinstance(output, (tuple, list)) else ()
 
 
 def _check_stages(ranks: list, whole: Optional[Plan]) -> None:

@@ -41,18 +41,16 @@ __all__ = ["StageTable", "measure_stage", "joint_plan"]
 
 @dataclasses.dataclass(frozen=True)
 class StageTable:
-    """What one stage measured: its ``index`` in the pipeline, its layers' `LayerTable`, its
-    layers as the scheduler bound them (``fingerprint``) and, on a stage that computes the loss,
-    the window's mean ``loss`` (None elsewhere)."""
+    """What one stage measured: its ``index`` in the pipeline, its layers' `LayerTable` and its
+    layers as the scheduler bound them (``fingerprint``)."""
 
     index: int
     table: LayerTable
     fingerprint: Mapping[str, LayerInfo]
-    loss: Optional[float] = None
 
 
 def measure_stage(stage: nn.Module, call: Any, batches: Sequence[Any], loss_fn: Any, profile: Any, planning: Planning, *, index: int,
-                  fingerprint: Mapping[str, LayerInfo], recompute: "Sequence[str] | None", loss: Optional[float]) -> StageTable:
+                  fingerprint: Mapping[str, LayerInfo], recompute: "Sequence[str] | None") -> StageTable:
     """``stage``'s table (module docstring): ``call`` its captured call, ``batches`` /
     ``loss_fn`` what its sensitivity differentiates (the last captured call and its output
     gradient, `LinearisedLoss`), ``profile`` its window's (formats it saw overflow are out),
@@ -63,14 +61,16 @@ def measure_stage(stage: nn.Module, call: Any, batches: Sequence[Any], loss_fn: 
     costs, sensitivity = measure_parts(stage, call, batches[-1:], loss_fn, planning, cost_loss_fn=lambda m, _: loss_fn(m, batches[-1]).mean(), blocks=blocks)
     table = drain(table_steps(costs, sensitivity, profile, formats=planning.formats, rules=planning.rules, precisions=planning.precisions(),
                               limits=planning.limits))
-    return StageTable(index, table, dict(fingerprint), loss)
+    return StageTable(index, table, dict(fingerprint))
 
 
-def joint_plan(stages: Sequence[StageTable], planning: Planning, *, device: Any, source: str, metadata: Mapping[str, Any]) -> Plan:
+def joint_plan(stages: Sequence[StageTable], planning: Planning, *, baseline_loss: Optional[float], device: Any, source: str,
+               metadata: Mapping[str, Any]) -> Plan:
     """The plan of every stage's layers (module docstring): ``stages`` as each rank sent them
     (data-parallel copies of a stage send the same index; the first is taken), joined in stage
     order; the budgets are ``planning.budgets``, its memory budget per stage (`MemoryPart`) and
-    its accuracy budget over the whole pipeline, relative to the mean loss of the stages that saw it. Raises `InfeasibleBudgetError` (prefixed with ``source``) stating the
+    its accuracy budget over the whole pipeline, relative to ``baseline_loss`` (the window's mean
+    loss, which the last stage saw). Raises `InfeasibleBudgetError` (prefixed with ``source``) stating the
     smallest budgets the pipeline reaches."""
     distinct = {s.index: s for s in reversed(stages)}  # the first rank's copy of each stage
     ordered = [distinct[i] for i in sorted(distinct)]
@@ -81,8 +81,7 @@ def joint_plan(stages: Sequence[StageTable], planning: Planning, *, device: Any,
     parts = [MemoryPart(f"stage {s.index}", frozenset(s.table.rows), sum(c.bytes for c in s.table.fixed.values()), s.table.fp32_bytes) for s in ordered]
     space = SearchSpace(rows, min_precision=planning.min_precision, max_precision=planning.max_precision, rules=planning.rules, device=device,
                         fixed=fixed, blocks=[b for s in ordered for b in s.table.blocks], fp32_bytes=fp32_bytes, parts=parts)
-    losses = [s.loss for s in ordered if s.loss is not None]
-    baseline = sum(losses) / len(losses) if losses else None
+    baseline = baseline_loss
     budgets = planning.budgets
     memory = {part.name: budgets.memory_bytes(float(part.fp32_bytes or 0.0)) for part in parts}
     loss_budget = budgets.loss_increase(baseline)

@@ -203,6 +203,69 @@ def test_the_planned_pipeline_trains_as_the_unsharded_model_under_its_plan(resul
     assert fp32_on[:WINDOW] == losses[:WINDOW] and all(a != b for a, b in zip(fp32_on[WINDOW:], losses[WINDOW:]))
 
 
+def four_ranks(rank):
+    """On 4 ranks: 4 stages, one block each (GPipe); then 2 stages, each fully sharded (FSDP2) over
+    2 data-parallel ranks as torchtitan composes them (1F1B, the ``("pp", "dp")`` mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    out = {}
+    for case, stages, dp_size in (("4 stages", 4, 1), ("2 stages x FSDP2 2", 2, 2)):
+        mesh = init_device_mesh("cpu", (stages, dp_size), mesh_dim_names=("pp", "dp"))
+        pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+        model = pipeline_stage(titan_llama(), pp, stages)
+        if dp_size > 1:
+            for module in (*model.layers.values(), model):
+                fully_shard(module, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=None))
+        scheduler = ap.DynamicPrecisionScheduler(model, **SETTINGS)
+        schedule_cls = ScheduleGPipe if dp_size == 1 else Schedule1F1B
+        schedule = schedule_cls(PipelineStage(model, pp, stages, torch.device("cpu"), group=mesh["pp"].get_group()), n_microbatches=MICRO,
+                                loss_fn=scheduler.pipeline_loss(token_loss))
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        losses, phases = [], []
+        for step in range(STEPS):
+            x, y = token_batch(step, dp, dp_size)
+            got: list = []
+            with scheduler.precision_context():
+                if pp == 0:
+                    schedule.step(x.contiguous())
+                elif pp == stages - 1:
+                    schedule.step(target=y.contiguous(), losses=got)
+                else:
+                    schedule.step()
+            scheduler.step(opt)
+            opt.zero_grad(set_to_none=True)
+            losses.append([float(v) for v in got])
+            phases.append(scheduler.phase)
+        out[case] = {"losses": losses, "phases": phases, "whole": scheduler.searched_plan.to_dict(), "part": sorted(scheduler.plan.layers),
+                     "last": pp == stages - 1}
+        scheduler.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def on_four(tmp_path_factory):
+    return run(four_ranks, tmp_path_factory.mktemp("pp_search_4"), world=4, timeout=datetime.timedelta(seconds=300))
+
+
+@pytest.mark.parametrize("case", ["4 stages", "2 stages x FSDP2 2"])
+def test_on_four_ranks_every_stage_and_data_parallel_copy_holds_one_plan(on_four, case):
+    ranks = [r[case] for r in on_four]
+    whole = ap.Plan.from_dict(ranks[0]["whole"])
+    assert all(r["whole"] == ranks[0]["whole"] for r in ranks)
+    assert all(r["phases"] == ["profiling"] * (WINDOW - 1) + ["planned"] * (STEPS - WINDOW + 1) for r in ranks)
+    assert set().union(*(r["part"] for r in ranks)) == set(whole.layers) and len(whole.format_counts()) > 1
+    held, allowed = whole.predicted["bytes_per_stage"], whole.budgets["memory_bytes_per_stage"]
+    assert len(held) == (4 if case == "4 stages" else 2) and all(held[s] <= allowed[s] for s in held)
+    # The baseline: every micro-batch loss of the window, on every data-parallel copy of the last stage.
+    window = [v for r in ranks if r["last"] for step in r["losses"][:WINDOW] for v in step]
+    assert len(window) == WINDOW * MICRO * (1 if case == "4 stages" else 2)
+    assert whole.budgets["baseline_loss"] == pytest.approx(sum(window) / len(window), rel=1e-6)
+    if case == "4 stages":  # bit for bit the unsharded model under the plan, as on 2 stages
+        assert ranks[-1]["losses"] == unsharded(whole)[0]
+
+
 def test_a_budget_no_plan_meets_is_one_error_on_every_stage_which_keep_training_safe(results):
     first, last = results[0]["infeasible"], results[1]["infeasible"]
     assert first["error"] == last["error"] and "no plan meets the budgets: stage " in first["error"] and "over its memory budget" in first["error"]
