@@ -42,9 +42,11 @@ def find_blocks(model: nn.Module, layers: Iterable[str], patterns: "Sequence[str
     """The recompute units of ``model`` holding at least one of ``layers`` (fqns, e.g. a plan's),
     outermost first in model order; no block lies inside another.
 
-    Without ``patterns``: the children of an ``nn.ModuleList`` / ``nn.Sequential`` whose class
-    occurs at least twice among that container's children and that hold a layer strictly inside
-    (``blocks.0``, ``blocks.1`` of a GPT; ``bert.encoder.layer.0`` of BERT); the search does not
+    Without ``patterns``: the children of an ``nn.ModuleList`` / ``nn.Sequential`` /
+    ``nn.ModuleDict`` whose class occurs at least twice among that container's children and that
+    hold a layer strictly inside (``blocks.0``, ``blocks.1`` of a GPT; ``bert.encoder.layer.0`` of
+    BERT; ``layers.0`` of torchtitan's Llama, whose blocks are a ``ModuleDict`` so a pipeline
+    split keeps their names); the search does not
     descend into a block found. A container's lone or layer-only children (an MLP's two
     ``nn.Linear`` in a ``Sequential``) are not blocks: recomputing one layer saves nothing.
 
@@ -74,7 +76,7 @@ def find_blocks(model: nn.Module, layers: Iterable[str], patterns: "Sequence[str
     if patterns is None:
         found: list[str] = []
         for fqn, module in modules.items():
-            if not isinstance(module, (nn.ModuleList, nn.Sequential)) or any(_inside(fqn, b) or fqn == b for b in found):
+            if not isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) or any(_inside(fqn, b) or fqn == b for b in found):
                 continue
             children = list(module.named_children())
             repeated = Counter(type(child) for _, child in children)

@@ -45,6 +45,19 @@ def test_hugging_face_bert_layers_are_found_from_a_config():
     assert ap.find_blocks(model, layers) == ("bert.encoder.layer.0", "bert.encoder.layer.1", "bert.encoder.layer.2")
 
 
+def test_torchtitans_blocks_in_a_module_dict_are_found_and_keep_their_names_in_a_pipeline_stage():
+    """torchtitan keeps a Llama's blocks in an ``nn.ModuleDict`` (a pipeline split deletes some
+    and the rest keep their names): before, no block was found there, so its models were never
+    searched for recomputation."""
+    from support.titan_llama import pipeline_stage, titan_llama, token_batch
+
+    model = titan_llama()
+    layers = ap.Plan.uniform(model, "bf16", (token_batch(0)[0],)).layers
+    assert ap.find_blocks(model, layers) == ("layers.0", "layers.1", "layers.2", "layers.3")
+    stage = pipeline_stage(model, 1, 2)
+    assert ap.find_blocks(stage, [fqn for fqn in layers if fqn.startswith(("layers.2.", "layers.3."))]) == ("layers.2", "layers.3")
+
+
 def test_a_sequential_of_single_layers_has_no_block():
     """Recomputing one linear layer saves nothing: its own input is all it keeps."""
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))

@@ -82,7 +82,7 @@ class SchedulerConfig:
     ``recompute``: which blocks the search may recompute (activation checkpointing, chosen
     together with the formats where it meets a memory budget faster than narrower formats do):
     None (the default) finds them as the offline search does (`autoprec.blocks.find_blocks`: the
-    repeated children of a ``ModuleList`` / ``Sequential``, the transformer blocks), fnmatch
+    repeated children of a ``ModuleList`` / ``Sequential`` / ``ModuleDict``, the transformer blocks), fnmatch
     patterns name them (e.g. ``["blocks.*"]``, checked against the model when the scheduler
     binds), ``[]`` turns recomputation off (formats only). Costs the search two forwards per
     block on its snapshot, and the blocks' forwards timed in probe steps.

@@ -532,7 +532,10 @@ def test_fsdp2_blocks_with_recomputation_reach_one_plan_on_every_rank(tmp_path, 
     results = run(fsdp_blocks_search_scenario, tmp_path, world=world)
     first = results[0]
     assert first["error"] is None and first["planned"] == 3, first["error"]
-    assert any(layer["format"] != "fp32" for layer in first["plan"]["layers"].values())
+    # The blocks are searched for recomputation (torchtitan's ModuleDict: before, none was found,
+    # so this test ran formats only); the budget is met by formats, recomputation or both.
+    assert set(first["plan"]["blocks"]) == {f"layers.{i}" for i in range(4)}
+    assert any(layer["format"] != "fp32" for layer in first["plan"]["layers"].values()) or any(first["plan"]["blocks"].values())
     for result in results[1:]:
         assert result["plan"] == first["plan"] and result["phase"] == "planned"
         assert [s[1] for s in result["steps"]] == [s[1] for s in first["steps"]]  # every skip agreed
