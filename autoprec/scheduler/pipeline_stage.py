@@ -52,11 +52,12 @@ from ..distributed import settings_hash
 from ..errors import AutoprecError, DistributedError, InfeasibleBudgetError, RuntimeStateError, SearchError
 from ..plan import Plan
 from ..replica import is_sharded, plain_copy
+from ..search.stages import StageTable, joint_plan, measure_stage
+from ..sensitivity.capture import LinearisedLoss
 from .plan_keeper import needs_loss_scaling
 
 if TYPE_CHECKING:
     from ..distributed import RankAgreement
-    from ..search.stages import StageTable
     from .config import SchedulerConfig
 
 __all__ = ["LOSS_REFUSAL", "StagePlan"]
@@ -182,9 +183,6 @@ class StagePlan:
         its last ``captured`` call and output gradient (`measure_stage`, ``profile``: the
         stage's own window; ``baseline_loss``: its window's mean loss, None on a stage without
         the loss), the plan made by `joint_plan` under ``config``'s budgets."""
-        from ..search.stages import joint_plan, measure_stage
-        from ..sensitivity.capture import LinearisedLoss
-
         planning = config.planning
 
         def measure() -> "Optional[StageTable]":
@@ -215,8 +213,8 @@ class StagePlan:
         layer) and one ``broadcast_object_list`` of the plan's JSON."""
         try:
             mine: "tuple[Optional[StageTable], Optional[str], Optional[float]]" = (measure(), None, loss)
-        except AutoprecError as exc:  # sent, not raised: the other stages wait in the gather
-            mine = (None, f"pipeline stage {self.index}: {exc}", loss)
+        except Exception as exc:  # sent, not raised: the other stages wait in the gather (a model's own error too)
+            mine = (None, f"pipeline stage {self.index}: {exc if isinstance(exc, AutoprecError) else f'{type(exc).__name__}: {exc}'}", loss)
         gathered = agreement.gather(mine) if agreement is not None else [mine]
         failed = [error for _, error, _ in gathered if error is not None]
         losses = [value for _, _, value in gathered if value is not None]
