@@ -342,13 +342,14 @@ def test_the_searchs_copy_of_a_tensor_parallel_model_is_the_unsharded_model(tmp_
 RUNS_SHARDED = {"fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"}
 
 
-def loop_scenario(rank, sequence_parallel, data_parallel=False, pin=None):
+def loop_scenario(rank, sequence_parallel, data_parallel=False, pin=None, tp=WORLD):
     """The README's loop as a new user writes it around torchtitan's tensor-parallel Llama (the
     scheduler binds at the first context): a profile window, the search over training steps, then
     the plan in force for 3 steps. Every rank feeds the same batch (one TP group); with
     ``data_parallel``, a 2 x 2 mesh as torchtitan composes it: TP over "tp", each block and the
     root under FSDP2 over "dp", each "dp" rank its own rows of the batch. ``pin``: layer pattern ->
-    format (`LayerRules.pin`), the search's other layers free."""
+    format (`LayerRules.pin`), the search's other layers free. ``tp``: the TP group's size (4:
+    a Llama with 4 key-value heads, one per rank)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor, Shard
@@ -360,7 +361,7 @@ def loop_scenario(rank, sequence_parallel, data_parallel=False, pin=None):
             fully_shard(module, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=None))
         rows = (mesh["dp"].get_local_rank(), 2)
     else:
-        model = parallelize(titan_llama(), init_device_mesh("cpu", (WORLD,)), sequence_parallel=sequence_parallel)
+        model = parallelize(titan_llama(**LLAMA_FOR[tp]), init_device_mesh("cpu", (tp,)), sequence_parallel=sequence_parallel)
         rows = (0, 1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     # memory_budget holds per rank, against the rank's own FP32 step; the replicated FP32 norms,
@@ -440,20 +441,24 @@ def _unsharded(states):
     return whole
 
 
+# The Llama a TP group of each size shards: its key-value heads split over the ranks.
+LLAMA_FOR = {2: {}, 4: {"n_kv_heads": 4}}
+
 # The row-wise projections in calibrated INT8 whatever the search would choose: their ranks each
 # calibrate a slice of the input (CI failed on a run whose search chose it for one).
 ROW_WISE_INT8 = {"*.wo": "int8", "*.w2": "int8"}
 
 
-@pytest.mark.parametrize("sequence_parallel, data_parallel, pin", [(False, False, None), (True, False, None), (False, False, ROW_WISE_INT8),
-                                                                   pytest.param(False, True, None, marks=pytest.mark.slow)],
-                         ids=["tp", "tp-sp", "tp-row-wise-int8", "fsdp2xtp"])
-def test_the_seeds_loop_reaches_one_plan_under_tensor_parallelism(tmp_path, sequence_parallel, data_parallel, pin):
+@pytest.mark.parametrize("sequence_parallel, data_parallel, pin, tp", [(False, False, None, 2), (True, False, None, 2), (False, False, ROW_WISE_INT8, 2),
+                                                                       pytest.param(False, True, None, 2, marks=pytest.mark.slow),
+                                                                       pytest.param(False, False, None, 4, marks=pytest.mark.slow)],
+                         ids=["tp", "tp-sp", "tp-row-wise-int8", "fsdp2xtp", "tp4"])
+def test_the_seeds_loop_reaches_one_plan_under_tensor_parallelism(tmp_path, sequence_parallel, data_parallel, pin, tp):
     # Before: the first step's unscale failed (a fused call mixing DTensor gradients with the
     # norms' plain ones), then the window's metering (a DTensor has no storage), the search's copy
     # (TP's hooks on whole weights), and the probe steps (INT8 on a sharded weight). FSDP2 x TP:
     # 4 ranks, the scheduler's agreements over all of them.
-    results = run(loop_scenario, tmp_path, sequence_parallel, data_parallel, pin, world=4 if data_parallel else WORLD)
+    results = run(loop_scenario, tmp_path, sequence_parallel, data_parallel, pin, tp, world=4 if data_parallel else tp)
     first = results[0]
     assert first["error"] is None and first["planned"] == 3, first["error"]
     assert len(first["sharded"]) == 4 * 7 + 1  # every block's projections and the head
@@ -480,7 +485,7 @@ def test_the_seeds_loop_reaches_one_plan_under_tensor_parallelism(tmp_path, sequ
         # The last planned step's loss is the unsharded model's under the same plan, from the same
         # weights and runtime state (INT8 scales), within the plan's own rounding of the sharded sums.
         before = first["before_last"]
-        model = titan_llama()
+        model = titan_llama(**LLAMA_FOR[tp])
         model.load_state_dict(before["params"])
         runtime = ap.apply_plan(model, ap.Plan.from_dict(first["plan"]))
         if before["runtime"] is not None:
