@@ -188,12 +188,12 @@ class StagePlan:
         def measure() -> "Optional[StageTable]":
             # A sharded stage (FSDP2, tensor parallel) is measured whole, on a copy every rank
             # holding it gathers, by the first of them; its data-parallel copies measure nothing.
-            whole = plain_copy(model, keep=self.measures) if is_sharded(model) else model if self.measures else None
-            if whole is None:
+            measured = plain_copy(model, keep=self.measures) if is_sharded(model) else model if self.measures else None
+            if measured is None:
                 return None
             if not captured:
                 raise SearchError("no gradient reached the stage's output in the window's captured steps")
-            return measure_stage(whole, captured[-1][0], captured, LinearisedLoss(), profile, planning, index=self.index or 0,
+            return measure_stage(measured, captured[-1][0], captured, LinearisedLoss(), profile, planning, index=self.index or 0,
                                  fingerprint=fingerprint, recompute=config.recompute)
 
         def plan_of(tables: "list[StageTable]", baseline: Optional[float]) -> Plan:
@@ -214,7 +214,7 @@ class StagePlan:
         try:
             mine: "tuple[Optional[StageTable], Optional[str], Optional[float]]" = (measure(), None, loss)
         except Exception as exc:  # sent, not raised: the other stages wait in the gather (a model's own error too)
-            mine = (None, f"pipeline stage {self.index}: {exc if isinstance(exc, AutoprecError) else f'{type(exc).__name__}: {exc}'}", loss)
+            mine = (None, f"pipeline stage {self.index}: {_said(exc)}", loss)
         gathered = agreement.gather(mine) if agreement is not None else [mine]
         failed = [error for _, error, _ in gathered if error is not None]
         losses = [value for _, _, value in gathered if value is not None]
@@ -224,8 +224,8 @@ class StagePlan:
                 outcome = plan_of([table for table, _, _ in gathered if table is not None], sum(losses) / len(losses) if losses else None).to_dict()
             except InfeasibleBudgetError as exc:  # the budgets no plan meets: not searched again
                 outcome = {"error": str(exc), "floors": (exc.min_bytes, exc.min_loss)}
-            except AutoprecError as exc:
-                outcome = {"error": str(exc), "floors": None}
+            except Exception as exc:  # sent, not raised: the other ranks wait for the plan
+                outcome = {"error": _said(exc), "floors": None}
         if agreement is not None and not failed:
             outcome = agreement.share(outcome)
         if "error" in outcome:
@@ -235,6 +235,11 @@ class StagePlan:
         self.adopt(Plan.from_dict(outcome))
         assert self.part is not None
         return self.part
+
+
+def _said(exc: Exception) -> str:
+    """An error in one line's words: autoprec's own message, another's with its type."""
+    return str(exc) if isinstance(exc, AutoprecError) else f"{type(exc).__name__}: {exc}"
 
 
 def _outputs(output: Any) -> tuple:
