@@ -106,16 +106,18 @@ class StagePlan:
         """No plan yet: the stages search one together (`search.stages`)."""
         return self.whole is None
 
-    def adopt(self, whole: Plan) -> None:
-        """Run ``whole`` (the whole pipeline's plan): this stage's part of it, loss scaling on
-        when any stage's part has an FP16 layer, so every stage unscales by the same scale. A
-        plan searched after the window keeps the stage's outputs in the dtypes the window sent
-        (`_keep_wire`)."""
-        self.whole, self.part = whole, whole.for_stage(self.stage)
+    def adopt(self, whole: Plan) -> Plan:
+        """Run ``whole`` (the whole pipeline's plan): this stage's part of it (returned), loss
+        scaling on when any stage's part has an FP16 layer, so every stage unscales by the same
+        scale. A plan searched after the window keeps the stage's outputs in the dtypes the
+        window sent (`_keep_wire`)."""
+        part = whole.for_stage(self.stage)
+        self.whole, self.part = whole, part
         self.loss_scaling = needs_loss_scaling(whole)
         if self._wire_hook is not None:
             self._wire_hook.remove()
             self._wire_hook = self.stage.register_forward_hook(self._keep_wire) if self._wire else None
+        return part
 
     def _note_wire(self, module: nn.Module, args: Any, output: Any) -> None:
         """While the stages search: the dtypes of the stage's floating outputs (one forward hook)."""
@@ -232,9 +234,7 @@ class StagePlan:
             if outcome["floors"] is not None:
                 raise InfeasibleBudgetError(outcome["error"], *outcome["floors"])
             raise SearchError(outcome["error"])
-        self.adopt(Plan.from_dict(outcome))
-        assert self.part is not None
-        return self.part
+        return self.adopt(Plan.from_dict(outcome))
 
 
 def _said(exc: Exception) -> str:

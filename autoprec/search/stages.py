@@ -81,14 +81,13 @@ def joint_plan(stages: Sequence[StageTable], planning: Planning, *, baseline_los
     parts = [MemoryPart(f"stage {s.index}", frozenset(s.table.rows), sum(c.bytes for c in s.table.fixed.values()), s.table.fp32_bytes) for s in ordered]
     space = SearchSpace(rows, min_precision=planning.min_precision, max_precision=planning.max_precision, rules=planning.rules, device=device,
                         fixed=fixed, blocks=[b for s in ordered for b in s.table.blocks], fp32_bytes=fp32_bytes, parts=parts)
-    baseline = baseline_loss
     budgets = planning.budgets
     memory = {part.name: budgets.memory_bytes(float(part.fp32_bytes or 0.0)) for part in parts}
-    loss_budget = budgets.loss_increase(baseline)
+    loss_budget = budgets.loss_increase(baseline_loss)
     try:
         solution = k_best(space, memory, loss_budget, 1, time_limit=planning.time_limit)[0]
     except InfeasibleBudgetError as exc:
-        raise in_budget_terms(exc, fp32_bytes, baseline if budgets.accuracy_relative else None, source) from None
+        raise in_budget_terms(exc, fp32_bytes, baseline_loss if budgets.accuracy_relative else None, source) from None
     ruled_out = {fqn: why for s in ordered for fqn, why in s.table.ruled_out.items()}
     reasons = layer_reasons(space, solution.assignment, planning.rules, ruled_out)
     formats = space.layer_formats(solution.assignment)
@@ -106,7 +105,7 @@ def joint_plan(stages: Sequence[StageTable], planning: Planning, *, baseline_los
                  "fp32_bytes": fp32_bytes, "fp32_seconds": None if uniform is None else space.totals(uniform).seconds, "layers": per_layer,
                  "bytes_per_stage": space.part_bytes(solution.assignment, solution.recompute)}
     budgets_meta = {"memory": budgets.memory, "memory_bytes": sum(memory.values()), "memory_bytes_per_stage": memory, "accuracy": budgets.accuracy, "accuracy_relative": budgets.accuracy_relative,
-                    "loss_increase": loss_budget, "baseline_loss": baseline}
+                    "loss_increase": loss_budget, "baseline_loss": baseline_loss}
     meta = {**metadata, "pipeline_stages": len(ordered)}
     if space.blocks:
         meta["recompute_reasons"] = block_reasons(space, solution)
