@@ -77,6 +77,32 @@ class WatchReport:
     steps: int
     layers: Mapping[str, Mapping[str, TensorWatch]]
 
+    @classmethod
+    def joined(cls, reports: "Sequence[Optional[WatchReport]]") -> "Optional[WatchReport]":
+        """One report of several ranks' (None: a rank that sampled nothing): the pipeline
+        stages' each watch their own layers. A (layer, kind) two ranks watched (data-parallel
+        copies of a stage) is their pooled sample: fractions weighted by the elements each
+        sampled, per-step amaxes maxed, non-finite steps the most either saw. None when no
+        rank sampled a step. Python over the reports' entries, no tensors."""
+        present = [r for r in reports if r is not None]
+        if not present:
+            return None
+        pooled: dict[str, dict[str, TensorWatch]] = {}
+        for report in present:
+            for fqn, kinds in report.layers.items():
+                into = pooled.setdefault(fqn, {})
+                for kind, tw in kinds.items():
+                    into[kind] = tw if kind not in into else _pooled(into[kind], tw)
+        return cls(max(r.steps for r in present), pooled)
+
+
+def _pooled(a: TensorWatch, b: TensorWatch) -> TensorWatch:
+    """Two ranks' watch of one (layer, kind): `WatchReport.joined`."""
+    sampled = a.sampled + b.sampled
+    share = (lambda x, y: (x * a.sampled + y * b.sampled) / sampled) if sampled else (lambda x, y: max(x, y))
+    amax = tuple(max(x, y) for x, y in zip(a.amax, b.amax)) if len(a.amax) == len(b.amax) else a.amax
+    return TensorWatch(a.fmt, a.scaling, sampled, share(a.overflow, b.overflow), share(a.underflow, b.underflow), amax, max(a.nonfinite_steps, b.nonfinite_steps))
+
 
 @dataclasses.dataclass(frozen=True)
 class _Row:

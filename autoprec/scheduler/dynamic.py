@@ -180,14 +180,14 @@ class DynamicPrecisionScheduler:
 
     @property
     def plan(self) -> Optional[Plan]:
-        """The plan in force (None while the first window profiles and the search runs)."""
+        """The plan in force (None while the first window profiles and the search runs); on a
+        pipeline stage the whole pipeline's, of which the stage runs ``plan.for_stage(stage_module)``."""
         return self._plans.plan
 
     @property
     def searched_plan(self) -> Optional[Plan]:
-        """The first plan searched (or given), before any promotion or demotion; on a pipeline
-        stage the whole pipeline's, searched or given (the stage runs its part: `plan`)."""
-        return self._stage.whole if self._stage is not None and self._stage.whole is not None else self._plans.searched_plan
+        """The first plan searched (or given), before any promotion or demotion."""
+        return self._plans.searched_plan
 
     @property
     def changes(self) -> list[PrecisionChange]:
@@ -278,10 +278,9 @@ class DynamicPrecisionScheduler:
 
     def pipeline_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         """``loss_fn`` (``(output, target) -> loss``) for a ``torch.distributed.pipelining``
-        schedule whose stages run a fixed plan (`from_plan`, `pipeline_stage`): each micro-batch's
-        loss recorded as `scale` records it, its gradient times the loss scale every stage
-        unscales by, its value unchanged (the schedule's ``losses`` are the true losses). No sync:
-        ``ScheduleGPipe(stage, n, loss_fn=scheduler.pipeline_loss(loss_fn))``."""
+        schedule (`pipeline_stage`): each micro-batch's loss recorded as `scale` records it, its
+        gradient times the loss scale every stage unscales by, its value unchanged (the schedule's
+        ``losses`` are the true losses). No sync: ``ScheduleGPipe(stage, n, loss_fn=scheduler.pipeline_loss(loss_fn))``."""
         def loss_in_schedule(output: Any, target: Any) -> torch.Tensor:
             if pipelining.in_metadata_inference(sys._getframe()):  # torch 2.13's backward inference: no training loss
                 return loss_fn(output, target)
@@ -347,13 +346,13 @@ class DynamicPrecisionScheduler:
 
         Raises:
             RuntimeStateError: no optimizer given, called inside `reusing_weights`, before any
-                forward, after a forward whose backward has not run; on a pipeline stage,
-                ``from_plan(..., dynamic=True)`` or a first step where no stage's loss went through `pipeline_loss`.
+                forward, after a forward whose backward has not run; on a pipeline stage, a first
+                step where no stage's loss went through `pipeline_loss`.
             DistributedError: at a pipeline stage's first step, stages that do not make one
                 pipeline (`pipeline_stage`: other plans, layers, several stages on a rank).
         """
         self._checks.refuse_step(optimizers, self._binding.model, forward_ran=self._binding.example is not None, reusing=self._plans.reusing,
-                                 backward_due=self._backward_due, pipeline_stage=self._stage is not None and self._fixed_plan is not None and self.config.dynamic)
+                                 backward_due=self._backward_due)
         if self._stage is not None:
             self._stage.check_first_step(self._dist, self.config, self.layers)
         self._optimizers = optimizers  # a search starting this step reads their Adam state
@@ -379,7 +378,7 @@ class DynamicPrecisionScheduler:
     def _replan(self, outcome: StepOutcome) -> None:
         """Act on what the step found: promote layers with non-finite gradients, act on a check
         step's figures, end the search when its work is done, and advance the window clock."""
-        if self.config.dynamic and self.plan is not None and self._stage is None:  # a stage's plan stays fixed (`pipeline_stage`)
+        if self.config.dynamic and self.plan is not None:  # on a pipeline stage the flags, so the counts, are every stage's
             self._plans.on_nonfinite(outcome.nonfinite, outcome.first_bad_output, self.step_count)
         if self._check_due and self.plan is not None:  # a check step's figures, acted on at once
             self._plans.act_on_checks(*self._plan_checks.actions(self._plans.runtime, self.plan, self._dist, self.step_count, self._writer), self.step_count)
@@ -415,7 +414,7 @@ class DynamicPrecisionScheduler:
             self._writer = None if self.config.log_dir is None else TrainingWriter(self.config.log_dir, flush_every=min(100, self.config.monitor_window))
         self._measures.bind(model, example, self.layers)
         self._plan_checks.bind(model)
-        self._plans.bind(model, self.layers, writer=self._writer, on_plan=None if dist is None and self._gathers is None else self._on_plan)
+        self._plans.bind(model, self.layers, writer=self._writer, on_plan=None if dist is None and self._gathers is None else self._on_plan, stage=self._stage is not None)
 
     def _on_plan(self, plan: Plan) -> None:
         """Each plan put in force, under torch.distributed: how DDP sends the gradients, which
@@ -434,9 +433,8 @@ class DynamicPrecisionScheduler:
         if plan is not None:
             plan.validate(model, example)  # a plan for another model: PlanError naming each layer
         self._attach(model, example)
-        if plan is not None:
-            self._plans.install(plan, "the given plan" if self._stage is None else "the given plan's part on this pipeline stage", self.step_count,
-                                loss_scaling=None if self._stage is None else self._stage.loss_scaling)
+        if self._fixed_plan is not None:  # on a pipeline stage the whole plan, of which the runtime runs the stage's part
+            self._plans.install(self._fixed_plan, "the given plan", self.step_count)
         else:  # the profiling window (a scheduler without a plan is dynamic): its precision, the plan None
             self._plans.install_safe(self.step_count)
             self._measures.start_profiler(self.config.monitor_window)
@@ -472,7 +470,7 @@ class DynamicPrecisionScheduler:
     # -- windows --------------------------------------------------------------------------------
 
     def _advance(self) -> None:
-        if not self.config.dynamic or (self._stage is not None and not self._stage.searching):
+        if not self.config.dynamic:
             return
         due = self._searches.take_due()
         if due is not None:
@@ -491,6 +489,7 @@ class DynamicPrecisionScheduler:
             self._searches.hold_heap()  # from the window's summary on (`SearchSteps.hold_heap`)
         # Every rank's statistics before rank 0 decides: every rank's profile is the same.
         profile = self._measures.end_window(self._dist if self._stage is None else None, with_loss=self.plan is None, writer=self._writer, step=self.step_count)
+        profile = self._stage.joined_report(self._dist, profile) if self._stage is not None and self.plan is not None else profile  # each watched its own layers
         if self.plan is None:
             baseline = self._measures.baseline_loss(self.step_count)
             if self._stage is not None:  # each stage measures its own layers, its profile its own (`search.stages`)
@@ -530,7 +529,7 @@ class DynamicPrecisionScheduler:
 
     def _maybe_start_monitor(self) -> None:
         """Watch the last ``monitor_steps`` steps of each planned window."""
-        if self.config.dynamic and self.plan is not None and self._stage is None and not self._measures.profiling and self._clock.monitors(self.step_count):
+        if self.config.dynamic and self.plan is not None and not self._measures.profiling and self._clock.monitors(self.step_count):
             self._measures.start_watch(self.plan, self.config.profiled_steps)
 
     # -- the search -----------------------------------------------------------------------------
@@ -554,8 +553,8 @@ class DynamicPrecisionScheduler:
     def _search_stages(self, stage: StagePlan, profile, baseline_loss: Optional[float]) -> None:
         """The first window's end on a pipeline stage: the stages' joint plan (`StagePlan.search_window`), or a failed search."""
         try:
-            part = stage.search_window(self._dist, self._binding.bound, self._measures.captured(), profile, baseline_loss, self.config, self._fingerprint, self.step_count)
-            self._put_in_force(part, f"searched on the pipeline's stages after {self.step_count} steps", loss_scaling=stage.loss_scaling)
+            whole = stage.search_window(self._dist, self._binding.bound, self._measures.captured(), profile, baseline_loss, self.config, self._fingerprint, self.step_count)
+            self._put_in_force(whole, f"searched on the pipeline's stages after {self.step_count} steps")
         except AutoprecError as exc:
             self._search_failed(exc)
         self._measures.clear_captured()
@@ -666,6 +665,7 @@ class DynamicPrecisionScheduler:
         self._stage = StagePlan.renew(self._stage, whole, self._binding.bound if state.get("pipeline_stage") else None, stage.get("index"))
         if self._binding.example is None:
             self._attach(self._binding.bound, ModelCall.from_state(state["example"]))  # plan, scaler and profiler come from the state below
+        self._plans.run_as_stage(self._stage is not None)
         self.step_count = state["step"]
         self.last_search_error = state["last_search_error"]
         later = {k: state.get(k, d) for k, d in LATER_STATE.items()}  # fields a state saved before them lacks

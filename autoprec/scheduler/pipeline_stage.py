@@ -5,8 +5,9 @@ stage computes the loss. The scheduler runs a given plan there
 (``DynamicPrecisionScheduler.from_plan(stage_module, plan)``, the whole model's plan on every
 stage) this way:
 
-- each stage runs its part of the plan (`Plan.for_stage`), while loss scaling is on or off by the
-  whole plan (an FP16 layer on any stage): every stage unscales by the same scale;
+- each stage runs its part of the plan (`Plan.for_stage`), while the scheduler's plan is the
+  whole plan, the same on every rank: loss scaling is on or off by it (an FP16 layer on any
+  stage), so every stage unscales by the same scale;
 - the schedule's loss function goes through ``DynamicPrecisionScheduler.pipeline_loss``, which
   gives the backward the scaled gradient and the schedule's ``losses`` the true loss;
 - ``scheduler.step(optimizer)`` follows ``schedule.step()`` on every stage, and its one all-reduce
@@ -28,16 +29,25 @@ the same first-step check, after which every rank knows every stage's layers in 
 (the schedule's ``stage_index``) and the step flags cover them all. The first window profiles
 each stage at the safe precision; at its end every stage measures its own layers and rank 0
 plans for all of them (`search`, `search.stages`): one plan, in force on every stage from the
-next step, then kept fixed (re-planning, promotions and demotions need every layer's statistics
-on one rank: not on a stage yet). The in-run search's probe and trial steps do not run: the plan
-is the integer program's optimum on the stages' measurements, not tried on training steps.
+next step. The in-run search's probe and trial steps do not run: the plan is the integer
+program's optimum on the stages' measurements, not tried on training steps.
 
-Re-planning from a given plan (``from_plan(..., dynamic=True)``) is refused on a stage
-(`step_checks.PIPELINE_REFUSAL`). Costs: at the first step one ``all_gather_object`` of a hash, a
+**Promotions and demotions** (a searched plan, or ``from_plan(..., dynamic=True)``) act on the
+whole plan, the same way on every rank: the step flags name every stage's layers with
+non-finite gradients, so each rank counts them and promotes alike; at a planned window's end
+each stage's watch report (its own layers) is gathered and joined (`joined_report`), rank 0
+reviews the whole plan on it and sends its decision (`RankAgreement.decide`), and each stage
+runs its part of the new plan. A promotion is paid for by lowerings on its own stage (each
+stage's memory budget: `promotion_bytes`). The planned steps' checks (a reference forward's
+loss against the budget, `plan_checks`) need the loss on the rank that runs them, and do not
+run on a stage.
+
+Costs: at the first step one ``all_gather_object`` of a hash, a
 flag, a count, the stage's index and its layer names; per step nothing beyond the agreement's
 all-reduce, one entry per layer of the whole pipeline; at a searching stage's window end its
 measurement (`search.stages.measure_stage`), one gather of the tables and one broadcast of the
-plan.
+plan; at a planned window's end one gather of the watch reports, the decision's broadcast and
+the plan hashes' gather.
 """
 
 from __future__ import annotations
@@ -51,10 +61,10 @@ import torch.nn as nn
 from ..distributed import settings_hash
 from ..errors import AutoprecError, DistributedError, InfeasibleBudgetError, RuntimeStateError, SearchError
 from ..plan import Plan
+from ..profiling.watch import WatchReport
 from ..replica import is_sharded, plain_copy
 from ..search.stages import StageTable, joint_plan, measure_stage
 from ..sensitivity.capture import LinearisedLoss
-from .plan_keeper import needs_loss_scaling
 
 if TYPE_CHECKING:
     from ..distributed import RankAgreement
@@ -79,14 +89,13 @@ class StagePlan:
     def __init__(self, whole: Optional[Plan], stage: nn.Module, index: Optional[int] = None):
         self.stage = stage
         self.index = index  # the schedule's stage_index (None: not seen; the rank orders the stages)
-        self.whole: Optional[Plan] = None
-        self.part: Optional[Plan] = None
-        self.loss_scaling = False
+        self.whole: Optional[Plan] = None  # the plan given, or searched on the stages (None until then)
+        self.part: Optional[Plan] = None  # this stage's part of it
         self.layers: tuple[str, ...] = ()  # a searching stage's: every stage's layers in stage order, from its first step
         self.measures = True  # a searching stage's: this rank is the first holding its stage (the others' tables would repeat it)
-        # A searching stage's outputs' dtypes, as the window sent them (`_keep_wire`).
+        # The stage's outputs' dtypes, as its first forward sent them (`_keep_wire`).
         self._wire: tuple = ()
-        self._wire_hook: Any = None if whole is not None else stage.register_forward_hook(self._note_wire)
+        self._wire_hook: Any = stage.register_forward_hook(self._note_wire)
         if whole is not None:
             self.adopt(whole)
         self._losses = 0  # losses noted through pipeline_loss before the first step
@@ -106,29 +115,23 @@ class StagePlan:
         """No plan yet: the stages search one together (`search.stages`)."""
         return self.whole is None
 
-    def adopt(self, whole: Plan) -> Plan:
-        """Run ``whole`` (the whole pipeline's plan): this stage's part of it (returned), loss
-        scaling on when any stage's part has an FP16 layer, so every stage unscales by the same
-        scale. A plan searched after the window keeps the stage's outputs in the dtypes the
-        window sent (`_keep_wire`)."""
-        part = whole.for_stage(self.stage)
-        self.whole, self.part = whole, part
-        self.loss_scaling = needs_loss_scaling(whole)
-        if self._wire_hook is not None:
-            self._wire_hook.remove()
-            self._wire_hook = self.stage.register_forward_hook(self._keep_wire) if self._wire else None
-        return part
+    def adopt(self, whole: Plan) -> None:
+        """``whole`` (the whole pipeline's plan, searched on the stages) is the stage's plan."""
+        self.whole, self.part = whole, whole.for_stage(self.stage)
 
     def _note_wire(self, module: nn.Module, args: Any, output: Any) -> None:
-        """While the stages search: the dtypes of the stage's floating outputs (one forward hook)."""
+        """The stage's first forward: the dtypes of its floating outputs; `_keep_wire` from then on."""
         self._wire = tuple(t.dtype if torch.is_tensor(t) and t.is_floating_point() else None for t in _outputs(output))
+        self._wire_hook.remove()
+        self._wire_hook = self.stage.register_forward_hook(self._keep_wire)
 
     def _keep_wire(self, module: nn.Module, args: Any, output: Any) -> Any:
-        """Once a searched plan runs: each floating output cast back to the dtype the window sent
-        (a plan may end a stage in BF16 where the window ended it in FP32). The pipeline took its
-        buffers' dtypes from the window's first step (shape inference): torch 2.11 refuses the
-        other dtype ("dtype mismatch"), and the next stage receives into those buffers. A cast
-        kernel per output that differs, per forward; nothing where the dtypes agree."""
+        """Each floating output cast back to the dtype the stage's first forward sent (a plan
+        searched after the window, or a promotion or demotion, may end the stage in BF16 where
+        the first steps ended it in FP32). The pipeline took its buffers' dtypes from the first
+        step (shape inference): torch 2.11 refuses the other dtype ("dtype mismatch"), and the
+        next stage receives into those buffers. A cast kernel per output that differs, per
+        forward; nothing where the dtypes agree."""
         outputs = _outputs(output)
         if len(outputs) != len(self._wire) or all(t is None or not torch.is_tensor(t) or t.dtype == d for t, d in zip(outputs, self._wire)):
             return None
@@ -204,6 +207,13 @@ class StagePlan:
 
         return self.search(agreement, measure, baseline_loss, plan_of)
 
+    def joined_report(self, agreement: "Optional[RankAgreement]", report: Any) -> Any:
+        """At a planned window's end: every stage's watch ``report`` (each watched its own
+        layers), joined (`WatchReport.joined`) for the review, which rank 0 makes of the whole
+        plan and sends (`RankAgreement.decide`). One ``all_gather_object`` of the reports (a
+        few hundred bytes per watched layer)."""
+        return WatchReport.joined(agreement.gather(report)) if agreement is not None else report
+
     def search(self, agreement: "Optional[RankAgreement]", measure: "Callable[[], Optional[StageTable]]", loss: Optional[float],
                plan_of: "Callable[[list[StageTable], Optional[float]], Plan]") -> Plan:
         """The stages' joint plan, adopted (`search.stages`): every rank ``measure`` s its stage
@@ -211,8 +221,8 @@ class StagePlan:
         rank's window ``loss`` (None on a stage without it), rank 0 makes the plan of them and
         the losses' mean (``plan_of``) and sends it; every rank raises the same error when a
         stage's measurement or the plan fails (an `InfeasibleBudgetError` stays one). Returns
-        this stage's part of the plan. One ``all_gather_object`` of the tables (a few KiB per
-        layer) and one ``broadcast_object_list`` of the plan's JSON."""
+        the whole plan, adopted. One ``all_gather_object`` of the tables (a few KiB per layer)
+        and one ``broadcast_object_list`` of the plan's JSON."""
         try:
             mine: "tuple[Optional[StageTable], Optional[str], Optional[float]]" = (measure(), None, loss)
         except Exception as exc:  # sent, not raised: the other stages wait in the gather (a model's own error too)
@@ -234,7 +244,9 @@ class StagePlan:
             if outcome["floors"] is not None:
                 raise InfeasibleBudgetError(outcome["error"], *outcome["floors"])
             raise SearchError(outcome["error"])
-        return self.adopt(Plan.from_dict(outcome))
+        whole = Plan.from_dict(outcome)
+        self.adopt(whole)
+        return whole
 
 
 def _said(exc: Exception) -> str:

@@ -1,6 +1,8 @@
 """The plan in force for a scheduler's model: `PlanKeeper`.
 
-It owns the plan (and the first searched one), the `PlanRuntime` that runs it, the record of
+It owns the plan (and the first searched one), the `PlanRuntime` that runs it (on a
+``torch.distributed.pipelining`` stage the plan is the whole pipeline's, the same on every rank,
+and the runtime runs the stage's part of it: `running`), the record of
 promotions and demotions (`changes`) with the policy's memory between windows, this window's
 per-layer non-finite counts and skipped steps, and the `LossScaler`, which is on only while some
 layer has FP16 gradients (each install switches it) and checks each layer's output only after a
@@ -103,14 +105,23 @@ class PlanKeeper:
         self._nonfinite_losses = 0  # this window's: the output checks stay armed while there are some
         self._model: Optional[nn.Module] = None
         self._layers: list[str] = []
+        self._stage: Optional[nn.Module] = None  # the model runs as a pipeline stage: the runtime runs its part of the plan
+        self.running: Optional[Plan] = None  # what the runtime runs: the plan, or a stage's part of it
         self._writer: "Optional[TrainingWriter]" = None
         self._on_plan: Optional[Callable[[Plan], None]] = None
 
     def bind(self, model: nn.Module, layers: Sequence[str], *, writer: "Optional[TrainingWriter]" = None,
-             on_plan: Optional[Callable[[Plan], None]] = None) -> None:
-        """The model the plans run on, its layers; the scaler watches them from now on."""
+             on_plan: Optional[Callable[[Plan], None]] = None, stage: bool = False) -> None:
+        """The model the plans run on, its layers; the scaler watches them from now on.
+        ``on_plan`` is called with each plan the runtime runs. ``stage``: `run_as_stage`."""
         self._model, self._layers, self._writer, self._on_plan = model, list(layers), writer, on_plan
+        self.run_as_stage(stage)
         self.scaler.watch(model, list(self._layers))
+
+    def run_as_stage(self, stage: bool) -> None:
+        """Whether the bound model is a pipeline stage: its plans are then the whole pipeline's,
+        of which the runtime runs the part the stage holds (`Plan.for_stage`)."""
+        self._stage = self._bound() if stage else None
 
     @property
     def runtime(self) -> "Optional[PlanRuntime]":
@@ -135,36 +146,34 @@ class PlanKeeper:
 
     # -- installing plans -------------------------------------------------------------------------
 
-    def install(self, plan: Plan, why: str, step: int, *, searched: bool = True, runtime: "Optional[PlanRuntime]" = None, log_memory: bool = False,
-                loss_scaling: Optional[bool] = None) -> None:
+    def install(self, plan: Plan, why: str, step: int, *, searched: bool = True, runtime: "Optional[PlanRuntime]" = None, log_memory: bool = False) -> None:
         """Put ``plan`` in force at ``step``: a new runtime (or ``runtime``, one already installed
         for it: a trial's) keeping the amax histories and calibration of layers whose precision did
-        not change; the scaler switched on or off as the plan needs (``loss_scaling``: as the
-        whole plan of which ``plan`` is a pipeline stage's part needs). ``searched``: the first
-        such plan is kept as `searched_plan`. ``log_memory``: its predicted and measured bytes to
-        the writer."""
+        not change; the scaler switched on or off as the plan needs (on a pipeline stage ``plan``
+        is the whole pipeline's: every stage scales alike). ``searched``: the first such plan is
+        kept as `searched_plan`. ``log_memory``: its predicted and measured bytes to the writer."""
+        running = plan.for_stage(self._stage) if self._stage is not None else plan
         old = self._runtime
         if old is not None:
             old.remove()  # its layer wrappers off the model before the new plan's go on
         if runtime is None:
-            runtime = apply_plan(self._bound(), plan, validate=False)
+            runtime = apply_plan(self._bound(), running, validate=False)
             if old is not None:
-                kept = {fqn: s for fqn, s in old.state_dict()["layers"].items() if fqn in plan.layers and old.plan.layers.get(fqn) == plan.layers[fqn]}
+                kept = {fqn: s for fqn, s in old.state_dict()["layers"].items() if fqn in running.layers and old.plan.layers.get(fqn) == running.layers[fqn]}
                 runtime.load_state_dict({"layers": kept})
         # An all-FP32 plan recomputing no block, on FP32 weights, runs the model as it is; one
         # recomputing blocks needs its runtime (their checkpointed forwards), FP32 layers or not,
         # as do FP32 layers on half-stored weights (`PlanRuntime.low_precision`).
-        self._runtime = runtime if plan.recompute or runtime.low_precision else None
+        self._runtime = runtime if running.recompute or runtime.low_precision else None
         if self._runtime is None:
             runtime.remove()
-        self.plan = plan
+        self.plan, self.running = plan, running
         if searched and self.searched_plan is None:
             self.searched_plan = plan
         if self._on_plan is not None:
-            self._on_plan(plan)
-        scaling = needs_loss_scaling(plan) if loss_scaling is None else loss_scaling
-        if scaling != self.scaler.enabled:
-            self._replace_scaler(scaling, self.scaler.state_dict())
+            self._on_plan(running)
+        if needs_loss_scaling(plan) != self.scaler.enabled:
+            self._replace_scaler(needs_loss_scaling(plan), self.scaler.state_dict())
         if self._writer is not None:
             self._writer.log_plan(step, plan, name="plan")
         logger.info("autoprec: step %d: plan %s (%s)", step, plan.format_counts(), why)
@@ -176,9 +185,9 @@ class PlanKeeper:
         its gradients travel): the runtime stays as it is, the ranks' communication follows."""
         if self.plan is None or plan.with_comm({}) != self.plan.with_comm({}).replace(metadata=plan.metadata):
             raise RuntimeStateError("set_comm takes the plan in force with another gradient communication; install() any other")
-        self.plan = plan
+        self.plan, self.running = plan, plan.for_stage(self._stage) if self._stage is not None else plan
         if self._on_plan is not None:
-            self._on_plan(plan)
+            self._on_plan(self.running)
         if self._writer is not None:
             self._writer.log_plan(step, plan, name="plan")
         logger.info("autoprec: step %d: plan %s (its gradient communication chosen)", step, plan)
@@ -189,7 +198,7 @@ class PlanKeeper:
         safe = Plan({fqn: LayerPrecision(self.safe_format, reason="safe precision while profiling") for fqn in self._layers})
         if self.safe_format is not Format.FP32:
             self.install(safe, "profiling", step, searched=False)
-            self.plan = None
+            self.plan = self.running = None
         elif self._on_plan is not None:  # the ranks communicate as for FP32 layers
             self._on_plan(safe)
 
@@ -223,8 +232,8 @@ class PlanKeeper:
 
     def recalibrate_int8(self) -> None:
         """Re-calibrate the INT8 layers' scales (at a planned window's end)."""
-        if self._runtime is not None and self.plan is not None:
-            int8 = [fqn for fqn, lp in self.plan.layers.items() if lp.format is Format.INT8]
+        if self._runtime is not None and self.running is not None:
+            int8 = [fqn for fqn, lp in self.running.layers.items() if lp.format is Format.INT8]
             if int8:
                 self._runtime.recalibrate(int8)
 
@@ -307,11 +316,13 @@ class PlanKeeper:
 
     def review_window(self, profile: Any, step: int, measured_bytes: Optional[int]) -> None:
         """Promote on thresholds, demote after quiet windows (hysteresis; a window with a skipped
-        step is never quiet). ``measured_bytes``: the saved bytes metered on its last step, for
-        the writer."""
+        step is never quiet). ``profile``: the window's watch report (on a pipeline stage every
+        stage's, joined: `WatchReport.joined`); ``measured_bytes``: the saved bytes metered on
+        its last step, for the writer."""
         t = self.config.thresholds
         plan = self._planned()
-        triggers, counts, self._policy = window_triggers(plan, self._layers, profile, self._window_nonfinite, self._policy, t)
+        reviewed = list(plan.layers) if self._stage is not None else self._layers  # a stage reviews the whole pipeline's (every stage's reports)
+        triggers, counts, self._policy = window_triggers(plan, reviewed, profile, self._window_nonfinite, self._policy, t)
         if self._writer is not None:
             self._writer.log_layer_counts(step, counts)
             if measured_bytes is not None:
@@ -433,5 +444,5 @@ class PlanKeeper:
             if self._runtime is not None and state["runtime"] is not None:
                 self._runtime.load_state_dict(state["runtime"])
         else:
-            self.plan = None
+            self.plan = self.running = None
         self._replace_scaler(state["scaler_enabled"], state["scaler"])

@@ -15,6 +15,9 @@ flap). A plan without those figures (saved before them) cannot be paid for: it i
 excess estimated from its layers' bytes scaled by the formats' widths (for the warning); a plan
 without predicted bytes (made by hand) is left as promoted.
 
+Under a pipeline the plan is searched with a memory budget per stage (`search.stages`), and a
+promotion on one stage is paid for by lowerings on that stage (`_over_budget`).
+
 Plain arithmetic on the plan's figures: O(layers x formats) per promotion, no tensor work.
 """
 
@@ -50,45 +53,58 @@ def _bytes(row: Mapping[str, Any], old: Format, new: Format) -> Optional[float]:
     return None if held is None else held * new.bits / old.bits
 
 
+def _over_budget(plan: Plan, rows: Mapping[str, Any], total: float, limit: float) -> tuple[dict[str, float], dict[str, str]]:
+    """The predicted bytes ``plan`` holds over its memory budget (negative: under it), per part
+    the budget bounds, and each layer's part. A plan searched on pipeline stages has one budget
+    per stage (``budgets["memory_bytes_per_stage"]``, its layers' ``stage``): a stage's device
+    holds its own layers, so only its own lowerings pay for its promotions. Any other plan is one
+    part, ``""``: its bytes plus what the training steps measured beyond them
+    (``measured["bytes_over_predicted"]``, written when the search adopted it) against the
+    budget it was searched under, else its predicted bytes against the budget over the search's
+    learned ``memory_margin``."""
+    margin = float((plan.metadata or {}).get("memory_margin", 1.0))
+    stages, held = (plan.budgets or {}).get("memory_bytes_per_stage"), (plan.predicted or {}).get("bytes_per_stage")
+    if isinstance(stages, Mapping) and isinstance(held, Mapping) and all((row or {}).get("stage") in stages for row in rows.values()):
+        return ({name: float(held.get(name, 0.0)) - float(cap) / margin for name, cap in stages.items()},
+                {fqn: row["stage"] for fqn, row in rows.items()})
+    # A tiny Doge was adopted measured at 315,304 bytes, 12,040 over its prediction and 965 under
+    # its limit: a promotion predicted to fit took its planned step to 0.61 of FP32's at 0.6.
+    excess = (plan.measured or {}).get("bytes_over_predicted")
+    if isinstance(excess, (int, float)) and math.isfinite(excess):
+        return {"": total + max(0.0, float(excess)) - limit}, {}
+    return {"": total - limit / margin}, {}
+
+
 def paid_for(plan: Plan, promoted: Mapping[str, Format], keep: Collection[str], step: int) -> tuple[list[PrecisionChange], float]:
     """Lowerings of other layers that keep ``plan`` within its memory budget once the layers of
     ``promoted`` (fqn -> the format it is promoted to) are widened, and the predicted bytes it
     still holds over the budget after them (0.0 when within; also when the plan has no budget
     or no per-format figures). ``keep``: layers never lowered (those the policy promoted).
 
-    The plan's bytes are its predicted ones plus what the training steps measured it holding
-    beyond them (``measured["bytes_over_predicted"]``, written when the search adopted it),
-    against the budget it was searched under (``budgets["memory_bytes"]``, which the trials were
-    measured against); without that measure, the predicted bytes against the budget over the
-    search's learned ``memory_margin``. Each layer moves
-    at most once, to the format of its options with the least predicted loss per byte freed,
-    while the plan's predicted loss stays within ``budgets["loss_increase"]``."""
+    The budget is the one the plan was searched under, per pipeline stage for a plan searched
+    on the stages (`_over_budget`). Each layer moves at most once, to the format of its options
+    with the least predicted loss per byte freed, while the plan's predicted loss stays within
+    ``budgets["loss_increase"]``; only layers of a part over its budget move."""
     predicted, budgets = plan.predicted or {}, plan.budgets or {}
     rows, total, limit = predicted.get("layers") or {}, predicted.get("bytes"), budgets.get("memory_bytes")
     if not promoted or not isinstance(total, (int, float)) or not isinstance(limit, (int, float)):
         return [], 0.0
-    # A tiny Doge was adopted measured at 315,304 bytes, 12,040 over its prediction and 965 under
-    # its limit: a promotion predicted to fit took its planned step to 0.61 of FP32's at 0.6.
-    excess = (plan.measured or {}).get("bytes_over_predicted")
-    if isinstance(excess, (int, float)) and math.isfinite(excess):
-        over = float(total) + max(0.0, float(excess)) - float(limit)
-    else:
-        over = float(total) - float(limit) / float((plan.metadata or {}).get("memory_margin", 1.0))
+    over, part_of = _over_budget(plan, rows, float(total), float(limit))
     loss = float(predicted.get("loss_increase") or 0.0)
     for fqn, new in promoted.items():
         row, old = rows.get(fqn) or {}, plan.layers[fqn].format
         before, after = _bytes(row, old, old), _bytes(row, old, new)
         if before is None or after is None:
             return [], 0.0  # the plan cannot say what the promotion costs
-        over += after - before
+        over[part_of.get(fqn, "")] += after - before
         loss += (_figure(row, new, "loss") or 0.0) - (_figure(row, old, "loss") or 0.0)
-    if over <= 0:
+    if all(value <= 0 for value in over.values()):
         return [], 0.0
     allowed = budgets.get("loss_increase")
     allowed = float(allowed) if isinstance(allowed, (int, float)) else math.inf
     moves = []  # (loss per byte freed, -bytes freed, fqn, format, bytes freed, loss added)
     for fqn, row in rows.items():
-        if fqn in promoted or fqn in keep or fqn not in plan.layers:
+        if fqn in promoted or fqn in keep or fqn not in plan.layers or over[part_of.get(fqn, "")] <= 0:
             continue
         current = plan.layers[fqn].format
         held, held_loss = _figure(row, current, "bytes"), _figure(row, current, "loss")
@@ -103,15 +119,14 @@ def paid_for(plan: Plan, promoted: Mapping[str, Format], keep: Collection[str], 
     moved: set[str] = set()
     names = ", ".join(sorted(promoted))
     for _, _, fqn, fmt, freed, added in sorted(moves, key=lambda m: m[:3]):
-        if over <= 0:
-            break
-        if fqn in moved or loss + added > allowed:
+        part = part_of.get(fqn, "")
+        if over[part] <= 0 or fqn in moved or loss + added > allowed:
             continue
         moved.add(fqn)
-        over -= freed
+        over[part] -= freed
         loss += added
         changes.append(PrecisionChange(step, fqn, plan.layers[fqn].format, fmt, f"pays for the promotion of {names} within the memory budget"))
-    return changes, max(0.0, over)
+    return changes, sum(max(0.0, value) for value in over.values())
 
 
 def repredicted(plan: Plan, old: Plan) -> dict:
@@ -132,6 +147,9 @@ def repredicted(plan: Plan, old: Plan) -> dict:
             continue
         loss, lost = _figure(row, lp.format, "loss"), _figure(row, before.format, "loss")
         predicted["bytes"] = float(predicted["bytes"]) + held - was
+        stages = predicted.get("bytes_per_stage")
+        if isinstance(stages, Mapping) and row.get("stage") in stages:  # a plan searched on pipeline stages
+            predicted["bytes_per_stage"] = {**stages, row["stage"]: float(stages[row["stage"]]) + held - was}
         row = {**row, "bytes": held}
         if loss is not None and lost is not None:
             predicted["loss_increase"] = float(predicted.get("loss_increase") or 0.0) + loss - lost

@@ -24,22 +24,13 @@ if TYPE_CHECKING:
     from ..plan import Plan
     from ..scaling import LossScaler
 
-__all__ = ["PIPELINE_REFUSAL", "SKIPS_BEFORE_WARNING", "StepChecks"]
+__all__ = ["SKIPS_BEFORE_WARNING", "StepChecks"]
 
 logger = logging.getLogger(__name__)
 
 # Steps skipped in a row before a warning (then again at each doubling): a few skips are loss
 # scaling doing its job, ten in a row mean the model diverges at this precision.
 SKIPS_BEFORE_WARNING = 10
-
-
-# A schedule of torch.distributed.pipelining runs each stage's forward and backward itself and only
-# the last stage sees the loss: a fixed plan runs there (`pipeline_stage`), the in-run search and
-# re-planning, which need the loss and every layer on one rank, do not yet.
-PIPELINE_REFUSAL = ("step(): re-planning from a given plan (from_plan(..., dynamic=True)) does not run on a torch.distributed.pipelining stage yet "
-                    "(promotions and demotions need every layer's statistics on one rank); run the plan fixed with "
-                    "scheduler = DynamicPrecisionScheduler.from_plan(stage_module, plan) (the whole model's plan on every stage), or let the stages "
-                    "search one (DynamicPrecisionScheduler(stage_module, ...)), with the schedule's loss_fn=scheduler.pipeline_loss(loss_fn) (docs/distributed.md)")
 
 
 class StepChecks:
@@ -49,16 +40,11 @@ class StepChecks:
         self._optimizers_seen: set[int] = set()  # ids of optimizers whose parameters were checked
         self._skips_in_row = 0
 
-    def refuse_step(self, optimizers: Sequence[Any], model: Optional[nn.Module], *, forward_ran: bool, reusing: bool, backward_due: bool,
-                    pipeline_stage: bool = False) -> None:
+    def refuse_step(self, optimizers: Sequence[Any], model: Optional[nn.Module], *, forward_ran: bool, reusing: bool, backward_due: bool) -> None:
         """`RuntimeStateError` for a ``step()`` call that cannot be taken: no optimizer, inside
         `reusing_weights` (``reusing``), before any forward (not ``forward_ran``), after a forward
-        whose backward has not run (``backward_due``), on a model a pipeline schedule runs
-        searching or re-planning (``pipeline_stage``: refused on every stage, where each arrives
-        after the schedule's step, so no stage waits on another); or an optimizer of ``model`` (the bound model) refused by
-        `check_optimizer`."""
-        if pipeline_stage:
-            raise RuntimeStateError(PIPELINE_REFUSAL)
+        whose backward has not run (``backward_due``); or an optimizer of ``model`` (the bound
+        model) refused by `check_optimizer`."""
         if not optimizers:
             raise RuntimeStateError("step() needs the optimizer(s): scheduler.step(optimizer)")
         if reusing:

@@ -94,12 +94,14 @@ def joint_plan(stages: Sequence[StageTable], planning: Planning, *, baseline_los
     precisions = planning.precisions()
     layers = {fqn: dataclasses.replace(precisions.get(fmt) or LayerPrecision(fmt), reason=reasons[fqn]) for fqn, fmt in formats.items()}
     per_layer = {}
+    stage_of = {fqn: part.name for part in parts for fqn in part.layers}  # which stage's budget pays for a later promotion
     for unit in space.units:
         share = len(unit.layers)
         chosen = unit.choices[solution.assignment[unit.name]]
         options = {f.value: {"bytes": c.bytes / share, "loss": c.loss / share} for f, c in unit.choices.items()}
         for fqn in unit.layers:
-            per_layer[fqn] = {"bytes": chosen.bytes / share, "seconds": chosen.seconds / share, "loss": chosen.loss / share, "options": options}
+            per_layer[fqn] = {"bytes": chosen.bytes / share, "seconds": chosen.seconds / share, "loss": chosen.loss / share, "options": options,
+                              "stage": stage_of[fqn]}
     uniform = space.uniform(Format.FP32)  # None where a rule forbids FP32 somewhere
     predicted = {"bytes": solution.total.bytes, "seconds": solution.total.seconds, "loss_increase": solution.total.loss,
                  "fp32_bytes": fp32_bytes, "fp32_seconds": None if uniform is None else space.totals(uniform).seconds, "layers": per_layer,

@@ -83,3 +83,30 @@ def test_the_changed_plans_figures_move_with_its_layers():
     assert predicted["loss_increase"] == pytest.approx(0.012 - 0.009 + 0.001)
     assert predicted["layers"]["a"]["bytes"] == 200 and predicted["layers"]["c"]["loss"] == 0.001
     assert old.predicted["bytes"] == 1000  # unchanged
+
+
+def staged(stage_caps):
+    """`plan` as searched on two pipeline stages (`search.stages.joint_plan`'s figures): a and c on
+    "stage 0" (100 + 200 bytes), b and d on "stage 1" (100 + 600), one memory budget each."""
+    p = plan()
+    stage_of = {"a": "stage 0", "c": "stage 0", "b": "stage 1", "d": "stage 1"}
+    rows = {fqn: {**row, "stage": stage_of[fqn]} for fqn, row in p.predicted["layers"].items()}
+    held = {"stage 0": 300.0, "stage 1": 700.0}
+    return p.replace(predicted={**p.predicted, "layers": rows, "bytes_per_stage": held},
+                     budgets={**p.budgets, "memory_bytes": sum(stage_caps.values()), "memory_bytes_per_stage": stage_caps})
+
+
+def test_on_pipeline_stages_a_promotion_is_paid_for_on_its_own_stage():
+    """a (stage 0) to bf16 adds 100 bytes on stage 0's device: c, the cheapest per byte and on stage
+    0, pays when stage 0 is over its own cap, even with the whole pipeline within the caps' sum;
+    with stage 0 within its cap nothing moves, however full stage 1 is. d (stage 1, cheaper per
+    byte than b, not promoted before) pays for b on stage 1, never c."""
+    changes, over = paid_for(staged({"stage 0": 350.0, "stage 1": 1000.0}), {"a": Format.BF16}, keep=set(), step=3)
+    assert [(c.fqn, c.new) for c in changes] == [("c", Format.BF16)] and over == 0.0  # the sum, 1350, would hold all 1100
+    assert paid_for(staged({"stage 0": 400.0, "stage 1": 700.0}), {"a": Format.BF16}, keep=set(), step=3) == ([], 0.0)
+    changes, _ = paid_for(staged({"stage 0": 300.0, "stage 1": 700.0}), {"b": Format.FP32}, keep=set(), step=3)
+    assert [c.fqn for c in changes] == ["d"]
+    changes, over = paid_for(staged({"stage 0": 300.0, "stage 1": 700.0}), {"b": Format.FP32}, keep={"d"}, step=3)
+    assert changes == [] and over == 100.0  # stage 1 has nothing else to lower; stage 0's c does not pay for it
+    repriced = repredicted(staged({"stage 0": 350.0, "stage 1": 1000.0}).with_layers({"a": "bf16"}), staged({"stage 0": 350.0, "stage 1": 1000.0}))
+    assert repriced["bytes_per_stage"] == {"stage 0": 400.0, "stage 1": 700.0}

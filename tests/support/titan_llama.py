@@ -175,6 +175,20 @@ def token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
+def two_stage_step(scheduler, schedule, rank: int, step: int) -> list:
+    """One training step's schedule of a 2-stage pipeline under ``scheduler``: stage 0 feeds
+    `token_batch` ``step``'s tokens, stage 1 its targets. Returns stage 1's micro-batch losses
+    (empty on stage 0)."""
+    x, y = token_batch(step)
+    out: list = []
+    with scheduler.precision_context():
+        if rank == 0:
+            schedule.step(x.contiguous())
+        else:
+            schedule.step(target=y.contiguous(), losses=out)
+    return [float(v) for v in out]
+
+
 def mixed_plan(model: Transformer, kinds: tuple):
     """A plan of ``model`` cycling ``kinds`` (`LayerPrecision`s) over its layers, so a stage and
     either split holds every kind."""

@@ -1,0 +1,170 @@
+"""Promotions and demotions on pipeline stages (issue 58): ``from_plan(stage, plan, dynamic=True)``
+on each of 2 gloo ranks, one stage of torchtitan's Llama each, trained against the whole model
+under the same plan and settings, with the same two events on both:
+
+- non-finite gradients injected into an FP16 layer of stage 0 on two steps: the step flags name it
+  on every rank, it is promoted to BF16 on both (the plan then has no FP16 layer, so loss scaling
+  goes off on both stages, stage 1's too, which holds no FP16 layer at all);
+- stage 1's block input scaled 64-fold between two windows: only rank 1 watches those layers, yet
+  the review that promotes them (an amax drift) is rank 0's, on the stages' joined reports.
+
+Both come back after a quiet window (``stable_windows=1``). What could be wrong and is checked:
+the ranks holding different plans, a stage missing or late on a change the whole model makes
+(the changes, their steps and the formats must be the whole model's), the stages' loss scales
+apart (the scaler on at the same steps as the whole model's), the training not the whole model's
+under the same changes (losses and weights bit for bit), and a checkpoint taken between the
+promotions and the demotions not resuming them. Before: ``from_plan(..., dynamic=True)`` on a
+stage was refused ("promotions and demotions need every layer's statistics on one rank"), and a
+plan searched on the stages stayed fixed."""
+
+import datetime
+import io
+
+import pytest
+import torch
+
+import autoprec as ap
+from support.gloo_ranks import run
+from support.titan_llama import pipeline_stage, titan_llama, token_batch, token_loss, two_stage_step
+
+WORLD = 2
+MICRO = 2
+WINDOW = 4
+STEPS = 16
+SAVED_AT = 9  # between the promotions (steps 6 and 7) and the demotions (step 11)
+LR = 0.05
+FP16_LAYER = "layers.0.feed_forward.w2"  # stage 0
+NONFINITE_AT = (5, 6)  # steps whose gradients of FP16_LAYER are made inf
+DRIFTED_NORM = "layers.2.attention_norm.weight"  # stage 1: scales the inputs of layers.2.attention.wq / wk / wv
+DRIFT_AFTER = 3  # scaled after this step (the first window's end)
+SETTINGS = {"monitor_window": WINDOW, "sample_every": 1, "thresholds": ap.Thresholds(nonfinite_steps=2, stable_windows=1)}
+
+
+def the_plan() -> ap.Plan:
+    plan = ap.Plan.uniform(titan_llama(), "bf16", (token_batch(0)[0],))
+    return plan.with_layers({FP16_LAYER: ap.LayerPrecision(ap.Format.FP16)})
+
+
+def events(model, step):
+    """The run's two events on ``model`` (a stage or the whole model) at ``step``: before its
+    forward, the drift (if the model holds that norm); the hook that makes FP16_LAYER's gradient
+    inf on the injection steps (if it holds that layer). Returns the hook's handle or None."""
+    params = dict(model.named_parameters())
+    if step == DRIFT_AFTER + 1 and DRIFTED_NORM in params:
+        with torch.no_grad():
+            params[DRIFTED_NORM].mul_(64.0)
+    weight = params.get(FP16_LAYER + ".weight")
+    if step in NONFINITE_AT and weight is not None:
+        return weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+    return None
+
+
+def stage_run(rank, saved=None):
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    model = pipeline_stage(titan_llama(), rank, WORLD)
+    scheduler = ap.DynamicPrecisionScheduler.from_plan(model, the_plan(), dynamic=True, **SETTINGS)
+    if saved is not None:
+        model.load_state_dict(saved[0])
+        scheduler.load_state_dict(saved[1])
+    schedule = ScheduleGPipe(PipelineStage(model, rank, WORLD, torch.device("cpu")), n_microbatches=MICRO, loss_fn=scheduler.pipeline_loss(token_loss))
+    return model, scheduler, schedule
+
+
+def record(scheduler, model, losses, scaled):
+    return {"losses": losses, "scaled": scaled, "plan": scheduler.plan.to_dict(),
+            "changes": [(c.step, c.fqn, c.old.value, c.new.value) for c in scheduler.changes],
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def trained(rank, model, scheduler, schedule, steps):
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, scaled = [], []
+    for step in steps:
+        hook = events(model, step)
+        losses.append(two_stage_step(scheduler, schedule, rank, step))
+        if hook is not None:
+            hook.remove()
+        scaled.append(scheduler.scaler.enabled)
+        scheduler.step(opt)
+        opt.zero_grad(set_to_none=True)
+    return record(scheduler, model, losses, scaled)
+
+
+def resumed(rank):
+    model, scheduler, schedule = stage_run(rank)
+    before = trained(rank, model, scheduler, schedule, range(SAVED_AT))
+    buffer = io.BytesIO()
+    torch.save((model.state_dict(), scheduler.state_dict()), buffer)
+    buffer.seek(0)
+    after = trained(rank, *stage_run(rank, torch.load(buffer, weights_only=False)), range(SAVED_AT, STEPS))
+    return {**after, "losses": before["losses"] + after["losses"], "scaled": before["scaled"] + after["scaled"]}
+
+
+def scenario(rank):
+    return {"straight": trained(rank, *stage_run(rank), range(STEPS)), "resumed": resumed(rank)}
+
+
+def whole_model():
+    """The whole model trained as the pipeline trains it (micro-batches accumulated, their sum
+    divided by their count), under the same plan, settings and events."""
+    model = titan_llama()
+    scheduler = ap.DynamicPrecisionScheduler.from_plan(model, the_plan(), dynamic=True, **SETTINGS)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, scaled = [], []
+    for step in range(STEPS):
+        hook = events(model, step)
+        x, y = token_batch(step)
+        per_step = []
+        for xm, ym in zip(x.chunk(MICRO), y.chunk(MICRO)):
+            with scheduler.precision_context():
+                loss = token_loss(model(xm), ym)
+                scheduler.backward(loss)
+            per_step.append(float(loss.detach()))
+        if hook is not None:
+            hook.remove()
+        for param in model.parameters():
+            param.grad.div_(MICRO)
+        scaled.append(scheduler.scaler.enabled)
+        scheduler.step(opt)
+        opt.zero_grad(set_to_none=True)
+        losses.append(per_step)
+    return record(scheduler, model, losses, scaled)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run(scenario, tmp_path_factory.mktemp("pp_review"), timeout=datetime.timedelta(seconds=300))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return whole_model()
+
+
+def test_the_whole_model_promotes_and_demotes_on_both_events(reference):
+    """The oracle's own changes are the ones the scenario means (else the comparison below proves little)."""
+    drifted = {f"layers.2.attention.{name}" for name in ("wq", "wk", "wv")}
+    promoted = {(fqn, old, new) for step, fqn, old, new in reference["changes"] if step <= 8}
+    demoted = {(fqn, old, new) for step, fqn, old, new in reference["changes"] if step > 8}
+    assert (FP16_LAYER, "fp16", "bf16") in promoted and {(f, "bf16", "fp32") for f in drifted} <= promoted
+    assert (FP16_LAYER, "bf16", "fp16") in demoted and {(f, "fp32", "bf16") for f in drifted} <= demoted
+    assert reference["scaled"][0] and not reference["scaled"][8] and reference["scaled"][-1]
+
+
+@pytest.mark.parametrize("case", ["straight", "resumed"])
+def test_every_stage_makes_the_whole_models_changes_at_its_steps(results, reference, case):
+    for rank in range(WORLD):
+        got = results[rank][case]
+        assert got["changes"] == reference["changes"]
+        assert got["plan"]["layers"] == results[0][case]["plan"]["layers"] == reference["plan"]["layers"]
+        assert got["scaled"] == reference["scaled"]  # stage 1 scales its gradients exactly while stage 0 holds an FP16 layer
+
+
+@pytest.mark.parametrize("case", ["straight", "resumed"])
+def test_the_stages_train_as_the_whole_model_under_the_same_changes(results, reference, case):
+    last = results[WORLD - 1][case]["losses"]
+    assert last == reference["losses"]  # bit for bit, every micro-batch's loss
+    for rank in range(WORLD):
+        params = results[rank][case]["params"]
+        assert params and all(torch.equal(p, reference["params"][n]) for n, p in params.items())
