@@ -28,6 +28,17 @@ then the optimum of the same program with a no-good cut per assignment already f
 so the i-th solution is the i-th fastest predicted plan that meets the budgets, distinct in
 formats from the ones before it.
 
+**Memory parts** (`SearchSpace.parts`: a pipeline's stages, each on its own device, running at
+once): one memory row per part, and the step is the slowest part's, so the program minimises a
+continuous t that bounds every part's seconds (`_pace_rows`), with the predicted loss as a
+tie-break among plans about as fast (`_objective`):
+
+    minimise   t + PACE_TIE · Σ loss · x
+    subject to Σ_{(u,f) in part p} seconds[u,f] · x[u,f] + fixed_seconds[p] <= t     (per part p)
+
+A sum over the stages would lower whichever stage's layers save the most, leaving the slowest
+stage, which sets the pipeline's pace, as slow as before.
+
 **Recompute blocks** (`SearchSpace.blocks`, `space.Block`): a binary r[b] per block says it runs
 its forward again in the backward, freeing the saved bytes of its layers in their chosen formats
 for one more forward of them; the products of x and r are linearised exactly and tightly
@@ -64,6 +75,13 @@ class Solution:
     total: Choice
     recompute: frozenset = frozenset()
     gap: float = 0.0  # its predicted step's relative gap to the best step proven (layers and the rest; MIP_GAP or less when solved to the end)
+    slowest_part: "float | None" = None  # a space with parts: its slowest part's seconds (`SearchSpace.step_seconds`)
+
+    @property
+    def step_seconds(self) -> float:
+        """The seconds of its step, what the search minimises: the slowest part's in a space with
+        parts (pipeline stages), else the total's."""
+        return self.total.seconds if self.slowest_part is None else self.slowest_part
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,14 +96,21 @@ class _Program:
     bytes: np.ndarray
     loss: np.ndarray
     seconds: np.ndarray
+    paced: bool = False  # one more variable, last: t, the slowest part's seconds (`_pace_rows`)
 
     @property
     def size(self) -> int:
-        return len(self.columns) + len(self.blocks) + len(self.links)
+        return len(self.columns) + len(self.blocks) + len(self.links) + int(self.paced)
+
+    @property
+    def upper(self) -> np.ndarray:
+        """Each variable's upper bound: 1 (x, r, z), unbounded for t."""
+        return np.concatenate([np.ones(self.size - int(self.paced)), np.full(int(self.paced), np.inf)])
 
 
-def _program(space: SearchSpace) -> _Program:
-    """The program of ``space``, recompute blocks included.
+def _program(space: SearchSpace, paced: bool = False) -> _Program:
+    """The program of ``space``, recompute blocks included; ``paced``: with the variable t of the
+    slowest part's seconds (a space with parts, minimising step time: `_pace_rows`).
 
     Recomputing block b frees the saved bytes of its layers in their chosen formats and costs one
     more forward of them: the product z[u,f,b] = x[u,f] · r[b] per (unit column, block) link,
@@ -107,7 +132,7 @@ def _program(space: SearchSpace) -> _Program:
     links = [(index[(unit, f)], r, freed, forward)
              for r, name in enumerate(blocks) for unit, per in space.links[name] for f, (freed, forward) in per.items()]
     nx, nb, nl = len(columns), len(blocks), len(links)
-    n = nx + nb + nl
+    n = nx + nb + nl + int(paced)
     # Unit u's row has a 1 on each of its x columns (contiguous, in unit order): sparse.
     widths = [len(unit.choices) for unit in space.units]
     one_hot = sparse.csr_array((np.ones(nx), (np.repeat(np.arange(len(widths)), widths), np.arange(nx))), shape=(len(widths), n))
@@ -121,7 +146,7 @@ def _program(space: SearchSpace) -> _Program:
     for j, (_, _, freed, forward) in enumerate(links):
         bytes_[nx + nb + j] = -freed
         seconds[nx + nb + j] = forward
-    return _Program(columns, blocks, links, one_hot, bytes_, loss, seconds)
+    return _Program(columns, blocks, links, one_hot, bytes_, loss, seconds, paced)
 
 
 def _cut(program: _Program, found: "Solution | Mapping[str, Format]") -> tuple[np.ndarray, float]:
@@ -154,7 +179,7 @@ class _Rows:
 
 
 def _rows(space: SearchSpace, program: _Program, memory: "float | Mapping[str, float]", loss_budget: float,
-          cuts: "Sequence[Solution | Mapping[str, Format]]") -> _Rows:
+          cuts: "Sequence[Solution | Mapping[str, Format]]", pace: "float | None" = None) -> _Rows:
     nx, nb, nl = len(program.columns), len(program.blocks), len(program.links)
     # Sparse rows: a unit's one-hot row and a link's rows name 2-6 variables each, so the
     # matrices hold O(variables) entries (dense, 1,025 layers would be ~10^7 per matrix).
@@ -179,6 +204,8 @@ def _rows(space: SearchSpace, program: _Program, memory: "float | Mapping[str, f
         equal.append(sparse.csr_array((vals, (rows, cols)), shape=(len(pairs), program.size)))
         equal_bound.append(np.zeros(len(pairs)))
     budgets = _memory_rows(space, program, memory) + [_scaled(program.loss, loss_budget - space.fixed_total.loss)]
+    if program.paced and pace is not None:
+        budgets += _pace_rows(space, program, pace)
     cut_rows = [_cut(program, found) for found in cuts]  # one no-good cut per plan found: it may not be chosen again
     for coefficients, bound in budgets + cut_rows:
         if np.isfinite(bound):
@@ -189,15 +216,35 @@ def _rows(space: SearchSpace, program: _Program, memory: "float | Mapping[str, f
     return _Rows(sparse.vstack(upper, format="csr"), np.concatenate(upper_bound), sparse.vstack(equal, format="csr"), np.concatenate(equal_bound))
 
 
+def _owners(space: SearchSpace, program: _Program) -> np.ndarray:
+    """Per variable the memory part holding it (t, of no part: None)."""
+    return np.array([space.part_of[name] for name, _, _ in program.columns] + [space.part_of[name] for name in program.blocks]
+                    + [space.part_of[program.columns[i][0]] for i, _, _, _ in program.links] + [None] * int(program.paced), dtype=object)
+
+
 def _memory_rows(space: SearchSpace, program: _Program, memory: "float | Mapping[str, float]") -> list[tuple[np.ndarray, float]]:
     """The memory budget's rows: one over every byte, or, with a budget per memory part
     (``memory`` by part name, `SearchSpace.parts`: a pipeline stage's device), one per part over
     its units', blocks' and links' bytes, bounded by its budget less its fixed bytes."""
     if not isinstance(memory, Mapping):
         return [_scaled(program.bytes, memory - space.fixed_total.bytes)]
-    owner = np.array([space.part_of[name] for name, _, _ in program.columns] + [space.part_of[name] for name in program.blocks]
-                     + [space.part_of[program.columns[i][0]] for i, _, _, _ in program.links], dtype=object)
+    owner = _owners(space, program)
     return [_scaled(np.where(owner == part.name, program.bytes, 0.0), memory.get(part.name, np.inf) - part.fixed_bytes) for part in space.parts]
+
+
+def _pace_rows(space: SearchSpace, program: _Program, pace: float) -> list[tuple[np.ndarray, float]]:
+    """Each part's seconds (its units', blocks' and links', plus its fixed seconds), in the
+    objective's units (times ``pace``), at most t: minimising t minimises the slowest part's.
+
+        Σ_{v in part p} seconds[v] · v - t <= -fixed_seconds[p]     (per part p)
+    """
+    owner = _owners(space, program)
+    rows = []
+    for part in space.parts:
+        row = np.where(owner == part.name, program.seconds * pace, 0.0)
+        row[-1] = -1.0
+        rows.append(_scaled(row, -part.fixed_seconds * pace))
+    return rows
 
 
 def _over_memory(space: SearchSpace, solution: Solution, memory: "float | Mapping[str, float]") -> bool:
@@ -237,7 +284,8 @@ def _components(space: SearchSpace, program: _Program) -> np.ndarray:
     of_unit = [root(unit_index[name]) for name, _, _ in program.columns]
     of_block = [root(len(space.units) + r) for r in range(nb)]
     of_link = [of_unit[i] for i, _, _, _ in program.links]
-    return np.array(of_unit + of_block + of_link, dtype=np.int64)
+    of_pace = [len(space.units) + nb] * int(program.paced)  # t: a component of its own, never fixed (`_solve`)
+    return np.array(of_unit + of_block + of_link + of_pace, dtype=np.int64)
 
 
 def _solve(space: SearchSpace, objective: str, memory: "float | Mapping[str, float]", loss_budget: float,
@@ -256,22 +304,14 @@ def _solve(space: SearchSpace, objective: str, memory: "float | Mapping[str, flo
     Costs one LP of O(variables) entries and a few programs of a few components each, where
     HiGHS on the whole program spends seconds past a few hundred layers proving a gap the LP
     bound alone cannot (on a 32-block Llama it still does, for a second plan, in some runs)."""
-    program = _program(space)
+    program = _program(space, paced=objective == "seconds" and bool(space.parts))
     nx, nb, nl = len(program.columns), len(program.blocks), len(program.links)
-    rows = _rows(space, program, memory, loss_budget, cuts)
-    vector = {"bytes": program.bytes, "loss": program.loss, "seconds": program.seconds}[objective]
-    # HiGHS stops at an absolute gap of 1e-6 too (scipy exposes no option for it): step times
-    # of a few ms would differ below it, so the objective is scaled to about 1e6 in total.
-    scale = np.abs(vector).max(initial=0.0) * len(space.units)
-    vector = vector * (1e6 / scale) if scale > 0 else vector
-    # The gap is the total's: what lies outside the layers (`SearchSpace.fixed_total`) is in
-    # every plan's step, so the layers' part needs a looser proof where the rest is much of the
-    # step (a narrow model's norms, attention and loss): proving 1 % of the layers' part alone
-    # took HiGHS's branching up to 7 s on a 4-block narrow Llama (33 layers).
-    offset = float(getattr(space.fixed_total, objective)) * (1e6 / scale if scale > 0 else 1.0)
+    vector, offset, pace = _objective(space, program, objective)
+    rows = _rows(space, program, memory, loss_budget, cuts, pace)
     deadline = None if time_limit is None else time.monotonic() + max(float(time_limit), 1e-3)
-    integrality = np.concatenate([np.ones(nx + nb), np.zeros(nl)])  # z follows x and r: continuous
-    relaxed = linprog(vector, A_ub=rows.upper, b_ub=rows.upper_bound, A_eq=rows.equal, b_eq=rows.equal_bound, bounds=(0, 1),
+    integrality = np.concatenate([np.ones(nx + nb), np.zeros(nl + int(program.paced))])  # z follows x and r, t bounds the parts: continuous
+    upper = program.upper
+    relaxed = linprog(vector, A_ub=rows.upper, b_ub=rows.upper_bound, A_eq=rows.equal, b_eq=rows.equal_bound, bounds=np.column_stack([np.zeros_like(upper), upper]),
                       method="highs", options=_limited({}, deadline))
     if relaxed.x is None:  # infeasible (so is the integer program), or out of time
         return None
@@ -282,7 +322,7 @@ def _solve(space: SearchSpace, objective: str, memory: "float | Mapping[str, flo
     centres = ([_variables(program, cuts[-1])] if cuts else []) + [np.round(relaxed.x)]
     x, gap, feasible = None, np.inf, np.inf  # feasible: the least layers' part of a plan found, bounding the optimum's
     # The components each try frees depend on the LP alone, not on the centre: found once.
-    freed = {n: _freed(relaxed, component, n) for n in FREED_NEIGHBOURS}
+    freed = {n: _freed(relaxed, component, n) | set(component[len(component) - int(program.paced):].tolist()) for n in FREED_NEIGHBOURS}
     components = len(np.unique(component))
     for centre, neighbours in ((c, n) for c in centres for n in FREED_NEIGHBOURS):
         free = freed[neighbours]
@@ -290,7 +330,7 @@ def _solve(space: SearchSpace, objective: str, memory: "float | Mapping[str, flo
             # Nothing left to fix (a model of a few blocks): this is the whole program, solved
             # once below to the gap it needs, not again per centre and count.
             break
-        found = _restricted(vector, rows, integrality, component, free, centre, deadline)
+        found = _restricted(vector, rows, integrality, component, free, centre, upper, deadline)
         if found is None:
             continue
         gap = _total_gap(found.fun, relaxed.fun, offset)
@@ -299,7 +339,7 @@ def _solve(space: SearchSpace, objective: str, memory: "float | Mapping[str, flo
             break
         feasible = min(feasible, found.fun)
     if x is None:
-        result = milp(vector, constraints=rows.constraints(), integrality=integrality, bounds=Bounds(0, 1),
+        result = milp(vector, constraints=rows.constraints(), integrality=integrality, bounds=Bounds(0, upper),
                       options=_limited({"mip_rel_gap": _layers_gap(offset, feasible)}, deadline))
         if result.x is None or (proven and result.status != 0):  # 0: proven optimal
             return None
@@ -309,7 +349,39 @@ def _solve(space: SearchSpace, objective: str, memory: "float | Mapping[str, flo
         gap = _total_gap(result.fun, bound, offset)
     chosen = {name: fmt for (name, fmt, _), v in zip(program.columns, x[:nx]) if v > 0.5}
     recompute = frozenset(name for name, r in zip(program.blocks, x[nx : nx + nb]) if r > 0.5)
-    return Solution(chosen, space.totals(chosen, sorted(recompute, key=program.blocks.index)), recompute, gap)
+    ordered = sorted(recompute, key=program.blocks.index)
+    return Solution(chosen, space.totals(chosen, ordered), recompute, gap, space.step_seconds(chosen, ordered) if space.parts else None)
+
+
+# A paced program's tie-break (`_objective`): the predicted loss's weight against the slowest
+# part's seconds, each scaled to about 1e6 in total, so it moves the objective by well under
+# `MIP_GAP` and only chooses among plans about as fast.
+PACE_TIE = 1e-4
+
+
+def _objective(space: SearchSpace, program: _Program, objective: str) -> "tuple[np.ndarray, float, float | None]":
+    """The program's objective vector, its offset (the fixed costs, in the vector's units) and,
+    when it is paced (`_pace_rows`), the factor that brings seconds into its units.
+
+    HiGHS stops at an absolute gap of 1e-6 too (scipy exposes no option for it): step times of a
+    few ms would differ below it, so the objective is scaled to about 1e6 in total. Its gap is the
+    total's: what lies outside the layers (`SearchSpace.fixed_total`) is in every plan's step, so
+    the layers' part needs a looser proof where the rest is much of the step (a narrow model's
+    norms, attention and loss): proving 1 % of the layers' part alone took HiGHS's branching up to
+    7 s on a 4-block narrow Llama (33 layers). A paced program minimises t, which holds the fixed
+    seconds (no offset), and among plans about as fast the least predicted loss (`PACE_TIE`): a
+    stage that does not set the pace keeps the precision its memory budget allows."""
+    raw = {"bytes": program.bytes, "loss": program.loss, "seconds": program.seconds}[objective]
+    scale = np.abs(raw).max(initial=0.0) * len(space.units)
+    factor = 1e6 / scale if scale > 0 else 1.0
+    if not program.paced:
+        return raw * factor, float(getattr(space.fixed_total, objective)) * factor, None
+    vector = np.zeros(program.size)
+    vector[-1] = 1.0
+    loss_scale = np.abs(program.loss).max(initial=0.0) * len(space.units)
+    if loss_scale > 0:
+        vector += PACE_TIE * (1e6 / loss_scale) * program.loss
+    return vector, 0.0, factor
 
 
 def _layers_gap(offset: float, feasible: float) -> float:
@@ -348,10 +420,10 @@ def _variables(program: _Program, found: "Solution | Mapping[str, Format]") -> n
     recomputing nothing)."""
     assignment, recompute = (found.assignment, found.recompute) if isinstance(found, Solution) else (found, frozenset())
     nx, nb = len(program.columns), len(program.blocks)
-    x = np.zeros(program.size)
+    x = np.zeros(program.size)  # t (a paced program's) 0: it is never fixed at a plan's value
     x[:nx] = [float(assignment[name] is fmt) for name, fmt, _ in program.columns]
     x[nx : nx + nb] = [float(name in recompute) for name in program.blocks]
-    x[nx + nb :] = [x[i] * x[nx + r] for i, r, _, _ in program.links]
+    x[nx + nb : nx + nb + len(program.links)] = [x[i] * x[nx + r] for i, r, _, _ in program.links]
     return x
 
 
@@ -370,13 +442,13 @@ def _freed(relaxed: Any, component: np.ndarray, neighbours: int) -> set:
 
 
 def _restricted(vector: np.ndarray, rows: _Rows, integrality: np.ndarray, component: np.ndarray, free: set,
-                centre: np.ndarray, deadline: "float | None") -> Any:
+                centre: np.ndarray, upper_bounds: np.ndarray, deadline: "float | None") -> Any:
     """The integer program with every component but the ``free`` ones (`_freed`) fixed at its
-    value in ``centre`` (integral): HiGHS's result (``x``, ``fun``), None when it is
+    value in ``centre`` (integral), the others within ``upper_bounds``: HiGHS's result (``x``, ``fun``), None when it is
     infeasible. Its plan is the answer when its gap to the LP bound (proven: no plan beats the
     LP) is within `MIP_GAP`."""
     fixed = ~np.isin(component, list(free))
-    lower, upper = np.zeros_like(centre), np.ones_like(centre)
+    lower, upper = np.zeros_like(centre), upper_bounds.copy()
     lower[fixed] = upper[fixed] = centre[fixed]
     result = milp(vector, constraints=rows.constraints(), integrality=integrality, bounds=Bounds(lower, upper),
                   options=_limited({"mip_rel_gap": MIP_GAP}, deadline))
@@ -424,7 +496,7 @@ def _all_fp32(space: SearchSpace) -> "Solution | None":
     assignment = space.uniform(Format.FP32)
     if space.fp32_bytes is None or assignment is None:
         return None
-    return Solution(assignment, space.totals(assignment))
+    return Solution(assignment, space.totals(assignment), slowest_part=space.step_seconds(assignment) if space.parts else None)
 
 
 def _is_all_fp32(found: "Solution | Mapping[str, Format]") -> bool:
@@ -546,4 +618,4 @@ def k_best(space: SearchSpace, memory_bytes: "float | Mapping[str, float]" = flo
         found = [s for s in found if not _is_all_fp32(s)] + [fp32]
     # Each is the best unlike those before it to the gap, so a later one may be a little faster:
     # sorted, the i-th is still within the gap of the i-th best plan.
-    return sorted(found, key=lambda s: s.total.seconds)[:k]
+    return sorted(found, key=lambda s: s.step_seconds)[:k]

@@ -327,14 +327,16 @@ class Block:
 @dataclasses.dataclass(frozen=True)
 class MemoryPart:
     """Layers one device holds (a pipeline stage's): the search keeps their bytes within a budget
-    of their own (`exact.k_best` with ``memory_bytes`` by part name). ``fixed_bytes``: the
-    part's bytes outside its layers (in the space's ``fixed`` too); ``fp32_bytes``: its all-FP32
-    bytes exactly (None: the additive figure)."""
+    of their own (`exact.k_best` with ``memory_bytes`` by part name), and the devices run at once,
+    so a step takes its slowest part's seconds (`SearchSpace.step_seconds`). ``fixed_bytes``,
+    ``fixed_seconds``: the part's bytes and seconds outside its layers (in the space's ``fixed``
+    too); ``fp32_bytes``: its all-FP32 bytes exactly (None: the additive figure)."""
 
     name: str
     layers: frozenset
     fixed_bytes: float = 0.0
     fp32_bytes: "float | None" = None
+    fixed_seconds: float = 0.0
 
 
 class SearchSpace:
@@ -446,22 +448,35 @@ class SearchSpace:
                 raise SearchError(f"{name!r} has layers in memory parts {held}: a rule group or block must keep to one device (pipeline stage)")
             self.part_of[name] = held[0]
 
-    def part_bytes(self, assignment: Mapping[str, Format], recompute: Iterable[str] = ()) -> dict[str, float]:
-        """Each part's bytes under an assignment with some blocks recomputed, as `totals` sums
-        them (a part all in FP32 recomputing nothing: its ``fp32_bytes`` exactly, when given)."""
+    def part_totals(self, assignment: Mapping[str, Format], recompute: Iterable[str] = ()) -> dict[str, Choice]:
+        """Each part's totals under an assignment with some blocks recomputed, as `totals` sums
+        them: its fixed bytes and seconds, its units' and its recomputed blocks' (a part all in
+        FP32 recomputing nothing holds its ``fp32_bytes`` exactly, when given)."""
         recompute = set(recompute)
-        out = {part.name: part.fixed_bytes for part in self.parts}
+        out = {part.name: Choice(part.fixed_bytes, part.fixed_seconds, 0.0) for part in self.parts}
         for unit in self.units:
-            out[self.part_of[unit.name]] += unit.choices[Format.parse(assignment[unit.name])].bytes
+            out[self.part_of[unit.name]] += unit.choices[Format.parse(assignment[unit.name])]
         for block in self.blocks:
             if block.name in recompute:
-                out[self.part_of[block.name]] += self.recompute_effect(assignment, [block.name]).bytes
+                out[self.part_of[block.name]] += self.recompute_effect(assignment, [block.name])
         for part in self.parts:
             units = [u for u in self.units if self.part_of[u.name] == part.name]
             plain = not any(self.part_of[b] == part.name for b in recompute)
             if part.fp32_bytes is not None and plain and all(Format.parse(assignment[u.name]) is Format.FP32 for u in units):
-                out[part.name] = part.fp32_bytes
+                out[part.name] = dataclasses.replace(out[part.name], bytes=part.fp32_bytes)
         return out
+
+    def part_bytes(self, assignment: Mapping[str, Format], recompute: Iterable[str] = ()) -> dict[str, float]:
+        """Each part's bytes (`part_totals`)."""
+        return {name: total.bytes for name, total in self.part_totals(assignment, recompute).items()}
+
+    def step_seconds(self, assignment: Mapping[str, Format], recompute: Iterable[str] = ()) -> float:
+        """The seconds of a step under an assignment, what the search minimises: the totals'
+        (`totals`), or with parts, which run at once on their own devices (a pipeline's stages:
+        its steady state moves at its slowest stage's pace), the slowest part's."""
+        if self.parts:
+            return max(total.seconds for total in self.part_totals(assignment, recompute).values())
+        return self.totals(assignment, recompute).seconds
 
     def _set_blocks(self, blocks: Sequence[Block]) -> None:
         """Check ``blocks`` against the units and index them: ``links`` holds, per block, each
@@ -580,8 +595,10 @@ class SearchSpace:
         out.units = tuple(dataclasses.replace(u, choices={f: c + extra[u.name][f] for f, c in u.choices.items()}) for u in self.units)
         out.fixed_total = fixed
         out.blocks, out.links = (), {}
-        freed = {p.name: sum(self._block(b).other_bytes for b in recompute if self.part_of[b] == p.name) for p in self.parts}
-        out._set_parts([dataclasses.replace(p, fixed_bytes=p.fixed_bytes - freed[p.name], fp32_bytes=None if recompute else p.fp32_bytes) for p in self.parts])
+        own = {p.name: [self._block(b) for b in recompute if self.part_of[b] == p.name] for p in self.parts}
+        out._set_parts([dataclasses.replace(p, fixed_bytes=p.fixed_bytes - sum(b.other_bytes for b in own[p.name]),
+                                            fixed_seconds=p.fixed_seconds + sum(b.other_seconds for b in own[p.name]), fp32_bytes=None if recompute else p.fp32_bytes)
+                        for p in self.parts])
         return out
 
     def layer_formats(self, assignment: Mapping[str, Format]) -> dict[str, Format]:
@@ -650,7 +667,8 @@ class SearchSpace:
                             for u, per in links] for name, links in self.links.items()}
         out.blocks = tuple(dataclasses.replace(b, other_bytes=b.other_bytes * fixed.bytes, other_seconds=b.other_seconds * fixed.seconds)
                            for b in self.blocks)
-        out._set_parts([dataclasses.replace(p, fixed_bytes=p.fixed_bytes * fixed.bytes, fp32_bytes=None) for p in self.parts])  # additive, as corrected
+        out._set_parts([dataclasses.replace(p, fixed_bytes=p.fixed_bytes * fixed.bytes, fixed_seconds=p.fixed_seconds * fixed.seconds, fp32_bytes=None)
+                        for p in self.parts])  # additive, as corrected
         fp32 = self.uniform(Format.FP32)
         if self.fp32_bytes is not None and fp32 is not None:
             # The all-FP32 plan's exact bytes corrected as its additive total is.

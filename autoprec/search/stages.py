@@ -11,7 +11,9 @@ micro-batch. The stages' tables (plain data, a few KiB per layer) are joined in 
 one search space, and one integer program chooses every layer's format and recompute flag
 under a memory budget per stage (each stage's device holds its own layers: a fraction of that
 stage's FP32 bytes, or the bytes given, per stage) and one accuracy budget over all of them
-(relative to the loss the last stage saw): `joint_plan`, run on one rank.
+(relative to the loss the last stage saw), for the least predicted seconds of the slowest stage
+(the stages run at once: the pipeline moves at its slowest stage's pace; `exact`'s memory
+parts): `joint_plan`, run on one rank.
 
 Costs per stage: one `measure_parts` on the stage (its cost model's timed steps when
 ``planning.measure``, its traced forwards, and the sensitivity's forward and weight-gradient
@@ -78,7 +80,8 @@ def joint_plan(stages: Sequence[StageTable], planning: Planning, *, baseline_los
     fixed = {f"stage {s.index}: {name}": choice for s in ordered for name, choice in s.table.fixed.items()}
     fp32_bytes = sum(float(s.table.fp32_bytes or 0.0) for s in ordered)
     # Each stage's device holds its own layers: one memory budget each (`MemoryPart`).
-    parts = [MemoryPart(f"stage {s.index}", frozenset(s.table.rows), sum(c.bytes for c in s.table.fixed.values()), s.table.fp32_bytes) for s in ordered]
+    parts = [MemoryPart(f"stage {s.index}", frozenset(s.table.rows), sum(c.bytes for c in s.table.fixed.values()), s.table.fp32_bytes,
+                        sum(c.seconds for c in s.table.fixed.values())) for s in ordered]
     space = SearchSpace(rows, min_precision=planning.min_precision, max_precision=planning.max_precision, rules=planning.rules, device=device,
                         fixed=fixed, blocks=[b for s in ordered for b in s.table.blocks], fp32_bytes=fp32_bytes, parts=parts)
     budgets = planning.budgets
@@ -103,9 +106,11 @@ def joint_plan(stages: Sequence[StageTable], planning: Planning, *, baseline_los
             per_layer[fqn] = {"bytes": chosen.bytes / share, "seconds": chosen.seconds / share, "loss": chosen.loss / share, "options": options,
                               "stage": stage_of[fqn]}
     uniform = space.uniform(Format.FP32)  # None where a rule forbids FP32 somewhere
-    predicted = {"bytes": solution.total.bytes, "seconds": solution.total.seconds, "loss_increase": solution.total.loss,
-                 "fp32_bytes": fp32_bytes, "fp32_seconds": None if uniform is None else space.totals(uniform).seconds, "layers": per_layer,
-                 "bytes_per_stage": space.part_bytes(solution.assignment, solution.recompute)}
+    per_stage = space.part_totals(solution.assignment, solution.recompute)
+    # A step's seconds are the slowest stage's: the pipeline's pace (`SearchSpace.step_seconds`).
+    predicted = {"bytes": solution.total.bytes, "seconds": solution.step_seconds, "loss_increase": solution.total.loss,
+                 "fp32_bytes": fp32_bytes, "fp32_seconds": None if uniform is None else space.step_seconds(uniform), "layers": per_layer,
+                 "bytes_per_stage": {name: t.bytes for name, t in per_stage.items()}, "seconds_per_stage": {name: t.seconds for name, t in per_stage.items()}}
     budgets_meta = {"memory": budgets.memory, "memory_bytes": sum(memory.values()), "memory_bytes_per_stage": memory, "accuracy": budgets.accuracy, "accuracy_relative": budgets.accuracy_relative,
                     "loss_increase": loss_budget, "baseline_loss": baseline_loss}
     meta = {**metadata, "pipeline_stages": len(ordered)}

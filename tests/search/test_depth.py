@@ -50,8 +50,8 @@ def counts(blocks: int, patching) -> dict:
 
     real_program = exact._program
 
-    def program(space):
-        made = real_program(space)
+    def program(space, paced=False):
+        made = real_program(space, paced)
         seen["solver variables"] = max(seen["solver variables"], made.size)
         return made
 
