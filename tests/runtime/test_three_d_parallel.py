@@ -11,7 +11,7 @@ split holds every kind. The ranks of one tensor-parallel group compute one loss;
 ranks end with the same weights; both agree with the unsharded model within the rounding of the
 sharded sums (the plan's own formats round them). The same run under the scheduler
 (`from_plan` on each stage, FP8 weights all-gathered in FP8) trains bit for bit as the plan
-applied."""
+applied; and the seed's loop (no plan given) searches one plan on the 8 ranks."""
 
 import pytest
 import torch
@@ -23,6 +23,8 @@ from support.titan_llama import mixed_plan, parallelize, pipeline_stage, titan_l
 PP, DP, TP = 2, 2, 2
 MICRO = 2  # micro-batches per data-parallel rank and step (2 rows each)
 STEPS = 3
+# The seed's loop on the mesh: a window of 4 steps, then the stages' joint plan (formats alone).
+SEARCH = {"monitor_window": 4, "memory_budget": 0.75, "measure_costs": False, "formats": ("fp32", "bf16", "fp8_e4m3", "int8"), "recompute": []}
 KINDS = (ap.LayerPrecision("fp8_e4m3"), ap.LayerPrecision("int8", calibration=ap.Calibration(batches=1000)),
          ap.LayerPrecision("bf16"), ap.LayerPrecision("fp32"))
 
@@ -31,10 +33,11 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def three_d(rank, scheduled=False):
+def three_d(rank, scheduled=False, searched=False, steps=STEPS):
     """One rank of the (pp, dp, tp) mesh: its stage, tensor-parallel then fully sharded as
     torchtitan's parallelize does, the plan applied to the stage (``scheduled``: run by the
-    scheduler, `from_plan` with the whole plan), 1F1B over the stages."""
+    scheduler, `from_plan` with the whole plan; ``searched``: the scheduler searching its own
+    plan, `SEARCH`), 1F1B over the stages."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -45,7 +48,10 @@ def three_d(rank, scheduled=False):
     model = parallelize(pipeline_stage(titan_llama(), pp, PP), mesh["tp"])
     for module in (*model.layers.values(), model):
         fully_shard(module, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=None))
-    if scheduled:
+    if searched:
+        scheduler = ap.DynamicPrecisionScheduler(model, **SEARCH)
+        loss_fn, region = scheduler.pipeline_loss(token_loss), scheduler.precision_context
+    elif scheduled:
         scheduler = ap.DynamicPrecisionScheduler.from_plan(model, plan)
         loss_fn, region = scheduler.pipeline_loss(token_loss), scheduler.precision_context
     else:
@@ -54,8 +60,8 @@ def three_d(rank, scheduled=False):
     stage = PipelineStage(model, pp, PP, torch.device("cpu"), group=mesh["pp"].get_group())
     schedule = Schedule1F1B(stage, n_microbatches=MICRO, loss_fn=loss_fn)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses, stepped = [], []
-    for step in range(STEPS):
+    losses, stepped, phases = [], [], []
+    for step in range(steps):
         x, y = token_batch(step, dp, DP)
         out: list = []
         with region():
@@ -64,13 +70,20 @@ def three_d(rank, scheduled=False):
             else:
                 schedule.step(target=y.contiguous(), losses=out)
         losses += [loss.item() for loss in out]
-        stepped.append(scheduler.step(opt) if scheduled else opt.step() is None)
+        stepped.append(scheduler.step(opt) if scheduled or searched else opt.step() is None)
         opt.zero_grad(set_to_none=True)
+        phases.append(scheduler.phase if searched else None)
     params = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
     sharded = sorted(fqn for fqn, m in model.named_modules() if fqn in plan.layers and getattr(getattr(m, "weight", None), "device_mesh", None) is not None
                      and m.weight.device_mesh.ndim == 2)
-    scheduler.close() if scheduled else runtime.remove()
-    return {"pp": pp, "dp": dp, "losses": losses, "params": params, "sharded": sharded, "plan": plan.to_dict(), "stepped": stepped}
+    if searched:
+        plan = scheduler.plan
+    scheduler.close() if scheduled or searched else runtime.remove()
+    return {"pp": pp, "dp": dp, "losses": losses, "params": params, "sharded": sharded, "plan": plan.to_dict(), "stepped": stepped, "phases": phases}
+
+
+def searching(rank):
+    return three_d(rank, searched=True, steps=SEARCH["monitor_window"] + 3)
 
 
 def both(rank):
@@ -152,3 +165,27 @@ def test_the_scheduler_with_the_plan_trains_under_3d_parallelism_as_the_plan_app
         assert scheduled["losses"] == applied["losses"]
         for name, value in applied["params"].items():
             assert torch.equal(scheduled["params"][name], value), name
+
+
+@pytest.mark.slow  # 8 ranks on the CI's 2 cores: about 30 s; leg 1 only
+def test_the_seeds_loop_searches_one_plan_under_fsdp2_tensor_and_pipeline_parallelism(tmp_path):
+    """The scheduler with no plan on each stage of the (2, 2, 2) mesh: the first window profiles,
+    each stage is measured once (by the first of its four data- and tensor-parallel ranks, on a whole
+    copy they gather) and rank 0 plans for both stages: one plan on all 8 ranks, every layer of the
+    whole model, mixed formats, each stage within its own memory budget; the ranks of a
+    tensor-parallel group compute one loss, and the data-parallel ranks of a stage keep the same
+    weights under it."""
+    ranks = run(searching, tmp_path, world=PP * DP * TP)
+    window = SEARCH["monitor_window"]
+    assert all(r["phases"] == ["profiling"] * (window - 1) + ["planned"] * 4 for r in ranks)
+    assert all(r["plan"] == ranks[0]["plan"] for r in ranks) and all(r["stepped"] == [True] * (window + 3) for r in ranks)
+    plan = ap.Plan.from_dict(ranks[0]["plan"])
+    assert set(plan.layers) == set(ap.Plan.uniform(titan_llama(), "fp32", (token_batch(0)[0],)).layers) and len(plan.format_counts()) > 1
+    held, caps = plan.predicted["bytes_per_stage"], plan.budgets["memory_bytes_per_stage"]
+    assert set(held) == {"stage 0", "stage 1"} and all(held[s] <= caps[s] for s in held)
+    last = [r for r in ranks if r["pp"] == PP - 1]
+    for r in last:
+        assert all(torch.isfinite(torch.tensor(r["losses"]))) and r["losses"] == next(o for o in last if o["dp"] == r["dp"])["losses"]
+    for r in ranks:
+        peer = next(o for o in ranks if o["pp"] == r["pp"])
+        assert all(torch.equal(r["params"][n], v) for n, v in peer["params"].items())
