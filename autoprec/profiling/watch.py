@@ -139,8 +139,11 @@ class PlanWatch:
                     self._row_of[fqn, kind] = len(self._rows)
                     self._rows.append(_Row(fqn, kind, fmt, scaling))
         self._modules = [(fqn, modules[fqn]) for fqn in dict.fromkeys(r.fqn for r in self._rows)]
-        self._weights = [(self._row_of[fqn, "weight"], w) for fqn, m in self._modules if (fqn, "weight") in self._row_of
-                         for w in m.parameters(recurse=False) if w.dim() >= 2]
+        # The modules whose weights are watched, not the weights: FSDP2 swaps a module's parameters
+        # (sharded between steps, unsharded inside a forward, their storage freed after it), and a
+        # watch made inside a forward (bound there, a given plan's first window) read a freed
+        # unsharded weight at the window's end: a segmentation fault (2 stages x FSDP2 2).
+        self._weighted = [(self._row_of[fqn, "weight"], m) for fqn, m in self._modules if (fqn, "weight") in self._row_of]
         self._step = 0  # optimizer steps done in the window
         self._handles: list = []
         self._attached = False
@@ -224,8 +227,10 @@ class PlanWatch:
         if self._step % self.every == 0:
             with torch.no_grad():
                 if self._step // self.every == self.slots - 1:  # weights move slowly: once, nearest the review
-                    for row, weight in self._weights:
-                        self._take(row, weight)
+                    for row, module in self._weighted:
+                        for weight in module.parameters(recurse=False):
+                            if weight.dim() >= 2:
+                                self._take(row, weight)
                 if self._pending:
                     self._reduce_step(self._step // self.every)
         self._pending = []

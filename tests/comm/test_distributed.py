@@ -331,6 +331,41 @@ def test_fsdp2_skips_on_every_rank_and_promotes_at_one_step(tmp_path):
     assert {c["step"] for c in r0["changes"]} == {6}
 
 
+def fsdp_watch_scenario(rank, world, tmp):
+    """A given plan re-planned under fully_shard, watched on every step of 4-step windows, the
+    input of block 2's attention scaled 64-fold after the first window (an amax drift)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = titan_llama()
+    for module in (*model.layers.values(), model):
+        fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=None))
+    plan = ap.Plan.uniform(titan_llama(), "bf16", (token_batch(0)[0],))
+    sch = DynamicPrecisionScheduler.from_plan(model, plan, dynamic=True, monitor_window=4, sample_every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(9):
+        if step == 4:
+            with torch.no_grad():
+                dict(model.named_parameters())["layers.2.attention_norm.weight"].mul_(64.0)
+        x, y = token_batch(step, rank, world)
+        with sch.precision_context():
+            sch.backward(nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()))
+        sch.step(opt)
+        opt.zero_grad(set_to_none=True)
+    return {"steps": sch.step_count, "changes": [(c.step, c.fqn, c.old.value, c.new.value) for c in sch.changes]}
+
+
+@pytest.mark.slow
+def test_fsdp2_watches_a_given_plans_windows_and_promotes_on_every_rank(tmp_path):
+    """The planned window's watch was made inside the first forward (a given plan binds there),
+    while FSDP2 held the unsharded weights, and kept them: at the window's end it read a weight
+    whose storage FSDP2 had freed, and both ranks died of a segmentation fault. Now it reads each
+    module's weights when it samples them (the local shards between steps)."""
+    r0, r1 = run(fsdp_watch_scenario, tmp_path)
+    assert r0["steps"] == r1["steps"] == 9 and r0["changes"] == r1["changes"]
+    drifted = {fqn for step, fqn, old, new in r0["changes"] if step == 8 and (old, new) == ("bf16", "fp32")}
+    assert {"layers.2.attention.wq", "layers.2.attention.wk", "layers.2.attention.wv"} <= drifted
+
+
 def fsdp_search_scenario(rank, world, tmp):
     """The seed's loop under fully_shard: a scheduler with no plan, an inf loss on rank 1 after the search."""
     from torch.distributed.fsdp import fully_shard

@@ -160,3 +160,21 @@ def test_a_state_of_another_plan_is_refused():
     other = PlanWatch(net, {"0": LayerPrecision(Format.BF16)}, window=4, every=1)
     with pytest.raises(Exception, match="another plan or window"):
         other.load_state_dict(watch.state_dict())
+
+
+def test_the_stages_reports_join_and_a_stages_copies_pool_their_samples():
+    """`WatchReport.joined`: each pipeline stage watches its own layers, so the reports' layers are
+    united; two data-parallel copies of a stage watched the same (layer, kind) on other micro-batches,
+    so their fractions are pooled by the elements each sampled, their amaxes maxed per step."""
+    from autoprec.profiling.watch import TensorWatch, WatchReport
+
+    a = TensorWatch(Format.FP8_E4M3, "current", 100, 0.10, 0.00, (1.0, 4.0), 0)
+    b = TensorWatch(Format.FP8_E4M3, "current", 300, 0.02, 0.04, (2.0, 3.0), 1)
+    stage0 = WatchReport(4, {"blocks.0.fc": {"activation": a}})
+    copy0, copy1 = WatchReport(4, {"blocks.1.fc": {"grad": a}}), WatchReport(4, {"blocks.1.fc": {"grad": b}})
+    joined = WatchReport.joined([stage0, copy0, None, copy1])
+    assert set(joined.layers) == {"blocks.0.fc", "blocks.1.fc"} and joined.layers["blocks.0.fc"]["activation"] == a
+    pooled = joined.layers["blocks.1.fc"]["grad"]
+    assert pooled.sampled == 400 and pooled.overflow == pytest.approx((0.10 * 100 + 0.02 * 300) / 400)
+    assert pooled.underflow == pytest.approx(0.03) and pooled.amax == (2.0, 4.0) and pooled.nonfinite_steps == 1
+    assert WatchReport.joined([None, None]) is None
