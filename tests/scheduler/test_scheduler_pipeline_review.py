@@ -45,15 +45,19 @@ def the_plan() -> ap.Plan:
     return plan.with_layers({FP16_LAYER: ap.LayerPrecision(ap.Format.FP16)})
 
 
-def events(model, step):
-    """The run's two events on ``model`` (a stage or the whole model) at ``step``: before its
-    forward, the drift (if the model holds that norm); the hook that makes FP16_LAYER's gradient
-    inf on the injection steps (if it holds that layer). Returns the hook's handle or None."""
+def drift(model, step):
+    """Before ``step``'s forward, the drift, if ``model`` (a stage or the whole model) holds that norm."""
     params = dict(model.named_parameters())
     if step == DRIFT_AFTER + 1 and DRIFTED_NORM in params:
         with torch.no_grad():
             params[DRIFTED_NORM].mul_(64.0)
-    weight = params.get(FP16_LAYER + ".weight")
+
+
+def events(model, step):
+    """The run's two events on ``model`` at ``step``: the `drift`; the hook that makes FP16_LAYER's
+    gradient inf on the injection steps (if it holds that layer). Returns the hook's handle or None."""
+    drift(model, step)
+    weight = dict(model.named_parameters()).get(FP16_LAYER + ".weight")
     if step in NONFINITE_AT and weight is not None:
         return weight.register_hook(lambda g: torch.full_like(g, float("inf")))
     return None
@@ -168,3 +172,45 @@ def test_the_stages_train_as_the_whole_model_under_the_same_changes(results, ref
     for rank in range(WORLD):
         params = results[rank][case]["params"]
         assert params and all(torch.equal(p, reference["params"][n]) for n, p in params.items())
+
+
+def stages_sharded(rank):
+    """2 stages, each fully sharded (FSDP2) over 2 data-parallel ranks (1F1B, the ``("pp", "dp")``
+    mesh), the same plan and drift; the copies of a stage watch their own micro-batches."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    model = pipeline_stage(titan_llama(), pp, 2)
+    for module in (*model.layers.values(), model):
+        fully_shard(module, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=None))
+    scheduler = ap.DynamicPrecisionScheduler.from_plan(model, the_plan(), dynamic=True, **SETTINGS)
+    schedule = Schedule1F1B(PipelineStage(model, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group()), n_microbatches=MICRO,
+                            loss_fn=scheduler.pipeline_loss(token_loss))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        drift(model, step)  # (a hook on a sharded weight does not see its gradient: no inf injected here)
+        x, y = token_batch(step, dp, 2)
+        with scheduler.precision_context():
+            if pp == 0:
+                schedule.step(x.contiguous())
+            else:
+                schedule.step(target=y.contiguous(), losses=[])
+        scheduler.step(opt)
+        opt.zero_grad(set_to_none=True)
+    return {"changes": [(c.step, c.fqn, c.old.value, c.new.value) for c in scheduler.changes], "plan": scheduler.plan.to_dict()}
+
+
+@pytest.mark.slow  # 4 ranks: about 25 s on 2 cores; leg 1 only
+def test_stages_held_by_data_parallel_copies_make_one_change_on_all_four_ranks(tmp_path):
+    """Each stage's two FSDP2 copies watch their own micro-batches; the review pools them and rank
+    0's decision reaches all 4 ranks: the drift on stage 1 promotes block 2's attention to FP32 at
+    the second window's end and gives it back after a quiet one, everywhere alike. (This run found
+    the watch reading a freed FSDP2 weight: `tests/comm/test_distributed.py`.)"""
+    ranks = run(stages_sharded, tmp_path, world=4, timeout=datetime.timedelta(seconds=300))
+    assert all(r["changes"] == ranks[0]["changes"] and r["plan"] == ranks[0]["plan"] for r in ranks)
+    moved = {(step, fqn, old, new) for step, fqn, old, new in ranks[0]["changes"]}
+    for name in ("wq", "wk", "wv"):
+        assert (8, f"layers.2.attention.{name}", "bf16", "fp32") in moved and (12, f"layers.2.attention.{name}", "fp32", "bf16") in moved
