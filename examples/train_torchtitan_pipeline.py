@@ -67,7 +67,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format=f"[rank {rank}] %(message)s")
     torch.set_num_threads(1)
     model = stage_of(llama3(args.flavor), rank, world)
-    scheduler = ap.DynamicPrecisionScheduler(model, monitor_window=args.window, memory_budget=args.memory_budget, measure_costs=False,
+    scheduler = ap.DynamicPrecisionScheduler(model, monitor_window=args.window, memory_budget=args.memory_budget,
                                              formats=("fp32", "bf16", "fp8_e4m3", "int8"))
     schedule = ScheduleGPipe(PipelineStage(model, rank, world, torch.device("cpu")), n_microbatches=args.micro_batches,
                              loss_fn=scheduler.pipeline_loss(lambda logits, y: F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())))
