@@ -277,8 +277,10 @@ def plan_from_solution(
 
 def in_budget_terms(exc: InfeasibleBudgetError, fp32_bytes: float, baseline_loss: "float | None", where: str) -> InfeasibleBudgetError:
     """``exc`` restated in the units budgets are given in: a fraction of the FP32 bytes and,
-    with a baseline loss, a relative loss increase."""
-    loss_note = f", a relative loss increase of {exc.min_loss / abs(baseline_loss):.4g}" if baseline_loss else ""
+    with a baseline loss, a relative loss increase (where the memory budget was met: below its
+    floor, the least loss was taken with that budget dropped, which the all-FP32 plan meets)."""
+    missed_memory = exc.formats_floor is not None
+    loss_note = f", a relative loss increase of {exc.min_loss / abs(baseline_loss):.4g}" if baseline_loss and not missed_memory else ""
     memory = f"memory {exc.min_bytes / fp32_bytes:.3f} of the FP32 bytes"
     if exc.formats_floor is not None and exc.recompute_floor is not None:
         memory = f"memory {exc.formats_floor / fp32_bytes:.3f} of the FP32 bytes with formats alone, {exc.recompute_floor / fp32_bytes:.3f} with blocks recomputed"

@@ -168,3 +168,22 @@ def test_the_slowest_stage_sets_the_pace_where_the_summed_seconds_would_leave_it
         as_fast = [p for p in plans if pace[id(p)] <= tied.step_seconds * (1 + 1e-9)]
         assert tied.total.loss <= min(space.totals(*p).loss for p in as_fast) * (1 + 1e-6) + 1e-12
     assert slower >= 4
+
+
+def test_a_missed_memory_budget_is_restated_without_a_loss_figure_a_missed_accuracy_budget_with_one():
+    """Below its memory floor, the least loss is taken with the memory budget dropped (the all-FP32
+    plan: 0), so "a relative loss increase of 0" beside it read as the accuracy budget to set; where
+    the accuracy budget is the one missed, its least reachable increase is the figure to state."""
+    from autoprec.search.planner import in_budget_terms
+
+    space, members = staged_space(0)
+    fp32 = held(space, members, space.uniform(Format.FP32), ())
+    with pytest.raises(InfeasibleBudgetError) as memory:
+        k_best(space, {stage: 0.01 * fp32[stage] for stage in STAGES})
+    said = str(in_budget_terms(memory.value, sum(fp32.values()), 2.0, "scheduler: "))
+    assert "of the FP32 bytes" in said and "relative loss increase" not in said
+    loss_floor = space.totals(space.extreme("loss")).loss
+    with pytest.raises(InfeasibleBudgetError) as accuracy:
+        k_best(space, {stage: fp32[stage] for stage in STAGES}, loss_floor / 2 if loss_floor else -1.0)
+    said = str(in_budget_terms(accuracy.value, sum(fp32.values()), 2.0, "scheduler: "))
+    assert f"a relative loss increase of {accuracy.value.min_loss / 2.0:.4g}" in said
