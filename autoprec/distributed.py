@@ -338,12 +338,14 @@ class RankAgreement:
 
     def reduce_checks(self, ratios: torch.Tensor, measured: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A planned check step's figures (`scheduler.plan_checks`) of every rank: the saturation
-        ``ratios`` maxed, the ``measured`` loss figures averaged; two all-reduces of a few floats."""
+        ``ratios`` maxed, the ``measured`` loss figures averaged over the ranks (under a pipeline,
+        over each stage's data-parallel copies, and summed over the stages); two all-reduces of a
+        few floats."""
         ratios, measured = ratios.clone(), measured.clone()
         if ratios.numel():
             self._all_reduce(ratios, dist.ReduceOp.MAX)
         self._all_reduce(measured, dist.ReduceOp.SUM)
-        return ratios, measured / self.world
+        return ratios, measured / (self.stage_replicas or self.world)
 
     def reduce_window(self, profiler, loss_sum: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Combine the profiler's (or a planned window's `PlanWatch`'s) window statistics and the

@@ -413,7 +413,7 @@ class DynamicPrecisionScheduler:
         if self._writer is None and (dist is None or dist.rank == 0):  # one rank writes
             self._writer = None if self.config.log_dir is None else TrainingWriter(self.config.log_dir, flush_every=min(100, self.config.monitor_window))
         self._measures.bind(model, example, self.layers)
-        self._plan_checks.bind(model)
+        self._plan_checks.bind(model, stage=self._stage is not None)
         self._plans.bind(model, self.layers, writer=self._writer, on_plan=None if dist is None and self._gathers is None else self._on_plan, stage=self._stage is not None)
 
     def _on_plan(self, plan: Plan) -> None:
@@ -465,7 +465,7 @@ class DynamicPrecisionScheduler:
     def _checks_due(self) -> bool:
         """Whether this step checks the plan in force (`plan_checks`): a dynamic scheduler's
         planned step, every ``sample_every``-th of the window."""
-        return self.phase == "planned" and self.plan is not None and self._stage is None and self._plan_checks.due(self.step_count, self.window_start)
+        return self.phase == "planned" and self.plan is not None and self._plan_checks.due(self.step_count, self.window_start)
 
     # -- windows --------------------------------------------------------------------------------
 

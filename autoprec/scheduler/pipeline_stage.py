@@ -38,9 +38,10 @@ non-finite gradients, so each rank counts them and promotes alike; at a planned 
 each stage's watch report (its own layers) is gathered and joined (`joined_report`), rank 0
 reviews the whole plan on it and sends its decision (`RankAgreement.decide`), and each stage
 runs its part of the new plan. A promotion is paid for by lowerings on its own stage (each
-stage's memory budget: `promotion_bytes`). The planned steps' checks (a reference forward's
-loss against the budget, `plan_checks`) need the loss on the rank that runs them, and do not
-run on a stage.
+stage's memory budget: `promotion_bytes`). The planned steps' checks run on every stage
+(`plan_checks`): saturation per layer, maxed over the ranks, and the accuracy budget measured as
+the stages' terms of the linearised loss change, summed across the ranks with the last stage's
+loss.
 
 Costs: at the first step one ``all_gather_object`` of a hash, a
 flag, a count, the stage's index and its layer names; per step nothing beyond the agreement's

@@ -27,6 +27,16 @@ after that step's optimizer step:
   predicted loss (`policy.accuracy_promotions`). Logged when over, and written to TensorBoard
   (``accuracy/measured_loss_increase``, ``accuracy/allowed_loss_increase``, both relative).
 
+**On a pipeline stage** (`pipeline_stage`) no stage sees both the whole model's output and its
+input: each stage measures its own term of the linearised change, ``<dL/dy_s, y_s planned -
+y_s reference>`` on its first captured micro-batch (``y_s``: the stage's output, its gradient the
+one the schedule's backward brought; the reference run on the input the plan gave the stage), the
+last stage adds that micro-batch's loss, and the ranks sum them (a stage's data-parallel copies
+averaged): by the chain rule the stages' terms add up to the whole model's first-order change.
+The gradients that reach an earlier stage went through the plan's backward, so its term carries
+that backward's rounding too: a plan whose change is at the level of rounding noise reads as
+noise around zero, as the whole model's linearised check does.
+
 Costs, on a check step only: a forward pre-hook on the model; one forward without gradients
 (about a third of a step) when an accuracy budget is set; one host read of the losses and the
 saturation ratios (after the scaler's own sync, so nothing waits longer). Under
@@ -47,6 +57,7 @@ import torch.nn as nn
 from ..calls import ModelCall, fresh, loss_of, prediction_of
 from ..errors import ModelCallError
 from ..formats import Format
+from ..runtime.recompute import training_forward
 from .policy import accuracy_promotions, saturation_actions
 
 if TYPE_CHECKING:
@@ -98,11 +109,13 @@ class PlanChecks:
         self._reference = 0.0  # reference losses since then (an absolute budget's denominator)
         self._count = 0
         self._plan: "Optional[Plan]" = None  # the plan the running mean is of
+        self._stage = False  # the model is a pipeline stage: its term of the change, summed over the stages (module docstring)
         self.recalibrated: set[str] = set()  # layers recalibrated for saturation in this window
         self.last: Optional[CheckFigures] = None
 
-    def bind(self, model: nn.Module) -> None:
-        self._model = model
+    def bind(self, model: nn.Module, stage: bool = False) -> None:
+        """The model checked; ``stage``: a pipeline stage's (module docstring)."""
+        self._model, self._stage = model, stage
 
     def due(self, step: int, window_start: int) -> bool:
         """Whether the step after ``step`` done steps is a check step (every ``sample_every``-th
@@ -146,8 +159,8 @@ class PlanChecks:
             stack.callback(handle.remove)
 
     def _capture(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not torch.is_grad_enabled() or self._call is not None:
-            return  # an evaluation forward, or a second call of the model in this step
+        if not training_forward() or self._call is not None:
+            return  # an evaluation forward, a pipeline's metadata inference, or a second call of the model in this step
         device = next(module.parameters()).device
         cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         # Objects the forward changes (a KV cache) as they were, their tensors detached (`ModelCall.first`).
@@ -192,7 +205,7 @@ class PlanChecks:
         host sync."""
         call, planned, output, grad, user_loss = self._call, self._planned, self._output, self._grad, self._user_loss
         self._call = self._planned = self._output = self._grad = self._user_loss = None
-        if call is None or self._model is None or (planned is None and (grad is None or user_loss is None)):
+        if call is None or self._model is None or (planned is None and (grad is None or (user_loss is None and not self._stage))):
             return  # nothing captured, or a prediction that took no gradient
         model_call, cpu_rng, cuda_rng = call
         device = next(self._model.parameters()).device
@@ -206,10 +219,15 @@ class PlanChecks:
         if planned is not None:
             ref_loss = loss_of(reference).detach().float()
             increase = planned - ref_loss
-        elif grad is not None and output is not None and user_loss is not None:
+        elif grad is not None and output is not None and (user_loss is not None or self._stage):
             y_ref = prediction_of(reference).float()
             scale = loss_scale if loss_scale is not None else 1.0
             increase = (grad.float() * (output.float() - y_ref)).sum() / scale
+            if self._stage:  # this stage's term and, on the last, the loss: summed over the stages in `read`
+                self._pending = torch.stack([increase.reshape(()), (user_loss if user_loss is not None else torch.zeros_like(increase)).reshape(())])
+                return
+            if user_loss is None:
+                return
             ref_loss = user_loss - increase
         else:
             return
@@ -235,6 +253,10 @@ class PlanChecks:
         values = torch.cat([ratios, measured]).tolist()
         saturation = {n: v for n, v in zip(names, values[: len(names)]) if not v < 0}  # NaN (a non-finite input) stays
         increase, reference = values[len(names):]
+        if self._stage:  # the stages' terms summed, and the loss: the whole model's linearised change
+            change, loss = increase, reference
+            reference = loss - change
+            increase = change / abs(reference) if reference else math.nan
         if plan is not self._plan:  # a promotion, a demotion, a new search: its own mean
             self._sum = self._reference = 0.0
             self._count = 0

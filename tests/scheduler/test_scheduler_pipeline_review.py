@@ -17,6 +17,7 @@ promotions and the demotions not resuming them. Before: ``from_plan(..., dynamic
 stage was refused ("promotions and demotions need every layer's statistics on one rank"), and a
 plan searched on the stages stayed fixed."""
 
+import copy
 import datetime
 import io
 
@@ -214,3 +215,65 @@ def test_stages_held_by_data_parallel_copies_make_one_change_on_all_four_ranks(t
     moved = {(step, fqn, old, new) for step, fqn, old, new in ranks[0]["changes"]}
     for name in ("wq", "wk", "wv"):
         assert (8, f"layers.2.attention.{name}", "bf16", "fp32") in moved and (12, f"layers.2.attention.{name}", "fp32", "bf16") in moved
+
+
+CHECKED = {"monitor_window": 8, "sample_every": 1, "accuracy_budget": 0.5}
+CHECKED_STEPS = 2
+
+
+def fp8_plan() -> ap.Plan:
+    return ap.Plan.uniform(titan_llama(), "fp8_e4m3", (token_batch(0)[0],))
+
+
+def checked(rank):
+    """Two steps of the FP8 plan re-planned on the stages, each a check step, the weights held
+    still (lr 0): the mean measured loss increase every rank reads after them. (Torch 2.11's
+    shape inference binds the scheduler in a forward without gradients, where no check starts:
+    there only the second step is checked.)"""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    model = pipeline_stage(titan_llama(), rank, WORLD)
+    scheduler = ap.DynamicPrecisionScheduler.from_plan(model, fp8_plan(), dynamic=True, **CHECKED)
+    schedule = ScheduleGPipe(PipelineStage(model, rank, WORLD, torch.device("cpu")), n_microbatches=MICRO, loss_fn=scheduler.pipeline_loss(token_loss))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    for step in range(CHECKED_STEPS):
+        two_stage_step(scheduler, schedule, rank, step)
+        scheduler.step(opt)
+    return {"increase": scheduler.last_check.increase, "checks": scheduler.last_check.checks, "allowed": scheduler.last_check.allowed}
+
+
+def linearised_by_hand(step):
+    """The same check in plain PyTorch on ``step``'s first micro-batch: each stage of the whole model
+    planned (`apply_plan` with its part), the loss's gradients at both stages' outputs, each
+    stage's FP32 reference on the input the plan gave it; the stages' terms summed over the loss
+    less their sum (the reference loss)."""
+    model, plan = titan_llama(), fp8_plan()
+    stages = [pipeline_stage(copy.deepcopy(model), s, WORLD) for s in range(WORLD)]
+    x, y = (t.chunk(MICRO)[0] for t in token_batch(step))
+    with ap.apply_plan(stages[0], plan.for_stage(stages[0])):
+        h = stages[0](x)
+    h_in = h.detach().requires_grad_()
+    with ap.apply_plan(stages[1], plan.for_stage(stages[1])):
+        logits = stages[1](h_in)
+    logits.retain_grad()
+    loss = token_loss(logits, y)
+    loss.backward()
+    with torch.no_grad():
+        h_ref, logits_ref = stages[0](x), stages[1](h_in.detach())
+    change = (h_in.grad.float() * (h.detach().float() - h_ref.float())).sum() + (logits.grad.float() * (logits.detach().float() - logits_ref.float())).sum()
+    return float(change / (loss.detach() - change).abs())
+
+
+def test_the_stages_measure_the_whole_models_linearised_loss_increase_together(tmp_path):
+    """Each stage's term of the accuracy check (its output's change against its FP32 reference,
+    times the gradient the schedule brought it), the last stage's loss, summed across the ranks:
+    every rank reads the figure the whole model's stages give by hand. Before, a stage ran no
+    accuracy check at all (it never sees both the loss and the model's input)."""
+    ranks = run(checked, tmp_path, timeout=datetime.timedelta(seconds=120))
+    checks = ranks[0]["checks"]
+    assert ranks[0] == ranks[1] and checks in (1, 2) and ranks[0]["allowed"] == CHECKED["accuracy_budget"]
+    by_hand = [linearised_by_hand(step) for step in range(CHECKED_STEPS)][-checks:]
+    # Within float32 sums' rounding (4e-4 of the figure here: the terms are sums over whole
+    # activations, reduced in another order); a stage's term left out or counted twice moves it by
+    # its whole size.
+    assert ranks[0]["increase"] == pytest.approx(sum(by_hand) / checks, rel=5e-3)
