@@ -55,13 +55,13 @@ def stage_run(rank, schedule_name, saved=None, **settings):
 
 
 def trained(rank, model, scheduler, schedule, steps, lr=LR, nonfinite_at=None):
-    """``nonfinite_at``: a step after the plan at which the linear layer of stage 1 whose promotion
-    to BF16 adds the most predicted bytes gets an inf gradient (the promoted case)."""
+    """``nonfinite_at``: a step after the plan at which the lowered linear layer of stage 1 whose
+    promotion adds the most predicted bytes gets an inf gradient (the promoted case)."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses, phases, hook = [], [], None
     for step in steps:
         if step == nonfinite_at and rank == 1:
-            lowered = [f for f, lp in scheduler.plan.for_stage(model).layers.items() if lp.format.bits < 16 and hasattr(model.get_submodule(f), "weight")]
+            lowered = [f for f, lp in scheduler.plan.for_stage(model).layers.items() if lp.format is not Format.FP32 and hasattr(model.get_submodule(f), "weight")]
             fqn = max(lowered, key=lambda f: promotion_bytes(scheduler.plan, f))
             hook = model.get_submodule(fqn).weight.register_hook(lambda g: torch.full_like(g, float("inf")))
         losses.append(two_stage_step(scheduler, schedule, rank, step))
@@ -79,9 +79,9 @@ def trained(rank, model, scheduler, schedule, steps, lr=LR, nonfinite_at=None):
 
 
 def promotion_bytes(plan, fqn):
-    """The predicted bytes ``fqn`` adds to its stage when promoted from its format to BF16."""
-    options = plan.predicted["layers"][fqn]["options"]
-    return options["bf16"]["bytes"] - options[plan.layers[fqn].format.value]["bytes"]
+    """The predicted bytes ``fqn`` adds to its stage when promoted one step (8-bit to BF16, BF16 to FP32)."""
+    options, fmt = plan.predicted["layers"][fqn]["options"], plan.layers[fqn].format
+    return options["bf16" if fmt.bits < 16 else "fp32"]["bytes"] - options[fmt.value]["bytes"]
 
 
 def resumed(rank):
