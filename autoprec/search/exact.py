@@ -322,7 +322,8 @@ def _solve(space: SearchSpace, objective: str, memory: "float | Mapping[str, flo
     centres = ([_variables(program, cuts[-1])] if cuts else []) + [np.round(relaxed.x)]
     x, gap, feasible = None, np.inf, np.inf  # feasible: the least layers' part of a plan found, bounding the optimum's
     # The components each try frees depend on the LP alone, not on the centre: found once.
-    freed = {n: _freed(relaxed, component, n) | set(component[len(component) - int(program.paced):].tolist()) for n in FREED_NEIGHBOURS}
+    always = {int(component[-1])} if program.paced else set()  # t's component: never fixed
+    freed = {n: _freed(relaxed, component, n) | always for n in FREED_NEIGHBOURS}
     components = len(np.unique(component))
     for centre, neighbours in ((c, n) for c in centres for n in FREED_NEIGHBOURS):
         free = freed[neighbours]
