@@ -374,10 +374,11 @@ def loop_scenario(rank, sequence_parallel, data_parallel=False, pin=None, tp=WOR
                                              formats=["fp32", "bf16", "fp8_e4m3", "int8"], rules=ap.LayerRules(pin=pin or {}),
                                              recompute=None if tp == 4 else [])
     losses, planned, before_last = [], 0, None
-    # The window, probes and off-path work (about 80 steps here, a count), then up to MEMORY_ROUNDS
-    # rounds of candidates (12 steps each): which plans the probes' timings propose, and so how
-    # many rounds keep to the budget, moves with the machine's load (2 rounds in a loaded CI run).
-    for step in range(80 + MEMORY_ROUNDS * 12 + 3 + 10):
+    # The window, probes and off-path work (a count of steps: about 80 here, 100 with the blocks
+    # searched for recomputation), then up to MEMORY_ROUNDS rounds of candidates (12 steps each):
+    # which plans the probes' timings propose, and so how many rounds keep to the budget, moves
+    # with the machine's load (3 rounds in a loaded CI run on 4 ranks).
+    for step in range((100 if tp == 4 else 80) + MEMORY_ROUNDS * 12 + 3 + 10):
         x, y = token_batch(step, *rows)
         if planned == 2:  # the weights and the runtime's state the last planned step starts from
             before_last = {"step": step, "params": {k: _full(v).detach().clone() for k, v in model.named_parameters()},
