@@ -194,6 +194,20 @@ class LayerPrecision:
         problems.extend(found)
         return None if found else lp
 
+    @property
+    def recipe(self) -> str:
+        """The layer's recipe in words: its format, then its scaling granularity, delayed scaling
+        and gradient format where not the format's defaults (``"fp8_e4m3"``, ``"fp8_e4m3/block"``,
+        ``"nvfp4+fp32 backward"``); calibration, margins and histories aside."""
+        name = self.format.value
+        if self.format.needs_scale and self.scaling.granularity is not Granularity.TENSOR:
+            name += f"/{self.scaling.granularity.value}"
+        if self.format.needs_scale and self.scaling.mode is ScalingMode.DELAYED:
+            name += "/delayed"
+        if self.grad_format is not LayerPrecision(self.format, scaling=self.scaling).grad_format:
+            name += f"+{self.grad_format.value} backward"
+        return name
+
     def cast_of(self, kind: str) -> tuple[Format, str]:
         """The format this layer casts a tensor of one kind to, and the scaling that casts it, as
         a profile names it: gradients use current scaling, weights and activations the layer's

@@ -40,7 +40,8 @@ from ..costs.targets import TARGETS, TargetDevice, load_target
 from ..errors import CostModelError, FormatError, SearchError
 from ..formats import Format
 from ..search.study import JOURNAL_SCHEME, JOURNAL_SUFFIXES
-from ..search.space import DEFAULT_CANDIDATES, MEMORY_SPELLINGS, Budgets, LayerRules, Planning, formats_for_precision, memory_budget
+from ..search.planning import Planning
+from ..search.space import DEFAULT_CANDIDATES, MEMORY_SPELLINGS, Budgets, LayerRules, formats_for_precision, memory_budget
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -64,7 +65,7 @@ class JobConfig:
     max_precision: int = 32
     formats: tuple[Format, ...] = DEFAULT_CANDIDATES
     scaling: Mapping[Format, Any] = dataclasses.field(default_factory=dict)  # `Planning.scaling`
-    grad_formats: Mapping[Format, Format] = dataclasses.field(default_factory=dict)  # `Planning.grad_formats`
+    grad_formats: Mapping[Format, Any] = dataclasses.field(default_factory=dict)  # `Planning.grad_formats`
     storage: str = "study.db"
     study_name: str = ""
     seed: int = 0
@@ -164,10 +165,11 @@ def _format_list(v):
 
 
 def _per_format(field: str) -> Callable:
-    """The parser of a table of format = name (`Planning`'s ``scaling``: "tensor" | "row" |
-    "block" | "mx"; ``grad_formats``: a gradient format), checked as `Planning` checks it."""
+    """The parser of a table of format = name, or a list of names weighed per layer
+    (`Planning`'s ``scaling``: "tensor" | "row" | "block" | "mx"; ``grad_formats``: a gradient
+    format), checked as `Planning` checks it."""
     def parse(v):
-        table = {_str(k): _str(g) for k, g in _table(v).items()}
+        table = {_str(k): [_str(x) for x in g] if isinstance(g, list) else _str(g) for k, g in _table(v).items()}
         try:
             return getattr(Planning((), **{field: table}), field)
         except SearchError:
@@ -208,8 +210,10 @@ _SCHEMA: dict[str, dict[str, tuple[Callable, str]]] = {
         "min_precision": (_int(4), "4, 8, 16 or 32"),
         "max_precision": (_int(4), "4, 8, 16 or 32"),
         "formats": (_format_list, f"a non-empty list of formats ({FORMATS})"),
-        "scaling": (_per_format("scaling"), 'a table of scaled format = "tensor", "row" or "block", e.g. {fp8_e4m3 = "block"}'),
-        "grad_formats": (_per_format("grad_formats"), 'a table of format = its gradient format, e.g. {nvfp4 = "fp32"} (nvfp4 forwards, high-precision backwards)'),
+        "scaling": (_per_format("scaling"), 'a table of scaled format = "tensor", "row", "block" or "mx", or a list of them the search '
+                    'weighs per layer, e.g. {fp8_e4m3 = "block"} or {fp8_e4m3 = ["tensor", "block"]}'),
+        "grad_formats": (_per_format("grad_formats"), 'a table of format = its gradient format, e.g. {nvfp4 = "fp32"} (nvfp4 forwards, high-precision backwards), '
+                         'or a list of them the search weighs per layer, e.g. {fp8_e4m3 = ["fp8_e5m2", "fp32"]}'),
         "storage": (_str, "a file path (.journal / .log: a journal file, else SQLite) or an Optuna storage URL"),
         "study_name": (_str, "a non-empty string"),
         "seed": (_int(0), "an integer >= 0"),

@@ -32,6 +32,7 @@ import math
 import os
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -55,7 +56,7 @@ from ..noise import Verdict
 from ..search.pipeline import Proposal, propose_plans
 from ..search.planner import floor_settings, layer_reasons, measured_reasons, plan_from_solution
 from ..search.refine import CorrectingSampler
-from ..search.space import SearchSpace
+from ..search.space import SearchSpace, key_name
 from ..search.study import open_storage, quiet_interrupts
 from .config import JobConfig, load_job_workload
 from .workers import WorkerPayload, adopt_candidates, check_workers, run_workers
@@ -118,7 +119,7 @@ class JobResult:
             row(name, "-", ref, predicted, "reference")
         chosen = self.chosen.id if self.chosen is not None else None
         for candidate, m in self.candidates:
-            counts = ",".join(f"{n} {f}" for f, n in candidate.plan.format_counts().items())
+            counts = ",".join(f"{n} {recipe}" for recipe, n in Counter(lp.recipe for lp in candidate.plan.layers.values()).items())
             counts = f"torch.autocast {counts.split()[-1]}" if candidate.autocast else counts
             if candidate.plan.recompute:
                 counts += f", {len(candidate.plan.recompute)} blocks recomputed"
@@ -288,7 +289,7 @@ def _signature(space: SearchSpace, memory: float, loss: float) -> str:
     """What a study's trials depend on: the units, their formats and the budgets."""
     # An open budget is inf: JSON writes it as Infinity, round() cannot take it.
     budgets = [round(memory) if math.isfinite(memory) else memory, float(f"{loss:.6g}")]
-    signature = {"units": {u.name: [f.value for f in u.formats] for u in space.units}, "budgets": budgets}
+    signature = {"units": {u.name: [key_name(f) for f in u.formats] for u in space.units}, "budgets": budgets}
     if space.blocks:  # only then: a study of a search without blocks keeps its digest
         signature["blocks"] = [b.name for b in space.blocks]
     return hashlib.sha1(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:16]
@@ -502,7 +503,8 @@ def _search(config: JobConfig, progress, workers: int, device, storage, start: f
         # After the initial design, the learning sampler proposes plans (`search.refine`): formats
         # around the recompute set of the proxy's optimum, which it keeps.
         sampler = CorrectingSampler(space.fixing_recompute(sorted(exact.recompute)), [c.plan for c in candidates if not c.autocast],
-                                    measured_memory, loss_budget, fp32_cost.step_seconds, config.measured_trials, recompute=sorted(exact.recompute))
+                                    measured_memory, loss_budget, fp32_cost.step_seconds, config.measured_trials, recompute=sorted(exact.recompute),
+                                    precisions=costs.precisions)
         measured_study.sampler = sampler
     # On a CPU: each trial's load sets the next one's threads (the workers are reaped inside a
     # span: their time is this job's own).

@@ -17,7 +17,8 @@ from ..errors import SearchError, SettingsError
 from ..formats import CommMethod, Format
 from ..plan import Scaling
 from ..scaling import LossScaling
-from ..search.space import DEFAULT_CANDIDATES, Budgets, LayerRules, Planning, RangeLimits, formats_for_precision, memory_budget, MEMORY_SPELLINGS
+from ..search.planning import Planning, RangeLimits
+from ..search.space import DEFAULT_CANDIDATES, Budgets, LayerRules, formats_for_precision, memory_budget, MEMORY_SPELLINGS
 
 __all__ = ["SchedulerConfig", "Thresholds", "GRAD_COMM", "AUTO_COMM", "config_of"]
 
@@ -115,10 +116,12 @@ class SchedulerConfig:
     rules: LayerRules = LayerRules()
     # format -> how its tensors are scaled in the search and the plan (`Planning.scaling`), e.g.
     # {"fp8_e4m3": "block"} for DeepSeek-V3's fine-grained FP8; empty: current per-tensor.
-    # Given by name or enum; held as Format -> Scaling.
+    # Given by name or enum, or a list of them the search weighs per layer (`Planning.alternatives`);
+    # held as Format -> tuple of Scalings.
     scaling: "Mapping[Format | str, Scaling | str]" = dataclasses.field(default_factory=dict)
     # format -> its layers' gradient format in the search and the plan (`Planning.grad_formats`),
     # e.g. {"nvfp4": "fp32"}: NVFP4 forwards, high-precision backwards; empty: each format's default.
+    # A list: weighed per layer, as ``scaling``'s; held as Format -> tuple of Formats.
     grad_formats: "Mapping[Format | str, Format | str]" = dataclasses.field(default_factory=dict)
     search_timeout_s: float = 60.0
     search_slice: Optional[float] = 1.0

@@ -34,7 +34,7 @@ import os
 import statistics
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, Optional, Sequence, cast
 
 import optuna
 import torch
@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 from ..calls import loss_of
 from ..formats import Format
 from ..saved_bytes import SavedTensorMeter
-from ..plan import Plan
+from ..plan import LayerPrecision, Plan
 from ..runtime import EmulationWarning, apply_plan, removing
 from ..device_clock import rotated, timed
 from ..workload import TrainStep
@@ -157,14 +157,16 @@ class AutocastCheckpoint:
 
 
 def candidate_id(plan: Plan) -> str:
-    """A short stable id of a plan's formats and recomputed blocks (same layers, formats and
-    recompute set, same id; a plan recomputing nothing keeps the id it had before blocks)."""
-    return formats_id({fqn: lp.format for fqn, lp in plan.layers.items()}, plan.recompute)
+    """A short stable id of a plan's recipes and recomputed blocks (same layers, recipes and
+    recompute set, same id; a plan recomputing nothing keeps the id it had before blocks, one
+    in the formats' default scalings the id it had before recipes)."""
+    return formats_id(plan.layers, plan.recompute)
 
 
-def formats_id(formats: "dict[str, Format]", recompute: Iterable[str] = ()) -> str:
-    """`candidate_id` of a plan with these layer formats (fqn -> format) recomputing ``recompute``."""
-    text = ";".join(f"{fqn}={Format.parse(fmt).value}" for fqn, fmt in sorted(formats.items()))
+def formats_id(formats: "Mapping[str, Format | LayerPrecision]", recompute: Iterable[str] = ()) -> str:
+    """`candidate_id` of a plan with these layer precisions (fqn -> `LayerPrecision`, named by
+    its recipe, or a format in its default recipe) recomputing ``recompute``."""
+    text = ";".join(f"{fqn}={lp.recipe if isinstance(lp, LayerPrecision) else Format.parse(lp).value}" for fqn, lp in sorted(formats.items()))
     recompute = sorted(recompute)
     if recompute:
         text += ";recompute=" + ",".join(recompute)
@@ -444,7 +446,7 @@ class MeasuredStage:
                 if not trial.relative_params:
                     trial.set_user_attr("skipped", "the learning sampler stopped")
                     raise optuna.TrialPruned("the learning sampler stopped")
-                proposed = {u.name: Format.parse(trial.suggest_categorical(u.name, [f.value for f in u.choices])) for u in refine.space.units}
+                proposed = refine.assignment_named({u.name: trial.suggest_categorical(u.name, list(refine.choice_names(u))) for u in refine.space.units})
                 candidate = refine.candidate(proposed, f"refined-{trial.number}")
                 cid = candidate.id
                 by_id.setdefault(cid, candidate)
@@ -453,7 +455,7 @@ class MeasuredStage:
             if cid not in by_id and refine is not None and REFINED_ASSIGNMENT in trial.user_attrs.get(REFINED_ATTR, {}):
                 # The sampler's plan, queued again after its worker died (or proposed by another
                 # worker): measured from its recorded assignment, not skipped and proposed anew.
-                proposed = {name: Format.parse(value) for name, value in trial.user_attrs[REFINED_ATTR][REFINED_ASSIGNMENT].items()}
+                proposed = refine.assignment_named(trial.user_attrs[REFINED_ATTR][REFINED_ASSIGNMENT])
                 candidate = refine.candidate(proposed, trial.user_attrs.get("name", f"refined-{trial.number}"))
                 if candidate.id == cid:
                     by_id[cid] = candidate
@@ -523,7 +525,7 @@ class MeasuredStage:
         self.refined = []
         for cid, trial in finished().items():
             if cid not in by_id and refine is not None and trial.params:  # another worker's proposal
-                proposed = {name: Format.parse(value) for name, value in trial.params.items()}
+                proposed = refine.assignment_named(trial.params)
                 by_id[cid] = refine.candidate(proposed, trial.user_attrs.get("name", f"refined-{trial.number}"))
             if cid not in by_id:
                 continue

@@ -58,7 +58,7 @@ from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
 from ..errors import InfeasibleBudgetError, SearchError
 from ..formats import Format
-from .space import Choice, SearchSpace
+from .space import Choice, ChoiceKey, SearchSpace, choice_key, key_format
 
 __all__ = ["MIP_GAP", "Solution", "solve_exact", "smallest_reachable", "k_best"]
 
@@ -68,10 +68,10 @@ MIP_GAP = 1e-2
 
 @dataclasses.dataclass(frozen=True)
 class Solution:
-    """An assignment (unit name -> format), the blocks it recomputes, and its summed cost (fixed
-    costs and recomputation included)."""
+    """An assignment (unit name -> format, or an alternative recipe: `space.choice_key`), the
+    blocks it recomputes, and its summed cost (fixed costs and recomputation included)."""
 
-    assignment: Mapping[str, Format]
+    assignment: Mapping[str, ChoiceKey]
     total: Choice
     recompute: frozenset = frozenset()
     gap: float = 0.0  # its predicted step's relative gap to the best step proven (layers and the rest; MIP_GAP or less when solved to the end)
@@ -149,7 +149,7 @@ def _program(space: SearchSpace, paced: bool = False) -> _Program:
     return _Program(columns, blocks, links, one_hot, bytes_, loss, seconds, paced)
 
 
-def _cut(program: _Program, found: "Solution | Mapping[str, Format]") -> tuple[np.ndarray, float]:
+def _cut(program: _Program, found: "Solution | Mapping[str, ChoiceKey]") -> tuple[np.ndarray, float]:
     """The no-good cut of ``found`` (a `Solution`, or an assignment recomputing nothing): a row
     and its upper bound, so that this assignment with this recompute set is not chosen again.
 
@@ -179,7 +179,7 @@ class _Rows:
 
 
 def _rows(space: SearchSpace, program: _Program, memory: "float | Mapping[str, float]", loss_budget: float,
-          cuts: "Sequence[Solution | Mapping[str, Format]]", pace: "float | None" = None) -> _Rows:
+          cuts: "Sequence[Solution | Mapping[str, ChoiceKey]]", pace: "float | None" = None) -> _Rows:
     nx, nb, nl = len(program.columns), len(program.blocks), len(program.links)
     # Sparse rows: a unit's one-hot row and a link's rows name 2-6 variables each, so the
     # matrices hold O(variables) entries (dense, 1,025 layers would be ~10^7 per matrix).
@@ -289,7 +289,7 @@ def _components(space: SearchSpace, program: _Program) -> np.ndarray:
 
 
 def _solve(space: SearchSpace, objective: str, memory: "float | Mapping[str, float]", loss_budget: float,
-           cuts: "Sequence[Solution | Mapping[str, Format]]" = (), time_limit: "float | None" = None, proven: bool = False):
+           cuts: "Sequence[Solution | Mapping[str, ChoiceKey]]" = (), time_limit: "float | None" = None, proven: bool = False):
     """The program's optimum to `MIP_GAP`, None when infeasible (or, with ``proven``, when the
     gap was not proven within ``time_limit``).
 
@@ -416,13 +416,13 @@ def _limited(options: dict, deadline: "float | None") -> dict:
 FREED_NEIGHBOURS = (4, 16)
 
 
-def _variables(program: _Program, found: "Solution | Mapping[str, Format]") -> np.ndarray:
+def _variables(program: _Program, found: "Solution | Mapping[str, ChoiceKey]") -> np.ndarray:
     """The program's variables (x, r, z) of plan ``found`` (a `Solution`, or an assignment
     recomputing nothing)."""
     assignment, recompute = (found.assignment, found.recompute) if isinstance(found, Solution) else (found, frozenset())
     nx, nb = len(program.columns), len(program.blocks)
     x = np.zeros(program.size)  # t (a paced program's) 0: it is never fixed at a plan's value
-    x[:nx] = [float(assignment[name] is fmt) for name, fmt, _ in program.columns]
+    x[:nx] = [float(choice_key(assignment[name]) == key) for name, key, _ in program.columns]
     x[nx : nx + nb] = [float(name in recompute) for name in program.blocks]
     x[nx + nb : nx + nb + len(program.links)] = [x[i] * x[nx + r] for i, r, _, _ in program.links]
     return x
@@ -500,9 +500,9 @@ def _all_fp32(space: SearchSpace) -> "Solution | None":
     return Solution(assignment, space.totals(assignment), slowest_part=space.step_seconds(assignment) if space.parts else None)
 
 
-def _is_all_fp32(found: "Solution | Mapping[str, Format]") -> bool:
+def _is_all_fp32(found: "Solution | Mapping[str, ChoiceKey]") -> bool:
     assignment = found.assignment if isinstance(found, Solution) else found
-    return not (isinstance(found, Solution) and found.recompute) and all(Format.parse(f) is Format.FP32 for f in assignment.values())
+    return not (isinstance(found, Solution) and found.recompute) and all(key_format(f) is Format.FP32 for f in assignment.values())
 
 
 def _infeasible(space: SearchSpace, memory_bytes: "float | Mapping[str, float]", loss_budget: float) -> InfeasibleBudgetError:
@@ -574,7 +574,7 @@ def _infeasible_parts(space: SearchSpace, memory: Mapping[str, float], loss_budg
 
 
 def k_best(space: SearchSpace, memory_bytes: "float | Mapping[str, float]" = float("inf"), loss_budget: float = float("inf"), k: int = 1,
-           *, time_limit: "float | None" = None, exclude: "Sequence[Solution | Mapping[str, Format]]" = ()) -> list[Solution]:
+           *, time_limit: "float | None" = None, exclude: "Sequence[Solution | Mapping[str, ChoiceKey]]" = ()) -> list[Solution]:
     """Up to ``k`` assignments meeting both budgets, distinct in formats, in non-decreasing
     predicted step time: the optimum (as `solve_exact`), then each next-best under no-good cuts
     of those found (see the module docstring). Fewer than ``k`` when fewer plans are feasible.

@@ -10,7 +10,8 @@ is held for long, and most of the work trains the model:
 - **Off-path units** on a snapshot of the weights, in slices after the training steps but the
   probe steps (`work`: a unit, at most one forward + backward, starts when its weight fits): the
   trace, the region and block bytes (forwards run in parts, `paced`), the sensitivity estimate on the last captured
-  batch (`pipeline.search_estimator`, Adam's v from the training optimizer when it has one), then
+  batch (`pipeline.search_estimator`, Adam's v from the training optimizer when it has one; one
+  more per round of alternative recipes, `Planning.alternative_rounds`), then
   the exact solve (on a thread, beside ``SOLVE_STEPS`` training steps). A slice is counted, not
   timed: each unit weighs the model passes it runs (`unit_weight`), so the steps each unit runs
   in, and so every step's formats, are the same however loaded the machine is, and in a run
@@ -56,15 +57,15 @@ from ..blocks import find_blocks, layers_of_blocks
 from ..costs import CostModel, RooflineTimeModel, calibration_steps, trace_model
 from ..errors import AutoprecError, InfeasibleBudgetError, RuntimeStateError, SearchError
 from ..formats import Format
-from ..plan import LayerPrecision, Plan
+from ..plan import Plan
 from ..replica import is_sharded, plain_copy
 from ..runtime import EmulationWarning, apply_plan
-from ..sensitivity import sensitivity_steps
+from ..sensitivity import Sensitivity, sensitivity_steps
 from .background import BackgroundCall
 from ..noise import unseparated
 from .paced import Pacer
 from .pipeline import propose_from, search_estimator, space_steps, uniform_reference
-from .planner import floor_settings
+from .planner import floor_settings, precision_of
 from .memory_margin import MEMORY_ROUNDS, MemoryMargin
 from .failing import failing_roles, mark_failed, without_failing
 from .preflight import preflight_each
@@ -443,16 +444,19 @@ class TrainingSearch:
         yield from (("block bytes", pace.part * unit_weight("block forward", n) if label in ("block forward", "part") else 0.0)
                     for label in costs.block_bytes_steps(snapshot, self.example, None, self.blocks, roles=self.roles, pace=pace))
         sensitivity = yield from self._sensitivity(snapshot, [f for f in self.formats if f is not Format.FP32], pace)
-        for p in snapshot.parameters():
-            p.grad = None
+        alternatives = []  # the formats' other recipes, each with its estimate
+        for recipes in [[lp for lp in r if lp.format in self.formats] for r in c.planning.alternative_rounds()]:
+            estimate = yield from self._sensitivity(snapshot, recipes, pace)
+            alternatives += [(lp, estimate) for lp in recipes]
+        snapshot.zero_grad(set_to_none=True)
         while self.steps < self.probe_steps:
             yield "waiting", 0.0  # the probe steps are still running
-        if self._failing:
-            mark_failed(sensitivity.metadata.setdefault("failed", {}), self._failing, self.roles)
+        for estimate in [sensitivity, *(e for _, e in alternatives)] if self._failing else []:
+            mark_failed(estimate.metadata.setdefault("failed", {}), self._failing, self.roles)
         costs = probed_cost_model(costs, trace, self.known if self.measuring and not self.own_functions else None, self.layers, self.roles, self.formats,
                                   self.config.planning.precisions(), bool(self.blocks))
         planning = dataclasses.replace(c.planning, k=CANDIDATES if self.measuring else 1)
-        self._found = yield from weighted(space_steps(costs, sensitivity, self.profile, planning), "solve", n)
+        self._found = yield from weighted(space_steps(costs, sensitivity, self.profile, planning, alternatives), "solve", n)
         self._planning = planning
         start = time.perf_counter()
         fp32 = costs.plan_cost(costs.uniform_plan(Format.FP32))
@@ -535,14 +539,11 @@ class TrainingSearch:
         o = 0 if is_sharded(self.model) else self._outside_bytes
         return budgets.memory_bytes(fp32_bytes + o) - o
 
-    def _sensitivity(self, snapshot: nn.Module, lowered: Sequence[Format], pace: Pacer) -> Generator[tuple[str, float], None, Any]:
+    def _sensitivity(self, snapshot: nn.Module, lowered: Sequence[Any], pace: Pacer) -> Generator[tuple[str, float], None, Any]:
         if not lowered:
-            from ..sensitivity import Sensitivity
-
             return Sensitivity({"forward": {}, "grad": {}}, total_of=("forward", "grad"), method="none", batches=0)
         # The last captured batch, and the estimate every search plans on (`search_estimator`).
-        precisions = self.config.planning.precisions()
-        candidates = [precisions.get(f, LayerPrecision(f)) for f in lowered]
+        candidates = [precision_of(self.config.planning.precisions(), f) for f in lowered]
         steps = sensitivity_steps(snapshot, self.batches[-1:], self.loss_fn, candidates, layers=self.layers, example_inputs=self.example,
                                   estimator=search_estimator(self.config.lr),
                                   traced=self.fingerprint, second_moment=self._second_moment, pace=pace)

@@ -31,9 +31,10 @@ from ..runtime import EmulationWarning
 from .exact import Solution, k_best
 from .planner import in_budget_terms, layer_reasons, plan_from_solution
 from .planner import space_steps as planner_space_steps
-from .space import Budgets, Planning, SearchSpace
+from .planning import Planning
+from .space import Budgets, SearchSpace
 
-__all__ = ["Planning", "Space", "Optimum", "Proposal", "measure_space", "measure_parts", "search_estimator", "space_of", "solve_in_budgets", "propose_plans", "propose_from",
+__all__ = ["Planning", "Space", "Optimum", "Proposal", "measure_space", "measure_parts", "estimate_alternatives", "search_estimator", "space_of", "solve_in_budgets", "propose_plans", "propose_from",
            "uniform_reference"]
 
 
@@ -100,10 +101,12 @@ def measure_space(
     planning: Planning,
     **measured: Any,
 ) -> Space:
-    """Costs and sensitivity (`measure_parts`, ``measured`` its keyword arguments) and the
-    space they make of ``model`` with ``profile`` (see the module docstring)."""
+    """Costs and sensitivity (`measure_parts`, ``measured`` its keyword arguments), the
+    alternative recipes' estimates (`estimate_alternatives`) and the space they make of
+    ``model`` with ``profile`` (see the module docstring)."""
     costs, sensitivity = measure_parts(model, example_inputs, batches, loss_fn, planning, **measured)
-    return space_of(costs, sensitivity, profile, planning)
+    alternatives = estimate_alternatives(model, example_inputs, batches, loss_fn, planning, costs.layers)
+    return space_of(costs, sensitivity, profile, planning, alternatives)
 
 
 def measure_parts(
@@ -152,6 +155,25 @@ def measure_parts(
     return costs, sensitivity
 
 
+def estimate_alternatives(model: nn.Module, example_inputs: Any, batches: Sequence[Any], loss_fn: Callable[[nn.Module, Any], Any],
+                          planning: Planning, layers: Sequence[str]) -> tuple[tuple[Any, Any], ...]:
+    """Each of ``planning``'s alternative recipes (`Planning.alternatives`) with the sensitivity
+    estimate that scores it on ``layers`` (`search_estimator`, as `measure_parts` scores the
+    formats' own recipes), for `planner.table_steps`. An estimate scores each format once, so
+    the n-th alternatives of every format share one: as many estimates as a format has
+    alternatives (none without), each linear in the layers."""
+    from ..sensitivity import estimate_sensitivity
+
+    out: list[tuple[Any, Any]] = []
+    for recipes in planning.alternative_rounds():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", EmulationWarning)  # the plan names its emulated layers itself
+            estimate = estimate_sensitivity(model, batches, loss_fn, recipes, layers=list(layers), example_inputs=example_inputs,
+                                            estimator=search_estimator(planning.lr))
+        out.extend((lp, estimate) for lp in recipes)
+    return tuple(out)
+
+
 def search_estimator(lr: float) -> Any:
     """The sensitivity estimate every search plans on (the job's and the scheduler's): each
     layer's own output error (``site="layer"``: the layer alone re-run, not its caller) and the
@@ -166,18 +188,20 @@ def search_estimator(lr: float) -> Any:
     return FisherEstimator(lr=lr, upstream=False, site="layer")
 
 
-def space_of(costs: Any, sensitivity: Any, profile: Any, planning: Planning) -> Space:
+def space_of(costs: Any, sensitivity: Any, profile: Any, planning: Planning, alternatives: Sequence[tuple[Any, Any]] = ()) -> Space:
     """`space_steps` run to its end."""
-    return drain(space_steps(costs, sensitivity, profile, planning))
+    return drain(space_steps(costs, sensitivity, profile, planning, alternatives))
 
 
-def space_steps(costs: Any, sensitivity: Any, profile: Any, planning: Planning) -> Generator[str, None, Space]:
+def space_steps(costs: Any, sensitivity: Any, profile: Any, planning: Planning,
+                alternatives: Sequence[tuple[Any, Any]] = ()) -> Generator[str, None, Space]:
     """The search space of measured ``costs`` and ``sensitivity`` (`planner.space_steps`: its
     units, one a layer), less the formats whose range ``profile`` saw too many values leave
-    (`Planning.limits`)."""
+    (`Planning.limits`); with ``alternatives`` (`estimate_alternatives`), their recipes as
+    choices of their own."""
     space, ruled_out = yield from planner_space_steps(costs, sensitivity, profile, formats=planning.formats, rules=planning.rules,
                                                       min_precision=planning.min_precision, max_precision=planning.max_precision,
-                                                      precisions=planning.precisions(), limits=planning.limits)
+                                                      precisions=planning.precisions(), limits=planning.limits, alternatives=alternatives)
     return Space(costs, sensitivity, space, ruled_out)
 
 

@@ -12,17 +12,18 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
-from typing import Generator, Iterable, Mapping
+from typing import Any, Generator, Iterable, Mapping, Sequence
 
 from ..coverage import LayerInfo
 from ..errors import InfeasibleBudgetError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
 from .exact import Solution
-from .space import Block, Choice, LayerRules, RangeLimits, SearchSpace
+from .planning import RangeLimits
+from .space import Block, Choice, ChoiceKey, LayerRules, SearchSpace, key_format, key_name
 
 __all__ = ["OVERFLOW_LIMIT", "range_reason", "LayerTable", "table_steps", "space_steps", "layer_reasons", "block_reasons", "measured_reasons",
-           "plan_from_solution", "in_budget_terms"]
+           "plan_from_solution", "format_options", "precision_of", "in_budget_terms"]
 
 # A format is ruled out for a layer when the profile saw more than this fraction of a tensor
 # overflow it (after the format's scaling), or more than the scheduler promotes a planned layer
@@ -34,25 +35,27 @@ __all__ = ["OVERFLOW_LIMIT", "range_reason", "LayerTable", "table_steps", "space
 OVERFLOW_LIMIT = {False: 1e-4, True: 1e-2}  # keyed by Format.spec.saturates
 
 
-def range_reason(profile, fqn: str, precision: LayerPrecision, limits: RangeLimits = RangeLimits()) -> "str | None":
+def range_reason(profile, fqn: str, precision: LayerPrecision, limits: RangeLimits = RangeLimits(), name: "str | None" = None) -> "str | None":
     """Why the profile rules ``precision``'s format out for layer ``fqn``, or None: a tensor kind
     (weight, activation, gradient), cast as ``precision`` casts it (`LayerPrecision.cast_of`),
     of which more overflowed than `OVERFLOW_LIMIT` or ``limits.overflow``, or more underflowed
     than ``limits.underflow``: what the scheduler promotes a planned layer for (`RangeLimits`).
-    Reads the profile's fractions: no tensor work."""
+    ``name``: what the reason calls the choice (default the format's name). Reads the profile's
+    fractions: no tensor work."""
     if fqn not in profile.layers:
         return None
     fmt = precision.format
+    name = name or fmt.value
     for kind, ts in profile.layers[fqn].tensors.items():
         kind_fmt, scaling = precision.cast_of(kind)
         if kind_fmt.value not in ts.fractions or scaling not in ts.fractions[kind_fmt.value]:
             continue
         fraction = ts.overflow(kind_fmt, scaling)
         if fraction > min(OVERFLOW_LIMIT[kind_fmt.spec.saturates], limits.overflow):
-            return f"{fmt.value} ruled out: the profile saw {fraction:.2%} of its {kind} values overflow {kind_fmt.value}"
+            return f"{name} ruled out: the profile saw {fraction:.2%} of its {kind} values overflow {kind_fmt.value}"
         fraction = ts.underflow(kind_fmt, scaling)
         if fraction > limits.underflow:
-            return (f"{fmt.value} ruled out: the profile saw {fraction:.2%} of its {kind} values underflow {kind_fmt.value} "
+            return (f"{name} ruled out: the profile saw {fraction:.2%} of its {kind} values underflow {kind_fmt.value} "
                     f"(a planned layer is promoted past {limits.underflow:.0%})")
     return None
 
@@ -68,12 +71,14 @@ def space_steps(
     max_precision: int = 32,
     precisions: "Mapping[Format, LayerPrecision] | None" = None,
     limits: RangeLimits = RangeLimits(),
+    alternatives: Sequence[tuple[LayerPrecision, Any]] = (),
 ) -> Generator[str, None, tuple[SearchSpace, dict[str, list[str]]]]:
     """The search space of `table_steps`'s table, rules and precision bounds applied
     (`SearchSpace`). Returns the space and, per layer, the formats ruled out and why; yields as
     `table_steps` does, then ``"space assembly"`` before the space's own indexing (units, blocks:
     a pass's worth at depth, so a search inside training ends the slice there)."""
-    table = yield from table_steps(costs, sensitivity, profile, formats=formats, rules=rules, precisions=precisions, limits=limits)
+    table = yield from table_steps(costs, sensitivity, profile, formats=formats, rules=rules, precisions=precisions, limits=limits,
+                                   alternatives=alternatives)
     yield "space assembly"
     space = SearchSpace(table.rows, min_precision=min_precision, max_precision=max_precision, rules=rules, device=costs.device, fixed=table.fixed,
                         blocks=table.blocks, fp32_bytes=table.fp32_bytes)
@@ -88,7 +93,7 @@ class LayerTable:
     ``fp32_bytes`` (the all-FP32 plan's, None where the cost model has no figure). Plain data: a
     pipeline stage sends its table to the rank that plans for every stage (`search.stages`)."""
 
-    rows: Mapping[str, Mapping[Format, Choice]]
+    rows: Mapping[str, Mapping[ChoiceKey, Choice]]
     ruled_out: Mapping[str, list[str]]
     fixed: Mapping[str, Choice]
     blocks: tuple[Block, ...]
@@ -104,12 +109,17 @@ def table_steps(
     rules: LayerRules = LayerRules(),
     precisions: "Mapping[Format, LayerPrecision] | None" = None,
     limits: RangeLimits = RangeLimits(),
+    alternatives: Sequence[tuple[LayerPrecision, Any]] = (),
 ) -> Generator[str, None, LayerTable]:
     """The additive table of ``costs`` (a `CostModel`) and ``sensitivity`` (predicted loss per
     (layer, format)) over ``formats``, less the formats whose range ``profile`` (a `Profile` or
     None) saw too many values leave (`range_reason`: each format as ``precisions`` plans it, the
     default `LayerPrecision` where absent; ``limits``) and those whose run raised in the
-    sensitivity estimate (its ``metadata["failed"]``), unless a rule pins the layer; each block ``costs`` has costed (`CostModel.blocks`) is a
+    sensitivity estimate (its ``metadata["failed"]``), unless a rule pins the layer.
+    ``alternatives``: other recipes of the formats (`Planning.alternatives`), each with the
+    estimate that scored it (keyed by its format), made choices of their own keyed by their
+    `LayerPrecision` (`space.choice_key`): bytes their own, seconds their format's as costed
+    (the cost model times one recipe per format). Each block ``costs`` has costed (`CostModel.blocks`) is a
     recompute `Block` of the table: per layer and format its modelled saved bytes (what
     recomputation frees; its gradients and its FP32-in-region extra stay) and its forward seconds,
     and the block's own ops in the lowered region (as the fixed cost below). ``rules`` only keep
@@ -117,34 +127,36 @@ def table_steps(
     layer's row (host work: its range checks and its costs per format, O(formats)), so a search
     inside training spreads it over steps (at 64 decoder layers, in one unit, it took about 3
     steps' time at once)."""
-    table: dict[str, dict[Format, Choice]] = {}
+    table: dict[str, dict[ChoiceKey, Choice]] = {}
     ruled_out: dict[str, list[str]] = {}
     formats = tuple(Format.parse(f) for f in formats)
     planned = {f: (precisions or {}).get(f) or LayerPrecision(f) for f in formats}
-    # (layer, format) pairs whose run raised in the sensitivity estimate (`failing_formats`).
-    failed = (getattr(sensitivity, "metadata", None) or {}).get("failed", {})
+    # Each choice: its key, the precision it plans and the estimate that scored it.
+    options = [(f, planned[f], sensitivity) for f in formats] + [(lp, lp, est) for lp, est in alternatives if lp.format in planned]
     for fqn in costs.layers:
         pinned = any(fnmatch.fnmatchcase(fqn, p) for p in rules.pin)
         row = {}
-        for fmt in formats:
-            reason = range_reason(profile, fqn, planned[fmt], limits) if fmt is not Format.FP32 and profile is not None else None
+        for key, precision, estimate in options:
+            fmt, name = precision.format, key_name(key)
+            reason = range_reason(profile, fqn, precision, limits, name) if fmt is not Format.FP32 and profile is not None else None
             if reason is not None and not pinned:
                 ruled_out.setdefault(fqn, []).append(reason)
                 continue
-            failure = failed.get(fqn, {}).get(fmt.value)
+            # (layer, format) pairs whose run raised in the sensitivity estimate (`failing_formats`).
+            failure = (getattr(estimate, "metadata", None) or {}).get("failed", {}).get(fqn, {}).get(fmt.value)
             if failure is not None and not pinned:
-                ruled_out.setdefault(fqn, []).append(f"{fmt.value} ruled out: the layer's code fails in it ({failure})")
+                ruled_out.setdefault(fqn, []).append(f"{name} ruled out: the layer's code fails in it ({failure})")
                 continue
-            lc = costs.layer_cost(fqn, fmt)
-            loss = 0.0 if fmt is Format.FP32 else max(0.0, float(sensitivity[(fqn, fmt)]))
+            lc = costs.layer_cost(fqn, key)
+            loss = 0.0 if fmt is Format.FP32 else max(0.0, float(estimate[(fqn, fmt)]))
             if not math.isfinite(loss) and not pinned:
                 # The estimate's loss overflowed in this format (a CTC loss of an FP16 head, say):
                 # the format is out for this layer, not the whole search.
-                ruled_out.setdefault(fqn, []).append(f"{fmt.value} ruled out: its predicted loss increase is not finite ({loss})")
+                ruled_out.setdefault(fqn, []).append(f"{name} ruled out: its predicted loss increase is not finite ({loss})")
                 continue
             # An FP32 layer among lowered ones costs its neighbours' FP32 saves too (CostModel).
             extra = costs.fp32_in_region_bytes.get(fqn, 0) if fmt is Format.FP32 else 0
-            row[fmt] = Choice(lc.bytes + extra, lc.seconds, loss)
+            row[key] = Choice(lc.bytes + extra, lc.seconds, loss)
         table[fqn] = row
         yield "space"
     # What ops outside the layers save depends on whether any layer is lowered (activations
@@ -155,26 +167,26 @@ def table_steps(
     blocks = []
     for fqn, block in getattr(costs, "blocks", {}).items():
         freed = {layer: {f: float(costs.layer_cost(layer, f).saved_bytes) for f in table[layer]} for layer in block.layers}
-        forward = {layer: {f: costs.layer_forward_seconds(layer, f) for f in table[layer]} for layer in block.layers}
+        forward = {layer: {f: costs.layer_forward_seconds(layer, key_format(f)) for f in table[layer]} for layer in block.layers}
         blocks.append(Block(fqn, freed, forward, other_bytes=float(block.other_bytes[1]), other_seconds=float(block.other_seconds[1])))
         yield "space"
     return LayerTable(table, ruled_out, fixed, tuple(blocks), costs.fp32_bytes() if hasattr(costs, "fp32_bytes") else None)
 
 
-def layer_reasons(space: SearchSpace, assignment: Mapping[str, Format], rules: LayerRules, ruled_out: Mapping[str, list[str]]) -> dict[str, str]:
+def layer_reasons(space: SearchSpace, assignment: Mapping[str, ChoiceKey], rules: LayerRules, ruled_out: Mapping[str, list[str]]) -> dict[str, str]:
     """Per layer: why its unit got this format, in the figures the search compared."""
     rules_note = _pin_notes(rules, space)
     out = {}
     for unit in space.units:
         fmt = assignment[unit.name]
         chosen = unit.choices[fmt]
-        head = f"{fmt.value}: {chosen.seconds * 1e3:.3g} ms, {chosen.bytes / 1024:.0f} KiB, predicted loss +{chosen.loss:.2g}"
+        head = f"{key_name(fmt)}: {chosen.seconds * 1e3:.3g} ms, {chosen.bytes / 1024:.0f} KiB, predicted loss +{chosen.loss:.2g}"
         faster = [f for f, c in unit.choices.items() if c.seconds < chosen.seconds]
         if len(unit.choices) == 1:
             why = "the only format allowed (" + rules_note.get(unit.name, "precision bounds, rules, device and profile") + ")"
         elif not faster:
             smaller = [f for f, c in unit.choices.items() if c.bytes < chosen.bytes]
-            why = "the fastest allowed format" + (f"; smaller {', '.join(f.value for f in smaller)} not needed within the memory budget" if smaller else "")
+            why = "the fastest allowed format" + (f"; smaller {', '.join(key_name(f) for f in smaller)} not needed within the memory budget" if smaller else "")
         else:
             alt = min(faster, key=lambda f: unit.choices[f].seconds)
             d = unit.choices[alt]
@@ -183,7 +195,7 @@ def layer_reasons(space: SearchSpace, assignment: Mapping[str, Format], rules: L
                 costs.append(f"needs {(d.bytes - chosen.bytes) / 1024:+.0f} KiB (memory budget)")
             if d.loss > chosen.loss:
                 costs.append(f"adds predicted loss {d.loss - chosen.loss:+.2g} (accuracy budget)")
-            why = f"{alt.value} would be {(chosen.seconds - d.seconds) * 1e3:.3g} ms faster " + (
+            why = f"{key_name(alt)} would be {(chosen.seconds - d.seconds) * 1e3:.3g} ms faster " + (
                 "but " + " and ".join(costs) if costs else "at no more bytes or loss (this candidate is not the predicted optimum)")
         notes = [n for fqn in unit.layers for n in ruled_out.get(fqn, [])]
         group = f"; shares its format with {', '.join(unit.layers)} (rule group)" if len(unit.layers) > 1 else ""
@@ -207,15 +219,15 @@ def block_reasons(space: SearchSpace, solution: Solution) -> dict[str, str]:
     return out
 
 
-def measured_reasons(reasons: Mapping[str, str], formats: Mapping[str, Format], optimum: Mapping[str, Format], evidence: str) -> dict[str, str]:
+def measured_reasons(reasons: Mapping[str, str], formats: Mapping[str, ChoiceKey], optimum: Mapping[str, ChoiceKey], evidence: str) -> dict[str, str]:
     """``reasons`` (`layer_reasons`) of a plan the learning sampler proposed, each layer whose
     format in ``formats`` differs from the proxy's optimum (``optimum``: its layer formats) marked
     as decided by a measurement, with ``evidence`` (what was measured, in words)."""
     out = dict(reasons)
     for fqn, fmt in formats.items():
-        if fqn in optimum and optimum[fqn] is not fmt:
+        if fqn in optimum and optimum[fqn] != fmt:
             out[fqn] = (f"{out[fqn]}; decided by measurement, not the proxy: {evidence}; the proxy's optimum has "
-                        f"{optimum[fqn].value} here (learning sampler: the proxy corrected by the measured trials)")
+                        f"{key_name(optimum[fqn])} here (learning sampler: the proxy corrected by the measured trials)")
     return out
 
 
@@ -235,7 +247,7 @@ def plan_from_solution(
     """The plan of ``solution`` with its reasons and predicted totals and per-layer figures;
     ``fingerprint`` (`find_layers` of the model) lets `Plan.validate` refuse another model."""
     formats = space.layer_formats(solution.assignment)
-    layers = {fqn: costs.precision(formats[fqn], reasons[fqn]) for fqn in costs.layers}
+    layers = {fqn: precision_of(costs, formats[fqn], reasons[fqn]) for fqn in costs.layers}
     # Every block of the space is named, recomputed or not, so the review lists the choice for each.
     blocks = {b.name: b.name in solution.recompute for b in space.blocks}
     plan = Plan(layers, blocks=blocks)
@@ -247,10 +259,8 @@ def plan_from_solution(
         for fqn in unit.layers:
             lc = predicted_cost.layers[fqn]
             # Every format the search allowed the layer, in the solver's terms (a recomputed
-            # block's layer holds what recomputation does not free): what a promotion is paid
-            # for with (`scheduler.policy.paid_for`).
-            options = {f.value: {"bytes": c.bytes / len(unit.layers) - freed.get(fqn, {}).get(f, 0.0), "loss": c.loss / len(unit.layers)}
-                       for f, c in unit.choices.items()}
+            # block's layer holds what recomputation does not free).
+            options = format_options(unit, solution.assignment[unit.name], freed.get(fqn, {}))
             per_layer[fqn] = {"bytes": lc.bytes, "seconds": lc.seconds, "loss": choice.loss / len(unit.layers), "options": options}
     fp32 = costs.plan_cost(costs.uniform_plan(Format.FP32))
     predicted = {
@@ -273,6 +283,29 @@ def plan_from_solution(
     if solution.gap:
         metadata = {**metadata, "optimality_gap": solution.gap}  # proven by the solver: within this fraction of the optimum
     return Plan(layers, fingerprint=fingerprint, budgets=budgets, predicted=predicted, metadata=metadata, blocks=blocks)
+
+
+def format_options(unit, chosen: ChoiceKey, freed: "Mapping[ChoiceKey, float] | None" = None) -> dict[str, dict[str, float]]:
+    """One layer's share of ``unit`` 's choices per format (format name -> "bytes", "loss"; less
+    the bytes ``freed`` by recomputation, by choice): what a plan's predicted layers hold for a
+    promotion to be paid with (`scheduler.promotion_bytes`). Promotions change formats: of a
+    format's recipes, the ``chosen`` one where the layer has that format, else the first allowed."""
+    share, freed = len(unit.layers), freed or {}
+    options: dict[str, dict[str, float]] = {}
+    for key, c in sorted(unit.choices.items(), key=lambda item: item[0] != chosen):
+        options.setdefault(key_format(key).value, {"bytes": c.bytes / share - freed.get(key, 0.0), "loss": c.loss / share})
+    return options
+
+
+def precision_of(costs, key, reason: str = "") -> LayerPrecision:
+    """The `LayerPrecision` a layer planned in choice ``key`` gets (`space.choice_key`): an
+    alternative recipe's own, else its format's as ``costs`` plans it (a `CostModel`, or a
+    format -> `LayerPrecision` table: `Planning.precisions`)."""
+    if isinstance(key, LayerPrecision):
+        return dataclasses.replace(key, reason=reason)
+    if isinstance(costs, Mapping):
+        return dataclasses.replace(costs.get(key) or LayerPrecision(key), reason=reason)
+    return costs.precision(key, reason)
 
 
 def in_budget_terms(exc: InfeasibleBudgetError, fp32_bytes: float, baseline_loss: "float | None", where: str) -> InfeasibleBudgetError:

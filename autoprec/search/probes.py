@@ -18,7 +18,8 @@ from ..device import format_support
 from ..formats import Format
 from ..plan import Calibration, LayerPrecision, Plan
 from .planner import range_reason
-from .space import LayerRules, RangeLimits
+from .planning import RangeLimits
+from .space import LayerRules
 
 __all__ = ["PROBE_ROUNDS", "PROBED_PER_ROLE", "add_samples", "probe_formats", "probe_plans", "probed_cost_model"]
 

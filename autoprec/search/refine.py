@@ -35,7 +35,7 @@ from ..formats import Format
 from ..plan import LayerPrecision, Plan
 from .exact import k_best
 from .candidate_runs import REFINED_ASSIGNMENT, REFINED_ATTR, Candidate, formats_id
-from .space import Choice, SearchSpace
+from .space import Choice, ChoiceKey, SearchSpace, choice_key, key_name
 
 __all__ = ["Correction", "Next", "CorrectingSampler", "fit_factors"]
 
@@ -47,10 +47,10 @@ class Correction:
     """Multiplicative factors per format, per (unit, format) deviations from them, one for the
     fixed cost (pinned units included), and the trials they fit."""
 
-    factors: Mapping[Format, Choice]
+    factors: Mapping[ChoiceKey, Choice]
     fixed: Choice
     trials: int
-    units: Mapping[tuple[str, Format], Choice] = dataclasses.field(default_factory=dict)
+    units: Mapping[tuple[str, ChoiceKey], Choice] = dataclasses.field(default_factory=dict)
 
     def apply(self, space: SearchSpace) -> SearchSpace:
         """``space`` corrected: a free unit's choice in format f times ``factors[f]`` plus its
@@ -67,8 +67,8 @@ class Correction:
 
     def to_dict(self) -> dict:
         as_dict = lambda c: {f: getattr(c, f) for f in _FIELDS}  # noqa: E731
-        return {"trials": self.trials, "fixed": as_dict(self.fixed), **{f.value: as_dict(c) for f, c in self.factors.items()},
-                "units": {f"{name}:{fmt.value}": as_dict(c) for (name, fmt), c in self.units.items()}}
+        return {"trials": self.trials, "fixed": as_dict(self.fixed), **{key_name(f): as_dict(c) for f, c in self.factors.items()},
+                "units": {f"{name}:{key_name(fmt)}": as_dict(c) for (name, fmt), c in self.units.items()}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Next:
     """The sampler's decision: a unit assignment to measure with its corrected prediction, or
     None and why it stops."""
 
-    assignment: "dict[str, Format] | None"
+    assignment: "dict[str, ChoiceKey] | None"
     why: str
     correction: Correction
     predicted: "Choice | None" = None
@@ -109,7 +109,7 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
     their trials (keyed by candidate id, no params) can be fitted; ``memory_bytes`` /
     ``loss_budget``: the measured budgets (absolute, inf when open); ``fp32_seconds``: the proxy's
     all-FP32 step (what a trial's measured FP32 ratio is scaled by); ``max_trials``: plans
-    measured in all. Params of a proposed trial are unit name -> format value. ``recompute``:
+    measured in all. Params of a proposed trial are unit name -> choice name (`space.key_name`). ``recompute``:
     the blocks every plan it proposes recomputes; ``space`` must then already hold their costs
     (`SearchSpace.fixing_recompute`).
 
@@ -127,7 +127,7 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
 
     def __init__(self, space: SearchSpace, design: Sequence[Plan], memory_bytes: float, loss_budget: float,
                  fp32_seconds: float, max_trials: int, *, prior: float = 0.1, unit_prior: float = 0.3, min_gain: float = 0.05,
-                 recompute: Iterable[str] = ()):
+                 recompute: Iterable[str] = (), precisions: "Mapping[Format, LayerPrecision] | None" = None):
         self.space = space
         self.recompute = tuple(recompute)
         self.memory_bytes = float(memory_bytes)
@@ -139,51 +139,75 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
         self.min_gain = float(min_gain)
         self.formats = tuple(dict.fromkeys(f for u in space.units if len(u.choices) > 1 for f in u.choices))
         self._pairs = [(u.name, f) for u in space.units if len(u.choices) > 1 for f in u.choices]
-        self._design: dict[str, dict[str, Format]] = {}  # formats_id -> unit assignment
-        # Each format as the design's plans run it (the search's scaling and calibration).
-        self._precisions = {lp.format: dataclasses.replace(lp, reason="") for plan in design for lp in plan.layers.values()}
+        self._design: dict[str, dict[str, ChoiceKey]] = {}  # formats_id -> unit assignment
+        # Each format's own recipe, as the search plans it (`Planning.precisions`; None: as the
+        # design's plans run it); a choice keyed by a recipe is that recipe.
+        self._precisions = {lp.format: dataclasses.replace(lp, reason="") for plan in design for lp in plan.layers.values()} if precisions is None \
+            else {Format.parse(f): dataclasses.replace(lp, reason="") for f, lp in precisions.items()}
+        self._named = {u.name: {key_name(f): f for f in u.choices} for u in space.units}
         for plan in design:
             assignment = self.assignment_of(plan)
             if assignment is not None:
-                self._design[formats_id(space.layer_formats(assignment), self.recompute)] = assignment
+                self._design[self._id(assignment)] = assignment
 
     # -- plans and trials -------------------------------------------------------------------
 
-    def assignment_of(self, plan: Plan) -> "dict[str, Format] | None":
+    def assignment_of(self, plan: Plan) -> "dict[str, ChoiceKey] | None":
         """The unit assignment of ``plan``, or None when it is not one of this space (or does not
         recompute exactly the sampler's blocks)."""
         if set(plan.recompute) != set(self.recompute):
             return None
-        out = {}
+        out: dict[str, ChoiceKey] = {}
         for unit in self.space.units:
-            fmt = plan.layers[unit.layers[0]].format if unit.layers[0] in plan.layers else None
-            if fmt is None or fmt not in unit.choices or any(plan.layers.get(fqn, LayerPrecision(fmt)).format is not fmt for fqn in unit.layers):
+            if any(fqn not in plan.layers for fqn in unit.layers):
                 return None
-            out[unit.name] = fmt
+            keys = {self._key_of(plan.layers[fqn]) for fqn in unit.layers}
+            key = keys.pop()
+            if keys or key not in unit.choices:
+                return None
+            out[unit.name] = key
         return out
 
-    def candidate(self, assignment: Mapping[str, Format], name: str = "refined") -> Candidate:
+    def _key_of(self, lp: LayerPrecision) -> "Format | LayerPrecision":
+        """The choice key of a plan's layer precision: its format where it is the format's own
+        recipe, else the recipe (`space.choice_key`)."""
+        own = self._precisions.get(lp.format)
+        key = choice_key(lp)
+        return lp.format if own is None or key == own else key
+
+    def _precision(self, key: "Format | LayerPrecision") -> LayerPrecision:
+        return key if isinstance(key, LayerPrecision) else self._precisions.get(key, LayerPrecision(key))
+
+    def choice_names(self, unit) -> tuple[str, ...]:
+        """A unit's choices as its trials' params name them (`space.key_name`)."""
+        return tuple(self._named[unit.name])
+
+    def assignment_named(self, params: Mapping[str, str]) -> dict[str, Any]:
+        """The unit assignment a trial's params (unit -> choice name) stand for."""
+        return {name: self._named[name][value] for name, value in params.items()}
+
+    def candidate(self, assignment: Mapping[str, ChoiceKey], name: str = "refined") -> Candidate:
         """The plan to measure for ``assignment``: its layers' formats (in the scaling and
         calibration the k-best plans have) and the proxy's predicted figures."""
         total = self.space.totals(assignment)
-        layers = {fqn: self._precisions.get(fmt, LayerPrecision(fmt)) for fqn, fmt in self.space.layer_formats(assignment).items()}
+        layers = {fqn: self._precision(key) for fqn, key in self.space.layer_formats(assignment).items()}
         predicted = {"seconds": total.seconds, "bytes": total.bytes, "loss_increase": total.loss}
         return Candidate(name, Plan(layers, predicted=predicted, blocks=dict.fromkeys(self.recompute, True)))
 
-    def _assignment(self, trial: optuna.trial.FrozenTrial) -> "dict[str, Format] | None":
+    def _assignment(self, trial: optuna.trial.FrozenTrial) -> "dict[str, ChoiceKey] | None":
         # Params once suggested; before that (a live trial), what `sample_relative` recorded.
         params = trial.params or trial.user_attrs.get(REFINED_ATTR, {}).get(REFINED_ASSIGNMENT)
         if params:
-            return {name: Format.parse(value) for name, value in params.items()}
+            return self.assignment_named(params)
         cid = trial.user_attrs.get("candidate")
         return self._design.get(cid) if cid is not None else None
 
-    def _id(self, assignment: Mapping[str, Format]) -> str:
-        return formats_id(self.space.layer_formats(assignment), self.recompute)
+    def _id(self, assignment: Mapping[str, ChoiceKey]) -> str:
+        return formats_id({fqn: self._precision(key) for fqn, key in self.space.layer_formats(assignment).items()}, self.recompute)
 
     # -- the correction ---------------------------------------------------------------------
 
-    def _row(self, assignment: Mapping[str, Format], field: str) -> list[float]:
+    def _row(self, assignment: Mapping[str, ChoiceKey], field: str) -> list[float]:
         """The fit's columns for one plan: fixed cost plus pinned units, each format's summed
         prediction over the free units, then each free (unit, format)'s prediction if chosen."""
         row = [getattr(self.space.fixed_total, field)] + [0.0] * (len(self.formats) + len(self._pairs))
@@ -293,7 +317,7 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
     # -- the sampler interface --------------------------------------------------------------
 
     def infer_relative_search_space(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> dict[str, Any]:
-        return {u.name: CategoricalDistribution([f.value for f in u.choices]) for u in self.space.units}
+        return {u.name: CategoricalDistribution(list(self.choice_names(u))) for u in self.space.units}
 
     def sample_relative(self, study: optuna.Study, trial: optuna.trial.FrozenTrial, search_space: dict[str, Any]) -> dict[str, Any]:
         """The next plan as params (unit -> format value), or {} when stopped or when the trial
@@ -306,7 +330,7 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
             return {}
         storage = study._storage  # noqa: SLF001  (as Optuna's own samplers write trial attributes)
         storage.set_trial_user_attr(trial._trial_id, "candidate", self._id(nxt.assignment))  # noqa: SLF001
-        params = {name: fmt.value for name, fmt in nxt.assignment.items()}
+        params = {name: key_name(key) for name, key in nxt.assignment.items()}
         storage.set_trial_user_attr(trial._trial_id, REFINED_ATTR, {
             REFINED_ASSIGNMENT: params, "predicted": {f: getattr(nxt.predicted, f) for f in _FIELDS}, "correction": nxt.correction.to_dict(),
             "fp32_seconds": self.fp32_seconds,  # the scale of "predicted": measured seconds on it = fp32_ratio x this

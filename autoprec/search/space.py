@@ -5,6 +5,11 @@ format (the q/k/v projections of one attention block, say). Each (unit, format) 
 additive `Choice` — bytes, seconds, predicted loss increase — summed over the unit's layers, so a
 plan's totals are the sums of its choices (the additive proxy the exact solver optimises).
 
+A choice is keyed by its `Format` (the format as the search's `Planning` gives it), or, for an
+alternative recipe of a format (another scaling, `Planning.alternatives`), by that recipe's
+`LayerPrecision` (`choice_key`, named by `key_name`): a unit may then take FP8 per tensor or FP8
+in blocks as two choices of one search.
+
 A search may also decide, per recompute `Block` (`autoprec.blocks`), whether the block's forward
 runs again in the backward: recomputing it frees the saved bytes of its layers in their chosen
 formats and of its own ops, costs one more forward of it, and adds no loss. A plan is then an
@@ -19,16 +24,15 @@ import fnmatch
 import math
 import numbers
 import re
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, Union
 
 from ..blocks import check_block_patterns
-from ..costs.targets import TargetDevice
 from ..device import format_support
-from ..errors import FormatError, PlanError, SearchError
+from ..errors import SearchError
 from ..formats import Format
-from ..plan import LayerPrecision, Scaling
+from ..plan import LayerPrecision
 
-__all__ = ["Choice", "Budgets", "LayerRules", "RangeLimits", "Planning", "Unit", "Block", "MemoryPart", "SearchSpace", "formats_for_precision", "DEFAULT_CANDIDATES"]
+__all__ = ["Choice", "Budgets", "LayerRules", "Unit", "ChoiceKey", "choice_key", "key_format", "key_name", "Block", "MemoryPart", "SearchSpace", "formats_for_precision", "DEFAULT_CANDIDATES"]
 
 # Forward formats searched by default. FP8 E5M2 as a *forward* format loses a mantissa bit for
 # range activations rarely need; FP8 layers already compute gradients in E5M2.
@@ -43,6 +47,36 @@ def formats_for_precision(min_precision: int, max_precision: int, candidates: It
     if min_precision > max_precision:
         raise SearchError(f"min_precision {min_precision} is above max_precision {max_precision}; swap them")
     return tuple(f for f in candidates if min_precision <= f.bits <= max_precision)
+
+
+# What a unit's choices are keyed by (module docstring).
+ChoiceKey = Union[Format, LayerPrecision]
+
+
+def choice_key(value: Any) -> ChoiceKey:
+    """A choice's key as given: a `LayerPrecision` (an alternative recipe; its reason dropped),
+    else a `Format` or its name. Raises FormatError for an unknown name."""
+    if isinstance(value, LayerPrecision):
+        return dataclasses.replace(value, reason="") if value.reason else value
+    return Format.parse(value)
+
+
+def key_format(key: Any) -> Format:
+    """The format of a choice key (`choice_key`)."""
+    key = choice_key(key)
+    return key.format if isinstance(key, LayerPrecision) else key
+
+
+def key_name(key: Any) -> str:
+    """A choice key in words, one name per choice of a unit: a format's name, or an alternative
+    recipe's (`LayerPrecision.recipe`), e.g. ``"fp8_e4m3/block"``, ``"fp8_e4m3/tensor"``."""
+    key = choice_key(key)
+    if not isinstance(key, LayerPrecision):
+        return key.value
+    # `LayerPrecision.recipe`, naming the granularity always: an alternative per tensor must not
+    # read as its format's own recipe.
+    recipe = key.recipe
+    return recipe if recipe != key.format.value else f"{recipe}/{key.scaling.granularity.value}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,109 +220,15 @@ class LayerRules:
 
 
 @dataclasses.dataclass(frozen=True)
-class RangeLimits:
-    """The fractions of a tensor's values out of its format's range (after the layer's scaling)
-    past which the scheduler promotes a planned layer (`SchedulerConfig.thresholds`' ``overflow``
-    and ``underflow``). The search rules a format out for a layer whose profile already shows
-    more (`planner.range_reason`): a plan the next window's statistics would promote at once is
-    not a plan within its budgets (the promotion adds bytes the memory budget did not count)."""
-
-    overflow: float = 1e-3
-    underflow: float = 0.25
-
-
-@dataclasses.dataclass(frozen=True)
-class Planning:
-    """What a search plans under, one object from its caller's settings (`SchedulerConfig.planning`,
-    `JobConfig.planning`) to every stage of the pipeline.
-
-    ``formats``: the candidates, of which those within ``min_precision`` / ``max_precision``
-    (bits) are searched; ``rules``: pins and forbids; ``budgets``;
-    ``lr``: the learning rate the sensitivity's gradient term assumes; ``k``: plans wanted, the
-    optimum first; ``time_limit``: seconds for the integer programs (None: unbounded);
-    ``measure``: time layers in place (False: roofline times); ``target``: price the layers for
-    that device instead (`costs.targets.TargetDevice`, e.g. ``load_target("B200")``: roofline at
-    its rates on its kernels, nothing timed here); ``limits``: the range fractions a
-    planned layer is promoted past (`RangeLimits`), which the profile's rule out. ``scaling``: how each scaled
-    format's tensors are scaled (format -> `Scaling`; a format not named takes the default,
-    current per-tensor): the costs are timed, the sensitivity estimated and the plans made in it,
-    e.g. ``{Format.FP8_E4M3: Scaling(granularity="block")}`` for DeepSeek-V3's fine-grained FP8
-    (1x128 / 128x128 tiles, E4M3 gradients). ``grad_formats``: the gradient format of each
-    format's layers (format -> format; a format not named takes its default), e.g.
-    ``{Format.NVFP4: Format.FP32}``: NVFP4 forwards with a high-precision backward
-    (`LayerPrecision`), costed, estimated and planned so."""
-
-    formats: tuple[Format, ...]
-    rules: LayerRules = LayerRules()
-    budgets: Budgets = Budgets()
-    min_precision: int = 8
-    max_precision: int = 32
-    lr: float = 1e-3
-    k: int = 1
-    time_limit: "float | None" = None
-    measure: bool = True
-    target: "TargetDevice | None" = None
-    limits: RangeLimits = RangeLimits()
-    # Given as format (or name) -> Scaling (or a granularity name); held as Format -> Scaling.
-    scaling: Mapping[Any, Any] = dataclasses.field(default_factory=dict)
-    # Given as format (or name) -> gradient format (or name); held as Format -> Format.
-    grad_formats: Mapping[Any, Any] = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.target is not None and not isinstance(self.target, TargetDevice):
-            raise SearchError(f"Planning(target={self.target!r}): expected a TargetDevice or None; make one with autoprec.costs.load_target('B200') or a profile's path")
-        if not isinstance(self.scaling, Mapping):
-            raise SearchError(f"Planning(scaling={self.scaling!r}): expected a table of format = scaling, e.g. {{'fp8_e4m3': 'block'}}")
-        scaling = {}
-        for name, value in self.scaling.items():
-            try:
-                fmt = Format.parse(name)
-                # A granularity name is short for current scaling at that granularity.
-                scaling[fmt] = Scaling(granularity=value) if isinstance(value, str) else value
-            except (FormatError, ValueError):
-                raise SearchError(f"Planning(scaling={{{name!r}: {value!r}}}): expected a format name and 'tensor', 'row', 'block', 'mx' or a Scaling") from None
-            if not isinstance(scaling[fmt], Scaling):
-                raise SearchError(f"Planning(scaling={{{fmt.value!r}: ...}}): expected 'tensor', 'row', 'block', 'mx' or a Scaling, got {type(value).__name__}")
-            if not fmt.needs_scale:
-                raise SearchError(f"Planning(scaling={{{fmt.value!r}: ...}}): {fmt.value} takes no scale; name fp8_e4m3, fp8_e5m2 or int8")
-            try:  # the rules between a format and its scaling, as a plan holding it checks them
-                LayerPrecision(fmt, scaling=scaling[fmt])
-            except PlanError as exc:
-                raise SearchError(f"Planning(scaling={{{fmt.value!r}: {value!r}}}): {exc}") from None
-        object.__setattr__(self, "scaling", scaling)
-        object.__setattr__(self, "grad_formats", self._checked_grad_formats())
-
-    def _checked_grad_formats(self) -> dict[Format, Format]:
-        if not isinstance(self.grad_formats, Mapping):
-            raise SearchError(f"Planning(grad_formats={self.grad_formats!r}): expected a table of format = gradient format, e.g. {{'nvfp4': 'fp32'}}")
-        grad_formats = {}
-        for name, value in self.grad_formats.items():
-            try:
-                fmt, grad = Format.parse(name), Format.parse(value)
-            except (FormatError, ValueError):
-                raise SearchError(f"Planning(grad_formats={{{name!r}: {value!r}}}): expected two format names, e.g. {{'nvfp4': 'fp32'}}") from None
-            try:  # the rules between a format and its gradients, as a plan holding it checks them
-                LayerPrecision(fmt, grad_format=grad, scaling=self.scaling.get(fmt, Scaling()))
-            except PlanError as exc:
-                raise SearchError(f"Planning(grad_formats={{{fmt.value!r}: {grad.value!r}}}): {exc}") from None
-            grad_formats[fmt] = grad
-        return grad_formats
-
-    def precisions(self) -> dict[Format, LayerPrecision]:
-        """Each candidate format as the search costs, estimates and plans it."""
-        return {f: LayerPrecision(f, grad_format=self.grad_formats.get(f), scaling=self.scaling.get(f, Scaling())) for f in self.formats}
-
-
-@dataclasses.dataclass(frozen=True)
 class Unit:
     """Layers that take one format together, the formats they may take, and each choice's cost."""
 
     name: str
     layers: tuple[str, ...]
-    choices: Mapping[Format, Choice]
+    choices: Mapping[ChoiceKey, Choice]
 
     @property
-    def formats(self) -> tuple[Format, ...]:
+    def formats(self) -> tuple[ChoiceKey, ...]:
         return tuple(self.choices)
 
 
@@ -304,8 +244,8 @@ class Block:
     """
 
     name: str
-    freed: Mapping[str, Mapping[Format, float]]
-    forward: Mapping[str, Mapping[Format, float]]
+    freed: Mapping[str, Mapping[ChoiceKey, float]]
+    forward: Mapping[str, Mapping[ChoiceKey, float]]
     other_bytes: float = 0.0
     other_seconds: float = 0.0
 
@@ -314,7 +254,7 @@ class Block:
             for fqn, row in getattr(self, field).items():
                 for fmt, value in row.items():
                     if not (_finite_number(value) and value >= 0):
-                        raise SearchError(f"block {self.name!r}: {field}[{fqn!r}][{Format.parse(fmt).value}] must be a finite number >= 0, got {value!r}")
+                        raise SearchError(f"block {self.name!r}: {field}[{fqn!r}][{key_name(fmt)}] must be a finite number >= 0, got {value!r}")
         for field in ("other_bytes", "other_seconds"):
             if not _finite_number(getattr(self, field)):
                 raise SearchError(f"block {self.name!r}: {field} must be a finite number, got {getattr(self, field)!r}")
@@ -358,7 +298,7 @@ class SearchSpace:
 
     def __init__(
         self,
-        table: Mapping[str, Mapping[Format, Choice]],
+        table: Mapping[str, Mapping[Any, Choice]],
         *,
         min_precision: int = 8,
         max_precision: int = 32,
@@ -377,19 +317,19 @@ class SearchSpace:
         for choice in (fixed or {}).values():
             self.fixed_total = self.fixed_total + _choice(choice)
         problems = []
-        allowed: dict[str, list[Format]] = {}
+        allowed: dict[str, list[ChoiceKey]] = {}
         for fqn, options in table.items():
-            formats = [Format.parse(f) for f in options]
-            formats = [f for f in formats if f in allowed_bits and f in runnable]
+            formats = [choice_key(f) for f in options]
+            formats = [f for f in formats if key_format(f) in allowed_bits and key_format(f) in runnable]
             for pattern, fmt in rules.pin.items():
                 if fnmatch.fnmatchcase(fqn, pattern):
-                    formats = [f for f in formats if f is Format.parse(fmt)]
+                    formats = [f for f in formats if key_format(f) is Format.parse(fmt)]
             for pattern, banned in rules.forbid.items():
                 if fnmatch.fnmatchcase(fqn, pattern):
                     refused = {Format.parse(f) for f in banned}
-                    formats = [f for f in formats if f not in refused]
+                    formats = [f for f in formats if key_format(f) not in refused]
             if not formats:
-                problems.append(f"{fqn!r}: no format left (costed {[str(f) for f in options]}, precision {min_precision}..{max_precision} bits, rules, device)")
+                problems.append(f"{fqn!r}: no format left (costed {[key_name(f) for f in options]}, precision {min_precision}..{max_precision} bits, rules, device)")
             allowed[fqn] = formats
         for pattern in list(rules.pin) + list(rules.forbid) + [p for g in rules.groups for p in g]:
             if not any(fnmatch.fnmatchcase(fqn, pattern) for fqn in table):
@@ -448,29 +388,29 @@ class SearchSpace:
                 raise SearchError(f"{name!r} has layers in memory parts {held}: a rule group or block must keep to one device (pipeline stage)")
             self.part_of[name] = held[0]
 
-    def part_totals(self, assignment: Mapping[str, Format], recompute: Iterable[str] = ()) -> dict[str, Choice]:
+    def part_totals(self, assignment: Mapping[str, Any], recompute: Iterable[str] = ()) -> dict[str, Choice]:
         """Each part's totals under an assignment with some blocks recomputed, as `totals` sums
         them: its fixed bytes and seconds, its units' and its recomputed blocks' (a part all in
         FP32 recomputing nothing holds its ``fp32_bytes`` exactly, when given)."""
         recompute = set(recompute)
         out = {part.name: Choice(part.fixed_bytes, part.fixed_seconds, 0.0) for part in self.parts}
         for unit in self.units:
-            out[self.part_of[unit.name]] += unit.choices[Format.parse(assignment[unit.name])]
+            out[self.part_of[unit.name]] += unit.choices[choice_key(assignment[unit.name])]
         for block in self.blocks:
             if block.name in recompute:
                 out[self.part_of[block.name]] += self.recompute_effect(assignment, [block.name])
         for part in self.parts:
             units = [u for u in self.units if self.part_of[u.name] == part.name]
             plain = not any(self.part_of[b] == part.name for b in recompute)
-            if part.fp32_bytes is not None and plain and all(Format.parse(assignment[u.name]) is Format.FP32 for u in units):
+            if part.fp32_bytes is not None and plain and all(key_format(assignment[u.name]) is Format.FP32 for u in units):
                 out[part.name] = dataclasses.replace(out[part.name], bytes=part.fp32_bytes)
         return out
 
-    def part_bytes(self, assignment: Mapping[str, Format], recompute: Iterable[str] = ()) -> dict[str, float]:
+    def part_bytes(self, assignment: Mapping[str, Any], recompute: Iterable[str] = ()) -> dict[str, float]:
         """Each part's bytes (`part_totals`)."""
         return {name: total.bytes for name, total in self.part_totals(assignment, recompute).items()}
 
-    def step_seconds(self, assignment: Mapping[str, Format], recompute: Iterable[str] = ()) -> float:
+    def step_seconds(self, assignment: Mapping[str, Any], recompute: Iterable[str] = ()) -> float:
         """The seconds of a step under an assignment, what the search minimises: the totals'
         (`totals`), or with parts, which run at once on their own devices (a pipeline's stages:
         its steady state moves at its slowest stage's pace), the slowest part's."""
@@ -494,7 +434,7 @@ class SearchSpace:
         if len(set(names)) != len(names):
             raise SearchError(f"two recompute blocks share a name in {names}; name each block once")
         self.blocks = tuple(blocks)
-        self.links: dict[str, list[tuple[str, dict[Format, tuple[float, float]]]]] = {}
+        self.links: dict[str, list[tuple[str, dict[ChoiceKey, tuple[float, float]]]]] = {}
         for block in self.blocks:
             links = []
             for unit in self.units:
@@ -505,10 +445,10 @@ class SearchSpace:
                 for f in unit.choices:
                     missing = [fqn for fqn in inside if f not in block.freed[fqn] or f not in block.forward.get(fqn, {})]
                     if missing:
-                        raise SearchError(f"block {block.name!r}: no recompute cost for layer {missing[0]!r} in {f.value}; cost every format of its layers")
+                        raise SearchError(f"block {block.name!r}: no recompute cost for layer {missing[0]!r} in {key_name(f)}; cost every format of its layers")
                     per[f] = (sum(block.freed[fqn][f] for fqn in inside), sum(block.forward[fqn][f] for fqn in inside))
                     if per[f][0] > unit.choices[f].bytes + 1e-9 * max(1.0, abs(unit.choices[f].bytes)):
-                        raise SearchError(f"block {block.name!r}: unit {unit.name!r} in {f.value} would free {per[f][0]:,.0f} bytes, more than its "
+                        raise SearchError(f"block {block.name!r}: unit {unit.name!r} in {key_name(f)} would free {per[f][0]:,.0f} bytes, more than its "
                                           f"{unit.choices[f].bytes:,.0f}; freed bytes are part of a layer's bytes")
                 links.append((unit.name, per))
             self.links[block.name] = links
@@ -520,7 +460,7 @@ class SearchSpace:
         known = ", ".join(repr(b.name) for b in self.blocks) or "none"
         raise SearchError(f"recompute block {name!r} is not one of the search space's blocks ({known})")
 
-    def recompute_effect(self, assignment: Mapping[str, Format], recompute: Iterable[str]) -> Choice:
+    def recompute_effect(self, assignment: Mapping[str, Any], recompute: Iterable[str]) -> Choice:
         """What recomputing some blocks changes in an assignment's totals.
 
         Args:
@@ -540,12 +480,12 @@ class SearchSpace:
             freed += block.other_bytes
             seconds += block.other_seconds
             for unit_name, per in self.links[name]:
-                b, s = per[Format.parse(assignment[unit_name])]
+                b, s = per[choice_key(assignment[unit_name])]
                 freed += b
                 seconds += s
         return Choice(-freed, seconds, 0.0)
 
-    def totals(self, assignment: Mapping[str, Format], recompute: Iterable[str] = ()) -> Choice:
+    def totals(self, assignment: Mapping[str, Any], recompute: Iterable[str] = ()) -> Choice:
         """Summed cost of an assignment, plus the fixed costs, with some blocks recomputed.
 
         Args:
@@ -561,9 +501,9 @@ class SearchSpace:
         """
         total = self.fixed_total
         for unit in self.units:
-            total = total + unit.choices[Format.parse(assignment[unit.name])]
+            total = total + unit.choices[choice_key(assignment[unit.name])]
         recompute = tuple(recompute)
-        if not recompute and self.fp32_bytes is not None and all(Format.parse(assignment[u.name]) is Format.FP32 for u in self.units):
+        if not recompute and self.fp32_bytes is not None and all(key_format(assignment[u.name]) is Format.FP32 for u in self.units):
             return dataclasses.replace(total, bytes=self.fp32_bytes)  # the reference, exactly (class docstring)
         return total + self.recompute_effect(assignment, recompute) if recompute else total
 
@@ -601,18 +541,19 @@ class SearchSpace:
                         for p in self.parts])
         return out
 
-    def layer_formats(self, assignment: Mapping[str, Format]) -> dict[str, Format]:
-        """Every layer's format, from a unit assignment.
+    def layer_formats(self, assignment: Mapping[str, Any]) -> dict[str, ChoiceKey]:
+        """Every layer's choice, from a unit assignment.
 
         Args:
-            assignment: unit name -> format (a `Format` or its name), for every unit.
+            assignment: unit name -> choice key (`choice_key`: a `Format` or its name, or an
+                alternative recipe), for every unit.
 
         Returns:
-            fqn -> `Format` for every layer of the space, unit by unit.
+            fqn -> the unit's choice key for every layer of the space, unit by unit.
         """
-        return {fqn: Format.parse(assignment[unit.name]) for unit in self.units for fqn in unit.layers}
+        return {fqn: choice_key(assignment[unit.name]) for unit in self.units for fqn in unit.layers}
 
-    def extreme(self, field: str) -> dict[str, Format]:
+    def extreme(self, field: str) -> dict[str, ChoiceKey]:
         """The assignment minimising one field unit by unit (fixed costs and blocks aside).
 
         Args:
@@ -641,7 +582,7 @@ class SearchSpace:
             return {u.name: fmt for u in self.units}
         return None
 
-    def scaled(self, factors: Mapping[tuple[str, Format], Choice], fixed: Choice = Choice(1.0, 1.0, 1.0)) -> "SearchSpace":
+    def scaled(self, factors: Mapping[tuple[str, ChoiceKey], Choice], fixed: Choice = Choice(1.0, 1.0, 1.0)) -> "SearchSpace":
         """This space with its costs multiplied field by field: a corrected proxy
         (`search.refine`). Same units, names and formats; blocks' freed bytes and seconds scale
         with their units', their own ops' with the fixed costs.

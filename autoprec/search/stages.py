@@ -32,11 +32,12 @@ from ..blocks import find_blocks
 from ..coverage import LayerInfo
 from ..errors import InfeasibleBudgetError
 from ..formats import Format
-from ..plan import LayerPrecision, Plan
+from ..plan import Plan
 from .exact import k_best
-from .pipeline import measure_parts
-from .planner import LayerTable, block_reasons, in_budget_terms, layer_reasons, table_steps
-from .space import MemoryPart, Planning, SearchSpace
+from .pipeline import estimate_alternatives, measure_parts
+from .planner import LayerTable, block_reasons, format_options, in_budget_terms, layer_reasons, precision_of, table_steps
+from .planning import Planning
+from .space import MemoryPart, SearchSpace
 
 __all__ = ["StageTable", "measure_stage", "joint_plan"]
 
@@ -61,8 +62,9 @@ def measure_stage(stage: nn.Module, call: Any, batches: Sequence[Any], loss_fn: 
     layers = list(fingerprint)
     blocks = find_blocks(stage, layers, recompute) if recompute != () else ()
     costs, sensitivity = measure_parts(stage, call, batches[-1:], loss_fn, planning, cost_loss_fn=lambda m, _: loss_fn(m, batches[-1]).mean(), blocks=blocks)
+    alternatives = estimate_alternatives(stage, call, batches[-1:], loss_fn, planning, costs.layers)
     table = drain(table_steps(costs, sensitivity, profile, formats=planning.formats, rules=planning.rules, precisions=planning.precisions(),
-                              limits=planning.limits))
+                              limits=planning.limits, alternatives=alternatives))
     return StageTable(index, table, dict(fingerprint))
 
 
@@ -95,13 +97,13 @@ def joint_plan(stages: Sequence[StageTable], planning: Planning, *, baseline_los
     reasons = layer_reasons(space, solution.assignment, planning.rules, ruled_out)
     formats = space.layer_formats(solution.assignment)
     precisions = planning.precisions()
-    layers = {fqn: dataclasses.replace(precisions.get(fmt) or LayerPrecision(fmt), reason=reasons[fqn]) for fqn, fmt in formats.items()}
+    layers = {fqn: precision_of(precisions, key, reasons[fqn]) for fqn, key in formats.items()}
     per_layer = {}
     stage_of = {fqn: part.name for part in parts for fqn in part.layers}  # which stage's budget pays for a later promotion
     for unit in space.units:
         share = len(unit.layers)
         chosen = unit.choices[solution.assignment[unit.name]]
-        options = {f.value: {"bytes": c.bytes / share, "loss": c.loss / share} for f, c in unit.choices.items()}
+        options = format_options(unit, solution.assignment[unit.name])
         for fqn in unit.layers:
             per_layer[fqn] = {"bytes": chosen.bytes / share, "seconds": chosen.seconds / share, "loss": chosen.loss / share, "options": options,
                               "stage": stage_of[fqn]}

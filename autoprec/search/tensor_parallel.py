@@ -36,7 +36,8 @@ from ..formats import Format
 from ..plan import Plan
 from ..runtime.layers import kernel_reason
 from ..runtime.tensor_parallel import sharded_reason
-from .space import LayerRules, Planning
+from .planning import Planning
+from .space import LayerRules
 
 __all__ = ["tensor_parallel_layers", "sharded_rules", "noted", "unsharded_bytes"]
 
@@ -84,6 +85,10 @@ def sharded_rules(model: nn.Module, layers: Sequence[str], planning: Planning) -
     device = next(model.parameters()).device
     precisions = planning.precisions()
     refused = {f: why for f, p in precisions.items() if (why := sharded_reason(p, kernel_reason(p, device) if p.format.needs_scale else None))}
+    for lp in planning.alternatives():  # a recipe is forbidden with its format only: refused as a whole
+        if why := sharded_reason(lp, kernel_reason(lp, device) if lp.format.needs_scale else None):
+            raise SearchError(f"the search weighs {lp.recipe} per layer, which tensor-parallel layer {next(iter(sharded))!r} cannot run ({why}); "
+                              f"give {lp.format.value} one scaling and gradient format under tensor parallelism")
     if not refused:
         return planning.rules, {}
     rules = planning.rules

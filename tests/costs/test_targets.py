@@ -12,7 +12,7 @@ from autoprec.costs.targets import KERNEL_ROUTES, kernel_route
 from autoprec.errors import CostModelError, SearchError
 from autoprec.formats import Format
 from autoprec.layer_precision import LayerPrecision, Scaling
-from autoprec.search.space import Planning
+from autoprec.search.planning import Planning
 
 CPU = torch.device("cpu")
 

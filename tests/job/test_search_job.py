@@ -584,7 +584,7 @@ def test_a_format_the_profile_saw_underflow_past_the_schedulers_promotion_thresh
     from autoprec.profiling import LayerProfiler
     from autoprec.search.planner import range_reason, space_steps
     from autoprec._generators import drain
-    from autoprec.search.space import RangeLimits
+    from autoprec.search.planning import RangeLimits
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))

@@ -335,6 +335,35 @@ def test_the_searchs_copy_of_a_tensor_parallel_model_is_the_unsharded_model(tmp_
         assert result["dtensors"] == []
         assert torch.equal(result["copy"], result["ref"])  # the same weights, the same unsharded ops
 
+def recipes_scenario(rank):
+    """`sharded_rules` of torchtitan's tensor-parallel Llama under plannings weighing recipes per layer."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoprec.errors import SearchError
+    from autoprec.search.planning import Planning
+    from autoprec.search.tensor_parallel import sharded_rules
+
+    model = parallelize(titan_llama(), init_device_mesh("cpu", (WORLD,)), sequence_parallel=False)
+    layers = [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
+    out = {}
+    for name, scaling in (("runs", ["tensor", "block"]), ("refused", ["tensor", "mx"])):
+        try:
+            rules, _ = sharded_rules(model, layers, Planning(("bf16", "fp8_e4m3"), scaling={"fp8_e4m3": scaling}))
+            out[name] = rules.forbid
+        except SearchError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_recipes_weighed_per_layer_under_tensor_parallelism_are_those_a_sharded_weight_runs(tmp_path):
+    # Rules forbid formats, not recipes: a recipe a sharded weight cannot run (MXFP8, emulated
+    # everywhere) is refused in one line, not searched and refused at the first forward.
+    result = run(recipes_scenario, tmp_path)[0]
+    assert result["runs"] == {}  # block scaling runs on either split
+    assert isinstance(result["refused"], str) and "\n" not in result["refused"]
+    assert "weighs fp8_e4m3/mx per layer" in result["refused"] and "give fp8_e4m3 one scaling and gradient format under tensor parallelism" in result["refused"]
+
+
 # -- the seed's loop under tensor parallelism (issue 58) --------------------------------------------
 
 # What a layer with a tensor-parallel weight can run on either split (docs/distributed.md, "Tensor and

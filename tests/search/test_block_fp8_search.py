@@ -5,6 +5,7 @@ line when wrong. A model with outlier input channels (benchmarks/block_fp8.py's,
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -15,10 +16,10 @@ import torch.nn.functional as F
 
 import autoprec as ap
 from autoprec.costs import CostModel, TimingSettings
-from autoprec.errors import SearchError, SettingsError
+from autoprec.errors import InfeasibleBudgetError, SearchError, SettingsError
 from autoprec.formats import Format, Granularity
 from autoprec.search.pipeline import Planning, measure_space, propose_from
-from autoprec.search.space import Budgets
+from autoprec.search.space import Budgets, key_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from block_fp8 import OutlierMLP  # noqa: E402
@@ -117,3 +118,55 @@ def test_a_job_file_takes_gradient_formats_and_names_a_wrong_one(tmp_path):
     with pytest.raises(SearchError, match=r"\[search\]\.grad_formats: expected a table of format = its gradient format") as info:
         load_job(bad)
     assert "\n" not in str(info.value)
+
+
+def _floor(problem, scaling, accuracy, baseline):
+    """The least memory (bytes) a search in ``scaling`` reaches under a relative accuracy budget,
+    its plan there, and its space."""
+    model, data, loss_fn = problem
+    planning = Planning((Format.BF16, E4M3), budgets=Budgets(memory=0.01, accuracy=accuracy), scaling=scaling, measure=False)
+    found = measure_space(copy.deepcopy(model), data[0][0], data, loss_fn, None, planning)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        propose_from(found, planning, baseline_loss=baseline)
+    planning = dataclasses.replace(planning, budgets=Budgets(memory=int(info.value.min_bytes) + 1, accuracy=accuracy))
+    return info.value.min_bytes, propose_from(found, planning, baseline_loss=baseline).plans[0], found
+
+
+def test_weighed_per_layer_the_scalings_mix_and_reach_less_memory_than_any_one_at_the_same_accuracy(problem):
+    model, data, loss_fn = problem
+    with torch.no_grad():
+        baseline = float(loss_fn(model, data[0]))
+    # 1e-4 of the loss: the budget binds (per tensor, one layer fits in FP8; in blocks two).
+    singles = {g: _floor(problem, {"fp8_e4m3": g}, 1e-4, baseline) for g in ("tensor", "row", "block")}
+    least, plan, found = _floor(problem, {"fp8_e4m3": ["tensor", "row", "block"]}, 1e-4, baseline)
+    recipes = {lp.recipe for lp in plan.layers.values() if lp.format is E4M3}
+    assert len(recipes) > 1, recipes  # one search, scalings mixed per layer
+    # Its space holds every single scaling's plans (same bytes and estimates per recipe), so it is
+    # never worse; mixing makes it better than the best of them at the same accuracy budget.
+    assert least < min(floor for floor, _, _ in singles.values())
+    # Each layer's plan entry is its recipe, priced and estimated as that recipe's own search does.
+    for fqn, lp in plan.layers.items():
+        if lp.format is E4M3:
+            single = singles[lp.scaling.granularity.value][2]
+            assert found.costs.layer_cost(fqn, lp).bytes == single.costs.layer_cost(fqn, E4M3).bytes
+            unit = next(u for u in found.space.units if u.name == fqn)
+            key = E4M3 if lp.scaling.granularity is Granularity.TENSOR else ap.LayerPrecision(E4M3, scaling=lp.scaling)
+            assert unit.choices[key].loss == pytest.approx(single.sensitivity[(fqn, E4M3)])
+    # Promotions read each format's option: one per format, the layer's own recipe where it has that format.
+    for fqn, row in plan.predicted["layers"].items():
+        assert set(row["options"]) <= {"bf16", "fp8_e4m3"}
+
+
+def test_a_high_precision_backward_is_a_choice_per_layer_estimated_as_its_own(problem):
+    model, data, loss_fn = problem
+    planning = Planning((Format.BF16, E4M3), scaling={"fp8_e4m3": ["tensor", "block"]}, grad_formats={"fp8_e4m3": ["fp8_e5m2", "fp32"]}, measure=False)
+    found = measure_space(copy.deepcopy(model), data[0][0], data, loss_fn, None, planning)
+    high = ap.LayerPrecision(E4M3, grad_format="fp32")
+    names = {key_name(k) for u in found.space.units for k in u.choices}
+    # Every scaling with every gradient format given (block scaling's own E4M3 gradients not among them).
+    assert names == {"bf16", "fp8_e4m3", "fp8_e4m3+fp32 backward", "fp8_e4m3/block+fp8_e5m2 backward", "fp8_e4m3/block+fp32 backward"}
+    for unit in found.space.units:
+        own, backward = unit.choices[E4M3], unit.choices[high]
+        assert backward.bytes == own.bytes  # the same saved operands (docs/fp8_blocks.md)
+    # The gradient term is the recipe's own: no E5M2 rounding of the gradients, so less predicted loss.
+    assert all(u.choices[high].loss < u.choices[E4M3].loss for u in found.space.units)

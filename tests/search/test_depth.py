@@ -118,7 +118,8 @@ def proposal_counts(blocks: int, patching) -> dict:
     from autoprec.costs import inplace
     from autoprec.coverage import find_layers
     from autoprec.search.pipeline import propose_plans
-    from autoprec.search.space import Budgets, Planning
+    from autoprec.search.planning import Planning
+    from autoprec.search.space import Budgets
 
     seen = {"forwards": 0, "runtime layers": 0, "modules walked": 0, "timed steps": 0, "node hooks per step": 0}
 
