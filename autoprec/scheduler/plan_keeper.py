@@ -381,13 +381,18 @@ class PlanKeeper:
             if self._writer is not None:
                 self._writer.log_change(step, change.fqn, change.old, change.new, change.reason, change.old_grad, change.new_grad)
         if changes:
-            # A layer lowered again runs its format as the search plans it (`SchedulerConfig.scaling`);
-            # a backward change keeps the layer's precision but its gradient format.
+            # A layer lowered again runs its format as the search planned it for that layer (its
+            # recipe: a plan searched offline may weigh several per format), else as the search
+            # plans the format (`SchedulerConfig.scaling`); a backward change keeps the layer's
+            # precision but its gradient format.
             precisions = self.config.planning.precisions()
+            searched = self.searched_plan.layers if self.searched_plan is not None else {}
 
             def changed_precision(c: PrecisionChange) -> LayerPrecision:
                 if c.new_grad is not None:
                     return dataclasses.replace(plan.layers[c.fqn], grad_format=c.new_grad)
+                if c.fqn in searched and searched[c.fqn].format is c.new:
+                    return searched[c.fqn]
                 return precisions.get(c.new, LayerPrecision(c.new))
 
             changed = plan.with_layers({c.fqn: dataclasses.replace(changed_precision(c), reason=f"{verb} at step {step}: {c.reason}") for c, verb in changes})

@@ -10,7 +10,7 @@ import torch
 from autoprec.errors import RuntimeStateError, SettingsError
 from autoprec.formats import Format
 from autoprec.changes import PrecisionChange
-from autoprec.plan import LayerPrecision, Plan
+from autoprec.plan import LayerPrecision, Plan, Scaling
 from autoprec.scheduler import DynamicPrecisionScheduler, Thresholds
 from autoprec.workloads import default_workload, evaluate
 from support.tb_events import accumulator, text_of
@@ -194,6 +194,24 @@ def test_fault_injection_skips_names_promotes_then_demotes_and_training_converge
     assert "non-finite" in promotion.reason
     assert demotion.new is planned and "stable" in demotion.reason  # back after a quiet window
     assert sum(losses[-5:]) / 5 < sum(first[:5]) / 5 - 0.3  # training still converges
+
+
+def test_a_layer_lowered_again_gets_its_planned_recipe_back_not_its_formats_default():
+    # A plan searched offline may give one FP8 layer blocks and another one scale per tensor
+    # (`Planning.alternatives`); the scheduler's own FP8 recipe is per tensor. Before, a layer
+    # demoted back after a promotion came back per tensor, whatever its plan said.
+    wl, model, opt = setup()
+    example = wl.train_batches(1).next()[0]
+    block = LayerPrecision("fp8_e4m3", scaling=Scaling(granularity="block"))
+    target = "blocks.0.mlp.fc"
+    plan = Plan.uniform(model, "bf16", example).with_layers({target: block, "blocks.1.mlp.fc": "fp8_e4m3"})
+    sch = DynamicPrecisionScheduler.from_plan(model, plan, dynamic=True, monitor_window=WINDOW, thresholds=Thresholds(nonfinite_steps=2, stable_windows=1))
+    sampler = wl.train_batches(0)
+    train(wl, model, opt, sch, 3 * WINDOW, sampler, fault=poison(target, {2, 4}))
+    promotion, demotion = [c for c in sch.changes if c.fqn == target][:2]
+    assert promotion.new.bits > 8 and demotion.new is Format.FP8_E4M3
+    assert sch.plan.layers[target].scaling == block.scaling and sch.plan.layers[target].grad_format is Format.FP8_E4M3
+    assert sch.plan.layers["blocks.1.mlp.fc"].scaling.granularity.value == "tensor"
 
 
 def test_amax_drift_promotes_the_layer():
