@@ -13,15 +13,19 @@ Reported (one JSON, ``--out``, and a table on stdout):
    per tensor one scale, row-wise one per row (activations and gradients; weights per output
    channel), block 1x128 tiles (activations, gradients) and 128x128 blocks (weights), MX one
    power-of-two scale per 32 elements of a row (the forward GEMM's tiling of each operand).
-2. **The search under one accuracy budget**, with FP8 E4M3 in its default per-tensor scaling, in
-   block scaling and in MXFP8 (`Planning.scaling`), candidates BF16 and FP8 E4M3, the budget
+2. **The search under one accuracy budget**, with FP8 E4M3 in its default per-tensor scaling, per
+   row, in block scaling and in MXFP8 (`Planning.scaling`), and with all four weighed per layer
+   in one search ("per layer": `Planning.alternatives`), candidates BF16 and FP8 E4M3, the budget
    ``--accuracy`` relative to the FP32 loss, at the least memory that budget allows (FP8
    wherever the predicted loss lets it go): how many layers it puts in FP8, that memory, the
    predicted loss increase, and the loss after ``--steps`` training steps of the plan (on CPU
    every FP8 product is emulated: the same roundings, FP32 arithmetic), beside BF16 autocast
    and FP32 trained the same way.
+3. **At equal memory**: at the least memory one scaling alone reaches, the plan of least
+   predicted loss of that scaling's search and of the per-layer search, each trained as above.
 
-Run: ``PYTHONPATH=. python benchmarks/block_fp8.py --out benchmarks/results/block_fp8_cpu.json``.
+Run: ``PYTHONPATH=. python benchmarks/block_fp8.py --out benchmarks/results/block_fp8_cpu.json``
+(the per-layer comparison: ``--accuracy 0.001 --seed N``, seeds 0-2, `benchmarks/results/block_fp8_recipes_seed{N}.json`).
 CPU seconds are not reported: on a CPU block-scaled and MX products are emulated.
 """
 
@@ -47,6 +51,7 @@ from autoprec.search.pipeline import Planning, measure_space, propose_from
 from autoprec.search.space import Budgets
 
 E4M3 = Format.FP8_E4M3
+SCALINGS = ("tensor", "row", "block", "mx")
 
 
 class OutlierMLP(nn.Module):
@@ -104,7 +109,7 @@ def operand_sqnr(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
                 captured[name]["gradient"] = grad_out[0].detach().reshape(-1, grad_out[0].shape[-1])
 
             hooks += [module.register_forward_hook(forward_hook), module.register_full_backward_hook(backward_hook)]
-    F.mse_loss(model(x), y).backward()  # noqa: one FP32 step
+    F.mse_loss(model(x), y).backward()  # one FP32 step
     for h in hooks:
         h.remove()
     model.zero_grad(set_to_none=True)
@@ -170,12 +175,14 @@ def main() -> None:
 
     with torch.no_grad():
         baseline = float(loss_fn(model, data[0]))
-    searches = {}
-    for label, scaling in (("per-tensor", {}), ("block", {"fp8_e4m3": "block"}), ("mx", {"fp8_e4m3": "mx"})):
+    searches, spaces = {}, {}
+    for label, scaling in (("per-tensor", {}), ("row", {"fp8_e4m3": "row"}), ("block", {"fp8_e4m3": "block"}), ("mx", {"fp8_e4m3": "mx"}),
+                           ("per layer", {"fp8_e4m3": list(SCALINGS)})):
         # The least memory the accuracy budget allows (FP8 wherever it may go: a CPU emulates
         # FP8, so the fastest plan under a loose memory budget would have none), then that plan.
         planning = Planning((Format.BF16, Format.FP8_E4M3), budgets=Budgets(memory=0.01, accuracy=args.accuracy), scaling=scaling)
         found = measure_space(copy.deepcopy(model), x0, data[:2], loss_fn, None, planning)
+        spaces[label] = (planning, found)
         try:
             propose_from(found, planning, baseline_loss=baseline)
             raise SystemExit("memory budget 0.01 met: the model is too small for this figure")
@@ -187,14 +194,32 @@ def main() -> None:
         loss = train(copy.deepcopy(model), plan, data, args.steps, args.lr)
         searches[label] = {"fp8_layers": len(fp8), "layers": len(plan.layers), "fp8": fp8, "memory_fraction": floor / found.costs.fp32_bytes(),
                            "predicted_loss_increase": plan.predicted["loss_increase"], "trained_loss": loss,
+                           "recipes": {fqn: lp.recipe for fqn, lp in plan.layers.items()},
                            "sensitivity": {fqn: found.sensitivity[(fqn, E4M3)] for fqn in plan.layers}}
+    # At equal memory: the least memory any one scaling reaches, and the plan of least predicted
+    # loss within it from the per-layer search (whose space holds that scaling's plan) and from it.
+    best = min((label for label in searches if label != "per layer"), key=lambda label: searches[label]["memory_fraction"])
+    at_memory = {}
+    for label in (best, "per layer"):
+        planning, found = spaces[label]
+        memory = int(searches[best]["memory_fraction"] * found.costs.fp32_bytes()) + 1
+        try:
+            propose_from(found, dataclasses.replace(planning, budgets=Budgets(memory=memory, accuracy=0.0, accuracy_relative=False)), baseline_loss=baseline)
+            least = 0.0
+        except InfeasibleBudgetError as exc:
+            least = exc.min_loss
+        plan = propose_from(found, dataclasses.replace(planning, budgets=Budgets(memory=memory, accuracy=least * (1 + 1e-6), accuracy_relative=False)),
+                            baseline_loss=baseline).plans[0]
+        at_memory[label] = {"predicted_loss_increase": plan.predicted["loss_increase"], "memory_fraction": plan.predicted["bytes"] / found.costs.fp32_bytes(),
+                            "trained_loss": train(copy.deepcopy(model), plan, data, args.steps, args.lr),
+                            "recipes": {fqn: lp.recipe for fqn, lp in plan.layers.items()}}
     references = {
         "fp32": train(copy.deepcopy(model), None, data, args.steps, args.lr),
         "bf16_autocast": train(copy.deepcopy(model), None, data, args.steps, args.lr, autocast=True),
     }
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
     result = {"device": platform.processor() or platform.machine(), "torch": torch.__version__, "commit": commit, "args": {k: str(v) for k, v in vars(args).items()},
-              "baseline_loss": baseline, "sqnr_db": sqnr_table, "search": searches, "trained_loss": references}
+              "baseline_loss": baseline, "sqnr_db": sqnr_table, "search": searches, "at_equal_memory": at_memory, "trained_loss": references}
 
     print(f"SQNR of E4M3 (dB), {args.outliers} outlier channels at {args.gain:g}x; tensor / row / block / mx")
     for name, ops in sqnr_table.items():
@@ -204,7 +229,12 @@ def main() -> None:
     for label, s in searches.items():
         print(f"  fp8 {label:<10} {s['fp8_layers']}/{s['layers']} layers in FP8 (memory {s['memory_fraction']:.3f} of FP32), "
               f"predicted +{s['predicted_loss_increase']:.3g}, loss after {args.steps} steps {s['trained_loss']:.4g}")
+        if label == "per layer":
+            print("    " + ", ".join(f"{fqn} {recipe}" for fqn, recipe in s["recipes"].items()))
     print(f"  references: FP32 {references['fp32']:.4g}, BF16 autocast {references['bf16_autocast']:.4g}")
+    print(f"at the least memory one scaling reaches ({best}), the plan of least predicted loss:")
+    for label, s in at_memory.items():
+        print(f"  {label:<10} memory {s['memory_fraction']:.3f}, predicted +{s['predicted_loss_increase']:.3g}, loss after {args.steps} steps {s['trained_loss']:.4g}")
     if args.out is not None:
         atomic_write_text(args.out, json.dumps(result, indent=1))
 
