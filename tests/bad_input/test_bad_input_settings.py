@@ -44,13 +44,14 @@ def test_settings_of_the_right_type_are_kept():
 
 def test_choices_given_by_name_are_held_as_enums():
     """``grad_comm`` and ``scaling`` taken by name (as a config file spells them), held typed:
-    the code downstream compares enums, never strings."""
+    the code downstream compares enums, never strings (``scaling`` as each format's scalings,
+    a list given or one: `Planning.scaling`)."""
     from autoprec.formats import CommMethod, Format, Granularity
     from autoprec.scheduler.config import AUTO_COMM
 
     config = SchedulerConfig(grad_comm="bf16", scaling={"fp8_e4m3": "block", Format.INT8: "row"})
     assert config.grad_comm is CommMethod.BF16
-    assert dict(config.scaling) == {Format.FP8_E4M3: Scaling(granularity=Granularity.BLOCK), Format.INT8: Scaling(granularity=Granularity.ROW)}
+    assert dict(config.scaling) == {Format.FP8_E4M3: (Scaling(granularity=Granularity.BLOCK),), Format.INT8: (Scaling(granularity=Granularity.ROW),)}
     assert SchedulerConfig(grad_comm=CommMethod.TOPK).grad_comm is CommMethod.TOPK
     assert SchedulerConfig(grad_comm="auto").grad_comm == AUTO_COMM
 
