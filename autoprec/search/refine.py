@@ -34,6 +34,7 @@ from ..errors import InfeasibleBudgetError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
 from .exact import k_best
+from .planner import precision_of
 from .candidate_runs import REFINED_ASSIGNMENT, REFINED_ATTR, Candidate, formats_id
 from .space import Choice, ChoiceKey, SearchSpace, choice_key, key_name
 
@@ -175,9 +176,6 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
         key = choice_key(lp)
         return lp.format if own is None or key == own else key
 
-    def _precision(self, key: "Format | LayerPrecision") -> LayerPrecision:
-        return key if isinstance(key, LayerPrecision) else self._precisions.get(key, LayerPrecision(key))
-
     def choice_names(self, unit) -> tuple[str, ...]:
         """A unit's choices as its trials' params name them (`space.key_name`)."""
         return tuple(self._named[unit.name])
@@ -190,7 +188,7 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
         """The plan to measure for ``assignment``: its layers' formats (in the scaling and
         calibration the k-best plans have) and the proxy's predicted figures."""
         total = self.space.totals(assignment)
-        layers = {fqn: self._precision(key) for fqn, key in self.space.layer_formats(assignment).items()}
+        layers = {fqn: precision_of(self._precisions, key) for fqn, key in self.space.layer_formats(assignment).items()}
         predicted = {"seconds": total.seconds, "bytes": total.bytes, "loss_increase": total.loss}
         return Candidate(name, Plan(layers, predicted=predicted, blocks=dict.fromkeys(self.recompute, True)))
 
@@ -203,7 +201,7 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
         return self._design.get(cid) if cid is not None else None
 
     def _id(self, assignment: Mapping[str, ChoiceKey]) -> str:
-        return formats_id({fqn: self._precision(key) for fqn, key in self.space.layer_formats(assignment).items()}, self.recompute)
+        return formats_id({fqn: precision_of(self._precisions, key) for fqn, key in self.space.layer_formats(assignment).items()}, self.recompute)
 
     # -- the correction ---------------------------------------------------------------------
 
