@@ -98,9 +98,12 @@ def _event_files(root):
 
 # The default spread search (search_slice=1.0, measured costs): probe and trial steps over tens of
 # training steps, logged one by one. A non-finite gradient in one step promotes its layer at once.
+# Formats only (recompute=[]): with recomputation a searched plan may meet the memory budget in
+# FP32 by recomputing both blocks, the faster choice where the measured BF16 step is slow (seen on
+# a loaded CPU), and leave no lowered layer to promote.
 SPREAD_WINDOW = 6
 SPREAD_STEPS = 120  # the search's trial steps are bounded (54 at most; search.in_run): a plan with steps to spare
-SPREAD = dict(monitor_window=SPREAD_WINDOW, monitor_steps=2, memory_budget=0.9, accuracy_budget=0.05, search_timeout_s=10,
+SPREAD = dict(monitor_window=SPREAD_WINDOW, monitor_steps=2, memory_budget=0.9, accuracy_budget=0.05, search_timeout_s=10, recompute=[],
               thresholds=Thresholds(nonfinite_steps=1))
 
 
