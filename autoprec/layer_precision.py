@@ -1,5 +1,5 @@
-"""One layer's precision in a `Plan` (`LayerPrecision`: format, gradient format, `Scaling`,
-`Calibration`, reason), how a plan file's layer entry is parsed into one, and the consistency
+"""One layer's precision in a `Plan` (`LayerPrecision`: format, gradient format, whether the
+weight gradient's product runs in high precision, `Scaling`, `Calibration`, reason), how a plan file's layer entry is parsed into one, and the consistency
 rules it must meet, independent of any model (`check_layer`)."""
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ from ._checks import check_fields, choice, choices, integer, number, optional
 from .errors import FormatError, PlanError
 from .formats import Format, Granularity
 
-__all__ = ["ScalingMode", "Reduction", "CalibrationMethod", "Scaling", "Calibration", "LayerPrecision", "MAX_HISTORY_LEN", "parse_layer", "check_layer", "figure_problems"]
+__all__ = [
+    "ScalingMode", "Reduction", "CalibrationMethod", "Scaling", "Calibration", "LayerPrecision", "MAX_HISTORY_LEN", "PRESETS", "parse_layer",
+    "check_layer", "figure_problems",
+]
 
 
 class ScalingMode(str, enum.Enum):
@@ -143,13 +146,21 @@ class LayerPrecision:
     recipe); INT8 layers' is FP32; NVFP4 layers' is NVFP4 (stochastically rounded).
     ``grad_format="fp32"`` on an FP8, MXFP8 or NVFP4 layer: the forward in the low format, the
     backward's two products in high precision from the forward's dequantized operands
-    (Transformer Engine's ``backward_override="dequantized"``)."""
+    (Transformer Engine's ``backward_override="dequantized"``).
+
+    ``high_precision_weight_grad``: per GEMM, the weight gradient's product alone in high precision
+    (the unrounded output gradient times the forward's input dequantized, in FP32) while the input
+    gradient's takes ``grad_format`` (torchao's ``rowwise_with_gw_hp``): the weight gradient goes
+    straight to the FP32 master weight, the input gradient on through the model. Only where the
+    gradients are low (FP8, MXFP8, NVFP4); with ``grad_format="fp32"`` it is implied (held
+    False). A plan file writes it as ``"weight_grad_format": "fp32"``."""
 
     format: Format
     grad_format: Format
     scaling: Scaling = Scaling()
     calibration: Calibration = Calibration()
     reason: str = ""
+    high_precision_weight_grad: bool = False
 
     def __init__(
         self,
@@ -158,19 +169,22 @@ class LayerPrecision:
         scaling: Scaling = Scaling(),
         calibration: Calibration = Calibration(),
         reason: str = "",
+        high_precision_weight_grad: bool = False,
     ):
-        problems = self._fill(format, grad_format, scaling, calibration, reason)
+        problems = self._fill(format, grad_format, scaling, calibration, reason, high_precision_weight_grad)
         problems = problems or check_layer(f"LayerPrecision({self.format.value!r})", self)
         if problems:
             raise PlanError(problems, single_line=True)
 
-    def _fill(self, format, grad_format, scaling, calibration, reason) -> list[str]:
+    def _fill(self, format, grad_format, scaling, calibration, reason, high_weight_grad) -> list[str]:
         """Set the fields; the problems of a field of the wrong type (then the rest unchecked)."""
         fmt = Format.parse(format)
         where = f"LayerPrecision({fmt.value!r})"
-        for name, value, cls in (("scaling", scaling, Scaling), ("calibration", calibration, Calibration), ("reason", reason, str)):
+        for name, value, cls in (("scaling", scaling, Scaling), ("calibration", calibration, Calibration), ("reason", reason, str),
+                                 ("high_precision_weight_grad", high_weight_grad, bool)):
             if not isinstance(value, cls):
-                return [f"{where}: {name}={value!r}: expected {'a string' if cls is str else f'an autoprec.{cls.__name__}(...)'}"]
+                expected = {str: "a string", bool: "True or False"}.get(cls, f"an autoprec.{cls.__name__}(...)")
+                return [f"{where}: {name}={value!r}: expected {expected}"]
         if grad_format is None:
             # Block scaling is DeepSeek-V3's recipe, MX Transformer Engine's MXFP8 default: E4M3
             # gradients, made safe by the fine tiles' scales.
@@ -182,23 +196,32 @@ class LayerPrecision:
         _set(self, "scaling", scaling)
         _set(self, "calibration", calibration)
         _set(self, "reason", reason)
+        # Implied by a high-precision backward (and so held False there: one recipe, one value).
+        _set(self, "high_precision_weight_grad", high_weight_grad and self.grad_format is not Format.FP32)
         return []
 
     @classmethod
     def _parsed(cls, where: str, fmt: Format, grad_format: "Format | None", scaling: Scaling, calibration: Calibration,
-                reason: str, problems: list[str]) -> "LayerPrecision | None":
+                reason: str, high_weight_grad: bool, problems: list[str]) -> "LayerPrecision | None":
         """A plan entry's precision, its problems (named from ``where``: ``layers['fc']``) added
         to ``problems`` instead of raised, so that a plan names every bad entry at once."""
         lp = cls.__new__(cls)
-        found = lp._fill(fmt, grad_format, scaling, calibration, reason) or check_layer(where, lp)
+        found = lp._fill(fmt, grad_format, scaling, calibration, reason, high_weight_grad) or check_layer(where, lp)
         problems.extend(found)
         return None if found else lp
 
     @property
+    def weight_grad_format(self) -> Format:
+        """The output gradient's format in the weight gradient's product: FP32 (high precision)
+        where `high_precision_weight_grad` or the whole backward is, else ``grad_format``."""
+        return Format.FP32 if self.high_precision_weight_grad else self.grad_format
+
+    @property
     def recipe(self) -> str:
-        """The layer's recipe in words: its format, then its scaling granularity, delayed scaling
-        and gradient format where not the format's defaults (``"fp8_e4m3"``, ``"fp8_e4m3/block"``,
-        ``"nvfp4+fp32 backward"``); calibration, margins and histories aside."""
+        """The layer's recipe in words: its format, then its scaling granularity, delayed scaling,
+        gradient format where not the format's defaults and a high-precision weight gradient
+        (``"fp8_e4m3"``, ``"fp8_e4m3/block"``, ``"nvfp4+fp32 backward"``, ``"fp8_e4m3/row+fp32
+        wgrad"``); calibration, margins and histories aside."""
         name = self.format.value
         if self.format.needs_scale and self.scaling.granularity is not Granularity.TENSOR:
             name += f"/{self.scaling.granularity.value}"
@@ -206,7 +229,20 @@ class LayerPrecision:
             name += "/delayed"
         if self.grad_format is not LayerPrecision(self.format, scaling=self.scaling).grad_format:
             name += f"+{self.grad_format.value} backward"
+        if self.high_precision_weight_grad:
+            name += "+fp32 wgrad"
         return name
+
+    @classmethod
+    def preset(cls, name: str) -> "LayerPrecision":
+        """A named recipe of the libraries engineers train with (`PRESETS`: ``"te_mxfp8"``,
+        ``"torchao_rowwise_with_gw_hp"``, ...), as autoprec runs it. `PlanError` in one line
+        naming the presets for an unknown name."""
+        settings = PRESETS.get(name) if isinstance(name, str) else None
+        if settings is None:
+            raise PlanError(f"LayerPrecision.preset({name!r}): unknown recipe; expected one of {', '.join(PRESETS)}", single_line=True)
+        fmt, kwargs = settings
+        return cls(fmt, **{**kwargs, "reason": f"preset {name}"})
 
     def cast_of(self, kind: str) -> tuple[Format, str]:
         """The format this layer casts a tensor of one kind to, and the scaling that casts it, as
@@ -230,13 +266,43 @@ class LayerPrecision:
         def plain(obj):
             return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in dataclasses.asdict(obj).items()}
 
-        return {
+        out = {
             "format": self.format.value,
             "grad_format": self.grad_format.value,
             "scaling": plain(self.scaling),
             "calibration": plain(self.calibration),
             "reason": self.reason,
         }
+        if self.high_precision_weight_grad:  # written only where set (plan schema 4)
+            out["weight_grad_format"] = Format.FP32.value
+        return out
+
+
+# Named recipes (`LayerPrecision.preset`; a plan file's layer may name one instead of a format):
+# format and settings, as the library that names them runs them by default.
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    # Transformer Engine 2.x recipes (transformer_engine.common.recipe), their default fp8_format:
+    # Float8CurrentScaling and DelayedScaling HYBRID (E4M3 forward, E5M2 gradients; delayed with
+    # amax_history_len 1024, amax_compute_algo "max", margin 0), Float8BlockScaling (E4M3
+    # throughout, 1x128 / 128x128 tiles), MXFP8BlockScaling (E4M3, 1x32 tiles, E8M0 scales),
+    # NVFP4BlockScaling.
+    "te_current": ("fp8_e4m3", {}),
+    "te_delayed": ("fp8_e4m3", {"scaling": Scaling(mode=ScalingMode.DELAYED, history_len=1024, reduction=Reduction.MAX)}),
+    "te_block": ("fp8_e4m3", {"scaling": Scaling(granularity=Granularity.BLOCK)}),
+    "te_mxfp8": ("fp8_e4m3", {"scaling": Scaling(granularity=Granularity.MX)}),
+    "te_nvfp4": ("nvfp4", {}),
+    # "Forward low, backward high": Transformer Engine's backward_override="dequantized".
+    "fp8_forward_only": ("fp8_e4m3", {"grad_format": "fp32"}),
+    # torchao's Float8LinearConfig recipes: tensorwise (E4M3 forward, E5M2 gradients), rowwise
+    # (E4M3 throughout; torchao also rounds the scales to powers of 2, autoprec does not), and
+    # rowwise_with_gw_hp (rowwise, the weight gradient's GEMM in high precision).
+    "torchao_tensorwise": ("fp8_e4m3", {}),
+    "torchao_rowwise": ("fp8_e4m3", {"scaling": Scaling(granularity=Granularity.ROW), "grad_format": "fp8_e4m3"}),
+    "torchao_rowwise_with_gw_hp": ("fp8_e4m3", {"scaling": Scaling(granularity=Granularity.ROW), "grad_format": "fp8_e4m3",
+                                                "high_precision_weight_grad": True}),
+    # DeepSeek-V3's fine-grained FP8 (arXiv:2412.19437): Transformer Engine's block recipe.
+    "deepseek_v3": ("fp8_e4m3", {"scaling": Scaling(granularity=Granularity.BLOCK)}),
+}
 
 
 # The type each JSON field must have, to name the field and the fix when it has another.
@@ -292,25 +358,28 @@ def _type_name(t) -> str:
 
 def parse_layer(fqn: str, data: Any, problems: list[str]) -> "LayerPrecision | None":
     where = f"layers[{fqn!r}]"
+    if isinstance(data, str) and data in PRESETS:  # a named recipe
+        return LayerPrecision.preset(data)
     if isinstance(data, str):
         data = {"format": data}
     if not isinstance(data, Mapping):
         problems.append(f"{where}: expected an object with a 'format', got {type(data).__name__}")
         return None
-    allowed = {"format", "grad_format", "scaling", "calibration", "reason"}
+    allowed = {"format", "grad_format", "weight_grad_format", "scaling", "calibration", "reason"}
     unknown = sorted(set(data) - allowed)
     for key in unknown:
         problems.append(f"{where}.{key}: unknown key; expected one of {', '.join(sorted(allowed))}")
     formats = {}
-    for key in ("format", "grad_format"):
-        if key not in data or (key == "grad_format" and data[key] is None):
+    for key in ("format", "grad_format", "weight_grad_format"):
+        if key not in data or (key != "format" and data[key] is None):
             if key == "format":
                 problems.append(f"{where}.format: missing; set one of {', '.join(f.value for f in Format)}")
             continue
         try:
             formats[key] = Format.parse(data[key])
         except FormatError as exc:
-            problems.append(f"{where}.{key}: {exc}")
+            named = "; or name a recipe instead of the entry: " + ", ".join(PRESETS) if key == "format" else ""
+            problems.append(f"{where}.{key}: {exc}{named}")
     scaling = _parse_section(f"{where}.scaling", Scaling, data.get("scaling"), problems)
     calibration = _parse_section(f"{where}.calibration", Calibration, data.get("calibration"), problems)
     reason = data.get("reason", "")
@@ -318,7 +387,14 @@ def parse_layer(fqn: str, data: Any, problems: list[str]) -> "LayerPrecision | N
         problems.append(f"{where}.reason: expected a string, got {reason!r}")
     if unknown or "format" not in formats or scaling is None or calibration is None or not isinstance(reason, str):
         return None
-    return LayerPrecision._parsed(where, formats["format"], formats.get("grad_format"), scaling, calibration, reason, problems)
+    # The weight gradient's format: the gradients' own (the default) or fp32 (high precision).
+    weight_grad = formats.get("weight_grad_format")
+    lp = LayerPrecision._parsed(where, formats["format"], formats.get("grad_format"), scaling, calibration, reason, weight_grad is Format.FP32, problems)
+    if lp is not None and weight_grad is not None and weight_grad is not lp.weight_grad_format:
+        problems.append(f"{where}.weight_grad_format: the weight gradient's product takes the gradients' format ({lp.grad_format.value!r}) "
+                        f"or 'fp32' (high precision), got {weight_grad.value!r}")
+        return None
+    return lp
 
 
 def figure_problems(key: str, figures: Mapping[str, Any]) -> list[str]:
@@ -381,6 +457,9 @@ def check_layer(where: str, lp: LayerPrecision) -> list[str]:
         problems.append(f"{where}.grad_format: an FP8 layer's gradients are fp8_e5m2, fp8_e4m3 or fp32, got {lp.grad_format.value!r}")
     if lp.format is Format.NVFP4 and lp.grad_format not in (Format.NVFP4, Format.FP32):
         problems.append(f"{where}.grad_format: an NVFP4 layer's gradients are nvfp4 or fp32 (a high-precision backward), got {lp.grad_format.value!r}")
+    if lp.high_precision_weight_grad and not ((lp.format.is_fp8 and lp.grad_format.is_fp8) or (lp.format is Format.NVFP4 and lp.grad_format is Format.NVFP4)):
+        problems.append(f"{where}: a high-precision weight gradient (weight_grad_format 'fp32') is for FP8, MXFP8 and NVFP4 layers with "
+                        f"low-precision gradients (this one computes it in {lp.grad_format.value} already); leave it out")
     default_grad = _DEFAULT_GRAD_FORMAT.get(lp.format, lp.format)
     if not lp.format.is_fp8 and lp.format is not Format.NVFP4 and lp.grad_format is not default_grad:
         problems.append(

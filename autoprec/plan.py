@@ -4,13 +4,14 @@ A plan maps fully qualified module names to `LayerPrecision` (format, scaling, c
 the reason for the choice). It holds no runtime state: amax histories and calibrated scales live
 in the runtime (`autoprec.runtime`), which can be saved and restored on its own.
 
-JSON layout (``schema_version`` 3)::
+JSON layout (``schema_version`` 4)::
 
-    {"schema_version": 3, "autoprec_version": "...",
+    {"schema_version": 4, "autoprec_version": "...",
      "fingerprint": {fqn: {"module": "Linear", "ops": ["linear"], "params": {"weight": [o, i]}}},
      "budgets": {...}, "predicted": {...}, "measured": {...}, "metadata": {...},
      "layers": {fqn: {"format": "fp8_e4m3", "grad_format": "fp8_e5m2",
-                      "scaling": {...}, "calibration": {...}, "reason": "..."}},
+                      "scaling": {...}, "calibration": {...}, "reason": "...",
+                      "weight_grad_format": "fp32"}},
      "blocks": {fqn: {"recompute": true}},
      "comm": {fqn: "int8"}}
 
@@ -22,6 +23,10 @@ kept. A plan saved at version 1 has none and loads with no block recomputed.
 (`formats.CommMethod`: fp32, bf16, fp16, int8 or topk; `autoprec.comm`), as the scheduler chose
 from the link it measured and the accuracy budget (``grad_comm="auto"``). Empty: not chosen
 (every gradient travels as the run's ``grad_comm`` says). A plan saved before has none.
+
+``weight_grad_format`` (new in version 4, in a layer's entry, written only where set): ``"fp32"``
+runs that layer's weight-gradient product in high precision while its input gradient's takes
+``grad_format`` (`LayerPrecision.high_precision_weight_grad`). A plan saved before has none.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from .layer_precision import (
 
 __all__ = ["SCHEMA_VERSION", "ScalingMode", "Reduction", "CalibrationMethod", "Scaling", "Calibration", "LayerPrecision", "MAX_HISTORY_LEN", "Plan"]
 
-SCHEMA_VERSION = 3  # 2: per-block recompute flags ("blocks"); 3: per-layer gradient communication ("comm")
+SCHEMA_VERSION = 4  # 2: per-block recompute flags ("blocks"); 3: per-layer gradient communication ("comm"); 4: "weight_grad_format"
 
 
 def _inside(fqn: str, block: str) -> bool:

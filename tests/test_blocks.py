@@ -107,7 +107,7 @@ def test_a_plan_with_blocks_round_trips_through_json_pickle_and_copy(plan, tmp_p
     recomputed = plan.with_recompute({"blocks.0": True, "blocks.1": False})
     path = recomputed.save(tmp_path / "plan.json")
     data = json.loads(path.read_text())
-    assert data["schema_version"] == SCHEMA_VERSION == 3
+    assert data["schema_version"] == SCHEMA_VERSION == 4
     assert data["blocks"] == {"blocks.0": {"recompute": True}, "blocks.1": {"recompute": False}}
     assert ap.Plan.load(path) == recomputed
     assert pickle.loads(pickle.dumps(recomputed)) == recomputed

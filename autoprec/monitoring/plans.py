@@ -270,7 +270,9 @@ def describe_scaling(lp: LayerPrecision) -> str:
 
 
 def _format_cell(lp: LayerPrecision) -> str:
-    grad = f" (grad {lp.grad_format.value})" if lp.grad_format is not lp.format else ""
+    grad = f" (grad {lp.grad_format.value}" if lp.grad_format is not lp.format else ""
+    if grad:
+        grad += ", wgrad fp32)" if lp.high_precision_weight_grad else ")"
     return f"{lp.format.value}{grad}"
 
 
@@ -562,6 +564,8 @@ def _settings(lp: LayerPrecision) -> dict[str, Any]:
         if isinstance(value, Mapping):
             flat.update({f"{key}.{k}": v for k, v in value.items()})
         elif key == "grad_format" and lp.grad_format is not LayerPrecision(lp.format, scaling=lp.scaling).grad_format:
+            flat[key] = value
+        elif key == "weight_grad_format":  # written only where set
             flat[key] = value
     return flat
 

@@ -26,7 +26,9 @@ operands dequantized and multiplied in FP32 (the layer's report says emulated).
 
 Costs per training step: one amax over each 1x128 tile of x (twice: along K and along M), of g
 (twice) and of each 128x128 block of W (once, or not at all on a `reusing_weights` hit), one cast
-per copy, three GEMMs, no host sync. Saved for backward: x's re-tiled E4M3 copy (1 byte per
+per copy, three GEMMs, no host sync. With a high-precision weight gradient
+(`LayerPrecision.high_precision_weight_grad`) the third GEMM takes the unrounded output gradient
+and the forward's copy of x dequantized (no re-tiled copies of x or g are made). Saved for backward: x's re-tiled E4M3 copy (1 byte per
 element) and its scales, the weight's transposed E4M3 copy and its block scales.
 """
 
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 
 from ..formats import Format, block_amax, inverse_scale, quantize
 from .casts import call_casts
-from .gemm import grad_input_dtype, kernel_bias, kernel_region, pad_to_multiple
+from .gemm import grad_input_dtype, high_precision_grads, kernel_bias, kernel_region, pad_to_multiple
 
 if TYPE_CHECKING:
     from .quantizers import QuantizedOperand
@@ -56,6 +58,7 @@ __all__ = [
     "kernel_weight_scales",
     "outer_major",
     "tile_cast",
+    "tile_dequantize",
 ]
 
 BLOCK = 128  # the tile edge: 1x128 tiles, 128x128 blocks; also the padding of K, N and the wgrad's tokens
@@ -72,6 +75,13 @@ def tile_cast(x: torch.Tensor, margin: int = 0, rows_to: int = 1) -> tuple[torch
     inv = inverse_scale(block_amax(xp, (1, BLOCK)), _E4M3, margin)
     q = quantize(xp.reshape(rows, cols // BLOCK, BLOCK), inv.unsqueeze(-1), _E4M3).reshape(rows, cols)
     return q.contiguous(), outer_major(inv)
+
+
+def tile_dequantize(q: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """`tile_cast`'s ``(q, inv)`` back in FP32: ``q`` (R, C') times each 1x128 tile's scale (``inv``
+    (R, C'/128) or more tiles, any strides). One FP32 copy of the operand."""
+    rows, cols = q.shape
+    return (q.float().reshape(rows, cols // BLOCK, BLOCK) * inv[:, : cols // BLOCK, None]).reshape(rows, cols)
 
 
 def outer_major(scales: torch.Tensor) -> torch.Tensor:
@@ -131,14 +141,13 @@ def emulated_block_mm(
     128x128 blocks, ``scale_b`` (round_up(K/128, 4), N/128), or in 1x128 tiles along K, ``scale_b``
     (N, K/128)), multiplied in FP32, the bias added, cast to ``out_dtype``. Two FP32 copies of the
     operands and one FP32 GEMM (K and N are whole tiles of 128: the runtime pads them)."""
-    m, k = a.shape
-    n = b.shape[1]
-    a32 = (a.float().reshape(m, k // BLOCK, BLOCK) * scale_a[:, : k // BLOCK, None]).reshape(m, k)
+    k, n = b.shape
+    a32 = tile_dequantize(a, scale_a)
     if blocks_b:
         grid = scale_b[: k // BLOCK, : -(-n // BLOCK)]
         b32 = b.float() * grid.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:k, :n]
     else:
-        b32 = (b.t().float().reshape(n, k // BLOCK, BLOCK) * scale_b[:, : k // BLOCK, None]).reshape(n, k).t()
+        b32 = tile_dequantize(b.t(), scale_b).t()
     with torch.autocast(a.device.type, enabled=False):  # an FP32 product, as the kernel accumulates
         out = a32 @ b32
     if bias is not None:
@@ -169,6 +178,9 @@ class Fp8BlockSpec:
     casts: "FusedCasts | None" = None
     # No block-scaled kernel on the device: the products through `emulated_block_mm`.
     emulated: bool = False
+    # The weight gradient's GEMM in high precision: the unrounded output gradient times the
+    # forward's input copy (tiled along K) dequantized (`LayerPrecision.high_precision_weight_grad`).
+    weight_grad_high: bool = False
 
 
 class Fp8BlockLinear(torch.autograd.Function):
@@ -185,13 +197,16 @@ class Fp8BlockLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, w_q: "QuantizedOperand", spec: Fp8BlockSpec):
         casts = call_casts(spec.casts, x.dtype)
+        # The re-tiled copy of x only for a block-scaled weight gradient; a high-precision one
+        # takes the forward's copy.
+        retiled = ctx.needs_input_grad[1] and not spec.weight_grad_high
         if casts is not None:
-            # One read of x writes both tilings (the re-tiled one only for a weight gradient).
-            xq, x_inv, x_t, x_t_inv = casts.tile_casts(x, spec.margin, transposed=ctx.needs_input_grad[1], t_rows_to=BLOCK)
+            # One read of x writes both tilings.
+            xq, x_inv, x_t, x_t_inv = casts.tile_casts(x, spec.margin, transposed=retiled, t_rows_to=BLOCK)
         else:
             xq, x_inv = tile_cast(x, spec.margin)
             x_t = x_t_inv = None
-            if ctx.needs_input_grad[1]:
+            if retiled:
                 # The weight gradient contracts over tokens: x re-tiled along M, rows padded like K'.
                 x_t, x_t_inv = tile_cast(x.t(), spec.margin, rows_to=BLOCK)
         # _scaled_mm fuses no bias into an FP32 output: there it is added after the kernel.
@@ -205,6 +220,8 @@ class Fp8BlockLinear(torch.autograd.Function):
         ctx.spec = spec
         ctx.x_dtype = x.dtype
         ctx.has_bias = bias is not None
+        if ctx.needs_input_grad[1] and spec.weight_grad_high:
+            x_t, x_t_inv = xq, x_inv  # (M, K') in tiles along K: not transposed
         ctx.save_for_backward(x_t, x_t_inv, w_q.transposed, w_grid)
         return out
 
@@ -215,18 +232,22 @@ class Fp8BlockLinear(torch.autograd.Function):
         grad_x = grad_w = grad_bias = None
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         casts = call_casts(spec.casts, grad_out.dtype)
-        if casts is not None:  # one launch: g tiled along N and along M
-            gq, g_inv, g_t, g_t_inv = casts.tile_casts(grad_out, row=need_x, transposed=need_w)
+        low_w = need_w and not spec.weight_grad_high  # the weight gradient's GEMM block-scaled
+        if casts is not None and (need_x or low_w):  # one launch: g tiled along N and along M
+            gq, g_inv, g_t, g_t_inv = casts.tile_casts(grad_out, row=need_x, transposed=low_w)
         else:
             gq, g_inv = tile_cast(grad_out) if need_x else (None, None)
-            g_t, g_t_inv = tile_cast(grad_out.t()) if need_w else (None, None)
+            g_t, g_t_inv = tile_cast(grad_out.t()) if low_w else (None, None)
         if need_x:
             out_dtype = grad_input_dtype(ctx.x_dtype, spec.out_dtype)
             grad_x = _gemm(spec, gq, w_t.t(), g_inv, kernel_weight_scales(w_grid.t()), True, out_dtype)
             if grad_x.shape[1] != spec.in_features:
                 grad_x = grad_x[:, : spec.in_features]
         if need_w:
-            grad_w = _gemm(spec, g_t, x_t.t(), g_t_inv, x_t_inv, False, torch.float32)
+            if low_w:
+                grad_w = _gemm(spec, g_t, x_t.t(), g_t_inv, x_t_inv, False, torch.float32)
+            else:  # the forward's copy of x (M, K'), dequantized, against the unrounded g (M, N)
+                grad_w = high_precision_grads(grad_out, None, tile_dequantize(x_t, x_t_inv))[1]
             if grad_w.shape[1] != spec.in_features:
                 grad_w = grad_w[:, : spec.in_features]
         if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -12,7 +12,7 @@ master copy, which costs one elementwise pass instead of a weight-sized buffer.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -44,7 +44,9 @@ class StoredInFormat(torch.autograd.Function):
     ``quantizers[i]``: the `quantizers.Quantizer` of input i (None for inputs that are not
     rounded); one of role `OperandRole.WEIGHT` marks an input derived from parameters (rounded for
     the forward but re-derived from the FP32 master in backward, not saved). Backward rounds the
-    incoming gradient through ``grad`` (the output gradient's; None keeps it FP32) and recomputes
+    incoming gradient through ``grad`` (the output gradient's; None keeps it FP32; with
+    ``raw_weight_grads`` the weight inputs' gradients take it unrounded: a high-precision weight
+    gradient, one more backward through ``fn``) and recomputes
     ``fn`` under autograd from the saved inputs (every output's gradient, for an ``fn`` that
     returns several); ``draws_random``: ``fn`` may draw random numbers
     (dropout inside attention), so the forward's RNG state is kept and restored for the
@@ -55,7 +57,7 @@ class StoredInFormat(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, fn: Callable, quantizers: tuple, grad: "Quantizer | None", draws_random: bool, *inputs):
+    def forward(ctx, fn: Callable, quantizers: tuple, grad: "Quantizer | None", raw_weight_grads: bool, draws_random: bool, *inputs):
         device_type = next(x.device.type for x in inputs if torch.is_tensor(x))
         saved: list = []
         codecs: list = []
@@ -77,6 +79,7 @@ class StoredInFormat(torch.autograd.Function):
         with torch.no_grad(), _autocast_off(device_type):
             out = fn(*rounded)
         ctx.fn, ctx.grad, ctx.codecs, ctx.device_type = fn, grad, codecs, device_type
+        ctx.raw_weight_grads = raw_weight_grads and grad is not None
         ctx.tensor_index = [i for i, x in enumerate(saved) if torch.is_tensor(x)]
         ctx.others = [None if torch.is_tensor(x) else x for x in saved]
         ctx.save_for_backward(*[saved[i] for i in ctx.tensor_index])
@@ -96,7 +99,7 @@ class StoredInFormat(torch.autograd.Function):
                 # requires_grad_ is a graph break in a traced backward on torch 2.11 (not 2.13);
                 # torch.func.vjp, which avoids it, refuses the saved-tensor hooks a recomputed
                 # block's backward runs under.
-                x = quantizer.dequantize(q, inv, shape).requires_grad_(ctx.needs_input_grad[4 + i])
+                x = quantizer.dequantize(q, inv, shape).requires_grad_(ctx.needs_input_grad[5 + i])
             values[i] = x
             leaves.append(x)
         devices = [torch.cuda.current_device()] if ctx.cuda_rng is not None else []
@@ -110,9 +113,18 @@ class StoredInFormat(torch.autograd.Function):
         # One gradient per output (multi-head attention returns its weights beside its output),
         # each rounded through the output gradient's quantizer; an output without one is left out.
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        pairs = [(o, _rounded(g, ctx.grad)) for o, g in zip(outs, grad_outs) if torch.is_tensor(o) and o.requires_grad and g is not None]
+        live = [(o, g) for o, g in zip(outs, grad_outs) if torch.is_tensor(o) and o.requires_grad and g is not None]
         wanted = [x for x in leaves if torch.is_tensor(x) and x.requires_grad]
-        grads = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g.to(o.dtype) for o, g in pairs], allow_unused=True)) \
-            if wanted and pairs else iter([None] * len(wanted))
-        result = [next(grads) if torch.is_tensor(x) and x.requires_grad else None for x in leaves]
-        return (None, None, None, None, *result)
+        raw = set()
+        if ctx.raw_weight_grads:
+            raw = {id(x) for x, codec in zip(leaves, ctx.codecs) if codec is not None and codec[0].role is OperandRole.WEIGHT and x.requires_grad}
+        found: dict[int, Any] = {}
+        for unrounded in (False, True):  # the rounded gradient's leaves, then (if any) the weights' from the raw one
+            targets = [x for x in wanted if (id(x) in raw) is unrounded]
+            if targets and live:
+                pairs = [(o, g if unrounded else _rounded(g, ctx.grad)) for o, g in live]
+                grads = torch.autograd.grad([o for o, _ in pairs], targets, [g.to(o.dtype) for o, g in pairs], allow_unused=True,
+                                            retain_graph=bool(raw) and not unrounded)
+                found.update(zip(map(id, targets), grads))
+        result = [found.get(id(x)) if torch.is_tensor(x) and x.requires_grad else None for x in leaves]
+        return (None, None, None, None, None, *result)

@@ -138,6 +138,10 @@ class Fp8Spec:
     # The ranks x's rows are split over (a row-wise tensor-parallel layer): the backward's
     # per-tensor copy of x takes the whole input's amax, reduced over them. None: x is whole.
     x_group: Any = None
+    # The weight gradient's GEMM in high precision (the unrounded output gradient times the saved
+    # input dequantized, in FP32) while the input gradient's takes ``grad``
+    # (`LayerPrecision.high_precision_weight_grad`).
+    weight_grad_high: bool = False
 
 
 class Fp8Linear(torch.autograd.Function):
@@ -201,13 +205,16 @@ class Fp8Linear(torch.autograd.Function):
         fused = spec.casts is not None and spec.grad is not None  # the kernels pad g themselves
         g = grad_out if fused else pad_to_multiple(grad_out, 1, FP8_ALIGN)
         grad_x = grad_w = grad_bias = None
+        high_weight_grad = spec.grad is None or spec.weight_grad_high
+        if high_weight_grad and ctx.needs_input_grad[1]:  # from the low-precision saved input
+            x_rows = xq.t()[: g.shape[0]] if ctx.x_transposed else xq
+            grad_w = high_precision_grads(g, None, dequantize(x_rows, x_inv))[1]
         if spec.grad is None:  # a high-precision backward from the low-precision saved operands
-            x_rows = (xq.t()[: g.shape[0]] if ctx.x_transposed else xq) if ctx.needs_input_grad[1] else None
-            grad_x, grad_w = high_precision_grads(g, dequantize(w_t.t(), w_t_inv) if ctx.needs_input_grad[0] else None,
-                                                  dequantize(x_rows, x_inv) if x_rows is not None else None)
+            if ctx.needs_input_grad[0]:
+                grad_x = high_precision_grads(g, dequantize(w_t.t(), w_t_inv), None)[0]
         else:
             # An E5M2 input meets the gradient's E4M3 copy (E5M2 x E5M2 is refused).
-            w_fmt = weight_grad_format(spec.input_format, spec.grad.fmt) if ctx.needs_input_grad[1] else None
+            w_fmt = weight_grad_format(spec.input_format, spec.grad.fmt) if ctx.needs_input_grad[1] and not high_weight_grad else None
             for_input, for_weight = spec.grad.quantize_for_gemms(g, ctx.needs_input_grad[0], w_fmt, spec.casts if fused else None, FP8_ALIGN)
             if for_input is not None:
                 out_dtype = grad_input_dtype(ctx.x_dtype, spec.out_dtype)

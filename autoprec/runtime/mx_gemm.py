@@ -85,6 +85,9 @@ class MxSpec:
     out_dtype: torch.dtype
     margin: int
     grad_format: Format
+    # The weight gradient's GEMM in high precision from the forward's input copy, the input
+    # gradient's in ``grad_format`` (`LayerPrecision.high_precision_weight_grad`).
+    weight_grad_high: bool = False
 
 
 class Fp8MxLinear(torch.autograd.Function):
@@ -102,13 +105,12 @@ class Fp8MxLinear(torch.autograd.Function):
             out = out + bias.float()
         out = out.to(spec.out_dtype)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if spec.grad_format is Format.FP32:  # a high-precision backward takes the forward's copies
-            (w_t, w_t_inv), (x_t, x_t_inv) = ((wq, w_inv) if need_x else (None, None)), ((xq, x_inv) if need_w else (None, None))
-        else:
-            # The backward's copies, tiled along the dimension each of its GEMMs contracts: the
-            # weight along N (for dx), the input along M (for dW), each from the high-precision values.
-            w_t, w_t_inv = mx_cast(weight.t(), e4m3) if need_x else (None, None)
-            x_t, x_t_inv = mx_cast(x.t(), e4m3, spec.margin) if need_w else (None, None)
+        high_x, high_w = spec.grad_format is Format.FP32, spec.grad_format is Format.FP32 or spec.weight_grad_high
+        # A high-precision product takes the forward's copy (tiled along K); a low one its own,
+        # tiled along the dimension it contracts: the weight along N (for dx), the input along M
+        # (for dW), each from the high-precision values.
+        w_t, w_t_inv = ((wq, w_inv) if high_x else mx_cast(weight.t(), e4m3)) if need_x else (None, None)
+        x_t, x_t_inv = ((xq, x_inv) if high_w else mx_cast(x.t(), e4m3, spec.margin)) if need_w else (None, None)
         ctx.spec, ctx.x_dtype, ctx.has_bias, ctx.in_features = spec, x.dtype, bias is not None, x.shape[1]
         ctx.save_for_backward(w_t, _stored(w_t_inv), x_t, _stored(x_t_inv))
         return out
@@ -119,15 +121,16 @@ class Fp8MxLinear(torch.autograd.Function):
         spec: MxSpec = ctx.spec
         grad_x = grad_w = grad_bias = None
         out_dtype = grad_input_dtype(ctx.x_dtype, spec.out_dtype)
-        if spec.grad_format is Format.FP32:  # the forward's operands (tiled along K), dequantized
-            k = ctx.in_features
-            grad_x, grad_w = high_precision_grads(grad_out, _dequantized(w_t, w_t_inv)[:, :k] if ctx.needs_input_grad[0] else None,
-                                                  _dequantized(x_t, x_t_inv)[:, :k] if ctx.needs_input_grad[1] else None)
-            grad_x = grad_x.to(out_dtype) if grad_x is not None else None
+        k = ctx.in_features
+        high_x, high_w = spec.grad_format is Format.FP32, spec.grad_format is Format.FP32 or spec.weight_grad_high
+        if ctx.needs_input_grad[0] and high_x:  # the forward's operands (tiled along K), dequantized
+            grad_x = high_precision_grads(grad_out, _dequantized(w_t, w_t_inv)[:, :k], None)[0].to(out_dtype)
         elif ctx.needs_input_grad[0]:
             g, g_inv = mx_cast(grad_out, spec.grad_format)  # (M, N') tiled along N
             grad_x = emulated_mx_mm(g, g_inv, w_t, w_t_inv, out_dtype)
-        if ctx.needs_input_grad[1] and spec.grad_format is not Format.FP32:
+        if ctx.needs_input_grad[1] and high_w:
+            grad_w = high_precision_grads(grad_out, None, _dequantized(x_t, x_t_inv)[:, :k])[1]
+        elif ctx.needs_input_grad[1]:
             g_t, g_t_inv = mx_cast(grad_out.t(), spec.grad_format)  # (N, M') tiled along M, as x_t
             grad_w = emulated_mx_mm(g_t, g_t_inv, x_t, x_t_inv, torch.float32)
         if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -228,6 +228,9 @@ class Nvfp4Spec:
 
     out_dtype: torch.dtype
     high_precision_backward: bool = False
+    # The weight gradient's GEMM alone in high precision, from the forward's input copy
+    # (`LayerPrecision.high_precision_weight_grad`); the input gradient's stays NVFP4.
+    high_precision_weight_grad: bool = False
 
 
 class Nvfp4Linear(torch.autograd.Function):
@@ -246,8 +249,9 @@ class Nvfp4Linear(torch.autograd.Function):
             out = out + bias.float()
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # The weight gradient's input operand: x along M, transformed, from the high-precision
-        # values; a high-precision backward takes the forward's copy (along K) as it is.
-        x_t = (xq if spec.high_precision_backward else nvfp4_cast(_transformed(x.t()))) if need_w else None
+        # values; a high-precision weight gradient takes the forward's copy (along K) as it is.
+        high_w = spec.high_precision_backward or spec.high_precision_weight_grad
+        x_t = (xq if high_w else nvfp4_cast(_transformed(x.t()))) if need_w else None
         ctx.spec, ctx.x_dtype, ctx.has_bias, ctx.shapes = spec, x.dtype, bias is not None, (m, k, n)
         ctx.kept = (need_x, x_t is not None)  # the weight's copy, the input's
         kept = [q for q in (wq if need_x else None, x_t) if q is not None]
@@ -261,16 +265,17 @@ class Nvfp4Linear(torch.autograd.Function):
         m, k, n = ctx.shapes
         grad_x = grad_w = grad_bias = None
         out_dtype = grad_input_dtype(ctx.x_dtype, ctx.spec.out_dtype)
-        if ctx.spec.high_precision_backward:  # the forward's operands, dequantized
-            grad_x, grad_w = high_precision_grads(grad_out, wq.dequantize()[:n, :k] if ctx.needs_input_grad[0] else None,
-                                                  x_t.dequantize()[:m, :k] if ctx.needs_input_grad[1] else None)
-            grad_x = grad_x.to(out_dtype) if grad_x is not None else None
+        spec: Nvfp4Spec = ctx.spec
+        if ctx.needs_input_grad[0] and spec.high_precision_backward:  # the forward's operands, dequantized
+            grad_x = high_precision_grads(grad_out, wq.dequantize()[:n, :k], None)[0].to(out_dtype)
         elif ctx.needs_input_grad[0]:
             g = nvfp4_cast(grad_out, stochastic=True)  # (M, N') along N
             with torch.autocast(grad_out.device.type, enabled=False):
                 dx = g.dequantize() @ wq.dequantize()  # (M, N') @ (N', K')
             grad_x = dx[:m, :k].to(out_dtype)
-        if ctx.needs_input_grad[1] and not ctx.spec.high_precision_backward:
+        if ctx.needs_input_grad[1] and (spec.high_precision_backward or spec.high_precision_weight_grad):
+            grad_w = high_precision_grads(grad_out, None, x_t.dequantize()[:m, :k])[1]
+        elif ctx.needs_input_grad[1]:
             g_t = nvfp4_cast(_transformed(grad_out.t()), stochastic=True)  # (N, M') along M
             grad_w = _mm(g_t, x_t)[:n, :k]
         if ctx.has_bias and ctx.needs_input_grad[2]:

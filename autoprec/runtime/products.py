@@ -139,8 +139,10 @@ class Products:
         n, k = weight.shape
         out_dtype = self.out_dtype(x)
         if layer.mx or layer.nvfp4:  # quantize their weights themselves, for each GEMM: no kept copy
-            out = (Nvfp4Linear.apply(x2, weight, bias, Nvfp4Spec(out_dtype, layer.precision.grad_format is Format.FP32)) if layer.nvfp4
-                   else Fp8MxLinear.apply(x2, weight, bias, MxSpec(out_dtype, layer.precision.scaling.margin, layer.precision.grad_format)))
+            precision = layer.precision
+            out = (Nvfp4Linear.apply(x2, weight, bias, Nvfp4Spec(out_dtype, precision.grad_format is Format.FP32, precision.high_precision_weight_grad))
+                   if layer.nvfp4 else
+                   Fp8MxLinear.apply(x2, weight, bias, MxSpec(out_dtype, precision.scaling.margin, precision.grad_format, precision.high_precision_weight_grad)))
             return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         key = weight_key or self.param_names.get(id(weight), "weight")
@@ -152,7 +154,8 @@ class Products:
         if layer.format is Format.INT8:
             out = self.int8(layer, key, x2, weight, bias, wq, out_dtype, k, n)
         elif layer.blocks:
-            block_spec = Fp8BlockSpec(out_dtype, layer.precision.scaling.margin, k, n, casts, layer.block_gemms_emulated)
+            block_spec = Fp8BlockSpec(out_dtype, layer.precision.scaling.margin, k, n, casts, layer.block_gemms_emulated,
+                                      layer.precision.high_precision_weight_grad)
             if casts is not None:
                 layer.casts_ran = describe(weight=w_casts is not None, input=casts.takes(x2.dtype), gradient=casts.takes(out_dtype))
             out = Fp8BlockLinear.apply(x2, weight, bias, wq, block_spec)
@@ -173,7 +176,8 @@ class Products:
                 x_q = self.input_operand(layer, key, x2, record, x_casts, grad)
             if casts is not None:
                 layer.casts_ran = describe(weight=w_casts is not None, input=x_casts is not None, gradient=g_casts is not None)
-            spec = Fp8Spec(layer.format, layer.grad, rowwise, kernel_dtype, bool(row_scaled), k, n, g_casts, layer.shard_group if layer.rows_split else None)
+            spec = Fp8Spec(layer.format, layer.grad, rowwise, kernel_dtype, bool(row_scaled), k, n, g_casts, layer.shard_group if layer.rows_split else None,
+                           layer.precision.high_precision_weight_grad)
             out = Fp8Linear.apply(x2, weight, bias if fused else None, x_q, wq, spec)
             if out.dtype != out_dtype:
                 out = out.to(out_dtype)
@@ -286,5 +290,5 @@ class Products:
         quantizers = tuple(by_role[OperandRole.WEIGHT if is_weight(t) else OperandRole.INPUT] for t in tensors)
         # Attention draws its dropout masks inside the op; the other products draw nothing.
         draws_random = op in ("scaled_dot_product_attention", "multi_head_attention")
-        out = StoredInFormat.apply(fn, quantizers, layer.grad, draws_random, *tensors)
+        out = StoredInFormat.apply(fn, quantizers, layer.grad, layer.precision.high_precision_weight_grad, draws_random, *tensors)
         return out.to(out_dtype) if torch.is_tensor(out) and out.is_floating_point() else out

@@ -389,10 +389,13 @@ class PlanKeeper:
             searched = self.searched_plan.layers if self.searched_plan is not None else {}
 
             def changed_precision(c: PrecisionChange) -> LayerPrecision:
-                if c.new_grad is not None:
+                own = searched.get(c.fqn)
+                if c.new_grad is not None:  # back to its planned gradients: its planned recipe (a split weight gradient too)
+                    if own is not None and own.format is plan.layers[c.fqn].format and own.grad_format is c.new_grad:
+                        return own
                     return dataclasses.replace(plan.layers[c.fqn], grad_format=c.new_grad)
-                if c.fqn in searched and searched[c.fqn].format is c.new:
-                    return searched[c.fqn]
+                if own is not None and own.format is c.new:
+                    return own
                 return precisions.get(c.new, LayerPrecision(c.new))
 
             changed = plan.with_layers({c.fqn: dataclasses.replace(changed_precision(c), reason=f"{verb} at step {step}: {c.reason}") for c, verb in changes})

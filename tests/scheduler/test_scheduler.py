@@ -3,6 +3,7 @@ fault injection, promotion / demotion, checkpoints, logging."""
 
 import contextlib
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -288,14 +289,16 @@ class _GradientsMostlyTiny(torch.autograd.Function):
         return g * scale
 
 
-def test_gradients_alone_out_of_range_give_the_layer_a_high_precision_backward_then_it_comes_back():
+@pytest.mark.parametrize("split", [False, True], ids=["fp8", "fp8-wgrad-fp32"])
+def test_gradients_alone_out_of_range_give_the_layer_a_high_precision_backward_then_it_comes_back(split):
     """An FP8 layer whose output gradients underflow E4M3 while its inputs and weights do not:
     the review keeps its FP8 forward and gives it an FP32-gradient backward (no bytes added, no
-    other layer lowered); once quiet it takes its E4M3 gradients back."""
+    other layer lowered); once quiet it takes its E4M3 gradients back, in its planned recipe (with
+    ``split``, its weight gradient's product in high precision again)."""
     wl, model, opt = setup()
     example = wl.train_batches(1).next()[0]
     target = "blocks.0.mlp.fc"
-    fp8 = LayerPrecision("fp8_e4m3", grad_format="fp8_e4m3")
+    fp8 = LayerPrecision("fp8_e4m3", grad_format="fp8_e4m3", high_precision_weight_grad=split)
     plan = Plan.uniform(model, "bf16", example).with_layers({target: fp8})
     sch = DynamicPrecisionScheduler.from_plan(model, plan, dynamic=True, monitor_window=WINDOW, monitor_steps=5,
                                               thresholds=Thresholds(stable_windows=1))
@@ -313,7 +316,7 @@ def test_gradients_alone_out_of_range_give_the_layer_a_high_precision_backward_t
     train(wl, model, opt, sch, 2 * WINDOW, sampler)
     back = sch.changes[1]
     assert (back.old_grad, back.new_grad, back.direction) == (Format.FP32, Format.FP8_E4M3, "demotion") and "stable" in back.reason
-    assert sch.plan.layers[target].grad_format is Format.FP8_E4M3
+    assert dataclasses.replace(sch.plan.layers[target], reason="") == fp8
     assert PrecisionChange.from_dict(change.to_dict()) == change
 
 
