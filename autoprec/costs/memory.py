@@ -176,21 +176,23 @@ def _call_bytes(call: MatmulCall, precision: LayerPrecision, device, target: "Ta
     has_weight = any(s.operand and s.weight for s in call.tensors)
     grads = [s.requires_grad for s in call.tensors if s.operand]  # (input, weight) of a linear
     high_backward = precision.grad_format is Format.FP32
+    # The weight gradient's product in high precision takes the forward's input copy.
+    high_weight_grad = high_backward or precision.high_precision_weight_grad
     if path == "mx":
         # mx_gemm.Fp8MxLinear saves x tiled along M (for the weight's gradient) and the weight
         # tiled along N (for the input's): K rows each, the tiled dimension padded to 32, one byte
-        # per element and one E8M0 byte per tile. A high-precision backward saves the forward's
-        # copies instead: M and N rows, K padded to 32.
+        # per element and one E8M0 byte per tile. A high-precision product takes the forward's
+        # copy instead: M or N rows, K padded to 32.
         k32 = _round_up(k, MX_TILE)
-        x_t, w_t = ((rows * k32 if high_backward else k * _round_up(rows, MX_TILE)) * (1 + 1 / MX_TILE) * bool(need)
-                    for rows, need in ((m, grads[-1]), (n, grads[0])))
+        x_t, w_t = ((rows * k32 if high else k * _round_up(rows, MX_TILE)) * (1 + 1 / MX_TILE) * bool(need)
+                    for rows, need, high in ((m, grads[-1], high_weight_grad), (n, grads[0], high_backward)))
         return (int(w_t), int(x_t)) if has_weight else (0, int(x_t + w_t))
     if path == "nvfp4":
         # nvfp4.Nvfp4Linear saves the input along M (K rows, M padded to 16; a high-precision
-        # backward: the forward's copy, M rows, K padded to 16) and the weight in 16x16 blocks
+        # weight gradient: the forward's copy, M rows, K padded to 16) and the weight in 16x16 blocks
         # (N and K padded to 16): half a byte per element, an E4M3 byte per block, one FP32 scale per tensor.
         k16, m16, n16 = (_round_up(v, NVFP4_TILE) for v in (k, m, n))
-        x_elements = m * k16 if high_backward else k * m16
+        x_elements = m * k16 if high_weight_grad else k * m16
         x_t = (x_elements // 2 + x_elements // NVFP4_TILE + _SCALE_BYTES) * bool(grads[-1])
         w = (n16 * k16 // 2 + (n16 // NVFP4_TILE) * (k16 // NVFP4_TILE) + _SCALE_BYTES) * bool(grads[0])
         return (w, x_t) if has_weight else (0, x_t + w)
@@ -198,8 +200,10 @@ def _call_bytes(call: MatmulCall, precision: LayerPrecision, device, target: "Ta
         # block_gemm.Fp8BlockLinear saves x re-tiled along M (for the weight's gradient: (K', M'),
         # 1x128 tiles, FP32 scales) and the weight's transposed blocks ((K', N'), FP32 block grid)
         # whenever a gradient is needed; every dimension padded to 128.
+        # A high-precision weight gradient keeps the forward's copy instead: M rows, K' tiled.
         k_pad, m_pad, n_pad = (_round_up(v, BLOCK) for v in (k, m, n))
-        x_t = (k_pad * m_pad + k_pad * (m_pad // BLOCK) * _SCALE_BYTES) * bool(grads[-1])
+        x_rows = m if high_weight_grad else m_pad
+        x_t = (k_pad * x_rows + (k_pad // BLOCK) * x_rows * _SCALE_BYTES) * bool(grads[-1])
         w_t = k_pad * n_pad + (k_pad // BLOCK) * (n_pad // BLOCK) * _SCALE_BYTES
         return (w_t, x_t) if has_weight else (0, x_t + w_t)
     if fmt.is_fp8:

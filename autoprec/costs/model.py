@@ -43,7 +43,7 @@ from ..plan import LayerPrecision, Plan
 from ..runtime import EmulationWarning, apply_plan, removing
 from .inplace import InPlaceTimes, measure_in_place
 from .memory import layer_memory
-from .product_times import MeasuredTimeModel, RooflineTimeModel, TimeEstimate, TimeModel, TimingSettings
+from .product_times import MeasuredTimeModel, RooflineTimeModel, TimeEstimate, TimeModel, TimingSettings, peaks_for
 from .targets import TargetDevice
 from .times_cache import load_times, precision_key, save_times
 from .trace import ModelTrace, saved_bytes_by_layer, trace_model, trace_roles
@@ -194,6 +194,9 @@ class CostModel:
         # (layer, precision) -> its modelled bytes: the space asks each twice (its table and its
         # recompute blocks), each candidate plan again.
         self._memory: dict[tuple[str, LayerPrecision], Any] = {}
+        # Gradient-recipe alternatives' roofline ratios (`_backward_ratio`), and the peaks they take.
+        self._ratios: dict[tuple[str, LayerPrecision], float] = {}
+        self._peaks: Any = None
         self.formats = tuple(Format.parse(f) for f in formats)
         self._ensure_times(self.formats)
 
@@ -515,7 +518,8 @@ class CostModel:
             fqn: a traced layer.
             precision: a format (a `Format` or its name, costed as `precision` gives it), or a
                 `LayerPrecision` whose scaling changes the bytes of saved scales; times are those
-                of the format as the model was built (in place in its ``precisions``).
+                of the format as the model was built (in place in its ``precisions``), scaled
+                where ``precision`` differs from it in its gradients only (`_backward_ratio`).
 
         Returns:
             The `LayerCost` (bytes held per step; seconds per step, forward and backward).
@@ -537,6 +541,10 @@ class CostModel:
         else:
             estimates = [self._times[(call.key, fmt)] for call in layer.calls]
         sources = sorted({e.source for e in estimates})
+        seconds = sum(e.seconds for e in estimates)
+        ratio = self._backward_ratio(layer, precision)
+        if ratio != 1.0:
+            sources.append("its backward by roofline")
         return LayerCost(
             fqn=fqn,
             format=fmt,
@@ -544,9 +552,30 @@ class CostModel:
             activation_bytes=memory.activation_bytes,
             other_saved_bytes=memory.other_saved_bytes,
             grad_bytes=memory.grad_bytes,
-            seconds=sum(e.seconds for e in estimates),
+            seconds=seconds * ratio,
             time_source="; ".join(sources),
         )
+
+    def _backward_ratio(self, layer: Any, precision: LayerPrecision) -> float:
+        """A recipe that differs from its format's costed one in its gradients only (a
+        high-precision backward, or weight gradient, beside the format's own): the measured
+        seconds times the roofline ratio of the two over the layer's calls, since the forward
+        products are the ones timed and the backward GEMMs' formats differ. 1.0 for the
+        format's own recipe and for other scalings (timed as the format's, docs/fp8_blocks.md).
+        One roofline estimate per call and recipe (the device's peaks calibrated once)."""
+        own = self.precision(precision.format)
+        if precision.scaling != own.scaling or (precision.grad_format, precision.high_precision_weight_grad) == (
+                own.grad_format, own.high_precision_weight_grad):
+            return 1.0
+        key = (layer.fqn, precision)
+        if key not in self._ratios:
+            if self._peaks is None:
+                given = self.time_model.peaks if isinstance(self.time_model, RooflineTimeModel) else None
+                self._peaks = given or (self.target.peaks if self.target is not None else peaks_for(self.device))
+            mine, theirs = (RooflineTimeModel(self._peaks, target=self.target, precisions={precision.format: lp}) for lp in (precision, own))
+            planned = sum(theirs.seconds(call, precision.format, self.device) for call in layer.calls)
+            self._ratios[key] = sum(mine.seconds(call, precision.format, self.device) for call in layer.calls) / planned if planned > 0 else 1.0
+        return self._ratios[key]
 
     def plan_cost(self, plan: Plan) -> PlanCost:
         """Predicted bytes and step seconds of a plan.

@@ -399,6 +399,8 @@ class RooflineTimeModel(TimeModel):
             path = "emulated"  # a tiled product without its kernel: FP32 GEMMs on the decoded tiles, as many casts
         flops, out_numel = call_flops(call)
         high_backward = precision.grad_format is Format.FP32 and (fmt.is_fp8 or fmt is Format.NVFP4)
+        # Per GEMM: the weight gradient's alone in high precision (the input gradient's low).
+        high_weight_grad = precision.high_precision_weight_grad
         operand_numel = sum(s.numel for s in call.tensors if s.operand)
         out_width = 2 if path in ("autocast", *_TILED_WIDTH) else 4  # FP8 / INT8 kernels return FP32 here
 
@@ -417,16 +419,22 @@ class RooflineTimeModel(TimeModel):
                 backward = gemm(Format.FP32, 4)
             else:  # a high-precision backward (FP32 gradients) runs in the region's half dtype, BF16 taken
                 backward = gemm(Format.BF16, 2) if high_backward else gemm(fmt, 1)
-            gemms = gemm(fmt, 1) + 2 * backward
+            weight_grad = gemm(Format.BF16, 2) if high_weight_grad else backward
+            gemms = gemm(fmt, 1) + backward + weight_grad
             if high_backward:
                 # amax (read 4) + quantize (read 4, write 1) of the operands in the forward; the
                 # backward dequantizes them (read 1, write 2) and casts no gradient.
                 passes = 12.0 * operand_numel
+            elif high_weight_grad:
+                # The same forward casts and dequantizations, and the gradient cast once (for the
+                # input gradient's GEMM).
+                passes = 12.0 * operand_numel + 9.0 * out_numel
             else:
                 # amax (read 4) + quantize (read 4, write 1) of operands in forward and backward, and of the gradient.
                 passes = 9.0 * (2 * operand_numel + out_numel)
         elif path in _TILED_WIDTH:
-            gemms = gemm(fmt, _TILED_WIDTH[path]) + 2 * (gemm(Format.BF16, 2) if high_backward else gemm(fmt, _TILED_WIDTH[path]))
+            backward = gemm(Format.BF16, 2) if high_backward else gemm(fmt, _TILED_WIDTH[path])
+            gemms = gemm(fmt, _TILED_WIDTH[path]) + backward + (gemm(Format.BF16, 2) if high_weight_grad else backward)
             # As the kernel path's casts, each tile's amax fused into its cast (read 4, write the
             # tiled width and scales): the operands in the forward's and the backward's layouts,
             # the gradient once; NVFP4's weight-gradient operands also pass through the Hadamard
@@ -434,6 +442,8 @@ class RooflineTimeModel(TimeModel):
             width = _TILED_WIDTH[path]
             if high_backward:  # the forward's tiles only, dequantized by the backward (read them, write 2); no gradient cast or transform
                 passes = (4 + width) * operand_numel + (width + 2) * operand_numel
+            elif high_weight_grad:  # as above, and the gradient tiled once (for the input gradient's GEMM), no transform
+                passes = (4 + width) * (operand_numel + out_numel) + (width + 2) * operand_numel
             else:
                 passes = (4 + width) * (2 * operand_numel + out_numel) + (4.0 * (operand_numel + out_numel) if path == "nvfp4" else 0.0)
         else:

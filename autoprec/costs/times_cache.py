@@ -32,13 +32,16 @@ def _times_key(layers: Sequence[str], device: Any, blocks: Sequence[str] = (), s
 
 def precision_key(precisions: "Mapping[Format, LayerPrecision]") -> dict:
     """The formats timed in a non-default scaling or gradient format, as the times file records
-    them (each its scaling, and its gradient format where not the default)."""
+    them (each its scaling, and its gradient formats where not the default)."""
     default = Scaling()
     key = {}
     for f, lp in precisions.items():
         default_grad = LayerPrecision(f, scaling=lp.scaling).grad_format
-        if lp.scaling != default or lp.grad_format is not default_grad:
-            key[f.value] = {**lp.to_dict()["scaling"], **({"grad_format": lp.grad_format.value} if lp.grad_format is not default_grad else {})}
+        if lp.scaling != default or lp.grad_format is not default_grad or lp.high_precision_weight_grad:
+            grads = {"grad_format": lp.grad_format.value} if lp.grad_format is not default_grad else {}
+            if lp.high_precision_weight_grad:
+                grads["weight_grad_format"] = lp.weight_grad_format.value
+            key[f.value] = {**lp.to_dict()["scaling"], **grads}
     return key
 
 

@@ -22,6 +22,11 @@ export maps each layer of the plan onto those roles, as autoprec's runtime runs 
   column-wise, ``columnwise_source="rowwise_dequantized"``) and the output gradient unquantized,
   as the runtime's high-precision backward does (TE's ``backward_override="dequantized"``, per
   layer).
+- A high-precision weight gradient alone (``weight_grad_format="fp32"``, per GEMM): the input's
+  column-wise copy its dequantized row-wise values, the output gradient's column-wise copy
+  unquantized (a ``HybridQuantizer`` whose row-wise part is the gradient's quantizer for the
+  input gradient's GEMM), as `runtime.gemm` multiplies the unrounded gradient by the forward's
+  input; delayed scaling then scales the input currently (NOTES).
 - Block scaling: ``Float8BlockQuantizer`` (1x128 activations and gradients, 128x128 weights, scales
   not rounded to powers of 2, as the runtime's).
 - MXFP8 (``mx``): ``MXFP8Quantizer`` for every role, row- and column-wise (each GEMM's operands
@@ -138,6 +143,11 @@ def _specs(lp) -> tuple[dict[str, tuple], list[str]]:
         # the backward from its dequantized values against an unquantized output gradient.
         return {"input": _dequantized_backward(("nvfp4", False, False, False)), "weight": _dequantized_backward(("nvfp4", False, True, False)),
                 "grad_output": IDENTITY}, []
+    if lp.format is Format.NVFP4 and lp.high_precision_weight_grad:
+        # The input gradient's GEMM as NVFP4BlockScaling's (no transform: row-wise copies), the
+        # weight gradient's from the input's dequantized forward copy and the unrounded gradient.
+        return {"input": _dequantized_backward(("nvfp4", False, False, False)), "weight": ("nvfp4", False, True, False),
+                "grad_output": _unquantized_columns(("nvfp4", False, False, True))}, []
     if lp.format is Format.NVFP4:
         # NVFP4BlockScaling's quantizers (TE 2.20 `quantization.py`): the transform on the
         # column-wise (weight-gradient) copies of the input and output gradient, 2-D weights.
@@ -160,7 +170,7 @@ def _specs(lp) -> tuple[dict[str, tuple], list[str]]:
         # MXFP8 both ways: each operand tiled along each GEMM's contracted dimension, power-of-two
         # scales rounded up, as autoprec's emulation (`runtime.mx_gemm`) computes them.
         inp, weight, grad_spec = ("mx", _DTYPES[fwd]), ("mx", "e4m3"), ("mx", _DTYPES[grad]) if grad.is_fp8 else IDENTITY
-    elif mode is ScalingMode.DELAYED and grad.is_fp8:
+    elif mode is ScalingMode.DELAYED and grad.is_fp8 and not lp.high_precision_weight_grad:
         history = (margin, lp.scaling.history_len, lp.scaling.reduction.value)
         inp = ("delayed", fwd.value.removeprefix("fp8_").upper(), *history)
         weight = ("delayed", "E4M3", *history)
@@ -174,14 +184,16 @@ def _specs(lp) -> tuple[dict[str, tuple], list[str]]:
                            "so its e4m3 weight is scaled currently")
     else:
         if mode is ScalingMode.DELAYED:
-            changes.append("delayed scaling with high-precision gradients in the plan; TE 2.20's hybrid quantizers take no delayed-scaling "
-                           "request, so the forward scales currently")
+            changes.append("delayed scaling with a high-precision weight gradient or backward in the plan; TE 2.20's hybrid quantizers take "
+                           "no delayed-scaling request, so the forward scales currently")
         inp, weight = ("current", _DTYPES[fwd]), ("current", "e4m3")
         grad_spec = _current_grad(fwd, grad) if grad.is_fp8 else IDENTITY
     if margin and inp[0] != "delayed":
         changes.append(f"scaling margin {margin} in the plan (2**-{margin} of the range); TE's current, block and MXFP8 scaling use the full range")
     if not grad.is_fp8:
         inp, weight = _dequantized_backward(inp), _dequantized_backward(weight)
+    elif lp.high_precision_weight_grad:
+        inp, grad_spec = _dequantized_backward(inp), _unquantized_columns(grad_spec)
     return {"input": inp, "weight": weight, "grad_output": grad_spec}, changes
 
 
@@ -189,6 +201,14 @@ def _dequantized_backward(forward: tuple) -> tuple:
     """A role's spec under the runtime's high-precision backward, which multiplies the forward's
     operands dequantized: ``forward`` row-wise, the column-wise copy its dequantized values."""
     return ("hybrid", forward, IDENTITY, "rowwise_dequantized")
+
+
+def _unquantized_columns(grad_spec: tuple) -> tuple:
+    """The output gradient's spec under a high-precision weight gradient: its row-wise copy (the
+    input gradient's GEMM) as ``grad_spec``'s, its column-wise copy (the weight gradient's) the
+    unquantized gradient."""
+    rowwise = grad_spec[1] if grad_spec[0] == "hybrid" else grad_spec
+    return ("hybrid", rowwise, IDENTITY, "original")
 
 
 def _current_grad(fwd: Format, grad: Format) -> tuple:

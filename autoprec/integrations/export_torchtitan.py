@@ -12,7 +12,7 @@ precision), and ``filter_fqns``, modules it skips: a module is skipped when any 
 - takes the layers torchao can convert as `export.torchao_export` decides them (FP8 E4M3
   ``nn.Linear`` with both dimensions divisible by 16; the others in ``NOT_CONVERTED`` with the
   reason), grouped by torchtitan recipe: "rowwise_with_gw_hp" where the plan keeps the layer's
-  gradients in FP32, "mxfp8" for MXFP8 layers (``MXFP8LinearConverter``: torchao's
+  weight gradient (``weight_grad_format="fp32"``, its recipe exactly) or all its gradients in FP32, "mxfp8" for MXFP8 layers (``MXFP8LinearConverter``: torchao's
   ``MXFP8Linear``, whose scales are rounded up as the runtime's; torchtitan refuses it before
   sm_100), else "rowwise"; NVFP4 ``nn.Linear`` layers with both dimensions divisible by 128 go
   to "nvfp4" (``NVFP4LinearConverter``: torchao's NVFP4 training prototype, sm_100 and CUDA only,
@@ -86,7 +86,7 @@ def torchtitan_export(plan: Plan) -> TorchtitanExport:
             recipe = MXFP8
             notes.extend(f"{fqn}: {change}" for change in _mx_changes(lp))
         else:
-            recipe = "rowwise_with_gw_hp" if high else "rowwise"
+            recipe = "rowwise_with_gw_hp" if high or lp.high_precision_weight_grad else "rowwise"
             notes.extend(f"{fqn}: {change}" for change in _changes(lp, high))
         recipes.setdefault(recipe, []).append(fqn)
     not_converted = dict(base.not_converted)
@@ -99,8 +99,9 @@ def torchtitan_export(plan: Plan) -> TorchtitanExport:
                 continue
             del not_converted[fqn]
             recipes.setdefault(NVFP4, []).append(fqn)
-            if lp.grad_format is Format.FP32:
-                notes.append(f"{fqn}: fp32 gradients in the plan (a high-precision backward); torchao's NVFP4Linear runs both backward GEMMs in NVFP4")
+            if lp.weight_grad_format is Format.FP32:
+                what = "fp32 gradients in the plan (a high-precision backward)" if lp.grad_format is Format.FP32 else "an fp32 weight gradient in the plan"
+                notes.append(f"{fqn}: {what}; torchao's NVFP4Linear runs both backward GEMMs in NVFP4")
             else:
                 notes.append(f"{fqn}: torchao's NVFP4Linear takes its own fixed Hadamard signs and a per-rank stochastic-rounding seed, so the "
                              "weight gradient's rounding differs from the plan's (not its expectation)")
@@ -138,8 +139,9 @@ def _mx_changes(lp) -> list[str]:
     changes = []
     if lp.grad_format is Format.FP8_E5M2:
         changes.append("e5m2 gradients in the plan; torchao's MXFP8Linear casts gradients to e4m3")
-    if lp.grad_format is Format.FP32:
-        changes.append("fp32 gradients in the plan (a high-precision backward); torchao's MXFP8Linear runs both backward GEMMs in MXFP8 e4m3")
+    if lp.weight_grad_format is Format.FP32:
+        what = "fp32 gradients in the plan (a high-precision backward)" if lp.grad_format is Format.FP32 else "an fp32 weight gradient in the plan"
+        changes.append(f"{what}; torchao's MXFP8Linear runs both backward GEMMs in MXFP8 e4m3")
     if lp.scaling.margin:
         changes.append(f"scaling margin {lp.scaling.margin} in the plan; torchao's MXFP8 scales to the full range")
     return changes

@@ -213,7 +213,8 @@ _SCHEMA: dict[str, dict[str, tuple[Callable, str]]] = {
         "scaling": (_per_format("scaling"), 'a table of scaled format = "tensor", "row", "block" or "mx", or a list of them the search '
                     'weighs per layer, e.g. {fp8_e4m3 = "block"} or {fp8_e4m3 = ["tensor", "block"]}'),
         "grad_formats": (_per_format("grad_formats"), 'a table of format = its gradient format, e.g. {nvfp4 = "fp32"} (nvfp4 forwards, high-precision backwards), '
-                         'or a list of them the search weighs per layer, e.g. {fp8_e4m3 = ["fp8_e5m2", "fp32"]}'),
+                         'or a list of them the search weighs per layer, e.g. {fp8_e4m3 = ["fp8_e5m2", "fp8_e5m2/fp32", "fp32"]} '
+                         '("fp8_e5m2/fp32": per GEMM, the input gradient in fp8_e5m2, the weight gradient in high precision)'),
         "storage": (_str, "a file path (.journal / .log: a journal file, else SQLite) or an Optuna storage URL"),
         "study_name": (_str, "a non-empty string"),
         "seed": (_int(0), "an integer >= 0"),

@@ -121,7 +121,8 @@ class SchedulerConfig:
     scaling: "Mapping[Format | str, Scaling | str]" = dataclasses.field(default_factory=dict)
     # format -> its layers' gradient format in the search and the plan (`Planning.grad_formats`),
     # e.g. {"nvfp4": "fp32"}: NVFP4 forwards, high-precision backwards; empty: each format's default.
-    # A list: weighed per layer, as ``scaling``'s; held as Format -> tuple of Formats.
+    # A list: weighed per layer, as ``scaling``'s; "fp8_e5m2/fp32": per GEMM, the weight gradient's
+    # product in high precision; held as Format -> tuple of (Format, bool) pairs.
     grad_formats: "Mapping[Format | str, Format | str]" = dataclasses.field(default_factory=dict)
     search_timeout_s: float = 60.0
     search_slice: Optional[float] = 1.0

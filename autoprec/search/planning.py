@@ -33,6 +33,25 @@ class RangeLimits:
     underflow: float = 0.25
 
 
+def _held_grads(value: Any) -> bool:
+    """Whether ``value`` is one held entry of `Planning.grad_formats`: a (Format, bool) pair."""
+    return isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], Format) and isinstance(value[1], bool)
+
+
+def _grads(value: Any) -> tuple[Format, bool]:
+    """One gradient entry as held: ``"fp8_e5m2"`` (both backward products), ``"fp8_e5m2/fp32"``
+    (the input gradient's in E5M2, the weight gradient's in high precision) or a held pair.
+    Raises ValueError (FormatError) or TypeError for anything else."""
+    if _held_grads(value):
+        return value
+    if isinstance(value, str) and "/" in value:
+        grad, weight = (Format.parse(part.strip()) for part in value.split("/"))
+        if weight is not Format.FP32 and weight is not grad:
+            raise ValueError(value)
+        return grad, weight is Format.FP32 and grad is not Format.FP32
+    return Format.parse(value), False
+
+
 @dataclasses.dataclass(frozen=True)
 class Planning:
     """What a search plans under, one object from its caller's settings (`SchedulerConfig.planning`,
@@ -54,7 +73,9 @@ class Planning:
     format's layers (format -> format; a format not named takes its default), e.g.
     ``{Format.NVFP4: Format.FP32}``: NVFP4 forwards with a high-precision backward
     (`LayerPrecision`), costed, estimated and planned so; a list, e.g. ``{"fp8_e4m3": ["fp8_e5m2",
-    "fp32"]}``, makes the rest alternatives as well (each with each scaling)."""
+    "fp32"]}``, makes the rest alternatives as well (each with each scaling). Per GEMM,
+    ``"fp8_e5m2/fp32"`` is the input gradient's product in E5M2 and the weight gradient's in high
+    precision (`LayerPrecision.high_precision_weight_grad`, torchao's ``rowwise_with_gw_hp``)."""
 
     formats: tuple[Format, ...]
     rules: LayerRules = LayerRules()
@@ -70,8 +91,9 @@ class Planning:
     # Given as format (or name) -> Scaling (or a granularity name), or a list of them; held as
     # Format -> tuple of distinct Scalings, the format's own first.
     scaling: Mapping[Any, Any] = dataclasses.field(default_factory=dict)
-    # Given as format (or name) -> gradient format (or name), or a list of them; held as Format ->
-    # tuple of distinct Formats, the format's own first.
+    # Given as format (or name) -> gradient format (or name, "grad/fp32" per GEMM), or a list of
+    # them; held as Format -> tuple of distinct (gradient Format, high-precision weight gradient)
+    # pairs, the format's own first.
     grad_formats: Mapping[Any, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -110,31 +132,34 @@ class Planning:
             raise SearchError(f"Planning(scaling={{{fmt.value!r}: {value!r}}}): {exc}") from None
         return scaling
 
-    def _checked_grad_formats(self) -> dict[Format, tuple[Format, ...]]:
+    def _checked_grad_formats(self) -> dict[Format, tuple[tuple[Format, bool], ...]]:
         if not isinstance(self.grad_formats, Mapping):
             raise SearchError(f"Planning(grad_formats={self.grad_formats!r}): expected a table of format = gradient format, e.g. {{'nvfp4': 'fp32'}}")
         grad_formats = {}
         for name, given in self.grad_formats.items():
-            values = tuple(given) if isinstance(given, (list, tuple)) else (given,)
+            values = list(given) if isinstance(given, list) or (isinstance(given, tuple) and not _held_grads(given)) else [given]
             try:
-                fmt, grads = Format.parse(name), tuple(dict.fromkeys(Format.parse(v) for v in values))
-            except (FormatError, ValueError):
-                raise SearchError(f"Planning(grad_formats={{{name!r}: {given!r}}}): expected two format names, e.g. {{'nvfp4': 'fp32'}}") from None
+                fmt, grads = Format.parse(name), tuple(dict.fromkeys(_grads(v) for v in values))
+            except (FormatError, ValueError, TypeError):
+                raise SearchError(f"Planning(grad_formats={{{name!r}: {given!r}}}): expected a format name and gradient formats, e.g. "
+                                  "{'nvfp4': 'fp32'} or, per GEMM (input gradient / weight gradient), {'fp8_e4m3': 'fp8_e5m2/fp32'}") from None
             if not grads:
                 raise SearchError(f"Planning(grad_formats={{{fmt.value!r}: []}}): name at least one gradient format, e.g. ['fp8_e5m2', 'fp32']")
-            for grad in grads:
+            for grad, high_weight_grad in grads:
                 try:  # the rules between a format and its gradients, as a plan holding it checks them, in each of its scalings
                     for scaling in self.scaling.get(fmt, (Scaling(),)):
-                        LayerPrecision(fmt, grad_format=grad, scaling=scaling)
+                        LayerPrecision(fmt, grad_format=grad, scaling=scaling, high_precision_weight_grad=high_weight_grad)
                 except PlanError as exc:
-                    raise SearchError(f"Planning(grad_formats={{{fmt.value!r}: {grad.value!r}}}): {exc}") from None
+                    shown = grad.value + ("/fp32" if high_weight_grad else "")
+                    raise SearchError(f"Planning(grad_formats={{{fmt.value!r}: {shown!r}}}): {exc}") from None
             grad_formats[fmt] = grads
         return grad_formats
 
     def _recipes(self, fmt: Format) -> list[LayerPrecision]:
         """Every recipe of ``fmt`` given, its own first: each scaling with each gradient format
         (none named: the scaling's default)."""
-        recipes = [LayerPrecision(fmt, grad_format=g, scaling=s) for s in self.scaling.get(fmt, (Scaling(),)) for g in self.grad_formats.get(fmt, (None,))]
+        grads = self.grad_formats.get(fmt, ((None, False),))
+        recipes = [LayerPrecision(fmt, grad_format=g, scaling=s, high_precision_weight_grad=w) for s in self.scaling.get(fmt, (Scaling(),)) for g, w in grads]
         return list(dict.fromkeys(recipes))
 
     def precisions(self) -> dict[Format, LayerPrecision]:

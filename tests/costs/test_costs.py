@@ -592,6 +592,20 @@ def test_roofline_on_an_h100_orders_a_large_gemm_fp8_bf16_fp32_and_slows_small_f
     assert roofline.seconds(small, "fp8_e4m3", torch.device("cpu")) > roofline.seconds(small, "bf16", torch.device("cpu"))
 
 
+def test_roofline_prices_a_high_precision_weight_gradient_between_the_low_and_the_high_backward_on_a_large_gemm():
+    """Per GEMM: on an H100 an 8192^3 FP8 layer whose weight gradient alone runs in BF16 costs
+    one BF16 GEMM more than the FP8 backward and one less than the whole BF16 backward."""
+    model = nn.Linear(8192, 8192, device="meta")
+    big = trace_model(model, torch.randn(8192, 8192, device="meta", requires_grad=True)).layers[""].calls[0]
+    fp8 = Format.FP8_E4M3
+
+    def seconds(**recipe):
+        return RooflineTimeModel(PEAKS["H100"], precisions={fp8: LayerPrecision(fp8, **recipe)}).seconds(big, fp8, torch.device("cpu"))
+
+    low, split, high = seconds(), seconds(high_precision_weight_grad=True), seconds(grad_format="fp32")
+    assert low < split < high
+
+
 # -- errors ---------------------------------------------------------------------------------------
 
 

@@ -55,6 +55,9 @@ class Net(nn.Module):
         with torch.random.fork_rng():
             self.fc["mx_high"] = nn.Linear(128, 128)
             self.fc["nvfp4_high"] = nn.Linear(128, 128)
+        with torch.random.fork_rng():
+            for name in ("tensor_wgrad", "block_wgrad", "mx_wgrad", "nvfp4_wgrad"):
+                self.fc[name] = nn.Linear(128, 128)
         self.odd = nn.Linear(128, 24)
 
     def forward(self, x):
@@ -74,6 +77,11 @@ LAYERS = {
     # "Forward low, backward high" (TE's backward_override="dequantized") in the tiled formats.
     "fc.mx_high": LayerPrecision(Format.FP8_E4M3, grad_format=Format.FP32, scaling=Scaling(granularity=Granularity.MX)),
     "fc.nvfp4_high": LayerPrecision(Format.NVFP4, grad_format=Format.FP32),
+    # Per GEMM: the weight gradient's product alone in high precision.
+    "fc.tensor_wgrad": LayerPrecision(Format.FP8_E4M3, high_precision_weight_grad=True),
+    "fc.block_wgrad": LayerPrecision(Format.FP8_E4M3, scaling=Scaling(granularity=Granularity.BLOCK), high_precision_weight_grad=True),
+    "fc.mx_wgrad": LayerPrecision(Format.FP8_E4M3, scaling=Scaling(granularity=Granularity.MX), high_precision_weight_grad=True),
+    "fc.nvfp4_wgrad": LayerPrecision(Format.NVFP4, high_precision_weight_grad=True),
     "fc.delayed": LayerPrecision(Format.FP8_E4M3, scaling=Scaling(mode=ScalingMode.DELAYED, history_len=8, margin=1)),
     "fc.bf16": LayerPrecision(Format.BF16),
     "fc.int8": LayerPrecision(Format.INT8),
@@ -277,10 +285,19 @@ class _TELinear(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         q, held = ctx.quantizers, ctx.held
-        compute = held if type(q["grad_output"]).__name__ == "IdentityQuantizer" else torch.float32
-        dx = _operand(q["grad_output"], g, "row", held).to(compute) @ _operand(q["weight"], w, "column", held).to(compute)
-        dw = _operand(q["grad_output"], g, "column", held).to(compute).t() @ _operand(q["input"], x, "column", held).to(compute)
+        # Each GEMM in the held dtype where its output-gradient copy is unquantized, else in FP32.
+        row_compute, column_compute = (held if _unquantized(q["grad_output"], d) else torch.float32 for d in ("row", "column"))
+        dx = _operand(q["grad_output"], g, "row", held).to(row_compute) @ _operand(q["weight"], w, "column", held).to(row_compute)
+        dw = _operand(q["grad_output"], g, "column", held).to(column_compute).t() @ _operand(q["input"], x, "column", held).to(column_compute)
         return dx, dw.float(), None, None
+
+
+def _unquantized(q, direction) -> bool:
+    """Whether quantizer ``q`` (a stand-in) leaves ``direction``'s copy unquantized."""
+    kind, kw = type(q).__name__, q.kwargs
+    if kind == "HybridQuantizer":
+        return _unquantized(kw["rowwise_quantizer" if direction == "row" else "columnwise_quantizer"], direction)
+    return kind == "IdentityQuantizer"
 
 
 # -- the tests ----------------------------------------------------------------------------------
@@ -384,7 +401,8 @@ def block_kernels() -> bool:
     return block_scaled_form("cpu")[0]
 
 
-CASES = ["fc.tensor", "fc.e4m3_grads", "fc.high_grads", "fc.e5m2_forward", "fc.block", "fc.mx", "fc.nvfp4", "fc.mx_high", "fc.nvfp4_high"]
+CASES = ["fc.tensor", "fc.e4m3_grads", "fc.high_grads", "fc.e5m2_forward", "fc.block", "fc.mx", "fc.nvfp4", "fc.mx_high", "fc.nvfp4_high",
+         "fc.tensor_wgrad", "fc.block_wgrad", "fc.mx_wgrad", "fc.nvfp4_wgrad"]
 
 
 @pytest.mark.parametrize("fqn", CASES)
@@ -425,7 +443,8 @@ def test_transformer_engines_linear_with_the_written_quantizers_reproduces_autop
     # A CPU has no block-scaled kernel: the block layer's three GEMMs run emulated, with the kernels'
     # tilings; MXFP8's are emulated everywhere (no sm_100 kernel is built).
     emulated = runtime.report()["0"]["ops"]["linear"].startswith("emulated")
-    assert emulated == ((fqn == "fc.block" and not block_kernels()) or fqn in ("fc.mx", "fc.nvfp4", "fc.mx_high", "fc.nvfp4_high"))
+    assert emulated == ((fqn in ("fc.block", "fc.block_wgrad") and not block_kernels())
+                        or fqn in ("fc.mx", "fc.nvfp4", "fc.mx_high", "fc.nvfp4_high", "fc.mx_wgrad", "fc.nvfp4_wgrad"))
     # The comparison can fail: the gradient quantized in the other FP8 format misses by far more.
     if fqn in ("fc.tensor", "fc.e4m3_grads"):
         other = "kFloat8E4M3" if quantizers["grad_output"].kwargs["fp8_dtype"].name == "kFloat8E5M2" else "kFloat8E5M2"

@@ -93,8 +93,10 @@ def test_torchtitans_own_filter_converts_exactly_the_plans_fp8_layers_with_their
     module_filter_fn = _module_filter_fn(root)
     model, x = Blocks(), torch.randn(4, 32)
     fp8 = LayerPrecision(Format.FP8_E4M3, scaling=Scaling(granularity=Granularity.ROW))
+    # torchao's rowwise_with_gw_hp exactly: E4M3 gradients per row, the weight gradient's GEMM high.
+    gw_hp = LayerPrecision(Format.FP8_E4M3, grad_format=Format.FP8_E4M3, scaling=Scaling(granularity=Granularity.ROW), high_precision_weight_grad=True)
     plan = _plan(model, x, {
-        "layers.1.wq": fp8, "layers.11.w2": fp8,
+        "layers.1.wq": fp8, "layers.11.w2": gw_hp,
         "layers.11.wq": LayerPrecision(Format.FP8_E4M3, grad_format=Format.FP32, scaling=Scaling(mode=ScalingMode.DELAYED)),
         "layers.1.w2": LayerPrecision(Format.BF16), "odd": LayerPrecision(Format.FP8_E4M3), "head": LayerPrecision(Format.INT8),
     })
@@ -115,7 +117,7 @@ def test_torchtitans_own_filter_converts_exactly_the_plans_fp8_layers_with_their
         for fqn, m in linear.items():
             if fqn not in converted and module_filter_fn(types.SimpleNamespace(in_features=m.in_features, out_features=m.out_features), fqn, config.filter_fqns):
                 converted[fqn] = config.recipe_name
-    assert converted == {"layers.1.wq": "rowwise", "layers.11.w2": "rowwise", "layers.11.wq": "rowwise_with_gw_hp"}
+    assert converted == {"layers.1.wq": "rowwise", "layers.11.w2": "rowwise_with_gw_hp", "layers.11.wq": "rowwise_with_gw_hp"}
     assert "not divisible by 16" in written.NOT_CONVERTED["odd"] and "no INT8 path" in written.NOT_CONVERTED["head"]
     assert "one dtype" in written.NOT_CONVERTED["layers.1.w2"]
     assert written.TORCHTITAN_RELEASE == TORCHTITAN_RELEASE
@@ -123,6 +125,7 @@ def test_torchtitans_own_filter_converts_exactly_the_plans_fp8_layers_with_their
     assert "layers.11.wq: tensor scaling in the plan" in notes and "layers.11.wq: delayed scaling in the plan" in notes
     assert "layers.1.wq: e5m2 gradients in the plan; torchtitan's recipes cast gradients to e4m3" in notes
     assert "layers.11.wq: fp32 gradients in the plan; rowwise_with_gw_hp" in notes
+    assert "layers.11.w2" not in notes  # nothing it runs differs from the plan
 
 
 def test_a_filter_entry_inside_a_converted_layers_name_is_named_in_the_notes():
@@ -227,9 +230,12 @@ def test_a_high_precision_backward_on_mxfp8_and_nvfp4_layers_is_named_where_torc
     model = Wide()
     mx_high = LayerPrecision(Format.FP8_E4M3, grad_format=Format.FP32, scaling=Scaling(granularity=Granularity.MX))
     nv_high = LayerPrecision(Format.NVFP4, grad_format=Format.FP32)
-    export = torchtitan_export(_plan(model, torch.randn(4, 128), {"layers.1.wq": mx_high, "layers.1.w2": nv_high, "layers.11.wq": LayerPrecision(Format.NVFP4)}))
-    assert dict(export.recipes) == {"mxfp8": ("layers.1.wq",), "nvfp4": ("layers.1.w2", "layers.11.wq")}
+    nv_wgrad = LayerPrecision(Format.NVFP4, high_precision_weight_grad=True)
+    export = torchtitan_export(_plan(model, torch.randn(4, 128), {"layers.1.wq": mx_high, "layers.1.w2": nv_high, "layers.11.wq": LayerPrecision(Format.NVFP4),
+                                                                  "layers.11.w2": nv_wgrad}))
+    assert dict(export.recipes) == {"mxfp8": ("layers.1.wq",), "nvfp4": ("layers.1.w2", "layers.11.wq", "layers.11.w2")}
     notes = set(export.notes)
     assert "layers.1.wq: fp32 gradients in the plan (a high-precision backward); torchao's MXFP8Linear runs both backward GEMMs in MXFP8 e4m3" in notes
     assert "layers.1.w2: fp32 gradients in the plan (a high-precision backward); torchao's NVFP4Linear runs both backward GEMMs in NVFP4" in notes
     assert not any(n.startswith("layers.11.wq: fp32 gradients") for n in notes)
+    assert "layers.11.w2: an fp32 weight gradient in the plan; torchao's NVFP4Linear runs both backward GEMMs in NVFP4" in notes

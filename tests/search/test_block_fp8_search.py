@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import autoprec as ap
 from autoprec.costs import CostModel, TimingSettings
+from autoprec.costs.targets import load_target
 from autoprec.errors import InfeasibleBudgetError, SearchError, SettingsError
 from autoprec.formats import Format, Granularity
 from autoprec.search.pipeline import Planning, measure_space, propose_from
@@ -170,3 +171,42 @@ def test_a_high_precision_backward_is_a_choice_per_layer_estimated_as_its_own(pr
         assert backward.bytes == own.bytes  # the same saved operands (docs/fp8_blocks.md)
     # The gradient term is the recipe's own: no E5M2 rounding of the gradients, so less predicted loss.
     assert all(u.choices[high].loss < u.choices[E4M3].loss for u in found.space.units)
+
+
+def test_a_high_precision_weight_gradient_is_a_choice_per_gemm_priced_and_planned_as_its_own(problem):
+    """``grad_formats={"fp8_e4m3": ["fp8_e5m2", "fp8_e5m2/fp32", "fp32"]}``: the weight gradient's
+    product alone in high precision is a recipe of its own: the same bytes; its seconds the
+    format's times the roofline ratio of its backward;
+    its loss its own parameters' gradient term without the output gradient's rounding (as the
+    whole high backward's: the search's estimate counts no input-gradient error). Under an
+    accuracy budget the default FP8 recipe misses on the outlier layers and a memory budget BF16
+    misses, the plan takes it there."""
+    model, data, loss_fn = problem
+    grads = {"fp8_e4m3": ["fp8_e5m2", "fp8_e5m2/fp32", "fp32"]}
+    # Priced at an H100's datasheet rates without its launch cost (these layers are small enough
+    # to be launch-bound there): the CPU's own calibrated peaks differ run to run.
+    h100 = load_target("H100")
+    target = dataclasses.replace(h100, peaks=dataclasses.replace(h100.peaks, overhead_s=0.0))
+    planning = Planning((Format.BF16, E4M3), grad_formats=grads, measure=False, target=target)
+    # (These layers are bound by memory: there the split's casts, not its GEMMs, set its price;
+    # tests/costs/test_costs.py orders the three on a compute-bound GEMM.)
+    found = measure_space(copy.deepcopy(model), data[0][0], data, loss_fn, None, planning)
+    split, high = ap.LayerPrecision(E4M3, high_precision_weight_grad=True), ap.LayerPrecision(E4M3, grad_format="fp32")
+    for unit in found.space.units:
+        own, per_gemm, backward = unit.choices[E4M3], unit.choices[split], unit.choices[high]
+        assert per_gemm.bytes == own.bytes == backward.bytes
+        assert len({own.seconds, per_gemm.seconds, backward.seconds}) == 3  # each priced as its own
+        assert per_gemm.loss < own.loss and per_gemm.loss == pytest.approx(backward.loss)
+    outliers = [u for u in found.space.units if u.name.endswith(".2")]  # the second linear of each block: the outlier channels' input
+    budget = sum(u.choices[split].loss for u in found.space.units) * 1.5
+    assert sum(u.choices[E4M3].loss for u in outliers) > budget  # the default recipe cannot meet it there
+    budgets = Budgets(memory=0.65, accuracy=budget, accuracy_relative=False)
+    plan = propose_from(found, dataclasses.replace(planning, budgets=budgets), baseline_loss=None).plans[0]
+    # Of the two recipes its estimate cannot tell apart, the cheaper (here, memory-bound: the whole
+    # high backward, which casts no gradient); offered the split alone, it takes the split.
+    cheaper = min((split, high), key=lambda lp: outliers[0].choices[lp].seconds).recipe
+    assert {plan.layers[u.name].recipe for u in outliers} == {cheaper} and plan.predicted["loss_increase"] <= budget
+    planning = Planning((Format.BF16, E4M3), grad_formats={"fp8_e4m3": ["fp8_e5m2", "fp8_e5m2/fp32"]}, measure=False, target=target, budgets=budgets)
+    found = measure_space(copy.deepcopy(model), data[0][0], data, loss_fn, None, planning)
+    plan = propose_from(found, planning, baseline_loss=None).plans[0]
+    assert {plan.layers[u.name].recipe for u in outliers} == {"fp8_e4m3+fp32 wgrad"} and plan.predicted["loss_increase"] <= budget
