@@ -63,6 +63,10 @@ class SearchSteps:
         self.config = config
         self._search: Optional[TrainingSearch] = None
         self._known_times: dict[str, float] = {}
+        # What a failed search's last memory round learned (`memory_margin.MemoryMargin`): its
+        # retry proposes its first round under it, not from 1.0, where the same plans would
+        # measure over the budget again.
+        self._memory: Any = None
         self._recent_steps: collections.deque = collections.deque(maxlen=64)  # seconds of safe-precision steps
         self._kind: Optional[str] = None
         self._started: Optional[float] = None
@@ -138,7 +142,7 @@ class SearchSteps:
                                 fingerprint=fingerprint, step=step, known=self._known_times, lead=lead, restore=restore,
                                 second_moment=adam_second_moment(model, optimizers) if lead else None,
                                 median_step=self.median_safe_step, safe_bytes=safe_bytes, compiled=compiled, alone=alone, notes=notes,
-                                own_functions=self._own_functions or ())
+                                own_functions=self._own_functions or (), memory=self._memory if restore is None else None)
         self._search = search
         if self._heap is not None:
             self._heap.refreeze()  # the window's summary and the search's snapshot, kept until its end
@@ -250,6 +254,7 @@ class SearchSteps:
         """The search, done: the caller adopts its result (or error) and closes it."""
         search, self._search = self._running(), None
         self._release_heap()
+        self._memory = search.memory if search.error is not None else None
         return search
 
     def hold_heap(self) -> None:

@@ -3,42 +3,38 @@
 Run at once at a window's end, a search would hold training for all of its work. Here no step
 is held for long, and most of the work trains the model:
 
-- **Probe steps** (training steps): up to three layers of each role (`LayerInfo.role`: the same
-  projection in every block) cycle through their formats, staggered so each step mixes them,
-  timed in place (`costs.inplace.StepTimer`); a (role, format)'s median serves every layer of
-  the role, and later searches on this device (`known`).
-- **Off-path units** on a snapshot of the weights, in slices after the training steps but the
-  probe steps (`work`: a unit, at most one forward + backward, starts when its weight fits): the
-  trace, the region and block bytes (forwards run in parts, `paced`), the sensitivity estimate on the last captured
-  batch (`pipeline.search_estimator`, Adam's v from the training optimizer when it has one; one
-  more per round of alternative recipes, `Planning.alternative_rounds`), then
-  the exact solve (on a thread, beside ``SOLVE_STEPS`` training steps). A slice is counted, not
-  timed: each unit weighs the model passes it runs (`unit_weight`), so the steps each unit runs
-  in, and so every step's formats, are the same however loaded the machine is, and in a run
-  resumed from a checkpoint.
-- **Trial steps** (training steps): the ``CANDIDATES`` best plans, and all-BF16 when it meets
-  the budgets, each run until their INT8 scales froze, then ``TIMED_TRIAL_STEPS`` timed steps
-  (every eager one metered for bytes, the most counting); around a compiled model the timed steps run compiled, after one
-  that compiles the candidate. A skipped step does not count; one that keeps skipping has the
-  layer its overflow starts at promoted, or is dropped (`trials.Trial.skip`), as is one over the
-  memory budget; the fastest kept one is adopted with its runtime, unless it beats the predicted fastest kept one by
-  less than their own steps' spread (`noise.unseparated`: then that one stays). When every candidate measured over the memory
-  budget (the bytes predicted at the budget's edge, measured a little over), the next round's
-  are proposed under the budget divided by a margin learned from the measurements
-  (`memory_margin`; under torch.distributed rank 0's, every rank beginning it at one step): at most
-  `MEMORY_ROUNDS` rounds, so a plan is in force at most ``MEMORY_ROUNDS * (CANDIDATES + 1) *
-  (INT8 calibration batches + TIMED_TRIAL_STEPS (+ 1 compiled))`` trial steps after the probes
-  and the off-path work (54 at the defaults: 3 rounds of 3 candidates of 4 + 2 steps), or the
-  search fails, naming the budget the measured margin would need.
+- **Probe steps** (training steps): up to three layers of each role (`LayerInfo.role`: the same projection in every
+  block) cycle through their formats, staggered so each step mixes them, timed in place (`costs.inplace.StepTimer`); a
+  (role, format)'s median serves every layer of the role, and later searches on this device (`known`).
+- **Off-path units** on a snapshot of the weights, in slices after the training steps but the probe steps (`work`: a
+  unit, at most one forward + backward, starts when its weight fits): the trace, the region and block bytes (forwards
+  run in parts, `paced`), the sensitivity estimate on the last captured batch (`pipeline.search_estimator`, Adam's v
+  from the training optimizer when it has one; one more per round of alternative recipes, `Planning.alternative_rounds`),
+  then the exact solve (on a thread, beside ``SOLVE_STEPS`` training steps). A slice is counted, not timed: each unit
+  weighs the model passes it runs (`unit_weight`), so the steps each unit runs in, and so every step's formats, are
+  the same however loaded the machine is, and in a run resumed from a checkpoint.
+- **Trial steps** (training steps): the ``CANDIDATES`` best plans, and all-BF16 when it meets the budgets, each run
+  until their INT8 scales froze, then ``TIMED_TRIAL_STEPS`` timed steps (every eager one metered for bytes, the most
+  counting); around a compiled model the timed steps run compiled, after one that compiles the candidate. A skipped
+  step does not count; one that keeps skipping has the layer its overflow starts at promoted, or is dropped
+  (`trials.Trial.skip`), as is one over the memory budget; the fastest kept one is adopted with its runtime, unless it
+  beats the predicted fastest kept one by less than their own steps' spread (`noise.unseparated`: then that one
+  stays). When every candidate measured over the memory budget (the bytes predicted at the budget's edge, measured a
+  little over), the next round's are proposed under the budget divided by a margin learned from the measurements
+  (`memory_margin`; under torch.distributed rank 0's, every rank beginning it at one step): at most `MEMORY_ROUNDS`
+  rounds, so a plan is in force at most ``MEMORY_ROUNDS * (CANDIDATES + 1) * (INT8 calibration batches +
+  TIMED_TRIAL_STEPS (+ 1 compiled))`` trial steps after the probes and the off-path work (54 at the defaults: 3 rounds
+  of 3 candidates of 4 + 2 steps), or the search fails, naming the budget the measured margin would need; the
+  scheduler's retry then starts from the margin its last round learned (``memory``).
 
-A format the model's code cannot run is out for its role once seen (`failing`): a layer raising
-on a step runs it in FP32; a model with its own autograd Function runs no probe steps and each
-candidate runs once on the snapshot first (`preflight`): a backward that raises cannot be rerun.
+A format the model's code cannot run is out for its role once seen (`failing`): a layer raising on a step runs it in
+FP32; a model with its own autograd Function runs no probe steps and each candidate runs once on the snapshot first
+(`preflight`): a backward that raises cannot be rerun.
 
-No step is lost or repeated: probe and trial steps differ from safe ones only by their formats'
-rounding (FP16 gradients run unscaled in those few steps). `timeline` holds each stage's seconds
-(off-path work, and what probe and trial steps took beyond the median safe step); those, the
-probes' and the trials' step times are measured, and are the only timings the result depends on.
+No step is lost or repeated: probe and trial steps differ from safe ones only by their formats' rounding (FP16
+gradients run unscaled in those few steps). `timeline` holds each stage's seconds (off-path work, and what probe and
+trial steps took beyond the median safe step); those, the probes' and the trials' step times are measured, and are
+the only timings the result depends on.
 """
 
 from __future__ import annotations
@@ -92,9 +88,10 @@ class TrainingSearch:
     the measured bytes of the trials to the cost model's (module docstring).
     ``second_moment``: Adam's, per parameter name, as the search is made (`adam_second_moment`),
     for the sensitivity's gradient term (None: estimated on the snapshot, one more forward +
-    backward). ``alone``: no other rank takes part (under torch.distributed each round's end
-    waits for rank 0's word: `round_outcome`, `settle_round`). ``notes``: layer -> the sentence each candidate's reason for
-    it ends with (`tensor_parallel.sharded_rules`: the formats left out of a sharded layer's).
+    backward). ``alone``: no other rank takes part (under torch.distributed each round's end waits for rank 0's word:
+    `round_outcome`, `settle_round`). ``notes``: layer -> the sentence each candidate's reason for it ends with
+    (`tensor_parallel.sharded_rules`: the formats left out of a sharded layer's). ``memory``: the `MemoryMargin` an earlier
+    search's last round learned (its retry's first round is proposed under it; None: 1.0), kept as `memory`.
     """
 
     def __init__(self, model: nn.Module, example: Any, batches: Sequence[Any], loss_fn: Callable, profile: Any, *,
@@ -102,7 +99,7 @@ class TrainingSearch:
                  known: dict, lead: bool = True, median_step: Optional[float] = None,
                  safe_bytes: "tuple[Format, int] | None" = None, restore: Optional[Mapping[str, Any]] = None,
                  second_moment: "Mapping[str, torch.Tensor] | None" = None, compiled: bool = False, alone: bool = True,
-                 notes: Mapping[str, str] = {}, own_functions: Sequence[str] = ()):
+                 notes: Mapping[str, str] = {}, own_functions: Sequence[str] = (), memory: "MemoryMargin | None" = None):
         self.model, self.notes, self.own_functions = model, dict(notes), tuple(own_functions)
         self.tensor_parallel = bool(tensor_parallel_layers(model, list(fingerprint)))  # its trials measure a rank's share
         self.compiled = compiled  # the model runs compiled: its candidates are timed compiled
@@ -155,7 +152,7 @@ class TrainingSearch:
         self.alone = alone  # no other rank takes part: a round ends here, else on rank 0's word (`round_outcome`)
         self._found: Any = None
         self._round = 0
-        self._memory = MemoryMargin()
+        self.memory = memory or MemoryMargin()
         self._earlier: list[dict] = []
         # Under torch.distributed, between a round's end (`_choose`, at the same step on every
         # rank) and the scheduler sharing rank 0's outcome (`settle_round`): rank 0's next round,
@@ -211,7 +208,7 @@ class TrainingSearch:
             "trials": [{"steps": t.steps, "skipped": t.skipped, "seconds": list(t.seconds), "saved_bytes": t.saved_bytes, "dropped": t.dropped,
                         "blamed": t.blamed, "promoted": list(t.promoted), "plan": t.plan.to_dict() if t.promoted else None,
                         "runtime": None if t.runtime is None else t.runtime.state_dict()} for t in self._trials],
-            "round": self._round, "margin": self._memory.margin, "earlier": list(self._earlier),
+            "round": self._round, "margin": self.memory.margin, "earlier": list(self._earlier),
         }
 
     def _restore(self, state: Mapping[str, Any]) -> None:
@@ -231,7 +228,7 @@ class TrainingSearch:
         self._next_stage, self._unit_cost = state.get("next_stage", ""), dict(state.get("unit_cost", {}))
         if state.get("second_moment") is not None:
             self._second_moment = dict(state["second_moment"])
-        self._round, self._memory, self._earlier = state.get("round", 0), MemoryMargin(state.get("margin", 1.0)), list(state.get("earlier", ()))
+        self._round, self.memory, self._earlier = state.get("round", 0), MemoryMargin(state.get("margin", 1.0)), list(state.get("earlier", ()))
         if state["candidates"] is not None:
             self.set_candidates([Plan.from_dict(p) for p in state["candidates"]])
             self.shared = True
@@ -471,7 +468,7 @@ class TrainingSearch:
         # The integer programs run beside the next SOLVE_STEPS training steps (`background`) and
         # are taken then, done or not: the step the candidates arrive at is a count, not the
         # clock's (a resumed search waits for the same step).
-        solving = BackgroundCall(self._propose, "autoprec-solve")
+        solving = BackgroundCall(lambda: self._propose(self.memory.margin), "autoprec-solve")
         self._add("solve", time.perf_counter() - start)
         if self._solve_from is None:
             self._solve_from = self.steps
@@ -507,10 +504,10 @@ class TrainingSearch:
         except InfeasibleBudgetError as exc:
             if margin != 1.0 and exc.fp32_bytes:
                 # Stated as measured: the least bytes any plan reaches, as the trials measured plans.
-                need_bytes = self._memory.as_measured(exc.min_bytes, margin)
+                need_bytes = self.memory.as_measured(exc.min_bytes, margin)
                 need = need_bytes / exc.fp32_bytes
                 raise InfeasibleBudgetError(
-                    f"no plan meets the memory budget as measured: every candidate measured over it (by up to {self._memory.worst_ratio - 1:.1%} more "
+                    f"no plan meets the memory budget as measured: every candidate measured over it (by up to {self.memory.worst_ratio - 1:.1%} more "
                     f"bytes than predicted, {self._round} rounds), and as the training steps measure plans the smallest one within the "
                     f"loss budget takes {need:.3f} of the FP32 bytes; raise memory_budget to at least {need:.3f}",
                     need_bytes, exc.min_loss) from None
@@ -612,9 +609,12 @@ class TrainingSearch:
         Alone, the round begins here; under torch.distributed it waits for `settle_round`, so
         every rank begins it at the same step with rank 0's plans. An infeasible margin sets
         `error`, final."""
-        if self._round + 1 >= MEMORY_ROUNDS or self._found is None or not MemoryMargin.all_over(self._trials):
+        if self._found is None or not MemoryMargin.all_over(self._trials):
             return False
-        margin = self._memory.learn(self._trials, limit, self._safe_total)
+        margin = self.memory.learn(self._trials, limit, self._safe_total)
+        if self._round + 1 >= MEMORY_ROUNDS:  # the last: a retry starts from what it learned (`memory`)
+            self.memory.margin = margin
+            return False
         start = time.perf_counter()
         try:
             proposal = self._propose(margin)
@@ -638,7 +638,7 @@ class TrainingSearch:
             if t.runtime is not None:
                 t.runtime.remove()
         self._round += 1
-        self._memory.margin = margin
+        self.memory.margin = margin
         self.result, self.error, self._winner = None, None, None
         self.set_candidates(plans)
 
