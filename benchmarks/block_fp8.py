@@ -141,22 +141,24 @@ def train(model: nn.Module, plan: "ap.Plan | None", data, steps: int, lr: float,
     return sum(tail) / len(tail)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def problem_arguments(parser: argparse.ArgumentParser) -> None:
+    """The outlier MLP's and its training's command-line settings (`problem`'s)."""
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--outliers", type=int, default=4)
     parser.add_argument("--gain", type=float, default=100.0)
     parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--accuracy", type=float, default=0.02, help="the search's relative accuracy budget")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    torch.manual_seed(args.seed)
-    model = OutlierMLP(args.width, args.hidden, args.depth, args.outliers, args.gain, args.seed)
+
+
+def problem(args: argparse.Namespace, seed: int) -> "tuple[OutlierMLP, list]":
+    """The model of ``seed`` and 8 batches of (input, target): the targets a copy of the model
+    with its weights perturbed by their own spread."""
+    torch.manual_seed(seed)
+    model = OutlierMLP(args.width, args.hidden, args.depth, args.outliers, args.gain, seed)
     teacher = copy.deepcopy(model)
     with torch.no_grad():
         for p in teacher.parameters():
@@ -166,6 +168,16 @@ def main() -> None:
         x = torch.randn(args.tokens, args.width)
         with torch.no_grad():
             data.append((x, teacher(x)))
+    return model, data
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    problem_arguments(parser)
+    parser.add_argument("--accuracy", type=float, default=0.02, help="the search's relative accuracy budget")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    model, data = problem(args, args.seed)
     x0, y0 = data[0]
 
     sqnr_table = operand_sqnr(model, x0, y0)

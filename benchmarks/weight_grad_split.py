@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from block_fp8 import OutlierMLP, train  # noqa: E402
+from block_fp8 import problem, problem_arguments, train  # noqa: E402
 
 import autoprec as ap  # noqa: E402
 from autoprec._io import atomic_write_text  # noqa: E402
@@ -69,30 +69,12 @@ def gradient_errors(model: nn.Module, plan: "ap.Plan | None", x: torch.Tensor, y
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--outliers", type=int, default=4)
-    parser.add_argument("--gain", type=float, default=100.0)
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    problem_arguments(parser)
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     runs = {}
     for seed in (int(s) for s in args.seeds.split(",")):
-        torch.manual_seed(seed)
-        model = OutlierMLP(args.width, args.hidden, args.depth, args.outliers, args.gain, seed)
-        teacher = copy.deepcopy(model)
-        with torch.no_grad():
-            for p in teacher.parameters():
-                p.add_(torch.randn_like(p) * p.std().clamp_min(1e-3))
-        data = []
-        for _ in range(8):
-            x = torch.randn(args.tokens, args.width)
-            with torch.no_grad():
-                data.append((x, teacher(x)))
+        model, data = problem(args, seed)
         layers = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
         reference, _ = gradient_errors(model, None, *data[0], {})
         run = {"fp32": {"trained_loss": train(copy.deepcopy(model), None, data, args.steps, args.lr)},
