@@ -149,6 +149,17 @@ def test_gradient_formats_given_as_a_list_are_recipes_with_every_scaling():
     assert "\n" not in str(info.value)
 
 
+def test_a_gradient_entry_per_gemm_is_the_split_recipe_and_a_wrong_one_is_refused_in_one_line():
+    planning = Planning((B16, E4M3), grad_formats={"fp8_e4m3": ["fp8_e5m2", "fp8_e5m2/fp32", "fp8_e4m3/fp8_e4m3"]})
+    assert [lp.recipe for lp in planning.alternatives()] == ["fp8_e4m3+fp32 wgrad", "fp8_e4m3+fp8_e4m3 backward"]
+    assert Planning((B16,), grad_formats=planning.grad_formats).grad_formats == planning.grad_formats  # held entries read back as given
+    for bad, words in (({"fp8_e4m3": "fp8_e5m2/bf16"}, r"per GEMM \(input gradient / weight gradient\)"),
+                       ({"bf16": "bf16/fp32"}, r"'bf16/fp32'.*a high-precision weight gradient .* leave it out")):
+        with pytest.raises(SearchError, match=words) as info:
+            Planning((E4M3,), grad_formats=bad)
+        assert "\n" not in str(info.value)
+
+
 def test_the_schedulers_search_weighs_the_recipes_between_steps_and_plans_each_layers_own():
     # The in-run search: one more paced estimate for the alternatives, the same space and solver
     # as the offline search; its trials run the recipes the candidates hold.
