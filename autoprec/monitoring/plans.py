@@ -270,10 +270,10 @@ def describe_scaling(lp: LayerPrecision) -> str:
 
 
 def _format_cell(lp: LayerPrecision) -> str:
-    grad = f" (grad {lp.grad_format.value}" if lp.grad_format is not lp.format else ""
-    if grad:
-        grad += ", wgrad fp32)" if lp.high_precision_weight_grad else ")"
-    return f"{lp.format.value}{grad}"
+    grads = [f"grad {lp.grad_format.value}"] if lp.grad_format is not lp.format else []
+    if lp.high_precision_weight_grad:
+        grads.append("wgrad fp32")
+    return f"{lp.format.value} ({', '.join(grads)})" if grads else lp.format.value
 
 
 def _pair(key: str, figures: Mapping[str, Figures], fqn: Optional[str]) -> str:

@@ -109,6 +109,8 @@ def test_the_plan_names_writes_and_reads_it_and_refuses_it_where_it_means_nothin
     assert text.count('"weight_grad_format"') == 1  # written only where set
     assert Plan.load(path).layers["fc"] == split
     assert "`fp8_e4m3 (grad fp8_e5m2, wgrad fp32)`" in plan_layers_markdown(plan)  # the review's format column
+    # ... also where the gradients are the format's own (NVFP4's NVFP4 gradients).
+    assert "`nvfp4 (wgrad fp32)`" in plan_layers_markdown(Plan({"fc": LayerPrecision("nvfp4", high_precision_weight_grad=True)}))
     # A whole high-precision backward implies it: one recipe, held once.
     assert LayerPrecision("fp8_e4m3", grad_format="fp32", high_precision_weight_grad=True) == LayerPrecision("fp8_e4m3", grad_format="fp32")
     with pytest.raises(PlanError, match=r"LayerPrecision\('bf16'\): a high-precision weight gradient .* leave it out"):
