@@ -100,8 +100,7 @@ def torchtitan_export(plan: Plan) -> TorchtitanExport:
             del not_converted[fqn]
             recipes.setdefault(NVFP4, []).append(fqn)
             if lp.weight_grad_format is Format.FP32:
-                what = "fp32 gradients in the plan (a high-precision backward)" if lp.grad_format is Format.FP32 else "an fp32 weight gradient in the plan"
-                notes.append(f"{fqn}: {what}; torchao's NVFP4Linear runs both backward GEMMs in NVFP4")
+                notes.append(f"{fqn}: {_high_gradients(lp)}; torchao's NVFP4Linear runs both backward GEMMs in NVFP4")
             else:
                 notes.append(f"{fqn}: torchao's NVFP4Linear takes its own fixed Hadamard signs and a per-rank stochastic-rounding seed, so the "
                              "weight gradient's rounding differs from the plan's (not its expectation)")
@@ -133,6 +132,11 @@ def torchtitan_export(plan: Plan) -> TorchtitanExport:
     return TorchtitanExport({k: tuple(v) for k, v in recipes.items()}, filters, not_converted, tuple(notes), plan.recompute)
 
 
+def _high_gradients(lp) -> str:
+    """What of a layer's backward the plan keeps in high precision, in words (for the notes)."""
+    return "fp32 gradients in the plan (a high-precision backward)" if lp.grad_format is Format.FP32 else "an fp32 weight gradient in the plan"
+
+
 def _mx_changes(lp) -> list[str]:
     """What torchtitan's MXFP8 converter (torchao's ``MXFP8Linear``: E4M3 operands, 1x32 tiles,
     scales rounded up, its default ``RCEIL``) runs differently from an MXFP8 layer of the plan."""
@@ -140,8 +144,7 @@ def _mx_changes(lp) -> list[str]:
     if lp.grad_format is Format.FP8_E5M2:
         changes.append("e5m2 gradients in the plan; torchao's MXFP8Linear casts gradients to e4m3")
     if lp.weight_grad_format is Format.FP32:
-        what = "fp32 gradients in the plan (a high-precision backward)" if lp.grad_format is Format.FP32 else "an fp32 weight gradient in the plan"
-        changes.append(f"{what}; torchao's MXFP8Linear runs both backward GEMMs in MXFP8 e4m3")
+        changes.append(f"{_high_gradients(lp)}; torchao's MXFP8Linear runs both backward GEMMs in MXFP8 e4m3")
     if lp.scaling.margin:
         changes.append(f"scaling margin {lp.scaling.margin} in the plan; torchao's MXFP8 scales to the full range")
     return changes

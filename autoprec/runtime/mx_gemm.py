@@ -89,6 +89,13 @@ class MxSpec:
     # gradient's in ``grad_format`` (`LayerPrecision.high_precision_weight_grad`).
     weight_grad_high: bool = False
 
+    @property
+    def high_products(self) -> tuple[bool, bool]:
+        """Whether the input gradient's and the weight gradient's GEMMs run in high precision
+        (from the forward's copies, dequantized)."""
+        high = self.grad_format is Format.FP32
+        return high, high or self.weight_grad_high
+
 
 class Fp8MxLinear(torch.autograd.Function):
     """``x @ W.T + bias`` through three MXFP8 products (module docstring). Inputs: ``x`` (M, K)
@@ -105,7 +112,7 @@ class Fp8MxLinear(torch.autograd.Function):
             out = out + bias.float()
         out = out.to(spec.out_dtype)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        high_x, high_w = spec.grad_format is Format.FP32, spec.grad_format is Format.FP32 or spec.weight_grad_high
+        high_x, high_w = spec.high_products
         # A high-precision product takes the forward's copy (tiled along K); a low one its own,
         # tiled along the dimension it contracts: the weight along N (for dx), the input along M
         # (for dW), each from the high-precision values.
@@ -122,7 +129,7 @@ class Fp8MxLinear(torch.autograd.Function):
         grad_x = grad_w = grad_bias = None
         out_dtype = grad_input_dtype(ctx.x_dtype, spec.out_dtype)
         k = ctx.in_features
-        high_x, high_w = spec.grad_format is Format.FP32, spec.grad_format is Format.FP32 or spec.weight_grad_high
+        high_x, high_w = spec.high_products
         if ctx.needs_input_grad[0] and high_x:  # the forward's operands (tiled along K), dequantized
             grad_x = high_precision_grads(grad_out, _dequantized(w_t, w_t_inv)[:, :k], None)[0].to(out_dtype)
         elif ctx.needs_input_grad[0]:

@@ -232,6 +232,11 @@ class Nvfp4Spec:
     # (`LayerPrecision.high_precision_weight_grad`); the input gradient's stays NVFP4.
     high_precision_weight_grad: bool = False
 
+    @property
+    def high_weight_grad(self) -> bool:
+        """Whether the weight gradient's GEMM runs in high precision (alone or with the whole backward)."""
+        return self.high_precision_backward or self.high_precision_weight_grad
+
 
 class Nvfp4Linear(torch.autograd.Function):
     """``x @ W.T + bias`` through three NVFP4 products (module docstring). Inputs: ``x`` (M, K)
@@ -250,8 +255,7 @@ class Nvfp4Linear(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # The weight gradient's input operand: x along M, transformed, from the high-precision
         # values; a high-precision weight gradient takes the forward's copy (along K) as it is.
-        high_w = spec.high_precision_backward or spec.high_precision_weight_grad
-        x_t = (xq if high_w else nvfp4_cast(_transformed(x.t()))) if need_w else None
+        x_t = (xq if spec.high_weight_grad else nvfp4_cast(_transformed(x.t()))) if need_w else None
         ctx.spec, ctx.x_dtype, ctx.has_bias, ctx.shapes = spec, x.dtype, bias is not None, (m, k, n)
         ctx.kept = (need_x, x_t is not None)  # the weight's copy, the input's
         kept = [q for q in (wq if need_x else None, x_t) if q is not None]
@@ -273,7 +277,7 @@ class Nvfp4Linear(torch.autograd.Function):
             with torch.autocast(grad_out.device.type, enabled=False):
                 dx = g.dequantize() @ wq.dequantize()  # (M, N') @ (N', K')
             grad_x = dx[:m, :k].to(out_dtype)
-        if ctx.needs_input_grad[1] and (spec.high_precision_backward or spec.high_precision_weight_grad):
+        if ctx.needs_input_grad[1] and spec.high_weight_grad:
             grad_w = high_precision_grads(grad_out, None, x_t.dequantize()[:m, :k])[1]
         elif ctx.needs_input_grad[1]:
             g_t = nvfp4_cast(_transformed(grad_out.t()), stochastic=True)  # (N, M') along M
