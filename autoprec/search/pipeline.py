@@ -121,6 +121,7 @@ def measure_parts(
     times_file: Any = None,
     progress: Optional[Callable[[int, int, str], None]] = None,
     blocks: Sequence[str] = (),
+    upstream: "bool | str" = "sampled",
 ) -> tuple[Any, Any]:
     """The cost model and the sensitivity estimate of ``model``, from which a space is made
     (`measure_space`; a pipeline stage's table, `search.stages`).
@@ -129,7 +130,8 @@ def measure_parts(
     ``cost_loss_fn``: the training step the cost model times (default: ``example_inputs``, a
     forward alone), in place unless ``planning.measure`` is False; ``times_file``: keep the
     measured times there and reuse them (`TimingSettings`); ``blocks``: recompute units the search may
-    recompute (`autoprec.blocks.find_blocks`; none: formats only). Cost: the cost model's
+    recompute (`autoprec.blocks.find_blocks`; none: formats only); ``upstream``: the estimate's
+    upstream term (`search_estimator`). Cost: the cost model's
     in-place timing (one pass per uniform plan unless cached), the bytes' forwards per role and
     kind of block (`CostModel.build`), and `search_estimator`'s per (layer, format): linear in
     the layers.
@@ -150,18 +152,18 @@ def measure_parts(
             progress(0, 1, "estimating sensitivity")
         sensitivity = estimate_sensitivity(
             model, batches, loss_fn, [lp for f, lp in planning.precisions().items() if f is not Format.FP32],
-            layers=list(costs.layers), example_inputs=example_inputs, estimator=search_estimator(planning.lr),
+            layers=list(costs.layers), example_inputs=example_inputs, estimator=search_estimator(planning.lr, upstream),
         )
     return costs, sensitivity
 
 
 def estimate_alternatives(model: nn.Module, example_inputs: Any, batches: Sequence[Any], loss_fn: Callable[[nn.Module, Any], Any],
-                          planning: Planning, layers: Sequence[str]) -> tuple[tuple[Any, Any], ...]:
+                          planning: Planning, layers: Sequence[str], upstream: "bool | str" = "sampled") -> tuple[tuple[Any, Any], ...]:
     """Each of ``planning``'s alternative recipes (`Planning.alternatives`) with the sensitivity
     estimate that scores it on ``layers`` (`search_estimator`, as `measure_parts` scores the
     formats' own recipes), for `planner.table_steps`. An estimate scores each format once, so
     the n-th alternatives of every format share one: as many estimates as a format has
-    alternatives (none without), each linear in the layers."""
+    alternatives (none without), each linear in the layers. ``upstream``: `search_estimator`'s."""
     from ..sensitivity import estimate_sensitivity
 
     out: list[tuple[Any, Any]] = []
@@ -169,23 +171,27 @@ def estimate_alternatives(model: nn.Module, example_inputs: Any, batches: Sequen
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", EmulationWarning)  # the plan names its emulated layers itself
             estimate = estimate_sensitivity(model, batches, loss_fn, recipes, layers=list(layers), example_inputs=example_inputs,
-                                            estimator=search_estimator(planning.lr))
+                                            estimator=search_estimator(planning.lr, upstream))
         out.extend((lp, estimate) for lp in recipes)
     return tuple(out)
 
 
-def search_estimator(lr: float) -> Any:
+def search_estimator(lr: float, upstream: "bool | str" = "sampled") -> Any:
     """The sensitivity estimate every search plans on (the job's and the scheduler's): each
-    layer's own output error (``site="layer"``: the layer alone re-run, not its caller) and the
-    gradient term of its own parameters only (no backward through the rest of the model per
-    layer and format), so per (layer, format) one forward and one weight-gradient product of
-    that layer: linear in the layers, where the full estimate's upstream term costs a partial
-    backward of the model each (quadratic). On the 6-block GPT of benchmarks/search_stall.py it
-    gives the plan of the caller-output estimate, layer for layer, which gave those of the full
-    estimate at two budgets."""
+    layer's own output error (``site="layer"``: the layer alone re-run, not its caller), the
+    gradient term of its own parameters, and its input gradient's error on the parameters
+    upstream sampled (``upstream="sampled"``: 4 random parameter directions per batch shared by
+    every layer and format), so per (layer, format) one forward and one local backward of that
+    layer, and per batch 8 no-grad forwards: linear in the layers, where the exact upstream term
+    costs a partial backward of the model each (quadratic). The sampled term is what tells a
+    recipe's input-gradient product from its weight-gradient product (a split backward from a
+    whole high-precision one). On the 6-block GPT of benchmarks/search_stall.py the estimate
+    without any upstream term gave the plan of the caller-output estimate, layer for layer, which
+    gave those of the full estimate at two budgets. ``upstream=False``: a pipeline stage's
+    (`search.stages`), which holds none of the parameters before it."""
     from ..sensitivity import FisherEstimator
 
-    return FisherEstimator(lr=lr, upstream=False, site="layer")
+    return FisherEstimator(lr=lr, upstream=upstream, site="layer")
 
 
 def space_of(costs: Any, sensitivity: Any, profile: Any, planning: Planning, alternatives: Sequence[tuple[Any, Any]] = ()) -> Space:

@@ -7,7 +7,8 @@ stage's captured call (its input, as the schedule gave it), and the sensitivity 
 the gradient the schedule's backward brought to the stage's output (`LinearisedLoss`): its
 gradients at every layer of the stage are the whole loss's (the chain rule from the stage's
 output on), so each layer's estimate is the one a search of the whole model would make on that
-micro-batch. The stages' tables (plain data, a few KiB per layer) are joined in stage order into
+micro-batch without the upstream gradient term (a stage holds none of the parameters before it:
+`measure_stage`). The stages' tables (plain data, a few KiB per layer) are joined in stage order into
 one search space, and one integer program chooses every layer's format and recompute flag
 under a memory budget per stage (each stage's device holds its own layers: a fraction of that
 stage's FP32 bytes, or the bytes given, per stage) and one accuracy budget over all of them
@@ -61,8 +62,12 @@ def measure_stage(stage: nn.Module, call: Any, batches: Sequence[Any], loss_fn: 
     weights and gradients are left as they were."""
     layers = list(fingerprint)
     blocks = find_blocks(stage, layers, recompute) if recompute != () else ()
-    costs, sensitivity = measure_parts(stage, call, batches[-1:], loss_fn, planning, cost_loss_fn=lambda m, _: loss_fn(m, batches[-1]).mean(), blocks=blocks)
-    alternatives = estimate_alternatives(stage, call, batches[-1:], loss_fn, planning, costs.layers)
+    # No upstream term: a stage holds none of the parameters of the stages before it, so its
+    # layers' input-gradient errors would reach only part of theirs (the first stage's all, the
+    # last's least) and bias the joint plan toward lowering the late stages.
+    costs, sensitivity = measure_parts(stage, call, batches[-1:], loss_fn, planning, cost_loss_fn=lambda m, _: loss_fn(m, batches[-1]).mean(), blocks=blocks,
+                                       upstream=False)
+    alternatives = estimate_alternatives(stage, call, batches[-1:], loss_fn, planning, costs.layers, upstream=False)
     table = drain(table_steps(costs, sensitivity, profile, formats=planning.formats, rules=planning.rules, precisions=planning.precisions(),
                               limits=planning.limits, alternatives=alternatives))
     return StageTable(index, table, dict(fingerprint))

@@ -43,7 +43,9 @@ PASSES_PER_STEP = 3
 # took 1.2 and 2.5 passes, its scopes (one traced forward) 1.2 and 2.2, and an INT8 calibration
 # round's recorded forward (every layer's inputs kept) 1.4 and 2.5, on issue 57's narrow Llama
 # at 4 and 16 blocks: they grow with the layers as a pass does. Counted as host work (0), 1.5 and
-# one layer's re-run, they ran with the next units in one slice: 3x a step at 16 blocks.
+# one layer's re-run, they ran with the next units in one slice: 3x a step at 16 blocks. The
+# sampled upstream term's forwards (`sensitivity.upstream`: every layer's inputs kept, no grad)
+# are such a recorded forward.
 # A row of the search space (`planner.space_steps`: one layer's range checks and modelled costs
 # per format, host work only) took 0.3 ms on issue 57's narrow Llama at 64 blocks, about 5 layer
 # shares, and about a tenth of a pass at 4 blocks; the space's indexing after its rows ("space
@@ -54,7 +56,7 @@ PASSES_PER_STEP = 3
 # A device-peak timing (`costs.calibration_steps`: 9 GEMM calls of one format, each sized to
 # about 2 ms or less on a CPU, whatever the model) weighs a step: the 4-block Llama's step.
 _WHOLE_MODEL_UNITS = {"trace": 5.0, "region bytes": 6.0, "block forward": 6.0, "scopes": 2.5, "recorded batch": 5.0, "peak": 3.0,
-                      "layers": 2.5, "recorded forward": 2.5, "space assembly": 2.0, "preflight": 4.5}
+                      "layers": 2.5, "recorded forward": 2.5, "upstream direction": 2.5, "space assembly": 2.0, "preflight": 4.5}
 # (fixed passes, fixed layer shares, layer passes)
 _LAYER_UNITS = {"runtimes": (0.15, 22.0, 0.0), "calibration": (0.4, 25.0, 1.0), "space": (0.1, 6.0, 0.0)}
 _LAYER_ESTIMATE = (0.35, 18.0, 3.0)

@@ -17,7 +17,8 @@ Both run each layer under `apply_plan` with only that layer lowered, so FP8 scal
 calibration, the half output cast and emulation are the runtime's. Batches are kept in memory.
 
 Modules: `problem` (the result type, the problem an estimator solves, recording and calibration
-helpers), `fisher` (`FisherEstimator`, `estimate_sensitivity`, `adam_second_moment`), `loss_increase` (`measure_sensitivity`,
+helpers), `fisher` (`FisherEstimator`, `estimate_sensitivity`, `adam_second_moment`), `upstream`
+(the gradient term's sampled upstream part), `loss_increase` (`measure_sensitivity`,
 `spearman`, `rank_agreement`).
 
 May import the shared basics, `runtime` and `scaling`.

@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Generator, Iterable, TypeVar
 
 import torch
@@ -28,6 +28,7 @@ from .problem import (
     CallRecorder, LossFn, RecordedCall, Sensitivity, SensitivityEstimator, SensitivityProblem, calibration_steps, eval_mode, float_leaves,
     layer_callers, layers_run_within, failing_formats, resolve_problem,
 )
+from .upstream import input_directions
 
 __all__ = ["FisherEstimator", "adam_second_moment", "estimate_sensitivity", "sensitivity_steps"]
 
@@ -98,7 +99,9 @@ class FisherEstimator(SensitivityEstimator):
     activation. Per batch the gradient error ``e`` of every parameter is computed exactly, given
     the FP32 dL/dy at the site (times ``loss_scale``, then unscaled): the site's own parameters
     from a local backward under the plan, every upstream parameter by one vector-Jacobian product
-    of the recorded FP32 graph (``upstream=False`` skips it). Treating e as zero-mean gradient
+    of the recorded FP32 graph (``upstream=False`` skips it; ``upstream="sampled"`` estimates the
+    same quadratic form in the input-gradient error from ``probes`` random parameter directions
+    per batch shared by every layer and format: `input_directions`, linear in the layers). Treating e as zero-mean gradient
     noise of covariance C, SGD with learning rate η settles where the expected excess loss is
     ``(η/4) tr(C)`` (Mandt, Hoffman & Blei, arXiv:1704.04289, eq. 11, whatever the curvature);
     with Adam's preconditioner ``P = 1/(√v + ε)`` it is ``(η/4) tr(P C)``. Hence ``grad = (lr/4)
@@ -110,27 +113,30 @@ class FisherEstimator(SensitivityEstimator):
     layer then replaying its inputs; Adam's v one forward + backward per batch (none when the
     problem carries the optimizer's, `adam_second_moment`); per (layer,
     format, batch) one run of the site with grad and its local backward (a delayed-scaling
-    format: one more no-grad run), plus one partial backward of the model with ``upstream``.
+    format: one more no-grad run), plus one partial backward of the model with ``upstream=True``.
 
     ``fisher``: "auto" (default), "token", "sample" or "diagonal"; ``site``: "parent" or "layer".
     ``grad_term=False`` skips the gradient part (it costs 2-5x the forward part);
     ``upstream=False`` keeps only the site's own parameters in it (skips one partial backward
     per layer, format and batch; with ``site="layer"`` a site scores only the parameters no
     other layer inside it owns, so an attention module whose projections are layers runs its
-    formats without grad). ``optimizer`` is "adam" (v from the batches) or "sgd"; ``lr``
+    formats without grad); ``upstream="sampled"`` keeps those parameters too and adds the
+    upstream term's unbiased estimate (no partial backward: ``2 * probes`` no-grad forwards per
+    batch, ``probes`` BF16 copies of the sites' inputs held while the batch's units run). ``optimizer`` is "adam" (v from the batches) or "sgd"; ``lr``
     the learning rate the term assumes (torch's Adam default); ``eps`` Adam's. ``loss_scale``
     multiplies dL/dy in the gradient pass as a loss scaler does (default: the loss scaler's
     initial dynamic scale); without it FP16 gradients of 1e-8 flush to zero, which no FP16 run allows.
     """
 
     grad_term: bool = True
-    upstream: bool = True
+    upstream: "bool | str" = True
     optimizer: str = "adam"
     lr: float = 1e-3
     eps: float = 1e-8
     loss_scale: float = DEFAULT_INIT_SCALE
     site: str = "parent"
     fisher: str = "auto"
+    probes: int = 4
 
     name = "fisher"
 
@@ -145,6 +151,10 @@ class FisherEstimator(SensitivityEstimator):
             raise SensitivityError(f"FisherEstimator(fisher={self.fisher!r}): use one of {', '.join(_FISHER_BLOCKS)}")
         if self.site not in ("layer", "parent"):
             raise SensitivityError(f"FisherEstimator(site={self.site!r}): use 'parent' or 'layer'")
+        if self.upstream not in (True, False, "sampled"):
+            raise SensitivityError(f"FisherEstimator(upstream={self.upstream!r}): use True (exact), 'sampled' or False")
+        if not (isinstance(self.probes, int) and self.probes > 0):
+            raise SensitivityError(f"FisherEstimator(probes={self.probes!r}): use a positive int (directions per batch)")
 
     def sites(self, problem: SensitivityProblem) -> dict[str, str]:
         """``layer fqn -> fqn of the module whose output error is scored``.
@@ -239,8 +249,11 @@ class FisherEstimator(SensitivityEstimator):
                 yield "second moment"
             for batch in problem.batches:
                 recorder, n = yield from (problem.pace or at_once)(
-                    lambda: _differentiated(lambda: _record(problem, model, list(dict.fromkeys(sites.values())), batch, grad_term and self.upstream)))
+                    lambda: _differentiated(lambda: _record(problem, model, list(dict.fromkeys(sites.values())), batch, grad_term and self.upstream is True)))
                 yield "recorded batch"
+                directions: dict = {}
+                if grad_term and self.upstream == "sampled":
+                    directions = yield from input_directions(model, lambda: problem.loss(batch), recorder.calls, params, weight, self.probes)
                 references = {}
                 for fqn in problem.layers:
                     site = sites[fqn]
@@ -266,9 +279,10 @@ class FisherEstimator(SensitivityEstimator):
                                     local = self._local_grads(module, call, grad_rt[key], own[site])[1] if with_grad else ([], [])
                                 forward[key] += n / 2 * self._output_error(call, out, n)
                                 if with_grad:
-                                    grad[key] += self._grad_error(call, local, references[(site, i)], own[site], params, weight)
+                                    grad[key] += self._grad_error(call, local, references[(site, i)], own[site], params, weight,
+                                                                  directions.get((site, i), ()))
                             yield fqn
-                del recorder, references
+                del recorder, references, directions
         b = len(problem.batches)
         # A (layer, format) whose code failed predicts an infinite loss: out of the search for that layer.
         forward = {k: math.inf if k in failed else v / b for k, v in forward.items()}
@@ -346,10 +360,12 @@ class FisherEstimator(SensitivityEstimator):
         grads = [None if g is None else g.float() / scale for g in raw]
         return out, (grads[: len(inputs)], grads[len(inputs) :])
 
-    def _grad_error(self, call: RecordedCall, local, reference, own, params, weight: Mapping[int, torch.Tensor]) -> float:
+    def _grad_error(self, call: RecordedCall, local, reference, own, params, weight: Mapping[int, torch.Tensor],
+                    directions: Sequence[Sequence[torch.Tensor]] = ()) -> float:
         """Σ_i P_i e_i² over all parameters for one call: own parameters from the local backward
         (``local``, the runtime's; ``reference``, FP32's), upstream ones through one
-        vector-Jacobian product of the FP32 graph."""
+        vector-Jacobian product of the FP32 graph (``upstream=True``) or as the mean of
+        ``(e · u)²`` over the call's input ``directions`` (``"sampled"``, `input_directions`)."""
         dx_q, dw_q = local
         dx, dw = reference
 
@@ -363,7 +379,12 @@ class FisherEstimator(SensitivityEstimator):
         for p, a, b in zip(own, dw_q, dw):
             if a is not None or b is not None:
                 total += weighted(p, (a if a is not None else 0.0) - (b if b is not None else torch.zeros_like(a)))
-        if self.upstream:
+        if self.upstream == "sampled":
+            differences = [None if a is None or b is None else a.float() - b.float() for a, b in zip(dx_q, dx)]
+            products = [sum(float((e * u.float()).sum(dtype=torch.float64)) for e, u in zip(differences, probe) if e is not None)
+                        for probe in directions]
+            total += sum(x * x for x in products) / max(len(products), 1)
+        elif self.upstream:
             errors = [(x, a.float() - b.float()) for x, a, b in zip(call.graph_inputs, dx_q, dx) if a is not None and b is not None]
             if errors:
                 ups = torch.autograd.grad([x for x, _ in errors], params, [e.to(x.dtype) for x, e in errors], retain_graph=True, allow_unused=True)

@@ -138,7 +138,7 @@ def test_metrics_are_logged_only_on_the_steps_the_trainer_writes(tmp_path):
 # The default spread search (search_slice=1.0, measured costs): probe and trial steps over tens of
 # training steps, logged one by one. A non-finite gradient in one step promotes its layer at once.
 SPREAD_WINDOW = 6
-SPREAD_STEPS = 80  # the search's trial steps are bounded (54 at most; search.in_run): a plan with steps to spare
+SPREAD_STEPS = 96  # the search's trial steps are bounded (54 at most; search.in_run): a plan with steps to spare
 SPREAD = dict(monitor_window=SPREAD_WINDOW, monitor_steps=2, memory_budget=0.9, accuracy_budget=0.05, search_timeout_s=10,
               thresholds=Thresholds(nonfinite_steps=1))
 

@@ -60,6 +60,6 @@ def run(steps, **settings):
 def test_a_real_run_logs_every_phase_it_passes_through():
     # A spread search (search_slice=1.0) spans steps: logs fall inside it. A memory budget no plan
     # meets ends the other run safe.
-    logged = run(64, memory_budget=0.8, search_slice=1.0) + run(6, memory_budget=0.1, search_slice=None)
+    logged = run(80, memory_budget=0.8, search_slice=1.0) + run(6, memory_budget=0.1, search_slice=None)
     assert [decoded(metrics) for _, metrics in logged] == [phase for phase, _ in logged]
     assert {phase for phase, _ in logged} == set(DynamicPrecisionScheduler.PHASES)

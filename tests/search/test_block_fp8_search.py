@@ -178,9 +178,10 @@ def test_a_high_precision_weight_gradient_is_a_choice_per_gemm_priced_and_planne
     product alone in high precision is a recipe of its own: the same bytes; its seconds the
     format's times the roofline ratio of its backward;
     its loss its own parameters' gradient term without the output gradient's rounding (as the
-    whole high backward's: the search's estimate counts no input-gradient error). Under an
-    accuracy budget the default FP8 recipe misses on the outlier layers and a memory budget BF16
-    misses, the plan takes it there."""
+    whole high backward's) plus the input gradient's rounding on the parameters upstream (the
+    sampled upstream term: what the whole high backward has less of). Under an accuracy budget
+    the default FP8 recipe misses on the outlier layers and a memory budget BF16 misses, the plan
+    takes it there."""
     model, data, loss_fn = problem
     grads = {"fp8_e4m3": ["fp8_e5m2", "fp8_e5m2/fp32", "fp32"]}
     # Priced at an H100's datasheet rates without its launch cost (these layers are small enough
@@ -196,16 +197,18 @@ def test_a_high_precision_weight_gradient_is_a_choice_per_gemm_priced_and_planne
         own, per_gemm, backward = unit.choices[E4M3], unit.choices[split], unit.choices[high]
         assert per_gemm.bytes == own.bytes == backward.bytes
         assert len({own.seconds, per_gemm.seconds, backward.seconds}) == 3  # each priced as its own
-        assert per_gemm.loss < own.loss and per_gemm.loss == pytest.approx(backward.loss)
+        assert backward.loss <= per_gemm.loss < own.loss
+    # The split's E5M2 input gradient reaches the layers before it (none before the first).
+    assert all(u.choices[high].loss < u.choices[split].loss for u in found.space.units[1:])
     outliers = [u for u in found.space.units if u.name.endswith(".2")]  # the second linear of each block: the outlier channels' input
     budget = sum(u.choices[split].loss for u in found.space.units) * 1.5
     assert sum(u.choices[E4M3].loss for u in outliers) > budget  # the default recipe cannot meet it there
     budgets = Budgets(memory=0.65, accuracy=budget, accuracy_relative=False)
     plan = propose_from(found, dataclasses.replace(planning, budgets=budgets), baseline_loss=None).plans[0]
-    # Of the two recipes its estimate cannot tell apart, the cheaper (here, memory-bound: the whole
-    # high backward, which casts no gradient); offered the split alone, it takes the split.
-    cheaper = min((split, high), key=lambda lp: outliers[0].choices[lp].seconds).recipe
-    assert {plan.layers[u.name].recipe for u in outliers} == {cheaper} and plan.predicted["loss_increase"] <= budget
+    # Here (memory-bound) the whole high backward casts no gradient: cheaper and better than the
+    # split, it is the plan's choice there; offered the split alone, the plan takes the split.
+    assert all(u.choices[high].seconds < u.choices[split].seconds for u in outliers)
+    assert {plan.layers[u.name].recipe for u in outliers} == {high.recipe} and plan.predicted["loss_increase"] <= budget
     planning = Planning((Format.BF16, E4M3), grad_formats={"fp8_e4m3": ["fp8_e5m2", "fp8_e5m2/fp32"]}, measure=False, target=target, budgets=budgets)
     found = measure_space(copy.deepcopy(model), data[0][0], data, loss_fn, None, planning)
     plan = propose_from(found, planning, baseline_loss=None).plans[0]

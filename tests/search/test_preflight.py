@@ -180,7 +180,9 @@ def test_a_model_with_its_own_function_trains_to_a_plan_through_the_readme_loop_
     model = Net(d=16, blocks=3)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     caplog.set_level(logging.INFO, logger="autoprec")
-    sch = DynamicPrecisionScheduler(monitor_window=4, monitor_steps=2, memory_budget=None, accuracy_budget=0.2, formats=("fp32", "bf16", "fp16"))
+    # A memory budget FP32 misses, so the candidates lower layers (else FP32, the fastest on a CPU
+    # without BF16 arithmetic, is the plan, and no half candidate is ever run).
+    sch = DynamicPrecisionScheduler(monitor_window=4, monitor_steps=2, memory_budget=0.8, accuracy_budget=0.2, formats=("fp32", "bf16", "fp16"))
     for step in range(80):  # before: a probe step (value in a half format) raised in the Function's backward
         batch = torch.randn(8, 12, 16, generator=torch.Generator().manual_seed(step))
         with sch.precision_context():
