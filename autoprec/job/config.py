@@ -11,7 +11,7 @@ Layout::
     [job]        name, out, device               # out: folder for plan, study, profile, logs
     [workload]   factory = "module:function", kwargs = {...}
     [budgets]    memory, accuracy, accuracy_relative
-    [search]     min_precision, max_precision, formats, scaling, grad_formats, storage, study_name, seed,
+    [search]     min_precision, max_precision, formats, scaling, grad_formats, recipes, storage, study_name, seed,
                  measure_top (the k best plans measured), timeout_s (for finding them),
                  measured_trials (the most plans measured in all; above the k best and the
                  references, the learning sampler proposes the rest: `search.refine`; 0 = off),
@@ -39,6 +39,7 @@ from .._checks import integer, number
 from ..costs.targets import TARGETS, TargetDevice, load_target
 from ..errors import CostModelError, FormatError, SearchError
 from ..formats import Format
+from ..layer_precision import PRESETS
 from ..search.study import JOURNAL_SCHEME, JOURNAL_SUFFIXES
 from ..search.planning import Planning
 from ..search.space import DEFAULT_CANDIDATES, MEMORY_SPELLINGS, Budgets, LayerRules, formats_for_precision, memory_budget
@@ -66,6 +67,7 @@ class JobConfig:
     formats: tuple[Format, ...] = DEFAULT_CANDIDATES
     scaling: Mapping[Format, Any] = dataclasses.field(default_factory=dict)  # `Planning.scaling`
     grad_formats: Mapping[Format, Any] = dataclasses.field(default_factory=dict)  # `Planning.grad_formats`
+    recipes: tuple = ()  # `Planning.recipes`: named recipes weighed per layer
     storage: str = "study.db"
     study_name: str = ""
     seed: int = 0
@@ -89,7 +91,8 @@ class JobConfig:
         """The search's settings as one `Planning`: ``measure_top`` plans, the integer programs
         bounded by ``timeout_s``; ``lr``: the workload's learning rate (the sensitivity's)."""
         return Planning(self.formats, self.rules, self.budgets, self.min_precision, self.max_precision, lr,
-                        k=self.measure_top, time_limit=self.timeout_s, scaling=self.scaling, grad_formats=self.grad_formats, target=self.target)
+                        k=self.measure_top, time_limit=self.timeout_s, scaling=self.scaling, grad_formats=self.grad_formats, recipes=self.recipes,
+                        target=self.target)
 
     @property
     def storage_url(self) -> str:
@@ -177,6 +180,15 @@ def _per_format(field: str) -> Callable:
     return parse
 
 
+def _recipes(v):
+    if not isinstance(v, list) or not v:
+        raise ValueError
+    try:
+        return Planning((), recipes=[_str(x) for x in v]).recipes
+    except SearchError:
+        raise ValueError from None
+
+
 def _pin(v):
     return {_str(k): Format.parse(f) for k, f in _table(v).items()}
 
@@ -215,6 +227,8 @@ _SCHEMA: dict[str, dict[str, tuple[Callable, str]]] = {
         "grad_formats": (_per_format("grad_formats"), 'a table of format = its gradient format, e.g. {nvfp4 = "fp32"} (nvfp4 forwards, high-precision backwards), '
                          'or a list of them the search weighs per layer, e.g. {fp8_e4m3 = ["fp8_e5m2", "fp8_e5m2/fp32", "fp32"]} '
                          '("fp8_e5m2/fp32": per GEMM, the input gradient in fp8_e5m2, the weight gradient in high precision)'),
+        "recipes": (_recipes, f"a list of named recipes the search weighs per layer ({', '.join(PRESETS)}), "
+                    'e.g. ["te_mxfp8", "torchao_rowwise_with_gw_hp"], each of a format among the formats'),
         "storage": (_str, "a file path (.journal / .log: a journal file, else SQLite) or an Optuna storage URL"),
         "study_name": (_str, "a non-empty string"),
         "seed": (_int(0), "an integer >= 0"),
@@ -329,6 +343,7 @@ def load_job(path: "str | Path") -> JobConfig:
         formats=get("search", "formats", DEFAULT_CANDIDATES),
         scaling=get("search", "scaling", {}),
         grad_formats=get("search", "grad_formats", {}),
+        recipes=get("search", "recipes", ()),
         storage=get("search", "storage", "study.db"),
         study_name=get("search", "study_name", name),
         seed=get("search", "seed", 0),
@@ -344,6 +359,10 @@ def load_job(path: "str | Path") -> JobConfig:
         val_batches=get("measure", "val_batches", 8),
         measure_steps=get("measure", "steps", JobConfig.measure_steps),
     )
+    try:  # each named recipe's format among the candidates
+        Planning(formats_for_precision(min_p, max_p, config.formats), recipes=config.recipes)
+    except SearchError as exc:
+        raise SearchError(f"{path}: [search].recipes: {str(exc).split(': ', 1)[-1]}") from None
     resolve_factory(config)  # a missing factory is a config error, found before any work
     return config
 

@@ -8,14 +8,14 @@ as `LossScaler`'s). Derive variants with ``dataclasses.replace``; invalid values
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Literal, Mapping, Optional, Sequence
 
 from .._checks import check_fields, integer, number, optional
 from ..blocks import check_block_patterns
 from ..comm import CommSettings
 from ..errors import SearchError, SettingsError
 from ..formats import CommMethod, Format
-from ..plan import Scaling
+from ..plan import LayerPrecision, Scaling
 from ..scaling import LossScaling
 from ..search.planning import Planning, RangeLimits
 from ..search.space import DEFAULT_CANDIDATES, Budgets, LayerRules, formats_for_precision, memory_budget, MEMORY_SPELLINGS
@@ -124,6 +124,10 @@ class SchedulerConfig:
     # A list: weighed per layer, as ``scaling``'s; "fp8_e5m2/fp32": per GEMM, the weight gradient's
     # product in high precision; held as Format -> tuple of (Format, bool) pairs.
     grad_formats: "Mapping[Format | str, Format | str]" = dataclasses.field(default_factory=dict)
+    # Named recipes (`LayerPrecision.preset`: "te_mxfp8", "torchao_rowwise_with_gw_hp", ...) or
+    # LayerPrecisions the search weighs per layer beside those (`Planning.recipes`); each
+    # recipe's format must be a candidate. Held as a tuple of LayerPrecisions.
+    recipes: "Sequence[str | LayerPrecision]" = ()
     search_timeout_s: float = 60.0
     search_slice: Optional[float] = 1.0
     lr: float = 1e-3
@@ -183,6 +187,10 @@ class SchedulerConfig:
                 f"formats ({', '.join(f.value for f in self.formats) or 'none'}) lies within these bounds; widen the bounds or add a format "
                 "of that width (e.g. 'bf16' for 16 bits)"
             )
+        try:
+            object.__setattr__(self, "recipes", Planning(allowed, recipes=self.recipes).recipes)  # each recipe's format a candidate
+        except SearchError as exc:
+            raise SettingsError(str(exc).replace("Planning(", "DynamicPrecisionScheduler(", 1)) from None
 
     def _check_types(self) -> None:
         """Settings of the wrong type, refused naming the argument (``dynamic='no'`` is truthy,
@@ -204,7 +212,7 @@ class SchedulerConfig:
         if isinstance(self.formats, (str, Format)) or not isinstance(self.formats, (tuple, list)):
             refuse("formats", "a list of format names, e.g. ['bf16', 'fp8_e4m3']")
         try:
-            checked = Planning((), scaling=self.scaling, grad_formats=self.grad_formats)
+            checked = Planning((), scaling=self.scaling, grad_formats=self.grad_formats, recipes=self.recipes)
             object.__setattr__(self, "scaling", checked.scaling)
             object.__setattr__(self, "grad_formats", checked.grad_formats)
         except SearchError as exc:
@@ -230,6 +238,7 @@ class SchedulerConfig:
         """The search's settings as one `Planning` (one plan: the optimum)."""
         return Planning(self.candidates, self.rules, self.budgets, self.min_precision, self.max_precision, self.lr,
                         k=1, time_limit=self.search_timeout_s, measure=self.measure_costs, scaling=self.scaling, grad_formats=self.grad_formats,
+                        recipes=self.recipes,
                         limits=RangeLimits(self.thresholds.overflow, self.thresholds.underflow))
 
     @property

@@ -75,7 +75,10 @@ class Planning:
     (`LayerPrecision`), costed, estimated and planned so; a list, e.g. ``{"fp8_e4m3": ["fp8_e5m2",
     "fp32"]}``, makes the rest alternatives as well (each with each scaling). Per GEMM,
     ``"fp8_e5m2/fp32"`` is the input gradient's product in E5M2 and the weight gradient's in high
-    precision (`LayerPrecision.high_precision_weight_grad`, torchao's ``rowwise_with_gw_hp``)."""
+    precision (`LayerPrecision.high_precision_weight_grad`, torchao's ``rowwise_with_gw_hp``).
+    ``recipes``: named recipes (`LayerPrecision.preset`, e.g. ``["te_mxfp8",
+    "torchao_rowwise_with_gw_hp"]``) or `LayerPrecision` s, each an alternative of its format
+    beside those ``scaling`` and ``grad_formats`` make; its format must be a candidate."""
 
     formats: tuple[Format, ...]
     rules: LayerRules = LayerRules()
@@ -95,6 +98,8 @@ class Planning:
     # them; held as Format -> tuple of distinct (gradient Format, high-precision weight gradient)
     # pairs, the format's own first.
     grad_formats: Mapping[Any, Any] = dataclasses.field(default_factory=dict)
+    # Given as preset names or LayerPrecisions; held as a tuple of distinct LayerPrecisions.
+    recipes: Any = ()
 
     def __post_init__(self):
         if self.target is not None and not isinstance(self.target, TargetDevice):
@@ -113,6 +118,7 @@ class Planning:
             scaling[fmt] = tuple(dict.fromkeys(self._checked_scaling(fmt, value) for value in values))
         object.__setattr__(self, "scaling", scaling)
         object.__setattr__(self, "grad_formats", self._checked_grad_formats())
+        object.__setattr__(self, "recipes", self._checked_recipes())
 
     @staticmethod
     def _checked_scaling(fmt: Format, value: Any) -> Scaling:
@@ -155,12 +161,33 @@ class Planning:
             grad_formats[fmt] = grads
         return grad_formats
 
+    def _checked_recipes(self) -> tuple[LayerPrecision, ...]:
+        given = self.recipes
+        if isinstance(given, (str, LayerPrecision)) or not isinstance(given, (list, tuple)):
+            raise SearchError(f"Planning(recipes={given!r}): expected a list of recipe names or LayerPrecisions, e.g. ['te_mxfp8', 'torchao_rowwise_with_gw_hp']")
+        held = []
+        for value in given:
+            name = value if isinstance(value, str) else getattr(value, "recipe", value)
+            if isinstance(value, str):
+                try:
+                    value = LayerPrecision.preset(value)
+                except PlanError as exc:
+                    raise SearchError(f"Planning(recipes=[{value!r}]): {str(exc).split(': ', 1)[-1]}") from None
+            elif not isinstance(value, LayerPrecision):
+                raise SearchError(f"Planning(recipes=[{value!r}]): expected a recipe name (LayerPrecision.preset) or a LayerPrecision")
+            if self.formats and value.format not in self.formats:
+                raise SearchError(f"Planning(recipes=[{name!r}]): a {value.format.value} recipe, and {value.format.value} is not among the "
+                                  f"candidate formats ({', '.join(f.value for f in self.formats)}); add it to the formats or leave the recipe out")
+            # Without its reason: a preset that is a format's own recipe (te_current) is that recipe.
+            held.append(dataclasses.replace(value, reason=""))
+        return tuple(dict.fromkeys(held))
+
     def _recipes(self, fmt: Format) -> list[LayerPrecision]:
         """Every recipe of ``fmt`` given, its own first: each scaling with each gradient format
-        (none named: the scaling's default)."""
+        (none named: the scaling's default), then the named ``recipes`` of ``fmt``."""
         grads = self.grad_formats.get(fmt, ((None, False),))
         recipes = [LayerPrecision(fmt, grad_format=g, scaling=s, high_precision_weight_grad=w) for s in self.scaling.get(fmt, (Scaling(),)) for g, w in grads]
-        return list(dict.fromkeys(recipes))
+        return list(dict.fromkeys(recipes + [lp for lp in self.recipes if lp.format is fmt]))
 
     def precisions(self) -> dict[Format, LayerPrecision]:
         """Each candidate format as the search costs, estimates and plans it: its first scaling

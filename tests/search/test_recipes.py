@@ -1,4 +1,5 @@
-"""Recipes as choices of the search: a format given several scalings (`Planning.scaling` lists),
+"""Recipes as choices of the search: a format given several scalings (`Planning.scaling` lists,
+likewise gradient formats and named recipes),
 each weighed per layer (`Planning.alternatives`, `space.choice_key`): settings, the space and the
 exact program, the learning sampler's names and ids, and the plan each layer gets."""
 
@@ -63,6 +64,21 @@ def test_a_job_file_takes_a_list_of_scalings(tmp_path):
     planning = load_job(job).planning(1e-3)
     assert planning.precisions()[E4M3].scaling.granularity is Granularity.ROW
     assert [lp.scaling.granularity for lp in planning.alternatives()] == [Granularity.BLOCK]
+
+
+def test_a_job_file_takes_named_recipes_and_refuses_a_wrong_one_in_one_line(tmp_path):
+    from autoprec.job.config import load_job
+
+    job = tmp_path / "job.toml"
+    head = '[job]\nname = "x"\n[workload]\nfactory = "autoprec.workloads:default_workload"\n[search]\n'
+    job.write_text(head + 'recipes = ["te_mxfp8", "torchao_rowwise_with_gw_hp"]\n')
+    assert [lp.recipe for lp in load_job(job).planning(1e-3).alternatives()] == ["fp8_e4m3/mx", "fp8_e4m3/row+fp8_e4m3 backward+fp32 wgrad"]
+    for bad, words in (('["te_nvfp4"]', r"\[search\].recipes: a nvfp4 recipe, and nvfp4 is not among the candidate formats"),
+                       ('["te_fp2"]', r"\[search\].recipes: expected a list of named recipes .*te_mxfp8.*, got \['te_fp2'\]")):
+        job.write_text(head + f"recipes = {bad}\n")
+        with pytest.raises(SearchError, match=words) as info:
+            load_job(job)
+        assert "\n" not in str(info.value)
 
 
 def test_choice_keys_name_each_recipe_once_and_know_their_format():
@@ -194,3 +210,59 @@ def test_the_schedulers_search_weighs_the_recipes_between_steps_and_plans_each_l
         assert choice_key(lp) in given, lp
         assert lp.reason.startswith(key_name(lp if lp.scaling.granularity is Granularity.BLOCK else lp.format) + ":"), lp.reason
     sch.close()
+
+
+def test_named_recipes_are_alternatives_of_their_format_and_a_wrong_one_is_refused_in_one_line():
+    planning = Planning((B16, E4M3), scaling={"fp8_e4m3": ["tensor", "block"]},
+                        recipes=["te_current", "te_block", "te_mxfp8", "torchao_rowwise_with_gw_hp"])
+    # te_current is the format's own recipe, te_block the block scaling already given: each once.
+    assert [lp.recipe for lp in planning.alternatives()] == ["fp8_e4m3/block", "fp8_e4m3/mx", "fp8_e4m3/row+fp8_e4m3 backward+fp32 wgrad"]
+    assert planning.alternatives()[-1] == ap.LayerPrecision("fp8_e4m3", scaling=ap.Scaling(granularity="row"), grad_format="fp8_e4m3",
+                                                            high_precision_weight_grad=True)
+    for bad, words in ((["te_nvfp4"], r"recipes=\['te_nvfp4'\]\): a nvfp4 recipe, and nvfp4 is not among the candidate formats \(bf16, fp8_e4m3\)"),
+                       (["te_fp2"], r"recipes=\['te_fp2'\]\): unknown recipe; expected one of te_current, "),
+                       ("te_mxfp8", r"expected a list of recipe names"), ([3], r"recipes=\[3\]\): expected a recipe name")):
+        with pytest.raises(SearchError, match=words) as info:
+            Planning((B16, E4M3), recipes=bad)
+        assert "\n" not in str(info.value)
+    with pytest.raises(SettingsError, match=r"DynamicPrecisionScheduler\(recipes=\['te_nvfp4'\]\): a nvfp4 recipe") as info:
+        ap.DynamicPrecisionScheduler(formats=["bf16", "fp8_e4m3"], recipes=["te_nvfp4"])
+    assert "\n" not in str(info.value)
+    assert ap.DynamicPrecisionScheduler(formats=["bf16", "nvfp4"], recipes=["te_nvfp4"], min_precision=4).config.recipes == (ap.LayerPrecision("nvfp4"),)
+
+
+def test_a_search_weighs_named_recipes_per_layer_each_estimated_and_planned_as_its_own():
+    import copy
+    import sys
+    from pathlib import Path
+
+    import torch
+    import torch.nn.functional as F
+
+    from autoprec.search.pipeline import measure_space, propose_from
+    from autoprec.search.space import Budgets
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from block_fp8 import OutlierMLP
+
+    torch.manual_seed(0)
+    model = OutlierMLP(128, 256, 2, outliers=2, gain=100.0, seed=0)
+    data = [(torch.randn(256, 128), torch.randn(256, 128)) for _ in range(2)]
+
+    def loss_fn(m, batch):
+        return F.mse_loss(m(batch[0]).float(), batch[1])
+
+    names = ["te_block", "torchao_rowwise", "torchao_rowwise_with_gw_hp"]
+    planning = Planning((B16, E4M3), recipes=names, measure=False, budgets=Budgets(memory=0.7))
+    found = measure_space(copy.deepcopy(model), data[0][0], data, loss_fn, None, planning)
+    recipes = [ap.LayerPrecision.preset(n) for n in names]
+    for unit in found.space.units:
+        own = unit.choices[E4M3]
+        losses = [unit.choices[choice_key(lp)].loss for lp in recipes]
+        assert len({own.loss, *losses}) == 4  # each estimated as its own recipe
+        # The split's weight gradient is the row-wise recipe's without its E4M3 rounding.
+        assert losses[2] < losses[1]
+    plan = propose_from(found, planning, baseline_loss=None).plans[0]
+    held = {lp.recipe for lp in plan.layers.values()}
+    assert held <= {lp.recipe for lp in recipes} | {"bf16", "fp8_e4m3", "fp32"}
+    assert held & {lp.recipe for lp in recipes}, held  # a named recipe is planned somewhere
