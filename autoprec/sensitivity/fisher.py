@@ -101,9 +101,9 @@ class FisherEstimator(SensitivityEstimator):
     from a local backward under the plan, every upstream parameter by one vector-Jacobian product
     of the recorded FP32 graph (``upstream=False`` skips it; ``upstream="sampled"`` estimates the
     same quadratic form in the input-gradient error from ``probes`` random parameter directions
-    per batch shared by every layer and format: `input_directions`, linear in the layers). Treating e as zero-mean gradient
-    noise of covariance C, SGD with learning rate η settles where the expected excess loss is
-    ``(η/4) tr(C)`` (Mandt, Hoffman & Blei, arXiv:1704.04289, eq. 11, whatever the curvature);
+    per batch shared by every layer and format: `input_directions`, linear in the layers).
+    Treating e as zero-mean gradient noise of covariance C, SGD with learning rate η settles
+    where the expected excess loss is ``(η/4) tr(C)`` (Mandt, Hoffman & Blei, arXiv:1704.04289, eq. 11, whatever the curvature);
     with Adam's preconditioner ``P = 1/(√v + ε)`` it is ``(η/4) tr(P C)``. Hence ``grad = (lr/4)
     · Σ_i P_i · mean_b(e_i²)``: a steady-state estimate no forward-only measurement validates;
     rank plans by the total.
@@ -122,9 +122,9 @@ class FisherEstimator(SensitivityEstimator):
     other layer inside it owns, so an attention module whose projections are layers runs its
     formats without grad); ``upstream="sampled"`` keeps those parameters too and adds the
     upstream term's unbiased estimate (no partial backward: ``2 * probes`` no-grad forwards per
-    batch, ``probes`` BF16 copies of the sites' inputs held while the batch's units run). ``optimizer`` is "adam" (v from the batches) or "sgd"; ``lr``
-    the learning rate the term assumes (torch's Adam default); ``eps`` Adam's. ``loss_scale``
-    multiplies dL/dy in the gradient pass as a loss scaler does (default: the loss scaler's
+    batch, ``probes`` BF16 copies of the sites' inputs held while the batch's units run).
+    ``optimizer`` is "adam" (v from the batches) or "sgd"; ``lr`` the learning rate the term
+    assumes (torch's Adam default); ``eps`` Adam's. ``loss_scale`` multiplies dL/dy in the gradient pass as a loss scaler does (default: the loss scaler's
     initial dynamic scale); without it FP16 gradients of 1e-8 flush to zero, which no FP16 run allows.
     """
 
