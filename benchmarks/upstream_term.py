@@ -6,8 +6,9 @@ partial backward per (layer, recipe, batch): quadratic in the layers. The sample
 (``upstream="sampled"``, the search's) estimates the same quadratic form from a few random
 parameter directions per batch, shared by every layer and recipe: linear. Reported, per depth
 and recipe (FP8 with E5M2 gradients, the same with the weight gradient's product high, and with
-the whole backward high): the rank agreement (Spearman) of the two upstream parts over the
-layers and of the whole gradient terms, the median and 10th / 90th percentile of their ratio,
+the whole backward high): the rank agreement (Spearman) of the two upstream parts
+(``Sensitivity.input_grad``) over the layers and of the whole gradient terms (with the layers'
+own, ``grad``), the mean, median and 10th / 90th percentile of their ratio over the layers,
 and the seconds each estimate took (ratios in one run: with no upstream term, sampled, exact).
 
 The GPT (d_model 128, context 64, batch 8) trains ``--steps`` steps in FP32 first; the estimates
@@ -69,21 +70,21 @@ def compare(depth: int, steps: int, probes: int) -> dict:
     model, batches = trained_gpt(depth, steps)
     out: dict = {}
     for label, lp in RECIPES.items():
-        grads, seconds = {}, {}
+        estimates, seconds = {}, {}
         for upstream in (False, "sampled", True):
             start = time.perf_counter()
-            estimate = estimate_sensitivity(model, batches, per_token_ce, [lp], estimator=FisherEstimator(site="layer", upstream=upstream, probes=probes))
+            estimates[upstream] = estimate_sensitivity(model, batches, per_token_ce, [lp],
+                                                       estimator=FisherEstimator(site="layer", upstream=upstream, probes=probes))
             seconds[str(upstream)] = round(time.perf_counter() - start, 2)
-            grads[upstream] = estimate.part("grad")
-        keys = list(grads[False])
-        exact = {k: grads[True][k] - grads[False][k] for k in keys}
-        sampled = {k: grads["sampled"][k] - grads[False][k] for k in keys}
-        ratios = sorted(sampled[k] / exact[k] for k in keys if exact[k] > 0)
+        exact, sampled = estimates[True], estimates["sampled"]
+        keys = [k for k in exact.input_grad if exact.input_grad[k] > 0]  # the first layers have nothing upstream
+        ratios = sorted(sampled.input_grad[k] / exact.input_grad[k] for k in keys)
         deciles = statistics.quantiles(ratios, n=10)
-        out[label] = {"layers": len(keys), "spearman_upstream": round(spearman(exact, sampled), 3),
-                      "spearman_grad_term": round(spearman(grads[True], grads["sampled"]), 3),
-                      "ratio_median": round(statistics.median(ratios), 3), "ratio_p10": round(deciles[0], 3), "ratio_p90": round(deciles[-1], 3),
-                      "upstream_share_of_exact": round(sum(exact.values()) / sum(grads[True].values()), 3),
+        gradient_terms = [{k: e.grad[k] + e.input_grad[k] for k in e.grad} for e in (exact, sampled)]
+        out[label] = {"layers": len(exact.grad), "spearman_upstream": round(spearman(exact.input_grad, sampled.input_grad), 3),
+                      "spearman_grad_term": round(spearman(*gradient_terms), 3),
+                      "ratio_mean": round(statistics.fmean(ratios), 3), "ratio_median": round(statistics.median(ratios), 3), "ratio_p10": round(deciles[0], 3), "ratio_p90": round(deciles[-1], 3),
+                      "upstream_share_of_exact": round(sum(exact.input_grad.values()) / sum(gradient_terms[0].values()), 3),
                       "seconds": {"no upstream": seconds["False"], "sampled": seconds["sampled"], "exact": seconds["True"]}}
     return out
 
@@ -98,12 +99,12 @@ def main() -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")  # attention products emulated on CPU: named once per layer
     runs = {depth: compare(depth, args.steps, args.probes) for depth in (int(d) for d in args.depths.split(","))}
-    print(f"{'depth':>5} {'recipe':<13} {'layers':>6} {'rho up':>7} {'rho grad':>8} {'ratio p10/median/p90':>22}   seconds none/sampled/exact")
+    print(f"{'depth':>5} {'recipe':<13} {'layers':>6} {'rho up':>7} {'rho grad':>8} {'ratio mean, p10/median/p90':>28}   seconds none/sampled/exact")
     for depth, run in runs.items():
         for label, r in run.items():
             s = r["seconds"]
             print(f"{depth:>5} {label:<13} {r['layers']:>6} {r['spearman_upstream']:>7.3f} {r['spearman_grad_term']:>8.3f} "
-                  f"{r['ratio_p10']:>6.2f} {r['ratio_median']:>6.2f} {r['ratio_p90']:>6.2f}   {s['no upstream']:.1f} / {s['sampled']:.1f} / {s['exact']:.1f}")
+                  f"{r['ratio_mean']:>6.2f}, {r['ratio_p10']:>6.2f} {r['ratio_median']:>6.2f} {r['ratio_p90']:>6.2f}   {s['no upstream']:.1f} / {s['sampled']:.1f} / {s['exact']:.1f}")
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
     result = {"device": platform.processor() or platform.machine(), "torch": torch.__version__, "commit": commit,
               "args": {k: str(v) for k, v in vars(args).items()}, "runs": runs}

@@ -538,7 +538,7 @@ class TrainingSearch:
 
     def _sensitivity(self, snapshot: nn.Module, lowered: Sequence[Any], pace: Pacer) -> Generator[tuple[str, float], None, Any]:
         if not lowered:
-            return Sensitivity({"forward": {}, "grad": {}}, total_of=("forward", "grad"), method="none", batches=0)
+            return Sensitivity({"forward": {}, "grad": {}, "input_grad": {}}, total_of=("forward", "grad", "input_grad"), method="none", batches=0)
         # The last captured batch, and the estimate every search plans on (`search_estimator`).
         candidates = [precision_of(self.config.planning.precisions(), f) for f in lowered]
         steps = sensitivity_steps(snapshot, self.batches[-1:], self.loss_fn, candidates, layers=self.layers, example_inputs=self.example,

@@ -186,7 +186,7 @@ class FisherEstimator(SensitivityEstimator):
             try:
                 label = next(units)
             except StopIteration as done:
-                forward, grad, b, failed = done.value
+                forward, grad, input_grad, b, failed = done.value
                 busy += time.perf_counter() - start
                 break
             busy += time.perf_counter() - start
@@ -197,9 +197,10 @@ class FisherEstimator(SensitivityEstimator):
             for (fqn, f), why in failed.items():
                 table.setdefault(fqn, {})[f.value] = why
             meta["failed"] = table
-        return Sensitivity({"forward": forward, "grad": grad}, total_of=("forward", "grad"), method=self.name, batches=b, metadata=meta)
+        return Sensitivity({"forward": forward, "grad": grad, "input_grad": input_grad}, total_of=("forward", "grad", "input_grad"),
+                           method=self.name, batches=b, metadata=meta)
 
-    def _units(self, problem: SensitivityProblem) -> Generator[str, None, tuple[dict, dict, int, dict]]:
+    def _units(self, problem: SensitivityProblem) -> Generator[str, None, tuple[dict, dict, dict, int, dict]]:
         model = problem.model
         lowered = {f: lp for f, lp in problem.candidates.items() if f is not Format.FP32}
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -208,6 +209,7 @@ class FisherEstimator(SensitivityEstimator):
         keys = [(fqn, fmt) for fqn in problem.layers for fmt in problem.candidates]
         forward = dict.fromkeys(keys, 0.0)
         grad = dict.fromkeys(keys, 0.0)
+        input_grad = dict.fromkeys(keys, 0.0)
         failed: dict = {}  # (layer, format) -> the first line of what its run raised (`failing_formats`)
         # A delayed-scaling format gets separate runtimes for the no-grad forward (current
         # scaling, as in the measured run) and the gradient pass (which records amax histories,
@@ -279,15 +281,17 @@ class FisherEstimator(SensitivityEstimator):
                                     local = self._local_grads(module, call, grad_rt[key], own[site])[1] if with_grad else ([], [])
                                 forward[key] += n / 2 * self._output_error(call, out, n)
                                 if with_grad:
-                                    grad[key] += self._grad_error(call, local, references[(site, i)], own[site], params, weight,
-                                                                  directions.get((site, i), ()))
+                                    own_error, upstream_error = self._grad_error(call, local, references[(site, i)], own[site], params, weight,
+                                                                                 directions.get((site, i), ()))
+                                    grad[key] += own_error
+                                    input_grad[key] += upstream_error
                             yield fqn
                 del recorder, references, directions
         b = len(problem.batches)
         # A (layer, format) whose code failed predicts an infinite loss: out of the search for that layer.
         forward = {k: math.inf if k in failed else v / b for k, v in forward.items()}
-        grad = {k: math.inf if k in failed else self.lr / 4 * v / b for k, v in grad.items()}
-        return forward, grad, b, failed
+        grad, input_grad = ({k: math.inf if k in failed else self.lr / 4 * v / b for k, v in part.items()} for part in (grad, input_grad))
+        return forward, grad, input_grad, b, failed
 
     def _own_parameters(self, problem: SensitivityProblem, index: ModelIndex, site: str) -> list[torch.nn.Parameter]:
         """The parameters whose gradient error a site's local backward scores: all of the site's
@@ -361,11 +365,12 @@ class FisherEstimator(SensitivityEstimator):
         return out, (grads[: len(inputs)], grads[len(inputs) :])
 
     def _grad_error(self, call: RecordedCall, local, reference, own, params, weight: Mapping[int, torch.Tensor],
-                    directions: Sequence[Sequence[torch.Tensor]] = ()) -> float:
-        """Σ_i P_i e_i² over all parameters for one call: own parameters from the local backward
-        (``local``, the runtime's; ``reference``, FP32's), upstream ones through one
-        vector-Jacobian product of the FP32 graph (``upstream=True``) or as the mean of
-        ``(e · u)²`` over the call's input ``directions`` (``"sampled"``, `input_directions`)."""
+                    directions: Sequence[Sequence[torch.Tensor]] = ()) -> tuple[float, float]:
+        """Σ_i P_i e_i² for one call, apart for the site's own parameters (from the local
+        backward: ``local``, the runtime's; ``reference``, FP32's) and the parameters upstream,
+        whose error is the input gradient's (one vector-Jacobian product of the FP32 graph,
+        ``upstream=True``, or the mean of ``(e · u)²`` over the call's input ``directions``,
+        ``"sampled"``: `input_directions`)."""
         dx_q, dw_q = local
         dx, dw = reference
 
@@ -375,7 +380,7 @@ class FisherEstimator(SensitivityEstimator):
                 e2 = e2 * weight[id(p)]
             return float(e2.sum(dtype=torch.float64))
 
-        total = 0.0
+        total = upstream = 0.0
         for p, a, b in zip(own, dw_q, dw):
             if a is not None or b is not None:
                 total += weighted(p, (a if a is not None else 0.0) - (b if b is not None else torch.zeros_like(a)))
@@ -383,7 +388,7 @@ class FisherEstimator(SensitivityEstimator):
             differences = [None if a is None or b is None else a.float() - b.float() for a, b in zip(dx_q, dx)]
             products = [sum(float((e * u.float()).sum(dtype=torch.float64)) for e, u in zip(differences, probe) if e is not None)
                         for probe in directions]
-            total += sum(x * x for x in products) / max(len(products), 1)
+            upstream = sum(x * x for x in products) / max(len(products), 1)
         elif self.upstream:
             errors = [(x, a.float() - b.float()) for x, a, b in zip(call.graph_inputs, dx_q, dx) if a is not None and b is not None]
             if errors:
@@ -391,8 +396,8 @@ class FisherEstimator(SensitivityEstimator):
                 owned = {id(p) for p in own}
                 for p, u in zip(params, ups):
                     if u is not None and id(p) not in owned:
-                        total += weighted(p, u)
-        return total
+                        upstream += weighted(p, u)
+        return total, upstream
 
 
 # -- public functions -----------------------------------------------------------------------------
@@ -431,7 +436,10 @@ def estimate_sensitivity(
 
     Returns:
         The `Sensitivity`: ``(fqn, Format) -> predicted increase of the mean loss`` (the loss's
-        units), the sum of its ``forward`` and ``grad`` parts.
+        units), the sum of its parts, one per product of the layer: ``forward`` (the forward
+        product's output error), ``grad`` (its own parameters' gradient error: the weight
+        gradient's product) and ``input_grad`` (the input gradient's error on the parameters
+        before it; 0 with ``upstream=False``).
 
     Raises:
         SensitivityError: no batches, an unknown or repeated format, no covered layer, an fqn

@@ -37,10 +37,11 @@ Key = tuple[str, Format]
 class Sensitivity(Mapping):
     """``(fqn, Format) -> loss increase`` (predicted or measured), in model and candidate order.
 
-    The value is the sum of the ``total_of`` parts: for an estimate ``forward + grad``, for a
-    measurement the measured ``increase``. Every part is kept (`part`): an estimate has
-    ``forward`` and ``grad``; a measurement ``increase``, ``first_order`` and ``second_order``
-    (see `measure_sensitivity`). Keys may use format names: ``s["lm_head", "int8"]``. Read-only.
+    The value is the sum of the ``total_of`` parts: for an estimate ``forward + grad +
+    input_grad`` (`FisherEstimator`: one part per product of the layer), for a measurement the
+    measured ``increase``. Every part is kept (`part`): a measurement also has ``first_order``
+    and ``second_order`` (see `measure_sensitivity`). Keys may use format names:
+    ``s["lm_head", "int8"]``. Read-only.
     """
 
     def __init__(self, parts: Mapping[str, Mapping[Key, float]], *, total_of: Sequence[str], method: str, batches: int, metadata: "Mapping[str, Any] | None" = None):
@@ -97,8 +98,15 @@ class Sensitivity(Mapping):
 
     @property
     def grad(self) -> dict[Key, float]:
-        """An estimate's gradient term, ``part("grad")``."""
+        """An estimate's gradient term of the layers' own parameters (their weight-gradient
+        product), ``part("grad")``."""
         return self.part("grad")
+
+    @property
+    def input_grad(self) -> dict[Key, float]:
+        """An estimate's gradient term of the parameters upstream (the input-gradient product's
+        error, as the layers before see it), ``part("input_grad")``."""
+        return self.part("input_grad")
 
     @property
     def layers(self) -> tuple[str, ...]:

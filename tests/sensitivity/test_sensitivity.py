@@ -211,7 +211,8 @@ def test_grad_term_matches_full_backward_under_the_plan():
             total += sum(float((a - b).square().sum()) for a, b in zip(g_q[:upto], g_ref[:upto]))
         expected = lr / 4 * total / len(data)
         assert expected > 0
-        assert est.part("grad")[(fqn, Format.FP8_E4M3)] == pytest.approx(expected, rel=1e-3)
+        key = (fqn, Format.FP8_E4M3)
+        assert est.grad[key] + est.input_grad[key] == pytest.approx(expected, rel=1e-3)
 
 
 def test_adam_grad_term_weights_by_inverse_root_second_moment():
@@ -365,7 +366,8 @@ def test_result_is_a_mapping_with_parts_and_json_form():
     assert est.formats == (Format.FP8_E4M3, Format.BF16)
     assert len(est) == 4
     key = ("head", Format.BF16)
-    assert est["head", "bf16"] == est.forward[key] + est.grad[key]
+    assert est["head", "bf16"] == est.forward[key] + est.grad[key] + est.input_grad[key]
+    assert est.input_grad[key] > 0 and est.input_grad["fc", Format.BF16] == 0.0  # fc's input is the data: nothing upstream
     assert est.of_format("bf16") == {"fc": est["fc", "bf16"], "head": est["head", "bf16"]}
     layers = est.to_dict()["layers"]
     assert layers["head"]["bf16"]["total"] == est["head", "bf16"]

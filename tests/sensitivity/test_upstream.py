@@ -42,9 +42,9 @@ def per_sample_ce(model, batch):
 
 
 def test_sampled_term_matches_the_exact_one_on_a_linear_network():
-    # On test_sensitivity's linear network the exact term is the full backward's gradient error
-    # under the plan (test_grad_term_matches_full_backward_under_the_plan). A linear network makes
-    # each direction's central difference exact, so only the directions' own spread
+    # On test_sensitivity's linear network the exact terms are the full backward's gradient
+    # error under the plan (test_grad_term_matches_full_backward_under_the_plan). A linear network
+    # makes each direction's central difference exact, so only the directions' own spread
     # (sqrt(2 / 3 batches x 256)) is left.
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 5))
@@ -54,15 +54,16 @@ def test_sampled_term_matches_the_exact_one_on_a_linear_network():
     def linear_loss(m, batch):
         return (m(batch[0]) * weights).sum(-1)
 
-    def grad_part(upstream, probes=4):
+    def estimate(upstream, probes=4):
         estimator = FisherEstimator(optimizer="sgd", lr=0.1, upstream=upstream, probes=probes)
-        return estimate_sensitivity(model, data, linear_loss, ["fp8_e4m3"], estimator=estimator).part("grad")
+        return estimate_sensitivity(model, data, linear_loss, ["fp8_e4m3"], estimator=estimator)
 
-    exact, sampled, own = grad_part(True), grad_part("sampled", 256), grad_part(False)
+    exact, sampled, own = estimate(True), estimate("sampled", 256), estimate(False)
     first, second = ("0", Format.FP8_E4M3), ("1", Format.FP8_E4M3)
-    assert sampled[first] == pytest.approx(exact[first], rel=1e-6)  # layer 0's input is the data: nothing upstream
-    assert exact[second] - own[second] > 0.2 * exact[second]  # the upstream part is a real share of the term
-    assert sampled[second] == pytest.approx(exact[second], rel=0.15)
+    assert sampled.grad == exact.grad == own.grad  # the own parameters' term: the same local backward
+    assert sampled.input_grad[first] == exact.input_grad[first] == 0.0  # layer 0's input is the data
+    assert own.input_grad[second] == 0.0 and exact.input_grad[second] > 0.2 * (exact.grad[second] + exact.input_grad[second])
+    assert sampled.input_grad[second] == pytest.approx(exact.input_grad[second], rel=0.15)
 
 
 def test_sampled_term_follows_the_exact_one_under_adams_preconditioner():
@@ -70,26 +71,31 @@ def test_sampled_term_follows_the_exact_one_under_adams_preconditioner():
     exact = estimate_sensitivity(model, data, per_sample_ce, ["fp8_e4m3"], estimator=FisherEstimator(site="layer", upstream=True))
     sampled = estimate_sensitivity(model, data, per_sample_ce, ["fp8_e4m3"],
                                    estimator=FisherEstimator(site="layer", upstream="sampled", probes=128))
-    keys = [k for k in exact.part("grad") if k[0] != "0"]  # the first layer has nothing upstream
-    for key in keys:
-        assert sampled.part("grad")[key] == pytest.approx(exact.part("grad")[key], rel=0.3), key
-    assert sampled.part("grad")[("0", Format.FP8_E4M3)] == pytest.approx(exact.part("grad")[("0", Format.FP8_E4M3)], rel=1e-6)
+    assert sampled.grad == exact.grad and sampled.forward == exact.forward
+    for key in sampled.input_grad:
+        if key[0] == "0":  # the first layer has nothing upstream
+            assert sampled.input_grad[key] == exact.input_grad[key] == 0.0
+        else:
+            assert sampled.input_grad[key] == pytest.approx(exact.input_grad[key], rel=0.3), key
 
 
-def test_sampled_term_tells_a_split_backward_from_a_whole_high_precision_one():
-    # The split runs the input gradient's product in E5M2 and the weight gradient's high; the
-    # whole high backward runs both high. Their own weights' gradients are the same, so only the
-    # upstream term can tell them apart.
+def test_each_product_is_estimated_apart_so_a_split_backward_is_told_from_a_whole_high_one():
+    # The split runs the input gradient's product as the low recipe does (E5M2) and the weight
+    # gradient's as the whole high backward does: each of its parts is the recipe's it shares.
+    # Without the upstream term nothing told the split from the whole high backward.
     model, data = _mlp(3), _data()
-    split = LayerPrecision("fp8_e4m3", high_precision_weight_grad=True)
-    high = LayerPrecision("fp8_e4m3", grad_format="fp32")
+    low, split, high = (LayerPrecision("fp8_e4m3"), LayerPrecision("fp8_e4m3", high_precision_weight_grad=True),
+                        LayerPrecision("fp8_e4m3", grad_format="fp32"))
 
-    def grad_part(lp, upstream):
+    def parts(lp, upstream="sampled"):
         est = estimate_sensitivity(model, data, per_sample_ce, [lp], ["4"], estimator=FisherEstimator(site="layer", upstream=upstream))
-        return est.part("grad")[("4", Format.FP8_E4M3)]
+        return {name: est.part(name)[("4", Format.FP8_E4M3)] for name in ("forward", "grad", "input_grad")}
 
-    assert grad_part(split, False) == pytest.approx(grad_part(high, False), rel=1e-6)
-    assert grad_part(split, "sampled") > 2 * grad_part(high, "sampled") > 0
+    low_parts, split_parts, high_parts = parts(low), parts(split), parts(high)
+    assert low_parts["forward"] == split_parts["forward"] == high_parts["forward"]
+    assert split_parts["grad"] == high_parts["grad"] < low_parts["grad"]
+    assert split_parts["input_grad"] == low_parts["input_grad"] > 2 * high_parts["input_grad"] > 0
+    assert sum(parts(split, False).values()) == sum(parts(high, False).values())
 
 
 @pytest.mark.parametrize("depth", [2, 6])
