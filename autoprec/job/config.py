@@ -181,7 +181,7 @@ def _per_format(field: str) -> Callable:
 
 
 def _recipes(v):
-    if not isinstance(v, list) or not v:
+    if not isinstance(v, list):
         raise ValueError
     try:
         return Planning((), recipes=[_str(x) for x in v]).recipes

@@ -73,6 +73,8 @@ def test_a_job_file_takes_named_recipes_and_refuses_a_wrong_one_in_one_line(tmp_
     head = '[job]\nname = "x"\n[workload]\nfactory = "autoprec.workloads:default_workload"\n[search]\n'
     job.write_text(head + 'recipes = ["te_mxfp8", "torchao_rowwise_with_gw_hp"]\n')
     assert [lp.recipe for lp in load_job(job).planning(1e-3).alternatives()] == ["fp8_e4m3/mx", "fp8_e4m3/row+fp8_e4m3 backward+fp32 wgrad"]
+    job.write_text(head + "recipes = []\n")
+    assert load_job(job).planning(1e-3).alternatives() == ()
     for bad, words in (('["te_nvfp4"]', r"\[search\].recipes: a nvfp4 recipe, and nvfp4 is not among the candidate formats"),
                        ('["te_fp2"]', r"\[search\].recipes: expected a list of named recipes .*te_mxfp8.*, got \['te_fp2'\]")):
         job.write_text(head + f"recipes = {bad}\n")
