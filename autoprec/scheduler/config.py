@@ -212,7 +212,7 @@ class SchedulerConfig:
         if isinstance(self.formats, (str, Format)) or not isinstance(self.formats, (tuple, list)):
             refuse("formats", "a list of format names, e.g. ['bf16', 'fp8_e4m3']")
         try:
-            checked = Planning((), scaling=self.scaling, grad_formats=self.grad_formats, recipes=self.recipes)
+            checked = Planning((), scaling=self.scaling, grad_formats=self.grad_formats)
             object.__setattr__(self, "scaling", checked.scaling)
             object.__setattr__(self, "grad_formats", checked.grad_formats)
         except SearchError as exc:

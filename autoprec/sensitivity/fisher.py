@@ -255,7 +255,7 @@ class FisherEstimator(SensitivityEstimator):
                 yield "recorded batch"
                 directions: dict = {}
                 if grad_term and self.upstream == "sampled":
-                    directions = yield from input_directions(model, lambda: problem.loss(batch), recorder.calls, params, weight, self.probes)
+                    directions = yield from input_directions(recorder.modules, lambda: problem.loss(batch), recorder.calls, params, weight, self.probes)
                 references = {}
                 for fqn in problem.layers:
                     site = sites[fqn]

@@ -20,11 +20,11 @@ __all__ = ["input_directions"]
 _RELATIVE_STEP = 1e-3
 
 
-def input_directions(model: nn.Module, run_loss: Callable[[], Any], calls: Mapping[str, Sequence[RecordedCall]],
+def input_directions(modules: Mapping[str, nn.Module], run_loss: Callable[[], Any], calls: Mapping[str, Sequence[RecordedCall]],
                      params: Sequence[torch.nn.Parameter], weight: Mapping[int, torch.Tensor], probes: int,
                      seed: int = 0) -> Generator[str, None, dict[tuple[str, int], list[list[torch.Tensor]]]]:
-    """``(site, call index) -> probes x [u per graph input]``: ``u = J δθ``, the derivative of the
-    call's inputs (those that required grad in the recorded forward, in its order) along a random
+    """``(site, call index) -> probes x [u per graph input]``, for the sites ``modules`` names
+    (`CallRecorder.modules`): ``u = J δθ``, the derivative of the call's inputs (those that required grad in the recorded forward, in its order) along a random
     parameter direction ``δθ ~ N(0, P)``, P Adam's preconditioner (``weight``, by parameter id;
     empty: SGD's identity). Every call gets the same ``probes`` directions.
 
@@ -82,7 +82,7 @@ def input_directions(model: nn.Module, run_loss: Callable[[], Any], calls: Mappi
                 with torch.no_grad():
                     for p, base, d in zip(params, saved, direction):
                         p.copy_(base + (sign * h) * d.to(base.dtype))
-                _each_site_input(model, run_loss, calls, inputs, take)
+                _each_site_input(modules, run_loss, inputs, take)
                 yield "upstream direction"
     finally:
         with torch.no_grad():
@@ -91,11 +91,10 @@ def input_directions(model: nn.Module, run_loss: Callable[[], Any], calls: Mappi
     return out
 
 
-def _each_site_input(model: nn.Module, run_loss: Callable[[], Any], calls: Mapping[str, Sequence[RecordedCall]],
-                     masks: Mapping[tuple[str, int], list], take: Callable[[tuple[str, int], list], None]) -> None:
+def _each_site_input(modules: Mapping[str, nn.Module], run_loss: Callable[[], Any], masks: Mapping[tuple[str, int], list],
+                     take: Callable[[tuple[str, int], list], None]) -> None:
     """One no-grad forward of ``run_loss``, handing ``take`` each site call's floating inputs that
     ``masks`` marks (those that required grad in the recorded forward) as the call begins."""
-    modules = dict(model.named_modules())
     handles = []
 
     def hook(site: str):
@@ -110,8 +109,8 @@ def _each_site_input(model: nn.Module, run_loss: Callable[[], Any], calls: Mappi
         return pre_hook
 
     try:
-        for site in calls:
-            handles.append(modules[site].register_forward_pre_hook(hook(site), with_kwargs=True))
+        for site, module in modules.items():
+            handles.append(module.register_forward_pre_hook(hook(site), with_kwargs=True))
         with torch.no_grad():
             run_loss()
     finally:
