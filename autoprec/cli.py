@@ -279,7 +279,7 @@ def _workload_from_args(args: argparse.Namespace, lr: "float | None" = None):
         if not isinstance(kwargs, dict):
             raise WorkloadError("argument --workload-kwargs: give a JSON object of keyword arguments")
         try:
-            return load_workload(args.workload, kwargs)
+            return load_workload(args.workload, kwargs, search_dirs=(Path.cwd(),))
         except WorkloadError as exc:
             raise WorkloadError(f"argument --workload: {exc}") from None
     if args.workload_kwargs is not None:

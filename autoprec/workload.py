@@ -27,7 +27,9 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import sys
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -236,27 +238,57 @@ class _TrainingBatches:
         return batch
 
 
-def resolve_factory(spec: str) -> Callable[..., Any]:
-    """Import ``"module:function"``; `WorkloadError` (one line, with the fix) when it cannot."""
+def resolve_factory(spec: str, search_dirs: Sequence[Path] = ()) -> Callable[..., Any]:
+    """Import ``"module:function"``; `WorkloadError` (one line, with the fix) when it cannot.
+
+    A module that is not importable from ``sys.path`` is looked for in ``search_dirs`` in turn
+    (the job file's folder, the working directory: where a user keeps the module beside the job,
+    as ``python -m`` would find it), and the first folder holding it is appended to ``sys.path``
+    (after the installed packages, which keep precedence; spawned workers inherit it).
+    """
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise WorkloadError(f'expected "module:function", got {spec!r}')
     try:
-        module = importlib.import_module(module_name)
+        module = _import_beside(module_name, search_dirs)
     except ImportError as exc:
-        raise WorkloadError(f"cannot import module {module_name!r} ({exc}); install it or fix the module name") from None
+        missing = isinstance(exc, ModuleNotFoundError) and exc.name == module_name.split(".", 1)[0]
+        where = f", nor in {' or '.join(str(d) for d in search_dirs)}" if search_dirs and missing else ""
+        raise WorkloadError(f"cannot import module {module_name!r} ({exc}{where}); install it or fix the module name") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise WorkloadError(f"module {module_name!r} has no callable {attr!r}; fix the name after the colon")
     return factory
 
 
-def load_workload(spec: str, kwargs: Optional[Mapping[str, Any]] = None) -> Any:
+def _import_beside(module_name: str, search_dirs: Sequence[Path]) -> Any:
+    """``importlib.import_module(module_name)``, retried with the first of ``search_dirs`` that
+    holds its top-level package (``name.py`` or ``name/``) appended to ``sys.path``. A module that
+    is found but fails to import (its own imports missing) raises as it is."""
+    top = module_name.split(".", 1)[0]
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != top:
+            raise
+        for folder in search_dirs:
+            folder = Path(folder).resolve()
+            if (folder / f"{top}.py").is_file() or (folder / top).is_dir():
+                if str(folder) not in sys.path:
+                    sys.path.append(str(folder))
+                importlib.invalidate_caches()
+                return importlib.import_module(module_name)
+        raise
+
+
+def load_workload(spec: str, kwargs: Optional[Mapping[str, Any]] = None, search_dirs: Sequence[Path] = ()) -> Any:
     """Import ``"module:function"``, call it with ``kwargs`` and check that the result is a workload.
 
     Args:
         spec: ``"module:function"``, the function returning a workload (`Workload`).
         kwargs: keyword arguments for the function (None: none).
+        search_dirs: folders to find the module in when ``sys.path`` does not hold it
+            (`resolve_factory`).
 
     Returns:
         The workload, wrapped so that each method's failure is one error naming it (the
@@ -268,7 +300,7 @@ def load_workload(spec: str, kwargs: Optional[Mapping[str, Any]] = None) -> Any:
             ``KeyError``), a result that is not a workload, or a bad ``lr`` / ``max_grad_norm``.
         UserCodeError: the function raised anything else; the original is ``__cause__``.
     """
-    factory = resolve_factory(spec)
+    factory = resolve_factory(spec, search_dirs)
     kwargs = dict(kwargs or {})
     try:
         workload = factory(**kwargs)

@@ -370,15 +370,21 @@ def load_job(path: "str | Path") -> JobConfig:
 def resolve_factory(config: JobConfig) -> Callable:
     """Import ``[workload].factory`` ("module:function"); `SearchError` naming the key otherwise."""
     try:
-        return workload.resolve_factory(config.factory)
+        return workload.resolve_factory(config.factory, factory_dirs(config))
     except workload.WorkloadError as exc:
         raise SearchError(f"{config.source}: [workload].factory: {exc}") from None
+
+
+def factory_dirs(config: JobConfig) -> "tuple[Path, Path]":
+    """Where ``[workload].factory``'s module is looked for when it is not installed: the job
+    file's folder (which its relative paths already start from), then the working directory."""
+    return (config.source.parent, Path.cwd())
 
 
 def load_job_workload(config: JobConfig):
     """The job's workload (``[workload]``), a `WorkloadError` restated as a `SearchError` naming the job file and key."""
     try:
-        return workload.load_workload(config.factory, config.factory_kwargs)
+        return workload.load_workload(config.factory, config.factory_kwargs, factory_dirs(config))
     except workload.WorkloadError as exc:
         key = "[workload].kwargs" if "rejected" in str(exc) else "[workload].factory"
         raise SearchError(f"{config.source}: {key}: {exc}") from None

@@ -113,12 +113,16 @@ def test_bench_workload_arguments_fail_in_one_line(capsys, args, message):
     assert message in err and len(err.splitlines()) == 1, err
 
 
-def test_bench_runs_a_workload_named_module_function(tmp_path, capsys):
-    """``--workload module:function`` is trained like the search job's factory: here the built-in
-    LM's factory with keyword arguments, one variant beside fp32."""
+def test_bench_runs_a_workload_named_module_function(tmp_path, capsys, monkeypatch):
+    """``--workload module:function`` is trained like the search job's factory: here a user's
+    module in the working directory (which a console script does not put on ``sys.path``)
+    returning the built-in LM's workload with keyword arguments, one variant beside fp32."""
+    (tmp_path / "users_bench_wl.py").write_text("from autoprec.workloads import default_workload as make\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
     path = tmp_path / "bench.json"
     args = ["bench", "--quick", "--variants", "fp32,plan:bf16", "--block-shape", "2,8,16", "--json", str(path),
-            "--workload", "autoprec.workloads:default_workload", "--workload-kwargs", '{"name": "tiny", "batch_size": 2}']
+            "--workload", "users_bench_wl:make", "--workload-kwargs", '{"name": "tiny", "batch_size": 2}']
     assert main(args) == 0
     data = json.loads(path.read_text())
     assert "ByteLM 'tiny'" in data["targets_info"]["workload"] and "batch 2x" in data["targets_info"]["workload"]

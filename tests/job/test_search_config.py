@@ -1,5 +1,6 @@
 """Search job files: a good file loads; every bad key or value is one line naming it."""
 
+import sys
 import textwrap
 
 import pytest
@@ -158,3 +159,40 @@ def test_a_target_is_a_device_name_or_a_profile_beside_the_job_and_refuses_the_l
     message = error_of(write(tmp_path, GOOD.replace("seed = 3", 'seed = 3\ntarget = "B200"\nmeasured_trials = 8')))
     assert message.endswith("[search].measured_trials: the learning sampler learns from this machine's step times, not the target's; "
                             "with [search].target set, leave it out or set 0")
+
+
+USERS_MODULE = """
+from autoprec.workloads import default_workload
+
+
+def make(**kwargs):
+    return default_workload(**kwargs)
+"""
+
+
+def test_a_factory_module_beside_the_job_file_or_in_the_working_directory_is_found(tmp_path, monkeypatch):
+    # `autoprec search job.toml` is a console script: unlike `python -m`, it does not put the
+    # working directory on sys.path, so a user's own module beside the job was "No module named".
+    from autoprec.job.config import load_job_workload
+
+    monkeypatch.setattr("sys.path", [p for p in sys.path if p not in ("", ".")])  # `python -m pytest` puts the working directory there
+    for name, folder, cwd in [("users_wl_beside_job", tmp_path / "jobs", tmp_path), ("users_wl_in_cwd", tmp_path / "here", tmp_path / "here")]:
+        folder.mkdir(exist_ok=True)
+        (folder / f"{name}.py").write_text(USERS_MODULE, encoding="utf-8")
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        monkeypatch.chdir(cwd)
+        job_dir = tmp_path / "jobs"
+        job_dir.mkdir(exist_ok=True)
+        job = load_job(write(job_dir, GOOD.replace("autoprec.workloads:default_workload", f"{name}:make")))
+        workload = load_job_workload(job)
+        assert type(workload.build_model(0)).__name__ == "ByteLM"
+        assert str(folder) in sys.path and sys.path[0] != str(folder)  # appended: installed packages win
+
+
+def test_a_factory_module_that_fails_on_its_own_import_says_so_not_that_it_is_missing(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.path", list(sys.path))
+    (tmp_path / "users_wl_broken.py").write_text("import no_such_dependency_x\n\ndef make():\n    pass\n", encoding="utf-8")
+    message = error_of(write(tmp_path, GOOD.replace("autoprec.workloads:default_workload", "users_wl_broken:make")))
+    assert "[workload].factory: cannot import module 'users_wl_broken' (No module named 'no_such_dependency_x')" in message
+    message = error_of(write(tmp_path, GOOD.replace("autoprec.workloads:default_workload", "users_wl_absent:make")))
+    assert f"(No module named 'users_wl_absent', nor in {tmp_path} or " in message
