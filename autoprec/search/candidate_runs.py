@@ -324,18 +324,20 @@ class MeasuredStage:
         predicted = {c.name: c.plan.predicted.get("seconds", math.inf) for c in contenders}
         limit = max_rounds if max_rounds is not None else 3 * self.steps
         ran, warmup = 0, self.warmup
-        while True:
-            for i in range(ran, ran + warmup + self.steps):
-                batch = self.train_batches[i % len(self.train_batches)]
-                t = {id(v): timed(functools.partial(v.step, batch), self.device)[1] for v in rotated(everyone, i)}
-                if i >= self.warmup:
-                    for key, seconds in t.items():
-                        times[key].append(seconds)
-            ran, warmup = ran + warmup + self.steps, 0
-            verdict = separate({name: times[id(v)] for name, v in variants.items()}, predicted,
-                               (times[id(pair[0])], times[id(pair[1])]))
-            if verdict.resolved or verdict.rounds + self.steps > limit:
-                return verdict
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", EmulationWarning)  # named in the plan's metadata, as in the trials
+            while True:
+                for i in range(ran, ran + warmup + self.steps):
+                    batch = self.train_batches[i % len(self.train_batches)]
+                    t = {id(v): timed(functools.partial(v.step, batch), self.device)[1] for v in rotated(everyone, i)}
+                    if i >= self.warmup:
+                        for key, seconds in t.items():
+                            times[key].append(seconds)
+                ran, warmup = ran + warmup + self.steps, 0
+                verdict = separate({name: times[id(v)] for name, v in variants.items()}, predicted,
+                                   (times[id(pair[0])], times[id(pair[1])]))
+                if verdict.resolved or verdict.rounds + self.steps > limit:
+                    return verdict
 
     def spare_copies(self) -> int:
         """How many more training copies of the model (parameters, gradients, two optimizer moments:

@@ -87,3 +87,30 @@ def test_unpaired_steps_are_not_ranked_on_a_difference_inside_their_own_spread()
     # The training-time search's candidates: two timed steps each, not in the same rounds.
     assert unseparated([1.00, 1.10], [0.98, 1.02])  # 3 % apart, each step pair spreads 10 %
     assert not unseparated([1.00, 1.01], [0.80, 0.81])  # 20 % apart, 1 % spread
+
+
+def test_settle_keeps_emulation_warnings_out_of_the_users_output():
+    """The interleaved rounds run candidate plans as the trials do: a layer without a kernel here
+    is named in the plan's metadata, not warned once per layer on the job's console (a diffusers
+    UNet's INT8 convolutions printed 25 of them)."""
+    import warnings
+
+    from autoprec.runtime import EmulationWarning, apply_plan, removing
+
+    wl = default_workload("tiny", batch_size=4)
+    model = wl.build_model(0)
+    sampler = wl.train_batches(0)
+    train = [sampler.next() for _ in range(2)]
+    int8 = Plan.uniform(model, Format.INT8, train[0][0])
+    with warnings.catch_warnings(record=True) as seen:  # the same plan outside the stage does warn
+        warnings.simplefilter("always")
+        runtime = apply_plan(model, int8, validate=False)
+        with removing([runtime]), runtime:
+            wl.loss(model, train[0])
+    assert any(issubclass(w.category, EmulationWarning) for w in seen)
+    stage = MeasuredStage(model, wl.loss, train, wl.val_batches(2), steps=2, warmup=1)
+    fp32 = Plan.uniform(model, Format.FP32, train[0][0])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        stage.settle([Candidate("uniform-int8", int8), Candidate("uniform-fp32", fp32)], max_rounds=2)
+    assert not [w for w in seen if issubclass(w.category, EmulationWarning)]
