@@ -491,18 +491,86 @@ def solve_exact(space: SearchSpace, memory_bytes: float = float("inf"), loss_bud
     return k_best(space, memory_bytes, loss_budget, 1)[0]
 
 
-def _all_fp32(space: SearchSpace) -> "Solution | None":
-    """The all-FP32 plan recomputing nothing at its exact totals, where the space knows them
-    (`SearchSpace.fp32_bytes`: the program's additive bytes overstate this one plan), else None."""
+def _all_fp32(space: SearchSpace, memory: "float | Mapping[str, float]", loss_budget: float,
+              exclude: "Sequence[Solution | Mapping[str, ChoiceKey]]" = ()) -> "Solution | None":
+    """The fastest all-FP32 plan meeting the budgets at its exact totals (`SearchSpace.totals`:
+    the reference's bytes less what its recomputed blocks free in an all-FP32 region), where
+    the space knows them (`SearchSpace.fp32_bytes`), else None; none of ``exclude``.
+
+    The program's additive bytes charge every FP32 layer its lowered neighbours' FP32 saves, so
+    they overstate this family of plans (a diffusers UNet's recompute-everything FP32 plan,
+    12 MiB as measured, was 28 MB in the program, which then lowered 40 layers instead).
+    The recompute set is a knapsack over the blocks (`_fp32_recompute_set`)."""
     assignment = space.uniform(Format.FP32)
-    if space.fp32_bytes is None or assignment is None:
+    if space.fp32_bytes is None or assignment is None or space.totals(assignment).loss > loss_budget:
         return None
-    return Solution(assignment, space.totals(assignment), slowest_part=space.step_seconds(assignment) if space.parts else None)
+    recompute = _fp32_recompute_set(space, assignment, memory)
+    if recompute is None:
+        return None
+    ordered = [b.name for b in space.blocks if b.name in recompute]
+    solution = Solution(assignment, space.totals(assignment, ordered), frozenset(recompute),
+                        slowest_part=space.step_seconds(assignment, ordered) if space.parts else None)
+    if any(_same_plan(solution, e) for e in exclude):
+        return None
+    return solution
+
+
+def _fp32_recompute_set(space: SearchSpace, assignment: Mapping[str, ChoiceKey], memory: "float | Mapping[str, float]") -> "frozenset[str] | None":
+    """The blocks whose recomputation brings the all-FP32 plan within ``memory`` for the least
+    predicted seconds (the slowest part's, with parts), None when even all of them do not.
+    Nothing when it fits as it is; else one small integer program, a binary per block:
+
+        minimise   Σ_b seconds[b] · r[b]            (or t >= each part's seconds)
+        subject to Σ_b freed[b] · r[b] >= bytes - M  (per part: its blocks, its bytes and budget)
+    """
+    plain = Solution(assignment, space.totals(assignment))
+    if not _over_memory(space, plain, memory):
+        return frozenset()
+    effects = [space.fp32_recompute_effect(assignment, [b.name]) for b in space.blocks]
+    nb = len(effects)
+    if not nb:
+        return None
+    paced = bool(space.parts)
+    n = nb + int(paced)
+    rows, bounds = [], []
+    if isinstance(memory, Mapping):
+        held = space.part_bytes(assignment)
+        for part in space.parts:
+            own = np.array([space.part_of[b.name] == part.name for b in space.blocks] + [False] * int(paced))
+            rows.append(np.where(own, [e.bytes for e in effects] + [0.0] * int(paced), 0.0))
+            bounds.append(memory.get(part.name, np.inf) - held[part.name])
+    else:
+        rows.append(np.array([e.bytes for e in effects]))
+        bounds.append(memory - plain.total.bytes)
+    cost = np.zeros(n)
+    if paced:  # the slowest part's seconds: t bounds each part's (its fixed and units' seconds plus its blocks')
+        base = space.part_totals(assignment)
+        for part in space.parts:
+            row = np.array([e.seconds if space.part_of[b.name] == part.name else 0.0 for b, e in zip(space.blocks, effects)] + [-1.0])
+            rows.append(row)
+            bounds.append(-base[part.name].seconds)
+        cost[-1] = 1.0
+    else:
+        cost[:nb] = [e.seconds for e in effects]
+    keep = [i for i, bound in enumerate(bounds) if np.isfinite(bound)]
+    upper = np.concatenate([np.ones(nb), np.full(int(paced), np.inf)])
+    constraints = [LinearConstraint(np.array([rows[i] for i in keep]), -np.inf, np.array([bounds[i] for i in keep]))] if keep else []
+    result = milp(cost, constraints=constraints, integrality=np.concatenate([np.ones(nb), np.zeros(int(paced))]), bounds=Bounds(0, upper))
+    if result.x is None:
+        return None
+    return frozenset(b.name for b, r in zip(space.blocks, result.x[:nb]) if r > 0.5)
 
 
 def _is_all_fp32(found: "Solution | Mapping[str, ChoiceKey]") -> bool:
+    """Whether ``found`` keeps every unit in FP32 (with any recompute set)."""
     assignment = found.assignment if isinstance(found, Solution) else found
-    return not (isinstance(found, Solution) and found.recompute) and all(key_format(f) is Format.FP32 for f in assignment.values())
+    return all(key_format(f) is Format.FP32 for f in assignment.values())
+
+
+def _same_plan(a: Solution, b: "Solution | Mapping[str, ChoiceKey]") -> bool:
+    """Whether ``b`` is the plan ``a`` is: the same formats and recompute set (an assignment recomputes nothing)."""
+    assignment, recompute = (b.assignment, b.recompute) if isinstance(b, Solution) else (b, frozenset())
+    return dict(a.assignment) == dict(assignment) and frozenset(a.recompute) == frozenset(recompute)
 
 
 def _infeasible(space: SearchSpace, memory_bytes: "float | Mapping[str, float]", loss_budget: float) -> InfeasibleBudgetError:
@@ -512,14 +580,16 @@ def _infeasible(space: SearchSpace, memory_bytes: "float | Mapping[str, float]",
     # Formats alone: each unit's least bytes add up; recomputing blocks can go lower still.
     formats_floor = space.totals(space.extreme("bytes")).bytes
     recompute_floor = _solve(space, "bytes", float("inf"), float("inf")).total.bytes if space.blocks else None
-    fp32 = _all_fp32(space)
-    if fp32 is not None:  # the one plan the program overstates, at its exact bytes
-        formats_floor = min(formats_floor, fp32.total.bytes)
-        recompute_floor = None if recompute_floor is None else min(recompute_floor, fp32.total.bytes)
-        if fp32.total.loss <= loss_budget:
-            min_bytes = min(min_bytes, fp32.total.bytes)
-        if fp32.total.bytes <= memory_bytes:
-            min_loss = min(min_loss, fp32.total.loss)
+    fp32 = space.uniform(Format.FP32)
+    if space.fp32_bytes is not None and fp32 is not None:  # the plans the program overstates, at their exact bytes
+        plain = space.totals(fp32)
+        least = space.totals(fp32, [b.name for b in space.blocks if space.fp32_recompute_effect(fp32, [b.name]).bytes < 0])
+        formats_floor = min(formats_floor, plain.bytes)
+        recompute_floor = None if recompute_floor is None else min(recompute_floor, least.bytes)
+        if plain.loss <= loss_budget:
+            min_bytes = min(min_bytes, least.bytes)
+        if least.bytes <= memory_bytes:
+            min_loss = min(min_loss, plain.loss)
     floor_bytes = formats_floor if recompute_floor is None else recompute_floor
     floor_loss = space.totals(space.extreme("loss")).loss
     floors: dict = {}
@@ -596,11 +666,9 @@ def k_best(space: SearchSpace, memory_bytes: "float | Mapping[str, float]" = flo
     if not space.units:
         raise SearchError("the search space has no layers")
     exclude = list(exclude)
-    # The all-FP32 plan at its exact bytes (`SearchSpace.fp32_bytes`): a candidate of its own
-    # when it meets the budgets, whether or not the program's overstated figure does.
-    fp32 = _all_fp32(space)
-    if fp32 is not None and (_over_memory(space, fp32, memory_bytes) or fp32.total.loss > loss_budget or any(_is_all_fp32(e) for e in exclude)):
-        fp32 = None
+    # The fastest all-FP32 plan at its exact bytes (`SearchSpace.fp32_bytes`): a candidate of
+    # its own when it meets the budgets, whether or not the program's overstated figure does.
+    fp32 = _all_fp32(space, memory_bytes, loss_budget, exclude)
     first = _solve(space, "seconds", memory_bytes, loss_budget, cuts=exclude, time_limit=left())
     if first is None and fp32 is not None:
         return [fp32]
@@ -616,7 +684,7 @@ def k_best(space: SearchSpace, memory_bytes: "float | Mapping[str, float]" = flo
             break
         found.append(nxt)
     if fp32 is not None:
-        found = [s for s in found if not _is_all_fp32(s)] + [fp32]
+        found = [s for s in found if not _same_plan(fp32, s)] + [fp32]
     # Each is the best unlike those before it to the gap, so a later one may be a little faster:
     # sorted, the i-th is still within the gap of the i-th best plan.
     return sorted(found, key=lambda s: s.step_seconds)[:k]

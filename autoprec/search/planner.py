@@ -168,7 +168,8 @@ def table_steps(
     for fqn, block in getattr(costs, "blocks", {}).items():
         freed = {layer: {f: float(costs.layer_cost(layer, f).saved_bytes) for f in table[layer]} for layer in block.layers}
         forward = {layer: {f: costs.layer_forward_seconds(layer, key_format(f)) for f in table[layer]} for layer in block.layers}
-        blocks.append(Block(fqn, freed, forward, other_bytes=float(block.other_bytes[1]), other_seconds=float(block.other_seconds[1])))
+        blocks.append(Block(fqn, freed, forward, other_bytes=float(block.other_bytes[1]), other_seconds=float(block.other_seconds[1]),
+                            fp32_other_bytes=float(block.other_bytes[0]), fp32_other_seconds=float(block.other_seconds[0])))
         yield "space"
     return LayerTable(table, ruled_out, fixed, tuple(blocks), costs.fp32_bytes() if hasattr(costs, "fp32_bytes") else None)
 

@@ -239,8 +239,10 @@ class Block:
     ``freed``: layer fqn -> format -> the bytes that layer's choice holds and recomputation frees
     (at most its choice's bytes); ``forward``: layer fqn -> format -> seconds of one more forward
     of it; ``other_bytes`` / ``other_seconds``: the same for the block's own ops between its
-    layers (beyond its input, which it keeps; may be negative when a layer saved the input).
-    Recomputing adds no loss increase.
+    layers (beyond its input, which it keeps; may be negative when a layer saved the input), in
+    a plan with any layer lowered; ``fp32_other_bytes`` / ``fp32_other_seconds``: in the
+    all-FP32 plan, where the ops between layers save FP32 (`CostModel.blocks`, index 0; None:
+    the lowered figures). Recomputing adds no loss increase.
     """
 
     name: str
@@ -248,6 +250,8 @@ class Block:
     forward: Mapping[str, Mapping[ChoiceKey, float]]
     other_bytes: float = 0.0
     other_seconds: float = 0.0
+    fp32_other_bytes: "float | None" = None
+    fp32_other_seconds: "float | None" = None
 
     def __post_init__(self):
         for field in ("freed", "forward"):
@@ -255,9 +259,10 @@ class Block:
                 for fmt, value in row.items():
                     if not (_finite_number(value) and value >= 0):
                         raise SearchError(f"block {self.name!r}: {field}[{fqn!r}][{key_name(fmt)}] must be a finite number >= 0, got {value!r}")
-        for field in ("other_bytes", "other_seconds"):
-            if not _finite_number(getattr(self, field)):
-                raise SearchError(f"block {self.name!r}: {field} must be a finite number, got {getattr(self, field)!r}")
+        for field in ("other_bytes", "other_seconds", "fp32_other_bytes", "fp32_other_seconds"):
+            value = getattr(self, field)
+            if not _finite_number(value) and not (field.startswith("fp32") and value is None):
+                raise SearchError(f"block {self.name!r}: {field} must be a finite number, got {value!r}")
 
     @property
     def layers(self) -> tuple[str, ...]:
@@ -290,8 +295,10 @@ class SearchSpace:
     ``fp32_bytes``: the all-FP32 plan's bytes (recomputing nothing), the memory reference a
     fractional budget is a fraction of (`CostModel.fp32_bytes`). The additive table charges an FP32
     layer its lowered neighbours' FP32 saves and the rest of the step its lowered figure, exact
-    for every plan but all-FP32, which it overstates; with ``fp32_bytes`` that plan totals exactly
-    it (`totals`, `exact.k_best`), so an all-FP32 plan is 1.0 of the reference a budget names.
+    for every plan but all-FP32, which it overstates (on a diffusers UNet by half); with
+    ``fp32_bytes`` that plan totals exactly it, and with blocks recomputed it less what they free
+    in an all-FP32 region (`totals`, `exact.k_best`), so an all-FP32 plan is 1.0 of the reference
+    a budget names and recomputation alone is priced as it runs.
     ``parts``: `MemoryPart` s covering every layer once (none: one device holds them all), each
     unit and block inside one (`part_bytes`).
     """
@@ -401,9 +408,10 @@ class SearchSpace:
                 out[self.part_of[block.name]] += self.recompute_effect(assignment, [block.name])
         for part in self.parts:
             units = [u for u in self.units if self.part_of[u.name] == part.name]
-            plain = not any(self.part_of[b] == part.name for b in recompute)
-            if part.fp32_bytes is not None and plain and all(key_format(assignment[u.name]) is Format.FP32 for u in units):
-                out[part.name] = dataclasses.replace(out[part.name], bytes=part.fp32_bytes)
+            if part.fp32_bytes is not None and all(key_format(assignment[u.name]) is Format.FP32 for u in units):
+                own = [b for b in recompute if self.part_of[b] == part.name]
+                lowered, exact = self.recompute_effect(assignment, own), self.fp32_recompute_effect(assignment, own)
+                out[part.name] = Choice(part.fp32_bytes + exact.bytes, out[part.name].seconds - lowered.seconds + exact.seconds, out[part.name].loss)
         return out
 
     def part_bytes(self, assignment: Mapping[str, Any], recompute: Iterable[str] = ()) -> dict[str, float]:
@@ -474,11 +482,24 @@ class SearchSpace:
         Raises:
             SearchError: a name that is not a block of this space.
         """
+        return self._effect(assignment, recompute, fp32_region=False)
+
+    def fp32_recompute_effect(self, assignment: Mapping[str, Any], recompute: Iterable[str]) -> Choice:
+        """`recompute_effect` in an all-FP32 plan: the blocks' own ops at their all-FP32 figures
+        (``Block.fp32_other_bytes`` / ``fp32_other_seconds``), where the ops between layers
+        save FP32, not the lowered region's 2-byte activations."""
+        return self._effect(assignment, recompute, fp32_region=True)
+
+    def _effect(self, assignment: Mapping[str, Any], recompute: Iterable[str], fp32_region: bool) -> Choice:
         freed = seconds = 0.0
         for name in recompute:
             block = self._block(name)
-            freed += block.other_bytes
-            seconds += block.other_seconds
+            own_bytes, own_seconds = block.other_bytes, block.other_seconds
+            if fp32_region:
+                own_bytes = block.fp32_other_bytes if block.fp32_other_bytes is not None else own_bytes
+                own_seconds = block.fp32_other_seconds if block.fp32_other_seconds is not None else own_seconds
+            freed += own_bytes
+            seconds += own_seconds
             for unit_name, per in self.links[name]:
                 b, s = per[choice_key(assignment[unit_name])]
                 freed += b
@@ -494,7 +515,8 @@ class SearchSpace:
 
         Returns:
             The totals as a `Choice` (bytes, seconds per step, predicted loss increase); an
-            all-FP32 assignment recomputing nothing totals exactly ``fp32_bytes`` when given.
+            all-FP32 assignment totals exactly ``fp32_bytes`` when given, less what its
+            recomputed blocks free in an all-FP32 region (`fp32_recompute_effect`).
 
         Raises:
             SearchError: a name in ``recompute`` that is not a block of this space.
@@ -503,8 +525,9 @@ class SearchSpace:
         for unit in self.units:
             total = total + unit.choices[choice_key(assignment[unit.name])]
         recompute = tuple(recompute)
-        if not recompute and self.fp32_bytes is not None and all(key_format(assignment[u.name]) is Format.FP32 for u in self.units):
-            return dataclasses.replace(total, bytes=self.fp32_bytes)  # the reference, exactly (class docstring)
+        if self.fp32_bytes is not None and all(key_format(assignment[u.name]) is Format.FP32 for u in self.units):
+            # The reference exactly, and what recomputation frees in it (class docstring).
+            return dataclasses.replace(total, bytes=self.fp32_bytes) + self.fp32_recompute_effect(assignment, recompute)
         return total + self.recompute_effect(assignment, recompute) if recompute else total
 
     def fixing_recompute(self, recompute: Iterable[str]) -> "SearchSpace":
@@ -606,7 +629,9 @@ class SearchSpace:
         # What a block frees and costs scales with its units' bytes and seconds, its own ops with the fixed cost.
         out.links = {name: [(u, {f: (b * factors.get((u, f), one).bytes, s * factors.get((u, f), one).seconds) for f, (b, s) in per.items()})
                             for u, per in links] for name, links in self.links.items()}
-        out.blocks = tuple(dataclasses.replace(b, other_bytes=b.other_bytes * fixed.bytes, other_seconds=b.other_seconds * fixed.seconds)
+        scale = lambda value, k: None if value is None else value * k  # noqa: E731
+        out.blocks = tuple(dataclasses.replace(b, other_bytes=b.other_bytes * fixed.bytes, other_seconds=b.other_seconds * fixed.seconds,
+                                               fp32_other_bytes=scale(b.fp32_other_bytes, fixed.bytes), fp32_other_seconds=scale(b.fp32_other_seconds, fixed.seconds))
                            for b in self.blocks)
         out._set_parts([dataclasses.replace(p, fixed_bytes=p.fixed_bytes * fixed.bytes, fixed_seconds=p.fixed_seconds * fixed.seconds, fp32_bytes=None)
                         for p in self.parts])  # additive, as corrected

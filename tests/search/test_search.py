@@ -11,6 +11,7 @@ import pytest
 from autoprec.errors import InfeasibleBudgetError, SearchError
 from autoprec.formats import Format
 from autoprec.search import Block, Budgets, Choice, LayerRules, SearchSpace, formats_for_precision, k_best, solve_exact
+from autoprec.search.space import MemoryPart
 
 from autoprec.search import exact
 from autoprec.search.exact import MIP_GAP
@@ -534,6 +535,51 @@ def test_the_all_fp32_plan_ranks_among_the_k_best_by_its_time():
     assert [(p.total.bytes, round(p.total.seconds, 6)) for p in plans] == [(180.0, 1.3), (210.0, 1.7), (210.0, 1.7), (200.0, 2.1)]
 
 
+def _fp32_recompute_space(parts=()):
+    """Three one-layer blocks. The table charges each FP32 layer 40 bytes of its lowered
+    neighbours' FP32 saves (100, truly 60); the exact all-FP32 plan holds 260 (80 outside the
+    layers in FP32), and recomputing a block there frees its layer's 60 and its own ops' 10.
+    BF16 is slower (a CPU without BF16 arithmetic) and saves 40 recomputable bytes a layer."""
+    names = ("a", "b", "c")
+    table = {n: {Format.FP32: Choice(100.0, 1.0, 0.0), Format.BF16: Choice(60.0, 1.5, 0.01)} for n in names}
+    blocks = [Block(f"block_{n}", {n: {Format.FP32: 60.0, Format.BF16: 40.0}}, {n: {Format.FP32: 0.3, Format.BF16: 0.45}},
+                    other_bytes=0.0, fp32_other_bytes=10.0) for n in names]
+    return SearchSpace(table, fixed={"rest": Choice(40.0, 0.1, 0.0)}, blocks=blocks, fp32_bytes=260.0, parts=parts)
+
+
+def test_recomputation_alone_is_priced_at_the_all_fp32_plans_exact_bytes():
+    # Before: only the all-FP32 plan recomputing nothing was judged at its exact bytes; with
+    # blocks recomputed it took the table's overstated figure (340 - 60 a block), so under 100
+    # bytes the program lowered every layer to BF16 and recomputed all (100 bytes, 5.95 s)
+    # where FP32 recomputing all three holds 50 bytes in 4.0 s (a diffusers UNet: the search's
+    # plan measured 1.4x slower than recomputing every block in FP32).
+    space = _fp32_recompute_space()
+    fp32 = space.uniform(Format.FP32)
+    assert space.totals(fp32, ["block_a"]) == Choice(190.0, 3.4, 0.0)
+    best = k_best(space, memory_bytes=100.0, loss_budget=1.0, k=2)
+    assert dict(best[0].assignment) == fp32 and best[0].recompute == {"block_a", "block_b", "block_c"}
+    assert (best[0].total.bytes, round(best[0].total.seconds, 6)) == (50.0, 4.0)
+    assert (best[1].total.bytes, round(best[1].total.seconds, 6)) == (100.0, 5.95)  # all BF16, all recomputed: the program's
+    (best,) = k_best(space, memory_bytes=130.0, loss_budget=1.0)  # two blocks are enough: the fastest two
+    assert len(best.recompute) == 2 and (best.total.bytes, round(best.total.seconds, 6)) == (120.0, 3.7)
+    (best,) = k_best(space, memory_bytes=260.0, loss_budget=1.0)  # it fits as it is: nothing recomputed
+    assert best.recompute == frozenset() and best.total.bytes == 260.0
+    with pytest.raises(InfeasibleBudgetError) as info:
+        k_best(space, memory_bytes=40.0, loss_budget=1.0)
+    assert info.value.recompute_floor == 50.0 and info.value.min_bytes == 50.0 and info.value.formats_floor == 220.0
+
+
+def test_recomputation_alone_is_priced_exactly_per_memory_part():
+    parts = [MemoryPart("stage 0", frozenset({"a", "b"}), fixed_bytes=20.0, fp32_bytes=180.0, fixed_seconds=0.05),
+             MemoryPart("stage 1", frozenset({"c"}), fixed_bytes=20.0, fp32_bytes=80.0, fixed_seconds=0.05)]
+    space = _fp32_recompute_space(parts)
+    fp32 = space.uniform(Format.FP32)
+    assert space.part_bytes(fp32, ["block_a"]) == {"stage 0": 110.0, "stage 1": 80.0}
+    (best,) = k_best(space, memory_bytes={"stage 0": 120.0, "stage 1": 80.0}, loss_budget=1.0)
+    assert dict(best.assignment) == fp32 and len(best.recompute) == 1 and best.recompute <= {"block_a", "block_b"}
+    assert space.part_bytes(best.assignment, best.recompute) == {"stage 0": 110.0, "stage 1": 80.0}
+
+
 def test_a_loss_budget_of_a_few_millionths_is_held_exactly():
     """Per-token loss increases of a small model are 1e-7..1e-6 nats: the solver's budget row is
     scaled to its own size, so the least bytes within the budget are brute force's (HiGHS holds
@@ -551,3 +597,34 @@ def test_a_loss_budget_of_a_few_millionths_is_held_exactly():
         least = min(t.bytes for t in totals if t.loss <= budget)
         assert exact.smallest_reachable(space, float("inf"), budget)[0] == pytest.approx(least)
         assert solve_exact(space, least, budget).total.loss <= budget
+
+
+def test_every_all_fp32_recompute_set_is_priced_at_its_measured_bytes_on_a_real_model():
+    """The space's all-FP32 totals with blocks recomputed are what the step holds, as measured
+    (saved-tensor meter and gradient buffers), and what the cost model's plan-level figure says:
+    not the additive table's, which charges each FP32 layer its lowered neighbours' FP32 saves."""
+    from autoprec.blocks import find_blocks
+    from autoprec.calls import ModelCall
+    from autoprec.coverage import find_layers
+    from autoprec.search.candidate_runs import MeasuredStage
+    from autoprec.search.pipeline import measure_space
+    from autoprec.search.planning import Planning
+    from autoprec.workloads import default_workload
+
+    wl = default_workload("tiny", batch_size=4)
+    model = wl.build_model(0)
+    sampler = wl.train_batches(0)
+    batches = [sampler.next() for _ in range(2)]
+    example = ModelCall.first(model, lambda: wl.loss(model, batches[0]))
+    blocks = find_blocks(model, find_layers(model))
+    found = measure_space(model, example, batches[:1], wl.loss, None, Planning(formats=(Format.FP32, Format.BF16), budgets=Budgets(memory=0.5, accuracy=0.05)),
+                          cost_inputs=batches[0], cost_loss_fn=wl.loss, blocks=blocks)
+    space, fp32 = found.space, found.space.uniform(Format.FP32)
+    stage = MeasuredStage(model, wl.loss, batches, wl.val_batches(1), steps=1, warmup=0)
+    additive = sum(u.choices[fp32[u.name]].bytes for u in space.units) + space.fixed_total.bytes
+    assert additive > space.fp32_bytes  # the table overstates this family here too
+    for recompute in ((), blocks[:1], blocks):
+        plan = found.costs.uniform_plan(Format.FP32).with_recompute(recompute)
+        predicted = space.totals(fp32, recompute).bytes
+        assert predicted == found.costs.plan_cost(plan).bytes
+        assert predicted == pytest.approx(stage.memory(plan), rel=0.01), recompute
