@@ -554,13 +554,17 @@ class SearchSpace:
                 for f, (b, s) in per.items():
                     extra[unit_name][f] = extra[unit_name][f] + Choice(-b, s, 0.0)
         out = copy.copy(self)
-        out.fp32_bytes = self.fp32_bytes if not recompute else None  # the exact figure recomputes nothing
+        fp32 = self.uniform(Format.FP32)
+        # The all-FP32 plan's exact bytes with ``recompute`` (`totals`): what it holds in the new space.
+        exact = self.part_totals(fp32, recompute) if fp32 is not None and self.parts else {}
+        out.fp32_bytes = None if self.fp32_bytes is None or fp32 is None else self.totals(fp32, recompute).bytes
         out.units = tuple(dataclasses.replace(u, choices={f: c + extra[u.name][f] for f, c in u.choices.items()}) for u in self.units)
         out.fixed_total = fixed
         out.blocks, out.links = (), {}
         own = {p.name: [self._block(b) for b in recompute if self.part_of[b] == p.name] for p in self.parts}
         out._set_parts([dataclasses.replace(p, fixed_bytes=p.fixed_bytes - sum(b.other_bytes for b in own[p.name]),
-                                            fixed_seconds=p.fixed_seconds + sum(b.other_seconds for b in own[p.name]), fp32_bytes=None if recompute else p.fp32_bytes)
+                                            fixed_seconds=p.fixed_seconds + sum(b.other_seconds for b in own[p.name]),
+                                            fp32_bytes=exact[p.name].bytes if p.fp32_bytes is not None and p.name in exact else None)
                         for p in self.parts])
         return out
 

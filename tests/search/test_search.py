@@ -1,5 +1,6 @@
 """The search core: space rules, the exact optimum and the k best plans (vs brute force), storages."""
 
+import dataclasses
 import itertools
 import math
 import types
@@ -359,6 +360,12 @@ def plan_totals(space, assignment, recompute):
         if block.name in recompute:
             total[0] -= block.other_bytes + sum(block.freed[n][formats[n]] for n in block.layers)
             total[1] += block.other_seconds + sum(block.forward[n][formats[n]] for n in block.layers)
+    if space.fp32_bytes is not None and all(f is Format.FP32 for f in formats.values()):
+        # The all-FP32 family at its exact bytes: the reference less what each recomputed block
+        # frees with its own ops at their all-FP32 figures.
+        fp32 = [b for b in space.blocks if b.name in recompute]
+        total[0] = space.fp32_bytes - sum(b.fp32_other_bytes + sum(b.freed[n][Format.FP32] for n in b.layers) for b in fp32)
+        total[1] += sum(b.fp32_other_seconds - b.other_seconds for b in fp32)
     return tuple(total)
 
 
@@ -371,6 +378,34 @@ def every_plan(space):
         for flags in itertools.product((False, True), repeat=len(blocks)):
             recompute = frozenset(b for b, on in zip(blocks, flags) if on)
             yield assignment, recompute, plan_totals(space, assignment, recompute)
+
+
+def exact_fp32_space(seed):
+    """`block_space` whose all-FP32 plan the additive table overstates by a sixth, with the
+    blocks' own ops at other figures in an all-FP32 region."""
+    space = block_space(seed)
+    rng = np.random.default_rng(seed + 100)
+    table = {u.layers[0]: dict(u.choices) for u in space.units}
+    blocks = [dataclasses.replace(b, fp32_other_bytes=float(rng.integers(0, 40) * 1e4), fp32_other_seconds=float(rng.uniform(0, 4e-5))) for b in space.blocks]
+    additive = sum(c[Format.FP32].bytes for c in table.values()) + space.fixed_total.bytes
+    return SearchSpace(table, fixed={"rest": space.fixed_total}, blocks=blocks, fp32_bytes=additive * 5 / 6)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("fractions", [(0.6, 0.5), (0.35, 0.4), (0.25, 1.0), (0.9, 0.1), (0.5, 0.0)])
+def test_k_best_with_the_exact_all_fp32_family_matches_brute_force(seed, fractions):
+    space = exact_fp32_space(seed)
+    memory, loss = budgets_for(space, *fractions)
+    feasible = sorted((t[1], t[0]) for a, r, t in every_plan(space) if t[0] <= memory and t[2] <= loss)
+    if not feasible:
+        with pytest.raises(InfeasibleBudgetError):
+            k_best(space, memory, loss)
+        return
+    (solution,) = k_best(space, memory, loss)
+    assert solution.total.seconds <= feasible[0][0] * (1 + MIP_GAP)
+    assert (solution.total.bytes, solution.total.seconds, solution.total.loss) == pytest.approx(
+        plan_totals(space, solution.assignment, solution.recompute), rel=1e-12)
+    assert solution.total.bytes <= memory and solution.total.loss <= loss + 1e-12
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -486,6 +521,10 @@ def test_fixing_a_recompute_set_folds_it_into_the_choices():
         if r == frozenset(recompute):
             t = fixed.totals(assignment)
             assert (t.bytes, t.seconds, t.loss) == pytest.approx(totals, rel=1e-12)
+    # The all-FP32 plan keeps its exact bytes with the set folded in (the learning sampler's space).
+    space = exact_fp32_space(4)
+    fp32 = space.uniform(Format.FP32)
+    assert space.fixing_recompute(recompute).totals(fp32).bytes == space.totals(fp32, recompute).bytes < space.fp32_bytes
 
 
 def test_bad_blocks_are_refused_naming_the_block():
