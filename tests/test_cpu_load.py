@@ -78,14 +78,16 @@ def _all_cores_busy() -> tuple[float, float]:
     return sum(fields[:8]) - fields[3] - fields[4], sum(fields[:8])
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads Linux's /proc/stat")
-def test_the_load_meter_sees_a_process_that_starts_during_the_block_and_not_its_own_work():
+def _spin_beside_a_spinner(seconds: float):
+    """A `LoadMeter` block in which a spinning child starts and this process spins too; returns
+    the meter, every core's busy fraction over a window holding the block, and the cores' worth
+    of CPU time this process took in it (the process clock, measured apart from the meter)."""
     spinner = None
     before, own_before = _all_cores_busy(), time.process_time()
     try:
         with LoadMeter() as meter:
             spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            deadline = time.monotonic() + 0.6
+            deadline = time.monotonic() + seconds
             while time.monotonic() < deadline:  # this process busy too: its own time is left out
                 pass
     finally:  # reaped after the block: a child reaped inside it counts as this job's own (its workers)
@@ -93,15 +95,25 @@ def test_the_load_meter_sees_a_process_that_starts_during_the_block_and_not_its_
             spinner.kill()
             spinner.wait()
     after, own_after = _all_cores_busy(), time.process_time()
-    assert 0.5 <= meter.load.busy_elsewhere  # the spinner's core for most of the block
-    # Its own busy loop is not another process's load, whatever else the machine runs (a
-    # parallel test worker): at most every core's busy time less this process's CPU time
-    # (measured apart, by the process clock), over a window that holds the block.
     cores = os.cpu_count()
     window_s = (after[1] - before[1]) / cores / os.sysconf("SC_CLK_TCK")
-    own_cores = (own_after - own_before) / window_s
-    assert own_cores > 0.4  # it did spin: counting it would show
-    assert meter.load.busy_elsewhere <= (after[0] - before[0]) / (after[1] - before[1]) * cores - own_cores + 0.3
+    return meter, (after[0] - before[0]) / (after[1] - before[1]) * cores, (own_after - own_before) / window_s
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads Linux's /proc/stat")
+def test_the_load_meter_sees_a_process_that_starts_during_the_block_and_not_its_own_work():
+    # Its own busy loop shows only when this process got a fair share of a core: beside a
+    # parallel test worker and the spinner on 2 cores it got 0.31 of one in a CI run, too little
+    # to tell from the windows' slack, so the block runs again (each run checks the same things).
+    for _ in range(4):
+        meter, all_busy, own_cores = _spin_beside_a_spinner(0.6)
+        assert 0.5 <= meter.load.busy_elsewhere  # the spinner's core for most of the block
+        if own_cores > 0.4:  # it did spin: counting it would show
+            break
+    assert own_cores > 0.4
+    # Its own busy loop is not another process's load, whatever else the machine runs (a
+    # parallel test worker): at most every core's busy time less this process's CPU time.
+    assert meter.load.busy_elsewhere <= all_busy - own_cores + 0.3
 
 
 @pytest.mark.parametrize("busy", [-3.0, float("nan"), 2.5, "1.0"])
