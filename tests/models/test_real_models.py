@@ -50,13 +50,15 @@ def clip():
 @pytest.fixture(scope="module", params=[gpt2, bert, vit, mixtral, clip], ids=lambda f: f.__name__)
 def trained(request):
     """``STEPS`` steps on one batch (the loss can only fall by learning it) with a memory budget
-    that FP32 misses, so the plan must lower layers."""
+    that FP32 misses and formats only (``recompute=[]``: FP32 with blocks recomputed, which meets
+    it and is fastest on a CPU, is a plan of its own), so the plan must lower layers (0.82: formats
+    alone reach 0.800 of the FP32 bytes on the Mixtral, whose experts' gradient buffers stay FP32)."""
     torch.manual_seed(0)
     model, batch = request.param()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sch = DynamicPrecisionScheduler(
-        model, monitor_window=WINDOW, monitor_steps=2, memory_budget=0.8, formats=("fp32", "bf16", "fp8_e4m3"),
-        measure_costs=False, search_slice=None, search_timeout_s=20,
+        model, monitor_window=WINDOW, monitor_steps=2, memory_budget=0.82, formats=("fp32", "bf16", "fp8_e4m3"),
+        measure_costs=False, search_slice=None, search_timeout_s=20, recompute=[],
     )
     losses = []
     with warnings.catch_warnings(record=True) as caught:
