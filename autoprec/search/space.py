@@ -397,21 +397,20 @@ class SearchSpace:
 
     def part_totals(self, assignment: Mapping[str, Any], recompute: Iterable[str] = ()) -> dict[str, Choice]:
         """Each part's totals under an assignment with some blocks recomputed, as `totals` sums
-        them: its fixed bytes and seconds, its units' and its recomputed blocks' (a part all in
-        FP32 recomputing nothing holds its ``fp32_bytes`` exactly, when given)."""
+        them: its fixed bytes and seconds, its units' and its recomputed blocks'. A part all in
+        FP32 holds its ``fp32_bytes`` exactly, when given, less what its recomputed blocks free
+        in an all-FP32 region (`fp32_recompute_effect`)."""
         recompute = set(recompute)
-        out = {part.name: Choice(part.fixed_bytes, part.fixed_seconds, 0.0) for part in self.parts}
+        lowered = {self.part_of[u.name] for u in self.units if key_format(assignment[u.name]) is not Format.FP32}
+        exact = {part.name: part.fp32_bytes for part in self.parts if part.fp32_bytes is not None and part.name not in lowered}
+        out = {part.name: Choice(exact.get(part.name, part.fixed_bytes), part.fixed_seconds, 0.0) for part in self.parts}
         for unit in self.units:
-            out[self.part_of[unit.name]] += unit.choices[choice_key(assignment[unit.name])]
+            part, choice = self.part_of[unit.name], unit.choices[choice_key(assignment[unit.name])]
+            out[part] += Choice(0.0, choice.seconds, choice.loss) if part in exact else choice
         for block in self.blocks:
             if block.name in recompute:
-                out[self.part_of[block.name]] += self.recompute_effect(assignment, [block.name])
-        for part in self.parts:
-            units = [u for u in self.units if self.part_of[u.name] == part.name]
-            if part.fp32_bytes is not None and all(key_format(assignment[u.name]) is Format.FP32 for u in units):
-                own = [b for b in recompute if self.part_of[b] == part.name]
-                lowered, exact = self.recompute_effect(assignment, own), self.fp32_recompute_effect(assignment, own)
-                out[part.name] = Choice(part.fp32_bytes + exact.bytes, out[part.name].seconds - lowered.seconds + exact.seconds, out[part.name].loss)
+                part = self.part_of[block.name]
+                out[part] += self._effect(assignment, [block.name], fp32_region=part in exact)
         return out
 
     def part_bytes(self, assignment: Mapping[str, Any], recompute: Iterable[str] = ()) -> dict[str, float]:
