@@ -48,7 +48,7 @@ from autoprec._io import atomic_write_text
 from autoprec.formats import MX_BLOCK, Format, block_amax, dequantize, expand_blocks, inverse_scale, mx_inverse_scale, quantize, sqnr
 from autoprec.errors import InfeasibleBudgetError
 from autoprec.search.pipeline import Planning, measure_space, propose_from
-from autoprec.search.space import Budgets
+from autoprec.search.budgets import Budgets
 
 E4M3 = Format.FP8_E4M3
 SCALINGS = ("tensor", "row", "block", "mx")

@@ -68,7 +68,8 @@ def offline_depth(blocks: int) -> dict:
     """CPU seconds of `propose_plans` on the Llama at ``blocks``, per stage (its progress marks)."""
     from autoprec.search.pipeline import propose_plans
     from autoprec.search.planning import Planning
-    from autoprec.search.space import DEFAULT_CANDIDATES, Budgets
+    from autoprec.search.budgets import Budgets
+    from autoprec.search.space import DEFAULT_CANDIDATES
 
     model = llama(blocks)
     ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))

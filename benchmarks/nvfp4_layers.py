@@ -54,7 +54,8 @@ from autoprec._io import atomic_write_text
 from autoprec.errors import InfeasibleBudgetError
 from autoprec.formats import Format
 from autoprec.search.pipeline import Planning, measure_space, propose_from
-from autoprec.search.space import Budgets, LayerRules
+from autoprec.search.budgets import Budgets
+from autoprec.search.space import LayerRules
 from autoprec.workloads.bytelm import BatchSampler, ByteLM, LMConfig, load_corpus, split_corpus
 
 NVFP4, BF16 = Format.NVFP4, Format.BF16

@@ -14,7 +14,7 @@ The concerns, one module each, over one shared trace:
 - `targets`: the rates of datasheet devices, and a device the plan is priced for that the machine
   is not (`TargetDevice`: a name or a JSON profile; which products run on a kernel there);
 - `model`: `CostModel` (per-layer costs, plan totals, the FP32 bytes a memory budget is a
-  fraction of); `autoprec.bench.ranking.check_uniform_ranking` checks its ranking against
+  fraction of), reported as `figures` (`LayerCost`, `PlanCost`, `BlockCost`); `autoprec.bench.ranking.check_uniform_ranking` checks its ranking against
   measured step times.
 
 Typical use::
@@ -28,7 +28,8 @@ May import the shared basics and `runtime` (its layers and kernels are what it t
 
 from .inplace import InPlaceTimes, measure_in_place
 from .memory import MemoryCost, call_path, layer_memory
-from .model import DEFAULT_FORMATS, BlockCost, CostModel, LayerCost, PlanCost
+from .figures import BlockCost, LayerCost, PlanCost
+from .model import DEFAULT_FORMATS, CostModel
 from .product_times import (
     MeasuredTimeModel,
     TimingSettings,

@@ -14,7 +14,9 @@ later, or one whose uniform plan cannot run.
 
 **Bytes**: the layers' own plus what ops outside layers save, measured with an FP32 region and a
 low-precision one (`region_bytes_steps`), plus for each FP32 layer inside a low region the
-measured extra that costs. Predictions err toward more memory.
+measured extra that costs, less what two FP32 layers in a row hold once (`fp32_pair_bytes`);
+a layer whose kernel saves more in the low region than its shapes say is charged the measured
+difference (`low_saved_correction`). Predictions err toward more memory.
 
 **Recompute blocks** (`autoprec.blocks`, built with ``blocks=``): what recomputing each block
 frees and costs, `BlockCost` (measured per region, `block_bytes_steps`; its seconds one more
@@ -41,6 +43,7 @@ from ..errors import CostModelError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
 from ..runtime import EmulationWarning, apply_plan, removing
+from .figures import BlockCost, LayerCost, PlanCost
 from .inplace import InPlaceTimes, measure_in_place
 from .memory import layer_memory
 from .product_times import MeasuredTimeModel, RooflineTimeModel, TimeEstimate, TimeModel, TimingSettings, peaks_for
@@ -48,102 +51,13 @@ from .targets import TargetDevice
 from .times_cache import load_times, precision_key, save_times
 from .trace import ModelTrace, saved_bytes_by_layer, trace_model, trace_roles
 
-__all__ = ["DEFAULT_FORMATS", "LayerCost", "PlanCost", "BlockCost", "CostModel"]
+__all__ = ["DEFAULT_FORMATS", "CostModel"]
 
 logger = logging.getLogger(__name__)
 
 # The formats a search chooses from by default (search.space.DEFAULT_CANDIDATES): FP8 E5M2 is
 # a gradient format; cost it by passing formats=.
 DEFAULT_FORMATS = (Format.FP32, Format.BF16, Format.FP16, Format.FP8_E4M3, Format.INT8)
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerCost:
-    """One layer in one format: bytes held for a step (see `memory`) and seconds per step
-    (forward + backward of its matrix products, casts and quantization included)."""
-
-    fqn: str
-    format: Format
-    weight_copy_bytes: int
-    activation_bytes: int
-    other_saved_bytes: int
-    grad_bytes: int
-    seconds: float
-    time_source: str
-
-    @property
-    def saved_bytes(self) -> int:
-        """Bytes autograd keeps for backward: weight copies, activations, other saved tensors."""
-        return self.weight_copy_bytes + self.activation_bytes + self.other_saved_bytes
-
-    @property
-    def bytes(self) -> int:
-        """Saved bytes plus the FP32 gradient buffers."""
-        return self.saved_bytes + self.grad_bytes
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanCost:
-    """A plan's predicted totals: its layers' costs plus the format-independent rest."""
-
-    layers: Mapping[str, LayerCost]
-    rest_saved_bytes: int
-    rest_seconds: float
-    recompute_freed_bytes: int = 0  # what the plan's recomputed blocks do not keep (`BlockCost`)
-    recompute_seconds: float = 0.0  # their forwards run once more
-    rest_grad_bytes: int = 0  # gradient buffers of the parameters no layer owns (`ModelTrace`)
-
-    @property
-    def saved_bytes(self) -> int:
-        return sum(c.saved_bytes for c in self.layers.values()) + self.rest_saved_bytes - self.recompute_freed_bytes
-
-    @property
-    def bytes(self) -> int:
-        """Saved bytes (layers and rest) plus every trainable parameter's gradient buffer."""
-        return self.saved_bytes + sum(c.grad_bytes for c in self.layers.values()) + self.rest_grad_bytes
-
-    @property
-    def layer_seconds(self) -> float:
-        return sum(c.seconds for c in self.layers.values())
-
-    @property
-    def step_seconds(self) -> float:
-        return self.layer_seconds + self.rest_seconds + self.recompute_seconds
-
-    def to_dict(self) -> dict:
-        """The totals, for a plan's ``predicted`` field."""
-        out = {"bytes": self.bytes, "saved_bytes": self.saved_bytes, "step_seconds": self.step_seconds, "rest_seconds": self.rest_seconds}
-        if self.recompute_freed_bytes or self.recompute_seconds:
-            out.update(recompute_freed_bytes=self.recompute_freed_bytes, recompute_seconds=self.recompute_seconds)
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockCost:
-    """What recomputing one block costs and frees, per region: index 0 an all-FP32 plan, 1 a
-    plan with any layer lowered.
-
-    Bytes are measured with the saved-tensor meter: the uniform plan's saved bytes less those of
-    the same plan with the block recomputed (the checkpoint keeps the block's inputs and the
-    meter counts them, so this is what the block holds beyond its input). A mixed plan frees its
-    layers' modelled saved bytes in their own formats plus the block's measured remainder in the
-    plan's region (the one figure not re-measured per format). Seconds: one more forward of the
-    block, its layers' forwards in their formats plus its own ops', measured in place in the
-    uniform plans' steps; a format not timed in place takes the layer's replayed time times the
-    share of its FP32 step time the FP32 forward took (a third, by the 2:4 forward-to-backward
-    FLOP count of Kaplan et al. 2020, sec. 2.1, when nothing was timed in place). The extra bytes
-    of an FP32 layer inside a lowered region are never counted as freed.
-
-    ``freed_bytes``: measured, the uniform plan's saved bytes less those with this block
-    recomputed. ``other_bytes``: that less its layers' modelled saved bytes in the region's
-    format (the saves of the block's own ops beyond its input; negative when a layer saved the
-    input itself). ``other_seconds``: the block's forward less its layers' forwards, in place."""
-
-    fqn: str
-    layers: tuple[str, ...]
-    freed_bytes: tuple[int, int]
-    other_bytes: tuple[int, int]
-    other_seconds: tuple[float, float] = (0.0, 0.0)
 
 
 def _saved(memory) -> int:
@@ -167,6 +81,8 @@ class CostModel:
         in_place: "Mapping[Format, InPlaceTimes] | None" = None,
         rest_saved_bytes: "tuple[int, int] | None" = None,
         fp32_in_region_bytes: "Mapping[str, int] | None" = None,
+        fp32_pair_bytes: "Mapping[tuple[str, str], int] | None" = None,
+        low_saved_correction: "Mapping[str, int] | None" = None,
         blocks: "Mapping[str, BlockCost] | None" = None,
         precisions: "Mapping[Format, LayerPrecision] | None" = None,
         target: "TargetDevice | None" = None,
@@ -185,6 +101,13 @@ class CostModel:
         self.rest_saved_bytes = tuple(rest_saved_bytes) if rest_saved_bytes is not None else (trace.rest_saved_bytes, trace.rest_saved_bytes)
         # fqn -> extra bytes saved when that layer stays FP32 inside a lowered region (see build).
         self.fp32_in_region_bytes = dict(fp32_in_region_bytes or {})
+        # (fqn, the layer that ran before it) -> the part of fqn's extra that is not held when that
+        # layer is FP32 too (its input then arrives in FP32: no upcast copy; see region_bytes_steps).
+        self.fp32_pair_bytes = dict(fp32_pair_bytes or {})
+        # fqn -> what the layer saved in the lowered region's forward beyond what its model says it
+        # saves in `region_format` (region_bytes_steps): a kernel may save more than its operands'
+        # format suggests (CPU math attention upcasts BF16 to FP32 and saves that).
+        self.low_saved_correction = dict(low_saved_correction or {})
         # block fqn -> what recomputing it frees and costs (`BlockCost`); empty: none costed.
         self.blocks: dict[str, BlockCost] = dict(blocks or {})
         self._times: dict[tuple[str, Format], TimeEstimate] = {}
@@ -306,6 +229,13 @@ class CostModel:
         ``rest_saved_bytes`` and ``fp32_in_region_bytes``; on a device with no half format it
         measures nothing.
 
+        Part of an extra is pairwise: an FP32 layer fed a half input saves an FP32 copy of it,
+        which it does not when the layer before it (`ModelTrace.ran_before`) is FP32 too (an
+        attention's products after an FP32 input projection). So a layer with an extra is
+        measured once more with the layer before it FP32 too, and what the two hold together
+        less than apart is ``fp32_pair_bytes`` (zero where they do not interact): one more
+        forward per layer with an extra (per pair of roles with ``roles``).
+
         Args:
             model: the model this cost model was built from.
             example_inputs: the inputs it was built on.
@@ -329,6 +259,12 @@ class CostModel:
 
         per_low, rest_low = yield from saved(low)
         self.rest_saved_bytes = (self.trace.rest_saved_bytes, rest_low)
+        # Only where a layer saved more than its shapes say: one that saved less shares a cast
+        # input with a layer before it in the same format (a Llama's k_proj and v_proj, after
+        # q_proj), which a plan giving them other formats does not.
+        modelled_low = {fqn: _saved(layer_memory(self._layer(fqn), LayerPrecision(fmt), self.device, self.target)) for fqn in layers}
+        self.low_saved_correction = {fqn: per_low[fqn] - modelled_low[fqn] for fqn in layers if per_low.get(fqn, 0) > modelled_low[fqn]}
+        self._memory.clear()
         total_low = sum(per_low.values()) + rest_low
         yield "region"
         by_role: dict[str, int] = {}
@@ -338,12 +274,48 @@ class CostModel:
                 self.fp32_in_region_bytes[fqn] = by_role[role]
                 continue
             per, rest = yield from saved(low.with_layers({fqn: Format.FP32}))
-            modelled = _saved(layer_memory(self._layer(fqn), LayerPrecision(Format.FP32), self.device)) - _saved(
-                layer_memory(self._layer(fqn), LayerPrecision(fmt), self.device))
+            modelled = self._fp32_modelled_extra(fqn, fmt)
             self.fp32_in_region_bytes[fqn] = max(0, sum(per.values()) + rest - total_low - modelled)
             if role is not None:
                 by_role[role] = self.fp32_in_region_bytes[fqn]
             yield fqn
+        before = self.trace.ran_before()
+        by_roles: dict[tuple[str, str], int] = {}
+        for fqn in layers:
+            other = before.get(fqn)
+            if other is None or self.fp32_in_region_bytes[fqn] == 0:
+                continue
+            role, other_role = (roles.get(fqn), roles.get(other)) if roles is not None else (None, None)
+            key = (role, other_role) if role is not None and other_role is not None else None
+            if key is not None and key in by_roles:
+                shared = by_roles[key]
+            else:
+                pair = {fqn: Format.FP32, other: Format.FP32}
+                per, rest = yield from saved(low.with_layers(pair))
+                modelled = sum(self._fp32_modelled_extra(name, fmt) for name in pair)
+                apart = self.fp32_in_region_bytes[fqn] + self.fp32_in_region_bytes[other]
+                shared = min(apart, max(0, apart - (sum(per.values()) + rest - total_low - modelled)))
+                if key is not None:
+                    by_roles[key] = shared
+                yield fqn
+            if shared:
+                self.fp32_pair_bytes[(fqn, other)] = shared
+
+    def _fp32_modelled_extra(self, fqn: str, fmt: Format) -> int:
+        """The bytes a layer's own costs say it saves more in FP32 than in ``fmt``."""
+        return _saved(self._layer_memory(fqn, LayerPrecision(Format.FP32))) - _saved(self._layer_memory(fqn, LayerPrecision(fmt)))
+
+    def _layer_memory(self, fqn: str, precision: LayerPrecision) -> Any:
+        """A layer's `MemoryCost` in ``precision``: modelled from its traced shapes, plus in a
+        lowered format its measured correction (`low_saved_correction`); none for a target
+        device (the correction is this device's kernels'). Cached."""
+        memory = self._memory.get((fqn, precision))
+        if memory is None:
+            memory = layer_memory(self._layer(fqn), precision, self.device, self.target)
+            if self.target is None and precision.format is not Format.FP32 and fqn in self.low_saved_correction:
+                memory = dataclasses.replace(memory, other_saved_bytes=memory.other_saved_bytes + self.low_saved_correction[fqn])
+            self._memory[(fqn, precision)] = memory
+        return memory
 
     @property
     def region_format(self) -> "Format | None":
@@ -533,9 +505,7 @@ class CostModel:
             precision = self.precision(precision)
         fmt = precision.format
         self._ensure_times([fmt])
-        memory = self._memory.get((fqn, precision))
-        if memory is None:
-            memory = self._memory[(fqn, precision)] = layer_memory(layer, precision, self.device, self.target)
+        memory = self._layer_memory(fqn, precision)
         if fmt in self.in_place:
             estimates = [TimeEstimate(self.in_place[fmt].layer_seconds[fqn], "in place")]
         else:
@@ -615,7 +585,9 @@ class CostModel:
             seconds += block.other_seconds[lowered] + sum(self.layer_forward_seconds(layer, layers[layer].format) for layer in block.layers)
         if not lowered:
             return PlanCost(layers, self.rest_saved_bytes[0], self.rest_seconds, freed, seconds, self.trace.rest_grad_bytes)
-        extra = sum(self.fp32_in_region_bytes.get(fqn, 0) for fqn, lp in plan.layers.items() if lp.format is Format.FP32)
+        fp32 = {fqn for fqn, lp in plan.layers.items() if lp.format is Format.FP32}
+        extra = sum(self.fp32_in_region_bytes.get(fqn, 0) for fqn in fp32)
+        extra -= sum(held for (fqn, other), held in self.fp32_pair_bytes.items() if fqn in fp32 and other in fp32)
         return PlanCost(layers, self.rest_saved_bytes[1] + extra, self.rest_seconds, freed, seconds, self.trace.rest_grad_bytes)
 
     def fp32_bytes(self) -> int:

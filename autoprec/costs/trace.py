@@ -177,12 +177,21 @@ class LayerTrace:
 class ModelTrace:
     """Layers in model order, the bytes saved outside every layer in the FP32 trace, and the
     gradient buffers of the trainable parameters no layer owns (``rest_grad_bytes``: embeddings,
-    norms, positional tables; the same in every plan)."""
+    norms, positional tables; the same in every plan). ``run_order``: the layers in the order
+    their first matrix product ran (an attention's own products after its input projection,
+    which model order lists after it); empty: model order."""
 
     layers: Mapping[str, LayerTrace]
     rest_saved_bytes: int
     device: torch.device
     rest_grad_bytes: int = 0
+    run_order: tuple[str, ...] = ()
+
+    def ran_before(self) -> dict[str, str]:
+        """fqn -> the layer whose first matrix product ran last before its own (most often the
+        one its input comes from); the first layer to run has none."""
+        order = list(self.run_order or self.layers)
+        return dict(zip(order[1:], order[:-1]))
 
 
 class _Attribution:
@@ -360,7 +369,8 @@ def trace_model(model: nn.Module, example_inputs: Any, loss_fn: Optional[Callabl
     owned = {id(p) for fqn in layers for p in modules[fqn].parameters(recurse=False)}
     rest_grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and id(p) not in owned)
     first = next(model.parameters(), None)
-    return ModelTrace(layers, rest, first.device if first is not None else torch.device("cpu"), rest_grads)
+    run_order = tuple(dict.fromkeys(fqn for fqn, _ in recorder.calls))
+    return ModelTrace(layers, rest, first.device if first is not None else torch.device("cpu"), rest_grads, run_order)
 
 
 def saved_bytes_by_layer(

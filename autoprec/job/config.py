@@ -42,7 +42,8 @@ from ..formats import Format
 from ..layer_precision import PRESETS
 from ..search.study import JOURNAL_SCHEME, JOURNAL_SUFFIXES
 from ..search.planning import Planning
-from ..search.space import DEFAULT_CANDIDATES, MEMORY_SPELLINGS, Budgets, LayerRules, formats_for_precision, memory_budget
+from ..search.budgets import MEMORY_SPELLINGS, Budgets, memory_budget
+from ..search.space import DEFAULT_CANDIDATES, LayerRules, formats_for_precision
 
 if sys.version_info >= (3, 11):
     import tomllib

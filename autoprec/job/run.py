@@ -49,7 +49,7 @@ from ..formats import Format
 from ..plan import Plan
 from ..runtime import EmulationWarning, apply_plan, removing
 from ..workload import TrainStep, to_device
-from ..search.exact import Solution
+from ..search.solution import Solution
 from ..search.candidate_runs import (BudgetPruner, Candidate, MeasuredStage, Measurement, candidate_id, compared_on_target, fastest_meeting,
                                      fastest_predicted_meeting, meeting_by_speed, meets_budgets)
 from ..noise import Verdict

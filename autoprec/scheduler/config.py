@@ -18,7 +18,8 @@ from ..formats import CommMethod, Format
 from ..plan import LayerPrecision, Scaling
 from ..scaling import LossScaling
 from ..search.planning import Planning, RangeLimits
-from ..search.space import DEFAULT_CANDIDATES, Budgets, LayerRules, formats_for_precision, memory_budget, MEMORY_SPELLINGS
+from ..search.budgets import MEMORY_SPELLINGS, Budgets, memory_budget
+from ..search.space import DEFAULT_CANDIDATES, LayerRules, formats_for_precision
 
 __all__ = ["SchedulerConfig", "Thresholds", "GRAD_COMM", "AUTO_COMM", "config_of"]
 

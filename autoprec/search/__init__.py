@@ -12,8 +12,10 @@ drives it offline is `autoprec.job`. May import the shared basics, `runtime`, `p
 `scaling`, `costs` and `sensitivity`.
 """
 
-from .exact import Solution, k_best, smallest_reachable, solve_exact
-from .space import DEFAULT_CANDIDATES, Block, Budgets, Choice, LayerRules, MemoryPart, SearchSpace, Unit, formats_for_precision
+from .exact import k_best, smallest_reachable, solve_exact
+from .solution import Solution
+from .budgets import Budgets
+from .space import DEFAULT_CANDIDATES, Block, Choice, LayerRules, MemoryPart, SearchSpace, Unit, formats_for_precision
 from .study import open_storage
 
 __all__ = [

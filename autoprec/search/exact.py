@@ -44,6 +44,15 @@ its forward again in the backward, freeing the saved bytes of its layers in thei
 for one more forward of them; the products of x and r are linearised exactly and tightly
 (`_program`), so the program is exactly the choice of formats and recompute set. Without blocks
 the program is the one above, unchanged.
+
+**Pairs** (`SearchSpace.unit_pairs`): bytes a unit's FP32 choice holds only while the unit
+before it is lowered (an FP32 copy of a half input). A continuous y per pair, in [0, 1], with
+
+    y[p] <= Σ_{f FP32} x[u,f]    y[p] <= Σ_{f FP32} x[v,f]
+
+subtracts its bytes · y[p]: at most both units' FP32 indicators' product, and since y only
+lowers the bytes and costs nothing, a plan short of memory takes it at that product. y is never
+fixed by the restricted solves (`_solve`): it follows the x it bounds.
 """
 
 from __future__ import annotations
@@ -58,36 +67,21 @@ from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
 from ..errors import InfeasibleBudgetError, SearchError
 from ..formats import Format
-from .space import Choice, ChoiceKey, SearchSpace, choice_key
+from .all_fp32 import all_fp32
+from .solution import Solution, same_plan
+from .space import ChoiceKey, SearchSpace, choice_key, key_format
 
-__all__ = ["MIP_GAP", "Solution", "solve_exact", "smallest_reachable", "k_best"]
+__all__ = ["MIP_GAP", "solve_exact", "smallest_reachable", "k_best"]
 
 # The relative optimality gap a solve stops at: proven (by the LP bound, or HiGHS's own), not estimated.
 MIP_GAP = 1e-2
 
 
 @dataclasses.dataclass(frozen=True)
-class Solution:
-    """An assignment (unit name -> format, or an alternative recipe: `space.choice_key`), the
-    blocks it recomputes, and its summed cost (fixed costs and recomputation included)."""
-
-    assignment: Mapping[str, ChoiceKey]
-    total: Choice
-    recompute: frozenset = frozenset()
-    gap: float = 0.0  # its predicted step's relative gap to the best step proven (layers and the rest; MIP_GAP or less when solved to the end)
-    slowest_part: "float | None" = None  # a space with parts: its slowest part's seconds (`SearchSpace.step_seconds`)
-
-    @property
-    def step_seconds(self) -> float:
-        """The seconds of its step, what the search minimises: the slowest part's in a space with
-        parts (pipeline stages), else the total's."""
-        return self.total.seconds if self.slowest_part is None else self.slowest_part
-
-
-@dataclasses.dataclass(frozen=True)
 class _Program:
     """The variables and coefficient vectors of one space's program (see the module docstring):
-    x per (unit, format) column, then r per block, then z per link (unit column, block)."""
+    x per (unit, format) column, then r per block, then z per link (unit column, block), then y
+    per pair (`SearchSpace.unit_pairs`)."""
 
     columns: list  # (unit name, format, Choice) per x
     blocks: tuple[str, ...]  # per r
@@ -97,14 +91,20 @@ class _Program:
     loss: np.ndarray
     seconds: np.ndarray
     paced: bool = False  # one more variable, last: t, the slowest part's seconds (`_pace_rows`)
+    pairs: list = dataclasses.field(default_factory=list)  # (FP32 x indices of the unit, of the unit before, bytes) per y
 
     @property
     def size(self) -> int:
-        return len(self.columns) + len(self.blocks) + len(self.links) + int(self.paced)
+        return len(self.columns) + len(self.blocks) + len(self.links) + len(self.pairs) + int(self.paced)
+
+    @property
+    def continuous(self) -> int:
+        """Variables after x and r: z, y and t."""
+        return len(self.links) + len(self.pairs) + int(self.paced)
 
     @property
     def upper(self) -> np.ndarray:
-        """Each variable's upper bound: 1 (x, r, z), unbounded for t."""
+        """Each variable's upper bound: 1 (x, r, z, y), unbounded for t."""
         return np.concatenate([np.ones(self.size - int(self.paced)), np.full(int(self.paced), np.inf)])
 
 
@@ -131,8 +131,13 @@ def _program(space: SearchSpace, paced: bool = False) -> _Program:
     blocks = tuple(b.name for b in space.blocks)
     links = [(index[(unit, f)], r, freed, forward)
              for r, name in enumerate(blocks) for unit, per in space.links[name] for f, (freed, forward) in per.items()]
-    nx, nb, nl = len(columns), len(blocks), len(links)
-    n = nx + nb + nl + int(paced)
+    fp32: dict[str, list[int]] = {}
+    for i, (name, f, _) in enumerate(columns):
+        if key_format(f) is Format.FP32:
+            fp32.setdefault(name, []).append(i)
+    pairs = [(fp32[u], fp32[v], nbytes) for u, v, nbytes in space.unit_pairs if u in fp32 and v in fp32]
+    nx, nb, nl, npair = len(columns), len(blocks), len(links), len(pairs)
+    n = nx + nb + nl + npair + int(paced)
     # Unit u's row has a 1 on each of its x columns (contiguous, in unit order): sparse.
     widths = [len(unit.choices) for unit in space.units]
     one_hot = sparse.csr_array((np.ones(nx), (np.repeat(np.arange(len(widths)), widths), np.arange(nx))), shape=(len(widths), n))
@@ -146,7 +151,9 @@ def _program(space: SearchSpace, paced: bool = False) -> _Program:
     for j, (_, _, freed, forward) in enumerate(links):
         bytes_[nx + nb + j] = -freed
         seconds[nx + nb + j] = forward
-    return _Program(columns, blocks, links, one_hot, bytes_, loss, seconds, paced)
+    for j, (_, _, nbytes) in enumerate(pairs):
+        bytes_[nx + nb + nl + j] = -nbytes
+    return _Program(columns, blocks, links, one_hot, bytes_, loss, seconds, paced, pairs)
 
 
 def _cut(program: _Program, found: "Solution | Mapping[str, ChoiceKey]") -> tuple[np.ndarray, float]:
@@ -203,6 +210,16 @@ def _rows(space: SearchSpace, program: _Program, memory: "float | Mapping[str, f
             vals += [1.0] * len(js) + [-1.0]
         equal.append(sparse.csr_array((vals, (rows, cols)), shape=(len(pairs), program.size)))
         equal_bound.append(np.zeros(len(pairs)))
+    if program.pairs:
+        # y <= the FP32 indicator of each of its two units (module docstring).
+        rows, cols, vals = [], [], []
+        for j, (unit, before, _) in enumerate(program.pairs):
+            for row, indices in ((2 * j, unit), (2 * j + 1, before)):
+                rows += [row] * (len(indices) + 1)
+                cols += [nx + nb + nl + j] + list(indices)
+                vals += [1.0] + [-1.0] * len(indices)
+        upper.append(sparse.csr_array((vals, (rows, cols)), shape=(2 * len(program.pairs), program.size)))
+        upper_bound.append(np.zeros(2 * len(program.pairs)))
     budgets = _memory_rows(space, program, memory) + [_scaled(program.loss, loss_budget - space.fixed_total.loss)]
     if program.paced and pace is not None:
         budgets += _pace_rows(space, program, pace)
@@ -219,7 +236,8 @@ def _rows(space: SearchSpace, program: _Program, memory: "float | Mapping[str, f
 def _owners(space: SearchSpace, program: _Program) -> np.ndarray:
     """Per variable the memory part holding it (t, of no part: None)."""
     return np.array([space.part_of[name] for name, _, _ in program.columns] + [space.part_of[name] for name in program.blocks]
-                    + [space.part_of[program.columns[i][0]] for i, _, _, _ in program.links] + [None] * int(program.paced), dtype=object)
+                    + [space.part_of[program.columns[i][0]] for i, _, _, _ in program.links]
+                    + [space.part_of[program.columns[unit[0]][0]] for unit, _, _ in program.pairs] + [None] * int(program.paced), dtype=object)
 
 
 def _memory_rows(space: SearchSpace, program: _Program, memory: "float | Mapping[str, float]") -> list[tuple[np.ndarray, float]]:
@@ -245,14 +263,6 @@ def _pace_rows(space: SearchSpace, program: _Program, pace: float) -> list[tuple
         row[-1] = -1.0
         rows.append(_scaled(row, -part.fixed_seconds * pace))
     return rows
-
-
-def _over_memory(space: SearchSpace, solution: Solution, memory: "float | Mapping[str, float]") -> bool:
-    """Whether ``solution`` holds more bytes than ``memory`` allows (per part, given by part)."""
-    if isinstance(memory, Mapping):
-        held = space.part_bytes(solution.assignment, solution.recompute)
-        return any(held[name] > memory.get(name, np.inf) for name in held)
-    return solution.total.bytes > memory
 
 
 def _scaled(coefficients: np.ndarray, bound: float) -> tuple[np.ndarray, float]:
@@ -284,8 +294,9 @@ def _components(space: SearchSpace, program: _Program) -> np.ndarray:
     of_unit = [root(unit_index[name]) for name, _, _ in program.columns]
     of_block = [root(len(space.units) + r) for r in range(nb)]
     of_link = [of_unit[i] for i, _, _, _ in program.links]
-    of_pace = [len(space.units) + nb] * int(program.paced)  # t: a component of its own, never fixed (`_solve`)
-    return np.array(of_unit + of_block + of_link + of_pace, dtype=np.int64)
+    # y and t: a component of their own, never fixed (`_solve`): y follows the x it bounds.
+    of_free = [len(space.units) + nb] * (len(program.pairs) + int(program.paced))
+    return np.array(of_unit + of_block + of_link + of_free, dtype=np.int64)
 
 
 def _solve(space: SearchSpace, objective: str, memory: "float | Mapping[str, float]", loss_budget: float,
@@ -305,11 +316,11 @@ def _solve(space: SearchSpace, objective: str, memory: "float | Mapping[str, flo
     HiGHS on the whole program spends seconds past a few hundred layers proving a gap the LP
     bound alone cannot (on a 32-block Llama it still does, for a second plan, in some runs)."""
     program = _program(space, paced=objective == "seconds" and bool(space.parts))
-    nx, nb, nl = len(program.columns), len(program.blocks), len(program.links)
+    nx, nb = len(program.columns), len(program.blocks)
     vector, offset, pace = _objective(space, program, objective)
     rows = _rows(space, program, memory, loss_budget, cuts, pace)
     deadline = None if time_limit is None else time.monotonic() + max(float(time_limit), 1e-3)
-    integrality = np.concatenate([np.ones(nx + nb), np.zeros(nl + int(program.paced))])  # z follows x and r, t bounds the parts: continuous
+    integrality = np.concatenate([np.ones(nx + nb), np.zeros(program.continuous)])  # z and y follow x and r, t bounds the parts: continuous
     upper = program.upper
     relaxed = linprog(vector, A_ub=rows.upper, b_ub=rows.upper_bound, A_eq=rows.equal, b_eq=rows.equal_bound, bounds=np.column_stack([np.zeros_like(upper), upper]),
                       method="highs", options=_limited({}, deadline))
@@ -322,7 +333,7 @@ def _solve(space: SearchSpace, objective: str, memory: "float | Mapping[str, flo
     centres = ([_variables(program, cuts[-1])] if cuts else []) + [np.round(relaxed.x)]
     x, gap, feasible = None, np.inf, np.inf  # feasible: the least layers' part of a plan found, bounding the optimum's
     # The components each try frees depend on the LP alone, not on the centre: found once.
-    always = {int(component[-1])} if program.paced else set()  # t's component: never fixed
+    always = {int(component[-1])} if program.paced or program.pairs else set()  # y's and t's component: never fixed
     freed = {n: _freed(relaxed, component, n) | always for n in FREED_NEIGHBOURS}
     components = len(np.unique(component))
     for centre, neighbours in ((c, n) for c in centres for n in FREED_NEIGHBOURS):
@@ -424,7 +435,9 @@ def _variables(program: _Program, found: "Solution | Mapping[str, ChoiceKey]") -
     x = np.zeros(program.size)  # t (a paced program's) 0: it is never fixed at a plan's value
     x[:nx] = [float(choice_key(assignment[name]) == key) for name, key, _ in program.columns]
     x[nx : nx + nb] = [float(name in recompute) for name in program.blocks]
-    x[nx + nb : nx + nb + len(program.links)] = [x[i] * x[nx + r] for i, r, _, _ in program.links]
+    nl = len(program.links)
+    x[nx + nb : nx + nb + nl] = [x[i] * x[nx + r] for i, r, _, _ in program.links]
+    x[nx + nb + nl : nx + nb + nl + len(program.pairs)] = [x[unit].sum() * x[before].sum() for unit, before, _ in program.pairs]
     return x
 
 
@@ -489,83 +502,6 @@ def solve_exact(space: SearchSpace, memory_bytes: float = float("inf"), loss_bud
         SearchError: the space has no units.
     """
     return k_best(space, memory_bytes, loss_budget, 1)[0]
-
-
-def _all_fp32(space: SearchSpace, memory: "float | Mapping[str, float]", loss_budget: float,
-              exclude: "Sequence[Solution | Mapping[str, ChoiceKey]]" = ()) -> "Solution | None":
-    """The fastest all-FP32 plan meeting the budgets at its exact totals (`SearchSpace.totals`:
-    the reference's bytes less what its recomputed blocks free in an all-FP32 region), where
-    the space knows them (`SearchSpace.fp32_bytes`), else None; none of ``exclude``.
-
-    The program's additive bytes charge every FP32 layer its lowered neighbours' FP32 saves, so
-    they overstate this family of plans (a diffusers UNet's recompute-everything FP32 plan,
-    12 MiB as measured, was 28 MB in the program, which then lowered 39 of its 91 layers instead).
-    The recompute set is a knapsack over the blocks (`_fp32_recompute_set`)."""
-    assignment = space.uniform(Format.FP32)
-    if space.fp32_bytes is None or assignment is None or space.totals(assignment).loss > loss_budget:
-        return None
-    recompute = _fp32_recompute_set(space, assignment, memory)
-    if recompute is None:
-        return None
-    ordered = [b.name for b in space.blocks if b.name in recompute]
-    solution = Solution(assignment, space.totals(assignment, ordered), frozenset(recompute),
-                        slowest_part=space.step_seconds(assignment, ordered) if space.parts else None)
-    if any(_same_plan(solution, e) for e in exclude):
-        return None
-    return solution
-
-
-def _fp32_recompute_set(space: SearchSpace, assignment: Mapping[str, ChoiceKey], memory: "float | Mapping[str, float]") -> "frozenset[str] | None":
-    """The blocks whose recomputation brings the all-FP32 plan within ``memory`` for the least
-    predicted seconds (the slowest part's, with parts), None when even all of them do not.
-    Nothing when it fits as it is; else one small integer program, a binary per block:
-
-        minimise   Σ_b seconds[b] · r[b]            (or t >= each part's seconds)
-        subject to Σ_b freed[b] · r[b] >= bytes - M  (per part: its blocks, its bytes and budget)
-    """
-    plain = Solution(assignment, space.totals(assignment))
-    if not _over_memory(space, plain, memory):
-        return frozenset()
-    effects = [space.fp32_recompute_effect(assignment, [b.name]) for b in space.blocks]
-    nb = len(effects)
-    if not nb:
-        return None
-    paced = bool(space.parts)
-    n = nb + int(paced)
-    rows, bounds = [], []
-    if isinstance(memory, Mapping):
-        held = space.part_bytes(assignment)
-        for part in space.parts:
-            own = np.array([space.part_of[b.name] == part.name for b in space.blocks] + [False] * int(paced))
-            rows.append(np.where(own, [e.bytes for e in effects] + [0.0] * int(paced), 0.0))
-            bounds.append(memory.get(part.name, np.inf) - held[part.name])
-    else:
-        rows.append(np.array([e.bytes for e in effects]))
-        bounds.append(memory - plain.total.bytes)
-    cost = np.zeros(n)
-    if paced:  # the slowest part's seconds: t bounds each part's (its fixed and units' seconds plus its blocks')
-        base = space.part_totals(assignment)
-        for part in space.parts:
-            row = np.array([e.seconds if space.part_of[b.name] == part.name else 0.0 for b, e in zip(space.blocks, effects)] + [-1.0])
-            rows.append(row)
-            bounds.append(-base[part.name].seconds)
-        cost[-1] = 1.0
-        cost[:nb] = 1e-3 * np.array([e.seconds for e in effects])  # a tie-break: no block recomputed off the slowest part for nothing
-    else:
-        cost[:nb] = [e.seconds for e in effects]
-    keep = [i for i, bound in enumerate(bounds) if np.isfinite(bound)]
-    upper = np.concatenate([np.ones(nb), np.full(int(paced), np.inf)])
-    constraints = [LinearConstraint(np.array([rows[i] for i in keep]), -np.inf, np.array([bounds[i] for i in keep]))] if keep else []
-    result = milp(cost, constraints=constraints, integrality=np.concatenate([np.ones(nb), np.zeros(int(paced))]), bounds=Bounds(0, upper))
-    if result.x is None:
-        return None
-    return frozenset(b.name for b, r in zip(space.blocks, result.x[:nb]) if r > 0.5)
-
-
-def _same_plan(a: Solution, b: "Solution | Mapping[str, ChoiceKey]") -> bool:
-    """Whether ``b`` is the plan ``a`` is: the same formats and recompute set (an assignment recomputes nothing)."""
-    assignment, recompute = (b.assignment, b.recompute) if isinstance(b, Solution) else (b, frozenset())
-    return dict(a.assignment) == dict(assignment) and frozenset(a.recompute) == frozenset(recompute)
 
 
 def _infeasible(space: SearchSpace, memory_bytes: "float | Mapping[str, float]", loss_budget: float) -> InfeasibleBudgetError:
@@ -663,7 +599,7 @@ def k_best(space: SearchSpace, memory_bytes: "float | Mapping[str, float]" = flo
     exclude = list(exclude)
     # The fastest all-FP32 plan at its exact bytes (`SearchSpace.fp32_bytes`): a candidate of
     # its own when it meets the budgets, whether or not the program's overstated figure does.
-    fp32 = _all_fp32(space, memory_bytes, loss_budget, exclude)
+    fp32 = all_fp32(space, memory_bytes, loss_budget, exclude)
     first = _solve(space, "seconds", memory_bytes, loss_budget, cuts=exclude, time_limit=left())
     if first is None and fp32 is not None:
         return [fp32]
@@ -679,7 +615,7 @@ def k_best(space: SearchSpace, memory_bytes: "float | Mapping[str, float]" = flo
             break
         found.append(nxt)
     if fp32 is not None:
-        found = [s for s in found if not _same_plan(fp32, s)] + [fp32]
+        found = [s for s in found if not same_plan(fp32, s)] + [fp32]
     # Each is the best unlike those before it to the gap, so a later one may be a little faster:
     # sorted, the i-th is still within the gap of the i-th best plan.
     return sorted(found, key=lambda s: s.step_seconds)[:k]

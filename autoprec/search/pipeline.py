@@ -28,11 +28,13 @@ from .._generators import drain
 from ..errors import InfeasibleBudgetError
 from ..formats import Format
 from ..runtime import EmulationWarning
-from .exact import Solution, k_best
+from .exact import k_best
+from .solution import Solution
 from .planner import in_budget_terms, layer_reasons, plan_from_solution
 from .planner import space_steps as planner_space_steps
 from .planning import Planning
-from .space import Budgets, SearchSpace
+from .budgets import Budgets
+from .space import SearchSpace
 
 __all__ = ["Planning", "Space", "Optimum", "Proposal", "measure_space", "measure_parts", "estimate_alternatives", "search_estimator", "space_of", "solve_in_budgets", "propose_plans", "propose_from",
            "uniform_reference"]

@@ -18,9 +18,9 @@ from ..coverage import LayerInfo
 from ..errors import InfeasibleBudgetError
 from ..formats import Format
 from ..plan import LayerPrecision, Plan
-from .exact import Solution
+from .solution import Solution
 from .planning import RangeLimits
-from .space import Block, Choice, ChoiceKey, LayerRules, SearchSpace, key_format, key_name
+from .space import Block, Choice, ChoiceKey, LayerRules, Pair, SearchSpace, key_format, key_name
 
 __all__ = ["OVERFLOW_LIMIT", "range_reason", "LayerTable", "table_steps", "space_steps", "layer_reasons", "block_reasons", "measured_reasons",
            "plan_from_solution", "format_options", "precision_of", "in_budget_terms"]
@@ -81,7 +81,7 @@ def space_steps(
                                    alternatives=alternatives)
     yield "space assembly"
     space = SearchSpace(table.rows, min_precision=min_precision, max_precision=max_precision, rules=rules, device=costs.device, fixed=table.fixed,
-                        blocks=table.blocks, fp32_bytes=table.fp32_bytes)
+                        blocks=table.blocks, fp32_bytes=table.fp32_bytes, pairs=table.pairs)
     return space, dict(table.ruled_out)
 
 
@@ -98,6 +98,7 @@ class LayerTable:
     fixed: Mapping[str, Choice]
     blocks: tuple[Block, ...]
     fp32_bytes: "float | None"
+    pairs: tuple[Pair, ...] = ()  # FP32 layers that hold less together (`CostModel.fp32_pair_bytes`)
 
 
 def table_steps(
@@ -171,7 +172,8 @@ def table_steps(
         blocks.append(Block(fqn, freed, forward, other_bytes=float(block.other_bytes[1]), other_seconds=float(block.other_seconds[1]),
                             fp32_other_bytes=float(block.other_bytes[0]), fp32_other_seconds=float(block.other_seconds[0])))
         yield "space"
-    return LayerTable(table, ruled_out, fixed, tuple(blocks), costs.fp32_bytes() if hasattr(costs, "fp32_bytes") else None)
+    pairs = tuple(Pair(fqn, before, float(nbytes)) for (fqn, before), nbytes in getattr(costs, "fp32_pair_bytes", {}).items() if fqn in table and before in table)
+    return LayerTable(table, ruled_out, fixed, tuple(blocks), costs.fp32_bytes() if hasattr(costs, "fp32_bytes") else None, pairs)
 
 
 def layer_reasons(space: SearchSpace, assignment: Mapping[str, ChoiceKey], rules: LayerRules, ruled_out: Mapping[str, list[str]]) -> dict[str, str]:
@@ -262,7 +264,10 @@ def plan_from_solution(
             # Every format the search allowed the layer, in the solver's terms (a recomputed
             # block's layer holds what recomputation does not free).
             options = format_options(unit, solution.assignment[unit.name], freed.get(fqn, {}))
-            per_layer[fqn] = {"bytes": lc.bytes, "seconds": lc.seconds, "loss": choice.loss / len(unit.layers), "options": options}
+            # What it holds under the plan, as its options say (recomputation's freeing and an FP32
+            # layer's region extra included): a promotion is priced as the difference of two options.
+            held = options[key_format(solution.assignment[unit.name]).value]["bytes"]
+            per_layer[fqn] = {"bytes": held, "seconds": lc.seconds, "loss": choice.loss / len(unit.layers), "options": options}
     fp32 = costs.plan_cost(costs.uniform_plan(Format.FP32))
     predicted = {
         "bytes": predicted_cost.bytes,

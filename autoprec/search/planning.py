@@ -16,7 +16,8 @@ from ..costs.targets import TargetDevice
 from ..errors import FormatError, PlanError, SearchError
 from ..formats import Format, Granularity
 from ..plan import LayerPrecision, Scaling
-from .space import Budgets, LayerRules
+from .budgets import Budgets
+from .space import LayerRules
 
 __all__ = ["RangeLimits", "Planning"]
 

@@ -209,6 +209,8 @@ class CorrectingSampler(optuna.samplers.BaseSampler):
         """The fit's columns for one plan: fixed cost plus pinned units, each format's summed
         prediction over the free units, then each free (unit, format)'s prediction if chosen."""
         row = [getattr(self.space.fixed_total, field)] + [0.0] * (len(self.formats) + len(self._pairs))
+        if field == "bytes":
+            row[0] -= sum(self.space.pair_bytes(assignment).values())  # region bytes, as the fixed cost's (`SearchSpace.scaled`)
         for unit in self.space.units:
             fmt = assignment[unit.name]
             value = getattr(unit.choices[fmt], field)

@@ -22,8 +22,6 @@ import copy
 import dataclasses
 import fnmatch
 import math
-import numbers
-import re
 from typing import Any, Iterable, Mapping, Sequence, Union
 
 from ..blocks import check_block_patterns
@@ -31,8 +29,9 @@ from ..device import format_support
 from ..errors import SearchError
 from ..formats import Format
 from ..plan import LayerPrecision
+from .budgets import finite_number
 
-__all__ = ["Choice", "Budgets", "LayerRules", "Unit", "ChoiceKey", "choice_key", "key_format", "key_name", "Block", "MemoryPart", "SearchSpace", "formats_for_precision", "DEFAULT_CANDIDATES"]
+__all__ = ["Choice", "LayerRules", "Unit", "ChoiceKey", "choice_key", "key_format", "key_name", "Block", "MemoryPart", "Pair", "SearchSpace", "formats_for_precision", "DEFAULT_CANDIDATES"]
 
 # Forward formats searched by default. FP8 E5M2 as a *forward* format loses a mantissa bit for
 # range activations rarely need; FP8 layers already compute gradients in E5M2.
@@ -102,101 +101,6 @@ class Choice:
 ZERO = Choice(0.0, 0.0, 0.0)
 
 
-def _finite_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-@dataclasses.dataclass(frozen=True)
-class Budgets:
-    """What a plan may spend.
-
-    ``memory``, two spellings: a float in (0, 1] is a fraction of the all-FP32 bytes; an integer,
-    or a size string such as ``"6GiB"`` or ``"512MB"``, is bytes (`memory_budget`: stored as the
-    float fraction or the int bytes). ``accuracy``: the allowed loss increase, relative to
-    ``baseline_loss`` when ``accuracy_relative`` (0.01 = 1 %), else absolute. ``None`` leaves a
-    budget open.
-    """
-
-    memory: "float | int | str | None" = None
-    accuracy: "float | None" = None
-    accuracy_relative: bool = True
-
-    def __post_init__(self):
-        try:
-            object.__setattr__(self, "memory", memory_budget(self.memory))
-        except ValueError as exc:
-            raise SearchError(f"memory budget: expected {MEMORY_SPELLINGS}, got {self.memory!r} ({exc})") from None
-        if self.accuracy is not None and not (_finite_number(self.accuracy) and self.accuracy >= 0):
-            raise SearchError(f"accuracy budget must be a finite number >= 0 or None, got {self.accuracy!r}")
-
-    def memory_bytes(self, fp32_bytes: float) -> float:
-        """The memory budget in bytes.
-
-        Args:
-            fp32_bytes: the all-FP32 plan's bytes, which a fractional budget is a fraction of.
-
-        Returns:
-            Bytes a plan may hold per step; ``inf`` when the budget is open.
-        """
-        if self.memory is None:
-            return float("inf")
-        return float(self.memory) if isinstance(self.memory, int) else float(self.memory) * fp32_bytes  # a str was parsed to bytes
-
-    def loss_increase(self, baseline_loss: "float | None") -> float:
-        """The accuracy budget as an absolute loss increase.
-
-        Args:
-            baseline_loss: the FP32 loss a relative budget is a fraction of (its magnitude is
-                used); unused by an absolute or open budget.
-
-        Returns:
-            The loss increase a plan may add, in the loss's units; ``inf`` when the budget is open.
-
-        Raises:
-            SearchError: a relative budget with ``baseline_loss`` None.
-        """
-        if self.accuracy is None:
-            return float("inf")
-        if not self.accuracy_relative:
-            return float(self.accuracy)
-        if baseline_loss is None:
-            raise SearchError("a relative accuracy budget needs the baseline (FP32) loss; pass baseline_loss or set accuracy_relative=False")
-        return self.accuracy * abs(baseline_loss)
-
-
-_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgt]i?b|b)?\s*", re.IGNORECASE)
-_UNIT_BYTES = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-MEMORY_SPELLINGS = "a fraction of the FP32 bytes as a float in (0, 1], or bytes as an integer or a size string such as '6GiB'"
-
-
-def memory_budget(value: "float | int | str | None") -> "float | int | None":
-    """A memory budget as a user spells it (`Budgets`): the fraction as a float, the bytes as an
-    int, or None. Raises ValueError saying what is wrong with it (callers add `MEMORY_SPELLINGS`):
-    ``1.5`` is neither a fraction nor bytes (it used to mean 1.5 bytes)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (str, numbers.Real)):
-        raise ValueError(f"a {type(value).__name__}")
-    if isinstance(value, str):
-        match = _SIZE.fullmatch(value)
-        if match is None:
-            raise ValueError(f"{value!r} is not a size (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
-        size = float(match.group(1)) * _UNIT_BYTES[(match.group(2) or "b").lower()]
-        if not 1 <= size < 2**63:
-            raise ValueError(f"{value!r} is not a positive number of bytes")
-        return int(size)
-    if isinstance(value, numbers.Integral):
-        if value < 1024:  # 1 means 1.0 far more often than one byte
-            raise ValueError(f"{value} bytes is no budget for a model; a fraction is a float such as 1.0")
-        return int(value)
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{value} is not finite")
-    if not 0 < value <= 1:
-        raise ValueError(f"{value} is a float outside (0, 1], so no fraction; bytes are an integer")
-    return value
-
-
 @dataclasses.dataclass(frozen=True)
 class LayerRules:
     """User rules over layer names (``fnmatch`` patterns such as ``"blocks.*.attn.qkv"``).
@@ -257,16 +161,32 @@ class Block:
         for field in ("freed", "forward"):
             for fqn, row in getattr(self, field).items():
                 for fmt, value in row.items():
-                    if not (_finite_number(value) and value >= 0):
+                    if not (finite_number(value) and value >= 0):
                         raise SearchError(f"block {self.name!r}: {field}[{fqn!r}][{key_name(fmt)}] must be a finite number >= 0, got {value!r}")
         for field in ("other_bytes", "other_seconds", "fp32_other_bytes", "fp32_other_seconds"):
             value = getattr(self, field)
-            if not _finite_number(value) and not (field.startswith("fp32") and value is None):
+            if not finite_number(value) and not (field.startswith("fp32") and value is None):
                 raise SearchError(f"block {self.name!r}: {field} must be a finite number, got {value!r}")
 
     @property
     def layers(self) -> tuple[str, ...]:
         return tuple(self.freed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """Bytes an FP32 layer's choice holds only while ``before`` (the layer that ran before it,
+    most often the one its input comes from) is not FP32: the FP32 copy of a half input
+    (`CostModel.fp32_pair_bytes`, measured). The additive table charges them to the layer's
+    FP32 choice; a plan with both layers FP32 (and some layer lowered) holds ``bytes`` less."""
+
+    layer: str
+    before: str
+    bytes: float
+
+    def __post_init__(self):
+        if not (finite_number(self.bytes) and self.bytes >= 0):
+            raise SearchError(f"pair ({self.layer!r}, {self.before!r}): bytes must be a finite number >= 0, got {self.bytes!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,6 +221,10 @@ class SearchSpace:
     a budget names and recomputation alone is priced as it runs.
     ``parts``: `MemoryPart` s covering every layer once (none: one device holds them all), each
     unit and block inside one (`part_bytes`).
+    ``pairs``: `Pair` s of layers whose FP32 choices together hold less than apart; within one
+    unit they fold into its FP32 choice, across two they are ``unit_pairs`` (unit, unit before,
+    bytes), which `totals` subtracts where both units are FP32 (a term on two units' choices:
+    `exact` linearises it).
     """
 
     def __init__(
@@ -315,6 +239,7 @@ class SearchSpace:
         blocks: Sequence[Block] = (),
         fp32_bytes: "float | None" = None,
         parts: Sequence[MemoryPart] = (),
+        pairs: Sequence[Pair] = (),
     ):
         self.fp32_bytes = None if fp32_bytes is None else float(fp32_bytes)
         allowed_bits = set(formats_for_precision(min_precision, max_precision, Format))
@@ -374,9 +299,39 @@ class SearchSpace:
             units.append(Unit(f"group{index}:" + "+".join(members), members, choices))
         self.units: tuple[Unit, ...] = tuple(units)
         self.layers: tuple[str, ...] = tuple(table)
+        self._set_pairs(pairs)
         self.blocks: tuple[Block, ...] = ()
         self._set_blocks(blocks)
         self._set_parts(parts)
+
+    def _set_pairs(self, pairs: Sequence[Pair]) -> None:
+        """Fold the ``pairs`` within one unit into its FP32 choices; index the others by unit
+        (``unit_pairs``, their bytes summed per pair of units)."""
+        unit_of = {fqn: unit.name for unit in self.units for fqn in unit.layers}
+        folded: dict[str, float] = {}
+        across: dict[tuple[str, str], float] = {}
+        for pair in pairs:
+            if pair.layer not in unit_of or pair.before not in unit_of:
+                raise SearchError(f"pair ({pair.layer!r}, {pair.before!r}) names a layer not in the search space")
+            unit, before = unit_of[pair.layer], unit_of[pair.before]
+            if unit == before:
+                folded[unit] = folded.get(unit, 0.0) + pair.bytes
+            elif pair.bytes > 0:
+                across[(unit, before)] = across.get((unit, before), 0.0) + pair.bytes
+        if folded:
+            self.units = tuple(dataclasses.replace(u, choices={f: c + Choice(-folded[u.name], 0.0, 0.0) if key_format(f) is Format.FP32 else c
+                                                               for f, c in u.choices.items()}) if u.name in folded else u for u in self.units)
+        self.unit_pairs: tuple[tuple[str, str, float], ...] = tuple((u, v, b) for (u, v), b in across.items())
+
+    def pair_bytes(self, assignment: Mapping[str, Any]) -> dict[str, float]:
+        """Per unit: what its FP32 choice does not hold under ``assignment`` because the unit
+        before it is FP32 too (`unit_pairs`); only units with such a pair."""
+        fp32 = lambda name: key_format(assignment[name]) is Format.FP32  # noqa: E731
+        held: dict[str, float] = {}
+        for unit, before, nbytes in self.unit_pairs:
+            if fp32(unit) and fp32(before):
+                held[unit] = held.get(unit, 0.0) + nbytes
+        return held
 
     def _set_parts(self, parts: Sequence[MemoryPart]) -> None:
         """Check ``parts`` against the layers and index them: ``part_of`` holds each unit's and
@@ -407,6 +362,9 @@ class SearchSpace:
         for unit in self.units:
             part, choice = self.part_of[unit.name], unit.choices[choice_key(assignment[unit.name])]
             out[part] += Choice(0.0, choice.seconds, choice.loss) if part in exact else choice
+        for name, nbytes in self.pair_bytes(assignment).items():
+            if self.part_of[name] not in exact:
+                out[self.part_of[name]] += Choice(-nbytes, 0.0, 0.0)
         for block in self.blocks:
             if block.name in recompute:
                 part = self.part_of[block.name]
@@ -527,6 +485,7 @@ class SearchSpace:
         if self.fp32_bytes is not None and all(key_format(assignment[u.name]) is Format.FP32 for u in self.units):
             # The reference exactly, and what recomputation frees in it (class docstring).
             return dataclasses.replace(total, bytes=self.fp32_bytes) + self.fp32_recompute_effect(assignment, recompute)
+        total = total + Choice(-sum(self.pair_bytes(assignment).values()), 0.0, 0.0)
         return total + self.recompute_effect(assignment, recompute) if recompute else total
 
     def fixing_recompute(self, recompute: Iterable[str]) -> "SearchSpace":
@@ -638,6 +597,8 @@ class SearchSpace:
                            for b in self.blocks)
         out._set_parts([dataclasses.replace(p, fixed_bytes=p.fixed_bytes * fixed.bytes, fixed_seconds=p.fixed_seconds * fixed.seconds, fp32_bytes=None)
                         for p in self.parts])  # additive, as corrected
+        # What a pair does not hold is the region's bytes, as the fixed cost's (`refine`'s fit counts it there).
+        out.unit_pairs = tuple((u, v, b * fixed.bytes) for u, v, b in self.unit_pairs)
         fp32 = self.uniform(Format.FP32)
         if self.fp32_bytes is not None and fp32 is not None:
             # The all-FP32 plan's exact bytes corrected as its additive total is.

@@ -90,7 +90,8 @@ def joint_plan(stages: Sequence[StageTable], planning: Planning, *, baseline_los
     parts = [MemoryPart(f"stage {s.index}", frozenset(s.table.rows), sum(c.bytes for c in s.table.fixed.values()), s.table.fp32_bytes,
                         sum(c.seconds for c in s.table.fixed.values())) for s in ordered]
     space = SearchSpace(rows, min_precision=planning.min_precision, max_precision=planning.max_precision, rules=planning.rules, device=device,
-                        fixed=fixed, blocks=[b for s in ordered for b in s.table.blocks], fp32_bytes=fp32_bytes, parts=parts)
+                        fixed=fixed, blocks=[b for s in ordered for b in s.table.blocks], fp32_bytes=fp32_bytes, parts=parts,
+                        pairs=[p for s in ordered for p in s.table.pairs])
     budgets = planning.budgets
     memory = {part.name: budgets.memory_bytes(float(part.fp32_bytes or 0.0)) for part in parts}
     loss_budget = budgets.loss_increase(baseline_loss)

@@ -250,8 +250,8 @@ def test_the_search_trains_alike_however_slowly_its_off_path_work_runs(monkeypat
 # step, in the probes' warm-up cycle (the off-path work waits for them), in their
 # timed cycle, between two parts of a region-bytes forward (`search.paced`: the resumed search
 # runs the units done again, at once, and the forward's next parts after the same steps), while
-# the integer programs run beside the steps (search steps 59-66), and in a candidate's trial
-# steps (67 on). A slower clock for every timing after the resume
+# the integer programs run beside the steps (search steps 63-70), and in a candidate's trial
+# steps (71 on). A slower clock for every timing after the resume
 # where the checkpoint splits no set of timed steps; where it splits the probes' timed cycle, a
 # slower clock for the off-path work alone (probes timed slower on a slower machine may choose
 # another plan: a measurement, not the slices).
@@ -267,7 +267,7 @@ def stage_of(search):
 
 @pytest.mark.parametrize("stop, every_clock, stage", [(SEARCH_WINDOW, True, "due"), (SEARCH_WINDOW + 1, True, "probing"),
                                                       (SEARCH_WINDOW + 4, False, "probing"), (SEARCH_WINDOW + 19, True, "off-path"),
-                                                      (SEARCH_WINDOW + 61, True, "solving"), (SEARCH_WINDOW + 69, True, "trying")],
+                                                      (SEARCH_WINDOW + 65, True, "solving"), (SEARCH_WINDOW + 73, True, "trying")],
                          ids=["search-due", "probes-warm-up", "second-probe-cycle", "between-forward-parts", "solving", "trying-candidates"])
 def test_a_checkpoint_mid_search_resumed_on_a_slow_clock_trains_bit_identically(monkeypatch, tmp_path, stop, every_clock, stage):
     reference, plan = straight_run(monkeypatch, 1e-3)

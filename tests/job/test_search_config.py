@@ -135,7 +135,8 @@ def test_a_huge_number_of_held_out_batches_is_refused(tmp_path):
 def test_the_job_and_the_scheduler_hand_the_pipeline_one_planning_of_their_settings(tmp_path):
     from autoprec.scheduler.config import SchedulerConfig
     from autoprec.search.planning import Planning
-    from autoprec.search.space import Budgets, LayerRules
+    from autoprec.search.budgets import Budgets
+    from autoprec.search.space import LayerRules
 
     job = load_job(write(tmp_path, GOOD.replace("seed = 3", "seed = 3\ntimeout_s = 7.5")))
     assert job.planning(3e-4) == Planning(

@@ -20,7 +20,8 @@ from autoprec.costs.targets import load_target
 from autoprec.errors import InfeasibleBudgetError, SearchError, SettingsError
 from autoprec.formats import Format, Granularity
 from autoprec.search.pipeline import Planning, measure_space, propose_from
-from autoprec.search.space import Budgets, key_name
+from autoprec.search.budgets import Budgets
+from autoprec.search.space import key_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from block_fp8 import OutlierMLP  # noqa: E402

@@ -119,7 +119,7 @@ def proposal_counts(blocks: int, patching) -> dict:
     from autoprec.coverage import find_layers
     from autoprec.search.pipeline import propose_plans
     from autoprec.search.planning import Planning
-    from autoprec.search.space import Budgets
+    from autoprec.search.budgets import Budgets
 
     seen = {"forwards": 0, "runtime layers": 0, "modules walked": 0, "timed steps": 0, "node hooks per step": 0}
 

@@ -242,7 +242,7 @@ def test_a_search_weighs_named_recipes_per_layer_each_estimated_and_planned_as_i
     import torch.nn.functional as F
 
     from autoprec.search.pipeline import measure_space, propose_from
-    from autoprec.search.space import Budgets
+    from autoprec.search.budgets import Budgets
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from block_fp8 import OutlierMLP
