@@ -459,11 +459,11 @@ class TrainingSearch:
         fp32 = costs.plan_cost(costs.uniform_plan(Format.FP32))
         self.grad_bytes = fp32.bytes - fp32.saved_bytes
         if self.safe_bytes is not None:
-            # What the meter sees beyond the cost model's forward (the loss's saved tensors) is
-            # the same in every plan: measured once, on a safe step of the window (its last but one).
+            # What the meter sees beyond the cost model's forward (the loss's saved tensors; the same in every plan), measured on a safe step
+            # (the window's last but one); never negative: one that skipped layers (LayerDrop) inflated every trial's bytes (UniSpeech-SAT: -566,592).
             safe, measured = self.safe_bytes
             safe_cost = costs.plan_cost(costs.uniform_plan(safe))
-            self._outside_bytes = measured - safe_cost.saved_bytes
+            self._outside_bytes = max(0, measured - safe_cost.saved_bytes)
             self._safe_total = safe_cost.bytes
         # The integer programs run beside the next SOLVE_STEPS training steps (`background`) and
         # are taken then, done or not: the step the candidates arrive at is a count, not the
