@@ -10,7 +10,7 @@ import re
 
 from ..errors import SearchError
 
-__all__ = ["Budgets", "MEMORY_SPELLINGS", "memory_budget", "finite_number"]
+__all__ = ["Budgets", "MEMORY_SPELLINGS", "MIN_BUDGET_BYTES", "memory_budget", "finite_number"]
 
 
 def finite_number(value) -> bool:
@@ -78,6 +78,7 @@ class Budgets:
 
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgt]i?b|b)?\s*", re.IGNORECASE)
 _UNIT_BYTES = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+MIN_BUDGET_BYTES = 1024  # the least memory budget in bytes: below it an integer is a mistaken fraction
 MEMORY_SPELLINGS = "a fraction of the FP32 bytes as a float in (0, 1], or bytes as an integer or a size string such as '6GiB'"
 
 
@@ -98,7 +99,7 @@ def memory_budget(value: "float | int | str | None") -> "float | int | None":
             raise ValueError(f"{value!r} is not a positive number of bytes")
         return int(size)
     if isinstance(value, numbers.Integral):
-        if value < 1024:  # 1 means 1.0 far more often than one byte
+        if value < MIN_BUDGET_BYTES:  # 1 means 1.0 far more often than one byte
             raise ValueError(f"{value} bytes is no budget for a model; a fraction is a float such as 1.0")
         return int(value)
     value = float(value)

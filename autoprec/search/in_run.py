@@ -27,9 +27,8 @@ is held for long, and most of the work trains the model:
   of 3 candidates of 4 + 2 steps), or the search fails, naming the budget the measured margin would need; the
   scheduler's retry then starts from the margin its last round learned (``memory``).
 
-A format the model's code cannot run is out for its role once seen (`failing`): a layer raising on a step runs it in
-FP32; a model with its own autograd Function runs no probe steps and each candidate runs once on the snapshot first
-(`preflight`): a backward that raises cannot be rerun.
+A format the model's code cannot run is out for its role once seen (`failing`): a layer raising on a step runs it in FP32; a
+model with its own autograd Function runs no probe steps and each candidate runs once on the snapshot first (`preflight`).
 
 No step is lost or repeated: probe and trial steps differ from safe ones only by their formats' rounding (FP16
 gradients run unscaled in those few steps). `timeline` holds each stage's seconds (off-path work, and what probe and
@@ -60,6 +59,7 @@ from ..sensitivity import Sensitivity, sensitivity_steps
 from .background import BackgroundCall
 from ..noise import unseparated
 from .paced import Pacer
+from .budgets import MIN_BUDGET_BYTES
 from .pipeline import propose_from, search_estimator, space_steps, uniform_reference
 from .planner import floor_settings, precision_of
 from .memory_margin import MEMORY_ROUNDS, MemoryMargin
@@ -459,8 +459,8 @@ class TrainingSearch:
         fp32 = costs.plan_cost(costs.uniform_plan(Format.FP32))
         self.grad_bytes = fp32.bytes - fp32.saved_bytes
         if self.safe_bytes is not None:
-            # What the meter sees beyond the cost model's forward (the loss's saved tensors; the same in every plan), measured on a safe step
-            # (the window's last but one); never negative: one that skipped layers (LayerDrop) inflated every trial's bytes (UniSpeech-SAT: -566,592).
+            # The loss's saved tensors beyond the cost model's forward (the same in every plan), measured on the window's last but one step;
+            # never negative: a step that skipped layers (LayerDrop) made it so and inflated every trial's bytes (UniSpeech-SAT: -566,592).
             safe, measured = self.safe_bytes
             safe_cost = costs.plan_cost(costs.uniform_plan(safe))
             self._outside_bytes = max(0, measured - safe_cost.saved_bytes)
@@ -497,7 +497,7 @@ class TrainingSearch:
         fp32_bytes = self._found.costs.fp32_bytes()
         limit = self._predicted_limit(fp32_bytes)
         if limit is not None and (margin != 1.0 or self._outside_bytes):
-            planning = dataclasses.replace(planning, budgets=dataclasses.replace(budgets, memory=max(1, int(limit / margin))))
+            planning = dataclasses.replace(planning, budgets=dataclasses.replace(budgets, memory=max(MIN_BUDGET_BYTES, int(limit / margin))))
         try:
             proposal = propose_from(self._found, planning, baseline_loss=self.baseline_loss, fingerprint=self.fingerprint,
                                     metadata={"step": self.started, "source": "DynamicPrecisionScheduler"})

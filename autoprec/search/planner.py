@@ -264,10 +264,7 @@ def plan_from_solution(
             # Every format the search allowed the layer, in the solver's terms (a recomputed
             # block's layer holds what recomputation does not free).
             options = format_options(unit, solution.assignment[unit.name], freed.get(fqn, {}))
-            # What it holds under the plan, as its options say (recomputation's freeing and an FP32
-            # layer's region extra included): a promotion is priced as the difference of two options.
-            held = options[key_format(solution.assignment[unit.name]).value]["bytes"]
-            per_layer[fqn] = {"bytes": held, "seconds": lc.seconds, "loss": choice.loss / len(unit.layers), "options": options}
+            per_layer[fqn] = {"bytes": lc.bytes, "seconds": lc.seconds, "loss": choice.loss / len(unit.layers), "options": options}
     fp32 = costs.plan_cost(costs.uniform_plan(Format.FP32))
     predicted = {
         "bytes": predicted_cost.bytes,

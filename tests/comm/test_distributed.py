@@ -1,6 +1,8 @@
 """DynamicPrecisionScheduler under torch.distributed: 2 gloo CPU ranks (torch.multiprocessing.spawn)
 with DDP and FSDP2; one plan, one skip decision, promotions at one step, DCP resume, comm volume."""
 
+import pathlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -582,21 +584,26 @@ def test_fsdp2_blocks_with_recomputation_reach_one_plan_on_every_rank(tmp_path, 
 
 
 class MeterPartial(search_steps.SavedTensorMeter):
-    """A meter on which only 0.6 of what a plan saves shows, on every step (the safe one too), as
-    on a tensor-parallel rank, whose replicated FP32 parts no plan lowers (docs/distributed.md):
-    the candidates proposed at the budget's edge measure over it."""
+    """A meter on which a lowered tensor weighs 1.3x its bytes, on every step: the safe FP32
+    step measures as predicted, and the candidates proposed at the budget's edge measure over
+    it, as where the cost model under-predicts a plan's lowered layers."""
+
+    LOWERED = {torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8}
+    weight = 1.3
 
     @property
     def total_bytes(self) -> int:
-        return int(super().total_bytes * 0.6)
+        return int(sum(s.nbytes * (self.weight if s.dtype in self.LOWERED else 1) for s in self.saved))
 
 
 def rounds_scenario(rank, world, tmp):
     search_steps.SavedTensorMeter = window_measures.SavedTensorMeter = MeterPartial  # this spawned rank's modules
+    weight = pathlib.Path(tmp) / "lowered_weight"
+    MeterPartial.weight = float(weight.read_text()) if weight.exists() else MeterPartial.weight
     model = make_model()
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
-    sch = DynamicPrecisionScheduler(**{**SETTINGS, "measure_costs": True, "memory_budget": 0.6, "formats": ("fp32", "bf16", "fp8_e4m3")})
+    sch = DynamicPrecisionScheduler(**{**SETTINGS, "measure_costs": True, "memory_budget": 0.65, "formats": ("fp32", "bf16", "fp8_e4m3")})
     for step in range(60):
         # 256 rows a rank: activations outweigh the weights, so formats span the budget.
         g = torch.Generator().manual_seed(1000 * step + rank)
@@ -628,3 +635,15 @@ def test_a_round_of_candidates_all_over_the_memory_budget_is_followed_by_rank_0s
     assert r1["plan"] == r0["plan"] and r1["step"] == r0["step"]  # one plan, in force at one step on every rank
     for name, value in r0["params"].items():
         assert torch.equal(value, r1["params"][name]), name
+
+
+@pytest.mark.slow
+def test_a_margin_that_leaves_no_budget_refuses_with_the_measured_need(tmp_path):
+    # Lowered tensors metered at twice their bytes: the margin learned leaves the next round less
+    # than the least budget in bytes. Before: "memory budget: expected ..., got 1 (1 bytes is no
+    # budget for a model ...)", a settings error of the scheduler's own making.
+    (tmp_path / "lowered_weight").write_text("2.0")
+    r0, r1 = run(rounds_scenario, tmp_path)
+    assert r0["plan"] is None and r1["plan"] is None
+    assert "no plan meets the memory budget as measured" in r0["error"] and "raise memory_budget to at least" in r0["error"], r0["error"]
+    assert r1["error"] == r0["error"]
