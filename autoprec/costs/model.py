@@ -60,10 +60,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_FORMATS = (Format.FP32, Format.BF16, Format.FP16, Format.FP8_E4M3, Format.INT8)
 
 
-def _saved(memory) -> int:
-    return memory.weight_copy_bytes + memory.activation_bytes + memory.other_saved_bytes
-
-
 class CostModel:
     """Per (layer, format) costs of one model on one device; build it with `CostModel.build`.
 
@@ -262,7 +258,7 @@ class CostModel:
         # Only where a layer saved more than its shapes say: one that saved less shares a cast
         # input with a layer before it in the same format (a Llama's k_proj and v_proj, after
         # q_proj), which a plan giving them other formats does not.
-        modelled_low = {fqn: _saved(layer_memory(self._layer(fqn), LayerPrecision(fmt), self.device, self.target)) for fqn in layers}
+        modelled_low = {fqn: layer_memory(self._layer(fqn), LayerPrecision(fmt), self.device, self.target).saved_bytes for fqn in layers}
         self.low_saved_correction = {fqn: per_low[fqn] - modelled_low[fqn] for fqn in layers if per_low.get(fqn, 0) > modelled_low[fqn]}
         self._memory.clear()
         total_low = sum(per_low.values()) + rest_low
@@ -303,7 +299,7 @@ class CostModel:
 
     def _fp32_modelled_extra(self, fqn: str, fmt: Format) -> int:
         """The bytes a layer's own costs say it saves more in FP32 than in ``fmt``."""
-        return _saved(self._layer_memory(fqn, LayerPrecision(Format.FP32))) - _saved(self._layer_memory(fqn, LayerPrecision(fmt)))
+        return self._layer_memory(fqn, LayerPrecision(Format.FP32)).saved_bytes - self._layer_memory(fqn, LayerPrecision(fmt)).saved_bytes
 
     def _layer_memory(self, fqn: str, precision: LayerPrecision) -> Any:
         """A layer's `MemoryCost` in ``precision``: modelled from its traced shapes, plus in a
@@ -381,7 +377,7 @@ class CostModel:
                 by_kind[kind] = (freed[0], freed[-1])  # a device without a half format: the FP32 figure for both
             pair = by_kind[kind]
             # The layers' part from the memory model (no time estimate needed for the region's format).
-            other = tuple(pair[i] - sum(_saved(layer_memory(self._layer(layer), LayerPrecision(regions[min(i, len(regions) - 1)]), self.device))
+            other = tuple(pair[i] - sum(layer_memory(self._layer(layer), LayerPrecision(regions[min(i, len(regions) - 1)]), self.device).saved_bytes
                                         for layer in layers) for i in (0, 1))
             seconds = tuple(self._block_other_seconds(fqn, layers, fmt) for fmt in (regions[0], regions[-1]))
             self.blocks[fqn] = BlockCost(fqn, tuple(layers), pair, (other[0], other[1]), (seconds[0], seconds[1]))
