@@ -54,6 +54,21 @@ class Budgets:
             return float("inf")
         return float(self.memory) if isinstance(self.memory, int) else float(self.memory) * fp32_bytes  # a str was parsed to bytes
 
+    def memory_limit(self, fp32_bytes: float, outside: float = 0) -> float:
+        """The memory budget as a limit on a plan's predicted bytes, when the step that the
+        budget is measured on also holds ``outside`` bytes the prediction leaves out (the
+        loss's saved tensors, the same in every plan): predicted bytes P meet a fraction b of
+        the FP32 step when P + o <= b (F + o), so the limit is b (F + o) - o (an absolute
+        budget M: M - o); ``inf`` when the budget is open."""
+        return self.memory_bytes(fp32_bytes + outside) - outside
+
+    def setting_for(self, predicted: float, fp32_bytes: float, outside: float = 0) -> str:
+        """The least ``memory_budget``, spelled as this one was (a fraction to 3 places, or
+        bytes), whose `memory_limit` holds ``predicted`` bytes."""
+        if isinstance(self.memory, int):
+            return str(math.ceil(predicted + outside))
+        return f"{math.ceil(1000 * (predicted + outside) / (fp32_bytes + outside)) / 1000:.3f}"
+
     def loss_increase(self, baseline_loss: "float | None") -> float:
         """The accuracy budget as an absolute loss increase.
 

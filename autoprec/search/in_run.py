@@ -505,11 +505,11 @@ class TrainingSearch:
             if margin != 1.0 and exc.fp32_bytes:
                 # Stated as measured: the least bytes any plan reaches, as the trials measured plans.
                 need_bytes = self.memory.as_measured(exc.min_bytes, margin)
-                need = need_bytes / exc.fp32_bytes
+                need = self._planning.budgets.setting_for(need_bytes, exc.fp32_bytes, self._outside())
                 raise InfeasibleBudgetError(
                     f"no plan meets the memory budget as measured: every candidate measured over it (by up to {self.memory.worst_ratio - 1:.1%} more "
                     f"bytes than predicted, {self._round} rounds), and as the training steps measure plans the smallest one within the "
-                    f"loss budget takes {need:.3f} of the FP32 bytes; raise memory_budget to at least {need:.3f}",
+                    f"loss budget needs more: raise memory_budget to at least {need}",
                     need_bytes, exc.min_loss) from None
             raise exc.with_hint(floor_settings(exc, memory="memory_budget", recompute="recompute=[]", recompute_off=self.config.recompute == ())) from None
         if planning is self._planning:
@@ -521,20 +521,20 @@ class TrainingSearch:
         return dataclasses.replace(proposal, plans=plans, budgets=given)
 
     def _predicted_limit(self, fp32_bytes: float) -> "float | None":
-        """The memory budget in the cost model's terms (`PlanCost.bytes`), None without one. The
-        meter also sees what the cost model's forward does not (the loss's saved tensors,
-        `_outside_bytes` o, the same in every plan), in the plan's step and in the FP32 step a
-        fraction b is of: predicted bytes P meet it when P + o <= b (F + o), F the FP32 plan's
-        predicted bytes, so the limit is b (F + o) - o (an absolute budget M: M - o). Without o
-        a plan at the budget's edge metered over it (Qwen2 and GTE at 0.607 of 0.6). A sharded
-        model's o is left out: there the meter also counts the gathered weights autograd saves,
-        which FSDP2 frees after the forward (storage resized to nothing), memory no step holds;
-        under tensor parallelism a trial's bytes are a rank's share (`tensor_parallel.unsharded_bytes`)."""
+        """The memory budget in the cost model's terms (`PlanCost.bytes`, `Budgets.memory_limit`),
+        None without one. The meter also sees what the cost model's forward does not (the
+        loss's saved tensors, `_outside_bytes`, the same in every plan); without them a plan at
+        the budget's edge metered over it (Qwen2 and GTE at 0.607 of 0.6). A sharded model's are
+        left out (`_outside`)."""
         budgets = self._planning.budgets
-        if budgets.memory is None:
-            return None
-        o = 0 if is_sharded(self.model) else self._outside_bytes
-        return budgets.memory_bytes(fp32_bytes + o) - o
+        return None if budgets.memory is None else budgets.memory_limit(fp32_bytes, self._outside())
+
+    def _outside(self) -> int:
+        """`_outside_bytes`, but none for a sharded model: there the meter also counts the gathered
+        weights autograd saves, which FSDP2 frees after the forward (storage resized to nothing),
+        memory no step holds; under tensor parallelism a trial's bytes are a rank's share
+        (`tensor_parallel.unsharded_bytes`)."""
+        return 0 if is_sharded(self.model) else self._outside_bytes
 
     def _sensitivity(self, snapshot: nn.Module, lowered: Sequence[Any], pace: Pacer) -> Generator[tuple[str, float], None, Any]:
         if not lowered:

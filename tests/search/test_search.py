@@ -118,6 +118,19 @@ def test_budgets_resolve_fractions_and_relative_loss():
     assert Budgets(accuracy=0.1, accuracy_relative=False).loss_increase(None) == 0.1
 
 
+@pytest.mark.parametrize("memory, outside", [(0.6, 0), (0.6, 40_000), (300_000, 40_000)])
+def test_the_budget_a_refusal_asks_for_is_the_least_whose_limit_holds_the_plan(memory, outside):
+    """`Budgets.setting_for`, which a refusal states ("raise memory_budget to at least ..."), is
+    the least budget, spelled as the given one, whose `memory_limit` holds the plan's predicted
+    bytes beside the bytes the prediction leaves out. The fraction stated used to leave those
+    out: refusals at memory_budget=0.65 asked for 0.639-0.647."""
+    fp32, smallest = 500_000.0, 210_000.0
+    stated = Budgets(memory=memory).setting_for(smallest, fp32, outside)
+    least = type(memory)(stated)
+    step = 1 if isinstance(memory, int) else 0.001  # the stated figure's last digit
+    assert Budgets(memory=least).memory_limit(fp32, outside) >= smallest > Budgets(memory=least - step).memory_limit(fp32, outside)
+
+
 @pytest.mark.parametrize("spelled, expected", [
     ("6GiB", 6 * 2**30), ("512 MB", 512 * 10**6), ("1.5KiB", 1536), ("2048", 2048), ("3tb", 3 * 10**12), (np.int64(4096), 4096),
 ])
