@@ -293,4 +293,6 @@ class Products:
         # Attention draws its dropout masks inside the op; the other products draw nothing.
         draws_random = op in ("scaled_dot_product_attention", "multi_head_attention")
         out = StoredInFormat.apply(fn, quantizers, layer.grad, layer.precision.high_precision_weight_grad, draws_random, *tensors)
-        return out.to(out_dtype) if torch.is_tensor(out) and out.is_floating_point() else out
+        # Every floating output in the format's dtype, an op's several too (multi-head attention's
+        # output and weights): left FP32, the ops after WavLM's attention saved FP32 copies.
+        return map_leaves(lambda t: t.to(out_dtype) if torch.is_tensor(t) and t.is_floating_point() else t, out)
