@@ -16,9 +16,7 @@ later, or one whose uniform plan cannot run.
 low-precision one (`region_bytes_steps`), plus for each FP32 layer inside a low region the
 measured extra that costs, less what two FP32 layers in a row hold once (`fp32_pair_bytes`);
 a layer whose kernel saves more in the low region than its shapes say is charged the measured
-difference in the half formats (`low_saved_correction`), and one that saves more in a uniform plan
-of a scaled format (FP8, INT8, NVFP4: their ops run another way) in those
-(`scaled_saved_correction`). Predictions err toward more memory.
+difference (`low_saved_correction`). Predictions err toward more memory.
 
 **Recompute blocks** (`autoprec.blocks`, built with ``blocks=``): what recomputing each block
 frees and costs, `BlockCost` (measured per region, `block_bytes_steps`; its seconds one more
@@ -81,7 +79,6 @@ class CostModel:
         fp32_in_region_bytes: "Mapping[str, int] | None" = None,
         fp32_pair_bytes: "Mapping[tuple[str, str], int] | None" = None,
         low_saved_correction: "Mapping[str, int] | None" = None,
-        scaled_saved_correction: "Mapping[str, int] | None" = None,
         blocks: "Mapping[str, BlockCost] | None" = None,
         precisions: "Mapping[Format, LayerPrecision] | None" = None,
         target: "TargetDevice | None" = None,
@@ -105,11 +102,8 @@ class CostModel:
         self.fp32_pair_bytes = dict(fp32_pair_bytes or {})
         # fqn -> what the layer saved in the lowered region's forward beyond what its model says it
         # saves in `region_format` (region_bytes_steps): a kernel may save more than its operands'
-        # format suggests (CPU math attention upcasts BF16 to FP32 and saves that). Half formats only:
-        # a scaled format's op runs another way (emulated attention saves its quantized inputs).
+        # format suggests (CPU math attention upcasts BF16 to FP32 and saves that).
         self.low_saved_correction = dict(low_saved_correction or {})
-        # The same for the scaled formats (FP8, INT8, NVFP4), measured in one of them.
-        self.scaled_saved_correction = dict(scaled_saved_correction or {})
         # block fqn -> what recomputing it frees and costs (`BlockCost`); empty: none costed.
         self.blocks: dict[str, BlockCost] = dict(blocks or {})
         self._times: dict[tuple[str, Format], TimeEstimate] = {}
@@ -220,8 +214,7 @@ class CostModel:
         return costs
 
     def region_bytes_steps(self, model: nn.Module, example_inputs: Any, loss_fn: Optional[Callable] = None,
-                           roles: "Mapping[str, str] | None" = None, pace: "Pace | None" = None,
-                           formats: "Sequence[Format] | None" = None) -> Iterator[str]:
+                           roles: "Mapping[str, str] | None" = None, pace: "Pace | None" = None) -> Iterator[str]:
         """Bytes that depend on a layer's neighbours, measured: what ops outside layers save in a
         lowered region (activations between layers 2 bytes wide: a uniform BF16, else FP16,
         plan), and per layer the extra that keeping it FP32 inside that region costs (its FP32
@@ -229,12 +222,8 @@ class CostModel:
         measured against half-precision neighbours, the most it can be, so predictions err on
         the side of more memory. A generator: one forward (autograd on, no backward) per unit,
         the region first, then one per layer, or per role with ``roles``. Sets
-        ``rest_saved_bytes``, ``fp32_in_region_bytes`` and ``low_saved_correction``; on a device
-        with no half format it measures nothing. Where ``formats`` hold a scaled format (FP8,
-        INT8, NVFP4), one more forward in a uniform plan of the first sets
-        ``scaled_saved_correction``: the half region's says nothing of them (CPU attention saves
-        its probabilities in FP32 under BF16 with dropout; an emulated FP8 one saves its
-        quantized inputs: UniSpeech-SAT's uniform FP8 plan was predicted at 3.7x its bytes).
+        ``rest_saved_bytes`` and ``fp32_in_region_bytes``; on a device with no half format it
+        measures nothing.
 
         Part of an extra is pairwise: an FP32 layer fed a half input saves an FP32 copy of it,
         which it does not when the layer before it (`ModelTrace.ran_before`) is FP32 too (an
@@ -251,11 +240,9 @@ class CostModel:
                 of its role; None: each layer measured.
             pace: runs each forward, in parts (`search.paced`: its labels yielded between
                 them); None: each at once.
-            formats: the formats plans may take; None: the model's ``formats``.
 
         Yields:
-            ``"region"`` after the region's forward, ``"scaled region"`` after the scaled
-            one, then each layer's fqn once measured.
+            ``"region"`` after the region's forward, then each layer's fqn once measured.
         """
         fmt = next((f for f in (Format.BF16, Format.FP16) if format_support(f, self.device).runnable), None)
         if fmt is None:
@@ -268,15 +255,14 @@ class CostModel:
 
         per_low, rest_low = yield from saved(low)
         self.rest_saved_bytes = (self.trace.rest_saved_bytes, rest_low)
-        self.low_saved_correction = self._saved_beyond_shapes(per_low, LayerPrecision(fmt))
+        # Only where a layer saved more than its shapes say: one that saved less shares a cast
+        # input with a layer before it in the same format (a Llama's k_proj and v_proj, after
+        # q_proj), which a plan giving them other formats does not.
+        modelled_low = {fqn: layer_memory(self._layer(fqn), LayerPrecision(fmt), self.device, self.target).saved_bytes for fqn in layers}
+        self.low_saved_correction = {fqn: per_low[fqn] - modelled_low[fqn] for fqn in layers if per_low.get(fqn, 0) > modelled_low[fqn]}
+        self._memory.clear()
         total_low = sum(per_low.values()) + rest_low
         yield "region"
-        scaled = next((f for f in (formats or self.formats) if f.needs_scale and format_support(f, self.device).runnable), None)
-        if scaled is not None:
-            per_scaled, _ = yield from saved(self.uniform_plan(scaled))
-            self.scaled_saved_correction = self._saved_beyond_shapes(per_scaled, self.precision(scaled))
-            yield "scaled region"
-        self._memory.clear()
         by_role: dict[str, int] = {}
         for fqn in layers:
             role = roles.get(fqn) if roles is not None else None
@@ -311,29 +297,19 @@ class CostModel:
             if shared:
                 self.fp32_pair_bytes[(fqn, other)] = shared
 
-    def _saved_beyond_shapes(self, measured: Mapping[str, int], precision: LayerPrecision) -> dict[str, int]:
-        """fqn -> what the layer saved in a uniform ``precision`` forward (``measured``) beyond what
-        its traced shapes say, where it saved more. Only there: one that saved less shares a cast
-        input with a layer before it in the same format (a Llama's k_proj and v_proj, after
-        q_proj), which a plan giving them other formats does not."""
-        modelled = {fqn: layer_memory(self._layer(fqn), precision, self.device, self.target).saved_bytes for fqn in self.trace.layers}
-        return {fqn: measured[fqn] - modelled[fqn] for fqn in self.trace.layers if measured.get(fqn, 0) > modelled[fqn]}
-
     def _fp32_modelled_extra(self, fqn: str, fmt: Format) -> int:
         """The bytes a layer's own costs say it saves more in FP32 than in ``fmt``."""
         return self._layer_memory(fqn, LayerPrecision(Format.FP32)).saved_bytes - self._layer_memory(fqn, LayerPrecision(fmt)).saved_bytes
 
     def _layer_memory(self, fqn: str, precision: LayerPrecision) -> Any:
         """A layer's `MemoryCost` in ``precision``: modelled from its traced shapes, plus in a
-        lowered format its measured correction (`low_saved_correction` in a half format,
-        `scaled_saved_correction` in a scaled one); none for a target device (the correction is
-        this device's kernels'). Cached."""
+        lowered format its measured correction (`low_saved_correction`); none for a target
+        device (the correction is this device's kernels'). Cached."""
         memory = self._memory.get((fqn, precision))
         if memory is None:
             memory = layer_memory(self._layer(fqn), precision, self.device, self.target)
-            corrections = self.scaled_saved_correction if precision.format.needs_scale else self.low_saved_correction
-            if self.target is None and precision.format is not Format.FP32 and fqn in corrections:
-                memory = dataclasses.replace(memory, other_saved_bytes=memory.other_saved_bytes + corrections[fqn])
+            if self.target is None and precision.format is not Format.FP32 and fqn in self.low_saved_correction:
+                memory = dataclasses.replace(memory, other_saved_bytes=memory.other_saved_bytes + self.low_saved_correction[fqn])
             self._memory[(fqn, precision)] = memory
         return memory
 

@@ -437,8 +437,7 @@ class TrainingSearch:
         trace = yield from pace.units(lambda: trace_model(snapshot, self.example, None, layers=self.layers), "trace", unit_weight("trace", n))
         yield from (("device peaks", unit_weight("peak", n)) for _ in calibration_steps(next(snapshot.parameters()).device))  # a CPU's, once
         costs = CostModel(trace, RooflineTimeModel(), formats=[Format.FP32])
-        region = costs.region_bytes_steps(snapshot, self.example, None, roles=self.roles, pace=pace, formats=self.formats)
-        yield from (("region bytes", pace.part * unit_weight("region bytes", n)) for _ in region)
+        yield from (("region bytes", pace.part * unit_weight("region bytes", n)) for _ in costs.region_bytes_steps(snapshot, self.example, None, roles=self.roles, pace=pace))
         yield from (("block bytes", pace.part * unit_weight("block forward", n) if label in ("block forward", "part") else 0.0)
                     for label in costs.block_bytes_steps(snapshot, self.example, None, self.blocks, roles=self.roles, pace=pace))
         sensitivity = yield from self._sensitivity(snapshot, [f for f in self.formats if f is not Format.FP32], pace)
@@ -531,9 +530,10 @@ class TrainingSearch:
         return None if budgets.memory is None else budgets.memory_limit(fp32_bytes, self._outside())
 
     def _outside(self) -> int:
-        """`_outside_bytes`, none for a sharded model: there the meter also counts the gathered weights autograd saves,
-        which FSDP2 frees after the forward (storage resized to nothing), memory no step holds; under tensor
-        parallelism a trial's bytes are a rank's share (`tensor_parallel.unsharded_bytes`)."""
+        """`_outside_bytes`, but none for a sharded model: there the meter also counts the gathered
+        weights autograd saves, which FSDP2 frees after the forward (storage resized to nothing),
+        memory no step holds; under tensor parallelism a trial's bytes are a rank's share
+        (`tensor_parallel.unsharded_bytes`)."""
         return 0 if is_sharded(self.model) else self._outside_bytes
 
     def _sensitivity(self, snapshot: nn.Module, lowered: Sequence[Any], pace: Pacer) -> Generator[tuple[str, float], None, Any]:

@@ -139,4 +139,4 @@ def probed_cost_model(region: CostModel, trace: Any, known: "Optional[Mapping[st
     return CostModel(trace, RooflineTimeModel(), formats=formats, rest_seconds=rest, in_place=in_place, blocks=measured_blocks,
                      precisions=precisions, rest_saved_bytes=(region.rest_saved_bytes[0], region.rest_saved_bytes[1]),
                      fp32_in_region_bytes=region.fp32_in_region_bytes, fp32_pair_bytes=region.fp32_pair_bytes,
-                     low_saved_correction=region.low_saved_correction, scaled_saved_correction=region.scaled_saved_correction)
+                     low_saved_correction=region.low_saved_correction)

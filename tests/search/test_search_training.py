@@ -265,7 +265,7 @@ def test_the_whole_search_runs_in_one_step_without_a_slice_and_over_many_with_a_
     assert phases[-1] == "searching"
     search = sch._searches.search
     steps = 0
-    while sch.phase == "searching" and steps < 900:  # 621 steps with the scaled region's forward (int8 here)
+    while sch.phase == "searching" and steps < 600:
         train(wl, model, opt, sch, 1, sampler)
         steps += 1
     assert sch.phase == "planned" and set(search.timeline) >= {"trace", "region bytes", "sensitivity", "solve"}
