@@ -59,8 +59,6 @@ def side_effect_free(model: nn.Module) -> Iterator[None]:
     real run. Costs one copy of the buffers. CUDA's RNG is forked only once CUDA is initialized
     (a CUDA model has done that), so a CPU run does not start CUDA.
 
-    Every layer runs (`every_layer_runs`): a look measures the step a memory budget must hold.
-
     The buffers are written back through ``.data``, which autograd's version counters do not
     see (as BatchNorm's own running-statistics update is not seen): a look taken between a real
     forward and its backward (the scheduler binding at the end of a model's first call) must not
@@ -70,37 +68,12 @@ def side_effect_free(model: nn.Module) -> Iterator[None]:
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
-        with torch.random.fork_rng(devices=devices), every_layer_runs(model):
+        with torch.random.fork_rng(devices=devices):
             yield
     finally:
         with torch.no_grad():
             for name, b in model.named_buffers():
                 b.data.copy_(buffers[name])
-
-
-def _layer_drop_rates(owner: Any) -> list[str]:
-    return [name for name, value in vars(owner).items()
-            if (name == "layerdrop" or name.endswith("_layerdrop")) and isinstance(value, float) and value > 0]
-
-
-@contextlib.contextmanager
-def every_layer_runs(model: nn.Module) -> Iterator[None]:
-    """``model`` with its LayerDrop rates at 0 inside: a training-mode forward then runs every
-    layer, where it would skip each at that rate (the rate attributes HF's speech and
-    translation models and fairseq's read, ``layerdrop`` or ``*_layerdrop``, on a module or its
-    ``config``). The saved bytes a look measures are then the step's without a skip, as the
-    trace sees it (looks that each drew their own skips measured WavLM's mixed plans at
-    0.67-1.39x what they hold). Restored on exit, also when the body raises. Costs one pass over
-    the modules' attributes."""
-    owners = {id(o): o for m in model.modules() for o in (m, getattr(m, "config", None)) if o is not None and hasattr(o, "__dict__")}
-    rates = [(o, name, getattr(o, name)) for o in owners.values() for name in _layer_drop_rates(o)]
-    try:
-        for owner, name, _ in rates:
-            setattr(owner, name, 0.0)
-        yield
-    finally:
-        for owner, name, value in rates:
-            setattr(owner, name, value)
 
 
 def is_weight(t: Any) -> bool:

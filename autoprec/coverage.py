@@ -280,8 +280,8 @@ def trace_layers(model: nn.Module, example_inputs: Any) -> dict[str, LayerInfo]:
     # Tracing must not consume random numbers (dropout) that the real run would draw.
     with side_effect_free(model), module_stack(model) as stack, torch.no_grad(), _MatmulRecorder(stack, seen, batched):
         call(model)
-        # Stochastic depth not read from a LayerDrop rate (`every_layer_runs` sets those to 0)
-        # hides layers from one training call: a second draw (seeded, so every run
+        # Stochastic depth (LayerDrop: HF's speech and translation models skip a layer at random
+        # while training) hides layers from one training call: a second draw (seeded, so every run
         # traces alike) that sees other layers shows it, and the calls go on to `TRACE_DRAWS`, a
         # layer being what runs in any of them. Not eval mode: a mode switch may itself write the
         # weights (RWKV rescales them).

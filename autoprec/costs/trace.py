@@ -327,8 +327,8 @@ def trace_model(model: nn.Module, example_inputs: Any, loss_fn: Optional[Callabl
     ``example_inputs``: one input, a tuple of positional inputs, a dict of keyword inputs or a
     `calls.ModelCall` (as `coverage.trace_layers`). ``loss_fn(model, example_inputs) -> loss``, when given, is run
     instead of the bare forward, so what the loss saves counts too. ``layers``: those the trace
-    must see; a training-mode forward that skipped one (stochastic depth not read from a LayerDrop
-    rate, which `side_effect_free` sets to 0) is traced again under another draw of the RNG
+    must see; a training-mode forward that skipped one (LayerDrop: HF's speech and translation
+    models skip a layer at random while training) is traced again under another draw of the RNG
     (seeded 1, 2, ...: the same trace every run), at most `TRACE_RETRIES` times. Costs one forward
     pass (rarely a few) and its saved activations (freed on return). The model, its buffers and
     the RNG are unchanged.

@@ -274,6 +274,8 @@ class Products:
         tensor_at = [i for i, v in enumerate(leaves) if torch.is_tensor(v)]
         tensors = [leaves[i] for i in tensor_at]
         out_dtype = self.out_dtype(next((t for t in tensors if t.is_floating_point()), tensors[0]))
+        if any(t.numel() == 0 for t in tensors):
+            return self.empty(func, args, kwargs, out_dtype)
 
         def fn(*values):
             filled = list(leaves)
@@ -284,15 +286,9 @@ class Products:
 
         # Weights: per output channel (dim 0) for INT8 and ROW, 128x128 tiles for BLOCK;
         # activations: 1x128 tiles for BLOCK, per row for ROW; else one scale (see the quantizers).
-        # An empty tensor passes unrounded (an expert routed no tokens; the (0,) in_proj_weight
-        # WavLM hands multi_head_attention_forward beside separate projections): there is
-        # nothing to scale, and the quantizers keep no state for an empty batch to change.
-        # Running the whole op plain instead ran WavLM's attention in FP32, saving FP32.
         by_role = layer.emulation_quantizers()
-        quantizers = tuple(None if t.numel() == 0 else by_role[OperandRole.WEIGHT if is_weight(t) else OperandRole.INPUT] for t in tensors)
+        quantizers = tuple(by_role[OperandRole.WEIGHT if is_weight(t) else OperandRole.INPUT] for t in tensors)
         # Attention draws its dropout masks inside the op; the other products draw nothing.
         draws_random = op in ("scaled_dot_product_attention", "multi_head_attention")
         out = StoredInFormat.apply(fn, quantizers, layer.grad, layer.precision.high_precision_weight_grad, draws_random, *tensors)
-        # Every floating output in the format's dtype, an op's several too (multi-head attention's
-        # output and weights): left FP32, the ops after WavLM's attention saved FP32 copies.
-        return map_leaves(lambda t: t.to(out_dtype) if torch.is_tensor(t) and t.is_floating_point() else t, out)
+        return out.to(out_dtype) if torch.is_tensor(out) and out.is_floating_point() else out

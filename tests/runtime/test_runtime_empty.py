@@ -188,29 +188,3 @@ def test_an_expert_routed_no_tokens_runs_and_keeps_its_state_under_the_fused_cas
     assert same({k: v for k, v in before["layers"].items() if k in fqns}, {k: v for k, v in after["layers"].items() if k in fqns})
     # Where the layer has a kernel on this device, its batches with tokens took the fused casts.
     assert fused == (None if kernel_reason(runtime.plan.layers["experts.0"], DEVICE) else "fused Triton cast")
-
-
-@pytest.mark.parametrize("fmt, dtype", [("fp8_e4m3", torch.float8_e4m3fn), ("int8", torch.int8)])
-def test_an_empty_placeholder_beside_an_ops_operands_leaves_the_op_in_its_format(fmt, dtype):
-    # HF WavLM's attention hands multi_head_attention_forward torch.empty([0]) as in_proj_weight
-    # beside its separate q/k/v projections. Before: an empty tensor anywhere among an emulated
-    # op's inputs ran the op plain, so the attention of every WavLM trained in FP32 under a plan
-    # saying FP8 or INT8, and saved FP32's bytes (725,088 where the plan predicted 332,064).
-    from transformers.models.wavlm.modeling_wavlm import WavLMAttention
-
-    torch.manual_seed(0)
-    model = WavLMAttention(WIDTH, 4, num_buckets=16, max_distance=32)
-    x = torch.randn(2, 24, WIDTH)
-    reference = model(x)[0]
-    plan = ap.Plan.uniform(model, fmt, x)
-    assert "" in plan.layers  # the attention's own product is multi_head_attention_forward
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((tuple(t.shape), t.dtype)) or t, lambda t: t), ap.apply_plan(model, plan):
-        out = model(x)[0]
-    scores = (2 * 4, 24, 24)  # one T x T matrix per head and sequence
-    assert (scores, dtype) in saved  # the position bias, in the format
-    assert sum(d == dtype for _, d in saved) >= 4  # with the query, key and value
-    heads = (2 * 4, 24, WIDTH // 4)  # the per-head query and key the plain op multiplies
-    assert (heads, torch.float32) not in saved and (heads, torch.bfloat16) not in saved  # the op was not run plain
-    error = float((out - reference).norm() / reference.norm())
-    assert 0 < error < 0.1
